@@ -1,0 +1,1 @@
+//! The host backend (being written).

@@ -1,0 +1,8 @@
+//! The `v4pool` command line: `layout`, `plan`, `simulate`.
+
+/// Run the command with `args` (without the program name); returns the exit status.
+pub fn run(args: &[String]) -> i32 {
+    let _ = args;
+    eprintln!("v4pool: no subcommand yet");
+    2
+}

@@ -1,0 +1,657 @@
+//! The row space: where every DeepSeek-V4 KV row lives, in rows rather than bytes.
+//!
+//! A port of `shared/spec/seed-v4_pool_geometry.txt`, name for name, so the two read side by
+//! side. Every quantity is an `i64` like the spec's Python ints; every check of the spec is a
+//! [`GeometryError`] variant, and so is everything the spec leaves to chance (a zero or
+//! indivisible block size, overflow, a plane too tall for an i32 index). No input panics.
+//!
+//! The row space of one plane:
+//!
+//! ```text
+//! row 0                                                   plane_rows
+//! ├─────────────────────────┬ gap ┬────────────────────┤
+//! │ num_blocks envelopes    │     │ num_slots slots    │
+//! │ (compressed history)    │     │ (state + windows)  │
+//! └─────────────────────────┴─────┴────────────────────┘
+//! ```
+//!
+//! Blocks grow up from row 0, slots down from the top; slot `j` sits at `j * slot_rows`
+//! whatever the split is, so moving the boundary changes no address. This module knows
+//! nothing of devices, bytes of a particular plane, or allocators.
+
+mod error;
+mod runs;
+
+pub use error::GeometryError;
+pub use runs::merge_abutting;
+
+use bytemuck::{Pod, Zeroable};
+use std::collections::BTreeMap;
+
+/// Compress ratio of a dense (sliding-window-only) layer.
+pub const DENSE_RATIO: i32 = 0;
+/// Compress ratio of a CSA layer.
+pub const CSA_RATIO: i32 = 4;
+/// Compress ratio of an HCA layer.
+pub const HCA_RATIO: i32 = 128;
+/// Not a ratio: a layer whose KV this row space does not hold (a DSpark draft layer, whose
+/// window is a state field instead). It never reaches `classes`.
+pub const ABSENT_RATIO: i32 = -1;
+
+/// Narrow class first, so a future class can be appended without moving it.
+pub const ENVELOPE_ORDER: [i32; 2] = [HCA_RATIO, CSA_RATIO];
+/// Dense leads the entry: the one class with no envelope part.
+pub const ENTRY_ORDER: [i32; 3] = [DENSE_RATIO, HCA_RATIO, CSA_RATIO];
+
+/// Largest plane the attention kernels can index: they take int32 row indices.
+pub const MAX_PLANE_ROWS: i64 = i32::MAX as i64;
+
+fn is_known_ratio(r: i32) -> bool {
+    r == ABSENT_RATIO || ENTRY_ORDER.contains(&r)
+}
+
+/// Checked arithmetic helpers: overflow is a typed error naming what overflowed.
+pub(crate) fn mul(a: i64, b: i64, what: &'static str) -> Result<i64, GeometryError> {
+    a.checked_mul(b).ok_or(GeometryError::Overflow { what })
+}
+pub(crate) fn add(a: i64, b: i64, what: &'static str) -> Result<i64, GeometryError> {
+    a.checked_add(b).ok_or(GeometryError::Overflow { what })
+}
+pub(crate) fn sub(a: i64, b: i64, what: &'static str) -> Result<i64, GeometryError> {
+    a.checked_sub(b).ok_or(GeometryError::Overflow { what })
+}
+/// Ceiling division of non-negative `a` by positive `b`.
+fn ceil_div(a: i64, b: i64) -> i64 {
+    a / b + i64::from(a % b != 0)
+}
+
+/// The layer-independent part of a window row, `f(q)`: the window is cut into
+/// `ring_stride`-sized runs, each given the class's full height, and interleaved across the
+/// class's layers. See the spec for why no two (layer, position) pairs collide.
+///
+/// Arguments must be non-negative with `ring_stride > 0`; overflow is an error.
+pub fn ring_offset_for(num_layers: i64, ring_stride: i64, ring_pos: i64) -> Result<i64, GeometryError> {
+    if ring_stride < 1 {
+        return Err(GeometryError::RingStride { got: ring_stride });
+    }
+    let (chunk, within) = (ring_pos.div_euclid(ring_stride), ring_pos.rem_euclid(ring_stride));
+    let height = mul(num_layers, ring_stride, "class run height")?;
+    add(mul(chunk, height, "ring offset")?, within, "ring offset")
+}
+
+/// Height the interleaved construction reaches, which is also the least possible (the
+/// residue-counting bound). `ring_slots >= 1`, `num_layers >= 1`.
+pub fn entry_rows_for(num_layers: i64, ring_stride: i64, ring_slots: i64) -> Result<i64, GeometryError> {
+    if ring_slots < 1 {
+        return Err(GeometryError::RingSlots { got: ring_slots });
+    }
+    let last = ring_offset_for(num_layers, ring_stride, ring_slots - 1)?;
+    let lead = mul(num_layers - 1, ring_stride, "entry rows")?;
+    add(add(lead, last, "entry rows")?, 1, "entry rows")
+}
+
+/// A class's window-row formula as five scalars a kernel carries by value.
+///
+/// `#[repr(C)]`, five signed 64-bit fields in the spec's order; `kernels/v4pool_common.h`
+/// declares the same struct and a test checks the two layouts agree.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct WindowParams {
+    pub ring_start: i64,
+    pub slot_rows: i64,
+    pub ring_slots: i64,
+    pub ring_stride: i64,
+    pub run_rows: i64,
+}
+
+impl WindowParams {
+    /// Row of absolute token position `pos` of physical slot `slot`, relative to the layer
+    /// view's base; the wrap (`pos % ring_slots`) happens here. `pos >= 0`. Params come from
+    /// a valid geometry, whose rows fit an i32, so the arithmetic cannot overflow for slots
+    /// the geometry holds.
+    #[inline]
+    pub fn index(&self, slot: i64, pos: i64) -> i64 {
+        let q = pos.rem_euclid(self.ring_slots);
+        let (chunk, within) = (q / self.ring_stride, q % self.ring_stride);
+        slot * self.slot_rows + self.ring_start + chunk * self.run_rows + within
+    }
+}
+
+/// One compress class's rows, inside an envelope and inside an entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClassLayout {
+    pub ratio: i32,
+    /// Global layer ids in class order; a layer's position here is its `layer_index`.
+    pub layers: Vec<usize>,
+    /// Rows one block compresses to in one layer (`block_size / ratio`); also the class's
+    /// layer stride in an envelope. 0 for the dense class.
+    pub block_rows: i64,
+    pub ring_stride: i64,
+    pub ring_slots: i64,
+    pub envelope_offset: i64,
+    pub entry_offset: i64,
+    envelope_rows: i64,
+    entry_rows: i64,
+}
+
+impl ClassLayout {
+    fn build(
+        ratio: i32,
+        layers: Vec<usize>,
+        block_rows: i64,
+        ring_stride: i64,
+        ring_slots: i64,
+        envelope_offset: i64,
+        entry_offset: i64,
+    ) -> Result<Self, GeometryError> {
+        let n = layers.len() as i64;
+        Ok(ClassLayout {
+            ratio,
+            block_rows,
+            ring_stride,
+            ring_slots,
+            envelope_offset,
+            entry_offset,
+            envelope_rows: mul(n, block_rows, "class envelope rows")?,
+            entry_rows: entry_rows_for(n, ring_stride, ring_slots)?,
+            layers,
+        })
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Rows this class takes in one envelope, across all its layers.
+    pub fn envelope_rows(&self) -> i64 {
+        self.envelope_rows
+    }
+
+    /// Rows this class's sliding windows take in one entry.
+    pub fn entry_rows(&self) -> i64 {
+        self.entry_rows
+    }
+
+    /// Position of `layer_id` in this class.
+    pub fn layer_index(&self, layer_id: usize) -> Result<usize, GeometryError> {
+        self.layers
+            .iter()
+            .position(|&l| l == layer_id)
+            .ok_or(GeometryError::LayerNotInClass { layer: layer_id, ratio: self.ratio })
+    }
+
+    pub fn ring_offset(&self, ring_pos: i64) -> i64 {
+        // Cannot overflow: the class was built with its entry rows checked.
+        ring_offset_for(self.layers.len() as i64, self.ring_stride, ring_pos).unwrap_or(i64::MAX)
+    }
+
+    /// Row of a window position, relative to the class's part of an entry.
+    pub fn ring_row(&self, layer_index: usize, ring_pos: i64) -> i64 {
+        layer_index as i64 * self.ring_stride + self.ring_offset(ring_pos)
+    }
+
+    /// Runs `(start, count)` of entry rows, relative to this class's part of the entry, that
+    /// some (layer, ring position) maps to: the rows a checkpoint carries.
+    pub fn entry_row_runs(&self) -> Vec<(i64, i64)> {
+        let l = self.layers.len() as i64;
+        let s = self.ring_stride;
+        let (whole, partial) = (self.ring_slots / s, self.ring_slots % s);
+        let height = l * s;
+        let mut runs = Vec::with_capacity(1 + self.layers.len());
+        if whole > 0 {
+            runs.push((0, whole * height));
+        }
+        if partial > 0 {
+            for i in 0..l {
+                runs.push((whole * height + i * s, partial));
+            }
+        }
+        runs
+    }
+}
+
+/// Every constructor argument of the spec's `UnifiedPoolGeometry`, with its defaults.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GeometrySpec {
+    pub ratios: Vec<i32>,
+    pub num_blocks: i64,
+    pub num_slots: i64,
+    /// `win_with_spec`: the sliding window plus the draft lookahead.
+    pub ring_slots: i64,
+    pub block_size: i64,
+    /// Fixed plane capacity; `None` is the tight fit around the split (pins the boundary).
+    pub plane_rows: Option<i64>,
+    /// Rows off the front of each slot held by the compressor state.
+    pub arena_rows: i64,
+    /// Numbering of slot positions, when taken from a plane with more room.
+    pub slot_positions: Option<i64>,
+    /// Row multiple a slot is rounded up to.
+    pub slot_align_rows: i64,
+}
+
+impl GeometrySpec {
+    /// The spec's defaults: tight plane, no arena, positions from the plane, alignment 2.
+    pub fn new(ratios: Vec<i32>, num_blocks: i64, num_slots: i64, ring_slots: i64, block_size: i64) -> Self {
+        GeometrySpec {
+            ratios,
+            num_blocks,
+            num_slots,
+            ring_slots,
+            block_size,
+            plane_rows: None,
+            arena_rows: 0,
+            slot_positions: None,
+            slot_align_rows: 2,
+        }
+    }
+    pub fn plane_rows(mut self, rows: i64) -> Self {
+        self.plane_rows = Some(rows);
+        self
+    }
+    pub fn arena_rows(mut self, rows: i64) -> Self {
+        self.arena_rows = rows;
+        self
+    }
+    pub fn slot_positions(mut self, positions: i64) -> Self {
+        self.slot_positions = Some(positions);
+        self
+    }
+    pub fn slot_align_rows(mut self, rows: i64) -> Self {
+        self.slot_align_rows = rows;
+        self
+    }
+    pub fn build(self) -> Result<UnifiedPoolGeometry, GeometryError> {
+        UnifiedPoolGeometry::new(self)
+    }
+}
+
+/// The row space, and every address formula that reads from it. Sole owner of the
+/// arithmetic: allocation, view binding, the kernels and their references all take their
+/// offsets from here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnifiedPoolGeometry {
+    pub ratios: Vec<i32>,
+    pub num_layers: usize,
+    pub num_blocks: i64,
+    pub num_slots: i64,
+    pub ring_slots: i64,
+    pub block_size: i64,
+    pub arena_rows: i64,
+    pub slot_align_rows: i64,
+    pub envelope_rows: i64,
+    pub entry_rows: i64,
+    pub slot_rows: i64,
+    pub plane_rows: i64,
+    pub slot_positions: i64,
+    pub slot_origin: i64,
+    /// Present classes keyed by ratio (dense 0, CSA 4, HCA 128).
+    pub classes: BTreeMap<i32, ClassLayout>,
+}
+
+impl UnifiedPoolGeometry {
+    /// Build and check a geometry; see [`GeometrySpec`] for the arguments.
+    pub fn new(spec: GeometrySpec) -> Result<Self, GeometryError> {
+        let GeometrySpec {
+            ratios,
+            num_blocks,
+            num_slots,
+            ring_slots,
+            block_size,
+            plane_rows,
+            arena_rows,
+            slot_positions,
+            slot_align_rows,
+        } = spec;
+        if ratios.is_empty() {
+            return Err(GeometryError::NoLayers);
+        }
+        let mut unknown: Vec<i32> = ratios.iter().copied().filter(|&r| !is_known_ratio(r)).collect();
+        if !unknown.is_empty() {
+            unknown.sort_unstable();
+            unknown.dedup();
+            return Err(GeometryError::UnknownRatios { ratios: unknown });
+        }
+        if slot_align_rows < 1 {
+            return Err(GeometryError::SlotAlignRows { got: slot_align_rows });
+        }
+        if ring_slots < 1 {
+            return Err(GeometryError::RingSlots { got: ring_slots });
+        }
+        if arena_rows < 0 {
+            return Err(GeometryError::ArenaRows { got: arena_rows });
+        }
+        for (what, got) in [("num_blocks", num_blocks), ("num_slots", num_slots)] {
+            if got < 0 {
+                return Err(GeometryError::NegativeCount { what, got });
+            }
+        }
+        if let Some(p) = plane_rows {
+            if p < 0 {
+                return Err(GeometryError::NegativeCount { what: "plane_rows", got: p });
+            }
+        }
+        if block_size < 1 {
+            return Err(GeometryError::BlockSize { block_size });
+        }
+        let layers_of = |ratio: i32| -> Vec<usize> {
+            ratios.iter().enumerate().filter(|&(_, &r)| r == ratio).map(|(i, _)| i).collect()
+        };
+        for ratio in ENVELOPE_ORDER {
+            if !layers_of(ratio).is_empty() && block_size % i64::from(ratio) != 0 {
+                return Err(GeometryError::BlockSizeNotDivisible { block_size, ratio });
+            }
+        }
+        let stride_of = |ratio: i32| if ratio == DENSE_RATIO { ring_slots } else { block_size / i64::from(ratio) };
+
+        // Both orders are walked before any layout is built, so each class learns its
+        // offset in the envelope and in the entry at once.
+        let mut envelope_offsets = BTreeMap::new();
+        let mut cursor = 0i64;
+        for ratio in ENVELOPE_ORDER {
+            let n = layers_of(ratio).len() as i64;
+            if n > 0 {
+                envelope_offsets.insert(ratio, cursor);
+                cursor = add(cursor, mul(n, block_size / i64::from(ratio), "envelope rows")?, "envelope rows")?;
+            }
+        }
+        let envelope_rows = cursor;
+        let mut classes = BTreeMap::new();
+        cursor = 0;
+        for ratio in ENTRY_ORDER {
+            let layers = layers_of(ratio);
+            if layers.is_empty() {
+                continue;
+            }
+            let class = ClassLayout::build(
+                ratio,
+                layers,
+                if ratio == DENSE_RATIO { 0 } else { block_size / i64::from(ratio) },
+                stride_of(ratio),
+                ring_slots,
+                envelope_offsets.get(&ratio).copied().unwrap_or(0),
+                cursor,
+            )?;
+            cursor = add(cursor, class.entry_rows(), "entry rows")?;
+            classes.insert(ratio, class);
+        }
+        let entry_rows = cursor;
+
+        // A slot's start is the one address the compressor state's alignment rests on, so
+        // the slot (not the window) is rounded up.
+        let rows = add(arena_rows, entry_rows, "slot rows")?;
+        let slot_rows = mul(ceil_div(rows, slot_align_rows), slot_align_rows, "slot rows")?;
+        if slot_rows == 0 {
+            return Err(GeometryError::EmptySlot);
+        }
+        let block_region = mul(num_blocks, envelope_rows, "block region rows")?;
+        let plane_rows = match plane_rows {
+            Some(p) => p,
+            None => {
+                let whole = add(num_slots, ceil_div(block_region, slot_rows), "plane rows")?;
+                mul(whole, slot_rows, "plane rows")?
+            }
+        };
+        // Whole slots the plane holds; the remainder under one slot at the top is the only
+        // waste the layout carries.
+        let held = plane_rows / slot_rows;
+        let too_small = num_slots > held || mul(held - num_slots, slot_rows, "plane rows")? < block_region;
+        if too_small {
+            return Err(GeometryError::PlaneTooSmall {
+                plane_rows,
+                num_blocks,
+                envelope_rows,
+                num_slots,
+                slot_rows,
+            });
+        }
+        if plane_rows > MAX_PLANE_ROWS {
+            return Err(GeometryError::PlaneExceedsI32 { plane_rows });
+        }
+        let slot_positions_v = slot_positions.unwrap_or(held);
+        // Positions this plane does not reach, because it took its numbering from one with
+        // more room; subtracted back out of every row it computes.
+        let slot_origin = slot_positions_v - held;
+        if slot_origin < 0 {
+            return Err(GeometryError::SlotPositionsTooFew { plane_rows, held, slot_positions: slot_positions_v });
+        }
+        // The origin shift enters every window row; make sure it is representable.
+        mul(slot_origin, slot_rows, "slot origin rows")?;
+
+        Ok(UnifiedPoolGeometry {
+            num_layers: ratios.len(),
+            ratios,
+            num_blocks,
+            num_slots,
+            ring_slots,
+            block_size,
+            arena_rows,
+            slot_align_rows,
+            envelope_rows,
+            entry_rows,
+            slot_rows,
+            plane_rows,
+            slot_positions: slot_positions_v,
+            slot_origin,
+            classes,
+        })
+    }
+
+    /// The same layout at a different split (the spec's `with_capacity`: positions are
+    /// re-derived from the new plane, as the spec does).
+    pub fn with_capacity(
+        &self,
+        num_blocks: i64,
+        num_slots: i64,
+        plane_rows: Option<i64>,
+    ) -> Result<UnifiedPoolGeometry, GeometryError> {
+        UnifiedPoolGeometry::new(GeometrySpec {
+            ratios: self.ratios.clone(),
+            num_blocks,
+            num_slots,
+            ring_slots: self.ring_slots,
+            block_size: self.block_size,
+            plane_rows,
+            arena_rows: self.arena_rows,
+            slot_positions: None,
+            slot_align_rows: self.slot_align_rows,
+        })
+    }
+
+    /// The spec's constructor arguments that reproduce this geometry.
+    pub fn spec(&self) -> GeometrySpec {
+        GeometrySpec {
+            ratios: self.ratios.clone(),
+            num_blocks: self.num_blocks,
+            num_slots: self.num_slots,
+            ring_slots: self.ring_slots,
+            block_size: self.block_size,
+            plane_rows: Some(self.plane_rows),
+            arena_rows: self.arena_rows,
+            slot_positions: Some(self.slot_positions),
+            slot_align_rows: self.slot_align_rows,
+        }
+    }
+
+    // ---- byte helpers (64-bit: a plane's bytes pass 2^32) ----------------------------
+
+    pub fn plane_bytes(&self, row_bytes: u64) -> u64 {
+        self.plane_rows as u64 * row_bytes
+    }
+    /// Bytes one block costs in a plane of this row width.
+    pub fn block_bytes(&self, row_bytes: u64) -> u64 {
+        self.envelope_rows as u64 * row_bytes
+    }
+    /// Bytes one request costs in a plane of this row width: state and windows.
+    pub fn slot_bytes(&self, row_bytes: u64) -> u64 {
+        self.slot_rows as u64 * row_bytes
+    }
+
+    // ---- addressing -------------------------------------------------------------------
+
+    /// Present class by ratio, or `None`.
+    pub fn class(&self, ratio: i32) -> Option<&ClassLayout> {
+        self.classes.get(&ratio)
+    }
+
+    pub fn layer_class(&self, layer_id: usize) -> Result<&ClassLayout, GeometryError> {
+        let ratio = *self
+            .ratios
+            .get(layer_id)
+            .ok_or(GeometryError::LayerOutOfRange { layer: layer_id, num_layers: self.num_layers })?;
+        if ratio == ABSENT_RATIO {
+            return Err(GeometryError::AbsentLayer { layer: layer_id });
+        }
+        self.classes.get(&ratio).ok_or(GeometryError::NoSuchClass { ratio })
+    }
+
+    /// Row a layer's view anchors at; the view runs from there to the plane's end.
+    pub fn layer_base_row(&self, layer_id: usize) -> Result<i64, GeometryError> {
+        let cls = self.layer_class(layer_id)?;
+        let index = cls.layer_index(layer_id)? as i64;
+        Ok(if cls.ratio == DENSE_RATIO {
+            index * cls.ring_stride
+        } else {
+            cls.envelope_offset + index * cls.block_rows
+        })
+    }
+
+    /// Rows a layer's view spans: its base to the end of the plane.
+    pub fn layer_view_rows(&self, layer_id: usize) -> Result<i64, GeometryError> {
+        Ok(self.plane_rows - self.layer_base_row(layer_id)?)
+    }
+
+    /// Index of a compressed row, relative to the layer's own base (no layer term).
+    pub fn compress_index(&self, layer_id: usize, block: i64, row: i64) -> Result<i64, GeometryError> {
+        let cls = self.layer_class(layer_id)?;
+        if cls.ratio == DENSE_RATIO {
+            return Err(GeometryError::DenseHasNoCompressed { layer: layer_id });
+        }
+        if !(0..cls.block_rows).contains(&row) {
+            return Err(GeometryError::CompressRowOutOfRange { row, block_rows: cls.block_rows, ratio: cls.ratio });
+        }
+        if !(0..self.num_blocks).contains(&block) {
+            return Err(GeometryError::BlockOutOfRange { block, num_blocks: self.num_blocks });
+        }
+        Ok(block * self.envelope_rows + row)
+    }
+
+    /// Index of a sliding-window row, relative to the layer's own base.
+    pub fn window_index(&self, layer_id: usize, slot: i64, ring_pos: i64) -> Result<i64, GeometryError> {
+        if !(0..self.ring_slots).contains(&ring_pos) {
+            return Err(GeometryError::RingPosOutOfRange { ring_pos, ring_slots: self.ring_slots });
+        }
+        self.check_position(slot)?;
+        let ratio = self.layer_class(layer_id)?.ratio;
+        Ok(self.window_params(ratio)?.index(slot, ring_pos))
+    }
+
+    /// A class's window formula as five by-value scalars. Moving the boundary changes
+    /// nothing here; only `plane_rows` (through `slot_positions`) must stay fixed.
+    pub fn window_params(&self, ratio: i32) -> Result<WindowParams, GeometryError> {
+        let cls = self.classes.get(&ratio).ok_or(GeometryError::NoSuchClass { ratio })?;
+        let anchor = if ratio == DENSE_RATIO { 0 } else { cls.envelope_offset };
+        Ok(WindowParams {
+            ring_start: self.arena_rows + cls.entry_offset - anchor - self.slot_origin * self.slot_rows,
+            slot_rows: self.slot_rows,
+            ring_slots: self.ring_slots,
+            ring_stride: cls.ring_stride,
+            run_rows: cls.num_layers() as i64 * cls.ring_stride,
+        })
+    }
+
+    /// A window that lives in a state field (a DSpark draft layer), counted in rows of the
+    /// plane retyped to `rows_per_window_row` plane rows per window row.
+    pub fn field_window_params(
+        &self,
+        field_offset_rows: i64,
+        rows_per_window_row: i64,
+    ) -> Result<WindowParams, GeometryError> {
+        if rows_per_window_row < 1 {
+            return Err(GeometryError::RowsPerWindowRow { got: rows_per_window_row });
+        }
+        if field_offset_rows < 0 {
+            return Err(GeometryError::NegativeCount { what: "field_offset_rows", got: field_offset_rows });
+        }
+        for (name, rows) in [("slot", self.slot_rows), ("field offset", field_offset_rows)] {
+            if rows % rows_per_window_row != 0 {
+                return Err(GeometryError::FieldNotDivisible { name, rows, rows_per_window_row });
+            }
+        }
+        let slot_rows = self.slot_rows / rows_per_window_row;
+        Ok(WindowParams {
+            ring_start: field_offset_rows / rows_per_window_row - self.slot_origin * slot_rows,
+            slot_rows,
+            ring_slots: self.ring_slots,
+            // One run: a field's ring is contiguous.
+            ring_stride: self.ring_slots,
+            run_rows: self.ring_slots,
+        })
+    }
+
+    /// Where pool group `group` sits in the plane: the only place groups and positions meet.
+    pub fn physical_slot(&self, group: i64) -> Result<i64, GeometryError> {
+        if !(0..self.num_slots).contains(&group) {
+            return Err(GeometryError::GroupOutOfRange { group, num_slots: self.num_slots });
+        }
+        Ok(self.slot_positions - 1 - group)
+    }
+
+    /// `[start, stop)` plane rows a slot position occupies, state and windows.
+    pub fn slot_span(&self, slot: i64) -> Result<(i64, i64), GeometryError> {
+        self.check_position(slot)?;
+        let start = (slot - self.slot_origin) * self.slot_rows;
+        Ok((start, start + self.slot_rows))
+    }
+
+    /// `[start, stop)` plane rows holding a slot position's compressor state.
+    pub fn arena_span(&self, slot: i64) -> Result<(i64, i64), GeometryError> {
+        let (start, _) = self.slot_span(slot)?;
+        Ok((start, start + self.arena_rows))
+    }
+
+    /// Plane row an index reaches: what the two address spaces share.
+    pub fn absolute_row(&self, layer_id: usize, index: i64) -> Result<i64, GeometryError> {
+        add(self.layer_base_row(layer_id)?, index, "absolute row")
+    }
+
+    /// Entry rows some (layer, ring position) maps to, as merged `(start, count)` runs in
+    /// entry coordinates: classes in entry order, each shifted by its entry offset.
+    pub fn entry_row_runs(&self) -> Vec<(i64, i64)> {
+        let mut all = Vec::new();
+        for ratio in ENTRY_ORDER {
+            if let Some(cls) = self.classes.get(&ratio) {
+                all.extend(cls.entry_row_runs().into_iter().map(|(s, c)| (s + cls.entry_offset, c)));
+            }
+        }
+        // Class parts are disjoint and in entry order, so the runs ascend without overlap.
+        merge_abutting(&all).unwrap_or(all)
+    }
+
+    /// The positions a plane this size holds that the pool does not use for slots: those
+    /// below `slot_positions - num_slots`. Position `j` is a valid argument iff
+    /// `slot_origin <= j < slot_positions`.
+    fn check_position(&self, slot: i64) -> Result<(), GeometryError> {
+        if !(self.slot_origin..self.slot_positions).contains(&slot) {
+            return Err(GeometryError::SlotOutOfRange {
+                slot,
+                first: self.slot_origin,
+                end: self.slot_positions,
+            });
+        }
+        Ok(())
+    }
+
+    /// Positions that are the pool's slots now: `slot_positions - num_slots .. slot_positions`.
+    pub fn live_positions(&self) -> std::ops::Range<i64> {
+        self.slot_positions - self.num_slots..self.slot_positions
+    }
+
+    /// Largest block count the plane holds beside `num_slots` slots.
+    pub fn max_blocks_beside(&self, num_slots: i64) -> i64 {
+        let held = self.plane_rows / self.slot_rows;
+        if num_slots > held || self.envelope_rows == 0 {
+            return if num_slots > held { 0 } else { i64::MAX };
+        }
+        (held - num_slots) * self.slot_rows / self.envelope_rows
+    }
+}

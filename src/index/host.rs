@@ -1,0 +1,1 @@
+//! Host reference of every kernel (being written).

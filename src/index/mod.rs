@@ -1,0 +1,295 @@
+//! The kernel contract (`shared/spec/index-buffers.md`): by-value launch arguments that
+//! every backend takes, and the host reference of every kernel.
+//!
+//! Each `*Args` struct is `#[repr(C)]` and `Pod`, passed to its kernel **by value** as the
+//! kernel's single parameter; `kernels/v4pool_common.h` declares the same structs and a test
+//! checks size, alignment and field offsets on both sides. Pointers are raw device
+//! addresses (`u64`); `0` means "absent" where a field says so. Everything that moves with
+//! the batch lives behind a pointer, so a captured graph replays with new contents; the
+//! scalars are fixed for the life of an allocation (window params, envelope rows) or are
+//! sizes of the persistent buffers.
+//!
+//! Element types: positions are `i64` in decode and CSA pack, `i32` in prefill and the ring
+//! write (as the contract allows); everything else is `i32`.
+
+pub mod host;
+
+use crate::geometry::WindowParams;
+use bytemuck::{Pod, Zeroable};
+
+/// Raw device address (a host address on the host backend).
+pub type DevicePtr = u64;
+
+/// Class slots in the decode builder's `classes` array.
+pub const CLASS_DENSE: usize = 0;
+pub const CLASS_CSA: usize = 1;
+pub const CLASS_HCA: usize = 2;
+
+/// One class's buffers in the decode builder. The class is off when `indptr == 0`
+/// (then `indices` and `dest_rows` must be 0 too and nothing of the class is stored).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct ClassBuffers {
+    pub params: WindowParams,
+    /// i32 [>= T+1]
+    pub indptr: DevicePtr,
+    /// i32 out
+    pub indices: DevicePtr,
+    /// i32 out [>= T]; 0 = no destination rows for this class.
+    pub dest_rows: DevicePtr,
+}
+
+/// Decode index builder (§3) with the HCA heads (§4) fused: one launch per decode step.
+///
+/// Per live token `t` (batch id >= 0): every enabled class gets its window tail
+/// (`n = min(pos+1, win)` rows, oldest first, ending at `indptr[t+1]`) and its dest row.
+/// When `block_tables != 0` the HCA class's head `[indptr[t], indptr[t+1]-n)` is filled with
+/// compressed entries `e = 0..head`: `block_tables[b][e / rpb] * envelope_rows + e % rpb`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct DecodeIndexArgs {
+    /// [dense, csa, hca], see `CLASS_*`.
+    pub classes: [ClassBuffers; 3],
+    /// i32 [bs]: physical slot per sequence.
+    pub state_slot_per_seq: DevicePtr,
+    /// i32 [>= T]; -1 = pad.
+    pub batch_id_per_token: DevicePtr,
+    /// i64 [>= T]
+    pub positions: DevicePtr,
+    /// i32 [bs, block_table_stride]; 0 = leave HCA heads to someone else (peer mode).
+    pub block_tables: DevicePtr,
+    pub envelope_rows: i64,
+    pub block_table_stride: i32,
+    /// Rows one block holds per HCA layer (`block_size / 128`, 2 in production).
+    pub hca_rows_per_block: i32,
+    pub num_tokens: i32,
+    pub win: i32,
+}
+
+/// Prefill index builder (§6): one launch per prefill forward, no pad tokens.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct PrefillIndexArgs {
+    pub dense: WindowParams,
+    pub csa: WindowParams,
+    pub hca: WindowParams,
+    /// i32 [T]
+    pub positions: DevicePtr,
+    /// i32 [T]
+    pub bid_per_token: DevicePtr,
+    /// i32 [bs]
+    pub chunk_start_per_seq: DevicePtr,
+    /// i32 [bs]
+    pub cu_seqlens_q_per_seq: DevicePtr,
+    /// i32 [bs]
+    pub state_slot_per_seq: DevicePtr,
+    /// i32 [bs]
+    pub n_committed_hca_per_seq: DevicePtr,
+    /// i32 [bs, block_table_stride]
+    pub block_tables: DevicePtr,
+    pub extend_indptr: DevicePtr,
+    pub extend_indices: DevicePtr,
+    /// 0 when the geometry has no dense class (then `prefix_swa` is untouched).
+    pub swa_indptr: DevicePtr,
+    pub swa_indices: DevicePtr,
+    pub csa_indptr: DevicePtr,
+    pub csa_indices: DevicePtr,
+    pub hca_indptr: DevicePtr,
+    pub hca_indices: DevicePtr,
+    pub envelope_rows: i64,
+    pub block_table_stride: i32,
+    pub num_tokens: i32,
+    pub win: i32,
+    pub hca_ratio: i32,
+    pub hca_rows_per_block: i32,
+    pub _pad: i32,
+}
+
+/// HCA compressed offsets (§4) as a standalone gather.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct HcaOffsetsArgs {
+    /// i32 [N]
+    pub entry_idx: DevicePtr,
+    /// i32 [N]
+    pub bid_per_entry: DevicePtr,
+    /// i32 [bs, block_table_stride]
+    pub block_tables: DevicePtr,
+    /// i32 out [N]
+    pub out: DevicePtr,
+    pub envelope_rows: i64,
+    pub block_table_stride: i32,
+    pub rows_per_block: i32,
+    pub num_entries: i32,
+    pub _pad: i32,
+}
+
+/// CSA translate-and-pack (§5) for `num_layers` CSA layers in one launch. Layer `l` reads
+/// `topk + l * topk_layer_stride` and writes `out + l * out_layer_stride` (elements); with
+/// one layer this is the per-layer kernel of the contract.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CsaPackArgs {
+    /// i32 [L, T, topk_row_stride]
+    pub topk: DevicePtr,
+    /// i32 [bs, block_table_stride]
+    pub block_tables: DevicePtr,
+    /// i64 [>= T]; read only when `window_size > 0`.
+    pub positions: DevicePtr,
+    /// i32 [>= T+1]
+    pub indptr: DevicePtr,
+    /// i32 [>= T]
+    pub batch_id_per_token: DevicePtr,
+    /// i32 [>= T]; required when `window_size == 0`.
+    pub skip_prefix_len_per_token: DevicePtr,
+    /// i32 out [L, out_layer_stride]
+    pub out: DevicePtr,
+    pub topk_layer_stride: i64,
+    pub out_layer_stride: i64,
+    pub envelope_rows: i64,
+    pub topk_row_stride: i32,
+    pub block_table_stride: i32,
+    pub num_tokens: i32,
+    pub num_layers: i32,
+    /// 64 (CSA rows per block).
+    pub block_capacity: i32,
+    pub window_size: i32,
+}
+
+/// One plane a row write targets: `pool` is the layer view's base in that plane.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct PlaneWrite {
+    /// [T, row_bytes] source rows.
+    pub kv: DevicePtr,
+    /// Layer view base.
+    pub pool: DevicePtr,
+    pub row_bytes: i64,
+}
+
+/// SWA ring write (§7): the last `w = min(tok, write_per_batch)` tokens of each sequence
+/// to their window rows, in up to two planes; rows outside `[0, view_rows)` are dropped.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct RingWriteArgs {
+    pub params: WindowParams,
+    /// `planes[1].pool == 0` when the pool has one plane.
+    pub planes: [PlaneWrite; 2],
+    /// i32 [>= T]
+    pub positions: DevicePtr,
+    /// i32 [bs+1]
+    pub cu_seqlens_q: DevicePtr,
+    /// i32 [bs]
+    pub state_slot_per_seq: DevicePtr,
+    pub view_rows: i64,
+    pub num_seqs: i32,
+    pub write_per_batch: i32,
+}
+
+/// Row scatter (§7, decode): `kv[t]` to `pool[dest_rows[t]]` for live tokens with an
+/// in-range row, in up to two planes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct RowScatterArgs {
+    pub planes: [PlaneWrite; 2],
+    /// i32 [>= T]
+    pub batch_id_per_token: DevicePtr,
+    /// i32 [>= T]
+    pub dest_rows: DevicePtr,
+    pub view_rows: i64,
+    pub num_tokens: i32,
+    pub _pad: i32,
+}
+
+/// A byte range to fill with a repeated 32-bit pattern (compressor-state initialisation:
+/// `0xff80_0000` is f32 −inf, 0 is kv). `dst` and `bytes` are multiples of 4.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct FillRun {
+    pub dst: DevicePtr,
+    pub bytes: u64,
+    pub pattern: u32,
+    pub _pad: u32,
+}
+
+/// Compressor-state initialisation: every run of a descriptor in device memory, one launch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct FillRunsArgs {
+    /// `FillRun` [num_runs] in device memory.
+    pub runs: DevicePtr,
+    pub num_runs: i32,
+    pub _pad: i32,
+}
+
+/// A byte range to copy; source and destination must not overlap.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CopyRun {
+    pub src: DevicePtr,
+    pub dst: DevicePtr,
+    pub bytes: u64,
+}
+
+/// Slot copy (checkpoints, restores, relocations): every run of a descriptor, one launch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CopyRunsArgs {
+    /// `CopyRun` [num_runs] in device memory.
+    pub runs: DevicePtr,
+    pub num_runs: i32,
+    pub _pad: i32,
+}
+
+/// One kernel launch, as every backend takes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Launch {
+    /// `v4pool_decode_indices`
+    Decode(DecodeIndexArgs),
+    /// `v4pool_prefill_indices`
+    Prefill(PrefillIndexArgs),
+    /// `v4pool_hca_offsets`
+    HcaOffsets(HcaOffsetsArgs),
+    /// `v4pool_csa_translate_pack`
+    CsaPack(CsaPackArgs),
+    /// `v4pool_ring_write`
+    RingWrite(RingWriteArgs),
+    /// `v4pool_row_scatter`
+    RowScatter(RowScatterArgs),
+    /// `v4pool_fill_runs`
+    FillRuns(FillRunsArgs),
+    /// `v4pool_copy_runs`
+    CopyRuns(CopyRunsArgs),
+    /// `v4pool_empty`: the launch-overhead floor benchmarks measure against.
+    Empty,
+}
+
+impl Launch {
+    /// The kernel symbol this launch runs (`extern "C"`, `v4pool_` prefix).
+    pub fn symbol(&self) -> &'static str {
+        match self {
+            Launch::Decode(_) => "v4pool_decode_indices",
+            Launch::Prefill(_) => "v4pool_prefill_indices",
+            Launch::HcaOffsets(_) => "v4pool_hca_offsets",
+            Launch::CsaPack(_) => "v4pool_csa_translate_pack",
+            Launch::RingWrite(_) => "v4pool_ring_write",
+            Launch::RowScatter(_) => "v4pool_row_scatter",
+            Launch::FillRuns(_) => "v4pool_fill_runs",
+            Launch::CopyRuns(_) => "v4pool_copy_runs",
+            Launch::Empty => "v4pool_empty",
+        }
+    }
+
+    /// Every kernel symbol, for module loading and the code-object symbol test.
+    pub const SYMBOLS: [&'static str; 9] = [
+        "v4pool_decode_indices",
+        "v4pool_prefill_indices",
+        "v4pool_hca_offsets",
+        "v4pool_csa_translate_pack",
+        "v4pool_ring_write",
+        "v4pool_row_scatter",
+        "v4pool_fill_runs",
+        "v4pool_copy_runs",
+        "v4pool_empty",
+    ];
+}

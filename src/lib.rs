@@ -1,0 +1,34 @@
+//! v4pool — the KV-memory runtime a DeepSeek-V4 serving engine embeds.
+//!
+//! Read `ARCHITECTURE.md` first. The layers, bottom up:
+//!
+//! * [`geometry`] — the row space: every address formula, pure integer code, no devices.
+//! * [`model`] — DeepSeek-V4 facts: ratio lists, ring sizes, `config.json` parsing.
+//! * [`arena`] — the compressor-state fields and where they sit in a slot.
+//! * [`sizing`] — a byte budget becomes block and slot counts at a fixed plane capacity.
+//! * [`alloc`] — block and slot allocators with generation-checked handles; no kernels.
+//! * [`boundary`] — the elastic block/slot boundary: grow, shrink, relocate.
+//! * [`index`] — the kernel contract: by-value launch arguments shared with `kernels/`,
+//!   and the host reference of every kernel.
+//! * [`backend`] — one `Backend` trait; host (always), CUDA and HIP (loaded at run time).
+//! * [`pool`] — the planes on a backend, per-layer views, slot state, checkpoints, transfers.
+//! * [`cli`] — the `v4pool` command (`layout`, `plan`, `simulate`).
+
+pub mod alloc;
+pub mod arena;
+pub mod backend;
+pub mod boundary;
+pub mod cli;
+pub mod geometry;
+pub mod index;
+pub mod kernels;
+pub mod model;
+pub mod pool;
+pub mod profiling;
+pub mod sizing;
+pub mod transfer;
+
+pub use geometry::{
+    ClassLayout, GeometryError, GeometrySpec, UnifiedPoolGeometry, WindowParams, ABSENT_RATIO,
+    CSA_RATIO, DENSE_RATIO, HCA_RATIO,
+};
