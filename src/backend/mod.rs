@@ -17,6 +17,8 @@
 //! immediate on the host backend; [`Backend::synchronize`] and [`Backend::download`] are the
 //! points where the host waits.
 
+pub mod cuda;
+pub mod hip;
 pub mod host;
 
 use crate::index::{DevicePtr, Launch};

@@ -13,6 +13,7 @@
 //! write (as the contract allows); everything else is `i32`.
 
 pub mod host;
+pub mod shape;
 
 use crate::geometry::WindowParams;
 use bytemuck::{Pod, Zeroable};
