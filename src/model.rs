@@ -1,1 +1,202 @@
-//! (placeholder: being written)
+//! DeepSeek-V4 facts a pool needs (`pool-runtime.md` §1): ratio lists, ring size, widths.
+//!
+//! The ratio list is data: nothing here assumes a pattern beyond the presets, and a model
+//! may have no dense class at all (V4-Pro with DSpark drafts made absent).
+
+use crate::geometry::{ABSENT_RATIO, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
+use thiserror::Error;
+
+/// Tokens per block, forced for every V4 model: 2·lcm(4, 128).
+pub const V4_BLOCK_SIZE: i64 = 256;
+
+/// How DSpark draft layers enter the pool's ratio list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DraftMode {
+    /// Drafts keep their window in the planes like any dense layer (ATOM's test shape).
+    Dense,
+    /// Drafts want bf16 KV where the pool is packed: their windows are a state field and
+    /// the layers are `ABSENT_RATIO` here.
+    Absent,
+}
+
+/// Everything the pool reads from a DeepSeek-V4 model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelShape {
+    pub name: String,
+    /// Trunk depth (`num_hidden_layers`).
+    pub num_hidden_layers: usize,
+    /// Serial MTP layers appended after the trunk (`num_nextn_predict_layers`).
+    pub num_mtp_layers: usize,
+    /// The pool's ratio list: trunk, MTP, then draft layers (`-1` when absent).
+    pub ratios: Vec<i32>,
+    /// Global ids of DSpark draft layers, sorted (empty without DSpark).
+    pub draft_layers: Vec<usize>,
+    /// The sliding window W.
+    pub sliding_window: i64,
+    /// Speculative steps k (MTP depth or DSpark tokens; 0 without speculation).
+    pub spec_steps: i64,
+    pub head_dim: i64,
+    pub qk_rope_head_dim: i64,
+    pub index_head_dim: i64,
+    pub index_topk: i64,
+    pub block_size: i64,
+}
+
+/// What a model description can be rejected for.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum ModelError {
+    #[error("config is not valid JSON: {0}")]
+    Json(String),
+    #[error("config key {key} is missing")]
+    MissingKey { key: &'static str },
+    #[error("config key {key} has an invalid value: {reason}")]
+    BadValue { key: &'static str, reason: String },
+    #[error("compress_ratios has {got} entries, expected {expected} (num_hidden_layers + num_nextn_predict_layers)")]
+    RatioCount { got: usize, expected: usize },
+    #[error("speculative steps must be non-negative, got {got}")]
+    SpecSteps { got: i64 },
+    #[error("unknown model preset {name:?} (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark)")]
+    UnknownPreset { name: String },
+}
+
+fn v4_trunk_flash() -> Vec<i32> {
+    let mut r = vec![DENSE_RATIO, DENSE_RATIO];
+    for _ in 0..20 {
+        r.extend([CSA_RATIO, HCA_RATIO]);
+    }
+    r.push(CSA_RATIO);
+    r
+}
+
+fn v4_trunk_pro() -> Vec<i32> {
+    let mut r = vec![HCA_RATIO, HCA_RATIO];
+    for _ in 0..29 {
+        r.extend([CSA_RATIO, HCA_RATIO]);
+    }
+    r.push(CSA_RATIO);
+    r
+}
+
+impl ModelShape {
+    fn preset(name: &str, trunk: Vec<i32>, spec_steps: i64, topk: i64) -> Result<Self, ModelError> {
+        if spec_steps < 0 {
+            return Err(ModelError::SpecSteps { got: spec_steps });
+        }
+        let num_hidden_layers = trunk.len();
+        let mut ratios = trunk;
+        ratios.push(DENSE_RATIO); // the MTP layer, sized whether or not speculation is on
+        Ok(ModelShape {
+            name: name.to_string(),
+            num_hidden_layers,
+            num_mtp_layers: 1,
+            ratios,
+            draft_layers: Vec::new(),
+            sliding_window: 128,
+            spec_steps,
+            head_dim: 512,
+            qk_rope_head_dim: 64,
+            index_head_dim: 128,
+            index_topk: topk,
+            block_size: V4_BLOCK_SIZE,
+        })
+    }
+
+    /// V4-Flash: `[0,0] + [4,128]*20 + [4] + [0]` (43 trunk layers + 1 MTP).
+    pub fn v4_flash(spec_steps: i64) -> Result<Self, ModelError> {
+        Self::preset("v4-flash", v4_trunk_flash(), spec_steps, 512)
+    }
+
+    /// V4-Pro: `[128,128] + [4,128]*29 + [4] + [0]` (61 trunk layers + 1 MTP).
+    pub fn v4_pro(spec_steps: i64) -> Result<Self, ModelError> {
+        Self::preset("v4-pro", v4_trunk_pro(), spec_steps, 1024)
+    }
+
+    /// A trunk followed by `stages` DSpark draft layers instead of the MTP layer
+    /// (ATOM's Flash test shape: `[0,0] + [4,128]*20 + [4] + [0,0,0]`).
+    fn with_drafts(mut self, stages: usize, mode: DraftMode) -> Self {
+        self.ratios.truncate(self.num_hidden_layers);
+        self.num_mtp_layers = 0;
+        let first = self.ratios.len();
+        let ratio = if mode == DraftMode::Absent { ABSENT_RATIO } else { DENSE_RATIO };
+        self.ratios.extend(std::iter::repeat(ratio).take(stages));
+        self.draft_layers = (first..first + stages).collect();
+        self.name.push_str(if mode == DraftMode::Absent { "-dspark" } else { "-dspark-dense" });
+        self
+    }
+
+    /// V4-Flash with three DSpark draft stages.
+    pub fn v4_flash_dspark(spec_steps: i64, mode: DraftMode) -> Result<Self, ModelError> {
+        Ok(Self::v4_flash(spec_steps)?.with_drafts(3, mode))
+    }
+
+    /// V4-Pro with three DSpark draft stages (no dense class at all when absent).
+    pub fn v4_pro_dspark(spec_steps: i64, mode: DraftMode) -> Result<Self, ModelError> {
+        Ok(Self::v4_pro(spec_steps)?.with_drafts(3, mode))
+    }
+
+    /// A preset by name: `v4-flash`, `v4-pro`, `v4-flash-dspark`, `v4-pro-dspark`
+    /// (drafts absent; append `-dense` for dense drafts).
+    pub fn by_name(name: &str, spec_steps: i64) -> Result<Self, ModelError> {
+        match name {
+            "v4-flash" => Self::v4_flash(spec_steps),
+            "v4-pro" => Self::v4_pro(spec_steps),
+            "v4-flash-dspark" => Self::v4_flash_dspark(spec_steps, DraftMode::Absent),
+            "v4-pro-dspark" => Self::v4_pro_dspark(spec_steps, DraftMode::Absent),
+            "v4-flash-dspark-dense" => Self::v4_flash_dspark(spec_steps, DraftMode::Dense),
+            "v4-pro-dspark-dense" => Self::v4_pro_dspark(spec_steps, DraftMode::Dense),
+            _ => Err(ModelError::UnknownPreset { name: name.to_string() }),
+        }
+    }
+
+    /// `ring_slots = W + k`: the window plus the draft lookahead.
+    pub fn ring_slots(&self) -> i64 {
+        self.sliding_window + self.spec_steps
+    }
+
+    fn count(&self, ratio: i32) -> usize {
+        self.ratios.iter().filter(|&&r| r == ratio).count()
+    }
+    pub fn n_csa(&self) -> usize {
+        self.count(CSA_RATIO)
+    }
+    pub fn n_hca(&self) -> usize {
+        self.count(HCA_RATIO)
+    }
+    pub fn n_dense(&self) -> usize {
+        self.count(DENSE_RATIO)
+    }
+    /// Draft layers whose window is a state field (`ABSENT_RATIO`), sorted.
+    pub fn absent_layers(&self) -> Vec<usize> {
+        self.ratios.iter().enumerate().filter(|(_, &r)| r == ABSENT_RATIO).map(|(i, _)| i).collect()
+    }
+    /// Global ids of the CSA layers, in order (the indexer cache's layer order).
+    pub fn csa_layers(&self) -> Vec<usize> {
+        self.ratios.iter().enumerate().filter(|(_, &r)| r == CSA_RATIO).map(|(i, _)| i).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_match_pool_runtime_section_1() {
+        let f = ModelShape::v4_flash(0).unwrap();
+        assert_eq!(f.ratios.len(), 44);
+        assert_eq!((f.n_dense(), f.n_csa(), f.n_hca()), (3, 21, 20));
+        assert_eq!(f.ratios[43], DENSE_RATIO);
+        let p = ModelShape::v4_pro(1).unwrap();
+        assert_eq!(p.ratios.len(), 62);
+        assert_eq!((p.n_dense(), p.n_csa(), p.n_hca()), (1, 30, 31));
+        assert_eq!(p.ring_slots(), 129);
+        let d = ModelShape::v4_flash_dspark(3, DraftMode::Dense).unwrap();
+        assert_eq!(d.ratios.len(), 46);
+        assert_eq!(d.n_dense(), 5);
+        assert_eq!(d.draft_layers, vec![43, 44, 45]);
+        let pa = ModelShape::v4_pro_dspark(7, DraftMode::Absent).unwrap();
+        assert_eq!(pa.n_dense(), 0);
+        assert_eq!(pa.absent_layers(), vec![61, 62, 63]);
+        assert_eq!(pa.ring_slots(), 135);
+        assert!(matches!(ModelShape::v4_flash(-1), Err(ModelError::SpecSteps { got: -1 })));
+    }
+}

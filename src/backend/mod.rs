@@ -112,13 +112,25 @@ pub trait Backend: Send + Sync + fmt::Debug {
     ///
     /// # Safety
     /// Both ranges lie in live allocations of this backend and do not overlap.
-    unsafe fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: u64, stream: Stream) -> Result<(), BackendError>;
+    unsafe fn copy(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: u64,
+        stream: Stream,
+    ) -> Result<(), BackendError>;
 
     /// Fill `count` 32-bit words at `dst` (4-byte aligned) with `value`, in stream order.
     ///
     /// # Safety
     /// `dst .. dst + 4 * count` lies in one live allocation of this backend.
-    unsafe fn fill_u32(&self, dst: DevicePtr, count: u64, value: u32, stream: Stream) -> Result<(), BackendError>;
+    unsafe fn fill_u32(
+        &self,
+        dst: DevicePtr,
+        count: u64,
+        value: u32,
+        stream: Stream,
+    ) -> Result<(), BackendError>;
 
     /// Run one kernel of [`crate::index`], in stream order.
     ///

@@ -62,7 +62,9 @@ pub enum GeometryError {
     SlotOutOfRange { slot: i64, first: i64, end: i64 },
     #[error("rows per window row must be positive, got {got}")]
     RowsPerWindowRow { got: i64 },
-    #[error("{name} of {rows} rows does not divide by the {rows_per_window_row} plane rows one window row takes")]
+    #[error(
+        "{name} of {rows} rows does not divide by the {rows_per_window_row} plane rows one window row takes"
+    )]
     FieldNotDivisible { name: &'static str, rows: i64, rows_per_window_row: i64 },
     #[error("group {group} outside 0..{num_slots}")]
     GroupOutOfRange { group: i64, num_slots: i64 },

@@ -341,7 +341,8 @@ impl UnifiedPoolGeometry {
                 return Err(GeometryError::BlockSizeNotDivisible { block_size, ratio });
             }
         }
-        let stride_of = |ratio: i32| if ratio == DENSE_RATIO { ring_slots } else { block_size / i64::from(ratio) };
+        let stride_of =
+            |ratio: i32| if ratio == DENSE_RATIO { ring_slots } else { block_size / i64::from(ratio) };
 
         // Both orders are walked before any layout is built, so each class learns its
         // offset in the envelope and in the entry at once.
@@ -351,7 +352,8 @@ impl UnifiedPoolGeometry {
             let n = layers_of(ratio).len() as i64;
             if n > 0 {
                 envelope_offsets.insert(ratio, cursor);
-                cursor = add(cursor, mul(n, block_size / i64::from(ratio), "envelope rows")?, "envelope rows")?;
+                cursor =
+                    add(cursor, mul(n, block_size / i64::from(ratio), "envelope rows")?, "envelope rows")?;
             }
         }
         let envelope_rows = cursor;
@@ -412,7 +414,11 @@ impl UnifiedPoolGeometry {
         // more room; subtracted back out of every row it computes.
         let slot_origin = slot_positions_v - held;
         if slot_origin < 0 {
-            return Err(GeometryError::SlotPositionsTooFew { plane_rows, held, slot_positions: slot_positions_v });
+            return Err(GeometryError::SlotPositionsTooFew {
+                plane_rows,
+                held,
+                slot_positions: slot_positions_v,
+            });
         }
         // The origin shift enters every window row; make sure it is representable.
         mul(slot_origin, slot_rows, "slot origin rows")?;
@@ -527,7 +533,11 @@ impl UnifiedPoolGeometry {
             return Err(GeometryError::DenseHasNoCompressed { layer: layer_id });
         }
         if !(0..cls.block_rows).contains(&row) {
-            return Err(GeometryError::CompressRowOutOfRange { row, block_rows: cls.block_rows, ratio: cls.ratio });
+            return Err(GeometryError::CompressRowOutOfRange {
+                row,
+                block_rows: cls.block_rows,
+                ratio: cls.ratio,
+            });
         }
         if !(0..self.num_blocks).contains(&block) {
             return Err(GeometryError::BlockOutOfRange { block, num_blocks: self.num_blocks });
