@@ -57,9 +57,6 @@ pub(crate) fn mul(a: i64, b: i64, what: &'static str) -> Result<i64, GeometryErr
 pub(crate) fn add(a: i64, b: i64, what: &'static str) -> Result<i64, GeometryError> {
     a.checked_add(b).ok_or(GeometryError::Overflow { what })
 }
-pub(crate) fn sub(a: i64, b: i64, what: &'static str) -> Result<i64, GeometryError> {
-    a.checked_sub(b).ok_or(GeometryError::Overflow { what })
-}
 /// Ceiling division of non-negative `a` by positive `b`.
 fn ceil_div(a: i64, b: i64) -> i64 {
     a / b + i64::from(a % b != 0)
