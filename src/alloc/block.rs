@@ -226,6 +226,12 @@ impl BlockPool {
         out
     }
 
+    /// Physical length of the cached queue, stale entries included (tests bound it).
+    #[cfg(test)]
+    pub(crate) fn cached_queue_len(&self) -> usize {
+        self.cached.len()
+    }
+
     // ---- the spec's id-based operations ----------------------------------------------------
 
     #[inline]

@@ -197,9 +197,8 @@ impl SlotPool {
             tg.generation += 1;
             out.relocated_to = Some(target);
         }
-        if !t.held {
-            self.num_free -= 1;
-        }
+        // Either the vacant top leaves the free set, or the target joins the held ones.
+        self.num_free -= 1;
         self.groups[top as usize] = Group {
             generation: t.generation + 1,
             ..FRESH
