@@ -1,1 +1,949 @@
-//! (placeholder: being written)
+//! The compressor-state arena (`pool-runtime.md` §2): which fields a request's state has,
+//! how they lie in one entry, which plane each goes in, and the typed views a kernel binds.
+//!
+//! The arena has no region of its own: it is the first `arena_rows` rows of every slot, in
+//! every plane. A field is one strided tensor, so it lives in exactly one plane; each plane
+//! lays its own fields out with the §2.2 cursor walk, and every plane reserves the same
+//! number of rows (the largest any plane needs). All byte math is `u64`, checked.
+
+use crate::model::ModelShape;
+use thiserror::Error;
+
+/// Alignment every field start and every entry end is rounded to (bytes).
+pub const FIELD_ALIGN: u64 = 256;
+/// Width of one row of a carried window (`[512]` bf16): the unit the DSpark view retypes to.
+pub const WINDOW_ROW_BYTES: u64 = 1024;
+/// Row multiple a slot is rounded to without a carried window (the geometry's default).
+pub const BASE_SLOT_ALIGN_ROWS: i64 = 2;
+/// The exhaustive plane plan refuses more candidate codes than this.
+pub const MAX_PLAN_CODES: u64 = 65_536;
+/// fp32 −inf, the fill of every score field.
+pub const F32_NEG_INF: u32 = 0xff80_0000;
+/// bf16 −inf twice, as one 32-bit fill word.
+pub const BF16_NEG_INF_X2: u32 = 0xff80_ff80;
+
+/// Name of the carried-window field (DSpark draft layers).
+pub const STATE_WINDOW: &str = "state_window";
+
+/// Element type of a state field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    F32,
+    Bf16,
+}
+
+impl Dtype {
+    pub fn itemsize(self) -> u64 {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 => 2,
+        }
+    }
+}
+
+/// What a field holds before its first use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fill {
+    Zero,
+    NegInf,
+}
+
+impl Fill {
+    /// The 32-bit word a memset writes to give this fill in `dtype`.
+    pub fn pattern(self, dtype: Dtype) -> u32 {
+        match (self, dtype) {
+            (Fill::Zero, _) => 0,
+            (Fill::NegInf, Dtype::F32) => F32_NEG_INF,
+            (Fill::NegInf, Dtype::Bf16) => BF16_NEG_INF_X2,
+        }
+    }
+}
+
+/// One field of a request's compressor state: `layers` tensors of `shape`, layer outermost.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StateField {
+    pub name: String,
+    pub layers: u64,
+    /// Per-layer shape, row-major.
+    pub shape: Vec<u64>,
+    pub dtype: Dtype,
+    pub fill: Fill,
+    /// Whether a checkpoint image carries this field (§2.1).
+    pub carried: bool,
+    /// Start alignment in bytes; a multiple of 256 (256 itself for most fields).
+    pub align: u64,
+}
+
+impl StateField {
+    /// Elements of one layer's tensor.
+    pub fn per_layer_elems(&self) -> Result<u64, ArenaError> {
+        self.shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .ok_or(ArenaError::Overflow { what: "field elements" })
+    }
+    /// Bytes of one layer's tensor.
+    pub fn per_layer_bytes(&self) -> Result<u64, ArenaError> {
+        mul(self.per_layer_elems()?, self.dtype.itemsize(), "field layer bytes")
+    }
+    /// Bytes of the whole field, all layers.
+    pub fn bytes(&self) -> Result<u64, ArenaError> {
+        mul(self.layers, self.per_layer_bytes()?, "field bytes")
+    }
+    /// Alignment the cursor is rounded to before this field: `max(256, align)`.
+    fn start_align(&self) -> u64 {
+        self.align.max(FIELD_ALIGN)
+    }
+}
+
+/// Everything the arena refuses, with the numbers.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum ArenaError {
+    #[error("an arena needs at least one state field")]
+    NoFields,
+    #[error("state field {name:?} is declared twice")]
+    DuplicateField { name: String },
+    #[error("state field {name:?} has align {align}, not a positive multiple of 256")]
+    FieldAlign { name: String, align: u64 },
+    #[error("arithmetic overflow computing {what}")]
+    Overflow { what: &'static str },
+    #[error("the plane plan needs at least one plane width")]
+    NoPlanes,
+    #[error("plane {plane} has width 0")]
+    ZeroWidth { plane: usize },
+    #[error("{planes} planes ^ {fields} fields is more than {MAX_PLAN_CODES} candidate plans")]
+    TooManyPlans { planes: usize, fields: usize },
+    #[error(
+        "the state window lives in a plane of width {width} B, which does not divide its \
+         {WINDOW_ROW_BYTES}-B rows"
+    )]
+    WindowPlaneWidth { width: u64 },
+    #[error("model: {reason}")]
+    BadModel { reason: String },
+    #[error("plane {plane}: slot stride {stride} B is smaller than its entry of {entry_bytes} B")]
+    SlotStrideTooSmall { plane: usize, stride: u64, entry_bytes: u64 },
+    #[error("plane {plane}: slot stride {stride} B is not a multiple of {align}")]
+    SlotStrideMisaligned { plane: usize, stride: u64, align: u64 },
+    #[error("live count {live} outside 0..={entries}")]
+    LiveOutOfRange { live: i64, entries: i64 },
+    #[error("plane {plane}: arena buffer at byte {base} is not on a {align}-B boundary")]
+    BufferMisaligned { plane: usize, base: u64, align: u64 },
+    #[error("plane {plane}: arena buffer of {len} B is shorter than the {needed} B its entries need")]
+    BufferTooShort { plane: usize, len: u64, needed: u64 },
+    #[error("no entries: an arena view needs at least one position")]
+    NoEntries,
+    #[error("field {field} outside 0..{fields}")]
+    FieldOutOfRange { field: usize, fields: usize },
+    #[error("no state field named {name:?}")]
+    FieldNotFound { name: String },
+    #[error("layer {layer} of field {name:?} outside 0..{layers}")]
+    LayerOutOfRange { name: String, layer: u64, layers: u64 },
+    #[error("plane {plane} outside 0..{planes}")]
+    PlaneOutOfRange { plane: usize, planes: usize },
+    #[error("position {position} outside 0..{positions}")]
+    PositionOutOfRange { position: i64, positions: i64 },
+    #[error("slot of {slot_rows} rows cannot hold the {arena_rows}-row arena")]
+    SlotRowsTooSmall { slot_rows: i64, arena_rows: i64 },
+    #[error("field {name:?}: {bytes} B is not a whole number of 32-bit fill words")]
+    FillNotWordAligned { name: String, bytes: u64 },
+}
+
+impl ArenaError {
+    /// The variant's name, as the CLI's `--json` reports it.
+    pub fn variant_name(&self) -> &'static str {
+        use ArenaError::*;
+        match self {
+            NoFields => "NoFields",
+            DuplicateField { .. } => "DuplicateField",
+            FieldAlign { .. } => "FieldAlign",
+            Overflow { .. } => "Overflow",
+            NoPlanes => "NoPlanes",
+            ZeroWidth { .. } => "ZeroWidth",
+            TooManyPlans { .. } => "TooManyPlans",
+            WindowPlaneWidth { .. } => "WindowPlaneWidth",
+            BadModel { .. } => "BadModel",
+            SlotStrideTooSmall { .. } => "SlotStrideTooSmall",
+            SlotStrideMisaligned { .. } => "SlotStrideMisaligned",
+            LiveOutOfRange { .. } => "LiveOutOfRange",
+            BufferMisaligned { .. } => "BufferMisaligned",
+            BufferTooShort { .. } => "BufferTooShort",
+            NoEntries => "NoEntries",
+            FieldOutOfRange { .. } => "FieldOutOfRange",
+            FieldNotFound { .. } => "FieldNotFound",
+            LayerOutOfRange { .. } => "LayerOutOfRange",
+            PlaneOutOfRange { .. } => "PlaneOutOfRange",
+            PositionOutOfRange { .. } => "PositionOutOfRange",
+            SlotRowsTooSmall { .. } => "SlotRowsTooSmall",
+            FillNotWordAligned { .. } => "FillNotWordAligned",
+        }
+    }
+}
+
+fn mul(a: u64, b: u64, what: &'static str) -> Result<u64, ArenaError> {
+    a.checked_mul(b).ok_or(ArenaError::Overflow { what })
+}
+fn add(a: u64, b: u64, what: &'static str) -> Result<u64, ArenaError> {
+    a.checked_add(b).ok_or(ArenaError::Overflow { what })
+}
+/// Round `x` up to a multiple of `to` (> 0).
+pub(crate) fn round_up(x: u64, to: u64, what: &'static str) -> Result<u64, ArenaError> {
+    let r = x % to;
+    if r == 0 {
+        Ok(x)
+    } else {
+        add(x, to - r, what)
+    }
+}
+fn to_u64(x: i64, what: &'static str) -> Result<u64, ArenaError> {
+    u64::try_from(x).map_err(|_| ArenaError::Overflow { what })
+}
+fn to_i64(x: u64, what: &'static str) -> Result<i64, ArenaError> {
+    i64::try_from(x).map_err(|_| ArenaError::Overflow { what })
+}
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// The §2.1 field list of `model`, in declaration (byte and wire) order.
+///
+/// `state_window` is present only when the model has absent (carried-window) layers; it
+/// holds those layers in sorted id order, `(ring_slots, 512)` bf16, aligned to its own row.
+pub fn state_fields(model: &ModelShape) -> Result<Vec<StateField>, ArenaError> {
+    let k = u64::try_from(model.spec_steps)
+        .map_err(|_| ArenaError::BadModel { reason: format!("spec_steps {} < 0", model.spec_steps) })?;
+    let ring = u64::try_from(model.ring_slots())
+        .ok()
+        .filter(|&r| r > 0)
+        .ok_or_else(|| ArenaError::BadModel { reason: format!("ring_slots {} < 1", model.ring_slots()) })?;
+    let (n_csa, n_hca) = (model.n_csa() as u64, model.n_hca() as u64);
+    let csa_rows = add(8, k, "csa state rows")?;
+    let hca_rows = add(128, k, "hca state rows")?;
+    let f = |name: &str, layers: u64, shape: Vec<u64>, fill: Fill, carried: bool| StateField {
+        name: name.to_string(),
+        layers,
+        shape,
+        dtype: Dtype::F32,
+        fill,
+        carried,
+        align: FIELD_ALIGN,
+    };
+    let mut fields = vec![
+        f("csa_main_kv", n_csa, vec![csa_rows, 1024], Fill::Zero, true),
+        f("csa_main_score", n_csa, vec![csa_rows, 1024], Fill::NegInf, true),
+        f("csa_idx_kv", n_csa, vec![csa_rows, 256], Fill::Zero, true),
+        f("csa_idx_score", n_csa, vec![csa_rows, 256], Fill::NegInf, true),
+        f("hca_main_kv", n_hca, vec![hca_rows, 512], Fill::Zero, false),
+        f("hca_main_score", n_hca, vec![hca_rows, 512], Fill::NegInf, false),
+    ];
+    let absent = model.absent_layers().len() as u64;
+    if absent > 0 {
+        fields.push(StateField {
+            name: STATE_WINDOW.to_string(),
+            layers: absent,
+            shape: vec![ring, 512],
+            dtype: Dtype::Bf16,
+            fill: Fill::Zero,
+            carried: true,
+            // Its rows are also reached by index (the DSpark view), so it starts on a row.
+            align: WINDOW_ROW_BYTES,
+        });
+    }
+    Ok(fields)
+}
+
+/// Reject what §2.4 refuses of a field list: none, duplicates, an align not a multiple of 256.
+pub fn validate_fields(fields: &[StateField]) -> Result<(), ArenaError> {
+    if fields.is_empty() {
+        return Err(ArenaError::NoFields);
+    }
+    for (i, f) in fields.iter().enumerate() {
+        if fields[..i].iter().any(|g| g.name == f.name) {
+            return Err(ArenaError::DuplicateField { name: f.name.clone() });
+        }
+        if f.align == 0 || f.align % FIELD_ALIGN != 0 {
+            return Err(ArenaError::FieldAlign { name: f.name.clone(), align: f.align });
+        }
+        f.bytes()?;
+    }
+    Ok(())
+}
+
+/// Byte offsets of `fields` in one entry, and the entry's size (§2.2).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EntryLayout {
+    /// Offset of each field, in the order given.
+    pub offsets: Vec<u64>,
+    /// Final cursor rounded up to 256.
+    pub entry_bytes: u64,
+}
+
+/// The §2.2 cursor walk over `fields` in the order given. An empty list is an empty entry.
+pub fn entry_layout<'a, I>(fields: I) -> Result<EntryLayout, ArenaError>
+where
+    I: IntoIterator<Item = &'a StateField>,
+{
+    let mut cursor = 0u64;
+    let mut offsets = Vec::new();
+    for f in fields {
+        cursor = round_up(cursor, f.start_align(), "entry cursor")?;
+        offsets.push(cursor);
+        cursor = add(cursor, f.bytes()?, "entry cursor")?;
+    }
+    Ok(EntryLayout { offsets, entry_bytes: round_up(cursor, FIELD_ALIGN, "entry bytes")? })
+}
+
+/// `(start, bytes)` ranges of an entry a checkpoint carries (§2.2): each run of consecutive
+/// carried fields is one range, padding between carried neighbours included; a non-carried
+/// field splits the run; zero-length ranges are dropped.
+pub fn checkpoint_ranges(fields: &[StateField]) -> Result<Vec<(u64, u64)>, ArenaError> {
+    let layout = entry_layout(fields)?;
+    let mut out = Vec::new();
+    let mut run: Option<(u64, u64)> = None; // (start, end)
+    for (f, &off) in fields.iter().zip(&layout.offsets) {
+        if f.carried {
+            let end = add(off, f.bytes()?, "checkpoint range")?;
+            run = Some(match run {
+                Some((start, _)) => (start, end),
+                None => (off, end),
+            });
+        } else if let Some((start, end)) = run.take() {
+            out.push((start, end - start));
+        }
+    }
+    if let Some((start, end)) = run {
+        out.push((start, end - start));
+    }
+    out.retain(|&(_, n)| n > 0);
+    Ok(out)
+}
+
+/// Byte regions placed back to back (§2.2): each start rounded up to 256, the total too.
+/// Zero-size regions still get an aligned offset; `[]` gives `([], 0)`.
+pub fn plan_regions(sizes: &[u64]) -> Result<(Vec<u64>, u64), ArenaError> {
+    let mut cursor = 0u64;
+    let mut offsets = Vec::with_capacity(sizes.len());
+    for &s in sizes {
+        cursor = round_up(cursor, FIELD_ALIGN, "region offset")?;
+        offsets.push(cursor);
+        cursor = add(cursor, s, "region end")?;
+    }
+    Ok((offsets, round_up(cursor, FIELD_ALIGN, "regions total")?))
+}
+
+/// The §2.3 exhaustive plan: `assignment[i]` is field i's plane, and the cost (`arena_rows`).
+/// Code c puts field i in plane `(c / P^i) mod P`; the first code with the strictly lowest
+/// cost wins. Refuses an empty or zero width and more than 65,536 codes.
+pub fn assign_planes(fields: &[StateField], widths: &[u64]) -> Result<(Vec<usize>, u64), ArenaError> {
+    validate_fields(fields)?;
+    if widths.is_empty() {
+        return Err(ArenaError::NoPlanes);
+    }
+    if let Some(plane) = widths.iter().position(|&w| w == 0) {
+        return Err(ArenaError::ZeroWidth { plane });
+    }
+    let (p, n) = (widths.len() as u64, fields.len());
+    let codes = u32::try_from(n)
+        .ok()
+        .and_then(|n| p.checked_pow(n))
+        .filter(|&c| c <= MAX_PLAN_CODES)
+        .ok_or(ArenaError::TooManyPlans { planes: widths.len(), fields: n })?;
+    let mut best: Option<(u64, Vec<usize>)> = None;
+    let mut assignment = vec![0usize; n];
+    for code in 0..codes {
+        let mut c = code;
+        for a in assignment.iter_mut() {
+            *a = (c % p) as usize;
+            c /= p;
+        }
+        let mut cost = 0u64;
+        for (plane, &w) in widths.iter().enumerate() {
+            let bytes =
+                entry_layout(fields.iter().zip(&assignment).filter(|(_, &a)| a == plane).map(|(f, _)| f))?
+                    .entry_bytes;
+            cost = cost.max(bytes.div_ceil(w));
+        }
+        if best.as_ref().map_or(true, |(b, _)| cost < *b) {
+            best = Some((cost, assignment.clone()));
+        }
+    }
+    // codes >= 1 (P >= 1), so the loop ran at least once.
+    let (cost, assignment) = best.ok_or(ArenaError::NoPlanes)?;
+    Ok((assignment, cost))
+}
+
+/// §2.4: 2, or `lcm(2, 1024 / width)` of the plane holding the state window, so that every
+/// slot starts on a whole 1024-B window row in that plane.
+pub fn slot_align_rows(window_plane_width: Option<u64>) -> Result<i64, ArenaError> {
+    let Some(w) = window_plane_width else {
+        return Ok(BASE_SLOT_ALIGN_ROWS);
+    };
+    if w == 0 || WINDOW_ROW_BYTES % w != 0 {
+        return Err(ArenaError::WindowPlaneWidth { width: w });
+    }
+    let per = WINDOW_ROW_BYTES / w;
+    let base = BASE_SLOT_ALIGN_ROWS as u64;
+    to_i64(base / gcd(base, per) * per, "slot align rows")
+}
+
+/// A field placed in a plane.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlacedField {
+    /// Index into [`ArenaLayout::fields`].
+    pub field: usize,
+    /// Byte offset from the start of the slot in this plane.
+    pub offset: u64,
+}
+
+/// One plane's share of the arena.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlaneArena {
+    pub width: u64,
+    /// Fields in declared order.
+    pub fields: Vec<PlacedField>,
+    /// Bytes the plane's fields take (§2.2 `entry_bytes`), ≤ `arena_rows × width`.
+    pub entry_bytes: u64,
+}
+
+/// A kernel's typed view of one field across all positions: `[layers][positions][shape…]`
+/// in elements of `dtype`, from `offset` bytes into `plane`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldView {
+    pub plane: usize,
+    /// Byte offset of position 0, layer 0 from the plane's start.
+    pub offset: u64,
+    pub dtype: Dtype,
+    pub dims: Vec<u64>,
+    /// Element strides, one per dim.
+    pub strides: Vec<u64>,
+}
+
+/// A memset: `bytes` bytes from `offset` in `plane`, filled with the 32-bit word `pattern`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FillRun {
+    pub plane: usize,
+    pub offset: u64,
+    pub bytes: u64,
+    pub pattern: u32,
+}
+
+/// How one plane's arena buffer is bound (§2.4 preconditions): `entries` slots of
+/// `stride` bytes from byte `base` (an address or an offset; only its alignment matters),
+/// `live` of them the pool's, in a buffer of `len` bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArenaBinding {
+    pub plane: usize,
+    pub base: u64,
+    pub len: u64,
+    pub stride: u64,
+    pub entries: i64,
+    pub live: i64,
+}
+
+/// The arena of a model at a set of plane widths: per plane the fields placed there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArenaLayout {
+    fields: Vec<StateField>,
+    /// Plane of each field.
+    assignment: Vec<usize>,
+    planes: Vec<PlaneArena>,
+    arena_rows: i64,
+    slot_align_rows: i64,
+}
+
+impl ArenaLayout {
+    /// The §2.1 fields of `model` planned into planes of `widths` (§2.3, §2.4).
+    pub fn for_model(model: &ModelShape, widths: &[u64]) -> Result<Self, ArenaError> {
+        Self::new(state_fields(model)?, widths)
+    }
+
+    /// Plan arbitrary `fields` into planes of `widths`.
+    pub fn new(fields: Vec<StateField>, widths: &[u64]) -> Result<Self, ArenaError> {
+        let (assignment, arena_rows) = assign_planes(&fields, widths)?;
+        let mut planes = Vec::with_capacity(widths.len());
+        for (p, &width) in widths.iter().enumerate() {
+            let idx: Vec<usize> = (0..fields.len()).filter(|&i| assignment[i] == p).collect();
+            let layout = entry_layout(idx.iter().map(|&i| &fields[i]))?;
+            let placed = idx
+                .iter()
+                .zip(&layout.offsets)
+                .map(|(&field, &offset)| PlacedField { field, offset })
+                .collect();
+            planes.push(PlaneArena { width, fields: placed, entry_bytes: layout.entry_bytes });
+        }
+        let window_width = fields.iter().position(|f| f.name == STATE_WINDOW).map(|i| widths[assignment[i]]);
+        Ok(ArenaLayout {
+            slot_align_rows: slot_align_rows(window_width)?,
+            arena_rows: to_i64(arena_rows, "arena rows")?,
+            fields,
+            assignment,
+            planes,
+        })
+    }
+
+    pub fn fields(&self) -> &[StateField] {
+        &self.fields
+    }
+    pub fn planes(&self) -> &[PlaneArena] {
+        &self.planes
+    }
+    pub fn widths(&self) -> Vec<u64> {
+        self.planes.iter().map(|p| p.width).collect()
+    }
+    /// Rows every slot reserves for state at its front, in every plane.
+    pub fn arena_rows(&self) -> i64 {
+        self.arena_rows
+    }
+    /// Row multiple the geometry rounds a slot up to.
+    pub fn slot_align_rows(&self) -> i64 {
+        self.slot_align_rows
+    }
+    /// Sum of the fields' bytes (no padding): the "state bytes" of §2.5.
+    pub fn state_bytes(&self) -> Result<u64, ArenaError> {
+        self.fields.iter().try_fold(0u64, |acc, f| add(acc, f.bytes()?, "state bytes"))
+    }
+    /// Index of the field called `name`.
+    pub fn field_index(&self, name: &str) -> Result<usize, ArenaError> {
+        self.fields
+            .iter()
+            .position(|f| f.name == name)
+            .ok_or_else(|| ArenaError::FieldNotFound { name: name.to_string() })
+    }
+    /// `(plane, byte offset in that plane's arena)` of field `field`.
+    pub fn field_place(&self, field: usize) -> Result<(usize, u64), ArenaError> {
+        let plane = *self
+            .assignment
+            .get(field)
+            .ok_or(ArenaError::FieldOutOfRange { field, fields: self.fields.len() })?;
+        let offset = self.planes[plane]
+            .fields
+            .iter()
+            .find(|pf| pf.field == field)
+            .map(|pf| pf.offset)
+            .ok_or(ArenaError::FieldOutOfRange { field, fields: self.fields.len() })?;
+        Ok((plane, offset))
+    }
+    /// Largest `max(256, align)` over the fields: what a slot stride and a buffer base
+    /// must be multiples of.
+    pub fn max_align(&self) -> u64 {
+        self.fields.iter().map(StateField::start_align).max().unwrap_or(FIELD_ALIGN)
+    }
+    /// Checkpoint ranges of the fields placed in `plane`, in that plane's slot bytes.
+    pub fn plane_checkpoint_ranges(&self, plane: usize) -> Result<Vec<(u64, u64)>, ArenaError> {
+        let p = self.plane(plane)?;
+        let fields: Vec<StateField> = p.fields.iter().map(|pf| self.fields[pf.field].clone()).collect();
+        checkpoint_ranges(&fields)
+    }
+
+    fn plane(&self, plane: usize) -> Result<&PlaneArena, ArenaError> {
+        self.planes.get(plane).ok_or(ArenaError::PlaneOutOfRange { plane, planes: self.planes.len() })
+    }
+
+    fn slot_stride(&self, plane: usize, slot_rows: i64) -> Result<u64, ArenaError> {
+        if slot_rows < self.arena_rows {
+            return Err(ArenaError::SlotRowsTooSmall { slot_rows, arena_rows: self.arena_rows });
+        }
+        mul(to_u64(slot_rows, "slot rows")?, self.plane(plane)?.width, "slot stride")
+    }
+
+    /// Byte offset, from the start of its plane, of `layer` of `field` at slot `position`
+    /// (§2.4): `position × slot_rows × width + field offset + layer × per-layer bytes`.
+    /// Returns `(plane, offset)`. Positions count from the plane's row 0 (a carve whose
+    /// `slot_origin` is 0, as every plan of [`crate::sizing`] is).
+    pub fn byte_offset(
+        &self,
+        position: i64,
+        field: usize,
+        layer: u64,
+        slot_rows: i64,
+    ) -> Result<(usize, u64), ArenaError> {
+        let (plane, field_offset) = self.field_place(field)?;
+        let f = &self.fields[field];
+        if layer >= f.layers {
+            return Err(ArenaError::LayerOutOfRange { name: f.name.clone(), layer, layers: f.layers });
+        }
+        let pos = u64::try_from(position)
+            .map_err(|_| ArenaError::PositionOutOfRange { position, positions: i64::MAX })?;
+        let slot = mul(pos, self.slot_stride(plane, slot_rows)?, "slot byte offset")?;
+        let in_field = mul(layer, f.per_layer_bytes()?, "layer byte offset")?;
+        Ok((plane, add(add(slot, field_offset, "field byte offset")?, in_field, "field byte offset")?))
+    }
+
+    /// The tensor a kernel binds for `field`: `[layers][slot_positions][shape…]`, element
+    /// strides `(prod(shape), slot_rows × width / itemsize, …contiguous)`.
+    pub fn field_view(
+        &self,
+        field: usize,
+        slot_rows: i64,
+        slot_positions: i64,
+    ) -> Result<FieldView, ArenaError> {
+        let (plane, offset) = self.field_place(field)?;
+        let f = &self.fields[field];
+        let stride_bytes = self.slot_stride(plane, slot_rows)?;
+        let positions = to_u64(slot_positions, "slot positions")?;
+        let item = f.dtype.itemsize();
+        let mut dims = vec![f.layers, positions];
+        dims.extend(&f.shape);
+        let mut strides = vec![f.per_layer_elems()?, stride_bytes / item];
+        let mut inner = Vec::with_capacity(f.shape.len());
+        let mut acc = 1u64;
+        for &d in f.shape.iter().rev() {
+            inner.push(acc);
+            acc = mul(acc, d, "field strides")?;
+        }
+        strides.extend(inner.into_iter().rev());
+        Ok(FieldView { plane, offset, dtype: f.dtype, dims, strides })
+    }
+
+    /// Memsets that initialise the arena of slot `position` (§2.4): in every plane the whole
+    /// `arena_rows × width` bytes, zero except score fields (−inf). Covering the padding too
+    /// matters because a position that becomes live held block data before.
+    pub fn fill_runs(&self, position: i64, slot_rows: i64) -> Result<Vec<FillRun>, ArenaError> {
+        let pos = u64::try_from(position)
+            .map_err(|_| ArenaError::PositionOutOfRange { position, positions: i64::MAX })?;
+        let arena_rows = to_u64(self.arena_rows, "arena rows")?;
+        let mut out: Vec<FillRun> = Vec::new();
+        let mut push = |run: FillRun| {
+            if run.bytes == 0 {
+                return;
+            }
+            if let Some(last) = out.last_mut() {
+                if last.plane == run.plane
+                    && last.pattern == run.pattern
+                    && last.offset + last.bytes == run.offset
+                {
+                    last.bytes += run.bytes;
+                    return;
+                }
+            }
+            out.push(run);
+        };
+        for (p, plane) in self.planes.iter().enumerate() {
+            let base = mul(pos, self.slot_stride(p, slot_rows)?, "slot byte offset")?;
+            let end = add(base, mul(arena_rows, plane.width, "arena bytes")?, "arena end")?;
+            let mut cursor = base;
+            for pf in &plane.fields {
+                let f = &self.fields[pf.field];
+                let bytes = f.bytes()?;
+                let pattern = f.fill.pattern(f.dtype);
+                if pattern != 0 && bytes % 4 != 0 {
+                    return Err(ArenaError::FillNotWordAligned { name: f.name.clone(), bytes });
+                }
+                let start = add(base, pf.offset, "field start")?;
+                push(FillRun { plane: p, offset: cursor, bytes: start - cursor, pattern: 0 });
+                push(FillRun { plane: p, offset: start, bytes, pattern });
+                cursor = start + bytes;
+            }
+            push(FillRun { plane: p, offset: cursor, bytes: end - cursor, pattern: 0 });
+        }
+        Ok(out)
+    }
+
+    /// Check a plane's arena binding against the §2.4 preconditions.
+    pub fn check_binding(&self, b: &ArenaBinding) -> Result<(), ArenaError> {
+        let plane = self.plane(b.plane)?;
+        let align = self.max_align();
+        if b.stride < plane.entry_bytes {
+            return Err(ArenaError::SlotStrideTooSmall {
+                plane: b.plane,
+                stride: b.stride,
+                entry_bytes: plane.entry_bytes,
+            });
+        }
+        if b.stride % align != 0 {
+            return Err(ArenaError::SlotStrideMisaligned { plane: b.plane, stride: b.stride, align });
+        }
+        if b.entries < 1 {
+            return Err(ArenaError::NoEntries);
+        }
+        if !(0..=b.entries).contains(&b.live) {
+            return Err(ArenaError::LiveOutOfRange { live: b.live, entries: b.entries });
+        }
+        if b.base % align != 0 {
+            return Err(ArenaError::BufferMisaligned { plane: b.plane, base: b.base, align });
+        }
+        let before_last = mul(to_u64(b.entries - 1, "entries")?, b.stride, "arena buffer bytes")?;
+        let needed = add(before_last, plane.entry_bytes, "arena buffer bytes")?;
+        if b.len < needed {
+            return Err(ArenaError::BufferTooShort { plane: b.plane, len: b.len, needed });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::GeometrySpec;
+    use crate::model::{DraftMode, ModelShape};
+
+    const FP8: [u64; 2] = [512, 128];
+    const BF16: [u64; 1] = [1024];
+
+    struct Row {
+        model: ModelShape,
+        widths: &'static [u64],
+        state_bytes: u64,
+        plane_rows: &'static [u64],
+        arena_rows: i64,
+        entry_rows: i64,
+        slot_rows: i64,
+        slot_bytes: u64,
+    }
+
+    fn check(row: Row) {
+        let a = ArenaLayout::for_model(&row.model, row.widths).unwrap();
+        assert_eq!(a.state_bytes().unwrap(), row.state_bytes, "{}", row.model.name);
+        let rows: Vec<u64> = a.planes().iter().map(|p| p.entry_bytes.div_ceil(p.width)).collect();
+        assert_eq!(rows, row.plane_rows, "{}", row.model.name);
+        assert_eq!(a.arena_rows(), row.arena_rows);
+        let g = GeometrySpec::new(row.model.ratios.clone(), 0, 0, row.model.ring_slots(), 256)
+            .arena_rows(a.arena_rows())
+            .slot_align_rows(a.slot_align_rows())
+            .build()
+            .unwrap();
+        assert_eq!(g.entry_rows, row.entry_rows);
+        assert_eq!(g.slot_rows, row.slot_rows);
+        let slot_bytes: u64 = row.widths.iter().map(|&w| g.slot_bytes(w)).sum();
+        assert_eq!(slot_bytes, row.slot_bytes);
+    }
+
+    #[test]
+    fn section_2_5_table() {
+        check(Row {
+            model: ModelShape::v4_flash(0).unwrap(),
+            widths: &FP8,
+            state_bytes: 12_206_080,
+            plane_rows: &[20_480, 13_440],
+            arena_rows: 20_480,
+            entry_rows: 5_632,
+            slot_rows: 26_112,
+            slot_bytes: 16_711_680,
+        });
+        check(Row {
+            model: ModelShape::v4_flash(1).unwrap(),
+            widths: &FP8,
+            state_bytes: 12_503_040,
+            plane_rows: &[20_640, 15_120],
+            arena_rows: 20_640,
+            entry_rows: 6_955,
+            slot_rows: 27_596,
+            slot_bytes: 17_661_440,
+        });
+        check(Row {
+            model: ModelShape::v4_flash(3).unwrap(),
+            widths: &FP8,
+            state_bytes: 13_096_960,
+            plane_rows: &[20_960, 18_480],
+            arena_rows: 20_960,
+            entry_rows: 7_003,
+            slot_rows: 27_964,
+            slot_bytes: 17_896_960,
+        });
+        check(Row {
+            model: ModelShape::v4_flash(0).unwrap(),
+            widths: &BF16,
+            state_bytes: 12_206_080,
+            plane_rows: &[11_920],
+            arena_rows: 11_920,
+            entry_rows: 5_632,
+            slot_rows: 17_552,
+            slot_bytes: 17_973_248,
+        });
+        check(Row {
+            model: ModelShape::v4_pro(1).unwrap(),
+            widths: &FP8,
+            state_bytes: 19_144_704,
+            plane_rows: &[31_992, 21_600],
+            arena_rows: 31_992,
+            entry_rows: 9_855,
+            slot_rows: 41_848,
+            slot_bytes: 26_782_720,
+        });
+        check(Row {
+            model: ModelShape::v4_flash_dspark(5, DraftMode::Absent).unwrap(),
+            widths: &BF16,
+            state_bytes: 14_099_456,
+            plane_rows: &[13_769],
+            arena_rows: 13_769,
+            entry_rows: 6_918,
+            slot_rows: 20_688,
+            slot_bytes: 21_184_512,
+        });
+    }
+
+    #[test]
+    fn section_2_5_plane_bytes_and_field_sizes() {
+        let a = ArenaLayout::for_model(&ModelShape::v4_flash(0).unwrap(), &FP8).unwrap();
+        assert_eq!(a.planes()[0].entry_bytes, 10_485_760);
+        assert_eq!(a.planes()[1].entry_bytes, 1_720_320);
+        let sizes: Vec<u64> = a.fields().iter().map(|f| f.bytes().unwrap()).collect();
+        // Flash k=0: CSA main 2 × 688,128, CSA idx 2 × 172,032, HCA 2 × 5,242,880.
+        assert_eq!(sizes, vec![688_128, 688_128, 172_032, 172_032, 5_242_880, 5_242_880]);
+        let k3 = ArenaLayout::for_model(&ModelShape::v4_flash(3).unwrap(), &FP8).unwrap();
+        assert_eq!(k3.planes()[0].entry_bytes, 10_731_520);
+        assert_eq!(k3.planes()[1].entry_bytes, 2_365_440);
+    }
+
+    #[test]
+    fn plane_assignment_matches_section_2_3() {
+        for model in [ModelShape::v4_flash(1).unwrap(), ModelShape::v4_pro(1).unwrap()] {
+            let a = ArenaLayout::for_model(&model, &FP8).unwrap();
+            let names = |p: usize| -> Vec<&str> {
+                a.planes()[p].fields.iter().map(|pf| a.fields()[pf.field].name.as_str()).collect()
+            };
+            assert_eq!(names(0), ["hca_main_kv", "hca_main_score"]);
+            assert_eq!(names(1), ["csa_main_kv", "csa_main_score", "csa_idx_kv", "csa_idx_score"]);
+            assert_eq!(a.slot_align_rows(), 2);
+        }
+        let bf = ArenaLayout::for_model(&ModelShape::v4_flash(0).unwrap(), &BF16).unwrap();
+        assert_eq!(bf.planes()[0].fields.len(), 6);
+        // Flash-DSpark k=3 fp8: csa_idx_score joins HCA, state_window goes to the 128-B plane.
+        let d = ArenaLayout::for_model(&ModelShape::v4_flash_dspark(3, DraftMode::Absent).unwrap(), &FP8)
+            .unwrap();
+        let plane = |name: &str| d.field_place(d.field_index(name).unwrap()).unwrap().0;
+        assert_eq!(plane("csa_idx_score"), 0);
+        assert_eq!(plane("hca_main_kv"), 0);
+        assert_eq!(plane("state_window"), 1);
+        assert_eq!(d.slot_align_rows(), 8);
+        let (_, off) = d.field_place(d.field_index("state_window").unwrap()).unwrap();
+        assert_eq!(off % WINDOW_ROW_BYTES, 0);
+    }
+
+    #[test]
+    fn cursor_walk_checkpoint_ranges_and_regions() {
+        let f = |name: &str, bytes: u64, carried: bool, align: u64| StateField {
+            name: name.into(),
+            layers: 1,
+            shape: vec![bytes],
+            dtype: Dtype::Bf16,
+            fill: Fill::Zero,
+            carried,
+            align,
+        };
+        // 100 B, 10 B, 0 B, 300 B (align 1024), 5 B
+        let fields = vec![
+            f("a", 50, true, 256),
+            f("b", 5, true, 256),
+            f("z", 0, false, 256),
+            f("c", 150, true, 1024),
+            f("d", 3, false, 256),
+        ];
+        let l = entry_layout(&fields).unwrap();
+        assert_eq!(l.offsets, vec![0, 256, 512, 1024, 1536]);
+        assert_eq!(l.entry_bytes, 1792);
+        // A zero-size non-carried field still splits the run.
+        assert_eq!(checkpoint_ranges(&fields).unwrap(), vec![(0, 266), (1024, 300)]);
+        assert_eq!(plan_regions(&[]).unwrap(), (vec![], 0));
+        assert_eq!(plan_regions(&[10, 0, 300]).unwrap(), (vec![0, 256, 256], 768));
+        assert_eq!(plan_regions(&[10_752, 5_376]).unwrap(), (vec![0, 10_752], 16_128));
+    }
+
+    #[test]
+    fn refusals_are_typed() {
+        let good = state_fields(&ModelShape::v4_flash(0).unwrap()).unwrap();
+        assert_eq!(assign_planes(&[], &FP8), Err(ArenaError::NoFields));
+        assert_eq!(assign_planes(&good, &[]), Err(ArenaError::NoPlanes));
+        assert_eq!(assign_planes(&good, &[512, 0]), Err(ArenaError::ZeroWidth { plane: 1 }));
+        let mut dup = good.clone();
+        dup[1].name = "csa_main_kv".into();
+        assert!(matches!(assign_planes(&dup, &FP8), Err(ArenaError::DuplicateField { .. })));
+        let mut bad_align = good.clone();
+        bad_align[2].align = 128;
+        assert!(matches!(assign_planes(&bad_align, &FP8), Err(ArenaError::FieldAlign { align: 128, .. })));
+        // 5 planes ^ 7 fields = 78,125 > 65,536; 4 ^ 7 = 16,384 is fine.
+        let seven = state_fields(&ModelShape::v4_flash_dspark(1, DraftMode::Absent).unwrap()).unwrap();
+        assert_eq!(seven.len(), 7);
+        assert_eq!(
+            assign_planes(&seven, &[512, 256, 128, 64, 32]),
+            Err(ArenaError::TooManyPlans { planes: 5, fields: 7 })
+        );
+        assert!(assign_planes(&seven, &[512, 256, 128, 64]).is_ok());
+        assert_eq!(slot_align_rows(Some(2048)), Err(ArenaError::WindowPlaneWidth { width: 2048 }));
+        assert_eq!(slot_align_rows(Some(96)), Err(ArenaError::WindowPlaneWidth { width: 96 }));
+        assert_eq!(slot_align_rows(Some(1024)), Ok(2));
+        assert_eq!(slot_align_rows(Some(64)), Ok(16));
+        assert_eq!(slot_align_rows(None), Ok(2));
+    }
+
+    #[test]
+    fn offsets_views_and_strides_are_64_bit() {
+        let a = ArenaLayout::for_model(&ModelShape::v4_flash(1).unwrap(), &FP8).unwrap();
+        let slot_rows = 27_596;
+        let hs = a.field_index("hca_main_score").unwrap();
+        // Position 5,000 of a Flash plane is far past 2^32 bytes.
+        let (plane, off) = a.byte_offset(5_000, hs, 19, slot_rows).unwrap();
+        let per_layer = 129 * 512 * 4;
+        assert_eq!(plane, 0);
+        assert_eq!(off, 5_000u64 * 27_596 * 512 + 20 * per_layer + 19 * per_layer);
+        assert!(off > u64::from(u32::MAX));
+        let v = a.field_view(hs, slot_rows, 5_108).unwrap();
+        assert_eq!(v.offset, 20 * per_layer);
+        assert_eq!(v.dims, vec![20, 5_108, 129, 512]);
+        assert_eq!(v.strides, vec![129 * 512, 27_596 * 512 / 4, 512, 1]);
+        let ck = a.field_index("csa_idx_kv").unwrap();
+        let v = a.field_view(ck, slot_rows, 3).unwrap();
+        assert_eq!((v.plane, v.offset), (1, 2 * 21 * 9 * 1024 * 4));
+        assert_eq!(v.strides, vec![9 * 256, 27_596 * 128 / 4, 256, 1]);
+        assert!(matches!(a.byte_offset(0, hs, 20, slot_rows), Err(ArenaError::LayerOutOfRange { .. })));
+        assert!(matches!(a.byte_offset(-1, hs, 0, slot_rows), Err(ArenaError::PositionOutOfRange { .. })));
+        assert!(matches!(a.byte_offset(0, 9, 0, slot_rows), Err(ArenaError::FieldOutOfRange { .. })));
+        assert!(matches!(a.byte_offset(0, hs, 0, 100), Err(ArenaError::SlotRowsTooSmall { .. })));
+    }
+
+    #[test]
+    fn fill_runs_cover_the_arena_with_the_right_words() {
+        let a = ArenaLayout::for_model(&ModelShape::v4_flash(1).unwrap(), &FP8).unwrap();
+        let slot_rows = 27_596u64;
+        let runs = a.fill_runs(3, slot_rows as i64).unwrap();
+        // Plane 0: hca_kv zero, hca_score −inf (no tail: 20,640 rows exactly).
+        let hca = 20 * 129 * 512 * 4;
+        let b0 = 3 * slot_rows * 512;
+        assert_eq!(runs[0], FillRun { plane: 0, offset: b0, bytes: hca, pattern: 0 });
+        assert_eq!(runs[1], FillRun { plane: 0, offset: b0 + hca, bytes: hca, pattern: F32_NEG_INF });
+        // Plane 1: main kv 0, main score −inf, idx kv 0, idx score −inf, no tail.
+        let b1 = 3 * slot_rows * 128;
+        let (m, i) = (21 * 9 * 1024 * 4, 21 * 9 * 256 * 4);
+        let tail = 20_640 * 128 - 1_935_360;
+        let want = [
+            (b1, m, 0),
+            (b1 + m, m, F32_NEG_INF),
+            (b1 + 2 * m, i, 0),
+            (b1 + 2 * m + i, i, F32_NEG_INF),
+            (b1 + 2 * m + 2 * i, tail, 0),
+        ];
+        let got: Vec<(u64, u64, u32)> = runs[2..].iter().map(|r| (r.offset, r.bytes, r.pattern)).collect();
+        assert_eq!(got, want);
+        let total: u64 = runs.iter().map(|r| r.bytes).sum();
+        assert_eq!(total, 20_640 * 640);
+        // bf16 DSpark: the state window (zero) abuts the HCA score; tail padding is zeroed.
+        let d = ArenaLayout::for_model(&ModelShape::v4_flash_dspark(5, DraftMode::Absent).unwrap(), &BF16)
+            .unwrap();
+        let runs = d.fill_runs(0, 20_688).unwrap();
+        let total: u64 = runs.iter().map(|r| r.bytes).sum();
+        assert_eq!(total, 13_769 * 1024);
+        assert_eq!(runs.last().unwrap().pattern, 0);
+        assert!(runs.windows(2).all(|w| w[0].offset + w[0].bytes == w[1].offset));
+    }
+
+    #[test]
+    fn binding_preconditions() {
+        let a = ArenaLayout::for_model(&ModelShape::v4_flash(1).unwrap(), &FP8).unwrap();
+        let stride = 27_596 * 128;
+        let ok = ArenaBinding { plane: 1, base: 1 << 20, len: 10 * stride, stride, entries: 10, live: 3 };
+        assert_eq!(a.check_binding(&ok), Ok(()));
+        let e = |b: ArenaBinding| a.check_binding(&b).unwrap_err().variant_name();
+        assert_eq!(e(ArenaBinding { stride: 256, ..ok }), "SlotStrideTooSmall");
+        assert_eq!(e(ArenaBinding { stride: stride + 128, ..ok }), "SlotStrideMisaligned");
+        assert_eq!(e(ArenaBinding { live: 11, ..ok }), "LiveOutOfRange");
+        assert_eq!(e(ArenaBinding { live: -1, ..ok }), "LiveOutOfRange");
+        assert_eq!(e(ArenaBinding { base: 128, ..ok }), "BufferMisaligned");
+        assert_eq!(e(ArenaBinding { len: 9 * stride + 1_935_359, ..ok }), "BufferTooShort");
+        assert_eq!(a.check_binding(&ArenaBinding { len: 9 * stride + 1_935_360, ..ok }), Ok(()));
+        assert_eq!(e(ArenaBinding { plane: 2, ..ok }), "PlaneOutOfRange");
+        assert_eq!(e(ArenaBinding { entries: 0, live: 0, ..ok }), "NoEntries");
+    }
+}

@@ -3,7 +3,7 @@
 //! The ratio list is data: nothing here assumes a pattern beyond the presets, and a model
 //! may have no dense class at all (V4-Pro with DSpark drafts made absent).
 
-use crate::geometry::{ABSENT_RATIO, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
+use crate::geometry::{GeometrySpec, ABSENT_RATIO, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
 use thiserror::Error;
 
 /// Tokens per block, forced for every V4 model: 2·lcm(4, 128).
@@ -57,6 +57,100 @@ pub enum ModelError {
     SpecSteps { got: i64 },
     #[error("unknown model preset {name:?} (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark)")]
     UnknownPreset { name: String },
+    #[error("config must be a JSON object, got {got}")]
+    NotAnObject { got: &'static str },
+    #[error("config key {key} must be {expected}, got {got}")]
+    WrongType { key: &'static str, expected: &'static str, got: &'static str },
+    #[error("config key {key} = {got} outside {min}..={max}")]
+    OutOfRange { key: &'static str, got: i64, min: i64, max: i64 },
+    #[error("compress_ratios[{layer}] = {got} is not a V4 compress ratio (0, 4 or 128)")]
+    UnknownRatio { layer: usize, got: i64 },
+    #[error("speculative steps {got} exceed the most a ring is sized for ({max})")]
+    SpecStepsTooLarge { got: i64, max: i64 },
+    #[error("{stages} draft stages outside 1..={max}")]
+    DraftStages { stages: usize, max: usize },
+}
+
+impl ModelError {
+    /// The variant's name, as `v4pool layout --json` reports it.
+    pub fn variant_name(&self) -> &'static str {
+        use ModelError::*;
+        match self {
+            Json(_) => "Json",
+            MissingKey { .. } => "MissingKey",
+            BadValue { .. } => "BadValue",
+            RatioCount { .. } => "RatioCount",
+            SpecSteps { .. } => "SpecSteps",
+            UnknownPreset { .. } => "UnknownPreset",
+            NotAnObject { .. } => "NotAnObject",
+            WrongType { .. } => "WrongType",
+            OutOfRange { .. } => "OutOfRange",
+            UnknownRatio { .. } => "UnknownRatio",
+            SpecStepsTooLarge { .. } => "SpecStepsTooLarge",
+            DraftStages { .. } => "DraftStages",
+        }
+    }
+}
+
+/// Most speculative steps a ring is sized for. Real configs use 0..=7; the bound keeps
+/// `ring_slots` and every product with it far from overflow.
+pub const MAX_SPEC_STEPS: i64 = 1 << 16;
+/// Most layers a config may declare (trunk, MTP or draft stages): V4-Pro has 62.
+pub const MAX_LAYERS: i64 = 1 << 12;
+/// Largest sliding window, head or indexer width, or top-k a config may declare. Far above
+/// any V4 value; it only keeps the products the pool forms from them inside 64 bits.
+pub const MAX_DIM: i64 = 1 << 24;
+
+/// DSpark draft stages to append to a config's trunk (stage count comes from the draft
+/// checkpoint, not from `config.json`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Drafts {
+    pub stages: usize,
+    pub mode: DraftMode,
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    use serde_json::Value::*;
+    match v {
+        Null => "null",
+        Bool(_) => "a boolean",
+        Number(n) if n.is_i64() || n.is_u64() => "an integer",
+        Number(_) => "a non-integer number",
+        String(_) => "a string",
+        Array(_) => "a list",
+        Object(_) => "an object",
+    }
+}
+
+/// An integer config value inside `min..=max`; floats, strings and out-of-range numbers
+/// are typed errors (a `u64` above `i64::MAX` reads as out of range, not wrapped).
+fn int_in(v: &serde_json::Value, key: &'static str, min: i64, max: i64) -> Result<i64, ModelError> {
+    let got = match v {
+        serde_json::Value::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                i
+            } else if n.is_u64() {
+                i64::MAX
+            } else {
+                return Err(ModelError::WrongType { key, expected: "an integer", got: json_kind(v) });
+            }
+        }
+        _ => return Err(ModelError::WrongType { key, expected: "an integer", got: json_kind(v) }),
+    };
+    if !(min..=max).contains(&got) {
+        return Err(ModelError::OutOfRange { key, got, min, max });
+    }
+    Ok(got)
+}
+
+fn check_spec_steps(spec_steps: i64) -> Result<(), ModelError> {
+    if spec_steps < 0 {
+        return Err(ModelError::SpecSteps { got: spec_steps });
+    }
+    if spec_steps > MAX_SPEC_STEPS {
+        return Err(ModelError::SpecStepsTooLarge { got: spec_steps, max: MAX_SPEC_STEPS });
+    }
+    Ok(())
 }
 
 fn v4_trunk_flash() -> Vec<i32> {
@@ -79,9 +173,7 @@ fn v4_trunk_pro() -> Vec<i32> {
 
 impl ModelShape {
     fn preset(name: &str, trunk: Vec<i32>, spec_steps: i64, topk: i64) -> Result<Self, ModelError> {
-        if spec_steps < 0 {
-            return Err(ModelError::SpecSteps { got: spec_steps });
-        }
+        check_spec_steps(spec_steps)?;
         let num_hidden_layers = trunk.len();
         let mut ratios = trunk;
         ratios.push(DENSE_RATIO); // the MTP layer, sized whether or not speculation is on
@@ -146,6 +238,116 @@ impl ModelShape {
             "v4-pro-dspark-dense" => Self::v4_pro_dspark(spec_steps, DraftMode::Dense),
             _ => Err(ModelError::UnknownPreset { name: name.to_string() }),
         }
+    }
+
+    /// Read a HuggingFace `config.json` (no DSpark drafts; see [`Self::from_config_json_with`]).
+    ///
+    /// Keys (`pool-runtime.md` §1): `compress_ratios`, `num_hidden_layers`, `sliding_window`,
+    /// `qk_rope_head_dim`, `index_head_dim`, `index_topk` are required;
+    /// `num_nextn_predict_layers` defaults to 0 and `head_dim` to 512 (ATOM's `kv_head_dim`
+    /// default). A JSON `null` counts as absent. Every malformed value is a typed error.
+    pub fn from_config_json(text: &str, spec_steps: i64) -> Result<Self, ModelError> {
+        Self::from_config_json_with(text, spec_steps, None)
+    }
+
+    /// [`Self::from_config_json`] with DSpark draft stages. `compress_ratios` may either
+    /// name the drafts (`num_hidden_layers + stages` entries, the last `stages` being the
+    /// drafts) or carry the MTP layers (`num_hidden_layers + num_nextn_predict_layers`), which
+    /// the drafts then replace, as the presets do. Either way a draft's ratio is dense or
+    /// absent by `mode`, whatever the config wrote there.
+    pub fn from_config_json_with(
+        text: &str,
+        spec_steps: i64,
+        drafts: Option<Drafts>,
+    ) -> Result<Self, ModelError> {
+        check_spec_steps(spec_steps)?;
+        if let Some(d) = drafts {
+            if d.stages < 1 || d.stages as i64 > MAX_LAYERS {
+                return Err(ModelError::DraftStages { stages: d.stages, max: MAX_LAYERS as usize });
+            }
+        }
+        // serde_json refuses nesting past 128 levels and NaN/Infinity, so hostile text ends
+        // here as an error rather than a stack overflow.
+        let root: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| ModelError::Json(e.to_string()))?;
+        let obj = match &root {
+            serde_json::Value::Object(o) => o,
+            other => return Err(ModelError::NotAnObject { got: json_kind(other) }),
+        };
+        let get = |key: &'static str| obj.get(key).filter(|v| !v.is_null());
+        let required = |key: &'static str, min: i64, max: i64| -> Result<i64, ModelError> {
+            int_in(get(key).ok_or(ModelError::MissingKey { key })?, key, min, max)
+        };
+        let optional = |key: &'static str, default: i64, min: i64, max: i64| -> Result<i64, ModelError> {
+            get(key).map_or(Ok(default), |v| int_in(v, key, min, max))
+        };
+
+        let num_hidden_layers = required("num_hidden_layers", 1, MAX_LAYERS)? as usize;
+        let nextn = optional("num_nextn_predict_layers", 0, 0, MAX_LAYERS)? as usize;
+        let sliding_window = required("sliding_window", 1, MAX_DIM)?;
+        let head_dim = optional("head_dim", 512, 1, MAX_DIM)?;
+        let qk_rope_head_dim = required("qk_rope_head_dim", 1, head_dim)?;
+        let index_head_dim = required("index_head_dim", 1, MAX_DIM)?;
+        let index_topk = required("index_topk", 1, MAX_DIM)?;
+
+        const RATIOS: &str = "compress_ratios";
+        let list = match get(RATIOS).ok_or(ModelError::MissingKey { key: RATIOS })? {
+            serde_json::Value::Array(a) => a,
+            other => {
+                return Err(ModelError::WrongType { key: RATIOS, expected: "a list", got: json_kind(other) })
+            }
+        };
+        let with_mtp = num_hidden_layers + nextn;
+        let with_drafts = drafts.map(|d| num_hidden_layers + d.stages);
+        if list.len() != with_mtp && Some(list.len()) != with_drafts {
+            return Err(ModelError::RatioCount { got: list.len(), expected: with_mtp });
+        }
+        let mut ratios = Vec::with_capacity(list.len());
+        for (layer, v) in list.iter().enumerate() {
+            let got = match v {
+                serde_json::Value::Number(n) if n.is_i64() || n.is_u64() => n.as_i64().unwrap_or(i64::MAX),
+                other => {
+                    return Err(ModelError::WrongType {
+                        key: RATIOS,
+                        expected: "a list of integers",
+                        got: json_kind(other),
+                    })
+                }
+            };
+            let ratio = match got {
+                0 => DENSE_RATIO,
+                4 => CSA_RATIO,
+                128 => HCA_RATIO,
+                // -1 is the pool's own rewrite (DraftMode::Absent), never a config value.
+                _ => return Err(ModelError::UnknownRatio { layer, got }),
+            };
+            ratios.push(ratio);
+        }
+
+        let mut shape = ModelShape {
+            name: "config".to_string(),
+            num_hidden_layers,
+            num_mtp_layers: nextn,
+            ratios,
+            draft_layers: Vec::new(),
+            sliding_window,
+            spec_steps,
+            head_dim,
+            qk_rope_head_dim,
+            index_head_dim,
+            index_topk,
+            block_size: V4_BLOCK_SIZE,
+        };
+        if let Some(d) = drafts {
+            shape = shape.with_drafts(d.stages, d.mode);
+        }
+        Ok(shape)
+    }
+
+    /// The geometry arguments the model fixes (ratio list, ring, block size) at a split;
+    /// the caller adds plane capacity, arena rows and alignment.
+    pub fn geometry_spec(&self, num_blocks: i64, num_slots: i64) -> GeometrySpec {
+        GeometrySpec::new(self.ratios.clone(), num_blocks, num_slots, self.ring_slots(), self.block_size)
     }
 
     /// `ring_slots = W + k`: the window plus the draft lookahead.

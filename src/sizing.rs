@@ -1,1 +1,641 @@
-//! (placeholder: being written)
+//! A byte budget becomes block and slot counts at a fixed plane capacity (`pool-runtime.md` §3).
+//!
+//! Two entry classes are priced from a geometry built at capacity (0, 0): a **page** (one
+//! block: every plane's envelope rows plus one indexer block per CSA layer) and a **slot**
+//! (one request: every plane's `slot_rows`, compressor state and windows together).
+//!
+//! # What this plan does differently from the spec's tight fit
+//!
+//! The spec's split (`blocks = (B − m·slot_bytes) // page_bytes`, then a tight plane rounded
+//! up to whole slots) can overshoot the budget by up to one slot plus alignment (25.1 MB on
+//! Pro k=1 fp8). This plan never exceeds the budget, and it carves at an explicit, fixed
+//! `plane_rows` so the elastic boundary (§5.4) can move without moving any address:
+//!
+//! * The plane is `slot_positions × slot_rows` rows: a whole number of slots, since rows above
+//!   the last whole slot could hold neither a block nor a slot.
+//! * The indexer (its own allocation, addressed by block id) is sized for `max_blocks`, the
+//!   most blocks the plane can hold beside `min_slots` slots — by default 0, i.e. every row
+//!   of the plane may become block rows. That indexer headroom is paid from the budget.
+//! * Every plane and indexer pool is priced rounded up to 256 B (`plan_regions`), and a
+//!   caller-supplied `overhead_bytes` (index and metadata buffers the pool keeps) comes off
+//!   the budget first.
+//! * `slot_positions` is the largest count whose total fits; at the planned split
+//!   (`num_slots = max_num_seqs`) the blocks are `floor((positions − m) × S / E)`.
+//!
+//! Consequence: `num_blocks` never exceeds the spec's tight-fit count. With
+//! `min_slots = max_num_seqs` (no elastic block growth) it sits at most `ceil(S / E) + 3`
+//! blocks under it — the whole-slot rounding the tight fit overshoots by, taken down instead.
+//! With the default `min_slots = 0` it sits further under by the indexer headroom, about
+//! `m × S / E × indexer_block_bytes / page_bytes` blocks (≈0.8 % on Flash k=0 fp8, ≈1.4 % on
+//! Pro k=1 at 100 GiB, m = 256).
+
+use crate::arena::{plan_regions, ArenaError, ArenaLayout};
+use crate::geometry::{GeometryError, GeometrySpec, UnifiedPoolGeometry, MAX_PLANE_ROWS};
+use crate::model::ModelShape;
+use thiserror::Error;
+
+/// FP8 indexer: per block per CSA layer, 64 rows × 132 B (`[64×128 fp8][64×4 fp32 scale]`).
+pub const INDEXER_FP8_BLOCK_BYTES: u64 = 8_448;
+/// FP4 indexer data: per block per CSA layer, packed e2m1 `[1][4][64][16]`.
+pub const INDEXER_FP4_DATA_BYTES: u64 = 4_096;
+/// FP4 indexer scales: per block per CSA layer, e8m0 `[1][4][64]`.
+pub const INDEXER_FP4_SCALE_BYTES: u64 = 256;
+
+/// How the main KV rows are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvDtype {
+    /// Two planes: NoPE (512 B/row: fp8 values, e8m0 scales, pad) and RoPE (64 bf16).
+    Fp8,
+    /// One plane: 512 bf16 per row, RoPE inline.
+    Bf16,
+}
+
+impl KvDtype {
+    /// Bytes per row of each plane, in plane order.
+    pub fn plane_widths(self) -> &'static [u64] {
+        match self {
+            KvDtype::Fp8 => &[512, 128],
+            KvDtype::Bf16 => &[1024],
+        }
+    }
+    /// The spelling the checkpoint layout id uses.
+    pub fn layout_name(self) -> &'static str {
+        match self {
+            KvDtype::Fp8 => "fp8-2buff",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::Fp8 => "fp8",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// How the CSA indexer's K cache is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IndexerDtype {
+    /// One pool `[n_csa][NB][64][132]`.
+    Fp8,
+    /// Two pools: data `[n_csa][NB][4096 B]`, then scales `[n_csa][NB][256 B]`.
+    Fp4,
+}
+
+impl IndexerDtype {
+    /// Bytes one block of one CSA layer takes in each indexer pool, in pool order.
+    pub fn pool_block_bytes(self) -> &'static [u64] {
+        match self {
+            IndexerDtype::Fp8 => &[INDEXER_FP8_BLOCK_BYTES],
+            IndexerDtype::Fp4 => &[INDEXER_FP4_DATA_BYTES, INDEXER_FP4_SCALE_BYTES],
+        }
+    }
+    /// Bytes one block of one CSA layer takes across the pools (8,448 or 4,352).
+    pub fn layer_block_bytes(self) -> u64 {
+        self.pool_block_bytes().iter().sum()
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            IndexerDtype::Fp8 => "fp8",
+            IndexerDtype::Fp4 => "fp4",
+        }
+    }
+}
+
+/// Everything sizing refuses, with the numbers.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum SizingError {
+    #[error(transparent)]
+    Arena(#[from] ArenaError),
+    #[error(transparent)]
+    Geometry(#[from] GeometryError),
+    #[error("max_num_seqs must be at least 1, got {got}")]
+    NoSlots { got: i64 },
+    #[error("min_slots {min_slots} outside 0..={max_num_seqs}")]
+    MinSlots { min_slots: i64, max_num_seqs: i64 },
+    #[error("the model has no CSA or HCA layer, so a block holds no rows")]
+    NoCompressedLayers,
+    #[error(
+        "budget of {budget} B is too small: {num_slots} slots of {slot_bytes} B and one block of \
+         {page_bytes} B need {required} B (overhead {overhead} B included)"
+    )]
+    BudgetTooSmall {
+        budget: u64,
+        required: u64,
+        num_slots: i64,
+        slot_bytes: u64,
+        page_bytes: u64,
+        overhead: u64,
+    },
+    #[error("arithmetic overflow computing {what}")]
+    Overflow { what: &'static str },
+    #[error("empty byte count")]
+    EmptyBytes,
+    #[error("{text:?} is not a byte count (digits with an optional unit: 1234, 512MiB, 80GB)")]
+    BadBytes { text: String },
+    #[error("{text:?}: unknown unit {unit:?} (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")]
+    UnknownUnit { text: String, unit: String },
+    #[error("{text:?} does not fit 64 bits of bytes")]
+    BytesOverflow { text: String },
+}
+
+impl SizingError {
+    /// The variant's name (the innermost one for wrapped errors), as `--json` reports it.
+    pub fn variant_name(&self) -> &'static str {
+        use SizingError::*;
+        match self {
+            Arena(e) => e.variant_name(),
+            Geometry(e) => e.variant_name(),
+            NoSlots { .. } => "NoSlots",
+            MinSlots { .. } => "MinSlots",
+            NoCompressedLayers => "NoCompressedLayers",
+            BudgetTooSmall { .. } => "BudgetTooSmall",
+            Overflow { .. } => "Overflow",
+            EmptyBytes => "EmptyBytes",
+            BadBytes { .. } => "BadBytes",
+            UnknownUnit { .. } => "UnknownUnit",
+            BytesOverflow { .. } => "BytesOverflow",
+        }
+    }
+}
+
+fn mul(a: u64, b: u64, what: &'static str) -> Result<u64, SizingError> {
+    a.checked_mul(b).ok_or(SizingError::Overflow { what })
+}
+fn add(a: u64, b: u64, what: &'static str) -> Result<u64, SizingError> {
+    a.checked_add(b).ok_or(SizingError::Overflow { what })
+}
+fn to_u64(x: i64, what: &'static str) -> Result<u64, SizingError> {
+    u64::try_from(x).map_err(|_| SizingError::Overflow { what })
+}
+fn to_i64(x: u64, what: &'static str) -> Result<i64, SizingError> {
+    i64::try_from(x).map_err(|_| SizingError::Overflow { what })
+}
+
+/// A model's pool layout at one dtype pair, priced at capacity (0, 0).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolLayout {
+    pub model: ModelShape,
+    pub kv: KvDtype,
+    pub indexer: IndexerDtype,
+    pub arena: ArenaLayout,
+    /// The layout at capacity (0, 0): what prices pages and slots.
+    pub geometry: UnifiedPoolGeometry,
+}
+
+impl PoolLayout {
+    pub fn new(model: &ModelShape, kv: KvDtype, indexer: IndexerDtype) -> Result<Self, SizingError> {
+        let arena = ArenaLayout::for_model(model, kv.plane_widths())?;
+        let geometry = GeometrySpec::new(model.ratios.clone(), 0, 0, model.ring_slots(), model.block_size)
+            .arena_rows(arena.arena_rows())
+            .slot_align_rows(arena.slot_align_rows())
+            .build()?;
+        Ok(PoolLayout { model: model.clone(), kv, indexer, arena, geometry })
+    }
+
+    pub fn widths(&self) -> &'static [u64] {
+        self.kv.plane_widths()
+    }
+    /// Number of CSA layers: the indexer's layer count.
+    pub fn n_csa(&self) -> u64 {
+        self.model.n_csa() as u64
+    }
+    /// Indexer bytes of one block, all CSA layers, all pools.
+    pub fn indexer_block_bytes(&self) -> Result<u64, SizingError> {
+        mul(self.n_csa(), self.indexer.layer_block_bytes(), "indexer block bytes")
+    }
+    /// Bytes of one block: `Σ_planes envelope_rows × width + indexer_block_bytes`.
+    pub fn page_bytes(&self) -> Result<u64, SizingError> {
+        let e = to_u64(self.geometry.envelope_rows, "envelope rows")?;
+        let planes = mul(e, self.widths().iter().sum(), "page bytes")?;
+        add(planes, self.indexer_block_bytes()?, "page bytes")
+    }
+    /// Bytes of one slot: `Σ_planes slot_rows × width`.
+    pub fn slot_bytes(&self) -> Result<u64, SizingError> {
+        mul(to_u64(self.geometry.slot_rows, "slot rows")?, self.widths().iter().sum(), "slot bytes")
+    }
+    /// Bytes of each indexer pool sized for `blocks` blocks, in pool order.
+    pub fn indexer_pool_bytes(&self, blocks: i64) -> Result<Vec<u64>, SizingError> {
+        let per_layer = mul(self.n_csa(), to_u64(blocks, "indexer blocks")?, "indexer pool bytes")?;
+        self.indexer.pool_block_bytes().iter().map(|&b| mul(per_layer, b, "indexer pool bytes")).collect()
+    }
+    /// Bytes of each plane at `plane_rows` rows, in plane order.
+    pub fn plane_bytes(&self, plane_rows: i64) -> Result<Vec<u64>, SizingError> {
+        let rows = to_u64(plane_rows, "plane rows")?;
+        self.widths().iter().map(|&w| mul(rows, w, "plane bytes")).collect()
+    }
+    /// The same layout carved at a split and a fixed plane.
+    pub fn carve(
+        &self,
+        num_blocks: i64,
+        num_slots: i64,
+        plane_rows: i64,
+    ) -> Result<UnifiedPoolGeometry, SizingError> {
+        Ok(self.geometry.with_capacity(num_blocks, num_slots, Some(plane_rows))?)
+    }
+}
+
+/// What to size: dtypes, the admitted-request count, the budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanRequest {
+    pub kv: KvDtype,
+    pub indexer: IndexerDtype,
+    /// `max_num_seqs`: the planned split has exactly one slot per admitted request.
+    pub max_num_seqs: i64,
+    /// Everything the pool may allocate, in bytes.
+    pub budget_bytes: u64,
+    /// The fewest slots the elastic boundary may shrink to; the indexer is sized for the
+    /// blocks the plane holds beside that many slots. 0 (the default) allows every row.
+    pub min_slots: i64,
+    /// The pool's own persistent buffers (index buffers, metadata) the caller charges to
+    /// the same budget; taken off before anything else.
+    pub overhead_bytes: u64,
+}
+
+impl PlanRequest {
+    pub fn new(kv: KvDtype, indexer: IndexerDtype, max_num_seqs: i64, budget_bytes: u64) -> Self {
+        PlanRequest { kv, indexer, max_num_seqs, budget_bytes, min_slots: 0, overhead_bytes: 0 }
+    }
+}
+
+/// A sized pool: counts, bytes per part, and the geometry to carve.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    pub layout: PoolLayout,
+    pub page_bytes: u64,
+    pub slot_bytes: u64,
+    /// Blocks at the planned split (`num_slots` slots).
+    pub num_blocks: i64,
+    /// Slots at the planned split: `max_num_seqs`.
+    pub num_slots: i64,
+    /// Blocks the indexer is sized for: what the plane holds beside `min_slots` slots.
+    pub max_blocks: i64,
+    pub min_slots: i64,
+    pub plane_rows: i64,
+    pub slot_positions: i64,
+    /// Compressed-history tokens at the planned split: `num_blocks × block_size`.
+    pub tokens: i64,
+    /// Bytes of each plane, in plane order, and their offsets in the one plane allocation.
+    pub plane_bytes: Vec<u64>,
+    pub plane_offsets: Vec<u64>,
+    /// The plane allocation (256-B aligned regions, total rounded to 256).
+    pub planes_total_bytes: u64,
+    /// Bytes of each indexer pool (sized for `max_blocks`) and their aligned total.
+    pub indexer_pool_bytes: Vec<u64>,
+    pub indexer_total_bytes: u64,
+    pub overhead_bytes: u64,
+    /// `planes_total_bytes + indexer_total_bytes + overhead_bytes` ≤ `budget_bytes`.
+    pub total_bytes: u64,
+    pub budget_bytes: u64,
+    /// Plane rows neither a block nor a slot holds at the planned split.
+    pub rows_wasted: i64,
+    /// The spec's tight-fit count on the same budget net of overhead, for comparison.
+    pub tight_fit_blocks: i64,
+    /// True when the plane stopped at the i32 row limit, not at the budget.
+    pub plane_capped: bool,
+    /// The carve: `(num_blocks, num_slots)` at `plane_rows`.
+    pub geometry: UnifiedPoolGeometry,
+}
+
+/// Bytes the allocations take for a plane of `positions` slots: `(planes, indexer, max_blocks)`.
+fn cost(layout: &PoolLayout, positions: i64, min_slots: i64) -> Result<(u64, u64, i64), SizingError> {
+    let s = layout.geometry.slot_rows;
+    let e = layout.geometry.envelope_rows;
+    let rows = positions.checked_mul(s).ok_or(SizingError::Overflow { what: "plane rows" })?;
+    let planes = plan_regions(&layout.plane_bytes(rows)?)?.1;
+    let max_blocks = (positions - min_slots).max(0) * s / e;
+    let indexer = plan_regions(&layout.indexer_pool_bytes(max_blocks)?)?.1;
+    Ok((planes, indexer, max_blocks))
+}
+
+/// Size a pool for `model` (§3) within `req.budget_bytes`; see the module docs for how this
+/// differs from the spec's tight fit.
+pub fn plan(model: &ModelShape, req: &PlanRequest) -> Result<Plan, SizingError> {
+    let m = req.max_num_seqs;
+    if m < 1 {
+        return Err(SizingError::NoSlots { got: m });
+    }
+    if !(0..=m).contains(&req.min_slots) {
+        return Err(SizingError::MinSlots { min_slots: req.min_slots, max_num_seqs: m });
+    }
+    let layout = PoolLayout::new(model, req.kv, req.indexer)?;
+    let (s, e) = (layout.geometry.slot_rows, layout.geometry.envelope_rows);
+    if e == 0 {
+        return Err(SizingError::NoCompressedLayers);
+    }
+    let page_bytes = layout.page_bytes()?;
+    let slot_bytes = layout.slot_bytes()?;
+    let fits = |positions: i64| -> Result<bool, SizingError> {
+        let (planes, indexer, _) = cost(&layout, positions, req.min_slots)?;
+        Ok(add(add(planes, indexer, "total bytes")?, req.overhead_bytes, "total bytes")? <= req.budget_bytes)
+    };
+
+    // Fewest positions that hold m slots and one block.
+    let lo = m.checked_add((e + s - 1) / s).ok_or(SizingError::Overflow { what: "slot positions" })?;
+    let cap = MAX_PLANE_ROWS / s;
+    if lo > cap {
+        return Err(GeometryError::PlaneExceedsI32 { plane_rows: lo.saturating_mul(s) }.into());
+    }
+    if !fits(lo)? {
+        let (planes, indexer, _) = cost(&layout, lo, req.min_slots)?;
+        return Err(SizingError::BudgetTooSmall {
+            budget: req.budget_bytes,
+            required: planes.saturating_add(indexer).saturating_add(req.overhead_bytes),
+            num_slots: m,
+            slot_bytes,
+            page_bytes,
+            overhead: req.overhead_bytes,
+        });
+    }
+    // The planes alone outgrow the budget past this many positions.
+    let row_bytes: u64 = layout.widths().iter().sum();
+    let by_budget = req.budget_bytes / mul(to_u64(s, "slot rows")?, row_bytes, "slot bytes")?;
+    let hi = cap.min(to_i64(by_budget, "slot positions")?.saturating_add(1));
+    // Largest feasible positions in [lo, hi]: cost grows with positions.
+    let (mut good, mut bad) = (lo, hi.saturating_add(1));
+    while bad - good > 1 {
+        let mid = good + (bad - good) / 2;
+        if fits(mid)? {
+            good = mid;
+        } else {
+            bad = mid;
+        }
+    }
+    let positions = good;
+    let plane_capped = positions == cap && fits(cap)?;
+    let plane_rows = positions * s;
+    let (planes_total, indexer_total, max_blocks) = cost(&layout, positions, req.min_slots)?;
+    let num_blocks = (positions - m) * s / e;
+    let geometry = layout.carve(num_blocks, m, plane_rows)?;
+    let plane_bytes = layout.plane_bytes(plane_rows)?;
+    let plane_offsets = plan_regions(&plane_bytes)?.0;
+    let indexer_pool_bytes = layout.indexer_pool_bytes(max_blocks)?;
+    let total_bytes = planes_total + indexer_total + req.overhead_bytes;
+    let net = req.budget_bytes - req.overhead_bytes.min(req.budget_bytes);
+    let tight_fit_blocks = to_i64(
+        net.saturating_sub(mul(to_u64(m, "slots")?, slot_bytes, "slot region")?) / page_bytes,
+        "blocks",
+    )?;
+    Ok(Plan {
+        page_bytes,
+        slot_bytes,
+        num_blocks,
+        num_slots: m,
+        max_blocks,
+        min_slots: req.min_slots,
+        plane_rows,
+        slot_positions: geometry.slot_positions,
+        tokens: num_blocks.checked_mul(model.block_size).ok_or(SizingError::Overflow { what: "tokens" })?,
+        plane_bytes,
+        plane_offsets,
+        planes_total_bytes: planes_total,
+        indexer_pool_bytes,
+        indexer_total_bytes: indexer_total,
+        overhead_bytes: req.overhead_bytes,
+        total_bytes,
+        budget_bytes: req.budget_bytes,
+        rows_wasted: plane_rows - num_blocks * e - m * s,
+        tight_fit_blocks,
+        plane_capped,
+        geometry,
+        layout,
+    })
+}
+
+/// Parse a byte count: digits with an optional fractional part and unit. Decimal units
+/// (`KB`, `MB`, `GB`, `TB`) are powers of 1000, binary ones (`KiB` … `TiB`) powers of 1024,
+/// `B` or none is bytes; units are case-insensitive. Fractions round down to whole bytes.
+pub fn parse_bytes(text: &str) -> Result<u64, SizingError> {
+    let t = text.trim();
+    if t.is_empty() {
+        return Err(SizingError::EmptyBytes);
+    }
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = (&t[..split], t[split..].trim());
+    let scale: u128 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        _ => return Err(SizingError::UnknownUnit { text: text.to_string(), unit: unit.to_string() }),
+    };
+    let bad = || SizingError::BadBytes { text: text.to_string() };
+    let (whole, frac) = match num.split_once('.') {
+        Some((w, f)) => (w, f),
+        None => (num, ""),
+    };
+    if whole.is_empty() && frac.is_empty() {
+        return Err(bad());
+    }
+    if frac.contains('.') || frac.len() > 18 {
+        return Err(bad());
+    }
+    let overflow = || SizingError::BytesOverflow { text: text.to_string() };
+    let digits = format!("{whole}{frac}");
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    let mantissa: u128 = digits.parse().map_err(|_| overflow())?;
+    let value = mantissa.checked_mul(scale).ok_or_else(overflow)? / 10u128.pow(frac.len() as u32);
+    u64::try_from(value).map_err(|_| overflow())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ModelShape;
+
+    const GIB100: u64 = 100 << 30;
+
+    struct Row {
+        model: ModelShape,
+        kv: KvDtype,
+        indexer: IndexerDtype,
+        page: u64,
+        slot: u64,
+        blocks: i64,
+        plane_rows: i64,
+        positions: i64,
+    }
+
+    fn table() -> Vec<Row> {
+        let (k8, kb) = (KvDtype::Fp8, KvDtype::Bf16);
+        let (i8, i4) = (IndexerDtype::Fp8, IndexerDtype::Fp4);
+        let f = |k| ModelShape::v4_flash(k).unwrap();
+        let p = |k| ModelShape::v4_pro(k).unwrap();
+        let r = |model, kv, indexer, page, slot, blocks, plane_rows, positions| Row {
+            model,
+            kv,
+            indexer,
+            page,
+            slot,
+            blocks,
+            plane_rows,
+            positions,
+        };
+        vec![
+            r(f(0), k8, i8, 1_063_168, 16_711_680, 96_970, 140_900_352, 5_396),
+            r(f(1), k8, i8, 1_063_168, 17_661_440, 96_741, 140_960_368, 5_108),
+            r(f(1), k8, i4, 977_152, 17_661_440, 105_257, 152_743_860, 5_535),
+            r(f(1), kb, i8, 1_594_624, 19_625_984, 64_184, 93_740_906, 4_891),
+            r(p(1), k8, i8, 1_521_920, 26_782_720, 66_046, 141_655_480, 3_385),
+            r(p(1), k8, i4, 1_399_040, 26_782_720, 71_847, 153_121_832, 3_659),
+        ]
+    }
+
+    #[test]
+    fn section_3_table_page_and_slot_bytes_exact() {
+        for row in table() {
+            let plan = plan(&row.model, &PlanRequest::new(row.kv, row.indexer, 256, GIB100)).unwrap();
+            assert_eq!(plan.page_bytes, row.page, "{} {:?} {:?}", row.model.name, row.kv, row.indexer);
+            assert_eq!(plan.slot_bytes, row.slot);
+            // The spec's own split reproduces its table exactly...
+            assert_eq!(plan.tight_fit_blocks, row.blocks);
+            // ...and its tight plane is what the table lists.
+            let tight = plan.layout.geometry.with_capacity(row.blocks, 256, None).unwrap();
+            assert_eq!((tight.plane_rows, tight.slot_positions), (row.plane_rows, row.positions));
+        }
+    }
+
+    #[test]
+    fn section_3_blocks_under_the_table_within_the_stated_margin() {
+        for row in table() {
+            let s = plan(&row.model, &PlanRequest::new(row.kv, row.indexer, 256, GIB100)).unwrap();
+            let (sr, e) = (s.geometry.slot_rows, s.geometry.envelope_rows);
+            assert!(s.total_bytes <= GIB100);
+            // min_slots = m: only the whole-slot rounding separates this plan from the table.
+            let tight = plan(
+                &row.model,
+                &PlanRequest { min_slots: 256, ..PlanRequest::new(row.kv, row.indexer, 256, GIB100) },
+            )
+            .unwrap();
+            assert!(tight.total_bytes <= GIB100);
+            assert_eq!(tight.max_blocks, tight.num_blocks);
+            let margin = (sr + e - 1) / e + 3;
+            assert!(
+                tight.num_blocks <= row.blocks && row.blocks - tight.num_blocks <= margin,
+                "{}: {} vs {}",
+                row.model.name,
+                tight.num_blocks,
+                row.blocks
+            );
+            // min_slots = 0: the indexer headroom for the slots' rows comes off too (and the two
+            // plans round to whole slots independently).
+            let idx = s.layout.indexer_block_bytes().unwrap() as i64;
+            let headroom = (256 * sr / e + 1) * idx / s.page_bytes as i64 + 1;
+            assert!(s.num_blocks <= tight.num_blocks && tight.num_blocks - s.num_blocks <= headroom + margin);
+            assert_eq!(s.max_blocks, s.slot_positions * sr / e);
+            assert!(s.max_blocks > s.num_blocks);
+            // Within 1.5 % of the table either way.
+            assert!((row.blocks - s.num_blocks) * 1000 <= 15 * row.blocks, "{} {}", s.num_blocks, row.blocks);
+        }
+    }
+
+    #[test]
+    fn plan_accounting_adds_up() {
+        let m = ModelShape::v4_pro(1).unwrap();
+        let p = plan(&m, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp4, 256, GIB100)).unwrap();
+        assert_eq!(p.plane_rows, p.slot_positions * p.geometry.slot_rows);
+        assert_eq!(p.plane_bytes, vec![p.plane_rows as u64 * 512, p.plane_rows as u64 * 128]);
+        assert_eq!(p.plane_offsets, vec![0, p.plane_bytes[0]]);
+        assert_eq!(
+            p.indexer_pool_bytes,
+            vec![30 * p.max_blocks as u64 * 4096, 30 * p.max_blocks as u64 * 256]
+        );
+        assert_eq!(p.total_bytes, p.planes_total_bytes + p.indexer_total_bytes);
+        assert_eq!(p.tokens, p.num_blocks * 256);
+        assert_eq!(p.geometry.num_blocks, p.num_blocks);
+        assert_eq!(p.geometry.num_slots, 256);
+        assert_eq!(p.geometry.slot_origin, 0);
+        assert!(p.rows_wasted >= 0 && p.rows_wasted < p.geometry.envelope_rows);
+        // One more position would not fit.
+        let (planes, idx, _) = cost(&p.layout, p.slot_positions + 1, 0).unwrap();
+        assert!(planes + idx > GIB100);
+        // The plane's blocks are exactly what max_blocks_beside gives.
+        assert_eq!(p.geometry.max_blocks_beside(256), p.num_blocks);
+        assert_eq!(p.geometry.max_blocks_beside(0), p.max_blocks);
+    }
+
+    #[test]
+    fn overhead_comes_off_the_budget() {
+        let m = ModelShape::v4_flash(1).unwrap();
+        let base = PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, 256, GIB100);
+        let a = plan(&m, &base).unwrap();
+        let b = plan(&m, &PlanRequest { overhead_bytes: 2 << 30, ..base }).unwrap();
+        assert!(b.num_blocks < a.num_blocks);
+        assert!(b.total_bytes <= GIB100 && b.overhead_bytes == 2 << 30);
+        assert_eq!(b.total_bytes, b.planes_total_bytes + b.indexer_total_bytes + (2 << 30));
+    }
+
+    #[test]
+    fn too_small_budgets_carry_the_numbers() {
+        let m = ModelShape::v4_flash(1).unwrap();
+        let req = PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, 256, 4 << 30);
+        match plan(&m, &req) {
+            Err(SizingError::BudgetTooSmall {
+                budget, required, num_slots, slot_bytes, page_bytes, ..
+            }) => {
+                assert_eq!(
+                    (budget, num_slots, slot_bytes, page_bytes),
+                    (4 << 30, 256, 17_661_440, 1_063_168)
+                );
+                assert!(required > budget && required >= 256 * slot_bytes + page_bytes);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Exactly the smallest feasible budget works, one byte less does not.
+        let lo_req = PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, 1, 1);
+        let need = match plan(&m, &lo_req) {
+            Err(SizingError::BudgetTooSmall { required, .. }) => required,
+            other => panic!("{other:?}"),
+        };
+        let p = plan(&m, &PlanRequest { budget_bytes: need, ..lo_req }).unwrap();
+        assert!(p.num_blocks >= 1 && p.total_bytes == need);
+        assert!(plan(&m, &PlanRequest { budget_bytes: need - 1, ..lo_req }).is_err());
+        assert_eq!(
+            plan(&m, &PlanRequest { max_num_seqs: 0, ..lo_req }),
+            Err(SizingError::NoSlots { got: 0 })
+        );
+        assert!(matches!(
+            plan(&m, &PlanRequest { min_slots: 2, ..lo_req }),
+            Err(SizingError::MinSlots { min_slots: 2, max_num_seqs: 1 })
+        ));
+    }
+
+    #[test]
+    fn huge_budgets_stop_at_the_i32_plane() {
+        let m = ModelShape::v4_flash(0).unwrap();
+        let p = plan(&m, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, 256, 4 << 40)).unwrap();
+        assert!(p.plane_capped);
+        assert!(p.plane_rows <= MAX_PLANE_ROWS && p.plane_rows + p.geometry.slot_rows > MAX_PLANE_ROWS);
+        assert!(p.total_bytes <= 4 << 40);
+    }
+
+    #[test]
+    fn parse_bytes_units_and_errors() {
+        assert_eq!(parse_bytes("100GiB"), Ok(107_374_182_400));
+        assert_eq!(parse_bytes("512MiB"), Ok(536_870_912));
+        assert_eq!(parse_bytes("80GB"), Ok(80_000_000_000));
+        assert_eq!(parse_bytes("1234"), Ok(1234));
+        assert_eq!(parse_bytes(" 7 kib "), Ok(7168));
+        assert_eq!(parse_bytes("1.5GiB"), Ok(1_610_612_736));
+        assert_eq!(parse_bytes("3B"), Ok(3));
+        assert_eq!(parse_bytes(""), Err(SizingError::EmptyBytes));
+        assert!(matches!(parse_bytes("12XB"), Err(SizingError::UnknownUnit { .. })));
+        assert!(matches!(parse_bytes("GiB"), Err(SizingError::BadBytes { .. })));
+        assert!(matches!(parse_bytes("-5"), Err(SizingError::UnknownUnit { .. })));
+        assert!(matches!(parse_bytes("1.2.3"), Err(SizingError::BadBytes { .. })));
+        assert!(matches!(parse_bytes("."), Err(SizingError::BadBytes { .. })));
+        assert!(matches!(parse_bytes("20000000TiB"), Err(SizingError::BytesOverflow { .. })));
+        assert!(matches!(
+            parse_bytes("99999999999999999999999999999999999999999"),
+            Err(SizingError::BytesOverflow { .. })
+        ));
+        assert_eq!(parse_bytes("18446744073709551615"), Ok(u64::MAX));
+    }
+}

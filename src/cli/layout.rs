@@ -1,1 +1,333 @@
-//! (placeholder: being written)
+//! `v4pool layout`: the row-space geometry of a model or ratio list, as a table or JSON.
+//!
+//! The JSON keys are the spec's names, so a layout printed here can be compared field for
+//! field with `v4_pool_geometry.py`.
+
+use super::{fail, parse_args, CliError, ParsedArgs, EXIT_OK};
+use crate::geometry::{GeometrySpec, UnifiedPoolGeometry, ABSENT_RATIO, ENTRY_ORDER};
+use crate::model::{DraftMode, Drafts, ModelError, ModelShape};
+use serde_json::{json, Value};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+/// Row widths the table prices a plane at: fp8 NoPE and bf16 RoPE (`pool-runtime.md` §1).
+const PLANE_WIDTHS: [u64; 2] = [512, 128];
+/// Most groups `--json` lists in `physical_slots`; real pools hold a few thousand slots, and
+/// the bound keeps a hostile `--slots` from building a list the size of the plane.
+pub const MAX_LISTED_SLOTS: i64 = 1 << 20;
+const DEFAULT_BLOCK_SIZE: i64 = crate::model::V4_BLOCK_SIZE;
+
+const OPTIONS: [&str; 13] = [
+    "--model",
+    "--ratios",
+    "--blocks",
+    "--slots",
+    "--ring",
+    "--block-size",
+    "--plane-rows",
+    "--arena-rows",
+    "--slot-positions",
+    "--slot-align-rows",
+    "--spec-steps",
+    "--draft-stages",
+    "--draft-mode",
+];
+const FLAGS: [&str; 2] = ["--json", "--help"];
+
+const USAGE: &str = "\
+usage: v4pool layout (--model NAME|PATH | --ratios R,R,...) --blocks N --slots S
+                     [--ring R] [--block-size B] [--plane-rows P] [--arena-rows A]
+                     [--slot-positions Q] [--slot-align-rows K] [--spec-steps K]
+                     [--draft-stages N [--draft-mode absent|dense]] [--json]
+
+  --model    a preset (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark, ...-dspark-dense)
+             or a config.json (or the folder holding one)
+  --ratios   a ratio list (0 dense, 4 CSA, 128 HCA, -1 absent); needs --ring
+  --ring     ring slots (default: the model's window + --spec-steps)
+  --block-size  tokens per block (default 256)
+  --draft-stages, --draft-mode  DSpark drafts appended to a config.json's trunk
+  --json     one JSON object with the spec's names; errors as {\"error\", \"message\"}";
+
+/// Run `v4pool layout`; returns the exit status.
+pub fn run(args: &[String]) -> i32 {
+    // Known before parsing, so even a parse error comes out in the form asked for.
+    let json = args.iter().any(|a| a == "--json");
+    match layout(args) {
+        Ok(Some(text)) => {
+            println!("{text}");
+            EXIT_OK
+        }
+        Ok(None) => {
+            println!("{USAGE}");
+            EXIT_OK
+        }
+        Err(e) => fail("v4pool layout", &e, json),
+    }
+}
+
+/// The text `run` prints on success, or `None` for `--help`.
+fn layout(args: &[String]) -> Result<Option<String>, CliError> {
+    let parsed = parse_args(args, &OPTIONS, &FLAGS)?;
+    if parsed.flag("--help") {
+        return Ok(None);
+    }
+    let (name, spec) = geometry_spec(&parsed)?;
+    let json = parsed.flag("--json");
+    if json && spec.num_slots > MAX_LISTED_SLOTS {
+        return Err(CliError::TooLarge { what: "--slots", got: spec.num_slots, max: MAX_LISTED_SLOTS });
+    }
+    let geometry = spec.build()?;
+    Ok(Some(if json { layout_json(&geometry)?.to_string() } else { layout_table(&name, &geometry)? }))
+}
+
+/// The model (or ratio list) and the options, as geometry arguments and a display name.
+fn geometry_spec(p: &ParsedArgs) -> Result<(String, GeometrySpec), CliError> {
+    let model = match (p.get("--model"), p.get("--ratios")) {
+        (Some(_), Some(_)) => return Err(CliError::Conflict { a: "--model", b: "--ratios" }),
+        (None, None) => return Err(CliError::MissingOption { flag: "--model" }),
+        (Some(m), None) => Some(load_model(m, p)?),
+        (None, Some(_)) => {
+            for flag in ["--spec-steps", "--draft-stages", "--draft-mode"] {
+                if p.get(flag).is_some() {
+                    return Err(CliError::Conflict { a: flag, b: "--ratios" });
+                }
+            }
+            None
+        }
+    };
+    let num_blocks = p.required_i64("--blocks")?;
+    let num_slots = p.required_i64("--slots")?;
+    let (name, ratios, ring_default, block_default) = match model {
+        Some(m) => {
+            let ring = m.ring_slots();
+            (m.name, m.ratios, Some(ring), m.block_size)
+        }
+        None => {
+            let ratios = p.i32_list("--ratios")?.unwrap_or_default();
+            ("ratios".to_string(), ratios, None, DEFAULT_BLOCK_SIZE)
+        }
+    };
+    let ring = match (p.i64("--ring")?, ring_default) {
+        (Some(r), _) | (None, Some(r)) => r,
+        (None, None) => return Err(CliError::MissingOption { flag: "--ring" }),
+    };
+    let block_size = p.i64("--block-size")?.unwrap_or(block_default);
+    let mut spec = GeometrySpec::new(ratios, num_blocks, num_slots, ring, block_size);
+    if let Some(v) = p.i64("--plane-rows")? {
+        spec = spec.plane_rows(v);
+    }
+    if let Some(v) = p.i64("--arena-rows")? {
+        spec = spec.arena_rows(v);
+    }
+    if let Some(v) = p.i64("--slot-positions")? {
+        spec = spec.slot_positions(v);
+    }
+    if let Some(v) = p.i64("--slot-align-rows")? {
+        spec = spec.slot_align_rows(v);
+    }
+    Ok((name, spec))
+}
+
+/// A preset by name, else a config.json path (or a folder holding one).
+fn load_model(arg: &str, p: &ParsedArgs) -> Result<ModelShape, CliError> {
+    let spec_steps = p.i64("--spec-steps")?.unwrap_or(0);
+    let drafts = match (p.i64("--draft-stages")?, p.get("--draft-mode")) {
+        (None, None) => None,
+        (None, Some(_)) => return Err(CliError::MissingOption { flag: "--draft-stages" }),
+        (Some(stages), mode) => {
+            let mode = match mode.unwrap_or("absent") {
+                "absent" => DraftMode::Absent,
+                "dense" => DraftMode::Dense,
+                other => {
+                    return Err(CliError::BadValue {
+                        flag: "--draft-mode".to_string(),
+                        value: other.to_string(),
+                        expected: "absent or dense",
+                    })
+                }
+            };
+            let stages = usize::try_from(stages).map_err(|_| CliError::BadValue {
+                flag: "--draft-stages".to_string(),
+                value: stages.to_string(),
+                expected: "a non-negative count",
+            })?;
+            Some(Drafts { stages, mode })
+        }
+    };
+    match ModelShape::by_name(arg, spec_steps) {
+        Err(ModelError::UnknownPreset { .. }) if looks_like_path(arg) => {}
+        Ok(_) if drafts.is_some() => return Err(CliError::Conflict { a: "--draft-stages", b: "a preset" }),
+        other => return Ok(other?),
+    }
+    let mut path = PathBuf::from(arg);
+    if path.is_dir() {
+        path.push("config.json");
+    }
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| CliError::Io { path: path.display().to_string(), reason: e.to_string() })?;
+    let mut model = ModelShape::from_config_json_with(&text, spec_steps, drafts)?;
+    model.name = path.display().to_string();
+    Ok(model)
+}
+
+fn looks_like_path(arg: &str) -> bool {
+    arg.contains('/') || arg.contains('\\') || arg.ends_with(".json") || Path::new(arg).exists()
+}
+
+/// The layout under the spec's names (see the module docs).
+pub fn layout_json(g: &UnifiedPoolGeometry) -> Result<Value, CliError> {
+    let mut classes = Vec::new();
+    for ratio in ENTRY_ORDER {
+        let Some(c) = g.class(ratio) else { continue };
+        let w = g.window_params(ratio)?;
+        classes.push(json!({
+            "ratio": c.ratio,
+            "layers": c.layers,
+            "block_rows": c.block_rows,
+            "ring_stride": c.ring_stride,
+            "ring_slots": c.ring_slots,
+            "envelope_offset": c.envelope_offset,
+            "entry_offset": c.entry_offset,
+            "envelope_rows": c.envelope_rows(),
+            "entry_rows": c.entry_rows(),
+            "window_params": {
+                "ring_start": w.ring_start,
+                "slot_rows": w.slot_rows,
+                "ring_slots": w.ring_slots,
+                "ring_stride": w.ring_stride,
+                "run_rows": w.run_rows,
+            },
+        }));
+    }
+    let mut layers = Vec::with_capacity(g.num_layers);
+    for (layer, &ratio) in g.ratios.iter().enumerate() {
+        let (base, view) = if ratio == ABSENT_RATIO {
+            (Value::Null, Value::Null)
+        } else {
+            (json!(g.layer_base_row(layer)?), json!(g.layer_view_rows(layer)?))
+        };
+        layers.push(json!({ "layer": layer, "ratio": ratio, "base_row": base, "view_rows": view }));
+    }
+    let physical_slots =
+        (0..g.num_slots).map(|group| g.physical_slot(group)).collect::<Result<Vec<_>, _>>()?;
+    Ok(json!({
+        "ratios": g.ratios,
+        "num_blocks": g.num_blocks,
+        "num_slots": g.num_slots,
+        "ring_slots": g.ring_slots,
+        "block_size": g.block_size,
+        "arena_rows": g.arena_rows,
+        "slot_align_rows": g.slot_align_rows,
+        "envelope_rows": g.envelope_rows,
+        "entry_rows": g.entry_rows,
+        "slot_rows": g.slot_rows,
+        "plane_rows": g.plane_rows,
+        "slot_positions": g.slot_positions,
+        "slot_origin": g.slot_origin,
+        "classes": classes,
+        "layers": layers,
+        "physical_slots": physical_slots,
+    }))
+}
+
+fn class_name(ratio: i32) -> &'static str {
+    match ratio {
+        0 => "dense",
+        4 => "CSA",
+        128 => "HCA",
+        _ => "?",
+    }
+}
+
+/// The readable form: totals, one line per class, per-layer base rows, plane bytes.
+pub fn layout_table(name: &str, g: &UnifiedPoolGeometry) -> Result<String, CliError> {
+    let mut out = String::new();
+    // Writing to a String cannot fail; the results are dropped deliberately.
+    let ratios: Vec<String> = g.ratios.iter().map(|r| r.to_string()).collect();
+    let _ = writeln!(out, "model {name}: {} layers, ratios [{}]", g.num_layers, ratios.join(","));
+    let _ = writeln!(
+        out,
+        "blocks {}  slots {}  ring_slots {}  block_size {}  arena_rows {}  slot_align_rows {}",
+        g.num_blocks, g.num_slots, g.ring_slots, g.block_size, g.arena_rows, g.slot_align_rows
+    );
+    let _ = writeln!(
+        out,
+        "envelope_rows {}  entry_rows {}  slot_rows {}  plane_rows {}  slot_positions {}  slot_origin {}",
+        g.envelope_rows, g.entry_rows, g.slot_rows, g.plane_rows, g.slot_positions, g.slot_origin
+    );
+    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
+        "{:<8} {:>6} {:>10} {:>11} {:>8} {:>8} {:>9} {:>10} | {:>10} {:>9} {:>10} {:>11} {:>8}",
+        "class",
+        "layers",
+        "block_rows",
+        "ring_stride",
+        "env_off",
+        "env_rows",
+        "entry_off",
+        "entry_rows",
+        "ring_start",
+        "slot_rows",
+        "ring_slots",
+        "ring_stride",
+        "run_rows"
+    );
+    for ratio in ENTRY_ORDER {
+        let Some(c) = g.class(ratio) else { continue };
+        let w = g.window_params(ratio)?;
+        let _ = writeln!(
+            out,
+            "{:<8} {:>6} {:>10} {:>11} {:>8} {:>8} {:>9} {:>10} | {:>10} {:>9} {:>10} {:>11} {:>8}",
+            format!("{}({})", class_name(ratio), ratio),
+            c.num_layers(),
+            c.block_rows,
+            c.ring_stride,
+            c.envelope_offset,
+            c.envelope_rows(),
+            c.entry_offset,
+            c.entry_rows(),
+            w.ring_start,
+            w.slot_rows,
+            w.ring_slots,
+            w.ring_stride,
+            w.run_rows
+        );
+    }
+    let _ = writeln!(out);
+    let _ = writeln!(out, "{:>5} {:>5} {:>10} {:>10}", "layer", "ratio", "base_row", "view_rows");
+    for (layer, &ratio) in g.ratios.iter().enumerate() {
+        if ratio == ABSENT_RATIO {
+            let _ = writeln!(out, "{layer:>5} {ratio:>5} {:>10} {:>10}", "absent", "-");
+        } else {
+            let (base, view) = (g.layer_base_row(layer)?, g.layer_view_rows(layer)?);
+            let _ = writeln!(out, "{layer:>5} {ratio:>5} {base:>10} {view:>10}");
+        }
+    }
+    let _ = writeln!(out);
+    for width in PLANE_WIDTHS {
+        let _ = writeln!(
+            out,
+            "{width:>4}-B plane: {} B  (block {} B, slot {} B)",
+            g.plane_bytes(width),
+            g.block_bytes(width),
+            g.slot_bytes(width)
+        );
+    }
+    let live = g.live_positions();
+    if g.num_slots == 0 {
+        let _ = write!(out, "groups: none");
+    } else {
+        let _ = write!(
+            out,
+            "groups 0..{} -> positions {}..={} (group 0 at {}, rows [{}, {}))",
+            g.num_slots,
+            live.end - 1,
+            live.start,
+            live.end - 1,
+            g.slot_span(live.start)?.0,
+            g.slot_span(live.end - 1)?.1
+        );
+    }
+    Ok(out)
+}

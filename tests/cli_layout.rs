@@ -1,0 +1,401 @@
+//! `v4pool layout` run as a binary: the table, the JSON keys and values, and the error paths
+//! (exit status 2, one line or a JSON error object).
+
+use serde_json::Value;
+use std::process::{Command, Output};
+
+fn v4pool(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_v4pool")).args(args).output().expect("the built binary runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn json_of(args: &[&str]) -> Value {
+    let o = v4pool(args);
+    assert_eq!(o.status.code(), Some(0), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_str(&stdout(&o)).expect("one JSON object")
+}
+
+fn keys(v: &Value) -> Vec<String> {
+    let mut k: Vec<String> = v.as_object().expect("an object").keys().cloned().collect();
+    k.sort();
+    k
+}
+
+fn sorted(v: &[&str]) -> Vec<String> {
+    let mut k: Vec<String> = v.iter().map(|s| s.to_string()).collect();
+    k.sort();
+    k
+}
+
+/// pool-runtime §7: ratios [4,128,4,0], NB 3, slots 2, ring 7, arena 10.
+#[test]
+fn json_carries_the_spec_names_and_numbers() {
+    let v = json_of(&[
+        "layout",
+        "--ratios",
+        "4,128,4,0",
+        "--blocks",
+        "3",
+        "--slots",
+        "2",
+        "--ring",
+        "7",
+        "--arena-rows",
+        "10",
+        "--json",
+    ]);
+    assert_eq!(
+        keys(&v),
+        sorted(&[
+            "ratios",
+            "num_blocks",
+            "num_slots",
+            "ring_slots",
+            "block_size",
+            "arena_rows",
+            "slot_align_rows",
+            "envelope_rows",
+            "entry_rows",
+            "slot_rows",
+            "plane_rows",
+            "slot_positions",
+            "slot_origin",
+            "classes",
+            "layers",
+            "physical_slots",
+        ])
+    );
+    assert_eq!(v["ratios"], serde_json::json!([4, 128, 4, 0]));
+    assert_eq!((v["num_blocks"].as_i64(), v["num_slots"].as_i64()), (Some(3), Some(2)));
+    assert_eq!((v["ring_slots"].as_i64(), v["block_size"].as_i64()), (Some(7), Some(256)));
+    assert_eq!((v["arena_rows"].as_i64(), v["slot_align_rows"].as_i64()), (Some(10), Some(2)));
+    assert_eq!(v["envelope_rows"].as_i64(), Some(130));
+    assert_eq!(v["entry_rows"].as_i64(), Some(85));
+    assert_eq!(v["slot_rows"].as_i64(), Some(96));
+    assert_eq!(v["plane_rows"].as_i64(), Some(672));
+    assert_eq!((v["slot_positions"].as_i64(), v["slot_origin"].as_i64()), (Some(7), Some(0)));
+    assert_eq!(v["physical_slots"], serde_json::json!([6, 5]));
+
+    let classes = v["classes"].as_array().unwrap();
+    assert_eq!(classes.len(), 3);
+    let class_keys = sorted(&[
+        "ratio",
+        "layers",
+        "block_rows",
+        "ring_stride",
+        "ring_slots",
+        "envelope_offset",
+        "entry_offset",
+        "envelope_rows",
+        "entry_rows",
+        "window_params",
+    ]);
+    let wp_keys = sorted(&["ring_start", "slot_rows", "ring_slots", "ring_stride", "run_rows"]);
+    for c in classes {
+        assert_eq!(keys(c), class_keys);
+        assert_eq!(keys(&c["window_params"]), wp_keys);
+    }
+    // Entry order: dense, HCA, CSA; CSA two layers at stride 64 behind HCA's 2 envelope rows.
+    let ratios: Vec<i64> = classes.iter().map(|c| c["ratio"].as_i64().unwrap()).collect();
+    assert_eq!(ratios, vec![0, 128, 4]);
+    let csa = &classes[2];
+    assert_eq!(csa["layers"], serde_json::json!([0, 2]));
+    assert_eq!((csa["envelope_offset"].as_i64(), csa["entry_offset"].as_i64()), (Some(2), Some(14)));
+    assert_eq!((csa["envelope_rows"].as_i64(), csa["entry_rows"].as_i64()), (Some(128), Some(71)));
+    assert_eq!(
+        csa["window_params"],
+        serde_json::json!({"ring_start": 22, "slot_rows": 96, "ring_slots": 7, "ring_stride": 64, "run_rows": 128})
+    );
+
+    let layers = v["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 4);
+    for (i, l) in layers.iter().enumerate() {
+        assert_eq!(keys(l), sorted(&["layer", "ratio", "base_row", "view_rows"]));
+        assert_eq!(l["layer"].as_u64(), Some(i as u64));
+    }
+    let bases: Vec<i64> = layers.iter().map(|l| l["base_row"].as_i64().unwrap()).collect();
+    assert_eq!(bases, vec![2, 0, 66, 0]);
+    let views: Vec<i64> = layers.iter().map(|l| l["view_rows"].as_i64().unwrap()).collect();
+    assert_eq!(views, vec![670, 672, 606, 672]);
+}
+
+#[test]
+fn absent_layers_are_null_and_presets_default_the_ring() {
+    let v = json_of(&[
+        "layout",
+        "--model",
+        "v4-pro-dspark",
+        "--spec-steps",
+        "7",
+        "--blocks",
+        "1",
+        "--slots",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(v["ring_slots"].as_i64(), Some(135));
+    assert_eq!(v["block_size"].as_i64(), Some(256));
+    let layers = v["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 64);
+    for l in &layers[61..] {
+        assert_eq!(l["ratio"].as_i64(), Some(-1));
+        assert!(l["base_row"].is_null() && l["view_rows"].is_null());
+    }
+    assert!(layers[..61].iter().all(|l| l["base_row"].is_i64()));
+    // No dense class at all.
+    let ratios: Vec<i64> =
+        v["classes"].as_array().unwrap().iter().map(|c| c["ratio"].as_i64().unwrap()).collect();
+    assert_eq!(ratios, vec![128, 4]);
+    assert_eq!(v["envelope_rows"].as_i64(), Some(1_982));
+
+    // --ring overrides the model's ring.
+    let v = json_of(&[
+        "layout", "--model", "v4-flash", "--ring", "131", "--blocks", "0", "--slots", "0", "--json",
+    ]);
+    assert_eq!((v["ring_slots"].as_i64(), v["entry_rows"].as_i64()), (Some(131), Some(7_003)));
+    assert_eq!(v["physical_slots"], serde_json::json!([]));
+}
+
+#[test]
+fn table_shows_the_worked_numbers() {
+    let o = v4pool(&[
+        "layout",
+        "--model",
+        "v4-flash-dspark-dense",
+        "--spec-steps",
+        "3",
+        "--blocks",
+        "3",
+        "--slots",
+        "2",
+    ]);
+    assert_eq!(o.status.code(), Some(0));
+    let text = stdout(&o);
+    for needle in [
+        "envelope_rows 1384",
+        "entry_rows 7265",
+        "slot_rows 7266",
+        "plane_rows 21798",
+        "ring_slots 131",
+        // 21,798 rows × 512 B and × 128 B.
+        "11160576 B",
+        "2790144 B",
+        "dense(0)",
+        "HCA(128)",
+        "CSA(4)",
+    ] {
+        assert!(text.contains(needle), "missing {needle:?} in\n{text}");
+    }
+    assert!(o.stderr.is_empty());
+}
+
+#[test]
+fn config_json_path_is_read() {
+    let dir = std::env::temp_dir().join(format!("v4pool-cli-layout-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("config.json");
+    std::fs::write(
+        &path,
+        r#"{"num_hidden_layers": 3, "num_nextn_predict_layers": 1, "compress_ratios": [0, 4, 128, 0],
+            "sliding_window": 8, "qk_rope_head_dim": 64, "index_head_dim": 128, "index_topk": 512}"#,
+    )
+    .unwrap();
+    let p = path.to_str().unwrap();
+    let v =
+        json_of(&["layout", "--model", p, "--spec-steps", "2", "--blocks", "2", "--slots", "1", "--json"]);
+    assert_eq!(v["ratios"], serde_json::json!([0, 4, 128, 0]));
+    assert_eq!(v["ring_slots"].as_i64(), Some(10));
+    // The folder holding config.json works too, with drafts made absent.
+    let d = dir.to_str().unwrap();
+    let v =
+        json_of(&["layout", "--model", d, "--draft-stages", "2", "--blocks", "2", "--slots", "1", "--json"]);
+    assert_eq!(v["ratios"], serde_json::json!([0, 4, 128, -1, -1]));
+    // A hostile config is a typed JSON error.
+    std::fs::write(&path, r#"{"num_hidden_layers": "three"}"#).unwrap();
+    let o = v4pool(&["layout", "--model", p, "--blocks", "2", "--slots", "1", "--json"]);
+    assert_eq!(o.status.code(), Some(2));
+    let e: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(e["error"], "WrongType");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Each failing invocation exits 2 with one stderr line, and with `--json` prints exactly
+/// `{"error": VARIANT, "message": TEXT}` on stdout.
+#[test]
+fn errors_exit_2_with_variant_names() {
+    let base = ["layout", "--blocks", "3", "--slots", "2", "--ring", "7"];
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["layout", "--ratios", "4,7", "--blocks", "1", "--slots", "1", "--ring", "7"], "UnknownRatios"),
+        (vec!["layout", "--ratios", "", "--blocks", "1", "--slots", "1", "--ring", "7"], "BadValue"),
+        (vec!["layout", "--ratios", "4,x", "--blocks", "1", "--slots", "1", "--ring", "7"], "BadValue"),
+        (vec!["layout", "--ratios", "4", "--blocks", "1", "--slots", "1", "--ring", "0"], "RingSlots"),
+        (vec!["layout", "--ratios", "4", "--blocks", "-1", "--slots", "1", "--ring", "7"], "NegativeCount"),
+        (
+            vec![
+                "layout",
+                "--ratios",
+                "4",
+                "--blocks",
+                "1",
+                "--slots",
+                "1",
+                "--ring",
+                "7",
+                "--block-size",
+                "0",
+            ],
+            "BlockSize",
+        ),
+        (
+            vec![
+                "layout",
+                "--ratios",
+                "128",
+                "--blocks",
+                "1",
+                "--slots",
+                "1",
+                "--ring",
+                "7",
+                "--block-size",
+                "64",
+            ],
+            "BlockSizeNotDivisible",
+        ),
+        (
+            vec![
+                "layout",
+                "--ratios",
+                "4",
+                "--blocks",
+                "1",
+                "--slots",
+                "1",
+                "--ring",
+                "7",
+                "--plane-rows",
+                "10",
+            ],
+            "PlaneTooSmall",
+        ),
+        (
+            vec!["layout", "--ratios", "4", "--blocks", "9223372036854775807", "--slots", "1", "--ring", "7"],
+            "Overflow",
+        ),
+        (
+            vec!["layout", "--ratios", "4", "--blocks", "40000000", "--slots", "1", "--ring", "7"],
+            "PlaneExceedsI32",
+        ),
+        (vec!["layout", "--ratios", "-1", "--blocks", "1", "--slots", "1", "--ring", "7"], "EmptySlot"),
+        (vec!["layout", "--ratios", "4", "--blocks", "1", "--slots", "1"], "MissingOption"),
+        (vec!["layout", "--ratios", "4", "--slots", "1", "--ring", "7"], "MissingOption"),
+        (vec!["layout", "--blocks", "1", "--slots", "1", "--ring", "7"], "MissingOption"),
+        (vec!["layout", "--model", "v4-flash", "--ratios", "4", "--blocks", "1", "--slots", "1"], "Conflict"),
+        (vec!["layout", "--model", "v4-flashy", "--blocks", "1", "--slots", "1"], "UnknownPreset"),
+        (vec!["layout", "--model", "/nonexistent/config.json", "--blocks", "1", "--slots", "1"], "Io"),
+        (
+            vec!["layout", "--model", "v4-flash", "--spec-steps", "-2", "--blocks", "1", "--slots", "1"],
+            "SpecSteps",
+        ),
+        (
+            vec!["layout", "--model", "v4-flash", "--draft-stages", "3", "--blocks", "1", "--slots", "1"],
+            "Conflict",
+        ),
+        (
+            vec![
+                "layout",
+                "--ratios",
+                "4",
+                "--blocks",
+                "1",
+                "--slots",
+                "1",
+                "--ring",
+                "7",
+                "--slot-positions",
+                "1",
+            ],
+            "SlotPositionsTooFew",
+        ),
+        (
+            vec![
+                "layout",
+                "--ratios",
+                "4",
+                "--blocks",
+                "1",
+                "--slots",
+                "1",
+                "--ring",
+                "7",
+                "--slot-align-rows",
+                "0",
+            ],
+            "SlotAlignRows",
+        ),
+        (
+            vec![
+                "layout",
+                "--ratios",
+                "4",
+                "--blocks",
+                "1",
+                "--slots",
+                "1",
+                "--ring",
+                "7",
+                "--arena-rows",
+                "-3",
+            ],
+            "ArenaRows",
+        ),
+        ([&base[..], &["--ratios", "4", "--frobnicate"]].concat(), "UnknownFlag"),
+        ([&base[..], &["--ratios", "4", "--ring", "8"]].concat(), "Duplicate"),
+        ([&base[..], &["--ratios"]].concat(), "MissingValue"),
+        ([&base[..], &["--ratios", "4", "stray"]].concat(), "Unexpected"),
+        (vec!["frobnicate"], "UnknownCommand"),
+    ];
+    for (args, variant) in cases {
+        let o = v4pool(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: one line, got {err:?}");
+        assert!(o.stdout.is_empty(), "{args:?}: nothing on stdout without --json");
+
+        let mut with_json = args.clone();
+        with_json.push("--json");
+        let o = v4pool(&with_json);
+        assert_eq!(o.status.code(), Some(2), "{with_json:?}");
+        let e: Value =
+            serde_json::from_str(&stdout(&o)).unwrap_or_else(|_| panic!("{with_json:?}: {}", stdout(&o)));
+        assert_eq!(keys(&e), sorted(&["error", "message"]), "{with_json:?}");
+        assert_eq!(e["error"], variant, "{with_json:?}: {e}");
+        assert!(!e["message"].as_str().unwrap().is_empty());
+    }
+}
+
+#[test]
+fn json_refuses_to_list_a_huge_slot_count() {
+    let args = ["layout", "--ratios", "4", "--blocks", "1", "--slots", "9999999", "--ring", "7"];
+    // The table does not list groups, so it prints.
+    assert_eq!(v4pool(&args).status.code(), Some(0));
+    let o = v4pool(&[&args[..], &["--json"]].concat());
+    assert_eq!(o.status.code(), Some(2));
+    let e: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(e["error"], "TooLarge");
+}
+
+#[test]
+fn help_and_dispatch() {
+    for args in [vec!["help"], vec!["--help"], vec!["layout", "--help"]] {
+        let o = v4pool(&args);
+        assert_eq!(o.status.code(), Some(0), "{args:?}");
+        assert!(stdout(&o).contains("usage: v4pool"), "{args:?}");
+    }
+    let o = v4pool(&[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("usage: v4pool"));
+}
