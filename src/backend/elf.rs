@@ -36,12 +36,7 @@ pub enum ElfError {
     #[error("ELF class {class} / data encoding {data}: only ELF64 little-endian is read")]
     Unsupported { class: u8, data: u8 },
     #[error("{what} at byte {offset} (+{len}) runs past the end of the {size}-byte file")]
-    Truncated {
-        what: &'static str,
-        offset: u64,
-        len: u64,
-        size: u64,
-    },
+    Truncated { what: &'static str, offset: u64, len: u64, size: u64 },
     #[error("section header entry size {got}, expected 64")]
     SectionEntrySize { got: u16 },
     #[error("symbol entry size {got}, expected 24")]
@@ -84,30 +79,19 @@ impl ElfObject {
     /// `<name>.kd`, which is what the ROCm loader (and so `hipModuleGetFunction`) looks up.
     pub fn has_kernel(&self, name: &str) -> bool {
         let descriptor = format!("{name}.kd");
-        let has_function = self.symbols.iter().any(|s| {
-            s.defined && s.name == name && (s.kind == STT_FUNC || s.kind == STT_AMDGPU_HSA_KERNEL)
-        });
-        let has_descriptor = self
+        let has_function = self
             .symbols
             .iter()
-            .any(|s| s.defined && s.name == descriptor && s.kind == STT_OBJECT);
+            .any(|s| s.defined && s.name == name && (s.kind == STT_FUNC || s.kind == STT_AMDGPU_HSA_KERNEL));
+        let has_descriptor =
+            self.symbols.iter().any(|s| s.defined && s.name == descriptor && s.kind == STT_OBJECT);
         has_function && has_descriptor
     }
 }
 
-fn slice<'a>(
-    bytes: &'a [u8],
-    offset: u64,
-    len: u64,
-    what: &'static str,
-) -> Result<&'a [u8], ElfError> {
+fn slice<'a>(bytes: &'a [u8], offset: u64, len: u64, what: &'static str) -> Result<&'a [u8], ElfError> {
     let size = bytes.len() as u64;
-    let truncated = ElfError::Truncated {
-        what,
-        offset,
-        len,
-        size,
-    };
+    let truncated = ElfError::Truncated { what, offset, len, size };
     let end = offset.checked_add(len).ok_or(truncated.clone())?;
     if end > size {
         return Err(truncated);
@@ -142,15 +126,14 @@ struct Section {
 }
 
 fn section(bytes: &[u8], shoff: u64, index: u64) -> Result<Section, ElfError> {
-    let base = index
-        .checked_mul(SECTION_HEADER_BYTES)
-        .and_then(|o| o.checked_add(shoff))
-        .ok_or(ElfError::Truncated {
+    let base = index.checked_mul(SECTION_HEADER_BYTES).and_then(|o| o.checked_add(shoff)).ok_or(
+        ElfError::Truncated {
             what: "section header",
             offset: shoff,
             len: u64::MAX,
             size: bytes.len() as u64,
-        })?;
+        },
+    )?;
     slice(bytes, base, SECTION_HEADER_BYTES, "section header")?;
     Ok(Section {
         kind: u32_at(bytes, base + 4, "sh_type")?,
@@ -166,20 +149,15 @@ fn name_at(strtab: &[u8], offset: u64) -> Result<String, ElfError> {
     let start = usize::try_from(offset).map_err(|_| bad.clone())?;
     let rest = strtab.get(start..).ok_or(bad.clone())?;
     let len = rest.iter().position(|&b| b == 0).ok_or(bad.clone())?;
-    std::str::from_utf8(&rest[..len])
-        .map(str::to_owned)
-        .map_err(|_| bad)
+    std::str::from_utf8(&rest[..len]).map(str::to_owned).map_err(|_| bad)
 }
 
 /// Read the header and both symbol tables of an ELF64 little-endian file.
 pub fn parse(bytes: &[u8]) -> Result<ElfObject, ElfError> {
-    let ident = slice(bytes, 0, 16, "ELF identification").map_err(|_| ElfError::NotElf {
-        magic: bytes.iter().take(4).copied().collect(),
-    })?;
+    let ident = slice(bytes, 0, 16, "ELF identification")
+        .map_err(|_| ElfError::NotElf { magic: bytes.iter().take(4).copied().collect() })?;
     if &ident[..4] != b"\x7fELF" {
-        return Err(ElfError::NotElf {
-            magic: ident[..4].to_vec(),
-        });
+        return Err(ElfError::NotElf { magic: ident[..4].to_vec() });
     }
     let (class, data) = (ident[4], ident[5]);
     if class != 2 || data != 1 {
@@ -204,10 +182,7 @@ pub fn parse(bytes: &[u8]) -> Result<ElfObject, ElfError> {
             return Err(ElfError::SymbolEntrySize { got: table.entsize });
         }
         if table.link >= u32::from(shnum) {
-            return Err(ElfError::BadLink {
-                link: table.link,
-                count: shnum,
-            });
+            return Err(ElfError::BadLink { link: table.link, count: shnum });
         }
         let strings = section(bytes, shoff, u64::from(table.link))?;
         let strtab = slice(bytes, strings.offset, strings.size, "string table")?;
@@ -227,11 +202,7 @@ pub fn parse(bytes: &[u8]) -> Result<ElfObject, ElfError> {
             });
         }
     }
-    Ok(ElfObject {
-        machine,
-        flags,
-        symbols,
-    })
+    Ok(ElfObject { machine, flags, symbols })
 }
 
 /// One entry of a clang offload bundle: the target triple (e.g.
@@ -249,10 +220,7 @@ pub fn code_objects(bytes: &[u8]) -> Result<Vec<BundleEntry<'_>>, ElfError> {
         return Err(ElfError::CompressedBundle);
     }
     if !bytes.starts_with(BUNDLE_MAGIC) {
-        return Ok(vec![BundleEntry {
-            triple: String::new(),
-            bytes,
-        }]);
+        return Ok(vec![BundleEntry { triple: String::new(), bytes }]);
     }
     let count = u64_at(bytes, BUNDLE_MAGIC.len() as u64, "bundle entry count")?;
     let mut at = BUNDLE_MAGIC.len() as u64 + 8;
@@ -270,10 +238,7 @@ pub fn code_objects(bytes: &[u8]) -> Result<Vec<BundleEntry<'_>>, ElfError> {
             size: bytes.len() as u64,
         })?;
         if size > 0 {
-            entries.push(BundleEntry {
-                triple,
-                bytes: slice(bytes, offset, size, "bundle entry")?,
-            });
+            entries.push(BundleEntry { triple, bytes: slice(bytes, offset, size, "bundle entry")? });
         }
     }
     Ok(entries)
@@ -341,10 +306,7 @@ mod tests {
     fn every_truncation_is_an_error_not_a_panic() {
         let full = tiny_object(EM_AMDGPU, 0x53f);
         for len in 0..full.len() {
-            assert!(
-                parse(&full[..len]).is_err(),
-                "truncated to {len} bytes parsed"
-            );
+            assert!(parse(&full[..len]).is_err(), "truncated to {len} bytes parsed");
         }
     }
 
@@ -353,42 +315,23 @@ mod tests {
         let mut f = tiny_object(EM_AMDGPU, 0);
         f[0x28..0x30].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(matches!(parse(&f), Err(ElfError::Truncated { .. })));
-        assert!(matches!(
-            parse(b"\x7fELF\x01\x01"),
-            Err(ElfError::NotElf { .. })
-        ));
+        assert!(matches!(parse(b"\x7fELF\x01\x01"), Err(ElfError::NotElf { .. })));
         let mut f = tiny_object(EM_AMDGPU, 0);
         f[4] = 1;
         assert_eq!(parse(&f), Err(ElfError::Unsupported { class: 1, data: 1 }));
-        assert!(matches!(
-            parse(b"MZ not elf at all"),
-            Err(ElfError::NotElf { .. })
-        ));
+        assert!(matches!(parse(b"MZ not elf at all"), Err(ElfError::NotElf { .. })));
     }
 
     #[test]
     fn unbundles_and_passes_plain_objects_through() {
         let obj = tiny_object(EM_AMDGPU, 0x54c);
-        assert_eq!(
-            code_objects(&obj).unwrap(),
-            vec![BundleEntry {
-                triple: String::new(),
-                bytes: &obj
-            }]
-        );
+        assert_eq!(code_objects(&obj).unwrap(), vec![BundleEntry { triple: String::new(), bytes: &obj }]);
 
-        let triples = [
-            "host-x86_64-unknown-linux-gnu-",
-            "hipv4-amdgcn-amd-amdhsa--gfx942",
-        ];
-        let header_len =
-            BUNDLE_MAGIC.len() + 8 + triples.iter().map(|t| 24 + t.len()).sum::<usize>();
+        let triples = ["host-x86_64-unknown-linux-gnu-", "hipv4-amdgcn-amd-amdhsa--gfx942"];
+        let header_len = BUNDLE_MAGIC.len() + 8 + triples.iter().map(|t| 24 + t.len()).sum::<usize>();
         let mut b = BUNDLE_MAGIC.to_vec();
         b.extend_from_slice(&2u64.to_le_bytes());
-        for (t, (off, size)) in triples
-            .iter()
-            .zip([(header_len, 0usize), (header_len, obj.len())])
-        {
+        for (t, (off, size)) in triples.iter().zip([(header_len, 0usize), (header_len, obj.len())]) {
             b.extend_from_slice(&(off as u64).to_le_bytes());
             b.extend_from_slice(&(size as u64).to_le_bytes());
             b.extend_from_slice(&(t.len() as u64).to_le_bytes());

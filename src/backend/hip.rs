@@ -74,9 +74,7 @@ fn library_candidates(stems: &[&str]) -> Vec<String> {
         .collect();
     dirs.push(String::new());
     dirs.push("/opt/rocm/lib/".to_owned());
-    dirs.iter()
-        .flat_map(|d| stems.iter().map(move |s| format!("{d}{s}")))
-        .collect()
+    dirs.iter().flat_map(|d| stems.iter().map(move |s| format!("{d}{s}"))).collect()
 }
 
 fn open_first(stems: &[&str]) -> Result<Library, String> {
@@ -89,11 +87,7 @@ fn open_first(stems: &[&str]) -> Result<Library, String> {
             Err(e) => tried.push(format!("{name}: {e}")),
         }
     }
-    Err(format!(
-        "could not open {} ({})",
-        stems.first().copied().unwrap_or("?"),
-        tried.join("; ")
-    ))
+    Err(format!("could not open {} ({})", stems.first().copied().unwrap_or("?"), tried.join("; ")))
 }
 
 /// Copy a function pointer out of `lib`.
@@ -102,9 +96,7 @@ fn open_first(stems: &[&str]) -> Result<Library, String> {
 /// `T` must be the exact C signature of `name`, and the pointer must not outlive `lib`.
 unsafe fn sym<T: Copy>(lib: &Library, name: &str) -> Result<T, String> {
     // SAFETY: forwarded to the caller (signature and lifetime).
-    unsafe { lib.get::<T>(name.as_bytes()) }
-        .map(|s| *s)
-        .map_err(|e| format!("{name}: {e}"))
+    unsafe { lib.get::<T>(name.as_bytes()) }.map(|s| *s).map_err(|e| format!("{name}: {e}"))
 }
 
 /// The HIP runtime functions the backend calls, resolved once per process.
@@ -153,12 +145,8 @@ struct HipApi {
 
 impl HipApi {
     fn load() -> Result<HipApi, String> {
-        let lib = open_first(&[
-            "libamdhip64.so",
-            "libamdhip64.so.7",
-            "libamdhip64.so.6",
-            "libamdhip64.so.5",
-        ])?;
+        let lib =
+            open_first(&["libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so.5"])?;
         // SAFETY: each signature below is the one `hip_runtime_api.h` declares (hipError_t
         // is a C enum = int; handles are pointers; hipDevice_t is int); the pointers live as
         // long as `lib`, which the table owns.
@@ -209,27 +197,18 @@ impl HipApi {
         if code == HIP_SUCCESS {
             Ok(())
         } else {
-            Err(BackendError::Driver {
-                backend: KIND,
-                call,
-                message: self.message(code),
-            })
+            Err(BackendError::Driver { backend: KIND, call, message: self.message(code) })
         }
     }
 }
 
 fn unavailable(reason: impl Into<String>) -> BackendError {
-    BackendError::Unavailable {
-        backend: KIND,
-        reason: reason.into(),
-    }
+    BackendError::Unavailable { backend: KIND, reason: reason.into() }
 }
 
 fn api() -> Result<&'static HipApi, BackendError> {
     static API: OnceLock<Result<HipApi, String>> = OnceLock::new();
-    API.get_or_init(HipApi::load)
-        .as_ref()
-        .map_err(|e| unavailable(e.clone()))
+    API.get_or_init(HipApi::load).as_ref().map_err(|e| unavailable(e.clone()))
 }
 
 /// `hipInit` and the device count; `Unavailable` when there is no runtime, driver or GPU.
@@ -238,19 +217,13 @@ fn init_and_count() -> Result<(&'static HipApi, c_int), BackendError> {
     // SAFETY: plain C calls with valid out-pointers.
     let init = unsafe { (api.init)(0) };
     if init != HIP_SUCCESS {
-        return Err(unavailable(format!(
-            "hipInit failed: {}",
-            api.message(init)
-        )));
+        return Err(unavailable(format!("hipInit failed: {}", api.message(init))));
     }
     let mut count: c_int = 0;
     // SAFETY: as above.
     let rc = unsafe { (api.get_device_count)(&mut count) };
     if rc != HIP_SUCCESS {
-        return Err(unavailable(format!(
-            "hipGetDeviceCount failed: {}",
-            api.message(rc)
-        )));
+        return Err(unavailable(format!("hipGetDeviceCount failed: {}", api.message(rc))));
     }
     if count < 1 {
         return Err(unavailable("no HIP device"));
@@ -312,29 +285,21 @@ impl RtcApi {
             return format!("hiprtcResult {code}");
         }
         // SAFETY: non-null, NUL-terminated, static.
-        format!(
-            "{} (hiprtcResult {code})",
-            unsafe { CStr::from_ptr(text) }.to_string_lossy()
-        )
+        format!("{} (hiprtcResult {code})", unsafe { CStr::from_ptr(text) }.to_string_lossy())
     }
 
     fn check(&self, code: c_int, call: &'static str) -> Result<(), BackendError> {
         if code == 0 {
             Ok(())
         } else {
-            Err(BackendError::Driver {
-                backend: KIND,
-                call,
-                message: self.message(code),
-            })
+            Err(BackendError::Driver { backend: KIND, call, message: self.message(code) })
         }
     }
 
     /// Compile `source` for `arch` (`None`: hiprtc's default, the current device).
     fn compile(&self, source: &str, arch: Option<&str>) -> Result<Vec<u8>, BackendError> {
         let compile_error = |log: String| BackendError::Compile { backend: KIND, log };
-        let source =
-            CString::new(source).map_err(|_| compile_error("kernel source contains NUL".into()))?;
+        let source = CString::new(source).map_err(|_| compile_error("kernel source contains NUL".into()))?;
         let name = c"v4pool_kernels.hip";
         let mut options = vec![CString::from(c"-O3")];
         if let Some(arch) = arch {
@@ -363,52 +328,31 @@ impl RtcApi {
         result
     }
 
-    fn compile_created(
-        &self,
-        program: Raw,
-        options: &[*const c_char],
-    ) -> Result<Vec<u8>, BackendError> {
-        let count = c_int::try_from(options.len()).map_err(|_| BackendError::Compile {
-            backend: KIND,
-            log: "too many hiprtc options".into(),
-        })?;
+    fn compile_created(&self, program: Raw, options: &[*const c_char]) -> Result<Vec<u8>, BackendError> {
+        let count = c_int::try_from(options.len())
+            .map_err(|_| BackendError::Compile { backend: KIND, log: "too many hiprtc options".into() })?;
         // SAFETY: `program` is live; `options` holds `count` valid C strings.
         let rc = unsafe { (self.compile_program)(program, count, options.as_ptr()) };
         if rc != 0 {
             let log = self.log(program).unwrap_or_default();
-            return Err(BackendError::Compile {
-                backend: KIND,
-                log: format!("{}\n{log}", self.message(rc)),
-            });
+            return Err(BackendError::Compile { backend: KIND, log: format!("{}\n{log}", self.message(rc)) });
         }
         let mut size = 0usize;
         // SAFETY: live program, valid out-pointer.
-        self.check(
-            unsafe { (self.get_code_size)(program, &mut size) },
-            "hiprtcGetCodeSize",
-        )?;
+        self.check(unsafe { (self.get_code_size)(program, &mut size) }, "hiprtcGetCodeSize")?;
         let mut code = vec![0u8; size];
         // SAFETY: `code` has the `size` bytes hiprtc reported.
-        self.check(
-            unsafe { (self.get_code)(program, code.as_mut_ptr().cast()) },
-            "hiprtcGetCode",
-        )?;
+        self.check(unsafe { (self.get_code)(program, code.as_mut_ptr().cast()) }, "hiprtcGetCode")?;
         Ok(code)
     }
 
     fn log(&self, program: Raw) -> Result<String, BackendError> {
         let mut size = 0usize;
         // SAFETY: live program, valid out-pointer.
-        self.check(
-            unsafe { (self.get_log_size)(program, &mut size) },
-            "hiprtcGetProgramLogSize",
-        )?;
+        self.check(unsafe { (self.get_log_size)(program, &mut size) }, "hiprtcGetProgramLogSize")?;
         let mut log = vec![0u8; size.max(1)];
         // SAFETY: `log` holds at least the reported size.
-        self.check(
-            unsafe { (self.get_log)(program, log.as_mut_ptr().cast()) },
-            "hiprtcGetProgramLog",
-        )?;
+        self.check(unsafe { (self.get_log)(program, log.as_mut_ptr().cast()) }, "hiprtcGetProgramLog")?;
         let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
         Ok(String::from_utf8_lossy(&log[..end]).into_owned())
     }
@@ -418,10 +362,7 @@ fn rtc() -> Result<&'static RtcApi, BackendError> {
     static RTC: OnceLock<Result<RtcApi, String>> = OnceLock::new();
     RTC.get_or_init(RtcApi::load)
         .as_ref()
-        .map_err(|e| BackendError::Compile {
-            backend: KIND,
-            log: format!("hiprtc unavailable: {e}"),
-        })
+        .map_err(|e| BackendError::Compile { backend: KIND, log: format!("hiprtc unavailable: {e}") })
 }
 
 /// The code objects build.rs embedded, as `(arch, bytes)`; empty when it had no clang-19.
@@ -443,9 +384,7 @@ pub fn parse_arch_name(raw: &[u8]) -> Option<String> {
     let ok_processor = processor.len() > 3
         && processor.starts_with("gfx")
         && processor.bytes().all(|b| b.is_ascii_alphanumeric());
-    let ok_rest = text
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b":+-_".contains(&b));
+    let ok_rest = text.bytes().all(|b| b.is_ascii_alphanumeric() || b":+-_".contains(&b));
     (ok_processor && ok_rest).then(|| text.to_owned())
 }
 
@@ -504,32 +443,19 @@ fn compiled_for(arch: Option<&str>) -> Result<&'static [u8], BackendError> {
 
 /// `hipModuleLoadData` on a copy of `image` in 8-byte-aligned memory (an embedded slice has
 /// byte alignment only), then every kernel of [`KERNEL_SYMBOLS`].
-fn load_module(
-    api: &HipApi,
-    image: &[u8],
-    origin: ModuleOrigin,
-) -> Result<LoadedModule, BackendError> {
+fn load_module(api: &HipApi, image: &[u8], origin: ModuleOrigin) -> Result<LoadedModule, BackendError> {
     let mut aligned = vec![0u64; image.len().div_ceil(8)];
     bytemuck::cast_slice_mut::<u64, u8>(&mut aligned)[..image.len()].copy_from_slice(image);
     let mut module: Raw = std::ptr::null_mut();
     // SAFETY: `aligned` holds a complete code object and outlives the call (HIP copies it).
-    api.check(
-        unsafe { (api.module_load_data)(&mut module, aligned.as_ptr().cast()) },
-        "hipModuleLoadData",
-    )?;
+    api.check(unsafe { (api.module_load_data)(&mut module, aligned.as_ptr().cast()) }, "hipModuleLoadData")?;
     let mut functions = [std::ptr::null_mut(); KERNEL_SYMBOLS.len()];
     for (slot, symbol) in functions.iter_mut().zip(KERNEL_SYMBOLS) {
-        let name = CString::new(symbol).map_err(|_| BackendError::MissingKernel {
-            backend: KIND,
-            symbol,
-        })?;
+        let name = CString::new(symbol).map_err(|_| BackendError::MissingKernel { backend: KIND, symbol })?;
         // SAFETY: `module` was just loaded; `name` is a valid C string.
         let rc = unsafe { (api.module_get_function)(slot, module, name.as_ptr()) };
         if rc == HIP_ERROR_NOT_FOUND || (rc == HIP_SUCCESS && slot.is_null()) {
-            return Err(BackendError::MissingKernel {
-                backend: KIND,
-                symbol,
-            });
+            return Err(BackendError::MissingKernel { backend: KIND, symbol });
         }
         api.check(rc, "hipModuleGetFunction")?;
     }
@@ -557,21 +483,16 @@ fn choose_module(api: &HipApi, arch: Option<&str>) -> Result<LoadedModule, Backe
         }
     }
     let image = compiled_for(arch).map_err(|e| match e {
-        BackendError::Compile { backend, log } if !notes.is_empty() => BackendError::Compile {
-            backend,
-            log: format!("{}\n{log}", notes.join("\n")),
-        },
+        BackendError::Compile { backend, log } if !notes.is_empty() => {
+            BackendError::Compile { backend, log: format!("{}\n{log}", notes.join("\n")) }
+        }
         other => other,
     })?;
     load_module(api, image, ModuleOrigin::Hiprtc(arch.map(str::to_owned)))
 }
 
 /// The module of device `ordinal`, loaded on first use and kept for the process.
-fn module_for(
-    api: &HipApi,
-    ordinal: c_int,
-    arch: Option<&str>,
-) -> Result<Arc<LoadedModule>, BackendError> {
+fn module_for(api: &HipApi, ordinal: c_int, arch: Option<&str>) -> Result<Arc<LoadedModule>, BackendError> {
     static MODULES: Mutex<Vec<(c_int, Arc<LoadedModule>)>> = Mutex::new(Vec::new());
     let mut modules = MODULES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, m)) = modules.iter().find(|(o, _)| *o == ordinal) {
@@ -645,14 +566,7 @@ impl HipBackend {
                 return Err(e);
             }
         };
-        Ok(HipBackend {
-            api,
-            ordinal,
-            name,
-            arch,
-            stream,
-            module,
-        })
+        Ok(HipBackend { api, ordinal, name, arch, stream, module })
     }
 
     /// The arch string the device reported (`None`: could not be read safely).
@@ -681,26 +595,15 @@ impl HipBackend {
         self.bind()?;
         let mut event: Raw = std::ptr::null_mut();
         // SAFETY: valid out-pointer; default flags keep timing enabled.
-        self.api.check(
-            unsafe { (self.api.event_create)(&mut event) },
-            "hipEventCreate",
-        )?;
-        Ok(HipEvent {
-            api: self.api,
-            ordinal: self.ordinal,
-            own_stream: self.stream.0 as u64,
-            event,
-        })
+        self.api.check(unsafe { (self.api.event_create)(&mut event) }, "hipEventCreate")?;
+        Ok(HipEvent { api: self.api, ordinal: self.ordinal, own_stream: self.stream.0 as u64, event })
     }
 
     /// Make this backend's device current on the calling thread (HIP's current device is
     /// per thread, and the backend may be called from any thread).
     fn bind(&self) -> Result<(), BackendError> {
         // SAFETY: the ordinal was validated in `new`.
-        self.api.check(
-            unsafe { (self.api.set_device)(self.ordinal) },
-            "hipSetDevice",
-        )
+        self.api.check(unsafe { (self.api.set_device)(self.ordinal) }, "hipSetDevice")
     }
 
     fn resolve(&self, stream: Stream) -> Raw {
@@ -713,10 +616,7 @@ impl HipBackend {
 
     fn sync_raw(&self, raw: Raw) -> Result<(), BackendError> {
         // SAFETY: `raw` is this backend's stream or one the caller owns.
-        self.api.check(
-            unsafe { (self.api.stream_synchronize)(raw) },
-            "hipStreamSynchronize",
-        )
+        self.api.check(unsafe { (self.api.stream_synchronize)(raw) }, "hipStreamSynchronize")
     }
 }
 
@@ -737,35 +637,22 @@ unsafe impl Sync for HipEvent {}
 impl HipEvent {
     fn bind(&self) -> Result<(), BackendError> {
         // SAFETY: the ordinal was validated when the backend was created.
-        self.api.check(
-            unsafe { (self.api.set_device)(self.ordinal) },
-            "hipSetDevice",
-        )
+        self.api.check(unsafe { (self.api.set_device)(self.ordinal) }, "hipSetDevice")
     }
 
     /// Record at the current end of `stream`'s queue.
     pub fn record(&self, stream: Stream) -> Result<(), BackendError> {
         self.bind()?;
-        let raw = if stream == Stream::DEFAULT {
-            self.own_stream
-        } else {
-            stream.0
-        };
+        let raw = if stream == Stream::DEFAULT { self.own_stream } else { stream.0 };
         // SAFETY: a live event; the stream is the backend's or the caller's.
-        self.api.check(
-            unsafe { (self.api.event_record)(self.event, raw as Raw) },
-            "hipEventRecord",
-        )
+        self.api.check(unsafe { (self.api.event_record)(self.event, raw as Raw) }, "hipEventRecord")
     }
 
     /// Wait until the recorded work has run.
     pub fn synchronize(&self) -> Result<(), BackendError> {
         self.bind()?;
         // SAFETY: a live event.
-        self.api.check(
-            unsafe { (self.api.event_synchronize)(self.event) },
-            "hipEventSynchronize",
-        )
+        self.api.check(unsafe { (self.api.event_synchronize)(self.event) }, "hipEventSynchronize")
     }
 
     /// Milliseconds from this event to `end` (waits for `end`).
@@ -791,19 +678,14 @@ impl Drop for HipEvent {
 
 impl fmt::Debug for HipEvent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HipEvent")
-            .field("ordinal", &self.ordinal)
-            .finish_non_exhaustive()
+        f.debug_struct("HipEvent").field("ordinal", &self.ordinal).finish_non_exhaustive()
     }
 }
 
 fn device_name(api: &HipApi, ordinal: c_int) -> Result<String, BackendError> {
     let mut device: c_int = 0;
     // SAFETY: valid out-pointer, ordinal in range.
-    api.check(
-        unsafe { (api.device_get)(&mut device, ordinal) },
-        "hipDeviceGet",
-    )?;
+    api.check(unsafe { (api.device_get)(&mut device, ordinal) }, "hipDeviceGet")?;
     let mut name = [0u8; 256];
     // SAFETY: the buffer's length is passed; HIP NUL-terminates within it.
     api.check(
@@ -822,10 +704,7 @@ fn launch_dims(launch: &Launch) -> Result<Option<([u32; 3], [u32; 3])>, BackendE
         match u32::try_from(n) {
             Ok(0) => Ok(None),
             Ok(v) if v < i32::MAX as u32 => Ok(Some(v)),
-            _ => Err(BackendError::InvalidLaunch {
-                kernel,
-                reason: format!("count {n}"),
-            }),
+            _ => Err(BackendError::InvalidLaunch { kernel, reason: format!("count {n}") }),
         }
     };
     let one = |n: i64, threads: u32| Ok(count(n)?.map(|g| ([g, 1, 1], [threads, 1, 1])));
@@ -881,11 +760,7 @@ impl Backend for HipBackend {
         // SAFETY: valid out-pointer.
         let rc = unsafe { (self.api.malloc)(&mut ptr, size) };
         if rc == HIP_ERROR_OUT_OF_MEMORY {
-            return Err(BackendError::OutOfMemory {
-                backend: KIND,
-                bytes,
-                message: self.api.message(rc),
-            });
+            return Err(BackendError::OutOfMemory { backend: KIND, bytes, message: self.api.message(rc) });
         }
         self.api.check(rc, "hipMalloc")?;
         // Zero on the backend's stream and wait, so the zeros are in place before any stream
@@ -901,10 +776,7 @@ impl Backend for HipBackend {
             let _ = unsafe { (self.api.free)(ptr) };
             return Err(e);
         }
-        Ok(DeviceAllocation {
-            ptr: ptr as DevicePtr,
-            bytes,
-        })
+        Ok(DeviceAllocation { ptr: ptr as DevicePtr, bytes })
     }
 
     unsafe fn free(&self, alloc: DeviceAllocation) {
@@ -915,42 +787,28 @@ impl Backend for HipBackend {
         let _ = unsafe { (self.api.free)(alloc.ptr as Raw) };
     }
 
-    unsafe fn upload(
-        &self,
-        dst: DevicePtr,
-        src: &[u8],
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn upload(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> Result<(), BackendError> {
         if src.is_empty() {
             return Ok(());
         }
         self.bind()?;
         let raw = self.resolve(stream);
         // SAFETY: the caller promises `dst` covers `src.len()` bytes; HIP only reads `src`.
-        let rc = unsafe {
-            (self.api.memcpy_htod_async)(dst as Raw, src.as_ptr() as Raw, src.len(), raw)
-        };
+        let rc = unsafe { (self.api.memcpy_htod_async)(dst as Raw, src.as_ptr() as Raw, src.len(), raw) };
         self.api.check(rc, "hipMemcpyHtoDAsync")?;
         // HIP does not promise that an async copy from pageable memory has read `src` when it
         // returns; waiting is what lets us return "src may be reused".
         self.sync_raw(raw)
     }
 
-    unsafe fn download(
-        &self,
-        dst: &mut [u8],
-        src: DevicePtr,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn download(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
         if dst.is_empty() {
             return Ok(());
         }
         self.bind()?;
         let raw = self.resolve(stream);
         // SAFETY: the caller promises `src` covers `dst.len()` bytes; `dst` is writable.
-        let rc = unsafe {
-            (self.api.memcpy_dtoh_async)(dst.as_mut_ptr().cast(), src as Raw, dst.len(), raw)
-        };
+        let rc = unsafe { (self.api.memcpy_dtoh_async)(dst.as_mut_ptr().cast(), src as Raw, dst.len(), raw) };
         self.api.check(rc, "hipMemcpyDtoHAsync")?;
         self.sync_raw(raw)
     }
@@ -968,9 +826,7 @@ impl Backend for HipBackend {
         let len = usize_len(bytes, "copy")?;
         self.bind()?;
         // SAFETY: the caller promises both ranges are live and disjoint.
-        let rc = unsafe {
-            (self.api.memcpy_dtod_async)(dst as Raw, src as Raw, len, self.resolve(stream))
-        };
+        let rc = unsafe { (self.api.memcpy_dtod_async)(dst as Raw, src as Raw, len, self.resolve(stream)) };
         self.api.check(rc, "hipMemcpyDtoDAsync")
     }
 
@@ -995,19 +851,16 @@ impl Backend for HipBackend {
         // hipMemsetD32Async takes the word as an int: same bits.
         let word = c_int::from_ne_bytes(value.to_ne_bytes());
         // SAFETY: the caller promises `dst .. dst + 4 * count` is live.
-        let rc =
-            unsafe { (self.api.memset_d32_async)(dst as Raw, word, count, self.resolve(stream)) };
+        let rc = unsafe { (self.api.memset_d32_async)(dst as Raw, word, count, self.resolve(stream)) };
         self.api.check(rc, "hipMemsetD32Async")
     }
 
     unsafe fn launch(&self, launch: &Launch, stream: Stream) -> Result<(), BackendError> {
         let symbol = launch.symbol();
-        let index = KERNEL_SYMBOLS.iter().position(|s| *s == symbol).ok_or(
-            BackendError::MissingKernel {
-                backend: KIND,
-                symbol,
-            },
-        )?;
+        let index = KERNEL_SYMBOLS
+            .iter()
+            .position(|s| *s == symbol)
+            .ok_or(BackendError::MissingKernel { backend: KIND, symbol })?;
         let Some((grid, block)) = launch_dims(launch)? else {
             // Nothing to do (e.g. zero tokens); HIP rejects an empty grid.
             return Ok(());
@@ -1026,11 +879,7 @@ impl Backend for HipBackend {
             Launch::Empty => std::ptr::null_mut(),
         };
         let mut params = [args];
-        let params_ptr = if args.is_null() {
-            std::ptr::null_mut()
-        } else {
-            params.as_mut_ptr()
-        };
+        let params_ptr = if args.is_null() { std::ptr::null_mut() } else { params.as_mut_ptr() };
         // SAFETY: the function belongs to the loaded module; `params` points at the `#[repr(C)]`
         // argument struct the kernel declares, alive until the call returns (HIP copies
         // arguments at launch); the caller promises the pointers inside it are valid.
@@ -1142,10 +991,7 @@ mod tests {
             parse_arch_name(&field(b"gfx942:sramecc+:xnack-")).as_deref(),
             Some("gfx942:sramecc+:xnack-")
         );
-        assert_eq!(
-            parse_arch_name(&field(b"gfx90a")).as_deref(),
-            Some("gfx90a")
-        );
+        assert_eq!(parse_arch_name(&field(b"gfx90a")).as_deref(), Some("gfx90a"));
         assert_eq!(parse_arch_name(&field(b"")), None);
         assert_eq!(parse_arch_name(&field(b"gfx")), None);
         assert_eq!(parse_arch_name(&field(b"AMD Instinct MI300X")), None);
