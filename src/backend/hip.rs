@@ -30,11 +30,17 @@
 //!
 //! Work goes on the caller's `hipStream_t`; [`Stream::DEFAULT`] is a non-blocking stream this
 //! backend owns. Every call first makes the backend's device current on the calling thread.
+//! Uploads up to 256 MiB are staged in pinned buffers recycled by events, so `upload` returns
+//! without waiting for the stream; the host waits only in `download`, `synchronize`,
+//! `alloc_zeroed` (zeros must be in place for every stream), larger uploads and event timing.
+//! Launches are checked with [`check_launch`] first and take their grid from
+//! [`launch_shape`], exactly as the CUDA backend does.
 
 #[path = "elf.rs"]
 pub mod elf;
 
 use super::{Backend, BackendError, BackendKind, DeviceAllocation, Stream};
+use crate::index::shape::{check_launch, launch_shape, LaunchShape};
 use crate::index::{DevicePtr, Launch};
 use libloading::Library;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
@@ -59,6 +65,16 @@ const HIP_SUCCESS: c_int = 0;
 const HIP_ERROR_OUT_OF_MEMORY: c_int = 2;
 const HIP_ERROR_NOT_FOUND: c_int = 500;
 const HIP_STREAM_NON_BLOCKING: c_uint = 1;
+const HIP_ERROR_NOT_READY: c_int = 600;
+const HIP_EVENT_DISABLE_TIMING: c_uint = 2;
+
+/// Uploads up to this size are staged in pinned memory, so `upload` returns without waiting
+/// for the stream; larger ones are pageable copies followed by a wait.
+const STAGING_MAX_BYTES: usize = 256 << 20;
+/// Smallest staging buffer (most uploads are a decode step's few KiB of metadata).
+const STAGING_MIN_BYTES: usize = 64 << 10;
+/// Staging buffers kept at most; past this the least recently used one is waited for.
+const STAGING_MAX_BUFFERS: usize = 32;
 
 type Raw = *mut c_void;
 type HipErr = c_int;
@@ -78,16 +94,23 @@ fn library_candidates(stems: &[&str]) -> Vec<String> {
 }
 
 fn open_first(stems: &[&str]) -> Result<Library, String> {
-    let mut tried = Vec::new();
+    let mut first_error = None;
     for name in library_candidates(stems) {
         // SAFETY: opening a ROCm library runs its initialisers; these are the vendor's own
         // libraries, loaded under their published names.
         match unsafe { Library::new(&name) } {
             Ok(lib) => return Ok(lib),
-            Err(e) => tried.push(format!("{name}: {e}")),
+            Err(e) => {
+                first_error.get_or_insert_with(|| e.to_string());
+            }
         }
     }
-    Err(format!("could not open {} ({})", stems.first().copied().unwrap_or("?"), tried.join("; ")))
+    Err(format!(
+        "{} not found (tried {} in $ROCM_PATH/lib, $HIP_PATH/lib, the loader path, /opt/rocm/lib): {}",
+        stems.first().copied().unwrap_or("library"),
+        stems.join(", "),
+        first_error.unwrap_or_default()
+    ))
 }
 
 /// Copy a function pointer out of `lib`.
@@ -135,6 +158,12 @@ struct HipApi {
     ) -> HipErr,
     get_error_string: unsafe extern "C" fn(HipErr) -> *const c_char,
     event_create: unsafe extern "C" fn(*mut Raw) -> HipErr,
+    event_create_with_flags: unsafe extern "C" fn(*mut Raw, c_uint) -> HipErr,
+    event_query: unsafe extern "C" fn(Raw) -> HipErr,
+    /// `hipHostMalloc`, or `hipHostAlloc` where a later ROCm dropped the former; without
+    /// either, uploads are pageable copies followed by a wait.
+    host_malloc: Option<unsafe extern "C" fn(*mut Raw, usize, c_uint) -> HipErr>,
+    host_free: unsafe extern "C" fn(Raw) -> HipErr,
     event_record: unsafe extern "C" fn(Raw, Raw) -> HipErr,
     event_synchronize: unsafe extern "C" fn(Raw) -> HipErr,
     event_elapsed_time: unsafe extern "C" fn(*mut f32, Raw, Raw) -> HipErr,
@@ -173,6 +202,10 @@ impl HipApi {
                 module_launch_kernel: sym(&lib, "hipModuleLaunchKernel")?,
                 get_error_string: sym(&lib, "hipGetErrorString")?,
                 event_create: sym(&lib, "hipEventCreate")?,
+                event_create_with_flags: sym(&lib, "hipEventCreateWithFlags")?,
+                event_query: sym(&lib, "hipEventQuery")?,
+                host_malloc: sym(&lib, "hipHostMalloc").or_else(|_| sym(&lib, "hipHostAlloc")).ok(),
+                host_free: sym(&lib, "hipHostFree")?,
                 event_record: sym(&lib, "hipEventRecord")?,
                 event_synchronize: sym(&lib, "hipEventSynchronize")?,
                 event_elapsed_time: sym(&lib, "hipEventElapsedTime")?,
@@ -300,7 +333,7 @@ impl RtcApi {
     fn compile(&self, source: &str, arch: Option<&str>) -> Result<Vec<u8>, BackendError> {
         let compile_error = |log: String| BackendError::Compile { backend: KIND, log };
         let source = CString::new(source).map_err(|_| compile_error("kernel source contains NUL".into()))?;
-        let name = c"v4pool_kernels.hip";
+        let name = CString::new(crate::kernels::SOURCE_NAME).unwrap_or_default();
         let mut options = vec![CString::from(c"-O3")];
         if let Some(arch) = arch {
             options.push(
@@ -360,20 +393,27 @@ impl RtcApi {
 
 fn rtc() -> Result<&'static RtcApi, BackendError> {
     static RTC: OnceLock<Result<RtcApi, String>> = OnceLock::new();
-    RTC.get_or_init(RtcApi::load)
-        .as_ref()
-        .map_err(|e| BackendError::Compile { backend: KIND, log: format!("hiprtc unavailable: {e}") })
+    RTC.get_or_init(RtcApi::load).as_ref().map_err(|e| unavailable(format!("hiprtc: {e}")))
 }
 
-/// The code objects build.rs embedded, as `(arch, bytes)`; empty when it had no clang-19.
+/// Compile the embedded kernel source ([`crate::kernels::SOURCE`]) with hiprtc for `arch`
+/// (e.g. `gfx942`; `None`: hiprtc's default, the current device), returning the code object.
+/// Needs only the hiprtc library, not a GPU. [`BackendError::Unavailable`] without hiprtc.
+pub fn hiprtc_compile(arch: Option<&str>) -> Result<Vec<u8>, BackendError> {
+    hiprtc_compile_source(crate::kernels::SOURCE, arch)
+}
+
+/// [`hiprtc_compile`] for any source (tests use a broken one to see the log come back).
+pub fn hiprtc_compile_source(source: &str, arch: Option<&str>) -> Result<Vec<u8>, BackendError> {
+    rtc()?.compile(source, arch)
+}
+
+/// The code objects build.rs embedded, as `(arch, bytes)`; empty when it had no clang 19+.
 pub fn embedded_code_objects() -> Vec<(&'static str, &'static [u8])> {
-    // Interim until src/kernels.rs lands: nothing embedded.
-    Vec::new()
-}
-
-/// The one kernel source of both vendors (hiprtc's input).
-fn kernel_source() -> &'static str {
-    ""
+    [("gfx942", crate::kernels::gfx942_code_object()), ("gfx90a", crate::kernels::gfx90a_code_object())]
+        .into_iter()
+        .filter_map(|(arch, obj)| obj.map(|o| (arch, o)))
+        .collect()
 }
 
 /// Accept `gcnArchName` text only if it reads like `gfx<id>[:feature±…]`.
@@ -436,7 +476,7 @@ fn compiled_for(arch: Option<&str>) -> Result<&'static [u8], BackendError> {
     if let Some((_, code)) = compiled.iter().find(|(a, _)| a.as_deref() == arch) {
         return Ok(code);
     }
-    let code: &'static [u8] = Box::leak(rtc()?.compile(kernel_source(), arch)?.into_boxed_slice());
+    let code: &'static [u8] = Box::leak(rtc()?.compile(crate::kernels::SOURCE, arch)?.into_boxed_slice());
     compiled.push((arch.map(str::to_owned), code));
     Ok(code)
 }
@@ -519,6 +559,7 @@ pub struct HipBackend {
     arch: Option<String>,
     stream: OwnedStream,
     module: Arc<LoadedModule>,
+    staging: Mutex<Staging>,
 }
 
 impl fmt::Debug for HipBackend {
@@ -566,7 +607,7 @@ impl HipBackend {
                 return Err(e);
             }
         };
-        Ok(HipBackend { api, ordinal, name, arch, stream, module })
+        Ok(HipBackend { api, ordinal, name, arch, stream, module, staging: Mutex::new(Staging::default()) })
     }
 
     /// The arch string the device reported (`None`: could not be read safely).
@@ -617,6 +658,143 @@ impl HipBackend {
     fn sync_raw(&self, raw: Raw) -> Result<(), BackendError> {
         // SAFETY: `raw` is this backend's stream or one the caller owns.
         self.api.check(unsafe { (self.api.stream_synchronize)(raw) }, "hipStreamSynchronize")
+    }
+}
+
+/// One pinned buffer and the event that marks its last copy done.
+struct StagingBuffer {
+    host: *mut u8,
+    capacity: usize,
+    event: Raw,
+    /// A copy from it may still be running (until `event` completes).
+    in_flight: bool,
+    /// Upload counter when last used, to find the least recently used buffer.
+    last_use: u64,
+}
+
+/// Pinned staging buffers for uploads: the source is copied into a free buffer, the device
+/// copy is queued from there and an event marks when the buffer may be reused, so `upload`
+/// never waits for the stream (unless every buffer is busy).
+#[derive(Default)]
+struct Staging {
+    buffers: Vec<StagingBuffer>,
+    uploads: u64,
+}
+
+// SAFETY: the pinned pointers and events are process-wide HIP objects, only touched under the
+// backend's mutex.
+unsafe impl Send for Staging {}
+
+impl Staging {
+    fn is_free(api: &HipApi, b: &mut StagingBuffer) -> Result<bool, BackendError> {
+        if b.in_flight {
+            // SAFETY: a live event.
+            let rc = unsafe { (api.event_query)(b.event) };
+            if rc == HIP_ERROR_NOT_READY {
+                return Ok(false);
+            }
+            api.check(rc, "hipEventQuery")?;
+            b.in_flight = false;
+        }
+        Ok(true)
+    }
+
+    fn allocate(api: &HipApi, capacity: usize) -> Result<StagingBuffer, BackendError> {
+        let host_malloc = api.host_malloc.ok_or_else(|| unavailable("no hipHostMalloc"))?;
+        let mut host: Raw = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; flags 0 = hipHostMallocDefault.
+        let rc = unsafe { host_malloc(&mut host, capacity, 0) };
+        if rc == HIP_ERROR_OUT_OF_MEMORY {
+            let message = format!("pinned staging buffer: {}", api.message(rc));
+            return Err(BackendError::OutOfMemory { backend: KIND, bytes: capacity as u64, message });
+        }
+        api.check(rc, "hipHostMalloc")?;
+        let mut event: Raw = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; a sync-only event needs no timing.
+        let rc = unsafe { (api.event_create_with_flags)(&mut event, HIP_EVENT_DISABLE_TIMING) };
+        if let Err(e) = api.check(rc, "hipEventCreateWithFlags") {
+            // SAFETY: allocated just above, unused.
+            let _ = unsafe { (api.host_free)(host) };
+            return Err(e);
+        }
+        Ok(StagingBuffer { host: host.cast(), capacity, event, in_flight: false, last_use: 0 })
+    }
+
+    fn free(api: &HipApi, b: StagingBuffer) {
+        // SAFETY: the buffer's event is complete or waited for here; both objects are ours
+        // and released once.
+        unsafe {
+            if b.in_flight {
+                let _ = (api.event_synchronize)(b.event);
+            }
+            let _ = (api.event_destroy)(b.event);
+            let _ = (api.host_free)(b.host.cast());
+        }
+    }
+
+    /// A buffer of at least `len` bytes no copy is using, by index.
+    fn acquire(&mut self, api: &HipApi, len: usize) -> Result<usize, BackendError> {
+        let mut best: Option<usize> = None;
+        for i in 0..self.buffers.len() {
+            let b = &mut self.buffers[i];
+            if b.capacity >= len && Self::is_free(api, b)? {
+                best = match best {
+                    Some(j) if self.buffers[j].capacity <= self.buffers[i].capacity => Some(j),
+                    _ => Some(i),
+                };
+            }
+        }
+        if let Some(i) = best {
+            return Ok(i);
+        }
+        let capacity = len.next_power_of_two().max(STAGING_MIN_BYTES);
+        if self.buffers.len() < STAGING_MAX_BUFFERS {
+            self.buffers.push(Self::allocate(api, capacity)?);
+            return Ok(self.buffers.len() - 1);
+        }
+        // Every buffer is busy or too small: replace the least recently used one.
+        let lru = (0..self.buffers.len()).min_by_key(|&i| self.buffers[i].last_use).unwrap_or(0);
+        let fresh = Self::allocate(api, capacity)?;
+        let old = std::mem::replace(&mut self.buffers[lru], fresh);
+        Self::free(api, old);
+        Ok(lru)
+    }
+
+    /// # Safety
+    /// `dst .. dst + src.len()` lies in a live device allocation; `stream` is live.
+    unsafe fn upload(
+        &mut self,
+        api: &HipApi,
+        dst: DevicePtr,
+        src: &[u8],
+        stream: Raw,
+    ) -> Result<(), BackendError> {
+        let i = self.acquire(api, src.len())?;
+        self.uploads += 1;
+        let b = &mut self.buffers[i];
+        b.last_use = self.uploads;
+        // SAFETY: the buffer holds `capacity >= src.len()` pinned bytes that no copy uses.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), b.host, src.len()) };
+        // SAFETY: the caller's contract on `dst`; the pinned source stays untouched until the
+        // event recorded next completes.
+        let rc = unsafe { (api.memcpy_htod_async)(dst as Raw, b.host.cast(), src.len(), stream) };
+        api.check(rc, "hipMemcpyHtoDAsync")?;
+        b.in_flight = true;
+        // SAFETY: a live event and stream.
+        let rc = unsafe { (api.event_record)(b.event, stream) };
+        if rc != HIP_SUCCESS {
+            // Without the event the buffer's reuse cannot be ordered: wait for the copy.
+            // SAFETY: a live stream.
+            api.check(unsafe { (api.stream_synchronize)(stream) }, "hipStreamSynchronize")?;
+            b.in_flight = false;
+        }
+        Ok(())
+    }
+
+    fn release(&mut self, api: &HipApi) {
+        for b in self.buffers.drain(..) {
+            Self::free(api, b);
+        }
     }
 }
 
@@ -696,37 +874,6 @@ fn device_name(api: &HipApi, ordinal: c_int) -> Result<String, BackendError> {
     Ok(String::from_utf8_lossy(&name[..end]).trim().to_owned())
 }
 
-/// Grid and block of a launch, `None` when it has no work. Interim one-block-per-item shapes
-/// until `crate::index::shape` lands.
-fn launch_dims(launch: &Launch) -> Result<Option<([u32; 3], [u32; 3])>, BackendError> {
-    let kernel = launch.symbol();
-    let count = |n: i64| -> Result<Option<u32>, BackendError> {
-        match u32::try_from(n) {
-            Ok(0) => Ok(None),
-            Ok(v) if v < i32::MAX as u32 => Ok(Some(v)),
-            _ => Err(BackendError::InvalidLaunch { kernel, reason: format!("count {n}") }),
-        }
-    };
-    let one = |n: i64, threads: u32| Ok(count(n)?.map(|g| ([g, 1, 1], [threads, 1, 1])));
-    match launch {
-        Launch::Decode(a) => one(a.num_tokens.into(), 128),
-        Launch::Prefill(a) => one(a.num_tokens.into(), 128),
-        Launch::HcaOffsets(a) => one(i64::from(a.num_entries).div_euclid(256) + 1, 256),
-        Launch::CsaPack(a) => {
-            let (t, l) = (count(a.num_tokens.into())?, count(a.num_layers.into())?);
-            Ok(t.zip(l).map(|(t, l)| ([t, l, 1], [256, 1, 1])))
-        }
-        Launch::RingWrite(a) => {
-            let (b, w) = (count(a.num_seqs.into())?, count(a.write_per_batch.into())?);
-            Ok(b.zip(w).map(|(b, w)| ([b, w, 1], [128, 1, 1])))
-        }
-        Launch::RowScatter(a) => one(a.num_tokens.into(), 128),
-        Launch::FillRuns(a) => one(a.num_runs.into(), 256),
-        Launch::CopyRuns(a) => one(a.num_runs.into(), 256),
-        Launch::Empty => Ok(Some(([1, 1, 1], [1, 1, 1]))),
-    }
-}
-
 fn usize_len(bytes: u64, kernel: &'static str) -> Result<usize, BackendError> {
     usize::try_from(bytes).map_err(|_| BackendError::InvalidLaunch {
         kernel,
@@ -738,6 +885,8 @@ impl Drop for HipBackend {
     fn drop(&mut self) {
         // Errors cannot be reported from drop; HIP frees the stream once its work is done.
         let _ = self.bind();
+        let staging = self.staging.get_mut().unwrap_or_else(|e| e.into_inner());
+        staging.release(self.api);
         // SAFETY: the backend's own stream, destroyed once.
         let _ = unsafe { (self.api.stream_destroy)(self.stream.0) };
     }
@@ -793,6 +942,11 @@ impl Backend for HipBackend {
         }
         self.bind()?;
         let raw = self.resolve(stream);
+        if src.len() <= STAGING_MAX_BYTES && self.api.host_malloc.is_some() {
+            let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: the caller's contract on `dst`; `raw` is a live stream.
+            return unsafe { staging.upload(self.api, dst, src, raw) };
+        }
         // SAFETY: the caller promises `dst` covers `src.len()` bytes; HIP only reads `src`.
         let rc = unsafe { (self.api.memcpy_htod_async)(dst as Raw, src.as_ptr() as Raw, src.len(), raw) };
         self.api.check(rc, "hipMemcpyHtoDAsync")?;
@@ -861,10 +1015,10 @@ impl Backend for HipBackend {
             .iter()
             .position(|s| *s == symbol)
             .ok_or(BackendError::MissingKernel { backend: KIND, symbol })?;
-        let Some((grid, block)) = launch_dims(launch)? else {
-            // Nothing to do (e.g. zero tokens); HIP rejects an empty grid.
-            return Ok(());
-        };
+        check_launch(launch)
+            .map_err(|e| BackendError::InvalidLaunch { kernel: symbol, reason: e.to_string() })?;
+        // Every dimension is >= 1: a launch with no work is one block that returns at once.
+        let LaunchShape { grid, block } = launch_shape(launch);
         self.bind()?;
         // The kernel's single by-value parameter: kernelParams = [&args].
         let args: *mut c_void = match launch {
