@@ -1,1 +1,701 @@
-//! (placeholder: being written)
+//! Launch geometry of every kernel, and the checks a launch must pass before any backend runs it.
+//!
+//! Both device backends take their grid and block from [`launch_shape`], so the CUDA and HIP
+//! launches agree and match what `kernels/v4pool_kernels.cu` assumes (the kernels use the
+//! constants below instead of reading the block size).
+//!
+//! **Empty launches.** Every grid dimension is at least 1: a launch with nothing to do (no
+//! tokens, no runs, no layers) is still a valid launch of one block that returns at once,
+//! never a zero grid. A captured graph therefore keeps its nodes whatever the batch holds;
+//! backends need not (but may) skip such launches.
+//!
+//! [`check_launch`] rejects what the contract's error table (index-buffers.md §11) assigns to
+//! the host and what can be seen without reading device memory: negative counts, missing
+//! buffers, inconsistent class switches, window parameters no ring could have, a grid past the
+//! hardware limits. The host backend additionally checks every index it reads.
+
+use super::{
+    ClassBuffers, CsaPackArgs, DecodeIndexArgs, HcaOffsetsArgs, Launch, PlaneWrite,
+    PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_HCA,
+};
+use crate::geometry::WindowParams;
+use thiserror::Error;
+
+/// Threads per block of every kernel but `v4pool_empty` (`V4POOL_BLOCK_THREADS`).
+pub const BLOCK_THREADS: u32 = 256;
+/// Lanes that copy one row together in the row kernels (`V4POOL_ROW_LANES`).
+pub const ROW_LANES: u32 = 32;
+/// Rows one block of the row kernels copies (`V4POOL_ROWS_PER_BLOCK`).
+pub const ROWS_PER_BLOCK: u32 = BLOCK_THREADS / ROW_LANES;
+/// Blocks that share one run in fill_runs / copy_runs, grid y (`V4POOL_RUN_SPLIT`).
+pub const RUN_SPLIT: u32 = 32;
+/// Largest grid y and z both vendors accept.
+pub const MAX_GRID_YZ: u32 = 65_535;
+
+/// Grid and block of one launch, in CUDA/HIP order (x, y, z).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LaunchShape {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+}
+
+impl LaunchShape {
+    fn linear(blocks: u64, threads: u32) -> Self {
+        LaunchShape {
+            grid: [grid_dim(blocks), 1, 1],
+            block: [threads, 1, 1],
+        }
+    }
+
+    /// Blocks in the grid.
+    pub fn blocks(&self) -> u64 {
+        self.grid.iter().map(|&d| u64::from(d)).product()
+    }
+
+    /// Threads per block.
+    pub fn threads_per_block(&self) -> u32 {
+        self.block.iter().product()
+    }
+}
+
+/// A grid dimension: at least 1 (see the module doc), at most `u32::MAX`.
+fn grid_dim(n: u64) -> u32 {
+    u32::try_from(n.max(1)).unwrap_or(u32::MAX)
+}
+
+fn count(n: i32) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+fn ceil_div(n: u64, d: u64) -> u64 {
+    n.div_ceil(d)
+}
+
+/// Tiles of one top-k row in the CSA translate-pack (grid y); the kernel derives the same
+/// number from `topk_row_stride` to stride past a row should `valid_k` exceed it.
+pub fn csa_tiles(topk_row_stride: i32) -> u64 {
+    ceil_div(count(topk_row_stride), u64::from(BLOCK_THREADS)).max(1)
+}
+
+/// Grid and block of a launch. Total for any arguments; run [`check_launch`] first to know the
+/// arguments are valid (a shape past the hardware limits is one of its errors).
+pub fn launch_shape(launch: &Launch) -> LaunchShape {
+    let b = BLOCK_THREADS;
+    match launch {
+        // One block per token.
+        Launch::Decode(a) => LaunchShape::linear(count(a.num_tokens), b),
+        Launch::Prefill(a) => LaunchShape::linear(count(a.num_tokens), b),
+        // One thread per entry.
+        Launch::HcaOffsets(a) => {
+            LaunchShape::linear(ceil_div(count(a.num_entries), u64::from(b)), b)
+        }
+        // (token, tile of the top-k row, layer).
+        Launch::CsaPack(a) => LaunchShape {
+            grid: [
+                grid_dim(count(a.num_tokens)),
+                grid_dim(csa_tiles(a.topk_row_stride)),
+                grid_dim(count(a.num_layers)),
+            ],
+            block: [b, 1, 1],
+        },
+        // (sequence, group of ROWS_PER_BLOCK ring rows).
+        Launch::RingWrite(a) => LaunchShape {
+            grid: [
+                grid_dim(count(a.num_seqs)),
+                grid_dim(ceil_div(
+                    count(a.write_per_batch),
+                    u64::from(ROWS_PER_BLOCK),
+                )),
+                1,
+            ],
+            block: [b, 1, 1],
+        },
+        Launch::RowScatter(a) => {
+            LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(ROWS_PER_BLOCK)), b)
+        }
+        // (run, RUN_SPLIT blocks per run).
+        Launch::FillRuns(a) => LaunchShape {
+            grid: [grid_dim(count(a.num_runs)), RUN_SPLIT, 1],
+            block: [b, 1, 1],
+        },
+        Launch::CopyRuns(a) => LaunchShape {
+            grid: [grid_dim(count(a.num_runs)), RUN_SPLIT, 1],
+            block: [b, 1, 1],
+        },
+        Launch::Empty => LaunchShape {
+            grid: [1, 1, 1],
+            block: [1, 1, 1],
+        },
+    }
+}
+
+/// Why a launch was rejected before it ran.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum LaunchError {
+    #[error("{field} = {value} must not be negative")]
+    Negative { field: &'static str, value: i64 },
+    #[error("{field} = {value} must be at least {min}")]
+    TooSmall {
+        field: &'static str,
+        value: i64,
+        min: i64,
+    },
+    #[error("{field} = {value} exceeds {max}")]
+    TooLarge {
+        field: &'static str,
+        value: i64,
+        max: i64,
+    },
+    #[error("required buffer {field} is absent (null)")]
+    MissingBuffer { field: &'static str },
+    #[error("{field} is given although {because}")]
+    UnexpectedBuffer {
+        field: &'static str,
+        because: &'static str,
+    },
+    #[error("decode launch enables no class")]
+    NoClass,
+    #[error("decode launch has no dest_rows buffer")]
+    NoDestRows,
+    #[error("class {class}: window params {params:?} are not a ring (ring_slots and ring_stride >= 1, rows >= 0)")]
+    BadWindowParams {
+        class: &'static str,
+        params: WindowParams,
+    },
+    #[error("window {win} exceeds ring_slots {ring_slots} of class {class}")]
+    WindowExceedsRing {
+        class: &'static str,
+        win: i64,
+        ring_slots: i64,
+    },
+    #[error("plane {plane}: kv and pool must both be given or both absent")]
+    PlaneHalfGiven { plane: usize },
+}
+
+const CLASS_NAMES: [&str; 3] = ["dense", "csa", "hca"];
+
+fn non_negative(field: &'static str, value: i64) -> Result<(), LaunchError> {
+    if value < 0 {
+        return Err(LaunchError::Negative { field, value });
+    }
+    Ok(())
+}
+
+fn at_least(field: &'static str, value: i64, min: i64) -> Result<(), LaunchError> {
+    if value < min {
+        return Err(LaunchError::TooSmall { field, value, min });
+    }
+    Ok(())
+}
+
+fn at_most(field: &'static str, value: i64, max: i64) -> Result<(), LaunchError> {
+    if value > max {
+        return Err(LaunchError::TooLarge { field, value, max });
+    }
+    Ok(())
+}
+
+fn present(field: &'static str, ptr: u64) -> Result<(), LaunchError> {
+    if ptr == 0 {
+        return Err(LaunchError::MissingBuffer { field });
+    }
+    Ok(())
+}
+
+/// A ring: at least one slot position and a positive stride; offsets non-negative. Positions
+/// fit the kernels' 32-bit fast path (a valid geometry's rows fit an i32).
+fn check_params(class: &'static str, p: &WindowParams) -> Result<(), LaunchError> {
+    let ok = (1..=i64::from(i32::MAX)).contains(&p.ring_slots)
+        && p.ring_stride >= 1
+        && p.slot_rows >= 0
+        && p.run_rows >= 0
+        && p.ring_start >= i64::from(i32::MIN);
+    if !ok {
+        return Err(LaunchError::BadWindowParams { class, params: *p });
+    }
+    Ok(())
+}
+
+fn check_window(class: &'static str, p: &WindowParams, win: i64) -> Result<(), LaunchError> {
+    check_params(class, p)?;
+    if win > p.ring_slots {
+        return Err(LaunchError::WindowExceedsRing {
+            class,
+            win,
+            ring_slots: p.ring_slots,
+        });
+    }
+    Ok(())
+}
+
+fn check_planes(planes: &[PlaneWrite; 2]) -> Result<(), LaunchError> {
+    present("planes[0].pool", planes[0].pool)?;
+    present("planes[0].kv", planes[0].kv)?;
+    for (i, p) in planes.iter().enumerate() {
+        if (p.pool == 0) != (p.kv == 0) {
+            return Err(LaunchError::PlaneHalfGiven { plane: i });
+        }
+        if p.pool != 0 {
+            at_least(
+                if i == 0 {
+                    "planes[0].row_bytes"
+                } else {
+                    "planes[1].row_bytes"
+                },
+                p.row_bytes,
+                1,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn check_grid(launch: &Launch) -> Result<(), LaunchError> {
+    let shape = launch_shape(launch);
+    for (field, d) in [("grid y", shape.grid[1]), ("grid z", shape.grid[2])] {
+        at_most(field, i64::from(d), i64::from(MAX_GRID_YZ))?;
+    }
+    Ok(())
+}
+
+fn check_decode(a: &DecodeIndexArgs) -> Result<(), LaunchError> {
+    non_negative("num_tokens", a.num_tokens.into())?;
+    non_negative("win", a.win.into())?;
+    let mut any_class = false;
+    let mut any_dest = false;
+    for (c, cls) in a.classes.iter().enumerate() {
+        let ClassBuffers {
+            params,
+            indptr,
+            indices,
+            dest_rows,
+        } = cls;
+        if *indptr == 0 {
+            if *indices != 0 {
+                return Err(LaunchError::UnexpectedBuffer {
+                    field: "indices",
+                    because: "its class's indptr is absent",
+                });
+            }
+            if *dest_rows != 0 {
+                return Err(LaunchError::UnexpectedBuffer {
+                    field: "dest_rows",
+                    because: "its class's indptr is absent",
+                });
+            }
+            continue;
+        }
+        present("indices", *indices)?;
+        check_window(CLASS_NAMES[c], params, a.win.into())?;
+        any_class = true;
+        any_dest |= *dest_rows != 0;
+    }
+    if !any_class {
+        return Err(LaunchError::NoClass);
+    }
+    if !any_dest {
+        return Err(LaunchError::NoDestRows);
+    }
+    if a.num_tokens > 0 {
+        present("state_slot_per_seq", a.state_slot_per_seq)?;
+        present("batch_id_per_token", a.batch_id_per_token)?;
+        present("positions", a.positions)?;
+    }
+    if a.block_tables != 0 && a.classes[CLASS_HCA].indptr != 0 {
+        at_least("hca_rows_per_block", a.hca_rows_per_block.into(), 1)?;
+        at_least("block_table_stride", a.block_table_stride.into(), 1)?;
+        non_negative("envelope_rows", a.envelope_rows)?;
+    }
+    Ok(())
+}
+
+fn check_prefill(a: &PrefillIndexArgs) -> Result<(), LaunchError> {
+    non_negative("num_tokens", a.num_tokens.into())?;
+    non_negative("win", a.win.into())?;
+    // The prefill builder needs CSA and HCA (§6); dense is optional.
+    for (field, ptr) in [
+        ("extend_indptr", a.extend_indptr),
+        ("extend_indices", a.extend_indices),
+        ("csa_indptr", a.csa_indptr),
+        ("csa_indices", a.csa_indices),
+        ("hca_indptr", a.hca_indptr),
+        ("hca_indices", a.hca_indices),
+    ] {
+        present(field, ptr)?;
+    }
+    if (a.swa_indptr == 0) != (a.swa_indices == 0) {
+        return Err(LaunchError::UnexpectedBuffer {
+            field: if a.swa_indptr == 0 {
+                "swa_indices"
+            } else {
+                "swa_indptr"
+            },
+            because: "the dense buffers come as a pair",
+        });
+    }
+    let win = i64::from(a.win);
+    if a.swa_indptr != 0 {
+        check_window("dense", &a.dense, win)?;
+    }
+    check_window("csa", &a.csa, win)?;
+    check_window("hca", &a.hca, win)?;
+    at_least("hca_ratio", a.hca_ratio.into(), 1)?;
+    at_least("hca_rows_per_block", a.hca_rows_per_block.into(), 1)?;
+    at_least("block_table_stride", a.block_table_stride.into(), 1)?;
+    non_negative("envelope_rows", a.envelope_rows)?;
+    if a.num_tokens > 0 {
+        for (field, ptr) in [
+            ("positions", a.positions),
+            ("bid_per_token", a.bid_per_token),
+            ("chunk_start_per_seq", a.chunk_start_per_seq),
+            ("cu_seqlens_q_per_seq", a.cu_seqlens_q_per_seq),
+            ("state_slot_per_seq", a.state_slot_per_seq),
+            ("n_committed_hca_per_seq", a.n_committed_hca_per_seq),
+            ("block_tables", a.block_tables),
+        ] {
+            present(field, ptr)?;
+        }
+    }
+    Ok(())
+}
+
+fn check_hca_offsets(a: &HcaOffsetsArgs) -> Result<(), LaunchError> {
+    non_negative("num_entries", a.num_entries.into())?;
+    at_least("rows_per_block", a.rows_per_block.into(), 1)?;
+    at_least("block_table_stride", a.block_table_stride.into(), 1)?;
+    non_negative("envelope_rows", a.envelope_rows)?;
+    if a.num_entries > 0 {
+        for (field, ptr) in [
+            ("entry_idx", a.entry_idx),
+            ("bid_per_entry", a.bid_per_entry),
+            ("block_tables", a.block_tables),
+            ("out", a.out),
+        ] {
+            present(field, ptr)?;
+        }
+    }
+    Ok(())
+}
+
+fn check_csa_pack(a: &CsaPackArgs) -> Result<(), LaunchError> {
+    non_negative("num_tokens", a.num_tokens.into())?;
+    non_negative("num_layers", a.num_layers.into())?;
+    non_negative("window_size", a.window_size.into())?;
+    non_negative("topk_row_stride", a.topk_row_stride.into())?;
+    non_negative("topk_layer_stride", a.topk_layer_stride)?;
+    non_negative("out_layer_stride", a.out_layer_stride)?;
+    non_negative("envelope_rows", a.envelope_rows)?;
+    at_least("block_capacity", a.block_capacity.into(), 1)?;
+    at_least("block_table_stride", a.block_table_stride.into(), 1)?;
+    if a.num_tokens > 0 && a.num_layers > 0 {
+        for (field, ptr) in [
+            ("topk", a.topk),
+            ("block_tables", a.block_tables),
+            ("indptr", a.indptr),
+            ("batch_id_per_token", a.batch_id_per_token),
+            ("out", a.out),
+        ] {
+            present(field, ptr)?;
+        }
+        if a.window_size > 0 {
+            present("positions", a.positions)?;
+        } else {
+            // §11: window_size = 0 without a skip buffer is a host error.
+            present("skip_prefix_len_per_token", a.skip_prefix_len_per_token)?;
+        }
+    }
+    Ok(())
+}
+
+fn check_ring_write(a: &RingWriteArgs) -> Result<(), LaunchError> {
+    check_params("ring write", &a.params)?;
+    // §7: bs = 0 and write_per_batch outside [1, ring_slots] are host errors (two tokens of
+    // one sequence would race for one row).
+    at_least("num_seqs", a.num_seqs.into(), 1)?;
+    at_least("write_per_batch", a.write_per_batch.into(), 1)?;
+    at_most(
+        "write_per_batch",
+        a.write_per_batch.into(),
+        a.params.ring_slots,
+    )?;
+    non_negative("view_rows", a.view_rows)?;
+    check_planes(&a.planes)?;
+    for (field, ptr) in [
+        ("positions", a.positions),
+        ("cu_seqlens_q", a.cu_seqlens_q),
+        ("state_slot_per_seq", a.state_slot_per_seq),
+    ] {
+        present(field, ptr)?;
+    }
+    Ok(())
+}
+
+fn check_row_scatter(a: &RowScatterArgs) -> Result<(), LaunchError> {
+    non_negative("num_tokens", a.num_tokens.into())?;
+    non_negative("view_rows", a.view_rows)?;
+    check_planes(&a.planes)?;
+    if a.num_tokens > 0 {
+        present("batch_id_per_token", a.batch_id_per_token)?;
+        present("dest_rows", a.dest_rows)?;
+    }
+    Ok(())
+}
+
+/// Reject a launch the contract says the host must reject, before any backend runs it.
+pub fn check_launch(launch: &Launch) -> Result<(), LaunchError> {
+    match launch {
+        Launch::Decode(a) => check_decode(a)?,
+        Launch::Prefill(a) => check_prefill(a)?,
+        Launch::HcaOffsets(a) => check_hca_offsets(a)?,
+        Launch::CsaPack(a) => check_csa_pack(a)?,
+        Launch::RingWrite(a) => check_ring_write(a)?,
+        Launch::RowScatter(a) => check_row_scatter(a)?,
+        Launch::FillRuns(a) => {
+            non_negative("num_runs", a.num_runs.into())?;
+            if a.num_runs > 0 {
+                present("runs", a.runs)?;
+            }
+        }
+        Launch::CopyRuns(a) => {
+            non_negative("num_runs", a.num_runs.into())?;
+            if a.num_runs > 0 {
+                present("runs", a.runs)?;
+            }
+        }
+        Launch::Empty => {}
+    }
+    check_grid(launch)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::{CopyRunsArgs, FillRunsArgs};
+
+    fn params() -> WindowParams {
+        WindowParams {
+            ring_start: 41,
+            slot_rows: 120,
+            ring_slots: 11,
+            ring_stride: 64,
+            run_rows: 128,
+        }
+    }
+
+    fn decode(t: i32) -> DecodeIndexArgs {
+        let mut a = DecodeIndexArgs {
+            num_tokens: t,
+            win: 8,
+            ..Default::default()
+        };
+        a.classes[1] = ClassBuffers {
+            params: params(),
+            indptr: 0x100,
+            indices: 0x200,
+            dest_rows: 0x300,
+        };
+        a.state_slot_per_seq = 0x400;
+        a.batch_id_per_token = 0x500;
+        a.positions = 0x600;
+        a
+    }
+
+    #[test]
+    fn empty_launches_are_one_block() {
+        for l in [
+            Launch::Decode(decode(0)),
+            Launch::HcaOffsets(HcaOffsetsArgs {
+                rows_per_block: 2,
+                block_table_stride: 1,
+                ..Default::default()
+            }),
+            Launch::FillRuns(FillRunsArgs::default()),
+            Launch::CopyRuns(CopyRunsArgs::default()),
+            Launch::RowScatter(RowScatterArgs::default()),
+            Launch::Empty,
+        ] {
+            let s = launch_shape(&l);
+            assert!(s.grid.iter().all(|&d| d >= 1), "{l:?} -> {s:?}");
+            assert_eq!(s.grid[0], 1);
+            assert!(s.blocks() <= u64::from(RUN_SPLIT));
+        }
+    }
+
+    #[test]
+    fn shapes_cover_the_work() {
+        assert_eq!(launch_shape(&Launch::Decode(decode(256))).grid, [256, 1, 1]);
+        assert_eq!(
+            launch_shape(&Launch::Decode(decode(256))).block,
+            [256, 1, 1]
+        );
+        let csa = CsaPackArgs {
+            num_tokens: 7,
+            num_layers: 21,
+            topk_row_stride: 512,
+            ..Default::default()
+        };
+        assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, 2, 21]);
+        let csa = CsaPackArgs {
+            num_tokens: 7,
+            num_layers: 1,
+            topk_row_stride: 513,
+            ..Default::default()
+        };
+        assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, 3, 1]);
+        let ring = RingWriteArgs {
+            num_seqs: 3,
+            write_per_batch: 128,
+            ..Default::default()
+        };
+        assert_eq!(launch_shape(&Launch::RingWrite(ring)).grid, [3, 16, 1]);
+        let ring = RingWriteArgs {
+            num_seqs: 3,
+            write_per_batch: 9,
+            ..Default::default()
+        };
+        assert_eq!(launch_shape(&Launch::RingWrite(ring)).grid, [3, 2, 1]);
+        let rs = RowScatterArgs {
+            num_tokens: 17,
+            ..Default::default()
+        };
+        assert_eq!(launch_shape(&Launch::RowScatter(rs)).grid, [3, 1, 1]);
+        let h = HcaOffsetsArgs {
+            num_entries: 257,
+            ..Default::default()
+        };
+        assert_eq!(launch_shape(&Launch::HcaOffsets(h)).grid, [2, 1, 1]);
+        let f = FillRunsArgs {
+            num_runs: 5,
+            ..Default::default()
+        };
+        assert_eq!(launch_shape(&Launch::FillRuns(f)).grid, [5, RUN_SPLIT, 1]);
+    }
+
+    #[test]
+    fn decode_checks() {
+        assert_eq!(check_launch(&Launch::Decode(decode(4))), Ok(()));
+        assert_eq!(check_launch(&Launch::Decode(decode(0))), Ok(()));
+        let mut a = decode(4);
+        a.classes[1].dest_rows = 0;
+        assert_eq!(
+            check_launch(&Launch::Decode(a)),
+            Err(LaunchError::NoDestRows)
+        );
+        let mut a = decode(4);
+        a.classes[1] = ClassBuffers::default();
+        assert_eq!(check_launch(&Launch::Decode(a)), Err(LaunchError::NoClass));
+        let mut a = decode(4);
+        a.classes[0].indices = 0x10;
+        assert!(matches!(
+            check_launch(&Launch::Decode(a)),
+            Err(LaunchError::UnexpectedBuffer { .. })
+        ));
+        let mut a = decode(4);
+        a.win = 12;
+        assert_eq!(
+            check_launch(&Launch::Decode(a)),
+            Err(LaunchError::WindowExceedsRing {
+                class: "csa",
+                win: 12,
+                ring_slots: 11
+            })
+        );
+        let mut a = decode(4);
+        a.classes[1].params.ring_stride = 0;
+        assert!(matches!(
+            check_launch(&Launch::Decode(a)),
+            Err(LaunchError::BadWindowParams { .. })
+        ));
+        let mut a = decode(-1);
+        a.num_tokens = -1;
+        assert_eq!(
+            check_launch(&Launch::Decode(a)),
+            Err(LaunchError::Negative {
+                field: "num_tokens",
+                value: -1
+            })
+        );
+    }
+
+    #[test]
+    fn ring_write_checks() {
+        let mut a = RingWriteArgs {
+            params: params(),
+            num_seqs: 2,
+            write_per_batch: 11,
+            view_rows: 100,
+            positions: 1,
+            cu_seqlens_q: 2,
+            state_slot_per_seq: 3,
+            ..Default::default()
+        };
+        a.planes[0] = PlaneWrite {
+            kv: 4,
+            pool: 5,
+            row_bytes: 512,
+        };
+        assert_eq!(check_launch(&Launch::RingWrite(a)), Ok(()));
+        let mut b = a;
+        b.write_per_batch = 12;
+        assert_eq!(
+            check_launch(&Launch::RingWrite(b)),
+            Err(LaunchError::TooLarge {
+                field: "write_per_batch",
+                value: 12,
+                max: 11
+            })
+        );
+        let mut b = a;
+        b.write_per_batch = 0;
+        assert!(check_launch(&Launch::RingWrite(b)).is_err());
+        let mut b = a;
+        b.num_seqs = 0;
+        assert!(check_launch(&Launch::RingWrite(b)).is_err());
+        let mut b = a;
+        b.planes[1].pool = 9;
+        assert_eq!(
+            check_launch(&Launch::RingWrite(b)),
+            Err(LaunchError::PlaneHalfGiven { plane: 1 })
+        );
+    }
+
+    #[test]
+    fn csa_pack_needs_a_skip_buffer_without_a_window() {
+        let a = CsaPackArgs {
+            topk: 1,
+            block_tables: 2,
+            indptr: 3,
+            batch_id_per_token: 4,
+            out: 5,
+            num_tokens: 2,
+            num_layers: 1,
+            block_capacity: 64,
+            block_table_stride: 3,
+            topk_row_stride: 8,
+            ..Default::default()
+        };
+        assert_eq!(
+            check_launch(&Launch::CsaPack(a)),
+            Err(LaunchError::MissingBuffer {
+                field: "skip_prefix_len_per_token"
+            })
+        );
+        let b = CsaPackArgs {
+            window_size: 8,
+            positions: 6,
+            ..a
+        };
+        assert_eq!(check_launch(&Launch::CsaPack(b)), Ok(()));
+        let c = CsaPackArgs {
+            num_layers: 70_000,
+            ..b
+        };
+        assert!(matches!(
+            check_launch(&Launch::CsaPack(c)),
+            Err(LaunchError::TooLarge {
+                field: "grid z",
+                ..
+            })
+        ));
+    }
+}

@@ -1,0 +1,408 @@
+// v4pool_common.h — what every v4pool kernel shares, with no vendor headers.
+//
+// One header for four compilers: nvcc and NVRTC (CUDA), clang -x cuda (-nocudainc) and
+// clang -x hip / hiprtc (-nogpuinc). It holds
+//   * a portable prelude (thread/block ids, barrier, launch bounds, 16-byte vectors);
+//   * fixed-width integer typedefs (v4p_i32, v4p_i64, ...);
+//   * every launch-argument struct of src/index/mod.rs, field for field, with its layout
+//     pinned by V4POOL_CHECK_* lines that the device compilers enforce and that
+//     tests/kernel_layout.rs compares with the Rust structs (offset_of!/size_of/align_of);
+//   * the device transcription of the geometry formulas (index-buffers.md §2).
+//
+// Keep every layout line in the form `V4POOL_CHECK_xxx(Type, [field,] N);` on one line: the
+// Rust test parses them.
+#pragma once
+
+// ---- prelude --------------------------------------------------------------------------------
+
+#if defined(__HIP__)
+// clang -x hip (with -nogpuinc) or hiprtc: AMDGCN builtins, no HIP headers.
+#define V4P_TARGET_HIP 1
+#elif defined(__NVCC__) || defined(__CUDACC_RTC__)
+// nvcc / NVRTC: the CUDA built-in variables exist without any include.
+#define V4P_TARGET_NVCC 1
+#elif defined(__CUDA__) && defined(__clang__)
+// clang -x cuda with -nocudainc: NVVM builtins, no CUDA headers.
+#define V4P_TARGET_CLANG_CUDA 1
+#else
+#error "v4pool kernels need a CUDA or HIP device compiler (nvcc, NVRTC, clang -x cuda, clang -x hip, hiprtc)"
+#endif
+
+// clang without the vendor wrapper headers knows the attributes but not the keywords.
+#if defined(V4P_TARGET_HIP) || defined(V4P_TARGET_CLANG_CUDA)
+#ifndef __global__
+#define __global__ __attribute__((global))
+#endif
+#ifndef __device__
+#define __device__ __attribute__((device))
+#endif
+#ifndef __shared__
+#define __shared__ __attribute__((shared))
+#endif
+#ifndef __forceinline__
+#define __forceinline__ __inline__ __attribute__((always_inline))
+#endif
+#endif
+
+#define V4P_DEVICE __device__ __forceinline__
+
+#if defined(V4P_TARGET_HIP)
+V4P_DEVICE unsigned v4p_tid_x() { return __builtin_amdgcn_workitem_id_x(); }
+V4P_DEVICE unsigned v4p_bid_x() { return __builtin_amdgcn_workgroup_id_x(); }
+V4P_DEVICE unsigned v4p_bid_y() { return __builtin_amdgcn_workgroup_id_y(); }
+V4P_DEVICE unsigned v4p_bid_z() { return __builtin_amdgcn_workgroup_id_z(); }
+V4P_DEVICE void v4p_sync() {
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+    __builtin_amdgcn_s_barrier();
+    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+#define V4P_LAUNCH_BOUNDS(n) __attribute__((amdgpu_flat_work_group_size(1, n)))
+#elif defined(V4P_TARGET_CLANG_CUDA)
+V4P_DEVICE unsigned v4p_tid_x() { return __nvvm_read_ptx_sreg_tid_x(); }
+V4P_DEVICE unsigned v4p_bid_x() { return __nvvm_read_ptx_sreg_ctaid_x(); }
+V4P_DEVICE unsigned v4p_bid_y() { return __nvvm_read_ptx_sreg_ctaid_y(); }
+V4P_DEVICE unsigned v4p_bid_z() { return __nvvm_read_ptx_sreg_ctaid_z(); }
+V4P_DEVICE void v4p_sync() { __syncthreads(); }
+#define V4P_LAUNCH_BOUNDS(n) __attribute__((launch_bounds(n)))
+#else
+V4P_DEVICE unsigned v4p_tid_x() { return threadIdx.x; }
+V4P_DEVICE unsigned v4p_bid_x() { return blockIdx.x; }
+V4P_DEVICE unsigned v4p_bid_y() { return blockIdx.y; }
+V4P_DEVICE unsigned v4p_bid_z() { return blockIdx.z; }
+V4P_DEVICE void v4p_sync() { __syncthreads(); }
+#define V4P_LAUNCH_BOUNDS(n) __launch_bounds__(n)
+#endif
+
+// ---- fixed-width integers ---------------------------------------------------------------------
+
+typedef signed char v4p_i8;
+typedef unsigned char v4p_u8;
+typedef int v4p_i32;
+typedef unsigned int v4p_u32;
+typedef long long v4p_i64;
+typedef unsigned long long v4p_u64;
+/// A raw device address, as src/index/mod.rs `DevicePtr` (u64); 0 = absent where stated.
+typedef v4p_u64 v4p_ptr;
+
+static_assert(sizeof(v4p_i32) == 4 && sizeof(v4p_u32) == 4, "32-bit ints");
+static_assert(sizeof(v4p_i64) == 8 && sizeof(v4p_u64) == 8, "64-bit ints");
+static_assert(sizeof(void*) == 8, "device pointers are 64-bit");
+
+/// Sixteen bytes moved as one vector load/store (ld.global.v4 / global_load_dwordx4).
+struct alignas(16) v4p_vec16 {
+    v4p_u32 x, y, z, w;
+};
+
+// ---- launch constants (mirrored in src/index/shape.rs; tests/kernel_layout.rs checks) ------
+
+/// Threads per block of every kernel but v4pool_empty.
+#define V4POOL_BLOCK_THREADS 256
+/// Lanes that copy one row together in the row kernels (ring write, row scatter).
+#define V4POOL_ROW_LANES 32
+/// Rows one block of the row kernels copies: V4POOL_BLOCK_THREADS / V4POOL_ROW_LANES.
+#define V4POOL_ROWS_PER_BLOCK 8
+/// Blocks that share one run in fill_runs / copy_runs (grid y).
+#define V4POOL_RUN_SPLIT 32
+static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, "row groups tile a block");
+
+// ---- layout checks ----------------------------------------------------------------------------
+
+#define V4POOL_CHECK_SIZE(T, n) static_assert(sizeof(T) == (n), "size of " #T)
+#define V4POOL_CHECK_ALIGN(T, n) static_assert(alignof(T) == (n), "alignment of " #T)
+#define V4POOL_CHECK_OFFSET(T, f, n) static_assert(__builtin_offsetof(T, f) == (n), "offset of " #T "." #f)
+
+// ---- launch argument structs (src/index/mod.rs, field for field) ------------------------------
+
+struct WindowParams {
+    v4p_i64 ring_start;
+    v4p_i64 slot_rows;
+    v4p_i64 ring_slots;
+    v4p_i64 ring_stride;
+    v4p_i64 run_rows;
+};
+V4POOL_CHECK_SIZE(WindowParams, 40);
+V4POOL_CHECK_ALIGN(WindowParams, 8);
+V4POOL_CHECK_OFFSET(WindowParams, ring_start, 0);
+V4POOL_CHECK_OFFSET(WindowParams, slot_rows, 8);
+V4POOL_CHECK_OFFSET(WindowParams, ring_slots, 16);
+V4POOL_CHECK_OFFSET(WindowParams, ring_stride, 24);
+V4POOL_CHECK_OFFSET(WindowParams, run_rows, 32);
+
+#define V4POOL_CLASS_DENSE 0
+#define V4POOL_CLASS_CSA 1
+#define V4POOL_CLASS_HCA 2
+
+struct ClassBuffers {
+    WindowParams params;
+    v4p_ptr indptr;     // i32 [>= T+1]; 0 = class off
+    v4p_ptr indices;    // i32 out
+    v4p_ptr dest_rows;  // i32 out [>= T]; 0 = none
+};
+V4POOL_CHECK_SIZE(ClassBuffers, 64);
+V4POOL_CHECK_ALIGN(ClassBuffers, 8);
+V4POOL_CHECK_OFFSET(ClassBuffers, params, 0);
+V4POOL_CHECK_OFFSET(ClassBuffers, indptr, 40);
+V4POOL_CHECK_OFFSET(ClassBuffers, indices, 48);
+V4POOL_CHECK_OFFSET(ClassBuffers, dest_rows, 56);
+
+struct DecodeIndexArgs {
+    ClassBuffers classes[3];
+    v4p_ptr state_slot_per_seq;  // i32 [bs]
+    v4p_ptr batch_id_per_token;  // i32 [>= T]
+    v4p_ptr positions;           // i64 [>= T]
+    v4p_ptr block_tables;        // i32 [bs, block_table_stride]; 0 = no fused HCA heads
+    v4p_i64 envelope_rows;
+    v4p_i32 block_table_stride;
+    v4p_i32 hca_rows_per_block;
+    v4p_i32 num_tokens;
+    v4p_i32 win;
+};
+V4POOL_CHECK_SIZE(DecodeIndexArgs, 248);
+V4POOL_CHECK_ALIGN(DecodeIndexArgs, 8);
+V4POOL_CHECK_OFFSET(DecodeIndexArgs, classes, 0);
+V4POOL_CHECK_OFFSET(DecodeIndexArgs, state_slot_per_seq, 192);
+V4POOL_CHECK_OFFSET(DecodeIndexArgs, batch_id_per_token, 200);
+V4POOL_CHECK_OFFSET(DecodeIndexArgs, positions, 208);
+V4POOL_CHECK_OFFSET(DecodeIndexArgs, block_tables, 216);
+V4POOL_CHECK_OFFSET(DecodeIndexArgs, envelope_rows, 224);
+V4POOL_CHECK_OFFSET(DecodeIndexArgs, block_table_stride, 232);
+V4POOL_CHECK_OFFSET(DecodeIndexArgs, hca_rows_per_block, 236);
+V4POOL_CHECK_OFFSET(DecodeIndexArgs, num_tokens, 240);
+V4POOL_CHECK_OFFSET(DecodeIndexArgs, win, 244);
+
+struct PrefillIndexArgs {
+    WindowParams dense;
+    WindowParams csa;
+    WindowParams hca;
+    v4p_ptr positions;                // i32 [T]
+    v4p_ptr bid_per_token;            // i32 [T]
+    v4p_ptr chunk_start_per_seq;      // i32 [bs]
+    v4p_ptr cu_seqlens_q_per_seq;     // i32 [bs]
+    v4p_ptr state_slot_per_seq;       // i32 [bs]
+    v4p_ptr n_committed_hca_per_seq;  // i32 [bs]
+    v4p_ptr block_tables;             // i32 [bs, block_table_stride]
+    v4p_ptr extend_indptr;
+    v4p_ptr extend_indices;
+    v4p_ptr swa_indptr;  // 0 = no dense class
+    v4p_ptr swa_indices;
+    v4p_ptr csa_indptr;
+    v4p_ptr csa_indices;
+    v4p_ptr hca_indptr;
+    v4p_ptr hca_indices;
+    v4p_i64 envelope_rows;
+    v4p_i32 block_table_stride;
+    v4p_i32 num_tokens;
+    v4p_i32 win;
+    v4p_i32 hca_ratio;
+    v4p_i32 hca_rows_per_block;
+    v4p_i32 _pad;
+};
+V4POOL_CHECK_SIZE(PrefillIndexArgs, 272);
+V4POOL_CHECK_ALIGN(PrefillIndexArgs, 8);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, dense, 0);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, csa, 40);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, hca, 80);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, positions, 120);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, bid_per_token, 128);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, chunk_start_per_seq, 136);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, cu_seqlens_q_per_seq, 144);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, state_slot_per_seq, 152);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, n_committed_hca_per_seq, 160);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, block_tables, 168);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, extend_indptr, 176);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, extend_indices, 184);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, swa_indptr, 192);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, swa_indices, 200);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, csa_indptr, 208);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, csa_indices, 216);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, hca_indptr, 224);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, hca_indices, 232);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, envelope_rows, 240);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, block_table_stride, 248);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, num_tokens, 252);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, win, 256);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, hca_ratio, 260);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, hca_rows_per_block, 264);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, _pad, 268);
+
+struct HcaOffsetsArgs {
+    v4p_ptr entry_idx;      // i32 [N]
+    v4p_ptr bid_per_entry;  // i32 [N]
+    v4p_ptr block_tables;   // i32 [bs, block_table_stride]
+    v4p_ptr out;            // i32 out [N]
+    v4p_i64 envelope_rows;
+    v4p_i32 block_table_stride;
+    v4p_i32 rows_per_block;
+    v4p_i32 num_entries;
+    v4p_i32 _pad;
+};
+V4POOL_CHECK_SIZE(HcaOffsetsArgs, 56);
+V4POOL_CHECK_ALIGN(HcaOffsetsArgs, 8);
+V4POOL_CHECK_OFFSET(HcaOffsetsArgs, entry_idx, 0);
+V4POOL_CHECK_OFFSET(HcaOffsetsArgs, bid_per_entry, 8);
+V4POOL_CHECK_OFFSET(HcaOffsetsArgs, block_tables, 16);
+V4POOL_CHECK_OFFSET(HcaOffsetsArgs, out, 24);
+V4POOL_CHECK_OFFSET(HcaOffsetsArgs, envelope_rows, 32);
+V4POOL_CHECK_OFFSET(HcaOffsetsArgs, block_table_stride, 40);
+V4POOL_CHECK_OFFSET(HcaOffsetsArgs, rows_per_block, 44);
+V4POOL_CHECK_OFFSET(HcaOffsetsArgs, num_entries, 48);
+V4POOL_CHECK_OFFSET(HcaOffsetsArgs, _pad, 52);
+
+struct CsaPackArgs {
+    v4p_ptr topk;                       // i32 [L, T, topk_row_stride]
+    v4p_ptr block_tables;               // i32 [bs, block_table_stride]
+    v4p_ptr positions;                  // i64 [>= T]; read only when window_size > 0
+    v4p_ptr indptr;                     // i32 [>= T+1]
+    v4p_ptr batch_id_per_token;         // i32 [>= T]
+    v4p_ptr skip_prefix_len_per_token;  // i32 [>= T]; read only when window_size == 0
+    v4p_ptr out;                        // i32 out [L, out_layer_stride]
+    v4p_i64 topk_layer_stride;
+    v4p_i64 out_layer_stride;
+    v4p_i64 envelope_rows;
+    v4p_i32 topk_row_stride;
+    v4p_i32 block_table_stride;
+    v4p_i32 num_tokens;
+    v4p_i32 num_layers;
+    v4p_i32 block_capacity;
+    v4p_i32 window_size;
+};
+V4POOL_CHECK_SIZE(CsaPackArgs, 104);
+V4POOL_CHECK_ALIGN(CsaPackArgs, 8);
+V4POOL_CHECK_OFFSET(CsaPackArgs, topk, 0);
+V4POOL_CHECK_OFFSET(CsaPackArgs, block_tables, 8);
+V4POOL_CHECK_OFFSET(CsaPackArgs, positions, 16);
+V4POOL_CHECK_OFFSET(CsaPackArgs, indptr, 24);
+V4POOL_CHECK_OFFSET(CsaPackArgs, batch_id_per_token, 32);
+V4POOL_CHECK_OFFSET(CsaPackArgs, skip_prefix_len_per_token, 40);
+V4POOL_CHECK_OFFSET(CsaPackArgs, out, 48);
+V4POOL_CHECK_OFFSET(CsaPackArgs, topk_layer_stride, 56);
+V4POOL_CHECK_OFFSET(CsaPackArgs, out_layer_stride, 64);
+V4POOL_CHECK_OFFSET(CsaPackArgs, envelope_rows, 72);
+V4POOL_CHECK_OFFSET(CsaPackArgs, topk_row_stride, 80);
+V4POOL_CHECK_OFFSET(CsaPackArgs, block_table_stride, 84);
+V4POOL_CHECK_OFFSET(CsaPackArgs, num_tokens, 88);
+V4POOL_CHECK_OFFSET(CsaPackArgs, num_layers, 92);
+V4POOL_CHECK_OFFSET(CsaPackArgs, block_capacity, 96);
+V4POOL_CHECK_OFFSET(CsaPackArgs, window_size, 100);
+
+struct PlaneWrite {
+    v4p_ptr kv;    // [T, row_bytes] source rows
+    v4p_ptr pool;  // layer view base
+    v4p_i64 row_bytes;
+};
+V4POOL_CHECK_SIZE(PlaneWrite, 24);
+V4POOL_CHECK_ALIGN(PlaneWrite, 8);
+V4POOL_CHECK_OFFSET(PlaneWrite, kv, 0);
+V4POOL_CHECK_OFFSET(PlaneWrite, pool, 8);
+V4POOL_CHECK_OFFSET(PlaneWrite, row_bytes, 16);
+
+struct RingWriteArgs {
+    WindowParams params;
+    PlaneWrite planes[2];         // planes[1].pool == 0: one plane
+    v4p_ptr positions;            // i32 [>= T]
+    v4p_ptr cu_seqlens_q;         // i32 [bs+1]
+    v4p_ptr state_slot_per_seq;   // i32 [bs]
+    v4p_i64 view_rows;
+    v4p_i32 num_seqs;
+    v4p_i32 write_per_batch;
+};
+V4POOL_CHECK_SIZE(RingWriteArgs, 128);
+V4POOL_CHECK_ALIGN(RingWriteArgs, 8);
+V4POOL_CHECK_OFFSET(RingWriteArgs, params, 0);
+V4POOL_CHECK_OFFSET(RingWriteArgs, planes, 40);
+V4POOL_CHECK_OFFSET(RingWriteArgs, positions, 88);
+V4POOL_CHECK_OFFSET(RingWriteArgs, cu_seqlens_q, 96);
+V4POOL_CHECK_OFFSET(RingWriteArgs, state_slot_per_seq, 104);
+V4POOL_CHECK_OFFSET(RingWriteArgs, view_rows, 112);
+V4POOL_CHECK_OFFSET(RingWriteArgs, num_seqs, 120);
+V4POOL_CHECK_OFFSET(RingWriteArgs, write_per_batch, 124);
+
+struct RowScatterArgs {
+    PlaneWrite planes[2];
+    v4p_ptr batch_id_per_token;  // i32 [>= T]
+    v4p_ptr dest_rows;           // i32 [>= T]
+    v4p_i64 view_rows;
+    v4p_i32 num_tokens;
+    v4p_i32 _pad;
+};
+V4POOL_CHECK_SIZE(RowScatterArgs, 80);
+V4POOL_CHECK_ALIGN(RowScatterArgs, 8);
+V4POOL_CHECK_OFFSET(RowScatterArgs, planes, 0);
+V4POOL_CHECK_OFFSET(RowScatterArgs, batch_id_per_token, 48);
+V4POOL_CHECK_OFFSET(RowScatterArgs, dest_rows, 56);
+V4POOL_CHECK_OFFSET(RowScatterArgs, view_rows, 64);
+V4POOL_CHECK_OFFSET(RowScatterArgs, num_tokens, 72);
+V4POOL_CHECK_OFFSET(RowScatterArgs, _pad, 76);
+
+struct FillRun {
+    v4p_ptr dst;
+    v4p_u64 bytes;
+    v4p_u32 pattern;
+    v4p_u32 _pad;
+};
+V4POOL_CHECK_SIZE(FillRun, 24);
+V4POOL_CHECK_ALIGN(FillRun, 8);
+V4POOL_CHECK_OFFSET(FillRun, dst, 0);
+V4POOL_CHECK_OFFSET(FillRun, bytes, 8);
+V4POOL_CHECK_OFFSET(FillRun, pattern, 16);
+V4POOL_CHECK_OFFSET(FillRun, _pad, 20);
+
+struct FillRunsArgs {
+    v4p_ptr runs;  // FillRun [num_runs]
+    v4p_i32 num_runs;
+    v4p_i32 _pad;
+};
+V4POOL_CHECK_SIZE(FillRunsArgs, 16);
+V4POOL_CHECK_ALIGN(FillRunsArgs, 8);
+V4POOL_CHECK_OFFSET(FillRunsArgs, runs, 0);
+V4POOL_CHECK_OFFSET(FillRunsArgs, num_runs, 8);
+V4POOL_CHECK_OFFSET(FillRunsArgs, _pad, 12);
+
+struct CopyRun {
+    v4p_ptr src;
+    v4p_ptr dst;
+    v4p_u64 bytes;
+};
+V4POOL_CHECK_SIZE(CopyRun, 24);
+V4POOL_CHECK_ALIGN(CopyRun, 8);
+V4POOL_CHECK_OFFSET(CopyRun, src, 0);
+V4POOL_CHECK_OFFSET(CopyRun, dst, 8);
+V4POOL_CHECK_OFFSET(CopyRun, bytes, 16);
+
+struct CopyRunsArgs {
+    v4p_ptr runs;  // CopyRun [num_runs]
+    v4p_i32 num_runs;
+    v4p_i32 _pad;
+};
+V4POOL_CHECK_SIZE(CopyRunsArgs, 16);
+V4POOL_CHECK_ALIGN(CopyRunsArgs, 8);
+V4POOL_CHECK_OFFSET(CopyRunsArgs, runs, 0);
+V4POOL_CHECK_OFFSET(CopyRunsArgs, num_runs, 8);
+V4POOL_CHECK_OFFSET(CopyRunsArgs, _pad, 12);
+
+// ---- geometry (index-buffers.md §2), device side -----------------------------------------
+
+/// Window row of absolute position `pos` in physical slot `slot`, relative to the layer view.
+/// i64 throughout; the wrap happens here (Euclidean, as the host's `WindowParams::index`, so
+/// a stray negative position stays inside its slot instead of reaching a wild row).
+V4P_DEVICE v4p_i64 window_row(WindowParams w, v4p_i64 slot, v4p_i64 pos) {
+    v4p_i64 q = pos % w.ring_slots;
+    if (q < 0) q += w.ring_slots;
+    return slot * w.slot_rows + w.ring_start + (q / w.ring_stride) * w.run_rows + (q % w.ring_stride);
+}
+
+/// Window row of ring position `q` (already wrapped, 0 <= q < ring_slots).
+V4P_DEVICE v4p_i64 window_row_at(WindowParams w, v4p_i64 slot, v4p_i64 q) {
+    return slot * w.slot_rows + w.ring_start + (q / w.ring_stride) * w.run_rows + (q % w.ring_stride);
+}
+
+/// Compressed row `r` of logical-to-physical block `block` (no layer term: it is in the view).
+V4P_DEVICE v4p_i64 compress_row(v4p_i64 block, v4p_i64 r, v4p_i64 envelope_rows) {
+    return block * envelope_rows + r;
+}
+
+/// Byte offset of `row` in a plane of `row_bytes`-byte rows: always 64-bit (row 4,194,304 at
+/// 512 B/row already passes 2^31).
+V4P_DEVICE v4p_u64 row_byte_offset(v4p_i64 row, v4p_i64 row_bytes) {
+    return (v4p_u64)row * (v4p_u64)row_bytes;
+}

@@ -1,0 +1,430 @@
+//! The HIP backend: what can be proven without an AMD GPU (no crash without ROCm; the
+//! embedded code objects hold every kernel the backend looks up, for the arch they claim),
+//! and device checks that run only where ROCm and a GPU are present and `V4POOL_BACKEND` is
+//! unset or `hip` (`scripts/rocm-smoke.sh` runs them with `V4POOL_REQUIRE_GPU=1`).
+//!
+//! Environment:
+//! * `V4POOL_REQUIRE_HIP_OBJECTS=1` (or CI's `V4POOL_REQUIRE_DEVICE_BUILD=1`): fail instead of
+//!   skipping when build.rs embedded no HIP code objects.
+//! * `V4POOL_BACKEND=hip V4POOL_REQUIRE_GPU=1`: fail instead of skipping when no HIP device.
+
+use v4pool::backend::hip::elf::{self, EF_AMDGPU_MACH_GFX90A, EF_AMDGPU_MACH_GFX942, EM_AMDGPU};
+use v4pool::backend::hip::{embedded_code_objects, HipBackend, ModuleOrigin, KERNEL_SYMBOLS};
+use v4pool::backend::{Backend, BackendError, BackendKind, DeviceAllocation, Stream};
+use v4pool::index::{CopyRun, CopyRunsArgs, FillRun, FillRunsArgs, Launch};
+
+fn env_set(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+// ---- without a GPU ------------------------------------------------------------------------
+
+#[test]
+fn new_without_rocm_is_unavailable_not_a_panic() {
+    if HipBackend::is_available() {
+        println!("SKIP new_without_rocm_is_unavailable_not_a_panic: a HIP device is present");
+        return;
+    }
+    match HipBackend::new(0) {
+        Err(BackendError::Unavailable { backend: BackendKind::Hip, reason }) => {
+            assert!(!reason.is_empty());
+            println!("HIP unavailable, as expected here: {reason}");
+        }
+        other => panic!("expected Unavailable without ROCm, got {other:?}"),
+    }
+}
+
+#[test]
+fn absent_device_ordinal_is_unavailable() {
+    for ordinal in [1usize << 20, usize::MAX] {
+        let r = HipBackend::new(ordinal);
+        assert!(
+            matches!(r, Err(BackendError::Unavailable { backend: BackendKind::Hip, .. })),
+            "ordinal {ordinal}: {r:?}"
+        );
+    }
+}
+
+// ---- the embedded code objects --------------------------------------------------------------
+
+/// The embedded objects, or `None` after a visible SKIP (fails when objects are required).
+fn objects_or_skip(test: &str) -> Option<Vec<(&'static str, &'static [u8])>> {
+    let objects = embedded_code_objects();
+    if objects.is_empty() {
+        let required = env_set("V4POOL_REQUIRE_HIP_OBJECTS") || env_set("V4POOL_REQUIRE_DEVICE_BUILD");
+        assert!(
+            !required,
+            "HIP code objects are required but build.rs embedded none:\n{}",
+            v4pool::kernels::build_log()
+        );
+        println!("SKIP {test}: build.rs embedded no HIP code objects (no clang 19+ at build time)");
+        return None;
+    }
+    Some(objects)
+}
+
+fn expected_mach(arch: &str) -> u32 {
+    match arch {
+        "gfx942" => EF_AMDGPU_MACH_GFX942,
+        "gfx90a" => EF_AMDGPU_MACH_GFX90A,
+        other => panic!("unexpected embedded arch {other}"),
+    }
+}
+
+#[test]
+fn embedded_code_objects_hold_every_kernel_symbol() {
+    let Some(objects) = objects_or_skip("embedded_code_objects_hold_every_kernel_symbol") else {
+        return;
+    };
+    let arches: Vec<&str> = objects.iter().map(|(a, _)| *a).collect();
+    assert_eq!(arches, ["gfx942", "gfx90a"], "build.rs embeds both or neither");
+    for (arch, bytes) in objects {
+        // --no-gpu-bundle-output gives a plain ELF; an offload bundle is unpacked all the same.
+        let entries = elf::code_objects(bytes).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert_eq!(entries.len(), 1, "{arch}: one device object expected");
+        let obj = elf::parse(entries[0].bytes).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert_eq!(obj.machine, EM_AMDGPU, "{arch}: not an AMDGPU object");
+        assert_eq!(obj.amdgpu_mach(), expected_mach(arch), "{arch}: built for another processor");
+        for symbol in KERNEL_SYMBOLS {
+            assert!(obj.has_kernel(symbol), "{arch}: no kernel {symbol} (function + {symbol}.kd)");
+        }
+        println!("{arch}: {} bytes, all {} kernels present", bytes.len(), KERNEL_SYMBOLS.len());
+    }
+}
+
+/// The symbol check can fail: rename one kernel descriptor in a copy and it must notice.
+#[test]
+fn symbol_check_notices_a_missing_kernel() {
+    let Some(objects) = objects_or_skip("symbol_check_notices_a_missing_kernel") else {
+        return;
+    };
+    let (arch, bytes) = objects[0];
+    let needle = b"v4pool_empty.kd\0";
+    let mut copy = bytes.to_vec();
+    let mut renamed = 0;
+    let mut i = 0;
+    while i + needle.len() <= copy.len() {
+        if &copy[i..i + needle.len()] == needle {
+            copy[i] = b'V';
+            renamed += 1;
+        }
+        i += 1;
+    }
+    assert!(renamed > 0, "{arch}: string v4pool_empty.kd not found");
+    let obj = elf::parse(&copy).unwrap_or_else(|e| panic!("{arch}: {e}"));
+    assert!(!obj.has_kernel("v4pool_empty"));
+    assert!(obj.has_kernel("v4pool_copy_runs"));
+}
+
+// ---- on a HIP device --------------------------------------------------------------------------
+
+/// The HIP backend on device 0, or `None` after a visible SKIP. Fails instead when
+/// `V4POOL_BACKEND=hip` and `V4POOL_REQUIRE_GPU=1`.
+fn hip_or_skip(test: &str) -> Option<HipBackend> {
+    let selected = std::env::var("V4POOL_BACKEND").unwrap_or_default();
+    if !selected.is_empty() && selected != "hip" {
+        println!("SKIP {test}: V4POOL_BACKEND={selected}");
+        return None;
+    }
+    match HipBackend::new(0) {
+        Ok(b) => {
+            println!("{test}: {} arch {:?}, module {:?}", b.device_name(), b.arch(), b.module_origin());
+            Some(b)
+        }
+        Err(e) => {
+            assert!(
+                !(selected == "hip" && env_set("V4POOL_REQUIRE_GPU")),
+                "V4POOL_BACKEND=hip V4POOL_REQUIRE_GPU=1 but the HIP backend failed: {e}"
+            );
+            println!("SKIP {test}: {e}");
+            None
+        }
+    }
+}
+
+/// Deterministic random bytes (SplitMix64), so a failure reproduces.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+/// A device allocation freed on drop (after the backend's stream has drained).
+struct Buf<'a> {
+    backend: &'a dyn Backend,
+    alloc: Option<DeviceAllocation>,
+}
+
+impl<'a> Buf<'a> {
+    fn new(backend: &'a dyn Backend, bytes: u64) -> Self {
+        let alloc = backend.alloc_zeroed(bytes).unwrap_or_else(|e| panic!("alloc {bytes}: {e}"));
+        assert_eq!(alloc.ptr % 256, 0, "allocation not 256-byte aligned");
+        Buf { backend, alloc: Some(alloc) }
+    }
+    fn ptr(&self) -> u64 {
+        self.alloc.as_ref().map_or(0, |a| a.ptr)
+    }
+    fn bytes(&self) -> u64 {
+        self.alloc.as_ref().map_or(0, |a| a.bytes)
+    }
+    fn upload(&self, offset: u64, data: &[u8], stream: Stream) {
+        assert!(offset + data.len() as u64 <= self.bytes());
+        // SAFETY: the range lies inside this live allocation (asserted).
+        unsafe { self.backend.upload(self.ptr() + offset, data, stream) }.unwrap();
+    }
+    fn download(&self, stream: Stream) -> Vec<u8> {
+        let mut out = vec![0u8; self.bytes() as usize];
+        // SAFETY: the whole live allocation.
+        unsafe { self.backend.download(&mut out, self.ptr(), stream) }.unwrap();
+        out
+    }
+}
+
+impl Drop for Buf<'_> {
+    fn drop(&mut self) {
+        if let Some(a) = self.alloc.take() {
+            let _ = self.backend.synchronize(Stream::DEFAULT);
+            // SAFETY: the stream the tests use has drained; the address is not used again.
+            unsafe { self.backend.free(a) };
+        }
+    }
+}
+
+/// Allocation, upload/download, device copy and fill on random data with poisoned
+/// destinations; every byte outside the written range must keep its poison.
+pub fn check_memory_ops(b: &dyn Backend, seed: u64) {
+    let s = Stream::DEFAULT;
+    let mut rng = Rng(seed);
+    const N: usize = 1 << 16;
+
+    // Zeroed even where an earlier allocation left data.
+    {
+        let dirty = Buf::new(b, N as u64);
+        dirty.upload(0, &rng.bytes(N), s);
+    }
+    let fresh = Buf::new(b, N as u64);
+    assert!(fresh.download(s).iter().all(|&x| x == 0), "alloc_zeroed returned non-zero bytes");
+    drop(fresh);
+
+    // Round trip at odd offsets and lengths, some small enough to stage, one above 1 MiB.
+    let buf = Buf::new(b, (N * 32) as u64);
+    let mut expect = rng.bytes(N * 32);
+    buf.upload(0, &expect, s);
+    for len in [1usize, 3, 4093, 70_001, (1 << 20) + 5] {
+        let off = rng.below((N * 32 - len) as u64) as usize;
+        let data = rng.bytes(len);
+        buf.upload(off as u64, &data, s);
+        expect[off..off + len].copy_from_slice(&data);
+    }
+    assert!(buf.download(s) == expect, "upload/download round trip differs");
+
+    // Many back-to-back uploads without a wait in between: staged buffers must not be reused
+    // while a copy from them may still run.
+    for i in 0..200u64 {
+        let len = 1 + rng.below(9000) as usize;
+        let off = rng.below((N * 32 - len) as u64) as usize;
+        let data = rng.bytes(len);
+        buf.upload(off as u64, &data, s);
+        expect[off..off + len].copy_from_slice(&data);
+        if i % 50 == 0 {
+            b.synchronize(s).unwrap();
+        }
+    }
+    assert!(buf.download(s) == expect, "burst of uploads differs");
+
+    // Device copy into a poisoned buffer.
+    let src = Buf::new(b, N as u64);
+    let dst = Buf::new(b, N as u64);
+    let src_bytes = rng.bytes(N);
+    let mut dst_bytes = rng.bytes(N);
+    src.upload(0, &src_bytes, s);
+    dst.upload(0, &dst_bytes, s);
+    let (so, d_o, len) = (7u64, 1001u64, 40_000u64);
+    // SAFETY: both ranges lie in live, distinct allocations.
+    unsafe { b.copy(dst.ptr() + d_o, src.ptr() + so, len, s) }.unwrap();
+    dst_bytes[d_o as usize..(d_o + len) as usize]
+        .copy_from_slice(&src_bytes[so as usize..(so + len) as usize]);
+    assert!(dst.download(s) == dst_bytes, "device copy differs");
+
+    // fill_u32 over a poisoned middle range.
+    let pattern = 0xff80_0000u32 ^ (rng.next() as u32 & 0xffff);
+    let (word_off, words) = (13u64, 5000u64);
+    // SAFETY: the range lies in `dst`.
+    unsafe { b.fill_u32(dst.ptr() + 4 * word_off, words, pattern, s) }.unwrap();
+    for w in 0..words as usize {
+        let at = 4 * word_off as usize + 4 * w;
+        dst_bytes[at..at + 4].copy_from_slice(&pattern.to_le_bytes());
+    }
+    assert!(dst.download(s) == dst_bytes, "fill_u32 differs");
+}
+
+/// `v4pool_fill_runs` and `v4pool_copy_runs` on random runs (every alignment, lengths around
+/// the kernels' 16-byte vector split) over poisoned buffers, plus `v4pool_empty`.
+pub fn check_run_kernels(b: &dyn Backend, seed: u64) {
+    let s = Stream::DEFAULT;
+    let mut rng = Rng(seed);
+    const N: u64 = 1 << 18;
+    let target = Buf::new(b, N);
+    let source = Buf::new(b, N);
+    let mut expect = rng.bytes(N as usize);
+    let src_bytes = rng.bytes(N as usize);
+    target.upload(0, &expect, s);
+    source.upload(0, &src_bytes, s);
+
+    // Disjoint fill runs: 4-byte aligned starts and lengths, in separate 8 KiB lanes.
+    let mut fills = Vec::new();
+    for lane in 0..12u64 {
+        let start = lane * 8192 + 4 * rng.below(64);
+        let bytes = 4 * [0, 1, 3, 4, 5, 17, 255, 1000][rng.below(8) as usize];
+        let pattern = rng.next() as u32;
+        fills.push(FillRun { dst: target.ptr() + start, bytes, pattern, _pad: 0 });
+        for w in 0..(bytes / 4) as usize {
+            let at = start as usize + 4 * w;
+            expect[at..at + 4].copy_from_slice(&pattern.to_le_bytes());
+        }
+    }
+    let desc = Buf::new(b, (fills.len() * std::mem::size_of::<FillRun>()) as u64);
+    desc.upload(0, bytemuck::cast_slice(&fills), s);
+    let launch = Launch::FillRuns(FillRunsArgs { runs: desc.ptr(), num_runs: fills.len() as i32, _pad: 0 });
+    // SAFETY: every run lies in `target`; the descriptor in `desc`.
+    unsafe { b.launch(&launch, s) }.unwrap();
+    assert!(target.download(s) == expect, "fill_runs differs");
+
+    // Copy runs at any byte alignment into the upper half, sources from `source`.
+    let mut copies = Vec::new();
+    for lane in 0..12u64 {
+        let dst = N / 2 + lane * 8192 + rng.below(100);
+        let src = lane * 8192 + rng.below(100);
+        let bytes = [0u64, 1, 15, 16, 17, 33, 4095, 7000][rng.below(8) as usize];
+        copies.push(CopyRun { src: source.ptr() + src, dst: target.ptr() + dst, bytes });
+        let (d, sr, n) = (dst as usize, src as usize, bytes as usize);
+        expect[d..d + n].copy_from_slice(&src_bytes[sr..sr + n]);
+    }
+    let desc = Buf::new(b, (copies.len() * std::mem::size_of::<CopyRun>()) as u64);
+    desc.upload(0, bytemuck::cast_slice(&copies), s);
+    let launch = Launch::CopyRuns(CopyRunsArgs { runs: desc.ptr(), num_runs: copies.len() as i32, _pad: 0 });
+    // SAFETY: every run lies in `source` / `target`, which do not overlap.
+    unsafe { b.launch(&launch, s) }.unwrap();
+    assert!(target.download(s) == expect, "copy_runs differs");
+
+    // No runs at all: a valid launch that touches nothing.
+    let launch = Launch::FillRuns(FillRunsArgs { runs: desc.ptr(), num_runs: 0, _pad: 0 });
+    // SAFETY: no run is read.
+    unsafe { b.launch(&launch, s) }.unwrap();
+    // SAFETY: the empty kernel takes no arguments.
+    unsafe { b.launch(&Launch::Empty, s) }.unwrap();
+    assert!(target.download(s) == expect, "an empty launch changed memory");
+}
+
+#[test]
+fn hip_memory_ops_on_random_data() {
+    if let Some(b) = hip_or_skip("hip_memory_ops_on_random_data") {
+        check_memory_ops(&b, 0x5eed_0001);
+    }
+}
+
+#[test]
+fn hip_fill_and_copy_runs_on_random_data() {
+    if let Some(b) = hip_or_skip("hip_fill_and_copy_runs_on_random_data") {
+        check_run_kernels(&b, 0x5eed_0002);
+    }
+}
+
+#[test]
+fn hip_rejects_invalid_launches_before_the_device() {
+    if let Some(b) = hip_or_skip("hip_rejects_invalid_launches_before_the_device") {
+        let bad = Launch::FillRuns(FillRunsArgs { runs: 0, num_runs: 3, _pad: 0 });
+        // SAFETY: rejected before anything runs.
+        let r = unsafe { b.launch(&bad, Stream::DEFAULT) };
+        assert!(matches!(r, Err(BackendError::InvalidLaunch { .. })), "{r:?}");
+    }
+}
+
+#[test]
+fn hip_module_comes_from_the_expected_place() {
+    let Some(b) = hip_or_skip("hip_module_comes_from_the_expected_place") else {
+        return;
+    };
+    let forced = env_set("V4POOL_HIP_FORCE_HIPRTC");
+    let processor = b.arch().map(|a| a.split(':').next().unwrap_or(a).to_owned());
+    let embedded: Vec<&str> = embedded_code_objects().iter().map(|(a, _)| *a).collect();
+    match b.module_origin() {
+        ModuleOrigin::Embedded(arch) => {
+            assert!(!forced, "V4POOL_HIP_FORCE_HIPRTC=1 but an embedded object was loaded");
+            if let Some(p) = &processor {
+                assert_eq!(p, arch);
+            }
+        }
+        ModuleOrigin::Hiprtc(arch) => {
+            assert_eq!(arch.as_deref(), b.arch());
+            let matching = processor.as_deref().is_some_and(|p| embedded.contains(&p));
+            assert!(forced || !matching, "device {processor:?} has an embedded object, yet hiprtc ran");
+        }
+    }
+}
+
+#[test]
+fn hip_events_time_an_empty_launch() {
+    let Some(b) = hip_or_skip("hip_events_time_an_empty_launch") else {
+        return;
+    };
+    let (start, end) = (b.event().unwrap(), b.event().unwrap());
+    start.record(Stream::DEFAULT).unwrap();
+    for _ in 0..100 {
+        // SAFETY: no arguments.
+        unsafe { b.launch(&Launch::Empty, Stream::DEFAULT) }.unwrap();
+    }
+    end.record(Stream::DEFAULT).unwrap();
+    let ms = start.elapsed_ms(&end).unwrap();
+    assert!(ms.is_finite() && ms >= 0.0, "{ms}");
+    println!("100 empty launches: {ms:.3} ms");
+}
+
+// ---- hiprtc (needs the library, not a GPU) -------------------------------------------------
+
+/// hiprtc compiles the one kernel source for gfx90a into an object with every kernel. Runs
+/// wherever hiprtc loads (ROCm installed, GPU or not). gfx90a rather than gfx942: hiprtc
+/// releases before ROCm 5.7 do not know gfx942 (ROCm 5.2's aborts inside comgr).
+#[test]
+fn hiprtc_compiles_the_kernel_source() {
+    let code = match v4pool::backend::hip::hiprtc_compile(Some("gfx90a")) {
+        Err(BackendError::Unavailable { reason, .. }) => {
+            println!("SKIP hiprtc_compiles_the_kernel_source: {reason}");
+            return;
+        }
+        other => other.unwrap_or_else(|e| panic!("hiprtc failed on the kernel source: {e}")),
+    };
+    let entries = elf::code_objects(&code).unwrap();
+    let obj = elf::parse(entries[0].bytes).unwrap();
+    assert_eq!((obj.machine, obj.amdgpu_mach()), (EM_AMDGPU, EF_AMDGPU_MACH_GFX90A));
+    for symbol in KERNEL_SYMBOLS {
+        assert!(obj.has_kernel(symbol), "hiprtc output lacks {symbol}");
+    }
+    println!("hiprtc gfx90a: {} bytes, all {} kernels present", code.len(), KERNEL_SYMBOLS.len());
+}
+
+#[test]
+fn hiprtc_compile_errors_carry_the_log() {
+    let broken = "extern \"C\" __global__ void v4pool_broken(int a) { this is not C++; }";
+    match v4pool::backend::hip::hiprtc_compile_source(broken, Some("gfx90a")) {
+        Err(BackendError::Unavailable { reason, .. }) => {
+            println!("SKIP hiprtc_compile_errors_carry_the_log: {reason}");
+        }
+        Err(BackendError::Compile { backend: BackendKind::Hip, log }) => {
+            assert!(log.contains("error"), "log without the diagnostic: {log}");
+        }
+        other => panic!("a broken source must not compile: {other:?}"),
+    }
+}
