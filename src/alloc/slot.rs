@@ -17,11 +17,7 @@ struct Group {
     generation: u64,
 }
 
-const FRESH: Group = Group {
-    held: false,
-    pinned: false,
-    generation: 0,
-};
+const FRESH: Group = Group { held: false, pinned: false, generation: 0 };
 
 /// A generation-checked reference to one slot group of one pool. Memory takes positions:
 /// convert with `position = slot_positions - 1 - group` (the geometry's `physical_slot`).
@@ -82,10 +78,7 @@ impl SlotPool {
 
     fn group(&self, group: u32) -> Result<&Group, AllocError> {
         if group >= self.num_groups {
-            return Err(AllocError::GroupOutOfRange {
-                group,
-                num_groups: self.num_groups,
-            });
+            return Err(AllocError::GroupOutOfRange { group, num_groups: self.num_groups });
         }
         Ok(&self.groups[group as usize])
     }
@@ -98,11 +91,7 @@ impl SlotPool {
     /// The handle a holder of `group` has now (any state; `check` says whether it is live).
     pub fn current_handle(&self, group: u32) -> Result<SlotHandle, AllocError> {
         let generation = self.group(group)?.generation;
-        Ok(SlotHandle {
-            group,
-            generation,
-            pool: self.pool,
-        })
+        Ok(SlotHandle { group, generation, pool: self.pool })
     }
 
     #[inline]
@@ -117,10 +106,7 @@ impl SlotPool {
             return Err(AllocError::NoFreeSlots);
         }
         let (groups, n) = (&self.groups, self.num_groups);
-        let g = self
-            .vacant
-            .pop_valid(|g| Self::vacant_valid(groups, n, g))
-            .ok_or(AllocError::NoFreeSlots)?;
+        let g = self.vacant.pop_valid(|g| Self::vacant_valid(groups, n, g)).ok_or(AllocError::NoFreeSlots)?;
         let grp = &mut self.groups[g as usize];
         grp.held = true;
         grp.generation += 1;
@@ -133,10 +119,7 @@ impl SlotPool {
     pub fn release(&mut self, group: u32) -> Result<(), AllocError> {
         let g = self.group(group)?;
         if !g.held {
-            return Err(AllocError::NotHeld {
-                what: "slot",
-                id: group,
-            });
+            return Err(AllocError::NotHeld { what: "slot", id: group });
         }
         if g.pinned {
             return Err(AllocError::GroupPinned { group });
@@ -149,11 +132,8 @@ impl SlotPool {
 
     /// Add `count` vacant groups at the top.
     pub fn extend(&mut self, count: u32) -> Result<(), AllocError> {
-        let end = self
-            .num_groups
-            .checked_add(count)
-            .filter(|&e| e <= MAX_IDS)
-            .ok_or(AllocError::TooManyIds {
+        let end =
+            self.num_groups.checked_add(count).filter(|&e| e <= MAX_IDS).ok_or(AllocError::TooManyIds {
                 what: "slot groups",
                 count: u64::from(self.num_groups) + u64::from(count),
                 limit: MAX_IDS,
@@ -164,10 +144,7 @@ impl SlotPool {
         }
         for g in self.num_groups..end {
             let grp = &mut self.groups[g as usize];
-            *grp = Group {
-                generation: grp.generation,
-                ..FRESH
-            };
+            *grp = Group { generation: grp.generation, ..FRESH };
             self.vacant.push(g);
         }
         self.num_groups = end;
@@ -183,10 +160,7 @@ impl SlotPool {
         if t.pinned {
             return None;
         }
-        let mut out = SlotRetired {
-            retired: top,
-            relocated_to: None,
-        };
+        let mut out = SlotRetired { retired: top, relocated_to: None };
         if t.held {
             let (groups, n) = (&self.groups, self.num_groups);
             // The top is held, so it is not vacant: the lowest vacant is another group.
@@ -199,10 +173,7 @@ impl SlotPool {
         }
         // Either the vacant top leaves the free set, or the target joins the held ones.
         self.num_free -= 1;
-        self.groups[top as usize] = Group {
-            generation: t.generation + 1,
-            ..FRESH
-        };
+        self.groups[top as usize] = Group { generation: t.generation + 1, ..FRESH };
         self.num_groups = top;
         Some(out)
     }
@@ -210,10 +181,7 @@ impl SlotPool {
     /// Keep a held group in place: no relocation, no release, until `unpin`.
     pub fn pin(&mut self, group: u32) -> Result<(), AllocError> {
         if !self.group(group)?.held {
-            return Err(AllocError::NotHeld {
-                what: "slot",
-                id: group,
-            });
+            return Err(AllocError::NotHeld { what: "slot", id: group });
         }
         self.groups[group as usize].pinned = true;
         Ok(())
@@ -233,11 +201,7 @@ impl SlotPool {
     #[inline]
     pub fn alloc(&mut self) -> Result<SlotHandle, AllocError> {
         let group = self.pop()?;
-        Ok(SlotHandle {
-            group,
-            generation: self.groups[group as usize].generation,
-            pool: self.pool,
-        })
+        Ok(SlotHandle { group, generation: self.groups[group as usize].generation, pool: self.pool })
     }
 
     #[inline]
@@ -266,10 +230,7 @@ impl SlotPool {
     #[inline]
     pub fn check(&self, handle: SlotHandle) -> Result<(), AllocError> {
         if !self.resolve(handle)?.held {
-            return Err(AllocError::NotHeld {
-                what: "slot",
-                id: handle.group,
-            });
+            return Err(AllocError::NotHeld { what: "slot", id: handle.group });
         }
         Ok(())
     }
@@ -290,9 +251,7 @@ impl SlotPool {
 
     /// Vacant groups in the order `pop` hands them out.
     pub fn free_order(&self) -> Vec<u32> {
-        (0..self.num_groups)
-            .filter(|&g| !self.groups[g as usize].held)
-            .collect()
+        (0..self.num_groups).filter(|&g| !self.groups[g as usize].held).collect()
     }
 }
 

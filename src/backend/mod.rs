@@ -20,6 +20,9 @@
 pub mod cuda;
 pub mod hip;
 pub mod host;
+pub mod select;
+
+pub use select::{open, select, BackendChoice};
 
 use crate::index::{DevicePtr, Launch};
 use std::fmt;

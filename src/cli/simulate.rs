@@ -491,7 +491,13 @@ pub fn simulate(
     Ok(rep)
 }
 
-fn sample(pool: &Pool, step: u64, running: &[Running], waiting: usize, tokens: u64) -> Result<Sample, PoolError> {
+fn sample(
+    pool: &Pool,
+    step: u64,
+    running: &[Running],
+    waiting: usize,
+    tokens: u64,
+) -> Result<Sample, PoolError> {
     let c = pool.counts()?;
     let g = pool.spec().geometry.clone();
     let (e, s) = (g.envelope_rows, g.slot_rows);
@@ -641,7 +647,9 @@ pub fn render_table(reports: &[SimReport]) -> String {
     row(&mut s, "mean queue wait (steps)", &|r| format!("{:.1}", r.mean_wait_steps));
     row(&mut s, "boundary moves", &|r| r.boundary_moves.to_string());
     row(&mut s, "relocations block / slot", &|r| format!("{} / {}", r.block_relocations, r.slot_relocations));
-    row(&mut s, "index build µs mean / p99", &|r| format!("{:.1} / {:.1}", r.index_build_mean_us, r.index_build_p99_us));
+    row(&mut s, "index build µs mean / p99", &|r| {
+        format!("{:.1} / {:.1}", r.index_build_mean_us, r.index_build_p99_us)
+    });
     row(&mut s, "final blocks used/num", &|r| format!("{}/{}", r.final_split.1, r.final_split.0));
     row(&mut s, "final slots used/num", &|r| format!("{}/{}", r.final_split.3, r.final_split.2));
     s
@@ -690,8 +698,17 @@ pub fn to_svg(reports: &[SimReport]) -> String {
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
     );
     let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let colors = [("blocks used", "#1f77b4"), ("blocks free", "#aec7e8"), ("gap", "#eeeeee"), ("slots free", "#ffbb78"), ("slots used", "#ff7f0e")];
-    let _ = writeln!(s, r#"<text x="20" y="24" font-size="15">v4pool simulate — plane rows by region over time</text>"#);
+    let colors = [
+        ("blocks used", "#1f77b4"),
+        ("blocks free", "#aec7e8"),
+        ("gap", "#eeeeee"),
+        ("slots free", "#ffbb78"),
+        ("slots used", "#ff7f0e"),
+    ];
+    let _ = writeln!(
+        s,
+        r#"<text x="20" y="24" font-size="15">v4pool simulate — plane rows by region over time</text>"#
+    );
     for (k, r) in reports.iter().enumerate() {
         let top = 40.0 + k as f64 * (ph + gap);
         let (x0, pw) = (60.0, w - 80.0);
@@ -711,10 +728,12 @@ pub fn to_svg(reports: &[SimReport]) -> String {
             let mut pts = String::new();
             let upper: Vec<f64> = r.samples.iter().zip(&base).map(|(x, b)| b + f(x) as f64).collect();
             for (i, u) in upper.iter().enumerate() {
-                let _ = write!(pts, "{:.1},{:.1} ", x0 + pw * i as f64 / n, top + 20.0 + ph * (1.0 - u / total));
+                let _ =
+                    write!(pts, "{:.1},{:.1} ", x0 + pw * i as f64 / n, top + 20.0 + ph * (1.0 - u / total));
             }
             for (i, b) in base.iter().enumerate().rev() {
-                let _ = write!(pts, "{:.1},{:.1} ", x0 + pw * i as f64 / n, top + 20.0 + ph * (1.0 - b / total));
+                let _ =
+                    write!(pts, "{:.1},{:.1} ", x0 + pw * i as f64 / n, top + 20.0 + ph * (1.0 - b / total));
             }
             let _ = writeln!(s, r#"<polygon points="{pts}" fill="{}" stroke="none"/>"#, colors[li].1);
             base = upper;
@@ -726,7 +745,13 @@ pub fn to_svg(reports: &[SimReport]) -> String {
         );
         let _ = writeln!(s, r#"<text x="10" y="{}">row 0</text>"#, top + 20.0 + ph);
         let _ = writeln!(s, r#"<text x="10" y="{}">top</text>"#, top + 30.0);
-        let _ = writeln!(s, r#"<text x="{}" y="{}" text-anchor="end">step {}</text>"#, x0 + pw, top + ph + 36.0, r.steps);
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="end">step {}</text>"#,
+            x0 + pw,
+            top + ph + 36.0,
+            r.steps
+        );
     }
     // The row space at the end of each run, as a strip.
     let ytop = 40.0 + reports.len() as f64 * (ph + gap);
@@ -753,7 +778,12 @@ pub fn to_svg(reports: &[SimReport]) -> String {
     let ly = ytop + reports.len() as f64 * 22.0 + 14.0;
     for (i, (name, color)) in colors.iter().enumerate() {
         let x = 20.0 + i as f64 * 150.0;
-        let _ = writeln!(s, r#"<rect x="{x}" y="{ly}" width="12" height="12" fill="{color}"/><text x="{}" y="{}">{name}</text>"#, x + 16.0, ly + 11.0);
+        let _ = writeln!(
+            s,
+            r#"<rect x="{x}" y="{ly}" width="12" height="12" fill="{color}"/><text x="{}" y="{}">{name}</text>"#,
+            x + 16.0,
+            ly + 11.0
+        );
     }
     s.push_str("</svg>\n");
     s

@@ -1,0 +1,66 @@
+//! Backend choice: CUDA, HIP or host by what is present, explicit in the API and
+//! overridable with `V4POOL_BACKEND=cuda|hip|host`.
+
+use super::{Backend, BackendError, BackendKind};
+use std::sync::Arc;
+
+/// What the caller asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// `V4POOL_BACKEND` if set, else the first present of CUDA, HIP, host.
+    Auto,
+    /// Exactly this backend; an error if it is not present (never a silent fallback).
+    Exactly(BackendKind),
+}
+
+impl BackendKind {
+    /// Parse `cuda`, `hip` or `host`.
+    pub fn parse(s: &str) -> Result<BackendKind, BackendError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "cuda" => Ok(BackendKind::Cuda),
+            "hip" | "rocm" => Ok(BackendKind::Hip),
+            "host" | "cpu" => Ok(BackendKind::Host),
+            _ => Err(BackendError::UnknownBackendName { value: s.to_string() }),
+        }
+    }
+}
+
+/// The environment's override, if any (`V4POOL_BACKEND`).
+pub fn env_choice() -> Result<Option<BackendKind>, BackendError> {
+    match std::env::var("V4POOL_BACKEND") {
+        Ok(v) if !v.trim().is_empty() => BackendKind::parse(&v).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// Open one backend of `kind` on device 0.
+pub fn open(kind: BackendKind) -> Result<Arc<dyn Backend>, BackendError> {
+    Ok(match kind {
+        BackendKind::Host => Arc::new(super::host::HostBackend::new()),
+        BackendKind::Cuda => Arc::new(super::cuda::CudaBackend::new(0)?),
+        BackendKind::Hip => Arc::new(super::hip::HipBackend::new(0)?),
+    })
+}
+
+/// Pick a backend: an explicit choice is honoured or fails; `Auto` follows
+/// `V4POOL_BACKEND`, else takes CUDA, then HIP, then the host.
+pub fn select(choice: BackendChoice) -> Result<Arc<dyn Backend>, BackendError> {
+    let explicit = match choice {
+        BackendChoice::Exactly(k) => Some(k),
+        BackendChoice::Auto => env_choice()?,
+    };
+    if let Some(kind) = explicit {
+        return open(kind);
+    }
+    if super::cuda::is_available() {
+        if let Ok(b) = open(BackendKind::Cuda) {
+            return Ok(b);
+        }
+    }
+    if super::hip::HipBackend::is_available() {
+        if let Ok(b) = open(BackendKind::Hip) {
+            return Ok(b);
+        }
+    }
+    open(BackendKind::Host)
+}
