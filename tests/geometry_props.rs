@@ -185,7 +185,7 @@ fn nasty_i64() -> impl Strategy<Value = i64> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(300))]
+    #![proptest_config(ProptestConfig::with_cases(1000))]
 
     #[test]
     fn live_rows_never_collide_and_stay_in_their_parts(s in small()) {
@@ -322,6 +322,12 @@ proptest! {
             }
         }
     }
+
+}
+
+proptest! {
+    // Cheap cases; many of them, since the edges are rare draws.
+    #![proptest_config(ProptestConfig::with_cases(4000))]
 
     #[test]
     fn garbage_is_a_typed_error_never_a_panic(
