@@ -169,10 +169,13 @@ fn defaults_and_nulls() {
     assert_eq!((got.ratios.len(), got.num_mtp_layers, got.n_dense()), (43, 0, 2));
 }
 
+/// A config text and what its error must look like.
+type HostileCase = (String, fn(&ModelError) -> bool);
+
 #[test]
 fn hostile_configs_are_typed_errors() {
     use ModelError::*;
-    let cases: Vec<(String, fn(&ModelError) -> bool)> = vec![
+    let cases: Vec<HostileCase> = vec![
         ("".into(), |e| matches!(e, Json(_))),
         ("{".into(), |e| matches!(e, Json(_))),
         ("{\"sliding_window\": NaN}".into(), |e| matches!(e, Json(_))),

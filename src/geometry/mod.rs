@@ -83,7 +83,7 @@ pub fn entry_rows_for(num_layers: i64, ring_stride: i64, ring_slots: i64) -> Res
         return Err(GeometryError::RingSlots { got: ring_slots });
     }
     let last = ring_offset_for(num_layers, ring_stride, ring_slots - 1)?;
-    let lead = mul(num_layers - 1, ring_stride, "entry rows")?;
+    let lead = mul(sub(num_layers, 1, "entry rows")?, ring_stride, "entry rows")?;
     add(add(lead, last, "entry rows")?, 1, "entry rows")
 }
 
@@ -409,7 +409,7 @@ impl UnifiedPoolGeometry {
         let slot_positions_v = slot_positions.unwrap_or(held);
         // Positions this plane does not reach, because it took its numbering from one with
         // more room; subtracted back out of every row it computes.
-        let slot_origin = slot_positions_v - held;
+        let slot_origin = sub(slot_positions_v, held, "slot origin")?;
         if slot_origin < 0 {
             return Err(GeometryError::SlotPositionsTooFew {
                 plane_rows,
