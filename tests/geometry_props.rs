@@ -380,16 +380,18 @@ proptest! {
     }
 }
 
-/// `max_blocks_beside` (not in the spec; Rust only) takes a slot count without a Result.
-/// A negative count is not refused: it overflows at `i64::MIN` and otherwise reports room
-/// for more blocks than the plane holds.
+/// `max_blocks_beside` (not in the spec; Rust only) takes an unsigned slot count, so a
+/// negative count cannot be expressed; the answer never exceeds what the plane holds.
 #[test]
-#[ignore = "geometry divergence reported to the lead: max_blocks_beside accepts negative slot counts"]
-fn max_blocks_beside_rejects_negative_slot_counts() {
+fn max_blocks_beside_stays_inside_the_plane() {
     let g = GeometrySpec::new(vec![4, 0], 2, 2, 7, 256).build().unwrap();
     let held_blocks = g.plane_rows / g.envelope_rows;
-    assert!(g.max_blocks_beside(-5) <= held_blocks, "{} blocks beside -5 slots", g.max_blocks_beside(-5));
-    let _ = g.max_blocks_beside(i64::MIN);
+    for slots in [0u32, 1, 2, 3, u32::MAX] {
+        let b = g.max_blocks_beside(slots);
+        assert!(b <= held_blocks, "{b} blocks beside {slots} slots");
+        assert!(b * g.envelope_rows + i64::from(slots) * g.slot_rows <= g.plane_rows || b == 0);
+    }
+    assert_eq!(g.max_blocks_beside(u32::MAX), 0);
 }
 
 /// The edges random garbage reaches only by luck, each pinned down.

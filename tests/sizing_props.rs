@@ -49,8 +49,8 @@ proptest! {
                 prop_assert_eq!(p.num_slots, m);
                 let g = &p.geometry;
                 prop_assert_eq!(g.plane_rows, p.slot_positions * g.slot_rows);
-                prop_assert_eq!(g.max_blocks_beside(m), p.num_blocks);
-                prop_assert_eq!(g.max_blocks_beside(min_slots), p.max_blocks);
+                prop_assert_eq!(g.max_blocks_beside(m as u32), p.num_blocks);
+                prop_assert_eq!(g.max_blocks_beside(min_slots as u32), p.max_blocks);
                 prop_assert_eq!(p.tokens, p.num_blocks * 256);
                 // Maximal: one more position would not fit (or the plane is at the i32 limit).
                 if !p.plane_capped {

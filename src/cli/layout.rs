@@ -129,7 +129,7 @@ fn geometry_spec(p: &ParsedArgs) -> Result<(String, GeometrySpec), CliError> {
 }
 
 /// A preset by name, else a config.json path (or a folder holding one).
-fn load_model(arg: &str, p: &ParsedArgs) -> Result<ModelShape, CliError> {
+pub(crate) fn load_model(arg: &str, p: &ParsedArgs) -> Result<ModelShape, CliError> {
     let spec_steps = p.i64("--spec-steps")?.unwrap_or(0);
     let drafts = match (p.i64("--draft-stages")?, p.get("--draft-mode")) {
         (None, None) => None,

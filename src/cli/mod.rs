@@ -57,6 +57,14 @@ pub enum CliError {
     Model(#[from] ModelError),
     #[error("{0}")]
     Geometry(#[from] GeometryError),
+    #[error("{0}")]
+    Sizing(#[from] crate::sizing::SizingError),
+    #[error("{0}")]
+    Backend(#[from] crate::backend::BackendError),
+    #[error("{0}")]
+    Pool(#[from] crate::pool::PoolError),
+    #[error("{0}")]
+    Simulation(#[from] simulate::SimError),
 }
 
 impl CliError {
@@ -77,6 +85,10 @@ impl CliError {
             TooLarge { .. } => "TooLarge",
             Model(e) => e.variant_name(),
             Geometry(e) => e.variant_name(),
+            Sizing(e) => e.variant_name(),
+            Backend(_) => "Backend",
+            Pool(_) => "Pool",
+            Simulation(_) => "Simulation",
         }
     }
 
@@ -195,14 +207,6 @@ fn plan_unavailable(args: &[String]) -> i32 {
     EXIT_USAGE
 }
 
-/// Stand-in for `simulate` while `cli::simulate` has no `run`.
-// TODO(lead, merge): replace with `simulate::run(rest)` once src/cli/simulate.rs defines it.
-fn simulate_unavailable(args: &[String]) -> i32 {
-    let _ = args;
-    eprintln!("v4pool simulate: not built into this binary yet");
-    EXIT_USAGE
-}
-
 /// Run the command with `args` (without the program name); returns the exit status.
 pub fn run(args: &[String]) -> i32 {
     let Some((command, rest)) = args.split_first() else {
@@ -212,7 +216,7 @@ pub fn run(args: &[String]) -> i32 {
     match command.as_str() {
         "layout" => layout::run(rest),
         "plan" => plan_unavailable(rest),
-        "simulate" => simulate_unavailable(rest),
+        "simulate" => simulate::run(rest),
         "help" | "--help" | "-h" => {
             println!("{USAGE}");
             EXIT_OK

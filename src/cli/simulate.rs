@@ -10,6 +10,7 @@
 //! the gap on demand, idle slots given back to blocks) and with a fixed split of the same
 //! budget (`max_seqs` slots reserved at start-up, as engines that fix the split behave).
 
+use super::CliError;
 use crate::backend::Backend;
 use crate::pool::{DecodeCapacity, DecodeIndexBuffers, DecodeSeq, Pool, PoolError};
 use std::collections::VecDeque;
@@ -74,8 +75,12 @@ pub struct SimConfig {
     pub rate: f64,
     pub steps: u64,
     pub seed: u64,
-    /// Most running requests (the engine's `max_num_seqs`).
+    /// Most running requests under the fixed split (the engine's `max_num_seqs`, each with
+    /// a slot reserved at start-up).
     pub max_seqs: usize,
+    /// Most running requests under the elastic boundary: slots are taken from the gap only
+    /// while memory allows, so the cap can sit above `max_seqs`.
+    pub elastic_max_seqs: usize,
     /// Prefill tokens one step processes, over all prefilling requests.
     pub prefill_chunk: u64,
     /// Tokens one decode step writes per request (1 + speculative steps).
@@ -97,6 +102,7 @@ impl Default for SimConfig {
             steps: 3000,
             seed: 7,
             max_seqs: 64,
+            elastic_max_seqs: 256,
             prefill_chunk: 8192,
             tokens_per_decode: 1,
             max_context: 1 << 20,
@@ -259,6 +265,10 @@ pub fn simulate(
     let block_size = geometry.block_size as u64;
     let (e_rows, s_rows) = (geometry.envelope_rows, geometry.slot_rows);
     let max_blocks_per_seq = cfg.max_context.div_ceil(block_size) as usize + 1;
+    let cap_seqs = match policy {
+        SplitPolicy::Fixed => cfg.max_seqs,
+        SplitPolicy::Elastic => cfg.elastic_max_seqs.max(cfg.max_seqs),
+    };
 
     // Start the split: fixed reserves max_seqs slots; elastic starts with the headroom.
     let want_slots = match policy {
@@ -277,8 +287,8 @@ pub fn simulate(
         backend.as_ref(),
         &geometry,
         DecodeCapacity {
-            max_seqs: cfg.max_seqs,
-            max_tokens: cfg.max_seqs * cfg.tokens_per_decode,
+            max_seqs: cap_seqs,
+            max_tokens: cap_seqs * cfg.tokens_per_decode,
             max_blocks_per_seq,
             win: geometry.ring_slots.min(128) as i32,
             index_topk: 512,
@@ -315,14 +325,31 @@ pub fn simulate(
 
         // Admission, FIFO: a slot and the blocks for the first prefill chunk.
         while let Some(req) = waiting.front().copied() {
-            if running.len() >= cfg.max_seqs {
+            if running.len() >= cap_seqs {
                 break;
             }
             let first = req.prompt.min(cfg.prefill_chunk).div_ceil(block_size) as u32;
+            // Both policies admit only while the blocks that running requests' prompts still
+            // need stay covered (the engine knows prompt lengths), so admission does not
+            // simply trade into preemptions.
+            let owed: u64 = running
+                .iter()
+                .map(|r| r.spec.prompt.div_ceil(block_size).saturating_sub(r.blocks.len() as u64))
+                .sum();
+            let c = pool.counts()?;
+            let spare = u64::from(c.free_blocks)
+                + if policy == SplitPolicy::Elastic {
+                    u64::from(c.max_blocks.saturating_sub(c.num_blocks))
+                } else {
+                    0
+                };
+            if spare < owed + u64::from(first) {
+                break;
+            }
             if !ensure_free_blocks(pool, policy, first, &mut rep, &mut running)? {
                 break;
             }
-            let Some(lease) = take_slot(pool, policy, &mut rep, &mut running)? else { break };
+            let Some(lease) = take_slot(pool, policy, first, &mut rep, &mut running)? else { break };
             waiting.pop_front();
             sum_wait += (step - req.arrival) as f64;
             running.push(Running {
@@ -447,7 +474,8 @@ pub fn simulate(
             }
         }
 
-        let tokens: u64 = running.iter().map(|r| r.context).sum();
+        // Compressed history held: every block a running request holds, at block_size tokens.
+        let tokens: u64 = running.iter().map(|r| r.blocks.len() as u64 * block_size).sum();
         sum_running += running.len() as f64;
         sum_tokens += tokens as f64;
         rep.max_running = rep.max_running.max(running.len());
@@ -470,13 +498,13 @@ pub fn simulate(
     if cfg.progress {
         eprintln!();
     }
+    let c = pool.counts()?;
+    rep.final_split = (c.num_blocks, c.num_blocks - c.free_blocks, c.num_slots, c.num_slots - c.free_slots);
     for r in running.drain(..) {
         release(pool, r)?;
     }
     // SAFETY: the backend synchronised after the last launch; nothing else uses the buffers.
     unsafe { decode.release(backend.as_ref()) };
-    let c = pool.counts()?;
-    rep.final_split = (c.num_blocks, c.num_blocks - c.free_blocks, c.num_slots, c.num_slots - c.free_slots);
     let n = cfg.steps.max(1) as f64;
     rep.mean_running = sum_running / n;
     rep.mean_compressed_tokens = sum_tokens / n;
@@ -558,11 +586,23 @@ fn note_change(
 fn take_slot(
     pool: &Pool,
     policy: SplitPolicy,
+    need: u32,
     rep: &mut SimReport,
     running: &mut [Running],
 ) -> Result<Option<crate::pool::SlotLease>, PoolError> {
-    if pool.counts()?.free_slots == 0 {
+    let c = pool.counts()?;
+    if c.free_slots == 0 {
         if policy == SplitPolicy::Fixed {
+            return Ok(None);
+        }
+        // Take a slot from the gap only while blocks keep a reserve (a twentieth of what
+        // the plane holds, plus the rows the slot itself takes): admitting past that would
+        // only preempt running requests for lack of blocks.
+        let g = &pool.spec().geometry;
+        let slot_blocks = (g.slot_rows + g.envelope_rows - 1) / g.envelope_rows;
+        let reserve = i64::from(c.max_blocks.max(c.num_blocks)) / 20 + slot_blocks + i64::from(need);
+        let spare = i64::from(c.free_blocks) + i64::from(c.max_blocks.saturating_sub(c.num_blocks));
+        if spare < reserve {
             return Ok(None);
         }
         match pool.grow_slots(1) {
@@ -650,8 +690,8 @@ pub fn render_table(reports: &[SimReport]) -> String {
     row(&mut s, "index build µs mean / p99", &|r| {
         format!("{:.1} / {:.1}", r.index_build_mean_us, r.index_build_p99_us)
     });
-    row(&mut s, "final blocks used/num", &|r| format!("{}/{}", r.final_split.1, r.final_split.0));
-    row(&mut s, "final slots used/num", &|r| format!("{}/{}", r.final_split.3, r.final_split.2));
+    row(&mut s, "blocks used/num at the end", &|r| format!("{}/{}", r.final_split.1, r.final_split.0));
+    row(&mut s, "slots used/num at the end", &|r| format!("{}/{}", r.final_split.3, r.final_split.2));
     s
 }
 
@@ -789,11 +829,178 @@ pub fn to_svg(reports: &[SimReport]) -> String {
     s
 }
 
-/// `v4pool simulate` entry point (being wired to the pool builder and argument parser).
+const HELP: &str = "\
+usage: v4pool simulate [options]
+
+Drives a pool as a serving engine would (Poisson arrivals, chunked prefill, a decode index
+build every step) twice on the same workload: elastic boundary vs a fixed split.
+
+  --model NAME|PATH     v4-flash (default), v4-pro, …, or a config.json
+  --spec-steps K        speculative steps (ring = window + K)            [0]
+  --budget BYTES        pool budget, e.g. 8GiB                           [6GiB]
+  --max-seqs N          running requests; the fixed split reserves N slots [48]
+  --elastic-max-seqs N  running requests under the elastic boundary      [4 × max-seqs]
+  --dtype fp8|bf16      KV planes                                        [fp8]
+  --indexer fp8|fp4     indexer cache                                    [fp8]
+  --mix chat|agentic|mixed                                               [mixed]
+  --rate R              mean arrivals per step                           [0.4]
+  --steps N             forward steps                                    [2000]
+  --seed S                                                               [7]
+  --prefill-chunk T     prefill tokens per step                          [8192]
+  --max-context T       longest context                                  [1048576]
+  --policy both|elastic|fixed                                            [both]
+  --backend auto|host|cuda|hip   (auto honours V4POOL_BACKEND)           [auto]
+  --svg FILE            memory by region over time, and the row space
+  --json                the numbers as one JSON object
+  --no-progress         no progress bar";
+
+fn sim_args(args: &[String]) -> Result<Option<String>, CliError> {
+    use super::{parse_args, CliError as E};
+    let p = parse_args(
+        args,
+        &[
+            "--model",
+            "--spec-steps",
+            "--draft-stages",
+            "--draft-mode",
+            "--budget",
+            "--max-seqs",
+            "--dtype",
+            "--indexer",
+            "--mix",
+            "--rate",
+            "--steps",
+            "--seed",
+            "--prefill-chunk",
+            "--max-context",
+            "--elastic-max-seqs",
+            "--policy",
+            "--backend",
+            "--svg",
+        ],
+        &["--json", "--no-progress", "--help"],
+    )?;
+    if p.flag("--help") {
+        return Ok(Some(HELP.to_string()));
+    }
+    let json = p.flag("--json");
+    let model = super::layout::load_model(p.get("--model").unwrap_or("v4-flash"), &p)?;
+    let bad = |flag: &str, value: &str, expected: &'static str| E::BadValue {
+        flag: flag.to_string(),
+        value: value.to_string(),
+        expected,
+    };
+    let budget = crate::sizing::parse_bytes(p.get("--budget").unwrap_or("6GiB"))?;
+    let kv = match p.get("--dtype").unwrap_or("fp8") {
+        "fp8" => crate::sizing::KvDtype::Fp8,
+        "bf16" => crate::sizing::KvDtype::Bf16,
+        v => return Err(bad("--dtype", v, "fp8 or bf16")),
+    };
+    let indexer = match p.get("--indexer").unwrap_or("fp8") {
+        "fp8" => crate::sizing::IndexerDtype::Fp8,
+        "fp4" => crate::sizing::IndexerDtype::Fp4,
+        v => return Err(bad("--indexer", v, "fp8 or fp4")),
+    };
+    let positive = |key: &'static str, default: i64, max: i64| -> Result<i64, CliError> {
+        let v = p.i64(key)?.unwrap_or(default);
+        if v < 1 || v > max {
+            return Err(E::BadValue {
+                flag: key.to_string(),
+                value: v.to_string(),
+                expected: "a positive count in range",
+            });
+        }
+        Ok(v)
+    };
+    let mut cfg = SimConfig {
+        steps: positive("--steps", 2000, 10_000_000)? as u64,
+        seed: p.i64("--seed")?.unwrap_or(7) as u64,
+        max_seqs: positive("--max-seqs", 48, 65_536)? as usize,
+        elastic_max_seqs: p.i64("--elastic-max-seqs")?.map(|v| v.clamp(1, 65_536) as usize).unwrap_or(0),
+        prefill_chunk: positive("--prefill-chunk", 8192, 1 << 24)? as u64,
+        max_context: positive("--max-context", 1 << 20, 1 << 24)? as u64,
+        tokens_per_decode: 1 + model.spec_steps as usize,
+        progress: !json && !p.flag("--no-progress") && std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        ..SimConfig::default()
+    };
+    if cfg.elastic_max_seqs == 0 {
+        cfg.elastic_max_seqs = 4 * cfg.max_seqs;
+    }
+    if let Some(m) = p.get("--mix") {
+        cfg.mix = Mix::parse(m).ok_or_else(|| bad("--mix", m, "chat, agentic or mixed"))?;
+    }
+    cfg.rate = match p.get("--rate") {
+        None => 0.4,
+        Some(v) => match v.trim().parse::<f64>() {
+            Ok(r) if r.is_finite() && r > 0.0 && r <= 1000.0 => r,
+            _ => return Err(bad("--rate", v, "a rate in (0, 1000]")),
+        },
+    };
+    let policies: Vec<SplitPolicy> = match p.get("--policy").unwrap_or("both") {
+        "both" => vec![SplitPolicy::Elastic, SplitPolicy::Fixed],
+        "elastic" => vec![SplitPolicy::Elastic],
+        "fixed" => vec![SplitPolicy::Fixed],
+        v => return Err(bad("--policy", v, "both, elastic or fixed")),
+    };
+    let choice = match p.get("--backend").unwrap_or("auto") {
+        "auto" => crate::backend::BackendChoice::Auto,
+        v => crate::backend::BackendChoice::Exactly(crate::backend::BackendKind::parse(v)?),
+    };
+    let plan = crate::sizing::plan(
+        &model,
+        &crate::sizing::PlanRequest::new(kv, indexer, cfg.max_seqs as i64, budget),
+    )?;
+    let backend = crate::backend::select(choice)?;
+    let requests = workload(&cfg);
+    if !json {
+        eprintln!(
+            "v4pool simulate: {} on {} ({}), budget {} B, plane {} rows, {} requests ({} mix)",
+            model.name,
+            backend.kind(),
+            backend.device_name(),
+            budget,
+            plan.plane_rows,
+            requests.len(),
+            cfg.mix.name()
+        );
+    }
+    let mut reports = Vec::new();
+    for policy in policies {
+        let pool = Pool::new(
+            backend.clone(),
+            crate::pool::PoolSpec::from_plan(&plan)?,
+            crate::backend::Stream::DEFAULT,
+        )?;
+        reports.push(simulate(&pool, &cfg, policy, &requests)?);
+    }
+    if let Some(path) = p.get("--svg") {
+        std::fs::write(path, to_svg(&reports))
+            .map_err(|e| E::Io { path: path.to_string(), reason: e.to_string() })?;
+    }
+    Ok(Some(if json {
+        to_json(&cfg, &reports).to_string()
+    } else {
+        format!("{}\n{}", model.name, render_table(&reports))
+    }))
+}
+
+/// `v4pool simulate` (arguments after the word `simulate`); returns the exit status.
 pub fn run(args: &[String]) -> i32 {
-    let _ = args;
-    eprintln!("v4pool simulate: not wired yet");
-    2
+    let json = args.iter().any(|a| a == "--json");
+    match sim_args(args) {
+        Ok(Some(out)) => {
+            println!("{out}");
+            super::EXIT_OK
+        }
+        Ok(None) => super::EXIT_OK,
+        Err(
+            e @ (super::CliError::Backend(_) | super::CliError::Pool(_) | super::CliError::Simulation(_)),
+        ) => {
+            super::fail("v4pool simulate", &e, json);
+            1
+        }
+        Err(e) => super::fail("v4pool simulate", &e, json),
+    }
 }
 
 #[cfg(test)]

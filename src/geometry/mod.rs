@@ -57,6 +57,9 @@ pub(crate) fn mul(a: i64, b: i64, what: &'static str) -> Result<i64, GeometryErr
 pub(crate) fn add(a: i64, b: i64, what: &'static str) -> Result<i64, GeometryError> {
     a.checked_add(b).ok_or(GeometryError::Overflow { what })
 }
+pub(crate) fn sub(a: i64, b: i64, what: &'static str) -> Result<i64, GeometryError> {
+    a.checked_sub(b).ok_or(GeometryError::Overflow { what })
+}
 /// Ceiling division of non-negative `a` by positive `b`.
 fn ceil_div(a: i64, b: i64) -> i64 {
     a / b + i64::from(a % b != 0)
@@ -653,8 +656,10 @@ impl UnifiedPoolGeometry {
         self.slot_positions - self.num_slots..self.slot_positions
     }
 
-    /// Largest block count the plane holds beside `num_slots` slots.
-    pub fn max_blocks_beside(&self, num_slots: i64) -> i64 {
+    /// Largest block count the plane holds beside `num_slots` slots (0 when the slots alone
+    /// do not fit; `i64::MAX` when blocks take no rows). Unsigned, so no count is negative.
+    pub fn max_blocks_beside(&self, num_slots: u32) -> i64 {
+        let num_slots = i64::from(num_slots);
         let held = self.plane_rows / self.slot_rows;
         if num_slots > held || self.envelope_rows == 0 {
             return if num_slots > held { 0 } else { i64::MAX };
