@@ -35,6 +35,7 @@ impl IdSet {
         }
     }
 
+    #[cfg(test)]
     pub(crate) fn len(&self) -> u32 {
         self.len
     }
@@ -111,6 +112,7 @@ impl IdSet {
     }
 
     /// Remove everything (capacity kept).
+    #[cfg(test)]
     pub(crate) fn clear(&mut self) {
         for level in &mut self.levels {
             level.iter_mut().for_each(|w| *w = 0);
