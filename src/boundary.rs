@@ -70,27 +70,15 @@ pub enum BoundaryError {
     #[error("the geometry has no envelope rows: blocks take no room, so there is no boundary to move")]
     NoEnvelope,
     #[error("{what} would be {requested}, beyond the id limit {limit}")]
-    TooManyIds {
-        what: &'static str,
-        requested: u64,
-        limit: u32,
-    },
+    TooManyIds { what: &'static str, requested: u64, limit: u32 },
     #[error("{num_slots} slots exceed the {slot_positions} positions the plane holds")]
     TooManySlots { num_slots: u64, slot_positions: i64 },
     #[error(
         "{num_blocks} blocks do not fit beside {num_slots} slots: the plane holds at most {max_blocks} there"
     )]
-    NoRoom {
-        num_blocks: u64,
-        num_slots: u32,
-        max_blocks: u32,
-    },
+    NoRoom { num_blocks: u64, num_slots: u32, max_blocks: u32 },
     #[error("cannot remove {count} {what}: there are only {have}")]
-    Underflow {
-        what: &'static str,
-        count: u32,
-        have: u32,
-    },
+    Underflow { what: &'static str, count: u32, have: u32 },
     #[error("block {id} at or above the new block count {bound} cannot move: it is {why}")]
     BlockImmovable { id: u32, bound: u32, why: &'static str },
     #[error("{held} held blocks at or above {bound} but only {free_below} free ids below it")]
@@ -98,11 +86,7 @@ pub enum BoundaryError {
     #[error("slot group {group} at or above the new slot count {bound} is pinned")]
     SlotPinned { group: u32, bound: u32 },
     #[error("{held} held slot groups at or above {bound} but only {vacant_below} vacant groups below it")]
-    NoSlotTarget {
-        bound: u32,
-        held: u32,
-        vacant_below: u32,
-    },
+    NoSlotTarget { bound: u32, held: u32, vacant_below: u32 },
     #[error("boundary invariant broken ({what}); this is a bug")]
     Invariant { what: &'static str },
 }
@@ -131,24 +115,15 @@ impl Boundary {
         }
         let held = geometry.plane_rows / geometry.slot_rows;
         let count = |what: &'static str, n: i64| {
-            u32::try_from(n)
-                .ok()
-                .filter(|&n| n <= MAX_IDS)
-                .ok_or(BoundaryError::TooManyIds {
-                    what,
-                    requested: n.max(0) as u64,
-                    limit: MAX_IDS,
-                })
+            u32::try_from(n).ok().filter(|&n| n <= MAX_IDS).ok_or(BoundaryError::TooManyIds {
+                what,
+                requested: n.max(0) as u64,
+                limit: MAX_IDS,
+            })
         };
-        let (nb, ns) = (
-            count("num_blocks", geometry.num_blocks)?,
-            count("num_slots", geometry.num_slots)?,
-        );
+        let (nb, ns) = (count("num_blocks", geometry.num_blocks)?, count("num_slots", geometry.num_slots)?);
         if i64::from(ns) > held {
-            return Err(BoundaryError::TooManySlots {
-                num_slots: u64::from(ns),
-                slot_positions: held,
-            });
+            return Err(BoundaryError::TooManySlots { num_slots: u64::from(ns), slot_positions: held });
         }
         let mut b = Boundary {
             geometry: geometry.clone(),
@@ -158,11 +133,7 @@ impl Boundary {
         };
         let max_blocks = b.max_blocks_beside(ns);
         if nb > max_blocks {
-            return Err(BoundaryError::NoRoom {
-                num_blocks: u64::from(nb),
-                num_slots: ns,
-                max_blocks,
-            });
+            return Err(BoundaryError::NoRoom { num_blocks: u64::from(nb), num_slots: ns, max_blocks });
         }
         b.blocks = BlockPool::with_max_blocks(nb, max_blocks)?;
         Ok(b)
@@ -228,10 +199,7 @@ impl Boundary {
             limit: MAX_IDS,
         })?;
         if i64::from(ns) > self.held {
-            return Err(BoundaryError::TooManySlots {
-                num_slots: u64::from(ns),
-                slot_positions: self.held,
-            });
+            return Err(BoundaryError::TooManySlots { num_slots: u64::from(ns), slot_positions: self.held });
         }
         let nb = self.num_blocks().min(self.max_blocks_beside(ns));
         self.resize(nb, ns)
@@ -241,11 +209,7 @@ impl Boundary {
     /// grow by themselves; `max_blocks` rises.
     pub fn shrink_slots(&mut self, n: u32) -> Result<BoundaryChange, BoundaryError> {
         let have = self.num_slots();
-        let ns = have.checked_sub(n).ok_or(BoundaryError::Underflow {
-            what: "slots",
-            count: n,
-            have,
-        })?;
+        let ns = have.checked_sub(n).ok_or(BoundaryError::Underflow { what: "slots", count: n, have })?;
         self.resize(self.num_blocks(), ns)
     }
 
@@ -274,23 +238,16 @@ impl Boundary {
     /// Remove the top `n` blocks, moving held ones to free ids below.
     pub fn shrink_blocks(&mut self, n: u32) -> Result<BoundaryChange, BoundaryError> {
         let have = self.num_blocks();
-        let nb = have.checked_sub(n).ok_or(BoundaryError::Underflow {
-            what: "blocks",
-            count: n,
-            have,
-        })?;
+        let nb = have.checked_sub(n).ok_or(BoundaryError::Underflow { what: "blocks", count: n, have })?;
         self.resize(nb, self.num_slots())
     }
 
     fn blocks_after_growth(&self, n: u32) -> Result<u32, BoundaryError> {
-        self.num_blocks()
-            .checked_add(n)
-            .filter(|&nb| nb <= MAX_IDS)
-            .ok_or(BoundaryError::TooManyIds {
-                what: "num_blocks",
-                requested: u64::from(self.num_blocks()) + u64::from(n),
-                limit: MAX_IDS,
-            })
+        self.num_blocks().checked_add(n).filter(|&nb| nb <= MAX_IDS).ok_or(BoundaryError::TooManyIds {
+            what: "num_blocks",
+            requested: u64::from(self.num_blocks()) + u64::from(n),
+            limit: MAX_IDS,
+        })
     }
 
     /// Move to the split `(num_blocks, num_slots)`: shrink slots, shrink blocks, then grow
@@ -306,11 +263,7 @@ impl Boundary {
         }
         let max_blocks = self.max_blocks_beside(num_slots);
         if num_blocks > max_blocks {
-            return Err(BoundaryError::NoRoom {
-                num_blocks: u64::from(num_blocks),
-                num_slots,
-                max_blocks,
-            });
+            return Err(BoundaryError::NoRoom { num_blocks: u64::from(num_blocks), num_slots, max_blocks });
         }
         let (nb0, ns0) = (self.num_blocks(), self.num_slots());
         if num_slots < ns0 {
@@ -330,15 +283,10 @@ impl Boundary {
         while self.num_slots() > num_slots {
             let g = self.num_slots() - 1;
             let old = self.slots.current_handle(g)?;
-            let r = self
-                .slots
-                .retire_top()
-                .ok_or(BoundaryError::Invariant { what: "slot retire" })?;
+            let r = self.slots.retire_top().ok_or(BoundaryError::Invariant { what: "slot retire" })?;
             if let Some(t) = r.relocated_to {
                 if t >= num_slots {
-                    return Err(BoundaryError::Invariant {
-                        what: "slot target above the new count",
-                    });
+                    return Err(BoundaryError::Invariant { what: "slot target above the new count" });
                 }
                 change.slot_moves.push(SlotMove {
                     old,
@@ -355,10 +303,7 @@ impl Boundary {
                 .retire_top_into(num_blocks)
                 .ok_or(BoundaryError::Invariant { what: "block retire" })?;
             if let Some(to) = r.moved_to {
-                change.block_moves.push(BlockMove {
-                    old,
-                    new: self.blocks.current_handle(to)?,
-                });
+                change.block_moves.push(BlockMove { old, new: self.blocks.current_handle(to)? });
             }
             change.evicted.extend(r.evicted);
         }
@@ -393,11 +338,7 @@ impl Boundary {
                 });
             }
             if self.blocks.is_popped(id)? {
-                return Err(BoundaryError::BlockImmovable {
-                    id,
-                    bound,
-                    why: "popped but not allocated",
-                });
+                return Err(BoundaryError::BlockImmovable { id, bound, why: "popped but not allocated" });
             }
             if self.blocks.is_free(id)? {
                 free_above += 1;
@@ -407,11 +348,7 @@ impl Boundary {
         }
         let free_below = self.blocks.num_free() - free_above;
         if held > free_below {
-            return Err(BoundaryError::NoBlockTarget {
-                bound,
-                held,
-                free_below,
-            });
+            return Err(BoundaryError::NoBlockTarget { bound, held, free_below });
         }
         Ok(())
     }
@@ -432,11 +369,7 @@ impl Boundary {
         }
         let vacant_below = self.slots.num_free() - vacant_above;
         if held > vacant_below {
-            return Err(BoundaryError::NoSlotTarget {
-                bound,
-                held,
-                vacant_below,
-            });
+            return Err(BoundaryError::NoSlotTarget { bound, held, vacant_below });
         }
         Ok(())
     }
@@ -544,20 +477,13 @@ mod tests {
         let mut b = Boundary::new(&geometry(3, 2, 60_000)).unwrap();
         let params = |b: &Boundary| {
             let g = b.geometry();
-            (
-                g.window_params(0).unwrap(),
-                g.window_params(4).unwrap(),
-                g.window_params(128).unwrap(),
-            )
+            (g.window_params(0).unwrap(), g.window_params(4).unwrap(), g.window_params(128).unwrap())
         };
         let first = params(&b);
         let span = b.geometry().slot_span(624).unwrap();
         for (nb, ns) in [(2, 5), (7, 1), (1, 1), (3, 2)] {
             let c = b.resize(nb, ns).unwrap();
-            assert_eq!(
-                (b.num_blocks(), b.num_slots(), c.num_blocks, c.num_slots),
-                (nb, ns, nb, ns)
-            );
+            assert_eq!((b.num_blocks(), b.num_slots(), c.num_blocks, c.num_slots), (nb, ns, nb, ns));
             assert_eq!(params(&b), first);
             assert_eq!(b.geometry().slot_span(624).unwrap(), span);
             assert_eq!(b.geometry().physical_slot(0).unwrap(), 624);
@@ -578,25 +504,12 @@ mod tests {
         g.num_blocks = 6;
         assert_eq!(
             Boundary::new(&g),
-            Err(BoundaryError::NoRoom {
-                num_blocks: 6,
-                num_slots: 2,
-                max_blocks: 5
-            })
+            Err(BoundaryError::NoRoom { num_blocks: 6, num_slots: 2, max_blocks: 5 })
         );
         g.num_blocks = 0;
         g.num_slots = 11;
-        assert_eq!(
-            Boundary::new(&g),
-            Err(BoundaryError::TooManySlots {
-                num_slots: 11,
-                slot_positions: 10
-            })
-        );
-        let dense = GeometrySpec::new(vec![0, 0], 0, 1, 7, 256)
-            .plane_rows(100)
-            .build()
-            .unwrap();
+        assert_eq!(Boundary::new(&g), Err(BoundaryError::TooManySlots { num_slots: 11, slot_positions: 10 }));
+        let dense = GeometrySpec::new(vec![0, 0], 0, 1, 7, 256).plane_rows(100).build().unwrap();
         assert_eq!(Boundary::new(&dense), Err(BoundaryError::NoEnvelope));
     }
 
@@ -612,13 +525,7 @@ mod tests {
         }
         // Three slots leave room for 5 blocks: 6 moves to 0 (lowest vacant), 5 (free) is dropped.
         let c = b.grow_slots(3).unwrap();
-        assert_eq!(
-            c.block_moves,
-            vec![BlockMove {
-                old: h[6],
-                new: b.blocks().current_handle(0).unwrap()
-            }]
-        );
+        assert_eq!(c.block_moves, vec![BlockMove { old: h[6], new: b.blocks().current_handle(0).unwrap() }]);
         assert_eq!(c.evicted, vec![55]);
         assert_eq!(c.new_live_positions, 7..10);
         assert_eq!(c.retired_positions, 10..10);
@@ -640,19 +547,12 @@ mod tests {
         let h: Vec<BlockHandle> = (0..5).map(|_| b.alloc_block().unwrap().handle).collect();
         assert_eq!(
             refused(&mut b, |b| b.grow_slots(9)),
-            BoundaryError::TooManySlots {
-                num_slots: 11,
-                slot_positions: 10
-            }
+            BoundaryError::TooManySlots { num_slots: 11, slot_positions: 10 }
         );
         // 4 slots leave room for 4 blocks: block 4 is held and nothing is free below.
         assert_eq!(
             refused(&mut b, |b| b.grow_slots(2)),
-            BoundaryError::NoBlockTarget {
-                bound: 4,
-                held: 1,
-                free_below: 0
-            }
+            BoundaryError::NoBlockTarget { bound: 4, held: 1, free_below: 0 }
         );
         b.free_block(h[0]).unwrap();
         b.free_block(h[4]).unwrap();
@@ -666,11 +566,7 @@ mod tests {
         assert_eq!(r.ids, vec![0, 2, 3, 4]);
         assert_eq!(
             refused(&mut b, |b| b.grow_slots(2)),
-            BoundaryError::BlockImmovable {
-                id: 4,
-                bound: 4,
-                why: "a raw unit (checkpoint storage)"
-            }
+            BoundaryError::BlockImmovable { id: 4, bound: 4, why: "a raw unit (checkpoint storage)" }
         );
     }
 
@@ -687,18 +583,8 @@ mod tests {
         assert_eq!(
             c.slot_moves,
             vec![
-                SlotMove {
-                    old: s[5],
-                    new: new(1),
-                    from_position: 4,
-                    to_position: 8
-                },
-                SlotMove {
-                    old: s[3],
-                    new: new(2),
-                    from_position: 6,
-                    to_position: 7
-                },
+                SlotMove { old: s[5], new: new(1), from_position: 4, to_position: 8 },
+                SlotMove { old: s[3], new: new(2), from_position: 6, to_position: 7 },
             ]
         );
         assert_eq!(c.retired_positions, 4..7);
@@ -715,26 +601,15 @@ mod tests {
         let s: Vec<SlotHandle> = (0..3).map(|_| b.alloc_slot().unwrap()).collect();
         assert_eq!(
             refused(&mut b, |b| b.shrink_slots(4)),
-            BoundaryError::Underflow {
-                what: "slots",
-                count: 4,
-                have: 3
-            }
+            BoundaryError::Underflow { what: "slots", count: 4, have: 3 }
         );
         assert_eq!(
             refused(&mut b, |b| b.shrink_slots(1)),
-            BoundaryError::NoSlotTarget {
-                bound: 2,
-                held: 1,
-                vacant_below: 0
-            }
+            BoundaryError::NoSlotTarget { bound: 2, held: 1, vacant_below: 0 }
         );
         b.free_slot(s[0]).unwrap();
         b.pin_slot(s[2]).unwrap();
-        assert_eq!(
-            refused(&mut b, |b| b.shrink_slots(1)),
-            BoundaryError::SlotPinned { group: 2, bound: 2 }
-        );
+        assert_eq!(refused(&mut b, |b| b.shrink_slots(1)), BoundaryError::SlotPinned { group: 2, bound: 2 });
         b.unpin_slot(s[2]).unwrap();
         b.shrink_slots(1).unwrap();
     }
@@ -747,11 +622,7 @@ mod tests {
         assert!(c.block_moves.is_empty() && c.slot_moves.is_empty() && c.new_live_positions.is_empty());
         assert_eq!(
             refused(&mut b, |b| b.grow_blocks(1)),
-            BoundaryError::NoRoom {
-                num_blocks: 5,
-                num_slots: 4,
-                max_blocks: 4
-            }
+            BoundaryError::NoRoom { num_blocks: 5, num_slots: 4, max_blocks: 4 }
         );
     }
 
@@ -768,19 +639,11 @@ mod tests {
         assert_eq!(c.retired_positions, 6..9);
         assert_eq!(
             refused(&mut b, |b| b.grow_blocks_shrinking_slots(1)),
-            BoundaryError::NoSlotTarget {
-                bound: 0,
-                held: 1,
-                vacant_below: 0
-            }
+            BoundaryError::NoSlotTarget { bound: 0, held: 1, vacant_below: 0 }
         );
         assert_eq!(
             refused(&mut b, |b| b.grow_blocks_shrinking_slots(2)),
-            BoundaryError::NoRoom {
-                num_blocks: 8,
-                num_slots: 0,
-                max_blocks: 7
-            }
+            BoundaryError::NoRoom { num_blocks: 8, num_slots: 0, max_blocks: 7 }
         );
         assert_eq!(
             refused(&mut b, |b| b.grow_blocks(u32::MAX)),
@@ -805,31 +668,14 @@ mod tests {
         let new = |i| b.blocks().current_handle(i).unwrap();
         assert_eq!(
             c.block_moves,
-            vec![
-                BlockMove {
-                    old: h[4],
-                    new: new(0)
-                },
-                BlockMove {
-                    old: h[3],
-                    new: new(2)
-                }
-            ]
+            vec![BlockMove { old: h[4], new: new(0) }, BlockMove { old: h[3], new: new(2) }]
         );
         assert!(c.evicted.is_empty());
         assert_eq!((b.num_blocks(), b.max_blocks()), (3, 5));
-        assert_eq!(
-            b.lookup(11),
-            Some(1),
-            "the cached block below the cut stays findable"
-        );
+        assert_eq!(b.lookup(11), Some(1), "the cached block below the cut stays findable");
         assert_eq!(
             refused(&mut b, |b| b.shrink_blocks(4)),
-            BoundaryError::Underflow {
-                what: "blocks",
-                count: 4,
-                have: 3
-            }
+            BoundaryError::Underflow { what: "blocks", count: 4, have: 3 }
         );
     }
 
@@ -843,17 +689,7 @@ mod tests {
         b.free_block(h[3]).unwrap();
         b.free_block(h[1]).unwrap();
         let c = b.shrink_blocks(2).unwrap();
-        assert_eq!(
-            c.block_moves,
-            vec![BlockMove {
-                old: h[4],
-                new: b.blocks().current_handle(1).unwrap()
-            }]
-        );
-        assert_eq!(
-            c.evicted,
-            vec![11, 33],
-            "1's hash as the destination, then 3's as a free top"
-        );
+        assert_eq!(c.block_moves, vec![BlockMove { old: h[4], new: b.blocks().current_handle(1).unwrap() }]);
+        assert_eq!(c.evicted, vec![11, 33], "1's hash as the destination, then 3's as a free top");
     }
 }

@@ -37,10 +37,7 @@ struct NaiveBlocks {
 
 impl NaiveBlocks {
     fn new(num: u32, max: u32) -> Self {
-        let mut m = NaiveBlocks {
-            max,
-            ..Default::default()
-        };
+        let mut m = NaiveBlocks { max, ..Default::default() };
         m.extend(num);
         m
     }
@@ -49,11 +46,7 @@ impl NaiveBlocks {
         self.cached.retain(|&c| c != id);
     }
     fn next_free(&self, below: u32) -> Option<u32> {
-        let vacant = self
-            .free
-            .iter()
-            .copied()
-            .find(|&id| self.hash[id as usize].is_none() && id < below);
+        let vacant = self.free.iter().copied().find(|&id| self.hash[id as usize].is_none() && id < below);
         vacant.or_else(|| self.cached.iter().copied().find(|&id| id < below))
     }
     fn pop(&mut self) -> Option<u32> {
@@ -144,12 +137,7 @@ impl NaiveBlocks {
     }
     fn release_units(&mut self, ids: &[u32], owner: u64) -> bool {
         let ok = ids.iter().enumerate().all(|(p, &id)| {
-            id < self.num
-                && self.raw[id as usize]
-                    == Some(RawUnit {
-                        owner,
-                        piece: p as u32,
-                    })
+            id < self.num && self.raw[id as usize] == Some(RawUnit { owner, piece: p as u32 })
         });
         if ok {
             for &id in ids {
@@ -170,13 +158,8 @@ impl NaiveBlocks {
                 self.used.push(false);
                 self.raw.push(None);
             }
-            (
-                self.ref_count[i],
-                self.hash[i],
-                self.tokens[i],
-                self.used[i],
-                self.raw[i],
-            ) = (0, None, 0, false, None);
+            (self.ref_count[i], self.hash[i], self.tokens[i], self.used[i], self.raw[i]) =
+                (0, None, 0, false, None);
             self.free.insert(id);
         }
         self.num += taken;
@@ -217,12 +200,8 @@ impl NaiveBlocks {
         Some((top, moved_to, evicted))
     }
     fn free_order(&self) -> Vec<u32> {
-        let mut v: Vec<u32> = self
-            .free
-            .iter()
-            .copied()
-            .filter(|&id| self.hash[id as usize].is_none())
-            .collect();
+        let mut v: Vec<u32> =
+            self.free.iter().copied().filter(|&id| self.hash[id as usize].is_none()).collect();
         v.extend(&self.cached);
         v
     }
@@ -262,20 +241,13 @@ fn block_op() -> impl Strategy<Value = BlockOp> {
 }
 
 fn assert_same_blocks(p: &BlockPool, m: &NaiveBlocks) {
-    assert_eq!(
-        (p.num_blocks(), p.max_blocks(), p.num_free() as usize),
-        (m.num, m.max, m.free.len())
-    );
+    assert_eq!((p.num_blocks(), p.max_blocks(), p.num_free() as usize), (m.num, m.max, m.free.len()));
     for id in 0..m.num {
         let i = id as usize;
         assert_eq!(p.ref_count(id).unwrap(), m.ref_count[i], "ref_count of {id}");
         assert_eq!(p.hash(id).unwrap(), m.hash[i], "hash of {id}");
         assert_eq!(p.tokens(id).unwrap(), m.tokens[i], "tokens of {id}");
-        assert_eq!(
-            p.is_free(id).unwrap(),
-            m.free.contains(&id),
-            "free set membership of {id}"
-        );
+        assert_eq!(p.is_free(id).unwrap(), m.free.contains(&id), "free set membership of {id}");
         assert_eq!(p.raw_unit(id).unwrap(), m.raw[i], "raw unit of {id}");
     }
     assert_eq!(p.free_order(), m.free_order(), "pop order");
@@ -618,34 +590,19 @@ fn check_invariants(b: &Boundary, h: &Holders) {
     let block_top = i64::from(nb) * g.envelope_rows;
     let live = b.live_positions();
     if let Some(lowest) = live.clone().next() {
-        assert!(
-            block_top <= g.slot_span(lowest).unwrap().0,
-            "blocks overlap slot position {lowest}"
-        );
+        assert!(block_top <= g.slot_span(lowest).unwrap().0, "blocks overlap slot position {lowest}");
     }
     assert!(block_top <= g.plane_rows);
-    assert_eq!(
-        h.live,
-        live.clone().collect::<BTreeSet<_>>(),
-        "reported live positions drifted"
-    );
+    assert_eq!(h.live, live.clone().collect::<BTreeSet<_>>(), "reported live positions drifted");
     for &(bh, tag) in &h.blocks {
         b.check_block(bh).unwrap();
         assert!(bh.id < nb, "live block {} at or past num_blocks {nb}", bh.id);
-        assert_eq!(
-            h.block_mem.get(&bh.id),
-            Some(&tag),
-            "block holder lost its content"
-        );
+        assert_eq!(h.block_mem.get(&bh.id), Some(&tag), "block holder lost its content");
         assert!(bh.id as i64 * g.envelope_rows + g.envelope_rows <= block_top);
     }
     for &(sh, tag, _) in &h.slots {
         b.check_slot(sh).unwrap();
-        assert!(
-            sh.group < ns,
-            "live slot group {} at or past num_slots {ns}",
-            sh.group
-        );
+        assert!(sh.group < ns, "live slot group {} at or past num_slots {ns}", sh.group);
         let pos = b.position(sh).unwrap();
         assert_eq!(pos, g.physical_slot(i64::from(sh.group)).unwrap());
         assert!(live.contains(&pos));

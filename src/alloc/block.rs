@@ -166,10 +166,7 @@ impl BlockPool {
     pub fn with_max_blocks(num_blocks: u32, max_blocks: u32) -> Result<Self, AllocError> {
         check_id_limit("max_blocks", max_blocks)?;
         if max_blocks < num_blocks {
-            return Err(AllocError::MaxBelowNum {
-                max_blocks,
-                num_blocks,
-            });
+            return Err(AllocError::MaxBelowNum { max_blocks, num_blocks });
         }
         let mut pool = BlockPool {
             pool: next_pool_id(),
@@ -205,10 +202,7 @@ impl BlockPool {
     pub fn set_max_blocks(&mut self, max_blocks: u32) -> Result<(), AllocError> {
         check_id_limit("max_blocks", max_blocks)?;
         if max_blocks < self.num_blocks {
-            return Err(AllocError::MaxBelowNum {
-                max_blocks,
-                num_blocks: self.num_blocks,
-            });
+            return Err(AllocError::MaxBelowNum { max_blocks, num_blocks: self.num_blocks });
         }
         self.max_blocks = max_blocks;
         Ok(())
@@ -218,10 +212,7 @@ impl BlockPool {
 
     fn block(&self, id: u32) -> Result<&Block, AllocError> {
         if id >= self.num_blocks {
-            return Err(AllocError::BlockOutOfRange {
-                id,
-                num_blocks: self.num_blocks,
-            });
+            return Err(AllocError::BlockOutOfRange { id, num_blocks: self.num_blocks });
         }
         Ok(&self.blocks[id as usize])
     }
@@ -251,11 +242,7 @@ impl BlockPool {
     /// The handle a holder of `id` has now (any state; `check` says whether it is live).
     pub fn current_handle(&self, id: u32) -> Result<BlockHandle, AllocError> {
         let generation = self.block(id)?.generation;
-        Ok(BlockHandle {
-            id,
-            generation,
-            pool: self.pool,
-        })
+        Ok(BlockHandle { id, generation, pool: self.pool })
     }
     #[inline]
     fn unit(&self, id: u32) -> Option<RawUnit> {
@@ -269,12 +256,7 @@ impl BlockPool {
     /// Free ids in the order `pop` would hand them out (vacant ascending, then cached LRU).
     pub fn free_order(&self) -> Vec<u32> {
         let mut out: Vec<u32> = self.vacant.iter().collect();
-        out.extend(
-            self.cached
-                .iter()
-                .filter(|&&e| self.cached_valid(e))
-                .map(|&(id, _)| id),
-        );
+        out.extend(self.cached.iter().filter(|&&e| self.cached_valid(e)).map(|&(id, _)| id));
         out
     }
 
@@ -299,12 +281,7 @@ impl BlockPool {
         let id = match self.vacant.min() {
             Some(id) if id < bound => id,
             // Cached entries stay where they are; taking the block makes its entry stale.
-            _ => {
-                self.cached
-                    .iter()
-                    .find(|&&e| e.0 < bound && self.cached_valid(e))?
-                    .0
-            }
+            _ => self.cached.iter().find(|&&e| e.0 < bound && self.cached_valid(e))?.0,
         };
         self.leave_free_set(id);
         Some(id)
@@ -348,10 +325,7 @@ impl BlockPool {
     pub fn allocate(&mut self, id: u32) -> Result<Option<BlockHash>, AllocError> {
         let b = self.block(id)?;
         if b.ref_count != 0 {
-            return Err(AllocError::BlockReferenced {
-                id,
-                ref_count: b.ref_count,
-            });
+            return Err(AllocError::BlockReferenced { id, ref_count: b.ref_count });
         }
         let evicted = match b.hash() {
             Some(h) if self.index.get(&h) == Some(&id) => {
@@ -376,16 +350,10 @@ impl BlockPool {
     pub fn claim(&mut self, id: u32) -> Result<(), AllocError> {
         let b = self.block(id)?;
         if let Some(unit) = self.unit(id) {
-            return Err(AllocError::RawUnit {
-                id,
-                owner: unit.owner,
-            });
+            return Err(AllocError::RawUnit { id, owner: unit.owner });
         }
         if b.state == State::Used {
-            let r = b
-                .ref_count
-                .checked_add(1)
-                .ok_or(AllocError::RefCountOverflow { id })?;
+            let r = b.ref_count.checked_add(1).ok_or(AllocError::RefCountOverflow { id })?;
             self.blocks[id as usize].ref_count = r;
             return Ok(());
         }
@@ -411,10 +379,7 @@ impl BlockPool {
     ) -> Result<Option<BlockHash>, AllocError> {
         let b = self.block(id)?;
         if let Some(unit) = self.unit(id) {
-            return Err(AllocError::RawUnit {
-                id,
-                owner: unit.owner,
-            });
+            return Err(AllocError::RawUnit { id, owner: unit.owner });
         }
         if b.state != State::Used {
             return Err(AllocError::BlockNotHeld { id });
@@ -439,10 +404,7 @@ impl BlockPool {
     pub fn free(&mut self, id: u32) -> Result<(), AllocError> {
         let b = self.block(id)?;
         if let Some(unit) = self.unit(id) {
-            return Err(AllocError::RawUnit {
-                id,
-                owner: unit.owner,
-            });
+            return Err(AllocError::RawUnit { id, owner: unit.owner });
         }
         if b.state != State::Used {
             return Err(AllocError::BlockNotHeld { id });
@@ -509,10 +471,7 @@ impl BlockPool {
         if count > self.num_free {
             return None;
         }
-        let mut out = Reservation {
-            ids: Vec::with_capacity(count as usize),
-            evicted: Vec::new(),
-        };
+        let mut out = Reservation { ids: Vec::with_capacity(count as usize), evicted: Vec::new() };
         for piece in 0..count {
             // Cannot fail: count <= num_free, and a popped id has ref 0.
             let id = self.pop().ok()?;
@@ -539,12 +498,7 @@ impl BlockPool {
                 found,
             })?;
             if found != Some(RawUnit { owner, piece }) {
-                return Err(AllocError::UnitMismatch {
-                    id,
-                    owner,
-                    piece,
-                    found,
-                });
+                return Err(AllocError::UnitMismatch { id, owner, piece, found });
             }
         }
         for &id in ids {
@@ -562,17 +516,12 @@ impl BlockPool {
         if self.blocks.len() < end as usize {
             self.blocks.resize(end as usize, Block::FRESH);
             self.vacant.grow_to(end as usize);
-            self.cached
-                .reserve((2 * end as usize + 16).saturating_sub(self.cached.len()));
+            self.cached.reserve((2 * end as usize + 16).saturating_sub(self.cached.len()));
         }
         for id in self.num_blocks..end {
             let b = &mut self.blocks[id as usize];
             // A retired id comes back blank; its generation carries on so old handles stay dead.
-            *b = Block {
-                generation: b.generation,
-                stamp: b.stamp,
-                ..Block::FRESH
-            };
+            *b = Block { generation: b.generation, stamp: b.stamp, ..Block::FRESH };
             self.vacant.insert(id);
         }
         self.num_blocks = end;
@@ -598,11 +547,7 @@ impl BlockPool {
             Some(h) if index.get(&h) == Some(&id) => Some(h),
             _ => None,
         };
-        let mut out = BlockRetired {
-            retired: top,
-            moved_to: None,
-            evicted: None,
-        };
+        let mut out = BlockRetired { retired: top, moved_to: None, evicted: None };
         if t.state == State::Free {
             out.evicted = owns(&self.index, t.hash(), top);
             if let Some(h) = out.evicted {
@@ -620,18 +565,10 @@ impl BlockPool {
                 self.index.insert(h, dest);
             }
             let d = &mut self.blocks[dest as usize];
-            *d = Block {
-                generation: d.generation + 1,
-                stamp: d.stamp,
-                ..t.clone()
-            };
+            *d = Block { generation: d.generation + 1, stamp: d.stamp, ..t.clone() };
         }
         let b = &mut self.blocks[top as usize];
-        *b = Block {
-            generation: t.generation + 1,
-            stamp: t.stamp,
-            ..Block::FRESH
-        };
+        *b = Block { generation: t.generation + 1, stamp: t.stamp, ..Block::FRESH };
         self.num_blocks = top;
         Some(out)
     }
@@ -644,14 +581,7 @@ impl BlockPool {
         let id = self.pop()?;
         let evicted = self.allocate(id)?;
         let generation = self.blocks[id as usize].generation;
-        Ok(BlockGrant {
-            handle: BlockHandle {
-                id,
-                generation,
-                pool: self.pool,
-            },
-            evicted,
-        })
+        Ok(BlockGrant { handle: BlockHandle { id, generation, pool: self.pool }, evicted })
     }
 
     /// The handle is this pool's, current, and its block held.
@@ -659,10 +589,7 @@ impl BlockPool {
     pub fn check(&self, handle: BlockHandle) -> Result<(), AllocError> {
         let b = self.resolve(handle)?;
         if b.state != State::Used {
-            return Err(AllocError::NotHeld {
-                what: "block",
-                id: handle.id,
-            });
+            return Err(AllocError::NotHeld { what: "block", id: handle.id });
         }
         Ok(())
     }
@@ -681,12 +608,7 @@ impl BlockPool {
             Some(b) => b.generation,
             None => 0,
         };
-        Err(AllocError::StaleHandle {
-            what: "block",
-            id: handle.id,
-            generation: handle.generation,
-            current,
-        })
+        Err(AllocError::StaleHandle { what: "block", id: handle.id, generation: handle.generation, current })
     }
 
     /// Drop the reference `handle` stands for. A handle whose block is free is a double free;
@@ -702,10 +624,7 @@ impl BlockPool {
             });
         }
         if let Some(unit) = self.unit(handle.id) {
-            return Err(AllocError::RawUnit {
-                id: handle.id,
-                owner: unit.owner,
-            });
+            return Err(AllocError::RawUnit { id: handle.id, owner: unit.owner });
         }
         self.release(handle.id);
         Ok(())
@@ -751,11 +670,7 @@ impl Eq for BlockPool {}
 
 fn check_id_limit(what: &'static str, count: u32) -> Result<(), AllocError> {
     if count > MAX_IDS {
-        return Err(AllocError::TooManyIds {
-            what,
-            count: u64::from(count),
-            limit: MAX_IDS,
-        });
+        return Err(AllocError::TooManyIds { what, count: u64::from(count), limit: MAX_IDS });
     }
     Ok(())
 }

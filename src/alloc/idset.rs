@@ -43,10 +43,7 @@ impl IdSet {
     #[inline]
     pub(crate) fn contains(&self, id: u32) -> bool {
         let i = id as usize;
-        self.levels
-            .first()
-            .and_then(|l| l.get(i / 64))
-            .is_some_and(|w| w & (1 << (i % 64)) != 0)
+        self.levels.first().and_then(|l| l.get(i / 64)).is_some_and(|w| w & (1 << (i % 64)) != 0)
     }
 
     /// Add `id`; returns whether it was absent. Grows if `id` is beyond the capacity.

@@ -51,12 +51,7 @@ pub enum AllocError {
     #[error("block {id} is a raw unit of owner {owner}; release it with release_units")]
     RawUnit { id: u32, owner: u64 },
     #[error("block {id} is not piece {piece} of owner {owner} (it is {found:?}); nothing released")]
-    UnitMismatch {
-        id: u32,
-        owner: u64,
-        piece: u32,
-        found: Option<RawUnit>,
-    },
+    UnitMismatch { id: u32, owner: u64, piece: u32, found: Option<RawUnit> },
     #[error("ref_count of block {id} would overflow")]
     RefCountOverflow { id: u32 },
     #[error("{what} {id} is not held")]
@@ -66,32 +61,15 @@ pub enum AllocError {
     #[error("group {group} is not pinned")]
     GroupNotPinned { group: u32 },
     #[error("double free of {what} {id} (generation {generation})")]
-    DoubleFree {
-        what: &'static str,
-        id: u32,
-        generation: u64,
-    },
+    DoubleFree { what: &'static str, id: u32, generation: u64 },
     #[error("stale {what} handle: id {id} generation {generation}, current generation {current}")]
-    StaleHandle {
-        what: &'static str,
-        id: u32,
-        generation: u64,
-        current: u64,
-    },
+    StaleHandle { what: &'static str, id: u32, generation: u64, current: u64 },
     #[error("{what} handle of pool {handle_pool} used with pool {pool}")]
-    ForeignHandle {
-        what: &'static str,
-        handle_pool: u32,
-        pool: u32,
-    },
+    ForeignHandle { what: &'static str, handle_pool: u32, pool: u32 },
     #[error("max_blocks {max_blocks} is below num_blocks {num_blocks}")]
     MaxBelowNum { max_blocks: u32, num_blocks: u32 },
     #[error("{count} {what} exceeds the id limit {limit}")]
-    TooManyIds {
-        what: &'static str,
-        count: u64,
-        limit: u32,
-    },
+    TooManyIds { what: &'static str, count: u64, limit: u32 },
 }
 
 #[cfg(test)]

@@ -17,11 +17,7 @@ struct Group {
     generation: u64,
 }
 
-const FRESH: Group = Group {
-    held: false,
-    pinned: false,
-    generation: 0,
-};
+const FRESH: Group = Group { held: false, pinned: false, generation: 0 };
 
 /// A generation-checked reference to one slot group of one pool. Memory takes positions:
 /// convert with `position = slot_positions - 1 - group` (the geometry's `physical_slot`).
@@ -83,10 +79,7 @@ impl SlotPool {
 
     fn group(&self, group: u32) -> Result<&Group, AllocError> {
         if group >= self.num_groups {
-            return Err(AllocError::GroupOutOfRange {
-                group,
-                num_groups: self.num_groups,
-            });
+            return Err(AllocError::GroupOutOfRange { group, num_groups: self.num_groups });
         }
         Ok(&self.groups[group as usize])
     }
@@ -99,11 +92,7 @@ impl SlotPool {
     /// The handle a holder of `group` has now (any state; `check` says whether it is live).
     pub fn current_handle(&self, group: u32) -> Result<SlotHandle, AllocError> {
         let generation = self.group(group)?.generation;
-        Ok(SlotHandle {
-            group,
-            generation,
-            pool: self.pool,
-        })
+        Ok(SlotHandle { group, generation, pool: self.pool })
     }
 
     /// Lowest vacant group, now held.
@@ -126,10 +115,7 @@ impl SlotPool {
     pub fn release(&mut self, group: u32) -> Result<(), AllocError> {
         let g = self.group(group)?;
         if !g.held {
-            return Err(AllocError::NotHeld {
-                what: "slot",
-                id: group,
-            });
+            return Err(AllocError::NotHeld { what: "slot", id: group });
         }
         if g.pinned {
             return Err(AllocError::GroupPinned { group });
@@ -142,11 +128,8 @@ impl SlotPool {
 
     /// Add `count` vacant groups at the top.
     pub fn extend(&mut self, count: u32) -> Result<(), AllocError> {
-        let end = self
-            .num_groups
-            .checked_add(count)
-            .filter(|&e| e <= MAX_IDS)
-            .ok_or(AllocError::TooManyIds {
+        let end =
+            self.num_groups.checked_add(count).filter(|&e| e <= MAX_IDS).ok_or(AllocError::TooManyIds {
                 what: "slot groups",
                 count: u64::from(self.num_groups) + u64::from(count),
                 limit: MAX_IDS,
@@ -157,10 +140,7 @@ impl SlotPool {
         }
         for g in self.num_groups..end {
             let grp = &mut self.groups[g as usize];
-            *grp = Group {
-                generation: grp.generation,
-                ..FRESH
-            };
+            *grp = Group { generation: grp.generation, ..FRESH };
             self.vacant.insert(g);
         }
         self.num_groups = end;
@@ -176,10 +156,7 @@ impl SlotPool {
         if t.pinned {
             return None;
         }
-        let mut out = SlotRetired {
-            retired: top,
-            relocated_to: None,
-        };
+        let mut out = SlotRetired { retired: top, relocated_to: None };
         if t.held {
             // The top is held, so it is not vacant: the lowest vacant is another group.
             let target = self.vacant.min()?;
@@ -192,10 +169,7 @@ impl SlotPool {
         // Either the vacant top leaves the free set, or the target joins the held ones.
         self.vacant.remove(top);
         self.num_free -= 1;
-        self.groups[top as usize] = Group {
-            generation: t.generation + 1,
-            ..FRESH
-        };
+        self.groups[top as usize] = Group { generation: t.generation + 1, ..FRESH };
         self.num_groups = top;
         Some(out)
     }
@@ -203,10 +177,7 @@ impl SlotPool {
     /// Keep a held group in place: no relocation, no release, until `unpin`.
     pub fn pin(&mut self, group: u32) -> Result<(), AllocError> {
         if !self.group(group)?.held {
-            return Err(AllocError::NotHeld {
-                what: "slot",
-                id: group,
-            });
+            return Err(AllocError::NotHeld { what: "slot", id: group });
         }
         self.groups[group as usize].pinned = true;
         Ok(())
@@ -226,11 +197,7 @@ impl SlotPool {
     #[inline]
     pub fn alloc(&mut self) -> Result<SlotHandle, AllocError> {
         let group = self.pop()?;
-        Ok(SlotHandle {
-            group,
-            generation: self.groups[group as usize].generation,
-            pool: self.pool,
-        })
+        Ok(SlotHandle { group, generation: self.groups[group as usize].generation, pool: self.pool })
     }
 
     #[inline]
@@ -259,10 +226,7 @@ impl SlotPool {
     #[inline]
     pub fn check(&self, handle: SlotHandle) -> Result<(), AllocError> {
         if !self.resolve(handle)?.held {
-            return Err(AllocError::NotHeld {
-                what: "slot",
-                id: handle.group,
-            });
+            return Err(AllocError::NotHeld { what: "slot", id: handle.group });
         }
         Ok(())
     }
@@ -283,9 +247,7 @@ impl SlotPool {
 
     /// Vacant groups in the order `pop` hands them out.
     pub fn free_order(&self) -> Vec<u32> {
-        (0..self.num_groups)
-            .filter(|&g| !self.groups[g as usize].held)
-            .collect()
+        (0..self.num_groups).filter(|&g| !self.groups[g as usize].held).collect()
     }
 }
 

@@ -99,10 +99,7 @@ fn allocate_of_a_free_id_directly_takes_it_off_the_free_set() {
     p.allocate(2).unwrap();
     assert_eq!(p.num_free(), 3);
     assert_eq!(p.free_order(), vec![0, 1, 3]);
-    assert_eq!(
-        (0..3).map(|_| p.pop().unwrap()).collect::<Vec<_>>(),
-        vec![0, 1, 3]
-    );
+    assert_eq!((0..3).map(|_| p.pop().unwrap()).collect::<Vec<_>>(), vec![0, 1, 3]);
 }
 
 // ---- claim / publish / free / lookup ----------------------------------------------------------
@@ -220,13 +217,7 @@ fn reserve_units_takes_pop_order_or_nothing() {
     assert_eq!(r.evicted, vec![51], "the cached unit's index entry is dropped");
     assert_eq!(p.raw_unit(1).unwrap(), Some(RawUnit { owner: 9, piece: 1 }));
     assert_eq!(p.raw_unit(2).unwrap(), Some(RawUnit { owner: 9, piece: 0 }));
-    assert_eq!(
-        p.reserve_units(0, 9),
-        Some(Reservation {
-            ids: vec![],
-            evicted: vec![]
-        })
-    );
+    assert_eq!(p.reserve_units(0, 9), Some(Reservation { ids: vec![], evicted: vec![] }));
 }
 
 #[test]
@@ -252,35 +243,17 @@ fn release_units_validates_everything_first() {
     let e = unchanged(&mut p, |p| p.release_units(&[0, 1, 3], 1));
     assert_eq!(
         e,
-        AllocError::UnitMismatch {
-            id: 3,
-            owner: 1,
-            piece: 2,
-            found: Some(RawUnit { owner: 2, piece: 0 })
-        }
+        AllocError::UnitMismatch { id: 3, owner: 1, piece: 2, found: Some(RawUnit { owner: 2, piece: 0 }) }
     );
     // Wrong order.
     let e = unchanged(&mut p, |p| p.release_units(&[1, 0, 2], 1));
     assert_eq!(
         e,
-        AllocError::UnitMismatch {
-            id: 1,
-            owner: 1,
-            piece: 0,
-            found: Some(RawUnit { owner: 1, piece: 1 })
-        }
+        AllocError::UnitMismatch { id: 1, owner: 1, piece: 0, found: Some(RawUnit { owner: 1, piece: 1 }) }
     );
     // Not a unit at all; out of range.
     let e = unchanged(&mut p, |p| p.release_units(&[5], 2));
-    assert_eq!(
-        e,
-        AllocError::UnitMismatch {
-            id: 5,
-            owner: 2,
-            piece: 0,
-            found: None
-        }
-    );
+    assert_eq!(e, AllocError::UnitMismatch { id: 5, owner: 2, piece: 0, found: None });
     let e = unchanged(&mut p, |p| p.release_units(&[9], 2));
     assert_eq!(e, AllocError::BlockOutOfRange { id: 9, num_blocks: 6 });
     p.release_units(&a, 1).unwrap();
@@ -302,17 +275,11 @@ fn extend_takes_up_to_max_blocks() {
     assert_eq!(p.free_order(), vec![0, 1, 2, 3, 4]);
     assert_eq!(
         BlockPool::with_max_blocks(3, 2).unwrap_err(),
-        AllocError::MaxBelowNum {
-            max_blocks: 2,
-            num_blocks: 3
-        }
+        AllocError::MaxBelowNum { max_blocks: 2, num_blocks: 3 }
     );
     assert_eq!(
         unchanged(&mut p, |p| p.set_max_blocks(4)),
-        AllocError::MaxBelowNum {
-            max_blocks: 4,
-            num_blocks: 5
-        }
+        AllocError::MaxBelowNum { max_blocks: 4, num_blocks: 5 }
     );
 }
 
@@ -325,14 +292,7 @@ fn retire_top_of_an_empty_pool_is_none() {
 #[test]
 fn retire_top_drops_a_free_top_and_evicts_its_hash() {
     let mut p = cached_pool(3, &[2], 70);
-    assert_eq!(
-        p.retire_top(),
-        Some(BlockRetired {
-            retired: 2,
-            moved_to: None,
-            evicted: Some(72)
-        })
-    );
+    assert_eq!(p.retire_top(), Some(BlockRetired { retired: 2, moved_to: None, evicted: Some(72) }));
     assert_eq!((p.num_blocks(), p.num_free(), p.max_blocks()), (2, 0, 3));
     assert_eq!(p.lookup(72), None);
     // It comes back blank.
@@ -352,18 +312,8 @@ fn retire_top_moves_a_held_top_to_the_lowest_vacant() {
     p.free(2).unwrap();
     let old = p.current_handle(3).unwrap();
     let r = p.retire_top().unwrap();
-    assert_eq!(
-        r,
-        BlockRetired {
-            retired: 3,
-            moved_to: Some(1),
-            evicted: None
-        }
-    );
-    assert_eq!(
-        (p.ref_count(1).unwrap(), p.hash(1).unwrap(), p.tokens(1).unwrap()),
-        (2, Some(H1), 99)
-    );
+    assert_eq!(r, BlockRetired { retired: 3, moved_to: Some(1), evicted: None });
+    assert_eq!((p.ref_count(1).unwrap(), p.hash(1).unwrap(), p.tokens(1).unwrap()), (2, Some(H1), 99));
     assert_eq!(p.lookup(H1), Some(1), "the index follows");
     assert_eq!(p.free_order(), vec![2]);
     assert!(matches!(p.check(old), Err(AllocError::StaleHandle { .. })));
@@ -376,14 +326,7 @@ fn retire_top_into_a_cached_destination_evicts_the_destination_hash() {
     let mut p = cached_pool(3, &[0, 1], 40);
     p.publish(2, H1, 1).unwrap();
     let r = p.retire_top().unwrap();
-    assert_eq!(
-        r,
-        BlockRetired {
-            retired: 2,
-            moved_to: Some(0),
-            evicted: Some(40)
-        }
-    );
+    assert_eq!(r, BlockRetired { retired: 2, moved_to: Some(0), evicted: Some(40) });
     assert_eq!((p.lookup(40), p.lookup(H1)), (None, Some(0)));
 }
 
@@ -414,31 +357,11 @@ fn block_handles_catch_double_free_stale_and_foreign_use() {
     assert_eq!(h.pool, p.pool_id());
     p.check(h).unwrap();
     let e = unchanged(&mut q, |q| q.free_handle(h));
-    assert_eq!(
-        e,
-        AllocError::ForeignHandle {
-            what: "block",
-            handle_pool: p.pool_id(),
-            pool: q.pool_id()
-        }
-    );
+    assert_eq!(e, AllocError::ForeignHandle { what: "block", handle_pool: p.pool_id(), pool: q.pool_id() });
     p.free_handle(h).unwrap();
     let e = unchanged(&mut p, |p| p.free_handle(h));
-    assert_eq!(
-        e,
-        AllocError::DoubleFree {
-            what: "block",
-            id: h.id,
-            generation: h.generation
-        }
-    );
-    assert_eq!(
-        p.check(h),
-        Err(AllocError::NotHeld {
-            what: "block",
-            id: h.id
-        })
-    );
+    assert_eq!(e, AllocError::DoubleFree { what: "block", id: h.id, generation: h.generation });
+    assert_eq!(p.check(h), Err(AllocError::NotHeld { what: "block", id: h.id }));
     // Handed out again: the old handle is stale.
     let h2 = p.alloc().unwrap().handle;
     assert_eq!(h2.id, h.id);
@@ -446,12 +369,7 @@ fn block_handles_catch_double_free_stale_and_foreign_use() {
     let e = unchanged(&mut p, |p| p.free_handle(h));
     assert_eq!(
         e,
-        AllocError::StaleHandle {
-            what: "block",
-            id: h.id,
-            generation: h.generation,
-            current: h2.generation
-        }
+        AllocError::StaleHandle { what: "block", id: h.id, generation: h.generation, current: h2.generation }
     );
     // A claim of a free block is a new handing out; a claim of a held one is not.
     p.free_handle(h2).unwrap();
@@ -483,11 +401,7 @@ fn cached_queue_stays_bounded_under_churn() {
         p.claim(1).unwrap();
         p.free(1).unwrap();
     }
-    assert!(
-        p.cached_queue_len() <= 2 * 4 + 17,
-        "cached queue grew to {}",
-        p.cached_queue_len()
-    );
+    assert!(p.cached_queue_len() <= 2 * 4 + 17, "cached queue grew to {}", p.cached_queue_len());
     assert_eq!(p.free_order(), vec![0, 1]);
 }
 
@@ -501,17 +415,8 @@ fn slot_pop_takes_lowest_vacant_and_release_returns_it() {
     s.release(0).unwrap();
     assert_eq!(s.free_order(), vec![0, 1, 3]);
     assert_eq!(s.pop().unwrap(), 0);
-    assert_eq!(
-        unchanged(&mut s, |s| s.release(3)),
-        AllocError::NotHeld { what: "slot", id: 3 }
-    );
-    assert_eq!(
-        unchanged(&mut s, |s| s.release(4)),
-        AllocError::GroupOutOfRange {
-            group: 4,
-            num_groups: 4
-        }
-    );
+    assert_eq!(unchanged(&mut s, |s| s.release(3)), AllocError::NotHeld { what: "slot", id: 3 });
+    assert_eq!(unchanged(&mut s, |s| s.release(4)), AllocError::GroupOutOfRange { group: 4, num_groups: 4 });
     s.pop().unwrap();
     s.pop().unwrap();
     assert_eq!(unchanged(&mut s, |s| s.pop().map(drop)), AllocError::NoFreeSlots);
@@ -523,23 +428,14 @@ fn slot_extend_adds_vacant_groups_on_top() {
     s.pop().unwrap();
     s.extend(2).unwrap();
     assert_eq!((s.num_groups(), s.num_free(), s.free_order()), (3, 2, vec![1, 2]));
-    assert!(matches!(
-        unchanged(&mut s, |s| s.extend(MAX_IDS)),
-        AllocError::TooManyIds { .. }
-    ));
+    assert!(matches!(unchanged(&mut s, |s| s.extend(MAX_IDS)), AllocError::TooManyIds { .. }));
 }
 
 #[test]
 fn slot_retire_top_drops_a_vacant_top() {
     let mut s = SlotPool::new(3).unwrap();
     s.pop().unwrap();
-    assert_eq!(
-        s.retire_top(),
-        Some(SlotRetired {
-            retired: 2,
-            relocated_to: None
-        })
-    );
+    assert_eq!(s.retire_top(), Some(SlotRetired { retired: 2, relocated_to: None }));
     assert_eq!((s.num_groups(), s.num_free()), (2, 1));
     let mut e = SlotPool::new(0).unwrap();
     assert_eq!(e.retire_top(), None);
@@ -552,20 +448,11 @@ fn slot_retire_top_relocates_a_held_top_to_the_lowest_vacant() {
     s.free_handle(hs[2]).unwrap();
     s.free_handle(hs[1]).unwrap();
     let r = s.retire_top().unwrap();
-    assert_eq!(
-        r,
-        SlotRetired {
-            retired: 3,
-            relocated_to: Some(1)
-        }
-    );
+    assert_eq!(r, SlotRetired { retired: 3, relocated_to: Some(1) });
     assert!(matches!(s.check(hs[3]), Err(AllocError::StaleHandle { .. })));
     let moved = s.current_handle(1).unwrap();
     s.check(moved).unwrap();
-    assert_ne!(
-        moved.generation, hs[1].generation,
-        "the old holder of group 1 is stale too"
-    );
+    assert_ne!(moved.generation, hs[1].generation, "the old holder of group 1 is stale too");
     assert_eq!((s.free_order(), s.num_free()), (vec![2], 1));
 }
 
@@ -582,22 +469,10 @@ fn slot_retire_top_refuses_pinned_or_targetless_tops() {
     let before = s.clone();
     assert_eq!(s.retire_top(), None, "pinned top");
     assert_eq!(s, before);
-    assert_eq!(
-        unchanged(&mut s, |s| s.release(1)),
-        AllocError::GroupPinned { group: 1 }
-    );
+    assert_eq!(unchanged(&mut s, |s| s.release(1)), AllocError::GroupPinned { group: 1 });
     s.unpin(1).unwrap();
-    assert_eq!(
-        unchanged(&mut s, |s| s.unpin(1)),
-        AllocError::GroupNotPinned { group: 1 }
-    );
-    assert_eq!(
-        s.retire_top(),
-        Some(SlotRetired {
-            retired: 1,
-            relocated_to: Some(0)
-        })
-    );
+    assert_eq!(unchanged(&mut s, |s| s.unpin(1)), AllocError::GroupNotPinned { group: 1 });
+    assert_eq!(s.retire_top(), Some(SlotRetired { retired: 1, relocated_to: Some(0) }));
 }
 
 #[test]
@@ -606,34 +481,15 @@ fn slot_handles_catch_double_free_stale_and_foreign_use() {
     let mut t = SlotPool::new(1).unwrap();
     let h = s.alloc().unwrap();
     let e = unchanged(&mut t, |t| t.free_handle(h));
-    assert_eq!(
-        e,
-        AllocError::ForeignHandle {
-            what: "slot",
-            handle_pool: s.pool_id(),
-            pool: t.pool_id()
-        }
-    );
+    assert_eq!(e, AllocError::ForeignHandle { what: "slot", handle_pool: s.pool_id(), pool: t.pool_id() });
     s.free_handle(h).unwrap();
     let e = unchanged(&mut s, |s| s.free_handle(h));
-    assert_eq!(
-        e,
-        AllocError::DoubleFree {
-            what: "slot",
-            id: 0,
-            generation: h.generation
-        }
-    );
+    assert_eq!(e, AllocError::DoubleFree { what: "slot", id: 0, generation: h.generation });
     let h2 = s.alloc().unwrap();
     let e = unchanged(&mut s, |s| s.free_handle(h));
     assert_eq!(
         e,
-        AllocError::StaleHandle {
-            what: "slot",
-            id: 0,
-            generation: h.generation,
-            current: h2.generation
-        }
+        AllocError::StaleHandle { what: "slot", id: 0, generation: h.generation, current: h2.generation }
     );
     s.check(h2).unwrap();
 }
