@@ -630,8 +630,8 @@ mod tests {
     fn grow_blocks_shrinking_slots_retires_as_few_slots_as_needed() {
         let mut b = small(4, 4);
         let s: Vec<SlotHandle> = (0..4).map(|_| b.alloc_slot().unwrap()).collect();
-        for g in 0..3 {
-            b.free_slot(s[g]).unwrap();
+        for &sh in &s[..3] {
+            b.free_slot(sh).unwrap();
         }
         // 6 blocks need slots <= 1 (5 blocks fit beside 2 or 3): three groups go, 3 → 0.
         let c = b.grow_blocks_shrinking_slots(2).unwrap();

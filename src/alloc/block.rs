@@ -1,8 +1,9 @@
 //! The block pool of §5.1: PAGE units, each one block's envelope in every plane.
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 
-use super::heap::LazyMinHeap;
+use super::idset::IdSet;
 use super::{next_pool_id, AllocError, BlockHash, MAX_IDS};
 
 /// Where a block is in its life. The spec's "free set" is `Free`; "marked used" is `Used`;
@@ -22,25 +23,73 @@ pub struct RawUnit {
     pub piece: u32,
 }
 
+/// One block's state, 32 bytes so two share a cache line: the hash is a value plus a flag
+/// rather than an `Option`, and a raw unit's (owner, piece) lives in a side map.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Block {
+    /// Meaningful only with `has_hash`; zeroed without it so equality sees no stale bits.
+    hash_value: BlockHash,
+    /// Bumped whenever the id is handed out anew or its holder is relocated away.
+    generation: u64,
     ref_count: u32,
     /// Tokens the block's content covers (a count; the engine keeps token ids if it verifies
     /// prefix hits).
     tokens: u32,
-    hash: Option<BlockHash>,
-    raw: Option<RawUnit>,
-    /// Bumped whenever the id is handed out anew or its holder is relocated away.
-    generation: u64,
     /// Stamp of this block's one valid entry in the cached queue.
     stamp: u32,
     state: State,
+    has_hash: bool,
+    /// A raw unit: its reservation is in `BlockPool::units`.
+    raw: bool,
 }
 
 impl Block {
-    const FRESH: Block =
-        Block { ref_count: 0, tokens: 0, hash: None, raw: None, generation: 0, stamp: 0, state: State::Free };
+    const FRESH: Block = Block {
+        hash_value: 0,
+        generation: 0,
+        ref_count: 0,
+        tokens: 0,
+        stamp: 0,
+        state: State::Free,
+        has_hash: false,
+        raw: false,
+    };
+
+    #[inline]
+    fn hash(&self) -> Option<BlockHash> {
+        self.has_hash.then_some(self.hash_value)
+    }
+
+    #[inline]
+    fn set_hash(&mut self, hash: Option<BlockHash>) {
+        self.has_hash = hash.is_some();
+        self.hash_value = hash.unwrap_or(0);
+    }
 }
+
+/// The prefix index's hasher: keys are already content hashes, so one multiply mixes enough,
+/// at a fraction of SipHash's cost.
+#[derive(Clone, Copy, Debug, Default)]
+struct IndexHasher(u64);
+
+impl Hasher for IndexHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    #[inline]
+    fn write_u64(&mut self, n: u64) {
+        // Hash mixing, not arithmetic on input: wrapping is the point.
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type Index = HashMap<BlockHash, u32, BuildHasherDefault<IndexHasher>>;
 
 /// A generation-checked reference to one block of one pool. Everyone sharing a block holds the
 /// same handle; a relocation replaces it with the `new` handle of a [`BlockMove`](crate::boundary::BlockMove).
@@ -82,11 +131,13 @@ pub struct BlockRetired {
 /// The block allocator of §5.1. It knows ids, reference counts and the prefix-cache index,
 /// nothing of rows, bytes or kernels.
 ///
-/// Free ids live in two lazy containers: **vacant** (no hash; a min-heap, so the blocks next
+/// Free ids live in two containers: **vacant** (no hash; lowest id first, so the blocks next
 /// to the gap stay cold and `retire_top` is cheap) and **cached** (has a hash; FIFO in release
-/// order, so the least recently freed content goes first). A container entry is valid only if
-/// the block is still free, still has (or lacks) a hash, and for cached entries carries the
-/// block's current stamp; anything else is skipped when it surfaces.
+/// order, so the least recently freed content goes first). Vacant is an exact hierarchical
+/// bitset whose `min` is the spec's min-heap top (faster than a heap, and no stale entries).
+/// Cached is a queue with lazy deletion: an entry is valid only if the block is still free,
+/// still has a hash and carries the block's current stamp; anything else is skipped when it
+/// surfaces.
 ///
 /// `Clone` keeps the pool id: a clone is a snapshot of the same pool, and handles stay valid
 /// against it. Equality compares observable state (stale container entries do not count).
@@ -98,8 +149,10 @@ pub struct BlockPool {
     num_free: u32,
     /// Indexed by id; may be longer than `num_blocks` after `retire_top` (kept for reuse).
     blocks: Vec<Block>,
-    index: HashMap<BlockHash, u32>,
-    vacant: LazyMinHeap,
+    index: Index,
+    /// Reservations of the blocks flagged `raw`.
+    units: HashMap<u32, RawUnit>,
+    vacant: IdSet,
     cached: VecDeque<(u32, u32)>,
 }
 
@@ -121,8 +174,9 @@ impl BlockPool {
             max_blocks,
             num_free: 0,
             blocks: Vec::new(),
-            index: HashMap::new(),
-            vacant: LazyMinHeap::default(),
+            index: Index::default(),
+            units: HashMap::new(),
+            vacant: IdSet::default(),
             cached: VecDeque::new(),
         };
         pool.extend(num_blocks);
@@ -168,7 +222,7 @@ impl BlockPool {
     }
     /// The block's hash field (it may no longer be findable: see `publish`).
     pub fn hash(&self, id: u32) -> Result<Option<BlockHash>, AllocError> {
-        Ok(self.block(id)?.hash)
+        Ok(self.block(id)?.hash())
     }
     pub fn tokens(&self, id: u32) -> Result<u32, AllocError> {
         Ok(self.block(id)?.tokens)
@@ -182,21 +236,26 @@ impl BlockPool {
         Ok(self.block(id)?.state == State::Popped)
     }
     pub fn raw_unit(&self, id: u32) -> Result<Option<RawUnit>, AllocError> {
-        Ok(self.block(id)?.raw)
+        self.block(id)?;
+        Ok(self.unit(id))
     }
     /// The handle a holder of `id` has now (any state; `check` says whether it is live).
     pub fn current_handle(&self, id: u32) -> Result<BlockHandle, AllocError> {
         let generation = self.block(id)?.generation;
         Ok(BlockHandle { id, generation, pool: self.pool })
     }
+    #[inline]
+    fn unit(&self, id: u32) -> Option<RawUnit> {
+        if self.blocks[id as usize].raw {
+            self.units.get(&id).copied()
+        } else {
+            None
+        }
+    }
+
     /// Free ids in the order `pop` would hand them out (vacant ascending, then cached LRU).
     pub fn free_order(&self) -> Vec<u32> {
-        let mut out: Vec<u32> = (0..self.num_blocks)
-            .filter(|&id| {
-                let b = &self.blocks[id as usize];
-                b.state == State::Free && b.hash.is_none()
-            })
-            .collect();
+        let mut out: Vec<u32> = self.vacant.iter().collect();
         out.extend(self.cached.iter().filter(|&&e| self.cached_valid(e)).map(|&(id, _)| id));
         out
     }
@@ -210,35 +269,33 @@ impl BlockPool {
     // ---- the spec's id-based operations ----------------------------------------------------
 
     #[inline]
-    fn vacant_valid(blocks: &[Block], num_blocks: u32, id: u32) -> bool {
-        id < num_blocks && {
-            let b = &blocks[id as usize];
-            b.state == State::Free && b.hash.is_none()
-        }
-    }
-
-    #[inline]
     fn cached_valid(&self, (id, stamp): (u32, u32)) -> bool {
         id < self.num_blocks && {
             let b = &self.blocks[id as usize];
-            b.state == State::Free && b.hash.is_some() && b.stamp == stamp
+            b.state == State::Free && b.has_hash && b.stamp == stamp
         }
     }
 
     /// Next free id in pop order below `bound`, taken out of the free set.
     fn take_free_below(&mut self, bound: u32) -> Option<u32> {
-        let (blocks, n) = (&self.blocks, self.num_blocks);
-        let id = match self.vacant.peek_valid(|id| Self::vacant_valid(blocks, n, id)) {
-            Some(id) if id < bound => self.vacant.pop_valid(|_| true),
-            _ => {
-                // Cached entries stay where they are; taking the block makes its entry stale.
-                let pos = self.cached.iter().position(|&e| e.0 < bound && self.cached_valid(e))?;
-                Some(self.cached[pos].0)
-            }
-        }?;
-        self.blocks[id as usize].state = State::Popped;
-        self.num_free -= 1;
+        let id = match self.vacant.min() {
+            Some(id) if id < bound => id,
+            // Cached entries stay where they are; taking the block makes its entry stale.
+            _ => self.cached.iter().find(|&&e| e.0 < bound && self.cached_valid(e))?.0,
+        };
+        self.leave_free_set(id);
         Some(id)
+    }
+
+    /// A free block stops being free (it is popped; callers set the final state).
+    #[inline]
+    fn leave_free_set(&mut self, id: u32) {
+        let b = &mut self.blocks[id as usize];
+        if !b.has_hash {
+            self.vacant.remove(id);
+        }
+        b.state = State::Popped;
+        self.num_free -= 1;
     }
 
     /// Next free id: lowest vacant, else least recently freed cached. Removed from the free set
@@ -248,19 +305,17 @@ impl BlockPool {
         if self.num_free == 0 {
             return Err(AllocError::NoFreeBlocks);
         }
-        let (blocks, n) = (&self.blocks, self.num_blocks);
-        let id = match self.vacant.pop_valid(|id| Self::vacant_valid(blocks, n, id)) {
+        let id = match self.vacant.min() {
             Some(id) => id,
             None => loop {
-                // num_free > 0 and no vacant: a valid cached entry exists.
+                // num_free > 0 and nothing vacant: a valid cached entry exists.
                 let e = self.cached.pop_front().ok_or(AllocError::NoFreeBlocks)?;
                 if self.cached_valid(e) {
                     break e.0;
                 }
             },
         };
-        self.blocks[id as usize].state = State::Popped;
-        self.num_free -= 1;
+        self.leave_free_set(id);
         Ok(id)
     }
 
@@ -272,18 +327,18 @@ impl BlockPool {
         if b.ref_count != 0 {
             return Err(AllocError::BlockReferenced { id, ref_count: b.ref_count });
         }
-        let evicted = match b.hash {
+        let evicted = match b.hash() {
             Some(h) if self.index.get(&h) == Some(&id) => {
                 self.index.remove(&h);
                 Some(h)
             }
             _ => None,
         };
-        let b = &mut self.blocks[id as usize];
-        if b.state == State::Free {
-            self.num_free -= 1;
+        if self.blocks[id as usize].state == State::Free {
+            self.leave_free_set(id);
         }
-        b.hash = None;
+        let b = &mut self.blocks[id as usize];
+        b.set_hash(None);
         b.tokens = 0;
         b.ref_count = 1;
         b.state = State::Used;
@@ -294,7 +349,7 @@ impl BlockPool {
     /// Prefix hit: share a used block, or take a free one back keeping its hash and content.
     pub fn claim(&mut self, id: u32) -> Result<(), AllocError> {
         let b = self.block(id)?;
-        if let Some(unit) = b.raw {
+        if let Some(unit) = self.unit(id) {
             return Err(AllocError::RawUnit { id, owner: unit.owner });
         }
         if b.state == State::Used {
@@ -303,7 +358,7 @@ impl BlockPool {
             return Ok(());
         }
         if b.state == State::Free {
-            self.num_free -= 1;
+            self.leave_free_set(id);
         }
         let b = &mut self.blocks[id as usize];
         b.ref_count = 1;
@@ -323,13 +378,13 @@ impl BlockPool {
         tokens: u32,
     ) -> Result<Option<BlockHash>, AllocError> {
         let b = self.block(id)?;
-        if let Some(unit) = b.raw {
+        if let Some(unit) = self.unit(id) {
             return Err(AllocError::RawUnit { id, owner: unit.owner });
         }
         if b.state != State::Used {
             return Err(AllocError::BlockNotHeld { id });
         }
-        let dropped = match b.hash {
+        let dropped = match b.hash() {
             Some(old) if old != hash && self.index.get(&old) == Some(&id) => {
                 self.index.remove(&old);
                 Some(old)
@@ -338,7 +393,7 @@ impl BlockPool {
         };
         self.index.insert(hash, id);
         let b = &mut self.blocks[id as usize];
-        b.hash = Some(hash);
+        b.set_hash(Some(hash));
         b.tokens = tokens;
         Ok(dropped)
     }
@@ -348,7 +403,7 @@ impl BlockPool {
     #[inline]
     pub fn free(&mut self, id: u32) -> Result<(), AllocError> {
         let b = self.block(id)?;
-        if let Some(unit) = b.raw {
+        if let Some(unit) = self.unit(id) {
             return Err(AllocError::RawUnit { id, owner: unit.owner });
         }
         if b.state != State::Used {
@@ -368,7 +423,7 @@ impl BlockPool {
         }
         b.state = State::Free;
         self.num_free += 1;
-        if b.hash.is_some() {
+        if b.has_hash {
             b.stamp = b.stamp.wrapping_add(1);
             self.cached.push_back((id, b.stamp));
             // Stale entries of blocks re-freed behind a long-lived head would pile up; one
@@ -378,12 +433,12 @@ impl BlockPool {
                 self.cached.retain(|&(id, stamp)| {
                     id < n && {
                         let b = &blocks[id as usize];
-                        b.state == State::Free && b.hash.is_some() && b.stamp == stamp
+                        b.state == State::Free && b.has_hash && b.stamp == stamp
                     }
                 });
             }
         } else {
-            self.vacant.push(id);
+            self.vacant.insert(id);
         }
     }
 
@@ -398,13 +453,16 @@ impl BlockPool {
         self.index.clear();
         for b in &mut self.blocks[..self.num_blocks as usize] {
             if b.ref_count == 0 {
-                b.hash = None;
+                b.set_hash(None);
                 b.tokens = 0;
             }
         }
         self.cached.clear();
-        let blocks = &self.blocks;
-        self.vacant.rebuild((0..self.num_blocks).filter(|&id| blocks[id as usize].state == State::Free));
+        for id in 0..self.num_blocks {
+            if self.blocks[id as usize].state == State::Free {
+                self.vacant.insert(id);
+            }
+        }
     }
 
     /// Take `count` free ids (pop order) as raw units of `owner`, pieces `0..count`; `None` if
@@ -420,7 +478,8 @@ impl BlockPool {
             if let Ok(Some(h)) = self.allocate(id) {
                 out.evicted.push(h);
             }
-            self.blocks[id as usize].raw = Some(RawUnit { owner, piece });
+            self.blocks[id as usize].raw = true;
+            self.units.insert(id, RawUnit { owner, piece });
             out.ids.push(id);
         }
         Some(out)
@@ -430,7 +489,8 @@ impl BlockPool {
     /// any mismatch nothing is released.
     pub fn release_units(&mut self, ids: &[u32], owner: u64) -> Result<(), AllocError> {
         for (piece, &id) in ids.iter().enumerate() {
-            let found = self.block(id)?.raw;
+            self.block(id)?;
+            let found = self.unit(id);
             let piece = u32::try_from(piece).map_err(|_| AllocError::UnitMismatch {
                 id,
                 owner,
@@ -442,7 +502,8 @@ impl BlockPool {
             }
         }
         for &id in ids {
-            self.blocks[id as usize].raw = None;
+            self.blocks[id as usize].raw = false;
+            self.units.remove(&id);
             self.release(id);
         }
         Ok(())
@@ -461,7 +522,7 @@ impl BlockPool {
             let b = &mut self.blocks[id as usize];
             // A retired id comes back blank; its generation carries on so old handles stay dead.
             *b = Block { generation: b.generation, stamp: b.stamp, ..Block::FRESH };
-            self.vacant.push(id);
+            self.vacant.insert(id);
         }
         self.num_blocks = end;
         self.num_free += taken;
@@ -479,28 +540,28 @@ impl BlockPool {
     pub(crate) fn retire_top_into(&mut self, bound: u32) -> Option<BlockRetired> {
         let top = self.num_blocks.checked_sub(1)?;
         let t = self.blocks[top as usize].clone();
-        if t.raw.is_some() || t.state == State::Popped {
+        if t.raw || t.state == State::Popped {
             return None;
         }
-        let owns = |index: &HashMap<BlockHash, u32>, h: Option<BlockHash>, id: u32| match h {
+        let owns = |index: &Index, h: Option<BlockHash>, id: u32| match h {
             Some(h) if index.get(&h) == Some(&id) => Some(h),
             _ => None,
         };
         let mut out = BlockRetired { retired: top, moved_to: None, evicted: None };
         if t.state == State::Free {
-            out.evicted = owns(&self.index, t.hash, top);
+            out.evicted = owns(&self.index, t.hash(), top);
             if let Some(h) = out.evicted {
                 self.index.remove(&h);
             }
-            self.num_free -= 1;
+            self.leave_free_set(top);
         } else {
             let dest = self.take_free_below(bound.min(top))?;
             out.moved_to = Some(dest);
-            out.evicted = owns(&self.index, self.blocks[dest as usize].hash, dest);
+            out.evicted = owns(&self.index, self.blocks[dest as usize].hash(), dest);
             if let Some(h) = out.evicted {
                 self.index.remove(&h);
             }
-            if let Some(h) = owns(&self.index, t.hash, top) {
+            if let Some(h) = owns(&self.index, t.hash(), top) {
                 self.index.insert(h, dest);
             }
             let d = &mut self.blocks[dest as usize];
@@ -562,7 +623,7 @@ impl BlockPool {
                 generation: handle.generation,
             });
         }
-        if let Some(unit) = b.raw {
+        if let Some(unit) = self.unit(handle.id) {
             return Err(AllocError::RawUnit { id: handle.id, owner: unit.owner });
         }
         self.release(handle.id);
@@ -595,6 +656,7 @@ impl PartialEq for BlockPool {
             && self.max_blocks == other.max_blocks
             && self.num_free == other.num_free
             && self.index == other.index
+            && self.units == other.units
             && self.blocks.len() >= n
             && other.blocks.len() >= n
             // Stamps are bookkeeping of the lazy queue; the free order below covers them.
@@ -611,4 +673,12 @@ fn check_id_limit(what: &'static str, count: u32) -> Result<(), AllocError> {
         return Err(AllocError::TooManyIds { what, count: u64::from(count), limit: MAX_IDS });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_block_is_half_a_cache_line() {
+        assert_eq!(std::mem::size_of::<super::Block>(), 32);
+    }
 }

@@ -11,7 +11,7 @@
 //! double free by one of several sharers cannot be told from a legitimate free.
 
 mod block;
-mod heap;
+mod idset;
 mod slot;
 
 pub use block::{BlockGrant, BlockHandle, BlockPool, BlockRetired, RawUnit, Reservation};

@@ -6,7 +6,7 @@
 //! only ever vacant or held. `pin` here is the V4 need that remains: a held group whose bytes
 //! are being read elsewhere (a transfer in flight) must not be relocated or released.
 
-use super::heap::LazyMinHeap;
+use super::idset::IdSet;
 use super::{next_pool_id, AllocError, MAX_IDS};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,7 +39,8 @@ pub struct SlotRetired {
     pub relocated_to: Option<u32>,
 }
 
-/// The V4 slot allocator: groups `0..num_groups`, vacant ones in a lazy min-heap.
+/// The V4 slot allocator: groups `0..num_groups`, vacant ones in a hierarchical bitset
+/// (lowest first, exact membership).
 ///
 /// `Clone` keeps the pool id (a snapshot of the same pool); equality is of observable state.
 #[derive(Clone, Debug)]
@@ -49,7 +50,7 @@ pub struct SlotPool {
     num_free: u32,
     /// Indexed by group; may be longer than `num_groups` after `retire_top`.
     groups: Vec<Group>,
-    vacant: LazyMinHeap,
+    vacant: IdSet,
 }
 
 impl SlotPool {
@@ -60,7 +61,7 @@ impl SlotPool {
             num_groups: 0,
             num_free: 0,
             groups: Vec::new(),
-            vacant: LazyMinHeap::default(),
+            vacant: IdSet::default(),
         };
         pool.extend(num_groups)?;
         Ok(pool)
@@ -94,19 +95,14 @@ impl SlotPool {
         Ok(SlotHandle { group, generation, pool: self.pool })
     }
 
-    #[inline]
-    fn vacant_valid(groups: &[Group], n: u32, g: u32) -> bool {
-        g < n && !groups[g as usize].held
-    }
-
     /// Lowest vacant group, now held.
     #[inline]
     pub fn pop(&mut self) -> Result<u32, AllocError> {
         if self.num_free == 0 {
             return Err(AllocError::NoFreeSlots);
         }
-        let (groups, n) = (&self.groups, self.num_groups);
-        let g = self.vacant.pop_valid(|g| Self::vacant_valid(groups, n, g)).ok_or(AllocError::NoFreeSlots)?;
+        let g = self.vacant.min().ok_or(AllocError::NoFreeSlots)?;
+        self.vacant.remove(g);
         let grp = &mut self.groups[g as usize];
         grp.held = true;
         grp.generation += 1;
@@ -126,7 +122,7 @@ impl SlotPool {
         }
         self.groups[group as usize].held = false;
         self.num_free += 1;
-        self.vacant.push(group);
+        self.vacant.insert(group);
         Ok(())
     }
 
@@ -145,7 +141,7 @@ impl SlotPool {
         for g in self.num_groups..end {
             let grp = &mut self.groups[g as usize];
             *grp = Group { generation: grp.generation, ..FRESH };
-            self.vacant.push(g);
+            self.vacant.insert(g);
         }
         self.num_groups = end;
         self.num_free += count;
@@ -162,16 +158,16 @@ impl SlotPool {
         }
         let mut out = SlotRetired { retired: top, relocated_to: None };
         if t.held {
-            let (groups, n) = (&self.groups, self.num_groups);
             // The top is held, so it is not vacant: the lowest vacant is another group.
-            self.vacant.peek_valid(|g| Self::vacant_valid(groups, n, g))?;
-            let target = self.vacant.pop_valid(|_| true)?;
+            let target = self.vacant.min()?;
+            self.vacant.remove(target);
             let tg = &mut self.groups[target as usize];
             tg.held = true;
             tg.generation += 1;
             out.relocated_to = Some(target);
         }
         // Either the vacant top leaves the free set, or the target joins the held ones.
+        self.vacant.remove(top);
         self.num_free -= 1;
         self.groups[top as usize] = Group { generation: t.generation + 1, ..FRESH };
         self.num_groups = top;
