@@ -584,6 +584,7 @@ impl HipBackend {
     /// [`BackendError::Unavailable`].
     pub fn new(ordinal: usize) -> Result<Self, BackendError> {
         let (api, count) = init_and_count()?;
+        install_profiling_hooks();
         let ordinal = c_int::try_from(ordinal)
             .ok()
             .filter(|&o| o < count)
@@ -1104,6 +1105,22 @@ mod roctx {
     pub(super) fn c_name(name: &str) -> CString {
         let cut = name.split('\0').next().unwrap_or("");
         CString::new(cut).unwrap_or_default()
+    }
+}
+
+/// Hand roctx to [`crate::profiling`] so pool ranges reach it too (once; a no-op without the
+/// `profiling` feature or without a roctx library).
+fn install_profiling_hooks() {
+    #[cfg(feature = "profiling")]
+    {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            if let Some(r) = roctx::get() {
+                // SAFETY: both pointers come from the roctx library, which the static table
+                // keeps loaded for the rest of the process; signatures as roctx.h declares.
+                unsafe { crate::profiling::install_roctx_hooks(r.push, r.pop) };
+            }
+        });
     }
 }
 
