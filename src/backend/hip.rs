@@ -142,6 +142,7 @@ struct HipApi {
     stream_synchronize: unsafe extern "C" fn(Raw) -> HipErr,
     module_load_data: unsafe extern "C" fn(*mut Raw, *const c_void) -> HipErr,
     module_get_function: unsafe extern "C" fn(*mut Raw, Raw, *const c_char) -> HipErr,
+    module_unload: unsafe extern "C" fn(Raw) -> HipErr,
     #[allow(clippy::type_complexity)]
     module_launch_kernel: unsafe extern "C" fn(
         Raw,
@@ -199,6 +200,7 @@ impl HipApi {
                 stream_synchronize: sym(&lib, "hipStreamSynchronize")?,
                 module_load_data: sym(&lib, "hipModuleLoadData")?,
                 module_get_function: sym(&lib, "hipModuleGetFunction")?,
+                module_unload: sym(&lib, "hipModuleUnload")?,
                 module_launch_kernel: sym(&lib, "hipModuleLaunchKernel")?,
                 get_error_string: sym(&lib, "hipGetErrorString")?,
                 event_create: sym(&lib, "hipEventCreate")?,
@@ -490,14 +492,23 @@ fn load_module(api: &HipApi, image: &[u8], origin: ModuleOrigin) -> Result<Loade
     // SAFETY: `aligned` holds a complete code object and outlives the call (HIP copies it).
     api.check(unsafe { (api.module_load_data)(&mut module, aligned.as_ptr().cast()) }, "hipModuleLoadData")?;
     let mut functions = [std::ptr::null_mut(); KERNEL_SYMBOLS.len()];
-    for (slot, symbol) in functions.iter_mut().zip(KERNEL_SYMBOLS) {
-        let name = CString::new(symbol).map_err(|_| BackendError::MissingKernel { backend: KIND, symbol })?;
-        // SAFETY: `module` was just loaded; `name` is a valid C string.
-        let rc = unsafe { (api.module_get_function)(slot, module, name.as_ptr()) };
-        if rc == HIP_ERROR_NOT_FOUND || (rc == HIP_SUCCESS && slot.is_null()) {
-            return Err(BackendError::MissingKernel { backend: KIND, symbol });
+    let looked_up = (|| {
+        for (slot, symbol) in functions.iter_mut().zip(KERNEL_SYMBOLS) {
+            let name =
+                CString::new(symbol).map_err(|_| BackendError::MissingKernel { backend: KIND, symbol })?;
+            // SAFETY: `module` was just loaded; `name` is a valid C string.
+            let rc = unsafe { (api.module_get_function)(slot, module, name.as_ptr()) };
+            if rc == HIP_ERROR_NOT_FOUND || (rc == HIP_SUCCESS && slot.is_null()) {
+                return Err(BackendError::MissingKernel { backend: KIND, symbol });
+            }
+            api.check(rc, "hipModuleGetFunction")?;
         }
-        api.check(rc, "hipModuleGetFunction")?;
+        Ok(())
+    })();
+    if let Err(e) = looked_up {
+        // SAFETY: loaded above; no function of it was handed out.
+        let _ = unsafe { (api.module_unload)(module) };
+        return Err(e);
     }
     Ok(LoadedModule { functions, origin })
 }
@@ -522,9 +533,13 @@ fn choose_module(api: &HipApi, arch: Option<&str>) -> Result<LoadedModule, Backe
             }
         }
     }
+    // A failure here also reports why the embedded objects were passed over.
     let image = compiled_for(arch).map_err(|e| match e {
         BackendError::Compile { backend, log } if !notes.is_empty() => {
             BackendError::Compile { backend, log: format!("{}\n{log}", notes.join("\n")) }
+        }
+        BackendError::Unavailable { backend, reason } if !notes.is_empty() => {
+            BackendError::Unavailable { backend, reason: format!("{}; {reason}", notes.join("; ")) }
         }
         other => other,
     })?;
