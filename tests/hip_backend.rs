@@ -33,6 +33,10 @@ fn new_without_rocm_is_unavailable_not_a_panic() {
         }
         other => panic!("expected Unavailable without ROCm, got {other:?}"),
     }
+    assert!(matches!(
+        v4pool::backend::hip::device_count(),
+        Err(BackendError::Unavailable { backend: BackendKind::Hip, .. })
+    ));
 }
 
 #[test]

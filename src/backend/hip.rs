@@ -588,6 +588,12 @@ impl fmt::Debug for HipBackend {
     }
 }
 
+/// Number of HIP devices, or why there are none to count ([`BackendError::Unavailable`]).
+pub fn device_count() -> Result<usize, BackendError> {
+    let (_, count) = init_and_count()?;
+    Ok(usize::try_from(count).unwrap_or(0))
+}
+
 impl HipBackend {
     /// True when the HIP runtime loads and reports at least one device. Never panics.
     pub fn is_available() -> bool {
