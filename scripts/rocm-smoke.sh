@@ -45,11 +45,22 @@ fi
 # What build.rs compiled (or why not), then what the binary embedded.
 grep -E 'v4pool kernels' "$logdir/build.log" || true
 
-# Test targets that exercise a device: tests/hip_*.rs and tests/gpu_*.rs.
+# Test targets that exercise a device: tests/hip_*.rs always; tests/gpu_*.rs (every kernel
+# against the host reference) once their shared harness (tests/common) picks its device from
+# V4POOL_BACKEND — until then it only knows CUDA and would fail here for want of a CUDA GPU.
 targets=()
-for f in tests/hip_*.rs tests/gpu_*.rs; do
+for f in tests/hip_*.rs; do
   [ -e "$f" ] && targets+=("--test" "$(basename "$f" .rs)")
 done
+gpu_targets_on_hip=no
+if grep -q 'V4POOL_BACKEND' tests/common/mod.rs 2>/dev/null; then
+  gpu_targets_on_hip=yes
+  for f in tests/gpu_*.rs; do
+    [ -e "$f" ] && targets+=("--test" "$(basename "$f" .rs)")
+  done
+else
+  echo "NOTE: tests/gpu_*.rs do not select HIP yet (tests/common ignores V4POOL_BACKEND): not run on HIP"
+fi
 
 # run_step NAME LOG ENV... -- CARGO-TEST-ARGS...
 run_step() {
@@ -75,8 +86,9 @@ if [ "${results[0]}" = PASS ]; then
     "${hip_env[@]}" -- "${targets[@]}"
   run_step "GPU tests on HIP, hiprtc-compiled module" "$logdir/gpu-hiprtc.log" \
     "${hip_env[@]}" V4POOL_HIP_FORCE_HIPRTC=1 -- "${targets[@]}"
+  # Without V4POOL_REQUIRE_GPU: CUDA-only tests in the suite skip instead of failing.
   run_step "whole test suite with V4POOL_BACKEND=hip" "$logdir/all.log" \
-    "${hip_env[@]}" --
+    V4POOL_BACKEND=hip V4POOL_REQUIRE_HIP_OBJECTS=1 --
 else
   echo "build failed: see $logdir/build.log"
 fi
@@ -90,9 +102,12 @@ for i in "${!names[@]}"; do
 done
 skips=$(cat "$logdir"/gpu-*.log "$logdir"/all.log 2>/dev/null | grep -c '^SKIP' || true)
 echo "SKIP lines in the test logs: $skips (a device test that skipped on a GPU machine needs a look)"
+if [ "$gpu_targets_on_hip" = no ]; then
+  echo "NOT RUN: kernel-vs-host tests (tests/gpu_*.rs) on HIP; only tests/hip_*.rs ran on the device"
+fi
 echo "logs: $logdir/"
 if [ "$fail" = 0 ] && [ "${#names[@]}" -ge 4 ]; then
-  echo "RESULT: PASS"
+  if [ "$gpu_targets_on_hip" = yes ]; then echo "RESULT: PASS"; else echo "RESULT: PASS (partial, see NOT RUN)"; fi
   exit 0
 fi
 echo "RESULT: FAIL"
