@@ -27,6 +27,8 @@ const PTX: &str = "v4pool_sm90.ptx";
 const GFX942: &str = "v4pool_gfx942.hsaco";
 const GFX90A: &str = "v4pool_gfx90a.hsaco";
 const BUILD_LOG: &str = "v4pool_kernel_build.txt";
+const EMULATION: &str = "libv4pool_emu.so";
+const EMULATION_SRC: &str = "kernels/v4pool_emulation.cpp";
 
 const TOOL_VARS: [&str; 8] = [
     "NVCC",
@@ -54,6 +56,8 @@ fn main() {
     for name in [CUBIN, PTX, GFX942, GFX90A] {
         fs::write(out.join(name), b"").expect("write an empty artifact to OUT_DIR");
     }
+    // A stale emulation library must not outlive a failed rebuild.
+    let _ = fs::remove_file(out.join(EMULATION));
     let mut log = Vec::new();
     if env::var("V4POOL_SKIP_DEVICE_BUILD").is_ok_and(|v| v == "1") {
         warn("V4POOL_SKIP_DEVICE_BUILD=1: device code not built (the embedded source is)");
@@ -61,6 +65,7 @@ fn main() {
     } else {
         build_cuda(&embedded, &out, &mut log);
         build_amdgcn(&embedded, &out, &mut log);
+        build_emulation(&out, &mut log);
     }
     fs::write(out.join(BUILD_LOG), log.join("\n")).expect("write the kernel build log to OUT_DIR");
 }
@@ -283,6 +288,8 @@ fn clang_ptx(src: &Path, out: &Path, log: &mut Vec<String>) -> bool {
         "--cuda-gpu-arch=sm_90",
         "-nocudainc",
         "-nocudalib",
+        // A CUDA newer than clang knows is fine: nothing of it is used.
+        "-Wno-unknown-cuda-version",
         "-O3",
         "-std=c++17",
         "-S",
@@ -303,4 +310,44 @@ fn clang_ptx(src: &Path, out: &Path, log: &mut Vec<String>) -> bool {
         }
     }
     false
+}
+
+/// The kernels compiled as plain C++ into a shared library that tests load to run the kernel
+/// code itself without a GPU (`kernels/v4pool_emulation.cpp`). Linux host builds only; skipped
+/// quietly elsewhere or without clang (the tests say so when they skip).
+fn build_emulation(out: &Path, log: &mut Vec<String>) {
+    let native = env::var("HOST").ok() == env::var("TARGET").ok();
+    if !native || env::var("CARGO_CFG_TARGET_OS").map_or(true, |os| os != "linux") {
+        return;
+    }
+    let dest = out.join(EMULATION);
+    let tmp = out.join(format!("{EMULATION}.tmp"));
+    let tmp_s = tmp.to_string_lossy().to_string();
+    let args = [
+        "-x",
+        "c++",
+        "-std=c++17",
+        "-O1",
+        "-shared",
+        "-fPIC",
+        "-o",
+        &tmp_s,
+        EMULATION_SRC,
+    ];
+    for tool in clang_candidates(false) {
+        match compile(&tool, &args, &tmp, &dest) {
+            Ok(diag) => {
+                if !diag.is_empty() {
+                    warn(&format!("host emulation diagnostics:\n{diag}"));
+                }
+                log.push(format!(
+                    "{EMULATION}: {} {}",
+                    tool.display(),
+                    args.join(" ")
+                ));
+                return;
+            }
+            Err(e) => warn(&format!("host emulation library not built: {e}")),
+        }
+    }
 }

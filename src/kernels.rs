@@ -59,6 +59,15 @@ pub fn built_targets() -> Vec<&'static str> {
     .collect()
 }
 
+/// The kernels compiled as plain C++ (`kernels/v4pool_emulation.cpp`), a shared library
+/// exporting `v4pool_emu_launch`, if `build.rs` found a clang: tests run the kernel code itself
+/// through it on machines without a GPU. Not a backend.
+#[doc(hidden)]
+pub fn host_emulation_library() -> Option<&'static std::path::Path> {
+    let path = std::path::Path::new(concat!(env!("OUT_DIR"), "/libv4pool_emu.so"));
+    path.is_file().then_some(path)
+}
+
 /// One line per artifact `build.rs` tried: the command and compiler version, or why not.
 pub fn build_log() -> &'static str {
     BUILD_LOG

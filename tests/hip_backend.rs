@@ -10,6 +10,7 @@
 
 use v4pool::backend::hip::elf::{self, EF_AMDGPU_MACH_GFX90A, EF_AMDGPU_MACH_GFX942, EM_AMDGPU};
 use v4pool::backend::hip::{embedded_code_objects, HipBackend, ModuleOrigin, KERNEL_SYMBOLS};
+use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, BackendError, BackendKind, DeviceAllocation, Stream};
 use v4pool::index::{CopyRun, CopyRunsArgs, FillRun, FillRunsArgs, Launch};
 
@@ -32,6 +33,10 @@ fn new_without_rocm_is_unavailable_not_a_panic() {
         }
         other => panic!("expected Unavailable without ROCm, got {other:?}"),
     }
+    assert!(matches!(
+        v4pool::backend::hip::device_count(),
+        Err(BackendError::Unavailable { backend: BackendKind::Hip, .. })
+    ));
 }
 
 #[test]
@@ -326,6 +331,91 @@ pub fn check_run_kernels(b: &dyn Backend, seed: u64) {
     // SAFETY: the empty kernel takes no arguments.
     unsafe { b.launch(&Launch::Empty, s) }.unwrap();
     assert!(target.download(s) == expect, "an empty launch changed memory");
+}
+
+/// The checks themselves, on the host backend: proves they pass on a correct backend, so a
+/// failure on HIP is the backend's (nothing HIP runs on the machines this project tests on).
+#[test]
+fn checks_pass_on_the_host_backend() {
+    let host = HostBackend::new();
+    check_memory_ops(&host, 0x5eed_0001);
+    check_run_kernels(&host, 0x5eed_0002);
+    assert_eq!(host.live_allocations(), 0, "the checks leak allocations");
+}
+
+/// A host backend with one seeded fault, to show each check notices a wrong backend.
+#[derive(Debug)]
+struct Faulty {
+    host: HostBackend,
+    fault: Fault,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fault {
+    /// `fill_u32` stops one word short.
+    ShortFill,
+    /// `copy` reads one byte late.
+    ShiftedCopy,
+    /// Launches of the run kernels do nothing.
+    SkippedLaunch,
+}
+
+impl Backend for Faulty {
+    fn kind(&self) -> BackendKind {
+        self.host.kind()
+    }
+    fn device_name(&self) -> String {
+        "faulty host".into()
+    }
+    fn alloc_zeroed(&self, bytes: u64) -> Result<DeviceAllocation, BackendError> {
+        self.host.alloc_zeroed(bytes)
+    }
+    unsafe fn free(&self, alloc: DeviceAllocation) {
+        // SAFETY: forwarded contract.
+        unsafe { self.host.free(alloc) }
+    }
+    unsafe fn upload(&self, dst: u64, src: &[u8], stream: Stream) -> Result<(), BackendError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.host.upload(dst, src, stream) }
+    }
+    unsafe fn download(&self, dst: &mut [u8], src: u64, stream: Stream) -> Result<(), BackendError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.host.download(dst, src, stream) }
+    }
+    unsafe fn copy(&self, dst: u64, src: u64, bytes: u64, stream: Stream) -> Result<(), BackendError> {
+        let shift = u64::from(self.fault == Fault::ShiftedCopy);
+        // SAFETY: the tests copy from well inside their source buffers, so one byte later
+        // stays in bounds.
+        unsafe { self.host.copy(dst, src + shift, bytes, stream) }
+    }
+    unsafe fn fill_u32(&self, dst: u64, count: u64, value: u32, stream: Stream) -> Result<(), BackendError> {
+        let short = u64::from(self.fault == Fault::ShortFill);
+        // SAFETY: a sub-range of the caller's range.
+        unsafe { self.host.fill_u32(dst, count - short, value, stream) }
+    }
+    unsafe fn launch(&self, launch: &Launch, stream: Stream) -> Result<(), BackendError> {
+        if self.fault == Fault::SkippedLaunch {
+            return Ok(());
+        }
+        // SAFETY: forwarded contract.
+        unsafe { self.host.launch(launch, stream) }
+    }
+    fn synchronize(&self, stream: Stream) -> Result<(), BackendError> {
+        self.host.synchronize(stream)
+    }
+}
+
+#[test]
+fn checks_fail_on_a_faulty_backend() {
+    for (fault, check) in [
+        (Fault::ShortFill, check_memory_ops as fn(&dyn Backend, u64)),
+        (Fault::ShiftedCopy, check_memory_ops),
+        (Fault::SkippedLaunch, check_run_kernels),
+    ] {
+        let faulty = Faulty { host: HostBackend::new(), fault };
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(&faulty, 0x5eed_0003)));
+        assert!(caught.is_err(), "{fault:?} went unnoticed");
+    }
 }
 
 #[test]

@@ -142,6 +142,7 @@ struct HipApi {
     stream_synchronize: unsafe extern "C" fn(Raw) -> HipErr,
     module_load_data: unsafe extern "C" fn(*mut Raw, *const c_void) -> HipErr,
     module_get_function: unsafe extern "C" fn(*mut Raw, Raw, *const c_char) -> HipErr,
+    module_unload: unsafe extern "C" fn(Raw) -> HipErr,
     #[allow(clippy::type_complexity)]
     module_launch_kernel: unsafe extern "C" fn(
         Raw,
@@ -199,6 +200,7 @@ impl HipApi {
                 stream_synchronize: sym(&lib, "hipStreamSynchronize")?,
                 module_load_data: sym(&lib, "hipModuleLoadData")?,
                 module_get_function: sym(&lib, "hipModuleGetFunction")?,
+                module_unload: sym(&lib, "hipModuleUnload")?,
                 module_launch_kernel: sym(&lib, "hipModuleLaunchKernel")?,
                 get_error_string: sym(&lib, "hipGetErrorString")?,
                 event_create: sym(&lib, "hipEventCreate")?,
@@ -490,14 +492,23 @@ fn load_module(api: &HipApi, image: &[u8], origin: ModuleOrigin) -> Result<Loade
     // SAFETY: `aligned` holds a complete code object and outlives the call (HIP copies it).
     api.check(unsafe { (api.module_load_data)(&mut module, aligned.as_ptr().cast()) }, "hipModuleLoadData")?;
     let mut functions = [std::ptr::null_mut(); KERNEL_SYMBOLS.len()];
-    for (slot, symbol) in functions.iter_mut().zip(KERNEL_SYMBOLS) {
-        let name = CString::new(symbol).map_err(|_| BackendError::MissingKernel { backend: KIND, symbol })?;
-        // SAFETY: `module` was just loaded; `name` is a valid C string.
-        let rc = unsafe { (api.module_get_function)(slot, module, name.as_ptr()) };
-        if rc == HIP_ERROR_NOT_FOUND || (rc == HIP_SUCCESS && slot.is_null()) {
-            return Err(BackendError::MissingKernel { backend: KIND, symbol });
+    let looked_up = (|| {
+        for (slot, symbol) in functions.iter_mut().zip(KERNEL_SYMBOLS) {
+            let name =
+                CString::new(symbol).map_err(|_| BackendError::MissingKernel { backend: KIND, symbol })?;
+            // SAFETY: `module` was just loaded; `name` is a valid C string.
+            let rc = unsafe { (api.module_get_function)(slot, module, name.as_ptr()) };
+            if rc == HIP_ERROR_NOT_FOUND || (rc == HIP_SUCCESS && slot.is_null()) {
+                return Err(BackendError::MissingKernel { backend: KIND, symbol });
+            }
+            api.check(rc, "hipModuleGetFunction")?;
         }
-        api.check(rc, "hipModuleGetFunction")?;
+        Ok(())
+    })();
+    if let Err(e) = looked_up {
+        // SAFETY: loaded above; no function of it was handed out.
+        let _ = unsafe { (api.module_unload)(module) };
+        return Err(e);
     }
     Ok(LoadedModule { functions, origin })
 }
@@ -522,9 +533,13 @@ fn choose_module(api: &HipApi, arch: Option<&str>) -> Result<LoadedModule, Backe
             }
         }
     }
+    // A failure here also reports why the embedded objects were passed over.
     let image = compiled_for(arch).map_err(|e| match e {
         BackendError::Compile { backend, log } if !notes.is_empty() => {
             BackendError::Compile { backend, log: format!("{}\n{log}", notes.join("\n")) }
+        }
+        BackendError::Unavailable { backend, reason } if !notes.is_empty() => {
+            BackendError::Unavailable { backend, reason: format!("{}; {reason}", notes.join("; ")) }
         }
         other => other,
     })?;
@@ -573,6 +588,12 @@ impl fmt::Debug for HipBackend {
     }
 }
 
+/// Number of HIP devices, or why there are none to count ([`BackendError::Unavailable`]).
+pub fn device_count() -> Result<usize, BackendError> {
+    let (_, count) = init_and_count()?;
+    Ok(usize::try_from(count).unwrap_or(0))
+}
+
 impl HipBackend {
     /// True when the HIP runtime loads and reports at least one device. Never panics.
     pub fn is_available() -> bool {
@@ -584,6 +605,7 @@ impl HipBackend {
     /// [`BackendError::Unavailable`].
     pub fn new(ordinal: usize) -> Result<Self, BackendError> {
         let (api, count) = init_and_count()?;
+        install_profiling_hooks();
         let ordinal = c_int::try_from(ordinal)
             .ok()
             .filter(|&o| o < count)
@@ -1104,6 +1126,22 @@ mod roctx {
     pub(super) fn c_name(name: &str) -> CString {
         let cut = name.split('\0').next().unwrap_or("");
         CString::new(cut).unwrap_or_default()
+    }
+}
+
+/// Hand roctx to [`crate::profiling`] so pool ranges reach it too (once; a no-op without the
+/// `profiling` feature or without a roctx library).
+fn install_profiling_hooks() {
+    #[cfg(feature = "profiling")]
+    {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            if let Some(r) = roctx::get() {
+                // SAFETY: both pointers come from the roctx library, which the static table
+                // keeps loaded for the rest of the process; signatures as roctx.h declares.
+                unsafe { crate::profiling::install_roctx_hooks(r.push, r.pop) };
+            }
+        });
     }
 }
 

@@ -1,0 +1,46 @@
+// v4pool_emulation.cpp — the device kernels compiled as plain C++ for host tests.
+//
+// Not a backend: tests/index_emulated.rs loads this library (built by build.rs when a clang is
+// found) and runs the *kernel code itself* on random inputs, comparing with the host reference
+// of src/index/host.rs, so the CUDA/HIP source is exercised on a machine without a GPU.
+#define V4POOL_HOST_EMULATION 1
+#include "v4pool_kernels.cu"
+
+#include <cstring>
+
+template <typename Args>
+static void v4p_emu_run(void (*kernel)(Args), const void* args, const unsigned grid[3], unsigned threads) {
+    Args a;
+    std::memcpy(&a, args, sizeof(Args));
+    for (unsigned z = 0; z < grid[2]; ++z)
+        for (unsigned y = 0; y < grid[1]; ++y)
+            for (unsigned x = 0; x < grid[0]; ++x)
+                for (unsigned t = 0; t < threads; ++t) {
+                    v4p_emu = v4p_emu_ids{t, x, y, z};
+                    kernel(a);
+                }
+}
+
+/// Run kernel `symbol` over `grid` blocks of `threads` threads (x only). Returns 0, or -1 for an
+/// unknown symbol.
+extern "C" int v4pool_emu_launch(const char* symbol, const void* args, const unsigned grid[3], unsigned threads) {
+#define V4P_EMU_CASE(name, Args)                          \
+    if (std::strcmp(symbol, #name) == 0) {                \
+        v4p_emu_run<Args>(name, args, grid, threads);     \
+        return 0;                                         \
+    }
+    V4P_EMU_CASE(v4pool_decode_indices, DecodeIndexArgs)
+    V4P_EMU_CASE(v4pool_prefill_indices, PrefillIndexArgs)
+    V4P_EMU_CASE(v4pool_hca_offsets, HcaOffsetsArgs)
+    V4P_EMU_CASE(v4pool_csa_translate_pack, CsaPackArgs)
+    V4P_EMU_CASE(v4pool_ring_write, RingWriteArgs)
+    V4P_EMU_CASE(v4pool_row_scatter, RowScatterArgs)
+    V4P_EMU_CASE(v4pool_fill_runs, FillRunsArgs)
+    V4P_EMU_CASE(v4pool_copy_runs, CopyRunsArgs)
+#undef V4P_EMU_CASE
+    if (std::strcmp(symbol, "v4pool_empty") == 0) {
+        v4pool_empty();
+        return 0;
+    }
+    return -1;
+}

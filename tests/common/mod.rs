@@ -1,0 +1,381 @@
+//! Shared by the GPU tests: device acquisition (skip or fail), a seeded PRNG, V4 shapes, and
+//! a two-backend harness that runs one set of launches on CUDA and on the host reference
+//! and compares every buffer, inputs included, byte for byte.
+#![allow(dead_code)]
+
+pub mod batches;
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::sync::OnceLock;
+use v4pool::backend::cuda::CudaBackend;
+use v4pool::backend::host::HostBackend;
+use v4pool::backend::{Backend, BackendError, Stream};
+use v4pool::index::Launch;
+use v4pool::{GeometrySpec, UnifiedPoolGeometry};
+
+/// The CUDA backend on device 0, or `None` after printing why the test is skipped. With
+/// `V4POOL_REQUIRE_GPU=1` a missing device fails the test instead.
+pub fn cuda_or_skip(test: &str) -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            if std::env::var("V4POOL_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("{test}: V4POOL_REQUIRE_GPU=1 but no CUDA device: {e}");
+            }
+            println!("SKIP: no CUDA device ({e}) in {test}");
+            None
+        }
+    }
+}
+
+/// The backend the kernel tests check against the host reference: CUDA device 0, or — with
+/// `V4POOL_TEST_DEVICE=host`, a dry run of the generators and harness on a machine without a
+/// GPU — a second host backend. `None` (after printing SKIP) when there is no device.
+pub fn device_or_skip(test: &str) -> Option<Box<dyn Backend>> {
+    if std::env::var("V4POOL_TEST_DEVICE").is_ok_and(|v| v == "host") {
+        println!("DRY RUN: {test} compares the host backend with itself");
+        return Some(Box::new(host()));
+    }
+    cuda_or_skip(test).map(|b| Box::new(b) as Box<dyn Backend>)
+}
+
+pub fn host() -> HostBackend {
+    HostBackend::new()
+}
+
+// ---- randomness -------------------------------------------------------------------------
+
+/// The run's base seed: `V4POOL_SEED` when set (to replay a failure), else fresh per run.
+pub fn base_seed() -> u64 {
+    static SEED: OnceLock<u64> = OnceLock::new();
+    *SEED.get_or_init(|| {
+        if let Some(s) = std::env::var("V4POOL_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+        {
+            return s;
+        }
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0x9e37_79b9_7f4a_7c15);
+        t ^ u64::from(std::process::id()).rotate_left(32)
+    })
+}
+
+/// The seed of one case: the run's seed mixed with the case's name and number.
+pub fn case_seed(name: &str, i: u64) -> u64 {
+    let mut h = DefaultHasher::new();
+    (name, i).hash(&mut h);
+    base_seed() ^ h.finish()
+}
+
+/// xorshift64*: small, fast, reproducible from its seed.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed | 1)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Uniform in `[0, n)`; `n > 0`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
+    }
+    /// Uniform in `[lo, hi]`.
+    pub fn range(&mut self, lo: i64, hi: i64) -> i64 {
+        lo + self.below((hi - lo + 1) as u64) as i64
+    }
+    pub fn chance(&mut self, p: f64) -> bool {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64 <= p
+    }
+    pub fn fill(&mut self, buf: &mut [u8]) {
+        let mut chunks = buf.chunks_exact_mut(8);
+        for c in &mut chunks {
+            c.copy_from_slice(&self.next_u64().to_le_bytes());
+        }
+        let rest = chunks.into_remainder();
+        let last = self.next_u64().to_le_bytes();
+        rest.copy_from_slice(&last[..rest.len()]);
+    }
+    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+        let mut v = vec![0; n];
+        self.fill(&mut v);
+        v
+    }
+    /// `k` distinct values of `[0, n)`, in random order.
+    pub fn distinct(&mut self, k: usize, n: u64) -> Vec<i64> {
+        assert!(k as u64 <= n);
+        let mut seen = std::collections::HashSet::with_capacity(k);
+        let mut out = Vec::with_capacity(k);
+        while out.len() < k {
+            let v = self.below(n) as i64;
+            if seen.insert(v) {
+                out.push(v);
+            }
+        }
+        out
+    }
+}
+
+// ---- V4 shapes --------------------------------------------------------------------------
+
+pub const BLOCK_SIZE: i64 = 256;
+pub const WIN: i32 = 128;
+
+/// DeepSeek-V4-Flash: `[0,0] + [4,128]*20 + [4] + [0]`.
+pub fn flash_ratios() -> Vec<i32> {
+    let mut r = vec![0, 0];
+    for _ in 0..20 {
+        r.extend([4, 128]);
+    }
+    r.extend([4, 0]);
+    r
+}
+
+/// DeepSeek-V4-Pro: `[128,128] + [4,128]*29 + [4] + [0]`.
+pub fn pro_ratios() -> Vec<i32> {
+    let mut r = vec![128, 128];
+    for _ in 0..29 {
+        r.extend([4, 128]);
+    }
+    r.extend([4, 0]);
+    r
+}
+
+pub fn models() -> [(&'static str, Vec<i32>); 2] {
+    [("flash", flash_ratios()), ("pro", pro_ratios())]
+}
+
+/// A geometry at a fixed plane of `plane_rows`, with `num_slots` slots and as many blocks as
+/// fit beside them.
+pub fn geometry_at(
+    ratios: &[i32],
+    ring: i64,
+    plane_rows: i64,
+    num_slots: i64,
+) -> UnifiedPoolGeometry {
+    let g0 = GeometrySpec::new(ratios.to_vec(), 0, num_slots, ring, BLOCK_SIZE)
+        .plane_rows(plane_rows)
+        .build()
+        .unwrap_or_else(|e| panic!("geometry {ratios:?} ring {ring} plane {plane_rows}: {e}"));
+    let blocks = g0.max_blocks_beside(num_slots);
+    g0.with_capacity(blocks, num_slots, Some(plane_rows))
+        .expect("max_blocks_beside fits")
+}
+
+/// A production-sized geometry: plane near 1.5e8 rows, ring 128..=135.
+pub fn big_geometry(rng: &mut Rng, ratios: &[i32]) -> UnifiedPoolGeometry {
+    let ring = rng.range(128, 135);
+    let plane = 150_000_000 - rng.range(0, 1_000_000);
+    let slots = rng.range(1024, 4096);
+    geometry_at(ratios, ring, plane, slots)
+}
+
+// ---- the two-backend harness --------------------------------------------------------------
+
+/// Byte contents of a buffer, possibly depending on where every buffer landed (descriptors
+/// that hold device addresses).
+pub enum Content {
+    Bytes(Vec<u8>),
+    WithPtrs(u64, Box<dyn Fn(&[u64]) -> Vec<u8>>),
+}
+
+pub struct Buf {
+    pub name: String,
+    pub content: Content,
+}
+
+impl Buf {
+    fn len(&self) -> u64 {
+        match &self.content {
+            Content::Bytes(b) => b.len() as u64,
+            Content::WithPtrs(n, _) => *n,
+        }
+    }
+}
+
+/// Buffers of one test case; `add_*` return the buffer's index into the pointer slice the
+/// launch builder receives.
+pub struct Case {
+    pub name: String,
+    pub seed: u64,
+    pub bufs: Vec<Buf>,
+}
+
+pub fn i32_bytes(v: &[i32]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+pub fn i64_bytes(v: &[i64]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+impl Case {
+    pub fn new(name: impl Into<String>, seed: u64) -> Self {
+        Case {
+            name: name.into(),
+            seed,
+            bufs: Vec::new(),
+        }
+    }
+    pub fn bytes(&mut self, name: &str, b: Vec<u8>) -> usize {
+        self.bufs.push(Buf {
+            name: name.into(),
+            content: Content::Bytes(b),
+        });
+        self.bufs.len() - 1
+    }
+    pub fn i32s(&mut self, name: &str, v: &[i32]) -> usize {
+        self.bytes(name, i32_bytes(v))
+    }
+    pub fn i64s(&mut self, name: &str, v: &[i64]) -> usize {
+        self.bytes(name, i64_bytes(v))
+    }
+    /// An output buffer of `n` i32 pre-filled with `poison`.
+    pub fn poisoned(&mut self, name: &str, n: usize, poison: i32) -> usize {
+        self.i32s(name, &vec![poison; n])
+    }
+    pub fn with_ptrs(
+        &mut self,
+        name: &str,
+        len: u64,
+        f: impl Fn(&[u64]) -> Vec<u8> + 'static,
+    ) -> usize {
+        self.bufs.push(Buf {
+            name: name.into(),
+            content: Content::WithPtrs(len, Box::new(f)),
+        });
+        self.bufs.len() - 1
+    }
+    pub fn total_bytes(&self) -> u64 {
+        self.bufs.iter().map(Buf::len).sum()
+    }
+}
+
+/// Allocate and fill every buffer of `case` on `backend`, run the launches `make` builds from
+/// the buffers' addresses, and return every buffer's final bytes.
+pub fn run_case(
+    backend: &dyn Backend,
+    case: &Case,
+    make: &dyn Fn(&[u64]) -> Vec<Launch>,
+) -> Result<Vec<Vec<u8>>, BackendError> {
+    let s = Stream::DEFAULT;
+    let mut allocs = Vec::new();
+    for b in &case.bufs {
+        allocs.push(backend.alloc_zeroed(b.len())?);
+    }
+    let ptrs: Vec<u64> = allocs.iter().map(|a| a.ptr).collect();
+    let result = (|| {
+        for (b, &p) in case.bufs.iter().zip(&ptrs) {
+            let bytes = match &b.content {
+                Content::Bytes(v) => std::borrow::Cow::Borrowed(v),
+                Content::WithPtrs(n, f) => {
+                    let v = f(&ptrs);
+                    assert_eq!(v.len() as u64, *n, "{}: content length", b.name);
+                    std::borrow::Cow::Owned(v)
+                }
+            };
+            // SAFETY: `p` is a live allocation of exactly this buffer's length.
+            unsafe { backend.upload(p, &bytes, s)? };
+        }
+        for l in make(&ptrs) {
+            // SAFETY: the launch builders size every buffer to what its kernel touches
+            // (the contract of `index-buffers.md`), from these live allocations.
+            unsafe { backend.launch(&l, s)? };
+        }
+        let mut out = Vec::new();
+        for (b, &p) in case.bufs.iter().zip(&ptrs) {
+            let mut v = vec![0u8; b.len() as usize];
+            // SAFETY: `p` is a live allocation of this length.
+            unsafe { backend.download(&mut v, p, s)? };
+            if let Content::WithPtrs(_, f) = &b.content {
+                // Holds this backend's addresses, so it cannot match the other backend's:
+                // checked here against what was uploaded (kernels only read descriptors).
+                assert!(
+                    v == f(&ptrs),
+                    "case {}: descriptor buffer {} was written",
+                    case.name,
+                    b.name
+                );
+                v.clear();
+            }
+            out.push(v);
+        }
+        Ok(out)
+    })();
+    backend.synchronize(s)?;
+    for a in allocs {
+        // SAFETY: the stream is idle (synchronized) and the addresses are not used again.
+        unsafe { backend.free(a) };
+    }
+    result
+}
+
+/// Panic with the case's seed and the first differences when the buffers differ.
+pub fn assert_same(case: &Case, reference: &[Vec<u8>], device: &[Vec<u8>]) {
+    let mut report = Vec::new();
+    for ((b, r), d) in case.bufs.iter().zip(reference).zip(device) {
+        if r == d {
+            continue;
+        }
+        let mut diffs = Vec::new();
+        let mut count = 0usize;
+        for (i, (x, y)) in r.chunks(4).zip(d.chunks(4)).enumerate() {
+            if x != y {
+                count += 1;
+                if diffs.len() < 8 {
+                    let v = |c: &[u8]| {
+                        if c.len() == 4 {
+                            i32::from_le_bytes([c[0], c[1], c[2], c[3]]).to_string()
+                        } else {
+                            format!("{c:?}")
+                        }
+                    };
+                    diffs.push(format!("[{i}] host {} cuda {}", v(x), v(y)));
+                }
+            }
+        }
+        report.push(format!(
+            "  buffer {} ({} bytes): {count} words differ: {}",
+            b.name,
+            r.len(),
+            diffs.join(", ")
+        ));
+    }
+    if !report.is_empty() {
+        panic!(
+            "case {} (seed {:#x}, replay with V4POOL_SEED={}) differs from the host reference:\n{}",
+            case.name,
+            case.seed,
+            base_seed(),
+            report.join("\n")
+        );
+    }
+}
+
+/// Run a case on both backends and compare everything.
+pub fn check_case(cuda: &dyn Backend, case: &Case, make: &dyn Fn(&[u64]) -> Vec<Launch>) {
+    let reference = run_case(&host(), case, make).unwrap_or_else(|e| {
+        panic!(
+            "case {} (seed {:#x}): host backend failed: {e}",
+            case.name, case.seed
+        )
+    });
+    let device = run_case(cuda, case, make).unwrap_or_else(|e| {
+        panic!(
+            "case {} (seed {:#x}): cuda backend failed: {e}",
+            case.name, case.seed
+        )
+    });
+    assert_same(case, &reference, &device);
+}

@@ -1,0 +1,688 @@
+//! The kernel source itself (kernels/v4pool_kernels.cu, compiled as plain C++ by build.rs into
+//! the host-emulation library) against the host reference (`index::host::run_launch`), on
+//! random inputs with poisoned outputs. Same launch shapes as the GPU backends
+//! (`index::shape::launch_shape`), every thread of every block run in turn.
+//!
+//! Skipped (with a note on stderr) when build.rs found no clang to build the library.
+
+use bytemuck::bytes_of;
+use std::ffi::{c_char, c_void, CString};
+use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, WindowParams};
+use v4pool::index::host::run_launch;
+use v4pool::index::shape::launch_shape;
+use v4pool::index::{
+    ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs,
+    HcaOffsetsArgs, Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs,
+};
+
+type EmuLaunch = unsafe extern "C" fn(*const c_char, *const c_void, *const u32, u32) -> i32;
+
+struct Emu {
+    _lib: libloading::Library,
+    launch: EmuLaunch,
+}
+
+fn emu() -> Option<Emu> {
+    let Some(path) = v4pool::kernels::host_emulation_library() else {
+        eprintln!("index_emulated: no host-emulation library (build.rs found no clang); skipped");
+        return None;
+    };
+    // SAFETY: the library is ours (build.rs built it from kernels/); loading runs no init code
+    // beyond the C++ runtime's.
+    let lib = unsafe { libloading::Library::new(path) }.expect("load the emulation library");
+    // SAFETY: the symbol has exactly this signature (kernels/v4pool_emulation.cpp).
+    let launch = unsafe {
+        *lib.get::<EmuLaunch>(b"v4pool_emu_launch\0")
+            .expect("v4pool_emu_launch")
+    };
+    Some(Emu { _lib: lib, launch })
+}
+
+impl Emu {
+    /// # Safety
+    /// As `run_launch`: the pointers in the launch cover what the kernel touches.
+    unsafe fn run(&self, launch: &Launch) {
+        let bytes: &[u8] = match launch {
+            Launch::Decode(a) => bytes_of(a),
+            Launch::Prefill(a) => bytes_of(a),
+            Launch::HcaOffsets(a) => bytes_of(a),
+            Launch::CsaPack(a) => bytes_of(a),
+            Launch::RingWrite(a) => bytes_of(a),
+            Launch::RowScatter(a) => bytes_of(a),
+            Launch::FillRuns(a) => bytes_of(a),
+            Launch::CopyRuns(a) => bytes_of(a),
+            Launch::Empty => &[],
+        };
+        let shape = launch_shape(launch);
+        let sym = CString::new(launch.symbol()).unwrap();
+        // SAFETY: forwarded from the caller; the argument bytes are the struct the kernel takes.
+        let rc = unsafe {
+            (self.launch)(
+                sym.as_ptr(),
+                bytes.as_ptr().cast(),
+                shape.grid.as_ptr(),
+                shape.block[0],
+            )
+        };
+        assert_eq!(rc, 0, "unknown kernel {}", launch.symbol());
+    }
+}
+
+/// xorshift64*: deterministic random inputs.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Uniform in [lo, hi].
+    fn range(&mut self, lo: i64, hi: i64) -> i64 {
+        lo + (self.next() % (hi - lo + 1) as u64) as i64
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.next() % 100 < percent
+    }
+}
+
+const POISON: i32 = -7;
+
+/// Run `make`'s launch on the host reference and on the emulated kernel, each with its own
+/// copy of the poisoned outputs; both must end equal. Returns whether anything was written.
+fn compare<T: Clone + PartialEq + std::fmt::Debug>(
+    emu: &Emu,
+    what: &str,
+    outputs: &[Vec<T>],
+    make: impl Fn(&mut [Vec<T>]) -> Launch,
+) -> bool {
+    let mut host = outputs.to_vec();
+    let mut dev = outputs.to_vec();
+    let l = make(&mut host);
+    // SAFETY: `make` points the launch at the test's live buffers, sized for the kernel.
+    unsafe { run_launch(&l) }.unwrap_or_else(|e| panic!("{what}: host reference refused: {e}"));
+    let l = make(&mut dev);
+    // SAFETY: as above.
+    unsafe { emu.run(&l) };
+    assert!(
+        host == dev,
+        "{what}: kernel and host reference differ\nhost {host:?}\nkernel {dev:?}"
+    );
+    host != outputs
+}
+
+fn addr<T>(v: &[T]) -> u64 {
+    v.as_ptr() as u64
+}
+
+fn random_geometry(rng: &mut Rng, need_compressed: bool) -> UnifiedPoolGeometry {
+    loop {
+        let layers = rng.range(2, 7);
+        let ratios: Vec<i32> = (0..layers)
+            .map(|_| [0, 4, 128][rng.range(0, 2) as usize])
+            .collect();
+        if need_compressed && !(ratios.contains(&4) && ratios.contains(&128)) {
+            continue;
+        }
+        let block = if rng.chance(50) { 256 } else { 128 };
+        let spec = GeometrySpec::new(
+            ratios,
+            rng.range(4, 40),
+            rng.range(3, 8),
+            rng.range(8, 14),
+            block,
+        )
+        .arena_rows(rng.range(0, 5));
+        if let Ok(g) = spec.build() {
+            return g;
+        }
+    }
+}
+
+fn physical_slots(rng: &mut Rng, g: &UnifiedPoolGeometry, bs: usize) -> Vec<i32> {
+    (0..bs)
+        .map(|_| g.physical_slot(rng.range(0, g.num_slots - 1)).unwrap() as i32)
+        .collect()
+}
+
+fn cumsum(lens: &[i64]) -> Vec<i32> {
+    let mut v = vec![0i32];
+    for l in lens {
+        v.push(v.last().unwrap() + *l as i32);
+    }
+    v
+}
+
+fn extent(indptr: &[i32]) -> usize {
+    *indptr.iter().max().unwrap() as usize
+}
+
+#[test]
+fn decode_builder_kernel_matches_reference() {
+    let Some(emu) = emu() else { return };
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut wrote = 0;
+    for case in 0..60 {
+        let g = random_geometry(&mut rng, false);
+        let rpb = (g.block_size / 128) as i32;
+        let win = rng.range(1, g.ring_slots) as i32;
+        let bs = rng.range(1, 5) as usize;
+        let slots = physical_slots(&mut rng, &g, bs);
+        let t = rng.range(0, 9) as usize;
+        let bids: Vec<i32> = (0..t)
+            .map(|_| {
+                if rng.chance(20) {
+                    -1
+                } else {
+                    rng.range(0, bs as i64 - 1) as i32
+                }
+            })
+            .collect();
+        let positions: Vec<i64> = (0..t).map(|_| rng.range(0, 5000)).collect();
+        let stride = rng.range(1, 6) as i32;
+        let tables: Vec<i32> = (0..bs * stride as usize)
+            .map(|_| rng.range(0, g.num_blocks - 1) as i32)
+            .collect();
+        let fused = rng.chance(60);
+        // Per class: enabled?, head lengths, indptr.
+        let mut classes = Vec::new();
+        for (c, ratio) in [0, 4, 128].into_iter().enumerate() {
+            let Ok(params) = g.window_params(ratio) else {
+                classes.push(None);
+                continue;
+            };
+            if c > 0 && rng.chance(20) {
+                classes.push(None);
+                continue;
+            }
+            let lens: Vec<i64> = (0..t)
+                .map(|i| {
+                    if bids[i] < 0 {
+                        return 0;
+                    }
+                    let n = (positions[i] + 1).min(win.into());
+                    let head = match c {
+                        0 => 0,
+                        1 => rng.range(0, 6),
+                        _ => rng.range(0, i64::from(stride * rpb)),
+                    };
+                    n + head
+                })
+                .collect();
+            classes.push(Some((params, cumsum(&lens), rng.chance(80))));
+        }
+        if classes.iter().flatten().count() == 0 {
+            continue;
+        }
+        if !classes.iter().flatten().any(|c| c.2) {
+            classes.iter_mut().flatten().next().unwrap().2 = true;
+        }
+        // Outputs: [indices c, dest c] for each class slot (empty when off), plus slack.
+        let mut outputs = Vec::new();
+        for c in &classes {
+            match c {
+                Some((_, indptr, _)) => {
+                    outputs.push(vec![POISON; extent(indptr) + 3]);
+                    outputs.push(vec![POISON; t + 2]);
+                }
+                None => {
+                    outputs.push(vec![]);
+                    outputs.push(vec![]);
+                }
+            }
+        }
+        let written = compare(&emu, &format!("decode case {case}"), &outputs, |outs| {
+            let mut a = DecodeIndexArgs {
+                state_slot_per_seq: addr(&slots),
+                batch_id_per_token: addr(&bids),
+                positions: addr(&positions),
+                block_tables: if fused { addr(&tables) } else { 0 },
+                envelope_rows: g.envelope_rows,
+                block_table_stride: stride,
+                hca_rows_per_block: rpb,
+                num_tokens: t as i32,
+                win,
+                ..Default::default()
+            };
+            for (c, cls) in classes.iter().enumerate() {
+                if let Some((params, indptr, dest)) = cls {
+                    a.classes[c] = ClassBuffers {
+                        params: *params,
+                        indptr: addr(indptr),
+                        indices: outs[2 * c].as_mut_ptr() as u64,
+                        dest_rows: if *dest {
+                            outs[2 * c + 1].as_mut_ptr() as u64
+                        } else {
+                            0
+                        },
+                    };
+                }
+            }
+            Launch::Decode(a)
+        });
+        wrote += usize::from(written);
+    }
+    assert!(wrote > 30, "only {wrote} cases wrote anything");
+}
+
+#[test]
+fn prefill_builder_kernel_matches_reference() {
+    let Some(emu) = emu() else { return };
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    for case in 0..60 {
+        let g = random_geometry(&mut rng, true);
+        let rpb = (g.block_size / 128) as i64;
+        let win = rng.range(1, g.ring_slots);
+        let hca_ratio = [8i64, 16, 128][rng.range(0, 2) as usize];
+        let bs = rng.range(1, 4) as usize;
+        let slots = physical_slots(&mut rng, &g, bs);
+        let (mut positions, mut bids, mut chunk_start, mut cu_q, mut committed) =
+            (vec![], vec![], vec![], vec![], vec![]);
+        for b in 0..bs {
+            let cs = if rng.chance(30) {
+                0
+            } else {
+                rng.range(0, 1500)
+            };
+            let len = rng.range(1, 6);
+            cu_q.push(positions.len() as i32);
+            chunk_start.push(cs as i32);
+            committed.push(((cs + len) / hca_ratio) as i32);
+            for p in cs..cs + len {
+                positions.push(p as i32);
+                bids.push(b as i32);
+            }
+        }
+        let t = positions.len();
+        let stride = committed
+            .iter()
+            .map(|&n| (i64::from(n) + rpb - 1) / rpb)
+            .max()
+            .unwrap()
+            .max(1)
+            + rng.range(0, 2);
+        let tables: Vec<i32> = (0..bs * stride as usize)
+            .map(|_| rng.range(0, g.num_blocks - 1) as i32)
+            .collect();
+        let (mut ext_l, mut pre_l, mut csa_l, mut hca_l) = (vec![], vec![], vec![], vec![]);
+        for i in 0..t {
+            let (b, p) = (bids[i] as usize, i64::from(positions[i]));
+            let cs = i64::from(chunk_start[b]);
+            let low = (p - win + 1).max(0);
+            let pre = (cs - low).max(0);
+            ext_l.push((p - cs + 1).min(win));
+            pre_l.push(pre);
+            csa_l.push(pre + rng.range(0, 4));
+            hca_l.push(pre + ((p + 1) / hca_ratio).min(committed[b].into()));
+        }
+        let dense = g.window_params(0).ok();
+        let ptrs = [
+            cumsum(&ext_l),
+            cumsum(&pre_l),
+            cumsum(&csa_l),
+            cumsum(&hca_l),
+        ];
+        let outputs: Vec<Vec<i32>> = ptrs.iter().map(|p| vec![POISON; extent(p) + 2]).collect();
+        compare(&emu, &format!("prefill case {case}"), &outputs, |outs| {
+            Launch::Prefill(PrefillIndexArgs {
+                dense: dense.unwrap_or_default(),
+                csa: g.window_params(4).unwrap(),
+                hca: g.window_params(128).unwrap(),
+                positions: addr(&positions),
+                bid_per_token: addr(&bids),
+                chunk_start_per_seq: addr(&chunk_start),
+                cu_seqlens_q_per_seq: addr(&cu_q),
+                state_slot_per_seq: addr(&slots),
+                n_committed_hca_per_seq: addr(&committed),
+                block_tables: addr(&tables),
+                extend_indptr: addr(&ptrs[0]),
+                extend_indices: outs[0].as_mut_ptr() as u64,
+                swa_indptr: if dense.is_some() { addr(&ptrs[1]) } else { 0 },
+                swa_indices: if dense.is_some() {
+                    outs[1].as_mut_ptr() as u64
+                } else {
+                    0
+                },
+                csa_indptr: addr(&ptrs[2]),
+                csa_indices: outs[2].as_mut_ptr() as u64,
+                hca_indptr: addr(&ptrs[3]),
+                hca_indices: outs[3].as_mut_ptr() as u64,
+                envelope_rows: g.envelope_rows,
+                block_table_stride: stride as i32,
+                num_tokens: t as i32,
+                win: win as i32,
+                hca_ratio: hca_ratio as i32,
+                hca_rows_per_block: rpb as i32,
+                _pad: 0,
+            })
+        });
+    }
+}
+
+#[test]
+fn hca_offsets_kernel_matches_reference() {
+    let Some(emu) = emu() else { return };
+    let mut rng = Rng(0xdead_beef_cafe_f00d);
+    for case in 0..30 {
+        let n = rng.range(0, 700) as usize;
+        let bs = rng.range(1, 5);
+        let stride = rng.range(1, 40);
+        let rpb = rng.range(1, 3);
+        let tables: Vec<i32> = (0..bs * stride)
+            .map(|_| rng.range(0, 10_000) as i32)
+            .collect();
+        let entries: Vec<i32> = (0..n)
+            .map(|_| rng.range(0, stride * rpb - 1) as i32)
+            .collect();
+        let bids: Vec<i32> = (0..n).map(|_| rng.range(0, bs - 1) as i32).collect();
+        let outputs = vec![vec![POISON; n + 3]];
+        compare(
+            &emu,
+            &format!("hca offsets case {case}"),
+            &outputs,
+            |outs| {
+                Launch::HcaOffsets(HcaOffsetsArgs {
+                    entry_idx: addr(&entries),
+                    bid_per_entry: addr(&bids),
+                    block_tables: addr(&tables),
+                    out: outs[0].as_mut_ptr() as u64,
+                    envelope_rows: 1000 + stride,
+                    block_table_stride: stride as i32,
+                    rows_per_block: rpb as i32,
+                    num_entries: n as i32,
+                    _pad: 0,
+                })
+            },
+        );
+    }
+}
+
+#[test]
+fn csa_pack_kernel_matches_reference() {
+    let Some(emu) = emu() else { return };
+    let mut rng = Rng(0x0bad_c0de_1234_0001);
+    for case in 0..40 {
+        let t = rng.range(0, 6) as usize;
+        let layers = rng.range(1, 3);
+        let row_stride = [8i64, 64, 300, 513][rng.range(0, 3) as usize];
+        let bs = rng.range(1, 4);
+        let stride = rng.range(1, 12);
+        let tables: Vec<i32> = (0..bs * stride).map(|_| rng.range(0, 500) as i32).collect();
+        let window = if rng.chance(50) { rng.range(1, 128) } else { 0 };
+        let bids: Vec<i32> = (0..t)
+            .map(|_| {
+                if rng.chance(20) {
+                    -1
+                } else {
+                    rng.range(0, bs - 1) as i32
+                }
+            })
+            .collect();
+        let positions: Vec<i64> = (0..t).map(|_| rng.range(0, 100_000)).collect();
+        let skip: Vec<i32> = (0..t).map(|_| rng.range(0, 20) as i32).collect();
+        let lens: Vec<i64> = (0..t)
+            .map(|i| {
+                let s = if window > 0 {
+                    (positions[i] + 1).min(window)
+                } else {
+                    skip[i].into()
+                };
+                if bids[i] < 0 {
+                    0
+                } else {
+                    s + rng.range(0, row_stride)
+                }
+            })
+            .collect();
+        let indptr = cumsum(&lens);
+        // Values past the table exercise the clamp.
+        let topk: Vec<i32> = (0..layers * t as i64 * row_stride)
+            .map(|_| rng.range(0, stride * 64 + 100) as i32)
+            .collect();
+        let out_stride = extent(&indptr) as i64 + 1;
+        let outputs = vec![vec![POISON; (layers * out_stride) as usize + 2]];
+        compare(&emu, &format!("csa pack case {case}"), &outputs, |outs| {
+            Launch::CsaPack(CsaPackArgs {
+                topk: addr(&topk),
+                block_tables: addr(&tables),
+                positions: addr(&positions),
+                indptr: addr(&indptr),
+                batch_id_per_token: addr(&bids),
+                skip_prefix_len_per_token: addr(&skip),
+                out: outs[0].as_mut_ptr() as u64,
+                topk_layer_stride: t as i64 * row_stride,
+                out_layer_stride: out_stride,
+                envelope_rows: 132,
+                topk_row_stride: row_stride as i32,
+                block_table_stride: stride as i32,
+                num_tokens: t as i32,
+                num_layers: layers as i32,
+                block_capacity: 64,
+                window_size: window as i32,
+            })
+        });
+    }
+}
+
+fn random_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
+    (0..n).map(|_| rng.next() as u8).collect()
+}
+
+/// Row widths that take the 16-byte, 4-byte and byte paths of the row copy.
+const WIDTHS: [(i64, i64); 4] = [(512, 128), (1024, 0), (36, 12), (7, 5)];
+
+#[test]
+fn ring_write_kernel_matches_reference() {
+    let Some(emu) = emu() else { return };
+    let mut rng = Rng(0x5555_aaaa_1111_2222);
+    for case in 0..40 {
+        let g = random_geometry(&mut rng, false);
+        let ratio = *g.classes.keys().next().unwrap();
+        let params: WindowParams = g.window_params(ratio).unwrap();
+        let view_rows = g.plane_rows - rng.range(0, 20);
+        let (w0, w1) = WIDTHS[rng.range(0, 3) as usize];
+        let bs = rng.range(1, 4) as usize;
+        let mut slots = physical_slots(&mut rng, &g, bs);
+        if rng.chance(30) {
+            slots[0] = g.slot_positions as i32; // stale: its rows fall past the view
+        }
+        let mut cu = vec![0i32];
+        let mut positions = vec![];
+        for _ in 0..bs {
+            let n = rng.range(0, 20);
+            let start = rng.range(0, 3000);
+            positions.extend((start..start + n).map(|p| p as i32));
+            cu.push(positions.len() as i32);
+        }
+        let t = positions.len();
+        let wpb = rng.range(1, params.ring_slots) as i32;
+        let kv0 = random_bytes(&mut rng, t * w0 as usize + 1);
+        let kv1 = random_bytes(&mut rng, t * w1 as usize + 1);
+        // Misalign the second plane's kv by one byte half the time (byte path).
+        let off = usize::from(rng.chance(50) && w1 % 16 != 0);
+        let outputs = vec![
+            random_bytes(&mut rng, (view_rows * w0) as usize),
+            random_bytes(&mut rng, (view_rows * w1) as usize),
+        ];
+        compare(&emu, &format!("ring write case {case}"), &outputs, |outs| {
+            let mut planes = [
+                PlaneWrite {
+                    kv: addr(&kv0),
+                    pool: outs[0].as_mut_ptr() as u64,
+                    row_bytes: w0,
+                },
+                PlaneWrite::default(),
+            ];
+            if w1 > 0 {
+                planes[1] = PlaneWrite {
+                    kv: addr(&kv1) + off as u64,
+                    pool: outs[1].as_mut_ptr() as u64,
+                    row_bytes: w1,
+                };
+            }
+            Launch::RingWrite(RingWriteArgs {
+                params,
+                planes,
+                positions: addr(&positions),
+                cu_seqlens_q: addr(&cu),
+                state_slot_per_seq: addr(&slots),
+                view_rows,
+                num_seqs: bs as i32,
+                write_per_batch: wpb,
+            })
+        });
+    }
+}
+
+#[test]
+fn row_scatter_kernel_matches_reference() {
+    let Some(emu) = emu() else { return };
+    let mut rng = Rng(0x7777_3333_9999_0000);
+    for case in 0..40 {
+        let view_rows = rng.range(1, 300);
+        let (w0, w1) = WIDTHS[rng.range(0, 3) as usize];
+        let t = rng.range(0, 20) as usize;
+        let bids: Vec<i32> = (0..t)
+            .map(|_| if rng.chance(20) { -1 } else { 0 })
+            .collect();
+        // Distinct rows, some out of the view (negative or past it).
+        let mut rows: Vec<i64> = (0..view_rows).collect();
+        for i in (1..rows.len()).rev() {
+            rows.swap(i, rng.range(0, i as i64) as usize);
+        }
+        let dest: Vec<i32> = (0..t)
+            .map(|i| {
+                if rng.chance(15) {
+                    [-1, view_rows as i32, 1 << 30][rng.range(0, 2) as usize]
+                } else {
+                    rows[i % rows.len()] as i32
+                }
+            })
+            .collect();
+        let dest: Vec<i32> = dest
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| if i >= rows.len() { -1 } else { d })
+            .collect();
+        let kv0 = random_bytes(&mut rng, t * w0 as usize);
+        let kv1 = random_bytes(&mut rng, t * w1 as usize);
+        let outputs = vec![
+            random_bytes(&mut rng, (view_rows * w0) as usize),
+            random_bytes(&mut rng, (view_rows * w1) as usize),
+        ];
+        compare(
+            &emu,
+            &format!("row scatter case {case}"),
+            &outputs,
+            |outs| {
+                let mut planes = [
+                    PlaneWrite {
+                        kv: addr(&kv0),
+                        pool: outs[0].as_mut_ptr() as u64,
+                        row_bytes: w0,
+                    },
+                    PlaneWrite::default(),
+                ];
+                if w1 > 0 {
+                    planes[1] = PlaneWrite {
+                        kv: addr(&kv1),
+                        pool: outs[1].as_mut_ptr() as u64,
+                        row_bytes: w1,
+                    };
+                }
+                Launch::RowScatter(RowScatterArgs {
+                    planes,
+                    batch_id_per_token: addr(&bids),
+                    dest_rows: addr(&dest),
+                    view_rows,
+                    num_tokens: t as i32,
+                    _pad: 0,
+                })
+            },
+        );
+    }
+}
+
+/// Disjoint random ranges `(offset, len)` inside `total` bytes, offsets and lengths multiples
+/// of `unit`.
+fn disjoint_ranges(
+    rng: &mut Rng,
+    total: i64,
+    count: usize,
+    unit: i64,
+    max_len: i64,
+) -> Vec<(i64, i64)> {
+    let mut out = Vec::new();
+    let mut cursor = 0;
+    for _ in 0..count {
+        let start = cursor + rng.range(0, 40) * unit;
+        let len = rng.range(0, max_len / unit) * unit;
+        if start + len > total {
+            break;
+        }
+        out.push((start, len));
+        cursor = start + len;
+    }
+    out
+}
+
+#[test]
+fn fill_and_copy_runs_kernels_match_reference() {
+    let Some(emu) = emu() else { return };
+    let mut rng = Rng(0x0123_4567_89ab_cdef);
+    for case in 0..20 {
+        let total = 200_000i64;
+        let n = rng.range(0, 6) as usize;
+        let fills = disjoint_ranges(&mut rng, total, n, 4, 40_000);
+        let outputs = vec![random_bytes(&mut rng, total as usize)];
+        let patterns: Vec<u32> = fills.iter().map(|_| rng.next() as u32).collect();
+        compare(&emu, &format!("fill case {case}"), &outputs, |outs| {
+            let base = outs[0].as_mut_ptr() as u64;
+            let runs: Vec<FillRun> = fills
+                .iter()
+                .zip(&patterns)
+                .map(|(&(o, l), &p)| FillRun {
+                    dst: base + o as u64,
+                    bytes: l as u64,
+                    pattern: p,
+                    _pad: 0,
+                })
+                .collect();
+            // The descriptor must outlive the launch: leak it into the test (small).
+            let runs: &'static [FillRun] = Box::leak(runs.into_boxed_slice());
+            Launch::FillRuns(FillRunsArgs {
+                runs: addr(runs),
+                num_runs: runs.len() as i32,
+                _pad: 0,
+            })
+        });
+
+        let src = random_bytes(&mut rng, total as usize);
+        let n = rng.range(0, 6) as usize;
+        let copies = disjoint_ranges(&mut rng, total - 64, n, 1, 30_000);
+        let shifts: Vec<i64> = copies
+            .iter()
+            .map(|_| if rng.chance(50) { 0 } else { rng.range(0, 31) })
+            .collect();
+        let outputs = vec![random_bytes(&mut rng, total as usize)];
+        compare(&emu, &format!("copy case {case}"), &outputs, |outs| {
+            let base = outs[0].as_mut_ptr() as u64;
+            let runs: Vec<CopyRun> = copies
+                .iter()
+                .zip(&shifts)
+                .map(|(&(o, l), &s)| CopyRun {
+                    src: addr(&src) + (o + s) as u64,
+                    dst: base + o as u64,
+                    bytes: l as u64,
+                })
+                .collect();
+            let runs: &'static [CopyRun] = Box::leak(runs.into_boxed_slice());
+            Launch::CopyRuns(CopyRunsArgs {
+                runs: addr(runs),
+                num_runs: runs.len() as i32,
+                _pad: 0,
+            })
+        });
+    }
+}

@@ -1,0 +1,173 @@
+//! Rust ↔ header ↔ device compilers: the layout lines of `kernels/v4pool_common.h`
+//! (`V4POOL_CHECK_SIZE/ALIGN/OFFSET`) are `static_assert`s every device compile enforces; this
+//! test parses the same lines and compares each with `size_of` / `align_of` / `offset_of!` of
+//! the Rust structs, and checks that the two sets are the same (no field unchecked on either
+//! side).
+
+use std::collections::BTreeMap;
+use std::mem::{align_of, offset_of, size_of};
+use v4pool::geometry::WindowParams;
+use v4pool::index::shape::{BLOCK_THREADS, ROWS_PER_BLOCK, ROW_LANES, RUN_SPLIT};
+use v4pool::index::{
+    ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs,
+    HcaOffsetsArgs, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_CSA,
+    CLASS_DENSE, CLASS_HCA,
+};
+
+const HEADER: &str = include_str!("../kernels/v4pool_common.h");
+
+/// (kind, type, field) → value; kind is SIZE, ALIGN or OFFSET; field is "" for SIZE/ALIGN.
+type Checks = BTreeMap<(String, String, String), usize>;
+
+fn header_checks() -> Checks {
+    let mut checks = Checks::new();
+    for line in HEADER.lines().map(str::trim) {
+        let Some(rest) = line.strip_prefix("V4POOL_CHECK_") else {
+            continue;
+        };
+        let (kind, args) = rest
+            .split_once('(')
+            .unwrap_or_else(|| panic!("malformed check line: {line}"));
+        let args = args
+            .strip_suffix(");")
+            .unwrap_or_else(|| panic!("check line must end with ');': {line}"));
+        let parts: Vec<&str> = args.split(',').map(str::trim).collect();
+        let (ty, field, value) = match (kind, parts.as_slice()) {
+            ("SIZE" | "ALIGN", [ty, v]) => (*ty, "", *v),
+            ("OFFSET", [ty, f, v]) => (*ty, *f, *v),
+            _ => panic!("unknown check line: {line}"),
+        };
+        let value: usize = value
+            .parse()
+            .unwrap_or_else(|_| panic!("non-numeric value in: {line}"));
+        let key = (kind.to_string(), ty.to_string(), field.to_string());
+        assert!(
+            checks.insert(key, value).is_none(),
+            "duplicate check line: {line}"
+        );
+    }
+    checks
+}
+
+macro_rules! rust_layout {
+    ($checks:ident; $($ty:ident { $($field:ident),* $(,)? })*) => {
+        $(
+            $checks.insert(("SIZE".into(), stringify!($ty).into(), String::new()), size_of::<$ty>());
+            $checks.insert(("ALIGN".into(), stringify!($ty).into(), String::new()), align_of::<$ty>());
+            $(
+                $checks.insert(
+                    ("OFFSET".into(), stringify!($ty).into(), stringify!($field).into()),
+                    offset_of!($ty, $field),
+                );
+            )*
+        )*
+    };
+}
+
+fn rust_checks() -> Checks {
+    let mut c = Checks::new();
+    rust_layout! { c;
+        WindowParams { ring_start, slot_rows, ring_slots, ring_stride, run_rows }
+        ClassBuffers { params, indptr, indices, dest_rows }
+        DecodeIndexArgs {
+            classes, state_slot_per_seq, batch_id_per_token, positions, block_tables, envelope_rows,
+            block_table_stride, hca_rows_per_block, num_tokens, win,
+        }
+        PrefillIndexArgs {
+            dense, csa, hca, positions, bid_per_token, chunk_start_per_seq, cu_seqlens_q_per_seq,
+            state_slot_per_seq, n_committed_hca_per_seq, block_tables, extend_indptr, extend_indices,
+            swa_indptr, swa_indices, csa_indptr, csa_indices, hca_indptr, hca_indices, envelope_rows,
+            block_table_stride, num_tokens, win, hca_ratio, hca_rows_per_block, _pad,
+        }
+        HcaOffsetsArgs {
+            entry_idx, bid_per_entry, block_tables, out, envelope_rows, block_table_stride, rows_per_block,
+            num_entries, _pad,
+        }
+        CsaPackArgs {
+            topk, block_tables, positions, indptr, batch_id_per_token, skip_prefix_len_per_token, out,
+            topk_layer_stride, out_layer_stride, envelope_rows, topk_row_stride, block_table_stride, num_tokens,
+            num_layers, block_capacity, window_size,
+        }
+        PlaneWrite { kv, pool, row_bytes }
+        RingWriteArgs {
+            params, planes, positions, cu_seqlens_q, state_slot_per_seq, view_rows, num_seqs, write_per_batch,
+        }
+        RowScatterArgs { planes, batch_id_per_token, dest_rows, view_rows, num_tokens, _pad }
+        FillRun { dst, bytes, pattern, _pad }
+        FillRunsArgs { runs, num_runs, _pad }
+        CopyRun { src, dst, bytes }
+        CopyRunsArgs { runs, num_runs, _pad }
+    }
+    c
+}
+
+#[test]
+fn header_layout_lines_match_the_rust_structs() {
+    let header = header_checks();
+    let rust = rust_checks();
+    let mut problems = Vec::new();
+    for (key, value) in &rust {
+        match header.get(key) {
+            None => problems.push(format!(
+                "header lacks V4POOL_CHECK_{}({}, {}) = {value}",
+                key.0, key.1, key.2
+            )),
+            Some(h) if h != value => problems.push(format!("{key:?}: header {h}, Rust {value}")),
+            Some(_) => {}
+        }
+    }
+    for key in header.keys().filter(|k| !rust.contains_key(*k)) {
+        problems.push(format!(
+            "header checks {key:?}, which the Rust side does not list"
+        ));
+    }
+    assert!(
+        problems.is_empty(),
+        "layout mismatch:\n{}",
+        problems.join("\n")
+    );
+    assert!(header.len() > 100, "parsed only {} checks", header.len());
+}
+
+fn header_define(name: &str) -> i64 {
+    let prefix = format!("#define {name} ");
+    let line = HEADER
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(prefix.as_str()));
+    let line = line.unwrap_or_else(|| panic!("header lacks #define {name}"));
+    line.trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("#define {name} is not a number"))
+}
+
+#[test]
+fn header_constants_match_the_launch_shapes() {
+    assert_eq!(
+        header_define("V4POOL_BLOCK_THREADS"),
+        i64::from(BLOCK_THREADS)
+    );
+    assert_eq!(header_define("V4POOL_ROW_LANES"), i64::from(ROW_LANES));
+    assert_eq!(
+        header_define("V4POOL_ROWS_PER_BLOCK"),
+        i64::from(ROWS_PER_BLOCK)
+    );
+    assert_eq!(header_define("V4POOL_RUN_SPLIT"), i64::from(RUN_SPLIT));
+    assert_eq!(header_define("V4POOL_CLASS_DENSE"), CLASS_DENSE as i64);
+    assert_eq!(header_define("V4POOL_CLASS_CSA"), CLASS_CSA as i64);
+    assert_eq!(header_define("V4POOL_CLASS_HCA"), CLASS_HCA as i64);
+}
+
+#[test]
+fn embedded_source_carries_the_same_header() {
+    // What NVRTC / hiprtc compile is the header verbatim (less `#pragma once`) plus the kernels.
+    for line in HEADER
+        .lines()
+        .filter(|l| l.trim_start().starts_with("V4POOL_CHECK_"))
+    {
+        assert!(
+            v4pool::kernels::SOURCE.contains(line),
+            "embedded source lacks: {line}"
+        );
+    }
+    assert_eq!(v4pool::kernels::COMMON_HEADER, HEADER);
+}
