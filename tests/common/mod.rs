@@ -168,7 +168,7 @@ pub fn geometry_at(
         .plane_rows(plane_rows)
         .build()
         .unwrap_or_else(|e| panic!("geometry {ratios:?} ring {ring} plane {plane_rows}: {e}"));
-    let blocks = g0.max_blocks_beside(num_slots);
+    let blocks = g0.max_blocks_beside(num_slots as u32);
     g0.with_capacity(blocks, num_slots, Some(plane_rows))
         .expect("max_blocks_beside fits")
 }
