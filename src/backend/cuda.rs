@@ -61,6 +61,7 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuMemcpyDtoDAsync_v2",
     "cuModuleLoadData",
     "cuModuleGetFunction",
+    "cuModuleUnload",
     "cuLaunchKernel",
     "cuGraphInstantiateWithFlags",
     "cuGraphUpload",
@@ -339,44 +340,66 @@ fn open_device(ordinal: i32) -> Result<Device, BackendError> {
     })
 }
 
+/// Load one kind of image into the current context (no symbol lookup).
+fn load_image(source: ModuleSource) -> Result<sys::CUmodule, BackendError> {
+    let images = embedded_images();
+    let missing = |what: &str| unavailable(format!("this build embeds no {what}"));
+    match source {
+        ModuleSource::Cubin => {
+            let cubin = images.cubin_sm90.ok_or_else(|| missing("sm_90 cubin"))?;
+            // The driver reads the ELF in place: give it an 8-byte aligned copy.
+            let mut aligned = vec![0u64; cubin.len().div_ceil(8)];
+            bytemuck::cast_slice_mut::<u64, u8>(&mut aligned)[..cubin.len()].copy_from_slice(cubin);
+            // SAFETY: a complete cubin embedded by the build, alive for the call.
+            unsafe { module_from_image(aligned.as_ptr().cast()) }
+        }
+        ModuleSource::Ptx => {
+            let mut image = images.ptx.ok_or_else(|| missing("PTX"))?.to_vec();
+            image.push(0);
+            // SAFETY: `image` is NUL-terminated PTX text, alive for the call.
+            unsafe { module_from_image(image.as_ptr().cast()) }
+        }
+        ModuleSource::Nvrtc { arch } => {
+            let image = nvrtc_ptx(images.source, arch)?;
+            // SAFETY: NVRTC output, NUL-terminated, alive for the call.
+            unsafe { module_from_image(image.as_ptr().cast()) }
+        }
+    }
+}
+
+/// The images worth trying on a device, best first: a cubin runs on its major architecture
+/// at an equal or higher minor; sm_90 PTX JIT-compiles for 9.0 and newer; NVRTC targets the
+/// device itself.
+fn candidates(cc: (i32, i32)) -> Vec<ModuleSource> {
+    let images = embedded_images();
+    let mut v = Vec::new();
+    if images.cubin_sm90.is_some() && cc.0 == 9 {
+        v.push(ModuleSource::Cubin);
+    }
+    if images.ptx.is_some() && cc.0 >= 9 {
+        v.push(ModuleSource::Ptx);
+    }
+    v.push(ModuleSource::Nvrtc {
+        arch: (cc.0 * 10 + cc.1).max(0) as u32,
+    });
+    v
+}
+
 /// Load the best image for a device of compute capability `cc` into the current context.
 fn load_module(cc: (i32, i32)) -> Result<LoadedModule, BackendError> {
-    let images = embedded_images();
     let mut errors = Vec::new();
-    // A cubin runs on the same major architecture at an equal or higher minor.
-    if let (Some(cubin), 9) = (images.cubin_sm90, cc.0) {
-        // The driver reads the ELF in place: give it an 8-byte aligned copy.
-        let mut aligned = vec![0u64; cubin.len().div_ceil(8)];
-        bytemuck::cast_slice_mut::<u64, u8>(&mut aligned)[..cubin.len()].copy_from_slice(cubin);
-        // SAFETY: a complete cubin embedded by the build, alive for the call (the driver copies it).
-        match unsafe { module_from_image(aligned.as_ptr().cast()) } {
-            Ok(m) => return resolve(m, ModuleSource::Cubin),
-            Err(e) => errors.push(format!("cubin: {e}")),
+    for source in candidates(cc) {
+        match load_image(source) {
+            Ok(m) => return resolve(m, source),
+            Err(e) => errors.push(format!("{source:?}: {e}")),
         }
     }
-    // sm_90 PTX JIT-compiles for 9.0 and anything newer.
-    if let (Some(ptx), true) = (images.ptx, cc.0 >= 9) {
-        let mut image = ptx.to_vec();
-        image.push(0);
-        // SAFETY: `image` is NUL-terminated PTX text, alive for the call.
-        match unsafe { module_from_image(image.as_ptr().cast()) } {
-            Ok(m) => return resolve(m, ModuleSource::Ptx),
-            Err(e) => errors.push(format!("ptx: {e}")),
-        }
-    }
-    let arch = (cc.0 * 10 + cc.1) as u32;
-    let image = nvrtc_ptx(images.source, arch).map_err(|e| {
-        errors.push(format!("nvrtc: {e}"));
-        unavailable(format!(
-            "no kernel image loads on sm_{}{}: {}",
-            cc.0,
-            cc.1,
-            errors.join("; ")
-        ))
-    })?;
-    // SAFETY: NVRTC output, NUL-terminated, alive for the call.
-    let m = unsafe { module_from_image(image.as_ptr().cast()) }?;
-    resolve(m, ModuleSource::Nvrtc { arch })
+    Err(unavailable(format!(
+        "no kernel image loads on sm_{}{}: {}",
+        cc.0,
+        cc.1,
+        errors.join("; ")
+    )))
 }
 
 /// # Safety
@@ -495,6 +518,55 @@ impl CudaBackend {
             Ok(m) => Ok(m.source),
             Err(e) => Err(unavailable(e.clone())),
         }
+    }
+
+    /// Try every image this device could use, independently of the one loaded: load it,
+    /// resolve every kernel symbol, run `v4pool_empty` from it, unload. Each entry is the
+    /// image and its load time in milliseconds (for NVRTC, compile included unless an
+    /// earlier call compiled it), or why it failed.
+    pub fn probe_images(&self) -> Vec<(ModuleSource, Result<f64, BackendError>)> {
+        candidates(self.inner.device.cc)
+            .into_iter()
+            .map(|source| (source, self.probe_image(source)))
+            .collect()
+    }
+
+    fn probe_image(&self, source: ModuleSource) -> Result<f64, BackendError> {
+        self.bind()?;
+        let t0 = std::time::Instant::now();
+        let module = load_image(source)?;
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let loaded = resolve(module, source)?;
+        let result = (|| {
+            for (sym, f) in Launch::SYMBOLS.iter().zip(&loaded.functions) {
+                if f.is_none() {
+                    return Err(BackendError::MissingKernel {
+                        backend: KIND,
+                        symbol: sym,
+                    });
+                }
+            }
+            let empty = Launch::SYMBOLS
+                .iter()
+                .position(|s| *s == Launch::Empty.symbol());
+            let f = empty
+                .and_then(|i| loaded.functions[i])
+                .ok_or(BackendError::MissingKernel {
+                    backend: KIND,
+                    symbol: Launch::Empty.symbol(),
+                })?;
+            let own = self.inner.own_stream;
+            // SAFETY: the empty kernel takes no parameters and touches nothing.
+            unsafe { self.launch_raw::<u8>(f, [1, 1, 1], [1, 1, 1], None, own)? };
+            // SAFETY: our own live stream.
+            check("cuStreamSynchronize", unsafe {
+                sys::cuStreamSynchronize(own)
+            })
+        })();
+        // SAFETY: the probe's own module; the stream that ran its kernel is idle (or the
+        // launch never happened).
+        let unloaded = check("cuModuleUnload", unsafe { sys::cuModuleUnload(module) });
+        result.and(unloaded).map(|_| ms)
     }
 
     /// `(free, total)` device memory in bytes.
