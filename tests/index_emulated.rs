@@ -180,7 +180,11 @@ fn decode_builder_kernel_matches_reference() {
             })
             .collect();
         let positions: Vec<i64> = (0..t).map(|_| rng.range(0, 5000)).collect();
-        let stride = rng.range(1, 6) as i32;
+        let stride = if rng.chance(30) {
+            rng.range(600, 2100)
+        } else {
+            rng.range(1, 6)
+        } as i32;
         let tables: Vec<i32> = (0..bs * stride as usize)
             .map(|_| rng.range(0, g.num_blocks - 1) as i32)
             .collect();
