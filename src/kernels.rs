@@ -80,17 +80,11 @@ mod tests {
 
     #[test]
     fn source_is_one_unit_with_every_symbol() {
-        assert!(
-            !SOURCE.contains("#include"),
-            "the embedded source must not need include paths"
-        );
+        assert!(!SOURCE.contains("#include"), "the embedded source must not need include paths");
         assert!(!SOURCE.contains("#pragma once"));
         assert!(SOURCE.contains("struct DecodeIndexArgs"));
         for sym in Launch::SYMBOLS {
-            assert!(
-                SOURCE.contains(&format!("void {sym}(")),
-                "kernel {sym} missing from the source"
-            );
+            assert!(SOURCE.contains(&format!("void {sym}(")), "kernel {sym} missing from the source");
         }
     }
 
@@ -103,16 +97,10 @@ mod tests {
                 assert!(text.contains(sym), "PTX lacks {sym}");
             }
         }
-        for obj in [sm90_cubin(), gfx942_code_object(), gfx90a_code_object()]
-            .into_iter()
-            .flatten()
-        {
+        for obj in [sm90_cubin(), gfx942_code_object(), gfx90a_code_object()].into_iter().flatten() {
             assert_eq!(&obj[..4], b"\x7fELF");
             for sym in Launch::SYMBOLS {
-                assert!(
-                    obj.windows(sym.len()).any(|w| w == sym.as_bytes()),
-                    "object lacks {sym}"
-                );
+                assert!(obj.windows(sym.len()).any(|w| w == sym.as_bytes()), "object lacks {sym}");
             }
         }
     }

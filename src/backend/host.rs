@@ -62,19 +62,12 @@ impl HostBackend {
     }
 
     /// `addr .. addr + len` inside one live allocation, or the error the call reports.
-    fn check_range(
-        &self,
-        call: &'static str,
-        addr: DevicePtr,
-        len: u64,
-    ) -> Result<(), BackendError> {
+    fn check_range(&self, call: &'static str, addr: DevicePtr, len: u64) -> Result<(), BackendError> {
         let live = self.live();
         let inside = live
             .range(..=addr)
             .next_back()
-            .is_some_and(|(&base, &bytes)| {
-                addr.checked_add(len).is_some_and(|end| end <= base + bytes)
-            });
+            .is_some_and(|(&base, &bytes)| addr.checked_add(len).is_some_and(|end| end <= base + bytes));
         if inside || len == 0 {
             return Ok(());
         }
@@ -101,8 +94,7 @@ impl Backend for HostBackend {
             bytes,
             message: message.to_string(),
         };
-        let layout =
-            layout(bytes).ok_or_else(|| oom("size does not fit this host's address space"))?;
+        let layout = layout(bytes).ok_or_else(|| oom("size does not fit this host's address space"))?;
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { alloc_zeroed(layout) };
         if ptr.is_null() {
@@ -128,39 +120,21 @@ impl Backend for HostBackend {
         }
     }
 
-    unsafe fn upload(
-        &self,
-        dst: DevicePtr,
-        src: &[u8],
-        _stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn upload(&self, dst: DevicePtr, src: &[u8], _stream: Stream) -> Result<(), BackendError> {
         self.check_range("upload", dst, src.len() as u64)?;
         if !src.is_empty() {
             // SAFETY: `dst` range is inside a live allocation (checked) which cannot overlap the
             // borrowed host slice `src`.
-            unsafe {
-                std::ptr::copy_nonoverlapping(src.as_ptr(), dst as usize as *mut u8, src.len())
-            };
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as usize as *mut u8, src.len()) };
         }
         Ok(())
     }
 
-    unsafe fn download(
-        &self,
-        dst: &mut [u8],
-        src: DevicePtr,
-        _stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn download(&self, dst: &mut [u8], src: DevicePtr, _stream: Stream) -> Result<(), BackendError> {
         self.check_range("download", src, dst.len() as u64)?;
         if !dst.is_empty() {
             // SAFETY: `src` range is inside a live allocation (checked), disjoint from `dst`.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    src as usize as *const u8,
-                    dst.as_mut_ptr(),
-                    dst.len(),
-                )
-            };
+            unsafe { std::ptr::copy_nonoverlapping(src as usize as *const u8, dst.as_mut_ptr(), dst.len()) };
         }
         Ok(())
     }
@@ -187,11 +161,7 @@ impl Backend for HostBackend {
         // SAFETY: both ranges are inside live allocations (checked) and disjoint (checked);
         // `bytes` fits usize because an allocation of at least that size exists.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                src as usize as *const u8,
-                dst as usize as *mut u8,
-                bytes as usize,
-            )
+            std::ptr::copy_nonoverlapping(src as usize as *const u8, dst as usize as *mut u8, bytes as usize)
         };
         Ok(())
     }
@@ -220,8 +190,7 @@ impl Backend for HostBackend {
             });
         }
         // SAFETY: aligned, inside a live allocation (checked); the caller orders all use of it.
-        let words =
-            unsafe { std::slice::from_raw_parts_mut(dst as usize as *mut u32, count as usize) };
+        let words = unsafe { std::slice::from_raw_parts_mut(dst as usize as *mut u32, count as usize) };
         words.fill(value);
         Ok(())
     }
@@ -229,10 +198,8 @@ impl Backend for HostBackend {
     unsafe fn launch(&self, launch: &Launch, _stream: Stream) -> Result<(), BackendError> {
         // SAFETY: the caller's promise (every pointer covers what the kernel touches) is the
         // one `run_launch` needs.
-        unsafe { run_launch(launch) }.map_err(|e| BackendError::InvalidLaunch {
-            kernel: launch.symbol(),
-            reason: e.to_string(),
-        })
+        unsafe { run_launch(launch) }
+            .map_err(|e| BackendError::InvalidLaunch { kernel: launch.symbol(), reason: e.to_string() })
     }
 
     fn synchronize(&self, _stream: Stream) -> Result<(), BackendError> {
@@ -273,8 +240,7 @@ mod tests {
         unsafe {
             b.upload(a.ptr, &data, Stream::DEFAULT).unwrap();
             b.copy(c.ptr + 8, a.ptr + 16, 32, Stream::DEFAULT).unwrap();
-            b.fill_u32(c.ptr + 48, 4, 0xdead_beef, Stream::DEFAULT)
-                .unwrap();
+            b.fill_u32(c.ptr + 48, 4, 0xdead_beef, Stream::DEFAULT).unwrap();
             let mut out = vec![0u8; 64];
             b.download(&mut out, c.ptr, Stream::DEFAULT).unwrap();
             let mut want = vec![0u8; 64];
@@ -297,13 +263,7 @@ mod tests {
         let l = Launch::RingWrite(Default::default());
         // SAFETY: rejected before any memory is touched.
         let err = unsafe { b.launch(&l, Stream::DEFAULT) }.unwrap_err();
-        assert!(matches!(
-            err,
-            BackendError::InvalidLaunch {
-                kernel: "v4pool_ring_write",
-                ..
-            }
-        ));
+        assert!(matches!(err, BackendError::InvalidLaunch { kernel: "v4pool_ring_write", .. }));
         // SAFETY: the empty kernel touches nothing.
         unsafe { b.launch(&Launch::Empty, Stream::DEFAULT).unwrap() };
     }

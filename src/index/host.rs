@@ -13,8 +13,8 @@
 
 use super::shape::{check_launch, LaunchError};
 use super::{
-    CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
-    Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_HCA,
+    CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs, Launch,
+    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_HCA,
 };
 use crate::geometry::WindowParams;
 use thiserror::Error;
@@ -25,11 +25,7 @@ pub enum HostKernelError {
     #[error(transparent)]
     Launch(#[from] LaunchError),
     #[error("{buffer}[{index}] is outside the buffer (length {len})")]
-    OutOfBounds {
-        buffer: &'static str,
-        index: i64,
-        len: usize,
-    },
+    OutOfBounds { buffer: &'static str, index: i64, len: usize },
     #[error("{what} = {value} does not fit an i32")]
     NotI32 { what: &'static str, value: i64 },
     #[error("{what} overflows 64-bit arithmetic")]
@@ -43,17 +39,9 @@ pub enum HostKernelError {
     #[error("entry_idx[{index}] = {entry} is negative")]
     NegativeEntry { index: i64, entry: i64 },
     #[error("token {token}: valid_k {valid_k} exceeds the top-k row stride {row_stride}")]
-    TopkPastRow {
-        token: i64,
-        valid_k: i64,
-        row_stride: i64,
-    },
+    TopkPastRow { token: i64, valid_k: i64, row_stride: i64 },
     #[error("{buffer}: address {addr:#x} is null or not {align}-byte aligned")]
-    BadAddress {
-        buffer: &'static str,
-        addr: u64,
-        align: usize,
-    },
+    BadAddress { buffer: &'static str, addr: u64, align: usize },
     #[error("{buffer}: {len} elements do not fit this host's address space")]
     TooLong { buffer: &'static str, len: i64 },
     #[error("fill run {run}: dst {dst:#x} and bytes {bytes} must be multiples of 4")]
@@ -61,11 +49,7 @@ pub enum HostKernelError {
     #[error("copy run {run}: source and destination overlap")]
     CopyRunOverlap { run: usize },
     #[error("{buffer}: rows are {got} bytes, expected {expected}")]
-    RowWidth {
-        buffer: &'static str,
-        got: usize,
-        expected: usize,
-    },
+    RowWidth { buffer: &'static str, got: usize, expected: usize },
 }
 
 type Result<T> = std::result::Result<T, HostKernelError>;
@@ -92,42 +76,30 @@ pub fn compress_row(block: i64, r: i64, envelope_rows: i64) -> Result<i64> {
     block
         .checked_mul(envelope_rows)
         .and_then(|x| x.checked_add(r))
-        .ok_or(HostKernelError::Overflow {
-            what: "compressed row",
-        })
+        .ok_or(HostKernelError::Overflow { what: "compressed row" })
 }
 
 /// Byte offset of `row` in a plane of `row_bytes`-byte rows, in 64 bits (§1).
 pub fn row_byte_offset(row: i64, row_bytes: i64) -> Result<u64> {
     let (r, w) = (u64::try_from(row), u64::try_from(row_bytes));
     match (r, w) {
-        (Ok(r), Ok(w)) => r.checked_mul(w).ok_or(HostKernelError::Overflow {
-            what: "row byte offset",
-        }),
-        _ => Err(HostKernelError::Overflow {
-            what: "row byte offset of a negative row",
-        }),
+        (Ok(r), Ok(w)) => r.checked_mul(w).ok_or(HostKernelError::Overflow { what: "row byte offset" }),
+        _ => Err(HostKernelError::Overflow { what: "row byte offset of a negative row" }),
     }
 }
 
 // ---- checked access -------------------------------------------------------------------------
 
 fn at<T: Copy>(buf: &[T], index: i64, buffer: &'static str) -> Result<T> {
-    usize::try_from(index)
-        .ok()
-        .and_then(|i| buf.get(i).copied())
-        .ok_or(HostKernelError::OutOfBounds {
-            buffer,
-            index,
-            len: buf.len(),
-        })
+    usize::try_from(index).ok().and_then(|i| buf.get(i).copied()).ok_or(HostKernelError::OutOfBounds {
+        buffer,
+        index,
+        len: buf.len(),
+    })
 }
 
 fn put(buf: &mut [i32], index: i64, value: i64, buffer: &'static str) -> Result<()> {
-    let v = i32::try_from(value).map_err(|_| HostKernelError::NotI32 {
-        what: buffer,
-        value,
-    })?;
+    let v = i32::try_from(value).map_err(|_| HostKernelError::NotI32 { what: buffer, value })?;
     let len = buf.len();
     let cell = usize::try_from(index)
         .ok()
@@ -164,11 +136,7 @@ impl BlockTables<'_> {
     fn get(&self, seq: i64, column: i64) -> Result<i64> {
         let stride = i64::from(self.stride);
         if !(0..stride).contains(&column) {
-            return Err(HostKernelError::TableColumn {
-                seq,
-                column,
-                stride,
-            });
+            return Err(HostKernelError::TableColumn { seq, column, stride });
         }
         Ok(i64::from(at(
             self.table,
@@ -208,12 +176,7 @@ fn write_window(
     buffer: &'static str,
 ) -> Result<()> {
     for k in 0..count {
-        put(
-            out,
-            add(start, k, "window index")?,
-            window_row(w, slot, add(first, k, "position")?)?,
-            buffer,
-        )?;
+        put(out, add(start, k, "window index")?, window_row(w, slot, add(first, k, "position")?)?, buffer)?;
     }
     Ok(())
 }
@@ -269,15 +232,7 @@ pub fn decode_indices(k: DecodeIndices<'_>) -> Result<()> {
         let slot = i64::from(at(state_slot_per_seq, i64::from(b), "state_slot_per_seq")?);
         for class in classes.iter_mut().flatten() {
             let end = i64::from(at(class.indptr, t + 1, "indptr")?);
-            write_window(
-                class.indices,
-                end - n,
-                n,
-                &class.params,
-                slot,
-                p - n + 1,
-                "indices",
-            )?;
+            write_window(class.indices, end - n, n, &class.params, slot, p - n + 1, "indices")?;
             if let Some(dest) = class.dest_rows.as_deref_mut() {
                 put(dest, t, window_row(&class.params, slot, p)?, "dest_rows")?;
             }
@@ -319,12 +274,7 @@ pub fn hca_offsets(
         if e < 0 {
             return Err(HostKernelError::NegativeEntry { index: i, entry: e });
         }
-        put(
-            out,
-            i,
-            compress_row(tables.get(b, e / rpb)?, e % rpb, envelope_rows)?,
-            "out",
-        )?;
+        put(out, i, compress_row(tables.get(b, e / rpb)?, e % rpb, envelope_rows)?, "out")?;
     }
     Ok(())
 }
@@ -471,13 +421,12 @@ pub fn prefill_indices(k: PrefillIndices<'_>) -> Result<()> {
         let low = (p - win + 1).max(0);
         let ext = (in_chunk + 1).min(win);
         let pre = (cs - low).max(0);
-        let n_hca = ((p + 1) / hca_ratio)
-            .min(at(n_committed_hca_per_seq, b, "n_committed_hca_per_seq")?.into());
+        let n_hca =
+            ((p + 1) / hca_ratio).min(at(n_committed_hca_per_seq, b, "n_committed_hca_per_seq")?.into());
         let slot = i64::from(at(state_slot_per_seq, b, "state_slot_per_seq")?);
 
         let start = i64::from(at(extend.indptr, t, "extend_indptr")?);
-        let first =
-            i64::from(at(cu_seqlens_q_per_seq, b, "cu_seqlens_q_per_seq")?) + in_chunk - ext + 1;
+        let first = i64::from(at(cu_seqlens_q_per_seq, b, "cu_seqlens_q_per_seq")?) + in_chunk - ext + 1;
         for i in 0..ext {
             put(extend.indices, start + i, first + i, "extend_indices")?;
         }
@@ -486,25 +435,9 @@ pub fn prefill_indices(k: PrefillIndices<'_>) -> Result<()> {
             write_window(swa.indices, start, pre, &dense, slot, low, "swa_indices")?;
         }
         let end = i64::from(at(prefix_csa.indptr, t + 1, "csa_indptr")?);
-        write_window(
-            prefix_csa.indices,
-            end - pre,
-            pre,
-            &csa,
-            slot,
-            low,
-            "csa_indices",
-        )?;
+        write_window(prefix_csa.indices, end - pre, pre, &csa, slot, low, "csa_indices")?;
         let start = i64::from(at(prefix_hca.indptr, t, "hca_indptr")?);
-        write_window(
-            prefix_hca.indices,
-            start,
-            pre,
-            &hca,
-            slot,
-            low,
-            "hca_indices",
-        )?;
+        write_window(prefix_hca.indices, start, pre, &hca, slot, low, "hca_indices")?;
         write_compressed(
             prefix_hca.indices,
             start + pre,
@@ -533,18 +466,11 @@ fn copy_row(plane: &mut PlaneRows<'_>, src_row: i64, dst_row: i64) -> Result<()>
     let w = plane.row_bytes;
     let range = |row: i64, len: usize, buffer: &'static str| -> Result<std::ops::Range<usize>> {
         let off = row_byte_offset(row, w as i64)?;
-        let start = usize::try_from(off).map_err(|_| HostKernelError::OutOfBounds {
-            buffer,
-            index: row,
-            len,
-        })?;
+        let start =
+            usize::try_from(off).map_err(|_| HostKernelError::OutOfBounds { buffer, index: row, len })?;
         match start.checked_add(w) {
             Some(end) if end <= len => Ok(start..end),
-            _ => Err(HostKernelError::OutOfBounds {
-                buffer,
-                index: row,
-                len,
-            }),
+            _ => Err(HostKernelError::OutOfBounds { buffer, index: row, len }),
         }
     };
     let src = range(src_row, plane.kv.len(), "kv")?;
@@ -614,11 +540,7 @@ pub fn row_scatter(
 /// it); `dst.len()` must be a multiple of 4.
 pub fn fill_pattern(dst: &mut [u8], pattern: u32) -> Result<()> {
     if dst.len() % 4 != 0 {
-        return Err(HostKernelError::FillRunUnaligned {
-            run: 0,
-            dst: 0,
-            bytes: dst.len() as u64,
-        });
+        return Err(HostKernelError::FillRunUnaligned { run: 0, dst: 0, bytes: dst.len() as u64 });
     }
     for word in dst.chunks_exact_mut(4) {
         word.copy_from_slice(&pattern.to_ne_bytes());
@@ -663,19 +585,10 @@ unsafe fn output<'a, T>(buffer: &'static str, addr: u64, len: usize) -> Result<&
 fn check_address<T>(buffer: &'static str, addr: u64, len: usize) -> Result<()> {
     let align = std::mem::align_of::<T>();
     if addr == 0 || addr % align as u64 != 0 || usize::try_from(addr).is_err() {
-        return Err(HostKernelError::BadAddress {
-            buffer,
-            addr,
-            align,
-        });
+        return Err(HostKernelError::BadAddress { buffer, addr, align });
     }
-    let too_long = || HostKernelError::TooLong {
-        buffer,
-        len: len as i64,
-    };
-    let bytes = len
-        .checked_mul(std::mem::size_of::<T>())
-        .ok_or_else(too_long)?;
+    let too_long = || HostKernelError::TooLong { buffer, len: len as i64 };
+    let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(too_long)?;
     if bytes > isize::MAX as usize || (addr as usize).checked_add(bytes).is_none() {
         return Err(too_long());
     }
@@ -684,20 +597,12 @@ fn check_address<T>(buffer: &'static str, addr: u64, len: usize) -> Result<()> {
 
 /// Largest value of an indptr's first `n + 1` entries: the length its indices buffer needs.
 fn indptr_extent(indptr: &[i32]) -> i64 {
-    indptr
-        .iter()
-        .copied()
-        .max()
-        .map_or(0, |m| i64::from(m).max(0))
+    indptr.iter().copied().max().map_or(0, |m| i64::from(m).max(0))
 }
 
 /// Sequences a batch-id array reaches: `max(bid) + 1` over non-negative ids.
 fn seqs_reached(bids: &[i32]) -> i64 {
-    bids.iter()
-        .copied()
-        .max()
-        .map_or(0, |m| i64::from(m) + 1)
-        .max(0)
+    bids.iter().copied().max().map_or(0, |m| i64::from(m) + 1).max(0)
 }
 
 fn count(n: i32) -> usize {
@@ -746,11 +651,8 @@ unsafe fn run_decode(a: &DecodeIndexArgs) -> Result<()> {
             }
             let indptr: &[i32] = input("indptr", cls.indptr, t + 1)?;
             let n = len_of("indices", indptr_extent(indptr))?;
-            let dest_rows = if cls.dest_rows == 0 {
-                None
-            } else {
-                Some(output("dest_rows", cls.dest_rows, t)?)
-            };
+            let dest_rows =
+                if cls.dest_rows == 0 { None } else { Some(output("dest_rows", cls.dest_rows, t)?) };
             classes[c] = Some(DecodeClass {
                 params: cls.params,
                 indptr,
@@ -759,10 +661,7 @@ unsafe fn run_decode(a: &DecodeIndexArgs) -> Result<()> {
             });
         }
         let block_tables = if a.block_tables != 0 && a.classes[CLASS_HCA].indptr != 0 {
-            let n = len_of(
-                "block_tables",
-                mul(bs as i64, a.block_table_stride.into(), "block_tables")?,
-            )?;
+            let n = len_of("block_tables", mul(bs as i64, a.block_table_stride.into(), "block_tables")?)?;
             Some(BlockTables {
                 table: input("block_tables", a.block_tables, n)?,
                 stride: a.block_table_stride,
@@ -796,15 +695,9 @@ unsafe fn run_prefill(a: &PrefillIndexArgs) -> Result<()> {
         let csr = |name: &'static str, indptr: u64, indices: u64| -> Result<Csr<'_>> {
             let indptr: &[i32] = input(name, indptr, t + 1)?;
             let n = len_of(name, indptr_extent(indptr))?;
-            Ok(Csr {
-                indptr,
-                indices: output(name, indices, n)?,
-            })
+            Ok(Csr { indptr, indices: output(name, indices, n)? })
         };
-        let table_len = len_of(
-            "block_tables",
-            mul(bs as i64, a.block_table_stride.into(), "block_tables")?,
-        )?;
+        let table_len = len_of("block_tables", mul(bs as i64, a.block_table_stride.into(), "block_tables")?)?;
         prefill_indices(PrefillIndices {
             dense: a.dense,
             csa: a.csa,
@@ -844,28 +737,10 @@ unsafe fn run_hca_offsets(a: &HcaOffsetsArgs) -> Result<()> {
     unsafe {
         let entries: &[i32] = input("entry_idx", a.entry_idx, n)?;
         let bids: &[i32] = input("bid_per_entry", a.bid_per_entry, n)?;
-        let rows = mul(
-            seqs_reached(bids),
-            a.block_table_stride.into(),
-            "block_tables",
-        )?;
-        let table = input(
-            "block_tables",
-            a.block_tables,
-            len_of("block_tables", rows)?,
-        )?;
-        let tables = BlockTables {
-            table,
-            stride: a.block_table_stride,
-        };
-        hca_offsets(
-            entries,
-            bids,
-            &tables,
-            a.envelope_rows,
-            a.rows_per_block,
-            output("out", a.out, n)?,
-        )
+        let rows = mul(seqs_reached(bids), a.block_table_stride.into(), "block_tables")?;
+        let table = input("block_tables", a.block_tables, len_of("block_tables", rows)?)?;
+        let tables = BlockTables { table, stride: a.block_table_stride };
+        hca_offsets(entries, bids, &tables, a.envelope_rows, a.rows_per_block, output("out", a.out, n)?)
     }
 }
 
@@ -881,43 +756,25 @@ unsafe fn run_csa_pack(a: &CsaPackArgs) -> Result<()> {
     unsafe {
         let bids: &[i32] = input("batch_id_per_token", a.batch_id_per_token, t)?;
         let indptr: &[i32] = input("indptr", a.indptr, t + 1)?;
-        let positions: &[i64] = if a.window_size > 0 {
-            input("positions", a.positions, t)?
-        } else {
-            &[]
-        };
+        let positions: &[i64] = if a.window_size > 0 { input("positions", a.positions, t)? } else { &[] };
         let skip: &[i32] = if a.window_size > 0 {
             &[]
         } else {
             input("skip_prefix_len_per_token", a.skip_prefix_len_per_token, t)?
         };
         let live: Vec<i32> = bids.iter().copied().filter(|&b| b >= 0).collect();
-        let rows = mul(
-            seqs_reached(&live),
-            a.block_table_stride.into(),
-            "block_tables",
-        )?;
-        let table = input(
-            "block_tables",
-            a.block_tables,
-            len_of("block_tables", rows)?,
-        )?;
+        let rows = mul(seqs_reached(&live), a.block_table_stride.into(), "block_tables")?;
+        let table = input("block_tables", a.block_tables, len_of("block_tables", rows)?)?;
         let topk_len = add(
             mul(layers - 1, a.topk_layer_stride, "topk length")?,
             mul(t as i64, a.topk_row_stride.into(), "topk length")?,
             "topk length",
         )?;
-        let out_len = add(
-            mul(layers - 1, a.out_layer_stride, "out length")?,
-            indptr_extent(indptr),
-            "out length",
-        )?;
+        let out_len =
+            add(mul(layers - 1, a.out_layer_stride, "out length")?, indptr_extent(indptr), "out length")?;
         csa_translate_pack(CsaPack {
             topk: input("topk", a.topk, len_of("topk", topk_len)?)?,
-            block_tables: BlockTables {
-                table,
-                stride: a.block_table_stride,
-            },
+            block_tables: BlockTables { table, stride: a.block_table_stride },
             positions,
             indptr,
             batch_id_per_token: bids,
@@ -972,16 +829,7 @@ unsafe fn run_ring_write(a: &RingWriteArgs) -> Result<()> {
         let positions: &[i32] = input("positions", a.positions, len_of("positions", tokens)?)?;
         let slots: &[i32] = input("state_slot_per_seq", a.state_slot_per_seq, bs)?;
         let mut planes = plane_rows(&a.planes, tokens, a.view_rows)?;
-        ring_write(
-            &a.params,
-            &mut planes,
-            positions,
-            cu,
-            slots,
-            a.view_rows,
-            a.num_seqs,
-            a.write_per_batch,
-        )
+        ring_write(&a.params, &mut planes, positions, cu, slots, a.view_rows, a.num_seqs, a.write_per_batch)
     }
 }
 
@@ -1006,16 +854,10 @@ unsafe fn run_fill_runs(a: &FillRunsArgs) -> Result<()> {
     // Check every run before writing any, so a bad descriptor writes nothing.
     for (i, r) in runs.iter().enumerate() {
         if r.dst % 4 != 0 || r.bytes % 4 != 0 {
-            return Err(HostKernelError::FillRunUnaligned {
-                run: i,
-                dst: r.dst,
-                bytes: r.bytes,
-            });
+            return Err(HostKernelError::FillRunUnaligned { run: i, dst: r.dst, bytes: r.bytes });
         }
-        let len = usize::try_from(r.bytes / 4).map_err(|_| HostKernelError::TooLong {
-            buffer: "fill run",
-            len: -1,
-        })?;
+        let len = usize::try_from(r.bytes / 4)
+            .map_err(|_| HostKernelError::TooLong { buffer: "fill run", len: -1 })?;
         check_address::<u32>("fill run", r.dst, len)?;
     }
     for r in runs {
@@ -1033,10 +875,8 @@ unsafe fn run_copy_runs(a: &CopyRunsArgs) -> Result<()> {
     // SAFETY: the descriptor array is covered by the caller.
     let runs: &[CopyRun] = unsafe { input("runs", a.runs, count(a.num_runs))? };
     for (i, r) in runs.iter().enumerate() {
-        let len = usize::try_from(r.bytes).map_err(|_| HostKernelError::TooLong {
-            buffer: "copy run",
-            len: -1,
-        })?;
+        let len =
+            usize::try_from(r.bytes).map_err(|_| HostKernelError::TooLong { buffer: "copy run", len: -1 })?;
         if len == 0 {
             continue;
         }
@@ -1073,16 +913,12 @@ mod tests {
 
     /// Geometry A: ratios [0,4,128,4,128,0], 4 blocks, 6 slots, ring 11, block 256.
     fn geometry_a() -> UnifiedPoolGeometry {
-        GeometrySpec::new(vec![0, 4, 128, 4, 128, 0], 4, 6, 11, 256)
-            .build()
-            .unwrap()
+        GeometrySpec::new(vec![0, 4, 128, 4, 128, 0], 4, 6, 11, 256).build().unwrap()
     }
 
     /// Geometry B: ratios [0,4,128,4,128], 40 blocks, 4 slots, ring 11, block 256.
     fn geometry_b() -> UnifiedPoolGeometry {
-        GeometrySpec::new(vec![0, 4, 128, 4, 128], 40, 4, 11, 256)
-            .build()
-            .unwrap()
+        GeometrySpec::new(vec![0, 4, 128, 4, 128], 40, 4, 11, 256).build().unwrap()
     }
 
     fn range(a: i32, b: i32) -> Vec<i32> {
@@ -1096,15 +932,7 @@ mod tests {
     #[test]
     fn byte_offsets_are_64_bit() {
         let rows = [0i64, 1, 4194303, 4194304, 4194305, 100000000, 148610071];
-        let want = [
-            0u64,
-            512,
-            2147483136,
-            2147483648,
-            2147484160,
-            51200000000,
-            76088356352,
-        ];
+        let want = [0u64, 512, 2147483136, 2147483648, 2147484160, 51200000000, 76088356352];
         for (r, w) in rows.iter().zip(want) {
             assert_eq!(row_byte_offset(*r, 512).unwrap(), w);
         }
@@ -1114,20 +942,14 @@ mod tests {
     #[test]
     fn geometry_a_window_table() {
         let g = geometry_a();
-        assert_eq!(
-            (g.envelope_rows, g.entry_rows, g.slot_rows, g.plane_rows),
-            (132, 120, 120, 1320)
-        );
+        assert_eq!((g.envelope_rows, g.entry_rows, g.slot_rows, g.plane_rows), (132, 120, 120, 1320));
         let rows = |ratio: i32| -> Vec<i64> {
             let w = g.window_params(ratio).unwrap();
             (0..11).map(|q| window_row(&w, 3, q).unwrap()).collect()
         };
         assert_eq!(rows(0), (360..=370).collect::<Vec<i64>>());
         assert_eq!(rows(4), (401..=411).collect::<Vec<i64>>());
-        assert_eq!(
-            rows(128),
-            vec![382, 383, 386, 387, 390, 391, 394, 395, 398, 399, 402]
-        );
+        assert_eq!(rows(128), vec![382, 383, 386, 387, 390, 391, 394, 395, 398, 399, 402]);
         // The device formula agrees with the geometry's own.
         for ratio in [0, 4, 128] {
             let w = g.window_params(ratio).unwrap();
@@ -1209,34 +1031,19 @@ mod tests {
     }
 
     fn decode_csa_expected() -> Vec<i32> {
-        cat(&[
-            &[U; 3],
-            &range(401, 406),
-            &range(43, 50),
-            &[U; 5],
-            &range(527, 531),
-            &[521, 522, 523],
-        ])
+        cat(&[&[U; 3], &range(401, 406), &range(43, 50), &[U; 5], &range(527, 531), &[521, 522, 523]])
     }
 
     #[test]
     fn decode_builder_worked_example() {
         let out = run_decode_case(&geometry_a(), None);
-        assert_eq!(
-            out.swa,
-            cat(&[
-                &range(360, 365),
-                &range(2, 9),
-                &range(486, 490),
-                &range(480, 482)
-            ])
-        );
+        assert_eq!(out.swa, cat(&[&range(360, 365), &range(2, 9), &range(486, 490), &range(480, 482)]));
         assert_eq!(out.csa, decode_csa_expected());
         assert_eq!(
             out.hca,
             vec![
-                U, 382, 383, 386, 387, 390, 391, U, U, 26, 27, 30, 31, 34, 35, 38, 39, 514, 515,
-                518, 519, 522, 502, 503, 506
+                U, 382, 383, 386, 387, 390, 391, U, U, 26, 27, 30, 31, 34, 35, 38, 39, 514, 515, 518, 519,
+                522, 502, 503, 506
             ]
         );
         assert_eq!(out.dest[0], vec![365, 9, 482, U]);
@@ -1263,23 +1070,14 @@ mod tests {
 
     #[test]
     fn decode_builder_without_dense_class() {
-        let g = GeometrySpec::new(vec![4, 128, 4, 128], 4, 6, 11, 256)
-            .build()
-            .unwrap();
+        let g = GeometrySpec::new(vec![4, 128, 4, 128], 4, 6, 11, 256).build().unwrap();
         assert!(g.window_params(0).is_err());
         let out = run_decode_case(&g, None);
         assert_eq!(out.swa, vec![U; 22]);
         assert_eq!(out.dest[0], vec![U; 4]);
         assert_eq!(
             out.csa,
-            cat(&[
-                &[U; 3],
-                &range(313, 318),
-                &range(21, 28),
-                &[U; 5],
-                &range(417, 421),
-                &[411, 412, 413]
-            ])
+            cat(&[&[U; 3], &range(313, 318), &range(21, 28), &[U; 5], &range(417, 421), &[411, 412, 413]])
         );
     }
 
@@ -1287,32 +1085,16 @@ mod tests {
     fn hca_offsets_worked_example() {
         let entries = [0, 1, 2, 3, 0, 1, 2];
         let bids = [0, 0, 0, 0, 1, 1, 1];
-        let tables = BlockTables {
-            table: &[5, 9, 13, 17, 2, 6, 10, 14],
-            stride: 4,
-        };
+        let tables = BlockTables { table: &[5, 9, 13, 17, 2, 6, 10, 14], stride: 4 };
         let mut out = vec![-9; 8];
         hca_offsets(&entries, &bids, &tables, 10000, 2, &mut out).unwrap();
-        assert_eq!(
-            out,
-            vec![50000, 50001, 90000, 90001, 20000, 20001, 60000, -9]
-        );
+        assert_eq!(out, vec![50000, 50001, 90000, 90001, 20000, 20001, 60000, -9]);
         let mut out = vec![-9; 8];
         hca_offsets(&entries, &bids, &tables, 10000, 1, &mut out).unwrap();
-        assert_eq!(
-            out,
-            vec![50000, 90000, 130000, 170000, 20000, 60000, 100000, -9]
-        );
+        assert_eq!(out, vec![50000, 90000, 130000, 170000, 20000, 60000, 100000, -9]);
         // A column past the table is an error on the host (the device would read past the row).
         let err = hca_offsets(&[8], &[0], &tables, 10000, 2, &mut out).unwrap_err();
-        assert_eq!(
-            err,
-            HostKernelError::TableColumn {
-                seq: 0,
-                column: 4,
-                stride: 4
-            }
-        );
+        assert_eq!(err, HostKernelError::TableColumn { seq: 0, column: 4, stride: 4 });
         assert!(hca_offsets(&[-1], &[0], &tables, 10000, 2, &mut out).is_err());
     }
 
@@ -1320,18 +1102,11 @@ mod tests {
     fn csa_pack_decode_worked_example() {
         let c = decode_case();
         let mut csa = run_decode_case(&geometry_a(), None).csa;
-        let topk = cat(&[
-            &[1, 70, 130, -1, -1, -1, -1, -1],
-            &[7; 8],
-            &[0, 64, 65, 127, 200, -1, 5, 9],
-            &[3; 8],
-        ]);
+        let topk =
+            cat(&[&[1, 70, 130, -1, -1, -1, -1, -1], &[7; 8], &[0, 64, 65, 127, 200, -1, 5, 9], &[3; 8]]);
         csa_translate_pack(CsaPack {
             topk: &topk,
-            block_tables: BlockTables {
-                table: &[2, 0, 3, 1, 3, 0, 3, 1, 2],
-                stride: 3,
-            },
+            block_tables: BlockTables { table: &[2, 0, 3, 1, 3, 0, 3, 1, 2], stride: 3 },
             positions: &c.positions,
             indptr: &c.csa_indptr,
             batch_id_per_token: &c.bids,
@@ -1366,24 +1141,12 @@ mod tests {
         let c = decode_case();
         let one = decode_csa_expected();
         let mut out = cat(&[&one, &one]);
-        let layer0 = cat(&[
-            &[1, 70, 130, -1, -1, -1, -1, -1],
-            &[7; 8],
-            &[0, 64, 65, 127, 200, -1, 5, 9],
-            &[3; 8],
-        ]);
-        let layer1 = cat(&[
-            &[0, 1, 2, 9, 9, 9, 9, 9],
-            &[7; 8],
-            &[191, 0, 0, 0, 1, 9, 9, 9],
-            &[3; 8],
-        ]);
+        let layer0 =
+            cat(&[&[1, 70, 130, -1, -1, -1, -1, -1], &[7; 8], &[0, 64, 65, 127, 200, -1, 5, 9], &[3; 8]]);
+        let layer1 = cat(&[&[0, 1, 2, 9, 9, 9, 9, 9], &[7; 8], &[191, 0, 0, 0, 1, 9, 9, 9], &[3; 8]]);
         csa_translate_pack(CsaPack {
             topk: &cat(&[&layer0, &layer1]),
-            block_tables: BlockTables {
-                table: &[2, 0, 3, 1, 3, 0, 3, 1, 2],
-                stride: 3,
-            },
+            block_tables: BlockTables { table: &[2, 0, 3, 1, 3, 0, 3, 1, 2], stride: 3 },
             positions: &c.positions,
             indptr: &c.csa_indptr,
             batch_id_per_token: &c.bids,
@@ -1410,20 +1173,9 @@ mod tests {
     fn prefill_builder_worked_example_and_csa_follow_up() {
         let g = geometry_b();
         assert_eq!(g.envelope_rows, 132);
-        let (dense, csa, hca) = (
-            g.window_params(0).unwrap(),
-            g.window_params(4).unwrap(),
-            g.window_params(128).unwrap(),
-        );
-        let p = |w: &WindowParams| {
-            (
-                w.ring_start,
-                w.slot_rows,
-                w.ring_slots,
-                w.ring_stride,
-                w.run_rows,
-            )
-        };
+        let (dense, csa, hca) =
+            (g.window_params(0).unwrap(), g.window_params(4).unwrap(), g.window_params(128).unwrap());
+        let p = |w: &WindowParams| (w.ring_start, w.slot_rows, w.ring_slots, w.ring_stride, w.run_rows);
         assert_eq!(p(&dense), (0, 110, 11, 11, 11));
         assert_eq!(p(&csa), (30, 110, 11, 64, 128));
         assert_eq!(p(&hca), (11, 110, 11, 2, 4));
@@ -1431,12 +1183,8 @@ mod tests {
         let positions = [0, 1, 2, 14, 15];
         let bids = [0, 0, 0, 1, 1];
         let tables = [7, 8, 21, 5];
-        let (ext_ptr, swa_ptr, csa_ptr, hca_ptr) = (
-            [0, 1, 3, 6, 7, 9],
-            [0, 0, 0, 0, 7, 13],
-            [0, 0, 0, 0, 9, 17],
-            [0, 0, 0, 0, 8, 16],
-        );
+        let (ext_ptr, swa_ptr, csa_ptr, hca_ptr) =
+            ([0, 1, 3, 6, 7, 9], [0, 0, 0, 0, 7, 13], [0, 0, 0, 0, 9, 17], [0, 0, 0, 0, 8, 16]);
         let (mut ext, mut swa, mut csa_idx, mut hca_idx) =
             (vec![U; 10], vec![U; 14], vec![U; 18], vec![U; 17]);
         prefill_indices(PrefillIndices {
@@ -1449,26 +1197,11 @@ mod tests {
             cu_seqlens_q_per_seq: &[0, 3],
             state_slot_per_seq: &[3, 0],
             n_committed_hca_per_seq: &[0, 2],
-            block_tables: BlockTables {
-                table: &tables,
-                stride: 2,
-            },
-            extend: Csr {
-                indptr: &ext_ptr,
-                indices: &mut ext,
-            },
-            prefix_swa: Some(Csr {
-                indptr: &swa_ptr,
-                indices: &mut swa,
-            }),
-            prefix_csa: Csr {
-                indptr: &csa_ptr,
-                indices: &mut csa_idx,
-            },
-            prefix_hca: Csr {
-                indptr: &hca_ptr,
-                indices: &mut hca_idx,
-            },
+            block_tables: BlockTables { table: &tables, stride: 2 },
+            extend: Csr { indptr: &ext_ptr, indices: &mut ext },
+            prefix_swa: Some(Csr { indptr: &swa_ptr, indices: &mut swa }),
+            prefix_csa: Csr { indptr: &csa_ptr, indices: &mut csa_idx },
+            prefix_hca: Csr { indptr: &hca_ptr, indices: &mut hca_idx },
             envelope_rows: 132,
             num_tokens: 5,
             win: 8,
@@ -1478,29 +1211,14 @@ mod tests {
         .unwrap();
         assert_eq!(ext, vec![0, 0, 1, 0, 1, 2, 3, 3, 4, U]);
         assert_eq!(swa, vec![7, 8, 9, 10, 0, 1, 2, 8, 9, 10, 0, 1, 2, U]);
-        assert_eq!(
-            csa_idx,
-            vec![U, U, 37, 38, 39, 40, 30, 31, 32, U, U, 38, 39, 40, 30, 31, 32, U]
-        );
-        assert_eq!(
-            hca_idx,
-            vec![24, 27, 28, 31, 11, 12, 15, 2772, 27, 28, 31, 11, 12, 15, 2772, 2773, U]
-        );
+        assert_eq!(csa_idx, vec![U, U, 37, 38, 39, 40, 30, 31, 32, U, U, 38, 39, 40, 30, 31, 32, U]);
+        assert_eq!(hca_idx, vec![24, 27, 28, 31, 11, 12, 15, 2772, 27, 28, 31, 11, 12, 15, 2772, 2773, U]);
 
         // §5 in prefill mode fills the CSA heads.
-        let topk = cat(&[
-            &[0, 0, 0, 0],
-            &[0, 0, 0, 0],
-            &[0, 0, 0, 0],
-            &[2, 0, -1, -1],
-            &[3, 65, -1, -1],
-        ]);
+        let topk = cat(&[&[0, 0, 0, 0], &[0, 0, 0, 0], &[0, 0, 0, 0], &[2, 0, -1, -1], &[3, 65, -1, -1]]);
         csa_translate_pack(CsaPack {
             topk: &topk,
-            block_tables: BlockTables {
-                table: &tables,
-                stride: 2,
-            },
+            block_tables: BlockTables { table: &tables, stride: 2 },
             positions: &[],
             indptr: &csa_ptr,
             batch_id_per_token: &bids,
@@ -1524,9 +1242,7 @@ mod tests {
 
     #[test]
     fn prefill_without_dense_leaves_swa_alone() {
-        let g = GeometrySpec::new(vec![4, 128, 4, 128], 40, 4, 11, 256)
-            .build()
-            .unwrap();
+        let g = GeometrySpec::new(vec![4, 128, 4, 128], 40, 4, 11, 256).build().unwrap();
         let (csa, hca) = (g.window_params(4).unwrap(), g.window_params(128).unwrap());
         let (mut ext, mut csa_idx, mut hca_idx) = (vec![U; 2], vec![U; 9], vec![U; 8]);
         prefill_indices(PrefillIndices {
@@ -1539,23 +1255,11 @@ mod tests {
             cu_seqlens_q_per_seq: &[0],
             state_slot_per_seq: &[0],
             n_committed_hca_per_seq: &[2],
-            block_tables: BlockTables {
-                table: &[21, 5],
-                stride: 2,
-            },
-            extend: Csr {
-                indptr: &[0, 1],
-                indices: &mut ext,
-            },
+            block_tables: BlockTables { table: &[21, 5], stride: 2 },
+            extend: Csr { indptr: &[0, 1], indices: &mut ext },
             prefix_swa: None,
-            prefix_csa: Csr {
-                indptr: &[0, 9],
-                indices: &mut csa_idx,
-            },
-            prefix_hca: Csr {
-                indptr: &[0, 8],
-                indices: &mut hca_idx,
-            },
+            prefix_csa: Csr { indptr: &[0, 9], indices: &mut csa_idx },
+            prefix_hca: Csr { indptr: &[0, 8], indices: &mut hca_idx },
             envelope_rows: g.envelope_rows,
             num_tokens: 1,
             win: 8,
@@ -1589,28 +1293,10 @@ mod tests {
             let mut pool0 = vec![0xa5u8; view_rows as usize * w0];
             let mut pool1 = vec![0x5au8; view_rows as usize * w1];
             let mut planes = [
-                PlaneRows {
-                    kv: &kv0,
-                    pool: &mut pool0,
-                    row_bytes: w0,
-                },
-                PlaneRows {
-                    kv: &kv1,
-                    pool: &mut pool1,
-                    row_bytes: w1,
-                },
+                PlaneRows { kv: &kv0, pool: &mut pool0, row_bytes: w0 },
+                PlaneRows { kv: &kv1, pool: &mut pool1, row_bytes: w1 },
             ];
-            ring_write(
-                &params,
-                &mut planes,
-                &positions,
-                &cu,
-                &slots,
-                view_rows,
-                2,
-                3,
-            )
-            .unwrap();
+            ring_write(&params, &mut planes, &positions, &cu, &slots, view_rows, 2, 3).unwrap();
             let mut expect0 = vec![0xa5u8; pool0.len()];
             let mut expect1 = vec![0x5au8; pool1.len()];
             for (row, src) in written {
@@ -1633,11 +1319,7 @@ mod tests {
         // dest rows of the §3 CSA class plus one past the view and one negative.
         let dest = [406, 50, 523, 7, 600];
         let bids = [0, 1, 2, -1, 0];
-        let mut planes = [PlaneRows {
-            kv: &kv,
-            pool: &mut pool,
-            row_bytes: w,
-        }];
+        let mut planes = [PlaneRows { kv: &kv, pool: &mut pool, row_bytes: w }];
         row_scatter(&mut planes, &bids, &dest, view_rows, 5).unwrap();
         let mut expect = vec![0xeeu8; view_rows as usize * w];
         for (t, row) in [(0usize, 406usize), (1, 50), (2, 523)] {
@@ -1667,11 +1349,7 @@ mod tests {
             win: 8,
             ..Default::default()
         };
-        let bufs = [
-            (&c.swa_indptr, &mut swa),
-            (&c.csa_indptr, &mut csa),
-            (&c.hca_indptr, &mut hca),
-        ];
+        let bufs = [(&c.swa_indptr, &mut swa), (&c.csa_indptr, &mut csa), (&c.hca_indptr, &mut hca)];
         for (i, ((indptr, indices), d)) in bufs.into_iter().zip(dest.iter_mut()).enumerate() {
             a.classes[i] = super::super::ClassBuffers {
                 params: g.window_params([0, 4, 128][i]).unwrap(),
@@ -1692,24 +1370,10 @@ mod tests {
         let mut buf = vec![0u32; 64];
         let base = buf.as_mut_ptr() as u64;
         let runs = [
-            FillRun {
-                dst: base + 4,
-                bytes: 40,
-                pattern: 0xff80_0000,
-                _pad: 0,
-            },
-            FillRun {
-                dst: base + 100,
-                bytes: 8,
-                pattern: 7,
-                _pad: 0,
-            },
+            FillRun { dst: base + 4, bytes: 40, pattern: 0xff80_0000, _pad: 0 },
+            FillRun { dst: base + 100, bytes: 8, pattern: 7, _pad: 0 },
         ];
-        let a = FillRunsArgs {
-            runs: runs.as_ptr() as u64,
-            num_runs: 2,
-            _pad: 0,
-        };
+        let a = FillRunsArgs { runs: runs.as_ptr() as u64, num_runs: 2, _pad: 0 };
         // SAFETY: the runs lie inside `buf`.
         unsafe { run_launch(&Launch::FillRuns(a)).unwrap() };
         let mut want = vec![0u32; 64];
@@ -1720,22 +1384,10 @@ mod tests {
         let src: Vec<u8> = (0..200u32).map(|i| (i * 13 + 1) as u8).collect();
         let mut dst = vec![0x11u8; 200];
         let runs = [
-            CopyRun {
-                src: src.as_ptr() as u64 + 3,
-                dst: dst.as_mut_ptr() as u64 + 5,
-                bytes: 50,
-            },
-            CopyRun {
-                src: src.as_ptr() as u64 + 100,
-                dst: dst.as_mut_ptr() as u64 + 100,
-                bytes: 64,
-            },
+            CopyRun { src: src.as_ptr() as u64 + 3, dst: dst.as_mut_ptr() as u64 + 5, bytes: 50 },
+            CopyRun { src: src.as_ptr() as u64 + 100, dst: dst.as_mut_ptr() as u64 + 100, bytes: 64 },
         ];
-        let a = CopyRunsArgs {
-            runs: runs.as_ptr() as u64,
-            num_runs: 2,
-            _pad: 0,
-        };
+        let a = CopyRunsArgs { runs: runs.as_ptr() as u64, num_runs: 2, _pad: 0 };
         // SAFETY: the runs lie inside `src` and `dst`.
         unsafe { run_launch(&Launch::CopyRuns(a)).unwrap() };
         let mut want = vec![0x11u8; 200];
@@ -1743,22 +1395,10 @@ mod tests {
         want[100..164].copy_from_slice(&src[100..164]);
         assert_eq!(dst, want);
 
-        let bad = [FillRun {
-            dst: base + 2,
-            bytes: 8,
-            pattern: 1,
-            _pad: 0,
-        }];
-        let a = FillRunsArgs {
-            runs: bad.as_ptr() as u64,
-            num_runs: 1,
-            _pad: 0,
-        };
+        let bad = [FillRun { dst: base + 2, bytes: 8, pattern: 1, _pad: 0 }];
+        let a = FillRunsArgs { runs: bad.as_ptr() as u64, num_runs: 1, _pad: 0 };
         // SAFETY: rejected before any write.
         let err = unsafe { run_launch(&Launch::FillRuns(a)) }.unwrap_err();
-        assert!(matches!(
-            err,
-            HostKernelError::FillRunUnaligned { run: 0, .. }
-        ));
+        assert!(matches!(err, HostKernelError::FillRunUnaligned { run: 0, .. }));
     }
 }

@@ -15,8 +15,8 @@
 //! hardware limits. The host backend additionally checks every index it reads.
 
 use super::{
-    ClassBuffers, CsaPackArgs, DecodeIndexArgs, HcaOffsetsArgs, Launch, PlaneWrite,
-    PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_HCA,
+    ClassBuffers, CsaPackArgs, DecodeIndexArgs, HcaOffsetsArgs, Launch, PlaneWrite, PrefillIndexArgs,
+    RingWriteArgs, RowScatterArgs, CLASS_HCA,
 };
 use crate::geometry::WindowParams;
 use thiserror::Error;
@@ -41,10 +41,7 @@ pub struct LaunchShape {
 
 impl LaunchShape {
     fn linear(blocks: u64, threads: u32) -> Self {
-        LaunchShape {
-            grid: [grid_dim(blocks), 1, 1],
-            block: [threads, 1, 1],
-        }
+        LaunchShape { grid: [grid_dim(blocks), 1, 1], block: [threads, 1, 1] }
     }
 
     /// Blocks in the grid.
@@ -86,9 +83,7 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
         Launch::Decode(a) => LaunchShape::linear(count(a.num_tokens), b),
         Launch::Prefill(a) => LaunchShape::linear(count(a.num_tokens), b),
         // One thread per entry.
-        Launch::HcaOffsets(a) => {
-            LaunchShape::linear(ceil_div(count(a.num_entries), u64::from(b)), b)
-        }
+        Launch::HcaOffsets(a) => LaunchShape::linear(ceil_div(count(a.num_entries), u64::from(b)), b),
         // (token, tile of the top-k row, layer).
         Launch::CsaPack(a) => LaunchShape {
             grid: [
@@ -102,10 +97,7 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
         Launch::RingWrite(a) => LaunchShape {
             grid: [
                 grid_dim(count(a.num_seqs)),
-                grid_dim(ceil_div(
-                    count(a.write_per_batch),
-                    u64::from(ROWS_PER_BLOCK),
-                )),
+                grid_dim(ceil_div(count(a.write_per_batch), u64::from(ROWS_PER_BLOCK))),
                 1,
             ],
             block: [b, 1, 1],
@@ -114,18 +106,13 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
             LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(ROWS_PER_BLOCK)), b)
         }
         // (run, RUN_SPLIT blocks per run).
-        Launch::FillRuns(a) => LaunchShape {
-            grid: [grid_dim(count(a.num_runs)), RUN_SPLIT, 1],
-            block: [b, 1, 1],
-        },
-        Launch::CopyRuns(a) => LaunchShape {
-            grid: [grid_dim(count(a.num_runs)), RUN_SPLIT, 1],
-            block: [b, 1, 1],
-        },
-        Launch::Empty => LaunchShape {
-            grid: [1, 1, 1],
-            block: [1, 1, 1],
-        },
+        Launch::FillRuns(a) => {
+            LaunchShape { grid: [grid_dim(count(a.num_runs)), RUN_SPLIT, 1], block: [b, 1, 1] }
+        }
+        Launch::CopyRuns(a) => {
+            LaunchShape { grid: [grid_dim(count(a.num_runs)), RUN_SPLIT, 1], block: [b, 1, 1] }
+        }
+        Launch::Empty => LaunchShape { grid: [1, 1, 1], block: [1, 1, 1] },
     }
 }
 
@@ -135,39 +122,23 @@ pub enum LaunchError {
     #[error("{field} = {value} must not be negative")]
     Negative { field: &'static str, value: i64 },
     #[error("{field} = {value} must be at least {min}")]
-    TooSmall {
-        field: &'static str,
-        value: i64,
-        min: i64,
-    },
+    TooSmall { field: &'static str, value: i64, min: i64 },
     #[error("{field} = {value} exceeds {max}")]
-    TooLarge {
-        field: &'static str,
-        value: i64,
-        max: i64,
-    },
+    TooLarge { field: &'static str, value: i64, max: i64 },
     #[error("required buffer {field} is absent (null)")]
     MissingBuffer { field: &'static str },
     #[error("{field} is given although {because}")]
-    UnexpectedBuffer {
-        field: &'static str,
-        because: &'static str,
-    },
+    UnexpectedBuffer { field: &'static str, because: &'static str },
     #[error("decode launch enables no class")]
     NoClass,
     #[error("decode launch has no dest_rows buffer")]
     NoDestRows,
-    #[error("class {class}: window params {params:?} are not a ring (ring_slots and ring_stride >= 1, rows >= 0)")]
-    BadWindowParams {
-        class: &'static str,
-        params: WindowParams,
-    },
+    #[error(
+        "class {class}: window params {params:?} are not a ring (ring_slots and ring_stride >= 1, rows >= 0)"
+    )]
+    BadWindowParams { class: &'static str, params: WindowParams },
     #[error("window {win} exceeds ring_slots {ring_slots} of class {class}")]
-    WindowExceedsRing {
-        class: &'static str,
-        win: i64,
-        ring_slots: i64,
-    },
+    WindowExceedsRing { class: &'static str, win: i64, ring_slots: i64 },
     #[error("plane {plane}: kv and pool must both be given or both absent")]
     PlaneHalfGiven { plane: usize },
 }
@@ -219,11 +190,7 @@ fn check_params(class: &'static str, p: &WindowParams) -> Result<(), LaunchError
 fn check_window(class: &'static str, p: &WindowParams, win: i64) -> Result<(), LaunchError> {
     check_params(class, p)?;
     if win > p.ring_slots {
-        return Err(LaunchError::WindowExceedsRing {
-            class,
-            win,
-            ring_slots: p.ring_slots,
-        });
+        return Err(LaunchError::WindowExceedsRing { class, win, ring_slots: p.ring_slots });
     }
     Ok(())
 }
@@ -236,15 +203,7 @@ fn check_planes(planes: &[PlaneWrite; 2]) -> Result<(), LaunchError> {
             return Err(LaunchError::PlaneHalfGiven { plane: i });
         }
         if p.pool != 0 {
-            at_least(
-                if i == 0 {
-                    "planes[0].row_bytes"
-                } else {
-                    "planes[1].row_bytes"
-                },
-                p.row_bytes,
-                1,
-            )?;
+            at_least(if i == 0 { "planes[0].row_bytes" } else { "planes[1].row_bytes" }, p.row_bytes, 1)?;
         }
     }
     Ok(())
@@ -264,12 +223,7 @@ fn check_decode(a: &DecodeIndexArgs) -> Result<(), LaunchError> {
     let mut any_class = false;
     let mut any_dest = false;
     for (c, cls) in a.classes.iter().enumerate() {
-        let ClassBuffers {
-            params,
-            indptr,
-            indices,
-            dest_rows,
-        } = cls;
+        let ClassBuffers { params, indptr, indices, dest_rows } = cls;
         if *indptr == 0 {
             if *indices != 0 {
                 return Err(LaunchError::UnexpectedBuffer {
@@ -325,11 +279,7 @@ fn check_prefill(a: &PrefillIndexArgs) -> Result<(), LaunchError> {
     }
     if (a.swa_indptr == 0) != (a.swa_indices == 0) {
         return Err(LaunchError::UnexpectedBuffer {
-            field: if a.swa_indptr == 0 {
-                "swa_indices"
-            } else {
-                "swa_indptr"
-            },
+            field: if a.swa_indptr == 0 { "swa_indices" } else { "swa_indptr" },
             because: "the dense buffers come as a pair",
         });
     }
@@ -413,11 +363,7 @@ fn check_ring_write(a: &RingWriteArgs) -> Result<(), LaunchError> {
     // one sequence would race for one row).
     at_least("num_seqs", a.num_seqs.into(), 1)?;
     at_least("write_per_batch", a.write_per_batch.into(), 1)?;
-    at_most(
-        "write_per_batch",
-        a.write_per_batch.into(),
-        a.params.ring_slots,
-    )?;
+    at_most("write_per_batch", a.write_per_batch.into(), a.params.ring_slots)?;
     non_negative("view_rows", a.view_rows)?;
     check_planes(&a.planes)?;
     for (field, ptr) in [
@@ -473,27 +419,12 @@ mod tests {
     use crate::index::{CopyRunsArgs, FillRunsArgs};
 
     fn params() -> WindowParams {
-        WindowParams {
-            ring_start: 41,
-            slot_rows: 120,
-            ring_slots: 11,
-            ring_stride: 64,
-            run_rows: 128,
-        }
+        WindowParams { ring_start: 41, slot_rows: 120, ring_slots: 11, ring_stride: 64, run_rows: 128 }
     }
 
     fn decode(t: i32) -> DecodeIndexArgs {
-        let mut a = DecodeIndexArgs {
-            num_tokens: t,
-            win: 8,
-            ..Default::default()
-        };
-        a.classes[1] = ClassBuffers {
-            params: params(),
-            indptr: 0x100,
-            indices: 0x200,
-            dest_rows: 0x300,
-        };
+        let mut a = DecodeIndexArgs { num_tokens: t, win: 8, ..Default::default() };
+        a.classes[1] = ClassBuffers { params: params(), indptr: 0x100, indices: 0x200, dest_rows: 0x300 };
         a.state_slot_per_seq = 0x400;
         a.batch_id_per_token = 0x500;
         a.positions = 0x600;
@@ -524,50 +455,20 @@ mod tests {
     #[test]
     fn shapes_cover_the_work() {
         assert_eq!(launch_shape(&Launch::Decode(decode(256))).grid, [256, 1, 1]);
-        assert_eq!(
-            launch_shape(&Launch::Decode(decode(256))).block,
-            [256, 1, 1]
-        );
-        let csa = CsaPackArgs {
-            num_tokens: 7,
-            num_layers: 21,
-            topk_row_stride: 512,
-            ..Default::default()
-        };
+        assert_eq!(launch_shape(&Launch::Decode(decode(256))).block, [256, 1, 1]);
+        let csa = CsaPackArgs { num_tokens: 7, num_layers: 21, topk_row_stride: 512, ..Default::default() };
         assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, 2, 21]);
-        let csa = CsaPackArgs {
-            num_tokens: 7,
-            num_layers: 1,
-            topk_row_stride: 513,
-            ..Default::default()
-        };
+        let csa = CsaPackArgs { num_tokens: 7, num_layers: 1, topk_row_stride: 513, ..Default::default() };
         assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, 3, 1]);
-        let ring = RingWriteArgs {
-            num_seqs: 3,
-            write_per_batch: 128,
-            ..Default::default()
-        };
+        let ring = RingWriteArgs { num_seqs: 3, write_per_batch: 128, ..Default::default() };
         assert_eq!(launch_shape(&Launch::RingWrite(ring)).grid, [3, 16, 1]);
-        let ring = RingWriteArgs {
-            num_seqs: 3,
-            write_per_batch: 9,
-            ..Default::default()
-        };
+        let ring = RingWriteArgs { num_seqs: 3, write_per_batch: 9, ..Default::default() };
         assert_eq!(launch_shape(&Launch::RingWrite(ring)).grid, [3, 2, 1]);
-        let rs = RowScatterArgs {
-            num_tokens: 17,
-            ..Default::default()
-        };
+        let rs = RowScatterArgs { num_tokens: 17, ..Default::default() };
         assert_eq!(launch_shape(&Launch::RowScatter(rs)).grid, [3, 1, 1]);
-        let h = HcaOffsetsArgs {
-            num_entries: 257,
-            ..Default::default()
-        };
+        let h = HcaOffsetsArgs { num_entries: 257, ..Default::default() };
         assert_eq!(launch_shape(&Launch::HcaOffsets(h)).grid, [2, 1, 1]);
-        let f = FillRunsArgs {
-            num_runs: 5,
-            ..Default::default()
-        };
+        let f = FillRunsArgs { num_runs: 5, ..Default::default() };
         assert_eq!(launch_shape(&Launch::FillRuns(f)).grid, [5, RUN_SPLIT, 1]);
     }
 
@@ -577,43 +478,27 @@ mod tests {
         assert_eq!(check_launch(&Launch::Decode(decode(0))), Ok(()));
         let mut a = decode(4);
         a.classes[1].dest_rows = 0;
-        assert_eq!(
-            check_launch(&Launch::Decode(a)),
-            Err(LaunchError::NoDestRows)
-        );
+        assert_eq!(check_launch(&Launch::Decode(a)), Err(LaunchError::NoDestRows));
         let mut a = decode(4);
         a.classes[1] = ClassBuffers::default();
         assert_eq!(check_launch(&Launch::Decode(a)), Err(LaunchError::NoClass));
         let mut a = decode(4);
         a.classes[0].indices = 0x10;
-        assert!(matches!(
-            check_launch(&Launch::Decode(a)),
-            Err(LaunchError::UnexpectedBuffer { .. })
-        ));
+        assert!(matches!(check_launch(&Launch::Decode(a)), Err(LaunchError::UnexpectedBuffer { .. })));
         let mut a = decode(4);
         a.win = 12;
         assert_eq!(
             check_launch(&Launch::Decode(a)),
-            Err(LaunchError::WindowExceedsRing {
-                class: "csa",
-                win: 12,
-                ring_slots: 11
-            })
+            Err(LaunchError::WindowExceedsRing { class: "csa", win: 12, ring_slots: 11 })
         );
         let mut a = decode(4);
         a.classes[1].params.ring_stride = 0;
-        assert!(matches!(
-            check_launch(&Launch::Decode(a)),
-            Err(LaunchError::BadWindowParams { .. })
-        ));
+        assert!(matches!(check_launch(&Launch::Decode(a)), Err(LaunchError::BadWindowParams { .. })));
         let mut a = decode(-1);
         a.num_tokens = -1;
         assert_eq!(
             check_launch(&Launch::Decode(a)),
-            Err(LaunchError::Negative {
-                field: "num_tokens",
-                value: -1
-            })
+            Err(LaunchError::Negative { field: "num_tokens", value: -1 })
         );
     }
 
@@ -629,21 +514,13 @@ mod tests {
             state_slot_per_seq: 3,
             ..Default::default()
         };
-        a.planes[0] = PlaneWrite {
-            kv: 4,
-            pool: 5,
-            row_bytes: 512,
-        };
+        a.planes[0] = PlaneWrite { kv: 4, pool: 5, row_bytes: 512 };
         assert_eq!(check_launch(&Launch::RingWrite(a)), Ok(()));
         let mut b = a;
         b.write_per_batch = 12;
         assert_eq!(
             check_launch(&Launch::RingWrite(b)),
-            Err(LaunchError::TooLarge {
-                field: "write_per_batch",
-                value: 12,
-                max: 11
-            })
+            Err(LaunchError::TooLarge { field: "write_per_batch", value: 12, max: 11 })
         );
         let mut b = a;
         b.write_per_batch = 0;
@@ -653,10 +530,7 @@ mod tests {
         assert!(check_launch(&Launch::RingWrite(b)).is_err());
         let mut b = a;
         b.planes[1].pool = 9;
-        assert_eq!(
-            check_launch(&Launch::RingWrite(b)),
-            Err(LaunchError::PlaneHalfGiven { plane: 1 })
-        );
+        assert_eq!(check_launch(&Launch::RingWrite(b)), Err(LaunchError::PlaneHalfGiven { plane: 1 }));
     }
 
     #[test]
@@ -676,26 +550,14 @@ mod tests {
         };
         assert_eq!(
             check_launch(&Launch::CsaPack(a)),
-            Err(LaunchError::MissingBuffer {
-                field: "skip_prefix_len_per_token"
-            })
+            Err(LaunchError::MissingBuffer { field: "skip_prefix_len_per_token" })
         );
-        let b = CsaPackArgs {
-            window_size: 8,
-            positions: 6,
-            ..a
-        };
+        let b = CsaPackArgs { window_size: 8, positions: 6, ..a };
         assert_eq!(check_launch(&Launch::CsaPack(b)), Ok(()));
-        let c = CsaPackArgs {
-            num_layers: 70_000,
-            ..b
-        };
+        let c = CsaPackArgs { num_layers: 70_000, ..b };
         assert!(matches!(
             check_launch(&Launch::CsaPack(c)),
-            Err(LaunchError::TooLarge {
-                field: "grid z",
-                ..
-            })
+            Err(LaunchError::TooLarge { field: "grid z", .. })
         ));
     }
 }
