@@ -323,28 +323,14 @@ fn build_emulation(out: &Path, log: &mut Vec<String>) {
     let dest = out.join(EMULATION);
     let tmp = out.join(format!("{EMULATION}.tmp"));
     let tmp_s = tmp.to_string_lossy().to_string();
-    let args = [
-        "-x",
-        "c++",
-        "-std=c++17",
-        "-O1",
-        "-shared",
-        "-fPIC",
-        "-o",
-        &tmp_s,
-        EMULATION_SRC,
-    ];
+    let args = ["-x", "c++", "-std=c++17", "-O1", "-shared", "-fPIC", "-o", &tmp_s, EMULATION_SRC];
     for tool in clang_candidates(false) {
         match compile(&tool, &args, &tmp, &dest) {
             Ok(diag) => {
                 if !diag.is_empty() {
                     warn(&format!("host emulation diagnostics:\n{diag}"));
                 }
-                log.push(format!(
-                    "{EMULATION}: {} {}",
-                    tool.display(),
-                    args.join(" ")
-                ));
+                log.push(format!("{EMULATION}: {} {}", tool.display(), args.join(" ")));
                 return;
             }
             Err(e) => warn(&format!("host emulation library not built: {e}")),

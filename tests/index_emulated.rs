@@ -11,8 +11,8 @@ use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, WindowParams};
 use v4pool::index::host::run_launch;
 use v4pool::index::shape::launch_shape;
 use v4pool::index::{
-    ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs,
-    HcaOffsetsArgs, Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs,
+    ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
+    Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs,
 };
 
 type EmuLaunch = unsafe extern "C" fn(*const c_char, *const c_void, *const u32, u32) -> i32;
@@ -31,10 +31,7 @@ fn emu() -> Option<Emu> {
     // beyond the C++ runtime's.
     let lib = unsafe { libloading::Library::new(path) }.expect("load the emulation library");
     // SAFETY: the symbol has exactly this signature (kernels/v4pool_emulation.cpp).
-    let launch = unsafe {
-        *lib.get::<EmuLaunch>(b"v4pool_emu_launch\0")
-            .expect("v4pool_emu_launch")
-    };
+    let launch = unsafe { *lib.get::<EmuLaunch>(b"v4pool_emu_launch\0").expect("v4pool_emu_launch") };
     Some(Emu { _lib: lib, launch })
 }
 
@@ -57,12 +54,7 @@ impl Emu {
         let sym = CString::new(launch.symbol()).unwrap();
         // SAFETY: forwarded from the caller; the argument bytes are the struct the kernel takes.
         let rc = unsafe {
-            (self.launch)(
-                sym.as_ptr(),
-                bytes.as_ptr().cast(),
-                shape.grid.as_ptr(),
-                shape.block[0],
-            )
+            (self.launch)(sym.as_ptr(), bytes.as_ptr().cast(), shape.grid.as_ptr(), shape.block[0])
         };
         assert_eq!(rc, 0, "unknown kernel {}", launch.symbol());
     }
@@ -105,10 +97,7 @@ fn compare<T: Clone + PartialEq + std::fmt::Debug>(
     let l = make(&mut dev);
     // SAFETY: as above.
     unsafe { emu.run(&l) };
-    assert!(
-        host == dev,
-        "{what}: kernel and host reference differ\nhost {host:?}\nkernel {dev:?}"
-    );
+    assert!(host == dev, "{what}: kernel and host reference differ\nhost {host:?}\nkernel {dev:?}");
     host != outputs
 }
 
@@ -119,21 +108,13 @@ fn addr<T>(v: &[T]) -> u64 {
 fn random_geometry(rng: &mut Rng, need_compressed: bool) -> UnifiedPoolGeometry {
     loop {
         let layers = rng.range(2, 7);
-        let ratios: Vec<i32> = (0..layers)
-            .map(|_| [0, 4, 128][rng.range(0, 2) as usize])
-            .collect();
+        let ratios: Vec<i32> = (0..layers).map(|_| [0, 4, 128][rng.range(0, 2) as usize]).collect();
         if need_compressed && !(ratios.contains(&4) && ratios.contains(&128)) {
             continue;
         }
         let block = if rng.chance(50) { 256 } else { 128 };
-        let spec = GeometrySpec::new(
-            ratios,
-            rng.range(4, 40),
-            rng.range(3, 8),
-            rng.range(8, 14),
-            block,
-        )
-        .arena_rows(rng.range(0, 5));
+        let spec = GeometrySpec::new(ratios, rng.range(4, 40), rng.range(3, 8), rng.range(8, 14), block)
+            .arena_rows(rng.range(0, 5));
         if let Ok(g) = spec.build() {
             return g;
         }
@@ -141,9 +122,7 @@ fn random_geometry(rng: &mut Rng, need_compressed: bool) -> UnifiedPoolGeometry 
 }
 
 fn physical_slots(rng: &mut Rng, g: &UnifiedPoolGeometry, bs: usize) -> Vec<i32> {
-    (0..bs)
-        .map(|_| g.physical_slot(rng.range(0, g.num_slots - 1)).unwrap() as i32)
-        .collect()
+    (0..bs).map(|_| g.physical_slot(rng.range(0, g.num_slots - 1)).unwrap() as i32).collect()
 }
 
 fn cumsum(lens: &[i64]) -> Vec<i32> {
@@ -170,20 +149,12 @@ fn decode_builder_kernel_matches_reference() {
         let bs = rng.range(1, 5) as usize;
         let slots = physical_slots(&mut rng, &g, bs);
         let t = rng.range(0, 9) as usize;
-        let bids: Vec<i32> = (0..t)
-            .map(|_| {
-                if rng.chance(20) {
-                    -1
-                } else {
-                    rng.range(0, bs as i64 - 1) as i32
-                }
-            })
-            .collect();
+        let bids: Vec<i32> =
+            (0..t).map(|_| if rng.chance(20) { -1 } else { rng.range(0, bs as i64 - 1) as i32 }).collect();
         let positions: Vec<i64> = (0..t).map(|_| rng.range(0, 5000)).collect();
-        let stride = rng.range(1, 6) as i32;
-        let tables: Vec<i32> = (0..bs * stride as usize)
-            .map(|_| rng.range(0, g.num_blocks - 1) as i32)
-            .collect();
+        let stride = if rng.chance(30) { rng.range(600, 2100) } else { rng.range(1, 6) } as i32;
+        let tables: Vec<i32> =
+            (0..bs * stride as usize).map(|_| rng.range(0, g.num_blocks - 1) as i32).collect();
         let fused = rng.chance(60);
         // Per class: enabled?, head lengths, indptr.
         let mut classes = Vec::new();
@@ -251,11 +222,7 @@ fn decode_builder_kernel_matches_reference() {
                         params: *params,
                         indptr: addr(indptr),
                         indices: outs[2 * c].as_mut_ptr() as u64,
-                        dest_rows: if *dest {
-                            outs[2 * c + 1].as_mut_ptr() as u64
-                        } else {
-                            0
-                        },
+                        dest_rows: if *dest { outs[2 * c + 1].as_mut_ptr() as u64 } else { 0 },
                     };
                 }
             }
@@ -280,11 +247,7 @@ fn prefill_builder_kernel_matches_reference() {
         let (mut positions, mut bids, mut chunk_start, mut cu_q, mut committed) =
             (vec![], vec![], vec![], vec![], vec![]);
         for b in 0..bs {
-            let cs = if rng.chance(30) {
-                0
-            } else {
-                rng.range(0, 1500)
-            };
+            let cs = if rng.chance(30) { 0 } else { rng.range(0, 1500) };
             let len = rng.range(1, 6);
             cu_q.push(positions.len() as i32);
             chunk_start.push(cs as i32);
@@ -295,16 +258,10 @@ fn prefill_builder_kernel_matches_reference() {
             }
         }
         let t = positions.len();
-        let stride = committed
-            .iter()
-            .map(|&n| (i64::from(n) + rpb - 1) / rpb)
-            .max()
-            .unwrap()
-            .max(1)
-            + rng.range(0, 2);
-        let tables: Vec<i32> = (0..bs * stride as usize)
-            .map(|_| rng.range(0, g.num_blocks - 1) as i32)
-            .collect();
+        let stride =
+            committed.iter().map(|&n| (i64::from(n) + rpb - 1) / rpb).max().unwrap().max(1) + rng.range(0, 2);
+        let tables: Vec<i32> =
+            (0..bs * stride as usize).map(|_| rng.range(0, g.num_blocks - 1) as i32).collect();
         let (mut ext_l, mut pre_l, mut csa_l, mut hca_l) = (vec![], vec![], vec![], vec![]);
         for i in 0..t {
             let (b, p) = (bids[i] as usize, i64::from(positions[i]));
@@ -317,12 +274,7 @@ fn prefill_builder_kernel_matches_reference() {
             hca_l.push(pre + ((p + 1) / hca_ratio).min(committed[b].into()));
         }
         let dense = g.window_params(0).ok();
-        let ptrs = [
-            cumsum(&ext_l),
-            cumsum(&pre_l),
-            cumsum(&csa_l),
-            cumsum(&hca_l),
-        ];
+        let ptrs = [cumsum(&ext_l), cumsum(&pre_l), cumsum(&csa_l), cumsum(&hca_l)];
         let outputs: Vec<Vec<i32>> = ptrs.iter().map(|p| vec![POISON; extent(p) + 2]).collect();
         compare(&emu, &format!("prefill case {case}"), &outputs, |outs| {
             Launch::Prefill(PrefillIndexArgs {
@@ -339,11 +291,7 @@ fn prefill_builder_kernel_matches_reference() {
                 extend_indptr: addr(&ptrs[0]),
                 extend_indices: outs[0].as_mut_ptr() as u64,
                 swa_indptr: if dense.is_some() { addr(&ptrs[1]) } else { 0 },
-                swa_indices: if dense.is_some() {
-                    outs[1].as_mut_ptr() as u64
-                } else {
-                    0
-                },
+                swa_indices: if dense.is_some() { outs[1].as_mut_ptr() as u64 } else { 0 },
                 csa_indptr: addr(&ptrs[2]),
                 csa_indices: outs[2].as_mut_ptr() as u64,
                 hca_indptr: addr(&ptrs[3]),
@@ -369,32 +317,23 @@ fn hca_offsets_kernel_matches_reference() {
         let bs = rng.range(1, 5);
         let stride = rng.range(1, 40);
         let rpb = rng.range(1, 3);
-        let tables: Vec<i32> = (0..bs * stride)
-            .map(|_| rng.range(0, 10_000) as i32)
-            .collect();
-        let entries: Vec<i32> = (0..n)
-            .map(|_| rng.range(0, stride * rpb - 1) as i32)
-            .collect();
+        let tables: Vec<i32> = (0..bs * stride).map(|_| rng.range(0, 10_000) as i32).collect();
+        let entries: Vec<i32> = (0..n).map(|_| rng.range(0, stride * rpb - 1) as i32).collect();
         let bids: Vec<i32> = (0..n).map(|_| rng.range(0, bs - 1) as i32).collect();
         let outputs = vec![vec![POISON; n + 3]];
-        compare(
-            &emu,
-            &format!("hca offsets case {case}"),
-            &outputs,
-            |outs| {
-                Launch::HcaOffsets(HcaOffsetsArgs {
-                    entry_idx: addr(&entries),
-                    bid_per_entry: addr(&bids),
-                    block_tables: addr(&tables),
-                    out: outs[0].as_mut_ptr() as u64,
-                    envelope_rows: 1000 + stride,
-                    block_table_stride: stride as i32,
-                    rows_per_block: rpb as i32,
-                    num_entries: n as i32,
-                    _pad: 0,
-                })
-            },
-        );
+        compare(&emu, &format!("hca offsets case {case}"), &outputs, |outs| {
+            Launch::HcaOffsets(HcaOffsetsArgs {
+                entry_idx: addr(&entries),
+                bid_per_entry: addr(&bids),
+                block_tables: addr(&tables),
+                out: outs[0].as_mut_ptr() as u64,
+                envelope_rows: 1000 + stride,
+                block_table_stride: stride as i32,
+                rows_per_block: rpb as i32,
+                num_entries: n as i32,
+                _pad: 0,
+            })
+        });
     }
 }
 
@@ -410,24 +349,13 @@ fn csa_pack_kernel_matches_reference() {
         let stride = rng.range(1, 12);
         let tables: Vec<i32> = (0..bs * stride).map(|_| rng.range(0, 500) as i32).collect();
         let window = if rng.chance(50) { rng.range(1, 128) } else { 0 };
-        let bids: Vec<i32> = (0..t)
-            .map(|_| {
-                if rng.chance(20) {
-                    -1
-                } else {
-                    rng.range(0, bs - 1) as i32
-                }
-            })
-            .collect();
+        let bids: Vec<i32> =
+            (0..t).map(|_| if rng.chance(20) { -1 } else { rng.range(0, bs - 1) as i32 }).collect();
         let positions: Vec<i64> = (0..t).map(|_| rng.range(0, 100_000)).collect();
         let skip: Vec<i32> = (0..t).map(|_| rng.range(0, 20) as i32).collect();
         let lens: Vec<i64> = (0..t)
             .map(|i| {
-                let s = if window > 0 {
-                    (positions[i] + 1).min(window)
-                } else {
-                    skip[i].into()
-                };
+                let s = if window > 0 { (positions[i] + 1).min(window) } else { skip[i].into() };
                 if bids[i] < 0 {
                     0
                 } else {
@@ -437,9 +365,8 @@ fn csa_pack_kernel_matches_reference() {
             .collect();
         let indptr = cumsum(&lens);
         // Values past the table exercise the clamp.
-        let topk: Vec<i32> = (0..layers * t as i64 * row_stride)
-            .map(|_| rng.range(0, stride * 64 + 100) as i32)
-            .collect();
+        let topk: Vec<i32> =
+            (0..layers * t as i64 * row_stride).map(|_| rng.range(0, stride * 64 + 100) as i32).collect();
         let out_stride = extent(&indptr) as i64 + 1;
         let outputs = vec![vec![POISON; (layers * out_stride) as usize + 2]];
         compare(&emu, &format!("csa pack case {case}"), &outputs, |outs| {
@@ -507,11 +434,7 @@ fn ring_write_kernel_matches_reference() {
         ];
         compare(&emu, &format!("ring write case {case}"), &outputs, |outs| {
             let mut planes = [
-                PlaneWrite {
-                    kv: addr(&kv0),
-                    pool: outs[0].as_mut_ptr() as u64,
-                    row_bytes: w0,
-                },
+                PlaneWrite { kv: addr(&kv0), pool: outs[0].as_mut_ptr() as u64, row_bytes: w0 },
                 PlaneWrite::default(),
             ];
             if w1 > 0 {
@@ -543,9 +466,7 @@ fn row_scatter_kernel_matches_reference() {
         let view_rows = rng.range(1, 300);
         let (w0, w1) = WIDTHS[rng.range(0, 3) as usize];
         let t = rng.range(0, 20) as usize;
-        let bids: Vec<i32> = (0..t)
-            .map(|_| if rng.chance(20) { -1 } else { 0 })
-            .collect();
+        let bids: Vec<i32> = (0..t).map(|_| if rng.chance(20) { -1 } else { 0 }).collect();
         // Distinct rows, some out of the view (negative or past it).
         let mut rows: Vec<i64> = (0..view_rows).collect();
         for i in (1..rows.len()).rev() {
@@ -560,59 +481,37 @@ fn row_scatter_kernel_matches_reference() {
                 }
             })
             .collect();
-        let dest: Vec<i32> = dest
-            .iter()
-            .enumerate()
-            .map(|(i, &d)| if i >= rows.len() { -1 } else { d })
-            .collect();
+        let dest: Vec<i32> =
+            dest.iter().enumerate().map(|(i, &d)| if i >= rows.len() { -1 } else { d }).collect();
         let kv0 = random_bytes(&mut rng, t * w0 as usize);
         let kv1 = random_bytes(&mut rng, t * w1 as usize);
         let outputs = vec![
             random_bytes(&mut rng, (view_rows * w0) as usize),
             random_bytes(&mut rng, (view_rows * w1) as usize),
         ];
-        compare(
-            &emu,
-            &format!("row scatter case {case}"),
-            &outputs,
-            |outs| {
-                let mut planes = [
-                    PlaneWrite {
-                        kv: addr(&kv0),
-                        pool: outs[0].as_mut_ptr() as u64,
-                        row_bytes: w0,
-                    },
-                    PlaneWrite::default(),
-                ];
-                if w1 > 0 {
-                    planes[1] = PlaneWrite {
-                        kv: addr(&kv1),
-                        pool: outs[1].as_mut_ptr() as u64,
-                        row_bytes: w1,
-                    };
-                }
-                Launch::RowScatter(RowScatterArgs {
-                    planes,
-                    batch_id_per_token: addr(&bids),
-                    dest_rows: addr(&dest),
-                    view_rows,
-                    num_tokens: t as i32,
-                    _pad: 0,
-                })
-            },
-        );
+        compare(&emu, &format!("row scatter case {case}"), &outputs, |outs| {
+            let mut planes = [
+                PlaneWrite { kv: addr(&kv0), pool: outs[0].as_mut_ptr() as u64, row_bytes: w0 },
+                PlaneWrite::default(),
+            ];
+            if w1 > 0 {
+                planes[1] = PlaneWrite { kv: addr(&kv1), pool: outs[1].as_mut_ptr() as u64, row_bytes: w1 };
+            }
+            Launch::RowScatter(RowScatterArgs {
+                planes,
+                batch_id_per_token: addr(&bids),
+                dest_rows: addr(&dest),
+                view_rows,
+                num_tokens: t as i32,
+                _pad: 0,
+            })
+        });
     }
 }
 
 /// Disjoint random ranges `(offset, len)` inside `total` bytes, offsets and lengths multiples
 /// of `unit`.
-fn disjoint_ranges(
-    rng: &mut Rng,
-    total: i64,
-    count: usize,
-    unit: i64,
-    max_len: i64,
-) -> Vec<(i64, i64)> {
+fn disjoint_ranges(rng: &mut Rng, total: i64, count: usize, unit: i64, max_len: i64) -> Vec<(i64, i64)> {
     let mut out = Vec::new();
     let mut cursor = 0;
     for _ in 0..count {
@@ -642,29 +541,18 @@ fn fill_and_copy_runs_kernels_match_reference() {
             let runs: Vec<FillRun> = fills
                 .iter()
                 .zip(&patterns)
-                .map(|(&(o, l), &p)| FillRun {
-                    dst: base + o as u64,
-                    bytes: l as u64,
-                    pattern: p,
-                    _pad: 0,
-                })
+                .map(|(&(o, l), &p)| FillRun { dst: base + o as u64, bytes: l as u64, pattern: p, _pad: 0 })
                 .collect();
             // The descriptor must outlive the launch: leak it into the test (small).
             let runs: &'static [FillRun] = Box::leak(runs.into_boxed_slice());
-            Launch::FillRuns(FillRunsArgs {
-                runs: addr(runs),
-                num_runs: runs.len() as i32,
-                _pad: 0,
-            })
+            Launch::FillRuns(FillRunsArgs { runs: addr(runs), num_runs: runs.len() as i32, _pad: 0 })
         });
 
         let src = random_bytes(&mut rng, total as usize);
         let n = rng.range(0, 6) as usize;
         let copies = disjoint_ranges(&mut rng, total - 64, n, 1, 30_000);
-        let shifts: Vec<i64> = copies
-            .iter()
-            .map(|_| if rng.chance(50) { 0 } else { rng.range(0, 31) })
-            .collect();
+        let shifts: Vec<i64> =
+            copies.iter().map(|_| if rng.chance(50) { 0 } else { rng.range(0, 31) }).collect();
         let outputs = vec![random_bytes(&mut rng, total as usize)];
         compare(&emu, &format!("copy case {case}"), &outputs, |outs| {
             let base = outs[0].as_mut_ptr() as u64;
@@ -678,11 +566,7 @@ fn fill_and_copy_runs_kernels_match_reference() {
                 })
                 .collect();
             let runs: &'static [CopyRun] = Box::leak(runs.into_boxed_slice());
-            Launch::CopyRuns(CopyRunsArgs {
-                runs: addr(runs),
-                num_runs: runs.len() as i32,
-                _pad: 0,
-            })
+            Launch::CopyRuns(CopyRunsArgs { runs: addr(runs), num_runs: runs.len() as i32, _pad: 0 })
         });
     }
 }

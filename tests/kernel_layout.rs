@@ -9,9 +9,8 @@ use std::mem::{align_of, offset_of, size_of};
 use v4pool::geometry::WindowParams;
 use v4pool::index::shape::{BLOCK_THREADS, ROWS_PER_BLOCK, ROW_LANES, RUN_SPLIT};
 use v4pool::index::{
-    ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs,
-    HcaOffsetsArgs, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_CSA,
-    CLASS_DENSE, CLASS_HCA,
+    ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
+    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_CSA, CLASS_DENSE, CLASS_HCA,
 };
 
 const HEADER: &str = include_str!("../kernels/v4pool_common.h");
@@ -25,26 +24,17 @@ fn header_checks() -> Checks {
         let Some(rest) = line.strip_prefix("V4POOL_CHECK_") else {
             continue;
         };
-        let (kind, args) = rest
-            .split_once('(')
-            .unwrap_or_else(|| panic!("malformed check line: {line}"));
-        let args = args
-            .strip_suffix(");")
-            .unwrap_or_else(|| panic!("check line must end with ');': {line}"));
+        let (kind, args) = rest.split_once('(').unwrap_or_else(|| panic!("malformed check line: {line}"));
+        let args = args.strip_suffix(");").unwrap_or_else(|| panic!("check line must end with ');': {line}"));
         let parts: Vec<&str> = args.split(',').map(str::trim).collect();
         let (ty, field, value) = match (kind, parts.as_slice()) {
             ("SIZE" | "ALIGN", [ty, v]) => (*ty, "", *v),
             ("OFFSET", [ty, f, v]) => (*ty, *f, *v),
             _ => panic!("unknown check line: {line}"),
         };
-        let value: usize = value
-            .parse()
-            .unwrap_or_else(|_| panic!("non-numeric value in: {line}"));
+        let value: usize = value.parse().unwrap_or_else(|_| panic!("non-numeric value in: {line}"));
         let key = (kind.to_string(), ty.to_string(), field.to_string());
-        assert!(
-            checks.insert(key, value).is_none(),
-            "duplicate check line: {line}"
-        );
+        assert!(checks.insert(key, value).is_none(), "duplicate check line: {line}");
     }
     checks
 }
@@ -108,49 +98,32 @@ fn header_layout_lines_match_the_rust_structs() {
     let mut problems = Vec::new();
     for (key, value) in &rust {
         match header.get(key) {
-            None => problems.push(format!(
-                "header lacks V4POOL_CHECK_{}({}, {}) = {value}",
-                key.0, key.1, key.2
-            )),
+            None => {
+                problems.push(format!("header lacks V4POOL_CHECK_{}({}, {}) = {value}", key.0, key.1, key.2))
+            }
             Some(h) if h != value => problems.push(format!("{key:?}: header {h}, Rust {value}")),
             Some(_) => {}
         }
     }
     for key in header.keys().filter(|k| !rust.contains_key(*k)) {
-        problems.push(format!(
-            "header checks {key:?}, which the Rust side does not list"
-        ));
+        problems.push(format!("header checks {key:?}, which the Rust side does not list"));
     }
-    assert!(
-        problems.is_empty(),
-        "layout mismatch:\n{}",
-        problems.join("\n")
-    );
+    assert!(problems.is_empty(), "layout mismatch:\n{}", problems.join("\n"));
     assert!(header.len() > 100, "parsed only {} checks", header.len());
 }
 
 fn header_define(name: &str) -> i64 {
     let prefix = format!("#define {name} ");
-    let line = HEADER
-        .lines()
-        .find_map(|l| l.trim().strip_prefix(prefix.as_str()));
+    let line = HEADER.lines().find_map(|l| l.trim().strip_prefix(prefix.as_str()));
     let line = line.unwrap_or_else(|| panic!("header lacks #define {name}"));
-    line.trim()
-        .parse()
-        .unwrap_or_else(|_| panic!("#define {name} is not a number"))
+    line.trim().parse().unwrap_or_else(|_| panic!("#define {name} is not a number"))
 }
 
 #[test]
 fn header_constants_match_the_launch_shapes() {
-    assert_eq!(
-        header_define("V4POOL_BLOCK_THREADS"),
-        i64::from(BLOCK_THREADS)
-    );
+    assert_eq!(header_define("V4POOL_BLOCK_THREADS"), i64::from(BLOCK_THREADS));
     assert_eq!(header_define("V4POOL_ROW_LANES"), i64::from(ROW_LANES));
-    assert_eq!(
-        header_define("V4POOL_ROWS_PER_BLOCK"),
-        i64::from(ROWS_PER_BLOCK)
-    );
+    assert_eq!(header_define("V4POOL_ROWS_PER_BLOCK"), i64::from(ROWS_PER_BLOCK));
     assert_eq!(header_define("V4POOL_RUN_SPLIT"), i64::from(RUN_SPLIT));
     assert_eq!(header_define("V4POOL_CLASS_DENSE"), CLASS_DENSE as i64);
     assert_eq!(header_define("V4POOL_CLASS_CSA"), CLASS_CSA as i64);
@@ -160,14 +133,8 @@ fn header_constants_match_the_launch_shapes() {
 #[test]
 fn embedded_source_carries_the_same_header() {
     // What NVRTC / hiprtc compile is the header verbatim (less `#pragma once`) plus the kernels.
-    for line in HEADER
-        .lines()
-        .filter(|l| l.trim_start().starts_with("V4POOL_CHECK_"))
-    {
-        assert!(
-            v4pool::kernels::SOURCE.contains(line),
-            "embedded source lacks: {line}"
-        );
+    for line in HEADER.lines().filter(|l| l.trim_start().starts_with("V4POOL_CHECK_")) {
+        assert!(v4pool::kernels::SOURCE.contains(line), "embedded source lacks: {line}");
     }
     assert_eq!(v4pool::kernels::COMMON_HEADER, HEADER);
 }

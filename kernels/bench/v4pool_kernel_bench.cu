@@ -91,13 +91,17 @@ int main() {
     d.win = WIN;
     float dec = time_us([&] { v4pool_decode_indices<<<B, V4POOL_BLOCK_THREADS>>>(d); });
     size_t dec_bytes = (size_t)B * (3 * WIN + HCA_HEAD) * 4;
-    float dec_floor = time_us([&] { CK(cudaMemsetAsync(d_hca, 0, (size_t)B * (WIN + HCA_HEAD) * 4)); });
     // Spot check: token 7's HCA entry 4097 and its newest window row.
     std::vector<int> h((size_t)B * (WIN + HCA_HEAD));
     CK(cudaMemcpy(h.data(), d_hca, h.size() * 4, cudaMemcpyDeviceToHost));
     long long e = 4097, want = (long long)tables[7 * STRIDE + e / RPB] * ENVELOPE + e % RPB;
     long long q = pos[7] % RING, want_w = slots[7] * hca.slot_rows + hca.ring_start + (q / 2) * hca.run_rows + q % 2;
     int ok = h[(size_t)hca_ptr[7] + e] == want && h[(size_t)hca_ptr[8] - 1] == want_w;
+    if (!ok)
+        std::printf("decode check: entry %d want %lld, newest %d want %lld\n", h[(size_t)hca_ptr[7] + e], want,
+                    h[(size_t)hca_ptr[8] - 1], want_w);
+    // The floor zeroes the buffer: time it after the check.
+    float dec_floor = time_us([&] { CK(cudaMemsetAsync(d_hca, 0, (size_t)B * (WIN + HCA_HEAD) * 4)); });
     std::printf("decode B=%d heads=%d: %.2f us (%.1f MB written, %.2f TB/s; memset of the HCA buffer %.2f us) check %s\n",
                 B, HCA_HEAD, dec, dec_bytes / 1e6, dec_bytes / dec / 1e6, dec_floor, ok ? "ok" : "FAILED");
 
@@ -181,12 +185,14 @@ int main() {
     pa.hca_rows_per_block = RPB;
     float pf = time_us([&] { v4pool_prefill_indices<<<T, V4POOL_BLOCK_THREADS>>>(pa); }, 50);
     size_t pf_bytes = (size_t)(ext_n + 2 * swa_n + hca_n) * 4;  // csa: window tails only
-    float pf_floor = time_us([&] { CK(cudaMemsetAsync(d_phca, 0, (size_t)hca_n * 4)); }, 50);
     std::vector<int> ph(hca_n);
     CK(cudaMemcpy(ph.data(), d_phca, hca_n * 4, cudaMemcpyDeviceToHost));
     long long t_last = T - 1, j = 5000;
     long long pre_last = 0;  // the last token's window is all in-chunk
-    int pok = ph[(size_t)hca_p[t_last] + pre_last + j] == (long long)ptable[j / RPB] * ENVELOPE + j % RPB;
+    long long pwant = (long long)ptable[j / RPB] * ENVELOPE + j % RPB;
+    int pok = ph[(size_t)hca_p[t_last] + pre_last + j] == pwant;
+    if (!pok) std::printf("prefill check: got %d want %lld\n", ph[(size_t)hca_p[t_last] + pre_last + j], pwant);
+    float pf_floor = time_us([&] { CK(cudaMemsetAsync(d_phca, 0, (size_t)hca_n * 4)); }, 50);
     std::printf("prefill T=%d at 1M: %.2f us (%.1f MB written, %.2f TB/s; memset of the HCA buffer %.2f us) check %s\n",
                 T, pf, pf_bytes / 1e6, pf_bytes / pf / 1e6, pf_floor, pok ? "ok" : "FAILED");
     return ok && pok ? 0 : 1;
