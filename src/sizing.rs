@@ -117,7 +117,7 @@ pub enum SizingError {
     NoCompressedLayers,
     #[error(
         "budget of {budget} B is too small: {num_slots} slots of {slot_bytes} B and one block of \
-         {page_bytes} B need {required} B (overhead {overhead} B included)"
+         {page_bytes} B need {required} B with the indexer, alignment and {overhead} B of overhead"
     )]
     BudgetTooSmall {
         budget: u64,
