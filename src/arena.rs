@@ -526,10 +526,18 @@ impl ArenaLayout {
             .ok_or(ArenaError::FieldOutOfRange { field, fields: self.fields.len() })?;
         Ok((plane, offset))
     }
-    /// Largest `max(256, align)` over the fields: what a slot stride and a buffer base
-    /// must be multiples of.
-    pub fn max_align(&self) -> u64 {
-        self.fields.iter().map(StateField::start_align).max().unwrap_or(FIELD_ALIGN)
+    /// Largest `max(256, align)` over the fields placed in `plane`: what that plane's slot
+    /// stride and arena buffer base must be multiples of. Per plane, because a plane's
+    /// view holds only its own fields (a 1024-B-aligned state window in the 512-B plane
+    /// asks nothing of the 128-B plane's stride).
+    pub fn max_align(&self, plane: usize) -> Result<u64, ArenaError> {
+        Ok(self
+            .plane(plane)?
+            .fields
+            .iter()
+            .map(|pf| self.fields[pf.field].start_align())
+            .max()
+            .unwrap_or(FIELD_ALIGN))
     }
     /// Checkpoint ranges of the fields placed in `plane`, in that plane's slot bytes.
     pub fn plane_checkpoint_ranges(&self, plane: usize) -> Result<Vec<(u64, u64)>, ArenaError> {
@@ -645,7 +653,7 @@ impl ArenaLayout {
     /// Check a plane's arena binding against the §2.4 preconditions.
     pub fn check_binding(&self, b: &ArenaBinding) -> Result<(), ArenaError> {
         let plane = self.plane(b.plane)?;
-        let align = self.max_align();
+        let align = self.max_align(b.plane)?;
         if b.stride < plane.entry_bytes {
             return Err(ArenaError::SlotStrideTooSmall {
                 plane: b.plane,
@@ -945,5 +953,23 @@ mod tests {
         assert_eq!(a.check_binding(&ArenaBinding { len: 9 * stride + 1_935_360, ..ok }), Ok(()));
         assert_eq!(e(ArenaBinding { plane: 2, ..ok }), "PlaneOutOfRange");
         assert_eq!(e(ArenaBinding { entries: 0, live: 0, ..ok }), "NoEntries");
+        // Alignment is per plane: the 1024-B state window asks only its own plane.
+        let d = ArenaLayout::for_model(&ModelShape::v4_flash_dspark(5, DraftMode::Absent).unwrap(), &FP8)
+            .unwrap();
+        let (wp, _) = d.field_place(d.field_index(STATE_WINDOW).unwrap()).unwrap();
+        let other = 1 - wp;
+        assert_eq!((d.max_align(wp), d.max_align(other)), (Ok(1024), Ok(256)));
+        let s = 28_998u64; // any even slot_rows larger than the arena
+        let bind = |plane: usize, base: u64| ArenaBinding {
+            plane,
+            base,
+            len: 4 * s * FP8[plane],
+            stride: s * FP8[plane],
+            entries: 4,
+            live: 4,
+        };
+        assert_eq!(d.check_binding(&bind(other, 256)), Ok(()));
+        assert_eq!(d.check_binding(&bind(wp, 512)).unwrap_err().variant_name(), "BufferMisaligned");
+        assert_eq!(d.check_binding(&bind(wp, 2048)), Ok(()));
     }
 }
