@@ -6,6 +6,7 @@
 //! lays its own fields out with the §2.2 cursor walk, and every plane reserves the same
 //! number of rows (the largest any plane needs). All byte math is `u64`, checked.
 
+use crate::geometry::UnifiedPoolGeometry;
 use crate::model::ModelShape;
 use thiserror::Error;
 
@@ -144,6 +145,8 @@ pub enum ArenaError {
     PositionOutOfRange { position: i64, positions: i64 },
     #[error("slot of {slot_rows} rows cannot hold the {arena_rows}-row arena")]
     SlotRowsTooSmall { slot_rows: i64, arena_rows: i64 },
+    #[error("the geometry reserves {geometry} arena rows, this arena needs {layout}")]
+    ArenaRowsMismatch { layout: i64, geometry: i64 },
     #[error("field {name:?}: {bytes} B is not a whole number of 32-bit fill words")]
     FillNotWordAligned { name: String, bytes: u64 },
 }
@@ -174,6 +177,7 @@ impl ArenaError {
             PlaneOutOfRange { .. } => "PlaneOutOfRange",
             PositionOutOfRange { .. } => "PositionOutOfRange",
             SlotRowsTooSmall { .. } => "SlotRowsTooSmall",
+            ArenaRowsMismatch { .. } => "ArenaRowsMismatch",
             FillNotWordAligned { .. } => "FillNotWordAligned",
         }
     }
@@ -557,6 +561,28 @@ impl ArenaLayout {
         mul(to_u64(slot_rows, "slot rows")?, self.plane(plane)?.width, "slot stride")
     }
 
+    /// Byte offset, from the start of `plane`, of the slot at `position` of the carved
+    /// `geom` (its arena comes first). Validates the position against the geometry and
+    /// honours its `slot_origin`; state code should write only `geom.live_positions()`.
+    pub fn slot_base(
+        &self,
+        geom: &UnifiedPoolGeometry,
+        plane: usize,
+        position: i64,
+    ) -> Result<u64, ArenaError> {
+        if geom.arena_rows != self.arena_rows {
+            return Err(ArenaError::SlotRowsTooSmall {
+                slot_rows: geom.arena_rows,
+                arena_rows: self.arena_rows,
+            });
+        }
+        let width = self.plane(plane)?.width;
+        let (start, _) = geom
+            .slot_span(position)
+            .map_err(|_| ArenaError::PositionOutOfRange { position, positions: geom.slot_positions })?;
+        mul(to_u64(start, "slot row")?, width, "slot base")
+    }
+
     /// Byte offset, from the start of its plane, of `layer` of `field` at slot `position`
     /// (§2.4): `position × slot_rows × width + field offset + layer × per-layer bytes`.
     /// Returns `(plane, offset)`. Positions count from the plane's row 0 (a carve whose
@@ -900,6 +926,19 @@ mod tests {
         assert!(matches!(a.byte_offset(-1, hs, 0, slot_rows), Err(ArenaError::PositionOutOfRange { .. })));
         assert!(matches!(a.byte_offset(0, 9, 0, slot_rows), Err(ArenaError::FieldOutOfRange { .. })));
         assert!(matches!(a.byte_offset(0, hs, 0, 100), Err(ArenaError::SlotRowsTooSmall { .. })));
+        let g = GeometrySpec::new(ModelShape::v4_flash(1).unwrap().ratios, 10, 3, 129, 256)
+            .arena_rows(a.arena_rows())
+            .plane_rows(6 * slot_rows)
+            .build()
+            .unwrap();
+        assert_eq!(a.slot_base(&g, 1, 5), Ok(5 * slot_rows as u64 * 128));
+        assert_eq!(a.slot_base(&g, 1, 5).unwrap(), a.byte_offset(5, 0, 0, slot_rows).unwrap().1);
+        assert!(matches!(a.slot_base(&g, 1, 6), Err(ArenaError::PositionOutOfRange { .. })));
+        let g0 = GeometrySpec::new(vec![4, 128, 0], 0, 1, 129, 256).arena_rows(3).build().unwrap();
+        assert_eq!(
+            a.slot_base(&g0, 0, 0),
+            Err(ArenaError::ArenaRowsMismatch { layout: 20_640, geometry: 3 })
+        );
     }
 
     #[test]

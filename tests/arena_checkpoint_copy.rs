@@ -57,6 +57,7 @@ fn written(mem: &Memory, plan: &[CopyRun]) -> (Vec<Vec<bool>>, Vec<Vec<bool>>) {
 }
 
 /// Store slot `src_group` into `units`, restore into `dst_group`, and check both directions.
+#[allow(clippy::too_many_arguments)]
 fn round_trip(
     ck: &CheckpointLayout,
     g: &UnifiedPoolGeometry,

@@ -109,9 +109,11 @@ pub struct PlanReport {
     pub layout_id: String,
 }
 
-/// Parsed options: `(values, flags)`.
-fn parse_args(args: &[String]) -> Result<(Vec<(&'static str, String)>, Vec<&'static str>), PlanCliError> {
-    let (mut values, mut flags): (Vec<(&'static str, String)>, Vec<&'static str>) = (Vec::new(), Vec::new());
+/// Options with their values, and the bare flags given.
+type Parsed = (Vec<(&'static str, String)>, Vec<&'static str>);
+
+fn parse_args(args: &[String]) -> Result<Parsed, PlanCliError> {
+    let (mut values, mut flags): Parsed = (Vec::new(), Vec::new());
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         if !arg.starts_with("--") || arg == "--" {
