@@ -571,10 +571,7 @@ impl ArenaLayout {
         position: i64,
     ) -> Result<u64, ArenaError> {
         if geom.arena_rows != self.arena_rows {
-            return Err(ArenaError::SlotRowsTooSmall {
-                slot_rows: geom.arena_rows,
-                arena_rows: self.arena_rows,
-            });
+            return Err(ArenaError::ArenaRowsMismatch { layout: self.arena_rows, geometry: geom.arena_rows });
         }
         let width = self.plane(plane)?.width;
         let (start, _) = geom
