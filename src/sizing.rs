@@ -28,6 +28,17 @@
 //! With the default `min_slots = 0` it sits further under by the indexer headroom, about
 //! `m × S / E × indexer_block_bytes / page_bytes` blocks (≈0.8 % on Flash k=0 fp8, ≈1.4 % on
 //! Pro k=1 at 100 GiB, m = 256).
+//!
+//! Blocks at 100 GiB, m = 256 (fp8 KV and FP8 indexer unless noted):
+//!
+//! | config            | spec table | `min_slots = 256` | `min_slots = 0` (default) |
+//! |-------------------|-----------:|------------------:|--------------------------:|
+//! | Flash k=0         |     96,970 |            96,957 |                    96,146 |
+//! | Flash k=1         |     96,741 |            96,725 |                    95,888 |
+//! | Flash k=1, FP4    |    105,257 |           105,239 |                   104,761 |
+//! | Flash k=1 bf16    |     64,184 |            64,172 |                    63,785 |
+//! | Pro k=1           |     66,046 |            66,044 |                    65,136 |
+//! | Pro k=1, FP4      |     71,847 |            71,829 |                    71,323 |
 
 use crate::arena::{plan_regions, ArenaError, ArenaLayout};
 use crate::geometry::{GeometryError, GeometrySpec, UnifiedPoolGeometry, MAX_PLANE_ROWS};
