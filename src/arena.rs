@@ -6,6 +6,7 @@
 //! lays its own fields out with the §2.2 cursor walk, and every plane reserves the same
 //! number of rows (the largest any plane needs). All byte math is `u64`, checked.
 
+use crate::geometry::UnifiedPoolGeometry;
 use crate::model::ModelShape;
 use thiserror::Error;
 
@@ -144,6 +145,8 @@ pub enum ArenaError {
     PositionOutOfRange { position: i64, positions: i64 },
     #[error("slot of {slot_rows} rows cannot hold the {arena_rows}-row arena")]
     SlotRowsTooSmall { slot_rows: i64, arena_rows: i64 },
+    #[error("the geometry reserves {geometry} arena rows, this arena needs {layout}")]
+    ArenaRowsMismatch { layout: i64, geometry: i64 },
     #[error("field {name:?}: {bytes} B is not a whole number of 32-bit fill words")]
     FillNotWordAligned { name: String, bytes: u64 },
 }
@@ -174,6 +177,7 @@ impl ArenaError {
             PlaneOutOfRange { .. } => "PlaneOutOfRange",
             PositionOutOfRange { .. } => "PositionOutOfRange",
             SlotRowsTooSmall { .. } => "SlotRowsTooSmall",
+            ArenaRowsMismatch { .. } => "ArenaRowsMismatch",
             FillNotWordAligned { .. } => "FillNotWordAligned",
         }
     }
@@ -526,10 +530,18 @@ impl ArenaLayout {
             .ok_or(ArenaError::FieldOutOfRange { field, fields: self.fields.len() })?;
         Ok((plane, offset))
     }
-    /// Largest `max(256, align)` over the fields: what a slot stride and a buffer base
-    /// must be multiples of.
-    pub fn max_align(&self) -> u64 {
-        self.fields.iter().map(StateField::start_align).max().unwrap_or(FIELD_ALIGN)
+    /// Largest `max(256, align)` over the fields placed in `plane`: what that plane's slot
+    /// stride and arena buffer base must be multiples of. Per plane, because a plane's
+    /// view holds only its own fields (a 1024-B-aligned state window in the 512-B plane
+    /// asks nothing of the 128-B plane's stride).
+    pub fn max_align(&self, plane: usize) -> Result<u64, ArenaError> {
+        Ok(self
+            .plane(plane)?
+            .fields
+            .iter()
+            .map(|pf| self.fields[pf.field].start_align())
+            .max()
+            .unwrap_or(FIELD_ALIGN))
     }
     /// Checkpoint ranges of the fields placed in `plane`, in that plane's slot bytes.
     pub fn plane_checkpoint_ranges(&self, plane: usize) -> Result<Vec<(u64, u64)>, ArenaError> {
@@ -547,6 +559,25 @@ impl ArenaLayout {
             return Err(ArenaError::SlotRowsTooSmall { slot_rows, arena_rows: self.arena_rows });
         }
         mul(to_u64(slot_rows, "slot rows")?, self.plane(plane)?.width, "slot stride")
+    }
+
+    /// Byte offset, from the start of `plane`, of the slot at `position` of the carved
+    /// `geom` (its arena comes first). Validates the position against the geometry and
+    /// honours its `slot_origin`; state code should write only `geom.live_positions()`.
+    pub fn slot_base(
+        &self,
+        geom: &UnifiedPoolGeometry,
+        plane: usize,
+        position: i64,
+    ) -> Result<u64, ArenaError> {
+        if geom.arena_rows != self.arena_rows {
+            return Err(ArenaError::ArenaRowsMismatch { layout: self.arena_rows, geometry: geom.arena_rows });
+        }
+        let width = self.plane(plane)?.width;
+        let (start, _) = geom
+            .slot_span(position)
+            .map_err(|_| ArenaError::PositionOutOfRange { position, positions: geom.slot_positions })?;
+        mul(to_u64(start, "slot row")?, width, "slot base")
     }
 
     /// Byte offset, from the start of its plane, of `layer` of `field` at slot `position`
@@ -645,7 +676,7 @@ impl ArenaLayout {
     /// Check a plane's arena binding against the §2.4 preconditions.
     pub fn check_binding(&self, b: &ArenaBinding) -> Result<(), ArenaError> {
         let plane = self.plane(b.plane)?;
-        let align = self.max_align();
+        let align = self.max_align(b.plane)?;
         if b.stride < plane.entry_bytes {
             return Err(ArenaError::SlotStrideTooSmall {
                 plane: b.plane,
@@ -892,6 +923,19 @@ mod tests {
         assert!(matches!(a.byte_offset(-1, hs, 0, slot_rows), Err(ArenaError::PositionOutOfRange { .. })));
         assert!(matches!(a.byte_offset(0, 9, 0, slot_rows), Err(ArenaError::FieldOutOfRange { .. })));
         assert!(matches!(a.byte_offset(0, hs, 0, 100), Err(ArenaError::SlotRowsTooSmall { .. })));
+        let g = GeometrySpec::new(ModelShape::v4_flash(1).unwrap().ratios, 10, 3, 129, 256)
+            .arena_rows(a.arena_rows())
+            .plane_rows(6 * slot_rows)
+            .build()
+            .unwrap();
+        assert_eq!(a.slot_base(&g, 1, 5), Ok(5 * slot_rows as u64 * 128));
+        assert_eq!(a.slot_base(&g, 1, 5).unwrap(), a.byte_offset(5, 0, 0, slot_rows).unwrap().1);
+        assert!(matches!(a.slot_base(&g, 1, 6), Err(ArenaError::PositionOutOfRange { .. })));
+        let g0 = GeometrySpec::new(vec![4, 128, 0], 0, 1, 129, 256).arena_rows(3).build().unwrap();
+        assert_eq!(
+            a.slot_base(&g0, 0, 0),
+            Err(ArenaError::ArenaRowsMismatch { layout: 20_640, geometry: 3 })
+        );
     }
 
     #[test]
@@ -945,5 +989,23 @@ mod tests {
         assert_eq!(a.check_binding(&ArenaBinding { len: 9 * stride + 1_935_360, ..ok }), Ok(()));
         assert_eq!(e(ArenaBinding { plane: 2, ..ok }), "PlaneOutOfRange");
         assert_eq!(e(ArenaBinding { entries: 0, live: 0, ..ok }), "NoEntries");
+        // Alignment is per plane: the 1024-B state window asks only its own plane.
+        let d = ArenaLayout::for_model(&ModelShape::v4_flash_dspark(5, DraftMode::Absent).unwrap(), &FP8)
+            .unwrap();
+        let (wp, _) = d.field_place(d.field_index(STATE_WINDOW).unwrap()).unwrap();
+        let other = 1 - wp;
+        assert_eq!((d.max_align(wp), d.max_align(other)), (Ok(1024), Ok(256)));
+        let s = 28_998u64; // any even slot_rows larger than the arena
+        let bind = |plane: usize, base: u64| ArenaBinding {
+            plane,
+            base,
+            len: 4 * s * FP8[plane],
+            stride: s * FP8[plane],
+            entries: 4,
+            live: 4,
+        };
+        assert_eq!(d.check_binding(&bind(other, 256)), Ok(()));
+        assert_eq!(d.check_binding(&bind(wp, 512)).unwrap_err().variant_name(), "BufferMisaligned");
+        assert_eq!(d.check_binding(&bind(wp, 2048)), Ok(()));
     }
 }

@@ -28,6 +28,17 @@
 //! With the default `min_slots = 0` it sits further under by the indexer headroom, about
 //! `m × S / E × indexer_block_bytes / page_bytes` blocks (≈0.8 % on Flash k=0 fp8, ≈1.4 % on
 //! Pro k=1 at 100 GiB, m = 256).
+//!
+//! Blocks at 100 GiB, m = 256 (fp8 KV and FP8 indexer unless noted):
+//!
+//! | config            | spec table | `min_slots = 256` | `min_slots = 0` (default) |
+//! |-------------------|-----------:|------------------:|--------------------------:|
+//! | Flash k=0         |     96,970 |            96,957 |                    96,146 |
+//! | Flash k=1         |     96,741 |            96,725 |                    95,888 |
+//! | Flash k=1, FP4    |    105,257 |           105,239 |                   104,761 |
+//! | Flash k=1 bf16    |     64,184 |            64,172 |                    63,785 |
+//! | Pro k=1           |     66,046 |            66,044 |                    65,136 |
+//! | Pro k=1, FP4      |     71,847 |            71,829 |                    71,323 |
 
 use crate::arena::{plan_regions, ArenaError, ArenaLayout};
 use crate::geometry::{GeometryError, GeometrySpec, UnifiedPoolGeometry, MAX_PLANE_ROWS};
@@ -117,7 +128,7 @@ pub enum SizingError {
     NoCompressedLayers,
     #[error(
         "budget of {budget} B is too small: {num_slots} slots of {slot_bytes} B and one block of \
-         {page_bytes} B need {required} B (overhead {overhead} B included)"
+         {page_bytes} B need {required} B with the indexer, alignment and {overhead} B of overhead"
     )]
     BudgetTooSmall {
         budget: u64,
@@ -129,6 +140,8 @@ pub enum SizingError {
     },
     #[error("arithmetic overflow computing {what}")]
     Overflow { what: &'static str },
+    #[error("the carved pool has {what} {carved}, sizing planned {planned}")]
+    CarveMismatch { what: &'static str, planned: u64, carved: u64 },
     #[error("empty byte count")]
     EmptyBytes,
     #[error("{text:?} is not a byte count (digits with an optional unit: 1234, 512MiB, 80GB)")]
@@ -151,6 +164,7 @@ impl SizingError {
             NoCompressedLayers => "NoCompressedLayers",
             BudgetTooSmall { .. } => "BudgetTooSmall",
             Overflow { .. } => "Overflow",
+            CarveMismatch { .. } => "CarveMismatch",
             EmptyBytes => "EmptyBytes",
             BadBytes { .. } => "BadBytes",
             UnknownUnit { .. } => "UnknownUnit",
@@ -295,6 +309,36 @@ pub struct Plan {
     pub plane_capped: bool,
     /// The carve: `(num_blocks, num_slots)` at `plane_rows`.
     pub geometry: UnifiedPoolGeometry,
+}
+
+impl Plan {
+    /// The §4 start-up cross-check: page and slot bytes recomputed from the geometry the
+    /// pool actually carved (and its plane and row counts) must equal what sizing used.
+    /// Checkpoint image bytes and the layout id are compared by the caller through
+    /// [`crate::checkpoint`], which prices them from the same carved geometry.
+    pub fn verify_carve(&self, carved: &UnifiedPoolGeometry) -> Result<(), SizingError> {
+        let row_bytes: u64 = self.layout.widths().iter().sum();
+        let e = to_u64(carved.envelope_rows, "envelope rows")?;
+        let page = add(mul(e, row_bytes, "page bytes")?, self.layout.indexer_block_bytes()?, "page bytes")?;
+        let slot = mul(to_u64(carved.slot_rows, "slot rows")?, row_bytes, "slot bytes")?;
+        let checks = [
+            ("page_bytes", self.page_bytes, page),
+            ("slot_bytes", self.slot_bytes, slot),
+            ("plane_rows", to_u64(self.plane_rows, "plane rows")?, to_u64(carved.plane_rows, "plane rows")?),
+            (
+                "slot_positions",
+                to_u64(self.slot_positions, "positions")?,
+                to_u64(carved.slot_positions, "positions")?,
+            ),
+            ("arena_rows", to_u64(self.geometry.arena_rows, "arena")?, to_u64(carved.arena_rows, "arena")?),
+        ];
+        for (what, planned, got) in checks {
+            if planned != got {
+                return Err(SizingError::CarveMismatch { what, planned, carved: got });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Bytes the allocations take for a plane of `positions` slots: `(planes, indexer, max_blocks)`.
@@ -559,6 +603,21 @@ mod tests {
         // The plane's blocks are exactly what max_blocks_beside gives.
         assert_eq!(p.geometry.max_blocks_beside(256), p.num_blocks);
         assert_eq!(p.geometry.max_blocks_beside(0), p.max_blocks);
+    }
+
+    #[test]
+    fn verify_carve_catches_a_different_layout() {
+        let m = ModelShape::v4_flash(1).unwrap();
+        let p = plan(&m, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, 16, 8 << 30)).unwrap();
+        assert_eq!(p.verify_carve(&p.geometry), Ok(()));
+        // The elastic boundary moving changes nothing sizing priced.
+        let moved = p.geometry.with_capacity(p.num_blocks / 2, 20, Some(p.plane_rows)).unwrap();
+        assert_eq!(p.verify_carve(&moved), Ok(()));
+        let k0 = PoolLayout::new(&ModelShape::v4_flash(0).unwrap(), KvDtype::Fp8, IndexerDtype::Fp8).unwrap();
+        let other = k0.carve(10, 16, p.plane_rows).unwrap();
+        assert!(matches!(p.verify_carve(&other), Err(SizingError::CarveMismatch { what: "slot_bytes", .. })));
+        let tight = p.geometry.with_capacity(p.num_blocks - 100, 16, None).unwrap();
+        assert!(matches!(p.verify_carve(&tight), Err(SizingError::CarveMismatch { what: "plane_rows", .. })));
     }
 
     #[test]

@@ -1,1 +1,494 @@
-//! (placeholder: being written)
+//! `v4pool plan`: size a pool from a byte budget (`pool-runtime.md` §3) and print the split.
+//!
+//! ```text
+//! v4pool plan --model v4-flash|v4-pro|v4-flash-dspark|v4-pro-dspark|…|PATH/config.json
+//!             --budget 100GiB --max-seqs 256
+//!             [--dtype fp8|bf16] [--indexer fp8|fp4] [--spec-steps K]
+//!             [--min-slots N] [--overhead BYTES] [--json]
+//! ```
+//!
+//! Invalid input exits with status 2 and one line on stderr, or with `--json` one object
+//! `{"error": VARIANT, "message": TEXT}` on stdout.
+
+use crate::checkpoint::{layout_id, CheckpointError, CheckpointLayout};
+use crate::model::{ModelError, ModelShape};
+use crate::sizing::{parse_bytes, plan, IndexerDtype, KvDtype, Plan, PlanRequest, SizingError};
+use serde_json::json;
+use thiserror::Error;
+
+const USAGE: &str = "\
+usage: v4pool plan --model NAME|PATH/config.json --budget BYTES --max-seqs N
+                   [--dtype fp8|bf16] [--indexer fp8|fp4] [--spec-steps K]
+                   [--min-slots N] [--overhead BYTES] [--json]
+
+  --model       preset (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark, and -dense
+                variants with dense drafts) or a HuggingFace config.json
+  --budget      bytes the pool may take: 1234, 512MiB, 80GB, 100GiB
+  --max-seqs    admitted requests: one slot each
+  --dtype       main KV: fp8 (two planes, default) or bf16 (one plane)
+  --indexer     CSA indexer cache: fp8 (default) or fp4
+  --spec-steps  speculative steps k; ring = window + k (default 0)
+  --min-slots   fewest slots the elastic boundary may shrink to; the indexer is sized
+                for the blocks the plane holds beside them (default 0)
+  --overhead    bytes of the pool's own buffers charged to the budget (default 0)
+  --json        one JSON object instead of the report";
+
+const OPTIONS: [&str; 8] = [
+    "--model",
+    "--budget",
+    "--max-seqs",
+    "--dtype",
+    "--indexer",
+    "--spec-steps",
+    "--min-slots",
+    "--overhead",
+];
+const FLAGS: [&str; 2] = ["--json", "--help"];
+
+/// Everything `v4pool plan` rejects.
+#[derive(Debug, Error)]
+pub enum PlanCliError {
+    #[error("unknown option {flag}")]
+    UnknownFlag { flag: String },
+    #[error("unexpected argument {arg:?}")]
+    Unexpected { arg: String },
+    #[error("option {flag} needs a value")]
+    MissingValue { flag: String },
+    #[error("option {flag} given twice")]
+    Duplicate { flag: String },
+    #[error("option {flag} takes no value")]
+    FlagWithValue { flag: String },
+    #[error("option {flag} is required")]
+    MissingOption { flag: &'static str },
+    #[error("option {flag}: {value:?} is not {expected}")]
+    BadValue { flag: &'static str, value: String, expected: &'static str },
+    #[error("cannot read {path}: {reason}")]
+    Io { path: String, reason: String },
+    #[error("--model {path}: config.json models are not built into this binary yet; use a preset name")]
+    ConfigUnsupported { path: String },
+    #[error("{0}")]
+    Model(#[from] ModelError),
+    #[error("{0}")]
+    Sizing(#[from] SizingError),
+    #[error("{0}")]
+    Checkpoint(#[from] CheckpointError),
+}
+
+impl PlanCliError {
+    /// The variant's name as `--json` reports it; wrapped errors report their own.
+    pub fn variant_name(&self) -> String {
+        use PlanCliError::*;
+        match self {
+            UnknownFlag { .. } => "UnknownFlag".into(),
+            Unexpected { .. } => "Unexpected".into(),
+            MissingValue { .. } => "MissingValue".into(),
+            Duplicate { .. } => "Duplicate".into(),
+            FlagWithValue { .. } => "FlagWithValue".into(),
+            MissingOption { .. } => "MissingOption".into(),
+            BadValue { .. } => "BadValue".into(),
+            Io { .. } => "Io".into(),
+            ConfigUnsupported { .. } => "ConfigUnsupported".into(),
+            // The Debug form starts with the variant's name; it keeps working as the model
+            // module grows variants.
+            Model(e) => {
+                let d = format!("{e:?}");
+                d.split(|c: char| !c.is_alphanumeric() && c != '_').next().unwrap_or("Model").to_string()
+            }
+            Sizing(e) => e.variant_name().into(),
+            Checkpoint(e) => e.variant_name().into(),
+        }
+    }
+}
+
+/// What `plan` prints: the sized pool and its checkpoint facts.
+#[derive(Clone, Debug)]
+pub struct PlanReport {
+    pub plan: Plan,
+    pub image_bytes: u64,
+    pub units_per_checkpoint: u64,
+    pub layout_id: String,
+}
+
+/// Options with their values, and the bare flags given.
+type Parsed = (Vec<(&'static str, String)>, Vec<&'static str>);
+
+fn parse_args(args: &[String]) -> Result<Parsed, PlanCliError> {
+    let (mut values, mut flags): Parsed = (Vec::new(), Vec::new());
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        if !arg.starts_with("--") || arg == "--" {
+            return Err(PlanCliError::Unexpected { arg: arg.clone() });
+        }
+        let (key, inline) = match arg.split_once('=') {
+            Some((k, v)) => (k, Some(v)),
+            None => (arg.as_str(), None),
+        };
+        if let Some(&flag) = FLAGS.iter().find(|&&f| f == key) {
+            if inline.is_some() {
+                return Err(PlanCliError::FlagWithValue { flag: key.to_string() });
+            }
+            if flags.contains(&flag) {
+                return Err(PlanCliError::Duplicate { flag: key.to_string() });
+            }
+            flags.push(flag);
+        } else if let Some(&opt) = OPTIONS.iter().find(|&&o| o == key) {
+            let value = match inline {
+                Some(v) => v.to_string(),
+                None => it
+                    .next()
+                    .filter(|v| !v.starts_with("--"))
+                    .cloned()
+                    .ok_or_else(|| PlanCliError::MissingValue { flag: key.to_string() })?,
+            };
+            if values.iter().any(|(k, _)| *k == opt) {
+                return Err(PlanCliError::Duplicate { flag: key.to_string() });
+            }
+            values.push((opt, value));
+        } else {
+            return Err(PlanCliError::UnknownFlag { flag: key.to_string() });
+        }
+    }
+    Ok((values, flags))
+}
+
+fn int(flag: &'static str, v: &str) -> Result<i64, PlanCliError> {
+    v.trim().parse::<i64>().map_err(|_| PlanCliError::BadValue {
+        flag,
+        value: v.to_string(),
+        expected: "a 64-bit integer",
+    })
+}
+
+fn load_model(spec: &str, spec_steps: i64) -> Result<ModelShape, PlanCliError> {
+    let is_path = spec.ends_with(".json") || spec.contains('/');
+    if !is_path {
+        return Ok(ModelShape::by_name(spec, spec_steps)?);
+    }
+    let text = std::fs::read_to_string(spec)
+        .map_err(|e| PlanCliError::Io { path: spec.to_string(), reason: e.to_string() })?;
+    // TODO(lead, merge): once helper "model"'s parser is in this branch, replace the next two
+    // lines with `Ok(ModelShape::from_config_json(&text, spec_steps)?)`.
+    let _ = text;
+    Err(PlanCliError::ConfigUnsupported { path: spec.to_string() })
+}
+
+/// Parse `args` (without the word `plan`) and size the pool. `Ok(None)` is `--help`.
+pub fn execute(args: &[String]) -> Result<Option<PlanReport>, PlanCliError> {
+    let (values, flags) = parse_args(args)?;
+    if flags.contains(&"--help") {
+        return Ok(None);
+    }
+    let get = |k: &str| values.iter().find(|(key, _)| *key == k).map(|(_, v)| v.as_str());
+    let model_spec = get("--model").ok_or(PlanCliError::MissingOption { flag: "--model" })?;
+    let budget_text = get("--budget").ok_or(PlanCliError::MissingOption { flag: "--budget" })?;
+    let m = int("--max-seqs", get("--max-seqs").ok_or(PlanCliError::MissingOption { flag: "--max-seqs" })?)?;
+    let kv = match get("--dtype").unwrap_or("fp8") {
+        "fp8" => KvDtype::Fp8,
+        "bf16" => KvDtype::Bf16,
+        other => {
+            return Err(PlanCliError::BadValue {
+                flag: "--dtype",
+                value: other.into(),
+                expected: "fp8 or bf16",
+            })
+        }
+    };
+    let indexer = match get("--indexer").unwrap_or("fp8") {
+        "fp8" => IndexerDtype::Fp8,
+        "fp4" => IndexerDtype::Fp4,
+        other => {
+            return Err(PlanCliError::BadValue {
+                flag: "--indexer",
+                value: other.into(),
+                expected: "fp8 or fp4",
+            })
+        }
+    };
+    let k = get("--spec-steps").map(|v| int("--spec-steps", v)).transpose()?.unwrap_or(0);
+    let min_slots = get("--min-slots").map(|v| int("--min-slots", v)).transpose()?.unwrap_or(0);
+    let overhead_bytes = get("--overhead").map(parse_bytes).transpose()?.unwrap_or(0);
+    let budget_bytes = parse_bytes(budget_text)?;
+    let model = load_model(model_spec, k)?;
+    let req = PlanRequest { min_slots, overhead_bytes, ..PlanRequest::new(kv, indexer, m, budget_bytes) };
+    let plan = plan(&model, &req)?;
+    let ck = CheckpointLayout::for_pool(&plan.layout)?;
+    Ok(Some(PlanReport {
+        image_bytes: ck.image_bytes,
+        units_per_checkpoint: ck.units_per_checkpoint,
+        layout_id: layout_id(&plan.layout)?,
+        plan,
+    }))
+}
+
+impl PlanReport {
+    /// The `--json` object.
+    pub fn to_json(&self) -> serde_json::Value {
+        let p = &self.plan;
+        let m = &p.layout.model;
+        let g = &p.geometry;
+        json!({
+            "model": m.name,
+            "kv_dtype": p.layout.kv.name(),
+            "indexer_dtype": p.layout.indexer.name(),
+            "spec_steps": m.spec_steps,
+            "ring_slots": m.ring_slots(),
+            "plane_widths": p.layout.widths(),
+            "budget_bytes": p.budget_bytes,
+            "page_bytes": p.page_bytes,
+            "slot_bytes": p.slot_bytes,
+            "num_blocks": p.num_blocks,
+            "num_slots": p.num_slots,
+            "max_blocks": p.max_blocks,
+            "min_slots": p.min_slots,
+            "tight_fit_blocks": p.tight_fit_blocks,
+            "plane_rows": p.plane_rows,
+            "slot_positions": p.slot_positions,
+            "tokens": p.tokens,
+            "envelope_rows": g.envelope_rows,
+            "entry_rows": g.entry_rows,
+            "arena_rows": g.arena_rows,
+            "slot_rows": g.slot_rows,
+            "slot_align_rows": g.slot_align_rows,
+            "rows_wasted": p.rows_wasted,
+            "plane_bytes": p.plane_bytes,
+            "plane_offsets": p.plane_offsets,
+            "planes_total_bytes": p.planes_total_bytes,
+            "indexer_pool_bytes": p.indexer_pool_bytes,
+            "indexer_bytes": p.indexer_total_bytes,
+            "overhead_bytes": p.overhead_bytes,
+            "total_bytes": p.total_bytes,
+            "plane_capped": p.plane_capped,
+            "image_bytes": self.image_bytes,
+            "units_per_checkpoint": self.units_per_checkpoint,
+            "layout_id": self.layout_id,
+        })
+    }
+
+    /// The readable report.
+    pub fn to_text(&self) -> String {
+        let p = &self.plan;
+        let m = &p.layout.model;
+        let g = &p.geometry;
+        let row_bytes: u64 = p.layout.widths().iter().sum();
+        let raw: u64 = p.plane_bytes.iter().sum::<u64>() + p.indexer_pool_bytes.iter().sum::<u64>();
+        let mut s = String::new();
+        let mut line = |t: String| {
+            s.push_str(&t);
+            s.push('\n');
+        };
+        line(format!(
+            "v4pool plan: {} k={} (ring {}), {} KV, {} indexer, budget {} ({} B), max_num_seqs {}",
+            m.name,
+            m.spec_steps,
+            m.ring_slots(),
+            p.layout.kv.name(),
+            p.layout.indexer.name(),
+            human(p.budget_bytes),
+            grouped(p.budget_bytes),
+            p.num_slots
+        ));
+        line(format!(
+            "  page (one block)   {:>18} B   {} envelope rows × {} B + indexer {} B",
+            grouped(p.page_bytes),
+            grouped(g.envelope_rows as u64),
+            row_bytes,
+            grouped(p.page_bytes - g.envelope_rows as u64 * row_bytes)
+        ));
+        line(format!(
+            "  slot (one request) {:>18} B   {} rows: arena {} + entry {} (+ pad)",
+            grouped(p.slot_bytes),
+            grouped(g.slot_rows as u64),
+            grouped(g.arena_rows as u64),
+            grouped(g.entry_rows as u64)
+        ));
+        line(format!(
+            "  blocks             {:>18}     at {} slots; up to {} beside {} slots (spec tight fit: {})",
+            grouped(p.num_blocks as u64),
+            p.num_slots,
+            grouped(p.max_blocks as u64),
+            p.min_slots,
+            grouped(p.tight_fit_blocks.max(0) as u64)
+        ));
+        line(format!(
+            "  slots              {:>18}     of {} positions",
+            grouped(p.num_slots as u64),
+            grouped(p.slot_positions as u64)
+        ));
+        line(format!(
+            "  history tokens     {:>18}     (blocks × {})",
+            grouped(p.tokens as u64),
+            m.block_size
+        ));
+        line(format!(
+            "  plane rows         {:>18}     {} rows wasted at this split{}",
+            grouped(p.plane_rows as u64),
+            grouped(p.rows_wasted as u64),
+            if p.plane_capped { " (plane at the i32 row limit)" } else { "" }
+        ));
+        line("  bytes:".to_string());
+        let names = ["nope", "rope"];
+        for (i, (&b, &w)) in p.plane_bytes.iter().zip(p.layout.widths()).enumerate() {
+            let label = format!("plane {i} ({}, {w} B/row)", names.get(i).copied().unwrap_or("plane"));
+            line(format!("    {label:<30} {:>18}  {}", grouped(b), human(b)));
+        }
+        let idx: u64 = p.indexer_pool_bytes.iter().sum();
+        let label = format!("indexer ({}, {} blocks)", p.layout.indexer.name(), grouped(p.max_blocks as u64));
+        line(format!("    {label:<30} {:>18}  {}", grouped(idx), human(idx)));
+        line(format!("    {:<30} {:>18}", "overhead", grouped(p.overhead_bytes)));
+        line(format!(
+            "    {:<30} {:>18}",
+            "alignment padding",
+            grouped(p.total_bytes - p.overhead_bytes - raw)
+        ));
+        line(format!(
+            "    {:<30} {:>18}  {} ({} B of the budget unused)",
+            "total",
+            grouped(p.total_bytes),
+            human(p.total_bytes),
+            grouped(p.budget_bytes - p.total_bytes)
+        ));
+        line(format!(
+            "  checkpoint image   {:>18} B   {} units",
+            grouped(self.image_bytes),
+            self.units_per_checkpoint
+        ));
+        line(format!("  layout id: {}", self.layout_id));
+        s
+    }
+}
+
+/// `1234567` → `1,234,567`.
+fn grouped(n: u64) -> String {
+    let d = n.to_string();
+    let mut out = String::with_capacity(d.len() + d.len() / 3);
+    for (i, c) in d.chars().enumerate() {
+        if i > 0 && (d.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Bytes in the largest binary unit that keeps a value ≥ 1, two decimals.
+fn human(n: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut i = 0;
+    while i + 1 < units.len() && n >= 1u64 << (10 * (i + 1)) {
+        i += 1;
+    }
+    format!("{:.2} {}", n as f64 / (1u64 << (10 * i)) as f64, units[i])
+}
+
+/// Run `v4pool plan` with `args` (without the word `plan`); returns the exit status.
+pub fn run(args: &[String]) -> i32 {
+    let json = args.iter().any(|a| a == "--json");
+    match execute(args) {
+        Ok(Some(report)) => {
+            if json {
+                println!("{}", report.to_json());
+            } else {
+                print!("{}", report.to_text());
+            }
+            0
+        }
+        Ok(None) => {
+            println!("{USAGE}");
+            0
+        }
+        Err(e) => {
+            if json {
+                println!("{}", json!({ "error": e.variant_name(), "message": e.to_string() }));
+            } else {
+                eprintln!("v4pool plan: {e}");
+            }
+            2
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn flash_k1_report_matches_the_plan() {
+        let r = execute(&args("--model v4-flash --budget 100GiB --max-seqs 256 --spec-steps 1 --json"))
+            .unwrap()
+            .unwrap();
+        let j = r.to_json();
+        assert_eq!(j["page_bytes"], 1_063_168);
+        assert_eq!(j["slot_bytes"], 17_661_440);
+        assert_eq!(j["num_slots"], 256);
+        assert_eq!(j["tight_fit_blocks"], 96_741);
+        assert_eq!(j["image_bytes"], 5_568_000);
+        assert_eq!(j["units_per_checkpoint"], 6);
+        let blocks = j["num_blocks"].as_i64().unwrap();
+        assert!(blocks <= 96_741 && blocks > 95_000);
+        assert_eq!(j["tokens"].as_i64().unwrap(), blocks * 256);
+        assert!(j["total_bytes"].as_u64().unwrap() <= 100 << 30);
+        let planes: Vec<u64> =
+            j["plane_bytes"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        let rows = j["plane_rows"].as_u64().unwrap();
+        assert_eq!(planes, vec![rows * 512, rows * 128]);
+        let text = r.to_text();
+        assert!(text.contains("1,063,168"));
+        assert!(text.contains("layout id: dsv4-paged-state-v3:block=256:ring=129:"));
+    }
+
+    #[test]
+    fn options_and_defaults() {
+        let r = execute(&args(
+            "--model=v4-pro --budget 80GB --max-seqs=64 --dtype bf16 --indexer fp4 --min-slots 64",
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(r.plan.layout.kv, KvDtype::Bf16);
+        assert_eq!(r.plan.layout.indexer, IndexerDtype::Fp4);
+        assert_eq!(r.plan.max_blocks, r.plan.num_blocks);
+        assert_eq!(r.plan.budget_bytes, 80_000_000_000);
+        assert!(execute(&args("--help")).unwrap().is_none());
+        let o =
+            execute(&args("--model v4-flash --budget 10GiB --max-seqs 8 --overhead 1GiB")).unwrap().unwrap();
+        assert_eq!(o.plan.overhead_bytes, 1 << 30);
+    }
+
+    #[test]
+    fn invalid_input_is_typed() {
+        let e = |s: &str| execute(&args(s)).unwrap_err().variant_name();
+        assert_eq!(e("--budget 1GiB --max-seqs 1"), "MissingOption");
+        assert_eq!(e("--model v4-flash --max-seqs 1"), "MissingOption");
+        assert_eq!(e("--model v4-flash --budget 1GiB"), "MissingOption");
+        assert_eq!(e("--model v4-flash --budget 1GiB --max-seqs x"), "BadValue");
+        assert_eq!(e("--model v4-flash --budget 1GiB --max-seqs 1 --dtype fp16"), "BadValue");
+        assert_eq!(e("--model v4-flash --budget 1GiB --max-seqs 1 --indexer int8"), "BadValue");
+        assert_eq!(e("--model v4-flash --budget 1GiB --max-seqs 1 --bogus 3"), "UnknownFlag");
+        assert_eq!(e("--model v4-flash --budget 1GiB --max-seqs 1 extra"), "Unexpected");
+        assert_eq!(e("--model v4-flash --model v4-pro --budget 1GiB --max-seqs 1"), "Duplicate");
+        assert_eq!(e("--model v4-flash --budget --max-seqs 1"), "MissingValue");
+        assert_eq!(e("--model v4-flash --budget 1GiB --max-seqs 1 --json=yes"), "FlagWithValue");
+        assert_eq!(e("--json --json"), "Duplicate");
+        assert_eq!(e("--model v4-flash --budget 12XB --max-seqs 1"), "UnknownUnit");
+        assert_eq!(e("--model v4-flash --budget 1GiB --max-seqs 256"), "BudgetTooSmall");
+        assert_eq!(e("--model v4-flash --budget 1GiB --max-seqs 0"), "NoSlots");
+        assert_eq!(e("--model v4-mini --budget 1GiB --max-seqs 1"), "UnknownPreset");
+        assert_eq!(e("--model v4-flash --budget 1GiB --max-seqs 1 --spec-steps -1"), "SpecSteps");
+        assert_eq!(e("--model /nonexistent/config.json --budget 1GiB --max-seqs 1"), "Io");
+        assert_eq!(run(&args("--model v4-flash --budget 1GiB --max-seqs 256 --json")), 2);
+        assert_eq!(run(&args("--model v4-flash --budget 1GiB --max-seqs 256")), 2);
+    }
+
+    #[test]
+    fn number_formatting() {
+        assert_eq!(grouped(0), "0");
+        assert_eq!(grouped(999), "999");
+        assert_eq!(grouped(1_000), "1,000");
+        assert_eq!(grouped(107_374_182_400), "107,374,182,400");
+        assert_eq!(human(100 << 30), "100.00 GiB");
+        assert_eq!(human(512), "512.00 B");
+    }
+}
