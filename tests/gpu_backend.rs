@@ -44,20 +44,11 @@ fn caller_stream(ordinal: i32) -> u64 {
     let mut stream = std::ptr::null_mut();
     // SAFETY: the backend exists (so the driver is initialised); plain out-pointers.
     unsafe {
-        assert_eq!(
-            sys::cuDeviceGet(&mut dev, ordinal),
-            sys::CUresult::CUDA_SUCCESS
-        );
-        assert_eq!(
-            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
-            sys::CUresult::CUDA_SUCCESS
-        );
+        assert_eq!(sys::cuDeviceGet(&mut dev, ordinal), sys::CUresult::CUDA_SUCCESS);
+        assert_eq!(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), sys::CUresult::CUDA_SUCCESS);
         assert_eq!(sys::cuCtxSetCurrent(ctx), sys::CUresult::CUDA_SUCCESS);
         assert_eq!(
-            sys::cuStreamCreate(
-                &mut stream,
-                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32
-            ),
+            sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
             sys::CUresult::CUDA_SUCCESS
         );
     }

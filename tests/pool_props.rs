@@ -52,7 +52,7 @@ fn small_pool(initial_slots: i64) -> Pool {
         geometry,
         plane_widths: WIDTHS.to_vec(),
         arena,
-        indexer_block_bytes: 96,
+        indexer: Some(v4pool::sizing::IndexerDtype::Fp8),
         csa_layers: vec![1, 3],
     };
     let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());

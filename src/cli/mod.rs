@@ -60,6 +60,8 @@ pub enum CliError {
     #[error("{0}")]
     Sizing(#[from] crate::sizing::SizingError),
     #[error("{0}")]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    #[error("{0}")]
     Backend(#[from] crate::backend::BackendError),
     #[error("{0}")]
     Pool(#[from] crate::pool::PoolError),
@@ -86,6 +88,7 @@ impl CliError {
             Model(e) => e.variant_name(),
             Geometry(e) => e.variant_name(),
             Sizing(e) => e.variant_name(),
+            Checkpoint(e) => e.variant_name(),
             Backend(_) => "Backend",
             Pool(_) => "Pool",
             Simulation(_) => "Simulation",
@@ -199,14 +202,6 @@ fn parse_i64(key: &str, value: &str) -> Result<i64, CliError> {
     })
 }
 
-/// Stand-in for `plan` while `cli::plan` has no `run`.
-// TODO(lead, merge): replace with `plan::run(rest)` once src/cli/plan.rs defines it.
-fn plan_unavailable(args: &[String]) -> i32 {
-    let _ = args;
-    eprintln!("v4pool plan: not built into this binary yet");
-    EXIT_USAGE
-}
-
 /// Run the command with `args` (without the program name); returns the exit status.
 pub fn run(args: &[String]) -> i32 {
     let Some((command, rest)) = args.split_first() else {
@@ -215,7 +210,7 @@ pub fn run(args: &[String]) -> i32 {
     };
     match command.as_str() {
         "layout" => layout::run(rest),
-        "plan" => plan_unavailable(rest),
+        "plan" => plan::run(rest),
         "simulate" => simulate::run(rest),
         "help" | "--help" | "-h" => {
             println!("{USAGE}");

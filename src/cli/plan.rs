@@ -10,11 +10,11 @@
 //! Invalid input exits with status 2 and one line on stderr, or with `--json` one object
 //! `{"error": VARIANT, "message": TEXT}` on stdout.
 
-use crate::checkpoint::{layout_id, CheckpointError, CheckpointLayout};
-use crate::model::{ModelError, ModelShape};
-use crate::sizing::{parse_bytes, plan, IndexerDtype, KvDtype, Plan, PlanRequest, SizingError};
+use super::layout::load_model;
+use super::{fail, parse_args, CliError};
+use crate::checkpoint::{layout_id, CheckpointLayout};
+use crate::sizing::{parse_bytes, plan, IndexerDtype, KvDtype, Plan, PlanRequest};
 use serde_json::json;
-use thiserror::Error;
 
 const USAGE: &str = "\
 usage: v4pool plan --model NAME|PATH/config.json --budget BYTES --max-seqs N
@@ -33,7 +33,7 @@ usage: v4pool plan --model NAME|PATH/config.json --budget BYTES --max-seqs N
   --overhead    bytes of the pool's own buffers charged to the budget (default 0)
   --json        one JSON object instead of the report";
 
-const OPTIONS: [&str; 8] = [
+const OPTIONS: [&str; 10] = [
     "--model",
     "--budget",
     "--max-seqs",
@@ -42,63 +42,10 @@ const OPTIONS: [&str; 8] = [
     "--spec-steps",
     "--min-slots",
     "--overhead",
+    "--draft-stages",
+    "--draft-mode",
 ];
 const FLAGS: [&str; 2] = ["--json", "--help"];
-
-/// Everything `v4pool plan` rejects.
-#[derive(Debug, Error)]
-pub enum PlanCliError {
-    #[error("unknown option {flag}")]
-    UnknownFlag { flag: String },
-    #[error("unexpected argument {arg:?}")]
-    Unexpected { arg: String },
-    #[error("option {flag} needs a value")]
-    MissingValue { flag: String },
-    #[error("option {flag} given twice")]
-    Duplicate { flag: String },
-    #[error("option {flag} takes no value")]
-    FlagWithValue { flag: String },
-    #[error("option {flag} is required")]
-    MissingOption { flag: &'static str },
-    #[error("option {flag}: {value:?} is not {expected}")]
-    BadValue { flag: &'static str, value: String, expected: &'static str },
-    #[error("cannot read {path}: {reason}")]
-    Io { path: String, reason: String },
-    #[error("--model {path}: config.json models are not built into this binary yet; use a preset name")]
-    ConfigUnsupported { path: String },
-    #[error("{0}")]
-    Model(#[from] ModelError),
-    #[error("{0}")]
-    Sizing(#[from] SizingError),
-    #[error("{0}")]
-    Checkpoint(#[from] CheckpointError),
-}
-
-impl PlanCliError {
-    /// The variant's name as `--json` reports it; wrapped errors report their own.
-    pub fn variant_name(&self) -> String {
-        use PlanCliError::*;
-        match self {
-            UnknownFlag { .. } => "UnknownFlag".into(),
-            Unexpected { .. } => "Unexpected".into(),
-            MissingValue { .. } => "MissingValue".into(),
-            Duplicate { .. } => "Duplicate".into(),
-            FlagWithValue { .. } => "FlagWithValue".into(),
-            MissingOption { .. } => "MissingOption".into(),
-            BadValue { .. } => "BadValue".into(),
-            Io { .. } => "Io".into(),
-            ConfigUnsupported { .. } => "ConfigUnsupported".into(),
-            // The Debug form starts with the variant's name; it keeps working as the model
-            // module grows variants.
-            Model(e) => {
-                let d = format!("{e:?}");
-                d.split(|c: char| !c.is_alphanumeric() && c != '_').next().unwrap_or("Model").to_string()
-            }
-            Sizing(e) => e.variant_name().into(),
-            Checkpoint(e) => e.variant_name().into(),
-        }
-    }
-}
 
 /// What `plan` prints: the sized pool and its checkpoint facts.
 #[derive(Clone, Debug)]
@@ -109,106 +56,34 @@ pub struct PlanReport {
     pub layout_id: String,
 }
 
-/// Options with their values, and the bare flags given.
-type Parsed = (Vec<(&'static str, String)>, Vec<&'static str>);
-
-fn parse_args(args: &[String]) -> Result<Parsed, PlanCliError> {
-    let (mut values, mut flags): Parsed = (Vec::new(), Vec::new());
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        if !arg.starts_with("--") || arg == "--" {
-            return Err(PlanCliError::Unexpected { arg: arg.clone() });
-        }
-        let (key, inline) = match arg.split_once('=') {
-            Some((k, v)) => (k, Some(v)),
-            None => (arg.as_str(), None),
-        };
-        if let Some(&flag) = FLAGS.iter().find(|&&f| f == key) {
-            if inline.is_some() {
-                return Err(PlanCliError::FlagWithValue { flag: key.to_string() });
-            }
-            if flags.contains(&flag) {
-                return Err(PlanCliError::Duplicate { flag: key.to_string() });
-            }
-            flags.push(flag);
-        } else if let Some(&opt) = OPTIONS.iter().find(|&&o| o == key) {
-            let value = match inline {
-                Some(v) => v.to_string(),
-                None => it
-                    .next()
-                    .filter(|v| !v.starts_with("--"))
-                    .cloned()
-                    .ok_or_else(|| PlanCliError::MissingValue { flag: key.to_string() })?,
-            };
-            if values.iter().any(|(k, _)| *k == opt) {
-                return Err(PlanCliError::Duplicate { flag: key.to_string() });
-            }
-            values.push((opt, value));
-        } else {
-            return Err(PlanCliError::UnknownFlag { flag: key.to_string() });
-        }
-    }
-    Ok((values, flags))
-}
-
-fn int(flag: &'static str, v: &str) -> Result<i64, PlanCliError> {
-    v.trim().parse::<i64>().map_err(|_| PlanCliError::BadValue {
-        flag,
-        value: v.to_string(),
-        expected: "a 64-bit integer",
-    })
-}
-
-fn load_model(spec: &str, spec_steps: i64) -> Result<ModelShape, PlanCliError> {
-    let is_path = spec.ends_with(".json") || spec.contains('/');
-    if !is_path {
-        return Ok(ModelShape::by_name(spec, spec_steps)?);
-    }
-    let text = std::fs::read_to_string(spec)
-        .map_err(|e| PlanCliError::Io { path: spec.to_string(), reason: e.to_string() })?;
-    // TODO(lead, merge): once helper "model"'s parser is in this branch, replace the next two
-    // lines with `Ok(ModelShape::from_config_json(&text, spec_steps)?)`.
-    let _ = text;
-    Err(PlanCliError::ConfigUnsupported { path: spec.to_string() })
-}
-
 /// Parse `args` (without the word `plan`) and size the pool. `Ok(None)` is `--help`.
-pub fn execute(args: &[String]) -> Result<Option<PlanReport>, PlanCliError> {
-    let (values, flags) = parse_args(args)?;
-    if flags.contains(&"--help") {
+pub fn execute(args: &[String]) -> Result<Option<PlanReport>, CliError> {
+    let p = parse_args(args, &OPTIONS, &FLAGS)?;
+    if p.flag("--help") {
         return Ok(None);
     }
-    let get = |k: &str| values.iter().find(|(key, _)| *key == k).map(|(_, v)| v.as_str());
-    let model_spec = get("--model").ok_or(PlanCliError::MissingOption { flag: "--model" })?;
-    let budget_text = get("--budget").ok_or(PlanCliError::MissingOption { flag: "--budget" })?;
-    let m = int("--max-seqs", get("--max-seqs").ok_or(PlanCliError::MissingOption { flag: "--max-seqs" })?)?;
-    let kv = match get("--dtype").unwrap_or("fp8") {
+    let model_spec = p.get("--model").ok_or(CliError::MissingOption { flag: "--model" })?;
+    let budget_text = p.get("--budget").ok_or(CliError::MissingOption { flag: "--budget" })?;
+    let m = p.required_i64("--max-seqs")?;
+    let bad = |flag: &str, value: &str, expected: &'static str| CliError::BadValue {
+        flag: flag.to_string(),
+        value: value.to_string(),
+        expected,
+    };
+    let kv = match p.get("--dtype").unwrap_or("fp8") {
         "fp8" => KvDtype::Fp8,
         "bf16" => KvDtype::Bf16,
-        other => {
-            return Err(PlanCliError::BadValue {
-                flag: "--dtype",
-                value: other.into(),
-                expected: "fp8 or bf16",
-            })
-        }
+        other => return Err(bad("--dtype", other, "fp8 or bf16")),
     };
-    let indexer = match get("--indexer").unwrap_or("fp8") {
+    let indexer = match p.get("--indexer").unwrap_or("fp8") {
         "fp8" => IndexerDtype::Fp8,
         "fp4" => IndexerDtype::Fp4,
-        other => {
-            return Err(PlanCliError::BadValue {
-                flag: "--indexer",
-                value: other.into(),
-                expected: "fp8 or fp4",
-            })
-        }
+        other => return Err(bad("--indexer", other, "fp8 or fp4")),
     };
-    let k = get("--spec-steps").map(|v| int("--spec-steps", v)).transpose()?.unwrap_or(0);
-    let min_slots = get("--min-slots").map(|v| int("--min-slots", v)).transpose()?.unwrap_or(0);
-    let overhead_bytes = get("--overhead").map(parse_bytes).transpose()?.unwrap_or(0);
+    let min_slots = p.i64("--min-slots")?.unwrap_or(0);
+    let overhead_bytes = p.get("--overhead").map(parse_bytes).transpose()?.unwrap_or(0);
     let budget_bytes = parse_bytes(budget_text)?;
-    let model = load_model(model_spec, k)?;
+    let model = load_model(model_spec, &p)?;
     let req = PlanRequest { min_slots, overhead_bytes, ..PlanRequest::new(kv, indexer, m, budget_bytes) };
     let plan = plan(&model, &req)?;
     let ck = CheckpointLayout::for_pool(&plan.layout)?;
@@ -396,14 +271,7 @@ pub fn run(args: &[String]) -> i32 {
             println!("{USAGE}");
             0
         }
-        Err(e) => {
-            if json {
-                println!("{}", json!({ "error": e.variant_name(), "message": e.to_string() }));
-            } else {
-                eprintln!("v4pool plan: {e}");
-            }
-            2
-        }
+        Err(e) => fail("v4pool plan", &e, json),
     }
 }
 

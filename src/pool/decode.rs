@@ -127,12 +127,11 @@ impl std::fmt::Debug for DecodeIndexBuffers {
 }
 
 impl DecodeIndexBuffers {
-    /// Size and allocate the buffers for `cap` on `backend`, for `geometry`'s classes.
-    pub fn new(
-        backend: &dyn Backend,
+    /// Check `cap` against `geometry` and lay the buffers out (no allocation).
+    fn plan(
         geometry: &UnifiedPoolGeometry,
         cap: DecodeCapacity,
-    ) -> Result<Self, DecodeError> {
+    ) -> Result<(Layout, [bool; 3], [crate::geometry::WindowParams; 3], [u64; 3]), DecodeError> {
         for (what, v) in [
             ("max_seqs", cap.max_seqs),
             ("max_tokens", cap.max_tokens),
@@ -195,6 +194,22 @@ impl DecodeIndexBuffers {
         if t * slice_cap[CLASS_HCA] > i32::MAX as u64 {
             return Err(DecodeError::TooLarge { bytes: l.total });
         }
+        Ok((l, present, params, slice_cap))
+    }
+
+    /// Device bytes the buffers for `cap` take, without allocating them (for sizing and
+    /// overhead reports).
+    pub fn required_bytes(geometry: &UnifiedPoolGeometry, cap: DecodeCapacity) -> Result<u64, DecodeError> {
+        Ok(Self::plan(geometry, cap)?.0.total)
+    }
+
+    /// Size and allocate the buffers for `cap` on `backend`, for `geometry`'s classes.
+    pub fn new(
+        backend: &dyn Backend,
+        geometry: &UnifiedPoolGeometry,
+        cap: DecodeCapacity,
+    ) -> Result<Self, DecodeError> {
+        let (l, present, params, slice_cap) = Self::plan(geometry, cap)?;
         let alloc = backend.alloc_zeroed(l.total)?;
         Ok(DecodeIndexBuffers {
             cap,

@@ -20,11 +20,14 @@ use crate::backend::{Backend, BackendError, DeviceAllocation, Stream};
 use crate::boundary::{Boundary, BoundaryChange, BoundaryError};
 use crate::geometry::{GeometryError, UnifiedPoolGeometry, DENSE_RATIO};
 use crate::index::{CopyRun, CopyRunsArgs, DevicePtr, FillRun, FillRunsArgs, Launch};
+use crate::sizing::IndexerDtype;
+use crate::transfer::{TransferConfig, TransferRegions};
 use std::sync::{Arc, Mutex, MutexGuard};
 use thiserror::Error;
 
 /// Runs one descriptor launch carries; longer lists take several launches.
 const DESCRIPTOR_RUNS: usize = 4096;
+const DESCRIPTOR_BYTES: u64 = (DESCRIPTOR_RUNS * std::mem::size_of::<CopyRun>()) as u64;
 const PLANE_ALIGN: u64 = 256;
 
 /// What the pool is built from: a geometry at a fixed plane capacity (its split is the
@@ -35,20 +38,25 @@ pub struct PoolSpec {
     /// Row bytes of each plane: `[512, 128]` (fp8) or `[1024]` (bf16).
     pub plane_widths: Vec<u64>,
     pub arena: ArenaLayout,
-    /// Indexer bytes per block per CSA layer (8,448 FP8; 4,352 FP4); 0 = no indexer cache.
-    pub indexer_block_bytes: u64,
+    /// The CSA indexer cache's format (`None`: no indexer cache).
+    pub indexer: Option<IndexerDtype>,
     /// Global ids of the CSA layers (the indexer cache's layer order).
     pub csa_layers: Vec<usize>,
 }
 
 impl PoolSpec {
-    /// The spec of a sized plan: its carve, its arena, its indexer shape.
+    /// The spec of a sized plan: its carve, its arena, its indexer shape. The pool sizes
+    /// its indexer cache for every block the plane can hold, so the plan must allow the
+    /// boundary down to zero slots (`min_slots = 0`, the default).
     pub fn from_plan(plan: &crate::sizing::Plan) -> Result<PoolSpec, PoolError> {
+        if plan.min_slots != 0 {
+            return Err(PoolError::MinSlots(plan.min_slots));
+        }
         Ok(PoolSpec {
             geometry: plan.geometry.clone(),
             plane_widths: plan.layout.widths().to_vec(),
             arena: plan.layout.arena.clone(),
-            indexer_block_bytes: plan.layout.indexer.layer_block_bytes(),
+            indexer: Some(plan.layout.indexer),
             csa_layers: plan.layout.model.csa_layers(),
         })
     }
@@ -76,6 +84,16 @@ pub enum PoolError {
     PlaneRange { plane: usize, offset: u64, len: u64, plane_bytes: u64 },
     #[error("buffer of {got} bytes, expected {expected}")]
     BufferSize { got: usize, expected: u64 },
+    #[error(
+        "a plan with min_slots {0} sizes the indexer below what the plane can hold; pools need min_slots 0"
+    )]
+    MinSlots(i64),
+    #[error(transparent)]
+    Transfer(#[from] crate::transfer::TransferError),
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    #[error("decode buffers: {0}")]
+    Decode(String),
     #[error("arithmetic overflow computing {0}")]
     Overflow(&'static str),
     #[error("the pool's lock was poisoned by a panic in another thread")]
@@ -107,14 +125,47 @@ pub struct Overhead {
     pub indexer_bytes: u64,
     /// Device descriptor buffers (copy and fill runs).
     pub descriptor_bytes: u64,
+    /// Persistent index and metadata buffers (decode/prefill), when known.
+    pub index_bytes: u64,
     /// Host bookkeeping: allocator state.
     pub host_bytes: u64,
 }
 
+/// Host bookkeeping per block id and per slot group (allocator state, upper bound).
+const HOST_BYTES_PER_BLOCK: u64 = 64;
+const HOST_BYTES_PER_SLOT: u64 = 32;
+
 impl Overhead {
-    /// Overhead (descriptors + host bookkeeping + `extra`, e.g. index buffers) over planes.
-    pub fn fraction(&self, extra: u64) -> f64 {
-        (self.descriptor_bytes + self.host_bytes + extra) as f64 / self.plane_bytes.max(1) as f64
+    /// What a pool for `spec` would hold besides its planes, with decode index buffers of
+    /// capacity `decode`, computed without allocating (for production sizes).
+    pub fn estimate(spec: &PoolSpec, decode: Option<DecodeCapacity>) -> Result<Overhead, PoolError> {
+        let g = &spec.geometry;
+        let planes: u64 = spec.plane_widths.iter().map(|&w| g.plane_bytes(w)).sum();
+        let max_blocks = g.max_blocks_beside(0).max(0) as u64;
+        let indexer = spec.indexer.map_or(0, |ix| {
+            spec.csa_layers.len() as u64 * max_blocks * ix.pool_block_bytes().iter().sum::<u64>()
+        });
+        let index = match decode {
+            Some(cap) => DecodeIndexBuffers::required_bytes(g, cap).map_err(|e| match e {
+                DecodeError::Backend(b) => PoolError::Backend(b),
+                other => PoolError::Decode(other.to_string()),
+            })?,
+            None => 0,
+        };
+        Ok(Overhead {
+            plane_bytes: planes,
+            indexer_bytes: indexer,
+            descriptor_bytes: DESCRIPTOR_BYTES,
+            index_bytes: index,
+            host_bytes: std::mem::size_of::<Boundary>() as u64
+                + HOST_BYTES_PER_BLOCK * max_blocks
+                + HOST_BYTES_PER_SLOT * g.slot_positions.max(0) as u64,
+        })
+    }
+
+    /// The pool's own bytes (descriptors, index buffers, host bookkeeping) over the planes'.
+    pub fn fraction(&self) -> f64 {
+        (self.descriptor_bytes + self.index_bytes + self.host_bytes) as f64 / self.plane_bytes.max(1) as f64
     }
 }
 
@@ -130,6 +181,8 @@ pub struct Pool {
     planes: Option<DeviceAllocation>,
     plane_offsets: Vec<u64>,
     indexer: Option<DeviceAllocation>,
+    /// Offset of each indexer pool inside the indexer allocation.
+    indexer_offsets: Vec<u64>,
     /// Blocks the indexer cache is sized for (the most the plane can hold).
     indexer_blocks: u64,
     descriptors: Option<DeviceAllocation>,
@@ -169,17 +222,29 @@ impl Pool {
             let bytes = checked((g.plane_rows as u64).checked_mul(w), "plane bytes")?;
             cursor = checked(cursor.checked_add(bytes), "planes")?.div_ceil(PLANE_ALIGN) * PLANE_ALIGN;
         }
+        // The indexer cache: one region per indexer pool (FP8: one; FP4: data, scales),
+        // each `[n_csa][indexer_blocks][pool block bytes]`, sized for every block the plane
+        // can hold so the boundary never outgrows it.
         let indexer_blocks = boundary.max_blocks_beside(0) as u64;
-        let indexer_bytes = checked(
-            (spec.csa_layers.len() as u64)
-                .checked_mul(indexer_blocks)
-                .and_then(|x| x.checked_mul(spec.indexer_block_bytes)),
-            "indexer bytes",
-        )?;
+        let mut indexer_offsets = Vec::new();
+        let mut indexer_bytes = 0u64;
+        if let Some(ix) = spec.indexer.filter(|_| !spec.csa_layers.is_empty()) {
+            for &pb in ix.pool_block_bytes() {
+                indexer_offsets.push(indexer_bytes);
+                let bytes = checked(
+                    (spec.csa_layers.len() as u64)
+                        .checked_mul(indexer_blocks)
+                        .and_then(|x| x.checked_mul(pb)),
+                    "indexer bytes",
+                )?;
+                indexer_bytes = checked(indexer_bytes.checked_add(bytes), "indexer bytes")?
+                    .div_ceil(PLANE_ALIGN)
+                    * PLANE_ALIGN;
+            }
+        }
         let planes = backend.alloc_zeroed(cursor.max(PLANE_ALIGN))?;
         let indexer = if indexer_bytes > 0 { Some(backend.alloc_zeroed(indexer_bytes)?) } else { None };
-        let desc_bytes = (DESCRIPTOR_RUNS * std::mem::size_of::<CopyRun>()) as u64;
-        let descriptors = Some(backend.alloc_zeroed(desc_bytes)?);
+        let descriptors = Some(backend.alloc_zeroed(DESCRIPTOR_BYTES)?);
         let pool = Pool {
             backend,
             stream,
@@ -187,6 +252,7 @@ impl Pool {
             planes: Some(planes),
             plane_offsets,
             indexer,
+            indexer_offsets,
             indexer_blocks,
             descriptors,
             state: Mutex::new(State { boundary }),
@@ -237,12 +303,35 @@ impl Pool {
         Ok(self.spec.geometry.plane_bytes(*w))
     }
 
-    /// Base address of the indexer cache (`[n_csa][indexer_blocks][block bytes]`), if any.
+    /// Base address of the indexer cache, if any: one region per indexer pool (see
+    /// [`Pool::indexer_offsets`]), each `[n_csa][indexer_blocks][pool block bytes]`.
     pub fn indexer_ptr(&self) -> Option<DevicePtr> {
         self.indexer.as_ref().map(|a| a.ptr)
     }
     pub fn indexer_blocks(&self) -> u64 {
         self.indexer_blocks
+    }
+    /// Byte offset of each indexer pool (FP8: one; FP4: data, scales) in the allocation.
+    pub fn indexer_offsets(&self) -> &[u64] {
+        &self.indexer_offsets
+    }
+
+    /// PD / offload transfer regions at the current split (`pool-runtime.md` §7): block
+    /// regions for both planes and every CSA indexer layer, slot regions for both planes,
+    /// reverse indexed by group. Offsets are relative to [`Pool::plane_ptr`]`(0)` (planes)
+    /// and [`Pool::indexer_ptr`] (indexer). The slot base moves with the split: re-register
+    /// after every boundary move.
+    pub fn transfer_regions(&self, config: &TransferConfig) -> Result<TransferRegions, PoolError> {
+        let g = self.geometry()?;
+        let ix = self.spec.indexer.unwrap_or(IndexerDtype::Fp8);
+        Ok(crate::transfer::transfer_regions(
+            &g,
+            &self.spec.plane_widths,
+            &self.spec.csa_layers,
+            ix,
+            self.indexer_blocks as i64,
+            config,
+        )?)
     }
 
     /// The per-layer view of `layer` in `plane`. Absent layers have none (an error).
@@ -372,11 +461,12 @@ impl Pool {
                 let bytes = g.block_bytes(w);
                 runs.push(CopyRun { src: base + from * bytes, dst: base + to * bytes, bytes });
             }
-            if let Some(ix) = self.indexer_ptr() {
-                let bb = self.spec.indexer_block_bytes;
-                for c in 0..self.spec.csa_layers.len() as u64 {
-                    let layer = ix + c * self.indexer_blocks * bb;
-                    runs.push(CopyRun { src: layer + from * bb, dst: layer + to * bb, bytes: bb });
+            if let (Some(base), Some(ix)) = (self.indexer_ptr(), self.spec.indexer) {
+                for (&pb, &off) in ix.pool_block_bytes().iter().zip(&self.indexer_offsets) {
+                    for c in 0..self.spec.csa_layers.len() as u64 {
+                        let layer = base + off + c * self.indexer_blocks * pb;
+                        runs.push(CopyRun { src: layer + from * pb, dst: layer + to * pb, bytes: pb });
+                    }
                 }
             }
         }
@@ -448,21 +538,17 @@ impl Pool {
     pub fn checkpoint_ranges(&self) -> Result<Vec<Vec<(u64, u64)>>, PoolError> {
         let g = &self.spec.geometry;
         let entry_runs = g.entry_row_runs();
-        let mut out = Vec::new();
-        for (p, &w) in self.spec.plane_widths.iter().enumerate() {
-            let mut ranges: Vec<(i64, i64)> = self
-                .spec
-                .arena
-                .plane_checkpoint_ranges(p)?
-                .into_iter()
-                .map(|(s, c)| (s as i64, c as i64))
-                .collect();
-            let w = w as i64;
-            ranges.extend(entry_runs.iter().map(|&(s, c)| ((g.arena_rows + s) * w, c * w)));
-            let merged = crate::geometry::merge_abutting(&ranges)?;
-            out.push(merged.into_iter().map(|(s, c)| (s as u64, c as u64)).collect());
-        }
-        Ok(out)
+        (0..self.num_planes())
+            .map(|p| {
+                let state = self.spec.arena.plane_checkpoint_ranges(p)?;
+                Ok(crate::checkpoint::plane_ranges(
+                    &state,
+                    g.arena_rows,
+                    &entry_runs,
+                    self.spec.plane_widths[p],
+                )?)
+            })
+            .collect()
     }
 
     /// Bytes of one slot's checkpoint image.
@@ -578,18 +664,14 @@ impl Pool {
         Ok(())
     }
 
-    /// The pool's own memory next to its planes.
-    pub fn overhead(&self) -> Result<Overhead, PoolError> {
-        let st = self.lock()?;
-        let plane_bytes: u64 = (0..self.num_planes()).map(|p| self.plane_bytes(p).unwrap_or(0)).sum();
-        let host = std::mem::size_of::<Boundary>() as u64
-            + 32 * (u64::from(st.boundary.max_blocks_beside(0)) + self.spec.geometry.slot_positions as u64);
-        Ok(Overhead {
-            plane_bytes,
-            indexer_bytes: self.indexer.as_ref().map_or(0, |a| a.bytes),
-            descriptor_bytes: self.descriptors.as_ref().map_or(0, |a| a.bytes),
-            host_bytes: host,
-        })
+    /// The pool's own memory next to its planes (`index_bytes` counts what the caller
+    /// passes: the index buffers it created for this pool).
+    pub fn overhead(&self, index_bytes: u64) -> Result<Overhead, PoolError> {
+        let mut o = Overhead::estimate(&self.spec, None)?;
+        o.indexer_bytes = self.indexer.as_ref().map_or(0, |a| a.bytes);
+        o.descriptor_bytes = self.descriptors.as_ref().map_or(0, |a| a.bytes);
+        o.index_bytes = index_bytes;
+        Ok(o)
     }
 
     /// Whether the geometry has a dense class (its decode buffer is always passed).

@@ -1,0 +1,148 @@
+//! A pool carved from a real plan (V4-Flash, V4-Pro): its overhead at production sizes, its
+//! transfer regions, its checkpoint image against `checkpoint.rs`, and state initialisation.
+
+use std::sync::Arc;
+use v4pool::backend::host::HostBackend;
+use v4pool::backend::{Backend, Stream};
+use v4pool::checkpoint::CheckpointLayout;
+use v4pool::model::ModelShape;
+use v4pool::pool::{DecodeCapacity, Overhead, Pool, PoolSpec};
+use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest};
+use v4pool::transfer::{Alloc, TransferConfig};
+
+fn flash_pool(budget: u64, seqs: i64, k: i64) -> (Pool, v4pool::sizing::Plan) {
+    let model = ModelShape::v4_flash(k).unwrap();
+    let p = plan(&model, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, seqs, budget)).unwrap();
+    let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
+    (Pool::new(backend, PoolSpec::from_plan(&p).unwrap(), Stream::DEFAULT).unwrap(), p)
+}
+
+#[test]
+fn overhead_stays_under_one_percent_at_production_sizes() {
+    for (model, topk) in [(ModelShape::v4_flash(1).unwrap(), 512), (ModelShape::v4_pro(1).unwrap(), 1024)] {
+        for budget_gib in [80u64, 100, 140] {
+            let p = plan(&model, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, 256, budget_gib << 30))
+                .unwrap();
+            let spec = PoolSpec::from_plan(&p).unwrap();
+            // Persistent decode buffers for the largest batch: 256 sequences with one draft
+            // token each, contexts to 1M tokens, all CSA layers in one translate-pack.
+            let cap = DecodeCapacity {
+                max_seqs: 256,
+                max_tokens: 512,
+                max_blocks_per_seq: (1 << 20) / 256 + 1,
+                win: 128,
+                index_topk: topk,
+                csa_layers: model.n_csa(),
+            };
+            let o = Overhead::estimate(&spec, Some(cap)).unwrap();
+            assert!(o.index_bytes > 0 && o.host_bytes > 0 && o.descriptor_bytes > 0);
+            assert!(
+                o.fraction() < 0.01,
+                "{} at {budget_gib} GiB: overhead {:.3} % ({} index + {} descriptors + {} host of {} plane bytes)",
+                model.name,
+                o.fraction() * 100.0,
+                o.index_bytes,
+                o.descriptor_bytes,
+                o.host_bytes,
+                o.plane_bytes
+            );
+            // The indexer the estimate prices equals what the plan budgeted for it.
+            assert!(o.indexer_bytes <= p.indexer_total_bytes);
+            assert!(o.plane_bytes <= p.planes_total_bytes);
+        }
+    }
+}
+
+#[test]
+fn checkpoint_image_agrees_with_the_checkpoint_module() {
+    let (pool, p) = flash_pool(3 << 30, 4, 1);
+    let ck = CheckpointLayout::for_pool(&p.layout).unwrap();
+    assert_eq!(pool.checkpoint_ranges().unwrap(), ck.plane_ranges);
+    assert_eq!(pool.checkpoint_image_bytes().unwrap(), ck.image_bytes);
+    // The worked number of pool-runtime §6 for Flash k=1 fp8.
+    assert_eq!(ck.image_bytes, 5_568_000);
+}
+
+#[test]
+fn new_slots_start_with_zero_kv_and_minus_infinity_scores() {
+    let (pool, _) = flash_pool(3 << 30, 4, 0);
+    // Scribble over the whole of position's rows first: initialisation must overwrite it.
+    let lease = pool.alloc_slot().unwrap();
+    let g = pool.spec().geometry.clone();
+    for (field, expect) in [
+        ("csa_main_kv", 0.0f32),
+        ("csa_main_score", f32::NEG_INFINITY),
+        ("hca_main_score", f32::NEG_INFINITY),
+    ] {
+        let (ptr, view) = pool.state_view(field).unwrap();
+        let plane = pool.plane_ptr(view.plane).unwrap();
+        // Last layer, this position, a few elements from the start and the end.
+        let layer = view.dims[0] - 1;
+        let per_layer = view.strides[0];
+        let elems: u64 = view.dims[2..].iter().product();
+        for e in [0, 1, elems / 2, elems - 1] {
+            let off = ptr - plane + 4 * (layer * per_layer + lease.position as u64 * view.strides[1] + e);
+            let mut w = [0u8; 4];
+            pool.read_plane(view.plane, off, &mut w).unwrap();
+            assert_eq!(f32::from_ne_bytes(w), expect, "{field} layer {layer} element {e}");
+        }
+    }
+    assert!(g.live_positions().contains(&lease.position));
+}
+
+#[test]
+fn transfer_regions_declare_both_planes_and_follow_the_split() {
+    let (pool, _) = flash_pool(3 << 30, 4, 1);
+    let cfg = TransferConfig { enabled: true, pipeline_parallel_size: 1 };
+    let r = pool.transfer_regions(&cfg).unwrap();
+    assert_eq!(r.slot_regions.len(), 2);
+    assert_eq!(r.expected_slot_regions(), 2);
+    let g = pool.geometry().unwrap();
+    // Unit g of the slot region is the slot start of physical_slot(g), in both planes.
+    for (p, region) in r.slot_regions.iter().enumerate() {
+        assert_eq!(region.alloc, Alloc::Planes);
+        let w = pool.spec().plane_widths[p];
+        let plane_off = pool.plane_ptr(p).unwrap() - pool.plane_ptr(0).unwrap();
+        for group in 0..g.num_slots {
+            let (start, _) = g.slot_span(g.physical_slot(group).unwrap()).unwrap();
+            assert_eq!(region.unit_offset(group).unwrap(), plane_off + start as u64 * w);
+        }
+    }
+    // After the boundary moves, the regions are rebuilt at the new split.
+    pool.grow_slots(2).unwrap();
+    let r2 = pool.transfer_regions(&cfg).unwrap();
+    assert_eq!(
+        r2.slot_regions[0].total_bytes,
+        r.slot_regions[0].total_bytes + 2 * r.slot_regions[0].unit_bytes
+    );
+    // FP4 indexers cannot be described to a connector.
+    let model = ModelShape::v4_flash(1).unwrap();
+    let p4 = plan(&model, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp4, 2, 2 << 30)).unwrap();
+    let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
+    let pool4 = Pool::new(backend, PoolSpec::from_plan(&p4).unwrap(), Stream::DEFAULT).unwrap();
+    assert!(pool4.transfer_regions(&cfg).is_err());
+}
+
+#[test]
+fn pool_is_send_and_sync_and_works_from_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Pool>();
+    let (pool, _) = flash_pool(2 << 30, 8, 0);
+    let pool = Arc::new(pool);
+    let handles: Vec<_> = (0..4)
+        .map(|_| {
+            let pool = pool.clone();
+            std::thread::spawn(move || {
+                for _ in 0..200 {
+                    let b = pool.alloc_block().unwrap().handle;
+                    pool.free_block(b).unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let c = pool.counts().unwrap();
+    assert_eq!(c.free_blocks, c.num_blocks);
+}
