@@ -1163,6 +1163,17 @@ impl CudaEvent {
         })
     }
 
+    /// Whether the work recorded before this event has run (no wait).
+    pub fn is_complete(&self) -> Result<bool, BackendError> {
+        bind(&self.inner.device)?;
+        // SAFETY: a live event.
+        match unsafe { sys::cuEventQuery(self.event) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check("cuEventQuery", r).map(|_| false),
+        }
+    }
+
     /// Milliseconds from this event to `end` (waits for `end`).
     pub fn elapsed_ms(&self, end: &CudaEvent) -> Result<f32, BackendError> {
         end.synchronize()?;
