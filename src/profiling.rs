@@ -46,9 +46,7 @@ pub struct RangeGuard {
 pub fn range(name: &str) -> RangeGuard {
     #[cfg(feature = "profiling")]
     {
-        RangeGuard {
-            pushed: imp::push(name),
-        }
+        RangeGuard { pushed: imp::push(name) }
     }
     #[cfg(not(feature = "profiling"))]
     {
@@ -116,18 +114,12 @@ mod imp {
     static ROCTX: OnceLock<Hooks> = OnceLock::new();
 
     pub fn install_roctx(push: RangePushFn, pop: RangePopFn) {
-        let _ = ROCTX.set(Hooks {
-            push,
-            pop,
-            what: "roctx",
-        });
+        let _ = ROCTX.set(Hooks { push, pop, what: "roctx" });
     }
 
     pub fn sink() -> String {
-        let parts: Vec<&str> = [nvtx().map(|h| h.what), ROCTX.get().map(|h| h.what)]
-            .into_iter()
-            .flatten()
-            .collect();
+        let parts: Vec<&str> =
+            [nvtx().map(|h| h.what), ROCTX.get().map(|h| h.what)].into_iter().flatten().collect();
         if parts.is_empty() {
             "none".into()
         } else {
@@ -142,35 +134,23 @@ mod imp {
     pub fn push(name: &str) -> Pushed {
         let (nvtx, roctx) = (nvtx(), ROCTX.get().copied());
         if nvtx.is_none() && roctx.is_none() {
-            return Pushed {
-                nvtx: false,
-                roctx: false,
-            };
+            return Pushed { nvtx: false, roctx: false };
         }
         // A name with an interior NUL is cut there rather than dropped.
         let cut = name.split('\0').next().unwrap_or("");
         let Ok(c) = CString::new(cut) else {
-            return Pushed {
-                nvtx: false,
-                roctx: false,
-            };
+            return Pushed { nvtx: false, roctx: false };
         };
         for h in [nvtx, roctx].into_iter().flatten() {
             // SAFETY: the hook has the C signature `int(const char*)` (checked when it was
             // installed) and copies the string before returning; `c` outlives the call.
             unsafe { (h.push)(c.as_ptr()) };
         }
-        Pushed {
-            nvtx: nvtx.is_some(),
-            roctx: roctx.is_some(),
-        }
+        Pushed { nvtx: nvtx.is_some(), roctx: roctx.is_some() }
     }
 
     pub fn pop(p: &Pushed) {
-        let hooks = [
-            p.nvtx.then(nvtx).flatten(),
-            p.roctx.then(|| ROCTX.get().copied()).flatten(),
-        ];
+        let hooks = [p.nvtx.then(nvtx).flatten(), p.roctx.then(|| ROCTX.get().copied()).flatten()];
         for h in hooks.into_iter().flatten() {
             // SAFETY: `int(void)`, installed for the life of the process.
             unsafe { (h.pop)() };
@@ -289,11 +269,7 @@ mod imp {
                 std::mem::transmute::<*mut c_void, RangePopFn>(pop),
             )
         };
-        Some(Hooks {
-            push,
-            pop,
-            what: "nvtx-injection",
-        })
+        Some(Hooks { push, pop, what: "nvtx-injection" })
     }
 
     fn load_libnvtoolsext() -> Option<Hooks> {
@@ -305,11 +281,7 @@ mod imp {
         let pop: RangePopFn = *unsafe { lib.get::<RangePopFn>(b"nvtxRangePop\0") }.ok()?;
         // Kept loaded for the process: the function pointers above point into it.
         std::mem::forget(lib);
-        Some(Hooks {
-            push,
-            pop,
-            what: "libnvToolsExt",
-        })
+        Some(Hooks { push, pop, what: "libnvToolsExt" })
     }
 }
 
@@ -345,20 +317,12 @@ mod tests {
             let _b = range("test.inner\0cut");
         }
         assert_eq!(DEPTH.load(Ordering::SeqCst), 0, "every push is popped");
-        assert_eq!(
-            BAD_NAMES.load(Ordering::SeqCst),
-            0,
-            "names arrive NUL-terminated, cut at a NUL"
-        );
+        assert_eq!(BAD_NAMES.load(Ordering::SeqCst), 0, "names arrive NUL-terminated, cut at a NUL");
         if cfg!(feature = "profiling") {
             assert_eq!(PUSHES.load(Ordering::SeqCst), 2);
             assert!(sink().contains("roctx"), "{}", sink());
         } else {
-            assert_eq!(
-                PUSHES.load(Ordering::SeqCst),
-                0,
-                "a no-op with the feature off"
-            );
+            assert_eq!(PUSHES.load(Ordering::SeqCst), 0, "a no-op with the feature off");
             assert_eq!(sink(), "none");
         }
     }

@@ -65,12 +65,8 @@ fn step_launches(params: [WindowParams; 3], envelope_rows: i64, p: &[u64]) -> Ve
         ..Default::default()
     };
     for (c, params) in params.into_iter().enumerate() {
-        d.classes[c] = ClassBuffers {
-            params,
-            indptr: p[INDPTR + c],
-            indices: p[INDICES + c],
-            dest_rows: p[DEST + c],
-        };
+        d.classes[c] =
+            ClassBuffers { params, indptr: p[INDPTR + c], indices: p[INDICES + c], dest_rows: p[DEST + c] };
     }
     let csa = CsaPackArgs {
         topk: p[TOPK_ROWS],
@@ -104,12 +100,7 @@ struct Mirrors(Vec<Vec<u8>>);
 impl Mirrors {
     fn new(rng: &mut Rng) -> Self {
         // Start from random bytes: nothing may depend on buffers being clean.
-        Mirrors(
-            layout()
-                .into_iter()
-                .map(|(_, n, size)| rng.bytes(n * size))
-                .collect(),
-        )
+        Mirrors(layout().into_iter().map(|(_, n, size)| rng.bytes(n * size)).collect())
     }
     fn put_i32(&mut self, buf: usize, v: &[i32]) {
         self.0[buf][..4 * v.len()].copy_from_slice(bytemuck::cast_slice(v));
@@ -166,9 +157,7 @@ impl DeviceBuffers<'_> {
             // SAFETY: each mirror has exactly its allocation's length.
             unsafe {
                 if i >= INDICES {
-                    self.cuda
-                        .fill_u32(a.ptr, a.bytes / 4, poison as u32, s)
-                        .expect("poison");
+                    self.cuda.fill_u32(a.ptr, a.bytes / 4, poison as u32, s).expect("poison");
                 } else {
                     self.cuda.upload(a.ptr, bytes, s).expect("upload");
                 }
@@ -182,11 +171,7 @@ impl DeviceBuffers<'_> {
             .map(|a| {
                 let mut v = vec![0u8; a.bytes as usize];
                 // SAFETY: a live allocation of this length.
-                unsafe {
-                    self.cuda
-                        .download(&mut v, a.ptr, Stream::DEFAULT)
-                        .expect("download")
-                };
+                unsafe { self.cuda.download(&mut v, a.ptr, Stream::DEFAULT).expect("download") };
                 v
             })
             .collect()
@@ -262,12 +247,8 @@ fn decode_graph_replays_new_batches_and_moved_boundaries() {
     };
 
     // Splits of the same plane: more slots, then fewer (more blocks) than the capture's.
-    let g_more = g0
-        .with_capacity(g0.max_blocks_beside(3000), 3000, Some(plane))
-        .expect("more slots");
-    let g_fewer = g0
-        .with_capacity(g0.max_blocks_beside(1100), 1100, Some(plane))
-        .expect("fewer slots");
+    let g_more = g0.with_capacity(g0.max_blocks_beside(3000), 3000, Some(plane)).expect("more slots");
+    let g_fewer = g0.with_capacity(g0.max_blocks_beside(1100), 1100, Some(plane)).expect("fewer slots");
     let steps: Vec<(&str, &UnifiedPoolGeometry, usize)> = vec![
         ("capture split", &g0, rng.range(1, 64) as usize),
         ("capture split", &g0, rng.range(65, 1023) as usize),
@@ -277,11 +258,7 @@ fn decode_graph_replays_new_batches_and_moved_boundaries() {
     ];
     for (i, (split, g, bs)) in steps.into_iter().enumerate() {
         // The boundary moved, the window formula did not: the captured scalars stay right.
-        assert_eq!(
-            window_params(g),
-            params,
-            "{split}: window params moved with the boundary"
-        );
+        assert_eq!(window_params(g), params, "{split}: window params moved with the boundary");
         assert_eq!(g.envelope_rows, envelope);
         let step_seed = case_seed("graph-step", i as u64);
         let mut rng = Rng::new(step_seed);
@@ -302,10 +279,8 @@ fn decode_graph_replays_new_batches_and_moved_boundaries() {
         for ((name, _, _), bytes) in layout().into_iter().zip(&mirrors.0) {
             case.bytes(name, bytes.clone());
         }
-        let want = run_case(&common::host(), &case, &|p| {
-            step_launches(params, envelope, p)
-        })
-        .unwrap_or_else(|e| panic!("{}: host reference failed: {e}", case.name));
+        let want = run_case(&common::host(), &case, &|p| step_launches(params, envelope, p))
+            .unwrap_or_else(|e| panic!("{}: host reference failed: {e}", case.name));
         assert_same(&case, &want, &got);
         println!("ok {}", case.name);
     }
@@ -361,8 +336,7 @@ fn capture_refuses_host_transfers_and_aborts_cleanly() {
     // SAFETY: the empty kernel touches nothing; the fill stays in the allocation.
     unsafe {
         cuda.launch(&Launch::Empty, s).expect("empty");
-        cuda.fill_u32(buf.ptr, 64, 0x0102_0304, s)
-            .expect("fill node");
+        cuda.fill_u32(buf.ptr, 64, 0x0102_0304, s).expect("fill node");
     }
     let graph = capture.end().expect("end");
     for _ in 0..3 {
@@ -403,8 +377,5 @@ fn empty_kernel_graph_floor() {
     }
     b.record(s).expect("record");
     let ms = a.elapsed_ms(&b).expect("elapsed");
-    println!(
-        "TIMING empty-kernel graph replay: {:.2} us",
-        1000.0 * ms / reps as f32
-    );
+    println!("TIMING empty-kernel graph replay: {:.2} us", 1000.0 * ms / reps as f32);
 }

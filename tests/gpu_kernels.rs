@@ -9,9 +9,8 @@ use common::batches::{DecodeBatch, PrefillBatch};
 use common::{case_seed, check_case, device_or_skip, geometry_at, models, Case, Rng, WIN};
 use v4pool::backend::Backend;
 use v4pool::index::{
-    ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs,
-    HcaOffsetsArgs, Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs,
-    CLASS_DENSE,
+    ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
+    Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_DENSE,
 };
 use v4pool::{GeometrySpec, UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
 
@@ -20,12 +19,7 @@ const SLACK: usize = 37;
 const HCA_ROWS_PER_BLOCK: i32 = 2;
 
 fn batch_sizes(rng: &mut Rng) -> [usize; 4] {
-    [
-        1,
-        rng.range(2, 64) as usize,
-        rng.range(65, 512) as usize,
-        1024,
-    ]
+    [1, rng.range(2, 64) as usize, rng.range(65, 512) as usize, 1024]
 }
 
 // ---- decode builder (§3 + §4 fused) ---------------------------------------------------------
@@ -117,23 +111,15 @@ fn decode_index_builder_matches_host() {
         let seed = case_seed("decode-geometry", model.len() as u64);
         let g = common::big_geometry(&mut Rng::new(seed), &ratios);
         let mut rng = Rng::new(seed);
-        let variants = [
-            DecodeVariant::Full,
-            DecodeVariant::Peer,
-            DecodeVariant::CsaOff,
-            DecodeVariant::HcaOnly,
-        ];
+        let variants =
+            [DecodeVariant::Full, DecodeVariant::Peer, DecodeVariant::CsaOff, DecodeVariant::HcaOnly];
         for (i, bs) in batch_sizes(&mut rng).into_iter().enumerate() {
             let variant = variants[i % variants.len()];
             let topk = if i % 2 == 0 { 512 } else { 1024 };
             let seed = case_seed(&format!("decode-{model}"), i as u64);
             let mut rng = Rng::new(seed);
             let b = DecodeBatch::generate(&mut rng, &g, bs, topk, 1_000_000, 0, 1);
-            let name = format!(
-                "decode {model} bs={bs} T={} ring={} {variant:?}",
-                b.t_pad(),
-                g.ring_slots
-            );
+            let name = format!("decode {model} bs={bs} T={} ring={} {variant:?}", b.t_pad(), g.ring_slots);
             let mut case = Case::new(name, seed);
             let make = decode_case(&mut case, &g, &b, variant);
             check_case(cuda, &case, &make);
@@ -174,15 +160,11 @@ fn prefill_index_builder_matches_host() {
             let g = common::big_geometry(&mut rng, &ratios);
             let topk = if i % 2 == 0 { 512 } else { 1024 };
             let max_seqs = [1, 16, 64][i as usize];
-            let b =
-                PrefillBatch::generate(&mut rng, &g, max_seqs, 8192, 8_000_000, topk, 1_000_000);
+            let b = PrefillBatch::generate(&mut rng, &g, max_seqs, 8192, 8_000_000, topk, 1_000_000);
             let with_dense = i != 1;
             let t = b.num_tokens();
             let mut case = Case::new(
-                format!(
-                    "prefill {model} bs={} T={t} dense={with_dense} ring={}",
-                    b.bs, g.ring_slots
-                ),
+                format!("prefill {model} bs={} T={t} dense={with_dense} ring={}", b.bs, g.ring_slots),
                 seed,
             );
             let pos = case.i32s("positions", &b.pos);
@@ -260,21 +242,11 @@ fn hca_offsets_match_host() {
         let mut rng = Rng::new(seed);
         let g = common::big_geometry(&mut rng, &common::pro_ratios());
         let bs = rng.range(1, 1024) as usize;
-        let ctx: Vec<i64> = (0..bs)
-            .map(|_| common::batches::start_position(&mut rng, 1_000_000) + 1)
-            .collect();
-        let stride = ctx
-            .iter()
-            .map(|&c| common::batches::columns(c))
-            .max()
-            .unwrap_or(1)
-            * (3 - rpb as usize);
+        let ctx: Vec<i64> =
+            (0..bs).map(|_| common::batches::start_position(&mut rng, 1_000_000) + 1).collect();
+        let stride = ctx.iter().map(|&c| common::batches::columns(c)).max().unwrap_or(1) * (3 - rpb as usize);
         let tables = common::batches::tables(&mut rng, &g, bs, stride);
-        let n = if i == 2 {
-            0
-        } else {
-            rng.range(1, 300_000) as usize
-        };
+        let n = if i == 2 { 0 } else { rng.range(1, 300_000) as usize };
         let (mut entry, mut bids) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for _ in 0..n {
             let b = rng.below(bs as u64) as usize;
@@ -323,15 +295,11 @@ fn csa_translate_pack_decode_mode_matches_host() {
             let b = DecodeBatch::generate(&mut rng, &g, bs, topk, 1_000_000, 0, 1);
             let row_stride = topk as usize + if i == 3 { 16 } else { 0 };
             let t = b.t_pad();
-            let topk_rows: Vec<i32> = (0..layers)
-                .flat_map(|_| b.topk_rows(&mut rng, row_stride))
-                .collect();
+            let topk_rows: Vec<i32> = (0..layers).flat_map(|_| b.topk_rows(&mut rng, row_stride)).collect();
             let indptr = b.csa_indptr();
             let out_stride = *indptr.last().unwrap_or(&0) as usize + SLACK;
-            let mut case = Case::new(
-                format!("csa pack decode {model} bs={bs} T={t} L={layers} k={topk}"),
-                seed,
-            );
+            let mut case =
+                Case::new(format!("csa pack decode {model} bs={bs} T={t} L={layers} k={topk}"), seed);
             let tk = case.i32s("topk", &topk_rows);
             let tb = case.i32s("block_tables", &b.tables);
             let ps = case.i64s("positions", &b.pos);
@@ -339,9 +307,7 @@ fn csa_translate_pack_decode_mode_matches_host() {
             let bi = case.i32s("batch_id_per_token", &b.bid);
             // The decode builder's window tails are already in place: random values here,
             // which the pack must leave alone.
-            let out: Vec<i32> = (0..layers as usize * out_stride)
-                .map(|_| rng.next_u64() as i32)
-                .collect();
+            let out: Vec<i32> = (0..layers as usize * out_stride).map(|_| rng.next_u64() as i32).collect();
             let out = case.i32s("out", &out);
             let (envelope, stride) = (g.envelope_rows, b.stride as i32);
             let make = move |p: &[u64]| {
@@ -387,10 +353,7 @@ fn csa_translate_pack_prefill_mode_matches_host() {
             let skip: Vec<i32> = (0..t).map(|x| b.token(x).pre as i32).collect();
             let topk_rows = b.topk_rows(&mut rng, topk as usize);
             let out_len = *indptr.last().unwrap_or(&0) as usize + SLACK;
-            let mut case = Case::new(
-                format!("csa pack prefill {model} bs={} T={t} k={topk}", b.bs),
-                seed,
-            );
+            let mut case = Case::new(format!("csa pack prefill {model} bs={} T={t} k={topk}", b.bs), seed);
             let tk = case.i32s("topk", &topk_rows);
             let tb = case.i32s("block_tables", &b.tables);
             let ip = case.i32s("indptr", &indptr);
@@ -471,21 +434,13 @@ fn add_planes(
             (kv, plane, w)
         })
         .collect();
-    RowWriteSetup {
-        planes,
-        base_row,
-        view_rows,
-    }
+    RowWriteSetup { planes, base_row, view_rows }
 }
 
 fn plane_writes(s: &RowWriteSetup, p: &[u64]) -> [PlaneWrite; 2] {
     let mut out = [PlaneWrite::default(); 2];
     for (o, &(kv, plane, w)) in out.iter_mut().zip(&s.planes) {
-        *o = PlaneWrite {
-            kv: p[kv],
-            pool: p[plane] + (s.base_row * w) as u64,
-            row_bytes: w,
-        };
+        *o = PlaneWrite { kv: p[kv], pool: p[plane] + (s.base_row * w) as u64, row_bytes: w };
     }
     out
 }
@@ -493,8 +448,7 @@ fn plane_writes(s: &RowWriteSetup, p: &[u64]) -> [PlaneWrite; 2] {
 /// A moderate geometry (whole planes are compared): `slots` slots beside 30 blocks.
 fn row_geometry(rng: &mut Rng, ratios: &[i32], slots: i64, arena_rows: i64) -> UnifiedPoolGeometry {
     let ring = rng.range(128, 135);
-    let spec = GeometrySpec::new(ratios.to_vec(), 30, slots, ring, common::BLOCK_SIZE)
-        .arena_rows(arena_rows);
+    let spec = GeometrySpec::new(ratios.to_vec(), 30, slots, ring, common::BLOCK_SIZE).arena_rows(arena_rows);
     spec.build().expect("row geometry")
 }
 
@@ -528,16 +482,9 @@ fn ring_write_case(
         cu.push(pos.len() as i32);
         max_tok = max_tok.max(tok);
     }
-    let wpb = if rng.chance(0.5) {
-        max_tok.min(params.ring_slots)
-    } else {
-        rng.range(1, params.ring_slots)
-    };
+    let wpb = if rng.chance(0.5) { max_tok.min(params.ring_slots) } else { rng.range(1, params.ring_slots) };
     let t = pos.len();
-    let mut case = Case::new(
-        format!("{name} bs={bs} T={t} wpb={wpb} fp8={fp8} layer={layer}"),
-        seed,
-    );
+    let mut case = Case::new(format!("{name} bs={bs} T={t} wpb={wpb} fp8={fp8} layer={layer}"), seed);
     let setup = add_planes(&mut case, &mut rng, g, layer, fp8, t);
     let ps = case.i32s("positions", &pos);
     let cu_b = case.i32s("cu_seqlens_q", &cu);
@@ -605,11 +552,8 @@ fn row_scatter_matches_host() {
                 let view_rows = g.layer_view_rows(layer).expect("layer");
                 // Distinct in-range rows (two tokens on one row would race), some pads and
                 // some rows outside the view (dropped).
-                let mut dest: Vec<i32> = rng
-                    .distinct(t, view_rows as u64)
-                    .into_iter()
-                    .map(|r| r as i32)
-                    .collect();
+                let mut dest: Vec<i32> =
+                    rng.distinct(t, view_rows as u64).into_iter().map(|r| r as i32).collect();
                 let mut bid: Vec<i32> = (0..t).map(|_| rng.range(0, 23) as i32).collect();
                 for k in 0..t {
                     match rng.below(10) {
@@ -619,10 +563,7 @@ fn row_scatter_matches_host() {
                         _ => {}
                     }
                 }
-                let mut case = Case::new(
-                    format!("row scatter {model} ratio={ratio} T={t} fp8={fp8}"),
-                    seed,
-                );
+                let mut case = Case::new(format!("row scatter {model} ratio={ratio} T={t} fp8={fp8}"), seed);
                 let setup = add_planes(&mut case, &mut rng, &g, layer, fp8, t);
                 let bi = case.i32s("batch_id_per_token", &bid);
                 let dr = case.i32s("dest_rows", &dest);
@@ -659,24 +600,11 @@ fn row_writes_address_past_2_gib() {
         (g.slot_positions - g.num_slots) * g.slot_rows - g.layer_base_row(layer).expect("layer");
     assert!(first_slot_row * 512 > 1 << 31, "{first_slot_row}");
     let params = g.window_params(CSA_RATIO).expect("csa");
-    ring_write_case(
-        cuda,
-        "ring write past 2 GiB",
-        seed,
-        &g,
-        layer,
-        params,
-        true,
-        24,
-    );
+    ring_write_case(cuda, "ring write past 2 GiB", seed, &g, layer, params, true, 24);
     // Row scatter onto the top rows of the view.
     let view_rows = g.layer_view_rows(layer).expect("layer");
     let t = 512;
-    let dest: Vec<i32> = rng
-        .distinct(t, 200_000)
-        .into_iter()
-        .map(|r| (view_rows - 1 - r) as i32)
-        .collect();
+    let dest: Vec<i32> = rng.distinct(t, 200_000).into_iter().map(|r| (view_rows - 1 - r) as i32).collect();
     let bid = vec![0i32; t];
     let mut case = Case::new("row scatter past 2 GiB", seed);
     let setup = add_planes(&mut case, &mut rng, &g, layer, true, t);
@@ -733,10 +661,7 @@ fn dspark_field_window_matches_host() {
             let t = pos.len();
             let w = 512 * k;
             let view_rows = g.plane_rows / k;
-            let mut case = Case::new(
-                format!("dspark ring write {model} k={k} bs={bs} T={t}"),
-                seed,
-            );
+            let mut case = Case::new(format!("dspark ring write {model} k={k} bs={bs} T={t}"), seed);
             let kv = case.bytes("kv", rng.bytes(t * w as usize));
             let plane = case.bytes("plane", rng.bytes((g.plane_rows * 512) as usize));
             let ps = case.i32s("positions", &pos);
@@ -746,14 +671,7 @@ fn dspark_field_window_matches_host() {
             let make = move |p: &[u64]| {
                 vec![Launch::RingWrite(RingWriteArgs {
                     params,
-                    planes: [
-                        PlaneWrite {
-                            kv: p[kv],
-                            pool: p[plane],
-                            row_bytes: w,
-                        },
-                        PlaneWrite::default(),
-                    ],
+                    planes: [PlaneWrite { kv: p[kv], pool: p[plane], row_bytes: w }, PlaneWrite::default()],
                     positions: p[ps],
                     cu_seqlens_q: p[cu_b],
                     state_slot_per_seq: p[sl],
@@ -773,11 +691,7 @@ fn dspark_field_window_matches_host() {
             let bid = case.i32s("batch_id_per_token", &b.bid);
             let pos = case.i64s("positions", &b.pos);
             let ip = case.i32s("indptr", &indptr);
-            let ix = case.poisoned(
-                "indices",
-                *indptr.last().unwrap_or(&0) as usize + SLACK,
-                POISON,
-            );
+            let ix = case.poisoned("indices", *indptr.last().unwrap_or(&0) as usize + SLACK, POISON);
             let dr = case.poisoned("dest_rows", b.t_pad() + SLACK, POISON);
             let t_pad = b.t_pad() as i32;
             let make = move |p: &[u64]| {
@@ -789,12 +703,8 @@ fn dspark_field_window_matches_host() {
                     win: WIN,
                     ..Default::default()
                 };
-                a.classes[CLASS_DENSE] = ClassBuffers {
-                    params,
-                    indptr: p[ip],
-                    indices: p[ix],
-                    dest_rows: p[dr],
-                };
+                a.classes[CLASS_DENSE] =
+                    ClassBuffers { params, indptr: p[ip], indices: p[ix], dest_rows: p[dr] };
                 vec![Launch::Decode(a)]
             };
             check_case(cuda, &case, &make);
@@ -807,9 +717,7 @@ fn dspark_field_window_matches_host() {
 /// Disjoint runs `(offset, bytes)` inside `[0, len)`, each a multiple of `align` at an
 /// offset multiple of `align`.
 fn disjoint_runs(rng: &mut Rng, len: u64, count: usize, align: u64) -> Vec<(u64, u64)> {
-    let mut cuts: Vec<u64> = (0..2 * count)
-        .map(|_| rng.below(len / align) * align)
-        .collect();
+    let mut cuts: Vec<u64> = (0..2 * count).map(|_| rng.below(len / align) * align).collect();
     cuts.sort_unstable();
     cuts.chunks(2).map(|c| (c[0], c[1] - c[0])).collect()
 }
@@ -834,66 +742,38 @@ fn fill_runs_and_copy_runs_match_host() {
         let mut case = Case::new(format!("fill runs len={len} runs={count}"), seed);
         let region = case.bytes("region", rng.bytes(len as usize));
         let n = fills.len();
-        let desc = case.with_ptrs(
-            "runs",
-            (n.max(1) * std::mem::size_of::<FillRun>()) as u64,
-            move |p| {
-                let mut runs: Vec<FillRun> = fills
-                    .iter()
-                    .map(|&(o, b, pattern)| FillRun {
-                        dst: p[region] + o,
-                        bytes: b,
-                        pattern,
-                        _pad: 0,
-                    })
-                    .collect();
-                runs.resize(n.max(1), FillRun::default());
-                bytemuck::cast_slice(&runs).to_vec()
-            },
-        );
+        let desc = case.with_ptrs("runs", (n.max(1) * std::mem::size_of::<FillRun>()) as u64, move |p| {
+            let mut runs: Vec<FillRun> = fills
+                .iter()
+                .map(|&(o, b, pattern)| FillRun { dst: p[region] + o, bytes: b, pattern, _pad: 0 })
+                .collect();
+            runs.resize(n.max(1), FillRun::default());
+            bytemuck::cast_slice(&runs).to_vec()
+        });
         let make = move |p: &[u64]| {
-            vec![Launch::FillRuns(FillRunsArgs {
-                runs: p[desc],
-                num_runs: n as i32,
-                _pad: 0,
-            })]
+            vec![Launch::FillRuns(FillRunsArgs { runs: p[desc], num_runs: n as i32, _pad: 0 })]
         };
         check_case(cuda, &case, &make);
 
         // Copy: sources in one region, destinations disjoint in another, at any byte offset.
         let srcs = disjoint_runs(&mut rng, len, count, 1);
         let dsts = disjoint_runs(&mut rng, len, count, 1);
-        let copies: Vec<(u64, u64, u64)> = srcs
-            .iter()
-            .zip(&dsts)
-            .map(|(&(so, sb), &(d, db))| (so, d, sb.min(db)))
-            .collect();
+        let copies: Vec<(u64, u64, u64)> =
+            srcs.iter().zip(&dsts).map(|(&(so, sb), &(d, db))| (so, d, sb.min(db))).collect();
         let mut case = Case::new(format!("copy runs len={len} runs={count}"), seed);
         let src = case.bytes("src", rng.bytes(len as usize));
         let dst = case.bytes("dst", rng.bytes(len as usize));
         let n = copies.len();
-        let desc = case.with_ptrs(
-            "runs",
-            (n.max(1) * std::mem::size_of::<CopyRun>()) as u64,
-            move |p| {
-                let mut runs: Vec<CopyRun> = copies
-                    .iter()
-                    .map(|&(s, d, b)| CopyRun {
-                        src: p[src] + s,
-                        dst: p[dst] + d,
-                        bytes: b,
-                    })
-                    .collect();
-                runs.resize(n.max(1), CopyRun::default());
-                bytemuck::cast_slice(&runs).to_vec()
-            },
-        );
+        let desc = case.with_ptrs("runs", (n.max(1) * std::mem::size_of::<CopyRun>()) as u64, move |p| {
+            let mut runs: Vec<CopyRun> = copies
+                .iter()
+                .map(|&(s, d, b)| CopyRun { src: p[src] + s, dst: p[dst] + d, bytes: b })
+                .collect();
+            runs.resize(n.max(1), CopyRun::default());
+            bytemuck::cast_slice(&runs).to_vec()
+        });
         let make = move |p: &[u64]| {
-            vec![Launch::CopyRuns(CopyRunsArgs {
-                runs: p[desc],
-                num_runs: n as i32,
-                _pad: 0,
-            })]
+            vec![Launch::CopyRuns(CopyRunsArgs { runs: p[desc], num_runs: n as i32, _pad: 0 })]
         };
         check_case(cuda, &case, &make);
     }
@@ -936,9 +816,7 @@ fn byte_operations_match_host() {
                 be.upload(y.ptr, &init, s).expect("upload");
                 for &(kind, a, b, n, v) in &ops {
                     match kind {
-                        0 => be
-                            .upload(x.ptr + a, &op_rng.bytes(n as usize), s)
-                            .expect("upload"),
+                        0 => be.upload(x.ptr + a, &op_rng.bytes(n as usize), s).expect("upload"),
                         1 => be.fill_u32(x.ptr + a, n / 4, v as u32, s).expect("fill"),
                         _ => be.copy(x.ptr + a, y.ptr + b, n, s).expect("copy"),
                     }
@@ -952,11 +830,7 @@ fn byte_operations_match_host() {
         };
         let want = run(&host);
         let got = run(cuda);
-        assert!(
-            want == got,
-            "byte operations differ (seed {seed:#x}, V4POOL_SEED={})",
-            common::base_seed()
-        );
+        assert!(want == got, "byte operations differ (seed {seed:#x}, V4POOL_SEED={})", common::base_seed());
         assert!(want != init, "the operations changed something");
     }
 }
@@ -977,8 +851,7 @@ fn alloc_zeroed_is_zero_and_aligned() {
         unsafe {
             cuda.download(&mut back, a.ptr, s).expect("download");
             assert!(back.iter().all(|&b| b == 0));
-            cuda.fill_u32(a.ptr, bytes / 4, 0xdead_beef, s)
-                .expect("fill");
+            cuda.fill_u32(a.ptr, bytes / 4, 0xdead_beef, s).expect("fill");
             cuda.synchronize(s).expect("sync");
             cuda.free(a);
         }

@@ -24,23 +24,14 @@ fn ranges_wrap_device_work() {
         let _outer = v4pool::profiling::range("v4pool.range_test");
         let _inner = v4pool::profiling::range("v4pool.empty");
         // SAFETY: the empty kernel touches nothing.
-        unsafe {
-            cuda.launch(&Launch::Empty, Stream::DEFAULT)
-                .expect("launch")
-        };
+        unsafe { cuda.launch(&Launch::Empty, Stream::DEFAULT).expect("launch") };
         cuda.synchronize(Stream::DEFAULT).expect("sync");
     }
     // Outside every range: a tool filtering on v4pool.range_test skips this one.
     // SAFETY: as above.
-    unsafe {
-        cuda.launch(&Launch::Empty, Stream::DEFAULT)
-            .expect("launch")
-    };
+    unsafe { cuda.launch(&Launch::Empty, Stream::DEFAULT).expect("launch") };
     cuda.synchronize(Stream::DEFAULT).expect("sync");
     if cfg!(feature = "profiling") && std::env::var_os("NVTX_INJECTION64_PATH").is_some() {
-        assert_eq!(
-            sink, "nvtx-injection",
-            "a tool is attached but the injection did not load"
-        );
+        assert_eq!(sink, "nvtx-injection", "a tool is attached but the injection did not load");
     }
 }

@@ -14,9 +14,11 @@
 //!   (`Stream(raw CUstream)`), and `Stream::DEFAULT` is a non-blocking stream this backend
 //!   owns. Kernel arguments are the `*Args` struct by value, the kernel's single parameter.
 //! * **No host synchronisation on the index path.** Uploads go through a pinned staging
-//!   ring, so `upload` returns as soon as the bytes are staged and never waits for the
-//!   stream; launches and fills never wait. Only `download`, `synchronize`, `alloc_zeroed`
-//!   (which must hand out zeroed memory to every stream) and event timing wait.
+//!   ring, so `upload` returns as soon as the bytes are staged, without waiting for the
+//!   stream; the ring holds at least four of the largest upload seen (up to 256 MiB), so it
+//!   only waits when the device is that far behind, and once when it grows. Launches and
+//!   fills never wait. Only `download`, `synchronize`, `alloc_zeroed` (which must hand out
+//!   zeroed memory to every stream) and event timing wait.
 //! * **Graphs.** [`CudaBackend::begin_capture`] / [`GraphCapture::end`] record work queued
 //!   on a stream into a [`CudaGraph`]; because every batch-dependent value lives behind a
 //!   persistent pointer, [`CudaGraph::replay`] runs the same launches on new contents.
@@ -78,9 +80,12 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuGetErrorString",
 ];
 
-/// Uploads up to this size go through the pinned staging ring (and never wait on the
-/// stream); larger ones are plain pageable copies, which the driver may stage with a wait.
+/// Largest pinned staging ring. Uploads up to a quarter of it go through the ring; larger
+/// ones are plain pageable copies, which the driver may stage with a wait.
 const STAGING_MAX_BYTES: usize = 256 << 20;
+/// The ring holds at least this many of the largest upload seen, so a step's uploads wait
+/// only when the device is that many uploads behind (backpressure, not a per-call wait).
+const STAGING_DEPTH: usize = 4;
 const STAGING_MIN_BYTES: usize = 4 << 20;
 /// Staged regions start on this boundary (keeps the DMA engine on its fast path).
 const STAGING_ALIGN: usize = 256;
@@ -110,10 +115,7 @@ fn probe_driver() -> Result<(), String> {
         .filter(|name| unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err())
         .collect();
     if !missing.is_empty() {
-        return Err(format!(
-            "the driver lacks {} (needs a CUDA 12.8+ driver)",
-            missing.join(", ")
-        ));
+        return Err(format!("the driver lacks {} (needs a CUDA 12.8+ driver)", missing.join(", ")));
     }
     // SAFETY: every symbol is present; cuInit has no pointer arguments.
     let r = unsafe { sys::cuInit(0) };
@@ -139,10 +141,7 @@ pub fn device_count() -> Result<usize, BackendError> {
 }
 
 fn unavailable(reason: String) -> BackendError {
-    BackendError::Unavailable {
-        backend: KIND,
-        reason,
-    }
+    BackendError::Unavailable { backend: KIND, reason }
 }
 
 fn error_text(r: sys::CUresult) -> String {
@@ -172,11 +171,7 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<(), BackendError> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(BackendError::Driver {
-            backend: KIND,
-            call,
-            message: error_text(r),
-        })
+        Err(BackendError::Driver { backend: KIND, call, message: error_text(r) })
     }
 }
 
@@ -219,9 +214,7 @@ fn nvrtc_ptx(source: &str, arch: u32) -> Result<Arc<Vec<u8>>, BackendError> {
     }
     // SAFETY: only tries to open libnvrtc by its candidate names.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(unavailable(
-            "no usable embedded kernel image and libnvrtc is not installed".into(),
-        ));
+        return Err(unavailable("no usable embedded kernel image and libnvrtc is not installed".into()));
     }
     if source.contains('\0') {
         return Err(BackendError::Compile {
@@ -237,11 +230,8 @@ fn nvrtc_ptx(source: &str, arch: u32) -> Result<Arc<Vec<u8>>, BackendError> {
         name: Some(crate::kernels::SOURCE_NAME.into()),
         ..Default::default()
     };
-    let ptx =
-        cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| BackendError::Compile {
-            backend: KIND,
-            log: e.to_string(),
-        })?;
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts)
+        .map_err(|e| BackendError::Compile { backend: KIND, log: e.to_string() })?;
     let mut image = ptx.to_src().into_bytes();
     image.push(0);
     let image = Arc::new(image);
@@ -279,9 +269,7 @@ fn device(ordinal: i32) -> Result<Arc<Device>, BackendError> {
     driver_ready().map_err(unavailable)?;
     let count = device_count()?;
     if ordinal < 0 || ordinal as usize >= count {
-        return Err(unavailable(format!(
-            "no CUDA device {ordinal} ({count} present)"
-        )));
+        return Err(unavailable(format!("no CUDA device {ordinal} ({count} present)")));
     }
     let devices = DEVICES.get_or_init(|| Mutex::new(HashMap::new()));
     let mut map = devices.lock().unwrap_or_else(|e| e.into_inner());
@@ -296,48 +284,30 @@ fn device(ordinal: i32) -> Result<Arc<Device>, BackendError> {
 fn open_device(ordinal: i32) -> Result<Device, BackendError> {
     let mut dev: sys::CUdevice = 0;
     // SAFETY: driver initialised; ordinal checked against the count; out-pointer valid.
-    check("cuDeviceGet", unsafe {
-        sys::cuDeviceGet(&mut dev, ordinal)
-    })?;
+    check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
     let mut name_buf = [0 as std::ffi::c_char; 256];
     // SAFETY: the buffer is 256 bytes and the driver writes at most `len` bytes, NUL included.
-    check("cuDeviceGetName", unsafe {
-        sys::cuDeviceGetName(name_buf.as_mut_ptr(), 256, dev)
-    })?;
+    check("cuDeviceGetName", unsafe { sys::cuDeviceGetName(name_buf.as_mut_ptr(), 256, dev) })?;
     // SAFETY: the driver NUL-terminated the name inside the buffer.
-    let name = unsafe { CStr::from_ptr(name_buf.as_ptr()) }
-        .to_string_lossy()
-        .into_owned();
+    let name = unsafe { CStr::from_ptr(name_buf.as_ptr()) }.to_string_lossy().into_owned();
     let attr = |a: sys::CUdevice_attribute, call: &'static str| -> Result<i32, BackendError> {
         let mut v = 0;
         // SAFETY: valid device handle and out-pointer.
         check(call, unsafe { sys::cuDeviceGetAttribute(&mut v, a, dev) })?;
         Ok(v)
     };
-    let major = attr(
-        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-        "cuDeviceGetAttribute",
-    )?;
-    let minor = attr(
-        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
-        "cuDeviceGetAttribute",
-    )?;
+    let major =
+        attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "cuDeviceGetAttribute")?;
+    let minor =
+        attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "cuDeviceGetAttribute")?;
     let mut ctx: sys::CUcontext = std::ptr::null_mut();
     // SAFETY: valid device; the primary context is retained once here and never released,
     // so module handles stay valid for the process.
-    check("cuDevicePrimaryCtxRetain", unsafe {
-        sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
-    })?;
+    check("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
     // SAFETY: `ctx` was just retained.
     check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) })?;
     let module = load_module((major, minor)).map_err(|e| e.to_string());
-    Ok(Device {
-        ordinal,
-        ctx,
-        name,
-        cc: (major, minor),
-        module,
-    })
+    Ok(Device { ordinal, ctx, name, cc: (major, minor), module })
 }
 
 /// Load one kind of image into the current context (no symbol lookup).
@@ -379,27 +349,35 @@ fn candidates(cc: (i32, i32)) -> Vec<ModuleSource> {
     if images.ptx.is_some() && cc.0 >= 9 {
         v.push(ModuleSource::Ptx);
     }
-    v.push(ModuleSource::Nvrtc {
-        arch: (cc.0 * 10 + cc.1).max(0) as u32,
-    });
+    v.push(ModuleSource::Nvrtc { arch: (cc.0 * 10 + cc.1).max(0) as u32 });
     v
 }
 
 /// Load the best image for a device of compute capability `cc` into the current context.
+/// `V4POOL_CUDA_MODULE=cubin|ptx|nvrtc` restricts the choice to one kind (to run everything
+/// through the PTX JIT or NVRTC path on a device the cubin would serve).
 fn load_module(cc: (i32, i32)) -> Result<LoadedModule, BackendError> {
+    let forced = std::env::var("V4POOL_CUDA_MODULE").ok();
+    let wanted = |source: &ModuleSource| {
+        matches!(
+            (forced.as_deref(), source),
+            (None, _)
+                | (Some("cubin"), ModuleSource::Cubin)
+                | (Some("ptx"), ModuleSource::Ptx)
+                | (Some("nvrtc"), ModuleSource::Nvrtc { .. })
+        )
+    };
     let mut errors = Vec::new();
-    for source in candidates(cc) {
+    for source in candidates(cc).into_iter().filter(wanted) {
         match load_image(source) {
             Ok(m) => return resolve(m, source),
             Err(e) => errors.push(format!("{source:?}: {e}")),
         }
     }
-    Err(unavailable(format!(
-        "no kernel image loads on sm_{}{}: {}",
-        cc.0,
-        cc.1,
-        errors.join("; ")
-    )))
+    if let Some(f) = &forced {
+        errors.push(format!("V4POOL_CUDA_MODULE={f} (one of cubin, ptx, nvrtc) allowed no other image"));
+    }
+    Err(unavailable(format!("no kernel image loads on sm_{}{}: {}", cc.0, cc.1, errors.join("; "))))
 }
 
 /// # Safety
@@ -407,9 +385,7 @@ fn load_module(cc: (i32, i32)) -> Result<LoadedModule, BackendError> {
 unsafe fn module_from_image(image: *const c_void) -> Result<sys::CUmodule, BackendError> {
     let mut m: sys::CUmodule = std::ptr::null_mut();
     // SAFETY: the caller's contract; `m` is a valid out-pointer.
-    check("cuModuleLoadData", unsafe {
-        sys::cuModuleLoadData(&mut m, image)
-    })?;
+    check("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut m, image) })?;
     Ok(m)
 }
 
@@ -474,18 +450,14 @@ impl fmt::Debug for CudaBackend {
 impl CudaBackend {
     /// The backend on device `ordinal`, or `Unavailable` when there is no driver or device.
     pub fn new(ordinal: usize) -> Result<Self, BackendError> {
-        let ordinal =
-            i32::try_from(ordinal).map_err(|_| unavailable(format!("no CUDA device {ordinal}")))?;
+        let ordinal = i32::try_from(ordinal).map_err(|_| unavailable(format!("no CUDA device {ordinal}")))?;
         let device = device(ordinal)?;
         bind(&device)?;
         let mut stream: sys::CUstream = std::ptr::null_mut();
         // SAFETY: the context is current; a non-blocking stream does not order against the
         // legacy default stream, so it can be captured while others run.
         check("cuStreamCreate", unsafe {
-            sys::cuStreamCreate(
-                &mut stream,
-                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-            )
+            sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
         })?;
         let staging = Staging {
             base: std::ptr::null_mut(),
@@ -495,11 +467,7 @@ impl CudaBackend {
             spare_events: Vec::new(),
         };
         Ok(CudaBackend {
-            inner: Arc::new(Inner {
-                device,
-                own_stream: stream,
-                staging: Mutex::new(staging),
-            }),
+            inner: Arc::new(Inner { device, own_stream: stream, staging: Mutex::new(staging) }),
         })
     }
 
@@ -540,28 +508,18 @@ impl CudaBackend {
         let result = (|| {
             for (sym, f) in Launch::SYMBOLS.iter().zip(&loaded.functions) {
                 if f.is_none() {
-                    return Err(BackendError::MissingKernel {
-                        backend: KIND,
-                        symbol: sym,
-                    });
+                    return Err(BackendError::MissingKernel { backend: KIND, symbol: sym });
                 }
             }
-            let empty = Launch::SYMBOLS
-                .iter()
-                .position(|s| *s == Launch::Empty.symbol());
+            let empty = Launch::SYMBOLS.iter().position(|s| *s == Launch::Empty.symbol());
             let f = empty
                 .and_then(|i| loaded.functions[i])
-                .ok_or(BackendError::MissingKernel {
-                    backend: KIND,
-                    symbol: Launch::Empty.symbol(),
-                })?;
+                .ok_or(BackendError::MissingKernel { backend: KIND, symbol: Launch::Empty.symbol() })?;
             let own = self.inner.own_stream;
             // SAFETY: the empty kernel takes no parameters and touches nothing.
             unsafe { self.launch_raw::<u8>(f, [1, 1, 1], [1, 1, 1], None, own)? };
             // SAFETY: our own live stream.
-            check("cuStreamSynchronize", unsafe {
-                sys::cuStreamSynchronize(own)
-            })
+            check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(own) })
         })();
         // SAFETY: the probe's own module; the stream that ran its kernel is idle (or the
         // launch never happened).
@@ -574,9 +532,7 @@ impl CudaBackend {
         self.bind()?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: context current; valid out-pointers.
-        check("cuMemGetInfo_v2", unsafe {
-            sys::cuMemGetInfo_v2(&mut free, &mut total)
-        })?;
+        check("cuMemGetInfo_v2", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
         Ok((free as u64, total as u64))
     }
 
@@ -591,28 +547,18 @@ impl CudaBackend {
 
     fn function(&self, launch: &Launch) -> Result<sys::CUfunction, BackendError> {
         let symbol = launch.symbol();
-        let module = self
-            .inner
-            .device
-            .module
-            .as_ref()
-            .map_err(|e| unavailable(e.clone()))?;
+        let module = self.inner.device.module.as_ref().map_err(|e| unavailable(e.clone()))?;
         Launch::SYMBOLS
             .iter()
             .position(|s| *s == symbol)
             .and_then(|i| module.functions.get(i).copied().flatten())
-            .ok_or(BackendError::MissingKernel {
-                backend: KIND,
-                symbol,
-            })
+            .ok_or(BackendError::MissingKernel { backend: KIND, symbol })
     }
 
     fn is_capturing(&self, stream: sys::CUstream) -> Result<bool, BackendError> {
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: context current; `stream` is the caller's live stream or ours.
-        check("cuStreamIsCapturing", unsafe {
-            sys::cuStreamIsCapturing(stream, &mut status)
-        })?;
+        check("cuStreamIsCapturing", unsafe { sys::cuStreamIsCapturing(stream, &mut status) })?;
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
@@ -625,16 +571,9 @@ impl CudaBackend {
         // SAFETY: context current. Thread-local mode: other threads (other tests, the
         // engine's allocator) may keep calling the driver while this stream records.
         check("cuStreamBeginCapture_v2", unsafe {
-            sys::cuStreamBeginCapture_v2(
-                raw,
-                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-            )
+            sys::cuStreamBeginCapture_v2(raw, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         })?;
-        Ok(GraphCapture {
-            inner: self.inner.clone(),
-            stream: raw,
-            ended: false,
-        })
+        Ok(GraphCapture { inner: self.inner.clone(), stream: raw, ended: false })
     }
 
     /// A timing event (created with `CU_EVENT_DEFAULT`: the default-flag path that records
@@ -646,10 +585,7 @@ impl CudaBackend {
         check("cuEventCreate", unsafe {
             sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DEFAULT as u32)
         })?;
-        Ok(CudaEvent {
-            inner: self.inner.clone(),
-            event: ev,
-        })
+        Ok(CudaEvent { inner: self.inner.clone(), event: ev })
     }
 
     /// Launch with an explicit shape: the kernel's single by-value parameter is `args`.
@@ -668,11 +604,7 @@ impl CudaBackend {
             Some(a) => (a as *const T).cast_mut().cast(),
             None => std::ptr::null_mut(),
         };
-        let params: *mut *mut c_void = if args.is_some() {
-            &mut arg_ptr
-        } else {
-            std::ptr::null_mut()
-        };
+        let params: *mut *mut c_void = if args.is_some() { &mut arg_ptr } else { std::ptr::null_mut() };
         // SAFETY: `params` holds one pointer to the by-value argument struct (read by the
         // driver during the call, which copies it); pointer validity is the caller's contract.
         check("cuLaunchKernel", unsafe {
@@ -695,9 +627,7 @@ impl CudaBackend {
 
 fn bind(device: &Device) -> Result<(), BackendError> {
     // SAFETY: the primary context is retained for the process.
-    check("cuCtxSetCurrent", unsafe {
-        sys::cuCtxSetCurrent(device.ctx)
-    })
+    check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(device.ctx) })
 }
 
 impl Inner {
@@ -763,15 +693,11 @@ impl Staging {
 
     /// Grow to hold `len` bytes, after every outstanding copy from the old buffer finished.
     fn grow(&mut self, len: usize) -> Result<(), BackendError> {
-        let capacity = (2 * len)
-            .next_power_of_two()
-            .clamp(STAGING_MIN_BYTES, STAGING_MAX_BYTES);
+        let capacity = (STAGING_DEPTH * len).next_power_of_two().clamp(STAGING_MIN_BYTES, STAGING_MAX_BYTES);
         self.reclaim(0, usize::MAX / 2)?;
         if !self.base.is_null() {
             // SAFETY: every copy that read the old buffer has completed (reclaim waited).
-            check("cuMemFreeHost", unsafe {
-                sys::cuMemFreeHost(self.base.cast())
-            })?;
+            check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(self.base.cast()) })?;
             self.base = std::ptr::null_mut();
             self.capacity = 0;
         }
@@ -824,11 +750,7 @@ impl Backend for CudaBackend {
         // SAFETY: context current; valid out-pointer. cuMemAlloc aligns to at least 256 B.
         let r = unsafe { sys::cuMemAlloc_v2(&mut ptr, size) };
         if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-            return Err(BackendError::OutOfMemory {
-                backend: KIND,
-                bytes,
-                message: error_text(r),
-            });
+            return Err(BackendError::OutOfMemory { backend: KIND, bytes, message: error_text(r) });
         }
         check("cuMemAlloc_v2", r)?;
         let own = self.inner.own_stream;
@@ -854,12 +776,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    unsafe fn upload(
-        &self,
-        dst: DevicePtr,
-        src: &[u8],
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn upload(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> Result<(), BackendError> {
         if src.is_empty() {
             return Ok(());
         }
@@ -873,7 +790,7 @@ impl Backend for CudaBackend {
                 message: "the stream is capturing a graph; upload before capture or replay".into(),
             });
         }
-        if src.len() > STAGING_MAX_BYTES / 2 {
+        if src.len() > STAGING_MAX_BYTES / STAGING_DEPTH {
             // SAFETY: the caller's contract on `dst`; for pageable memory the driver returns
             // once `src` has been consumed.
             return check("cuMemcpyHtoDAsync_v2", unsafe {
@@ -881,7 +798,7 @@ impl Backend for CudaBackend {
             });
         }
         let mut st = self.inner.staging.lock().unwrap_or_else(|e| e.into_inner());
-        if src.len() > st.capacity / 2 {
+        if src.len() * STAGING_DEPTH > st.capacity {
             st.grow(src.len())?;
         }
         let len = src.len().div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
@@ -890,8 +807,8 @@ impl Backend for CudaBackend {
             start = 0;
         }
         st.reclaim(start, len)?;
-        // SAFETY: `[start, start+len)` lies in the pinned buffer (len <= capacity/2 rounded
-        // up to the alignment that divides the capacity) and no pending copy reads it.
+        // SAFETY: `[start, start+len)` lies in the pinned buffer (len <= capacity/DEPTH
+        // rounded up to the alignment, which divides the capacity) and no pending copy reads it.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), st.base.add(start), src.len()) };
         let ev = st.event()?;
         // SAFETY: the staged bytes stay untouched until `ev` completes (reclaim checks it);
@@ -916,20 +833,14 @@ impl Backend for CudaBackend {
         }
     }
 
-    unsafe fn download(
-        &self,
-        dst: &mut [u8],
-        src: DevicePtr,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn download(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
         self.bind()?;
         let raw = self.inner.stream(stream);
         if self.is_capturing(raw)? {
             return Err(BackendError::Driver {
                 backend: KIND,
                 call: "download",
-                message: "the stream is capturing a graph; a download waits, which capture forbids"
-                    .into(),
+                message: "the stream is capturing a graph; a download waits, which capture forbids".into(),
             });
         }
         if !dst.is_empty() {
@@ -940,9 +851,7 @@ impl Backend for CudaBackend {
             })?;
         }
         // SAFETY: a live stream.
-        check("cuStreamSynchronize", unsafe {
-            sys::cuStreamSynchronize(raw)
-        })
+        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(raw) })
     }
 
     unsafe fn copy(
@@ -956,10 +865,8 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.bind()?;
-        let n = usize::try_from(bytes).map_err(|_| BackendError::InvalidLaunch {
-            kernel: "copy",
-            reason: format!("{bytes} bytes"),
-        })?;
+        let n = usize::try_from(bytes)
+            .map_err(|_| BackendError::InvalidLaunch { kernel: "copy", reason: format!("{bytes} bytes") })?;
         // SAFETY: the caller's contract: both ranges live and disjoint.
         check("cuMemcpyDtoDAsync_v2", unsafe {
             sys::cuMemcpyDtoDAsync_v2(dst, src, n, self.inner.stream(stream))
@@ -982,16 +889,12 @@ impl Backend for CudaBackend {
             reason: format!("{count} words"),
         })?;
         // SAFETY: the caller's contract: `dst .. dst + 4*count` is live and 4-byte aligned.
-        check("cuMemsetD32Async", unsafe {
-            sys::cuMemsetD32Async(dst, value, n, self.inner.stream(stream))
-        })
+        check("cuMemsetD32Async", unsafe { sys::cuMemsetD32Async(dst, value, n, self.inner.stream(stream)) })
     }
 
     unsafe fn launch(&self, launch: &Launch, stream: Stream) -> Result<(), BackendError> {
-        check_launch(launch).map_err(|e| BackendError::InvalidLaunch {
-            kernel: launch.symbol(),
-            reason: e.to_string(),
-        })?;
+        check_launch(launch)
+            .map_err(|e| BackendError::InvalidLaunch { kernel: launch.symbol(), reason: e.to_string() })?;
         // Empty launches still run one block (never skipped) so a captured graph keeps
         // its nodes whatever the batch held at capture time.
         let LaunchShape { grid, block } = launch_shape(launch);
@@ -1018,9 +921,7 @@ impl Backend for CudaBackend {
     fn synchronize(&self, stream: Stream) -> Result<(), BackendError> {
         self.bind()?;
         // SAFETY: a live stream (ours, or the caller's by contract).
-        check("cuStreamSynchronize", unsafe {
-            sys::cuStreamSynchronize(self.inner.stream(stream))
-        })
+        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.inner.stream(stream)) })
     }
 }
 
@@ -1041,9 +942,7 @@ impl GraphCapture {
         bind(&self.inner.device)?;
         let mut graph: sys::CUgraph = std::ptr::null_mut();
         // SAFETY: this stream is capturing (begin_capture succeeded) on this thread.
-        check("cuStreamEndCapture", unsafe {
-            sys::cuStreamEndCapture(self.stream, &mut graph)
-        })?;
+        check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(self.stream, &mut graph) })?;
         let mut exec: sys::CUgraphExec = std::ptr::null_mut();
         // SAFETY: `graph` is the captured graph; out-pointer valid.
         let r = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
@@ -1052,15 +951,9 @@ impl GraphCapture {
             unsafe { sys::cuGraphDestroy(graph) };
             return Err(e);
         }
-        let g = CudaGraph {
-            inner: self.inner.clone(),
-            graph,
-            exec,
-        };
+        let g = CudaGraph { inner: self.inner.clone(), graph, exec };
         // SAFETY: a valid executable graph; prepares its launch on the capture stream.
-        check("cuGraphUpload", unsafe {
-            sys::cuGraphUpload(exec, self.stream)
-        })?;
+        check("cuGraphUpload", unsafe { sys::cuGraphUpload(exec, self.stream) })?;
         Ok(g)
     }
 }
@@ -1100,9 +993,7 @@ impl CudaGraph {
     pub fn replay(&self, stream: Stream) -> Result<(), BackendError> {
         bind(&self.inner.device)?;
         // SAFETY: a valid executable graph; the buffers it names are the caller's to keep alive.
-        check("cuGraphLaunch", unsafe {
-            sys::cuGraphLaunch(self.exec, self.inner.stream(stream))
-        })
+        check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(self.exec, self.inner.stream(stream)) })
     }
 }
 
@@ -1125,9 +1016,7 @@ impl fmt::Debug for CudaGraph {
 
 impl fmt::Debug for GraphCapture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("GraphCapture")
-            .field("ended", &self.ended)
-            .finish_non_exhaustive()
+        f.debug_struct("GraphCapture").field("ended", &self.ended).finish_non_exhaustive()
     }
 }
 
@@ -1149,18 +1038,14 @@ impl CudaEvent {
     pub fn record(&self, stream: Stream) -> Result<(), BackendError> {
         bind(&self.inner.device)?;
         // SAFETY: a live event and stream.
-        check("cuEventRecord", unsafe {
-            sys::cuEventRecord(self.event, self.inner.stream(stream))
-        })
+        check("cuEventRecord", unsafe { sys::cuEventRecord(self.event, self.inner.stream(stream)) })
     }
 
     /// Wait until the recorded work has run.
     pub fn synchronize(&self) -> Result<(), BackendError> {
         bind(&self.inner.device)?;
         // SAFETY: a live event.
-        check("cuEventSynchronize", unsafe {
-            sys::cuEventSynchronize(self.event)
-        })
+        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(self.event) })
     }
 
     /// Whether the work recorded before this event has run (no wait).
@@ -1216,25 +1101,16 @@ mod tests {
             }
             Err(e) => panic!("unexpected error {e}"),
         }
-        assert!(matches!(
-            CudaBackend::new(1 << 20),
-            Err(BackendError::Unavailable { .. })
-        ));
+        assert!(matches!(CudaBackend::new(1 << 20), Err(BackendError::Unavailable { .. })));
     }
 
     #[test]
     fn invalid_launches_are_rejected_before_the_driver() {
-        let bad = crate::index::RowScatterArgs {
-            num_tokens: -1,
-            ..Default::default()
-        };
+        let bad = crate::index::RowScatterArgs { num_tokens: -1, ..Default::default() };
         if let Ok(b) = CudaBackend::new(0) {
             // SAFETY: rejected by the host-side check; nothing reaches the device.
             let r = unsafe { b.launch(&Launch::RowScatter(bad), Stream::DEFAULT) };
-            assert!(
-                matches!(r, Err(BackendError::InvalidLaunch { .. })),
-                "{r:?}"
-            );
+            assert!(matches!(r, Err(BackendError::InvalidLaunch { .. })), "{r:?}");
         }
     }
 }

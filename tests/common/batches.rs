@@ -28,9 +28,7 @@ pub fn slots(rng: &mut Rng, g: &UnifiedPoolGeometry, count: usize) -> Vec<i32> {
 
 /// Block tables `[bs, stride]` of random blocks of the geometry; every column is a valid block.
 pub fn tables(rng: &mut Rng, g: &UnifiedPoolGeometry, bs: usize, stride: usize) -> Vec<i32> {
-    (0..bs * stride)
-        .map(|_| rng.below(g.num_blocks.max(1) as u64) as i32)
-        .collect()
+    (0..bs * stride).map(|_| rng.below(g.num_blocks.max(1) as u64) as i32).collect()
 }
 
 /// Columns a context of `ctx` tokens needs.
@@ -108,36 +106,23 @@ impl DecodeBatch {
             bid.push(-1);
             pos.push(rng.range(-5, 2_000_000));
         }
-        let stride = ctx
-            .iter()
-            .map(|&c| columns(c))
-            .max()
-            .unwrap_or(1)
-            .max(min_stride)
-            + rng.below(3) as usize;
+        let stride =
+            ctx.iter().map(|&c| columns(c)).max().unwrap_or(1).max(min_stride) + rng.below(3) as usize;
         let tables = tables(rng, g, bs, stride);
-        DecodeBatch {
-            bs,
-            slots,
-            ctx,
-            bid,
-            pos,
-            live,
-            stride,
-            tables,
-            topk,
-        }
+        DecodeBatch { bs, slots, ctx, bid, pos, live, stride, tables, topk }
     }
 
     /// Indptr of a class whose live token `t` holds `len(pos, ctx)` entries; pads hold none.
     pub fn indptr(&self, len: impl Fn(i64, i64) -> i64) -> Vec<i32> {
-        cumsum(self.bid.iter().zip(&self.pos).map(|(&b, &p)| {
-            if b < 0 {
-                0
-            } else {
-                len(p, self.ctx[b as usize])
-            }
-        }))
+        cumsum(self.bid.iter().zip(&self.pos).map(
+            |(&b, &p)| {
+                if b < 0 {
+                    0
+                } else {
+                    len(p, self.ctx[b as usize])
+                }
+            },
+        ))
     }
 
     pub fn dense_indptr(&self) -> Vec<i32> {
@@ -162,16 +147,8 @@ impl DecodeBatch {
     pub fn topk_rows(&self, rng: &mut Rng, row_stride: usize) -> Vec<i32> {
         let mut out = Vec::with_capacity(self.t_pad() * row_stride);
         for (&b, &p) in self.bid.iter().zip(&self.pos) {
-            let valid = if b < 0 {
-                0
-            } else {
-                csa_head(p, self.ctx[b as usize], self.topk) as usize
-            };
-            let rows = if b < 0 {
-                1
-            } else {
-                (self.ctx[b as usize] / 4).max(1)
-            };
+            let valid = if b < 0 { 0 } else { csa_head(p, self.ctx[b as usize], self.topk) as usize };
+            let rows = if b < 0 { 1 } else { (self.ctx[b as usize] / 4).max(1) };
             for k in 0..row_stride {
                 out.push(if k < valid {
                     if rng.chance(0.02) {
@@ -239,11 +216,7 @@ impl PrefillBatch {
         };
         let mut entries = 0i64;
         while b.bs < max_seqs {
-            let cs = if rng.chance(0.3) {
-                0
-            } else {
-                start_position(rng, max_pos)
-            };
+            let cs = if rng.chance(0.3) { 0 } else { start_position(rng, max_pos) };
             let len = match rng.below(3) {
                 0 => rng.range(1, 8),
                 1 => rng.range(100, 300),
@@ -304,11 +277,7 @@ impl PrefillBatch {
             let tok = self.token(t);
             let rows = (self.ctx[self.bid[t] as usize] / 4).max(1);
             for k in 0..row_stride as i64 {
-                out.push(if k < tok.csa_head {
-                    rng.range(0, rows - 1) as i32
-                } else {
-                    -1
-                });
+                out.push(if k < tok.csa_head { rng.range(0, rows - 1) as i32 } else { -1 });
             }
         }
         out

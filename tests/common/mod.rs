@@ -50,10 +50,7 @@ pub fn host() -> HostBackend {
 pub fn base_seed() -> u64 {
     static SEED: OnceLock<u64> = OnceLock::new();
     *SEED.get_or_init(|| {
-        if let Some(s) = std::env::var("V4POOL_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-        {
+        if let Some(s) = std::env::var("V4POOL_SEED").ok().and_then(|s| s.parse().ok()) {
             return s;
         }
         let t = std::time::SystemTime::now()
@@ -158,19 +155,13 @@ pub fn models() -> [(&'static str, Vec<i32>); 2] {
 
 /// A geometry at a fixed plane of `plane_rows`, with `num_slots` slots and as many blocks as
 /// fit beside them.
-pub fn geometry_at(
-    ratios: &[i32],
-    ring: i64,
-    plane_rows: i64,
-    num_slots: i64,
-) -> UnifiedPoolGeometry {
+pub fn geometry_at(ratios: &[i32], ring: i64, plane_rows: i64, num_slots: i64) -> UnifiedPoolGeometry {
     let g0 = GeometrySpec::new(ratios.to_vec(), 0, num_slots, ring, BLOCK_SIZE)
         .plane_rows(plane_rows)
         .build()
         .unwrap_or_else(|e| panic!("geometry {ratios:?} ring {ring} plane {plane_rows}: {e}"));
     let blocks = g0.max_blocks_beside(num_slots);
-    g0.with_capacity(blocks, num_slots, Some(plane_rows))
-        .expect("max_blocks_beside fits")
+    g0.with_capacity(blocks, num_slots, Some(plane_rows)).expect("max_blocks_beside fits")
 }
 
 /// A production-sized geometry: plane near 1.5e8 rows, ring 128..=135.
@@ -183,11 +174,14 @@ pub fn big_geometry(rng: &mut Rng, ratios: &[i32]) -> UnifiedPoolGeometry {
 
 // ---- the two-backend harness --------------------------------------------------------------
 
+/// Builds a buffer's bytes from every buffer's address.
+pub type ContentFn = Box<dyn Fn(&[u64]) -> Vec<u8>>;
+
 /// Byte contents of a buffer, possibly depending on where every buffer landed (descriptors
 /// that hold device addresses).
 pub enum Content {
     Bytes(Vec<u8>),
-    WithPtrs(u64, Box<dyn Fn(&[u64]) -> Vec<u8>>),
+    WithPtrs(u64, ContentFn),
 }
 
 pub struct Buf {
@@ -222,17 +216,10 @@ pub fn i64_bytes(v: &[i64]) -> Vec<u8> {
 
 impl Case {
     pub fn new(name: impl Into<String>, seed: u64) -> Self {
-        Case {
-            name: name.into(),
-            seed,
-            bufs: Vec::new(),
-        }
+        Case { name: name.into(), seed, bufs: Vec::new() }
     }
     pub fn bytes(&mut self, name: &str, b: Vec<u8>) -> usize {
-        self.bufs.push(Buf {
-            name: name.into(),
-            content: Content::Bytes(b),
-        });
+        self.bufs.push(Buf { name: name.into(), content: Content::Bytes(b) });
         self.bufs.len() - 1
     }
     pub fn i32s(&mut self, name: &str, v: &[i32]) -> usize {
@@ -245,16 +232,8 @@ impl Case {
     pub fn poisoned(&mut self, name: &str, n: usize, poison: i32) -> usize {
         self.i32s(name, &vec![poison; n])
     }
-    pub fn with_ptrs(
-        &mut self,
-        name: &str,
-        len: u64,
-        f: impl Fn(&[u64]) -> Vec<u8> + 'static,
-    ) -> usize {
-        self.bufs.push(Buf {
-            name: name.into(),
-            content: Content::WithPtrs(len, Box::new(f)),
-        });
+    pub fn with_ptrs(&mut self, name: &str, len: u64, f: impl Fn(&[u64]) -> Vec<u8> + 'static) -> usize {
+        self.bufs.push(Buf { name: name.into(), content: Content::WithPtrs(len, Box::new(f)) });
         self.bufs.len() - 1
     }
     pub fn total_bytes(&self) -> u64 {
@@ -301,12 +280,7 @@ pub fn run_case(
             if let Content::WithPtrs(_, f) = &b.content {
                 // Holds this backend's addresses, so it cannot match the other backend's:
                 // checked here against what was uploaded (kernels only read descriptors).
-                assert!(
-                    v == f(&ptrs),
-                    "case {}: descriptor buffer {} was written",
-                    case.name,
-                    b.name
-                );
+                assert!(v == f(&ptrs), "case {}: descriptor buffer {} was written", case.name, b.name);
                 v.clear();
             }
             out.push(v);
@@ -365,17 +339,9 @@ pub fn assert_same(case: &Case, reference: &[Vec<u8>], device: &[Vec<u8>]) {
 
 /// Run a case on both backends and compare everything.
 pub fn check_case(cuda: &dyn Backend, case: &Case, make: &dyn Fn(&[u64]) -> Vec<Launch>) {
-    let reference = run_case(&host(), case, make).unwrap_or_else(|e| {
-        panic!(
-            "case {} (seed {:#x}): host backend failed: {e}",
-            case.name, case.seed
-        )
-    });
-    let device = run_case(cuda, case, make).unwrap_or_else(|e| {
-        panic!(
-            "case {} (seed {:#x}): cuda backend failed: {e}",
-            case.name, case.seed
-        )
-    });
+    let reference = run_case(&host(), case, make)
+        .unwrap_or_else(|e| panic!("case {} (seed {:#x}): host backend failed: {e}", case.name, case.seed));
+    let device = run_case(cuda, case, make)
+        .unwrap_or_else(|e| panic!("case {} (seed {:#x}): cuda backend failed: {e}", case.name, case.seed));
     assert_same(case, &reference, &device);
 }
