@@ -14,9 +14,11 @@
 //!   (`Stream(raw CUstream)`), and `Stream::DEFAULT` is a non-blocking stream this backend
 //!   owns. Kernel arguments are the `*Args` struct by value, the kernel's single parameter.
 //! * **No host synchronisation on the index path.** Uploads go through a pinned staging
-//!   ring, so `upload` returns as soon as the bytes are staged and never waits for the
-//!   stream; launches and fills never wait. Only `download`, `synchronize`, `alloc_zeroed`
-//!   (which must hand out zeroed memory to every stream) and event timing wait.
+//!   ring, so `upload` returns as soon as the bytes are staged, without waiting for the
+//!   stream; the ring holds at least four of the largest upload seen (up to 256 MiB), so it
+//!   only waits when the device is that far behind, and once when it grows. Launches and
+//!   fills never wait. Only `download`, `synchronize`, `alloc_zeroed` (which must hand out
+//!   zeroed memory to every stream) and event timing wait.
 //! * **Graphs.** [`CudaBackend::begin_capture`] / [`GraphCapture::end`] record work queued
 //!   on a stream into a [`CudaGraph`]; because every batch-dependent value lives behind a
 //!   persistent pointer, [`CudaGraph::replay`] runs the same launches on new contents.
@@ -78,9 +80,12 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuGetErrorString",
 ];
 
-/// Uploads up to this size go through the pinned staging ring (and never wait on the
-/// stream); larger ones are plain pageable copies, which the driver may stage with a wait.
+/// Largest pinned staging ring. Uploads up to a quarter of it go through the ring; larger
+/// ones are plain pageable copies, which the driver may stage with a wait.
 const STAGING_MAX_BYTES: usize = 256 << 20;
+/// The ring holds at least this many of the largest upload seen, so a step's uploads wait
+/// only when the device is that many uploads behind (backpressure, not a per-call wait).
+const STAGING_DEPTH: usize = 4;
 const STAGING_MIN_BYTES: usize = 4 << 20;
 /// Staged regions start on this boundary (keeps the DMA engine on its fast path).
 const STAGING_ALIGN: usize = 256;
@@ -349,13 +354,28 @@ fn candidates(cc: (i32, i32)) -> Vec<ModuleSource> {
 }
 
 /// Load the best image for a device of compute capability `cc` into the current context.
+/// `V4POOL_CUDA_MODULE=cubin|ptx|nvrtc` restricts the choice to one kind (to run everything
+/// through the PTX JIT or NVRTC path on a device the cubin would serve).
 fn load_module(cc: (i32, i32)) -> Result<LoadedModule, BackendError> {
+    let forced = std::env::var("V4POOL_CUDA_MODULE").ok();
+    let wanted = |source: &ModuleSource| {
+        matches!(
+            (forced.as_deref(), source),
+            (None, _)
+                | (Some("cubin"), ModuleSource::Cubin)
+                | (Some("ptx"), ModuleSource::Ptx)
+                | (Some("nvrtc"), ModuleSource::Nvrtc { .. })
+        )
+    };
     let mut errors = Vec::new();
-    for source in candidates(cc) {
+    for source in candidates(cc).into_iter().filter(wanted) {
         match load_image(source) {
             Ok(m) => return resolve(m, source),
             Err(e) => errors.push(format!("{source:?}: {e}")),
         }
+    }
+    if let Some(f) = &forced {
+        errors.push(format!("V4POOL_CUDA_MODULE={f} (one of cubin, ptx, nvrtc) allowed no other image"));
     }
     Err(unavailable(format!("no kernel image loads on sm_{}{}: {}", cc.0, cc.1, errors.join("; "))))
 }
@@ -673,7 +693,7 @@ impl Staging {
 
     /// Grow to hold `len` bytes, after every outstanding copy from the old buffer finished.
     fn grow(&mut self, len: usize) -> Result<(), BackendError> {
-        let capacity = (2 * len).next_power_of_two().clamp(STAGING_MIN_BYTES, STAGING_MAX_BYTES);
+        let capacity = (STAGING_DEPTH * len).next_power_of_two().clamp(STAGING_MIN_BYTES, STAGING_MAX_BYTES);
         self.reclaim(0, usize::MAX / 2)?;
         if !self.base.is_null() {
             // SAFETY: every copy that read the old buffer has completed (reclaim waited).
@@ -770,7 +790,7 @@ impl Backend for CudaBackend {
                 message: "the stream is capturing a graph; upload before capture or replay".into(),
             });
         }
-        if src.len() > STAGING_MAX_BYTES / 2 {
+        if src.len() > STAGING_MAX_BYTES / STAGING_DEPTH {
             // SAFETY: the caller's contract on `dst`; for pageable memory the driver returns
             // once `src` has been consumed.
             return check("cuMemcpyHtoDAsync_v2", unsafe {
@@ -778,7 +798,7 @@ impl Backend for CudaBackend {
             });
         }
         let mut st = self.inner.staging.lock().unwrap_or_else(|e| e.into_inner());
-        if src.len() > st.capacity / 2 {
+        if src.len() * STAGING_DEPTH > st.capacity {
             st.grow(src.len())?;
         }
         let len = src.len().div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
@@ -787,8 +807,8 @@ impl Backend for CudaBackend {
             start = 0;
         }
         st.reclaim(start, len)?;
-        // SAFETY: `[start, start+len)` lies in the pinned buffer (len <= capacity/2 rounded
-        // up to the alignment that divides the capacity) and no pending copy reads it.
+        // SAFETY: `[start, start+len)` lies in the pinned buffer (len <= capacity/DEPTH
+        // rounded up to the alignment, which divides the capacity) and no pending copy reads it.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), st.base.add(start), src.len()) };
         let ev = st.event()?;
         // SAFETY: the staged bytes stay untouched until `ev` completes (reclaim checks it);
@@ -1026,6 +1046,17 @@ impl CudaEvent {
         bind(&self.inner.device)?;
         // SAFETY: a live event.
         check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(self.event) })
+    }
+
+    /// Whether the work recorded before this event has run (no wait).
+    pub fn is_complete(&self) -> Result<bool, BackendError> {
+        bind(&self.inner.device)?;
+        // SAFETY: a live event.
+        match unsafe { sys::cuEventQuery(self.event) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check("cuEventQuery", r).map(|_| false),
+        }
     }
 
     /// Milliseconds from this event to `end` (waits for `end`).

@@ -17,6 +17,10 @@ use v4pool::{GeometrySpec, UnifiedPoolGeometry};
 /// The CUDA backend on device 0, or `None` after printing why the test is skipped. With
 /// `V4POOL_REQUIRE_GPU=1` a missing device fails the test instead.
 pub fn cuda_or_skip(test: &str) -> Option<CudaBackend> {
+    if std::env::var("V4POOL_BACKEND").is_ok_and(|v| v.eq_ignore_ascii_case("hip")) {
+        println!("SKIP: {test} is CUDA-only (V4POOL_BACKEND=hip)");
+        return None;
+    }
     match CudaBackend::new(0) {
         Ok(b) => Some(b),
         Err(e) => {
@@ -36,6 +40,19 @@ pub fn device_or_skip(test: &str) -> Option<Box<dyn Backend>> {
     if std::env::var("V4POOL_TEST_DEVICE").is_ok_and(|v| v == "host") {
         println!("DRY RUN: {test} compares the host backend with itself");
         return Some(Box::new(host()));
+    }
+    // `V4POOL_BACKEND=hip` points the same checks at the HIP backend (scripts/rocm-smoke.sh).
+    if std::env::var("V4POOL_BACKEND").is_ok_and(|v| v.eq_ignore_ascii_case("hip")) {
+        return match v4pool::backend::hip::HipBackend::new(0) {
+            Ok(b) => Some(Box::new(b)),
+            Err(e) => {
+                if std::env::var("V4POOL_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                    panic!("{test}: V4POOL_REQUIRE_GPU=1 but no HIP device: {e}");
+                }
+                println!("SKIP: no HIP device ({e}) in {test}");
+                None
+            }
+        };
     }
     cuda_or_skip(test).map(|b| Box::new(b) as Box<dyn Backend>)
 }
@@ -160,7 +177,7 @@ pub fn geometry_at(ratios: &[i32], ring: i64, plane_rows: i64, num_slots: i64) -
         .plane_rows(plane_rows)
         .build()
         .unwrap_or_else(|e| panic!("geometry {ratios:?} ring {ring} plane {plane_rows}: {e}"));
-    let blocks = g0.max_blocks_beside(num_slots as u32);
+    let blocks = g0.max_blocks_beside(u32::try_from(num_slots).expect("slot count fits u32"));
     g0.with_capacity(blocks, num_slots, Some(plane_rows)).expect("max_blocks_beside fits")
 }
 
@@ -174,11 +191,14 @@ pub fn big_geometry(rng: &mut Rng, ratios: &[i32]) -> UnifiedPoolGeometry {
 
 // ---- the two-backend harness --------------------------------------------------------------
 
+/// Builds a buffer's bytes from every buffer's address.
+pub type ContentFn = Box<dyn Fn(&[u64]) -> Vec<u8>>;
+
 /// Byte contents of a buffer, possibly depending on where every buffer landed (descriptors
 /// that hold device addresses).
 pub enum Content {
     Bytes(Vec<u8>),
-    WithPtrs(u64, Box<dyn Fn(&[u64]) -> Vec<u8>>),
+    WithPtrs(u64, ContentFn),
 }
 
 pub struct Buf {
