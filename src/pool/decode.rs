@@ -327,6 +327,7 @@ impl DecodeIndexBuffers {
         batch: &[DecodeSeq<'_>],
         stream: Stream,
     ) -> Result<usize, DecodeError> {
+        let _range = crate::profiling::range("v4pool.decode_stage");
         let meta = self.build_metadata(batch)?;
         let base = self.base();
         // SAFETY: the staging image is exactly `meta_end` bytes and the allocation starts

@@ -364,6 +364,7 @@ impl Pool {
 
     /// Hand out a slot and initialise its compressor state (queued on the pool's stream).
     pub fn alloc_slot(&self) -> Result<SlotLease, PoolError> {
+        let _range = crate::profiling::range("v4pool.alloc_slot");
         let mut st = self.lock()?;
         let handle = st.boundary.alloc_slot()?;
         let position = st.boundary.position(handle)?;
@@ -422,6 +423,7 @@ impl Pool {
         &self,
         op: impl FnOnce(&mut Boundary) -> Result<BoundaryChange, BoundaryError>,
     ) -> Result<BoundaryChange, PoolError> {
+        let _range = crate::profiling::range("v4pool.boundary_move");
         let mut st = self.lock()?;
         let change = op(&mut st.boundary)?;
         let runs = self.relocation_runs(&change)?;
@@ -484,6 +486,7 @@ impl Pool {
 
     /// Queue `runs` (non-overlapping byte copies) as descriptor launches on the pool stream.
     pub fn copy_runs(&self, runs: &[CopyRun]) -> Result<(), PoolError> {
+        let _range = crate::profiling::range("v4pool.copy_runs");
         let desc = self.descriptors.as_ref().map_or(0, |a| a.ptr);
         for chunk in runs.chunks(DESCRIPTOR_RUNS) {
             // SAFETY: the descriptor buffer holds DESCRIPTOR_RUNS runs and is live while the
@@ -502,6 +505,7 @@ impl Pool {
 
     /// Initialise the compressor state of `positions` (zero kv, −inf scores, zero padding).
     pub fn init_positions(&self, positions: std::ops::Range<i64>) -> Result<(), PoolError> {
+        let _range = crate::profiling::range("v4pool.init_state");
         let g = &self.spec.geometry;
         let mut runs = Vec::new();
         for pos in positions {
@@ -598,6 +602,7 @@ impl Pool {
 
     /// Checkpoint into a host buffer of exactly `checkpoint_image_bytes()` bytes.
     pub fn checkpoint(&self, slot: SlotHandle, dst: &mut [u8]) -> Result<(), PoolError> {
+        let _range = crate::profiling::range("v4pool.checkpoint");
         let bytes = self.checkpoint_image_bytes()?;
         if dst.len() as u64 != bytes {
             return Err(PoolError::BufferSize { got: dst.len(), expected: bytes });
@@ -619,6 +624,7 @@ impl Pool {
 
     /// Restore a held slot from a host image of exactly `checkpoint_image_bytes()` bytes.
     pub fn restore(&self, slot: SlotHandle, src: &[u8]) -> Result<(), PoolError> {
+        let _range = crate::profiling::range("v4pool.restore");
         let bytes = self.checkpoint_image_bytes()?;
         if src.len() as u64 != bytes {
             return Err(PoolError::BufferSize { got: src.len(), expected: bytes });
