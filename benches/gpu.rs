@@ -742,7 +742,9 @@ fn prefill_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<(
     let mut target = None;
     let mut rng = Rng::new(11);
     let four: Vec<(i64, i64)> = (0..4).map(|_| (2048, rng.range(2048, PREFILL_1M + 1))).collect();
-    let configs: Vec<(String, Vec<(i64, i64)>, bool)> = vec![
+    // (label, sequences as (chunk_len, ctx_end), is the target row)
+    type Config = (String, Vec<(i64, i64)>, bool);
+    let configs: Vec<Config> = vec![
         ("2,048 tok, fresh".into(), vec![(2048, 2048)], false),
         ("2,048 tok at 1M".into(), vec![(2048, PREFILL_1M)], false),
         ("8,192 tok, fresh".into(), vec![(8192, 8192)], false),

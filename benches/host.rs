@@ -238,7 +238,9 @@ fn staging() -> Res<()> {
         // Several input sets, staged in rotation.
         let mut rng = Rng::new(3 + batch as u64);
         let live = g.live_positions();
-        let sets: Vec<(Vec<i64>, Vec<i64>, Vec<Vec<i32>>)> = (0..4)
+        // (slot positions, contexts, block tables) per input set
+        type Set = (Vec<i64>, Vec<i64>, Vec<Vec<i32>>);
+        let sets: Vec<Set> = (0..4)
             .map(|_| {
                 let mut pos: Vec<i64> = live.clone().collect();
                 rng.shuffle(&mut pos);
