@@ -63,7 +63,12 @@ struct Gpu {
     /// Copy floor buffers.
     copy_src: DeviceAllocation,
     copy_dst: DeviceAllocation,
+    /// Descriptors of the kernel copy floor (`copy_runs` over 1 MiB pieces).
+    copy_desc: DeviceAllocation,
 }
+
+/// Piece size of the kernel copy floor.
+const COPY_PIECE: u64 = 1 << 20;
 
 impl Gpu {
     /// Evict L2 (and keep the GPU busy while the host queues what follows).
@@ -125,15 +130,42 @@ impl Gpu {
         })
     }
 
-    /// Graph replay of one device-to-device copy of `bytes` (cold L2): the bandwidth floor.
+    /// The bandwidth floor for `bytes`: the faster (by median) of two device-to-device copies,
+    /// each a graph replay with a cold L2: the driver's memcpy, and `copy_runs` over 1 MiB
+    /// pieces (on the first H200 run the driver's memcpy reached 4.16 TB/s at 256 MiB but only
+    /// 2.5-2.7 TB/s at the other sizes of the tables, so one path alone is not a fair floor).
     fn copy_floor(&self, bytes: u64) -> Res<Stat> {
+        Ok(self.copy_floors(bytes)?.0)
+    }
+
+    /// `(floor, memcpy, kernel copy)`.
+    fn copy_floors(&self, bytes: u64) -> Res<(Stat, Stat, Stat)> {
         let bytes = bytes.clamp(16, self.copy_src.bytes);
-        let g = self.capture(|| {
+        let memcpy = self.capture(|| {
             // SAFETY: both floor buffers are live, disjoint and at least `bytes` long.
             unsafe { self.be.copy(self.copy_dst.ptr, self.copy_src.ptr, bytes, S)? };
             Ok(())
         })?;
-        self.time_graphs(std::slice::from_ref(&g), |_| Ok(()))
+        let runs: Vec<CopyRun> = (0..bytes.div_ceil(COPY_PIECE))
+            .map(|k| {
+                let off = k * COPY_PIECE;
+                CopyRun {
+                    src: self.copy_src.ptr + off,
+                    dst: self.copy_dst.ptr + off,
+                    bytes: COPY_PIECE.min(bytes - off),
+                }
+            })
+            .collect();
+        // The previous floor's replays have finished (every timed rep waits for its end event).
+        self.upload(self.copy_desc.ptr, &runs)?;
+        let kernel = self.graph_of(&[Launch::CopyRuns(CopyRunsArgs {
+            runs: self.copy_desc.ptr,
+            num_runs: runs.len() as i32,
+            _pad: 0,
+        })])?;
+        let m = self.time_graphs(std::slice::from_ref(&memcpy), |_| Ok(()))?;
+        let k = self.time_graphs(std::slice::from_ref(&kernel), |_| Ok(()))?;
+        Ok((if k.med < m.med { k } else { m }, m, k))
     }
 
     fn upload<T: bytemuck::Pod>(&self, dst: DevicePtr, v: &[T]) -> Res<()> {
@@ -407,7 +439,8 @@ fn check_decode(
 }
 
 struct DecodeResults {
-    step_256: Option<(Stat, Stat)>,
+    /// Batch 256, contexts ≤ 1M: (step, builder, copy of the step's bytes, copy of the builder's).
+    step_256: Option<(Stat, Stat, Stat, Stat)>,
     no_host_sync: Option<(f64, f64)>,
 }
 
@@ -486,7 +519,7 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
             },
         );
         if batch == 256 && ctx_lo == 1 {
-            res.step_256 = Some((step, graph));
+            res.step_256 = Some((step, graph, copy_s, copy_b));
             // No host synchronisation on the index path: with ~2.5 ms of work queued ahead,
             // staging + replay must return to the host long before the GPU reaches them.
             let before = gpu.be.event()?;
@@ -516,7 +549,10 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
 
 // ---- CSA translate-pack ---------------------------------------------------------------------
 
-fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<Stat>> {
+/// Top-k 512: (21 layers in one launch, copy of its bytes, one layer).
+type CsaTarget = (Stat, Stat, Stat);
+
+fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<CsaTarget>> {
     header("CSA translate-pack (T = 256, contexts random ≤1M; one launch for 1 or all 21 layers)");
     let batch = 256usize;
     let max_blocks = ((DECODE_MAX_CTX + g.block_size - 1) / g.block_size) as usize;
@@ -577,7 +613,7 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<Stat>
             print_row(f, &Row { name: &name, eager, graph, read, written, copy });
         }
         if topk == 512 {
-            target = Some(g21);
+            target = Some((g21, c21, g1));
         }
         drop((one, all, per_layer));
         gpu.be.synchronize(S)?;
@@ -970,9 +1006,12 @@ fn run() -> Res<()> {
         fmt_bytes(free_b),
         fmt_bytes(total_b)
     );
+    let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    println!("run at unix time {unix}");
     println!(
         "method: median of {REPS} reps after {WARM} warm-up, device events around the work; \
-         a 256 MiB memset before every rep (cold L2); inputs rotated"
+         a 256 MiB memset before every rep (cold L2); inputs rotated; \
+         copy floors: the faster of memcpy and copy_runs over 1 MiB pieces"
     );
     let copy_cap = 384u64 << 20;
     let gpu = Gpu {
@@ -982,6 +1021,7 @@ fn run() -> Res<()> {
         ev1: be.event()?,
         copy_src: alloc(&be, copy_cap)?,
         copy_dst: alloc(&be, copy_cap)?,
+        copy_desc: alloc(&be, copy_cap.div_ceil(COPY_PIECE) * std::mem::size_of::<CopyRun>() as u64)?,
         be,
     };
     let empty_graph_g = gpu.graph_of(&[Launch::Empty])?;
@@ -1006,12 +1046,14 @@ fn run() -> Res<()> {
     );
     for mb in [1u64, 16, 256] {
         let bytes = mb << 20;
-        let c = gpu.copy_floor(bytes)?;
+        let (_, m, k) = gpu.copy_floors(bytes)?;
+        let tbs = |s: &Stat| 2.0 * bytes as f64 / (s.med * 1e6);
         println!(
-            "  D2D copy {:>4} MiB (graph):   {:.2} µs = {:.2} TB/s counting read + write",
-            mb,
-            c.med,
-            2.0 * bytes as f64 / (c.med * 1e6)
+            "  D2D copy {mb:>4} MiB (graph):   memcpy {:.2} µs = {:.2} TB/s; copy_runs {:.2} µs = {:.2} TB/s (read + write)",
+            m.med,
+            tbs(&m),
+            k.med,
+            tbs(&k)
         );
     }
     let dec = decode_group(&gpu, &floors, &g)?;
@@ -1021,13 +1063,22 @@ fn run() -> Res<()> {
 
     println!("\nTARGETS (ratios to floors measured in this run)");
     let e = floors.empty_graph.med;
-    if let Some((step, _)) = dec.step_256 {
+    if let Some((step, builder, copy_s, copy_b)) = dec.step_256 {
         let r = step.med / e;
         println!(
             "  decode step indices (window + HCA + 21-layer CSA pack), batch 256, ctx ≤1M, one graph: \
              {:.2} µs = {r:.2}× empty graph (≤ 2.5×): {}",
             step.med,
             met(r <= 2.5)
+        );
+        println!(
+            "    (bandwidth floor: a copy of the step's written bytes takes {:.2} µs = {:.2}× empty graph; \
+             builder alone {:.2} µs = {:.2}×, its bytes' copy {:.2}×)",
+            copy_s.med,
+            copy_s.med / e,
+            builder.med,
+            builder.med / e,
+            copy_b.med / e
         );
     }
     if let Some((graph, copy)) = pre {
@@ -1039,12 +1090,20 @@ fn run() -> Res<()> {
             met(r <= 0.75)
         );
     }
-    if let Some(g21) = csa {
+    if let Some((g21, c21, g1)) = csa {
         let r = g21.med / e;
         println!(
             "  CSA translate-pack, 21 layers, T 256, top-k 512: {:.2} µs = {r:.2}× empty graph (≤ 2×): {}",
             g21.med,
             met(r <= 2.0)
+        );
+        println!(
+            "    (bandwidth floor: a copy of its written bytes takes {:.2} µs = {:.2}× empty graph; \
+             one layer {:.2} µs = {:.2}×)",
+            c21.med,
+            c21.med / e,
+            g1.med,
+            g1.med / e
         );
     }
     if let Some((host_us, backlog_us)) = dec.no_host_sync {
@@ -1059,6 +1118,7 @@ fn run() -> Res<()> {
     free(&gpu.be, gpu.flush);
     free(&gpu.be, gpu.copy_src);
     free(&gpu.be, gpu.copy_dst);
+    free(&gpu.be, gpu.copy_desc);
     Ok(())
 }
 
