@@ -1,0 +1,1200 @@
+//! GPU bench (CUDA): the index builders, CSA translate-pack, checkpoint copy and relocation,
+//! each against floors measured in the same run (an empty kernel, an empty kernel's graph
+//! replay, a device-to-device copy of the bytes the kernel writes).
+//!
+//! Method. Every figure is the median over many repetitions of the device time between two
+//! events around the timed work, after warm-up. Before every repetition (outside the events)
+//! the stream writes a 256 MiB scratch buffer (a memset, ~5× the H200's L2), so every
+//! repetition starts with a cold L2 and the GPU is still busy when the host queues the timed
+//! work (host submission latency is not in the figure). Input sets rotate between
+//! repetitions: decode batches are re-staged (upload outside the events), top-k and prefill
+//! inputs alternate between separately captured graphs. Each configuration is checked once
+//! against the host backend's reference before it is timed.
+//!
+//! `.gpu/run` and `cargo bench` pass `--bench`; without it (`cargo test --benches`) the
+//! binary returns at once. No device: a notice and success, unless V4POOL_REQUIRE_GPU=1.
+
+mod common;
+
+use common::{bench_requested, fmt_bytes, median, met, percentile_sorted, Rng};
+use std::error::Error;
+use std::sync::Arc;
+use std::time::Instant;
+use v4pool::backend::cuda::{self, CudaBackend, CudaEvent, CudaGraph};
+use v4pool::backend::host::HostBackend;
+use v4pool::backend::{Backend, DeviceAllocation, Stream};
+use v4pool::geometry::{UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
+use v4pool::index::{
+    CopyRun, CopyRunsArgs, DevicePtr, Launch, PrefillIndexArgs, CLASS_CSA, CLASS_DENSE, CLASS_HCA,
+};
+use v4pool::model::ModelShape;
+use v4pool::pool::{DecodeCapacity, DecodeIndexBuffers, DecodeSeq, Pool, PoolSpec};
+use v4pool::sizing::{plan, IndexerDtype, KvDtype, Plan, PlanRequest};
+
+type Res<T> = Result<T, Box<dyn Error>>;
+
+const S: Stream = Stream::DEFAULT;
+const GIB: u64 = 1 << 30;
+const FLUSH_BYTES: u64 = 256 << 20;
+const WARM: usize = 10;
+const REPS: usize = 200;
+const WIN: i32 = 128;
+/// Decode contexts are drawn up to this; prefill's "1M" is 2^20 so an HCA list reaches 8,192.
+const DECODE_MAX_CTX: i64 = 1_000_000;
+const PREFILL_1M: i64 = 1 << 20;
+const CSA_LAYERS: usize = 21;
+
+// ---- timing harness ---------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug)]
+struct Stat {
+    /// Median, 10th and 90th percentile, µs.
+    med: f64,
+    p10: f64,
+    p90: f64,
+}
+
+struct Gpu {
+    be: CudaBackend,
+    flush: DeviceAllocation,
+    flush_value: std::cell::Cell<u32>,
+    ev0: CudaEvent,
+    ev1: CudaEvent,
+    /// Copy floor buffers.
+    copy_src: DeviceAllocation,
+    copy_dst: DeviceAllocation,
+    /// Descriptors of the kernel copy floor (`copy_runs` over 1 MiB pieces).
+    copy_desc: DeviceAllocation,
+}
+
+/// Piece size of the kernel copy floor.
+const COPY_PIECE: u64 = 1 << 20;
+
+impl Gpu {
+    /// Evict L2 (and keep the GPU busy while the host queues what follows).
+    fn flush(&self) -> Res<()> {
+        let v = self.flush_value.get().wrapping_add(1);
+        self.flush_value.set(v);
+        // SAFETY: the scratch allocation is live and FLUSH_BYTES long.
+        unsafe { self.be.fill_u32(self.flush.ptr, FLUSH_BYTES / 4, v, S)? };
+        Ok(())
+    }
+
+    /// `prep(i)` (untimed), flush, then the device time of `work(i)`; WARM + REPS times.
+    fn time(
+        &self,
+        reps: usize,
+        mut prep: impl FnMut(usize) -> Res<()>,
+        mut work: impl FnMut(usize) -> Res<()>,
+    ) -> Res<Stat> {
+        let mut v = Vec::with_capacity(reps);
+        for i in 0..WARM + reps {
+            prep(i)?;
+            self.flush()?;
+            self.ev0.record(S)?;
+            work(i)?;
+            self.ev1.record(S)?;
+            let us = f64::from(self.ev0.elapsed_ms(&self.ev1)?) * 1e3;
+            if i >= WARM {
+                v.push(us);
+            }
+        }
+        let med = median(&mut v);
+        Ok(Stat { med, p10: percentile_sorted(&v, 10.0), p90: percentile_sorted(&v, 90.0) })
+    }
+
+    fn time_graphs(&self, graphs: &[CudaGraph], prep: impl FnMut(usize) -> Res<()>) -> Res<Stat> {
+        self.time(REPS, prep, |i| Ok(graphs[i % graphs.len()].replay(S)?))
+    }
+
+    /// Capture `queue()` on the stream into a graph.
+    fn capture(&self, queue: impl FnOnce() -> Res<()>) -> Res<CudaGraph> {
+        let cap = self.be.begin_capture(S)?;
+        queue()?;
+        Ok(cap.end()?)
+    }
+
+    fn launch(&self, l: &Launch) -> Res<()> {
+        // SAFETY: every caller builds `l` from buffers it allocated on this backend and sized
+        // as the argument struct states (DecodeIndexBuffers, the prefill layout, copy runs).
+        unsafe { self.be.launch(l, S)? };
+        Ok(())
+    }
+
+    fn graph_of(&self, launches: &[Launch]) -> Res<CudaGraph> {
+        self.capture(|| {
+            for l in launches {
+                self.launch(l)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// The bandwidth floor for `bytes`: the faster (by median) of two device-to-device copies,
+    /// each a graph replay with a cold L2: the driver's memcpy, and `copy_runs` over 1 MiB
+    /// pieces (on the first H200 run the driver's memcpy reached 4.16 TB/s at 256 MiB but only
+    /// 2.5-2.7 TB/s at the other sizes of the tables, so one path alone is not a fair floor).
+    fn copy_floor(&self, bytes: u64) -> Res<Stat> {
+        Ok(self.copy_floors(bytes)?.0)
+    }
+
+    /// `(floor, memcpy, kernel copy)`.
+    fn copy_floors(&self, bytes: u64) -> Res<(Stat, Stat, Stat)> {
+        let bytes = bytes.clamp(16, self.copy_src.bytes);
+        let memcpy = self.capture(|| {
+            // SAFETY: both floor buffers are live, disjoint and at least `bytes` long.
+            unsafe { self.be.copy(self.copy_dst.ptr, self.copy_src.ptr, bytes, S)? };
+            Ok(())
+        })?;
+        let runs: Vec<CopyRun> = (0..bytes.div_ceil(COPY_PIECE))
+            .map(|k| {
+                let off = k * COPY_PIECE;
+                CopyRun {
+                    src: self.copy_src.ptr + off,
+                    dst: self.copy_dst.ptr + off,
+                    bytes: COPY_PIECE.min(bytes - off),
+                }
+            })
+            .collect();
+        // The previous floor's replays have finished (every timed rep waits for its end event).
+        self.upload(self.copy_desc.ptr, &runs)?;
+        let kernel = self.graph_of(&[Launch::CopyRuns(CopyRunsArgs {
+            runs: self.copy_desc.ptr,
+            num_runs: runs.len() as i32,
+            _pad: 0,
+        })])?;
+        let m = self.time_graphs(std::slice::from_ref(&memcpy), |_| Ok(()))?;
+        let k = self.time_graphs(std::slice::from_ref(&kernel), |_| Ok(()))?;
+        Ok((if k.med < m.med { k } else { m }, m, k))
+    }
+
+    fn upload<T: bytemuck::Pod>(&self, dst: DevicePtr, v: &[T]) -> Res<()> {
+        // SAFETY: callers pass a range inside one of their own live allocations.
+        unsafe { self.be.upload(dst, bytemuck::cast_slice(v), S)? };
+        Ok(())
+    }
+}
+
+fn alloc(be: &dyn Backend, bytes: u64) -> Res<DeviceAllocation> {
+    Ok(be.alloc_zeroed(bytes.max(256))?)
+}
+
+fn free(be: &dyn Backend, a: DeviceAllocation) {
+    // SAFETY: every caller synchronises (a download or elapsed_ms) before freeing, and drops
+    // the graphs that name the allocation first.
+    unsafe { be.free(a) };
+}
+
+fn download_i32(be: &dyn Backend, ptr: DevicePtr, n: usize) -> Res<Vec<i32>> {
+    let mut v = vec![0i32; n];
+    // SAFETY: callers pass ranges inside their live allocations.
+    unsafe { be.download(bytemuck::cast_slice_mut(&mut v), ptr, S)? };
+    Ok(v)
+}
+
+fn download_u8(be: &dyn Backend, ptr: DevicePtr, n: usize) -> Res<Vec<u8>> {
+    let mut v = vec![0u8; n];
+    // SAFETY: callers pass ranges inside their live allocations.
+    unsafe { be.download(&mut v, ptr, S)? };
+    Ok(v)
+}
+
+/// First mismatch of two outputs, as an error naming the buffer.
+fn compare(what: &str, gpu: &[i32], host: &[i32]) -> Res<()> {
+    if gpu.len() != host.len() {
+        return Err(format!("{what}: {} entries on the GPU, {} on the host", gpu.len(), host.len()).into());
+    }
+    if let Some(i) = gpu.iter().zip(host).position(|(a, b)| a != b) {
+        return Err(format!("{what}: entry {i} is {} on the GPU, {} on the host", gpu[i], host[i]).into());
+    }
+    Ok(())
+}
+
+// ---- table printing -----------------------------------------------------------------------
+
+struct Floors {
+    empty_launch: Stat,
+    empty_graph: Stat,
+}
+
+fn header(title: &str) {
+    println!("\n== {title}");
+    println!(
+        "  {:<34} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>8} {:>8} {:>9}",
+        "config",
+        "eager µs",
+        "graph µs",
+        "g p90",
+        "read",
+        "written",
+        "copy µs",
+        "g/empty",
+        "g/copy",
+        "W GB/s"
+    );
+}
+
+struct Row<'a> {
+    name: &'a str,
+    eager: Option<Stat>,
+    graph: Stat,
+    read: u64,
+    written: u64,
+    copy: Stat,
+}
+
+fn print_row(f: &Floors, r: &Row<'_>) {
+    let eager = r.eager.map_or("-".to_string(), |s| format!("{:.2}", s.med));
+    println!(
+        "  {:<34} {:>9} {:>9.2} {:>9.2} {:>10} {:>10} {:>9.2} {:>8.2} {:>8.2} {:>9.0}",
+        r.name,
+        eager,
+        r.graph.med,
+        r.graph.p90,
+        fmt_bytes(r.read),
+        fmt_bytes(r.written),
+        r.copy.med,
+        r.graph.med / f.empty_graph.med,
+        r.graph.med / r.copy.med,
+        r.written as f64 / (r.graph.med * 1e3),
+    );
+}
+
+// ---- geometry ------------------------------------------------------------------------------
+
+fn flash_plan(seqs: i64, budget: u64) -> Res<Plan> {
+    let m = ModelShape::v4_flash(1)?;
+    Ok(plan(&m, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, seqs, budget))?)
+}
+
+// ---- decode ----------------------------------------------------------------------------------
+
+/// One decode batch: per sequence its slot position, context and block table.
+struct DecodeSet {
+    pos: Vec<i64>,
+    ctx: Vec<i64>,
+    tables: Vec<Vec<i32>>,
+}
+
+impl DecodeSet {
+    fn random(rng: &mut Rng, g: &UnifiedPoolGeometry, batch: usize, ctx_lo: i64, ctx_hi: i64) -> Self {
+        let mut pos: Vec<i64> = g.live_positions().collect();
+        rng.shuffle(&mut pos);
+        pos.truncate(batch);
+        let ctx: Vec<i64> = (0..batch).map(|_| rng.range(ctx_lo, ctx_hi + 1)).collect();
+        let tables = ctx
+            .iter()
+            .map(|&c| {
+                let n = (c + g.block_size - 1) / g.block_size;
+                (0..n).map(|_| rng.range(0, g.num_blocks) as i32).collect()
+            })
+            .collect();
+        DecodeSet { pos, ctx, tables }
+    }
+
+    fn seqs(&self) -> Vec<DecodeSeq<'_>> {
+        (0..self.pos.len())
+            .map(|i| DecodeSeq {
+                position: self.pos[i],
+                context_len: self.ctx[i],
+                num_tokens: 1,
+                block_table: &self.tables[i],
+            })
+            .collect()
+    }
+
+    /// CSA heads per token (one token per sequence): `min(ctx/4, topk)`.
+    fn csa_heads(&self, topk: i64) -> Vec<i64> {
+        self.ctx.iter().map(|&c| (c / i64::from(CSA_RATIO)).min(topk)).collect()
+    }
+
+    /// Bytes the decode builder reads and writes (logical, one token per sequence).
+    fn builder_bytes(&self, dense: bool) -> (u64, u64) {
+        let (mut r, mut w) = (0u64, 0u64);
+        for &c in &self.ctx {
+            let n = c.min(i64::from(WIN)) as u64;
+            let head = (c / i64::from(HCA_RATIO)) as u64;
+            let classes = if dense { 3 } else { 2 };
+            w += 4 * (classes * n + head + classes);
+            r += 4 + 8 + 4 + classes * 8 + 4 * head.div_ceil(2);
+        }
+        (r, w)
+    }
+
+    /// Bytes CSA translate-pack reads and writes over `layers` layers.
+    fn pack_bytes(&self, topk: i64, layers: usize) -> (u64, u64) {
+        let (mut r, mut w) = (0u64, 0u64);
+        for k in self.csa_heads(topk) {
+            let k = k as u64;
+            r += layers as u64 * (4 + 8 + 8 + 8 * k);
+            w += layers as u64 * 4 * k;
+        }
+        (r, w)
+    }
+}
+
+/// Random sequence-local top-k, i32 `[layers][batch][topk]`, values below each token's
+/// compressed CSA rows (`ctx / 4`).
+fn random_topk(rng: &mut Rng, set: &DecodeSet, topk: usize, layers: usize) -> Vec<i32> {
+    let b = set.ctx.len();
+    let mut v = vec![-1i32; layers * b * topk];
+    for l in 0..layers {
+        for (t, &c) in set.ctx.iter().enumerate() {
+            let rows = (c / i64::from(CSA_RATIO)).max(1);
+            for k in 0..topk {
+                v[(l * b + t) * topk + k] = rng.range(0, rows) as i32;
+            }
+        }
+    }
+    v
+}
+
+/// Everything of one decode configuration on one backend.
+struct DecodeRig {
+    bufs: DecodeIndexBuffers,
+    topk: Vec<DeviceAllocation>,
+}
+
+impl DecodeRig {
+    fn new(
+        be: &dyn Backend,
+        g: &UnifiedPoolGeometry,
+        cap: DecodeCapacity,
+        topk_sets: &[Vec<i32>],
+    ) -> Res<Self> {
+        let bufs = DecodeIndexBuffers::new(be, g, cap)?;
+        let mut topk = Vec::new();
+        for t in topk_sets {
+            let a = alloc(be, 4 * t.len() as u64)?;
+            // SAFETY: the allocation was just made with exactly these bytes.
+            unsafe { be.upload(a.ptr, bytemuck::cast_slice(t), S)? };
+            topk.push(a);
+        }
+        Ok(DecodeRig { bufs, topk })
+    }
+
+    fn pack(&self, set: usize, layers: usize) -> Launch {
+        let stride = self.bufs.capacity().index_topk;
+        Launch::CsaPack(self.bufs.csa_pack_args(self.topk[set].ptr, stride, layers))
+    }
+
+    fn release(mut self, be: &dyn Backend) {
+        // SAFETY: callers synchronised and dropped every graph naming these buffers.
+        unsafe { self.bufs.release(be) };
+        for a in self.topk.drain(..) {
+            free(be, a);
+        }
+    }
+}
+
+/// Download a class's live slices (`[0, indptr[T])`) and the indptr.
+fn class_output(be: &dyn Backend, bufs: &DecodeIndexBuffers, class: usize, layer: usize) -> Res<Vec<i32>> {
+    let t = bufs.capacity().max_tokens;
+    let ptr = download_i32(be, bufs.indptr(class), t + 1)?;
+    let (base, _) = bufs.indices(class, layer);
+    let n = usize::try_from(ptr[t]).map_err(|_| "negative indptr")?;
+    let mut out = ptr;
+    out.extend(download_i32(be, base, n)?);
+    out.extend(download_i32(be, bufs.dest_rows(class), t)?);
+    Ok(out)
+}
+
+/// Run the whole step (decode + all-layer pack, input set 0) on the GPU and on the host
+/// backend and compare every class's slices (CSA: the first and the last layer's copy).
+fn check_decode(
+    gpu: &Gpu,
+    rig: &mut DecodeRig,
+    g: &UnifiedPoolGeometry,
+    set: &DecodeSet,
+    topk0: &[i32],
+    layers: usize,
+) -> Res<()> {
+    let host = HostBackend::new();
+    let mut hrig = DecodeRig::new(&host, g, rig.bufs.capacity(), std::slice::from_ref(&topk0.to_vec()))?;
+    let seqs = set.seqs();
+    hrig.bufs.stage(&host, &seqs, S)?;
+    // SAFETY: the host rig's own buffers, sized by DecodeIndexBuffers.
+    unsafe {
+        host.launch(&hrig.bufs.launch(), S)?;
+        host.launch(&hrig.pack(0, layers), S)?;
+    }
+    rig.bufs.stage(&gpu.be, &seqs, S)?;
+    gpu.launch(&rig.bufs.launch())?;
+    gpu.launch(&rig.pack(0, layers))?;
+    gpu.be.synchronize(S)?;
+    let mut checks = vec![(CLASS_HCA, 0, "hca"), (CLASS_CSA, 0, "csa layer 0")];
+    if layers > 1 {
+        checks.push((CLASS_CSA, layers - 1, "csa last layer"));
+    }
+    if g.class(DENSE_RATIO).is_some() {
+        checks.push((CLASS_DENSE, 0, "dense"));
+    }
+    for (class, layer, what) in checks {
+        let a = class_output(&gpu.be, &rig.bufs, class, layer)?;
+        let b = class_output(&host, &hrig.bufs, class, layer)?;
+        compare(what, &a, &b)?;
+    }
+    hrig.release(&host);
+    Ok(())
+}
+
+struct DecodeResults {
+    /// Batch 256, contexts ≤ 1M: (step, builder, copy of the step's bytes, copy of the builder's).
+    step_256: Option<(Stat, Stat, Stat, Stat)>,
+    no_host_sync: Option<(f64, f64)>,
+}
+
+fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeResults> {
+    header("decode index build (V4-Flash, 1 token/seq, window + HCA heads; 'step' adds one 21-layer CSA pack, top-k 512)");
+    let max_blocks = ((DECODE_MAX_CTX + g.block_size - 1) / g.block_size) as usize;
+    let mut res = DecodeResults { step_256: None, no_host_sync: None };
+    let configs: [(usize, i64, &str); 6] = [
+        (1, 1, "random ≤1M"),
+        (8, 1, "random ≤1M"),
+        (64, 1, "random ≤1M"),
+        (256, 1, "random ≤1M"),
+        (1024, 1, "random ≤1M"),
+        (256, DECODE_MAX_CTX, "all 1M"),
+    ];
+    const NSETS: usize = 4;
+    for (batch, ctx_lo, label) in configs {
+        let mut rng = Rng::new(100 + batch as u64 + ctx_lo as u64);
+        let sets: Vec<DecodeSet> =
+            (0..NSETS).map(|_| DecodeSet::random(&mut rng, g, batch, ctx_lo, DECODE_MAX_CTX)).collect();
+        let topks: Vec<Vec<i32>> = sets.iter().map(|s| random_topk(&mut rng, s, 512, CSA_LAYERS)).collect();
+        let cap = DecodeCapacity {
+            max_seqs: batch,
+            max_tokens: batch,
+            max_blocks_per_seq: max_blocks,
+            win: WIN,
+            index_topk: 512,
+            csa_layers: CSA_LAYERS,
+        };
+        let mut rig = DecodeRig::new(&gpu.be, g, cap, &topks)?;
+        check_decode(gpu, &mut rig, g, &sets[0], &topks[0], CSA_LAYERS)?;
+        let seqs: Vec<Vec<DecodeSeq<'_>>> = sets.iter().map(|s| s.seqs()).collect();
+        let dec = gpu.graph_of(&[rig.bufs.launch()])?;
+        let steps: Vec<CudaGraph> = (0..NSETS)
+            .map(|k| gpu.graph_of(&[rig.bufs.launch(), rig.pack(k, CSA_LAYERS)]))
+            .collect::<Res<_>>()?;
+        let bufs = std::cell::RefCell::new(&mut rig.bufs);
+        let stage = |i: usize| -> Res<()> {
+            bufs.borrow_mut().stage(&gpu.be, &seqs[i % NSETS], S)?;
+            Ok(())
+        };
+        let launch = bufs.borrow().launch();
+        let eager = gpu.time(REPS, stage, |_| gpu.launch(&launch))?;
+        let graph = gpu.time_graphs(std::slice::from_ref(&dec), stage)?;
+        let step = gpu.time_graphs(&steps, stage)?;
+        // Bytes: averaged over the rotating sets.
+        let avg = |f: &dyn Fn(&DecodeSet) -> (u64, u64)| {
+            let (r, w) = sets.iter().map(f).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+            (r / NSETS as u64, w / NSETS as u64)
+        };
+        let dense = g.class(DENSE_RATIO).is_some();
+        let (br, bw) = avg(&|s| s.builder_bytes(dense));
+        let (pr, pw) = avg(&|s| s.pack_bytes(512, CSA_LAYERS));
+        let copy_b = gpu.copy_floor(bw)?;
+        let copy_s = gpu.copy_floor(bw + pw)?;
+        print_row(
+            f,
+            &Row {
+                name: &format!("builder  batch {batch:>4}, {label}"),
+                eager: Some(eager),
+                graph,
+                read: br,
+                written: bw,
+                copy: copy_b,
+            },
+        );
+        print_row(
+            f,
+            &Row {
+                name: &format!("step     batch {batch:>4}, {label}"),
+                eager: None,
+                graph: step,
+                read: br + pr,
+                written: bw + pw,
+                copy: copy_s,
+            },
+        );
+        if batch == 256 && ctx_lo == 1 {
+            res.step_256 = Some((step, graph, copy_s, copy_b));
+            // No host synchronisation on the index path: with ~2.5 ms of work queued ahead,
+            // staging + replay must return to the host long before the GPU reaches them.
+            let before = gpu.be.event()?;
+            before.record(S)?;
+            for _ in 0..40 {
+                gpu.flush()?;
+            }
+            let queued = gpu.be.event()?;
+            queued.record(S)?;
+            let t0 = Instant::now();
+            stage(0)?;
+            steps[0].replay(S)?;
+            let host_us = t0.elapsed().as_secs_f64() * 1e6;
+            let done = gpu.be.event()?;
+            done.record(S)?;
+            let backlog_us = f64::from(before.elapsed_ms(&queued)?) * 1e3;
+            done.synchronize()?;
+            res.no_host_sync = Some((host_us, backlog_us));
+        }
+        drop(dec);
+        drop(steps);
+        gpu.be.synchronize(S)?;
+        rig.release(&gpu.be);
+    }
+    Ok(res)
+}
+
+// ---- CSA translate-pack ---------------------------------------------------------------------
+
+/// Top-k 512: (21 layers in one launch, copy of its bytes, one layer).
+type CsaTarget = (Stat, Stat, Stat);
+
+fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<CsaTarget>> {
+    header("CSA translate-pack (T = 256, contexts random ≤1M; one launch for 1 or all 21 layers)");
+    let batch = 256usize;
+    let max_blocks = ((DECODE_MAX_CTX + g.block_size - 1) / g.block_size) as usize;
+    let mut target = None;
+    const NSETS: usize = 4;
+    for topk in [512usize, 1024, 2048] {
+        let mut rng = Rng::new(7 + topk as u64);
+        let sets: Vec<DecodeSet> =
+            (0..NSETS).map(|_| DecodeSet::random(&mut rng, g, batch, 1, DECODE_MAX_CTX)).collect();
+        let topks: Vec<Vec<i32>> = sets.iter().map(|s| random_topk(&mut rng, s, topk, CSA_LAYERS)).collect();
+        let cap = DecodeCapacity {
+            max_seqs: batch,
+            max_tokens: batch,
+            max_blocks_per_seq: max_blocks,
+            win: WIN,
+            index_topk: topk as i32,
+            csa_layers: CSA_LAYERS,
+        };
+        let mut rig = DecodeRig::new(&gpu.be, g, cap, &topks)?;
+        check_decode(gpu, &mut rig, g, &sets[0], &topks[0], CSA_LAYERS)?;
+        let seqs: Vec<Vec<DecodeSeq<'_>>> = sets.iter().map(|s| s.seqs()).collect();
+        let one: Vec<CudaGraph> = (0..NSETS).map(|k| gpu.graph_of(&[rig.pack(k, 1)])).collect::<Res<_>>()?;
+        let all: Vec<CudaGraph> =
+            (0..NSETS).map(|k| gpu.graph_of(&[rig.pack(k, CSA_LAYERS)])).collect::<Res<_>>()?;
+        // The per-layer path: 21 launches of one layer each in one graph (as a model runs
+        // them, one per CSA layer; here all read layer 0's top-k).
+        let per_layer: Vec<CudaGraph> =
+            (0..NSETS).map(|k| gpu.graph_of(&vec![rig.pack(k, 1); CSA_LAYERS])).collect::<Res<_>>()?;
+        let bufs = std::cell::RefCell::new(&mut rig.bufs);
+        let stage = |i: usize| -> Res<()> {
+            bufs.borrow_mut().stage(&gpu.be, &seqs[i % NSETS], S)?;
+            Ok(())
+        };
+        let packs1: Vec<Launch> = (0..NSETS).map(|k| rig_pack(&bufs, &rig.topk, k, 1)).collect();
+        let packs21: Vec<Launch> = (0..NSETS).map(|k| rig_pack(&bufs, &rig.topk, k, CSA_LAYERS)).collect();
+        let e1 = gpu.time(REPS, stage, |i| gpu.launch(&packs1[i % NSETS]))?;
+        let g1 = gpu.time_graphs(&one, stage)?;
+        let e21 = gpu.time(REPS, stage, |i| gpu.launch(&packs21[i % NSETS]))?;
+        let g21 = gpu.time_graphs(&all, stage)?;
+        let gpl = gpu.time_graphs(&per_layer, stage)?;
+        let avg = |layers: usize| {
+            let (r, w) = sets
+                .iter()
+                .map(|s| s.pack_bytes(topk as i64, layers))
+                .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+            (r / NSETS as u64, w / NSETS as u64)
+        };
+        let (r1, w1) = avg(1);
+        let (r21, w21) = avg(CSA_LAYERS);
+        let c1 = gpu.copy_floor(w1)?;
+        let c21 = gpu.copy_floor(w21)?;
+        let rows = [
+            (format!("top-k {topk:>4}, 1 layer"), Some(e1), g1, r1, w1, c1),
+            (format!("top-k {topk:>4}, 21 layers, 1 launch"), Some(e21), g21, r21, w21, c21),
+            (format!("top-k {topk:>4}, 21 launches of 1"), None, gpl, r21, w21, c21),
+        ];
+        for (name, eager, graph, read, written, copy) in rows {
+            print_row(f, &Row { name: &name, eager, graph, read, written, copy });
+        }
+        if topk == 512 {
+            target = Some((g21, c21, g1));
+        }
+        drop((one, all, per_layer));
+        gpu.be.synchronize(S)?;
+        rig.release(&gpu.be);
+    }
+    Ok(target)
+}
+
+fn rig_pack(
+    bufs: &std::cell::RefCell<&mut DecodeIndexBuffers>,
+    topk: &[DeviceAllocation],
+    set: usize,
+    layers: usize,
+) -> Launch {
+    let b = bufs.borrow();
+    Launch::CsaPack(b.csa_pack_args(topk[set].ptr, b.capacity().index_topk, layers))
+}
+
+// ---- prefill ------------------------------------------------------------------------------------
+
+/// Host image of one prefill forward's inputs, and its output sizes.
+struct PrefillSet {
+    t: usize,
+    stride: i32,
+    /// positions, bid, chunk_start, cu_q, slots, n_committed, tables, 4 indptrs (ext, swa, csa, hca).
+    arrays: Vec<Vec<i32>>,
+    /// Output entries per buffer (ext, swa, csa, hca).
+    outputs: [u64; 4],
+    /// Entries the builder writes (CSA heads excluded).
+    written: u64,
+    read: u64,
+}
+
+const P_POS: usize = 0;
+const P_BID: usize = 1;
+const P_CS: usize = 2;
+const P_CUQ: usize = 3;
+const P_SLOT: usize = 4;
+const P_NCOMM: usize = 5;
+const P_TABLES: usize = 6;
+const P_PTR: usize = 7;
+
+impl PrefillSet {
+    /// Sequences `(chunk_len, ctx_end)`: each writes positions `ctx_end - chunk_len .. ctx_end`.
+    fn new(rng: &mut Rng, g: &UnifiedPoolGeometry, seqs: &[(i64, i64)], topk: i64) -> Self {
+        let stride = seqs.iter().map(|&(_, c)| (c + g.block_size - 1) / g.block_size).max().unwrap_or(1);
+        let mut live: Vec<i64> = g.live_positions().collect();
+        rng.shuffle(&mut live);
+        let mut a: Vec<Vec<i32>> = vec![Vec::new(); P_PTR + 4];
+        for p in 0..4 {
+            a[P_PTR + p].push(0);
+        }
+        let (mut written, mut read) = (0u64, 0u64);
+        let win = i64::from(WIN);
+        let mut cu = 0i64;
+        for (b, &(len, ctx)) in seqs.iter().enumerate() {
+            let cs = ctx - len;
+            let ncomm = ctx / i64::from(HCA_RATIO);
+            a[P_CS].push(cs as i32);
+            a[P_CUQ].push(cu as i32);
+            a[P_SLOT].push(live[b] as i32);
+            a[P_NCOMM].push(ncomm as i32);
+            let mut row: Vec<i32> = (0..stride).map(|_| rng.range(0, g.num_blocks) as i32).collect();
+            a[P_TABLES].append(&mut row);
+            for p in cs..ctx {
+                a[P_POS].push(p as i32);
+                a[P_BID].push(b as i32);
+                let in_chunk = p - cs;
+                let low = (p - win + 1).max(0);
+                let ext = (in_chunk + 1).min(win);
+                let pre = (cs - low).max(0);
+                let n_hca = ((p + 1) / i64::from(HCA_RATIO)).min(ncomm);
+                let csa_head = ((p + 1) / 4).min(ctx / 4).min(topk);
+                for (k, len) in [ext, pre, pre + csa_head, pre + n_hca].into_iter().enumerate() {
+                    let last = i64::from(*a[P_PTR + k].last().unwrap_or(&0));
+                    a[P_PTR + k].push((last + len) as i32);
+                }
+                written += (ext + 3 * pre + n_hca) as u64;
+                read += 4 * 2 + 4 * 8 + 4 * 5 + 4 * (n_hca as u64).div_ceil(2);
+            }
+            cu += len;
+        }
+        let t = a[P_POS].len();
+        let outputs = [0, 1, 2, 3].map(|k| a[P_PTR + k].last().copied().unwrap_or(0) as u64);
+        PrefillSet { t, stride: stride as i32, arrays: a, outputs, written, read }
+    }
+}
+
+/// A prefill set laid out in one input and one output allocation on a backend.
+struct PrefillRig {
+    inputs: DeviceAllocation,
+    outputs: DeviceAllocation,
+    args: PrefillIndexArgs,
+    out_ptrs: [DevicePtr; 4],
+}
+
+fn offsets(sizes: impl Iterator<Item = u64>) -> (Vec<u64>, u64) {
+    let mut off = Vec::new();
+    let mut cur = 0u64;
+    for s in sizes {
+        off.push(cur);
+        cur += s.div_ceil(256) * 256;
+    }
+    (off, cur)
+}
+
+impl PrefillRig {
+    fn new(be: &dyn Backend, g: &UnifiedPoolGeometry, set: &PrefillSet) -> Res<Self> {
+        let (ioff, itotal) = offsets(set.arrays.iter().map(|v| 4 * v.len() as u64));
+        let (ooff, ototal) = offsets(set.outputs.iter().map(|&n| 4 * n));
+        let inputs = alloc(be, itotal)?;
+        let outputs = alloc(be, ototal)?;
+        let mut image = vec![0u8; itotal as usize];
+        for (v, &o) in set.arrays.iter().zip(&ioff) {
+            let bytes: &[u8] = bytemuck::cast_slice(v);
+            image[o as usize..o as usize + bytes.len()].copy_from_slice(bytes);
+        }
+        // SAFETY: the image is exactly the input allocation's size.
+        unsafe { be.upload(inputs.ptr, &image, S)? };
+        let (ib, ob) = (inputs.ptr, outputs.ptr);
+        let i = |k: usize| ib + ioff[k];
+        let o = |k: usize| ob + ooff[k];
+        let dense = g.class(DENSE_RATIO).is_some();
+        let args = PrefillIndexArgs {
+            dense: if dense { g.window_params(DENSE_RATIO)? } else { Default::default() },
+            csa: g.window_params(CSA_RATIO)?,
+            hca: g.window_params(HCA_RATIO)?,
+            positions: i(P_POS),
+            bid_per_token: i(P_BID),
+            chunk_start_per_seq: i(P_CS),
+            cu_seqlens_q_per_seq: i(P_CUQ),
+            state_slot_per_seq: i(P_SLOT),
+            n_committed_hca_per_seq: i(P_NCOMM),
+            block_tables: i(P_TABLES),
+            extend_indptr: i(P_PTR),
+            extend_indices: o(0),
+            swa_indptr: if dense { i(P_PTR + 1) } else { 0 },
+            swa_indices: if dense { o(1) } else { 0 },
+            csa_indptr: i(P_PTR + 2),
+            csa_indices: o(2),
+            hca_indptr: i(P_PTR + 3),
+            hca_indices: o(3),
+            envelope_rows: g.envelope_rows,
+            block_table_stride: set.stride,
+            num_tokens: set.t as i32,
+            win: WIN,
+            hca_ratio: HCA_RATIO,
+            hca_rows_per_block: (g.block_size / i64::from(HCA_RATIO)) as i32,
+            _pad: 0,
+        };
+        Ok(PrefillRig { inputs, outputs, args, out_ptrs: [o(0), o(1), o(2), o(3)] })
+    }
+
+    fn release(self, be: &dyn Backend) {
+        free(be, self.inputs);
+        free(be, self.outputs);
+    }
+}
+
+fn prefill_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<(Stat, Stat)>> {
+    header("prefill index build (V4-Flash; written = extend + dense + CSA window + HCA lists, CSA heads excluded)");
+    let mut target = None;
+    let mut rng = Rng::new(11);
+    let four: Vec<(i64, i64)> = (0..4).map(|_| (2048, rng.range(2048, PREFILL_1M + 1))).collect();
+    // (label, sequences as (chunk_len, ctx_end), is the target row)
+    type Config = (String, Vec<(i64, i64)>, bool);
+    let configs: Vec<Config> = vec![
+        ("2,048 tok, fresh".into(), vec![(2048, 2048)], false),
+        ("2,048 tok at 1M".into(), vec![(2048, PREFILL_1M)], false),
+        ("8,192 tok, fresh".into(), vec![(8192, 8192)], false),
+        ("8,192 tok at 128K".into(), vec![(8192, 131_072)], false),
+        ("8,192 tok at 1M".into(), vec![(8192, PREFILL_1M)], true),
+        ("8,192 tok = 4×2,048, ctx ≤1M".into(), four, false),
+    ];
+    for (name, seqs, is_target) in configs {
+        // Two input sets (different slots and block tables), one graph each.
+        let sets: Vec<PrefillSet> = (0..2).map(|_| PrefillSet::new(&mut rng, g, &seqs, 512)).collect();
+        let rigs: Vec<PrefillRig> =
+            sets.iter().map(|s| PrefillRig::new(&gpu.be, g, s)).collect::<Res<_>>()?;
+        // Check set 0 against the host reference (every output buffer, whole).
+        {
+            let host = HostBackend::new();
+            let hrig = PrefillRig::new(&host, g, &sets[0])?;
+            // SAFETY: the host rig's buffers, laid out for these arguments.
+            unsafe { host.launch(&Launch::Prefill(hrig.args), S)? };
+            gpu.launch(&Launch::Prefill(rigs[0].args))?;
+            for (k, what) in ["extend", "dense", "csa", "hca"].iter().enumerate() {
+                let n = sets[0].outputs[k] as usize;
+                let a = download_i32(&gpu.be, rigs[0].out_ptrs[k], n)?;
+                let b = download_i32(&host, hrig.out_ptrs[k], n)?;
+                compare(what, &a, &b)?;
+            }
+            hrig.release(&host);
+        }
+        let graphs: Vec<CudaGraph> =
+            rigs.iter().map(|r| gpu.graph_of(&[Launch::Prefill(r.args)])).collect::<Res<_>>()?;
+        let eager = gpu.time(REPS, |_| Ok(()), |i| gpu.launch(&Launch::Prefill(rigs[i % 2].args)))?;
+        let graph = gpu.time_graphs(&graphs, |_| Ok(()))?;
+        let written = 4 * sets[0].written;
+        let copy = gpu.copy_floor(written)?;
+        print_row(
+            f,
+            &Row {
+                name: &format!("{name} (T {})", sets[0].t),
+                eager: Some(eager),
+                graph,
+                read: sets[0].read,
+                written,
+                copy,
+            },
+        );
+        if is_target {
+            target = Some((graph, copy));
+        }
+        drop(graphs);
+        gpu.be.synchronize(S)?;
+        for r in rigs {
+            r.release(&gpu.be);
+        }
+    }
+    Ok(target)
+}
+
+// ---- checkpoint copy and relocation ---------------------------------------------------------
+
+fn copy_group(gpu: &Gpu, f: &Floors) -> Res<()> {
+    header("checkpoint copy and relocation (V4-Flash fp8 pool, 8 GiB plan; copy_runs kernel)");
+    let p = flash_plan(64, 8 * GIB)?;
+    let backend: Arc<dyn Backend> = Arc::new(gpu.be.clone());
+    let pool = Pool::new(backend, PoolSpec::from_plan(&p)?, S)?;
+    let g = pool.spec().geometry.clone();
+    let widths = pool.spec().plane_widths.clone();
+    let image_bytes = pool.checkpoint_image_bytes()?;
+    let ranges = pool.checkpoint_ranges()?;
+    let mut rng = Rng::new(21);
+    // Four held slots with random contents, four image buffers.
+    let mut leases = Vec::new();
+    for _ in 0..4 {
+        let lease = pool.alloc_slot()?;
+        for (pl, &w) in widths.iter().enumerate() {
+            let (start, _) = g.slot_span(lease.position)?;
+            let bytes: Vec<u8> = (0..g.slot_bytes(w)).map(|_| rng.next_u64() as u8).collect();
+            pool.write_plane(pl, start as u64 * w, &bytes)?;
+        }
+        leases.push(lease);
+    }
+    let images: Vec<DeviceAllocation> = (0..4).map(|_| alloc(&gpu.be, image_bytes)).collect::<Res<_>>()?;
+    // The image runs, as Pool::checkpoint_to builds them.
+    let image_runs = |position: i64, image: DevicePtr| -> Res<Vec<CopyRun>> {
+        let (start, _) = g.slot_span(position)?;
+        let mut cursor = 0u64;
+        let mut runs = Vec::new();
+        for (pl, rs) in ranges.iter().enumerate() {
+            let base = pool.plane_ptr(pl)? + start as u64 * widths[pl];
+            for &(off, len) in rs {
+                runs.push(CopyRun { src: base + off, dst: image + cursor, bytes: len });
+                cursor += len;
+            }
+        }
+        Ok(runs)
+    };
+    let ck_runs: Vec<Vec<CopyRun>> =
+        (0..4).map(|k| image_runs(leases[k].position, images[k].ptr)).collect::<Res<_>>()?;
+    // Relocations, as Pool::relocation_runs builds them: one slot move (whole slot, every
+    // plane) and one block move (its envelope in every plane plus every indexer layer).
+    let live = g.live_positions();
+    let free_pos = live.start; // lowest live position: vacant (slots are taken from the top)
+    let slot_move = |from: i64, to: i64| -> Res<Vec<CopyRun>> {
+        let (a, _) = g.slot_span(from)?;
+        let (b, _) = g.slot_span(to)?;
+        let mut runs = Vec::new();
+        for (pl, &w) in widths.iter().enumerate() {
+            let base = pool.plane_ptr(pl)?;
+            runs.push(CopyRun { src: base + a as u64 * w, dst: base + b as u64 * w, bytes: g.slot_bytes(w) });
+        }
+        Ok(runs)
+    };
+    let block_move = |from: u64, to: u64| -> Res<Vec<CopyRun>> {
+        let mut runs = Vec::new();
+        for (pl, &w) in widths.iter().enumerate() {
+            let base = pool.plane_ptr(pl)?;
+            let bb = g.block_bytes(w);
+            runs.push(CopyRun { src: base + from * bb, dst: base + to * bb, bytes: bb });
+        }
+        if let Some(ix) = pool.indexer_ptr() {
+            let bb = pool.spec().indexer_block_bytes;
+            for c in 0..pool.spec().csa_layers.len() as u64 {
+                let layer = ix + c * pool.indexer_blocks() * bb;
+                runs.push(CopyRun { src: layer + from * bb, dst: layer + to * bb, bytes: bb });
+            }
+        }
+        Ok(runs)
+    };
+    let nb = g.num_blocks as u64;
+    let slot_runs: Vec<Vec<CopyRun>> =
+        (0..4).map(|k| slot_move(leases[k].position, free_pos + k as i64)).collect::<Res<_>>()?;
+    let block_runs: Vec<Vec<CopyRun>> = (0..4u64).map(|k| block_move(nb - 1 - k, k)).collect::<Res<_>>()?;
+
+    // One descriptor allocation per run list, uploaded once; graphs replay them.
+    let mut descs = Vec::new();
+    let mut graphs_of = |lists: &[Vec<CopyRun>]| -> Res<(Vec<CudaGraph>, Vec<Launch>)> {
+        let mut graphs = Vec::new();
+        let mut launches = Vec::new();
+        for runs in lists {
+            let d = alloc(&gpu.be, (runs.len() * std::mem::size_of::<CopyRun>()) as u64)?;
+            gpu.upload(d.ptr, runs)?;
+            let l = Launch::CopyRuns(CopyRunsArgs { runs: d.ptr, num_runs: runs.len() as i32, _pad: 0 });
+            graphs.push(gpu.graph_of(&[l])?);
+            launches.push(l);
+            descs.push(d);
+        }
+        Ok((graphs, launches))
+    };
+    let (ck_graphs, ck_launch) = graphs_of(&ck_runs)?;
+    let (sl_graphs, sl_launch) = graphs_of(&slot_runs)?;
+    let (bl_graphs, bl_launch) = graphs_of(&block_runs)?;
+
+    // Correctness: each kind once, destination poisoned first, compared with its source.
+    for (runs, graph) in
+        [(&ck_runs[0], &ck_graphs[0]), (&slot_runs[0], &sl_graphs[0]), (&block_runs[0], &bl_graphs[0])]
+    {
+        for r in runs.iter().filter(|r| r.dst % 4 == 0) {
+            // SAFETY: every run's destination lies in the pool's planes, the indexer cache or
+            // an image buffer this bench allocated; bytes / 4 words stay inside the run.
+            unsafe { gpu.be.fill_u32(r.dst, r.bytes / 4, 0xdead_beef, S)? };
+        }
+        graph.replay(S)?;
+        for r in runs.iter() {
+            let a = download_u8(&gpu.be, r.src, r.bytes as usize)?;
+            let b = download_u8(&gpu.be, r.dst, r.bytes as usize)?;
+            if a != b {
+                return Err(format!("copy_runs: run {r:?} differs from its source").into());
+            }
+        }
+    }
+    // The pool's own entry point, eager (descriptor upload + launch, in the events).
+    let eager_pool = gpu.time(
+        REPS,
+        |_| Ok(()),
+        |i| {
+            let k = i % 4;
+            // SAFETY: the image buffer is live, image_bytes long, outside the planes.
+            unsafe { pool.checkpoint_to(leases[k].handle, images[k].ptr)? };
+            Ok(())
+        },
+    )?;
+    let sum = |runs: &[CopyRun]| runs.iter().map(|r| r.bytes).sum::<u64>();
+    let kinds: [(String, &[CudaGraph], &[Launch], u64); 3] = [
+        (format!("checkpoint image ({} runs)", ck_runs[0].len()), &ck_graphs, &ck_launch, sum(&ck_runs[0])),
+        (format!("slot move ({} runs)", slot_runs[0].len()), &sl_graphs, &sl_launch, sum(&slot_runs[0])),
+        (format!("block move ({} runs)", block_runs[0].len()), &bl_graphs, &bl_launch, sum(&block_runs[0])),
+    ];
+    for (name, graphs, launches, bytes) in kinds {
+        let eager = gpu.time(REPS, |_| Ok(()), |i| gpu.launch(&launches[i % launches.len()]))?;
+        let graph = gpu.time_graphs(graphs, |_| Ok(()))?;
+        let copy = gpu.copy_floor(bytes)?;
+        print_row(f, &Row { name: &name, eager: Some(eager), graph, read: bytes, written: bytes, copy });
+    }
+    println!(
+        "  Pool::checkpoint_to eager (descriptor upload + launch): {:.2} µs median (p90 {:.2}); image {}",
+        eager_pool.med,
+        eager_pool.p90,
+        fmt_bytes(image_bytes)
+    );
+    drop((ck_graphs, sl_graphs, bl_graphs));
+    gpu.be.synchronize(S)?;
+    for d in descs {
+        free(&gpu.be, d);
+    }
+    for a in images {
+        free(&gpu.be, a);
+    }
+    Ok(())
+}
+
+// ---- main -------------------------------------------------------------------------------------
+
+fn run() -> Res<()> {
+    let be = CudaBackend::new(0)?;
+    let module = match be.module_source() {
+        Ok(m) => format!("{m:?}"),
+        Err(e) => return Err(format!("no kernel module: {e}").into()),
+    };
+    let (free_b, total_b) = be.memory_info()?;
+    println!(
+        "device: {} (sm_{}{}), kernels from {module}, memory {} free of {}",
+        be.device_name(),
+        be.compute_capability().0,
+        be.compute_capability().1,
+        fmt_bytes(free_b),
+        fmt_bytes(total_b)
+    );
+    let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    println!("run at unix time {unix}");
+    println!(
+        "method: median of {REPS} reps after {WARM} warm-up, device events around the work; \
+         a 256 MiB memset before every rep (cold L2); inputs rotated; \
+         copy floors: the faster of memcpy and copy_runs over 1 MiB pieces"
+    );
+    let copy_cap = 384u64 << 20;
+    let gpu = Gpu {
+        flush: alloc(&be, FLUSH_BYTES)?,
+        flush_value: std::cell::Cell::new(0),
+        ev0: be.event()?,
+        ev1: be.event()?,
+        copy_src: alloc(&be, copy_cap)?,
+        copy_dst: alloc(&be, copy_cap)?,
+        copy_desc: alloc(&be, copy_cap.div_ceil(COPY_PIECE) * std::mem::size_of::<CopyRun>() as u64)?,
+        be,
+    };
+    let empty_graph_g = gpu.graph_of(&[Launch::Empty])?;
+    let floors = Floors {
+        empty_launch: gpu.time(REPS, |_| Ok(()), |_| gpu.launch(&Launch::Empty))?,
+        empty_graph: gpu.time_graphs(std::slice::from_ref(&empty_graph_g), |_| Ok(()))?,
+    };
+    let p = flash_plan(1024, 100 * GIB)?;
+    let g = p.geometry.clone();
+    println!(
+        "geometry: V4-Flash fp8, 100 GiB plan: plane_rows {}, {} blocks, {} slots, envelope {} rows, slot {} rows",
+        g.plane_rows, g.num_blocks, g.num_slots, g.envelope_rows, g.slot_rows
+    );
+    println!("\n== floors (same run)");
+    println!(
+        "  empty kernel, eager launch:   {:.2} µs (p10 {:.2}, p90 {:.2})",
+        floors.empty_launch.med, floors.empty_launch.p10, floors.empty_launch.p90
+    );
+    println!(
+        "  empty kernel, graph replay:   {:.2} µs (p10 {:.2}, p90 {:.2})",
+        floors.empty_graph.med, floors.empty_graph.p10, floors.empty_graph.p90
+    );
+    for mb in [1u64, 16, 256] {
+        let bytes = mb << 20;
+        let (_, m, k) = gpu.copy_floors(bytes)?;
+        let tbs = |s: &Stat| 2.0 * bytes as f64 / (s.med * 1e6);
+        println!(
+            "  D2D copy {mb:>4} MiB (graph):   memcpy {:.2} µs = {:.2} TB/s; copy_runs {:.2} µs = {:.2} TB/s (read + write)",
+            m.med,
+            tbs(&m),
+            k.med,
+            tbs(&k)
+        );
+    }
+    let dec = decode_group(&gpu, &floors, &g)?;
+    let csa = csa_group(&gpu, &floors, &g)?;
+    let pre = prefill_group(&gpu, &floors, &g)?;
+    copy_group(&gpu, &floors)?;
+
+    println!("\nTARGETS (ratios to floors measured in this run)");
+    let e = floors.empty_graph.med;
+    if let Some((step, builder, copy_s, copy_b)) = dec.step_256 {
+        let r = step.med / e;
+        println!(
+            "  decode step indices (window + HCA + 21-layer CSA pack), batch 256, ctx ≤1M, one graph: \
+             {:.2} µs = {r:.2}× empty graph (≤ 2.5×): {}",
+            step.med,
+            met(r <= 2.5)
+        );
+        println!(
+            "    (bandwidth floor: a copy of the step's written bytes takes {:.2} µs = {:.2}× empty graph; \
+             builder alone {:.2} µs = {:.2}×, its bytes' copy {:.2}×)",
+            copy_s.med,
+            copy_s.med / e,
+            builder.med,
+            builder.med / e,
+            copy_b.med / e
+        );
+    }
+    if let Some((graph, copy)) = pre {
+        let r = graph.med / copy.med;
+        println!(
+            "  prefill 8,192 tokens at 1M: {:.2} µs = {r:.2}× a D2D copy of its written bytes ({:.2} µs) (≤ 0.75×): {}",
+            graph.med,
+            copy.med,
+            met(r <= 0.75)
+        );
+    }
+    if let Some((g21, c21, g1)) = csa {
+        let r = g21.med / e;
+        println!(
+            "  CSA translate-pack, 21 layers, T 256, top-k 512: {:.2} µs = {r:.2}× empty graph (≤ 2×): {}",
+            g21.med,
+            met(r <= 2.0)
+        );
+        println!(
+            "    (bandwidth floor: a copy of its written bytes takes {:.2} µs = {:.2}× empty graph; \
+             one layer {:.2} µs = {:.2}×)",
+            c21.med,
+            c21.med / e,
+            g1.med,
+            g1.med / e
+        );
+    }
+    if let Some((host_us, backlog_us)) = dec.no_host_sync {
+        println!(
+            "  no host synchronisation on the index path (stage + replay returned in {host_us:.0} µs \
+             with {backlog_us:.0} µs of GPU work queued ahead): {}",
+            met(host_us < backlog_us)
+        );
+    }
+    drop(empty_graph_g);
+    gpu.be.synchronize(S)?;
+    free(&gpu.be, gpu.flush);
+    free(&gpu.be, gpu.copy_src);
+    free(&gpu.be, gpu.copy_dst);
+    free(&gpu.be, gpu.copy_desc);
+    Ok(())
+}
+
+/// `--host-check`: build every decode and prefill input of the bench and run it on the host
+/// backend (no GPU needed), so a broken input fails here rather than on scarce device time.
+fn host_check() -> Res<()> {
+    let p = flash_plan(1024, 100 * GIB)?;
+    let g = &p.geometry;
+    let host = HostBackend::new();
+    let max_blocks = ((DECODE_MAX_CTX + g.block_size - 1) / g.block_size) as usize;
+    let mut rng = Rng::new(5);
+    for (batch, topk) in [(1usize, 512usize), (256, 2048), (1024, 512)] {
+        let set = DecodeSet::random(&mut rng, g, batch, 1, DECODE_MAX_CTX);
+        let tk = random_topk(&mut rng, &set, topk, CSA_LAYERS);
+        let cap = DecodeCapacity {
+            max_seqs: batch,
+            max_tokens: batch,
+            max_blocks_per_seq: max_blocks,
+            win: WIN,
+            index_topk: topk as i32,
+            csa_layers: CSA_LAYERS,
+        };
+        let mut rig = DecodeRig::new(&host, g, cap, std::slice::from_ref(&tk))?;
+        rig.bufs.stage(&host, &set.seqs(), S)?;
+        // SAFETY: the rig's own buffers, sized by DecodeIndexBuffers.
+        unsafe {
+            host.launch(&rig.bufs.launch(), S)?;
+            host.launch(&rig.pack(0, CSA_LAYERS), S)?;
+        }
+        let hca = class_output(&host, &rig.bufs, CLASS_HCA, 0)?;
+        let (r, w) = set.builder_bytes(true);
+        println!(
+            "  decode batch {batch}, top-k {topk}: ok ({} HCA entries; builder R {r} W {w})",
+            hca[batch]
+        );
+        rig.release(&host);
+    }
+    for seqs in [vec![(2048i64, 2048i64)], vec![(8192, PREFILL_1M)], vec![(2048, 5000), (2048, PREFILL_1M)]] {
+        let set = PrefillSet::new(&mut rng, g, &seqs, 512);
+        let rig = PrefillRig::new(&host, g, &set)?;
+        // SAFETY: the rig's buffers, laid out for these arguments.
+        unsafe { host.launch(&Launch::Prefill(rig.args), S)? };
+        let hca = download_i32(&host, rig.out_ptrs[3], set.outputs[3] as usize)?;
+        if let Some(i) = hca.iter().position(|&x| x < 0 || i64::from(x) >= g.plane_rows) {
+            return Err(format!("prefill hca entry {i} = {} outside the plane", hca[i]).into());
+        }
+        println!("  prefill {seqs:?}: ok (T {}, written {} B)", set.t, 4 * set.written);
+        rig.release(&host);
+    }
+    Ok(())
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--host-check") {
+        if let Err(e) = host_check() {
+            eprintln!("host check failed: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    if !bench_requested() {
+        println!("gpu bench: run with --bench (cargo bench --bench gpu, or .gpu/run)");
+        return;
+    }
+    let require = std::env::var("V4POOL_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    if !cuda::is_available() {
+        let why = cuda::device_count().err().map_or("no device".to_string(), |e| e.to_string());
+        if require {
+            eprintln!("gpu bench: V4POOL_REQUIRE_GPU=1 but no CUDA device: {why}");
+            std::process::exit(1);
+        }
+        println!("gpu bench: SKIPPED — no CUDA device ({why})");
+        return;
+    }
+    if let Err(e) = run() {
+        eprintln!("gpu bench failed: {e}");
+        std::process::exit(1);
+    }
+}
