@@ -847,7 +847,6 @@ fn copy_group(gpu: &Gpu, f: &Floors) -> Res<()> {
     let g = pool.spec().geometry.clone();
     let widths = pool.spec().plane_widths.clone();
     let image_bytes = pool.checkpoint_image_bytes()?;
-    let ranges = pool.checkpoint_ranges()?;
     let mut rng = Rng::new(21);
     // Four held slots with random contents, four image buffers.
     let mut leases = Vec::new();
@@ -861,19 +860,9 @@ fn copy_group(gpu: &Gpu, f: &Floors) -> Res<()> {
         leases.push(lease);
     }
     let images: Vec<DeviceAllocation> = (0..4).map(|_| alloc(&gpu.be, image_bytes)).collect::<Res<_>>()?;
-    // The image runs, as Pool::checkpoint_to builds them.
+    // The image runs, exactly as Pool::checkpoint_to queues them.
     let image_runs = |position: i64, image: DevicePtr| -> Res<Vec<CopyRun>> {
-        let (start, _) = g.slot_span(position)?;
-        let mut cursor = 0u64;
-        let mut runs = Vec::new();
-        for (pl, rs) in ranges.iter().enumerate() {
-            let base = pool.plane_ptr(pl)? + start as u64 * widths[pl];
-            for &(off, len) in rs {
-                runs.push(CopyRun { src: base + off, dst: image + cursor, bytes: len });
-                cursor += len;
-            }
-        }
-        Ok(runs)
+        Ok(v4pool::pool::split_runs(&pool.checkpoint_copy_runs(position, image, true)?))
     };
     let ck_runs: Vec<Vec<CopyRun>> =
         (0..4).map(|k| image_runs(leases[k].position, images[k].ptr)).collect::<Res<_>>()?;
@@ -882,30 +871,10 @@ fn copy_group(gpu: &Gpu, f: &Floors) -> Res<()> {
     let live = g.live_positions();
     let free_pos = live.start; // lowest live position: vacant (slots are taken from the top)
     let slot_move = |from: i64, to: i64| -> Res<Vec<CopyRun>> {
-        let (a, _) = g.slot_span(from)?;
-        let (b, _) = g.slot_span(to)?;
-        let mut runs = Vec::new();
-        for (pl, &w) in widths.iter().enumerate() {
-            let base = pool.plane_ptr(pl)?;
-            runs.push(CopyRun { src: base + a as u64 * w, dst: base + b as u64 * w, bytes: g.slot_bytes(w) });
-        }
-        Ok(runs)
+        Ok(v4pool::pool::split_runs(&pool.slot_copy_runs(from, to)?))
     };
     let block_move = |from: u64, to: u64| -> Res<Vec<CopyRun>> {
-        let mut runs = Vec::new();
-        for (pl, &w) in widths.iter().enumerate() {
-            let base = pool.plane_ptr(pl)?;
-            let bb = g.block_bytes(w);
-            runs.push(CopyRun { src: base + from * bb, dst: base + to * bb, bytes: bb });
-        }
-        if let Some(ix) = pool.indexer_ptr() {
-            let bb = pool.spec().indexer_block_bytes;
-            for c in 0..pool.spec().csa_layers.len() as u64 {
-                let layer = ix + c * pool.indexer_blocks() * bb;
-                runs.push(CopyRun { src: layer + from * bb, dst: layer + to * bb, bytes: bb });
-            }
-        }
-        Ok(runs)
+        Ok(v4pool::pool::split_runs(&pool.block_copy_runs(from as u32, to as u32)?))
     };
     let nb = g.num_blocks as u64;
     let slot_runs: Vec<Vec<CopyRun>> =

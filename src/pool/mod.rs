@@ -454,32 +454,48 @@ impl Pool {
 
     /// The copies a boundary change needs, as device byte ranges.
     fn relocation_runs(&self, change: &BoundaryChange) -> Result<Vec<CopyRun>, PoolError> {
-        let g = &self.spec.geometry;
         let mut runs = Vec::new();
         for m in &change.block_moves {
-            let (from, to) = (u64::from(m.old.id), u64::from(m.new.id));
-            for (p, &w) in self.spec.plane_widths.iter().enumerate() {
-                let base = self.plane_ptr(p)?;
-                let bytes = g.block_bytes(w);
-                runs.push(CopyRun { src: base + from * bytes, dst: base + to * bytes, bytes });
-            }
-            if let (Some(base), Some(ix)) = (self.indexer_ptr(), self.spec.indexer) {
-                for (&pb, &off) in ix.pool_block_bytes().iter().zip(&self.indexer_offsets) {
-                    for c in 0..self.spec.csa_layers.len() as u64 {
-                        let layer = base + off + c * self.indexer_blocks * pb;
-                        runs.push(CopyRun { src: layer + from * pb, dst: layer + to * pb, bytes: pb });
-                    }
+            runs.extend(self.block_copy_runs(m.old.id, m.new.id)?);
+        }
+        for m in &change.slot_moves {
+            runs.extend(self.slot_copy_runs(m.from_position, m.to_position)?);
+        }
+        Ok(runs)
+    }
+
+    /// Copies that move block `from`'s bytes to block `to`: its envelope rows in every plane
+    /// and its block in every indexer pool and CSA layer.
+    pub fn block_copy_runs(&self, from: u32, to: u32) -> Result<Vec<CopyRun>, PoolError> {
+        let g = &self.spec.geometry;
+        let (from, to) = (u64::from(from), u64::from(to));
+        let mut runs = Vec::new();
+        for (p, &w) in self.spec.plane_widths.iter().enumerate() {
+            let base = self.plane_ptr(p)?;
+            let bytes = g.block_bytes(w);
+            runs.push(CopyRun { src: base + from * bytes, dst: base + to * bytes, bytes });
+        }
+        if let (Some(base), Some(ix)) = (self.indexer_ptr(), self.spec.indexer) {
+            for (&pb, &off) in ix.pool_block_bytes().iter().zip(&self.indexer_offsets) {
+                for c in 0..self.spec.csa_layers.len() as u64 {
+                    let layer = base + off + c * self.indexer_blocks * pb;
+                    runs.push(CopyRun { src: layer + from * pb, dst: layer + to * pb, bytes: pb });
                 }
             }
         }
-        for m in &change.slot_moves {
-            let (from, _) = g.slot_span(m.from_position)?;
-            let (to, _) = g.slot_span(m.to_position)?;
-            for (p, &w) in self.spec.plane_widths.iter().enumerate() {
-                let base = self.plane_ptr(p)?;
-                let bytes = g.slot_bytes(w);
-                runs.push(CopyRun { src: base + from as u64 * w, dst: base + to as u64 * w, bytes });
-            }
+        Ok(runs)
+    }
+
+    /// Copies that move the slot at position `from` to position `to` (state and windows,
+    /// every plane).
+    pub fn slot_copy_runs(&self, from: i64, to: i64) -> Result<Vec<CopyRun>, PoolError> {
+        let g = &self.spec.geometry;
+        let (from, _) = g.slot_span(from)?;
+        let (to, _) = g.slot_span(to)?;
+        let mut runs = Vec::new();
+        for (p, &w) in self.spec.plane_widths.iter().enumerate() {
+            let base = self.plane_ptr(p)?;
+            runs.push(CopyRun { src: base + from as u64 * w, dst: base + to as u64 * w, bytes: g.slot_bytes(w) });
         }
         Ok(runs)
     }
@@ -488,6 +504,7 @@ impl Pool {
     pub fn copy_runs(&self, runs: &[CopyRun]) -> Result<(), PoolError> {
         let _range = crate::profiling::range("v4pool.copy_runs");
         let desc = self.descriptors.as_ref().map_or(0, |a| a.ptr);
+        let runs = split_runs(runs);
         for chunk in runs.chunks(DESCRIPTOR_RUNS) {
             // SAFETY: the descriptor buffer holds DESCRIPTOR_RUNS runs and is live while the
             // pool is; every run was derived from this pool's own allocations, and the upload
@@ -560,8 +577,14 @@ impl Pool {
         Ok(self.checkpoint_ranges()?.iter().flatten().map(|r| r.1).sum())
     }
 
-    /// Copy runs between a slot's image ranges and a contiguous image at `image`.
-    fn image_runs(&self, position: i64, image: DevicePtr, to_image: bool) -> Result<Vec<CopyRun>, PoolError> {
+    /// Copy runs between the image ranges of the slot at `position` and a contiguous image
+    /// at `image` (`to_image`: slot → image, a checkpoint; else image → slot, a restore).
+    pub fn checkpoint_copy_runs(
+        &self,
+        position: i64,
+        image: DevicePtr,
+        to_image: bool,
+    ) -> Result<Vec<CopyRun>, PoolError> {
         let g = &self.spec.geometry;
         let (start, _) = g.slot_span(position)?;
         let mut cursor = 0u64;
@@ -588,7 +611,7 @@ impl Pool {
     /// that does not overlap the planes.
     pub unsafe fn checkpoint_to(&self, slot: SlotHandle, dst: DevicePtr) -> Result<(), PoolError> {
         let pos = self.slot_position(slot)?;
-        self.copy_runs(&self.image_runs(pos, dst, true)?)
+        self.copy_runs(&self.checkpoint_copy_runs(pos, dst, true)?)
     }
 
     /// Restore a held slot from an image at `src`; bytes outside the ranges are untouched.
@@ -597,7 +620,7 @@ impl Pool {
     /// As [`Pool::checkpoint_to`], for `src`.
     pub unsafe fn restore_from(&self, slot: SlotHandle, src: DevicePtr) -> Result<(), PoolError> {
         let pos = self.slot_position(slot)?;
-        self.copy_runs(&self.image_runs(pos, src, false)?)
+        self.copy_runs(&self.checkpoint_copy_runs(pos, src, false)?)
     }
 
     /// Checkpoint into a host buffer of exactly `checkpoint_image_bytes()` bytes.
@@ -684,6 +707,25 @@ impl Pool {
     pub fn has_dense(&self) -> bool {
         self.spec.geometry.class(DENSE_RATIO).is_some()
     }
+}
+
+/// Bytes one copy run carries at most once split: the copy kernel gives every run the same
+/// number of blocks, so a few large runs (a 17 MB slot move is two) would leave most of the
+/// device idle. Pieces this size keep every run's blocks busy and the grid wide.
+pub const COPY_PIECE_BYTES: u64 = 256 << 10;
+
+/// `runs` with every run longer than [`COPY_PIECE_BYTES`] cut into pieces (same bytes).
+pub fn split_runs(runs: &[CopyRun]) -> Vec<CopyRun> {
+    let mut out = Vec::with_capacity(runs.len());
+    for r in runs {
+        let mut done = 0;
+        while done < r.bytes {
+            let n = (r.bytes - done).min(COPY_PIECE_BYTES);
+            out.push(CopyRun { src: r.src + done, dst: r.dst + done, bytes: n });
+            done += n;
+        }
+    }
+    out
 }
 
 /// Allocator counts at one moment.
