@@ -286,6 +286,20 @@ fn staging() -> Res<()> {
             "µs",
             &format!("(~{} staged, block tables {} cols)", fmt_bytes(meta), max_blocks),
         );
+        // Resident tables: only the per-token metadata moves each step.
+        let s = measure(n, || {
+            for _ in 0..n {
+                k = (k + 1) % seqs.len();
+                black_box(bufs.stage_resident(&host, black_box(&seqs[k]), Stream::DEFAULT)?);
+            }
+            Ok(())
+        })?;
+        row(
+            &format!("DecodeIndexBuffers::stage_resident, batch {batch}, contexts ≤ {max_ctx}"),
+            &s,
+            "µs",
+            &format!("(~{} staged: tokens only)", fmt_bytes(4 * batch as u64 * 7 + 12)),
+        );
         // SAFETY: nothing queued uses the buffers (the host backend runs work immediately).
         unsafe { bufs.release(&host) };
     }

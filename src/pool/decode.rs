@@ -41,7 +41,9 @@ pub struct DecodeSeq<'a> {
     pub context_len: i64,
     /// Tokens this step writes for the sequence (1 + drafts).
     pub num_tokens: usize,
-    /// Logical → physical block ids.
+    /// Logical → physical block ids (the engine's host copy). [`DecodeIndexBuffers::stage`]
+    /// uploads it; [`DecodeIndexBuffers::stage_resident`] only checks its length, the device
+    /// rows being kept current with [`DecodeIndexBuffers::write_block_table`].
     pub block_table: &'a [i32],
 }
 
@@ -328,7 +330,7 @@ impl DecodeIndexBuffers {
         stream: Stream,
     ) -> Result<usize, DecodeError> {
         let _range = crate::profiling::range("v4pool.decode_stage");
-        let meta = self.build_metadata(batch)?;
+        let meta = self.build_metadata(batch, true)?;
         let base = self.base();
         // SAFETY: the staging image is exactly `meta_end` bytes and the allocation starts
         // with the metadata region of that size; the allocation is live while `self` is.
@@ -336,8 +338,56 @@ impl DecodeIndexBuffers {
         Ok(meta.1)
     }
 
-    /// Fill the host staging image; returns (bytes, real tokens).
-    fn build_metadata(&mut self, batch: &[DecodeSeq<'_>]) -> Result<(usize, usize), DecodeError> {
+    /// Like [`Self::stage`], but the block tables stay resident on the device: only the
+    /// per-token metadata is uploaded (O(tokens) bytes, whatever the contexts), and row `b`
+    /// of the device table must already hold sequence `b`'s blocks (written with
+    /// [`Self::write_block_table`] when a sequence enters the batch or gains a block).
+    pub fn stage_resident(
+        &mut self,
+        backend: &dyn Backend,
+        batch: &[DecodeSeq<'_>],
+        stream: Stream,
+    ) -> Result<usize, DecodeError> {
+        let _range = crate::profiling::range("v4pool.decode_stage");
+        let meta = self.build_metadata(batch, false)?;
+        let base = self.base();
+        // SAFETY: as in `stage`; the token metadata is the allocation's first `meta.0` bytes.
+        unsafe { backend.upload(base, &self.staging[..meta.0], stream)? };
+        Ok(meta.1)
+    }
+
+    /// Write `ids` into the device block table of batch row `row` from column `start_col`
+    /// (an entering sequence's whole table, or the blocks a sequence just gained).
+    pub fn write_block_table(
+        &mut self,
+        backend: &dyn Backend,
+        row: usize,
+        start_col: usize,
+        ids: &[i32],
+        stream: Stream,
+    ) -> Result<(), DecodeError> {
+        let cap = self.cap;
+        if row >= cap.max_seqs {
+            return Err(DecodeError::TooManySeqs { got: row + 1, cap: cap.max_seqs });
+        }
+        let end = start_col.checked_add(ids.len()).unwrap_or(usize::MAX);
+        if end > cap.max_blocks_per_seq {
+            return Err(DecodeError::BlockTableTooLong { seq: row, got: end, cap: cap.max_blocks_per_seq });
+        }
+        let off = self.layout.block_tables + 4 * (row * cap.max_blocks_per_seq + start_col) as u64;
+        // SAFETY: row and columns were checked against the table's capacity, which lies in
+        // the allocation; the allocation is live while `self` is.
+        unsafe { backend.upload(self.base() + off, bytemuck::cast_slice(ids), stream)? };
+        Ok(())
+    }
+
+    /// Fill the host staging image (with the block tables when `tables`); returns (bytes to
+    /// upload, real tokens).
+    fn build_metadata(
+        &mut self,
+        batch: &[DecodeSeq<'_>],
+        tables: bool,
+    ) -> Result<(usize, usize), DecodeError> {
         let cap = self.cap;
         if batch.len() > cap.max_seqs {
             return Err(DecodeError::TooManySeqs { got: batch.len(), cap: cap.max_seqs });
@@ -393,8 +443,10 @@ impl DecodeIndexBuffers {
         let mut t = 0usize;
         for (b, s) in batch.iter().enumerate() {
             put_i32(st, l.slots, b, s.position as i32);
-            let row = l.block_tables as usize + 4 * b * cap.max_blocks_per_seq;
-            st[row..row + 4 * s.block_table.len()].copy_from_slice(bytemuck::cast_slice(s.block_table));
+            if tables {
+                let row = l.block_tables as usize + 4 * b * cap.max_blocks_per_seq;
+                st[row..row + 4 * s.block_table.len()].copy_from_slice(bytemuck::cast_slice(s.block_table));
+            }
             for k in 0..s.num_tokens {
                 let pos = s.context_len - s.num_tokens as i64 + k as i64;
                 let (n, csa, hca) = decode_slice_lens(pos, s.context_len, win, topk);
@@ -417,7 +469,7 @@ impl DecodeIndexBuffers {
                 put_i32(st, l.indptr[c], p + 1, ptr[c] as i32);
             }
         }
-        Ok((l.meta_end as usize, t))
+        Ok((if tables { l.meta_end } else { l.block_tables } as usize, t))
     }
 
     /// The decode launch, ready for [`Backend::launch`].

@@ -495,7 +495,11 @@ impl Pool {
         let mut runs = Vec::new();
         for (p, &w) in self.spec.plane_widths.iter().enumerate() {
             let base = self.plane_ptr(p)?;
-            runs.push(CopyRun { src: base + from as u64 * w, dst: base + to as u64 * w, bytes: g.slot_bytes(w) });
+            runs.push(CopyRun {
+                src: base + from as u64 * w,
+                dst: base + to as u64 * w,
+                bytes: g.slot_bytes(w),
+            });
         }
         Ok(runs)
     }
