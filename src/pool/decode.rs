@@ -321,21 +321,16 @@ impl DecodeIndexBuffers {
         self.base() + self.layout.dest_rows[class]
     }
 
-    /// Compute the step's metadata on the host (O(tokens), never O(context)) and upload it
-    /// in one copy on `stream`. Returns the number of real tokens.
+    /// Compute the step's metadata on the host and upload it, block tables included, in one
+    /// copy on `stream`. Returns the number of real tokens. The tables make this O(context);
+    /// engines that keep their tables current use [`Self::stage_resident`].
     pub fn stage(
         &mut self,
         backend: &dyn Backend,
         batch: &[DecodeSeq<'_>],
         stream: Stream,
     ) -> Result<usize, DecodeError> {
-        let _range = crate::profiling::range("v4pool.decode_stage");
-        let meta = self.build_metadata(batch, true)?;
-        let base = self.base();
-        // SAFETY: the staging image is exactly `meta_end` bytes and the allocation starts
-        // with the metadata region of that size; the allocation is live while `self` is.
-        unsafe { backend.upload(base, &self.staging[..meta.0], stream)? };
-        Ok(meta.1)
+        self.upload_metadata(backend, batch, true, stream)
     }
 
     /// Like [`Self::stage`], but the block tables stay resident on the device: only the
@@ -348,12 +343,22 @@ impl DecodeIndexBuffers {
         batch: &[DecodeSeq<'_>],
         stream: Stream,
     ) -> Result<usize, DecodeError> {
+        self.upload_metadata(backend, batch, false, stream)
+    }
+
+    fn upload_metadata(
+        &mut self,
+        backend: &dyn Backend,
+        batch: &[DecodeSeq<'_>],
+        tables: bool,
+        stream: Stream,
+    ) -> Result<usize, DecodeError> {
         let _range = crate::profiling::range("v4pool.decode_stage");
-        let meta = self.build_metadata(batch, false)?;
-        let base = self.base();
-        // SAFETY: as in `stage`; the token metadata is the allocation's first `meta.0` bytes.
-        unsafe { backend.upload(base, &self.staging[..meta.0], stream)? };
-        Ok(meta.1)
+        let (bytes, tokens) = self.build_metadata(batch, tables)?;
+        // SAFETY: the allocation starts with the metadata region, of which the staging image
+        // fills the first `bytes`; the allocation is live while `self` is.
+        unsafe { backend.upload(self.base(), &self.staging[..bytes], stream)? };
+        Ok(tokens)
     }
 
     /// Write `ids` into the device block table of batch row `row` from column `start_col`
