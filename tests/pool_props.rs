@@ -31,6 +31,10 @@ fn field(name: &str, rows: u64, fill: Fill, carried: bool) -> StateField {
 
 /// A small pool: ratios [0,4,128,4,128,0], ring 11, a 3-field arena in two planes.
 fn small_pool(initial_slots: i64) -> Pool {
+    small_pool_on(Arc::new(HostBackend::new()), initial_slots)
+}
+
+fn small_pool_on(backend: Arc<dyn Backend>, initial_slots: i64) -> Pool {
     let arena = ArenaLayout::new(
         vec![
             field("csa_kv", 10, Fill::Zero, true),
@@ -55,7 +59,6 @@ fn small_pool(initial_slots: i64) -> Pool {
         indexer: Some(v4pool::sizing::IndexerDtype::Fp8),
         csa_layers: vec![1, 3],
     };
-    let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
     Pool::new(backend, spec, Stream::DEFAULT).expect("pool")
 }
 
@@ -186,7 +189,10 @@ fn check(pool: &Pool, model: &Model) {
 }
 
 fn run(ops: Vec<Op>, initial_slots: i64) {
-    let pool = small_pool(initial_slots);
+    run_on(small_pool(initial_slots), ops);
+}
+
+fn run_on(pool: Pool, ops: Vec<Op>) {
     let mut m = Model { blocks: vec![], slots: vec![], freed_blocks: vec![], freed_slots: vec![], seed: 1 };
     let image_bytes = pool.checkpoint_image_bytes().expect("image bytes") as usize;
     for op in ops {
@@ -328,4 +334,31 @@ fn a_new_slot_has_initialised_state_even_over_old_block_bytes() {
     let off = ptr - plane + lease.position as u64 * view.strides[1] * 4;
     pool.read_plane(view.plane, off, &mut word).expect("read");
     assert_eq!(f32::from_ne_bytes(word), f32::NEG_INFINITY);
+}
+
+/// The same state machine on a GPU backend (CUDA, or HIP with `V4POOL_BACKEND=hip`): the
+/// pool's copies, fills and checkpoints run as device kernels there. Skips without a device;
+/// fails instead with `V4POOL_REQUIRE_GPU=1`.
+#[test]
+fn nothing_lost_on_the_gpu() {
+    let hip = std::env::var("V4POOL_BACKEND").is_ok_and(|v| v.eq_ignore_ascii_case("hip"));
+    let kind = if hip { v4pool::backend::BackendKind::Hip } else { v4pool::backend::BackendKind::Cuda };
+    let backend = match v4pool::backend::open(kind) {
+        Ok(b) => b,
+        Err(e) => {
+            assert!(
+                !std::env::var("V4POOL_REQUIRE_GPU").is_ok_and(|v| v == "1"),
+                "V4POOL_REQUIRE_GPU=1 but no {kind} device: {e}"
+            );
+            println!("SKIP: no {kind} device ({e}) in nothing_lost_on_the_gpu");
+            return;
+        }
+    };
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(64));
+    runner
+        .run(&(prop::collection::vec(op(), 1..60), 0i64..6), |(ops, slots)| {
+            run_on(small_pool_on(backend.clone(), slots), ops);
+            Ok(())
+        })
+        .expect("state machine on the device");
 }
