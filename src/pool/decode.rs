@@ -98,6 +98,15 @@ struct Layout {
     total: u64,
 }
 
+/// What `plan` decides: the layout, which classes are present, their params, and each
+/// class's per-token slice capacity.
+struct Planned {
+    layout: Layout,
+    present: [bool; 3],
+    params: [crate::geometry::WindowParams; 3],
+    slice_cap: [u64; 3],
+}
+
 fn align(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
@@ -133,7 +142,7 @@ impl DecodeIndexBuffers {
     fn plan(
         geometry: &UnifiedPoolGeometry,
         cap: DecodeCapacity,
-    ) -> Result<(Layout, [bool; 3], [crate::geometry::WindowParams; 3], [u64; 3]), DecodeError> {
+    ) -> Result<Planned, DecodeError> {
         for (what, v) in [
             ("max_seqs", cap.max_seqs),
             ("max_tokens", cap.max_tokens),
@@ -196,13 +205,13 @@ impl DecodeIndexBuffers {
         if t * slice_cap[CLASS_HCA] > i32::MAX as u64 {
             return Err(DecodeError::TooLarge { bytes: l.total });
         }
-        Ok((l, present, params, slice_cap))
+        Ok(Planned { layout: l, present, params, slice_cap })
     }
 
     /// Device bytes the buffers for `cap` take, without allocating them (for sizing and
     /// overhead reports).
     pub fn required_bytes(geometry: &UnifiedPoolGeometry, cap: DecodeCapacity) -> Result<u64, DecodeError> {
-        Ok(Self::plan(geometry, cap)?.0.total)
+        Ok(Self::plan(geometry, cap)?.layout.total)
     }
 
     /// Size and allocate the buffers for `cap` on `backend`, for `geometry`'s classes.
@@ -211,7 +220,7 @@ impl DecodeIndexBuffers {
         geometry: &UnifiedPoolGeometry,
         cap: DecodeCapacity,
     ) -> Result<Self, DecodeError> {
-        let (l, present, params, slice_cap) = Self::plan(geometry, cap)?;
+        let Planned { layout: l, present, params, slice_cap } = Self::plan(geometry, cap)?;
         let alloc = backend.alloc_zeroed(l.total)?;
         Ok(DecodeIndexBuffers {
             cap,
@@ -375,7 +384,7 @@ impl DecodeIndexBuffers {
         if row >= cap.max_seqs {
             return Err(DecodeError::TooManySeqs { got: row + 1, cap: cap.max_seqs });
         }
-        let end = start_col.checked_add(ids.len()).unwrap_or(usize::MAX);
+        let end = start_col.saturating_add(ids.len());
         if end > cap.max_blocks_per_seq {
             return Err(DecodeError::BlockTableTooLong { seq: row, got: end, cap: cap.max_blocks_per_seq });
         }
