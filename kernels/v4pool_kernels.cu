@@ -96,6 +96,90 @@ V4P_DEVICE void v4p_write_compressed(v4p_i32* __restrict__ out, const v4p_i32* _
     }
 }
 
+/// Entries e0..e0+3 of a compressed head of `count` entries into v[0..3] (those outside
+/// [0, count) are left 0): v[u] = table[e / rpb] * envelope + e % rpb. One division per group;
+/// a table entry is loaded once per block of the sequence it feeds (rpb = 2: two or three loads
+/// for four entries), and the loads are independent so they overlap.
+V4P_DEVICE void v4p_compressed_group(v4p_i32 v[4], const v4p_i32* __restrict__ table, v4p_i64 e0, v4p_i64 count,
+                                     v4p_i64 rpb, v4p_i64 envelope) {
+    const v4p_i64 es = e0 < 0 ? 0 : e0;
+    v4p_i64 j, r;
+    if ((v4p_u64)es <= 0xffffffffull && (v4p_u64)rpb <= 0xffffffffull) {
+        const v4p_u32 e32 = (v4p_u32)es, d32 = (v4p_u32)rpb;
+        j = (v4p_i64)(e32 / d32);
+        r = (v4p_i64)(e32 - (e32 / d32) * d32);
+    } else {
+        j = es / rpb;
+        r = es % rpb;
+    }
+    v4p_i64 blk = 0;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        v[u] = 0;
+        const v4p_i64 e = e0 + u;
+        if (e < 0 || e >= count) continue;
+        if (e == es || r == 0) blk = table[j];
+        v[u] = (v4p_i32)compress_row(blk, r, envelope);
+        if (++r == rpb) {
+            r = 0;
+            ++j;
+        }
+    }
+}
+
+/// dst[e0 + u] = v[u] for the entries of the group inside [0, count): one 16-byte store for a
+/// whole group (groups are aligned to 16 bytes of dst's buffer), else scalars at the ends.
+V4P_DEVICE void v4p_store_group(v4p_i32* __restrict__ dst, v4p_i64 e0, v4p_i64 count, const v4p_i32 v[4]) {
+    if (e0 >= 0 && e0 + 4 <= count) {
+        v4p_vec16 q;
+        q.x = (v4p_u32)v[0];
+        q.y = (v4p_u32)v[1];
+        q.z = (v4p_u32)v[2];
+        q.w = (v4p_u32)v[3];
+        *(v4p_vec16*)(dst + e0) = q;
+        return;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const v4p_i64 e = e0 + u;
+        if (e >= 0 && e < count) dst[e] = v[u];
+    }
+}
+
+/// Compressed entries e = 0..count-1 of one sequence, tiled: dst[e] = table[e / rpb] * envelope
+/// + e % rpb. The entries are cut into groups of four output slots aligned to 16 bytes (the
+/// first group starts up to three slots before dst); tile `tile` of `ntiles` takes groups
+/// [tile * 2B, tile * 2B + 2B) (B = block threads), then every ntiles-th such range after it.
+/// Each thread computes two groups (all their table loads in flight together) before storing.
+V4P_DEVICE void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table,
+                                           v4p_i64 count, v4p_i64 rpb, v4p_i64 envelope, v4p_i64 tile,
+                                           v4p_i64 ntiles, v4p_u32 tid) {
+    if (count <= 0) return;
+    const v4p_i64 lead = (v4p_i64)(((v4p_u64)dst >> 2) & 3);
+    const v4p_i64 groups = (lead + count + 3) >> 2;
+    const v4p_i64 per_tile = 2 * V4P_BLOCK;
+    for (v4p_i64 g = tile * per_tile + tid; g < groups; g += ntiles * per_tile) {
+        const v4p_i64 e0 = 4 * g - lead, e1 = e0 + 4 * V4P_BLOCK;
+        v4p_i32 v0[4], v1[4];
+        v4p_compressed_group(v0, table, e0, count, rpb, envelope);
+        v4p_compressed_group(v1, table, e1, count, rpb, envelope);
+        v4p_store_group(dst, e0, count, v0);
+        v4p_store_group(dst, e1, count, v1);
+    }
+}
+
+/// Tiles of the fused HCA head in the decode builder (grid y; launch_shape derives the same):
+/// enough for the longest head a block table row can describe (block_table_stride * rpb
+/// entries, plus up to three slots of alignment), at most V4POOL_MAX_GRID_YZ. One tile when
+/// nothing is fused.
+V4P_DEVICE v4p_i64 v4p_decode_hca_tiles(const DecodeIndexArgs& a) {
+    if (a.block_tables == 0 || a.classes[V4POOL_CLASS_HCA].indptr == 0) return 1;
+    const v4p_i64 stride = a.block_table_stride > 0 ? a.block_table_stride : 0;
+    const v4p_i64 rpb = a.hca_rows_per_block > 0 ? a.hca_rows_per_block : 0;
+    const v4p_i64 tiles = (stride * rpb + 3 + V4POOL_DECODE_HCA_TILE - 1) / V4POOL_DECODE_HCA_TILE;
+    return tiles < 1 ? 1 : (tiles > V4POOL_MAX_GRID_YZ ? V4POOL_MAX_GRID_YZ : tiles);
+}
+
 /// Copy `bytes` from src to dst with `nlanes` lanes: 16 B at a time when both ends and the
 /// length allow it, else 4 B, else bytes.
 V4P_DEVICE void v4p_copy_row(v4p_u64 dst, v4p_u64 src, v4p_u64 bytes, v4p_u32 lane, v4p_u32 nlanes) {
@@ -123,35 +207,49 @@ V4P_DEVICE void v4p_copy_plane(PlaneWrite pw, v4p_i64 src_row, v4p_i64 dst_row, 
 }
 
 // ---- §3 + §4: decode index builder with fused HCA heads --------------------------------------
-// grid (T), block 256: one block per token.
+// grid (T, v4p_decode_hca_tiles), block 256: one block per (token, tile of its HCA head); the
+// window tails and dest rows come from tile 0.
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices(DecodeIndexArgs a) {
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
     if (t >= a.num_tokens) return;
-    const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
-    if (b < 0) return;  // pad token: no store at all
+    const v4p_i64 tile = v4p_bid_y();
     const v4p_u32 tid = v4p_tid_x();
+    // Every load that needs only t goes out before the batch id comes back (a cold chain
+    // batch id -> slot / table row is the kernel's critical path).
+    const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
     const v4p_i64 p = v4p_in<v4p_i64>(a.positions)[t];
-    const v4p_i64 n = v4p_min(p + 1, (v4p_i64)a.win);
-    const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
-#pragma unroll
-    for (int c = 0; c < 3; ++c) {
-        const ClassBuffers cb = a.classes[c];
-        if (cb.indptr == 0) continue;  // class off
-        const v4p_i64 end = v4p_in<v4p_i32>(cb.indptr)[t + 1];
-        // Window at the tail of the slice, oldest first, the token itself last.
-        v4p_write_window(v4p_out<v4p_i32>(cb.indices) + (end - n), cb.params, slot, p - n + 1, n, tid);
-        if (tid == 0 && cb.dest_rows != 0) v4p_out<v4p_i32>(cb.dest_rows)[t] = (v4p_i32)window_row(cb.params, slot, p);
-    }
     const ClassBuffers hca = a.classes[V4POOL_CLASS_HCA];
-    if (a.block_tables != 0 && hca.indptr != 0) {
-        // Compressed entries 0..head-1 at the head of the slice, ascending.
-        const v4p_i32* ptr = v4p_in<v4p_i32>(hca.indptr);
-        const v4p_i64 begin = ptr[t];
-        const v4p_i64 head = (v4p_i64)ptr[t + 1] - begin - n;
+    const bool fused = a.block_tables != 0 && hca.indptr != 0;
+    v4p_i64 hbegin = 0, hend = 0;
+    if (fused) {
+        hbegin = v4p_in<v4p_i32>(hca.indptr)[t];
+        hend = v4p_in<v4p_i32>(hca.indptr)[t + 1];
+    }
+    v4p_i64 ends[3] = {0, 0, 0};
+    if (tile == 0) {
+#pragma unroll
+        for (int c = 0; c < 3; ++c)
+            if (a.classes[c].indptr != 0) ends[c] = v4p_in<v4p_i32>(a.classes[c].indptr)[t + 1];
+    }
+    if (b < 0) return;  // pad token: no store at all
+    const v4p_i64 n = v4p_min(p + 1, (v4p_i64)a.win);
+    if (tile == 0) {
+        const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
+#pragma unroll
+        for (int c = 0; c < 3; ++c) {
+            const ClassBuffers cb = a.classes[c];
+            if (cb.indptr == 0) continue;  // class off
+            // Window at the tail of the slice, oldest first, the token itself last.
+            v4p_write_window(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), cb.params, slot, p - n + 1, n, tid);
+            if (tid == 0 && cb.dest_rows != 0) v4p_out<v4p_i32>(cb.dest_rows)[t] = (v4p_i32)window_row(cb.params, slot, p);
+        }
+    }
+    if (fused) {
+        // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile.
         const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-        v4p_write_compressed(v4p_out<v4p_i32>(hca.indices) + begin, table, head, a.hca_rows_per_block,
-                             a.envelope_rows, tid);
+        v4p_write_compressed_tiled(v4p_out<v4p_i32>(hca.indices) + hbegin, table, hend - hbegin - n,
+                                   a.hca_rows_per_block, a.envelope_rows, tile, v4p_decode_hca_tiles(a), tid);
     }
 }
 
