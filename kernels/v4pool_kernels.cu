@@ -308,33 +308,78 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_hca_of
 }
 
 // ---- §5: CSA translate-pack over num_layers layers ---------------------------------------
-// grid (T, tiles = ceil(topk_row_stride / 256), L), block 256.
+// grid (T, tiles = ceil(topk_row_stride / 512), ceil(L / 4)), block 256: one block per (token,
+// 512 top-k columns, 4 layers), 8 entries per thread with every load of a kind in flight at
+// once. The token's batch id, slice bounds and table row are read once for its 4 layers.
+
+#define V4P_CSA_LPB V4POOL_CSA_LAYERS_PER_BLOCK
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_translate_pack(CsaPackArgs a) {
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
     const v4p_i64 tile = v4p_bid_y();
-    const v4p_i64 l = v4p_bid_z();
-    if (t >= a.num_tokens || l >= a.num_layers) return;
+    const v4p_i64 l0 = (v4p_i64)v4p_bid_z() * V4P_CSA_LPB;
+    if (t >= a.num_tokens || l0 >= a.num_layers) return;
+    const v4p_u32 tid = v4p_tid_x();
+    const v4p_i64 nl = v4p_min((v4p_i64)V4P_CSA_LPB, (v4p_i64)a.num_layers - l0);
+    const v4p_i64 row_stride = a.topk_row_stride;
+    // Loads that need only t go out first: batch id, slice bounds, skip source and the top-k
+    // values themselves (in the row whatever the slice length; the topk buffer covers T rows).
     const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
-    if (b < 0) return;
-    const v4p_i64 skip = a.window_size > 0 ? v4p_min(v4p_in<v4p_i64>(a.positions)[t] + 1, (v4p_i64)a.window_size)
-                                           : (v4p_i64)v4p_in<v4p_i32>(a.skip_prefix_len_per_token)[t];
     const v4p_i32* ptr = v4p_in<v4p_i32>(a.indptr);
     const v4p_i64 base = ptr[t];
-    const v4p_i64 valid_k = (v4p_i64)ptr[t + 1] - base - skip;
-    // The same tile count as launch_shape: tiles cover a top-k row; stride past it anyway.
-    const v4p_i64 row_tiles = ((v4p_i64)a.topk_row_stride + V4P_BLOCK - 1) / V4P_BLOCK;
-    const v4p_i64 ntiles = row_tiles > 0 ? row_tiles : 1;
-    const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + l * a.topk_layer_stride + (v4p_i64)t * a.topk_row_stride;
-    v4p_i32* out = v4p_out<v4p_i32>(a.out) + l * a.out_layer_stride + base;
+    const v4p_i64 end = ptr[t + 1];
+    const v4p_i64 skip_src = a.window_size > 0 ? v4p_in<v4p_i64>(a.positions)[t]
+                                                : (v4p_i64)v4p_in<v4p_i32>(a.skip_prefix_len_per_token)[t];
+    const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + l0 * a.topk_layer_stride + (v4p_i64)t * row_stride;
+    const v4p_i64 k0 = tile * V4POOL_CSA_TILE + tid;
+    v4p_i32 v[V4P_CSA_LPB][2];
+#pragma unroll
+    for (int l = 0; l < V4P_CSA_LPB; ++l)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const v4p_i64 k = k0 + u * V4P_BLOCK;
+            v[l][u] = (l < nl && k < row_stride) ? topk[l * a.topk_layer_stride + k] : 0;
+        }
+    if (b < 0) return;
+    const v4p_i64 skip = a.window_size > 0 ? v4p_min(skip_src + 1, (v4p_i64)a.window_size) : skip_src;
+    const v4p_i64 valid_k = end - base - skip;
+    const v4p_i64 lim = v4p_min(valid_k, row_stride);
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
     const v4p_i32 cap = a.block_capacity;
     const v4p_i32 last = a.block_table_stride - 1;
-    for (v4p_i64 k = tile * V4P_BLOCK + v4p_tid_x(); k < valid_k; k += ntiles * V4P_BLOCK) {
-        const v4p_i32 v = topk[k];
-        v4p_i32 blk = v / cap;
-        blk = blk < 0 ? 0 : (blk > last ? last : blk);  // clamp, do not drop
-        out[k] = (v4p_i32)compress_row(table[blk], v % cap, a.envelope_rows);
+    v4p_i32 blk[V4P_CSA_LPB][2];
+#pragma unroll
+    for (int l = 0; l < V4P_CSA_LPB; ++l)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            blk[l][u] = 0;
+            if (l < nl && k0 + u * V4P_BLOCK < lim) {
+                v4p_i32 j = v[l][u] / cap;
+                j = j < 0 ? 0 : (j > last ? last : j);  // clamp, do not drop
+                blk[l][u] = table[j];
+            }
+        }
+    v4p_i32* out = v4p_out<v4p_i32>(a.out) + l0 * a.out_layer_stride + base;
+#pragma unroll
+    for (int l = 0; l < V4P_CSA_LPB; ++l)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const v4p_i64 k = k0 + u * V4P_BLOCK;
+            if (l < nl && k < lim)
+                out[l * a.out_layer_stride + k] = (v4p_i32)compress_row(blk[l][u], v[l][u] % cap, a.envelope_rows);
+        }
+    if (valid_k > row_stride) {
+        // A slice longer than its top-k row (a host error) still gets every entry, read past
+        // the row as the contract's reference kernel would; the row's tiles share the rest.
+        const v4p_i64 row_tiles = (row_stride + V4POOL_CSA_TILE - 1) / V4POOL_CSA_TILE;
+        const v4p_i64 ntiles = row_tiles > 0 ? row_tiles : 1;
+        for (v4p_i64 l = 0; l < nl; ++l)
+            for (v4p_i64 k = row_stride + tile * V4P_BLOCK + tid; k < valid_k; k += ntiles * V4P_BLOCK) {
+                const v4p_i32 x = topk[l * a.topk_layer_stride + k];
+                v4p_i32 j = x / cap;
+                j = j < 0 ? 0 : (j > last ? last : j);
+                out[l * a.out_layer_stride + k] = (v4p_i32)compress_row(table[j], x % cap, a.envelope_rows);
+            }
     }
 }
 

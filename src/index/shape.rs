@@ -77,7 +77,7 @@ fn ceil_div(n: u64, d: u64) -> u64 {
 /// Tiles of one top-k row in the CSA translate-pack (grid y); the kernel derives the same
 /// number from `topk_row_stride` to stride past a row should `valid_k` exceed it.
 pub fn csa_tiles(topk_row_stride: i32) -> u64 {
-    ceil_div(count(topk_row_stride), u64::from(BLOCK_THREADS)).max(1)
+    ceil_div(count(topk_row_stride), u64::from(CSA_TILE)).max(1)
 }
 
 /// Tiles of a token's fused HCA head in the decode builder (grid y). The grid may depend only
@@ -108,12 +108,12 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
         Launch::Prefill(a) => LaunchShape::linear(count(a.num_tokens), b),
         // One thread per entry.
         Launch::HcaOffsets(a) => LaunchShape::linear(ceil_div(count(a.num_entries), u64::from(b)), b),
-        // (token, tile of the top-k row, layer).
+        // (token, tile of the top-k row, group of CSA_LAYERS_PER_BLOCK layers).
         Launch::CsaPack(a) => LaunchShape {
             grid: [
                 grid_dim(count(a.num_tokens)),
                 grid_dim(csa_tiles(a.topk_row_stride)),
-                grid_dim(count(a.num_layers)),
+                grid_dim(ceil_div(count(a.num_layers), u64::from(CSA_LAYERS_PER_BLOCK))),
             ],
             block: [b, 1, 1],
         },
@@ -502,10 +502,11 @@ mod tests {
         huge.block_table_stride = i32::MAX;
         assert_eq!(launch_shape(&Launch::Decode(huge)).grid, [3, MAX_GRID_YZ, 1]);
         assert_eq!(check_launch(&Launch::Decode(huge)), Ok(()));
+        // (token, CSA_TILE columns, CSA_LAYERS_PER_BLOCK layers).
         let csa = CsaPackArgs { num_tokens: 7, num_layers: 21, topk_row_stride: 512, ..Default::default() };
-        assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, 2, 21]);
+        assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, 1, 6]);
         let csa = CsaPackArgs { num_tokens: 7, num_layers: 1, topk_row_stride: 513, ..Default::default() };
-        assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, 3, 1]);
+        assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, 2, 1]);
         let csa = CsaPackArgs { num_tokens: 0, num_layers: 0, topk_row_stride: 0, ..Default::default() };
         assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [1, 1, 1]);
         let ring = RingWriteArgs { num_seqs: 3, write_per_batch: 128, ..Default::default() };
@@ -602,7 +603,7 @@ mod tests {
         );
         let b = CsaPackArgs { window_size: 8, positions: 6, ..a };
         assert_eq!(check_launch(&Launch::CsaPack(b)), Ok(()));
-        let c = CsaPackArgs { num_layers: 70_000, ..b };
+        let c = CsaPackArgs { num_layers: 4 * 65_535 + 1, ..b };
         assert!(matches!(
             check_launch(&Launch::CsaPack(c)),
             Err(LaunchError::TooLarge { field: "grid z", .. })
