@@ -7,10 +7,13 @@
 // have: a launch with nothing to do runs one block that returns at once.
 //
 // Performance notes (the decode step at batch 256 and prefill of 8192 tokens, contexts to 1M):
-// one block per token with the block's threads striding over the token's slice, so stores of
-// consecutive entries are coalesced i32 stores; the long HCA heads walk (block, row) with a
-// running counter instead of a division per entry and issue their table loads four at a time
-// so load latency overlaps; every row x width product is 64-bit.
+// these kernels wait on chains of dependent loads (token -> batch id -> table row -> table
+// entry), not on bandwidth, so every load that needs only the token goes out before the batch
+// id returns, each thread keeps several independent loads in flight (8 per thread in the HCA
+// heads and the CSA pack), and long per-token work is tiled over grid y so it takes one round
+// instead of several. The HCA heads are written in 16-byte groups aligned to the output (scalar
+// at the slice ends) and load each table entry once for its rows; windows walk the ring with a
+// running counter; every row x width product is 64-bit.
 #include "v4pool_common.h"
 
 #define V4P_BLOCK V4POOL_BLOCK_THREADS
@@ -54,45 +57,6 @@ V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_
         out[i] = (v4p_i32)v4p_window_row_q(w, slot, q);
         q += step;
         if (q >= w.ring_slots) q -= w.ring_slots;
-    }
-}
-
-/// Compressed entries e = 0..count-1 of one sequence: out[e] = table[e / rpb] * envelope +
-/// e % rpb. (block, row) advance by a running counter; table loads go out four at a time.
-V4P_DEVICE void v4p_write_compressed(v4p_i32* __restrict__ out, const v4p_i32* __restrict__ table,
-                                     v4p_i64 count, v4p_i64 rpb, v4p_i64 envelope, v4p_u32 tid) {
-    if ((v4p_i64)tid >= count) return;
-    v4p_i64 e = tid;
-    v4p_i64 j = e / rpb, r = e % rpb;
-    const v4p_i64 jstep = (v4p_i64)V4P_BLOCK / rpb, rstep = (v4p_i64)V4P_BLOCK % rpb;
-    // Four entries per round: e, e+B, e+2B, e+3B.
-    for (; e + 3 * V4P_BLOCK < count; e += 4 * V4P_BLOCK) {
-        v4p_i64 jj[4], rr[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            jj[u] = j;
-            rr[u] = r;
-            j += jstep;
-            r += rstep;
-            if (r >= rpb) {
-                r -= rpb;
-                ++j;
-            }
-        }
-        v4p_i32 blk[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) blk[u] = table[jj[u]];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) out[e + u * V4P_BLOCK] = (v4p_i32)compress_row(blk[u], rr[u], envelope);
-    }
-    for (; e < count; e += V4P_BLOCK) {
-        out[e] = (v4p_i32)compress_row(table[j], r, envelope);
-        j += jstep;
-        r += rstep;
-        if (r >= rpb) {
-            r -= rpb;
-            ++j;
-        }
     }
 }
 
@@ -290,7 +254,7 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefil
         v4p_i32* out = v4p_out<v4p_i32>(a.hca_indices) + v4p_in<v4p_i32>(a.hca_indptr)[t];
         v4p_write_window(out, a.hca, slot, low, pre, tid);
         const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-        v4p_write_compressed(out + pre, table, n_hca, a.hca_rows_per_block, a.envelope_rows, tid);
+        v4p_write_compressed_tiled(out + pre, table, n_hca, a.hca_rows_per_block, a.envelope_rows, 0, 1, tid);
     }
 }
 
