@@ -11,9 +11,9 @@
 // entry), not on bandwidth, so every load that needs only the token goes out before the batch
 // id returns, each thread keeps several independent loads in flight (8 per thread in the HCA
 // heads and the CSA pack), and long per-token work is tiled over grid y so it takes one round
-// instead of several. The HCA heads are written in 16-byte groups aligned to the output (scalar
-// at the slice ends) and load each table entry once for its rows; windows walk the ring with a
-// running counter; every row x width product is 64-bit.
+// instead of several. Stores of consecutive entries are coalesced 4-byte stores across a warp;
+// windows and HCA heads walk the ring / (block, row) with a running counter instead of a
+// division per entry; every row x width product is 64-bit.
 #include "v4pool_common.h"
 
 #define V4P_BLOCK V4POOL_BLOCK_THREADS
@@ -60,87 +60,60 @@ V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_
     }
 }
 
-/// Entries e0..e0+3 of a compressed head of `count` entries into v[0..3] (those outside
-/// [0, count) are left 0): v[u] = table[e / rpb] * envelope + e % rpb. One division per group;
-/// a table entry is loaded once per block of the sequence it feeds (rpb = 2: two or three loads
-/// for four entries), and the loads are independent so they overlap.
-V4P_DEVICE void v4p_compressed_group(v4p_i32 v[4], const v4p_i32* __restrict__ table, v4p_i64 e0, v4p_i64 count,
-                                     v4p_i64 rpb, v4p_i64 envelope) {
-    const v4p_i64 es = e0 < 0 ? 0 : e0;
-    v4p_i64 j, r;
-    if ((v4p_u64)es <= 0xffffffffull && (v4p_u64)rpb <= 0xffffffffull) {
-        const v4p_u32 e32 = (v4p_u32)es, d32 = (v4p_u32)rpb;
-        j = (v4p_i64)(e32 / d32);
-        r = (v4p_i64)(e32 - (e32 / d32) * d32);
-    } else {
-        j = es / rpb;
-        r = es % rpb;
-    }
-    v4p_i64 blk = 0;
+/// Compressed entries e = 0..count-1 of one sequence, tiled: dst[e] = table[e / rpb] * envelope
+/// + e % rpb. Tile `tile` of `ntiles` takes entries [tile * 8B, tile * 8B + 8B) (B = block
+/// threads), then every ntiles-th such range after it; thread i takes e = i, i + B, ..., i + 7B
+/// of its range, so every load and store instruction of a warp touches one contiguous span
+/// (4-byte lanes, coalesced), and all eight table loads are in flight before the first store.
+/// (block, row) of those entries come from one division and a running counter.
+///
+/// Why not 16-byte stores of four entries per lane: nvcc splits such a store back into four
+/// lane-strided 4-byte stores whenever a scalar path for the slice ends shares the values
+/// (seen in the PTX), which is worse than coalesced 4-byte stores; the loads are latency-bound
+/// either way.
+V4P_DEVICE void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table,
+                                           v4p_i64 count, v4p_i64 rpb, v4p_i64 envelope, v4p_i64 tile,
+                                           v4p_i64 ntiles, v4p_u32 tid) {
+    const v4p_i64 per_tile = 8 * V4P_BLOCK;
+    const v4p_i64 jstep = (v4p_i64)V4P_BLOCK / rpb, rstep = (v4p_i64)V4P_BLOCK % rpb;
+    for (v4p_i64 e0 = tile * per_tile + tid; e0 < count; e0 += ntiles * per_tile) {
+        v4p_i64 j, r;
+        if ((v4p_u64)e0 <= 0xffffffffull && (v4p_u64)rpb <= 0xffffffffull) {
+            const v4p_u32 e32 = (v4p_u32)e0, d32 = (v4p_u32)rpb;
+            j = (v4p_i64)(e32 / d32);
+            r = (v4p_i64)(e32 - (e32 / d32) * d32);
+        } else {
+            j = e0 / rpb;
+            r = e0 % rpb;
+        }
+        v4p_i32 blk[8], row[8];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-        v[u] = 0;
-        const v4p_i64 e = e0 + u;
-        if (e < 0 || e >= count) continue;
-        if (e == es || r == 0) blk = table[j];
-        v[u] = (v4p_i32)compress_row(blk, r, envelope);
-        if (++r == rpb) {
-            r = 0;
-            ++j;
+        for (int u = 0; u < 8; ++u) {
+            blk[u] = e0 + u * V4P_BLOCK < count ? table[j] : 0;
+            row[u] = (v4p_i32)r;
+            j += jstep;
+            r += rstep;
+            if (r >= rpb) {
+                r -= rpb;
+                ++j;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const v4p_i64 e = e0 + u * V4P_BLOCK;
+            if (e < count) dst[e] = (v4p_i32)compress_row(blk[u], row[u], envelope);
         }
     }
 }
 
-/// dst[e0 + u] = v[u] for the entries of the group inside [0, count): one 16-byte store for a
-/// whole group (groups are aligned to 16 bytes of dst's buffer), else scalars at the ends.
-V4P_DEVICE void v4p_store_group(v4p_i32* __restrict__ dst, v4p_i64 e0, v4p_i64 count, const v4p_i32 v[4]) {
-    if (e0 >= 0 && e0 + 4 <= count) {
-        v4p_vec16 q;
-        q.x = (v4p_u32)v[0];
-        q.y = (v4p_u32)v[1];
-        q.z = (v4p_u32)v[2];
-        q.w = (v4p_u32)v[3];
-        *(v4p_vec16*)(dst + e0) = q;
-        return;
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-        const v4p_i64 e = e0 + u;
-        if (e >= 0 && e < count) dst[e] = v[u];
-    }
-}
-
-/// Compressed entries e = 0..count-1 of one sequence, tiled: dst[e] = table[e / rpb] * envelope
-/// + e % rpb. The entries are cut into groups of four output slots aligned to 16 bytes (the
-/// first group starts up to three slots before dst); tile `tile` of `ntiles` takes groups
-/// [tile * 2B, tile * 2B + 2B) (B = block threads), then every ntiles-th such range after it.
-/// Each thread computes two groups (all their table loads in flight together) before storing.
-V4P_DEVICE void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table,
-                                           v4p_i64 count, v4p_i64 rpb, v4p_i64 envelope, v4p_i64 tile,
-                                           v4p_i64 ntiles, v4p_u32 tid) {
-    if (count <= 0) return;
-    const v4p_i64 lead = (v4p_i64)(((v4p_u64)dst >> 2) & 3);
-    const v4p_i64 groups = (lead + count + 3) >> 2;
-    const v4p_i64 per_tile = 2 * V4P_BLOCK;
-    for (v4p_i64 g = tile * per_tile + tid; g < groups; g += ntiles * per_tile) {
-        const v4p_i64 e0 = 4 * g - lead, e1 = e0 + 4 * V4P_BLOCK;
-        v4p_i32 v0[4], v1[4];
-        v4p_compressed_group(v0, table, e0, count, rpb, envelope);
-        v4p_compressed_group(v1, table, e1, count, rpb, envelope);
-        v4p_store_group(dst, e0, count, v0);
-        v4p_store_group(dst, e1, count, v1);
-    }
-}
-
 /// Tiles of the fused HCA head in the decode builder (grid y; launch_shape derives the same):
-/// enough for the longest head a block table row can describe (block_table_stride * rpb
-/// entries, plus up to three slots of alignment), at most V4POOL_MAX_GRID_YZ. One tile when
-/// nothing is fused.
+/// enough for the longest head a block-table row can describe (block_table_stride * rpb
+/// entries), at most V4POOL_MAX_GRID_YZ. One tile when nothing is fused.
 V4P_DEVICE v4p_i64 v4p_decode_hca_tiles(const DecodeIndexArgs& a) {
     if (a.block_tables == 0 || a.classes[V4POOL_CLASS_HCA].indptr == 0) return 1;
     const v4p_i64 stride = a.block_table_stride > 0 ? a.block_table_stride : 0;
     const v4p_i64 rpb = a.hca_rows_per_block > 0 ? a.hca_rows_per_block : 0;
-    const v4p_i64 tiles = (stride * rpb + 3 + V4POOL_DECODE_HCA_TILE - 1) / V4POOL_DECODE_HCA_TILE;
+    const v4p_i64 tiles = (stride * rpb + V4POOL_DECODE_HCA_TILE - 1) / V4POOL_DECODE_HCA_TILE;
     return tiles < 1 ? 1 : (tiles > V4POOL_MAX_GRID_YZ ? V4POOL_MAX_GRID_YZ : tiles);
 }
 

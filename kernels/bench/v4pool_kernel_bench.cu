@@ -90,7 +90,7 @@ int main() {
     d.num_tokens = B;
     d.win = WIN;
     // The grid of src/index/shape.rs: (token, tile of the fused HCA head).
-    dim3 dgrid(B, ((long long)STRIDE * RPB + 3 + V4POOL_DECODE_HCA_TILE - 1) / V4POOL_DECODE_HCA_TILE);
+    dim3 dgrid(B, ((long long)STRIDE * RPB + V4POOL_DECODE_HCA_TILE - 1) / V4POOL_DECODE_HCA_TILE);
     float dec = time_us([&] { v4pool_decode_indices<<<dgrid, V4POOL_BLOCK_THREADS>>>(d); });
     size_t dec_bytes = (size_t)B * (3 * WIN + HCA_HEAD) * 4;
     // Spot check: token 7's HCA entry 4097 and its newest window row.

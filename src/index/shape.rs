@@ -82,16 +82,16 @@ pub fn csa_tiles(topk_row_stride: i32) -> u64 {
 
 /// Tiles of a token's fused HCA head in the decode builder (grid y). The grid may depend only
 /// on the arguments' scalars (graphs replay it with new contents), so it covers the longest
-/// head one block-table row can describe, `block_table_stride * hca_rows_per_block` entries
-/// plus up to three slots of 16-byte alignment; tiles past a token's head return at once.
-/// One tile when nothing is fused. The kernel derives the same number
-/// (`v4p_decode_hca_tiles`) and strides by it, so a cap at `MAX_GRID_YZ` loses nothing.
+/// head one block-table row can describe, `block_table_stride * hca_rows_per_block` entries;
+/// tiles past a token's head return at once. One tile when nothing is fused. The kernel
+/// derives the same number (`v4p_decode_hca_tiles`) and strides by it, so a cap at
+/// `MAX_GRID_YZ` loses nothing.
 pub fn decode_hca_tiles(a: &DecodeIndexArgs) -> u64 {
     if a.block_tables == 0 || a.classes[CLASS_HCA].indptr == 0 {
         return 1;
     }
     let longest = count(a.block_table_stride) * count(a.hca_rows_per_block);
-    ceil_div(longest + 3, u64::from(DECODE_HCA_TILE)).clamp(1, u64::from(MAX_GRID_YZ))
+    ceil_div(longest, u64::from(DECODE_HCA_TILE)).clamp(1, u64::from(MAX_GRID_YZ))
 }
 
 /// Grid and block of a launch. Total for any arguments; run [`check_launch`] first to know the
@@ -482,16 +482,16 @@ mod tests {
         assert_eq!(launch_shape(&Launch::Decode(decode(256))).grid, [256, 1, 1]);
         assert_eq!(launch_shape(&Launch::Decode(decode(256))).block, [256, 1, 1]);
         // Fused heads: tiles of DECODE_HCA_TILE entries over the longest head a table row holds
-        // (1M contexts: 4,096 blocks of 2 rows = 8,192 entries, + 3 alignment slots).
+        // (1M contexts: 4,096 blocks of 2 rows = 8,192 entries).
         let mut d = decode(256);
         d.classes[CLASS_HCA] = ClassBuffers { params: params(), indptr: 0x700, indices: 0x800, dest_rows: 0 };
         d.block_tables = 0x900;
         d.hca_rows_per_block = 2;
         d.block_table_stride = 4096;
-        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 5, 1]);
-        d.block_table_stride = 1022;
+        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 4, 1]);
+        d.block_table_stride = 1024;
         assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 1, 1]);
-        d.block_table_stride = 1023; // 2,046 + 3 > 2,048
+        d.block_table_stride = 1025;
         assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 2, 1]);
         d.block_tables = 0; // peer mode: nothing fused
         assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 1, 1]);
