@@ -123,6 +123,17 @@ struct alignas(16) v4p_vec16 {
 /// Blocks that share one run in fill_runs / copy_runs (grid y).
 #define V4POOL_RUN_SPLIT 32
 static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, "row groups tile a block");
+/// Fused HCA head entries one decode-builder block writes per round (grid y tiles the head):
+/// eight per thread.
+#define V4POOL_DECODE_HCA_TILE 2048
+/// Top-k columns one CSA translate-pack block covers (grid y): two per thread.
+#define V4POOL_CSA_TILE 512
+/// CSA layers one translate-pack block handles (grid z = ceil(num_layers / this)).
+#define V4POOL_CSA_LAYERS_PER_BLOCK 4
+/// Largest grid y and z both vendors accept (shape.rs MAX_GRID_YZ).
+#define V4POOL_MAX_GRID_YZ 65535
+static_assert(V4POOL_DECODE_HCA_TILE == 8 * V4POOL_BLOCK_THREADS, "eight entries per thread");
+static_assert(V4POOL_CSA_TILE == 2 * V4POOL_BLOCK_THREADS, "two columns per thread");
 
 // ---- layout checks ----------------------------------------------------------------------------
 

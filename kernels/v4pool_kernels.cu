@@ -7,10 +7,13 @@
 // have: a launch with nothing to do runs one block that returns at once.
 //
 // Performance notes (the decode step at batch 256 and prefill of 8192 tokens, contexts to 1M):
-// one block per token with the block's threads striding over the token's slice, so stores of
-// consecutive entries are coalesced i32 stores; the long HCA heads walk (block, row) with a
-// running counter instead of a division per entry and issue their table loads four at a time
-// so load latency overlaps; every row x width product is 64-bit.
+// these kernels wait on chains of dependent loads (token -> batch id -> table row -> table
+// entry), not on bandwidth, so every load that needs only the token goes out before the batch
+// id returns, each thread keeps several independent loads in flight (8 per thread in the HCA
+// heads and the CSA pack), and long per-token work is tiled over grid y so it takes one round
+// instead of several. Stores of consecutive entries are coalesced 4-byte stores across a warp;
+// windows and HCA heads walk the ring / (block, row) with a running counter instead of a
+// division per entry; every row x width product is 64-bit.
 #include "v4pool_common.h"
 
 #define V4P_BLOCK V4POOL_BLOCK_THREADS
@@ -57,21 +60,37 @@ V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_
     }
 }
 
-/// Compressed entries e = 0..count-1 of one sequence: out[e] = table[e / rpb] * envelope +
-/// e % rpb. (block, row) advance by a running counter; table loads go out four at a time.
-V4P_DEVICE void v4p_write_compressed(v4p_i32* __restrict__ out, const v4p_i32* __restrict__ table,
-                                     v4p_i64 count, v4p_i64 rpb, v4p_i64 envelope, v4p_u32 tid) {
-    if ((v4p_i64)tid >= count) return;
-    v4p_i64 e = tid;
-    v4p_i64 j = e / rpb, r = e % rpb;
+/// Compressed entries e = 0..count-1 of one sequence, tiled: dst[e] = table[e / rpb] * envelope
+/// + e % rpb. Tile `tile` of `ntiles` takes entries [tile * 8B, tile * 8B + 8B) (B = block
+/// threads), then every ntiles-th such range after it; thread i takes e = i, i + B, ..., i + 7B
+/// of its range, so every load and store instruction of a warp touches one contiguous span
+/// (4-byte lanes, coalesced), and all eight table loads are in flight before the first store.
+/// (block, row) of those entries come from one division and a running counter.
+///
+/// Why not 16-byte stores of four entries per lane: nvcc splits such a store back into four
+/// lane-strided 4-byte stores whenever a scalar path for the slice ends shares the values
+/// (seen in the PTX), which is worse than coalesced 4-byte stores; the loads are latency-bound
+/// either way.
+V4P_DEVICE void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table,
+                                           v4p_i64 count, v4p_i64 rpb, v4p_i64 envelope, v4p_i64 tile,
+                                           v4p_i64 ntiles, v4p_u32 tid) {
+    const v4p_i64 per_tile = 8 * V4P_BLOCK;
     const v4p_i64 jstep = (v4p_i64)V4P_BLOCK / rpb, rstep = (v4p_i64)V4P_BLOCK % rpb;
-    // Four entries per round: e, e+B, e+2B, e+3B.
-    for (; e + 3 * V4P_BLOCK < count; e += 4 * V4P_BLOCK) {
-        v4p_i64 jj[4], rr[4];
+    for (v4p_i64 e0 = tile * per_tile + tid; e0 < count; e0 += ntiles * per_tile) {
+        v4p_i64 j, r;
+        if ((v4p_u64)e0 <= 0xffffffffull && (v4p_u64)rpb <= 0xffffffffull) {
+            const v4p_u32 e32 = (v4p_u32)e0, d32 = (v4p_u32)rpb;
+            j = (v4p_i64)(e32 / d32);
+            r = (v4p_i64)(e32 - (e32 / d32) * d32);
+        } else {
+            j = e0 / rpb;
+            r = e0 % rpb;
+        }
+        v4p_i32 blk[8], row[8];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            jj[u] = j;
-            rr[u] = r;
+        for (int u = 0; u < 8; ++u) {
+            blk[u] = e0 + u * V4P_BLOCK < count ? table[j] : 0;
+            row[u] = (v4p_i32)r;
             j += jstep;
             r += rstep;
             if (r >= rpb) {
@@ -79,21 +98,23 @@ V4P_DEVICE void v4p_write_compressed(v4p_i32* __restrict__ out, const v4p_i32* _
                 ++j;
             }
         }
-        v4p_i32 blk[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) blk[u] = table[jj[u]];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) out[e + u * V4P_BLOCK] = (v4p_i32)compress_row(blk[u], rr[u], envelope);
-    }
-    for (; e < count; e += V4P_BLOCK) {
-        out[e] = (v4p_i32)compress_row(table[j], r, envelope);
-        j += jstep;
-        r += rstep;
-        if (r >= rpb) {
-            r -= rpb;
-            ++j;
+        for (int u = 0; u < 8; ++u) {
+            const v4p_i64 e = e0 + u * V4P_BLOCK;
+            if (e < count) dst[e] = (v4p_i32)compress_row(blk[u], row[u], envelope);
         }
     }
+}
+
+/// Tiles of the fused HCA head in the decode builder (grid y; launch_shape derives the same):
+/// enough for the longest head a block-table row can describe (block_table_stride * rpb
+/// entries), at most V4POOL_MAX_GRID_YZ. One tile when nothing is fused.
+V4P_DEVICE v4p_i64 v4p_decode_hca_tiles(const DecodeIndexArgs& a) {
+    if (a.block_tables == 0 || a.classes[V4POOL_CLASS_HCA].indptr == 0) return 1;
+    const v4p_i64 stride = a.block_table_stride > 0 ? a.block_table_stride : 0;
+    const v4p_i64 rpb = a.hca_rows_per_block > 0 ? a.hca_rows_per_block : 0;
+    const v4p_i64 tiles = (stride * rpb + V4POOL_DECODE_HCA_TILE - 1) / V4POOL_DECODE_HCA_TILE;
+    return tiles < 1 ? 1 : (tiles > V4POOL_MAX_GRID_YZ ? V4POOL_MAX_GRID_YZ : tiles);
 }
 
 /// Copy `bytes` from src to dst with `nlanes` lanes: 16 B at a time when both ends and the
@@ -123,35 +144,49 @@ V4P_DEVICE void v4p_copy_plane(PlaneWrite pw, v4p_i64 src_row, v4p_i64 dst_row, 
 }
 
 // ---- §3 + §4: decode index builder with fused HCA heads --------------------------------------
-// grid (T), block 256: one block per token.
+// grid (T, v4p_decode_hca_tiles), block 256: one block per (token, tile of its HCA head); the
+// window tails and dest rows come from tile 0.
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices(DecodeIndexArgs a) {
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
     if (t >= a.num_tokens) return;
-    const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
-    if (b < 0) return;  // pad token: no store at all
+    const v4p_i64 tile = v4p_bid_y();
     const v4p_u32 tid = v4p_tid_x();
+    // Every load that needs only t goes out before the batch id comes back (a cold chain
+    // batch id -> slot / table row is the kernel's critical path).
+    const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
     const v4p_i64 p = v4p_in<v4p_i64>(a.positions)[t];
-    const v4p_i64 n = v4p_min(p + 1, (v4p_i64)a.win);
-    const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
-#pragma unroll
-    for (int c = 0; c < 3; ++c) {
-        const ClassBuffers cb = a.classes[c];
-        if (cb.indptr == 0) continue;  // class off
-        const v4p_i64 end = v4p_in<v4p_i32>(cb.indptr)[t + 1];
-        // Window at the tail of the slice, oldest first, the token itself last.
-        v4p_write_window(v4p_out<v4p_i32>(cb.indices) + (end - n), cb.params, slot, p - n + 1, n, tid);
-        if (tid == 0 && cb.dest_rows != 0) v4p_out<v4p_i32>(cb.dest_rows)[t] = (v4p_i32)window_row(cb.params, slot, p);
-    }
     const ClassBuffers hca = a.classes[V4POOL_CLASS_HCA];
-    if (a.block_tables != 0 && hca.indptr != 0) {
-        // Compressed entries 0..head-1 at the head of the slice, ascending.
-        const v4p_i32* ptr = v4p_in<v4p_i32>(hca.indptr);
-        const v4p_i64 begin = ptr[t];
-        const v4p_i64 head = (v4p_i64)ptr[t + 1] - begin - n;
+    const bool fused = a.block_tables != 0 && hca.indptr != 0;
+    v4p_i64 hbegin = 0, hend = 0;
+    if (fused) {
+        hbegin = v4p_in<v4p_i32>(hca.indptr)[t];
+        hend = v4p_in<v4p_i32>(hca.indptr)[t + 1];
+    }
+    v4p_i64 ends[3] = {0, 0, 0};
+    if (tile == 0) {
+#pragma unroll
+        for (int c = 0; c < 3; ++c)
+            if (a.classes[c].indptr != 0) ends[c] = v4p_in<v4p_i32>(a.classes[c].indptr)[t + 1];
+    }
+    if (b < 0) return;  // pad token: no store at all
+    const v4p_i64 n = v4p_min(p + 1, (v4p_i64)a.win);
+    if (tile == 0) {
+        const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
+#pragma unroll
+        for (int c = 0; c < 3; ++c) {
+            const ClassBuffers cb = a.classes[c];
+            if (cb.indptr == 0) continue;  // class off
+            // Window at the tail of the slice, oldest first, the token itself last.
+            v4p_write_window(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), cb.params, slot, p - n + 1, n, tid);
+            if (tid == 0 && cb.dest_rows != 0) v4p_out<v4p_i32>(cb.dest_rows)[t] = (v4p_i32)window_row(cb.params, slot, p);
+        }
+    }
+    if (fused) {
+        // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile.
         const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-        v4p_write_compressed(v4p_out<v4p_i32>(hca.indices) + begin, table, head, a.hca_rows_per_block,
-                             a.envelope_rows, tid);
+        v4p_write_compressed_tiled(v4p_out<v4p_i32>(hca.indices) + hbegin, table, hend - hbegin - n,
+                                   a.hca_rows_per_block, a.envelope_rows, tile, v4p_decode_hca_tiles(a), tid);
     }
 }
 
@@ -192,7 +227,7 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefil
         v4p_i32* out = v4p_out<v4p_i32>(a.hca_indices) + v4p_in<v4p_i32>(a.hca_indptr)[t];
         v4p_write_window(out, a.hca, slot, low, pre, tid);
         const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-        v4p_write_compressed(out + pre, table, n_hca, a.hca_rows_per_block, a.envelope_rows, tid);
+        v4p_write_compressed_tiled(out + pre, table, n_hca, a.hca_rows_per_block, a.envelope_rows, 0, 1, tid);
     }
 }
 
@@ -210,33 +245,78 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_hca_of
 }
 
 // ---- §5: CSA translate-pack over num_layers layers ---------------------------------------
-// grid (T, tiles = ceil(topk_row_stride / 256), L), block 256.
+// grid (T, tiles = ceil(topk_row_stride / 512), ceil(L / 4)), block 256: one block per (token,
+// 512 top-k columns, 4 layers), 8 entries per thread with every load of a kind in flight at
+// once. The token's batch id, slice bounds and table row are read once for its 4 layers.
+
+#define V4P_CSA_LPB V4POOL_CSA_LAYERS_PER_BLOCK
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_translate_pack(CsaPackArgs a) {
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
     const v4p_i64 tile = v4p_bid_y();
-    const v4p_i64 l = v4p_bid_z();
-    if (t >= a.num_tokens || l >= a.num_layers) return;
+    const v4p_i64 l0 = (v4p_i64)v4p_bid_z() * V4P_CSA_LPB;
+    if (t >= a.num_tokens || l0 >= a.num_layers) return;
+    const v4p_u32 tid = v4p_tid_x();
+    const v4p_i64 nl = v4p_min((v4p_i64)V4P_CSA_LPB, (v4p_i64)a.num_layers - l0);
+    const v4p_i64 row_stride = a.topk_row_stride;
+    // Loads that need only t go out first: batch id, slice bounds, skip source and the top-k
+    // values themselves (in the row whatever the slice length; the topk buffer covers T rows).
     const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
-    if (b < 0) return;
-    const v4p_i64 skip = a.window_size > 0 ? v4p_min(v4p_in<v4p_i64>(a.positions)[t] + 1, (v4p_i64)a.window_size)
-                                           : (v4p_i64)v4p_in<v4p_i32>(a.skip_prefix_len_per_token)[t];
     const v4p_i32* ptr = v4p_in<v4p_i32>(a.indptr);
     const v4p_i64 base = ptr[t];
-    const v4p_i64 valid_k = (v4p_i64)ptr[t + 1] - base - skip;
-    // The same tile count as launch_shape: tiles cover a top-k row; stride past it anyway.
-    const v4p_i64 row_tiles = ((v4p_i64)a.topk_row_stride + V4P_BLOCK - 1) / V4P_BLOCK;
-    const v4p_i64 ntiles = row_tiles > 0 ? row_tiles : 1;
-    const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + l * a.topk_layer_stride + (v4p_i64)t * a.topk_row_stride;
-    v4p_i32* out = v4p_out<v4p_i32>(a.out) + l * a.out_layer_stride + base;
+    const v4p_i64 end = ptr[t + 1];
+    const v4p_i64 skip_src = a.window_size > 0 ? v4p_in<v4p_i64>(a.positions)[t]
+                                                : (v4p_i64)v4p_in<v4p_i32>(a.skip_prefix_len_per_token)[t];
+    const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + l0 * a.topk_layer_stride + (v4p_i64)t * row_stride;
+    const v4p_i64 k0 = tile * V4POOL_CSA_TILE + tid;
+    v4p_i32 v[V4P_CSA_LPB][2];
+#pragma unroll
+    for (int l = 0; l < V4P_CSA_LPB; ++l)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const v4p_i64 k = k0 + u * V4P_BLOCK;
+            v[l][u] = (l < nl && k < row_stride) ? topk[l * a.topk_layer_stride + k] : 0;
+        }
+    if (b < 0) return;
+    const v4p_i64 skip = a.window_size > 0 ? v4p_min(skip_src + 1, (v4p_i64)a.window_size) : skip_src;
+    const v4p_i64 valid_k = end - base - skip;
+    const v4p_i64 lim = v4p_min(valid_k, row_stride);
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
     const v4p_i32 cap = a.block_capacity;
     const v4p_i32 last = a.block_table_stride - 1;
-    for (v4p_i64 k = tile * V4P_BLOCK + v4p_tid_x(); k < valid_k; k += ntiles * V4P_BLOCK) {
-        const v4p_i32 v = topk[k];
-        v4p_i32 blk = v / cap;
-        blk = blk < 0 ? 0 : (blk > last ? last : blk);  // clamp, do not drop
-        out[k] = (v4p_i32)compress_row(table[blk], v % cap, a.envelope_rows);
+    v4p_i32 blk[V4P_CSA_LPB][2];
+#pragma unroll
+    for (int l = 0; l < V4P_CSA_LPB; ++l)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            blk[l][u] = 0;
+            if (l < nl && k0 + u * V4P_BLOCK < lim) {
+                v4p_i32 j = v[l][u] / cap;
+                j = j < 0 ? 0 : (j > last ? last : j);  // clamp, do not drop
+                blk[l][u] = table[j];
+            }
+        }
+    v4p_i32* out = v4p_out<v4p_i32>(a.out) + l0 * a.out_layer_stride + base;
+#pragma unroll
+    for (int l = 0; l < V4P_CSA_LPB; ++l)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const v4p_i64 k = k0 + u * V4P_BLOCK;
+            if (l < nl && k < lim)
+                out[l * a.out_layer_stride + k] = (v4p_i32)compress_row(blk[l][u], v[l][u] % cap, a.envelope_rows);
+        }
+    if (valid_k > row_stride) {
+        // A slice longer than its top-k row (a host error) still gets every entry, read past
+        // the row as the contract's reference kernel would; the row's tiles share the rest.
+        const v4p_i64 row_tiles = (row_stride + V4POOL_CSA_TILE - 1) / V4POOL_CSA_TILE;
+        const v4p_i64 ntiles = row_tiles > 0 ? row_tiles : 1;
+        for (v4p_i64 l = 0; l < nl; ++l)
+            for (v4p_i64 k = row_stride + tile * V4P_BLOCK + tid; k < valid_k; k += ntiles * V4P_BLOCK) {
+                const v4p_i32 x = topk[l * a.topk_layer_stride + k];
+                v4p_i32 j = x / cap;
+                j = j < 0 ? 0 : (j > last ? last : j);
+                out[l * a.out_layer_stride + k] = (v4p_i32)compress_row(table[j], x % cap, a.envelope_rows);
+            }
     }
 }
 

@@ -233,6 +233,83 @@ fn decode_builder_kernel_matches_reference() {
     assert!(wrote > 30, "only {wrote} cases wrote anything");
 }
 
+/// The fused HCA heads are tiled over grid y: heads around and past the tile (2,048 entries)
+/// at every slice alignment mod 4 of the output, several rows per block, tiles past a short
+/// head, pad tokens between long ones.
+#[test]
+fn decode_builder_long_hca_heads_every_alignment() {
+    let Some(emu) = emu() else { return };
+    let mut rng = Rng(0x4ca1_1ed5_0000_0001);
+    let g = random_geometry(&mut rng, true);
+    let win = rng.range(1, g.ring_slots) as i32;
+    let stride = 2100i32;
+    let bs = 3usize;
+    let slots = physical_slots(&mut rng, &g, bs);
+    let tables: Vec<i32> = (0..bs * stride as usize).map(|_| rng.range(0, g.num_blocks - 1) as i32).collect();
+    let mut wrote = 0;
+    for rpb in 1..=3i32 {
+        let longest = i64::from(stride * rpb);
+        let heads: Vec<i64> =
+            [0, 1, 3, 4, 5, 7, 2047, 2048, 2049, 2051, 4095, 4097, 4099, longest - 1, longest]
+                .into_iter()
+                .filter(|&h| h <= longest)
+                .collect();
+        for lead in 0..4i32 {
+            let t = heads.len() + 1;
+            let bids: Vec<i32> =
+                (0..t).map(|i| if i == 5 { -1 } else { rng.range(0, bs as i64 - 1) as i32 }).collect();
+            let positions: Vec<i64> = (0..t).map(|_| rng.range(0, 300)).collect();
+            let mut lens = Vec::new();
+            for i in 0..t {
+                let n = (positions[i] + 1).min(win.into());
+                let head = if i < heads.len() { heads[i] } else { rng.range(0, longest) };
+                lens.push(if bids[i] < 0 { 0 } else { n + head });
+            }
+            // `lead` entries before the first slice set the slices' alignment mod 4.
+            let indptr: Vec<i32> = cumsum(&lens).iter().map(|&x| x + lead).collect();
+            let csa_lens: Vec<i64> =
+                (0..t).map(|i| if bids[i] < 0 { 0 } else { (positions[i] + 1).min(win.into()) }).collect();
+            let csa_indptr = cumsum(&csa_lens);
+            let outputs = vec![
+                vec![POISON; extent(&indptr) + 5],
+                vec![POISON; t + 1],
+                vec![POISON; extent(&csa_indptr) + 1],
+            ];
+            let written = compare(&emu, &format!("long heads rpb {rpb} lead {lead}"), &outputs, |outs| {
+                let mut a = DecodeIndexArgs {
+                    state_slot_per_seq: addr(&slots),
+                    batch_id_per_token: addr(&bids),
+                    positions: addr(&positions),
+                    block_tables: addr(&tables),
+                    envelope_rows: g.envelope_rows,
+                    block_table_stride: stride,
+                    hca_rows_per_block: rpb,
+                    num_tokens: t as i32,
+                    win,
+                    ..Default::default()
+                };
+                a.classes[1] = ClassBuffers {
+                    params: g.window_params(4).unwrap(),
+                    indptr: addr(&csa_indptr),
+                    indices: outs[2].as_mut_ptr() as u64,
+                    dest_rows: 0,
+                };
+                a.classes[2] = ClassBuffers {
+                    params: g.window_params(128).unwrap(),
+                    indptr: addr(&indptr),
+                    indices: outs[0].as_mut_ptr() as u64,
+                    dest_rows: outs[1].as_mut_ptr() as u64,
+                };
+                let l = Launch::Decode(a);
+                assert_eq!(launch_shape(&l).grid[1], ((longest + 2047) / 2048) as u32);
+                l
+            });
+            wrote += usize::from(written);
+        }
+    }
+    assert_eq!(wrote, 12);
+}
+
 #[test]
 fn prefill_builder_kernel_matches_reference() {
     let Some(emu) = emu() else { return };
@@ -247,7 +324,14 @@ fn prefill_builder_kernel_matches_reference() {
         let (mut positions, mut bids, mut chunk_start, mut cu_q, mut committed) =
             (vec![], vec![], vec![], vec![], vec![]);
         for b in 0..bs {
-            let cs = if rng.chance(30) { 0 } else { rng.range(0, 1500) };
+            // Long contexts give HCA heads of several 2,048-entry rounds.
+            let cs = if rng.chance(30) {
+                0
+            } else if rng.chance(30) {
+                rng.range(20_000, 70_000)
+            } else {
+                rng.range(0, 1500)
+            };
             let len = rng.range(1, 6);
             cu_q.push(positions.len() as i32);
             chunk_start.push(cs as i32);
@@ -341,10 +425,11 @@ fn hca_offsets_kernel_matches_reference() {
 fn csa_pack_kernel_matches_reference() {
     let Some(emu) = emu() else { return };
     let mut rng = Rng(0x0bad_c0de_1234_0001);
-    for case in 0..40 {
+    for case in 0..60 {
         let t = rng.range(0, 6) as usize;
-        let layers = rng.range(1, 3);
-        let row_stride = [8i64, 64, 300, 513][rng.range(0, 3) as usize];
+        // Layers in groups of four per block (partial last groups), rows of one to three tiles.
+        let layers = rng.range(1, 9);
+        let row_stride = [8i64, 64, 300, 512, 513, 1024, 1100][rng.range(0, 6) as usize];
         let bs = rng.range(1, 4);
         let stride = rng.range(1, 12);
         let tables: Vec<i32> = (0..bs * stride).map(|_| rng.range(0, 500) as i32).collect();
@@ -363,7 +448,9 @@ fn csa_pack_kernel_matches_reference() {
                 }
             })
             .collect();
-        let indptr = cumsum(&lens);
+        // A few entries before the first slice: slices start at every alignment mod 4.
+        let lead = rng.range(0, 3) as i32;
+        let indptr: Vec<i32> = cumsum(&lens).iter().map(|&x| x + lead).collect();
         // Values past the table exercise the clamp.
         let topk: Vec<i32> =
             (0..layers * t as i64 * row_stride).map(|_| rng.range(0, stride * 64 + 100) as i32).collect();

@@ -7,7 +7,10 @@
 use std::collections::BTreeMap;
 use std::mem::{align_of, offset_of, size_of};
 use v4pool::geometry::WindowParams;
-use v4pool::index::shape::{BLOCK_THREADS, ROWS_PER_BLOCK, ROW_LANES, RUN_SPLIT};
+use v4pool::index::shape::{
+    BLOCK_THREADS, CSA_LAYERS_PER_BLOCK, CSA_TILE, DECODE_HCA_TILE, MAX_GRID_YZ, ROWS_PER_BLOCK, ROW_LANES,
+    RUN_SPLIT,
+};
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
     PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_CSA, CLASS_DENSE, CLASS_HCA,
@@ -125,6 +128,10 @@ fn header_constants_match_the_launch_shapes() {
     assert_eq!(header_define("V4POOL_ROW_LANES"), i64::from(ROW_LANES));
     assert_eq!(header_define("V4POOL_ROWS_PER_BLOCK"), i64::from(ROWS_PER_BLOCK));
     assert_eq!(header_define("V4POOL_RUN_SPLIT"), i64::from(RUN_SPLIT));
+    assert_eq!(header_define("V4POOL_DECODE_HCA_TILE"), i64::from(DECODE_HCA_TILE));
+    assert_eq!(header_define("V4POOL_CSA_TILE"), i64::from(CSA_TILE));
+    assert_eq!(header_define("V4POOL_CSA_LAYERS_PER_BLOCK"), i64::from(CSA_LAYERS_PER_BLOCK));
+    assert_eq!(header_define("V4POOL_MAX_GRID_YZ"), i64::from(MAX_GRID_YZ));
     assert_eq!(header_define("V4POOL_CLASS_DENSE"), CLASS_DENSE as i64);
     assert_eq!(header_define("V4POOL_CLASS_CSA"), CLASS_CSA as i64);
     assert_eq!(header_define("V4POOL_CLASS_HCA"), CLASS_HCA as i64);

@@ -89,7 +89,9 @@ int main() {
     d.hca_rows_per_block = RPB;
     d.num_tokens = B;
     d.win = WIN;
-    float dec = time_us([&] { v4pool_decode_indices<<<B, V4POOL_BLOCK_THREADS>>>(d); });
+    // The grid of src/index/shape.rs: (token, tile of the fused HCA head).
+    dim3 dgrid(B, ((long long)STRIDE * RPB + V4POOL_DECODE_HCA_TILE - 1) / V4POOL_DECODE_HCA_TILE);
+    float dec = time_us([&] { v4pool_decode_indices<<<dgrid, V4POOL_BLOCK_THREADS>>>(d); });
     size_t dec_bytes = (size_t)B * (3 * WIN + HCA_HEAD) * 4;
     // Spot check: token 7's HCA entry 4097 and its newest window row.
     std::vector<int> h((size_t)B * (WIN + HCA_HEAD));
@@ -128,7 +130,8 @@ int main() {
     c.num_layers = L;
     c.block_capacity = 64;
     c.window_size = WIN;
-    dim3 cgrid(B, (TOPK + 255) / 256, L);
+    dim3 cgrid(B, (TOPK + V4POOL_CSA_TILE - 1) / V4POOL_CSA_TILE,
+               (L + V4POOL_CSA_LAYERS_PER_BLOCK - 1) / V4POOL_CSA_LAYERS_PER_BLOCK);
     float cp = time_us([&] { v4pool_csa_translate_pack<<<cgrid, V4POOL_BLOCK_THREADS>>>(c); });
     size_t cp_bytes = (size_t)L * B * TOPK * 8;  // read top-k + write rows
     std::printf("csa pack L=%d B=%d topk=%d: %.2f us (%.1f MB moved, %.2f TB/s)\n", L, B, TOPK, cp, cp_bytes / 1e6,

@@ -29,8 +29,14 @@ pub const ROW_LANES: u32 = 32;
 pub const ROWS_PER_BLOCK: u32 = BLOCK_THREADS / ROW_LANES;
 /// Blocks that share one run in fill_runs / copy_runs, grid y (`V4POOL_RUN_SPLIT`).
 pub const RUN_SPLIT: u32 = 32;
-/// Largest grid y and z both vendors accept.
+/// Largest grid y and z both vendors accept (`V4POOL_MAX_GRID_YZ`).
 pub const MAX_GRID_YZ: u32 = 65_535;
+/// Fused HCA head entries one decode-builder block writes (`V4POOL_DECODE_HCA_TILE`).
+pub const DECODE_HCA_TILE: u32 = 8 * BLOCK_THREADS;
+/// Top-k columns one CSA translate-pack block covers, grid y (`V4POOL_CSA_TILE`).
+pub const CSA_TILE: u32 = 2 * BLOCK_THREADS;
+/// CSA layers one translate-pack block handles, grid z (`V4POOL_CSA_LAYERS_PER_BLOCK`).
+pub const CSA_LAYERS_PER_BLOCK: u32 = 4;
 
 /// Grid and block of one launch, in CUDA/HIP order (x, y, z).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -71,7 +77,21 @@ fn ceil_div(n: u64, d: u64) -> u64 {
 /// Tiles of one top-k row in the CSA translate-pack (grid y); the kernel derives the same
 /// number from `topk_row_stride` to stride past a row should `valid_k` exceed it.
 pub fn csa_tiles(topk_row_stride: i32) -> u64 {
-    ceil_div(count(topk_row_stride), u64::from(BLOCK_THREADS)).max(1)
+    ceil_div(count(topk_row_stride), u64::from(CSA_TILE)).max(1)
+}
+
+/// Tiles of a token's fused HCA head in the decode builder (grid y). The grid may depend only
+/// on the arguments' scalars (graphs replay it with new contents), so it covers the longest
+/// head one block-table row can describe, `block_table_stride * hca_rows_per_block` entries;
+/// tiles past a token's head return at once. One tile when nothing is fused. The kernel
+/// derives the same number (`v4p_decode_hca_tiles`) and strides by it, so a cap at
+/// `MAX_GRID_YZ` loses nothing.
+pub fn decode_hca_tiles(a: &DecodeIndexArgs) -> u64 {
+    if a.block_tables == 0 || a.classes[CLASS_HCA].indptr == 0 {
+        return 1;
+    }
+    let longest = count(a.block_table_stride) * count(a.hca_rows_per_block);
+    ceil_div(longest, u64::from(DECODE_HCA_TILE)).clamp(1, u64::from(MAX_GRID_YZ))
 }
 
 /// Grid and block of a launch. Total for any arguments; run [`check_launch`] first to know the
@@ -79,17 +99,21 @@ pub fn csa_tiles(topk_row_stride: i32) -> u64 {
 pub fn launch_shape(launch: &Launch) -> LaunchShape {
     let b = BLOCK_THREADS;
     match launch {
+        // (token, tile of its fused HCA head).
+        Launch::Decode(a) => LaunchShape {
+            grid: [grid_dim(count(a.num_tokens)), grid_dim(decode_hca_tiles(a)), 1],
+            block: [b, 1, 1],
+        },
         // One block per token.
-        Launch::Decode(a) => LaunchShape::linear(count(a.num_tokens), b),
         Launch::Prefill(a) => LaunchShape::linear(count(a.num_tokens), b),
         // One thread per entry.
         Launch::HcaOffsets(a) => LaunchShape::linear(ceil_div(count(a.num_entries), u64::from(b)), b),
-        // (token, tile of the top-k row, layer).
+        // (token, tile of the top-k row, group of CSA_LAYERS_PER_BLOCK layers).
         Launch::CsaPack(a) => LaunchShape {
             grid: [
                 grid_dim(count(a.num_tokens)),
                 grid_dim(csa_tiles(a.topk_row_stride)),
-                grid_dim(count(a.num_layers)),
+                grid_dim(ceil_div(count(a.num_layers), u64::from(CSA_LAYERS_PER_BLOCK))),
             ],
             block: [b, 1, 1],
         },
@@ -454,12 +478,37 @@ mod tests {
 
     #[test]
     fn shapes_cover_the_work() {
+        // Without fused heads: one block per token.
         assert_eq!(launch_shape(&Launch::Decode(decode(256))).grid, [256, 1, 1]);
         assert_eq!(launch_shape(&Launch::Decode(decode(256))).block, [256, 1, 1]);
+        // Fused heads: tiles of DECODE_HCA_TILE entries over the longest head a table row holds
+        // (1M contexts: 4,096 blocks of 2 rows = 8,192 entries).
+        let mut d = decode(256);
+        d.classes[CLASS_HCA] = ClassBuffers { params: params(), indptr: 0x700, indices: 0x800, dest_rows: 0 };
+        d.block_tables = 0x900;
+        d.hca_rows_per_block = 2;
+        d.block_table_stride = 4096;
+        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 4, 1]);
+        d.block_table_stride = 1024;
+        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 1, 1]);
+        d.block_table_stride = 1025;
+        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 2, 1]);
+        d.block_tables = 0; // peer mode: nothing fused
+        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 1, 1]);
+        let mut huge = decode(3);
+        huge.classes[CLASS_HCA] = d.classes[CLASS_HCA];
+        huge.block_tables = 0x900;
+        huge.hca_rows_per_block = i32::MAX;
+        huge.block_table_stride = i32::MAX;
+        assert_eq!(launch_shape(&Launch::Decode(huge)).grid, [3, MAX_GRID_YZ, 1]);
+        assert_eq!(check_launch(&Launch::Decode(huge)), Ok(()));
+        // (token, CSA_TILE columns, CSA_LAYERS_PER_BLOCK layers).
         let csa = CsaPackArgs { num_tokens: 7, num_layers: 21, topk_row_stride: 512, ..Default::default() };
-        assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, 2, 21]);
+        assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, 1, 6]);
         let csa = CsaPackArgs { num_tokens: 7, num_layers: 1, topk_row_stride: 513, ..Default::default() };
-        assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, 3, 1]);
+        assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, 2, 1]);
+        let csa = CsaPackArgs { num_tokens: 0, num_layers: 0, topk_row_stride: 0, ..Default::default() };
+        assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [1, 1, 1]);
         let ring = RingWriteArgs { num_seqs: 3, write_per_batch: 128, ..Default::default() };
         assert_eq!(launch_shape(&Launch::RingWrite(ring)).grid, [3, 16, 1]);
         let ring = RingWriteArgs { num_seqs: 3, write_per_batch: 9, ..Default::default() };
@@ -554,7 +603,7 @@ mod tests {
         );
         let b = CsaPackArgs { window_size: 8, positions: 6, ..a };
         assert_eq!(check_launch(&Launch::CsaPack(b)), Ok(()));
-        let c = CsaPackArgs { num_layers: 70_000, ..b };
+        let c = CsaPackArgs { num_layers: 4 * 65_535 + 1, ..b };
         assert!(matches!(
             check_launch(&Launch::CsaPack(c)),
             Err(LaunchError::TooLarge { field: "grid z", .. })
