@@ -193,8 +193,11 @@ struct DecodeIndexArgs {
     v4p_i32 hca_rows_per_block;
     v4p_i32 num_tokens;
     v4p_i32 win;
+    v4p_i64 csa_copy_stride;  // elements between the CSA buffer's layer copies
+    v4p_i32 csa_copies;       // copies that get the window tail (0, 1: the one buffer)
+    v4p_i32 _pad;
 };
-V4POOL_CHECK_SIZE(DecodeIndexArgs, 248);
+V4POOL_CHECK_SIZE(DecodeIndexArgs, 264);
 V4POOL_CHECK_ALIGN(DecodeIndexArgs, 8);
 V4POOL_CHECK_OFFSET(DecodeIndexArgs, classes, 0);
 V4POOL_CHECK_OFFSET(DecodeIndexArgs, state_slot_per_seq, 192);
@@ -206,6 +209,9 @@ V4POOL_CHECK_OFFSET(DecodeIndexArgs, block_table_stride, 232);
 V4POOL_CHECK_OFFSET(DecodeIndexArgs, hca_rows_per_block, 236);
 V4POOL_CHECK_OFFSET(DecodeIndexArgs, num_tokens, 240);
 V4POOL_CHECK_OFFSET(DecodeIndexArgs, win, 244);
+V4POOL_CHECK_OFFSET(DecodeIndexArgs, csa_copy_stride, 248);
+V4POOL_CHECK_OFFSET(DecodeIndexArgs, csa_copies, 256);
+V4POOL_CHECK_OFFSET(DecodeIndexArgs, _pad, 260);
 
 struct PrefillIndexArgs {
     WindowParams dense;

@@ -177,8 +177,12 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode
         for (int c = 0; c < 3; ++c) {
             const ClassBuffers cb = a.classes[c];
             if (cb.indptr == 0) continue;  // class off
-            // Window at the tail of the slice, oldest first, the token itself last.
-            v4p_write_window(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), cb.params, slot, p - n + 1, n, tid);
+            // Window at the tail of the slice, oldest first, the token itself last; the CSA
+            // class writes it into every layer copy a batched translate-pack fills.
+            const v4p_i64 copies = (c == V4POOL_CLASS_CSA && a.csa_copies > 1) ? a.csa_copies : 1;
+            for (v4p_i64 k = 0; k < copies; ++k)
+                v4p_write_window(v4p_out<v4p_i32>(cb.indices) + k * a.csa_copy_stride + (ends[c] - n), cb.params,
+                                 slot, p - n + 1, n, tid);
             if (tid == 0 && cb.dest_rows != 0) v4p_out<v4p_i32>(cb.dest_rows)[t] = (v4p_i32)window_row(cb.params, slot, p);
         }
     }

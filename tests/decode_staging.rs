@@ -101,3 +101,75 @@ fn resident_tables_build_the_same_indices_as_full_staging() {
         resident.release(&host);
     }
 }
+
+/// With one translate-pack launch for several CSA layers, every layer's copy of the CSA
+/// buffer ends up a whole slice: its own top-k head and the shared window tail.
+#[test]
+fn batched_csa_pack_leaves_every_layer_a_whole_slice() {
+    let mut ratios = vec![0, 0];
+    for _ in 0..20 {
+        ratios.extend([4, 128]);
+    }
+    ratios.extend([4, 0]);
+    let g = GeometrySpec::new(ratios, 4000, 16, 128, 256).build().unwrap();
+    let layers = 3usize;
+    let cap = DecodeCapacity {
+        max_seqs: 4,
+        max_tokens: 4,
+        max_blocks_per_seq: 40,
+        win: 128,
+        index_topk: 64,
+        csa_layers: layers,
+    };
+    let host = HostBackend::new();
+    let mut bufs = DecodeIndexBuffers::new(&host, &g, cap).unwrap();
+    let live: Vec<i64> = g.live_positions().collect();
+    let tables: Vec<Vec<i32>> = (0..4).map(|s| (0..40).map(|j| (s * 40 + j) as i32).collect()).collect();
+    let ctx = [3000i64, 9000, 200, 10_000];
+    let batch: Vec<DecodeSeq<'_>> = (0..4)
+        .map(|i| DecodeSeq { position: live[i], context_len: ctx[i], num_tokens: 1, block_table: &tables[i] })
+        .collect();
+    bufs.stage(&host, &batch, Stream::DEFAULT).unwrap();
+    let (csa, per_copy) = bufs.indices(CLASS_CSA, 0);
+    let stride = bufs.indices(CLASS_CSA, 1).0 - csa;
+    // Poison all copies, then the decode build and one pack over all layers.
+    // SAFETY: the copies lie in the decode buffers' CSA region.
+    unsafe { host.fill_u32(csa, stride / 4 * layers as u64, 0xdead_beef, Stream::DEFAULT).unwrap() };
+    // Top-k per layer: layer l selects compressed rows l, l+1, … (distinct per layer).
+    let topk: Vec<i32> = (0..layers * 4 * 64).map(|i| ((i / 256) + (i % 64)) as i32).collect();
+    let topk_alloc = host.alloc_zeroed((topk.len() * 4) as u64).unwrap();
+    // SAFETY: fresh allocation of exactly this size; launches use the decode buffers' own
+    // pointers and the top-k buffer.
+    unsafe {
+        host.upload(topk_alloc.ptr, bytemuck::cast_slice(&topk), Stream::DEFAULT).unwrap();
+        host.launch(&bufs.launch(), Stream::DEFAULT).unwrap();
+        host.launch(
+            &v4pool::index::Launch::CsaPack(bufs.csa_pack_args(topk_alloc.ptr, 64, layers)),
+            Stream::DEFAULT,
+        )
+        .unwrap();
+    }
+    let indptr = read_i32(&host, bufs.indptr(CLASS_CSA), 5);
+    let copies: Vec<Vec<i32>> =
+        (0..layers as u64).map(|l| read_i32(&host, csa + l * stride, per_copy)).collect();
+    for (l, copy) in copies.iter().enumerate() {
+        let live_end = indptr[4] as usize;
+        assert!(
+            copy[..live_end].iter().all(|&v| v != 0xdead_beefu32 as i32),
+            "layer {l} has unwritten cells"
+        );
+        for t in 0..4 {
+            let (b, e) = (indptr[t] as usize, indptr[t + 1] as usize);
+            let n = 128.min(ctx[t] as usize);
+            assert_eq!(copy[e - n..e], copies[0][e - n..e], "layer {l} token {t}: window tail");
+            if l > 0 && e - n > b {
+                assert_ne!(copy[b..e - n], copies[0][b..e - n], "layer {l} token {t}: head is layer 0's");
+            }
+        }
+    }
+    // SAFETY: nothing queued uses them (the host backend runs work immediately).
+    unsafe {
+        host.free(topk_alloc);
+        bufs.release(&host);
+    }
+}

@@ -10,7 +10,7 @@ use common::{case_seed, check_case, device_or_skip, geometry_at, models, Case, R
 use v4pool::backend::Backend;
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
-    Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_DENSE,
+    Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_CSA, CLASS_DENSE,
 };
 use v4pool::{GeometrySpec, UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
 
@@ -62,11 +62,18 @@ fn decode_case(
     };
     let mut bufs = [(0usize, 0usize, None::<usize>); 3];
     let mut params = [Default::default(); 3];
+    // The full variant also fills three CSA layer copies (a batched translate-pack's buffers).
+    let csa_copies = if matches!(variant, DecodeVariant::Full) { 3 } else { 1 };
+    let mut csa_stride = 0i64;
     for c in 0..3 {
         params[c] = g.window_params(ratios[c]).expect("class present");
         let total = *indptrs[c].last().unwrap_or(&0) as usize;
         let ip = case.i32s(&format!("{}_indptr", names[c]), &indptrs[c]);
-        let ix = case.poisoned(&format!("{}_indices", names[c]), total + SLACK, POISON);
+        let copies = if c == CLASS_CSA { csa_copies } else { 1 };
+        if c == CLASS_CSA {
+            csa_stride = (total + SLACK) as i64;
+        }
+        let ix = case.poisoned(&format!("{}_indices", names[c]), (total + SLACK) * copies, POISON);
         let dr = case.poisoned(&format!("{}_dest_rows", names[c]), t_pad + SLACK, POISON);
         bufs[c] = (ip, ix, with_dest[c].then_some(dr));
     }
@@ -84,6 +91,8 @@ fn decode_case(
             hca_rows_per_block: HCA_ROWS_PER_BLOCK,
             num_tokens: t_pad as i32,
             win: WIN,
+            csa_copy_stride: csa_stride,
+            csa_copies: csa_copies as i32,
             ..Default::default()
         };
         for c in 0..3 {

@@ -12,7 +12,7 @@ use v4pool::index::host::run_launch;
 use v4pool::index::shape::launch_shape;
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
-    Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs,
+    Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_CSA,
 };
 
 type EmuLaunch = unsafe extern "C" fn(*const c_char, *const c_void, *const u32, u32) -> i32;
@@ -197,10 +197,19 @@ fn decode_builder_kernel_matches_reference() {
         }
         // Outputs: [indices c, dest c] for each class slot (empty when off), plus slack.
         let mut outputs = Vec::new();
-        for c in &classes {
+        // Every other case fills 1..=3 CSA layer copies (a batched translate-pack's buffers),
+        // `csa_stride` elements apart inside the CSA output.
+        let csa_copies = if case % 2 == 0 { 1 + (case / 2) % 3 } else { 1 };
+        let mut csa_stride = 0i64;
+        for (ci, c) in classes.iter().enumerate() {
             match c {
                 Some((_, indptr, _)) => {
-                    outputs.push(vec![POISON; extent(indptr) + 3]);
+                    let len = extent(indptr) + 3;
+                    let copies = if ci == CLASS_CSA { csa_copies } else { 1 };
+                    if ci == CLASS_CSA {
+                        csa_stride = len as i64;
+                    }
+                    outputs.push(vec![POISON; len * copies]);
                     outputs.push(vec![POISON; t + 2]);
                 }
                 None => {
@@ -220,6 +229,8 @@ fn decode_builder_kernel_matches_reference() {
                 hca_rows_per_block: rpb,
                 num_tokens: t as i32,
                 win,
+                csa_copy_stride: csa_stride,
+                csa_copies: csa_copies as i32,
                 ..Default::default()
             };
             for (c, cls) in classes.iter().enumerate() {

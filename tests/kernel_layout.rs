@@ -64,7 +64,7 @@ fn rust_checks() -> Checks {
         ClassBuffers { params, indptr, indices, dest_rows }
         DecodeIndexArgs {
             classes, state_slot_per_seq, batch_id_per_token, positions, block_tables, envelope_rows,
-            block_table_stride, hca_rows_per_block, num_tokens, win,
+            block_table_stride, hca_rows_per_block, num_tokens, win, csa_copy_stride, csa_copies, _pad,
         }
         PrefillIndexArgs {
             dense, csa, hca, positions, bid_per_token, chunk_start_per_seq, cu_seqlens_q_per_seq,

@@ -14,7 +14,7 @@
 use super::shape::{check_launch, LaunchError};
 use super::{
     CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs, Launch,
-    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_HCA,
+    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_CSA, CLASS_HCA,
 };
 use crate::geometry::WindowParams;
 use thiserror::Error;
@@ -50,6 +50,8 @@ pub enum HostKernelError {
     CopyRunOverlap { run: usize },
     #[error("{buffer}: rows are {got} bytes, expected {expected}")]
     RowWidth { buffer: &'static str, got: usize, expected: usize },
+    #[error("CSA copies {stride} elements apart overlap a buffer of {len}")]
+    CopiesOverlap { stride: i64, len: usize },
 }
 
 type Result<T> = std::result::Result<T, HostKernelError>;
@@ -206,6 +208,9 @@ pub struct DecodeIndices<'a> {
     pub hca_rows_per_block: i32,
     pub num_tokens: i32,
     pub win: i32,
+    /// Further copies of the CSA index buffer (layers 1.. of a batched translate-pack), each
+    /// laid out like the CSA class's own; they get the same window tails.
+    pub csa_copies: Vec<&'a mut [i32]>,
 }
 
 /// §3 with the fused §4 heads: per live token, each enabled class's window at the tail of its
@@ -221,6 +226,7 @@ pub fn decode_indices(k: DecodeIndices<'_>) -> Result<()> {
         hca_rows_per_block,
         num_tokens,
         win,
+        mut csa_copies,
     } = k;
     for t in 0..i64::from(num_tokens) {
         let b = at(batch_id_per_token, t, "batch_id_per_token")?;
@@ -230,9 +236,15 @@ pub fn decode_indices(k: DecodeIndices<'_>) -> Result<()> {
         let p = at(positions, t, "positions")?;
         let n = add(p, 1, "position")?.min(i64::from(win));
         let slot = i64::from(at(state_slot_per_seq, i64::from(b), "state_slot_per_seq")?);
-        for class in classes.iter_mut().flatten() {
+        for (c, class) in classes.iter_mut().enumerate() {
+            let Some(class) = class else { continue };
             let end = i64::from(at(class.indptr, t + 1, "indptr")?);
             write_window(class.indices, end - n, n, &class.params, slot, p - n + 1, "indices")?;
+            if c == CLASS_CSA {
+                for copy in csa_copies.iter_mut() {
+                    write_window(copy, end - n, n, &class.params, slot, p - n + 1, "csa copy")?;
+                }
+            }
             if let Some(dest) = class.dest_rows.as_deref_mut() {
                 put(dest, t, window_row(&class.params, slot, p)?, "dest_rows")?;
             }
@@ -669,6 +681,21 @@ unsafe fn run_decode(a: &DecodeIndexArgs) -> Result<()> {
         } else {
             None
         };
+        // Copies 1.. of the CSA buffer, as long as the class's own.
+        let mut csa_copies = Vec::new();
+        let csa = &a.classes[CLASS_CSA];
+        if csa.indptr != 0 && a.csa_copies > 1 {
+            let n = classes[CLASS_CSA].as_ref().map_or(0, |c| c.indices.len());
+            // Copies are separate slices of one allocation: they must not overlap.
+            if a.csa_copy_stride < n as i64 {
+                return Err(HostKernelError::CopiesOverlap { stride: a.csa_copy_stride, len: n });
+            }
+            for k in 1..i64::from(a.csa_copies) {
+                let off = mul(mul(k, a.csa_copy_stride, "csa copy")?, 4, "csa copy")?;
+                let ptr = csa.indices.wrapping_add(off as u64);
+                csa_copies.push(output("csa copy", ptr, n)?);
+            }
+        }
         decode_indices(DecodeIndices {
             classes,
             state_slot_per_seq: slots,
@@ -679,6 +706,7 @@ unsafe fn run_decode(a: &DecodeIndexArgs) -> Result<()> {
             hca_rows_per_block: a.hca_rows_per_block,
             num_tokens: a.num_tokens,
             win: a.win,
+            csa_copies,
         })
     }
 }
@@ -1025,6 +1053,7 @@ mod tests {
             hca_rows_per_block: 2,
             num_tokens: 4,
             win: 8,
+            csa_copies: Vec::new(),
         })
         .unwrap();
         out

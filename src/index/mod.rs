@@ -65,6 +65,13 @@ pub struct DecodeIndexArgs {
     pub hca_rows_per_block: i32,
     pub num_tokens: i32,
     pub win: i32,
+    /// Elements from one copy of the CSA index buffer to the next, when one translate-pack
+    /// launch fills every CSA layer's own copy (`CsaPackArgs::out_layer_stride`).
+    pub csa_copy_stride: i64,
+    /// CSA buffer copies that get the window tail (0 and 1 both mean the one buffer); the
+    /// dest rows are written once.
+    pub csa_copies: i32,
+    pub _pad: i32,
 }
 
 /// Prefill index builder (§6): one launch per prefill forward, no pad tokens.

@@ -139,10 +139,7 @@ impl std::fmt::Debug for DecodeIndexBuffers {
 
 impl DecodeIndexBuffers {
     /// Check `cap` against `geometry` and lay the buffers out (no allocation).
-    fn plan(
-        geometry: &UnifiedPoolGeometry,
-        cap: DecodeCapacity,
-    ) -> Result<Planned, DecodeError> {
+    fn plan(geometry: &UnifiedPoolGeometry, cap: DecodeCapacity) -> Result<Planned, DecodeError> {
         for (what, v) in [
             ("max_seqs", cap.max_seqs),
             ("max_tokens", cap.max_tokens),
@@ -283,6 +280,11 @@ impl DecodeIndexBuffers {
             hca_rows_per_block: self.hca_rows_per_block,
             num_tokens: self.cap.max_tokens as i32,
             win: self.cap.win,
+            // Every CSA layer's copy gets the window tail, so a batched translate-pack leaves
+            // each layer a whole slice.
+            csa_copy_stride: (self.layout.csa_out_layer_stride / 4) as i64,
+            csa_copies: self.cap.csa_layers as i32,
+            _pad: 0,
         }
     }
 
