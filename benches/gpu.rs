@@ -309,13 +309,15 @@ impl DecodeSet {
     }
 
     /// Bytes the decode builder reads and writes (logical, one token per sequence).
-    fn builder_bytes(&self, dense: bool) -> (u64, u64) {
+    /// Bytes the decode builder reads and writes; the CSA window tail goes into every one of
+    /// `csa_copies` layer copies (the batched translate-pack's buffers).
+    fn builder_bytes(&self, dense: bool, csa_copies: u64) -> (u64, u64) {
         let (mut r, mut w) = (0u64, 0u64);
         for &c in &self.ctx {
             let n = c.min(i64::from(WIN)) as u64;
             let head = (c / i64::from(HCA_RATIO)) as u64;
             let classes = if dense { 3 } else { 2 };
-            w += 4 * (classes * n + head + classes);
+            w += 4 * ((classes - 1 + csa_copies) * n + head + classes);
             r += 4 + 8 + 4 + classes * 8 + 4 * head.div_ceil(2);
         }
         (r, w)
@@ -492,7 +494,7 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
             (r / NSETS as u64, w / NSETS as u64)
         };
         let dense = g.class(DENSE_RATIO).is_some();
-        let (br, bw) = avg(&|s| s.builder_bytes(dense));
+        let (br, bw) = avg(&|s| s.builder_bytes(dense, CSA_LAYERS as u64));
         let (pr, pw) = avg(&|s| s.pack_bytes(512, CSA_LAYERS));
         let copy_b = gpu.copy_floor(bw)?;
         let copy_s = gpu.copy_floor(bw + pw)?;

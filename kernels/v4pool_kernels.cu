@@ -47,17 +47,26 @@ V4P_DEVICE v4p_i64 v4p_window_row_q(WindowParams w, v4p_i64 slot, v4p_i64 q) {
 
 /// out[i] = window_row(w, slot, first + i) for i < n, the block's threads striding over i.
 /// The ring position is kept as a running counter (one 64-bit remainder per thread).
-V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_i64 slot, v4p_i64 first,
-                                 v4p_i64 n, v4p_u32 tid) {
+/// The same rows into `copies` buffers `copy_stride` elements apart (the CSA class's layer
+/// copies): each row is computed once and stored to every copy, so the stores are independent
+/// and pipeline instead of repeating the whole walk per copy.
+V4P_DEVICE void v4p_write_window_copies(v4p_i32* __restrict__ out, v4p_i64 copies, v4p_i64 copy_stride,
+                                        WindowParams w, v4p_i64 slot, v4p_i64 first, v4p_i64 n, v4p_u32 tid) {
     if ((v4p_i64)tid >= n) return;
     v4p_i64 q = (first + (v4p_i64)tid) % w.ring_slots;
     if (q < 0) q += w.ring_slots;
     const v4p_i64 step = (v4p_i64)V4P_BLOCK % w.ring_slots;
     for (v4p_i64 i = tid; i < n; i += V4P_BLOCK) {
-        out[i] = (v4p_i32)v4p_window_row_q(w, slot, q);
+        const v4p_i32 row = (v4p_i32)v4p_window_row_q(w, slot, q);
+        for (v4p_i64 k = 0; k < copies; ++k) out[k * copy_stride + i] = row;
         q += step;
         if (q >= w.ring_slots) q -= w.ring_slots;
     }
+}
+
+V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_i64 slot, v4p_i64 first,
+                                 v4p_i64 n, v4p_u32 tid) {
+    v4p_write_window_copies(out, 1, 0, w, slot, first, n, tid);
 }
 
 /// Compressed entries e = 0..count-1 of one sequence, tiled: dst[e] = table[e / rpb] * envelope
@@ -180,9 +189,8 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode
             // Window at the tail of the slice, oldest first, the token itself last; the CSA
             // class writes it into every layer copy a batched translate-pack fills.
             const v4p_i64 copies = (c == V4POOL_CLASS_CSA && a.csa_copies > 1) ? a.csa_copies : 1;
-            for (v4p_i64 k = 0; k < copies; ++k)
-                v4p_write_window(v4p_out<v4p_i32>(cb.indices) + k * a.csa_copy_stride + (ends[c] - n), cb.params,
-                                 slot, p - n + 1, n, tid);
+            v4p_write_window_copies(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), copies, a.csa_copy_stride,
+                                    cb.params, slot, p - n + 1, n, tid);
             if (tid == 0 && cb.dest_rows != 0) v4p_out<v4p_i32>(cb.dest_rows)[t] = (v4p_i32)window_row(cb.params, slot, p);
         }
     }
