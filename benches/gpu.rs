@@ -1120,7 +1120,7 @@ fn host_check() -> Res<()> {
             host.launch(&rig.pack(0, CSA_LAYERS), S)?;
         }
         let hca = class_output(&host, &rig.bufs, CLASS_HCA, 0)?;
-        let (r, w) = set.builder_bytes(true);
+        let (r, w) = set.builder_bytes(true, CSA_LAYERS as u64);
         println!(
             "  decode batch {batch}, top-k {topk}: ok ({} HCA entries; builder R {r} W {w})",
             hca[batch]
