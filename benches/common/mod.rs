@@ -8,33 +8,8 @@ pub fn bench_requested() -> bool {
     std::env::args().skip(1).any(|a| a == "--bench")
 }
 
-/// splitmix64: fast, deterministic, good enough to draw inputs.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed ^ 0x9e37_79b9_7f4a_7c15)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `lo..hi` (`hi > lo`).
-    pub fn range(&mut self, lo: i64, hi: i64) -> i64 {
-        let span = (hi - lo) as u64;
-        lo + (self.next_u64() % span) as i64
-    }
-    pub fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            let j = (self.next_u64() % (i as u64 + 1)) as usize;
-            v.swap(i, j);
-        }
-    }
-}
+/// SplitMix64, the simulator's PRNG: deterministic, good enough to draw inputs.
+pub use v4pool::cli::simulate::Rng;
 
 /// Median of a sample (sorts it).
 pub fn median(v: &mut [f64]) -> f64 {

@@ -113,7 +113,8 @@ impl Default for SimConfig {
     }
 }
 
-/// A deterministic PRNG (SplitMix64): the workload must be identical for both policies.
+/// A deterministic PRNG (SplitMix64): the workload must be identical for both policies. The
+/// benches draw their inputs from it too.
 #[derive(Clone, Debug)]
 pub struct Rng(u64);
 
@@ -127,6 +128,18 @@ impl Rng {
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
+    }
+    /// Uniform in `lo..hi` (`hi > lo`).
+    pub fn range(&mut self, lo: i64, hi: i64) -> i64 {
+        let span = hi.wrapping_sub(lo).max(1) as u64;
+        lo.wrapping_add((self.next_u64() % span) as i64)
+    }
+    /// Fisher–Yates shuffle.
+    pub fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = (self.next_u64() % (i as u64 + 1)) as usize;
+            v.swap(i, j);
+        }
     }
     /// Uniform in [0, 1).
     pub fn f64(&mut self) -> f64 {
