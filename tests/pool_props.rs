@@ -362,3 +362,33 @@ fn nothing_lost_on_the_gpu() {
         })
         .expect("state machine on the device");
 }
+
+/// Checkpoints and restores from several threads at once: each thread's descriptor upload
+/// and launch stay paired, so every image comes back exactly.
+#[test]
+fn concurrent_checkpoints_stay_exact() {
+    let pool = Arc::new(small_pool(8));
+    let image_bytes = pool.checkpoint_image_bytes().expect("image bytes") as usize;
+    let handles: Vec<_> = (0..4u64)
+        .map(|k| {
+            let pool = pool.clone();
+            std::thread::spawn(move || {
+                let a = pool.alloc_slot().expect("slot a");
+                let b = pool.alloc_slot().expect("slot b");
+                for i in 0..100u64 {
+                    let r = slot_ranges(&pool, a.position);
+                    write(&pool, &r, &pattern(k * 1000 + i, r.iter().map(|x| x.2 as usize).sum()));
+                    let mut image = vec![0u8; image_bytes];
+                    pool.checkpoint(a.handle, &mut image).expect("checkpoint");
+                    pool.restore(b.handle, &image).expect("restore");
+                    let mut back = vec![0u8; image_bytes];
+                    pool.checkpoint(b.handle, &mut back).expect("checkpoint b");
+                    assert_eq!(image, back, "thread {k} round {i}: image changed on its way");
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("thread");
+    }
+}

@@ -186,6 +186,8 @@ pub struct Pool {
     /// Blocks the indexer cache is sized for (the most the plane can hold).
     indexer_blocks: u64,
     descriptors: Option<DeviceAllocation>,
+    /// Serialises use of the descriptor buffer (see `run_descriptors`).
+    descriptor_lock: Mutex<()>,
     state: Mutex<State>,
 }
 
@@ -255,6 +257,7 @@ impl Pool {
             indexer_offsets,
             indexer_blocks,
             descriptors,
+            descriptor_lock: Mutex::new(()),
             state: Mutex::new(State { boundary }),
         };
         // Initialise every live position's state (the allocation is already zero).
@@ -338,8 +341,9 @@ impl Pool {
     pub fn layer_view(&self, layer: usize, plane: usize) -> Result<LayerView, PoolError> {
         let g = &self.spec.geometry;
         let base = g.layer_base_row(layer)?;
-        let w = self.spec.plane_widths[plane.min(self.spec.plane_widths.len().saturating_sub(1))];
-        let ptr = self.plane_ptr(plane)? + base as u64 * w;
+        let ptr = self.plane_ptr(plane)?;
+        let w = self.spec.plane_widths[plane]; // plane_ptr checked the index
+        let ptr = ptr + base as u64 * w;
         Ok(LayerView { layer, plane, ptr, rows: g.layer_view_rows(layer)?, row_bytes: w })
     }
 
@@ -507,21 +511,9 @@ impl Pool {
     /// Queue `runs` (non-overlapping byte copies) as descriptor launches on the pool stream.
     pub fn copy_runs(&self, runs: &[CopyRun]) -> Result<(), PoolError> {
         let _range = crate::profiling::range("v4pool.copy_runs");
-        let desc = self.descriptors.as_ref().map_or(0, |a| a.ptr);
-        let runs = split_runs(runs);
-        for chunk in runs.chunks(DESCRIPTOR_RUNS) {
-            // SAFETY: the descriptor buffer holds DESCRIPTOR_RUNS runs and is live while the
-            // pool is; every run was derived from this pool's own allocations, and the upload
-            // is ordered before the launch on the same stream.
-            unsafe {
-                self.backend.upload(desc, bytemuck::cast_slice(chunk), self.stream)?;
-                self.backend.launch(
-                    &Launch::CopyRuns(CopyRunsArgs { runs: desc, num_runs: chunk.len() as i32, _pad: 0 }),
-                    self.stream,
-                )?;
-            }
-        }
-        Ok(())
+        self.run_descriptors(&split_runs(runs), |runs, num_runs| {
+            Launch::CopyRuns(CopyRunsArgs { runs, num_runs, _pad: 0 })
+        })
     }
 
     /// Initialise the compressor state of `positions` (zero kv, −inf scores, zero padding).
@@ -539,17 +531,30 @@ impl Pool {
                 });
             }
         }
+        self.run_descriptors(&runs, |runs, num_runs| {
+            Launch::FillRuns(FillRunsArgs { runs, num_runs, _pad: 0 })
+        })
+    }
+
+    /// Upload `items` into the descriptor buffer a chunk at a time and queue `launch` for each
+    /// chunk. The descriptor lock is held across each upload and its launch: both are queued
+    /// on the pool's one stream, so another thread's next upload is ordered after this launch
+    /// and cannot overwrite descriptors it has yet to read.
+    fn run_descriptors<T: bytemuck::Pod>(
+        &self,
+        items: &[T],
+        launch: impl Fn(DevicePtr, i32) -> Launch,
+    ) -> Result<(), PoolError> {
         let desc = self.descriptors.as_ref().map_or(0, |a| a.ptr);
-        let per = DESCRIPTOR_RUNS * std::mem::size_of::<CopyRun>() / std::mem::size_of::<FillRun>();
-        for chunk in runs.chunks(per) {
-            // SAFETY: as in `copy_runs`; fill runs lie in the planes (checked by the arena
-            // against the slot stride, positions come from the geometry).
+        let per = (DESCRIPTOR_BYTES as usize / std::mem::size_of::<T>()).max(1);
+        let _guard = self.descriptor_lock.lock().map_err(|_| PoolError::Poisoned)?;
+        for chunk in items.chunks(per) {
+            // SAFETY: the descriptor buffer holds DESCRIPTOR_BYTES and is live while the pool
+            // is; every run was derived from this pool's own allocations (checked by the
+            // geometry and the arena); upload and launch are ordered on the same stream.
             unsafe {
                 self.backend.upload(desc, bytemuck::cast_slice(chunk), self.stream)?;
-                self.backend.launch(
-                    &Launch::FillRuns(FillRunsArgs { runs: desc, num_runs: chunk.len() as i32, _pad: 0 }),
-                    self.stream,
-                )?;
+                self.backend.launch(&launch(desc, chunk.len() as i32), self.stream)?;
             }
         }
         Ok(())
