@@ -335,6 +335,18 @@ impl DecodeSet {
     }
 }
 
+/// Decode buffers for `batch` one-token sequences, top-k `topk`, every CSA layer in one pack.
+fn decode_capacity(batch: usize, topk: usize, max_blocks: usize) -> DecodeCapacity {
+    DecodeCapacity {
+        max_seqs: batch,
+        max_tokens: batch,
+        max_blocks_per_seq: max_blocks,
+        win: WIN,
+        index_topk: topk as i32,
+        csa_layers: CSA_LAYERS,
+    }
+}
+
 /// Random sequence-local top-k, i32 `[layers][batch][topk]`, values below each token's
 /// compressed CSA rows (`ctx / 4`).
 fn random_topk(rng: &mut Rng, set: &DecodeSet, topk: usize, layers: usize) -> Vec<i32> {
@@ -464,14 +476,7 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
         let sets: Vec<DecodeSet> =
             (0..NSETS).map(|_| DecodeSet::random(&mut rng, g, batch, ctx_lo, DECODE_MAX_CTX)).collect();
         let topks: Vec<Vec<i32>> = sets.iter().map(|s| random_topk(&mut rng, s, 512, CSA_LAYERS)).collect();
-        let cap = DecodeCapacity {
-            max_seqs: batch,
-            max_tokens: batch,
-            max_blocks_per_seq: max_blocks,
-            win: WIN,
-            index_topk: 512,
-            csa_layers: CSA_LAYERS,
-        };
+        let cap = decode_capacity(batch, 512, max_blocks);
         let mut rig = DecodeRig::new(&gpu.be, g, cap, &topks)?;
         check_decode(gpu, &mut rig, g, &sets[0], &topks[0], CSA_LAYERS)?;
         let seqs: Vec<Vec<DecodeSeq<'_>>> = sets.iter().map(|s| s.seqs()).collect();
@@ -565,14 +570,7 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<CsaTa
         let sets: Vec<DecodeSet> =
             (0..NSETS).map(|_| DecodeSet::random(&mut rng, g, batch, 1, DECODE_MAX_CTX)).collect();
         let topks: Vec<Vec<i32>> = sets.iter().map(|s| random_topk(&mut rng, s, topk, CSA_LAYERS)).collect();
-        let cap = DecodeCapacity {
-            max_seqs: batch,
-            max_tokens: batch,
-            max_blocks_per_seq: max_blocks,
-            win: WIN,
-            index_topk: topk as i32,
-            csa_layers: CSA_LAYERS,
-        };
+        let cap = decode_capacity(batch, topk, max_blocks);
         let mut rig = DecodeRig::new(&gpu.be, g, cap, &topks)?;
         check_decode(gpu, &mut rig, g, &sets[0], &topks[0], CSA_LAYERS)?;
         let seqs: Vec<Vec<DecodeSeq<'_>>> = sets.iter().map(|s| s.seqs()).collect();
@@ -1104,14 +1102,7 @@ fn host_check() -> Res<()> {
     for (batch, topk) in [(1usize, 512usize), (256, 2048), (1024, 512)] {
         let set = DecodeSet::random(&mut rng, g, batch, 1, DECODE_MAX_CTX);
         let tk = random_topk(&mut rng, &set, topk, CSA_LAYERS);
-        let cap = DecodeCapacity {
-            max_seqs: batch,
-            max_tokens: batch,
-            max_blocks_per_seq: max_blocks,
-            win: WIN,
-            index_topk: topk as i32,
-            csa_layers: CSA_LAYERS,
-        };
+        let cap = decode_capacity(batch, topk, max_blocks);
         let mut rig = DecodeRig::new(&host, g, cap, std::slice::from_ref(&tk))?;
         rig.bufs.stage(&host, &set.seqs(), S)?;
         // SAFETY: the rig's own buffers, sized by DecodeIndexBuffers.

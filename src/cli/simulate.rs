@@ -556,7 +556,7 @@ fn sample(
     tokens: u64,
 ) -> Result<Sample, PoolError> {
     let c = pool.counts()?;
-    let g = pool.spec().geometry.clone();
+    let g = &pool.spec().geometry;
     let (e, s) = (g.envelope_rows, g.slot_rows);
     let used_b = i64::from(c.num_blocks - c.free_blocks);
     let used_s = i64::from(c.num_slots - c.free_slots);

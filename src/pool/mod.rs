@@ -186,6 +186,8 @@ pub struct Pool {
     /// Blocks the indexer cache is sized for (the most the plane can hold).
     indexer_blocks: u64,
     descriptors: Option<DeviceAllocation>,
+    /// Per plane, the slot byte ranges a checkpoint image carries.
+    image_ranges: Vec<Vec<(u64, u64)>>,
     /// Serialises use of the descriptor buffer (see `run_descriptors`).
     descriptor_lock: Mutex<()>,
     state: Mutex<State>,
@@ -216,6 +218,7 @@ impl Pool {
             return Err(PoolError::SlotOrigin(g.slot_origin));
         }
         let boundary = Boundary::new(g)?;
+        let image_ranges = Self::plan_image_ranges(&spec)?;
         // Planes back to back, each start on a 256-byte boundary.
         let mut plane_offsets = Vec::with_capacity(spec.plane_widths.len());
         let mut cursor = 0u64;
@@ -257,6 +260,7 @@ impl Pool {
             indexer_offsets,
             indexer_blocks,
             descriptors,
+            image_ranges,
             descriptor_lock: Mutex::new(()),
             state: Mutex::new(State { boundary }),
         };
@@ -564,26 +568,25 @@ impl Pool {
 
     /// Byte ranges, per plane, that a checkpoint image of one slot carries: the carried
     /// state fields plus the window rows some (layer, ring position) maps to (offsets from
-    /// the slot's start in that plane).
+    /// the slot's start in that plane). Fixed for the pool's life: computed once in `new`.
     pub fn checkpoint_ranges(&self) -> Result<Vec<Vec<(u64, u64)>>, PoolError> {
-        let g = &self.spec.geometry;
+        Ok(self.image_ranges.clone())
+    }
+
+    fn plan_image_ranges(spec: &PoolSpec) -> Result<Vec<Vec<(u64, u64)>>, PoolError> {
+        let g = &spec.geometry;
         let entry_runs = g.entry_row_runs();
-        (0..self.num_planes())
+        (0..spec.plane_widths.len())
             .map(|p| {
-                let state = self.spec.arena.plane_checkpoint_ranges(p)?;
-                Ok(crate::checkpoint::plane_ranges(
-                    &state,
-                    g.arena_rows,
-                    &entry_runs,
-                    self.spec.plane_widths[p],
-                )?)
+                let state = spec.arena.plane_checkpoint_ranges(p)?;
+                Ok(crate::checkpoint::plane_ranges(&state, g.arena_rows, &entry_runs, spec.plane_widths[p])?)
             })
             .collect()
     }
 
     /// Bytes of one slot's checkpoint image.
     pub fn checkpoint_image_bytes(&self) -> Result<u64, PoolError> {
-        Ok(self.checkpoint_ranges()?.iter().flatten().map(|r| r.1).sum())
+        Ok(self.image_ranges.iter().flatten().map(|r| r.1).sum())
     }
 
     /// Copy runs between the image ranges of the slot at `position` and a contiguous image
@@ -598,7 +601,7 @@ impl Pool {
         let (start, _) = g.slot_span(position)?;
         let mut cursor = 0u64;
         let mut runs = Vec::new();
-        for (p, ranges) in self.checkpoint_ranges()?.iter().enumerate() {
+        for (p, ranges) in self.image_ranges.iter().enumerate() {
             let slot_base = self.plane_ptr(p)? + start as u64 * self.spec.plane_widths[p];
             for &(off, len) in ranges {
                 let (a, b) = (slot_base + off, image + cursor);
