@@ -250,3 +250,232 @@ fn dropping_the_handles_frees_their_buffers() {
     drop(pool);
     assert_eq!(backend.live_allocations(), 0);
 }
+
+// ---- the handles' outputs against the geometry ------------------------------------------
+
+/// The first layer of `class` (window and compressed indices are relative to a layer's own
+/// base, the same for every layer of a class).
+fn layer_of(g: &v4pool::UnifiedPoolGeometry, class: Class) -> usize {
+    g.class(class.ratio()).expect("class").layers[0]
+}
+
+fn window(
+    g: &v4pool::UnifiedPoolGeometry,
+    class: Class,
+    slot: i64,
+    positions: std::ops::Range<i64>,
+) -> Vec<i32> {
+    positions.map(|p| g.window_index(layer_of(g, class), slot, p % g.ring_slots).unwrap() as i32).collect()
+}
+
+/// Compressed row `e` of a class through a block table: block `table[e / rows]`, row `e % rows`.
+fn compressed(g: &v4pool::UnifiedPoolGeometry, class: Class, table: &[i32], e: i64, rows: i64) -> i32 {
+    let block = i64::from(table[(e / rows) as usize]);
+    g.compress_index(layer_of(g, class), block, e % rows).unwrap() as i32
+}
+
+/// Top-k rows on the pool's backend: `[tokens][stride]`, row `t` selecting compressed CSA
+/// rows `t, t+3, t+6, …` (each below its sequence's `ctx / 4`).
+fn upload_topk(pool: &Pool, rows: &[Vec<i32>], stride: usize) -> v4pool::backend::DeviceAllocation {
+    let mut flat = vec![-1i32; rows.len() * stride];
+    for (t, r) in rows.iter().enumerate() {
+        flat[t * stride..t * stride + r.len()].copy_from_slice(r);
+    }
+    let be = pool.backend();
+    let a = be.alloc_zeroed(4 * flat.len() as u64).unwrap();
+    // SAFETY: a fresh allocation of exactly these bytes.
+    unsafe { be.upload(a.ptr, bytemuck::cast_slice(&flat), Stream::DEFAULT).unwrap() };
+    a
+}
+
+#[test]
+fn decode_path_writes_what_the_geometry_says() {
+    let pool = pool(200);
+    let g = pool.geometry().unwrap();
+    let mut path = pool.decode_path(DecodeCapacity { index_topk: 16, ..cap(4, 8, 24) }).unwrap();
+    let live: Vec<i64> = g.live_positions().collect();
+    let mut rng = XorShift(99);
+    // Contexts from 1 to the table's reach; one sequence with two tokens (an MTP verify).
+    let ctx = [1i64, 300, 129 + rng.below(5000) as i64, 24 * 256];
+    let ntok = [1usize, 2, 1, 3];
+    let tables: Vec<Vec<i32>> =
+        ctx.iter().map(|&c| (0..(c + 255) / 256).map(|_| rng.below(200) as i32).collect()).collect();
+    let slots = [live[3], live[0], live[7], live[15]];
+    let batch: Vec<DecodeSeq<'_>> = (0..4)
+        .map(|i| DecodeSeq {
+            position: slots[i],
+            context_len: ctx[i],
+            num_tokens: ntok[i],
+            block_table: &tables[i],
+        })
+        .collect();
+    assert_eq!(path.stage(&batch).unwrap(), 7);
+    path.build().unwrap();
+    let topk_rows: Vec<Vec<i32>> = (0..7).map(|t| (0..16).map(|k| t + 3 * k).collect()).collect();
+    let topk = upload_topk(&pool, &topk_rows, 16);
+    // SAFETY: `topk` is live memory of the pool's backend holding 7 rows of 16 non-negative
+    // i32, one per real token (row 7 is a pad's, which the kernel does not read).
+    unsafe { path.csa_pack(topk.ptr, 16).unwrap() };
+    let read = |b| path.read_i32(b).unwrap();
+    let (rpb_hca, rpb_csa) = (g.block_size / 128, g.block_size / 4);
+    let mut t = 0usize;
+    for b in 0..4 {
+        for k in 0..ntok[b] {
+            let p = ctx[b] - ntok[b] as i64 + k as i64;
+            let n = (p + 1).min(128);
+            for c in Class::ALL {
+                let (ptr, idx, dest) = (
+                    read(DecodeBuffer::Indptr(c)),
+                    read(DecodeBuffer::Indices(c)),
+                    read(DecodeBuffer::DestRows(c)),
+                );
+                let slice = &idx[ptr[t] as usize..ptr[t + 1] as usize];
+                let tail = window(&g, c, slots[b], p - n + 1..p + 1);
+                assert_eq!(&slice[slice.len() - n as usize..], &tail[..], "class {c} token {t}: window tail");
+                assert_eq!(dest[t], *tail.last().unwrap(), "class {c} token {t}: dest row");
+                let head = &slice[..slice.len() - n as usize];
+                match c {
+                    Class::Dense => assert!(head.is_empty()),
+                    Class::Hca => {
+                        assert_eq!(
+                            head.len() as i64,
+                            ((p + 1) / 128).min(ctx[b] / 128),
+                            "token {t}: HCA head"
+                        );
+                        for (e, &v) in head.iter().enumerate() {
+                            assert_eq!(
+                                v,
+                                compressed(&g, c, &tables[b], e as i64, rpb_hca),
+                                "token {t} HCA entry {e}"
+                            );
+                        }
+                    }
+                    Class::Csa => {
+                        assert_eq!(
+                            head.len() as i64,
+                            ((p + 1) / 4).min(ctx[b] / 4).min(16),
+                            "token {t}: CSA head"
+                        );
+                        for (e, &v) in head.iter().enumerate() {
+                            let want = compressed(&g, c, &tables[b], i64::from(topk_rows[t][e]), rpb_csa);
+                            assert_eq!(v, want, "token {t} CSA head {e}");
+                        }
+                    }
+                }
+            }
+            t += 1;
+        }
+    }
+    // Pads: batch id −1 and empty slices.
+    assert_eq!(read(DecodeBuffer::BatchIds)[7], -1);
+    let hp = read(DecodeBuffer::Indptr(Class::Hca));
+    assert_eq!(hp[8], hp[7]);
+    // SAFETY: the host backend ran the pack already; nothing uses the allocation.
+    unsafe { pool.backend().free(topk) };
+}
+
+#[test]
+fn prefill_path_writes_what_the_geometry_says() {
+    use v4pool::pool::{PrefillBuffer, PrefillCapacity, PrefillSeq};
+    let pool = pool(200);
+    let g = pool.geometry().unwrap();
+    let cap = PrefillCapacity {
+        max_seqs: 3,
+        max_tokens: 700,
+        max_blocks_per_seq: 24,
+        win: 128,
+        index_topk: 16,
+        max_hca_entries: None,
+    };
+    let mut path = pool.prefill_path(cap).unwrap();
+    let live: Vec<i64> = g.live_positions().collect();
+    // A fresh prompt, a chunk resumed mid-window, a chunk resumed deep in its context.
+    let chunks = [(0i64, 200usize), (90, 60), (5000, 300)];
+    let slots = [live[5], live[1], live[9]];
+    let mut rng = XorShift(7);
+    let tables: Vec<Vec<i32>> = chunks
+        .iter()
+        .map(|&(cs, n)| (0..(cs + n as i64 + 255) / 256).map(|_| rng.below(200) as i32).collect())
+        .collect();
+    let batch: Vec<PrefillSeq<'_>> = (0..3)
+        .map(|i| PrefillSeq {
+            position: slots[i],
+            chunk_start: chunks[i].0,
+            num_tokens: chunks[i].1,
+            block_table: &tables[i],
+        })
+        .collect();
+    assert_eq!(path.stage(&batch).unwrap(), 560);
+    path.build().unwrap();
+    let topk_rows: Vec<Vec<i32>> = (0..560).map(|t| (0..16).map(|k| (t % 7) + k).collect()).collect();
+    let topk = upload_topk(&pool, &topk_rows, 16);
+    // SAFETY: `topk` holds [560 staged tokens][16] non-negative i32 on the pool's backend.
+    unsafe { path.csa_pack(topk.ptr, 16).unwrap() };
+    let read = |b| path.read_i32(b).unwrap();
+    let (ext_ptr, ext) = (read(PrefillBuffer::ExtendIndptr), read(PrefillBuffer::ExtendIndices));
+    let bufs: Vec<(Vec<i32>, Vec<i32>)> = Class::ALL
+        .iter()
+        .map(|&c| (read(PrefillBuffer::Indptr(c)), read(PrefillBuffer::Indices(c))))
+        .collect();
+    let (mut t, mut cu) = (0usize, 0i64);
+    for b in 0..3 {
+        let (cs, n) = chunks[b];
+        let ctx = cs + n as i64;
+        for p in cs..ctx {
+            let low = (p - 127).max(0);
+            let e = (p - cs + 1).min(128);
+            let pre = (cs - low).max(0);
+            let want_ext: Vec<i32> = (0..e).map(|k| (cu + (p - cs) - e + 1 + k) as i32).collect();
+            assert_eq!(
+                &ext[ext_ptr[t] as usize..ext_ptr[t + 1] as usize],
+                &want_ext[..],
+                "token {t}: extend"
+            );
+            for c in Class::ALL {
+                let (ptr, idx) = &bufs[c.index()];
+                let slice = &idx[ptr[t] as usize..ptr[t + 1] as usize];
+                let win = window(&g, c, slots[b], low..low + pre);
+                match c {
+                    Class::Dense => assert_eq!(slice, &win[..], "token {t}: prefix_swa"),
+                    Class::Csa => {
+                        let head = ((p + 1) / 4).min(ctx / 4).min(16) as usize;
+                        assert_eq!(slice.len(), head + pre as usize);
+                        assert_eq!(&slice[head..], &win[..], "token {t}: CSA window tail");
+                        for (k, &v) in slice[..head].iter().enumerate() {
+                            let want =
+                                compressed(&g, c, &tables[b], i64::from(topk_rows[t][k]), g.block_size / 4);
+                            assert_eq!(v, want, "token {t}: CSA head {k}");
+                        }
+                    }
+                    Class::Hca => {
+                        let n_hca = ((p + 1) / 128).min(ctx / 128);
+                        assert_eq!(slice.len() as i64, pre + n_hca);
+                        assert_eq!(&slice[..pre as usize], &win[..], "token {t}: HCA window head");
+                        for j in 0..n_hca {
+                            let want = compressed(&g, c, &tables[b], j, g.block_size / 128);
+                            assert_eq!(slice[(pre + j) as usize], want, "token {t}: HCA entry {j}");
+                        }
+                    }
+                }
+            }
+            t += 1;
+        }
+        cu += n as i64;
+    }
+    // Refusals: over the tokens, a foreign block, a dead slot, a chunk past i32 positions.
+    let over = [PrefillSeq { position: slots[0], chunk_start: 0, num_tokens: 701, block_table: &tables[2] }];
+    assert!(matches!(path.stage(&over), Err(DecodeError::TooManyTokens { .. })));
+    let bad = [99999i32];
+    let foreign = [PrefillSeq { position: slots[0], chunk_start: 0, num_tokens: 4, block_table: &bad }];
+    assert!(matches!(path.stage(&foreign), Err(DecodeError::BadBlock { .. })));
+    let dead = [PrefillSeq { position: live[0] - 1, chunk_start: 0, num_tokens: 4, block_table: &tables[0] }];
+    assert!(matches!(path.stage(&dead), Err(DecodeError::BadPosition { .. })));
+    let huge =
+        [PrefillSeq { position: slots[0], chunk_start: i64::MAX, num_tokens: 4, block_table: &tables[0] }];
+    assert!(matches!(path.stage(&huge), Err(DecodeError::BadSequence { .. })));
+    // A bounded HCA buffer refuses a forward that needs more.
+    let mut small = pool.prefill_path(PrefillCapacity { max_hca_entries: Some(1000), ..cap }).unwrap();
+    assert!(matches!(small.stage(&batch), Err(DecodeError::BufferFull { .. })));
+    // SAFETY: the host backend ran the pack already; nothing uses the allocation.
+    unsafe { pool.backend().free(topk) };
+}
