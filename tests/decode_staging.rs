@@ -311,10 +311,11 @@ fn decode_path_writes_what_the_geometry_says() {
         .collect();
     assert_eq!(path.stage(&batch).unwrap(), 7);
     path.build().unwrap();
-    let topk_rows: Vec<Vec<i32>> = (0..7).map(|t| (0..16).map(|k| t + 3 * k).collect()).collect();
+    // One row per token of the capacity (8): the pad's row is never read.
+    let topk_rows: Vec<Vec<i32>> = (0..8).map(|t| (0..16).map(|k| t + 3 * k).collect()).collect();
     let topk = upload_topk(&pool, &topk_rows, 16);
-    // SAFETY: `topk` is live memory of the pool's backend holding 7 rows of 16 non-negative
-    // i32, one per real token (row 7 is a pad's, which the kernel does not read).
+    // SAFETY: `topk` is live memory of the pool's backend holding [max_tokens = 8][16]
+    // non-negative i32.
     unsafe { path.csa_pack(topk.ptr, 16).unwrap() };
     let read = |b| path.read_i32(b).unwrap();
     let (rpb_hca, rpb_csa) = (g.block_size / 128, g.block_size / 4);

@@ -715,8 +715,7 @@ impl DecodeIndexBuffers {
     ///
     /// # Safety
     /// `topk` must address live memory of this backend holding i32
-    /// `[max_tokens][topk_row_stride]` (rows of pad tokens are not read), ordered before this
-    /// call on the stream; the first `min((pos+1)/4, ctx/4, index_topk)` entries of each real
+    /// `[max_tokens][topk_row_stride]`, ordered before this call on the stream; the first `min((pos+1)/4, ctx/4, index_topk)` entries of each real
     /// token's row must be non-negative (`index-buffers.md` §5).
     pub unsafe fn csa_pack(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<(), DecodeError> {
         let args = self.csa_pack_args(topk, topk_row_stride)?;
