@@ -17,6 +17,7 @@ use super::{
     PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_CSA, CLASS_HCA,
 };
 use crate::geometry::WindowParams;
+use std::cell::RefCell;
 use thiserror::Error;
 
 /// Why a host kernel refused or stopped.
@@ -52,6 +53,14 @@ pub enum HostKernelError {
     RowWidth { buffer: &'static str, got: usize, expected: usize },
     #[error("CSA copies {stride} elements apart overlap a buffer of {len}")]
     CopiesOverlap { stride: i64, len: usize },
+    /// A buffer outside every range [`run_launch_within`] allows.
+    #[error("{buffer}: {bytes} bytes at {addr:#x} are not inside one live allocation")]
+    OutsideAllocation { buffer: &'static str, addr: u64, bytes: u64 },
+    /// A buffer that overlaps another of the same launch where one of them is written.
+    #[error(
+        "{buffer}: {bytes} bytes at {addr:#x} overlap another buffer of the launch that one of them writes"
+    )]
+    Aliased { buffer: &'static str, addr: u64, bytes: u64 },
 }
 
 type Result<T> = std::result::Result<T, HostKernelError>;
@@ -576,6 +585,7 @@ unsafe fn input<'a, T>(buffer: &'static str, addr: u64, len: usize) -> Result<&'
         return Ok(&[]);
     }
     check_address::<T>(buffer, addr, len)?;
+    claim::<T>(buffer, addr, len, false)?;
     // SAFETY: non-null, aligned and sized as checked; readable and unaliased by the caller's
     // promise.
     Ok(unsafe { std::slice::from_raw_parts(addr as usize as *const T, len) })
@@ -590,6 +600,7 @@ unsafe fn output<'a, T>(buffer: &'static str, addr: u64, len: usize) -> Result<&
         return Ok(&mut []);
     }
     check_address::<T>(buffer, addr, len)?;
+    claim::<T>(buffer, addr, len, true)?;
     // SAFETY: as `input`, and the caller promises no other reference covers the range.
     Ok(unsafe { std::slice::from_raw_parts_mut(addr as usize as *mut T, len) })
 }
@@ -604,7 +615,80 @@ fn check_address<T>(buffer: &'static str, addr: u64, len: usize) -> Result<()> {
     if bytes > isize::MAX as usize || (addr as usize).checked_add(bytes).is_none() {
         return Err(too_long());
     }
-    Ok(())
+    BOUNDS.with_borrow(|b| match b {
+        Some(b) if bytes > 0 && !b.contains(addr, bytes as u64) => {
+            Err(HostKernelError::OutsideAllocation { buffer, addr, bytes: bytes as u64 })
+        }
+        _ => Ok(()),
+    })
+}
+
+/// What [`run_launch_within`] lets the launch running on this thread touch, and the slices
+/// it has handed out so far.
+struct Bounds {
+    /// Allowed ranges `(base, bytes)`, sorted by base.
+    live: Vec<(u64, u64)>,
+    /// Slices handed out during this launch: `(start, end, written)`.
+    taken: Vec<(u64, u64, bool)>,
+}
+
+impl Bounds {
+    /// `addr .. addr + bytes` inside one allowed range (checked: no wrap).
+    fn contains(&self, addr: u64, bytes: u64) -> bool {
+        let i = self.live.partition_point(|&(base, _)| base <= addr);
+        i > 0 && {
+            let (base, len) = self.live[i - 1];
+            addr.checked_add(bytes).is_some_and(|end| base.checked_add(len).is_some_and(|top| end <= top))
+        }
+    }
+}
+
+thread_local! {
+    /// Set only while [`run_launch_within`] runs on this thread; the kernels are synchronous,
+    /// so every `input` / `output` of that launch sees it and no other launch does.
+    static BOUNDS: RefCell<Option<Bounds>> = const { RefCell::new(None) };
+}
+
+/// Record a slice about to be handed out; refuse it if it overlaps a slice of the same
+/// launch and either is written (two such slices would alias a `&mut`). Only under
+/// [`run_launch_within`].
+fn claim<T>(buffer: &'static str, addr: u64, len: usize, write: bool) -> Result<()> {
+    // Cannot overflow: `check_address` ran first.
+    let end = addr + (len * std::mem::size_of::<T>()) as u64;
+    BOUNDS.with_borrow_mut(|b| {
+        let Some(b) = b else { return Ok(()) };
+        if b.taken.iter().any(|&(s, e, w)| (w || write) && s < end && addr < e) {
+            return Err(HostKernelError::Aliased { buffer, addr, bytes: end - addr });
+        }
+        b.taken.push((addr, end, write));
+        Ok(())
+    })
+}
+
+/// [`run_launch`] that touches nothing outside `live` (`(base, bytes)` ranges): every buffer a
+/// kernel would read or write must lie inside one range ([`HostKernelError::OutsideAllocation`]
+/// otherwise), and no written buffer may overlap another buffer of the launch
+/// ([`HostKernelError::Aliased`]). The host backend passes its live allocations, so a launch
+/// naming any other address is an error, not a write through it.
+///
+/// # Safety
+/// Every range in `live` is memory the caller owns for the duration of the call: allocated,
+/// not freed, and not accessed by anything else while the launch runs.
+pub unsafe fn run_launch_within(launch: &Launch, mut live: Vec<(u64, u64)>) -> Result<()> {
+    /// Clears the bounds however the launch ends.
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            BOUNDS.set(None);
+        }
+    }
+    live.sort_unstable();
+    BOUNDS.set(Some(Bounds { live, taken: Vec::new() }));
+    let _reset = Reset;
+    // SAFETY: every slice the kernel takes is checked against `live` (owned by the caller, per
+    // this function's contract) and against the launch's other slices, which is what
+    // `run_launch` asks of its caller.
+    unsafe { run_launch(launch) }
 }
 
 /// Largest value of an indptr's first `n + 1` entries: the length its indices buffer needs.
@@ -877,8 +961,9 @@ unsafe fn run_row_scatter(a: &RowScatterArgs) -> Result<()> {
 /// # Safety
 /// See [`run_launch`].
 unsafe fn run_fill_runs(a: &FillRunsArgs) -> Result<()> {
-    // SAFETY: the descriptor array is covered by the caller.
-    let runs: &[FillRun] = unsafe { input("runs", a.runs, count(a.num_runs))? };
+    // SAFETY: the descriptor array is covered by the caller. Copied out, so a run that
+    // writes over the descriptor does not alias a live slice of it.
+    let runs: Vec<FillRun> = unsafe { input::<FillRun>("runs", a.runs, count(a.num_runs))? }.to_vec();
     // Check every run before writing any, so a bad descriptor writes nothing.
     for (i, r) in runs.iter().enumerate() {
         if r.dst % 4 != 0 || r.bytes % 4 != 0 {
@@ -888,10 +973,15 @@ unsafe fn run_fill_runs(a: &FillRunsArgs) -> Result<()> {
             .map_err(|_| HostKernelError::TooLong { buffer: "fill run", len: -1 })?;
         check_address::<u32>("fill run", r.dst, len)?;
     }
-    for r in runs {
+    for r in &runs {
         let len = (r.bytes / 4) as usize; // fits: checked above
-                                          // SAFETY: the caller covers each run; runs are written one at a time.
-        let words: &mut [u32] = unsafe { output("fill run", r.dst, len)? };
+        if len == 0 {
+            continue;
+        }
+        // SAFETY: the caller covers each run (checked non-null, aligned and, under
+        // `run_launch_within`, inside one allowed range above); runs are written one at a
+        // time and no other slice of the launch is alive, so overlapping runs do not alias.
+        let words: &mut [u32] = unsafe { std::slice::from_raw_parts_mut(r.dst as usize as *mut u32, len) };
         words.fill(r.pattern);
     }
     Ok(())
@@ -900,8 +990,9 @@ unsafe fn run_fill_runs(a: &FillRunsArgs) -> Result<()> {
 /// # Safety
 /// See [`run_launch`].
 unsafe fn run_copy_runs(a: &CopyRunsArgs) -> Result<()> {
-    // SAFETY: the descriptor array is covered by the caller.
-    let runs: &[CopyRun] = unsafe { input("runs", a.runs, count(a.num_runs))? };
+    // SAFETY: the descriptor array is covered by the caller. Copied out, so a run that
+    // writes over the descriptor does not alias a live slice of it.
+    let runs: Vec<CopyRun> = unsafe { input::<CopyRun>("runs", a.runs, count(a.num_runs))? }.to_vec();
     for (i, r) in runs.iter().enumerate() {
         let len =
             usize::try_from(r.bytes).map_err(|_| HostKernelError::TooLong { buffer: "copy run", len: -1 })?;
@@ -914,7 +1005,7 @@ unsafe fn run_copy_runs(a: &CopyRunsArgs) -> Result<()> {
             return Err(HostKernelError::CopyRunOverlap { run: i });
         }
     }
-    for r in runs {
+    for r in &runs {
         if r.bytes == 0 {
             continue;
         }
