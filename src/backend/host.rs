@@ -33,7 +33,8 @@
 
 use super::size::{range_end, to_usize, word_bytes};
 use super::{Backend, BackendError, BackendKind, DeviceAllocation, Stream};
-use crate::index::host::{run_launch_within, HostKernelError};
+use crate::index::bounds::run_launch_within;
+use crate::index::host::HostKernelError;
 use crate::index::{DevicePtr, Launch};
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::BTreeMap;

@@ -17,7 +17,6 @@ use super::{
     PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_CSA, CLASS_HCA,
 };
 use crate::geometry::WindowParams;
-use std::cell::RefCell;
 use thiserror::Error;
 
 /// Why a host kernel refused or stopped.
@@ -53,14 +52,28 @@ pub enum HostKernelError {
     RowWidth { buffer: &'static str, got: usize, expected: usize },
     #[error("CSA copies {stride} elements apart overlap a buffer of {len}")]
     CopiesOverlap { stride: i64, len: usize },
-    /// A buffer outside every range [`run_launch_within`] allows.
+    /// A buffer outside every range [`super::bounds::run_launch_within`] allows.
     #[error("{buffer}: {bytes} bytes at {addr:#x} are not inside one live allocation")]
-    OutsideAllocation { buffer: &'static str, addr: u64, bytes: u64 },
+    OutsideAllocation {
+        /// The kernel's name for the buffer.
+        buffer: &'static str,
+        /// Its first byte.
+        addr: u64,
+        /// Its length in bytes.
+        bytes: u64,
+    },
     /// A buffer that overlaps another of the same launch where one of them is written.
     #[error(
         "{buffer}: {bytes} bytes at {addr:#x} overlap another buffer of the launch that one of them writes"
     )]
-    Aliased { buffer: &'static str, addr: u64, bytes: u64 },
+    Aliased {
+        /// The kernel's name for the buffer.
+        buffer: &'static str,
+        /// Its first byte.
+        addr: u64,
+        /// Its length in bytes.
+        bytes: u64,
+    },
 }
 
 type Result<T> = std::result::Result<T, HostKernelError>;
@@ -585,7 +598,7 @@ unsafe fn input<'a, T>(buffer: &'static str, addr: u64, len: usize) -> Result<&'
         return Ok(&[]);
     }
     check_address::<T>(buffer, addr, len)?;
-    claim::<T>(buffer, addr, len, false)?;
+    super::bounds::claim(buffer, addr, len * std::mem::size_of::<T>(), false)?;
     // SAFETY: non-null, aligned and sized as checked; readable and unaliased by the caller's
     // promise.
     Ok(unsafe { std::slice::from_raw_parts(addr as usize as *const T, len) })
@@ -600,7 +613,7 @@ unsafe fn output<'a, T>(buffer: &'static str, addr: u64, len: usize) -> Result<&
         return Ok(&mut []);
     }
     check_address::<T>(buffer, addr, len)?;
-    claim::<T>(buffer, addr, len, true)?;
+    super::bounds::claim(buffer, addr, len * std::mem::size_of::<T>(), true)?;
     // SAFETY: as `input`, and the caller promises no other reference covers the range.
     Ok(unsafe { std::slice::from_raw_parts_mut(addr as usize as *mut T, len) })
 }
@@ -615,80 +628,7 @@ fn check_address<T>(buffer: &'static str, addr: u64, len: usize) -> Result<()> {
     if bytes > isize::MAX as usize || (addr as usize).checked_add(bytes).is_none() {
         return Err(too_long());
     }
-    BOUNDS.with_borrow(|b| match b {
-        Some(b) if bytes > 0 && !b.contains(addr, bytes as u64) => {
-            Err(HostKernelError::OutsideAllocation { buffer, addr, bytes: bytes as u64 })
-        }
-        _ => Ok(()),
-    })
-}
-
-/// What [`run_launch_within`] lets the launch running on this thread touch, and the slices
-/// it has handed out so far.
-struct Bounds {
-    /// Allowed ranges `(base, bytes)`, sorted by base.
-    live: Vec<(u64, u64)>,
-    /// Slices handed out during this launch: `(start, end, written)`.
-    taken: Vec<(u64, u64, bool)>,
-}
-
-impl Bounds {
-    /// `addr .. addr + bytes` inside one allowed range (checked: no wrap).
-    fn contains(&self, addr: u64, bytes: u64) -> bool {
-        let i = self.live.partition_point(|&(base, _)| base <= addr);
-        i > 0 && {
-            let (base, len) = self.live[i - 1];
-            addr.checked_add(bytes).is_some_and(|end| base.checked_add(len).is_some_and(|top| end <= top))
-        }
-    }
-}
-
-thread_local! {
-    /// Set only while [`run_launch_within`] runs on this thread; the kernels are synchronous,
-    /// so every `input` / `output` of that launch sees it and no other launch does.
-    static BOUNDS: RefCell<Option<Bounds>> = const { RefCell::new(None) };
-}
-
-/// Record a slice about to be handed out; refuse it if it overlaps a slice of the same
-/// launch and either is written (two such slices would alias a `&mut`). Only under
-/// [`run_launch_within`].
-fn claim<T>(buffer: &'static str, addr: u64, len: usize, write: bool) -> Result<()> {
-    // Cannot overflow: `check_address` ran first.
-    let end = addr + (len * std::mem::size_of::<T>()) as u64;
-    BOUNDS.with_borrow_mut(|b| {
-        let Some(b) = b else { return Ok(()) };
-        if b.taken.iter().any(|&(s, e, w)| (w || write) && s < end && addr < e) {
-            return Err(HostKernelError::Aliased { buffer, addr, bytes: end - addr });
-        }
-        b.taken.push((addr, end, write));
-        Ok(())
-    })
-}
-
-/// [`run_launch`] that touches nothing outside `live` (`(base, bytes)` ranges): every buffer a
-/// kernel would read or write must lie inside one range ([`HostKernelError::OutsideAllocation`]
-/// otherwise), and no written buffer may overlap another buffer of the launch
-/// ([`HostKernelError::Aliased`]). The host backend passes its live allocations, so a launch
-/// naming any other address is an error, not a write through it.
-///
-/// # Safety
-/// Every range in `live` is memory the caller owns for the duration of the call: allocated,
-/// not freed, and not accessed by anything else while the launch runs.
-pub unsafe fn run_launch_within(launch: &Launch, mut live: Vec<(u64, u64)>) -> Result<()> {
-    /// Clears the bounds however the launch ends.
-    struct Reset;
-    impl Drop for Reset {
-        fn drop(&mut self) {
-            BOUNDS.set(None);
-        }
-    }
-    live.sort_unstable();
-    BOUNDS.set(Some(Bounds { live, taken: Vec::new() }));
-    let _reset = Reset;
-    // SAFETY: every slice the kernel takes is checked against `live` (owned by the caller, per
-    // this function's contract) and against the launch's other slices, which is what
-    // `run_launch` asks of its caller.
-    unsafe { run_launch(launch) }
+    super::bounds::check(buffer, addr, bytes as u64)
 }
 
 /// Largest value of an indptr's first `n + 1` entries: the length its indices buffer needs.

@@ -1,9 +1,7 @@
 //! The HIP runtime and hiprtc, opened at run time with `libloading` (nothing of ROCm is
 //! linked), and the pinned staging ring's driver calls.
 
-use super::{
-    HipErr, Raw, HIP_ERROR_NOT_READY, HIP_ERROR_OUT_OF_MEMORY, HIP_EVENT_DISABLE_TIMING, HIP_SUCCESS, KIND,
-};
+use super::{HipErr, Raw, HIP_ERROR_OUT_OF_MEMORY, HIP_EVENT_DISABLE_TIMING, HIP_SUCCESS, KIND};
 use crate::backend::staging::StagingDriver;
 use crate::backend::BackendError;
 use crate::index::DevicePtr;
@@ -385,8 +383,8 @@ impl StagingDriver for HipStaging {
     unsafe fn event_done(&self, event: Raw) -> bool {
         // SAFETY: the caller's contract: a live event.
         let rc = unsafe { (self.0.event_query)(event) };
-        // HIP_ERROR_NOT_READY and failures alike are "not yet"; a wait reports a failure.
-        rc != HIP_ERROR_NOT_READY && rc == HIP_SUCCESS
+        // hipErrorNotReady and failures alike are "not yet"; a later wait reports a failure.
+        rc == HIP_SUCCESS
     }
 
     unsafe fn wait_event(&self, event: Raw) -> Result<(), BackendError> {

@@ -79,7 +79,6 @@ const HIP_SUCCESS: c_int = 0;
 const HIP_ERROR_OUT_OF_MEMORY: c_int = 2;
 const HIP_ERROR_NOT_FOUND: c_int = 500;
 const HIP_STREAM_NON_BLOCKING: c_uint = 1;
-const HIP_ERROR_NOT_READY: c_int = 600;
 const HIP_EVENT_DISABLE_TIMING: c_uint = 2;
 
 type Raw = *mut c_void;
