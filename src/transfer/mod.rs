@@ -1,0 +1,24 @@
+//! Moving a request's KV between pools, and out of HBM.
+//!
+//! * [`regions`] — the PD / offload transfer regions of `pool-runtime.md` §7 (what a KV
+//!   connector registers), exportable as `(address, length, item length)`.
+//! * [`engine`] — the [`TransferEngine`] interface another transfer library (NIXL, Mooncake)
+//!   can implement: register regions, post a list of `(src, dst, len)` spans, poll; span
+//!   coalescing; the in-process [`LocalEngine`].
+//! * [`handoff`] — prefill → decode handoff of one request between two pools: layout ids
+//!   compared first, the receiver's blocks and slot reserved all-or-nothing, the request's
+//!   blocks and whole slot sent as a few coalesced spans, the request rebound on the receiver.
+//! * [`nccl`] — the two-GPU engine over NCCL, loaded at run time.
+//! * [`host_tier`] — a host-memory (pinned on CUDA) tier that cached blocks and checkpoint
+//!   units spill to instead of being dropped, LRU within a byte budget.
+
+pub mod engine;
+pub mod handoff;
+pub mod host_tier;
+pub mod nccl;
+pub mod regions;
+
+pub use engine::{coalesce, LocalEngine, MemRegion, RegionId, Span, TransferEngine, TransferTicket};
+pub use handoff::{handoff, Endpoint, HandoffError, HandoffPlan, Rebound, RequestKv, WireShape};
+pub use host_tier::{HostTier, HostTierError};
+pub use regions::*;
