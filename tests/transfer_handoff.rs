@@ -251,3 +251,28 @@ fn a_failed_transfer_releases_the_reservation() {
         handoff(&mut engine, &Endpoint::new(&sender, &id), &Endpoint::new(&receiver, &id), &req).unwrap();
     assert_eq!(out.blocks.len(), 4);
 }
+
+#[test]
+fn exported_regions_name_the_pools_own_memory() {
+    let b: Arc<dyn Backend> = Arc::new(HostBackend::new());
+    let (pool, _) = v4_pool(b, &ModelShape::v4_flash(1).unwrap(), 6, 2);
+    let on = v4pool::transfer::TransferConfig { enabled: true, pipeline_parallel_size: 1 };
+    let regions = v4pool::transfer::exported_regions(&pool, &on).unwrap();
+    let g = pool.geometry().unwrap();
+    let n_csa = pool.spec().csa_layers.len();
+    assert_eq!(regions.len(), 2 + n_csa + 2);
+    for p in 0..2 {
+        let (role, r) = &regions[p];
+        assert_eq!(role, v4pool::transfer::PLANE_ROLES[p]);
+        assert_eq!(r.addr, pool.plane_ptr(p).unwrap());
+        assert_eq!((r.len, r.item_len), (6 * r.item_len, g.block_bytes(pool.spec().plane_widths[p])));
+        // Slot region: the lowest live slot's start, whole slots as items.
+        let (_, s) = &regions[2 + n_csa + p];
+        let low = g.slot_span(g.physical_slot(1).unwrap()).unwrap().0 as u64;
+        assert_eq!(s.addr, pool.plane_ptr(p).unwrap() + low * pool.spec().plane_widths[p]);
+        assert_eq!((s.len, s.item_len), (2 * s.item_len, g.slot_bytes(pool.spec().plane_widths[p])));
+    }
+    let (_, ix) = &regions[2 + n_csa - 1];
+    let pb = ix.item_len;
+    assert_eq!(ix.addr, pool.indexer_ptr().unwrap() + (n_csa as u64 - 1) * pool.indexer_blocks() * pb);
+}

@@ -22,3 +22,19 @@ pub use engine::{coalesce, LocalEngine, MemRegion, RegionId, Span, TransferEngin
 pub use handoff::{handoff, Endpoint, HandoffError, HandoffPlan, Rebound, RequestKv, WireShape};
 pub use host_tier::{HostTier, HostTierError};
 pub use regions::*;
+
+/// The §7 regions of `pool` at its current split, exported as `(role, (address, length,
+/// item length))` for an engine's own registration: block regions, then slot regions.
+/// Re-export after every boundary move (the slot base moves with the split).
+pub fn exported_regions(
+    pool: &crate::pool::Pool,
+    config: &TransferConfig,
+) -> Result<Vec<(String, MemRegion)>, crate::pool::PoolError> {
+    let r = pool.transfer_regions(config)?;
+    let (planes, indexer) = (pool.plane_ptr(0)?, pool.indexer_ptr().unwrap_or(0));
+    Ok(r.block_regions
+        .iter()
+        .chain(&r.slot_regions)
+        .map(|x| (x.role.clone(), x.export(planes, indexer)))
+        .collect())
+}
