@@ -233,6 +233,9 @@ pub struct Rebound {
     pub spans: usize,
     /// Bytes moved.
     pub bytes: u64,
+    /// Wall time from posting the spans to their completion (the byte movement alone,
+    /// without the handshake and the reservation).
+    pub transfer_time: std::time::Duration,
 }
 
 impl Rebound {
@@ -368,21 +371,23 @@ pub fn handoff(
             // pools' streams: both must be done before the engine reads or overwrites.
             sp.backend().synchronize(sp.stream()).map_err(PoolError::from)?;
             rp.backend().synchronize(rp.stream()).map_err(PoolError::from)?;
+            let started = std::time::Instant::now();
             let ticket = engine.post(&plan.spans)?;
             engine.wait(ticket)?;
-            Ok(plan)
+            Ok((plan, started.elapsed()))
         })();
         deregister(engine, &s);
         deregister(engine, &r);
         moved
     })();
     match result {
-        Ok(plan) => Ok(Rebound {
+        Ok((plan, transfer_time)) => Ok(Rebound {
             blocks,
             slot,
             context_len: request.context_len,
             spans: plan.spans.len(),
             bytes: plan.bytes,
+            transfer_time,
         }),
         Err(e) => {
             release(rp, slot.handle, &blocks);

@@ -126,19 +126,11 @@ struct Entry {
     stamp: u64,
 }
 
-/// Host memory of the tier: page-locked on CUDA, ordinary elsewhere.
+/// Host memory of the tier: page-locked on CUDA (copied by DMA on the tier's own stream),
+/// ordinary elsewhere (copied through the backend).
 enum Storage {
     Heap(Vec<u8>),
-    Pinned(pinned::PinnedBuf),
-}
-
-impl Storage {
-    fn bytes(&mut self) -> &mut [u8] {
-        match self {
-            Storage::Heap(v) => v,
-            Storage::Pinned(p) => p.as_mut_slice(),
-        }
-    }
+    Pinned(pinned::PinnedBuf, pinned::DmaStream),
 }
 
 /// The host tier, keyed by `K` (a block hash, a checkpoint hash). See the module docs.
@@ -161,7 +153,7 @@ impl<K> std::fmt::Debug for HostTier<K> {
             .field("unit_bytes", &self.unit_bytes)
             .field("capacity_units", &self.capacity)
             .field("entries", &self.entries.len())
-            .field("pinned", &matches!(self.storage, Storage::Pinned(_)))
+            .field("pinned", &matches!(self.storage, Storage::Pinned(..)))
             .finish()
     }
 }
@@ -175,7 +167,8 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
         let capacity = budget_bytes.checked_div(unit_bytes).unwrap_or(0);
         let bytes = capacity * unit_bytes;
         let storage = if pool.backend().kind() == BackendKind::Cuda {
-            Storage::Pinned(pinned::PinnedBuf::new(bytes)?)
+            let dma = pinned::DmaStream::for_pointer(pool.plane_ptr(0)?)?;
+            Storage::Pinned(pinned::PinnedBuf::new(bytes)?, dma)
         } else {
             let n = usize::try_from(bytes)
                 .map_err(|_| HostTierError::Pinned { bytes, message: "exceeds the address space".into() })?;
@@ -302,14 +295,17 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
         // The pool's stream may still be writing these blocks; downloads wait for it.
         let mut done = 0usize;
         let result = (|| {
+            self.begin(pool)?;
             for &(first, cells) in &extents {
                 let chunk = &ids[done..done + cells as usize];
                 self.copy_extent(pool, &parts, first, chunk, true)?;
                 done += cells as usize;
             }
-            Ok::<(), HostTierError>(())
+            self.finish(pool)
         })();
         if let Err(e) = result {
+            // Copies already queued must finish before the cells can be handed out again.
+            let _ = self.finish(pool);
             for (first, cells) in extents {
                 self.release_cells(first, cells);
             }
@@ -368,19 +364,42 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
         let extents = e.extents.clone();
         let ids: Vec<u32> = blocks.iter().map(|b| b.id).collect();
         let mut done = 0usize;
-        for (first, cells) in extents {
-            self.copy_extent(pool, &parts, first, &ids[done..done + cells as usize], false)?;
-            done += cells as usize;
-        }
+        let queued = self.begin(pool).and_then(|()| {
+            for (first, cells) in extents {
+                self.copy_extent(pool, &parts, first, &ids[done..done + cells as usize], false)?;
+                done += cells as usize;
+            }
+            Ok(())
+        });
         // Uploads from page-locked memory are asynchronous: the cells may be reused as soon
-        // as the entry is gone, so wait for them here.
-        pool.backend().synchronize(pool.stream()).map_err(PoolError::from)?;
+        // as the entry is gone, so wait for them here (also after a failed enqueue).
+        let finished = self.finish(pool);
+        queued.and(finished)?;
         self.evict(key);
         Ok(())
     }
 
-    /// Copy one extent (cells from `first`, one per id in `ids`) between host and pool,
-    /// one copy per part per run of consecutive ids.
+    /// Before copies: the pool's queued work on the units (writes, relocations, slot
+    /// initialisation) must be done before the tier's own stream reads or overwrites them.
+    fn begin(&self, pool: &Pool) -> Result<(), HostTierError> {
+        if let Storage::Pinned(..) = self.storage {
+            pool.backend().synchronize(pool.stream()).map_err(PoolError::from)?;
+        }
+        Ok(())
+    }
+
+    /// After copies: wait for them (DMA on the tier's stream, or the pool's stream).
+    fn finish(&self, pool: &Pool) -> Result<(), HostTierError> {
+        match &self.storage {
+            Storage::Pinned(_, dma) => dma.synchronize(),
+            Storage::Heap(_) => Ok(pool.backend().synchronize(pool.stream()).map_err(PoolError::from)?),
+        }
+    }
+
+    /// Queue the copies of one extent (cells from `first`, one per id in `ids`) between host
+    /// and pool: one copy per part per run of consecutive ids. Page-locked storage copies by
+    /// DMA on the tier's stream (large asynchronous copies at link speed, not through the
+    /// backend's staging ring); ordinary storage through the backend.
     fn copy_extent(
         &mut self,
         pool: &Pool,
@@ -394,7 +413,10 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
         let backend = pool.backend().clone();
         let stream: Stream = pool.stream();
         let runs = id_runs(ids);
-        let buf = self.storage.bytes();
+        let (buf, dma) = match &mut self.storage {
+            Storage::Heap(v) => (v.as_mut_slice(), None),
+            Storage::Pinned(p, d) => (p.as_mut_slice(), Some(&*d)),
+        };
         for part in parts {
             for &(i, id, count) in &runs {
                 let at = host + i * part.bytes as usize;
@@ -402,12 +424,14 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
                 let dev = part.base + u64::from(id) * part.stride;
                 // SAFETY: `id .. id + count` are blocks of this pool (handles checked), so
                 // `dev .. dev + count × bytes` lies inside the part's plane or indexer layer;
-                // `slice` is a disjoint host buffer owned by the tier.
+                // `slice` is a disjoint host buffer owned by the tier, not touched again until
+                // `finish` has waited for the copy.
                 unsafe {
-                    if to_host {
-                        backend.download(slice, dev, stream).map_err(PoolError::from)?;
-                    } else {
-                        backend.upload(dev, slice, stream).map_err(PoolError::from)?;
+                    match (dma, to_host) {
+                        (Some(d), true) => d.download(slice, dev)?,
+                        (Some(d), false) => d.upload(dev, slice)?,
+                        (None, true) => backend.download(slice, dev, stream).map_err(PoolError::from)?,
+                        (None, false) => backend.upload(dev, slice, stream).map_err(PoolError::from)?,
                     }
                 }
             }
@@ -508,6 +532,103 @@ mod pinned {
             }
         }
         Ok(())
+    }
+
+    /// A stream of its own on the device that owns the pool's memory, for the tier's copies.
+    pub struct DmaStream {
+        ctx: sys::CUcontext,
+        stream: sys::CUstream,
+    }
+
+    // SAFETY: driver handles usable from any thread; the tier uses them through `&self` /
+    // `&mut self` of its owner, one call at a time.
+    unsafe impl Send for DmaStream {}
+    // SAFETY: as above; the driver's stream calls are thread-safe.
+    unsafe impl Sync for DmaStream {}
+
+    fn cu(call: &str, r: sys::CUresult) -> Result<(), HostTierError> {
+        if r == sys::CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(err(0, format!("{call}: {r:?}")))
+        }
+    }
+
+    impl DmaStream {
+        /// A stream on the device holding device address `ptr`.
+        pub fn for_pointer(ptr: u64) -> Result<DmaStream, HostTierError> {
+            bind(0)?;
+            let mut ordinal: std::ffi::c_int = 0;
+            let (mut dev, mut ctx, mut stream) = (0, std::ptr::null_mut(), std::ptr::null_mut());
+            // SAFETY: a context is current; plain out-pointers; `ptr` is only queried.
+            unsafe {
+                cu(
+                    "cuPointerGetAttribute",
+                    sys::cuPointerGetAttribute(
+                        (&mut ordinal as *mut std::ffi::c_int).cast(),
+                        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                        ptr,
+                    ),
+                )?;
+                cu("cuDeviceGet", sys::cuDeviceGet(&mut dev, ordinal))?;
+                cu("cuDevicePrimaryCtxRetain", sys::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
+                cu("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx))?;
+                cu(
+                    "cuStreamCreate",
+                    sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
+                )?;
+            }
+            Ok(DmaStream { ctx, stream })
+        }
+
+        /// Queue a host-to-device copy.
+        ///
+        /// # Safety
+        /// `dst .. dst + src.len()` is live device memory; `src` is page-locked and stays
+        /// untouched until [`DmaStream::synchronize`].
+        pub unsafe fn upload(&self, dst: u64, src: &[u8]) -> Result<(), HostTierError> {
+            // SAFETY: the caller's promise; our own context and stream.
+            unsafe {
+                cu("cuCtxSetCurrent", sys::cuCtxSetCurrent(self.ctx))?;
+                cu(
+                    "cuMemcpyHtoDAsync",
+                    sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), self.stream),
+                )
+            }
+        }
+
+        /// Queue a device-to-host copy.
+        ///
+        /// # Safety
+        /// `src .. src + dst.len()` is live device memory; `dst` is page-locked and not read
+        /// until [`DmaStream::synchronize`].
+        pub unsafe fn download(&self, dst: &mut [u8], src: u64) -> Result<(), HostTierError> {
+            // SAFETY: the caller's promise; our own context and stream.
+            unsafe {
+                cu("cuCtxSetCurrent", sys::cuCtxSetCurrent(self.ctx))?;
+                cu(
+                    "cuMemcpyDtoHAsync",
+                    sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src, dst.len(), self.stream),
+                )
+            }
+        }
+
+        /// Wait for every queued copy.
+        pub fn synchronize(&self) -> Result<(), HostTierError> {
+            // SAFETY: our own context and stream.
+            unsafe {
+                cu("cuCtxSetCurrent", sys::cuCtxSetCurrent(self.ctx))?;
+                cu("cuStreamSynchronize", sys::cuStreamSynchronize(self.stream))
+            }
+        }
+    }
+
+    impl Drop for DmaStream {
+        fn drop(&mut self) {
+            let _ = self.synchronize();
+            // SAFETY: idle after the synchronize; destroyed once.
+            unsafe { sys::cuStreamDestroy_v2(self.stream) };
+        }
     }
 
     impl PinnedBuf {
