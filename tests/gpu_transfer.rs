@@ -18,12 +18,11 @@ use transfer_common::*;
 use v4pool::backend::cuda::{self, CudaBackend};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, Stream};
-use v4pool::index::{CLASS_CSA, CLASS_DENSE, CLASS_HCA};
 use v4pool::model::ModelShape;
-use v4pool::pool::{DecodeCapacity, DecodeIndexBuffers, DecodeSeq, Pool};
+use v4pool::pool::{DecodeBuffer, DecodeCapacity, DecodeIndexBuffers, DecodeSeq, Pool};
 use v4pool::transfer::nccl::{self, NcclEngine};
 use v4pool::transfer::{handoff, Endpoint, LocalEngine, Rebound, RequestKv, TransferEngine};
-use v4pool::{CSA_RATIO, DENSE_RATIO, HCA_RATIO};
+use v4pool::Class;
 
 const TOKENS: [i64; 3] = [8 << 10, 128 << 10, 1 << 20];
 const POISON: u32 = 0xa5c3_5a3c;
@@ -40,6 +39,7 @@ fn nccl_env() {
 
 /// Fill every byte of `pool` with `POISON` (device fill).
 fn poison(pool: &Pool) {
+    assert_ne!(POISON, 0);
     for (addr, len) in all_ranges(pool) {
         // SAFETY: the pool's own planes and indexer; lengths are multiples of 4 (row widths
         // and indexer blocks are).
@@ -113,8 +113,9 @@ fn untouched_outside(pool: &Pool, out: &Rebound) -> (u64, u64) {
     (poisoned, words)
 }
 
-/// The decode step's index buffers for the rebound request on `backend`, read back.
-fn decode_build(backend: &dyn Backend, pool: &Pool, out: &Rebound) -> Vec<Vec<u8>> {
+/// The decode step's index buffers for the rebound request, built on `backend` (the
+/// receiving GPU, or the host reference) with the receiver's geometry, read back.
+fn decode_build(backend: Arc<dyn Backend>, pool: &Pool, out: &Rebound) -> Vec<Vec<i32>> {
     let g = pool.geometry().unwrap();
     let table = out.block_ids();
     let cap = DecodeCapacity {
@@ -123,32 +124,23 @@ fn decode_build(backend: &dyn Backend, pool: &Pool, out: &Rebound) -> Vec<Vec<u8
         max_blocks_per_seq: table.len(),
         win: 128,
         index_topk: 2048,
-        csa_layers: 1,
     };
-    let mut bufs = DecodeIndexBuffers::new(backend, &g, cap).unwrap();
+    let mut bufs = DecodeIndexBuffers::new(backend, Stream::DEFAULT, &g, cap).unwrap();
     let seq = DecodeSeq {
         position: out.slot.position,
         context_len: out.context_len as i64,
         num_tokens: 1,
         block_table: &table,
     };
-    bufs.stage(backend, &[seq], Stream::DEFAULT).unwrap();
+    bufs.stage(&[seq]).unwrap();
+    bufs.build().unwrap();
     let mut got = Vec::new();
-    // SAFETY: the buffers' own pointers; the download waits for the launch.
-    unsafe {
-        backend.launch(&bufs.launch(), Stream::DEFAULT).unwrap();
-        for c in [CLASS_DENSE, CLASS_CSA, CLASS_HCA] {
-            if g.class([DENSE_RATIO, CSA_RATIO, HCA_RATIO][c]).is_none() {
-                continue;
-            }
-            let (ptr, n) = bufs.indices(c, 0);
-            for (p, n) in [(ptr, n * 4), (bufs.indptr(c), 8), (bufs.dest_rows(c), 4)] {
-                let mut b = vec![0u8; n as usize];
-                backend.download(&mut b, p, Stream::DEFAULT).unwrap();
-                got.push(b);
-            }
+    for c in Class::ALL.into_iter().filter(|&c| bufs.has_class(c)) {
+        for which in [DecodeBuffer::Indices(c), DecodeBuffer::Indptr(c), DecodeBuffer::DestRows(c)] {
+            got.push(bufs.read_i32(which).unwrap());
         }
     }
+    assert!(!got.is_empty());
     got
 }
 
@@ -175,9 +167,8 @@ fn check_case(
     let (poisoned, words) = untouched_outside(receiver, out);
     assert_eq!(poisoned, words, "{name} {tokens}: receiver bytes outside the request changed");
     // The decode index build on the receiving device equals the host reference.
-    let host = HostBackend::new();
-    let dev = decode_build(receiver.backend().as_ref(), receiver, out);
-    let reference = decode_build(&host, receiver, out);
+    let dev = decode_build(receiver.backend().clone(), receiver, out);
+    let reference = decode_build(Arc::new(HostBackend::new()), receiver, out);
     assert!(dev == reference, "{name} {tokens}: decode index build differs from the host reference");
     println!(
         "{name}: {tokens} tokens, {} blocks, {} spans, {:.1} MiB in {:.2} ms ({:.1} GB/s incl. handshake); \
@@ -190,8 +181,8 @@ fn check_case(
     );
 }
 
-fn run_sizes(name: &str, make: &dyn Fn(i64) -> (Pool, Pool, String, Box<dyn TransferEngine>)) {
-    for (i, tokens) in TOKENS.into_iter().enumerate() {
+fn run_sizes(name: &str, sizes: &[i64], make: &dyn Fn(i64) -> (Pool, Pool, String, Box<dyn TransferEngine>)) {
+    for (i, &tokens) in sizes.iter().enumerate() {
         let mut rng = Rng::new(case_seed(name, i as u64));
         let (sender, receiver, id, mut engine) = make(tokens);
         poison(&receiver);
@@ -230,7 +221,7 @@ fn nccl_handoff_gpu0_to_gpu1() {
     println!("NCCL version {:?}", nccl::version());
     let gpu1 = CudaBackend::new(1).unwrap();
     let model = ModelShape::v4_flash(1).unwrap();
-    run_sizes("nccl", &|tokens| {
+    run_sizes("nccl", &TOKENS, &|tokens| {
         let (s, id) = v4_pool(Arc::new(gpu0.clone()), &model, blocks_for(tokens), 2);
         let (r, _) = v4_pool(Arc::new(gpu1.clone()), &model, blocks_for(tokens), 2);
         let e = NcclEngine::new(&gpu0, &gpu1).unwrap();
@@ -255,10 +246,19 @@ fn nccl_handoff_gpu0_to_gpu1() {
 
 #[test]
 fn local_handoff_on_one_gpu() {
-    let Some(gpu0) = cuda_or_skip("local_handoff_on_one_gpu") else { return };
+    // `V4POOL_TEST_DEVICE=host`: a dry run of this test's checks on the host backend at the
+    // smallest size (the harness itself, on a machine without a GPU).
+    let dry = std::env::var("V4POOL_TEST_DEVICE").is_ok_and(|v| v == "host");
+    let b: Arc<dyn Backend> = if dry {
+        println!("DRY RUN: local_handoff_on_one_gpu on the host backend, 8K tokens only");
+        Arc::new(HostBackend::new())
+    } else {
+        let Some(gpu0) = cuda_or_skip("local_handoff_on_one_gpu") else { return };
+        Arc::new(gpu0)
+    };
     let model = ModelShape::v4_flash(1).unwrap();
-    let b: Arc<dyn Backend> = Arc::new(gpu0);
-    run_sizes("local-1gpu", &|tokens| {
+    let sizes: &[i64] = if dry { &TOKENS[..1] } else { &TOKENS };
+    run_sizes("local-1gpu", sizes, &|tokens| {
         let (s, id) = v4_pool(b.clone(), &model, blocks_for(tokens), 2);
         let (r, _) = v4_pool(b.clone(), &model, blocks_for(tokens), 2);
         let e = LocalEngine::new(b.clone(), b.clone(), Stream::DEFAULT);

@@ -229,6 +229,14 @@ impl Registry {
                 return Err(EngineError::Overlap { addr: w[1].0 });
             }
         }
+        // No span may read bytes another span writes (local and remote regions registered
+        // over the same memory): the result would depend on the order of the copies.
+        for &(src, _, len) in out.iter().filter(|r| r.2 > 0) {
+            let i = dsts.partition_point(|d| d.0 + d.1 <= src);
+            if dsts.get(i).is_some_and(|d| d.0 < src + len) {
+                return Err(EngineError::Overlap { addr: dsts[i].0.max(src) });
+            }
+        }
         Ok(out)
     }
 }
@@ -361,6 +369,12 @@ mod tests {
         assert!(matches!(r.resolve(&[Span { src: b, dst: a, ..ok }]), Err(EngineError::WrongSide { .. })));
         let twice = [Span { len: 10, ..ok }, Span { src_off: 50, dst_off: 25, len: 10, ..ok }];
         assert!(matches!(r.resolve(&twice), Err(EngineError::Overlap { addr: 5025 })));
+        // A remote region over the local one's memory: a span reading what another writes.
+        let alias = r.insert(Side::Remote, MemRegion { addr: 1000, len: 100, item_len: 10 });
+        let a_to_alias = Span { src: a, dst: alias, src_off: 0, dst_off: 50, len: 10 };
+        let reads_written = Span { src: a, dst: b, src_off: 45, dst_off: 0, len: 10 };
+        assert!(matches!(r.resolve(&[a_to_alias, reads_written]), Err(EngineError::Overlap { addr: 1050 })));
+        assert!(r.resolve(&[a_to_alias, Span { src_off: 60, ..reads_written }]).is_ok());
         r.remove(a).unwrap();
         assert!(matches!(r.resolve(&[ok]), Err(EngineError::UnknownRegion(RegionId(0)))));
         assert!(r.remove(a).is_err());

@@ -12,6 +12,8 @@
 //! * [`host_tier`] — a host-memory (pinned on CUDA) tier that cached blocks and checkpoint
 //!   units spill to instead of being dropped, LRU within a byte budget.
 
+#![warn(missing_docs)]
+
 pub mod engine;
 pub mod handoff;
 pub mod host_tier;
