@@ -41,7 +41,7 @@ fn request(pool: &Pool, n: usize, rng: &mut Rng) -> RequestKv {
     }
     let r = slot_ranges(pool, slot.position);
     write(pool, &r, &rng.bytes(total(&r)));
-    RequestKv { blocks, slot: slot.handle, context_len: n as u64 * 256 - 17 }
+    RequestKv { blocks, slot: slot.handle, context_len: (n as u64 * 256).saturating_sub(17) }
 }
 
 fn poison(pool: &Pool, rng: &mut Rng) {
@@ -275,4 +275,78 @@ fn exported_regions_name_the_pools_own_memory() {
     let (_, ix) = &regions[2 + n_csa - 1];
     let pb = ix.item_len;
     assert_eq!(ix.addr, pool.indexer_ptr().unwrap() + (n_csa as u64 - 1) * pool.indexer_blocks() * pb);
+}
+
+/// A live request in the model: where it is and what its blocks and slot must hold.
+struct Held {
+    req: RequestKv,
+    bytes: Vec<u8>,
+}
+
+fn held_bytes(pool: &Pool, req: &RequestKv) -> Vec<u8> {
+    let mut r = Vec::new();
+    for b in &req.blocks {
+        r.extend(block_ranges(pool, b.id));
+    }
+    r.extend(slot_ranges(pool, pool.slot_position(req.slot).unwrap()));
+    read(pool, &r)
+}
+
+/// Random sequences of new requests and handoffs back and forth between two pools (the
+/// sender frees what it handed off): after every step every live request on either pool
+/// holds exactly its bytes, and refused handoffs change no count.
+fn ping_pong(steps: Vec<(usize, bool, u64)>) {
+    let model = ModelShape::v4_flash(1).unwrap();
+    let b: Arc<dyn Backend> = Arc::new(HostBackend::new());
+    let (p0, id) = v4_pool(b.clone(), &model, 8, 2);
+    let (p1, _) = v4_pool(b.clone(), &model, 6, 2);
+    let pools = [&p0, &p1];
+    let mut live: [Vec<Held>; 2] = [Vec::new(), Vec::new()];
+    let mut engine = LocalEngine::new(b.clone(), b, Stream::DEFAULT);
+    for (n, from_one, seed) in steps {
+        let from = usize::from(from_one);
+        let (s, r) = (pools[from], pools[1 - from]);
+        let mut rng = Rng::new(seed);
+        if live[from].is_empty() || seed % 3 == 0 {
+            // A new request on the sender, if it has room.
+            let c = s.counts().unwrap();
+            if c.free_slots > 0 && c.free_blocks as usize >= n {
+                let req = request(s, n, &mut rng);
+                let bytes = held_bytes(s, &req);
+                live[from].push(Held { req, bytes });
+            }
+            continue;
+        }
+        let i = (seed as usize / 3) % live[from].len();
+        let before = r.counts().unwrap();
+        match handoff(&mut engine, &Endpoint::new(s, &id), &Endpoint::new(r, &id), &live[from][i].req) {
+            Ok(out) => {
+                let h = live[from].swap_remove(i);
+                for blk in &h.req.blocks {
+                    s.free_block(*blk).unwrap();
+                }
+                s.free_slot(h.req.slot).unwrap();
+                let req =
+                    RequestKv { blocks: out.blocks, slot: out.slot.handle, context_len: out.context_len };
+                live[1 - from].push(Held { req, bytes: h.bytes });
+            }
+            Err(HandoffError::NoRoom { .. }) => assert_nothing_new(r, before),
+            Err(e) => panic!("{e}"),
+        }
+        for (p, held) in pools.iter().zip(&live) {
+            for h in held {
+                assert!(held_bytes(p, &h.req) == h.bytes, "a live request's bytes changed");
+            }
+        }
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 12, ..Default::default() })]
+    #[test]
+    fn handoffs_back_and_forth_lose_nothing(
+        steps in proptest::collection::vec((0usize..5, proptest::bool::ANY, proptest::prelude::any::<u64>()), 1..14)
+    ) {
+        ping_pong(steps);
+    }
 }
