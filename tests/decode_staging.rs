@@ -480,3 +480,12 @@ fn prefill_path_writes_what_the_geometry_says() {
     // SAFETY: the host backend ran the pack already; nothing uses the allocation.
     unsafe { pool.backend().free(topk) };
 }
+
+/// Bindings hold the handles as `'static` objects and may move them across threads.
+#[test]
+fn handles_are_static_send_and_sync() {
+    fn check<T: Send + Sync + 'static>() {}
+    check::<DecodePath>();
+    check::<v4pool::pool::PrefillPath>();
+    check::<Arc<Pool>>();
+}
