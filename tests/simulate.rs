@@ -6,9 +6,9 @@ use std::process::Command;
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, Stream};
-use v4pool::cli::simulate::{simulate, workload, Mix, SimConfig, SplitPolicy};
 use v4pool::model::ModelShape;
 use v4pool::pool::{Pool, PoolSpec};
+use v4pool::sim::{simulate, Mix, RequestSpec, SimConfig, SplitPolicy};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest};
 
 fn pool(budget: u64, seqs: i64) -> Pool {
@@ -27,14 +27,13 @@ fn both_policies_run_the_same_workload_and_release_everything() {
         max_seqs: 8,
         elastic_max_seqs: 24,
         max_context: 1 << 16,
-        progress: false,
         ..SimConfig::default()
     };
-    let requests = workload(&cfg);
+    let requests: Vec<RequestSpec> = cfg.workload().collect();
     let mut reports = Vec::new();
     for policy in [SplitPolicy::Elastic, SplitPolicy::Fixed] {
         let pool = pool(1 << 30, cfg.max_seqs as i64);
-        let r = simulate(&pool, &cfg, policy, &requests).unwrap();
+        let r = simulate(&pool, &cfg, policy, requests.iter().copied()).unwrap();
         let c = pool.counts().unwrap();
         assert_eq!(c.free_blocks, c.num_blocks, "{policy:?} leaked blocks");
         assert_eq!(c.free_slots, c.num_slots, "{policy:?} leaked slots");
