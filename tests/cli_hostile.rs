@@ -13,7 +13,7 @@ use std::time::Duration;
 const LIMIT: Duration = Duration::from_secs(60);
 
 fn refused(what: &str, r: &Run) {
-    check_contract(what, r);
+    check_contract(what, r, Out::Capture);
     assert_eq!(r.code, Some(2), "{what}: {r:?}");
 }
 
@@ -53,7 +53,7 @@ fn a_closed_stdout_ends_quietly() {
         [big, os(&["help"]), os(&["plan", "--model", "v4-flash", "--budget", "8GiB", "--max-seqs", "8"])]
     {
         let r = v4pool(&args, Out::Closed, LIMIT);
-        check_contract("closed stdout", &r);
+        check_contract("closed stdout", &r, Out::Closed);
         assert_eq!(r.code, Some(0), "{args:?}: {r:?}");
         assert_eq!(r.stderr, "", "{args:?}: a closed pipe is not an error to report");
     }
@@ -65,12 +65,14 @@ fn a_full_stdout_is_one_line_on_stderr() {
         [os(&["help"]), os(&["layout", "--ratios", "4,128", "--blocks", "1", "--slots", "1", "--ring", "7"])]
     {
         let r = v4pool(&args, Out::Full, LIMIT);
-        refused("/dev/full", &r);
+        check_contract("/dev/full", &r, Out::Full);
+        assert_eq!(r.code, Some(2));
         assert!(r.stderr.contains("cannot write output"), "{r:?}");
     }
     // A failure that would go to stdout as JSON comes out on stderr instead.
     let r = v4pool(&os(&["layout", "--nope", "--json"]), Out::Full, LIMIT);
-    refused("/dev/full with --json", &r);
+    check_contract("/dev/full with --json", &r, Out::Full);
+    assert_eq!(r.code, Some(2));
 }
 
 /// A config path that is not a small regular file is refused at once (no hang on a FIFO,
@@ -152,6 +154,6 @@ fn simulate_bounds_the_decode_buffers_by_the_budget() {
     refused("elastic-max-seqs beyond the plane", &r);
     assert!(r.stderr.contains("--elastic-max-seqs of 65536 is outside 4..="), "{r:?}");
     let ok = simulate(&["--json", "--max-context", "16777216"]);
-    check_contract("a small run", &ok);
+    check_contract("a small run", &ok, Out::Capture);
     assert_eq!(ok.code, Some(0), "{ok:?}");
 }
