@@ -59,48 +59,21 @@ const WORDS: [&str; 12] = [
     "nope",
 ];
 
-const LAYOUT: [&str; 13] = [
-    "--model",
-    "--ratios",
-    "--blocks",
-    "--slots",
-    "--ring",
-    "--block-size",
-    "--plane-rows",
-    "--arena-rows",
-    "--slot-positions",
-    "--slot-align-rows",
-    "--spec-steps",
-    "--draft-stages",
-    "--draft-mode",
-];
-const PLAN: [&str; 10] = [
-    "--model",
-    "--budget",
-    "--max-seqs",
-    "--dtype",
-    "--indexer",
-    "--spec-steps",
-    "--min-slots",
-    "--overhead",
-    "--draft-stages",
-    "--draft-mode",
-];
-const SIMULATE: [&str; 13] = [
-    "--model",
-    "--spec-steps",
-    "--max-seqs",
-    "--elastic-max-seqs",
-    "--dtype",
-    "--indexer",
-    "--mix",
-    "--rate",
-    "--seed",
-    "--prefill-chunk",
-    "--max-context",
-    "--policy",
-    "--svg",
-];
+/// The options a subcommand's `--help` names: the fuzz follows the CLI as it changes.
+fn options_of(command: &str) -> Vec<&'static str> {
+    let r = v4pool(&[command.into(), "--help".into()], Out::Capture, Duration::from_secs(30));
+    assert_eq!(r.code, Some(0), "{command} --help: {r:?}");
+    let mut found: Vec<&'static str> = r
+        .stdout
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+        .filter(|w| w.starts_with("--") && w.len() > 2)
+        .map(|w| &*Box::leak(w.to_string().into_boxed_str()))
+        .collect();
+    found.sort_unstable();
+    found.dedup();
+    assert!(found.len() > 3, "{command} --help names too few options: {found:?}");
+    found
+}
 
 /// Hostile files, made once per run of the test.
 struct Files {
@@ -174,13 +147,13 @@ fn value(rng: &mut Rng, key: &str, files: &Files) -> OsString {
 }
 
 /// One random argument list.
-fn case(rng: &mut Rng, files: &Files) -> Vec<OsString> {
+fn case(rng: &mut Rng, files: &Files, options: &[Vec<&'static str>; 3]) -> Vec<OsString> {
     let command = pick(rng, &["layout", "layout", "plan", "plan", "simulate", "simulate", "help", "bogus"]);
     let mut args = vec![OsString::from(command)];
     let options: &[&str] = match command {
-        "layout" => &LAYOUT,
-        "plan" => &PLAN,
-        _ => &SIMULATE,
+        "layout" => &options[0],
+        "plan" => &options[1],
+        _ => &options[2],
     };
     if command == "simulate" {
         // Small, host-only runs: the fuzz is after the parser and the refusals, not the
@@ -215,10 +188,11 @@ fn hostile_command_lines_never_panic_and_fail_in_one_line() {
     let cases: u64 = std::env::var("V4POOL_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(200);
     let seed: u64 = std::env::var("V4POOL_FUZZ_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
     let files = Files::new();
+    let options = ["layout", "plan", "simulate"].map(options_of);
     let mut rng = Rng::new(seed);
     let mut by_status = [0u32; 3];
     for i in 0..cases {
-        let args = case(&mut rng, &files);
+        let args = case(&mut rng, &files, &options);
         let out = match rng.range(0, 6) {
             0 => Out::Full,
             1 => Out::Closed,

@@ -1,6 +1,6 @@
 //! The step loop. Each step: arrivals join the queue, admission (FIFO), chunked prefill,
 //! decode, preemption when stalled, the decode index build, completion, and (elastic) idle
-//! slots given back. The decisions live in [`super::policy`]; this file only sequences
+//! slots given back. The decisions live in `policy.rs`; this file only sequences
 //! them and keeps the figures.
 
 use super::policy::{self, Fleet, Moves, Running};
