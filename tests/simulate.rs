@@ -14,11 +14,11 @@ use v4pool::sim::{
 };
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest};
 
-fn pool(budget: u64, seqs: i64) -> Pool {
+fn pool(budget: u64, seqs: i64) -> Arc<Pool> {
     let model = ModelShape::v4_flash(0).unwrap();
     let p = plan(&model, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, seqs, budget)).unwrap();
     let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
-    Pool::new(backend, PoolSpec::from_plan(&p).unwrap(), Stream::DEFAULT).unwrap()
+    Arc::new(Pool::new(backend, PoolSpec::from_plan(&p).unwrap(), Stream::DEFAULT).unwrap())
 }
 
 #[test]

@@ -11,8 +11,16 @@
 //! stream); views and index-buffer addresses are plain values that never change.
 
 pub mod decode;
+mod owned;
+mod path;
+pub mod prefill;
 
-pub use decode::{decode_slice_lens, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq};
+pub use decode::{
+    decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq, PoolBounds,
+};
+pub use owned::DeviceBuffer;
+pub use path::{DecodePath, PrefillPath};
+pub use prefill::{prefill_slice_lens, PrefillBuffer, PrefillCapacity, PrefillIndexBuffers, PrefillSeq};
 
 use crate::alloc::{AllocError, BlockGrant, BlockHandle, SlotHandle};
 use crate::arena::{ArenaError, ArenaLayout, FieldView};

@@ -7,7 +7,7 @@ use super::policy::{self, Fleet, Moves, Running};
 use super::report::{LatencyHistogram, Sample, SimReport};
 use super::{RequestSpec, SimConfig, SimError, SplitPolicy, MAX_SAMPLES, MAX_WAITING};
 use crate::backend::Backend;
-use crate::pool::{DecodeIndexBuffers, DecodeSeq, Pool};
+use crate::pool::{DecodePath, DecodeSeq, Pool};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
@@ -19,8 +19,8 @@ pub struct Engine<'p> {
     fleet: Fleet<'p>,
     cfg: SimConfig,
     backend: Arc<dyn Backend>,
-    /// `None` only once released (in `Drop`).
-    decode: Option<DecodeIndexBuffers>,
+    /// The decode path the pool gave out (its buffers are freed when it drops).
+    decode: DecodePath,
     block_size: u64,
     /// Blocks at the start-up split: a request needing more is refused.
     capacity_blocks: u32,
@@ -52,7 +52,7 @@ impl std::fmt::Debug for Engine<'_> {
 
 /// Run `requests` (in arrival order) on `pool` under `policy` for `cfg.steps` steps.
 pub fn simulate(
-    pool: &Pool,
+    pool: &Arc<Pool>,
     cfg: &SimConfig,
     policy: SplitPolicy,
     requests: impl IntoIterator<Item = RequestSpec>,
@@ -68,14 +68,13 @@ pub fn simulate(
 impl<'p> Engine<'p> {
     /// Check `cfg` against `pool` ([`SimConfig::check`]), set the start-up split and
     /// allocate the decode index buffers.
-    pub fn new(pool: &'p Pool, cfg: &SimConfig, policy: SplitPolicy) -> Result<Engine<'p>, SimError> {
+    pub fn new(pool: &'p Arc<Pool>, cfg: &SimConfig, policy: SplitPolicy) -> Result<Engine<'p>, SimError> {
         let geometry = pool.geometry()?;
         let o = pool.overhead(0)?;
         cfg.check(&geometry, o.plane_bytes + o.indexer_bytes)?;
         let backend = pool.backend().clone();
         let capacity_blocks = policy::initial_split(pool, cfg, policy)?;
-        let decode =
-            DecodeIndexBuffers::new(backend.as_ref(), &geometry, cfg.decode_capacity(&geometry, policy))?;
+        let decode = pool.decode_path(cfg.decode_capacity(&geometry, policy))?;
         let rep = SimReport {
             policy: policy.name().into(),
             backend: backend_name(backend.as_ref()),
@@ -89,7 +88,7 @@ impl<'p> Engine<'p> {
             fleet: Fleet { pool, policy, running: Vec::new(), moves: Moves::default() },
             cfg: cfg.clone(),
             backend,
-            decode: Some(decode),
+            decode,
             block_size: geometry.block_size as u64,
             capacity_blocks,
             sample_every: cfg.sample_every.max(cfg.steps.div_ceil(MAX_SAMPLES)),
@@ -236,7 +235,6 @@ impl<'p> Engine<'p> {
     fn build_index(&mut self) -> Result<(), SimError> {
         let running = &self.fleet.running;
         let decoding: Vec<&Running> = running.iter().filter(|r| !r.prefilling() && r.generated > 0).collect();
-        let Some(decode) = self.decode.as_mut() else { return Ok(()) };
         if decoding.is_empty() {
             return Ok(());
         }
@@ -252,15 +250,13 @@ impl<'p> Engine<'p> {
                 block_table: t,
             })
             .collect();
-        let (pool, backend) = (self.fleet.pool, self.backend.as_ref());
-        decode.set_live_positions(pool.geometry()?.live_positions());
+        let (stream, backend) = (self.decode.stream(), self.backend.as_ref());
         let t0 = Instant::now();
-        decode.stage(backend, &batch, pool.stream())?;
-        backend.synchronize(pool.stream())?;
+        self.decode.stage(&batch)?;
+        backend.synchronize(stream)?;
         let t1 = Instant::now();
-        // SAFETY: the launch's pointers are the decode buffers' own, sized for this batch.
-        unsafe { backend.launch(&decode.launch(), pool.stream())? };
-        backend.synchronize(pool.stream())?;
+        self.decode.build()?;
+        backend.synchronize(stream)?;
         self.stage_us += (t1 - t0).as_secs_f64() * 1e6;
         self.build.record(t1.elapsed().as_secs_f64() * 1e6);
         Ok(())
@@ -346,13 +342,6 @@ impl Drop for Engine<'_> {
         let pool = self.fleet.pool;
         for r in std::mem::take(&mut self.fleet.running) {
             let _ = policy::release(pool, r);
-        }
-        if let Some(mut decode) = self.decode.take() {
-            // Nothing may still read the buffers: wait for the stream first.
-            if self.backend.synchronize(pool.stream()).is_ok() {
-                // SAFETY: the stream is drained and the buffers are released once.
-                unsafe { decode.release(self.backend.as_ref()) };
-            }
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The simulator: a pool driven as a serving engine would drive it, through the public
-//! API an engine holds ([`Pool`](crate::pool::Pool)'s methods and the decode path).
+//! API an engine holds: [`Pool`](crate::pool::Pool)'s methods and the
+//! [`DecodePath`](crate::pool::DecodePath) handle the pool gives out.
 //!
 //! Requests arrive (Poisson); prompt and output lengths come from a mix (chat, agentic up to
 //! 1M tokens, or both); a request is admitted when a slot and the blocks for its prompt are
@@ -216,7 +217,6 @@ impl SimConfig {
             max_blocks_per_seq: self.max_context.div_ceil(geometry.block_size.max(1) as u64) as usize + 1,
             win: geometry.ring_slots.min(DECODE_WINDOW) as i32,
             index_topk: DECODE_TOPK,
-            csa_layers: 1,
         }
     }
 

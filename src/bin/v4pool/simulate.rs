@@ -201,7 +201,7 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
     }
     let mut reports = Vec::new();
     for &policy in &s.policies {
-        let pool = Pool::new(backend.clone(), s.spec.clone(), Stream::DEFAULT)?;
+        let pool = std::sync::Arc::new(Pool::new(backend.clone(), s.spec.clone(), Stream::DEFAULT)?);
         reports.push(run_policy(&pool, &s.cfg, policy, s.progress, io)?);
     }
     if let Some((path, mut file)) = s.svg {
@@ -218,7 +218,7 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
 
 /// One run, with a progress bar on stderr when asked for.
 fn run_policy(
-    pool: &Pool,
+    pool: &std::sync::Arc<Pool>,
     cfg: &SimConfig,
     policy: SplitPolicy,
     progress: bool,
