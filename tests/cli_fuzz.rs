@@ -115,9 +115,10 @@ impl Files {
         Files { dir, paths }
     }
     fn svg(&self, rng: &mut Rng) -> String {
-        match rng.range(0, 3) {
+        match rng.range(0, 4) {
             0 => self.dir.join("out.svg").display().to_string(),
             1 => "/nonexistent/dir/out.svg".to_string(),
+            2 => self.dir.join("fifo.json").display().to_string(),
             _ => self.dir.join("folder").display().to_string(),
         }
     }

@@ -88,6 +88,9 @@ fn config_paths_are_read_bounded() {
     std::fs::File::create(&huge).unwrap().set_len(64 << 20).unwrap();
     let mut paths = vec!["/dev/zero".to_string(), "/dev/urandom".to_string(), huge.display().to_string()];
     if made {
+        // An --svg FIFO would block the open for writing until a reader came.
+        let r = simulate(&["--svg", &fifo.display().to_string()]);
+        refused("simulate --svg FIFO", &r);
         paths.push(fifo.display().to_string());
     } else {
         println!("SKIP the FIFO case: mkfifo is not available");
@@ -127,7 +130,8 @@ fn simulate(extra: &[&str]) -> Run {
 /// Bad input to `simulate` is exit 2 with one line, before its banner and before any run.
 #[test]
 fn simulate_refuses_bad_input_before_its_banner() {
-    let cases: [&[&str]; 9] = [
+    let cases: [&[&str]; 10] = [
+        &["--svg", "/dev/stdin/x"],
         &["--backend", "nope"],
         &["--rate", "1e309"],
         &["--rate", "NaN"],

@@ -174,14 +174,21 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
     cfg.check(&spec.geometry, o.plane_bytes + o.indexer_bytes).map_err(v4pool::sim::SimError::from)?;
     let svg = match p.get("--svg") {
         None => None,
-        Some(path) => Some((
-            path.to_string(),
-            std::fs::File::create(path)
-                .map_err(|e| CliError::Io { path: path.to_string(), reason: e.to_string() })?,
-        )),
+        Some(path) => Some((path.to_string(), create_svg(path)?)),
     };
     let progress = !json && !p.flag("--no-progress") && std::io::IsTerminal::is_terminal(&std::io::stderr());
     Ok(Some(Setup { cfg, policies, model: model.name, plan, spec, choice, svg, json, progress }))
+}
+
+/// Create the `--svg` file before the run, so a bad path is refused up front. A FIFO is
+/// refused too: opening one for writing would wait for a reader.
+fn create_svg(path: &str) -> Result<std::fs::File, CliError> {
+    use std::os::unix::fs::FileTypeExt as _;
+    let io = |reason: String| CliError::Io { path: path.to_string(), reason };
+    if std::fs::metadata(path).is_ok_and(|m| m.file_type().is_fifo()) {
+        return Err(io("a FIFO, not a file".into()));
+    }
+    std::fs::File::create(path).map_err(|e| io(e.to_string()))
 }
 
 fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
