@@ -12,6 +12,7 @@
 //! Element types: positions are `i64` in decode and CSA pack, `i32` in prefill and the ring
 //! write (as the contract allows); everything else is `i32`.
 
+pub mod bounds;
 pub mod host;
 pub mod shape;
 
