@@ -6,7 +6,7 @@
 use crate::{conclude, parse_args, CliError, ParsedArgs, Streams};
 use serde_json::{json, Value};
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, ABSENT_RATIO, ENTRY_ORDER};
 use v4pool::model::{DraftMode, Drafts, ModelError, ModelShape};
 
@@ -150,14 +150,8 @@ pub(crate) fn load_model(arg: &str, p: &ParsedArgs) -> Result<ModelShape, CliErr
         Ok(_) if drafts.is_some() => return Err(CliError::Conflict { a: "--draft-stages", b: "a preset" }),
         other => return Ok(other?),
     }
-    let mut path = PathBuf::from(arg);
-    if path.is_dir() {
-        path.push("config.json");
-    }
-    let text = crate::config::read_config(&path)?;
-    let mut model = ModelShape::from_config_json_with(&text, spec_steps, drafts)?;
-    model.name = path.display().to_string();
-    Ok(model)
+    // Bounded: regular files only, at most MAX_CONFIG_BYTES (a FIFO or a device is refused).
+    Ok(ModelShape::from_config_path(Path::new(arg), spec_steps, drafts)?.shape)
 }
 
 fn looks_like_path(arg: &str) -> bool {

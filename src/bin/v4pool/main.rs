@@ -7,7 +7,6 @@
 //! writer ([`Streams`]): a closed stdout ends the command quietly (as `head` users expect),
 //! any other write error is one line on stderr and exit status 2; nothing panics.
 
-mod config;
 mod layout;
 mod plan;
 mod render;
