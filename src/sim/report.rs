@@ -142,3 +142,32 @@ pub struct SimReport {
     /// Final row space: (num_blocks, used blocks, num_slots, used slots).
     pub final_split: (u32, u32, u32, u32),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::LatencyHistogram;
+
+    #[test]
+    fn histogram_quantiles_are_within_a_bucket() {
+        let mut h = LatencyHistogram::default();
+        assert_eq!((h.count(), h.mean(), h.max(), h.quantile(0.99)), (0, 0.0, 0.0, 0.0));
+        // 1..=1000 µs in a scrambled order: the histogram does not care about order.
+        for i in 0..1000u64 {
+            h.record(((i * 617) % 1000 + 1) as f64);
+        }
+        assert_eq!(h.count(), 1000);
+        assert!((h.mean() - 500.5).abs() < 1e-9);
+        assert_eq!(h.max(), 1000.0);
+        for (q, exact) in [(0.5, 500.0), (0.99, 990.0), (1.0, 1000.0)] {
+            let got = h.quantile(q);
+            assert!(got >= exact && got <= exact * 1.0101, "q{q}: {got} vs {exact}");
+        }
+        h.record(f64::NAN);
+        h.record(-3.0);
+        h.record(1e12);
+        assert_eq!(h.count(), 1003);
+        // NaN and negatives count as 0: the two lowest ranks sit in the first bucket.
+        assert!(h.quantile(2.0 / 1003.0) <= 0.0102, "{}", h.quantile(2.0 / 1003.0));
+        assert!(h.quantile(3.0 / 1003.0) >= 1.0);
+    }
+}
