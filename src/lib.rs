@@ -12,20 +12,21 @@
 //!   and the host reference of every kernel.
 //! * [`backend`] — one `Backend` trait; host (always), CUDA and HIP (loaded at run time).
 //! * [`pool`] — the planes on a backend, per-layer views, slot state, checkpoints, transfers.
-//! * [`cli`] — the `v4pool` command (`layout`, `plan`, `simulate`).
+//! * [`sim`] — the simulator: a pool driven as a serving engine would, and the shared
+//!   workload generator. The `v4pool` command (`src/bin/v4pool/`) renders it.
 
 pub mod alloc;
 pub mod arena;
 pub mod backend;
 pub mod boundary;
 pub mod checkpoint;
-pub mod cli;
 pub mod geometry;
 pub mod index;
 pub mod kernels;
 pub mod model;
 pub mod pool;
 pub mod profiling;
+pub mod sim;
 pub mod sizing;
 pub mod transfer;
 

@@ -6,16 +6,19 @@ use std::process::Command;
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, Stream};
-use v4pool::cli::simulate::{simulate, workload, Mix, SimConfig, SplitPolicy};
 use v4pool::model::ModelShape;
 use v4pool::pool::{Pool, PoolSpec};
+use v4pool::sim::{
+    simulate, Mix, RequestSpec, SimConfig, SimConfigError, SimError, SplitPolicy, Workload, WorkloadConfig,
+    MAX_WAITING,
+};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest};
 
-fn pool(budget: u64, seqs: i64) -> Pool {
+fn pool(budget: u64, seqs: i64) -> Arc<Pool> {
     let model = ModelShape::v4_flash(0).unwrap();
     let p = plan(&model, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, seqs, budget)).unwrap();
     let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
-    Pool::new(backend, PoolSpec::from_plan(&p).unwrap(), Stream::DEFAULT).unwrap()
+    Arc::new(Pool::new(backend, PoolSpec::from_plan(&p).unwrap(), Stream::DEFAULT).unwrap())
 }
 
 #[test]
@@ -27,14 +30,13 @@ fn both_policies_run_the_same_workload_and_release_everything() {
         max_seqs: 8,
         elastic_max_seqs: 24,
         max_context: 1 << 16,
-        progress: false,
         ..SimConfig::default()
     };
-    let requests = workload(&cfg);
+    let requests: Vec<RequestSpec> = cfg.workload().collect();
     let mut reports = Vec::new();
     for policy in [SplitPolicy::Elastic, SplitPolicy::Fixed] {
-        let pool = std::sync::Arc::new(pool(1 << 30, cfg.max_seqs as i64));
-        let r = simulate(&pool, &cfg, policy, &requests).unwrap();
+        let pool = pool(1 << 30, cfg.max_seqs as i64);
+        let r = simulate(&pool, &cfg, policy, requests.iter().copied()).unwrap();
         let c = pool.counts().unwrap();
         assert_eq!(c.free_blocks, c.num_blocks, "{policy:?} leaked blocks");
         assert_eq!(c.free_slots, c.num_slots, "{policy:?} leaked slots");
@@ -86,4 +88,86 @@ fn the_command_prints_json_with_both_runs() {
     assert_eq!(bad.status.code(), Some(2));
     let e: serde_json::Value = serde_json::from_slice(&bad.stdout).unwrap();
     assert_eq!(e["error"], "BadValue");
+}
+
+/// The arrival stream is drawn lazily: a trace of 10^15 requests costs nothing until it is
+/// iterated (the old simulator built the whole list first and ran out of memory).
+#[test]
+fn the_workload_is_lazy() {
+    let cfg = WorkloadConfig { mix: Mix::Mixed, rate: 1000.0, steps: 1 << 40, seed: 3, max_context: 1 << 20 };
+    let first: Vec<RequestSpec> = Workload::new(cfg).take(5000).collect();
+    assert_eq!(first.len(), 5000);
+    assert!(first.last().unwrap().arrival < 10, "a rate of 1000 fills 5000 within a few steps");
+}
+
+fn small(steps: u64, rate: f64) -> SimConfig {
+    SimConfig {
+        mix: Mix::Chat,
+        rate,
+        steps,
+        max_seqs: 4,
+        elastic_max_seqs: 8,
+        max_context: 1 << 16,
+        ..SimConfig::default()
+    }
+}
+
+/// Arrivals beyond the queue's cap are turned away and counted; the queue never holds more
+/// than `MAX_WAITING` requests however long the run or high the rate.
+#[test]
+fn the_waiting_queue_is_bounded() {
+    let cfg = SimConfig { sample_every: 1, ..small(120, 1000.0) };
+    let pool = pool(1 << 30, cfg.max_seqs as i64);
+    let r = simulate(&pool, &cfg, SplitPolicy::Fixed, cfg.workload()).unwrap();
+    assert!(r.turned_away > 0, "{} arrivals, none turned away", r.arrived);
+    assert!(r.samples.iter().all(|s| s.waiting <= MAX_WAITING + cfg.max_seqs));
+    assert!(r.samples.iter().any(|s| s.waiting >= MAX_WAITING - 1000), "the queue never filled");
+}
+
+/// A request that can never fit the pool is refused at admission and counted; the run goes
+/// on (the old simulator admitted it, and it stalled every request behind it for good).
+#[test]
+fn a_prompt_larger_than_the_pool_is_refused() {
+    let cfg = small(400, 0.0001);
+    let block_tokens = 256u64;
+    let mut requests = vec![RequestSpec { id: 0, arrival: 0, prompt: 60_000, output: 100 }];
+    requests.extend((1..6).map(|id| RequestSpec { id, arrival: id, prompt: 500, output: 20 }));
+    for policy in [SplitPolicy::Elastic, SplitPolicy::Fixed] {
+        // The big one needs one block more than the whole plane holds.
+        let pool = pool(1 << 30, cfg.max_seqs as i64);
+        let blocks = pool.geometry().unwrap().max_blocks_beside(0) as u64;
+        let mut reqs = requests.clone();
+        reqs[0].prompt = (blocks + 1) * block_tokens;
+        let cfg = SimConfig { max_context: reqs[0].prompt + 200, ..cfg.clone() };
+        let r = simulate(&pool, &cfg, policy, reqs).unwrap();
+        assert_eq!(r.refused, 1, "{policy:?}");
+        assert_eq!(r.completed, 5, "{policy:?}: the requests behind the refused one finish");
+        let c = pool.counts().unwrap();
+        assert_eq!((c.free_blocks, c.free_slots), (c.num_blocks, c.num_slots), "{policy:?} leaked");
+    }
+}
+
+/// Configurations the run could not hold within its bound are typed errors, never clamped.
+#[test]
+fn the_config_is_checked_against_the_pool() {
+    let pool = pool(1 << 30, 4);
+    let g = pool.geometry().unwrap();
+    let positions = g.slot_positions as u64;
+    let ok = small(10, 0.5);
+    ok.check(&g, 1 << 30).unwrap();
+    let too_many = SimConfig { elastic_max_seqs: positions as usize + 1, ..ok.clone() };
+    assert!(matches!(
+        too_many.check(&g, 1 << 30),
+        Err(SimConfigError::OutOfRange { what: "--elastic-max-seqs", max, .. }) if max == positions
+    ));
+    let below = SimConfig { elastic_max_seqs: 2, ..ok.clone() };
+    assert!(matches!(below.check(&g, 1 << 30), Err(SimConfigError::OutOfRange { .. })));
+    for rate in [f64::NAN, f64::INFINITY, 0.0, -1.0, 1e6] {
+        assert!(matches!(SimConfig { rate, ..ok.clone() }.check(&g, 1 << 30), Err(SimConfigError::Rate(_))));
+    }
+    // The decode buffers may take a sixteenth of the pool's bytes.
+    assert!(matches!(ok.check(&g, 1 << 16), Err(SimConfigError::DecodeBuffers { .. })));
+    // The engine refuses the same before it touches the pool.
+    let err = simulate(&pool, &too_many, SplitPolicy::Elastic, std::iter::empty()).unwrap_err();
+    assert!(matches!(err, SimError::Config(_)), "{err}");
 }

@@ -9,7 +9,7 @@ pub fn bench_requested() -> bool {
 }
 
 /// SplitMix64, the simulator's PRNG: deterministic, good enough to draw inputs.
-pub use v4pool::cli::simulate::Rng;
+pub use v4pool::sim::Rng;
 
 /// Median of a sample (sorts it).
 pub fn median(v: &mut [f64]) -> f64 {

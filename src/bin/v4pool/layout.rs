@@ -3,19 +3,19 @@
 //! The JSON keys are the spec's names, so a layout printed here can be compared field for
 //! field with `v4_pool_geometry.py`.
 
-use super::{fail, parse_args, CliError, ParsedArgs, EXIT_OK};
-use crate::geometry::{GeometrySpec, UnifiedPoolGeometry, ABSENT_RATIO, ENTRY_ORDER};
-use crate::model::{DraftMode, Drafts, ModelError, ModelShape};
+use crate::{conclude, parse_args, CliError, ParsedArgs, Streams};
 use serde_json::{json, Value};
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, ABSENT_RATIO, ENTRY_ORDER};
+use v4pool::model::{DraftMode, Drafts, ModelError, ModelShape};
 
 /// Row widths the table prices a plane at: fp8 NoPE and bf16 RoPE (`pool-runtime.md` §1).
 const PLANE_WIDTHS: [u64; 2] = [512, 128];
 /// Most groups `--json` lists in `physical_slots`; real pools hold a few thousand slots, and
 /// the bound keeps a hostile `--slots` from building a list the size of the plane.
-pub const MAX_LISTED_SLOTS: i64 = 1 << 20;
-const DEFAULT_BLOCK_SIZE: i64 = crate::model::V4_BLOCK_SIZE;
+pub(crate) const MAX_LISTED_SLOTS: i64 = 1 << 20;
+const DEFAULT_BLOCK_SIZE: i64 = v4pool::model::V4_BLOCK_SIZE;
 
 const OPTIONS: [&str; 13] = [
     "--model",
@@ -49,20 +49,11 @@ usage: v4pool layout (--model NAME|PATH | --ratios R,R,...) --blocks N --slots S
   --json     one JSON object with the spec's names; errors as {\"error\", \"message\"}";
 
 /// Run `v4pool layout`; returns the exit status.
-pub fn run(args: &[String]) -> i32 {
+pub(crate) fn run(args: &[String], io: &mut Streams<'_>) -> i32 {
     // Known before parsing, so even a parse error comes out in the form asked for.
     let json = args.iter().any(|a| a == "--json");
-    match layout(args) {
-        Ok(Some(text)) => {
-            println!("{text}");
-            EXIT_OK
-        }
-        Ok(None) => {
-            println!("{USAGE}");
-            EXIT_OK
-        }
-        Err(e) => fail("v4pool layout", &e, json),
-    }
+    let result = layout(args).and_then(|text| io.print(text.as_deref().unwrap_or(USAGE)));
+    conclude("v4pool layout", result, json, io)
 }
 
 /// The text `run` prints on success, or `None` for `--help`.
@@ -159,15 +150,8 @@ pub(crate) fn load_model(arg: &str, p: &ParsedArgs) -> Result<ModelShape, CliErr
         Ok(_) if drafts.is_some() => return Err(CliError::Conflict { a: "--draft-stages", b: "a preset" }),
         other => return Ok(other?),
     }
-    let mut path = PathBuf::from(arg);
-    if path.is_dir() {
-        path.push("config.json");
-    }
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| CliError::Io { path: path.display().to_string(), reason: e.to_string() })?;
-    let mut model = ModelShape::from_config_json_with(&text, spec_steps, drafts)?;
-    model.name = path.display().to_string();
-    Ok(model)
+    // Bounded: regular files only, at most MAX_CONFIG_BYTES (a FIFO or a device is refused).
+    Ok(ModelShape::from_config_path(Path::new(arg), spec_steps, drafts)?.shape)
 }
 
 fn looks_like_path(arg: &str) -> bool {
@@ -175,7 +159,7 @@ fn looks_like_path(arg: &str) -> bool {
 }
 
 /// The layout under the spec's names (see the module docs).
-pub fn layout_json(g: &UnifiedPoolGeometry) -> Result<Value, CliError> {
+pub(crate) fn layout_json(g: &UnifiedPoolGeometry) -> Result<Value, CliError> {
     let mut classes = Vec::new();
     for ratio in ENTRY_ORDER {
         let Some(c) = g.class(ratio) else { continue };
@@ -240,7 +224,7 @@ fn class_name(ratio: i32) -> &'static str {
 }
 
 /// The readable form: totals, one line per class, per-layer base rows, plane bytes.
-pub fn layout_table(name: &str, g: &UnifiedPoolGeometry) -> Result<String, CliError> {
+pub(crate) fn layout_table(name: &str, g: &UnifiedPoolGeometry) -> Result<String, CliError> {
     let mut out = String::new();
     // Writing to a String cannot fail; the results are dropped deliberately.
     let ratios: Vec<String> = g.ratios.iter().map(|r| r.to_string()).collect();

@@ -10,11 +10,11 @@
 //! Invalid input exits with status 2 and one line on stderr, or with `--json` one object
 //! `{"error": VARIANT, "message": TEXT}` on stdout.
 
-use super::layout::load_model;
-use super::{fail, parse_args, CliError};
-use crate::checkpoint::{layout_id, CheckpointLayout};
-use crate::sizing::{parse_bytes, plan, IndexerDtype, KvDtype, Plan, PlanRequest};
+use crate::layout::load_model;
+use crate::{conclude, parse_args, CliError, Streams};
 use serde_json::json;
+use v4pool::checkpoint::{layout_id, CheckpointLayout};
+use v4pool::sizing::{parse_bytes, plan, IndexerDtype, KvDtype, Plan, PlanRequest};
 
 const USAGE: &str = "\
 usage: v4pool plan --model NAME|PATH/config.json --budget BYTES --max-seqs N
@@ -49,7 +49,7 @@ const FLAGS: [&str; 2] = ["--json", "--help"];
 
 /// What `plan` prints: the sized pool and its checkpoint facts.
 #[derive(Clone, Debug)]
-pub struct PlanReport {
+pub(crate) struct PlanReport {
     pub plan: Plan,
     pub image_bytes: u64,
     pub units_per_checkpoint: u64,
@@ -57,7 +57,7 @@ pub struct PlanReport {
 }
 
 /// Parse `args` (without the word `plan`) and size the pool. `Ok(None)` is `--help`.
-pub fn execute(args: &[String]) -> Result<Option<PlanReport>, CliError> {
+pub(crate) fn execute(args: &[String]) -> Result<Option<PlanReport>, CliError> {
     let p = parse_args(args, &OPTIONS, &FLAGS)?;
     if p.flag("--help") {
         return Ok(None);
@@ -256,23 +256,14 @@ fn human(n: u64) -> String {
 }
 
 /// Run `v4pool plan` with `args` (without the word `plan`); returns the exit status.
-pub fn run(args: &[String]) -> i32 {
+pub(crate) fn run(args: &[String], io: &mut Streams<'_>) -> i32 {
     let json = args.iter().any(|a| a == "--json");
-    match execute(args) {
-        Ok(Some(report)) => {
-            if json {
-                println!("{}", report.to_json());
-            } else {
-                print!("{}", report.to_text());
-            }
-            0
-        }
-        Ok(None) => {
-            println!("{USAGE}");
-            0
-        }
-        Err(e) => fail("v4pool plan", &e, json),
-    }
+    let result = execute(args).and_then(|report| match report {
+        Some(r) if json => io.print(&r.to_json().to_string()),
+        Some(r) => io.print(r.to_text().trim_end_matches('\n')),
+        None => io.print(USAGE),
+    });
+    conclude("v4pool plan", result, json, io)
 }
 
 #[cfg(test)]
@@ -346,8 +337,10 @@ mod tests {
         assert_eq!(e("--model v4-mini --budget 1GiB --max-seqs 1"), "UnknownPreset");
         assert_eq!(e("--model v4-flash --budget 1GiB --max-seqs 1 --spec-steps -1"), "SpecSteps");
         assert_eq!(e("--model /nonexistent/config.json --budget 1GiB --max-seqs 1"), "Io");
-        assert_eq!(run(&args("--model v4-flash --budget 1GiB --max-seqs 256 --json")), 2);
-        assert_eq!(run(&args("--model v4-flash --budget 1GiB --max-seqs 256")), 2);
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let mut io = Streams { out: &mut out, err: &mut err };
+        assert_eq!(run(&args("--model v4-flash --budget 1GiB --max-seqs 256 --json"), &mut io), 2);
+        assert_eq!(run(&args("--model v4-flash --budget 1GiB --max-seqs 256"), &mut io), 2);
     }
 
     #[test]

@@ -1,20 +1,74 @@
-//! The `v4pool` command line: `layout`, `plan`, `simulate`.
+//! The `v4pool` command line: `layout`, `plan`, `simulate`. Not part of the library: it
+//! parses arguments and renders what the library computes.
 //!
 //! Every subcommand takes `--key value` options and bare `--flag`s through [`parse_args`];
-//! an unknown or malformed argument is a [`CliError`] and exit status 2.
+//! an unknown or malformed argument is a [`CliError`] and exit status 2, with one line on
+//! stderr (or one JSON object on stdout with `--json`). Output goes through a fallible
+//! writer ([`Streams`]): a closed stdout ends the command quietly (as `head` users expect),
+//! any other write error is one line on stderr and exit status 2; nothing panics.
 
-pub mod layout;
-pub mod plan;
-pub mod simulate;
+mod layout;
+mod plan;
+mod render;
+mod simulate;
 
-use crate::geometry::GeometryError;
-use crate::model::ModelError;
 use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
 use thiserror::Error;
+use v4pool::geometry::GeometryError;
+use v4pool::model::ModelError;
+
+fn main() {
+    let (stdout, stderr) = (std::io::stdout(), std::io::stderr());
+    let (mut out, mut err) = (stdout.lock(), stderr.lock());
+    let mut io = Streams { out: &mut out, err: &mut err };
+    let code = match utf8_args(std::env::args_os().skip(1)) {
+        Ok(args) => run(&args, &mut io),
+        Err((e, json)) => fail("v4pool", &e, json, &mut io),
+    };
+    std::process::exit(code);
+}
+
+/// The arguments as UTF-8, or the error for the first that is not (and whether `--json`
+/// was asked for, so the error comes out in that form).
+fn utf8_args(args: impl Iterator<Item = std::ffi::OsString>) -> Result<Vec<String>, (CliError, bool)> {
+    let args: Vec<std::ffi::OsString> = args.collect();
+    let json = args.iter().any(|a| a == "--json");
+    args.into_iter()
+        .enumerate()
+        .map(|(i, a)| {
+            a.into_string().map_err(|a| {
+                let arg = a.to_string_lossy().into_owned();
+                (CliError::NotUtf8 { index: i + 1, arg }, json)
+            })
+        })
+        .collect()
+}
+
+/// The two streams a command writes to; every write is fallible.
+pub(crate) struct Streams<'a> {
+    pub(crate) out: &'a mut dyn Write,
+    pub(crate) err: &'a mut dyn Write,
+}
+
+impl Streams<'_> {
+    /// `text` and a newline on stdout, flushed: a failed write is [`CliError::Output`].
+    pub(crate) fn print(&mut self, text: &str) -> Result<(), CliError> {
+        writeln!(self.out, "{text}").and_then(|()| self.out.flush()).map_err(CliError::Output)
+    }
+    /// Best effort on stderr: a closed or full stderr has nowhere to be reported.
+    pub(crate) fn note(&mut self, text: std::fmt::Arguments<'_>) {
+        let _ = self.err.write_fmt(text).and_then(|()| self.err.flush());
+    }
+}
 
 /// Exit status of a run that did what it was asked.
 pub const EXIT_OK: i32 = 0;
-/// Exit status of invalid input: a usage error, a rejected model or geometry.
+/// Exit status of a run that failed after its input was accepted (the backend or the pool
+/// failed mid-run).
+pub const EXIT_RUNTIME: i32 = 1;
+/// Exit status of invalid input (a usage error, a rejected model or geometry) and of
+/// output that could not be written.
 pub const EXIT_USAGE: i32 = 2;
 
 const USAGE: &str = "\
@@ -33,7 +87,7 @@ commands:
 pub enum CliError {
     #[error("unknown command {name:?} (layout, plan, simulate, help)")]
     UnknownCommand { name: String },
-    #[error("unknown option {flag}")]
+    #[error("unknown option {flag:?}")]
     UnknownFlag { flag: String },
     #[error("option {flag} needs a value")]
     MissingValue { flag: String },
@@ -49,7 +103,7 @@ pub enum CliError {
     MissingOption { flag: &'static str },
     #[error("options {a} and {b} exclude each other")]
     Conflict { a: &'static str, b: &'static str },
-    #[error("cannot read {path}: {reason}")]
+    #[error("cannot read {path:?}: {reason}")]
     Io { path: String, reason: String },
     #[error("{what} of {got} exceeds the {max} this command lists")]
     TooLarge { what: &'static str, got: i64, max: i64 },
@@ -58,15 +112,21 @@ pub enum CliError {
     #[error("{0}")]
     Geometry(#[from] GeometryError),
     #[error("{0}")]
-    Sizing(#[from] crate::sizing::SizingError),
+    Sizing(#[from] v4pool::sizing::SizingError),
     #[error("{0}")]
-    Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    Checkpoint(#[from] v4pool::checkpoint::CheckpointError),
     #[error("{0}")]
-    Backend(#[from] crate::backend::BackendError),
+    Backend(#[from] v4pool::backend::BackendError),
     #[error("{0}")]
-    Pool(#[from] crate::pool::PoolError),
+    Pool(#[from] v4pool::pool::PoolError),
     #[error("{0}")]
-    Simulation(#[from] simulate::SimError),
+    Simulation(#[from] v4pool::sim::SimError),
+    #[error("argument {index} is not valid UTF-8: {arg:?}")]
+    NotUtf8 { index: usize, arg: String },
+    #[error("no command given; usage: v4pool <command> [options] (layout, plan, simulate, help)")]
+    NoCommand,
+    #[error("cannot write output: {0}")]
+    Output(std::io::Error),
 }
 
 impl CliError {
@@ -91,25 +151,59 @@ impl CliError {
             Checkpoint(e) => e.variant_name(),
             Backend(_) => "Backend",
             Pool(_) => "Pool",
+            Simulation(v4pool::sim::SimError::Config(_)) => "SimConfig",
             Simulation(_) => "Simulation",
+            NotUtf8 { .. } => "NotUtf8",
+            NoCommand => "NoCommand",
+            Output(_) => "Output",
         }
+    }
+
+    /// The exit status this failure ends the command with: input errors (and output that
+    /// could not be written) are usage errors; a pool or backend failing mid-run is not.
+    pub fn exit_status(&self) -> i32 {
+        match self {
+            CliError::Simulation(v4pool::sim::SimError::Config(_)) => EXIT_USAGE,
+            CliError::Backend(_) | CliError::Pool(_) | CliError::Simulation(_) => EXIT_RUNTIME,
+            _ => EXIT_USAGE,
+        }
+    }
+
+    /// The message on one line: anything an argument or a file smuggled in cannot break it.
+    fn one_line(&self) -> String {
+        self.to_string().replace('\n', "\\n").replace('\r', "\\r")
     }
 
     /// `{"error": VARIANT_NAME, "message": TEXT}`, the `--json` form of a failure.
     pub fn to_json(&self) -> serde_json::Value {
-        serde_json::json!({ "error": self.variant_name(), "message": self.to_string() })
+        serde_json::json!({ "error": self.variant_name(), "message": self.one_line() })
     }
 }
 
 /// Report `err` the way the command was asked to (one line on stderr prefixed with `who`,
-/// or a JSON object on stdout with `--json`) and return the exit status.
-pub(crate) fn fail(who: &str, err: &CliError, json: bool) -> i32 {
-    if json {
-        println!("{}", err.to_json());
-    } else {
-        eprintln!("{who}: {err}");
+/// or a JSON object on stdout with `--json`) and return its exit status. A closed stdout
+/// ends the command quietly with status 0 (the reader has all it wanted); other output
+/// errors are reported on stderr, never on the stream that failed.
+pub(crate) fn fail(who: &str, err: &CliError, json: bool, io: &mut Streams<'_>) -> i32 {
+    if let CliError::Output(e) = err {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            return EXIT_OK;
+        }
+        io.note(format_args!("{who}: {}\n", err.one_line()));
+        return EXIT_USAGE;
     }
-    EXIT_USAGE
+    if !json || io.print(&err.to_json().to_string()).is_err() {
+        io.note(format_args!("{who}: {}\n", err.one_line()));
+    }
+    err.exit_status()
+}
+
+/// The exit status of a subcommand's `result`, reporting a failure through [`fail`].
+pub(crate) fn conclude(who: &str, result: Result<(), CliError>, json: bool, io: &mut Streams<'_>) -> i32 {
+    match result {
+        Ok(()) => EXIT_OK,
+        Err(e) => fail(who, &e, json, io),
+    }
 }
 
 /// Parsed `--key value` options and `--flag`s of one subcommand.
@@ -203,24 +297,17 @@ fn parse_i64(key: &str, value: &str) -> Result<i64, CliError> {
 }
 
 /// Run the command with `args` (without the program name); returns the exit status.
-pub fn run(args: &[String]) -> i32 {
+pub(crate) fn run(args: &[String], io: &mut Streams<'_>) -> i32 {
+    let json = args.iter().any(|a| a == "--json");
     let Some((command, rest)) = args.split_first() else {
-        eprintln!("{USAGE}");
-        return EXIT_USAGE;
+        return fail("v4pool", &CliError::NoCommand, json, io);
     };
     match command.as_str() {
-        "layout" => layout::run(rest),
-        "plan" => plan::run(rest),
-        "simulate" => simulate::run(rest),
-        "help" | "--help" | "-h" => {
-            println!("{USAGE}");
-            EXIT_OK
-        }
-        other => {
-            let err = CliError::UnknownCommand { name: other.to_string() };
-            let json = rest.iter().any(|a| a == "--json");
-            fail("v4pool", &err, json)
-        }
+        "layout" => layout::run(rest, io),
+        "plan" => plan::run(rest, io),
+        "simulate" => simulate::run(rest, io),
+        "help" | "--help" | "-h" => conclude("v4pool", io.print(USAGE), false, io),
+        other => fail("v4pool", &CliError::UnknownCommand { name: other.to_string() }, json, io),
     }
 }
 
@@ -270,11 +357,48 @@ mod tests {
         assert_eq!(p.i32_list("--ratios").unwrap(), Some(vec![0, -1, 4]));
     }
 
+    /// Run in-process with `stdout` as the output stream; returns (status, stderr).
+    fn run_into(args: &[&str], stdout: &mut dyn Write) -> (i32, String) {
+        let mut err = Vec::new();
+        let code = run(&strings(args), &mut Streams { out: stdout, err: &mut err });
+        (code, String::from_utf8(err).unwrap())
+    }
+
     #[test]
     fn dispatches() {
-        assert_eq!(run(&[]), EXIT_USAGE);
-        assert_eq!(run(&strings(&["help"])), EXIT_OK);
-        assert_eq!(run(&strings(&["--help"])), EXIT_OK);
-        assert_eq!(run(&strings(&["frobnicate"])), EXIT_USAGE);
+        let mut out = Vec::new();
+        assert_eq!(run_into(&[], &mut out).0, EXIT_USAGE);
+        assert_eq!(run_into(&["help"], &mut out).0, EXIT_OK);
+        assert_eq!(run_into(&["--help"], &mut out).0, EXIT_OK);
+        assert_eq!(run_into(&["frobnicate"], &mut out).0, EXIT_USAGE);
+    }
+
+    /// A writer that fails every write with `kind`.
+    struct Failing(std::io::ErrorKind);
+    impl Write for Failing {
+        fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+            Err(self.0.into())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Err(self.0.into())
+        }
+    }
+
+    #[test]
+    fn output_errors_are_reported_not_panicked() {
+        let (code, err) = run_into(&["help"], &mut Failing(std::io::ErrorKind::BrokenPipe));
+        assert_eq!((code, err.as_str()), (EXIT_OK, ""), "a closed pipe ends quietly");
+        let (code, err) = run_into(&["help"], &mut Failing(std::io::ErrorKind::StorageFull));
+        assert_eq!(code, EXIT_USAGE);
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(err.starts_with("v4pool: cannot write output"), "{err}");
+    }
+
+    #[test]
+    fn messages_stay_on_one_line() {
+        let mut out = Vec::new();
+        let (code, err) = run_into(&["layout", "--x\ny"], &mut out);
+        assert_eq!(code, EXIT_USAGE);
+        assert_eq!(err.lines().count(), 1, "{err}");
     }
 }

@@ -1,0 +1,258 @@
+//! The simulator: a pool driven as a serving engine would drive it, through the public
+//! API an engine holds: [`Pool`](crate::pool::Pool)'s methods and the
+//! [`DecodePath`](crate::pool::DecodePath) handle the pool gives out.
+//!
+//! Requests arrive (Poisson); prompt and output lengths come from a mix (chat, agentic up to
+//! 1M tokens, or both); a request is admitted when a slot and the blocks for its prompt are
+//! free; prefill runs in chunks under a per-step token budget; every decode step stages and
+//! launches the decode index build on the pool's backend; completion frees everything. When
+//! blocks run out a running request is preempted (freed and re-queued), as engines do.
+//!
+//! The same workload (same seed) can run under two [`SplitPolicy`]s: the elastic boundary
+//! (slots taken from the gap on demand, idle slots given back to blocks) and a fixed split
+//! of the same budget (`max_seqs` slots reserved at start-up, as engines that fix the split
+//! behave).
+//!
+//! * [`workload`] — the PRNG, the mixes, the lazy arrival stream (benches use it too).
+//! * [`engine`] — the step loop ([`Engine`], [`simulate`]).
+//! * `policy` — the decisions an engine makes: admission, slot taking, block growth,
+//!   preemption, giving idle slots back. Each is one small function.
+//! * [`report`] — [`SimReport`], every figure a run produces.
+//!
+//! # Memory bound
+//! A run holds the pool (its budget), the decode index buffers (at most
+//! 1/[`DECODE_BUDGET_DIVISOR`] of the pool's bytes; a larger configuration is refused by
+//! [`SimConfig::check`]), and host bookkeeping bounded by constants: at most
+//! [`MAX_WAITING`] queued requests (arrivals finding the queue full are turned away and
+//! counted), one record per running request, at most [`MAX_SAMPLES`] samples and a
+//! fixed-size latency histogram. Nothing grows with `steps × rate`.
+
+pub mod engine;
+mod policy;
+pub mod report;
+pub mod workload;
+
+pub use engine::{simulate, Engine};
+pub use report::{LatencyHistogram, Sample, SimReport};
+pub use workload::{Mix, RequestSpec, Rng, Workload, WorkloadConfig};
+
+use crate::geometry::UnifiedPoolGeometry;
+use crate::pool::{DecodeCapacity, DecodeIndexBuffers, PoolError};
+
+/// Most requests waiting for admission; arrivals beyond it are turned away (counted in
+/// [`SimReport::turned_away`]). 65,536 requests of 32 bytes: 2 MiB.
+pub const MAX_WAITING: usize = 1 << 16;
+/// Most memory samples one run keeps; a longer run samples more sparsely.
+pub const MAX_SAMPLES: u64 = 4096;
+/// The decode index buffers may take at most the pool's bytes over this.
+pub const DECODE_BUDGET_DIVISOR: u64 = 16;
+/// Most steps one run takes.
+pub const MAX_STEPS: u64 = 10_000_000;
+/// Largest mean arrival rate per step.
+pub const MAX_RATE: f64 = 1000.0;
+/// Largest prefill chunk (tokens per step).
+pub const MAX_PREFILL_CHUNK: u64 = 1 << 24;
+/// Longest context a run may allow (tokens).
+pub const MAX_CONTEXT: u64 = 1 << 24;
+/// Most tokens one decode step writes per request (1 + speculative steps).
+pub const MAX_TOKENS_PER_DECODE: usize = 64;
+/// Sliding window the decode buffers are built for (capped by the ring).
+pub const DECODE_WINDOW: i64 = 128;
+/// CSA top-k the decode buffers reserve per token.
+pub const DECODE_TOPK: i32 = 512;
+
+/// What a simulation can fail with while it runs.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// The pool refused an operation the engine had no reason to expect to fail.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// The decode path refused the batch or its buffers.
+    #[error(transparent)]
+    Decode(#[from] crate::pool::DecodeError),
+    /// The backend failed a launch or synchronisation.
+    #[error(transparent)]
+    Backend(#[from] crate::backend::BackendError),
+    /// The configuration does not fit the pool (see [`SimConfig::check`]).
+    #[error(transparent)]
+    Config(#[from] SimConfigError),
+}
+
+/// A configuration the simulator refuses before it allocates anything.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SimConfigError {
+    /// A count outside its range.
+    #[error("{what} of {got} is outside {min}..={max}")]
+    OutOfRange {
+        /// The parameter, as the CLI spells it.
+        what: &'static str,
+        /// The value given.
+        got: u64,
+        /// Smallest allowed.
+        min: u64,
+        /// Largest allowed (for pool-dependent bounds, what this pool allows).
+        max: u64,
+    },
+    /// The arrival rate is not a finite number in (0, [`MAX_RATE`]].
+    #[error("rate {0} is not in (0, {MAX_RATE}]")]
+    Rate(f64),
+    /// The decode index buffers would take more than their share of the pool.
+    #[error(
+        "decode index buffers for {seqs} sequences of up to {context} tokens take {bytes} B, \
+         over the {limit} B (pool bytes / {DECODE_BUDGET_DIVISOR}) they may take"
+    )]
+    DecodeBuffers {
+        /// Sequences the buffers are sized for.
+        seqs: usize,
+        /// Longest context.
+        context: u64,
+        /// Bytes they would take.
+        bytes: u64,
+        /// Bytes they may take.
+        limit: u64,
+    },
+    /// The decode buffers cannot be laid out for this geometry.
+    #[error("decode index buffers: {0}")]
+    Decode(String),
+}
+
+/// How the split between blocks and slots is managed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitPolicy {
+    /// Slots grow from the gap on demand and idle ones go back to blocks.
+    Elastic,
+    /// `max_seqs` slots reserved at start-up; the boundary never moves.
+    Fixed,
+}
+
+impl SplitPolicy {
+    /// `elastic` or `fixed`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SplitPolicy::Elastic => "elastic",
+            SplitPolicy::Fixed => "fixed",
+        }
+    }
+}
+
+/// Workload and engine parameters (the pool itself comes from the caller).
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Length mix of the arrivals.
+    pub mix: Mix,
+    /// Mean arrivals per step.
+    pub rate: f64,
+    /// Forward steps to run.
+    pub steps: u64,
+    /// Workload seed.
+    pub seed: u64,
+    /// Most running requests under the fixed split (the engine's `max_num_seqs`, each with
+    /// a slot reserved at start-up).
+    pub max_seqs: usize,
+    /// Most running requests under the elastic boundary: slots are taken from the gap only
+    /// while memory allows, so the cap can sit above `max_seqs` (never below it).
+    pub elastic_max_seqs: usize,
+    /// Prefill tokens one step processes, over all prefilling requests.
+    pub prefill_chunk: u64,
+    /// Tokens one decode step writes per request (1 + speculative steps).
+    pub tokens_per_decode: usize,
+    /// Longest context a request may reach (block-table width).
+    pub max_context: u64,
+    /// Slots an elastic pool keeps free beyond the running ones.
+    pub slot_headroom: u32,
+    /// Sample memory by region every this many steps (sparser when `steps` needs it to
+    /// stay under [`MAX_SAMPLES`]).
+    pub sample_every: u64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            mix: Mix::Mixed,
+            rate: 0.5,
+            steps: 3000,
+            seed: 7,
+            max_seqs: 64,
+            elastic_max_seqs: 256,
+            prefill_chunk: 8192,
+            tokens_per_decode: 1,
+            max_context: 1 << 20,
+            slot_headroom: 2,
+            sample_every: 10,
+        }
+    }
+}
+
+impl SimConfig {
+    /// The arrival stream's parameters.
+    pub fn workload_config(&self) -> WorkloadConfig {
+        WorkloadConfig {
+            mix: self.mix,
+            rate: self.rate,
+            steps: self.steps,
+            seed: self.seed,
+            max_context: self.max_context,
+        }
+    }
+
+    /// A fresh arrival stream (the same one every call).
+    pub fn workload(&self) -> Workload {
+        Workload::new(self.workload_config())
+    }
+
+    /// Running requests the decode buffers must hold under `policy`.
+    pub fn cap_seqs(&self, policy: SplitPolicy) -> usize {
+        match policy {
+            SplitPolicy::Fixed => self.max_seqs,
+            SplitPolicy::Elastic => self.elastic_max_seqs,
+        }
+    }
+
+    /// The decode buffers' capacity for `policy` on `geometry`.
+    pub fn decode_capacity(&self, geometry: &UnifiedPoolGeometry, policy: SplitPolicy) -> DecodeCapacity {
+        let seqs = self.cap_seqs(policy);
+        DecodeCapacity {
+            max_seqs: seqs,
+            max_tokens: seqs * self.tokens_per_decode,
+            max_blocks_per_seq: self.max_context.div_ceil(geometry.block_size.max(1) as u64) as usize + 1,
+            win: geometry.ring_slots.min(DECODE_WINDOW) as i32,
+            index_topk: DECODE_TOPK,
+        }
+    }
+
+    /// Refuse what the run could not do within its memory bound (see the module docs):
+    /// counts out of range, more running requests than the plane has slot positions, and
+    /// decode buffers over their share of `pool_bytes`. Nothing is clamped.
+    pub fn check(&self, geometry: &UnifiedPoolGeometry, pool_bytes: u64) -> Result<(), SimConfigError> {
+        let positions = geometry.slot_positions.max(0) as u64;
+        let range = |what, got: u64, min: u64, max: u64| {
+            if got < min || got > max {
+                Err(SimConfigError::OutOfRange { what, got, min, max })
+            } else {
+                Ok(())
+            }
+        };
+        range("--steps", self.steps, 1, MAX_STEPS)?;
+        if !(self.rate.is_finite() && self.rate > 0.0 && self.rate <= MAX_RATE) {
+            return Err(SimConfigError::Rate(self.rate));
+        }
+        range("--max-seqs", self.max_seqs as u64, 1, positions)?;
+        range("--elastic-max-seqs", self.elastic_max_seqs as u64, self.max_seqs as u64, positions)?;
+        range("--prefill-chunk", self.prefill_chunk, 1, MAX_PREFILL_CHUNK)?;
+        range("--max-context", self.max_context, 2, MAX_CONTEXT)?;
+        range("tokens per decode", self.tokens_per_decode as u64, 1, MAX_TOKENS_PER_DECODE as u64)?;
+        range("--slot-headroom", u64::from(self.slot_headroom), 1, positions)?;
+        range("sample interval", self.sample_every, 1, u64::MAX)?;
+        let limit = pool_bytes / DECODE_BUDGET_DIVISOR;
+        for policy in [SplitPolicy::Elastic, SplitPolicy::Fixed] {
+            let cap = self.decode_capacity(geometry, policy);
+            let bytes = DecodeIndexBuffers::required_bytes(geometry, cap)
+                .map_err(|e| SimConfigError::Decode(e.to_string()))?;
+            if bytes > limit {
+                let (seqs, context) = (cap.max_seqs, self.max_context);
+                return Err(SimConfigError::DecodeBuffers { seqs, context, bytes, limit });
+            }
+        }
+        Ok(())
+    }
+}

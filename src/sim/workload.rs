@@ -1,0 +1,205 @@
+//! Workload generation shared by the simulator, the benches and the tests: a seeded PRNG
+//! (SplitMix64), the length mixes, and a lazy arrival stream.
+//!
+//! The stream draws one step's arrivals at a time, so a run holds only the requests that
+//! have arrived and not yet finished — never the whole trace (`steps × rate` requests).
+//! Two streams made from the same [`WorkloadConfig`] yield the same requests, which is how
+//! the elastic and fixed runs see one workload.
+
+/// A deterministic PRNG (SplitMix64): the workload must be identical for both policies. The
+/// benches draw their inputs from it too.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator seeded with `seed`; equal seeds give equal sequences.
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed ^ 0x9e37_79b9_7f4a_7c15)
+    }
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `lo..hi` (`hi > lo`; an empty range yields `lo`).
+    pub fn range(&mut self, lo: i64, hi: i64) -> i64 {
+        let span = hi.wrapping_sub(lo).max(1) as u64;
+        lo.wrapping_add((self.next_u64() % span) as i64)
+    }
+    /// Fisher–Yates shuffle.
+    pub fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = (self.next_u64() % (i as u64 + 1)) as usize;
+            v.swap(i, j);
+        }
+    }
+    /// Uniform in [0, 1).
+    pub fn f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Poisson-distributed count (Knuth; fine for the small means a step sees). Capped at
+    /// 1,001 draws, so a huge mean cannot loop long.
+    pub fn poisson(&mut self, mean: f64) -> u64 {
+        let l = (-mean).exp();
+        let (mut k, mut p) = (0u64, 1.0);
+        loop {
+            p *= self.f64();
+            if p <= l || k > 1000 {
+                return k;
+            }
+            k += 1;
+        }
+    }
+    /// Log-normal with the given median and log-sd, clamped to [lo, hi].
+    pub fn lognormal(&mut self, median: f64, sigma: f64, lo: u64, hi: u64) -> u64 {
+        let (u1, u2) = (self.f64().max(1e-12), self.f64());
+        let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+        ((median * (sigma * z).exp()) as u64).clamp(lo, hi)
+    }
+    /// Log-uniform in [lo, hi].
+    pub fn log_uniform(&mut self, lo: u64, hi: u64) -> u64 {
+        let (a, b) = ((lo as f64).ln(), (hi as f64).ln());
+        ((a + (b - a) * self.f64()).exp() as u64).clamp(lo, hi)
+    }
+}
+
+/// Length mixes of the workload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mix {
+    /// Prompts around 1k tokens, outputs around 300.
+    Chat,
+    /// Long-context agentic work: prompts 32k..1M tokens (log-uniform), outputs 200..4k.
+    Agentic,
+    /// 90 % chat, 10 % agentic.
+    Mixed,
+}
+
+impl Mix {
+    /// `chat`, `agentic` or `mixed`; anything else is `None`.
+    pub fn parse(s: &str) -> Option<Mix> {
+        match s {
+            "chat" => Some(Mix::Chat),
+            "agentic" => Some(Mix::Agentic),
+            "mixed" => Some(Mix::Mixed),
+            _ => None,
+        }
+    }
+    /// The name [`Mix::parse`] reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mix::Chat => "chat",
+            Mix::Agentic => "agentic",
+            Mix::Mixed => "mixed",
+        }
+    }
+}
+
+/// One request of the workload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestSpec {
+    /// Arrival order, from 0.
+    pub id: u64,
+    /// The step it arrives at.
+    pub arrival: u64,
+    /// Prompt tokens.
+    pub prompt: u64,
+    /// Tokens to generate.
+    pub output: u64,
+}
+
+/// What the arrival stream is drawn from.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WorkloadConfig {
+    /// Length mix.
+    pub mix: Mix,
+    /// Mean arrivals per step (Poisson).
+    pub rate: f64,
+    /// Steps that see arrivals.
+    pub steps: u64,
+    /// PRNG seed.
+    pub seed: u64,
+    /// Longest context (prompt + output) a request may reach.
+    pub max_context: u64,
+}
+
+/// The arrival stream, drawn lazily in arrival order (see the module docs).
+#[derive(Clone, Debug)]
+pub struct Workload {
+    cfg: WorkloadConfig,
+    rng: Rng,
+    /// The step whose arrivals are being drawn, and how many of them are left.
+    step: u64,
+    left: u64,
+    next_id: u64,
+}
+
+impl Workload {
+    /// A stream for `cfg`; nothing is drawn until it is iterated.
+    pub fn new(cfg: WorkloadConfig) -> Workload {
+        Workload { rng: Rng::new(cfg.seed), cfg, step: 0, left: 0, next_id: 0 }
+    }
+
+    /// One request's lengths. The draw order (agentic coin, prompt, output) is the
+    /// workload's definition: changing it changes every seed's trace.
+    fn draw(&mut self) -> (u64, u64) {
+        let cap = self.cfg.max_context.max(2);
+        let rng = &mut self.rng;
+        let agentic = match self.cfg.mix {
+            Mix::Chat => false,
+            Mix::Agentic => true,
+            Mix::Mixed => rng.f64() < 0.1,
+        };
+        let (prompt, output) = if agentic {
+            (rng.log_uniform(32 << 10, cap.min(1 << 20)), rng.log_uniform(200, 4096))
+        } else {
+            (rng.lognormal(1000.0, 0.8, 16, 16384), rng.lognormal(300.0, 0.7, 16, 4096))
+        };
+        let prompt = prompt.min(cap - 1);
+        (prompt, output.min(cap - prompt).max(1))
+    }
+}
+
+impl Iterator for Workload {
+    type Item = RequestSpec;
+
+    fn next(&mut self) -> Option<RequestSpec> {
+        // `step` is one past the step being drawn once its count is known.
+        while self.left == 0 {
+            if self.step >= self.cfg.steps {
+                return None;
+            }
+            self.left = self.rng.poisson(self.cfg.rate);
+            self.step += 1;
+        }
+        self.left -= 1;
+        let (prompt, output) = self.draw();
+        let id = self.next_id;
+        self.next_id += 1;
+        Some(RequestSpec { id, arrival: self.step - 1, prompt, output })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workload_is_deterministic_and_bounded() {
+        let cfg = WorkloadConfig { mix: Mix::Mixed, rate: 0.5, steps: 500, seed: 7, max_context: 1 << 20 };
+        let a: Vec<RequestSpec> = Workload::new(cfg).collect();
+        let b: Vec<RequestSpec> = Workload::new(cfg).collect();
+        assert_eq!(a, b);
+        assert!(!a.is_empty());
+        for (i, r) in a.iter().enumerate() {
+            assert_eq!(r.id, i as u64);
+            assert!(r.prompt >= 1 && r.output >= 1 && r.prompt + r.output <= cfg.max_context);
+            assert!(r.arrival < cfg.steps);
+        }
+        assert!(a.windows(2).all(|w| w[0].arrival <= w[1].arrival), "arrivals out of order");
+        let mean = a.len() as f64 / cfg.steps as f64;
+        assert!((mean - cfg.rate).abs() < 0.15, "arrival rate {mean} far from {}", cfg.rate);
+    }
+}

@@ -1,0 +1,163 @@
+//! The CLI under the misuse issue 10 lists (points 4, 5, 7, 8), each case run as a binary
+//! with a deadline: non-UTF-8 arguments, closed and full stdout, config paths that are not
+//! regular bounded files, and `simulate`'s bad input refused (exit 2, one line, no banner)
+//! before anything runs.
+
+mod cli_support;
+
+use cli_support::{check_contract, os, v4pool, Out, Run};
+use std::ffi::OsString;
+use std::os::unix::ffi::OsStringExt;
+use std::time::Duration;
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn refused(what: &str, r: &Run) {
+    check_contract(what, r, Out::Capture);
+    assert_eq!(r.code, Some(2), "{what}: {r:?}");
+}
+
+#[test]
+fn a_non_utf8_argument_exits_2_with_one_line() {
+    for at in 0..3 {
+        let mut args = os(&["layout", "--ratios", "4,128"]);
+        args[at] = OsString::from_vec(vec![b'-', b'-', 0xff, 0xfe]);
+        let r = v4pool(&args, Out::Capture, LIMIT);
+        refused("non-UTF-8", &r);
+        assert!(r.stderr.contains("not valid UTF-8"), "{r:?}");
+    }
+    let mut args = os(&["plan", "--json"]);
+    args.push(OsString::from_vec(vec![0x80]));
+    let r = v4pool(&args, Out::Capture, LIMIT);
+    refused("non-UTF-8 with --json", &r);
+    assert!(r.stdout.contains("\"NotUtf8\""), "{r:?}");
+}
+
+#[test]
+fn a_closed_stdout_ends_quietly() {
+    // Far more than a pipe buffers, so the command is still writing when it learns the
+    // reader is gone (as under `| head -c 10`).
+    let big = os(&[
+        "layout",
+        "--ratios",
+        "4,128,4,0",
+        "--blocks",
+        "3",
+        "--slots",
+        "200000",
+        "--ring",
+        "7",
+        "--json",
+    ]);
+    for args in
+        [big, os(&["help"]), os(&["plan", "--model", "v4-flash", "--budget", "8GiB", "--max-seqs", "8"])]
+    {
+        let r = v4pool(&args, Out::Closed, LIMIT);
+        check_contract("closed stdout", &r, Out::Closed);
+        assert_eq!(r.code, Some(0), "{args:?}: {r:?}");
+        assert_eq!(r.stderr, "", "{args:?}: a closed pipe is not an error to report");
+    }
+}
+
+#[test]
+fn a_full_stdout_is_one_line_on_stderr() {
+    for args in
+        [os(&["help"]), os(&["layout", "--ratios", "4,128", "--blocks", "1", "--slots", "1", "--ring", "7"])]
+    {
+        let r = v4pool(&args, Out::Full, LIMIT);
+        check_contract("/dev/full", &r, Out::Full);
+        assert_eq!(r.code, Some(2));
+        assert!(r.stderr.contains("cannot write output"), "{r:?}");
+    }
+    // A failure that would go to stdout as JSON comes out on stderr instead.
+    let r = v4pool(&os(&["layout", "--nope", "--json"]), Out::Full, LIMIT);
+    check_contract("/dev/full with --json", &r, Out::Full);
+    assert_eq!(r.code, Some(2));
+}
+
+/// A config path that is not a small regular file is refused at once (no hang on a FIFO,
+/// no unbounded read of a device).
+#[test]
+fn config_paths_are_read_bounded() {
+    let dir = std::env::temp_dir().join(format!("v4pool-cli-hostile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fifo = dir.join("fifo.json");
+    let _ = std::fs::remove_file(&fifo);
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status().is_ok_and(|s| s.success());
+    let huge = dir.join("huge.json");
+    std::fs::File::create(&huge).unwrap().set_len(64 << 20).unwrap();
+    let mut paths = vec!["/dev/zero".to_string(), "/dev/urandom".to_string(), huge.display().to_string()];
+    if made {
+        // An --svg FIFO would block the open for writing until a reader came.
+        let r = simulate(&["--svg", &fifo.display().to_string()]);
+        refused("simulate --svg FIFO", &r);
+        paths.push(fifo.display().to_string());
+    } else {
+        println!("SKIP the FIFO case: mkfifo is not available");
+    }
+    for path in &paths {
+        for cmd in ["layout", "plan", "simulate"] {
+            let r = v4pool(
+                &os(&[
+                    cmd,
+                    "--model",
+                    path,
+                    "--blocks",
+                    "1",
+                    "--slots",
+                    "1",
+                    "--budget",
+                    "1GiB",
+                    "--max-seqs",
+                    "1",
+                ]),
+                Out::Capture,
+                Duration::from_secs(20),
+            );
+            refused(&format!("{cmd} --model {path}"), &r);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn simulate(extra: &[&str]) -> Run {
+    let mut args =
+        os(&["simulate", "--budget", "1GiB", "--max-seqs", "4", "--steps", "20", "--backend", "host"]);
+    args.extend(os(extra));
+    v4pool(&args, Out::Capture, LIMIT)
+}
+
+/// Bad input to `simulate` is exit 2 with one line, before its banner and before any run.
+#[test]
+fn simulate_refuses_bad_input_before_its_banner() {
+    let cases: [&[&str]; 10] = [
+        &["--svg", "/dev/stdin/x"],
+        &["--backend", "nope"],
+        &["--rate", "1e309"],
+        &["--rate", "NaN"],
+        &["--steps", "-5"],
+        &["--seed", "-1"],
+        &["--elastic-max-seqs", "100000000"],
+        &["--elastic-max-seqs", "2"],
+        &["--max-context", "99999999999"],
+        &["--svg", "/nonexistent-dir/sim.svg"],
+    ];
+    for extra in cases {
+        let r = simulate(extra);
+        refused(&format!("simulate {extra:?}"), &r);
+        assert!(!r.stderr.contains("budget"), "{extra:?}: the banner was printed: {:?}", r.stderr);
+    }
+}
+
+/// The decode buffers are bounded by the budget: more running requests than the plane has
+/// slot positions is refused (it was clamped to 65,536 and, with a 16M-token context, sized
+/// 17 GB of block tables), not clamped and not allocated.
+#[test]
+fn simulate_bounds_the_decode_buffers_by_the_budget() {
+    let r = simulate(&["--elastic-max-seqs", "65536", "--max-context", "16777216"]);
+    refused("elastic-max-seqs beyond the plane", &r);
+    assert!(r.stderr.contains("--elastic-max-seqs of 65536 is outside 4..="), "{r:?}");
+    let ok = simulate(&["--json", "--max-context", "16777216"]);
+    check_contract("a small run", &ok, Out::Capture);
+    assert_eq!(ok.code, Some(0), "{ok:?}");
+}
