@@ -6,14 +6,18 @@
 // argument struct by value as its only parameter. Grids never depend on data the host does not
 // have: a launch with nothing to do runs one block that returns at once.
 //
-// Performance notes (the decode step at batch 256 and prefill of 8192 tokens, contexts to 1M):
-// these kernels wait on chains of dependent loads (token -> batch id -> table row -> table
-// entry), not on bandwidth, so every load that needs only the token goes out before the batch
-// id returns, each thread keeps several independent loads in flight (8 per thread in the HCA
-// heads and the CSA pack), and long per-token work is tiled over grid y so it takes one round
-// instead of several. Stores of consecutive entries are coalesced 4-byte stores across a warp;
-// windows and HCA heads walk the ring / (block, row) with a running counter instead of a
-// division per entry; every row x width product is 64-bit.
+// Performance notes (H200 profiles in BENCHMARKS.md). The index builders are latency-bound
+// at the sizes a decode step or a 128K prefill has, bandwidth-bound only at 1M: each kernel
+// reads per-token values, then per-sequence values, then block-table entries, and every round
+// is a DRAM round trip with a cold L2. So every kernel issues *all* loads of a round before
+// any store (a store can alias a later load, so the compiler would otherwise wait for it):
+// round 1 needs only the token (batch id, position, slice bounds, top-k values), round 2 only
+// the batch id and the token's values (slot, chunk start, table entries, speculatively
+// bounded by the position where a per-sequence count would cut them), then the stores. Each
+// thread keeps up to eight independent loads in flight; stores of consecutive entries are
+// coalesced 4-byte stores across a warp. Ring positions and table columns use 32-bit
+// division (a 64-bit one is a ~70-instruction software routine; the prefill builder was
+// integer-bound on it); every row x width product stays 64-bit.
 #include "v4pool_common.h"
 
 #define V4P_BLOCK V4POOL_BLOCK_THREADS
@@ -30,76 +34,72 @@ V4P_DEVICE T* v4p_out(v4p_ptr p) {
     return (T*)p;
 }
 
-/// `window_row_at` with 32-bit division where the values allow it (they always do for a valid
-/// geometry: ring positions are < ring_slots, a few hundred).
+/// Divide a non-negative `n` by a positive `d`: 32-bit when both fit (they do for every
+/// valid geometry: ring positions, strides, table columns), 64-bit otherwise.
+V4P_DEVICE void v4p_divmod(v4p_i64 n, v4p_i64 d, v4p_i64& quot, v4p_i64& rem) {
+    if ((v4p_u64)n <= 0xffffffffull && (v4p_u64)d <= 0xffffffffull) {
+        const v4p_u32 n32 = (v4p_u32)n, d32 = (v4p_u32)d, q32 = n32 / d32;
+        quot = (v4p_i64)q32;
+        rem = (v4p_i64)(n32 - q32 * d32);
+    } else {
+        quot = n / d;
+        rem = n % d;
+    }
+}
+
+/// `window_row_at` with the fast division.
 V4P_DEVICE v4p_i64 v4p_window_row_q(WindowParams w, v4p_i64 slot, v4p_i64 q) {
     v4p_i64 chunk, within;
-    if ((v4p_u64)q <= 0xffffffffull && (v4p_u64)w.ring_stride <= 0xffffffffull) {
-        const v4p_u32 q32 = (v4p_u32)q, s32 = (v4p_u32)w.ring_stride;
-        chunk = (v4p_i64)(q32 / s32);
-        within = (v4p_i64)(q32 - (q32 / s32) * s32);
-    } else {
-        chunk = q / w.ring_stride;
-        within = q % w.ring_stride;
-    }
+    v4p_divmod(q, w.ring_stride, chunk, within);
     return slot * w.slot_rows + w.ring_start + chunk * w.run_rows + within;
 }
 
-/// out[i] = window_row(w, slot, first + i) for i < n, the block's threads striding over i.
-/// The ring position is kept as a running counter (one 64-bit remainder per thread).
-/// The same rows into `copies` buffers `copy_stride` elements apart (the CSA class's layer
-/// copies): each row is computed once and stored to every copy, so the stores are independent
-/// and pipeline instead of repeating the whole walk per copy.
-V4P_DEVICE void v4p_write_window_copies(v4p_i32* __restrict__ out, v4p_i64 copies, v4p_i64 copy_stride,
-                                        WindowParams w, v4p_i64 slot, v4p_i64 first, v4p_i64 n, v4p_u32 tid) {
-    if ((v4p_i64)tid >= n) return;
-    v4p_i64 q = (first + (v4p_i64)tid) % w.ring_slots;
-    if (q < 0) q += w.ring_slots;
-    const v4p_i64 step = (v4p_i64)V4P_BLOCK % w.ring_slots;
-    for (v4p_i64 i = tid; i < n; i += V4P_BLOCK) {
-        const v4p_i32 row = (v4p_i32)v4p_window_row_q(w, slot, q);
-        for (v4p_i64 k = 0; k < copies; ++k) out[k * copy_stride + i] = row;
+/// Ring position of absolute position `pos` (Euclidean, as `window_row`).
+V4P_DEVICE v4p_i64 v4p_ring_pos(WindowParams w, v4p_i64 pos) {
+    if (pos >= 0) {
+        v4p_i64 quot, rem;
+        v4p_divmod(pos, w.ring_slots, quot, rem);
+        return rem;
+    }
+    v4p_i64 q = pos % w.ring_slots;
+    return q < 0 ? q + w.ring_slots : q;
+}
+
+/// out[i] = window_row(w, slot, first + i) for i < n, `lanes` threads striding over i from
+/// `lane`. One ring position per thread, then a running counter (a window is at most
+/// ring_slots long, so one subtraction wraps it).
+V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_i64 slot, v4p_i64 first, v4p_i64 n,
+                                 v4p_u32 lane, v4p_u32 lanes) {
+    if ((v4p_i64)lane >= n) return;
+    v4p_i64 q = v4p_ring_pos(w, first + (v4p_i64)lane);
+    const v4p_i64 step = (v4p_i64)lanes % w.ring_slots;
+    for (v4p_i64 i = lane; i < n; i += lanes) {
+        out[i] = (v4p_i32)v4p_window_row_q(w, slot, q);
         q += step;
         if (q >= w.ring_slots) q -= w.ring_slots;
     }
 }
 
-V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_i64 slot, v4p_i64 first,
-                                 v4p_i64 n, v4p_u32 tid) {
-    v4p_write_window_copies(out, 1, 0, w, slot, first, n, tid);
-}
+/// Entries of a compressed head (§4) one round of `lanes` threads handles: dst[e] =
+/// table[e / rpb] * envelope + e % rpb for e = e0 + u * lanes, u < 8. Split in a load half and
+/// a store half so that a caller can issue the first round's table loads before its other
+/// stores (and the loads of one round are all in flight at once).
+struct V4pHeadRound {
+    v4p_i64 e0;
+    v4p_i32 blk[8];
 
-/// Compressed entries e = 0..count-1 of one sequence, tiled: dst[e] = table[e / rpb] * envelope
-/// + e % rpb. Tile `tile` of `ntiles` takes entries [tile * 8B, tile * 8B + 8B) (B = block
-/// threads), then every ntiles-th such range after it; thread i takes e = i, i + B, ..., i + 7B
-/// of its range, so every load and store instruction of a warp touches one contiguous span
-/// (4-byte lanes, coalesced), and all eight table loads are in flight before the first store.
-/// (block, row) of those entries come from one division and a running counter.
-///
-/// Why not 16-byte stores of four entries per lane: nvcc splits such a store back into four
-/// lane-strided 4-byte stores whenever a scalar path for the slice ends shares the values
-/// (seen in the PTX), which is worse than coalesced 4-byte stores; the loads are latency-bound
-/// either way.
-V4P_DEVICE void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table,
-                                           v4p_i64 count, v4p_i64 rpb, v4p_i64 envelope, v4p_i64 tile,
-                                           v4p_i64 ntiles, v4p_u32 tid) {
-    const v4p_i64 per_tile = 8 * V4P_BLOCK;
-    const v4p_i64 jstep = (v4p_i64)V4P_BLOCK / rpb, rstep = (v4p_i64)V4P_BLOCK % rpb;
-    for (v4p_i64 e0 = tile * per_tile + tid; e0 < count; e0 += ntiles * per_tile) {
+    /// Table loads for entries below `load_count` (columns clamped to `last_col`, so a
+    /// speculative count never reads past the row).
+    V4P_DEVICE void load(const v4p_i32* __restrict__ table, v4p_i64 first, v4p_i64 load_count, v4p_i64 rpb,
+                         v4p_i64 last_col, v4p_u32 lanes) {
+        e0 = first;
         v4p_i64 j, r;
-        if ((v4p_u64)e0 <= 0xffffffffull && (v4p_u64)rpb <= 0xffffffffull) {
-            const v4p_u32 e32 = (v4p_u32)e0, d32 = (v4p_u32)rpb;
-            j = (v4p_i64)(e32 / d32);
-            r = (v4p_i64)(e32 - (e32 / d32) * d32);
-        } else {
-            j = e0 / rpb;
-            r = e0 % rpb;
-        }
-        v4p_i32 blk[8], row[8];
+        v4p_divmod(e0, rpb, j, r);
+        const v4p_i64 jstep = (v4p_i64)lanes / rpb, rstep = (v4p_i64)lanes % rpb;
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-            blk[u] = e0 + u * V4P_BLOCK < count ? table[j] : 0;
-            row[u] = (v4p_i32)r;
+            const v4p_i64 col = j < last_col ? j : last_col;
+            blk[u] = e0 + u * (v4p_i64)lanes < load_count ? table[col] : 0;
             j += jstep;
             r += rstep;
             if (r >= rpb) {
@@ -107,11 +107,34 @@ V4P_DEVICE void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_
                 ++j;
             }
         }
+    }
+
+    /// Stores for entries below `count` (<= the load count). The rows are walked again
+    /// rather than kept from the load half: registers, not ALU, bound these kernels' occupancy.
+    V4P_DEVICE void store(v4p_i32* __restrict__ dst, v4p_i64 count, v4p_i64 rpb, v4p_i64 envelope,
+                          v4p_u32 lanes) const {
+        v4p_i64 j, r;
+        v4p_divmod(e0, rpb, j, r);
+        const v4p_i64 rstep = (v4p_i64)lanes % rpb;
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-            const v4p_i64 e = e0 + u * V4P_BLOCK;
-            if (e < count) dst[e] = (v4p_i32)compress_row(blk[u], row[u], envelope);
+            const v4p_i64 e = e0 + u * (v4p_i64)lanes;
+            if (e < count) dst[e] = (v4p_i32)compress_row(blk[u], r, envelope);
+            r += rstep;
+            if (r >= rpb) r -= rpb;
         }
+    }
+};
+
+/// Rounds after the first of a compressed head: entries [first, count) in rounds of 8 * lanes,
+/// `stride` entries between a thread's rounds.
+V4P_DEVICE void v4p_write_head_from(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table, v4p_i64 first,
+                                    v4p_i64 count, v4p_i64 stride, v4p_i64 rpb, v4p_i64 last_col, v4p_i64 envelope,
+                                    v4p_u32 lanes) {
+    for (v4p_i64 e0 = first; e0 < count; e0 += stride) {
+        V4pHeadRound h;
+        h.load(table, e0, count, rpb, last_col, lanes);
+        h.store(dst, count, rpb, envelope, lanes);
     }
 }
 
@@ -154,15 +177,15 @@ V4P_DEVICE void v4p_copy_plane(PlaneWrite pw, v4p_i64 src_row, v4p_i64 dst_row, 
 
 // ---- §3 + §4: decode index builder with fused HCA heads --------------------------------------
 // grid (T, v4p_decode_hca_tiles), block 256: one block per (token, tile of its HCA head); the
-// window tails and dest rows come from tile 0.
+// window tails and dest rows come from tile 0. Two load rounds (token, then sequence + table)
+// before any store.
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices(DecodeIndexArgs a) {
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
     if (t >= a.num_tokens) return;
     const v4p_i64 tile = v4p_bid_y();
     const v4p_u32 tid = v4p_tid_x();
-    // Every load that needs only t goes out before the batch id comes back (a cold chain
-    // batch id -> slot / table row is the kernel's critical path).
+    // Round 1: everything that needs only t.
     const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
     const v4p_i64 p = v4p_in<v4p_i64>(a.positions)[t];
     const ClassBuffers hca = a.classes[V4POOL_CLASS_HCA];
@@ -180,67 +203,92 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode
     }
     if (b < 0) return;  // pad token: no store at all
     const v4p_i64 n = v4p_min(p + 1, (v4p_i64)a.win);
+    // Round 2: the slot and this tile's first table entries, together.
+    const v4p_i64 slot = tile == 0 ? (v4p_i64)v4p_in<v4p_i32>(a.state_slot_per_seq)[b] : 0;
+    const v4p_i64 head = hend - hbegin - n;
+    const v4p_i64 ntiles = v4p_decode_hca_tiles(a);
+    const v4p_i64 per_round = V4POOL_DECODE_HCA_TILE;
+    const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
+    const v4p_i64 last_col = (v4p_i64)a.block_table_stride - 1;
+    V4pHeadRound h;
+    if (fused) h.load(table, tile * per_round + tid, head, a.hca_rows_per_block, last_col, V4P_BLOCK);
+    // Stores.
     if (tile == 0) {
-        const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
 #pragma unroll
         for (int c = 0; c < 3; ++c) {
             const ClassBuffers cb = a.classes[c];
             if (cb.indptr == 0) continue;  // class off
-            // Window at the tail of the slice, oldest first, the token itself last; the CSA
-            // class writes it into every layer copy a batched translate-pack fills.
-            const v4p_i64 copies = (c == V4POOL_CLASS_CSA && a.csa_copies > 1) ? a.csa_copies : 1;
-            v4p_write_window_copies(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), copies, a.csa_copy_stride,
-                                    cb.params, slot, p - n + 1, n, tid);
+            // Window at the tail of the slice, oldest first, the token itself last.
+            v4p_write_window(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), cb.params, slot, p - n + 1, n, tid, V4P_BLOCK);
             if (tid == 0 && cb.dest_rows != 0) v4p_out<v4p_i32>(cb.dest_rows)[t] = (v4p_i32)window_row(cb.params, slot, p);
         }
     }
     if (fused) {
-        // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile.
-        const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-        v4p_write_compressed_tiled(v4p_out<v4p_i32>(hca.indices) + hbegin, table, hend - hbegin - n,
-                                   a.hca_rows_per_block, a.envelope_rows, tile, v4p_decode_hca_tiles(a), tid);
+        // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile
+        // (and every ntiles-th tile after it, when the grid is capped).
+        v4p_i32* dst = v4p_out<v4p_i32>(hca.indices) + hbegin;
+        h.store(dst, head, a.hca_rows_per_block, a.envelope_rows, V4P_BLOCK);
+        v4p_write_head_from(dst, table, (tile + ntiles) * per_round + tid, head, ntiles * per_round,
+                            a.hca_rows_per_block, last_col, a.envelope_rows, V4P_BLOCK);
     }
 }
 
 // ---- §6: prefill index builder -----------------------------------------------------------
-// grid (T), block 256: one block per token.
+// grid (ceil(T / 4)), block 256: V4POOL_PREFILL_LANES (64) lanes per token, 4 tokens per block,
+// so twice as many tokens are resident as with a block per token and a 128K token's 1,024 HCA
+// entries are two rounds of eight per lane. Two load rounds before any store.
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefill_indices(PrefillIndexArgs a) {
-    const v4p_i32 t = (v4p_i32)v4p_bid_x();
+    const v4p_u32 lanes = V4POOL_PREFILL_LANES;
+    const v4p_u32 lane = v4p_tid_x() % lanes;
+    const v4p_i64 t = (v4p_i64)v4p_bid_x() * V4POOL_PREFILL_TOKENS_PER_BLOCK + v4p_tid_x() / lanes;
     if (t >= a.num_tokens) return;
+    // Round 1: everything that needs only t.
     const v4p_i32 b = v4p_in<v4p_i32>(a.bid_per_token)[t];
-    if (b < 0) return;  // prefill has no pads; a negative id would be a wild read
-    const v4p_u32 tid = v4p_tid_x();
     const v4p_i64 p = v4p_in<v4p_i32>(a.positions)[t];
+    const v4p_i64 ext_at = v4p_in<v4p_i32>(a.extend_indptr)[t];
+    const v4p_i64 swa_at = a.swa_indptr != 0 ? (v4p_i64)v4p_in<v4p_i32>(a.swa_indptr)[t] : 0;
+    const v4p_i64 csa_end = v4p_in<v4p_i32>(a.csa_indptr)[t + 1];
+    const v4p_i64 hca_at = v4p_in<v4p_i32>(a.hca_indptr)[t];
+    if (b < 0) return;  // prefill has no pads; a negative id would be a wild read
+    // Round 2: the sequence's values and the first round of table entries, speculatively for
+    // every entry the position allows ((p+1) / ratio; n_committed cuts it below).
     const v4p_i64 cs = v4p_in<v4p_i32>(a.chunk_start_per_seq)[b];
+    const v4p_i64 cu = v4p_in<v4p_i32>(a.cu_seqlens_q_per_seq)[b];
+    const v4p_i64 committed = v4p_in<v4p_i32>(a.n_committed_hca_per_seq)[b];
+    const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
+    v4p_i64 by_pos, unused;
+    if (p + 1 >= 0)
+        v4p_divmod(p + 1, a.hca_ratio, by_pos, unused);
+    else
+        by_pos = (p + 1) / a.hca_ratio;  // C division, as the host reference
+    const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
+    const v4p_i64 last_col = (v4p_i64)a.block_table_stride - 1;
+    V4pHeadRound h;
+    h.load(table, lane, by_pos, a.hca_rows_per_block, last_col, lanes);
+
     const v4p_i64 win = a.win;
     const v4p_i64 in_chunk = p - cs;
     const v4p_i64 low = v4p_max(p - win + 1, 0);
     const v4p_i64 ext = v4p_min(in_chunk + 1, win);
     const v4p_i64 pre = v4p_max(cs - low, 0);
-    const v4p_i64 n_hca = v4p_min((p + 1) / a.hca_ratio, (v4p_i64)v4p_in<v4p_i32>(a.n_committed_hca_per_seq)[b]);
-    const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
-
+    const v4p_i64 n_hca = v4p_min(by_pos, committed);
     // extend: the ext most recent in-chunk tokens' rows in this forward's K, oldest first.
     {
-        v4p_i32* out = v4p_out<v4p_i32>(a.extend_indices) + v4p_in<v4p_i32>(a.extend_indptr)[t];
-        const v4p_i64 first = (v4p_i64)v4p_in<v4p_i32>(a.cu_seqlens_q_per_seq)[b] + in_chunk - ext + 1;
-        for (v4p_i64 k = tid; k < ext; k += V4P_BLOCK) out[k] = (v4p_i32)(first + k);
+        v4p_i32* out = v4p_out<v4p_i32>(a.extend_indices) + ext_at;
+        const v4p_i64 first = cu + in_chunk - ext + 1;
+        for (v4p_i64 k = lane; k < ext; k += lanes) out[k] = (v4p_i32)(first + k);
     }
-    if (a.swa_indptr != 0) {  // dense: the whole slice is window rows
-        v4p_i32* out = v4p_out<v4p_i32>(a.swa_indices) + v4p_in<v4p_i32>(a.swa_indptr)[t];
-        v4p_write_window(out, a.dense, slot, low, pre, tid);
-    }
-    {  // CSA: window at the tail, the top-k head is left for the translate-pack
-        v4p_i32* out = v4p_out<v4p_i32>(a.csa_indices) + ((v4p_i64)v4p_in<v4p_i32>(a.csa_indptr)[t + 1] - pre);
-        v4p_write_window(out, a.csa, slot, low, pre, tid);
-    }
-    {  // HCA: [window | compressed entries]
-        v4p_i32* out = v4p_out<v4p_i32>(a.hca_indices) + v4p_in<v4p_i32>(a.hca_indptr)[t];
-        v4p_write_window(out, a.hca, slot, low, pre, tid);
-        const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-        v4p_write_compressed_tiled(out + pre, table, n_hca, a.hca_rows_per_block, a.envelope_rows, 0, 1, tid);
-    }
+    if (a.swa_indptr != 0)  // dense: the whole slice is window rows
+        v4p_write_window(v4p_out<v4p_i32>(a.swa_indices) + swa_at, a.dense, slot, low, pre, lane, lanes);
+    // CSA: window at the tail, the top-k head is left for the translate-pack.
+    v4p_write_window(v4p_out<v4p_i32>(a.csa_indices) + (csa_end - pre), a.csa, slot, low, pre, lane, lanes);
+    // HCA: [window | compressed entries].
+    v4p_i32* out = v4p_out<v4p_i32>(a.hca_indices) + hca_at;
+    v4p_write_window(out, a.hca, slot, low, pre, lane, lanes);
+    h.store(out + pre, n_hca, a.hca_rows_per_block, a.envelope_rows, lanes);
+    v4p_write_head_from(out + pre, table, lane + 8 * lanes, n_hca, 8 * lanes, a.hca_rows_per_block, last_col,
+                        a.envelope_rows, lanes);
 }
 
 // ---- §4: HCA compressed offsets as a standalone gather -----------------------------------
@@ -256,79 +304,76 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_hca_of
     v4p_out<v4p_i32>(a.out)[i] = (v4p_i32)compress_row(blk, e % rpb, a.envelope_rows);
 }
 
-// ---- §5: CSA translate-pack over num_layers layers ---------------------------------------
-// grid (T, tiles = ceil(topk_row_stride / 512), ceil(L / 4)), block 256: one block per (token,
-// 512 top-k columns, 4 layers), 8 entries per thread with every load of a kind in flight at
-// once. The token's batch id, slice bounds and table row are read once for its 4 layers.
+// ---- §5: CSA translate-pack, one layer ---------------------------------------------------
+// grid (T, tiles), block 256: one block per (token, tile of its top-k row); a thread translates
+// v4p_csa_per_thread columns (up to 8, so one block per token up to a top-k of 2,048), every
+// top-k load of the thread in flight at once, then every table load, then the stores.
 
-#define V4P_CSA_LPB V4POOL_CSA_LAYERS_PER_BLOCK
+/// Columns per thread: min(ceil(topk_row_stride / 256), 8), at least 1 (shape.rs agrees).
+V4P_DEVICE v4p_i64 v4p_csa_per_thread(v4p_i64 row_stride) {
+    const v4p_i64 e = (row_stride + V4P_BLOCK - 1) / V4P_BLOCK;
+    return e < 1 ? 1 : (e > V4POOL_CSA_MAX_PER_THREAD ? V4POOL_CSA_MAX_PER_THREAD : e);
+}
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_translate_pack(CsaPackArgs a) {
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
     const v4p_i64 tile = v4p_bid_y();
-    const v4p_i64 l0 = (v4p_i64)v4p_bid_z() * V4P_CSA_LPB;
-    if (t >= a.num_tokens || l0 >= a.num_layers) return;
+    if (t >= a.num_tokens) return;
     const v4p_u32 tid = v4p_tid_x();
-    const v4p_i64 nl = v4p_min((v4p_i64)V4P_CSA_LPB, (v4p_i64)a.num_layers - l0);
     const v4p_i64 row_stride = a.topk_row_stride;
-    // Loads that need only t go out first: batch id, slice bounds, skip source and the top-k
-    // values themselves (in the row whatever the slice length; the topk buffer covers T rows).
+    const v4p_i64 per = v4p_csa_per_thread(row_stride);
+    const v4p_i64 tile_cols = per * V4P_BLOCK;
+    // Round 1: batch id, slice bounds, skip source and the top-k values themselves (in the row
+    // whatever the slice length; the topk buffer covers T rows).
     const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
     const v4p_i32* ptr = v4p_in<v4p_i32>(a.indptr);
     const v4p_i64 base = ptr[t];
     const v4p_i64 end = ptr[t + 1];
     const v4p_i64 skip_src = a.window_size > 0 ? v4p_in<v4p_i64>(a.positions)[t]
                                                 : (v4p_i64)v4p_in<v4p_i32>(a.skip_prefix_len_per_token)[t];
-    const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + l0 * a.topk_layer_stride + (v4p_i64)t * row_stride;
-    const v4p_i64 k0 = tile * V4POOL_CSA_TILE + tid;
-    v4p_i32 v[V4P_CSA_LPB][2];
+    const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + (v4p_i64)t * row_stride;
+    const v4p_i64 k0 = tile * tile_cols + tid;
+    v4p_i32 v[V4POOL_CSA_MAX_PER_THREAD];
 #pragma unroll
-    for (int l = 0; l < V4P_CSA_LPB; ++l)
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const v4p_i64 k = k0 + u * V4P_BLOCK;
-            v[l][u] = (l < nl && k < row_stride) ? topk[l * a.topk_layer_stride + k] : 0;
-        }
+    for (int u = 0; u < V4POOL_CSA_MAX_PER_THREAD; ++u) {
+        const v4p_i64 k = k0 + u * V4P_BLOCK;
+        v[u] = (u < per && k < row_stride) ? topk[k] : 0;
+    }
     if (b < 0) return;
     const v4p_i64 skip = a.window_size > 0 ? v4p_min(skip_src + 1, (v4p_i64)a.window_size) : skip_src;
     const v4p_i64 valid_k = end - base - skip;
     const v4p_i64 lim = v4p_min(valid_k, row_stride);
+    // Round 2: table entries.
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
     const v4p_i32 cap = a.block_capacity;
     const v4p_i32 last = a.block_table_stride - 1;
-    v4p_i32 blk[V4P_CSA_LPB][2];
+    v4p_i32 blk[V4POOL_CSA_MAX_PER_THREAD];
 #pragma unroll
-    for (int l = 0; l < V4P_CSA_LPB; ++l)
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            blk[l][u] = 0;
-            if (l < nl && k0 + u * V4P_BLOCK < lim) {
-                v4p_i32 j = v[l][u] / cap;
-                j = j < 0 ? 0 : (j > last ? last : j);  // clamp, do not drop
-                blk[l][u] = table[j];
-            }
+    for (int u = 0; u < V4POOL_CSA_MAX_PER_THREAD; ++u) {
+        blk[u] = 0;
+        if (u < per && k0 + u * V4P_BLOCK < lim) {
+            v4p_i32 j = v[u] / cap;
+            j = j < 0 ? 0 : (j > last ? last : j);  // clamp, do not drop
+            blk[u] = table[j];
         }
-    v4p_i32* out = v4p_out<v4p_i32>(a.out) + l0 * a.out_layer_stride + base;
+    }
+    v4p_i32* out = v4p_out<v4p_i32>(a.out) + base;
 #pragma unroll
-    for (int l = 0; l < V4P_CSA_LPB; ++l)
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const v4p_i64 k = k0 + u * V4P_BLOCK;
-            if (l < nl && k < lim)
-                out[l * a.out_layer_stride + k] = (v4p_i32)compress_row(blk[l][u], v[l][u] % cap, a.envelope_rows);
-        }
+    for (int u = 0; u < V4POOL_CSA_MAX_PER_THREAD; ++u) {
+        const v4p_i64 k = k0 + u * V4P_BLOCK;
+        if (u < per && k < lim) out[k] = (v4p_i32)compress_row(blk[u], v[u] % cap, a.envelope_rows);
+    }
     if (valid_k > row_stride) {
         // A slice longer than its top-k row (a host error) still gets every entry, read past
         // the row as the contract's reference kernel would; the row's tiles share the rest.
-        const v4p_i64 row_tiles = (row_stride + V4POOL_CSA_TILE - 1) / V4POOL_CSA_TILE;
+        const v4p_i64 row_tiles = (row_stride + tile_cols - 1) / tile_cols;
         const v4p_i64 ntiles = row_tiles > 0 ? row_tiles : 1;
-        for (v4p_i64 l = 0; l < nl; ++l)
-            for (v4p_i64 k = row_stride + tile * V4P_BLOCK + tid; k < valid_k; k += ntiles * V4P_BLOCK) {
-                const v4p_i32 x = topk[l * a.topk_layer_stride + k];
-                v4p_i32 j = x / cap;
-                j = j < 0 ? 0 : (j > last ? last : j);
-                out[l * a.out_layer_stride + k] = (v4p_i32)compress_row(table[j], x % cap, a.envelope_rows);
-            }
+        for (v4p_i64 k = row_stride + tile * V4P_BLOCK + tid; k < valid_k; k += ntiles * V4P_BLOCK) {
+            const v4p_i32 x = topk[k];
+            v4p_i32 j = x / cap;
+            j = j < 0 ? 0 : (j > last ? last : j);
+            out[k] = (v4p_i32)compress_row(table[j], x % cap, a.envelope_rows);
+        }
     }
 }
 

@@ -280,21 +280,15 @@ impl DecodeIndexBuffers {
             hca_rows_per_block: self.hca_rows_per_block,
             num_tokens: self.cap.max_tokens as i32,
             win: self.cap.win,
-            // Every CSA layer's copy gets the window tail, so a batched translate-pack leaves
-            // each layer a whole slice.
-            csa_copy_stride: (self.layout.csa_out_layer_stride / 4) as i64,
-            csa_copies: self.cap.csa_layers as i32,
-            _pad: 0,
         }
     }
 
-    /// CSA translate-pack over `num_layers` layers in one launch, reading the indexer's
-    /// top-k from `topk` (i32 `[num_layers][max_tokens][topk_row_stride]`). Layer `l`
-    /// writes the heads of CSA copy `l` (see [`Self::csa_indices`]).
-    pub fn csa_pack_args(&self, topk: DevicePtr, topk_row_stride: i32, num_layers: usize) -> CsaPackArgs {
+    /// CSA translate-pack for one CSA layer (one launch per layer, as a forward runs it),
+    /// reading the layer's top-k from `topk` (i32 `[max_tokens][topk_row_stride]`) and
+    /// writing the heads of the one CSA buffer.
+    pub fn csa_pack_args(&self, topk: DevicePtr, topk_row_stride: i32) -> CsaPackArgs {
         let b = self.base();
         let l = &self.layout;
-        let t = self.cap.max_tokens as i64;
         CsaPackArgs {
             topk,
             block_tables: b + l.block_tables,
@@ -303,15 +297,13 @@ impl DecodeIndexBuffers {
             batch_id_per_token: b + l.batch_ids,
             skip_prefix_len_per_token: 0,
             out: b + l.indices[CLASS_CSA],
-            topk_layer_stride: t * i64::from(topk_row_stride),
-            out_layer_stride: (l.csa_out_layer_stride / 4) as i64,
             envelope_rows: self.envelope_rows,
             topk_row_stride,
             block_table_stride: self.cap.max_blocks_per_seq as i32,
             num_tokens: self.cap.max_tokens as i32,
-            num_layers: num_layers.min(self.cap.csa_layers) as i32,
             block_capacity: (self.block_size / i64::from(CSA_RATIO)) as i32,
             window_size: self.cap.win,
+            _pad: 0,
         }
     }
 
