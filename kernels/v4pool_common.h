@@ -62,6 +62,8 @@ V4P_DEVICE void v4p_sync() {
     __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
 }
 #define V4P_LAUNCH_BOUNDS(n) __attribute__((amdgpu_flat_work_group_size(1, n)))
+// The minimum blocks per SM is an NVIDIA register budget; AMD's differs: the size alone.
+#define V4P_LAUNCH_BOUNDS_MIN(n, m) V4P_LAUNCH_BOUNDS(n)
 #elif defined(V4P_TARGET_CLANG_CUDA)
 V4P_DEVICE unsigned v4p_tid_x() { return __nvvm_read_ptx_sreg_tid_x(); }
 V4P_DEVICE unsigned v4p_bid_x() { return __nvvm_read_ptx_sreg_ctaid_x(); }
@@ -69,6 +71,7 @@ V4P_DEVICE unsigned v4p_bid_y() { return __nvvm_read_ptx_sreg_ctaid_y(); }
 V4P_DEVICE unsigned v4p_bid_z() { return __nvvm_read_ptx_sreg_ctaid_z(); }
 V4P_DEVICE void v4p_sync() { __syncthreads(); }
 #define V4P_LAUNCH_BOUNDS(n) __attribute__((launch_bounds(n)))
+#define V4P_LAUNCH_BOUNDS_MIN(n, m) __attribute__((launch_bounds(n, m)))
 #elif defined(V4P_TARGET_EMU)
 #define __global__
 #define __device__
@@ -83,6 +86,7 @@ V4P_DEVICE unsigned v4p_bid_y() { return v4p_emu.by; }
 V4P_DEVICE unsigned v4p_bid_z() { return v4p_emu.bz; }
 V4P_DEVICE void v4p_sync() {}
 #define V4P_LAUNCH_BOUNDS(n)
+#define V4P_LAUNCH_BOUNDS_MIN(n, m)
 #else
 V4P_DEVICE unsigned v4p_tid_x() { return threadIdx.x; }
 V4P_DEVICE unsigned v4p_bid_x() { return blockIdx.x; }
@@ -90,6 +94,7 @@ V4P_DEVICE unsigned v4p_bid_y() { return blockIdx.y; }
 V4P_DEVICE unsigned v4p_bid_z() { return blockIdx.z; }
 V4P_DEVICE void v4p_sync() { __syncthreads(); }
 #define V4P_LAUNCH_BOUNDS(n) __launch_bounds__(n)
+#define V4P_LAUNCH_BOUNDS_MIN(n, m) __launch_bounds__(n, m)
 #endif
 
 // ---- fixed-width integers ---------------------------------------------------------------------
@@ -134,6 +139,9 @@ static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, 
 /// min(ceil(topk_row_stride / 256), 8) columns per thread, so one block per token up to a
 /// top-k of 2,048 (grid y tiles longer rows).
 #define V4POOL_CSA_MAX_PER_THREAD 8
+/// Top-k columns per thread grow by one for every this many columns of the row, so a row
+/// spreads over about four blocks (enough blocks to balance 132 SMs at T = 256).
+#define V4POOL_CSA_COLS_PER_STEP 1024
 /// Largest grid y and z both vendors accept (shape.rs MAX_GRID_YZ).
 #define V4POOL_MAX_GRID_YZ 65535
 static_assert(V4POOL_DECODE_HCA_TILE == 8 * V4POOL_BLOCK_THREADS, "eight entries per thread");

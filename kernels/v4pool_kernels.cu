@@ -47,6 +47,37 @@ V4P_DEVICE void v4p_divmod(v4p_i64 n, v4p_i64 d, v4p_i64& quot, v4p_i64& rem) {
     }
 }
 
+#if defined(V4P_TARGET_NVCC)
+V4P_DEVICE v4p_u32 v4p_popc(v4p_u32 x) { return (v4p_u32)__popc(x); }
+#else
+V4P_DEVICE v4p_u32 v4p_popc(v4p_u32 x) { return (v4p_u32)__builtin_popcount(x); }
+#endif
+
+/// A 32-bit divisor for the per-entry loops: a shift and a mask when it is a power of two
+/// (rows per block and CSA rows per block are, in every V4 geometry), a division otherwise.
+/// The index kernels are issue-bound at 1M contexts (Nsight Compute: SM throughput 83%, DRAM
+/// 36%), so the per-entry work is 32-bit and division-free; a compressed row is computed in
+/// 32-bit wrapping arithmetic, which has the bits of the 64-bit product cut to the i32 the
+/// buffer holds (the host reference rejects any row that does not fit).
+struct V4pDiv {
+    v4p_u32 d, shift;
+    bool pow2;
+    V4P_DEVICE v4p_u32 quot(v4p_u32 n) const { return pow2 ? n >> shift : n / d; }
+    V4P_DEVICE v4p_u32 rem(v4p_u32 n) const { return pow2 ? n & (d - 1) : n % d; }
+};
+
+/// `d` clamped to [1, 2^32 - 1].
+V4P_DEVICE V4pDiv v4p_div_make(v4p_i64 d) {
+    V4pDiv r;
+    r.d = d < 1 ? 1u : (d > 0xffffffffll ? 0xffffffffu : (v4p_u32)d);
+    r.pow2 = (r.d & (r.d - 1)) == 0;
+    r.shift = v4p_popc(r.d - 1);
+    return r;
+}
+
+/// An entry count as u32: negative counts are none (a slice shorter than its window).
+V4P_DEVICE v4p_u32 v4p_count32(v4p_i64 n) { return n <= 0 ? 0u : (n > 0x7fffffffll ? 0x7fffffffu : (v4p_u32)n); }
+
 /// `window_row_at` with the fast division.
 V4P_DEVICE v4p_i64 v4p_window_row_q(WindowParams w, v4p_i64 slot, v4p_i64 q) {
     v4p_i64 chunk, within;
@@ -83,60 +114,48 @@ V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_
 /// Entries of a compressed head (§4) one round of `lanes` threads handles: dst[e] =
 /// table[e / rpb] * envelope + e % rpb for e = e0 + u * lanes, u < 8. Split in a load half and
 /// a store half so that a caller can issue the first round's table loads before its other
-/// stores (and the loads of one round are all in flight at once).
+/// stores (and the loads of one round are all in flight at once). 32-bit throughout.
 struct V4pHeadRound {
-    v4p_i64 e0;
+    v4p_u32 e0;
     v4p_i32 blk[8];
 
-    /// Table loads for entries below `load_count` (columns clamped to `last_col`, so a
-    /// speculative count never reads past the row).
-    V4P_DEVICE void load(const v4p_i32* __restrict__ table, v4p_i64 first, v4p_i64 load_count, v4p_i64 rpb,
-                         v4p_i64 last_col, v4p_u32 lanes) {
+    /// Table loads for entries below `n` (columns clamped to `last_col`, so a speculative
+    /// count never reads past the row).
+    V4P_DEVICE void load(const v4p_i32* __restrict__ table, v4p_u32 first, v4p_u32 n, V4pDiv rpb, v4p_u32 last_col,
+                         v4p_u32 lanes) {
         e0 = first;
-        v4p_i64 j, r;
-        v4p_divmod(e0, rpb, j, r);
-        const v4p_i64 jstep = (v4p_i64)lanes / rpb, rstep = (v4p_i64)lanes % rpb;
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-            const v4p_i64 col = j < last_col ? j : last_col;
-            blk[u] = e0 + u * (v4p_i64)lanes < load_count ? table[col] : 0;
-            j += jstep;
-            r += rstep;
-            if (r >= rpb) {
-                r -= rpb;
-                ++j;
-            }
+            const v4p_u32 e = first + (v4p_u32)u * lanes;
+            const v4p_u32 j = rpb.quot(e);
+            blk[u] = e < n ? table[j < last_col ? j : last_col] : 0;
         }
     }
 
-    /// Stores for entries below `count` (<= the load count). The rows are walked again
-    /// rather than kept from the load half: registers, not ALU, bound these kernels' occupancy.
-    V4P_DEVICE void store(v4p_i32* __restrict__ dst, v4p_i64 count, v4p_i64 rpb, v4p_i64 envelope,
-                          v4p_u32 lanes) const {
-        v4p_i64 j, r;
-        v4p_divmod(e0, rpb, j, r);
-        const v4p_i64 rstep = (v4p_i64)lanes % rpb;
+    /// Stores for entries below `n` (<= the load count).
+    V4P_DEVICE void store(v4p_i32* __restrict__ dst, v4p_u32 n, V4pDiv rpb, v4p_u32 envelope, v4p_u32 lanes) const {
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-            const v4p_i64 e = e0 + u * (v4p_i64)lanes;
-            if (e < count) dst[e] = (v4p_i32)compress_row(blk[u], r, envelope);
-            r += rstep;
-            if (r >= rpb) r -= rpb;
+            const v4p_u32 e = e0 + (v4p_u32)u * lanes;
+            if (e < n) dst[e] = (v4p_i32)((v4p_u32)blk[u] * envelope + rpb.rem(e));
         }
     }
 };
 
-/// Rounds after the first of a compressed head: entries [first, count) in rounds of 8 * lanes,
+/// Rounds after the first of a compressed head: entries [first, n) in rounds of 8 * lanes,
 /// `stride` entries between a thread's rounds.
-V4P_DEVICE void v4p_write_head_from(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table, v4p_i64 first,
-                                    v4p_i64 count, v4p_i64 stride, v4p_i64 rpb, v4p_i64 last_col, v4p_i64 envelope,
+V4P_DEVICE void v4p_write_head_from(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table, v4p_u32 first,
+                                    v4p_u32 n, v4p_u32 stride, V4pDiv rpb, v4p_u32 last_col, v4p_u32 envelope,
                                     v4p_u32 lanes) {
-    for (v4p_i64 e0 = first; e0 < count; e0 += stride) {
+    for (v4p_u64 e0 = first; e0 < n; e0 += stride) {
         V4pHeadRound h;
-        h.load(table, e0, count, rpb, last_col, lanes);
-        h.store(dst, count, rpb, envelope, lanes);
+        h.load(table, (v4p_u32)e0, n, rpb, last_col, lanes);
+        h.store(dst, n, rpb, envelope, lanes);
     }
 }
+
+/// The last column of a block-table row (0 for an empty row: loads are guarded by counts).
+V4P_DEVICE v4p_u32 v4p_last_col(v4p_i32 stride) { return stride > 0 ? (v4p_u32)(stride - 1) : 0u; }
 
 /// Tiles of the fused HCA head in the decode builder (grid y; launch_shape derives the same):
 /// enough for the longest head a block-table row can describe (block_table_stride * rpb
@@ -180,7 +199,9 @@ V4P_DEVICE void v4p_copy_plane(PlaneWrite pw, v4p_i64 src_row, v4p_i64 dst_row, 
 // window tails and dest rows come from tile 0. Two load rounds (token, then sequence + table)
 // before any store.
 
-extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices(DecodeIndexArgs a) {
+// Eight blocks per SM (32 registers, a few bytes spilled to L1): batch 256's 1,024 blocks
+// then run in one wave instead of two (Nsight Compute: 64 registers, 1.94 waves).
+extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 8) void v4pool_decode_indices(DecodeIndexArgs a) {
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
     if (t >= a.num_tokens) return;
     const v4p_i64 tile = v4p_bid_y();
@@ -205,13 +226,15 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode
     const v4p_i64 n = v4p_min(p + 1, (v4p_i64)a.win);
     // Round 2: the slot and this tile's first table entries, together.
     const v4p_i64 slot = tile == 0 ? (v4p_i64)v4p_in<v4p_i32>(a.state_slot_per_seq)[b] : 0;
-    const v4p_i64 head = hend - hbegin - n;
-    const v4p_i64 ntiles = v4p_decode_hca_tiles(a);
-    const v4p_i64 per_round = V4POOL_DECODE_HCA_TILE;
+    const v4p_u32 head = v4p_count32(hend - hbegin - n);
+    const v4p_u32 ntiles = (v4p_u32)v4p_decode_hca_tiles(a);
+    const v4p_u32 per_round = V4POOL_DECODE_HCA_TILE;
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-    const v4p_i64 last_col = (v4p_i64)a.block_table_stride - 1;
+    const V4pDiv rpb = v4p_div_make(a.hca_rows_per_block);
+    const v4p_u32 last_col = v4p_last_col(a.block_table_stride);
+    const v4p_u32 first = (v4p_u32)tile * per_round + tid;
     V4pHeadRound h;
-    if (fused) h.load(table, tile * per_round + tid, head, a.hca_rows_per_block, last_col, V4P_BLOCK);
+    if (fused) h.load(table, first, head, rpb, last_col, V4P_BLOCK);
     // Stores.
     if (tile == 0) {
 #pragma unroll
@@ -227,9 +250,10 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode
         // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile
         // (and every ntiles-th tile after it, when the grid is capped).
         v4p_i32* dst = v4p_out<v4p_i32>(hca.indices) + hbegin;
-        h.store(dst, head, a.hca_rows_per_block, a.envelope_rows, V4P_BLOCK);
-        v4p_write_head_from(dst, table, (tile + ntiles) * per_round + tid, head, ntiles * per_round,
-                            a.hca_rows_per_block, last_col, a.envelope_rows, V4P_BLOCK);
+        const v4p_u32 envelope = (v4p_u32)a.envelope_rows;
+        h.store(dst, head, rpb, envelope, V4P_BLOCK);
+        v4p_write_head_from(dst, table, first + ntiles * per_round, head, ntiles * per_round, rpb, last_col, envelope,
+                            V4P_BLOCK);
     }
 }
 
@@ -238,7 +262,8 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode
 // so twice as many tokens are resident as with a block per token and a 128K token's 1,024 HCA
 // entries are two rounds of eight per lane. Two load rounds before any store.
 
-extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefill_indices(PrefillIndexArgs a) {
+// Five blocks per SM (48 registers instead of 64): more tokens resident.
+extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 5) void v4pool_prefill_indices(PrefillIndexArgs a) {
     const v4p_u32 lanes = V4POOL_PREFILL_LANES;
     const v4p_u32 lane = v4p_tid_x() % lanes;
     const v4p_i64 t = (v4p_i64)v4p_bid_x() * V4POOL_PREFILL_TOKENS_PER_BLOCK + v4p_tid_x() / lanes;
@@ -263,9 +288,10 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefil
     else
         by_pos = (p + 1) / a.hca_ratio;  // C division, as the host reference
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-    const v4p_i64 last_col = (v4p_i64)a.block_table_stride - 1;
+    const V4pDiv rpb = v4p_div_make(a.hca_rows_per_block);
+    const v4p_u32 last_col = v4p_last_col(a.block_table_stride);
     V4pHeadRound h;
-    h.load(table, lane, by_pos, a.hca_rows_per_block, last_col, lanes);
+    h.load(table, lane, v4p_count32(by_pos), rpb, last_col, lanes);
 
     const v4p_i64 win = a.win;
     const v4p_i64 in_chunk = p - cs;
@@ -286,9 +312,9 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefil
     // HCA: [window | compressed entries].
     v4p_i32* out = v4p_out<v4p_i32>(a.hca_indices) + hca_at;
     v4p_write_window(out, a.hca, slot, low, pre, lane, lanes);
-    h.store(out + pre, n_hca, a.hca_rows_per_block, a.envelope_rows, lanes);
-    v4p_write_head_from(out + pre, table, lane + 8 * lanes, n_hca, 8 * lanes, a.hca_rows_per_block, last_col,
-                        a.envelope_rows, lanes);
+    const v4p_u32 envelope = (v4p_u32)a.envelope_rows, nh = v4p_count32(n_hca);
+    h.store(out + pre, nh, rpb, envelope, lanes);
+    v4p_write_head_from(out + pre, table, lane + 8 * lanes, nh, 8 * lanes, rpb, last_col, envelope, lanes);
 }
 
 // ---- §4: HCA compressed offsets as a standalone gather -----------------------------------
@@ -309,20 +335,34 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_hca_of
 // v4p_csa_per_thread columns (up to 8, so one block per token up to a top-k of 2,048), every
 // top-k load of the thread in flight at once, then every table load, then the stores.
 
-/// Columns per thread: min(ceil(topk_row_stride / 256), 8), at least 1 (shape.rs agrees).
+/// Columns per thread: ceil(topk_row_stride / 1024) in [1, 8] (shape.rs agrees).
 V4P_DEVICE v4p_i64 v4p_csa_per_thread(v4p_i64 row_stride) {
-    const v4p_i64 e = (row_stride + V4P_BLOCK - 1) / V4P_BLOCK;
+    const v4p_i64 e = (row_stride + V4POOL_CSA_COLS_PER_STEP - 1) / V4POOL_CSA_COLS_PER_STEP;
     return e < 1 ? 1 : (e > V4POOL_CSA_MAX_PER_THREAD ? V4POOL_CSA_MAX_PER_THREAD : e);
+}
+
+/// Table column and row within the block of a sequence-local CSA row `v`: C division (the
+/// host reference's), by shift and mask for the usual non-negative value.
+V4P_DEVICE void v4p_csa_split(v4p_i32 v, V4pDiv cap, v4p_i32 last, v4p_i32& col, v4p_i32& row) {
+    v4p_i32 j;
+    if (v >= 0) {
+        j = (v4p_i32)cap.quot((v4p_u32)v);
+        row = (v4p_i32)cap.rem((v4p_u32)v);
+    } else {
+        j = v / (v4p_i32)cap.d;
+        row = v % (v4p_i32)cap.d;
+    }
+    col = j < 0 ? 0 : (j > last ? last : j);  // clamp, do not drop
 }
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_translate_pack(CsaPackArgs a) {
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
-    const v4p_i64 tile = v4p_bid_y();
+    const v4p_u32 tile = v4p_bid_y();
     if (t >= a.num_tokens) return;
     const v4p_u32 tid = v4p_tid_x();
-    const v4p_i64 row_stride = a.topk_row_stride;
-    const v4p_i64 per = v4p_csa_per_thread(row_stride);
-    const v4p_i64 tile_cols = per * V4P_BLOCK;
+    const v4p_u32 row_stride = a.topk_row_stride > 0 ? (v4p_u32)a.topk_row_stride : 0u;
+    const v4p_u32 per = (v4p_u32)v4p_csa_per_thread(row_stride);
+    const v4p_u32 tile_cols = per * V4P_BLOCK;
     // Round 1: batch id, slice bounds, skip source and the top-k values themselves (in the row
     // whatever the slice length; the topk buffer covers T rows).
     const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
@@ -332,47 +372,44 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_tr
     const v4p_i64 skip_src = a.window_size > 0 ? v4p_in<v4p_i64>(a.positions)[t]
                                                 : (v4p_i64)v4p_in<v4p_i32>(a.skip_prefix_len_per_token)[t];
     const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + (v4p_i64)t * row_stride;
-    const v4p_i64 k0 = tile * tile_cols + tid;
+    const v4p_u32 k0 = tile * tile_cols + tid;
     v4p_i32 v[V4POOL_CSA_MAX_PER_THREAD];
 #pragma unroll
     for (int u = 0; u < V4POOL_CSA_MAX_PER_THREAD; ++u) {
-        const v4p_i64 k = k0 + u * V4P_BLOCK;
-        v[u] = (u < per && k < row_stride) ? topk[k] : 0;
+        const v4p_u32 k = k0 + (v4p_u32)u * V4P_BLOCK;
+        v[u] = ((v4p_u32)u < per && k < row_stride) ? topk[k] : 0;
     }
     if (b < 0) return;
     const v4p_i64 skip = a.window_size > 0 ? v4p_min(skip_src + 1, (v4p_i64)a.window_size) : skip_src;
     const v4p_i64 valid_k = end - base - skip;
-    const v4p_i64 lim = v4p_min(valid_k, row_stride);
+    const v4p_u32 lim = v4p_count32(v4p_min(valid_k, (v4p_i64)row_stride));
     // Round 2: table entries.
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-    const v4p_i32 cap = a.block_capacity;
+    const V4pDiv cap = v4p_div_make(a.block_capacity);
     const v4p_i32 last = a.block_table_stride - 1;
-    v4p_i32 blk[V4POOL_CSA_MAX_PER_THREAD];
+    const v4p_u32 envelope = (v4p_u32)a.envelope_rows;
+    v4p_i32 blk[V4POOL_CSA_MAX_PER_THREAD], row[V4POOL_CSA_MAX_PER_THREAD];
 #pragma unroll
     for (int u = 0; u < V4POOL_CSA_MAX_PER_THREAD; ++u) {
-        blk[u] = 0;
-        if (u < per && k0 + u * V4P_BLOCK < lim) {
-            v4p_i32 j = v[u] / cap;
-            j = j < 0 ? 0 : (j > last ? last : j);  // clamp, do not drop
-            blk[u] = table[j];
-        }
+        v4p_i32 col;
+        v4p_csa_split(v[u], cap, last, col, row[u]);
+        blk[u] = ((v4p_u32)u < per && k0 + (v4p_u32)u * V4P_BLOCK < lim) ? table[col] : 0;
     }
     v4p_i32* out = v4p_out<v4p_i32>(a.out) + base;
 #pragma unroll
     for (int u = 0; u < V4POOL_CSA_MAX_PER_THREAD; ++u) {
-        const v4p_i64 k = k0 + u * V4P_BLOCK;
-        if (u < per && k < lim) out[k] = (v4p_i32)compress_row(blk[u], v[u] % cap, a.envelope_rows);
+        const v4p_u32 k = k0 + (v4p_u32)u * V4P_BLOCK;
+        if ((v4p_u32)u < per && k < lim) out[k] = (v4p_i32)((v4p_u32)blk[u] * envelope + (v4p_u32)row[u]);
     }
-    if (valid_k > row_stride) {
+    if (valid_k > (v4p_i64)row_stride) {
         // A slice longer than its top-k row (a host error) still gets every entry, read past
         // the row as the contract's reference kernel would; the row's tiles share the rest.
-        const v4p_i64 row_tiles = (row_stride + tile_cols - 1) / tile_cols;
+        const v4p_i64 row_tiles = ((v4p_i64)row_stride + tile_cols - 1) / tile_cols;
         const v4p_i64 ntiles = row_tiles > 0 ? row_tiles : 1;
-        for (v4p_i64 k = row_stride + tile * V4P_BLOCK + tid; k < valid_k; k += ntiles * V4P_BLOCK) {
-            const v4p_i32 x = topk[k];
-            v4p_i32 j = x / cap;
-            j = j < 0 ? 0 : (j > last ? last : j);
-            out[k] = (v4p_i32)compress_row(table[j], x % cap, a.envelope_rows);
+        for (v4p_i64 k = (v4p_i64)row_stride + tile * V4P_BLOCK + tid; k < valid_k; k += ntiles * V4P_BLOCK) {
+            v4p_i32 col, r;
+            v4p_csa_split(topk[k], cap, last, col, r);
+            out[k] = (v4p_i32)((v4p_u32)table[col] * envelope + (v4p_u32)r);
         }
     }
 }
