@@ -135,16 +135,12 @@ static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, 
 /// V4POOL_BLOCK_THREADS / V4POOL_PREFILL_LANES tokens.
 #define V4POOL_PREFILL_LANES 64
 #define V4POOL_PREFILL_TOKENS_PER_BLOCK 4
-/// Most top-k columns one CSA translate-pack thread translates: a block covers
-/// min(ceil(topk_row_stride / 256), 8) columns per thread, so one block per token up to a
-/// top-k of 2,048 (grid y tiles longer rows).
-#define V4POOL_CSA_MAX_PER_THREAD 8
-/// Top-k columns per thread grow by one for every this many columns of the row, so a row
-/// spreads over about four blocks (enough blocks to balance 132 SMs at T = 256).
-#define V4POOL_CSA_COLS_PER_STEP 1024
+/// Top-k columns one CSA translate-pack block covers (grid y): two per thread.
+#define V4POOL_CSA_TILE 512
 /// Largest grid y and z both vendors accept (shape.rs MAX_GRID_YZ).
 #define V4POOL_MAX_GRID_YZ 65535
 static_assert(V4POOL_DECODE_HCA_TILE == 8 * V4POOL_BLOCK_THREADS, "eight entries per thread");
+static_assert(V4POOL_CSA_TILE == 2 * V4POOL_BLOCK_THREADS, "two columns per thread");
 static_assert(V4POOL_PREFILL_LANES * V4POOL_PREFILL_TOKENS_PER_BLOCK == V4POOL_BLOCK_THREADS, "tokens tile a block");
 static_assert(V4POOL_PREFILL_LANES % 32 == 0, "a prefill token owns whole warps (wave32 and wave64 halves)");
 

@@ -157,6 +157,49 @@ V4P_DEVICE void v4p_write_head_from(v4p_i32* __restrict__ dst, const v4p_i32* __
 /// The last column of a block-table row (0 for an empty row: loads are guarded by counts).
 V4P_DEVICE v4p_u32 v4p_last_col(v4p_i32 stride) { return stride > 0 ? (v4p_u32)(stride - 1) : 0u; }
 
+/// Compressed entries e = 0..count-1 of one sequence, tiled: dst[e] = table[e / rpb] * envelope
+/// + e % rpb. Tile `tile` of `ntiles` takes entries [tile * 8B, tile * 8B + 8B) (B = block
+/// threads), then every ntiles-th such range after it; thread i takes e = i, i + B, ..., i + 7B
+/// of its range, so every load and store instruction of a warp touches one contiguous span
+/// (4-byte lanes, coalesced), and all eight table loads are in flight before the first store.
+/// (block, row) of those entries come from one division and a running counter. The decode
+/// builder's writer: measured faster there (9.4 µs at batch 256) than the two-round
+/// V4pHeadRound form (12.8 µs; BENCHMARKS.md).
+V4P_DEVICE void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table,
+                                           v4p_i64 count, v4p_i64 rpb, v4p_i64 envelope, v4p_i64 tile,
+                                           v4p_i64 ntiles, v4p_u32 tid) {
+    const v4p_i64 per_tile = 8 * V4P_BLOCK;
+    const v4p_i64 jstep = (v4p_i64)V4P_BLOCK / rpb, rstep = (v4p_i64)V4P_BLOCK % rpb;
+    for (v4p_i64 e0 = tile * per_tile + tid; e0 < count; e0 += ntiles * per_tile) {
+        v4p_i64 j, r;
+        if ((v4p_u64)e0 <= 0xffffffffull && (v4p_u64)rpb <= 0xffffffffull) {
+            const v4p_u32 e32 = (v4p_u32)e0, d32 = (v4p_u32)rpb;
+            j = (v4p_i64)(e32 / d32);
+            r = (v4p_i64)(e32 - (e32 / d32) * d32);
+        } else {
+            j = e0 / rpb;
+            r = e0 % rpb;
+        }
+        v4p_i32 blk[8], row[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            blk[u] = e0 + u * V4P_BLOCK < count ? table[j] : 0;
+            row[u] = (v4p_i32)r;
+            j += jstep;
+            r += rstep;
+            if (r >= rpb) {
+                r -= rpb;
+                ++j;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const v4p_i64 e = e0 + u * V4P_BLOCK;
+            if (e < count) dst[e] = (v4p_i32)compress_row(blk[u], row[u], envelope);
+        }
+    }
+}
+
 /// Tiles of the fused HCA head in the decode builder (grid y; launch_shape derives the same):
 /// enough for the longest head a block-table row can describe (block_table_stride * rpb
 /// entries), at most V4POOL_MAX_GRID_YZ. One tile when nothing is fused.
@@ -196,17 +239,15 @@ V4P_DEVICE void v4p_copy_plane(PlaneWrite pw, v4p_i64 src_row, v4p_i64 dst_row, 
 
 // ---- §3 + §4: decode index builder with fused HCA heads --------------------------------------
 // grid (T, v4p_decode_hca_tiles), block 256: one block per (token, tile of its HCA head); the
-// window tails and dest rows come from tile 0. Two load rounds (token, then sequence + table)
-// before any store.
+// window tails and dest rows come from tile 0.
 
-// Eight blocks per SM (32 registers, a few bytes spilled to L1): batch 256's 1,024 blocks
-// then run in one wave instead of two (Nsight Compute: 64 registers, 1.94 waves).
-extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 8) void v4pool_decode_indices(DecodeIndexArgs a) {
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices(DecodeIndexArgs a) {
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
     if (t >= a.num_tokens) return;
     const v4p_i64 tile = v4p_bid_y();
     const v4p_u32 tid = v4p_tid_x();
-    // Round 1: everything that needs only t.
+    // Every load that needs only t goes out before the batch id comes back (a cold chain
+    // batch id -> slot / table row is the kernel's critical path).
     const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
     const v4p_i64 p = v4p_in<v4p_i64>(a.positions)[t];
     const ClassBuffers hca = a.classes[V4POOL_CLASS_HCA];
@@ -224,19 +265,8 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 8) void v4pool
     }
     if (b < 0) return;  // pad token: no store at all
     const v4p_i64 n = v4p_min(p + 1, (v4p_i64)a.win);
-    // Round 2: the slot and this tile's first table entries, together.
-    const v4p_i64 slot = tile == 0 ? (v4p_i64)v4p_in<v4p_i32>(a.state_slot_per_seq)[b] : 0;
-    const v4p_u32 head = v4p_count32(hend - hbegin - n);
-    const v4p_u32 ntiles = (v4p_u32)v4p_decode_hca_tiles(a);
-    const v4p_u32 per_round = V4POOL_DECODE_HCA_TILE;
-    const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-    const V4pDiv rpb = v4p_div_make(a.hca_rows_per_block);
-    const v4p_u32 last_col = v4p_last_col(a.block_table_stride);
-    const v4p_u32 first = (v4p_u32)tile * per_round + tid;
-    V4pHeadRound h;
-    if (fused) h.load(table, first, head, rpb, last_col, V4P_BLOCK);
-    // Stores.
     if (tile == 0) {
+        const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
 #pragma unroll
         for (int c = 0; c < 3; ++c) {
             const ClassBuffers cb = a.classes[c];
@@ -247,13 +277,10 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 8) void v4pool
         }
     }
     if (fused) {
-        // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile
-        // (and every ntiles-th tile after it, when the grid is capped).
-        v4p_i32* dst = v4p_out<v4p_i32>(hca.indices) + hbegin;
-        const v4p_u32 envelope = (v4p_u32)a.envelope_rows;
-        h.store(dst, head, rpb, envelope, V4P_BLOCK);
-        v4p_write_head_from(dst, table, first + ntiles * per_round, head, ntiles * per_round, rpb, last_col, envelope,
-                            V4P_BLOCK);
+        // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile.
+        const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
+        v4p_write_compressed_tiled(v4p_out<v4p_i32>(hca.indices) + hbegin, table, hend - hbegin - n,
+                                   a.hca_rows_per_block, a.envelope_rows, tile, v4p_decode_hca_tiles(a), tid);
     }
 }
 
@@ -331,40 +358,19 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_hca_of
 }
 
 // ---- §5: CSA translate-pack, one layer ---------------------------------------------------
-// grid (T, tiles), block 256: one block per (token, tile of its top-k row); a thread translates
-// v4p_csa_per_thread columns (up to 8, so one block per token up to a top-k of 2,048), every
-// top-k load of the thread in flight at once, then every table load, then the stores.
-
-/// Columns per thread: ceil(topk_row_stride / 1024) in [1, 8] (shape.rs agrees).
-V4P_DEVICE v4p_i64 v4p_csa_per_thread(v4p_i64 row_stride) {
-    const v4p_i64 e = (row_stride + V4POOL_CSA_COLS_PER_STEP - 1) / V4POOL_CSA_COLS_PER_STEP;
-    return e < 1 ? 1 : (e > V4POOL_CSA_MAX_PER_THREAD ? V4POOL_CSA_MAX_PER_THREAD : e);
-}
-
-/// Table column and row within the block of a sequence-local CSA row `v`: C division (the
-/// host reference's), by shift and mask for the usual non-negative value.
-V4P_DEVICE void v4p_csa_split(v4p_i32 v, V4pDiv cap, v4p_i32 last, v4p_i32& col, v4p_i32& row) {
-    v4p_i32 j;
-    if (v >= 0) {
-        j = (v4p_i32)cap.quot((v4p_u32)v);
-        row = (v4p_i32)cap.rem((v4p_u32)v);
-    } else {
-        j = v / (v4p_i32)cap.d;
-        row = v % (v4p_i32)cap.d;
-    }
-    col = j < 0 ? 0 : (j > last ? last : j);  // clamp, do not drop
-}
+// grid (T, tiles = ceil(topk_row_stride / 512)), block 256: one block per (token, 512 top-k
+// columns), two columns per thread, both top-k loads in flight, then both table loads, then
+// the stores. (A spread of about four blocks per token with 32-bit shift/mask math measured
+// slower at top-k 512 and 1,024 and level at 2,048: BENCHMARKS.md.)
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_translate_pack(CsaPackArgs a) {
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
-    const v4p_u32 tile = v4p_bid_y();
+    const v4p_i64 tile = v4p_bid_y();
     if (t >= a.num_tokens) return;
     const v4p_u32 tid = v4p_tid_x();
-    const v4p_u32 row_stride = a.topk_row_stride > 0 ? (v4p_u32)a.topk_row_stride : 0u;
-    const v4p_u32 per = (v4p_u32)v4p_csa_per_thread(row_stride);
-    const v4p_u32 tile_cols = per * V4P_BLOCK;
-    // Round 1: batch id, slice bounds, skip source and the top-k values themselves (in the row
-    // whatever the slice length; the topk buffer covers T rows).
+    const v4p_i64 row_stride = a.topk_row_stride;
+    // Loads that need only t go out first: batch id, slice bounds, skip source and the top-k
+    // values themselves (in the row whatever the slice length; the topk buffer covers T rows).
     const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
     const v4p_i32* ptr = v4p_in<v4p_i32>(a.indptr);
     const v4p_i64 base = ptr[t];
@@ -372,44 +378,46 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_tr
     const v4p_i64 skip_src = a.window_size > 0 ? v4p_in<v4p_i64>(a.positions)[t]
                                                 : (v4p_i64)v4p_in<v4p_i32>(a.skip_prefix_len_per_token)[t];
     const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + (v4p_i64)t * row_stride;
-    const v4p_u32 k0 = tile * tile_cols + tid;
-    v4p_i32 v[V4POOL_CSA_MAX_PER_THREAD];
+    const v4p_i64 k0 = tile * V4POOL_CSA_TILE + tid;
+    v4p_i32 v[2];
 #pragma unroll
-    for (int u = 0; u < V4POOL_CSA_MAX_PER_THREAD; ++u) {
-        const v4p_u32 k = k0 + (v4p_u32)u * V4P_BLOCK;
-        v[u] = ((v4p_u32)u < per && k < row_stride) ? topk[k] : 0;
+    for (int u = 0; u < 2; ++u) {
+        const v4p_i64 k = k0 + u * V4P_BLOCK;
+        v[u] = k < row_stride ? topk[k] : 0;
     }
     if (b < 0) return;
     const v4p_i64 skip = a.window_size > 0 ? v4p_min(skip_src + 1, (v4p_i64)a.window_size) : skip_src;
     const v4p_i64 valid_k = end - base - skip;
-    const v4p_u32 lim = v4p_count32(v4p_min(valid_k, (v4p_i64)row_stride));
-    // Round 2: table entries.
+    const v4p_i64 lim = v4p_min(valid_k, row_stride);
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-    const V4pDiv cap = v4p_div_make(a.block_capacity);
+    const v4p_i32 cap = a.block_capacity;
     const v4p_i32 last = a.block_table_stride - 1;
-    const v4p_u32 envelope = (v4p_u32)a.envelope_rows;
-    v4p_i32 blk[V4POOL_CSA_MAX_PER_THREAD], row[V4POOL_CSA_MAX_PER_THREAD];
+    v4p_i32 blk[2];
 #pragma unroll
-    for (int u = 0; u < V4POOL_CSA_MAX_PER_THREAD; ++u) {
-        v4p_i32 col;
-        v4p_csa_split(v[u], cap, last, col, row[u]);
-        blk[u] = ((v4p_u32)u < per && k0 + (v4p_u32)u * V4P_BLOCK < lim) ? table[col] : 0;
+    for (int u = 0; u < 2; ++u) {
+        blk[u] = 0;
+        if (k0 + u * V4P_BLOCK < lim) {
+            v4p_i32 j = v[u] / cap;
+            j = j < 0 ? 0 : (j > last ? last : j);  // clamp, do not drop
+            blk[u] = table[j];
+        }
     }
     v4p_i32* out = v4p_out<v4p_i32>(a.out) + base;
 #pragma unroll
-    for (int u = 0; u < V4POOL_CSA_MAX_PER_THREAD; ++u) {
-        const v4p_u32 k = k0 + (v4p_u32)u * V4P_BLOCK;
-        if ((v4p_u32)u < per && k < lim) out[k] = (v4p_i32)((v4p_u32)blk[u] * envelope + (v4p_u32)row[u]);
+    for (int u = 0; u < 2; ++u) {
+        const v4p_i64 k = k0 + u * V4P_BLOCK;
+        if (k < lim) out[k] = (v4p_i32)compress_row(blk[u], v[u] % cap, a.envelope_rows);
     }
-    if (valid_k > (v4p_i64)row_stride) {
+    if (valid_k > row_stride) {
         // A slice longer than its top-k row (a host error) still gets every entry, read past
         // the row as the contract's reference kernel would; the row's tiles share the rest.
-        const v4p_i64 row_tiles = ((v4p_i64)row_stride + tile_cols - 1) / tile_cols;
+        const v4p_i64 row_tiles = (row_stride + V4POOL_CSA_TILE - 1) / V4POOL_CSA_TILE;
         const v4p_i64 ntiles = row_tiles > 0 ? row_tiles : 1;
-        for (v4p_i64 k = (v4p_i64)row_stride + tile * V4P_BLOCK + tid; k < valid_k; k += ntiles * V4P_BLOCK) {
-            v4p_i32 col, r;
-            v4p_csa_split(topk[k], cap, last, col, r);
-            out[k] = (v4p_i32)((v4p_u32)table[col] * envelope + (v4p_u32)r);
+        for (v4p_i64 k = row_stride + tile * V4P_BLOCK + tid; k < valid_k; k += ntiles * V4P_BLOCK) {
+            const v4p_i32 x = topk[k];
+            v4p_i32 j = x / cap;
+            j = j < 0 ? 0 : (j > last ? last : j);
+            out[k] = (v4p_i32)compress_row(table[j], x % cap, a.envelope_rows);
         }
     }
 }

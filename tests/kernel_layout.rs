@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use std::mem::{align_of, offset_of, size_of};
 use v4pool::geometry::WindowParams;
 use v4pool::index::shape::{
-    BLOCK_THREADS, CSA_COLS_PER_STEP, CSA_MAX_PER_THREAD, DECODE_HCA_TILE, MAX_GRID_YZ, PREFILL_LANES,
-    PREFILL_TOKENS_PER_BLOCK, ROWS_PER_BLOCK, ROW_LANES, RUN_SPLIT,
+    BLOCK_THREADS, CSA_TILE, DECODE_HCA_TILE, MAX_GRID_YZ, PREFILL_LANES, PREFILL_TOKENS_PER_BLOCK,
+    ROWS_PER_BLOCK, ROW_LANES, RUN_SPLIT,
 };
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
@@ -130,8 +130,7 @@ fn header_constants_match_the_launch_shapes() {
     assert_eq!(header_define("V4POOL_DECODE_HCA_TILE"), i64::from(DECODE_HCA_TILE));
     assert_eq!(header_define("V4POOL_PREFILL_LANES"), i64::from(PREFILL_LANES));
     assert_eq!(header_define("V4POOL_PREFILL_TOKENS_PER_BLOCK"), i64::from(PREFILL_TOKENS_PER_BLOCK));
-    assert_eq!(header_define("V4POOL_CSA_MAX_PER_THREAD"), i64::from(CSA_MAX_PER_THREAD));
-    assert_eq!(header_define("V4POOL_CSA_COLS_PER_STEP"), i64::from(CSA_COLS_PER_STEP));
+    assert_eq!(header_define("V4POOL_CSA_TILE"), i64::from(CSA_TILE));
     assert_eq!(header_define("V4POOL_MAX_GRID_YZ"), i64::from(MAX_GRID_YZ));
     assert_eq!(header_define("V4POOL_CLASS_DENSE"), CLASS_DENSE as i64);
     assert_eq!(header_define("V4POOL_CLASS_CSA"), CLASS_CSA as i64);

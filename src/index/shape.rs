@@ -37,11 +37,8 @@ pub const DECODE_HCA_TILE: u32 = 8 * BLOCK_THREADS;
 pub const PREFILL_LANES: u32 = 64;
 /// Tokens one prefill-builder block holds (`V4POOL_PREFILL_TOKENS_PER_BLOCK`).
 pub const PREFILL_TOKENS_PER_BLOCK: u32 = BLOCK_THREADS / PREFILL_LANES;
-/// Most top-k columns one CSA translate-pack thread translates (`V4POOL_CSA_MAX_PER_THREAD`).
-pub const CSA_MAX_PER_THREAD: u32 = 8;
-/// Top-k columns per thread grow by one per this many columns of the row, so a row spreads
-/// over about four blocks (`V4POOL_CSA_COLS_PER_STEP`).
-pub const CSA_COLS_PER_STEP: u32 = 1024;
+/// Top-k columns one CSA translate-pack block covers, grid y (`V4POOL_CSA_TILE`).
+pub const CSA_TILE: u32 = 2 * BLOCK_THREADS;
 
 /// Grid and block of one launch, in CUDA/HIP order (x, y, z).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -79,18 +76,10 @@ fn ceil_div(n: u64, d: u64) -> u64 {
     n.div_ceil(d)
 }
 
-/// Top-k columns one CSA translate-pack thread translates: `ceil(topk_row_stride / 1024)`, in
-/// `1..=CSA_MAX_PER_THREAD` (the kernel's `v4p_csa_per_thread`).
-pub fn csa_per_thread(topk_row_stride: i32) -> u64 {
-    ceil_div(count(topk_row_stride), u64::from(CSA_COLS_PER_STEP)).clamp(1, u64::from(CSA_MAX_PER_THREAD))
-}
-
-/// Tiles of one top-k row in the CSA translate-pack (grid y): two to four for the top-k values
-/// of V4 (enough blocks at T = 256 to balance the SMs). The kernel derives the same number
-/// from `topk_row_stride` to stride past a row should `valid_k` exceed it.
+/// Tiles of one top-k row in the CSA translate-pack (grid y); the kernel derives the same
+/// number from `topk_row_stride` to stride past a row should `valid_k` exceed it.
 pub fn csa_tiles(topk_row_stride: i32) -> u64 {
-    let tile = csa_per_thread(topk_row_stride) * u64::from(BLOCK_THREADS);
-    ceil_div(count(topk_row_stride), tile).max(1)
+    ceil_div(count(topk_row_stride), u64::from(CSA_TILE)).max(1)
 }
 
 /// Tiles of a token's fused HCA head in the decode builder (grid y). The grid may depend only
@@ -510,22 +499,12 @@ mod tests {
         huge.block_table_stride = i32::MAX;
         assert_eq!(launch_shape(&Launch::Decode(huge)).grid, [3, MAX_GRID_YZ, 1]);
         assert_eq!(check_launch(&Launch::Decode(huge)), Ok(()));
-        // (token, tile of 256 threads × columns per thread).
-        for (stride, per, tiles) in [
-            (0, 1, 1),
-            (1, 1, 1),
-            (256, 1, 1),
-            (512, 1, 2),
-            (513, 1, 3),
-            (1024, 1, 4),
-            (2048, 2, 4),
-            (2049, 3, 3),
-        ] {
-            assert_eq!((csa_per_thread(stride), csa_tiles(stride)), (per, tiles), "top-k row {stride}");
+        // (token, CSA_TILE columns).
+        for (stride, tiles) in [(0, 1), (1, 1), (512, 1), (513, 2), (1024, 2), (2048, 4), (2049, 5)] {
+            assert_eq!(csa_tiles(stride), tiles, "top-k row {stride}");
             let csa = CsaPackArgs { num_tokens: 7, topk_row_stride: stride, ..Default::default() };
             assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, tiles as u32, 1]);
         }
-        assert_eq!((csa_per_thread(9000), csa_tiles(9000)), (8, 5));
         let csa = CsaPackArgs { num_tokens: 0, topk_row_stride: 0, ..Default::default() };
         assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [1, 1, 1]);
         // Prefill: four tokens per block.
