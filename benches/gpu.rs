@@ -641,6 +641,10 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<()> {
         // The forward's path: 21 launches, one per CSA layer, in one graph.
         let per_layer: Vec<CudaGraph> =
             (0..NSETS).map(|k| gpu.graph_of(&rig.packs(k))).collect::<Res<_>>()?;
+        // The peer's figure: 21 launches of one layer's pack (the same top-k each time, so L2
+        // holds it after the first), for a like-for-like comparison.
+        let same: Vec<CudaGraph> =
+            (0..NSETS).map(|k| gpu.graph_of(&vec![rig.pack(k, 0); CSA_LAYERS])).collect::<Res<_>>()?;
         let packs1: Vec<Launch> = (0..NSETS).map(|k| rig.pack(k, 0)).collect();
         let bufs = std::cell::RefCell::new(&mut rig.bufs);
         let stage = |i: usize| -> Res<()> {
@@ -650,6 +654,7 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<()> {
         let e1 = gpu.time(REPS, stage, |i| gpu.launch(&packs1[i % NSETS]))?;
         let g1 = gpu.time_graphs(&one, stage)?;
         let gpl = gpu.time_graphs(&per_layer, stage)?;
+        let gsame = gpu.time_graphs(&same, stage)?;
         let avg = |layers: usize| {
             let (r, w) = sets
                 .iter()
@@ -672,8 +677,14 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<()> {
             &Row { name: &name, eager: None, graph: gpl, read: r21, written: w21, copy: c21, memset: m21 },
         );
         peer_line("csa", &format!("T=256 topk={topk}"), g1.med, w1, m1.med);
+        let name = format!("top-k {topk:>4}, 21 launches of layer 0");
+        print_row(
+            f,
+            &Row { name: &name, eager: None, graph: gsame, read: r21, written: w21, copy: c21, memset: m21 },
+        );
         peer_line("csa_x21", &format!("T=256 topk={topk}"), gpl.med, w21, m21.med);
-        drop((one, per_layer));
+        peer_line("csa_x21_same", &format!("T=256 topk={topk}"), gsame.med, w21, m21.med);
+        drop((one, per_layer, same));
         gpu.be.synchronize(S)?;
         rig.release(&gpu.be);
     }
@@ -1055,6 +1066,8 @@ fn run() -> Res<()> {
         empty_launch: gpu.time(REPS, |_| Ok(()), |_| gpu.launch(&Launch::Empty))?,
         empty_graph: gpu.time_graphs(std::slice::from_ref(&empty_graph_g), |_| Ok(()))?,
     };
+    // 21 empty nodes: the launch floor of a forward's 21 per-layer packs.
+    let empty21 = gpu.time_graphs(&[gpu.graph_of(&[Launch::Empty; CSA_LAYERS])?], |_| Ok(()))?;
     let p = flash_plan(1024, 100 * GIB)?;
     let g = p.geometry.clone();
     println!(
@@ -1069,6 +1082,10 @@ fn run() -> Res<()> {
     println!(
         "  empty kernel, graph replay:   {:.2} µs (p10 {:.2}, p90 {:.2})",
         floors.empty_graph.med, floors.empty_graph.p10, floors.empty_graph.p90
+    );
+    println!(
+        "  21 empty kernels, one graph:  {:.2} µs (p10 {:.2}, p90 {:.2})",
+        empty21.med, empty21.p10, empty21.p90
     );
     for mb in [1u64, 16, 256] {
         let bytes = mb << 20;

@@ -59,7 +59,11 @@ def main():
         elif kind == "csa":
             atom, label = g("csa_translate_pack", shape), f"csa pack 1 layer {shape}"
         elif kind == "csa_x21":
-            atom, label = g("csa_translate_pack", shape, "graph_x21"), f"csa pack 21 launches {shape}"
+            # v4pool: 21 layers, each its own top-k (as a forward); ATOM's figure re-reads one.
+            atom, label = g("csa_translate_pack", shape, "graph_x21"), f"csa pack 21 layers {shape}"
+            note = "v4pool reads 21 distinct top-k; ATOM one layer's, 21 times"
+        elif kind == "csa_x21_same":
+            atom, label = g("csa_translate_pack", shape, "graph_x21"), f"csa pack 21x layer 0 {shape}"
         else:
             atom, label = g("prefill_indices", shape), f"prefill {shape}"
         ratio = None if atom is None else atom / us
