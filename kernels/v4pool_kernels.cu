@@ -6,18 +6,17 @@
 // argument struct by value as its only parameter. Grids never depend on data the host does not
 // have: a launch with nothing to do runs one block that returns at once.
 //
-// Performance notes (H200 profiles in BENCHMARKS.md). The index builders are latency-bound
-// at the sizes a decode step or a 128K prefill has, bandwidth-bound only at 1M: each kernel
-// reads per-token values, then per-sequence values, then block-table entries, and every round
-// is a DRAM round trip with a cold L2. So every kernel issues *all* loads of a round before
-// any store (a store can alias a later load, so the compiler would otherwise wait for it):
-// round 1 needs only the token (batch id, position, slice bounds, top-k values), round 2 only
-// the batch id and the token's values (slot, chunk start, table entries, speculatively
-// bounded by the position where a per-sequence count would cut them), then the stores. Each
-// thread keeps up to eight independent loads in flight; stores of consecutive entries are
-// coalesced 4-byte stores across a warp. Ring positions and table columns use 32-bit
-// division (a 64-bit one is a ~70-instruction software routine; the prefill builder was
-// integer-bound on it); every row x width product stays 64-bit.
+// Performance notes (H200 profiles and the measured alternatives in BENCHMARKS.md). At the
+// sizes of a decode step or a 128K prefill these kernels wait on chains of dependent loads
+// (token -> batch id -> sequence values / table row -> table entries), with a cold L2 each a
+// DRAM round trip; at 1M contexts the prefill builder is issue-bound. So loads that need only
+// the token go out before the batch id returns, each thread keeps several independent loads
+// in flight (8 per thread in the HCA heads), and long per-token work is tiled over grid y or
+// over lanes. The prefill builder issues every load of a round before any store (a store may
+// alias a later load, so the compiler would otherwise wait for it) and works in 32-bit
+// without per-entry division; the decode builder and the CSA pack keep main's order and
+// arithmetic, which measured faster for them. Stores of consecutive entries are coalesced
+// 4-byte stores across a warp; every row x width product of a plane address is 64-bit.
 #include "v4pool_common.h"
 
 #define V4P_BLOCK V4POOL_BLOCK_THREADS
