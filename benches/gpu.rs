@@ -24,12 +24,13 @@ use v4pool::backend::cuda::{self, CudaBackend, CudaEvent, CudaGraph};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, DeviceAllocation, Stream};
 use v4pool::geometry::{UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
-use v4pool::index::{
-    CopyRun, CopyRunsArgs, DevicePtr, Launch, PrefillIndexArgs, CLASS_CSA, CLASS_DENSE, CLASS_HCA,
-};
+use v4pool::index::{CopyRun, CopyRunsArgs, DevicePtr, Launch, PrefillIndexArgs};
 use v4pool::model::ModelShape;
-use v4pool::pool::{decode_slice_lens, DecodeCapacity, DecodeIndexBuffers, DecodeSeq, Pool, PoolSpec};
+use v4pool::pool::{
+    decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodeIndexBuffers, DecodeSeq, Pool, PoolSpec,
+};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, Plan, PlanRequest};
+use v4pool::Class;
 
 type Res<T> = Result<T, Box<dyn Error>>;
 
@@ -377,7 +378,6 @@ fn decode_capacity(batch: usize, tps: usize, topk: usize, max_blocks: usize) -> 
         max_blocks_per_seq: max_blocks,
         win: WIN,
         index_topk: topk as i32,
-        csa_layers: 1,
     }
 }
 
@@ -406,15 +406,15 @@ struct DecodeRig {
 
 impl DecodeRig {
     fn new(
-        be: &dyn Backend,
+        be: Arc<dyn Backend>,
         g: &UnifiedPoolGeometry,
         cap: DecodeCapacity,
         topk_sets: &[Vec<i32>],
     ) -> Res<Self> {
-        let bufs = DecodeIndexBuffers::new(be, g, cap)?;
+        let bufs = DecodeIndexBuffers::new(be.clone(), S, g, cap)?;
         let mut topk = Vec::new();
         for t in topk_sets {
-            let a = alloc(be, 4 * t.len() as u64)?;
+            let a = alloc(be.as_ref(), 4 * t.len() as u64)?;
             // SAFETY: the allocation was just made with exactly these bytes.
             unsafe { be.upload(a.ptr, bytemuck::cast_slice(t), S)? };
             topk.push(a);
@@ -422,36 +422,35 @@ impl DecodeRig {
         Ok(DecodeRig { bufs, topk })
     }
 
-    /// Layer `layer`'s translate-pack of input set `set` (each layer reads its own top-k).
+    /// CSA layer `layer`'s translate-pack (its own top-k rows, the one CSA buffer).
     fn pack(&self, set: usize, layer: usize) -> Launch {
         let cap = self.bufs.capacity();
-        let off = 4 * (layer * cap.max_tokens * cap.index_topk as usize) as u64;
-        Launch::CsaPack(self.bufs.csa_pack_args(self.topk[set].ptr + off, cap.index_topk))
+        let layer_bytes = 4 * (cap.max_tokens * cap.index_topk as usize * layer) as u64;
+        let ptr = self.topk[set].ptr + layer_bytes;
+        Launch::CsaPack(self.bufs.csa_pack_args(ptr, cap.index_topk).expect("stride = index_topk"))
     }
 
-    /// The 21 per-layer translate-packs of one forward.
-    fn packs(&self, set: usize) -> Vec<Launch> {
-        (0..CSA_LAYERS).map(|l| self.pack(set, l)).collect()
+    /// A forward's packs: one launch per CSA layer.
+    fn packs(&self, set: usize, layers: usize) -> Vec<Launch> {
+        (0..layers).map(|l| self.pack(set, l)).collect()
     }
 
-    fn release(mut self, be: &dyn Backend) {
-        // SAFETY: callers synchronised and dropped every graph naming these buffers.
-        unsafe { self.bufs.release(be) };
+    fn release(mut self) {
+        let be = self.bufs.backend().clone();
         for a in self.topk.drain(..) {
-            free(be, a);
+            free(be.as_ref(), a);
         }
+        // The buffers free themselves on drop (after the stream drains).
     }
 }
 
 /// Download a class's live slices (`[0, indptr[T])`) and the indptr.
-fn class_output(be: &dyn Backend, bufs: &DecodeIndexBuffers, class: usize, layer: usize) -> Res<Vec<i32>> {
-    let t = bufs.capacity().max_tokens;
-    let ptr = download_i32(be, bufs.indptr(class), t + 1)?;
-    let (base, _) = bufs.indices(class, layer);
-    let n = usize::try_from(ptr[t]).map_err(|_| "negative indptr")?;
+fn class_output(bufs: &DecodeIndexBuffers, class: Class) -> Res<Vec<i32>> {
+    let ptr = bufs.read_i32(DecodeBuffer::Indptr(class))?;
+    let n = usize::try_from(*ptr.last().unwrap_or(&0)).map_err(|_| "negative indptr")?;
     let mut out = ptr;
-    out.extend(download_i32(be, base, n)?);
-    out.extend(download_i32(be, bufs.dest_rows(class), t)?);
+    out.extend(&bufs.read_i32(DecodeBuffer::Indices(class))?[..n]);
+    out.extend(bufs.read_i32(DecodeBuffer::DestRows(class))?);
     Ok(out)
 }
 
@@ -464,29 +463,31 @@ fn check_decode(
     set: &DecodeSet,
     topk0: &[i32],
 ) -> Res<()> {
-    let host = HostBackend::new();
-    let mut hrig = DecodeRig::new(&host, g, rig.bufs.capacity(), std::slice::from_ref(&topk0.to_vec()))?;
+    let host: Arc<dyn Backend> = Arc::new(HostBackend::new());
+    let mut hrig =
+        DecodeRig::new(host.clone(), g, rig.bufs.capacity(), std::slice::from_ref(&topk0.to_vec()))?;
     let seqs = set.seqs();
-    hrig.bufs.stage(&host, &seqs, S)?;
+    hrig.bufs.stage(&seqs)?;
     // SAFETY: the host rig's own buffers, sized by DecodeIndexBuffers.
     unsafe {
         host.launch(&hrig.bufs.launch(), S)?;
         host.launch(&hrig.pack(0, 0), S)?;
     }
-    rig.bufs.stage(&gpu.be, &seqs, S)?;
+    rig.bufs.stage(&seqs)?;
     gpu.launch(&rig.bufs.launch())?;
     gpu.launch(&rig.pack(0, 0))?;
     gpu.be.synchronize(S)?;
-    let mut checks = vec![(CLASS_HCA, "hca"), (CLASS_CSA, "csa")];
+    // One CSA buffer: after every layer's pack it holds the last layer's heads.
+    let mut checks = vec![(Class::Hca, "hca"), (Class::Csa, "csa")];
     if g.class(DENSE_RATIO).is_some() {
-        checks.push((CLASS_DENSE, "dense"));
+        checks.push((Class::Dense, "dense"));
     }
     for (class, what) in checks {
-        let a = class_output(&gpu.be, &rig.bufs, class, 0)?;
-        let b = class_output(&host, &hrig.bufs, class, 0)?;
+        let a = class_output(&rig.bufs, class)?;
+        let b = class_output(&hrig.bufs, class)?;
         compare(what, &a, &b)?;
     }
-    hrig.release(&host);
+    hrig.release();
     Ok(())
 }
 
@@ -524,20 +525,16 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
             .collect();
         let topks: Vec<Vec<i32>> = sets.iter().map(|s| random_topk(&mut rng, s, 512, CSA_LAYERS)).collect();
         let cap = decode_capacity(batch, tps, 512, max_blocks);
-        let mut rig = DecodeRig::new(&gpu.be, g, cap, &topks)?;
+        let mut rig = DecodeRig::new(Arc::new(gpu.be.clone()), g, cap, &topks)?;
         check_decode(gpu, &mut rig, g, &sets[0], &topks[0])?;
         let seqs: Vec<Vec<DecodeSeq<'_>>> = sets.iter().map(|s| s.seqs()).collect();
         let dec = gpu.graph_of(&[rig.bufs.launch()])?;
         let steps: Vec<CudaGraph> = (0..NSETS)
-            .map(|k| {
-                let mut l = vec![rig.bufs.launch()];
-                l.extend(rig.packs(k));
-                gpu.graph_of(&l)
-            })
+            .map(|k| gpu.graph_of(&[vec![rig.bufs.launch()], rig.packs(k, CSA_LAYERS)].concat()))
             .collect::<Res<_>>()?;
         let bufs = std::cell::RefCell::new(&mut rig.bufs);
         let stage = |i: usize| -> Res<()> {
-            bufs.borrow_mut().stage(&gpu.be, &seqs[i % NSETS], S)?;
+            bufs.borrow_mut().stage(&seqs[i % NSETS])?;
             Ok(())
         };
         let launch = bufs.borrow().launch();
@@ -609,7 +606,7 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
         drop(dec);
         drop(steps);
         gpu.be.synchronize(S)?;
-        rig.release(&gpu.be);
+        rig.release();
     }
     Ok(res)
 }
@@ -634,13 +631,13 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<()> {
             (0..NSETS).map(|_| DecodeSet::random(&mut rng, g, batch, 1, DECODE_MAX_CTX)).collect();
         let topks: Vec<Vec<i32>> = sets.iter().map(|s| random_topk(&mut rng, s, topk, CSA_LAYERS)).collect();
         let cap = decode_capacity(batch, 1, topk, max_blocks);
-        let mut rig = DecodeRig::new(&gpu.be, g, cap, &topks)?;
+        let mut rig = DecodeRig::new(Arc::new(gpu.be.clone()), g, cap, &topks)?;
         check_decode(gpu, &mut rig, g, &sets[0], &topks[0])?;
         let seqs: Vec<Vec<DecodeSeq<'_>>> = sets.iter().map(|s| s.seqs()).collect();
         let one: Vec<CudaGraph> = (0..NSETS).map(|k| gpu.graph_of(&[rig.pack(k, 0)])).collect::<Res<_>>()?;
         // The forward's path: 21 launches, one per CSA layer, in one graph.
         let per_layer: Vec<CudaGraph> =
-            (0..NSETS).map(|k| gpu.graph_of(&rig.packs(k))).collect::<Res<_>>()?;
+            (0..NSETS).map(|k| gpu.graph_of(&rig.packs(k, CSA_LAYERS))).collect::<Res<_>>()?;
         // The peer's figure: 21 launches of one layer's pack (the same top-k each time, so L2
         // holds it after the first), for a like-for-like comparison.
         let same: Vec<CudaGraph> =
@@ -648,7 +645,7 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<()> {
         let packs1: Vec<Launch> = (0..NSETS).map(|k| rig.pack(k, 0)).collect();
         let bufs = std::cell::RefCell::new(&mut rig.bufs);
         let stage = |i: usize| -> Res<()> {
-            bufs.borrow_mut().stage(&gpu.be, &seqs[i % NSETS], S)?;
+            bufs.borrow_mut().stage(&seqs[i % NSETS])?;
             Ok(())
         };
         let e1 = gpu.time(REPS, stage, |i| gpu.launch(&packs1[i % NSETS]))?;
@@ -686,7 +683,7 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<()> {
         peer_line("csa_x21_same", &format!("T=256 topk={topk}"), gsame.med, w21, m21.med);
         drop((one, per_layer, same));
         gpu.be.synchronize(S)?;
-        rig.release(&gpu.be);
+        rig.release();
     }
     Ok(())
 }
@@ -1154,22 +1151,22 @@ fn host_check() -> Res<()> {
         let set = DecodeSet::random_tps(&mut rng, g, batch, 1, DECODE_MAX_CTX, tps);
         let tk = random_topk(&mut rng, &set, topk, CSA_LAYERS);
         let cap = decode_capacity(batch, tps, topk, max_blocks);
-        let mut rig = DecodeRig::new(&host, g, cap, std::slice::from_ref(&tk))?;
-        rig.bufs.stage(&host, &set.seqs(), S)?;
+        let mut rig = DecodeRig::new(Arc::new(HostBackend::new()), g, cap, std::slice::from_ref(&tk))?;
+        rig.bufs.stage(&set.seqs())?;
+        rig.bufs.build()?;
         // SAFETY: the rig's own buffers, sized by DecodeIndexBuffers.
         unsafe {
-            host.launch(&rig.bufs.launch(), S)?;
-            for l in rig.packs(0) {
-                host.launch(&l, S)?;
+            for l in rig.packs(0, CSA_LAYERS) {
+                rig.bufs.backend().launch(&l, S)?;
             }
         }
-        let hca = class_output(&host, &rig.bufs, CLASS_HCA, 0)?;
+        let hca = class_output(&rig.bufs, Class::Hca)?;
         let (r, w) = set.builder_bytes(true);
         println!(
             "  decode batch {batch}×{tps}, top-k {topk}: ok ({} HCA entries; builder R {r} W {w})",
             hca[batch * tps]
         );
-        rig.release(&host);
+        rig.release();
     }
     for seqs in [vec![(2048i64, 2048i64)], vec![(8192, PREFILL_1M)], vec![(2048, 5000), (2048, PREFILL_1M)]] {
         let set = PrefillSet::new(&mut rng, g, &seqs, 512);
@@ -1198,16 +1195,17 @@ fn profile_shapes() -> Res<()> {
     for topk in [512usize, 2048] {
         let set = DecodeSet::random(&mut rng, g, 256, 1, DECODE_MAX_CTX);
         let tk = random_topk(&mut rng, &set, topk, 1);
+        let arc: Arc<dyn Backend> = Arc::new(be.clone());
         let mut rig =
-            DecodeRig::new(&be, g, decode_capacity(256, 1, topk, max_blocks), std::slice::from_ref(&tk))?;
-        rig.bufs.stage(&be, &set.seqs(), S)?;
+            DecodeRig::new(arc, g, decode_capacity(256, 1, topk, max_blocks), std::slice::from_ref(&tk))?;
+        rig.bufs.stage(&set.seqs())?;
         // SAFETY: the rig's own buffers, sized by DecodeIndexBuffers.
         unsafe {
             be.launch(&rig.bufs.launch(), S)?;
             be.launch(&rig.pack(0, 0), S)?;
         }
         be.synchronize(S)?;
-        rig.release(&be);
+        rig.release();
     }
     for seqs in [vec![(8192i64, 131_072i64)], vec![(8192, PREFILL_1M)]] {
         let set = PrefillSet::new(&mut rng, g, &seqs, 512);
