@@ -26,7 +26,9 @@ use v4pool::backend::{Backend, DeviceAllocation, Stream};
 use v4pool::geometry::{UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
 use v4pool::index::{CopyRun, CopyRunsArgs, DevicePtr, Launch, PrefillIndexArgs};
 use v4pool::model::ModelShape;
-use v4pool::pool::{DecodeBuffer, DecodeCapacity, DecodeIndexBuffers, DecodeSeq, Pool, PoolSpec};
+use v4pool::pool::{
+    decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodeIndexBuffers, DecodeSeq, Pool, PoolSpec,
+};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, Plan, PlanRequest};
 use v4pool::Class;
 
@@ -167,6 +169,17 @@ impl Gpu {
         Ok((if k.med < m.med { k } else { m }, m, k))
     }
 
+    /// The write floor for `bytes`: a driver memset of them (graph replay, cold L2).
+    fn memset_floor(&self, bytes: u64) -> Res<Stat> {
+        let words = bytes.clamp(16, self.copy_dst.bytes) / 4;
+        let graph = self.capture(|| {
+            // SAFETY: the floor's destination buffer is live and at least `words` words long.
+            unsafe { self.be.fill_u32(self.copy_dst.ptr, words, 0x5a5a_5a5a, S)? };
+            Ok(())
+        })?;
+        self.time_graphs(std::slice::from_ref(&graph), |_| Ok(()))
+    }
+
     fn upload<T: bytemuck::Pod>(&self, dst: DevicePtr, v: &[T]) -> Res<()> {
         // SAFETY: callers pass a range inside one of their own live allocations.
         unsafe { self.be.upload(dst, bytemuck::cast_slice(v), S)? };
@@ -231,6 +244,7 @@ fn header(title: &str) {
         "g/copy",
         "W GB/s"
     );
+    println!("  {:<34} {:>9} {:>9}", "", "memset µs", "g/memset");
 }
 
 struct Row<'a> {
@@ -240,6 +254,8 @@ struct Row<'a> {
     read: u64,
     written: u64,
     copy: Stat,
+    /// A memset of the written bytes (graph replay, cold L2): a builder only writes.
+    memset: Stat,
 }
 
 fn print_row(f: &Floors, r: &Row<'_>) {
@@ -257,6 +273,7 @@ fn print_row(f: &Floors, r: &Row<'_>) {
         r.graph.med / r.copy.med,
         r.written as f64 / (r.graph.med * 1e3),
     );
+    println!("  {:<34} {:>9.2} {:>9.2}", "", r.memset.med, r.graph.med / r.memset.med);
 }
 
 // ---- geometry ------------------------------------------------------------------------------
@@ -268,15 +285,29 @@ fn flash_plan(seqs: i64, budget: u64) -> Res<Plan> {
 
 // ---- decode ----------------------------------------------------------------------------------
 
-/// One decode batch: per sequence its slot position, context and block table.
+/// One decode batch: per sequence its slot position, context and block table; `tps` tokens
+/// per sequence (2: an MTP verify step, positions ctx-2 and ctx-1).
 struct DecodeSet {
     pos: Vec<i64>,
     ctx: Vec<i64>,
     tables: Vec<Vec<i32>>,
+    tps: usize,
 }
 
 impl DecodeSet {
     fn random(rng: &mut Rng, g: &UnifiedPoolGeometry, batch: usize, ctx_lo: i64, ctx_hi: i64) -> Self {
+        Self::random_tps(rng, g, batch, ctx_lo, ctx_hi, 1)
+    }
+
+    fn random_tps(
+        rng: &mut Rng,
+        g: &UnifiedPoolGeometry,
+        batch: usize,
+        ctx_lo: i64,
+        ctx_hi: i64,
+        tps: usize,
+    ) -> Self {
+        let ctx_lo = ctx_lo.max(tps as i64);
         let mut pos: Vec<i64> = g.live_positions().collect();
         rng.shuffle(&mut pos);
         pos.truncate(batch);
@@ -288,7 +319,12 @@ impl DecodeSet {
                 (0..n).map(|_| rng.range(0, g.num_blocks) as i32).collect()
             })
             .collect();
-        DecodeSet { pos, ctx, tables }
+        DecodeSet { pos, ctx, tables, tps }
+    }
+
+    /// Positions of every token, with its sequence's context.
+    fn tokens(&self) -> impl Iterator<Item = (i64, i64)> + '_ {
+        self.ctx.iter().flat_map(move |&c| (0..self.tps as i64).map(move |k| (c - self.tps as i64 + k, c)))
     }
 
     fn seqs(&self) -> Vec<DecodeSeq<'_>> {
@@ -296,27 +332,26 @@ impl DecodeSet {
             .map(|i| DecodeSeq {
                 position: self.pos[i],
                 context_len: self.ctx[i],
-                num_tokens: 1,
+                num_tokens: self.tps,
                 block_table: &self.tables[i],
             })
             .collect()
     }
 
-    /// CSA heads per token (one token per sequence): `min(ctx/4, topk)`.
+    /// CSA heads per token, as the pool stages them.
     fn csa_heads(&self, topk: i64) -> Vec<i64> {
-        self.ctx.iter().map(|&c| (c / i64::from(CSA_RATIO)).min(topk)).collect()
+        self.tokens().map(|(p, c)| decode_slice_lens(p, c, i64::from(WIN), topk).1).collect()
     }
 
-    /// Bytes the decode builder reads and writes (logical, one token per sequence).
-    /// Bytes the decode builder reads and writes; the CSA window tail goes into every one of
-    /// `csa_copies` layer copies (the batched translate-pack's buffers).
-    fn builder_bytes(&self, dense: bool, csa_copies: u64) -> (u64, u64) {
+    /// Bytes the decode builder reads and writes (window tails + dest rows of every class, the
+    /// HCA heads; one CSA buffer).
+    fn builder_bytes(&self, dense: bool) -> (u64, u64) {
         let (mut r, mut w) = (0u64, 0u64);
-        for &c in &self.ctx {
-            let n = c.min(i64::from(WIN)) as u64;
-            let head = (c / i64::from(HCA_RATIO)) as u64;
+        for (p, c) in self.tokens() {
+            let (n, _, head) = decode_slice_lens(p, c, i64::from(WIN), 0);
+            let (n, head) = (n as u64, head as u64);
             let classes = if dense { 3 } else { 2 };
-            w += 4 * ((classes - 1 + csa_copies) * n + head + classes);
+            w += 4 * (classes * n + head + classes);
             r += 4 + 8 + 4 + classes * 8 + 4 * head.div_ceil(2);
         }
         (r, w)
@@ -334,24 +369,26 @@ impl DecodeSet {
     }
 }
 
-/// Decode buffers for `batch` one-token sequences, top-k `topk` (one CSA buffer).
-fn decode_capacity(batch: usize, topk: usize, max_blocks: usize) -> DecodeCapacity {
+/// Decode buffers for `batch` sequences of `tps` tokens, top-k `topk`, one CSA buffer (every
+/// layer's translate-pack rewrites its heads, as a forward pass runs them).
+fn decode_capacity(batch: usize, tps: usize, topk: usize, max_blocks: usize) -> DecodeCapacity {
     DecodeCapacity {
         max_seqs: batch,
-        max_tokens: batch,
+        max_tokens: batch * tps,
         max_blocks_per_seq: max_blocks,
         win: WIN,
         index_topk: topk as i32,
     }
 }
 
-/// Random sequence-local top-k, i32 `[layers][batch][topk]`, values below each token's
+/// Random sequence-local top-k, i32 `[layers][T][topk]`, values below each token's
 /// compressed CSA rows (`ctx / 4`).
 fn random_topk(rng: &mut Rng, set: &DecodeSet, topk: usize, layers: usize) -> Vec<i32> {
-    let b = set.ctx.len();
+    let ctx: Vec<i64> = set.tokens().map(|(_, c)| c).collect();
+    let b = ctx.len();
     let mut v = vec![-1i32; layers * b * topk];
     for l in 0..layers {
-        for (t, &c) in set.ctx.iter().enumerate() {
+        for (t, &c) in ctx.iter().enumerate() {
             let rows = (c / i64::from(CSA_RATIO)).max(1);
             for k in 0..topk {
                 v[(l * b + t) * topk + k] = rng.range(0, rows) as i32;
@@ -417,15 +454,14 @@ fn class_output(bufs: &DecodeIndexBuffers, class: Class) -> Res<Vec<i32>> {
     Ok(out)
 }
 
-/// Run the whole step (decode + all-layer pack, input set 0) on the GPU and on the host
-/// backend and compare every class's slices (CSA: the first and the last layer's copy).
+/// Run the builder and layer 0's pack (input set 0) on the GPU and on the host backend and
+/// compare every class's slices.
 fn check_decode(
     gpu: &Gpu,
     rig: &mut DecodeRig,
     g: &UnifiedPoolGeometry,
     set: &DecodeSet,
     topk0: &[i32],
-    layers: usize,
 ) -> Res<()> {
     let host: Arc<dyn Backend> = Arc::new(HostBackend::new());
     let mut hrig =
@@ -435,18 +471,14 @@ fn check_decode(
     // SAFETY: the host rig's own buffers, sized by DecodeIndexBuffers.
     unsafe {
         host.launch(&hrig.bufs.launch(), S)?;
-        for l in hrig.packs(0, layers) {
-            host.launch(&l, S)?;
-        }
+        host.launch(&hrig.pack(0, 0), S)?;
     }
     rig.bufs.stage(&seqs)?;
     gpu.launch(&rig.bufs.launch())?;
-    for l in rig.packs(0, layers) {
-        gpu.launch(&l)?;
-    }
+    gpu.launch(&rig.pack(0, 0))?;
     gpu.be.synchronize(S)?;
     // One CSA buffer: after every layer's pack it holds the last layer's heads.
-    let mut checks = vec![(Class::Hca, "hca"), (Class::Csa, "csa after the last layer")];
+    let mut checks = vec![(Class::Hca, "hca"), (Class::Csa, "csa")];
     if g.class(DENSE_RATIO).is_some() {
         checks.push((Class::Dense, "dense"));
     }
@@ -459,33 +491,42 @@ fn check_decode(
     Ok(())
 }
 
+/// Batch 256, contexts ≤ 1M: the engine's decode step (builder + 21 per-layer packs).
+struct StepResult {
+    step: Stat,
+    builder: Stat,
+    memset_step: Stat,
+}
+
 struct DecodeResults {
-    /// Batch 256, contexts ≤ 1M: (step, builder, copy of the step's bytes, copy of the builder's).
-    step_256: Option<(Stat, Stat, Stat, Stat)>,
+    step_256: Option<StepResult>,
     no_host_sync: Option<(f64, f64)>,
 }
 
 fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeResults> {
-    header("decode index build (V4-Flash, 1 token/seq, window + HCA heads; 'step' adds one 21-layer CSA pack, top-k 512)");
+    header("decode index build (V4-Flash, window + HCA heads, one CSA buffer; 'step' adds 21 per-layer CSA packs, top-k 512, one graph)");
     let max_blocks = ((DECODE_MAX_CTX + g.block_size - 1) / g.block_size) as usize;
     let mut res = DecodeResults { step_256: None, no_host_sync: None };
-    let configs: [(usize, i64, &str); 6] = [
-        (1, 1, "random ≤1M"),
-        (8, 1, "random ≤1M"),
-        (64, 1, "random ≤1M"),
-        (256, 1, "random ≤1M"),
-        (1024, 1, "random ≤1M"),
-        (256, DECODE_MAX_CTX, "all 1M"),
+    // (batch, tokens per sequence, lowest context, label)
+    let configs: [(usize, usize, i64, &str); 7] = [
+        (1, 1, 1, "random ≤1M"),
+        (8, 1, 1, "random ≤1M"),
+        (64, 1, 1, "random ≤1M"),
+        (256, 1, 1, "random ≤1M"),
+        (1024, 1, 1, "random ≤1M"),
+        (1024, 2, 1, "MTP verify ≤1M"),
+        (256, 1, DECODE_MAX_CTX, "all 1M"),
     ];
     const NSETS: usize = 4;
-    for (batch, ctx_lo, label) in configs {
-        let mut rng = Rng::new(100 + batch as u64 + ctx_lo as u64);
-        let sets: Vec<DecodeSet> =
-            (0..NSETS).map(|_| DecodeSet::random(&mut rng, g, batch, ctx_lo, DECODE_MAX_CTX)).collect();
+    for (batch, tps, ctx_lo, label) in configs {
+        let mut rng = Rng::new(100 + batch as u64 + ctx_lo as u64 + 7 * tps as u64);
+        let sets: Vec<DecodeSet> = (0..NSETS)
+            .map(|_| DecodeSet::random_tps(&mut rng, g, batch, ctx_lo, DECODE_MAX_CTX, tps))
+            .collect();
         let topks: Vec<Vec<i32>> = sets.iter().map(|s| random_topk(&mut rng, s, 512, CSA_LAYERS)).collect();
-        let cap = decode_capacity(batch, 512, max_blocks);
+        let cap = decode_capacity(batch, tps, 512, max_blocks);
         let mut rig = DecodeRig::new(Arc::new(gpu.be.clone()), g, cap, &topks)?;
-        check_decode(gpu, &mut rig, g, &sets[0], &topks[0], CSA_LAYERS)?;
+        check_decode(gpu, &mut rig, g, &sets[0], &topks[0])?;
         let seqs: Vec<Vec<DecodeSeq<'_>>> = sets.iter().map(|s| s.seqs()).collect();
         let dec = gpu.graph_of(&[rig.bufs.launch()])?;
         let steps: Vec<CudaGraph> = (0..NSETS)
@@ -506,34 +547,43 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
             (r / NSETS as u64, w / NSETS as u64)
         };
         let dense = g.class(DENSE_RATIO).is_some();
-        let (br, bw) = avg(&|s| s.builder_bytes(dense, 1));
+        let (br, bw) = avg(&|s| s.builder_bytes(dense));
         let (pr, pw) = avg(&|s| s.pack_bytes(512, CSA_LAYERS));
-        let copy_b = gpu.copy_floor(bw)?;
-        let copy_s = gpu.copy_floor(bw + pw)?;
+        let (copy_b, memset_b) = (gpu.copy_floor(bw)?, gpu.memset_floor(bw)?);
+        let (copy_s, memset_s) = (gpu.copy_floor(bw + pw)?, gpu.memset_floor(bw + pw)?);
+        let t = batch * tps;
+        let name = format!("builder  T {t:>4} (bs {batch}×{tps}), {label}");
         print_row(
             f,
             &Row {
-                name: &format!("builder  batch {batch:>4}, {label}"),
+                name: &name,
                 eager: Some(eager),
                 graph,
                 read: br,
                 written: bw,
                 copy: copy_b,
+                memset: memset_b,
             },
         );
+        let name = format!("step     T {t:>4} (bs {batch}×{tps}), {label}");
         print_row(
             f,
             &Row {
-                name: &format!("step     batch {batch:>4}, {label}"),
+                name: &name,
                 eager: None,
                 graph: step,
                 read: br + pr,
                 written: bw + pw,
                 copy: copy_s,
+                memset: memset_s,
             },
         );
-        if batch == 256 && ctx_lo == 1 {
-            res.step_256 = Some((step, graph, copy_s, copy_b));
+        if ctx_lo == 1 {
+            peer_line("decode", &format!("T={t}"), graph.med, bw, memset_b.med);
+        }
+        if batch == 256 && ctx_lo == 1 && tps == 1 {
+            peer_line("step", "T=256 topk=512", step.med, bw + pw, memset_s.med);
+            res.step_256 = Some(StepResult { step, builder: graph, memset_step: memset_s });
             // No host synchronisation on the index path: with ~2.5 ms of work queued ahead,
             // staging + replay must return to the host long before the GPU reaches them.
             let before = gpu.be.event()?;
@@ -561,40 +611,47 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
     Ok(res)
 }
 
+/// A machine-readable line `scripts/peer-table.py` joins with the peer's JSON.
+fn peer_line(kind: &str, shape: &str, us: f64, written: u64, memset_us: f64) {
+    println!("PEER\t{kind}\t{shape}\t{us:.3}\t{written}\t{memset_us:.3}");
+}
+
 // ---- CSA translate-pack ---------------------------------------------------------------------
 
-/// Top-k 512: (21 layers in one launch, copy of its bytes, one layer).
-type CsaTarget = (Stat, Stat, Stat);
-
-fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<CsaTarget>> {
-    header("CSA translate-pack (T = 256, contexts random ≤1M; one launch for 1 or all 21 layers)");
+fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<()> {
+    header(
+        "CSA translate-pack (T = 256, contexts random ≤1M; one launch per layer, each layer its own top-k)",
+    );
     let batch = 256usize;
     let max_blocks = ((DECODE_MAX_CTX + g.block_size - 1) / g.block_size) as usize;
-    let mut target = None;
     const NSETS: usize = 4;
     for topk in [512usize, 1024, 2048] {
         let mut rng = Rng::new(7 + topk as u64);
         let sets: Vec<DecodeSet> =
             (0..NSETS).map(|_| DecodeSet::random(&mut rng, g, batch, 1, DECODE_MAX_CTX)).collect();
         let topks: Vec<Vec<i32>> = sets.iter().map(|s| random_topk(&mut rng, s, topk, CSA_LAYERS)).collect();
-        let cap = decode_capacity(batch, topk, max_blocks);
+        let cap = decode_capacity(batch, 1, topk, max_blocks);
         let mut rig = DecodeRig::new(Arc::new(gpu.be.clone()), g, cap, &topks)?;
-        check_decode(gpu, &mut rig, g, &sets[0], &topks[0], CSA_LAYERS)?;
+        check_decode(gpu, &mut rig, g, &sets[0], &topks[0])?;
         let seqs: Vec<Vec<DecodeSeq<'_>>> = sets.iter().map(|s| s.seqs()).collect();
         let one: Vec<CudaGraph> = (0..NSETS).map(|k| gpu.graph_of(&[rig.pack(k, 0)])).collect::<Res<_>>()?;
-        // The per-layer path: 21 launches of one layer each in one graph, as a model runs
-        // them (one per CSA layer, each its own top-k, one CSA buffer).
+        // The forward's path: 21 launches, one per CSA layer, in one graph.
         let per_layer: Vec<CudaGraph> =
             (0..NSETS).map(|k| gpu.graph_of(&rig.packs(k, CSA_LAYERS))).collect::<Res<_>>()?;
+        // The peer's figure: 21 launches of one layer's pack (the same top-k each time, so L2
+        // holds it after the first), for a like-for-like comparison.
+        let same: Vec<CudaGraph> =
+            (0..NSETS).map(|k| gpu.graph_of(&vec![rig.pack(k, 0); CSA_LAYERS])).collect::<Res<_>>()?;
+        let packs1: Vec<Launch> = (0..NSETS).map(|k| rig.pack(k, 0)).collect();
         let bufs = std::cell::RefCell::new(&mut rig.bufs);
         let stage = |i: usize| -> Res<()> {
             bufs.borrow_mut().stage(&seqs[i % NSETS])?;
             Ok(())
         };
-        let packs1: Vec<Launch> = (0..NSETS).map(|k| rig_pack(&bufs, &rig.topk, k)).collect();
         let e1 = gpu.time(REPS, stage, |i| gpu.launch(&packs1[i % NSETS]))?;
         let g1 = gpu.time_graphs(&one, stage)?;
         let gpl = gpu.time_graphs(&per_layer, stage)?;
+        let gsame = gpu.time_graphs(&same, stage)?;
         let avg = |layers: usize| {
             let (r, w) = sets
                 .iter()
@@ -604,32 +661,31 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<CsaTa
         };
         let (r1, w1) = avg(1);
         let (r21, w21) = avg(CSA_LAYERS);
-        let c1 = gpu.copy_floor(w1)?;
-        let c21 = gpu.copy_floor(w21)?;
-        let rows = [
-            (format!("top-k {topk:>4}, 1 layer"), Some(e1), g1, r1, w1, c1),
-            (format!("top-k {topk:>4}, 21 launches of 1"), None, gpl, r21, w21, c21),
-        ];
-        for (name, eager, graph, read, written, copy) in rows {
-            print_row(f, &Row { name: &name, eager, graph, read, written, copy });
-        }
-        if topk == 512 {
-            target = Some((gpl, c21, g1));
-        }
-        drop((one, per_layer));
+        let (c1, m1) = (gpu.copy_floor(w1)?, gpu.memset_floor(w1)?);
+        let (c21, m21) = (gpu.copy_floor(w21)?, gpu.memset_floor(w21)?);
+        let name = format!("top-k {topk:>4}, 1 layer");
+        print_row(
+            f,
+            &Row { name: &name, eager: Some(e1), graph: g1, read: r1, written: w1, copy: c1, memset: m1 },
+        );
+        let name = format!("top-k {topk:>4}, 21 launches (1/layer)");
+        print_row(
+            f,
+            &Row { name: &name, eager: None, graph: gpl, read: r21, written: w21, copy: c21, memset: m21 },
+        );
+        peer_line("csa", &format!("T=256 topk={topk}"), g1.med, w1, m1.med);
+        let name = format!("top-k {topk:>4}, 21 launches of layer 0");
+        print_row(
+            f,
+            &Row { name: &name, eager: None, graph: gsame, read: r21, written: w21, copy: c21, memset: m21 },
+        );
+        peer_line("csa_x21", &format!("T=256 topk={topk}"), gpl.med, w21, m21.med);
+        peer_line("csa_x21_same", &format!("T=256 topk={topk}"), gsame.med, w21, m21.med);
+        drop((one, per_layer, same));
         gpu.be.synchronize(S)?;
         rig.release();
     }
-    Ok(target)
-}
-
-fn rig_pack(
-    bufs: &std::cell::RefCell<&mut DecodeIndexBuffers>,
-    topk: &[DeviceAllocation],
-    set: usize,
-) -> Launch {
-    let b = bufs.borrow();
-    Launch::CsaPack(b.csa_pack_args(topk[set].ptr, b.capacity().index_topk).expect("stride = index_topk"))
+    Ok(())
 }
 
 // ---- prefill ------------------------------------------------------------------------------------
@@ -779,16 +835,18 @@ fn prefill_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<(
     let mut rng = Rng::new(11);
     let four: Vec<(i64, i64)> = (0..4).map(|_| (2048, rng.range(2048, PREFILL_1M + 1))).collect();
     // (label, sequences as (chunk_len, ctx_end), is the target row)
-    type Config = (String, Vec<(i64, i64)>, bool);
+    // (label, sequences as (chunk_len, ctx_end), is the target row, peer key)
+    type Config = (String, Vec<(i64, i64)>, bool, &'static str);
     let configs: Vec<Config> = vec![
-        ("2,048 tok, fresh".into(), vec![(2048, 2048)], false),
-        ("2,048 tok at 1M".into(), vec![(2048, PREFILL_1M)], false),
-        ("8,192 tok, fresh".into(), vec![(8192, 8192)], false),
-        ("8,192 tok at 128K".into(), vec![(8192, 131_072)], false),
-        ("8,192 tok at 1M".into(), vec![(8192, PREFILL_1M)], true),
-        ("8,192 tok = 4×2,048, ctx ≤1M".into(), four, false),
+        ("2,048 tok, fresh".into(), vec![(2048, 2048)], false, "T=2048 ctx=2K"),
+        ("2,048 tok at 128K".into(), vec![(2048, 131_072)], false, "T=2048 ctx=128K"),
+        ("2,048 tok at 1M".into(), vec![(2048, PREFILL_1M)], false, "T=2048 ctx=1024K"),
+        ("8,192 tok, fresh".into(), vec![(8192, 8192)], false, "T=8192 ctx=8K"),
+        ("8,192 tok at 128K".into(), vec![(8192, 131_072)], false, "T=8192 ctx=128K"),
+        ("8,192 tok at 1M".into(), vec![(8192, PREFILL_1M)], true, "T=8192 ctx=1024K"),
+        ("8,192 tok = 4×2,048, ctx ≤1M".into(), four, false, ""),
     ];
-    for (name, seqs, is_target) in configs {
+    for (name, seqs, is_target, key) in configs {
         // Two input sets (different slots and block tables), one graph each.
         let sets: Vec<PrefillSet> = (0..2).map(|_| PrefillSet::new(&mut rng, g, &seqs, 512)).collect();
         let rigs: Vec<PrefillRig> =
@@ -813,7 +871,7 @@ fn prefill_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<(
         let eager = gpu.time(REPS, |_| Ok(()), |i| gpu.launch(&Launch::Prefill(rigs[i % 2].args)))?;
         let graph = gpu.time_graphs(&graphs, |_| Ok(()))?;
         let written = 4 * sets[0].written;
-        let copy = gpu.copy_floor(written)?;
+        let (copy, memset) = (gpu.copy_floor(written)?, gpu.memset_floor(written)?);
         print_row(
             f,
             &Row {
@@ -823,8 +881,12 @@ fn prefill_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<(
                 read: sets[0].read,
                 written,
                 copy,
+                memset,
             },
         );
+        if !key.is_empty() {
+            peer_line("prefill", key, graph.med, written, memset.med);
+        }
         if is_target {
             target = Some((graph, copy));
         }
@@ -938,8 +1000,11 @@ fn copy_group(gpu: &Gpu, f: &Floors) -> Res<()> {
     for (name, graphs, launches, bytes) in kinds {
         let eager = gpu.time(REPS, |_| Ok(()), |i| gpu.launch(&launches[i % launches.len()]))?;
         let graph = gpu.time_graphs(graphs, |_| Ok(()))?;
-        let copy = gpu.copy_floor(bytes)?;
-        print_row(f, &Row { name: &name, eager: Some(eager), graph, read: bytes, written: bytes, copy });
+        let (copy, memset) = (gpu.copy_floor(bytes)?, gpu.memset_floor(bytes)?);
+        print_row(
+            f,
+            &Row { name: &name, eager: Some(eager), graph, read: bytes, written: bytes, copy, memset },
+        );
     }
     println!(
         "  Pool::checkpoint_to eager (descriptor upload + launch): {:.2} µs median (p90 {:.2}); image {}",
@@ -998,6 +1063,8 @@ fn run() -> Res<()> {
         empty_launch: gpu.time(REPS, |_| Ok(()), |_| gpu.launch(&Launch::Empty))?,
         empty_graph: gpu.time_graphs(std::slice::from_ref(&empty_graph_g), |_| Ok(()))?,
     };
+    // 21 empty nodes: the launch floor of a forward's 21 per-layer packs.
+    let empty21 = gpu.time_graphs(&[gpu.graph_of(&[Launch::Empty; CSA_LAYERS])?], |_| Ok(()))?;
     let p = flash_plan(1024, 100 * GIB)?;
     let g = p.geometry.clone();
     println!(
@@ -1013,6 +1080,10 @@ fn run() -> Res<()> {
         "  empty kernel, graph replay:   {:.2} µs (p10 {:.2}, p90 {:.2})",
         floors.empty_graph.med, floors.empty_graph.p10, floors.empty_graph.p90
     );
+    println!(
+        "  21 empty kernels, one graph:  {:.2} µs (p10 {:.2}, p90 {:.2})",
+        empty21.med, empty21.p10, empty21.p90
+    );
     for mb in [1u64, 16, 256] {
         let bytes = mb << 20;
         let (_, m, k) = gpu.copy_floors(bytes)?;
@@ -1026,28 +1097,21 @@ fn run() -> Res<()> {
         );
     }
     let dec = decode_group(&gpu, &floors, &g)?;
-    let csa = csa_group(&gpu, &floors, &g)?;
+    csa_group(&gpu, &floors, &g)?;
     let pre = prefill_group(&gpu, &floors, &g)?;
     copy_group(&gpu, &floors)?;
 
-    println!("\nTARGETS (ratios to floors measured in this run)");
-    let e = floors.empty_graph.med;
-    if let Some((step, builder, copy_s, copy_b)) = dec.step_256 {
-        let r = step.med / e;
+    println!(
+        "\nTARGETS (ratios to floors measured in this run; the peer table comes from scripts/peer-table.py)"
+    );
+    if let Some(s) = dec.step_256 {
         println!(
-            "  decode step indices (window + HCA + 21-layer CSA pack), batch 256, ctx ≤1M, one graph: \
-             {:.2} µs = {r:.2}× empty graph (≤ 2.5×): {}",
-            step.med,
-            met(r <= 2.5)
-        );
-        println!(
-            "    (bandwidth floor: a copy of the step's written bytes takes {:.2} µs = {:.2}× empty graph; \
-             builder alone {:.2} µs = {:.2}×, its bytes' copy {:.2}×)",
-            copy_s.med,
-            copy_s.med / e,
-            builder.med,
-            builder.med / e,
-            copy_b.med / e
+            "  decode step as an engine runs it (builder + 21 per-layer CSA packs, top-k 512), batch 256, ctx ≤1M, \
+             one graph: {:.2} µs (builder alone {:.2} µs); a memset of its written bytes {:.2} µs = {:.2}×",
+            s.step.med,
+            s.builder.med,
+            s.memset_step.med,
+            s.step.med / s.memset_step.med
         );
     }
     if let Some((graph, copy)) = pre {
@@ -1057,22 +1121,6 @@ fn run() -> Res<()> {
             graph.med,
             copy.med,
             met(r <= 0.75)
-        );
-    }
-    if let Some((g21, c21, g1)) = csa {
-        let r = g21.med / e;
-        println!(
-            "  CSA translate-pack, 21 layers, T 256, top-k 512: {:.2} µs = {r:.2}× empty graph (≤ 2×): {}",
-            g21.med,
-            met(r <= 2.0)
-        );
-        println!(
-            "    (bandwidth floor: a copy of its written bytes takes {:.2} µs = {:.2}× empty graph; \
-             one layer {:.2} µs = {:.2}×)",
-            c21.med,
-            c21.med / e,
-            g1.med,
-            g1.med / e
         );
     }
     if let Some((host_us, backlog_us)) = dec.no_host_sync {
@@ -1099,10 +1147,10 @@ fn host_check() -> Res<()> {
     let host = HostBackend::new();
     let max_blocks = ((DECODE_MAX_CTX + g.block_size - 1) / g.block_size) as usize;
     let mut rng = Rng::new(5);
-    for (batch, topk) in [(1usize, 512usize), (256, 2048), (1024, 512)] {
-        let set = DecodeSet::random(&mut rng, g, batch, 1, DECODE_MAX_CTX);
+    for (batch, tps, topk) in [(1usize, 1usize, 512usize), (256, 1, 2048), (1024, 2, 512)] {
+        let set = DecodeSet::random_tps(&mut rng, g, batch, 1, DECODE_MAX_CTX, tps);
         let tk = random_topk(&mut rng, &set, topk, CSA_LAYERS);
-        let cap = decode_capacity(batch, topk, max_blocks);
+        let cap = decode_capacity(batch, tps, topk, max_blocks);
         let mut rig = DecodeRig::new(Arc::new(HostBackend::new()), g, cap, std::slice::from_ref(&tk))?;
         rig.bufs.stage(&set.seqs())?;
         rig.bufs.build()?;
@@ -1113,10 +1161,10 @@ fn host_check() -> Res<()> {
             }
         }
         let hca = class_output(&rig.bufs, Class::Hca)?;
-        let (r, w) = set.builder_bytes(true, 1);
+        let (r, w) = set.builder_bytes(true);
         println!(
-            "  decode batch {batch}, top-k {topk}: ok ({} HCA entries; builder R {r} W {w})",
-            hca[batch]
+            "  decode batch {batch}×{tps}, top-k {topk}: ok ({} HCA entries; builder R {r} W {w})",
+            hca[batch * tps]
         );
         rig.release();
     }
@@ -1135,7 +1183,49 @@ fn host_check() -> Res<()> {
     Ok(())
 }
 
+/// `--profile-shapes`: one eager launch of each index kernel at the shapes that matter, for
+/// Nsight Compute (`scripts/perf-session.sh`): decode builder at batch 256, translate-pack at
+/// top-k 512 and 2,048, prefill of 8,192 tokens at 128K and at 1M.
+fn profile_shapes() -> Res<()> {
+    let be = CudaBackend::new(0)?;
+    let p = flash_plan(1024, 100 * GIB)?;
+    let g = &p.geometry;
+    let max_blocks = ((DECODE_MAX_CTX + g.block_size - 1) / g.block_size) as usize;
+    let mut rng = Rng::new(5);
+    for topk in [512usize, 2048] {
+        let set = DecodeSet::random(&mut rng, g, 256, 1, DECODE_MAX_CTX);
+        let tk = random_topk(&mut rng, &set, topk, 1);
+        let arc: Arc<dyn Backend> = Arc::new(be.clone());
+        let mut rig =
+            DecodeRig::new(arc, g, decode_capacity(256, 1, topk, max_blocks), std::slice::from_ref(&tk))?;
+        rig.bufs.stage(&set.seqs())?;
+        // SAFETY: the rig's own buffers, sized by DecodeIndexBuffers.
+        unsafe {
+            be.launch(&rig.bufs.launch(), S)?;
+            be.launch(&rig.pack(0, 0), S)?;
+        }
+        be.synchronize(S)?;
+        rig.release();
+    }
+    for seqs in [vec![(8192i64, 131_072i64)], vec![(8192, PREFILL_1M)]] {
+        let set = PrefillSet::new(&mut rng, g, &seqs, 512);
+        let rig = PrefillRig::new(&be, g, &set)?;
+        // SAFETY: the rig's buffers, laid out for these arguments.
+        unsafe { be.launch(&Launch::Prefill(rig.args), S)? };
+        be.synchronize(S)?;
+        rig.release(&be);
+    }
+    Ok(())
+}
+
 fn main() {
+    if std::env::args().any(|a| a == "--profile-shapes") {
+        if let Err(e) = profile_shapes() {
+            eprintln!("profile shapes failed: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     if std::env::args().any(|a| a == "--host-check") {
         if let Err(e) = host_check() {
             eprintln!("host check failed: {e}");

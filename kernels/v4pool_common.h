@@ -62,6 +62,8 @@ V4P_DEVICE void v4p_sync() {
     __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
 }
 #define V4P_LAUNCH_BOUNDS(n) __attribute__((amdgpu_flat_work_group_size(1, n)))
+// The minimum blocks per SM is an NVIDIA register budget; AMD's differs: the size alone.
+#define V4P_LAUNCH_BOUNDS_MIN(n, m) V4P_LAUNCH_BOUNDS(n)
 #elif defined(V4P_TARGET_CLANG_CUDA)
 V4P_DEVICE unsigned v4p_tid_x() { return __nvvm_read_ptx_sreg_tid_x(); }
 V4P_DEVICE unsigned v4p_bid_x() { return __nvvm_read_ptx_sreg_ctaid_x(); }
@@ -69,6 +71,7 @@ V4P_DEVICE unsigned v4p_bid_y() { return __nvvm_read_ptx_sreg_ctaid_y(); }
 V4P_DEVICE unsigned v4p_bid_z() { return __nvvm_read_ptx_sreg_ctaid_z(); }
 V4P_DEVICE void v4p_sync() { __syncthreads(); }
 #define V4P_LAUNCH_BOUNDS(n) __attribute__((launch_bounds(n)))
+#define V4P_LAUNCH_BOUNDS_MIN(n, m) __attribute__((launch_bounds(n, m)))
 #elif defined(V4P_TARGET_EMU)
 #define __global__
 #define __device__
@@ -83,6 +86,7 @@ V4P_DEVICE unsigned v4p_bid_y() { return v4p_emu.by; }
 V4P_DEVICE unsigned v4p_bid_z() { return v4p_emu.bz; }
 V4P_DEVICE void v4p_sync() {}
 #define V4P_LAUNCH_BOUNDS(n)
+#define V4P_LAUNCH_BOUNDS_MIN(n, m)
 #else
 V4P_DEVICE unsigned v4p_tid_x() { return threadIdx.x; }
 V4P_DEVICE unsigned v4p_bid_x() { return blockIdx.x; }
@@ -90,6 +94,7 @@ V4P_DEVICE unsigned v4p_bid_y() { return blockIdx.y; }
 V4P_DEVICE unsigned v4p_bid_z() { return blockIdx.z; }
 V4P_DEVICE void v4p_sync() { __syncthreads(); }
 #define V4P_LAUNCH_BOUNDS(n) __launch_bounds__(n)
+#define V4P_LAUNCH_BOUNDS_MIN(n, m) __launch_bounds__(n, m)
 #endif
 
 // ---- fixed-width integers ---------------------------------------------------------------------
@@ -126,14 +131,18 @@ static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, 
 /// Fused HCA head entries one decode-builder block writes per round (grid y tiles the head):
 /// eight per thread.
 #define V4POOL_DECODE_HCA_TILE 2048
+/// Lanes that build one token's lists in the prefill builder (two warps); a block holds
+/// V4POOL_BLOCK_THREADS / V4POOL_PREFILL_LANES tokens.
+#define V4POOL_PREFILL_LANES 64
+#define V4POOL_PREFILL_TOKENS_PER_BLOCK 4
 /// Top-k columns one CSA translate-pack block covers (grid y): two per thread.
 #define V4POOL_CSA_TILE 512
-/// CSA layers one translate-pack block handles (grid z = ceil(num_layers / this)).
-#define V4POOL_CSA_LAYERS_PER_BLOCK 4
 /// Largest grid y and z both vendors accept (shape.rs MAX_GRID_YZ).
 #define V4POOL_MAX_GRID_YZ 65535
 static_assert(V4POOL_DECODE_HCA_TILE == 8 * V4POOL_BLOCK_THREADS, "eight entries per thread");
 static_assert(V4POOL_CSA_TILE == 2 * V4POOL_BLOCK_THREADS, "two columns per thread");
+static_assert(V4POOL_PREFILL_LANES * V4POOL_PREFILL_TOKENS_PER_BLOCK == V4POOL_BLOCK_THREADS, "tokens tile a block");
+static_assert(V4POOL_PREFILL_LANES % 32 == 0, "a prefill token owns whole warps (wave32 and wave64 halves)");
 
 // ---- layout checks ----------------------------------------------------------------------------
 
@@ -193,11 +202,8 @@ struct DecodeIndexArgs {
     v4p_i32 hca_rows_per_block;
     v4p_i32 num_tokens;
     v4p_i32 win;
-    v4p_i64 csa_copy_stride;  // elements between the CSA buffer's layer copies
-    v4p_i32 csa_copies;       // copies that get the window tail (0, 1: the one buffer)
-    v4p_i32 _pad;
 };
-V4POOL_CHECK_SIZE(DecodeIndexArgs, 264);
+V4POOL_CHECK_SIZE(DecodeIndexArgs, 248);
 V4POOL_CHECK_ALIGN(DecodeIndexArgs, 8);
 V4POOL_CHECK_OFFSET(DecodeIndexArgs, classes, 0);
 V4POOL_CHECK_OFFSET(DecodeIndexArgs, state_slot_per_seq, 192);
@@ -209,9 +215,6 @@ V4POOL_CHECK_OFFSET(DecodeIndexArgs, block_table_stride, 232);
 V4POOL_CHECK_OFFSET(DecodeIndexArgs, hca_rows_per_block, 236);
 V4POOL_CHECK_OFFSET(DecodeIndexArgs, num_tokens, 240);
 V4POOL_CHECK_OFFSET(DecodeIndexArgs, win, 244);
-V4POOL_CHECK_OFFSET(DecodeIndexArgs, csa_copy_stride, 248);
-V4POOL_CHECK_OFFSET(DecodeIndexArgs, csa_copies, 256);
-V4POOL_CHECK_OFFSET(DecodeIndexArgs, _pad, 260);
 
 struct PrefillIndexArgs {
     WindowParams dense;
@@ -292,24 +295,22 @@ V4POOL_CHECK_OFFSET(HcaOffsetsArgs, num_entries, 48);
 V4POOL_CHECK_OFFSET(HcaOffsetsArgs, _pad, 52);
 
 struct CsaPackArgs {
-    v4p_ptr topk;                       // i32 [L, T, topk_row_stride]
+    v4p_ptr topk;                       // i32 [T, topk_row_stride]
     v4p_ptr block_tables;               // i32 [bs, block_table_stride]
     v4p_ptr positions;                  // i64 [>= T]; read only when window_size > 0
     v4p_ptr indptr;                     // i32 [>= T+1]
     v4p_ptr batch_id_per_token;         // i32 [>= T]
     v4p_ptr skip_prefix_len_per_token;  // i32 [>= T]; read only when window_size == 0
-    v4p_ptr out;                        // i32 out [L, out_layer_stride]
-    v4p_i64 topk_layer_stride;
-    v4p_i64 out_layer_stride;
+    v4p_ptr out;                        // i32 out [>= indptr[T]]
     v4p_i64 envelope_rows;
     v4p_i32 topk_row_stride;
     v4p_i32 block_table_stride;
     v4p_i32 num_tokens;
-    v4p_i32 num_layers;
     v4p_i32 block_capacity;
     v4p_i32 window_size;
+    v4p_i32 _pad;
 };
-V4POOL_CHECK_SIZE(CsaPackArgs, 104);
+V4POOL_CHECK_SIZE(CsaPackArgs, 88);
 V4POOL_CHECK_ALIGN(CsaPackArgs, 8);
 V4POOL_CHECK_OFFSET(CsaPackArgs, topk, 0);
 V4POOL_CHECK_OFFSET(CsaPackArgs, block_tables, 8);
@@ -318,15 +319,13 @@ V4POOL_CHECK_OFFSET(CsaPackArgs, indptr, 24);
 V4POOL_CHECK_OFFSET(CsaPackArgs, batch_id_per_token, 32);
 V4POOL_CHECK_OFFSET(CsaPackArgs, skip_prefix_len_per_token, 40);
 V4POOL_CHECK_OFFSET(CsaPackArgs, out, 48);
-V4POOL_CHECK_OFFSET(CsaPackArgs, topk_layer_stride, 56);
-V4POOL_CHECK_OFFSET(CsaPackArgs, out_layer_stride, 64);
-V4POOL_CHECK_OFFSET(CsaPackArgs, envelope_rows, 72);
-V4POOL_CHECK_OFFSET(CsaPackArgs, topk_row_stride, 80);
-V4POOL_CHECK_OFFSET(CsaPackArgs, block_table_stride, 84);
-V4POOL_CHECK_OFFSET(CsaPackArgs, num_tokens, 88);
-V4POOL_CHECK_OFFSET(CsaPackArgs, num_layers, 92);
-V4POOL_CHECK_OFFSET(CsaPackArgs, block_capacity, 96);
-V4POOL_CHECK_OFFSET(CsaPackArgs, window_size, 100);
+V4POOL_CHECK_OFFSET(CsaPackArgs, envelope_rows, 56);
+V4POOL_CHECK_OFFSET(CsaPackArgs, topk_row_stride, 64);
+V4POOL_CHECK_OFFSET(CsaPackArgs, block_table_stride, 68);
+V4POOL_CHECK_OFFSET(CsaPackArgs, num_tokens, 72);
+V4POOL_CHECK_OFFSET(CsaPackArgs, block_capacity, 76);
+V4POOL_CHECK_OFFSET(CsaPackArgs, window_size, 80);
+V4POOL_CHECK_OFFSET(CsaPackArgs, _pad, 84);
 
 struct PlaneWrite {
     v4p_ptr kv;    // [T, row_bytes] source rows

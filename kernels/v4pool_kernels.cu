@@ -6,14 +6,17 @@
 // argument struct by value as its only parameter. Grids never depend on data the host does not
 // have: a launch with nothing to do runs one block that returns at once.
 //
-// Performance notes (the decode step at batch 256 and prefill of 8192 tokens, contexts to 1M):
-// these kernels wait on chains of dependent loads (token -> batch id -> table row -> table
-// entry), not on bandwidth, so every load that needs only the token goes out before the batch
-// id returns, each thread keeps several independent loads in flight (8 per thread in the HCA
-// heads and the CSA pack), and long per-token work is tiled over grid y so it takes one round
-// instead of several. Stores of consecutive entries are coalesced 4-byte stores across a warp;
-// windows and HCA heads walk the ring / (block, row) with a running counter instead of a
-// division per entry; every row x width product is 64-bit.
+// Performance notes (H200 profiles and the measured alternatives in BENCHMARKS.md). At the
+// sizes of a decode step or a 128K prefill these kernels wait on chains of dependent loads
+// (token -> batch id -> sequence values / table row -> table entries), with a cold L2 each a
+// DRAM round trip; at 1M contexts the prefill builder is issue-bound. So loads that need only
+// the token go out before the batch id returns, each thread keeps several independent loads
+// in flight (8 per thread in the HCA heads), and long per-token work is tiled over grid y or
+// over lanes. The prefill builder issues every load of a round before any store (a store may
+// alias a later load, so the compiler would otherwise wait for it) and works in 32-bit
+// without per-entry division; the decode builder and the CSA pack keep main's order and
+// arithmetic, which measured faster for them. Stores of consecutive entries are coalesced
+// 4-byte stores across a warp; every row x width product of a plane address is 64-bit.
 #include "v4pool_common.h"
 
 #define V4P_BLOCK V4POOL_BLOCK_THREADS
@@ -30,56 +33,137 @@ V4P_DEVICE T* v4p_out(v4p_ptr p) {
     return (T*)p;
 }
 
-/// `window_row_at` with 32-bit division where the values allow it (they always do for a valid
-/// geometry: ring positions are < ring_slots, a few hundred).
+/// Divide a non-negative `n` by a positive `d`: 32-bit when both fit (they do for every
+/// valid geometry: ring positions, strides, table columns), 64-bit otherwise.
+V4P_DEVICE void v4p_divmod(v4p_i64 n, v4p_i64 d, v4p_i64& quot, v4p_i64& rem) {
+    if ((v4p_u64)n <= 0xffffffffull && (v4p_u64)d <= 0xffffffffull) {
+        const v4p_u32 n32 = (v4p_u32)n, d32 = (v4p_u32)d, q32 = n32 / d32;
+        quot = (v4p_i64)q32;
+        rem = (v4p_i64)(n32 - q32 * d32);
+    } else {
+        quot = n / d;
+        rem = n % d;
+    }
+}
+
+#if defined(V4P_TARGET_NVCC)
+V4P_DEVICE v4p_u32 v4p_popc(v4p_u32 x) { return (v4p_u32)__popc(x); }
+#else
+V4P_DEVICE v4p_u32 v4p_popc(v4p_u32 x) { return (v4p_u32)__builtin_popcount(x); }
+#endif
+
+/// A 32-bit divisor for the per-entry loops: a shift and a mask when it is a power of two
+/// (rows per block and CSA rows per block are, in every V4 geometry), a division otherwise.
+/// The index kernels are issue-bound at 1M contexts (Nsight Compute: SM throughput 83%, DRAM
+/// 36%), so the per-entry work is 32-bit and division-free; a compressed row is computed in
+/// 32-bit wrapping arithmetic, which has the bits of the 64-bit product cut to the i32 the
+/// buffer holds (the host reference rejects any row that does not fit).
+struct V4pDiv {
+    v4p_u32 d, shift;
+    bool pow2;
+    V4P_DEVICE v4p_u32 quot(v4p_u32 n) const { return pow2 ? n >> shift : n / d; }
+    V4P_DEVICE v4p_u32 rem(v4p_u32 n) const { return pow2 ? n & (d - 1) : n % d; }
+};
+
+/// `d` clamped to [1, 2^32 - 1].
+V4P_DEVICE V4pDiv v4p_div_make(v4p_i64 d) {
+    V4pDiv r;
+    r.d = d < 1 ? 1u : (d > 0xffffffffll ? 0xffffffffu : (v4p_u32)d);
+    r.pow2 = (r.d & (r.d - 1)) == 0;
+    r.shift = v4p_popc(r.d - 1);
+    return r;
+}
+
+/// An entry count as u32: negative counts are none (a slice shorter than its window).
+V4P_DEVICE v4p_u32 v4p_count32(v4p_i64 n) { return n <= 0 ? 0u : (n > 0x7fffffffll ? 0x7fffffffu : (v4p_u32)n); }
+
+/// `window_row_at` with the fast division.
 V4P_DEVICE v4p_i64 v4p_window_row_q(WindowParams w, v4p_i64 slot, v4p_i64 q) {
     v4p_i64 chunk, within;
-    if ((v4p_u64)q <= 0xffffffffull && (v4p_u64)w.ring_stride <= 0xffffffffull) {
-        const v4p_u32 q32 = (v4p_u32)q, s32 = (v4p_u32)w.ring_stride;
-        chunk = (v4p_i64)(q32 / s32);
-        within = (v4p_i64)(q32 - (q32 / s32) * s32);
-    } else {
-        chunk = q / w.ring_stride;
-        within = q % w.ring_stride;
-    }
+    v4p_divmod(q, w.ring_stride, chunk, within);
     return slot * w.slot_rows + w.ring_start + chunk * w.run_rows + within;
 }
 
-/// out[i] = window_row(w, slot, first + i) for i < n, the block's threads striding over i.
-/// The ring position is kept as a running counter (one 64-bit remainder per thread).
-/// The same rows into `copies` buffers `copy_stride` elements apart (the CSA class's layer
-/// copies): each row is computed once and stored to every copy, so the stores are independent
-/// and pipeline instead of repeating the whole walk per copy.
-V4P_DEVICE void v4p_write_window_copies(v4p_i32* __restrict__ out, v4p_i64 copies, v4p_i64 copy_stride,
-                                        WindowParams w, v4p_i64 slot, v4p_i64 first, v4p_i64 n, v4p_u32 tid) {
-    if ((v4p_i64)tid >= n) return;
-    v4p_i64 q = (first + (v4p_i64)tid) % w.ring_slots;
-    if (q < 0) q += w.ring_slots;
-    const v4p_i64 step = (v4p_i64)V4P_BLOCK % w.ring_slots;
-    for (v4p_i64 i = tid; i < n; i += V4P_BLOCK) {
-        const v4p_i32 row = (v4p_i32)v4p_window_row_q(w, slot, q);
-        for (v4p_i64 k = 0; k < copies; ++k) out[k * copy_stride + i] = row;
+/// Ring position of absolute position `pos` (Euclidean, as `window_row`).
+V4P_DEVICE v4p_i64 v4p_ring_pos(WindowParams w, v4p_i64 pos) {
+    if (pos >= 0) {
+        v4p_i64 quot, rem;
+        v4p_divmod(pos, w.ring_slots, quot, rem);
+        return rem;
+    }
+    v4p_i64 q = pos % w.ring_slots;
+    return q < 0 ? q + w.ring_slots : q;
+}
+
+/// out[i] = window_row(w, slot, first + i) for i < n, `lanes` threads striding over i from
+/// `lane`. One ring position per thread, then a running counter (a window is at most
+/// ring_slots long, so one subtraction wraps it).
+V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_i64 slot, v4p_i64 first, v4p_i64 n,
+                                 v4p_u32 lane, v4p_u32 lanes) {
+    if ((v4p_i64)lane >= n) return;
+    v4p_i64 q = v4p_ring_pos(w, first + (v4p_i64)lane);
+    const v4p_i64 step = (v4p_i64)lanes % w.ring_slots;
+    for (v4p_i64 i = lane; i < n; i += lanes) {
+        out[i] = (v4p_i32)v4p_window_row_q(w, slot, q);
         q += step;
         if (q >= w.ring_slots) q -= w.ring_slots;
     }
 }
 
-V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_i64 slot, v4p_i64 first,
-                                 v4p_i64 n, v4p_u32 tid) {
-    v4p_write_window_copies(out, 1, 0, w, slot, first, n, tid);
+/// Entries of a compressed head (§4) one round of `lanes` threads handles: dst[e] =
+/// table[e / rpb] * envelope + e % rpb for e = e0 + u * lanes, u < 8. Split in a load half and
+/// a store half so that a caller can issue the first round's table loads before its other
+/// stores (and the loads of one round are all in flight at once). 32-bit throughout.
+struct V4pHeadRound {
+    v4p_u32 e0;
+    v4p_i32 blk[8];
+
+    /// Table loads for entries below `n` (columns clamped to `last_col`, so a speculative
+    /// count never reads past the row).
+    V4P_DEVICE void load(const v4p_i32* __restrict__ table, v4p_u32 first, v4p_u32 n, V4pDiv rpb, v4p_u32 last_col,
+                         v4p_u32 lanes) {
+        e0 = first;
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const v4p_u32 e = first + (v4p_u32)u * lanes;
+            const v4p_u32 j = rpb.quot(e);
+            blk[u] = e < n ? table[j < last_col ? j : last_col] : 0;
+        }
+    }
+
+    /// Stores for entries below `n` (<= the load count).
+    V4P_DEVICE void store(v4p_i32* __restrict__ dst, v4p_u32 n, V4pDiv rpb, v4p_u32 envelope, v4p_u32 lanes) const {
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const v4p_u32 e = e0 + (v4p_u32)u * lanes;
+            if (e < n) dst[e] = (v4p_i32)((v4p_u32)blk[u] * envelope + rpb.rem(e));
+        }
+    }
+};
+
+/// Rounds after the first of a compressed head: entries [first, n) in rounds of 8 * lanes,
+/// `stride` entries between a thread's rounds.
+V4P_DEVICE void v4p_write_head_from(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table, v4p_u32 first,
+                                    v4p_u32 n, v4p_u32 stride, V4pDiv rpb, v4p_u32 last_col, v4p_u32 envelope,
+                                    v4p_u32 lanes) {
+    for (v4p_u64 e0 = first; e0 < n; e0 += stride) {
+        V4pHeadRound h;
+        h.load(table, (v4p_u32)e0, n, rpb, last_col, lanes);
+        h.store(dst, n, rpb, envelope, lanes);
+    }
 }
+
+/// The last column of a block-table row (0 for an empty row: loads are guarded by counts).
+V4P_DEVICE v4p_u32 v4p_last_col(v4p_i32 stride) { return stride > 0 ? (v4p_u32)(stride - 1) : 0u; }
 
 /// Compressed entries e = 0..count-1 of one sequence, tiled: dst[e] = table[e / rpb] * envelope
 /// + e % rpb. Tile `tile` of `ntiles` takes entries [tile * 8B, tile * 8B + 8B) (B = block
 /// threads), then every ntiles-th such range after it; thread i takes e = i, i + B, ..., i + 7B
 /// of its range, so every load and store instruction of a warp touches one contiguous span
 /// (4-byte lanes, coalesced), and all eight table loads are in flight before the first store.
-/// (block, row) of those entries come from one division and a running counter.
-///
-/// Why not 16-byte stores of four entries per lane: nvcc splits such a store back into four
-/// lane-strided 4-byte stores whenever a scalar path for the slice ends shares the values
-/// (seen in the PTX), which is worse than coalesced 4-byte stores; the loads are latency-bound
-/// either way.
+/// (block, row) of those entries come from one division and a running counter. The decode
+/// builder's writer: measured faster there (9.4 µs at batch 256) than the two-round
+/// V4pHeadRound form (12.8 µs; BENCHMARKS.md).
 V4P_DEVICE void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table,
                                            v4p_i64 count, v4p_i64 rpb, v4p_i64 envelope, v4p_i64 tile,
                                            v4p_i64 ntiles, v4p_u32 tid) {
@@ -186,11 +270,8 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode
         for (int c = 0; c < 3; ++c) {
             const ClassBuffers cb = a.classes[c];
             if (cb.indptr == 0) continue;  // class off
-            // Window at the tail of the slice, oldest first, the token itself last; the CSA
-            // class writes it into every layer copy a batched translate-pack fills.
-            const v4p_i64 copies = (c == V4POOL_CLASS_CSA && a.csa_copies > 1) ? a.csa_copies : 1;
-            v4p_write_window_copies(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), copies, a.csa_copy_stride,
-                                    cb.params, slot, p - n + 1, n, tid);
+            // Window at the tail of the slice, oldest first, the token itself last.
+            v4p_write_window(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), cb.params, slot, p - n + 1, n, tid, V4P_BLOCK);
             if (tid == 0 && cb.dest_rows != 0) v4p_out<v4p_i32>(cb.dest_rows)[t] = (v4p_i32)window_row(cb.params, slot, p);
         }
     }
@@ -203,44 +284,63 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode
 }
 
 // ---- §6: prefill index builder -----------------------------------------------------------
-// grid (T), block 256: one block per token.
+// grid (ceil(T / 4)), block 256: V4POOL_PREFILL_LANES (64) lanes per token, 4 tokens per block,
+// so twice as many tokens are resident as with a block per token and a 128K token's 1,024 HCA
+// entries are two rounds of eight per lane. Two load rounds before any store.
 
-extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefill_indices(PrefillIndexArgs a) {
-    const v4p_i32 t = (v4p_i32)v4p_bid_x();
+// Five blocks per SM (48 registers instead of 64): more tokens resident.
+extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 5) void v4pool_prefill_indices(PrefillIndexArgs a) {
+    const v4p_u32 lanes = V4POOL_PREFILL_LANES;
+    const v4p_u32 lane = v4p_tid_x() % lanes;
+    const v4p_i64 t = (v4p_i64)v4p_bid_x() * V4POOL_PREFILL_TOKENS_PER_BLOCK + v4p_tid_x() / lanes;
     if (t >= a.num_tokens) return;
+    // Round 1: everything that needs only t.
     const v4p_i32 b = v4p_in<v4p_i32>(a.bid_per_token)[t];
-    if (b < 0) return;  // prefill has no pads; a negative id would be a wild read
-    const v4p_u32 tid = v4p_tid_x();
     const v4p_i64 p = v4p_in<v4p_i32>(a.positions)[t];
+    const v4p_i64 ext_at = v4p_in<v4p_i32>(a.extend_indptr)[t];
+    const v4p_i64 swa_at = a.swa_indptr != 0 ? (v4p_i64)v4p_in<v4p_i32>(a.swa_indptr)[t] : 0;
+    const v4p_i64 csa_end = v4p_in<v4p_i32>(a.csa_indptr)[t + 1];
+    const v4p_i64 hca_at = v4p_in<v4p_i32>(a.hca_indptr)[t];
+    if (b < 0) return;  // prefill has no pads; a negative id would be a wild read
+    // Round 2: the sequence's values and the first round of table entries, speculatively for
+    // every entry the position allows ((p+1) / ratio; n_committed cuts it below).
     const v4p_i64 cs = v4p_in<v4p_i32>(a.chunk_start_per_seq)[b];
+    const v4p_i64 cu = v4p_in<v4p_i32>(a.cu_seqlens_q_per_seq)[b];
+    const v4p_i64 committed = v4p_in<v4p_i32>(a.n_committed_hca_per_seq)[b];
+    const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
+    v4p_i64 by_pos, unused;
+    if (p + 1 >= 0)
+        v4p_divmod(p + 1, a.hca_ratio, by_pos, unused);
+    else
+        by_pos = (p + 1) / a.hca_ratio;  // C division, as the host reference
+    const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
+    const V4pDiv rpb = v4p_div_make(a.hca_rows_per_block);
+    const v4p_u32 last_col = v4p_last_col(a.block_table_stride);
+    V4pHeadRound h;
+    h.load(table, lane, v4p_count32(by_pos), rpb, last_col, lanes);
+
     const v4p_i64 win = a.win;
     const v4p_i64 in_chunk = p - cs;
     const v4p_i64 low = v4p_max(p - win + 1, 0);
     const v4p_i64 ext = v4p_min(in_chunk + 1, win);
     const v4p_i64 pre = v4p_max(cs - low, 0);
-    const v4p_i64 n_hca = v4p_min((p + 1) / a.hca_ratio, (v4p_i64)v4p_in<v4p_i32>(a.n_committed_hca_per_seq)[b]);
-    const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
-
+    const v4p_i64 n_hca = v4p_min(by_pos, committed);
     // extend: the ext most recent in-chunk tokens' rows in this forward's K, oldest first.
     {
-        v4p_i32* out = v4p_out<v4p_i32>(a.extend_indices) + v4p_in<v4p_i32>(a.extend_indptr)[t];
-        const v4p_i64 first = (v4p_i64)v4p_in<v4p_i32>(a.cu_seqlens_q_per_seq)[b] + in_chunk - ext + 1;
-        for (v4p_i64 k = tid; k < ext; k += V4P_BLOCK) out[k] = (v4p_i32)(first + k);
+        v4p_i32* out = v4p_out<v4p_i32>(a.extend_indices) + ext_at;
+        const v4p_i64 first = cu + in_chunk - ext + 1;
+        for (v4p_i64 k = lane; k < ext; k += lanes) out[k] = (v4p_i32)(first + k);
     }
-    if (a.swa_indptr != 0) {  // dense: the whole slice is window rows
-        v4p_i32* out = v4p_out<v4p_i32>(a.swa_indices) + v4p_in<v4p_i32>(a.swa_indptr)[t];
-        v4p_write_window(out, a.dense, slot, low, pre, tid);
-    }
-    {  // CSA: window at the tail, the top-k head is left for the translate-pack
-        v4p_i32* out = v4p_out<v4p_i32>(a.csa_indices) + ((v4p_i64)v4p_in<v4p_i32>(a.csa_indptr)[t + 1] - pre);
-        v4p_write_window(out, a.csa, slot, low, pre, tid);
-    }
-    {  // HCA: [window | compressed entries]
-        v4p_i32* out = v4p_out<v4p_i32>(a.hca_indices) + v4p_in<v4p_i32>(a.hca_indptr)[t];
-        v4p_write_window(out, a.hca, slot, low, pre, tid);
-        const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-        v4p_write_compressed_tiled(out + pre, table, n_hca, a.hca_rows_per_block, a.envelope_rows, 0, 1, tid);
-    }
+    if (a.swa_indptr != 0)  // dense: the whole slice is window rows
+        v4p_write_window(v4p_out<v4p_i32>(a.swa_indices) + swa_at, a.dense, slot, low, pre, lane, lanes);
+    // CSA: window at the tail, the top-k head is left for the translate-pack.
+    v4p_write_window(v4p_out<v4p_i32>(a.csa_indices) + (csa_end - pre), a.csa, slot, low, pre, lane, lanes);
+    // HCA: [window | compressed entries].
+    v4p_i32* out = v4p_out<v4p_i32>(a.hca_indices) + hca_at;
+    v4p_write_window(out, a.hca, slot, low, pre, lane, lanes);
+    const v4p_u32 envelope = (v4p_u32)a.envelope_rows, nh = v4p_count32(n_hca);
+    h.store(out + pre, nh, rpb, envelope, lanes);
+    v4p_write_head_from(out + pre, table, lane + 8 * lanes, nh, 8 * lanes, rpb, last_col, envelope, lanes);
 }
 
 // ---- §4: HCA compressed offsets as a standalone gather -----------------------------------
@@ -256,20 +356,17 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_hca_of
     v4p_out<v4p_i32>(a.out)[i] = (v4p_i32)compress_row(blk, e % rpb, a.envelope_rows);
 }
 
-// ---- §5: CSA translate-pack over num_layers layers ---------------------------------------
-// grid (T, tiles = ceil(topk_row_stride / 512), ceil(L / 4)), block 256: one block per (token,
-// 512 top-k columns, 4 layers), 8 entries per thread with every load of a kind in flight at
-// once. The token's batch id, slice bounds and table row are read once for its 4 layers.
-
-#define V4P_CSA_LPB V4POOL_CSA_LAYERS_PER_BLOCK
+// ---- §5: CSA translate-pack, one layer ---------------------------------------------------
+// grid (T, tiles = ceil(topk_row_stride / 512)), block 256: one block per (token, 512 top-k
+// columns), two columns per thread, both top-k loads in flight, then both table loads, then
+// the stores. (A spread of about four blocks per token with 32-bit shift/mask math measured
+// slower at top-k 512 and 1,024 and level at 2,048: BENCHMARKS.md.)
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_translate_pack(CsaPackArgs a) {
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
     const v4p_i64 tile = v4p_bid_y();
-    const v4p_i64 l0 = (v4p_i64)v4p_bid_z() * V4P_CSA_LPB;
-    if (t >= a.num_tokens || l0 >= a.num_layers) return;
+    if (t >= a.num_tokens) return;
     const v4p_u32 tid = v4p_tid_x();
-    const v4p_i64 nl = v4p_min((v4p_i64)V4P_CSA_LPB, (v4p_i64)a.num_layers - l0);
     const v4p_i64 row_stride = a.topk_row_stride;
     // Loads that need only t go out first: batch id, slice bounds, skip source and the top-k
     // values themselves (in the row whatever the slice length; the topk buffer covers T rows).
@@ -279,16 +376,14 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_tr
     const v4p_i64 end = ptr[t + 1];
     const v4p_i64 skip_src = a.window_size > 0 ? v4p_in<v4p_i64>(a.positions)[t]
                                                 : (v4p_i64)v4p_in<v4p_i32>(a.skip_prefix_len_per_token)[t];
-    const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + l0 * a.topk_layer_stride + (v4p_i64)t * row_stride;
+    const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + (v4p_i64)t * row_stride;
     const v4p_i64 k0 = tile * V4POOL_CSA_TILE + tid;
-    v4p_i32 v[V4P_CSA_LPB][2];
+    v4p_i32 v[2];
 #pragma unroll
-    for (int l = 0; l < V4P_CSA_LPB; ++l)
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const v4p_i64 k = k0 + u * V4P_BLOCK;
-            v[l][u] = (l < nl && k < row_stride) ? topk[l * a.topk_layer_stride + k] : 0;
-        }
+    for (int u = 0; u < 2; ++u) {
+        const v4p_i64 k = k0 + u * V4P_BLOCK;
+        v[u] = k < row_stride ? topk[k] : 0;
+    }
     if (b < 0) return;
     const v4p_i64 skip = a.window_size > 0 ? v4p_min(skip_src + 1, (v4p_i64)a.window_size) : skip_src;
     const v4p_i64 valid_k = end - base - skip;
@@ -296,39 +391,33 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_tr
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
     const v4p_i32 cap = a.block_capacity;
     const v4p_i32 last = a.block_table_stride - 1;
-    v4p_i32 blk[V4P_CSA_LPB][2];
+    v4p_i32 blk[2];
 #pragma unroll
-    for (int l = 0; l < V4P_CSA_LPB; ++l)
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            blk[l][u] = 0;
-            if (l < nl && k0 + u * V4P_BLOCK < lim) {
-                v4p_i32 j = v[l][u] / cap;
-                j = j < 0 ? 0 : (j > last ? last : j);  // clamp, do not drop
-                blk[l][u] = table[j];
-            }
+    for (int u = 0; u < 2; ++u) {
+        blk[u] = 0;
+        if (k0 + u * V4P_BLOCK < lim) {
+            v4p_i32 j = v[u] / cap;
+            j = j < 0 ? 0 : (j > last ? last : j);  // clamp, do not drop
+            blk[u] = table[j];
         }
-    v4p_i32* out = v4p_out<v4p_i32>(a.out) + l0 * a.out_layer_stride + base;
+    }
+    v4p_i32* out = v4p_out<v4p_i32>(a.out) + base;
 #pragma unroll
-    for (int l = 0; l < V4P_CSA_LPB; ++l)
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const v4p_i64 k = k0 + u * V4P_BLOCK;
-            if (l < nl && k < lim)
-                out[l * a.out_layer_stride + k] = (v4p_i32)compress_row(blk[l][u], v[l][u] % cap, a.envelope_rows);
-        }
+    for (int u = 0; u < 2; ++u) {
+        const v4p_i64 k = k0 + u * V4P_BLOCK;
+        if (k < lim) out[k] = (v4p_i32)compress_row(blk[u], v[u] % cap, a.envelope_rows);
+    }
     if (valid_k > row_stride) {
         // A slice longer than its top-k row (a host error) still gets every entry, read past
         // the row as the contract's reference kernel would; the row's tiles share the rest.
         const v4p_i64 row_tiles = (row_stride + V4POOL_CSA_TILE - 1) / V4POOL_CSA_TILE;
         const v4p_i64 ntiles = row_tiles > 0 ? row_tiles : 1;
-        for (v4p_i64 l = 0; l < nl; ++l)
-            for (v4p_i64 k = row_stride + tile * V4P_BLOCK + tid; k < valid_k; k += ntiles * V4P_BLOCK) {
-                const v4p_i32 x = topk[l * a.topk_layer_stride + k];
-                v4p_i32 j = x / cap;
-                j = j < 0 ? 0 : (j > last ? last : j);
-                out[l * a.out_layer_stride + k] = (v4p_i32)compress_row(table[j], x % cap, a.envelope_rows);
-            }
+        for (v4p_i64 k = row_stride + tile * V4P_BLOCK + tid; k < valid_k; k += ntiles * V4P_BLOCK) {
+            const v4p_i32 x = topk[k];
+            v4p_i32 j = x / cap;
+            j = j < 0 ? 0 : (j > last ? last : j);
+            out[k] = (v4p_i32)compress_row(table[j], x % cap, a.envelope_rows);
+        }
     }
 }
 

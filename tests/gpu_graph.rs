@@ -76,15 +76,13 @@ fn step_launches(params: [WindowParams; 3], envelope_rows: i64, p: &[u64]) -> Ve
         batch_id_per_token: p[BID],
         skip_prefix_len_per_token: 0,
         out: p[INDICES + 1],
-        topk_layer_stride: 0,
-        out_layer_stride: 0,
         envelope_rows,
         topk_row_stride: TOPK as i32,
         block_table_stride: STRIDE_CAP as i32,
         num_tokens: T_CAP as i32,
-        num_layers: 1,
         block_capacity: 64,
         window_size: WIN,
+        _pad: 0,
     };
     vec![Launch::Decode(d), Launch::CsaPack(csa)]
 }

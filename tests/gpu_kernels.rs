@@ -10,7 +10,7 @@ use common::{case_seed, check_case, device_or_skip, geometry_at, models, Case, R
 use v4pool::backend::Backend;
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
-    Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_CSA, CLASS_DENSE,
+    Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_DENSE,
 };
 use v4pool::{GeometrySpec, UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
 
@@ -62,18 +62,11 @@ fn decode_case(
     };
     let mut bufs = [(0usize, 0usize, None::<usize>); 3];
     let mut params = [Default::default(); 3];
-    // The full variant also fills three CSA layer copies (a batched translate-pack's buffers).
-    let csa_copies = if matches!(variant, DecodeVariant::Full) { 3 } else { 1 };
-    let mut csa_stride = 0i64;
     for c in 0..3 {
         params[c] = g.window_params(ratios[c]).expect("class present");
         let total = *indptrs[c].last().unwrap_or(&0) as usize;
         let ip = case.i32s(&format!("{}_indptr", names[c]), &indptrs[c]);
-        let copies = if c == CLASS_CSA { csa_copies } else { 1 };
-        if c == CLASS_CSA {
-            csa_stride = (total + SLACK) as i64;
-        }
-        let ix = case.poisoned(&format!("{}_indices", names[c]), (total + SLACK) * copies, POISON);
+        let ix = case.poisoned(&format!("{}_indices", names[c]), total + SLACK, POISON);
         let dr = case.poisoned(&format!("{}_dest_rows", names[c]), t_pad + SLACK, POISON);
         bufs[c] = (ip, ix, with_dest[c].then_some(dr));
     }
@@ -91,8 +84,6 @@ fn decode_case(
             hca_rows_per_block: HCA_ROWS_PER_BLOCK,
             num_tokens: t_pad as i32,
             win: WIN,
-            csa_copy_stride: csa_stride,
-            csa_copies: csa_copies as i32,
             ..Default::default()
         };
         for c in 0..3 {
@@ -299,16 +290,15 @@ fn csa_translate_pack_decode_mode_matches_host() {
         for (i, bs) in batch_sizes(&mut rng).into_iter().enumerate() {
             let seed = case_seed(&format!("csa-decode-{model}"), i as u64);
             let mut rng = Rng::new(seed);
-            let topk: i64 = if i % 2 == 0 { 512 } else { 1024 };
-            let layers: i32 = if i % 2 == 0 { 1 } else { 3 };
+            // V4-Flash's top-k, V4-Pro's, and 2,048 (eight columns per thread).
+            let topk: i64 = [512, 1024, 2048][i % 3];
             let b = DecodeBatch::generate(&mut rng, &g, bs, topk, 1_000_000, 0, 1);
             let row_stride = topk as usize + if i == 3 { 16 } else { 0 };
             let t = b.t_pad();
-            let topk_rows: Vec<i32> = (0..layers).flat_map(|_| b.topk_rows(&mut rng, row_stride)).collect();
+            let topk_rows = b.topk_rows(&mut rng, row_stride);
             let indptr = b.csa_indptr();
-            let out_stride = *indptr.last().unwrap_or(&0) as usize + SLACK;
-            let mut case =
-                Case::new(format!("csa pack decode {model} bs={bs} T={t} L={layers} k={topk}"), seed);
+            let out_len = *indptr.last().unwrap_or(&0) as usize + SLACK;
+            let mut case = Case::new(format!("csa pack decode {model} bs={bs} T={t} k={topk}"), seed);
             let tk = case.i32s("topk", &topk_rows);
             let tb = case.i32s("block_tables", &b.tables);
             let ps = case.i64s("positions", &b.pos);
@@ -316,7 +306,7 @@ fn csa_translate_pack_decode_mode_matches_host() {
             let bi = case.i32s("batch_id_per_token", &b.bid);
             // The decode builder's window tails are already in place: random values here,
             // which the pack must leave alone.
-            let out: Vec<i32> = (0..layers as usize * out_stride).map(|_| rng.next_u64() as i32).collect();
+            let out: Vec<i32> = (0..out_len).map(|_| rng.next_u64() as i32).collect();
             let out = case.i32s("out", &out);
             let (envelope, stride) = (g.envelope_rows, b.stride as i32);
             let make = move |p: &[u64]| {
@@ -328,15 +318,13 @@ fn csa_translate_pack_decode_mode_matches_host() {
                     batch_id_per_token: p[bi],
                     skip_prefix_len_per_token: 0,
                     out: p[out],
-                    topk_layer_stride: (t * row_stride) as i64,
-                    out_layer_stride: out_stride as i64,
                     envelope_rows: envelope,
                     topk_row_stride: row_stride as i32,
                     block_table_stride: stride,
                     num_tokens: t as i32,
-                    num_layers: layers,
                     block_capacity: 64,
                     window_size: WIN,
+                    _pad: 0,
                 })]
             };
             check_case(cuda, &case, &make);
@@ -380,15 +368,13 @@ fn csa_translate_pack_prefill_mode_matches_host() {
                     batch_id_per_token: p[bi],
                     skip_prefix_len_per_token: p[sk],
                     out: p[out],
-                    topk_layer_stride: 0,
-                    out_layer_stride: 0,
                     envelope_rows: envelope,
                     topk_row_stride: topk as i32,
                     block_table_stride: stride,
                     num_tokens: t as i32,
-                    num_layers: 1,
                     block_capacity: 64,
                     window_size: 0,
+                    _pad: 0,
                 })]
             };
             check_case(cuda, &case, &make);

@@ -11,7 +11,7 @@ use v4pool::index::host::run_launch;
 use v4pool::index::shape::launch_shape;
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
-    Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_CSA,
+    Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs,
 };
 
 type EmuLaunch = unsafe extern "C" fn(*const c_char, *const c_void, *const u32, u32) -> i32;
@@ -186,19 +186,10 @@ fn decode_builder_kernel_matches_reference() {
         }
         // Outputs: [indices c, dest c] for each class slot (empty when off), plus slack.
         let mut outputs = Vec::new();
-        // Every other case fills 1..=3 CSA layer copies (a batched translate-pack's buffers),
-        // `csa_stride` elements apart inside the CSA output.
-        let csa_copies = if case % 2 == 0 { 1 + (case / 2) % 3 } else { 1 };
-        let mut csa_stride = 0i64;
-        for (ci, c) in classes.iter().enumerate() {
+        for c in classes.iter() {
             match c {
                 Some((_, indptr, _)) => {
-                    let len = extent(indptr) + 3;
-                    let copies = if ci == CLASS_CSA { csa_copies } else { 1 };
-                    if ci == CLASS_CSA {
-                        csa_stride = len as i64;
-                    }
-                    outputs.push(vec![POISON; len * copies]);
+                    outputs.push(vec![POISON; extent(indptr) + 3]);
                     outputs.push(vec![POISON; t + 2]);
                 }
                 None => {
@@ -218,8 +209,6 @@ fn decode_builder_kernel_matches_reference() {
                 hca_rows_per_block: rpb,
                 num_tokens: t as i32,
                 win,
-                csa_copy_stride: csa_stride,
-                csa_copies: csa_copies as i32,
                 ..Default::default()
             };
             for (c, cls) in classes.iter().enumerate() {
@@ -433,9 +422,9 @@ fn csa_pack_kernel_matches_reference() {
     let mut rng = Rng(0x0bad_c0de_1234_0001);
     for case in 0..60 {
         let t = rng.range(0, 6) as usize;
-        // Layers in groups of four per block (partial last groups), rows of one to three tiles.
-        let layers = rng.range(1, 9);
-        let row_stride = [8i64, 64, 300, 512, 513, 1024, 1100][rng.range(0, 6) as usize];
+        // Rows of every columns-per-thread count (1..8) and of one to two tiles.
+        let row_stride =
+            [8i64, 64, 300, 512, 513, 1024, 1100, 1800, 2048, 2049, 2600][rng.range(0, 10) as usize];
         let bs = rng.range(1, 4);
         let stride = rng.range(1, 12);
         let tables: Vec<i32> = (0..bs * stride).map(|_| rng.range(0, 500) as i32).collect();
@@ -459,9 +448,8 @@ fn csa_pack_kernel_matches_reference() {
         let indptr: Vec<i32> = cumsum(&lens).iter().map(|&x| x + lead).collect();
         // Values past the table exercise the clamp.
         let topk: Vec<i32> =
-            (0..layers * t as i64 * row_stride).map(|_| rng.range(0, stride * 64 + 100) as i32).collect();
-        let out_stride = extent(&indptr) as i64 + 1;
-        let outputs = vec![vec![POISON; (layers * out_stride) as usize + 2]];
+            (0..t as i64 * row_stride).map(|_| rng.range(0, stride * 64 + 100) as i32).collect();
+        let outputs = vec![vec![POISON; extent(&indptr) + 3]];
         compare(&emu, &format!("csa pack case {case}"), &outputs, |outs| {
             Launch::CsaPack(CsaPackArgs {
                 topk: addr(&topk),
@@ -471,15 +459,13 @@ fn csa_pack_kernel_matches_reference() {
                 batch_id_per_token: addr(&bids),
                 skip_prefix_len_per_token: addr(&skip),
                 out: outs[0].as_mut_ptr() as u64,
-                topk_layer_stride: t as i64 * row_stride,
-                out_layer_stride: out_stride,
                 envelope_rows: 132,
                 topk_row_stride: row_stride as i32,
                 block_table_stride: stride as i32,
                 num_tokens: t as i32,
-                num_layers: layers as i32,
                 block_capacity: 64,
                 window_size: window as i32,
+                _pad: 0,
             })
         });
     }

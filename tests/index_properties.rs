@@ -73,7 +73,6 @@ proptest! {
             hca_rows_per_block: 2,
             num_tokens: t as i32,
             win,
-            csa_copies: Vec::new(),
         }).unwrap();
         for i in 0..t {
             let (begin, end) = (indptr[i] as usize, indptr[i + 1] as usize);

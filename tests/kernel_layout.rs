@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use std::mem::{align_of, offset_of, size_of};
 use v4pool::geometry::WindowParams;
 use v4pool::index::shape::{
-    BLOCK_THREADS, CSA_LAYERS_PER_BLOCK, CSA_TILE, DECODE_HCA_TILE, MAX_GRID_YZ, ROWS_PER_BLOCK, ROW_LANES,
-    RUN_SPLIT,
+    BLOCK_THREADS, CSA_TILE, DECODE_HCA_TILE, MAX_GRID_YZ, PREFILL_LANES, PREFILL_TOKENS_PER_BLOCK,
+    ROWS_PER_BLOCK, ROW_LANES, RUN_SPLIT,
 };
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
@@ -64,7 +64,7 @@ fn rust_checks() -> Checks {
         ClassBuffers { params, indptr, indices, dest_rows }
         DecodeIndexArgs {
             classes, state_slot_per_seq, batch_id_per_token, positions, block_tables, envelope_rows,
-            block_table_stride, hca_rows_per_block, num_tokens, win, csa_copy_stride, csa_copies, _pad,
+            block_table_stride, hca_rows_per_block, num_tokens, win,
         }
         PrefillIndexArgs {
             dense, csa, hca, positions, bid_per_token, chunk_start_per_seq, cu_seqlens_q_per_seq,
@@ -78,8 +78,7 @@ fn rust_checks() -> Checks {
         }
         CsaPackArgs {
             topk, block_tables, positions, indptr, batch_id_per_token, skip_prefix_len_per_token, out,
-            topk_layer_stride, out_layer_stride, envelope_rows, topk_row_stride, block_table_stride, num_tokens,
-            num_layers, block_capacity, window_size,
+            envelope_rows, topk_row_stride, block_table_stride, num_tokens, block_capacity, window_size, _pad,
         }
         PlaneWrite { kv, pool, row_bytes }
         RingWriteArgs {
@@ -129,8 +128,9 @@ fn header_constants_match_the_launch_shapes() {
     assert_eq!(header_define("V4POOL_ROWS_PER_BLOCK"), i64::from(ROWS_PER_BLOCK));
     assert_eq!(header_define("V4POOL_RUN_SPLIT"), i64::from(RUN_SPLIT));
     assert_eq!(header_define("V4POOL_DECODE_HCA_TILE"), i64::from(DECODE_HCA_TILE));
+    assert_eq!(header_define("V4POOL_PREFILL_LANES"), i64::from(PREFILL_LANES));
+    assert_eq!(header_define("V4POOL_PREFILL_TOKENS_PER_BLOCK"), i64::from(PREFILL_TOKENS_PER_BLOCK));
     assert_eq!(header_define("V4POOL_CSA_TILE"), i64::from(CSA_TILE));
-    assert_eq!(header_define("V4POOL_CSA_LAYERS_PER_BLOCK"), i64::from(CSA_LAYERS_PER_BLOCK));
     assert_eq!(header_define("V4POOL_MAX_GRID_YZ"), i64::from(MAX_GRID_YZ));
     assert_eq!(header_define("V4POOL_CLASS_DENSE"), CLASS_DENSE as i64);
     assert_eq!(header_define("V4POOL_CLASS_CSA"), CLASS_CSA as i64);

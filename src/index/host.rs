@@ -14,7 +14,7 @@
 use super::shape::{check_launch, LaunchError};
 use super::{
     CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs, Launch,
-    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_CSA, CLASS_HCA,
+    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_HCA,
 };
 use crate::geometry::WindowParams;
 use thiserror::Error;
@@ -50,8 +50,6 @@ pub enum HostKernelError {
     CopyRunOverlap { run: usize },
     #[error("{buffer}: rows are {got} bytes, expected {expected}")]
     RowWidth { buffer: &'static str, got: usize, expected: usize },
-    #[error("CSA copies {stride} elements apart overlap a buffer of {len}")]
-    CopiesOverlap { stride: i64, len: usize },
     /// A buffer outside every range [`super::bounds::run_launch_within`] allows.
     #[error("{buffer}: {bytes} bytes at {addr:#x} are not inside one live allocation")]
     OutsideAllocation {
@@ -230,9 +228,6 @@ pub struct DecodeIndices<'a> {
     pub hca_rows_per_block: i32,
     pub num_tokens: i32,
     pub win: i32,
-    /// Further copies of the CSA index buffer (layers 1.. of a batched translate-pack), each
-    /// laid out like the CSA class's own; they get the same window tails.
-    pub csa_copies: Vec<&'a mut [i32]>,
 }
 
 /// §3 with the fused §4 heads: per live token, each enabled class's window at the tail of its
@@ -248,7 +243,6 @@ pub fn decode_indices(k: DecodeIndices<'_>) -> Result<()> {
         hca_rows_per_block,
         num_tokens,
         win,
-        mut csa_copies,
     } = k;
     for t in 0..i64::from(num_tokens) {
         let b = at(batch_id_per_token, t, "batch_id_per_token")?;
@@ -258,15 +252,10 @@ pub fn decode_indices(k: DecodeIndices<'_>) -> Result<()> {
         let p = at(positions, t, "positions")?;
         let n = add(p, 1, "position")?.min(i64::from(win));
         let slot = i64::from(at(state_slot_per_seq, i64::from(b), "state_slot_per_seq")?);
-        for (c, class) in classes.iter_mut().enumerate() {
+        for class in classes.iter_mut() {
             let Some(class) = class else { continue };
             let end = i64::from(at(class.indptr, t + 1, "indptr")?);
             write_window(class.indices, end - n, n, &class.params, slot, p - n + 1, "indices")?;
-            if c == CLASS_CSA {
-                for copy in csa_copies.iter_mut() {
-                    write_window(copy, end - n, n, &class.params, slot, p - n + 1, "csa copy")?;
-                }
-            }
             if let Some(dest) = class.dest_rows.as_deref_mut() {
                 put(dest, t, window_row(&class.params, slot, p)?, "dest_rows")?;
             }
@@ -315,8 +304,7 @@ pub fn hca_offsets(
 
 // ---- §5: CSA translate-pack ---------------------------------------------------------------------
 
-/// The translate-pack's buffers; layer `l` reads `topk[l * topk_layer_stride..]` and writes
-/// `out[l * out_layer_stride..]`.
+/// The translate-pack's buffers (one CSA layer).
 #[derive(Debug)]
 pub struct CsaPack<'a> {
     pub topk: &'a [i32],
@@ -328,12 +316,9 @@ pub struct CsaPack<'a> {
     /// Read when `window_size == 0`.
     pub skip_prefix_len_per_token: &'a [i32],
     pub out: &'a mut [i32],
-    pub topk_layer_stride: i64,
-    pub out_layer_stride: i64,
     pub envelope_rows: i64,
     pub topk_row_stride: i32,
     pub num_tokens: i32,
-    pub num_layers: i32,
     pub block_capacity: i32,
     pub window_size: i32,
 }
@@ -343,42 +328,35 @@ pub struct CsaPack<'a> {
 pub fn csa_translate_pack(k: CsaPack<'_>) -> Result<()> {
     let cap = divisor("block_capacity", k.block_capacity.into())?;
     let last = i64::from(k.block_tables.stride) - 1;
-    for l in 0..i64::from(k.num_layers) {
-        for t in 0..i64::from(k.num_tokens) {
-            let b = at(k.batch_id_per_token, t, "batch_id_per_token")?;
-            if b < 0 {
-                continue;
-            }
-            let skip = if k.window_size > 0 {
-                add(at(k.positions, t, "positions")?, 1, "position")?.min(k.window_size.into())
-            } else {
-                at(k.skip_prefix_len_per_token, t, "skip_prefix_len_per_token")?.into()
-            };
-            let base = i64::from(at(k.indptr, t, "indptr")?);
-            let valid_k = i64::from(at(k.indptr, t + 1, "indptr")?) - base - skip;
-            if valid_k > i64::from(k.topk_row_stride) {
-                return Err(HostKernelError::TopkPastRow {
-                    token: t,
-                    valid_k,
-                    row_stride: k.topk_row_stride.into(),
-                });
-            }
-            let row = add(
-                mul(l, k.topk_layer_stride, "topk index")?,
-                mul(t, k.topk_row_stride.into(), "topk index")?,
-                "topk index",
+    for t in 0..i64::from(k.num_tokens) {
+        let b = at(k.batch_id_per_token, t, "batch_id_per_token")?;
+        if b < 0 {
+            continue;
+        }
+        let skip = if k.window_size > 0 {
+            add(at(k.positions, t, "positions")?, 1, "position")?.min(k.window_size.into())
+        } else {
+            at(k.skip_prefix_len_per_token, t, "skip_prefix_len_per_token")?.into()
+        };
+        let base = i64::from(at(k.indptr, t, "indptr")?);
+        let valid_k = i64::from(at(k.indptr, t + 1, "indptr")?) - base - skip;
+        if valid_k > i64::from(k.topk_row_stride) {
+            return Err(HostKernelError::TopkPastRow {
+                token: t,
+                valid_k,
+                row_stride: k.topk_row_stride.into(),
+            });
+        }
+        let row = mul(t, k.topk_row_stride.into(), "topk index")?;
+        for i in 0..valid_k {
+            let v = i64::from(at(k.topk, row + i, "topk")?);
+            let blk = (v / cap).clamp(0, last.max(0)); // clamp, do not drop
+            put(
+                k.out,
+                base + i,
+                compress_row(k.block_tables.get(b.into(), blk)?, v % cap, k.envelope_rows)?,
+                "out",
             )?;
-            let out0 = add(mul(l, k.out_layer_stride, "out index")?, base, "out index")?;
-            for i in 0..valid_k {
-                let v = i64::from(at(k.topk, row + i, "topk")?);
-                let blk = (v / cap).clamp(0, last.max(0)); // clamp, do not drop
-                put(
-                    k.out,
-                    out0 + i,
-                    compress_row(k.block_tables.get(b.into(), blk)?, v % cap, k.envelope_rows)?,
-                    "out",
-                )?;
-            }
         }
     }
     Ok(())
@@ -705,21 +683,6 @@ unsafe fn run_decode(a: &DecodeIndexArgs) -> Result<()> {
         } else {
             None
         };
-        // Copies 1.. of the CSA buffer, as long as the class's own.
-        let mut csa_copies = Vec::new();
-        let csa = &a.classes[CLASS_CSA];
-        if csa.indptr != 0 && a.csa_copies > 1 {
-            let n = classes[CLASS_CSA].as_ref().map_or(0, |c| c.indices.len());
-            // Copies are separate slices of one allocation: they must not overlap.
-            if a.csa_copy_stride < n as i64 {
-                return Err(HostKernelError::CopiesOverlap { stride: a.csa_copy_stride, len: n });
-            }
-            for k in 1..i64::from(a.csa_copies) {
-                let off = mul(mul(k, a.csa_copy_stride, "csa copy")?, 4, "csa copy")?;
-                let ptr = csa.indices.wrapping_add(off as u64);
-                csa_copies.push(output("csa copy", ptr, n)?);
-            }
-        }
         decode_indices(DecodeIndices {
             classes,
             state_slot_per_seq: slots,
@@ -730,7 +693,6 @@ unsafe fn run_decode(a: &DecodeIndexArgs) -> Result<()> {
             hca_rows_per_block: a.hca_rows_per_block,
             num_tokens: a.num_tokens,
             win: a.win,
-            csa_copies,
         })
     }
 }
@@ -800,10 +762,9 @@ unsafe fn run_hca_offsets(a: &HcaOffsetsArgs) -> Result<()> {
 /// See [`run_launch`].
 unsafe fn run_csa_pack(a: &CsaPackArgs) -> Result<()> {
     let t = count(a.num_tokens);
-    if t == 0 || a.num_layers <= 0 {
+    if t == 0 {
         return Ok(());
     }
-    let layers = i64::from(a.num_layers);
     // SAFETY: lengths from the arguments; the caller covers them.
     unsafe {
         let bids: &[i32] = input("batch_id_per_token", a.batch_id_per_token, t)?;
@@ -817,13 +778,7 @@ unsafe fn run_csa_pack(a: &CsaPackArgs) -> Result<()> {
         let live: Vec<i32> = bids.iter().copied().filter(|&b| b >= 0).collect();
         let rows = mul(seqs_reached(&live), a.block_table_stride.into(), "block_tables")?;
         let table = input("block_tables", a.block_tables, len_of("block_tables", rows)?)?;
-        let topk_len = add(
-            mul(layers - 1, a.topk_layer_stride, "topk length")?,
-            mul(t as i64, a.topk_row_stride.into(), "topk length")?,
-            "topk length",
-        )?;
-        let out_len =
-            add(mul(layers - 1, a.out_layer_stride, "out length")?, indptr_extent(indptr), "out length")?;
+        let topk_len = mul(t as i64, a.topk_row_stride.into(), "topk length")?;
         csa_translate_pack(CsaPack {
             topk: input("topk", a.topk, len_of("topk", topk_len)?)?,
             block_tables: BlockTables { table, stride: a.block_table_stride },
@@ -831,13 +786,10 @@ unsafe fn run_csa_pack(a: &CsaPackArgs) -> Result<()> {
             indptr,
             batch_id_per_token: bids,
             skip_prefix_len_per_token: skip,
-            out: output("out", a.out, len_of("out", out_len)?)?,
-            topk_layer_stride: a.topk_layer_stride,
-            out_layer_stride: a.out_layer_stride,
+            out: output("out", a.out, len_of("out", indptr_extent(indptr))?)?,
             envelope_rows: a.envelope_rows,
             topk_row_stride: a.topk_row_stride,
             num_tokens: a.num_tokens,
-            num_layers: a.num_layers,
             block_capacity: a.block_capacity,
             window_size: a.window_size,
         })
@@ -1084,7 +1036,6 @@ mod tests {
             hca_rows_per_block: 2,
             num_tokens: 4,
             win: 8,
-            csa_copies: Vec::new(),
         })
         .unwrap();
         out
@@ -1172,12 +1123,9 @@ mod tests {
             batch_id_per_token: &c.bids,
             skip_prefix_len_per_token: &[],
             out: &mut csa,
-            topk_layer_stride: 0,
-            out_layer_stride: 0,
             envelope_rows: 132,
             topk_row_stride: 8,
             num_tokens: 4,
-            num_layers: 1,
             block_capacity: 64,
             window_size: 8,
         })
@@ -1193,39 +1141,6 @@ mod tests {
                 &[521, 522, 523]
             ])
         );
-    }
-
-    #[test]
-    fn csa_pack_layers_write_their_own_heads() {
-        // Two layers in one call: layer 1's top-k differs; each writes its own output copy.
-        let c = decode_case();
-        let one = decode_csa_expected();
-        let mut out = cat(&[&one, &one]);
-        let layer0 =
-            cat(&[&[1, 70, 130, -1, -1, -1, -1, -1], &[7; 8], &[0, 64, 65, 127, 200, -1, 5, 9], &[3; 8]]);
-        let layer1 = cat(&[&[0, 1, 2, 9, 9, 9, 9, 9], &[7; 8], &[191, 0, 0, 0, 1, 9, 9, 9], &[3; 8]]);
-        csa_translate_pack(CsaPack {
-            topk: &cat(&[&layer0, &layer1]),
-            block_tables: BlockTables { table: &[2, 0, 3, 1, 3, 0, 3, 1, 2], stride: 3 },
-            positions: &c.positions,
-            indptr: &c.csa_indptr,
-            batch_id_per_token: &c.bids,
-            skip_prefix_len_per_token: &[],
-            out: &mut out,
-            topk_layer_stride: 32,
-            out_layer_stride: 30,
-            envelope_rows: 132,
-            topk_row_stride: 8,
-            num_tokens: 4,
-            num_layers: 2,
-            block_capacity: 64,
-            window_size: 8,
-        })
-        .unwrap();
-        assert_eq!(&out[..3], &[265, 6, 398]);
-        assert_eq!(&out[30..33], &[264, 265, 266]);
-        assert_eq!(&out[47..52], &[2 * 132 + 63, 396, 396, 396, 397]);
-        assert_eq!(&out[33..47], &one[3..17]);
     }
 
     /// The §6 batch on geometry B.
@@ -1284,12 +1199,9 @@ mod tests {
             batch_id_per_token: &bids,
             skip_prefix_len_per_token: &[0, 0, 0, 7, 6],
             out: &mut csa_idx,
-            topk_layer_stride: 0,
-            out_layer_stride: 0,
             envelope_rows: 132,
             topk_row_stride: 4,
             num_tokens: 5,
-            num_layers: 1,
             block_capacity: 64,
             window_size: 0,
         })

@@ -69,13 +69,6 @@ pub struct DecodeIndexArgs {
     pub hca_rows_per_block: i32,
     pub num_tokens: i32,
     pub win: i32,
-    /// Elements from one copy of the CSA index buffer to the next, when one translate-pack
-    /// launch fills every CSA layer's own copy (`CsaPackArgs::out_layer_stride`).
-    pub csa_copy_stride: i64,
-    /// CSA buffer copies that get the window tail (0 and 1 both mean the one buffer); the
-    /// dest rows are written once.
-    pub csa_copies: i32,
-    pub _pad: i32,
 }
 
 /// Prefill index builder (§6): one launch per prefill forward, no pad tokens.
@@ -136,13 +129,12 @@ pub struct HcaOffsetsArgs {
     pub _pad: i32,
 }
 
-/// CSA translate-and-pack (§5) for `num_layers` CSA layers in one launch. Layer `l` reads
-/// `topk + l * topk_layer_stride` and writes `out + l * out_layer_stride` (elements); with
-/// one layer this is the per-layer kernel of the contract.
+/// CSA translate-and-pack (§5) for one CSA layer: one launch per layer, as a forward pass runs
+/// it (layer L's top-k exists only after layer L's indexer ran), into the one CSA buffer.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct CsaPackArgs {
-    /// i32 [L, T, topk_row_stride]
+    /// i32 [T, topk_row_stride]
     pub topk: DevicePtr,
     /// i32 [bs, block_table_stride]
     pub block_tables: DevicePtr,
@@ -154,18 +146,16 @@ pub struct CsaPackArgs {
     pub batch_id_per_token: DevicePtr,
     /// i32 [>= T]; required when `window_size == 0`.
     pub skip_prefix_len_per_token: DevicePtr,
-    /// i32 out [L, out_layer_stride]
+    /// i32 out [>= indptr[T]]
     pub out: DevicePtr,
-    pub topk_layer_stride: i64,
-    pub out_layer_stride: i64,
     pub envelope_rows: i64,
     pub topk_row_stride: i32,
     pub block_table_stride: i32,
     pub num_tokens: i32,
-    pub num_layers: i32,
     /// 64 (CSA rows per block).
     pub block_capacity: i32,
     pub window_size: i32,
+    pub _pad: i32,
 }
 
 /// One plane a row write targets: `pool` is the layer view's base in that plane.

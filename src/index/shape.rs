@@ -33,10 +33,12 @@ pub const RUN_SPLIT: u32 = 32;
 pub const MAX_GRID_YZ: u32 = 65_535;
 /// Fused HCA head entries one decode-builder block writes (`V4POOL_DECODE_HCA_TILE`).
 pub const DECODE_HCA_TILE: u32 = 8 * BLOCK_THREADS;
+/// Lanes that build one token's lists in the prefill builder (`V4POOL_PREFILL_LANES`).
+pub const PREFILL_LANES: u32 = 64;
+/// Tokens one prefill-builder block holds (`V4POOL_PREFILL_TOKENS_PER_BLOCK`).
+pub const PREFILL_TOKENS_PER_BLOCK: u32 = BLOCK_THREADS / PREFILL_LANES;
 /// Top-k columns one CSA translate-pack block covers, grid y (`V4POOL_CSA_TILE`).
 pub const CSA_TILE: u32 = 2 * BLOCK_THREADS;
-/// CSA layers one translate-pack block handles, grid z (`V4POOL_CSA_LAYERS_PER_BLOCK`).
-pub const CSA_LAYERS_PER_BLOCK: u32 = 4;
 
 /// Grid and block of one launch, in CUDA/HIP order (x, y, z).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -104,17 +106,15 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
             grid: [grid_dim(count(a.num_tokens)), grid_dim(decode_hca_tiles(a)), 1],
             block: [b, 1, 1],
         },
-        // One block per token.
-        Launch::Prefill(a) => LaunchShape::linear(count(a.num_tokens), b),
+        // PREFILL_LANES lanes per token, PREFILL_TOKENS_PER_BLOCK tokens per block.
+        Launch::Prefill(a) => {
+            LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(PREFILL_TOKENS_PER_BLOCK)), b)
+        }
         // One thread per entry.
         Launch::HcaOffsets(a) => LaunchShape::linear(ceil_div(count(a.num_entries), u64::from(b)), b),
-        // (token, tile of the top-k row, group of CSA_LAYERS_PER_BLOCK layers).
+        // (token, tile of the top-k row).
         Launch::CsaPack(a) => LaunchShape {
-            grid: [
-                grid_dim(count(a.num_tokens)),
-                grid_dim(csa_tiles(a.topk_row_stride)),
-                grid_dim(ceil_div(count(a.num_layers), u64::from(CSA_LAYERS_PER_BLOCK))),
-            ],
+            grid: [grid_dim(count(a.num_tokens)), grid_dim(csa_tiles(a.topk_row_stride)), 1],
             block: [b, 1, 1],
         },
         // (sequence, group of ROWS_PER_BLOCK ring rows).
@@ -353,15 +353,12 @@ fn check_hca_offsets(a: &HcaOffsetsArgs) -> Result<(), LaunchError> {
 
 fn check_csa_pack(a: &CsaPackArgs) -> Result<(), LaunchError> {
     non_negative("num_tokens", a.num_tokens.into())?;
-    non_negative("num_layers", a.num_layers.into())?;
     non_negative("window_size", a.window_size.into())?;
     non_negative("topk_row_stride", a.topk_row_stride.into())?;
-    non_negative("topk_layer_stride", a.topk_layer_stride)?;
-    non_negative("out_layer_stride", a.out_layer_stride)?;
     non_negative("envelope_rows", a.envelope_rows)?;
     at_least("block_capacity", a.block_capacity.into(), 1)?;
     at_least("block_table_stride", a.block_table_stride.into(), 1)?;
-    if a.num_tokens > 0 && a.num_layers > 0 {
+    if a.num_tokens > 0 {
         for (field, ptr) in [
             ("topk", a.topk),
             ("block_tables", a.block_tables),
@@ -502,13 +499,17 @@ mod tests {
         huge.block_table_stride = i32::MAX;
         assert_eq!(launch_shape(&Launch::Decode(huge)).grid, [3, MAX_GRID_YZ, 1]);
         assert_eq!(check_launch(&Launch::Decode(huge)), Ok(()));
-        // (token, CSA_TILE columns, CSA_LAYERS_PER_BLOCK layers).
-        let csa = CsaPackArgs { num_tokens: 7, num_layers: 21, topk_row_stride: 512, ..Default::default() };
-        assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, 1, 6]);
-        let csa = CsaPackArgs { num_tokens: 7, num_layers: 1, topk_row_stride: 513, ..Default::default() };
-        assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, 2, 1]);
-        let csa = CsaPackArgs { num_tokens: 0, num_layers: 0, topk_row_stride: 0, ..Default::default() };
+        // (token, CSA_TILE columns).
+        for (stride, tiles) in [(0, 1), (1, 1), (512, 1), (513, 2), (1024, 2), (2048, 4), (2049, 5)] {
+            assert_eq!(csa_tiles(stride), tiles, "top-k row {stride}");
+            let csa = CsaPackArgs { num_tokens: 7, topk_row_stride: stride, ..Default::default() };
+            assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, tiles as u32, 1]);
+        }
+        let csa = CsaPackArgs { num_tokens: 0, topk_row_stride: 0, ..Default::default() };
         assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [1, 1, 1]);
+        // Prefill: four tokens per block.
+        let pre = PrefillIndexArgs { num_tokens: 9, ..Default::default() };
+        assert_eq!(launch_shape(&Launch::Prefill(pre)).grid, [3, 1, 1]);
         let ring = RingWriteArgs { num_seqs: 3, write_per_batch: 128, ..Default::default() };
         assert_eq!(launch_shape(&Launch::RingWrite(ring)).grid, [3, 16, 1]);
         let ring = RingWriteArgs { num_seqs: 3, write_per_batch: 9, ..Default::default() };
@@ -591,7 +592,6 @@ mod tests {
             batch_id_per_token: 4,
             out: 5,
             num_tokens: 2,
-            num_layers: 1,
             block_capacity: 64,
             block_table_stride: 3,
             topk_row_stride: 8,
@@ -603,10 +603,10 @@ mod tests {
         );
         let b = CsaPackArgs { window_size: 8, positions: 6, ..a };
         assert_eq!(check_launch(&Launch::CsaPack(b)), Ok(()));
-        let c = CsaPackArgs { num_layers: 4 * 65_535 + 1, ..b };
+        let c = CsaPackArgs { topk_row_stride: i32::MAX, ..b };
         assert!(matches!(
             check_launch(&Launch::CsaPack(c)),
-            Err(LaunchError::TooLarge { field: "grid z", .. })
+            Err(LaunchError::TooLarge { field: "grid y", .. })
         ));
     }
 }

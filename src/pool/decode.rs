@@ -594,7 +594,6 @@ impl DecodeIndexBuffers {
             topk_row_stride,
             block_table_stride: self.cap.max_blocks_per_seq as i32,
             num_tokens: self.cap.max_tokens as i32,
-            num_layers: 1,
             block_capacity: (self.block_size / i64::from(CSA_RATIO)) as i32,
             window_size: self.cap.win,
             ..Default::default()
