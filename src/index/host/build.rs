@@ -1,0 +1,264 @@
+//! The index builders and the CSA translate-pack (index-buffers.md §3–§6) on safe slices.
+
+use super::*;
+
+// ---- §3 + §4: decode builder ----------------------------------------------------------------
+
+/// One enabled class of the decode builder.
+#[derive(Debug)]
+pub struct DecodeClass<'a> {
+    pub params: WindowParams,
+    pub indptr: &'a [i32],
+    pub indices: &'a mut [i32],
+    pub dest_rows: Option<&'a mut [i32]>,
+}
+
+/// The decode builder's buffers and scalars; a class is off when its entry is `None`.
+#[derive(Debug)]
+pub struct DecodeIndices<'a> {
+    /// [dense, csa, hca] (`CLASS_*`).
+    pub classes: [Option<DecodeClass<'a>>; 3],
+    pub state_slot_per_seq: &'a [i32],
+    pub batch_id_per_token: &'a [i32],
+    pub positions: &'a [i64],
+    /// Fused HCA heads (§4) when present.
+    pub block_tables: Option<BlockTables<'a>>,
+    pub envelope_rows: i64,
+    pub hca_rows_per_block: i32,
+    pub num_tokens: i32,
+    pub win: i32,
+}
+
+/// §3 with the fused §4 heads: per live token, each enabled class's window at the tail of its
+/// slice (oldest first) and its dest row; with block tables, the HCA head `e = 0..head`.
+pub fn decode_indices(k: DecodeIndices<'_>) -> Result<()> {
+    let DecodeIndices {
+        mut classes,
+        state_slot_per_seq,
+        batch_id_per_token,
+        positions,
+        block_tables,
+        envelope_rows,
+        hca_rows_per_block,
+        num_tokens,
+        win,
+    } = k;
+    for t in 0..i64::from(num_tokens) {
+        let b = at(batch_id_per_token, t, "batch_id_per_token")?;
+        if b < 0 {
+            continue; // pad token
+        }
+        let p = at(positions, t, "positions")?;
+        let n = add(p, 1, "position")?.min(i64::from(win));
+        let slot = i64::from(at(state_slot_per_seq, i64::from(b), "state_slot_per_seq")?);
+        for class in classes.iter_mut() {
+            let Some(class) = class else { continue };
+            let end = i64::from(at(class.indptr, t + 1, "indptr")?);
+            write_window(class.indices, end - n, n, &class.params, slot, p - n + 1, "indices")?;
+            if let Some(dest) = class.dest_rows.as_deref_mut() {
+                put(dest, t, window_row(&class.params, slot, p)?, "dest_rows")?;
+            }
+        }
+        if let (Some(tables), Some(hca)) = (&block_tables, classes[CLASS_HCA].as_mut()) {
+            let begin = i64::from(at(hca.indptr, t, "hca indptr")?);
+            let head = i64::from(at(hca.indptr, t + 1, "hca indptr")?) - begin - n;
+            write_compressed(
+                hca.indices,
+                begin,
+                head,
+                tables,
+                i64::from(b),
+                i64::from(hca_rows_per_block),
+                envelope_rows,
+                "hca indices",
+            )?;
+        }
+    }
+    Ok(())
+}
+
+// ---- §4: HCA offsets --------------------------------------------------------------------------
+
+/// §4 as a plain gather: `out[i] = table[bid[i]][e / rpb] * envelope + e % rpb`, `e = entry[i]`.
+pub fn hca_offsets(
+    entry_idx: &[i32],
+    bid_per_entry: &[i32],
+    tables: &BlockTables<'_>,
+    envelope_rows: i64,
+    rows_per_block: i32,
+    out: &mut [i32],
+) -> Result<()> {
+    let rpb = divisor("rows_per_block", rows_per_block.into())?;
+    for (i, &e) in entry_idx.iter().enumerate() {
+        let i = i as i64;
+        let b = i64::from(at(bid_per_entry, i, "bid_per_entry")?);
+        let e = i64::from(e);
+        if e < 0 {
+            return Err(HostKernelError::NegativeEntry { index: i, entry: e });
+        }
+        put(out, i, compress_row(tables.get(b, e / rpb)?, e % rpb, envelope_rows)?, "out")?;
+    }
+    Ok(())
+}
+
+// ---- §5: CSA translate-pack ---------------------------------------------------------------------
+
+/// The translate-pack's buffers (one CSA layer).
+#[derive(Debug)]
+pub struct CsaPack<'a> {
+    pub topk: &'a [i32],
+    pub block_tables: BlockTables<'a>,
+    /// Read when `window_size > 0`.
+    pub positions: &'a [i64],
+    pub indptr: &'a [i32],
+    pub batch_id_per_token: &'a [i32],
+    /// Read when `window_size == 0`.
+    pub skip_prefix_len_per_token: &'a [i32],
+    pub out: &'a mut [i32],
+    pub envelope_rows: i64,
+    pub topk_row_stride: i32,
+    pub num_tokens: i32,
+    pub block_capacity: i32,
+    pub window_size: i32,
+}
+
+/// §5 for every layer: the heads `[indptr[t], indptr[t] + valid_k)` from the top-k rows, block
+/// index clamped to the table (C division, as the device).
+pub fn csa_translate_pack(k: CsaPack<'_>) -> Result<()> {
+    let cap = divisor("block_capacity", k.block_capacity.into())?;
+    let last = i64::from(k.block_tables.stride) - 1;
+    for t in 0..i64::from(k.num_tokens) {
+        let b = at(k.batch_id_per_token, t, "batch_id_per_token")?;
+        if b < 0 {
+            continue;
+        }
+        let skip = if k.window_size > 0 {
+            add(at(k.positions, t, "positions")?, 1, "position")?.min(k.window_size.into())
+        } else {
+            at(k.skip_prefix_len_per_token, t, "skip_prefix_len_per_token")?.into()
+        };
+        let base = i64::from(at(k.indptr, t, "indptr")?);
+        let valid_k = i64::from(at(k.indptr, t + 1, "indptr")?) - base - skip;
+        if valid_k > i64::from(k.topk_row_stride) {
+            return Err(HostKernelError::TopkPastRow {
+                token: t,
+                valid_k,
+                row_stride: k.topk_row_stride.into(),
+            });
+        }
+        let row = mul(t, k.topk_row_stride.into(), "topk index")?;
+        for i in 0..valid_k {
+            let v = i64::from(at(k.topk, row + i, "topk")?);
+            let blk = (v / cap).clamp(0, last.max(0)); // clamp, do not drop
+            put(
+                k.out,
+                base + i,
+                compress_row(k.block_tables.get(b.into(), blk)?, v % cap, k.envelope_rows)?,
+                "out",
+            )?;
+        }
+    }
+    Ok(())
+}
+
+// ---- §6: prefill builder ------------------------------------------------------------------------
+
+/// One CSR buffer: `indices[indptr[t] .. indptr[t+1])` is token t's slice.
+#[derive(Debug)]
+pub struct Csr<'a> {
+    pub indptr: &'a [i32],
+    pub indices: &'a mut [i32],
+}
+
+/// The prefill builder's buffers and scalars.
+#[derive(Debug)]
+pub struct PrefillIndices<'a> {
+    pub dense: WindowParams,
+    pub csa: WindowParams,
+    pub hca: WindowParams,
+    pub positions: &'a [i32],
+    pub bid_per_token: &'a [i32],
+    pub chunk_start_per_seq: &'a [i32],
+    pub cu_seqlens_q_per_seq: &'a [i32],
+    pub state_slot_per_seq: &'a [i32],
+    pub n_committed_hca_per_seq: &'a [i32],
+    pub block_tables: BlockTables<'a>,
+    pub extend: Csr<'a>,
+    /// `None` when the geometry has no dense class.
+    pub prefix_swa: Option<Csr<'a>>,
+    pub prefix_csa: Csr<'a>,
+    pub prefix_hca: Csr<'a>,
+    pub envelope_rows: i64,
+    pub num_tokens: i32,
+    pub win: i32,
+    pub hca_ratio: i32,
+    pub hca_rows_per_block: i32,
+}
+
+/// §6: extend rows, dense window slice, CSA window tail, HCA `[window | compressed]`.
+pub fn prefill_indices(k: PrefillIndices<'_>) -> Result<()> {
+    let PrefillIndices {
+        dense,
+        csa,
+        hca,
+        positions,
+        bid_per_token,
+        chunk_start_per_seq,
+        cu_seqlens_q_per_seq,
+        state_slot_per_seq,
+        n_committed_hca_per_seq,
+        block_tables,
+        extend,
+        mut prefix_swa,
+        prefix_csa,
+        prefix_hca,
+        envelope_rows,
+        num_tokens,
+        win,
+        hca_ratio,
+        hca_rows_per_block,
+    } = k;
+    let hca_ratio = divisor("hca_ratio", hca_ratio.into())?;
+    let win = i64::from(win);
+    for t in 0..i64::from(num_tokens) {
+        let b = at(bid_per_token, t, "bid_per_token")?;
+        if b < 0 {
+            continue; // prefill has no pads; the device skips them too
+        }
+        let b = i64::from(b);
+        let p = i64::from(at(positions, t, "positions")?);
+        let cs = i64::from(at(chunk_start_per_seq, b, "chunk_start_per_seq")?);
+        let in_chunk = p - cs;
+        let low = (p - win + 1).max(0);
+        let ext = (in_chunk + 1).min(win);
+        let pre = (cs - low).max(0);
+        let n_hca =
+            ((p + 1) / hca_ratio).min(at(n_committed_hca_per_seq, b, "n_committed_hca_per_seq")?.into());
+        let slot = i64::from(at(state_slot_per_seq, b, "state_slot_per_seq")?);
+
+        let start = i64::from(at(extend.indptr, t, "extend_indptr")?);
+        let first = i64::from(at(cu_seqlens_q_per_seq, b, "cu_seqlens_q_per_seq")?) + in_chunk - ext + 1;
+        for i in 0..ext {
+            put(extend.indices, start + i, first + i, "extend_indices")?;
+        }
+        if let Some(swa) = prefix_swa.as_mut() {
+            let start = i64::from(at(swa.indptr, t, "swa_indptr")?);
+            write_window(swa.indices, start, pre, &dense, slot, low, "swa_indices")?;
+        }
+        let end = i64::from(at(prefix_csa.indptr, t + 1, "csa_indptr")?);
+        write_window(prefix_csa.indices, end - pre, pre, &csa, slot, low, "csa_indices")?;
+        let start = i64::from(at(prefix_hca.indptr, t, "hca_indptr")?);
+        write_window(prefix_hca.indices, start, pre, &hca, slot, low, "hca_indices")?;
+        write_compressed(
+            prefix_hca.indices,
+            start + pre,
+            n_hca,
+            &block_tables,
+            b,
+            hca_rows_per_block.into(),
+            envelope_rows,
+            "hca_indices",
+        )?;
+    }
+    Ok(())
+}

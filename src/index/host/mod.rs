@@ -1,0 +1,214 @@
+//! Host reference of every kernel: the contract's pseudo-code (index-buffers.md §3–§7) on
+//! safe slices, in i64, bit for bit what `kernels/v4pool_kernels.cu` computes for valid input.
+//!
+//! Where the device has a precondition it cannot check (a table column in range, a top-k row
+//! long enough, a row that fits an i32), the reference checks it and returns a
+//! [`HostKernelError`]: the host backend is the strict twin the GPU backends are compared
+//! with. Every access is bounds-checked, so no input panics. On an error, outputs may be
+//! partly written (as a faulting kernel would leave them).
+//!
+//! [`run_launch`] is the raw-pointer entry the host backend uses: it derives every buffer's
+//! length from the arguments (output lengths from the indptr values it reads) and calls the
+//! safe function.
+
+use super::shape::{check_launch, LaunchError};
+use super::{
+    CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs, Launch,
+    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_HCA,
+};
+use crate::geometry::WindowParams;
+use thiserror::Error;
+
+/// Why a host kernel refused or stopped.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum HostKernelError {
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+    #[error("{buffer}[{index}] is outside the buffer (length {len})")]
+    OutOfBounds { buffer: &'static str, index: i64, len: usize },
+    #[error("{what} = {value} does not fit an i32")]
+    NotI32 { what: &'static str, value: i64 },
+    #[error("{what} overflows 64-bit arithmetic")]
+    Overflow { what: &'static str },
+    #[error("window params {params:?} are not a ring (ring_slots and ring_stride must be >= 1)")]
+    NotARing { params: WindowParams },
+    #[error("{what} = {value} must be at least 1")]
+    ZeroDivisor { what: &'static str, value: i64 },
+    #[error("sequence {seq}: block table column {column} is outside [0, {stride})")]
+    TableColumn { seq: i64, column: i64, stride: i64 },
+    #[error("entry_idx[{index}] = {entry} is negative")]
+    NegativeEntry { index: i64, entry: i64 },
+    #[error("token {token}: valid_k {valid_k} exceeds the top-k row stride {row_stride}")]
+    TopkPastRow { token: i64, valid_k: i64, row_stride: i64 },
+    #[error("{buffer}: address {addr:#x} is null or not {align}-byte aligned")]
+    BadAddress { buffer: &'static str, addr: u64, align: usize },
+    #[error("{buffer}: {len} elements do not fit this host's address space")]
+    TooLong { buffer: &'static str, len: i64 },
+    #[error("fill run {run}: dst {dst:#x} and bytes {bytes} must be multiples of 4")]
+    FillRunUnaligned { run: usize, dst: u64, bytes: u64 },
+    #[error("copy run {run}: source and destination overlap")]
+    CopyRunOverlap { run: usize },
+    #[error("{buffer}: rows are {got} bytes, expected {expected}")]
+    RowWidth { buffer: &'static str, got: usize, expected: usize },
+    /// A buffer outside every range [`super::bounds::run_launch_within`] allows.
+    #[error("{buffer}: {bytes} bytes at {addr:#x} are not inside one live allocation")]
+    OutsideAllocation {
+        /// The kernel's name for the buffer.
+        buffer: &'static str,
+        /// Its first byte.
+        addr: u64,
+        /// Its length in bytes.
+        bytes: u64,
+    },
+    /// A buffer that overlaps another of the same launch where one of them is written.
+    #[error(
+        "{buffer}: {bytes} bytes at {addr:#x} overlap another buffer of the launch that one of them writes"
+    )]
+    Aliased {
+        /// The kernel's name for the buffer.
+        buffer: &'static str,
+        /// Its first byte.
+        addr: u64,
+        /// Its length in bytes.
+        bytes: u64,
+    },
+}
+
+type Result<T> = std::result::Result<T, HostKernelError>;
+
+// ---- shared formulas (§2) ----------------------------------------------------------------
+
+/// Window row of absolute position `pos` in physical slot `slot`, relative to the layer view
+/// (§2). The wrap is Euclidean, as on the device and in `WindowParams::index`.
+pub fn window_row(w: &WindowParams, slot: i64, pos: i64) -> Result<i64> {
+    if w.ring_slots < 1 || w.ring_stride < 1 {
+        return Err(HostKernelError::NotARing { params: *w });
+    }
+    let q = pos.rem_euclid(w.ring_slots);
+    let ovf = || HostKernelError::Overflow { what: "window row" };
+    slot.checked_mul(w.slot_rows)
+        .and_then(|r| r.checked_add(w.ring_start))
+        .and_then(|r| r.checked_add((q / w.ring_stride).checked_mul(w.run_rows)?))
+        .and_then(|r| r.checked_add(q % w.ring_stride))
+        .ok_or_else(ovf)
+}
+
+/// Compressed row `r` of physical block `block` (§2): `block * envelope_rows + r`.
+pub fn compress_row(block: i64, r: i64, envelope_rows: i64) -> Result<i64> {
+    block
+        .checked_mul(envelope_rows)
+        .and_then(|x| x.checked_add(r))
+        .ok_or(HostKernelError::Overflow { what: "compressed row" })
+}
+
+/// Byte offset of `row` in a plane of `row_bytes`-byte rows, in 64 bits (§1).
+pub fn row_byte_offset(row: i64, row_bytes: i64) -> Result<u64> {
+    let (r, w) = (u64::try_from(row), u64::try_from(row_bytes));
+    match (r, w) {
+        (Ok(r), Ok(w)) => r.checked_mul(w).ok_or(HostKernelError::Overflow { what: "row byte offset" }),
+        _ => Err(HostKernelError::Overflow { what: "row byte offset of a negative row" }),
+    }
+}
+
+// ---- checked access -------------------------------------------------------------------------
+
+fn at<T: Copy>(buf: &[T], index: i64, buffer: &'static str) -> Result<T> {
+    usize::try_from(index).ok().and_then(|i| buf.get(i).copied()).ok_or(HostKernelError::OutOfBounds {
+        buffer,
+        index,
+        len: buf.len(),
+    })
+}
+
+fn put(buf: &mut [i32], index: i64, value: i64, buffer: &'static str) -> Result<()> {
+    let v = i32::try_from(value).map_err(|_| HostKernelError::NotI32 { what: buffer, value })?;
+    let len = buf.len();
+    let cell = usize::try_from(index)
+        .ok()
+        .and_then(|i| buf.get_mut(i))
+        .ok_or(HostKernelError::OutOfBounds { buffer, index, len })?;
+    *cell = v;
+    Ok(())
+}
+
+fn divisor(what: &'static str, value: i64) -> Result<i64> {
+    if value < 1 {
+        return Err(HostKernelError::ZeroDivisor { what, value });
+    }
+    Ok(value)
+}
+
+fn add(a: i64, b: i64, what: &'static str) -> Result<i64> {
+    a.checked_add(b).ok_or(HostKernelError::Overflow { what })
+}
+
+fn mul(a: i64, b: i64, what: &'static str) -> Result<i64> {
+    a.checked_mul(b).ok_or(HostKernelError::Overflow { what })
+}
+
+/// A block table `[bs, stride]`, row-major.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockTables<'a> {
+    pub table: &'a [i32],
+    pub stride: i32,
+}
+
+impl BlockTables<'_> {
+    /// Physical block of sequence `seq`'s logical block `column`; the column must be in range.
+    fn get(&self, seq: i64, column: i64) -> Result<i64> {
+        let stride = i64::from(self.stride);
+        if !(0..stride).contains(&column) {
+            return Err(HostKernelError::TableColumn { seq, column, stride });
+        }
+        Ok(i64::from(at(
+            self.table,
+            add(mul(seq, stride, "table index")?, column, "table index")?,
+            "block_tables",
+        )?))
+    }
+}
+
+/// Writes `out[start + e] = table[seq][e / rpb] * envelope + e % rpb` for `e < count` (§4).
+fn write_compressed(
+    out: &mut [i32],
+    start: i64,
+    count: i64,
+    tables: &BlockTables<'_>,
+    seq: i64,
+    rows_per_block: i64,
+    envelope_rows: i64,
+    buffer: &'static str,
+) -> Result<()> {
+    let rpb = divisor("rows_per_block", rows_per_block)?;
+    for e in 0..count {
+        let row = compress_row(tables.get(seq, e / rpb)?, e % rpb, envelope_rows)?;
+        put(out, add(start, e, "entry index")?, row, buffer)?;
+    }
+    Ok(())
+}
+
+/// Writes `out[start + k] = window_row(w, slot, first + k)` for `k < count`.
+fn write_window(
+    out: &mut [i32],
+    start: i64,
+    count: i64,
+    w: &WindowParams,
+    slot: i64,
+    first: i64,
+    buffer: &'static str,
+) -> Result<()> {
+    for k in 0..count {
+        put(out, add(start, k, "window index")?, window_row(w, slot, add(first, k, "position")?)?, buffer)?;
+    }
+    Ok(())
+}
+
+mod build;
+mod raw;
+mod rows;
+#[cfg(test)]
+mod tests;
+
+pub use build::*;
+pub use raw::run_launch;
+pub use rows::*;

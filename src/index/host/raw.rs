@@ -1,0 +1,357 @@
+//! The raw-pointer entry: buffer lengths derived from the launch arguments, then the safe
+//! functions.
+
+use super::*;
+
+// ---- raw-pointer entry ----------------------------------------------------------------------------
+
+fn len_of(buffer: &'static str, n: i64) -> Result<usize> {
+    usize::try_from(n.max(0)).map_err(|_| HostKernelError::TooLong { buffer, len: n })
+}
+
+/// A shared slice of `len` elements at `addr` (none read when `len == 0`).
+///
+/// # Safety
+/// When `len > 0`, `addr .. addr + len * size_of::<T>()` is readable memory holding `T`s that
+/// nothing writes while the slice lives.
+unsafe fn input<'a, T>(buffer: &'static str, addr: u64, len: usize) -> Result<&'a [T]> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    check_address::<T>(buffer, addr, len)?;
+    crate::index::bounds::claim(buffer, addr, len * std::mem::size_of::<T>(), false)?;
+    // SAFETY: non-null, aligned and sized as checked; readable and unaliased by the caller's
+    // promise.
+    Ok(unsafe { std::slice::from_raw_parts(addr as usize as *const T, len) })
+}
+
+/// A mutable slice of `len` elements at `addr`.
+///
+/// # Safety
+/// When `len > 0`, the range is writable memory that no other live reference covers.
+unsafe fn output<'a, T>(buffer: &'static str, addr: u64, len: usize) -> Result<&'a mut [T]> {
+    if len == 0 {
+        return Ok(&mut []);
+    }
+    check_address::<T>(buffer, addr, len)?;
+    crate::index::bounds::claim(buffer, addr, len * std::mem::size_of::<T>(), true)?;
+    // SAFETY: as `input`, and the caller promises no other reference covers the range.
+    Ok(unsafe { std::slice::from_raw_parts_mut(addr as usize as *mut T, len) })
+}
+
+fn check_address<T>(buffer: &'static str, addr: u64, len: usize) -> Result<()> {
+    let align = std::mem::align_of::<T>();
+    if addr == 0 || addr % align as u64 != 0 || usize::try_from(addr).is_err() {
+        return Err(HostKernelError::BadAddress { buffer, addr, align });
+    }
+    let too_long = || HostKernelError::TooLong { buffer, len: len as i64 };
+    let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(too_long)?;
+    if bytes > isize::MAX as usize || (addr as usize).checked_add(bytes).is_none() {
+        return Err(too_long());
+    }
+    crate::index::bounds::check(buffer, addr, bytes as u64)
+}
+
+/// Largest value of an indptr's first `n + 1` entries: the length its indices buffer needs.
+fn indptr_extent(indptr: &[i32]) -> i64 {
+    indptr.iter().copied().max().map_or(0, |m| i64::from(m).max(0))
+}
+
+/// Sequences a batch-id array reaches: `max(bid) + 1` over non-negative ids.
+fn seqs_reached(bids: &[i32]) -> i64 {
+    bids.iter().copied().max().map_or(0, |m| i64::from(m) + 1).max(0)
+}
+
+fn count(n: i32) -> usize {
+    usize::try_from(n).unwrap_or(0)
+}
+
+/// Run one launch on host memory: the host backend's `launch`.
+///
+/// # Safety
+/// Every pointer in the arguments is a host address covering what the kernel reads and writes
+/// (index-buffers.md; the lengths are derived from the arguments and the indptr / cu_seqlens
+/// values), and no output buffer overlaps another buffer of the same launch.
+pub unsafe fn run_launch(launch: &Launch) -> Result<()> {
+    check_launch(launch)?;
+    // SAFETY (all arms): forwarded from this function's contract.
+    unsafe {
+        match launch {
+            Launch::Decode(a) => run_decode(a),
+            Launch::Prefill(a) => run_prefill(a),
+            Launch::HcaOffsets(a) => run_hca_offsets(a),
+            Launch::CsaPack(a) => run_csa_pack(a),
+            Launch::RingWrite(a) => run_ring_write(a),
+            Launch::RowScatter(a) => run_row_scatter(a),
+            Launch::FillRuns(a) => run_fill_runs(a),
+            Launch::CopyRuns(a) => run_copy_runs(a),
+            Launch::Empty => Ok(()),
+        }
+    }
+}
+
+/// # Safety
+/// See [`run_launch`].
+unsafe fn run_decode(a: &DecodeIndexArgs) -> Result<()> {
+    let t = count(a.num_tokens);
+    // SAFETY: lengths from the arguments; the caller covers them.
+    unsafe {
+        let bids: &[i32] = input("batch_id_per_token", a.batch_id_per_token, t)?;
+        let positions: &[i64] = input("positions", a.positions, t)?;
+        let live: Vec<i32> = bids.iter().copied().filter(|&b| b >= 0).collect();
+        let bs = len_of("state_slot_per_seq", seqs_reached(&live))?;
+        let slots: &[i32] = input("state_slot_per_seq", a.state_slot_per_seq, bs)?;
+        let mut classes: [Option<DecodeClass<'_>>; 3] = [None, None, None];
+        for (c, cls) in a.classes.iter().enumerate() {
+            if cls.indptr == 0 {
+                continue;
+            }
+            let indptr: &[i32] = input("indptr", cls.indptr, t + 1)?;
+            let n = len_of("indices", indptr_extent(indptr))?;
+            let dest_rows =
+                if cls.dest_rows == 0 { None } else { Some(output("dest_rows", cls.dest_rows, t)?) };
+            classes[c] = Some(DecodeClass {
+                params: cls.params,
+                indptr,
+                indices: output("indices", cls.indices, n)?,
+                dest_rows,
+            });
+        }
+        let block_tables = if a.block_tables != 0 && a.classes[CLASS_HCA].indptr != 0 {
+            let n = len_of("block_tables", mul(bs as i64, a.block_table_stride.into(), "block_tables")?)?;
+            Some(BlockTables {
+                table: input("block_tables", a.block_tables, n)?,
+                stride: a.block_table_stride,
+            })
+        } else {
+            None
+        };
+        decode_indices(DecodeIndices {
+            classes,
+            state_slot_per_seq: slots,
+            batch_id_per_token: bids,
+            positions,
+            block_tables,
+            envelope_rows: a.envelope_rows,
+            hca_rows_per_block: a.hca_rows_per_block,
+            num_tokens: a.num_tokens,
+            win: a.win,
+        })
+    }
+}
+
+/// # Safety
+/// See [`run_launch`].
+unsafe fn run_prefill(a: &PrefillIndexArgs) -> Result<()> {
+    let t = count(a.num_tokens);
+    // SAFETY: lengths from the arguments; the caller covers them.
+    unsafe {
+        let bids: &[i32] = input("bid_per_token", a.bid_per_token, t)?;
+        let bs = len_of("per-sequence arrays", seqs_reached(bids))?;
+        let per_seq = |name: &'static str, addr: u64| -> Result<&[i32]> { input(name, addr, bs) };
+        let csr = |name: &'static str, indptr: u64, indices: u64| -> Result<Csr<'_>> {
+            let indptr: &[i32] = input(name, indptr, t + 1)?;
+            let n = len_of(name, indptr_extent(indptr))?;
+            Ok(Csr { indptr, indices: output(name, indices, n)? })
+        };
+        let table_len = len_of("block_tables", mul(bs as i64, a.block_table_stride.into(), "block_tables")?)?;
+        prefill_indices(PrefillIndices {
+            dense: a.dense,
+            csa: a.csa,
+            hca: a.hca,
+            positions: input("positions", a.positions, t)?,
+            bid_per_token: bids,
+            chunk_start_per_seq: per_seq("chunk_start_per_seq", a.chunk_start_per_seq)?,
+            cu_seqlens_q_per_seq: per_seq("cu_seqlens_q_per_seq", a.cu_seqlens_q_per_seq)?,
+            state_slot_per_seq: per_seq("state_slot_per_seq", a.state_slot_per_seq)?,
+            n_committed_hca_per_seq: per_seq("n_committed_hca_per_seq", a.n_committed_hca_per_seq)?,
+            block_tables: BlockTables {
+                table: input("block_tables", a.block_tables, table_len)?,
+                stride: a.block_table_stride,
+            },
+            extend: csr("extend", a.extend_indptr, a.extend_indices)?,
+            prefix_swa: if a.swa_indptr == 0 {
+                None
+            } else {
+                Some(csr("prefix_swa", a.swa_indptr, a.swa_indices)?)
+            },
+            prefix_csa: csr("prefix_csa", a.csa_indptr, a.csa_indices)?,
+            prefix_hca: csr("prefix_hca", a.hca_indptr, a.hca_indices)?,
+            envelope_rows: a.envelope_rows,
+            num_tokens: a.num_tokens,
+            win: a.win,
+            hca_ratio: a.hca_ratio,
+            hca_rows_per_block: a.hca_rows_per_block,
+        })
+    }
+}
+
+/// # Safety
+/// See [`run_launch`].
+unsafe fn run_hca_offsets(a: &HcaOffsetsArgs) -> Result<()> {
+    let n = count(a.num_entries);
+    // SAFETY: lengths from the arguments; the caller covers them.
+    unsafe {
+        let entries: &[i32] = input("entry_idx", a.entry_idx, n)?;
+        let bids: &[i32] = input("bid_per_entry", a.bid_per_entry, n)?;
+        let rows = mul(seqs_reached(bids), a.block_table_stride.into(), "block_tables")?;
+        let table = input("block_tables", a.block_tables, len_of("block_tables", rows)?)?;
+        let tables = BlockTables { table, stride: a.block_table_stride };
+        hca_offsets(entries, bids, &tables, a.envelope_rows, a.rows_per_block, output("out", a.out, n)?)
+    }
+}
+
+/// # Safety
+/// See [`run_launch`].
+unsafe fn run_csa_pack(a: &CsaPackArgs) -> Result<()> {
+    let t = count(a.num_tokens);
+    if t == 0 {
+        return Ok(());
+    }
+    // SAFETY: lengths from the arguments; the caller covers them.
+    unsafe {
+        let bids: &[i32] = input("batch_id_per_token", a.batch_id_per_token, t)?;
+        let indptr: &[i32] = input("indptr", a.indptr, t + 1)?;
+        let positions: &[i64] = if a.window_size > 0 { input("positions", a.positions, t)? } else { &[] };
+        let skip: &[i32] = if a.window_size > 0 {
+            &[]
+        } else {
+            input("skip_prefix_len_per_token", a.skip_prefix_len_per_token, t)?
+        };
+        let live: Vec<i32> = bids.iter().copied().filter(|&b| b >= 0).collect();
+        let rows = mul(seqs_reached(&live), a.block_table_stride.into(), "block_tables")?;
+        let table = input("block_tables", a.block_tables, len_of("block_tables", rows)?)?;
+        let topk_len = mul(t as i64, a.topk_row_stride.into(), "topk length")?;
+        csa_translate_pack(CsaPack {
+            topk: input("topk", a.topk, len_of("topk", topk_len)?)?,
+            block_tables: BlockTables { table, stride: a.block_table_stride },
+            positions,
+            indptr,
+            batch_id_per_token: bids,
+            skip_prefix_len_per_token: skip,
+            out: output("out", a.out, len_of("out", indptr_extent(indptr))?)?,
+            envelope_rows: a.envelope_rows,
+            topk_row_stride: a.topk_row_stride,
+            num_tokens: a.num_tokens,
+            block_capacity: a.block_capacity,
+            window_size: a.window_size,
+        })
+    }
+}
+
+/// Both planes' row slices: `src_rows` source rows, `view_rows` pool rows.
+///
+/// # Safety
+/// See [`run_launch`].
+unsafe fn plane_rows<'a>(
+    planes: &[PlaneWrite; 2],
+    src_rows: i64,
+    view_rows: i64,
+) -> Result<Vec<PlaneRows<'a>>> {
+    let mut out = Vec::with_capacity(2);
+    for p in planes.iter().filter(|p| p.pool != 0) {
+        let w = len_of("row_bytes", p.row_bytes)?;
+        let kv_len = len_of("kv", mul(src_rows, p.row_bytes, "kv bytes")?)?;
+        let pool_len = len_of("pool", mul(view_rows, p.row_bytes, "pool bytes")?)?;
+        // SAFETY: lengths from the arguments; the caller covers them.
+        unsafe {
+            out.push(PlaneRows {
+                kv: input("kv", p.kv, kv_len)?,
+                pool: output("pool", p.pool, pool_len)?,
+                row_bytes: w,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// # Safety
+/// See [`run_launch`].
+unsafe fn run_ring_write(a: &RingWriteArgs) -> Result<()> {
+    let bs = count(a.num_seqs);
+    // SAFETY: lengths from the arguments; the caller covers them.
+    unsafe {
+        let cu: &[i32] = input("cu_seqlens_q", a.cu_seqlens_q, bs + 1)?;
+        let tokens = indptr_extent(cu);
+        let positions: &[i32] = input("positions", a.positions, len_of("positions", tokens)?)?;
+        let slots: &[i32] = input("state_slot_per_seq", a.state_slot_per_seq, bs)?;
+        let mut planes = plane_rows(&a.planes, tokens, a.view_rows)?;
+        ring_write(&a.params, &mut planes, positions, cu, slots, a.view_rows, a.num_seqs, a.write_per_batch)
+    }
+}
+
+/// # Safety
+/// See [`run_launch`].
+unsafe fn run_row_scatter(a: &RowScatterArgs) -> Result<()> {
+    let t = count(a.num_tokens);
+    // SAFETY: lengths from the arguments; the caller covers them.
+    unsafe {
+        let bids: &[i32] = input("batch_id_per_token", a.batch_id_per_token, t)?;
+        let dest: &[i32] = input("dest_rows", a.dest_rows, t)?;
+        let mut planes = plane_rows(&a.planes, t as i64, a.view_rows)?;
+        row_scatter(&mut planes, bids, dest, a.view_rows, a.num_tokens)
+    }
+}
+
+/// # Safety
+/// See [`run_launch`].
+unsafe fn run_fill_runs(a: &FillRunsArgs) -> Result<()> {
+    // SAFETY: the descriptor array is covered by the caller. Copied out, so a run that
+    // writes over the descriptor does not alias a live slice of it.
+    let runs: Vec<FillRun> = unsafe { input::<FillRun>("runs", a.runs, count(a.num_runs))? }.to_vec();
+    // Check every run before writing any, so a bad descriptor writes nothing.
+    for (i, r) in runs.iter().enumerate() {
+        if r.dst % 4 != 0 || r.bytes % 4 != 0 {
+            return Err(HostKernelError::FillRunUnaligned { run: i, dst: r.dst, bytes: r.bytes });
+        }
+        let len = usize::try_from(r.bytes / 4)
+            .map_err(|_| HostKernelError::TooLong { buffer: "fill run", len: -1 })?;
+        check_address::<u32>("fill run", r.dst, len)?;
+    }
+    for r in &runs {
+        let len = (r.bytes / 4) as usize; // fits: checked above
+        if len == 0 {
+            continue;
+        }
+        // SAFETY: the caller covers each run (checked non-null, aligned and, under
+        // `run_launch_within`, inside one allowed range above); runs are written one at a
+        // time and no other slice of the launch is alive, so overlapping runs do not alias.
+        let words: &mut [u32] = unsafe { std::slice::from_raw_parts_mut(r.dst as usize as *mut u32, len) };
+        words.fill(r.pattern);
+    }
+    Ok(())
+}
+
+/// # Safety
+/// See [`run_launch`].
+unsafe fn run_copy_runs(a: &CopyRunsArgs) -> Result<()> {
+    // SAFETY: the descriptor array is covered by the caller. Copied out, so a run that
+    // writes over the descriptor does not alias a live slice of it.
+    let runs: Vec<CopyRun> = unsafe { input::<CopyRun>("runs", a.runs, count(a.num_runs))? }.to_vec();
+    for (i, r) in runs.iter().enumerate() {
+        let len =
+            usize::try_from(r.bytes).map_err(|_| HostKernelError::TooLong { buffer: "copy run", len: -1 })?;
+        if len == 0 {
+            continue;
+        }
+        check_address::<u8>("copy run src", r.src, len)?;
+        check_address::<u8>("copy run dst", r.dst, len)?;
+        if r.src < r.dst + r.bytes && r.dst < r.src + r.bytes {
+            return Err(HostKernelError::CopyRunOverlap { run: i });
+        }
+    }
+    for r in &runs {
+        if r.bytes == 0 {
+            continue;
+        }
+        // SAFETY: both ranges are covered by the caller, checked non-null and disjoint above.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                r.src as usize as *const u8,
+                r.dst as usize as *mut u8,
+                r.bytes as usize,
+            );
+        }
+    }
+    Ok(())
+}
