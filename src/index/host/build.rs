@@ -1,6 +1,7 @@
 //! The index builders and the CSA translate-pack (index-buffers.md §3–§6) on safe slices.
 
 use super::*;
+use crate::index::CLASS_HCA;
 
 // ---- §3 + §4: decode builder ----------------------------------------------------------------
 

@@ -11,13 +11,24 @@
 //! length from the arguments (output lengths from the indptr values it reads) and calls the
 //! safe function.
 
-use super::shape::{check_launch, LaunchError};
-use super::{
-    CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs, Launch,
-    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_HCA,
-};
+use super::shape::LaunchError;
 use crate::geometry::WindowParams;
 use thiserror::Error;
+
+// The builders and translate-pack (§3–§6), the row movers (§7) and the raw-pointer entry live
+// in their own files; every public name stays at `crate::index::host::*`.
+mod build;
+mod raw;
+mod rows;
+#[cfg(test)]
+mod tests;
+
+pub use build::{
+    csa_translate_pack, decode_indices, hca_offsets, prefill_indices, CsaPack, Csr, DecodeClass,
+    DecodeIndices, PrefillIndices,
+};
+pub use raw::run_launch;
+pub use rows::{fill_pattern, ring_write, row_scatter, PlaneRows};
 
 /// Why a host kernel refused or stopped.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -202,13 +213,3 @@ fn write_window(
     }
     Ok(())
 }
-
-mod build;
-mod raw;
-mod rows;
-#[cfg(test)]
-mod tests;
-
-pub use build::*;
-pub use raw::run_launch;
-pub use rows::*;

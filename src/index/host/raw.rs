@@ -2,6 +2,11 @@
 //! functions.
 
 use super::*;
+use crate::index::shape::check_launch;
+use crate::index::{
+    CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs, Launch,
+    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_HCA,
+};
 
 // ---- raw-pointer entry ----------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 //! The worked examples of index-buffers.md §1, §3–§7, built from `UnifiedPoolGeometry`.
 //! Outputs are poisoned (−7 / −9) first; every cell the contract leaves alone must keep it.
+
 use super::*;
 use crate::geometry::{GeometrySpec, UnifiedPoolGeometry};
+use crate::index::{CopyRun, CopyRunsArgs, DecodeIndexArgs, FillRun, FillRunsArgs, Launch};
 
 const U: i32 = -7;
 
