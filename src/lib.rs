@@ -12,6 +12,9 @@
 //!   and the host reference of every kernel.
 //! * [`backend`] — one `Backend` trait; host (always), CUDA and HIP (loaded at run time).
 //! * [`pool`] — the planes on a backend, per-layer views, slot state, checkpoints, transfers.
+//! * [`plan_report`] — a plan with its checkpoint facts and its JSON form (CLI and bindings).
+//! * [`embed`] — what the Python module (feature `python`) and the C ABI (feature `capi`)
+//!   share: error variant names, backends by name, a decode step over flat arrays.
 //! * [`cli`] — the `v4pool` command (`layout`, `plan`, `simulate`).
 
 pub mod alloc;
@@ -20,14 +23,21 @@ pub mod backend;
 pub mod boundary;
 pub mod checkpoint;
 pub mod cli;
+pub mod embed;
 pub mod geometry;
 pub mod index;
 pub mod kernels;
 pub mod model;
+pub mod plan_report;
 pub mod pool;
 pub mod profiling;
 pub mod sizing;
 pub mod transfer;
+
+#[cfg(feature = "capi")]
+pub mod capi;
+#[cfg(feature = "python")]
+pub mod python;
 
 pub use geometry::{
     ClassLayout, GeometryError, GeometrySpec, UnifiedPoolGeometry, WindowParams, ABSENT_RATIO, CSA_RATIO,

@@ -31,6 +31,9 @@ pub const HOST_ALLOC_ALIGN: usize = 256;
 pub struct HostBackend {
     /// Live allocations: base address → requested bytes.
     live: Mutex<BTreeMap<u64, u64>>,
+    /// Caller memory accepted by `adopt_external` (base → bytes): checked like `live`, never
+    /// freed here.
+    adopted: Mutex<BTreeMap<u64, u64>>,
 }
 
 /// Layout of an allocation of `bytes` (zero-byte requests take one byte: a real, unique
@@ -63,11 +66,13 @@ impl HostBackend {
 
     /// `addr .. addr + len` inside one live allocation, or the error the call reports.
     fn check_range(&self, call: &'static str, addr: DevicePtr, len: u64) -> Result<(), BackendError> {
-        let live = self.live();
-        let inside = live
-            .range(..=addr)
-            .next_back()
-            .is_some_and(|(&base, &bytes)| addr.checked_add(len).is_some_and(|end| end <= base + bytes));
+        let within = |map: &BTreeMap<u64, u64>| {
+            map.range(..=addr)
+                .next_back()
+                .is_some_and(|(&base, &bytes)| addr.checked_add(len).is_some_and(|end| end <= base + bytes))
+        };
+        let adopted = self.adopted.lock().unwrap_or_else(|e| e.into_inner());
+        let inside = within(&self.live()) || within(&adopted);
         if inside || len == 0 {
             return Ok(());
         }
@@ -204,6 +209,14 @@ impl Backend for HostBackend {
 
     fn synchronize(&self, _stream: Stream) -> Result<(), BackendError> {
         Ok(())
+    }
+
+    unsafe fn adopt_external(&self, ptr: DevicePtr, bytes: u64) {
+        self.adopted.lock().unwrap_or_else(|e| e.into_inner()).insert(ptr, bytes);
+    }
+
+    fn forget_external(&self, ptr: DevicePtr) {
+        self.adopted.lock().unwrap_or_else(|e| e.into_inner()).remove(&ptr);
     }
 }
 

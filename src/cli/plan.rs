@@ -12,9 +12,8 @@
 
 use super::layout::load_model;
 use super::{fail, parse_args, CliError};
-use crate::checkpoint::{layout_id, CheckpointLayout};
-use crate::sizing::{parse_bytes, plan, IndexerDtype, KvDtype, Plan, PlanRequest};
-use serde_json::json;
+pub use crate::plan_report::PlanReport;
+use crate::sizing::{parse_bytes, plan, IndexerDtype, KvDtype, PlanRequest};
 
 const USAGE: &str = "\
 usage: v4pool plan --model NAME|PATH/config.json --budget BYTES --max-seqs N
@@ -47,15 +46,6 @@ const OPTIONS: [&str; 10] = [
 ];
 const FLAGS: [&str; 2] = ["--json", "--help"];
 
-/// What `plan` prints: the sized pool and its checkpoint facts.
-#[derive(Clone, Debug)]
-pub struct PlanReport {
-    pub plan: Plan,
-    pub image_bytes: u64,
-    pub units_per_checkpoint: u64,
-    pub layout_id: String,
-}
-
 /// Parse `args` (without the word `plan`) and size the pool. `Ok(None)` is `--help`.
 pub fn execute(args: &[String]) -> Result<Option<PlanReport>, CliError> {
     let p = parse_args(args, &OPTIONS, &FLAGS)?;
@@ -85,60 +75,10 @@ pub fn execute(args: &[String]) -> Result<Option<PlanReport>, CliError> {
     let budget_bytes = parse_bytes(budget_text)?;
     let model = load_model(model_spec, &p)?;
     let req = PlanRequest { min_slots, overhead_bytes, ..PlanRequest::new(kv, indexer, m, budget_bytes) };
-    let plan = plan(&model, &req)?;
-    let ck = CheckpointLayout::for_pool(&plan.layout)?;
-    Ok(Some(PlanReport {
-        image_bytes: ck.image_bytes,
-        units_per_checkpoint: ck.units_per_checkpoint,
-        layout_id: layout_id(&plan.layout)?,
-        plan,
-    }))
+    Ok(Some(PlanReport::new(plan(&model, &req)?)?))
 }
 
 impl PlanReport {
-    /// The `--json` object.
-    pub fn to_json(&self) -> serde_json::Value {
-        let p = &self.plan;
-        let m = &p.layout.model;
-        let g = &p.geometry;
-        json!({
-            "model": m.name,
-            "kv_dtype": p.layout.kv.name(),
-            "indexer_dtype": p.layout.indexer.name(),
-            "spec_steps": m.spec_steps,
-            "ring_slots": m.ring_slots(),
-            "plane_widths": p.layout.widths(),
-            "budget_bytes": p.budget_bytes,
-            "page_bytes": p.page_bytes,
-            "slot_bytes": p.slot_bytes,
-            "num_blocks": p.num_blocks,
-            "num_slots": p.num_slots,
-            "max_blocks": p.max_blocks,
-            "min_slots": p.min_slots,
-            "tight_fit_blocks": p.tight_fit_blocks,
-            "plane_rows": p.plane_rows,
-            "slot_positions": p.slot_positions,
-            "tokens": p.tokens,
-            "envelope_rows": g.envelope_rows,
-            "entry_rows": g.entry_rows,
-            "arena_rows": g.arena_rows,
-            "slot_rows": g.slot_rows,
-            "slot_align_rows": g.slot_align_rows,
-            "rows_wasted": p.rows_wasted,
-            "plane_bytes": p.plane_bytes,
-            "plane_offsets": p.plane_offsets,
-            "planes_total_bytes": p.planes_total_bytes,
-            "indexer_pool_bytes": p.indexer_pool_bytes,
-            "indexer_bytes": p.indexer_total_bytes,
-            "overhead_bytes": p.overhead_bytes,
-            "total_bytes": p.total_bytes,
-            "plane_capped": p.plane_capped,
-            "image_bytes": self.image_bytes,
-            "units_per_checkpoint": self.units_per_checkpoint,
-            "layout_id": self.layout_id,
-        })
-    }
-
     /// The readable report.
     pub fn to_text(&self) -> String {
         let p = &self.plan;
