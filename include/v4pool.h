@@ -39,6 +39,14 @@ typedef enum V4poolDecodeBuffer {
 } V4poolDecodeBuffer;
 
 /**
+ * A KV class: which compress ratio a layer's KV is kept at.
+ *
+ * The discriminant is the class's slot in the decode builder's `classes` array (the
+ * kernels' `V4POOL_CLASS_*`), so `class as usize` indexes it.
+ */
+typedef struct Class Class;
+
+/**
  * Decode index buffers of one pool (opaque).
  */
 typedef struct V4poolDecode V4poolDecode;
@@ -114,7 +122,6 @@ typedef struct V4poolDecodeCapacity {
   uint64_t max_blocks_per_seq;
   int32_t win;
   int32_t index_topk;
-  uint64_t csa_layers;
 } V4poolDecodeCapacity;
 
 /**
@@ -348,8 +355,8 @@ void v4pool_decode_free(struct V4poolDecode *decode);
 /**
  * Stage one decode step of `batch` sequences: slot positions, context lengths after the
  * step, tokens per sequence, and block tables (`batch × table_stride` int32, row-major;
- * null when the tables are resident). One copy on `stream`; `out_tokens` gets the real
- * token count (may be null).
+ * null when the tables are resident). One copy on the pool's stream; `out_tokens` gets the
+ * real token count (may be null).
  *
  * # Safety
  * `decode` is live; the three arrays hold `batch` elements; `block_tables` is null or holds
@@ -362,11 +369,11 @@ enum V4poolStatus v4pool_decode_stage(struct V4poolDecode *decode,
                                       const int64_t *num_tokens,
                                       const int32_t *block_tables,
                                       size_t table_stride,
-                                      uint64_t stream,
                                       size_t *out_tokens);
 
 /**
- * Queue the index build on `stream` (one launch, fixed pointers: capturable in a graph).
+ * Queue the index build on `stream` (0: the pool's stream; another stream must be ordered
+ * after the staging): one launch with fixed pointers, capturable in a graph.
  *
  * # Safety
  * `decode` is live; `stream` a live stream of the pool's device or 0.
@@ -375,7 +382,7 @@ enum V4poolStatus v4pool_decode_build(struct V4poolDecode *decode, uint64_t stre
 
 /**
  * Device address and int32 length of a class's buffer: `which` a `V4poolDecodeBuffer`,
- * `cls` 0 dense, 1 CSA, 2 HCA, `layer` the CSA copy for `Indices`.
+ * `cls` 0 dense, 1 CSA, 2 HCA.
  *
  * # Safety
  * `decode` is live; `out_buffer` writable.
@@ -383,7 +390,6 @@ enum V4poolStatus v4pool_decode_build(struct V4poolDecode *decode, uint64_t stre
 enum V4poolStatus v4pool_decode_buffer(const struct V4poolDecode *decode,
                                        uint32_t which,
                                        uint32_t cls,
-                                       uint32_t layer,
                                        struct V4poolBuffer *out_buffer);
 
 /**

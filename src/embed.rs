@@ -1,14 +1,16 @@
 //! What the Python module and the C ABI share, so each stays a thin translation of its
 //! host language: error variant names, opening a backend by name and device, and a decode
-//! step over flat arrays (the shape both languages hand over: one array per field).
+//! step over flat arrays (the shape both languages hand over: one array per field) on top of
+//! the pool's [`DecodePath`].
 
 use crate::backend::{self, Backend, BackendChoice, BackendError, BackendKind, Stream};
-use crate::index::{DevicePtr, CLASS_CSA, CLASS_DENSE, CLASS_HCA};
-use crate::pool::{DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq, Pool, PoolError};
+use crate::geometry::Class;
+use crate::index::DevicePtr;
+use crate::pool::{DecodeCapacity, DecodeError, DecodePath, DecodeSeq, DeviceBuffer, Pool, PoolError};
 use std::sync::Arc;
 use thiserror::Error;
 
-/// What a [`DecodeStep`] rejects beyond the buffers' own checks.
+/// What a [`DecodeStep`] rejects beyond the decode path's own checks.
 #[derive(Debug, Error)]
 pub enum StepError {
     #[error(transparent)]
@@ -17,14 +19,14 @@ pub enum StepError {
     Pool(#[from] PoolError),
     #[error(transparent)]
     Backend(#[from] BackendError),
-    #[error("batch arrays differ in length: {positions} positions, {context_lens} context lengths, {num_tokens} token counts")]
+    #[error(
+        "batch arrays differ in length: {positions} positions, {context_lens} context lengths, {num_tokens} token counts"
+    )]
     BatchShape { positions: usize, context_lens: usize, num_tokens: usize },
     #[error("sequence {seq}: {num_tokens} tokens is not a count")]
     BadTokenCount { seq: usize, num_tokens: i64 },
-    #[error("CSA copy {layer} outside 0..{copies}")]
-    NoSuchCopy { layer: usize, copies: usize },
-    #[error("class {class} is not in this geometry (dense 0, csa 1, hca 2)")]
-    NoSuchClass { class: usize },
+    #[error("class {class:?} is not in this geometry")]
+    NoSuchClass { class: Class },
 }
 
 /// The innermost variant name of an error, read from its `Debug` form: wrappers of the
@@ -66,12 +68,12 @@ pub fn open_backend(name: &str, device: usize) -> Result<Arc<dyn Backend>, Backe
     })
 }
 
-/// Parse a class name (`dense`, `csa`, `hca`) into its `CLASS_*` slot.
-pub fn class_from_name(name: &str) -> Option<usize> {
+/// Parse a class name (`dense`, `csa`, `hca`).
+pub fn class_from_name(name: &str) -> Option<Class> {
     match name {
-        "dense" => Some(CLASS_DENSE),
-        "csa" => Some(CLASS_CSA),
-        "hca" => Some(CLASS_HCA),
+        "dense" => Some(Class::Dense),
+        "csa" => Some(Class::Csa),
+        "hca" => Some(Class::Hca),
         _ => None,
     }
 }
@@ -91,53 +93,42 @@ pub struct FlatBatch<'a> {
     pub table_stride: usize,
 }
 
-/// The decode index buffers of one pool: stage a batch, build on a stream, read the
-/// buffers' addresses. Holds the pool so the buffers never outlive the planes they index.
+/// A pool's [`DecodePath`] driven by flat arrays, with the build launched on any stream
+/// (the staging goes on the pool's stream; a graph may capture the build on its own).
 pub struct DecodeStep {
-    pool: Arc<Pool>,
-    bufs: DecodeIndexBuffers,
+    path: DecodePath,
     /// Stands in for resident block tables in the length check of `stage_resident`.
     resident_table: Vec<i32>,
-    /// Streams work was queued on; drained before the buffers go.
+    /// Positions of the batch last staged, checked live again before a build.
+    staged: Vec<i64>,
+    /// Streams a build went on besides the pool's; drained before the buffers go.
     streams: Vec<Stream>,
 }
 
 impl std::fmt::Debug for DecodeStep {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DecodeStep").field("bufs", &self.bufs).finish()
+        f.debug_struct("DecodeStep").field("path", &self.path).finish()
     }
 }
 
 impl DecodeStep {
-    /// Buffers for `cap` on the pool's backend.
+    /// A decode path for `cap` on the pool.
     pub fn new(pool: Arc<Pool>, cap: DecodeCapacity) -> Result<DecodeStep, StepError> {
-        let g = pool.geometry()?;
-        let bufs = DecodeIndexBuffers::new(pool.backend().as_ref(), &g, cap)?;
+        let path = pool.decode_path(cap)?;
         Ok(DecodeStep {
             resident_table: vec![0; cap.max_blocks_per_seq],
-            streams: vec![pool.stream()],
-            pool,
-            bufs,
+            staged: Vec::new(),
+            streams: Vec::new(),
+            path,
         })
     }
 
-    pub fn pool(&self) -> &Arc<Pool> {
-        &self.pool
+    pub fn path(&self) -> &DecodePath {
+        &self.path
     }
 
-    pub fn buffers(&self) -> &DecodeIndexBuffers {
-        &self.bufs
-    }
-
-    fn note(&mut self, stream: Stream) {
-        if !self.streams.contains(&stream) {
-            self.streams.push(stream);
-        }
-    }
-
-    /// Stage `batch` on `stream` (one host-to-device copy); returns the real tokens. The
-    /// pool's current live positions bound the batch's positions.
-    pub fn stage(&mut self, batch: &FlatBatch<'_>, stream: Stream) -> Result<usize, StepError> {
+    /// Stage `batch` on the pool's stream (one host-to-device copy); returns the real tokens.
+    pub fn stage(&mut self, batch: &FlatBatch<'_>) -> Result<usize, StepError> {
         let n = batch.positions.len();
         if batch.context_lens.len() != n || batch.num_tokens.len() != n {
             return Err(StepError::BatchShape {
@@ -146,16 +137,14 @@ impl DecodeStep {
                 num_tokens: batch.num_tokens.len(),
             });
         }
-        let live = self.pool.with_boundary(|b| b.live_positions())?;
-        self.bufs.set_live_positions(live);
-        let bs = self.pool.spec().geometry.block_size.max(1);
+        let bs = self.path.pool().spec().geometry.block_size.max(1);
         let mut seqs = Vec::with_capacity(n);
         for b in 0..n {
             let ctx = batch.context_lens[b];
             let tokens = usize::try_from(batch.num_tokens[b])
                 .map_err(|_| StepError::BadTokenCount { seq: b, num_tokens: batch.num_tokens[b] })?;
-            // Each sequence's table is the columns its context needs (checked below by the
-            // buffers against the capacity); resident tables are only length-checked.
+            // Each sequence's table is the columns its context needs (the path checks them
+            // against the capacity and the pool); resident tables are only length-checked.
             let needed = usize::try_from((ctx.max(0) + bs - 1) / bs).unwrap_or(usize::MAX);
             let block_table = match batch.block_tables {
                 Some(t) => {
@@ -177,76 +166,70 @@ impl DecodeStep {
                 block_table,
             });
         }
-        let backend = self.pool.backend().clone();
         let tokens = if batch.block_tables.is_some() {
-            self.bufs.stage(backend.as_ref(), &seqs, stream)?
+            self.path.stage(&seqs)?
         } else {
-            self.bufs.stage_resident(backend.as_ref(), &seqs, stream)?
+            self.path.stage_resident(&seqs)?
         };
-        self.note(stream);
+        self.staged.clear();
+        self.staged.extend_from_slice(batch.positions);
         Ok(tokens)
     }
 
     /// Write batch row `row`'s device block table from column `start_col`.
-    pub fn write_block_table(
-        &mut self,
-        row: usize,
-        start_col: usize,
-        ids: &[i32],
-        stream: Stream,
-    ) -> Result<(), StepError> {
-        let backend = self.pool.backend().clone();
-        self.bufs.write_block_table(backend.as_ref(), row, start_col, ids, stream)?;
-        self.note(stream);
+    pub fn write_block_table(&mut self, row: usize, start_col: usize, ids: &[i32]) -> Result<(), StepError> {
+        Ok(self.path.write_block_table(row, start_col, ids)?)
+    }
+
+    /// Queue the decode index build on `stream` (the pool's when `None`): fixed pointers and
+    /// grid, so the launch may be captured in a graph and replayed after each stage. The
+    /// staged positions are checked live first, as [`DecodePath::build`] does.
+    pub fn build(&mut self, stream: Option<Stream>) -> Result<(), StepError> {
+        let pool = Arc::clone(self.path.pool());
+        let stream = match stream {
+            Some(s) if s != pool.stream() => s,
+            _ => return Ok(self.path.build()?),
+        };
+        let live = pool.with_boundary(|b| b.live_positions())?;
+        if let Some((seq, &position)) = self.staged.iter().enumerate().find(|(_, p)| !live.contains(p)) {
+            return Err(DecodeError::BadPosition { seq, position, first: live.start, end: live.end }.into());
+        }
+        // SAFETY: the launch's pointers are the path's own buffers (sized for its capacity,
+        // the staged offsets checked against each class's slice capacity) and the pool's
+        // planes at positions just checked live; both outlive the call (`self` holds them).
+        // The caller orders `stream` after the staging on the pool's stream.
+        unsafe { pool.backend().launch(&self.path.build_launch(), stream)? };
+        if !self.streams.contains(&stream) {
+            self.streams.push(stream);
+        }
         Ok(())
     }
 
-    /// Queue the decode index build on `stream`: fixed pointers and grid, so the launch may
-    /// be captured in a graph and replayed after each [`Self::stage`].
-    pub fn build(&mut self, stream: Stream) -> Result<(), StepError> {
-        let launch = self.bufs.launch();
-        // SAFETY: the launch's pointers are the buffers' own (sized for their capacity at
-        // construction) and the pool's planes, both live while `self` holds the pool.
-        unsafe { self.pool.backend().launch(&launch, stream)? };
-        self.note(stream);
-        Ok(())
+    fn buffer(&self, class: Class, b: Option<DeviceBuffer>) -> Result<(DevicePtr, u64), StepError> {
+        b.map(|b| (b.ptr, b.len)).ok_or(StepError::NoSuchClass { class })
     }
 
     /// A class's index buffer (`i32`, `max_tokens × slice capacity`): address and elements.
-    pub fn indices(&self, class: usize, layer: usize) -> Result<(DevicePtr, u64), StepError> {
-        self.check_class(class)?;
-        let copies = self.bufs.capacity().csa_layers;
-        if class == CLASS_CSA && layer >= copies {
-            return Err(StepError::NoSuchCopy { layer, copies });
-        }
-        Ok(self.bufs.indices(class, if class == CLASS_CSA { layer } else { 0 }))
+    pub fn indices(&self, class: Class) -> Result<(DevicePtr, u64), StepError> {
+        self.buffer(class, self.path.indices(class))
     }
 
     /// A class's indptr (`max_tokens + 1` i32).
-    pub fn indptr(&self, class: usize) -> Result<(DevicePtr, u64), StepError> {
-        self.check_class(class)?;
-        Ok((self.bufs.indptr(class), self.bufs.capacity().max_tokens as u64 + 1))
+    pub fn indptr(&self, class: Class) -> Result<(DevicePtr, u64), StepError> {
+        self.buffer(class, self.path.indptr(class))
     }
 
     /// A class's destination rows (`max_tokens` i32).
-    pub fn dest_rows(&self, class: usize) -> Result<(DevicePtr, u64), StepError> {
-        self.check_class(class)?;
-        Ok((self.bufs.dest_rows(class), self.bufs.capacity().max_tokens as u64))
+    pub fn dest_rows(&self, class: Class) -> Result<(DevicePtr, u64), StepError> {
+        self.buffer(class, self.path.dest_rows(class))
     }
 
-    fn check_class(&self, class: usize) -> Result<(), StepError> {
-        let present = self.bufs.decode_args().classes.get(class).is_some_and(|c| c.indptr != 0);
-        if present {
-            Ok(())
-        } else {
-            Err(StepError::NoSuchClass { class })
-        }
-    }
-
-    /// Wait for every stream this step queued work on.
+    /// Wait for the pool's stream and every other stream a build went on.
     pub fn synchronize(&self) -> Result<(), BackendError> {
+        let pool = self.path.pool();
+        pool.backend().synchronize(pool.stream())?;
         for &s in &self.streams {
-            self.pool.backend().synchronize(s)?;
+            pool.backend().synchronize(s)?;
         }
         Ok(())
     }
@@ -254,10 +237,9 @@ impl DecodeStep {
 
 impl Drop for DecodeStep {
     fn drop(&mut self) {
+        // The path frees its buffers on drop after its own stream; builds on other streams
+        // must be done first.
         let _ = self.synchronize();
-        // SAFETY: every stream the buffers were used on is drained; a captured graph that
-        // still names them is the caller's documented misuse (it must not outlive the step).
-        unsafe { self.bufs.release(self.pool.backend().as_ref()) };
     }
 }
 
@@ -281,7 +263,7 @@ mod tests {
     fn backends_open_by_name() {
         assert_eq!(open_backend("host", 0).unwrap().kind(), BackendKind::Host);
         assert_eq!(error_variant(&open_backend("tpu", 0).unwrap_err()), "UnknownBackendName");
-        assert_eq!(class_from_name("hca"), Some(CLASS_HCA));
+        assert_eq!(class_from_name("hca"), Some(Class::Hca));
         assert_eq!(class_from_name("x"), None);
     }
 }

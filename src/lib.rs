@@ -40,6 +40,6 @@ pub mod capi;
 pub mod python;
 
 pub use geometry::{
-    ClassLayout, GeometryError, GeometrySpec, UnifiedPoolGeometry, WindowParams, ABSENT_RATIO, CSA_RATIO,
-    DENSE_RATIO, HCA_RATIO,
+    Class, ClassLayout, GeometryError, GeometrySpec, UnifiedPoolGeometry, WindowParams, ABSENT_RATIO,
+    CSA_RATIO, DENSE_RATIO, HCA_RATIO,
 };

@@ -11,6 +11,7 @@
 use crate::backend::external::ExternalRegion;
 use crate::backend::Stream;
 use crate::embed::{error_variant, open_backend, DecodeStep, FlatBatch};
+use crate::geometry::Class;
 use crate::plan_report::{PlanOptions, PlanReport};
 use crate::pool::{DecodeCapacity, Pool, PoolSpec};
 use std::cell::RefCell;
@@ -113,7 +114,6 @@ pub struct V4poolDecodeCapacity {
     pub max_blocks_per_seq: u64,
     pub win: i32,
     pub index_topk: i32,
-    pub csa_layers: u64,
 }
 
 thread_local! {
@@ -148,7 +148,8 @@ type Fail = (V4poolStatus, String, String);
 
 fn rejected<E: std::fmt::Debug + std::fmt::Display>(e: E) -> Fail {
     let variant = error_variant(&e);
-    // `BackendError`'s variants, save a misspelt backend name (the caller's input).
+    // `BackendError`'s driver-side variants (the others — a misspelt backend name, a range
+    // outside an allocation — are the caller's input).
     const BACKEND: [&str; 6] =
         ["Unavailable", "Driver", "OutOfMemory", "MissingKernel", "Compile", "InvalidLaunch"];
     let status =
@@ -584,7 +585,6 @@ pub unsafe extern "C" fn v4pool_decode_new(
             max_blocks_per_seq: c.max_blocks_per_seq as usize,
             win: c.win,
             index_topk: c.index_topk,
-            csa_layers: c.csa_layers as usize,
         };
         let slot = out(out_decode, "out_decode")?;
         let step = DecodeStep::new(p, cap).map_err(rejected)?;
@@ -608,8 +608,8 @@ pub unsafe extern "C" fn v4pool_decode_free(decode: *mut V4poolDecode) {
 
 /// Stage one decode step of `batch` sequences: slot positions, context lengths after the
 /// step, tokens per sequence, and block tables (`batch × table_stride` int32, row-major;
-/// null when the tables are resident). One copy on `stream`; `out_tokens` gets the real
-/// token count (may be null).
+/// null when the tables are resident). One copy on the pool's stream; `out_tokens` gets the
+/// real token count (may be null).
 ///
 /// # Safety
 /// `decode` is live; the three arrays hold `batch` elements; `block_tables` is null or holds
@@ -624,7 +624,6 @@ pub unsafe extern "C" fn v4pool_decode_stage(
     num_tokens: *const i64,
     block_tables: *const i32,
     table_stride: usize,
-    stream: u64,
     out_tokens: *mut usize,
 ) -> V4poolStatus {
     guard(|| {
@@ -651,7 +650,7 @@ pub unsafe extern "C" fn v4pool_decode_stage(
             block_tables: tables,
             table_stride,
         };
-        let tokens = d.step.stage(&flat, Stream(stream)).map_err(rejected)?;
+        let tokens = d.step.stage(&flat).map_err(rejected)?;
         if !out_tokens.is_null() {
             *out(out_tokens, "out_tokens")? = tokens;
         }
@@ -659,13 +658,14 @@ pub unsafe extern "C" fn v4pool_decode_stage(
     })
 }
 
-/// Queue the index build on `stream` (one launch, fixed pointers: capturable in a graph).
+/// Queue the index build on `stream` (0: the pool's stream; another stream must be ordered
+/// after the staging): one launch with fixed pointers, capturable in a graph.
 ///
 /// # Safety
 /// `decode` is live; `stream` a live stream of the pool's device or 0.
 #[no_mangle]
 pub unsafe extern "C" fn v4pool_decode_build(decode: *mut V4poolDecode, stream: u64) -> V4poolStatus {
-    guard(|| out(decode, "decode")?.step.build(Stream(stream)).map_err(rejected))
+    guard(|| out(decode, "decode")?.step.build((stream != 0).then_some(Stream(stream))).map_err(rejected))
 }
 
 /// Which decode buffer `v4pool_decode_buffer` returns (passed as its integer value).
@@ -678,7 +678,7 @@ pub enum V4poolDecodeBuffer {
 }
 
 /// Device address and int32 length of a class's buffer: `which` a `V4poolDecodeBuffer`,
-/// `cls` 0 dense, 1 CSA, 2 HCA, `layer` the CSA copy for `Indices`.
+/// `cls` 0 dense, 1 CSA, 2 HCA.
 ///
 /// # Safety
 /// `decode` is live; `out_buffer` writable.
@@ -687,17 +687,17 @@ pub unsafe extern "C" fn v4pool_decode_buffer(
     decode: *const V4poolDecode,
     which: u32,
     cls: u32,
-    layer: u32,
     out_buffer: *mut V4poolBuffer,
 ) -> V4poolStatus {
     guard(|| {
         let s = &get(decode, "decode")?.step;
+        let class = *Class::ALL.get(cls as usize).ok_or_else(|| invalid("cls is not 0, 1 or 2"))?;
         // `which` arrives as an integer: a C caller can pass any value, and an out-of-range
         // Rust enum would be undefined behaviour.
         let (ptr, len) = match which {
-            w if w == V4poolDecodeBuffer::Indices as u32 => s.indices(cls as usize, layer as usize),
-            w if w == V4poolDecodeBuffer::Indptr as u32 => s.indptr(cls as usize),
-            w if w == V4poolDecodeBuffer::DestRows as u32 => s.dest_rows(cls as usize),
+            w if w == V4poolDecodeBuffer::Indices as u32 => s.indices(class),
+            w if w == V4poolDecodeBuffer::Indptr as u32 => s.indptr(class),
+            w if w == V4poolDecodeBuffer::DestRows as u32 => s.dest_rows(class),
             _ => return Err(invalid("which is not a V4poolDecodeBuffer")),
         }
         .map_err(rejected)?;

@@ -9,6 +9,7 @@ use crate::arena::Dtype;
 use crate::backend::external::ExternalRegion;
 use crate::backend::{Backend, BackendKind, Stream};
 use crate::boundary::BoundaryChange;
+use crate::checkpoint::{CheckpointImage, LayoutId};
 use crate::embed::{class_from_name, open_backend, DecodeStep, FlatBatch};
 use crate::pool::{DecodeCapacity, Pool, PoolSpec};
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -465,16 +466,16 @@ impl PyPool {
         self.pool().write_plane(plane, offset, data).map_err(lib_err)
     }
 
-    /// A held slot's checkpoint image (carried state and window rows).
-    fn checkpoint<'py>(&self, py: Python<'py>, slot: &Slot) -> PyResult<Bound<'py, PyBytes>> {
-        let n = self.pool().checkpoint_image_bytes().map_err(lib_err)? as usize;
-        let mut buf = vec![0u8; n];
-        self.pool().checkpoint(slot.handle(), &mut buf).map_err(lib_err)?;
-        Ok(PyBytes::new(py, &buf))
+    /// A held slot's checkpoint image (carried state and window rows) as
+    /// `(layout_id, data)`; a restore checks both against the pool.
+    fn checkpoint<'py>(&self, py: Python<'py>, slot: &Slot) -> PyResult<(String, Bound<'py, PyBytes>)> {
+        let image = self.pool().checkpoint(slot.handle()).map_err(lib_err)?;
+        Ok((image.layout_id().to_string(), PyBytes::new(py, image.bytes())))
     }
-    /// Restore a held slot from `checkpoint`'s image.
-    fn restore(&self, slot: &Slot, image: &[u8]) -> PyResult<()> {
-        self.pool().restore(slot.handle(), image).map_err(lib_err)
+    /// Restore a held slot from a `checkpoint` image.
+    fn restore(&self, slot: &Slot, layout_id: &str, data: &[u8]) -> PyResult<()> {
+        let image = CheckpointImage::new(LayoutId::new(layout_id), data.to_vec());
+        self.pool().restore(slot.handle(), &image).map_err(lib_err)
     }
 
     /// Wait for the pool's stream.
@@ -485,7 +486,7 @@ impl PyPool {
 
     /// Persistent decode index buffers for this pool. Defaults: one token per sequence
     /// plus the plan's speculative steps, the model's window and top-k, one CSA copy.
-    #[pyo3(signature = (max_seqs, max_blocks_per_seq, *, max_tokens=None, win=None, index_topk=None, csa_layers=1))]
+    #[pyo3(signature = (max_seqs, max_blocks_per_seq, *, max_tokens=None, win=None, index_topk=None))]
     fn decode(
         &self,
         max_seqs: usize,
@@ -493,7 +494,6 @@ impl PyPool {
         max_tokens: Option<usize>,
         win: Option<i32>,
         index_topk: Option<i32>,
-        csa_layers: usize,
     ) -> PyResult<PyDecode> {
         let model = &self.plan.get().report.plan.layout.model;
         let per_seq = 1 + usize::try_from(model.spec_steps).unwrap_or(0);
@@ -503,7 +503,6 @@ impl PyPool {
             max_blocks_per_seq,
             win: win.unwrap_or(model.sliding_window as i32),
             index_topk: index_topk.unwrap_or(model.index_topk as i32),
-            csa_layers,
         };
         let step = DecodeStep::new(self.hold.pool.clone(), cap).map_err(lib_err)?;
         let step = Arc::new(Mutex::new(step));
@@ -585,7 +584,7 @@ impl PyDecode {
         v
     }
 
-    fn class(&self, cls: &str) -> PyResult<usize> {
+    fn class(&self, cls: &str) -> PyResult<crate::geometry::Class> {
         class_from_name(cls)
             .ok_or_else(|| PyValueError::new_err(format!("class {cls:?}: one of dense, csa, hca")))
     }
@@ -597,14 +596,13 @@ impl PyDecode {
     /// tokens this step (default 1); `block_tables` an int32 `[batch, columns]` array, or
     /// None when the tables are resident (`write_block_table`). One host-to-device copy on
     /// `stream` (default: the pool's). Returns the real token count.
-    #[pyo3(signature = (positions, context_lens, num_tokens=None, block_tables=None, stream=None))]
+    #[pyo3(signature = (positions, context_lens, num_tokens=None, block_tables=None))]
     fn stage(
         &self,
         positions: &Bound<'_, PyAny>,
         context_lens: &Bound<'_, PyAny>,
         num_tokens: Option<&Bound<'_, PyAny>>,
         block_tables: Option<&Bound<'_, PyAny>>,
-        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let (mut t0, mut t1, mut t2, mut t3) = (Vec::new(), Vec::new(), Vec::new(), Vec::<i32>::new());
         let (positions, _) = int_array(positions, I64, &mut t0, i64s)?;
@@ -627,25 +625,17 @@ impl PyDecode {
             }
             None => (None, 0),
         };
-        let stream = stream_arg(stream, self.hold.pool.stream())?;
         let batch =
             FlatBatch { positions, context_lens, num_tokens, block_tables: tables, table_stride: stride };
-        self.lock()?.stage(&batch, stream).map_err(lib_err)
+        self.lock()?.stage(&batch).map_err(lib_err)
     }
 
     /// Write batch row `row`'s device block table from column `start_col`.
-    #[pyo3(signature = (row, ids, start_col=0, stream=None))]
-    fn write_block_table(
-        &self,
-        row: usize,
-        ids: &Bound<'_, PyAny>,
-        start_col: usize,
-        stream: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
+    #[pyo3(signature = (row, ids, start_col=0))]
+    fn write_block_table(&self, row: usize, ids: &Bound<'_, PyAny>, start_col: usize) -> PyResult<()> {
         let mut tmp = Vec::new();
         let (ids, _) = int_array(ids, I32, &mut tmp, i32s)?;
-        let stream = stream_arg(stream, self.hold.pool.stream())?;
-        self.lock()?.write_block_table(row, start_col, ids, stream).map_err(lib_err)
+        self.lock()?.write_block_table(row, start_col, ids).map_err(lib_err)
     }
 
     /// Queue the index build on `stream` (an int handle or a `torch.cuda.Stream`; default
@@ -653,15 +643,14 @@ impl PyDecode {
     #[pyo3(signature = (stream=None))]
     fn build(&self, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let stream = stream_arg(stream, self.hold.pool.stream())?;
-        self.lock()?.build(stream).map_err(lib_err)
+        self.lock()?.build(Some(stream)).map_err(lib_err)
     }
 
     /// Class `cls`'s index buffer (`dense`, `csa`, `hca`), int32 `[max_tokens × slice
-    /// capacity]`; `layer` picks the CSA copy. Token `t`'s rows are `indices[indptr[t]:indptr[t+1]]`.
-    #[pyo3(signature = (cls, layer=0))]
-    fn indices(&self, cls: &str, layer: usize) -> PyResult<DeviceView> {
+    /// capacity]`. Token `t`'s rows are `indices[indptr[t]:indptr[t+1]]`.
+    fn indices(&self, cls: &str) -> PyResult<DeviceView> {
         let c = self.class(cls)?;
-        Ok(self.view(self.lock()?.indices(c, layer).map_err(lib_err)?))
+        Ok(self.view(self.lock()?.indices(c).map_err(lib_err)?))
     }
     /// Class `cls`'s indptr, int32 `[max_tokens + 1]`.
     fn indptr(&self, cls: &str) -> PyResult<DeviceView> {
@@ -676,14 +665,13 @@ impl PyDecode {
 
     /// The capacities the buffers were sized for.
     fn capacity<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = self.lock()?.buffers().capacity();
+        let c = self.lock()?.path().capacity();
         let d = PyDict::new(py);
         d.set_item("max_seqs", c.max_seqs)?;
         d.set_item("max_tokens", c.max_tokens)?;
         d.set_item("max_blocks_per_seq", c.max_blocks_per_seq)?;
         d.set_item("win", c.win)?;
         d.set_item("index_topk", c.index_topk)?;
-        d.set_item("csa_layers", c.csa_layers)?;
         Ok(d)
     }
 
@@ -719,13 +707,12 @@ impl PyDecode {
         };
         let batch =
             FlatBatch { positions, context_lens, num_tokens, block_tables: tables, table_stride: stride };
-        let stream = self.hold.pool.stream();
         let mut step = self.lock()?;
         let start = std::time::Instant::now();
         for _ in 0..iters.max(1) {
-            step.stage(&batch, stream).map_err(lib_err)?;
+            step.stage(&batch).map_err(lib_err)?;
             if build {
-                step.build(stream).map_err(lib_err)?;
+                step.build(None).map_err(lib_err)?;
             }
         }
         Ok(start.elapsed().as_secs_f64() / f64::from(iters.max(1)))

@@ -59,19 +59,19 @@ int main(void) {
     CHECK(v4pool_pool_alloc_block(pool, &b0) == V4POOL_STATUS_OK);
     CHECK(v4pool_pool_alloc_block(pool, &b1) == V4POOL_STATUS_OK);
     V4poolDecodeCapacity cap = {.max_seqs = 2, .max_tokens = 2, .max_blocks_per_seq = 2,
-                                .win = 128, .index_topk = 512, .csa_layers = 1};
+                                .win = 128, .index_topk = 512};
     V4poolDecode *dec = NULL;
     CHECK(v4pool_decode_new(pool, &cap, &dec) == V4POOL_STATUS_OK);
     if (!dec) return 1;
     int64_t positions[1] = {slot.position}, ctx[1] = {300}, ntok[1] = {1};
     int32_t tables[2] = {(int32_t)b1.id, (int32_t)b0.id};
     size_t tokens = 0;
-    CHECK(v4pool_decode_stage(dec, 1, positions, ctx, ntok, tables, 2, 0, &tokens) == V4POOL_STATUS_OK && tokens == 1);
+    CHECK(v4pool_decode_stage(dec, 1, positions, ctx, ntok, tables, 2, &tokens) == V4POOL_STATUS_OK && tokens == 1);
     CHECK(v4pool_decode_build(dec, 0) == V4POOL_STATUS_OK);
     CHECK(v4pool_decode_synchronize(dec) == V4POOL_STATUS_OK);
     V4poolBuffer indptr, idx;
-    CHECK(v4pool_decode_buffer(dec, V4POOL_DECODE_BUFFER_INDPTR, 1, 0, &indptr) == V4POOL_STATUS_OK);
-    CHECK(v4pool_decode_buffer(dec, V4POOL_DECODE_BUFFER_INDICES, 1, 0, &idx) == V4POOL_STATUS_OK);
+    CHECK(v4pool_decode_buffer(dec, V4POOL_DECODE_BUFFER_INDPTR, 1, &indptr) == V4POOL_STATUS_OK);
+    CHECK(v4pool_decode_buffer(dec, V4POOL_DECODE_BUFFER_INDICES, 1, &idx) == V4POOL_STATUS_OK);
     const int32_t *ip = (const int32_t *)(uintptr_t)indptr.ptr, *ix = (const int32_t *)(uintptr_t)idx.ptr;
     /* CSA slice of token 0 (pos 299): head min(300/4, 300/4, 512) = 75, window 128. */
     CHECK(ip[0] == 0 && ip[1] == 75 + 128);
@@ -79,9 +79,9 @@ int main(void) {
     CHECK(v4pool_pool_window_index(pool, layer, slot.position, 299 % info.ring_slots, &newest) == V4POOL_STATUS_OK);
     CHECK(ix[ip[1] - 1] == newest);
     int64_t bad_pos[1] = {-3};
-    CHECK(v4pool_decode_stage(dec, 1, bad_pos, ctx, ntok, tables, 2, 0, NULL) == V4POOL_STATUS_REJECTED);
+    CHECK(v4pool_decode_stage(dec, 1, bad_pos, ctx, ntok, tables, 2, NULL) == V4POOL_STATUS_REJECTED);
     CHECK(strcmp(v4pool_last_error_variant(), "BadPosition") == 0);
-    CHECK(v4pool_decode_stage(dec, 1, NULL, ctx, ntok, tables, 2, 0, NULL) == V4POOL_STATUS_INVALID_ARGUMENT);
+    CHECK(v4pool_decode_stage(dec, 1, NULL, ctx, ntok, tables, 2, NULL) == V4POOL_STATUS_INVALID_ARGUMENT);
 
     /* Free the pool first: the decode handle keeps it alive. */
     v4pool_pool_free(pool);

@@ -187,13 +187,17 @@ def test_checkpoint_round_trip(pool):
     row = pool.window_index(layer, slot.position, 7)
     view[row] = RNG.integers(0, 256, size=512, dtype=np.uint8)
     saved = view[row].copy()
-    image = pool.checkpoint(slot)
+    layout, data = pool.checkpoint(slot)
+    assert layout == pool.plan.layout_id
     view[row] = 0
-    pool.restore(slot, image)
+    pool.restore(slot, layout, data)
     assert np.array_equal(view[row], saved)
     with pytest.raises(v4pool.V4PoolError) as e:
-        pool.restore(slot, image[:-1])
+        pool.restore(slot, layout, data[:-1])
     assert e.value.variant == "BufferSize"
+    with pytest.raises(v4pool.V4PoolError) as e:
+        pool.restore(slot, "another-layout", data)
+    assert e.value.variant
 
 
 # ---- decode index buffers ----------------------------------------------------------------
@@ -263,15 +267,12 @@ def test_decode_resident_tables_and_errors(pool):
     assert variant(positions=[-5]) == "BadPosition"
     assert variant(positions=[slot.position] * 3, context_lens=[10] * 3) == "TooManySeqs"
     assert variant(context_lens=[10, 11]) == "BatchShape"
-    assert variant(context_lens=[10**6]) == "BlockTableTooShort"  # needs more than the 2 columns
+    assert variant(context_lens=[10**6]) == "ContextTooLong"  # more than 2 columns of blocks
     assert variant(num_tokens=[0]) == "BadSequence"
     with pytest.raises(TypeError):
         dec.stage(np.array([slot.position], dtype=np.int32), [10])
     with pytest.raises(ValueError):
         dec.indices("mla")
-    with pytest.raises(v4pool.V4PoolError) as e:
-        dec.indices("csa", layer=3)
-    assert e.value.variant == "NoSuchCopy"
 
 
 def test_decode_views_outlive_their_objects(pool):
