@@ -173,7 +173,7 @@ def run_attention_check(pool, ratio, rounds=1, graph=False):
 
     def stage_round():
         positions, ctx, tables = batch.arrays()
-        dec.stage(positions, ctx, block_tables=tables, stream=stream)
+        dec.stage(positions, ctx, block_tables=tables)  # on the pool's stream (= `stream`)
         keys.copy_(torch.randn(keys.shape, dtype=torch.bfloat16, device="cuda"))
         q.copy_(torch.randn(q.shape, dtype=torch.bfloat16, device="cuda"))
         return positions, ctx, tables
