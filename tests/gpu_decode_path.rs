@@ -37,7 +37,8 @@ fn pool_on(backend: Arc<dyn Backend>) -> Arc<Pool> {
         .slot_align_rows(arena.slot_align_rows())
         .build()
         .expect("geometry");
-    let spec = PoolSpec::new(geometry, vec![16], arena, None, Vec::new()).expect("spec");
+    let csa = (0..geometry.ratios.len()).filter(|&l| geometry.ratios[l] == 4).collect();
+    let spec = PoolSpec::new(geometry, vec![16], arena, None, csa).expect("spec");
     Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
 }
 
