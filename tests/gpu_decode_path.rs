@@ -37,8 +37,8 @@ fn pool_on(backend: Arc<dyn Backend>) -> Arc<Pool> {
         .slot_align_rows(arena.slot_align_rows())
         .build()
         .expect("geometry");
-    let csa = (0..geometry.ratios.len()).filter(|&l| geometry.ratios[l] == 4).collect();
-    let spec = PoolSpec::new(geometry, vec![16], arena, None, csa).expect("spec");
+    let csa_layers = geometry.class(Class::Csa.ratio()).map(|c| c.layers.clone()).unwrap_or_default();
+    let spec = PoolSpec::new(geometry, vec![16], arena, None, csa_layers).expect("spec");
     Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
 }
 
