@@ -22,20 +22,47 @@ pub enum TransferError {
         "the FP4 indexer cannot be transferred or offloaded: its scale pool is not described; \
          use the FP8 indexer or disable transfer"
     )]
+    /// The FP4 indexer cannot be transferred or offloaded: its scale pool is not described; use the FP8 indexer or disable transfer.
     Fp4Indexer,
     #[error("pipeline parallel size {size} with transfer is not supported (only 1)")]
-    PipelineParallel { size: u32 },
+    /// Pipeline parallel size `size` with transfer is not supported (only 1).
+    PipelineParallel {
+        /// The size given.
+        size: u32,
+    },
     #[error("{planes} planes: a V4 pool has one (bf16) or two (fp8)")]
-    PlaneCount { planes: usize },
+    /// `planes` planes: a V4 pool has one (bf16) or two (fp8).
+    PlaneCount {
+        /// Planes there are.
+        planes: usize,
+    },
     #[error("indexer sized for {indexer_blocks} blocks cannot hold the pool's {num_blocks}")]
-    IndexerTooSmall { indexer_blocks: i64, num_blocks: i64 },
+    /// Indexer sized for `indexer_blocks` blocks cannot hold the pool's `num_blocks`.
+    IndexerTooSmall {
+        /// Blocks the indexer is sized for.
+        indexer_blocks: i64,
+        /// Blocks there are.
+        num_blocks: i64,
+    },
     #[error("unit {unit} outside 0..{units}")]
-    UnitOutOfRange { unit: i64, units: u64 },
+    /// Unit `unit` outside 0..`units`.
+    UnitOutOfRange {
+        /// The unit given.
+        unit: i64,
+        /// Units the region holds.
+        units: u64,
+    },
     #[error("arithmetic overflow computing {what}")]
-    Overflow { what: &'static str },
+    /// Arithmetic overflow computing `what`.
+    Overflow {
+        /// What was computed or checked.
+        what: &'static str,
+    },
     #[error(transparent)]
+    /// A failure of the layer below ([`GeometryError`]).
     Geometry(#[from] GeometryError),
     #[error(transparent)]
+    /// A failure of the layer below ([`ArenaError`]).
     Arena(#[from] ArenaError),
 }
 
@@ -87,11 +114,17 @@ pub enum UnitOrder {
 /// One registered range: `total_bytes` from `base` in `alloc`, cut into `unit_bytes` units.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TransferRegion {
+    /// What the region holds (e.g. `nope_blocks`, `indexer_csa3`).
     pub role: String,
+    /// Which allocation it is in.
     pub alloc: Alloc,
+    /// Byte offset of the region in the allocation.
     pub base: u64,
+    /// Bytes of one unit (a block or a slot).
     pub unit_bytes: u64,
+    /// Bytes of the region.
     pub total_bytes: u64,
+    /// How units are numbered.
     pub order: UnitOrder,
 }
 
@@ -117,7 +150,9 @@ impl TransferRegion {
 /// Whether transfer is configured, and the pipeline-parallel size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TransferConfig {
+    /// Whether PD / offload transfer is configured.
     pub enabled: bool,
+    /// Pipeline-parallel size (only 1 is supported).
     pub pipeline_parallel_size: u32,
 }
 
