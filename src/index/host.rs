@@ -26,7 +26,7 @@ pub enum HostKernelError {
     /// A failure of the layer below ([`LaunchError`]).
     Launch(#[from] LaunchError),
     #[error("{buffer}[{index}] is outside the buffer (length {len})")]
-    /// `buffer`[`index`] is outside the buffer (length `len`).
+    /// Index `index` of `buffer` is outside the buffer (length `len`).
     OutOfBounds {
         /// Which buffer.
         buffer: &'static str,

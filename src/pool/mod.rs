@@ -254,10 +254,10 @@ pub enum PoolError {
     /// A plan with min_slots the value sizes the indexer below what the plane can hold; pools need min_slots 0.
     MinSlots(i64),
     #[error(transparent)]
-    /// A failure of the layer below ([`TransferError`]).
+    /// A failure of the layer below ([`crate::transfer::TransferError`]).
     Transfer(#[from] crate::transfer::TransferError),
     #[error(transparent)]
-    /// A failure of the layer below ([`CheckpointError`]).
+    /// A failure of the layer below ([`crate::checkpoint::CheckpointError`]).
     Checkpoint(#[from] crate::checkpoint::CheckpointError),
     #[error("decode buffers: {0}")]
     /// Decode buffers: the value.
