@@ -10,6 +10,9 @@
  * What a call returned.
  */
 typedef enum V4poolStatus {
+  /**
+   * Success.
+   */
   V4POOL_STATUS_OK = 0,
   /**
    * A null pointer, a non-UTF-8 string, an unknown name.
@@ -33,8 +36,17 @@ typedef enum V4poolStatus {
  * Which decode buffer `v4pool_decode_buffer` returns (passed as its integer value).
  */
 typedef enum V4poolDecodeBuffer {
+  /**
+   * The class's index buffer.
+   */
   V4POOL_DECODE_BUFFER_INDICES = 0,
+  /**
+   * Its per-token offsets.
+   */
   V4POOL_DECODE_BUFFER_INDPTR = 1,
+  /**
+   * Destination rows of the step's tokens.
+   */
   V4POOL_DECODE_BUFFER_DEST_ROWS = 2,
 } V4poolDecodeBuffer;
 
@@ -65,22 +77,49 @@ typedef struct V4poolPool V4poolPool;
  * A plan's main numbers.
  */
 typedef struct V4poolPlanInfo {
+  /**
+   * Blocks at the plan's split.
+   */
   int64_t num_blocks;
+  /**
+   * Slots at the plan's split.
+   */
   int64_t num_slots;
+  /**
+   * Rows of each plane (fixed for the pool's life).
+   */
   int64_t plane_rows;
+  /**
+   * Planes: 2 (fp8 NoPE + bf16 RoPE) or 1 (bf16).
+   */
   uint32_t num_planes;
   /**
    * Row bytes of each plane (the second is 0 for the one-plane bf16 layout).
    */
   uint64_t plane_widths[2];
+  /**
+   * Tokens per block.
+   */
   int64_t block_size;
+  /**
+   * Sliding window length.
+   */
   int64_t sliding_window;
   /**
    * Ring entries per slot and window layer (window + speculative steps).
    */
   int64_t ring_slots;
+  /**
+   * CSA top-k per token.
+   */
   int64_t index_topk;
+  /**
+   * Speculative (MTP) steps.
+   */
   int64_t spec_steps;
+  /**
+   * Bytes the pool allocates.
+   */
   uint64_t total_bytes;
 } V4poolPlanInfo;
 
@@ -89,8 +128,17 @@ typedef struct V4poolPlanInfo {
  * `ptr + x * row_bytes`.
  */
 typedef struct V4poolView {
+  /**
+   * Device (or host) address of row 0.
+   */
   uint64_t ptr;
+  /**
+   * Rows addressable from `ptr`.
+   */
   int64_t rows;
+  /**
+   * Bytes per row.
+   */
   uint64_t row_bytes;
 } V4poolView;
 
@@ -98,9 +146,21 @@ typedef struct V4poolView {
  * A slot handed out: the allocator's handle and its position.
  */
 typedef struct V4poolSlot {
+  /**
+   * The allocator's group id.
+   */
   uint32_t group;
+  /**
+   * The allocator that handed it out.
+   */
   uint32_t pool;
+  /**
+   * Generation, checked on every use.
+   */
   uint64_t generation;
+  /**
+   * Physical slot position (what kernels take).
+   */
   int64_t position;
 } V4poolSlot;
 
@@ -108,8 +168,17 @@ typedef struct V4poolSlot {
  * A block handed out.
  */
 typedef struct V4poolBlock {
+  /**
+   * Block id (row-space envelope index).
+   */
   uint32_t id;
+  /**
+   * The allocator that handed it out.
+   */
   uint32_t pool;
+  /**
+   * Generation, checked on every use.
+   */
   uint64_t generation;
 } V4poolBlock;
 
@@ -117,10 +186,25 @@ typedef struct V4poolBlock {
  * Capacities of decode index buffers (see `DecodeCapacity`).
  */
 typedef struct V4poolDecodeCapacity {
+  /**
+   * Sequences in one step.
+   */
   uint64_t max_seqs;
+  /**
+   * Tokens in one step.
+   */
   uint64_t max_tokens;
+  /**
+   * Block-table columns per sequence.
+   */
   uint64_t max_blocks_per_seq;
+  /**
+   * Sliding window.
+   */
   int32_t win;
+  /**
+   * CSA top-k reserved per token.
+   */
   int32_t index_topk;
 } V4poolDecodeCapacity;
 
@@ -128,7 +212,13 @@ typedef struct V4poolDecodeCapacity {
  * A device buffer of `len` int32 elements.
  */
 typedef struct V4poolBuffer {
+  /**
+   * Device address.
+   */
   uint64_t ptr;
+  /**
+   * Elements (int32).
+   */
   uint64_t len;
 } V4poolBuffer;
 

@@ -13,20 +13,41 @@ use thiserror::Error;
 /// What a [`DecodeStep`] rejects beyond the decode path's own checks.
 #[derive(Debug, Error)]
 pub enum StepError {
+    /// The decode path refused the batch.
     #[error(transparent)]
     Decode(#[from] DecodeError),
+    /// The pool refused.
     #[error(transparent)]
     Pool(#[from] PoolError),
+    /// The backend failed.
     #[error(transparent)]
     Backend(#[from] BackendError),
     #[error(
         "batch arrays differ in length: {positions} positions, {context_lens} context lengths, {num_tokens} token counts"
     )]
-    BatchShape { positions: usize, context_lens: usize, num_tokens: usize },
+    /// The batch arrays differ in length.
+    BatchShape {
+        /// Positions given.
+        positions: usize,
+        /// Context lengths given.
+        context_lens: usize,
+        /// Token counts given.
+        num_tokens: usize,
+    },
     #[error("sequence {seq}: {num_tokens} tokens is not a count")]
-    BadTokenCount { seq: usize, num_tokens: i64 },
+    /// A token count is negative or too large.
+    BadTokenCount {
+        /// The sequence.
+        seq: usize,
+        /// Its token count.
+        num_tokens: i64,
+    },
     #[error("class {class:?} is not in this geometry")]
-    NoSuchClass { class: Class },
+    /// The class is not in this geometry.
+    NoSuchClass {
+        /// The class asked for.
+        class: Class,
+    },
 }
 
 /// The innermost variant name of an error, read from its `Debug` form: wrappers of the
@@ -90,6 +111,7 @@ pub struct FlatBatch<'a> {
     /// Block tables, row `b` at `b * table_stride`; `None`: the tables are resident on the
     /// device (written with [`DecodeStep::write_block_table`]).
     pub block_tables: Option<&'a [i32]>,
+    /// Columns from one block-table row to the next.
     pub table_stride: usize,
 }
 
@@ -123,6 +145,7 @@ impl DecodeStep {
         })
     }
 
+    /// The decode path this step drives.
     pub fn path(&self) -> &DecodePath {
         &self.path
     }

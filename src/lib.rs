@@ -18,6 +18,9 @@
 //! * [`embed`] — what the Python module (feature `python`) and the C ABI (feature `capi`)
 //!   share: error variant names, backends by name, a decode step over flat arrays.
 
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
 pub mod alloc;
 pub mod arena;
 pub mod backend;

@@ -15,9 +15,13 @@ use thiserror::Error;
 /// A sized pool and its checkpoint facts.
 #[derive(Clone, Debug)]
 pub struct PlanReport {
+    /// The sized pool.
     pub plan: Plan,
+    /// Bytes of one slot's checkpoint image (pool-runtime §6).
     pub image_bytes: u64,
+    /// PAGE units one checkpoint image occupies.
     pub units_per_checkpoint: u64,
+    /// The §6 layout id images of this plan carry.
     pub layout_id: String,
 }
 
@@ -80,14 +84,31 @@ impl PlanReport {
 /// What a binding's `plan(...)` call rejects.
 #[derive(Debug, Error)]
 pub enum PlanOptionError {
+    /// An option's value is not of the expected form.
     #[error("option {option}: {value:?} is not {expected}")]
-    BadValue { option: &'static str, value: String, expected: &'static str },
+    BadValue {
+        /// The option's name.
+        option: &'static str,
+        /// The value given.
+        value: String,
+        /// What was expected.
+        expected: &'static str,
+    },
+    /// The model's config could not be read.
     #[error("cannot read {path}: {reason}")]
-    Io { path: String, reason: String },
+    Io {
+        /// The path given.
+        path: String,
+        /// Why it could not be read.
+        reason: String,
+    },
+    /// The model is refused.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The budget cannot be sized.
     #[error(transparent)]
     Sizing(#[from] SizingError),
+    /// The checkpoint layout is refused.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
 }
@@ -110,12 +131,19 @@ impl PlanOptionError {
 pub struct PlanOptions {
     /// A preset (`v4-flash`, `v4-pro`, …) or a path to a `config.json` (or its directory).
     pub model: String,
+    /// Bytes the pool may use.
     pub budget_bytes: u64,
+    /// Concurrent requests (slots) the plan must hold.
     pub max_seqs: i64,
+    /// KV dtype (fp8 planes or one bf16 plane).
     pub kv: KvDtype,
+    /// Indexer cache dtype.
     pub indexer: IndexerDtype,
+    /// Speculative (MTP) steps of a preset.
     pub spec_steps: i64,
+    /// Slots the plan reserves at least.
     pub min_slots: i64,
+    /// Bytes set aside from the budget for other uses.
     pub overhead_bytes: u64,
     /// Draft stages and mode of a `config.json` model (presets name their drafts).
     pub drafts: Option<Drafts>,

@@ -23,6 +23,7 @@ use std::sync::Arc;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum V4poolStatus {
+    /// Success.
     Ok = 0,
     /// A null pointer, a non-UTF-8 string, an unknown name.
     InvalidArgument = 1,
@@ -53,18 +54,27 @@ pub struct V4poolDecode {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct V4poolPlanInfo {
+    /// Blocks at the plan's split.
     pub num_blocks: i64,
+    /// Slots at the plan's split.
     pub num_slots: i64,
+    /// Rows of each plane (fixed for the pool's life).
     pub plane_rows: i64,
+    /// Planes: 2 (fp8 NoPE + bf16 RoPE) or 1 (bf16).
     pub num_planes: u32,
     /// Row bytes of each plane (the second is 0 for the one-plane bf16 layout).
     pub plane_widths: [u64; 2],
+    /// Tokens per block.
     pub block_size: i64,
+    /// Sliding window length.
     pub sliding_window: i64,
     /// Ring entries per slot and window layer (window + speculative steps).
     pub ring_slots: i64,
+    /// CSA top-k per token.
     pub index_topk: i64,
+    /// Speculative (MTP) steps.
     pub spec_steps: i64,
+    /// Bytes the pool allocates.
     pub total_bytes: u64,
 }
 
@@ -73,8 +83,11 @@ pub struct V4poolPlanInfo {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct V4poolView {
+    /// Device (or host) address of row 0.
     pub ptr: u64,
+    /// Rows addressable from `ptr`.
     pub rows: i64,
+    /// Bytes per row.
     pub row_bytes: u64,
 }
 
@@ -82,9 +95,13 @@ pub struct V4poolView {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct V4poolSlot {
+    /// The allocator's group id.
     pub group: u32,
+    /// The allocator that handed it out.
     pub pool: u32,
+    /// Generation, checked on every use.
     pub generation: u64,
+    /// Physical slot position (what kernels take).
     pub position: i64,
 }
 
@@ -92,8 +109,11 @@ pub struct V4poolSlot {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct V4poolBlock {
+    /// Block id (row-space envelope index).
     pub id: u32,
+    /// The allocator that handed it out.
     pub pool: u32,
+    /// Generation, checked on every use.
     pub generation: u64,
 }
 
@@ -101,7 +121,9 @@ pub struct V4poolBlock {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct V4poolBuffer {
+    /// Device address.
     pub ptr: u64,
+    /// Elements (int32).
     pub len: u64,
 }
 
@@ -109,10 +131,15 @@ pub struct V4poolBuffer {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct V4poolDecodeCapacity {
+    /// Sequences in one step.
     pub max_seqs: u64,
+    /// Tokens in one step.
     pub max_tokens: u64,
+    /// Block-table columns per sequence.
     pub max_blocks_per_seq: u64,
+    /// Sliding window.
     pub win: i32,
+    /// CSA top-k reserved per token.
     pub index_topk: i32,
 }
 
@@ -672,8 +699,11 @@ pub unsafe extern "C" fn v4pool_decode_build(decode: *mut V4poolDecode, stream: 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum V4poolDecodeBuffer {
+    /// The class's index buffer.
     Indices = 0,
+    /// Its per-token offsets.
     Indptr = 1,
+    /// Destination rows of the step's tokens.
     DestRows = 2,
 }
 

@@ -23,33 +23,118 @@ use thiserror::Error;
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum HostKernelError {
     #[error(transparent)]
+    /// A failure of the layer below ([`LaunchError`]).
     Launch(#[from] LaunchError),
     #[error("{buffer}[{index}] is outside the buffer (length {len})")]
-    OutOfBounds { buffer: &'static str, index: i64, len: usize },
+    /// Index `index` of `buffer` is outside the buffer (length `len`).
+    OutOfBounds {
+        /// Which buffer.
+        buffer: &'static str,
+        /// The index.
+        index: i64,
+        /// Length.
+        len: usize,
+    },
     #[error("{what} = {value} does not fit an i32")]
-    NotI32 { what: &'static str, value: i64 },
+    /// `what` = `value` does not fit an i32.
+    NotI32 {
+        /// What was computed or checked.
+        what: &'static str,
+        /// The value given.
+        value: i64,
+    },
     #[error("{what} overflows 64-bit arithmetic")]
-    Overflow { what: &'static str },
+    /// `what` overflows 64-bit arithmetic.
+    Overflow {
+        /// What was computed or checked.
+        what: &'static str,
+    },
     #[error("window params {params:?} are not a ring (ring_slots and ring_stride must be >= 1)")]
-    NotARing { params: WindowParams },
+    /// Window params `params` are not a ring (ring_slots and ring_stride must be >= 1).
+    NotARing {
+        /// The parameters given.
+        params: WindowParams,
+    },
     #[error("{what} = {value} must be at least 1")]
-    ZeroDivisor { what: &'static str, value: i64 },
+    /// `what` = `value` must be at least 1.
+    ZeroDivisor {
+        /// What was computed or checked.
+        what: &'static str,
+        /// The value given.
+        value: i64,
+    },
     #[error("sequence {seq}: block table column {column} is outside [0, {stride})")]
-    TableColumn { seq: i64, column: i64, stride: i64 },
+    /// Sequence `seq`: block table column `column` is outside [0, `stride`).
+    TableColumn {
+        /// Sequence (batch row).
+        seq: i64,
+        /// Column of the table.
+        column: i64,
+        /// The stride.
+        stride: i64,
+    },
     #[error("entry_idx[{index}] = {entry} is negative")]
-    NegativeEntry { index: i64, entry: i64 },
+    /// `entry_idx[`index`]` = `entry` is negative.
+    NegativeEntry {
+        /// The index.
+        index: i64,
+        /// The entry read.
+        entry: i64,
+    },
     #[error("token {token}: valid_k {valid_k} exceeds the top-k row stride {row_stride}")]
-    TopkPastRow { token: i64, valid_k: i64, row_stride: i64 },
+    /// Token `token`: valid_k `valid_k` exceeds the top-k row stride `row_stride`.
+    TopkPastRow {
+        /// The token.
+        token: i64,
+        /// Top-k entries the token reads.
+        valid_k: i64,
+        /// Elements per top-k row.
+        row_stride: i64,
+    },
     #[error("{buffer}: address {addr:#x} is null or not {align}-byte aligned")]
-    BadAddress { buffer: &'static str, addr: u64, align: usize },
+    /// `buffer`: address `addr` is null or not `align`-byte aligned.
+    BadAddress {
+        /// Which buffer.
+        buffer: &'static str,
+        /// The address.
+        addr: u64,
+        /// Required alignment in bytes.
+        align: usize,
+    },
     #[error("{buffer}: {len} elements do not fit this host's address space")]
-    TooLong { buffer: &'static str, len: i64 },
+    /// `buffer`: `len` elements do not fit this host's address space.
+    TooLong {
+        /// Which buffer.
+        buffer: &'static str,
+        /// Length.
+        len: i64,
+    },
     #[error("fill run {run}: dst {dst:#x} and bytes {bytes} must be multiples of 4")]
-    FillRunUnaligned { run: usize, dst: u64, bytes: u64 },
+    /// Fill run `run`: dst `dst` and bytes `bytes` must be multiples of 4.
+    FillRunUnaligned {
+        /// Index of the run.
+        run: usize,
+        /// Destination address.
+        dst: u64,
+        /// Bytes.
+        bytes: u64,
+    },
     #[error("copy run {run}: source and destination overlap")]
-    CopyRunOverlap { run: usize },
+    /// Copy run `run`: source and destination overlap.
+    CopyRunOverlap {
+        /// Index of the run.
+        run: usize,
+    },
     #[error("{buffer}: rows are {got} bytes, expected {expected}")]
-    RowWidth { buffer: &'static str, got: usize, expected: usize },
+    /// `buffer`: rows are `got` bytes, expected `expected`.
+    RowWidth {
+        /// Which buffer.
+        buffer: &'static str,
+        /// The value given.
+        got: usize,
+        /// The value expected.
+        expected: usize,
+    },
     /// A buffer outside every range [`super::bounds::run_launch_within`] allows.
     #[error("{buffer}: {bytes} bytes at {addr:#x} are not inside one live allocation")]
     OutsideAllocation {
@@ -149,7 +234,9 @@ fn mul(a: i64, b: i64, what: &'static str) -> Result<i64> {
 /// A block table `[bs, stride]`, row-major.
 #[derive(Clone, Copy, Debug)]
 pub struct BlockTables<'a> {
+    /// Rows `[bs, stride]`, row-major.
     pub table: &'a [i32],
+    /// Columns per row.
     pub stride: i32,
 }
 
@@ -208,9 +295,13 @@ fn write_window(
 /// One enabled class of the decode builder.
 #[derive(Debug)]
 pub struct DecodeClass<'a> {
+    /// The class's window parameters.
     pub params: WindowParams,
+    /// CSR offsets `[T+1]`.
     pub indptr: &'a [i32],
+    /// The class's index buffer (out).
     pub indices: &'a mut [i32],
+    /// Destination rows `[T]` (out), if wanted.
     pub dest_rows: Option<&'a mut [i32]>,
 }
 
@@ -219,14 +310,21 @@ pub struct DecodeClass<'a> {
 pub struct DecodeIndices<'a> {
     /// [dense, csa, hca] (`CLASS_*`).
     pub classes: [Option<DecodeClass<'a>>; 3],
+    /// Physical slot per sequence.
     pub state_slot_per_seq: &'a [i32],
+    /// Sequence of each token; −1 for pads.
     pub batch_id_per_token: &'a [i32],
+    /// Position of each token.
     pub positions: &'a [i64],
     /// Fused HCA heads (§4) when present.
     pub block_tables: Option<BlockTables<'a>>,
+    /// Rows of one block's envelope.
     pub envelope_rows: i64,
+    /// HCA rows one block holds per layer.
     pub hca_rows_per_block: i32,
+    /// Tokens (T).
     pub num_tokens: i32,
+    /// Sliding window.
     pub win: i32,
 }
 
@@ -307,19 +405,29 @@ pub fn hca_offsets(
 /// The translate-pack's buffers (one CSA layer).
 #[derive(Debug)]
 pub struct CsaPack<'a> {
+    /// Sequence-local top-k rows.
     pub topk: &'a [i32],
+    /// Logical → physical block ids.
     pub block_tables: BlockTables<'a>,
     /// Read when `window_size > 0`.
     pub positions: &'a [i64],
+    /// CSA CSR offsets `[T+1]`.
     pub indptr: &'a [i32],
+    /// Sequence of each token; −1 for pads.
     pub batch_id_per_token: &'a [i32],
     /// Read when `window_size == 0`.
     pub skip_prefix_len_per_token: &'a [i32],
+    /// The CSA index buffer (out).
     pub out: &'a mut [i32],
+    /// Rows of one block's envelope.
     pub envelope_rows: i64,
+    /// Elements from one top-k row to the next.
     pub topk_row_stride: i32,
+    /// Tokens (T).
     pub num_tokens: i32,
+    /// CSA rows per block (64).
     pub block_capacity: i32,
+    /// Window length (decode), or 0 to read the skip buffer (prefill).
     pub window_size: i32,
 }
 
@@ -367,32 +475,52 @@ pub fn csa_translate_pack(k: CsaPack<'_>) -> Result<()> {
 /// One CSR buffer: `indices[indptr[t] .. indptr[t+1])` is token t's slice.
 #[derive(Debug)]
 pub struct Csr<'a> {
+    /// CSR offsets `[T+1]`.
     pub indptr: &'a [i32],
+    /// Index buffer (out).
     pub indices: &'a mut [i32],
 }
 
 /// The prefill builder's buffers and scalars.
 #[derive(Debug)]
 pub struct PrefillIndices<'a> {
+    /// Dense window parameters.
     pub dense: WindowParams,
+    /// CSA window parameters.
     pub csa: WindowParams,
+    /// HCA window parameters.
     pub hca: WindowParams,
+    /// Position of each token.
     pub positions: &'a [i32],
+    /// Sequence of each token.
     pub bid_per_token: &'a [i32],
+    /// Absolute position of each chunk's first token.
     pub chunk_start_per_seq: &'a [i32],
+    /// Row of each chunk's first token in the forward's K.
     pub cu_seqlens_q_per_seq: &'a [i32],
+    /// Physical slot per sequence.
     pub state_slot_per_seq: &'a [i32],
+    /// Committed HCA rows per sequence (`ctx / 128`).
     pub n_committed_hca_per_seq: &'a [i32],
+    /// Logical → physical block ids.
     pub block_tables: BlockTables<'a>,
+    /// Extend rows (rows of the forward's own K).
     pub extend: Csr<'a>,
     /// `None` when the geometry has no dense class.
     pub prefix_swa: Option<Csr<'a>>,
+    /// CSA prefix: `[top-k head | window rows]`.
     pub prefix_csa: Csr<'a>,
+    /// HCA prefix: `[window rows | compressed]`.
     pub prefix_hca: Csr<'a>,
+    /// Rows of one block's envelope.
     pub envelope_rows: i64,
+    /// Tokens (T).
     pub num_tokens: i32,
+    /// Sliding window.
     pub win: i32,
+    /// HCA compress ratio (128).
     pub hca_ratio: i32,
+    /// HCA rows one block holds per layer.
     pub hca_rows_per_block: i32,
 }
 
@@ -469,8 +597,11 @@ pub fn prefill_indices(k: PrefillIndices<'_>) -> Result<()> {
 /// One plane of a row write: source rows `kv` and the layer view `pool`, `row_bytes` each.
 #[derive(Debug)]
 pub struct PlaneRows<'a> {
+    /// Source rows.
     pub kv: &'a [u8],
+    /// The layer view's rows.
     pub pool: &'a mut [u8],
+    /// Bytes per row.
     pub row_bytes: usize,
 }
 
