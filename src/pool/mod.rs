@@ -12,6 +12,8 @@
 
 pub mod decode;
 mod image;
+#[cfg(test)]
+mod tests;
 
 pub use decode::{decode_slice_lens, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq};
 
@@ -217,18 +219,56 @@ pub enum PoolError {
     Decode(String),
     #[error("arithmetic overflow computing {0}")]
     Overflow(&'static str),
+    /// A [`PoolSpec`] whose parts disagree (edited after it was made).
     #[error("inconsistent pool spec: {what}")]
-    InconsistentSpec { what: &'static str },
+    InconsistentSpec {
+        /// Which part disagrees, and how.
+        what: &'static str,
+    },
+    /// A block id at or past the most blocks the plane can hold.
     #[error("block id {id} outside the {max} blocks the plane can hold")]
-    NoSuchBlock { id: u32, max: u64 },
+    NoSuchBlock {
+        /// The id asked for.
+        id: u32,
+        /// Blocks the plane holds at most (the indexer's capacity).
+        max: u64,
+    },
+    /// Positions that are not all slot positions now (block rows, or off the plane).
     #[error("positions {start}..{end} are not all live slot positions (live {live_start}..{live_end})")]
-    NotLive { start: i64, end: i64, live_start: i64, live_end: i64 },
+    NotLive {
+        /// First position asked for.
+        start: i64,
+        /// One past the last position asked for.
+        end: i64,
+        /// First live slot position.
+        live_start: i64,
+        /// One past the last live slot position.
+        live_end: i64,
+    },
+    /// A byte range past the end of what it addresses (a region, a slot, a block).
     #[error("bytes {offset}..{offset}+{len} outside {what} of {limit} bytes")]
-    OutOfRange { what: &'static str, offset: u64, len: u64, limit: u64 },
+    OutOfRange {
+        /// What the range was checked against.
+        what: &'static str,
+        /// Start of the range, from the first byte of `what`.
+        offset: u64,
+        /// Length of the range.
+        len: u64,
+        /// Bytes of `what`.
+        limit: u64,
+    },
+    /// A region the pool does not have (an indexer pool of another format, or none).
     #[error("no region {region:?} in this pool")]
-    NoSuchRegion { region: Region },
+    NoSuchRegion {
+        /// The region asked for.
+        region: Region,
+    },
+    /// A copy run whose source and destination share bytes.
     #[error("copy run {index} overlaps itself (source and destination share bytes)")]
-    SelfOverlap { index: usize },
+    SelfOverlap {
+        /// The run's index in the list.
+        index: usize,
+    },
     #[error("the pool's lock was poisoned by a panic in another thread")]
     Poisoned,
 }
