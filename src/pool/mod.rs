@@ -15,6 +15,8 @@ mod image;
 mod owned;
 mod path;
 pub mod prefill;
+#[cfg(test)]
+mod tests;
 
 pub use decode::{
     decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq, PoolBounds,
@@ -85,16 +87,27 @@ impl PoolSpec {
         if plan.min_slots != 0 {
             return Err(PoolError::MinSlots(plan.min_slots));
         }
+        Self::from_layout(&plan.layout, plan.geometry.clone())
+    }
+
+    /// The spec of a priced layout carved to `geometry` (e.g. [`PoolLayout::carve`]): the
+    /// layout's arena, widths and indexer, and its §6 layout id for the pool's images.
+    ///
+    /// [`PoolLayout::carve`]: crate::sizing::PoolLayout::carve
+    pub fn from_layout(
+        layout: &crate::sizing::PoolLayout,
+        geometry: UnifiedPoolGeometry,
+    ) -> Result<PoolSpec, PoolError> {
         let mut spec = PoolSpec {
-            geometry: plan.geometry.clone(),
-            plane_widths: plan.layout.widths().to_vec(),
-            arena: plan.layout.arena.clone(),
-            indexer: Some(plan.layout.indexer),
-            csa_layers: plan.layout.model.csa_layers(),
+            geometry,
+            plane_widths: layout.widths().to_vec(),
+            arena: layout.arena.clone(),
+            indexer: Some(layout.indexer),
+            csa_layers: layout.model.csa_layers(),
             plan_layout: None,
         };
         spec.validate()?;
-        let id = LayoutId::for_layout(&plan.layout)?;
+        let id = LayoutId::for_layout(layout)?;
         spec.plan_layout = Some((id, spec.fingerprint()));
         Ok(spec)
     }
@@ -265,6 +278,7 @@ pub enum PoolError {
     #[error("arithmetic overflow computing {0}")]
     /// Arithmetic overflow computing the value.
     Overflow(&'static str),
+    /// A [`PoolSpec`] whose parts disagree (edited after it was made).
     #[error("inconsistent pool spec: {what}")]
     /// Inconsistent pool spec: `what`.
     InconsistentSpec {
