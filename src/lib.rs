@@ -18,6 +18,7 @@ pub mod alloc;
 pub mod arena;
 pub mod backend;
 pub mod boundary;
+mod checked;
 pub mod checkpoint;
 pub mod cli;
 pub mod geometry;
