@@ -17,6 +17,12 @@ alloc::block::tests::
 boundary::tests::
 checkpoint::tests::
 pool::tests::
+backend::host::
+backend::launch::
+backend::staging::
+index::bounds::
+index::host::tests::raw_
+checked::
 LIST
 )
 

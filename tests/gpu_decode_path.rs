@@ -37,7 +37,7 @@ fn pool_on(backend: Arc<dyn Backend>) -> Arc<Pool> {
         .slot_align_rows(arena.slot_align_rows())
         .build()
         .expect("geometry");
-    let spec = PoolSpec { geometry, plane_widths: vec![16], arena, indexer: None, csa_layers: Vec::new() };
+    let spec = PoolSpec::new(geometry, vec![16], arena, None, Vec::new()).expect("spec");
     Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
 }
 
