@@ -36,12 +36,13 @@ fn pool_on(backend: Arc<HostBackend>, ratios: Vec<i32>, blocks: i64, slots: i64)
         align: 256,
     };
     let arena = ArenaLayout::new(vec![field], &[16]).expect("arena");
+    let csa: Vec<usize> = (0..ratios.len()).filter(|&l| ratios[l] == 4).collect();
     let geometry = GeometrySpec::new(ratios, blocks, slots, 129, 256)
         .arena_rows(arena.arena_rows())
         .slot_align_rows(arena.slot_align_rows())
         .build()
         .expect("geometry");
-    let spec = PoolSpec::new(geometry, vec![16], arena, None, Vec::new()).expect("spec");
+    let spec = PoolSpec::new(geometry, vec![16], arena, None, csa).expect("spec");
     Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
 }
 
