@@ -18,6 +18,12 @@ alloc::tests::
 alloc::idset::tests::
 alloc::block::tests::
 boundary::tests::
+backend::host::
+backend::launch::
+backend::staging::
+index::bounds::
+index::host::tests::raw_
+checked::
 LIST
 )
 

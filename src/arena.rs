@@ -6,9 +6,12 @@
 //! lays its own fields out with the §2.2 cursor walk, and every plane reserves the same
 //! number of rows (the largest any plane needs). All byte math is `u64`, checked.
 
+use crate::checked::{add, mul};
 use crate::geometry::UnifiedPoolGeometry;
 use crate::model::ModelShape;
 use thiserror::Error;
+
+crate::checked::overflow_into!(ArenaError);
 
 /// Alignment every field start and every entry end is rounded to (bytes).
 pub const FIELD_ALIGN: u64 = 256;
@@ -94,11 +97,11 @@ impl StateField {
     }
     /// Bytes of one layer's tensor.
     pub fn per_layer_bytes(&self) -> Result<u64, ArenaError> {
-        mul(self.per_layer_elems()?, self.dtype.itemsize(), "field layer bytes")
+        Ok(mul(self.per_layer_elems()?, self.dtype.itemsize(), "field layer bytes")?)
     }
     /// Bytes of the whole field, all layers.
     pub fn bytes(&self) -> Result<u64, ArenaError> {
-        mul(self.layers, self.per_layer_bytes()?, "field bytes")
+        Ok(mul(self.layers, self.per_layer_bytes()?, "field bytes")?)
     }
     /// Alignment the cursor is rounded to before this field: `max(256, align)`.
     fn start_align(&self) -> u64 {
@@ -313,19 +316,13 @@ impl ArenaError {
     }
 }
 
-fn mul(a: u64, b: u64, what: &'static str) -> Result<u64, ArenaError> {
-    a.checked_mul(b).ok_or(ArenaError::Overflow { what })
-}
-fn add(a: u64, b: u64, what: &'static str) -> Result<u64, ArenaError> {
-    a.checked_add(b).ok_or(ArenaError::Overflow { what })
-}
 /// Round `x` up to a multiple of `to` (> 0).
 pub(crate) fn round_up(x: u64, to: u64, what: &'static str) -> Result<u64, ArenaError> {
     let r = x % to;
     if r == 0 {
         Ok(x)
     } else {
-        add(x, to - r, what)
+        Ok(add(x, to - r, what)?)
     }
 }
 fn to_u64(x: i64, what: &'static str) -> Result<u64, ArenaError> {
@@ -654,7 +651,7 @@ impl ArenaLayout {
     }
     /// Sum of the fields' bytes (no padding): the "state bytes" of §2.5.
     pub fn state_bytes(&self) -> Result<u64, ArenaError> {
-        self.fields.iter().try_fold(0u64, |acc, f| add(acc, f.bytes()?, "state bytes"))
+        self.fields.iter().try_fold(0u64, |acc, f| Ok::<_, ArenaError>(add(acc, f.bytes()?, "state bytes")?))
     }
     /// Index of the field called `name`.
     pub fn field_index(&self, name: &str) -> Result<usize, ArenaError> {
@@ -705,7 +702,7 @@ impl ArenaLayout {
         if slot_rows < self.arena_rows {
             return Err(ArenaError::SlotRowsTooSmall { slot_rows, arena_rows: self.arena_rows });
         }
-        mul(to_u64(slot_rows, "slot rows")?, self.plane(plane)?.width, "slot stride")
+        Ok(mul(to_u64(slot_rows, "slot rows")?, self.plane(plane)?.width, "slot stride")?)
     }
 
     /// Byte offset, from the start of `plane`, of the slot at `position` of the carved
@@ -724,7 +721,7 @@ impl ArenaLayout {
         let (start, _) = geom
             .slot_span(position)
             .map_err(|_| ArenaError::PositionOutOfRange { position, positions: geom.slot_positions })?;
-        mul(to_u64(start, "slot row")?, width, "slot base")
+        Ok(mul(to_u64(start, "slot row")?, width, "slot base")?)
     }
 
     /// Byte offset, from the start of its plane, of `layer` of `field` at slot `position`

@@ -12,9 +12,12 @@
 //! The store lifecycle (reservation, LRU, pins) is the lead's, not this module's.
 
 use crate::arena::{ArenaError, ArenaLayout};
+use crate::checked::{add, mul};
 use crate::geometry::{merge_abutting, GeometryError, UnifiedPoolGeometry};
 use crate::sizing::{IndexerDtype, PoolLayout};
 use thiserror::Error;
+
+crate::checked::overflow_into!(CheckpointError);
 
 /// Everything building or resolving a checkpoint plan refuses.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
@@ -131,12 +134,6 @@ impl CheckpointError {
     }
 }
 
-fn mul(a: u64, b: u64, what: &'static str) -> Result<u64, CheckpointError> {
-    a.checked_mul(b).ok_or(CheckpointError::Overflow { what })
-}
-fn add(a: u64, b: u64, what: &'static str) -> Result<u64, CheckpointError> {
-    a.checked_add(b).ok_or(CheckpointError::Overflow { what })
-}
 fn to_u64(x: i64, what: &'static str) -> Result<u64, CheckpointError> {
     u64::try_from(x).map_err(|_| CheckpointError::Overflow { what })
 }
@@ -191,7 +188,7 @@ pub struct UnitPart {
 impl UnitPart {
     fn offset(&self, block: u64, indexer_blocks: u64) -> Result<u64, CheckpointError> {
         let base = mul(self.base_per_nb, indexer_blocks, "unit part base")?;
-        add(base, mul(block, self.block_stride, "unit part offset")?, "unit part offset")
+        Ok(add(base, mul(block, self.block_stride, "unit part offset")?, "unit part offset")?)
     }
 }
 

@@ -25,6 +25,7 @@ pub mod alloc;
 pub mod arena;
 pub mod backend;
 pub mod boundary;
+mod checked;
 pub mod checkpoint;
 pub mod embed;
 pub mod geometry;

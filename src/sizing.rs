@@ -41,9 +41,12 @@
 //! | Pro k=1, FP4      |     71,847 |            71,829 |                    71,323 |
 
 use crate::arena::{plan_regions, ArenaError, ArenaLayout};
+use crate::checked::{add, mul};
 use crate::geometry::{GeometryError, GeometrySpec, UnifiedPoolGeometry, MAX_PLANE_ROWS};
 use crate::model::ModelShape;
 use thiserror::Error;
+
+crate::checked::overflow_into!(SizingError);
 
 /// FP8 indexer: per block per CSA layer, 64 rows × 132 B (`[64×128 fp8][64×4 fp32 scale]`).
 pub const INDEXER_FP8_BLOCK_BYTES: u64 = 8_448;
@@ -222,12 +225,6 @@ impl SizingError {
     }
 }
 
-fn mul(a: u64, b: u64, what: &'static str) -> Result<u64, SizingError> {
-    a.checked_mul(b).ok_or(SizingError::Overflow { what })
-}
-fn add(a: u64, b: u64, what: &'static str) -> Result<u64, SizingError> {
-    a.checked_add(b).ok_or(SizingError::Overflow { what })
-}
 fn to_u64(x: i64, what: &'static str) -> Result<u64, SizingError> {
     u64::try_from(x).map_err(|_| SizingError::Overflow { what })
 }
@@ -271,27 +268,31 @@ impl PoolLayout {
     }
     /// Indexer bytes of one block, all CSA layers, all pools.
     pub fn indexer_block_bytes(&self) -> Result<u64, SizingError> {
-        mul(self.n_csa(), self.indexer.layer_block_bytes(), "indexer block bytes")
+        Ok(mul(self.n_csa(), self.indexer.layer_block_bytes(), "indexer block bytes")?)
     }
     /// Bytes of one block: `Σ_planes envelope_rows × width + indexer_block_bytes`.
     pub fn page_bytes(&self) -> Result<u64, SizingError> {
         let e = to_u64(self.geometry.envelope_rows, "envelope rows")?;
         let planes = mul(e, self.widths().iter().sum(), "page bytes")?;
-        add(planes, self.indexer_block_bytes()?, "page bytes")
+        Ok(add(planes, self.indexer_block_bytes()?, "page bytes")?)
     }
     /// Bytes of one slot: `Σ_planes slot_rows × width`.
     pub fn slot_bytes(&self) -> Result<u64, SizingError> {
-        mul(to_u64(self.geometry.slot_rows, "slot rows")?, self.widths().iter().sum(), "slot bytes")
+        Ok(mul(to_u64(self.geometry.slot_rows, "slot rows")?, self.widths().iter().sum(), "slot bytes")?)
     }
     /// Bytes of each indexer pool sized for `blocks` blocks, in pool order.
     pub fn indexer_pool_bytes(&self, blocks: i64) -> Result<Vec<u64>, SizingError> {
         let per_layer = mul(self.n_csa(), to_u64(blocks, "indexer blocks")?, "indexer pool bytes")?;
-        self.indexer.pool_block_bytes().iter().map(|&b| mul(per_layer, b, "indexer pool bytes")).collect()
+        self.indexer
+            .pool_block_bytes()
+            .iter()
+            .map(|&b| Ok(mul(per_layer, b, "indexer pool bytes")?))
+            .collect()
     }
     /// Bytes of each plane at `plane_rows` rows, in plane order.
     pub fn plane_bytes(&self, plane_rows: i64) -> Result<Vec<u64>, SizingError> {
         let rows = to_u64(plane_rows, "plane rows")?;
-        self.widths().iter().map(|&w| mul(rows, w, "plane bytes")).collect()
+        self.widths().iter().map(|&w| Ok(mul(rows, w, "plane bytes")?)).collect()
     }
     /// The same layout carved at a split and a fixed plane.
     pub fn carve(

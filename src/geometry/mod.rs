@@ -27,8 +27,11 @@ pub use class::Class;
 pub use error::GeometryError;
 pub use runs::merge_abutting;
 
+use crate::checked::{add, mul, sub};
 use bytemuck::{Pod, Zeroable};
 use std::collections::BTreeMap;
+
+crate::checked::overflow_into!(GeometryError);
 
 /// Compress ratio of a dense (sliding-window-only) layer.
 pub const DENSE_RATIO: i32 = 0;
@@ -52,16 +55,6 @@ fn is_known_ratio(r: i32) -> bool {
     r == ABSENT_RATIO || ENTRY_ORDER.contains(&r)
 }
 
-/// Checked arithmetic helpers: overflow is a typed error naming what overflowed.
-pub(crate) fn mul(a: i64, b: i64, what: &'static str) -> Result<i64, GeometryError> {
-    a.checked_mul(b).ok_or(GeometryError::Overflow { what })
-}
-pub(crate) fn add(a: i64, b: i64, what: &'static str) -> Result<i64, GeometryError> {
-    a.checked_add(b).ok_or(GeometryError::Overflow { what })
-}
-pub(crate) fn sub(a: i64, b: i64, what: &'static str) -> Result<i64, GeometryError> {
-    a.checked_sub(b).ok_or(GeometryError::Overflow { what })
-}
 /// Ceiling division of non-negative `a` by positive `b`.
 fn ceil_div(a: i64, b: i64) -> i64 {
     a / b + i64::from(a % b != 0)
@@ -78,7 +71,7 @@ pub fn ring_offset_for(num_layers: i64, ring_stride: i64, ring_pos: i64) -> Resu
     }
     let (chunk, within) = (ring_pos.div_euclid(ring_stride), ring_pos.rem_euclid(ring_stride));
     let height = mul(num_layers, ring_stride, "class run height")?;
-    add(mul(chunk, height, "ring offset")?, within, "ring offset")
+    Ok(add(mul(chunk, height, "ring offset")?, within, "ring offset")?)
 }
 
 /// Height the interleaved construction reaches, which is also the least possible (the
@@ -89,7 +82,7 @@ pub fn entry_rows_for(num_layers: i64, ring_stride: i64, ring_slots: i64) -> Res
     }
     let last = ring_offset_for(num_layers, ring_stride, ring_slots - 1)?;
     let lead = mul(sub(num_layers, 1, "entry rows")?, ring_stride, "entry rows")?;
-    add(add(lead, last, "entry rows")?, 1, "entry rows")
+    Ok(add(add(lead, last, "entry rows")?, 1, "entry rows")?)
 }
 
 /// A class's window-row formula as five scalars a kernel carries by value.
@@ -660,7 +653,7 @@ impl UnifiedPoolGeometry {
 
     /// Plane row an index reaches: what the two address spaces share.
     pub fn absolute_row(&self, layer_id: usize, index: i64) -> Result<i64, GeometryError> {
-        add(self.layer_base_row(layer_id)?, index, "absolute row")
+        Ok(add(self.layer_base_row(layer_id)?, index, "absolute row")?)
     }
 
     /// Entry rows some (layer, ring position) maps to, as merged `(start, count)` runs in

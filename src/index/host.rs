@@ -16,8 +16,11 @@ use super::{
     CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs, Launch,
     PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_HCA,
 };
+use crate::checked::{add, mul};
 use crate::geometry::WindowParams;
 use thiserror::Error;
+
+crate::checked::overflow_into!(HostKernelError);
 
 /// Why a host kernel refused or stopped.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -221,14 +224,6 @@ fn divisor(what: &'static str, value: i64) -> Result<i64> {
         return Err(HostKernelError::ZeroDivisor { what, value });
     }
     Ok(value)
-}
-
-fn add(a: i64, b: i64, what: &'static str) -> Result<i64> {
-    a.checked_add(b).ok_or(HostKernelError::Overflow { what })
-}
-
-fn mul(a: i64, b: i64, what: &'static str) -> Result<i64> {
-    a.checked_mul(b).ok_or(HostKernelError::Overflow { what })
 }
 
 /// A block table `[bs, stride]`, row-major.
