@@ -496,6 +496,39 @@ impl KvManager {
         Ok(())
     }
 
+    /// Move the boundary to exactly `slots` slots, outside the policy (operator tooling,
+    /// tests): held slots above the new top and held blocks in the way are relocated, cached
+    /// blocks evicted when relocation needs free ids; blocks take every row the slots leave.
+    /// `Ok(false)` when the move is impossible (too many held slots or blocks); nothing changed.
+    pub fn set_slots(&mut self, slots: u32) -> Result<bool, ManagerError> {
+        let c = self.pool.counts()?;
+        if slots > c.num_slots {
+            let n = slots - c.num_slots;
+            let r = self.pool.grow_slots(n);
+            if !self.apply(r) {
+                let per = self.view()?.slot_blocks;
+                if self.make_room(n.saturating_mul(per)).is_err() {
+                    return Ok(false);
+                }
+                let r = self.pool.grow_slots(n);
+                if !self.apply(r) {
+                    return Ok(false);
+                }
+            }
+        } else if slots < c.num_slots {
+            let r = self.pool.shrink_slots(c.num_slots - slots);
+            if !self.apply(r) {
+                return Ok(false);
+            }
+            let grow = self.pool.with_boundary(|b| b.max_blocks().saturating_sub(b.num_blocks()))?;
+            if grow > 0 {
+                let r = self.pool.grow_blocks(grow);
+                self.apply(r);
+            }
+        }
+        Ok(true)
+    }
+
     /// Make `need` block ids free: the policy's growth first, then LRU eviction. Refuses
     /// (evicting nothing) when even full eviction cannot reach the count.
     fn make_room(&mut self, need: u32) -> Result<(), ManagerError> {
@@ -554,16 +587,18 @@ impl KvManager {
             Node::Block(_) => {
                 let b = self.nodes.block(i).clone();
                 debug_assert_eq!(b.refs, 0, "a referenced block is never in the LRU");
+                // The checkpoint ending at this block is useless without it: unindex first,
+                // while the block node still links it.
+                let mut freed = 1;
+                if b.ckpt != NIL {
+                    freed += self.unindex_node(b.ckpt)?;
+                }
                 if let Some(h) = b.hash {
                     self.index.remove(&h);
                 }
                 self.nodes.remove(i);
                 self.release_block_id(b.handle)?;
                 self.stats.evicted_blocks += 1;
-                let mut freed = 1;
-                if b.ckpt != NIL {
-                    freed += self.unindex_node(b.ckpt)?;
-                }
                 Ok(freed)
             }
             Node::Ckpt(_) => {
