@@ -279,17 +279,50 @@ impl KvManager {
             return Ok(());
         }
         let need = u32::try_from(want - have).map_err(|_| ManagerError::Config("too many blocks"))?;
-        self.make_room(need)?;
+        // Fast path: the free blocks suffice (no count taken first). A shortfall returns
+        // what was taken and makes room for the whole request, so the call stays
+        // all-or-nothing.
+        let mut got = std::mem::take(&mut self.scratch);
+        got.clear();
         for _ in 0..need {
-            let g = self.pool.alloc_block()?;
-            let node = self.nodes.insert(Node::Block(BlockNode {
-                handle: g.handle,
-                hash: None,
-                refs: 1,
-                ckpt: NIL,
-            }));
-            self.set_holder(g.handle.id, Holder::Block(node));
-            self.req_mut(id)?.blocks.push(node);
+            match self.pool.alloc_block() {
+                Ok(g) => got.push(g.handle),
+                Err(crate::pool::PoolError::Alloc(crate::alloc::AllocError::NoFreeBlocks)) => break,
+                Err(e) => {
+                    self.return_blocks(&got)?;
+                    return Err(e.into());
+                }
+            }
+        }
+        if got.len() < need as usize {
+            self.return_blocks(&got)?;
+            got.clear();
+            self.make_room(need)?;
+            for _ in 0..need {
+                got.push(self.pool.alloc_block()?.handle);
+            }
+        }
+        let KvManager { requests, nodes, by_id, .. } = self;
+        let r = requests
+            .get_mut(id.index as usize)
+            .and_then(|s| s.req.as_mut())
+            .ok_or(ManagerError::UnknownRequest(id))?;
+        for &h in &got {
+            let node = nodes.insert(Node::Block(BlockNode { handle: h, hash: None, refs: 1, ckpt: NIL }));
+            let i = h.id as usize;
+            if i >= by_id.len() {
+                by_id.resize(i + 1, Holder::None);
+            }
+            by_id[i] = Holder::Block(node);
+            r.blocks.push(node);
+        }
+        self.scratch = got;
+        Ok(())
+    }
+
+    fn return_blocks(&self, blocks: &[BlockHandle]) -> Result<(), ManagerError> {
+        for &b in blocks {
+            self.pool.free_block(b)?;
         }
         Ok(())
     }
@@ -318,17 +351,21 @@ impl KvManager {
     /// hash another request indexed first stays private).
     fn index_blocks(&mut self, id: RequestId) -> Result<(), ManagerError> {
         let bs = self.block_size;
-        let r = self.req(id)?;
+        // Field borrows, not `req_mut`: this runs once per committed block.
+        let KvManager { requests, index, nodes, .. } = self;
+        let r = requests
+            .get_mut(id.index as usize)
+            .filter(|s| s.generation == id.generation)
+            .and_then(|s| s.req.as_mut())
+            .ok_or(ManagerError::UnknownRequest(id))?;
         let full = ((r.computed / bs) as usize).min(r.hashes.len()).min(r.blocks.len());
         for i in r.indexed..full {
-            let r = self.req(id)?;
             let (h, b) = (r.hashes[i], r.blocks[i]);
-            if let std::collections::hash_map::Entry::Vacant(e) = self.index.entry(h) {
+            if let std::collections::hash_map::Entry::Vacant(e) = index.entry(h) {
                 e.insert(b);
-                self.nodes.block_mut(b).hash = Some(h);
+                nodes.block_mut(b).hash = Some(h);
             }
         }
-        let r = self.req_mut(id)?;
         r.indexed = r.indexed.max(full);
         Ok(())
     }

@@ -313,6 +313,8 @@ pub struct KvManager {
     copying: Vec<u32>,
     /// Checkpoints pinned by restores queued in the current batch.
     pinned: Vec<u32>,
+    /// Reused by `allocate` (no heap allocation per call).
+    scratch: Vec<BlockHandle>,
     stats: ManagerStats,
 }
 
@@ -366,6 +368,7 @@ impl KvManager {
             free_requests: Vec::new(),
             copying: Vec::new(),
             pinned: Vec::new(),
+            scratch: Vec::new(),
             stats: ManagerStats::default(),
         };
         let c = m.pool.counts()?;
