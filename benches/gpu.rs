@@ -24,12 +24,11 @@ use v4pool::backend::cuda::{self, CudaBackend, CudaEvent, CudaGraph};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, DeviceAllocation, Stream};
 use v4pool::geometry::{UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
-use v4pool::index::{
-    CopyRun, CopyRunsArgs, DevicePtr, Launch, PrefillIndexArgs, CLASS_CSA, CLASS_DENSE, CLASS_HCA,
-};
+use v4pool::index::{CopyRun, CopyRunsArgs, DevicePtr, Launch, PrefillIndexArgs};
 use v4pool::model::ModelShape;
-use v4pool::pool::{DecodeCapacity, DecodeIndexBuffers, DecodeSeq, Pool, PoolSpec};
+use v4pool::pool::{DecodeBuffer, DecodeCapacity, DecodeIndexBuffers, DecodeSeq, Pool, PoolSpec};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, Plan, PlanRequest};
+use v4pool::Class;
 
 type Res<T> = Result<T, Box<dyn Error>>;
 
@@ -335,7 +334,7 @@ impl DecodeSet {
     }
 }
 
-/// Decode buffers for `batch` one-token sequences, top-k `topk`, every CSA layer in one pack.
+/// Decode buffers for `batch` one-token sequences, top-k `topk` (one CSA buffer).
 fn decode_capacity(batch: usize, topk: usize, max_blocks: usize) -> DecodeCapacity {
     DecodeCapacity {
         max_seqs: batch,
@@ -343,7 +342,6 @@ fn decode_capacity(batch: usize, topk: usize, max_blocks: usize) -> DecodeCapaci
         max_blocks_per_seq: max_blocks,
         win: WIN,
         index_topk: topk as i32,
-        csa_layers: CSA_LAYERS,
     }
 }
 
@@ -371,15 +369,15 @@ struct DecodeRig {
 
 impl DecodeRig {
     fn new(
-        be: &dyn Backend,
+        be: Arc<dyn Backend>,
         g: &UnifiedPoolGeometry,
         cap: DecodeCapacity,
         topk_sets: &[Vec<i32>],
     ) -> Res<Self> {
-        let bufs = DecodeIndexBuffers::new(be, g, cap)?;
+        let bufs = DecodeIndexBuffers::new(be.clone(), S, g, cap)?;
         let mut topk = Vec::new();
         for t in topk_sets {
-            let a = alloc(be, 4 * t.len() as u64)?;
+            let a = alloc(be.as_ref(), 4 * t.len() as u64)?;
             // SAFETY: the allocation was just made with exactly these bytes.
             unsafe { be.upload(a.ptr, bytemuck::cast_slice(t), S)? };
             topk.push(a);
@@ -387,29 +385,35 @@ impl DecodeRig {
         Ok(DecodeRig { bufs, topk })
     }
 
-    fn pack(&self, set: usize, layers: usize) -> Launch {
-        let stride = self.bufs.capacity().index_topk;
-        Launch::CsaPack(self.bufs.csa_pack_args(self.topk[set].ptr, stride, layers))
+    /// CSA layer `layer`'s translate-pack (its own top-k rows, the one CSA buffer).
+    fn pack(&self, set: usize, layer: usize) -> Launch {
+        let cap = self.bufs.capacity();
+        let layer_bytes = 4 * (cap.max_tokens * cap.index_topk as usize * layer) as u64;
+        let ptr = self.topk[set].ptr + layer_bytes;
+        Launch::CsaPack(self.bufs.csa_pack_args(ptr, cap.index_topk).expect("stride = index_topk"))
     }
 
-    fn release(mut self, be: &dyn Backend) {
-        // SAFETY: callers synchronised and dropped every graph naming these buffers.
-        unsafe { self.bufs.release(be) };
+    /// A forward's packs: one launch per CSA layer.
+    fn packs(&self, set: usize, layers: usize) -> Vec<Launch> {
+        (0..layers).map(|l| self.pack(set, l)).collect()
+    }
+
+    fn release(mut self) {
+        let be = self.bufs.backend().clone();
         for a in self.topk.drain(..) {
-            free(be, a);
+            free(be.as_ref(), a);
         }
+        // The buffers free themselves on drop (after the stream drains).
     }
 }
 
 /// Download a class's live slices (`[0, indptr[T])`) and the indptr.
-fn class_output(be: &dyn Backend, bufs: &DecodeIndexBuffers, class: usize, layer: usize) -> Res<Vec<i32>> {
-    let t = bufs.capacity().max_tokens;
-    let ptr = download_i32(be, bufs.indptr(class), t + 1)?;
-    let (base, _) = bufs.indices(class, layer);
-    let n = usize::try_from(ptr[t]).map_err(|_| "negative indptr")?;
+fn class_output(bufs: &DecodeIndexBuffers, class: Class) -> Res<Vec<i32>> {
+    let ptr = bufs.read_i32(DecodeBuffer::Indptr(class))?;
+    let n = usize::try_from(*ptr.last().unwrap_or(&0)).map_err(|_| "negative indptr")?;
     let mut out = ptr;
-    out.extend(download_i32(be, base, n)?);
-    out.extend(download_i32(be, bufs.dest_rows(class), t)?);
+    out.extend(&bufs.read_i32(DecodeBuffer::Indices(class))?[..n]);
+    out.extend(bufs.read_i32(DecodeBuffer::DestRows(class))?);
     Ok(out)
 }
 
@@ -423,32 +427,35 @@ fn check_decode(
     topk0: &[i32],
     layers: usize,
 ) -> Res<()> {
-    let host = HostBackend::new();
-    let mut hrig = DecodeRig::new(&host, g, rig.bufs.capacity(), std::slice::from_ref(&topk0.to_vec()))?;
+    let host: Arc<dyn Backend> = Arc::new(HostBackend::new());
+    let mut hrig =
+        DecodeRig::new(host.clone(), g, rig.bufs.capacity(), std::slice::from_ref(&topk0.to_vec()))?;
     let seqs = set.seqs();
-    hrig.bufs.stage(&host, &seqs, S)?;
+    hrig.bufs.stage(&seqs)?;
     // SAFETY: the host rig's own buffers, sized by DecodeIndexBuffers.
     unsafe {
         host.launch(&hrig.bufs.launch(), S)?;
-        host.launch(&hrig.pack(0, layers), S)?;
+        for l in hrig.packs(0, layers) {
+            host.launch(&l, S)?;
+        }
     }
-    rig.bufs.stage(&gpu.be, &seqs, S)?;
+    rig.bufs.stage(&seqs)?;
     gpu.launch(&rig.bufs.launch())?;
-    gpu.launch(&rig.pack(0, layers))?;
+    for l in rig.packs(0, layers) {
+        gpu.launch(&l)?;
+    }
     gpu.be.synchronize(S)?;
-    let mut checks = vec![(CLASS_HCA, 0, "hca"), (CLASS_CSA, 0, "csa layer 0")];
-    if layers > 1 {
-        checks.push((CLASS_CSA, layers - 1, "csa last layer"));
-    }
+    // One CSA buffer: after every layer's pack it holds the last layer's heads.
+    let mut checks = vec![(Class::Hca, "hca"), (Class::Csa, "csa after the last layer")];
     if g.class(DENSE_RATIO).is_some() {
-        checks.push((CLASS_DENSE, 0, "dense"));
+        checks.push((Class::Dense, "dense"));
     }
-    for (class, layer, what) in checks {
-        let a = class_output(&gpu.be, &rig.bufs, class, layer)?;
-        let b = class_output(&host, &hrig.bufs, class, layer)?;
+    for (class, what) in checks {
+        let a = class_output(&rig.bufs, class)?;
+        let b = class_output(&hrig.bufs, class)?;
         compare(what, &a, &b)?;
     }
-    hrig.release(&host);
+    hrig.release();
     Ok(())
 }
 
@@ -477,16 +484,16 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
             (0..NSETS).map(|_| DecodeSet::random(&mut rng, g, batch, ctx_lo, DECODE_MAX_CTX)).collect();
         let topks: Vec<Vec<i32>> = sets.iter().map(|s| random_topk(&mut rng, s, 512, CSA_LAYERS)).collect();
         let cap = decode_capacity(batch, 512, max_blocks);
-        let mut rig = DecodeRig::new(&gpu.be, g, cap, &topks)?;
+        let mut rig = DecodeRig::new(Arc::new(gpu.be.clone()), g, cap, &topks)?;
         check_decode(gpu, &mut rig, g, &sets[0], &topks[0], CSA_LAYERS)?;
         let seqs: Vec<Vec<DecodeSeq<'_>>> = sets.iter().map(|s| s.seqs()).collect();
         let dec = gpu.graph_of(&[rig.bufs.launch()])?;
         let steps: Vec<CudaGraph> = (0..NSETS)
-            .map(|k| gpu.graph_of(&[rig.bufs.launch(), rig.pack(k, CSA_LAYERS)]))
+            .map(|k| gpu.graph_of(&[vec![rig.bufs.launch()], rig.packs(k, CSA_LAYERS)].concat()))
             .collect::<Res<_>>()?;
         let bufs = std::cell::RefCell::new(&mut rig.bufs);
         let stage = |i: usize| -> Res<()> {
-            bufs.borrow_mut().stage(&gpu.be, &seqs[i % NSETS], S)?;
+            bufs.borrow_mut().stage(&seqs[i % NSETS])?;
             Ok(())
         };
         let launch = bufs.borrow().launch();
@@ -499,7 +506,7 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
             (r / NSETS as u64, w / NSETS as u64)
         };
         let dense = g.class(DENSE_RATIO).is_some();
-        let (br, bw) = avg(&|s| s.builder_bytes(dense, CSA_LAYERS as u64));
+        let (br, bw) = avg(&|s| s.builder_bytes(dense, 1));
         let (pr, pw) = avg(&|s| s.pack_bytes(512, CSA_LAYERS));
         let copy_b = gpu.copy_floor(bw)?;
         let copy_s = gpu.copy_floor(bw + pw)?;
@@ -549,7 +556,7 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
         drop(dec);
         drop(steps);
         gpu.be.synchronize(S)?;
-        rig.release(&gpu.be);
+        rig.release();
     }
     Ok(res)
 }
@@ -571,27 +578,22 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<CsaTa
             (0..NSETS).map(|_| DecodeSet::random(&mut rng, g, batch, 1, DECODE_MAX_CTX)).collect();
         let topks: Vec<Vec<i32>> = sets.iter().map(|s| random_topk(&mut rng, s, topk, CSA_LAYERS)).collect();
         let cap = decode_capacity(batch, topk, max_blocks);
-        let mut rig = DecodeRig::new(&gpu.be, g, cap, &topks)?;
+        let mut rig = DecodeRig::new(Arc::new(gpu.be.clone()), g, cap, &topks)?;
         check_decode(gpu, &mut rig, g, &sets[0], &topks[0], CSA_LAYERS)?;
         let seqs: Vec<Vec<DecodeSeq<'_>>> = sets.iter().map(|s| s.seqs()).collect();
-        let one: Vec<CudaGraph> = (0..NSETS).map(|k| gpu.graph_of(&[rig.pack(k, 1)])).collect::<Res<_>>()?;
-        let all: Vec<CudaGraph> =
-            (0..NSETS).map(|k| gpu.graph_of(&[rig.pack(k, CSA_LAYERS)])).collect::<Res<_>>()?;
-        // The per-layer path: 21 launches of one layer each in one graph (as a model runs
-        // them, one per CSA layer; here all read layer 0's top-k).
+        let one: Vec<CudaGraph> = (0..NSETS).map(|k| gpu.graph_of(&[rig.pack(k, 0)])).collect::<Res<_>>()?;
+        // The per-layer path: 21 launches of one layer each in one graph, as a model runs
+        // them (one per CSA layer, each its own top-k, one CSA buffer).
         let per_layer: Vec<CudaGraph> =
-            (0..NSETS).map(|k| gpu.graph_of(&vec![rig.pack(k, 1); CSA_LAYERS])).collect::<Res<_>>()?;
+            (0..NSETS).map(|k| gpu.graph_of(&rig.packs(k, CSA_LAYERS))).collect::<Res<_>>()?;
         let bufs = std::cell::RefCell::new(&mut rig.bufs);
         let stage = |i: usize| -> Res<()> {
-            bufs.borrow_mut().stage(&gpu.be, &seqs[i % NSETS], S)?;
+            bufs.borrow_mut().stage(&seqs[i % NSETS])?;
             Ok(())
         };
-        let packs1: Vec<Launch> = (0..NSETS).map(|k| rig_pack(&bufs, &rig.topk, k, 1)).collect();
-        let packs21: Vec<Launch> = (0..NSETS).map(|k| rig_pack(&bufs, &rig.topk, k, CSA_LAYERS)).collect();
+        let packs1: Vec<Launch> = (0..NSETS).map(|k| rig_pack(&bufs, &rig.topk, k)).collect();
         let e1 = gpu.time(REPS, stage, |i| gpu.launch(&packs1[i % NSETS]))?;
         let g1 = gpu.time_graphs(&one, stage)?;
-        let e21 = gpu.time(REPS, stage, |i| gpu.launch(&packs21[i % NSETS]))?;
-        let g21 = gpu.time_graphs(&all, stage)?;
         let gpl = gpu.time_graphs(&per_layer, stage)?;
         let avg = |layers: usize| {
             let (r, w) = sets
@@ -606,18 +608,17 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<CsaTa
         let c21 = gpu.copy_floor(w21)?;
         let rows = [
             (format!("top-k {topk:>4}, 1 layer"), Some(e1), g1, r1, w1, c1),
-            (format!("top-k {topk:>4}, 21 layers, 1 launch"), Some(e21), g21, r21, w21, c21),
             (format!("top-k {topk:>4}, 21 launches of 1"), None, gpl, r21, w21, c21),
         ];
         for (name, eager, graph, read, written, copy) in rows {
             print_row(f, &Row { name: &name, eager, graph, read, written, copy });
         }
         if topk == 512 {
-            target = Some((g21, c21, g1));
+            target = Some((gpl, c21, g1));
         }
-        drop((one, all, per_layer));
+        drop((one, per_layer));
         gpu.be.synchronize(S)?;
-        rig.release(&gpu.be);
+        rig.release();
     }
     Ok(target)
 }
@@ -626,10 +627,9 @@ fn rig_pack(
     bufs: &std::cell::RefCell<&mut DecodeIndexBuffers>,
     topk: &[DeviceAllocation],
     set: usize,
-    layers: usize,
 ) -> Launch {
     let b = bufs.borrow();
-    Launch::CsaPack(b.csa_pack_args(topk[set].ptr, b.capacity().index_topk, layers))
+    Launch::CsaPack(b.csa_pack_args(topk[set].ptr, b.capacity().index_topk).expect("stride = index_topk"))
 }
 
 // ---- prefill ------------------------------------------------------------------------------------
@@ -1103,20 +1103,22 @@ fn host_check() -> Res<()> {
         let set = DecodeSet::random(&mut rng, g, batch, 1, DECODE_MAX_CTX);
         let tk = random_topk(&mut rng, &set, topk, CSA_LAYERS);
         let cap = decode_capacity(batch, topk, max_blocks);
-        let mut rig = DecodeRig::new(&host, g, cap, std::slice::from_ref(&tk))?;
-        rig.bufs.stage(&host, &set.seqs(), S)?;
+        let mut rig = DecodeRig::new(Arc::new(HostBackend::new()), g, cap, std::slice::from_ref(&tk))?;
+        rig.bufs.stage(&set.seqs())?;
+        rig.bufs.build()?;
         // SAFETY: the rig's own buffers, sized by DecodeIndexBuffers.
         unsafe {
-            host.launch(&rig.bufs.launch(), S)?;
-            host.launch(&rig.pack(0, CSA_LAYERS), S)?;
+            for l in rig.packs(0, CSA_LAYERS) {
+                rig.bufs.backend().launch(&l, S)?;
+            }
         }
-        let hca = class_output(&host, &rig.bufs, CLASS_HCA, 0)?;
-        let (r, w) = set.builder_bytes(true, CSA_LAYERS as u64);
+        let hca = class_output(&rig.bufs, Class::Hca)?;
+        let (r, w) = set.builder_bytes(true, 1);
         println!(
             "  decode batch {batch}, top-k {topk}: ok ({} HCA entries; builder R {r} W {w})",
             hca[batch]
         );
-        rig.release(&host);
+        rig.release();
     }
     for seqs in [vec![(2048i64, 2048i64)], vec![(8192, PREFILL_1M)], vec![(2048, 5000), (2048, PREFILL_1M)]] {
         let set = PrefillSet::new(&mut rng, g, &seqs, 512);

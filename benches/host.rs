@@ -11,10 +11,11 @@ mod common;
 use common::{bench_requested, fmt_bytes, median, met, Rng};
 use std::error::Error;
 use std::hint::black_box;
+use std::sync::Arc;
 use std::time::Instant;
 use v4pool::alloc::{BlockPool, SlotHandle, SlotPool};
 use v4pool::backend::host::HostBackend;
-use v4pool::backend::Stream;
+use v4pool::backend::{Backend, Stream};
 use v4pool::boundary::Boundary;
 use v4pool::geometry::UnifiedPoolGeometry;
 use v4pool::model::ModelShape;
@@ -219,7 +220,7 @@ fn staging() -> Res<()> {
     println!("\n== decode staging on the host backend (µs per step; the host's share of a decode step)");
     let p = flash_plan(1024, 100 * GIB)?;
     let g = &p.geometry;
-    let host = HostBackend::new();
+    let host: Arc<dyn Backend> = Arc::new(HostBackend::new());
     // The image holds whole block-table rows (capacity columns), so its size follows
     // batch × longest context, not batch alone: one short-context row shows the difference.
     for (batch, max_ctx) in
@@ -232,9 +233,9 @@ fn staging() -> Res<()> {
             max_blocks_per_seq: max_blocks as usize,
             win: 128,
             index_topk: 512,
-            csa_layers: 1,
         };
-        let mut bufs = DecodeIndexBuffers::new(&host, g, cap)?;
+        // The pool-less buffers: a pool of this plan would commit its whole budget on the host.
+        let mut bufs = DecodeIndexBuffers::new(host.clone(), Stream::DEFAULT, g, cap)?;
         // Several input sets, staged in rotation.
         let mut rng = Rng::new(3 + batch as u64);
         let live = g.live_positions();
@@ -274,7 +275,7 @@ fn staging() -> Res<()> {
         let s = measure(n, || {
             for _ in 0..n {
                 k = (k + 1) % seqs.len();
-                black_box(bufs.stage(&host, black_box(&seqs[k]), Stream::DEFAULT)?);
+                black_box(bufs.stage(black_box(&seqs[k]))?);
             }
             Ok(())
         })?;
@@ -290,7 +291,7 @@ fn staging() -> Res<()> {
         let s = measure(n, || {
             for _ in 0..n {
                 k = (k + 1) % seqs.len();
-                black_box(bufs.stage_resident(&host, black_box(&seqs[k]), Stream::DEFAULT)?);
+                black_box(bufs.stage_resident(black_box(&seqs[k]))?);
             }
             Ok(())
         })?;
@@ -300,8 +301,6 @@ fn staging() -> Res<()> {
             "µs",
             &format!("(~{} staged: tokens only)", fmt_bytes(4 * batch as u64 * 7 + 12)),
         );
-        // SAFETY: nothing queued uses the buffers (the host backend runs work immediately).
-        unsafe { bufs.release(&host) };
     }
     Ok(())
 }

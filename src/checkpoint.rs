@@ -43,6 +43,15 @@ pub enum CheckpointError {
     NotLive { position: i64, first: i64, end: i64 },
     #[error("the state has no field {name:?}, which the layout id names")]
     MissingField { name: &'static str },
+    /// An image taken in one layout offered to a pool of another: refused even when the byte
+    /// lengths agree, because the same bytes mean different fields there.
+    #[error("an image of layout {image:?} cannot be restored into a pool of layout {pool:?}")]
+    ForeignLayout {
+        /// The pool's layout id.
+        pool: String,
+        /// The image's layout id.
+        image: String,
+    },
 }
 
 impl CheckpointError {
@@ -62,6 +71,7 @@ impl CheckpointError {
             LayoutMismatch { .. } => "LayoutMismatch",
             NotLive { .. } => "NotLive",
             MissingField { .. } => "MissingField",
+            ForeignLayout { .. } => "ForeignLayout",
         }
     }
 }
@@ -377,6 +387,75 @@ impl CheckpointLayout {
             .into_iter()
             .map(|r| CopyRun { src: r.dst, dst: r.src, bytes: r.bytes })
             .collect())
+    }
+}
+
+/// A checkpoint layout id (§6): the one line two workers, or a pool and an image, must agree
+/// on byte for byte before an image's bytes mean the same fields. Cheap to clone, so a store
+/// (the prefix-reuse manager's) can keep one with every checkpoint it holds.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LayoutId(std::sync::Arc<str>);
+
+impl LayoutId {
+    /// A layout id from its text (as [`layout_id`] writes it, or as read back from storage).
+    pub fn new(id: impl Into<String>) -> LayoutId {
+        LayoutId(id.into().into())
+    }
+
+    /// The layout id of a priced pool layout ([`layout_id`]).
+    pub fn for_layout(layout: &PoolLayout) -> Result<LayoutId, CheckpointError> {
+        Ok(LayoutId::new(layout_id(layout)?))
+    }
+
+    /// The id's text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Refuse an image of layout `image` for a pool of this layout.
+    pub fn check_image(&self, image: &LayoutId) -> Result<(), CheckpointError> {
+        if self != image {
+            return Err(CheckpointError::ForeignLayout { pool: self.to_string(), image: image.to_string() });
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for LayoutId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// One slot's checkpoint image on the host, tagged with the layout it was taken in. Built by
+/// [`crate::pool::Pool::checkpoint`], or by [`CheckpointImage::new`] when importing bytes
+/// stored elsewhere; [`crate::pool::Pool::restore`] refuses an image of another layout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckpointImage {
+    layout: LayoutId,
+    bytes: Vec<u8>,
+}
+
+impl CheckpointImage {
+    /// An image of `bytes` taken in layout `layout` (the restore checks both the id and the
+    /// length against the pool).
+    pub fn new(layout: LayoutId, bytes: Vec<u8>) -> CheckpointImage {
+        CheckpointImage { layout, bytes }
+    }
+
+    /// The layout the image was taken in.
+    pub fn layout_id(&self) -> &LayoutId {
+        &self.layout
+    }
+
+    /// The image's bytes (per plane, the §6 ranges in order).
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// The layout id and the bytes, for storing elsewhere.
+    pub fn into_parts(self) -> (LayoutId, Vec<u8>) {
+        (self.layout, self.bytes)
     }
 }
 

@@ -33,6 +33,6 @@ pub mod sizing;
 pub mod transfer;
 
 pub use geometry::{
-    ClassLayout, GeometryError, GeometrySpec, UnifiedPoolGeometry, WindowParams, ABSENT_RATIO, CSA_RATIO,
-    DENSE_RATIO, HCA_RATIO,
+    Class, ClassLayout, GeometryError, GeometrySpec, UnifiedPoolGeometry, WindowParams, ABSENT_RATIO,
+    CSA_RATIO, DENSE_RATIO, HCA_RATIO,
 };

@@ -69,6 +69,50 @@ pub enum ModelError {
     SpecStepsTooLarge { got: i64, max: i64 },
     #[error("{stages} draft stages outside 1..={max}")]
     DraftStages { stages: usize, max: usize },
+    /// `layer_types` names a kind of attention V4 does not have.
+    #[error("layer_types[{layer}] = {got:?} is not a V4 attention type (sliding_attention, compressed_sparse_attention, heavily_compressed_attention)")]
+    UnknownLayerType {
+        /// The layer's index in `layer_types`.
+        layer: usize,
+        /// The name found there.
+        got: String,
+    },
+    /// The checkpoint's `compress_ratios` and the transformers-native `layer_types` (with
+    /// `compress_rates`) both describe the layers, and they differ.
+    #[error("compress_ratios[{layer}] gives ratio {compress_ratios}, layer_types[{layer}] gives {layer_types}: the two forms disagree")]
+    FormsDisagree {
+        /// The first layer where they differ.
+        layer: usize,
+        /// The pool ratio `compress_ratios` gives there (0 dense, 4 CSA, 128 HCA).
+        compress_ratios: i32,
+        /// The pool ratio `layer_types` gives there.
+        layer_types: i32,
+    },
+    /// A config file could not be read.
+    #[error("cannot read {path}: {reason}")]
+    Io {
+        /// The path as given.
+        path: String,
+        /// The operating system's reason.
+        reason: String,
+    },
+    /// A config path names something other than a regular file (a FIFO, a device such as
+    /// `/dev/zero`, a socket): refused before it is opened, so reading cannot hang.
+    #[error("{path} is {kind}, not a regular file")]
+    NotAFile {
+        /// The path as given.
+        path: String,
+        /// What it is instead.
+        kind: &'static str,
+    },
+    /// A config file larger than [`MAX_CONFIG_BYTES`].
+    #[error("{path} is larger than {limit} bytes; a config.json is a few kilobytes")]
+    TooLarge {
+        /// The path as given.
+        path: String,
+        /// The limit it exceeds.
+        limit: u64,
+    },
 }
 
 impl ModelError {
@@ -88,6 +132,11 @@ impl ModelError {
             UnknownRatio { .. } => "UnknownRatio",
             SpecStepsTooLarge { .. } => "SpecStepsTooLarge",
             DraftStages { .. } => "DraftStages",
+            UnknownLayerType { .. } => "UnknownLayerType",
+            FormsDisagree { .. } => "FormsDisagree",
+            Io { .. } => "Io",
+            NotAFile { .. } => "NotAFile",
+            TooLarge { .. } => "TooLarge",
         }
     }
 }
@@ -100,6 +149,62 @@ pub const MAX_LAYERS: i64 = 1 << 12;
 /// Largest sliding window, head or indexer width, or top-k a config may declare. Far above
 /// any V4 value; it only keeps the products the pool forms from them inside 64 bits.
 pub const MAX_DIM: i64 = 1 << 24;
+
+/// Largest config file [`ModelShape::from_config_path`] reads. V4's `config.json` is about
+/// 2 KB; the cap keeps a mistaken path (a log, a weights file) from filling memory.
+pub const MAX_CONFIG_BYTES: u64 = 4 << 20;
+
+/// Which of the two ways of naming each layer's compression a config used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RatioForm {
+    /// The checkpoint's `compress_ratios` list (0 or 1: sliding only; 4: CSA; 128: HCA).
+    CompressRatios,
+    /// The transformers-native `layer_types` names with their `compress_rates` map.
+    LayerTypes,
+    /// Both, checked to agree layer by layer.
+    Both,
+}
+
+impl RatioForm {
+    /// The form's name as reports show it.
+    pub fn name(self) -> &'static str {
+        match self {
+            RatioForm::CompressRatios => "compress_ratios",
+            RatioForm::LayerTypes => "layer_types",
+            RatioForm::Both => "compress_ratios+layer_types",
+        }
+    }
+}
+
+/// A parsed `config.json`: the model shape and what was read to make it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelConfig {
+    /// The model the config describes.
+    pub shape: ModelShape,
+    /// The config keys that were present and read, in the order read.
+    pub keys_read: Vec<&'static str>,
+    /// Where the per-layer ratios came from.
+    pub ratio_form: RatioForm,
+}
+
+/// The transformers-native names of V4's attention kinds (`layer_types` entries and
+/// `compress_rates` keys).
+pub const SLIDING_ATTENTION: &str = "sliding_attention";
+/// A CSA layer in `layer_types` (compress rate 4).
+pub const COMPRESSED_SPARSE_ATTENTION: &str = "compressed_sparse_attention";
+/// An HCA layer in `layer_types` (compress rate 128).
+pub const HEAVILY_COMPRESSED_ATTENTION: &str = "heavily_compressed_attention";
+
+/// A config's compress ratio as the pool's ratio: 0 and 1 (how some engines write a
+/// sliding-only layer) are dense, 4 CSA, 128 HCA.
+fn pool_ratio(got: i64) -> Option<i32> {
+    match got {
+        0 | 1 => Some(DENSE_RATIO),
+        4 => Some(CSA_RATIO),
+        128 => Some(HCA_RATIO),
+        _ => None,
+    }
+}
 
 /// DSpark draft stages to append to a config's trunk (stage count comes from the draft
 /// checkpoint, not from `config.json`).
@@ -169,6 +274,155 @@ fn v4_trunk_pro() -> Vec<i32> {
     }
     r.push(CSA_RATIO);
     r
+}
+
+const RATIOS: &str = "compress_ratios";
+const LAYER_TYPES: &str = "layer_types";
+const COMPRESS_RATES: &str = "compress_rates";
+
+/// The `compress_ratios` list as pool ratios.
+fn ratio_list(v: &serde_json::Value) -> Result<Vec<i32>, ModelError> {
+    let serde_json::Value::Array(list) = v else {
+        return Err(ModelError::WrongType { key: RATIOS, expected: "a list", got: json_kind(v) });
+    };
+    list.iter()
+        .enumerate()
+        .map(|(layer, v)| {
+            let got = match v {
+                serde_json::Value::Number(n) if n.is_i64() || n.is_u64() => n.as_i64().unwrap_or(i64::MAX),
+                other => {
+                    return Err(ModelError::WrongType {
+                        key: RATIOS,
+                        expected: "a list of integers",
+                        got: json_kind(other),
+                    })
+                }
+            };
+            // -1 is the pool's own rewrite (DraftMode::Absent), never a config value.
+            pool_ratio(got).ok_or(ModelError::UnknownRatio { layer, got })
+        })
+        .collect()
+}
+
+/// The `layer_types` names as pool ratios, through `compress_rates` (the trunk alone gets
+/// its `with_mtp - trunk` MTP layers appended, sliding as V4's are).
+fn layer_type_ratios(
+    types: &serde_json::Value,
+    rates: Option<&serde_json::Value>,
+    trunk: usize,
+    with_mtp: usize,
+) -> Result<Vec<i32>, ModelError> {
+    let serde_json::Value::Array(list) = types else {
+        return Err(ModelError::WrongType { key: LAYER_TYPES, expected: "a list", got: json_kind(types) });
+    };
+    let rates = match rates {
+        None => None,
+        Some(serde_json::Value::Object(m)) => Some(m),
+        Some(other) => {
+            return Err(ModelError::WrongType {
+                key: COMPRESS_RATES,
+                expected: "an object",
+                got: json_kind(other),
+            })
+        }
+    };
+    // Each kind's ratio: the map's rate (when given) must be the one V4 defines for it.
+    let kind_ratio = |kind: &str, default: i64, ratio: i32| -> Result<i32, ModelError> {
+        let Some(v) = rates.and_then(|m| m.get(kind)).filter(|v| !v.is_null()) else { return Ok(ratio) };
+        let got = int_in(v, COMPRESS_RATES, 0, i64::MAX)?;
+        if pool_ratio(got) != Some(ratio) {
+            return Err(ModelError::BadValue {
+                key: COMPRESS_RATES,
+                reason: format!("{kind} has rate {got}; V4 defines {default}"),
+            });
+        }
+        Ok(ratio)
+    };
+    let sliding = kind_ratio(SLIDING_ATTENTION, 1, DENSE_RATIO)?;
+    let csa = kind_ratio(COMPRESSED_SPARSE_ATTENTION, 4, CSA_RATIO)?;
+    let hca = kind_ratio(HEAVILY_COMPRESSED_ATTENTION, 128, HCA_RATIO)?;
+    let mut out = list
+        .iter()
+        .enumerate()
+        .map(|(layer, v)| match v.as_str() {
+            Some(SLIDING_ATTENTION) => Ok(sliding),
+            Some(COMPRESSED_SPARSE_ATTENTION) => Ok(csa),
+            Some(HEAVILY_COMPRESSED_ATTENTION) => Ok(hca),
+            Some(other) => Err(ModelError::UnknownLayerType { layer, got: other.to_string() }),
+            None => Err(ModelError::WrongType {
+                key: LAYER_TYPES,
+                expected: "a list of strings",
+                got: json_kind(v),
+            }),
+        })
+        .collect::<Result<Vec<i32>, _>>()?;
+    if out.len() == trunk {
+        out.resize(with_mtp, sliding);
+    }
+    Ok(out)
+}
+
+/// A file's path and text (a directory's `config.json`), refusing non-regular files before
+/// opening them and anything over [`MAX_CONFIG_BYTES`].
+fn read_bounded(path: &std::path::Path) -> Result<(std::path::PathBuf, String), ModelError> {
+    use std::io::Read;
+    let mut path = path.to_path_buf();
+    let shown = |p: &std::path::Path| p.display().to_string();
+    let io =
+        |p: &std::path::Path, e: std::io::Error| ModelError::Io { path: shown(p), reason: e.to_string() };
+    let mut meta = std::fs::metadata(&path).map_err(|e| io(&path, e))?;
+    if meta.is_dir() {
+        path.push("config.json");
+        meta = std::fs::metadata(&path).map_err(|e| io(&path, e))?;
+    }
+    if !meta.is_file() {
+        return Err(ModelError::NotAFile { path: shown(&path), kind: file_kind(&meta) });
+    }
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    // Non-blocking, so a regular file swapped for a FIFO after the check above cannot
+    // hang the open; it is refused by the second check on the open handle.
+    #[cfg(target_os = "linux")]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, 0o4000); // O_NONBLOCK
+    let file = options.open(&path).map_err(|e| io(&path, e))?;
+    let meta = file.metadata().map_err(|e| io(&path, e))?;
+    if !meta.is_file() {
+        return Err(ModelError::NotAFile { path: shown(&path), kind: file_kind(&meta) });
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_CONFIG_BYTES + 1).read_to_end(&mut bytes).map_err(|e| io(&path, e))?;
+    if bytes.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(ModelError::TooLarge { path: shown(&path), limit: MAX_CONFIG_BYTES });
+    }
+    let text = String::from_utf8(bytes)
+        .map_err(|e| ModelError::Json(format!("{}: not UTF-8 ({e})", shown(&path))))?;
+    Ok((path, text))
+}
+
+/// What a non-regular file is, in words.
+fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        let t = meta.file_type();
+        if t.is_fifo() {
+            return "a FIFO";
+        }
+        if t.is_char_device() {
+            return "a character device";
+        }
+        if t.is_block_device() {
+            return "a block device";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+    }
+    if meta.is_dir() {
+        "a directory"
+    } else {
+        "not a regular file"
+    }
 }
 
 impl ModelShape {
@@ -241,25 +495,59 @@ impl ModelShape {
     }
 
     /// Read a HuggingFace `config.json` (no DSpark drafts; see [`Self::from_config_json_with`]).
-    ///
-    /// Keys (`pool-runtime.md` §1): `compress_ratios`, `num_hidden_layers`, `sliding_window`,
-    /// `qk_rope_head_dim`, `index_head_dim`, `index_topk` are required;
-    /// `num_nextn_predict_layers` defaults to 0 and `head_dim` to 512 (ATOM's `kv_head_dim`
-    /// default). A JSON `null` counts as absent. Every malformed value is a typed error.
     pub fn from_config_json(text: &str, spec_steps: i64) -> Result<Self, ModelError> {
         Self::from_config_json_with(text, spec_steps, None)
     }
 
-    /// [`Self::from_config_json`] with DSpark draft stages. `compress_ratios` may either
-    /// name the drafts (`num_hidden_layers + stages` entries, the last `stages` being the
-    /// drafts) or carry the MTP layers (`num_hidden_layers + num_nextn_predict_layers`), which
-    /// the drafts then replace, as the presets do. Either way a draft's ratio is dense or
-    /// absent by `mode`, whatever the config wrote there.
+    /// [`Self::read_config`]'s shape alone.
     pub fn from_config_json_with(
         text: &str,
         spec_steps: i64,
         drafts: Option<Drafts>,
     ) -> Result<Self, ModelError> {
+        Ok(Self::read_config(text, spec_steps, drafts)?.shape)
+    }
+
+    /// Read a `config.json` file, bounded: a directory means its `config.json`; anything but
+    /// a regular file (a FIFO, `/dev/zero`, `/dev/urandom`) is refused without being read,
+    /// and a file over [`MAX_CONFIG_BYTES`] is refused after reading at most one byte more.
+    /// The shape's name is the file's path.
+    pub fn from_config_path(
+        path: &std::path::Path,
+        spec_steps: i64,
+        drafts: Option<Drafts>,
+    ) -> Result<ModelConfig, ModelError> {
+        let (file, text) = read_bounded(path)?;
+        let mut config = Self::read_config(&text, spec_steps, drafts)?;
+        config.shape.name = file.display().to_string();
+        Ok(config)
+    }
+
+    /// Read a HuggingFace `config.json` text, reporting the keys read.
+    ///
+    /// Keys (`pool-runtime.md` §1): `num_hidden_layers`, `sliding_window`,
+    /// `qk_rope_head_dim`, `index_head_dim`, `index_topk` are required;
+    /// `num_nextn_predict_layers` defaults to 0 and `head_dim` to 512 (ATOM's `kv_head_dim`
+    /// default). A JSON `null` counts as absent. Every malformed value is a typed error.
+    ///
+    /// The per-layer ratios come from either form, or both (then they must agree layer by
+    /// layer: [`ModelError::FormsDisagree`]):
+    /// * the checkpoint's `compress_ratios` list: 0 or 1 (sliding only), 4 (CSA), 128 (HCA);
+    /// * transformers' `layer_types` (`sliding_attention`, `compressed_sparse_attention`,
+    ///   `heavily_compressed_attention`) with the optional `compress_rates` map from those
+    ///   names to rates (default 4 and 128; V4 has no others). `layer_types` may list the
+    ///   trunk alone, the MTP layers (sliding) then being appended.
+    ///
+    /// With DSpark drafts, the list may either name the drafts (`num_hidden_layers + stages`
+    /// entries, the last `stages` being the drafts) or carry the MTP layers
+    /// (`num_hidden_layers + num_nextn_predict_layers`), which the drafts then replace, as the
+    /// presets do. Either way a draft's ratio is dense or absent by `mode`, whatever the
+    /// config wrote there.
+    pub fn read_config(
+        text: &str,
+        spec_steps: i64,
+        drafts: Option<Drafts>,
+    ) -> Result<ModelConfig, ModelError> {
         check_spec_steps(spec_steps)?;
         if let Some(d) = drafts {
             if d.stages < 1 || d.stages as i64 > MAX_LAYERS {
@@ -274,7 +562,14 @@ impl ModelShape {
             serde_json::Value::Object(o) => o,
             other => return Err(ModelError::NotAnObject { got: json_kind(other) }),
         };
-        let get = |key: &'static str| obj.get(key).filter(|v| !v.is_null());
+        let read = std::cell::RefCell::new(Vec::new());
+        let get = |key: &'static str| {
+            let v = obj.get(key).filter(|v| !v.is_null());
+            if v.is_some() {
+                read.borrow_mut().push(key);
+            }
+            v
+        };
         let required = |key: &'static str, min: i64, max: i64| -> Result<i64, ModelError> {
             int_in(get(key).ok_or(ModelError::MissingKey { key })?, key, min, max)
         };
@@ -290,38 +585,29 @@ impl ModelShape {
         let index_head_dim = required("index_head_dim", 1, MAX_DIM)?;
         let index_topk = required("index_topk", 1, MAX_DIM)?;
 
-        const RATIOS: &str = "compress_ratios";
-        let list = match get(RATIOS).ok_or(ModelError::MissingKey { key: RATIOS })? {
-            serde_json::Value::Array(a) => a,
-            other => {
-                return Err(ModelError::WrongType { key: RATIOS, expected: "a list", got: json_kind(other) })
-            }
-        };
         let with_mtp = num_hidden_layers + nextn;
         let with_drafts = drafts.map(|d| num_hidden_layers + d.stages);
-        if list.len() != with_mtp && Some(list.len()) != with_drafts {
-            return Err(ModelError::RatioCount { got: list.len(), expected: with_mtp });
-        }
-        let mut ratios = Vec::with_capacity(list.len());
-        for (layer, v) in list.iter().enumerate() {
-            let got = match v {
-                serde_json::Value::Number(n) if n.is_i64() || n.is_u64() => n.as_i64().unwrap_or(i64::MAX),
-                other => {
-                    return Err(ModelError::WrongType {
-                        key: RATIOS,
-                        expected: "a list of integers",
-                        got: json_kind(other),
-                    })
+        let listed = get(RATIOS).map(ratio_list).transpose()?;
+        let typed = get(LAYER_TYPES)
+            .map(|types| layer_type_ratios(types, get(COMPRESS_RATES), num_hidden_layers, with_mtp))
+            .transpose()?;
+        let (ratios, ratio_form) = match (listed, typed) {
+            (Some(l), None) => (l, RatioForm::CompressRatios),
+            (None, Some(t)) => (t, RatioForm::LayerTypes),
+            (Some(l), Some(t)) => {
+                if let Some(layer) = (0..l.len().max(t.len())).find(|&i| l.get(i) != t.get(i)) {
+                    return Err(ModelError::FormsDisagree {
+                        layer,
+                        compress_ratios: l.get(layer).copied().unwrap_or(ABSENT_RATIO),
+                        layer_types: t.get(layer).copied().unwrap_or(ABSENT_RATIO),
+                    });
                 }
-            };
-            let ratio = match got {
-                0 => DENSE_RATIO,
-                4 => CSA_RATIO,
-                128 => HCA_RATIO,
-                // -1 is the pool's own rewrite (DraftMode::Absent), never a config value.
-                _ => return Err(ModelError::UnknownRatio { layer, got }),
-            };
-            ratios.push(ratio);
+                (l, RatioForm::Both)
+            }
+            (None, None) => return Err(ModelError::MissingKey { key: "compress_ratios (or layer_types)" }),
+        };
+        if ratios.len() != with_mtp && Some(ratios.len()) != with_drafts {
+            return Err(ModelError::RatioCount { got: ratios.len(), expected: with_mtp });
         }
 
         let mut shape = ModelShape {
@@ -341,7 +627,7 @@ impl ModelShape {
         if let Some(d) = drafts {
             shape = shape.with_drafts(d.stages, d.mode);
         }
-        Ok(shape)
+        Ok(ModelConfig { shape, keys_read: read.into_inner(), ratio_form })
     }
 
     /// The geometry arguments the model fixes (ratio list, ring, block size) at a split;

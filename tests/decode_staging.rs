@@ -1,49 +1,86 @@
-//! Decode staging: with resident block tables (`stage_resident` + `write_block_table`) the
-//! decode builder produces exactly what a full `stage` does, and bad batches are refused.
+//! The decode path as an engine holds it (`Pool::decode_path`) on the host backend:
+//! resident block tables (`stage_resident` + `write_block_table`) build exactly what a full
+//! `stage` does; bad batches — dead positions, foreign blocks, contexts the buffers cannot
+//! index, token counts that overflow — are refused with a typed error and never panic;
+//! capacities whose byte counts overflow are refused.
 
+use std::sync::Arc;
+use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::backend::host::HostBackend;
-use v4pool::backend::{Backend, Stream};
-use v4pool::index::{CLASS_CSA, CLASS_DENSE, CLASS_HCA};
-use v4pool::pool::{DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq};
-use v4pool::GeometrySpec;
+use v4pool::backend::Stream;
+use v4pool::pool::{
+    DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodePath, DecodeSeq, Pool, PoolSpec,
+};
+use v4pool::{Class, GeometrySpec};
 
-fn read_i32(host: &HostBackend, ptr: u64, n: u64) -> Vec<i32> {
-    let mut bytes = vec![0u8; 4 * n as usize];
-    // SAFETY: the range is one of the decode buffers' own, of `n` i32.
-    unsafe { host.download(&mut bytes, ptr, Stream::DEFAULT).unwrap() };
-    bytemuck::cast_slice(&bytes).to_vec()
-}
-
-#[test]
-fn resident_tables_build_the_same_indices_as_full_staging() {
+/// A host pool of `blocks` blocks and 16 slots over V4-like ratios (20 CSA/HCA pairs and
+/// dense layers), ring 129, 256-token blocks; 16-byte rows keep it small.
+fn pool(blocks: i64) -> Arc<Pool> {
     let mut ratios = vec![0, 0];
     for _ in 0..20 {
         ratios.extend([4, 128]);
     }
     ratios.extend([4, 0]);
-    let g = GeometrySpec::new(ratios, 4000, 16, 129, 256).build().unwrap();
-    let cap = DecodeCapacity {
-        max_seqs: 8,
-        max_tokens: 16,
-        max_blocks_per_seq: 40,
-        win: 128,
-        index_topk: 512,
-        csa_layers: 1,
+    pool_on(Arc::new(HostBackend::new()), ratios, blocks, 16)
+}
+
+/// A host pool over `ratios` with a one-field arena (the compressor state is not under test).
+fn pool_on(backend: Arc<HostBackend>, ratios: Vec<i32>, blocks: i64, slots: i64) -> Arc<Pool> {
+    let field = StateField {
+        name: "state".into(),
+        layers: 1,
+        shape: vec![1, 4],
+        dtype: Dtype::F32,
+        fill: Fill::Zero,
+        carried: true,
+        align: 256,
     };
-    let host = HostBackend::new();
-    let mut full = DecodeIndexBuffers::new(&host, &g, cap).unwrap();
-    let mut resident = DecodeIndexBuffers::new(&host, &g, cap).unwrap();
-    let live: Vec<i64> = g.live_positions().collect();
-    let mut x = 12345u64;
-    let mut rnd = |m: u64| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x % m
-    };
-    let ctx: Vec<i64> = (0..6).map(|_| 1 + rnd(40 * 256 - 2) as i64).collect();
+    let arena = ArenaLayout::new(vec![field], &[16]).expect("arena");
+    let geometry = GeometrySpec::new(ratios, blocks, slots, 129, 256)
+        .arena_rows(arena.arena_rows())
+        .slot_align_rows(arena.slot_align_rows())
+        .build()
+        .expect("geometry");
+    let spec = PoolSpec { geometry, plane_widths: vec![16], arena, indexer: None, csa_layers: Vec::new() };
+    Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
+}
+
+fn cap(max_seqs: usize, max_tokens: usize, max_blocks_per_seq: usize) -> DecodeCapacity {
+    DecodeCapacity { max_seqs, max_tokens, max_blocks_per_seq, win: 128, index_topk: 512 }
+}
+
+struct XorShift(u64);
+impl XorShift {
+    fn below(&mut self, m: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % m
+    }
+}
+
+/// Poison every class's index buffer (so cells the build skips would differ), build, read.
+fn build_and_read(path: &mut DecodePath) -> Vec<Vec<i32>> {
+    let mut out = Vec::new();
+    path.build().unwrap();
+    for c in Class::ALL {
+        out.push(path.read_i32(DecodeBuffer::Indices(c)).unwrap());
+        out.push(path.read_i32(DecodeBuffer::Indptr(c)).unwrap());
+        out.push(path.read_i32(DecodeBuffer::DestRows(c)).unwrap());
+    }
+    out
+}
+
+#[test]
+fn resident_tables_build_the_same_indices_as_full_staging() {
+    let pool = pool(400);
+    let mut full = pool.decode_path(cap(8, 16, 40)).unwrap();
+    let mut resident = pool.decode_path(cap(8, 16, 40)).unwrap();
+    let live: Vec<i64> = pool.geometry().unwrap().live_positions().collect();
+    let mut rng = XorShift(12345);
+    let ctx: Vec<i64> = (0..6).map(|_| 2 + rng.below(40 * 256 - 2) as i64).collect();
     let tables: Vec<Vec<i32>> =
-        ctx.iter().map(|&c| (0..(c + 255) / 256).map(|_| rnd(4000) as i32).collect()).collect();
+        ctx.iter().map(|&c| (0..(c + 255) / 256).map(|_| rng.below(400) as i32).collect()).collect();
     let batch: Vec<DecodeSeq<'_>> = (0..6)
         .map(|i| DecodeSeq {
             position: live[i * 2],
@@ -52,124 +89,394 @@ fn resident_tables_build_the_same_indices_as_full_staging() {
             block_table: &tables[i],
         })
         .collect();
-    full.stage(&host, &batch, Stream::DEFAULT).unwrap();
+    assert_eq!(full.stage(&batch).unwrap(), 12);
     for (row, t) in tables.iter().enumerate() {
         // An entering sequence's table in two writes: all but its last block, then the last.
         let (head, tail) = t.split_at(t.len() - 1);
-        resident.write_block_table(&host, row, 0, head, Stream::DEFAULT).unwrap();
-        resident.write_block_table(&host, row, head.len(), tail, Stream::DEFAULT).unwrap();
+        resident.write_block_table(row, 0, head).unwrap();
+        resident.write_block_table(row, head.len(), tail).unwrap();
     }
-    resident.stage_resident(&host, &batch, Stream::DEFAULT).unwrap();
-    for bufs in [&full, &resident] {
-        for c in [CLASS_DENSE, CLASS_CSA, CLASS_HCA] {
-            let (ptr, n) = bufs.indices(c, 0);
-            // Poison every output first so unwritten cells would differ from the other run.
-            // SAFETY: the buffer is the decode buffers' own, of `n` i32.
-            unsafe { host.fill_u32(ptr, n, 0xdead_beef, Stream::DEFAULT).unwrap() };
-        }
-        // SAFETY: the launch's pointers are the decode buffers' own.
-        unsafe { host.launch(&bufs.launch(), Stream::DEFAULT).unwrap() };
+    assert_eq!(resident.stage_resident(&batch).unwrap(), 12);
+    let (a, b) = (build_and_read(&mut full), build_and_read(&mut resident));
+    assert_eq!(a, b);
+    // The HCA heads were really built from the tables: token 0's slice starts with block
+    // `tables[0][0]`'s first compressed row whenever its context reaches a compressed row.
+    let hca = &a[6];
+    let hca_ptr = &a[7];
+    if ctx[0] - 1 >= 128 {
+        assert_eq!(hca[hca_ptr[0] as usize], tables[0][0] * pool.geometry().unwrap().envelope_rows as i32);
     }
-    for c in [CLASS_DENSE, CLASS_CSA, CLASS_HCA] {
-        let (pa, n) = full.indices(c, 0);
-        let (pb, _) = resident.indices(c, 0);
-        let a = read_i32(&host, pa, n);
-        assert_eq!(a, read_i32(&host, pb, n), "class {c}");
-        // The HCA heads were really built from the tables (not left poisoned).
-        if c == CLASS_HCA {
-            assert!(a.iter().any(|&v| v != 0xdead_beefu32 as i32));
-        }
-        assert_eq!(read_i32(&host, full.dest_rows(c), 16), read_i32(&host, resident.dest_rows(c), 16));
-    }
-    // Refusals: a row past the capacity, a table past its columns, a dead position.
+    // Refusals: a row past the capacity, a table past its columns, a foreign block, a dead position.
+    assert!(matches!(resident.write_block_table(8, 0, &[1]), Err(DecodeError::TooManySeqs { .. })));
+    assert!(matches!(resident.write_block_table(0, 39, &[1, 2]), Err(DecodeError::BlockTableTooLong { .. })));
     assert!(matches!(
-        resident.write_block_table(&host, 8, 0, &[1], Stream::DEFAULT),
-        Err(DecodeError::TooManySeqs { .. })
+        resident.write_block_table(0, 0, &[400]),
+        Err(DecodeError::BadBlock { block: 400, .. })
     ));
-    assert!(matches!(
-        resident.write_block_table(&host, 0, 39, &[1, 2], Stream::DEFAULT),
-        Err(DecodeError::BlockTableTooLong { .. })
-    ));
+    assert!(matches!(resident.write_block_table(0, 0, &[-1]), Err(DecodeError::BadBlock { block: -1, .. })));
     let dead = [DecodeSeq { position: live[0] - 1, context_len: 5, num_tokens: 1, block_table: &tables[0] }];
-    assert!(matches!(
-        resident.stage_resident(&host, &dead, Stream::DEFAULT),
-        Err(DecodeError::BadPosition { .. })
-    ));
-    // SAFETY: nothing queued uses the buffers (the host backend runs work immediately).
-    unsafe {
-        full.release(&host);
-        resident.release(&host);
+    assert!(matches!(resident.stage_resident(&dead), Err(DecodeError::BadPosition { .. })));
+}
+
+#[test]
+fn a_full_stage_refuses_foreign_block_ids() {
+    let pool = pool(64);
+    let mut path = pool.decode_path(cap(2, 2, 8)).unwrap();
+    let live = pool.geometry().unwrap().live_positions();
+    for bad in [64, -1, i32::MAX] {
+        let table = [3, bad];
+        let batch =
+            [DecodeSeq { position: live.start, context_len: 300, num_tokens: 1, block_table: &table }];
+        assert!(
+            matches!(path.stage(&batch), Err(DecodeError::BadBlock { column: 1, .. })),
+            "block {bad} accepted"
+        );
     }
 }
 
-/// With one translate-pack launch for several CSA layers, every layer's copy of the CSA
-/// buffer ends up a whole slice: its own top-k head and the shared window tail.
+/// Issue 10 (3): contexts the buffers cannot index are refused — an `i64::MAX` context used
+/// to pass (its block count wrapped negative) and stage a wrong indptr.
 #[test]
-fn batched_csa_pack_leaves_every_layer_a_whole_slice() {
-    let mut ratios = vec![0, 0];
-    for _ in 0..20 {
-        ratios.extend([4, 128]);
-    }
-    ratios.extend([4, 0]);
-    let g = GeometrySpec::new(ratios, 4000, 16, 128, 256).build().unwrap();
-    let layers = 3usize;
-    let cap = DecodeCapacity {
-        max_seqs: 4,
-        max_tokens: 4,
-        max_blocks_per_seq: 40,
-        win: 128,
-        index_topk: 64,
-        csa_layers: layers,
-    };
-    let host = HostBackend::new();
-    let mut bufs = DecodeIndexBuffers::new(&host, &g, cap).unwrap();
-    let live: Vec<i64> = g.live_positions().collect();
-    let tables: Vec<Vec<i32>> = (0..4).map(|s| (0..40).map(|j| (s * 40 + j) as i32).collect()).collect();
-    let ctx = [3000i64, 9000, 200, 10_000];
-    let batch: Vec<DecodeSeq<'_>> = (0..4)
-        .map(|i| DecodeSeq { position: live[i], context_len: ctx[i], num_tokens: 1, block_table: &tables[i] })
-        .collect();
-    bufs.stage(&host, &batch, Stream::DEFAULT).unwrap();
-    let (csa, per_copy) = bufs.indices(CLASS_CSA, 0);
-    let stride = bufs.indices(CLASS_CSA, 1).0 - csa;
-    // Poison all copies, then the decode build and one pack over all layers.
-    // SAFETY: the copies lie in the decode buffers' CSA region.
-    unsafe { host.fill_u32(csa, stride / 4 * layers as u64, 0xdead_beef, Stream::DEFAULT).unwrap() };
-    // Top-k per layer: layer l selects compressed rows l, l+1, … (distinct per layer).
-    let topk: Vec<i32> = (0..layers * 4 * 64).map(|i| ((i / 256) + (i % 64)) as i32).collect();
-    let topk_alloc = host.alloc_zeroed((topk.len() * 4) as u64).unwrap();
-    // SAFETY: fresh allocation of exactly this size; launches use the decode buffers' own
-    // pointers and the top-k buffer.
-    unsafe {
-        host.upload(topk_alloc.ptr, bytemuck::cast_slice(&topk), Stream::DEFAULT).unwrap();
-        host.launch(&bufs.launch(), Stream::DEFAULT).unwrap();
-        host.launch(
-            &v4pool::index::Launch::CsaPack(bufs.csa_pack_args(topk_alloc.ptr, 64, layers)),
-            Stream::DEFAULT,
-        )
-        .unwrap();
-    }
-    let indptr = read_i32(&host, bufs.indptr(CLASS_CSA), 5);
-    let copies: Vec<Vec<i32>> =
-        (0..layers as u64).map(|l| read_i32(&host, csa + l * stride, per_copy)).collect();
-    for (l, copy) in copies.iter().enumerate() {
-        let live_end = indptr[4] as usize;
+fn stage_refuses_contexts_it_cannot_index() {
+    let pool = pool(64);
+    let mut path = pool.decode_path(cap(2, 4, 8)).unwrap();
+    let live = pool.geometry().unwrap().live_positions();
+    let table: Vec<i32> = (0..8).collect();
+    for (ctx, tokens) in [(i64::MAX, 1), (i64::MAX - 1, 2), (8 * 256 + 1, 1), (-5, 1), (0, 1), (3, 4)] {
+        let batch =
+            [DecodeSeq { position: live.start, context_len: ctx, num_tokens: tokens, block_table: &table }];
+        let r = path.stage(&batch);
         assert!(
-            copy[..live_end].iter().all(|&v| v != 0xdead_beefu32 as i32),
-            "layer {l} has unwritten cells"
+            matches!(r, Err(DecodeError::ContextTooLong { .. } | DecodeError::BadSequence { .. })),
+            "context {ctx} with {tokens} tokens: {r:?}"
         );
-        for t in 0..4 {
-            let (b, e) = (indptr[t] as usize, indptr[t + 1] as usize);
-            let n = 128.min(ctx[t] as usize);
-            assert_eq!(copy[e - n..e], copies[0][e - n..e], "layer {l} token {t}: window tail");
-            if l > 0 && e - n > b {
-                assert_ne!(copy[b..e - n], copies[0][b..e - n], "layer {l} token {t}: head is layer 0's");
+        assert!(
+            matches!(
+                path.stage_resident(&batch),
+                Err(DecodeError::ContextTooLong { .. } | DecodeError::BadSequence { .. })
+            ),
+            "resident: context {ctx}"
+        );
+    }
+    // Beyond the pool's blocks while the table's columns would allow it.
+    let small = self::pool(4);
+    let mut path = small.decode_path(cap(1, 1, 8)).unwrap();
+    let small_live = small.geometry().unwrap().live_positions();
+    let table = [0, 1, 2, 3, 0];
+    let batch = [DecodeSeq {
+        position: small_live.start,
+        context_len: 4 * 256 + 1,
+        num_tokens: 1,
+        block_table: &table,
+    }];
+    assert!(matches!(path.stage_resident(&batch), Err(DecodeError::ContextTooLong { limit: 1024, .. })));
+    // The largest context the table covers is accepted, and its indptr is exact.
+    let mut path = pool.decode_path(cap(1, 1, 8)).unwrap();
+    let batch =
+        [DecodeSeq { position: live.start, context_len: 8 * 256, num_tokens: 1, block_table: &table[..4] }];
+    assert!(path.stage(&batch).is_err(), "a table short of the context is refused");
+    let full: Vec<i32> = (0..8).collect();
+    let batch = [DecodeSeq { position: live.start, context_len: 8 * 256, num_tokens: 1, block_table: &full }];
+    path.stage(&batch).unwrap();
+    assert_eq!(path.read_i32(DecodeBuffer::Indptr(Class::Hca)).unwrap(), vec![0, 128 + 16]);
+}
+
+/// Issue 10 (3): two sequences of huge token counts used to wrap the token sum and panic on
+/// a slice bound; now the sum is checked.
+#[test]
+fn huge_token_counts_are_refused_not_a_panic() {
+    let pool = pool(64);
+    let mut path = pool.decode_path(cap(4, 8, 8)).unwrap();
+    let live = pool.geometry().unwrap().live_positions();
+    let table = [0i32];
+    let half = usize::MAX / 2 + 1;
+    let batch = [
+        DecodeSeq { position: live.start, context_len: i64::MAX, num_tokens: half, block_table: &table },
+        DecodeSeq { position: live.start + 1, context_len: i64::MAX, num_tokens: half, block_table: &table },
+    ];
+    assert!(matches!(path.stage(&batch), Err(DecodeError::TooManyTokens { .. })));
+    assert!(matches!(path.stage_resident(&batch), Err(DecodeError::TooManyTokens { .. })));
+}
+
+/// Issue 10 (3): `required_bytes` used to wrap for huge capacities and report a tiny size.
+#[test]
+fn required_bytes_overflow_is_an_error() {
+    let pool = pool(64);
+    let g = pool.geometry().unwrap();
+    for c in [
+        cap(usize::MAX, 1, 1),
+        cap(1, usize::MAX, 1),
+        cap(1, 1, usize::MAX),
+        cap(usize::MAX / 4, 1, usize::MAX / 4),
+        cap(1 << 40, 1, 1 << 30),
+    ] {
+        let r = DecodeIndexBuffers::required_bytes(&g, c);
+        assert!(matches!(r, Err(DecodeError::TooLarge { .. })), "{c:?}: {r:?}");
+        assert!(matches!(DecodePath::required_bytes(&pool, c), Err(DecodeError::TooLarge { .. })));
+        assert!(matches!(pool.decode_path(c), Err(DecodeError::TooLarge { .. })));
+    }
+    assert!(matches!(
+        pool.decode_path(DecodeCapacity { index_topk: -1, ..cap(1, 1, 1) }),
+        Err(DecodeError::NegativeTopk(-1))
+    ));
+    let ok = DecodePath::required_bytes(&pool, cap(8, 16, 40)).unwrap();
+    assert_eq!(pool.decode_path(cap(8, 16, 40)).unwrap().device_bytes(), ok);
+}
+
+/// A position freed by a boundary move between staging and the build is caught at build.
+#[test]
+fn build_rechecks_positions_after_the_boundary_moves() {
+    let pool = pool(64);
+    let mut path = pool.decode_path(cap(1, 1, 8)).unwrap();
+    let lowest = pool.geometry().unwrap().live_positions().start;
+    let table = [1i32];
+    path.stage(&[DecodeSeq { position: lowest, context_len: 10, num_tokens: 1, block_table: &table }])
+        .unwrap();
+    path.build().unwrap();
+    pool.shrink_slots(1).unwrap();
+    assert!(matches!(path.build(), Err(DecodeError::BadPosition { position, .. }) if position == lowest));
+}
+
+/// The handle owns its memory: dropping it (and the pool) returns every byte.
+#[test]
+fn dropping_the_handles_frees_their_buffers() {
+    let backend = Arc::new(HostBackend::new());
+    let pool = pool_on(backend.clone(), vec![0, 4, 128], 8, 4);
+    let before = backend.live_allocations();
+    let path = pool.decode_path(cap(2, 2, 2)).unwrap();
+    assert_eq!(backend.live_allocations(), before + 1);
+    drop(path);
+    assert_eq!(backend.live_allocations(), before);
+    drop(pool);
+    assert_eq!(backend.live_allocations(), 0);
+}
+
+// ---- the handles' outputs against the geometry ------------------------------------------
+
+/// The first layer of `class` (window and compressed indices are relative to a layer's own
+/// base, the same for every layer of a class).
+fn layer_of(g: &v4pool::UnifiedPoolGeometry, class: Class) -> usize {
+    g.class(class.ratio()).expect("class").layers[0]
+}
+
+fn window(
+    g: &v4pool::UnifiedPoolGeometry,
+    class: Class,
+    slot: i64,
+    positions: std::ops::Range<i64>,
+) -> Vec<i32> {
+    positions.map(|p| g.window_index(layer_of(g, class), slot, p % g.ring_slots).unwrap() as i32).collect()
+}
+
+/// Compressed row `e` of a class through a block table: block `table[e / rows]`, row `e % rows`.
+fn compressed(g: &v4pool::UnifiedPoolGeometry, class: Class, table: &[i32], e: i64, rows: i64) -> i32 {
+    let block = i64::from(table[(e / rows) as usize]);
+    g.compress_index(layer_of(g, class), block, e % rows).unwrap() as i32
+}
+
+/// Top-k rows on the pool's backend: `[tokens][stride]`, row `t` selecting compressed CSA
+/// rows `t, t+3, t+6, …` (each below its sequence's `ctx / 4`).
+fn upload_topk(pool: &Pool, rows: &[Vec<i32>], stride: usize) -> v4pool::backend::DeviceAllocation {
+    let mut flat = vec![-1i32; rows.len() * stride];
+    for (t, r) in rows.iter().enumerate() {
+        flat[t * stride..t * stride + r.len()].copy_from_slice(r);
+    }
+    let be = pool.backend();
+    let a = be.alloc_zeroed(4 * flat.len() as u64).unwrap();
+    // SAFETY: a fresh allocation of exactly these bytes.
+    unsafe { be.upload(a.ptr, bytemuck::cast_slice(&flat), Stream::DEFAULT).unwrap() };
+    a
+}
+
+#[test]
+fn decode_path_writes_what_the_geometry_says() {
+    let pool = pool(200);
+    let g = pool.geometry().unwrap();
+    let mut path = pool.decode_path(DecodeCapacity { index_topk: 16, ..cap(4, 8, 24) }).unwrap();
+    let live: Vec<i64> = g.live_positions().collect();
+    let mut rng = XorShift(99);
+    // Contexts from 1 to the table's reach; one sequence with two tokens (an MTP verify).
+    let ctx = [1i64, 300, 129 + rng.below(5000) as i64, 24 * 256];
+    let ntok = [1usize, 2, 1, 3];
+    let tables: Vec<Vec<i32>> =
+        ctx.iter().map(|&c| (0..(c + 255) / 256).map(|_| rng.below(200) as i32).collect()).collect();
+    let slots = [live[3], live[0], live[7], live[15]];
+    let batch: Vec<DecodeSeq<'_>> = (0..4)
+        .map(|i| DecodeSeq {
+            position: slots[i],
+            context_len: ctx[i],
+            num_tokens: ntok[i],
+            block_table: &tables[i],
+        })
+        .collect();
+    assert_eq!(path.stage(&batch).unwrap(), 7);
+    path.build().unwrap();
+    // One row per token of the capacity (8): the pad's row is never read.
+    let topk_rows: Vec<Vec<i32>> = (0..8).map(|t| (0..16).map(|k| t + 3 * k).collect()).collect();
+    let topk = upload_topk(&pool, &topk_rows, 16);
+    // SAFETY: `topk` is live memory of the pool's backend holding [max_tokens = 8][16]
+    // non-negative i32.
+    unsafe { path.csa_pack(topk.ptr, 16).unwrap() };
+    let read = |b| path.read_i32(b).unwrap();
+    let (rpb_hca, rpb_csa) = (g.block_size / 128, g.block_size / 4);
+    let mut t = 0usize;
+    for b in 0..4 {
+        for k in 0..ntok[b] {
+            let p = ctx[b] - ntok[b] as i64 + k as i64;
+            let n = (p + 1).min(128);
+            for c in Class::ALL {
+                let (ptr, idx, dest) = (
+                    read(DecodeBuffer::Indptr(c)),
+                    read(DecodeBuffer::Indices(c)),
+                    read(DecodeBuffer::DestRows(c)),
+                );
+                let slice = &idx[ptr[t] as usize..ptr[t + 1] as usize];
+                let tail = window(&g, c, slots[b], p - n + 1..p + 1);
+                assert_eq!(&slice[slice.len() - n as usize..], &tail[..], "class {c} token {t}: window tail");
+                assert_eq!(dest[t], *tail.last().unwrap(), "class {c} token {t}: dest row");
+                let head = &slice[..slice.len() - n as usize];
+                match c {
+                    Class::Dense => assert!(head.is_empty()),
+                    Class::Hca => {
+                        assert_eq!(
+                            head.len() as i64,
+                            ((p + 1) / 128).min(ctx[b] / 128),
+                            "token {t}: HCA head"
+                        );
+                        for (e, &v) in head.iter().enumerate() {
+                            assert_eq!(
+                                v,
+                                compressed(&g, c, &tables[b], e as i64, rpb_hca),
+                                "token {t} HCA entry {e}"
+                            );
+                        }
+                    }
+                    Class::Csa => {
+                        assert_eq!(
+                            head.len() as i64,
+                            ((p + 1) / 4).min(ctx[b] / 4).min(16),
+                            "token {t}: CSA head"
+                        );
+                        for (e, &v) in head.iter().enumerate() {
+                            let want = compressed(&g, c, &tables[b], i64::from(topk_rows[t][e]), rpb_csa);
+                            assert_eq!(v, want, "token {t} CSA head {e}");
+                        }
+                    }
+                }
             }
+            t += 1;
         }
     }
-    // SAFETY: nothing queued uses them (the host backend runs work immediately).
-    unsafe {
-        host.free(topk_alloc);
-        bufs.release(&host);
+    // Pads: batch id −1 and empty slices.
+    assert_eq!(read(DecodeBuffer::BatchIds)[7], -1);
+    let hp = read(DecodeBuffer::Indptr(Class::Hca));
+    assert_eq!(hp[8], hp[7]);
+    // SAFETY: the host backend ran the pack already; nothing uses the allocation.
+    unsafe { pool.backend().free(topk) };
+}
+
+#[test]
+fn prefill_path_writes_what_the_geometry_says() {
+    use v4pool::pool::{PrefillBuffer, PrefillCapacity, PrefillSeq};
+    let pool = pool(200);
+    let g = pool.geometry().unwrap();
+    let cap = PrefillCapacity {
+        max_seqs: 3,
+        max_tokens: 700,
+        max_blocks_per_seq: 24,
+        win: 128,
+        index_topk: 16,
+        max_hca_entries: None,
+    };
+    let mut path = pool.prefill_path(cap).unwrap();
+    let live: Vec<i64> = g.live_positions().collect();
+    // A fresh prompt, a chunk resumed mid-window, a chunk resumed deep in its context.
+    let chunks = [(0i64, 200usize), (90, 60), (5000, 300)];
+    let slots = [live[5], live[1], live[9]];
+    let mut rng = XorShift(7);
+    let tables: Vec<Vec<i32>> = chunks
+        .iter()
+        .map(|&(cs, n)| (0..(cs + n as i64 + 255) / 256).map(|_| rng.below(200) as i32).collect())
+        .collect();
+    let batch: Vec<PrefillSeq<'_>> = (0..3)
+        .map(|i| PrefillSeq {
+            position: slots[i],
+            chunk_start: chunks[i].0,
+            num_tokens: chunks[i].1,
+            block_table: &tables[i],
+        })
+        .collect();
+    assert_eq!(path.stage(&batch).unwrap(), 560);
+    path.build().unwrap();
+    let topk_rows: Vec<Vec<i32>> = (0..560).map(|t| (0..16).map(|k| (t % 7) + k).collect()).collect();
+    let topk = upload_topk(&pool, &topk_rows, 16);
+    // SAFETY: `topk` holds [560 staged tokens][16] non-negative i32 on the pool's backend.
+    unsafe { path.csa_pack(topk.ptr, 16).unwrap() };
+    let read = |b| path.read_i32(b).unwrap();
+    let (ext_ptr, ext) = (read(PrefillBuffer::ExtendIndptr), read(PrefillBuffer::ExtendIndices));
+    let bufs: Vec<(Vec<i32>, Vec<i32>)> = Class::ALL
+        .iter()
+        .map(|&c| (read(PrefillBuffer::Indptr(c)), read(PrefillBuffer::Indices(c))))
+        .collect();
+    let (mut t, mut cu) = (0usize, 0i64);
+    for b in 0..3 {
+        let (cs, n) = chunks[b];
+        let ctx = cs + n as i64;
+        for p in cs..ctx {
+            let low = (p - 127).max(0);
+            let e = (p - cs + 1).min(128);
+            let pre = (cs - low).max(0);
+            let want_ext: Vec<i32> = (0..e).map(|k| (cu + (p - cs) - e + 1 + k) as i32).collect();
+            assert_eq!(
+                &ext[ext_ptr[t] as usize..ext_ptr[t + 1] as usize],
+                &want_ext[..],
+                "token {t}: extend"
+            );
+            for c in Class::ALL {
+                let (ptr, idx) = &bufs[c.index()];
+                let slice = &idx[ptr[t] as usize..ptr[t + 1] as usize];
+                let win = window(&g, c, slots[b], low..low + pre);
+                match c {
+                    Class::Dense => assert_eq!(slice, &win[..], "token {t}: prefix_swa"),
+                    Class::Csa => {
+                        let head = ((p + 1) / 4).min(ctx / 4).min(16) as usize;
+                        assert_eq!(slice.len(), head + pre as usize);
+                        assert_eq!(&slice[head..], &win[..], "token {t}: CSA window tail");
+                        for (k, &v) in slice[..head].iter().enumerate() {
+                            let want =
+                                compressed(&g, c, &tables[b], i64::from(topk_rows[t][k]), g.block_size / 4);
+                            assert_eq!(v, want, "token {t}: CSA head {k}");
+                        }
+                    }
+                    Class::Hca => {
+                        let n_hca = ((p + 1) / 128).min(ctx / 128);
+                        assert_eq!(slice.len() as i64, pre + n_hca);
+                        assert_eq!(&slice[..pre as usize], &win[..], "token {t}: HCA window head");
+                        for j in 0..n_hca {
+                            let want = compressed(&g, c, &tables[b], j, g.block_size / 128);
+                            assert_eq!(slice[(pre + j) as usize], want, "token {t}: HCA entry {j}");
+                        }
+                    }
+                }
+            }
+            t += 1;
+        }
+        cu += n as i64;
     }
+    // Refusals: over the tokens, a foreign block, a dead slot, a chunk past i32 positions.
+    let over = [PrefillSeq { position: slots[0], chunk_start: 0, num_tokens: 701, block_table: &tables[2] }];
+    assert!(matches!(path.stage(&over), Err(DecodeError::TooManyTokens { .. })));
+    let bad = [99999i32];
+    let foreign = [PrefillSeq { position: slots[0], chunk_start: 0, num_tokens: 4, block_table: &bad }];
+    assert!(matches!(path.stage(&foreign), Err(DecodeError::BadBlock { .. })));
+    let dead = [PrefillSeq { position: live[0] - 1, chunk_start: 0, num_tokens: 4, block_table: &tables[0] }];
+    assert!(matches!(path.stage(&dead), Err(DecodeError::BadPosition { .. })));
+    let huge =
+        [PrefillSeq { position: slots[0], chunk_start: i64::MAX, num_tokens: 4, block_table: &tables[0] }];
+    assert!(matches!(path.stage(&huge), Err(DecodeError::BadSequence { .. })));
+    // A bounded HCA buffer refuses a forward that needs more.
+    let mut small = pool.prefill_path(PrefillCapacity { max_hca_entries: Some(1000), ..cap }).unwrap();
+    assert!(matches!(small.stage(&batch), Err(DecodeError::BufferFull { .. })));
+    // SAFETY: the host backend ran the pack already; nothing uses the allocation.
+    unsafe { pool.backend().free(topk) };
 }

@@ -5,7 +5,6 @@
 //!
 //! Skipped (with a note on stderr) when build.rs found no clang to build the library.
 
-use bytemuck::bytes_of;
 use std::ffi::{c_char, c_void, CString};
 use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, WindowParams};
 use v4pool::index::host::run_launch;
@@ -45,17 +44,7 @@ impl Emu {
     /// # Safety
     /// As `run_launch`: the pointers in the launch cover what the kernel touches.
     unsafe fn run(&self, launch: &Launch) {
-        let bytes: &[u8] = match launch {
-            Launch::Decode(a) => bytes_of(a),
-            Launch::Prefill(a) => bytes_of(a),
-            Launch::HcaOffsets(a) => bytes_of(a),
-            Launch::CsaPack(a) => bytes_of(a),
-            Launch::RingWrite(a) => bytes_of(a),
-            Launch::RowScatter(a) => bytes_of(a),
-            Launch::FillRuns(a) => bytes_of(a),
-            Launch::CopyRuns(a) => bytes_of(a),
-            Launch::Empty => &[],
-        };
+        let bytes = v4pool::backend::kernel_argument(launch);
         let shape = launch_shape(launch);
         let sym = CString::new(launch.symbol()).unwrap();
         // SAFETY: forwarded from the caller; the argument bytes are the struct the kernel takes.

@@ -92,25 +92,42 @@ proptest! {
         }
         prop_assert!(indices[*indptr.last().unwrap() as usize..].iter().all(|&x| x == -9));
 
-        // The host backend runs the same reference through raw addresses.
-        let mut again = poison.clone();
-        let mut dest2 = vec![-9; t];
+        // The host backend runs the same reference through raw addresses of its own
+        // allocations (it refuses any other address).
+        let b = HostBackend::new();
+        let put = |bytes: &[u8]| {
+            let a = b.alloc_zeroed(bytes.len() as u64).unwrap();
+            // SAFETY: `a` holds `bytes.len()` bytes.
+            unsafe { b.upload(a.ptr, bytes, Stream::DEFAULT).unwrap() };
+            a
+        };
+        let slots_d = put(bytemuck::cast_slice(&slots));
+        let bids_d = put(bytemuck::cast_slice(&bids));
+        let positions_d = put(bytemuck::cast_slice(&positions));
+        let indptr_d = put(bytemuck::cast_slice(&indptr));
+        let again_d = put(bytemuck::cast_slice(&poison));
+        let dest_d = put(bytemuck::cast_slice(&vec![-9i32; t]));
         let mut a = DecodeIndexArgs {
-            state_slot_per_seq: slots.as_ptr() as u64,
-            batch_id_per_token: bids.as_ptr() as u64,
-            positions: positions.as_ptr() as u64,
+            state_slot_per_seq: slots_d.ptr,
+            batch_id_per_token: bids_d.ptr,
+            positions: positions_d.ptr,
             num_tokens: t as i32,
             win,
             ..Default::default()
         };
-        a.classes[CLASS_CSA] = ClassBuffers {
-            params: w,
-            indptr: indptr.as_ptr() as u64,
-            indices: again.as_mut_ptr() as u64,
-            dest_rows: dest2.as_mut_ptr() as u64,
-        };
-        // SAFETY: every address is a live Vec sized for the launch.
-        unsafe { HostBackend::new().launch(&Launch::Decode(a), Stream::DEFAULT).unwrap() };
+        a.classes[CLASS_CSA] =
+            ClassBuffers { params: w, indptr: indptr_d.ptr, indices: again_d.ptr, dest_rows: dest_d.ptr };
+        let mut again = vec![0i32; poison.len()];
+        let mut dest2 = vec![0i32; t];
+        // SAFETY: every address is a live allocation sized for the launch.
+        unsafe {
+            b.launch(&Launch::Decode(a), Stream::DEFAULT).unwrap();
+            b.download(bytemuck::cast_slice_mut(&mut again), again_d.ptr, Stream::DEFAULT).unwrap();
+            b.download(bytemuck::cast_slice_mut(&mut dest2), dest_d.ptr, Stream::DEFAULT).unwrap();
+            for d in [slots_d, bids_d, positions_d, indptr_d, again_d, dest_d] {
+                b.free(d);
+            }
+        }
         prop_assert_eq!(again, indices);
         prop_assert_eq!(dest2, dest);
     }

@@ -186,7 +186,9 @@ fn hostile_configs_are_typed_errors() {
         ("[".repeat(100_000), |e| matches!(e, Json(_))),
         (format!("{{\"a\":{}1{}}}", "[".repeat(5_000), "]".repeat(5_000)), |e| matches!(e, Json(_))),
         ("{}".into(), |e| matches!(e, MissingKey { key: "num_hidden_layers" })),
-        (flash_with("compress_ratios", None), |e| matches!(e, MissingKey { key: "compress_ratios" })),
+        (flash_with("compress_ratios", None), |e| {
+            matches!(e, MissingKey { key: "compress_ratios (or layer_types)" })
+        }),
         (flash_with("sliding_window", None), |e| matches!(e, MissingKey { key: "sliding_window" })),
         (flash_with("sliding_window", Some("null")), |e| matches!(e, MissingKey { key: "sliding_window" })),
         (flash_with("index_topk", None), |e| matches!(e, MissingKey { key: "index_topk" })),
@@ -394,4 +396,200 @@ proptest! {
             Err(e) => prop_assert!(!e.variant_name().is_empty()),
         }
     }
+}
+
+// ---- config forms (issue 9) and bounded reads (issue 10 point 7) -------------------------
+
+/// The Flash config with its ratios written as transformers does: `layer_types` names (the
+/// trunk's 43, or all 44 with the MTP layer) and, optionally, the `compress_rates` map.
+fn flash_native(with_mtp: bool, rates: bool, keep_list: Option<&str>) -> String {
+    let names: Vec<serde_json::Value> = flash_ratios()[..if with_mtp { 44 } else { 43 }]
+        .iter()
+        .map(|r| match r {
+            0 => "sliding_attention",
+            4 => "compressed_sparse_attention",
+            _ => "heavily_compressed_attention",
+        })
+        .map(serde_json::Value::from)
+        .collect();
+    let mut v: serde_json::Value = serde_json::from_str(&flash_config()).unwrap();
+    let obj = v.as_object_mut().unwrap();
+    obj.remove("compress_ratios");
+    if let Some(list) = keep_list {
+        obj.insert("compress_ratios".into(), serde_json::from_str(list).unwrap());
+    }
+    obj.insert("layer_types".into(), names.into());
+    if rates {
+        obj.insert(
+            "compress_rates".into(),
+            serde_json::json!({"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}),
+        );
+    }
+    v.to_string()
+}
+
+#[test]
+fn every_config_form_gives_one_layout() {
+    use v4pool::checkpoint::layout_id;
+    use v4pool::model::RatioForm;
+    use v4pool::sizing::{IndexerDtype, KvDtype, PoolLayout};
+    let zeros = list(&flash_ratios());
+    let ones = list(&flash_ratios().iter().map(|&r| if r == 0 { 1 } else { r }).collect::<Vec<_>>());
+    let forms = [
+        (flash_config(), RatioForm::CompressRatios),
+        (flash_with("compress_ratios", Some(&ones)), RatioForm::CompressRatios),
+        (flash_native(false, true, None), RatioForm::LayerTypes),
+        (flash_native(true, false, None), RatioForm::LayerTypes),
+        (flash_native(false, true, Some(&ones)), RatioForm::Both),
+        (flash_native(true, true, Some(&zeros)), RatioForm::Both),
+    ];
+    let want = ModelShape::from_config_json(&flash_config(), 1).unwrap();
+    assert_eq!(want.ratios, ModelShape::v4_flash(1).unwrap().ratios);
+    for (text, form) in forms {
+        let got = ModelShape::read_config(&text, 1, None).unwrap_or_else(|e| panic!("{form:?}: {e}"));
+        assert_eq!(got.ratio_form, form);
+        assert_eq!(got.shape, want, "{form:?}: another model");
+        for kv in [KvDtype::Fp8, KvDtype::Bf16] {
+            let (a, b) = (
+                PoolLayout::new(&got.shape, kv, IndexerDtype::Fp4).unwrap(),
+                PoolLayout::new(&want, kv, IndexerDtype::Fp4).unwrap(),
+            );
+            assert_eq!(a, b);
+            assert_eq!(layout_id(&a).unwrap(), layout_id(&b).unwrap());
+        }
+        // The report names exactly the ratio keys the form used, and what else was read.
+        let ratio_keys: Vec<&str> = got
+            .keys_read
+            .iter()
+            .copied()
+            .filter(|k| ["compress_ratios", "layer_types", "compress_rates"].contains(k))
+            .collect();
+        let expect: &[&str] = match form {
+            RatioForm::CompressRatios => &["compress_ratios"],
+            RatioForm::LayerTypes if text.contains("compress_rates") => &["layer_types", "compress_rates"],
+            RatioForm::LayerTypes => &["layer_types"],
+            RatioForm::Both => &["compress_ratios", "layer_types", "compress_rates"],
+        };
+        assert_eq!(ratio_keys, expect, "{form:?}");
+        for key in ["num_hidden_layers", "num_nextn_predict_layers", "sliding_window", "index_topk"] {
+            assert!(got.keys_read.contains(&key), "{form:?}: {key} not reported");
+        }
+        assert!(!got.keys_read.contains(&"hidden_size"), "hidden_size is not read");
+    }
+}
+
+#[test]
+fn contradictory_or_unknown_forms_are_typed_errors() {
+    use ModelError::*;
+    // Layer 3 is HCA in the list, CSA in layer_types.
+    let mut r = flash_ratios();
+    r[3] = 4;
+    let text = flash_native(false, true, Some(&list(&r)));
+    assert_eq!(
+        ModelShape::from_config_json(&text, 0),
+        Err(FormsDisagree { layer: 3, compress_ratios: 4, layer_types: 128 })
+    );
+    // Ratios in another order are another model, not a match.
+    let mut swapped = flash_ratios();
+    swapped.swap(2, 3);
+    assert!(matches!(
+        ModelShape::from_config_json(&flash_native(true, true, Some(&list(&swapped))), 0),
+        Err(FormsDisagree { layer: 2, .. })
+    ));
+    let cases: Vec<(String, fn(&ModelError) -> bool)> = vec![
+        (
+            flash_native(true, true, None).replace("\"sliding_attention\"", "\"full_attention\""),
+            |e| matches!(e, UnknownLayerType { layer: 0, got } if got == "full_attention"),
+        ),
+        (
+            flash_native(true, true, None)
+                .replace("\"compressed_sparse_attention\":4", "\"compressed_sparse_attention\":8"),
+            |e| matches!(e, BadValue { key: "compress_rates", .. }),
+        ),
+        (
+            flash_native(true, true, None)
+                .replace("\"heavily_compressed_attention\":128", "\"heavily_compressed_attention\":4"),
+            |e| matches!(e, BadValue { key: "compress_rates", .. }),
+        ),
+        (
+            flash_native(true, false, None)
+                .replace("\"layer_types\":[", "\"compress_rates\":[4],\"layer_types\":["),
+            |e| matches!(e, WrongType { key: "compress_rates", .. }),
+        ),
+        (flash_native(true, false, None).replacen("\"sliding_attention\"", "7", 1), |e| {
+            matches!(e, WrongType { key: "layer_types", .. })
+        }),
+        (flash_with("layer_types", Some("\"sliding_attention\"")), |e| {
+            matches!(e, WrongType { key: "layer_types", got: "a string", .. })
+        }),
+        // 43 names are the trunk (the MTP layer follows); 42 are neither.
+        (flash_native(false, false, None).replacen("\"sliding_attention\",", "", 1), |e| {
+            matches!(e, RatioCount { got: 42, .. })
+        }),
+    ];
+    for (text, check) in cases {
+        match ModelShape::from_config_json(&text, 0) {
+            Err(e) => assert!(check(&e), "unexpected {e:?}"),
+            Ok(m) => panic!("accepted {:?}", m.ratios),
+        }
+    }
+}
+
+/// A fresh directory under the system temp dir.
+fn temp_dir(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("v4pool-model-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// `from_config_path` on `path` in a thread, failing the test if it does not answer in 10 s.
+fn read_path(path: &std::path::Path) -> Result<v4pool::model::ModelConfig, ModelError> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let p = path.to_path_buf();
+    std::thread::spawn(move || tx.send(ModelShape::from_config_path(&p, 0, None)));
+    rx.recv_timeout(std::time::Duration::from_secs(10))
+        .unwrap_or_else(|_| panic!("reading {} hung", path.display()))
+}
+
+#[test]
+fn config_paths_are_read_bounded() {
+    use v4pool::model::MAX_CONFIG_BYTES;
+    let dir = temp_dir("paths");
+    let file = dir.join("config.json");
+    std::fs::write(&file, flash_config()).unwrap();
+    let got = read_path(&file).unwrap();
+    assert_eq!(got.shape.ratios, ModelShape::v4_flash(0).unwrap().ratios);
+    assert_eq!(got.shape.name, file.display().to_string());
+    // A directory means its config.json.
+    assert_eq!(read_path(&dir).unwrap().shape.name, file.display().to_string());
+    // Whitespace past the cap: refused, though it is valid JSON.
+    let big = dir.join("big.json");
+    let mut text = flash_config().into_bytes();
+    text.resize(MAX_CONFIG_BYTES as usize + 1, b' ');
+    std::fs::write(&big, &text).unwrap();
+    assert!(matches!(read_path(&big), Err(ModelError::TooLarge { limit, .. }) if limit == MAX_CONFIG_BYTES));
+    text.truncate(MAX_CONFIG_BYTES as usize);
+    std::fs::write(&big, &text).unwrap();
+    assert!(read_path(&big).is_ok(), "exactly the cap is fine");
+    std::fs::write(&big, [0xff, 0xfe, b'{']).unwrap();
+    assert!(matches!(read_path(&big), Err(ModelError::Json(_))));
+    assert!(matches!(read_path(&dir.join("missing.json")), Err(ModelError::Io { .. })));
+    // Devices and FIFOs: refused before they are read, without hanging.
+    for dev in ["/dev/zero", "/dev/urandom", "/dev/null"] {
+        if std::path::Path::new(dev).exists() {
+            let got = read_path(std::path::Path::new(dev));
+            assert!(
+                matches!(got, Err(ModelError::NotAFile { kind: "a character device", .. })),
+                "{dev}: {got:?}"
+            );
+        }
+    }
+    let fifo = dir.join("fifo.json");
+    if std::process::Command::new("mkfifo").arg(&fifo).status().is_ok_and(|s| s.success()) {
+        assert!(matches!(read_path(&fifo), Err(ModelError::NotAFile { kind: "a FIFO", .. })));
+    } else {
+        println!("SKIP: mkfifo unavailable; FIFO case not run");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

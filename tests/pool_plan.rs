@@ -32,7 +32,6 @@ fn overhead_stays_under_one_percent_at_production_sizes() {
                 max_blocks_per_seq: (1 << 20) / 256 + 1,
                 win: 128,
                 index_topk: topk,
-                csa_layers: model.n_csa(),
             };
             let o = Overhead::estimate(&spec, Some(cap)).unwrap();
             assert!(o.index_bytes > 0 && o.host_bytes > 0 && o.descriptor_bytes > 0);

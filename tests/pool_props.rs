@@ -7,72 +7,22 @@ use proptest::prelude::*;
 use std::collections::HashMap;
 use std::sync::Arc;
 use v4pool::alloc::{BlockHandle, SlotHandle};
-use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
-use v4pool::backend::host::HostBackend;
-use v4pool::backend::{Backend, Stream};
+use v4pool::backend::Backend;
 use v4pool::boundary::BoundaryChange;
-use v4pool::pool::{Pool, PoolSpec};
-use v4pool::GeometrySpec;
+use v4pool::pool::Pool;
 
-const WIDTHS: [u64; 2] = [64, 32];
+mod pool_common;
+use pool_common::{pattern, WIDTHS};
+
 const POSITIONS: i64 = 12;
-
-fn field(name: &str, rows: u64, fill: Fill, carried: bool) -> StateField {
-    StateField {
-        name: name.into(),
-        layers: 2,
-        shape: vec![rows, 8],
-        dtype: Dtype::F32,
-        fill,
-        carried,
-        align: 256,
-    }
-}
 
 /// A small pool: ratios [0,4,128,4,128,0], ring 11, a 3-field arena in two planes.
 fn small_pool(initial_slots: i64) -> Pool {
-    small_pool_on(Arc::new(HostBackend::new()), initial_slots)
+    pool_common::small_pool(POSITIONS, initial_slots)
 }
 
 fn small_pool_on(backend: Arc<dyn Backend>, initial_slots: i64) -> Pool {
-    let arena = ArenaLayout::new(
-        vec![
-            field("csa_kv", 10, Fill::Zero, true),
-            field("csa_score", 10, Fill::NegInf, true),
-            field("hca_kv", 24, Fill::Zero, false),
-        ],
-        &WIDTHS,
-    )
-    .expect("arena");
-    let probe = GeometrySpec::new(vec![0, 4, 128, 4, 128, 0], 0, 0, 11, 256)
-        .arena_rows(arena.arena_rows())
-        .slot_align_rows(arena.slot_align_rows())
-        .build()
-        .expect("geometry");
-    let plane_rows = POSITIONS * probe.slot_rows;
-    let blocks = (POSITIONS - initial_slots) * probe.slot_rows / probe.envelope_rows;
-    let geometry = probe.with_capacity(blocks, initial_slots, Some(plane_rows)).expect("carve");
-    let spec = PoolSpec {
-        geometry,
-        plane_widths: WIDTHS.to_vec(),
-        arena,
-        indexer: Some(v4pool::sizing::IndexerDtype::Fp8),
-        csa_layers: vec![1, 3],
-    };
-    Pool::new(backend, spec, Stream::DEFAULT).expect("pool")
-}
-
-/// A deterministic byte pattern for a holder's seed at a byte offset.
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
+    pool_common::small_pool_on(backend, POSITIONS, initial_slots)
 }
 
 /// Bytes of a block in both planes (its envelope rows).
@@ -266,8 +216,8 @@ fn run_on(pool: Pool, ops: Vec<Op>) {
                 // Checkpoint slot A, restore into a fresh slot B: B's image ranges equal A's,
                 // and every byte of B outside them is what B held before.
                 let a = i % m.slots.len();
-                let mut image = vec![0u8; image_bytes];
-                pool.checkpoint(m.slots[a].0, &mut image).expect("checkpoint");
+                let image = pool.checkpoint(m.slots[a].0).expect("checkpoint");
+                assert_eq!(image.bytes().len(), image_bytes);
                 if let Ok(lease) = pool.alloc_slot() {
                     let r = slot_ranges(&pool, lease.position);
                     let before_b = read(&pool, &r);
@@ -378,11 +328,10 @@ fn concurrent_checkpoints_stay_exact() {
                 for i in 0..100u64 {
                     let r = slot_ranges(&pool, a.position);
                     write(&pool, &r, &pattern(k * 1000 + i, r.iter().map(|x| x.2 as usize).sum()));
-                    let mut image = vec![0u8; image_bytes];
-                    pool.checkpoint(a.handle, &mut image).expect("checkpoint");
+                    let image = pool.checkpoint(a.handle).expect("checkpoint");
+                    assert_eq!(image.bytes().len(), image_bytes);
                     pool.restore(b.handle, &image).expect("restore");
-                    let mut back = vec![0u8; image_bytes];
-                    pool.checkpoint(b.handle, &mut back).expect("checkpoint b");
+                    let back = pool.checkpoint(b.handle).expect("checkpoint b");
                     assert_eq!(image, back, "thread {k} round {i}: image changed on its way");
                 }
             })

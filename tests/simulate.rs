@@ -33,7 +33,7 @@ fn both_policies_run_the_same_workload_and_release_everything() {
     let requests = workload(&cfg);
     let mut reports = Vec::new();
     for policy in [SplitPolicy::Elastic, SplitPolicy::Fixed] {
-        let pool = pool(1 << 30, cfg.max_seqs as i64);
+        let pool = std::sync::Arc::new(pool(1 << 30, cfg.max_seqs as i64));
         let r = simulate(&pool, &cfg, policy, &requests).unwrap();
         let c = pool.counts().unwrap();
         assert_eq!(c.free_blocks, c.num_blocks, "{policy:?} leaked blocks");

@@ -2,22 +2,39 @@
 //! ([`crate::index::host`]), run immediately on the calling thread; the stream is ignored.
 //!
 //! It is the reference the GPU backends are checked against, and what the CLI and the
-//! simulator use without a GPU. Beyond the trait's contract it checks what it cheaply can:
-//! copies and fills must lie inside one live allocation, launches go through
-//! [`crate::index::shape::check_launch`] and the references' bounds checks, and freeing an
-//! address it did not hand out does nothing. Those are errors here where a GPU would fault or
-//! corrupt memory.
+//! simulator use without a GPU. Beyond the trait's contract it checks everything it can, so
+//! a wrong address is a typed [`BackendError`], never a write through it:
+//!
+//! * it tracks every allocation it made; uploads, downloads, copies and fills must lie inside
+//!   one live allocation ([`BackendError::OutsideAllocation`]);
+//! * launches run through [`run_launch_within`] with the live allocations as the only
+//!   memory the kernel may touch: every buffer a kernel reads or writes (the descriptors of
+//!   copy and fill runs and every run they name included) must lie inside one allocation,
+//!   and a written buffer may not overlap another buffer of the launch;
+//! * launches also pass [`crate::index::shape::check_launch`] and the references' own
+//!   bounds checks; freeing an address it did not hand out does nothing.
+//!
+//! # Memory is committed lazily
+//!
+//! An allocation is `calloc`-style zeroed memory (`std::alloc::alloc_zeroed` at the system
+//! allocator's natural alignment, which the system allocator serves from `calloc`; glibc
+//! maps large blocks fresh from the kernel and skips the memset), aligned to
+//! [`HOST_ALLOC_ALIGN`] inside a slightly larger block. The OS commits a page on first touch,
+//! so a pool sized for a large budget costs resident memory only for what a run writes. The
+//! contents are zero, as [`Backend::alloc_zeroed`] promises and the pool relies on (fresh
+//! rows and a fresh state read as zero until initialised).
 //!
 //! # Why `Send + Sync`
-//! The backend owns no raw pointer: live allocations are a map of integers (base → bytes)
-//! behind a `Mutex`, so the auto traits hold and sharing it between threads is sound. The
-//! memory those integers name is touched only inside the `unsafe` methods, whose callers
-//! promise (see [`crate::backend`]) that the ranges are live and that work touching one range
-//! is ordered — the same promise a device backend relies on for its streams. Work is
-//! immediate, so nothing is in flight between calls.
+//! The backend owns no raw pointer: live allocations are a map of integers behind a `Mutex`,
+//! so the auto traits hold and sharing it between threads is sound. The memory those integers
+//! name is touched only inside the `unsafe` methods, whose callers promise (see
+//! [`crate::backend`]) that work touching one range is ordered — the same promise a device
+//! backend relies on for its streams. Work is immediate, so nothing is in flight between calls.
 
+use super::size::{range_end, to_usize, word_bytes};
 use super::{Backend, BackendError, BackendKind, DeviceAllocation, Stream};
-use crate::index::host::run_launch;
+use crate::index::bounds::run_launch_within;
+use crate::index::host::HostKernelError;
 use crate::index::{DevicePtr, Launch};
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::BTreeMap;
@@ -26,21 +43,43 @@ use std::sync::{Mutex, MutexGuard};
 /// Alignment of every allocation, as device allocators give at least this.
 pub const HOST_ALLOC_ALIGN: usize = 256;
 
+/// Alignment asked of the system allocator. At most the platform's `malloc` alignment, so
+/// `alloc_zeroed` is a `calloc` (lazily committed) rather than an aligned allocation followed
+/// by a memset of the whole block (committed at once).
+const SYSTEM_ALIGN: usize = 16;
+
+const KIND: BackendKind = BackendKind::Host;
+
+/// One live allocation.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    /// Bytes the caller asked for (the range that may be touched).
+    bytes: u64,
+    /// Address the system allocator returned (exposed provenance), and the size asked of it.
+    raw: usize,
+    raw_size: usize,
+}
+
 /// Host memory and host kernels behind the [`Backend`] trait.
 #[derive(Debug, Default)]
 pub struct HostBackend {
-    /// Live allocations: base address → requested bytes.
-    live: Mutex<BTreeMap<u64, u64>>,
+    /// Live allocations: aligned base address → block.
+    live: Mutex<BTreeMap<u64, Block>>,
 }
 
-/// Layout of an allocation of `bytes` (zero-byte requests take one byte: a real, unique
-/// address that `free` can return).
-fn layout(bytes: u64) -> Option<Layout> {
-    let size = usize::try_from(bytes.max(1)).ok()?;
-    Layout::from_size_align(size, HOST_ALLOC_ALIGN).ok()
+/// Size asked of the system allocator for `bytes` usable bytes aligned to
+/// [`HOST_ALLOC_ALIGN`] (zero-byte requests take one byte: a real, unique address that `free`
+/// can return).
+fn raw_size(bytes: u64) -> Result<usize, BackendError> {
+    let usable = to_usize(KIND, "alloc_zeroed", "bytes", bytes.max(1))?;
+    usable
+        .checked_add(HOST_ALLOC_ALIGN - SYSTEM_ALIGN)
+        .filter(|&n| n <= isize::MAX as usize)
+        .ok_or(BackendError::TooLarge { backend: KIND, call: "alloc_zeroed", what: "bytes", value: bytes })
 }
 
 impl HostBackend {
+    /// An empty host backend (no live allocations).
     pub fn new() -> Self {
         Self::default()
     }
@@ -52,36 +91,46 @@ impl HostBackend {
 
     /// Bytes held by live allocations.
     pub fn allocated_bytes(&self) -> u64 {
-        self.live().values().sum()
+        self.live().values().map(|b| b.bytes).sum()
     }
 
-    fn live(&self) -> MutexGuard<'_, BTreeMap<u64, u64>> {
+    fn live(&self) -> MutexGuard<'_, BTreeMap<u64, Block>> {
         // A poisoned lock only means another thread panicked while holding it; the map itself
         // is always consistent (single insert/remove calls).
         self.live.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// `addr .. addr + len` inside one live allocation, or the error the call reports.
+    /// `addr .. addr + len` inside one live allocation (an empty range anywhere), or the
+    /// error `call` reports.
     fn check_range(&self, call: &'static str, addr: DevicePtr, len: u64) -> Result<(), BackendError> {
-        let live = self.live();
-        let inside = live
-            .range(..=addr)
-            .next_back()
-            .is_some_and(|(&base, &bytes)| addr.checked_add(len).is_some_and(|end| end <= base + bytes));
-        if inside || len == 0 {
+        let end = range_end(KIND, call, addr, len)?;
+        if len == 0 {
             return Ok(());
         }
-        Err(BackendError::Driver {
-            backend: BackendKind::Host,
-            call,
-            message: format!("range {addr:#x}+{len} is not inside one live allocation"),
-        })
+        let live = self.live();
+        let inside = live.range(..=addr).next_back().is_some_and(|(&base, b)| end <= base + b.bytes);
+        if inside {
+            Ok(())
+        } else {
+            Err(BackendError::OutsideAllocation { backend: KIND, call, addr, bytes: len })
+        }
     }
+
+    /// The live allocations as `(base, bytes)`, for [`run_launch_within`].
+    fn live_ranges(&self) -> Vec<(u64, u64)> {
+        self.live().iter().map(|(&base, b)| (base, b.bytes)).collect()
+    }
+}
+
+/// The host address `addr` names (an allocation of this backend, whose provenance was exposed
+/// when it was made).
+fn host_ptr(addr: DevicePtr) -> *mut u8 {
+    std::ptr::with_exposed_provenance_mut(addr as usize)
 }
 
 impl Backend for HostBackend {
     fn kind(&self) -> BackendKind {
-        BackendKind::Host
+        KIND
     }
 
     fn device_name(&self) -> String {
@@ -89,34 +138,42 @@ impl Backend for HostBackend {
     }
 
     fn alloc_zeroed(&self, bytes: u64) -> Result<DeviceAllocation, BackendError> {
-        let oom = |message: &str| BackendError::OutOfMemory {
-            backend: BackendKind::Host,
-            bytes,
-            message: message.to_string(),
-        };
-        let layout = layout(bytes).ok_or_else(|| oom("size does not fit this host's address space"))?;
+        let size = raw_size(bytes)?;
+        let oom =
+            |message: &str| BackendError::OutOfMemory { backend: KIND, bytes, message: message.to_string() };
+        let layout = Layout::from_size_align(size, SYSTEM_ALIGN).map_err(|e| oom(&e.to_string()))?;
         // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { alloc_zeroed(layout) };
-        if ptr.is_null() {
+        let raw = unsafe { alloc_zeroed(layout) };
+        if raw.is_null() {
             return Err(oom("the host allocator refused"));
         }
-        let addr = ptr as usize as u64;
-        self.live().insert(addr, bytes);
+        let offset = raw.align_offset(HOST_ALLOC_ALIGN);
+        // `raw_size` left `HOST_ALLOC_ALIGN - SYSTEM_ALIGN` spare bytes and the system
+        // allocator aligns to SYSTEM_ALIGN, so the aligned base and `bytes` fit the block.
+        debug_assert!(offset <= HOST_ALLOC_ALIGN - SYSTEM_ALIGN);
+        // SAFETY: `offset` stays inside the block (above).
+        let base = unsafe { raw.add(offset) };
+        // Exposed: every later access rebuilds the pointer from the integer address.
+        let addr = base.expose_provenance() as u64;
+        let block = Block { bytes, raw: raw.expose_provenance(), raw_size: size };
+        self.live().insert(addr, block);
         Ok(DeviceAllocation { ptr: addr, bytes })
     }
 
     unsafe fn free(&self, alloc: DeviceAllocation) {
-        let known = self.live().remove(&alloc.ptr);
-        // An address this backend did not hand out (or already freed) is left alone.
-        if let (Some(bytes), Some(layout)) = (known, layout(alloc.bytes)) {
-            if bytes == alloc.bytes {
-                // SAFETY: `ptr` came from `alloc_zeroed` with this layout (same byte count) and
-                // was live until the removal above; the caller promises no further use.
-                unsafe { dealloc(alloc.ptr as usize as *mut u8, layout) };
-            } else {
-                // Wrong size: put it back rather than free with a layout it was not made with.
-                self.live().insert(alloc.ptr, bytes);
-            }
+        let mut live = self.live();
+        // An address this backend did not hand out (or already freed), or one with another
+        // size, is left alone rather than freed with a layout it was not made with.
+        let Some(block) = live.get(&alloc.ptr).copied().filter(|b| b.bytes == alloc.bytes) else {
+            return;
+        };
+        live.remove(&alloc.ptr);
+        drop(live);
+        // SAFETY: `raw` came from `alloc_zeroed` with this size and alignment (the layout was
+        // valid then) and was live until the removal above; the caller promises no further use.
+        unsafe {
+            let layout = Layout::from_size_align_unchecked(block.raw_size, SYSTEM_ALIGN);
+            dealloc(std::ptr::with_exposed_provenance_mut(block.raw), layout);
         }
     }
 
@@ -125,7 +182,7 @@ impl Backend for HostBackend {
         if !src.is_empty() {
             // SAFETY: `dst` range is inside a live allocation (checked) which cannot overlap the
             // borrowed host slice `src`.
-            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as usize as *mut u8, src.len()) };
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), host_ptr(dst), src.len()) };
         }
         Ok(())
     }
@@ -134,7 +191,7 @@ impl Backend for HostBackend {
         self.check_range("download", src, dst.len() as u64)?;
         if !dst.is_empty() {
             // SAFETY: `src` range is inside a live allocation (checked), disjoint from `dst`.
-            unsafe { std::ptr::copy_nonoverlapping(src as usize as *const u8, dst.as_mut_ptr(), dst.len()) };
+            unsafe { std::ptr::copy_nonoverlapping(host_ptr(src), dst.as_mut_ptr(), dst.len()) };
         }
         Ok(())
     }
@@ -151,18 +208,13 @@ impl Backend for HostBackend {
         if bytes == 0 {
             return Ok(());
         }
+        // No wrap: both ends were checked by `check_range`.
         if src < dst + bytes && dst < src + bytes {
-            return Err(BackendError::Driver {
-                backend: BackendKind::Host,
-                call: "copy",
-                message: format!("ranges {src:#x} and {dst:#x} of {bytes} bytes overlap"),
-            });
+            return Err(BackendError::Overlap { backend: KIND, call: "copy", src, dst, bytes });
         }
         // SAFETY: both ranges are inside live allocations (checked) and disjoint (checked);
         // `bytes` fits usize because an allocation of at least that size exists.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src as usize as *const u8, dst as usize as *mut u8, bytes as usize)
-        };
+        unsafe { std::ptr::copy_nonoverlapping(host_ptr(src), host_ptr(dst), bytes as usize) };
         Ok(())
     }
 
@@ -173,33 +225,29 @@ impl Backend for HostBackend {
         value: u32,
         _stream: Stream,
     ) -> Result<(), BackendError> {
-        let bytes = count.checked_mul(4).ok_or_else(|| BackendError::Driver {
-            backend: BackendKind::Host,
-            call: "fill_u32",
-            message: format!("{count} words overflow a byte count"),
-        })?;
+        let bytes = word_bytes(KIND, "fill_u32", count)?;
         self.check_range("fill_u32", dst, bytes)?;
         if count == 0 {
             return Ok(());
         }
         if dst % 4 != 0 {
-            return Err(BackendError::Driver {
-                backend: BackendKind::Host,
-                call: "fill_u32",
-                message: format!("address {dst:#x} is not 4-byte aligned"),
-            });
+            return Err(BackendError::Misaligned { backend: KIND, call: "fill_u32", addr: dst, align: 4 });
         }
         // SAFETY: aligned, inside a live allocation (checked); the caller orders all use of it.
-        let words = unsafe { std::slice::from_raw_parts_mut(dst as usize as *mut u32, count as usize) };
+        let words = unsafe { std::slice::from_raw_parts_mut(host_ptr(dst).cast::<u32>(), count as usize) };
         words.fill(value);
         Ok(())
     }
 
     unsafe fn launch(&self, launch: &Launch, _stream: Stream) -> Result<(), BackendError> {
-        // SAFETY: the caller's promise (every pointer covers what the kernel touches) is the
-        // one `run_launch` needs.
-        unsafe { run_launch(launch) }
-            .map_err(|e| BackendError::InvalidLaunch { kernel: launch.symbol(), reason: e.to_string() })
+        // SAFETY: the kernel may touch only the live allocations (checked buffer by buffer),
+        // which this backend made and the caller orders all other use of (the trait contract).
+        unsafe { run_launch_within(launch, self.live_ranges()) }.map_err(|e| match e {
+            HostKernelError::OutsideAllocation { buffer, addr, bytes } => {
+                BackendError::OutsideAllocation { backend: KIND, call: buffer, addr, bytes }
+            }
+            e => BackendError::InvalidLaunch { kernel: launch.symbol(), reason: e.to_string() },
+        })
     }
 
     fn synchronize(&self, _stream: Stream) -> Result<(), BackendError> {
@@ -208,63 +256,4 @@ impl Backend for HostBackend {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn allocations_are_aligned_zeroed_and_tracked() {
-        let b = HostBackend::new();
-        let a = b.alloc_zeroed(1000).unwrap();
-        let z = b.alloc_zeroed(0).unwrap();
-        assert_eq!(a.ptr % 256, 0);
-        assert_eq!(b.live_allocations(), 2);
-        let mut back = vec![0xffu8; 1000];
-        // SAFETY: inside `a`.
-        unsafe { b.download(&mut back, a.ptr, Stream::DEFAULT).unwrap() };
-        assert!(back.iter().all(|&x| x == 0));
-        // SAFETY: both are live and unused after.
-        unsafe {
-            b.free(a);
-            b.free(z);
-        }
-        assert_eq!(b.live_allocations(), 0);
-    }
-
-    #[test]
-    fn copies_stay_inside_allocations() {
-        let b = HostBackend::new();
-        let a = b.alloc_zeroed(64).unwrap();
-        let c = b.alloc_zeroed(64).unwrap();
-        let data: Vec<u8> = (1..=64).collect();
-        // SAFETY: all ranges lie in `a` / `c` unless the call is expected to fail.
-        unsafe {
-            b.upload(a.ptr, &data, Stream::DEFAULT).unwrap();
-            b.copy(c.ptr + 8, a.ptr + 16, 32, Stream::DEFAULT).unwrap();
-            b.fill_u32(c.ptr + 48, 4, 0xdead_beef, Stream::DEFAULT).unwrap();
-            let mut out = vec![0u8; 64];
-            b.download(&mut out, c.ptr, Stream::DEFAULT).unwrap();
-            let mut want = vec![0u8; 64];
-            want[8..40].copy_from_slice(&data[16..48]);
-            for w in want[48..64].chunks_exact_mut(4) {
-                w.copy_from_slice(&0xdead_beefu32.to_ne_bytes());
-            }
-            assert_eq!(out, want);
-            assert!(b.upload(a.ptr + 1, &data, Stream::DEFAULT).is_err());
-            assert!(b.copy(a.ptr, a.ptr + 8, 16, Stream::DEFAULT).is_err());
-            assert!(b.fill_u32(c.ptr + 2, 1, 0, Stream::DEFAULT).is_err());
-            b.free(a);
-            b.free(c);
-        }
-    }
-
-    #[test]
-    fn bad_launches_are_errors() {
-        let b = HostBackend::new();
-        let l = Launch::RingWrite(Default::default());
-        // SAFETY: rejected before any memory is touched.
-        let err = unsafe { b.launch(&l, Stream::DEFAULT) }.unwrap_err();
-        assert!(matches!(err, BackendError::InvalidLaunch { kernel: "v4pool_ring_write", .. }));
-        // SAFETY: the empty kernel touches nothing.
-        unsafe { b.launch(&Launch::Empty, Stream::DEFAULT).unwrap() };
-    }
-}
+mod tests;

@@ -16,12 +16,29 @@
 //! the device refuses, a kernel the module lacks. Work is asynchronous on device backends and
 //! immediate on the host backend; [`Backend::synchronize`] and [`Backend::download`] are the
 //! points where the host waits.
+//!
+//! # Layout
+//!
+//! * `host.rs` — the host backend (the reference; tracks its allocations and refuses any
+//!   range outside them).
+//! * `cuda/`, `hip/` — the device backends, each split into driver loading, kernel modules,
+//!   the [`Backend`] implementation and its extras (graphs, events, profiler ranges).
+//! * `staging.rs` — the one pinned staging ring both device backends upload through.
+//! * `launch.rs` — the one place a [`Launch`] becomes kernel parameters, a kernel index and
+//!   a grid.
+//! * `select.rs` — which backend a process gets.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(missing_docs)]
 
 pub mod cuda;
 pub mod hip;
 pub mod host;
+pub mod launch;
 pub mod select;
+pub(crate) mod staging;
 
+pub use launch::kernel_argument;
 pub use select::{open, select, BackendChoice};
 
 use crate::index::{DevicePtr, Launch};
@@ -34,14 +51,18 @@ use thiserror::Error;
 pub struct Stream(pub u64);
 
 impl Stream {
+    /// The backend's own stream (each device backend creates a non-blocking one).
     pub const DEFAULT: Stream = Stream(0);
 }
 
 /// Which implementation a backend is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BackendKind {
+    /// Host memory, host reference kernels ([`host::HostBackend`]).
     Host,
+    /// The CUDA driver API ([`cuda::CudaBackend`]).
     Cuda,
+    /// The HIP runtime ([`hip::HipBackend`]).
     Hip,
 }
 
@@ -61,30 +82,168 @@ impl fmt::Display for BackendKind {
 pub struct DeviceAllocation {
     /// Base address, 256-byte aligned.
     pub ptr: DevicePtr,
+    /// Bytes requested (the backend may hold more, e.g. a minimum size for zero bytes).
     pub bytes: u64,
 }
 
 /// What a backend can fail with.
 #[derive(Debug, Error)]
 pub enum BackendError {
+    /// The backend cannot be used on this machine (no driver, no device, no kernel image).
     #[error("{backend} backend unavailable: {reason}")]
-    Unavailable { backend: BackendKind, reason: String },
+    Unavailable {
+        /// Which backend.
+        backend: BackendKind,
+        /// Why, in words.
+        reason: String,
+    },
+    /// A driver or runtime call returned an error.
     #[error("{backend} driver call {call} failed: {message}")]
-    Driver { backend: BackendKind, call: &'static str, message: String },
+    Driver {
+        /// Which backend.
+        backend: BackendKind,
+        /// The driver entry point.
+        call: &'static str,
+        /// The driver's own error text.
+        message: String,
+    },
+    /// The device (or pinned host memory) refused an allocation.
     #[error("{backend} could not allocate {bytes} bytes: {message}")]
-    OutOfMemory { backend: BackendKind, bytes: u64, message: String },
+    OutOfMemory {
+        /// Which backend.
+        backend: BackendKind,
+        /// Bytes asked for.
+        bytes: u64,
+        /// The allocator's reason.
+        message: String,
+    },
+    /// The loaded module lacks a kernel this crate launches.
     #[error("{backend} kernel module has no symbol {symbol}")]
-    MissingKernel { backend: BackendKind, symbol: &'static str },
+    MissingKernel {
+        /// Which backend.
+        backend: BackendKind,
+        /// The kernel symbol.
+        symbol: &'static str,
+    },
+    /// Run-time compilation (NVRTC / hiprtc) failed.
     #[error("{backend} kernel compilation failed: {log}")]
-    Compile { backend: BackendKind, log: String },
+    Compile {
+        /// Which backend.
+        backend: BackendKind,
+        /// The compiler's log.
+        log: String,
+    },
+    /// `V4POOL_BACKEND` names no backend.
     #[error("V4POOL_BACKEND={value} is not one of cuda, hip, host")]
-    UnknownBackendName { value: String },
+    UnknownBackendName {
+        /// The value found.
+        value: String,
+    },
+    /// A launch's arguments failed the checks every backend runs before the device
+    /// ([`crate::index::shape::check_launch`]), or the host reference refused them.
     #[error("invalid launch of {kernel}: {reason}")]
-    InvalidLaunch { kernel: &'static str, reason: String },
+    InvalidLaunch {
+        /// The kernel symbol.
+        kernel: &'static str,
+        /// What was wrong.
+        reason: String,
+    },
+    /// A size or address computation overflows, or a size does not fit this host's `usize`.
+    #[error("{backend} {call}: {what} = {value} overflows or does not fit this host's address space")]
+    TooLarge {
+        /// Which backend.
+        backend: BackendKind,
+        /// The operation.
+        call: &'static str,
+        /// Which quantity.
+        what: &'static str,
+        /// Its value (or the operand that overflowed).
+        value: u64,
+    },
+    /// An address range that is not inside one live allocation of this backend (checked by
+    /// the host backend, which can; a device would fault or corrupt memory instead).
+    #[error("{backend} {call}: {bytes} bytes at {addr:#x} are not inside one live allocation")]
+    OutsideAllocation {
+        /// Which backend.
+        backend: BackendKind,
+        /// The operation (or the kernel buffer) that named the range.
+        call: &'static str,
+        /// Start of the range.
+        addr: u64,
+        /// Its length in bytes.
+        bytes: u64,
+    },
+    /// A copy whose source and destination overlap.
+    #[error("{backend} {call}: source {src:#x} and destination {dst:#x} of {bytes} bytes overlap")]
+    Overlap {
+        /// Which backend.
+        backend: BackendKind,
+        /// The operation.
+        call: &'static str,
+        /// Source address.
+        src: u64,
+        /// Destination address.
+        dst: u64,
+        /// Bytes copied.
+        bytes: u64,
+    },
+    /// An address that is not aligned as the operation requires.
+    #[error("{backend} {call}: address {addr:#x} is not {align}-byte aligned")]
+    Misaligned {
+        /// Which backend.
+        backend: BackendKind,
+        /// The operation.
+        call: &'static str,
+        /// The address.
+        addr: u64,
+        /// The alignment required.
+        align: u64,
+    },
+}
+
+/// Checked sizes: the one place a backend turns a caller's `u64` into a host size or an end
+/// address, so overflow is a [`BackendError::TooLarge`] everywhere, never a wrap.
+pub(crate) mod size {
+    use super::{BackendError, BackendKind};
+
+    /// `value` as a `usize` (`what`: which quantity, for the error).
+    pub(crate) fn to_usize(
+        backend: BackendKind,
+        call: &'static str,
+        what: &'static str,
+        value: u64,
+    ) -> Result<usize, BackendError> {
+        usize::try_from(value).map_err(|_| BackendError::TooLarge { backend, call, what, value })
+    }
+
+    /// Bytes of `count` 32-bit words.
+    pub(crate) fn word_bytes(
+        backend: BackendKind,
+        call: &'static str,
+        count: u64,
+    ) -> Result<u64, BackendError> {
+        count.checked_mul(4).ok_or(BackendError::TooLarge { backend, call, what: "word count", value: count })
+    }
+
+    /// `addr + bytes`, the end of a range.
+    pub(crate) fn range_end(
+        backend: BackendKind,
+        call: &'static str,
+        addr: u64,
+        bytes: u64,
+    ) -> Result<u64, BackendError> {
+        addr.checked_add(bytes).ok_or(BackendError::TooLarge {
+            backend,
+            call,
+            what: "range end",
+            value: addr,
+        })
+    }
 }
 
 /// Allocation, copies and kernel launches on raw addresses. See the module's contract.
 pub trait Backend: Send + Sync + fmt::Debug {
+    /// Which implementation this is.
     fn kind(&self) -> BackendKind;
 
     /// Human-readable device name (e.g. "NVIDIA H200", "host").

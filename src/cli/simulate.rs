@@ -12,7 +12,7 @@
 
 use super::CliError;
 use crate::backend::Backend;
-use crate::pool::{DecodeCapacity, DecodeIndexBuffers, DecodeSeq, Pool, PoolError};
+use crate::pool::{DecodeCapacity, DecodeSeq, Pool, PoolError};
 use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -270,7 +270,7 @@ impl Running {
 
 /// Run the workload on `pool` under `policy`.
 pub fn simulate(
-    pool: &Pool,
+    pool: &Arc<Pool>,
     cfg: &SimConfig,
     policy: SplitPolicy,
     requests: &[RequestSpec],
@@ -298,18 +298,13 @@ pub fn simulate(
         pool.resize(blocks, slots_fit)?;
     }
 
-    let mut decode = DecodeIndexBuffers::new(
-        backend.as_ref(),
-        &geometry,
-        DecodeCapacity {
-            max_seqs: cap_seqs,
-            max_tokens: cap_seqs * cfg.tokens_per_decode,
-            max_blocks_per_seq,
-            win: geometry.ring_slots.min(128) as i32,
-            index_topk: 512,
-            csa_layers: 1,
-        },
-    )?;
+    let mut decode = pool.decode_path(DecodeCapacity {
+        max_seqs: cap_seqs,
+        max_tokens: cap_seqs * cfg.tokens_per_decode,
+        max_blocks_per_seq,
+        win: geometry.ring_slots.min(128) as i32,
+        index_topk: 512,
+    })?;
 
     let mut rep = SimReport {
         policy: match policy {
@@ -457,15 +452,13 @@ pub fn simulate(
                     block_table: t,
                 })
                 .collect();
-            decode.set_live_positions(pool.with_boundary(|b| b.live_positions())?);
             let t0 = Instant::now();
-            decode.stage(backend.as_ref(), &batch, pool.stream())?;
+            decode.stage(&batch)?;
             // Staging here re-sends whole block tables (the simulator re-packs its batch every
             // step); time it apart from the build itself.
             backend.synchronize(pool.stream())?;
             let t1 = Instant::now();
-            // SAFETY: the launch's pointers are the decode buffers' own, sized for this batch.
-            unsafe { backend.launch(&decode.launch(), pool.stream())? };
+            decode.build()?;
             backend.synchronize(pool.stream())?;
             stage_us += (t1 - t0).as_secs_f64() * 1e6;
             build_us.push(t1.elapsed().as_secs_f64() * 1e6);
@@ -531,8 +524,7 @@ pub fn simulate(
     for r in running.drain(..) {
         release(pool, r)?;
     }
-    // SAFETY: the backend synchronised after the last launch; nothing else uses the buffers.
-    unsafe { decode.release(backend.as_ref()) };
+    drop(decode);
     let n = cfg.steps.max(1) as f64;
     rep.mean_running = sum_running / n;
     rep.mean_compressed_tokens = sum_tokens / n;
@@ -997,11 +989,11 @@ fn sim_args(args: &[String]) -> Result<Option<String>, CliError> {
     }
     let mut reports = Vec::new();
     for policy in policies {
-        let pool = Pool::new(
+        let pool = Arc::new(Pool::new(
             backend.clone(),
             crate::pool::PoolSpec::from_plan(&plan)?,
             crate::backend::Stream::DEFAULT,
-        )?;
+        )?);
         reports.push(simulate(&pool, &cfg, policy, &requests)?);
     }
     if let Some(path) = p.get("--svg") {

@@ -19,9 +19,11 @@
 //! whatever the split is, so moving the boundary changes no address. This module knows
 //! nothing of devices, bytes of a particular plane, or allocators.
 
+mod class;
 mod error;
 mod runs;
 
+pub use class::Class;
 pub use error::GeometryError;
 pub use runs::merge_abutting;
 

@@ -52,6 +52,28 @@ pub enum HostKernelError {
     RowWidth { buffer: &'static str, got: usize, expected: usize },
     #[error("CSA copies {stride} elements apart overlap a buffer of {len}")]
     CopiesOverlap { stride: i64, len: usize },
+    /// A buffer outside every range [`super::bounds::run_launch_within`] allows.
+    #[error("{buffer}: {bytes} bytes at {addr:#x} are not inside one live allocation")]
+    OutsideAllocation {
+        /// The kernel's name for the buffer.
+        buffer: &'static str,
+        /// Its first byte.
+        addr: u64,
+        /// Its length in bytes.
+        bytes: u64,
+    },
+    /// A buffer that overlaps another of the same launch where one of them is written.
+    #[error(
+        "{buffer}: {bytes} bytes at {addr:#x} overlap another buffer of the launch that one of them writes"
+    )]
+    Aliased {
+        /// The kernel's name for the buffer.
+        buffer: &'static str,
+        /// Its first byte.
+        addr: u64,
+        /// Its length in bytes.
+        bytes: u64,
+    },
 }
 
 type Result<T> = std::result::Result<T, HostKernelError>;
@@ -576,6 +598,7 @@ unsafe fn input<'a, T>(buffer: &'static str, addr: u64, len: usize) -> Result<&'
         return Ok(&[]);
     }
     check_address::<T>(buffer, addr, len)?;
+    super::bounds::claim(buffer, addr, len * std::mem::size_of::<T>(), false)?;
     // SAFETY: non-null, aligned and sized as checked; readable and unaliased by the caller's
     // promise.
     Ok(unsafe { std::slice::from_raw_parts(addr as usize as *const T, len) })
@@ -590,6 +613,7 @@ unsafe fn output<'a, T>(buffer: &'static str, addr: u64, len: usize) -> Result<&
         return Ok(&mut []);
     }
     check_address::<T>(buffer, addr, len)?;
+    super::bounds::claim(buffer, addr, len * std::mem::size_of::<T>(), true)?;
     // SAFETY: as `input`, and the caller promises no other reference covers the range.
     Ok(unsafe { std::slice::from_raw_parts_mut(addr as usize as *mut T, len) })
 }
@@ -604,7 +628,7 @@ fn check_address<T>(buffer: &'static str, addr: u64, len: usize) -> Result<()> {
     if bytes > isize::MAX as usize || (addr as usize).checked_add(bytes).is_none() {
         return Err(too_long());
     }
-    Ok(())
+    super::bounds::check(buffer, addr, bytes as u64)
 }
 
 /// Largest value of an indptr's first `n + 1` entries: the length its indices buffer needs.
@@ -877,8 +901,9 @@ unsafe fn run_row_scatter(a: &RowScatterArgs) -> Result<()> {
 /// # Safety
 /// See [`run_launch`].
 unsafe fn run_fill_runs(a: &FillRunsArgs) -> Result<()> {
-    // SAFETY: the descriptor array is covered by the caller.
-    let runs: &[FillRun] = unsafe { input("runs", a.runs, count(a.num_runs))? };
+    // SAFETY: the descriptor array is covered by the caller. Copied out, so a run that
+    // writes over the descriptor does not alias a live slice of it.
+    let runs: Vec<FillRun> = unsafe { input::<FillRun>("runs", a.runs, count(a.num_runs))? }.to_vec();
     // Check every run before writing any, so a bad descriptor writes nothing.
     for (i, r) in runs.iter().enumerate() {
         if r.dst % 4 != 0 || r.bytes % 4 != 0 {
@@ -888,10 +913,15 @@ unsafe fn run_fill_runs(a: &FillRunsArgs) -> Result<()> {
             .map_err(|_| HostKernelError::TooLong { buffer: "fill run", len: -1 })?;
         check_address::<u32>("fill run", r.dst, len)?;
     }
-    for r in runs {
+    for r in &runs {
         let len = (r.bytes / 4) as usize; // fits: checked above
-                                          // SAFETY: the caller covers each run; runs are written one at a time.
-        let words: &mut [u32] = unsafe { output("fill run", r.dst, len)? };
+        if len == 0 {
+            continue;
+        }
+        // SAFETY: the caller covers each run (checked non-null, aligned and, under
+        // `run_launch_within`, inside one allowed range above); runs are written one at a
+        // time and no other slice of the launch is alive, so overlapping runs do not alias.
+        let words: &mut [u32] = unsafe { std::slice::from_raw_parts_mut(r.dst as usize as *mut u32, len) };
         words.fill(r.pattern);
     }
     Ok(())
@@ -900,8 +930,9 @@ unsafe fn run_fill_runs(a: &FillRunsArgs) -> Result<()> {
 /// # Safety
 /// See [`run_launch`].
 unsafe fn run_copy_runs(a: &CopyRunsArgs) -> Result<()> {
-    // SAFETY: the descriptor array is covered by the caller.
-    let runs: &[CopyRun] = unsafe { input("runs", a.runs, count(a.num_runs))? };
+    // SAFETY: the descriptor array is covered by the caller. Copied out, so a run that
+    // writes over the descriptor does not alias a live slice of it.
+    let runs: Vec<CopyRun> = unsafe { input::<CopyRun>("runs", a.runs, count(a.num_runs))? }.to_vec();
     for (i, r) in runs.iter().enumerate() {
         let len =
             usize::try_from(r.bytes).map_err(|_| HostKernelError::TooLong { buffer: "copy run", len: -1 })?;
@@ -914,7 +945,7 @@ unsafe fn run_copy_runs(a: &CopyRunsArgs) -> Result<()> {
             return Err(HostKernelError::CopyRunOverlap { run: i });
         }
     }
-    for r in runs {
+    for r in &runs {
         if r.bytes == 0 {
             continue;
         }

@@ -12,6 +12,7 @@
 //! Element types: positions are `i64` in decode and CSA pack, `i32` in prefill and the ring
 //! write (as the contract allows); everything else is `i32`.
 
+pub mod bounds;
 pub mod host;
 pub mod shape;
 
@@ -21,10 +22,13 @@ use bytemuck::{Pod, Zeroable};
 /// Raw device address (a host address on the host backend).
 pub type DevicePtr = u64;
 
-/// Class slots in the decode builder's `classes` array.
-pub const CLASS_DENSE: usize = 0;
-pub const CLASS_CSA: usize = 1;
-pub const CLASS_HCA: usize = 2;
+/// Class slots in the decode builder's `classes` array (kernel-side numbering; the typed
+/// form is [`crate::Class`], whose discriminants these are).
+pub const CLASS_DENSE: usize = crate::Class::Dense as usize;
+/// The CSA class's slot (see [`CLASS_DENSE`]).
+pub const CLASS_CSA: usize = crate::Class::Csa as usize;
+/// The HCA class's slot (see [`CLASS_DENSE`]).
+pub const CLASS_HCA: usize = crate::Class::Hca as usize;
 
 /// One class's buffers in the decode builder. The class is off when `indptr == 0`
 /// (then `indices` and `dest_rows` must be 0 too and nothing of the class is stored).

@@ -1,18 +1,28 @@
-//! Persistent decode index buffers and the host's O(batch) share of a decode step.
+//! The decode index path: persistent buffers and the host's share of a decode step.
 //!
 //! The host computes, per token, only slice lengths (`index-buffers.md` §3: window
 //! `n = min(pos+1, win)`, CSA head `min((pos+1)/4, ctx/4, topk)`, HCA head
 //! `min((pos+1)/128, ctx/128)` — causal per token, §13) and their prefix sums; it never walks
-//! a context. One kernel launch then writes every window tail, every HCA head (from the
-//! block tables) and the destination rows. Every buffer lives at a fixed address sized for
-//! the largest batch, so the launch can be captured in a graph once and replayed with new
-//! contents staged by [`DecodeIndexBuffers::stage`].
+//! a context to build indices. One kernel launch then writes every window tail, every HCA
+//! head (from the block tables) and the destination rows. Every buffer lives at a fixed
+//! address sized for the largest batch, so the launch can be captured in a graph once and
+//! replayed with new contents staged by [`DecodeIndexBuffers::stage`].
+//!
+//! What a step uploads: [`DecodeIndexBuffers::stage`] sends the per-token metadata *and*
+//! every sequence's block table, O(context) bytes; with the tables kept resident on the
+//! device ([`DecodeIndexBuffers::write_block_table`] when a sequence enters or gains a
+//! block), [`DecodeIndexBuffers::stage_resident`] sends only the O(batch) metadata.
+//!
+//! Engines use [`crate::pool::DecodePath`], which wraps these buffers with the pool they
+//! index (live slot positions and block ids are read from the pool itself).
+//! [`DecodeIndexBuffers`] is the advanced, pool-less form (benchmarks, kernel tests).
 
-use crate::backend::{Backend, BackendError, DeviceAllocation, Stream};
-use crate::geometry::{UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
-use crate::index::{
-    ClassBuffers, CsaPackArgs, DecodeIndexArgs, DevicePtr, Launch, CLASS_CSA, CLASS_DENSE, CLASS_HCA,
-};
+use super::owned::{Carve, DeviceBuffer, Owned};
+use crate::backend::{Backend, BackendError, Stream};
+use crate::geometry::{Class, UnifiedPoolGeometry, WindowParams, CSA_RATIO, HCA_RATIO};
+use crate::index::{ClassBuffers, CsaPackArgs, DecodeIndexArgs, DevicePtr, Launch};
+use std::ops::Range;
+use std::sync::Arc;
 use thiserror::Error;
 
 /// Capacities the persistent buffers are sized for.
@@ -24,12 +34,10 @@ pub struct DecodeCapacity {
     pub max_tokens: usize,
     /// Block-table columns per sequence (longest context / block size, rounded up).
     pub max_blocks_per_seq: usize,
-    /// Sliding window `win` (≤ ring_slots).
+    /// Sliding window `win` (1..=ring_slots).
     pub win: i32,
-    /// CSA top-k reserved per token (`index_topk`).
+    /// CSA top-k reserved per token (`index_topk`, ≥ 0).
     pub index_topk: i32,
-    /// CSA layers whose top-k one translate-pack launch covers (1 = per-layer launches).
-    pub csa_layers: usize,
 }
 
 /// One sequence of a decode step.
@@ -41,36 +49,152 @@ pub struct DecodeSeq<'a> {
     pub context_len: i64,
     /// Tokens this step writes for the sequence (1 + drafts).
     pub num_tokens: usize,
-    /// Logical → physical block ids (the engine's host copy). [`DecodeIndexBuffers::stage`]
-    /// uploads it; [`DecodeIndexBuffers::stage_resident`] only checks its length, the device
-    /// rows being kept current with [`DecodeIndexBuffers::write_block_table`].
+    /// Logical → physical block ids (the engine's host copy). `stage` uploads it;
+    /// `stage_resident` only checks its length, the device rows being kept current with
+    /// `write_block_table`.
     pub block_table: &'a [i32],
 }
 
+/// What the decode path refuses.
 #[derive(Debug, Error)]
 pub enum DecodeError {
+    /// More sequences than the buffers hold.
     #[error("batch of {got} sequences exceeds the {cap} the buffers were sized for")]
-    TooManySeqs { got: usize, cap: usize },
+    TooManySeqs {
+        /// Sequences asked for.
+        got: usize,
+        /// `max_seqs`.
+        cap: usize,
+    },
+    /// More tokens than the buffers hold (or a token count that overflows).
     #[error("batch of {got} tokens exceeds the {cap} the buffers were sized for")]
-    TooManyTokens { got: usize, cap: usize },
+    TooManyTokens {
+        /// Tokens asked for (saturated at `usize::MAX` when the sum overflows).
+        got: usize,
+        /// `max_tokens`.
+        cap: usize,
+    },
+    /// A block table longer than the buffers' columns.
     #[error("sequence {seq}: block table of {got} columns exceeds {cap}")]
-    BlockTableTooLong { seq: usize, got: usize, cap: usize },
+    BlockTableTooLong {
+        /// Sequence (batch row).
+        seq: usize,
+        /// Columns asked for.
+        got: usize,
+        /// `max_blocks_per_seq`.
+        cap: usize,
+    },
+    /// A block table shorter than the context needs.
     #[error("sequence {seq}: context {context_len} needs {needed} blocks, its table has {got}")]
-    BlockTableTooShort { seq: usize, context_len: i64, needed: i64, got: usize },
+    BlockTableTooShort {
+        /// Sequence (batch row).
+        seq: usize,
+        /// Its context length.
+        context_len: i64,
+        /// Blocks the context needs.
+        needed: i64,
+        /// Columns given.
+        got: usize,
+    },
+    /// A context the buffers or the pool cannot index.
+    #[error("sequence {seq}: context {context_len} is more than the {limit} tokens {why}")]
+    ContextTooLong {
+        /// Sequence (batch row).
+        seq: usize,
+        /// Its context length.
+        context_len: i64,
+        /// The most tokens allowed.
+        limit: i64,
+        /// What sets the limit.
+        why: &'static str,
+    },
+    /// A sequence with no tokens, a negative context, or more tokens than context.
     #[error("sequence {seq}: {num_tokens} tokens with context {context_len}")]
-    BadSequence { seq: usize, num_tokens: usize, context_len: i64 },
+    BadSequence {
+        /// Sequence (batch row).
+        seq: usize,
+        /// Its token count.
+        num_tokens: usize,
+        /// Its context length.
+        context_len: i64,
+    },
+    /// A position that is not a live slot of the pool.
     #[error("sequence {seq}: position {position} outside the pool's live slot positions {first}..{end}")]
-    BadPosition { seq: usize, position: i64, first: i64, end: i64 },
+    BadPosition {
+        /// Sequence (batch row).
+        seq: usize,
+        /// The position given.
+        position: i64,
+        /// First live position.
+        first: i64,
+        /// One past the last live position.
+        end: i64,
+    },
+    /// A block id outside the pool's block region.
+    #[error("sequence {seq}: block id {block} at column {column} outside the pool's blocks 0..{num_blocks}")]
+    BadBlock {
+        /// Sequence (batch row).
+        seq: usize,
+        /// Column of the table.
+        column: usize,
+        /// The id given.
+        block: i32,
+        /// Blocks the pool has now.
+        num_blocks: i64,
+    },
+    /// A window outside the ring.
     #[error("window {win} must be in 1..={ring_slots} (the ring)")]
-    BadWindow { win: i32, ring_slots: i64 },
+    BadWindow {
+        /// `win` asked for.
+        win: i32,
+        /// The geometry's ring.
+        ring_slots: i64,
+    },
+    /// A zero capacity.
     #[error("{what} must be positive")]
-    ZeroCapacity { what: &'static str },
-    #[error("the geometry lacks the {ratio} class this buffer needs")]
-    MissingClass { ratio: i32 },
-    #[error("persistent buffers of {bytes} bytes overflow an i32 index buffer")]
-    TooLarge { bytes: u64 },
+    ZeroCapacity {
+        /// Which capacity.
+        what: &'static str,
+    },
+    /// A negative top-k.
+    #[error("index_topk {0} must not be negative")]
+    NegativeTopk(i32),
+    /// A class the geometry lacks.
+    #[error("the geometry lacks the {0} class this buffer needs")]
+    MissingClass(Class),
+    /// Buffers whose sizes overflow (a byte count past `u64`, or an index past `i32`).
+    #[error("capacity too large: {what} overflows")]
+    TooLarge {
+        /// What overflowed.
+        what: &'static str,
+    },
+    /// A forward whose slices overflow one of the buffers.
+    #[error("{what}: {got} exceed the buffer's {cap}")]
+    BufferFull {
+        /// Which buffer.
+        what: &'static str,
+        /// Entries the forward needs.
+        got: u64,
+        /// Entries the buffer holds.
+        cap: u64,
+    },
+    /// A top-k row stride shorter than `index_topk`.
+    #[error("top-k row stride {stride} is shorter than index_topk {topk}")]
+    TopkStride {
+        /// Stride given.
+        stride: i32,
+        /// `index_topk`.
+        topk: i32,
+    },
+    /// A buffer read back with the wrong element type.
+    #[error("{0} is not an i32 buffer")]
+    NotI32(&'static str),
+    /// A backend failure.
     #[error(transparent)]
     Backend(#[from] BackendError),
+    /// A pool failure (its lock, its geometry).
+    #[error("pool: {0}")]
+    Pool(String),
 }
 
 /// Slice lengths of one decode token: window rows, CSA head, HCA head.
@@ -80,6 +204,109 @@ pub fn decode_slice_lens(pos: i64, ctx: i64, win: i64, topk: i64) -> (i64, i64, 
     let csa = ((pos + 1) / i64::from(CSA_RATIO)).min(ctx / i64::from(CSA_RATIO)).min(topk);
     let hca = ((pos + 1) / i64::from(HCA_RATIO)).min(ctx / i64::from(HCA_RATIO));
     (n, csa, hca)
+}
+
+/// The bounds staging checks positions and block ids against: the pool's live slot
+/// positions and its block count (a [`crate::pool::DecodePath`] reads both from the pool).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolBounds {
+    /// Live slot positions.
+    pub live: Range<i64>,
+    /// Blocks in the block region (ids `0..num_blocks`).
+    pub num_blocks: i64,
+}
+
+impl PoolBounds {
+    /// The bounds of `geometry` at its split.
+    pub fn of(geometry: &UnifiedPoolGeometry) -> PoolBounds {
+        PoolBounds { live: geometry.live_positions(), num_blocks: geometry.num_blocks }
+    }
+}
+
+/// Checks one sequence shared by decode and prefill staging: position live, context
+/// within what the tables and the pool can index, table length, and (when `ids`) every id
+/// a block of the pool. Returns the blocks the context needs.
+pub(crate) fn check_seq(
+    seq: usize,
+    position: i64,
+    context_len: i64,
+    table: &[i32],
+    ids: bool,
+    bounds: &PoolBounds,
+    max_blocks_per_seq: usize,
+    block_size: i64,
+) -> Result<(), DecodeError> {
+    if !bounds.live.contains(&position) {
+        return Err(DecodeError::BadPosition {
+            seq,
+            position,
+            first: bounds.live.start,
+            end: bounds.live.end,
+        });
+    }
+    let too_long = |limit: i64, why| DecodeError::ContextTooLong { seq, context_len, limit, why };
+    let table_limit = (max_blocks_per_seq as i64).saturating_mul(block_size);
+    if context_len > table_limit {
+        return Err(too_long(table_limit, "the buffers' block-table columns cover"));
+    }
+    let pool_limit = bounds.num_blocks.saturating_mul(block_size);
+    if context_len > pool_limit {
+        return Err(too_long(pool_limit, "the pool's blocks hold"));
+    }
+    if table.len() > max_blocks_per_seq {
+        return Err(DecodeError::BlockTableTooLong { seq, got: table.len(), cap: max_blocks_per_seq });
+    }
+    // 0 ≤ context_len ≤ table_limit here, so this cannot overflow.
+    let needed = (context_len + block_size - 1) / block_size;
+    if (table.len() as i64) < needed {
+        return Err(DecodeError::BlockTableTooShort { seq, context_len, needed, got: table.len() });
+    }
+    if ids {
+        if let Some((column, &block)) =
+            table.iter().enumerate().find(|(_, &b)| !(0..bounds.num_blocks).contains(&i64::from(b)))
+        {
+            return Err(DecodeError::BadBlock { seq, column, block, num_blocks: bounds.num_blocks });
+        }
+    }
+    Ok(())
+}
+
+/// Checks shared by the decode and prefill capacities: `[max_seqs, max_tokens,
+/// max_blocks_per_seq]` positive, the window inside the ring, top-k not negative, CSA and
+/// HCA classes present. Returns each class's window params (`None`: absent).
+pub(crate) fn check_capacity(
+    geometry: &UnifiedPoolGeometry,
+    counts: [usize; 3],
+    win: i32,
+    index_topk: i32,
+) -> Result<[Option<WindowParams>; 3], DecodeError> {
+    for (what, v) in ["max_seqs", "max_tokens", "max_blocks_per_seq"].into_iter().zip(counts) {
+        if v == 0 {
+            return Err(DecodeError::ZeroCapacity { what });
+        }
+    }
+    if win < 1 || i64::from(win) > geometry.ring_slots {
+        return Err(DecodeError::BadWindow { win, ring_slots: geometry.ring_slots });
+    }
+    if index_topk < 0 {
+        return Err(DecodeError::NegativeTopk(index_topk));
+    }
+    for c in [Class::Csa, Class::Hca] {
+        if !geometry.has_class(c) {
+            return Err(DecodeError::MissingClass(c));
+        }
+    }
+    Ok(Class::ALL.map(|c| geometry.class_window_params(c).ok()))
+}
+
+/// The first staged position no longer in `live` (the boundary moved after staging).
+pub(crate) fn check_live(positions: &[i64], live: &Range<i64>) -> Result<(), DecodeError> {
+    match positions.iter().enumerate().find(|(_, p)| !live.contains(p)) {
+        Some((seq, &position)) => {
+            Err(DecodeError::BadPosition { seq, position, first: live.start, end: live.end })
+        }
+        None => Ok(()),
+    }
 }
 
 /// Byte offsets of the sub-buffers inside the one allocation. The metadata part comes
@@ -94,38 +321,36 @@ struct Layout {
     meta_end: u64,
     indices: [u64; 3],
     dest_rows: [u64; 3],
-    csa_out_layer_stride: u64,
     total: u64,
 }
 
-/// What `plan` decides: the layout, which classes are present, their params, and each
+/// What `plan` decides: the layout, each class's params (`None`: absent), and each
 /// class's per-token slice capacity.
 struct Planned {
     layout: Layout,
-    present: [bool; 3],
-    params: [crate::geometry::WindowParams; 3],
+    params: [Option<WindowParams>; 3],
     slice_cap: [u64; 3],
 }
 
-fn align(x: u64, a: u64) -> u64 {
-    x.div_ceil(a) * a
-}
-
-/// Persistent decode index buffers on a backend.
+/// Persistent decode index buffers on a backend: the advanced, pool-less form of
+/// [`crate::pool::DecodePath`]. The buffers are owned (freed on drop, after the stream
+/// drains) and every call touches only them; positions and block ids are checked against
+/// the [`PoolBounds`] last set (the geometry's at creation).
 pub struct DecodeIndexBuffers {
     cap: DecodeCapacity,
     layout: Layout,
-    alloc: Option<DeviceAllocation>,
-    /// Class present in the geometry (dense may be absent).
-    present: [bool; 3],
-    params: [crate::geometry::WindowParams; 3],
+    mem: Owned,
+    params: [Option<WindowParams>; 3],
     envelope_rows: i64,
     hca_rows_per_block: i32,
     block_size: i64,
-    live: std::ops::Range<i64>,
+    bounds: PoolBounds,
     staging: Vec<u8>,
     /// Per-token slice capacity of each class's index buffer.
     slice_cap: [u64; 3],
+    /// Positions of the batch last staged (a pool-backed path re-checks them at build).
+    staged_positions: Vec<i64>,
+    staged_tokens: usize,
 }
 
 impl std::fmt::Debug for DecodeIndexBuffers {
@@ -133,105 +358,127 @@ impl std::fmt::Debug for DecodeIndexBuffers {
         f.debug_struct("DecodeIndexBuffers")
             .field("cap", &self.cap)
             .field("bytes", &self.layout.total)
+            .field("staged_tokens", &self.staged_tokens)
             .finish()
+    }
+}
+
+/// One sub-buffer of the decode path, by name (for [`DecodeIndexBuffers::buffer`] and reads).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeBuffer {
+    /// i32 `[max_seqs]`: physical slot per sequence.
+    StateSlots,
+    /// i32 `[max_tokens]`: sequence of each token, −1 for pads.
+    BatchIds,
+    /// i64 `[max_tokens]`: position of each token.
+    Positions,
+    /// i32 `[max_seqs, max_blocks_per_seq]`.
+    BlockTables,
+    /// i32 `[max_tokens + 1]`: a class's CSR offsets.
+    Indptr(Class),
+    /// i32: a class's index buffer (`max_tokens` × the class's slice capacity).
+    Indices(Class),
+    /// i32 `[max_tokens]`: a class's destination rows.
+    DestRows(Class),
+}
+
+impl DecodeBuffer {
+    fn name(self) -> &'static str {
+        match self {
+            DecodeBuffer::StateSlots => "state_slots",
+            DecodeBuffer::BatchIds => "batch_ids",
+            DecodeBuffer::Positions => "positions",
+            DecodeBuffer::BlockTables => "block_tables",
+            DecodeBuffer::Indptr(_) => "indptr",
+            DecodeBuffer::Indices(_) => "indices",
+            DecodeBuffer::DestRows(_) => "dest_rows",
+        }
     }
 }
 
 impl DecodeIndexBuffers {
     /// Check `cap` against `geometry` and lay the buffers out (no allocation).
     fn plan(geometry: &UnifiedPoolGeometry, cap: DecodeCapacity) -> Result<Planned, DecodeError> {
-        for (what, v) in [
-            ("max_seqs", cap.max_seqs),
-            ("max_tokens", cap.max_tokens),
-            ("max_blocks_per_seq", cap.max_blocks_per_seq),
-            ("csa_layers", cap.csa_layers),
-        ] {
-            if v == 0 {
-                return Err(DecodeError::ZeroCapacity { what });
-            }
-        }
-        if cap.win < 1 || i64::from(cap.win) > geometry.ring_slots {
-            return Err(DecodeError::BadWindow { win: cap.win, ring_slots: geometry.ring_slots });
-        }
-        let ratios = [DENSE_RATIO, CSA_RATIO, HCA_RATIO];
-        let mut present = [false; 3];
-        let mut params = [crate::geometry::WindowParams::default(); 3];
-        for (i, r) in ratios.iter().enumerate() {
-            if let Ok(p) = geometry.window_params(*r) {
-                present[i] = true;
-                params[i] = p;
-            }
-        }
-        for r in [CSA_RATIO, HCA_RATIO] {
-            if geometry.class(r).is_none() {
-                return Err(DecodeError::MissingClass { ratio: r });
-            }
-        }
-        let win = cap.win.max(0) as u64;
-        let max_ctx_blocks = cap.max_blocks_per_seq as u64;
-        let hca_head_cap = max_ctx_blocks * geometry.block_size as u64 / HCA_RATIO as u64;
-        let slice_cap = [win, win + cap.index_topk.max(0) as u64, win + hca_head_cap];
+        let params = check_capacity(
+            geometry,
+            [cap.max_seqs, cap.max_tokens, cap.max_blocks_per_seq],
+            cap.win,
+            cap.index_topk,
+        )?;
+        let too_large = |what| DecodeError::TooLarge { what };
+        let win = cap.win as u64;
+        let max_ctx = (cap.max_blocks_per_seq as u64)
+            .checked_mul(geometry.block_size as u64)
+            .ok_or(too_large("longest context"))?;
+        let hca_head_cap = max_ctx / HCA_RATIO as u64;
+        let slice_cap = [win, win + cap.index_topk as u64, win + hca_head_cap];
         let (t, s) = (cap.max_tokens as u64, cap.max_seqs as u64);
-        let mut l = Layout::default();
-        let mut cur = 0u64;
-        let mut take = |bytes: u64| {
-            let at = cur;
-            cur = align(cur + bytes, 256);
-            at
-        };
-        l.slots = take(4 * s);
-        l.batch_ids = take(4 * t);
-        l.positions = take(8 * t);
-        for c in 0..3 {
-            l.indptr[c] = take(4 * (t + 1));
-        }
-        l.block_tables = take(4 * s * max_ctx_blocks);
-        l.meta_end = take(0);
-        for c in 0..3 {
-            let copies = if c == CLASS_CSA { cap.csa_layers as u64 } else { 1 };
-            let per = align(4 * t * slice_cap[c], 256);
-            if c == CLASS_CSA {
-                l.csa_out_layer_stride = per;
+        // Every indptr entry is an i32: a full step's slices must fit one.
+        for c in slice_cap {
+            if t.checked_mul(c).is_none_or(|n| n > i32::MAX as u64) {
+                return Err(too_large("an i32 index buffer"));
             }
-            l.indices[c] = take(per * copies);
+        }
+        let mut l = Layout::default();
+        let mut carve = Carve::default();
+        let mut take = |n: Option<u64>, elem: u64| {
+            carve.take(n.ok_or(too_large("bytes"))?, elem).ok_or(too_large("bytes"))
+        };
+        l.slots = take(Some(s), 4)?;
+        l.batch_ids = take(Some(t), 4)?;
+        l.positions = take(Some(t), 8)?;
+        for c in 0..3 {
+            l.indptr[c] = take(t.checked_add(1), 4)?;
+        }
+        l.block_tables = take(s.checked_mul(cap.max_blocks_per_seq as u64), 4)?;
+        l.meta_end = take(Some(0), 1)?;
+        for c in 0..3 {
+            l.indices[c] = take(t.checked_mul(slice_cap[c]), 4)?;
         }
         for c in 0..3 {
-            l.dest_rows[c] = take(4 * t);
+            l.dest_rows[c] = take(Some(t), 4)?;
         }
-        l.total = take(0);
-        if t * slice_cap[CLASS_HCA] > i32::MAX as u64 {
-            return Err(DecodeError::TooLarge { bytes: l.total });
+        l.total = carve.end();
+        if usize::try_from(l.meta_end).is_err() {
+            return Err(too_large("host staging"));
         }
-        Ok(Planned { layout: l, present, params, slice_cap })
+        Ok(Planned { layout: l, params, slice_cap })
     }
 
     /// Device bytes the buffers for `cap` take, without allocating them (for sizing and
-    /// overhead reports).
+    /// overhead reports). Sizes that overflow are [`DecodeError::TooLarge`].
     pub fn required_bytes(geometry: &UnifiedPoolGeometry, cap: DecodeCapacity) -> Result<u64, DecodeError> {
         Ok(Self::plan(geometry, cap)?.layout.total)
     }
 
-    /// Size and allocate the buffers for `cap` on `backend`, for `geometry`'s classes.
+    /// Size and allocate the buffers for `cap` on `backend` (work goes on `stream`), for
+    /// `geometry`'s classes; positions and block ids are checked against `geometry`'s split
+    /// until [`Self::set_bounds`]. The buffers start staged with an empty batch (all pads),
+    /// so a build before any `stage` writes nothing.
     pub fn new(
-        backend: &dyn Backend,
+        backend: Arc<dyn Backend>,
+        stream: Stream,
         geometry: &UnifiedPoolGeometry,
         cap: DecodeCapacity,
     ) -> Result<Self, DecodeError> {
-        let Planned { layout: l, present, params, slice_cap } = Self::plan(geometry, cap)?;
-        let alloc = backend.alloc_zeroed(l.total)?;
-        Ok(DecodeIndexBuffers {
+        let Planned { layout, params, slice_cap } = Self::plan(geometry, cap)?;
+        let mem = Owned::new(backend, stream, layout.total)?;
+        let mut bufs = DecodeIndexBuffers {
             cap,
-            layout: l,
-            alloc: Some(alloc),
-            present,
+            layout,
+            mem,
             params,
             envelope_rows: geometry.envelope_rows,
             hca_rows_per_block: (geometry.block_size / i64::from(HCA_RATIO)) as i32,
             block_size: geometry.block_size,
-            live: geometry.live_positions(),
-            staging: vec![0u8; l.meta_end as usize],
+            bounds: PoolBounds::of(geometry),
+            staging: vec![0u8; layout.meta_end as usize],
             slice_cap,
-        })
+            staged_positions: Vec::with_capacity(cap.max_seqs),
+            staged_tokens: 0,
+        };
+        bufs.upload_metadata(&[], true)?;
+        Ok(bufs)
     }
 
     /// Bytes these buffers hold on the device (the pool reports it as overhead).
@@ -239,33 +486,66 @@ impl DecodeIndexBuffers {
         self.layout.total
     }
 
+    /// The capacity the buffers were sized for.
     pub fn capacity(&self) -> DecodeCapacity {
         self.cap
     }
 
+    /// The backend the buffers live on.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        self.mem.backend()
+    }
+
+    /// The stream every upload and launch goes on.
+    pub fn stream(&self) -> Stream {
+        self.mem.stream()
+    }
+
+    /// Tokens of the batch last staged (pads excluded).
+    pub fn staged_tokens(&self) -> usize {
+        self.staged_tokens
+    }
+
+    /// Positions of the batch last staged, one per sequence.
+    pub fn staged_positions(&self) -> &[i64] {
+        &self.staged_positions
+    }
+
+    /// The bounds staging checks against.
+    pub fn bounds(&self) -> &PoolBounds {
+        &self.bounds
+    }
+
+    /// Set the bounds staging checks against, after the boundary moved (the buffers and
+    /// every address stay).
+    pub fn set_bounds(&mut self, bounds: PoolBounds) {
+        self.bounds = bounds;
+    }
+
     fn base(&self) -> DevicePtr {
-        self.alloc.as_ref().map_or(0, |a| a.ptr)
+        self.mem.base()
     }
 
-    /// Update the live slot positions after the boundary moved (the buffers and every
-    /// address stay; only the staging check changes).
-    pub fn set_live_positions(&mut self, live: std::ops::Range<i64>) {
-        self.live = live;
+    /// Whether the geometry has `class` (dense may be absent; CSA and HCA never are).
+    pub fn has_class(&self, class: Class) -> bool {
+        self.params[class.index()].is_some()
     }
 
-    /// The decode builder's launch: fixed pointers, `num_tokens = max_tokens` (pad tokens
-    /// carry batch id −1), so it can be captured once and replayed.
+    /// The decode builder's arguments: fixed pointers, `num_tokens = max_tokens` (pad tokens
+    /// carry batch id −1), so it can be captured once and replayed. One CSA buffer: every
+    /// CSA layer's translate-pack overwrites its heads in turn.
     pub fn decode_args(&self) -> DecodeIndexArgs {
         let b = self.base();
         let l = &self.layout;
         let mut classes = [ClassBuffers::default(); 3];
-        for c in [CLASS_DENSE, CLASS_CSA, CLASS_HCA] {
-            if self.present[c] {
-                classes[c] = ClassBuffers {
-                    params: self.params[c],
-                    indptr: b + l.indptr[c],
-                    indices: b + l.indices[c],
-                    dest_rows: b + l.dest_rows[c],
+        for c in Class::ALL {
+            if let Some(params) = self.params[c.index()] {
+                let i = c.index();
+                classes[i] = ClassBuffers {
+                    params,
+                    indptr: b + l.indptr[i],
+                    indices: b + l.indices[i],
+                    dest_rows: b + l.dest_rows[i],
                 };
             }
         }
@@ -280,125 +560,172 @@ impl DecodeIndexBuffers {
             hca_rows_per_block: self.hca_rows_per_block,
             num_tokens: self.cap.max_tokens as i32,
             win: self.cap.win,
-            // Every CSA layer's copy gets the window tail, so a batched translate-pack leaves
-            // each layer a whole slice.
-            csa_copy_stride: (self.layout.csa_out_layer_stride / 4) as i64,
-            csa_copies: self.cap.csa_layers as i32,
-            _pad: 0,
+            // The single-copy values of the retired batched mode (one CSA buffer).
+            ..Default::default()
         }
     }
 
-    /// CSA translate-pack over `num_layers` layers in one launch, reading the indexer's
-    /// top-k from `topk` (i32 `[num_layers][max_tokens][topk_row_stride]`). Layer `l`
-    /// writes the heads of CSA copy `l` (see [`Self::csa_indices`]).
-    pub fn csa_pack_args(&self, topk: DevicePtr, topk_row_stride: i32, num_layers: usize) -> CsaPackArgs {
+    /// The decode launch, ready for graph capture ([`Backend::launch`] is the caller's
+    /// `unsafe`; [`Self::build`] is the safe way to run it).
+    pub fn launch(&self) -> Launch {
+        Launch::Decode(self.decode_args())
+    }
+
+    /// CSA translate-pack arguments for one CSA layer, reading the indexer's top-k from
+    /// `topk` (i32 `[max_tokens][topk_row_stride]`) and writing the heads of the one CSA
+    /// buffer. Refuses a stride shorter than `index_topk` (the kernel reads that much of a
+    /// row).
+    pub fn csa_pack_args(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<CsaPackArgs, DecodeError> {
+        if topk_row_stride < self.cap.index_topk.max(1) {
+            return Err(DecodeError::TopkStride { stride: topk_row_stride, topk: self.cap.index_topk });
+        }
         let b = self.base();
         let l = &self.layout;
-        let t = self.cap.max_tokens as i64;
-        CsaPackArgs {
+        let i = Class::Csa.index();
+        Ok(CsaPackArgs {
             topk,
             block_tables: b + l.block_tables,
             positions: b + l.positions,
-            indptr: b + l.indptr[CLASS_CSA],
+            indptr: b + l.indptr[i],
             batch_id_per_token: b + l.batch_ids,
             skip_prefix_len_per_token: 0,
-            out: b + l.indices[CLASS_CSA],
-            topk_layer_stride: t * i64::from(topk_row_stride),
-            out_layer_stride: (l.csa_out_layer_stride / 4) as i64,
+            out: b + l.indices[i],
             envelope_rows: self.envelope_rows,
             topk_row_stride,
             block_table_stride: self.cap.max_blocks_per_seq as i32,
             num_tokens: self.cap.max_tokens as i32,
-            num_layers: num_layers.min(self.cap.csa_layers) as i32,
+            num_layers: 1,
             block_capacity: (self.block_size / i64::from(CSA_RATIO)) as i32,
             window_size: self.cap.win,
+            ..Default::default()
+        })
+    }
+
+    /// A sub-buffer's address and length (`None`: a dense buffer of a geometry without
+    /// dense layers).
+    pub fn buffer(&self, which: DecodeBuffer) -> Option<DeviceBuffer> {
+        let (t, s) = (self.cap.max_tokens as u64, self.cap.max_seqs as u64);
+        let l = &self.layout;
+        let (off, len, elem) = match which {
+            DecodeBuffer::StateSlots => (l.slots, s, 4),
+            DecodeBuffer::BatchIds => (l.batch_ids, t, 4),
+            DecodeBuffer::Positions => (l.positions, t, 8),
+            DecodeBuffer::BlockTables => (l.block_tables, s * self.cap.max_blocks_per_seq as u64, 4),
+            DecodeBuffer::Indptr(c) | DecodeBuffer::Indices(c) | DecodeBuffer::DestRows(c)
+                if !self.has_class(c) =>
+            {
+                return None
+            }
+            DecodeBuffer::Indptr(c) => (l.indptr[c.index()], t + 1, 4),
+            DecodeBuffer::Indices(c) => (l.indices[c.index()], t * self.slice_cap[c.index()], 4),
+            DecodeBuffer::DestRows(c) => (l.dest_rows[c.index()], t, 4),
+        };
+        Some(DeviceBuffer { ptr: self.base() + off, len, elem_bytes: elem })
+    }
+
+    /// A class's index buffer (`max_tokens` slices of the class's capacity; token `t`'s
+    /// slice is `[indptr[t], indptr[t+1])`).
+    pub fn indices(&self, class: Class) -> Option<DeviceBuffer> {
+        self.buffer(DecodeBuffer::Indices(class))
+    }
+
+    /// A class's indptr (`max_tokens + 1` i32).
+    pub fn indptr(&self, class: Class) -> Option<DeviceBuffer> {
+        self.buffer(DecodeBuffer::Indptr(class))
+    }
+
+    /// A class's destination rows (`max_tokens` i32).
+    pub fn dest_rows(&self, class: Class) -> Option<DeviceBuffer> {
+        self.buffer(DecodeBuffer::DestRows(class))
+    }
+
+    /// Read an i32 sub-buffer back (waits for the stream). A buffer the geometry lacks is
+    /// [`DecodeError::MissingClass`]; positions (i64) are [`DecodeError::NotI32`].
+    pub fn read_i32(&self, which: DecodeBuffer) -> Result<Vec<i32>, DecodeError> {
+        let buf = self.buffer(which).ok_or(DecodeError::MissingClass(Class::Dense))?;
+        if buf.elem_bytes != 4 {
+            return Err(DecodeError::NotI32(which.name()));
         }
+        Ok(self.mem.read_i32(buf)?)
     }
 
-    /// Device address and length (elements) of a class's index buffer (`class` is one of
-    /// `CLASS_*`); for CSA, copy `layer` of the batched translate-pack.
-    pub fn indices(&self, class: usize, layer: usize) -> (DevicePtr, u64) {
-        let extra = if class == CLASS_CSA { layer as u64 * self.layout.csa_out_layer_stride } else { 0 };
-        (self.base() + self.layout.indices[class] + extra, self.cap.max_tokens as u64 * self.slice_cap[class])
+    /// Stage a batch: metadata and the sequences' block tables, one upload of O(context)
+    /// bytes (every table is sent). Returns the batch's real token count.
+    pub fn stage(&mut self, batch: &[DecodeSeq<'_>]) -> Result<usize, DecodeError> {
+        self.upload_metadata(batch, true)
     }
 
-    /// Device address of a class's indptr (`max_tokens + 1` i32).
-    pub fn indptr(&self, class: usize) -> DevicePtr {
-        self.base() + self.layout.indptr[class]
+    /// Stage a batch whose block tables are already resident on the device (batch row `b`
+    /// holds sequence `b`'s table, kept current with [`Self::write_block_table`]): one
+    /// upload of the O(batch) metadata only. Each `block_table` is checked for length but not
+    /// sent.
+    pub fn stage_resident(&mut self, batch: &[DecodeSeq<'_>]) -> Result<usize, DecodeError> {
+        self.upload_metadata(batch, false)
     }
 
-    /// Device address of a class's destination rows (`max_tokens` i32).
-    pub fn dest_rows(&self, class: usize) -> DevicePtr {
-        self.base() + self.layout.dest_rows[class]
-    }
-
-    /// Compute the step's metadata on the host and upload it, block tables included, in one
-    /// copy on `stream`. Returns the number of real tokens. The tables make this O(context);
-    /// engines that keep their tables current use [`Self::stage_resident`].
-    pub fn stage(
-        &mut self,
-        backend: &dyn Backend,
-        batch: &[DecodeSeq<'_>],
-        stream: Stream,
-    ) -> Result<usize, DecodeError> {
-        self.upload_metadata(backend, batch, true, stream)
-    }
-
-    /// Like [`Self::stage`], but the block tables stay resident on the device: only the
-    /// per-token metadata is uploaded (O(tokens) bytes, whatever the contexts), and row `b`
-    /// of the device table must already hold sequence `b`'s blocks (written with
-    /// [`Self::write_block_table`] when a sequence enters the batch or gains a block).
-    pub fn stage_resident(
-        &mut self,
-        backend: &dyn Backend,
-        batch: &[DecodeSeq<'_>],
-        stream: Stream,
-    ) -> Result<usize, DecodeError> {
-        self.upload_metadata(backend, batch, false, stream)
-    }
-
-    fn upload_metadata(
-        &mut self,
-        backend: &dyn Backend,
-        batch: &[DecodeSeq<'_>],
-        tables: bool,
-        stream: Stream,
-    ) -> Result<usize, DecodeError> {
+    fn upload_metadata(&mut self, batch: &[DecodeSeq<'_>], tables: bool) -> Result<usize, DecodeError> {
         let _range = crate::profiling::range("v4pool.decode_stage");
         let (bytes, tokens) = self.build_metadata(batch, tables)?;
-        // SAFETY: the allocation starts with the metadata region, of which the staging image
-        // fills the first `bytes`; the allocation is live while `self` is.
-        unsafe { backend.upload(self.base(), &self.staging[..bytes], stream)? };
+        self.mem.upload(0, &self.staging[..bytes])?;
+        self.staged_positions.clear();
+        self.staged_positions.extend(batch.iter().map(|s| s.position));
+        self.staged_tokens = tokens;
         Ok(tokens)
     }
 
     /// Write `ids` into the device block table of batch row `row` from column `start_col`
-    /// (an entering sequence's whole table, or the blocks a sequence just gained).
+    /// (an entering sequence's whole table, or the blocks a sequence just gained). Every id
+    /// must be a block of the pool (see [`PoolBounds`]).
     pub fn write_block_table(
         &mut self,
-        backend: &dyn Backend,
         row: usize,
         start_col: usize,
         ids: &[i32],
-        stream: Stream,
     ) -> Result<(), DecodeError> {
         let cap = self.cap;
         if row >= cap.max_seqs {
-            return Err(DecodeError::TooManySeqs { got: row + 1, cap: cap.max_seqs });
+            return Err(DecodeError::TooManySeqs { got: row.saturating_add(1), cap: cap.max_seqs });
         }
         let end = start_col.saturating_add(ids.len());
         if end > cap.max_blocks_per_seq {
             return Err(DecodeError::BlockTableTooLong { seq: row, got: end, cap: cap.max_blocks_per_seq });
         }
+        let n = self.bounds.num_blocks;
+        if let Some((i, &block)) = ids.iter().enumerate().find(|(_, &b)| !(0..n).contains(&i64::from(b))) {
+            return Err(DecodeError::BadBlock { seq: row, column: start_col + i, block, num_blocks: n });
+        }
         let off = self.layout.block_tables + 4 * (row * cap.max_blocks_per_seq + start_col) as u64;
-        // SAFETY: row and columns were checked against the table's capacity, which lies in
-        // the allocation; the allocation is live while `self` is.
-        unsafe { backend.upload(self.base() + off, bytemuck::cast_slice(ids), stream)? };
+        self.mem.upload(off, bytemuck::cast_slice(ids))?;
+        Ok(())
+    }
+
+    /// Run the decode builder over the staged batch on the buffers' stream.
+    pub fn build(&self) -> Result<(), DecodeError> {
+        let _range = crate::profiling::range("v4pool.decode_build");
+        // SAFETY: every pointer is this handle's own, sized for `max_tokens`; the staged
+        // indptrs were computed here and fit each class's slice capacity (checked when the
+        // batch was staged), so the kernel writes inside the index buffers.
+        unsafe { self.mem.launch(&self.launch())? };
+        Ok(())
+    }
+
+    /// CSA translate-pack for one CSA layer over the staged batch, on the buffers' stream:
+    /// turns the indexer's sequence-local top-k into pool rows at the heads of the CSA
+    /// buffer.
+    ///
+    /// # Safety
+    /// `topk` must address live memory of this backend holding i32
+    /// `[max_tokens][topk_row_stride]`, ordered before this call on the stream; the first `min((pos+1)/4, ctx/4, index_topk)` entries of each real
+    /// token's row must be non-negative (`index-buffers.md` §5).
+    pub unsafe fn csa_pack(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<(), DecodeError> {
+        let args = self.csa_pack_args(topk, topk_row_stride)?;
+        // SAFETY: the caller vouches for `topk`; every other pointer is this handle's own.
+        unsafe { self.mem.launch(&Launch::CsaPack(args))? };
         Ok(())
     }
 
     /// Fill the host staging image (with the block tables when `tables`); returns (bytes to
-    /// upload, real tokens).
+    /// upload, real tokens). Nothing is written unless the whole batch is valid.
     fn build_metadata(
         &mut self,
         batch: &[DecodeSeq<'_>],
@@ -408,11 +735,13 @@ impl DecodeIndexBuffers {
         if batch.len() > cap.max_seqs {
             return Err(DecodeError::TooManySeqs { got: batch.len(), cap: cap.max_seqs });
         }
-        let tokens: usize = batch.iter().map(|s| s.num_tokens).sum();
-        if tokens > cap.max_tokens {
-            return Err(DecodeError::TooManyTokens { got: tokens, cap: cap.max_tokens });
-        }
+        let mut tokens = 0usize;
         for (i, s) in batch.iter().enumerate() {
+            tokens = tokens.saturating_add(s.num_tokens);
+            if tokens > cap.max_tokens {
+                return Err(DecodeError::TooManyTokens { got: tokens, cap: cap.max_tokens });
+            }
+            // num_tokens ≤ max_tokens here, so the cast is exact.
             if s.num_tokens == 0 || s.context_len < s.num_tokens as i64 {
                 return Err(DecodeError::BadSequence {
                     seq: i,
@@ -420,32 +749,19 @@ impl DecodeIndexBuffers {
                     context_len: s.context_len,
                 });
             }
-            if !self.live.contains(&s.position) {
-                return Err(DecodeError::BadPosition {
-                    seq: i,
-                    position: s.position,
-                    first: self.live.start,
-                    end: self.live.end,
-                });
-            }
-            if s.block_table.len() > cap.max_blocks_per_seq {
-                return Err(DecodeError::BlockTableTooLong {
-                    seq: i,
-                    got: s.block_table.len(),
-                    cap: cap.max_blocks_per_seq,
-                });
-            }
-            let needed = (s.context_len + self.block_size - 1) / self.block_size;
-            if (s.block_table.len() as i64) < needed {
-                return Err(DecodeError::BlockTableTooShort {
-                    seq: i,
-                    context_len: s.context_len,
-                    needed,
-                    got: s.block_table.len(),
-                });
-            }
+            check_seq(
+                i,
+                s.position,
+                s.context_len,
+                s.block_table,
+                tables,
+                &self.bounds,
+                cap.max_blocks_per_seq,
+                self.block_size,
+            )?;
         }
         let l = self.layout;
+        let dense = self.has_class(Class::Dense);
         let st = &mut self.staging;
         let put_i32 = |st: &mut Vec<u8>, off: u64, i: usize, v: i32| {
             let o = off as usize + 4 * i;
@@ -458,6 +774,7 @@ impl DecodeIndexBuffers {
         }
         let mut t = 0usize;
         for (b, s) in batch.iter().enumerate() {
+            // Live positions lie in the plane, whose rows fit an i32.
             put_i32(st, l.slots, b, s.position as i32);
             if tables {
                 let row = l.block_tables as usize + 4 * b * cap.max_blocks_per_seq;
@@ -469,9 +786,11 @@ impl DecodeIndexBuffers {
                 put_i32(st, l.batch_ids, t, b as i32);
                 let o = l.positions as usize + 8 * t;
                 st[o..o + 8].copy_from_slice(&pos.to_ne_bytes());
-                ptr[CLASS_DENSE] += if self.present[CLASS_DENSE] { n } else { 0 };
-                ptr[CLASS_CSA] += csa + n;
-                ptr[CLASS_HCA] += hca + n;
+                ptr[Class::Dense.index()] += if dense { n } else { 0 };
+                ptr[Class::Csa.index()] += csa + n;
+                ptr[Class::Hca.index()] += hca + n;
+                // Each slice is within its class's capacity (the context checks bound the
+                // HCA head), and `plan` checked max_tokens × capacity fits an i32.
                 for c in 0..3 {
                     put_i32(st, l.indptr[c], t + 1, ptr[c] as i32);
                 }
@@ -486,22 +805,6 @@ impl DecodeIndexBuffers {
             }
         }
         Ok((if tables { l.meta_end } else { l.block_tables } as usize, t))
-    }
-
-    /// The decode launch, ready for [`Backend::launch`].
-    pub fn launch(&self) -> Launch {
-        Launch::Decode(self.decode_args())
-    }
-
-    /// Return the buffers to the backend.
-    ///
-    /// # Safety
-    /// No queued or captured work may still use them.
-    pub unsafe fn release(&mut self, backend: &dyn Backend) {
-        if let Some(a) = self.alloc.take() {
-            // SAFETY: forwarded from the caller.
-            unsafe { backend.free(a) };
-        }
     }
 }
 

@@ -11,14 +11,24 @@
 //! stream); views and index-buffer addresses are plain values that never change.
 
 pub mod decode;
+mod image;
+mod owned;
+mod path;
+pub mod prefill;
 
-pub use decode::{decode_slice_lens, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq};
+pub use decode::{
+    decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq, PoolBounds,
+};
+pub use owned::DeviceBuffer;
+pub use path::{DecodePath, PrefillPath};
+pub use prefill::{prefill_slice_lens, PrefillBuffer, PrefillCapacity, PrefillIndexBuffers, PrefillSeq};
 
 use crate::alloc::{AllocError, BlockGrant, BlockHandle, SlotHandle};
 use crate::arena::{ArenaError, ArenaLayout, FieldView};
 use crate::backend::{Backend, BackendError, DeviceAllocation, Stream};
 use crate::boundary::{Boundary, BoundaryChange, BoundaryError};
-use crate::geometry::{GeometryError, UnifiedPoolGeometry, DENSE_RATIO};
+use crate::checkpoint::{CopyRun as RegionCopy, LayoutId, Loc, Region};
+use crate::geometry::{GeometryError, UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO};
 use crate::index::{CopyRun, CopyRunsArgs, DevicePtr, FillRun, FillRunsArgs, Launch};
 use crate::sizing::IndexerDtype;
 use crate::transfer::{TransferConfig, TransferRegions};
@@ -32,19 +42,42 @@ const PLANE_ALIGN: u64 = 256;
 
 /// What the pool is built from: a geometry at a fixed plane capacity (its split is the
 /// initial one), the plane widths, the arena, and the indexer cache's shape.
+///
+/// The fields are public to read; [`Pool::new`] checks them all against each other again
+/// ([`PoolSpec::validate`]), so a spec edited into inconsistency is refused, never carved.
 #[derive(Clone, Debug)]
 pub struct PoolSpec {
+    /// The row space at its fixed plane capacity and initial split.
     pub geometry: UnifiedPoolGeometry,
     /// Row bytes of each plane: `[512, 128]` (fp8) or `[1024]` (bf16).
     pub plane_widths: Vec<u64>,
+    /// The compressor-state fields and where they sit in a slot.
     pub arena: ArenaLayout,
     /// The CSA indexer cache's format (`None`: no indexer cache).
     pub indexer: Option<IndexerDtype>,
     /// Global ids of the CSA layers (the indexer cache's layer order).
     pub csa_layers: Vec<usize>,
+    /// The §6 layout id of the plan the spec came from, with the spec's fingerprint then: a
+    /// pool only reports the plan's id while the spec still is what the plan made.
+    plan_layout: Option<(LayoutId, String)>,
 }
 
 impl PoolSpec {
+    /// A spec from its parts, checked ([`PoolSpec::validate`]). Its images carry a layout id
+    /// derived from every part that gives image bytes their meaning
+    /// ([`PoolSpec::layout_id`]); use [`PoolSpec::from_plan`] for the §6 id of a model.
+    pub fn new(
+        geometry: UnifiedPoolGeometry,
+        plane_widths: Vec<u64>,
+        arena: ArenaLayout,
+        indexer: Option<IndexerDtype>,
+        csa_layers: Vec<usize>,
+    ) -> Result<PoolSpec, PoolError> {
+        let spec = PoolSpec { geometry, plane_widths, arena, indexer, csa_layers, plan_layout: None };
+        spec.validate()?;
+        Ok(spec)
+    }
+
     /// The spec of a sized plan: its carve, its arena, its indexer shape. The pool sizes
     /// its indexer cache for every block the plane can hold, so the plan must allow the
     /// boundary down to zero slots (`min_slots = 0`, the default).
@@ -52,13 +85,109 @@ impl PoolSpec {
         if plan.min_slots != 0 {
             return Err(PoolError::MinSlots(plan.min_slots));
         }
-        Ok(PoolSpec {
+        let mut spec = PoolSpec {
             geometry: plan.geometry.clone(),
             plane_widths: plan.layout.widths().to_vec(),
             arena: plan.layout.arena.clone(),
             indexer: Some(plan.layout.indexer),
             csa_layers: plan.layout.model.csa_layers(),
-        })
+            plan_layout: None,
+        };
+        spec.validate()?;
+        let id = LayoutId::for_layout(&plan.layout)?;
+        spec.plan_layout = Some((id, spec.fingerprint()));
+        Ok(spec)
+    }
+
+    /// Check every part against the others: the geometry is what its own inputs build
+    /// (no field edited after the carve) with positions numbered from 0, the arena was
+    /// planned for these plane widths and has the geometry's arena rows and slot alignment,
+    /// the CSA layers are the geometry's ratio-4 layers, and the plan's layout id (if any)
+    /// still describes the spec.
+    pub fn validate(&self) -> Result<(), PoolError> {
+        let g = &self.geometry;
+        if g.slot_origin != 0 {
+            return Err(PoolError::SlotOrigin(g.slot_origin));
+        }
+        if UnifiedPoolGeometry::new(g.spec())? != *g {
+            return Err(PoolError::InconsistentSpec {
+                what: "geometry (a field differs from what its inputs build)",
+            });
+        }
+        if self.plane_widths.is_empty() || self.plane_widths.contains(&0) {
+            return Err(PoolError::InconsistentSpec { what: "plane_widths (empty, or a zero width)" });
+        }
+        if self.arena.widths() != self.plane_widths {
+            return Err(PoolError::InconsistentSpec {
+                what: "plane_widths (the arena was planned for others)",
+            });
+        }
+        if self.arena.arena_rows() != g.arena_rows {
+            return Err(PoolError::ArenaMismatch { arena: self.arena.arena_rows(), geometry: g.arena_rows });
+        }
+        if self.arena.slot_align_rows() != g.slot_align_rows {
+            return Err(PoolError::InconsistentSpec { what: "slot_align_rows (arena and geometry differ)" });
+        }
+        let csa: Vec<usize> = (0..g.num_layers).filter(|&l| g.ratios[l] == CSA_RATIO).collect();
+        if csa != self.csa_layers {
+            return Err(PoolError::InconsistentSpec {
+                what: "csa_layers (not the geometry's ratio-4 layers)",
+            });
+        }
+        if let Some((_, fp)) = &self.plan_layout {
+            if *fp != self.fingerprint() {
+                return Err(PoolError::InconsistentSpec { what: "a part edited after from_plan" });
+            }
+        }
+        Ok(())
+    }
+
+    /// The layout id images of this spec's pools carry: the plan's §6 id for a spec from
+    /// [`PoolSpec::from_plan`], else one built from every part that gives image bytes their
+    /// meaning (ratios in order, ring, block size, rows, widths, arena fields, indexer).
+    pub fn layout_id(&self) -> LayoutId {
+        match &self.plan_layout {
+            Some((id, _)) => id.clone(),
+            None => LayoutId::new(self.fingerprint()),
+        }
+    }
+
+    /// Everything that decides what an image's bytes mean, on one line.
+    fn fingerprint(&self) -> String {
+        let g = &self.geometry;
+        let join = |v: &[String]| v.join(",");
+        let fields: Vec<String> = self
+            .arena
+            .fields()
+            .iter()
+            .map(|f| {
+                let shape: Vec<String> = f.shape.iter().map(u64::to_string).collect();
+                format!(
+                    "{}[{}x{}]{:?}/{:?}/{}/{}",
+                    f.name,
+                    f.layers,
+                    shape.join("x"),
+                    f.dtype,
+                    f.fill,
+                    if f.carried { "carried" } else { "nocopy" },
+                    f.align
+                )
+            })
+            .collect();
+        format!(
+            "v4pool-spec:ratios={}:block={}:ring={}:arena_rows={}:entry_rows={}:slot_rows={}:widths={}\
+             :fields={}:indexer={}:csa={}",
+            join(&g.ratios.iter().map(i32::to_string).collect::<Vec<_>>()),
+            g.block_size,
+            g.ring_slots,
+            g.arena_rows,
+            g.entry_rows,
+            g.slot_rows,
+            join(&self.plane_widths.iter().map(u64::to_string).collect::<Vec<_>>()),
+            fields.join(";"),
+            self.indexer.map_or("none", |ix| ix.name()),
+            join(&self.csa_layers.iter().map(usize::to_string).collect::<Vec<_>>()),
+        )
     }
 }
 
@@ -96,6 +225,18 @@ pub enum PoolError {
     Decode(String),
     #[error("arithmetic overflow computing {0}")]
     Overflow(&'static str),
+    #[error("inconsistent pool spec: {what}")]
+    InconsistentSpec { what: &'static str },
+    #[error("block id {id} outside the {max} blocks the plane can hold")]
+    NoSuchBlock { id: u32, max: u64 },
+    #[error("positions {start}..{end} are not all live slot positions (live {live_start}..{live_end})")]
+    NotLive { start: i64, end: i64, live_start: i64, live_end: i64 },
+    #[error("bytes {offset}..{offset}+{len} outside {what} of {limit} bytes")]
+    OutOfRange { what: &'static str, offset: u64, len: u64, limit: u64 },
+    #[error("no region {region:?} in this pool")]
+    NoSuchRegion { region: Region },
+    #[error("copy run {index} overlaps itself (source and destination share bytes)")]
+    SelfOverlap { index: usize },
     #[error("the pool's lock was poisoned by a panic in another thread")]
     Poisoned,
 }
@@ -190,6 +331,8 @@ pub struct Pool {
     image_ranges: Vec<Vec<(u64, u64)>>,
     /// Serialises use of the descriptor buffer (see `run_descriptors`).
     descriptor_lock: Mutex<()>,
+    /// What every image of this pool is tagged with.
+    layout_id: LayoutId,
     state: Mutex<State>,
 }
 
@@ -210,13 +353,11 @@ fn checked(v: Option<u64>, what: &'static str) -> Result<u64, PoolError> {
 impl Pool {
     /// Carve the planes for `spec` on `backend`; all pool work goes on `stream`.
     pub fn new(backend: Arc<dyn Backend>, spec: PoolSpec, stream: Stream) -> Result<Pool, PoolError> {
+        // Everything below trusts the spec's parts to agree: check them (public fields can
+        // have been edited since the spec was made).
+        spec.validate()?;
         let g = &spec.geometry;
-        if spec.arena.arena_rows() != g.arena_rows {
-            return Err(PoolError::ArenaMismatch { arena: spec.arena.arena_rows(), geometry: g.arena_rows });
-        }
-        if g.slot_origin != 0 {
-            return Err(PoolError::SlotOrigin(g.slot_origin));
-        }
+        let layout_id = spec.layout_id();
         let boundary = Boundary::new(g)?;
         let image_ranges = Self::plan_image_ranges(&spec)?;
         // Planes back to back, each start on a 256-byte boundary.
@@ -262,11 +403,15 @@ impl Pool {
             descriptors,
             image_ranges,
             descriptor_lock: Mutex::new(()),
+            layout_id,
             state: Mutex::new(State { boundary }),
         };
         // Initialise every live position's state (the allocation is already zero).
-        let live = pool.lock()?.boundary.live_positions();
-        pool.init_positions(live)?;
+        {
+            let st = pool.lock()?;
+            let live = st.boundary.live_positions();
+            pool.init_positions_locked(&st, live)?;
+        }
         Ok(pool)
     }
 
@@ -282,6 +427,10 @@ impl Pool {
     }
     pub fn spec(&self) -> &PoolSpec {
         &self.spec
+    }
+    /// The layout id every checkpoint image of this pool carries ([`PoolSpec::layout_id`]).
+    pub fn layout_id(&self) -> &LayoutId {
+        &self.layout_id
     }
     /// The layout at the current split (plane capacity and every address are fixed).
     pub fn geometry(&self) -> Result<UnifiedPoolGeometry, PoolError> {
@@ -376,8 +525,13 @@ impl Pool {
         let mut st = self.lock()?;
         let handle = st.boundary.alloc_slot()?;
         let position = st.boundary.position(handle)?;
-        drop(st);
-        self.init_positions(position..position + 1)?;
+        // Under the lock that handed the position out: a boundary move cannot relocate the
+        // slot between the look-up and the fill, and the fill is queued before the caller
+        // can queue a write.
+        if let Err(e) = self.init_positions_locked(&st, position..position + 1) {
+            st.boundary.free_slot(handle)?;
+            return Err(e);
+        }
         Ok(SlotLease { handle, position })
     }
 
@@ -435,9 +589,11 @@ impl Pool {
         let mut st = self.lock()?;
         let change = op(&mut st.boundary)?;
         let runs = self.relocation_runs(&change)?;
-        self.copy_runs(&runs)?;
-        drop(st);
-        self.init_positions(change.new_live_positions.clone())?;
+        // Both under the lock that moved the boundary: a slot handed out right after the
+        // move is initialised (and written by its holder) only after these are queued.
+        // SAFETY: the runs were derived from this pool's planes and indexer by the geometry.
+        unsafe { self.queue_copies(&runs)? };
+        self.init_positions_locked(&st, change.new_live_positions.clone())?;
         Ok(change)
     }
 
@@ -476,6 +632,11 @@ impl Pool {
     /// and its block in every indexer pool and CSA layer.
     pub fn block_copy_runs(&self, from: u32, to: u32) -> Result<Vec<CopyRun>, PoolError> {
         let g = &self.spec.geometry;
+        for id in [from, to] {
+            if u64::from(id) >= self.indexer_blocks {
+                return Err(PoolError::NoSuchBlock { id, max: self.indexer_blocks });
+            }
+        }
         let (from, to) = (u64::from(from), u64::from(to));
         let mut runs = Vec::new();
         for (p, &w) in self.spec.plane_widths.iter().enumerate() {
@@ -512,23 +673,112 @@ impl Pool {
         Ok(runs)
     }
 
-    /// Queue `runs` (non-overlapping byte copies) as descriptor launches on the pool stream.
-    pub fn copy_runs(&self, runs: &[CopyRun]) -> Result<(), PoolError> {
+    /// Queue `runs` (non-overlapping byte copies) as descriptor launches on the pool stream,
+    /// ordered after every relocation queued before it.
+    ///
+    /// # Safety
+    /// Every run's source and destination must be live memory of this pool's backend that
+    /// stays live until the pool's stream has run the copy, and no destination may overlap
+    /// another run's bytes. Prefer [`Pool::copy_regions`], which checks runs against the
+    /// pool's own memory.
+    pub unsafe fn copy_runs(&self, runs: &[CopyRun]) -> Result<(), PoolError> {
+        let _st = self.lock()?;
+        // SAFETY: the caller's contract.
+        unsafe { self.queue_copies(runs) }
+    }
+
+    /// Queue copies between the pool's own regions (planes and indexer pools, offsets from
+    /// each region's first byte; [`crate::checkpoint::CopyRun`], as a store or restore plan
+    /// writes them), under the lock that moves the boundary. Every run is checked to lie in
+    /// its regions and not to overlap itself; nothing is queued if one fails.
+    pub fn copy_regions(&self, runs: &[RegionCopy]) -> Result<(), PoolError> {
+        let mut raw = Vec::with_capacity(runs.len());
+        for (index, r) in runs.iter().enumerate() {
+            let src = self.region_range(r.src, r.bytes)?;
+            let dst = self.region_range(r.dst, r.bytes)?;
+            if r.src.region == r.dst.region
+                && r.src.offset < r.dst.offset + r.bytes
+                && r.dst.offset < r.src.offset + r.bytes
+            {
+                return Err(PoolError::SelfOverlap { index });
+            }
+            raw.push(CopyRun { src, dst, bytes: r.bytes });
+        }
+        let _st = self.lock()?;
+        // SAFETY: every run was checked to lie inside this pool's planes or indexer.
+        unsafe { self.queue_copies(&raw) }
+    }
+
+    /// Bytes of a region: a plane, or one indexer pool (`[n_csa][indexer_blocks][block]`).
+    fn region_bytes(&self, region: Region) -> Result<u64, PoolError> {
+        match region {
+            Region::Plane(p) => self.plane_bytes(p),
+            Region::Indexer(i) => {
+                let pools = self
+                    .spec
+                    .indexer
+                    .filter(|_| self.indexer.is_some())
+                    .map_or(&[][..], |ix| ix.pool_block_bytes());
+                let pb = pools.get(i).ok_or(PoolError::NoSuchRegion { region })?;
+                checked(
+                    (self.spec.csa_layers.len() as u64)
+                        .checked_mul(self.indexer_blocks)
+                        .and_then(|x| x.checked_mul(*pb)),
+                    "indexer pool bytes",
+                )
+            }
+        }
+    }
+
+    /// The device address of `loc .. loc + bytes`, checked to lie in its region.
+    fn region_range(&self, loc: Loc, bytes: u64) -> Result<DevicePtr, PoolError> {
+        let limit = self.region_bytes(loc.region)?;
+        if loc.offset.checked_add(bytes).is_none_or(|end| end > limit) {
+            return Err(PoolError::OutOfRange { what: "the region", offset: loc.offset, len: bytes, limit });
+        }
+        Ok(match loc.region {
+            Region::Plane(p) => self.plane_ptr(p)?,
+            Region::Indexer(i) => self.indexer_ptr().unwrap_or(0) + self.indexer_offsets[i],
+        } + loc.offset)
+    }
+
+    /// Queue copies with the caller holding the state lock (or owning the pool outright).
+    ///
+    /// # Safety
+    /// As [`Pool::copy_runs`].
+    unsafe fn queue_copies(&self, runs: &[CopyRun]) -> Result<(), PoolError> {
         let _range = crate::profiling::range("v4pool.copy_runs");
         self.run_descriptors(&split_runs(runs), |runs, num_runs| {
             Launch::CopyRuns(CopyRunsArgs { runs, num_runs, _pad: 0 })
         })
     }
 
-    /// Initialise the compressor state of `positions` (zero kv, −inf scores, zero padding).
+    /// Initialise the compressor state of `positions` (zero kv, −inf scores, zero padding),
+    /// under the lock that hands positions out. Every position must be a live slot position
+    /// (one the slot region holds now); anything else is refused before a byte is written.
     pub fn init_positions(&self, positions: std::ops::Range<i64>) -> Result<(), PoolError> {
+        let st = self.lock()?;
+        self.init_positions_locked(&st, positions)
+    }
+
+    /// [`Pool::init_positions`] with the lock held by the caller (`st` proves it).
+    fn init_positions_locked(&self, st: &State, positions: std::ops::Range<i64>) -> Result<(), PoolError> {
         let _range = crate::profiling::range("v4pool.init_state");
+        let live = st.boundary.live_positions();
+        if !positions.is_empty() && (positions.start < live.start || positions.end > live.end) {
+            return Err(PoolError::NotLive {
+                start: positions.start,
+                end: positions.end,
+                live_start: live.start,
+                live_end: live.end,
+            });
+        }
         let g = &self.spec.geometry;
         let mut runs = Vec::new();
         for pos in positions {
             for r in self.spec.arena.fill_runs(pos, g.slot_rows)? {
                 runs.push(FillRun {
-                    dst: self.plane_ptr(r.plane)? + r.offset,
+                    dst: self.plane_range(r.plane, r.offset, r.bytes)?,
                     bytes: r.bytes,
                     pattern: r.pattern,
                     _pad: 0,
@@ -561,147 +811,6 @@ impl Pool {
                 self.backend.launch(&launch(desc, chunk.len() as i32), self.stream)?;
             }
         }
-        Ok(())
-    }
-
-    // ---- checkpoints ----------------------------------------------------------------------
-
-    /// Byte ranges, per plane, that a checkpoint image of one slot carries: the carried
-    /// state fields plus the window rows some (layer, ring position) maps to (offsets from
-    /// the slot's start in that plane). Fixed for the pool's life: computed once in `new`.
-    pub fn checkpoint_ranges(&self) -> Result<Vec<Vec<(u64, u64)>>, PoolError> {
-        Ok(self.image_ranges.clone())
-    }
-
-    fn plan_image_ranges(spec: &PoolSpec) -> Result<Vec<Vec<(u64, u64)>>, PoolError> {
-        let g = &spec.geometry;
-        let entry_runs = g.entry_row_runs();
-        (0..spec.plane_widths.len())
-            .map(|p| {
-                let state = spec.arena.plane_checkpoint_ranges(p)?;
-                Ok(crate::checkpoint::plane_ranges(&state, g.arena_rows, &entry_runs, spec.plane_widths[p])?)
-            })
-            .collect()
-    }
-
-    /// Bytes of one slot's checkpoint image.
-    pub fn checkpoint_image_bytes(&self) -> Result<u64, PoolError> {
-        Ok(self.image_ranges.iter().flatten().map(|r| r.1).sum())
-    }
-
-    /// Copy runs between the image ranges of the slot at `position` and a contiguous image
-    /// at `image` (`to_image`: slot → image, a checkpoint; else image → slot, a restore).
-    pub fn checkpoint_copy_runs(
-        &self,
-        position: i64,
-        image: DevicePtr,
-        to_image: bool,
-    ) -> Result<Vec<CopyRun>, PoolError> {
-        let g = &self.spec.geometry;
-        let (start, _) = g.slot_span(position)?;
-        let mut cursor = 0u64;
-        let mut runs = Vec::new();
-        for (p, ranges) in self.image_ranges.iter().enumerate() {
-            let slot_base = self.plane_ptr(p)? + start as u64 * self.spec.plane_widths[p];
-            for &(off, len) in ranges {
-                let (a, b) = (slot_base + off, image + cursor);
-                runs.push(if to_image {
-                    CopyRun { src: a, dst: b, bytes: len }
-                } else {
-                    CopyRun { src: b, dst: a, bytes: len }
-                });
-                cursor += len;
-            }
-        }
-        Ok(runs)
-    }
-
-    /// Copy the checkpoint image of a held slot to device memory at `dst` (one launch).
-    ///
-    /// # Safety
-    /// `dst .. dst + checkpoint_image_bytes()` must be live memory of this pool's backend
-    /// that does not overlap the planes.
-    pub unsafe fn checkpoint_to(&self, slot: SlotHandle, dst: DevicePtr) -> Result<(), PoolError> {
-        let pos = self.slot_position(slot)?;
-        self.copy_runs(&self.checkpoint_copy_runs(pos, dst, true)?)
-    }
-
-    /// Restore a held slot from an image at `src`; bytes outside the ranges are untouched.
-    ///
-    /// # Safety
-    /// As [`Pool::checkpoint_to`], for `src`.
-    pub unsafe fn restore_from(&self, slot: SlotHandle, src: DevicePtr) -> Result<(), PoolError> {
-        let pos = self.slot_position(slot)?;
-        self.copy_runs(&self.checkpoint_copy_runs(pos, src, false)?)
-    }
-
-    /// Checkpoint into a host buffer of exactly `checkpoint_image_bytes()` bytes.
-    pub fn checkpoint(&self, slot: SlotHandle, dst: &mut [u8]) -> Result<(), PoolError> {
-        let _range = crate::profiling::range("v4pool.checkpoint");
-        let bytes = self.checkpoint_image_bytes()?;
-        if dst.len() as u64 != bytes {
-            return Err(PoolError::BufferSize { got: dst.len(), expected: bytes });
-        }
-        let tmp = self.backend.alloc_zeroed(bytes.max(1))?;
-        let result = (|| {
-            // SAFETY: `tmp` is a fresh allocation of `bytes` bytes, disjoint from the planes;
-            // the download waits for the copy queued before it on the same stream.
-            unsafe {
-                self.checkpoint_to(slot, tmp.ptr)?;
-                self.backend.download(dst, tmp.ptr, self.stream)?;
-            }
-            Ok(())
-        })();
-        // SAFETY: the download above synchronised the stream, so no work uses `tmp`.
-        unsafe { self.backend.free(tmp) };
-        result
-    }
-
-    /// Restore a held slot from a host image of exactly `checkpoint_image_bytes()` bytes.
-    pub fn restore(&self, slot: SlotHandle, src: &[u8]) -> Result<(), PoolError> {
-        let _range = crate::profiling::range("v4pool.restore");
-        let bytes = self.checkpoint_image_bytes()?;
-        if src.len() as u64 != bytes {
-            return Err(PoolError::BufferSize { got: src.len(), expected: bytes });
-        }
-        let tmp = self.backend.alloc_zeroed(bytes.max(1))?;
-        let result = (|| {
-            // SAFETY: as in `checkpoint`; the synchronize makes the copy finish before free.
-            unsafe {
-                self.backend.upload(tmp.ptr, src, self.stream)?;
-                self.restore_from(slot, tmp.ptr)?;
-            }
-            self.backend.synchronize(self.stream)?;
-            Ok(())
-        })();
-        // SAFETY: synchronised above (or the work failed to queue).
-        unsafe { self.backend.free(tmp) };
-        result
-    }
-
-    // ---- raw byte access (tests, tools) ----------------------------------------------------
-
-    fn plane_range(&self, plane: usize, offset: u64, len: u64) -> Result<DevicePtr, PoolError> {
-        let plane_bytes = self.plane_bytes(plane)?;
-        if offset.checked_add(len).is_none_or(|end| end > plane_bytes) {
-            return Err(PoolError::PlaneRange { plane, offset, len, plane_bytes });
-        }
-        Ok(self.plane_ptr(plane)? + offset)
-    }
-
-    /// Read bytes of a plane (waits for the pool's stream).
-    pub fn read_plane(&self, plane: usize, offset: u64, dst: &mut [u8]) -> Result<(), PoolError> {
-        let ptr = self.plane_range(plane, offset, dst.len() as u64)?;
-        // SAFETY: the range was checked to lie inside the plane.
-        unsafe { self.backend.download(dst, ptr, self.stream)? };
-        Ok(())
-    }
-
-    /// Write bytes into a plane (stream-ordered).
-    pub fn write_plane(&self, plane: usize, offset: u64, src: &[u8]) -> Result<(), PoolError> {
-        let ptr = self.plane_range(plane, offset, src.len() as u64)?;
-        // SAFETY: the range was checked to lie inside the plane.
-        unsafe { self.backend.upload(ptr, src, self.stream)? };
         Ok(())
     }
 

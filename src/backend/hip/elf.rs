@@ -13,6 +13,7 @@ pub const EM_AMDGPU: u16 = 224;
 pub const EF_AMDGPU_MACH: u32 = 0x0ff;
 /// `EF_AMDGPU_MACH` values of the processors build.rs targets (LLVM's `ELF.h`).
 pub const EF_AMDGPU_MACH_GFX90A: u32 = 0x03f;
+/// `EF_AMDGPU_MACH` of gfx942 (MI300).
 pub const EF_AMDGPU_MACH_GFX942: u32 = 0x04c;
 
 const SHT_SYMTAB: u32 = 2;
@@ -24,6 +25,7 @@ const BUNDLE_MAGIC: &[u8] = b"__CLANG_OFFLOAD_BUNDLE__";
 
 /// The ELF symbol types a kernel shows up as.
 pub const STT_OBJECT: u8 = 1;
+/// A function symbol (how code-object v3+ kernels appear).
 pub const STT_FUNC: u8 = 2;
 /// Code-object v2's kernel type; later versions use `STT_FUNC`.
 pub const STT_AMDGPU_HSA_KERNEL: u8 = 10;
@@ -31,20 +33,59 @@ pub const STT_AMDGPU_HSA_KERNEL: u8 = 10;
 /// What reading a code object can fail with.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum ElfError {
+    /// Not an ELF file.
     #[error("not an ELF file (first bytes {magic:02x?})")]
-    NotElf { magic: Vec<u8> },
+    NotElf {
+        /// The file's first bytes.
+        magic: Vec<u8>,
+    },
+    /// Not ELF64 little-endian.
     #[error("ELF class {class} / data encoding {data}: only ELF64 little-endian is read")]
-    Unsupported { class: u8, data: u8 },
+    Unsupported {
+        /// `EI_CLASS`.
+        class: u8,
+        /// `EI_DATA`.
+        data: u8,
+    },
+    /// A structure runs past the end of the file.
     #[error("{what} at byte {offset} (+{len}) runs past the end of the {size}-byte file")]
-    Truncated { what: &'static str, offset: u64, len: u64, size: u64 },
+    Truncated {
+        /// The structure being read.
+        what: &'static str,
+        /// Its offset in the file.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The file's length.
+        size: u64,
+    },
+    /// Section headers of an unexpected size.
     #[error("section header entry size {got}, expected 64")]
-    SectionEntrySize { got: u16 },
+    SectionEntrySize {
+        /// `e_shentsize` as found.
+        got: u16,
+    },
+    /// Symbol entries of an unexpected size.
     #[error("symbol entry size {got}, expected 24")]
-    SymbolEntrySize { got: u64 },
+    SymbolEntrySize {
+        /// `sh_entsize` as found.
+        got: u64,
+    },
+    /// A symbol table's string table index out of range.
     #[error("symbol table's string table index {link} is not one of the {count} sections")]
-    BadLink { link: u32, count: u16 },
+    BadLink {
+        /// `sh_link` as found.
+        link: u32,
+        /// Sections in the file.
+        count: u16,
+    },
+    /// A symbol name that is not NUL-terminated UTF-8.
     #[error("symbol name at string offset {offset} is not NUL-terminated UTF-8")]
-    BadName { offset: u64 },
+    BadName {
+        /// Offset of the name in the string table.
+        offset: u64,
+    },
+    /// A compressed offload bundle (not read here).
     #[error("compressed offload bundle: decompress it with clang-offload-bundler first")]
     CompressedBundle,
 }
@@ -52,18 +93,22 @@ pub enum ElfError {
 /// One entry of `.symtab` or `.dynsym`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ElfSymbol {
+    /// The symbol's name.
     pub name: String,
     /// `STT_*` (low nibble of `st_info`).
     pub kind: u8,
     /// Not `SHN_UNDEF`: the object itself defines it.
     pub defined: bool,
+    /// `st_size`.
     pub size: u64,
 }
 
 /// The parts of an ELF64 file this crate looks at.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ElfObject {
+    /// `e_machine` ([`EM_AMDGPU`] for a code object).
     pub machine: u16,
+    /// `e_flags` (the processor is `flags & EF_AMDGPU_MACH`).
     pub flags: u32,
     /// `.symtab` and `.dynsym` together (a name may appear in both).
     pub symbols: Vec<ElfSymbol>,
@@ -209,7 +254,9 @@ pub fn parse(bytes: &[u8]) -> Result<ElfObject, ElfError> {
 /// `hipv4-amdgcn-amd-amdhsa--gfx942`) and its bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BundleEntry<'a> {
+    /// The target triple ("" for a plain ELF file).
     pub triple: String,
+    /// The entry's bytes.
     pub bytes: &'a [u8],
 }
 

@@ -1,0 +1,95 @@
+//! The three KV classes of a V4 pool as a type, so a class index or a ratio that names no
+//! class cannot be expressed where a class is meant.
+
+use super::{GeometryError, UnifiedPoolGeometry, WindowParams, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
+use std::fmt;
+
+/// A KV class: which compress ratio a layer's KV is kept at.
+///
+/// The discriminant is the class's slot in the decode builder's `classes` array (the
+/// kernels' `V4POOL_CLASS_*`), so `class as usize` indexes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Class {
+    /// Sliding-window-only layers (compress ratio 0): a window, no compressed rows.
+    Dense = 0,
+    /// Compressed sparse attention (ratio 4): a window plus the indexer's top-k rows.
+    Csa = 1,
+    /// Heavily compressed attention (ratio 128): a window plus every compressed row.
+    Hca = 2,
+}
+
+impl Class {
+    /// Every class, in slot order.
+    pub const ALL: [Class; 3] = [Class::Dense, Class::Csa, Class::Hca];
+
+    /// The compress ratio of the class (0, 4, 128).
+    pub const fn ratio(self) -> i32 {
+        match self {
+            Class::Dense => DENSE_RATIO,
+            Class::Csa => CSA_RATIO,
+            Class::Hca => HCA_RATIO,
+        }
+    }
+
+    /// The class kept at compress ratio `ratio`; any other value is
+    /// [`GeometryError::NoSuchClass`] (the absent ratio −1 included: it names no class).
+    pub fn from_ratio(ratio: i32) -> Result<Class, GeometryError> {
+        Class::ALL.into_iter().find(|c| c.ratio() == ratio).ok_or(GeometryError::NoSuchClass { ratio })
+    }
+
+    /// The class's slot in per-class arrays (the decode builder's `classes`).
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Lower-case name, as reports and error messages spell it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Class::Dense => "dense",
+            Class::Csa => "csa",
+            Class::Hca => "hca",
+        }
+    }
+}
+
+impl fmt::Display for Class {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(self.name())
+    }
+}
+
+impl TryFrom<i32> for Class {
+    type Error = GeometryError;
+    fn try_from(ratio: i32) -> Result<Class, GeometryError> {
+        Class::from_ratio(ratio)
+    }
+}
+
+impl UnifiedPoolGeometry {
+    /// Whether the geometry has layers of `class`.
+    pub fn has_class(&self, class: Class) -> bool {
+        self.class(class.ratio()).is_some()
+    }
+
+    /// The window parameters of `class` ([`UnifiedPoolGeometry::window_params`] by class).
+    pub fn class_window_params(&self, class: Class) -> Result<WindowParams, GeometryError> {
+        self.window_params(class.ratio())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ratios_round_trip_and_others_are_refused() {
+        for c in Class::ALL {
+            assert_eq!(Class::from_ratio(c.ratio()), Ok(c));
+            assert_eq!(Class::ALL[c.index()], c);
+        }
+        for r in [-1, 1, 2, 3, 5, 64, 127, 129, i32::MIN, i32::MAX] {
+            assert_eq!(Class::from_ratio(r), Err(GeometryError::NoSuchClass { ratio: r }));
+        }
+        assert_eq!(Class::Hca.to_string(), "hca");
+    }
+}

@@ -1,0 +1,485 @@
+//! The prefill index path's buffers (`index-buffers.md` §6): one launch per prefill forward
+//! writes the extend rows, the dense window slices, the CSA window tails and the HCA
+//! `[window | compressed]` slices; the CSA heads come from the translate-pack in prefill
+//! mode (§5, `window_size = 0`, the per-token skip being the token's earlier-chunk window).
+//!
+//! The host computes per token only the slice lengths and their prefix sums, and per
+//! sequence the chunk start, the row of its first token and its committed HCA rows; a
+//! forward uploads that and the block tables once. Engines use
+//! [`crate::pool::PrefillPath`]; [`PrefillIndexBuffers`] is the advanced, pool-less form.
+
+use super::decode::{check_capacity, check_live, check_seq, decode_slice_lens, DecodeError, PoolBounds};
+use super::owned::{Carve, DeviceBuffer, Owned};
+use crate::backend::{Backend, Stream};
+use crate::geometry::{Class, UnifiedPoolGeometry, WindowParams, CSA_RATIO, HCA_RATIO};
+use crate::index::{CsaPackArgs, DevicePtr, Launch, PrefillIndexArgs};
+use std::sync::Arc;
+
+/// Capacities the prefill buffers are sized for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefillCapacity {
+    /// Sequences (chunks) in one forward.
+    pub max_seqs: usize,
+    /// Tokens in one forward.
+    pub max_tokens: usize,
+    /// Block-table columns per sequence.
+    pub max_blocks_per_seq: usize,
+    /// Sliding window `win` (1..=ring_slots).
+    pub win: i32,
+    /// CSA top-k reserved per token (`index_topk`, ≥ 0).
+    pub index_topk: i32,
+    /// Entries of the HCA prefix buffer; `None` sizes it for the worst case
+    /// (`max_tokens × (win − 1 + longest context / 128)`), which at 8K tokens and 1M
+    /// context is ~260 MB — engines that bound a forward's context pass their own bound and
+    /// `stage` refuses a forward that exceeds it.
+    pub max_hca_entries: Option<u64>,
+}
+
+/// One sequence's chunk of a prefill forward.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillSeq<'a> {
+    /// Physical slot (a position from `physical_slot`).
+    pub position: i64,
+    /// Absolute position of the chunk's first token (tokens before it are in the pool).
+    pub chunk_start: i64,
+    /// Tokens of the chunk (≥ 1); its context afterwards is `chunk_start + num_tokens`.
+    pub num_tokens: usize,
+    /// Logical → physical block ids covering the context after the chunk.
+    pub block_table: &'a [i32],
+}
+
+/// One sub-buffer of the prefill path, by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillBuffer {
+    /// i32 `[max_tokens]`: position of each token.
+    Positions,
+    /// i32 `[max_tokens]`: sequence of each token.
+    BatchIds,
+    /// i32 `[max_tokens]`: each token's earlier-chunk window rows (the CSA pack's skip).
+    SkipPrefix,
+    /// i32 `[max_seqs]`.
+    ChunkStarts,
+    /// i32 `[max_seqs]`: row of each sequence's first token in the forward's K.
+    CuSeqlensQ,
+    /// i32 `[max_seqs]`.
+    StateSlots,
+    /// i32 `[max_seqs]`: `ctx / 128` per sequence.
+    CommittedHca,
+    /// i32 `[max_seqs, max_blocks_per_seq]`.
+    BlockTables,
+    /// i32 `[max_tokens + 1]`: the extend indptr.
+    ExtendIndptr,
+    /// i32: extend rows (rows of the forward's own K).
+    ExtendIndices,
+    /// i32 `[max_tokens + 1]`: a class's prefix indptr (dense = `prefix_swa`).
+    Indptr(Class),
+    /// i32: a class's prefix index buffer.
+    Indices(Class),
+}
+
+/// Per-token slice lengths of a prefill token at `p` in a chunk starting at `cs` of a
+/// sequence whose context after the chunk is `ctx`: (extend rows, earlier-chunk window rows,
+/// CSA head, HCA compressed entries). The heads are decode's formulas (§13: causal).
+pub fn prefill_slice_lens(p: i64, cs: i64, ctx: i64, win: i64, topk: i64) -> (i64, i64, i64, i64) {
+    let low = (p - win + 1).max(0);
+    let ext = (p - cs + 1).min(win);
+    let pre = (cs - low).max(0);
+    let (_, csa, hca) = decode_slice_lens(p, ctx, win, topk);
+    (ext, pre, csa, hca)
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Layout {
+    positions: u64,
+    batch_ids: u64,
+    skip: u64,
+    chunk_start: u64,
+    cu_q: u64,
+    slots: u64,
+    committed: u64,
+    block_tables: u64,
+    /// extend, dense, csa, hca
+    indptr: [u64; 4],
+    meta_end: u64,
+    indices: [u64; 4],
+    total: u64,
+}
+
+/// Buffer slot of the extend buffers next to the three classes.
+const EXTEND: usize = 3;
+
+/// Prefill index buffers on a backend: the advanced, pool-less form of
+/// [`crate::pool::PrefillPath`] (owned; freed on drop; checks against [`PoolBounds`]).
+pub struct PrefillIndexBuffers {
+    cap: PrefillCapacity,
+    layout: Layout,
+    mem: Owned,
+    params: [Option<WindowParams>; 3],
+    /// Entries each index buffer holds: [dense, csa, hca, extend].
+    entries: [u64; 4],
+    envelope_rows: i64,
+    block_size: i64,
+    bounds: PoolBounds,
+    staging: Vec<u8>,
+    staged_positions: Vec<i64>,
+    staged_tokens: usize,
+}
+
+impl std::fmt::Debug for PrefillIndexBuffers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillIndexBuffers")
+            .field("cap", &self.cap)
+            .field("bytes", &self.layout.total)
+            .field("staged_tokens", &self.staged_tokens)
+            .finish()
+    }
+}
+
+struct Planned {
+    layout: Layout,
+    params: [Option<WindowParams>; 3],
+    entries: [u64; 4],
+}
+
+impl PrefillIndexBuffers {
+    fn plan(geometry: &UnifiedPoolGeometry, cap: PrefillCapacity) -> Result<Planned, DecodeError> {
+        let params = check_capacity(
+            geometry,
+            [cap.max_seqs, cap.max_tokens, cap.max_blocks_per_seq],
+            cap.win,
+            cap.index_topk,
+        )?;
+        let too_large = |what| DecodeError::TooLarge { what };
+        let (t, s, win) = (cap.max_tokens as u64, cap.max_seqs as u64, cap.win as u64);
+        let max_ctx = (cap.max_blocks_per_seq as u64)
+            .checked_mul(geometry.block_size as u64)
+            .ok_or(too_large("longest context"))?;
+        let worst_hca = (win - 1 + max_ctx / HCA_RATIO as u64).checked_mul(t);
+        let hca = match cap.max_hca_entries {
+            Some(n) => Some(n),
+            None => worst_hca,
+        };
+        let dense = if params[Class::Dense.index()].is_some() { t.checked_mul(win - 1) } else { Some(0) };
+        let entries = [dense, t.checked_mul(win - 1 + cap.index_topk as u64), hca, t.checked_mul(win)];
+        let mut e = [0u64; 4];
+        for (i, n) in entries.into_iter().enumerate() {
+            e[i] = n.filter(|&n| n <= i32::MAX as u64).ok_or(too_large("an i32 index buffer"))?;
+        }
+        let mut carve = Carve::default();
+        let mut take = |n: Option<u64>| carve.take(n.ok_or(too_large("bytes"))?, 4).ok_or(too_large("bytes"));
+        let mut l = Layout {
+            positions: take(Some(t))?,
+            batch_ids: take(Some(t))?,
+            skip: take(Some(t))?,
+            chunk_start: take(Some(s))?,
+            cu_q: take(Some(s))?,
+            slots: take(Some(s))?,
+            committed: take(Some(s))?,
+            block_tables: take(s.checked_mul(cap.max_blocks_per_seq as u64))?,
+            ..Layout::default()
+        };
+        for i in 0..4 {
+            l.indptr[i] = take(t.checked_add(1))?;
+        }
+        l.meta_end = take(Some(0))?;
+        for i in 0..4 {
+            l.indices[i] = take(Some(e[i]))?;
+        }
+        l.total = carve.end();
+        if usize::try_from(l.meta_end).is_err() {
+            return Err(too_large("host staging"));
+        }
+        Ok(Planned { layout: l, params, entries: e })
+    }
+
+    /// Device bytes the buffers for `cap` take, without allocating them.
+    pub fn required_bytes(geometry: &UnifiedPoolGeometry, cap: PrefillCapacity) -> Result<u64, DecodeError> {
+        Ok(Self::plan(geometry, cap)?.layout.total)
+    }
+
+    /// Size and allocate the buffers for `cap` on `backend` (work on `stream`).
+    pub fn new(
+        backend: Arc<dyn Backend>,
+        stream: Stream,
+        geometry: &UnifiedPoolGeometry,
+        cap: PrefillCapacity,
+    ) -> Result<Self, DecodeError> {
+        let Planned { layout, params, entries } = Self::plan(geometry, cap)?;
+        let mem = Owned::new(backend, stream, layout.total)?;
+        Ok(PrefillIndexBuffers {
+            cap,
+            layout,
+            mem,
+            params,
+            entries,
+            envelope_rows: geometry.envelope_rows,
+            block_size: geometry.block_size,
+            bounds: PoolBounds::of(geometry),
+            staging: vec![0u8; layout.meta_end as usize],
+            staged_positions: Vec::with_capacity(cap.max_seqs),
+            staged_tokens: 0,
+        })
+    }
+
+    /// Bytes these buffers hold on the device.
+    pub fn device_bytes(&self) -> u64 {
+        self.layout.total
+    }
+    /// The capacity the buffers were sized for.
+    pub fn capacity(&self) -> PrefillCapacity {
+        self.cap
+    }
+    /// The stream every upload and launch goes on.
+    pub fn stream(&self) -> Stream {
+        self.mem.stream()
+    }
+    /// Tokens of the forward last staged.
+    pub fn staged_tokens(&self) -> usize {
+        self.staged_tokens
+    }
+    /// Set the bounds staging checks against.
+    pub fn set_bounds(&mut self, bounds: PoolBounds) {
+        self.bounds = bounds;
+    }
+
+    fn has_class(&self, class: Class) -> bool {
+        self.params[class.index()].is_some()
+    }
+
+    /// A sub-buffer's address and length (`None`: dense buffers without dense layers).
+    pub fn buffer(&self, which: PrefillBuffer) -> Option<DeviceBuffer> {
+        let (t, s) = (self.cap.max_tokens as u64, self.cap.max_seqs as u64);
+        let l = &self.layout;
+        let (off, len) = match which {
+            PrefillBuffer::Positions => (l.positions, t),
+            PrefillBuffer::BatchIds => (l.batch_ids, t),
+            PrefillBuffer::SkipPrefix => (l.skip, t),
+            PrefillBuffer::ChunkStarts => (l.chunk_start, s),
+            PrefillBuffer::CuSeqlensQ => (l.cu_q, s),
+            PrefillBuffer::StateSlots => (l.slots, s),
+            PrefillBuffer::CommittedHca => (l.committed, s),
+            PrefillBuffer::BlockTables => (l.block_tables, s * self.cap.max_blocks_per_seq as u64),
+            PrefillBuffer::ExtendIndptr => (l.indptr[EXTEND], t + 1),
+            PrefillBuffer::ExtendIndices => (l.indices[EXTEND], self.entries[EXTEND]),
+            PrefillBuffer::Indptr(c) | PrefillBuffer::Indices(c) if !self.has_class(c) => return None,
+            PrefillBuffer::Indptr(c) => (l.indptr[c.index()], t + 1),
+            PrefillBuffer::Indices(c) => (l.indices[c.index()], self.entries[c.index()]),
+        };
+        Some(DeviceBuffer { ptr: self.mem.base() + off, len, elem_bytes: 4 })
+    }
+
+    /// Read an i32 sub-buffer back (waits for the stream).
+    pub fn read_i32(&self, which: PrefillBuffer) -> Result<Vec<i32>, DecodeError> {
+        let buf = self.buffer(which).ok_or(DecodeError::MissingClass(Class::Dense))?;
+        Ok(self.mem.read_i32(buf)?)
+    }
+
+    /// Stage one forward (metadata and block tables, one upload); returns its tokens.
+    pub fn stage(&mut self, batch: &[PrefillSeq<'_>]) -> Result<usize, DecodeError> {
+        let _range = crate::profiling::range("v4pool.prefill_stage");
+        let tokens = self.build_metadata(batch)?;
+        self.mem.upload(0, &self.staging)?;
+        self.staged_positions.clear();
+        self.staged_positions.extend(batch.iter().map(|s| s.position));
+        self.staged_tokens = tokens;
+        Ok(tokens)
+    }
+
+    fn build_metadata(&mut self, batch: &[PrefillSeq<'_>]) -> Result<usize, DecodeError> {
+        let cap = self.cap;
+        if batch.len() > cap.max_seqs {
+            return Err(DecodeError::TooManySeqs { got: batch.len(), cap: cap.max_seqs });
+        }
+        let mut tokens = 0usize;
+        for (i, s) in batch.iter().enumerate() {
+            tokens = tokens.saturating_add(s.num_tokens);
+            if tokens > cap.max_tokens {
+                return Err(DecodeError::TooManyTokens { got: tokens, cap: cap.max_tokens });
+            }
+            // num_tokens ≤ max_tokens, so `ctx` cannot overflow for chunk_start ≤ i32::MAX.
+            if s.num_tokens == 0 || !(0..=i64::from(i32::MAX)).contains(&s.chunk_start) {
+                return Err(DecodeError::BadSequence {
+                    seq: i,
+                    num_tokens: s.num_tokens,
+                    context_len: s.chunk_start,
+                });
+            }
+            let ctx = s.chunk_start + s.num_tokens as i64;
+            if ctx > i64::from(i32::MAX) {
+                let (limit, why) = (i64::from(i32::MAX), "an i32 prefill position holds");
+                return Err(DecodeError::ContextTooLong { seq: i, context_len: ctx, limit, why });
+            }
+            check_seq(
+                i,
+                s.position,
+                ctx,
+                s.block_table,
+                true,
+                &self.bounds,
+                cap.max_blocks_per_seq,
+                self.block_size,
+            )?;
+        }
+        // Slice totals, checked against each buffer before anything is written.
+        let (win, topk) = (i64::from(cap.win), i64::from(cap.index_topk));
+        let dense = self.has_class(Class::Dense);
+        let mut total = [0i64; 4];
+        for s in batch {
+            let ctx = s.chunk_start + s.num_tokens as i64;
+            for p in s.chunk_start..ctx {
+                let (ext, pre, csa, hca) = prefill_slice_lens(p, s.chunk_start, ctx, win, topk);
+                total[Class::Dense.index()] += if dense { pre } else { 0 };
+                total[Class::Csa.index()] += pre + csa;
+                total[Class::Hca.index()] += pre + hca;
+                total[EXTEND] += ext;
+            }
+        }
+        const NAMES: [&str; 4] =
+            ["prefix_swa entries", "prefix_csa entries", "prefix_hca entries", "extend entries"];
+        for i in 0..4 {
+            if total[i] as u64 > self.entries[i] {
+                return Err(DecodeError::BufferFull {
+                    what: NAMES[i],
+                    got: total[i] as u64,
+                    cap: self.entries[i],
+                });
+            }
+        }
+        let l = self.layout;
+        let st = &mut self.staging;
+        // Every value fits an i32: positions and contexts were checked, totals fit the
+        // buffers, whose entries fit an i32.
+        let put = |st: &mut Vec<u8>, off: u64, i: usize, v: i64| {
+            let o = off as usize + 4 * i;
+            st[o..o + 4].copy_from_slice(&(v as i32).to_ne_bytes());
+        };
+        let mut ptr = [0i64; 4];
+        for i in 0..4 {
+            put(st, l.indptr[i], 0, 0);
+        }
+        let mut t = 0usize;
+        for (b, s) in batch.iter().enumerate() {
+            let ctx = s.chunk_start + s.num_tokens as i64;
+            put(st, l.chunk_start, b, s.chunk_start);
+            put(st, l.cu_q, b, t as i64);
+            put(st, l.slots, b, s.position);
+            put(st, l.committed, b, ctx / i64::from(HCA_RATIO));
+            let row = l.block_tables as usize + 4 * b * cap.max_blocks_per_seq;
+            st[row..row + 4 * s.block_table.len()].copy_from_slice(bytemuck::cast_slice(s.block_table));
+            for p in s.chunk_start..ctx {
+                let (ext, pre, csa, hca) = prefill_slice_lens(p, s.chunk_start, ctx, win, topk);
+                put(st, l.positions, t, p);
+                put(st, l.batch_ids, t, b as i64);
+                put(st, l.skip, t, pre);
+                ptr[Class::Dense.index()] += if dense { pre } else { 0 };
+                ptr[Class::Csa.index()] += pre + csa;
+                ptr[Class::Hca.index()] += pre + hca;
+                ptr[EXTEND] += ext;
+                for i in 0..4 {
+                    put(st, l.indptr[i], t + 1, ptr[i]);
+                }
+                t += 1;
+            }
+        }
+        Ok(t)
+    }
+
+    fn prefill_args(&self) -> PrefillIndexArgs {
+        let b = self.mem.base();
+        let l = &self.layout;
+        let (d, c, h) = (Class::Dense.index(), Class::Csa.index(), Class::Hca.index());
+        let dense = self.params[d];
+        PrefillIndexArgs {
+            dense: dense.unwrap_or_default(),
+            csa: self.params[c].unwrap_or_default(),
+            hca: self.params[h].unwrap_or_default(),
+            positions: b + l.positions,
+            bid_per_token: b + l.batch_ids,
+            chunk_start_per_seq: b + l.chunk_start,
+            cu_seqlens_q_per_seq: b + l.cu_q,
+            state_slot_per_seq: b + l.slots,
+            n_committed_hca_per_seq: b + l.committed,
+            block_tables: b + l.block_tables,
+            extend_indptr: b + l.indptr[EXTEND],
+            extend_indices: b + l.indices[EXTEND],
+            swa_indptr: if dense.is_some() { b + l.indptr[d] } else { 0 },
+            swa_indices: if dense.is_some() { b + l.indices[d] } else { 0 },
+            csa_indptr: b + l.indptr[c],
+            csa_indices: b + l.indices[c],
+            hca_indptr: b + l.indptr[h],
+            hca_indices: b + l.indices[h],
+            envelope_rows: self.envelope_rows,
+            block_table_stride: self.cap.max_blocks_per_seq as i32,
+            num_tokens: self.staged_tokens as i32,
+            win: self.cap.win,
+            hca_ratio: HCA_RATIO,
+            hca_rows_per_block: (self.block_size / i64::from(HCA_RATIO)) as i32,
+            _pad: 0,
+        }
+    }
+
+    /// The prefill builder's launch for the staged forward (advanced: see
+    /// [`Self::build`] for the safe way to run it).
+    pub fn launch(&self) -> Launch {
+        Launch::Prefill(self.prefill_args())
+    }
+
+    /// Run the prefill builder over the staged forward, after checking its positions are
+    /// still live under the bounds last set.
+    pub fn build(&self) -> Result<(), DecodeError> {
+        let _range = crate::profiling::range("v4pool.prefill_build");
+        check_live(&self.staged_positions, &self.bounds.live)?;
+        if self.staged_tokens == 0 {
+            return Ok(());
+        }
+        // SAFETY: every pointer is this handle's own; the staged indptrs were computed here
+        // and their totals checked against each buffer's entries, and `num_tokens` is the
+        // staged count, so the kernel reads staged metadata and writes inside the buffers.
+        unsafe { self.mem.launch(&self.launch())? };
+        Ok(())
+    }
+
+    /// CSA translate-pack arguments (prefill mode) for one CSA layer over the staged
+    /// forward.
+    pub fn csa_pack_args(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<CsaPackArgs, DecodeError> {
+        if topk_row_stride < self.cap.index_topk.max(1) {
+            return Err(DecodeError::TopkStride { stride: topk_row_stride, topk: self.cap.index_topk });
+        }
+        let b = self.mem.base();
+        let l = &self.layout;
+        let c = Class::Csa.index();
+        Ok(CsaPackArgs {
+            topk,
+            block_tables: b + l.block_tables,
+            positions: 0,
+            indptr: b + l.indptr[c],
+            batch_id_per_token: b + l.batch_ids,
+            skip_prefix_len_per_token: b + l.skip,
+            out: b + l.indices[c],
+            envelope_rows: self.envelope_rows,
+            topk_row_stride,
+            block_table_stride: self.cap.max_blocks_per_seq as i32,
+            num_tokens: self.staged_tokens as i32,
+            num_layers: 1,
+            block_capacity: (self.block_size / i64::from(CSA_RATIO)) as i32,
+            window_size: 0,
+            ..Default::default()
+        })
+    }
+
+    /// CSA translate-pack (prefill mode) for one CSA layer over the staged forward.
+    ///
+    /// # Safety
+    /// `topk` addresses live memory of this backend holding i32
+    /// `[staged tokens][topk_row_stride]`, ready on the stream, non-negative where the
+    /// contract reads it (`index-buffers.md` §5).
+    pub unsafe fn csa_pack(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<(), DecodeError> {
+        let args = self.csa_pack_args(topk, topk_row_stride)?;
+        if self.staged_tokens == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller vouches for `topk`; every other pointer is this handle's own.
+        unsafe { self.mem.launch(&Launch::CsaPack(args))? };
+        Ok(())
+    }
+}
