@@ -48,7 +48,7 @@ fn pool(blocks: i64) -> Arc<Pool> {
         .expect("geometry");
     let plane_rows = (blocks + 64) * probe.envelope_rows + 8 * probe.slot_rows;
     let geometry = probe.with_capacity(0, 0, Some(plane_rows)).expect("carve");
-    let spec = PoolSpec { geometry, plane_widths: WIDTHS.to_vec(), arena, indexer: None, csa_layers: vec![] };
+    let spec = PoolSpec::new(geometry, WIDTHS.to_vec(), arena, None, vec![1, 3]).expect("spec");
     Arc::new(Pool::new(Arc::new(HostBackend::new()), spec, Stream::DEFAULT).expect("pool"))
 }
 
@@ -73,7 +73,7 @@ fn main() {
     }
     let blocks = (TOKENS / 256) as usize;
     let pool = pool(blocks as i64);
-    let cfg = |every| ManagerConfig { layout_id: "bench".into(), checkpoint_every: every, rolling: false };
+    let cfg = |every| ManagerConfig { checkpoint_every: every, rolling: false };
 
     // ---- allocate + commit per block ----
     let mut m = KvManager::new(pool.clone(), cfg(0), Box::new(FixedPolicy { slots: 2 })).expect("manager");

@@ -7,7 +7,9 @@ mod manager_common;
 use manager_common::*;
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
-use v4pool::manager::{ElasticPolicy, KvManager, ManagerError};
+use v4pool::checkpoint::{CheckpointError, CheckpointImage};
+use v4pool::manager::{ElasticPolicy, KvManager, ManagerError, StoredCheckpoint};
+use v4pool::pool::PoolError;
 
 #[test]
 fn resumed_request_is_byte_identical_to_an_uninterrupted_run() {
@@ -25,23 +27,34 @@ fn checkpoint_images_carry_the_layout_id() {
     let h = hashes(&t)[3];
     let pos = m.slot(a).unwrap().unwrap().position;
     let at_1024 = read(&pool, &image_ranges(&pool, pos));
-    let image = m.export_checkpoint(&h).expect("export");
-    assert_eq!(image.layout_id, "test-layout");
-    assert_eq!(image.bytes.len() as u64, pool.checkpoint_image_bytes().unwrap());
+    let stored = m.export_checkpoint(&h).expect("export");
+    assert_eq!(stored.image.layout_id(), pool.layout_id());
+    assert_eq!(stored.image.bytes().len() as u64, pool.checkpoint_image_bytes().unwrap());
+    same(stored.image.bytes(), &at_1024, "exported image");
     m.finish(a).unwrap();
-    // Another layout: a typed error, nothing changes.
-    let other = small_pool(Arc::new(HostBackend::new()), 40);
-    let mut cfg = config(2, true);
-    cfg.layout_id = "other-layout".into();
-    let mut o = KvManager::new(other, cfg, Box::new(ElasticPolicy::default())).unwrap();
-    assert!(matches!(o.import_checkpoint(&image), Err(ManagerError::LayoutMismatch { .. })));
-    let mut bad = image.clone();
-    bad.bytes.pop();
-    assert!(matches!(m.import_checkpoint(&bad), Err(ManagerError::ImageSize { .. })));
-    // Drop the record, import it back, and a new request restores the same bytes from it.
+    // Another layout (ring 13): a typed error, nothing changes.
+    let other = small_pool_ring(Arc::new(HostBackend::new()), 40, 13);
+    assert_ne!(other.layout_id(), pool.layout_id());
+    let mut o = KvManager::new(other, config(2, true), Box::new(ElasticPolicy::default())).unwrap();
+    let before = o.pool().counts().unwrap();
+    assert!(matches!(
+        o.import_checkpoint(&stored),
+        Err(ManagerError::Checkpoint(CheckpointError::ForeignLayout { .. }))
+    ));
+    assert_eq!(o.pool().counts().unwrap(), before);
+    // A short image: refused by the pool's restore, the slot given back.
     m.unindex(h).unwrap();
+    let counts = pool.counts().unwrap();
+    let mut short = stored.image.bytes().to_vec();
+    short.pop();
+    let bad = StoredCheckpoint { hash: h, image: CheckpointImage::new(pool.layout_id().clone(), short) };
+    assert!(matches!(m.import_checkpoint(&bad), Err(ManagerError::Pool(PoolError::BufferSize { .. }))));
+    assert_eq!(pool.counts().unwrap().free_slots, counts.free_slots);
+    m.check_invariants().unwrap();
+    // Import it back, and a new request restores the same bytes from it.
     assert_eq!(m.checkpoint_state(&h), None);
-    assert!(m.import_checkpoint(&image).expect("import"));
+    assert!(m.import_checkpoint(&stored).expect("import"));
+    m.complete_inflight().unwrap();
     m.check_invariants().unwrap();
     let b = m.add_request(1100, hashes(&t[..1100]));
     let adm = m.admit(b).unwrap();

@@ -3,6 +3,7 @@
 
 use super::{store, BlockHash, BlockNode, CkptState, Holder, KvManager, ManagerError, Node, NIL};
 use crate::alloc::BlockHandle;
+use crate::checkpoint::CheckpointImage;
 use crate::pool::SlotLease;
 
 /// A request of one manager (index and generation: a finished request's id is refused).
@@ -54,16 +55,15 @@ pub struct ManagerStats {
     pub slot_relocations: u64,
 }
 
-/// A checkpoint's image in host memory, for a transfer between workers (prefill → decode,
-/// offload): the bytes of the §6 image stream and the layout id they were taken under.
+/// A checkpoint read to host memory for a transfer between workers (prefill → decode,
+/// offload): the hash of the block it ends at and the slot image, tagged with the layout id
+/// it was taken in ([`crate::pool::Pool::restore`] refuses another layout).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CheckpointImage {
-    /// The layout id of the pool that stored it.
-    pub layout_id: String,
+pub struct StoredCheckpoint {
     /// The hash of the block it ends at.
     pub hash: BlockHash,
-    /// The image stream (`image_bytes` bytes).
-    pub bytes: Vec<u8>,
+    /// The slot image (§6 ranges) and its layout id.
+    pub image: CheckpointImage,
 }
 
 #[derive(Clone, Debug)]
@@ -485,100 +485,51 @@ impl KvManager {
 
     // ---- transfer -------------------------------------------------------------------------
 
-    /// The ready checkpoint ending at `hash`, read to host memory (waits for the pool's
-    /// stream), with this manager's layout id.
-    pub fn export_checkpoint(&self, hash: &BlockHash) -> Result<CheckpointImage, ManagerError> {
+    /// The ready checkpoint ending at `hash`, read to host memory: restored into a slot taken
+    /// for the purpose (the policy may grow one), read with [`crate::pool::Pool::checkpoint`]
+    /// (tagged with the pool's layout id), and the slot given back.
+    pub fn export_checkpoint(&mut self, hash: &BlockHash) -> Result<StoredCheckpoint, ManagerError> {
         let c = self.ready_ckpt(hash).ok_or(ManagerError::NotCached { what: "checkpoint", hash: hash.0 })?;
+        // Pinned while a slot is found: finding one may evict.
+        self.nodes.unlink(c);
+        self.nodes.ckpt_mut(c).pins += 1;
+        let slot = self.take_slot();
+        self.nodes.ckpt_mut(c).pins -= 1;
+        self.touch_ckpt(c);
+        let slot = slot?;
         let ids: Vec<i64> = self.nodes.ckpt(c).units.iter().map(|u| i64::from(u.id)).collect();
-        let mut bytes = vec![0u8; self.ck.image_bytes as usize];
-        self.with_image_buffer(|m, tmp| {
-            let runs = store::image_runs(&m.pool, &m.ck, m.any_live_position()?, &ids, tmp, true)?;
-            m.pool.copy_runs(&runs)?;
-            // SAFETY: `tmp` holds image_bytes bytes; the download is ordered after the copy.
-            unsafe { m.pool.backend().download(&mut bytes, tmp, m.pool.stream())? };
-            Ok(())
-        })?;
-        Ok(CheckpointImage { layout_id: self.layout_id.to_string(), hash: *hash, bytes })
+        let image = store::copy(&self.pool, &self.ck, slot.position, &ids, false)
+            .and_then(|()| Ok(self.pool.checkpoint(slot.handle)?));
+        self.pool.free_slot(slot.handle)?;
+        Ok(StoredCheckpoint { hash: *hash, image: image? })
     }
 
     /// Store an image exported by another worker under its block's hash (the block must be
-    /// cached here). A different layout id is refused before anything changes; a checkpoint
-    /// already present is kept. Returns whether a record was stored.
-    pub fn import_checkpoint(&mut self, image: &CheckpointImage) -> Result<bool, ManagerError> {
-        if image.layout_id != *self.layout_id {
-            return Err(ManagerError::LayoutMismatch {
-                expected: self.layout_id.to_string(),
-                got: image.layout_id.clone(),
-            });
-        }
-        if image.bytes.len() as u64 != self.ck.image_bytes {
-            return Err(ManagerError::ImageSize { expected: self.ck.image_bytes, got: image.bytes.len() });
-        }
-        let &b = self
-            .index
-            .get(&image.hash)
-            .ok_or(ManagerError::NotCached { what: "block", hash: image.hash.0 })?;
+    /// cached here): an image of another layout is refused before anything changes; one
+    /// already present is kept (`Ok(false)`). The image goes through a slot taken for the
+    /// purpose ([`crate::pool::Pool::restore`] checks its layout and size) into units like
+    /// any store, visible after [`KvManager::complete_inflight`].
+    pub fn import_checkpoint(&mut self, stored: &StoredCheckpoint) -> Result<bool, ManagerError> {
+        self.layout_id.check_image(stored.image.layout_id())?;
+        let hash = stored.hash;
+        let &b = self.index.get(&hash).ok_or(ManagerError::NotCached { what: "block", hash: hash.0 })?;
         if self.nodes.block(b).ckpt != NIL {
             return Ok(false);
         }
-        // Keep the block out of eviction while room is made.
-        self.nodes.block_mut(b).refs += 1;
-        let was_listed = self.nodes.in_lru[b as usize];
+        // Referenced while a slot and units are found, so eviction cannot take it.
         self.nodes.unlink(b);
-        let room = self.make_room(self.units_per_ckpt);
-        let units = room.and_then(|()| {
-            let mut units: Vec<BlockHandle> = Vec::new();
-            for _ in 0..self.units_per_ckpt {
-                units.push(self.pool.alloc_block()?.handle);
-            }
-            Ok(units)
+        self.nodes.block_mut(b).refs += 1;
+        let result = self.take_slot().and_then(|slot| {
+            let stored_ok = self
+                .pool
+                .restore(slot.handle, &stored.image)
+                .map_err(ManagerError::from)
+                .and_then(|()| self.begin_store(hash, slot.position, false));
+            self.pool.free_slot(slot.handle)?;
+            stored_ok
         });
-        self.nodes.block_mut(b).refs -= 1;
-        if was_listed || self.nodes.block(b).refs == 0 {
-            self.nodes.touch(b);
-        }
-        let units = units?;
-        let ids: Vec<i64> = units.iter().map(|u| i64::from(u.id)).collect();
-        let copied = self.with_image_buffer(|m, tmp| {
-            // SAFETY: `tmp` holds image_bytes bytes, disjoint from the planes.
-            unsafe { m.pool.backend().upload(tmp, &image.bytes, m.pool.stream())? };
-            let runs = store::image_runs(&m.pool, &m.ck, m.any_live_position()?, &ids, tmp, false)?;
-            m.pool.copy_runs(&runs)?;
-            m.pool.backend().synchronize(m.pool.stream())?;
-            Ok(())
-        });
-        if let Err(e) = copied {
-            for u in units {
-                self.pool.free_block(u)?;
-            }
-            return Err(e);
-        }
-        let node = self.attach_ckpt(b, image.hash, units, CkptState::Ready, false);
-        self.nodes.touch(node);
-        self.stats.checkpoints_held += 1;
-        Ok(true)
-    }
-
-    fn any_live_position(&self) -> Result<i64, ManagerError> {
-        let live = self.pool.geometry()?.live_positions();
-        if live.is_empty() {
-            return Err(ManagerError::NoSlot);
-        }
-        Ok(live.start)
-    }
-
-    /// Run `f` with a device buffer of one image, freed after the pool's stream drains.
-    fn with_image_buffer(
-        &self,
-        f: impl FnOnce(&Self, crate::index::DevicePtr) -> Result<(), ManagerError>,
-    ) -> Result<(), ManagerError> {
-        let backend = self.pool.backend();
-        let tmp = backend.alloc_zeroed(self.ck.image_bytes.max(1))?;
-        let r = f(self, tmp.ptr);
-        let _ = backend.synchronize(self.pool.stream());
-        // SAFETY: the stream is drained; nothing else knows `tmp`.
-        unsafe { backend.free(tmp) };
-        r
+        self.unref(&[b])?;
+        result
     }
 
     // ---- invariants (tests) -----------------------------------------------------------------

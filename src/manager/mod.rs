@@ -40,7 +40,7 @@ pub use policy::{BlockGrowth, ElasticPolicy, FixedPolicy, PoolView, SplitPolicy}
 
 use crate::alloc::{AllocError, BlockHandle};
 use crate::boundary::BoundaryChange;
-use crate::checkpoint::{CheckpointError, CheckpointLayout};
+use crate::checkpoint::{CheckpointError, CheckpointLayout, LayoutId};
 use crate::pool::{Pool, PoolError, SlotLease};
 use crate::sizing::IndexerDtype;
 use hash::BuildPassThrough;
@@ -49,7 +49,7 @@ use std::sync::Arc;
 use thiserror::Error;
 
 mod engine;
-pub use engine::{Admission, CheckpointImage, ManagerStats, RequestId};
+pub use engine::{Admission, ManagerStats, RequestId, StoredCheckpoint};
 
 /// Everything the manager refuses. A refused call changes nothing unless it says so.
 #[derive(Debug, Error)]
@@ -88,22 +88,6 @@ pub enum ManagerError {
         /// Tokens the request's blocks hold.
         capacity: u64,
     },
-    /// A checkpoint image was built for another layout (two workers must agree byte for byte).
-    #[error("checkpoint layout {got:?} does not match this pool's {expected:?}")]
-    LayoutMismatch {
-        /// This manager's layout id.
-        expected: String,
-        /// The image's.
-        got: String,
-    },
-    /// A checkpoint image of the wrong size.
-    #[error("checkpoint image of {got} bytes, the layout's is {expected}")]
-    ImageSize {
-        /// Bytes the layout's image has.
-        expected: u64,
-        /// Bytes given.
-        got: usize,
-    },
     /// No ready checkpoint, or no cached block, under that hash.
     #[error("no {what} for hash {hash:032x}")]
     NotCached {
@@ -112,9 +96,6 @@ pub enum ManagerError {
         /// The hash asked for.
         hash: u128,
     },
-    /// The plan names an indexer region the pool does not have.
-    #[error("the checkpoint plan names an indexer cache the pool does not have")]
-    NoIndexer,
     /// The backend refused a transfer.
     #[error(transparent)]
     Backend(#[from] crate::backend::BackendError),
@@ -126,9 +107,6 @@ pub enum ManagerError {
 /// How the manager checkpoints and which layout its checkpoints belong to.
 #[derive(Clone, Debug)]
 pub struct ManagerConfig {
-    /// The checkpoint layout id (`checkpoint::layout_id` of the pool's `PoolLayout`); every
-    /// record carries it and an imported image must match it.
-    pub layout_id: String,
     /// A permanent checkpoint every this many blocks (0: none besides prompt end and rolling).
     pub checkpoint_every: u32,
     /// Rolling checkpoints at the other block boundaries a request's computed tokens land on
@@ -138,7 +116,7 @@ pub struct ManagerConfig {
 
 impl Default for ManagerConfig {
     fn default() -> Self {
-        ManagerConfig { layout_id: String::new(), checkpoint_every: 16, rolling: true }
+        ManagerConfig { checkpoint_every: 16, rolling: true }
     }
 }
 
@@ -176,7 +154,7 @@ struct CkptNode {
     pins: u32,
     /// Whether a request may drop it when it stores its next rolling checkpoint.
     rolling: bool,
-    layout: Arc<str>,
+    layout: LayoutId,
 }
 
 #[derive(Clone, Debug)]
@@ -299,7 +277,7 @@ impl Nodes {
 pub struct KvManager {
     pool: Arc<Pool>,
     config: ManagerConfig,
-    layout_id: Arc<str>,
+    layout_id: LayoutId,
     ck: CheckpointLayout,
     units_per_ckpt: u32,
     block_size: u64,
@@ -352,7 +330,7 @@ impl KvManager {
             return Err(ManagerError::Config("block size 0"));
         }
         let capacity = pool.indexer_blocks().max(1) as usize;
-        let layout_id: Arc<str> = Arc::from(config.layout_id.as_str());
+        let layout_id = pool.layout_id().clone();
         let m = KvManager {
             pool,
             config,
@@ -399,8 +377,8 @@ impl KvManager {
     pub fn policy_name(&self) -> &'static str {
         self.policy.name()
     }
-    /// The layout id every checkpoint of this manager carries.
-    pub fn layout_id(&self) -> &str {
+    /// The layout id every checkpoint of this manager carries (the pool's).
+    pub fn layout_id(&self) -> &LayoutId {
         &self.layout_id
     }
     /// Counters since construction.
@@ -694,17 +672,12 @@ impl KvManager {
             }
         }
         let ids: Vec<i64> = units.iter().map(|u| i64::from(u.id)).collect();
-        let runs = store::copy_runs(&self.pool, &self.ck, position, &ids, true);
-        let runs = match runs {
-            Ok(r) => r,
-            Err(e) => {
-                for u in units {
-                    self.pool.free_block(u)?;
-                }
-                return Err(e);
+        if let Err(e) = store::copy(&self.pool, &self.ck, position, &ids, true) {
+            for u in units {
+                self.pool.free_block(u)?;
             }
-        };
-        self.pool.copy_runs(&runs)?;
+            return Err(e);
+        }
         let node = self.attach_ckpt(b, hash, units, CkptState::Copying, rolling);
         self.copying.push(node);
         self.stats.checkpoints_stored += 1;
@@ -783,15 +756,9 @@ impl KvManager {
     /// and queue the copy into the slot at `position` (one descriptor launch).
     fn begin_restore(&mut self, ck: u32, position: i64) -> Result<(), ManagerError> {
         let c = self.nodes.ckpt(ck);
-        if *c.layout != *self.layout_id {
-            return Err(ManagerError::LayoutMismatch {
-                expected: self.layout_id.to_string(),
-                got: c.layout.to_string(),
-            });
-        }
+        self.layout_id.check_image(&c.layout)?;
         let ids: Vec<i64> = c.units.iter().map(|u| i64::from(u.id)).collect();
-        let runs = store::copy_runs(&self.pool, &self.ck, position, &ids, false)?;
-        self.pool.copy_runs(&runs)?;
+        store::copy(&self.pool, &self.ck, position, &ids, false)?;
         let c = self.nodes.ckpt_mut(ck);
         c.pins += 1;
         self.nodes.unlink(ck);

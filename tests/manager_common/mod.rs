@@ -36,6 +36,11 @@ fn field(name: &str, rows: u64, fill: Fill, carried: bool) -> StateField {
 /// A small pool: ratios [0,4,128,4,128,0], ring 11, a 3-field arena in two planes, a plane
 /// of `positions` slots' rows, carved empty (the manager sets the split).
 pub fn small_pool(backend: Arc<dyn Backend>, positions: i64) -> Arc<Pool> {
+    small_pool_ring(backend, positions, 11)
+}
+
+/// As [`small_pool`] with another ring size (another checkpoint layout).
+pub fn small_pool_ring(backend: Arc<dyn Backend>, positions: i64, ring: i64) -> Arc<Pool> {
     let arena = ArenaLayout::new(
         vec![
             field("csa_kv", 10, Fill::Zero, true),
@@ -45,20 +50,16 @@ pub fn small_pool(backend: Arc<dyn Backend>, positions: i64) -> Arc<Pool> {
         &WIDTHS,
     )
     .expect("arena");
-    let probe = GeometrySpec::new(vec![0, 4, 128, 4, 128, 0], 0, 0, 11, BLOCK as i64)
+    let probe = GeometrySpec::new(vec![0, 4, 128, 4, 128, 0], 0, 0, ring, BLOCK as i64)
         .arena_rows(arena.arena_rows())
         .slot_align_rows(arena.slot_align_rows())
         .build()
         .expect("geometry");
     let plane_rows = positions * probe.slot_rows;
     let geometry = probe.with_capacity(0, 0, Some(plane_rows)).expect("carve");
-    let spec = PoolSpec {
-        geometry,
-        plane_widths: WIDTHS.to_vec(),
-        arena,
-        indexer: Some(v4pool::sizing::IndexerDtype::Fp8),
-        csa_layers: vec![1, 3],
-    };
+    let spec =
+        PoolSpec::new(geometry, WIDTHS.to_vec(), arena, Some(v4pool::sizing::IndexerDtype::Fp8), vec![1, 3])
+            .expect("spec");
     Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
 }
 
@@ -280,7 +281,7 @@ pub fn same(got: &[u8], want: &[u8], what: &str) {
 }
 
 pub fn config(every: u32, rolling: bool) -> v4pool::manager::ManagerConfig {
-    v4pool::manager::ManagerConfig { layout_id: "test-layout".into(), checkpoint_every: every, rolling }
+    v4pool::manager::ManagerConfig { checkpoint_every: every, rolling }
 }
 
 fn table_contents(m: &KvManager, id: RequestId, blocks: usize) -> Vec<u8> {
