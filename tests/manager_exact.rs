@@ -64,3 +64,35 @@ fn checkpoint_images_carry_the_layout_id() {
     m.finish(b).unwrap();
     m.check_invariants().unwrap();
 }
+
+/// Allocation evicts least-recently-used cached blocks only for the shortfall, and refuses
+/// without evicting anything when even full eviction could not make room.
+#[test]
+fn allocation_refuses_before_evicting_and_evicts_only_the_shortfall() {
+    use v4pool::manager::FixedPolicy;
+    let pool = small_pool(Arc::new(HostBackend::new()), 10);
+    let mut m = KvManager::new(pool.clone(), config(0, false), Box::new(FixedPolicy { slots: 2 })).unwrap();
+    let total = pool.counts().unwrap().num_blocks as u64;
+    let t = tokens(5, 256, 0);
+    let a = m.add_request(100_000, hashes(&t));
+    m.admit(a).unwrap();
+    run_to(&mut m, a, &t, 256, 256);
+    m.finish(a).unwrap();
+    let h = hashes(&t)[0];
+    assert_eq!(m.block_refs(&h), Some(0), "kept cached after finish");
+    let b = m.add_request(100_000, Vec::new());
+    m.admit(b).unwrap();
+    m.allocate(b, (total - 1) * BLOCK).unwrap();
+    assert_eq!(m.block_refs(&h), Some(0), "free blocks went first");
+    match m.allocate(b, (total + 1) * BLOCK) {
+        Err(ManagerError::OutOfBlocks { need: 2, available: 1 }) => {}
+        other => panic!("expected OutOfBlocks {{ need: 2, available: 1 }}, got {other:?}"),
+    }
+    assert_eq!(m.block_refs(&h), Some(0), "a refused allocation evicted nothing");
+    m.check_invariants().unwrap();
+    m.allocate(b, total * BLOCK).unwrap();
+    assert_eq!(m.block_refs(&h), None, "the shortfall evicted the cached block");
+    assert_eq!(m.stats().evicted_blocks, 1);
+    m.finish(b).unwrap();
+    m.check_invariants().unwrap();
+}
