@@ -258,8 +258,8 @@ impl KvManager {
             end = end.min(prompt_end);
         }
         let every = u64::from(self.config.checkpoint_every) * bs;
-        if every > 0 {
-            end = end.min((r.computed / every + 1) * every);
+        if let Some(q) = r.computed.checked_div(every) {
+            end = end.min((q + 1) * every);
         }
         Ok(end.saturating_sub(r.computed).min(budget))
     }
