@@ -191,13 +191,8 @@ impl World {
             let id = self.reqs[k].id;
             let full = (self.m.computed_tokens(id).unwrap() / BLOCK) as usize;
             let table = self.m.block_table(id).unwrap();
-            for b in 0..full {
-                let h = &self.reqs[k].hashes[b];
-                same(
-                    &read(pool, &block_ranges(pool, table[b] as u32)),
-                    &block_content(pool, h),
-                    "committed block",
-                );
+            for (&id, h) in table.iter().zip(&self.reqs[k].hashes).take(full) {
+                same(&read(pool, &block_ranges(pool, id as u32)), &block_content(pool, h), "committed block");
             }
         }
     }
