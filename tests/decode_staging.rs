@@ -41,7 +41,8 @@ fn pool_on(backend: Arc<HostBackend>, ratios: Vec<i32>, blocks: i64, slots: i64)
         .slot_align_rows(arena.slot_align_rows())
         .build()
         .expect("geometry");
-    let spec = PoolSpec { geometry, plane_widths: vec![16], arena, indexer: None, csa_layers: Vec::new() };
+    let csa_layers = geometry.class(Class::Csa.ratio()).map(|c| c.layers.clone()).unwrap_or_default();
+    let spec = PoolSpec::new(geometry, vec![16], arena, None, csa_layers).expect("spec");
     Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
 }
 
@@ -479,4 +480,13 @@ fn prefill_path_writes_what_the_geometry_says() {
     assert!(matches!(small.stage(&batch), Err(DecodeError::BufferFull { .. })));
     // SAFETY: the host backend ran the pack already; nothing uses the allocation.
     unsafe { pool.backend().free(topk) };
+}
+
+/// Bindings hold the handles as `'static` objects and may move them across threads.
+#[test]
+fn handles_are_static_send_and_sync() {
+    fn check<T: Send + Sync + 'static>() {}
+    check::<DecodePath>();
+    check::<v4pool::pool::PrefillPath>();
+    check::<Arc<Pool>>();
 }

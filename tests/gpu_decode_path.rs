@@ -37,7 +37,8 @@ fn pool_on(backend: Arc<dyn Backend>) -> Arc<Pool> {
         .slot_align_rows(arena.slot_align_rows())
         .build()
         .expect("geometry");
-    let spec = PoolSpec { geometry, plane_widths: vec![16], arena, indexer: None, csa_layers: Vec::new() };
+    let csa_layers = geometry.class(Class::Csa.ratio()).map(|c| c.layers.clone()).unwrap_or_default();
+    let spec = PoolSpec::new(geometry, vec![16], arena, None, csa_layers).expect("spec");
     Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
 }
 

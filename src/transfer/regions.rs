@@ -18,23 +18,50 @@ pub const PLANE_ROLES: [&str; 2] = ["dsv4.main_kv.nope", "dsv4.main_kv.rope"];
 /// Everything transfer registration refuses.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum TransferError {
+    /// The FP4 indexer's scale pool is not described by §7.
     #[error(
         "the FP4 indexer cannot be transferred or offloaded: its scale pool is not described; \
          use the FP8 indexer or disable transfer"
     )]
     Fp4Indexer,
+    /// Transfer with pipeline parallelism above 1.
     #[error("pipeline parallel size {size} with transfer is not supported (only 1)")]
-    PipelineParallel { size: u32 },
+    PipelineParallel {
+        /// The pipeline-parallel size asked for.
+        size: u32,
+    },
+    /// Neither one nor two planes.
     #[error("{planes} planes: a V4 pool has one (bf16) or two (fp8)")]
-    PlaneCount { planes: usize },
+    PlaneCount {
+        /// Planes given.
+        planes: usize,
+    },
+    /// The indexer holds fewer blocks than the pool.
     #[error("indexer sized for {indexer_blocks} blocks cannot hold the pool's {num_blocks}")]
-    IndexerTooSmall { indexer_blocks: i64, num_blocks: i64 },
+    IndexerTooSmall {
+        /// Blocks the indexer is sized for.
+        indexer_blocks: i64,
+        /// Blocks the pool has.
+        num_blocks: i64,
+    },
+    /// A unit id outside the region.
     #[error("unit {unit} outside 0..{units}")]
-    UnitOutOfRange { unit: i64, units: u64 },
+    UnitOutOfRange {
+        /// The unit asked for.
+        unit: i64,
+        /// Units the region holds.
+        units: u64,
+    },
+    /// A byte count overflowed 64 bits.
     #[error("arithmetic overflow computing {what}")]
-    Overflow { what: &'static str },
+    Overflow {
+        /// What was being computed.
+        what: &'static str,
+    },
+    /// The geometry refused.
     #[error(transparent)]
     Geometry(#[from] GeometryError),
+    /// The arena refused.
     #[error(transparent)]
     Arena(#[from] ArenaError),
 }
@@ -87,11 +114,17 @@ pub enum UnitOrder {
 /// One registered range: `total_bytes` from `base` in `alloc`, cut into `unit_bytes` units.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TransferRegion {
+    /// The connector role (`dsv4.main_kv.nope`, `dsv4.csa_indexer.layer_{L}`, …).
     pub role: String,
+    /// The allocation `base` is an offset into.
     pub alloc: Alloc,
+    /// Offset of the region's first byte in `alloc`.
     pub base: u64,
+    /// Bytes of one unit (a block's envelope or indexer block, or a whole slot).
     pub unit_bytes: u64,
+    /// Bytes of the region.
     pub total_bytes: u64,
+    /// How units are numbered.
     pub order: UnitOrder,
 }
 
@@ -100,6 +133,16 @@ impl TransferRegion {
     pub fn units(&self) -> u64 {
         self.total_bytes.checked_div(self.unit_bytes).unwrap_or(0)
     }
+    /// The region as a transfer library registers it: absolute address, length and item
+    /// length, given the base addresses of the plane allocation and of the indexer.
+    pub fn export(&self, planes_base: u64, indexer_base: u64) -> super::MemRegion {
+        let base = match self.alloc {
+            Alloc::Planes => planes_base,
+            Alloc::Indexer => indexer_base,
+        };
+        super::MemRegion { addr: base + self.base, len: self.total_bytes, item_len: self.unit_bytes }
+    }
+
     /// Offset in `alloc` of unit `unit` (a block id, or a group for slot regions).
     pub fn unit_offset(&self, unit: i64) -> Result<u64, TransferError> {
         let units = self.units();
@@ -117,7 +160,9 @@ impl TransferRegion {
 /// Whether transfer is configured, and the pipeline-parallel size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TransferConfig {
+    /// Whether a KV connector is configured (off: nothing is registered).
     pub enabled: bool,
+    /// Pipeline-parallel size (transfer supports 1).
     pub pipeline_parallel_size: u32,
 }
 

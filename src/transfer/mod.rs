@@ -1,0 +1,42 @@
+//! Moving a request's KV between pools, and out of HBM.
+//!
+//! * [`regions`] — the PD / offload transfer regions of `pool-runtime.md` §7 (what a KV
+//!   connector registers), exportable as `(address, length, item length)`.
+//! * [`engine`] — the [`TransferEngine`] interface another transfer library (NIXL, Mooncake)
+//!   can implement: register regions, post a list of `(src, dst, len)` spans, poll; span
+//!   coalescing; the in-process [`LocalEngine`].
+//! * [`handoff`] — prefill → decode handoff of one request between two pools: layout ids
+//!   compared first, the receiver's blocks and slot reserved all-or-nothing, the request's
+//!   blocks and whole slot sent as a few coalesced spans, the request rebound on the receiver.
+//! * [`nccl`] — the two-GPU engine over NCCL, loaded at run time.
+//! * [`host_tier`] — a host-memory (pinned on CUDA) tier that cached blocks and checkpoint
+//!   units spill to instead of being dropped, LRU within a byte budget.
+
+#![warn(missing_docs)]
+
+pub mod engine;
+pub mod handoff;
+pub mod host_tier;
+pub mod nccl;
+pub mod regions;
+
+pub use engine::{coalesce, LocalEngine, MemRegion, RegionId, Span, TransferEngine, TransferTicket};
+pub use handoff::{handoff, Endpoint, HandoffError, HandoffPlan, Rebound, RequestKv, WireShape};
+pub use host_tier::{HostTier, HostTierError};
+pub use regions::*;
+
+/// The §7 regions of `pool` at its current split, exported as `(role, (address, length,
+/// item length))` for an engine's own registration: block regions, then slot regions.
+/// Re-export after every boundary move (the slot base moves with the split).
+pub fn exported_regions(
+    pool: &crate::pool::Pool,
+    config: &TransferConfig,
+) -> Result<Vec<(String, MemRegion)>, crate::pool::PoolError> {
+    let r = pool.transfer_regions(config)?;
+    let (planes, indexer) = (pool.plane_ptr(0)?, pool.indexer_ptr().unwrap_or(0));
+    Ok(r.block_regions
+        .iter()
+        .chain(&r.slot_regions)
+        .map(|x| (x.role.clone(), x.export(planes, indexer)))
+        .collect())
+}

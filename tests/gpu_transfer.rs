@@ -1,0 +1,267 @@
+//! Request handoff on GPUs: a prefill pool on GPU 0 and a decode pool on GPU 1 over NCCL for
+//! 8K, 128K and 1M-token requests (V4-Flash), and the same on one GPU through the local
+//! engine. The receiver's blocks (every plane and indexer layer), whole slot and window rows
+//! are byte-identical to the sender's (random bytes, receiver poisoned first, everything
+//! outside the request left poisoned), and a decode index build on the receiving GPU over the
+//! rebound request equals the host reference.
+//!
+//! Skips visibly without a GPU (fails with `V4POOL_REQUIRE_GPU=1`); the two-GPU case skips
+//! with fewer than two devices or without libnccl (fails with `V4POOL_REQUIRE_GPUS=2`). Sets
+//! `NCCL_NVLS_ENABLE=0` (NVLink multicast stays off on the lent machines).
+
+mod common;
+mod transfer_common;
+
+use common::{case_seed, cuda_or_skip, Rng};
+use std::sync::Arc;
+use transfer_common::*;
+use v4pool::backend::cuda::{self, CudaBackend};
+use v4pool::backend::host::HostBackend;
+use v4pool::backend::{Backend, Stream};
+use v4pool::model::ModelShape;
+use v4pool::pool::{DecodeBuffer, DecodeCapacity, DecodeIndexBuffers, DecodeSeq, Pool};
+use v4pool::transfer::nccl::{self, NcclEngine};
+use v4pool::transfer::{handoff, Endpoint, LocalEngine, Rebound, RequestKv, TransferEngine};
+use v4pool::Class;
+
+const TOKENS: [i64; 3] = [8 << 10, 128 << 10, 1 << 20];
+const POISON: u32 = 0xa5c3_5a3c;
+
+fn require_two() -> bool {
+    std::env::var("V4POOL_REQUIRE_GPUS").is_ok_and(|v| v == "2")
+}
+
+fn nccl_env() {
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    }
+}
+
+/// Fill every byte of `pool` with `POISON` (device fill).
+fn poison(pool: &Pool) {
+    assert_ne!(POISON, 0);
+    for (addr, len) in all_ranges(pool) {
+        // SAFETY: the pool's own planes and indexer; lengths are multiples of 4 (row widths
+        // and indexer blocks are).
+        unsafe { pool.backend().fill_u32(addr, len / 4, POISON, pool.stream()).unwrap() };
+    }
+    pool.backend().synchronize(pool.stream()).unwrap();
+}
+
+/// A prefill's request of `tokens` on `pool`: fresh blocks, random bytes in them and in
+/// its whole slot.
+fn request(pool: &Pool, tokens: i64, rng: &mut Rng) -> RequestKv {
+    let slot = pool.alloc_slot().unwrap();
+    let n = (tokens + 255) / 256;
+    let blocks: Vec<_> = (0..n).map(|_| pool.alloc_block().unwrap().handle).collect();
+    // Random bytes across the planes and indexer in large uploads (every block gets some).
+    for (addr, len) in all_ranges(pool) {
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(256 << 20);
+            let mut buf = vec![0u8; n as usize];
+            rng.fill(&mut buf);
+            // SAFETY: inside the pool's own allocation.
+            unsafe { pool.backend().upload(addr + at, &buf, pool.stream()).unwrap() };
+            at += n;
+        }
+    }
+    pool.backend().synchronize(pool.stream()).unwrap();
+    RequestKv { blocks, slot: slot.handle, context_len: tokens as u64 }
+}
+
+/// Everything the request owns on `pool`, per block and slot, as one byte vector.
+fn request_bytes(pool: &Pool, blocks: &[u32], position: i64) -> Vec<u8> {
+    let mut ranges = Vec::new();
+    for &b in blocks {
+        ranges.extend(block_ranges(pool, b));
+    }
+    ranges.extend(slot_ranges(pool, position));
+    read(pool, &ranges)
+}
+
+/// Receiver words outside the request that still hold the poison, and all such words.
+fn untouched_outside(pool: &Pool, out: &Rebound) -> (u64, u64) {
+    let mut inside: Vec<(u64, u64)> = slot_ranges(pool, out.slot.position);
+    for b in &out.blocks {
+        inside.extend(block_ranges(pool, b.id));
+    }
+    inside.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::new();
+    for (a, n) in inside {
+        match merged.last_mut() {
+            Some(m) if m.0 + m.1 == a => m.1 += n,
+            _ => merged.push((a, n)),
+        }
+    }
+    let (mut poisoned, mut words) = (0u64, 0u64);
+    for (base, len) in all_ranges(pool) {
+        let mut at = base;
+        let ends = merged.iter().filter(|m| m.0 >= base && m.0 < base + len).copied();
+        for (gap_start, gap_end) in ends.map(|m| (m.0, m.0 + m.1)).chain([(base + len, base + len)]) {
+            if gap_start > at {
+                let bytes = read(pool, &[(at, gap_start - at)]);
+                words += bytes.len() as u64 / 4;
+                poisoned += bytes
+                    .chunks_exact(4)
+                    .filter(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) == POISON)
+                    .count() as u64;
+            }
+            at = at.max(gap_end);
+        }
+    }
+    (poisoned, words)
+}
+
+/// The decode step's index buffers for the rebound request, built on `backend` (the
+/// receiving GPU, or the host reference) with the receiver's geometry, read back.
+fn decode_build(backend: Arc<dyn Backend>, pool: &Pool, out: &Rebound) -> Vec<Vec<i32>> {
+    let g = pool.geometry().unwrap();
+    let table = out.block_ids();
+    let cap = DecodeCapacity {
+        max_seqs: 1,
+        max_tokens: 1,
+        max_blocks_per_seq: table.len(),
+        win: 128,
+        index_topk: 2048,
+    };
+    let mut bufs = DecodeIndexBuffers::new(backend, Stream::DEFAULT, &g, cap).unwrap();
+    let seq = DecodeSeq {
+        position: out.slot.position,
+        context_len: out.context_len as i64,
+        num_tokens: 1,
+        block_table: &table,
+    };
+    bufs.stage(&[seq]).unwrap();
+    bufs.build().unwrap();
+    let mut got = Vec::new();
+    for c in Class::ALL.into_iter().filter(|&c| bufs.has_class(c)) {
+        for which in [DecodeBuffer::Indices(c), DecodeBuffer::Indptr(c), DecodeBuffer::DestRows(c)] {
+            got.push(bufs.read_i32(which).unwrap());
+        }
+    }
+    assert!(!got.is_empty());
+    got
+}
+
+fn check_case(
+    name: &str,
+    tokens: i64,
+    sender: &Pool,
+    receiver: &Pool,
+    req: &RequestKv,
+    out: &Rebound,
+    secs: f64,
+) {
+    let sp = sender.slot_position(req.slot).unwrap();
+    let ids: Vec<u32> = req.blocks.iter().map(|b| b.id).collect();
+    let got_ids: Vec<u32> = out.blocks.iter().map(|b| b.id).collect();
+    let want = request_bytes(sender, &ids, sp);
+    let got = request_bytes(receiver, &got_ids, out.slot.position);
+    assert!(want == got, "{name} {tokens}: received bytes differ");
+    assert_eq!(
+        read(receiver, &window_ranges(receiver, out.slot.position)),
+        read(sender, &window_ranges(sender, sp)),
+        "{name} {tokens}: window rows differ"
+    );
+    let (poisoned, words) = untouched_outside(receiver, out);
+    assert_eq!(poisoned, words, "{name} {tokens}: receiver bytes outside the request changed");
+    // The decode index build on the receiving device equals the host reference.
+    let dev = decode_build(receiver.backend().clone(), receiver, out);
+    let reference = decode_build(Arc::new(HostBackend::new()), receiver, out);
+    assert!(dev == reference, "{name} {tokens}: decode index build differs from the host reference");
+    println!(
+        "{name}: {tokens} tokens, {} blocks, {} spans, {:.1} MiB in {:.2} ms ({:.1} GB/s incl. handshake); \
+         bytes, window rows, untouched words ({words}) and decode build OK",
+        out.blocks.len(),
+        out.spans,
+        out.bytes as f64 / (1 << 20) as f64,
+        secs * 1e3,
+        out.bytes as f64 / secs / 1e9
+    );
+}
+
+fn run_sizes(name: &str, sizes: &[i64], make: &dyn Fn(i64) -> (Pool, Pool, String, Box<dyn TransferEngine>)) {
+    for (i, &tokens) in sizes.iter().enumerate() {
+        let mut rng = Rng::new(case_seed(name, i as u64));
+        let (sender, receiver, id, mut engine) = make(tokens);
+        poison(&receiver);
+        let req = request(&sender, tokens, &mut rng);
+        let t = std::time::Instant::now();
+        let out =
+            handoff(engine.as_mut(), &Endpoint::new(&sender, &id), &Endpoint::new(&receiver, &id), &req)
+                .unwrap_or_else(|e| panic!("{name} {tokens}: {e}"));
+        let secs = t.elapsed().as_secs_f64();
+        check_case(name, tokens, &sender, &receiver, &req, &out, secs);
+        drop(engine);
+    }
+}
+
+fn blocks_for(tokens: i64) -> i64 {
+    (tokens + 255) / 256 + 4
+}
+
+#[test]
+fn nccl_handoff_gpu0_to_gpu1() {
+    nccl_env();
+    let Some(gpu0) = cuda_or_skip("nccl_handoff_gpu0_to_gpu1") else { return };
+    let count = cuda::device_count().unwrap_or(0);
+    if count < 2 || !nccl::is_available() {
+        let why = if count < 2 {
+            format!("{count} CUDA device(s)")
+        } else {
+            format!("{:?}", nccl::version().err())
+        };
+        if require_two() {
+            panic!("V4POOL_REQUIRE_GPUS=2 but {why}");
+        }
+        println!("SKIP: nccl_handoff_gpu0_to_gpu1 needs two GPUs and libnccl ({why})");
+        return;
+    }
+    println!("NCCL version {:?}", nccl::version());
+    let gpu1 = CudaBackend::new(1).unwrap();
+    let model = ModelShape::v4_flash(1).unwrap();
+    run_sizes("nccl", &TOKENS, &|tokens| {
+        let (s, id) = v4_pool(Arc::new(gpu0.clone()), &model, blocks_for(tokens), 2);
+        let (r, _) = v4_pool(Arc::new(gpu1.clone()), &model, blocks_for(tokens), 2);
+        let e = NcclEngine::new(&gpu0, &gpu1).unwrap();
+        (s, r, id, Box::new(e) as Box<dyn TransferEngine>)
+    });
+    // Refusals over NCCL: mismatched layouts (no receiver allocation), no room.
+    let (s, id) = v4_pool(Arc::new(gpu0.clone()), &model, 40, 2);
+    let (r, id0) = v4_pool(Arc::new(gpu1.clone()), &ModelShape::v4_flash(0).unwrap(), 40, 2);
+    let mut e = NcclEngine::new(&gpu0, &gpu1).unwrap();
+    let req = request(&s, 8 << 10, &mut Rng::new(1));
+    let before = r.counts().unwrap();
+    let err = handoff(&mut e, &Endpoint::new(&s, &id), &Endpoint::new(&r, &id0), &req).unwrap_err();
+    assert!(matches!(err, v4pool::transfer::HandoffError::LayoutMismatch { .. }), "{err}");
+    assert_eq!(r.counts().unwrap(), before);
+    let (small, _) = v4_pool(Arc::new(gpu1.clone()), &model, 8, 2);
+    let before = small.counts().unwrap();
+    let err = handoff(&mut e, &Endpoint::new(&s, &id), &Endpoint::new(&small, &id), &req).unwrap_err();
+    assert!(matches!(err, v4pool::transfer::HandoffError::NoRoom { .. }), "{err}");
+    assert_eq!(small.counts().unwrap(), before);
+    println!("nccl: refusals OK (layout mismatch, no room)");
+}
+
+#[test]
+fn local_handoff_on_one_gpu() {
+    // `V4POOL_TEST_DEVICE=host`: a dry run of this test's checks on the host backend at the
+    // smallest size (the harness itself, on a machine without a GPU).
+    let dry = std::env::var("V4POOL_TEST_DEVICE").is_ok_and(|v| v == "host");
+    let b: Arc<dyn Backend> = if dry {
+        println!("DRY RUN: local_handoff_on_one_gpu on the host backend, 8K tokens only");
+        Arc::new(HostBackend::new())
+    } else {
+        let Some(gpu0) = cuda_or_skip("local_handoff_on_one_gpu") else { return };
+        Arc::new(gpu0)
+    };
+    let model = ModelShape::v4_flash(1).unwrap();
+    let sizes: &[i64] = if dry { &TOKENS[..1] } else { &TOKENS };
+    run_sizes("local-1gpu", sizes, &|tokens| {
+        let (s, id) = v4_pool(b.clone(), &model, blocks_for(tokens), 2);
+        let (r, _) = v4_pool(b.clone(), &model, blocks_for(tokens), 2);
+        let e = LocalEngine::new(b.clone(), b.clone(), Stream::DEFAULT);
+        (s, r, id, Box::new(e) as Box<dyn TransferEngine>)
+    });
+}
