@@ -37,13 +37,7 @@ fn pool(b: Arc<dyn Backend>, blocks: i64) -> Res<(Pool, String)> {
     let layout = PoolLayout::new(&model, KvDtype::Fp8, IndexerDtype::Fp8)?;
     let g = &layout.geometry;
     let rows = blocks * g.envelope_rows + 3 * (g.slot_rows + g.slot_align_rows.max(1));
-    let spec = PoolSpec::new(
-        layout.carve(blocks, 2, rows)?,
-        layout.widths().to_vec(),
-        layout.arena.clone(),
-        Some(layout.indexer),
-        model.csa_layers(),
-    )?;
+    let spec = PoolSpec::from_layout(&layout, layout.carve(blocks, 2, rows)?)?;
     Ok((Pool::new(b, spec, Stream::DEFAULT)?, layout_id(&layout)?))
 }
 

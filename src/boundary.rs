@@ -25,7 +25,9 @@ use crate::geometry::UnifiedPoolGeometry;
 /// indexer layer) to `new.id`, and replace `old` by `new` in every block table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockMove {
+    /// The block's handle before the move (now stale).
     pub old: BlockHandle,
+    /// Its handle at the new id.
     pub new: BlockHandle,
 }
 
@@ -34,9 +36,13 @@ pub struct BlockMove {
 /// from `old` to `new`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SlotMove {
+    /// The slot's handle before the move (now stale).
     pub old: SlotHandle,
+    /// Its handle at the new group.
     pub new: SlotHandle,
+    /// Position the slot's bytes are copied from.
     pub from_position: i64,
+    /// Position they are copied to.
     pub to_position: i64,
 }
 
@@ -49,7 +55,9 @@ pub struct SlotMove {
 /// own side of the old boundary.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BoundaryChange {
+    /// Blocks relocated below the new boundary (block tables must be rewritten).
     pub block_moves: Vec<BlockMove>,
+    /// Slots relocated above the new boundary.
     pub slot_moves: Vec<SlotMove>,
     /// Prefix-cache hashes that left the index (retired free blocks, overwritten destinations).
     pub evicted: Vec<BlockHash>,
@@ -57,8 +65,11 @@ pub struct BoundaryChange {
     pub new_live_positions: Range<i64>,
     /// Positions that stopped being slots: their rows are block rows now.
     pub retired_positions: Range<i64>,
+    /// Blocks after the change.
     pub num_blocks: u32,
+    /// Slots after the change.
     pub num_slots: u32,
+    /// Most blocks the plane holds beside those slots.
     pub max_blocks: u32,
 }
 
@@ -66,29 +77,95 @@ pub struct BoundaryChange {
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum BoundaryError {
     #[error(transparent)]
+    /// A failure of the layer below ([`AllocError`]).
     Alloc(#[from] AllocError),
     #[error("the geometry has no envelope rows: blocks take no room, so there is no boundary to move")]
+    /// The geometry has no envelope rows: blocks take no room, so there is no boundary to move.
     NoEnvelope,
     #[error("{what} would be {requested}, beyond the id limit {limit}")]
-    TooManyIds { what: &'static str, requested: u64, limit: u32 },
+    /// `what` would be `requested`, beyond the id limit `limit`.
+    TooManyIds {
+        /// What was computed or checked.
+        what: &'static str,
+        /// How many were asked for.
+        requested: u64,
+        /// The most allowed.
+        limit: u32,
+    },
     #[error("{num_slots} slots exceed the {slot_positions} positions the plane holds")]
-    TooManySlots { num_slots: u64, slot_positions: i64 },
+    /// `num_slots` slots exceed the `slot_positions` positions the plane holds.
+    TooManySlots {
+        /// Slots there are.
+        num_slots: u64,
+        /// Slot positions of the plane.
+        slot_positions: i64,
+    },
     #[error(
         "{num_blocks} blocks do not fit beside {num_slots} slots: the plane holds at most {max_blocks} there"
     )]
-    NoRoom { num_blocks: u64, num_slots: u32, max_blocks: u32 },
+    /// `num_blocks` blocks do not fit beside `num_slots` slots: the plane holds at most `max_blocks` there.
+    NoRoom {
+        /// Blocks there are.
+        num_blocks: u64,
+        /// Slots there are.
+        num_slots: u32,
+        /// Most blocks the plane holds.
+        max_blocks: u32,
+    },
     #[error("cannot remove {count} {what}: there are only {have}")]
-    Underflow { what: &'static str, count: u32, have: u32 },
+    /// Cannot remove `count` `what`: there are only `have`.
+    Underflow {
+        /// What was computed or checked.
+        what: &'static str,
+        /// How many.
+        count: u32,
+        /// How many there are.
+        have: u32,
+    },
     #[error("block {id} at or above the new block count {bound} cannot move: it is {why}")]
-    BlockImmovable { id: u32, bound: u32, why: &'static str },
+    /// Block `id` at or above the new block count `bound` cannot move: it is `why`.
+    BlockImmovable {
+        /// The id.
+        id: u32,
+        /// The boundary the move is to.
+        bound: u32,
+        /// Why it cannot move.
+        why: &'static str,
+    },
     #[error("{held} held blocks at or above {bound} but only {free_below} free ids below it")]
-    NoBlockTarget { bound: u32, held: u32, free_below: u32 },
+    /// `held` held blocks at or above `bound` but only `free_below` free ids below it.
+    NoBlockTarget {
+        /// The boundary the move is to.
+        bound: u32,
+        /// Held ids above the bound.
+        held: u32,
+        /// Free ids below the bound.
+        free_below: u32,
+    },
     #[error("slot group {group} at or above the new slot count {bound} is pinned")]
-    SlotPinned { group: u32, bound: u32 },
+    /// Slot group `group` at or above the new slot count `bound` is pinned.
+    SlotPinned {
+        /// The group given.
+        group: u32,
+        /// The boundary the move is to.
+        bound: u32,
+    },
     #[error("{held} held slot groups at or above {bound} but only {vacant_below} vacant groups below it")]
-    NoSlotTarget { bound: u32, held: u32, vacant_below: u32 },
+    /// `held` held slot groups at or above `bound` but only `vacant_below` vacant groups below it.
+    NoSlotTarget {
+        /// The boundary the move is to.
+        bound: u32,
+        /// Held ids above the bound.
+        held: u32,
+        /// Vacant groups below the bound.
+        vacant_below: u32,
+    },
     #[error("boundary invariant broken ({what}); this is a bug")]
-    Invariant { what: &'static str },
+    /// Boundary invariant broken (`what`); this is a bug.
+    Invariant {
+        /// What was computed or checked.
+        what: &'static str,
+    },
 }
 
 /// A fixed-capacity plane split between a [`BlockPool`] and a [`SlotPool`].
@@ -141,9 +218,11 @@ impl Boundary {
 
     // ---- the split -------------------------------------------------------------------------
 
+    /// Blocks at the current split.
     pub fn num_blocks(&self) -> u32 {
         self.blocks.num_blocks()
     }
+    /// Slots at the current split.
     pub fn num_slots(&self) -> u32 {
         self.slots.num_groups()
     }
@@ -163,9 +242,11 @@ impl Boundary {
     pub fn geometry(&self) -> &UnifiedPoolGeometry {
         &self.geometry
     }
+    /// The block allocator (read-only).
     pub fn blocks(&self) -> &BlockPool {
         &self.blocks
     }
+    /// The slot allocator (read-only).
     pub fn slots(&self) -> &SlotPool {
         &self.slots
     }
@@ -376,12 +457,15 @@ impl Boundary {
 
     // ---- the allocators, through the boundary -----------------------------------------------
 
+    /// Hand out a block below the boundary.
     pub fn alloc_block(&mut self) -> Result<BlockGrant, AllocError> {
         self.blocks.alloc()
     }
+    /// Return a block.
     pub fn free_block(&mut self, block: BlockHandle) -> Result<(), AllocError> {
         self.blocks.free_handle(block)
     }
+    /// Check a block handle is current.
     pub fn check_block(&self, block: BlockHandle) -> Result<(), AllocError> {
         self.blocks.check(block)
     }
@@ -398,9 +482,11 @@ impl Boundary {
     ) -> Result<Option<BlockHash>, AllocError> {
         self.blocks.publish_handle(block, hash, tokens)
     }
+    /// The block holding prefix-cache hash `hash`, if cached.
     pub fn lookup(&self, hash: BlockHash) -> Option<u32> {
         self.blocks.lookup(hash)
     }
+    /// Forget every prefix-cache hash.
     pub fn clear_index(&mut self) {
         self.blocks.clear_index()
     }
@@ -408,16 +494,20 @@ impl Boundary {
     pub fn reserve_units(&mut self, count: u32, owner: u64) -> Option<Reservation> {
         self.blocks.reserve_units(count, owner)
     }
+    /// Release raw units `ids` reserved by `owner`.
     pub fn release_units(&mut self, ids: &[u32], owner: u64) -> Result<(), AllocError> {
         self.blocks.release_units(ids, owner)
     }
 
+    /// Hand out a slot above the boundary.
     pub fn alloc_slot(&mut self) -> Result<SlotHandle, AllocError> {
         self.slots.alloc()
     }
+    /// Return a slot.
     pub fn free_slot(&mut self, slot: SlotHandle) -> Result<(), AllocError> {
         self.slots.free_handle(slot)
     }
+    /// Check a slot handle is current.
     pub fn check_slot(&self, slot: SlotHandle) -> Result<(), AllocError> {
         self.slots.check(slot)
     }
@@ -426,6 +516,7 @@ impl Boundary {
         self.slots.check(slot)?;
         self.slots.pin(slot.group)
     }
+    /// Unpin a slot so the boundary may relocate it again.
     pub fn unpin_slot(&mut self, slot: SlotHandle) -> Result<(), AllocError> {
         self.slots.check(slot)?;
         self.slots.unpin(slot.group)

@@ -12,37 +12,95 @@
 //! The store lifecycle (reservation, LRU, pins) is the lead's, not this module's.
 
 use crate::arena::{ArenaError, ArenaLayout};
+use crate::checked::{add, mul};
 use crate::geometry::{merge_abutting, GeometryError, UnifiedPoolGeometry};
 use crate::sizing::{IndexerDtype, PoolLayout};
 use thiserror::Error;
+
+crate::checked::overflow_into!(CheckpointError);
 
 /// Everything building or resolving a checkpoint plan refuses.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum CheckpointError {
     #[error(transparent)]
+    /// A failure of the layer below ([`ArenaError`]).
     Arena(#[from] ArenaError),
     #[error(transparent)]
+    /// A failure of the layer below ([`GeometryError`]).
     Geometry(#[from] GeometryError),
     #[error("{ranges} planes of state ranges for {widths} plane widths")]
-    PlaneCount { widths: usize, ranges: usize },
+    /// `ranges` planes of state ranges for `widths` plane widths.
+    PlaneCount {
+        /// Plane widths given.
+        widths: usize,
+        /// Range lists given.
+        ranges: usize,
+    },
     #[error("a page of 0 bytes cannot hold an image")]
+    /// A page of 0 bytes cannot hold an image.
     EmptyPage,
     #[error("arithmetic overflow computing {what}")]
-    Overflow { what: &'static str },
+    /// Arithmetic overflow computing `what`.
+    Overflow {
+        /// What was computed or checked.
+        what: &'static str,
+    },
     #[error("a checkpoint takes {expected} units, got {got}")]
-    UnitCount { got: usize, expected: u64 },
+    /// A checkpoint takes `expected` units, got `got`.
+    UnitCount {
+        /// The value given.
+        got: usize,
+        /// The value expected.
+        expected: u64,
+    },
     #[error("unit {unit} outside the pool's blocks 0..{num_blocks}")]
-    UnitOutOfRange { unit: i64, num_blocks: i64 },
+    /// Unit `unit` outside the pool's blocks 0..`num_blocks`.
+    UnitOutOfRange {
+        /// The unit given.
+        unit: i64,
+        /// Blocks there are.
+        num_blocks: i64,
+    },
     #[error("unit {unit} outside the indexer's {indexer_blocks} blocks")]
-    IndexerTooSmall { unit: i64, indexer_blocks: i64 },
+    /// Unit `unit` outside the indexer's `indexer_blocks` blocks.
+    IndexerTooSmall {
+        /// The unit given.
+        unit: i64,
+        /// Blocks the indexer is sized for.
+        indexer_blocks: i64,
+    },
     #[error("unit {unit} is reserved twice in one checkpoint")]
-    DuplicateUnit { unit: i64 },
+    /// Unit `unit` is reserved twice in one checkpoint.
+    DuplicateUnit {
+        /// The unit given.
+        unit: i64,
+    },
     #[error("the carved geometry has {what} {got}, the checkpoint layout was built for {expected}")]
-    LayoutMismatch { what: &'static str, expected: i64, got: i64 },
+    /// The carved geometry has `what` `got`, the checkpoint layout was built for `expected`.
+    LayoutMismatch {
+        /// What was computed or checked.
+        what: &'static str,
+        /// The value expected.
+        expected: i64,
+        /// The value given.
+        got: i64,
+    },
     #[error("slot position {position} is not live (live positions {first}..{end})")]
-    NotLive { position: i64, first: i64, end: i64 },
+    /// Slot position `position` is not live (live positions `first`..`end`).
+    NotLive {
+        /// The position given.
+        position: i64,
+        /// First live position.
+        first: i64,
+        /// One past the last live position.
+        end: i64,
+    },
     #[error("the state has no field {name:?}, which the layout id names")]
-    MissingField { name: &'static str },
+    /// The state has no field `name`, which the layout id names.
+    MissingField {
+        /// The name.
+        name: &'static str,
+    },
     /// An image taken in one layout offered to a pool of another: refused even when the byte
     /// lengths agree, because the same bytes mean different fields there.
     #[error("an image of layout {image:?} cannot be restored into a pool of layout {pool:?}")]
@@ -76,12 +134,6 @@ impl CheckpointError {
     }
 }
 
-fn mul(a: u64, b: u64, what: &'static str) -> Result<u64, CheckpointError> {
-    a.checked_mul(b).ok_or(CheckpointError::Overflow { what })
-}
-fn add(a: u64, b: u64, what: &'static str) -> Result<u64, CheckpointError> {
-    a.checked_add(b).ok_or(CheckpointError::Overflow { what })
-}
 fn to_u64(x: i64, what: &'static str) -> Result<u64, CheckpointError> {
     u64::try_from(x).map_err(|_| CheckpointError::Overflow { what })
 }
@@ -102,15 +154,20 @@ pub enum Region {
 /// A byte in a [`Region`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Loc {
+    /// Region the byte is in.
     pub region: Region,
+    /// Byte offset in the region.
     pub offset: u64,
 }
 
 /// Copy `bytes` bytes from `src` to `dst`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CopyRun {
+    /// Where the bytes come from.
     pub src: Loc,
+    /// Where they go.
     pub dst: Loc,
+    /// Bytes to copy.
     pub bytes: u64,
 }
 
@@ -118,17 +175,20 @@ pub struct CopyRun {
 /// `NB` blocks it starts at `base_per_nb × NB + b × block_stride` of `region`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct UnitPart {
+    /// Region of the part.
     pub region: Region,
     /// Multiplies the indexer's block capacity (a CSA layer's start in its pool); 0 for planes.
     pub base_per_nb: u64,
+    /// Bytes from one block's part to the next.
     pub block_stride: u64,
+    /// Bytes of the part per unit.
     pub bytes: u64,
 }
 
 impl UnitPart {
     fn offset(&self, block: u64, indexer_blocks: u64) -> Result<u64, CheckpointError> {
         let base = mul(self.base_per_nb, indexer_blocks, "unit part base")?;
-        add(base, mul(block, self.block_stride, "unit part offset")?, "unit part offset")
+        Ok(add(base, mul(block, self.block_stride, "unit part offset")?, "unit part offset")?)
     }
 }
 
@@ -137,11 +197,17 @@ impl UnitPart {
 /// to `part_offset` of part `part` of the `unit`-th reserved unit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CopySpan {
+    /// Plane of the image bytes.
     pub plane: usize,
+    /// Offset from the slot's first byte in that plane.
     pub slot_offset: u64,
+    /// Which reserved unit (in reservation order).
     pub unit: usize,
+    /// Which part of the unit's stream.
     pub part: usize,
+    /// Offset inside that part.
     pub part_offset: u64,
+    /// Bytes of the cut.
     pub bytes: u64,
 }
 
@@ -170,16 +236,23 @@ pub fn plane_ranges(
 /// What a checkpoint holds and where it goes, for one carved layout.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CheckpointLayout {
+    /// Plane row bytes, in plane order.
     pub widths: Vec<u64>,
     /// Per plane, `(offset in the slot, bytes)` in that plane.
     pub plane_ranges: Vec<Vec<(u64, u64)>>,
+    /// Bytes of one slot's image.
     pub image_bytes: u64,
+    /// Bytes one unit (a block's page) holds.
     pub page_bytes: u64,
+    /// Units one checkpoint takes.
     pub units_per_checkpoint: u64,
     /// One unit's destination stream, in order.
     pub unit_parts: Vec<UnitPart>,
+    /// Rows of one block's envelope.
     pub envelope_rows: i64,
+    /// Rows of one slot.
     pub slot_rows: i64,
+    /// Arena rows at the head of a slot.
     pub arena_rows: i64,
 }
 

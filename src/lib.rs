@@ -12,23 +12,40 @@
 //!   and the host reference of every kernel.
 //! * [`backend`] — one `Backend` trait; host (always), CUDA and HIP (loaded at run time).
 //! * [`pool`] — the planes on a backend, per-layer views, slot state, checkpoints, transfers.
+//! * [`manager`] — the request-level KV manager: content-addressed blocks, checkpoint
+//!   store, admission with a hit, the elastic split policy.
 //! * [`sim`] — the simulator: a pool driven as a serving engine would, and the shared
 //!   workload generator. The `v4pool` command (`src/bin/v4pool/`) renders it.
+//! * [`plan_report`] — a plan with its checkpoint facts and its JSON form (CLI and bindings).
+//! * [`embed`] — what the Python module (feature `python`) and the C ABI (feature `capi`)
+//!   share: error variant names, backends by name, a decode step over flat arrays.
+
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod alloc;
 pub mod arena;
 pub mod backend;
 pub mod boundary;
+mod checked;
 pub mod checkpoint;
+pub mod embed;
 pub mod geometry;
 pub mod index;
 pub mod kernels;
+pub mod manager;
 pub mod model;
+pub mod plan_report;
 pub mod pool;
 pub mod profiling;
 pub mod sim;
 pub mod sizing;
 pub mod transfer;
+
+#[cfg(feature = "capi")]
+pub mod capi;
+#[cfg(feature = "python")]
+pub mod python;
 
 pub use geometry::{
     Class, ClassLayout, GeometryError, GeometrySpec, UnifiedPoolGeometry, WindowParams, ABSENT_RATIO,

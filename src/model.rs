@@ -22,6 +22,7 @@ pub enum DraftMode {
 /// Everything the pool reads from a DeepSeek-V4 model.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelShape {
+    /// Model name (a preset's, or the config's `model_type`).
     pub name: String,
     /// Trunk depth (`num_hidden_layers`).
     pub num_hidden_layers: usize,
@@ -35,10 +36,15 @@ pub struct ModelShape {
     pub sliding_window: i64,
     /// Speculative steps k (MTP depth or DSpark tokens; 0 without speculation).
     pub spec_steps: i64,
+    /// Attention head dimension (NoPE + RoPE).
     pub head_dim: i64,
+    /// RoPE part of the head dimension.
     pub qk_rope_head_dim: i64,
+    /// Indexer head dimension.
     pub index_head_dim: i64,
+    /// CSA top-k per token.
     pub index_topk: i64,
+    /// Tokens per block.
     pub block_size: i64,
 }
 
@@ -46,29 +52,94 @@ pub struct ModelShape {
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum ModelError {
     #[error("config is not valid JSON: {0}")]
+    /// Config is not valid JSON: the value.
     Json(String),
     #[error("config key {key} is missing")]
-    MissingKey { key: &'static str },
+    /// Config key `key` is missing.
+    MissingKey {
+        /// The config key.
+        key: &'static str,
+    },
     #[error("config key {key} has an invalid value: {reason}")]
-    BadValue { key: &'static str, reason: String },
+    /// Config key `key` has an invalid value: `reason`.
+    BadValue {
+        /// The config key.
+        key: &'static str,
+        /// Why.
+        reason: String,
+    },
     #[error("compress_ratios has {got} entries, expected {expected} (num_hidden_layers + num_nextn_predict_layers)")]
-    RatioCount { got: usize, expected: usize },
+    /// `compress_ratios` has `got` entries, expected `expected` (num_hidden_layers + num_nextn_predict_layers).
+    RatioCount {
+        /// The value given.
+        got: usize,
+        /// The value expected.
+        expected: usize,
+    },
     #[error("speculative steps must be non-negative, got {got}")]
-    SpecSteps { got: i64 },
+    /// Speculative steps must be non-negative, got `got`.
+    SpecSteps {
+        /// The value given.
+        got: i64,
+    },
     #[error("unknown model preset {name:?} (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark)")]
-    UnknownPreset { name: String },
+    /// Unknown model preset `name` (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark).
+    UnknownPreset {
+        /// The name.
+        name: String,
+    },
     #[error("config must be a JSON object, got {got}")]
-    NotAnObject { got: &'static str },
+    /// Config must be a JSON object, got `got`.
+    NotAnObject {
+        /// The value given.
+        got: &'static str,
+    },
     #[error("config key {key} must be {expected}, got {got}")]
-    WrongType { key: &'static str, expected: &'static str, got: &'static str },
+    /// Config key `key` must be `expected`, got `got`.
+    WrongType {
+        /// The config key.
+        key: &'static str,
+        /// The value expected.
+        expected: &'static str,
+        /// The value given.
+        got: &'static str,
+    },
     #[error("config key {key} = {got} outside {min}..={max}")]
-    OutOfRange { key: &'static str, got: i64, min: i64, max: i64 },
+    /// Config key `key` = `got` outside `min`..=`max`.
+    OutOfRange {
+        /// The config key.
+        key: &'static str,
+        /// The value given.
+        got: i64,
+        /// The least allowed.
+        min: i64,
+        /// The most allowed.
+        max: i64,
+    },
     #[error("compress_ratios[{layer}] = {got} is not a V4 compress ratio (0, 4 or 128)")]
-    UnknownRatio { layer: usize, got: i64 },
+    /// `compress_ratios[`layer`]` = `got` is not a V4 compress ratio (0, 4 or 128).
+    UnknownRatio {
+        /// Layer id.
+        layer: usize,
+        /// The value given.
+        got: i64,
+    },
     #[error("speculative steps {got} exceed the most a ring is sized for ({max})")]
-    SpecStepsTooLarge { got: i64, max: i64 },
+    /// Speculative steps `got` exceed the most a ring is sized for (`max`).
+    SpecStepsTooLarge {
+        /// The value given.
+        got: i64,
+        /// The most allowed.
+        max: i64,
+    },
     #[error("{stages} draft stages outside 1..={max}")]
-    DraftStages { stages: usize, max: usize },
+    /// `stages` draft stages outside 1..=`max`.
+    DraftStages {
+        /// Stages given.
+        stages: usize,
+        /// The most allowed.
+        max: usize,
+    },
     /// `layer_types` names a kind of attention V4 does not have.
     #[error("layer_types[{layer}] = {got:?} is not a V4 attention type (sliding_attention, compressed_sparse_attention, heavily_compressed_attention)")]
     UnknownLayerType {
@@ -210,7 +281,9 @@ fn pool_ratio(got: i64) -> Option<i32> {
 /// checkpoint, not from `config.json`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Drafts {
+    /// Draft stages (DSpark).
     pub stages: usize,
+    /// How the draft layers keep their KV.
     pub mode: DraftMode,
 }
 
@@ -644,12 +717,15 @@ impl ModelShape {
     fn count(&self, ratio: i32) -> usize {
         self.ratios.iter().filter(|&&r| r == ratio).count()
     }
+    /// CSA layers.
     pub fn n_csa(&self) -> usize {
         self.count(CSA_RATIO)
     }
+    /// HCA layers.
     pub fn n_hca(&self) -> usize {
         self.count(HCA_RATIO)
     }
+    /// Dense layers.
     pub fn n_dense(&self) -> usize {
         self.count(DENSE_RATIO)
     }

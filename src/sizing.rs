@@ -41,9 +41,12 @@
 //! | Pro k=1, FP4      |     71,847 |            71,829 |                    71,323 |
 
 use crate::arena::{plan_regions, ArenaError, ArenaLayout};
+use crate::checked::{add, mul};
 use crate::geometry::{GeometryError, GeometrySpec, UnifiedPoolGeometry, MAX_PLANE_ROWS};
 use crate::model::ModelShape;
 use thiserror::Error;
+
+crate::checked::overflow_into!(SizingError);
 
 /// FP8 indexer: per block per CSA layer, 64 rows × 132 B (`[64×128 fp8][64×4 fp32 scale]`).
 pub const INDEXER_FP8_BLOCK_BYTES: u64 = 8_448;
@@ -76,6 +79,7 @@ impl KvDtype {
             KvDtype::Bf16 => "bf16",
         }
     }
+    /// Lower-case name, as the CLI spells it.
     pub fn name(self) -> &'static str {
         match self {
             KvDtype::Fp8 => "fp8",
@@ -105,6 +109,7 @@ impl IndexerDtype {
     pub fn layer_block_bytes(self) -> u64 {
         self.pool_block_bytes().iter().sum()
     }
+    /// Lower-case name, as the CLI spells it.
     pub fn name(self) -> &'static str {
         match self {
             IndexerDtype::Fp8 => "fp8",
@@ -117,39 +122,86 @@ impl IndexerDtype {
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum SizingError {
     #[error(transparent)]
+    /// A failure of the layer below ([`ArenaError`]).
     Arena(#[from] ArenaError),
     #[error(transparent)]
+    /// A failure of the layer below ([`GeometryError`]).
     Geometry(#[from] GeometryError),
     #[error("max_num_seqs must be at least 1, got {got}")]
-    NoSlots { got: i64 },
+    /// `max_num_seqs` must be at least 1, got `got`.
+    NoSlots {
+        /// The value given.
+        got: i64,
+    },
     #[error("min_slots {min_slots} outside 0..={max_num_seqs}")]
-    MinSlots { min_slots: i64, max_num_seqs: i64 },
+    /// `min_slots` `min_slots` outside 0..=`max_num_seqs`.
+    MinSlots {
+        /// The plan's min_slots.
+        min_slots: i64,
+        /// The plan's max_num_seqs.
+        max_num_seqs: i64,
+    },
     #[error("the model has no CSA or HCA layer, so a block holds no rows")]
+    /// The model has no CSA or HCA layer, so a block holds no rows.
     NoCompressedLayers,
     #[error(
         "budget of {budget} B is too small: {num_slots} slots of {slot_bytes} B and one block of \
          {page_bytes} B need {required} B with the indexer, alignment and {overhead} B of overhead"
     )]
+    /// Budget of `budget` B is too small: `num_slots` slots of `slot_bytes` B and one block of `page_bytes` B need `required` B with the indexer, alignment and `overhead` B of overhead.
     BudgetTooSmall {
+        /// The budget given.
         budget: u64,
+        /// Bytes the minimum needs.
         required: u64,
+        /// Slots there are.
         num_slots: i64,
+        /// Bytes of one slot.
         slot_bytes: u64,
+        /// Bytes of one block.
         page_bytes: u64,
+        /// Persistent buffers charged to the budget.
         overhead: u64,
     },
     #[error("arithmetic overflow computing {what}")]
-    Overflow { what: &'static str },
+    /// Arithmetic overflow computing `what`.
+    Overflow {
+        /// What was computed or checked.
+        what: &'static str,
+    },
     #[error("the carved pool has {what} {carved}, sizing planned {planned}")]
-    CarveMismatch { what: &'static str, planned: u64, carved: u64 },
+    /// The carved pool has `what` `carved`, sizing planned `planned`.
+    CarveMismatch {
+        /// What was computed or checked.
+        what: &'static str,
+        /// Bytes planned.
+        planned: u64,
+        /// Bytes carved.
+        carved: u64,
+    },
     #[error("empty byte count")]
+    /// Empty byte count.
     EmptyBytes,
     #[error("{text:?} is not a byte count (digits with an optional unit: 1234, 512MiB, 80GB)")]
-    BadBytes { text: String },
+    /// `text` is not a byte count (digits with an optional unit: 1234, 512MiB, 80GB).
+    BadBytes {
+        /// The text given.
+        text: String,
+    },
     #[error("{text:?}: unknown unit {unit:?} (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")]
-    UnknownUnit { text: String, unit: String },
+    /// `text`: unknown unit `unit` (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).
+    UnknownUnit {
+        /// The text given.
+        text: String,
+        /// The unit given.
+        unit: String,
+    },
     #[error("{text:?} does not fit 64 bits of bytes")]
-    BytesOverflow { text: String },
+    /// `text` does not fit 64 bits of bytes.
+    BytesOverflow {
+        /// The text given.
+        text: String,
+    },
 }
 
 impl SizingError {
@@ -173,12 +225,6 @@ impl SizingError {
     }
 }
 
-fn mul(a: u64, b: u64, what: &'static str) -> Result<u64, SizingError> {
-    a.checked_mul(b).ok_or(SizingError::Overflow { what })
-}
-fn add(a: u64, b: u64, what: &'static str) -> Result<u64, SizingError> {
-    a.checked_add(b).ok_or(SizingError::Overflow { what })
-}
 fn to_u64(x: i64, what: &'static str) -> Result<u64, SizingError> {
     u64::try_from(x).map_err(|_| SizingError::Overflow { what })
 }
@@ -189,15 +235,20 @@ fn to_i64(x: u64, what: &'static str) -> Result<i64, SizingError> {
 /// A model's pool layout at one dtype pair, priced at capacity (0, 0).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PoolLayout {
+    /// The model.
     pub model: ModelShape,
+    /// KV dtype (fixes the planes).
     pub kv: KvDtype,
+    /// Indexer cache dtype.
     pub indexer: IndexerDtype,
+    /// The compressor-state arena at these planes.
     pub arena: ArenaLayout,
     /// The layout at capacity (0, 0): what prices pages and slots.
     pub geometry: UnifiedPoolGeometry,
 }
 
 impl PoolLayout {
+    /// The layout of `model` at `kv` / `indexer`, priced at capacity (0, 0).
     pub fn new(model: &ModelShape, kv: KvDtype, indexer: IndexerDtype) -> Result<Self, SizingError> {
         let arena = ArenaLayout::for_model(model, kv.plane_widths())?;
         let geometry = GeometrySpec::new(model.ratios.clone(), 0, 0, model.ring_slots(), model.block_size)
@@ -207,6 +258,7 @@ impl PoolLayout {
         Ok(PoolLayout { model: model.clone(), kv, indexer, arena, geometry })
     }
 
+    /// Row bytes of each plane.
     pub fn widths(&self) -> &'static [u64] {
         self.kv.plane_widths()
     }
@@ -216,27 +268,31 @@ impl PoolLayout {
     }
     /// Indexer bytes of one block, all CSA layers, all pools.
     pub fn indexer_block_bytes(&self) -> Result<u64, SizingError> {
-        mul(self.n_csa(), self.indexer.layer_block_bytes(), "indexer block bytes")
+        Ok(mul(self.n_csa(), self.indexer.layer_block_bytes(), "indexer block bytes")?)
     }
     /// Bytes of one block: `Σ_planes envelope_rows × width + indexer_block_bytes`.
     pub fn page_bytes(&self) -> Result<u64, SizingError> {
         let e = to_u64(self.geometry.envelope_rows, "envelope rows")?;
         let planes = mul(e, self.widths().iter().sum(), "page bytes")?;
-        add(planes, self.indexer_block_bytes()?, "page bytes")
+        Ok(add(planes, self.indexer_block_bytes()?, "page bytes")?)
     }
     /// Bytes of one slot: `Σ_planes slot_rows × width`.
     pub fn slot_bytes(&self) -> Result<u64, SizingError> {
-        mul(to_u64(self.geometry.slot_rows, "slot rows")?, self.widths().iter().sum(), "slot bytes")
+        Ok(mul(to_u64(self.geometry.slot_rows, "slot rows")?, self.widths().iter().sum(), "slot bytes")?)
     }
     /// Bytes of each indexer pool sized for `blocks` blocks, in pool order.
     pub fn indexer_pool_bytes(&self, blocks: i64) -> Result<Vec<u64>, SizingError> {
         let per_layer = mul(self.n_csa(), to_u64(blocks, "indexer blocks")?, "indexer pool bytes")?;
-        self.indexer.pool_block_bytes().iter().map(|&b| mul(per_layer, b, "indexer pool bytes")).collect()
+        self.indexer
+            .pool_block_bytes()
+            .iter()
+            .map(|&b| Ok(mul(per_layer, b, "indexer pool bytes")?))
+            .collect()
     }
     /// Bytes of each plane at `plane_rows` rows, in plane order.
     pub fn plane_bytes(&self, plane_rows: i64) -> Result<Vec<u64>, SizingError> {
         let rows = to_u64(plane_rows, "plane rows")?;
-        self.widths().iter().map(|&w| mul(rows, w, "plane bytes")).collect()
+        self.widths().iter().map(|&w| Ok(mul(rows, w, "plane bytes")?)).collect()
     }
     /// The same layout carved at a split and a fixed plane.
     pub fn carve(
@@ -252,7 +308,9 @@ impl PoolLayout {
 /// What to size: dtypes, the admitted-request count, the budget.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PlanRequest {
+    /// KV dtype.
     pub kv: KvDtype,
+    /// Indexer cache dtype.
     pub indexer: IndexerDtype,
     /// `max_num_seqs`: the planned split has exactly one slot per admitted request.
     pub max_num_seqs: i64,
@@ -267,6 +325,7 @@ pub struct PlanRequest {
 }
 
 impl PlanRequest {
+    /// Size `max_num_seqs` slots in `budget_bytes`, no minimum, no overhead.
     pub fn new(kv: KvDtype, indexer: IndexerDtype, max_num_seqs: i64, budget_bytes: u64) -> Self {
         PlanRequest { kv, indexer, max_num_seqs, budget_bytes, min_slots: 0, overhead_bytes: 0 }
     }
@@ -275,8 +334,11 @@ impl PlanRequest {
 /// A sized pool: counts, bytes per part, and the geometry to carve.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
+    /// The layout sized.
     pub layout: PoolLayout,
+    /// Bytes of one block (every plane plus its indexer share).
     pub page_bytes: u64,
+    /// Bytes of one slot (every plane).
     pub slot_bytes: u64,
     /// Blocks at the planned split (`num_slots` slots).
     pub num_blocks: i64,
@@ -284,22 +346,29 @@ pub struct Plan {
     pub num_slots: i64,
     /// Blocks the indexer is sized for: what the plane holds beside `min_slots` slots.
     pub max_blocks: i64,
+    /// Fewest slots the boundary may shrink to.
     pub min_slots: i64,
+    /// Rows of each plane.
     pub plane_rows: i64,
+    /// Slot positions the plane is numbered by.
     pub slot_positions: i64,
     /// Compressed-history tokens at the planned split: `num_blocks × block_size`.
     pub tokens: i64,
     /// Bytes of each plane, in plane order, and their offsets in the one plane allocation.
     pub plane_bytes: Vec<u64>,
+    /// Offset of each plane in the plane allocation.
     pub plane_offsets: Vec<u64>,
     /// The plane allocation (256-B aligned regions, total rounded to 256).
     pub planes_total_bytes: u64,
     /// Bytes of each indexer pool (sized for `max_blocks`) and their aligned total.
     pub indexer_pool_bytes: Vec<u64>,
+    /// The indexer allocation (aligned).
     pub indexer_total_bytes: u64,
+    /// Persistent buffers charged to the budget.
     pub overhead_bytes: u64,
     /// `planes_total_bytes + indexer_total_bytes + overhead_bytes` ≤ `budget_bytes`.
     pub total_bytes: u64,
+    /// The budget asked for.
     pub budget_bytes: u64,
     /// Plane rows neither a block nor a slot holds at the planned split.
     pub rows_wasted: i64,

@@ -32,7 +32,8 @@ fn pool_on(backend: Arc<dyn Backend>) -> Arc<Pool> {
         align: 256,
     };
     let arena = ArenaLayout::new(vec![field], &[16]).expect("arena");
-    let geometry = GeometrySpec::new(common::flash_ratios(), BLOCKS, SLOTS, 129, 256)
+    let ratios = common::flash_ratios();
+    let geometry = GeometrySpec::new(ratios, BLOCKS, SLOTS, 129, 256)
         .arena_rows(arena.arena_rows())
         .slot_align_rows(arena.slot_align_rows())
         .build()

@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use v4pool::alloc::{BlockHandle, SlotHandle};
+use v4pool::checkpoint::CheckpointImage;
 use v4pool::pool::{Pool, PoolError};
 
 const WORKERS: u64 = 4;
@@ -54,6 +55,8 @@ struct Held<H> {
     handle: H,
     /// Per plane, the bytes written over the whole slot or block.
     bytes: Vec<Vec<u8>>,
+    /// A slot's checkpoint image, taken right after the write.
+    image: Option<CheckpointImage>,
 }
 
 fn worker(pool: &Pool, fwd: &Forward, k: u64, stop: &AtomicBool, checked: &AtomicU64) {
@@ -89,21 +92,24 @@ fn worker(pool: &Pool, fwd: &Forward, k: u64, stop: &AtomicBool, checked: &Atomi
     while !stop.load(Ordering::Relaxed) {
         i += 1;
         let seed = (k << 40) | i;
-        match next() % 6 {
+        match next() % 7 {
             0 if slots.len() < 5 => {
                 if let Ok(lease) = pool.alloc_slot() {
-                    let mut s = Held { handle: lease.handle, bytes: Vec::new() };
+                    let mut s = Held { handle: lease.handle, bytes: Vec::new(), image: None };
                     for (p, &len) in slot_len.iter().enumerate() {
                         let bytes = pattern(seed ^ p as u64, len);
                         with_current(&mut s.handle, &fwd.slots, |h| pool.write_slot(h, p, 0, &bytes));
                         s.bytes.push(bytes);
                     }
+                    let mut image = None;
+                    with_current(&mut s.handle, &fwd.slots, |h| Ok(image = Some(pool.checkpoint(h)?)));
+                    s.image = image;
                     slots.push(s);
                 }
             }
             1 if blocks.len() < 5 => {
                 if let Ok(grant) = pool.alloc_block() {
-                    let mut b = Held { handle: grant.handle, bytes: Vec::new() };
+                    let mut b = Held { handle: grant.handle, bytes: Vec::new(), image: None };
                     for (p, &len) in block_len.iter().enumerate() {
                         let bytes = pattern(seed ^ (p as u64 + 7), len);
                         with_current(&mut b.handle, &fwd.blocks, |h| pool.write_block(h, p, 0, &bytes));
@@ -123,6 +129,18 @@ fn worker(pool: &Pool, fwd: &Forward, k: u64, stop: &AtomicBool, checked: &Atomi
                 let mut b = blocks.swap_remove(n);
                 verify_block(&mut b);
                 with_current(&mut b.handle, &fwd.blocks, |h| pool.free_block(h));
+            }
+            // Checkpoint and restore a held slot in place: the image is the one taken after
+            // the write, and the restore leaves the slot as it was, wherever it has moved.
+            4 if !slots.is_empty() => {
+                let n = (next() % slots.len() as u64) as usize;
+                let s = &mut slots[n];
+                let want = s.image.clone().expect("image");
+                let mut got = None;
+                with_current(&mut s.handle, &fwd.slots, |h| Ok(got = Some(pool.checkpoint(h)?)));
+                assert!(got.as_ref() == Some(&want), "worker {k}: slot {:?} checkpoint changed", s.handle);
+                with_current(&mut s.handle, &fwd.slots, |h| pool.restore(h, &want));
+                verify_slot(s);
             }
             _ => {
                 slots.iter_mut().for_each(verify_slot);

@@ -18,6 +18,7 @@ enum State {
 /// A raw unit's reservation: checkpoint storage, immovable and never freed by `free`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RawUnit {
+    /// Who reserved the unit (the caller's id, checked on release).
     pub owner: u64,
     /// Position of this unit in the owner's reservation (the order the image is laid in).
     pub piece: u32,
@@ -95,8 +96,11 @@ type Index = HashMap<BlockHash, u32, BuildHasherDefault<IndexHasher>>;
 /// same handle; a relocation replaces it with the `new` handle of a [`BlockMove`](crate::boundary::BlockMove).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BlockHandle {
+    /// Block id: the block's index in the block region.
     pub id: u32,
+    /// Generation of the id when handed out; a freed or relocated id's handle goes stale.
     pub generation: u64,
+    /// Id of the pool that handed it out (foreign handles are refused).
     pub pool: u32,
 }
 
@@ -104,13 +108,16 @@ pub struct BlockHandle {
 /// carried (the prefix cache lost that entry; a checkpoint keyed by it must be unindexed).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockGrant {
+    /// The block handed out.
     pub handle: BlockHandle,
+    /// The prefix-cache hash whose cached block was evicted to make room, if any.
     pub evicted: Option<BlockHash>,
 }
 
 /// Raw units taken by [`BlockPool::reserve_units`], in piece order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Reservation {
+    /// Block ids, one per unit.
     pub ids: Vec<u32>,
     /// Index entries dropped because a cached block was handed out as a unit.
     pub evicted: Vec<BlockHash>,
@@ -187,9 +194,11 @@ impl BlockPool {
     pub fn pool_id(&self) -> u32 {
         self.pool
     }
+    /// Blocks the allocator manages now.
     pub fn num_blocks(&self) -> u32 {
         self.num_blocks
     }
+    /// Most blocks it may grow to.
     pub fn max_blocks(&self) -> u32 {
         self.max_blocks
     }
@@ -217,6 +226,7 @@ impl BlockPool {
         Ok(&self.blocks[id as usize])
     }
 
+    /// References held on block `id`.
     pub fn ref_count(&self, id: u32) -> Result<u32, AllocError> {
         Ok(self.block(id)?.ref_count)
     }
@@ -224,6 +234,7 @@ impl BlockPool {
     pub fn hash(&self, id: u32) -> Result<Option<BlockHash>, AllocError> {
         Ok(self.block(id)?.hash())
     }
+    /// Tokens written into block `id`.
     pub fn tokens(&self, id: u32) -> Result<u32, AllocError> {
         Ok(self.block(id)?.tokens)
     }
@@ -235,6 +246,7 @@ impl BlockPool {
     pub fn is_popped(&self, id: u32) -> Result<bool, AllocError> {
         Ok(self.block(id)?.state == State::Popped)
     }
+    /// The raw-unit reservation holding block `id`, if any.
     pub fn raw_unit(&self, id: u32) -> Result<Option<RawUnit>, AllocError> {
         self.block(id)?;
         Ok(self.unit(id))

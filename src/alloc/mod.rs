@@ -37,39 +37,137 @@ fn next_pool_id() -> u32 {
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum AllocError {
     #[error("No free blocks available")]
+    /// No free blocks available.
     NoFreeBlocks,
     #[error("no free slot groups available")]
+    /// No free slot groups available.
     NoFreeSlots,
     #[error("block {id} is out of range: the pool has {num_blocks} blocks")]
-    BlockOutOfRange { id: u32, num_blocks: u32 },
+    /// Block `id` is out of range: the pool has `num_blocks` blocks.
+    BlockOutOfRange {
+        /// The id.
+        id: u32,
+        /// Blocks there are.
+        num_blocks: u32,
+    },
     #[error("group {group} is out of range: the pool has {num_groups} groups")]
-    GroupOutOfRange { group: u32, num_groups: u32 },
+    /// Group `group` is out of range: the pool has `num_groups` groups.
+    GroupOutOfRange {
+        /// The group given.
+        group: u32,
+        /// Groups there are.
+        num_groups: u32,
+    },
     #[error("block {id} has ref_count {ref_count}; allocate needs 0")]
-    BlockReferenced { id: u32, ref_count: u32 },
+    /// Block `id` has ref_count `ref_count`; allocate needs 0.
+    BlockReferenced {
+        /// The id.
+        id: u32,
+        /// Its reference count.
+        ref_count: u32,
+    },
     #[error("block {id} is not held (ref_count 0)")]
-    BlockNotHeld { id: u32 },
+    /// Block `id` is not held (ref_count 0).
+    BlockNotHeld {
+        /// The id.
+        id: u32,
+    },
     #[error("block {id} is a raw unit of owner {owner}; release it with release_units")]
-    RawUnit { id: u32, owner: u64 },
+    /// Block `id` is a raw unit of owner `owner`; release it with release_units.
+    RawUnit {
+        /// The id.
+        id: u32,
+        /// The owner given.
+        owner: u64,
+    },
     #[error("block {id} is not piece {piece} of owner {owner} (it is {found:?}); nothing released")]
-    UnitMismatch { id: u32, owner: u64, piece: u32, found: Option<RawUnit> },
+    /// Block `id` is not piece `piece` of owner `owner` (it is `found`); nothing released.
+    UnitMismatch {
+        /// The id.
+        id: u32,
+        /// The owner given.
+        owner: u64,
+        /// Piece index.
+        piece: u32,
+        /// What the unit holds.
+        found: Option<RawUnit>,
+    },
     #[error("ref_count of block {id} would overflow")]
-    RefCountOverflow { id: u32 },
+    /// `ref_count` of block `id` would overflow.
+    RefCountOverflow {
+        /// The id.
+        id: u32,
+    },
     #[error("{what} {id} is not held")]
-    NotHeld { what: &'static str, id: u32 },
+    /// `what` `id` is not held.
+    NotHeld {
+        /// What was computed or checked.
+        what: &'static str,
+        /// The id.
+        id: u32,
+    },
     #[error("group {group} is pinned")]
-    GroupPinned { group: u32 },
+    /// Group `group` is pinned.
+    GroupPinned {
+        /// The group given.
+        group: u32,
+    },
     #[error("group {group} is not pinned")]
-    GroupNotPinned { group: u32 },
+    /// Group `group` is not pinned.
+    GroupNotPinned {
+        /// The group given.
+        group: u32,
+    },
     #[error("double free of {what} {id} (generation {generation})")]
-    DoubleFree { what: &'static str, id: u32, generation: u64 },
+    /// Double free of `what` `id` (generation `generation`).
+    DoubleFree {
+        /// What was computed or checked.
+        what: &'static str,
+        /// The id.
+        id: u32,
+        /// The handle's generation.
+        generation: u64,
+    },
     #[error("stale {what} handle: id {id} generation {generation}, current generation {current}")]
-    StaleHandle { what: &'static str, id: u32, generation: u64, current: u64 },
+    /// Stale `what` handle: id `id` generation `generation`, current generation `current`.
+    StaleHandle {
+        /// What was computed or checked.
+        what: &'static str,
+        /// The id.
+        id: u32,
+        /// The handle's generation.
+        generation: u64,
+        /// The id's current generation.
+        current: u64,
+    },
     #[error("{what} handle of pool {handle_pool} used with pool {pool}")]
-    ForeignHandle { what: &'static str, handle_pool: u32, pool: u32 },
+    /// `what` handle of pool `handle_pool` used with pool `pool`.
+    ForeignHandle {
+        /// What was computed or checked.
+        what: &'static str,
+        /// Pool id in the handle.
+        handle_pool: u32,
+        /// This pool's id.
+        pool: u32,
+    },
     #[error("max_blocks {max_blocks} is below num_blocks {num_blocks}")]
-    MaxBelowNum { max_blocks: u32, num_blocks: u32 },
+    /// `max_blocks` `max_blocks` is below num_blocks `num_blocks`.
+    MaxBelowNum {
+        /// Most blocks the plane holds.
+        max_blocks: u32,
+        /// Blocks there are.
+        num_blocks: u32,
+    },
     #[error("{count} {what} exceeds the id limit {limit}")]
-    TooManyIds { what: &'static str, count: u64, limit: u32 },
+    /// `count` `what` exceeds the id limit `limit`.
+    TooManyIds {
+        /// What was computed or checked.
+        what: &'static str,
+        /// How many.
+        count: u64,
+        /// The most allowed.
+        limit: u32,
+    },
 }
 
 #[cfg(test)]

@@ -23,8 +23,11 @@ const FRESH: Group = Group { held: false, pinned: false, generation: 0 };
 /// convert with `position = slot_positions - 1 - group` (the geometry's `physical_slot`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SlotHandle {
+    /// The allocator's slot id (a group; `physical_slot` turns it into a position).
     pub group: u32,
+    /// Generation of the group when handed out; a freed group's handle goes stale.
     pub generation: u64,
+    /// Id of the pool that handed it out (foreign handles are refused).
     pub pool: u32,
 }
 
@@ -67,12 +70,15 @@ impl SlotPool {
         Ok(pool)
     }
 
+    /// This pool's id (handles carry it).
     pub fn pool_id(&self) -> u32 {
         self.pool
     }
+    /// Groups the allocator manages now.
     pub fn num_groups(&self) -> u32 {
         self.num_groups
     }
+    /// Groups not handed out.
     pub fn num_free(&self) -> u32 {
         self.num_free
     }
@@ -83,9 +89,11 @@ impl SlotPool {
         }
         Ok(&self.groups[group as usize])
     }
+    /// Whether group `group` is handed out.
     pub fn is_held(&self, group: u32) -> Result<bool, AllocError> {
         Ok(self.group(group)?.held)
     }
+    /// Whether group `group` is pinned (cannot be relocated).
     pub fn is_pinned(&self, group: u32) -> Result<bool, AllocError> {
         Ok(self.group(group)?.pinned)
     }
@@ -183,6 +191,7 @@ impl SlotPool {
         Ok(())
     }
 
+    /// Unpin a pinned group.
     pub fn unpin(&mut self, group: u32) -> Result<(), AllocError> {
         if !self.group(group)?.pinned {
             return Err(AllocError::GroupNotPinned { group });

@@ -5,7 +5,8 @@
 //! simulator use without a GPU. Beyond the trait's contract it checks everything it can, so
 //! a wrong address is a typed [`BackendError`], never a write through it:
 //!
-//! * it tracks every allocation it made; uploads, downloads, copies and fills must lie inside
+//! * it tracks every allocation it made (and caller memory handed to it with
+//!   [`Backend::adopt_external`]); uploads, downloads, copies and fills must lie inside
 //!   one live allocation ([`BackendError::OutsideAllocation`]);
 //! * launches run through [`run_launch_within`] with the live allocations as the only
 //!   memory the kernel may touch: every buffer a kernel reads or writes (the descriptors of
@@ -65,6 +66,9 @@ struct Block {
 pub struct HostBackend {
     /// Live allocations: aligned base address → block.
     live: Mutex<BTreeMap<u64, Block>>,
+    /// Caller memory accepted by `adopt_external` (base → bytes): checked like `live`, never
+    /// freed here.
+    adopted: Mutex<BTreeMap<u64, u64>>,
 }
 
 /// Size asked of the system allocator for `bytes` usable bytes aligned to
@@ -107,8 +111,8 @@ impl HostBackend {
         if len == 0 {
             return Ok(());
         }
-        let live = self.live();
-        let inside = live.range(..=addr).next_back().is_some_and(|(&base, b)| end <= base + b.bytes);
+        let inside = self.live().range(..=addr).next_back().is_some_and(|(&base, b)| end <= base + b.bytes)
+            || self.adopted().range(..=addr).next_back().is_some_and(|(&base, &bytes)| end <= base + bytes);
         if inside {
             Ok(())
         } else {
@@ -116,9 +120,17 @@ impl HostBackend {
         }
     }
 
-    /// The live allocations as `(base, bytes)`, for [`run_launch_within`].
+    /// The live allocations (and adopted caller memory) as `(base, bytes)`, for
+    /// [`run_launch_within`].
     fn live_ranges(&self) -> Vec<(u64, u64)> {
-        self.live().iter().map(|(&base, b)| (base, b.bytes)).collect()
+        let mut ranges: Vec<(u64, u64)> = self.live().iter().map(|(&base, b)| (base, b.bytes)).collect();
+        ranges.extend(self.adopted().iter().map(|(&base, &bytes)| (base, bytes)));
+        ranges
+    }
+
+    fn adopted(&self) -> MutexGuard<'_, BTreeMap<u64, u64>> {
+        // As `live`: single insert/remove calls keep the map consistent through a poison.
+        self.adopted.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -252,6 +264,14 @@ impl Backend for HostBackend {
 
     fn synchronize(&self, _stream: Stream) -> Result<(), BackendError> {
         Ok(())
+    }
+
+    unsafe fn adopt_external(&self, ptr: DevicePtr, bytes: u64) {
+        self.adopted().insert(ptr, bytes);
+    }
+
+    fn forget_external(&self, ptr: DevicePtr) {
+        self.adopted().remove(&ptr);
     }
 }
 

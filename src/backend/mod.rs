@@ -32,6 +32,7 @@
 #![deny(missing_docs)]
 
 pub mod cuda;
+pub mod external;
 pub mod hip;
 pub mod host;
 pub mod launch;
@@ -303,4 +304,17 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Wait for all work queued on `stream`.
     fn synchronize(&self, stream: Stream) -> Result<(), BackendError>;
+
+    /// Accept caller memory `ptr .. ptr + bytes` in copies, fills and launches as if this
+    /// backend had allocated it (for [`external::ExternalRegion`]); the backend never frees
+    /// it. Device backends keep no record, so the default does nothing; the host backend adds
+    /// the range to the checks it makes.
+    ///
+    /// # Safety
+    /// The range is memory this backend's device can use, live and used by no one else until
+    /// [`Backend::forget_external`] is called for `ptr`.
+    unsafe fn adopt_external(&self, _ptr: DevicePtr, _bytes: u64) {}
+
+    /// Stop accepting a range given to [`Backend::adopt_external`].
+    fn forget_external(&self, _ptr: DevicePtr) {}
 }

@@ -6,72 +6,222 @@ use thiserror::Error;
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum GeometryError {
     #[error("a V4 pool needs at least one layer")]
+    /// A V4 pool needs at least one layer.
     NoLayers,
     #[error("unknown V4 compress ratios {ratios:?}")]
-    UnknownRatios { ratios: Vec<i32> },
+    /// Unknown V4 compress ratios `ratios`.
+    UnknownRatios {
+        /// The ratios given.
+        ratios: Vec<i32>,
+    },
     #[error("slot_align_rows must be positive, got {got}")]
-    SlotAlignRows { got: i64 },
+    /// `slot_align_rows` must be positive, got `got`.
+    SlotAlignRows {
+        /// The value given.
+        got: i64,
+    },
     #[error("ring_slots must be positive, got {got}")]
-    RingSlots { got: i64 },
+    /// `ring_slots` must be positive, got `got`.
+    RingSlots {
+        /// The value given.
+        got: i64,
+    },
     #[error("ring_stride must be positive, got {got}")]
-    RingStride { got: i64 },
+    /// `ring_stride` must be positive, got `got`.
+    RingStride {
+        /// The value given.
+        got: i64,
+    },
     #[error("arena_rows must not be negative, got {got}")]
-    ArenaRows { got: i64 },
+    /// `arena_rows` must not be negative, got `got`.
+    ArenaRows {
+        /// The value given.
+        got: i64,
+    },
     #[error("{what} must not be negative, got {got}")]
-    NegativeCount { what: &'static str, got: i64 },
+    /// `what` must not be negative, got `got`.
+    NegativeCount {
+        /// What was computed or checked.
+        what: &'static str,
+        /// The value given.
+        got: i64,
+    },
     #[error("block_size must be positive, got {block_size}")]
-    BlockSize { block_size: i64 },
+    /// `block_size` must be positive, got `block_size`.
+    BlockSize {
+        /// Tokens per block.
+        block_size: i64,
+    },
     #[error("block_size {block_size} is not a multiple of compress ratio {ratio}")]
-    BlockSizeNotDivisible { block_size: i64, ratio: i32 },
+    /// `block_size` `block_size` is not a multiple of compress ratio `ratio`.
+    BlockSizeNotDivisible {
+        /// Tokens per block.
+        block_size: i64,
+        /// Compress ratio.
+        ratio: i32,
+    },
     #[error("arithmetic overflow computing {what}")]
-    Overflow { what: &'static str },
+    /// Arithmetic overflow computing `what`.
+    Overflow {
+        /// What was computed or checked.
+        what: &'static str,
+    },
     #[error("a slot of zero rows: no layer keeps KV here and arena_rows is 0")]
+    /// A slot of zero rows: no layer keeps KV here and arena_rows is 0.
     EmptySlot,
     #[error(
         "plane of {plane_rows} rows cannot hold {num_blocks} blocks ({envelope_rows} rows each) \
          plus {num_slots} slots ({slot_rows} rows each)"
     )]
-    PlaneTooSmall { plane_rows: i64, num_blocks: i64, envelope_rows: i64, num_slots: i64, slot_rows: i64 },
+    /// Plane of `plane_rows` rows cannot hold `num_blocks` blocks (`envelope_rows` rows each) plus `num_slots` slots (`slot_rows` rows each).
+    PlaneTooSmall {
+        /// Rows of the plane.
+        plane_rows: i64,
+        /// Blocks there are.
+        num_blocks: i64,
+        /// Rows of one envelope.
+        envelope_rows: i64,
+        /// Slots there are.
+        num_slots: i64,
+        /// Rows of one slot.
+        slot_rows: i64,
+    },
     #[error("plane of {plane_rows} rows does not fit an i32 index (at most 2147483647 rows)")]
-    PlaneExceedsI32 { plane_rows: i64 },
+    /// Plane of `plane_rows` rows does not fit an i32 index (at most 2147483647 rows).
+    PlaneExceedsI32 {
+        /// Rows of the plane.
+        plane_rows: i64,
+    },
     #[error(
         "plane of {plane_rows} rows holds {held} slots, more than the {slot_positions} positions \
          it was told to number by"
     )]
-    SlotPositionsTooFew { plane_rows: i64, held: i64, slot_positions: i64 },
+    /// Plane of `plane_rows` rows holds `held` slots, more than the `slot_positions` positions it was told to number by.
+    SlotPositionsTooFew {
+        /// Rows of the plane.
+        plane_rows: i64,
+        /// Held ids above the bound.
+        held: i64,
+        /// Slot positions of the plane.
+        slot_positions: i64,
+    },
     #[error("layer {layer} outside 0..{num_layers}")]
-    LayerOutOfRange { layer: usize, num_layers: usize },
+    /// Layer `layer` outside 0..`num_layers`.
+    LayerOutOfRange {
+        /// Layer id.
+        layer: usize,
+        /// Layers there are.
+        num_layers: usize,
+    },
     #[error(
         "layer {layer} keeps no KV in this row space; its window is a state field, so it has no \
          class, no base row and no view"
     )]
-    AbsentLayer { layer: usize },
+    /// Layer `layer` keeps no KV in this row space; its window is a state field, so it has no class, no base row and no view.
+    AbsentLayer {
+        /// Layer id.
+        layer: usize,
+    },
     #[error("layer {layer} is not in the class of ratio {ratio}")]
-    LayerNotInClass { layer: usize, ratio: i32 },
+    /// Layer `layer` is not in the class of ratio `ratio`.
+    LayerNotInClass {
+        /// Layer id.
+        layer: usize,
+        /// Compress ratio.
+        ratio: i32,
+    },
     #[error("this geometry has no class of ratio {ratio}")]
-    NoSuchClass { ratio: i32 },
+    /// This geometry has no class of ratio `ratio`.
+    NoSuchClass {
+        /// Compress ratio.
+        ratio: i32,
+    },
     #[error("layer {layer} is dense and keeps no compressed KV")]
-    DenseHasNoCompressed { layer: usize },
+    /// Layer `layer` is dense and keeps no compressed KV.
+    DenseHasNoCompressed {
+        /// Layer id.
+        layer: usize,
+    },
     #[error("row {row} outside 0..{block_rows} for ratio {ratio}")]
-    CompressRowOutOfRange { row: i64, block_rows: i64, ratio: i32 },
+    /// Row `row` outside 0..`block_rows` for ratio `ratio`.
+    CompressRowOutOfRange {
+        /// The row given.
+        row: i64,
+        /// Rows one block compresses to in the class.
+        block_rows: i64,
+        /// Compress ratio.
+        ratio: i32,
+    },
     #[error("block {block} outside 0..{num_blocks}")]
-    BlockOutOfRange { block: i64, num_blocks: i64 },
+    /// Block `block` outside 0..`num_blocks`.
+    BlockOutOfRange {
+        /// The block given.
+        block: i64,
+        /// Blocks there are.
+        num_blocks: i64,
+    },
     #[error("ring position {ring_pos} outside 0..{ring_slots}")]
-    RingPosOutOfRange { ring_pos: i64, ring_slots: i64 },
+    /// Ring position `ring_pos` outside 0..`ring_slots`.
+    RingPosOutOfRange {
+        /// The ring position given.
+        ring_pos: i64,
+        /// Ring positions.
+        ring_slots: i64,
+    },
     #[error("slot position {slot} outside {first}..{end}")]
-    SlotOutOfRange { slot: i64, first: i64, end: i64 },
+    /// Slot position `slot` outside `first`..`end`.
+    SlotOutOfRange {
+        /// The slot position given.
+        slot: i64,
+        /// First live position.
+        first: i64,
+        /// One past the last live position.
+        end: i64,
+    },
     #[error("rows per window row must be positive, got {got}")]
-    RowsPerWindowRow { got: i64 },
+    /// Rows per window row must be positive, got `got`.
+    RowsPerWindowRow {
+        /// The value given.
+        got: i64,
+    },
     #[error(
         "{name} of {rows} rows does not divide by the {rows_per_window_row} plane rows one window row takes"
     )]
-    FieldNotDivisible { name: &'static str, rows: i64, rows_per_window_row: i64 },
+    /// `name` of `rows` rows does not divide by the `rows_per_window_row` plane rows one window row takes.
+    FieldNotDivisible {
+        /// The name.
+        name: &'static str,
+        /// The field's rows.
+        rows: i64,
+        /// Rows one window row takes.
+        rows_per_window_row: i64,
+    },
     #[error("group {group} outside 0..{num_slots}")]
-    GroupOutOfRange { group: i64, num_slots: i64 },
+    /// Group `group` outside 0..`num_slots`.
+    GroupOutOfRange {
+        /// The group given.
+        group: i64,
+        /// Slots there are.
+        num_slots: i64,
+    },
     #[error("runs must be non-negative, got ({start}, {count})")]
-    RunNegative { start: i64, count: i64 },
+    /// Runs must be non-negative, got (`start`, `count`).
+    RunNegative {
+        /// Start of the run.
+        start: i64,
+        /// How many.
+        count: i64,
+    },
     #[error("runs must ascend and not overlap: ({start}, {count}) starts before {prev_end}")]
-    RunOverlap { start: i64, count: i64, prev_end: i64 },
+    /// Runs must ascend and not overlap: (`start`, `count`) starts before `prev_end`.
+    RunOverlap {
+        /// Start of the run.
+        start: i64,
+        /// How many.
+        count: i64,
+        /// End of the run before it.
+        prev_end: i64,
+    },
 }
 
 impl GeometryError {

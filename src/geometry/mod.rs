@@ -27,8 +27,11 @@ pub use class::Class;
 pub use error::GeometryError;
 pub use runs::merge_abutting;
 
+use crate::checked::{add, mul, sub};
 use bytemuck::{Pod, Zeroable};
 use std::collections::BTreeMap;
+
+crate::checked::overflow_into!(GeometryError);
 
 /// Compress ratio of a dense (sliding-window-only) layer.
 pub const DENSE_RATIO: i32 = 0;
@@ -52,16 +55,6 @@ fn is_known_ratio(r: i32) -> bool {
     r == ABSENT_RATIO || ENTRY_ORDER.contains(&r)
 }
 
-/// Checked arithmetic helpers: overflow is a typed error naming what overflowed.
-pub(crate) fn mul(a: i64, b: i64, what: &'static str) -> Result<i64, GeometryError> {
-    a.checked_mul(b).ok_or(GeometryError::Overflow { what })
-}
-pub(crate) fn add(a: i64, b: i64, what: &'static str) -> Result<i64, GeometryError> {
-    a.checked_add(b).ok_or(GeometryError::Overflow { what })
-}
-pub(crate) fn sub(a: i64, b: i64, what: &'static str) -> Result<i64, GeometryError> {
-    a.checked_sub(b).ok_or(GeometryError::Overflow { what })
-}
 /// Ceiling division of non-negative `a` by positive `b`.
 fn ceil_div(a: i64, b: i64) -> i64 {
     a / b + i64::from(a % b != 0)
@@ -78,7 +71,7 @@ pub fn ring_offset_for(num_layers: i64, ring_stride: i64, ring_pos: i64) -> Resu
     }
     let (chunk, within) = (ring_pos.div_euclid(ring_stride), ring_pos.rem_euclid(ring_stride));
     let height = mul(num_layers, ring_stride, "class run height")?;
-    add(mul(chunk, height, "ring offset")?, within, "ring offset")
+    Ok(add(mul(chunk, height, "ring offset")?, within, "ring offset")?)
 }
 
 /// Height the interleaved construction reaches, which is also the least possible (the
@@ -89,7 +82,7 @@ pub fn entry_rows_for(num_layers: i64, ring_stride: i64, ring_slots: i64) -> Res
     }
     let last = ring_offset_for(num_layers, ring_stride, ring_slots - 1)?;
     let lead = mul(sub(num_layers, 1, "entry rows")?, ring_stride, "entry rows")?;
-    add(add(lead, last, "entry rows")?, 1, "entry rows")
+    Ok(add(add(lead, last, "entry rows")?, 1, "entry rows")?)
 }
 
 /// A class's window-row formula as five scalars a kernel carries by value.
@@ -99,10 +92,15 @@ pub fn entry_rows_for(num_layers: i64, ring_stride: i64, ring_slots: i64) -> Res
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct WindowParams {
+    /// Row of position 0's ring run, relative to the layer view (slot 0).
     pub ring_start: i64,
+    /// Rows from one slot to the next.
     pub slot_rows: i64,
+    /// Ring positions (the window ring's length).
     pub ring_slots: i64,
+    /// Ring positions per contiguous run.
     pub ring_stride: i64,
+    /// Rows from one run of a layer to its next (the class's run height).
     pub run_rows: i64,
 }
 
@@ -122,15 +120,20 @@ impl WindowParams {
 /// One compress class's rows, inside an envelope and inside an entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClassLayout {
+    /// The class's compress ratio.
     pub ratio: i32,
     /// Global layer ids in class order; a layer's position here is its `layer_index`.
     pub layers: Vec<usize>,
     /// Rows one block compresses to in one layer (`block_size / ratio`); also the class's
     /// layer stride in an envelope. 0 for the dense class.
     pub block_rows: i64,
+    /// Ring positions per contiguous run.
     pub ring_stride: i64,
+    /// Ring positions.
     pub ring_slots: i64,
+    /// Row of the class's part in an envelope.
     pub envelope_offset: i64,
+    /// Row of the class's window rows in an entry.
     pub entry_offset: i64,
     envelope_rows: i64,
     entry_rows: i64,
@@ -160,6 +163,7 @@ impl ClassLayout {
         })
     }
 
+    /// Layers of the class.
     pub fn num_layers(&self) -> usize {
         self.layers.len()
     }
@@ -182,6 +186,7 @@ impl ClassLayout {
             .ok_or(GeometryError::LayerNotInClass { layer: layer_id, ratio: self.ratio })
     }
 
+    /// The class's ring offset of ring position `ring_pos` (see [`ring_offset_for`]).
     pub fn ring_offset(&self, ring_pos: i64) -> i64 {
         // Cannot overflow: the class was built with its entry rows checked.
         ring_offset_for(self.layers.len() as i64, self.ring_stride, ring_pos).unwrap_or(i64::MAX)
@@ -215,11 +220,15 @@ impl ClassLayout {
 /// Every constructor argument of the spec's `UnifiedPoolGeometry`, with its defaults.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GeometrySpec {
+    /// Compress ratio of every layer (0, 4, 128, or −1 for absent).
     pub ratios: Vec<i32>,
+    /// Blocks at the split.
     pub num_blocks: i64,
+    /// Slots at the split.
     pub num_slots: i64,
     /// `win_with_spec`: the sliding window plus the draft lookahead.
     pub ring_slots: i64,
+    /// Tokens per block.
     pub block_size: i64,
     /// Fixed plane capacity; `None` is the tight fit around the split (pins the boundary).
     pub plane_rows: Option<i64>,
@@ -246,22 +255,27 @@ impl GeometrySpec {
             slot_align_rows: 2,
         }
     }
+    /// Fix the plane's rows (default: exactly what the counts need).
     pub fn plane_rows(mut self, rows: i64) -> Self {
         self.plane_rows = Some(rows);
         self
     }
+    /// Rows of compressor state at the head of each slot.
     pub fn arena_rows(mut self, rows: i64) -> Self {
         self.arena_rows = rows;
         self
     }
+    /// Number slots by this many positions (default: what the plane holds).
     pub fn slot_positions(mut self, positions: i64) -> Self {
         self.slot_positions = Some(positions);
         self
     }
+    /// Round slot rows up to a multiple of this.
     pub fn slot_align_rows(mut self, rows: i64) -> Self {
         self.slot_align_rows = rows;
         self
     }
+    /// Check the spec and lay the row space out.
     pub fn build(self) -> Result<UnifiedPoolGeometry, GeometryError> {
         UnifiedPoolGeometry::new(self)
     }
@@ -272,19 +286,33 @@ impl GeometrySpec {
 /// offsets from here.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UnifiedPoolGeometry {
+    /// Compress ratio of every layer (0, 4, 128, or −1 for absent).
     pub ratios: Vec<i32>,
+    /// Layers (`ratios.len()`).
     pub num_layers: usize,
+    /// Blocks at the split.
     pub num_blocks: i64,
+    /// Slots at the split.
     pub num_slots: i64,
+    /// Ring positions of the window ring.
     pub ring_slots: i64,
+    /// Tokens per block.
     pub block_size: i64,
+    /// Rows of compressor state at the head of a slot.
     pub arena_rows: i64,
+    /// Slot rows are a multiple of this.
     pub slot_align_rows: i64,
+    /// Rows of one block's envelope (every compressed layer).
     pub envelope_rows: i64,
+    /// Rows of one slot's entry (every layer's window rows).
     pub entry_rows: i64,
+    /// Rows of one slot: arena plus entry, aligned.
     pub slot_rows: i64,
+    /// Rows of the plane (fixed for the pool's life).
     pub plane_rows: i64,
+    /// Slot positions the plane is numbered by (the most slots it holds).
     pub slot_positions: i64,
+    /// Position numbering's origin (0 in a pool).
     pub slot_origin: i64,
     /// Present classes keyed by ratio (dense 0, CSA 4, HCA 128).
     pub classes: BTreeMap<i32, ClassLayout>,
@@ -482,6 +510,7 @@ impl UnifiedPoolGeometry {
 
     // ---- byte helpers (64-bit: a plane's bytes pass 2^32) ----------------------------
 
+    /// Bytes of the plane at `row_bytes` per row.
     pub fn plane_bytes(&self, row_bytes: u64) -> u64 {
         self.plane_rows as u64 * row_bytes
     }
@@ -501,6 +530,7 @@ impl UnifiedPoolGeometry {
         self.classes.get(&ratio)
     }
 
+    /// The class layer `layer_id` belongs to.
     pub fn layer_class(&self, layer_id: usize) -> Result<&ClassLayout, GeometryError> {
         let ratio = *self
             .ratios
@@ -623,7 +653,7 @@ impl UnifiedPoolGeometry {
 
     /// Plane row an index reaches: what the two address spaces share.
     pub fn absolute_row(&self, layer_id: usize, index: i64) -> Result<i64, GeometryError> {
-        add(self.layer_base_row(layer_id)?, index, "absolute row")
+        Ok(add(self.layer_base_row(layer_id)?, index, "absolute row")?)
     }
 
     /// Entry rows some (layer, ring position) maps to, as merged `(start, count)` runs in

@@ -35,6 +35,7 @@ pub const CLASS_HCA: usize = crate::Class::Hca as usize;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct ClassBuffers {
+    /// The class's window parameters.
     pub params: WindowParams,
     /// i32 [>= T+1]
     pub indptr: DevicePtr,
@@ -63,11 +64,15 @@ pub struct DecodeIndexArgs {
     pub positions: DevicePtr,
     /// i32 [bs, block_table_stride]; 0 = leave HCA heads to someone else (peer mode).
     pub block_tables: DevicePtr,
+    /// Rows of one block's envelope (the block stride of a layer view).
     pub envelope_rows: i64,
+    /// Columns per block-table row.
     pub block_table_stride: i32,
     /// Rows one block holds per HCA layer (`block_size / 128`, 2 in production).
     pub hca_rows_per_block: i32,
+    /// Tokens in the grid, pads included.
     pub num_tokens: i32,
+    /// Sliding window (≤ ring_slots).
     pub win: i32,
 }
 
@@ -75,8 +80,11 @@ pub struct DecodeIndexArgs {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct PrefillIndexArgs {
+    /// Dense window parameters.
     pub dense: WindowParams,
+    /// CSA window parameters.
     pub csa: WindowParams,
+    /// HCA window parameters.
     pub hca: WindowParams,
     /// i32 [T]
     pub positions: DevicePtr,
@@ -92,21 +100,35 @@ pub struct PrefillIndexArgs {
     pub n_committed_hca_per_seq: DevicePtr,
     /// i32 [bs, block_table_stride]
     pub block_tables: DevicePtr,
+    /// i32 [>= T+1]
     pub extend_indptr: DevicePtr,
+    /// i32 out
     pub extend_indices: DevicePtr,
     /// 0 when the geometry has no dense class (then `prefix_swa` is untouched).
     pub swa_indptr: DevicePtr,
+    /// i32 out (with `swa_indptr`; both 0 without a dense class)
     pub swa_indices: DevicePtr,
+    /// i32 [>= T+1]
     pub csa_indptr: DevicePtr,
+    /// i32 out: `[top-k head (left to the pack) | window rows]`
     pub csa_indices: DevicePtr,
+    /// i32 [>= T+1]
     pub hca_indptr: DevicePtr,
+    /// i32 out: `[window rows | compressed]`
     pub hca_indices: DevicePtr,
+    /// Rows of one block's envelope.
     pub envelope_rows: i64,
+    /// Columns per block-table row.
     pub block_table_stride: i32,
+    /// Tokens (exact; prefill has no pads).
     pub num_tokens: i32,
+    /// Sliding window (≤ ring_slots).
     pub win: i32,
+    /// HCA compress ratio (128).
     pub hca_ratio: i32,
+    /// HCA rows one block holds per layer (`block_size / 128`).
     pub hca_rows_per_block: i32,
+    /// Padding to the C layout.
     pub _pad: i32,
 }
 
@@ -122,10 +144,15 @@ pub struct HcaOffsetsArgs {
     pub block_tables: DevicePtr,
     /// i32 out [N]
     pub out: DevicePtr,
+    /// Rows of one block's envelope.
     pub envelope_rows: i64,
+    /// Columns per block-table row.
     pub block_table_stride: i32,
+    /// HCA rows one block holds per layer.
     pub rows_per_block: i32,
+    /// Entries (N).
     pub num_entries: i32,
+    /// Padding to the C layout.
     pub _pad: i32,
 }
 
@@ -148,13 +175,19 @@ pub struct CsaPackArgs {
     pub skip_prefix_len_per_token: DevicePtr,
     /// i32 out [>= indptr[T]]
     pub out: DevicePtr,
+    /// Rows of one block's envelope.
     pub envelope_rows: i64,
+    /// Elements from one top-k row to the next (≥ index_topk).
     pub topk_row_stride: i32,
+    /// Columns per block-table row.
     pub block_table_stride: i32,
+    /// Tokens in the grid (T).
     pub num_tokens: i32,
     /// 64 (CSA rows per block).
     pub block_capacity: i32,
+    /// Window length (decode: skip derived per token), or 0 (prefill: the skip buffer).
     pub window_size: i32,
+    /// Padding to the C layout.
     pub _pad: i32,
 }
 
@@ -166,6 +199,7 @@ pub struct PlaneWrite {
     pub kv: DevicePtr,
     /// Layer view base.
     pub pool: DevicePtr,
+    /// Bytes per row.
     pub row_bytes: i64,
 }
 
@@ -174,6 +208,7 @@ pub struct PlaneWrite {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct RingWriteArgs {
+    /// The layer's class window parameters.
     pub params: WindowParams,
     /// `planes[1].pool == 0` when the pool has one plane.
     pub planes: [PlaneWrite; 2],
@@ -183,8 +218,11 @@ pub struct RingWriteArgs {
     pub cu_seqlens_q: DevicePtr,
     /// i32 [bs]
     pub state_slot_per_seq: DevicePtr,
+    /// Rows of the layer view; rows outside it are dropped.
     pub view_rows: i64,
+    /// Sequences (bs ≥ 1).
     pub num_seqs: i32,
+    /// Most tokens written per sequence (1..=ring_slots).
     pub write_per_batch: i32,
 }
 
@@ -193,13 +231,17 @@ pub struct RingWriteArgs {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct RowScatterArgs {
+    /// Up to two planes (`planes[1].pool == 0`: one plane).
     pub planes: [PlaneWrite; 2],
     /// i32 [>= T]
     pub batch_id_per_token: DevicePtr,
     /// i32 [>= T]
     pub dest_rows: DevicePtr,
+    /// Rows of the layer view; rows outside it are dropped.
     pub view_rows: i64,
+    /// Tokens in the grid, pads included.
     pub num_tokens: i32,
+    /// Padding to the C layout.
     pub _pad: i32,
 }
 
@@ -208,9 +250,13 @@ pub struct RowScatterArgs {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct FillRun {
+    /// Destination address (4-byte aligned).
     pub dst: DevicePtr,
+    /// Bytes to fill (a multiple of 4).
     pub bytes: u64,
+    /// The 32-bit word repeated over the range.
     pub pattern: u32,
+    /// Padding to the C layout.
     pub _pad: u32,
 }
 
@@ -220,7 +266,9 @@ pub struct FillRun {
 pub struct FillRunsArgs {
     /// `FillRun` [num_runs] in device memory.
     pub runs: DevicePtr,
+    /// Runs in the descriptor.
     pub num_runs: i32,
+    /// Padding to the C layout.
     pub _pad: i32,
 }
 
@@ -228,8 +276,11 @@ pub struct FillRunsArgs {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct CopyRun {
+    /// Source address.
     pub src: DevicePtr,
+    /// Destination address.
     pub dst: DevicePtr,
+    /// Bytes to copy.
     pub bytes: u64,
 }
 
@@ -239,7 +290,9 @@ pub struct CopyRun {
 pub struct CopyRunsArgs {
     /// `CopyRun` [num_runs] in device memory.
     pub runs: DevicePtr,
+    /// Runs in the descriptor.
     pub num_runs: i32,
+    /// Padding to the C layout.
     pub _pad: i32,
 }
 

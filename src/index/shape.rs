@@ -43,7 +43,9 @@ pub const CSA_TILE: u32 = 2 * BLOCK_THREADS;
 /// Grid and block of one launch, in CUDA/HIP order (x, y, z).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct LaunchShape {
+    /// Blocks per grid dimension.
     pub grid: [u32; 3],
+    /// Threads per block dimension.
     pub block: [u32; 3],
 }
 
@@ -144,27 +146,79 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum LaunchError {
     #[error("{field} = {value} must not be negative")]
-    Negative { field: &'static str, value: i64 },
+    /// `field` = `value` must not be negative.
+    Negative {
+        /// The field.
+        field: &'static str,
+        /// The value given.
+        value: i64,
+    },
     #[error("{field} = {value} must be at least {min}")]
-    TooSmall { field: &'static str, value: i64, min: i64 },
+    /// `field` = `value` must be at least `min`.
+    TooSmall {
+        /// The field.
+        field: &'static str,
+        /// The value given.
+        value: i64,
+        /// The least allowed.
+        min: i64,
+    },
     #[error("{field} = {value} exceeds {max}")]
-    TooLarge { field: &'static str, value: i64, max: i64 },
+    /// `field` = `value` exceeds `max`.
+    TooLarge {
+        /// The field.
+        field: &'static str,
+        /// The value given.
+        value: i64,
+        /// The most allowed.
+        max: i64,
+    },
     #[error("required buffer {field} is absent (null)")]
-    MissingBuffer { field: &'static str },
+    /// Required buffer `field` is absent (null).
+    MissingBuffer {
+        /// The field.
+        field: &'static str,
+    },
     #[error("{field} is given although {because}")]
-    UnexpectedBuffer { field: &'static str, because: &'static str },
+    /// `field` is given although `because`.
+    UnexpectedBuffer {
+        /// The field.
+        field: &'static str,
+        /// Why it must be absent.
+        because: &'static str,
+    },
     #[error("decode launch enables no class")]
+    /// Decode launch enables no class.
     NoClass,
     #[error("decode launch has no dest_rows buffer")]
+    /// Decode launch has no dest_rows buffer.
     NoDestRows,
     #[error(
         "class {class}: window params {params:?} are not a ring (ring_slots and ring_stride >= 1, rows >= 0)"
     )]
-    BadWindowParams { class: &'static str, params: WindowParams },
+    /// Class `class`: window params `params` are not a ring (ring_slots and ring_stride >= 1, rows >= 0).
+    BadWindowParams {
+        /// Which class.
+        class: &'static str,
+        /// The parameters given.
+        params: WindowParams,
+    },
     #[error("window {win} exceeds ring_slots {ring_slots} of class {class}")]
-    WindowExceedsRing { class: &'static str, win: i64, ring_slots: i64 },
+    /// Window `win` exceeds ring_slots `ring_slots` of class `class`.
+    WindowExceedsRing {
+        /// Which class.
+        class: &'static str,
+        /// The window.
+        win: i64,
+        /// Ring positions.
+        ring_slots: i64,
+    },
     #[error("plane {plane}: kv and pool must both be given or both absent")]
-    PlaneHalfGiven { plane: usize },
+    /// Plane `plane`: kv and pool must both be given or both absent.
+    PlaneHalfGiven {
+        /// Plane index.
+        plane: usize,
+    },
 }
 
 const CLASS_NAMES: [&str; 3] = ["dense", "csa", "hca"];

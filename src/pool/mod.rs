@@ -15,6 +15,8 @@ mod image;
 mod owned;
 mod path;
 pub mod prefill;
+#[cfg(test)]
+mod tests;
 
 pub use decode::{
     decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq, PoolBounds,
@@ -85,16 +87,27 @@ impl PoolSpec {
         if plan.min_slots != 0 {
             return Err(PoolError::MinSlots(plan.min_slots));
         }
+        Self::from_layout(&plan.layout, plan.geometry.clone())
+    }
+
+    /// The spec of a priced layout carved to `geometry` (e.g. [`PoolLayout::carve`]): the
+    /// layout's arena, widths and indexer, and its §6 layout id for the pool's images.
+    ///
+    /// [`PoolLayout::carve`]: crate::sizing::PoolLayout::carve
+    pub fn from_layout(
+        layout: &crate::sizing::PoolLayout,
+        geometry: UnifiedPoolGeometry,
+    ) -> Result<PoolSpec, PoolError> {
         let mut spec = PoolSpec {
-            geometry: plan.geometry.clone(),
-            plane_widths: plan.layout.widths().to_vec(),
-            arena: plan.layout.arena.clone(),
-            indexer: Some(plan.layout.indexer),
-            csa_layers: plan.layout.model.csa_layers(),
+            geometry,
+            plane_widths: layout.widths().to_vec(),
+            arena: layout.arena.clone(),
+            indexer: Some(layout.indexer),
+            csa_layers: layout.model.csa_layers(),
             plan_layout: None,
         };
         spec.validate()?;
-        let id = LayoutId::for_layout(&plan.layout)?;
+        let id = LayoutId::for_layout(layout)?;
         spec.plan_layout = Some((id, spec.fingerprint()));
         Ok(spec)
     }
@@ -192,52 +205,132 @@ impl PoolSpec {
 }
 
 #[derive(Debug, Error)]
+/// What the pool refuses or fails with.
 pub enum PoolError {
     #[error(transparent)]
+    /// A failure of the layer below ([`GeometryError`]).
     Geometry(#[from] GeometryError),
     #[error(transparent)]
+    /// A failure of the layer below ([`ArenaError`]).
     Arena(#[from] ArenaError),
     #[error(transparent)]
+    /// A failure of the layer below ([`AllocError`]).
     Alloc(#[from] AllocError),
     #[error(transparent)]
+    /// A failure of the layer below ([`BoundaryError`]).
     Boundary(#[from] BoundaryError),
     #[error(transparent)]
+    /// A failure of the layer below ([`BackendError`]).
     Backend(#[from] BackendError),
     #[error("plane {plane} outside 0..{planes}")]
-    NoSuchPlane { plane: usize, planes: usize },
+    /// Plane `plane` outside 0..`planes`.
+    NoSuchPlane {
+        /// Plane index.
+        plane: usize,
+        /// Planes there are.
+        planes: usize,
+    },
     #[error("arena rows {arena} differ from the geometry's {geometry}")]
-    ArenaMismatch { arena: i64, geometry: i64 },
+    /// Arena rows `arena` differ from the geometry's `geometry`.
+    ArenaMismatch {
+        /// Arena rows of the layout.
+        arena: i64,
+        /// Arena rows of the geometry.
+        geometry: i64,
+    },
     #[error("the geometry's slot_origin is {0}; a pool numbers its own positions (origin 0)")]
+    /// The geometry's slot_origin is the value; a pool numbers its own positions (origin 0).
     SlotOrigin(i64),
     #[error("bytes {offset}..{offset}+{len} outside plane {plane} of {plane_bytes} bytes")]
-    PlaneRange { plane: usize, offset: u64, len: u64, plane_bytes: u64 },
+    /// Bytes `offset`..`offset`+`len` outside plane `plane` of `plane_bytes` bytes.
+    PlaneRange {
+        /// Plane index.
+        plane: usize,
+        /// Byte offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Bytes of the plane.
+        plane_bytes: u64,
+    },
     #[error("buffer of {got} bytes, expected {expected}")]
-    BufferSize { got: usize, expected: u64 },
+    /// Buffer of `got` bytes, expected `expected`.
+    BufferSize {
+        /// The value given.
+        got: usize,
+        /// The value expected.
+        expected: u64,
+    },
     #[error(
         "a plan with min_slots {0} sizes the indexer below what the plane can hold; pools need min_slots 0"
     )]
+    /// A plan with min_slots the value sizes the indexer below what the plane can hold; pools need min_slots 0.
     MinSlots(i64),
     #[error(transparent)]
+    /// A failure of the layer below ([`crate::transfer::TransferError`]).
     Transfer(#[from] crate::transfer::TransferError),
     #[error(transparent)]
+    /// A failure of the layer below ([`crate::checkpoint::CheckpointError`]).
     Checkpoint(#[from] crate::checkpoint::CheckpointError),
     #[error("decode buffers: {0}")]
+    /// Decode buffers: the value.
     Decode(String),
     #[error("arithmetic overflow computing {0}")]
+    /// Arithmetic overflow computing the value.
     Overflow(&'static str),
+    /// A [`PoolSpec`] whose parts disagree (edited after it was made).
     #[error("inconsistent pool spec: {what}")]
-    InconsistentSpec { what: &'static str },
+    /// Inconsistent pool spec: `what`.
+    InconsistentSpec {
+        /// What was computed or checked.
+        what: &'static str,
+    },
     #[error("block id {id} outside the {max} blocks the plane can hold")]
-    NoSuchBlock { id: u32, max: u64 },
+    /// Block id `id` outside the `max` blocks the plane can hold.
+    NoSuchBlock {
+        /// The id.
+        id: u32,
+        /// The most allowed.
+        max: u64,
+    },
     #[error("positions {start}..{end} are not all live slot positions (live {live_start}..{live_end})")]
-    NotLive { start: i64, end: i64, live_start: i64, live_end: i64 },
+    /// Positions `start`..`end` are not all live slot positions (live `live_start`..`live_end`).
+    NotLive {
+        /// Start of the run.
+        start: i64,
+        /// One past the last live position.
+        end: i64,
+        /// First live position.
+        live_start: i64,
+        /// One past the last live position.
+        live_end: i64,
+    },
     #[error("bytes {offset}..{offset}+{len} outside {what} of {limit} bytes")]
-    OutOfRange { what: &'static str, offset: u64, len: u64, limit: u64 },
+    /// Bytes `offset`..`offset`+`len` outside `what` of `limit` bytes.
+    OutOfRange {
+        /// What was computed or checked.
+        what: &'static str,
+        /// Byte offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// The most allowed.
+        limit: u64,
+    },
     #[error("no region {region:?} in this pool")]
-    NoSuchRegion { region: Region },
+    /// No region `region` in this pool.
+    NoSuchRegion {
+        /// Which region of the slot.
+        region: Region,
+    },
     #[error("copy run {index} overlaps itself (source and destination share bytes)")]
-    SelfOverlap { index: usize },
+    /// Copy run `index` overlaps itself (source and destination share bytes).
+    SelfOverlap {
+        /// The index.
+        index: usize,
+    },
     #[error("the pool's lock was poisoned by a panic in another thread")]
+    /// The pool's lock was poisoned by a panic in another thread.
     Poisoned,
 }
 
@@ -245,24 +338,33 @@ pub enum PoolError {
 /// buffer entries are rows of this view; row `x` is at `ptr + x * row_bytes` (64-bit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LayerView {
+    /// Global layer id.
     pub layer: usize,
+    /// Plane index.
     pub plane: usize,
+    /// Address of the view's row 0.
     pub ptr: DevicePtr,
+    /// Rows of the view (its base to the plane's end).
     pub rows: i64,
+    /// Bytes per row of the plane.
     pub row_bytes: u64,
 }
 
 /// A slot handed out: the allocator's handle and where it sits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SlotLease {
+    /// The allocator's handle (frees the slot).
     pub handle: SlotHandle,
+    /// Where the slot sits: the position kernels take.
     pub position: i64,
 }
 
 /// The pool's own memory besides the planes, reported so it can be held under 1 %.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Overhead {
+    /// Bytes of the planes.
     pub plane_bytes: u64,
+    /// Bytes of the CSA indexer cache.
     pub indexer_bytes: u64,
     /// Device descriptor buffers (copy and fill runs).
     pub descriptor_bytes: u64,
@@ -419,12 +521,15 @@ impl Pool {
         self.state.lock().map_err(|_| PoolError::Poisoned)
     }
 
+    /// The backend the pool lives on.
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
     }
+    /// The stream all pool work goes on.
     pub fn stream(&self) -> Stream {
         self.stream
     }
+    /// The spec the pool was built from.
     pub fn spec(&self) -> &PoolSpec {
         &self.spec
     }
@@ -436,6 +541,7 @@ impl Pool {
     pub fn geometry(&self) -> Result<UnifiedPoolGeometry, PoolError> {
         Ok(self.lock()?.boundary.geometry().clone())
     }
+    /// Planes (2 for fp8 KV, 1 for bf16).
     pub fn num_planes(&self) -> usize {
         self.spec.plane_widths.len()
     }
@@ -464,6 +570,7 @@ impl Pool {
     pub fn indexer_ptr(&self) -> Option<DevicePtr> {
         self.indexer.as_ref().map(|a| a.ptr)
     }
+    /// Blocks the indexer cache is sized for (the most the plane can hold).
     pub fn indexer_blocks(&self) -> u64 {
         self.indexer_blocks
     }
@@ -535,6 +642,7 @@ impl Pool {
         Ok(SlotLease { handle, position })
     }
 
+    /// Return a slot.
     pub fn free_slot(&self, handle: SlotHandle) -> Result<(), PoolError> {
         Ok(self.lock()?.boundary.free_slot(handle)?)
     }
@@ -544,10 +652,12 @@ impl Pool {
         Ok(self.lock()?.boundary.position(handle)?)
     }
 
+    /// Hand out a block.
     pub fn alloc_block(&self) -> Result<BlockGrant, PoolError> {
         Ok(self.lock()?.boundary.alloc_block()?)
     }
 
+    /// Return a block.
     pub fn free_block(&self, handle: BlockHandle) -> Result<(), PoolError> {
         Ok(self.lock()?.boundary.free_block(handle)?)
     }
@@ -597,21 +707,27 @@ impl Pool {
         Ok(change)
     }
 
+    /// Add `n` slots, moving the boundary down (relocating blocks as needed).
     pub fn grow_slots(&self, n: u32) -> Result<BoundaryChange, PoolError> {
         self.apply(|b| b.grow_slots(n))
     }
+    /// Remove `n` slots, moving the boundary up (relocating slots as needed).
     pub fn shrink_slots(&self, n: u32) -> Result<BoundaryChange, PoolError> {
         self.apply(|b| b.shrink_slots(n))
     }
+    /// Add `n` blocks in the gap.
     pub fn grow_blocks(&self, n: u32) -> Result<BoundaryChange, PoolError> {
         self.apply(|b| b.grow_blocks(n))
     }
+    /// Add `n` blocks, giving up slots when the gap is too small.
     pub fn grow_blocks_shrinking_slots(&self, n: u32) -> Result<BoundaryChange, PoolError> {
         self.apply(|b| b.grow_blocks_shrinking_slots(n))
     }
+    /// Remove `n` blocks (relocating blocks as needed).
     pub fn shrink_blocks(&self, n: u32) -> Result<BoundaryChange, PoolError> {
         self.apply(|b| b.shrink_blocks(n))
     }
+    /// Move the split to exactly `num_blocks` blocks and `num_slots` slots.
     pub fn resize(&self, num_blocks: u32, num_slots: u32) -> Result<BoundaryChange, PoolError> {
         self.apply(|b| b.resize(num_blocks, num_slots))
     }
@@ -852,11 +968,17 @@ pub fn split_runs(runs: &[CopyRun]) -> Vec<CopyRun> {
 /// Allocator counts at one moment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolCounts {
+    /// Blocks at the current split.
     pub num_blocks: u32,
+    /// Slots at the current split.
     pub num_slots: u32,
+    /// Blocks not handed out.
     pub free_blocks: u32,
+    /// Slots not handed out.
     pub free_slots: u32,
+    /// Most blocks the plane holds beside the current slots.
     pub max_blocks: u32,
+    /// Slot positions the plane is numbered by.
     pub slot_positions: i64,
 }
 

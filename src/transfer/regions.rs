@@ -8,9 +8,12 @@
 //! the regions must be rebuilt (re-registered) whenever the block/slot split changes.
 
 use crate::arena::{plan_regions, ArenaError};
+use crate::checked::{add, mul};
 use crate::geometry::{GeometryError, UnifiedPoolGeometry};
 use crate::sizing::{IndexerDtype, Plan, INDEXER_FP8_BLOCK_BYTES};
 use thiserror::Error;
+
+crate::checked::overflow_into!(TransferError);
 
 /// Roles of the plane regions, in plane order (bf16 builds have the first only).
 pub const PLANE_ROLES: [&str; 2] = ["dsv4.main_kv.nope", "dsv4.main_kv.rope"];
@@ -83,12 +86,6 @@ impl TransferError {
     }
 }
 
-fn mul(a: u64, b: u64, what: &'static str) -> Result<u64, TransferError> {
-    a.checked_mul(b).ok_or(TransferError::Overflow { what })
-}
-fn add(a: u64, b: u64, what: &'static str) -> Result<u64, TransferError> {
-    a.checked_add(b).ok_or(TransferError::Overflow { what })
-}
 fn to_u64(x: i64, what: &'static str) -> Result<u64, TransferError> {
     u64::try_from(x).map_err(|_| TransferError::Overflow { what })
 }

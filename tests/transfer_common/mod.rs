@@ -17,14 +17,7 @@ pub fn v4_pool(backend: Arc<dyn Backend>, model: &ModelShape, blocks: i64, slots
     // Rows for the blocks, plus a whole slot span per slot and one more for alignment.
     let rows = blocks * g.envelope_rows + (slots + 1) * (g.slot_rows + g.slot_align_rows.max(1));
     let geometry = layout.carve(blocks, slots, rows).expect("carve");
-    let spec = PoolSpec::new(
-        geometry,
-        layout.widths().to_vec(),
-        layout.arena.clone(),
-        Some(layout.indexer),
-        model.csa_layers(),
-    )
-    .expect("spec");
+    let spec = PoolSpec::from_layout(&layout, geometry).expect("spec");
     let pool = Pool::new(backend, spec, Stream::DEFAULT).expect("pool");
     (pool, layout_id(&layout).expect("layout id"))
 }

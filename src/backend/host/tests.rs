@@ -189,7 +189,9 @@ fn runs_outside_live_allocations_are_refused() {
     let mut rng = Rng(0x5eed_0003);
     let data = rng.bytes(256);
     let a = put(&b, &data);
-    let victim = vec![7u8; 64];
+    // Words, so the address is 4-byte aligned for the fill runs (a byte vector need not be,
+    // and then the run is refused for alignment before its range is checked).
+    let victim = vec![7u32; 16];
     let victim_addr = victim.as_ptr() as u64;
     let good = CopyRun { src: a.ptr, dst: a.ptr + 128, bytes: 64 };
     for bad in [
@@ -226,7 +228,7 @@ fn runs_outside_live_allocations_are_refused() {
         assert!(matches!(r, Err(BackendError::OutsideAllocation { .. })), "{runs:#x}: {r:?}");
     }
     assert_eq!(get(&b, &a), data, "a refused launch wrote");
-    assert_eq!(victim, vec![7u8; 64]);
+    assert_eq!(victim, vec![7u32; 16]);
     free_all(&b, [a, desc]);
 }
 

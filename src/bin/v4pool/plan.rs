@@ -12,9 +12,8 @@
 
 use crate::layout::load_model;
 use crate::{conclude, parse_args, CliError, Streams};
-use serde_json::json;
-use v4pool::checkpoint::{layout_id, CheckpointLayout};
-use v4pool::sizing::{parse_bytes, plan, IndexerDtype, KvDtype, Plan, PlanRequest};
+use v4pool::plan_report::PlanReport;
+use v4pool::sizing::{parse_bytes, plan, IndexerDtype, KvDtype, PlanRequest};
 
 const USAGE: &str = "\
 usage: v4pool plan --model NAME|PATH/config.json --budget BYTES --max-seqs N
@@ -47,15 +46,6 @@ const OPTIONS: [&str; 10] = [
 ];
 const FLAGS: [&str; 2] = ["--json", "--help"];
 
-/// What `plan` prints: the sized pool and its checkpoint facts.
-#[derive(Clone, Debug)]
-pub(crate) struct PlanReport {
-    pub plan: Plan,
-    pub image_bytes: u64,
-    pub units_per_checkpoint: u64,
-    pub layout_id: String,
-}
-
 /// Parse `args` (without the word `plan`) and size the pool. `Ok(None)` is `--help`.
 pub(crate) fn execute(args: &[String]) -> Result<Option<PlanReport>, CliError> {
     let p = parse_args(args, &OPTIONS, &FLAGS)?;
@@ -85,151 +75,91 @@ pub(crate) fn execute(args: &[String]) -> Result<Option<PlanReport>, CliError> {
     let budget_bytes = parse_bytes(budget_text)?;
     let model = load_model(model_spec, &p)?;
     let req = PlanRequest { min_slots, overhead_bytes, ..PlanRequest::new(kv, indexer, m, budget_bytes) };
-    let plan = plan(&model, &req)?;
-    let ck = CheckpointLayout::for_pool(&plan.layout)?;
-    Ok(Some(PlanReport {
-        image_bytes: ck.image_bytes,
-        units_per_checkpoint: ck.units_per_checkpoint,
-        layout_id: layout_id(&plan.layout)?,
-        plan,
-    }))
+    Ok(Some(PlanReport::new(plan(&model, &req)?)?))
 }
 
-impl PlanReport {
-    /// The `--json` object.
-    pub fn to_json(&self) -> serde_json::Value {
-        let p = &self.plan;
-        let m = &p.layout.model;
-        let g = &p.geometry;
-        json!({
-            "model": m.name,
-            "kv_dtype": p.layout.kv.name(),
-            "indexer_dtype": p.layout.indexer.name(),
-            "spec_steps": m.spec_steps,
-            "ring_slots": m.ring_slots(),
-            "plane_widths": p.layout.widths(),
-            "budget_bytes": p.budget_bytes,
-            "page_bytes": p.page_bytes,
-            "slot_bytes": p.slot_bytes,
-            "num_blocks": p.num_blocks,
-            "num_slots": p.num_slots,
-            "max_blocks": p.max_blocks,
-            "min_slots": p.min_slots,
-            "tight_fit_blocks": p.tight_fit_blocks,
-            "plane_rows": p.plane_rows,
-            "slot_positions": p.slot_positions,
-            "tokens": p.tokens,
-            "envelope_rows": g.envelope_rows,
-            "entry_rows": g.entry_rows,
-            "arena_rows": g.arena_rows,
-            "slot_rows": g.slot_rows,
-            "slot_align_rows": g.slot_align_rows,
-            "rows_wasted": p.rows_wasted,
-            "plane_bytes": p.plane_bytes,
-            "plane_offsets": p.plane_offsets,
-            "planes_total_bytes": p.planes_total_bytes,
-            "indexer_pool_bytes": p.indexer_pool_bytes,
-            "indexer_bytes": p.indexer_total_bytes,
-            "overhead_bytes": p.overhead_bytes,
-            "total_bytes": p.total_bytes,
-            "plane_capped": p.plane_capped,
-            "image_bytes": self.image_bytes,
-            "units_per_checkpoint": self.units_per_checkpoint,
-            "layout_id": self.layout_id,
-        })
+/// The readable report.
+fn to_text(report: &PlanReport) -> String {
+    let p = &report.plan;
+    let m = &p.layout.model;
+    let g = &p.geometry;
+    let row_bytes: u64 = p.layout.widths().iter().sum();
+    let raw: u64 = p.plane_bytes.iter().sum::<u64>() + p.indexer_pool_bytes.iter().sum::<u64>();
+    let mut s = String::new();
+    let mut line = |t: String| {
+        s.push_str(&t);
+        s.push('\n');
+    };
+    line(format!(
+        "v4pool plan: {} k={} (ring {}), {} KV, {} indexer, budget {} ({} B), max_num_seqs {}",
+        m.name,
+        m.spec_steps,
+        m.ring_slots(),
+        p.layout.kv.name(),
+        p.layout.indexer.name(),
+        human(p.budget_bytes),
+        grouped(p.budget_bytes),
+        p.num_slots
+    ));
+    line(format!(
+        "  page (one block)   {:>18} B   {} envelope rows × {} B + indexer {} B",
+        grouped(p.page_bytes),
+        grouped(g.envelope_rows as u64),
+        row_bytes,
+        grouped(p.page_bytes - g.envelope_rows as u64 * row_bytes)
+    ));
+    line(format!(
+        "  slot (one request) {:>18} B   {} rows: arena {} + entry {} (+ pad)",
+        grouped(p.slot_bytes),
+        grouped(g.slot_rows as u64),
+        grouped(g.arena_rows as u64),
+        grouped(g.entry_rows as u64)
+    ));
+    line(format!(
+        "  blocks             {:>18}     at {} slots; up to {} beside {} slots (spec tight fit: {})",
+        grouped(p.num_blocks as u64),
+        p.num_slots,
+        grouped(p.max_blocks as u64),
+        p.min_slots,
+        grouped(p.tight_fit_blocks.max(0) as u64)
+    ));
+    line(format!(
+        "  slots              {:>18}     of {} positions",
+        grouped(p.num_slots as u64),
+        grouped(p.slot_positions as u64)
+    ));
+    line(format!("  history tokens     {:>18}     (blocks × {})", grouped(p.tokens as u64), m.block_size));
+    line(format!(
+        "  plane rows         {:>18}     {} rows wasted at this split{}",
+        grouped(p.plane_rows as u64),
+        grouped(p.rows_wasted as u64),
+        if p.plane_capped { " (plane at the i32 row limit)" } else { "" }
+    ));
+    line("  bytes:".to_string());
+    let names = ["nope", "rope"];
+    for (i, (&b, &w)) in p.plane_bytes.iter().zip(p.layout.widths()).enumerate() {
+        let label = format!("plane {i} ({}, {w} B/row)", names.get(i).copied().unwrap_or("plane"));
+        line(format!("    {label:<30} {:>18}  {}", grouped(b), human(b)));
     }
-
-    /// The readable report.
-    pub fn to_text(&self) -> String {
-        let p = &self.plan;
-        let m = &p.layout.model;
-        let g = &p.geometry;
-        let row_bytes: u64 = p.layout.widths().iter().sum();
-        let raw: u64 = p.plane_bytes.iter().sum::<u64>() + p.indexer_pool_bytes.iter().sum::<u64>();
-        let mut s = String::new();
-        let mut line = |t: String| {
-            s.push_str(&t);
-            s.push('\n');
-        };
-        line(format!(
-            "v4pool plan: {} k={} (ring {}), {} KV, {} indexer, budget {} ({} B), max_num_seqs {}",
-            m.name,
-            m.spec_steps,
-            m.ring_slots(),
-            p.layout.kv.name(),
-            p.layout.indexer.name(),
-            human(p.budget_bytes),
-            grouped(p.budget_bytes),
-            p.num_slots
-        ));
-        line(format!(
-            "  page (one block)   {:>18} B   {} envelope rows × {} B + indexer {} B",
-            grouped(p.page_bytes),
-            grouped(g.envelope_rows as u64),
-            row_bytes,
-            grouped(p.page_bytes - g.envelope_rows as u64 * row_bytes)
-        ));
-        line(format!(
-            "  slot (one request) {:>18} B   {} rows: arena {} + entry {} (+ pad)",
-            grouped(p.slot_bytes),
-            grouped(g.slot_rows as u64),
-            grouped(g.arena_rows as u64),
-            grouped(g.entry_rows as u64)
-        ));
-        line(format!(
-            "  blocks             {:>18}     at {} slots; up to {} beside {} slots (spec tight fit: {})",
-            grouped(p.num_blocks as u64),
-            p.num_slots,
-            grouped(p.max_blocks as u64),
-            p.min_slots,
-            grouped(p.tight_fit_blocks.max(0) as u64)
-        ));
-        line(format!(
-            "  slots              {:>18}     of {} positions",
-            grouped(p.num_slots as u64),
-            grouped(p.slot_positions as u64)
-        ));
-        line(format!(
-            "  history tokens     {:>18}     (blocks × {})",
-            grouped(p.tokens as u64),
-            m.block_size
-        ));
-        line(format!(
-            "  plane rows         {:>18}     {} rows wasted at this split{}",
-            grouped(p.plane_rows as u64),
-            grouped(p.rows_wasted as u64),
-            if p.plane_capped { " (plane at the i32 row limit)" } else { "" }
-        ));
-        line("  bytes:".to_string());
-        let names = ["nope", "rope"];
-        for (i, (&b, &w)) in p.plane_bytes.iter().zip(p.layout.widths()).enumerate() {
-            let label = format!("plane {i} ({}, {w} B/row)", names.get(i).copied().unwrap_or("plane"));
-            line(format!("    {label:<30} {:>18}  {}", grouped(b), human(b)));
-        }
-        let idx: u64 = p.indexer_pool_bytes.iter().sum();
-        let label = format!("indexer ({}, {} blocks)", p.layout.indexer.name(), grouped(p.max_blocks as u64));
-        line(format!("    {label:<30} {:>18}  {}", grouped(idx), human(idx)));
-        line(format!("    {:<30} {:>18}", "overhead", grouped(p.overhead_bytes)));
-        line(format!(
-            "    {:<30} {:>18}",
-            "alignment padding",
-            grouped(p.total_bytes - p.overhead_bytes - raw)
-        ));
-        line(format!(
-            "    {:<30} {:>18}  {} ({} B of the budget unused)",
-            "total",
-            grouped(p.total_bytes),
-            human(p.total_bytes),
-            grouped(p.budget_bytes - p.total_bytes)
-        ));
-        line(format!(
-            "  checkpoint image   {:>18} B   {} units",
-            grouped(self.image_bytes),
-            self.units_per_checkpoint
-        ));
-        line(format!("  layout id: {}", self.layout_id));
-        s
-    }
+    let idx: u64 = p.indexer_pool_bytes.iter().sum();
+    let label = format!("indexer ({}, {} blocks)", p.layout.indexer.name(), grouped(p.max_blocks as u64));
+    line(format!("    {label:<30} {:>18}  {}", grouped(idx), human(idx)));
+    line(format!("    {:<30} {:>18}", "overhead", grouped(p.overhead_bytes)));
+    line(format!("    {:<30} {:>18}", "alignment padding", grouped(p.total_bytes - p.overhead_bytes - raw)));
+    line(format!(
+        "    {:<30} {:>18}  {} ({} B of the budget unused)",
+        "total",
+        grouped(p.total_bytes),
+        human(p.total_bytes),
+        grouped(p.budget_bytes - p.total_bytes)
+    ));
+    line(format!(
+        "  checkpoint image   {:>18} B   {} units",
+        grouped(report.image_bytes),
+        report.units_per_checkpoint
+    ));
+    line(format!("  layout id: {}", report.layout_id));
+    s
 }
 
 /// `1234567` → `1,234,567`.
@@ -260,7 +190,7 @@ pub(crate) fn run(args: &[String], io: &mut Streams<'_>) -> i32 {
     let json = args.iter().any(|a| a == "--json");
     let result = execute(args).and_then(|report| match report {
         Some(r) if json => io.print(&r.to_json().to_string()),
-        Some(r) => io.print(r.to_text().trim_end_matches('\n')),
+        Some(r) => io.print(to_text(&r).trim_end_matches('\n')),
         None => io.print(USAGE),
     });
     conclude("v4pool plan", result, json, io)
@@ -294,7 +224,7 @@ mod tests {
             j["plane_bytes"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
         let rows = j["plane_rows"].as_u64().unwrap();
         assert_eq!(planes, vec![rows * 512, rows * 128]);
-        let text = r.to_text();
+        let text = to_text(&r);
         assert!(text.contains("1,063,168"));
         assert!(text.contains("layout id: dsv4-paged-state-v3:block=256:ring=129:"));
     }

@@ -8,9 +8,13 @@ use crate::index::CLASS_HCA;
 /// One enabled class of the decode builder.
 #[derive(Debug)]
 pub struct DecodeClass<'a> {
+    /// The class's window parameters.
     pub params: WindowParams,
+    /// CSR offsets `[T+1]`.
     pub indptr: &'a [i32],
+    /// The class's index buffer (out).
     pub indices: &'a mut [i32],
+    /// Destination rows `[T]` (out), if wanted.
     pub dest_rows: Option<&'a mut [i32]>,
 }
 
@@ -19,14 +23,21 @@ pub struct DecodeClass<'a> {
 pub struct DecodeIndices<'a> {
     /// [dense, csa, hca] (`CLASS_*`).
     pub classes: [Option<DecodeClass<'a>>; 3],
+    /// Physical slot per sequence.
     pub state_slot_per_seq: &'a [i32],
+    /// Sequence of each token; −1 for pads.
     pub batch_id_per_token: &'a [i32],
+    /// Position of each token.
     pub positions: &'a [i64],
     /// Fused HCA heads (§4) when present.
     pub block_tables: Option<BlockTables<'a>>,
+    /// Rows of one block's envelope.
     pub envelope_rows: i64,
+    /// HCA rows one block holds per layer.
     pub hca_rows_per_block: i32,
+    /// Tokens (T).
     pub num_tokens: i32,
+    /// Sliding window.
     pub win: i32,
 }
 
@@ -107,19 +118,29 @@ pub fn hca_offsets(
 /// The translate-pack's buffers (one CSA layer).
 #[derive(Debug)]
 pub struct CsaPack<'a> {
+    /// Sequence-local top-k rows.
     pub topk: &'a [i32],
+    /// Logical → physical block ids.
     pub block_tables: BlockTables<'a>,
     /// Read when `window_size > 0`.
     pub positions: &'a [i64],
+    /// CSA CSR offsets `[T+1]`.
     pub indptr: &'a [i32],
+    /// Sequence of each token; −1 for pads.
     pub batch_id_per_token: &'a [i32],
     /// Read when `window_size == 0`.
     pub skip_prefix_len_per_token: &'a [i32],
+    /// The CSA index buffer (out).
     pub out: &'a mut [i32],
+    /// Rows of one block's envelope.
     pub envelope_rows: i64,
+    /// Elements from one top-k row to the next.
     pub topk_row_stride: i32,
+    /// Tokens (T).
     pub num_tokens: i32,
+    /// CSA rows per block (64).
     pub block_capacity: i32,
+    /// Window length (decode), or 0 to read the skip buffer (prefill).
     pub window_size: i32,
 }
 
@@ -167,32 +188,52 @@ pub fn csa_translate_pack(k: CsaPack<'_>) -> Result<()> {
 /// One CSR buffer: `indices[indptr[t] .. indptr[t+1])` is token t's slice.
 #[derive(Debug)]
 pub struct Csr<'a> {
+    /// CSR offsets `[T+1]`.
     pub indptr: &'a [i32],
+    /// Index buffer (out).
     pub indices: &'a mut [i32],
 }
 
 /// The prefill builder's buffers and scalars.
 #[derive(Debug)]
 pub struct PrefillIndices<'a> {
+    /// Dense window parameters.
     pub dense: WindowParams,
+    /// CSA window parameters.
     pub csa: WindowParams,
+    /// HCA window parameters.
     pub hca: WindowParams,
+    /// Position of each token.
     pub positions: &'a [i32],
+    /// Sequence of each token.
     pub bid_per_token: &'a [i32],
+    /// Absolute position of each chunk's first token.
     pub chunk_start_per_seq: &'a [i32],
+    /// Row of each chunk's first token in the forward's K.
     pub cu_seqlens_q_per_seq: &'a [i32],
+    /// Physical slot per sequence.
     pub state_slot_per_seq: &'a [i32],
+    /// Committed HCA rows per sequence (`ctx / 128`).
     pub n_committed_hca_per_seq: &'a [i32],
+    /// Logical → physical block ids.
     pub block_tables: BlockTables<'a>,
+    /// Extend rows (rows of the forward's own K).
     pub extend: Csr<'a>,
     /// `None` when the geometry has no dense class.
     pub prefix_swa: Option<Csr<'a>>,
+    /// CSA prefix: `[top-k head | window rows]`.
     pub prefix_csa: Csr<'a>,
+    /// HCA prefix: `[window rows | compressed]`.
     pub prefix_hca: Csr<'a>,
+    /// Rows of one block's envelope.
     pub envelope_rows: i64,
+    /// Tokens (T).
     pub num_tokens: i32,
+    /// Sliding window.
     pub win: i32,
+    /// HCA compress ratio (128).
     pub hca_ratio: i32,
+    /// HCA rows one block holds per layer.
     pub hca_rows_per_block: i32,
 }
 
@@ -263,3 +304,4 @@ pub fn prefill_indices(k: PrefillIndices<'_>) -> Result<()> {
     }
     Ok(())
 }
+

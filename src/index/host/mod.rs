@@ -12,6 +12,7 @@
 //! safe function.
 
 use super::shape::LaunchError;
+use crate::checked::{add, mul};
 use crate::geometry::WindowParams;
 use thiserror::Error;
 
@@ -30,37 +31,124 @@ pub use build::{
 pub use raw::run_launch;
 pub use rows::{fill_pattern, ring_write, row_scatter, PlaneRows};
 
+crate::checked::overflow_into!(HostKernelError);
+
 /// Why a host kernel refused or stopped.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum HostKernelError {
     #[error(transparent)]
+    /// A failure of the layer below ([`LaunchError`]).
     Launch(#[from] LaunchError),
     #[error("{buffer}[{index}] is outside the buffer (length {len})")]
-    OutOfBounds { buffer: &'static str, index: i64, len: usize },
+    /// Index `index` of `buffer` is outside the buffer (length `len`).
+    OutOfBounds {
+        /// Which buffer.
+        buffer: &'static str,
+        /// The index.
+        index: i64,
+        /// Length.
+        len: usize,
+    },
     #[error("{what} = {value} does not fit an i32")]
-    NotI32 { what: &'static str, value: i64 },
+    /// `what` = `value` does not fit an i32.
+    NotI32 {
+        /// What was computed or checked.
+        what: &'static str,
+        /// The value given.
+        value: i64,
+    },
     #[error("{what} overflows 64-bit arithmetic")]
-    Overflow { what: &'static str },
+    /// `what` overflows 64-bit arithmetic.
+    Overflow {
+        /// What was computed or checked.
+        what: &'static str,
+    },
     #[error("window params {params:?} are not a ring (ring_slots and ring_stride must be >= 1)")]
-    NotARing { params: WindowParams },
+    /// Window params `params` are not a ring (ring_slots and ring_stride must be >= 1).
+    NotARing {
+        /// The parameters given.
+        params: WindowParams,
+    },
     #[error("{what} = {value} must be at least 1")]
-    ZeroDivisor { what: &'static str, value: i64 },
+    /// `what` = `value` must be at least 1.
+    ZeroDivisor {
+        /// What was computed or checked.
+        what: &'static str,
+        /// The value given.
+        value: i64,
+    },
     #[error("sequence {seq}: block table column {column} is outside [0, {stride})")]
-    TableColumn { seq: i64, column: i64, stride: i64 },
+    /// Sequence `seq`: block table column `column` is outside [0, `stride`).
+    TableColumn {
+        /// Sequence (batch row).
+        seq: i64,
+        /// Column of the table.
+        column: i64,
+        /// The stride.
+        stride: i64,
+    },
     #[error("entry_idx[{index}] = {entry} is negative")]
-    NegativeEntry { index: i64, entry: i64 },
+    /// `entry_idx[`index`]` = `entry` is negative.
+    NegativeEntry {
+        /// The index.
+        index: i64,
+        /// The entry read.
+        entry: i64,
+    },
     #[error("token {token}: valid_k {valid_k} exceeds the top-k row stride {row_stride}")]
-    TopkPastRow { token: i64, valid_k: i64, row_stride: i64 },
+    /// Token `token`: valid_k `valid_k` exceeds the top-k row stride `row_stride`.
+    TopkPastRow {
+        /// The token.
+        token: i64,
+        /// Top-k entries the token reads.
+        valid_k: i64,
+        /// Elements per top-k row.
+        row_stride: i64,
+    },
     #[error("{buffer}: address {addr:#x} is null or not {align}-byte aligned")]
-    BadAddress { buffer: &'static str, addr: u64, align: usize },
+    /// `buffer`: address `addr` is null or not `align`-byte aligned.
+    BadAddress {
+        /// Which buffer.
+        buffer: &'static str,
+        /// The address.
+        addr: u64,
+        /// Required alignment in bytes.
+        align: usize,
+    },
     #[error("{buffer}: {len} elements do not fit this host's address space")]
-    TooLong { buffer: &'static str, len: i64 },
+    /// `buffer`: `len` elements do not fit this host's address space.
+    TooLong {
+        /// Which buffer.
+        buffer: &'static str,
+        /// Length.
+        len: i64,
+    },
     #[error("fill run {run}: dst {dst:#x} and bytes {bytes} must be multiples of 4")]
-    FillRunUnaligned { run: usize, dst: u64, bytes: u64 },
+    /// Fill run `run`: dst `dst` and bytes `bytes` must be multiples of 4.
+    FillRunUnaligned {
+        /// Index of the run.
+        run: usize,
+        /// Destination address.
+        dst: u64,
+        /// Bytes.
+        bytes: u64,
+    },
     #[error("copy run {run}: source and destination overlap")]
-    CopyRunOverlap { run: usize },
+    /// Copy run `run`: source and destination overlap.
+    CopyRunOverlap {
+        /// Index of the run.
+        run: usize,
+    },
     #[error("{buffer}: rows are {got} bytes, expected {expected}")]
-    RowWidth { buffer: &'static str, got: usize, expected: usize },
+    /// `buffer`: rows are `got` bytes, expected `expected`.
+    RowWidth {
+        /// Which buffer.
+        buffer: &'static str,
+        /// The value given.
+        got: usize,
+        /// The value expected.
+        expected: usize,
+    },
     /// A buffer outside every range [`super::bounds::run_launch_within`] allows.
     #[error("{buffer}: {bytes} bytes at {addr:#x} are not inside one live allocation")]
     OutsideAllocation {
@@ -149,18 +237,12 @@ fn divisor(what: &'static str, value: i64) -> Result<i64> {
     Ok(value)
 }
 
-fn add(a: i64, b: i64, what: &'static str) -> Result<i64> {
-    a.checked_add(b).ok_or(HostKernelError::Overflow { what })
-}
-
-fn mul(a: i64, b: i64, what: &'static str) -> Result<i64> {
-    a.checked_mul(b).ok_or(HostKernelError::Overflow { what })
-}
-
 /// A block table `[bs, stride]`, row-major.
 #[derive(Clone, Copy, Debug)]
 pub struct BlockTables<'a> {
+    /// Rows `[bs, stride]`, row-major.
     pub table: &'a [i32],
+    /// Columns per row.
     pub stride: i32,
 }
 

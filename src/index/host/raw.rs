@@ -360,3 +360,4 @@ unsafe fn run_copy_runs(a: &CopyRunsArgs) -> Result<()> {
     }
     Ok(())
 }
+

@@ -7,8 +7,11 @@ use super::*;
 /// One plane of a row write: source rows `kv` and the layer view `pool`, `row_bytes` each.
 #[derive(Debug)]
 pub struct PlaneRows<'a> {
+    /// Source rows.
     pub kv: &'a [u8],
+    /// The layer view's rows.
     pub pool: &'a mut [u8],
+    /// Bytes per row.
     pub row_bytes: usize,
 }
 
@@ -97,3 +100,4 @@ pub fn fill_pattern(dst: &mut [u8], pattern: u32) -> Result<()> {
     }
     Ok(())
 }
+

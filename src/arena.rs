@@ -6,9 +6,12 @@
 //! lays its own fields out with the §2.2 cursor walk, and every plane reserves the same
 //! number of rows (the largest any plane needs). All byte math is `u64`, checked.
 
+use crate::checked::{add, mul};
 use crate::geometry::UnifiedPoolGeometry;
 use crate::model::ModelShape;
 use thiserror::Error;
+
+crate::checked::overflow_into!(ArenaError);
 
 /// Alignment every field start and every entry end is rounded to (bytes).
 pub const FIELD_ALIGN: u64 = 256;
@@ -29,11 +32,14 @@ pub const STATE_WINDOW: &str = "state_window";
 /// Element type of a state field.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Dtype {
+    /// 32-bit float.
     F32,
+    /// bfloat16.
     Bf16,
 }
 
 impl Dtype {
+    /// Bytes per element.
     pub fn itemsize(self) -> u64 {
         match self {
             Dtype::F32 => 4,
@@ -45,7 +51,9 @@ impl Dtype {
 /// What a field holds before its first use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Fill {
+    /// Zero bytes.
     Zero,
+    /// f32 −inf (`0xff80_0000`): an empty softmax score.
     NegInf,
 }
 
@@ -63,11 +71,15 @@ impl Fill {
 /// One field of a request's compressor state: `layers` tensors of `shape`, layer outermost.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StateField {
+    /// Field name (unique in an arena).
     pub name: String,
+    /// Layers the field holds a tensor for.
     pub layers: u64,
     /// Per-layer shape, row-major.
     pub shape: Vec<u64>,
+    /// Element type.
     pub dtype: Dtype,
+    /// What a fresh slot's field is initialised to.
     pub fill: Fill,
     /// Whether a checkpoint image carries this field (§2.1).
     pub carried: bool,
@@ -85,11 +97,11 @@ impl StateField {
     }
     /// Bytes of one layer's tensor.
     pub fn per_layer_bytes(&self) -> Result<u64, ArenaError> {
-        mul(self.per_layer_elems()?, self.dtype.itemsize(), "field layer bytes")
+        Ok(mul(self.per_layer_elems()?, self.dtype.itemsize(), "field layer bytes")?)
     }
     /// Bytes of the whole field, all layers.
     pub fn bytes(&self) -> Result<u64, ArenaError> {
-        mul(self.layers, self.per_layer_bytes()?, "field bytes")
+        Ok(mul(self.layers, self.per_layer_bytes()?, "field bytes")?)
     }
     /// Alignment the cursor is rounded to before this field: `max(256, align)`.
     fn start_align(&self) -> u64 {
@@ -101,54 +113,175 @@ impl StateField {
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum ArenaError {
     #[error("an arena needs at least one state field")]
+    /// An arena needs at least one state field.
     NoFields,
     #[error("state field {name:?} is declared twice")]
-    DuplicateField { name: String },
+    /// State field `name` is declared twice.
+    DuplicateField {
+        /// The name.
+        name: String,
+    },
     #[error("state field {name:?} has align {align}, not a positive multiple of 256")]
-    FieldAlign { name: String, align: u64 },
+    /// State field `name` has align `align`, not a positive multiple of 256.
+    FieldAlign {
+        /// The name.
+        name: String,
+        /// Required alignment in bytes.
+        align: u64,
+    },
     #[error("arithmetic overflow computing {what}")]
-    Overflow { what: &'static str },
+    /// Arithmetic overflow computing `what`.
+    Overflow {
+        /// What was computed or checked.
+        what: &'static str,
+    },
     #[error("the plane plan needs at least one plane width")]
+    /// The plane plan needs at least one plane width.
     NoPlanes,
     #[error("plane {plane} has width 0")]
-    ZeroWidth { plane: usize },
+    /// Plane `plane` has width 0.
+    ZeroWidth {
+        /// Plane index.
+        plane: usize,
+    },
     #[error("{planes} planes ^ {fields} fields is more than {MAX_PLAN_CODES} candidate plans")]
-    TooManyPlans { planes: usize, fields: usize },
+    /// `planes` planes ^ `fields` fields is more than `MAX_PLAN_CODES` candidate plans.
+    TooManyPlans {
+        /// Planes there are.
+        planes: usize,
+        /// Fields there are.
+        fields: usize,
+    },
     #[error(
         "the state window lives in a plane of width {width} B, which does not divide its \
          {WINDOW_ROW_BYTES}-B rows"
     )]
-    WindowPlaneWidth { width: u64 },
+    /// The state window lives in a plane of width `width` B, which does not divide its `WINDOW_ROW_BYTES`-B rows.
+    WindowPlaneWidth {
+        /// The plane width.
+        width: u64,
+    },
     #[error("model: {reason}")]
-    BadModel { reason: String },
+    /// Model: `reason`.
+    BadModel {
+        /// Why.
+        reason: String,
+    },
     #[error("plane {plane}: slot stride {stride} B is smaller than its entry of {entry_bytes} B")]
-    SlotStrideTooSmall { plane: usize, stride: u64, entry_bytes: u64 },
+    /// Plane `plane`: slot stride `stride` B is smaller than its entry of `entry_bytes` B.
+    SlotStrideTooSmall {
+        /// Plane index.
+        plane: usize,
+        /// The stride.
+        stride: u64,
+        /// Bytes of the plane's fields.
+        entry_bytes: u64,
+    },
     #[error("plane {plane}: slot stride {stride} B is not a multiple of {align}")]
-    SlotStrideMisaligned { plane: usize, stride: u64, align: u64 },
+    /// Plane `plane`: slot stride `stride` B is not a multiple of `align`.
+    SlotStrideMisaligned {
+        /// Plane index.
+        plane: usize,
+        /// The stride.
+        stride: u64,
+        /// Required alignment in bytes.
+        align: u64,
+    },
     #[error("live count {live} outside 0..={entries}")]
-    LiveOutOfRange { live: i64, entries: i64 },
+    /// Live count `live` outside 0..=`entries`.
+    LiveOutOfRange {
+        /// Live slots given.
+        live: i64,
+        /// Entries the buffer holds.
+        entries: i64,
+    },
     #[error("plane {plane}: arena buffer at byte {base} is not on a {align}-B boundary")]
-    BufferMisaligned { plane: usize, base: u64, align: u64 },
+    /// Plane `plane`: arena buffer at byte `base` is not on a `align`-B boundary.
+    BufferMisaligned {
+        /// Plane index.
+        plane: usize,
+        /// The buffer's base.
+        base: u64,
+        /// Required alignment in bytes.
+        align: u64,
+    },
     #[error("plane {plane}: arena buffer of {len} B is shorter than the {needed} B its entries need")]
-    BufferTooShort { plane: usize, len: u64, needed: u64 },
+    /// Plane `plane`: arena buffer of `len` B is shorter than the `needed` B its entries need.
+    BufferTooShort {
+        /// Plane index.
+        plane: usize,
+        /// Length.
+        len: u64,
+        /// Length needed.
+        needed: u64,
+    },
     #[error("no entries: an arena view needs at least one position")]
+    /// No entries: an arena view needs at least one position.
     NoEntries,
     #[error("field {field} outside 0..{fields}")]
-    FieldOutOfRange { field: usize, fields: usize },
+    /// Field `field` outside 0..`fields`.
+    FieldOutOfRange {
+        /// The field.
+        field: usize,
+        /// Fields there are.
+        fields: usize,
+    },
     #[error("no state field named {name:?}")]
-    FieldNotFound { name: String },
+    /// No state field named `name`.
+    FieldNotFound {
+        /// The name.
+        name: String,
+    },
     #[error("layer {layer} of field {name:?} outside 0..{layers}")]
-    LayerOutOfRange { name: String, layer: u64, layers: u64 },
+    /// Layer `layer` of field `name` outside 0..`layers`.
+    LayerOutOfRange {
+        /// The name.
+        name: String,
+        /// Layer id.
+        layer: u64,
+        /// Layers there are.
+        layers: u64,
+    },
     #[error("plane {plane} outside 0..{planes}")]
-    PlaneOutOfRange { plane: usize, planes: usize },
+    /// Plane `plane` outside 0..`planes`.
+    PlaneOutOfRange {
+        /// Plane index.
+        plane: usize,
+        /// Planes there are.
+        planes: usize,
+    },
     #[error("position {position} outside 0..{positions}")]
-    PositionOutOfRange { position: i64, positions: i64 },
+    /// Position `position` outside 0..`positions`.
+    PositionOutOfRange {
+        /// The position given.
+        position: i64,
+        /// Positions there are.
+        positions: i64,
+    },
     #[error("slot of {slot_rows} rows cannot hold the {arena_rows}-row arena")]
-    SlotRowsTooSmall { slot_rows: i64, arena_rows: i64 },
+    /// Slot of `slot_rows` rows cannot hold the `arena_rows`-row arena.
+    SlotRowsTooSmall {
+        /// Rows of one slot.
+        slot_rows: i64,
+        /// Arena rows.
+        arena_rows: i64,
+    },
     #[error("the geometry reserves {geometry} arena rows, this arena needs {layout}")]
-    ArenaRowsMismatch { layout: i64, geometry: i64 },
+    /// The geometry reserves `geometry` arena rows, this arena needs `layout`.
+    ArenaRowsMismatch {
+        /// Arena rows of the layout.
+        layout: i64,
+        /// Arena rows of the geometry.
+        geometry: i64,
+    },
     #[error("field {name:?}: {bytes} B is not a whole number of 32-bit fill words")]
-    FillNotWordAligned { name: String, bytes: u64 },
+    /// Field `name`: `bytes` B is not a whole number of 32-bit fill words.
+    FillNotWordAligned {
+        /// The name.
+        name: String,
+        /// Bytes.
+        bytes: u64,
+    },
 }
 
 impl ArenaError {
@@ -183,19 +316,13 @@ impl ArenaError {
     }
 }
 
-fn mul(a: u64, b: u64, what: &'static str) -> Result<u64, ArenaError> {
-    a.checked_mul(b).ok_or(ArenaError::Overflow { what })
-}
-fn add(a: u64, b: u64, what: &'static str) -> Result<u64, ArenaError> {
-    a.checked_add(b).ok_or(ArenaError::Overflow { what })
-}
 /// Round `x` up to a multiple of `to` (> 0).
 pub(crate) fn round_up(x: u64, to: u64, what: &'static str) -> Result<u64, ArenaError> {
     let r = x % to;
     if r == 0 {
         Ok(x)
     } else {
-        add(x, to - r, what)
+        Ok(add(x, to - r, what)?)
     }
 }
 fn to_u64(x: i64, what: &'static str) -> Result<u64, ArenaError> {
@@ -405,6 +532,7 @@ pub struct PlacedField {
 /// One plane's share of the arena.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlaneArena {
+    /// Row bytes of the plane.
     pub width: u64,
     /// Fields in declared order.
     pub fields: Vec<PlacedField>,
@@ -416,10 +544,13 @@ pub struct PlaneArena {
 /// in elements of `dtype`, from `offset` bytes into `plane`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FieldView {
+    /// Plane the field lives in.
     pub plane: usize,
     /// Byte offset of position 0, layer 0 from the plane's start.
     pub offset: u64,
+    /// Element type.
     pub dtype: Dtype,
+    /// Dimensions `[layers, positions, shape…]`.
     pub dims: Vec<u64>,
     /// Element strides, one per dim.
     pub strides: Vec<u64>,
@@ -428,9 +559,13 @@ pub struct FieldView {
 /// A memset: `bytes` bytes from `offset` in `plane`, filled with the 32-bit word `pattern`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FillRun {
+    /// Plane to fill.
     pub plane: usize,
+    /// Byte offset from the plane's start.
     pub offset: u64,
+    /// Bytes to fill (a multiple of 4).
     pub bytes: u64,
+    /// The 32-bit word repeated over the range.
     pub pattern: u32,
 }
 
@@ -439,11 +574,17 @@ pub struct FillRun {
 /// `live` of them the pool's, in a buffer of `len` bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ArenaBinding {
+    /// Plane the buffer holds.
     pub plane: usize,
+    /// Byte address (or offset) of entry 0; only its alignment is checked.
     pub base: u64,
+    /// Buffer length in bytes.
     pub len: u64,
+    /// Bytes from one slot's arena to the next.
     pub stride: u64,
+    /// Slots the buffer has room for.
     pub entries: i64,
+    /// Slots of those the pool holds.
     pub live: i64,
 }
 
@@ -488,12 +629,15 @@ impl ArenaLayout {
         })
     }
 
+    /// The fields, in declared order.
     pub fn fields(&self) -> &[StateField] {
         &self.fields
     }
+    /// Each plane's share of the arena.
     pub fn planes(&self) -> &[PlaneArena] {
         &self.planes
     }
+    /// Row bytes of each plane.
     pub fn widths(&self) -> Vec<u64> {
         self.planes.iter().map(|p| p.width).collect()
     }
@@ -507,7 +651,7 @@ impl ArenaLayout {
     }
     /// Sum of the fields' bytes (no padding): the "state bytes" of §2.5.
     pub fn state_bytes(&self) -> Result<u64, ArenaError> {
-        self.fields.iter().try_fold(0u64, |acc, f| add(acc, f.bytes()?, "state bytes"))
+        self.fields.iter().try_fold(0u64, |acc, f| Ok::<_, ArenaError>(add(acc, f.bytes()?, "state bytes")?))
     }
     /// Index of the field called `name`.
     pub fn field_index(&self, name: &str) -> Result<usize, ArenaError> {
@@ -558,7 +702,7 @@ impl ArenaLayout {
         if slot_rows < self.arena_rows {
             return Err(ArenaError::SlotRowsTooSmall { slot_rows, arena_rows: self.arena_rows });
         }
-        mul(to_u64(slot_rows, "slot rows")?, self.plane(plane)?.width, "slot stride")
+        Ok(mul(to_u64(slot_rows, "slot rows")?, self.plane(plane)?.width, "slot stride")?)
     }
 
     /// Byte offset, from the start of `plane`, of the slot at `position` of the carved
@@ -577,7 +721,7 @@ impl ArenaLayout {
         let (start, _) = geom
             .slot_span(position)
             .map_err(|_| ArenaError::PositionOutOfRange { position, positions: geom.slot_positions })?;
-        mul(to_u64(start, "slot row")?, width, "slot base")
+        Ok(mul(to_u64(start, "slot row")?, width, "slot base")?)
     }
 
     /// Byte offset, from the start of its plane, of `layer` of `field` at slot `position`

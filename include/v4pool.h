@@ -1,0 +1,497 @@
+#ifndef V4POOL_H
+#define V4POOL_H
+
+/* Generated from src/capi/mod.rs by cbindgen (include/cbindgen.toml): do not edit. */
+
+#include <stdint.h>
+#include <stddef.h>
+
+/**
+ * What a call returned.
+ */
+typedef enum V4poolStatus {
+  /**
+   * Success.
+   */
+  V4POOL_STATUS_OK = 0,
+  /**
+   * A null pointer, a non-UTF-8 string, an unknown name.
+   */
+  V4POOL_STATUS_INVALID_ARGUMENT = 1,
+  /**
+   * The library rejected the input (see the last error's variant).
+   */
+  V4POOL_STATUS_REJECTED = 2,
+  /**
+   * The backend failed (driver absent, out of memory, a failed launch).
+   */
+  V4POOL_STATUS_BACKEND = 3,
+  /**
+   * A bug: a Rust panic was caught at the boundary.
+   */
+  V4POOL_STATUS_PANIC = 4,
+} V4poolStatus;
+
+/**
+ * Which decode buffer `v4pool_decode_buffer` returns (passed as its integer value).
+ */
+typedef enum V4poolDecodeBuffer {
+  /**
+   * The class's index buffer.
+   */
+  V4POOL_DECODE_BUFFER_INDICES = 0,
+  /**
+   * Its per-token offsets.
+   */
+  V4POOL_DECODE_BUFFER_INDPTR = 1,
+  /**
+   * Destination rows of the step's tokens.
+   */
+  V4POOL_DECODE_BUFFER_DEST_ROWS = 2,
+} V4poolDecodeBuffer;
+
+/**
+ * A KV class: which compress ratio a layer's KV is kept at.
+ *
+ * The discriminant is the class's slot in the decode builder's `classes` array (the
+ * kernels' `V4POOL_CLASS_*`), so `class as usize` indexes it.
+ */
+typedef struct Class Class;
+
+/**
+ * Decode index buffers of one pool (opaque).
+ */
+typedef struct V4poolDecode V4poolDecode;
+
+/**
+ * A sized plan (opaque).
+ */
+typedef struct V4poolPlan V4poolPlan;
+
+/**
+ * A pool on a backend (opaque).
+ */
+typedef struct V4poolPool V4poolPool;
+
+/**
+ * A plan's main numbers.
+ */
+typedef struct V4poolPlanInfo {
+  /**
+   * Blocks at the plan's split.
+   */
+  int64_t num_blocks;
+  /**
+   * Slots at the plan's split.
+   */
+  int64_t num_slots;
+  /**
+   * Rows of each plane (fixed for the pool's life).
+   */
+  int64_t plane_rows;
+  /**
+   * Planes: 2 (fp8 NoPE + bf16 RoPE) or 1 (bf16).
+   */
+  uint32_t num_planes;
+  /**
+   * Row bytes of each plane (the second is 0 for the one-plane bf16 layout).
+   */
+  uint64_t plane_widths[2];
+  /**
+   * Tokens per block.
+   */
+  int64_t block_size;
+  /**
+   * Sliding window length.
+   */
+  int64_t sliding_window;
+  /**
+   * Ring entries per slot and window layer (window + speculative steps).
+   */
+  int64_t ring_slots;
+  /**
+   * CSA top-k per token.
+   */
+  int64_t index_topk;
+  /**
+   * Speculative (MTP) steps.
+   */
+  int64_t spec_steps;
+  /**
+   * Bytes the pool allocates.
+   */
+  uint64_t total_bytes;
+} V4poolPlanInfo;
+
+/**
+ * One layer's view of one plane (or a whole plane, `layer` = -1): row `x` is at
+ * `ptr + x * row_bytes`.
+ */
+typedef struct V4poolView {
+  /**
+   * Device (or host) address of row 0.
+   */
+  uint64_t ptr;
+  /**
+   * Rows addressable from `ptr`.
+   */
+  int64_t rows;
+  /**
+   * Bytes per row.
+   */
+  uint64_t row_bytes;
+} V4poolView;
+
+/**
+ * A slot handed out: the allocator's handle and its position.
+ */
+typedef struct V4poolSlot {
+  /**
+   * The allocator's group id.
+   */
+  uint32_t group;
+  /**
+   * The allocator that handed it out.
+   */
+  uint32_t pool;
+  /**
+   * Generation, checked on every use.
+   */
+  uint64_t generation;
+  /**
+   * Physical slot position (what kernels take).
+   */
+  int64_t position;
+} V4poolSlot;
+
+/**
+ * A block handed out.
+ */
+typedef struct V4poolBlock {
+  /**
+   * Block id (row-space envelope index).
+   */
+  uint32_t id;
+  /**
+   * The allocator that handed it out.
+   */
+  uint32_t pool;
+  /**
+   * Generation, checked on every use.
+   */
+  uint64_t generation;
+} V4poolBlock;
+
+/**
+ * Capacities of decode index buffers (see `DecodeCapacity`).
+ */
+typedef struct V4poolDecodeCapacity {
+  /**
+   * Sequences in one step.
+   */
+  uint64_t max_seqs;
+  /**
+   * Tokens in one step.
+   */
+  uint64_t max_tokens;
+  /**
+   * Block-table columns per sequence.
+   */
+  uint64_t max_blocks_per_seq;
+  /**
+   * Sliding window.
+   */
+  int32_t win;
+  /**
+   * CSA top-k reserved per token.
+   */
+  int32_t index_topk;
+} V4poolDecodeCapacity;
+
+/**
+ * A device buffer of `len` int32 elements.
+ */
+typedef struct V4poolBuffer {
+  /**
+   * Device address.
+   */
+  uint64_t ptr;
+  /**
+   * Elements (int32).
+   */
+  uint64_t len;
+} V4poolBuffer;
+
+#ifdef __cplusplus
+extern "C" {
+#endif // __cplusplus
+
+/**
+ * The variant name of this thread's last error ("" after a success). Valid until the
+ * thread's next v4pool call.
+ */
+const char *v4pool_last_error_variant(void);
+
+/**
+ * The message of this thread's last error ("" after a success). Valid until the thread's
+ * next v4pool call.
+ */
+const char *v4pool_last_error_message(void);
+
+/**
+ * Size a pool: `v4pool plan`. `dtype` (`fp8`/`bf16`) and `indexer` (`fp8`/`fp4`) may be null
+ * for the defaults; `model` is a preset name or a `config.json` path.
+ *
+ * # Safety
+ * Strings are null or NUL-terminated; `out` points to writable storage for a handle.
+ */
+enum V4poolStatus v4pool_plan_new(const char *model,
+                                  uint64_t budget_bytes,
+                                  int64_t max_seqs,
+                                  const char *dtype,
+                                  const char *indexer,
+                                  int64_t spec_steps,
+                                  struct V4poolPlan **out_plan);
+
+/**
+ * Free a plan (null is ignored).
+ *
+ * # Safety
+ * `plan` is null or from `v4pool_plan_new`, freed once.
+ */
+void v4pool_plan_free(struct V4poolPlan *plan);
+
+/**
+ * The plan as the JSON text of `v4pool plan --json`; free it with `v4pool_string_free`.
+ *
+ * # Safety
+ * `plan` is a live plan; `out_json` is writable.
+ */
+enum V4poolStatus v4pool_plan_json(const struct V4poolPlan *plan, char **out_json);
+
+/**
+ * The plan's main numbers.
+ *
+ * # Safety
+ * `plan` is a live plan; `out_info` is writable.
+ */
+enum V4poolStatus v4pool_plan_info(const struct V4poolPlan *plan, struct V4poolPlanInfo *out_info);
+
+/**
+ * Free a string this library returned (null is ignored).
+ *
+ * # Safety
+ * `s` is null or from this library, freed once.
+ */
+void v4pool_string_free(char *s);
+
+/**
+ * A pool for `plan` on `backend` (`auto`, `host`, `cuda`, `hip`; null = auto) and device
+ * `device`; its work goes on `stream` (0: the backend's own).
+ *
+ * # Safety
+ * `plan` is a live plan; `backend` null or NUL-terminated; `out_pool` writable; `stream` a
+ * live stream of that device or 0.
+ */
+enum V4poolStatus v4pool_pool_new(const struct V4poolPlan *plan,
+                                  const char *backend,
+                                  uint32_t device,
+                                  uint64_t stream,
+                                  struct V4poolPool **out_pool);
+
+/**
+ * Bytes `v4pool_pool_new_external` needs for `plan`.
+ *
+ * # Safety
+ * `plan` is a live plan; `out_bytes` writable.
+ */
+enum V4poolStatus v4pool_pool_required_bytes(const struct V4poolPlan *plan, uint64_t *out_bytes);
+
+/**
+ * A pool whose planes, indexer cache and descriptors live in the caller's memory
+ * `ptr .. ptr + bytes` (at least `v4pool_pool_required_bytes`).
+ *
+ * # Safety
+ * As `v4pool_pool_new`, and: the region is memory of that backend's device (host memory
+ * for `host`), stays allocated until the pool and every decode handle of it are freed, and
+ * nothing else reads or writes it meanwhile except through the pool's views.
+ */
+enum V4poolStatus v4pool_pool_new_external(const struct V4poolPlan *plan,
+                                           const char *backend,
+                                           uint32_t device,
+                                           uint64_t stream,
+                                           uint64_t ptr,
+                                           uint64_t bytes,
+                                           struct V4poolPool **out_pool);
+
+/**
+ * Free a pool (null is ignored); waits for its stream. Decode handles keep it alive.
+ *
+ * # Safety
+ * `pool` is null or from `v4pool_pool_new*`, freed once.
+ */
+void v4pool_pool_free(struct V4poolPool *pool);
+
+/**
+ * Plane `plane` as a view (`rows` = plane rows).
+ *
+ * # Safety
+ * `pool` is live; `out_view` writable.
+ */
+enum V4poolStatus v4pool_pool_plane(const struct V4poolPool *pool,
+                                    uint32_t plane,
+                                    struct V4poolView *out_view);
+
+/**
+ * Layer `layer`'s view of plane `plane` (index-buffer entries are its rows).
+ *
+ * # Safety
+ * `pool` is live; `out_view` writable.
+ */
+enum V4poolStatus v4pool_pool_layer_view(const struct V4poolPool *pool,
+                                         uint32_t layer,
+                                         uint32_t plane,
+                                         struct V4poolView *out_view);
+
+/**
+ * Row of `layer`'s view holding ring entry `ring_pos` of the slot at `position`.
+ *
+ * # Safety
+ * `pool` is live; `out_row` writable.
+ */
+enum V4poolStatus v4pool_pool_window_index(const struct V4poolPool *pool,
+                                           uint32_t layer,
+                                           int64_t position,
+                                           int64_t ring_pos,
+                                           int64_t *out_row);
+
+/**
+ * Hand out a slot (its compressor state initialised on the pool's stream).
+ *
+ * # Safety
+ * `pool` is live; `out_slot` writable.
+ */
+enum V4poolStatus v4pool_pool_alloc_slot(const struct V4poolPool *pool,
+                                         struct V4poolSlot *out_slot);
+
+/**
+ * Return a slot.
+ *
+ * # Safety
+ * `pool` is live.
+ */
+enum V4poolStatus v4pool_pool_free_slot(const struct V4poolPool *pool, struct V4poolSlot slot);
+
+/**
+ * Hand out a block.
+ *
+ * # Safety
+ * `pool` is live; `out_block` writable.
+ */
+enum V4poolStatus v4pool_pool_alloc_block(const struct V4poolPool *pool,
+                                          struct V4poolBlock *out_block);
+
+/**
+ * Return a block.
+ *
+ * # Safety
+ * `pool` is live.
+ */
+enum V4poolStatus v4pool_pool_free_block(const struct V4poolPool *pool, struct V4poolBlock block);
+
+/**
+ * Copy `len` bytes of plane `plane` from `offset` to host memory `dst` (waits).
+ *
+ * # Safety
+ * `pool` is live; `dst` holds `len` writable bytes.
+ */
+enum V4poolStatus v4pool_pool_read_plane(const struct V4poolPool *pool,
+                                         uint32_t plane,
+                                         uint64_t offset,
+                                         uint8_t *dst,
+                                         size_t len);
+
+/**
+ * Copy `len` host bytes from `src` into plane `plane` at `offset`.
+ *
+ * # Safety
+ * `pool` is live; `src` holds `len` readable bytes.
+ */
+enum V4poolStatus v4pool_pool_write_plane(const struct V4poolPool *pool,
+                                          uint32_t plane,
+                                          uint64_t offset,
+                                          const uint8_t *src,
+                                          size_t len);
+
+/**
+ * Decode index buffers for `pool` sized for `cap`.
+ *
+ * # Safety
+ * `pool` is live; `cap` readable; `out_decode` writable.
+ */
+enum V4poolStatus v4pool_decode_new(const struct V4poolPool *pool,
+                                    const struct V4poolDecodeCapacity *cap,
+                                    struct V4poolDecode **out_decode);
+
+/**
+ * Free decode buffers (null is ignored); waits for the streams they were used on.
+ *
+ * # Safety
+ * `decode` is null or from `v4pool_decode_new`, freed once, and no captured graph that
+ * names its buffers runs after.
+ */
+void v4pool_decode_free(struct V4poolDecode *decode);
+
+/**
+ * Stage one decode step of `batch` sequences: slot positions, context lengths after the
+ * step, tokens per sequence, and block tables (`batch × table_stride` int32, row-major;
+ * null when the tables are resident). One copy on the pool's stream; `out_tokens` gets the
+ * real token count (may be null).
+ *
+ * # Safety
+ * `decode` is live; the three arrays hold `batch` elements; `block_tables` is null or holds
+ * `batch * table_stride` elements.
+ */
+enum V4poolStatus v4pool_decode_stage(struct V4poolDecode *decode,
+                                      size_t batch,
+                                      const int64_t *positions,
+                                      const int64_t *context_lens,
+                                      const int64_t *num_tokens,
+                                      const int32_t *block_tables,
+                                      size_t table_stride,
+                                      size_t *out_tokens);
+
+/**
+ * Queue the index build on `stream` (0: the pool's stream; another stream must be ordered
+ * after the staging): one launch with fixed pointers, capturable in a graph.
+ *
+ * # Safety
+ * `decode` is live; `stream` a live stream of the pool's device or 0.
+ */
+enum V4poolStatus v4pool_decode_build(struct V4poolDecode *decode, uint64_t stream);
+
+/**
+ * Device address and int32 length of a class's buffer: `which` a `V4poolDecodeBuffer`,
+ * `cls` 0 dense, 1 CSA, 2 HCA.
+ *
+ * # Safety
+ * `decode` is live; `out_buffer` writable.
+ */
+enum V4poolStatus v4pool_decode_buffer(const struct V4poolDecode *decode,
+                                       uint32_t which,
+                                       uint32_t cls,
+                                       struct V4poolBuffer *out_buffer);
+
+/**
+ * Wait for every stream the decode buffers were used on.
+ *
+ * # Safety
+ * `decode` is live.
+ */
+enum V4poolStatus v4pool_decode_synchronize(const struct V4poolDecode *decode);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif  // __cplusplus
+
+#endif  /* V4POOL_H */

@@ -1,0 +1,749 @@
+//! The C ABI (feature `capi`): `extern "C"` functions over opaque handles. The header
+//! `include/v4pool.h` is generated from this file by cbindgen (CI fails on a stale one).
+//!
+//! Conventions: every fallible function returns a [`V4poolStatus`] (`V4POOL_OK` is 0) and
+//! writes results through out-pointers; on failure the thread's last error holds the Rust
+//! error's variant name and message ([`v4pool_last_error_variant`],
+//! [`v4pool_last_error_message`]). Handles are freed by their `_free` function; a decode
+//! handle keeps its pool alive, so the order of frees does not matter. A Rust panic never
+//! crosses the boundary: it becomes `V4POOL_PANIC`.
+
+use crate::backend::external::ExternalRegion;
+use crate::backend::Stream;
+use crate::embed::{error_variant, open_backend, DecodeStep, FlatBatch};
+use crate::geometry::Class;
+use crate::plan_report::{PlanOptions, PlanReport};
+use crate::pool::{DecodeCapacity, Pool, PoolSpec};
+use std::cell::RefCell;
+use std::ffi::{c_char, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+/// What a call returned.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum V4poolStatus {
+    /// Success.
+    Ok = 0,
+    /// A null pointer, a non-UTF-8 string, an unknown name.
+    InvalidArgument = 1,
+    /// The library rejected the input (see the last error's variant).
+    Rejected = 2,
+    /// The backend failed (driver absent, out of memory, a failed launch).
+    Backend = 3,
+    /// A bug: a Rust panic was caught at the boundary.
+    Panic = 4,
+}
+
+/// A sized plan (opaque).
+pub struct V4poolPlan {
+    report: PlanReport,
+}
+
+/// A pool on a backend (opaque).
+pub struct V4poolPool {
+    pool: Arc<Pool>,
+}
+
+/// Decode index buffers of one pool (opaque).
+pub struct V4poolDecode {
+    step: DecodeStep,
+}
+
+/// A plan's main numbers.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct V4poolPlanInfo {
+    /// Blocks at the plan's split.
+    pub num_blocks: i64,
+    /// Slots at the plan's split.
+    pub num_slots: i64,
+    /// Rows of each plane (fixed for the pool's life).
+    pub plane_rows: i64,
+    /// Planes: 2 (fp8 NoPE + bf16 RoPE) or 1 (bf16).
+    pub num_planes: u32,
+    /// Row bytes of each plane (the second is 0 for the one-plane bf16 layout).
+    pub plane_widths: [u64; 2],
+    /// Tokens per block.
+    pub block_size: i64,
+    /// Sliding window length.
+    pub sliding_window: i64,
+    /// Ring entries per slot and window layer (window + speculative steps).
+    pub ring_slots: i64,
+    /// CSA top-k per token.
+    pub index_topk: i64,
+    /// Speculative (MTP) steps.
+    pub spec_steps: i64,
+    /// Bytes the pool allocates.
+    pub total_bytes: u64,
+}
+
+/// One layer's view of one plane (or a whole plane, `layer` = -1): row `x` is at
+/// `ptr + x * row_bytes`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct V4poolView {
+    /// Device (or host) address of row 0.
+    pub ptr: u64,
+    /// Rows addressable from `ptr`.
+    pub rows: i64,
+    /// Bytes per row.
+    pub row_bytes: u64,
+}
+
+/// A slot handed out: the allocator's handle and its position.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct V4poolSlot {
+    /// The allocator's group id.
+    pub group: u32,
+    /// The allocator that handed it out.
+    pub pool: u32,
+    /// Generation, checked on every use.
+    pub generation: u64,
+    /// Physical slot position (what kernels take).
+    pub position: i64,
+}
+
+/// A block handed out.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct V4poolBlock {
+    /// Block id (row-space envelope index).
+    pub id: u32,
+    /// The allocator that handed it out.
+    pub pool: u32,
+    /// Generation, checked on every use.
+    pub generation: u64,
+}
+
+/// A device buffer of `len` int32 elements.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct V4poolBuffer {
+    /// Device address.
+    pub ptr: u64,
+    /// Elements (int32).
+    pub len: u64,
+}
+
+/// Capacities of decode index buffers (see `DecodeCapacity`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct V4poolDecodeCapacity {
+    /// Sequences in one step.
+    pub max_seqs: u64,
+    /// Tokens in one step.
+    pub max_tokens: u64,
+    /// Block-table columns per sequence.
+    pub max_blocks_per_seq: u64,
+    /// Sliding window.
+    pub win: i32,
+    /// CSA top-k reserved per token.
+    pub index_topk: i32,
+}
+
+thread_local! {
+    static LAST: RefCell<(CString, CString)> = RefCell::new((CString::default(), CString::default()));
+}
+
+fn set_last(variant: &str, message: &str) {
+    let clean = |s: &str| CString::new(s.replace('\0', " ")).unwrap_or_default();
+    LAST.with(|l| *l.borrow_mut() = (clean(variant), clean(message)));
+}
+
+/// Run `f`, turning an error into a status and the thread's last error, and a panic into
+/// `Panic`.
+fn guard(f: impl FnOnce() -> Result<(), (V4poolStatus, String, String)>) -> V4poolStatus {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => {
+            set_last("", "");
+            V4poolStatus::Ok
+        }
+        Ok(Err((status, variant, message))) => {
+            set_last(&variant, &message);
+            status
+        }
+        Err(_) => {
+            set_last("Panic", "a Rust panic was caught at the C boundary");
+            V4poolStatus::Panic
+        }
+    }
+}
+
+type Fail = (V4poolStatus, String, String);
+
+fn rejected<E: std::fmt::Debug + std::fmt::Display>(e: E) -> Fail {
+    let variant = error_variant(&e);
+    // `BackendError`'s driver-side variants (the others — a misspelt backend name, a range
+    // outside an allocation — are the caller's input).
+    const BACKEND: [&str; 6] =
+        ["Unavailable", "Driver", "OutOfMemory", "MissingKernel", "Compile", "InvalidLaunch"];
+    let status =
+        if BACKEND.contains(&variant.as_str()) { V4poolStatus::Backend } else { V4poolStatus::Rejected };
+    (status, variant, e.to_string())
+}
+
+fn invalid(what: &str) -> Fail {
+    (V4poolStatus::InvalidArgument, "InvalidArgument".into(), what.into())
+}
+
+/// A C string argument (`null` allowed when `optional`).
+///
+/// # Safety
+/// `s` is null or a NUL-terminated string.
+unsafe fn text<'a>(s: *const c_char, what: &str) -> Result<Option<&'a str>, Fail> {
+    if s.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: the caller's promise.
+    unsafe { CStr::from_ptr(s) }.to_str().map(Some).map_err(|_| invalid(&format!("{what} is not UTF-8")))
+}
+
+fn out<'a, T>(p: *mut T, what: &str) -> Result<&'a mut T, Fail> {
+    // SAFETY: checked for null; the caller promises a valid, writable `T` (every function's
+    // `# Safety`).
+    unsafe { p.as_mut() }.ok_or_else(|| invalid(&format!("{what} is null")))
+}
+
+fn get<'a, T>(p: *const T, what: &str) -> Result<&'a T, Fail> {
+    // SAFETY: as `out`, for reading.
+    unsafe { p.as_ref() }.ok_or_else(|| invalid(&format!("{what} is null")))
+}
+
+/// The variant name of this thread's last error ("" after a success). Valid until the
+/// thread's next v4pool call.
+#[no_mangle]
+pub extern "C" fn v4pool_last_error_variant() -> *const c_char {
+    LAST.with(|l| l.borrow().0.as_ptr())
+}
+
+/// The message of this thread's last error ("" after a success). Valid until the thread's
+/// next v4pool call.
+#[no_mangle]
+pub extern "C" fn v4pool_last_error_message() -> *const c_char {
+    LAST.with(|l| l.borrow().1.as_ptr())
+}
+
+/// Size a pool: `v4pool plan`. `dtype` (`fp8`/`bf16`) and `indexer` (`fp8`/`fp4`) may be null
+/// for the defaults; `model` is a preset name or a `config.json` path.
+///
+/// # Safety
+/// Strings are null or NUL-terminated; `out` points to writable storage for a handle.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_plan_new(
+    model: *const c_char,
+    budget_bytes: u64,
+    max_seqs: i64,
+    dtype: *const c_char,
+    indexer: *const c_char,
+    spec_steps: i64,
+    out_plan: *mut *mut V4poolPlan,
+) -> V4poolStatus {
+    guard(|| {
+        // SAFETY: forwarded string promises.
+        let model = unsafe { text(model, "model") }?.ok_or_else(|| invalid("model is null"))?;
+        let mut o = PlanOptions::new(model, budget_bytes, max_seqs);
+        let named = |e: crate::plan_report::PlanOptionError| {
+            (V4poolStatus::Rejected, e.variant_name().to_string(), e.to_string())
+        };
+        // SAFETY: as above.
+        if let Some(d) = unsafe { text(dtype, "dtype") }? {
+            o.kv = PlanOptions::kv_from_name(d).map_err(named)?;
+        }
+        // SAFETY: as above.
+        if let Some(i) = unsafe { text(indexer, "indexer") }? {
+            o.indexer = PlanOptions::indexer_from_name(i).map_err(named)?;
+        }
+        o.spec_steps = spec_steps;
+        let slot = out(out_plan, "out_plan")?;
+        let report = o.report().map_err(named)?;
+        *slot = Box::into_raw(Box::new(V4poolPlan { report }));
+        Ok(())
+    })
+}
+
+/// Free a plan (null is ignored).
+///
+/// # Safety
+/// `plan` is null or from `v4pool_plan_new`, freed once.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_plan_free(plan: *mut V4poolPlan) {
+    if !plan.is_null() {
+        // SAFETY: the caller's promise.
+        drop(unsafe { Box::from_raw(plan) });
+    }
+}
+
+/// The plan as the JSON text of `v4pool plan --json`; free it with `v4pool_string_free`.
+///
+/// # Safety
+/// `plan` is a live plan; `out_json` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_plan_json(
+    plan: *const V4poolPlan,
+    out_json: *mut *mut c_char,
+) -> V4poolStatus {
+    guard(|| {
+        let plan = get(plan, "plan")?;
+        let text = CString::new(plan.report.to_json().to_string()).map_err(|_| invalid("NUL in JSON"))?;
+        *out(out_json, "out_json")? = text.into_raw();
+        Ok(())
+    })
+}
+
+/// The plan's main numbers.
+///
+/// # Safety
+/// `plan` is a live plan; `out_info` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_plan_info(
+    plan: *const V4poolPlan,
+    out_info: *mut V4poolPlanInfo,
+) -> V4poolStatus {
+    guard(|| {
+        let p = &get(plan, "plan")?.report.plan;
+        let widths = p.layout.widths();
+        let m = &p.layout.model;
+        *out(out_info, "out_info")? = V4poolPlanInfo {
+            num_blocks: p.num_blocks,
+            num_slots: p.num_slots,
+            plane_rows: p.plane_rows,
+            num_planes: widths.len() as u32,
+            plane_widths: [widths[0], widths.get(1).copied().unwrap_or(0)],
+            block_size: m.block_size,
+            sliding_window: m.sliding_window,
+            ring_slots: m.ring_slots(),
+            index_topk: m.index_topk,
+            spec_steps: m.spec_steps,
+            total_bytes: p.total_bytes,
+        };
+        Ok(())
+    })
+}
+
+/// Free a string this library returned (null is ignored).
+///
+/// # Safety
+/// `s` is null or from this library, freed once.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_string_free(s: *mut c_char) {
+    if !s.is_null() {
+        // SAFETY: the caller's promise; made by `CString::into_raw`.
+        drop(unsafe { CString::from_raw(s) });
+    }
+}
+
+fn new_pool(
+    plan: *const V4poolPlan,
+    backend: *const c_char,
+    device: u32,
+    stream: u64,
+    external: Option<(u64, u64)>,
+    out_pool: *mut *mut V4poolPool,
+) -> Result<(), Fail> {
+    let plan = get(plan, "plan")?;
+    // SAFETY: the caller's string promise (every entry point states it).
+    let name = unsafe { text(backend, "backend") }?.unwrap_or("auto");
+    let slot = out(out_pool, "out_pool")?;
+    let mut b = open_backend(name, device as usize).map_err(rejected)?;
+    let spec = PoolSpec::from_plan(&plan.report.plan).map_err(rejected)?;
+    if let Some((ptr, bytes)) = external {
+        let need = ExternalRegion::required_bytes(&spec).map_err(rejected)?;
+        if bytes < need {
+            return Err((
+                V4poolStatus::Rejected,
+                "RegionTooSmall".into(),
+                format!("the pool needs {need} bytes of memory, got {bytes}"),
+            ));
+        }
+        // SAFETY: `v4pool_pool_new_external`'s caller promises the region.
+        b = Arc::new(unsafe { ExternalRegion::new(b, ptr, bytes) }.map_err(rejected)?);
+    }
+    let pool = Pool::new(b, spec, Stream(stream)).map_err(rejected)?;
+    *slot = Box::into_raw(Box::new(V4poolPool { pool: Arc::new(pool) }));
+    Ok(())
+}
+
+/// A pool for `plan` on `backend` (`auto`, `host`, `cuda`, `hip`; null = auto) and device
+/// `device`; its work goes on `stream` (0: the backend's own).
+///
+/// # Safety
+/// `plan` is a live plan; `backend` null or NUL-terminated; `out_pool` writable; `stream` a
+/// live stream of that device or 0.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_pool_new(
+    plan: *const V4poolPlan,
+    backend: *const c_char,
+    device: u32,
+    stream: u64,
+    out_pool: *mut *mut V4poolPool,
+) -> V4poolStatus {
+    guard(|| new_pool(plan, backend, device, stream, None, out_pool))
+}
+
+/// Bytes `v4pool_pool_new_external` needs for `plan`.
+///
+/// # Safety
+/// `plan` is a live plan; `out_bytes` writable.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_pool_required_bytes(
+    plan: *const V4poolPlan,
+    out_bytes: *mut u64,
+) -> V4poolStatus {
+    guard(|| {
+        let spec = PoolSpec::from_plan(&get(plan, "plan")?.report.plan).map_err(rejected)?;
+        *out(out_bytes, "out_bytes")? = ExternalRegion::required_bytes(&spec).map_err(rejected)?;
+        Ok(())
+    })
+}
+
+/// A pool whose planes, indexer cache and descriptors live in the caller's memory
+/// `ptr .. ptr + bytes` (at least `v4pool_pool_required_bytes`).
+///
+/// # Safety
+/// As `v4pool_pool_new`, and: the region is memory of that backend's device (host memory
+/// for `host`), stays allocated until the pool and every decode handle of it are freed, and
+/// nothing else reads or writes it meanwhile except through the pool's views.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_pool_new_external(
+    plan: *const V4poolPlan,
+    backend: *const c_char,
+    device: u32,
+    stream: u64,
+    ptr: u64,
+    bytes: u64,
+    out_pool: *mut *mut V4poolPool,
+) -> V4poolStatus {
+    guard(|| new_pool(plan, backend, device, stream, Some((ptr, bytes)), out_pool))
+}
+
+/// Free a pool (null is ignored); waits for its stream. Decode handles keep it alive.
+///
+/// # Safety
+/// `pool` is null or from `v4pool_pool_new*`, freed once.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_pool_free(pool: *mut V4poolPool) {
+    if !pool.is_null() {
+        // SAFETY: the caller's promise.
+        let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(pool) })));
+    }
+}
+
+/// Plane `plane` as a view (`rows` = plane rows).
+///
+/// # Safety
+/// `pool` is live; `out_view` writable.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_pool_plane(
+    pool: *const V4poolPool,
+    plane: u32,
+    out_view: *mut V4poolView,
+) -> V4poolStatus {
+    guard(|| {
+        let p = &get(pool, "pool")?.pool;
+        let ptr = p.plane_ptr(plane as usize).map_err(rejected)?;
+        let row_bytes = p.spec().plane_widths[plane as usize];
+        *out(out_view, "out_view")? = V4poolView { ptr, rows: p.spec().geometry.plane_rows, row_bytes };
+        Ok(())
+    })
+}
+
+/// Layer `layer`'s view of plane `plane` (index-buffer entries are its rows).
+///
+/// # Safety
+/// `pool` is live; `out_view` writable.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_pool_layer_view(
+    pool: *const V4poolPool,
+    layer: u32,
+    plane: u32,
+    out_view: *mut V4poolView,
+) -> V4poolStatus {
+    guard(|| {
+        let v = get(pool, "pool")?.pool.layer_view(layer as usize, plane as usize).map_err(rejected)?;
+        *out(out_view, "out_view")? = V4poolView { ptr: v.ptr, rows: v.rows, row_bytes: v.row_bytes };
+        Ok(())
+    })
+}
+
+/// Row of `layer`'s view holding ring entry `ring_pos` of the slot at `position`.
+///
+/// # Safety
+/// `pool` is live; `out_row` writable.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_pool_window_index(
+    pool: *const V4poolPool,
+    layer: u32,
+    position: i64,
+    ring_pos: i64,
+    out_row: *mut i64,
+) -> V4poolStatus {
+    guard(|| {
+        let g = get(pool, "pool")?.pool.geometry().map_err(rejected)?;
+        *out(out_row, "out_row")? = g.window_index(layer as usize, position, ring_pos).map_err(rejected)?;
+        Ok(())
+    })
+}
+
+/// Hand out a slot (its compressor state initialised on the pool's stream).
+///
+/// # Safety
+/// `pool` is live; `out_slot` writable.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_pool_alloc_slot(
+    pool: *const V4poolPool,
+    out_slot: *mut V4poolSlot,
+) -> V4poolStatus {
+    guard(|| {
+        let s = get(pool, "pool")?.pool.alloc_slot().map_err(rejected)?;
+        *out(out_slot, "out_slot")? = V4poolSlot {
+            group: s.handle.group,
+            pool: s.handle.pool,
+            generation: s.handle.generation,
+            position: s.position,
+        };
+        Ok(())
+    })
+}
+
+/// Return a slot.
+///
+/// # Safety
+/// `pool` is live.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_pool_free_slot(pool: *const V4poolPool, slot: V4poolSlot) -> V4poolStatus {
+    guard(|| {
+        let h = crate::alloc::SlotHandle { group: slot.group, generation: slot.generation, pool: slot.pool };
+        get(pool, "pool")?.pool.free_slot(h).map_err(rejected)
+    })
+}
+
+/// Hand out a block.
+///
+/// # Safety
+/// `pool` is live; `out_block` writable.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_pool_alloc_block(
+    pool: *const V4poolPool,
+    out_block: *mut V4poolBlock,
+) -> V4poolStatus {
+    guard(|| {
+        let h = get(pool, "pool")?.pool.alloc_block().map_err(rejected)?.handle;
+        *out(out_block, "out_block")? = V4poolBlock { id: h.id, pool: h.pool, generation: h.generation };
+        Ok(())
+    })
+}
+
+/// Return a block.
+///
+/// # Safety
+/// `pool` is live.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_pool_free_block(pool: *const V4poolPool, block: V4poolBlock) -> V4poolStatus {
+    guard(|| {
+        let h = crate::alloc::BlockHandle { id: block.id, generation: block.generation, pool: block.pool };
+        get(pool, "pool")?.pool.free_block(h).map_err(rejected)
+    })
+}
+
+/// Copy `len` bytes of plane `plane` from `offset` to host memory `dst` (waits).
+///
+/// # Safety
+/// `pool` is live; `dst` holds `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_pool_read_plane(
+    pool: *const V4poolPool,
+    plane: u32,
+    offset: u64,
+    dst: *mut u8,
+    len: usize,
+) -> V4poolStatus {
+    guard(|| {
+        let p = &get(pool, "pool")?.pool;
+        if dst.is_null() && len > 0 {
+            return Err(invalid("dst is null"));
+        }
+        // SAFETY: the caller's promise; an empty read never touches `dst`.
+        let buf = if len == 0 { &mut [][..] } else { unsafe { std::slice::from_raw_parts_mut(dst, len) } };
+        p.read_plane(plane as usize, offset, buf).map_err(rejected)
+    })
+}
+
+/// Copy `len` host bytes from `src` into plane `plane` at `offset`.
+///
+/// # Safety
+/// `pool` is live; `src` holds `len` readable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_pool_write_plane(
+    pool: *const V4poolPool,
+    plane: u32,
+    offset: u64,
+    src: *const u8,
+    len: usize,
+) -> V4poolStatus {
+    guard(|| {
+        let p = &get(pool, "pool")?.pool;
+        if src.is_null() && len > 0 {
+            return Err(invalid("src is null"));
+        }
+        // SAFETY: the caller's promise; an empty write never touches `src`.
+        let buf = if len == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(src, len) } };
+        p.write_plane(plane as usize, offset, buf).map_err(rejected)
+    })
+}
+
+/// Decode index buffers for `pool` sized for `cap`.
+///
+/// # Safety
+/// `pool` is live; `cap` readable; `out_decode` writable.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_decode_new(
+    pool: *const V4poolPool,
+    cap: *const V4poolDecodeCapacity,
+    out_decode: *mut *mut V4poolDecode,
+) -> V4poolStatus {
+    guard(|| {
+        let p = get(pool, "pool")?.pool.clone();
+        let c = get(cap, "cap")?;
+        let cap = DecodeCapacity {
+            max_seqs: c.max_seqs as usize,
+            max_tokens: c.max_tokens as usize,
+            max_blocks_per_seq: c.max_blocks_per_seq as usize,
+            win: c.win,
+            index_topk: c.index_topk,
+        };
+        let slot = out(out_decode, "out_decode")?;
+        let step = DecodeStep::new(p, cap).map_err(rejected)?;
+        *slot = Box::into_raw(Box::new(V4poolDecode { step }));
+        Ok(())
+    })
+}
+
+/// Free decode buffers (null is ignored); waits for the streams they were used on.
+///
+/// # Safety
+/// `decode` is null or from `v4pool_decode_new`, freed once, and no captured graph that
+/// names its buffers runs after.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_decode_free(decode: *mut V4poolDecode) {
+    if !decode.is_null() {
+        // SAFETY: the caller's promise.
+        let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(decode) })));
+    }
+}
+
+/// Stage one decode step of `batch` sequences: slot positions, context lengths after the
+/// step, tokens per sequence, and block tables (`batch × table_stride` int32, row-major;
+/// null when the tables are resident). One copy on the pool's stream; `out_tokens` gets the
+/// real token count (may be null).
+///
+/// # Safety
+/// `decode` is live; the three arrays hold `batch` elements; `block_tables` is null or holds
+/// `batch * table_stride` elements.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn v4pool_decode_stage(
+    decode: *mut V4poolDecode,
+    batch: usize,
+    positions: *const i64,
+    context_lens: *const i64,
+    num_tokens: *const i64,
+    block_tables: *const i32,
+    table_stride: usize,
+    out_tokens: *mut usize,
+) -> V4poolStatus {
+    guard(|| {
+        let d = out(decode, "decode")?;
+        let arr = |p: *const i64, what: &str| -> Result<&[i64], Fail> {
+            if batch == 0 {
+                return Ok(&[]);
+            }
+            let p = get(p, what)?;
+            // SAFETY: the caller's promise: `batch` elements.
+            Ok(unsafe { std::slice::from_raw_parts(p, batch) })
+        };
+        let tables = if block_tables.is_null() || batch == 0 {
+            None
+        } else {
+            let n = batch.checked_mul(table_stride).ok_or_else(|| invalid("table size overflows"))?;
+            // SAFETY: the caller's promise: `batch * table_stride` elements.
+            Some(unsafe { std::slice::from_raw_parts(block_tables, n) })
+        };
+        let flat = FlatBatch {
+            positions: arr(positions, "positions")?,
+            context_lens: arr(context_lens, "context_lens")?,
+            num_tokens: arr(num_tokens, "num_tokens")?,
+            block_tables: tables,
+            table_stride,
+        };
+        let tokens = d.step.stage(&flat).map_err(rejected)?;
+        if !out_tokens.is_null() {
+            *out(out_tokens, "out_tokens")? = tokens;
+        }
+        Ok(())
+    })
+}
+
+/// Queue the index build on `stream` (0: the pool's stream; another stream must be ordered
+/// after the staging): one launch with fixed pointers, capturable in a graph.
+///
+/// # Safety
+/// `decode` is live; `stream` a live stream of the pool's device or 0.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_decode_build(decode: *mut V4poolDecode, stream: u64) -> V4poolStatus {
+    guard(|| out(decode, "decode")?.step.build((stream != 0).then_some(Stream(stream))).map_err(rejected))
+}
+
+/// Which decode buffer `v4pool_decode_buffer` returns (passed as its integer value).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum V4poolDecodeBuffer {
+    /// The class's index buffer.
+    Indices = 0,
+    /// Its per-token offsets.
+    Indptr = 1,
+    /// Destination rows of the step's tokens.
+    DestRows = 2,
+}
+
+/// Device address and int32 length of a class's buffer: `which` a `V4poolDecodeBuffer`,
+/// `cls` 0 dense, 1 CSA, 2 HCA.
+///
+/// # Safety
+/// `decode` is live; `out_buffer` writable.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_decode_buffer(
+    decode: *const V4poolDecode,
+    which: u32,
+    cls: u32,
+    out_buffer: *mut V4poolBuffer,
+) -> V4poolStatus {
+    guard(|| {
+        let s = &get(decode, "decode")?.step;
+        let class = *Class::ALL.get(cls as usize).ok_or_else(|| invalid("cls is not 0, 1 or 2"))?;
+        // `which` arrives as an integer: a C caller can pass any value, and an out-of-range
+        // Rust enum would be undefined behaviour.
+        let (ptr, len) = match which {
+            w if w == V4poolDecodeBuffer::Indices as u32 => s.indices(class),
+            w if w == V4poolDecodeBuffer::Indptr as u32 => s.indptr(class),
+            w if w == V4poolDecodeBuffer::DestRows as u32 => s.dest_rows(class),
+            _ => return Err(invalid("which is not a V4poolDecodeBuffer")),
+        }
+        .map_err(rejected)?;
+        *out(out_buffer, "out_buffer")? = V4poolBuffer { ptr, len };
+        Ok(())
+    })
+}
+
+/// Wait for every stream the decode buffers were used on.
+///
+/// # Safety
+/// `decode` is live.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_decode_synchronize(decode: *const V4poolDecode) -> V4poolStatus {
+    guard(|| get(decode, "decode")?.step.synchronize().map_err(rejected))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,269 @@
+//! A sized plan with its checkpoint facts, and its JSON form: what `v4pool plan --json`
+//! prints and what the Python and C bindings hand out. One field list, here, so the three
+//! cannot drift.
+//!
+//! [`PlanOptions`] is the binding-side request (model by preset name or `config.json` path,
+//! budget as bytes or text like `8GiB`): the bindings parse their arguments into it and the
+//! library does the rest.
+
+use crate::checkpoint::{layout_id, CheckpointError, CheckpointLayout};
+use crate::model::{DraftMode, Drafts, ModelError, ModelShape};
+use crate::sizing::{plan, IndexerDtype, KvDtype, Plan, PlanRequest, SizingError};
+use serde_json::json;
+use thiserror::Error;
+
+/// A sized pool and its checkpoint facts.
+#[derive(Clone, Debug)]
+pub struct PlanReport {
+    /// The sized pool.
+    pub plan: Plan,
+    /// Bytes of one slot's checkpoint image (pool-runtime §6).
+    pub image_bytes: u64,
+    /// PAGE units one checkpoint image occupies.
+    pub units_per_checkpoint: u64,
+    /// The §6 layout id images of this plan carry.
+    pub layout_id: String,
+}
+
+impl PlanReport {
+    /// Add the checkpoint facts of `plan`'s layout.
+    pub fn new(plan: Plan) -> Result<PlanReport, CheckpointError> {
+        let ck = CheckpointLayout::for_pool(&plan.layout)?;
+        Ok(PlanReport {
+            image_bytes: ck.image_bytes,
+            units_per_checkpoint: ck.units_per_checkpoint,
+            layout_id: layout_id(&plan.layout)?,
+            plan,
+        })
+    }
+
+    /// The `--json` object (also the Python plan's fields).
+    pub fn to_json(&self) -> serde_json::Value {
+        let p = &self.plan;
+        let m = &p.layout.model;
+        let g = &p.geometry;
+        json!({
+            "model": m.name,
+            "kv_dtype": p.layout.kv.name(),
+            "indexer_dtype": p.layout.indexer.name(),
+            "spec_steps": m.spec_steps,
+            "ring_slots": m.ring_slots(),
+            "plane_widths": p.layout.widths(),
+            "budget_bytes": p.budget_bytes,
+            "page_bytes": p.page_bytes,
+            "slot_bytes": p.slot_bytes,
+            "num_blocks": p.num_blocks,
+            "num_slots": p.num_slots,
+            "max_blocks": p.max_blocks,
+            "min_slots": p.min_slots,
+            "tight_fit_blocks": p.tight_fit_blocks,
+            "plane_rows": p.plane_rows,
+            "slot_positions": p.slot_positions,
+            "tokens": p.tokens,
+            "envelope_rows": g.envelope_rows,
+            "entry_rows": g.entry_rows,
+            "arena_rows": g.arena_rows,
+            "slot_rows": g.slot_rows,
+            "slot_align_rows": g.slot_align_rows,
+            "rows_wasted": p.rows_wasted,
+            "plane_bytes": p.plane_bytes,
+            "plane_offsets": p.plane_offsets,
+            "planes_total_bytes": p.planes_total_bytes,
+            "indexer_pool_bytes": p.indexer_pool_bytes,
+            "indexer_bytes": p.indexer_total_bytes,
+            "overhead_bytes": p.overhead_bytes,
+            "total_bytes": p.total_bytes,
+            "plane_capped": p.plane_capped,
+            "image_bytes": self.image_bytes,
+            "units_per_checkpoint": self.units_per_checkpoint,
+            "layout_id": self.layout_id,
+        })
+    }
+}
+
+/// What a binding's `plan(...)` call rejects.
+#[derive(Debug, Error)]
+pub enum PlanOptionError {
+    /// An option's value is not of the expected form.
+    #[error("option {option}: {value:?} is not {expected}")]
+    BadValue {
+        /// The option's name.
+        option: &'static str,
+        /// The value given.
+        value: String,
+        /// What was expected.
+        expected: &'static str,
+    },
+    /// The model's config could not be read.
+    #[error("cannot read {path}: {reason}")]
+    Io {
+        /// The path given.
+        path: String,
+        /// Why it could not be read.
+        reason: String,
+    },
+    /// The model is refused.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The budget cannot be sized.
+    #[error(transparent)]
+    Sizing(#[from] SizingError),
+    /// The checkpoint layout is refused.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+}
+
+impl PlanOptionError {
+    /// The variant's name; wrapped library errors report their own.
+    pub fn variant_name(&self) -> &'static str {
+        match self {
+            PlanOptionError::BadValue { .. } => "BadValue",
+            PlanOptionError::Io { .. } => "Io",
+            PlanOptionError::Model(e) => e.variant_name(),
+            PlanOptionError::Sizing(e) => e.variant_name(),
+            PlanOptionError::Checkpoint(e) => e.variant_name(),
+        }
+    }
+}
+
+/// A plan request as the bindings take it: the same options as `v4pool plan`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// A preset (`v4-flash`, `v4-pro`, …) or a path to a `config.json` (or its directory).
+    pub model: String,
+    /// Bytes the pool may use.
+    pub budget_bytes: u64,
+    /// Concurrent requests (slots) the plan must hold.
+    pub max_seqs: i64,
+    /// KV dtype (fp8 planes or one bf16 plane).
+    pub kv: KvDtype,
+    /// Indexer cache dtype.
+    pub indexer: IndexerDtype,
+    /// Speculative (MTP) steps of a preset.
+    pub spec_steps: i64,
+    /// Slots the plan reserves at least.
+    pub min_slots: i64,
+    /// Bytes set aside from the budget for other uses.
+    pub overhead_bytes: u64,
+    /// Draft stages and mode of a `config.json` model (presets name their drafts).
+    pub drafts: Option<Drafts>,
+}
+
+impl PlanOptions {
+    /// Defaults of `v4pool plan` for everything but the three required values.
+    pub fn new(model: &str, budget_bytes: u64, max_seqs: i64) -> PlanOptions {
+        PlanOptions {
+            model: model.to_string(),
+            budget_bytes,
+            max_seqs,
+            kv: KvDtype::Fp8,
+            indexer: IndexerDtype::Fp8,
+            spec_steps: 0,
+            min_slots: 0,
+            overhead_bytes: 0,
+            drafts: None,
+        }
+    }
+
+    /// Parse a `dtype` option value (`fp8` or `bf16`).
+    pub fn kv_from_name(name: &str) -> Result<KvDtype, PlanOptionError> {
+        match name {
+            "fp8" => Ok(KvDtype::Fp8),
+            "bf16" => Ok(KvDtype::Bf16),
+            other => Err(PlanOptionError::BadValue {
+                option: "dtype",
+                value: other.into(),
+                expected: "fp8 or bf16",
+            }),
+        }
+    }
+
+    /// Parse an `indexer` option value (`fp8` or `fp4`).
+    pub fn indexer_from_name(name: &str) -> Result<IndexerDtype, PlanOptionError> {
+        match name {
+            "fp8" => Ok(IndexerDtype::Fp8),
+            "fp4" => Ok(IndexerDtype::Fp4),
+            other => Err(PlanOptionError::BadValue {
+                option: "indexer",
+                value: other.into(),
+                expected: "fp8 or fp4",
+            }),
+        }
+    }
+
+    /// Parse a `draft_mode` option value (`absent` or `dense`).
+    pub fn draft_mode_from_name(name: &str) -> Result<DraftMode, PlanOptionError> {
+        match name {
+            "absent" => Ok(DraftMode::Absent),
+            "dense" => Ok(DraftMode::Dense),
+            other => Err(PlanOptionError::BadValue {
+                option: "draft_mode",
+                value: other.into(),
+                expected: "absent or dense",
+            }),
+        }
+    }
+
+    /// The model: a preset by name, else a `config.json` at the path.
+    pub fn model_shape(&self) -> Result<ModelShape, PlanOptionError> {
+        match ModelShape::by_name(&self.model, self.spec_steps) {
+            Err(ModelError::UnknownPreset { .. }) if std::path::Path::new(&self.model).exists() => {}
+            Ok(_) if self.drafts.is_some() => {
+                return Err(PlanOptionError::BadValue {
+                    option: "draft_stages",
+                    value: self.model.clone(),
+                    expected: "given with a config.json model (a preset names its drafts)",
+                })
+            }
+            other => return Ok(other?),
+        }
+        let mut path = std::path::PathBuf::from(&self.model);
+        if path.is_dir() {
+            path.push("config.json");
+        }
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| PlanOptionError::Io { path: path.display().to_string(), reason: e.to_string() })?;
+        let mut model = ModelShape::from_config_json_with(&text, self.spec_steps, self.drafts)?;
+        model.name = path.display().to_string();
+        Ok(model)
+    }
+
+    /// Size the pool and add its checkpoint facts.
+    pub fn report(&self) -> Result<PlanReport, PlanOptionError> {
+        let model = self.model_shape()?;
+        let req = PlanRequest {
+            min_slots: self.min_slots,
+            overhead_bytes: self.overhead_bytes,
+            ..PlanRequest::new(self.kv, self.indexer, self.max_seqs, self.budget_bytes)
+        };
+        Ok(PlanReport::new(plan(&model, &req)?)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_size_the_same_plan_as_the_library() {
+        let r = PlanOptions::new("v4-flash", 8 << 30, 16).report().unwrap();
+        let model = ModelShape::v4_flash(0).unwrap();
+        let direct = plan(&model, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, 16, 8 << 30)).unwrap();
+        assert_eq!(r.plan, direct);
+        let j = r.to_json();
+        assert_eq!(j["num_slots"], 16);
+        assert_eq!(j["plane_rows"], direct.plane_rows);
+        assert_eq!(j["layout_id"], layout_id(&direct.layout).unwrap());
+    }
+
+    #[test]
+    fn bad_options_are_typed() {
+        let e = |o: PlanOptions| o.report().unwrap_err().variant_name();
+        assert_eq!(e(PlanOptions::new("v4-nope", 8 << 30, 16)), "UnknownPreset");
+        assert_eq!(e(PlanOptions::new("v4-flash", 1 << 20, 16)), "BudgetTooSmall");
+        assert_eq!(PlanOptions::kv_from_name("fp16").unwrap_err().variant_name(), "BadValue");
+        let mut o = PlanOptions::new("v4-flash", 8 << 30, 16);
+        o.drafts = Some(Drafts { stages: 1, mode: DraftMode::Dense });
+        assert_eq!(e(o), "BadValue");
+    }
+}

@@ -1,0 +1,149 @@
+//! The Python module `v4pool` (feature `python`; built by maturin, see `pyproject.toml`).
+//!
+//! A thin translation: arguments become library calls, library errors become
+//! `V4PoolError` with the Rust variant's name in `.variant`, and memory leaves as DLPack
+//! views (`dlpack.rs`) that keep the pool alive. No pool logic lives here.
+
+mod dlpack;
+mod pool;
+
+use crate::model::Drafts;
+use crate::plan_report::{PlanOptionError, PlanOptions, PlanReport};
+use crate::sizing::parse_bytes;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+pyo3::create_exception!(
+    v4pool,
+    V4PoolError,
+    pyo3::exceptions::PyException,
+    "A v4pool error: `.variant` is the Rust error's variant name, `.message` its text."
+);
+
+/// `V4PoolError(message)` with `.variant` and `.message` set.
+pub(crate) fn error(variant: &str, message: String) -> PyErr {
+    Python::attach(|py| {
+        let err = V4PoolError::new_err(message.clone());
+        let value = err.value(py);
+        match value.setattr("variant", variant).and_then(|_| value.setattr("message", message)) {
+            Ok(()) => err,
+            Err(e) => e,
+        }
+    })
+}
+
+/// Any library error, named by its innermost variant.
+pub(crate) fn lib_err<E: std::fmt::Debug + std::fmt::Display>(e: E) -> PyErr {
+    error(&crate::embed::error_variant(&e), e.to_string())
+}
+
+fn plan_err(e: PlanOptionError) -> PyErr {
+    error(e.variant_name(), e.to_string())
+}
+
+/// Bytes from an int or a text like `8GiB`.
+fn bytes_arg(v: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if let Ok(n) = v.extract::<u64>() {
+        return Ok(n);
+    }
+    let text: String = v.extract()?;
+    parse_bytes(&text).map_err(|e| error(e.variant_name(), e.to_string()))
+}
+
+/// A sized pool: the fields of `v4pool plan --json` as attributes (and `to_dict()`).
+#[pyclass(module = "v4pool", frozen)]
+pub struct Plan {
+    pub(crate) report: PlanReport,
+    fields: Py<PyDict>,
+}
+
+impl Plan {
+    fn new(py: Python<'_>, report: PlanReport) -> PyResult<Plan> {
+        let text = report.to_json().to_string();
+        let fields = py.import("json")?.call_method1("loads", (text,))?.cast_into::<PyDict>()?.unbind();
+        Ok(Plan { report, fields })
+    }
+}
+
+#[pymethods]
+impl Plan {
+    fn __getattr__(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
+        match self.fields.bind(py).get_item(name)? {
+            Some(v) => Ok(v.unbind()),
+            None => Err(pyo3::exceptions::PyAttributeError::new_err(format!("plan has no field {name:?}"))),
+        }
+    }
+
+    /// The fields as a new dict (the `--json` object).
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.fields.bind(py).copy()
+    }
+
+    /// The `--json` text.
+    fn to_json(&self) -> String {
+        self.report.to_json().to_string()
+    }
+
+    fn __dir__(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let mut names: Vec<String> = self.fields.bind(py).keys().extract()?;
+        names.extend(["to_dict", "to_json"].map(String::from));
+        Ok(names)
+    }
+
+    fn __repr__(&self) -> String {
+        let p = &self.report.plan;
+        format!(
+            "Plan(model={:?}, num_blocks={}, num_slots={}, plane_rows={}, total_bytes={})",
+            p.layout.model.name, p.num_blocks, p.num_slots, p.plane_rows, p.total_bytes
+        )
+    }
+}
+
+/// Size a pool from a byte budget: `v4pool plan` as a function.
+#[pyfunction]
+#[pyo3(signature = (
+    model="v4-flash", budget=None, max_seqs=16, *, dtype="fp8", indexer="fp8", spec_steps=0,
+    min_slots=0, overhead=None, draft_stages=None, draft_mode="absent"
+))]
+#[allow(clippy::too_many_arguments)]
+fn plan(
+    py: Python<'_>,
+    model: &str,
+    budget: Option<Bound<'_, PyAny>>,
+    max_seqs: i64,
+    dtype: &str,
+    indexer: &str,
+    spec_steps: i64,
+    min_slots: i64,
+    overhead: Option<Bound<'_, PyAny>>,
+    draft_stages: Option<usize>,
+    draft_mode: &str,
+) -> PyResult<Plan> {
+    let budget_bytes = match budget {
+        Some(b) => bytes_arg(&b)?,
+        None => 8 << 30,
+    };
+    let mut o = PlanOptions::new(model, budget_bytes, max_seqs);
+    o.kv = PlanOptions::kv_from_name(dtype).map_err(plan_err)?;
+    o.indexer = PlanOptions::indexer_from_name(indexer).map_err(plan_err)?;
+    o.spec_steps = spec_steps;
+    o.min_slots = min_slots;
+    o.overhead_bytes = overhead.map(|v| bytes_arg(&v)).transpose()?.unwrap_or(0);
+    if let Some(stages) = draft_stages {
+        o.drafts =
+            Some(Drafts { stages, mode: PlanOptions::draft_mode_from_name(draft_mode).map_err(plan_err)? });
+    }
+    let report = py.detach(|| o.report()).map_err(plan_err)?;
+    Plan::new(py, report)
+}
+
+#[pymodule]
+fn v4pool(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("V4PoolError", m.py().get_type::<V4PoolError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(plan, m)?)?;
+    m.add_class::<Plan>()?;
+    m.add_class::<dlpack::DeviceView>()?;
+    pool::register(m)?;
+    Ok(())
+}

@@ -1,0 +1,728 @@
+//! `v4pool.Pool` and `v4pool.Decode`: the pool on a backend (its own memory or the
+//! engine's), views as DLPack objects, slots and blocks, boundary moves, and the decode
+//! index buffers staged from numpy arrays and built on the caller's stream.
+
+use super::dlpack::{row_shape, DLDevice, DeviceView, Elem, Keep, DL_CPU, DL_CUDA, DL_ROCM};
+use super::{error, lib_err, Plan};
+use crate::alloc::{BlockHandle, SlotHandle};
+use crate::arena::Dtype;
+use crate::backend::external::ExternalRegion;
+use crate::backend::{Backend, BackendKind, Stream};
+use crate::boundary::BoundaryChange;
+use crate::checkpoint::{CheckpointImage, LayoutId};
+use crate::embed::{class_from_name, open_backend, DecodeStep, FlatBatch};
+use crate::pool::{DecodeCapacity, Pool, PoolSpec};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use std::sync::{Arc, Mutex};
+
+/// The pool and what its memory depends on. Field order is drop order: the pool (and its
+/// final stream drain) goes before the engine's tensor that may back it.
+pub struct Hold {
+    pool: Arc<Pool>,
+    _memory: Option<Py<PyAny>>,
+}
+
+/// A slot handed out: the allocator's handle and where it sits.
+#[pyclass(module = "v4pool", frozen, eq)]
+#[derive(Clone, PartialEq, Eq)]
+pub struct Slot {
+    #[pyo3(get)]
+    group: u32,
+    #[pyo3(get)]
+    generation: u64,
+    #[pyo3(get)]
+    pool_id: u32,
+    /// Position at hand-out (a boundary move reports the new one).
+    #[pyo3(get)]
+    position: i64,
+}
+
+impl Slot {
+    fn handle(&self) -> SlotHandle {
+        SlotHandle { group: self.group, generation: self.generation, pool: self.pool_id }
+    }
+    fn from_handle(h: SlotHandle, position: i64) -> Slot {
+        Slot { group: h.group, generation: h.generation, pool_id: h.pool, position }
+    }
+}
+
+#[pymethods]
+impl Slot {
+    fn __repr__(&self) -> String {
+        format!("Slot(group={}, generation={}, position={})", self.group, self.generation, self.position)
+    }
+}
+
+/// A block handed out.
+#[pyclass(module = "v4pool", frozen, eq)]
+#[derive(Clone, PartialEq, Eq)]
+pub struct Block {
+    #[pyo3(get)]
+    id: u32,
+    #[pyo3(get)]
+    generation: u64,
+    #[pyo3(get)]
+    pool_id: u32,
+}
+
+impl Block {
+    fn handle(&self) -> BlockHandle {
+        BlockHandle { id: self.id, generation: self.generation, pool: self.pool_id }
+    }
+    fn from_handle(h: BlockHandle) -> Block {
+        Block { id: h.id, generation: h.generation, pool_id: h.pool }
+    }
+}
+
+#[pymethods]
+impl Block {
+    fn __repr__(&self) -> String {
+        format!("Block(id={}, generation={})", self.id, self.generation)
+    }
+}
+
+/// `CU_STREAM_LEGACY`: the handle CUDA reads as the legacy default stream.
+const CUDA_LEGACY_STREAM: u64 = 1;
+
+/// A stream argument: None (the default), an int handle (0 is the backend's own stream),
+/// or an object with `.cuda_stream` (a `torch.cuda.Stream`). torch names the legacy default
+/// stream 0, which v4pool reads as its own stream, so a stream object's 0 becomes
+/// `CU_STREAM_LEGACY`: work then really is ordered with torch's default stream.
+fn stream_arg(stream: Option<&Bound<'_, PyAny>>, default: Stream) -> PyResult<Stream> {
+    let Some(s) = stream else { return Ok(default) };
+    if s.is_none() {
+        return Ok(default);
+    }
+    if let Ok(v) = s.extract::<u64>() {
+        return Ok(Stream(v));
+    }
+    let handle: u64 = s.getattr("cuda_stream")?.extract()?;
+    Ok(Stream(if handle == 0 { CUDA_LEGACY_STREAM } else { handle }))
+}
+
+/// `(address, bytes)` of an engine's buffer: a torch tensor (contiguous) or anything with
+/// `__array_interface__` (numpy).
+fn memory_arg(obj: &Bound<'_, PyAny>, kind: BackendKind) -> PyResult<(u64, u64)> {
+    if obj.hasattr("data_ptr")? {
+        if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
+            return Err(PyValueError::new_err("the tensor backing a pool must be contiguous"));
+        }
+        let on_gpu: bool = obj.getattr("is_cuda")?.extract()?;
+        if on_gpu != (kind != BackendKind::Host) {
+            return Err(PyValueError::new_err(format!(
+                "a {} tensor cannot back a pool on the {kind} backend",
+                if on_gpu { "GPU" } else { "CPU" }
+            )));
+        }
+        let ptr: u64 = obj.call_method0("data_ptr")?.extract()?;
+        let n: u64 = obj.call_method0("numel")?.extract()?;
+        let size: u64 = obj.call_method0("element_size")?.extract()?;
+        return Ok((ptr, n * size));
+    }
+    if kind != BackendKind::Host {
+        return Err(PyTypeError::new_err("a pool on a GPU backend needs a torch tensor or a pointer"));
+    }
+    let ai = obj.getattr("__array_interface__")?;
+    let (ptr, readonly): (u64, bool) = ai.get_item("data")?.extract()?;
+    if readonly || !ai.get_item("strides")?.is_none() {
+        return Err(PyValueError::new_err("the array backing a pool must be writable and contiguous"));
+    }
+    let nbytes: u64 = obj.getattr("nbytes")?.extract()?;
+    Ok((ptr, nbytes))
+}
+
+fn device_of(kind: BackendKind, device: usize) -> DLDevice {
+    let device_type = match kind {
+        BackendKind::Host => DL_CPU,
+        BackendKind::Cuda => DL_CUDA,
+        BackendKind::Hip => DL_ROCM,
+    };
+    DLDevice { device_type, device_id: if kind == BackendKind::Host { 0 } else { device as i32 } }
+}
+
+/// The pool on a backend: `Pool(plan, backend="auto", device=0, stream=None, memory=None)`.
+///
+/// `memory` (a torch tensor or a writable numpy array) puts the pool's planes, indexer cache
+/// and descriptor buffer in the engine's bytes (at least `Pool.required_bytes(plan)`); the
+/// pool keeps the object alive, and the engine must not touch those bytes except through
+/// the pool's views.
+#[pyclass(module = "v4pool", name = "Pool", frozen)]
+pub struct PyPool {
+    hold: Arc<Hold>,
+    plan: Py<Plan>,
+    device: DLDevice,
+    region: Option<(u64, u64)>,
+}
+
+impl PyPool {
+    fn pool(&self) -> &Pool {
+        &self.hold.pool
+    }
+
+    fn build(
+        py: Python<'_>,
+        plan: Py<Plan>,
+        backend: Arc<dyn Backend>,
+        device: usize,
+        stream: Stream,
+        memory: Option<(u64, u64, Py<PyAny>)>,
+    ) -> PyResult<PyPool> {
+        let spec = PoolSpec::from_plan(&plan.get().report.plan).map_err(lib_err)?;
+        let kind = backend.kind();
+        let (backend, region, keep): (Arc<dyn Backend>, _, _) = match memory {
+            None => (backend, None, None),
+            Some((ptr, bytes, obj)) => {
+                let need = ExternalRegion::required_bytes(&spec).map_err(lib_err)?;
+                if bytes < need {
+                    return Err(error(
+                        "RegionTooSmall",
+                        format!("the pool needs {need} bytes of memory, got {bytes}"),
+                    ));
+                }
+                // SAFETY: the caller's promise, stated on `Pool` and `Pool.over_pointer`: the
+                // bytes are memory of this device, stay allocated (we also hold `obj`) and are
+                // the pool's alone.
+                let ext = unsafe { ExternalRegion::new(backend, ptr, bytes) }.map_err(lib_err)?;
+                let region = ext.region();
+                (Arc::new(ext), Some(region), Some(obj))
+            }
+        };
+        let pool = py.detach(|| Pool::new(backend, spec, stream)).map_err(lib_err)?;
+        Ok(PyPool {
+            hold: Arc::new(Hold { pool: Arc::new(pool), _memory: keep }),
+            plan,
+            device: device_of(kind, device),
+            region,
+        })
+    }
+
+    fn keep(&self) -> Keep {
+        self.hold.clone()
+    }
+
+    fn view(&self, ptr: u64, elem: Elem, shape: Vec<i64>) -> DeviceView {
+        let mut v = DeviceView::contiguous(ptr, elem, shape, self.device, self.keep());
+        v.sync = Some(sync_fn(&self.hold));
+        v
+    }
+
+    /// Default element type of a plane's rows: bf16 for the RoPE plane and the bf16
+    /// layout's single plane, raw bytes for the NoPE plane (fp8 values and scales share it).
+    fn plane_elem(&self, plane: usize, dtype: Option<&str>) -> PyResult<Elem> {
+        if let Some(name) = dtype {
+            return Elem::parse(name).ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "dtype {name:?}: one of uint8, float8_e4m3fn, bfloat16, int32, float32"
+                ))
+            });
+        }
+        let widths = &self.pool().spec().plane_widths;
+        Ok(if widths.len() == 2 && plane == 0 { Elem::U8 } else { Elem::Bf16 })
+    }
+}
+
+fn sync_fn(hold: &Arc<Hold>) -> Arc<dyn Fn() -> PyResult<()> + Send + Sync> {
+    let hold = hold.clone();
+    Arc::new(move || hold.pool.backend().synchronize(hold.pool.stream()).map_err(lib_err))
+}
+
+fn change_dict<'py>(py: Python<'py>, c: &BoundaryChange) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let blocks: Vec<(Block, Block)> =
+        c.block_moves.iter().map(|m| (Block::from_handle(m.old), Block::from_handle(m.new))).collect();
+    let slots: Vec<(Slot, Slot)> = c
+        .slot_moves
+        .iter()
+        .map(|m| (Slot::from_handle(m.old, m.from_position), Slot::from_handle(m.new, m.to_position)))
+        .collect();
+    d.set_item("block_moves", blocks)?;
+    d.set_item("slot_moves", slots)?;
+    d.set_item("new_live_positions", (c.new_live_positions.start, c.new_live_positions.end))?;
+    d.set_item("retired_positions", (c.retired_positions.start, c.retired_positions.end))?;
+    d.set_item("num_blocks", c.num_blocks)?;
+    d.set_item("num_slots", c.num_slots)?;
+    d.set_item("max_blocks", c.max_blocks)?;
+    Ok(d)
+}
+
+#[pymethods]
+impl PyPool {
+    #[new]
+    #[pyo3(signature = (plan, backend="auto", device=0, stream=None, memory=None))]
+    fn new(
+        py: Python<'_>,
+        plan: Py<Plan>,
+        backend: &str,
+        device: usize,
+        stream: Option<Bound<'_, PyAny>>,
+        memory: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<PyPool> {
+        let b = open_backend(backend, device).map_err(lib_err)?;
+        let stream = stream_arg(stream.as_ref(), Stream::DEFAULT)?;
+        let memory = match memory {
+            None => None,
+            Some(m) => {
+                let (ptr, bytes) = memory_arg(&m, b.kind())?;
+                Some((ptr, bytes, m.unbind()))
+            }
+        };
+        PyPool::build(py, plan, b, device, stream, memory)
+    }
+
+    /// A pool over `nbytes` at address `ptr` (device memory of `backend`'s device; host
+    /// memory for the host backend). The caller guarantees the bytes stay allocated while
+    /// the pool and every view of it live (pass the owner as `keepalive`) and that nothing
+    /// else uses them: Python cannot check a raw address.
+    #[staticmethod]
+    #[pyo3(signature = (plan, ptr, nbytes, backend="auto", device=0, stream=None, keepalive=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn over_pointer(
+        py: Python<'_>,
+        plan: Py<Plan>,
+        ptr: u64,
+        nbytes: u64,
+        backend: &str,
+        device: usize,
+        stream: Option<Bound<'_, PyAny>>,
+        keepalive: Option<Py<PyAny>>,
+    ) -> PyResult<PyPool> {
+        let b = open_backend(backend, device).map_err(lib_err)?;
+        let stream = stream_arg(stream.as_ref(), Stream::DEFAULT)?;
+        let keep = keepalive.unwrap_or_else(|| py.None());
+        PyPool::build(py, plan, b, device, stream, Some((ptr, nbytes, keep)))
+    }
+
+    /// Bytes `memory` (or `over_pointer`) must provide for `plan`'s pool.
+    #[staticmethod]
+    fn required_bytes(plan: &Bound<'_, Plan>) -> PyResult<u64> {
+        let spec = PoolSpec::from_plan(&plan.get().report.plan).map_err(lib_err)?;
+        ExternalRegion::required_bytes(&spec).map_err(lib_err)
+    }
+
+    #[getter]
+    fn plan(&self, py: Python<'_>) -> Py<Plan> {
+        self.plan.clone_ref(py)
+    }
+    #[getter]
+    fn backend(&self) -> String {
+        self.pool().backend().kind().to_string()
+    }
+    #[getter]
+    fn device_name(&self) -> String {
+        self.pool().backend().device_name()
+    }
+    #[getter]
+    fn stream(&self) -> u64 {
+        self.pool().stream().0
+    }
+    #[getter]
+    fn num_planes(&self) -> usize {
+        self.pool().num_planes()
+    }
+    #[getter]
+    fn plane_widths(&self) -> Vec<u64> {
+        self.pool().spec().plane_widths.clone()
+    }
+    #[getter]
+    fn plane_rows(&self) -> i64 {
+        self.pool().spec().geometry.plane_rows
+    }
+    /// Compress ratio of every layer (0 dense, 4 CSA, 128 HCA, -1 absent).
+    #[getter]
+    fn ratios(&self) -> Vec<i32> {
+        self.pool().spec().geometry.ratios.clone()
+    }
+    /// `(address, bytes)` of the engine memory the pool was carved from, if any.
+    #[getter]
+    fn region(&self) -> Option<(u64, u64)> {
+        self.region
+    }
+
+    /// Plane `plane` as `[plane_rows, row elements]` (dtype: see `layer_view`).
+    #[pyo3(signature = (plane, dtype=None))]
+    fn plane(&self, plane: usize, dtype: Option<&str>) -> PyResult<DeviceView> {
+        let ptr = self.pool().plane_ptr(plane).map_err(lib_err)?;
+        let elem = self.plane_elem(plane, dtype)?;
+        let shape = row_shape(self.plane_rows(), self.pool().spec().plane_widths[plane], elem)?;
+        Ok(self.view(ptr, elem, shape))
+    }
+
+    /// Layer `layer`'s view of plane `plane`: `[view rows, row elements]` from the layer's
+    /// base row; index-buffer entries are rows of it. `dtype`: `uint8` (NoPE default),
+    /// `bfloat16` (RoPE / bf16 default), `float8_e4m3fn`.
+    #[pyo3(signature = (layer, plane, dtype=None))]
+    fn layer_view(&self, layer: usize, plane: usize, dtype: Option<&str>) -> PyResult<DeviceView> {
+        let v = self.pool().layer_view(layer, plane).map_err(lib_err)?;
+        let elem = self.plane_elem(plane, dtype)?;
+        Ok(self.view(v.ptr, elem, row_shape(v.rows, v.row_bytes, elem)?))
+    }
+
+    /// Names of the compressor-state fields.
+    fn state_fields(&self) -> Vec<String> {
+        self.pool().spec().arena.fields().iter().map(|f| f.name.clone()).collect()
+    }
+
+    /// One state field over every position: `[layers, positions, *shape]`, float32 or
+    /// bfloat16, strided as it sits in the slots.
+    fn state_view(&self, field: &str) -> PyResult<DeviceView> {
+        let (ptr, v) = self.pool().state_view(field).map_err(lib_err)?;
+        let elem = match v.dtype {
+            Dtype::F32 => Elem::F32,
+            Dtype::Bf16 => Elem::Bf16,
+        };
+        let mut view = self.view(ptr, elem, v.dims.iter().map(|&d| d as i64).collect());
+        view.strides = v.strides.iter().map(|&s| s as i64).collect();
+        Ok(view)
+    }
+
+    fn alloc_slot(&self) -> PyResult<Slot> {
+        let s = self.pool().alloc_slot().map_err(lib_err)?;
+        Ok(Slot::from_handle(s.handle, s.position))
+    }
+    fn free_slot(&self, slot: &Slot) -> PyResult<()> {
+        self.pool().free_slot(slot.handle()).map_err(lib_err)
+    }
+    /// Current position of a held slot.
+    fn slot_position(&self, slot: &Slot) -> PyResult<i64> {
+        self.pool().slot_position(slot.handle()).map_err(lib_err)
+    }
+    fn alloc_block(&self) -> PyResult<Block> {
+        Ok(Block::from_handle(self.pool().alloc_block().map_err(lib_err)?.handle))
+    }
+    fn free_block(&self, block: &Block) -> PyResult<()> {
+        self.pool().free_block(block.handle()).map_err(lib_err)
+    }
+    fn check_block(&self, block: &Block) -> PyResult<()> {
+        self.pool().check_block(block.handle()).map_err(lib_err)
+    }
+
+    /// Allocator counts now.
+    fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.pool().counts().map_err(lib_err)?;
+        let d = PyDict::new(py);
+        d.set_item("num_blocks", c.num_blocks)?;
+        d.set_item("num_slots", c.num_slots)?;
+        d.set_item("free_blocks", c.free_blocks)?;
+        d.set_item("free_slots", c.free_slots)?;
+        d.set_item("max_blocks", c.max_blocks)?;
+        d.set_item("slot_positions", c.slot_positions)?;
+        Ok(d)
+    }
+
+    /// Live slot positions `(first, end)` at the current split.
+    fn live_positions(&self) -> PyResult<(i64, i64)> {
+        let r = self.pool().with_boundary(|b| b.live_positions()).map_err(lib_err)?;
+        Ok((r.start, r.end))
+    }
+
+    fn grow_slots<'py>(&self, py: Python<'py>, n: u32) -> PyResult<Bound<'py, PyDict>> {
+        change_dict(py, &self.pool().grow_slots(n).map_err(lib_err)?)
+    }
+    fn shrink_slots<'py>(&self, py: Python<'py>, n: u32) -> PyResult<Bound<'py, PyDict>> {
+        change_dict(py, &self.pool().shrink_slots(n).map_err(lib_err)?)
+    }
+    fn grow_blocks<'py>(&self, py: Python<'py>, n: u32) -> PyResult<Bound<'py, PyDict>> {
+        change_dict(py, &self.pool().grow_blocks(n).map_err(lib_err)?)
+    }
+    fn shrink_blocks<'py>(&self, py: Python<'py>, n: u32) -> PyResult<Bound<'py, PyDict>> {
+        change_dict(py, &self.pool().shrink_blocks(n).map_err(lib_err)?)
+    }
+    fn resize<'py>(&self, py: Python<'py>, num_blocks: u32, num_slots: u32) -> PyResult<Bound<'py, PyDict>> {
+        change_dict(py, &self.pool().resize(num_blocks, num_slots).map_err(lib_err)?)
+    }
+
+    /// Row of `layer`'s view holding ring entry `ring_pos` of the slot at `position`.
+    fn window_index(&self, layer: usize, position: i64, ring_pos: i64) -> PyResult<i64> {
+        let g = self.pool().geometry().map_err(lib_err)?;
+        g.window_index(layer, position, ring_pos).map_err(lib_err)
+    }
+    /// Row of `layer`'s view holding compressed row `row` of block `block`.
+    fn compress_index(&self, layer: usize, block: i64, row: i64) -> PyResult<i64> {
+        let g = self.pool().geometry().map_err(lib_err)?;
+        g.compress_index(layer, block, row).map_err(lib_err)
+    }
+    /// Plane row of `layer`'s view row `index`.
+    fn absolute_row(&self, layer: usize, index: i64) -> PyResult<i64> {
+        let g = self.pool().geometry().map_err(lib_err)?;
+        g.absolute_row(layer, index).map_err(lib_err)
+    }
+
+    /// Bytes `offset .. offset + nbytes` of a plane (waits for the pool's stream).
+    fn read_plane<'py>(
+        &self,
+        py: Python<'py>,
+        plane: usize,
+        offset: u64,
+        nbytes: usize,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let mut buf = vec![0u8; nbytes];
+        self.pool().read_plane(plane, offset, &mut buf).map_err(lib_err)?;
+        Ok(PyBytes::new(py, &buf))
+    }
+    /// Write bytes into a plane at `offset` (stream-ordered).
+    fn write_plane(&self, plane: usize, offset: u64, data: &[u8]) -> PyResult<()> {
+        self.pool().write_plane(plane, offset, data).map_err(lib_err)
+    }
+
+    /// A held slot's checkpoint image (carried state and window rows) as
+    /// `(layout_id, data)`; a restore checks both against the pool.
+    fn checkpoint<'py>(&self, py: Python<'py>, slot: &Slot) -> PyResult<(String, Bound<'py, PyBytes>)> {
+        let image = self.pool().checkpoint(slot.handle()).map_err(lib_err)?;
+        Ok((image.layout_id().to_string(), PyBytes::new(py, image.bytes())))
+    }
+    /// Restore a held slot from a `checkpoint` image.
+    fn restore(&self, slot: &Slot, layout_id: &str, data: &[u8]) -> PyResult<()> {
+        let image = CheckpointImage::new(LayoutId::new(layout_id), data.to_vec());
+        self.pool().restore(slot.handle(), &image).map_err(lib_err)
+    }
+
+    /// Wait for the pool's stream.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let pool = &self.hold.pool;
+        py.detach(|| pool.backend().synchronize(pool.stream())).map_err(lib_err)
+    }
+
+    /// Persistent decode index buffers for this pool. Defaults: one token per sequence
+    /// plus the plan's speculative steps, the model's window and top-k, one CSA copy.
+    #[pyo3(signature = (max_seqs, max_blocks_per_seq, *, max_tokens=None, win=None, index_topk=None))]
+    fn decode(
+        &self,
+        max_seqs: usize,
+        max_blocks_per_seq: usize,
+        max_tokens: Option<usize>,
+        win: Option<i32>,
+        index_topk: Option<i32>,
+    ) -> PyResult<PyDecode> {
+        let model = &self.plan.get().report.plan.layout.model;
+        let per_seq = 1 + usize::try_from(model.spec_steps).unwrap_or(0);
+        let cap = DecodeCapacity {
+            max_seqs,
+            max_tokens: max_tokens.unwrap_or(max_seqs.saturating_mul(per_seq)),
+            max_blocks_per_seq,
+            win: win.unwrap_or(model.sliding_window as i32),
+            index_topk: index_topk.unwrap_or(model.index_topk as i32),
+        };
+        let step = DecodeStep::new(self.hold.pool.clone(), cap).map_err(lib_err)?;
+        let step = Arc::new(Mutex::new(step));
+        let keep: Keep = Arc::new((step.clone(), self.hold.clone()));
+        Ok(PyDecode { step, hold: self.hold.clone(), device: self.device, keep })
+    }
+
+    fn __repr__(&self) -> String {
+        let p = self.pool();
+        format!(
+            "Pool(backend={}, planes={:?}, plane_rows={})",
+            p.backend().kind(),
+            p.spec().plane_widths,
+            self.plane_rows()
+        )
+    }
+}
+
+/// A 1-D (or 2-D) integer array argument: numpy arrays of the right type through
+/// `__array_interface__` (no copy), anything else as a sequence (copied into `tmp`).
+fn int_array<'a, T: Copy>(
+    obj: &'a Bound<'_, PyAny>,
+    typestr: &str,
+    tmp: &'a mut Vec<T>,
+    extract: fn(&Bound<'_, PyAny>) -> PyResult<Vec<T>>,
+) -> PyResult<(&'a [T], Vec<usize>)> {
+    if let Ok(ai) = obj.getattr("__array_interface__") {
+        let shape: Vec<usize> = ai.get_item("shape")?.extract()?;
+        let ts: String = ai.get_item("typestr")?.extract()?;
+        let contiguous = ai.get_item("strides")?.is_none();
+        if ts == typestr && contiguous {
+            let (ptr, _): (usize, bool) = ai.get_item("data")?.extract()?;
+            let n: usize = shape.iter().product();
+            if n == 0 {
+                return Ok((&[], shape));
+            }
+            // SAFETY: a C-contiguous numpy array of `n` elements of T at `ptr` (type string
+            // and strides checked), kept alive by `obj` for 'a; the GIL is held throughout
+            // the call, so no Python code resizes or frees it meanwhile.
+            return Ok((unsafe { std::slice::from_raw_parts(ptr as *const T, n) }, shape));
+        }
+        return Err(PyTypeError::new_err(format!(
+            "expected a C-contiguous {typestr} array, got typestr {ts} (use numpy.ascontiguousarray(x, dtype=...))"
+        )));
+    }
+    *tmp = extract(obj)?;
+    let n = tmp.len();
+    Ok((tmp.as_slice(), vec![n]))
+}
+
+fn i64s(o: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    o.extract()
+}
+fn i32s(o: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+    o.extract()
+}
+
+const I64: &str = "<i8";
+const I32: &str = "<i4";
+
+/// Decode index buffers of one pool: `stage` a batch, `build` on a stream (capturable),
+/// and the buffers as int32 DLPack views.
+#[pyclass(module = "v4pool", name = "Decode", frozen)]
+pub struct PyDecode {
+    step: Arc<Mutex<DecodeStep>>,
+    hold: Arc<Hold>,
+    device: DLDevice,
+    keep: Keep,
+}
+
+impl PyDecode {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, DecodeStep>> {
+        self.step.lock().map_err(|_| error("Poisoned", "decode buffers' lock poisoned".into()))
+    }
+
+    fn view(&self, (ptr, len): (u64, u64)) -> DeviceView {
+        let mut v = DeviceView::contiguous(ptr, Elem::I32, vec![len as i64], self.device, self.keep.clone());
+        v.sync = Some(sync_fn(&self.hold));
+        v
+    }
+
+    fn class(&self, cls: &str) -> PyResult<crate::geometry::Class> {
+        class_from_name(cls)
+            .ok_or_else(|| PyValueError::new_err(format!("class {cls:?}: one of dense, csa, hca")))
+    }
+}
+
+#[pymethods]
+impl PyDecode {
+    /// Stage one step: per sequence its slot position, context length after the step and
+    /// tokens this step (default 1); `block_tables` an int32 `[batch, columns]` array, or
+    /// None when the tables are resident (`write_block_table`). One host-to-device copy on
+    /// `stream` (default: the pool's). Returns the real token count.
+    #[pyo3(signature = (positions, context_lens, num_tokens=None, block_tables=None))]
+    fn stage(
+        &self,
+        positions: &Bound<'_, PyAny>,
+        context_lens: &Bound<'_, PyAny>,
+        num_tokens: Option<&Bound<'_, PyAny>>,
+        block_tables: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let (mut t0, mut t1, mut t2, mut t3) = (Vec::new(), Vec::new(), Vec::new(), Vec::<i32>::new());
+        let (positions, _) = int_array(positions, I64, &mut t0, i64s)?;
+        let (context_lens, _) = int_array(context_lens, I64, &mut t1, i64s)?;
+        let ones;
+        let num_tokens = match num_tokens {
+            Some(n) => int_array(n, I64, &mut t2, i64s)?.0,
+            None => {
+                ones = vec![1i64; positions.len()];
+                &ones
+            }
+        };
+        let (tables, stride) = match block_tables {
+            Some(t) => {
+                let (flat, shape) = int_array(t, I32, &mut t3, i32s)?;
+                if shape.len() != 2 {
+                    return Err(PyValueError::new_err("block_tables must be 2-D [batch, columns]"));
+                }
+                (Some(flat), shape[1])
+            }
+            None => (None, 0),
+        };
+        let batch =
+            FlatBatch { positions, context_lens, num_tokens, block_tables: tables, table_stride: stride };
+        self.lock()?.stage(&batch).map_err(lib_err)
+    }
+
+    /// Write batch row `row`'s device block table from column `start_col`.
+    #[pyo3(signature = (row, ids, start_col=0))]
+    fn write_block_table(&self, row: usize, ids: &Bound<'_, PyAny>, start_col: usize) -> PyResult<()> {
+        let mut tmp = Vec::new();
+        let (ids, _) = int_array(ids, I32, &mut tmp, i32s)?;
+        self.lock()?.write_block_table(row, start_col, ids).map_err(lib_err)
+    }
+
+    /// Queue the index build on `stream` (an int handle or a `torch.cuda.Stream`; default
+    /// the pool's). One launch with fixed pointers: capturable in `torch.cuda.graph`.
+    #[pyo3(signature = (stream=None))]
+    fn build(&self, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let stream = stream_arg(stream, self.hold.pool.stream())?;
+        self.lock()?.build(Some(stream)).map_err(lib_err)
+    }
+
+    /// Class `cls`'s index buffer (`dense`, `csa`, `hca`), int32 `[max_tokens × slice
+    /// capacity]`. Token `t`'s rows are `indices[indptr[t]:indptr[t+1]]`.
+    fn indices(&self, cls: &str) -> PyResult<DeviceView> {
+        let c = self.class(cls)?;
+        Ok(self.view(self.lock()?.indices(c).map_err(lib_err)?))
+    }
+    /// Class `cls`'s indptr, int32 `[max_tokens + 1]`.
+    fn indptr(&self, cls: &str) -> PyResult<DeviceView> {
+        let c = self.class(cls)?;
+        Ok(self.view(self.lock()?.indptr(c).map_err(lib_err)?))
+    }
+    /// Class `cls`'s destination rows (where each token's new row goes), int32 `[max_tokens]`.
+    fn dest_rows(&self, cls: &str) -> PyResult<DeviceView> {
+        let c = self.class(cls)?;
+        Ok(self.view(self.lock()?.dest_rows(c).map_err(lib_err)?))
+    }
+
+    /// The capacities the buffers were sized for.
+    fn capacity<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.lock()?.path().capacity();
+        let d = PyDict::new(py);
+        d.set_item("max_seqs", c.max_seqs)?;
+        d.set_item("max_tokens", c.max_tokens)?;
+        d.set_item("max_blocks_per_seq", c.max_blocks_per_seq)?;
+        d.set_item("win", c.win)?;
+        d.set_item("index_topk", c.index_topk)?;
+        Ok(d)
+    }
+
+    /// Wait for every stream the buffers were used on.
+    fn synchronize(&self) -> PyResult<()> {
+        self.lock()?.synchronize().map_err(lib_err)
+    }
+
+    /// Mean seconds of `iters` stage + build calls made from Rust on the same arrays (the
+    /// baseline the Python-call overhead is measured against; see the bench script).
+    /// `block_tables=None` times the resident-table path; `build=False` times staging alone.
+    #[pyo3(signature = (positions, context_lens, num_tokens, block_tables=None, iters=1000, build=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn time_stage_build(
+        &self,
+        positions: &Bound<'_, PyAny>,
+        context_lens: &Bound<'_, PyAny>,
+        num_tokens: &Bound<'_, PyAny>,
+        block_tables: Option<&Bound<'_, PyAny>>,
+        iters: u32,
+        build: bool,
+    ) -> PyResult<f64> {
+        let (mut t0, mut t1, mut t2, mut t3) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (positions, _) = int_array(positions, I64, &mut t0, i64s)?;
+        let (context_lens, _) = int_array(context_lens, I64, &mut t1, i64s)?;
+        let (num_tokens, _) = int_array(num_tokens, I64, &mut t2, i64s)?;
+        let (tables, stride) = match block_tables {
+            Some(t) => {
+                let (flat, shape) = int_array(t, I32, &mut t3, i32s)?;
+                (Some(flat), shape.get(1).copied().unwrap_or(0))
+            }
+            None => (None, 0),
+        };
+        let batch =
+            FlatBatch { positions, context_lens, num_tokens, block_tables: tables, table_stride: stride };
+        let mut step = self.lock()?;
+        let start = std::time::Instant::now();
+        for _ in 0..iters.max(1) {
+            step.stage(&batch).map_err(lib_err)?;
+            if build {
+                step.build(None).map_err(lib_err)?;
+            }
+        }
+        Ok(start.elapsed().as_secs_f64() / f64::from(iters.max(1)))
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyPool>()?;
+    m.add_class::<PyDecode>()?;
+    m.add_class::<Slot>()?;
+    m.add_class::<Block>()?;
+    Ok(())
+}

@@ -1,0 +1,327 @@
+"""The Python module on the host backend: plans, views aliasing the planes, errors, the
+decode index buffers, pools over engine memory. CI runs it against the installed wheel."""
+
+import gc
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import v4pool
+
+BUDGET = "256MiB"
+RNG = np.random.default_rng(20261130)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return v4pool.plan(model="v4-flash", budget=BUDGET, max_seqs=4)
+
+
+@pytest.fixture()
+def pool(plan):
+    return v4pool.Pool(plan, backend="host")
+
+
+def layer_of(pool, ratio):
+    return pool.ratios.index(ratio)
+
+
+# ---- plan --------------------------------------------------------------------------------
+
+
+def test_plan_has_the_cli_fields(plan):
+    d = plan.to_dict()
+    assert d["num_slots"] == 4
+    assert plan.plane_rows == d["plane_rows"] > 0
+    assert plan.plane_widths == [512, 128]
+    assert json.loads(plan.to_json()) == d
+    cli = os.environ.get("V4POOL_CLI")
+    if not cli:
+        pytest.skip("V4POOL_CLI not set: no `v4pool` binary to compare with")
+    out = subprocess.run(
+        [cli, "plan", "--model", "v4-flash", "--budget", BUDGET, "--max-seqs", "4", "--json"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    assert json.loads(out) == d
+
+
+def test_plan_options(plan):
+    bf16 = v4pool.plan(model="v4-flash", budget=256 << 20, max_seqs=4, dtype="bf16")
+    assert bf16.plane_widths == [1024]
+    k1 = v4pool.plan(model="v4-flash", budget=BUDGET, max_seqs=4, spec_steps=1)
+    assert k1.ring_slots == plan.ring_slots + 1
+    with pytest.raises(AttributeError):
+        plan.no_such_field
+
+
+@pytest.mark.parametrize(
+    "kwargs, variant",
+    [
+        (dict(model="v4-nope"), "UnknownPreset"),
+        (dict(budget="1MiB"), "BudgetTooSmall"),
+        (dict(budget="12 parsecs"), "UnknownUnit"),
+        (dict(dtype="fp16"), "BadValue"),
+        (dict(indexer="int4"), "BadValue"),
+    ],
+)
+def test_plan_errors_carry_the_variant(kwargs, variant):
+    args = dict(model="v4-flash", budget=BUDGET, max_seqs=4)
+    args.update(kwargs)
+    with pytest.raises(v4pool.V4PoolError) as e:
+        v4pool.plan(**args)
+    assert e.value.variant == variant
+    assert e.value.message and str(e.value) == e.value.message
+    assert isinstance(e.value, Exception)
+
+
+# ---- views -------------------------------------------------------------------------------
+
+
+def test_pool_errors_carry_the_variant(plan, pool):
+    with pytest.raises(v4pool.V4PoolError) as e:
+        v4pool.Pool(plan, backend="tpu")
+    assert e.value.variant == "UnknownBackendName"
+    with pytest.raises(v4pool.V4PoolError) as e:
+        pool.layer_view(layer_of(pool, 4), 2)
+    assert e.value.variant == "NoSuchPlane"
+    with pytest.raises(v4pool.V4PoolError) as e:
+        pool.plane(5)
+    assert e.value.variant == "NoSuchPlane"
+    with pytest.raises(v4pool.V4PoolError) as e:
+        pool.read_plane(0, pool.plane_rows * 512 - 4, 8)
+    assert e.value.variant == "PlaneRange"
+    slot = pool.alloc_slot()
+    pool.free_slot(slot)
+    with pytest.raises(v4pool.V4PoolError) as e:
+        pool.free_slot(slot)
+    assert e.value.variant in ("StaleSlot", "NotHeld", "DoubleFree", "StaleHandle"), e.value.variant
+
+
+def test_views_are_dlpack_objects(pool):
+    p0, p1 = pool.plane(0), pool.plane(1)
+    assert p0.dtype == "uint8" and p0.shape == [pool.plane_rows, 512]
+    assert p1.dtype == "bfloat16" and p1.shape == [pool.plane_rows, 64]
+    assert p0.__dlpack_device__() == (1, 0)
+    a = np.from_dlpack(p0)
+    assert a.ctypes.data == p0.ptr and a.shape == (pool.plane_rows, 512) and a.dtype == np.uint8
+    assert pool.plane(1, dtype="float8_e4m3fn").shape == [pool.plane_rows, 128]
+    with pytest.raises(ValueError):
+        pool.plane(1, dtype="float64")
+
+
+def test_window_rows_alias_the_planes(pool, plan):
+    """Write through numpy at a slot's window rows, read back through the pool at the byte
+    offsets the geometry gives; then the other way round."""
+    slot = pool.alloc_slot()
+    ring = plan.ring_slots
+    for ratio in (0, 4, 128):
+        layer = layer_of(pool, ratio)
+        for plane, width in enumerate(pool.plane_widths):
+            view = np.from_dlpack(pool.layer_view(layer, plane, dtype="uint8"))
+            base = pool.layer_view(layer, plane).ptr - pool.plane(plane).ptr
+            assert base == pool.absolute_row(layer, 0) * width
+            for ring_pos in RNG.choice(ring, size=4, replace=False):
+                row = pool.window_index(layer, slot.position, int(ring_pos))
+                data = RNG.integers(0, 256, size=width, dtype=np.uint8)
+                view[row] = data
+                offset = pool.absolute_row(layer, row) * width
+                assert pool.read_plane(plane, offset, width) == data.tobytes()
+                back = RNG.integers(0, 256, size=width, dtype=np.uint8)
+                pool.write_plane(plane, offset, back.tobytes())
+                assert np.array_equal(view[row], back)
+
+
+def test_state_views_are_strided_per_position(pool):
+    names = pool.state_fields()
+    assert names
+    f32 = [n for n in names if pool.state_view(n).dtype == "float32"]
+    assert f32, names
+    slot = pool.alloc_slot()
+    seen_neg_inf = False
+    for name in f32:
+        sv = pool.state_view(name)
+        a = np.from_dlpack(sv)
+        assert list(a.shape) == sv.shape
+        assert [s // 4 for s in a.strides] == sv.strides
+        mine = a[:, slot.position]
+        # Initialised on allocation: zeros, or -inf for score fields.
+        assert np.all((mine == 0) | np.isneginf(mine))
+        seen_neg_inf |= bool(np.isneginf(mine).any())
+        # A write through the state view lands inside the slot's own rows.
+        mine[...] = 1.5
+        assert np.all(a[:, slot.position] == 1.5)
+    assert seen_neg_inf, "no score field initialised to -inf"
+
+
+def test_views_keep_the_pool_alive(plan):
+    pool = v4pool.Pool(plan, backend="host")
+    a = np.from_dlpack(pool.plane(0))
+    a[3, :4] = [1, 2, 3, 4]
+    ptr = pool.plane(0).ptr
+    del pool
+    gc.collect()
+    assert a.ctypes.data == ptr
+    assert list(a[3, :4]) == [1, 2, 3, 4]
+
+
+def test_boundary_moves_keep_view_addresses(pool):
+    before = [pool.layer_view(layer_of(pool, r), 0).ptr for r in (0, 4, 128)]
+    counts = pool.counts()
+    change = pool.grow_slots(1)
+    assert change["num_slots"] == counts["num_slots"] + 1
+    assert pool.counts()["num_slots"] == counts["num_slots"] + 1
+    assert before == [pool.layer_view(layer_of(pool, r), 0).ptr for r in (0, 4, 128)]
+    pool.shrink_slots(1)
+    with pytest.raises(v4pool.V4PoolError) as e:
+        pool.shrink_slots(10**6)
+    assert e.value.variant
+
+
+def test_checkpoint_round_trip(pool):
+    slot = pool.alloc_slot()
+    layer = layer_of(pool, 4)
+    view = np.from_dlpack(pool.layer_view(layer, 0))
+    row = pool.window_index(layer, slot.position, 7)
+    view[row] = RNG.integers(0, 256, size=512, dtype=np.uint8)
+    saved = view[row].copy()
+    layout, data = pool.checkpoint(slot)
+    assert layout == pool.plan.layout_id
+    view[row] = 0
+    pool.restore(slot, layout, data)
+    assert np.array_equal(view[row], saved)
+    with pytest.raises(v4pool.V4PoolError) as e:
+        pool.restore(slot, layout, data[:-1])
+    assert e.value.variant == "BufferSize"
+    with pytest.raises(v4pool.V4PoolError) as e:
+        pool.restore(slot, "another-layout", data)
+    assert e.value.variant
+
+
+# ---- decode index buffers ----------------------------------------------------------------
+
+
+def test_decode_build_matches_the_geometry(pool, plan):
+    slots = [pool.alloc_slot() for _ in range(3)]
+    blocks = [pool.alloc_block() for _ in range(12)]
+    bs = 256
+    dec = pool.decode(max_seqs=4, max_blocks_per_seq=4)
+    cap = dec.capacity()
+    assert cap["win"] == 128 and cap["max_tokens"] == 4
+    ctx = np.array([5, 700, 1000], dtype=np.int64)
+    positions = np.array([s.position for s in slots], dtype=np.int64)
+    ids = RNG.permutation([b.id for b in blocks]).astype(np.int32)
+    tables = np.zeros((3, 4), dtype=np.int32)
+    tables[:] = ids[:12].reshape(3, 4)
+    # Poison the outputs: every cell the build owns must be written.
+    for cls in ("dense", "csa", "hca"):
+        np.from_dlpack(dec.indices(cls))[:] = -7
+    tokens = dec.stage(positions, ctx, block_tables=tables)
+    assert tokens == 3
+    dec.build()
+    ring = plan.ring_slots
+    for cls, ratio in (("dense", 0), ("csa", 4), ("hca", 128)):
+        layer = layer_of(pool, ratio)
+        indptr = np.from_dlpack(dec.indptr(cls))
+        idx = np.from_dlpack(dec.indices(cls))
+        dest = np.from_dlpack(dec.dest_rows(cls))
+        expect_ptr = [0]
+        for t, c in enumerate(ctx):
+            p = int(c) - 1
+            n = min(p + 1, 128)
+            head = {"dense": 0, "csa": min((p + 1) // 4, c // 4, cap["index_topk"]), "hca": min((p + 1) // 128, c // 128)}[cls]
+            expect_ptr.append(expect_ptr[-1] + head + n)
+            end = expect_ptr[-1]
+            tail = [pool.window_index(layer, int(positions[t]), (p - n + 1 + i) % ring) for i in range(n)]
+            assert list(idx[end - n:end]) == tail, (cls, t)
+            assert dest[t] == tail[-1]
+            if cls == "hca":
+                heads = [pool.compress_index(layer, int(tables[t][e // 2]), e % 2) for e in range(head)]
+                assert list(idx[expect_ptr[-2]:expect_ptr[-2] + head]) == heads
+        assert list(indptr[:4]) == expect_ptr
+        # Pad tokens repeat the last offset.
+        assert np.all(indptr[4:] == expect_ptr[-1])
+
+
+def test_decode_resident_tables_and_errors(pool):
+    slot = pool.alloc_slot()
+    blk = pool.alloc_block()
+    dec = pool.decode(max_seqs=2, max_blocks_per_seq=2)
+    dec.write_block_table(0, np.array([blk.id], dtype=np.int32))
+    assert dec.stage([slot.position], [300]) == 1  # lists work too (copied)
+    dec.build()
+    hca = layer_of(pool, 128)
+    idx = np.from_dlpack(dec.indices("hca"))
+    assert idx[0] == pool.compress_index(hca, blk.id, 0)
+    assert idx[1] == pool.compress_index(hca, blk.id, 1)
+
+    def variant(**kw):
+        args = dict(positions=[slot.position], context_lens=[10])
+        args.update(kw)
+        with pytest.raises(v4pool.V4PoolError) as e:
+            dec.stage(**args)
+        return e.value.variant
+
+    assert variant(positions=[-5]) == "BadPosition"
+    assert variant(positions=[slot.position] * 3, context_lens=[10] * 3) == "TooManySeqs"
+    assert variant(context_lens=[10, 11]) == "BatchShape"
+    assert variant(context_lens=[10**6]) == "ContextTooLong"  # more than 2 columns of blocks
+    assert variant(num_tokens=[0]) == "BadSequence"
+    with pytest.raises(TypeError):
+        dec.stage(np.array([slot.position], dtype=np.int32), [10])
+    with pytest.raises(ValueError):
+        dec.indices("mla")
+
+
+def test_decode_views_outlive_their_objects(pool):
+    dec = pool.decode(max_seqs=1, max_blocks_per_seq=1)
+    a = np.from_dlpack(dec.indptr("dense"))
+    a[:] = 42
+    del dec, pool
+    gc.collect()
+    assert np.all(a == 42)
+
+
+# ---- a pool over engine memory -----------------------------------------------------------
+
+
+def test_pool_over_numpy_memory(plan):
+    need = v4pool.Pool.required_bytes(plan)
+    mem = np.full(need + 300, 0xAB, dtype=np.uint8)
+    pool = v4pool.Pool(plan, backend="host", memory=mem)
+    start, length = pool.region
+    assert mem.ctypes.data <= start < mem.ctypes.data + 256 and length <= mem.nbytes
+    p0 = pool.plane(0)
+    off = p0.ptr - mem.ctypes.data
+    assert 0 <= off < mem.nbytes
+    # The planes were zeroed on allocation (outside the slots' initialised state).
+    assert not mem[off:off + 512].any()
+    pool.write_plane(0, 1024, bytes(range(16)))
+    assert list(mem[off + 1024:off + 1040]) == list(range(16))
+    # A slot's state initialisation writes into the engine's bytes too.
+    slot = pool.alloc_slot()
+    layer = layer_of(pool, 4)
+    row = pool.window_index(layer, slot.position, 0)
+    plane_row = pool.absolute_row(layer, row)
+    np.from_dlpack(pool.layer_view(layer, 0))[row, :3] = [9, 8, 7]
+    assert list(mem[off + plane_row * 512:off + plane_row * 512 + 3]) == [9, 8, 7]
+    del pool
+    gc.collect()
+
+
+def test_pool_over_too_little_memory(plan):
+    mem = np.zeros(1 << 20, dtype=np.uint8)
+    with pytest.raises(v4pool.V4PoolError) as e:
+        v4pool.Pool(plan, backend="host", memory=mem)
+    assert e.value.variant == "RegionTooSmall"
+    with pytest.raises(ValueError):
+        v4pool.Pool(plan, backend="host", memory=np.zeros(10**8, dtype=np.uint8)[::2])
+
+
+def test_pool_over_pointer(plan):
+    need = v4pool.Pool.required_bytes(plan)
+    mem = np.zeros(need, dtype=np.uint8)
+    pool = v4pool.Pool.over_pointer(plan, mem.ctypes.data, mem.nbytes, backend="host", keepalive=mem)
+    assert pool.plane(0).ptr >= mem.ctypes.data
