@@ -304,4 +304,3 @@ pub fn prefill_indices(k: PrefillIndices<'_>) -> Result<()> {
     }
     Ok(())
 }
-

@@ -360,4 +360,3 @@ unsafe fn run_copy_runs(a: &CopyRunsArgs) -> Result<()> {
     }
     Ok(())
 }
-

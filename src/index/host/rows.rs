@@ -100,4 +100,3 @@ pub fn fill_pattern(dst: &mut [u8], pattern: u32) -> Result<()> {
     }
     Ok(())
 }
-

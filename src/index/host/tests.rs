@@ -2,8 +2,8 @@
 //! Outputs are poisoned (−7 / −9) first; every cell the contract leaves alone must keep it.
 
 use super::*;
-use crate::index::{CopyRun, CopyRunsArgs, DecodeIndexArgs, FillRun, FillRunsArgs, Launch};
 use crate::geometry::{GeometrySpec, UnifiedPoolGeometry};
+use crate::index::{CopyRun, CopyRunsArgs, DecodeIndexArgs, FillRun, FillRunsArgs, Launch};
 
 const U: i32 = -7;
 
@@ -138,8 +138,8 @@ fn decode_builder_worked_example() {
     assert_eq!(
         out.hca,
         vec![
-            U, 382, 383, 386, 387, 390, 391, U, U, 26, 27, 30, 31, 34, 35, 38, 39, 514, 515, 518, 519,
-            522, 502, 503, 506
+            U, 382, 383, 386, 387, 390, 391, U, U, 26, 27, 30, 31, 34, 35, 38, 39, 514, 515, 518, 519, 522,
+            502, 503, 506
         ]
     );
     assert_eq!(out.dest[0], vec![365, 9, 482, U]);
@@ -198,8 +198,7 @@ fn hca_offsets_worked_example() {
 fn csa_pack_decode_worked_example() {
     let c = decode_case();
     let mut csa = run_decode_case(&geometry_a(), None).csa;
-    let topk =
-        cat(&[&[1, 70, 130, -1, -1, -1, -1, -1], &[7; 8], &[0, 64, 65, 127, 200, -1, 5, 9], &[3; 8]]);
+    let topk = cat(&[&[1, 70, 130, -1, -1, -1, -1, -1], &[7; 8], &[0, 64, 65, 127, 200, -1, 5, 9], &[3; 8]]);
     csa_translate_pack(CsaPack {
         topk: &topk,
         block_tables: BlockTables { table: &[2, 0, 3, 1, 3, 0, 3, 1, 2], stride: 3 },
@@ -245,8 +244,7 @@ fn prefill_builder_worked_example_and_csa_follow_up() {
     let tables = [7, 8, 21, 5];
     let (ext_ptr, swa_ptr, csa_ptr, hca_ptr) =
         ([0, 1, 3, 6, 7, 9], [0, 0, 0, 0, 7, 13], [0, 0, 0, 0, 9, 17], [0, 0, 0, 0, 8, 16]);
-    let (mut ext, mut swa, mut csa_idx, mut hca_idx) =
-        (vec![U; 10], vec![U; 14], vec![U; 18], vec![U; 17]);
+    let (mut ext, mut swa, mut csa_idx, mut hca_idx) = (vec![U; 10], vec![U; 14], vec![U; 18], vec![U; 17]);
     prefill_indices(PrefillIndices {
         dense,
         csa,
@@ -291,10 +289,7 @@ fn prefill_builder_worked_example_and_csa_follow_up() {
         window_size: 0,
     })
     .unwrap();
-    assert_eq!(
-        csa_idx,
-        vec![2774, 2772, 37, 38, 39, 40, 30, 31, 32, 2775, 661, 38, 39, 40, 30, 31, 32, U]
-    );
+    assert_eq!(csa_idx, vec![2774, 2772, 37, 38, 39, 40, 30, 31, 32, 2775, 661, 38, 39, 40, 30, 31, 32, U]);
 }
 
 #[test]
