@@ -13,6 +13,19 @@ pub struct RequestId {
     generation: u32,
 }
 
+impl RequestId {
+    /// The id as one integer (generation in the high half), for bindings that hand ids to
+    /// other languages.
+    pub fn to_bits(self) -> u64 {
+        (u64::from(self.generation) << 32) | u64::from(self.index)
+    }
+    /// The id [`RequestId::to_bits`] gave. Any integer is accepted: one that names no
+    /// request of the manager is refused there as `UnknownRequest`.
+    pub fn from_bits(bits: u64) -> RequestId {
+        RequestId { index: bits as u32, generation: (bits >> 32) as u32 }
+    }
+}
+
 /// What [`KvManager::admit`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Admission {

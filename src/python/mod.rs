@@ -5,6 +5,7 @@
 //! views (`dlpack.rs`) that keep the pool alive. No pool logic lives here.
 
 mod dlpack;
+mod manager;
 mod pool;
 
 use crate::model::Drafts;
@@ -145,5 +146,6 @@ fn v4pool(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Plan>()?;
     m.add_class::<dlpack::DeviceView>()?;
     pool::register(m)?;
+    manager::register(m)?;
     Ok(())
 }

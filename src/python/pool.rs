@@ -161,6 +161,11 @@ impl PyPool {
         &self.hold.pool
     }
 
+    /// The pool, and the hold that keeps its memory alive, for the manager binding.
+    pub(super) fn shared(&self) -> (Arc<Pool>, Arc<Hold>) {
+        (self.hold.pool.clone(), self.hold.clone())
+    }
+
     fn build(
         py: Python<'_>,
         plan: Py<Plan>,

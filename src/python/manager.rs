@@ -1,0 +1,248 @@
+//! `v4pool.KvManager`: the request-level manager over a `v4pool.Pool`. Request ids travel
+//! as integers ([`RequestId::to_bits`]); prompts as token lists whose chained block hashes
+//! are computed here in Rust (the manager's namespace, the pool's block size). Every other
+//! argument passes straight through to [`KvManager`].
+
+use super::pool::{Hold, PyPool};
+use super::{error, lib_err};
+use crate::manager::{
+    chain_hashes, BlockHash, ElasticPolicy, FixedPolicy, KvManager, ManagerConfig, ManagerError, Namespace,
+    RequestId, SplitPolicy,
+};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// A manager error as `V4PoolError`: the pool's, checkpoint's and backend's errors by their
+/// own innermost variant, the manager's own by its name (their `RequestId` payload is no
+/// variant of anything, so the generic naming would stop at it).
+fn manager_err(e: ManagerError) -> PyErr {
+    let name = match &e {
+        ManagerError::Pool(p) => return lib_err(p),
+        ManagerError::Checkpoint(c) => return lib_err(c),
+        ManagerError::Backend(b) => return lib_err(b),
+        ManagerError::UnknownRequest(_) => "UnknownRequest",
+        ManagerError::NotRunning(_) => "NotRunning",
+        ManagerError::AlreadyRunning(_) => "AlreadyRunning",
+        ManagerError::NoSlot => "NoSlot",
+        ManagerError::OutOfBlocks { .. } => "OutOfBlocks",
+        ManagerError::CommitPastAllocation { .. } => "CommitPastAllocation",
+        ManagerError::NotCached { .. } => "NotCached",
+        ManagerError::Config(_) => "Config",
+    };
+    error(name, e.to_string())
+}
+
+fn poisoned() -> PyErr {
+    error("Poisoned", "manager lock poisoned".into())
+}
+
+/// The request-level KV manager (prefix reuse with checkpoints, the elastic boundary) over
+/// a pool that holds no blocks or slots yet. Methods mirror the Rust `KvManager`.
+#[pyclass(module = "v4pool", name = "KvManager", frozen)]
+pub struct PyKvManager {
+    // Field order is drop order: the manager (and its pool reference) before the hold that
+    // keeps the pool's memory.
+    inner: Mutex<KvManager>,
+    namespace: Namespace,
+    _hold: Arc<Hold>,
+}
+
+impl PyKvManager {
+    fn lock(&self) -> PyResult<MutexGuard<'_, KvManager>> {
+        self.inner.lock().map_err(|_| poisoned())
+    }
+
+    /// `f` on the manager with the GIL released (a call may launch and wait on copies;
+    /// waiting for the lock without the GIL cannot deadlock against another caller).
+    fn run<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut KvManager) -> Result<T, ManagerError> + Send,
+    ) -> PyResult<T> {
+        py.detach(|| self.inner.lock().map(|mut m| f(&mut m)).map_err(|_| ()))
+            .map_err(|()| poisoned())?
+            .map_err(manager_err)
+    }
+
+    fn hashes(&self, m: &KvManager, tokens: &[u32], parent: Option<u128>) -> Vec<BlockHash> {
+        chain_hashes(self.namespace, parent.map(BlockHash), tokens, m.block_size() as usize)
+    }
+}
+
+#[pymethods]
+impl PyKvManager {
+    /// `policy`: `"elastic"` (the boundary follows demand; `slots` caps the slot count) or
+    /// `"fixed"` (`slots` slots carved once; default the plan's `num_slots`). `namespace`
+    /// keeps blocks of different models or adapters from matching.
+    #[new]
+    #[pyo3(signature = (pool, policy="elastic", checkpoint_every=16, rolling=true, slots=None, namespace=""))]
+    fn new(
+        py: Python<'_>,
+        pool: &Bound<'_, PyPool>,
+        policy: &str,
+        checkpoint_every: u32,
+        rolling: bool,
+        slots: Option<u32>,
+        namespace: &str,
+    ) -> PyResult<PyKvManager> {
+        let (pool, hold) = pool.get().shared();
+        let policy: Box<dyn SplitPolicy> = match policy {
+            "elastic" => {
+                let d = ElasticPolicy::default();
+                Box::new(ElasticPolicy { max_slots: slots.unwrap_or(d.max_slots), ..d })
+            }
+            // A fresh pool still has the plan's split.
+            "fixed" => Box::new(FixedPolicy {
+                slots: match slots {
+                    Some(n) => n,
+                    None => pool.counts().map_err(lib_err)?.num_slots,
+                },
+            }),
+            other => {
+                return Err(error(
+                    "UnknownPolicy",
+                    format!("policy {other:?}: one of \"elastic\", \"fixed\""),
+                ))
+            }
+        };
+        let config = ManagerConfig { checkpoint_every, rolling };
+        let m = py.detach(|| KvManager::new(pool, config, policy)).map_err(manager_err)?;
+        Ok(PyKvManager { inner: Mutex::new(m), namespace: Namespace::from_label(namespace), _hold: hold })
+    }
+
+    /// Tokens per block: hits are multiples of it.
+    #[getter]
+    fn block_size(&self) -> PyResult<u64> {
+        Ok(self.lock()?.block_size())
+    }
+
+    /// `"elastic"` or `"fixed"`.
+    #[getter]
+    fn policy(&self) -> PyResult<&'static str> {
+        Ok(self.lock()?.policy_name())
+    }
+
+    /// The chained hashes (128-bit ints) of every full block of `tokens`, in this manager's
+    /// namespace, chained from `parent` (the hash of the block before them).
+    #[pyo3(signature = (tokens, parent=None))]
+    fn block_hashes(&self, tokens: Vec<u32>, parent: Option<u128>) -> PyResult<Vec<u128>> {
+        let m = self.lock()?;
+        Ok(self.hashes(&m, &tokens, parent).into_iter().map(|h| h.0).collect())
+    }
+
+    /// A new waiting request with prompt `tokens`; returns its id.
+    fn add_request(&self, tokens: Vec<u32>) -> PyResult<u64> {
+        let mut m = self.lock()?;
+        let hashes = self.hashes(&m, &tokens, None);
+        Ok(m.add_request(tokens.len() as u64, hashes).to_bits())
+    }
+
+    /// More full-block hashes of a request (from `block_hashes`, chained from its last).
+    fn extend_hashes(&self, id: u64, hashes: Vec<u128>) -> PyResult<()> {
+        let hashes: Vec<BlockHash> = hashes.into_iter().map(BlockHash).collect();
+        self.lock()?.extend_hashes(RequestId::from_bits(id), &hashes).map_err(manager_err)
+    }
+
+    /// Tokens of `tokens` the cache would serve now (no side effects).
+    fn match_prefix(&self, tokens: Vec<u32>) -> PyResult<u64> {
+        let m = self.lock()?;
+        Ok(m.match_prefix(&self.hashes(&m, &tokens, None)))
+    }
+
+    /// Admit a waiting request (take a slot, restore the hit); returns the hit tokens.
+    fn admit(&self, py: Python<'_>, id: u64) -> PyResult<u64> {
+        Ok(self.run(py, |m| m.admit(RequestId::from_bits(id)))?.hit_tokens)
+    }
+
+    /// How many of `budget` prefill tokens the request's next chunk takes (0: it decodes).
+    fn prefill_stop(&self, id: u64, budget: u64) -> PyResult<u64> {
+        self.lock()?.prefill_stop(RequestId::from_bits(id), budget).map_err(manager_err)
+    }
+
+    /// Blocks for `tokens` more tokens of a running request.
+    fn allocate(&self, py: Python<'_>, id: u64, tokens: u64) -> PyResult<()> {
+        self.run(py, |m| m.allocate(RequestId::from_bits(id), tokens))
+    }
+
+    /// `tokens` more tokens of a running request are in the pool.
+    fn commit(&self, py: Python<'_>, id: u64, tokens: u64) -> PyResult<()> {
+        self.run(py, |m| m.commit(RequestId::from_bits(id), tokens))
+    }
+
+    /// Free a running request's slot; its committed blocks stay cached.
+    fn preempt(&self, py: Python<'_>, id: u64) -> PyResult<()> {
+        self.run(py, |m| m.preempt(RequestId::from_bits(id)))
+    }
+
+    /// The request is done: slot freed, blocks stay cached, the id is retired.
+    fn finish(&self, py: Python<'_>, id: u64) -> PyResult<()> {
+        self.run(py, |m| m.finish(RequestId::from_bits(id)))
+    }
+
+    /// After the batch that carried this step's copies completed: stored checkpoints
+    /// become ready (and hit), restores drop their pins.
+    fn complete_inflight(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, |m| m.complete_inflight())
+    }
+
+    /// Once per scheduler step: idle slots go back to blocks as the policy says.
+    fn rebalance(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, |m| m.rebalance())
+    }
+
+    /// A request's block table (pool block ids, current after every boundary move).
+    fn block_table(&self, id: u64) -> PyResult<Vec<i32>> {
+        self.lock()?.block_table(RequestId::from_bits(id)).map_err(manager_err)
+    }
+
+    /// A running request's slot position (None while it waits).
+    fn slot_position(&self, id: u64) -> PyResult<Option<i64>> {
+        Ok(self.lock()?.slot(RequestId::from_bits(id)).map_err(manager_err)?.map(|s| s.position))
+    }
+
+    /// Tokens of a request whose KV and state are in the pool.
+    fn computed_tokens(&self, id: u64) -> PyResult<u64> {
+        self.lock()?.computed_tokens(RequestId::from_bits(id)).map_err(manager_err)
+    }
+
+    /// Bytes of checkpoints held (stored or being stored).
+    fn checkpoint_bytes_held(&self) -> PyResult<u64> {
+        Ok(self.lock()?.checkpoint_bytes_held())
+    }
+
+    /// The manager's counters since construction.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.lock()?.stats();
+        let d = PyDict::new(py);
+        d.set_item("admissions", s.admissions)?;
+        d.set_item("hits", s.hits)?;
+        d.set_item("hit_tokens", s.hit_tokens)?;
+        d.set_item("checkpoints_stored", s.checkpoints_stored)?;
+        d.set_item("refused_stores", s.refused_stores)?;
+        d.set_item("restores", s.restores)?;
+        d.set_item("checkpoint_bytes_copied", s.checkpoint_bytes_copied)?;
+        d.set_item("checkpoints_held", s.checkpoints_held)?;
+        d.set_item("evicted_blocks", s.evicted_blocks)?;
+        d.set_item("evicted_checkpoints", s.evicted_checkpoints)?;
+        d.set_item("cached_blocks", s.cached_blocks)?;
+        d.set_item("boundary_moves", s.boundary_moves)?;
+        d.set_item("block_relocations", s.block_relocations)?;
+        d.set_item("slot_relocations", s.slot_relocations)?;
+        Ok(d)
+    }
+
+    /// Check the manager's invariants (reference counts, index, pool agreement); raises
+    /// `V4PoolError` with variant `Invariant` on a violation.
+    fn check_invariants(&self) -> PyResult<()> {
+        self.lock()?.check_invariants().map_err(|e| error("Invariant", e))
+    }
+
+    fn __repr__(&self) -> PyResult<String> {
+        Ok(format!("{:?}", *self.lock()?))
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyKvManager>()
+}
