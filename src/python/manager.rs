@@ -5,12 +5,13 @@
 
 use super::pool::{Hold, PyPool};
 use super::{error, lib_err};
+use crate::checkpoint::{CheckpointImage, LayoutId};
 use crate::manager::{
     chain_hashes, BlockHash, ElasticPolicy, FixedPolicy, KvManager, ManagerConfig, ManagerError, Namespace,
-    RequestId, SplitPolicy,
+    RequestId, SplitPolicy, StoredCheckpoint,
 };
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// A manager error as `V4PoolError`: the pool's, checkpoint's and backend's errors by their
@@ -209,6 +210,24 @@ impl PyKvManager {
     /// Bytes of checkpoints held (stored or being stored).
     fn checkpoint_bytes_held(&self) -> PyResult<u64> {
         Ok(self.lock()?.checkpoint_bytes_held())
+    }
+
+    /// The ready checkpoint ending at block `hash`, read to host memory as
+    /// `(layout_id, data)` (the format of `Pool.checkpoint`), for another worker's
+    /// `import_checkpoint`.
+    fn export_checkpoint<'py>(&self, py: Python<'py>, hash: u128) -> PyResult<(String, Bound<'py, PyBytes>)> {
+        let stored = self.run(py, |m| m.export_checkpoint(&BlockHash(hash)))?;
+        Ok((stored.image.layout_id().to_string(), PyBytes::new(py, stored.image.bytes())))
+    }
+
+    /// Store an exported image under its block's hash (the block must be cached here);
+    /// `False` when one is already there. Visible after `complete_inflight`.
+    fn import_checkpoint(&self, py: Python<'_>, hash: u128, layout_id: &str, data: &[u8]) -> PyResult<bool> {
+        let stored = StoredCheckpoint {
+            hash: BlockHash(hash),
+            image: CheckpointImage::new(LayoutId::new(layout_id), data.to_vec()),
+        };
+        self.run(py, |m| m.import_checkpoint(&stored))
     }
 
     /// The manager's counters since construction.

@@ -158,3 +158,30 @@ def test_errors_carry_the_variant(plan, mgr):
     busy = v4pool.Pool(plan, backend="host")
     busy.alloc_slot()
     raises("Config", v4pool.KvManager, busy)
+
+
+def test_checkpoints_travel_between_managers(plan):
+    """A checkpoint exported by one worker is imported by another that caches the block
+    without one; afterwards the prefix up to that block hits there too."""
+    m1 = v4pool.KvManager(v4pool.Pool(plan, backend="host"), checkpoint_every=1)
+    m2 = v4pool.KvManager(v4pool.Pool(plan, backend="host"))
+    bs = m1.block_size
+    tokens = prompt(m1, 3, 5)
+    for m in (m1, m2):
+        rid = m.add_request(tokens)
+        m.admit(rid)
+        prefill(m, rid)
+        m.finish(rid)
+    h = m1.block_hashes(tokens)
+    assert m1.match_prefix(tokens[:bs]) == bs
+    assert m2.match_prefix(tokens[:bs]) == 0  # cached, but no checkpoint ends there
+    layout, data = m1.export_checkpoint(h[0])
+    assert len(data) > 0
+    assert m2.import_checkpoint(h[0], layout, data) is True
+    m2.complete_inflight()
+    assert m2.match_prefix(tokens[:bs]) == bs
+    assert m2.import_checkpoint(h[0], layout, data) is False
+    m2.check_invariants()
+    raises("NotCached", m1.export_checkpoint, 12345)
+    raises("NotCached", m2.import_checkpoint, 12345, layout, data)
+    raises("ForeignLayout", m2.import_checkpoint, h[1], layout + "x", data)
