@@ -558,7 +558,7 @@ pub struct FieldView {
 
 /// A memset: `bytes` bytes from `offset` in `plane`, filled with the 32-bit word `pattern`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FillRun {
+pub struct PlaneFill {
     /// Plane to fill.
     pub plane: usize,
     /// Byte offset from the plane's start.
@@ -776,12 +776,12 @@ impl ArenaLayout {
     /// Memsets that initialise the arena of slot `position` (§2.4): in every plane the whole
     /// `arena_rows × width` bytes, zero except score fields (−inf). Covering the padding too
     /// matters because a position that becomes live held block data before.
-    pub fn fill_runs(&self, position: i64, slot_rows: i64) -> Result<Vec<FillRun>, ArenaError> {
+    pub fn fill_runs(&self, position: i64, slot_rows: i64) -> Result<Vec<PlaneFill>, ArenaError> {
         let pos = u64::try_from(position)
             .map_err(|_| ArenaError::PositionOutOfRange { position, positions: i64::MAX })?;
         let arena_rows = to_u64(self.arena_rows, "arena rows")?;
-        let mut out: Vec<FillRun> = Vec::new();
-        let mut push = |run: FillRun| {
+        let mut out: Vec<PlaneFill> = Vec::new();
+        let mut push = |run: PlaneFill| {
             if run.bytes == 0 {
                 return;
             }
@@ -808,11 +808,11 @@ impl ArenaLayout {
                     return Err(ArenaError::FillNotWordAligned { name: f.name.clone(), bytes });
                 }
                 let start = add(base, pf.offset, "field start")?;
-                push(FillRun { plane: p, offset: cursor, bytes: start - cursor, pattern: 0 });
-                push(FillRun { plane: p, offset: start, bytes, pattern });
+                push(PlaneFill { plane: p, offset: cursor, bytes: start - cursor, pattern: 0 });
+                push(PlaneFill { plane: p, offset: start, bytes, pattern });
                 cursor = start + bytes;
             }
-            push(FillRun { plane: p, offset: cursor, bytes: end - cursor, pattern: 0 });
+            push(PlaneFill { plane: p, offset: cursor, bytes: end - cursor, pattern: 0 });
         }
         Ok(out)
     }

@@ -162,7 +162,7 @@ pub struct Loc {
 
 /// Copy `bytes` bytes from `src` to `dst`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct CopyRun {
+pub struct RegionCopy {
     /// Where the bytes come from.
     pub src: Loc,
     /// Where they go.
@@ -392,7 +392,7 @@ impl CheckpointLayout {
         position: i64,
         units: &[i64],
         indexer_blocks: i64,
-    ) -> Result<Vec<CopyRun>, CheckpointError> {
+    ) -> Result<Vec<RegionCopy>, CheckpointError> {
         for (what, expected, got) in [
             ("envelope_rows", self.envelope_rows, geom.envelope_rows),
             ("slot_rows", self.slot_rows, geom.slot_rows),
@@ -422,7 +422,7 @@ impl CheckpointLayout {
         }
         let slot_row = to_u64(geom.slot_span(position)?.0, "slot row")?;
         let nb = to_u64(indexer_blocks, "indexer blocks")?;
-        let mut out: Vec<CopyRun> = Vec::new();
+        let mut out: Vec<RegionCopy> = Vec::new();
         for span in self.template() {
             let slot_base = mul(slot_row, self.widths[span.plane], "slot base")?;
             let src =
@@ -441,7 +441,7 @@ impl CheckpointLayout {
                     continue;
                 }
             }
-            out.push(CopyRun { src, dst, bytes: span.bytes });
+            out.push(RegionCopy { src, dst, bytes: span.bytes });
         }
         Ok(out)
     }
@@ -454,11 +454,11 @@ impl CheckpointLayout {
         position: i64,
         units: &[i64],
         indexer_blocks: i64,
-    ) -> Result<Vec<CopyRun>, CheckpointError> {
+    ) -> Result<Vec<RegionCopy>, CheckpointError> {
         Ok(self
             .store_plan(geom, position, units, indexer_blocks)?
             .into_iter()
-            .map(|r| CopyRun { src: r.dst, dst: r.src, bytes: r.bytes })
+            .map(|r| RegionCopy { src: r.dst, dst: r.src, bytes: r.bytes })
             .collect())
     }
 }
@@ -693,7 +693,7 @@ mod tests {
         // First destination: unit 7's plane-0 envelope; plane-0 envelope bytes are 708,608.
         assert_eq!(plan[0].dst, Loc { region: Region::Plane(0), offset: 7 * 708_608 });
         // Indexer destinations sit at (c × NB + block) × 8,448 with NB = 50.
-        let idx: Vec<&CopyRun> = plan.iter().filter(|r| r.dst.region == Region::Indexer(0)).collect();
+        let idx: Vec<&RegionCopy> = plan.iter().filter(|r| r.dst.region == Region::Indexer(0)).collect();
         assert!(!idx.is_empty());
         for r in &idx {
             let block = (r.dst.offset / 8_448) % 50;

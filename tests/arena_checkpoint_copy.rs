@@ -4,7 +4,7 @@
 use proptest::prelude::*;
 use proptest::test_runner::TestRng;
 use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
-use v4pool::checkpoint::{CheckpointLayout, CopyRun, Region};
+use v4pool::checkpoint::{CheckpointLayout, Region, RegionCopy};
 use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry};
 use v4pool::model::{DraftMode, ModelShape};
 use v4pool::sizing::{IndexerDtype, KvDtype, PoolLayout};
@@ -23,7 +23,7 @@ impl Memory {
             Region::Indexer(i) => &mut self.indexer[i],
         }
     }
-    fn apply(&mut self, plan: &[CopyRun]) {
+    fn apply(&mut self, plan: &[RegionCopy]) {
         for run in plan {
             let (s, n) = (run.src.offset as usize, run.bytes as usize);
             let bytes = self.region(run.src.region)[s..s + n].to_vec();
@@ -40,7 +40,7 @@ fn random(rng: &mut TestRng, n: usize) -> Vec<u8> {
 }
 
 /// Bytes of each region a plan writes, as a mask.
-fn written(mem: &Memory, plan: &[CopyRun]) -> (Vec<Vec<bool>>, Vec<Vec<bool>>) {
+fn written(mem: &Memory, plan: &[RegionCopy]) -> (Vec<Vec<bool>>, Vec<Vec<bool>>) {
     let mut planes: Vec<Vec<bool>> = mem.planes.iter().map(|p| vec![false; p.len()]).collect();
     let mut indexer: Vec<Vec<bool>> = mem.indexer.iter().map(|p| vec![false; p.len()]).collect();
     for run in plan {

@@ -9,7 +9,7 @@ use pool_common::{pattern, small_pool, small_spec, RATIOS, WIDTHS};
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, Stream};
-use v4pool::checkpoint::{CheckpointError, CheckpointImage, CopyRun, LayoutId, Loc, Region};
+use v4pool::checkpoint::{CheckpointError, CheckpointImage, LayoutId, Loc, Region, RegionCopy};
 use v4pool::model::ModelShape;
 use v4pool::pool::{Pool, PoolError, PoolSpec};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest};
@@ -41,24 +41,24 @@ fn copy_regions_checks_every_run_and_moves_exactly_the_bytes() {
     let before = planes(&pool);
     let plane0 = pool.plane_bytes(0).unwrap();
     let at = |region, offset| Loc { region, offset };
-    let bad: Vec<(CopyRun, fn(&PoolError) -> bool)> = vec![
-        (CopyRun { src: at(Region::Plane(0), plane0 - 8), dst: at(Region::Plane(0), 0), bytes: 16 }, |e| {
+    let bad: Vec<(RegionCopy, fn(&PoolError) -> bool)> = vec![
+        (RegionCopy { src: at(Region::Plane(0), plane0 - 8), dst: at(Region::Plane(0), 0), bytes: 16 }, |e| {
             matches!(e, PoolError::OutOfRange { .. })
         }),
-        (CopyRun { src: at(Region::Plane(0), 0), dst: at(Region::Plane(1), u64::MAX), bytes: 2 }, |e| {
+        (RegionCopy { src: at(Region::Plane(0), 0), dst: at(Region::Plane(1), u64::MAX), bytes: 2 }, |e| {
             matches!(e, PoolError::OutOfRange { .. })
         }),
-        (CopyRun { src: at(Region::Plane(2), 0), dst: at(Region::Plane(0), 0), bytes: 1 }, |e| {
+        (RegionCopy { src: at(Region::Plane(2), 0), dst: at(Region::Plane(0), 0), bytes: 1 }, |e| {
             matches!(e, PoolError::NoSuchPlane { plane: 2, .. })
         }),
-        (CopyRun { src: at(Region::Indexer(1), 0), dst: at(Region::Plane(0), 0), bytes: 1 }, |e| {
+        (RegionCopy { src: at(Region::Indexer(1), 0), dst: at(Region::Plane(0), 0), bytes: 1 }, |e| {
             matches!(e, PoolError::NoSuchRegion { .. })
         }),
-        (CopyRun { src: at(Region::Plane(0), 0), dst: at(Region::Plane(0), 8), bytes: 16 }, |e| {
+        (RegionCopy { src: at(Region::Plane(0), 0), dst: at(Region::Plane(0), 8), bytes: 16 }, |e| {
             matches!(e, PoolError::SelfOverlap { index: 1 })
         }),
     ];
-    let good = CopyRun { src: at(Region::Plane(0), 64), dst: at(Region::Plane(1), 0), bytes: 32 };
+    let good = RegionCopy { src: at(Region::Plane(0), 64), dst: at(Region::Plane(1), 0), bytes: 32 };
     for (run, check) in bad {
         // A good run first: nothing of a refused list is queued.
         let e = pool.copy_regions(&[good, run]).expect_err("refused");

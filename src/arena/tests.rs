@@ -236,8 +236,8 @@ fn fill_runs_cover_the_arena_with_the_right_words() {
     // Plane 0: hca_kv zero, hca_score −inf (no tail: 20,640 rows exactly).
     let hca = 20 * 129 * 512 * 4;
     let b0 = 3 * slot_rows * 512;
-    assert_eq!(runs[0], FillRun { plane: 0, offset: b0, bytes: hca, pattern: 0 });
-    assert_eq!(runs[1], FillRun { plane: 0, offset: b0 + hca, bytes: hca, pattern: F32_NEG_INF });
+    assert_eq!(runs[0], PlaneFill { plane: 0, offset: b0, bytes: hca, pattern: 0 });
+    assert_eq!(runs[1], PlaneFill { plane: 0, offset: b0 + hca, bytes: hca, pattern: F32_NEG_INF });
     // Plane 1: main kv 0, main score −inf, idx kv 0, idx score −inf, no tail.
     let b1 = 3 * slot_rows * 128;
     let (m, i) = (21 * 9 * 1024 * 4, 21 * 9 * 256 * 4);

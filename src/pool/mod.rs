@@ -29,7 +29,7 @@ use crate::alloc::{AllocError, BlockGrant, BlockHandle, SlotHandle};
 use crate::arena::{ArenaError, ArenaLayout, FieldView};
 use crate::backend::{Backend, BackendError, DeviceAllocation, Stream};
 use crate::boundary::{Boundary, BoundaryChange, BoundaryError};
-use crate::checkpoint::{CopyRun as RegionCopy, LayoutId, Loc, Region};
+use crate::checkpoint::{RegionCopy, LayoutId, Loc, Region};
 use crate::geometry::{GeometryError, UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO};
 use crate::index::{CopyRun, CopyRunsArgs, DevicePtr, FillRun, FillRunsArgs, Launch};
 use crate::sizing::IndexerDtype;
@@ -804,7 +804,7 @@ impl Pool {
     }
 
     /// Queue copies between the pool's own regions (planes and indexer pools, offsets from
-    /// each region's first byte; [`crate::checkpoint::CopyRun`], as a store or restore plan
+    /// each region's first byte; [`crate::checkpoint::RegionCopy`], as a store or restore plan
     /// writes them), under the lock that moves the boundary. Every run is checked to lie in
     /// its regions and not to overlap itself; nothing is queued if one fails.
     pub fn copy_regions(&self, runs: &[RegionCopy]) -> Result<(), PoolError> {
