@@ -12,6 +12,8 @@
 //!   and the host reference of every kernel.
 //! * [`backend`] — one `Backend` trait; host (always), CUDA and HIP (loaded at run time).
 //! * [`pool`] — the planes on a backend, per-layer views, slot state, checkpoints, transfers.
+//! * [`manager`] — the request-level KV manager: content-addressed blocks, checkpoint
+//!   store, admission with a hit, the elastic split policy.
 //! * [`sim`] — the simulator: a pool driven as a serving engine would, and the shared
 //!   workload generator. The `v4pool` command (`src/bin/v4pool/`) renders it.
 
@@ -23,6 +25,7 @@ pub mod checkpoint;
 pub mod geometry;
 pub mod index;
 pub mod kernels;
+pub mod manager;
 pub mod model;
 pub mod pool;
 pub mod profiling;

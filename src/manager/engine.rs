@@ -1,0 +1,620 @@
+//! The request-level calls: add, admit (with a hit), allocate, commit (with checkpoints),
+//! preempt, finish; checkpoint export and import; tables and invariant checks.
+
+use super::{store, BlockHash, BlockNode, CkptState, Holder, KvManager, ManagerError, Node, NIL};
+use crate::alloc::BlockHandle;
+use crate::checkpoint::CheckpointImage;
+use crate::pool::SlotLease;
+
+/// A request of one manager (index and generation: a finished request's id is refused).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RequestId {
+    index: u32,
+    generation: u32,
+}
+
+/// What [`KvManager::admit`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Admission {
+    /// Tokens served from the cache (a multiple of the block size); prefill resumes here.
+    pub hit_tokens: u64,
+    /// The request's slot (restored from the hit's checkpoint when `hit_tokens > 0`).
+    pub slot: SlotLease,
+}
+
+/// Counters since the manager was built.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ManagerStats {
+    /// Admissions (re-admissions after preemption included).
+    pub admissions: u64,
+    /// Admissions that hit.
+    pub hits: u64,
+    /// Tokens served from the cache over all admissions.
+    pub hit_tokens: u64,
+    /// Checkpoint stores queued.
+    pub checkpoints_stored: u64,
+    /// Stores refused because even full eviction could not free the units.
+    pub refused_stores: u64,
+    /// Restores queued.
+    pub restores: u64,
+    /// Image bytes copied by stores.
+    pub checkpoint_bytes_copied: u64,
+    /// Checkpoint records holding units now.
+    pub checkpoints_held: u64,
+    /// Cached blocks evicted.
+    pub evicted_blocks: u64,
+    /// Checkpoints evicted (from the LRU; unindexed ones are not counted here).
+    pub evicted_checkpoints: u64,
+    /// Blocks in the index now.
+    pub cached_blocks: u64,
+    /// Boundary moves carried out.
+    pub boundary_moves: u64,
+    /// Blocks relocated by boundary moves.
+    pub block_relocations: u64,
+    /// Slots relocated by boundary moves.
+    pub slot_relocations: u64,
+}
+
+/// A checkpoint read to host memory for a transfer between workers (prefill → decode,
+/// offload): the hash of the block it ends at and the slot image, tagged with the layout id
+/// it was taken in ([`crate::pool::Pool::restore`] refuses another layout).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredCheckpoint {
+    /// The hash of the block it ends at.
+    pub hash: BlockHash,
+    /// The slot image (§6 ranges) and its layout id.
+    pub image: CheckpointImage,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Req {
+    pub(super) hashes: Vec<BlockHash>,
+    pub(super) prompt: u64,
+    /// Tokens the request has had in the pool at most (a preempted request re-prefills them).
+    pub(super) known: u64,
+    /// Block nodes in table order.
+    pub(super) blocks: Vec<u32>,
+    /// `blocks[..indexed]` are committed (in the index, or private duplicates).
+    pub(super) indexed: usize,
+    /// Tokens whose KV and state are in the pool.
+    pub(super) computed: u64,
+    pub(super) slot: Option<SlotLease>,
+    /// The hash of this request's latest rolling checkpoint.
+    pub(super) rolling: Option<BlockHash>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub(super) struct Slot {
+    pub(super) generation: u32,
+    pub(super) req: Option<Req>,
+}
+
+impl KvManager {
+    fn req(&self, id: RequestId) -> Result<&Req, ManagerError> {
+        self.requests
+            .get(id.index as usize)
+            .filter(|s| s.generation == id.generation)
+            .and_then(|s| s.req.as_ref())
+            .ok_or(ManagerError::UnknownRequest(id))
+    }
+    fn req_mut(&mut self, id: RequestId) -> Result<&mut Req, ManagerError> {
+        self.requests
+            .get_mut(id.index as usize)
+            .filter(|s| s.generation == id.generation)
+            .and_then(|s| s.req.as_mut())
+            .ok_or(ManagerError::UnknownRequest(id))
+    }
+
+    /// A new waiting request: its prompt length and the hashes of its full blocks (prompt
+    /// blocks; more may follow with [`KvManager::extend_hashes`]).
+    pub fn add_request(&mut self, prompt_tokens: u64, hashes: Vec<BlockHash>) -> RequestId {
+        let req = Req {
+            hashes,
+            prompt: prompt_tokens,
+            known: prompt_tokens,
+            blocks: Vec::new(),
+            indexed: 0,
+            computed: 0,
+            slot: None,
+            rolling: None,
+        };
+        let index = match self.free_requests.pop() {
+            Some(i) => i,
+            None => {
+                self.requests.push(Slot::default());
+                (self.requests.len() - 1) as u32
+            }
+        };
+        let s = &mut self.requests[index as usize];
+        s.req = Some(req);
+        RequestId { index, generation: s.generation }
+    }
+
+    /// More full-block hashes of a request (generated tokens completed blocks); blocks already
+    /// computed are committed to the index now.
+    pub fn extend_hashes(&mut self, id: RequestId, hashes: &[BlockHash]) -> Result<(), ManagerError> {
+        self.req_mut(id)?.hashes.extend_from_slice(hashes);
+        self.index_blocks(id)
+    }
+
+    /// Tokens of `hashes` a request would be served from the cache now: the longest cached
+    /// prefix that ends at a ready checkpoint (no side effects).
+    pub fn match_prefix(&self, hashes: &[BlockHash]) -> u64 {
+        self.match_blocks(hashes, hashes.len()).0 as u64 * self.block_size
+    }
+
+    /// (blocks, checkpoint node) of the longest hit among the first `limit` hashes.
+    fn match_blocks(&self, hashes: &[BlockHash], limit: usize) -> (usize, u32) {
+        let mut best = (0, NIL);
+        for (i, h) in hashes.iter().take(limit).enumerate() {
+            let Some(&b) = self.index.get(h) else { break };
+            let c = self.nodes.block(b).ckpt;
+            if c != NIL && self.nodes.ckpt(c).state == CkptState::Ready {
+                best = (i + 1, c);
+            }
+        }
+        best
+    }
+
+    /// Admit a waiting request: match its prefix, take a slot (the policy may grow the slot
+    /// region), reference the hit's blocks and restore the slot from the hit's checkpoint in
+    /// one copy launch. On `NoSlot` or any error nothing is held.
+    pub fn admit(&mut self, id: RequestId) -> Result<Admission, ManagerError> {
+        let r = self.req(id)?;
+        if r.slot.is_some() {
+            return Err(ManagerError::AlreadyRunning(id));
+        }
+        // At least one token is computed (its logits are needed).
+        let limit = (r.known.saturating_sub(1) / self.block_size) as usize;
+        let (hit, ck) = self.match_blocks(&r.hashes, limit);
+        let hit_nodes: Vec<u32> = r.hashes[..hit].iter().map(|h| self.index[h]).collect();
+        // Hold the hit before taking a slot: a slot may need room, and room is found by eviction.
+        for &b in &hit_nodes {
+            self.nodes.unlink(b);
+            self.nodes.block_mut(b).refs += 1;
+        }
+        if ck != NIL {
+            self.nodes.unlink(ck);
+            self.nodes.ckpt_mut(ck).pins += 1;
+        }
+        let slot = self.take_slot();
+        if ck != NIL {
+            self.nodes.ckpt_mut(ck).pins -= 1;
+        }
+        let slot = match slot {
+            Ok(s) => s,
+            Err(e) => {
+                self.unref(&hit_nodes)?;
+                if ck != NIL {
+                    self.touch_ckpt(ck);
+                }
+                return Err(e);
+            }
+        };
+        if ck != NIL {
+            if let Err(e) = self.begin_restore(ck, slot.position) {
+                self.unref(&hit_nodes)?;
+                self.touch_ckpt(ck);
+                self.pool.free_slot(slot.handle)?;
+                return Err(e);
+            }
+        }
+        let bs = self.block_size;
+        let r = self.req_mut(id)?;
+        r.blocks = hit_nodes;
+        r.indexed = hit;
+        r.computed = hit as u64 * bs;
+        r.slot = Some(slot);
+        self.stats.admissions += 1;
+        if hit > 0 {
+            self.stats.hits += 1;
+            self.stats.hit_tokens += hit as u64 * bs;
+        }
+        Ok(Admission { hit_tokens: hit as u64 * bs, slot })
+    }
+
+    fn touch_ckpt(&mut self, c: u32) {
+        let n = self.nodes.ckpt(c);
+        if n.state == CkptState::Ready && n.pins == 0 {
+            self.nodes.touch(c);
+        }
+    }
+
+    /// Drop one reference from each of `nodes`, deepest first: blocks nobody references go
+    /// to the LRU (deeper ones, and each block's checkpoint before its block, evicted first);
+    /// private ones go back to the pool.
+    fn unref(&mut self, nodes: &[u32]) -> Result<(), ManagerError> {
+        for &b in nodes.iter().rev() {
+            let n = self.nodes.block_mut(b);
+            n.refs -= 1;
+            if n.refs > 0 {
+                continue;
+            }
+            if n.hash.is_some() {
+                let c = n.ckpt;
+                if c != NIL {
+                    self.touch_ckpt(c);
+                }
+                self.nodes.touch(b);
+            } else {
+                let h = n.handle;
+                self.nodes.remove(b);
+                self.release_block_id(h)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// How many of `budget` prefill tokens the next chunk of a running request takes: it
+    /// stops at the prompt's end (for a resumed request, at the last token it had computed)
+    /// and at the next checkpoint point, so a checkpoint can be taken there. 0: the request
+    /// decodes.
+    pub fn prefill_stop(&self, id: RequestId, budget: u64) -> Result<u64, ManagerError> {
+        let r = self.req(id)?;
+        let mut end = r.known;
+        let bs = self.block_size;
+        let prompt_end = r.prompt / bs * bs;
+        if prompt_end > r.computed {
+            end = end.min(prompt_end);
+        }
+        let every = u64::from(self.config.checkpoint_every) * bs;
+        if let Some(q) = r.computed.checked_div(every) {
+            end = end.min((q + 1) * every);
+        }
+        Ok(end.saturating_sub(r.computed).min(budget))
+    }
+
+    /// Blocks for `tokens` more tokens of a running request (allocated, not yet committed),
+    /// evicting LRU cached blocks and checkpoints when the free ones fall short. On
+    /// `OutOfBlocks` nothing was evicted or allocated.
+    pub fn allocate(&mut self, id: RequestId, tokens: u64) -> Result<(), ManagerError> {
+        let bs = self.block_size;
+        let r = self.req(id)?;
+        if r.slot.is_none() {
+            return Err(ManagerError::NotRunning(id));
+        }
+        let want = (r.computed + tokens).div_ceil(bs) as usize;
+        let have = r.blocks.len();
+        if want <= have {
+            return Ok(());
+        }
+        let need = u32::try_from(want - have).map_err(|_| ManagerError::Config("too many blocks"))?;
+        // Fast path: the free blocks suffice (no count taken first). A shortfall returns
+        // what was taken and makes room for the whole request, so the call stays
+        // all-or-nothing.
+        let mut got = std::mem::take(&mut self.scratch);
+        got.clear();
+        for _ in 0..need {
+            match self.pool.alloc_block() {
+                Ok(g) => got.push(g.handle),
+                Err(crate::pool::PoolError::Alloc(crate::alloc::AllocError::NoFreeBlocks)) => break,
+                Err(e) => {
+                    self.return_blocks(&got)?;
+                    return Err(e.into());
+                }
+            }
+        }
+        if got.len() < need as usize {
+            self.return_blocks(&got)?;
+            got.clear();
+            self.make_room(need)?;
+            for _ in 0..need {
+                got.push(self.pool.alloc_block()?.handle);
+            }
+        }
+        let KvManager { requests, nodes, by_id, .. } = self;
+        let r = requests
+            .get_mut(id.index as usize)
+            .and_then(|s| s.req.as_mut())
+            .ok_or(ManagerError::UnknownRequest(id))?;
+        for &h in &got {
+            let node = nodes.insert(Node::Block(BlockNode { handle: h, hash: None, refs: 1, ckpt: NIL }));
+            let i = h.id as usize;
+            if i >= by_id.len() {
+                by_id.resize(i + 1, Holder::None);
+            }
+            by_id[i] = Holder::Block(node);
+            r.blocks.push(node);
+        }
+        self.scratch = got;
+        Ok(())
+    }
+
+    fn return_blocks(&self, blocks: &[BlockHandle]) -> Result<(), ManagerError> {
+        for &b in blocks {
+            self.pool.free_block(b)?;
+        }
+        Ok(())
+    }
+
+    /// `tokens` more tokens of a running request are in the pool (the forward that wrote
+    /// them is queued): full blocks with known hashes enter the index, and a checkpoint is
+    /// stored when the computed tokens land on a checkpoint point.
+    pub fn commit(&mut self, id: RequestId, tokens: u64) -> Result<(), ManagerError> {
+        let bs = self.block_size;
+        let r = self.req_mut(id)?;
+        if r.slot.is_none() {
+            return Err(ManagerError::NotRunning(id));
+        }
+        let after = r.computed + tokens;
+        let capacity = r.blocks.len() as u64 * bs;
+        if after > capacity {
+            return Err(ManagerError::CommitPastAllocation { tokens: after, capacity });
+        }
+        r.computed = after;
+        r.known = r.known.max(after);
+        self.index_blocks(id)?;
+        self.maybe_checkpoint(id)
+    }
+
+    /// Put the request's full, hashed, not yet indexed blocks into the index (a block whose
+    /// hash another request indexed first stays private).
+    fn index_blocks(&mut self, id: RequestId) -> Result<(), ManagerError> {
+        let bs = self.block_size;
+        // Field borrows, not `req_mut`: this runs once per committed block.
+        let KvManager { requests, index, nodes, .. } = self;
+        let r = requests
+            .get_mut(id.index as usize)
+            .filter(|s| s.generation == id.generation)
+            .and_then(|s| s.req.as_mut())
+            .ok_or(ManagerError::UnknownRequest(id))?;
+        let full = ((r.computed / bs) as usize).min(r.hashes.len()).min(r.blocks.len());
+        for i in r.indexed..full {
+            let (h, b) = (r.hashes[i], r.blocks[i]);
+            if let std::collections::hash_map::Entry::Vacant(e) = index.entry(h) {
+                e.insert(b);
+                nodes.block_mut(b).hash = Some(h);
+            }
+        }
+        r.indexed = r.indexed.max(full);
+        Ok(())
+    }
+
+    fn maybe_checkpoint(&mut self, id: RequestId) -> Result<(), ManagerError> {
+        let bs = self.block_size;
+        let r = self.req(id)?;
+        if r.computed == 0 || r.computed % bs != 0 {
+            return Ok(());
+        }
+        let k = (r.computed / bs) as usize;
+        if k > r.indexed || k > r.hashes.len() {
+            return Ok(()); // its hash is not known yet
+        }
+        let every = self.config.checkpoint_every as usize;
+        let permanent = (every > 0 && k % every == 0) || k as u64 == r.prompt / bs;
+        if !permanent && !self.config.rolling {
+            return Ok(());
+        }
+        let h = r.hashes[k - 1];
+        let prev = r.rolling;
+        let Some(position) = r.slot.map(|s| s.position) else { return Err(ManagerError::NotRunning(id)) };
+        if !self.begin_store(h, position, !permanent)? {
+            return Ok(());
+        }
+        if let Some(p) = prev.filter(|&p| p != h) {
+            if let Some(&b) = self.index.get(&p) {
+                let c = self.nodes.block(b).ckpt;
+                if c != NIL && self.nodes.ckpt(c).rolling {
+                    self.unindex_node(c)?;
+                }
+            }
+        }
+        self.req_mut(id)?.rolling = if permanent { None } else { Some(h) };
+        Ok(())
+    }
+
+    fn release(&mut self, id: RequestId) -> Result<(), ManagerError> {
+        let r = self.req_mut(id)?;
+        let blocks = std::mem::take(&mut r.blocks);
+        let slot = r.slot.take();
+        r.indexed = 0;
+        r.computed = 0;
+        r.rolling = None;
+        self.unref(&blocks)?;
+        if let Some(s) = slot {
+            self.pool.free_slot(s.handle)?;
+        }
+        Ok(())
+    }
+
+    /// Preempt a running request: its slot is freed, its committed blocks stay cached (with
+    /// their checkpoints), uncommitted ones are freed; it waits to be admitted again, when it
+    /// hits what it committed.
+    pub fn preempt(&mut self, id: RequestId) -> Result<(), ManagerError> {
+        if self.req(id)?.slot.is_none() {
+            return Err(ManagerError::NotRunning(id));
+        }
+        self.release(id)
+    }
+
+    /// A request is done: its slot is freed, its blocks stay cached; the id is retired.
+    pub fn finish(&mut self, id: RequestId) -> Result<(), ManagerError> {
+        self.release(id)?;
+        let s = &mut self.requests[id.index as usize];
+        s.req = None;
+        s.generation = s.generation.wrapping_add(1);
+        self.free_requests.push(id.index);
+        Ok(())
+    }
+
+    /// A request's block table (pool block ids, current after every boundary move).
+    pub fn block_table(&self, id: RequestId) -> Result<Vec<i32>, ManagerError> {
+        Ok(self.req(id)?.blocks.iter().map(|&b| self.nodes.block(b).handle.id as i32).collect())
+    }
+    /// A running request's slot (current after every boundary move).
+    pub fn slot(&self, id: RequestId) -> Result<Option<SlotLease>, ManagerError> {
+        Ok(self.req(id)?.slot)
+    }
+    /// Tokens of a request whose KV and state are in the pool.
+    pub fn computed_tokens(&self, id: RequestId) -> Result<u64, ManagerError> {
+        Ok(self.req(id)?.computed)
+    }
+    /// References held on the cached block `hash` (`None`: not cached).
+    pub fn block_refs(&self, hash: &BlockHash) -> Option<u32> {
+        self.index.get(hash).map(|&b| self.nodes.block(b).refs)
+    }
+    /// The state of the checkpoint ending at `hash` (`None`: none).
+    pub fn checkpoint_state(&self, hash: &BlockHash) -> Option<CkptState> {
+        let &b = self.index.get(hash)?;
+        let c = self.nodes.block(b).ckpt;
+        (c != NIL).then(|| self.nodes.ckpt(c).state)
+    }
+    /// Block ids holding the checkpoint ending at `hash` (empty: none).
+    pub fn checkpoint_units(&self, hash: &BlockHash) -> Vec<u32> {
+        let Some(&b) = self.index.get(hash) else { return Vec::new() };
+        let c = self.nodes.block(b).ckpt;
+        if c == NIL {
+            return Vec::new();
+        }
+        self.nodes.ckpt(c).units.iter().map(|u| u.id).collect()
+    }
+    /// Bytes of block units the checkpoints hold now.
+    pub fn checkpoint_bytes_held(&self) -> u64 {
+        self.stats.checkpoints_held * u64::from(self.units_per_ckpt) * self.ck.page_bytes
+    }
+
+    /// Evict every unreferenced cached block and ready unpinned checkpoint (e.g. when the
+    /// namespace changes); returns the block ids freed.
+    pub fn evict_all(&mut self) -> Result<u64, ManagerError> {
+        let mut freed = 0;
+        while self.nodes.head != NIL {
+            freed += self.evict(self.nodes.head)?;
+        }
+        Ok(freed)
+    }
+
+    // ---- transfer -------------------------------------------------------------------------
+
+    /// The ready checkpoint ending at `hash`, read to host memory: restored into a slot taken
+    /// for the purpose (the policy may grow one), read with [`crate::pool::Pool::checkpoint`]
+    /// (tagged with the pool's layout id), and the slot given back.
+    pub fn export_checkpoint(&mut self, hash: &BlockHash) -> Result<StoredCheckpoint, ManagerError> {
+        let c = self.ready_ckpt(hash).ok_or(ManagerError::NotCached { what: "checkpoint", hash: hash.0 })?;
+        // Pinned while a slot is found: finding one may evict.
+        self.nodes.unlink(c);
+        self.nodes.ckpt_mut(c).pins += 1;
+        let slot = self.take_slot();
+        self.nodes.ckpt_mut(c).pins -= 1;
+        self.touch_ckpt(c);
+        let slot = slot?;
+        let ids: Vec<i64> = self.nodes.ckpt(c).units.iter().map(|u| i64::from(u.id)).collect();
+        let image = store::copy(&self.pool, &self.ck, slot.position, &ids, false)
+            .and_then(|()| Ok(self.pool.checkpoint(slot.handle)?));
+        self.pool.free_slot(slot.handle)?;
+        Ok(StoredCheckpoint { hash: *hash, image: image? })
+    }
+
+    /// Store an image exported by another worker under its block's hash (the block must be
+    /// cached here): an image of another layout is refused before anything changes; one
+    /// already present is kept (`Ok(false)`). The image goes through a slot taken for the
+    /// purpose ([`crate::pool::Pool::restore`] checks its layout and size) into units like
+    /// any store, visible after [`KvManager::complete_inflight`].
+    pub fn import_checkpoint(&mut self, stored: &StoredCheckpoint) -> Result<bool, ManagerError> {
+        self.layout_id.check_image(stored.image.layout_id())?;
+        let hash = stored.hash;
+        let &b = self.index.get(&hash).ok_or(ManagerError::NotCached { what: "block", hash: hash.0 })?;
+        if self.nodes.block(b).ckpt != NIL {
+            return Ok(false);
+        }
+        // Referenced while a slot and units are found, so eviction cannot take it.
+        self.nodes.unlink(b);
+        self.nodes.block_mut(b).refs += 1;
+        let result = self.take_slot().and_then(|slot| {
+            let stored_ok = self
+                .pool
+                .restore(slot.handle, &stored.image)
+                .map_err(ManagerError::from)
+                .and_then(|()| self.begin_store(hash, slot.position, false));
+            self.pool.free_slot(slot.handle)?;
+            stored_ok
+        });
+        self.unref(&[b])?;
+        result
+    }
+
+    // ---- invariants (tests) -----------------------------------------------------------------
+
+    /// Check every internal invariant: references equal the requests holding each block; the
+    /// LRU holds exactly the unreferenced cached blocks and the ready unpinned checkpoints;
+    /// every held pool block id is a block or a unit of this manager and vice versa. A
+    /// description of the first violation.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut refs = vec![0u32; self.nodes.nodes.len()];
+        for r in self.requests.iter().filter_map(|s| s.req.as_ref()) {
+            for &b in &r.blocks {
+                refs[b as usize] += 1;
+            }
+            if r.slot.is_none() && !r.blocks.is_empty() {
+                return Err("a waiting request holds blocks".into());
+            }
+        }
+        let mut held = 0u64;
+        let mut lru_weight = 0u64;
+        for (i, n) in self.nodes.nodes.iter().enumerate() {
+            let listed = self.nodes.in_lru[i];
+            match n {
+                Node::Free => {
+                    if listed {
+                        return Err(format!("free node {i} listed"));
+                    }
+                }
+                Node::Block(b) => {
+                    held += 1;
+                    if b.refs != refs[i] {
+                        return Err(format!("block node {i}: refs {} but {} holders", b.refs, refs[i]));
+                    }
+                    if listed != (b.refs == 0 && b.hash.is_some()) {
+                        return Err(format!("block node {i}: listed {listed}, refs {}", b.refs));
+                    }
+                    if b.refs == 0 && b.hash.is_none() {
+                        return Err(format!("private block node {i} with no holder"));
+                    }
+                    if let Some(h) = b.hash {
+                        if self.index.get(&h) != Some(&(i as u32)) {
+                            return Err(format!("block node {i} hashed but not indexed"));
+                        }
+                    }
+                    if self.by_id.get(b.handle.id as usize) != Some(&Holder::Block(i as u32)) {
+                        return Err(format!("block node {i} id {} not mapped", b.handle.id));
+                    }
+                    self.pool.check_block(b.handle).map_err(|e| format!("block node {i}: {e}"))?;
+                    if b.ckpt != NIL && self.nodes.ckpt(b.ckpt).block != i as u32 {
+                        return Err(format!("block node {i}: checkpoint link broken"));
+                    }
+                    if listed {
+                        lru_weight += 1;
+                    }
+                }
+                Node::Ckpt(c) => {
+                    held += c.units.len() as u64;
+                    if listed != (c.state == CkptState::Ready && c.pins == 0) {
+                        return Err(format!("checkpoint {i}: listed {listed} in state {:?}", c.state));
+                    }
+                    if c.block != NIL && self.nodes.block(c.block).hash != Some(c.hash) {
+                        return Err(format!("checkpoint {i} sits on a block of another hash"));
+                    }
+                    if (c.state == CkptState::Evicting) != (c.block == NIL) {
+                        return Err(format!("checkpoint {i}: state {:?} with block {}", c.state, c.block));
+                    }
+                    for (k, u) in c.units.iter().enumerate() {
+                        if self.by_id.get(u.id as usize) != Some(&Holder::Unit(i as u32, k as u32)) {
+                            return Err(format!("checkpoint {i} unit {} not mapped", u.id));
+                        }
+                        self.pool.check_block(*u).map_err(|e| format!("checkpoint {i} unit: {e}"))?;
+                    }
+                    if listed {
+                        lru_weight += c.units.len() as u64;
+                    }
+                }
+            }
+        }
+        if lru_weight != self.nodes.lru_blocks {
+            return Err(format!("LRU weight {} but {} listed", self.nodes.lru_blocks, lru_weight));
+        }
+        let c = self.pool.counts().map_err(|e| e.to_string())?;
+        if u64::from(c.num_blocks - c.free_blocks) != held {
+            return Err(format!("pool holds {} blocks, manager {held}", c.num_blocks - c.free_blocks));
+        }
+        Ok(())
+    }
+}

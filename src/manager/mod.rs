@@ -1,0 +1,798 @@
+//! The request-level KV manager: what a scheduler calls (vLLM's `get_computed_blocks` /
+//! `allocate_slots` / `free`, SGLang's `match_prefix` / `insert` / `evict` with lock refs),
+//! for a stateful model.
+//!
+//! * **Content-addressed blocks.** A full block is keyed by its [`BlockHash`] (128-bit,
+//!   chained, namespaced; see [`hash`]). Requests reference blocks; a block no request
+//!   references stays cached and sits in one LRU list with the ready checkpoints, and is
+//!   evicted only when an allocation or a store needs the room. A referenced block is never
+//!   evicted.
+//! * **State checkpoints** (`pool-runtime.md` §6): the slot image copied into block units of
+//!   the same row space, keyed by the hash of the block it ends at. Lifecycle:
+//!   `begin_store` (COPYING, refused before anything is evicted when even full eviction
+//!   cannot make room) → [`KvManager::complete_inflight`] (READY, visible); restores pin a
+//!   record until the batch that carried them completes; a record whose block left the
+//!   cache is unindexed (EVICTING) and its units go back once no writer or pin needs them.
+//!   Every record carries the layout id; an image from another layout is a typed error.
+//! * **Checkpoint points**: every `checkpoint_every` blocks, the prompt's last block boundary,
+//!   and a rolling one at each other block boundary a request's computed tokens land on
+//!   (the previous rolling one of that request is dropped) — so a finished turn leaves its
+//!   last full block checkpointed and the next turn's prompt hits there.
+//! * **Admission with a hit**: the longest cached prefix that ends at a ready checkpoint;
+//!   a fresh slot restored from it in one copy launch; the hit's blocks referenced; prefill
+//!   resumes at the hit.
+//! * **The boundary** moves only here, as a [`SplitPolicy`] decides; the manager rewrites
+//!   its own tables for every relocation, so callers ask [`KvManager::block_table`] and
+//!   [`KvManager::slot`] afresh each step.
+//!
+//! The engine calls, per request: [`KvManager::add_request`] (prompt length and the hashes of
+//! its full blocks) → [`KvManager::admit`] → per step [`KvManager::prefill_stop`],
+//! [`KvManager::allocate`], the forward pass, [`KvManager::commit`] → [`KvManager::preempt`]
+//! or [`KvManager::finish`]; per batch [`KvManager::complete_inflight`] after the batch's
+//! work has completed, and [`KvManager::rebalance`] once per step.
+
+pub mod hash;
+pub mod policy;
+mod store;
+
+pub use hash::{block_hash, chain_hashes, BlockHash, Namespace};
+pub use policy::{BlockGrowth, ElasticPolicy, FixedPolicy, PoolView, SplitPolicy};
+
+use crate::alloc::{AllocError, BlockHandle};
+use crate::boundary::BoundaryChange;
+use crate::checkpoint::{CheckpointError, CheckpointLayout, LayoutId};
+use crate::pool::{Pool, PoolError, SlotLease};
+use crate::sizing::IndexerDtype;
+use hash::BuildPassThrough;
+use std::collections::HashMap;
+use std::sync::Arc;
+use thiserror::Error;
+
+mod engine;
+pub use engine::{Admission, ManagerStats, RequestId, StoredCheckpoint};
+
+/// Everything the manager refuses. A refused call changes nothing unless it says so.
+#[derive(Debug, Error)]
+pub enum ManagerError {
+    /// The pool refused (allocator, boundary, backend).
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// A checkpoint plan was refused.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// The id names no request of this manager (finished, or never added).
+    #[error("no request {0:?}")]
+    UnknownRequest(RequestId),
+    /// The call needs a request that holds a slot.
+    #[error("request {0:?} is not running")]
+    NotRunning(RequestId),
+    /// `admit` on a request that already holds a slot.
+    #[error("request {0:?} is already running")]
+    AlreadyRunning(RequestId),
+    /// No slot is free and the policy gave none.
+    #[error("no slot is free and the policy grew none")]
+    NoSlot,
+    /// Not even evicting every unreferenced block and checkpoint would free `need` blocks.
+    #[error("{need} blocks needed, at most {available} obtainable; nothing was evicted")]
+    OutOfBlocks {
+        /// Blocks the call needed.
+        need: u64,
+        /// Blocks free, in the gap or evictable.
+        available: u64,
+    },
+    /// `commit` of more tokens than the allocated blocks hold.
+    #[error("commit to {tokens} tokens, but the request's blocks hold {capacity}")]
+    CommitPastAllocation {
+        /// Tokens after the commit.
+        tokens: u64,
+        /// Tokens the request's blocks hold.
+        capacity: u64,
+    },
+    /// No ready checkpoint, or no cached block, under that hash.
+    #[error("no {what} for hash {hash:032x}")]
+    NotCached {
+        /// `"checkpoint"` or `"block"`.
+        what: &'static str,
+        /// The hash asked for.
+        hash: u128,
+    },
+    /// The backend refused a transfer.
+    #[error(transparent)]
+    Backend(#[from] crate::backend::BackendError),
+    /// The configuration is unusable.
+    #[error("bad manager config: {0}")]
+    Config(&'static str),
+}
+
+/// How the manager checkpoints and which layout its checkpoints belong to.
+#[derive(Clone, Debug)]
+pub struct ManagerConfig {
+    /// A permanent checkpoint every this many blocks (0: none besides prompt end and rolling).
+    pub checkpoint_every: u32,
+    /// Rolling checkpoints at the other block boundaries a request's computed tokens land on
+    /// (turn ends; resumption after preemption).
+    pub rolling: bool,
+}
+
+impl Default for ManagerConfig {
+    fn default() -> Self {
+        ManagerConfig { checkpoint_every: 16, rolling: true }
+    }
+}
+
+const NIL: u32 = u32::MAX;
+
+/// A cached or private block.
+#[derive(Clone, Debug)]
+struct BlockNode {
+    handle: BlockHandle,
+    /// `Some` once committed and in the index (private duplicates stay `None`).
+    hash: Option<BlockHash>,
+    refs: u32,
+    /// The checkpoint record ending at this block, or NIL.
+    ckpt: u32,
+}
+
+/// A checkpoint record's lifecycle state (§6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CkptState {
+    /// Its store copy is queued; invisible to lookups until `complete_inflight`.
+    Copying,
+    /// Visible; restores may read it.
+    Ready,
+    /// Its block left the index; units go back once no writer or pin needs them.
+    Evicting,
+}
+
+#[derive(Clone, Debug)]
+struct CkptNode {
+    hash: BlockHash,
+    /// The block node it ends at (NIL once unindexed).
+    block: u32,
+    units: Vec<BlockHandle>,
+    state: CkptState,
+    pins: u32,
+    /// Whether a request may drop it when it stores its next rolling checkpoint.
+    rolling: bool,
+    layout: LayoutId,
+}
+
+#[derive(Clone, Debug)]
+enum Node {
+    Free,
+    Block(BlockNode),
+    Ckpt(CkptNode),
+}
+
+/// Who holds a pool block id (for boundary moves).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Holder {
+    None,
+    Block(u32),
+    Unit(u32, u32),
+}
+
+/// Nodes (blocks and checkpoints) with an intrusive LRU list: `head` is evicted first.
+#[derive(Default)]
+struct Nodes {
+    nodes: Vec<Node>,
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    in_lru: Vec<bool>,
+    free: Vec<u32>,
+    head: u32,
+    tail: u32,
+    /// Blocks the LRU would free if evicted whole (blocks + units of listed checkpoints).
+    lru_blocks: u64,
+}
+
+impl Nodes {
+    fn new() -> Nodes {
+        Nodes { head: NIL, tail: NIL, ..Nodes::default() }
+    }
+    fn insert(&mut self, node: Node) -> u32 {
+        if let Some(i) = self.free.pop() {
+            self.nodes[i as usize] = node;
+            i
+        } else {
+            self.nodes.push(node);
+            self.prev.push(NIL);
+            self.next.push(NIL);
+            self.in_lru.push(false);
+            (self.nodes.len() - 1) as u32
+        }
+    }
+    fn remove(&mut self, i: u32) -> Node {
+        self.unlink(i);
+        self.free.push(i);
+        std::mem::replace(&mut self.nodes[i as usize], Node::Free)
+    }
+    fn block(&self, i: u32) -> &BlockNode {
+        match &self.nodes[i as usize] {
+            Node::Block(b) => b,
+            _ => unreachable!("node {i} is not a block"),
+        }
+    }
+    fn block_mut(&mut self, i: u32) -> &mut BlockNode {
+        match &mut self.nodes[i as usize] {
+            Node::Block(b) => b,
+            _ => unreachable!("node {i} is not a block"),
+        }
+    }
+    fn ckpt(&self, i: u32) -> &CkptNode {
+        match &self.nodes[i as usize] {
+            Node::Ckpt(c) => c,
+            _ => unreachable!("node {i} is not a checkpoint"),
+        }
+    }
+    fn ckpt_mut(&mut self, i: u32) -> &mut CkptNode {
+        match &mut self.nodes[i as usize] {
+            Node::Ckpt(c) => c,
+            _ => unreachable!("node {i} is not a checkpoint"),
+        }
+    }
+    fn weight(&self, i: u32) -> u64 {
+        match &self.nodes[i as usize] {
+            Node::Ckpt(c) => c.units.len() as u64,
+            _ => 1,
+        }
+    }
+    /// Append (or move) `i` to the most-recently-used end.
+    fn touch(&mut self, i: u32) {
+        self.unlink(i);
+        let iu = i as usize;
+        self.prev[iu] = self.tail;
+        self.next[iu] = NIL;
+        if self.tail != NIL {
+            self.next[self.tail as usize] = i;
+        } else {
+            self.head = i;
+        }
+        self.tail = i;
+        self.in_lru[iu] = true;
+        self.lru_blocks += self.weight(i);
+    }
+    fn unlink(&mut self, i: u32) {
+        let iu = i as usize;
+        if !self.in_lru[iu] {
+            return;
+        }
+        let (p, n) = (self.prev[iu], self.next[iu]);
+        if p != NIL {
+            self.next[p as usize] = n;
+        } else {
+            self.head = n;
+        }
+        if n != NIL {
+            self.prev[n as usize] = p;
+        } else {
+            self.tail = p;
+        }
+        self.in_lru[iu] = false;
+        self.lru_blocks -= self.weight(i);
+    }
+}
+
+/// The request-level KV manager over one [`Pool`]. See the module docs.
+pub struct KvManager {
+    pool: Arc<Pool>,
+    config: ManagerConfig,
+    layout_id: LayoutId,
+    ck: CheckpointLayout,
+    units_per_ckpt: u32,
+    block_size: u64,
+    policy: Box<dyn SplitPolicy>,
+    nodes: Nodes,
+    index: HashMap<BlockHash, u32, BuildPassThrough>,
+    by_id: Vec<Holder>,
+    requests: Vec<engine::Slot>,
+    free_requests: Vec<u32>,
+    /// Checkpoints whose store copy is queued.
+    copying: Vec<u32>,
+    /// Checkpoints pinned by restores queued in the current batch.
+    pinned: Vec<u32>,
+    /// Reused by `allocate` (no heap allocation per call).
+    scratch: Vec<BlockHandle>,
+    stats: ManagerStats,
+}
+
+impl std::fmt::Debug for KvManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvManager")
+            .field("policy", &self.policy.name())
+            .field("cached", &self.index.len())
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+impl KvManager {
+    /// A manager over `pool`: carves the split `policy` asks for at start-up (the pool must
+    /// hold no blocks or slots yet).
+    pub fn new(
+        pool: Arc<Pool>,
+        config: ManagerConfig,
+        policy: Box<dyn SplitPolicy>,
+    ) -> Result<Self, ManagerError> {
+        let spec = pool.spec();
+        let n_csa = if spec.indexer.is_some() { spec.csa_layers.len() as u64 } else { 0 };
+        let ck = CheckpointLayout::new(
+            &spec.arena,
+            &spec.geometry,
+            n_csa,
+            spec.indexer.unwrap_or(IndexerDtype::Fp8),
+        )?;
+        let units_per_ckpt = u32::try_from(ck.units_per_checkpoint)
+            .map_err(|_| ManagerError::Config("checkpoint too large"))?;
+        let block_size =
+            u64::try_from(spec.geometry.block_size).map_err(|_| ManagerError::Config("block size"))?;
+        if block_size == 0 {
+            return Err(ManagerError::Config("block size 0"));
+        }
+        let capacity = pool.indexer_blocks().max(1) as usize;
+        let layout_id = pool.layout_id().clone();
+        let m = KvManager {
+            pool,
+            config,
+            layout_id,
+            ck,
+            units_per_ckpt,
+            block_size,
+            policy,
+            nodes: Nodes::new(),
+            index: HashMap::default(),
+            by_id: vec![Holder::None; capacity],
+            requests: Vec::new(),
+            free_requests: Vec::new(),
+            copying: Vec::new(),
+            pinned: Vec::new(),
+            scratch: Vec::new(),
+            stats: ManagerStats::default(),
+        };
+        let c = m.pool.counts()?;
+        if c.num_blocks != c.free_blocks || c.num_slots != c.free_slots {
+            return Err(ManagerError::Config("the pool already has blocks or slots in use"));
+        }
+        let slots =
+            m.policy.initial_slots(&m.view()?).min(u32::try_from(c.slot_positions).unwrap_or(u32::MAX));
+        let blocks = m.pool.with_boundary(|b| b.max_blocks_beside(slots))?;
+        m.pool.resize(0, slots)?;
+        m.pool.resize(blocks, slots)?;
+        Ok(m)
+    }
+
+    /// The pool underneath.
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+    /// Tokens per block.
+    pub fn block_size(&self) -> u64 {
+        self.block_size
+    }
+    /// Block units one checkpoint takes.
+    pub fn units_per_checkpoint(&self) -> u32 {
+        self.units_per_ckpt
+    }
+    /// The policy's name (`elastic`, `fixed`).
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+    /// The layout id every checkpoint of this manager carries (the pool's).
+    pub fn layout_id(&self) -> &LayoutId {
+        &self.layout_id
+    }
+    /// Counters since construction.
+    pub fn stats(&self) -> ManagerStats {
+        let mut s = self.stats;
+        s.cached_blocks = self.index.len() as u64;
+        s
+    }
+
+    /// What the policy sees now.
+    pub fn view(&self) -> Result<PoolView, ManagerError> {
+        let c = self.pool.counts()?;
+        let g = &self.pool.spec().geometry;
+        let slot_blocks = (g.slot_rows + g.envelope_rows - 1) / g.envelope_rows.max(1);
+        let (mut running, mut waiting, mut owed) = (0u32, 0u32, 0u64);
+        for r in self.requests.iter().filter_map(|s| s.req.as_ref()) {
+            if r.slot.is_some() {
+                running += 1;
+                owed += r.known.div_ceil(self.block_size).saturating_sub(r.blocks.len() as u64);
+            } else {
+                waiting += 1;
+            }
+        }
+        Ok(PoolView {
+            num_blocks: c.num_blocks,
+            num_slots: c.num_slots,
+            free_blocks: c.free_blocks,
+            free_slots: c.free_slots,
+            max_blocks: c.max_blocks,
+            evictable_blocks: u32::try_from(self.nodes.lru_blocks).unwrap_or(u32::MAX),
+            slot_blocks: u32::try_from(slot_blocks).unwrap_or(u32::MAX),
+            owed_blocks: owed,
+            running,
+            waiting,
+        })
+    }
+
+    // ---- boundary ------------------------------------------------------------------------
+
+    /// Rewrite every table after a boundary move: block ids of cached blocks and checkpoint
+    /// units, and request slots.
+    fn note_change(&mut self, ch: &BoundaryChange) {
+        self.stats.boundary_moves += 1;
+        self.stats.block_relocations += ch.block_moves.len() as u64;
+        self.stats.slot_relocations += ch.slot_moves.len() as u64;
+        for m in &ch.block_moves {
+            let holder = self.by_id.get(m.old.id as usize).copied().unwrap_or(Holder::None);
+            self.set_holder(m.old.id, Holder::None);
+            self.set_holder(m.new.id, holder);
+            match holder {
+                Holder::Block(n) => self.nodes.block_mut(n).handle = m.new,
+                Holder::Unit(n, k) => self.nodes.ckpt_mut(n).units[k as usize] = m.new,
+                Holder::None => {}
+            }
+        }
+        for m in &ch.slot_moves {
+            for r in self.requests.iter_mut().filter_map(|s| s.req.as_mut()) {
+                if r.slot.is_some_and(|l| l.handle == m.old) {
+                    r.slot = Some(SlotLease { handle: m.new, position: m.to_position });
+                }
+            }
+        }
+    }
+
+    fn set_holder(&mut self, id: u32, h: Holder) {
+        let i = id as usize;
+        if i >= self.by_id.len() {
+            self.by_id.resize(i + 1, Holder::None);
+        }
+        self.by_id[i] = h;
+    }
+
+    fn apply(&mut self, r: Result<BoundaryChange, PoolError>) -> bool {
+        match r {
+            Ok(ch) => {
+                self.note_change(&ch);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Once per scheduler step: give idle slots back to blocks as the policy says.
+    pub fn rebalance(&mut self) -> Result<(), ManagerError> {
+        let give = self.policy.rebalance(&self.view()?);
+        if give > 0 {
+            let r = self.pool.shrink_slots(give);
+            if self.apply(r) {
+                let grow = self.pool.with_boundary(|b| b.max_blocks().saturating_sub(b.num_blocks()))?;
+                if grow > 0 {
+                    let r = self.pool.grow_blocks(grow);
+                    self.apply(r);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Move the boundary to exactly `slots` slots, outside the policy (operator tooling,
+    /// tests): held slots above the new top and held blocks in the way are relocated, cached
+    /// blocks evicted when relocation needs free ids; blocks take every row the slots leave.
+    /// `Ok(false)` when the move is impossible (too many held slots or blocks); nothing changed.
+    pub fn set_slots(&mut self, slots: u32) -> Result<bool, ManagerError> {
+        let c = self.pool.counts()?;
+        if slots > c.num_slots {
+            let n = slots - c.num_slots;
+            let r = self.pool.grow_slots(n);
+            if !self.apply(r) {
+                let per = self.view()?.slot_blocks;
+                if self.make_room(n.saturating_mul(per)).is_err() {
+                    return Ok(false);
+                }
+                let r = self.pool.grow_slots(n);
+                if !self.apply(r) {
+                    return Ok(false);
+                }
+            }
+        } else if slots < c.num_slots {
+            let r = self.pool.shrink_slots(c.num_slots - slots);
+            if !self.apply(r) {
+                return Ok(false);
+            }
+            let grow = self.pool.with_boundary(|b| b.max_blocks().saturating_sub(b.num_blocks()))?;
+            if grow > 0 {
+                let r = self.pool.grow_blocks(grow);
+                self.apply(r);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Make `need` block ids free: the policy's growth first, then LRU eviction. Refuses
+    /// (evicting nothing) when even full eviction cannot reach the count.
+    fn make_room(&mut self, need: u32) -> Result<(), ManagerError> {
+        let c = self.pool.counts()?;
+        if c.free_blocks >= need {
+            return Ok(());
+        }
+        let v = self.view()?;
+        let short = need - c.free_blocks;
+        let growth = self.policy.grow_blocks(&v, short);
+        if growth.grow > 0 {
+            let gap = c.max_blocks.saturating_sub(c.num_blocks);
+            let n = growth.grow.min(gap);
+            if n > 0 {
+                let r = self.pool.grow_blocks(n);
+                self.apply(r);
+            }
+            let rest = growth.grow.saturating_sub(n);
+            if rest > 0 && growth.shrink_idle_slots {
+                // As many as the idle slots allow, all or nothing per try.
+                let mut k = rest;
+                while k > 0 {
+                    let r = self.pool.grow_blocks_shrinking_slots(k);
+                    if self.apply(r) {
+                        break;
+                    }
+                    k /= 2;
+                }
+            }
+        }
+        let free = self.pool.counts()?.free_blocks;
+        if free >= need {
+            return Ok(());
+        }
+        let available = u64::from(free) + self.nodes.lru_blocks;
+        if available < u64::from(need) {
+            return Err(ManagerError::OutOfBlocks { need: u64::from(need), available });
+        }
+        let mut free = u64::from(free);
+        while free < u64::from(need) {
+            let head = self.nodes.head;
+            if head == NIL {
+                break;
+            }
+            free += self.evict(head)?;
+        }
+        if free < u64::from(need) {
+            return Err(ManagerError::OutOfBlocks { need: u64::from(need), available: free });
+        }
+        Ok(())
+    }
+
+    /// Evict an LRU node; returns the block ids that became free.
+    fn evict(&mut self, i: u32) -> Result<u64, ManagerError> {
+        match &self.nodes.nodes[i as usize] {
+            Node::Block(_) => {
+                let b = self.nodes.block(i).clone();
+                debug_assert_eq!(b.refs, 0, "a referenced block is never in the LRU");
+                // The checkpoint ending at this block is useless without it: unindex first,
+                // while the block node still links it.
+                let mut freed = 1;
+                if b.ckpt != NIL {
+                    freed += self.unindex_node(b.ckpt)?;
+                }
+                if let Some(h) = b.hash {
+                    self.index.remove(&h);
+                }
+                self.nodes.remove(i);
+                self.release_block_id(b.handle)?;
+                self.stats.evicted_blocks += 1;
+                Ok(freed)
+            }
+            Node::Ckpt(_) => {
+                self.stats.evicted_checkpoints += 1;
+                self.release_ckpt(i)
+            }
+            Node::Free => Ok(0),
+        }
+    }
+
+    fn release_block_id(&mut self, h: BlockHandle) -> Result<(), ManagerError> {
+        self.set_holder(h.id, Holder::None);
+        self.pool.free_block(h)?;
+        Ok(())
+    }
+
+    /// Free a checkpoint's units and its node now (no writer or pin may need them).
+    fn release_ckpt(&mut self, i: u32) -> Result<u64, ManagerError> {
+        let c = self.nodes.ckpt(i).clone();
+        if c.block != NIL {
+            self.nodes.block_mut(c.block).ckpt = NIL;
+        }
+        self.nodes.remove(i);
+        for u in &c.units {
+            self.release_block_id(*u)?;
+        }
+        self.stats.checkpoints_held -= 1;
+        Ok(c.units.len() as u64)
+    }
+
+    /// §6 `unindex`: the record's block left the index; release its units now unless a queued
+    /// writer or a pin still needs them. Returns the block ids freed now.
+    fn unindex_node(&mut self, i: u32) -> Result<u64, ManagerError> {
+        let c = self.nodes.ckpt(i);
+        if c.block != NIL {
+            let b = c.block;
+            self.nodes.block_mut(b).ckpt = NIL;
+        }
+        let c = self.nodes.ckpt_mut(i);
+        c.block = NIL;
+        let busy = c.state == CkptState::Copying || c.pins > 0;
+        c.state = CkptState::Evicting;
+        if busy {
+            self.nodes.unlink(i);
+            Ok(0)
+        } else {
+            self.release_ckpt(i)
+        }
+    }
+
+    /// §6 `unindex(hash)`: the checkpoint ending at `hash` is dropped (once no writer or pin
+    /// needs it). Nothing happens when there is none.
+    pub fn unindex(&mut self, hash: BlockHash) -> Result<(), ManagerError> {
+        if let Some(&b) = self.index.get(&hash) {
+            let ck = self.nodes.block(b).ckpt;
+            if ck != NIL {
+                self.unindex_node(ck)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// §6 `begin_store(hash, slot)`: reserve units for the block `hash` ends at and queue the
+    /// copy from the slot at `position`. Nothing if a record for `hash` is ready or pending;
+    /// `Ok(false)` (nothing evicted) when even full eviction cannot free the units.
+    fn begin_store(&mut self, hash: BlockHash, position: i64, rolling: bool) -> Result<bool, ManagerError> {
+        let Some(&b) = self.index.get(&hash) else { return Ok(false) };
+        if self.nodes.block(b).ckpt != NIL {
+            return Ok(true);
+        }
+        // The block is referenced by the storing request, so eviction cannot take it.
+        match self.make_room(self.units_per_ckpt) {
+            Ok(()) => {}
+            Err(ManagerError::OutOfBlocks { .. }) => {
+                self.stats.refused_stores += 1;
+                return Ok(false);
+            }
+            Err(e) => return Err(e),
+        }
+        let mut units = Vec::with_capacity(self.units_per_ckpt as usize);
+        for _ in 0..self.units_per_ckpt {
+            match self.pool.alloc_block() {
+                Ok(g) => units.push(g.handle),
+                Err(e) => {
+                    for u in units {
+                        self.pool.free_block(u)?;
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        let ids: Vec<i64> = units.iter().map(|u| i64::from(u.id)).collect();
+        if let Err(e) = store::copy(&self.pool, &self.ck, position, &ids, true) {
+            for u in units {
+                self.pool.free_block(u)?;
+            }
+            return Err(e);
+        }
+        let node = self.attach_ckpt(b, hash, units, CkptState::Copying, rolling);
+        self.copying.push(node);
+        self.stats.checkpoints_stored += 1;
+        self.stats.checkpoints_held += 1;
+        self.stats.checkpoint_bytes_copied += self.ck.image_bytes;
+        Ok(true)
+    }
+
+    /// Record a checkpoint on block node `b` held in `units`.
+    fn attach_ckpt(
+        &mut self,
+        b: u32,
+        hash: BlockHash,
+        units: Vec<BlockHandle>,
+        state: CkptState,
+        rolling: bool,
+    ) -> u32 {
+        let ids: Vec<u32> = units.iter().map(|u| u.id).collect();
+        let node = self.nodes.insert(Node::Ckpt(CkptNode {
+            hash,
+            block: b,
+            units,
+            state,
+            pins: 0,
+            rolling,
+            layout: self.layout_id.clone(),
+        }));
+        for (k, id) in ids.into_iter().enumerate() {
+            self.set_holder(id, Holder::Unit(node, k as u32));
+        }
+        self.nodes.block_mut(b).ckpt = node;
+        node
+    }
+
+    /// §6 `complete_inflight`: call after the batch that carried this step's copies has
+    /// completed. Stores become READY and visible (or are released if their block left the
+    /// index meanwhile); restores drop their pins.
+    pub fn complete_inflight(&mut self) -> Result<(), ManagerError> {
+        for i in std::mem::take(&mut self.copying) {
+            let c = self.nodes.ckpt_mut(i);
+            if c.state == CkptState::Evicting {
+                if c.pins == 0 {
+                    self.release_ckpt(i)?;
+                }
+            } else {
+                c.state = CkptState::Ready;
+                if c.pins == 0 {
+                    self.nodes.touch(i);
+                }
+            }
+        }
+        for i in std::mem::take(&mut self.pinned) {
+            let c = self.nodes.ckpt_mut(i);
+            c.pins -= 1;
+            if c.pins == 0 {
+                match c.state {
+                    CkptState::Evicting => {
+                        self.release_ckpt(i)?;
+                    }
+                    CkptState::Ready => self.nodes.touch(i),
+                    CkptState::Copying => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A ready checkpoint ending at `hash`, if any.
+    fn ready_ckpt(&self, hash: &BlockHash) -> Option<u32> {
+        let &b = self.index.get(hash)?;
+        let c = self.nodes.block(b).ckpt;
+        (c != NIL && self.nodes.ckpt(c).state == CkptState::Ready).then_some(c)
+    }
+
+    /// §6 `begin_restore`: pin the record (until `complete_inflight`), refresh its LRU place,
+    /// and queue the copy into the slot at `position` (one descriptor launch).
+    fn begin_restore(&mut self, ck: u32, position: i64) -> Result<(), ManagerError> {
+        let c = self.nodes.ckpt(ck);
+        self.layout_id.check_image(&c.layout)?;
+        let ids: Vec<i64> = c.units.iter().map(|u| i64::from(u.id)).collect();
+        store::copy(&self.pool, &self.ck, position, &ids, false)?;
+        let c = self.nodes.ckpt_mut(ck);
+        c.pins += 1;
+        self.nodes.unlink(ck);
+        self.pinned.push(ck);
+        self.stats.restores += 1;
+        Ok(())
+    }
+
+    /// Free slot for an admission: take one, or grow the slot region as the policy allows
+    /// (evicting cached blocks when relocation needs free ids).
+    fn take_slot(&mut self) -> Result<SlotLease, ManagerError> {
+        if self.pool.counts()?.free_slots == 0 {
+            let v = self.view()?;
+            let n = self.policy.grow_slots(&v);
+            if n == 0 {
+                return Err(ManagerError::NoSlot);
+            }
+            let r = self.pool.grow_slots(n);
+            if !self.apply(r) {
+                // Relocating the top blocks needs free ids below: make them, then retry.
+                let need = n.saturating_mul(v.slot_blocks);
+                if self.make_room(need).is_err() {
+                    return Err(ManagerError::NoSlot);
+                }
+                let r = self.pool.grow_slots(n);
+                if !self.apply(r) {
+                    return Err(ManagerError::NoSlot);
+                }
+            }
+        }
+        match self.pool.alloc_slot() {
+            Ok(l) => Ok(l),
+            Err(PoolError::Alloc(AllocError::NoFreeSlots)) => Err(ManagerError::NoSlot),
+            Err(e) => Err(e.into()),
+        }
+    }
+}

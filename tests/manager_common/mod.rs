@@ -1,0 +1,349 @@
+//! Shared by the manager tests: a small pool on any backend, and a token engine that writes a
+//! request's state the way a forward pass does — window rows through the ring-write kernel
+//! (`v4pool_ring_write`, launched on the pool's backend), the carried compressor state through
+//! the pool's public write path (no state-writing kernel exists), and each full block's
+//! compressed rows through the same path.
+//!
+//! The state is a deterministic function of the tokens so far (each token mixes every state
+//! byte), and each token's window row depends on the state before it, so a wrong restore
+//! shows up in every later row. Chunking does not change the result: an uninterrupted run
+//! and a run resumed from a checkpoint must end byte-identical.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
+use v4pool::backend::{Backend, Stream};
+use v4pool::index::{Launch, PlaneWrite, RingWriteArgs};
+use v4pool::manager::{BlockHash, KvManager, Namespace, RequestId};
+use v4pool::pool::{Pool, PoolSpec};
+use v4pool::{GeometrySpec, ABSENT_RATIO};
+
+pub const WIDTHS: [u64; 2] = [64, 32];
+pub const BLOCK: u64 = 256;
+
+fn field(name: &str, rows: u64, fill: Fill, carried: bool) -> StateField {
+    StateField {
+        name: name.into(),
+        layers: 2,
+        shape: vec![rows, 8],
+        dtype: Dtype::F32,
+        fill,
+        carried,
+        align: 256,
+    }
+}
+
+/// A small pool: ratios [0,4,128,4,128,0], ring 11, a 3-field arena in two planes, a plane
+/// of `positions` slots' rows, carved empty (the manager sets the split).
+pub fn small_pool(backend: Arc<dyn Backend>, positions: i64) -> Arc<Pool> {
+    small_pool_ring(backend, positions, 11)
+}
+
+/// As [`small_pool`] with another ring size (another checkpoint layout).
+pub fn small_pool_ring(backend: Arc<dyn Backend>, positions: i64, ring: i64) -> Arc<Pool> {
+    let arena = ArenaLayout::new(
+        vec![
+            field("csa_kv", 10, Fill::Zero, true),
+            field("csa_score", 10, Fill::NegInf, true),
+            field("hca_kv", 24, Fill::Zero, false),
+        ],
+        &WIDTHS,
+    )
+    .expect("arena");
+    let probe = GeometrySpec::new(vec![0, 4, 128, 4, 128, 0], 0, 0, ring, BLOCK as i64)
+        .arena_rows(arena.arena_rows())
+        .slot_align_rows(arena.slot_align_rows())
+        .build()
+        .expect("geometry");
+    let plane_rows = positions * probe.slot_rows;
+    let geometry = probe.with_capacity(0, 0, Some(plane_rows)).expect("carve");
+    let spec =
+        PoolSpec::new(geometry, WIDTHS.to_vec(), arena, Some(v4pool::sizing::IndexerDtype::Fp8), vec![1, 3])
+            .expect("spec");
+    Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
+}
+
+/// SplitMix64.
+pub fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed;
+    (0..len)
+        .map(|_| {
+            x = mix(x);
+            x as u8
+        })
+        .collect()
+}
+
+/// Tokens of a conversation `family`, `len` long: families share their first `shared` tokens.
+pub fn tokens(family: u64, len: usize, shared: usize) -> Vec<u32> {
+    (0..len)
+        .map(
+            |i| {
+                if i < shared {
+                    mix(i as u64) as u32
+                } else {
+                    mix((family << 32) ^ i as u64 ^ 0x5555) as u32
+                }
+            },
+        )
+        .collect()
+}
+
+pub fn hashes(t: &[u32]) -> Vec<BlockHash> {
+    v4pool::manager::chain_hashes(Namespace::from_label("test-model@1"), None, t, BLOCK as usize)
+}
+
+/// Byte ranges `(plane, offset in plane, len)` of the carried state of the slot at `position`.
+pub fn state_ranges(pool: &Pool, position: i64) -> Vec<(usize, u64, u64)> {
+    let g = &pool.spec().geometry;
+    let (start, _) = g.slot_span(position).expect("position");
+    let mut out = Vec::new();
+    for (p, &w) in WIDTHS.iter().enumerate() {
+        for (off, len) in pool.spec().arena.plane_checkpoint_ranges(p).expect("ranges") {
+            out.push((p, start as u64 * w + off, len));
+        }
+    }
+    out
+}
+
+/// The checkpoint image's byte ranges of the slot at `position`.
+pub fn image_ranges(pool: &Pool, position: i64) -> Vec<(usize, u64, u64)> {
+    let g = &pool.spec().geometry;
+    let (start, _) = g.slot_span(position).expect("position");
+    let mut out = Vec::new();
+    for (p, r) in pool.checkpoint_ranges().expect("ranges").iter().enumerate() {
+        for &(off, len) in r {
+            out.push((p, start as u64 * WIDTHS[p] + off, len));
+        }
+    }
+    out
+}
+
+/// The whole slot at `position`, both planes.
+pub fn slot_ranges(pool: &Pool, position: i64) -> Vec<(usize, u64, u64)> {
+    let g = &pool.spec().geometry;
+    let (start, _) = g.slot_span(position).expect("position");
+    WIDTHS.iter().enumerate().map(|(p, &w)| (p, start as u64 * w, g.slot_bytes(w))).collect()
+}
+
+pub fn block_ranges(pool: &Pool, id: u32) -> Vec<(usize, u64, u64)> {
+    let g = &pool.spec().geometry;
+    WIDTHS.iter().enumerate().map(|(p, &w)| (p, u64::from(id) * g.block_bytes(w), g.block_bytes(w))).collect()
+}
+
+pub fn read(pool: &Pool, ranges: &[(usize, u64, u64)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for &(p, off, len) in ranges {
+        let mut buf = vec![0u8; len as usize];
+        pool.read_plane(p, off, &mut buf).expect("read");
+        out.extend(buf);
+    }
+    out
+}
+
+pub fn write(pool: &Pool, ranges: &[(usize, u64, u64)], bytes: &[u8]) {
+    let mut at = 0usize;
+    for &(p, off, len) in ranges {
+        pool.write_plane(p, off, &bytes[at..at + len as usize]).expect("write");
+        at += len as usize;
+    }
+}
+
+/// A block's compressed rows as the engine writes them: a function of its hash.
+pub fn block_content(pool: &Pool, h: &BlockHash) -> Vec<u8> {
+    let n: u64 = block_ranges(pool, 0).iter().map(|r| r.2).sum();
+    pattern(h.0 as u64 ^ (h.0 >> 64) as u64, n as usize)
+}
+
+/// The forward pass of tokens `t[from..to]` for a request whose slot is at `position`:
+/// per token the state absorbs it and its window rows (every layer, both planes) are derived
+/// from the state before it; full blocks get their compressed rows.
+pub fn forward(pool: &Pool, position: i64, table: &[i32], t: &[u32], from: usize, to: usize) {
+    if to <= from {
+        return;
+    }
+    let g = pool.spec().geometry.clone();
+    let sr = state_ranges(pool, position);
+    let mut state = read(pool, &sr);
+    let n = to - from;
+    // Per token: a digest of the state before it, then the state absorbs the token.
+    let mut digests = Vec::with_capacity(n);
+    for (k, &tok) in t[from..to].iter().enumerate() {
+        let pos = (from + k) as u64;
+        let mut d = mix(u64::from(tok) ^ (pos << 32));
+        for chunk in state.chunks(64) {
+            d = mix(d ^ u64::from(chunk[0]) ^ (u64::from(chunk[chunk.len() - 1]) << 8));
+        }
+        digests.push(d);
+        let m = mix(d ^ 0x1234);
+        for (j, b) in state.iter_mut().enumerate() {
+            *b = b.wrapping_mul(31).wrapping_add((m >> ((j % 8) * 8)) as u8) ^ (j as u8);
+        }
+    }
+    write(pool, &sr, &state);
+    // Window rows through the ring-write kernel, one launch per layer.
+    let backend = pool.backend().clone();
+    let stream = pool.stream();
+    let ring = g.ring_slots as usize;
+    let w = n.min(ring);
+    let positions: Vec<i32> = (from..to).map(|p| p as i32).collect();
+    let cu: Vec<i32> = vec![0, n as i32];
+    let slot: Vec<i32> = vec![position as i32];
+    let alloc = |bytes: &[u8]| {
+        let a = backend.alloc_zeroed(bytes.len().max(4) as u64).expect("alloc");
+        // SAFETY: a fresh allocation of at least `bytes.len()` bytes.
+        unsafe { backend.upload(a.ptr, bytes, stream).expect("upload") };
+        a
+    };
+    let pos_buf = alloc(bytemuck::cast_slice(&positions));
+    let cu_buf = alloc(bytemuck::cast_slice(&cu));
+    let slot_buf = alloc(bytemuck::cast_slice(&slot));
+    let mut kv_bufs = Vec::new();
+    for layer in 0..g.num_layers {
+        let ratio = g.ratios[layer];
+        if ratio == ABSENT_RATIO {
+            continue;
+        }
+        let params = g.window_params(ratio).expect("params");
+        let mut planes = [PlaneWrite::default(); 2];
+        for (p, &width) in WIDTHS.iter().enumerate() {
+            let mut kv = Vec::with_capacity(n * width as usize);
+            for d in &digests {
+                kv.extend(pattern(mix(*d ^ ((layer as u64) << 40) ^ ((p as u64) << 48)), width as usize));
+            }
+            let buf = alloc(&kv);
+            let view = pool.layer_view(layer, p).expect("view");
+            planes[p] = PlaneWrite { kv: buf.ptr, pool: view.ptr, row_bytes: width as i64 };
+            kv_bufs.push(buf);
+        }
+        let view_rows = pool.layer_view(layer, 0).expect("view").rows;
+        let args = RingWriteArgs {
+            params,
+            planes,
+            positions: pos_buf.ptr,
+            cu_seqlens_q: cu_buf.ptr,
+            state_slot_per_seq: slot_buf.ptr,
+            view_rows,
+            num_seqs: 1,
+            write_per_batch: w as i32,
+        };
+        // SAFETY: every pointer is a live buffer of this backend sized for `n` tokens, or a
+        // layer view of the pool; rows outside the view are dropped by the kernel.
+        unsafe { backend.launch(&Launch::RingWrite(args), stream).expect("ring write") };
+    }
+    backend.synchronize(stream).expect("sync");
+    for a in [pos_buf, cu_buf, slot_buf].into_iter().chain(kv_bufs) {
+        // SAFETY: synchronised above; nothing uses the buffer.
+        unsafe { backend.free(a) };
+    }
+    // Compressed rows of blocks that became full.
+    let hs = hashes(&t[..to]);
+    for b in from / BLOCK as usize..to / BLOCK as usize {
+        let id = table[b] as u32;
+        write(pool, &block_ranges(pool, id), &block_content(pool, &hs[b]));
+    }
+}
+
+/// Run request `id` (tokens `t`) from its computed tokens to `to` through the manager:
+/// chunks cut at `prefill_stop`, allocate, forward, commit, complete.
+pub fn run_to(m: &mut KvManager, id: RequestId, t: &[u32], to: u64, chunk: u64) {
+    loop {
+        let done = m.computed_tokens(id).expect("request");
+        if done >= to {
+            break;
+        }
+        let mut n = m.prefill_stop(id, chunk).expect("stop");
+        if n == 0 {
+            n = 1; // past the prompt: decode one token at a time
+        }
+        let n = n.min(to - done);
+        m.allocate(id, n).expect("allocate");
+        let slot = m.slot(id).expect("slot").expect("running");
+        let table = m.block_table(id).expect("table");
+        forward(m.pool(), slot.position, &table, t, done as usize, (done + n) as usize);
+        m.commit(id, n).expect("commit");
+        m.complete_inflight().expect("complete");
+    }
+}
+
+/// Assert two byte strings are equal, naming the first differing byte (not printing both).
+pub fn same(got: &[u8], want: &[u8], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    let first = got.iter().zip(want).position(|(x, y)| x != y);
+    assert!(first.is_none(), "{what}: first differing byte at {first:?}");
+}
+
+pub fn config(every: u32, rolling: bool) -> v4pool::manager::ManagerConfig {
+    v4pool::manager::ManagerConfig { checkpoint_every: every, rolling }
+}
+
+fn table_contents(m: &KvManager, id: RequestId, blocks: usize) -> Vec<u8> {
+    let table = m.block_table(id).expect("table");
+    table[..blocks].iter().flat_map(|&b| read(m.pool(), &block_ranges(m.pool(), b as u32))).collect()
+}
+
+/// The exactness scenario on `backend`: turn 1 (prompt 1,000, decoded to 1,500) finishes;
+/// turn 2 re-sends the history plus a new message (prompt 2,300), hits turn 1's last
+/// checkpoint (1,280 = 5 blocks), is preempted while decoding at 2,450, resumes from its
+/// rolling checkpoint at 2,304 and decodes to 2,600. Its slot (state and window rows, every
+/// byte) and its blocks must equal an uninterrupted run of the same 2,600 tokens on a fresh
+/// pool; each restored slot image must equal the storing request's image at that token.
+pub fn exactness(backend: Arc<dyn Backend>) {
+    use v4pool::manager::{ElasticPolicy, FixedPolicy};
+    let t = tokens(1, 2600, 0);
+    // The uninterrupted reference.
+    let ref_pool = small_pool(backend.clone(), 40);
+    let mut rm =
+        KvManager::new(ref_pool, config(0, false), Box::new(FixedPolicy { slots: 2 })).expect("manager");
+    let r = rm.add_request(2300, hashes(&t));
+    assert_eq!(rm.admit(r).expect("admit").hit_tokens, 0);
+    run_to(&mut rm, r, &t, 2600, 512);
+    let rpos = rm.slot(r).unwrap().unwrap().position;
+    let want_slot = read(rm.pool(), &slot_ranges(rm.pool(), rpos));
+    let want_blocks = table_contents(&rm, r, 10);
+
+    let pool = small_pool(backend, 40);
+    let mut m =
+        KvManager::new(pool.clone(), config(2, true), Box::new(ElasticPolicy::default())).expect("manager");
+    // Turn 1.
+    let a = m.add_request(1000, hashes(&t[..1500]));
+    assert_eq!(m.admit(a).expect("admit").hit_tokens, 0);
+    run_to(&mut m, a, &t, 1280, 700);
+    let pos = m.slot(a).unwrap().unwrap().position;
+    let image_1280 = read(&pool, &image_ranges(&pool, pos));
+    run_to(&mut m, a, &t, 1500, 700);
+    m.finish(a).expect("finish");
+    m.check_invariants().expect("invariants");
+    // Turn 2: hits at 1,280 (turn 1's rolling checkpoint, its turn end).
+    let b = m.add_request(2300, hashes(&t));
+    let adm = m.admit(b).expect("admit");
+    assert_eq!(adm.hit_tokens, 1280, "the hit ends at turn 1's last checkpoint");
+    m.complete_inflight().expect("complete");
+    same(&read(&pool, &image_ranges(&pool, adm.slot.position)), &image_1280, "restored image at 1,280");
+    run_to(&mut m, b, &t, 2304, 700);
+    let pos = m.slot(b).unwrap().unwrap().position;
+    let image_2304 = read(&pool, &image_ranges(&pool, pos));
+    run_to(&mut m, b, &t, 2450, 700);
+    m.preempt(b).expect("preempt");
+    m.check_invariants().expect("invariants");
+    let adm = m.admit(b).expect("re-admit");
+    assert_eq!(adm.hit_tokens, 2304, "resumption hits the rolling checkpoint");
+    m.complete_inflight().expect("complete");
+    same(&read(&pool, &image_ranges(&pool, adm.slot.position)), &image_2304, "restored image at 2,304");
+    run_to(&mut m, b, &t, 2600, 700);
+    let pos = m.slot(b).unwrap().unwrap().position;
+    let got_slot = read(&pool, &slot_ranges(&pool, pos));
+    same(&got_slot, &want_slot, "resumed slot against the uninterrupted run");
+    same(&table_contents(&m, b, 10), &want_blocks, "blocks against the uninterrupted run");
+    // Not all zeros or all one value: the test compares real content.
+    assert!(want_slot.iter().filter(|&&x| x != want_slot[0]).count() > want_slot.len() / 4);
+    m.finish(b).expect("finish");
+    m.check_invariants().expect("invariants");
+}
