@@ -650,7 +650,10 @@ impl KvManager {
         if self.nodes.block(b).ckpt != NIL {
             return Ok(true);
         }
-        // The block is referenced by the storing request, so eviction cannot take it.
+        // The indexed block need not be the storing request's own: when another request
+        // indexed the hash first, the storer holds a private duplicate and the indexed block
+        // may sit unreferenced in the LRU, so the room is made first and the block looked
+        // up again (eviction may have taken it, and its node been reused).
         match self.make_room(self.units_per_ckpt) {
             Ok(()) => {}
             Err(ManagerError::OutOfBlocks { .. }) => {
@@ -659,6 +662,7 @@ impl KvManager {
             }
             Err(e) => return Err(e),
         }
+        let Some(&b) = self.index.get(&hash) else { return Ok(false) };
         let mut units = Vec::with_capacity(self.units_per_ckpt as usize);
         for _ in 0..self.units_per_ckpt {
             match self.pool.alloc_block() {
