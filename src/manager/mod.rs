@@ -293,6 +293,9 @@ pub struct KvManager {
     pinned: Vec<u32>,
     /// Reused by `allocate` (no heap allocation per call).
     scratch: Vec<BlockHandle>,
+    /// A slot position followed through boundary moves (a store's source while its room
+    /// is made: giving idle slots back relocates held slots above the new top).
+    tracked: Option<i64>,
     stats: ManagerStats,
 }
 
@@ -347,6 +350,7 @@ impl KvManager {
             copying: Vec::new(),
             pinned: Vec::new(),
             scratch: Vec::new(),
+            tracked: None,
             stats: ManagerStats::default(),
         };
         let c = m.pool.counts()?;
@@ -435,6 +439,9 @@ impl KvManager {
             }
         }
         for m in &ch.slot_moves {
+            if self.tracked == Some(m.from_position) {
+                self.tracked = Some(m.to_position);
+            }
             for r in self.requests.iter_mut().filter_map(|s| s.req.as_mut()) {
                 if r.slot.is_some_and(|l| l.handle == m.old) {
                     r.slot = Some(SlotLease { handle: m.new, position: m.to_position });
@@ -654,7 +661,11 @@ impl KvManager {
         // indexed the hash first, the storer holds a private duplicate and the indexed block
         // may sit unreferenced in the LRU, so the room is made first and the block looked
         // up again (eviction may have taken it, and its node been reused).
-        match self.make_room(self.units_per_ckpt) {
+        // Making room may move the boundary, and with it the source slot.
+        self.tracked = Some(position);
+        let room = self.make_room(self.units_per_ckpt);
+        let position = self.tracked.take().unwrap_or(position);
+        match room {
             Ok(()) => {}
             Err(ManagerError::OutOfBlocks { .. }) => {
                 self.stats.refused_stores += 1;

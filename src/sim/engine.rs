@@ -294,8 +294,8 @@ impl<'p> Engine<'p> {
             let target = r.spec.prompt.max(r.high_water);
             let src = if self.run == SplitPolicy::NoReuse { &r.private } else { &r.hashes };
             let hit = self.m.match_prefix(&src[..r.given]).min(target.saturating_sub(1));
-            let first = (target - hit).min(self.cfg.prefill_chunk).div_ceil(self.block_size);
-            if !policy::may_admit(&self.m, first)? {
+            let rest = (target - hit).div_ceil(self.block_size);
+            if !policy::may_admit(&self.m, rest)? {
                 self.waiting.push_front(r);
                 break;
             }

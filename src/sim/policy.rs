@@ -50,11 +50,13 @@ pub(crate) fn refusal(req: &RequestSpec, cfg: &SimConfig, capacity_blocks: u32, 
 }
 
 /// Admission check: admit only while the blocks running requests' prompts still need stay
-/// obtainable (free, in the gap, or evictable cache) beside the newcomer's first chunk, so
-/// admission does not simply trade into preemptions.
-pub(crate) fn may_admit(m: &KvManager, first: u64) -> Result<bool, ManagerError> {
+/// obtainable (free, in the gap, or evictable cache) beside the newcomer's whole remaining
+/// prompt (`rest` blocks past its hit), so admission does not simply trade into
+/// preemptions: a request admitted on its first chunk alone that cannot finish its prompt
+/// stalls, is preempted, re-admitted, and stalls again.
+pub(crate) fn may_admit(m: &KvManager, rest: u64) -> Result<bool, ManagerError> {
     let v = m.view()?;
-    Ok(v.spare_blocks() >= v.owed_blocks + first)
+    Ok(v.spare_blocks() >= v.owed_blocks + rest)
 }
 
 /// Out of blocks even after eviction: the most recently admitted request is preempted (its
