@@ -14,6 +14,9 @@ use std::sync::Arc;
 /// Blocks between checkpoints for the 4,096-token baseline (16 blocks of 256 tokens).
 pub(crate) const LCM_BLOCKS: u32 = 16;
 
+/// Blocks between permanent checkpoints under v4pool's reuse.
+pub(crate) const CHECKPOINT_EVERY: u32 = 8;
+
 /// The namespace every run hashes content in (the model revision an engine would set).
 pub(crate) const NAMESPACE: Namespace = Namespace(0x7634_706f_6f6c_2d73_696d_2d76_3400_0001);
 
@@ -28,12 +31,14 @@ pub(crate) fn manager(
         max_slots: u32::try_from(cfg.elastic_max_seqs).unwrap_or(u32::MAX),
         ..ElasticPolicy::default()
     };
+    // v4pool's reuse: a permanent checkpoint every 8 blocks (2,048 tokens: a shared system
+    // prompt of that length ends at one), at prompt ends, and rolling ones at turn ends.
+    let reuse = ManagerConfig { checkpoint_every: CHECKPOINT_EVERY, rolling: true };
     let (config, policy): (ManagerConfig, Box<dyn crate::manager::SplitPolicy>) = match run {
-        SplitPolicy::Fixed => (
-            ManagerConfig::default(),
-            Box::new(FixedPolicy { slots: u32::try_from(cfg.max_seqs).unwrap_or(u32::MAX) }),
-        ),
-        SplitPolicy::Elastic | SplitPolicy::NoReuse => (ManagerConfig::default(), Box::new(elastic)),
+        SplitPolicy::Fixed => {
+            (reuse, Box::new(FixedPolicy { slots: u32::try_from(cfg.max_seqs).unwrap_or(u32::MAX) }))
+        }
+        SplitPolicy::Elastic | SplitPolicy::NoReuse => (reuse, Box::new(elastic)),
         SplitPolicy::Reuse4096 => {
             (ManagerConfig { checkpoint_every: LCM_BLOCKS, rolling: false }, Box::new(elastic))
         }
