@@ -417,6 +417,8 @@ impl KvManager {
             owed_blocks: owed,
             running,
             waiting,
+            hit_per_mille: u32::try_from(self.stats.hits * 1000 / self.stats.admissions.max(1))
+                .unwrap_or(1000),
         })
     }
 

@@ -26,6 +26,9 @@ pub struct PoolView {
     pub running: u32,
     /// Requests known to the manager without a slot (waiting or preempted).
     pub waiting: u32,
+    /// Admissions that hit the cache so far, per mille of admissions: how much the cache is
+    /// worth keeping.
+    pub hit_per_mille: u32,
 }
 
 impl PoolView {
@@ -80,8 +83,9 @@ pub struct ElasticPolicy {
     /// block capacity (per mille).
     pub reserve_per_mille: u32,
     /// Cached blocks a new slot may not evict, as a fraction of the plane's block capacity
-    /// (per mille): the prefix cache is what the next turn hits, so slots come out of the
-    /// cache only beyond this share.
+    /// (per mille) scaled by the share of admissions that hit: the prefix cache is what the
+    /// next turn hits, so where requests hit, slots come out of the cache only beyond this
+    /// share; where nothing hits, the cache is no reason to hold a request back.
     pub cache_per_mille: u32,
     /// Blocks kept per running request for its decode growth (owed blocks count prompts
     /// only; a request that cannot grow its output is preempted and redoes work).
@@ -122,7 +126,8 @@ impl SplitPolicy for ElasticPolicy {
             + u64::from(v.slot_blocks)
             + u64::from(v.running + 1) * u64::from(self.decode_blocks_per_seq);
         // The cache counts as spare only beyond the share kept for hits.
-        let keep = capacity * u64::from(self.cache_per_mille) / 1000;
+        let keep =
+            capacity * u64::from(self.cache_per_mille) / 1000 * u64::from(v.hit_per_mille.min(1000)) / 1000;
         let spare = v.spare_blocks() - u64::from(v.evictable_blocks)
             + u64::from(v.evictable_blocks).saturating_sub(keep);
         u32::from(spare >= reserve)
@@ -181,6 +186,7 @@ mod tests {
             owed_blocks: 0,
             running: 4,
             waiting: 3,
+            hit_per_mille: 1000,
         }
     }
 
@@ -200,7 +206,10 @@ mod tests {
         let cached = PoolView { free_blocks: 10, evictable_blocks: 890, ..view() };
         assert_eq!(p.grow_slots(&cached), 1);
         // 10 free + 600 evictable: the whole cache is within the kept share.
-        assert_eq!(p.grow_slots(&PoolView { free_blocks: 10, evictable_blocks: 600, ..view() }), 0);
+        let kept = PoolView { free_blocks: 10, evictable_blocks: 600, ..view() };
+        assert_eq!(p.grow_slots(&kept), 0);
+        // Where nothing hits, the cache holds nothing back.
+        assert_eq!(p.grow_slots(&PoolView { hit_per_mille: 0, ..kept }), 1);
         // 100 free, no cache: 18 reserve + 20 slot rows + (40 + 1) × 2 decode blocks > 100.
         assert_eq!(p.grow_slots(&PoolView { evictable_blocks: 0, running: 40, ..view() }), 0);
         assert_eq!(p.grow_slots(&PoolView { evictable_blocks: 0, running: 20, ..view() }), 1);
