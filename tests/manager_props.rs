@@ -201,7 +201,7 @@ impl World {
 fn run(ops: &[Op], elastic: bool, rolling: bool) {
     let pool = small_pool(Arc::new(HostBackend::new()), 24);
     let policy: Box<dyn SplitPolicy> = if elastic {
-        Box::new(ElasticPolicy { headroom: 1, max_slots: 6, reserve_per_mille: 20 })
+        Box::new(ElasticPolicy { headroom: 1, max_slots: 6, ..ElasticPolicy::default() })
     } else {
         Box::new(FixedPolicy { slots: 3 })
     };
@@ -278,7 +278,7 @@ fn a_scripted_run_reaches_every_path() {
     let m = KvManager::new(
         pool,
         config(2, true),
-        Box::new(ElasticPolicy { headroom: 1, max_slots: 6, reserve_per_mille: 20 }),
+        Box::new(ElasticPolicy { headroom: 1, max_slots: 6, ..ElasticPolicy::default() }),
     )
     .unwrap();
     let mut w = World {

@@ -73,11 +73,22 @@ fn the_command_prints_json_with_both_runs() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let runs = v["runs"].as_array().unwrap();
-    assert_eq!(runs.len(), 2);
+    let names: Vec<&str> = runs.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(names, ["elastic", "fixed", "no_reuse", "reuse_4096"]);
     for r in runs {
-        for key in
-            ["completed", "max_running", "boundary_moves", "block_relocations", "index_build", "samples"]
-        {
+        for key in [
+            "completed",
+            "max_running",
+            "boundary_moves",
+            "block_relocations",
+            "index_build",
+            "samples",
+            "prefix_hit_rate",
+            "prefill_tokens_saved",
+            "recomputed_prefill_tokens",
+            "checkpoint_bytes_held",
+            "evictions",
+        ] {
             assert!(!r[key].is_null(), "missing {key}");
         }
     }
@@ -130,8 +141,8 @@ fn the_waiting_queue_is_bounded() {
 fn a_prompt_larger_than_the_pool_is_refused() {
     let cfg = small(400, 0.0001);
     let block_tokens = 256u64;
-    let mut requests = vec![RequestSpec { id: 0, arrival: 0, prompt: 60_000, output: 100 }];
-    requests.extend((1..6).map(|id| RequestSpec { id, arrival: id, prompt: 500, output: 20 }));
+    let mut requests = vec![RequestSpec::new(0, 0, 60_000, 100)];
+    requests.extend((1..6).map(|id| RequestSpec::new(id, id, 500, 20)));
     for policy in [SplitPolicy::Elastic, SplitPolicy::Fixed] {
         // The big one needs one block more than the whole plane holds.
         let pool = pool(1 << 30, cfg.max_seqs as i64);
@@ -170,4 +181,41 @@ fn the_config_is_checked_against_the_pool() {
     // The engine refuses the same before it touches the pool.
     let err = simulate(&pool, &too_many, SplitPolicy::Elastic, std::iter::empty()).unwrap_err();
     assert!(matches!(err, SimError::Config(_)), "{err}");
+}
+
+/// Multiturn conversations re-send their history: v4pool's reuse serves most of what earlier
+/// turns prefilled from the cache, the no-reuse baseline none of it, and the 4,096-token
+/// baseline only whole 16-block groups; every run leaves the pool empty.
+#[test]
+fn the_multiturn_mix_hits() {
+    let cfg = SimConfig {
+        mix: Mix::Multiturn,
+        rate: 0.4,
+        steps: 400,
+        max_seqs: 8,
+        elastic_max_seqs: 24,
+        max_context: 1 << 16,
+        ..SimConfig::default()
+    };
+    let mut reports = Vec::new();
+    for policy in SplitPolicy::ALL {
+        let pool = pool(1 << 30, cfg.max_seqs as i64);
+        let r = simulate(&pool, &cfg, policy, cfg.workload()).unwrap();
+        let c = pool.counts().unwrap();
+        assert_eq!((c.free_blocks, c.free_slots), (c.num_blocks, c.num_slots), "{policy:?} leaked");
+        assert!(r.completed > 0, "{policy:?} completed nothing");
+        assert!(r.eligible_prefix_tokens > 0, "{policy:?}: no turn re-sent a prefilled prefix");
+        assert!(r.prefix_hit_tokens <= r.eligible_prefix_tokens, "{policy:?}");
+        reports.push(r);
+    }
+    let (elastic, no_reuse, lcm) = (&reports[0], &reports[2], &reports[3]);
+    assert!(elastic.prefix_hit_rate >= 0.8, "elastic hit rate {}", elastic.prefix_hit_rate);
+    assert!(elastic.hits > 0 && elastic.prefill_tokens_saved > 0 && elastic.checkpoints_stored > 0);
+    // A namespace per request: nothing hits across requests (a preempted request still
+    // resumes from what it committed itself).
+    assert_eq!(no_reuse.prefix_hit_tokens, 0);
+    assert_eq!(no_reuse.prefix_hit_rate, 0.0);
+    assert_eq!(lcm.prefix_hit_tokens % 4096, 0, "the 4,096 baseline hit off its grid");
+    assert!(lcm.prefix_hit_rate < elastic.prefix_hit_rate);
+    assert!(elastic.prefilled_tokens < no_reuse.prefilled_tokens);
 }

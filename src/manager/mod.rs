@@ -293,6 +293,9 @@ pub struct KvManager {
     pinned: Vec<u32>,
     /// Reused by `allocate` (no heap allocation per call).
     scratch: Vec<BlockHandle>,
+    /// A slot position followed through boundary moves (a store's source while its room
+    /// is made: giving idle slots back relocates held slots above the new top).
+    tracked: Option<i64>,
     stats: ManagerStats,
 }
 
@@ -347,6 +350,7 @@ impl KvManager {
             copying: Vec::new(),
             pinned: Vec::new(),
             scratch: Vec::new(),
+            tracked: None,
             stats: ManagerStats::default(),
         };
         let c = m.pool.counts()?;
@@ -413,6 +417,8 @@ impl KvManager {
             owed_blocks: owed,
             running,
             waiting,
+            hit_per_mille: u32::try_from(self.stats.hits * 1000 / self.stats.admissions.max(1))
+                .unwrap_or(1000),
         })
     }
 
@@ -435,6 +441,9 @@ impl KvManager {
             }
         }
         for m in &ch.slot_moves {
+            if self.tracked == Some(m.from_position) {
+                self.tracked = Some(m.to_position);
+            }
             for r in self.requests.iter_mut().filter_map(|s| s.req.as_mut()) {
                 if r.slot.is_some_and(|l| l.handle == m.old) {
                     r.slot = Some(SlotLease { handle: m.new, position: m.to_position });
@@ -650,8 +659,15 @@ impl KvManager {
         if self.nodes.block(b).ckpt != NIL {
             return Ok(true);
         }
-        // The block is referenced by the storing request, so eviction cannot take it.
-        match self.make_room(self.units_per_ckpt) {
+        // The indexed block need not be the storing request's own: when another request
+        // indexed the hash first, the storer holds a private duplicate and the indexed block
+        // may sit unreferenced in the LRU, so the room is made first and the block looked
+        // up again (eviction may have taken it, and its node been reused).
+        // Making room may move the boundary, and with it the source slot.
+        self.tracked = Some(position);
+        let room = self.make_room(self.units_per_ckpt);
+        let position = self.tracked.take().unwrap_or(position);
+        match room {
             Ok(()) => {}
             Err(ManagerError::OutOfBlocks { .. }) => {
                 self.stats.refused_stores += 1;
@@ -659,6 +675,7 @@ impl KvManager {
             }
             Err(e) => return Err(e),
         }
+        let Some(&b) = self.index.get(&hash) else { return Ok(false) };
         let mut units = Vec::with_capacity(self.units_per_ckpt as usize);
         for _ in 0..self.units_per_ckpt {
             match self.pool.alloc_block() {

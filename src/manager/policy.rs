@@ -26,6 +26,9 @@ pub struct PoolView {
     pub running: u32,
     /// Requests known to the manager without a slot (waiting or preempted).
     pub waiting: u32,
+    /// Admissions that hit the cache so far, per mille of admissions: how much the cache is
+    /// worth keeping.
+    pub hit_per_mille: u32,
 }
 
 impl PoolView {
@@ -79,13 +82,32 @@ pub struct ElasticPolicy {
     /// Blocks kept in reserve beyond what running requests owe, as a fraction of the plane's
     /// block capacity (per mille).
     pub reserve_per_mille: u32,
+    /// Cached blocks a new slot may not evict, as a fraction of the plane's block capacity
+    /// (per mille) scaled by the share of admissions that hit: the prefix cache is what the
+    /// next turn hits, so where requests hit, slots come out of the cache only beyond this
+    /// share; where nothing hits, the cache is no reason to hold a request back.
+    pub cache_per_mille: u32,
+    /// Blocks kept per running request for its decode growth (owed blocks count prompts
+    /// only; a request that cannot grow its output is preempted and redoes work).
+    pub decode_blocks_per_seq: u32,
 }
 
 impl Default for ElasticPolicy {
     fn default() -> Self {
-        ElasticPolicy { headroom: 2, max_slots: 256, reserve_per_mille: 20 }
+        ElasticPolicy {
+            headroom: 2,
+            max_slots: 256,
+            reserve_per_mille: 20,
+            cache_per_mille: CACHE_PER_MILLE,
+            decode_blocks_per_seq: DECODE_BLOCKS_PER_SEQ,
+        }
     }
 }
+
+/// [`ElasticPolicy::cache_per_mille`]'s default.
+pub const CACHE_PER_MILLE: u32 = 700;
+/// [`ElasticPolicy::decode_blocks_per_seq`]'s default.
+pub const DECODE_BLOCKS_PER_SEQ: u32 = 2;
 
 impl SplitPolicy for ElasticPolicy {
     fn name(&self) -> &'static str {
@@ -99,9 +121,16 @@ impl SplitPolicy for ElasticPolicy {
             return 0;
         }
         let capacity = u64::from(v.max_blocks.max(v.num_blocks));
-        let reserve =
-            capacity * u64::from(self.reserve_per_mille) / 1000 + v.owed_blocks + u64::from(v.slot_blocks);
-        u32::from(v.spare_blocks() >= reserve)
+        let reserve = capacity * u64::from(self.reserve_per_mille) / 1000
+            + v.owed_blocks
+            + u64::from(v.slot_blocks)
+            + u64::from(v.running + 1) * u64::from(self.decode_blocks_per_seq);
+        // The cache counts as spare only beyond the share kept for hits.
+        let keep =
+            capacity * u64::from(self.cache_per_mille) / 1000 * u64::from(v.hit_per_mille.min(1000)) / 1000;
+        let spare = v.spare_blocks() - u64::from(v.evictable_blocks)
+            + u64::from(v.evictable_blocks).saturating_sub(keep);
+        u32::from(spare >= reserve)
     }
     fn grow_blocks(&mut self, v: &PoolView, short: u32) -> BlockGrowth {
         // The gap costs nothing; idle slots beyond the headroom are the next cheapest (the
@@ -157,6 +186,7 @@ mod tests {
             owed_blocks: 0,
             running: 4,
             waiting: 3,
+            hit_per_mille: 1000,
         }
     }
 
@@ -167,6 +197,22 @@ mod tests {
         // 150 spare, 18 reserve + 20 slot rows + 120 owed > 150.
         assert_eq!(p.grow_slots(&PoolView { owed_blocks: 120, ..view() }), 0);
         assert_eq!(p.grow_slots(&PoolView { num_slots: 256, ..view() }), 0);
+    }
+
+    #[test]
+    fn elastic_keeps_its_cache_share_and_decode_room_against_new_slots() {
+        let mut p = ElasticPolicy::default();
+        // 10 free + 890 evictable: 630 of the cache are kept for hits, so 270 count.
+        let cached = PoolView { free_blocks: 10, evictable_blocks: 890, ..view() };
+        assert_eq!(p.grow_slots(&cached), 1);
+        // 10 free + 600 evictable: the whole cache is within the kept share.
+        let kept = PoolView { free_blocks: 10, evictable_blocks: 600, ..view() };
+        assert_eq!(p.grow_slots(&kept), 0);
+        // Where nothing hits, the cache holds nothing back.
+        assert_eq!(p.grow_slots(&PoolView { hit_per_mille: 0, ..kept }), 1);
+        // 100 free, no cache: 18 reserve + 20 slot rows + (40 + 1) × 2 decode blocks > 100.
+        assert_eq!(p.grow_slots(&PoolView { evictable_blocks: 0, running: 40, ..view() }), 0);
+        assert_eq!(p.grow_slots(&PoolView { evictable_blocks: 0, running: 20, ..view() }), 1);
     }
 
     #[test]

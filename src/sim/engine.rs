@@ -1,22 +1,75 @@
-//! The step loop. Each step: arrivals join the queue, admission (FIFO), chunked prefill,
-//! decode, preemption when stalled, the decode index build, completion, and (elastic) idle
-//! slots given back. The decisions live in `policy.rs`; this file only sequences
-//! them and keeps the figures.
+//! The step loop. Each step: arrivals join the queue, admission (FIFO, with prefix hits),
+//! chunked prefill, decode, preemption when stalled, the decode index build, completion,
+//! then the manager's `complete_inflight` and `rebalance`. Memory decisions are the
+//! [`KvManager`]'s; the engine's own are in `policy.rs`; this file sequences them and keeps
+//! the figures.
 
-use super::policy::{self, Fleet, Moves, Running};
+use super::policy::{self, NAMESPACE};
 use super::report::{LatencyHistogram, Sample, SimReport};
 use super::{RequestSpec, SimConfig, SimError, SplitPolicy, MAX_SAMPLES, MAX_WAITING};
 use crate::backend::Backend;
+use crate::manager::{BlockHash, KvManager, ManagerError, Namespace, RequestId};
 use crate::pool::{DecodePath, DecodeSeq, Pool};
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// One simulated engine on one pool. Drive it with [`Engine::step`] until
-/// [`Engine::done`], then take the figures with [`Engine::finish`]; [`simulate`] does all
-/// three. Dropping it mid-run frees everything it holds.
+/// A request the engine knows: waiting (no manager id until it first reaches the head of
+/// the queue, so a long queue holds no hashes) or running.
+#[derive(Debug)]
+struct Req {
+    spec: RequestSpec,
+    id: Option<RequestId>,
+    /// Hashes of its full blocks known so far, in the shared namespace (what the hit-rate
+    /// figures are measured in).
+    hashes: Vec<BlockHash>,
+    /// The `no_reuse` run's hashes: the same blocks in a namespace of its own.
+    private: Vec<BlockHash>,
+    /// Hashes handed to the manager.
+    given: usize,
+    /// `hashes[..marked]` are in the ever-committed set.
+    marked: usize,
+    /// Tokens computed (the manager's count).
+    context: u64,
+    generated: u64,
+    /// Most tokens it had computed before its latest preemption (prefill below is redone work).
+    high_water: u64,
+    admitted: u64,
+    /// Whether it was admitted before (a re-admission is not counted in the hit rate).
+    seen: bool,
+}
+
+impl Req {
+    fn new(spec: RequestSpec) -> Req {
+        Req {
+            spec,
+            id: None,
+            hashes: Vec::new(),
+            private: Vec::new(),
+            given: 0,
+            marked: 0,
+            context: 0,
+            generated: 0,
+            high_water: 0,
+            admitted: 0,
+            seen: false,
+        }
+    }
+    fn prefilling(&self) -> bool {
+        self.context < self.spec.prompt.max(self.high_water)
+    }
+    fn id(&self) -> RequestId {
+        self.id.expect("a running request is registered")
+    }
+}
+
+/// One simulated engine on one pool, driving one [`KvManager`]. Drive it with
+/// [`Engine::step`] until [`Engine::done`], then take the figures with [`Engine::finish`];
+/// [`simulate`] does all three. Dropping it mid-run frees everything it holds.
 pub struct Engine<'p> {
-    fleet: Fleet<'p>,
+    m: KvManager,
+    run: SplitPolicy,
     cfg: SimConfig,
     backend: Arc<dyn Backend>,
     /// The decode path the pool gave out (its buffers are freed when it drops).
@@ -28,7 +81,14 @@ pub struct Engine<'p> {
     step: u64,
     /// The next arrival, drawn but not yet due.
     pending: Option<RequestSpec>,
-    waiting: VecDeque<RequestSpec>,
+    waiting: VecDeque<Req>,
+    running: Vec<Req>,
+    /// Every block hash (shared namespace) any request has committed: what "an earlier
+    /// request had already prefilled" means for the hit rate, cached now or not.
+    ever: HashSet<BlockHash>,
+    /// First admissions: tokens an earlier request had prefilled, and tokens served.
+    eligible_tokens: u64,
+    first_hit_tokens: u64,
     rep: SimReport,
     build: LatencyHistogram,
     stage_us: f64,
@@ -37,20 +97,21 @@ pub struct Engine<'p> {
     sum_wait: f64,
     /// Admissions, re-admissions after preemption included: what the wait is averaged over.
     admissions: u64,
+    _pool: PhantomData<&'p Pool>,
 }
 
 impl std::fmt::Debug for Engine<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
-            .field("policy", &self.fleet.policy)
+            .field("run", &self.run)
             .field("step", &self.step)
-            .field("running", &self.fleet.running.len())
+            .field("running", &self.running.len())
             .field("waiting", &self.waiting.len())
             .finish()
     }
 }
 
-/// Run `requests` (in arrival order) on `pool` under `policy` for `cfg.steps` steps.
+/// Run `requests` (in arrival order) on `pool` as run `policy` for `cfg.steps` steps.
 pub fn simulate(
     pool: &Arc<Pool>,
     cfg: &SimConfig,
@@ -66,14 +127,15 @@ pub fn simulate(
 }
 
 impl<'p> Engine<'p> {
-    /// Check `cfg` against `pool` ([`SimConfig::check`]), set the start-up split and
-    /// allocate the decode index buffers.
+    /// Check `cfg` against `pool` ([`SimConfig::check`]), build the run's manager (which
+    /// sets the start-up split) and allocate the decode index buffers.
     pub fn new(pool: &'p Arc<Pool>, cfg: &SimConfig, policy: SplitPolicy) -> Result<Engine<'p>, SimError> {
         let geometry = pool.geometry()?;
         let o = pool.overhead(0)?;
         cfg.check(&geometry, o.plane_bytes + o.indexer_bytes)?;
         let backend = pool.backend().clone();
-        let capacity_blocks = policy::initial_split(pool, cfg, policy)?;
+        let m = policy::manager(pool, cfg, policy)?;
+        let capacity_blocks = m.view()?.num_blocks;
         let decode = pool.decode_path(cfg.decode_capacity(&geometry, policy))?;
         let rep = SimReport {
             policy: policy.name().into(),
@@ -85,7 +147,8 @@ impl<'p> Engine<'p> {
             ..SimReport::default()
         };
         Ok(Engine {
-            fleet: Fleet { pool, policy, running: Vec::new(), moves: Moves::default() },
+            m,
+            run: policy,
             cfg: cfg.clone(),
             backend,
             decode,
@@ -95,6 +158,10 @@ impl<'p> Engine<'p> {
             step: 0,
             pending: None,
             waiting: VecDeque::new(),
+            running: Vec::new(),
+            ever: HashSet::new(),
+            eligible_tokens: 0,
+            first_hit_tokens: 0,
             rep,
             build: LatencyHistogram::default(),
             stage_us: 0.0,
@@ -102,6 +169,7 @@ impl<'p> Engine<'p> {
             sum_tokens: 0.0,
             sum_wait: 0.0,
             admissions: 0,
+            _pool: PhantomData,
         })
     }
 
@@ -115,29 +183,36 @@ impl<'p> Engine<'p> {
     }
     /// Requests running now.
     pub fn running(&self) -> usize {
-        self.fleet.running.len()
+        self.running.len()
     }
     /// Requests waiting for admission now.
     pub fn waiting(&self) -> usize {
         self.waiting.len()
     }
+    /// The manager this run drives.
+    pub fn manager(&self) -> &KvManager {
+        &self.m
+    }
 
-    /// Run one step, drawing this step's arrivals from `arrivals` (in arrival order; the
-    /// first later one is held for its step).
+    /// One forward step; `arrivals` yields the requests in arrival order.
     pub fn step(&mut self, arrivals: &mut dyn Iterator<Item = RequestSpec>) -> Result<(), SimError> {
         self.arrive(arrivals);
         self.admit()?;
         let mut stalled = self.prefill()?;
         stalled |= self.decode()?;
-        if let Some(j) = policy::preemption_victim(&self.fleet, stalled)? {
-            let r = self.fleet.running.remove(j);
-            self.waiting.push_front(r.spec);
+        let keys = self.running.iter().map(|r| (r.admitted, r.spec.id));
+        if let Some(j) = policy::preemption_victim(keys, stalled) {
+            let mut r = self.running.remove(j);
+            self.m.preempt(r.id())?;
+            r.high_water = r.high_water.max(r.context);
+            r.context = 0;
+            self.waiting.push_front(r);
             self.rep.preemptions += 1;
-            policy::release(self.fleet.pool, r)?;
         }
         self.build_index()?;
         self.complete()?;
-        policy::give_back_idle_slots(&mut self.fleet, self.cfg.slot_headroom, self.step)?;
+        self.m.complete_inflight()?;
+        self.m.rebalance()?;
         self.record()?;
         self.step += 1;
         Ok(())
@@ -154,98 +229,197 @@ impl<'p> Engine<'p> {
             if self.waiting.len() >= MAX_WAITING {
                 self.rep.turned_away += 1;
             } else {
-                self.waiting.push_back(req);
+                self.waiting.push_back(Req::new(req));
             }
         }
     }
 
-    /// FIFO admission: a slot and the blocks for the first prefill chunk. A request that
-    /// can never fit is refused and counted.
+    /// Hash `r`'s blocks up to `tokens` and hand the manager what this run gives it: every
+    /// hash, or (`reuse_4096`) only whole groups of [`policy::LCM_BLOCKS`].
+    fn learn(&mut self, r: &mut Req, tokens: u64) -> Result<(), ManagerError> {
+        let blocks = tokens / self.block_size;
+        policy::extend_hashes(NAMESPACE, &r.spec, self.block_size, blocks, &mut r.hashes);
+        let mine = self.run == SplitPolicy::NoReuse;
+        if mine {
+            let ns = Namespace(NAMESPACE.0 ^ (u128::from(r.spec.id) << 64 | 0x6e6f_7265_7573_65));
+            policy::extend_hashes(ns, &r.spec, self.block_size, blocks, &mut r.private);
+        }
+        let target = match self.run {
+            SplitPolicy::Reuse4096 => {
+                r.hashes.len() / policy::LCM_BLOCKS as usize * policy::LCM_BLOCKS as usize
+            }
+            _ => r.hashes.len(),
+        };
+        let src = if mine { &r.private } else { &r.hashes };
+        match r.id {
+            None => r.id = Some(self.m.add_request(r.spec.prompt, src[..target].to_vec())),
+            Some(id) if target > r.given => self.m.extend_hashes(id, &src[r.given..target])?,
+            Some(_) => {}
+        }
+        r.given = r.given.max(target);
+        Ok(())
+    }
+
+    /// `r` computed `take` more tokens: commit them, note redone work and committed blocks.
+    fn committed(&mut self, r: &mut Req, take: u64) -> Result<(), ManagerError> {
+        self.m.commit(r.id(), take)?;
+        let c0 = r.context;
+        r.context += take;
+        self.rep.recomputed_prefill_tokens += r.high_water.min(r.context).saturating_sub(c0);
+        let full = ((r.context / self.block_size) as usize).min(r.hashes.len());
+        for &h in &r.hashes[r.marked.min(full)..full] {
+            self.ever.insert(h);
+        }
+        r.marked = r.marked.max(full);
+        Ok(())
+    }
+
+    /// FIFO admission: the manager matches the prefix, takes a slot and restores it from
+    /// the hit's checkpoint. A request that can never fit is refused and counted.
     fn admit(&mut self) -> Result<(), SimError> {
-        while let Some(req) = self.waiting.front().copied() {
-            if policy::refusal(&req, &self.cfg, self.capacity_blocks, self.block_size) {
+        while let Some(front) = self.waiting.front() {
+            if policy::refusal(&front.spec, &self.cfg, self.capacity_blocks, self.block_size) {
                 self.waiting.pop_front();
                 self.rep.refused += 1;
                 continue;
             }
-            if self.fleet.running.len() >= self.cfg.cap_seqs(self.fleet.policy) {
+            if self.running.len() >= self.cfg.cap_seqs(self.run) {
                 break;
             }
-            let first = req.prompt.min(self.cfg.prefill_chunk).div_ceil(self.block_size) as u32;
-            if !policy::may_admit(&self.fleet, first, self.block_size)?
-                || !policy::ensure_free_blocks(&mut self.fleet, first)?
-            {
+            let mut r = self.waiting.pop_front().expect("the front exists");
+            if r.id.is_none() {
+                let prompt = r.spec.prompt;
+                self.learn(&mut r, prompt)?;
+            }
+            let target = r.spec.prompt.max(r.high_water);
+            let src = if self.run == SplitPolicy::NoReuse { &r.private } else { &r.hashes };
+            let hit = self.m.match_prefix(&src[..r.given]).min(target.saturating_sub(1));
+            let rest = (target - hit).div_ceil(self.block_size);
+            if !policy::may_admit(&self.m, rest)? {
+                self.waiting.push_front(r);
                 break;
             }
-            let Some(lease) = policy::take_slot(&mut self.fleet, first)? else { break };
-            self.waiting.pop_front();
-            self.sum_wait += (self.step - req.arrival) as f64;
+            let a = match self.m.admit(r.id()) {
+                Ok(a) => a,
+                Err(ManagerError::NoSlot | ManagerError::OutOfBlocks { .. }) => {
+                    self.waiting.push_front(r);
+                    break;
+                }
+                Err(e) => return Err(e.into()),
+            };
+            if !r.seen {
+                // Tokens an earlier request had prefilled: the longest prefix of committed
+                // blocks, at most what the manager may serve (one token is always computed).
+                let limit =
+                    ((r.spec.prompt.saturating_sub(1) / self.block_size) as usize).min(r.hashes.len());
+                let known = r.hashes[..limit].iter().take_while(|h| self.ever.contains(h)).count() as u64;
+                self.eligible_tokens += known * self.block_size;
+                self.first_hit_tokens += a.hit_tokens;
+            }
+            self.rep.prefill_tokens_saved += a.hit_tokens;
+            r.seen = true;
+            r.context = a.hit_tokens;
+            r.admitted = self.step;
+            self.sum_wait += (self.step - r.spec.arrival) as f64;
             self.admissions += 1;
-            self.fleet.running.push(Running::new(req, lease, self.step));
+            self.running.push(r);
         }
         Ok(())
     }
 
-    /// One chunk budget shared in admission order. Returns whether a request stalled.
+    /// One chunk budget shared in admission order; each request's chunk stops where the
+    /// manager says (prompt end, checkpoint points). Returns whether a request stalled.
     fn prefill(&mut self) -> Result<bool, SimError> {
         let mut budget = self.cfg.prefill_chunk;
         let mut i = 0;
-        while i < self.fleet.running.len() && budget > 0 {
-            let r = &self.fleet.running[i];
-            if r.prefilling() {
-                let take = (r.spec.prompt - r.context).min(budget);
-                let need = (r.context + take).div_ceil(self.block_size) as usize;
-                if !policy::grow_blocks_of(&mut self.fleet, i, need)? {
-                    return Ok(true);
-                }
-                self.fleet.running[i].context += take;
-                self.rep.prefilled_tokens += take;
-                budget -= take;
+        while i < self.running.len() && budget > 0 {
+            let mut r = self.take(i);
+            let out = self.prefill_one(&mut r, &mut budget);
+            self.running[i] = r;
+            if out? {
+                return Ok(true);
             }
             i += 1;
         }
         Ok(false)
     }
 
-    /// Every request past its prompt writes `tokens_per_decode` tokens. Returns whether a
-    /// request stalled.
+    /// Take running request `i` out (a placeholder holds its place) to work on it beside
+    /// `self`; put it back with `self.running[i] = r`.
+    fn take(&mut self, i: usize) -> Req {
+        let spec = self.running[i].spec;
+        std::mem::replace(&mut self.running[i], Req::new(spec))
+    }
+
+    /// Prefill `r` within `budget`; returns whether it stalled for lack of blocks.
+    fn prefill_one(&mut self, r: &mut Req, budget: &mut u64) -> Result<bool, SimError> {
+        while r.prefilling() && *budget > 0 {
+            let take = self.m.prefill_stop(r.id(), *budget)?;
+            if take == 0 {
+                break;
+            }
+            match self.m.allocate(r.id(), take) {
+                Ok(()) => {}
+                Err(ManagerError::OutOfBlocks { .. }) => return Ok(true),
+                Err(e) => return Err(e.into()),
+            }
+            self.committed(r, take)?;
+            self.rep.prefilled_tokens += take;
+            *budget -= take;
+        }
+        Ok(false)
+    }
+
+    /// Every request past its prompt writes `tokens_per_decode` tokens; blocks they complete
+    /// get their hashes. Returns whether a request stalled.
     fn decode(&mut self) -> Result<bool, SimError> {
         let t = self.cfg.tokens_per_decode as u64;
         let mut stalled = false;
-        for i in 0..self.fleet.running.len() {
-            let r = &self.fleet.running[i];
-            if r.prefilling() {
+        for i in 0..self.running.len() {
+            if self.running[i].prefilling() {
                 continue;
             }
-            let need = (r.context + t).div_ceil(self.block_size) as usize;
-            if !policy::grow_blocks_of(&mut self.fleet, i, need)? {
-                stalled = true;
-                continue;
-            }
-            let r = &mut self.fleet.running[i];
-            r.context += t;
-            r.generated += t;
-            self.rep.generated_tokens += t;
+            let mut r = self.take(i);
+            let out = self.decode_one(&mut r, t);
+            self.running[i] = r;
+            stalled |= out?;
         }
         Ok(stalled)
+    }
+
+    fn decode_one(&mut self, r: &mut Req, t: u64) -> Result<bool, SimError> {
+        match self.m.allocate(r.id(), t) {
+            Ok(()) => {}
+            Err(ManagerError::OutOfBlocks { .. }) => return Ok(true),
+            Err(e) => return Err(e.into()),
+        }
+        self.learn(r, r.context + t)?;
+        self.committed(r, t)?;
+        r.generated += t;
+        self.rep.generated_tokens += t;
+        Ok(false)
     }
 
     /// The decode step's index build, for requests that decoded this step: stage (timed
     /// apart: it re-sends whole block tables), then launch and wait.
     fn build_index(&mut self) -> Result<(), SimError> {
-        let running = &self.fleet.running;
-        let decoding: Vec<&Running> = running.iter().filter(|r| !r.prefilling() && r.generated > 0).collect();
-        if decoding.is_empty() {
+        let mut tables = Vec::new();
+        let mut meta = Vec::new();
+        for r in self.running.iter().filter(|r| !r.prefilling() && r.generated > 0) {
+            let id = r.id();
+            let slot = self.m.slot(id)?.ok_or(ManagerError::NotRunning(id))?;
+            tables.push(self.m.block_table(id)?);
+            meta.push((slot.position, r.context as i64));
+        }
+        if tables.is_empty() {
             return Ok(());
         }
-        let tables: Vec<Vec<i32>> =
-            decoding.iter().map(|r| r.blocks.iter().map(|h| h.id as i32).collect()).collect();
-        let batch: Vec<DecodeSeq<'_>> = decoding
+        let batch: Vec<DecodeSeq<'_>> = meta
             .iter()
             .zip(&tables)
-            .map(|(r, t)| DecodeSeq {
-                position: r.position,
-                context_len: r.context as i64,
+            .map(|(&(position, context_len), t)| DecodeSeq {
+                position,
+                context_len,
                 num_tokens: self.cfg.tokens_per_decode,
                 block_table: t,
             })
@@ -262,31 +436,34 @@ impl<'p> Engine<'p> {
         Ok(())
     }
 
+    /// Finished requests leave (their blocks stay cached); admission order is kept.
     fn complete(&mut self) -> Result<(), SimError> {
         let mut i = 0;
-        while i < self.fleet.running.len() {
-            let r = &self.fleet.running[i];
+        while i < self.running.len() {
+            let r = &self.running[i];
             if !r.prefilling() && r.generated >= r.spec.output {
-                let r = self.fleet.running.swap_remove(i);
-                policy::release(self.fleet.pool, r)?;
+                let r = self.running.remove(i);
+                self.m.finish(r.id())?;
                 self.rep.completed += 1;
             } else {
                 i += 1;
             }
         }
-        self.fleet.running.sort_by_key(|r| (r.admitted, r.spec.id));
         Ok(())
     }
 
     /// Per-step sums and maxima, and a memory sample every `sample_every` steps.
     fn record(&mut self) -> Result<(), SimError> {
-        let running = self.fleet.running.len();
-        // Compressed history held: every block a running request holds, at block_size tokens.
-        let tokens: u64 = self.fleet.running.iter().map(|r| r.blocks.len() as u64 * self.block_size).sum();
+        let running = self.running.len();
+        // Compressed history held: the blocks running requests hold, at block_size tokens.
+        let bs = self.block_size;
+        let tokens: u64 = self.running.iter().map(|r| r.context.div_ceil(bs) * bs).sum();
         self.sum_running += running as f64;
         self.sum_tokens += tokens as f64;
         self.rep.max_running = self.rep.max_running.max(running);
         self.rep.max_compressed_tokens = self.rep.max_compressed_tokens.max(tokens);
+        let held = self.m.checkpoint_bytes_held();
+        self.rep.max_checkpoint_bytes = self.rep.max_checkpoint_bytes.max(held);
         if self.step % self.sample_every == 0 || self.step + 1 == self.cfg.steps {
             let s = self.sample(tokens)?;
             self.rep.samples.push(s);
@@ -295,36 +472,58 @@ impl<'p> Engine<'p> {
     }
 
     fn sample(&self, tokens: u64) -> Result<Sample, SimError> {
-        let c = self.fleet.pool.counts()?;
+        let v = self.m.view()?;
         let (e, s) = (self.rep.envelope_rows, self.rep.slot_rows);
-        let used_b = i64::from(c.num_blocks - c.free_blocks);
-        let used_s = i64::from(c.num_slots - c.free_slots);
+        let used_b = i64::from(v.num_blocks - v.free_blocks);
+        let used_s = i64::from(v.num_slots - v.free_slots);
         Ok(Sample {
             step: self.step,
             block_rows_used: used_b * e,
-            block_rows_free: i64::from(c.free_blocks) * e,
+            block_rows_free: i64::from(v.free_blocks) * e,
             slot_rows_used: used_s * s,
-            slot_rows_free: i64::from(c.free_slots) * s,
-            gap_rows: self.rep.plane_rows - i64::from(c.num_blocks) * e - i64::from(c.num_slots) * s,
-            running: self.fleet.running.len(),
+            slot_rows_free: i64::from(v.free_slots) * s,
+            gap_rows: self.rep.plane_rows - i64::from(v.num_blocks) * e - i64::from(v.num_slots) * s,
+            running: self.running.len(),
             waiting: self.waiting.len(),
             compressed_tokens: tokens,
         })
     }
 
-    /// The figures, after freeing every request still running.
+    /// Finish every registered request and empty the cache, so the pool holds nothing.
+    fn release_all(&mut self) -> Result<(), ManagerError> {
+        for r in self.running.drain(..).chain(self.waiting.drain(..)) {
+            if let Some(id) = r.id {
+                self.m.finish(id)?;
+            }
+        }
+        self.m.complete_inflight()?;
+        self.m.evict_all()?;
+        Ok(())
+    }
+
+    /// The figures, after freeing every request still running and emptying the cache.
     pub fn finish(mut self) -> Result<SimReport, SimError> {
-        let c = self.fleet.pool.counts()?;
+        let v = self.m.view()?;
         let mut rep = std::mem::take(&mut self.rep);
         rep.final_split =
-            (c.num_blocks, c.num_blocks - c.free_blocks, c.num_slots, c.num_slots - c.free_slots);
-        for r in std::mem::take(&mut self.fleet.running) {
-            policy::release(self.fleet.pool, r)?;
-        }
-        let n = self.cfg.steps.max(1) as f64;
-        let m = self.fleet.moves;
+            (v.num_blocks, v.num_blocks - v.free_blocks, v.num_slots, v.num_slots - v.free_slots);
+        let st = self.m.stats();
+        rep.checkpoint_bytes_held = self.m.checkpoint_bytes_held();
+        rep.checkpoints_stored = st.checkpoints_stored;
+        rep.evicted_blocks = st.evicted_blocks;
+        rep.evicted_checkpoints = st.evicted_checkpoints;
+        rep.hits = st.hits;
         (rep.boundary_moves, rep.block_relocations, rep.slot_relocations) =
-            (m.moves, m.block_relocations, m.slot_relocations);
+            (st.boundary_moves, st.block_relocations, st.slot_relocations);
+        rep.eligible_prefix_tokens = self.eligible_tokens;
+        rep.prefix_hit_tokens = self.first_hit_tokens;
+        rep.prefix_hit_rate = if self.eligible_tokens == 0 {
+            0.0
+        } else {
+            self.first_hit_tokens as f64 / self.eligible_tokens as f64
+        };
+        self.release_all()?;
+        let n = self.cfg.steps.max(1) as f64;
         rep.mean_running = self.sum_running / n;
         rep.mean_compressed_tokens = self.sum_tokens / n;
         rep.mean_wait_steps = self.sum_wait / self.admissions.max(1) as f64;
@@ -339,10 +538,7 @@ impl<'p> Engine<'p> {
 
 impl Drop for Engine<'_> {
     fn drop(&mut self) {
-        let pool = self.fleet.pool;
-        for r in std::mem::take(&mut self.fleet.running) {
-            let _ = policy::release(pool, r);
-        }
+        let _ = self.release_all();
     }
 }
 

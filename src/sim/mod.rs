@@ -1,22 +1,26 @@
-//! The simulator: a pool driven as a serving engine would drive it, through the public
-//! API an engine holds: [`Pool`](crate::pool::Pool)'s methods and the
-//! [`DecodePath`](crate::pool::DecodePath) handle the pool gives out.
+//! The simulator: a pool driven as a serving engine would drive it, through the
+//! request-level [`KvManager`](crate::manager::KvManager) and nothing below it (the
+//! [`DecodePath`](crate::pool::DecodePath) the pool gives out is staged from the manager's
+//! block tables and slots).
 //!
 //! Requests arrive (Poisson); prompt and output lengths come from a mix (chat, agentic up to
-//! 1M tokens, or both); a request is admitted when a slot and the blocks for its prompt are
-//! free; prefill runs in chunks under a per-step token budget; every decode step stages and
-//! launches the decode index build on the pool's backend; completion frees everything. When
-//! blocks run out a running request is preempted (freed and re-queued), as engines do.
+//! 1M tokens, both, or multiturn conversations that re-send their history); every request
+//! carries the hashes of its full blocks; the manager admits it with the longest cached
+//! prefix that ends at a checkpoint; prefill runs in chunks under a per-step token budget,
+//! stopping where the manager says; every decode step stages and launches the decode
+//! index build on the pool's backend; a finished request's blocks stay cached. When blocks
+//! run out even after eviction a running request is preempted (its committed blocks stay
+//! cached, so it resumes with a hit), as engines do.
 //!
-//! The same workload (same seed) can run under two [`SplitPolicy`]s: the elastic boundary
-//! (slots taken from the gap on demand, idle slots given back to blocks) and a fixed split
-//! of the same budget (`max_seqs` slots reserved at start-up, as engines that fix the split
-//! behave).
+//! The same workload (same seed) runs as four [`SplitPolicy`] runs: the manager's elastic
+//! boundary and a fixed split of the same budget (`max_seqs` slots reserved at start-up),
+//! both with v4pool's reuse, and two baselines on the elastic split: no reuse, and reuse
+//! only at 4,096-token granularity.
 //!
 //! * [`workload`] — the PRNG, the mixes, the lazy arrival stream (benches use it too).
 //! * [`engine`] — the step loop ([`Engine`], [`simulate`]).
-//! * `policy` — the decisions an engine makes: admission, slot taking, block growth,
-//!   preemption, giving idle slots back. Each is one small function.
+//! * `policy` — the engine's own decisions beside the manager's: the manager each run is
+//!   built with, refusal, admission back-pressure, the preemption victim, block hashes.
 //! * [`report`] — [`SimReport`], every figure a run produces.
 //!
 //! # Memory bound
@@ -25,7 +29,8 @@
 //! [`SimConfig::check`]), and host bookkeeping bounded by constants: at most
 //! [`MAX_WAITING`] queued requests (arrivals finding the queue full are turned away and
 //! counted), one record per running request, at most [`MAX_SAMPLES`] samples and a
-//! fixed-size latency histogram. Nothing grows with `steps × rate`.
+//! fixed-size latency histogram. One exception, for the hit-rate figure: the set of block
+//! hashes ever committed (16 B per distinct block the run computed).
 
 pub mod engine;
 mod policy;
@@ -73,6 +78,9 @@ pub enum SimError {
     /// The backend failed a launch or synchronisation.
     #[error(transparent)]
     Backend(#[from] crate::backend::BackendError),
+    /// The manager refused an operation the engine had no reason to expect to fail.
+    #[error(transparent)]
+    Manager(#[from] crate::manager::ManagerError),
     /// The configuration does not fit the pool (see [`SimConfig::check`]).
     #[error(transparent)]
     Config(#[from] SimConfigError),
@@ -116,21 +124,35 @@ pub enum SimConfigError {
     Decode(String),
 }
 
-/// How the split between blocks and slots is managed.
+/// Which run: the manager's split policy and how prefixes are reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SplitPolicy {
-    /// Slots grow from the gap on demand and idle ones go back to blocks.
+    /// [`crate::manager::ElasticPolicy`], with v4pool's reuse (checkpoints every 16 blocks,
+    /// at prompt ends and rolling ones at turn ends: hits at any block boundary).
     Elastic,
-    /// `max_seqs` slots reserved at start-up; the boundary never moves.
+    /// [`crate::manager::FixedPolicy`] (`max_seqs` slots at start-up), with v4pool's reuse.
     Fixed,
+    /// Baseline: the elastic split, no reuse (every request hashes in a namespace of its
+    /// own, so nothing it caches is ever hit).
+    NoReuse,
+    /// Baseline: the elastic split, reuse only at 4,096-token granularity (checkpoints every
+    /// 16 blocks of 256, none rolling, and only whole 16-block groups hashed), the way
+    /// engines that reuse at the LCM of the groups' block sizes behave.
+    Reuse4096,
 }
 
 impl SplitPolicy {
-    /// `elastic` or `fixed`.
+    /// Every run, in report order.
+    pub const ALL: [SplitPolicy; 4] =
+        [SplitPolicy::Elastic, SplitPolicy::Fixed, SplitPolicy::NoReuse, SplitPolicy::Reuse4096];
+
+    /// `elastic`, `fixed`, `no_reuse` or `reuse_4096`.
     pub fn name(self) -> &'static str {
         match self {
             SplitPolicy::Elastic => "elastic",
             SplitPolicy::Fixed => "fixed",
+            SplitPolicy::NoReuse => "no_reuse",
+            SplitPolicy::Reuse4096 => "reuse_4096",
         }
     }
 }
@@ -204,7 +226,7 @@ impl SimConfig {
     pub fn cap_seqs(&self, policy: SplitPolicy) -> usize {
         match policy {
             SplitPolicy::Fixed => self.max_seqs,
-            SplitPolicy::Elastic => self.elastic_max_seqs,
+            SplitPolicy::Elastic | SplitPolicy::NoReuse | SplitPolicy::Reuse4096 => self.elastic_max_seqs,
         }
     }
 

@@ -1,76 +1,49 @@
-//! The engine's decisions, one small function each, so a request-level manager can replace
-//! them one at a time: the start-up split, which requests are refused, admission, taking a
-//! slot, growing a request's blocks, choosing a preemption victim, and giving idle slots
-//! back to blocks. Every pool operation goes through [`Pool`]'s public methods.
+//! The engine's own decisions, one small function each; everything about memory (the split,
+//! the boundary, the cache, checkpoints, eviction) is the [`KvManager`]'s. Here: the manager
+//! each run is built with, which requests are refused, whether admitting one more would
+//! only trade into preemptions, which request a stall preempts, and the block hashes a
+//! request's tokens have.
 
 use super::{RequestSpec, SimConfig, SplitPolicy};
-use crate::alloc::{BlockHandle, SlotHandle};
-use crate::boundary::BoundaryChange;
-use crate::pool::{Pool, PoolError, SlotLease};
+use crate::manager::{
+    block_hash, BlockHash, ElasticPolicy, FixedPolicy, KvManager, ManagerConfig, ManagerError, Namespace,
+};
+use crate::pool::Pool;
+use std::sync::Arc;
 
-/// A request holding pool memory.
-#[derive(Debug)]
-pub(crate) struct Running {
-    pub(crate) spec: RequestSpec,
-    pub(crate) slot: SlotHandle,
-    pub(crate) position: i64,
-    pub(crate) blocks: Vec<BlockHandle>,
-    /// Tokens in context (prefilled + generated).
-    pub(crate) context: u64,
-    pub(crate) generated: u64,
-    pub(crate) admitted: u64,
-}
+/// Blocks between checkpoints for the 4,096-token baseline (16 blocks of 256 tokens).
+pub(crate) const LCM_BLOCKS: u32 = 16;
 
-impl Running {
-    pub(crate) fn new(spec: RequestSpec, lease: SlotLease, step: u64) -> Running {
-        Running {
-            spec,
-            slot: lease.handle,
-            position: lease.position,
-            blocks: Vec::new(),
-            context: 0,
-            generated: 0,
-            admitted: step,
-        }
-    }
-    pub(crate) fn prefilling(&self) -> bool {
-        self.context < self.spec.prompt
-    }
-}
+/// Blocks between permanent checkpoints under v4pool's reuse.
+pub(crate) const CHECKPOINT_EVERY: u32 = 8;
 
-/// Boundary work done so far.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Moves {
-    pub(crate) moves: u64,
-    pub(crate) block_relocations: u64,
-    pub(crate) slot_relocations: u64,
-}
+/// The namespace every run hashes content in (the model revision an engine would set).
+pub(crate) const NAMESPACE: Namespace = Namespace(0x7634_706f_6f6c_2d73_696d_2d76_3400_0001);
 
-/// What the policy functions act on: the pool, the policy, the running requests (whose
-/// handles a boundary move rewrites) and the move counters.
-pub(crate) struct Fleet<'p> {
-    pub(crate) pool: &'p Pool,
-    pub(crate) policy: SplitPolicy,
-    pub(crate) running: Vec<Running>,
-    pub(crate) moves: Moves,
-}
-
-/// Set the start-up split: the fixed policy reserves `max_seqs` slots, the elastic one only
-/// its headroom; blocks take the rest. Returns the block count, which bounds what one
-/// request can ever hold.
-pub(crate) fn initial_split(pool: &Pool, cfg: &SimConfig, policy: SplitPolicy) -> Result<u32, PoolError> {
-    let slots = match policy {
-        SplitPolicy::Fixed => cfg.max_seqs as u32,
-        SplitPolicy::Elastic => cfg.slot_headroom,
+/// The manager a run drives: the run's split policy and reuse configuration.
+pub(crate) fn manager(
+    pool: &Arc<Pool>,
+    cfg: &SimConfig,
+    run: SplitPolicy,
+) -> Result<KvManager, ManagerError> {
+    let elastic = ElasticPolicy {
+        headroom: cfg.slot_headroom,
+        max_slots: u32::try_from(cfg.elastic_max_seqs).unwrap_or(u32::MAX),
+        ..ElasticPolicy::default()
     };
-    if pool.counts()?.num_slots != slots {
-        pool.resize(0, slots)?;
-    }
-    let c = pool.counts()?;
-    if c.num_blocks != c.max_blocks {
-        pool.resize(c.max_blocks, slots)?;
-    }
-    Ok(pool.counts()?.num_blocks)
+    // v4pool's reuse: a permanent checkpoint every 8 blocks (2,048 tokens: a shared system
+    // prompt of that length ends at one), at prompt ends, and rolling ones at turn ends.
+    let reuse = ManagerConfig { checkpoint_every: CHECKPOINT_EVERY, rolling: true };
+    let (config, policy): (ManagerConfig, Box<dyn crate::manager::SplitPolicy>) = match run {
+        SplitPolicy::Fixed => {
+            (reuse, Box::new(FixedPolicy { slots: u32::try_from(cfg.max_seqs).unwrap_or(u32::MAX) }))
+        }
+        SplitPolicy::Elastic | SplitPolicy::NoReuse => (reuse, Box::new(elastic)),
+        SplitPolicy::Reuse4096 => {
+            (ManagerConfig { checkpoint_every: LCM_BLOCKS, rolling: false }, Box::new(elastic))
+        }
+    };
+    KvManager::new(pool.clone(), config, policy)
 }
 
 /// Why a request is refused at admission: it could never fit, so admitting it would only
@@ -81,146 +54,47 @@ pub(crate) fn refusal(req: &RequestSpec, cfg: &SimConfig, capacity_blocks: u32, 
     req.prompt + req.output > cfg.max_context || longest.div_ceil(block_size) > u64::from(capacity_blocks)
 }
 
-/// Admission check: both policies admit only while the blocks running requests' prompts
-/// still need stay covered (the engine knows prompt lengths), so admission does not simply
-/// trade into preemptions.
-pub(crate) fn may_admit(f: &Fleet<'_>, first: u32, block_size: u64) -> Result<bool, PoolError> {
-    let owed: u64 = f
-        .running
-        .iter()
-        .map(|r| r.spec.prompt.div_ceil(block_size).saturating_sub(r.blocks.len() as u64))
-        .sum();
-    let c = f.pool.counts()?;
-    let gap = match f.policy {
-        SplitPolicy::Elastic => u64::from(c.max_blocks.saturating_sub(c.num_blocks)),
-        SplitPolicy::Fixed => 0,
-    };
-    Ok(u64::from(c.free_blocks) + gap >= owed + u64::from(first))
+/// Admission check: admit only while the blocks running requests' prompts still need stay
+/// obtainable (free, in the gap, or evictable cache) beside the newcomer's whole remaining
+/// prompt (`rest` blocks past its hit), so admission does not simply trade into
+/// preemptions: a request admitted on its first chunk alone that cannot finish its prompt
+/// stalls, is preempted, re-admitted, and stalls again.
+pub(crate) fn may_admit(m: &KvManager, rest: u64) -> Result<bool, ManagerError> {
+    let v = m.view()?;
+    Ok(v.spare_blocks() >= v.owed_blocks + rest)
 }
 
-/// Rewrite every holder after a boundary change (the engine's block tables and slots).
-fn note_change(f: &mut Fleet<'_>, ch: &BoundaryChange) {
-    f.moves.moves += 1;
-    f.moves.block_relocations += ch.block_moves.len() as u64;
-    f.moves.slot_relocations += ch.slot_moves.len() as u64;
-    for m in &ch.block_moves {
-        for b in f.running.iter_mut().flat_map(|r| r.blocks.iter_mut()) {
-            if *b == m.old {
-                *b = m.new;
-            }
-        }
+/// Out of blocks even after eviction: the most recently admitted request is preempted (its
+/// committed blocks stay cached, so it resumes with a hit). `keys` are the running
+/// requests' (admission step, id); `None` when preempting would not help.
+pub(crate) fn preemption_victim(keys: impl Iterator<Item = (u64, u64)>, stalled: bool) -> Option<usize> {
+    if !stalled {
+        return None;
     }
-    for m in &ch.slot_moves {
-        for r in f.running.iter_mut().filter(|r| r.slot == m.old) {
-            r.slot = m.new;
-            r.position = m.to_position;
-        }
+    let keys: Vec<(u64, u64)> = keys.collect();
+    if keys.len() < 2 {
+        return None;
     }
+    (0..keys.len()).max_by_key(|&j| keys[j])
 }
 
-/// A free slot: take one, or under the elastic policy grow the slot region into the gap
-/// (relocating top blocks when they are held and free ids exist below).
-pub(crate) fn take_slot(f: &mut Fleet<'_>, need: u32) -> Result<Option<SlotLease>, PoolError> {
-    let c = f.pool.counts()?;
-    if c.free_slots == 0 {
-        if f.policy == SplitPolicy::Fixed {
-            return Ok(None);
-        }
-        // Take a slot from the gap only while blocks keep a reserve (a twentieth of what
-        // the plane holds, plus the rows the slot itself takes): admitting past that would
-        // only preempt running requests for lack of blocks.
-        let g = f.pool.geometry()?;
-        let slot_blocks = (g.slot_rows + g.envelope_rows - 1) / g.envelope_rows;
-        let reserve = i64::from(c.max_blocks.max(c.num_blocks)) / 20 + slot_blocks + i64::from(need);
-        let spare = i64::from(c.free_blocks) + i64::from(c.max_blocks.saturating_sub(c.num_blocks));
-        if spare < reserve {
-            return Ok(None);
-        }
-        match f.pool.grow_slots(1) {
-            Ok(ch) => note_change(f, &ch),
-            Err(_) => return Ok(None),
-        }
+/// Append the hashes of blocks `out.len()..blocks` of `req`'s tokens in `ns`. Token `p` is a
+/// function of the request's conversation and `p` (of its system prompt for `p < shared`),
+/// so one block's content is named by (owner, block index) — far cheaper than hashing
+/// 256 synthetic tokens — and the chain makes equal prefixes hash equal.
+pub(crate) fn extend_hashes(
+    ns: Namespace,
+    req: &RequestSpec,
+    block_size: u64,
+    blocks: u64,
+    out: &mut Vec<BlockHash>,
+) {
+    let mut parent = out.last().copied();
+    for i in out.len() as u64..blocks {
+        let (tag, owner) = if (i + 1) * block_size <= req.shared { (1, req.system) } else { (2, req.conv) };
+        let h =
+            block_hash(ns, parent, &[tag, owner as u32, (owner >> 32) as u32, i as u32, (i >> 32) as u32]);
+        out.push(h);
+        parent = Some(h);
     }
-    match f.pool.alloc_slot() {
-        Ok(l) => Ok(Some(l)),
-        Err(PoolError::Alloc(_)) => Ok(None),
-        Err(e) => Err(e),
-    }
-}
-
-/// Make `n` blocks free: under the elastic policy, turn idle slots (and the gap) into
-/// blocks first. Returns whether they are free now.
-pub(crate) fn ensure_free_blocks(f: &mut Fleet<'_>, n: u32) -> Result<bool, PoolError> {
-    let c = f.pool.counts()?;
-    if c.free_blocks >= n {
-        return Ok(true);
-    }
-    if f.policy == SplitPolicy::Elastic {
-        let short = n - c.free_blocks;
-        let room = c.max_blocks.saturating_sub(c.num_blocks);
-        let r =
-            if room >= short { f.pool.grow_blocks(short) } else { f.pool.grow_blocks_shrinking_slots(short) };
-        if let Ok(ch) = r {
-            note_change(f, &ch);
-        }
-    }
-    Ok(f.pool.counts()?.free_blocks >= n)
-}
-
-/// Give request `i` blocks up to `need`. Returns whether it has them (false: out of
-/// blocks, the request stalls this step).
-pub(crate) fn grow_blocks_of(f: &mut Fleet<'_>, i: usize, need: usize) -> Result<bool, PoolError> {
-    let have = f.running[i].blocks.len();
-    if have >= need {
-        return Ok(true);
-    }
-    let short = u32::try_from(need - have).unwrap_or(u32::MAX);
-    if !ensure_free_blocks(f, short)? {
-        return Ok(false);
-    }
-    for _ in have..need {
-        let grant = f.pool.alloc_block()?;
-        f.running[i].blocks.push(grant.handle);
-    }
-    Ok(true)
-}
-
-/// Out of blocks: the most recently admitted request is preempted (its work restarts), as
-/// engines do, so the others can make progress. `None` when preempting would not help.
-pub(crate) fn preemption_victim(f: &Fleet<'_>, stalled: bool) -> Result<Option<usize>, PoolError> {
-    if !stalled || f.running.len() < 2 || f.pool.counts()?.free_blocks != 0 {
-        return Ok(None);
-    }
-    Ok((0..f.running.len()).max_by_key(|&j| (f.running[j].admitted, f.running[j].spec.id)))
-}
-
-/// Elastic only, every eighth step: give idle slots beyond the headroom back to blocks,
-/// then grow blocks into the gap.
-pub(crate) fn give_back_idle_slots(f: &mut Fleet<'_>, headroom: u32, step: u64) -> Result<(), PoolError> {
-    if f.policy != SplitPolicy::Elastic || step % 8 != 0 {
-        return Ok(());
-    }
-    let idle = f.pool.counts()?.free_slots;
-    if idle <= headroom {
-        return Ok(());
-    }
-    if let Ok(ch) = f.pool.shrink_slots(idle - headroom) {
-        note_change(f, &ch);
-        let c = f.pool.counts()?;
-        let grow = c.max_blocks.saturating_sub(c.num_blocks);
-        if grow > 0 {
-            if let Ok(ch) = f.pool.grow_blocks(grow) {
-                note_change(f, &ch);
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Free everything `r` holds.
-pub(crate) fn release(pool: &Pool, r: Running) -> Result<(), PoolError> {
-    for b in r.blocks {
-        pool.free_block(b)?;
-    }
-    pool.free_slot(r.slot)
 }

@@ -85,7 +85,7 @@ impl LatencyHistogram {
 /// Every figure one run produces.
 #[derive(Clone, Debug, Default)]
 pub struct SimReport {
-    /// `elastic` or `fixed`.
+    /// The run: `elastic`, `fixed`, `no_reuse` or `reuse_4096`.
     pub policy: String,
     /// The backend, with its device name when that says more.
     pub backend: String,
@@ -105,6 +105,29 @@ pub struct SimReport {
     pub prefilled_tokens: u64,
     /// Running requests freed and re-queued for lack of blocks.
     pub preemptions: u64,
+    /// Prompt tokens served from the cache ÷ prompt tokens an earlier request had already
+    /// prefilled (cached now or not), over first admissions.
+    pub prefix_hit_rate: f64,
+    /// The hit rate's numerator: tokens served from the cache at first admissions.
+    pub prefix_hit_tokens: u64,
+    /// The hit rate's denominator: prompt tokens an earlier request had committed.
+    pub eligible_prefix_tokens: u64,
+    /// Prefill tokens not computed thanks to hits (re-admissions included).
+    pub prefill_tokens_saved: u64,
+    /// Prefill tokens computed again after a preemption.
+    pub recomputed_prefill_tokens: u64,
+    /// Admissions that hit.
+    pub hits: u64,
+    /// Checkpoint stores queued.
+    pub checkpoints_stored: u64,
+    /// Checkpoint image bytes held at the end.
+    pub checkpoint_bytes_held: u64,
+    /// Most checkpoint image bytes held at once.
+    pub max_checkpoint_bytes: u64,
+    /// Cached blocks evicted.
+    pub evicted_blocks: u64,
+    /// Checkpoints evicted from the LRU.
+    pub evicted_checkpoints: u64,
     /// Most requests running at once.
     pub max_running: usize,
     /// Mean requests running per step.

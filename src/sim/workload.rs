@@ -75,6 +75,10 @@ pub enum Mix {
     Agentic,
     /// 90 % chat, 10 % agentic.
     Mixed,
+    /// Conversations that re-send their growing history each turn (turn k+1's prompt
+    /// extends turn k's prompt and output), opening with one of a few system prompts that
+    /// conversations share.
+    Multiturn,
 }
 
 impl Mix {
@@ -84,6 +88,7 @@ impl Mix {
             "chat" => Some(Mix::Chat),
             "agentic" => Some(Mix::Agentic),
             "mixed" => Some(Mix::Mixed),
+            "multiturn" => Some(Mix::Multiturn),
             _ => None,
         }
     }
@@ -93,6 +98,7 @@ impl Mix {
             Mix::Chat => "chat",
             Mix::Agentic => "agentic",
             Mix::Mixed => "mixed",
+            Mix::Multiturn => "multiturn",
         }
     }
 }
@@ -108,6 +114,41 @@ pub struct RequestSpec {
     pub prompt: u64,
     /// Tokens to generate.
     pub output: u64,
+    /// Whose tokens these are: token `p` of a request is a function of (`conv`, `p`), or of
+    /// (`system`, `p`) for `p < shared`. Turns of one conversation share `conv`; requests
+    /// of the other mixes each have their own.
+    pub conv: u64,
+    /// The shared system prompt the request opens with (meaningful when `shared > 0`).
+    pub system: u64,
+    /// Leading prompt tokens that are the shared system prompt.
+    pub shared: u64,
+}
+
+impl RequestSpec {
+    /// A request whose tokens are its own (no shared prefix with any other request).
+    pub fn new(id: u64, arrival: u64, prompt: u64, output: u64) -> RequestSpec {
+        RequestSpec { id, arrival, prompt, output, conv: UNIQUE_CONV | id, system: 0, shared: 0 }
+    }
+}
+
+/// Conversation ids of requests that share nothing carry this bit (multiturn conversations
+/// count up from 0 without it).
+const UNIQUE_CONV: u64 = 1 << 63;
+/// Shared system prompts of the multiturn mix, and their length in tokens.
+const SYSTEMS: u64 = 4;
+const SYSTEM_TOKENS: u64 = 2048;
+/// Most conversations open at once, and most turns one conversation takes.
+const MAX_OPEN: usize = 256;
+const MAX_TURNS: u32 = 8;
+
+/// An open multiturn conversation: the history its next turn re-sends.
+#[derive(Clone, Copy, Debug)]
+struct Conversation {
+    conv: u64,
+    system: u64,
+    /// Tokens of history (every earlier prompt and output).
+    history: u64,
+    turns: u32,
 }
 
 /// What the arrival stream is drawn from.
@@ -134,12 +175,23 @@ pub struct Workload {
     step: u64,
     left: u64,
     next_id: u64,
+    /// Open multiturn conversations (at most `MAX_OPEN`).
+    open: Vec<Conversation>,
+    next_conv: u64,
 }
 
 impl Workload {
     /// A stream for `cfg`; nothing is drawn until it is iterated.
     pub fn new(cfg: WorkloadConfig) -> Workload {
-        Workload { rng: Rng::new(cfg.seed), cfg, step: 0, left: 0, next_id: 0 }
+        Workload {
+            rng: Rng::new(cfg.seed),
+            cfg,
+            step: 0,
+            left: 0,
+            next_id: 0,
+            open: Vec::new(),
+            next_conv: 0,
+        }
     }
 
     /// One request's lengths. The draw order (agentic coin, prompt, output) is the
@@ -148,7 +200,7 @@ impl Workload {
         let cap = self.cfg.max_context.max(2);
         let rng = &mut self.rng;
         let agentic = match self.cfg.mix {
-            Mix::Chat => false,
+            Mix::Chat | Mix::Multiturn => false,
             Mix::Agentic => true,
             Mix::Mixed => rng.f64() < 0.1,
         };
@@ -175,10 +227,53 @@ impl Iterator for Workload {
             self.step += 1;
         }
         self.left -= 1;
-        let (prompt, output) = self.draw();
         let id = self.next_id;
         self.next_id += 1;
-        Some(RequestSpec { id, arrival: self.step - 1, prompt, output })
+        let arrival = self.step - 1;
+        if self.cfg.mix == Mix::Multiturn {
+            return Some(self.turn(id, arrival));
+        }
+        let (prompt, output) = self.draw();
+        Some(RequestSpec::new(id, arrival, prompt, output))
+    }
+}
+
+impl Workload {
+    /// The next multiturn request: a new conversation (a system prompt and a first user
+    /// message) or the next turn of an open one (its whole history and a new message).
+    fn turn(&mut self, id: u64, arrival: u64) -> RequestSpec {
+        let cap = self.cfg.max_context.max(2);
+        let (message, output) = self.draw();
+        let rng = &mut self.rng;
+        let continue_one = !self.open.is_empty() && (self.open.len() >= MAX_OPEN || rng.f64() < 0.75);
+        let (i, c) = if continue_one {
+            let i = rng.range(0, self.open.len() as i64) as usize;
+            (i, self.open[i])
+        } else {
+            let c =
+                Conversation { conv: self.next_conv, system: rng.next_u64() % SYSTEMS, history: 0, turns: 0 };
+            self.next_conv += 1;
+            self.open.push(c);
+            (self.open.len() - 1, c)
+        };
+        let shared = SYSTEM_TOKENS.min(cap - 1);
+        let prompt = if c.turns == 0 { shared + message } else { c.history + message }.min(cap - 1);
+        let output = output.min(cap - prompt).max(1);
+        let next = Conversation { history: prompt + output, turns: c.turns + 1, ..c };
+        if next.turns >= MAX_TURNS || next.history + 2 >= cap {
+            self.open.swap_remove(i);
+        } else {
+            self.open[i] = next;
+        }
+        RequestSpec {
+            id,
+            arrival,
+            prompt,
+            output,
+            conv: c.conv,
+            system: c.system,
+            shared: shared.min(prompt),
+        }
     }
 }
 

@@ -191,7 +191,9 @@ fn runs_outside_live_allocations_are_refused() {
     let a = put(&b, &data);
     // Words, so the address is 4-byte aligned for the fill runs (a byte vector need not be,
     // and then the run is refused for alignment before its range is checked).
-    let victim = vec![7u32; 16];
+    // u64 elements: the victim is 8-byte aligned everywhere (Miri included), so every refusal
+    // below is for lying outside the allocations, not for alignment.
+    let victim = vec![0x0000_0007_0000_0007u64; 8];
     let victim_addr = victim.as_ptr() as u64;
     let good = CopyRun { src: a.ptr, dst: a.ptr + 128, bytes: 64 };
     for bad in [
@@ -228,7 +230,7 @@ fn runs_outside_live_allocations_are_refused() {
         assert!(matches!(r, Err(BackendError::OutsideAllocation { .. })), "{runs:#x}: {r:?}");
     }
     assert_eq!(get(&b, &a), data, "a refused launch wrote");
-    assert_eq!(victim, vec![7u32; 16]);
+    assert_eq!(victim, vec![0x0000_0007_0000_0007u64; 8]);
     free_all(&b, [a, desc]);
 }
 

@@ -20,6 +20,15 @@ pub(crate) fn render_table(reports: &[SimReport]) -> String {
     row(&mut s, "tokens generated", &|r| r.generated_tokens.to_string());
     row(&mut s, "tokens prefilled", &|r| r.prefilled_tokens.to_string());
     row(&mut s, "preemptions", &|r| r.preemptions.to_string());
+    row(&mut s, "recomputed prefill tokens", &|r| r.recomputed_prefill_tokens.to_string());
+    row(&mut s, "prefix hit rate", &|r| format!("{:.3}", r.prefix_hit_rate));
+    row(&mut s, "prefill tokens saved", &|r| r.prefill_tokens_saved.to_string());
+    row(&mut s, "checkpoints stored / MiB max", &|r| {
+        format!("{} / {:.0}", r.checkpoints_stored, r.max_checkpoint_bytes as f64 / (1u64 << 20) as f64)
+    });
+    row(&mut s, "evictions block / checkpoint", &|r| {
+        format!("{} / {}", r.evicted_blocks, r.evicted_checkpoints)
+    });
     row(&mut s, "concurrency max / mean", &|r| format!("{} / {:.1}", r.max_running, r.mean_running));
     row(&mut s, "compressed tokens max", &|r| r.max_compressed_tokens.to_string());
     row(&mut s, "compressed tokens mean", &|r| format!("{:.0}", r.mean_compressed_tokens));
@@ -41,7 +50,7 @@ pub(crate) fn to_json(cfg: &SimConfig, reports: &[SimReport]) -> serde_json::Val
     let runs: Vec<serde_json::Value> = reports
         .iter()
         .map(|r| {
-            json!({
+            let mut run = json!({
                 "policy": r.policy, "backend": r.backend, "steps": r.steps,
                 "arrived": r.arrived, "completed": r.completed,
                 "refused": r.refused, "turned_away": r.turned_away,
@@ -63,7 +72,22 @@ pub(crate) fn to_json(cfg: &SimConfig, reports: &[SimReport]) -> serde_json::Val
                     "slot_rows_free": s.slot_rows_free, "gap_rows": s.gap_rows,
                     "running": s.running, "waiting": s.waiting,
                     "compressed_tokens": s.compressed_tokens})).collect::<Vec<_>>(),
-            })
+            });
+            // Prefix reuse (a second object: one `json!` this long passes the macro's recursion limit).
+            let reuse = json!({
+                "prefix_hit_rate": r.prefix_hit_rate, "prefix_hit_tokens": r.prefix_hit_tokens,
+                "eligible_prefix_tokens": r.eligible_prefix_tokens,
+                "prefill_tokens_saved": r.prefill_tokens_saved,
+                "recomputed_prefill_tokens": r.recomputed_prefill_tokens, "hits": r.hits,
+                "checkpoints_stored": r.checkpoints_stored,
+                "checkpoint_bytes_held": r.checkpoint_bytes_held,
+                "max_checkpoint_bytes": r.max_checkpoint_bytes,
+                "evictions": {"blocks": r.evicted_blocks, "checkpoints": r.evicted_checkpoints},
+            });
+            if let (Some(o), serde_json::Value::Object(extra)) = (run.as_object_mut(), reuse) {
+                o.extend(extra);
+            }
+            run
         })
         .collect();
     json!({"mix": cfg.mix.name(), "rate": cfg.rate, "steps": cfg.steps, "seed": cfg.seed,

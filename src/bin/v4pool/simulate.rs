@@ -12,8 +12,10 @@ use v4pool::sizing::{IndexerDtype, KvDtype, Plan, PlanRequest};
 const HELP: &str = "\
 usage: v4pool simulate [options]
 
-Drives a pool as a serving engine would (Poisson arrivals, chunked prefill, a decode index
-build every step) twice on the same workload: elastic boundary vs a fixed split. Memory is
+Drives a pool through the request-level KV manager as a serving engine would (Poisson
+arrivals, prefix hits, chunked prefill, a decode index build every step) on one workload:
+the elastic boundary and a fixed split (both with v4pool's prefix reuse), beside two
+baselines on the elastic split: no reuse, and reuse at 4,096-token granularity. Memory is
 the budget plus at most a sixteenth of it for decode index buffers and a few MiB of host
 bookkeeping; options that would need more are refused.
 
@@ -26,13 +28,14 @@ bookkeeping; options that would need more are refused.
                                        [4 × max-seqs, at most the slot positions]
   --dtype fp8|bf16      KV planes                                        [fp8]
   --indexer fp8|fp4     indexer cache                                    [fp8]
-  --mix chat|agentic|mixed                                               [mixed]
+  --mix chat|agentic|mixed|multiturn                                     [mixed]
   --rate R              mean arrivals per step, in (0, 1000]             [0.4]
   --steps N             forward steps, at most 10,000,000                [2000]
   --seed S                                                               [7]
   --prefill-chunk T     prefill tokens per step                          [8192]
   --max-context T       longest context                                  [1048576]
-  --policy both|elastic|fixed                                            [both]
+  --policy all|both|elastic|fixed|no_reuse|reuse_4096
+                        all: the four runs; both: elastic and fixed      [all]
   --backend auto|host|cuda|hip   (auto honours V4POOL_BACKEND)           [auto]
   --svg FILE            memory by region over time, and the row space
   --json                the numbers as one JSON object
@@ -125,7 +128,7 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
         "fp8 or fp4",
     )?;
     let mix = p.get("--mix").unwrap_or("mixed");
-    let mix = Mix::parse(mix).ok_or_else(|| bad("--mix", mix, "chat, agentic or mixed"))?;
+    let mix = Mix::parse(mix).ok_or_else(|| bad("--mix", mix, "chat, agentic, mixed or multiturn"))?;
     let rate = match p.get("--rate") {
         None => 0.4,
         Some(v) => v.trim().parse::<f64>().map_err(|_| bad("--rate", v, "a number"))?,
@@ -133,13 +136,16 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
     let policies = choose(
         &p,
         "--policy",
-        "both",
+        "all",
         &[
+            ("all", &SplitPolicy::ALL[..]),
             ("both", &[SplitPolicy::Elastic, SplitPolicy::Fixed][..]),
             ("elastic", &[SplitPolicy::Elastic][..]),
             ("fixed", &[SplitPolicy::Fixed][..]),
+            ("no_reuse", &[SplitPolicy::NoReuse][..]),
+            ("reuse_4096", &[SplitPolicy::Reuse4096][..]),
         ],
-        "both, elastic or fixed",
+        "all, both, elastic, fixed, no_reuse or reuse_4096",
     )?
     .to_vec();
     let choice = match p.get("--backend").unwrap_or("auto") {
