@@ -59,6 +59,11 @@ typedef enum V4poolDecodeBuffer {
 typedef struct Class Class;
 
 /**
+ * Which run: the manager's split policy and how prefixes are reused.
+ */
+typedef struct SplitPolicy SplitPolicy;
+
+/**
  * Decode index buffers of one pool (opaque).
  */
 typedef struct V4poolDecode V4poolDecode;
