@@ -29,7 +29,7 @@ use crate::alloc::{AllocError, BlockGrant, BlockHandle, SlotHandle};
 use crate::arena::{ArenaError, ArenaLayout, FieldView};
 use crate::backend::{Backend, BackendError, DeviceAllocation, Stream};
 use crate::boundary::{Boundary, BoundaryChange, BoundaryError};
-use crate::checkpoint::{RegionCopy, LayoutId, Loc, Region};
+use crate::checkpoint::{LayoutId, Loc, Region, RegionCopy};
 use crate::geometry::{GeometryError, UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO};
 use crate::index::{CopyRun, CopyRunsArgs, DevicePtr, FillRun, FillRunsArgs, Launch};
 use crate::sizing::IndexerDtype;
