@@ -4,14 +4,15 @@
 //! index, token counts that overflow — are refused with a typed error and never panic;
 //! capacities whose byte counts overflow are refused.
 
+mod common;
+
 use std::sync::Arc;
-use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::Stream;
 use v4pool::pool::{
-    DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodePath, DecodeSeq, Pool, PoolSpec,
+    DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodePath, DecodeSeq, Pool,
 };
-use v4pool::{Class, GeometrySpec};
+use v4pool::Class;
 
 /// A host pool of `blocks` blocks and 16 slots over V4-like ratios (20 CSA/HCA pairs and
 /// dense layers), ring 129, 256-token blocks; 16-byte rows keep it small.
@@ -24,26 +25,9 @@ fn pool(blocks: i64) -> Arc<Pool> {
     pool_on(Arc::new(HostBackend::new()), ratios, blocks, 16)
 }
 
-/// A host pool over `ratios` with a one-field arena (the compressor state is not under test).
+/// A host pool over `ratios` (see `common::index_pool`).
 fn pool_on(backend: Arc<HostBackend>, ratios: Vec<i32>, blocks: i64, slots: i64) -> Arc<Pool> {
-    let field = StateField {
-        name: "state".into(),
-        layers: 1,
-        shape: vec![1, 4],
-        dtype: Dtype::F32,
-        fill: Fill::Zero,
-        carried: true,
-        align: 256,
-    };
-    let arena = ArenaLayout::new(vec![field], &[16]).expect("arena");
-    let geometry = GeometrySpec::new(ratios, blocks, slots, 129, 256)
-        .arena_rows(arena.arena_rows())
-        .slot_align_rows(arena.slot_align_rows())
-        .build()
-        .expect("geometry");
-    let csa_layers = geometry.class(Class::Csa.ratio()).map(|c| c.layers.clone()).unwrap_or_default();
-    let spec = PoolSpec::new(geometry, vec![16], arena, None, csa_layers).expect("spec");
-    Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
+    common::index_pool(backend, ratios, blocks, slots)
 }
 
 fn cap(max_seqs: usize, max_tokens: usize, max_blocks_per_seq: usize) -> DecodeCapacity {

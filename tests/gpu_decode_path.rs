@@ -7,13 +7,11 @@ mod common;
 
 use common::{case_seed, cuda_or_skip, device_or_skip, Rng};
 use std::sync::Arc;
-use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::backend::{Backend, DeviceAllocation, Stream};
 use v4pool::pool::{
-    DecodeBuffer, DecodeCapacity, DecodePath, DecodeSeq, Pool, PoolSpec, PrefillBuffer, PrefillCapacity,
-    PrefillSeq,
+    DecodeBuffer, DecodeCapacity, DecodePath, DecodeSeq, Pool, PrefillBuffer, PrefillCapacity, PrefillSeq,
 };
-use v4pool::{Class, GeometrySpec};
+use v4pool::Class;
 
 const BLOCKS: i64 = 4100;
 const SLOTS: i64 = 64;
@@ -22,25 +20,7 @@ const TOPK: usize = 512;
 /// V4-Flash ratios, ring 129, 256-token blocks, 16-byte rows (the index paths never touch
 /// the planes' bytes), on `backend`.
 fn pool_on(backend: Arc<dyn Backend>) -> Arc<Pool> {
-    let field = StateField {
-        name: "state".into(),
-        layers: 1,
-        shape: vec![1, 4],
-        dtype: Dtype::F32,
-        fill: Fill::Zero,
-        carried: true,
-        align: 256,
-    };
-    let arena = ArenaLayout::new(vec![field], &[16]).expect("arena");
-    let ratios = common::flash_ratios();
-    let geometry = GeometrySpec::new(ratios, BLOCKS, SLOTS, 129, 256)
-        .arena_rows(arena.arena_rows())
-        .slot_align_rows(arena.slot_align_rows())
-        .build()
-        .expect("geometry");
-    let csa_layers = geometry.class(Class::Csa.ratio()).map(|c| c.layers.clone()).unwrap_or_default();
-    let spec = PoolSpec::new(geometry, vec![16], arena, None, csa_layers).expect("spec");
-    Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
+    common::index_pool(backend, common::flash_ratios(), BLOCKS, SLOTS)
 }
 
 /// A random decode batch: `bs` distinct live slots, contexts up to the table's reach, 1–2

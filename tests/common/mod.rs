@@ -362,3 +362,33 @@ pub fn check_case(cuda: &dyn Backend, case: &Case, make: &dyn Fn(&[u64]) -> Vec<
         .unwrap_or_else(|e| panic!("case {} (seed {:#x}): cuda backend failed: {e}", case.name, case.seed));
     assert_same(case, &reference, &device);
 }
+
+/// A pool over `ratios` (ring 129, 256-token blocks) with 16-byte rows and a one-field
+/// arena: for the index paths, which never touch the planes' bytes or the compressor state.
+pub fn index_pool(
+    backend: std::sync::Arc<dyn Backend>,
+    ratios: Vec<i32>,
+    blocks: i64,
+    slots: i64,
+) -> std::sync::Arc<v4pool::pool::Pool> {
+    use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
+    let field = StateField {
+        name: "state".into(),
+        layers: 1,
+        shape: vec![1, 4],
+        dtype: Dtype::F32,
+        fill: Fill::Zero,
+        carried: true,
+        align: 256,
+    };
+    let arena = ArenaLayout::new(vec![field], &[16]).expect("arena");
+    let geometry = GeometrySpec::new(ratios, blocks, slots, 129, 256)
+        .arena_rows(arena.arena_rows())
+        .slot_align_rows(arena.slot_align_rows())
+        .build()
+        .expect("geometry");
+    let csa = v4pool::Class::Csa.ratio();
+    let csa_layers = geometry.class(csa).map(|c| c.layers.clone()).unwrap_or_default();
+    let spec = v4pool::pool::PoolSpec::new(geometry, vec![16], arena, None, csa_layers).expect("spec");
+    std::sync::Arc::new(v4pool::pool::Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
+}
