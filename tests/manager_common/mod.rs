@@ -11,27 +11,18 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
-use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
+#[path = "../pool_common/mod.rs"]
+mod pool_common;
+
 use v4pool::backend::{Backend, Stream};
 use v4pool::index::{Launch, PlaneWrite, RingWriteArgs};
 use v4pool::manager::{BlockHash, KvManager, Namespace, RequestId};
-use v4pool::pool::{Pool, PoolSpec};
-use v4pool::{GeometrySpec, ABSENT_RATIO};
+use v4pool::pool::Pool;
+use v4pool::sizing::IndexerDtype;
+use v4pool::ABSENT_RATIO;
 
-pub const WIDTHS: [u64; 2] = [64, 32];
+pub use pool_common::WIDTHS;
 pub const BLOCK: u64 = 256;
-
-fn field(name: &str, rows: u64, fill: Fill, carried: bool) -> StateField {
-    StateField {
-        name: name.into(),
-        layers: 2,
-        shape: vec![rows, 8],
-        dtype: Dtype::F32,
-        fill,
-        carried,
-        align: 256,
-    }
-}
 
 /// A small pool: ratios [0,4,128,4,128,0], ring 11, a 3-field arena in two planes, a plane
 /// of `positions` slots' rows, carved empty (the manager sets the split).
@@ -41,25 +32,16 @@ pub fn small_pool(backend: Arc<dyn Backend>, positions: i64) -> Arc<Pool> {
 
 /// As [`small_pool`] with another ring size (another checkpoint layout).
 pub fn small_pool_ring(backend: Arc<dyn Backend>, positions: i64, ring: i64) -> Arc<Pool> {
-    let arena = ArenaLayout::new(
-        vec![
-            field("csa_kv", 10, Fill::Zero, true),
-            field("csa_score", 10, Fill::NegInf, true),
-            field("hca_kv", 24, Fill::Zero, false),
-        ],
+    // Carved empty: the manager sets the split.
+    let spec = pool_common::small_spec_with(
+        &pool_common::RATIOS,
         &WIDTHS,
-    )
-    .expect("arena");
-    let probe = GeometrySpec::new(vec![0, 4, 128, 4, 128, 0], 0, 0, ring, BLOCK as i64)
-        .arena_rows(arena.arena_rows())
-        .slot_align_rows(arena.slot_align_rows())
-        .build()
-        .expect("geometry");
-    let plane_rows = positions * probe.slot_rows;
-    let geometry = probe.with_capacity(0, 0, Some(plane_rows)).expect("carve");
-    let spec =
-        PoolSpec::new(geometry, WIDTHS.to_vec(), arena, Some(v4pool::sizing::IndexerDtype::Fp8), vec![1, 3])
-            .expect("spec");
+        IndexerDtype::Fp8,
+        positions,
+        ring,
+        0,
+        Some(0),
+    );
     Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
 }
 

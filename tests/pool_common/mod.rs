@@ -36,6 +36,20 @@ pub fn small_spec(
     positions: i64,
     initial_slots: i64,
 ) -> PoolSpec {
+    small_spec_with(ratios, widths, indexer, positions, 11, initial_slots, None)
+}
+
+/// As [`small_spec`] with ring size `ring` (another ring is another checkpoint layout) and
+/// `blocks` blocks (`None`: every row the slots leave).
+pub fn small_spec_with(
+    ratios: &[i32],
+    widths: &[u64],
+    indexer: IndexerDtype,
+    positions: i64,
+    ring: i64,
+    initial_slots: i64,
+    blocks: Option<i64>,
+) -> PoolSpec {
     let arena = ArenaLayout::new(
         vec![
             field("csa_kv", 10, Fill::Zero, true),
@@ -45,13 +59,13 @@ pub fn small_spec(
         widths,
     )
     .expect("arena");
-    let probe = GeometrySpec::new(ratios.to_vec(), 0, 0, 11, 256)
+    let probe = GeometrySpec::new(ratios.to_vec(), 0, 0, ring, 256)
         .arena_rows(arena.arena_rows())
         .slot_align_rows(arena.slot_align_rows())
         .build()
         .expect("geometry");
     let plane_rows = positions * probe.slot_rows;
-    let blocks = (positions - initial_slots) * probe.slot_rows / probe.envelope_rows;
+    let blocks = blocks.unwrap_or((positions - initial_slots) * probe.slot_rows / probe.envelope_rows);
     let geometry = probe.with_capacity(blocks, initial_slots, Some(plane_rows)).expect("carve");
     let csa = (0..ratios.len()).filter(|&l| ratios[l] == 4).collect();
     PoolSpec::new(geometry, widths.to_vec(), arena, Some(indexer), csa).expect("spec")
