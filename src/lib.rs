@@ -40,6 +40,7 @@ pub mod pool;
 pub mod profiling;
 pub mod sim;
 pub mod sizing;
+pub mod state;
 pub mod transfer;
 
 #[cfg(feature = "capi")]

@@ -1,0 +1,1 @@
+//! DSpark window gather (`index-buffers.md` §9).

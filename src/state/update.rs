@@ -1,0 +1,1 @@
+//! Compressor-state update (`index-buffers.md` §8).
