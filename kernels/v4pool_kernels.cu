@@ -456,6 +456,116 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_row_sc
     v4p_copy_plane(a.planes[1], t, row, tid % V4POOL_ROW_LANES);
 }
 
+// ---- §8: compressor-state update, one compressor of one layer ---------------------------------
+// grid (ceil(num_rows / (256 / lanes))), block 256: `lanes` = the power of two covering
+// dim / 8 (32 at dim 256, 64 at 512, 128 at 1,024), so every lane moves 8 elements of its row
+// and a block holds 256 / lanes plan rows (8, 4, 2): no idle lane at the V4 dims. One
+// dependent load (the 16-byte plan row) before every load of the row's data; kv, score and
+// ape go out together (16-byte loads), then four 16-byte f32 stores per lane. Addresses are
+// 64-bit: slot x slot bytes passes 2^31.
+
+/// Lanes that share one plan row (shape.rs state_update_lanes).
+V4P_DEVICE v4p_u32 v4p_state_lanes(v4p_i32 dim) {
+    const v4p_i64 chunks = ((v4p_i64)(dim > 0 ? dim : 1) + V4POOL_STATE_CHUNK - 1) / V4POOL_STATE_CHUNK;
+    v4p_u32 lanes = 1;
+    while ((v4p_i64)lanes < chunks && lanes < V4P_BLOCK) lanes *= 2;
+    return lanes;
+}
+
+struct alignas(16) v4p_f32x4 {
+    float x, y, z, w;
+};
+
+V4P_DEVICE float v4p_f32_bits(v4p_u32 u) {
+    union {
+        v4p_u32 u;
+        float f;
+    } c;
+    c.u = u;
+    return c.f;
+}
+
+/// Element i of a row of `dtype` (scalar path).
+V4P_DEVICE float v4p_load_elem(v4p_ptr row, v4p_i32 dtype, v4p_i64 i) {
+    if (dtype == V4POOL_DTYPE_BF16) return v4p_f32_bits((v4p_u32)((const unsigned short*)row)[i] << 16);
+    return ((const float*)row)[i];
+}
+
+/// Eight elements from `p` (16-byte aligned) as f32: one 16-byte load for bf16, two for f32.
+V4P_DEVICE void v4p_load8(v4p_ptr p, v4p_i32 dtype, float out[8]) {
+    if (dtype == V4POOL_DTYPE_BF16) {
+        const v4p_vec16 v = *(const v4p_vec16*)p;
+        const v4p_u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            out[2 * i] = v4p_f32_bits(w[i] << 16);  // little-endian: the low half is element 2i
+            out[2 * i + 1] = v4p_f32_bits(w[i] & 0xffff0000u);
+        }
+    } else {
+        const v4p_f32x4 a = ((const v4p_f32x4*)p)[0], b = ((const v4p_f32x4*)p)[1];
+        out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+        out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+    }
+}
+
+V4P_DEVICE void v4p_store8(v4p_u64 p, const float v[8]) {
+    v4p_f32x4 a, b;
+    a.x = v[0], a.y = v[1], a.z = v[2], a.w = v[3];
+    b.x = v[4], b.y = v[5], b.z = v[6], b.w = v[7];
+    ((v4p_f32x4*)p)[0] = a;
+    ((v4p_f32x4*)p)[1] = b;
+}
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update_compressor_states(StateUpdateArgs a) {
+    const v4p_u32 lanes = v4p_state_lanes(a.dim);
+    const v4p_u32 tid = v4p_tid_x(), lane = tid % lanes;
+    const v4p_i64 r = (v4p_i64)v4p_bid_x() * (V4P_BLOCK / lanes) + tid / lanes;
+    if (r >= a.num_rows) return;
+    const v4p_vec16 row = v4p_in<v4p_vec16>(a.write_plan)[r];
+    const v4p_i64 ragged = (v4p_i32)row.x, pos = (v4p_i32)row.z;
+    if (pos < 0) return;  // pad row: no load, no store
+    // The slot load (contract form) goes out before the row's data loads and is waited on
+    // only at the stores.
+    const v4p_i64 slot = a.slot_map != 0 ? (v4p_i64)v4p_in<v4p_i32>(a.slot_map)[(v4p_i32)row.y] : (v4p_i64)(v4p_i32)row.w;
+    v4p_i64 ring_row, ape_row, unused;
+    v4p_divmod(pos, a.ring, unused, ring_row);
+    v4p_divmod(pos, a.ratio, unused, ape_row);
+    const v4p_i64 dim = a.dim;
+    const v4p_u64 in_size = a.in_dtype == V4POOL_DTYPE_BF16 ? 2 : 4;
+    const v4p_u64 ape_size = a.ape_dtype == V4POOL_DTYPE_BF16 ? 2 : 4;
+    const v4p_ptr kv = a.kv + (v4p_u64)ragged * (v4p_u64)a.kv_row_stride * in_size;
+    const v4p_ptr score = a.score + (v4p_u64)ragged * (v4p_u64)a.score_row_stride * in_size;
+    const v4p_ptr ape = a.ape + (v4p_u64)ape_row * (v4p_u64)dim * ape_size;
+    const v4p_u64 in_state = (v4p_u64)ring_row * (v4p_u64)dim * 4;
+    const v4p_u64 kv_dst = a.kv_state + (v4p_u64)slot * (v4p_u64)a.kv_slot_bytes + in_state;
+    const v4p_u64 score_dst = a.score_state + (v4p_u64)slot * (v4p_u64)a.score_slot_bytes + in_state;
+    // 16-byte path when every row start is 16-byte aligned (all V4 fields and engine tensors);
+    // the same for the whole launch, so no lane diverges on it.
+    const bool vec = dim % V4POOL_STATE_CHUNK == 0 &&
+                     ((a.kv | a.score | a.ape | a.kv_state | a.score_state | (v4p_u64)a.kv_slot_bytes |
+                       (v4p_u64)a.score_slot_bytes | ((v4p_u64)a.kv_row_stride * in_size) |
+                       ((v4p_u64)a.score_row_stride * in_size)) & 15) == 0;
+    if (vec) {
+        for (v4p_i64 e = (v4p_i64)lane * V4POOL_STATE_CHUNK; e < dim; e += (v4p_i64)lanes * V4POOL_STATE_CHUNK) {
+            float k[8], s[8], p[8];
+            v4p_load8(kv + (v4p_u64)e * in_size, a.in_dtype, k);
+            v4p_load8(score + (v4p_u64)e * in_size, a.in_dtype, s);
+            v4p_load8(ape + (v4p_u64)e * ape_size, a.ape_dtype, p);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s[i] += p[i];
+            v4p_store8(kv_dst + (v4p_u64)e * 4, k);
+            v4p_store8(score_dst + (v4p_u64)e * 4, s);
+        }
+    } else {
+        for (v4p_i64 e = lane; e < dim; e += lanes) {
+            const float k = v4p_load_elem(kv, a.in_dtype, e);
+            const float s = v4p_load_elem(score, a.in_dtype, e) + v4p_load_elem(ape, a.ape_dtype, e);
+            ((float*)kv_dst)[e] = k;
+            ((float*)score_dst)[e] = s;
+        }
+    }
+}
+
 // ---- fill / copy runs (compressor-state init, slot copies) -----------------------------------
 // grid (num_runs, 32), block 256: 32 blocks share a run.
 

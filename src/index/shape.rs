@@ -16,7 +16,7 @@
 
 use super::{
     ClassBuffers, CsaPackArgs, DecodeIndexArgs, HcaOffsetsArgs, Launch, PlaneWrite, PrefillIndexArgs,
-    RingWriteArgs, RowScatterArgs, CLASS_HCA,
+    RingWriteArgs, RowScatterArgs, StateUpdateArgs, CLASS_HCA,
 };
 use crate::geometry::WindowParams;
 use thiserror::Error;
@@ -39,6 +39,8 @@ pub const PREFILL_LANES: u32 = 64;
 pub const PREFILL_TOKENS_PER_BLOCK: u32 = BLOCK_THREADS / PREFILL_LANES;
 /// Top-k columns one CSA translate-pack block covers, grid y (`V4POOL_CSA_TILE`).
 pub const CSA_TILE: u32 = 2 * BLOCK_THREADS;
+/// Elements one lane of the state update moves per chunk (`V4POOL_STATE_CHUNK`).
+pub const STATE_CHUNK: u32 = 8;
 
 /// Grid and block of one launch, in CUDA/HIP order (x, y, z).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -82,6 +84,17 @@ fn ceil_div(n: u64, d: u64) -> u64 {
 /// number from `topk_row_stride` to stride past a row should `valid_k` exceed it.
 pub fn csa_tiles(topk_row_stride: i32) -> u64 {
     ceil_div(count(topk_row_stride), u64::from(CSA_TILE)).max(1)
+}
+
+/// Lanes of the state update that share one plan row: the power of two covering
+/// `dim / STATE_CHUNK` chunks, at most a block (`v4p_state_lanes` in the kernel).
+pub fn state_update_lanes(dim: i32) -> u32 {
+    let chunks = count(dim.max(1)).div_ceil(u64::from(STATE_CHUNK));
+    let mut lanes = 1u32;
+    while u64::from(lanes) < chunks && lanes < BLOCK_THREADS {
+        lanes *= 2;
+    }
+    lanes
 }
 
 /// Tiles of a token's fused HCA head in the decode builder (grid y). The grid may depend only
@@ -130,6 +143,10 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
         },
         Launch::RowScatter(a) => {
             LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(ROWS_PER_BLOCK)), b)
+        }
+        // BLOCK_THREADS / lanes plan rows per block.
+        Launch::StateUpdate(a) => {
+            LaunchShape::linear(ceil_div(count(a.num_rows), u64::from(b / state_update_lanes(a.dim))), b)
         }
         // (run, RUN_SPLIT blocks per run).
         Launch::FillRuns(a) => {
@@ -212,6 +229,24 @@ pub enum LaunchError {
         win: i64,
         /// Ring positions.
         ring_slots: i64,
+    },
+    #[error("{field} = {value} names no element type")]
+    /// `field` = `value` names no element type.
+    BadCode {
+        /// The field.
+        field: &'static str,
+        /// The value given.
+        value: i32,
+    },
+    #[error("{field} = {addr:#x} is not {align}-byte aligned")]
+    /// `field` = `addr` is not `align`-byte aligned.
+    Misaligned {
+        /// The field.
+        field: &'static str,
+        /// The address.
+        addr: u64,
+        /// Required alignment in bytes.
+        align: u64,
     },
     #[error("plane {plane}: kv and pool must both be given or both absent")]
     /// Plane `plane`: kv and pool must both be given or both absent.
@@ -462,6 +497,59 @@ fn check_row_scatter(a: &RowScatterArgs) -> Result<(), LaunchError> {
     Ok(())
 }
 
+fn check_state_update(a: &StateUpdateArgs) -> Result<(), LaunchError> {
+    non_negative("num_rows", a.num_rows.into())?;
+    at_least("dim", a.dim.into(), 1)?;
+    at_least("ratio", a.ratio.into(), 1)?;
+    at_least("window", a.window.into(), 1)?;
+    // §11: S < K is a host error (the last K positions would not all have a row).
+    at_least("ring", a.ring.into(), a.window.into())?;
+    for (field, code) in [("in_dtype", a.in_dtype), ("ape_dtype", a.ape_dtype)] {
+        if super::ElemType::from_code(code).is_none() {
+            return Err(LaunchError::BadCode { field, value: code });
+        }
+    }
+    let dim = i64::from(a.dim);
+    at_least("kv_row_stride", a.kv_row_stride, dim)?;
+    at_least("score_row_stride", a.score_row_stride, dim)?;
+    // One position's [ring][dim] f32 must not reach the next position's.
+    let state = i64::from(a.ring) * dim * 4;
+    at_least("kv_slot_bytes", a.kv_slot_bytes, state)?;
+    at_least("score_slot_bytes", a.score_slot_bytes, state)?;
+    if a.num_rows > 0 {
+        for (field, ptr) in [
+            ("kv", a.kv),
+            ("score", a.score),
+            ("ape", a.ape),
+            ("write_plan", a.write_plan),
+            ("kv_state", a.kv_state),
+            ("score_state", a.score_state),
+        ] {
+            present(field, ptr)?;
+        }
+        // The kernel reads a plan row as one 16-byte vector and every element at its own
+        // alignment.
+        let in_size = super::ElemType::from_code(a.in_dtype).map_or(4, super::ElemType::size);
+        let ape_size = super::ElemType::from_code(a.ape_dtype).map_or(4, super::ElemType::size);
+        for (field, addr, align) in [
+            ("write_plan", a.write_plan, 16),
+            ("kv", a.kv, in_size),
+            ("score", a.score, in_size),
+            ("ape", a.ape, ape_size),
+            ("slot_map", a.slot_map, 4),
+            ("kv_state", a.kv_state, 4),
+            ("score_state", a.score_state, 4),
+            ("kv_slot_bytes", a.kv_slot_bytes as u64, 4),
+            ("score_slot_bytes", a.score_slot_bytes as u64, 4),
+        ] {
+            if addr % align != 0 {
+                return Err(LaunchError::Misaligned { field, addr, align });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Reject a launch the contract says the host must reject, before any backend runs it.
 pub fn check_launch(launch: &Launch) -> Result<(), LaunchError> {
     match launch {
@@ -471,6 +559,7 @@ pub fn check_launch(launch: &Launch) -> Result<(), LaunchError> {
         Launch::CsaPack(a) => check_csa_pack(a)?,
         Launch::RingWrite(a) => check_ring_write(a)?,
         Launch::RowScatter(a) => check_row_scatter(a)?,
+        Launch::StateUpdate(a) => check_state_update(a)?,
         Launch::FillRuns(a) => {
             non_negative("num_runs", a.num_runs.into())?;
             if a.num_runs > 0 {

@@ -21,6 +21,7 @@ use thiserror::Error;
 mod build;
 mod raw;
 mod rows;
+mod state;
 #[cfg(test)]
 mod tests;
 
@@ -30,6 +31,7 @@ pub use build::{
 };
 pub use raw::run_launch;
 pub use rows::{fill_pattern, ring_write, row_scatter, PlaneRows};
+pub use state::{update_compressor_states, StateMemory};
 
 crate::checked::overflow_into!(HostKernelError);
 

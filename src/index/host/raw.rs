@@ -3,9 +3,10 @@
 
 use super::*;
 use crate::index::shape::check_launch;
+use crate::index::ElemType;
 use crate::index::{
     CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs, Launch,
-    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_HCA,
+    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs, CLASS_HCA,
 };
 
 // ---- raw-pointer entry ----------------------------------------------------------------------------
@@ -88,6 +89,7 @@ pub unsafe fn run_launch(launch: &Launch) -> Result<()> {
             Launch::CsaPack(a) => run_csa_pack(a),
             Launch::RingWrite(a) => run_ring_write(a),
             Launch::RowScatter(a) => run_row_scatter(a),
+            Launch::StateUpdate(a) => run_state_update(a),
             Launch::FillRuns(a) => run_fill_runs(a),
             Launch::CopyRuns(a) => run_copy_runs(a),
             Launch::Empty => Ok(()),
@@ -295,6 +297,59 @@ unsafe fn run_row_scatter(a: &RowScatterArgs) -> Result<()> {
         let dest: &[i32] = input("dest_rows", a.dest_rows, t)?;
         let mut planes = plane_rows(&a.planes, t as i64, a.view_rows)?;
         row_scatter(&mut planes, bids, dest, a.view_rows, a.num_tokens)
+    }
+}
+
+/// # Safety
+/// See [`run_launch`].
+unsafe fn run_state_update(a: &StateUpdateArgs) -> Result<()> {
+    let n = count(a.num_rows);
+    // SAFETY: lengths from the arguments and the plan's values; the caller covers them.
+    unsafe {
+        let plan: &[i32] = input("write_plan", a.write_plan, n * 4)?;
+        let live: Vec<usize> = (0..n).filter(|&r| plan[4 * r + 2] >= 0).collect();
+        if live.is_empty() {
+            return Ok(());
+        }
+        let slot_map: Option<&[i32]> = if a.slot_map == 0 {
+            None
+        } else {
+            let bids: Vec<i32> = live.iter().map(|&r| plan[4 * r + 1]).collect();
+            Some(input("slot_map", a.slot_map, len_of("slot_map", seqs_reached(&bids))?)?)
+        };
+        let (mut slots, mut max_ragged) = ((i64::MAX, i64::MIN), 0i64);
+        for &r in &live {
+            if let Some((ragged, slot, _)) = state::plan_row(plan, slot_map, r as i64)? {
+                slots = (slots.0.min(slot), slots.1.max(slot));
+                max_ragged = max_ragged.max(ragged);
+            }
+        }
+        let (dim, ring) = (i64::from(a.dim), i64::from(a.ring));
+        let in_size = ElemType::from_code(a.in_dtype).map_or(4, ElemType::size) as i64;
+        let ape_size = ElemType::from_code(a.ape_dtype).map_or(4, ElemType::size) as i64;
+        let rows_bytes = |stride: i64| -> Result<usize> {
+            len_of(
+                "kv / score",
+                mul(add(mul(max_ragged, stride, "input rows")?, dim, "input rows")?, in_size, "input bytes")?,
+            )
+        };
+        let kv: &[u8] = input("kv", a.kv, rows_bytes(a.kv_row_stride)?)?;
+        let score: &[u8] = input("score", a.score, rows_bytes(a.score_row_stride)?)?;
+        let ape_len = len_of("ape", mul(mul(a.ratio.into(), dim, "ape")?, ape_size, "ape bytes")?)?;
+        let ape: &[u8] = input("ape", a.ape, ape_len)?;
+        // The two state ranges; one part when they overlap (two fields of the same slots in
+        // one plane).
+        let k = state::state_extent(a.kv_state, slots, a.kv_slot_bytes, ring, dim)?;
+        let s = state::state_extent(a.score_state, slots, a.score_slot_bytes, ring, dim)?;
+        let mut ranges = if k.0 < s.1 && s.0 < k.1 { vec![(k.0.min(s.0), k.1.max(s.1))] } else { vec![k, s] };
+        ranges.sort_unstable();
+        let mut parts = Vec::with_capacity(2);
+        for (first, end) in ranges {
+            let len = usize::try_from(end - first)
+                .map_err(|_| HostKernelError::TooLong { buffer: "state", len: -1 })?;
+            parts.push((first, output::<u8>("state", first, len)?));
+        }
+        update_compressor_states(a, kv, score, ape, plan, slot_map, &mut state::StateMemory::new(parts))
     }
 }
 
