@@ -14,40 +14,12 @@ use v4pool::backend::host::HostBackend;
 use v4pool::backend::Backend;
 use v4pool::index::ElemType;
 use v4pool::model::ModelShape;
-use v4pool::pool::Pool;
 use v4pool::sizing::KvDtype;
 use v4pool::state::update::{Compressor, StateUpdateCapacity, StateUpdateError};
 use v4pool::Class;
 
 fn host() -> Arc<dyn Backend> {
     Arc::new(HostBackend::new())
-}
-
-/// Stage `seqs`, run every compressor at a few layers with fresh inputs, and compare the
-/// whole planes with the expectation after each launch.
-fn run_forward(pool: &Arc<Pool>, rng: &mut Rng, seqs: &[Seq], cap: StateUpdateCapacity, what: &str) {
-    let mut upd = pool.state_update(cap).unwrap();
-    let rows = upd.stage(&views(seqs)).unwrap();
-    let mut want = planes(pool);
-    for c in Compressor::ALL {
-        let n = layers(pool, c);
-        for layer in [0, n - 1] {
-            let (_, dim) = field_shape(pool, c);
-            let dtype = if rng.chance(60) { ElemType::Bf16 } else { ElemType::F32 };
-            let ape = if rng.chance(50) { ElemType::Bf16 } else { ElemType::F32 };
-            let i = inputs(rng, c, dim, tokens(seqs), dtype, ape);
-            let (allocs, view) = upload(pool.backend().as_ref(), &i);
-            // SAFETY: the inputs were uploaded to the pool's backend with these shapes.
-            unsafe { upd.update(c, layer, &view).unwrap() };
-            expect(pool, &mut want, c, layer, &i, seqs);
-            let got = planes(pool);
-            if let Some(d) = diff(&want, &got) {
-                panic!("{what}: {c:?} layer {layer} ({dtype:?} inputs, {ape:?} ape, rows {rows:?}):\n{d}");
-            }
-            free(pool.backend().as_ref(), allocs);
-        }
-    }
-    println!("ok {what}: {} sequences, plan rows {rows:?}", seqs.len());
 }
 
 #[test]

@@ -12,7 +12,7 @@ use v4pool::index::ElemType;
 use v4pool::model::ModelShape;
 use v4pool::pool::{Pool, PoolSpec, SlotLease};
 use v4pool::sizing::{IndexerDtype, KvDtype, PoolLayout};
-use v4pool::state::update::{Compressor, StateInputs, StateSeq};
+use v4pool::state::update::{Compressor, StateInputs, StateSeq, StateUpdateCapacity};
 use v4pool::GeometrySpec;
 
 /// xorshift64*.
@@ -316,4 +316,38 @@ pub fn diff(want: &[Vec<u8>], got: &[Vec<u8>]) -> Option<String> {
 pub fn layers(pool: &Pool, c: Compressor) -> u64 {
     let a = &pool.spec().arena;
     a.fields()[a.field_index(c.fields().0).unwrap()].layers
+}
+
+/// Stage `seqs`, run every compressor at a few layers with fresh inputs, and compare the
+/// whole planes with the expectation after each launch.
+pub fn run_forward(pool: &Arc<Pool>, rng: &mut Rng, seqs: &[Seq], cap: StateUpdateCapacity, what: &str) {
+    let mut upd = pool.state_update(cap).unwrap();
+    let rows = upd.stage(&views(seqs)).unwrap();
+    let mut want = planes(pool);
+    for c in Compressor::ALL {
+        let n = layers(pool, c);
+        for layer in [0, n - 1] {
+            let (_, dim) = field_shape(pool, c);
+            let dtype = if rng.chance(60) { ElemType::Bf16 } else { ElemType::F32 };
+            let ape = if rng.chance(50) { ElemType::Bf16 } else { ElemType::F32 };
+            let i = inputs(rng, c, dim, tokens(seqs), dtype, ape);
+            let (allocs, view) = upload(pool.backend().as_ref(), &i);
+            // SAFETY: the inputs were uploaded to the pool's backend with these shapes.
+            unsafe { upd.update(c, layer, &view).unwrap() };
+            expect(pool, &mut want, c, layer, &i, seqs);
+            let got = planes(pool);
+            if let Some(d) = diff(&want, &got) {
+                panic!("{what}: {c:?} layer {layer} ({dtype:?} inputs, {ape:?} ape, rows {rows:?}):\n{d}");
+            }
+            free(pool.backend().as_ref(), allocs);
+        }
+    }
+    println!("ok {what}: {} sequences, plan rows {rows:?}", seqs.len());
+}
+
+/// New random values in `i`'s buffers, same shapes (a captured graph's inputs, refilled).
+pub fn refill(rng: &mut Rng, i: &mut Inputs) {
+    i.kv = values(rng, i.kv.len() / i.dtype.size() as usize, i.dtype);
+    i.score = values(rng, i.score.len() / i.dtype.size() as usize, i.dtype);
+    i.ape = values(rng, i.ape.len() / i.ape_dtype.size() as usize, i.ape_dtype);
 }
