@@ -727,6 +727,50 @@ mod tests {
     }
 
     #[test]
+    fn state_update_rows_per_block_and_checks() {
+        // No idle lane at the V4 dims: 32 / 64 / 128 lanes, 8 / 4 / 2 rows per block.
+        for (dim, lanes) in [(256, 32), (512, 64), (1024, 128), (8, 1), (13, 2), (4096, 256), (0, 1)] {
+            assert_eq!(state_update_lanes(dim), lanes, "dim {dim}");
+        }
+        let a = StateUpdateArgs {
+            kv: 0x100,
+            score: 0x200,
+            ape: 0x300,
+            write_plan: 0x400,
+            kv_state: 0x1000,
+            score_state: 0x2000,
+            kv_slot_bytes: 9 * 1024 * 4,
+            score_slot_bytes: 9 * 1024 * 4,
+            kv_row_stride: 1024,
+            score_row_stride: 1024,
+            num_rows: 5,
+            dim: 1024,
+            ring: 9,
+            window: 8,
+            ratio: 4,
+            in_dtype: 1,
+            ..Default::default()
+        };
+        assert_eq!(check_launch(&Launch::StateUpdate(a)), Ok(()));
+        assert_eq!(launch_shape(&Launch::StateUpdate(a)).grid, [3, 1, 1]);
+        let bad = |f: fn(&mut StateUpdateArgs)| {
+            let mut b = a;
+            f(&mut b);
+            check_launch(&Launch::StateUpdate(b))
+        };
+        assert_eq!(bad(|b| b.ring = 7), Err(LaunchError::TooSmall { field: "ring", value: 7, min: 8 }));
+        assert_eq!(bad(|b| b.in_dtype = 2), Err(LaunchError::BadCode { field: "in_dtype", value: 2 }));
+        assert!(matches!(
+            bad(|b| b.write_plan = 0x408),
+            Err(LaunchError::Misaligned { field: "write_plan", .. })
+        ));
+        assert!(matches!(bad(|b| b.kv_row_stride = 1000), Err(LaunchError::TooSmall { .. })));
+        assert!(matches!(bad(|b| b.kv_slot_bytes = 4), Err(LaunchError::TooSmall { .. })));
+        assert_eq!(bad(|b| b.ape = 0), Err(LaunchError::MissingBuffer { field: "ape" }));
+        assert_eq!(bad(|b| b.num_rows = -1), Err(LaunchError::Negative { field: "num_rows", value: -1 }));
+    }
+
+    #[test]
     fn csa_pack_needs_a_skip_buffer_without_a_window() {
         let a = CsaPackArgs {
             topk: 1,
