@@ -472,18 +472,14 @@ V4P_DEVICE v4p_u32 v4p_state_lanes(v4p_i32 dim) {
     return lanes;
 }
 
-struct alignas(16) v4p_f32x4 {
-    float x, y, z, w;
-};
-
-V4P_DEVICE float v4p_f32_bits(v4p_u32 u) {
-    union {
-        v4p_u32 u;
-        float f;
-    } c;
-    c.u = u;
-    return c.f;
-}
+/// The f32 whose bits are `u`, and back (register moves, no memory).
+#if defined(V4P_TARGET_NVCC)
+V4P_DEVICE float v4p_f32_bits(v4p_u32 u) { return __uint_as_float(u); }
+V4P_DEVICE v4p_u32 v4p_bits_f32(float f) { return __float_as_uint(f); }
+#else
+V4P_DEVICE float v4p_f32_bits(v4p_u32 u) { return __builtin_bit_cast(float, u); }
+V4P_DEVICE v4p_u32 v4p_bits_f32(float f) { return __builtin_bit_cast(v4p_u32, f); }
+#endif
 
 /// Element i of a row of `dtype` (scalar path).
 V4P_DEVICE float v4p_load_elem(v4p_ptr row, v4p_i32 dtype, v4p_i64 i) {
@@ -491,29 +487,69 @@ V4P_DEVICE float v4p_load_elem(v4p_ptr row, v4p_i32 dtype, v4p_i64 i) {
     return ((const float*)row)[i];
 }
 
-/// Eight elements from `p` (16-byte aligned) as f32: one 16-byte load for bf16, two for f32.
-V4P_DEVICE void v4p_load8(v4p_ptr p, v4p_i32 dtype, float out[8]) {
-    if (dtype == V4POOL_DTYPE_BF16) {
-        const v4p_vec16 v = *(const v4p_vec16*)p;
-        const v4p_u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            out[2 * i] = v4p_f32_bits(w[i] << 16);  // little-endian: the low half is element 2i
-            out[2 * i + 1] = v4p_f32_bits(w[i] & 0xffff0000u);
-        }
+/// Four u32 loaded or stored as one 16-byte vector: clang's vector extension, or (nvcc,
+/// NVRTC) the 16-byte aligned struct, whose loads are ld.v4 and whose stores go through
+/// v4p_store16.
+#if defined(V4P_TARGET_NVCC)
+typedef v4p_vec16 v4p_u32x4;
+#else
+typedef v4p_u32 v4p_u32x4 __attribute__((ext_vector_type(4)));
+#endif
+
+/// Eight elements from `p` (16-byte aligned) as f32 bit patterns `{lo, hi}`: one 16-byte load
+/// for bf16 (widened exactly: the bf16 is the f32's upper half), two for f32. Integers, so the
+/// kv copy never passes through float registers.
+template <bool BF16>
+V4P_DEVICE void v4p_load8(v4p_ptr p, v4p_u32x4& lo, v4p_u32x4& hi) {
+    const v4p_u32x4 a = ((const v4p_u32x4*)p)[0];
+    if (BF16) {
+        // Little-endian: the low half of a word is the earlier element.
+        lo.x = a.x << 16, lo.y = a.x & 0xffff0000u, lo.z = a.y << 16, lo.w = a.y & 0xffff0000u;
+        hi.x = a.z << 16, hi.y = a.z & 0xffff0000u, hi.z = a.w << 16, hi.w = a.w & 0xffff0000u;
     } else {
-        const v4p_f32x4 a = ((const v4p_f32x4*)p)[0], b = ((const v4p_f32x4*)p)[1];
-        out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
-        out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+        lo = a;
+        hi = ((const v4p_u32x4*)p)[1];
     }
 }
 
-V4P_DEVICE void v4p_store8(v4p_u64 p, const float v[8]) {
-    v4p_f32x4 a, b;
-    a.x = v[0], a.y = v[1], a.z = v[2], a.w = v[3];
-    b.x = v[4], b.y = v[5], b.z = v[6], b.w = v[7];
-    ((v4p_f32x4*)p)[0] = a;
-    ((v4p_f32x4*)p)[1] = b;
+/// One 16-byte store. NVIDIA targets say so in PTX: NVVM splits a vector store of computed
+/// values into four scalar stores (seen in nvcc 13.0's PTX for the score row) and does not
+/// always merge them back.
+V4P_DEVICE void v4p_store16(v4p_u64 p, v4p_u32x4 v) {
+#if defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)
+    asm volatile("st.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+#else
+    *(v4p_u32x4*)p = v;
+#endif
+}
+
+/// f32 sum of two bit patterns, as bits.
+V4P_DEVICE v4p_u32 v4p_add_bits(v4p_u32 a, v4p_u32 b) { return v4p_bits_f32(v4p_f32_bits(a) + v4p_f32_bits(b)); }
+
+V4P_DEVICE v4p_u32x4 v4p_add4(v4p_u32x4 a, v4p_u32x4 b) {
+    v4p_u32x4 r;
+    r.x = v4p_add_bits(a.x, b.x), r.y = v4p_add_bits(a.y, b.y);
+    r.z = v4p_add_bits(a.z, b.z), r.w = v4p_add_bits(a.w, b.w);
+    return r;
+}
+
+/// One plan row's 16-byte path, for one pair of input types (a separate instantiation each,
+/// so no load or store is split by a run-time type branch): `lanes` lanes, 8 elements a chunk.
+template <bool IN_BF16, bool APE_BF16>
+V4P_DEVICE void v4p_state_row_vec(v4p_ptr kv, v4p_ptr score, v4p_ptr ape, v4p_u64 kv_dst, v4p_u64 score_dst,
+                                  v4p_i64 dim, v4p_u32 lane, v4p_u32 lanes) {
+    const v4p_u64 in_size = IN_BF16 ? 2 : 4, ape_size = APE_BF16 ? 2 : 4;
+    for (v4p_i64 e = (v4p_i64)lane * V4POOL_STATE_CHUNK; e < dim; e += (v4p_i64)lanes * V4POOL_STATE_CHUNK) {
+        v4p_u32x4 k0, k1, s0, s1, p0, p1;
+        v4p_load8<IN_BF16>(kv + (v4p_u64)e * in_size, k0, k1);
+        v4p_load8<IN_BF16>(score + (v4p_u64)e * in_size, s0, s1);
+        v4p_load8<APE_BF16>(ape + (v4p_u64)e * ape_size, p0, p1);
+        const v4p_u64 kd = kv_dst + (v4p_u64)e * 4, sd = score_dst + (v4p_u64)e * 4;
+        v4p_store16(kd, k0);
+        v4p_store16(kd + 16, k1);
+        v4p_store16(sd, v4p_add4(s0, p0));
+        v4p_store16(sd + 16, v4p_add4(s1, p1));
+    }
 }
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update_compressor_states(StateUpdateArgs a) {
@@ -546,16 +582,15 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update
                        (v4p_u64)a.score_slot_bytes | ((v4p_u64)a.kv_row_stride * in_size) |
                        ((v4p_u64)a.score_row_stride * in_size)) & 15) == 0;
     if (vec) {
-        for (v4p_i64 e = (v4p_i64)lane * V4POOL_STATE_CHUNK; e < dim; e += (v4p_i64)lanes * V4POOL_STATE_CHUNK) {
-            float k[8], s[8], p[8];
-            v4p_load8(kv + (v4p_u64)e * in_size, a.in_dtype, k);
-            v4p_load8(score + (v4p_u64)e * in_size, a.in_dtype, s);
-            v4p_load8(ape + (v4p_u64)e * ape_size, a.ape_dtype, p);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) s[i] += p[i];
-            v4p_store8(kv_dst + (v4p_u64)e * 4, k);
-            v4p_store8(score_dst + (v4p_u64)e * 4, s);
-        }
+        const bool in_bf16 = a.in_dtype == V4POOL_DTYPE_BF16, ape_bf16 = a.ape_dtype == V4POOL_DTYPE_BF16;
+        if (in_bf16 && ape_bf16)
+            v4p_state_row_vec<true, true>(kv, score, ape, kv_dst, score_dst, dim, lane, lanes);
+        else if (in_bf16)
+            v4p_state_row_vec<true, false>(kv, score, ape, kv_dst, score_dst, dim, lane, lanes);
+        else if (ape_bf16)
+            v4p_state_row_vec<false, true>(kv, score, ape, kv_dst, score_dst, dim, lane, lanes);
+        else
+            v4p_state_row_vec<false, false>(kv, score, ape, kv_dst, score_dst, dim, lane, lanes);
     } else {
         for (v4p_i64 e = lane; e < dim; e += lanes) {
             const float k = v4p_load_elem(kv, a.in_dtype, e);
