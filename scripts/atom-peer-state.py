@@ -130,7 +130,7 @@ def make_cases(sw, torch):
     class UpdateCase:
         kind = "update_compressor_states"
 
-        def __init__(self, state, cls, b, q, seed):
+        def __init__(self, state, cls, b, q, seed, slot_range):
             self.cls, self.state = cls, state
             k = pool_window(cls["ratio"], cls["overlap"])
             rnd = random.Random(seed)
@@ -144,7 +144,7 @@ def make_cases(sw, torch):
             self.kv = torch.randn(n_tok, dim, generator=g, device=dev).to(torch.bfloat16)
             self.score = torch.randn(n_tok, dim, generator=g, device=dev).to(torch.bfloat16)
             self.ape = torch.randn(cls["ratio"], dim, generator=g, device=dev)
-            slots = rnd.sample(range(state["positions"]), b)
+            slots = rnd.sample(slot_range, b)
             self.slots = torch.tensor(slots, dtype=torch.int32, device=dev)
             self.plan = torch.tensor(plan, dtype=torch.int32, device=dev).reshape(-1, 4)
             self.T = self.plan.shape[0]
@@ -319,7 +319,12 @@ def main():
         for cls, shape, b, q in update_shapes():
             if cls["name"] not in states:
                 states[cls["name"]] = update_state(apb, torch, cls, apb.NUM_SLOTS)
-            cases = [UpdateCase(states[cls["name"]], cls, b, q, seed=1000 * b + 10 * q + i) for i in range(apb.ROTATE)]
+            # Rotated sets on disjoint slots (the graph check compares each set's rows after the
+            # others ran): as many as the pool's slots allow, at least one.
+            n = max(1, min(apb.ROTATE, apb.NUM_SLOTS // b))
+            part = apb.NUM_SLOTS // n
+            cases = [UpdateCase(states[cls["name"]], cls, b, q, 1000 * b + 10 * q + i, range(i * part, (i + 1) * part))
+                     for i in range(n)]
             record("update_compressor_states", shape, cases)
         states.clear()
         torch.cuda.empty_cache()
