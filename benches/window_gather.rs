@@ -74,8 +74,8 @@ impl Timer {
     }
 }
 
-/// A V4-Flash-DSpark (dense drafts) pool of SLOTS slots, all leased.
-fn pool(be: &CudaBackend, fp8: bool) -> Res<(Arc<Pool>, Vec<SlotLease>)> {
+/// A V4-Flash-DSpark (dense drafts) pool of `slots` slots, all leased.
+fn pool(dev: Arc<dyn Backend>, fp8: bool, slots: i64) -> Res<(Arc<Pool>, Vec<SlotLease>)> {
     let model = ModelShape::v4_flash_dspark(SPEC_STEPS, DraftMode::Dense)?;
     let widths = if fp8 { vec![512, 128] } else { vec![1024] };
     let arena = ArenaLayout::for_model(&model, &widths)?;
@@ -84,11 +84,12 @@ fn pool(be: &CudaBackend, fp8: bool) -> Res<(Arc<Pool>, Vec<SlotLease>)> {
         .arena_rows(arena.arena_rows())
         .slot_align_rows(arena.slot_align_rows())
         .build()?;
-    let geometry = probe.with_capacity(16, SLOTS, Some((SLOTS + 1) * probe.slot_rows))?;
+    // One slot span beyond the slots: a few blocks beside them (the gather reads no block).
+    let blocks = (probe.slot_rows / probe.envelope_rows).min(16);
+    let geometry = probe.with_capacity(blocks, slots, Some((slots + 1) * probe.slot_rows))?;
     let spec = PoolSpec::new(geometry, widths, arena, None, model.csa_layers())?;
-    let dev: Arc<dyn Backend> = Arc::new(be.clone());
     let pool = Arc::new(Pool::new(dev, spec, S)?);
-    let leases = (0..SLOTS).map(|_| pool.alloc_slot()).collect::<Result<Vec<_>, _>>()?;
+    let leases = (0..slots).map(|_| pool.alloc_slot()).collect::<Result<Vec<_>, _>>()?;
     Ok((pool, leases))
 }
 
@@ -178,7 +179,7 @@ fn run() -> Res<()> {
     let scratch = be.alloc_zeroed(SLOTS as u64 * 133 * 1024)?;
     let mut rng = Rng::new(0x5eed_9a7e);
     for (variant, fp8) in [("fp8", true), ("bf16", false)] {
-        let (pool, leases) = pool(&be, fp8)?;
+        let (pool, leases) = pool(Arc::new(be.clone()), fp8, SLOTS)?;
         fill(&pool, &leases, &mut rng)?;
         let layer = *ModelShape::v4_flash_dspark(SPEC_STEPS, DraftMode::Dense)?
             .draft_layers
@@ -228,7 +229,35 @@ fn run() -> Res<()> {
     Ok(())
 }
 
+/// The bench's pools, batches and check on the host backend (no GPU): a dry run of everything
+/// but the timing, with a few slots.
+fn host_check() -> Res<()> {
+    let mut rng = Rng::new(0x5eed_9a7e);
+    let layer =
+        *ModelShape::v4_flash_dspark(SPEC_STEPS, DraftMode::Dense)?.draft_layers.first().ok_or("no draft")?;
+    for fp8 in [true, false] {
+        let (pool, leases) = pool(Arc::new(v4pool::backend::host::HostBackend::new()), fp8, 8)?;
+        fill(&pool, &leases, &mut rng)?;
+        for (n, wd) in [(1, 128), (6, 133)] {
+            let mut g = pool.window_gather(GatherCapacity { max_seqs: n, out_window: wd })?;
+            let b = batch(&mut rng, &leases, n);
+            g.stage(&b)?;
+            g.gather(layer, wd)?;
+            check(&pool, &g, layer, &b, wd)?;
+            println!("host check ok: fp8={fp8} B={n} Wd={wd}");
+        }
+    }
+    Ok(())
+}
+
 fn main() {
+    if std::env::args().any(|a| a == "--host-check") {
+        if let Err(e) = host_check() {
+            eprintln!("window_gather host check failed: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     if !bench_requested() {
         println!("window_gather bench: run with --bench (cargo bench --bench window_gather)");
         return;
