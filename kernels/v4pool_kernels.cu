@@ -567,22 +567,23 @@ struct V4pGatherLoad {
     v4p_u32 scale;
 };
 
+/// Loads index typed pointers cast straight from the kernel's argument (a 64-bit element index:
+/// row x elements per row never wraps), which lets nvcc emit global rather than generic loads.
 template <bool FP8>
 V4P_DEVICE V4pGatherLoad v4p_gather_load(const WindowGatherArgs& a, v4p_i64 row, v4p_u32 lane) {
     V4pGatherLoad l;
     l.scale = 0;
     if (!FP8) {
-        l.v = ((const v4p_vec16*)(a.pool + row_byte_offset(row, 1024)))[lane];
+        l.v = v4p_in<v4p_vec16>(a.pool)[row * (1024 / 16) + lane];
     } else if (lane < V4P_NOPE_LANES) {
-        const v4p_u64 nope = a.pool + row_byte_offset(row, V4P_NOPE_ROW_BYTES);
-        const v4p_u64 q = ((const v4p_u64*)nope)[lane];
+        const v4p_u64 q = v4p_in<v4p_u64>(a.pool)[row * (V4P_NOPE_ROW_BYTES / 8) + lane];
         l.v.x = (v4p_u32)q;
         l.v.y = (v4p_u32)(q >> 32);
         l.v.z = l.v.w = 0;
         // Tile lane / 8 (64 values); its scale is the even byte of the pair.
-        l.scale = ((const v4p_u8*)nope)[V4P_NOPE_VALUES + 2 * (lane / 8)];
+        l.scale = v4p_in<v4p_u8>(a.pool)[row * V4P_NOPE_ROW_BYTES + V4P_NOPE_VALUES + 2 * (lane / 8)];
     } else {
-        l.v = ((const v4p_vec16*)(a.rope + row_byte_offset(row, V4P_ROPE_ROW_BYTES)))[lane - V4P_NOPE_LANES];
+        l.v = v4p_in<v4p_vec16>(a.rope)[row * (V4P_ROPE_ROW_BYTES / 16) + (lane - V4P_NOPE_LANES)];
     }
     return l;
 }
@@ -640,8 +641,7 @@ V4P_DEVICE void v4p_window_gather(const WindowGatherArgs& a) {
         v4p_vec16 v;
         v.x = v.y = v.z = v.w = 0;
         if (what[r] == 2) v = v4p_gather_value<FP8>(l[r], lane);
-        const v4p_u64 at = row_byte_offset((v4p_i64)b * wd + s[r], 1024);
-        ((v4p_vec16*)(a.out + at))[lane] = v;
+        v4p_out<v4p_vec16>(a.out)[((v4p_i64)b * wd + s[r]) * (1024 / 16) + lane] = v;
     }
 }
 

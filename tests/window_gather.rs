@@ -235,3 +235,55 @@ fn gather_kernels_match_the_host_reference() {
     }
     assert!(zero_rows > 0, "no case reached a zero row");
 }
+
+#[test]
+fn gather_launch_shape_and_host_checks() {
+    use v4pool::index::shape::{check_launch, LaunchError, GATHER_ROWS_PER_BLOCK};
+    let params = v4pool::WindowParams {
+        ring_start: 3,
+        slot_rows: 200,
+        ring_slots: 133,
+        ring_stride: 133,
+        run_rows: 133,
+    };
+    let a = WindowGatherArgs {
+        params,
+        pool: 0x1000,
+        rope: 0x2000,
+        state_slot_per_seq: 0x3000,
+        anchor_pos: 0x4000,
+        out: 0x5000,
+        view_rows: 1000,
+        num_seqs: 1024,
+        draft_window: 128,
+    };
+    let s = launch_shape(&Launch::WindowGatherFp8(a));
+    assert_eq!(s.grid, [1024, 128 / GATHER_ROWS_PER_BLOCK, 1]);
+    assert_eq!(s.block, [256, 1, 1]);
+    assert_eq!(launch_shape(&Launch::WindowGather(WindowGatherArgs { draft_window: 133, ..a })).grid[1], 17);
+    assert_eq!(check_launch(&Launch::WindowGatherFp8(a)), Ok(()));
+    assert_eq!(
+        check_launch(&Launch::WindowGatherFp8(WindowGatherArgs { draft_window: 134, ..a })),
+        Err(LaunchError::WindowExceedsRing { class: "window gather", win: 134, ring_slots: 133 })
+    );
+    assert!(check_launch(&Launch::WindowGatherFp8(WindowGatherArgs { draft_window: 0, ..a })).is_err());
+    assert!(matches!(
+        check_launch(&Launch::WindowGather(a)),
+        Err(LaunchError::UnexpectedBuffer { field: "rope", .. })
+    ));
+    assert!(matches!(
+        check_launch(&Launch::WindowGatherFp8(WindowGatherArgs { rope: 0, ..a })),
+        Err(LaunchError::MissingBuffer { field: "rope" })
+    ));
+    assert!(matches!(
+        check_launch(&Launch::WindowGatherFp8(WindowGatherArgs { out: 0x5008, ..a })),
+        Err(LaunchError::Misaligned { field: "out", .. })
+    ));
+    // An empty grid is one block that returns, and needs no buffers.
+    let empty =
+        WindowGatherArgs { num_seqs: 0, pool: 0, state_slot_per_seq: 0, anchor_pos: 0, out: 0, rope: 0, ..a };
+    assert_eq!(check_launch(&Launch::WindowGather(empty)), Ok(()));
+    assert_eq!(launch_shape(&Launch::WindowGather(empty)).grid[0], 1);
+    // SAFETY: an empty grid touches nothing.
+    unsafe { run_launch(&Launch::WindowGather(empty)) }.unwrap();
+}
