@@ -7,9 +7,11 @@ state benches, with the peer bench's own checks, timer and row format:
     `slot_rows x plane width` of ATOM's V4-Flash fp8 geometry):
       csa_main bs=<B> q=<q>   B 1, 64, 256, 1024; q 1, 2; dim 1024, ratio 4, overlap, S = 8 + spec
       hca_main bs=<B> q=<q>   dim 512, ratio 128, no overlap, S = 128 + spec
-      csa_main prefill T=8192 one sequence, 8,192 new tokens from position 0
-    The write plan keeps, per sequence, the tokens at positions >= context - K (K = 8 CSA,
-    128 HCA), as ATOM's make_compress_plans does; the grid is the plan's length.
+      csa_main prefill T=8192 a forward of 8,192 tokens: 1,024 sequences x 8, all inside their
+                              last K = 8 positions, so the plan has 8,192 rows (the most a
+                              forward of 8,192 tokens can write; benches/state_update.rs's shape)
+    Contexts up to 1M. The write plan keeps, per sequence, the tokens at positions >= context - K
+    (K = 8 CSA, 128 HCA), as ATOM's make_compress_plans does; the grid is the plan's length.
   * dspark_paged_window_gather (bf16 pool, one plane) and dspark_paged_window_gather_2buff
     (fp8 NoPE + bf16 RoPE planes, dequantised) at B 1, 64, 256, 1024 with Wd 128, and Wd 133
     at B 256, from the ring of a V4-Flash-DSpark draft layer (drafts dense, ring 133 = 128 + 5):
@@ -76,20 +78,14 @@ def decode_plan(ctxs: list[int], q: int, k: int) -> list[tuple[int, int, int, in
     return rows
 
 
-def prefill_plan(start: int, t: int, k: int) -> list[tuple[int, int, int, int]]:
-    """One sequence's chunk of t tokens from position `start`: only the last K positions."""
-    ctx = start + t
-    return [(i, 0, start + i, 0) for i in range(t) if start + i >= max(0, ctx - k)]
-
-
 def update_shapes() -> list[tuple[dict, str, int, int]]:
-    """(class, shape label, batch, q) for every update row; q = 0 marks the prefill row."""
+    """(class, shape label, batch, new tokens per sequence) for every update row."""
     out = []
     for cls in (CSA, HCA):
         for b in BATCHES:
             for q in (1, 2):
                 out.append((cls, f"{cls['name']} bs={b} q={q}", b, q))
-    out.append((CSA, "csa_main prefill T=8192", 1, 0))
+    out.append((CSA, "csa_main prefill T=8192", 1024, 8))
     return out
 
 
@@ -134,11 +130,8 @@ def make_cases(sw, torch):
             self.cls, self.state = cls, state
             k = pool_window(cls["ratio"], cls["overlap"])
             rnd = random.Random(seed)
-            if q == 0:  # prefill: one sequence, 8,192 new tokens from position 0
-                n_tok, plan = 8192, prefill_plan(0, 8192, k)
-            else:
-                ctxs = [rnd.randrange(q, MAX_POS) for _ in range(b)]
-                n_tok, plan = b * q, decode_plan(ctxs, q, k)
+            ctxs = [rnd.randrange(q, MAX_POS) for _ in range(b)]
+            n_tok, plan = b * q, decode_plan(ctxs, q, k)
             dev, dim = "cuda", cls["dim"]
             g = torch.Generator(device=dev).manual_seed(seed)
             self.kv = torch.randn(n_tok, dim, generator=g, device=dev).to(torch.bfloat16)
