@@ -137,6 +137,10 @@ static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, 
 #define V4POOL_PREFILL_TOKENS_PER_BLOCK 4
 /// Top-k columns one CSA translate-pack block covers (grid y): two per thread.
 #define V4POOL_CSA_TILE 512
+/// Lanes that write one window row in the §9 gather: 64 x 16 B = one 1024-B bf16 row.
+#define V4POOL_GATHER_LANES 64
+/// Window rows one §9 gather block writes (grid y tiles the window): two per lane group.
+#define V4POOL_GATHER_ROWS_PER_BLOCK 8
 /// Largest grid y and z both vendors accept (shape.rs MAX_GRID_YZ).
 #define V4POOL_MAX_GRID_YZ 65535
 /// Element types of the state update's inputs (src/index/mod.rs ElemType).
@@ -474,6 +478,36 @@ V4POOL_CHECK_ALIGN(CopyRunsArgs, 8);
 V4POOL_CHECK_OFFSET(CopyRunsArgs, runs, 0);
 V4POOL_CHECK_OFFSET(CopyRunsArgs, num_runs, 8);
 V4POOL_CHECK_OFFSET(CopyRunsArgs, _pad, 12);
+
+/// §9 DSpark window gather: out[b][s] = row window_row(params, slot[b], anchor[b] - (W-1) + s)
+/// of the source, bf16 [num_seqs, draft_window, 512]; p < 0 writes zeros, slot < 0 (a pad of a
+/// fixed graph grid) writes nothing. Copy variant (v4pool_window_gather): `pool` has 1024-B
+/// bf16 rows (a bf16 plane's layer view, or the plane holding `state_window` retyped to
+/// 1024-B rows) and `rope` is 0. fp8 variant (v4pool_window_gather_fp8): `pool` is the NoPE
+/// plane's layer view (512-B rows: 448 e4m3 | 7 e8m0 scales, each twice | pad), `rope` the
+/// RoPE plane's (128-B rows, 64 bf16), NoPE dequantised per 64-value tile.
+struct WindowGatherArgs {
+    WindowParams params;
+    v4p_ptr pool;                // source view base (row 0)
+    v4p_ptr rope;                // fp8 variant: RoPE view base; 0 in the copy variant
+    v4p_ptr state_slot_per_seq;  // i32 [num_seqs]; < 0 = pad
+    v4p_ptr anchor_pos;          // i64 [num_seqs]
+    v4p_ptr out;                 // bf16 out [num_seqs, draft_window, 512]
+    v4p_i64 view_rows;           // rows of the source view; rows outside it are not read
+    v4p_i32 num_seqs;
+    v4p_i32 draft_window;
+};
+V4POOL_CHECK_SIZE(WindowGatherArgs, 96);
+V4POOL_CHECK_ALIGN(WindowGatherArgs, 8);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, params, 0);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, pool, 40);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, rope, 48);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, state_slot_per_seq, 56);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, anchor_pos, 64);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, out, 72);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, view_rows, 80);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, num_seqs, 88);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, draft_window, 92);
 
 // ---- geometry (index-buffers.md §2), device side -----------------------------------------
 

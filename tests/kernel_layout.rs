@@ -8,13 +8,13 @@ use std::collections::BTreeMap;
 use std::mem::{align_of, offset_of, size_of};
 use v4pool::geometry::WindowParams;
 use v4pool::index::shape::{
-    BLOCK_THREADS, CSA_TILE, DECODE_HCA_TILE, MAX_GRID_YZ, PREFILL_LANES, PREFILL_TOKENS_PER_BLOCK,
-    ROWS_PER_BLOCK, ROW_LANES, RUN_SPLIT, STATE_CHUNK,
+    BLOCK_THREADS, CSA_TILE, DECODE_HCA_TILE, GATHER_LANES, GATHER_ROWS_PER_BLOCK, MAX_GRID_YZ,
+    PREFILL_LANES, PREFILL_TOKENS_PER_BLOCK, ROWS_PER_BLOCK, ROW_LANES, RUN_SPLIT, STATE_CHUNK,
 };
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
-    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs, CLASS_CSA, CLASS_DENSE,
-    CLASS_HCA,
+    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs, WindowGatherArgs,
+    CLASS_CSA, CLASS_DENSE, CLASS_HCA,
 };
 
 const HEADER: &str = include_str!("../kernels/v4pool_common.h");
@@ -94,6 +94,9 @@ fn rust_checks() -> Checks {
         FillRunsArgs { runs, num_runs, _pad }
         CopyRun { src, dst, bytes }
         CopyRunsArgs { runs, num_runs, _pad }
+        WindowGatherArgs {
+            params, pool, rope, state_slot_per_seq, anchor_pos, out, view_rows, num_seqs, draft_window,
+        }
     }
     c
 }
@@ -140,6 +143,8 @@ fn header_constants_match_the_launch_shapes() {
     assert_eq!(header_define("V4POOL_STATE_CHUNK"), i64::from(STATE_CHUNK));
     assert_eq!(header_define("V4POOL_DTYPE_F32"), v4pool::index::ElemType::F32 as i64);
     assert_eq!(header_define("V4POOL_DTYPE_BF16"), v4pool::index::ElemType::Bf16 as i64);
+    assert_eq!(header_define("V4POOL_GATHER_LANES"), i64::from(GATHER_LANES));
+    assert_eq!(header_define("V4POOL_GATHER_ROWS_PER_BLOCK"), i64::from(GATHER_ROWS_PER_BLOCK));
     assert_eq!(header_define("V4POOL_CLASS_DENSE"), CLASS_DENSE as i64);
     assert_eq!(header_define("V4POOL_CLASS_CSA"), CLASS_CSA as i64);
     assert_eq!(header_define("V4POOL_CLASS_HCA"), CLASS_HCA as i64);

@@ -13,8 +13,13 @@
 //! write (as the contract allows); everything else is `i32`.
 
 pub mod bounds;
+mod gather;
 pub mod host;
 pub mod shape;
+
+pub use gather::{
+    WindowGatherArgs, FP8_NOPE_ROW_BYTES, FP8_NOPE_VALUES, FP8_TILE, GATHER_ROW_BYTES, ROPE_ROW_BYTES,
+};
 
 use crate::geometry::WindowParams;
 use bytemuck::{Pod, Zeroable};
@@ -398,6 +403,10 @@ pub enum Launch {
     FillRuns(FillRunsArgs),
     /// `v4pool_copy_runs`
     CopyRuns(CopyRunsArgs),
+    /// `v4pool_window_gather`: §9 window gather of 1024-B bf16 rows.
+    WindowGather(WindowGatherArgs),
+    /// `v4pool_window_gather_fp8`: §9 window gather from the fp8 NoPE and bf16 RoPE planes.
+    WindowGatherFp8(WindowGatherArgs),
     /// `v4pool_empty`: the launch-overhead floor benchmarks measure against.
     Empty,
 }
@@ -415,12 +424,14 @@ impl Launch {
             Launch::StateUpdate(_) => "v4pool_update_compressor_states",
             Launch::FillRuns(_) => "v4pool_fill_runs",
             Launch::CopyRuns(_) => "v4pool_copy_runs",
+            Launch::WindowGather(_) => "v4pool_window_gather",
+            Launch::WindowGatherFp8(_) => "v4pool_window_gather_fp8",
             Launch::Empty => "v4pool_empty",
         }
     }
 
     /// Every kernel symbol, for module loading and the code-object symbol test.
-    pub const SYMBOLS: [&'static str; 10] = [
+    pub const SYMBOLS: [&'static str; 12] = [
         "v4pool_decode_indices",
         "v4pool_prefill_indices",
         "v4pool_hca_offsets",
@@ -430,6 +441,8 @@ impl Launch {
         "v4pool_update_compressor_states",
         "v4pool_fill_runs",
         "v4pool_copy_runs",
+        "v4pool_window_gather",
+        "v4pool_window_gather_fp8",
         "v4pool_empty",
     ];
 }

@@ -16,7 +16,7 @@
 
 use super::{
     ClassBuffers, CsaPackArgs, DecodeIndexArgs, HcaOffsetsArgs, Launch, PlaneWrite, PrefillIndexArgs,
-    RingWriteArgs, RowScatterArgs, StateUpdateArgs, CLASS_HCA,
+    RingWriteArgs, RowScatterArgs, StateUpdateArgs, WindowGatherArgs, CLASS_HCA,
 };
 use crate::geometry::WindowParams;
 use thiserror::Error;
@@ -41,6 +41,10 @@ pub const PREFILL_TOKENS_PER_BLOCK: u32 = BLOCK_THREADS / PREFILL_LANES;
 pub const CSA_TILE: u32 = 2 * BLOCK_THREADS;
 /// Elements one lane of the state update moves per chunk (`V4POOL_STATE_CHUNK`).
 pub const STATE_CHUNK: u32 = 8;
+/// Lanes that write one 1024-B window row in the §9 gather (`V4POOL_GATHER_LANES`).
+pub const GATHER_LANES: u32 = 64;
+/// Window rows one §9 gather block writes, grid y (`V4POOL_GATHER_ROWS_PER_BLOCK`).
+pub const GATHER_ROWS_PER_BLOCK: u32 = 8;
 
 /// Grid and block of one launch, in CUDA/HIP order (x, y, z).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -155,6 +159,15 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
         Launch::CopyRuns(a) => {
             LaunchShape { grid: [grid_dim(count(a.num_runs)), RUN_SPLIT, 1], block: [b, 1, 1] }
         }
+        // (sequence, group of GATHER_ROWS_PER_BLOCK window rows).
+        Launch::WindowGather(a) | Launch::WindowGatherFp8(a) => LaunchShape {
+            grid: [
+                grid_dim(count(a.num_seqs)),
+                grid_dim(ceil_div(count(a.draft_window), u64::from(GATHER_ROWS_PER_BLOCK))),
+                1,
+            ],
+            block: [b, 1, 1],
+        },
         Launch::Empty => LaunchShape { grid: [1, 1, 1], block: [1, 1, 1] },
     }
 }
@@ -486,6 +499,41 @@ fn check_ring_write(a: &RingWriteArgs) -> Result<(), LaunchError> {
     Ok(())
 }
 
+/// §9 / §11: `draft_window` in `[1, ring_slots]` (a wider window would read rows the ring
+/// already recycled); the variant's planes present or absent; every address a 16-B vector
+/// access touches 16-B aligned.
+fn check_window_gather(a: &WindowGatherArgs, fp8: bool) -> Result<(), LaunchError> {
+    check_params("window gather", &a.params)?;
+    non_negative("num_seqs", a.num_seqs.into())?;
+    at_least("draft_window", a.draft_window.into(), 1)?;
+    check_window("window gather", &a.params, a.draft_window.into())?;
+    non_negative("view_rows", a.view_rows)?;
+    if fp8 {
+        present("rope", a.rope)?;
+    } else if a.rope != 0 {
+        return Err(LaunchError::UnexpectedBuffer {
+            field: "rope",
+            because: "the copy variant reads one plane",
+        });
+    }
+    if a.num_seqs > 0 {
+        for (field, ptr) in [
+            ("pool", a.pool),
+            ("state_slot_per_seq", a.state_slot_per_seq),
+            ("anchor_pos", a.anchor_pos),
+            ("out", a.out),
+        ] {
+            present(field, ptr)?;
+        }
+    }
+    for (field, ptr) in [("pool", a.pool), ("rope", a.rope), ("out", a.out)] {
+        if ptr % 16 != 0 {
+            return Err(LaunchError::Misaligned { field, addr: ptr, align: 16 });
+        }
+    }
+    Ok(())
+}
+
 fn check_row_scatter(a: &RowScatterArgs) -> Result<(), LaunchError> {
     non_negative("num_tokens", a.num_tokens.into())?;
     non_negative("view_rows", a.view_rows)?;
@@ -572,6 +620,8 @@ pub fn check_launch(launch: &Launch) -> Result<(), LaunchError> {
                 present("runs", a.runs)?;
             }
         }
+        Launch::WindowGather(a) => check_window_gather(a, false)?,
+        Launch::WindowGatherFp8(a) => check_window_gather(a, true)?,
         Launch::Empty => {}
     }
     check_grid(launch)

@@ -6,7 +6,8 @@ use crate::index::shape::check_launch;
 use crate::index::ElemType;
 use crate::index::{
     CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs, Launch,
-    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs, CLASS_HCA,
+    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs, WindowGatherArgs,
+    CLASS_HCA,
 };
 
 // ---- raw-pointer entry ----------------------------------------------------------------------------
@@ -92,6 +93,8 @@ pub unsafe fn run_launch(launch: &Launch) -> Result<()> {
             Launch::StateUpdate(a) => run_state_update(a),
             Launch::FillRuns(a) => run_fill_runs(a),
             Launch::CopyRuns(a) => run_copy_runs(a),
+            Launch::WindowGather(a) => run_window_gather(a, false),
+            Launch::WindowGatherFp8(a) => run_window_gather(a, true),
             Launch::Empty => Ok(()),
         }
     }
@@ -414,4 +417,37 @@ unsafe fn run_copy_runs(a: &CopyRunsArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// # Safety
+/// See [`run_launch`].
+unsafe fn run_window_gather(a: &WindowGatherArgs, fp8: bool) -> Result<()> {
+    use crate::index::{FP8_NOPE_ROW_BYTES, GATHER_ROW_BYTES, ROPE_ROW_BYTES};
+    let bs = count(a.num_seqs);
+    if bs == 0 {
+        return Ok(()); // an empty grid reads nothing (its pointers may be absent)
+    }
+    let rows = |width: u64, what: &'static str| len_of(what, mul(a.view_rows, width as i64, what)?);
+    let out_rows = mul(bs as i64, a.draft_window.into(), "out rows")?;
+    // SAFETY: lengths from the arguments; the caller covers them.
+    unsafe {
+        let planes = if fp8 {
+            GatherPlanes::Fp8 {
+                nope: input("nope", a.pool, rows(FP8_NOPE_ROW_BYTES, "nope bytes")?)?,
+                rope: input("rope", a.rope, rows(ROPE_ROW_BYTES, "rope bytes")?)?,
+            }
+        } else {
+            GatherPlanes::Bf16 { pool: input("pool", a.pool, rows(GATHER_ROW_BYTES, "pool bytes")?)? }
+        };
+        window_gather(
+            &a.params,
+            planes,
+            input("state_slot_per_seq", a.state_slot_per_seq, bs)?,
+            input("anchor_pos", a.anchor_pos, bs)?,
+            output("out", a.out, len_of("out", mul(out_rows, GATHER_ROW_BYTES as i64, "out bytes")?)?)?,
+            a.view_rows,
+            a.num_seqs,
+            a.draft_window,
+        )
+    }
 }
