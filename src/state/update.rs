@@ -499,7 +499,6 @@ impl StateUpdate {
             reason: "its class has no write plan".into(),
         })?;
         let field_at = |ptr: DevicePtr, v: &crate::arena::FieldView| ptr + layer * v.strides[0] * 4;
-        let i32_of_dim = |what, v: i64| i32_of(what, v);
         Ok(Launch::StateUpdate(StateUpdateArgs {
             kv: inputs.kv,
             score: inputs.score,
@@ -513,8 +512,8 @@ impl StateUpdate {
             kv_row_stride: inputs.kv_row_stride,
             score_row_stride: inputs.score_row_stride,
             num_rows: self.cap.rows(class) as i32,
-            dim: i32_of_dim("dim", dim)?,
-            ring: i32_of_dim("ring", ring)?,
+            dim: i32_of("dim", dim)?,
+            ring: i32_of("ring", ring)?,
             window: k as i32,
             ratio: compressor.ratio() as i32,
             in_dtype: inputs.dtype as i32,
