@@ -30,6 +30,7 @@ fn manager_err(e: ManagerError) -> PyErr {
         ManagerError::CommitPastAllocation { .. } => "CommitPastAllocation",
         ManagerError::NotCached { .. } => "NotCached",
         ManagerError::Config(_) => "Config",
+        ManagerError::HostTier(t) => return lib_err(t),
     };
     error(name, e.to_string())
 }
@@ -107,7 +108,7 @@ impl PyKvManager {
                 ))
             }
         };
-        let config = ManagerConfig { checkpoint_every, rolling };
+        let config = ManagerConfig { checkpoint_every, rolling, ..ManagerConfig::default() };
         let m = py.detach(|| KvManager::new(pool, config, policy)).map_err(manager_err)?;
         Ok(PyKvManager { inner: Mutex::new(m), namespace: Namespace::from_label(namespace), _hold: hold })
     }
