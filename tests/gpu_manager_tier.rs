@@ -1,0 +1,18 @@
+//! The manager's host tier on the CUDA backend (the H200): cached blocks and checkpoints
+//! evicted from HBM spill to page-locked host memory and come back byte-exact on a hit, the
+//! window rows written by the ring-write kernel and checkpoints stored and restored by the
+//! copy kernel. Skips with a printed notice without a GPU; `V4POOL_REQUIRE_GPU=1` fails
+//! instead.
+
+mod common;
+mod tier_common;
+
+use std::sync::Arc;
+
+#[test]
+fn gpu_spilled_prefix_restores_byte_exact_from_pinned_memory() {
+    let Some(cuda) = common::cuda_or_skip("gpu_spilled_prefix_restores_byte_exact_from_pinned_memory") else {
+        return;
+    };
+    tier_common::spill_hit_restore(Arc::new(cuda));
+}
