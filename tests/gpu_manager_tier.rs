@@ -14,5 +14,10 @@ fn gpu_spilled_prefix_restores_byte_exact_from_pinned_memory() {
     let Some(cuda) = common::cuda_or_skip("gpu_spilled_prefix_restores_byte_exact_from_pinned_memory") else {
         return;
     };
-    tier_common::spill_hit_restore(Arc::new(cuda));
+    let cuda: Arc<dyn v4pool::backend::Backend> = Arc::new(cuda);
+    let pool = tier_common::manager_common::small_pool(cuda.clone(), 24);
+    let tier = v4pool::transfer::HostTier::<u64>::new(&pool, 1 << 20).expect("tier");
+    assert!(tier.pinned(), "the CUDA backend's host memory is page-locked");
+    drop((tier, pool));
+    tier_common::spill_hit_restore(cuda);
 }
