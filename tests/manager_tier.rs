@@ -71,6 +71,25 @@ fn a_full_tier_drops_the_least_recent_prefix_which_then_misses() {
 }
 
 #[test]
+fn clearing_the_tier_and_unindexing_drop_host_entries() {
+    let mut m = tiered(host(), 24, 64);
+    let a = turn(&mut m, 1);
+    m.evict_all().unwrap();
+    let hs = hashes(&a.tokens[..1400]);
+    // Unindexing the checkpoint at 1,280 drops its host copy: the match ends at 1,024.
+    m.unindex(hs[4]).unwrap();
+    assert_eq!(m.stats().tier_resident_checkpoints, 3);
+    assert_eq!(m.match_prefix(&hs), 1024);
+    m.check_invariants().unwrap();
+    assert_eq!(m.clear_host_tier(), 5 + 3);
+    let s = m.stats();
+    assert_eq!((s.tier_resident_blocks, s.tier_resident_checkpoints, s.tier_resident_bytes), (0, 0, 0));
+    assert_eq!(m.match_prefix(&hs), 0);
+    rehit(&mut m, &a, 0);
+    m.check_invariants().unwrap();
+}
+
+#[test]
 fn a_restore_without_room_shortens_the_hit_cleanly() {
     let mut m = tiered(host(), 24, 64);
     let a = turn(&mut m, 1);
@@ -125,6 +144,8 @@ enum Op {
     EvictAll,
     /// Move the boundary (relocations while the tier holds entries).
     SetSlots(u32),
+    /// §6 `unindex` of the checkpoint ending at a request's `k`-th block (in HBM or the tier).
+    Unindex(usize, usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -137,6 +158,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0usize..12).prop_map(Op::Finish),
         2 => Just(Op::EvictAll),
         1 => (2u32..6).prop_map(Op::SetSlots),
+        1 => (0usize..12, 0usize..7).prop_map(|(i, k)| Op::Unindex(i, k)),
     ]
 }
 
@@ -237,6 +259,12 @@ impl Model {
             }
             Op::SetSlots(n) => {
                 self.m.set_slots(n).unwrap();
+            }
+            Op::Unindex(i, k) => {
+                let Some(r) = self.live(i, None) else { return };
+                if let Some(&h) = hashes(&self.reqs[r].1).get(k) {
+                    self.m.unindex(h).unwrap();
+                }
             }
         }
     }

@@ -178,8 +178,8 @@ impl KvManager {
     /// checkpoints held there count: admission brings them back.
     pub fn match_prefix(&self, hashes: &[BlockHash]) -> u64 {
         let blocks = match &self.tier {
-            Some(_) => self.tier_walk(hashes).1.last().map_or(0, |e| e.0),
-            None => self.match_blocks(hashes, hashes.len()).0,
+            Some(t) if !t.is_empty() => self.tier_walk(hashes).1.last().map_or(0, |e| e.0),
+            _ => self.match_blocks(hashes, hashes.len()).0,
         };
         blocks as u64 * self.block_size
     }
@@ -207,7 +207,7 @@ impl KvManager {
         }
         // At least one token is computed (its logits are needed).
         let limit = (r.known.saturating_sub(1) / self.block_size) as usize;
-        if self.tier.is_some() {
+        if self.tier.as_ref().is_some_and(|t| !t.is_empty()) {
             // The host-resident part of the longest hit comes back first; the HBM hit below
             // then covers it (shorter when it could not come back).
             let hashes: Vec<BlockHash> = r.hashes.iter().take(limit).copied().collect();
@@ -526,7 +526,8 @@ impl KvManager {
     }
 
     /// Evict every unreferenced cached block and ready unpinned checkpoint (e.g. when the
-    /// namespace changes); returns the block ids freed.
+    /// namespace changes); returns the block ids freed. With a host tier they spill to it
+    /// like any eviction ([`KvManager::clear_host_tier`] drops what it holds).
     pub fn evict_all(&mut self) -> Result<u64, ManagerError> {
         let mut freed = 0;
         while self.nodes.head != NIL {

@@ -662,8 +662,11 @@ impl KvManager {
     }
 
     /// §6 `unindex(hash)`: the checkpoint ending at `hash` is dropped (once no writer or pin
-    /// needs it). Nothing happens when there is none.
+    /// needs it), and its copy in the host tier. Nothing happens when there is none.
     pub fn unindex(&mut self, hash: BlockHash) -> Result<(), ManagerError> {
+        if let Some(t) = self.tier.as_mut() {
+            t.forget_ckpt(hash);
+        }
         if let Some(&b) = self.index.get(&hash) {
             let ck = self.nodes.block(b).ckpt;
             if ck != NIL {

@@ -81,12 +81,33 @@ impl ManagerTier {
         self.forget(TierKey::Block(h));
     }
 
+    /// Drop the host copy of the checkpoint ending at `h`.
+    pub(super) fn forget_ckpt(&mut self, h: BlockHash) {
+        self.forget(TierKey::Ckpt(h));
+    }
+
+    /// Whether anything is held (an empty tier adds nothing to a match).
+    pub(super) fn is_empty(&self) -> bool {
+        self.host.is_empty()
+    }
+
     fn holds(&self, key: TierKey) -> bool {
         self.host.contains(&key)
     }
 }
 
 impl KvManager {
+    /// Drop everything the host tier holds (e.g. when the namespace changes); returns the
+    /// entries dropped. Nothing happens without a tier.
+    pub fn clear_host_tier(&mut self) -> u64 {
+        let Some(t) = self.tier.as_mut() else { return 0 };
+        let keys = t.host.lru_order();
+        for &k in &keys {
+            t.forget(k);
+        }
+        keys.len() as u64
+    }
+
     /// Spill `units` under `key` (a stale copy under the same key is replaced: the content
     /// is a function of the hash). `Ok(false)`: the entry exceeds the whole budget and is
     /// dropped instead. The tier's own evictions are forgotten here, each block's checkpoint
@@ -152,7 +173,7 @@ impl KvManager {
     /// ending there is in the tier).
     pub(super) fn tier_walk(&self, hashes: &[BlockHash]) -> (Vec<u32>, Vec<(usize, bool)>) {
         let (mut nodes, mut ends) = (Vec::new(), Vec::new());
-        let Some(t) = &self.tier else { return (nodes, ends) };
+        let Some(t) = self.tier.as_ref().filter(|t| !t.is_empty()) else { return (nodes, ends) };
         for (i, h) in hashes.iter().enumerate() {
             let node = match self.index.get(h) {
                 Some(&b) => b,
@@ -175,6 +196,7 @@ impl KvManager {
     /// Bring the host part of the longest hit among `hashes` back into HBM (see the module
     /// docs). Refusals for room shorten the hit; only copy failures are errors.
     pub(super) fn tier_restore_hit(&mut self, hashes: &[BlockHash]) -> Result<(), ManagerError> {
+        // An empty tier walks nothing: the HBM match that follows is the whole answer.
         let (nodes, ends) = self.tier_walk(hashes);
         for (k, &(n, host_ck)) in ends.iter().enumerate().rev() {
             let host_blocks = nodes[..n].iter().filter(|&&b| b == NIL).count() as u64;
