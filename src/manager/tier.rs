@@ -259,10 +259,12 @@ impl KvManager {
             Err(e) => return Err(e),
         }
         let mut restored = Vec::new();
-        let mut complete = true;
+        // A copy failure stops the restore like a missing entry, and is returned once what
+        // came back is in the tables.
+        let mut failed = None;
         for (&h, _) in hashes.iter().zip(nodes).filter(|(_, &b)| b == NIL) {
-            match self.tier_take(TierKey::Block(h))? {
-                Some(units) => {
+            match self.tier_take(TierKey::Block(h)) {
+                Ok(Some(units)) => {
                     let node = self.nodes.insert(Node::Block(BlockNode {
                         handle: units[0],
                         hash: Some(h),
@@ -274,23 +276,33 @@ impl KvManager {
                     restored.push(node);
                     self.stats.tier_restored_blocks += 1;
                 }
-                None => {
-                    complete = false;
+                Ok(None) => break,
+                Err(e) => {
+                    failed = Some(e);
                     break;
                 }
             }
         }
+        let mut complete = restored.len() == nodes.iter().filter(|&&b| b == NIL).count();
         if complete && host_ck {
             let h = hashes[n - 1];
-            let b = self.index[&h];
-            match self.tier_take(TierKey::Ckpt(h))? {
-                Some(units) => {
-                    let c = self.attach_ckpt(b, h, units, CkptState::Ready, false);
-                    self.stats.checkpoints_held += 1;
-                    self.stats.tier_restored_checkpoints += 1;
-                    self.nodes.touch(c);
+            // Complete: every block of the hit is in HBM now.
+            let end = self.index[&h];
+            // The walk saw no record on the block; should one be there now, it serves the hit.
+            if self.nodes.block(end).ckpt == NIL {
+                match self.tier_take(TierKey::Ckpt(h)) {
+                    Ok(Some(units)) => {
+                        let c = self.attach_ckpt(end, h, units, CkptState::Ready, false);
+                        self.stats.checkpoints_held += 1;
+                        self.stats.tier_restored_checkpoints += 1;
+                        self.nodes.touch(c);
+                    }
+                    Ok(None) => complete = false,
+                    Err(e) => {
+                        complete = false;
+                        failed = Some(e);
+                    }
                 }
-                None => complete = false,
             }
         }
         // Deepest first, as `unref` lists them.
@@ -300,7 +312,7 @@ impl KvManager {
         if !complete {
             self.stats.tier_shortened_hits += 1;
         }
-        Ok(true)
+        failed.map_or(Ok(true), Err)
     }
 
     /// Restore `key` into fresh blocks (all or nothing; the entry leaves the tier). `None`
