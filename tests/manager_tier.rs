@@ -230,10 +230,10 @@ impl Model {
                     Err(ManagerError::OutOfBlocks { .. }) => return,
                     Err(e) => panic!("allocate: {e}"),
                 }
-                let pos = self.m.slot(id).unwrap().unwrap().position;
+                let lease = self.m.slot(id).unwrap().unwrap();
                 let table = self.m.block_table(id).unwrap();
                 let pool = self.m.pool().clone();
-                forward(&pool, pos, &table, &self.reqs[k].1, done as usize, (done + n) as usize);
+                forward(&pool, lease, &table, &self.reqs[k].1, done as usize, (done + n) as usize);
                 let image = self.slot_image(k).unwrap();
                 if (done + n) % BLOCK == 0 {
                     let h = hashes(&self.reqs[k].1)[((done + n) / BLOCK) as usize - 1];
