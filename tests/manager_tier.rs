@@ -25,7 +25,8 @@ fn spill_then_hit_restores_byte_exact() {
     // The host backend's tier memory is ordinary memory (the CUDA test checks page-locked).
     let pool = small_pool(host(), 24);
     assert!(!v4pool::transfer::HostTier::<u64>::new(&pool, 1 << 20).unwrap().pinned());
-    spill_hit_restore(host());
+    spill_hit_restore(small_pool(host(), 24));
+    spill_hit_restore(state_pool(host(), 24));
 }
 
 /// Everything is returned at the end: no reference, no slot and (after eviction) no block
@@ -48,7 +49,7 @@ fn drained(m: &mut KvManager, budget_units: u64) {
 #[test]
 fn a_full_tier_drops_the_least_recent_prefix_which_then_misses() {
     // Exactly one conversation's entries (5 blocks, 4 one-unit checkpoints) fit.
-    let mut m = tiered(host(), 24, 9);
+    let mut m = tiered(small_pool(host(), 24), 9);
     assert_eq!(m.units_per_checkpoint(), 1, "the budget above assumes one-unit checkpoints");
     let a = turn(&mut m, 1);
     let b = turn(&mut m, 2);
@@ -72,7 +73,7 @@ fn a_full_tier_drops_the_least_recent_prefix_which_then_misses() {
 
 #[test]
 fn clearing_the_tier_and_unindexing_drop_host_entries() {
-    let mut m = tiered(host(), 24, 64);
+    let mut m = tiered(small_pool(host(), 24), 64);
     let a = turn(&mut m, 1);
     m.evict_all().unwrap();
     let hs = hashes(&a.tokens[..1400]);
@@ -91,7 +92,7 @@ fn clearing_the_tier_and_unindexing_drop_host_entries() {
 
 #[test]
 fn a_restore_without_room_shortens_the_hit_cleanly() {
-    let mut m = tiered(host(), 24, 64);
+    let mut m = tiered(small_pool(host(), 24), 64);
     let a = turn(&mut m, 1);
     m.evict_all().unwrap();
     poison_blocks(&m, 9);

@@ -8,7 +8,6 @@ pub mod manager_common;
 
 use manager_common::*;
 use std::sync::Arc;
-use v4pool::backend::Backend;
 use v4pool::manager::{FixedPolicy, KvManager, ManagerConfig};
 use v4pool::pool::Pool;
 use v4pool::transfer::HostTier;
@@ -18,10 +17,9 @@ pub fn unit_bytes(pool: &Pool) -> u64 {
     HostTier::<u64>::new(pool, 1).expect("tier").unit_bytes()
 }
 
-/// A manager over a fresh small pool (`positions` slot positions, 3 fixed slots, a permanent
-/// checkpoint every 2 blocks and rolling ones) whose host tier holds `units` block units.
-pub fn tiered(backend: Arc<dyn Backend>, positions: i64, units: u64) -> KvManager {
-    let pool = small_pool(backend, positions);
+/// A manager over a fresh small pool (3 fixed slots, a permanent checkpoint every 2 blocks
+/// and rolling ones) whose host tier holds `units` block units.
+pub fn tiered(pool: Arc<Pool>, units: u64) -> KvManager {
     let config = ManagerConfig { host_tier_bytes: units * unit_bytes(&pool), ..config(2, true) };
     KvManager::new(pool, config, Box::new(FixedPolicy { slots: 3 })).expect("manager")
 }
@@ -88,9 +86,10 @@ pub fn rehit(m: &mut KvManager, turn: &Turn, want_hit: u64) -> v4pool::manager::
 
 /// Spill → hit → restore, byte-exact: a finished conversation's blocks and checkpoints are
 /// evicted from HBM into the tier, HBM is poisoned, and the same conversation hits its last
-/// checkpoint (1,280 tokens) with every block and the slot image restored exactly.
-pub fn spill_hit_restore(backend: Arc<dyn Backend>) {
-    let mut m = tiered(backend, 24, 64);
+/// checkpoint (1,280 tokens) with every block and the slot image restored exactly. `pool`:
+/// a fresh [`small_pool`] or [`state_pool`] (state written by the state-update kernel).
+pub fn spill_hit_restore(pool: Arc<Pool>) {
+    let mut m = tiered(pool, 64);
     let upc = u64::from(m.units_per_checkpoint());
     let turn = turn(&mut m, 1);
     m.evict_all().expect("evict");
