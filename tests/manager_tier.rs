@@ -357,3 +357,21 @@ fn a_scripted_run_spills_restores_and_drops() {
     assert!(s.tier_restored_blocks > 0 && s.tier_restored_checkpoints > 0, "{s:?}");
     assert!(s.tier_host_evictions > 0, "{s:?}");
 }
+
+#[test]
+fn a_budget_below_one_unit_is_refused_and_zero_means_no_tier() {
+    let pool = small_pool(host(), 24);
+    let unit = unit_bytes(&pool);
+    let config = ManagerConfig { host_tier_bytes: unit - 1, ..config(2, true) };
+    let r = KvManager::new(pool, config, Box::new(FixedPolicy { slots: 3 }));
+    assert!(matches!(r, Err(ManagerError::Config(_))), "{r:?}");
+    // No tier: evicted blocks are dropped and nothing is counted.
+    let mut m = tiered(small_pool(host(), 24), 0);
+    let a = turn(&mut m, 1);
+    m.evict_all().unwrap();
+    let s = m.stats();
+    assert!(s.evicted_blocks > 0);
+    assert_eq!((s.tier_spilled_blocks, s.tier_resident_blocks, s.tier_resident_bytes), (0, 0, 0));
+    assert_eq!(m.clear_host_tier(), 0);
+    rehit(&mut m, &a, 0);
+}
