@@ -9,7 +9,7 @@ use super::module::{candidates, device, load_image, resolve, Device, ModuleSourc
 use super::KIND;
 use crate::backend::launch::{DeviceLaunch, NO_PARAMS};
 use crate::backend::size::{to_usize, word_bytes};
-use crate::backend::staging::{stages, StagingDriver, StagingRing};
+use crate::backend::staging::{self, stages, StagingRing};
 use crate::backend::{heap, Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, Stream};
 use crate::index::{DevicePtr, Launch};
 use cudarc::driver::sys;
@@ -318,21 +318,15 @@ impl Backend for CudaBackend {
         }
         self.bind()?;
         // Page-locked in this backend's context, like the staging ring's.
-        let ptr = CudaStaging.alloc_pinned(n)?;
-        // SAFETY: `ptr` is `n` writable bytes just allocated.
-        unsafe { std::ptr::write_bytes(ptr, 0, n) };
-        Ok(HostAllocation { ptr, bytes: n, pinned: true })
+        staging::alloc_host(&CudaStaging, n)
     }
 
     unsafe fn free_host(&self, alloc: HostAllocation) {
-        if alloc.bytes == 0 {
+        if alloc.pinned && self.bind().is_err() {
             return;
         }
-        if self.bind().is_ok() {
-            // SAFETY: the caller's contract: from `alloc_host` (page-locked), no copy queued.
-            // Errors cannot be reported by this signature; a failure leaks the buffer.
-            let _ = unsafe { CudaStaging.free_pinned(alloc.ptr) };
-        }
+        // SAFETY: the caller's contract: from `alloc_host`, no copy queued; context current.
+        unsafe { staging::free_host(&CudaStaging, alloc) }
     }
 
     unsafe fn upload_host(
