@@ -84,8 +84,8 @@ pub trait SplitPolicy: Send {
     /// with exactly its prompt covered is paid for by the running requests' decode growth —
     /// each needs a block every `block_size` tokens, the blocks the admission counted as
     /// spare are gone before the owed prompts finish, and a request is preempted and redoes
-    /// its prefill (the mixed mix's 3 preemptions: 17 blocks of slack against 19 decoding
-    /// requests over the 15 steps a long prompt took to prefill).
+    /// its prefill (the mixed mix's 3 preemptions: 17 blocks of slack at admission, 26 taken
+    /// by decode growth in the 15 steps before the stall while a long prompt prefilled).
     fn may_admit(&self, view: &PoolView, rest: u64) -> bool {
         view.admits(rest, DECODE_BLOCKS_PER_SEQ)
     }
