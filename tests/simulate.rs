@@ -54,6 +54,26 @@ fn both_policies_run_the_same_workload_and_release_everything() {
 }
 
 #[test]
+fn requests_still_queued_count_in_the_per_request_wait() {
+    // One fixed slot, held past the run's end by the first request: the rest queue to the end.
+    let cfg = SimConfig {
+        mix: Mix::Chat,
+        steps: 50,
+        max_seqs: 1,
+        elastic_max_seqs: 1,
+        max_context: 1 << 16,
+        ..SimConfig::default()
+    };
+    let requests: Vec<RequestSpec> = (0..5).map(|i| RequestSpec::new(i, i * 10, 100, 1000)).collect();
+    let pool = pool(1 << 30, 1);
+    let r = simulate(&pool, &cfg, SplitPolicy::Fixed, requests).unwrap();
+    assert_eq!((r.arrived, r.completed, r.preemptions), (5, 0, 0));
+    assert_eq!(r.mean_wait_steps, 0.0, "the one admission waited nothing");
+    // Queued since steps 10, 20, 30 and 40 at step 50: (40 + 30 + 20 + 10) / 5 requests.
+    assert_eq!(r.mean_queue_steps, 20.0);
+}
+
+#[test]
 fn the_command_prints_json_with_both_runs() {
     let out = Command::new(env!("CARGO_BIN_EXE_v4pool"))
         .args([

@@ -485,6 +485,14 @@ impl KvManager {
         }
     }
 
+    /// Admission back-pressure, as the policy says ([`SplitPolicy::may_admit`]): whether a
+    /// waiting request whose prompt needs `rest_blocks` more blocks past its hit should be
+    /// admitted now (`admit` itself only needs a slot; a request admitted beyond this is
+    /// likely to stall and be preempted).
+    pub fn may_admit(&self, rest_blocks: u64) -> Result<bool, ManagerError> {
+        Ok(self.policy.may_admit(&self.view()?, rest_blocks))
+    }
+
     /// Once per scheduler step: give idle slots back to blocks as the policy says.
     pub fn rebalance(&mut self) -> Result<(), ManagerError> {
         let give = self.policy.rebalance(&self.view()?);

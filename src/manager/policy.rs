@@ -38,6 +38,19 @@ impl PoolView {
             + u64::from(self.max_blocks.saturating_sub(self.num_blocks))
             + u64::from(self.evictable_blocks)
     }
+
+    /// Blocks kept for decode growth when one more request runs: `per_seq` for each running
+    /// request and the newcomer.
+    pub fn decode_room(&self, per_seq: u32) -> u64 {
+        u64::from(self.running + 1) * u64::from(per_seq)
+    }
+
+    /// Whether a request whose prompt needs `rest` more blocks (past its hit) can run beside
+    /// the running ones: the blocks their prompts still owe, its own, and `per_seq` blocks of
+    /// decode room per request stay obtainable.
+    pub fn admits(&self, rest: u64, per_seq: u32) -> bool {
+        self.spare_blocks() >= self.owed_blocks + rest + self.decode_room(per_seq)
+    }
 }
 
 /// How blocks that are short are found, beside evicting cached ones.
@@ -63,6 +76,19 @@ pub trait SplitPolicy: Send {
     fn grow_blocks(&mut self, view: &PoolView, short: u32) -> BlockGrowth;
     /// Once per scheduler step: idle slots to give back to blocks.
     fn rebalance(&mut self, view: &PoolView) -> u32;
+    /// Admission back-pressure: may a waiting request whose prompt needs `rest` more blocks
+    /// (past its hit) be admitted now? The default keeps [`DECODE_BLOCKS_PER_SEQ`] blocks of
+    /// decode room per request ([`PoolView::admits`]).
+    ///
+    /// Why decode room and not only the owed prompts: a request admitted into a free slot
+    /// with exactly its prompt covered is paid for by the running requests' decode growth —
+    /// each needs a block every `block_size` tokens, the blocks the admission counted as
+    /// spare are gone before the owed prompts finish, and a request is preempted and redoes
+    /// its prefill (the mixed mix's 3 preemptions: 17 blocks of slack at admission, 26 taken
+    /// by decode growth in the 15 steps before the stall while a long prompt prefilled).
+    fn may_admit(&self, view: &PoolView, rest: u64) -> bool {
+        view.admits(rest, DECODE_BLOCKS_PER_SEQ)
+    }
 }
 
 /// The elastic boundary: slots come from blocks only while blocks keep a reserve for what
@@ -87,8 +113,9 @@ pub struct ElasticPolicy {
     /// next turn hits, so where requests hit, slots come out of the cache only beyond this
     /// share; where nothing hits, the cache is no reason to hold a request back.
     pub cache_per_mille: u32,
-    /// Blocks kept per running request for its decode growth (owed blocks count prompts
-    /// only; a request that cannot grow its output is preempted and redoes work).
+    /// Blocks kept per running request for its decode growth, against new slots and new
+    /// admissions alike (owed blocks count prompts only; a request that cannot grow its
+    /// output is preempted and redoes work).
     pub decode_blocks_per_seq: u32,
 }
 
@@ -124,7 +151,7 @@ impl SplitPolicy for ElasticPolicy {
         let reserve = capacity * u64::from(self.reserve_per_mille) / 1000
             + v.owed_blocks
             + u64::from(v.slot_blocks)
-            + u64::from(v.running + 1) * u64::from(self.decode_blocks_per_seq);
+            + v.decode_room(self.decode_blocks_per_seq);
         // The cache counts as spare only beyond the share kept for hits.
         let keep =
             capacity * u64::from(self.cache_per_mille) / 1000 * u64::from(v.hit_per_mille.min(1000)) / 1000;
@@ -141,6 +168,9 @@ impl SplitPolicy for ElasticPolicy {
         // Keep the headroom, and keep slots a waiting request could use right away.
         let keep = self.headroom.max(v.waiting.min(v.free_slots));
         v.free_slots.saturating_sub(keep)
+    }
+    fn may_admit(&self, v: &PoolView, rest: u64) -> bool {
+        v.admits(rest, self.decode_blocks_per_seq)
     }
 }
 
@@ -213,6 +243,20 @@ mod tests {
         // 100 free, no cache: 18 reserve + 20 slot rows + (40 + 1) × 2 decode blocks > 100.
         assert_eq!(p.grow_slots(&PoolView { evictable_blocks: 0, running: 40, ..view() }), 0);
         assert_eq!(p.grow_slots(&PoolView { evictable_blocks: 0, running: 20, ..view() }), 1);
+    }
+
+    #[test]
+    fn admission_keeps_decode_room_for_every_running_request_and_the_newcomer() {
+        // 150 spare; 100 owed; 4 running + the newcomer at 2 decode blocks each.
+        let v = PoolView { owed_blocks: 100, ..view() };
+        let (e, f) = (ElasticPolicy::default(), FixedPolicy { slots: 8 });
+        for p in [&e as &dyn SplitPolicy, &f] {
+            assert!(p.may_admit(&v, 40), "{}: 100 + 40 + 10 = 150 fits", p.name());
+            assert!(!p.may_admit(&v, 41), "{}: the decode room is not spent on a prompt", p.name());
+        }
+        // Without decode room only the prompts count.
+        let bare = ElasticPolicy { decode_blocks_per_seq: 0, ..ElasticPolicy::default() };
+        assert!(bare.may_admit(&v, 50) && !bare.may_admit(&v, 51));
     }
 
     #[test]

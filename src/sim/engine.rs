@@ -36,6 +36,8 @@ struct Req {
     /// Most tokens it had computed before its latest preemption (prefill below is redone work).
     high_water: u64,
     admitted: u64,
+    /// The step it (re-)joined the queue: its arrival, or its latest preemption.
+    queued: u64,
     /// Whether it was admitted before (a re-admission is not counted in the hit rate).
     seen: bool,
 }
@@ -53,6 +55,7 @@ impl Req {
             generated: 0,
             high_water: 0,
             admitted: 0,
+            queued: spec.arrival,
             seen: false,
         }
     }
@@ -97,6 +100,9 @@ pub struct Engine<'p> {
     sum_wait: f64,
     /// Admissions, re-admissions after preemption included: what the wait is averaged over.
     admissions: u64,
+    /// Steps requests spent in the queue, summed over every stay (arrival or preemption to
+    /// admission).
+    queue_steps: u64,
     _pool: PhantomData<&'p Pool>,
 }
 
@@ -169,6 +175,7 @@ impl<'p> Engine<'p> {
             sum_tokens: 0.0,
             sum_wait: 0.0,
             admissions: 0,
+            queue_steps: 0,
             _pool: PhantomData,
         })
     }
@@ -206,6 +213,7 @@ impl<'p> Engine<'p> {
             self.m.preempt(r.id())?;
             r.high_water = r.high_water.max(r.context);
             r.context = 0;
+            r.queued = self.step;
             self.waiting.push_front(r);
             self.rep.preemptions += 1;
         }
@@ -295,7 +303,9 @@ impl<'p> Engine<'p> {
             let src = if self.run == SplitPolicy::NoReuse { &r.private } else { &r.hashes };
             let hit = self.m.match_prefix(&src[..r.given]).min(target.saturating_sub(1));
             let rest = (target - hit).div_ceil(self.block_size);
-            if !policy::may_admit(&self.m, rest)? {
+            // Admission back-pressure is the manager's policy: the whole remaining prompt
+            // and decode room must stay obtainable, or admission only trades into preemptions.
+            if !self.m.may_admit(rest)? {
                 self.waiting.push_front(r);
                 break;
             }
@@ -322,6 +332,7 @@ impl<'p> Engine<'p> {
             r.admitted = self.step;
             self.sum_wait += (self.step - r.spec.arrival) as f64;
             self.admissions += 1;
+            self.queue_steps += self.step - r.queued;
             self.running.push(r);
         }
         Ok(())
@@ -522,11 +533,16 @@ impl<'p> Engine<'p> {
         } else {
             self.first_hit_tokens as f64 / self.eligible_tokens as f64
         };
+        // Requests still queued count with their wait so far: a run that serves fewer of an
+        // overloaded queue does not look faster for it.
+        let still: u64 = self.waiting.iter().map(|r| self.step - r.queued).sum();
+        let queued = rep.arrived - rep.refused - rep.turned_away;
         self.release_all()?;
         let n = self.cfg.steps.max(1) as f64;
         rep.mean_running = self.sum_running / n;
         rep.mean_compressed_tokens = self.sum_tokens / n;
         rep.mean_wait_steps = self.sum_wait / self.admissions.max(1) as f64;
+        rep.mean_queue_steps = (self.queue_steps + still) as f64 / queued.max(1) as f64;
         rep.index_build_steps = self.build.count();
         rep.stage_mean_us = self.stage_us / self.build.count().max(1) as f64;
         rep.index_build_mean_us = self.build.mean();

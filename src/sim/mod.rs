@@ -20,7 +20,8 @@
 //! * [`workload`] — the PRNG, the mixes, the lazy arrival stream (benches use it too).
 //! * [`engine`] — the step loop ([`Engine`], [`simulate`]).
 //! * `policy` — the engine's own decisions beside the manager's: the manager each run is
-//!   built with, refusal, admission back-pressure, the preemption victim, block hashes.
+//!   built with, refusal, the preemption victim, block hashes (admission back-pressure is the
+//!   manager's policy: [`KvManager::may_admit`](crate::manager::KvManager::may_admit)).
 //! * [`report`] — [`SimReport`], every figure a run produces.
 //!
 //! # Memory bound

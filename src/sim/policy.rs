@@ -1,8 +1,7 @@
 //! The engine's own decisions, one small function each; everything about memory (the split,
-//! the boundary, the cache, checkpoints, eviction) is the [`KvManager`]'s. Here: the manager
-//! each run is built with, which requests are refused, whether admitting one more would
-//! only trade into preemptions, which request a stall preempts, and the block hashes a
-//! request's tokens have.
+//! the boundary, the cache, checkpoints, eviction, admission back-pressure) is the
+//! [`KvManager`]'s. Here: the manager each run is built with, which requests are refused,
+//! which request a stall preempts, and the block hashes a request's tokens have.
 
 use super::{RequestSpec, SimConfig, SplitPolicy};
 use crate::manager::{
@@ -54,16 +53,6 @@ pub(crate) fn refusal(req: &RequestSpec, cfg: &SimConfig, capacity_blocks: u32, 
     // Decode writes whole steps, so a context can pass prompt + output by a step's tokens.
     let longest = req.prompt + req.output + cfg.tokens_per_decode as u64 - 1;
     req.prompt + req.output > cfg.max_context || longest.div_ceil(block_size) > u64::from(capacity_blocks)
-}
-
-/// Admission check: admit only while the blocks running requests' prompts still need stay
-/// obtainable (free, in the gap, or evictable cache) beside the newcomer's whole remaining
-/// prompt (`rest` blocks past its hit), so admission does not simply trade into
-/// preemptions: a request admitted on its first chunk alone that cannot finish its prompt
-/// stalls, is preempted, re-admitted, and stalls again.
-pub(crate) fn may_admit(m: &KvManager, rest: u64) -> Result<bool, ManagerError> {
-    let v = m.view()?;
-    Ok(v.spare_blocks() >= v.owed_blocks + rest)
 }
 
 /// Out of blocks even after eviction: the most recently admitted request is preempted (its

@@ -142,8 +142,15 @@ pub struct SimReport {
     pub block_relocations: u64,
     /// Slots relocated by boundary moves.
     pub slot_relocations: u64,
-    /// Mean steps a request waited, over admissions (re-admissions included).
+    /// Mean steps a request waited, over admissions (re-admissions included, each counted
+    /// from the request's arrival). Requests never admitted do not count, so in an overloaded
+    /// run a policy that admits more of the queue's tail reads worse here.
     pub mean_wait_steps: f64,
+    /// Mean steps a request spent queued, over every request that entered the queue (refused
+    /// ones aside): each stay from arrival or preemption to admission, and a request still
+    /// queued at the end with its wait so far. A request admitted no later under one policy
+    /// than under another never raises this figure.
+    pub mean_queue_steps: f64,
     /// Decode steps that built indices.
     pub index_build_steps: u64,
     /// Index build, mean µs.

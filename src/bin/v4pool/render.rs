@@ -33,6 +33,7 @@ pub(crate) fn render_table(reports: &[SimReport]) -> String {
     row(&mut s, "compressed tokens max", &|r| r.max_compressed_tokens.to_string());
     row(&mut s, "compressed tokens mean", &|r| format!("{:.0}", r.mean_compressed_tokens));
     row(&mut s, "mean queue wait per admission", &|r| format!("{:.1}", r.mean_wait_steps));
+    row(&mut s, "mean queue wait per request", &|r| format!("{:.1}", r.mean_queue_steps));
     row(&mut s, "boundary moves", &|r| r.boundary_moves.to_string());
     row(&mut s, "relocations block / slot", &|r| format!("{} / {}", r.block_relocations, r.slot_relocations));
     row(&mut s, "index build µs mean / p99", &|r| {
@@ -60,6 +61,7 @@ pub(crate) fn to_json(cfg: &SimConfig, reports: &[SimReport]) -> serde_json::Val
                 "mean_compressed_tokens": r.mean_compressed_tokens,
                 "boundary_moves": r.boundary_moves, "block_relocations": r.block_relocations,
                 "slot_relocations": r.slot_relocations, "mean_wait_steps": r.mean_wait_steps,
+                "mean_queue_steps": r.mean_queue_steps,
                 "index_build": {"steps": r.index_build_steps, "mean_us": r.index_build_mean_us,
                                 "p99_us": r.index_build_p99_us, "max_us": r.index_build_max_us,
                                 "stage_mean_us": r.stage_mean_us},
