@@ -241,6 +241,7 @@ V4P_DEVICE void v4p_copy_plane(PlaneWrite pw, v4p_i64 src_row, v4p_i64 dst_row, 
 // window tails and dest rows come from tile 0.
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices(DecodeIndexArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
     if (t >= a.num_tokens) return;
     const v4p_i64 tile = v4p_bid_y();
@@ -290,6 +291,7 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode
 
 // Five blocks per SM (48 registers instead of 64): more tokens resident.
 extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 5) void v4pool_prefill_indices(PrefillIndexArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
     const v4p_u32 lanes = V4POOL_PREFILL_LANES;
     const v4p_u32 lane = v4p_tid_x() % lanes;
     const v4p_i64 t = (v4p_i64)v4p_bid_x() * V4POOL_PREFILL_TOKENS_PER_BLOCK + v4p_tid_x() / lanes;
@@ -347,6 +349,7 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 5) void v4pool
 // grid (ceil(N / 256)), block 256: one thread per entry.
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_hca_offsets(HcaOffsetsArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
     const v4p_i64 i = (v4p_i64)v4p_bid_x() * V4P_BLOCK + v4p_tid_x();
     if (i >= a.num_entries) return;
     const v4p_i32 e = v4p_in<v4p_i32>(a.entry_idx)[i];
@@ -363,6 +366,7 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_hca_of
 // slower at top-k 512 and 1,024 and level at 2,048: BENCHMARKS.md.)
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_translate_pack(CsaPackArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
     const v4p_i64 tile = v4p_bid_y();
     if (t >= a.num_tokens) return;
