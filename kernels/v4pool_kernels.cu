@@ -53,24 +53,39 @@ V4P_DEVICE v4p_u32 v4p_popc(v4p_u32 x) { return (v4p_u32)__builtin_popcount(x); 
 #endif
 
 /// A 32-bit divisor for the per-entry loops: a shift and a mask when it is a power of two
-/// (rows per block and CSA rows per block are, in every V4 geometry), a division otherwise.
-/// The index kernels are issue-bound at 1M contexts (Nsight Compute: SM throughput 83%, DRAM
-/// 36%), so the per-entry work is 32-bit and division-free; a compressed row is computed in
-/// 32-bit wrapping arithmetic, which has the bits of the 64-bit product cut to the i32 the
-/// buffer holds (the host reference rejects any row that does not fit).
+/// (rows per block and CSA rows per block are, in every V4 geometry), a division otherwise,
+/// and the quotient and remainder of a fixed `step` so that a loop advancing by `step`
+/// carries (quotient, remainder) as a running counter. The index kernels are issue-bound at
+/// 1M contexts (Nsight Compute: SM throughput 83%, DRAM 36%): the per-entry work is 32-bit
+/// and division-free. (A `quot` per entry was not: the compiler if-converts the shift/divide
+/// choice and issues the ~20-instruction division, predicated off, for every entry — SASS.)
+/// A compressed row is computed in 32-bit wrapping arithmetic, which has the bits of the
+/// 64-bit product cut to the i32 the buffer holds (the host reference rejects any row that
+/// does not fit).
 struct V4pDiv {
-    v4p_u32 d, shift;
+    v4p_u32 d, shift, step_q, step_r;
     bool pow2;
     V4P_DEVICE v4p_u32 quot(v4p_u32 n) const { return pow2 ? n >> shift : n / d; }
     V4P_DEVICE v4p_u32 rem(v4p_u32 n) const { return pow2 ? n & (d - 1) : n % d; }
+    /// (q, r) of n + step from (q, r) of n.
+    V4P_DEVICE void advance(v4p_u32& q, v4p_u32& r) const {
+        q += step_q;
+        r += step_r;
+        if (r >= d) {
+            r -= d;
+            ++q;
+        }
+    }
 };
 
-/// `d` clamped to [1, 2^32 - 1].
-V4P_DEVICE V4pDiv v4p_div_make(v4p_i64 d) {
+/// `d` clamped to [1, 2^32 - 1], advancing by `step`.
+V4P_DEVICE V4pDiv v4p_div_make(v4p_i64 d, v4p_u32 step) {
     V4pDiv r;
     r.d = d < 1 ? 1u : (d > 0xffffffffll ? 0xffffffffu : (v4p_u32)d);
     r.pow2 = (r.d & (r.d - 1)) == 0;
     r.shift = v4p_popc(r.d - 1);
+    r.step_q = step / r.d;
+    r.step_r = step - r.step_q * r.d;
     return r;
 }
 
@@ -143,9 +158,10 @@ V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_
 /// Entries of a compressed head (§4) one round of `lanes` threads handles: dst[e] =
 /// table[e / rpb] * envelope + e % rpb for e = e0 + u * lanes, u < 8. Split in a load half and
 /// a store half so that a caller can issue the first round's table loads before its other
-/// stores (and the loads of one round are all in flight at once). 32-bit throughout.
+/// stores (and the loads of one round are all in flight at once). 32-bit throughout; one
+/// division per round, then (block, row) advance by `rpb`'s step (made with `lanes`).
 struct V4pHeadRound {
-    v4p_u32 e0;
+    v4p_u32 e0, r0;
     v4p_i32 blk[8];
 
     /// Table loads for entries below `n` (columns clamped to `last_col`, so a speculative
@@ -153,20 +169,25 @@ struct V4pHeadRound {
     V4P_DEVICE void load(const v4p_i32* __restrict__ table, v4p_u32 first, v4p_u32 n, V4pDiv rpb, v4p_u32 last_col,
                          v4p_u32 lanes) {
         e0 = first;
+        v4p_u32 j = rpb.quot(first);
+        r0 = first - j * rpb.d;
+        v4p_u32 r = r0;
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
             const v4p_u32 e = first + (v4p_u32)u * lanes;
-            const v4p_u32 j = rpb.quot(e);
             blk[u] = e < n ? table[j < last_col ? j : last_col] : 0;
+            rpb.advance(j, r);
         }
     }
 
     /// Stores for entries below `n` (<= the load count).
     V4P_DEVICE void store(v4p_i32* __restrict__ dst, v4p_u32 n, V4pDiv rpb, v4p_u32 envelope, v4p_u32 lanes) const {
+        v4p_u32 j = 0, r = r0;
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
             const v4p_u32 e = e0 + (v4p_u32)u * lanes;
-            if (e < n) dst[e] = (v4p_i32)((v4p_u32)blk[u] * envelope + rpb.rem(e));
+            if (e < n) dst[e] = (v4p_i32)((v4p_u32)blk[u] * envelope + r);
+            rpb.advance(j, r);
         }
     }
 };
@@ -346,7 +367,7 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 5) void v4pool
     else
         by_pos = (p + 1) / a.hca_ratio;  // C division, as the host reference
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-    const V4pDiv rpb = v4p_div_make(a.hca_rows_per_block);
+    const V4pDiv rpb = v4p_div_make(a.hca_rows_per_block, lanes);
     const v4p_u32 last_col = v4p_last_col(a.block_table_stride);
     V4pHeadRound h;
     h.load(table, lane, v4p_count32(by_pos), rpb, last_col, lanes);
