@@ -15,7 +15,11 @@
 // over lanes. The prefill builder issues every load of a round before any store (a store may
 // alias a later load, so the compiler would otherwise wait for it) and works in 32-bit
 // without per-entry division; the decode builder and the CSA pack keep main's order and
-// arithmetic, which measured faster for them. Stores of consecutive entries are coalesced
+// arithmetic, which measured faster for them. Per-entry loops carry quotients as running
+// counters instead of dividing (window rows and prefill head rounds: the divisions were most
+// of the prefill builder's instructions). The index builders begin with v4p_overlap_begin():
+// the CUDA backend launches them as programmatic dependents, so a graph of per-layer packs
+// overlaps each launch with the kernel before it. Stores of consecutive entries are coalesced
 // 4-byte stores across a warp; every row x width product of a plane address is 64-bit.
 #include "v4pool_common.h"
 
