@@ -279,6 +279,13 @@ impl CudaBackend {
     }
 }
 
+/// The kernels launched as programmatic dependents when overlapped launches are on: exactly
+/// those whose first statement is `v4p_overlap_begin();` (they wait for the kernel before them
+/// before any global access; a unit test checks the embedded source). Any other kernel, the
+/// ones other modules add included, keeps plain stream order.
+pub(super) const OVERLAPPED_KERNELS: [&str; 4] =
+    ["v4pool_decode_indices", "v4pool_prefill_indices", "v4pool_hca_offsets", "v4pool_csa_translate_pack"];
+
 pub(super) fn bind(device: &Device) -> Result<(), BackendError> {
     // SAFETY: the primary context is retained for the process.
     check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(device.ctx) })
@@ -444,12 +451,7 @@ impl Backend for CudaBackend {
         let f = self.function(&prepared)?;
         let raw = self.inner.stream(stream);
         let (grid, block) = (prepared.shape.grid, prepared.shape.block);
-        // Only the kernels that begin with `v4p_overlap_begin` may overlap their predecessor.
-        let overlap = self.overlapped_launches()
-            && matches!(
-                launch,
-                Launch::Decode(_) | Launch::Prefill(_) | Launch::HcaOffsets(_) | Launch::CsaPack(_)
-            );
+        let overlap = self.overlapped_launches() && OVERLAPPED_KERNELS.contains(&launch.symbol());
         // SAFETY: `params` points at the `#[repr(C)]` argument struct the kernel declares,
         // inside `launch`, alive for the call; pointer coverage is the caller's contract; an
         // overlapped kernel waits before its first global access.
