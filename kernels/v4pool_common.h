@@ -154,8 +154,18 @@ static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, 
 #define V4POOL_PREFILL_TOKENS_PER_BLOCK 4
 /// Top-k columns one CSA translate-pack block covers (grid y): two per thread.
 #define V4POOL_CSA_TILE 512
+/// Lanes that write one window row in the §9 gather: 64 x 16 B = one 1024-B bf16 row.
+#define V4POOL_GATHER_LANES 64
+/// Window rows one §9 gather block writes (grid y tiles the window): two per lane group.
+#define V4POOL_GATHER_ROWS_PER_BLOCK 8
 /// Largest grid y and z both vendors accept (shape.rs MAX_GRID_YZ).
 #define V4POOL_MAX_GRID_YZ 65535
+/// Element types of the state update's inputs (src/index/mod.rs ElemType).
+#define V4POOL_DTYPE_F32 0
+#define V4POOL_DTYPE_BF16 1
+/// Elements one lane of the state update moves per chunk (16-byte bf16 loads, two 16-byte
+/// f32 stores).
+#define V4POOL_STATE_CHUNK 8
 static_assert(V4POOL_DECODE_HCA_TILE == 8 * V4POOL_BLOCK_THREADS, "eight entries per thread");
 static_assert(V4POOL_CSA_TILE == 2 * V4POOL_BLOCK_THREADS, "two columns per thread");
 static_assert(V4POOL_PREFILL_LANES * V4POOL_PREFILL_TOKENS_PER_BLOCK == V4POOL_BLOCK_THREADS, "tokens tile a block");
@@ -393,6 +403,53 @@ V4POOL_CHECK_OFFSET(RowScatterArgs, view_rows, 64);
 V4POOL_CHECK_OFFSET(RowScatterArgs, num_tokens, 72);
 V4POOL_CHECK_OFFSET(RowScatterArgs, _pad, 76);
 
+// §8 compressor-state update, one compressor of one layer. Plan row r = (ragged_id, batch_id,
+// position, slot): a negative position is a pad row (skipped); the slot is slot_map[batch_id]
+// when slot_map != 0 (the contract's form, as the peer's plans), else column 3 (v4pool's own
+// staging writes the physical slot there, one dependent load fewer).
+struct StateUpdateArgs {
+    v4p_ptr kv;           // [rows][kv_row_stride] elements of in_dtype (f32 or bf16)
+    v4p_ptr score;        // [rows][score_row_stride] elements of in_dtype
+    v4p_ptr ape;          // [ratio][dim] elements of ape_dtype, contiguous
+    v4p_ptr write_plan;   // i32 [num_rows][4], 16-byte aligned
+    v4p_ptr slot_map;     // i32 [bs]; 0 = the slot is the plan's column 3
+    v4p_ptr kv_state;     // f32 [positions][ring][dim], position p at + p * kv_slot_bytes
+    v4p_ptr score_state;  // f32, the same shape, + p * score_slot_bytes
+    v4p_i64 kv_slot_bytes;
+    v4p_i64 score_slot_bytes;
+    v4p_i64 kv_row_stride;     // elements
+    v4p_i64 score_row_stride;  // elements
+    v4p_i32 num_rows;          // plan rows in the grid, pads included
+    v4p_i32 dim;
+    v4p_i32 ring;    // S: state rows per slot (the ring modulo)
+    v4p_i32 window;  // K = (2 if overlap else 1) * ratio; ring >= window (host check)
+    v4p_i32 ratio;   // rows of ape
+    v4p_i32 in_dtype;   // V4POOL_DTYPE_* of kv and score
+    v4p_i32 ape_dtype;  // V4POOL_DTYPE_* of ape
+    v4p_i32 _pad;
+};
+V4POOL_CHECK_SIZE(StateUpdateArgs, 120);
+V4POOL_CHECK_ALIGN(StateUpdateArgs, 8);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, kv, 0);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, score, 8);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, ape, 16);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, write_plan, 24);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, slot_map, 32);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, kv_state, 40);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, score_state, 48);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, kv_slot_bytes, 56);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, score_slot_bytes, 64);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, kv_row_stride, 72);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, score_row_stride, 80);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, num_rows, 88);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, dim, 92);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, ring, 96);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, window, 100);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, ratio, 104);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, in_dtype, 108);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, ape_dtype, 112);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, _pad, 116);
+
 struct FillRun {
     v4p_ptr dst;
     v4p_u64 bytes;
@@ -438,6 +495,36 @@ V4POOL_CHECK_ALIGN(CopyRunsArgs, 8);
 V4POOL_CHECK_OFFSET(CopyRunsArgs, runs, 0);
 V4POOL_CHECK_OFFSET(CopyRunsArgs, num_runs, 8);
 V4POOL_CHECK_OFFSET(CopyRunsArgs, _pad, 12);
+
+/// §9 DSpark window gather: out[b][s] = row window_row(params, slot[b], anchor[b] - (W-1) + s)
+/// of the source, bf16 [num_seqs, draft_window, 512]; p < 0 writes zeros, slot < 0 (a pad of a
+/// fixed graph grid) writes nothing. Copy variant (v4pool_window_gather): `pool` has 1024-B
+/// bf16 rows (a bf16 plane's layer view, or the plane holding `state_window` retyped to
+/// 1024-B rows) and `rope` is 0. fp8 variant (v4pool_window_gather_fp8): `pool` is the NoPE
+/// plane's layer view (512-B rows: 448 e4m3 | 7 e8m0 scales, each twice | pad), `rope` the
+/// RoPE plane's (128-B rows, 64 bf16), NoPE dequantised per 64-value tile.
+struct WindowGatherArgs {
+    WindowParams params;
+    v4p_ptr pool;                // source view base (row 0)
+    v4p_ptr rope;                // fp8 variant: RoPE view base; 0 in the copy variant
+    v4p_ptr state_slot_per_seq;  // i32 [num_seqs]; < 0 = pad
+    v4p_ptr anchor_pos;          // i64 [num_seqs]
+    v4p_ptr out;                 // bf16 out [num_seqs, draft_window, 512]
+    v4p_i64 view_rows;           // rows of the source view; rows outside it are not read
+    v4p_i32 num_seqs;
+    v4p_i32 draft_window;
+};
+V4POOL_CHECK_SIZE(WindowGatherArgs, 96);
+V4POOL_CHECK_ALIGN(WindowGatherArgs, 8);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, params, 0);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, pool, 40);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, rope, 48);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, state_slot_per_seq, 56);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, anchor_pos, 64);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, out, 72);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, view_rows, 80);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, num_seqs, 88);
+V4POOL_CHECK_OFFSET(WindowGatherArgs, draft_window, 92);
 
 // ---- geometry (index-buffers.md §2), device side -----------------------------------------
 

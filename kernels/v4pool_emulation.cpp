@@ -35,11 +35,26 @@ extern "C" int v4pool_emu_launch(const char* symbol, const void* args, const uns
     V4P_EMU_CASE(v4pool_csa_translate_pack, CsaPackArgs)
     V4P_EMU_CASE(v4pool_ring_write, RingWriteArgs)
     V4P_EMU_CASE(v4pool_row_scatter, RowScatterArgs)
+    V4P_EMU_CASE(v4pool_update_compressor_states, StateUpdateArgs)
     V4P_EMU_CASE(v4pool_fill_runs, FillRunsArgs)
     V4P_EMU_CASE(v4pool_copy_runs, CopyRunsArgs)
 #undef V4P_EMU_CASE
     if (std::strcmp(symbol, "v4pool_empty") == 0) {
         v4pool_empty();
+        return 0;
+    }
+    return -1;
+}
+
+/// The §9 window gather kernels (copy and fp8), for tests/index_emulated.rs (the table above
+/// is shared with other kernels; this entry keeps the gather's registration in one place).
+extern "C" int v4pool_emu_launch_gather(const char* symbol, const void* args, const unsigned grid[3], unsigned threads) {
+    if (std::strcmp(symbol, "v4pool_window_gather") == 0) {
+        v4p_emu_run<WindowGatherArgs>(v4pool_window_gather, args, grid, threads);
+        return 0;
+    }
+    if (std::strcmp(symbol, "v4pool_window_gather_fp8") == 0) {
+        v4p_emu_run<WindowGatherArgs>(v4pool_window_gather_fp8, args, grid, threads);
         return 0;
     }
     return -1;

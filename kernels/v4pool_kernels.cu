@@ -515,6 +515,151 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_row_sc
     v4p_copy_plane(a.planes[1], t, row, tid % V4POOL_ROW_LANES);
 }
 
+// ---- §8: compressor-state update, one compressor of one layer ---------------------------------
+// grid (ceil(num_rows / (256 / lanes))), block 256: `lanes` = the power of two covering
+// dim / 8 (32 at dim 256, 64 at 512, 128 at 1,024), so every lane moves 8 elements of its row
+// and a block holds 256 / lanes plan rows (8, 4, 2): no idle lane at the V4 dims. One
+// dependent load (the 16-byte plan row) before every load of the row's data; kv, score and
+// ape go out together (16-byte loads), then four 16-byte f32 stores per lane. Addresses are
+// 64-bit: slot x slot bytes passes 2^31.
+
+/// Lanes that share one plan row (shape.rs state_update_lanes).
+V4P_DEVICE v4p_u32 v4p_state_lanes(v4p_i32 dim) {
+    const v4p_i64 chunks = ((v4p_i64)(dim > 0 ? dim : 1) + V4POOL_STATE_CHUNK - 1) / V4POOL_STATE_CHUNK;
+    v4p_u32 lanes = 1;
+    while ((v4p_i64)lanes < chunks && lanes < V4P_BLOCK) lanes *= 2;
+    return lanes;
+}
+
+/// The f32 whose bits are `u`, and back (register moves, no memory).
+#if defined(V4P_TARGET_NVCC)
+V4P_DEVICE float v4p_f32_bits(v4p_u32 u) { return __uint_as_float(u); }
+V4P_DEVICE v4p_u32 v4p_bits_f32(float f) { return __float_as_uint(f); }
+#else
+V4P_DEVICE float v4p_f32_bits(v4p_u32 u) { return __builtin_bit_cast(float, u); }
+V4P_DEVICE v4p_u32 v4p_bits_f32(float f) { return __builtin_bit_cast(v4p_u32, f); }
+#endif
+
+/// Element i of a row of `dtype` (scalar path).
+V4P_DEVICE float v4p_load_elem(v4p_ptr row, v4p_i32 dtype, v4p_i64 i) {
+    if (dtype == V4POOL_DTYPE_BF16) return v4p_f32_bits((v4p_u32)((const unsigned short*)row)[i] << 16);
+    return ((const float*)row)[i];
+}
+
+/// Four u32 loaded or stored as one 16-byte vector: clang's vector extension, or (nvcc,
+/// NVRTC) the 16-byte aligned struct, whose loads are ld.v4 and whose stores go through
+/// v4p_store16.
+#if defined(V4P_TARGET_NVCC)
+typedef v4p_vec16 v4p_u32x4;
+#else
+typedef v4p_u32 v4p_u32x4 __attribute__((ext_vector_type(4)));
+#endif
+
+/// Eight elements from `p` (16-byte aligned) as f32 bit patterns `{lo, hi}`: one 16-byte load
+/// for bf16 (widened exactly: the bf16 is the f32's upper half), two for f32. Integers, so the
+/// kv copy never passes through float registers.
+template <bool BF16>
+V4P_DEVICE void v4p_load8(v4p_ptr p, v4p_u32x4& lo, v4p_u32x4& hi) {
+    const v4p_u32x4 a = ((const v4p_u32x4*)p)[0];
+    if (BF16) {
+        // Little-endian: the low half of a word is the earlier element.
+        lo.x = a.x << 16, lo.y = a.x & 0xffff0000u, lo.z = a.y << 16, lo.w = a.y & 0xffff0000u;
+        hi.x = a.z << 16, hi.y = a.z & 0xffff0000u, hi.z = a.w << 16, hi.w = a.w & 0xffff0000u;
+    } else {
+        lo = a;
+        hi = ((const v4p_u32x4*)p)[1];
+    }
+}
+
+/// One 16-byte store. NVIDIA targets say so in PTX: NVVM splits a vector store of computed
+/// values into four scalar stores (seen in nvcc 13.0's PTX for the score row) and does not
+/// always merge them back.
+V4P_DEVICE void v4p_store16(v4p_u64 p, v4p_u32x4 v) {
+#if defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)
+    asm volatile("st.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+#else
+    *(v4p_u32x4*)p = v;
+#endif
+}
+
+/// f32 sum of two bit patterns, as bits.
+V4P_DEVICE v4p_u32 v4p_add_bits(v4p_u32 a, v4p_u32 b) { return v4p_bits_f32(v4p_f32_bits(a) + v4p_f32_bits(b)); }
+
+V4P_DEVICE v4p_u32x4 v4p_add4(v4p_u32x4 a, v4p_u32x4 b) {
+    v4p_u32x4 r;
+    r.x = v4p_add_bits(a.x, b.x), r.y = v4p_add_bits(a.y, b.y);
+    r.z = v4p_add_bits(a.z, b.z), r.w = v4p_add_bits(a.w, b.w);
+    return r;
+}
+
+/// One plan row's 16-byte path, for one pair of input types (a separate instantiation each,
+/// so no load or store is split by a run-time type branch): `lanes` lanes, 8 elements a chunk.
+template <bool IN_BF16, bool APE_BF16>
+V4P_DEVICE void v4p_state_row_vec(v4p_ptr kv, v4p_ptr score, v4p_ptr ape, v4p_u64 kv_dst, v4p_u64 score_dst,
+                                  v4p_i64 dim, v4p_u32 lane, v4p_u32 lanes) {
+    const v4p_u64 in_size = IN_BF16 ? 2 : 4, ape_size = APE_BF16 ? 2 : 4;
+    for (v4p_i64 e = (v4p_i64)lane * V4POOL_STATE_CHUNK; e < dim; e += (v4p_i64)lanes * V4POOL_STATE_CHUNK) {
+        v4p_u32x4 k0, k1, s0, s1, p0, p1;
+        v4p_load8<IN_BF16>(kv + (v4p_u64)e * in_size, k0, k1);
+        v4p_load8<IN_BF16>(score + (v4p_u64)e * in_size, s0, s1);
+        v4p_load8<APE_BF16>(ape + (v4p_u64)e * ape_size, p0, p1);
+        const v4p_u64 kd = kv_dst + (v4p_u64)e * 4, sd = score_dst + (v4p_u64)e * 4;
+        v4p_store16(kd, k0);
+        v4p_store16(kd + 16, k1);
+        v4p_store16(sd, v4p_add4(s0, p0));
+        v4p_store16(sd + 16, v4p_add4(s1, p1));
+    }
+}
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update_compressor_states(StateUpdateArgs a) {
+    const v4p_u32 lanes = v4p_state_lanes(a.dim);
+    const v4p_u32 tid = v4p_tid_x(), lane = tid % lanes;
+    const v4p_i64 r = (v4p_i64)v4p_bid_x() * (V4P_BLOCK / lanes) + tid / lanes;
+    if (r >= a.num_rows) return;
+    const v4p_vec16 row = v4p_in<v4p_vec16>(a.write_plan)[r];
+    const v4p_i64 ragged = (v4p_i32)row.x, pos = (v4p_i32)row.z;
+    if (pos < 0) return;  // pad row: no load, no store
+    // The slot load (contract form) goes out before the row's data loads and is waited on
+    // only at the stores.
+    const v4p_i64 slot = a.slot_map != 0 ? (v4p_i64)v4p_in<v4p_i32>(a.slot_map)[(v4p_i32)row.y] : (v4p_i64)(v4p_i32)row.w;
+    v4p_i64 ring_row, ape_row, unused;
+    v4p_divmod(pos, a.ring, unused, ring_row);
+    v4p_divmod(pos, a.ratio, unused, ape_row);
+    const v4p_i64 dim = a.dim;
+    const v4p_u64 in_size = a.in_dtype == V4POOL_DTYPE_BF16 ? 2 : 4;
+    const v4p_u64 ape_size = a.ape_dtype == V4POOL_DTYPE_BF16 ? 2 : 4;
+    const v4p_ptr kv = a.kv + (v4p_u64)ragged * (v4p_u64)a.kv_row_stride * in_size;
+    const v4p_ptr score = a.score + (v4p_u64)ragged * (v4p_u64)a.score_row_stride * in_size;
+    const v4p_ptr ape = a.ape + (v4p_u64)ape_row * (v4p_u64)dim * ape_size;
+    const v4p_u64 in_state = (v4p_u64)ring_row * (v4p_u64)dim * 4;
+    const v4p_u64 kv_dst = a.kv_state + (v4p_u64)slot * (v4p_u64)a.kv_slot_bytes + in_state;
+    const v4p_u64 score_dst = a.score_state + (v4p_u64)slot * (v4p_u64)a.score_slot_bytes + in_state;
+    // 16-byte path when every row start is 16-byte aligned (all V4 fields and engine tensors);
+    // the same for the whole launch, so no lane diverges on it.
+    const bool vec = dim % V4POOL_STATE_CHUNK == 0 &&
+                     ((a.kv | a.score | a.ape | a.kv_state | a.score_state | (v4p_u64)a.kv_slot_bytes |
+                       (v4p_u64)a.score_slot_bytes | ((v4p_u64)a.kv_row_stride * in_size) |
+                       ((v4p_u64)a.score_row_stride * in_size)) & 15) == 0;
+    if (vec) {
+        const bool in_bf16 = a.in_dtype == V4POOL_DTYPE_BF16, ape_bf16 = a.ape_dtype == V4POOL_DTYPE_BF16;
+        if (in_bf16 && ape_bf16)
+            v4p_state_row_vec<true, true>(kv, score, ape, kv_dst, score_dst, dim, lane, lanes);
+        else if (in_bf16)
+            v4p_state_row_vec<true, false>(kv, score, ape, kv_dst, score_dst, dim, lane, lanes);
+        else if (ape_bf16)
+            v4p_state_row_vec<false, true>(kv, score, ape, kv_dst, score_dst, dim, lane, lanes);
+        else
+            v4p_state_row_vec<false, false>(kv, score, ape, kv_dst, score_dst, dim, lane, lanes);
+    } else {
+        for (v4p_i64 e = lane; e < dim; e += lanes) {
+            const float k = v4p_load_elem(kv, a.in_dtype, e);
+            const float s = v4p_load_elem(score, a.in_dtype, e) + v4p_load_elem(ape, a.ape_dtype, e);
+            ((float*)kv_dst)[e] = k;
+            ((float*)score_dst)[e] = s;
+        }
+    }
+}
+
 // ---- fill / copy runs (compressor-state init, slot copies) -----------------------------------
 // grid (num_runs, 32), block 256: 32 blocks share a run.
 
@@ -562,6 +707,154 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_copy_r
     v4p_vec16* d = (v4p_vec16*)(run.dst + head);
     const v4p_vec16* s = (const v4p_vec16*)(run.src + head);
     for (v4p_u64 u = part * V4P_BLOCK + tid; u < vecs; u += stride) d[u] = s[u];
+}
+
+// ---- §9: DSpark window gather ------------------------------------------------------------
+// grid (num_seqs, ceil(draft_window / 8)), block 256: four groups of 64 lanes, each group
+// writing two window rows of one sequence; a lane moves 16 B of a 1024-B output row. Both
+// rows' loads are in flight before either store (the kernel is a pure DRAM stream at large
+// batches: ~2 x 16 B outstanding per thread instead of one). The same source serves the copy
+// variant (bf16 rows: a bf16 plane or the carried `state_window` field) and the fp8 variant
+// (NoPE e4m3 + per-tile e8m0 scale, RoPE bf16), which differ only in what a lane loads.
+
+#define V4P_GATHER_GROUPS (V4POOL_BLOCK_THREADS / V4POOL_GATHER_LANES)
+#define V4P_GATHER_ROWS (V4POOL_GATHER_ROWS_PER_BLOCK / V4P_GATHER_GROUPS)
+static_assert(V4P_GATHER_ROWS * V4P_GATHER_GROUPS == V4POOL_GATHER_ROWS_PER_BLOCK, "groups tile the rows");
+static_assert(V4POOL_GATHER_LANES * 16 == 1024, "a lane group moves one 1024-B bf16 row");
+/// fp8 NoPE row: 448 e4m3 values in 7 tiles of 64, the scales (twice each) from byte 448.
+#define V4P_NOPE_ROW_BYTES 512
+#define V4P_NOPE_VALUES 448
+#define V4P_ROPE_ROW_BYTES 128
+/// Lanes of a group that write NoPE values (8 each); the other 8 copy the RoPE part.
+#define V4P_NOPE_LANES (V4P_NOPE_VALUES / 8)
+
+union V4pF32Bits {
+    float f;
+    v4p_u32 u;
+};
+V4P_DEVICE float v4p_f32_from_bits(v4p_u32 u) {
+    V4pF32Bits x;
+    x.u = u;
+    return x.f;
+}
+V4P_DEVICE v4p_u32 v4p_f32_bits(float f) {
+    V4pF32Bits x;
+    x.f = f;
+    return x.u;
+}
+
+/// bf16 bits of `f`, rounded to nearest even (as a cast to bf16 does); NaN is 0x7fc0.
+V4P_DEVICE v4p_u32 v4p_bf16_rne(float f) {
+    const v4p_u32 u = v4p_f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+/// The e8m0 scale byte `e` as a float: 2^(e-127), 0 for e = 0 (an all-zero tile).
+V4P_DEVICE float v4p_e8m0_scale(v4p_u32 e) { return e == 0 ? 0.0f : v4p_f32_from_bits(e << 23); }
+
+/// One e4m3fn byte times `scale`, as bf16 bits. A normal byte's exponent and mantissa are an
+/// f32's once the bias difference (127 - 7 = 120) is added to the exponent; a subnormal one
+/// is m x 2^-9; both exact, so the only rounding is the product's (as float(x) * scale does).
+/// 0x7f / 0xff are NaN.
+V4P_DEVICE v4p_u32 v4p_fp8_scaled_bf16(v4p_u32 byte, float scale) {
+    const v4p_u32 mag = byte & 0x7fu;
+    if (mag == 0x7fu) return 0x7fc0u;
+    float v = mag >= 8 ? v4p_f32_from_bits((mag << 20) + (120u << 23)) : (float)mag * v4p_f32_from_bits(118u << 23);
+    if (byte & 0x80u) v = -v;
+    return v4p_bf16_rne(v * scale);
+}
+
+/// What one lane loaded for one window row: 16 B (copy, RoPE) or 8 e4m3 bytes + their scale.
+struct V4pGatherLoad {
+    v4p_vec16 v;
+    v4p_u32 scale;
+};
+
+/// Loads index typed pointers cast straight from the kernel's argument (a 64-bit element index:
+/// row x elements per row never wraps), which lets nvcc emit global rather than generic loads.
+template <bool FP8>
+V4P_DEVICE V4pGatherLoad v4p_gather_load(const WindowGatherArgs& a, v4p_i64 row, v4p_u32 lane) {
+    V4pGatherLoad l;
+    l.scale = 0;
+    if (!FP8) {
+        l.v = v4p_in<v4p_vec16>(a.pool)[row * (1024 / 16) + lane];
+    } else if (lane < V4P_NOPE_LANES) {
+        const v4p_u64 q = v4p_in<v4p_u64>(a.pool)[row * (V4P_NOPE_ROW_BYTES / 8) + lane];
+        l.v.x = (v4p_u32)q;
+        l.v.y = (v4p_u32)(q >> 32);
+        l.v.z = l.v.w = 0;
+        // Tile lane / 8 (64 values); its scale is the even byte of the pair.
+        l.scale = v4p_in<v4p_u8>(a.pool)[row * V4P_NOPE_ROW_BYTES + V4P_NOPE_VALUES + 2 * (lane / 8)];
+    } else {
+        l.v = v4p_in<v4p_vec16>(a.rope)[row * (V4P_ROPE_ROW_BYTES / 16) + (lane - V4P_NOPE_LANES)];
+    }
+    return l;
+}
+
+template <bool FP8>
+V4P_DEVICE v4p_vec16 v4p_gather_value(V4pGatherLoad l, v4p_u32 lane) {
+    if (!FP8 || lane >= V4P_NOPE_LANES) return l.v;
+    const float scale = v4p_e8m0_scale(l.scale);
+    v4p_u32 w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const v4p_u32 pair = (i < 2 ? l.v.x : l.v.y) >> (16 * (i & 1));
+        w[i] = v4p_fp8_scaled_bf16(pair & 0xffu, scale) | (v4p_fp8_scaled_bf16((pair >> 8) & 0xffu, scale) << 16);
+    }
+    v4p_vec16 o;
+    o.x = w[0];
+    o.y = w[1];
+    o.z = w[2];
+    o.w = w[3];
+    return o;
+}
+
+template <bool FP8>
+V4P_DEVICE void v4p_window_gather(const WindowGatherArgs& a) {
+    const v4p_i32 b = (v4p_i32)v4p_bid_x();
+    if (b >= a.num_seqs) return;
+    const v4p_u32 tid = v4p_tid_x();
+    const v4p_u32 lane = tid % V4POOL_GATHER_LANES, group = tid / V4POOL_GATHER_LANES;
+    const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
+    const v4p_i64 anchor = v4p_in<v4p_i64>(a.anchor_pos)[b];
+    if (slot < 0) return;  // pad of a fixed grid: no store at all
+    const v4p_i64 wd = a.draft_window;
+    // 0: nothing (past the window, or a row outside the view), 1: zeros (p < 0), 2: a row.
+    int what[V4P_GATHER_ROWS];
+    v4p_i64 s[V4P_GATHER_ROWS];
+    V4pGatherLoad l[V4P_GATHER_ROWS];
+#pragma unroll
+    for (int r = 0; r < V4P_GATHER_ROWS; ++r) {
+        s[r] = (v4p_i64)v4p_bid_y() * V4POOL_GATHER_ROWS_PER_BLOCK + r * V4P_GATHER_GROUPS + group;
+        what[r] = 0;
+        if (s[r] >= wd) continue;
+        const v4p_i64 p = anchor - (wd - 1) + s[r];
+        if (p < 0) {
+            what[r] = 1;
+            continue;
+        }
+        const v4p_i64 row = v4p_window_row_q(a.params, slot, v4p_ring_pos(a.params, p));
+        if (row < 0 || row >= a.view_rows) continue;  // never for a staged lease: the row is in its slot
+        what[r] = 2;
+        l[r] = v4p_gather_load<FP8>(a, row, lane);
+    }
+#pragma unroll
+    for (int r = 0; r < V4P_GATHER_ROWS; ++r) {
+        if (what[r] == 0) continue;
+        v4p_vec16 v;
+        v.x = v.y = v.z = v.w = 0;
+        if (what[r] == 2) v = v4p_gather_value<FP8>(l[r], lane);
+        v4p_out<v4p_vec16>(a.out)[((v4p_i64)b * wd + s[r]) * (1024 / 16) + lane] = v;
+    }
+}
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_window_gather(WindowGatherArgs a) {
+    v4p_window_gather<false>(a);
+}
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_window_gather_fp8(WindowGatherArgs a) {
+    v4p_window_gather<true>(a);
 }
 
 // ---- launch-overhead floor ------------------------------------------------------------------

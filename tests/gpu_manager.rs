@@ -1,5 +1,6 @@
 //! The manager's exactness scenario on the CUDA backend (the H200): window rows written by
-//! the ring-write kernel, checkpoint stores and restores by the copy kernel. Skips with a
+//! the ring-write kernel, compressor state by the §8 state-update kernel, checkpoint stores
+//! and restores by the copy kernel. Skips with a
 //! printed notice without a GPU; `V4POOL_REQUIRE_GPU=1` fails instead.
 
 mod common;

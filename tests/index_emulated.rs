@@ -11,7 +11,7 @@ use v4pool::index::host::run_launch;
 use v4pool::index::shape::launch_shape;
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
-    Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs,
+    Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs,
 };
 
 type EmuLaunch = unsafe extern "C" fn(*const c_char, *const c_void, *const u32, u32) -> i32;
@@ -679,5 +679,108 @@ fn fill_and_copy_runs_kernels_match_reference() {
             let runs: &'static [CopyRun] = Box::leak(runs.into_boxed_slice());
             Launch::CopyRuns(CopyRunsArgs { runs: addr(runs), num_runs: runs.len() as i32, _pad: 0 })
         });
+    }
+}
+
+/// Random finite, non-zero values as `ty` bytes (bf16: the upper half of an f32).
+fn random_values(rng: &mut Rng, n: usize, bf16: bool) -> Vec<u8> {
+    let mut out = Vec::with_capacity(n * 4);
+    for _ in 0..n {
+        let mut v = rng.range(-1 << 20, 1 << 20) as f32 / 4096.0;
+        if v == 0.0 {
+            v = 0.5;
+        }
+        if bf16 {
+            out.extend_from_slice(&((v.to_bits() >> 16) as u16).to_ne_bytes());
+        } else {
+            out.extend_from_slice(&v.to_ne_bytes());
+        }
+    }
+    out
+}
+
+#[test]
+fn state_update_kernel_matches_reference() {
+    let Some(emu) = emu() else { return };
+    let mut rng = Rng(0x3c3c_5a5a_0f0f_9696);
+    for case in 0..60 {
+        // The V4 dims (16-byte path), a small multiple of 8, and odd dims (element path).
+        let dim = [256, 512, 1024, 8, 24, 13, 3][rng.range(0, 6) as usize] as i64;
+        let (ratio, window) = if rng.chance(50) { (4, 8) } else { (128, 128) };
+        let ring = window + rng.range(0, 5);
+        let (in_bf16, ape_bf16) = (rng.chance(50), rng.chance(50));
+        // Row strides: tight, padded, or (odd dims only) anything.
+        let kv_stride = dim + [0, 8, 24][rng.range(0, 2) as usize];
+        let score_stride = dim + [0, 8, 1][rng.range(0, 2) as usize];
+        let positions = rng.range(1, 12);
+        let state_row = dim * 4;
+        // One plane holds both tensors: [kv ring x dim | score ring x dim | pad] per slot.
+        let slot_bytes = 2 * ring * state_row + rng.range(0, 4) * 16;
+        let bs = rng.range(1, positions.min(6)) as usize;
+        let slots: Vec<i32> = {
+            let mut all: Vec<i32> = (0..positions as i32).collect();
+            for i in (1..all.len()).rev() {
+                all.swap(i, rng.range(0, i as i64) as usize);
+            }
+            all[..bs].to_vec()
+        };
+        // Per sequence: up to K positions ending at its context, each ring row once.
+        let mut plan: Vec<i32> = Vec::new();
+        let mut tokens = 0i32;
+        for (b, &slot) in slots.iter().enumerate() {
+            let ctx = rng.range(1, 3000);
+            let q = rng.range(1, window.min(ctx).min(12));
+            for p in ctx - q..ctx {
+                plan.extend([tokens, b as i32, p as i32, slot]);
+                tokens += 1;
+            }
+        }
+        let pads = rng.range(0, 5);
+        for _ in 0..pads {
+            plan.extend([rng.range(0, 9) as i32, rng.range(0, 9) as i32, -1, rng.range(0, 9) as i32]);
+        }
+        let num_rows = (plan.len() / 4) as i32;
+        let rows = tokens.max(1) as usize;
+        let kv = random_values(&mut rng, rows * kv_stride as usize, in_bf16);
+        let score = random_values(&mut rng, rows * score_stride as usize, in_bf16);
+        let ape = random_values(&mut rng, (ratio * dim) as usize, ape_bf16);
+        let use_map = rng.chance(50);
+        let plan: Vec<i32> = plan
+            .chunks(4)
+            .map(|r| if use_map { [r[0], r[1], r[2], -5] } else { *<&[i32; 4]>::try_from(r).unwrap() })
+            .flat_map(|r| r)
+            .collect();
+        // 16-byte aligned copies (the kernel reads plan rows as vectors).
+        let plan16: Vec<u128> = vec![0; plan.len() / 4 + 1];
+        let plan_addr = plan16.as_ptr() as u64;
+        // SAFETY: plan16 holds plan.len() / 4 + 1 16-byte rows.
+        unsafe { std::ptr::copy_nonoverlapping(plan.as_ptr(), plan_addr as *mut i32, plan.len()) };
+        let outputs = vec![random_bytes(&mut rng, (positions * slot_bytes) as usize + 64)];
+        let kv_off = rng.range(0, 3) * 16; // where position 0 starts in the buffer
+        let wrote = compare(&emu, &format!("state update case {case} dim {dim}"), &outputs, |outs| {
+            let base = outs[0].as_mut_ptr() as u64 + kv_off as u64;
+            Launch::StateUpdate(StateUpdateArgs {
+                kv: addr(&kv),
+                score: addr(&score),
+                ape: addr(&ape),
+                write_plan: plan_addr,
+                slot_map: if use_map { addr(&slots) } else { 0 },
+                kv_state: base,
+                score_state: base + (ring * state_row) as u64,
+                kv_slot_bytes: slot_bytes,
+                score_slot_bytes: slot_bytes,
+                kv_row_stride: kv_stride,
+                score_row_stride: score_stride,
+                num_rows,
+                dim: dim as i32,
+                ring: ring as i32,
+                window: window as i32,
+                ratio: ratio as i32,
+                in_dtype: i32::from(in_bf16),
+                ape_dtype: i32::from(ape_bf16),
+                _pad: 0,
+            })
+        });
+        assert!(wrote || tokens == 0, "case {case}: nothing written");
     }
 }

@@ -8,12 +8,13 @@ use std::collections::BTreeMap;
 use std::mem::{align_of, offset_of, size_of};
 use v4pool::geometry::WindowParams;
 use v4pool::index::shape::{
-    BLOCK_THREADS, CSA_TILE, DECODE_HCA_TILE, MAX_GRID_YZ, PREFILL_LANES, PREFILL_TOKENS_PER_BLOCK,
-    ROWS_PER_BLOCK, ROW_LANES, RUN_SPLIT,
+    BLOCK_THREADS, CSA_TILE, DECODE_HCA_TILE, GATHER_LANES, GATHER_ROWS_PER_BLOCK, MAX_GRID_YZ,
+    PREFILL_LANES, PREFILL_TOKENS_PER_BLOCK, ROWS_PER_BLOCK, ROW_LANES, RUN_SPLIT, STATE_CHUNK,
 };
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
-    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_CSA, CLASS_DENSE, CLASS_HCA,
+    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs, WindowGatherArgs,
+    CLASS_CSA, CLASS_DENSE, CLASS_HCA,
 };
 
 const HEADER: &str = include_str!("../kernels/v4pool_common.h");
@@ -85,10 +86,17 @@ fn rust_checks() -> Checks {
             params, planes, positions, cu_seqlens_q, state_slot_per_seq, view_rows, num_seqs, write_per_batch,
         }
         RowScatterArgs { planes, batch_id_per_token, dest_rows, view_rows, num_tokens, _pad }
+        StateUpdateArgs {
+            kv, score, ape, write_plan, slot_map, kv_state, score_state, kv_slot_bytes, score_slot_bytes,
+            kv_row_stride, score_row_stride, num_rows, dim, ring, window, ratio, in_dtype, ape_dtype, _pad,
+        }
         FillRun { dst, bytes, pattern, _pad }
         FillRunsArgs { runs, num_runs, _pad }
         CopyRun { src, dst, bytes }
         CopyRunsArgs { runs, num_runs, _pad }
+        WindowGatherArgs {
+            params, pool, rope, state_slot_per_seq, anchor_pos, out, view_rows, num_seqs, draft_window,
+        }
     }
     c
 }
@@ -132,6 +140,11 @@ fn header_constants_match_the_launch_shapes() {
     assert_eq!(header_define("V4POOL_PREFILL_TOKENS_PER_BLOCK"), i64::from(PREFILL_TOKENS_PER_BLOCK));
     assert_eq!(header_define("V4POOL_CSA_TILE"), i64::from(CSA_TILE));
     assert_eq!(header_define("V4POOL_MAX_GRID_YZ"), i64::from(MAX_GRID_YZ));
+    assert_eq!(header_define("V4POOL_STATE_CHUNK"), i64::from(STATE_CHUNK));
+    assert_eq!(header_define("V4POOL_DTYPE_F32"), v4pool::index::ElemType::F32 as i64);
+    assert_eq!(header_define("V4POOL_DTYPE_BF16"), v4pool::index::ElemType::Bf16 as i64);
+    assert_eq!(header_define("V4POOL_GATHER_LANES"), i64::from(GATHER_LANES));
+    assert_eq!(header_define("V4POOL_GATHER_ROWS_PER_BLOCK"), i64::from(GATHER_ROWS_PER_BLOCK));
     assert_eq!(header_define("V4POOL_CLASS_DENSE"), CLASS_DENSE as i64);
     assert_eq!(header_define("V4POOL_CLASS_CSA"), CLASS_CSA as i64);
     assert_eq!(header_define("V4POOL_CLASS_HCA"), CLASS_HCA as i64);

@@ -19,7 +19,7 @@ fn resumed_request_is_byte_identical_to_an_uninterrupted_run() {
 #[test]
 fn checkpoint_images_carry_the_layout_id() {
     let t = tokens(3, 1400, 0);
-    let pool = small_pool(Arc::new(HostBackend::new()), 40);
+    let pool = state_pool(Arc::new(HostBackend::new()), 40);
     let mut m = KvManager::new(pool.clone(), config(2, true), Box::new(ElasticPolicy::default())).unwrap();
     let a = m.add_request(1400, hashes(&t));
     m.admit(a).unwrap();
@@ -33,7 +33,7 @@ fn checkpoint_images_carry_the_layout_id() {
     same(stored.image.bytes(), &at_1024, "exported image");
     m.finish(a).unwrap();
     // Another layout (ring 13): a typed error, nothing changes.
-    let other = small_pool_ring(Arc::new(HostBackend::new()), 40, 13);
+    let other = state_pool_ring(Arc::new(HostBackend::new()), 40, 13);
     assert_ne!(other.layout_id(), pool.layout_id());
     let mut o = KvManager::new(other, config(2, true), Box::new(ElasticPolicy::default())).unwrap();
     let before = o.pool().counts().unwrap();
@@ -70,7 +70,7 @@ fn checkpoint_images_carry_the_layout_id() {
 #[test]
 fn allocation_refuses_before_evicting_and_evicts_only_the_shortfall() {
     use v4pool::manager::FixedPolicy;
-    let pool = small_pool(Arc::new(HostBackend::new()), 10);
+    let pool = state_pool(Arc::new(HostBackend::new()), 10);
     let mut m = KvManager::new(pool.clone(), config(0, false), Box::new(FixedPolicy { slots: 2 })).unwrap();
     let total = pool.counts().unwrap().num_blocks as u64;
     let t = tokens(5, 256, 0);

@@ -129,14 +129,7 @@ impl World {
                 let slot = self.m.slot(id).unwrap().unwrap_or(slot);
                 let table = self.m.block_table(id).unwrap();
                 let pool = self.m.pool().clone();
-                forward(
-                    &pool,
-                    slot.position,
-                    &table,
-                    &self.reqs[k].tokens,
-                    done as usize,
-                    (done + n) as usize,
-                );
+                forward(&pool, slot, &table, &self.reqs[k].tokens, done as usize, (done + n) as usize);
                 let image = self.image_of(k);
                 let after = done + n;
                 if after % BLOCK == 0 {

@@ -13,8 +13,13 @@
 //! write (as the contract allows); everything else is `i32`.
 
 pub mod bounds;
+mod gather;
 pub mod host;
 pub mod shape;
+
+pub use gather::{
+    WindowGatherArgs, FP8_NOPE_ROW_BYTES, FP8_NOPE_VALUES, FP8_TILE, GATHER_ROW_BYTES, ROPE_ROW_BYTES,
+};
 
 use crate::geometry::WindowParams;
 use bytemuck::{Pod, Zeroable};
@@ -245,6 +250,87 @@ pub struct RowScatterArgs {
     pub _pad: i32,
 }
 
+/// Element type of a state-update input (`V4POOL_DTYPE_*`): what an engine's compressor
+/// emits (kv, score) and the positional bias (ape) are either; the state is always f32.
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ElemType {
+    /// 32-bit float.
+    #[default]
+    F32 = 0,
+    /// bfloat16 (widened exactly to f32).
+    Bf16 = 1,
+}
+
+impl ElemType {
+    /// Bytes per element.
+    pub fn size(self) -> u64 {
+        match self {
+            ElemType::F32 => 4,
+            ElemType::Bf16 => 2,
+        }
+    }
+    /// The kernel-side code of a raw `in_dtype` / `ape_dtype` field, if it names a type.
+    pub fn from_code(code: i32) -> Option<ElemType> {
+        match code {
+            0 => Some(ElemType::F32),
+            1 => Some(ElemType::Bf16),
+            _ => None,
+        }
+    }
+}
+
+/// Compressor-state update (§8) for one compressor of one layer: per plan row with a
+/// non-negative position, `kv_state[s][pos % ring] = f32(kv[ragged])` and
+/// `score_state[s][pos % ring] = f32(score[ragged]) + f32(ape[pos % ratio])`.
+///
+/// Plan rows are `(ragged_id, batch_id, position, slot)`; `s = slot_map[batch_id]` when
+/// `slot_map != 0` (the contract's form), else the row's own column 3 (v4pool's staging
+/// writes the physical slot there). State addresses are `kv_state + s * kv_slot_bytes +
+/// (pos % ring) * dim * 4`, 64-bit.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct StateUpdateArgs {
+    /// `[rows][kv_row_stride]` elements of `in_dtype`.
+    pub kv: DevicePtr,
+    /// `[rows][score_row_stride]` elements of `in_dtype`.
+    pub score: DevicePtr,
+    /// `[ratio][dim]` elements of `ape_dtype`, contiguous.
+    pub ape: DevicePtr,
+    /// i32 `[num_rows][4]`, 16-byte aligned.
+    pub write_plan: DevicePtr,
+    /// i32 `[bs]`; 0 = the slot is the plan row's column 3.
+    pub slot_map: DevicePtr,
+    /// f32 `[positions][ring][dim]` at position 0, positions `kv_slot_bytes` apart.
+    pub kv_state: DevicePtr,
+    /// f32, as `kv_state`, positions `score_slot_bytes` apart.
+    pub score_state: DevicePtr,
+    /// Bytes from one slot position's kv state to the next.
+    pub kv_slot_bytes: i64,
+    /// Bytes from one slot position's score state to the next.
+    pub score_slot_bytes: i64,
+    /// Elements from one kv row to the next (≥ dim).
+    pub kv_row_stride: i64,
+    /// Elements from one score row to the next (≥ dim).
+    pub score_row_stride: i64,
+    /// Plan rows in the grid, pads (negative positions) included.
+    pub num_rows: i32,
+    /// Elements per row.
+    pub dim: i32,
+    /// S: state rows per slot (the ring modulo).
+    pub ring: i32,
+    /// K = (2 if overlap else 1) · ratio; `ring >= window` is checked.
+    pub window: i32,
+    /// Rows of `ape` (the compress ratio).
+    pub ratio: i32,
+    /// [`ElemType`] code of kv and score.
+    pub in_dtype: i32,
+    /// [`ElemType`] code of ape.
+    pub ape_dtype: i32,
+    /// Padding to the C layout.
+    pub _pad: i32,
+}
+
 /// A byte range to fill with a repeated 32-bit pattern (compressor-state initialisation:
 /// `0xff80_0000` is f32 −inf, 0 is kv). `dst` and `bytes` are multiples of 4.
 #[repr(C)]
@@ -311,10 +397,16 @@ pub enum Launch {
     RingWrite(RingWriteArgs),
     /// `v4pool_row_scatter`
     RowScatter(RowScatterArgs),
+    /// `v4pool_update_compressor_states`
+    StateUpdate(StateUpdateArgs),
     /// `v4pool_fill_runs`
     FillRuns(FillRunsArgs),
     /// `v4pool_copy_runs`
     CopyRuns(CopyRunsArgs),
+    /// `v4pool_window_gather`: §9 window gather of 1024-B bf16 rows.
+    WindowGather(WindowGatherArgs),
+    /// `v4pool_window_gather_fp8`: §9 window gather from the fp8 NoPE and bf16 RoPE planes.
+    WindowGatherFp8(WindowGatherArgs),
     /// `v4pool_empty`: the launch-overhead floor benchmarks measure against.
     Empty,
 }
@@ -329,22 +421,28 @@ impl Launch {
             Launch::CsaPack(_) => "v4pool_csa_translate_pack",
             Launch::RingWrite(_) => "v4pool_ring_write",
             Launch::RowScatter(_) => "v4pool_row_scatter",
+            Launch::StateUpdate(_) => "v4pool_update_compressor_states",
             Launch::FillRuns(_) => "v4pool_fill_runs",
             Launch::CopyRuns(_) => "v4pool_copy_runs",
+            Launch::WindowGather(_) => "v4pool_window_gather",
+            Launch::WindowGatherFp8(_) => "v4pool_window_gather_fp8",
             Launch::Empty => "v4pool_empty",
         }
     }
 
     /// Every kernel symbol, for module loading and the code-object symbol test.
-    pub const SYMBOLS: [&'static str; 9] = [
+    pub const SYMBOLS: [&'static str; 12] = [
         "v4pool_decode_indices",
         "v4pool_prefill_indices",
         "v4pool_hca_offsets",
         "v4pool_csa_translate_pack",
         "v4pool_ring_write",
         "v4pool_row_scatter",
+        "v4pool_update_compressor_states",
         "v4pool_fill_runs",
         "v4pool_copy_runs",
+        "v4pool_window_gather",
+        "v4pool_window_gather_fp8",
         "v4pool_empty",
     ];
 }

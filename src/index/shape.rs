@@ -16,7 +16,7 @@
 
 use super::{
     ClassBuffers, CsaPackArgs, DecodeIndexArgs, HcaOffsetsArgs, Launch, PlaneWrite, PrefillIndexArgs,
-    RingWriteArgs, RowScatterArgs, CLASS_HCA,
+    RingWriteArgs, RowScatterArgs, StateUpdateArgs, WindowGatherArgs, CLASS_HCA,
 };
 use crate::geometry::WindowParams;
 use thiserror::Error;
@@ -39,6 +39,12 @@ pub const PREFILL_LANES: u32 = 64;
 pub const PREFILL_TOKENS_PER_BLOCK: u32 = BLOCK_THREADS / PREFILL_LANES;
 /// Top-k columns one CSA translate-pack block covers, grid y (`V4POOL_CSA_TILE`).
 pub const CSA_TILE: u32 = 2 * BLOCK_THREADS;
+/// Elements one lane of the state update moves per chunk (`V4POOL_STATE_CHUNK`).
+pub const STATE_CHUNK: u32 = 8;
+/// Lanes that write one 1024-B window row in the §9 gather (`V4POOL_GATHER_LANES`).
+pub const GATHER_LANES: u32 = 64;
+/// Window rows one §9 gather block writes, grid y (`V4POOL_GATHER_ROWS_PER_BLOCK`).
+pub const GATHER_ROWS_PER_BLOCK: u32 = 8;
 
 /// Grid and block of one launch, in CUDA/HIP order (x, y, z).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -82,6 +88,17 @@ fn ceil_div(n: u64, d: u64) -> u64 {
 /// number from `topk_row_stride` to stride past a row should `valid_k` exceed it.
 pub fn csa_tiles(topk_row_stride: i32) -> u64 {
     ceil_div(count(topk_row_stride), u64::from(CSA_TILE)).max(1)
+}
+
+/// Lanes of the state update that share one plan row: the power of two covering
+/// `dim / STATE_CHUNK` chunks, at most a block (`v4p_state_lanes` in the kernel).
+pub fn state_update_lanes(dim: i32) -> u32 {
+    let chunks = count(dim.max(1)).div_ceil(u64::from(STATE_CHUNK));
+    let mut lanes = 1u32;
+    while u64::from(lanes) < chunks && lanes < BLOCK_THREADS {
+        lanes *= 2;
+    }
+    lanes
 }
 
 /// Tiles of a token's fused HCA head in the decode builder (grid y). The grid may depend only
@@ -131,6 +148,10 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
         Launch::RowScatter(a) => {
             LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(ROWS_PER_BLOCK)), b)
         }
+        // BLOCK_THREADS / lanes plan rows per block.
+        Launch::StateUpdate(a) => {
+            LaunchShape::linear(ceil_div(count(a.num_rows), u64::from(b / state_update_lanes(a.dim))), b)
+        }
         // (run, RUN_SPLIT blocks per run).
         Launch::FillRuns(a) => {
             LaunchShape { grid: [grid_dim(count(a.num_runs)), RUN_SPLIT, 1], block: [b, 1, 1] }
@@ -138,6 +159,15 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
         Launch::CopyRuns(a) => {
             LaunchShape { grid: [grid_dim(count(a.num_runs)), RUN_SPLIT, 1], block: [b, 1, 1] }
         }
+        // (sequence, group of GATHER_ROWS_PER_BLOCK window rows).
+        Launch::WindowGather(a) | Launch::WindowGatherFp8(a) => LaunchShape {
+            grid: [
+                grid_dim(count(a.num_seqs)),
+                grid_dim(ceil_div(count(a.draft_window), u64::from(GATHER_ROWS_PER_BLOCK))),
+                1,
+            ],
+            block: [b, 1, 1],
+        },
         Launch::Empty => LaunchShape { grid: [1, 1, 1], block: [1, 1, 1] },
     }
 }
@@ -212,6 +242,24 @@ pub enum LaunchError {
         win: i64,
         /// Ring positions.
         ring_slots: i64,
+    },
+    #[error("{field} = {value} names no element type")]
+    /// `field` = `value` names no element type.
+    BadCode {
+        /// The field.
+        field: &'static str,
+        /// The value given.
+        value: i32,
+    },
+    #[error("{field} = {addr:#x} is not {align}-byte aligned")]
+    /// `field` = `addr` is not `align`-byte aligned.
+    Misaligned {
+        /// The field.
+        field: &'static str,
+        /// The address.
+        addr: u64,
+        /// Required alignment in bytes.
+        align: u64,
     },
     #[error("plane {plane}: kv and pool must both be given or both absent")]
     /// Plane `plane`: kv and pool must both be given or both absent.
@@ -451,6 +499,41 @@ fn check_ring_write(a: &RingWriteArgs) -> Result<(), LaunchError> {
     Ok(())
 }
 
+/// §9 / §11: `draft_window` in `[1, ring_slots]` (a wider window would read rows the ring
+/// already recycled); the variant's planes present or absent; every address a 16-B vector
+/// access touches 16-B aligned.
+fn check_window_gather(a: &WindowGatherArgs, fp8: bool) -> Result<(), LaunchError> {
+    check_params("window gather", &a.params)?;
+    non_negative("num_seqs", a.num_seqs.into())?;
+    at_least("draft_window", a.draft_window.into(), 1)?;
+    check_window("window gather", &a.params, a.draft_window.into())?;
+    non_negative("view_rows", a.view_rows)?;
+    if fp8 {
+        present("rope", a.rope)?;
+    } else if a.rope != 0 {
+        return Err(LaunchError::UnexpectedBuffer {
+            field: "rope",
+            because: "the copy variant reads one plane",
+        });
+    }
+    if a.num_seqs > 0 {
+        for (field, ptr) in [
+            ("pool", a.pool),
+            ("state_slot_per_seq", a.state_slot_per_seq),
+            ("anchor_pos", a.anchor_pos),
+            ("out", a.out),
+        ] {
+            present(field, ptr)?;
+        }
+    }
+    for (field, ptr) in [("pool", a.pool), ("rope", a.rope), ("out", a.out)] {
+        if ptr % 16 != 0 {
+            return Err(LaunchError::Misaligned { field, addr: ptr, align: 16 });
+        }
+    }
+    Ok(())
+}
+
 fn check_row_scatter(a: &RowScatterArgs) -> Result<(), LaunchError> {
     non_negative("num_tokens", a.num_tokens.into())?;
     non_negative("view_rows", a.view_rows)?;
@@ -458,6 +541,59 @@ fn check_row_scatter(a: &RowScatterArgs) -> Result<(), LaunchError> {
     if a.num_tokens > 0 {
         present("batch_id_per_token", a.batch_id_per_token)?;
         present("dest_rows", a.dest_rows)?;
+    }
+    Ok(())
+}
+
+fn check_state_update(a: &StateUpdateArgs) -> Result<(), LaunchError> {
+    non_negative("num_rows", a.num_rows.into())?;
+    at_least("dim", a.dim.into(), 1)?;
+    at_least("ratio", a.ratio.into(), 1)?;
+    at_least("window", a.window.into(), 1)?;
+    // §11: S < K is a host error (the last K positions would not all have a row).
+    at_least("ring", a.ring.into(), a.window.into())?;
+    for (field, code) in [("in_dtype", a.in_dtype), ("ape_dtype", a.ape_dtype)] {
+        if super::ElemType::from_code(code).is_none() {
+            return Err(LaunchError::BadCode { field, value: code });
+        }
+    }
+    let dim = i64::from(a.dim);
+    at_least("kv_row_stride", a.kv_row_stride, dim)?;
+    at_least("score_row_stride", a.score_row_stride, dim)?;
+    // One position's [ring][dim] f32 must not reach the next position's.
+    let state = i64::from(a.ring) * dim * 4;
+    at_least("kv_slot_bytes", a.kv_slot_bytes, state)?;
+    at_least("score_slot_bytes", a.score_slot_bytes, state)?;
+    if a.num_rows > 0 {
+        for (field, ptr) in [
+            ("kv", a.kv),
+            ("score", a.score),
+            ("ape", a.ape),
+            ("write_plan", a.write_plan),
+            ("kv_state", a.kv_state),
+            ("score_state", a.score_state),
+        ] {
+            present(field, ptr)?;
+        }
+        // The kernel reads a plan row as one 16-byte vector and every element at its own
+        // alignment.
+        let in_size = super::ElemType::from_code(a.in_dtype).map_or(4, super::ElemType::size);
+        let ape_size = super::ElemType::from_code(a.ape_dtype).map_or(4, super::ElemType::size);
+        for (field, addr, align) in [
+            ("write_plan", a.write_plan, 16),
+            ("kv", a.kv, in_size),
+            ("score", a.score, in_size),
+            ("ape", a.ape, ape_size),
+            ("slot_map", a.slot_map, 4),
+            ("kv_state", a.kv_state, 4),
+            ("score_state", a.score_state, 4),
+            ("kv_slot_bytes", a.kv_slot_bytes as u64, 4),
+            ("score_slot_bytes", a.score_slot_bytes as u64, 4),
+        ] {
+            if addr % align != 0 {
+                return Err(LaunchError::Misaligned { field, addr, align });
+            }
+        }
     }
     Ok(())
 }
@@ -471,6 +607,7 @@ pub fn check_launch(launch: &Launch) -> Result<(), LaunchError> {
         Launch::CsaPack(a) => check_csa_pack(a)?,
         Launch::RingWrite(a) => check_ring_write(a)?,
         Launch::RowScatter(a) => check_row_scatter(a)?,
+        Launch::StateUpdate(a) => check_state_update(a)?,
         Launch::FillRuns(a) => {
             non_negative("num_runs", a.num_runs.into())?;
             if a.num_runs > 0 {
@@ -483,6 +620,8 @@ pub fn check_launch(launch: &Launch) -> Result<(), LaunchError> {
                 present("runs", a.runs)?;
             }
         }
+        Launch::WindowGather(a) => check_window_gather(a, false)?,
+        Launch::WindowGatherFp8(a) => check_window_gather(a, true)?,
         Launch::Empty => {}
     }
     check_grid(launch)
@@ -635,6 +774,50 @@ mod tests {
         let mut b = a;
         b.planes[1].pool = 9;
         assert_eq!(check_launch(&Launch::RingWrite(b)), Err(LaunchError::PlaneHalfGiven { plane: 1 }));
+    }
+
+    #[test]
+    fn state_update_rows_per_block_and_checks() {
+        // No idle lane at the V4 dims: 32 / 64 / 128 lanes, 8 / 4 / 2 rows per block.
+        for (dim, lanes) in [(256, 32), (512, 64), (1024, 128), (8, 1), (13, 2), (4096, 256), (0, 1)] {
+            assert_eq!(state_update_lanes(dim), lanes, "dim {dim}");
+        }
+        let a = StateUpdateArgs {
+            kv: 0x100,
+            score: 0x200,
+            ape: 0x300,
+            write_plan: 0x400,
+            kv_state: 0x1000,
+            score_state: 0x2000,
+            kv_slot_bytes: 9 * 1024 * 4,
+            score_slot_bytes: 9 * 1024 * 4,
+            kv_row_stride: 1024,
+            score_row_stride: 1024,
+            num_rows: 5,
+            dim: 1024,
+            ring: 9,
+            window: 8,
+            ratio: 4,
+            in_dtype: 1,
+            ..Default::default()
+        };
+        assert_eq!(check_launch(&Launch::StateUpdate(a)), Ok(()));
+        assert_eq!(launch_shape(&Launch::StateUpdate(a)).grid, [3, 1, 1]);
+        let bad = |f: fn(&mut StateUpdateArgs)| {
+            let mut b = a;
+            f(&mut b);
+            check_launch(&Launch::StateUpdate(b))
+        };
+        assert_eq!(bad(|b| b.ring = 7), Err(LaunchError::TooSmall { field: "ring", value: 7, min: 8 }));
+        assert_eq!(bad(|b| b.in_dtype = 2), Err(LaunchError::BadCode { field: "in_dtype", value: 2 }));
+        assert!(matches!(
+            bad(|b| b.write_plan = 0x408),
+            Err(LaunchError::Misaligned { field: "write_plan", .. })
+        ));
+        assert!(matches!(bad(|b| b.kv_row_stride = 1000), Err(LaunchError::TooSmall { .. })));
+        assert!(matches!(bad(|b| b.kv_slot_bytes = 4), Err(LaunchError::TooSmall { .. })));
+        assert_eq!(bad(|b| b.ape = 0), Err(LaunchError::MissingBuffer { field: "ape" }));
+        assert_eq!(bad(|b| b.num_rows = -1), Err(LaunchError::Negative { field: "num_rows", value: -1 }));
     }
 
     #[test]

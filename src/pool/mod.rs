@@ -12,7 +12,7 @@
 
 pub mod decode;
 mod image;
-mod owned;
+pub(crate) mod owned;
 mod path;
 pub mod prefill;
 #[cfg(test)]

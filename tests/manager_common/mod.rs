@@ -1,37 +1,90 @@
 //! Shared by the manager tests: a small pool on any backend, and a token engine that writes a
 //! request's state the way a forward pass does — window rows through the ring-write kernel
-//! (`v4pool_ring_write`, launched on the pool's backend), the carried compressor state through
-//! the pool's public write path (no state-writing kernel exists), and each full block's
-//! compressed rows through the same path.
+//! (`v4pool_ring_write`), the compressor state through the §8 state-update kernel
+//! (`v4pool_update_compressor_states`, the pool's `StateUpdate` handle), both launched on the
+//! pool's backend, and each full block's compressed rows through the pool's write path.
 //!
-//! The state is a deterministic function of the tokens so far (each token mixes every state
-//! byte), and each token's window row depends on the state before it, so a wrong restore
-//! shows up in every later row. Chunking does not change the result: an uninterrupted run
-//! and a run resumed from a checkpoint must end byte-identical.
+//! The pool's arena has the §2.1 fields (small dims, rings of exactly K rows: no spec slack,
+//! so a ring's bytes after a forward depend only on the last K positions, never on how the
+//! tokens were chunked). Each token's CSA compressor rows are a function of the token and of
+//! the state row it replaces (the one K positions back, read from the pool before the
+//! forward), so the CSA state chains through the whole history and a wrong restore shows up in
+//! every later row; HCA rows depend on the token alone (HCA state is not carried: its ring is
+//! rewritten by every resuming forward). Window rows derive from the token's CSA row. An
+//! uninterrupted run and a run resumed from a checkpoint must end byte-identical.
 #![allow(dead_code)]
 
 use std::sync::Arc;
 #[path = "../pool_common/mod.rs"]
 mod pool_common;
 
+use v4pool::arena::{Dtype, Fill, StateField};
 use v4pool::backend::{Backend, Stream};
-use v4pool::index::{Launch, PlaneWrite, RingWriteArgs};
+use v4pool::index::{ElemType, Launch, PlaneWrite, RingWriteArgs};
 use v4pool::manager::{BlockHash, KvManager, Namespace, RequestId};
 use v4pool::pool::Pool;
+use v4pool::pool::SlotLease;
 use v4pool::sizing::IndexerDtype;
+use v4pool::state::update::{Compressor, StateInputs, StateSeq, StateUpdateCapacity};
 use v4pool::ABSENT_RATIO;
 
 pub use pool_common::WIDTHS;
 pub const BLOCK: u64 = 256;
 
+/// Elements per row of every state field of the small pool.
+pub const STATE_DIM: u64 = 8;
+
+/// The §2.1 fields at dim [`STATE_DIM`], two layers each, rings of exactly K rows.
+fn state_fields() -> Vec<StateField> {
+    let f = |name: &str, rows: i64, fill, carried| StateField {
+        name: name.into(),
+        layers: 2,
+        shape: vec![rows as u64, STATE_DIM],
+        dtype: Dtype::F32,
+        fill,
+        carried,
+        align: 256,
+    };
+    let (csa, hca) = (Compressor::CsaMain.window(), Compressor::HcaMain.window());
+    vec![
+        f("csa_main_kv", csa, Fill::Zero, true),
+        f("csa_main_score", csa, Fill::NegInf, true),
+        f("csa_idx_kv", csa, Fill::Zero, true),
+        f("csa_idx_score", csa, Fill::NegInf, true),
+        f("hca_main_kv", hca, Fill::Zero, false),
+        f("hca_main_score", hca, Fill::NegInf, false),
+    ]
+}
+
 /// A small pool: ratios [0,4,128,4,128,0], ring 11, a 3-field arena in two planes, a plane
-/// of `positions` slots' rows, carved empty (the manager sets the split).
+/// of `positions` slots' rows, carved empty (the manager sets the split). Its state is
+/// written by the host (`forward`).
 pub fn small_pool(backend: Arc<dyn Backend>, positions: i64) -> Arc<Pool> {
     small_pool_ring(backend, positions, 11)
 }
 
 /// As [`small_pool`] with another ring size (another checkpoint layout).
 pub fn small_pool_ring(backend: Arc<dyn Backend>, positions: i64, ring: i64) -> Arc<Pool> {
+    pool_with(backend, positions, ring, None)
+}
+
+/// As [`small_pool`] with the §2.1 arena (small dims): `forward` writes its state through the
+/// state-update kernel.
+pub fn state_pool(backend: Arc<dyn Backend>, positions: i64) -> Arc<Pool> {
+    state_pool_ring(backend, positions, 11)
+}
+
+/// As [`state_pool`] with another ring size (another checkpoint layout).
+pub fn state_pool_ring(backend: Arc<dyn Backend>, positions: i64, ring: i64) -> Arc<Pool> {
+    pool_with(backend, positions, ring, Some(state_fields()))
+}
+
+fn pool_with(
+    backend: Arc<dyn Backend>,
+    positions: i64,
+    ring: i64,
+    fields: Option<Vec<StateField>>,
+) -> Arc<Pool> {
     // Carved empty: the manager sets the split.
     let spec = pool_common::small_spec_with(
         &pool_common::RATIOS,
@@ -41,6 +94,7 @@ pub fn small_pool_ring(backend: Arc<dyn Backend>, positions: i64, ring: i64) -> 
         ring,
         0,
         Some(0),
+        fields,
     );
     Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
 }
@@ -144,19 +198,174 @@ pub fn block_content(pool: &Pool, h: &BlockHash) -> Vec<u8> {
     pattern(h.0 as u64 ^ (h.0 >> 64) as u64, n as usize)
 }
 
-/// The forward pass of tokens `t[from..to]` for a request whose slot is at `position`:
-/// per token the state absorbs it and its window rows (every layer, both planes) are derived
-/// from the state before it; full blocks get their compressed rows.
-pub fn forward(pool: &Pool, position: i64, table: &[i32], t: &[u32], from: usize, to: usize) {
-    if to <= from {
-        return;
+/// A finite, non-zero value from hash bits (exact in bf16: at most 8 significant bits).
+fn value(h: u64) -> f32 {
+    let v = ((h % 255) as f32 - 127.0) / 16.0;
+    if v == 0.0 {
+        0.5
+    } else {
+        v
     }
-    let g = pool.spec().geometry.clone();
+}
+
+/// The positional bias of compressor `c` at `layer`: `[ratio][STATE_DIM]` f32.
+fn ape(c: Compressor, layer: u64) -> Vec<f32> {
+    (0..c.ratio() as u64 * STATE_DIM).map(|i| value(mix(i ^ (layer << 20) ^ ((c as u64) << 24)))).collect()
+}
+
+/// Input element type of each compressor (both kinds exercised).
+fn input_type(c: Compressor) -> ElemType {
+    if c == Compressor::CsaIdx {
+        ElemType::F32
+    } else {
+        ElemType::Bf16
+    }
+}
+
+/// One compressor's ring at one layer as the host simulates it: `K` rows of `(kv, score)`.
+struct Ring {
+    c: Compressor,
+    layer: u64,
+    kv: Vec<[f32; STATE_DIM as usize]>,
+    score: Vec<[f32; STATE_DIM as usize]>,
+    /// The forward's input rows, in token order (raw element bytes).
+    kv_in: Vec<u8>,
+    score_in: Vec<u8>,
+}
+
+fn f32s(bytes: &[u8]) -> [f32; STATE_DIM as usize] {
+    std::array::from_fn(|e| f32::from_ne_bytes(bytes[4 * e..4 * e + 4].try_into().expect("4 bytes")))
+}
+
+/// A row of input values of `c`'s element type from a hash; returns the values as f32 too.
+fn input_row(h: u64, ty: ElemType, out: &mut Vec<u8>) -> [f32; STATE_DIM as usize] {
+    std::array::from_fn(|e| {
+        let v = value(mix(h ^ e as u64));
+        match ty {
+            ElemType::F32 => out.extend_from_slice(&v.to_ne_bytes()),
+            ElemType::Bf16 => out.extend_from_slice(&((v.to_bits() >> 16) as u16).to_ne_bytes()),
+        }
+        v
+    })
+}
+
+/// The compressor state of the forward `t[from..to]` of the slot `lease`: every CSA token's
+/// rows from the token and the ring row it replaces (simulated on the host from the pool's
+/// rings), HCA rows from the token; then one `StateUpdate` launch per compressor and layer
+/// (the kernel keeps the last K). Returns each token's digest (of its CSA main row).
+fn update_state(pool: &Arc<Pool>, lease: SlotLease, t: &[u32], from: usize, to: usize) -> Vec<u64> {
+    let mut rings = Vec::new();
+    for c in Compressor::ALL {
+        for layer in 0..2 {
+            let (kv, score) = rings_of(pool, lease.position, c, layer);
+            rings.push(Ring { c, layer, kv, score, kv_in: Vec::new(), score_in: Vec::new() });
+        }
+    }
+    let mut digests = Vec::with_capacity(to - from);
+    for p in from..to {
+        let tok = u64::from(t[p]) ^ ((p as u64) << 32);
+        for r in rings.iter_mut() {
+            let k = r.c.window() as usize;
+            let mut h = mix(tok ^ (r.layer << 56) ^ ((r.c as u64) << 60));
+            if r.c != Compressor::HcaMain {
+                for v in r.kv[p % k].iter().chain(&r.score[p % k]) {
+                    h = mix(h ^ u64::from(v.to_bits()));
+                }
+            }
+            let ty = input_type(r.c);
+            let kv = input_row(h, ty, &mut r.kv_in);
+            let score = input_row(mix(h ^ 0x5c0e), ty, &mut r.score_in);
+            let ape = ape(r.c, r.layer);
+            let a = (p as u64 % r.c.ratio() as u64 * STATE_DIM) as usize;
+            r.kv[p % k] = kv;
+            r.score[p % k] = std::array::from_fn(|e| score[e] + ape[a + e]);
+        }
+        let main = &rings[0].kv[p % Compressor::CsaMain.window() as usize];
+        digests.push(main.iter().fold(tok, |d, v| mix(d ^ u64::from(v.to_bits()))));
+    }
+    // The kernel: one launch per compressor and layer over the forward's rows.
+    let n = to - from;
+    let mut upd =
+        pool.state_update(StateUpdateCapacity { max_seqs: 1, max_tokens: n }).expect("state update");
+    let positions: Vec<i64> = (from as i64..to as i64).collect();
+    let seq = StateSeq { slot: lease.handle, first_token: 0, positions: &positions, context_len: to as i64 };
+    upd.stage(&[seq]).expect("stage");
+    let backend = pool.backend().clone();
+    let stream = pool.stream();
+    let mut allocs = Vec::new();
+    for r in &rings {
+        let ape_bytes: Vec<u8> = ape(r.c, r.layer).iter().flat_map(|v| v.to_ne_bytes()).collect();
+        let mut ptrs = [0u64; 3];
+        for (ptr, bytes) in ptrs.iter_mut().zip([&r.kv_in, &r.score_in, &ape_bytes]) {
+            let a = backend.alloc_zeroed(bytes.len() as u64).expect("alloc");
+            // SAFETY: a fresh allocation of exactly these bytes.
+            unsafe { backend.upload(a.ptr, bytes, stream).expect("upload") };
+            *ptr = a.ptr;
+            allocs.push(a);
+        }
+        let inputs = StateInputs {
+            kv: ptrs[0],
+            score: ptrs[1],
+            ape: ptrs[2],
+            kv_row_stride: STATE_DIM as i64,
+            score_row_stride: STATE_DIM as i64,
+            rows: n as i64,
+            dim: STATE_DIM as i64,
+            dtype: input_type(r.c),
+            ape_dtype: ElemType::F32,
+        };
+        // SAFETY: the inputs were just uploaded to the pool's backend with these shapes.
+        unsafe { upd.update(r.c, r.layer, &inputs).expect("state update") };
+    }
+    backend.synchronize(stream).expect("sync");
+    for a in allocs {
+        // SAFETY: synchronised above; nothing uses the buffer.
+        unsafe { backend.free(a) };
+    }
+    // The kernel left every ring as the host simulated it (the last K positions written).
+    for r in &rings {
+        let (kv, score) = rings_of(pool, lease.position, r.c, r.layer);
+        let bits = |rows: &[[f32; STATE_DIM as usize]]| {
+            rows.iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>()
+        };
+        assert!(
+            bits(&kv) == bits(&r.kv) && bits(&score) == bits(&r.score),
+            "{:?} layer {}: state after the kernel",
+            r.c,
+            r.layer
+        );
+    }
+    digests
+}
+
+/// The `(kv, score)` rings of compressor `c` at `layer` of the slot at `position`.
+fn rings_of(
+    pool: &Pool,
+    position: i64,
+    c: Compressor,
+    layer: u64,
+) -> (Vec<[f32; STATE_DIM as usize]>, Vec<[f32; STATE_DIM as usize]>) {
+    let arena = &pool.spec().arena;
+    let slot_rows = pool.spec().geometry.slot_rows;
+    let row_bytes = (STATE_DIM * 4) as usize;
+    let k = c.window() as usize;
+    let read_ring = |name: &str| {
+        let (plane, off) = arena
+            .byte_offset(position, arena.field_index(name).expect("field"), layer, slot_rows)
+            .expect("offset");
+        let mut b = vec![0u8; k * row_bytes];
+        pool.read_plane(plane, off, &mut b).expect("read state");
+        b.chunks(row_bytes).map(f32s).collect::<Vec<_>>()
+    };
+    (read_ring(c.fields().0), read_ring(c.fields().1))
+}
+
+/// The carried state of the 3-field arena, written by the host: per token a digest of the
+/// state before it, then the state absorbs the token. Returns the digests.
+fn host_state(pool: &Pool, position: i64, t: &[u32], from: usize, to: usize) -> Vec<u64> {
     let sr = state_ranges(pool, position);
     let mut state = read(pool, &sr);
-    let n = to - from;
-    // Per token: a digest of the state before it, then the state absorbs the token.
-    let mut digests = Vec::with_capacity(n);
+    let mut digests = Vec::with_capacity(to - from);
     for (k, &tok) in t[from..to].iter().enumerate() {
         let pos = (from + k) as u64;
         let mut d = mix(u64::from(tok) ^ (pos << 32));
@@ -170,6 +379,24 @@ pub fn forward(pool: &Pool, position: i64, table: &[i32], t: &[u32], from: usize
         }
     }
     write(pool, &sr, &state);
+    digests
+}
+
+/// The forward pass of tokens `t[from..to]` for a request holding `lease`: its compressor
+/// state through the state-update kernel, its window rows (every layer, both planes, derived
+/// from each token's state digest) through the ring-write kernel; full blocks get their
+/// compressed rows.
+pub fn forward(pool: &Arc<Pool>, lease: SlotLease, table: &[i32], t: &[u32], from: usize, to: usize) {
+    if to <= from {
+        return;
+    }
+    let g = pool.spec().geometry.clone();
+    let position = lease.position;
+    let n = to - from;
+    // The §2.1 arena's state goes through the kernel; the 3-field arena's through the host.
+    let kernel = pool.spec().arena.field_index(Compressor::CsaMain.fields().0).is_ok();
+    let digests =
+        if kernel { update_state(pool, lease, t, from, to) } else { host_state(pool, position, t, from, to) };
     // Window rows through the ring-write kernel, one launch per layer.
     let backend = pool.backend().clone();
     let stream = pool.stream();
@@ -249,7 +476,7 @@ pub fn run_to(m: &mut KvManager, id: RequestId, t: &[u32], to: u64, chunk: u64) 
         m.allocate(id, n).expect("allocate");
         let slot = m.slot(id).expect("slot").expect("running");
         let table = m.block_table(id).expect("table");
-        forward(m.pool(), slot.position, &table, t, done as usize, (done + n) as usize);
+        forward(m.pool(), slot, &table, t, done as usize, (done + n) as usize);
         m.commit(id, n).expect("commit");
         m.complete_inflight().expect("complete");
     }
@@ -281,7 +508,7 @@ pub fn exactness(backend: Arc<dyn Backend>) {
     use v4pool::manager::{ElasticPolicy, FixedPolicy};
     let t = tokens(1, 2600, 0);
     // The uninterrupted reference.
-    let ref_pool = small_pool(backend.clone(), 40);
+    let ref_pool = state_pool(backend.clone(), 40);
     let mut rm =
         KvManager::new(ref_pool, config(0, false), Box::new(FixedPolicy { slots: 2 })).expect("manager");
     let r = rm.add_request(2300, hashes(&t));
@@ -291,7 +518,7 @@ pub fn exactness(backend: Arc<dyn Backend>) {
     let want_slot = read(rm.pool(), &slot_ranges(rm.pool(), rpos));
     let want_blocks = table_contents(&rm, r, 10);
 
-    let pool = small_pool(backend, 40);
+    let pool = state_pool(backend, 40);
     let mut m =
         KvManager::new(pool.clone(), config(2, true), Box::new(ElasticPolicy::default())).expect("manager");
     // Turn 1.

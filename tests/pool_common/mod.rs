@@ -36,11 +36,22 @@ pub fn small_spec(
     positions: i64,
     initial_slots: i64,
 ) -> PoolSpec {
-    small_spec_with(ratios, widths, indexer, positions, 11, initial_slots, None)
+    small_spec_with(ratios, widths, indexer, positions, 11, initial_slots, None, None)
 }
 
-/// As [`small_spec`] with ring size `ring` (another ring is another checkpoint layout) and
-/// `blocks` blocks (`None`: every row the slots leave).
+/// The small pool's 3-field arena (`csa_kv`, `csa_score`, `hca_kv`).
+pub fn small_fields() -> Vec<StateField> {
+    vec![
+        field("csa_kv", 10, Fill::Zero, true),
+        field("csa_score", 10, Fill::NegInf, true),
+        field("hca_kv", 24, Fill::Zero, false),
+    ]
+}
+
+/// As [`small_spec`] with ring size `ring` (another ring is another checkpoint layout),
+/// `blocks` blocks (`None`: every row the slots leave) and the arena's `fields` (`None`:
+/// [`small_fields`]).
+#[allow(clippy::too_many_arguments)]
 pub fn small_spec_with(
     ratios: &[i32],
     widths: &[u64],
@@ -49,16 +60,10 @@ pub fn small_spec_with(
     ring: i64,
     initial_slots: i64,
     blocks: Option<i64>,
+    fields: Option<Vec<StateField>>,
 ) -> PoolSpec {
-    let arena = ArenaLayout::new(
-        vec![
-            field("csa_kv", 10, Fill::Zero, true),
-            field("csa_score", 10, Fill::NegInf, true),
-            field("hca_kv", 24, Fill::Zero, false),
-        ],
-        widths,
-    )
-    .expect("arena");
+    let fields = fields.unwrap_or_else(small_fields);
+    let arena = ArenaLayout::new(fields, widths).expect("arena");
     let probe = GeometrySpec::new(ratios.to_vec(), 0, 0, ring, 256)
         .arena_rows(arena.arena_rows())
         .slot_align_rows(arena.slot_align_rows())

@@ -65,7 +65,7 @@ const KIND: BackendKind = BackendKind::Hip;
 
 /// Every kernel symbol the backend looks up when it loads a module (a module lacking one is
 /// [`BackendError::MissingKernel`]); the code-object test checks exactly this list.
-pub const KERNEL_SYMBOLS: [&str; 9] = Launch::SYMBOLS;
+pub const KERNEL_SYMBOLS: [&str; Launch::SYMBOLS.len()] = Launch::SYMBOLS;
 
 /// Offset of `gcnArchName[256]` in `hipDeviceProp_tR0600` (ROCm 6.x/7.x `hip_runtime_api.h`:
 /// `name[256]`, `uuid`, `luid[8]`, … 63 `reserved` and 32 `hipReserved` ints, then

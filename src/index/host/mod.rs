@@ -19,8 +19,10 @@ use thiserror::Error;
 // The builders and translate-pack (§3–§6), the row movers (§7) and the raw-pointer entry live
 // in their own files; every public name stays at `crate::index::host::*`.
 mod build;
+mod gather;
 mod raw;
 mod rows;
+mod state;
 #[cfg(test)]
 mod tests;
 
@@ -28,8 +30,10 @@ pub use build::{
     csa_translate_pack, decode_indices, hca_offsets, prefill_indices, CsaPack, Csr, DecodeClass,
     DecodeIndices, PrefillIndices,
 };
+pub use gather::{dequant_fp8_row, e8m0_scale, fp8_scaled_bf16, window_gather, GatherPlanes};
 pub use raw::run_launch;
 pub use rows::{fill_pattern, ring_write, row_scatter, PlaneRows};
+pub use state::{update_compressor_states, StateMemory};
 
 crate::checked::overflow_into!(HostKernelError);
 

@@ -3,9 +3,11 @@
 
 use super::*;
 use crate::index::shape::check_launch;
+use crate::index::ElemType;
 use crate::index::{
     CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs, Launch,
-    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_HCA,
+    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs, WindowGatherArgs,
+    CLASS_HCA,
 };
 
 // ---- raw-pointer entry ----------------------------------------------------------------------------
@@ -88,8 +90,11 @@ pub unsafe fn run_launch(launch: &Launch) -> Result<()> {
             Launch::CsaPack(a) => run_csa_pack(a),
             Launch::RingWrite(a) => run_ring_write(a),
             Launch::RowScatter(a) => run_row_scatter(a),
+            Launch::StateUpdate(a) => run_state_update(a),
             Launch::FillRuns(a) => run_fill_runs(a),
             Launch::CopyRuns(a) => run_copy_runs(a),
+            Launch::WindowGather(a) => run_window_gather(a, false),
+            Launch::WindowGatherFp8(a) => run_window_gather(a, true),
             Launch::Empty => Ok(()),
         }
     }
@@ -300,6 +305,59 @@ unsafe fn run_row_scatter(a: &RowScatterArgs) -> Result<()> {
 
 /// # Safety
 /// See [`run_launch`].
+unsafe fn run_state_update(a: &StateUpdateArgs) -> Result<()> {
+    let n = count(a.num_rows);
+    // SAFETY: lengths from the arguments and the plan's values; the caller covers them.
+    unsafe {
+        let plan: &[i32] = input("write_plan", a.write_plan, n * 4)?;
+        let live: Vec<usize> = (0..n).filter(|&r| plan[4 * r + 2] >= 0).collect();
+        if live.is_empty() {
+            return Ok(());
+        }
+        let slot_map: Option<&[i32]> = if a.slot_map == 0 {
+            None
+        } else {
+            let bids: Vec<i32> = live.iter().map(|&r| plan[4 * r + 1]).collect();
+            Some(input("slot_map", a.slot_map, len_of("slot_map", seqs_reached(&bids))?)?)
+        };
+        let (mut slots, mut max_ragged) = ((i64::MAX, i64::MIN), 0i64);
+        for &r in &live {
+            if let Some((ragged, slot, _)) = state::plan_row(plan, slot_map, r as i64)? {
+                slots = (slots.0.min(slot), slots.1.max(slot));
+                max_ragged = max_ragged.max(ragged);
+            }
+        }
+        let (dim, ring) = (i64::from(a.dim), i64::from(a.ring));
+        let in_size = ElemType::from_code(a.in_dtype).map_or(4, ElemType::size) as i64;
+        let ape_size = ElemType::from_code(a.ape_dtype).map_or(4, ElemType::size) as i64;
+        let rows_bytes = |stride: i64| -> Result<usize> {
+            len_of(
+                "kv / score",
+                mul(add(mul(max_ragged, stride, "input rows")?, dim, "input rows")?, in_size, "input bytes")?,
+            )
+        };
+        let kv: &[u8] = input("kv", a.kv, rows_bytes(a.kv_row_stride)?)?;
+        let score: &[u8] = input("score", a.score, rows_bytes(a.score_row_stride)?)?;
+        let ape_len = len_of("ape", mul(mul(a.ratio.into(), dim, "ape")?, ape_size, "ape bytes")?)?;
+        let ape: &[u8] = input("ape", a.ape, ape_len)?;
+        // The two state ranges; one part when they overlap (two fields of the same slots in
+        // one plane).
+        let k = state::state_extent(a.kv_state, slots, a.kv_slot_bytes, ring, dim)?;
+        let s = state::state_extent(a.score_state, slots, a.score_slot_bytes, ring, dim)?;
+        let mut ranges = if k.0 < s.1 && s.0 < k.1 { vec![(k.0.min(s.0), k.1.max(s.1))] } else { vec![k, s] };
+        ranges.sort_unstable();
+        let mut parts = Vec::with_capacity(2);
+        for (first, end) in ranges {
+            let len = usize::try_from(end - first)
+                .map_err(|_| HostKernelError::TooLong { buffer: "state", len: -1 })?;
+            parts.push((first, output::<u8>("state", first, len)?));
+        }
+        update_compressor_states(a, kv, score, ape, plan, slot_map, &mut state::StateMemory::new(parts))
+    }
+}
+
+/// # Safety
+/// See [`run_launch`].
 unsafe fn run_fill_runs(a: &FillRunsArgs) -> Result<()> {
     // SAFETY: the descriptor array is covered by the caller. Copied out, so a run that
     // writes over the descriptor does not alias a live slice of it.
@@ -359,4 +417,37 @@ unsafe fn run_copy_runs(a: &CopyRunsArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// # Safety
+/// See [`run_launch`].
+unsafe fn run_window_gather(a: &WindowGatherArgs, fp8: bool) -> Result<()> {
+    use crate::index::{FP8_NOPE_ROW_BYTES, GATHER_ROW_BYTES, ROPE_ROW_BYTES};
+    let bs = count(a.num_seqs);
+    if bs == 0 {
+        return Ok(()); // an empty grid reads nothing (its pointers may be absent)
+    }
+    let rows = |width: u64, what: &'static str| len_of(what, mul(a.view_rows, width as i64, what)?);
+    let out_rows = mul(bs as i64, a.draft_window.into(), "out rows")?;
+    // SAFETY: lengths from the arguments; the caller covers them.
+    unsafe {
+        let planes = if fp8 {
+            GatherPlanes::Fp8 {
+                nope: input("nope", a.pool, rows(FP8_NOPE_ROW_BYTES, "nope bytes")?)?,
+                rope: input("rope", a.rope, rows(ROPE_ROW_BYTES, "rope bytes")?)?,
+            }
+        } else {
+            GatherPlanes::Bf16 { pool: input("pool", a.pool, rows(GATHER_ROW_BYTES, "pool bytes")?)? }
+        };
+        window_gather(
+            &a.params,
+            planes,
+            input("state_slot_per_seq", a.state_slot_per_seq, bs)?,
+            input("anchor_pos", a.anchor_pos, bs)?,
+            output("out", a.out, len_of("out", mul(out_rows, GATHER_ROW_BYTES as i64, "out bytes")?)?)?,
+            a.view_rows,
+            a.num_seqs,
+            a.draft_window,
+        )
+    }
 }
