@@ -73,7 +73,7 @@ fn main() {
     }
     let blocks = (TOKENS / 256) as usize;
     let pool = pool(blocks as i64);
-    let cfg = |every| ManagerConfig { checkpoint_every: every, rolling: false };
+    let cfg = |every| ManagerConfig { checkpoint_every: every, rolling: false, ..ManagerConfig::default() };
 
     // ---- allocate + commit per block ----
     let mut m = KvManager::new(pool.clone(), cfg(0), Box::new(FixedPolicy { slots: 2 })).expect("manager");

@@ -518,9 +518,10 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_row_sc
 // ---- §8: compressor-state update, one compressor of one layer ---------------------------------
 // grid (ceil(num_rows / (256 / lanes))), block 256: `lanes` = the power of two covering
 // dim / 8 (32 at dim 256, 64 at 512, 128 at 1,024), so every lane moves 8 elements of its row
-// and a block holds 256 / lanes plan rows (8, 4, 2): no idle lane at the V4 dims. One
-// dependent load (the 16-byte plan row) before every load of the row's data; kv, score and
-// ape go out together (16-byte loads), then four 16-byte f32 stores per lane. Addresses are
+// (two chunks of 4, half a row apart) and a block holds 256 / lanes plan rows (8, 4, 2): no
+// idle lane at the V4 dims. One dependent load (the 16-byte plan row) before every load of the
+// row's data; kv, score and ape go out together, then four 16-byte f32 stores per lane, each
+// warp-wide store one contiguous span. Addresses are
 // 64-bit: slot x slot bytes passes 2^31.
 
 /// Lanes that share one plan row (shape.rs state_update_lanes).
@@ -555,20 +556,20 @@ typedef v4p_vec16 v4p_u32x4;
 typedef v4p_u32 v4p_u32x4 __attribute__((ext_vector_type(4)));
 #endif
 
-/// Eight elements from `p` (16-byte aligned) as f32 bit patterns `{lo, hi}`: one 16-byte load
-/// for bf16 (widened exactly: the bf16 is the f32's upper half), two for f32. Integers, so the
-/// kv copy never passes through float registers.
+/// Four elements from `p` as f32 bit patterns: one 8-byte load for bf16 (widened exactly: the
+/// bf16 is the f32's upper half), one 16-byte load for f32. Integers, so the kv copy never
+/// passes through float registers.
 template <bool BF16>
-V4P_DEVICE void v4p_load8(v4p_ptr p, v4p_u32x4& lo, v4p_u32x4& hi) {
-    const v4p_u32x4 a = ((const v4p_u32x4*)p)[0];
+V4P_DEVICE v4p_u32x4 v4p_load4(v4p_ptr p) {
     if (BF16) {
         // Little-endian: the low half of a word is the earlier element.
-        lo.x = a.x << 16, lo.y = a.x & 0xffff0000u, lo.z = a.y << 16, lo.w = a.y & 0xffff0000u;
-        hi.x = a.z << 16, hi.y = a.z & 0xffff0000u, hi.z = a.w << 16, hi.w = a.w & 0xffff0000u;
-    } else {
-        lo = a;
-        hi = ((const v4p_u32x4*)p)[1];
+        const v4p_u64 a = *(const v4p_u64*)p;
+        const v4p_u32 w0 = (v4p_u32)a, w1 = (v4p_u32)(a >> 32);
+        v4p_u32x4 r;
+        r.x = w0 << 16, r.y = w0 & 0xffff0000u, r.z = w1 << 16, r.w = w1 & 0xffff0000u;
+        return r;
     }
+    return *(const v4p_u32x4*)p;
 }
 
 /// One 16-byte store. NVIDIA targets say so in PTX: NVVM splits a vector store of computed
@@ -592,22 +593,33 @@ V4P_DEVICE v4p_u32x4 v4p_add4(v4p_u32x4 a, v4p_u32x4 b) {
     return r;
 }
 
-/// One plan row's 16-byte path, for one pair of input types (a separate instantiation each,
-/// so no load or store is split by a run-time type branch): `lanes` lanes, 8 elements a chunk.
+/// One plan row's vector path, for one pair of input types (a separate instantiation each, so
+/// no load or store is split by a run-time type branch). A lane moves two chunks of 4 elements,
+/// `lanes * 4` apart, so each warp-wide store writes one contiguous 512-byte span (whole
+/// sectors from one instruction); all six loads of a pass are issued before its four stores.
 template <bool IN_BF16, bool APE_BF16>
 V4P_DEVICE void v4p_state_row_vec(v4p_ptr kv, v4p_ptr score, v4p_ptr ape, v4p_u64 kv_dst, v4p_u64 score_dst,
                                   v4p_i64 dim, v4p_u32 lane, v4p_u32 lanes) {
     const v4p_u64 in_size = IN_BF16 ? 2 : 4, ape_size = APE_BF16 ? 2 : 4;
-    for (v4p_i64 e = (v4p_i64)lane * V4POOL_STATE_CHUNK; e < dim; e += (v4p_i64)lanes * V4POOL_STATE_CHUNK) {
-        v4p_u32x4 k0, k1, s0, s1, p0, p1;
-        v4p_load8<IN_BF16>(kv + (v4p_u64)e * in_size, k0, k1);
-        v4p_load8<IN_BF16>(score + (v4p_u64)e * in_size, s0, s1);
-        v4p_load8<APE_BF16>(ape + (v4p_u64)e * ape_size, p0, p1);
-        const v4p_u64 kd = kv_dst + (v4p_u64)e * 4, sd = score_dst + (v4p_u64)e * 4;
-        v4p_store16(kd, k0);
-        v4p_store16(kd + 16, k1);
-        v4p_store16(sd, v4p_add4(s0, p0));
-        v4p_store16(sd + 16, v4p_add4(s1, p1));
+    const v4p_i64 half = (v4p_i64)lanes * 4;
+    for (v4p_i64 e0 = (v4p_i64)lane * 4; e0 < dim; e0 += 2 * half) {
+        const v4p_i64 e1 = e0 + half;
+        const bool two = e1 < dim;
+        const v4p_u32x4 k0 = v4p_load4<IN_BF16>(kv + (v4p_u64)e0 * in_size);
+        const v4p_u32x4 s0 = v4p_load4<IN_BF16>(score + (v4p_u64)e0 * in_size);
+        const v4p_u32x4 p0 = v4p_load4<APE_BF16>(ape + (v4p_u64)e0 * ape_size);
+        v4p_u32x4 k1 = k0, s1 = s0, p1 = p0;
+        if (two) {
+            k1 = v4p_load4<IN_BF16>(kv + (v4p_u64)e1 * in_size);
+            s1 = v4p_load4<IN_BF16>(score + (v4p_u64)e1 * in_size);
+            p1 = v4p_load4<APE_BF16>(ape + (v4p_u64)e1 * ape_size);
+        }
+        v4p_store16(kv_dst + (v4p_u64)e0 * 4, k0);
+        v4p_store16(score_dst + (v4p_u64)e0 * 4, v4p_add4(s0, p0));
+        if (two) {
+            v4p_store16(kv_dst + (v4p_u64)e1 * 4, k1);
+            v4p_store16(score_dst + (v4p_u64)e1 * 4, v4p_add4(s1, p1));
+        }
     }
 }
 

@@ -11,7 +11,7 @@
 //! The region is a stack: an allocation takes the next 256-byte aligned bytes, and freeing
 //! the top allocation (and any freed ones below it) returns their bytes.
 
-use super::{Backend, BackendError, BackendKind, DeviceAllocation, Stream};
+use super::{Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, Stream};
 use crate::index::{DevicePtr, Launch};
 use crate::pool::{Overhead, PoolError, PoolSpec};
 use std::sync::{Arc, Mutex};
@@ -152,6 +152,37 @@ impl Backend for ExternalRegion {
     unsafe fn download(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
         // SAFETY: as `upload`.
         unsafe { self.inner.download(dst, src, stream) }
+    }
+
+    fn alloc_host(&self, bytes: u64) -> Result<HostAllocation, BackendError> {
+        self.inner.alloc_host(bytes)
+    }
+
+    unsafe fn free_host(&self, alloc: HostAllocation) {
+        // SAFETY: forwarded; `alloc_host` is the inner backend's.
+        unsafe { self.inner.free_host(alloc) }
+    }
+
+    unsafe fn upload_host(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        len: usize,
+        stream: Stream,
+    ) -> Result<(), BackendError> {
+        // SAFETY: as `upload`.
+        unsafe { self.inner.upload_host(dst, src, len, stream) }
+    }
+
+    unsafe fn download_host(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        len: usize,
+        stream: Stream,
+    ) -> Result<(), BackendError> {
+        // SAFETY: as `upload`.
+        unsafe { self.inner.download_host(dst, src, len, stream) }
     }
 
     unsafe fn copy(

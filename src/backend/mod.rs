@@ -87,6 +87,64 @@ pub struct DeviceAllocation {
     pub bytes: u64,
 }
 
+/// Host memory a backend handed out for large copies to and from its device
+/// ([`Backend::alloc_host`]): page-locked where the device has it, so copies run by DMA at
+/// link speed and may be queued; ordinary memory otherwise. Freed by [`Backend::free_host`]
+/// of the same backend, never by drop (queued copies may still use it).
+#[derive(Debug, PartialEq, Eq)]
+pub struct HostAllocation {
+    /// First byte (dangling, never read, when `bytes` is 0).
+    pub ptr: *mut u8,
+    /// Length in bytes.
+    pub bytes: usize,
+    /// Whether the memory is page-locked.
+    pub pinned: bool,
+}
+
+// SAFETY: plain host memory; whoever holds the value owns the bytes.
+unsafe impl Send for HostAllocation {}
+// SAFETY: the value itself gives no access to the bytes.
+unsafe impl Sync for HostAllocation {}
+
+/// Ordinary host memory (the default of [`Backend::alloc_host`]), zeroed, page-aligned.
+pub(crate) mod heap {
+    use super::{BackendError, BackendKind, HostAllocation};
+    use std::alloc::Layout;
+
+    const ALIGN: usize = 4096;
+
+    /// `bytes` of zeroed ordinary memory.
+    pub(crate) fn alloc(backend: BackendKind, bytes: u64) -> Result<HostAllocation, BackendError> {
+        let n = super::size::to_usize(backend, "alloc_host", "bytes", bytes)?;
+        if n == 0 {
+            return Ok(HostAllocation {
+                ptr: std::ptr::NonNull::dangling().as_ptr(),
+                bytes: 0,
+                pinned: false,
+            });
+        }
+        let oom = |message: &str| BackendError::OutOfMemory { backend, bytes, message: message.into() };
+        let layout = Layout::from_size_align(n, ALIGN).map_err(|_| oom("size overflows a layout"))?;
+        // SAFETY: `layout` has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(oom("the allocator refused"));
+        }
+        Ok(HostAllocation { ptr, bytes: n, pinned: false })
+    }
+
+    /// Return memory of [`alloc`].
+    ///
+    /// # Safety
+    /// `a` came from [`alloc`] and nothing uses it any more.
+    pub(crate) unsafe fn free(a: HostAllocation) {
+        if a.bytes > 0 {
+            // SAFETY: the caller's contract: allocated by `alloc` with this layout.
+            unsafe { std::alloc::dealloc(a.ptr, Layout::from_size_align_unchecked(a.bytes, ALIGN)) };
+        }
+    }
+}
+
 /// What a backend can fail with.
 #[derive(Debug, Error)]
 pub enum BackendError {
@@ -317,4 +375,58 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Stop accepting a range given to [`Backend::adopt_external`].
     fn forget_external(&self, _ptr: DevicePtr) {}
+
+    /// Zeroed host memory for large copies to and from the device (a host tier, offload):
+    /// page-locked on device backends that provide it; the default is ordinary memory.
+    fn alloc_host(&self, bytes: u64) -> Result<HostAllocation, BackendError> {
+        heap::alloc(self.kind(), bytes)
+    }
+
+    /// Return memory of [`Backend::alloc_host`].
+    ///
+    /// # Safety
+    /// `alloc` came from this backend's `alloc_host`; no queued copy still uses it.
+    unsafe fn free_host(&self, alloc: HostAllocation) {
+        // SAFETY: the caller's contract; the default `alloc_host` is `heap::alloc`.
+        unsafe { heap::free(alloc) }
+    }
+
+    /// Queue a copy of `len` bytes from `src`, host memory of [`Backend::alloc_host`], to
+    /// `dst` in stream order. Unlike [`Backend::upload`] it may return before `src` is read
+    /// (a DMA from page-locked memory): `src` stays untouched until the stream's work has
+    /// completed. The default uploads through [`Backend::upload`].
+    ///
+    /// # Safety
+    /// `dst .. dst + len` lies in one live allocation of this backend; `src .. src + len`
+    /// lies in a live allocation of this backend's `alloc_host`, not written until the
+    /// stream has been synchronised.
+    unsafe fn upload_host(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        len: usize,
+        stream: Stream,
+    ) -> Result<(), BackendError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.upload(dst, std::slice::from_raw_parts(src, len), stream) }
+    }
+
+    /// Queue a copy of `len` bytes from `src` to `dst`, host memory of
+    /// [`Backend::alloc_host`], in stream order; the bytes are there once the stream has
+    /// been synchronised (the default downloads through [`Backend::download`], which waits).
+    ///
+    /// # Safety
+    /// `src .. src + len` lies in one live allocation of this backend; `dst .. dst + len`
+    /// lies in a live allocation of this backend's `alloc_host`, neither read nor written
+    /// until the stream has been synchronised.
+    unsafe fn download_host(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        len: usize,
+        stream: Stream,
+    ) -> Result<(), BackendError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.download(std::slice::from_raw_parts_mut(dst, len), src, stream) }
+    }
 }

@@ -11,7 +11,7 @@
 //! larger than [`STAGING_MAX_BYTES`]` / `[`STAGING_DEPTH`] are not staged ([`stages`]); the
 //! backend copies them from pageable memory.
 
-use super::{BackendError, DevicePtr};
+use super::{BackendError, DevicePtr, HostAllocation};
 use std::collections::VecDeque;
 
 /// Largest ring.
@@ -28,6 +28,35 @@ pub(crate) const STAGING_MAX_PENDING: usize = 4096;
 /// Whether an upload of `len` bytes goes through the ring.
 pub(crate) fn stages(len: usize) -> bool {
     len <= STAGING_MAX_BYTES / STAGING_DEPTH
+}
+
+/// Zeroed page-locked memory from `driver`, for a device backend's [`Backend::alloc_host`]
+/// (`n` > 0; the backend's device current).
+///
+/// [`Backend::alloc_host`]: super::Backend::alloc_host
+pub(crate) fn alloc_host<D: StagingDriver>(driver: &D, n: usize) -> Result<HostAllocation, BackendError> {
+    let ptr = driver.alloc_pinned(n)?;
+    // SAFETY: `ptr` is `n` writable bytes just allocated.
+    unsafe { std::ptr::write_bytes(ptr, 0, n) };
+    Ok(HostAllocation { ptr, bytes: n, pinned: true })
+}
+
+/// Return memory of [`alloc_host`] (or of `heap::alloc`, when not pinned). Errors cannot be
+/// reported by [`Backend::free_host`]; a failure leaks the buffer.
+///
+/// # Safety
+/// `a` came from one of them with this driver; no queued copy still uses it; the backend's
+/// device is current when it is pinned.
+///
+/// [`Backend::free_host`]: super::Backend::free_host
+pub(crate) unsafe fn free_host<D: StagingDriver>(driver: &D, a: HostAllocation) {
+    if a.pinned {
+        // SAFETY: the caller's contract: pinned memory of this driver, unused.
+        let _ = unsafe { driver.free_pinned(a.ptr) };
+    } else {
+        // SAFETY: the caller's contract: from `heap::alloc`, unused.
+        unsafe { super::heap::free(a) };
+    }
 }
 
 /// The driver calls the ring makes. Every call happens with the backend's device current

@@ -66,6 +66,29 @@ pub struct ManagerStats {
     pub block_relocations: u64,
     /// Slots relocated by boundary moves.
     pub slot_relocations: u64,
+    /// Cached blocks evicted from HBM that spilled to the host tier (not dropped).
+    pub tier_spilled_blocks: u64,
+    /// Checkpoints evicted from HBM that spilled to the host tier.
+    pub tier_spilled_checkpoints: u64,
+    /// Bytes copied to the host tier by those spills.
+    pub tier_spilled_bytes: u64,
+    /// Blocks brought back from the host tier for a hit.
+    pub tier_restored_blocks: u64,
+    /// Checkpoints brought back from the host tier for a hit.
+    pub tier_restored_checkpoints: u64,
+    /// Bytes copied back from the host tier.
+    pub tier_restored_bytes: u64,
+    /// Entries (blocks or checkpoints) the host tier dropped for room: gone for good.
+    pub tier_host_evictions: u64,
+    /// Hits cut short because the host part of the longest one could not come back (no
+    /// room in HBM, or the tier dropped an entry while room was made).
+    pub tier_shortened_hits: u64,
+    /// Blocks held in the host tier now.
+    pub tier_resident_blocks: u64,
+    /// Checkpoints held in the host tier now.
+    pub tier_resident_checkpoints: u64,
+    /// Host bytes those entries occupy now.
+    pub tier_resident_bytes: u64,
 }
 
 /// A checkpoint read to host memory for a transfer between workers (prefill → decode,
@@ -151,12 +174,17 @@ impl KvManager {
     }
 
     /// Tokens of `hashes` a request would be served from the cache now: the longest cached
-    /// prefix that ends at a ready checkpoint (no side effects).
+    /// prefix that ends at a ready checkpoint (no side effects). With a host tier, blocks and
+    /// checkpoints held there count: admission brings them back.
     pub fn match_prefix(&self, hashes: &[BlockHash]) -> u64 {
-        self.match_blocks(hashes, hashes.len()).0 as u64 * self.block_size
+        let blocks = match &self.tier {
+            Some(t) if !t.is_empty() => self.tier_walk(hashes).1.last().map_or(0, |e| e.0),
+            _ => self.match_blocks(hashes, hashes.len()).0,
+        };
+        blocks as u64 * self.block_size
     }
 
-    /// (blocks, checkpoint node) of the longest hit among the first `limit` hashes.
+    /// (blocks, checkpoint node) of the longest hit in HBM among the first `limit` hashes.
     fn match_blocks(&self, hashes: &[BlockHash], limit: usize) -> (usize, u32) {
         let mut best = (0, NIL);
         for (i, h) in hashes.iter().take(limit).enumerate() {
@@ -179,6 +207,13 @@ impl KvManager {
         }
         // At least one token is computed (its logits are needed).
         let limit = (r.known.saturating_sub(1) / self.block_size) as usize;
+        if self.tier.as_ref().is_some_and(|t| !t.is_empty()) {
+            // The host-resident part of the longest hit comes back first; the HBM hit below
+            // then covers it (shorter when it could not come back).
+            let hashes: Vec<BlockHash> = r.hashes.iter().take(limit).copied().collect();
+            self.tier_restore_hit(&hashes)?;
+        }
+        let r = self.req(id)?;
         let (hit, ck) = self.match_blocks(&r.hashes, limit);
         let hit_nodes: Vec<u32> = r.hashes[..hit].iter().map(|h| self.index[h]).collect();
         // Hold the hit before taking a slot: a slot may need room, and room is found by eviction.
@@ -226,7 +261,7 @@ impl KvManager {
         Ok(Admission { hit_tokens: hit as u64 * bs, slot })
     }
 
-    fn touch_ckpt(&mut self, c: u32) {
+    pub(super) fn touch_ckpt(&mut self, c: u32) {
         let n = self.nodes.ckpt(c);
         if n.state == CkptState::Ready && n.pins == 0 {
             self.nodes.touch(c);
@@ -236,7 +271,7 @@ impl KvManager {
     /// Drop one reference from each of `nodes`, deepest first: blocks nobody references go
     /// to the LRU (deeper ones, and each block's checkpoint before its block, evicted first);
     /// private ones go back to the pool.
-    fn unref(&mut self, nodes: &[u32]) -> Result<(), ManagerError> {
+    pub(super) fn unref(&mut self, nodes: &[u32]) -> Result<(), ManagerError> {
         for &b in nodes.iter().rev() {
             let n = self.nodes.block_mut(b);
             n.refs -= 1;
@@ -365,7 +400,7 @@ impl KvManager {
     fn index_blocks(&mut self, id: RequestId) -> Result<(), ManagerError> {
         let bs = self.block_size;
         // Field borrows, not `req_mut`: this runs once per committed block.
-        let KvManager { requests, index, nodes, .. } = self;
+        let KvManager { requests, index, nodes, tier, .. } = self;
         let r = requests
             .get_mut(id.index as usize)
             .filter(|s| s.generation == id.generation)
@@ -377,6 +412,10 @@ impl KvManager {
             if let std::collections::hash_map::Entry::Vacant(e) = index.entry(h) {
                 e.insert(b);
                 nodes.block_mut(b).hash = Some(h);
+                // Recomputed while a copy sat in the host tier: HBM's is the one kept.
+                if let Some(t) = tier.as_mut() {
+                    t.forget_block(h);
+                }
             }
         }
         r.indexed = r.indexed.max(full);
@@ -487,7 +526,8 @@ impl KvManager {
     }
 
     /// Evict every unreferenced cached block and ready unpinned checkpoint (e.g. when the
-    /// namespace changes); returns the block ids freed.
+    /// namespace changes); returns the block ids freed. With a host tier they spill to it
+    /// like any eviction ([`KvManager::clear_host_tier`] drops what it holds).
     pub fn evict_all(&mut self) -> Result<u64, ManagerError> {
         let mut freed = 0;
         while self.nodes.head != NIL {
@@ -628,6 +668,6 @@ impl KvManager {
         if u64::from(c.num_blocks - c.free_blocks) != held {
             return Err(format!("pool holds {} blocks, manager {held}", c.num_blocks - c.free_blocks));
         }
-        Ok(())
+        self.check_tier()
     }
 }

@@ -34,6 +34,7 @@
 pub mod hash;
 pub mod policy;
 mod store;
+mod tier;
 
 pub use hash::{block_hash, chain_hashes, BlockHash, Namespace};
 pub use policy::{BlockGrowth, ElasticPolicy, FixedPolicy, PoolView, SplitPolicy};
@@ -102,6 +103,11 @@ pub enum ManagerError {
     /// The configuration is unusable.
     #[error("bad manager config: {0}")]
     Config(&'static str),
+    /// The host tier failed to copy (a backend or driver error; refusals for room are not
+    /// errors: a spill that does not fit drops the entry, a restore without room shortens
+    /// the hit).
+    #[error(transparent)]
+    HostTier(#[from] crate::transfer::HostTierError),
 }
 
 /// How the manager checkpoints and which layout its checkpoints belong to.
@@ -112,11 +118,15 @@ pub struct ManagerConfig {
     /// Rolling checkpoints at the other block boundaries a request's computed tokens land on
     /// (turn ends; resumption after preemption).
     pub rolling: bool,
+    /// Host memory (page-locked on CUDA) that cached blocks and checkpoints evicted from HBM
+    /// spill to instead of being dropped, allocated at construction; 0: no host tier. A
+    /// budget below one block unit is refused.
+    pub host_tier_bytes: u64,
 }
 
 impl Default for ManagerConfig {
     fn default() -> Self {
-        ManagerConfig { checkpoint_every: 16, rolling: true }
+        ManagerConfig { checkpoint_every: 16, rolling: true, host_tier_bytes: 0 }
     }
 }
 
@@ -296,6 +306,8 @@ pub struct KvManager {
     /// A slot position followed through boundary moves (a store's source while its room
     /// is made: giving idle slots back relocates held slots above the new top).
     tracked: Option<i64>,
+    /// Where evicted blocks and checkpoints spill (`None`: they are dropped).
+    tier: Option<tier::ManagerTier>,
     stats: ManagerStats,
 }
 
@@ -334,6 +346,7 @@ impl KvManager {
         }
         let capacity = pool.indexer_blocks().max(1) as usize;
         let layout_id = pool.layout_id().clone();
+        let tier = tier::ManagerTier::new(&pool, config.host_tier_bytes)?;
         let m = KvManager {
             pool,
             config,
@@ -351,6 +364,7 @@ impl KvManager {
             pinned: Vec::new(),
             scratch: Vec::new(),
             tracked: None,
+            tier,
             stats: ManagerStats::default(),
         };
         let c = m.pool.counts()?;
@@ -389,6 +403,7 @@ impl KvManager {
     pub fn stats(&self) -> ManagerStats {
         let mut s = self.stats;
         s.cached_blocks = self.index.len() as u64;
+        self.tier_stats(&mut s);
         s
     }
 
@@ -577,6 +592,9 @@ impl KvManager {
             Node::Block(_) => {
                 let b = self.nodes.block(i).clone();
                 debug_assert_eq!(b.refs, 0, "a referenced block is never in the LRU");
+                // With a host tier the block (and its checkpoint) is copied out before its
+                // ids are freed; the tables below change as without one.
+                let spilled = self.tier_spill_block(&b);
                 // The checkpoint ending at this block is useless without it: unindex first,
                 // while the block node still links it.
                 let mut freed = 1;
@@ -589,11 +607,15 @@ impl KvManager {
                 self.nodes.remove(i);
                 self.release_block_id(b.handle)?;
                 self.stats.evicted_blocks += 1;
+                spilled?;
                 Ok(freed)
             }
             Node::Ckpt(_) => {
                 self.stats.evicted_checkpoints += 1;
-                self.release_ckpt(i)
+                let spilled = self.tier_spill_ckpt(i);
+                let freed = self.release_ckpt(i)?;
+                spilled?;
+                Ok(freed)
             }
             Node::Free => Ok(0),
         }
@@ -640,8 +662,11 @@ impl KvManager {
     }
 
     /// §6 `unindex(hash)`: the checkpoint ending at `hash` is dropped (once no writer or pin
-    /// needs it). Nothing happens when there is none.
+    /// needs it), and its copy in the host tier. Nothing happens when there is none.
     pub fn unindex(&mut self, hash: BlockHash) -> Result<(), ManagerError> {
+        if let Some(t) = self.tier.as_mut() {
+            t.forget_ckpt(hash);
+        }
         if let Some(&b) = self.index.get(&hash) {
             let ck = self.nodes.block(b).ckpt;
             if ck != NIL {

@@ -30,6 +30,7 @@ fn manager_err(e: ManagerError) -> PyErr {
         ManagerError::CommitPastAllocation { .. } => "CommitPastAllocation",
         ManagerError::NotCached { .. } => "NotCached",
         ManagerError::Config(_) => "Config",
+        ManagerError::HostTier(t) => return lib_err(t),
     };
     error(name, e.to_string())
 }
@@ -75,9 +76,10 @@ impl PyKvManager {
 impl PyKvManager {
     /// `policy`: `"elastic"` (the boundary follows demand; `slots` caps the slot count) or
     /// `"fixed"` (`slots` slots carved once; default the plan's `num_slots`). `namespace`
-    /// keeps blocks of different models or adapters from matching.
+    /// keeps blocks of different models or adapters from matching. `host_tier_bytes`: host
+    /// memory (page-locked on CUDA) evicted blocks and checkpoints spill to; 0: none.
     #[new]
-    #[pyo3(signature = (pool, policy="elastic", checkpoint_every=16, rolling=true, slots=None, namespace=""))]
+    #[pyo3(signature = (pool, policy="elastic", checkpoint_every=16, rolling=true, slots=None, namespace="", host_tier_bytes=0))]
     fn new(
         py: Python<'_>,
         pool: &Bound<'_, PyPool>,
@@ -86,6 +88,7 @@ impl PyKvManager {
         rolling: bool,
         slots: Option<u32>,
         namespace: &str,
+        host_tier_bytes: u64,
     ) -> PyResult<PyKvManager> {
         let (pool, hold) = pool.get().shared();
         let policy: Box<dyn SplitPolicy> = match policy {
@@ -107,7 +110,7 @@ impl PyKvManager {
                 ))
             }
         };
-        let config = ManagerConfig { checkpoint_every, rolling };
+        let config = ManagerConfig { checkpoint_every, rolling, host_tier_bytes };
         let m = py.detach(|| KvManager::new(pool, config, policy)).map_err(manager_err)?;
         Ok(PyKvManager { inner: Mutex::new(m), namespace: Namespace::from_label(namespace), _hold: hold })
     }
@@ -248,6 +251,17 @@ impl PyKvManager {
         d.set_item("boundary_moves", s.boundary_moves)?;
         d.set_item("block_relocations", s.block_relocations)?;
         d.set_item("slot_relocations", s.slot_relocations)?;
+        d.set_item("tier_spilled_blocks", s.tier_spilled_blocks)?;
+        d.set_item("tier_spilled_checkpoints", s.tier_spilled_checkpoints)?;
+        d.set_item("tier_spilled_bytes", s.tier_spilled_bytes)?;
+        d.set_item("tier_restored_blocks", s.tier_restored_blocks)?;
+        d.set_item("tier_restored_checkpoints", s.tier_restored_checkpoints)?;
+        d.set_item("tier_restored_bytes", s.tier_restored_bytes)?;
+        d.set_item("tier_host_evictions", s.tier_host_evictions)?;
+        d.set_item("tier_shortened_hits", s.tier_shortened_hits)?;
+        d.set_item("tier_resident_blocks", s.tier_resident_blocks)?;
+        d.set_item("tier_resident_checkpoints", s.tier_resident_checkpoints)?;
+        d.set_item("tier_resident_bytes", s.tier_resident_bytes)?;
         Ok(d)
     }
 

@@ -33,15 +33,17 @@ pub(crate) fn manager(
     };
     // v4pool's reuse: a permanent checkpoint every 8 blocks (2,048 tokens: a shared system
     // prompt of that length ends at one), at prompt ends, and rolling ones at turn ends.
-    let reuse = ManagerConfig { checkpoint_every: CHECKPOINT_EVERY, rolling: true };
+    let reuse =
+        ManagerConfig { checkpoint_every: CHECKPOINT_EVERY, rolling: true, ..ManagerConfig::default() };
     let (config, policy): (ManagerConfig, Box<dyn crate::manager::SplitPolicy>) = match run {
         SplitPolicy::Fixed => {
             (reuse, Box::new(FixedPolicy { slots: u32::try_from(cfg.max_seqs).unwrap_or(u32::MAX) }))
         }
         SplitPolicy::Elastic | SplitPolicy::NoReuse => (reuse, Box::new(elastic)),
-        SplitPolicy::Reuse4096 => {
-            (ManagerConfig { checkpoint_every: LCM_BLOCKS, rolling: false }, Box::new(elastic))
-        }
+        SplitPolicy::Reuse4096 => (
+            ManagerConfig { checkpoint_every: LCM_BLOCKS, rolling: false, ..ManagerConfig::default() },
+            Box::new(elastic),
+        ),
     };
     KvManager::new(pool.clone(), config, policy)
 }

@@ -3,8 +3,12 @@
 //! dropped, and come back byte-exact on a hit.
 //!
 //! A unit is everything a block id owns: its envelope in every plane and its block in every
-//! indexer pool and CSA layer. The tier holds one host buffer of the budget (page-locked on
-//! CUDA, so restores run at DMA speed; ordinary memory elsewhere) cut into unit-sized cells.
+//! indexer pool and CSA layer. The tier holds one host buffer of the budget from the pool's
+//! backend ([`Backend::alloc_host`]: page-locked on CUDA, so copies run by DMA at link speed;
+//! ordinary memory elsewhere) cut into unit-sized cells. Every copy is queued on the pool's
+//! stream ([`Backend::upload_host`] / [`Backend::download_host`]), so it is ordered after the
+//! pool's earlier work on the units and before its later work, and the tier waits for the
+//! stream before a cell is handed out again.
 //! An entry occupies one or more **extents** of consecutive cells, laid out part-major (all
 //! of the extent's plane-0 envelopes, then plane-1, then each indexer layer), so a restore
 //! into consecutive block ids is one copy per part per extent rather than one per block.
@@ -15,10 +19,11 @@
 //! else: which blocks to spill and when is the prefix-reuse manager's call.
 
 use crate::alloc::BlockHandle;
-use crate::backend::{BackendKind, Stream};
+use crate::backend::{Backend, HostAllocation};
 use crate::pool::{Pool, PoolError};
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
+use std::sync::Arc;
 use thiserror::Error;
 
 /// What the host tier refuses or fails with.
@@ -126,11 +131,31 @@ struct Entry {
     stamp: u64,
 }
 
-/// Host memory of the tier: page-locked on CUDA (copied by DMA on the tier's own stream),
-/// ordinary elsewhere (copied through the backend).
-enum Storage {
-    Heap(Vec<u8>),
-    Pinned(pinned::PinnedBuf, pinned::DmaStream),
+/// Host memory of the tier, from (and returned to) the pool's backend.
+struct Storage {
+    backend: Arc<dyn Backend>,
+    /// `None` only while dropping.
+    alloc: Option<HostAllocation>,
+}
+
+impl Storage {
+    /// The cells' first byte.
+    fn ptr(&self) -> *mut u8 {
+        self.alloc.as_ref().map_or(std::ptr::null_mut(), |a| a.ptr)
+    }
+    fn pinned(&self) -> bool {
+        self.alloc.as_ref().is_some_and(|a| a.pinned)
+    }
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        if let Some(a) = self.alloc.take() {
+            // SAFETY: from this backend's `alloc_host`; every copy the tier queues is waited
+            // for before the call that queued it returns.
+            unsafe { self.backend.free_host(a) };
+        }
+    }
 }
 
 /// The host tier, keyed by `K` (a block hash, a checkpoint hash). See the module docs.
@@ -153,27 +178,23 @@ impl<K> std::fmt::Debug for HostTier<K> {
             .field("unit_bytes", &self.unit_bytes)
             .field("capacity_units", &self.capacity)
             .field("entries", &self.entries.len())
-            .field("pinned", &matches!(self.storage, Storage::Pinned(..)))
+            .field("pinned", &self.storage.pinned())
             .finish()
     }
 }
 
 impl<K: Eq + Hash + Clone> HostTier<K> {
     /// A tier for units of `pool`, holding at most `budget_bytes` of host memory (allocated
-    /// now; page-locked when the pool is on CUDA).
+    /// now by the pool's backend: page-locked on CUDA).
     pub fn new(pool: &Pool, budget_bytes: u64) -> Result<Self, HostTierError> {
         let part_bytes: Vec<u64> = unit_parts(pool)?.iter().map(|p| p.bytes).collect();
         let unit_bytes: u64 = part_bytes.iter().sum();
         let capacity = budget_bytes.checked_div(unit_bytes).unwrap_or(0);
         let bytes = capacity * unit_bytes;
-        let storage = if pool.backend().kind() == BackendKind::Cuda {
-            let dma = pinned::DmaStream::for_pointer(pool.plane_ptr(0)?)?;
-            Storage::Pinned(pinned::PinnedBuf::new(bytes)?, dma)
-        } else {
-            let n = usize::try_from(bytes)
-                .map_err(|_| HostTierError::Pinned { bytes, message: "exceeds the address space".into() })?;
-            Storage::Heap(vec![0; n])
-        };
+        let backend = pool.backend().clone();
+        let alloc =
+            backend.alloc_host(bytes).map_err(|e| HostTierError::Pinned { bytes, message: e.to_string() })?;
+        let storage = Storage { backend, alloc: Some(alloc) };
         let mut free = BTreeMap::new();
         if capacity > 0 {
             free.insert(0, capacity);
@@ -193,6 +214,10 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
     /// Bytes of one unit (all parts of one block id).
     pub fn unit_bytes(&self) -> u64 {
         self.unit_bytes
+    }
+    /// Whether the host memory is page-locked (copies by DMA): on CUDA.
+    pub fn pinned(&self) -> bool {
+        self.storage.pinned()
     }
     /// Units the budget holds.
     pub fn capacity_units(&self) -> u64 {
@@ -295,7 +320,6 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
         // The pool's stream may still be writing these blocks; downloads wait for it.
         let mut done = 0usize;
         let result = (|| {
-            self.begin(pool)?;
             for &(first, cells) in &extents {
                 let chunk = &ids[done..done + cells as usize];
                 self.copy_extent(pool, &parts, first, chunk, true)?;
@@ -364,13 +388,13 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
         let extents = e.extents.clone();
         let ids: Vec<u32> = blocks.iter().map(|b| b.id).collect();
         let mut done = 0usize;
-        let queued = self.begin(pool).and_then(|()| {
+        let queued = (|| {
             for (first, cells) in extents {
                 self.copy_extent(pool, &parts, first, &ids[done..done + cells as usize], false)?;
                 done += cells as usize;
             }
             Ok(())
-        });
+        })();
         // Uploads from page-locked memory are asynchronous: the cells may be reused as soon
         // as the entry is gone, so wait for them here (also after a failed enqueue).
         let finished = self.finish(pool);
@@ -379,27 +403,15 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
         Ok(())
     }
 
-    /// Before copies: the pool's queued work on the units (writes, relocations, slot
-    /// initialisation) must be done before the tier's own stream reads or overwrites them.
-    fn begin(&self, pool: &Pool) -> Result<(), HostTierError> {
-        if let Storage::Pinned(..) = self.storage {
-            pool.backend().synchronize(pool.stream()).map_err(PoolError::from)?;
-        }
-        Ok(())
-    }
-
-    /// After copies: wait for them (DMA on the tier's stream, or the pool's stream).
+    /// After copies: wait for them (queued on the pool's stream, after the pool's earlier
+    /// work on the units).
     fn finish(&self, pool: &Pool) -> Result<(), HostTierError> {
-        match &self.storage {
-            Storage::Pinned(_, dma) => dma.synchronize(),
-            Storage::Heap(_) => Ok(pool.backend().synchronize(pool.stream()).map_err(PoolError::from)?),
-        }
+        Ok(pool.backend().synchronize(pool.stream()).map_err(PoolError::from)?)
     }
 
     /// Queue the copies of one extent (cells from `first`, one per id in `ids`) between host
-    /// and pool: one copy per part per run of consecutive ids. Page-locked storage copies by
-    /// DMA on the tier's stream (large asynchronous copies at link speed, not through the
-    /// backend's staging ring); ordinary storage through the backend.
+    /// and pool on the pool's stream: one copy per part per run of consecutive ids (large
+    /// copies; from page-locked memory a DMA at link speed, not through the staging ring).
     fn copy_extent(
         &mut self,
         pool: &Pool,
@@ -410,28 +422,25 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
     ) -> Result<(), HostTierError> {
         let n = ids.len() as u64;
         let mut host = (first * self.unit_bytes) as usize;
-        let backend = pool.backend().clone();
-        let stream: Stream = pool.stream();
+        let stream = pool.stream();
         let runs = id_runs(ids);
-        let (buf, dma) = match &mut self.storage {
-            Storage::Heap(v) => (v.as_mut_slice(), None),
-            Storage::Pinned(p, d) => (p.as_mut_slice(), Some(&*d)),
-        };
+        let (backend, base) = (&self.storage.backend, self.storage.ptr());
         for part in parts {
             for &(i, id, count) in &runs {
                 let at = host + i * part.bytes as usize;
-                let slice = &mut buf[at..at + count * part.bytes as usize];
+                let len = count * part.bytes as usize;
                 let dev = part.base + u64::from(id) * part.stride;
                 // SAFETY: `id .. id + count` are blocks of this pool (handles checked), so
-                // `dev .. dev + count × bytes` lies inside the part's plane or indexer layer;
-                // `slice` is a disjoint host buffer owned by the tier, not touched again until
-                // `finish` has waited for the copy.
+                // `dev .. dev + len` lies inside the part's plane or indexer layer; cells
+                // `at .. at + len` lie in the tier's buffer (from the backend's `alloc_host`:
+                // `first` and the ids' cells are within the capacity), held by this entry
+                // alone and not touched again until `finish` has waited for the stream.
                 unsafe {
-                    match (dma, to_host) {
-                        (Some(d), true) => d.download(slice, dev)?,
-                        (Some(d), false) => d.upload(dev, slice)?,
-                        (None, true) => backend.download(slice, dev, stream).map_err(PoolError::from)?,
-                        (None, false) => backend.upload(dev, slice, stream).map_err(PoolError::from)?,
+                    let cells = base.add(at);
+                    if to_host {
+                        backend.download_host(cells, dev, len, stream).map_err(PoolError::from)?
+                    } else {
+                        backend.upload_host(dev, cells, len, stream).map_err(PoolError::from)?
                     }
                 }
             }
@@ -488,181 +497,5 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
             n += nl;
         }
         self.free.insert(first, n);
-    }
-}
-
-mod pinned {
-    //! Page-locked host memory from the CUDA driver (portable: usable from every context).
-
-    use super::HostTierError;
-    use cudarc::driver::sys;
-
-    /// A page-locked buffer, freed on drop.
-    pub struct PinnedBuf {
-        ptr: *mut u8,
-        len: usize,
-    }
-
-    // SAFETY: the buffer is plain host memory owned by this value alone; access goes through
-    // `&mut self`.
-    unsafe impl Send for PinnedBuf {}
-    // SAFETY: no interior mutability: shared references give no access to the bytes.
-    unsafe impl Sync for PinnedBuf {}
-
-    fn err(bytes: u64, message: impl Into<String>) -> HostTierError {
-        HostTierError::Pinned { bytes, message: message.into() }
-    }
-
-    /// Make device 0's primary context current on this thread (pinned memory is portable,
-    /// so which context does not matter, only that one is current).
-    fn bind(bytes: u64) -> Result<(), HostTierError> {
-        if !crate::backend::cuda::is_available() {
-            return Err(err(bytes, "no CUDA driver or device"));
-        }
-        let mut dev = 0;
-        let mut ctx = std::ptr::null_mut();
-        // SAFETY: the driver is initialised (probed above); plain out-pointers. The primary
-        // context stays retained for the process, as the CUDA backend's does.
-        unsafe {
-            if sys::cuDeviceGet(&mut dev, 0) != sys::CUresult::CUDA_SUCCESS
-                || sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) != sys::CUresult::CUDA_SUCCESS
-                || sys::cuCtxSetCurrent(ctx) != sys::CUresult::CUDA_SUCCESS
-            {
-                return Err(err(bytes, "could not make a CUDA context current"));
-            }
-        }
-        Ok(())
-    }
-
-    /// A stream of its own on the device that owns the pool's memory, for the tier's copies.
-    pub struct DmaStream {
-        ctx: sys::CUcontext,
-        stream: sys::CUstream,
-    }
-
-    // SAFETY: driver handles usable from any thread; the tier uses them through `&self` /
-    // `&mut self` of its owner, one call at a time.
-    unsafe impl Send for DmaStream {}
-    // SAFETY: as above; the driver's stream calls are thread-safe.
-    unsafe impl Sync for DmaStream {}
-
-    fn cu(call: &str, r: sys::CUresult) -> Result<(), HostTierError> {
-        if r == sys::CUresult::CUDA_SUCCESS {
-            Ok(())
-        } else {
-            Err(err(0, format!("{call}: {r:?}")))
-        }
-    }
-
-    impl DmaStream {
-        /// A stream on the device holding device address `ptr`.
-        pub fn for_pointer(ptr: u64) -> Result<DmaStream, HostTierError> {
-            bind(0)?;
-            let mut ordinal: std::ffi::c_int = 0;
-            let (mut dev, mut ctx, mut stream) = (0, std::ptr::null_mut(), std::ptr::null_mut());
-            // SAFETY: a context is current; plain out-pointers; `ptr` is only queried.
-            unsafe {
-                cu(
-                    "cuPointerGetAttribute",
-                    sys::cuPointerGetAttribute(
-                        (&mut ordinal as *mut std::ffi::c_int).cast(),
-                        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                        ptr,
-                    ),
-                )?;
-                cu("cuDeviceGet", sys::cuDeviceGet(&mut dev, ordinal))?;
-                cu("cuDevicePrimaryCtxRetain", sys::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
-                cu("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx))?;
-                cu(
-                    "cuStreamCreate",
-                    sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
-                )?;
-            }
-            Ok(DmaStream { ctx, stream })
-        }
-
-        /// Queue a host-to-device copy.
-        ///
-        /// # Safety
-        /// `dst .. dst + src.len()` is live device memory; `src` is page-locked and stays
-        /// untouched until [`DmaStream::synchronize`].
-        pub unsafe fn upload(&self, dst: u64, src: &[u8]) -> Result<(), HostTierError> {
-            // SAFETY: the caller's promise; our own context and stream.
-            unsafe {
-                cu("cuCtxSetCurrent", sys::cuCtxSetCurrent(self.ctx))?;
-                cu(
-                    "cuMemcpyHtoDAsync",
-                    sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), self.stream),
-                )
-            }
-        }
-
-        /// Queue a device-to-host copy.
-        ///
-        /// # Safety
-        /// `src .. src + dst.len()` is live device memory; `dst` is page-locked and not read
-        /// until [`DmaStream::synchronize`].
-        pub unsafe fn download(&self, dst: &mut [u8], src: u64) -> Result<(), HostTierError> {
-            // SAFETY: the caller's promise; our own context and stream.
-            unsafe {
-                cu("cuCtxSetCurrent", sys::cuCtxSetCurrent(self.ctx))?;
-                cu(
-                    "cuMemcpyDtoHAsync",
-                    sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src, dst.len(), self.stream),
-                )
-            }
-        }
-
-        /// Wait for every queued copy.
-        pub fn synchronize(&self) -> Result<(), HostTierError> {
-            // SAFETY: our own context and stream.
-            unsafe {
-                cu("cuCtxSetCurrent", sys::cuCtxSetCurrent(self.ctx))?;
-                cu("cuStreamSynchronize", sys::cuStreamSynchronize(self.stream))
-            }
-        }
-    }
-
-    impl Drop for DmaStream {
-        fn drop(&mut self) {
-            let _ = self.synchronize();
-            // SAFETY: idle after the synchronize; destroyed once.
-            unsafe { sys::cuStreamDestroy_v2(self.stream) };
-        }
-    }
-
-    impl PinnedBuf {
-        /// `bytes` of page-locked, zeroed host memory.
-        pub fn new(bytes: u64) -> Result<PinnedBuf, HostTierError> {
-            let len = usize::try_from(bytes).map_err(|_| err(bytes, "exceeds the address space"))?;
-            if len == 0 {
-                return Ok(PinnedBuf { ptr: std::ptr::NonNull::dangling().as_ptr(), len: 0 });
-            }
-            bind(bytes)?;
-            let mut p = std::ptr::null_mut();
-            // SAFETY: a context is current; `p` is an out-pointer.
-            let r = unsafe { sys::cuMemHostAlloc(&mut p, len, sys::CU_MEMHOSTALLOC_PORTABLE) };
-            if r != sys::CUresult::CUDA_SUCCESS || p.is_null() {
-                return Err(err(bytes, format!("cuMemHostAlloc: {r:?}")));
-            }
-            // SAFETY: `p` is `len` writable bytes just allocated.
-            unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, len) };
-            Ok(PinnedBuf { ptr: p.cast(), len })
-        }
-
-        /// The bytes.
-        pub fn as_mut_slice(&mut self) -> &mut [u8] {
-            // SAFETY: `ptr` is `len` bytes owned by `self` (dangling only when len is 0).
-            unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-        }
-    }
-
-    impl Drop for PinnedBuf {
-        fn drop(&mut self) {
-            if self.len > 0 && bind(self.len as u64).is_ok() {
-                // SAFETY: allocated by cuMemHostAlloc; the tier waits for every copy that uses it.
-                unsafe { sys::cuMemFreeHost(self.ptr.cast()) };
-            }
-        }
     }
 }

@@ -490,7 +490,7 @@ pub fn same(got: &[u8], want: &[u8], what: &str) {
 }
 
 pub fn config(every: u32, rolling: bool) -> v4pool::manager::ManagerConfig {
-    v4pool::manager::ManagerConfig { checkpoint_every: every, rolling }
+    v4pool::manager::ManagerConfig { checkpoint_every: every, rolling, ..Default::default() }
 }
 
 fn table_contents(m: &KvManager, id: RequestId, blocks: usize) -> Vec<u8> {

@@ -9,8 +9,8 @@ use super::module::{candidates, device, load_image, resolve, Device, ModuleSourc
 use super::KIND;
 use crate::backend::launch::{DeviceLaunch, NO_PARAMS};
 use crate::backend::size::{to_usize, word_bytes};
-use crate::backend::staging::{stages, StagingRing};
-use crate::backend::{Backend, BackendError, BackendKind, DeviceAllocation, Stream};
+use crate::backend::staging::{self, stages, StagingRing};
+use crate::backend::{heap, Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, Stream};
 use crate::index::{DevicePtr, Launch};
 use cudarc::driver::sys;
 use std::ffi::c_void;
@@ -177,6 +177,22 @@ impl CudaBackend {
 
     fn bind(&self) -> Result<(), BackendError> {
         bind(&self.inner.device)
+    }
+
+    /// Queue one copy between page-locked host memory and the device on `stream` (nothing
+    /// for 0 bytes), with the context current.
+    fn queue_dma(
+        &self,
+        call: &'static str,
+        len: usize,
+        stream: Stream,
+        copy: impl FnOnce(sys::CUstream) -> sys::CUresult,
+    ) -> Result<(), BackendError> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        check(call, copy(self.inner.stream(stream)))
     }
 
     /// The loaded module's function for a prepared launch.
@@ -357,6 +373,52 @@ impl Backend for CudaBackend {
             // reported by this signature; a failure leaks the allocation.
             unsafe { sys::cuMemFree_v2(alloc.ptr) };
         }
+    }
+
+    fn alloc_host(&self, bytes: u64) -> Result<HostAllocation, BackendError> {
+        let n = to_usize(KIND, "alloc_host", "bytes", bytes)?;
+        if n == 0 {
+            return heap::alloc(KIND, 0);
+        }
+        self.bind()?;
+        // Page-locked in this backend's context, like the staging ring's.
+        staging::alloc_host(&CudaStaging, n)
+    }
+
+    unsafe fn free_host(&self, alloc: HostAllocation) {
+        if alloc.pinned && self.bind().is_err() {
+            return;
+        }
+        // SAFETY: the caller's contract: from `alloc_host`, no copy queued; context current.
+        unsafe { staging::free_host(&CudaStaging, alloc) }
+    }
+
+    unsafe fn upload_host(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        len: usize,
+        stream: Stream,
+    ) -> Result<(), BackendError> {
+        // SAFETY: the caller's contract: `dst` in a live allocation, `src` page-locked and
+        // untouched until the stream has run the copy (a DMA, not staged).
+        self.queue_dma("cuMemcpyHtoDAsync_v2", len, stream, |raw| unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, raw)
+        })
+    }
+
+    unsafe fn download_host(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        len: usize,
+        stream: Stream,
+    ) -> Result<(), BackendError> {
+        // SAFETY: the caller's contract: `src` in a live allocation, `dst` page-locked and
+        // untouched until the stream has been synchronised.
+        self.queue_dma("cuMemcpyDtoHAsync_v2", len, stream, |raw| unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, raw)
+        })
     }
 
     unsafe fn upload(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> Result<(), BackendError> {

@@ -7,8 +7,8 @@ use super::roctx::install_profiling_hooks;
 use super::{Raw, HIP_ERROR_OUT_OF_MEMORY, HIP_STREAM_NON_BLOCKING, KIND};
 use crate::backend::launch::DeviceLaunch;
 use crate::backend::size::{to_usize, word_bytes};
-use crate::backend::staging::{stages, StagingRing};
-use crate::backend::{Backend, BackendError, BackendKind, DeviceAllocation, Stream};
+use crate::backend::staging::{self, stages, StagingDriver, StagingRing};
+use crate::backend::{heap, Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, Stream};
 use crate::index::{DevicePtr, Launch};
 use std::ffi::c_int;
 use std::fmt;
@@ -201,6 +201,59 @@ impl Backend for HipBackend {
         }
         // SAFETY: the caller promises no queued work uses it (trait contract).
         let _ = unsafe { (self.api.free)(alloc.ptr as Raw) };
+    }
+
+    fn alloc_host(&self, bytes: u64) -> Result<HostAllocation, BackendError> {
+        let n = to_usize(KIND, "alloc_host", "bytes", bytes)?;
+        if n == 0 || self.api.host_malloc.is_none() {
+            // Without hipHostMalloc: ordinary memory, copied by the waiting paths below.
+            return heap::alloc(KIND, bytes);
+        }
+        self.bind()?;
+        staging::alloc_host(&HipStaging(self.api), n)
+    }
+
+    unsafe fn free_host(&self, alloc: HostAllocation) {
+        if alloc.pinned && self.bind().is_err() {
+            return;
+        }
+        // SAFETY: the caller's contract: from `alloc_host`, no copy queued; device current.
+        unsafe { staging::free_host(&HipStaging(self.api), alloc) }
+    }
+
+    unsafe fn upload_host(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        len: usize,
+        stream: Stream,
+    ) -> Result<(), BackendError> {
+        if len == 0 || self.api.host_malloc.is_none() {
+            // SAFETY: the caller's contract; `alloc_host` gave ordinary memory: copy and wait.
+            return unsafe { self.upload(dst, std::slice::from_raw_parts(src, len), stream) };
+        }
+        self.bind()?;
+        // SAFETY: the caller's contract: `dst` in a live allocation, `src` page-locked and
+        // untouched until the stream has run the copy (a DMA, not staged, no wait).
+        unsafe { HipStaging(self.api).copy_to_device(dst, src, len, self.resolve(stream)) }
+    }
+
+    unsafe fn download_host(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        len: usize,
+        stream: Stream,
+    ) -> Result<(), BackendError> {
+        if len == 0 || self.api.host_malloc.is_none() {
+            // SAFETY: the caller's contract; ordinary memory: copy and wait.
+            return unsafe { self.download(std::slice::from_raw_parts_mut(dst, len), src, stream) };
+        }
+        self.bind()?;
+        // SAFETY: the caller's contract: `src` in a live allocation, `dst` page-locked and
+        // untouched until the stream has been synchronised.
+        let rc = unsafe { (self.api.memcpy_dtoh_async)(dst.cast(), src as Raw, len, self.resolve(stream)) };
+        self.api.check(rc, "hipMemcpyDtoHAsync")
     }
 
     unsafe fn upload(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> Result<(), BackendError> {
