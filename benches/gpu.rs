@@ -131,6 +131,16 @@ impl Gpu {
         })
     }
 
+    /// As [`graph_of`](Self::graph_of), with every launch serialised as a plain launch (no
+    /// programmatic dependent launch): the comparison for the overlapped default.
+    fn graph_serial(&self, launches: &[Launch]) -> Res<CudaGraph> {
+        let was = self.be.overlapped_launches();
+        self.be.set_overlapped_launches(false)?;
+        let g = self.graph_of(launches);
+        self.be.set_overlapped_launches(was)?;
+        g
+    }
+
     /// The bandwidth floor for `bytes`: the faster (by median) of two device-to-device copies,
     /// each a graph replay with a cold L2: the driver's memcpy, and `copy_runs` over 1 MiB
     /// pieces (on the first H200 run the driver's memcpy reached 4.16 TB/s at 256 MiB but only
@@ -642,6 +652,8 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<()> {
         // holds it after the first), for a like-for-like comparison.
         let same: Vec<CudaGraph> =
             (0..NSETS).map(|k| gpu.graph_of(&vec![rig.pack(k, 0); CSA_LAYERS])).collect::<Res<_>>()?;
+        let serial: Vec<CudaGraph> =
+            (0..NSETS).map(|k| gpu.graph_serial(&rig.packs(k, CSA_LAYERS))).collect::<Res<_>>()?;
         let packs1: Vec<Launch> = (0..NSETS).map(|k| rig.pack(k, 0)).collect();
         let bufs = std::cell::RefCell::new(&mut rig.bufs);
         let stage = |i: usize| -> Res<()> {
@@ -652,6 +664,7 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<()> {
         let g1 = gpu.time_graphs(&one, stage)?;
         let gpl = gpu.time_graphs(&per_layer, stage)?;
         let gsame = gpu.time_graphs(&same, stage)?;
+        let gser = gpu.time_graphs(&serial, stage)?;
         let avg = |layers: usize| {
             let (r, w) = sets
                 .iter()
@@ -673,6 +686,11 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<()> {
             f,
             &Row { name: &name, eager: None, graph: gpl, read: r21, written: w21, copy: c21, memset: m21 },
         );
+        let name = format!("top-k {topk:>4}, 21 launches, serialised");
+        print_row(
+            f,
+            &Row { name: &name, eager: None, graph: gser, read: r21, written: w21, copy: c21, memset: m21 },
+        );
         peer_line("csa", &format!("T=256 topk={topk}"), g1.med, w1, m1.med);
         let name = format!("top-k {topk:>4}, 21 launches of layer 0");
         print_row(
@@ -681,7 +699,7 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<()> {
         );
         peer_line("csa_x21", &format!("T=256 topk={topk}"), gpl.med, w21, m21.med);
         peer_line("csa_x21_same", &format!("T=256 topk={topk}"), gsame.med, w21, m21.med);
-        drop((one, per_layer, same));
+        drop((one, per_layer, same, serial));
         gpu.be.synchronize(S)?;
         rig.release();
     }

@@ -97,6 +97,23 @@ V4P_DEVICE void v4p_sync() { __syncthreads(); }
 #define V4P_LAUNCH_BOUNDS_MIN(n, m) __launch_bounds__(n, m)
 #endif
 
+// Programmatic dependent launch (sm_90+). The CUDA backend launches the index builders with
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, so the next kernel in the stream may
+// start while this one runs: v4p_overlap_begin() lets the kernel after this one launch now
+// (its blocks then sit in their own wait), and waits until the kernel before this one has
+// finished and its writes are visible. Every kernel launched that way calls it before its
+// first global load or store, so nothing reads or writes across that edge early; what
+// overlaps is the launch, block scheduling and the prologue. Without the attribute (any
+// other launch, HIP, the host emulation, or a pre-Hopper target) it does nothing.
+#if (defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void v4p_overlap_begin() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+#else
+__device__ __forceinline__ void v4p_overlap_begin() {}
+#endif
+
 // ---- fixed-width integers ---------------------------------------------------------------------
 
 typedef signed char v4p_i8;

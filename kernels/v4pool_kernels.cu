@@ -15,7 +15,11 @@
 // over lanes. The prefill builder issues every load of a round before any store (a store may
 // alias a later load, so the compiler would otherwise wait for it) and works in 32-bit
 // without per-entry division; the decode builder and the CSA pack keep main's order and
-// arithmetic, which measured faster for them. Stores of consecutive entries are coalesced
+// arithmetic, which measured faster for them. Per-entry loops carry quotients as running
+// counters instead of dividing (window rows and prefill head rounds: the divisions were most
+// of the prefill builder's instructions). The index builders begin with v4p_overlap_begin():
+// the CUDA backend launches them as programmatic dependents, so a graph of per-layer packs
+// overlaps each launch with the kernel before it. Stores of consecutive entries are coalesced
 // 4-byte stores across a warp; every row x width product of a plane address is 64-bit.
 #include "v4pool_common.h"
 
@@ -53,24 +57,39 @@ V4P_DEVICE v4p_u32 v4p_popc(v4p_u32 x) { return (v4p_u32)__builtin_popcount(x); 
 #endif
 
 /// A 32-bit divisor for the per-entry loops: a shift and a mask when it is a power of two
-/// (rows per block and CSA rows per block are, in every V4 geometry), a division otherwise.
-/// The index kernels are issue-bound at 1M contexts (Nsight Compute: SM throughput 83%, DRAM
-/// 36%), so the per-entry work is 32-bit and division-free; a compressed row is computed in
-/// 32-bit wrapping arithmetic, which has the bits of the 64-bit product cut to the i32 the
-/// buffer holds (the host reference rejects any row that does not fit).
+/// (rows per block and CSA rows per block are, in every V4 geometry), a division otherwise,
+/// and the quotient and remainder of a fixed `step` so that a loop advancing by `step`
+/// carries (quotient, remainder) as a running counter. The index kernels are issue-bound at
+/// 1M contexts (Nsight Compute: SM throughput 83%, DRAM 36%): the per-entry work is 32-bit
+/// and division-free. (A `quot` per entry was not: the compiler if-converts the shift/divide
+/// choice and issues the ~20-instruction division, predicated off, for every entry — SASS.)
+/// A compressed row is computed in 32-bit wrapping arithmetic, which has the bits of the
+/// 64-bit product cut to the i32 the buffer holds (the host reference rejects any row that
+/// does not fit).
 struct V4pDiv {
-    v4p_u32 d, shift;
+    v4p_u32 d, shift, step_q, step_r;
     bool pow2;
     V4P_DEVICE v4p_u32 quot(v4p_u32 n) const { return pow2 ? n >> shift : n / d; }
     V4P_DEVICE v4p_u32 rem(v4p_u32 n) const { return pow2 ? n & (d - 1) : n % d; }
+    /// (q, r) of n + step from (q, r) of n.
+    V4P_DEVICE void advance(v4p_u32& q, v4p_u32& r) const {
+        q += step_q;
+        r += step_r;
+        if (r >= d) {
+            r -= d;
+            ++q;
+        }
+    }
 };
 
-/// `d` clamped to [1, 2^32 - 1].
-V4P_DEVICE V4pDiv v4p_div_make(v4p_i64 d) {
+/// `d` clamped to [1, 2^32 - 1], advancing by `step`.
+V4P_DEVICE V4pDiv v4p_div_make(v4p_i64 d, v4p_u32 step) {
     V4pDiv r;
     r.d = d < 1 ? 1u : (d > 0xffffffffll ? 0xffffffffu : (v4p_u32)d);
     r.pow2 = (r.d & (r.d - 1)) == 0;
     r.shift = v4p_popc(r.d - 1);
+    r.step_q = step / r.d;
+    r.step_r = step - r.step_q * r.d;
     return r;
 }
 
@@ -96,26 +115,57 @@ V4P_DEVICE v4p_i64 v4p_ring_pos(WindowParams w, v4p_i64 pos) {
 }
 
 /// out[i] = window_row(w, slot, first + i) for i < n, `lanes` threads striding over i from
-/// `lane`. One ring position per thread, then a running counter (a window is at most
-/// ring_slots long, so one subtraction wraps it).
+/// `lane`. One ring position (and its run and offset in the run) per thread from a division,
+/// then running counters: a window is at most ring_slots long, so one subtraction wraps the
+/// position, and the run/offset pair is carried like a two-digit counter (recomputed on the
+/// rare wrap). The prefill builder was issue-bound on this loop: with a division per entry it
+/// cost ~80 instructions an entry (three windows per token), now ~10. Rows are computed in
+/// wrapping 32-bit arithmetic: the buffer holds the i32 of the 64-bit row (the host reference
+/// rejects a row that does not fit), which is its low 32 bits. Rings past 2^31 positions (no
+/// V4 geometry) take the 64-bit division per entry.
 V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_i64 slot, v4p_i64 first, v4p_i64 n,
                                  v4p_u32 lane, v4p_u32 lanes) {
     if ((v4p_i64)lane >= n) return;
-    v4p_i64 q = v4p_ring_pos(w, first + (v4p_i64)lane);
-    const v4p_i64 step = (v4p_i64)lanes % w.ring_slots;
+    if ((v4p_u64)w.ring_slots > 0x7fffffffull || (v4p_u64)w.ring_stride > 0x7fffffffull) {
+        v4p_i64 q = v4p_ring_pos(w, first + (v4p_i64)lane);
+        const v4p_i64 step = (v4p_i64)lanes % w.ring_slots;
+        for (v4p_i64 i = lane; i < n; i += lanes) {
+            out[i] = (v4p_i32)v4p_window_row_q(w, slot, q);
+            q += step;
+            if (q >= w.ring_slots) q -= w.ring_slots;
+        }
+        return;
+    }
+    const v4p_u32 slots = (v4p_u32)w.ring_slots, stride = (v4p_u32)w.ring_stride, run = (v4p_u32)w.run_rows;
+    const v4p_u32 base = (v4p_u32)(slot * w.slot_rows + w.ring_start);
+    v4p_u32 q = (v4p_u32)v4p_ring_pos(w, first + (v4p_i64)lane);
+    v4p_u32 c = q / stride, r = q - c * stride;
+    const v4p_u32 step = lanes % slots;
+    const v4p_u32 sc = step / stride, sr = step - sc * stride;
     for (v4p_i64 i = lane; i < n; i += lanes) {
-        out[i] = (v4p_i32)v4p_window_row_q(w, slot, q);
+        out[i] = (v4p_i32)(base + c * run + r);
         q += step;
-        if (q >= w.ring_slots) q -= w.ring_slots;
+        c += sc;
+        r += sr;
+        if (r >= stride) {
+            r -= stride;
+            ++c;
+        }
+        if (q >= slots) {
+            q -= slots;
+            c = q / stride;
+            r = q - c * stride;
+        }
     }
 }
 
 /// Entries of a compressed head (§4) one round of `lanes` threads handles: dst[e] =
 /// table[e / rpb] * envelope + e % rpb for e = e0 + u * lanes, u < 8. Split in a load half and
 /// a store half so that a caller can issue the first round's table loads before its other
-/// stores (and the loads of one round are all in flight at once). 32-bit throughout.
+/// stores (and the loads of one round are all in flight at once). 32-bit throughout; one
+/// division per round, then (block, row) advance by `rpb`'s step (made with `lanes`).
 struct V4pHeadRound {
-    v4p_u32 e0;
+    v4p_u32 e0, r0;
     v4p_i32 blk[8];
 
     /// Table loads for entries below `n` (columns clamped to `last_col`, so a speculative
@@ -123,20 +173,25 @@ struct V4pHeadRound {
     V4P_DEVICE void load(const v4p_i32* __restrict__ table, v4p_u32 first, v4p_u32 n, V4pDiv rpb, v4p_u32 last_col,
                          v4p_u32 lanes) {
         e0 = first;
+        v4p_u32 j = rpb.quot(first);
+        r0 = first - j * rpb.d;
+        v4p_u32 r = r0;
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
             const v4p_u32 e = first + (v4p_u32)u * lanes;
-            const v4p_u32 j = rpb.quot(e);
             blk[u] = e < n ? table[j < last_col ? j : last_col] : 0;
+            rpb.advance(j, r);
         }
     }
 
     /// Stores for entries below `n` (<= the load count).
     V4P_DEVICE void store(v4p_i32* __restrict__ dst, v4p_u32 n, V4pDiv rpb, v4p_u32 envelope, v4p_u32 lanes) const {
+        v4p_u32 j = 0, r = r0;
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
             const v4p_u32 e = e0 + (v4p_u32)u * lanes;
-            if (e < n) dst[e] = (v4p_i32)((v4p_u32)blk[u] * envelope + rpb.rem(e));
+            if (e < n) dst[e] = (v4p_i32)((v4p_u32)blk[u] * envelope + r);
+            rpb.advance(j, r);
         }
     }
 };
@@ -241,6 +296,7 @@ V4P_DEVICE void v4p_copy_plane(PlaneWrite pw, v4p_i64 src_row, v4p_i64 dst_row, 
 // window tails and dest rows come from tile 0.
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices(DecodeIndexArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
     if (t >= a.num_tokens) return;
     const v4p_i64 tile = v4p_bid_y();
@@ -290,6 +346,7 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode
 
 // Five blocks per SM (48 registers instead of 64): more tokens resident.
 extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 5) void v4pool_prefill_indices(PrefillIndexArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
     const v4p_u32 lanes = V4POOL_PREFILL_LANES;
     const v4p_u32 lane = v4p_tid_x() % lanes;
     const v4p_i64 t = (v4p_i64)v4p_bid_x() * V4POOL_PREFILL_TOKENS_PER_BLOCK + v4p_tid_x() / lanes;
@@ -314,7 +371,7 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 5) void v4pool
     else
         by_pos = (p + 1) / a.hca_ratio;  // C division, as the host reference
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-    const V4pDiv rpb = v4p_div_make(a.hca_rows_per_block);
+    const V4pDiv rpb = v4p_div_make(a.hca_rows_per_block, lanes);
     const v4p_u32 last_col = v4p_last_col(a.block_table_stride);
     V4pHeadRound h;
     h.load(table, lane, v4p_count32(by_pos), rpb, last_col, lanes);
@@ -347,6 +404,7 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 5) void v4pool
 // grid (ceil(N / 256)), block 256: one thread per entry.
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_hca_offsets(HcaOffsetsArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
     const v4p_i64 i = (v4p_i64)v4p_bid_x() * V4P_BLOCK + v4p_tid_x();
     if (i >= a.num_entries) return;
     const v4p_i32 e = v4p_in<v4p_i32>(a.entry_idx)[i];
@@ -363,6 +421,7 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_hca_of
 // slower at top-k 512 and 1,024 and level at 2,048: BENCHMARKS.md.)
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_translate_pack(CsaPackArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
     const v4p_i64 tile = v4p_bid_y();
     if (t >= a.num_tokens) return;

@@ -27,15 +27,17 @@ fi
 timeout 150 "$G/benches/gpu" --bench > "$out/bench.log" 2>&1
 echo "bench rc=$?" | tee -a "$out/summary.txt"
 peer=$(mktemp -d)
-OUT=$peer ATOM_PEER_DIR=$PWD/$G/peer timeout 170 python3 "$G/peer/atom_peer_bench.py" > "$out/peer.log" 2>&1
+[ "${PEER:-1}" = 0 ] || OUT=$peer ATOM_PEER_DIR=$PWD/$G/peer timeout 170 python3 "$G/peer/atom_peer_bench.py" > "$out/peer.log" 2>&1
 echo "peer rc=$?" | tee -a "$out/summary.txt"
-OUT=$peer ATOM_PEER_DIR=$PWD/$G/peer timeout 45 python3 "$S/atom-peer-extra.py" >> "$out/peer.log" 2>&1
+[ "${PEER:-1}" = 0 ] || OUT=$peer ATOM_PEER_DIR=$PWD/$G/peer timeout 45 python3 "$S/atom-peer-extra.py" >> "$out/peer.log" 2>&1
 echo "peer extra rc=$?" | tee -a "$out/summary.txt"
 cp "$peer"/*.json "$out/" 2>/dev/null
 python3 "$S/peer-table.py" "$out/bench.log" "$out/atom_peer_h200.json" "$out/atom_peer_extra.json" > "$out/peer-table.txt" 2>&1
 cat "$out/peer-table.txt"
 grep -A8 "^TARGETS" "$out/bench.log"
-# Nsight Compute: one launch of each index kernel at the shapes that matter.
+# Nsight Compute: one launch of each index kernel at the shapes that matter (NCU_S=0 skips it,
+# PEER=0 skips ATOM's bench: a short confirming call).
+[ "${NCU_S:-75}" = 0 ] && exit 0
 timeout "${NCU_S:-75}" ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
   --section MemoryWorkloadAnalysis --section WarpStateStats -k regex:'v4pool_(decode|prefill|csa)' \
   "$G/benches/gpu" --profile-shapes > "$out/ncu.txt" 2>&1

@@ -101,6 +101,18 @@ fn addr<T>(v: &[T]) -> u64 {
 }
 
 fn random_geometry(rng: &mut Rng, need_compressed: bool) -> UnifiedPoolGeometry {
+    random_geometry_ring(rng, need_compressed, 8, 14)
+}
+
+/// As [`random_geometry`] with `ring_slots` drawn from `[ring_lo, ring_hi]`: rings longer than
+/// a kernel's lanes per token (64 in the prefill builder, 256 in the decode builder) make each
+/// lane write several window entries, through the running ring counters and their wrap.
+fn random_geometry_ring(
+    rng: &mut Rng,
+    need_compressed: bool,
+    ring_lo: i64,
+    ring_hi: i64,
+) -> UnifiedPoolGeometry {
     loop {
         let layers = rng.range(2, 7);
         let ratios: Vec<i32> = (0..layers).map(|_| [0, 4, 128][rng.range(0, 2) as usize]).collect();
@@ -108,8 +120,9 @@ fn random_geometry(rng: &mut Rng, need_compressed: bool) -> UnifiedPoolGeometry 
             continue;
         }
         let block = if rng.chance(50) { 256 } else { 128 };
-        let spec = GeometrySpec::new(ratios, rng.range(4, 40), rng.range(3, 8), rng.range(8, 14), block)
-            .arena_rows(rng.range(0, 5));
+        let spec =
+            GeometrySpec::new(ratios, rng.range(4, 40), rng.range(3, 8), rng.range(ring_lo, ring_hi), block)
+                .arena_rows(rng.range(0, 5));
         if let Ok(g) = spec.build() {
             return g;
         }
@@ -138,7 +151,12 @@ fn decode_builder_kernel_matches_reference() {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut wrote = 0;
     for case in 0..60 {
-        let g = random_geometry(&mut rng, false);
+        // Every third case with a ring longer than the 256 threads of a block.
+        let g = if case % 3 == 2 {
+            random_geometry_ring(&mut rng, false, 257, 600)
+        } else {
+            random_geometry(&mut rng, false)
+        };
         let rpb = (g.block_size / 128) as i32;
         let win = rng.range(1, g.ring_slots) as i32;
         let bs = rng.range(1, 5) as usize;
@@ -310,8 +328,15 @@ fn prefill_builder_kernel_matches_reference() {
     let Some(emu) = emu() else { return };
     let mut rng = Rng(0x1234_5678_9abc_def1);
     for case in 0..60 {
-        let g = random_geometry(&mut rng, true);
-        let rpb = (g.block_size / 128) as i64;
+        // Every third case with a ring longer than the 64 lanes a token has.
+        let g = if case % 3 == 2 {
+            random_geometry_ring(&mut rng, true, 65, 300)
+        } else {
+            random_geometry(&mut rng, true)
+        };
+        // Every third case with rows per block that do not divide the 64 lanes (the kernel's
+        // running (block, row) counter then carries).
+        let rpb = if case % 3 == 1 { 3 } else { g.block_size / 128 };
         let win = rng.range(1, g.ring_slots);
         let hca_ratio = [8i64, 16, 128][rng.range(0, 2) as usize];
         let bs = rng.range(1, 4) as usize;
@@ -355,10 +380,17 @@ fn prefill_builder_kernel_matches_reference() {
         let dense = g.window_params(0).ok();
         let ptrs = [cumsum(&ext_l), cumsum(&pre_l), cumsum(&csa_l), cumsum(&hca_l)];
         let outputs: Vec<Vec<i32>> = ptrs.iter().map(|p| vec![POISON; extent(p) + 2]).collect();
+        let mut csa = g.window_params(4).unwrap();
+        if case % 3 == 2 {
+            // Runs shorter than the ring and not dividing the 64 lanes: the kernel's running
+            // (run, offset) counter carries between its wraps.
+            csa.ring_stride = 2 * rng.range(1, 20) + 1;
+            csa.run_rows = csa.ring_stride + rng.range(0, 4);
+        }
         compare(&emu, &format!("prefill case {case}"), &outputs, |outs| {
             Launch::Prefill(PrefillIndexArgs {
                 dense: dense.unwrap_or_default(),
-                csa: g.window_params(4).unwrap(),
+                csa,
                 hca: g.window_params(128).unwrap(),
                 positions: addr(&positions),
                 bid_per_token: addr(&bids),

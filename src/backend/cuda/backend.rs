@@ -15,6 +15,7 @@ use crate::index::{DevicePtr, Launch};
 use cudarc::driver::sys;
 use std::ffi::c_void;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// What every clone of a backend (and its graphs and events) shares.
@@ -23,6 +24,9 @@ pub(super) struct Inner {
     /// The backend's own stream (`Stream::DEFAULT`).
     pub(super) own_stream: sys::CUstream,
     staging: Mutex<StagingRing<CudaStaging>>,
+    /// Launch the index builders as programmatic dependents of the kernel before them
+    /// ([`CudaBackend::set_overlapped_launches`]).
+    overlap: AtomicBool,
 }
 
 // SAFETY: the stream and device handles are usable from any thread with the context
@@ -61,11 +65,13 @@ impl CudaBackend {
         check("cuStreamCreate", unsafe {
             sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
         })?;
+        let overlap = device.cc.0 >= 9;
         Ok(CudaBackend {
             inner: Arc::new(Inner {
                 device,
                 own_stream: stream,
                 staging: Mutex::new(StagingRing::default()),
+                overlap: AtomicBool::new(overlap),
             }),
         })
     }
@@ -78,6 +84,34 @@ impl CudaBackend {
     /// `(major, minor)`, e.g. `(9, 0)` on an H200.
     pub fn compute_capability(&self) -> (i32, i32) {
         self.inner.device.cc
+    }
+
+    /// Whether the index builders (decode, prefill, HCA offsets, CSA translate-pack) are
+    /// launched with programmatic stream serialization: the next one may launch while the
+    /// kernel before it in the stream still runs, and waits in its first instruction
+    /// (`griddepcontrol.wait`, `v4p_overlap_begin` in the kernels) until that kernel has
+    /// finished and its writes are visible. Stream order is kept for every memory access;
+    /// what overlaps is the launch, block scheduling and the prologue, about 1–2 µs per
+    /// kernel in a graph of per-layer packs. On by default on compute capability 9.0 and
+    /// later (every image the backend loads there is built for sm_90+, where the wait
+    /// exists); off before, where the kernels compile without it. Captured graphs keep the
+    /// setting they were captured with.
+    pub fn overlapped_launches(&self) -> bool {
+        self.inner.overlap.load(Ordering::Relaxed)
+    }
+
+    /// Turn [`overlapped_launches`](Self::overlapped_launches) on or off for later launches
+    /// of every clone of this backend (benchmarks compare both). Refused on a device before
+    /// compute capability 9.0: the kernels there have no wait, so overlapping would race.
+    pub fn set_overlapped_launches(&self, on: bool) -> Result<(), BackendError> {
+        if on && self.inner.device.cc.0 < 9 {
+            return Err(unavailable(format!(
+                "overlapped launches need compute capability 9.0 or later (device has {}.{})",
+                self.inner.device.cc.0, self.inner.device.cc.1
+            )));
+        }
+        self.inner.overlap.store(on, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Which image the kernels came from, or why none could be loaded.
@@ -117,7 +151,7 @@ impl CudaBackend {
                 .ok_or(BackendError::MissingKernel { backend: KIND, symbol: Launch::Empty.symbol() })?;
             let own = self.inner.own_stream;
             // SAFETY: the empty kernel takes no parameters and touches nothing.
-            unsafe { self.launch_raw(f, [1, 1, 1], [1, 1, 1], NO_PARAMS, own)? };
+            unsafe { self.launch_raw(f, [1, 1, 1], [1, 1, 1], NO_PARAMS, own, false)? };
             // SAFETY: our own live stream.
             check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(own) })
         })();
@@ -206,11 +240,13 @@ impl CudaBackend {
     }
 
     /// Launch `f` with an explicit shape; `params` is the driver's `kernelParams` (see
-    /// [`DeviceLaunch::params`]).
+    /// [`DeviceLaunch::params`]). `overlap`: as a programmatic dependent of the kernel before
+    /// it in the stream (see [`overlapped_launches`](Self::overlapped_launches)).
     ///
     /// # Safety
     /// `params` is null or points at one pointer to the kernel's by-value argument struct,
-    /// alive for the call; the kernel's pointers cover what it reads and writes.
+    /// alive for the call; the kernel's pointers cover what it reads and writes. With
+    /// `overlap`, the kernel waits (`v4p_overlap_begin`) before its first global access.
     unsafe fn launch_raw(
         &self,
         f: sys::CUfunction,
@@ -218,25 +254,53 @@ impl CudaBackend {
         block: [u32; 3],
         params: *mut *mut c_void,
         stream: sys::CUstream,
+        overlap: bool,
     ) -> Result<(), BackendError> {
-        // SAFETY: the caller's contract (the driver copies the argument struct during the call).
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                f,
-                grid[0],
-                grid[1],
-                grid[2],
-                block[0],
-                block[1],
-                block[2],
-                0,
-                stream,
-                params,
-                std::ptr::null_mut(),
-            )
-        })
+        if !overlap {
+            // SAFETY: the caller's contract (the driver copies the argument struct during the call).
+            return check("cuLaunchKernel", unsafe {
+                sys::cuLaunchKernel(
+                    f,
+                    grid[0],
+                    grid[1],
+                    grid[2],
+                    block[0],
+                    block[1],
+                    block[2],
+                    0,
+                    stream,
+                    params,
+                    std::ptr::null_mut(),
+                )
+            });
+        }
+        // SAFETY: an all-zero attribute is a valid union value; the fields that matter are set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid[0],
+            gridDimY: grid[1],
+            gridDimZ: grid[2],
+            blockDimX: block[0],
+            blockDimY: block[1],
+            blockDimZ: block[2],
+            sharedMemBytes: 0,
+            hStream: stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: the caller's contract; `config` and `attr` live across the call.
+        check("cuLaunchKernelEx", unsafe { sys::cuLaunchKernelEx(&config, f, params, std::ptr::null_mut()) })
     }
 }
+
+/// The kernels launched as programmatic dependents when overlapped launches are on: exactly
+/// those whose first statement is `v4p_overlap_begin();` (they wait for the kernel before them
+/// before any global access; a unit test checks the embedded source). Any other kernel, the
+/// ones other modules add included, keeps plain stream order.
+pub(super) const OVERLAPPED_KERNELS: [&str; 4] =
+    ["v4pool_decode_indices", "v4pool_prefill_indices", "v4pool_hca_offsets", "v4pool_csa_translate_pack"];
 
 pub(super) fn bind(device: &Device) -> Result<(), BackendError> {
     // SAFETY: the primary context is retained for the process.
@@ -449,9 +513,11 @@ impl Backend for CudaBackend {
         let f = self.function(&prepared)?;
         let raw = self.inner.stream(stream);
         let (grid, block) = (prepared.shape.grid, prepared.shape.block);
+        let overlap = self.overlapped_launches() && OVERLAPPED_KERNELS.contains(&launch.symbol());
         // SAFETY: `params` points at the `#[repr(C)]` argument struct the kernel declares,
-        // inside `launch`, alive for the call; pointer coverage is the caller's contract.
-        unsafe { self.launch_raw(f, grid, block, prepared.params(), raw) }
+        // inside `launch`, alive for the call; pointer coverage is the caller's contract; an
+        // overlapped kernel waits before its first global access.
+        unsafe { self.launch_raw(f, grid, block, prepared.params(), raw, overlap) }
     }
 
     fn synchronize(&self, stream: Stream) -> Result<(), BackendError> {

@@ -41,6 +41,7 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuModuleGetFunction",
     "cuModuleUnload",
     "cuLaunchKernel",
+    "cuLaunchKernelEx",
     "cuGraphInstantiateWithFlags",
     "cuGraphUpload",
     "cuGraphLaunch",

@@ -65,6 +65,24 @@ mod tests {
         assert!(matches!(CudaBackend::new(1 << 20), Err(BackendError::Unavailable { .. })));
     }
 
+    /// A kernel launched as a programmatic dependent must wait for its predecessor before it
+    /// touches memory: each one in the overlapped set exists and opens with the wait.
+    #[test]
+    fn overlapped_kernels_wait_first() {
+        let src = crate::kernels::SOURCE;
+        for sym in backend::OVERLAPPED_KERNELS {
+            assert!(Launch::SYMBOLS.contains(&sym), "{sym} is no launch symbol");
+            let at = src.find(&format!("void {sym}(")).unwrap_or_else(|| panic!("{sym} not in the source"));
+            let body = &src[at..];
+            let open = body.find('{').expect("kernel body");
+            let first = body[open + 1..].trim_start();
+            assert!(
+                first.starts_with("v4p_overlap_begin();"),
+                "{sym} does not open with v4p_overlap_begin()"
+            );
+        }
+    }
+
     #[test]
     fn invalid_launches_are_rejected_before_the_driver() {
         let bad = crate::index::RowScatterArgs { num_tokens: -1, ..Default::default() };
