@@ -59,6 +59,11 @@ typedef enum V4poolDecodeBuffer {
 typedef struct Class Class;
 
 /**
+ * One compressor of a layer: the arena field pair it writes and its pool window.
+ */
+typedef struct Compressor Compressor;
+
+/**
  * Which run: the manager's split policy and how prefixes are reused.
  */
 typedef struct SplitPolicy SplitPolicy;
