@@ -287,3 +287,27 @@ fn gather_launch_shape_and_host_checks() {
     // SAFETY: an empty grid touches nothing.
     unsafe { run_launch(&Launch::WindowGather(empty)) }.unwrap();
 }
+
+#[test]
+fn a_slot_relocated_after_staging_is_refused_until_restaged_with_its_new_lease() {
+    let model = v4pool::model::ModelShape::v4_flash_dspark(3, v4pool::model::DraftMode::Absent).unwrap();
+    let pool = host_pool(&model, false);
+    let csa = model.ratios.iter().position(|&r| r == 4).unwrap();
+    // Hold only the lowest slot position and shrink to one slot: the boundary relocates it
+    // (a relocation re-issues the lease, so the staged one goes stale). The test requires
+    // the move, so it cannot pass vacuously.
+    let n = pool.counts().unwrap().num_slots;
+    let leases: Vec<_> = (0..n).map(|_| pool.alloc_slot().unwrap()).collect();
+    let held = leases.iter().map(|l| l.handle).min_by_key(|&h| pool.slot_position(h).unwrap()).unwrap();
+    let mut g = pool.window_gather(GatherCapacity { max_seqs: 1, out_window: 4 }).unwrap();
+    g.stage(&[GatherSeq { slot: held, anchor: 7, context_len: None }]).unwrap();
+    g.gather(csa, 4).unwrap();
+    for l in leases.iter().filter(|l| l.handle != held) {
+        pool.free_slot(l.handle).unwrap();
+    }
+    let change = pool.shrink_slots(n - 1).unwrap();
+    let moved = change.slot_moves.iter().find(|m| m.old == held).expect("the held slot is relocated");
+    assert!(matches!(g.gather(csa, 4), Err(GatherError::StaleLease { seq: 0, .. })));
+    g.stage(&[GatherSeq { slot: moved.new, anchor: 7, context_len: None }]).unwrap();
+    g.gather(csa, 4).unwrap();
+}
