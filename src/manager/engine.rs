@@ -249,11 +249,13 @@ impl KvManager {
         }
         let bs = self.block_size;
         let r = self.req_mut(id)?;
+        let known = r.known;
         r.blocks = hit_nodes;
         r.indexed = hit;
         r.computed = hit as u64 * bs;
         r.slot = Some(slot);
         self.stats.admissions += 1;
+        self.admitted_tokens += known;
         if hit > 0 {
             self.stats.hits += 1;
             self.stats.hit_tokens += hit as u64 * bs;
@@ -272,6 +274,12 @@ impl KvManager {
     /// to the LRU (deeper ones, and each block's checkpoint before its block, evicted first);
     /// private ones go back to the pool.
     pub(super) fn unref(&mut self, nodes: &[u32]) -> Result<(), ManagerError> {
+        // A released chain's checkpoints below its deepest ready one are superseded: a
+        // request continuing the chain restores from the deepest, so they only serve one
+        // that diverges inside it. Unless a restore has used them, they go to the
+        // evicted-first end (their units are a whole slot image each, more than the blocks
+        // between two of them).
+        let mut deeper = false;
         for &b in nodes.iter().rev() {
             let n = self.nodes.block_mut(b);
             n.refs -= 1;
@@ -281,7 +289,14 @@ impl KvManager {
             if n.hash.is_some() {
                 let c = n.ckpt;
                 if c != NIL {
-                    self.touch_ckpt(c);
+                    let n = self.nodes.ckpt(c);
+                    let ready = n.state == CkptState::Ready && n.pins == 0;
+                    if deeper && ready && !n.restored {
+                        self.nodes.touch_front(c);
+                    } else {
+                        self.touch_ckpt(c);
+                    }
+                    deeper |= ready;
                 }
                 self.nodes.touch(b);
             } else {

@@ -164,6 +164,9 @@ struct CkptNode {
     pins: u32,
     /// Whether a request may drop it when it stores its next rolling checkpoint.
     rolling: bool,
+    /// Whether a restore has read it: a proven reuse point (a shared system prompt's end, a
+    /// branch), never demoted as superseded when a chain leaves.
+    restored: bool,
     layout: LayoutId,
 }
 
@@ -262,6 +265,21 @@ impl Nodes {
         self.in_lru[iu] = true;
         self.lru_blocks += self.weight(i);
     }
+    /// Put `i` at the evicted-first end.
+    fn touch_front(&mut self, i: u32) {
+        self.unlink(i);
+        let iu = i as usize;
+        self.next[iu] = self.head;
+        self.prev[iu] = NIL;
+        if self.head != NIL {
+            self.prev[self.head as usize] = i;
+        } else {
+            self.tail = i;
+        }
+        self.head = i;
+        self.in_lru[iu] = true;
+        self.lru_blocks += self.weight(i);
+    }
     fn unlink(&mut self, i: u32) {
         let iu = i as usize;
         if !self.in_lru[iu] {
@@ -309,6 +327,9 @@ pub struct KvManager {
     /// Where evicted blocks and checkpoints spill (`None`: they are dropped).
     tier: Option<tier::ManagerTier>,
     stats: ManagerStats,
+    /// Prompt tokens of every admission (resumptions included): what the cache could have
+    /// served; `stats.hit_tokens` over this is the share of prompt work it did serve.
+    admitted_tokens: u64,
 }
 
 impl std::fmt::Debug for KvManager {
@@ -366,6 +387,7 @@ impl KvManager {
             tracked: None,
             tier,
             stats: ManagerStats::default(),
+            admitted_tokens: 0,
         };
         let c = m.pool.counts()?;
         if c.num_blocks != c.free_blocks || c.num_slots != c.free_slots {
@@ -432,7 +454,7 @@ impl KvManager {
             owed_blocks: owed,
             running,
             waiting,
-            hit_per_mille: u32::try_from(self.stats.hits * 1000 / self.stats.admissions.max(1))
+            hit_per_mille: u32::try_from(self.stats.hit_tokens * 1000 / self.admitted_tokens.max(1))
                 .unwrap_or(1000),
         })
     }
@@ -753,6 +775,7 @@ impl KvManager {
             state,
             pins: 0,
             rolling,
+            restored: false,
             layout: self.layout_id.clone(),
         }));
         for (k, id) in ids.into_iter().enumerate() {
@@ -811,6 +834,7 @@ impl KvManager {
         store::copy(&self.pool, &self.ck, position, &ids, false)?;
         let c = self.nodes.ckpt_mut(ck);
         c.pins += 1;
+        c.restored = true;
         self.nodes.unlink(ck);
         self.pinned.push(ck);
         self.stats.restores += 1;

@@ -26,8 +26,10 @@ pub struct PoolView {
     pub running: u32,
     /// Requests known to the manager without a slot (waiting or preempted).
     pub waiting: u32,
-    /// Admissions that hit the cache so far, per mille of admissions: how much the cache is
-    /// worth keeping.
+    /// Prompt tokens served from the cache so far, per mille of the prompt tokens admitted:
+    /// how much the cache is worth keeping. Counted in tokens, not admissions: where every
+    /// request shares a short system prompt, nearly every admission hits while the cache
+    /// serves far less of the prompt work (multiturn: 0.98 of admissions, 0.70 of tokens).
     pub hit_per_mille: u32,
 }
 
@@ -109,7 +111,8 @@ pub struct ElasticPolicy {
     /// block capacity (per mille).
     pub reserve_per_mille: u32,
     /// Cached blocks a new slot may not evict, as a fraction of the plane's block capacity
-    /// (per mille) scaled by the share of admissions that hit: the prefix cache is what the
+    /// (per mille) scaled by the share of prompt tokens the cache served
+    /// ([`PoolView::hit_per_mille`]): the prefix cache is what the
     /// next turn hits, so where requests hit, slots come out of the cache only beyond this
     /// share; where nothing hits, the cache is no reason to hold a request back.
     pub cache_per_mille: u32,
