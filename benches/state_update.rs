@@ -26,11 +26,12 @@
 
 mod common;
 
-use common::{bench_requested, fmt_bytes, median, percentile_sorted, Rng};
+use common::graph::{GraphTimer, GRAPH_REPS as REPS, GRAPH_WARM as WARM, S};
+use common::{bench_requested, fmt_bytes, Rng};
 use std::error::Error;
 use std::sync::Arc;
-use v4pool::backend::cuda::{self, CudaBackend, CudaEvent, CudaGraph};
-use v4pool::backend::{Backend, DeviceAllocation, Stream};
+use v4pool::backend::cuda::{self, CudaBackend, CudaGraph};
+use v4pool::backend::{Backend, DeviceAllocation};
 use v4pool::index::{ElemType, Launch};
 use v4pool::model::ModelShape;
 use v4pool::pool::{Pool, PoolSpec, SlotLease};
@@ -39,55 +40,39 @@ use v4pool::state::update::{Compressor, StateInputs, StateSeq, StateUpdateCapaci
 
 type Res<T> = Result<T, Box<dyn Error>>;
 
-const S: Stream = Stream::DEFAULT;
-const FLUSH_BYTES: u64 = 256 << 20;
-const WARM: usize = 10;
-const REPS: usize = 200;
 const MAX_SEQS: usize = 1024;
 const MAX_TOKENS: usize = 8192;
 
+/// The shared graph timer plus a scratch buffer for the memset floor.
 struct Timer {
-    be: CudaBackend,
-    flush: DeviceAllocation,
+    graph: GraphTimer,
     scratch: DeviceAllocation,
-    ev0: CudaEvent,
-    ev1: CudaEvent,
 }
 
 impl Timer {
     /// Median / p10 / p90 µs of replaying `g`, each rep after an L2-evicting memset.
     fn time(&self, g: &CudaGraph) -> Res<(f64, f64, f64)> {
-        let mut v = Vec::with_capacity(REPS);
-        for i in 0..WARM + REPS {
-            // SAFETY: the scratch allocation is live and FLUSH_BYTES long.
-            unsafe { self.be.fill_u32(self.flush.ptr, FLUSH_BYTES / 4, i as u32, S)? };
-            self.ev0.record(S)?;
-            g.replay(S)?;
-            self.ev1.record(S)?;
-            let us = f64::from(self.ev0.elapsed_ms(&self.ev1)?) * 1e3;
-            if i >= WARM {
-                v.push(us);
-            }
-        }
-        let med = median(&mut v);
-        Ok((med, percentile_sorted(&v, 10.0), percentile_sorted(&v, 90.0)))
+        self.graph.replay(g, |_| Ok(()))
     }
 
     fn graph(&self, launch: &Launch) -> Res<CudaGraph> {
-        let cap = self.be.begin_capture(S)?;
-        // SAFETY: every launch names the pool's fields, the handle's plan and the bench's own
-        // input allocations, all alive until the graph is dropped.
-        unsafe { self.be.launch(launch, S)? };
-        Ok(cap.end()?)
+        self.graph.capture(|| {
+            // SAFETY: every launch names the pool's fields, the handle's plan and the bench's
+            // own input allocations, all alive until the graph is dropped.
+            unsafe { self.graph.be.launch(launch, S)? };
+            Ok(())
+        })
     }
 
     /// A memset of `bytes` (graph replay): the write floor.
     fn memset(&self, bytes: u64) -> Res<f64> {
         let words = bytes.clamp(16, self.scratch.bytes) / 4;
-        let cap = self.be.begin_capture(S)?;
-        // SAFETY: the scratch buffer is live and at least `words` words long.
-        unsafe { self.be.fill_u32(self.scratch.ptr, words, 0x5a5a_5a5a, S)? };
-        Ok(self.time(&cap.end()?)?.0)
+        let g = self.graph.capture(|| {
+            // SAFETY: the scratch buffer is live and at least `words` words long.
+            unsafe { self.graph.be.fill_u32(self.scratch.ptr, words, 0x5a5a_5a5a, S)? };
+            Ok(())
+        })?;
+        Ok(self.time(&g)?.0)
     }
 }
 
@@ -239,19 +224,8 @@ fn run() -> Res<()> {
     println!(
         "method: median of {REPS} graph replays after {WARM}, a 256 MiB memset before every rep (cold L2)"
     );
-    let t = Timer {
-        flush: be.alloc_zeroed(FLUSH_BYTES)?,
-        scratch: be.alloc_zeroed(256 << 20)?,
-        ev0: be.event()?,
-        ev1: be.event()?,
-        be: be.clone(),
-    };
-    let empty = {
-        let cap = t.be.begin_capture(S)?;
-        // SAFETY: the empty kernel touches nothing.
-        unsafe { t.be.launch(&Launch::Empty, S)? };
-        cap.end()?
-    };
+    let t = Timer { graph: GraphTimer::new(&be)?, scratch: be.alloc_zeroed(256 << 20)? };
+    let empty = t.graph(&Launch::Empty)?;
     let empty_us = t.time(&empty)?.0;
     println!("empty kernel, graph replay: {empty_us:.2} µs");
     let pool = flash_pool(Arc::new(be))?;

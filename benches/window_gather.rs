@@ -16,12 +16,13 @@
 
 mod common;
 
-use common::{bench_requested, fmt_bytes, median, percentile_sorted, Rng};
+use common::graph::{GraphTimer, GRAPH_REPS as REPS, GRAPH_WARM as WARM, S};
+use common::{bench_requested, fmt_bytes, Rng};
 use std::error::Error;
 use std::sync::Arc;
 use v4pool::arena::ArenaLayout;
-use v4pool::backend::cuda::{self, CudaBackend, CudaEvent, CudaGraph};
-use v4pool::backend::{Backend, DeviceAllocation, Stream};
+use v4pool::backend::cuda::{self, CudaBackend};
+use v4pool::backend::Backend;
 use v4pool::index::host::dequant_fp8_row;
 use v4pool::index::Launch;
 use v4pool::model::{DraftMode, ModelShape};
@@ -30,49 +31,11 @@ use v4pool::state::gather::{GatherCapacity, GatherSeq, WindowGather};
 
 type Res<T> = Result<T, Box<dyn Error>>;
 
-const S: Stream = Stream::DEFAULT;
-const FLUSH_BYTES: u64 = 256 << 20;
-const WARM: usize = 10;
-const REPS: usize = 200;
 const SLOTS: i64 = 1024;
 const SPEC_STEPS: i64 = 5;
 const ROTATE: usize = 4;
 /// Sequences whose rows are checked against the host formula before timing.
 const CHECKED: usize = 4;
-
-struct Timer {
-    be: CudaBackend,
-    flush: DeviceAllocation,
-    ev0: CudaEvent,
-    ev1: CudaEvent,
-}
-
-impl Timer {
-    /// Median, p10, p90 (µs) of a graph replay's device time: `prep(i)` and an L2-evicting
-    /// memset before each repetition, outside the events.
-    fn graph(&self, g: &CudaGraph, mut prep: impl FnMut(usize) -> Res<()>) -> Res<(f64, f64, f64)> {
-        let mut v = Vec::with_capacity(REPS);
-        for i in 0..WARM + REPS {
-            prep(i)?;
-            // SAFETY: the scratch allocation is live and FLUSH_BYTES long.
-            unsafe { self.be.fill_u32(self.flush.ptr, FLUSH_BYTES / 4, i as u32, S)? };
-            self.ev0.record(S)?;
-            g.replay(S)?;
-            self.ev1.record(S)?;
-            if i >= WARM {
-                v.push(f64::from(self.ev0.elapsed_ms(&self.ev1)?) * 1e3);
-            }
-        }
-        let med = median(&mut v);
-        Ok((med, percentile_sorted(&v, 10.0), percentile_sorted(&v, 90.0)))
-    }
-
-    fn capture(&self, queue: impl FnOnce() -> Res<()>) -> Res<CudaGraph> {
-        let cap = self.be.begin_capture(S)?;
-        queue()?;
-        Ok(cap.end()?)
-    }
-}
 
 /// A V4-Flash-DSpark (dense drafts) pool of `slots` slots, all leased.
 fn pool(dev: Arc<dyn Backend>, fp8: bool, slots: i64) -> Res<(Arc<Pool>, Vec<SlotLease>)> {
@@ -169,8 +132,7 @@ fn run() -> Res<()> {
     println!(
         "method: median of {REPS} graph replays after {WARM} warm-up, a 256 MiB memset before each (cold L2)"
     );
-    let t =
-        Timer { flush: be.alloc_zeroed(FLUSH_BYTES)?, ev0: be.event()?, ev1: be.event()?, be: be.clone() };
+    let t = GraphTimer::new(&be)?;
     let empty = t.capture(|| {
         // SAFETY: the empty kernel touches nothing.
         unsafe { t.be.launch(&Launch::Empty, S)? };
@@ -201,15 +163,15 @@ fn run() -> Res<()> {
             })?;
             let g = std::cell::RefCell::new(g);
             let (us, p10, p90) =
-                t.graph(&graph, |i| Ok(g.borrow_mut().stage(&batches[i % ROTATE]).map(|_| ())?))?;
+                t.replay(&graph, |i| Ok(g.borrow_mut().stage(&batches[i % ROTATE]).map(|_| ())?))?;
             let written = (n * wd * 1024) as u64;
             let memset = t.capture(|| {
                 // SAFETY: the scratch buffer holds SLOTS × 133 rows ≥ n × wd.
                 unsafe { t.be.fill_u32(scratch.ptr, written / 4, 0x5a5a_5a5a, S)? };
                 Ok(())
             })?;
-            let (memset_us, ..) = t.graph(&memset, |_| Ok(()))?;
-            let (empty_us, ..) = t.graph(&empty, |_| Ok(()))?;
+            let (memset_us, ..) = t.replay(&memset, |_| Ok(()))?;
+            let (empty_us, ..) = t.replay(&empty, |_| Ok(()))?;
             println!(
                 "window_gather {variant} B={n} Wd={wd} v4pool_us={us:.2} memset_us={memset_us:.2} empty_us={empty_us:.2} \
                  p10_us={p10:.2} p90_us={p90:.2} written={} ratio_memset={:.2}",
@@ -224,7 +186,7 @@ fn run() -> Res<()> {
     // SAFETY: the stream is drained and no graph names these any more.
     unsafe {
         be.free(scratch);
-        be.free(t.flush);
+        t.release();
     }
     Ok(())
 }

@@ -55,3 +55,80 @@ pub fn met(ok: bool) -> &'static str {
         "NOT MET"
     }
 }
+
+/// Graph-replay timing on the CUDA backend, shared by the state-kernel benches: each rep
+/// evicts L2 with a `FLUSH_BYTES` memset, then device events bracket the replay; the first
+/// `GRAPH_WARM` reps are dropped and the median / p10 / p90 of `GRAPH_REPS` kept (µs).
+pub mod graph {
+    use std::error::Error;
+    use v4pool::backend::cuda::{CudaBackend, CudaEvent, CudaGraph};
+    use v4pool::backend::{Backend, DeviceAllocation, Stream};
+
+    type Res<T> = Result<T, Box<dyn Error>>;
+
+    /// The stream every timed graph runs on (the backend's own).
+    pub const S: Stream = Stream::DEFAULT;
+    /// Bytes memset before every rep: larger than the H200's L2.
+    pub const FLUSH_BYTES: u64 = 256 << 20;
+    /// Reps dropped before timing.
+    pub const GRAPH_WARM: usize = 10;
+    /// Reps timed.
+    pub const GRAPH_REPS: usize = 200;
+
+    /// An L2-flush buffer and two events on one backend.
+    pub struct GraphTimer {
+        /// The backend the graphs run on.
+        pub be: CudaBackend,
+        flush: DeviceAllocation,
+        ev0: CudaEvent,
+        ev1: CudaEvent,
+    }
+
+    impl GraphTimer {
+        /// Allocate the flush buffer and the events on `be`.
+        pub fn new(be: &CudaBackend) -> Res<GraphTimer> {
+            Ok(GraphTimer {
+                flush: be.alloc_zeroed(FLUSH_BYTES)?,
+                ev0: be.event()?,
+                ev1: be.event()?,
+                be: be.clone(),
+            })
+        }
+
+        /// Median / p10 / p90 µs of replaying `g`, `prep(i)` (untimed) before each rep's flush.
+        pub fn replay(&self, g: &CudaGraph, mut prep: impl FnMut(usize) -> Res<()>) -> Res<(f64, f64, f64)> {
+            let mut v = Vec::with_capacity(GRAPH_REPS);
+            for i in 0..GRAPH_WARM + GRAPH_REPS {
+                prep(i)?;
+                // SAFETY: the flush allocation is live and FLUSH_BYTES long.
+                unsafe { self.be.fill_u32(self.flush.ptr, FLUSH_BYTES / 4, i as u32, S)? };
+                self.ev0.record(S)?;
+                g.replay(S)?;
+                self.ev1.record(S)?;
+                if i >= GRAPH_WARM {
+                    v.push(f64::from(self.ev0.elapsed_ms(&self.ev1)?) * 1e3);
+                }
+            }
+            let med = super::median(&mut v);
+            Ok((med, super::percentile_sorted(&v, 10.0), super::percentile_sorted(&v, 90.0)))
+        }
+
+        /// Capture what `queue()` puts on the stream into a graph.
+        pub fn capture(&self, queue: impl FnOnce() -> Res<()>) -> Res<CudaGraph> {
+            let cap = self.be.begin_capture(S)?;
+            queue()?;
+            Ok(cap.end()?)
+        }
+    }
+
+    impl GraphTimer {
+        /// Free the flush buffer.
+        ///
+        /// # Safety
+        /// The stream is drained: no queued or captured work still names the buffer.
+        pub unsafe fn release(self) {
+            // SAFETY: the caller's contract.
+            unsafe { self.be.free(self.flush) }
+        }
+    }
+}
