@@ -254,14 +254,126 @@ V4P_DEVICE void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_
     }
 }
 
-/// Tiles of the fused HCA head in the decode builder (grid y; launch_shape derives the same):
-/// enough for the longest head a block-table row can describe (block_table_stride * rpb
-/// entries), at most V4POOL_MAX_GRID_YZ. One tile when nothing is fused.
-V4P_DEVICE v4p_i64 v4p_decode_hca_tiles(const DecodeIndexArgs& a) {
+/// Four entries, one 16-byte store at a 16-byte aligned `p`; `CS`: evict-first (st.cs). NVIDIA
+/// targets say so in PTX (NVVM may split a vector store of computed values into four).
+template <bool CS>
+V4P_DEVICE void v4p_head_store4(v4p_i32* p, v4p_u32 x, v4p_u32 y, v4p_u32 z, v4p_u32 w) {
+#if defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)
+    if (CS)
+        asm volatile("st.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+    else
+        asm volatile("st.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+#else
+    v4p_vec16 v;
+    v.x = x, v.y = y, v.z = z, v.w = w;
+#if defined(V4P_TARGET_EMU)
+    if (((v4p_u64)p & 15) != 0) __builtin_trap();  // a device would fault: so must the tests
+    __builtin_memcpy(p, &v, 16);                    // no type punning in the C++ emulation
+#else
+    *(v4p_vec16*)p = v;
+#endif
+#endif
+}
+
+/// Table entries j and j + 1 (`pair`: one 8-byte load, j is 8-byte aligned in the row).
+V4P_DEVICE void v4p_head_load2(const v4p_i32* __restrict__ table, v4p_u32 j, bool pair, v4p_u32& a, v4p_u32& b) {
+    if (pair) {
+#if defined(V4P_TARGET_EMU)
+        v4p_u64 v;
+        if (((v4p_u64)(table + j) & 7) != 0) __builtin_trap();  // as a device's misaligned load
+        __builtin_memcpy(&v, table + j, 8);
+#else
+        const v4p_u64 v = *(const v4p_u64*)(table + j);
+#endif
+        a = (v4p_u32)v, b = (v4p_u32)(v >> 32);
+    } else {
+        a = (v4p_u32)table[j], b = (v4p_u32)table[j + 1];
+    }
+}
+
+/// The decode builder's fused HCA head with 16-byte stores, for rows per block 2 (every V4
+/// geometry): the slice head `dst` is cut into at most 3 leading entries up to a 16-byte
+/// boundary (hbegin is arbitrary), groups of 4 entries = 2 whole or 3 partial blocks (one
+/// 16-byte store from 2 or 3 table entries, one 8-byte load when aligned), and at most 3
+/// trailing entries; tile 0's threads 0-2 and 4-6 write the leading and trailing ones. Tile
+/// `tile` of `ntiles` takes GROUPS * 256 groups, thread i groups i, i + 256, ...; all table
+/// loads of a thread are issued before its first store. 32-bit entry arithmetic, the i32 of
+/// the 64-bit row as the generic writer. Any other rows per block, a head past 2^31 entries or
+/// an unaligned buffer take the generic writer over the same tile (exact either way).
+template <int GROUPS, bool CS>
+V4P_DEVICE void v4p_write_head_vec(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table, v4p_i64 count64,
+                                   v4p_i64 rpb, v4p_i64 envelope, v4p_i64 tile, v4p_i64 ntiles, v4p_u32 tid) {
+    static_assert(GROUPS % 2 == 0, "a tile is whole generic tiles of 8 entries per thread");
+    if (count64 <= 0) return;
+    const v4p_u64 daddr = (v4p_u64)dst, taddr = (v4p_u64)table;
+    if (rpb != 2 || count64 > 0x7fffffffll || ((daddr | taddr) & 3) != 0) {
+        const v4p_i64 sub = GROUPS / 2;  // generic tiles (8 entries per thread) per tile
+        for (v4p_i64 s = 0; s < sub; ++s)
+            v4p_write_compressed_tiled(dst, table, count64, rpb, envelope, tile * sub + s, ntiles * sub, tid);
+        return;
+    }
+    const v4p_u32 count = (v4p_u32)count64, env = (v4p_u32)envelope;
+    const v4p_u32 lead = (v4p_u32)(0 - (daddr >> 2)) & 3u;  // entries before a 16-byte boundary
+    const v4p_u32 nlead = lead < count ? lead : count;
+    const v4p_u32 ngroups = (count - nlead) >> 2;
+    const v4p_u32 tail0 = nlead + 4 * ngroups;
+    // Leading / trailing entry of this thread (tile 0 only), loaded with the groups' loads.
+    v4p_u32 e1 = 0xffffffffu, blk1 = 0;
+    if (tile == 0) {
+        if (tid < nlead)
+            e1 = tid;
+        else if (tid >= 4 && tid - 4 < count - tail0)
+            e1 = tail0 + (tid - 4);
+        if (e1 != 0xffffffffu) blk1 = (v4p_u32)table[e1 >> 1];
+    }
+    // Group g covers entries lead + 4g .. lead + 4g + 3: blocks jb + 2g and jb + 2g + 1, and
+    // jb + 2g + 2 when lead is odd (then the group starts at a block's second row).
+    const bool odd = (lead & 1) != 0;
+    const v4p_u32 jb = lead >> 1;
+    const bool pair0 = ((taddr + 4 * (v4p_u64)jb) & 7) == 0;  // (jb + 2g) starts an 8-byte pair
+    const v4p_u64 per_tile = (v4p_u64)GROUPS * V4P_BLOCK;
+    for (v4p_u64 g0 = (v4p_u64)tile * per_tile + tid; g0 < ngroups; g0 += (v4p_u64)ntiles * per_tile) {
+        v4p_u32 a[GROUPS], b[GROUPS], c[GROUPS];
+#pragma unroll
+        for (int k = 0; k < GROUPS; ++k) {
+            const v4p_u64 g = g0 + (v4p_u64)k * V4P_BLOCK;
+            a[k] = b[k] = c[k] = 0;
+            if (g < ngroups) {
+                const v4p_u32 j = jb + 2 * (v4p_u32)g;
+                if (!odd) {
+                    v4p_head_load2(table, j, pair0, a[k], b[k]);
+                } else if (pair0) {
+                    v4p_head_load2(table, j, true, a[k], b[k]);
+                    c[k] = (v4p_u32)table[j + 2];
+                } else {
+                    a[k] = (v4p_u32)table[j];
+                    v4p_head_load2(table, j + 1, true, b[k], c[k]);
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < GROUPS; ++k) {
+            const v4p_u64 g = g0 + (v4p_u64)k * V4P_BLOCK;
+            if (g >= ngroups) continue;
+            v4p_i32* p = dst + (lead + 4 * (v4p_u32)g);
+            if (!odd)
+                v4p_head_store4<CS>(p, a[k] * env, a[k] * env + 1, b[k] * env, b[k] * env + 1);
+            else
+                v4p_head_store4<CS>(p, a[k] * env + 1, b[k] * env, b[k] * env + 1, c[k] * env);
+        }
+    }
+    if (e1 != 0xffffffffu) dst[e1] = (v4p_i32)(blk1 * env + (e1 & 1));
+}
+
+/// Tiles of `tile_entries` entries of the fused HCA head in the decode builder (grid y;
+/// launch_shape derives the same): enough for the longest head a block-table row can describe
+/// (block_table_stride * rpb entries), at most V4POOL_MAX_GRID_YZ. One tile when nothing is
+/// fused.
+V4P_DEVICE v4p_i64 v4p_decode_hca_tiles(const DecodeIndexArgs& a, v4p_i64 tile_entries) {
     if (a.block_tables == 0 || a.classes[V4POOL_CLASS_HCA].indptr == 0) return 1;
     const v4p_i64 stride = a.block_table_stride > 0 ? a.block_table_stride : 0;
     const v4p_i64 rpb = a.hca_rows_per_block > 0 ? a.hca_rows_per_block : 0;
-    const v4p_i64 tiles = (stride * rpb + V4POOL_DECODE_HCA_TILE - 1) / V4POOL_DECODE_HCA_TILE;
+    const v4p_i64 tiles = (stride * rpb + tile_entries - 1) / tile_entries;
     return tiles < 1 ? 1 : (tiles > V4POOL_MAX_GRID_YZ ? V4POOL_MAX_GRID_YZ : tiles);
 }
 
@@ -335,8 +447,73 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode
         // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile.
         const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
         v4p_write_compressed_tiled(v4p_out<v4p_i32>(hca.indices) + hbegin, table, hend - hbegin - n,
-                                   a.hca_rows_per_block, a.envelope_rows, tile, v4p_decode_hca_tiles(a), tid);
+                                   a.hca_rows_per_block, a.envelope_rows, tile, v4p_decode_hca_tiles(a, V4POOL_DECODE_HCA_TILE), tid);
     }
+}
+
+// Issue 13 trial forms: v4pool_decode_indices with the 16-byte head writer, GROUPS groups of 4
+// entries per thread (tiles of 4 * GROUPS * 256 entries), CS: streaming stores. Issue 13's A/B compiles several as separate kernels
+// (src/index/shape.rs DECODE_VARIANTS); the verdict keeps one.
+template <int GROUPS, bool CS>
+V4P_DEVICE void v4p_decode_indices(DecodeIndexArgs a) {
+    const v4p_i32 t = (v4p_i32)v4p_bid_x();
+    if (t >= a.num_tokens) return;
+    const v4p_i64 tile = v4p_bid_y();
+    const v4p_u32 tid = v4p_tid_x();
+    // Every load that needs only t goes out before the batch id comes back (a cold chain
+    // batch id -> slot / table row is the kernel's critical path).
+    const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
+    const v4p_i64 p = v4p_in<v4p_i64>(a.positions)[t];
+    const ClassBuffers hca = a.classes[V4POOL_CLASS_HCA];
+    const bool fused = a.block_tables != 0 && hca.indptr != 0;
+    v4p_i64 hbegin = 0, hend = 0;
+    if (fused) {
+        hbegin = v4p_in<v4p_i32>(hca.indptr)[t];
+        hend = v4p_in<v4p_i32>(hca.indptr)[t + 1];
+    }
+    v4p_i64 ends[3] = {0, 0, 0};
+    if (tile == 0) {
+#pragma unroll
+        for (int c = 0; c < 3; ++c)
+            if (a.classes[c].indptr != 0) ends[c] = v4p_in<v4p_i32>(a.classes[c].indptr)[t + 1];
+    }
+    if (b < 0) return;  // pad token: no store at all
+    const v4p_i64 n = v4p_min(p + 1, (v4p_i64)a.win);
+    if (tile == 0) {
+        const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
+#pragma unroll
+        for (int c = 0; c < 3; ++c) {
+            const ClassBuffers cb = a.classes[c];
+            if (cb.indptr == 0) continue;  // class off
+            // Window at the tail of the slice, oldest first, the token itself last.
+            v4p_write_window(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), cb.params, slot, p - n + 1, n, tid, V4P_BLOCK);
+            if (tid == 0 && cb.dest_rows != 0) v4p_out<v4p_i32>(cb.dest_rows)[t] = (v4p_i32)window_row(cb.params, slot, p);
+        }
+    }
+    if (fused) {
+        // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile.
+        const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
+        v4p_i32* head = v4p_out<v4p_i32>(hca.indices) + hbegin;
+        v4p_write_head_vec<GROUPS, CS>(head, table, hend - hbegin - n, a.hca_rows_per_block, a.envelope_rows, tile,
+                                       v4p_decode_hca_tiles(a, 4 * GROUPS * V4P_BLOCK), tid);
+    }
+}
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices_v8(DecodeIndexArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
+    v4p_decode_indices<2, false>(a);
+}
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices_v16(DecodeIndexArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
+    v4p_decode_indices<4, false>(a);
+}
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices_v32(DecodeIndexArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
+    v4p_decode_indices<8, false>(a);
+}
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices_v16cs(DecodeIndexArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
+    v4p_decode_indices<4, true>(a);
 }
 
 // ---- §6: prefill index builder -----------------------------------------------------------

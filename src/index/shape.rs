@@ -33,6 +33,56 @@ pub const RUN_SPLIT: u32 = 32;
 pub const MAX_GRID_YZ: u32 = 65_535;
 /// Fused HCA head entries one decode-builder block writes (`V4POOL_DECODE_HCA_TILE`).
 pub const DECODE_HCA_TILE: u32 = 8 * BLOCK_THREADS;
+
+/// Issue 13 A/B, temporary (one binary measures every form; the verdict keeps one and removes
+/// this): a decode-builder kernel compiled next to the others, and the fused HCA head entries
+/// one of its blocks writes (grid y tiles the head by it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeVariant {
+    /// What `V4POOL_DECODE_VARIANT` names it.
+    pub name: &'static str,
+    /// Its `extern "C"` symbol.
+    pub symbol: &'static str,
+    /// Head entries per block (grid y tile).
+    pub tile: u32,
+}
+
+/// Every decode-builder variant; the first is the default (the scalar tiled head writer).
+/// `vN`: 16-byte head stores, N entries per thread; `cs`: streaming (evict-first) stores.
+pub const DECODE_VARIANTS: [DecodeVariant; 5] = [
+    DecodeVariant { name: "old", symbol: "v4pool_decode_indices", tile: DECODE_HCA_TILE },
+    DecodeVariant { name: "v8", symbol: "v4pool_decode_indices_v8", tile: 8 * BLOCK_THREADS },
+    DecodeVariant { name: "v16", symbol: "v4pool_decode_indices_v16", tile: 16 * BLOCK_THREADS },
+    DecodeVariant { name: "v32", symbol: "v4pool_decode_indices_v32", tile: 32 * BLOCK_THREADS },
+    DecodeVariant { name: "v16cs", symbol: "v4pool_decode_indices_v16cs", tile: 16 * BLOCK_THREADS },
+];
+
+/// Index into [`DECODE_VARIANTS`]; `usize::MAX` until first read (then from the environment).
+static DECODE_VARIANT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+/// The decode builder every launch from now on runs: the last [`set_decode_variant`], else
+/// `V4POOL_DECODE_VARIANT` (a name in [`DECODE_VARIANTS`]), else the first.
+pub fn decode_variant() -> DecodeVariant {
+    use std::sync::atomic::Ordering;
+    let mut i = DECODE_VARIANT.load(Ordering::Relaxed);
+    if i == usize::MAX {
+        let want = std::env::var("V4POOL_DECODE_VARIANT").unwrap_or_default();
+        i = DECODE_VARIANTS.iter().position(|v| v.name == want).unwrap_or(0);
+        DECODE_VARIANT.store(i, Ordering::Relaxed);
+    }
+    DECODE_VARIANTS[i.min(DECODE_VARIANTS.len() - 1)]
+}
+
+/// Select the decode builder by name; false (nothing changed) for an unknown name.
+pub fn set_decode_variant(name: &str) -> bool {
+    match DECODE_VARIANTS.iter().position(|v| v.name == name) {
+        Some(i) => {
+            DECODE_VARIANT.store(i, std::sync::atomic::Ordering::Relaxed);
+            true
+        }
+        None => false,
+    }
+}
 /// Lanes that build one token's lists in the prefill builder (`V4POOL_PREFILL_LANES`).
 pub const PREFILL_LANES: u32 = 64;
 /// Tokens one prefill-builder block holds (`V4POOL_PREFILL_TOKENS_PER_BLOCK`).
@@ -108,11 +158,24 @@ pub fn state_update_lanes(dim: i32) -> u32 {
 /// derives the same number (`v4p_decode_hca_tiles`) and strides by it, so a cap at
 /// `MAX_GRID_YZ` loses nothing.
 pub fn decode_hca_tiles(a: &DecodeIndexArgs) -> u64 {
+    decode_hca_tiles_of(a, decode_variant().tile)
+}
+
+/// [`decode_hca_tiles`] for tiles of `tile` entries (a [`DecodeVariant`]'s).
+pub fn decode_hca_tiles_of(a: &DecodeIndexArgs, tile: u32) -> u64 {
     if a.block_tables == 0 || a.classes[CLASS_HCA].indptr == 0 {
         return 1;
     }
     let longest = count(a.block_table_stride) * count(a.hca_rows_per_block);
-    ceil_div(longest, u64::from(DECODE_HCA_TILE)).clamp(1, u64::from(MAX_GRID_YZ))
+    ceil_div(longest, u64::from(tile.max(1))).clamp(1, u64::from(MAX_GRID_YZ))
+}
+
+/// The decode builder's launch shape for `variant` (the launch itself takes the current one).
+pub fn decode_shape(a: &DecodeIndexArgs, variant: DecodeVariant) -> LaunchShape {
+    LaunchShape {
+        grid: [grid_dim(count(a.num_tokens)), grid_dim(decode_hca_tiles_of(a, variant.tile)), 1],
+        block: [BLOCK_THREADS, 1, 1],
+    }
 }
 
 /// Grid and block of a launch. Total for any arguments; run [`check_launch`] first to know the
@@ -121,10 +184,7 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
     let b = BLOCK_THREADS;
     match launch {
         // (token, tile of its fused HCA head).
-        Launch::Decode(a) => LaunchShape {
-            grid: [grid_dim(count(a.num_tokens)), grid_dim(decode_hca_tiles(a)), 1],
-            block: [b, 1, 1],
-        },
+        Launch::Decode(a) => decode_shape(a, decode_variant()),
         // PREFILL_LANES lanes per token, PREFILL_TOKENS_PER_BLOCK tokens per block.
         Launch::Prefill(a) => {
             LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(PREFILL_TOKENS_PER_BLOCK)), b)
