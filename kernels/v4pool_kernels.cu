@@ -259,10 +259,15 @@ V4P_DEVICE void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_
 template <bool CS>
 V4P_DEVICE void v4p_head_store4(v4p_i32* p, v4p_u32 x, v4p_u32 y, v4p_u32 z, v4p_u32 w) {
 #if defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)
+    // A global store (STG.128), not a generic one: the head lives in global memory.
     if (CS)
-        asm volatile("st.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+        asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %0; st.global.cs.v4.u32 [g], {%1, %2, %3, %4}; }" ::"l"(p),
+                     "r"(x), "r"(y), "r"(z), "r"(w)
+                     : "memory");
     else
-        asm volatile("st.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+        asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %0; st.global.v4.u32 [g], {%1, %2, %3, %4}; }" ::"l"(p),
+                     "r"(x), "r"(y), "r"(z), "r"(w)
+                     : "memory");
 #else
     v4p_vec16 v;
     v.x = x, v.y = y, v.z = z, v.w = w;
@@ -288,6 +293,43 @@ V4P_DEVICE void v4p_head_load2(const v4p_i32* __restrict__ table, v4p_u32 j, boo
         a = (v4p_u32)v, b = (v4p_u32)(v >> 32);
     } else {
         a = (v4p_u32)table[j], b = (v4p_u32)table[j + 1];
+    }
+}
+
+/// The 16-byte groups of a head (see v4p_write_head_vec): group g = 4 entries at d + 4g from
+/// table entries t[2g], t[2g + 1] (and t[2g + 2] when ODD: the group starts at a block's second
+/// row); PAIR: t + 2g is 8-byte aligned (ODD: else t + 2g + 1 is). Per thread one pointer
+/// pair, GROUPS groups 256 apart at fixed offsets from it.
+template <int GROUPS, bool CS, bool ODD, bool PAIR>
+V4P_DEVICE void v4p_head_groups(v4p_i32* __restrict__ d, const v4p_i32* __restrict__ t, v4p_u32 ngroups, v4p_u32 env,
+                                v4p_i64 tile, v4p_i64 ntiles, v4p_u32 tid) {
+    const v4p_u64 per_tile = (v4p_u64)GROUPS * V4P_BLOCK;
+    for (v4p_u64 g0 = (v4p_u64)tile * per_tile + tid; g0 < ngroups; g0 += (v4p_u64)ntiles * per_tile) {
+        const v4p_i32* tp = t + 2 * g0;
+        v4p_i32* dp = d + 4 * g0;
+        v4p_u32 a[GROUPS], b[GROUPS], c[GROUPS];
+#pragma unroll
+        for (int k = 0; k < GROUPS; ++k) {
+            a[k] = b[k] = c[k] = 0;
+            if (g0 + (v4p_u64)k * V4P_BLOCK >= ngroups) continue;
+            const v4p_u32 o = 2 * k * V4P_BLOCK;
+            if (!ODD || PAIR) {
+                v4p_head_load2(tp, o, PAIR, a[k], b[k]);
+                if (ODD) c[k] = (v4p_u32)tp[o + 2];
+            } else {
+                a[k] = (v4p_u32)tp[o];
+                v4p_head_load2(tp, o + 1, true, b[k], c[k]);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < GROUPS; ++k) {
+            if (g0 + (v4p_u64)k * V4P_BLOCK >= ngroups) continue;
+            v4p_i32* p = dp + 4 * k * V4P_BLOCK;
+            if (!ODD)
+                v4p_head_store4<CS>(p, a[k] * env, a[k] * env + 1, b[k] * env, b[k] * env + 1);
+            else
+                v4p_head_store4<CS>(p, a[k] * env + 1, b[k] * env, b[k] * env + 1, c[k] * env);
+        }
     }
 }
 
@@ -327,40 +369,23 @@ V4P_DEVICE void v4p_write_head_vec(v4p_i32* __restrict__ dst, const v4p_i32* __r
         if (e1 != 0xffffffffu) blk1 = (v4p_u32)table[e1 >> 1];
     }
     // Group g covers entries lead + 4g .. lead + 4g + 3: blocks jb + 2g and jb + 2g + 1, and
-    // jb + 2g + 2 when lead is odd (then the group starts at a block's second row).
+    // jb + 2g + 2 when lead is odd (then the group starts at a block's second row). Both
+    // choices are uniform over the block: one loop each, with no per-group branch.
     const bool odd = (lead & 1) != 0;
     const v4p_u32 jb = lead >> 1;
     const bool pair0 = ((taddr + 4 * (v4p_u64)jb) & 7) == 0;  // (jb + 2g) starts an 8-byte pair
-    const v4p_u64 per_tile = (v4p_u64)GROUPS * V4P_BLOCK;
-    for (v4p_u64 g0 = (v4p_u64)tile * per_tile + tid; g0 < ngroups; g0 += (v4p_u64)ntiles * per_tile) {
-        v4p_u32 a[GROUPS], b[GROUPS], c[GROUPS];
-#pragma unroll
-        for (int k = 0; k < GROUPS; ++k) {
-            const v4p_u64 g = g0 + (v4p_u64)k * V4P_BLOCK;
-            a[k] = b[k] = c[k] = 0;
-            if (g < ngroups) {
-                const v4p_u32 j = jb + 2 * (v4p_u32)g;
-                if (!odd) {
-                    v4p_head_load2(table, j, pair0, a[k], b[k]);
-                } else if (pair0) {
-                    v4p_head_load2(table, j, true, a[k], b[k]);
-                    c[k] = (v4p_u32)table[j + 2];
-                } else {
-                    a[k] = (v4p_u32)table[j];
-                    v4p_head_load2(table, j + 1, true, b[k], c[k]);
-                }
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < GROUPS; ++k) {
-            const v4p_u64 g = g0 + (v4p_u64)k * V4P_BLOCK;
-            if (g >= ngroups) continue;
-            v4p_i32* p = dst + (lead + 4 * (v4p_u32)g);
-            if (!odd)
-                v4p_head_store4<CS>(p, a[k] * env, a[k] * env + 1, b[k] * env, b[k] * env + 1);
-            else
-                v4p_head_store4<CS>(p, a[k] * env + 1, b[k] * env, b[k] * env + 1, c[k] * env);
-        }
+    const v4p_i32* tb = table + jb;
+    v4p_i32* db = dst + lead;
+    if (!odd) {
+        if (pair0)
+            v4p_head_groups<GROUPS, CS, false, true>(db, tb, ngroups, env, tile, ntiles, tid);
+        else
+            v4p_head_groups<GROUPS, CS, false, false>(db, tb, ngroups, env, tile, ntiles, tid);
+    } else {
+        if (pair0)
+            v4p_head_groups<GROUPS, CS, true, true>(db, tb, ngroups, env, tile, ntiles, tid);
+        else
+            v4p_head_groups<GROUPS, CS, true, false>(db, tb, ngroups, env, tile, ntiles, tid);
     }
     if (e1 != 0xffffffffu) dst[e1] = (v4p_i32)(blk1 * env + (e1 & 1));
 }
