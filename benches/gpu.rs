@@ -24,7 +24,6 @@ use v4pool::backend::cuda::{self, CudaBackend, CudaEvent, CudaGraph};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, DeviceAllocation, Stream};
 use v4pool::geometry::{UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
-use v4pool::index::shape::{decode_variant, set_decode_variant, DecodeVariant, DECODE_VARIANTS};
 use v4pool::index::{CopyRun, CopyRunsArgs, DevicePtr, Launch, PrefillIndexArgs};
 use v4pool::model::ModelShape;
 use v4pool::pool::{
@@ -529,123 +528,96 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
         (256, 1, DECODE_MAX_CTX, "all 1M"),
     ];
     const NSETS: usize = 4;
-    // Issue 13 A/B (temporary): every decode-builder variant V4POOL_DECODE_VARIANTS names
-    // (comma-separated, e.g. "old,v8,v16,v32,v16cs"; default: the current one), each timed on
-    // the same inputs; the first is the one the targets and the peer table use.
-    let variants: Vec<DecodeVariant> = match std::env::var("V4POOL_DECODE_VARIANTS") {
-        Ok(list) => list
-            .split(',')
-            .map(|n| DECODE_VARIANTS.iter().copied().find(|v| v.name == n.trim()))
-            .collect::<Option<_>>()
-            .ok_or("V4POOL_DECODE_VARIANTS: unknown variant")?,
-        Err(_) => vec![decode_variant()],
-    };
     for (batch, tps, ctx_lo, label) in configs {
-        for (vi, variant) in variants.iter().enumerate() {
-            set_decode_variant(variant.name);
-            let first = vi == 0;
-            let mut rng = Rng::new(100 + batch as u64 + ctx_lo as u64 + 7 * tps as u64);
-            let sets: Vec<DecodeSet> = (0..NSETS)
-                .map(|_| DecodeSet::random_tps(&mut rng, g, batch, ctx_lo, DECODE_MAX_CTX, tps))
-                .collect();
-            let topks: Vec<Vec<i32>> =
-                sets.iter().map(|s| random_topk(&mut rng, s, 512, CSA_LAYERS)).collect();
-            let cap = decode_capacity(batch, tps, 512, max_blocks);
-            let mut rig = DecodeRig::new(Arc::new(gpu.be.clone()), g, cap, &topks)?;
-            check_decode(gpu, &mut rig, g, &sets[0], &topks[0])?;
-            let seqs: Vec<Vec<DecodeSeq<'_>>> = sets.iter().map(|s| s.seqs()).collect();
-            let dec = gpu.graph_of(&[rig.bufs.launch()])?;
-            let steps: Vec<CudaGraph> = (0..NSETS)
-                .map(|k| gpu.graph_of(&[vec![rig.bufs.launch()], rig.packs(k, CSA_LAYERS)].concat()))
-                .collect::<Res<_>>()?;
-            let bufs = std::cell::RefCell::new(&mut rig.bufs);
-            let stage = |i: usize| -> Res<()> {
-                bufs.borrow_mut().stage(&seqs[i % NSETS])?;
-                Ok(())
-            };
-            let launch = bufs.borrow().launch();
-            let eager = gpu.time(REPS, stage, |_| gpu.launch(&launch))?;
-            let graph = gpu.time_graphs(std::slice::from_ref(&dec), stage)?;
-            let step = gpu.time_graphs(&steps, stage)?;
-            // Bytes: averaged over the rotating sets.
-            let avg = |f: &dyn Fn(&DecodeSet) -> (u64, u64)| {
-                let (r, w) = sets.iter().map(f).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
-                (r / NSETS as u64, w / NSETS as u64)
-            };
-            let dense = g.class(DENSE_RATIO).is_some();
-            let (br, bw) = avg(&|s| s.builder_bytes(dense));
-            let (pr, pw) = avg(&|s| s.pack_bytes(512, CSA_LAYERS));
-            let (copy_b, memset_b) = (gpu.copy_floor(bw)?, gpu.memset_floor(bw)?);
-            let (copy_s, memset_s) = (gpu.copy_floor(bw + pw)?, gpu.memset_floor(bw + pw)?);
-            let t = batch * tps;
-            let tag = if variants.len() > 1 { format!(" [{}]", variant.name) } else { String::new() };
-            let name = format!("builder  T {t:>4} (bs {batch}×{tps}), {label}{tag}");
-            print_row(
-                f,
-                &Row {
-                    name: &name,
-                    eager: Some(eager),
-                    graph,
-                    read: br,
-                    written: bw,
-                    copy: copy_b,
-                    memset: memset_b,
-                },
-            );
-            let name = format!("step     T {t:>4} (bs {batch}×{tps}), {label}{tag}");
-            print_row(
-                f,
-                &Row {
-                    name: &name,
-                    eager: None,
-                    graph: step,
-                    read: br + pr,
-                    written: bw + pw,
-                    copy: copy_s,
-                    memset: memset_s,
-                },
-            );
-            println!(
-            "DECODE_VARIANT\t{}\tT={t} {label}\tbuilder {:.2} µs\tmemset {:.2} µs\t{:.2}×\tstep {:.2} µs\t{}",
-            variant.name,
-            graph.med,
-            memset_b.med,
-            graph.med / memset_b.med,
-            step.med,
-            fmt_bytes(bw)
+        let mut rng = Rng::new(100 + batch as u64 + ctx_lo as u64 + 7 * tps as u64);
+        let sets: Vec<DecodeSet> = (0..NSETS)
+            .map(|_| DecodeSet::random_tps(&mut rng, g, batch, ctx_lo, DECODE_MAX_CTX, tps))
+            .collect();
+        let topks: Vec<Vec<i32>> = sets.iter().map(|s| random_topk(&mut rng, s, 512, CSA_LAYERS)).collect();
+        let cap = decode_capacity(batch, tps, 512, max_blocks);
+        let mut rig = DecodeRig::new(Arc::new(gpu.be.clone()), g, cap, &topks)?;
+        check_decode(gpu, &mut rig, g, &sets[0], &topks[0])?;
+        let seqs: Vec<Vec<DecodeSeq<'_>>> = sets.iter().map(|s| s.seqs()).collect();
+        let dec = gpu.graph_of(&[rig.bufs.launch()])?;
+        let steps: Vec<CudaGraph> = (0..NSETS)
+            .map(|k| gpu.graph_of(&[vec![rig.bufs.launch()], rig.packs(k, CSA_LAYERS)].concat()))
+            .collect::<Res<_>>()?;
+        let bufs = std::cell::RefCell::new(&mut rig.bufs);
+        let stage = |i: usize| -> Res<()> {
+            bufs.borrow_mut().stage(&seqs[i % NSETS])?;
+            Ok(())
+        };
+        let launch = bufs.borrow().launch();
+        let eager = gpu.time(REPS, stage, |_| gpu.launch(&launch))?;
+        let graph = gpu.time_graphs(std::slice::from_ref(&dec), stage)?;
+        let step = gpu.time_graphs(&steps, stage)?;
+        // Bytes: averaged over the rotating sets.
+        let avg = |f: &dyn Fn(&DecodeSet) -> (u64, u64)| {
+            let (r, w) = sets.iter().map(f).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+            (r / NSETS as u64, w / NSETS as u64)
+        };
+        let dense = g.class(DENSE_RATIO).is_some();
+        let (br, bw) = avg(&|s| s.builder_bytes(dense));
+        let (pr, pw) = avg(&|s| s.pack_bytes(512, CSA_LAYERS));
+        let (copy_b, memset_b) = (gpu.copy_floor(bw)?, gpu.memset_floor(bw)?);
+        let (copy_s, memset_s) = (gpu.copy_floor(bw + pw)?, gpu.memset_floor(bw + pw)?);
+        let t = batch * tps;
+        let name = format!("builder  T {t:>4} (bs {batch}×{tps}), {label}");
+        print_row(
+            f,
+            &Row {
+                name: &name,
+                eager: Some(eager),
+                graph,
+                read: br,
+                written: bw,
+                copy: copy_b,
+                memset: memset_b,
+            },
         );
-            if ctx_lo == 1 && first {
-                peer_line("decode", &format!("T={t}"), graph.med, bw, memset_b.med);
-            }
-            if batch == 256 && ctx_lo == 1 && tps == 1 && first {
-                peer_line("step", "T=256 topk=512", step.med, bw + pw, memset_s.med);
-                res.step_256 = Some(StepResult { step, builder: graph, memset_step: memset_s });
-                // No host synchronisation on the index path: with ~2.5 ms of work queued ahead,
-                // staging + replay must return to the host long before the GPU reaches them.
-                let before = gpu.be.event()?;
-                before.record(S)?;
-                for _ in 0..40 {
-                    gpu.flush()?;
-                }
-                let queued = gpu.be.event()?;
-                queued.record(S)?;
-                let t0 = Instant::now();
-                stage(0)?;
-                steps[0].replay(S)?;
-                let host_us = t0.elapsed().as_secs_f64() * 1e6;
-                let done = gpu.be.event()?;
-                done.record(S)?;
-                let backlog_us = f64::from(before.elapsed_ms(&queued)?) * 1e3;
-                done.synchronize()?;
-                res.no_host_sync = Some((host_us, backlog_us));
-            }
-            drop(dec);
-            drop(steps);
-            gpu.be.synchronize(S)?;
-            rig.release();
+        let name = format!("step     T {t:>4} (bs {batch}×{tps}), {label}");
+        print_row(
+            f,
+            &Row {
+                name: &name,
+                eager: None,
+                graph: step,
+                read: br + pr,
+                written: bw + pw,
+                copy: copy_s,
+                memset: memset_s,
+            },
+        );
+        if ctx_lo == 1 {
+            peer_line("decode", &format!("T={t}"), graph.med, bw, memset_b.med);
         }
+        if batch == 256 && ctx_lo == 1 && tps == 1 {
+            peer_line("step", "T=256 topk=512", step.med, bw + pw, memset_s.med);
+            res.step_256 = Some(StepResult { step, builder: graph, memset_step: memset_s });
+            // No host synchronisation on the index path: with ~2.5 ms of work queued ahead,
+            // staging + replay must return to the host long before the GPU reaches them.
+            let before = gpu.be.event()?;
+            before.record(S)?;
+            for _ in 0..40 {
+                gpu.flush()?;
+            }
+            let queued = gpu.be.event()?;
+            queued.record(S)?;
+            let t0 = Instant::now();
+            stage(0)?;
+            steps[0].replay(S)?;
+            let host_us = t0.elapsed().as_secs_f64() * 1e6;
+            let done = gpu.be.event()?;
+            done.record(S)?;
+            let backlog_us = f64::from(before.elapsed_ms(&queued)?) * 1e3;
+            done.synchronize()?;
+            res.no_host_sync = Some((host_us, backlog_us));
+        }
+        drop(dec);
+        drop(steps);
+        gpu.be.synchronize(S)?;
+        rig.release();
     }
-    set_decode_variant(variants[0].name);
     Ok(res)
 }
 
@@ -1143,15 +1115,9 @@ fn run() -> Res<()> {
         );
     }
     let dec = decode_group(&gpu, &floors, &g)?;
-    // `--decode-only` (issue 13's decode A/B, temporary): floors and the decode group only.
-    let pre = if std::env::args().any(|a| a == "--decode-only") {
-        None
-    } else {
-        csa_group(&gpu, &floors, &g)?;
-        let pre = prefill_group(&gpu, &floors, &g)?;
-        copy_group(&gpu, &floors)?;
-        pre
-    };
+    csa_group(&gpu, &floors, &g)?;
+    let pre = prefill_group(&gpu, &floors, &g)?;
+    copy_group(&gpu, &floors)?;
 
     println!(
         "\nTARGETS (ratios to floors measured in this run; the peer table comes from scripts/peer-table.py)"

@@ -146,8 +146,8 @@ struct alignas(16) v4p_vec16 {
 #define V4POOL_RUN_SPLIT 32
 static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, "row groups tile a block");
 /// Fused HCA head entries one decode-builder block writes per round (grid y tiles the head):
-/// eight per thread.
-#define V4POOL_DECODE_HCA_TILE 2048
+/// 32 per thread, eight 16-byte stores.
+#define V4POOL_DECODE_HCA_TILE 8192
 /// Lanes that build one token's lists in the prefill builder (two warps); a block holds
 /// V4POOL_BLOCK_THREADS / V4POOL_PREFILL_LANES tokens.
 #define V4POOL_PREFILL_LANES 64
@@ -166,7 +166,7 @@ static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, 
 /// Elements one lane of the state update moves per chunk (16-byte bf16 loads, two 16-byte
 /// f32 stores).
 #define V4POOL_STATE_CHUNK 8
-static_assert(V4POOL_DECODE_HCA_TILE == 8 * V4POOL_BLOCK_THREADS, "eight entries per thread");
+static_assert(V4POOL_DECODE_HCA_TILE == 32 * V4POOL_BLOCK_THREADS, "32 entries per thread");
 static_assert(V4POOL_CSA_TILE == 2 * V4POOL_BLOCK_THREADS, "two columns per thread");
 static_assert(V4POOL_PREFILL_LANES * V4POOL_PREFILL_TOKENS_PER_BLOCK == V4POOL_BLOCK_THREADS, "tokens tile a block");
 static_assert(V4POOL_PREFILL_LANES % 32 == 0, "a prefill token owns whole warps (wave32 and wave64 halves)");

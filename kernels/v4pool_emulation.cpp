@@ -30,10 +30,6 @@ extern "C" int v4pool_emu_launch(const char* symbol, const void* args, const uns
         return 0;                                         \
     }
     V4P_EMU_CASE(v4pool_decode_indices, DecodeIndexArgs)
-    V4P_EMU_CASE(v4pool_decode_indices_v8, DecodeIndexArgs)
-    V4P_EMU_CASE(v4pool_decode_indices_v16, DecodeIndexArgs)
-    V4P_EMU_CASE(v4pool_decode_indices_v32, DecodeIndexArgs)
-    V4P_EMU_CASE(v4pool_decode_indices_v16cs, DecodeIndexArgs)
     V4P_EMU_CASE(v4pool_prefill_indices, PrefillIndexArgs)
     V4P_EMU_CASE(v4pool_hca_offsets, HcaOffsetsArgs)
     V4P_EMU_CASE(v4pool_csa_translate_pack, CsaPackArgs)

@@ -11,16 +11,19 @@
 // (token -> batch id -> sequence values / table row -> table entries), with a cold L2 each a
 // DRAM round trip; at 1M contexts the prefill builder is issue-bound. So loads that need only
 // the token go out before the batch id returns, each thread keeps several independent loads
-// in flight (8 per thread in the HCA heads), and long per-token work is tiled over grid y or
-// over lanes. The prefill builder issues every load of a round before any store (a store may
+// in flight (8 per thread in the prefill HCA heads, 16 in the decode builder's), and long
+// per-token work is tiled over grid y or over lanes. The prefill builder issues every load of a round before any store (a store may
 // alias a later load, so the compiler would otherwise wait for it) and works in 32-bit
-// without per-entry division; the decode builder and the CSA pack keep main's order and
-// arithmetic, which measured faster for them. Per-entry loops carry quotients as running
+// without per-entry division; the CSA pack keeps main's order and arithmetic, which measured
+// faster for it, and so does the decode builder but for its 32-bit, division-free head writer. Per-entry loops carry quotients as running
 // counters instead of dividing (window rows and prefill head rounds: the divisions were most
 // of the prefill builder's instructions). The index builders begin with v4p_overlap_begin():
 // the CUDA backend launches them as programmatic dependents, so a graph of per-layer packs
 // overlaps each launch with the kernel before it. Stores of consecutive entries are coalesced
-// 4-byte stores across a warp; every row x width product of a plane address is 64-bit.
+// 4-byte stores across a warp, except the decode builder's HCA heads, the bulk of its bytes:
+// 16-byte stores of four entries each, 32 entries per thread (at batch 1,024 and the MTP
+// verify step 1.4-1.5x faster than 4-byte stores of 8 per thread); every row x width product
+// of a plane address is 64-bit.
 #include "v4pool_common.h"
 
 #define V4P_BLOCK V4POOL_BLOCK_THREADS
@@ -217,8 +220,7 @@ V4P_DEVICE v4p_u32 v4p_last_col(v4p_i32 stride) { return stride > 0 ? (v4p_u32)(
 /// of its range, so every load and store instruction of a warp touches one contiguous span
 /// (4-byte lanes, coalesced), and all eight table loads are in flight before the first store.
 /// (block, row) of those entries come from one division and a running counter. The decode
-/// builder's writer: measured faster there (9.4 µs at batch 256) than the two-round
-/// V4pHeadRound form (12.8 µs; BENCHMARKS.md).
+/// builder's writer for rows per block other than 2 (v4p_write_head_vec), exact for any.
 V4P_DEVICE void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table,
                                            v4p_i64 count, v4p_i64 rpb, v4p_i64 envelope, v4p_i64 tile,
                                            v4p_i64 ntiles, v4p_u32 tid) {
@@ -254,20 +256,18 @@ V4P_DEVICE void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_
     }
 }
 
-/// Four entries, one 16-byte store at a 16-byte aligned `p`; `CS`: evict-first (st.cs). NVIDIA
-/// targets say so in PTX (NVVM may split a vector store of computed values into four).
-template <bool CS>
+/// 16-byte groups (4 entries) per thread of one decode-builder tile.
+#define V4P_HEAD_GROUPS (V4POOL_DECODE_HCA_TILE / (4 * V4POOL_BLOCK_THREADS))
+static_assert(V4P_HEAD_GROUPS % 2 == 0, "a tile is whole generic tiles of 8 entries per thread");
+
+/// Four entries, one 16-byte store at a 16-byte aligned `p`. NVIDIA targets say so in PTX, as a
+/// global store (STG.128): NVVM may split a vector store of computed values into four, and a
+/// generic store is what plain `st.v4` becomes.
 V4P_DEVICE void v4p_head_store4(v4p_i32* p, v4p_u32 x, v4p_u32 y, v4p_u32 z, v4p_u32 w) {
 #if defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)
-    // A global store (STG.128), not a generic one: the head lives in global memory.
-    if (CS)
-        asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %0; st.global.cs.v4.u32 [g], {%1, %2, %3, %4}; }" ::"l"(p),
-                     "r"(x), "r"(y), "r"(z), "r"(w)
-                     : "memory");
-    else
-        asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %0; st.global.v4.u32 [g], {%1, %2, %3, %4}; }" ::"l"(p),
-                     "r"(x), "r"(y), "r"(z), "r"(w)
-                     : "memory");
+    asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %0; st.global.v4.u32 [g], {%1, %2, %3, %4}; }" ::"l"(p), "r"(x),
+                 "r"(y), "r"(z), "r"(w)
+                 : "memory");
 #else
     v4p_vec16 v;
     v.x = x, v.y = y, v.z = z, v.w = w;
@@ -299,17 +299,17 @@ V4P_DEVICE void v4p_head_load2(const v4p_i32* __restrict__ table, v4p_u32 j, boo
 /// The 16-byte groups of a head (see v4p_write_head_vec): group g = 4 entries at d + 4g from
 /// table entries t[2g], t[2g + 1] (and t[2g + 2] when ODD: the group starts at a block's second
 /// row); PAIR: t + 2g is 8-byte aligned (ODD: else t + 2g + 1 is). Per thread one pointer
-/// pair, GROUPS groups 256 apart at fixed offsets from it.
-template <int GROUPS, bool CS, bool ODD, bool PAIR>
+/// pair, V4P_HEAD_GROUPS groups 256 apart at fixed offsets from it.
+template <bool ODD, bool PAIR>
 V4P_DEVICE void v4p_head_groups(v4p_i32* __restrict__ d, const v4p_i32* __restrict__ t, v4p_u32 ngroups, v4p_u32 env,
                                 v4p_i64 tile, v4p_i64 ntiles, v4p_u32 tid) {
-    const v4p_u64 per_tile = (v4p_u64)GROUPS * V4P_BLOCK;
+    const v4p_u64 per_tile = (v4p_u64)V4P_HEAD_GROUPS * V4P_BLOCK;
     for (v4p_u64 g0 = (v4p_u64)tile * per_tile + tid; g0 < ngroups; g0 += (v4p_u64)ntiles * per_tile) {
         const v4p_i32* tp = t + 2 * g0;
         v4p_i32* dp = d + 4 * g0;
-        v4p_u32 a[GROUPS], b[GROUPS], c[GROUPS];
+        v4p_u32 a[V4P_HEAD_GROUPS], b[V4P_HEAD_GROUPS], c[V4P_HEAD_GROUPS];
 #pragma unroll
-        for (int k = 0; k < GROUPS; ++k) {
+        for (int k = 0; k < V4P_HEAD_GROUPS; ++k) {
             a[k] = b[k] = c[k] = 0;
             if (g0 + (v4p_u64)k * V4P_BLOCK >= ngroups) continue;
             const v4p_u32 o = 2 * k * V4P_BLOCK;
@@ -322,13 +322,13 @@ V4P_DEVICE void v4p_head_groups(v4p_i32* __restrict__ d, const v4p_i32* __restri
             }
         }
 #pragma unroll
-        for (int k = 0; k < GROUPS; ++k) {
+        for (int k = 0; k < V4P_HEAD_GROUPS; ++k) {
             if (g0 + (v4p_u64)k * V4P_BLOCK >= ngroups) continue;
             v4p_i32* p = dp + 4 * k * V4P_BLOCK;
             if (!ODD)
-                v4p_head_store4<CS>(p, a[k] * env, a[k] * env + 1, b[k] * env, b[k] * env + 1);
+                v4p_head_store4(p, a[k] * env, a[k] * env + 1, b[k] * env, b[k] * env + 1);
             else
-                v4p_head_store4<CS>(p, a[k] * env + 1, b[k] * env, b[k] * env + 1, c[k] * env);
+                v4p_head_store4(p, a[k] * env + 1, b[k] * env, b[k] * env + 1, c[k] * env);
         }
     }
 }
@@ -338,18 +338,19 @@ V4P_DEVICE void v4p_head_groups(v4p_i32* __restrict__ d, const v4p_i32* __restri
 /// boundary (hbegin is arbitrary), groups of 4 entries = 2 whole or 3 partial blocks (one
 /// 16-byte store from 2 or 3 table entries, one 8-byte load when aligned), and at most 3
 /// trailing entries; tile 0's threads 0-2 and 4-6 write the leading and trailing ones. Tile
-/// `tile` of `ntiles` takes GROUPS * 256 groups, thread i groups i, i + 256, ...; all table
-/// loads of a thread are issued before its first store. 32-bit entry arithmetic, the i32 of
-/// the 64-bit row as the generic writer. Any other rows per block, a head past 2^31 entries or
-/// an unaligned buffer take the generic writer over the same tile (exact either way).
-template <int GROUPS, bool CS>
+/// `tile` of `ntiles` (V4POOL_DECODE_HCA_TILE entries) takes V4P_HEAD_GROUPS * 256 groups,
+/// thread i groups i, i + 256, ...; all table loads of a thread are issued before its first
+/// store. 32-bit entry arithmetic, the i32 of the 64-bit row as the generic writer. Any other
+/// rows per block, a head past 2^31 entries or an unaligned buffer take the generic writer over
+/// the same tile (exact either way). Eight groups (32 entries, 128 B) per thread measured
+/// fastest on the H200 (BENCHMARKS.md, issue 13: T = 2,048 25.2 µs against 27.9 with four
+/// groups, 32.4 with two and 37.3 for the scalar writer; level at small batches).
 V4P_DEVICE void v4p_write_head_vec(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table, v4p_i64 count64,
                                    v4p_i64 rpb, v4p_i64 envelope, v4p_i64 tile, v4p_i64 ntiles, v4p_u32 tid) {
-    static_assert(GROUPS % 2 == 0, "a tile is whole generic tiles of 8 entries per thread");
     if (count64 <= 0) return;
     const v4p_u64 daddr = (v4p_u64)dst, taddr = (v4p_u64)table;
     if (rpb != 2 || count64 > 0x7fffffffll || ((daddr | taddr) & 3) != 0) {
-        const v4p_i64 sub = GROUPS / 2;  // generic tiles (8 entries per thread) per tile
+        const v4p_i64 sub = V4P_HEAD_GROUPS / 2;  // generic tiles (8 entries per thread) per tile
         for (v4p_i64 s = 0; s < sub; ++s)
             v4p_write_compressed_tiled(dst, table, count64, rpb, envelope, tile * sub + s, ntiles * sub, tid);
         return;
@@ -378,27 +379,26 @@ V4P_DEVICE void v4p_write_head_vec(v4p_i32* __restrict__ dst, const v4p_i32* __r
     v4p_i32* db = dst + lead;
     if (!odd) {
         if (pair0)
-            v4p_head_groups<GROUPS, CS, false, true>(db, tb, ngroups, env, tile, ntiles, tid);
+            v4p_head_groups<false, true>(db, tb, ngroups, env, tile, ntiles, tid);
         else
-            v4p_head_groups<GROUPS, CS, false, false>(db, tb, ngroups, env, tile, ntiles, tid);
+            v4p_head_groups<false, false>(db, tb, ngroups, env, tile, ntiles, tid);
     } else {
         if (pair0)
-            v4p_head_groups<GROUPS, CS, true, true>(db, tb, ngroups, env, tile, ntiles, tid);
+            v4p_head_groups<true, true>(db, tb, ngroups, env, tile, ntiles, tid);
         else
-            v4p_head_groups<GROUPS, CS, true, false>(db, tb, ngroups, env, tile, ntiles, tid);
+            v4p_head_groups<true, false>(db, tb, ngroups, env, tile, ntiles, tid);
     }
     if (e1 != 0xffffffffu) dst[e1] = (v4p_i32)(blk1 * env + (e1 & 1));
 }
 
-/// Tiles of `tile_entries` entries of the fused HCA head in the decode builder (grid y;
-/// launch_shape derives the same): enough for the longest head a block-table row can describe
-/// (block_table_stride * rpb entries), at most V4POOL_MAX_GRID_YZ. One tile when nothing is
-/// fused.
-V4P_DEVICE v4p_i64 v4p_decode_hca_tiles(const DecodeIndexArgs& a, v4p_i64 tile_entries) {
+/// Tiles of the fused HCA head in the decode builder (grid y; launch_shape derives the same):
+/// enough for the longest head a block-table row can describe (block_table_stride * rpb
+/// entries), at most V4POOL_MAX_GRID_YZ. One tile when nothing is fused.
+V4P_DEVICE v4p_i64 v4p_decode_hca_tiles(const DecodeIndexArgs& a) {
     if (a.block_tables == 0 || a.classes[V4POOL_CLASS_HCA].indptr == 0) return 1;
     const v4p_i64 stride = a.block_table_stride > 0 ? a.block_table_stride : 0;
     const v4p_i64 rpb = a.hca_rows_per_block > 0 ? a.hca_rows_per_block : 0;
-    const v4p_i64 tiles = (stride * rpb + tile_entries - 1) / tile_entries;
+    const v4p_i64 tiles = (stride * rpb + V4POOL_DECODE_HCA_TILE - 1) / V4POOL_DECODE_HCA_TILE;
     return tiles < 1 ? 1 : (tiles > V4POOL_MAX_GRID_YZ ? V4POOL_MAX_GRID_YZ : tiles);
 }
 
@@ -429,8 +429,8 @@ V4P_DEVICE void v4p_copy_plane(PlaneWrite pw, v4p_i64 src_row, v4p_i64 dst_row, 
 }
 
 // ---- §3 + §4: decode index builder with fused HCA heads --------------------------------------
-// grid (T, v4p_decode_hca_tiles), block 256: one block per (token, tile of its HCA head); the
-// window tails and dest rows come from tile 0.
+// grid (T, v4p_decode_hca_tiles), block 256: one block per (token, tile of 8,192 entries of its
+// HCA head: one tile up to 1M contexts); the window tails and dest rows come from tile 0.
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices(DecodeIndexArgs a) {
     v4p_overlap_begin();  // before any global access (launched as a dependent)
@@ -471,74 +471,10 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode
     if (fused) {
         // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile.
         const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-        v4p_write_compressed_tiled(v4p_out<v4p_i32>(hca.indices) + hbegin, table, hend - hbegin - n,
-                                   a.hca_rows_per_block, a.envelope_rows, tile, v4p_decode_hca_tiles(a, V4POOL_DECODE_HCA_TILE), tid);
-    }
-}
-
-// Issue 13 trial forms: v4pool_decode_indices with the 16-byte head writer, GROUPS groups of 4
-// entries per thread (tiles of 4 * GROUPS * 256 entries), CS: streaming stores. Issue 13's A/B compiles several as separate kernels
-// (src/index/shape.rs DECODE_VARIANTS); the verdict keeps one.
-template <int GROUPS, bool CS>
-V4P_DEVICE void v4p_decode_indices(DecodeIndexArgs a) {
-    const v4p_i32 t = (v4p_i32)v4p_bid_x();
-    if (t >= a.num_tokens) return;
-    const v4p_i64 tile = v4p_bid_y();
-    const v4p_u32 tid = v4p_tid_x();
-    // Every load that needs only t goes out before the batch id comes back (a cold chain
-    // batch id -> slot / table row is the kernel's critical path).
-    const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
-    const v4p_i64 p = v4p_in<v4p_i64>(a.positions)[t];
-    const ClassBuffers hca = a.classes[V4POOL_CLASS_HCA];
-    const bool fused = a.block_tables != 0 && hca.indptr != 0;
-    v4p_i64 hbegin = 0, hend = 0;
-    if (fused) {
-        hbegin = v4p_in<v4p_i32>(hca.indptr)[t];
-        hend = v4p_in<v4p_i32>(hca.indptr)[t + 1];
-    }
-    v4p_i64 ends[3] = {0, 0, 0};
-    if (tile == 0) {
-#pragma unroll
-        for (int c = 0; c < 3; ++c)
-            if (a.classes[c].indptr != 0) ends[c] = v4p_in<v4p_i32>(a.classes[c].indptr)[t + 1];
-    }
-    if (b < 0) return;  // pad token: no store at all
-    const v4p_i64 n = v4p_min(p + 1, (v4p_i64)a.win);
-    if (tile == 0) {
-        const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
-#pragma unroll
-        for (int c = 0; c < 3; ++c) {
-            const ClassBuffers cb = a.classes[c];
-            if (cb.indptr == 0) continue;  // class off
-            // Window at the tail of the slice, oldest first, the token itself last.
-            v4p_write_window(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), cb.params, slot, p - n + 1, n, tid, V4P_BLOCK);
-            if (tid == 0 && cb.dest_rows != 0) v4p_out<v4p_i32>(cb.dest_rows)[t] = (v4p_i32)window_row(cb.params, slot, p);
-        }
-    }
-    if (fused) {
-        // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile.
-        const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
         v4p_i32* head = v4p_out<v4p_i32>(hca.indices) + hbegin;
-        v4p_write_head_vec<GROUPS, CS>(head, table, hend - hbegin - n, a.hca_rows_per_block, a.envelope_rows, tile,
-                                       v4p_decode_hca_tiles(a, 4 * GROUPS * V4P_BLOCK), tid);
+        v4p_write_head_vec(head, table, hend - hbegin - n, a.hca_rows_per_block, a.envelope_rows, tile,
+                           v4p_decode_hca_tiles(a), tid);
     }
-}
-
-extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices_v8(DecodeIndexArgs a) {
-    v4p_overlap_begin();  // before any global access (launched as a dependent)
-    v4p_decode_indices<2, false>(a);
-}
-extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices_v16(DecodeIndexArgs a) {
-    v4p_overlap_begin();  // before any global access (launched as a dependent)
-    v4p_decode_indices<4, false>(a);
-}
-extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices_v32(DecodeIndexArgs a) {
-    v4p_overlap_begin();  // before any global access (launched as a dependent)
-    v4p_decode_indices<8, false>(a);
-}
-extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices_v16cs(DecodeIndexArgs a) {
-    v4p_overlap_begin();  // before any global access (launched as a dependent)
-    v4p_decode_indices<4, true>(a);
 }
 
 // ---- §6: prefill index builder -----------------------------------------------------------

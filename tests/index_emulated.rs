@@ -8,7 +8,7 @@
 use std::ffi::{c_char, c_void, CString};
 use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, WindowParams};
 use v4pool::index::host::run_launch;
-use v4pool::index::shape::{decode_shape, launch_shape, LaunchShape, DECODE_VARIANTS};
+use v4pool::index::shape::launch_shape;
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
     Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs,
@@ -44,22 +44,14 @@ impl Emu {
     /// # Safety
     /// As `run_launch`: the pointers in the launch cover what the kernel touches.
     unsafe fn run(&self, launch: &Launch) {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.run_as(launch, launch.symbol(), launch_shape(launch)) }
-    }
-
-    /// As [`run`](Self::run), as kernel `symbol` over `shape` (a decode-builder variant).
-    ///
-    /// # Safety
-    /// As `run`, and `symbol` takes the launch's argument struct.
-    unsafe fn run_as(&self, launch: &Launch, symbol: &str, shape: LaunchShape) {
         let bytes = v4pool::backend::kernel_argument(launch);
-        let sym = CString::new(symbol).unwrap();
+        let shape = launch_shape(launch);
+        let sym = CString::new(launch.symbol()).unwrap();
         // SAFETY: forwarded from the caller; the argument bytes are the struct the kernel takes.
         let rc = unsafe {
             (self.launch)(sym.as_ptr(), bytes.as_ptr().cast(), shape.grid.as_ptr(), shape.block[0])
         };
-        assert_eq!(rc, 0, "unknown kernel {symbol}");
+        assert_eq!(rc, 0, "unknown kernel {}", launch.symbol());
     }
 }
 
@@ -92,43 +84,14 @@ fn compare<T: Clone + PartialEq + std::fmt::Debug>(
     outputs: &[Vec<T>],
     make: impl Fn(&mut [Vec<T>]) -> Launch,
 ) -> bool {
-    // SAFETY: `make` points the launch at the test's live buffers, sized for the kernel.
-    compare_with(what, outputs, &make, |l| unsafe { emu.run(l) })
-}
-
-/// As [`compare`], once for every decode-builder variant (each its own kernel and grid).
-fn compare_decode<T: Clone + PartialEq + std::fmt::Debug>(
-    emu: &Emu,
-    what: &str,
-    outputs: &[Vec<T>],
-    make: impl Fn(&mut [Vec<T>]) -> Launch,
-) -> bool {
-    let mut wrote = false;
-    for v in DECODE_VARIANTS {
-        wrote |= compare_with(&format!("{what} ({})", v.name), outputs, &make, |l| {
-            let Launch::Decode(a) = l else { panic!("{what}: not a decode launch") };
-            // SAFETY: as `compare`; every variant takes DecodeIndexArgs.
-            unsafe { emu.run_as(l, v.symbol, decode_shape(a, v)) }
-        });
-    }
-    wrote
-}
-
-/// The host reference and `run` (the emulated kernel) on their own copies of the poisoned
-/// outputs; both must end equal. Returns whether anything was written.
-fn compare_with<T: Clone + PartialEq + std::fmt::Debug>(
-    what: &str,
-    outputs: &[Vec<T>],
-    make: &impl Fn(&mut [Vec<T>]) -> Launch,
-    run: impl Fn(&Launch),
-) -> bool {
     let mut host = outputs.to_vec();
     let mut dev = outputs.to_vec();
     let l = make(&mut host);
     // SAFETY: `make` points the launch at the test's live buffers, sized for the kernel.
     unsafe { run_launch(&l) }.unwrap_or_else(|e| panic!("{what}: host reference refused: {e}"));
     let l = make(&mut dev);
-    run(&l);
+    // SAFETY: as above.
+    unsafe { emu.run(&l) };
     assert!(host == dev, "{what}: kernel and host reference differ\nhost {host:?}\nkernel {dev:?}");
     host != outputs
 }
@@ -253,7 +216,7 @@ fn decode_builder_kernel_matches_reference() {
                 }
             }
         }
-        let written = compare_decode(&emu, &format!("decode case {case}"), &outputs, |outs| {
+        let written = compare(&emu, &format!("decode case {case}"), &outputs, |outs| {
             let mut a = DecodeIndexArgs {
                 state_slot_per_seq: addr(&slots),
                 batch_id_per_token: addr(&bids),
@@ -283,16 +246,17 @@ fn decode_builder_kernel_matches_reference() {
     assert!(wrote > 30, "only {wrote} cases wrote anything");
 }
 
-/// The fused HCA heads are tiled over grid y: heads around and past the tile (2,048 entries)
-/// at every slice alignment mod 4 of the output, several rows per block, tiles past a short
-/// head, pad tokens between long ones.
+/// The fused HCA heads are tiled over grid y: heads around and past the tile (8,192 entries)
+/// at every slice alignment mod 4 of the output (the 16-byte writer's leading and trailing
+/// entries, even and odd first groups), table rows at both 8-byte alignments (an odd stride),
+/// several rows per block, tiles past a short head, pad tokens between long ones.
 #[test]
 fn decode_builder_long_hca_heads_every_alignment() {
     let Some(emu) = emu() else { return };
     let mut rng = Rng(0x4ca1_1ed5_0000_0001);
     let g = random_geometry(&mut rng, true);
     let win = rng.range(1, g.ring_slots) as i32;
-    let stride = 2100i32;
+    let stride = 4201i32;
     let bs = 3usize;
     let slots = physical_slots(&mut rng, &g, bs);
     let tables: Vec<i32> = (0..bs * stride as usize).map(|_| rng.range(0, g.num_blocks - 1) as i32).collect();
@@ -300,7 +264,7 @@ fn decode_builder_long_hca_heads_every_alignment() {
     for rpb in 1..=3i32 {
         let longest = i64::from(stride * rpb);
         let heads: Vec<i64> =
-            [0, 1, 3, 4, 5, 7, 2047, 2048, 2049, 2051, 4095, 4097, 4099, longest - 1, longest]
+            [0, 1, 3, 4, 5, 7, 2047, 2049, 4095, 4097, 8191, 8192, 8193, 8195, 8198, longest - 1, longest]
                 .into_iter()
                 .filter(|&h| h <= longest)
                 .collect();
@@ -325,38 +289,35 @@ fn decode_builder_long_hca_heads_every_alignment() {
                 vec![POISON; t + 1],
                 vec![POISON; extent(&csa_indptr) + 1],
             ];
-            let written =
-                compare_decode(&emu, &format!("long heads rpb {rpb} lead {lead}"), &outputs, |outs| {
-                    let mut a = DecodeIndexArgs {
-                        state_slot_per_seq: addr(&slots),
-                        batch_id_per_token: addr(&bids),
-                        positions: addr(&positions),
-                        block_tables: addr(&tables),
-                        envelope_rows: g.envelope_rows,
-                        block_table_stride: stride,
-                        hca_rows_per_block: rpb,
-                        num_tokens: t as i32,
-                        win,
-                        ..Default::default()
-                    };
-                    a.classes[1] = ClassBuffers {
-                        params: g.window_params(4).unwrap(),
-                        indptr: addr(&csa_indptr),
-                        indices: outs[2].as_mut_ptr() as u64,
-                        dest_rows: 0,
-                    };
-                    a.classes[2] = ClassBuffers {
-                        params: g.window_params(128).unwrap(),
-                        indptr: addr(&indptr),
-                        indices: outs[0].as_mut_ptr() as u64,
-                        dest_rows: outs[1].as_mut_ptr() as u64,
-                    };
-                    for v in DECODE_VARIANTS {
-                        let tiles = (longest as u32).div_ceil(v.tile);
-                        assert_eq!(decode_shape(&a, v).grid[1], tiles, "{}", v.name);
-                    }
-                    Launch::Decode(a)
-                });
+            let written = compare(&emu, &format!("long heads rpb {rpb} lead {lead}"), &outputs, |outs| {
+                let mut a = DecodeIndexArgs {
+                    state_slot_per_seq: addr(&slots),
+                    batch_id_per_token: addr(&bids),
+                    positions: addr(&positions),
+                    block_tables: addr(&tables),
+                    envelope_rows: g.envelope_rows,
+                    block_table_stride: stride,
+                    hca_rows_per_block: rpb,
+                    num_tokens: t as i32,
+                    win,
+                    ..Default::default()
+                };
+                a.classes[1] = ClassBuffers {
+                    params: g.window_params(4).unwrap(),
+                    indptr: addr(&csa_indptr),
+                    indices: outs[2].as_mut_ptr() as u64,
+                    dest_rows: 0,
+                };
+                a.classes[2] = ClassBuffers {
+                    params: g.window_params(128).unwrap(),
+                    indptr: addr(&indptr),
+                    indices: outs[0].as_mut_ptr() as u64,
+                    dest_rows: outs[1].as_mut_ptr() as u64,
+                };
+                let l = Launch::Decode(a);
+                assert_eq!(launch_shape(&l).grid[1], ((longest + 8191) / 8192) as u32);
+                l
+            });
             wrote += usize::from(written);
         }
     }

@@ -415,7 +415,7 @@ impl Launch {
     /// The kernel symbol this launch runs (`extern "C"`, `v4pool_` prefix).
     pub fn symbol(&self) -> &'static str {
         match self {
-            Launch::Decode(_) => shape::decode_variant().symbol,
+            Launch::Decode(_) => "v4pool_decode_indices",
             Launch::Prefill(_) => "v4pool_prefill_indices",
             Launch::HcaOffsets(_) => "v4pool_hca_offsets",
             Launch::CsaPack(_) => "v4pool_csa_translate_pack",
@@ -431,12 +431,8 @@ impl Launch {
     }
 
     /// Every kernel symbol, for module loading and the code-object symbol test.
-    pub const SYMBOLS: [&'static str; 16] = [
+    pub const SYMBOLS: [&'static str; 12] = [
         "v4pool_decode_indices",
-        "v4pool_decode_indices_v8",
-        "v4pool_decode_indices_v16",
-        "v4pool_decode_indices_v32",
-        "v4pool_decode_indices_v16cs",
         "v4pool_prefill_indices",
         "v4pool_hca_offsets",
         "v4pool_csa_translate_pack",

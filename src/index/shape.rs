@@ -31,58 +31,9 @@ pub const ROWS_PER_BLOCK: u32 = BLOCK_THREADS / ROW_LANES;
 pub const RUN_SPLIT: u32 = 32;
 /// Largest grid y and z both vendors accept (`V4POOL_MAX_GRID_YZ`).
 pub const MAX_GRID_YZ: u32 = 65_535;
-/// Fused HCA head entries one decode-builder block writes (`V4POOL_DECODE_HCA_TILE`).
-pub const DECODE_HCA_TILE: u32 = 8 * BLOCK_THREADS;
-
-/// Issue 13 A/B, temporary (one binary measures every form; the verdict keeps one and removes
-/// this): a decode-builder kernel compiled next to the others, and the fused HCA head entries
-/// one of its blocks writes (grid y tiles the head by it).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DecodeVariant {
-    /// What `V4POOL_DECODE_VARIANT` names it.
-    pub name: &'static str,
-    /// Its `extern "C"` symbol.
-    pub symbol: &'static str,
-    /// Head entries per block (grid y tile).
-    pub tile: u32,
-}
-
-/// Every decode-builder variant; the first is the default (the scalar tiled head writer).
-/// `vN`: 16-byte head stores, N entries per thread; `cs`: streaming (evict-first) stores.
-pub const DECODE_VARIANTS: [DecodeVariant; 5] = [
-    DecodeVariant { name: "old", symbol: "v4pool_decode_indices", tile: DECODE_HCA_TILE },
-    DecodeVariant { name: "v8", symbol: "v4pool_decode_indices_v8", tile: 8 * BLOCK_THREADS },
-    DecodeVariant { name: "v16", symbol: "v4pool_decode_indices_v16", tile: 16 * BLOCK_THREADS },
-    DecodeVariant { name: "v32", symbol: "v4pool_decode_indices_v32", tile: 32 * BLOCK_THREADS },
-    DecodeVariant { name: "v16cs", symbol: "v4pool_decode_indices_v16cs", tile: 16 * BLOCK_THREADS },
-];
-
-/// Index into [`DECODE_VARIANTS`]; `usize::MAX` until first read (then from the environment).
-static DECODE_VARIANT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
-
-/// The decode builder every launch from now on runs: the last [`set_decode_variant`], else
-/// `V4POOL_DECODE_VARIANT` (a name in [`DECODE_VARIANTS`]), else the first.
-pub fn decode_variant() -> DecodeVariant {
-    use std::sync::atomic::Ordering;
-    let mut i = DECODE_VARIANT.load(Ordering::Relaxed);
-    if i == usize::MAX {
-        let want = std::env::var("V4POOL_DECODE_VARIANT").unwrap_or_default();
-        i = DECODE_VARIANTS.iter().position(|v| v.name == want).unwrap_or(0);
-        DECODE_VARIANT.store(i, Ordering::Relaxed);
-    }
-    DECODE_VARIANTS[i.min(DECODE_VARIANTS.len() - 1)]
-}
-
-/// Select the decode builder by name; false (nothing changed) for an unknown name.
-pub fn set_decode_variant(name: &str) -> bool {
-    match DECODE_VARIANTS.iter().position(|v| v.name == name) {
-        Some(i) => {
-            DECODE_VARIANT.store(i, std::sync::atomic::Ordering::Relaxed);
-            true
-        }
-        None => false,
-    }
-}
+/// Fused HCA head entries one decode-builder block writes (`V4POOL_DECODE_HCA_TILE`): 32 per
+/// thread in eight 16-byte stores, so one tile holds a 1M-context head (8,192 entries).
+pub const DECODE_HCA_TILE: u32 = 32 * BLOCK_THREADS;
 /// Lanes that build one token's lists in the prefill builder (`V4POOL_PREFILL_LANES`).
 pub const PREFILL_LANES: u32 = 64;
 /// Tokens one prefill-builder block holds (`V4POOL_PREFILL_TOKENS_PER_BLOCK`).
@@ -158,24 +109,11 @@ pub fn state_update_lanes(dim: i32) -> u32 {
 /// derives the same number (`v4p_decode_hca_tiles`) and strides by it, so a cap at
 /// `MAX_GRID_YZ` loses nothing.
 pub fn decode_hca_tiles(a: &DecodeIndexArgs) -> u64 {
-    decode_hca_tiles_of(a, decode_variant().tile)
-}
-
-/// [`decode_hca_tiles`] for tiles of `tile` entries (a [`DecodeVariant`]'s).
-pub fn decode_hca_tiles_of(a: &DecodeIndexArgs, tile: u32) -> u64 {
     if a.block_tables == 0 || a.classes[CLASS_HCA].indptr == 0 {
         return 1;
     }
     let longest = count(a.block_table_stride) * count(a.hca_rows_per_block);
-    ceil_div(longest, u64::from(tile.max(1))).clamp(1, u64::from(MAX_GRID_YZ))
-}
-
-/// The decode builder's launch shape for `variant` (the launch itself takes the current one).
-pub fn decode_shape(a: &DecodeIndexArgs, variant: DecodeVariant) -> LaunchShape {
-    LaunchShape {
-        grid: [grid_dim(count(a.num_tokens)), grid_dim(decode_hca_tiles_of(a, variant.tile)), 1],
-        block: [BLOCK_THREADS, 1, 1],
-    }
+    ceil_div(longest, u64::from(DECODE_HCA_TILE)).clamp(1, u64::from(MAX_GRID_YZ))
 }
 
 /// Grid and block of a launch. Total for any arguments; run [`check_launch`] first to know the
@@ -184,7 +122,10 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
     let b = BLOCK_THREADS;
     match launch {
         // (token, tile of its fused HCA head).
-        Launch::Decode(a) => decode_shape(a, decode_variant()),
+        Launch::Decode(a) => LaunchShape {
+            grid: [grid_dim(count(a.num_tokens)), grid_dim(decode_hca_tiles(a)), 1],
+            block: [b, 1, 1],
+        },
         // PREFILL_LANES lanes per token, PREFILL_TOKENS_PER_BLOCK tokens per block.
         Launch::Prefill(a) => {
             LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(PREFILL_TOKENS_PER_BLOCK)), b)
@@ -732,17 +673,17 @@ mod tests {
         assert_eq!(launch_shape(&Launch::Decode(decode(256))).grid, [256, 1, 1]);
         assert_eq!(launch_shape(&Launch::Decode(decode(256))).block, [256, 1, 1]);
         // Fused heads: tiles of DECODE_HCA_TILE entries over the longest head a table row holds
-        // (1M contexts: 4,096 blocks of 2 rows = 8,192 entries).
+        // (1M contexts: 4,096 blocks of 2 rows = 8,192 entries, one tile).
         let mut d = decode(256);
         d.classes[CLASS_HCA] = ClassBuffers { params: params(), indptr: 0x700, indices: 0x800, dest_rows: 0 };
         d.block_tables = 0x900;
         d.hca_rows_per_block = 2;
         d.block_table_stride = 4096;
-        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 4, 1]);
-        d.block_table_stride = 1024;
         assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 1, 1]);
-        d.block_table_stride = 1025;
+        d.block_table_stride = 4097;
         assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 2, 1]);
+        d.block_table_stride = 16_385;
+        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 5, 1]);
         d.block_tables = 0; // peer mode: nothing fused
         assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 1, 1]);
         let mut huge = decode(3);
