@@ -877,19 +877,31 @@ V4P_DEVICE void v4p_update_trial(const StateUpdateArgs& a) {
         v4p_state_row_trial<false, false, F>(a, r, lane, lanes);
 }
 
-#define V4P_STATE_TRIAL(name, flags)                                                          \
-    extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void name(StateUpdateArgs a) { \
-        v4p_update_trial<flags>(a);                                                           \
-    }
-V4P_STATE_TRIAL(v4pool_update_compressor_states_c8, V4P_ST_C8)
-V4P_STATE_TRIAL(v4pool_update_compressor_states_spec, V4P_ST_SPEC)
-V4P_STATE_TRIAL(v4pool_update_compressor_states_spec_c8, V4P_ST_SPEC | V4P_ST_C8)
-V4P_STATE_TRIAL(v4pool_update_compressor_states_cs, V4P_ST_CS)
-V4P_STATE_TRIAL(v4pool_update_compressor_states_spec_cs, V4P_ST_SPEC | V4P_ST_CS)
-V4P_STATE_TRIAL(v4pool_update_compressor_states_spec_c8_cs, V4P_ST_SPEC | V4P_ST_C8 | V4P_ST_CS)
-V4P_STATE_TRIAL(v4pool_update_compressor_states_spec_pf, V4P_ST_SPEC | V4P_ST_PF)
-V4P_STATE_TRIAL(v4pool_update_compressor_states_spec_c8_pf, V4P_ST_SPEC | V4P_ST_C8 | V4P_ST_PF)
-#undef V4P_STATE_TRIAL
+// One entry point per form, spelled out (src/kernels.rs finds every symbol in the source).
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update_compressor_states_c8(StateUpdateArgs a) {
+    v4p_update_trial<V4P_ST_C8>(a);
+}
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update_compressor_states_spec(StateUpdateArgs a) {
+    v4p_update_trial<V4P_ST_SPEC>(a);
+}
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update_compressor_states_spec_c8(StateUpdateArgs a) {
+    v4p_update_trial<V4P_ST_SPEC | V4P_ST_C8>(a);
+}
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update_compressor_states_cs(StateUpdateArgs a) {
+    v4p_update_trial<V4P_ST_CS>(a);
+}
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update_compressor_states_spec_cs(StateUpdateArgs a) {
+    v4p_update_trial<V4P_ST_SPEC | V4P_ST_CS>(a);
+}
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update_compressor_states_spec_c8_cs(StateUpdateArgs a) {
+    v4p_update_trial<V4P_ST_SPEC | V4P_ST_C8 | V4P_ST_CS>(a);
+}
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update_compressor_states_spec_pf(StateUpdateArgs a) {
+    v4p_update_trial<V4P_ST_SPEC | V4P_ST_PF>(a);
+}
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update_compressor_states_spec_c8_pf(StateUpdateArgs a) {
+    v4p_update_trial<V4P_ST_SPEC | V4P_ST_C8 | V4P_ST_PF>(a);
+}
 
 // ---- fill / copy runs (compressor-state init, slot copies) -----------------------------------
 // grid (num_runs, 32), block 256: 32 blocks share a run.
