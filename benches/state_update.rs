@@ -21,12 +21,6 @@
 //! `state_update <shape> v4pool_us=… memset_us=… empty_us=… rows=… written_bytes=… vs_memset=…`,
 //! and a `PEER` line (benches/gpu.rs's format) for the side-by-side table.
 //!
-//! Trial forms (issue 15's A/B, `STATE_UPDATE_TRIALS`): `V4POOL_UPDATE_VARIANTS=default,spec,…`
-//! (or `all`) times each listed form on the same graph setup and memset floor, one line per
-//! form and shape, `state_update[<form>] <shape> v4pool_us=…`, each checked against the host
-//! first; the PEER line stays the kept form's (`default`, timed when listed). Unset: the kept
-//! form only, as before.
-//!
 //! `cargo bench --bench state_update` passes `--bench`; without it the binary returns at once.
 //! No device: a notice and success, unless V4POOL_REQUIRE_GPU=1.
 
@@ -38,7 +32,7 @@ use std::error::Error;
 use std::sync::Arc;
 use v4pool::backend::cuda::{self, CudaBackend, CudaGraph};
 use v4pool::backend::{Backend, DeviceAllocation};
-use v4pool::index::{ElemType, Launch, STATE_UPDATE_TRIALS};
+use v4pool::index::{ElemType, Launch};
 use v4pool::model::ModelShape;
 use v4pool::pool::{Pool, PoolSpec, SlotLease};
 use v4pool::sizing::{IndexerDtype, KvDtype, PoolLayout};
@@ -138,62 +132,6 @@ fn check(
     Ok(())
 }
 
-/// The forms `V4POOL_UPDATE_VARIANTS` lists (`default` = the kept kernel, `None`; a tag of
-/// `STATE_UPDATE_TRIALS`; `all` = every one); unset or empty: the kept form only.
-fn forms() -> Res<Vec<Option<u8>>> {
-    let list = std::env::var("V4POOL_UPDATE_VARIANTS").unwrap_or_default();
-    let mut forms = Vec::new();
-    for tag in list.split(',').map(str::trim).filter(|t| !t.is_empty()) {
-        match tag {
-            "default" => forms.push(None),
-            "all" => {
-                forms.extend(std::iter::once(None).chain((0..STATE_UPDATE_TRIALS.len() as u8).map(Some)))
-            }
-            _ => {
-                let i = STATE_UPDATE_TRIALS.iter().position(|t| t.0 == tag).ok_or_else(|| {
-                    let known: Vec<&str> = STATE_UPDATE_TRIALS.iter().map(|t| t.0).collect();
-                    format!(
-                        "V4POOL_UPDATE_VARIANTS: unknown form {tag:?} (default, all, {})",
-                        known.join(", ")
-                    )
-                })?;
-                forms.push(Some(i as u8));
-            }
-        }
-    }
-    if forms.is_empty() {
-        forms.push(None);
-    }
-    Ok(forms)
-}
-
-fn form_tag(form: Option<u8>) -> &'static str {
-    form.and_then(|i| STATE_UPDATE_TRIALS.get(usize::from(i))).map_or("default", |t| t.0)
-}
-
-/// Fill the state of `c` of every staged sequence's slot (layer 0, its whole ring) with a NaN
-/// pattern, so `check` sees only what the next form writes.
-///
-/// # Safety
-/// The pool's planes are live and nothing else writes them meanwhile.
-unsafe fn poison_state(pool: &Pool, c: Compressor, seqs: &[(SlotLease, Vec<i64>, i64, usize)]) -> Res<()> {
-    let a = &pool.spec().arena;
-    let slot_rows = pool.spec().geometry.slot_rows;
-    let (kv_name, score_name) = c.fields();
-    for (lease, ..) in seqs.iter().take(8) {
-        for name in [kv_name, score_name] {
-            let f = a.field_index(name)?;
-            let shape = &a.fields()[f].shape;
-            let bytes = shape.iter().product::<u64>() * 4;
-            let (plane, off) = a.byte_offset(lease.position, f, 0, slot_rows)?;
-            // SAFETY: layer 0's [ring][dim] f32 of this slot, inside the plane (the caller's
-            // promise covers the rest).
-            unsafe { pool.backend().fill_u32(pool.plane_ptr(plane)? + off, bytes / 4, 0x7fc0_dead, S)? };
-        }
-    }
-    Ok(())
-}
-
 fn bf16s(rng: &mut Rng, n: usize) -> Vec<u16> {
     (0..n).map(|_| (((rng.next_u64() % 2001) as f32 - 1000.5) / 64.0).to_bits() as u16).collect::<Vec<_>>()
 }
@@ -209,7 +147,6 @@ fn shape(
     q: usize,
     name: &str,
     empty_us: f64,
-    forms: &[Option<u8>],
 ) -> Res<()> {
     let mut rng = Rng::new(0x5eed ^ (bs * 31 + q) as u64);
     let dim = match c {
@@ -259,38 +196,21 @@ fn shape(
         dtype: ElemType::Bf16,
         ape_dtype: ElemType::F32,
     };
+    let graph = t.graph(&upd.launch(c, 0, &inputs)?)?;
+    graph.replay(S)?;
+    check(pool, c, &seqs, &kv, &score, &ape, dim)?;
+    let (us, p10, p90) = t.time(&graph)?;
     let written = (rows * dim * 4 * 2) as u64;
     let memset_us = t.memset(written)?;
-    let Launch::StateUpdate(args) = upd.launch(c, 0, &inputs)? else {
-        return Err("the state update's launch is not a StateUpdate".into());
-    };
-    for form in forms {
-        let launch = match *form {
-            None => Launch::StateUpdate(args),
-            Some(i) => Launch::StateUpdateTrial(args, i),
-        };
-        // Fresh poison between forms: a form that writes nothing cannot pass on the last one's.
-        // SAFETY: a range inside the pool's plane (every staged slot's state of `c`).
-        unsafe { poison_state(pool, c, &seqs)? };
-        let graph = t.graph(&launch)?;
-        graph.replay(S)?;
-        check(pool, c, &seqs, &kv, &score, &ape, dim)?;
-        let (us, p10, p90) = t.time(&graph)?;
-        let tag = form_tag(*form);
-        let label =
-            if forms.len() == 1 { "state_update".to_string() } else { format!("state_update[{tag}]") };
-        println!(
-            "{label} {name} v4pool_us={us:.2} memset_us={memset_us:.2} empty_us={empty_us:.2} rows={rows} \
-             written_bytes={written} vs_memset={:.2} p10={p10:.2} p90={p90:.2} ({})",
-            us / memset_us,
-            fmt_bytes(written)
-        );
-        if form.is_none() {
-            println!("PEER\tstate_update\t{name}\t{us:.3}\t{written}\t{memset_us:.3}");
-        }
-        drop(graph);
-        be.synchronize(S)?;
-    }
+    println!(
+        "state_update {name} v4pool_us={us:.2} memset_us={memset_us:.2} empty_us={empty_us:.2} rows={rows} \
+         written_bytes={written} vs_memset={:.2} p10={p10:.2} p90={p90:.2} ({})",
+        us / memset_us,
+        fmt_bytes(written)
+    );
+    println!("PEER\tstate_update\t{name}\t{us:.3}\t{written}\t{memset_us:.3}");
+    drop(graph);
+    be.synchronize(S)?;
     for a in allocs {
         // SAFETY: the graph is gone and the stream drained.
         unsafe { be.free(a) };
@@ -299,7 +219,6 @@ fn shape(
 }
 
 fn run() -> Res<()> {
-    let forms = forms()?;
     let be = CudaBackend::new(0)?;
     println!("device: {}, kernels from {:?}", be.device_name(), be.module_source()?);
     println!(
@@ -309,19 +228,17 @@ fn run() -> Res<()> {
     let empty = t.graph(&Launch::Empty)?;
     let empty_us = t.time(&empty)?.0;
     println!("empty kernel, graph replay: {empty_us:.2} µs");
-    println!("forms: {}", forms.iter().map(|f| form_tag(*f)).collect::<Vec<_>>().join(","));
     let pool = flash_pool(Arc::new(be))?;
     let leases: Vec<SlotLease> = (0..MAX_SEQS).map(|_| pool.alloc_slot()).collect::<Result<_, _>>()?;
     for c in [Compressor::CsaMain, Compressor::HcaMain] {
         let tag = if c == Compressor::CsaMain { "csa_main" } else { "hca_main" };
         for bs in [1usize, 64, 256, 1024] {
             for q in [1usize, 2] {
-                shape(&t, &pool, &leases, c, bs, q, &format!("{tag} bs={bs} q={q}"), empty_us, &forms)?;
+                shape(&t, &pool, &leases, c, bs, q, &format!("{tag} bs={bs} q={q}"), empty_us)?;
             }
         }
     }
-    let prefill = "csa_main prefill T=8192";
-    shape(&t, &pool, &leases, Compressor::CsaMain, MAX_TOKENS / 8, 8, prefill, empty_us, &forms)?;
+    shape(&t, &pool, &leases, Compressor::CsaMain, MAX_TOKENS / 8, 8, "csa_main prefill T=8192", empty_us)?;
     Ok(())
 }
 

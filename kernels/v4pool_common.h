@@ -426,7 +426,7 @@ struct StateUpdateArgs {
     v4p_i32 ratio;   // rows of ape
     v4p_i32 in_dtype;   // V4POOL_DTYPE_* of kv and score
     v4p_i32 ape_dtype;  // V4POOL_DTYPE_* of ape
-    v4p_i32 in_rows;    // rows kv and score hold (at most): the bound of speculative row reads
+    v4p_i32 _pad;
 };
 V4POOL_CHECK_SIZE(StateUpdateArgs, 120);
 V4POOL_CHECK_ALIGN(StateUpdateArgs, 8);
@@ -448,7 +448,7 @@ V4POOL_CHECK_OFFSET(StateUpdateArgs, window, 100);
 V4POOL_CHECK_OFFSET(StateUpdateArgs, ratio, 104);
 V4POOL_CHECK_OFFSET(StateUpdateArgs, in_dtype, 108);
 V4POOL_CHECK_OFFSET(StateUpdateArgs, ape_dtype, 112);
-V4POOL_CHECK_OFFSET(StateUpdateArgs, in_rows, 116);
+V4POOL_CHECK_OFFSET(StateUpdateArgs, _pad, 116);
 
 struct FillRun {
     v4p_ptr dst;

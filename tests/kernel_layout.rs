@@ -88,7 +88,7 @@ fn rust_checks() -> Checks {
         RowScatterArgs { planes, batch_id_per_token, dest_rows, view_rows, num_tokens, _pad }
         StateUpdateArgs {
             kv, score, ape, write_plan, slot_map, kv_state, score_state, kv_slot_bytes, score_slot_bytes,
-            kv_row_stride, score_row_stride, num_rows, dim, ring, window, ratio, in_dtype, ape_dtype, in_rows,
+            kv_row_stride, score_row_stride, num_rows, dim, ring, window, ratio, in_dtype, ape_dtype, _pad,
         }
         FillRun { dst, bytes, pattern, _pad }
         FillRunsArgs { runs, num_runs, _pad }

@@ -24,7 +24,7 @@ pub fn kernel_argument(launch: &Launch) -> &[u8] {
         Launch::CsaPack(a) => bytes_of(a),
         Launch::RingWrite(a) => bytes_of(a),
         Launch::RowScatter(a) => bytes_of(a),
-        Launch::StateUpdate(a) | Launch::StateUpdateTrial(a, _) => bytes_of(a),
+        Launch::StateUpdate(a) => bytes_of(a),
         Launch::FillRuns(a) => bytes_of(a),
         Launch::CopyRuns(a) => bytes_of(a),
         Launch::WindowGather(a) | Launch::WindowGatherFp8(a) => bytes_of(a),

@@ -327,10 +327,8 @@ pub struct StateUpdateArgs {
     pub in_dtype: i32,
     /// [`ElemType`] code of ape.
     pub ape_dtype: i32,
-    /// Rows kv and score hold, or fewer (≥ 0): a kernel may read row `r < in_rows` of both
-    /// before plan row `r` arrives (decode plans read input row r at plan row r), never a row
-    /// at or past it. Not part of the result: 0 only gives up the early read.
-    pub in_rows: i32,
+    /// Padding to the C layout.
+    pub _pad: i32,
 }
 
 /// A byte range to fill with a repeated 32-bit pattern (compressor-state initialisation:
@@ -384,19 +382,6 @@ pub struct CopyRunsArgs {
     pub _pad: i32,
 }
 
-/// The state update's trial forms `(tag, symbol)` (kernels/v4pool_kernels.cu, "§8 trial
-/// forms"): issue 15's A/B in one binary (benches/state_update.rs, `V4POOL_UPDATE_VARIANTS`).
-pub const STATE_UPDATE_TRIALS: [(&str, &str); 8] = [
-    ("c8", "v4pool_update_compressor_states_c8"),
-    ("spec", "v4pool_update_compressor_states_spec"),
-    ("spec_c8", "v4pool_update_compressor_states_spec_c8"),
-    ("cs", "v4pool_update_compressor_states_cs"),
-    ("spec_cs", "v4pool_update_compressor_states_spec_cs"),
-    ("spec_c8_cs", "v4pool_update_compressor_states_spec_c8_cs"),
-    ("spec_pf", "v4pool_update_compressor_states_spec_pf"),
-    ("spec_c8_pf", "v4pool_update_compressor_states_spec_c8_pf"),
-];
-
 /// One kernel launch, as every backend takes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Launch {
@@ -414,9 +399,6 @@ pub enum Launch {
     RowScatter(RowScatterArgs),
     /// `v4pool_update_compressor_states`
     StateUpdate(StateUpdateArgs),
-    /// A trial form of the state update, [`STATE_UPDATE_TRIALS`]`[i]` (issue 15's A/B: the
-    /// same arguments and results as [`Launch::StateUpdate`]; removed once one form is kept).
-    StateUpdateTrial(StateUpdateArgs, u8),
     /// `v4pool_fill_runs`
     FillRuns(FillRunsArgs),
     /// `v4pool_copy_runs`
@@ -440,9 +422,6 @@ impl Launch {
             Launch::RingWrite(_) => "v4pool_ring_write",
             Launch::RowScatter(_) => "v4pool_row_scatter",
             Launch::StateUpdate(_) => "v4pool_update_compressor_states",
-            Launch::StateUpdateTrial(_, i) => STATE_UPDATE_TRIALS
-                .get(usize::from(*i))
-                .map_or("v4pool_update_compressor_states_unknown", |t| t.1),
             Launch::FillRuns(_) => "v4pool_fill_runs",
             Launch::CopyRuns(_) => "v4pool_copy_runs",
             Launch::WindowGather(_) => "v4pool_window_gather",
@@ -452,7 +431,7 @@ impl Launch {
     }
 
     /// Every kernel symbol, for module loading and the code-object symbol test.
-    pub const SYMBOLS: [&'static str; 20] = [
+    pub const SYMBOLS: [&'static str; 12] = [
         "v4pool_decode_indices",
         "v4pool_prefill_indices",
         "v4pool_hca_offsets",
@@ -460,14 +439,6 @@ impl Launch {
         "v4pool_ring_write",
         "v4pool_row_scatter",
         "v4pool_update_compressor_states",
-        "v4pool_update_compressor_states_c8",
-        "v4pool_update_compressor_states_spec",
-        "v4pool_update_compressor_states_spec_c8",
-        "v4pool_update_compressor_states_cs",
-        "v4pool_update_compressor_states_spec_cs",
-        "v4pool_update_compressor_states_spec_c8_cs",
-        "v4pool_update_compressor_states_spec_pf",
-        "v4pool_update_compressor_states_spec_c8_pf",
         "v4pool_fill_runs",
         "v4pool_copy_runs",
         "v4pool_window_gather",

@@ -149,7 +149,7 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
             LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(ROWS_PER_BLOCK)), b)
         }
         // BLOCK_THREADS / lanes plan rows per block.
-        Launch::StateUpdate(a) | Launch::StateUpdateTrial(a, _) => {
+        Launch::StateUpdate(a) => {
             LaunchShape::linear(ceil_div(count(a.num_rows), u64::from(b / state_update_lanes(a.dim))), b)
         }
         // (run, RUN_SPLIT blocks per run).
@@ -547,7 +547,6 @@ fn check_row_scatter(a: &RowScatterArgs) -> Result<(), LaunchError> {
 
 fn check_state_update(a: &StateUpdateArgs) -> Result<(), LaunchError> {
     non_negative("num_rows", a.num_rows.into())?;
-    non_negative("in_rows", a.in_rows.into())?;
     at_least("dim", a.dim.into(), 1)?;
     at_least("ratio", a.ratio.into(), 1)?;
     at_least("window", a.window.into(), 1)?;
@@ -609,12 +608,6 @@ pub fn check_launch(launch: &Launch) -> Result<(), LaunchError> {
         Launch::RingWrite(a) => check_ring_write(a)?,
         Launch::RowScatter(a) => check_row_scatter(a)?,
         Launch::StateUpdate(a) => check_state_update(a)?,
-        Launch::StateUpdateTrial(a, i) => {
-            if usize::from(*i) >= super::STATE_UPDATE_TRIALS.len() {
-                return Err(LaunchError::BadCode { field: "state update trial", value: i32::from(*i) });
-            }
-            check_state_update(a)?
-        }
         Launch::FillRuns(a) => {
             non_negative("num_runs", a.num_runs.into())?;
             if a.num_runs > 0 {
@@ -825,7 +818,6 @@ mod tests {
         assert!(matches!(bad(|b| b.kv_slot_bytes = 4), Err(LaunchError::TooSmall { .. })));
         assert_eq!(bad(|b| b.ape = 0), Err(LaunchError::MissingBuffer { field: "ape" }));
         assert_eq!(bad(|b| b.num_rows = -1), Err(LaunchError::Negative { field: "num_rows", value: -1 }));
-        assert_eq!(bad(|b| b.in_rows = -1), Err(LaunchError::Negative { field: "in_rows", value: -1 }));
     }
 
     #[test]

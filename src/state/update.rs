@@ -518,8 +518,7 @@ impl StateUpdate {
             ratio: compressor.ratio() as i32,
             in_dtype: inputs.dtype as i32,
             ape_dtype: inputs.ape_dtype as i32,
-            // A bound, not a size: fewer rows than the inputs hold only forgo early reads.
-            in_rows: inputs.rows.clamp(0, i64::from(i32::MAX)) as i32,
+            _pad: 0,
         }))
     }
 

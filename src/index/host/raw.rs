@@ -90,7 +90,7 @@ pub unsafe fn run_launch(launch: &Launch) -> Result<()> {
             Launch::CsaPack(a) => run_csa_pack(a),
             Launch::RingWrite(a) => run_ring_write(a),
             Launch::RowScatter(a) => run_row_scatter(a),
-            Launch::StateUpdate(a) | Launch::StateUpdateTrial(a, _) => run_state_update(a),
+            Launch::StateUpdate(a) => run_state_update(a),
             Launch::FillRuns(a) => run_fill_runs(a),
             Launch::CopyRuns(a) => run_copy_runs(a),
             Launch::WindowGather(a) => run_window_gather(a, false),
