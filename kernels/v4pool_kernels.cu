@@ -400,6 +400,153 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 5) void v4pool
     v4p_write_head_from(out + pre, table, lane + 8 * lanes, nh, 8 * lanes, rpb, last_col, envelope, lanes);
 }
 
+// ---- §6: prefill index builder, 16-byte stores (issue 13 A/B: v4pool_prefill_indices_vecN) --
+// The same lists as v4pool_prefill_indices with fewer instructions per written entry: the
+// extend run and the HCA compressed head (all of a 128K/1M token's bytes but the window) go
+// out as 16-byte stores of four entries, peeled to the slice's 16-byte alignment (a scalar
+// head and tail of at most three entries each), rows per block 1 and 2 (every V4 geometry)
+// compile-time so a group of four entries is two or three table loads and no division, and
+// the per-token division (p+1) / hca_ratio in 32 bits. Windows keep v4p_write_window (they
+// are written only by a chunk's first win-1 tokens). `lanes` threads per token, 256 / lanes
+// tokens per block, no barrier and no cross-lane exchange (the host emulation runs threads
+// one after another).
+
+/// dst[k] for k < n from `four(k)` (entries k..k+3, k 16-byte aligned in dst) and `one(k)`
+/// (entry k alone): the unaligned head and the tail scalar, the middle in 16-byte stores,
+/// `lanes` threads striding over groups of four from `lane`. `U` groups per thread per round,
+/// all computed before any is stored (their loads in flight together).
+template <int U, typename Four, typename One>
+V4P_DEVICE void v4p_store_by16(v4p_i32* __restrict__ dst, v4p_u32 n, v4p_u32 lane, v4p_u32 lanes, Four four,
+                               One one) {
+    v4p_u32 head = (4u - (v4p_u32)(((v4p_u64)dst >> 2) & 3u)) & 3u;
+    if (head > n) head = n;
+    const v4p_u32 groups = (n - head) >> 2, tail = head + 4 * groups;
+    if (lane < head) dst[lane] = one(lane);
+    if (lane < n - tail) dst[tail + lane] = one(tail + lane);
+    v4p_vec16* __restrict__ v = (v4p_vec16*)(dst + head);
+    for (v4p_u32 g0 = lane; g0 < groups; g0 += U * lanes) {
+        v4p_vec16 x[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const v4p_u32 g = g0 + (v4p_u32)u * lanes;
+            if (g < groups) x[u] = four(head + 4 * g);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const v4p_u32 g = g0 + (v4p_u32)u * lanes;
+            if (g < groups) v[g] = x[u];
+        }
+    }
+}
+
+/// The compressed head dst[j] = table[j / rpb] * envelope + j % rpb, j < n (§4), with RPB
+/// rows per block known at compile time (1 or 2), or RPB = 0: `rpb` at run time.
+template <int RPB>
+V4P_DEVICE void v4p_head_by16(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table, v4p_u32 n, v4p_u32 rpb,
+                              v4p_u32 env, v4p_u32 lane, v4p_u32 lanes) {
+    const v4p_u32 d = RPB > 0 ? (v4p_u32)RPB : rpb;
+    auto one = [&](v4p_u32 j) { return (v4p_i32)((v4p_u32)table[j / d] * env + j % d); };
+    auto four = [&](v4p_u32 j) {
+        v4p_vec16 x;
+        if (RPB == 1) {
+            x.x = (v4p_u32)table[j] * env;
+            x.y = (v4p_u32)table[j + 1] * env;
+            x.z = (v4p_u32)table[j + 2] * env;
+            x.w = (v4p_u32)table[j + 3] * env;
+        } else if (RPB == 2) {
+            // j even: blocks q, q+1 (rows 0 1 0 1); j odd: q, q+1, q+2 (rows 1 0 1 0).
+            const v4p_u32 q = j >> 1, b0 = (v4p_u32)table[q] * env, b1 = (v4p_u32)table[q + 1] * env;
+            if (j & 1) {
+                x = v4p_vec16{b0 + 1, b1, b1 + 1, (v4p_u32)table[q + 2] * env};
+            } else {
+                x = v4p_vec16{b0, b0 + 1, b1, b1 + 1};
+            }
+        } else {
+            v4p_u32 q = j / d, r = j - q * d, e[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                e[i] = (v4p_u32)table[q] * env + r;
+                if (++r == d) {
+                    r = 0;
+                    ++q;
+                }
+            }
+            x = v4p_vec16{e[0], e[1], e[2], e[3]};
+        }
+        return x;
+    };
+    v4p_store_by16<RPB == 2 ? 4 : 2>(dst, n, lane, lanes, four, one);
+}
+
+template <v4p_u32 LANES>
+V4P_DEVICE void v4p_prefill_by16(const PrefillIndexArgs& a) {
+    const v4p_u32 lane = v4p_tid_x() % LANES;
+    const v4p_i64 t = (v4p_i64)v4p_bid_x() * (V4POOL_BLOCK_THREADS / LANES) + v4p_tid_x() / LANES;
+    if (t >= a.num_tokens) return;
+    // Everything that needs only t, then the sequence's values.
+    const v4p_i32 b = v4p_in<v4p_i32>(a.bid_per_token)[t];
+    const v4p_i32 p32 = v4p_in<v4p_i32>(a.positions)[t];
+    const v4p_i64 ext_at = v4p_in<v4p_i32>(a.extend_indptr)[t];
+    const v4p_i64 swa_at = a.swa_indptr != 0 ? (v4p_i64)v4p_in<v4p_i32>(a.swa_indptr)[t] : 0;
+    const v4p_i64 csa_end = v4p_in<v4p_i32>(a.csa_indptr)[t + 1];
+    const v4p_i64 hca_at = v4p_in<v4p_i32>(a.hca_indptr)[t];
+    if (b < 0) return;  // prefill has no pads; a negative id would be a wild read
+    const v4p_i64 cs = v4p_in<v4p_i32>(a.chunk_start_per_seq)[b];
+    const v4p_i64 cu = v4p_in<v4p_i32>(a.cu_seqlens_q_per_seq)[b];
+    const v4p_i64 committed = v4p_in<v4p_i32>(a.n_committed_hca_per_seq)[b];
+    const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
+    const v4p_i64 p = p32;
+    // (p+1) / hca_ratio: unsigned 32-bit for every valid input (p >= 0, ratio > 0); C
+    // division otherwise, as the host reference.
+    const v4p_i64 by_pos = (p32 >= -1 && a.hca_ratio > 0) ? (v4p_i64)((v4p_u32)(p32 + 1) / (v4p_u32)a.hca_ratio)
+                                                          : (p + 1) / a.hca_ratio;
+    const v4p_i64 win = a.win;
+    const v4p_i64 in_chunk = p - cs;
+    const v4p_i64 low = v4p_max(p - win + 1, 0);
+    const v4p_u32 ext = v4p_count32(v4p_min(in_chunk + 1, win));
+    const v4p_i64 pre = v4p_max(cs - low, 0);
+    const v4p_u32 nh = v4p_count32(v4p_min(by_pos, committed));
+    // extend: the ext most recent in-chunk tokens' rows in this forward's K, oldest first.
+    {
+        const v4p_u32 first = (v4p_u32)(cu + in_chunk - (v4p_i64)ext + 1);
+        v4p_store_by16<1>(
+            v4p_out<v4p_i32>(a.extend_indices) + ext_at, ext, lane, LANES,
+            [&](v4p_u32 k) { return v4p_vec16{first + k, first + k + 1, first + k + 2, first + k + 3}; },
+            [&](v4p_u32 k) { return (v4p_i32)(first + k); });
+    }
+    v4p_i32* out = v4p_out<v4p_i32>(a.hca_indices) + hca_at;
+    if (pre > 0) {
+        if (a.swa_indptr != 0)  // dense: the whole slice is window rows
+            v4p_write_window(v4p_out<v4p_i32>(a.swa_indices) + swa_at, a.dense, slot, low, pre, lane, LANES);
+        // CSA: window at the tail, the top-k head is left for the translate-pack.
+        v4p_write_window(v4p_out<v4p_i32>(a.csa_indices) + (csa_end - pre), a.csa, slot, low, pre, lane, LANES);
+        // HCA: [window | compressed entries].
+        v4p_write_window(out, a.hca, slot, low, pre, lane, LANES);
+    }
+    if (nh == 0) return;
+    const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
+    const v4p_u32 env = (v4p_u32)a.envelope_rows, rpb = (v4p_u32)a.hca_rows_per_block;
+    if (rpb == 2)
+        v4p_head_by16<2>(out + pre, table, nh, 2, env, lane, LANES);
+    else if (rpb == 1)
+        v4p_head_by16<1>(out + pre, table, nh, 1, env, lane, LANES);
+    else
+        v4p_head_by16<0>(out + pre, table, nh, rpb, env, lane, LANES);
+}
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefill_indices_vec64(PrefillIndexArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
+    v4p_prefill_by16<64>(a);
+}
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefill_indices_vec32(PrefillIndexArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
+    v4p_prefill_by16<32>(a);
+}
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefill_indices_vec16(PrefillIndexArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
+    v4p_prefill_by16<16>(a);
+}
+
 // ---- §4: HCA compressed offsets as a standalone gather -----------------------------------
 // grid (ceil(N / 256)), block 256: one thread per entry.
 

@@ -8,6 +8,7 @@ mod common;
 use common::batches::{DecodeBatch, PrefillBatch};
 use common::{case_seed, check_case, device_or_skip, geometry_at, models, Case, Rng, WIN};
 use v4pool::backend::Backend;
+use v4pool::index::shape::{set_prefill_variant, PREFILL_VARIANTS};
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
     Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_DENSE,
@@ -223,8 +224,13 @@ fn prefill_index_builder_matches_host() {
                     _pad: 0,
                 })]
             };
-            check_case(cuda, &case, &make);
-            println!("ok {} ({} MB)", case.name, case.total_bytes() >> 20);
+            // Every builder variant (issue 13 A/B; the only Prefill launches of this binary).
+            for v in PREFILL_VARIANTS {
+                assert!(set_prefill_variant(v.name));
+                check_case(cuda, &case, &make);
+                println!("ok {} [{}] ({} MB)", case.name, v.name, case.total_bytes() >> 20);
+            }
+            set_prefill_variant(PREFILL_VARIANTS[0].name);
         }
     }
 }

@@ -8,7 +8,7 @@
 use std::ffi::{c_char, c_void, CString};
 use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, WindowParams};
 use v4pool::index::host::run_launch;
-use v4pool::index::shape::launch_shape;
+use v4pool::index::shape::{launch_shape, set_prefill_variant, PREFILL_VARIANTS};
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
     Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs,
@@ -387,36 +387,41 @@ fn prefill_builder_kernel_matches_reference() {
             csa.ring_stride = 2 * rng.range(1, 20) + 1;
             csa.run_rows = csa.ring_stride + rng.range(0, 4);
         }
-        compare(&emu, &format!("prefill case {case}"), &outputs, |outs| {
-            Launch::Prefill(PrefillIndexArgs {
-                dense: dense.unwrap_or_default(),
-                csa,
-                hca: g.window_params(128).unwrap(),
-                positions: addr(&positions),
-                bid_per_token: addr(&bids),
-                chunk_start_per_seq: addr(&chunk_start),
-                cu_seqlens_q_per_seq: addr(&cu_q),
-                state_slot_per_seq: addr(&slots),
-                n_committed_hca_per_seq: addr(&committed),
-                block_tables: addr(&tables),
-                extend_indptr: addr(&ptrs[0]),
-                extend_indices: outs[0].as_mut_ptr() as u64,
-                swa_indptr: if dense.is_some() { addr(&ptrs[1]) } else { 0 },
-                swa_indices: if dense.is_some() { outs[1].as_mut_ptr() as u64 } else { 0 },
-                csa_indptr: addr(&ptrs[2]),
-                csa_indices: outs[2].as_mut_ptr() as u64,
-                hca_indptr: addr(&ptrs[3]),
-                hca_indices: outs[3].as_mut_ptr() as u64,
-                envelope_rows: g.envelope_rows,
-                block_table_stride: stride as i32,
-                num_tokens: t as i32,
-                win: win as i32,
-                hca_ratio: hca_ratio as i32,
-                hca_rows_per_block: rpb as i32,
-                _pad: 0,
-            })
-        });
+        // Every variant of the builder (issue 13 A/B; the only Prefill launches of this binary).
+        for v in PREFILL_VARIANTS {
+            assert!(set_prefill_variant(v.name));
+            compare(&emu, &format!("prefill case {case} ({})", v.name), &outputs, |outs| {
+                Launch::Prefill(PrefillIndexArgs {
+                    dense: dense.unwrap_or_default(),
+                    csa,
+                    hca: g.window_params(128).unwrap(),
+                    positions: addr(&positions),
+                    bid_per_token: addr(&bids),
+                    chunk_start_per_seq: addr(&chunk_start),
+                    cu_seqlens_q_per_seq: addr(&cu_q),
+                    state_slot_per_seq: addr(&slots),
+                    n_committed_hca_per_seq: addr(&committed),
+                    block_tables: addr(&tables),
+                    extend_indptr: addr(&ptrs[0]),
+                    extend_indices: outs[0].as_mut_ptr() as u64,
+                    swa_indptr: if dense.is_some() { addr(&ptrs[1]) } else { 0 },
+                    swa_indices: if dense.is_some() { outs[1].as_mut_ptr() as u64 } else { 0 },
+                    csa_indptr: addr(&ptrs[2]),
+                    csa_indices: outs[2].as_mut_ptr() as u64,
+                    hca_indptr: addr(&ptrs[3]),
+                    hca_indices: outs[3].as_mut_ptr() as u64,
+                    envelope_rows: g.envelope_rows,
+                    block_table_stride: stride as i32,
+                    num_tokens: t as i32,
+                    win: win as i32,
+                    hca_ratio: hca_ratio as i32,
+                    hca_rows_per_block: rpb as i32,
+                    _pad: 0,
+                })
+            });
+        }
     }
+    set_prefill_variant(PREFILL_VARIANTS[0].name);
 }
 
 #[test]

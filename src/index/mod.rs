@@ -416,7 +416,7 @@ impl Launch {
     pub fn symbol(&self) -> &'static str {
         match self {
             Launch::Decode(_) => "v4pool_decode_indices",
-            Launch::Prefill(_) => "v4pool_prefill_indices",
+            Launch::Prefill(_) => shape::prefill_variant().symbol,
             Launch::HcaOffsets(_) => "v4pool_hca_offsets",
             Launch::CsaPack(_) => "v4pool_csa_translate_pack",
             Launch::RingWrite(_) => "v4pool_ring_write",
@@ -431,9 +431,12 @@ impl Launch {
     }
 
     /// Every kernel symbol, for module loading and the code-object symbol test.
-    pub const SYMBOLS: [&'static str; 12] = [
+    pub const SYMBOLS: [&'static str; 15] = [
         "v4pool_decode_indices",
         "v4pool_prefill_indices",
+        "v4pool_prefill_indices_vec64",
+        "v4pool_prefill_indices_vec32",
+        "v4pool_prefill_indices_vec16",
         "v4pool_hca_offsets",
         "v4pool_csa_translate_pack",
         "v4pool_ring_write",

@@ -37,6 +37,53 @@ pub const DECODE_HCA_TILE: u32 = 8 * BLOCK_THREADS;
 pub const PREFILL_LANES: u32 = 64;
 /// Tokens one prefill-builder block holds (`V4POOL_PREFILL_TOKENS_PER_BLOCK`).
 pub const PREFILL_TOKENS_PER_BLOCK: u32 = BLOCK_THREADS / PREFILL_LANES;
+
+/// Issue 13 A/B, temporary (one binary measures every form; the verdict keeps one and removes
+/// this): a prefill-builder kernel compiled next to the others, and its lanes per token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefillVariant {
+    /// What `V4POOL_PREFILL_VARIANT` names it.
+    pub name: &'static str,
+    /// Its `extern "C"` symbol.
+    pub symbol: &'static str,
+    /// Lanes per token (`BLOCK_THREADS / lanes` tokens per block).
+    pub lanes: u32,
+}
+
+/// Every prefill-builder variant; the first is the default.
+pub const PREFILL_VARIANTS: [PrefillVariant; 4] = [
+    PrefillVariant { name: "old", symbol: "v4pool_prefill_indices", lanes: PREFILL_LANES },
+    PrefillVariant { name: "vec64", symbol: "v4pool_prefill_indices_vec64", lanes: 64 },
+    PrefillVariant { name: "vec32", symbol: "v4pool_prefill_indices_vec32", lanes: 32 },
+    PrefillVariant { name: "vec16", symbol: "v4pool_prefill_indices_vec16", lanes: 16 },
+];
+
+/// Index into [`PREFILL_VARIANTS`]; `usize::MAX` until first read (then from the environment).
+static PREFILL_VARIANT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+/// The prefill builder every launch from now on runs: the last [`set_prefill_variant`], else
+/// `V4POOL_PREFILL_VARIANT` (a name in [`PREFILL_VARIANTS`]), else the first.
+pub fn prefill_variant() -> PrefillVariant {
+    use std::sync::atomic::Ordering;
+    let mut i = PREFILL_VARIANT.load(Ordering::Relaxed);
+    if i == usize::MAX {
+        let want = std::env::var("V4POOL_PREFILL_VARIANT").unwrap_or_default();
+        i = PREFILL_VARIANTS.iter().position(|v| v.name == want).unwrap_or(0);
+        PREFILL_VARIANT.store(i, Ordering::Relaxed);
+    }
+    PREFILL_VARIANTS[i.min(PREFILL_VARIANTS.len() - 1)]
+}
+
+/// Select the prefill builder by name; false (nothing changed) for an unknown name.
+pub fn set_prefill_variant(name: &str) -> bool {
+    match PREFILL_VARIANTS.iter().position(|v| v.name == name) {
+        Some(i) => {
+            PREFILL_VARIANT.store(i, std::sync::atomic::Ordering::Relaxed);
+            true
+        }
+        None => false,
+    }
+}
 /// Top-k columns one CSA translate-pack block covers, grid y (`V4POOL_CSA_TILE`).
 pub const CSA_TILE: u32 = 2 * BLOCK_THREADS;
 /// Elements one lane of the state update moves per chunk (`V4POOL_STATE_CHUNK`).
@@ -125,9 +172,11 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
             grid: [grid_dim(count(a.num_tokens)), grid_dim(decode_hca_tiles(a)), 1],
             block: [b, 1, 1],
         },
-        // PREFILL_LANES lanes per token, PREFILL_TOKENS_PER_BLOCK tokens per block.
+        // The variant's lanes per token (PREFILL_LANES for the default), the rest of the block
+        // other tokens.
         Launch::Prefill(a) => {
-            LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(PREFILL_TOKENS_PER_BLOCK)), b)
+            let per_block = u64::from(BLOCK_THREADS / prefill_variant().lanes);
+            LaunchShape::linear(ceil_div(count(a.num_tokens), per_block), b)
         }
         // One thread per entry.
         Launch::HcaOffsets(a) => LaunchShape::linear(ceil_div(count(a.num_entries), u64::from(b)), b),
