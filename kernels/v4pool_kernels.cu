@@ -411,57 +411,79 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 5) void v4pool
 // tokens per block, no barrier and no cross-lane exchange (the host emulation runs threads
 // one after another).
 
-/// dst[k] for k < n from `four(k)` (entries k..k+3, k 16-byte aligned in dst) and `one(k)`
-/// (entry k alone): the unaligned head and the tail scalar, the middle in 16-byte stores,
-/// `lanes` threads striding over groups of four from `lane`. `U` groups per thread per round,
-/// all computed before any is stored (their loads in flight together).
-template <int U, typename Four, typename One>
-V4P_DEVICE void v4p_store_by16(v4p_i32* __restrict__ dst, v4p_u32 n, v4p_u32 lane, v4p_u32 lanes, Four four,
-                               One one) {
-    v4p_u32 head = (4u - (v4p_u32)(((v4p_u64)dst >> 2) & 3u)) & 3u;
-    if (head > n) head = n;
-    const v4p_u32 groups = (n - head) >> 2, tail = head + 4 * groups;
-    if (lane < head) dst[lane] = one(lane);
-    if (lane < n - tail) dst[tail + lane] = one(tail + lane);
-    v4p_vec16* __restrict__ v = (v4p_vec16*)(dst + head);
-    for (v4p_u32 g0 = lane; g0 < groups; g0 += U * lanes) {
+/// Groups g = lane, lane + LANES, ... below `groups` of a 16-byte-aligned run v: `four(g)`
+/// gives group g's four entries. U groups per thread per round, every load of a round before
+/// its first store (the loads of a round in flight together), no per-group guard but in the
+/// last rounds.
+template <v4p_u32 LANES, int U, typename Four>
+V4P_DEVICE void v4p_groups(v4p_vec16* __restrict__ v, v4p_u32 groups, v4p_u32 lane, Four four) {
+    v4p_u32 g = lane;
+    for (; g + (U - 1) * LANES < groups; g += U * LANES) {
         v4p_vec16 x[U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const v4p_u32 g = g0 + (v4p_u32)u * lanes;
-            if (g < groups) x[u] = four(head + 4 * g);
-        }
+        for (int u = 0; u < U; ++u) x[u] = four(g + (v4p_u32)u * LANES);
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const v4p_u32 g = g0 + (v4p_u32)u * lanes;
-            if (g < groups) v[g] = x[u];
-        }
+        for (int u = 0; u < U; ++u) v[g + (v4p_u32)u * LANES] = x[u];
     }
+    for (; g < groups; g += LANES) v[g] = four(g);
 }
 
-/// The compressed head dst[j] = table[j / rpb] * envelope + j % rpb, j < n (§4), with RPB
-/// rows per block known at compile time (1 or 2), or RPB = 0: `rpb` at run time.
-template <int RPB>
+/// The split of a run dst[0..n) at 16-byte boundaries: `head` scalar entries up to the first
+/// boundary, `groups` groups of four, the rest scalar from `tail`.
+struct V4pRun16 {
+    v4p_u32 head, groups, tail;
+    V4P_DEVICE V4pRun16(const v4p_i32* dst, v4p_u32 n) {
+        head = (4u - (v4p_u32)(((v4p_u64)dst >> 2) & 3u)) & 3u;
+        if (head > n) head = n;
+        groups = (n - head) >> 2;
+        tail = head + 4 * groups;
+    }
+};
+
+/// The compressed head dst[j] = table[j / rpb] * envelope + j % rpb, j < n (§4), in 16-byte
+/// stores. Rows per block 2 (block 256, every V4 geometry) and 1 are compile-time: a group's
+/// first entry has the parity of the run's scalar head for every group (4 is even), so a group
+/// is two table loads (even) or three (odd) at consecutive columns and no division; any other
+/// `rpb` takes a running (block, row) pair per entry.
+template <v4p_u32 LANES>
 V4P_DEVICE void v4p_head_by16(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table, v4p_u32 n, v4p_u32 rpb,
-                              v4p_u32 env, v4p_u32 lane, v4p_u32 lanes) {
-    const v4p_u32 d = RPB > 0 ? (v4p_u32)RPB : rpb;
-    auto one = [&](v4p_u32 j) { return (v4p_i32)((v4p_u32)table[j / d] * env + j % d); };
-    auto four = [&](v4p_u32 j) {
-        v4p_vec16 x;
-        if (RPB == 1) {
-            x.x = (v4p_u32)table[j] * env;
-            x.y = (v4p_u32)table[j + 1] * env;
-            x.z = (v4p_u32)table[j + 2] * env;
-            x.w = (v4p_u32)table[j + 3] * env;
-        } else if (RPB == 2) {
-            // j even: blocks q, q+1 (rows 0 1 0 1); j odd: q, q+1, q+2 (rows 1 0 1 0).
-            const v4p_u32 q = j >> 1, b0 = (v4p_u32)table[q] * env, b1 = (v4p_u32)table[q + 1] * env;
-            if (j & 1) {
-                x = v4p_vec16{b0 + 1, b1, b1 + 1, (v4p_u32)table[q + 2] * env};
-            } else {
-                x = v4p_vec16{b0, b0 + 1, b1, b1 + 1};
-            }
+                              v4p_u32 env, v4p_u32 lane) {
+    const V4pRun16 s(dst, n);
+    v4p_vec16* v = (v4p_vec16*)(dst + s.head);
+    const v4p_u32 d = rpb, k = s.tail + lane;
+    // The scalar entries (each thread at most one of the head and one of the tail), with the
+    // division of the branch's rows per block.
+    auto ends = [&](v4p_u32 dd) {
+        if (lane < s.head) dst[lane] = (v4p_i32)((v4p_u32)table[lane / dd] * env + lane % dd);
+        if (k < n) dst[k] = (v4p_i32)((v4p_u32)table[k / dd] * env + k % dd);
+    };
+    if (d == 2) {
+        ends(2);
+        const v4p_i32* tq = table + (s.head >> 1);  // group g starts at column 2g of tq
+        if (s.head & 1) {
+            v4p_groups<LANES, 4>(v, s.groups, lane, [&](v4p_u32 g) {
+                const v4p_i32* c = tq + 2 * g;
+                const v4p_u32 b0 = (v4p_u32)c[0] * env, b1 = (v4p_u32)c[1] * env, b2 = (v4p_u32)c[2] * env;
+                return v4p_vec16{b0 + 1, b1, b1 + 1, b2};
+            });
         } else {
+            v4p_groups<LANES, 4>(v, s.groups, lane, [&](v4p_u32 g) {
+                const v4p_i32* c = tq + 2 * g;
+                const v4p_u32 b0 = (v4p_u32)c[0] * env, b1 = (v4p_u32)c[1] * env;
+                return v4p_vec16{b0, b0 + 1, b1, b1 + 1};
+            });
+        }
+    } else if (d == 1) {
+        ends(1);
+        const v4p_i32* tq = table + s.head;
+        v4p_groups<LANES, 2>(v, s.groups, lane, [&](v4p_u32 g) {
+            const v4p_i32* c = tq + 4 * g;
+            return v4p_vec16{(v4p_u32)c[0] * env, (v4p_u32)c[1] * env, (v4p_u32)c[2] * env, (v4p_u32)c[3] * env};
+        });
+    } else {
+        ends(d);
+        v4p_groups<LANES, 2>(v, s.groups, lane, [&](v4p_u32 g) {
+            const v4p_u32 j = s.head + 4 * g;
             v4p_u32 q = j / d, r = j - q * d, e[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -471,11 +493,9 @@ V4P_DEVICE void v4p_head_by16(v4p_i32* __restrict__ dst, const v4p_i32* __restri
                     ++q;
                 }
             }
-            x = v4p_vec16{e[0], e[1], e[2], e[3]};
-        }
-        return x;
-    };
-    v4p_store_by16<RPB == 2 ? 4 : 2>(dst, n, lane, lanes, four, one);
+            return v4p_vec16{e[0], e[1], e[2], e[3]};
+        });
+    }
 }
 
 template <v4p_u32 LANES>
@@ -508,11 +528,16 @@ V4P_DEVICE void v4p_prefill_by16(const PrefillIndexArgs& a) {
     const v4p_u32 nh = v4p_count32(v4p_min(by_pos, committed));
     // extend: the ext most recent in-chunk tokens' rows in this forward's K, oldest first.
     {
+        v4p_i32* dst = v4p_out<v4p_i32>(a.extend_indices) + ext_at;
         const v4p_u32 first = (v4p_u32)(cu + in_chunk - (v4p_i64)ext + 1);
-        v4p_store_by16<1>(
-            v4p_out<v4p_i32>(a.extend_indices) + ext_at, ext, lane, LANES,
-            [&](v4p_u32 k) { return v4p_vec16{first + k, first + k + 1, first + k + 2, first + k + 3}; },
-            [&](v4p_u32 k) { return (v4p_i32)(first + k); });
+        const V4pRun16 s(dst, ext);
+        if (lane < s.head) dst[lane] = (v4p_i32)(first + lane);
+        if (s.tail + lane < ext) dst[s.tail + lane] = (v4p_i32)(first + s.tail + lane);
+        const v4p_u32 f = first + s.head;
+        v4p_groups<LANES, 1>((v4p_vec16*)(dst + s.head), s.groups, lane, [&](v4p_u32 g) {
+            const v4p_u32 e = f + 4 * g;
+            return v4p_vec16{e, e + 1, e + 2, e + 3};
+        });
     }
     v4p_i32* out = v4p_out<v4p_i32>(a.hca_indices) + hca_at;
     if (pre > 0) {
@@ -525,13 +550,7 @@ V4P_DEVICE void v4p_prefill_by16(const PrefillIndexArgs& a) {
     }
     if (nh == 0) return;
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-    const v4p_u32 env = (v4p_u32)a.envelope_rows, rpb = (v4p_u32)a.hca_rows_per_block;
-    if (rpb == 2)
-        v4p_head_by16<2>(out + pre, table, nh, 2, env, lane, LANES);
-    else if (rpb == 1)
-        v4p_head_by16<1>(out + pre, table, nh, 1, env, lane, LANES);
-    else
-        v4p_head_by16<0>(out + pre, table, nh, rpb, env, lane, LANES);
+    v4p_head_by16<LANES>(out + pre, table, nh, (v4p_u32)a.hca_rows_per_block, (v4p_u32)a.envelope_rows, lane);
 }
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefill_indices_vec64(PrefillIndexArgs a) {
