@@ -431,12 +431,14 @@ impl Launch {
     }
 
     /// Every kernel symbol, for module loading and the code-object symbol test.
-    pub const SYMBOLS: [&'static str; 15] = [
+    pub const SYMBOLS: [&'static str; 17] = [
         "v4pool_decode_indices",
         "v4pool_prefill_indices",
         "v4pool_prefill_indices_vec64",
         "v4pool_prefill_indices_vec32",
         "v4pool_prefill_indices_vec16",
+        "v4pool_prefill_indices_vec32p",
+        "v4pool_prefill_indices_vec16p",
         "v4pool_hca_offsets",
         "v4pool_csa_translate_pack",
         "v4pool_ring_write",

@@ -51,11 +51,13 @@ pub struct PrefillVariant {
 }
 
 /// Every prefill-builder variant; the first is the default.
-pub const PREFILL_VARIANTS: [PrefillVariant; 4] = [
+pub const PREFILL_VARIANTS: [PrefillVariant; 6] = [
     PrefillVariant { name: "old", symbol: "v4pool_prefill_indices", lanes: PREFILL_LANES },
     PrefillVariant { name: "vec64", symbol: "v4pool_prefill_indices_vec64", lanes: 64 },
     PrefillVariant { name: "vec32", symbol: "v4pool_prefill_indices_vec32", lanes: 32 },
     PrefillVariant { name: "vec16", symbol: "v4pool_prefill_indices_vec16", lanes: 16 },
+    PrefillVariant { name: "vec32p", symbol: "v4pool_prefill_indices_vec32p", lanes: 32 },
+    PrefillVariant { name: "vec16p", symbol: "v4pool_prefill_indices_vec16p", lanes: 16 },
 ];
 
 /// Index into [`PREFILL_VARIANTS`]; `usize::MAX` until first read (then from the environment).
