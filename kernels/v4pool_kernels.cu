@@ -417,6 +417,9 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 5) void v4pool
 /// last rounds.
 template <v4p_u32 LANES, int U, typename Four>
 V4P_DEVICE void v4p_groups(v4p_vec16* __restrict__ v, v4p_u32 groups, v4p_u32 lane, Four four) {
+#if defined(V4P_TARGET_EMU)
+    if (groups != 0 && ((v4p_u64)v & 15) != 0) __builtin_trap();  // a device would fault: so must the tests
+#endif
     v4p_u32 g = lane;
     for (; g + (U - 1) * LANES < groups; g += U * LANES) {
         v4p_vec16 x[U];
