@@ -24,7 +24,7 @@ use v4pool::backend::cuda::{self, CudaBackend, CudaEvent, CudaGraph};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, DeviceAllocation, Stream};
 use v4pool::geometry::{UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
-use v4pool::index::shape::{prefill_variant, set_prefill_variant, PREFILL_VARIANTS};
+use v4pool::index::shape::prefill_short;
 use v4pool::index::{CopyRun, CopyRunsArgs, DevicePtr, Launch, PrefillIndexArgs};
 use v4pool::model::ModelShape;
 use v4pool::pool::{
@@ -849,16 +849,7 @@ impl PrefillRig {
 }
 
 fn prefill_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<(Stat, Stat)>> {
-    let variant = prefill_variant();
-    header(&format!(
-        "prefill index build, variant {} ({}, {} lanes per token) (V4-Flash; written = extend + dense + CSA window + HCA lists, CSA heads excluded)",
-        variant.name, variant.symbol, variant.lanes
-    ));
-    let kind = if variant.name == PREFILL_VARIANTS[0].name {
-        "prefill".to_string()
-    } else {
-        format!("prefill_{}", variant.name)
-    };
+    header("prefill index build (V4-Flash; written = extend + dense + CSA window + HCA lists, CSA heads excluded; 'short': the 16-lane form)");
     let mut target = None;
     let mut rng = Rng::new(11);
     let four: Vec<(i64, i64)> = (0..4).map(|_| (2048, rng.range(2048, PREFILL_1M + 1))).collect();
@@ -903,7 +894,11 @@ fn prefill_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<(
         print_row(
             f,
             &Row {
-                name: &format!("{name} (T {})", sets[0].t),
+                name: &format!(
+                    "{name} (T {}{})",
+                    sets[0].t,
+                    if prefill_short(&rigs[0].args) { ", short" } else { "" }
+                ),
                 eager: Some(eager),
                 graph,
                 read: sets[0].read,
@@ -913,7 +908,7 @@ fn prefill_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<(
             },
         );
         if !key.is_empty() {
-            peer_line(&kind, key, graph.med, written, memset.med);
+            peer_line("prefill", key, graph.med, written, memset.med);
         }
         if is_target {
             target = Some((graph, copy));
@@ -1124,20 +1119,12 @@ fn run() -> Res<()> {
             tbs(&k)
         );
     }
-    // Issue 13 A/B (temporary): `--prefill-only` runs the prefill group alone;
-    // V4POOL_PREFILL_VARIANT=all runs it once per builder variant (the default last).
+    // `--prefill-only`: the floors and the prefill group alone.
     let prefill_only = std::env::args().any(|a| a == "--prefill-only");
     let mut dec = DecodeResults { step_256: None, no_host_sync: None };
     if !prefill_only {
         dec = decode_group(&gpu, &floors, &g)?;
         csa_group(&gpu, &floors, &g)?;
-    }
-    if std::env::var("V4POOL_PREFILL_VARIANT").is_ok_and(|v| v == "all") {
-        for v in &PREFILL_VARIANTS[1..] {
-            set_prefill_variant(v.name);
-            prefill_group(&gpu, &floors, &g)?;
-        }
-        set_prefill_variant(PREFILL_VARIANTS[0].name);
     }
     let pre = prefill_group(&gpu, &floors, &g)?;
     if !prefill_only {

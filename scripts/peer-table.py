@@ -72,8 +72,7 @@ def main():
         elif kind == "csa_x21_same":
             atom, label = g("csa_translate_pack", shape, "graph_x21"), f"csa pack 21x layer 0 {shape}"
         else:
-            # "prefill_<variant>": an issue 13 A/B variant of the builder (temporary).
-            atom, label = g("prefill_indices", shape), f"prefill {shape}" + (f" [{kind[8:]}]" if kind != "prefill" else "")
+            atom, label = g("prefill_indices", shape), f"prefill {shape}"
         ratio = None if atom is None else atom / us
         big = written >= 4_000_000
         print(f"{label:<38} {us:>10.2f} {('-' if atom is None else f'{atom:.2f}'):>12} "

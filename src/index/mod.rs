@@ -387,7 +387,8 @@ pub struct CopyRunsArgs {
 pub enum Launch {
     /// `v4pool_decode_indices`
     Decode(DecodeIndexArgs),
-    /// `v4pool_prefill_indices`
+    /// `v4pool_prefill_indices`, or `v4pool_prefill_indices_short` for short HCA heads
+    /// ([`shape::prefill_short`]).
     Prefill(PrefillIndexArgs),
     /// `v4pool_hca_offsets`
     HcaOffsets(HcaOffsetsArgs),
@@ -416,7 +417,8 @@ impl Launch {
     pub fn symbol(&self) -> &'static str {
         match self {
             Launch::Decode(_) => "v4pool_decode_indices",
-            Launch::Prefill(_) => shape::prefill_variant().symbol,
+            Launch::Prefill(a) if shape::prefill_short(a) => "v4pool_prefill_indices_short",
+            Launch::Prefill(_) => "v4pool_prefill_indices",
             Launch::HcaOffsets(_) => "v4pool_hca_offsets",
             Launch::CsaPack(_) => "v4pool_csa_translate_pack",
             Launch::RingWrite(_) => "v4pool_ring_write",
@@ -431,14 +433,10 @@ impl Launch {
     }
 
     /// Every kernel symbol, for module loading and the code-object symbol test.
-    pub const SYMBOLS: [&'static str; 17] = [
+    pub const SYMBOLS: [&'static str; 13] = [
         "v4pool_decode_indices",
         "v4pool_prefill_indices",
-        "v4pool_prefill_indices_vec64",
-        "v4pool_prefill_indices_vec32",
-        "v4pool_prefill_indices_vec16",
-        "v4pool_prefill_indices_vec32p",
-        "v4pool_prefill_indices_vec16p",
+        "v4pool_prefill_indices_short",
         "v4pool_hca_offsets",
         "v4pool_csa_translate_pack",
         "v4pool_ring_write",

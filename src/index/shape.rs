@@ -38,52 +38,27 @@ pub const PREFILL_LANES: u32 = 64;
 /// Tokens one prefill-builder block holds (`V4POOL_PREFILL_TOKENS_PER_BLOCK`).
 pub const PREFILL_TOKENS_PER_BLOCK: u32 = BLOCK_THREADS / PREFILL_LANES;
 
-/// Issue 13 A/B, temporary (one binary measures every form; the verdict keeps one and removes
-/// this): a prefill-builder kernel compiled next to the others, and its lanes per token.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PrefillVariant {
-    /// What `V4POOL_PREFILL_VARIANT` names it.
-    pub name: &'static str,
-    /// Its `extern "C"` symbol.
-    pub symbol: &'static str,
-    /// Lanes per token (`BLOCK_THREADS / lanes` tokens per block).
-    pub lanes: u32,
+/// Lanes per token of the prefill builder's short form (`V4POOL_PREFILL_SHORT_LANES`).
+pub const PREFILL_SHORT_LANES: u32 = 16;
+/// The longest HCA head the short form is launched for (`V4POOL_PREFILL_SHORT_HEAD`).
+pub const PREFILL_SHORT_HEAD: u64 = 256;
+
+/// Whether a prefill launch runs the short form (`v4pool_prefill_indices_short`, 16 lanes per
+/// token): no token's HCA head can pass [`PREFILL_SHORT_HEAD`] entries, the most one
+/// block-table row describes (`block_table_stride * hca_rows_per_block`). Only the
+/// arguments' scalars decide (a graph replays the shape with new contents). Short heads are
+/// bound by per-token latency and prologue, which fewer lanes per token spread over more
+/// resident tokens; long heads want 64 lanes' loads in flight (H200, BENCHMARKS.md).
+pub fn prefill_short(a: &PrefillIndexArgs) -> bool {
+    count(a.block_table_stride) * count(a.hca_rows_per_block) <= PREFILL_SHORT_HEAD
 }
 
-/// Every prefill-builder variant; the first is the default.
-pub const PREFILL_VARIANTS: [PrefillVariant; 6] = [
-    PrefillVariant { name: "old", symbol: "v4pool_prefill_indices", lanes: PREFILL_LANES },
-    PrefillVariant { name: "vec64", symbol: "v4pool_prefill_indices_vec64", lanes: 64 },
-    PrefillVariant { name: "vec32", symbol: "v4pool_prefill_indices_vec32", lanes: 32 },
-    PrefillVariant { name: "vec16", symbol: "v4pool_prefill_indices_vec16", lanes: 16 },
-    PrefillVariant { name: "vec32p", symbol: "v4pool_prefill_indices_vec32p", lanes: 32 },
-    PrefillVariant { name: "vec16p", symbol: "v4pool_prefill_indices_vec16p", lanes: 16 },
-];
-
-/// Index into [`PREFILL_VARIANTS`]; `usize::MAX` until first read (then from the environment).
-static PREFILL_VARIANT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
-
-/// The prefill builder every launch from now on runs: the last [`set_prefill_variant`], else
-/// `V4POOL_PREFILL_VARIANT` (a name in [`PREFILL_VARIANTS`]), else the first.
-pub fn prefill_variant() -> PrefillVariant {
-    use std::sync::atomic::Ordering;
-    let mut i = PREFILL_VARIANT.load(Ordering::Relaxed);
-    if i == usize::MAX {
-        let want = std::env::var("V4POOL_PREFILL_VARIANT").unwrap_or_default();
-        i = PREFILL_VARIANTS.iter().position(|v| v.name == want).unwrap_or(0);
-        PREFILL_VARIANT.store(i, Ordering::Relaxed);
-    }
-    PREFILL_VARIANTS[i.min(PREFILL_VARIANTS.len() - 1)]
-}
-
-/// Select the prefill builder by name; false (nothing changed) for an unknown name.
-pub fn set_prefill_variant(name: &str) -> bool {
-    match PREFILL_VARIANTS.iter().position(|v| v.name == name) {
-        Some(i) => {
-            PREFILL_VARIANT.store(i, std::sync::atomic::Ordering::Relaxed);
-            true
-        }
-        None => false,
+/// Lanes per token of a prefill launch: [`PREFILL_SHORT_LANES`] or [`PREFILL_LANES`].
+pub fn prefill_lanes(a: &PrefillIndexArgs) -> u32 {
+    if prefill_short(a) {
+        PREFILL_SHORT_LANES
+    } else {
+        PREFILL_LANES
     }
 }
 /// Top-k columns one CSA translate-pack block covers, grid y (`V4POOL_CSA_TILE`).
@@ -174,11 +149,9 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
             grid: [grid_dim(count(a.num_tokens)), grid_dim(decode_hca_tiles(a)), 1],
             block: [b, 1, 1],
         },
-        // The variant's lanes per token (PREFILL_LANES for the default), the rest of the block
-        // other tokens.
+        // prefill_lanes(a) lanes per token, the rest of the block other tokens.
         Launch::Prefill(a) => {
-            let per_block = u64::from(BLOCK_THREADS / prefill_variant().lanes);
-            LaunchShape::linear(ceil_div(count(a.num_tokens), per_block), b)
+            LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(BLOCK_THREADS / prefill_lanes(a))), b)
         }
         // One thread per entry.
         Launch::HcaOffsets(a) => LaunchShape::linear(ceil_div(count(a.num_entries), u64::from(b)), b),
@@ -751,9 +724,19 @@ mod tests {
         }
         let csa = CsaPackArgs { num_tokens: 0, topk_row_stride: 0, ..Default::default() };
         assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [1, 1, 1]);
-        // Prefill: four tokens per block.
-        let pre = PrefillIndexArgs { num_tokens: 9, ..Default::default() };
+        // Prefill: four tokens per block, sixteen (the short form) while stride * rpb <= 256.
+        let mut pre = PrefillIndexArgs {
+            num_tokens: 9,
+            block_table_stride: 129,
+            hca_rows_per_block: 2,
+            ..Default::default()
+        };
         assert_eq!(launch_shape(&Launch::Prefill(pre)).grid, [3, 1, 1]);
+        assert_eq!(Launch::Prefill(pre).symbol(), "v4pool_prefill_indices");
+        pre.block_table_stride = 128;
+        pre.num_tokens = 33;
+        assert_eq!(launch_shape(&Launch::Prefill(pre)).grid, [3, 1, 1]);
+        assert_eq!(Launch::Prefill(pre).symbol(), "v4pool_prefill_indices_short");
         let ring = RingWriteArgs { num_seqs: 3, write_per_batch: 128, ..Default::default() };
         assert_eq!(launch_shape(&Launch::RingWrite(ring)).grid, [3, 16, 1]);
         let ring = RingWriteArgs { num_seqs: 3, write_per_batch: 9, ..Default::default() };

@@ -299,14 +299,10 @@ impl CudaBackend {
 /// those whose first statement is `v4p_overlap_begin();` (they wait for the kernel before them
 /// before any global access; a unit test checks the embedded source). Any other kernel, the
 /// ones other modules add included, keeps plain stream order.
-pub(super) const OVERLAPPED_KERNELS: [&str; 9] = [
+pub(super) const OVERLAPPED_KERNELS: [&str; 5] = [
     "v4pool_decode_indices",
     "v4pool_prefill_indices",
-    "v4pool_prefill_indices_vec64",
-    "v4pool_prefill_indices_vec32",
-    "v4pool_prefill_indices_vec16",
-    "v4pool_prefill_indices_vec32p",
-    "v4pool_prefill_indices_vec16p",
+    "v4pool_prefill_indices_short",
     "v4pool_hca_offsets",
     "v4pool_csa_translate_pack",
 ];
