@@ -752,6 +752,17 @@ fn state_update_kernel_matches_reference() {
         for _ in 0..pads {
             plan.extend([rng.range(0, 9) as i32, rng.range(0, 9) as i32, -1, rng.range(0, 9) as i32]);
         }
+        // Shuffled plan rows (any order is a valid plan): pads among live rows, ragged ids
+        // that are not their plan row.
+        if rng.chance(50) {
+            let n = plan.len() / 4;
+            for i in (1..n).rev() {
+                let j = rng.range(0, i as i64) as usize;
+                for c in 0..4 {
+                    plan.swap(4 * i + c, 4 * j + c);
+                }
+            }
+        }
         let num_rows = (plan.len() / 4) as i32;
         let rows = tokens.max(1) as usize;
         let kv = random_values(&mut rng, rows * kv_stride as usize, in_bf16);
