@@ -24,6 +24,7 @@ use v4pool::backend::cuda::{self, CudaBackend, CudaEvent, CudaGraph};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, DeviceAllocation, Stream};
 use v4pool::geometry::{UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
+use v4pool::index::shape::prefill_short;
 use v4pool::index::{CopyRun, CopyRunsArgs, DevicePtr, Launch, PrefillIndexArgs};
 use v4pool::model::ModelShape;
 use v4pool::pool::{
@@ -848,7 +849,7 @@ impl PrefillRig {
 }
 
 fn prefill_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<(Stat, Stat)>> {
-    header("prefill index build (V4-Flash; written = extend + dense + CSA window + HCA lists, CSA heads excluded)");
+    header("prefill index build (V4-Flash; written = extend + dense + CSA window + HCA lists, CSA heads excluded; 'short': the 16-lane form)");
     let mut target = None;
     let mut rng = Rng::new(11);
     let four: Vec<(i64, i64)> = (0..4).map(|_| (2048, rng.range(2048, PREFILL_1M + 1))).collect();
@@ -893,7 +894,11 @@ fn prefill_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<(
         print_row(
             f,
             &Row {
-                name: &format!("{name} (T {})", sets[0].t),
+                name: &format!(
+                    "{name} (T {}{})",
+                    sets[0].t,
+                    if prefill_short(&rigs[0].args) { ", short" } else { "" }
+                ),
                 eager: Some(eager),
                 graph,
                 read: sets[0].read,
@@ -1114,10 +1119,17 @@ fn run() -> Res<()> {
             tbs(&k)
         );
     }
-    let dec = decode_group(&gpu, &floors, &g)?;
-    csa_group(&gpu, &floors, &g)?;
+    // `--prefill-only`: the floors and the prefill group alone.
+    let prefill_only = std::env::args().any(|a| a == "--prefill-only");
+    let mut dec = DecodeResults { step_256: None, no_host_sync: None };
+    if !prefill_only {
+        dec = decode_group(&gpu, &floors, &g)?;
+        csa_group(&gpu, &floors, &g)?;
+    }
     let pre = prefill_group(&gpu, &floors, &g)?;
-    copy_group(&gpu, &floors)?;
+    if !prefill_only {
+        copy_group(&gpu, &floors)?;
+    }
 
     println!(
         "\nTARGETS (ratios to floors measured in this run; the peer table comes from scripts/peer-table.py)"

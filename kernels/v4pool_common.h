@@ -152,6 +152,10 @@ static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, 
 /// V4POOL_BLOCK_THREADS / V4POOL_PREFILL_LANES tokens.
 #define V4POOL_PREFILL_LANES 64
 #define V4POOL_PREFILL_TOKENS_PER_BLOCK 4
+/// The prefill builder's short form (v4pool_prefill_indices_short): lanes per token, and the
+/// longest HCA head (block_table_stride x hca_rows_per_block entries) it is launched for.
+#define V4POOL_PREFILL_SHORT_LANES 16
+#define V4POOL_PREFILL_SHORT_HEAD 256
 /// Top-k columns one CSA translate-pack block covers (grid y): two per thread.
 #define V4POOL_CSA_TILE 512
 /// Lanes that write one window row in the §9 gather: 64 x 16 B = one 1024-B bf16 row.
@@ -170,6 +174,7 @@ static_assert(V4POOL_DECODE_HCA_TILE == 32 * V4POOL_BLOCK_THREADS, "32 entries p
 static_assert(V4POOL_CSA_TILE == 2 * V4POOL_BLOCK_THREADS, "two columns per thread");
 static_assert(V4POOL_PREFILL_LANES * V4POOL_PREFILL_TOKENS_PER_BLOCK == V4POOL_BLOCK_THREADS, "tokens tile a block");
 static_assert(V4POOL_PREFILL_LANES % 32 == 0, "a prefill token owns whole warps (wave32 and wave64 halves)");
+static_assert(V4POOL_BLOCK_THREADS % V4POOL_PREFILL_SHORT_LANES == 0, "short-form tokens tile a block");
 
 // ---- layout checks ----------------------------------------------------------------------------
 

@@ -12,18 +12,17 @@
 // DRAM round trip; at 1M contexts the prefill builder is issue-bound. So loads that need only
 // the token go out before the batch id returns, each thread keeps several independent loads
 // in flight (8 per thread in the prefill HCA heads, 16 in the decode builder's), and long
-// per-token work is tiled over grid y or over lanes. The prefill builder issues every load of a round before any store (a store may
-// alias a later load, so the compiler would otherwise wait for it) and works in 32-bit
-// without per-entry division; the CSA pack keeps main's order and arithmetic, which measured
-// faster for it, and so does the decode builder but for its 32-bit, division-free head writer. Per-entry loops carry quotients as running
-// counters instead of dividing (window rows and prefill head rounds: the divisions were most
-// of the prefill builder's instructions). The index builders begin with v4p_overlap_begin():
-// the CUDA backend launches them as programmatic dependents, so a graph of per-layer packs
-// overlaps each launch with the kernel before it. Stores of consecutive entries are coalesced
-// 4-byte stores across a warp, except the decode builder's HCA heads, the bulk of its bytes:
-// 16-byte stores of four entries each, 32 entries per thread (at batch 1,024 and the MTP
-// verify step 1.4-1.5x faster than 4-byte stores of 8 per thread); every row x width product
-// of a plane address is 64-bit.
+// per-token work is tiled over grid y or over lanes. The prefill builder writes 16-byte groups
+// of four entries, issues every load of a round before any store (a store may alias a later
+// load, so the compiler would otherwise wait for it) and works in 32-bit without per-entry
+// division; the decode builder's HCA heads, the bulk of its bytes, are 16-byte stores of four
+// entries, 32 entries per thread (at batch 1,024 and the MTP verify step 1.4-1.5x faster than
+// 4-byte stores of 8 per thread), 32-bit and division-free. Window loops carry quotients as
+// running counters instead of dividing (the divisions were most of the prefill builder's
+// instructions before). The index builders begin with v4p_overlap_begin(): the CUDA backend
+// launches them as programmatic dependents, so a graph of per-layer packs overlaps each launch
+// with the kernel before it. Other stores of consecutive entries are coalesced 4-byte stores
+// across a warp; every row x width product of a plane address is 64-bit.
 #include "v4pool_common.h"
 
 #define V4P_BLOCK V4POOL_BLOCK_THREADS
@@ -51,49 +50,6 @@ V4P_DEVICE void v4p_divmod(v4p_i64 n, v4p_i64 d, v4p_i64& quot, v4p_i64& rem) {
         quot = n / d;
         rem = n % d;
     }
-}
-
-#if defined(V4P_TARGET_NVCC)
-V4P_DEVICE v4p_u32 v4p_popc(v4p_u32 x) { return (v4p_u32)__popc(x); }
-#else
-V4P_DEVICE v4p_u32 v4p_popc(v4p_u32 x) { return (v4p_u32)__builtin_popcount(x); }
-#endif
-
-/// A 32-bit divisor for the per-entry loops: a shift and a mask when it is a power of two
-/// (rows per block and CSA rows per block are, in every V4 geometry), a division otherwise,
-/// and the quotient and remainder of a fixed `step` so that a loop advancing by `step`
-/// carries (quotient, remainder) as a running counter. The index kernels are issue-bound at
-/// 1M contexts (Nsight Compute: SM throughput 83%, DRAM 36%): the per-entry work is 32-bit
-/// and division-free. (A `quot` per entry was not: the compiler if-converts the shift/divide
-/// choice and issues the ~20-instruction division, predicated off, for every entry — SASS.)
-/// A compressed row is computed in 32-bit wrapping arithmetic, which has the bits of the
-/// 64-bit product cut to the i32 the buffer holds (the host reference rejects any row that
-/// does not fit).
-struct V4pDiv {
-    v4p_u32 d, shift, step_q, step_r;
-    bool pow2;
-    V4P_DEVICE v4p_u32 quot(v4p_u32 n) const { return pow2 ? n >> shift : n / d; }
-    V4P_DEVICE v4p_u32 rem(v4p_u32 n) const { return pow2 ? n & (d - 1) : n % d; }
-    /// (q, r) of n + step from (q, r) of n.
-    V4P_DEVICE void advance(v4p_u32& q, v4p_u32& r) const {
-        q += step_q;
-        r += step_r;
-        if (r >= d) {
-            r -= d;
-            ++q;
-        }
-    }
-};
-
-/// `d` clamped to [1, 2^32 - 1], advancing by `step`.
-V4P_DEVICE V4pDiv v4p_div_make(v4p_i64 d, v4p_u32 step) {
-    V4pDiv r;
-    r.d = d < 1 ? 1u : (d > 0xffffffffll ? 0xffffffffu : (v4p_u32)d);
-    r.pow2 = (r.d & (r.d - 1)) == 0;
-    r.shift = v4p_popc(r.d - 1);
-    r.step_q = step / r.d;
-    r.step_r = step - r.step_q * r.d;
-    return r;
 }
 
 /// An entry count as u32: negative counts are none (a slice shorter than its window).
@@ -126,22 +82,10 @@ V4P_DEVICE v4p_i64 v4p_ring_pos(WindowParams w, v4p_i64 pos) {
 /// wrapping 32-bit arithmetic: the buffer holds the i32 of the 64-bit row (the host reference
 /// rejects a row that does not fit), which is its low 32 bits. Rings past 2^31 positions (no
 /// V4 geometry) take the 64-bit division per entry.
-V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_i64 slot, v4p_i64 first, v4p_i64 n,
-                                 v4p_u32 lane, v4p_u32 lanes) {
-    if ((v4p_i64)lane >= n) return;
-    if ((v4p_u64)w.ring_slots > 0x7fffffffull || (v4p_u64)w.ring_stride > 0x7fffffffull) {
-        v4p_i64 q = v4p_ring_pos(w, first + (v4p_i64)lane);
-        const v4p_i64 step = (v4p_i64)lanes % w.ring_slots;
-        for (v4p_i64 i = lane; i < n; i += lanes) {
-            out[i] = (v4p_i32)v4p_window_row_q(w, slot, q);
-            q += step;
-            if (q >= w.ring_slots) q -= w.ring_slots;
-        }
-        return;
-    }
-    const v4p_u32 slots = (v4p_u32)w.ring_slots, stride = (v4p_u32)w.ring_stride, run = (v4p_u32)w.run_rows;
-    const v4p_u32 base = (v4p_u32)(slot * w.slot_rows + w.ring_start);
-    v4p_u32 q = (v4p_u32)v4p_ring_pos(w, first + (v4p_i64)lane);
+/// The 32-bit body of the window writers: out[i] for i = lane, lane + lanes, ... < n, from the
+/// ring position q of entry `lane` (q < slots) and the ring's 32-bit geometry.
+V4P_DEVICE void v4p_window_run32(v4p_i32* __restrict__ out, v4p_u32 base, v4p_u32 slots, v4p_u32 stride, v4p_u32 run,
+                                 v4p_u32 q, v4p_i64 n, v4p_u32 lane, v4p_u32 lanes) {
     v4p_u32 c = q / stride, r = q - c * stride;
     const v4p_u32 step = lanes % slots;
     const v4p_u32 sc = step / stride, sr = step - sc * stride;
@@ -162,57 +106,36 @@ V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_
     }
 }
 
-/// Entries of a compressed head (§4) one round of `lanes` threads handles: dst[e] =
-/// table[e / rpb] * envelope + e % rpb for e = e0 + u * lanes, u < 8. Split in a load half and
-/// a store half so that a caller can issue the first round's table loads before its other
-/// stores (and the loads of one round are all in flight at once). 32-bit throughout; one
-/// division per round, then (block, row) advance by `rpb`'s step (made with `lanes`).
-struct V4pHeadRound {
-    v4p_u32 e0, r0;
-    v4p_i32 blk[8];
-
-    /// Table loads for entries below `n` (columns clamped to `last_col`, so a speculative
-    /// count never reads past the row).
-    V4P_DEVICE void load(const v4p_i32* __restrict__ table, v4p_u32 first, v4p_u32 n, V4pDiv rpb, v4p_u32 last_col,
-                         v4p_u32 lanes) {
-        e0 = first;
-        v4p_u32 j = rpb.quot(first);
-        r0 = first - j * rpb.d;
-        v4p_u32 r = r0;
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-            const v4p_u32 e = first + (v4p_u32)u * lanes;
-            blk[u] = e < n ? table[j < last_col ? j : last_col] : 0;
-            rpb.advance(j, r);
+V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_i64 slot, v4p_i64 first, v4p_i64 n,
+                                 v4p_u32 lane, v4p_u32 lanes) {
+    if ((v4p_i64)lane >= n) return;
+    if ((v4p_u64)w.ring_slots > 0x7fffffffull || (v4p_u64)w.ring_stride > 0x7fffffffull) {
+        v4p_i64 q = v4p_ring_pos(w, first + (v4p_i64)lane);
+        const v4p_i64 step = (v4p_i64)lanes % w.ring_slots;
+        for (v4p_i64 i = lane; i < n; i += lanes) {
+            out[i] = (v4p_i32)v4p_window_row_q(w, slot, q);
+            q += step;
+            if (q >= w.ring_slots) q -= w.ring_slots;
         }
+        return;
     }
-
-    /// Stores for entries below `n` (<= the load count).
-    V4P_DEVICE void store(v4p_i32* __restrict__ dst, v4p_u32 n, V4pDiv rpb, v4p_u32 envelope, v4p_u32 lanes) const {
-        v4p_u32 j = 0, r = r0;
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-            const v4p_u32 e = e0 + (v4p_u32)u * lanes;
-            if (e < n) dst[e] = (v4p_i32)((v4p_u32)blk[u] * envelope + r);
-            rpb.advance(j, r);
-        }
-    }
-};
-
-/// Rounds after the first of a compressed head: entries [first, n) in rounds of 8 * lanes,
-/// `stride` entries between a thread's rounds.
-V4P_DEVICE void v4p_write_head_from(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table, v4p_u32 first,
-                                    v4p_u32 n, v4p_u32 stride, V4pDiv rpb, v4p_u32 last_col, v4p_u32 envelope,
-                                    v4p_u32 lanes) {
-    for (v4p_u64 e0 = first; e0 < n; e0 += stride) {
-        V4pHeadRound h;
-        h.load(table, (v4p_u32)e0, n, rpb, last_col, lanes);
-        h.store(dst, n, rpb, envelope, lanes);
-    }
+    v4p_window_run32(out, (v4p_u32)(slot * w.slot_rows + w.ring_start), (v4p_u32)w.ring_slots,
+                     (v4p_u32)w.ring_stride, (v4p_u32)w.run_rows, (v4p_u32)v4p_ring_pos(w, first + (v4p_i64)lane), n,
+                     lane, lanes);
 }
 
-/// The last column of a block-table row (0 for an empty row: loads are guarded by counts).
-V4P_DEVICE v4p_u32 v4p_last_col(v4p_i32 stride) { return stride > 0 ? (v4p_u32)(stride - 1) : 0u; }
+/// v4p_write_window for the prefill builder, without the 64-bit paths (their division
+/// subroutine set the kernel's register count): positions there are i32 and the first is
+/// >= 0 (low), check_launch holds ring_slots to [1, 2^31 - 1], and a ring_stride past
+/// 2^32 - 1 leaves every position in run 0, as its clamp to 2^32 - 1 does.
+V4P_DEVICE void v4p_write_window_prefill(v4p_i32* __restrict__ out, WindowParams w, v4p_i64 slot, v4p_u32 first,
+                                         v4p_i64 n, v4p_u32 lane, v4p_u32 lanes) {
+    if ((v4p_i64)lane >= n) return;
+    const v4p_u32 slots = (v4p_u32)w.ring_slots;
+    const v4p_u32 stride = w.ring_stride > 0xffffffffll ? 0xffffffffu : (v4p_u32)w.ring_stride;
+    v4p_window_run32(out, (v4p_u32)(slot * w.slot_rows + w.ring_start), slots, stride, (v4p_u32)w.run_rows,
+                     (first + lane) % slots, n, lane, lanes);
+}
 
 /// Compressed entries e = 0..count-1 of one sequence, tiled: dst[e] = table[e / rpb] * envelope
 /// + e % rpb. Tile `tile` of `ntiles` takes entries [tile * 8B, tile * 8B + 8B) (B = block
@@ -478,64 +401,175 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode
 }
 
 // ---- §6: prefill index builder -----------------------------------------------------------
-// grid (ceil(T / 4)), block 256: V4POOL_PREFILL_LANES (64) lanes per token, 4 tokens per block,
-// so twice as many tokens are resident as with a block per token and a 128K token's 1,024 HCA
-// entries are two rounds of eight per lane. Two load rounds before any store.
+// grid (ceil(T / (256 / lanes))), block 256: `lanes` threads per token, the rest of the block
+// other tokens; lanes = V4POOL_PREFILL_LANES (64), or V4POOL_PREFILL_SHORT_LANES (16) when
+// no HCA head can pass V4POOL_PREFILL_SHORT_HEAD entries (block_table_stride x rows per
+// block; launch_shape picks, the two kernels are one template). Short heads are latency- and
+// prologue-bound (16 lanes: four times the tokens resident, a quarter of the warps); long ones
+// want every lane's loads in flight (64 lanes: a 128K token's 1,024 entries are one round).
+// Fewer instructions per written entry than a 4-byte store each: the extend run and the HCA
+// compressed head (all of a 128K/1M token's bytes but the window) go out as 16-byte stores of
+// four entries, peeled to the slice's 16-byte alignment (a scalar head and tail of at most
+// three entries each); rows per block 2 and 1 (every V4 geometry) take a group of four from
+// two or three table loads without division (SASS: ~2.4 instructions per HCA entry, ~8 for
+// the scalar writer); the per-token arithmetic is 32-bit. Windows (written only by a chunk's
+// first win-1 tokens) use the running-counter writer. No barrier and no cross-lane exchange
+// (the host emulation runs threads one after another).
 
-// Five blocks per SM (48 registers instead of 64): more tokens resident.
-extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 5) void v4pool_prefill_indices(PrefillIndexArgs a) {
-    v4p_overlap_begin();  // before any global access (launched as a dependent)
-    const v4p_u32 lanes = V4POOL_PREFILL_LANES;
-    const v4p_u32 lane = v4p_tid_x() % lanes;
-    const v4p_i64 t = (v4p_i64)v4p_bid_x() * V4POOL_PREFILL_TOKENS_PER_BLOCK + v4p_tid_x() / lanes;
+/// Groups g = lane, lane + LANES, ... below `groups` of a 16-byte-aligned run v: `four(g)`
+/// gives group g's four entries. U groups per thread per round, every load of a round before
+/// its first store (the loads of a round in flight together), no per-group guard but in the
+/// last rounds.
+template <v4p_u32 LANES, int U, typename Four>
+V4P_DEVICE void v4p_groups(v4p_vec16* __restrict__ v, v4p_u32 groups, v4p_u32 lane, Four four) {
+#if defined(V4P_TARGET_EMU)
+    if (groups != 0 && ((v4p_u64)v & 15) != 0) __builtin_trap();  // a device would fault: so must the tests
+#endif
+    v4p_u32 g = lane;
+    for (; g + (U - 1) * LANES < groups; g += U * LANES) {
+        v4p_vec16 x[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) x[u] = four(g + (v4p_u32)u * LANES);
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[g + (v4p_u32)u * LANES] = x[u];
+    }
+    for (; g < groups; g += LANES) v[g] = four(g);
+}
+
+/// The split of a run dst[0..n) at 16-byte boundaries: `head` scalar entries up to the first
+/// boundary, `groups` groups of four, the rest scalar from `tail`.
+struct V4pRun16 {
+    v4p_u32 head, groups, tail;
+    V4P_DEVICE V4pRun16(const v4p_i32* dst, v4p_u32 n) {
+        head = (4u - (v4p_u32)(((v4p_u64)dst >> 2) & 3u)) & 3u;
+        if (head > n) head = n;
+        groups = (n - head) >> 2;
+        tail = head + 4 * groups;
+    }
+};
+
+/// The compressed head dst[j] = table[j / rpb] * envelope + j % rpb, j < n (§4), in 16-byte
+/// stores. Rows per block 2 (block 256, every V4 geometry) and 1 are compile-time: a group's
+/// first entry has the parity of the run's scalar head for every group (4 is even), so a group
+/// is two table loads (even) or three (odd) at consecutive columns and no division; any other
+/// `rpb` takes a running (block, row) pair per entry.
+template <v4p_u32 LANES>
+V4P_DEVICE void v4p_head_by16(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table, v4p_u32 n, v4p_u32 rpb,
+                              v4p_u32 env, v4p_u32 lane) {
+    const V4pRun16 s(dst, n);
+    v4p_vec16* v = (v4p_vec16*)(dst + s.head);
+    const v4p_u32 d = rpb, k = s.tail + lane;
+    // The scalar entries (each thread at most one of the head and one of the tail), with the
+    // division of the branch's rows per block.
+    auto ends = [&](v4p_u32 dd) {
+        if (lane < s.head) dst[lane] = (v4p_i32)((v4p_u32)table[lane / dd] * env + lane % dd);
+        if (k < n) dst[k] = (v4p_i32)((v4p_u32)table[k / dd] * env + k % dd);
+    };
+    if (d == 2) {
+        ends(2);
+        const v4p_i32* tq = table + (s.head >> 1);  // group g starts at column 2g of tq
+        if (s.head & 1) {
+            v4p_groups<LANES, 4>(v, s.groups, lane, [&](v4p_u32 g) {
+                const v4p_i32* c = tq + 2 * g;
+                const v4p_u32 b0 = (v4p_u32)c[0] * env, b1 = (v4p_u32)c[1] * env, b2 = (v4p_u32)c[2] * env;
+                return v4p_vec16{b0 + 1, b1, b1 + 1, b2};
+            });
+        } else {
+            v4p_groups<LANES, 4>(v, s.groups, lane, [&](v4p_u32 g) {
+                const v4p_i32* c = tq + 2 * g;
+                const v4p_u32 b0 = (v4p_u32)c[0] * env, b1 = (v4p_u32)c[1] * env;
+                return v4p_vec16{b0, b0 + 1, b1, b1 + 1};
+            });
+        }
+    } else if (d == 1) {
+        ends(1);
+        const v4p_i32* tq = table + s.head;
+        v4p_groups<LANES, 2>(v, s.groups, lane, [&](v4p_u32 g) {
+            const v4p_i32* c = tq + 4 * g;
+            return v4p_vec16{(v4p_u32)c[0] * env, (v4p_u32)c[1] * env, (v4p_u32)c[2] * env, (v4p_u32)c[3] * env};
+        });
+    } else {
+        ends(d);
+        v4p_groups<LANES, 2>(v, s.groups, lane, [&](v4p_u32 g) {
+            const v4p_u32 j = s.head + 4 * g;
+            v4p_u32 q = j / d, r = j - q * d, e[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                e[i] = (v4p_u32)table[q] * env + r;
+                if (++r == d) {
+                    r = 0;
+                    ++q;
+                }
+            }
+            return v4p_vec16{e[0], e[1], e[2], e[3]};
+        });
+    }
+}
+
+template <v4p_u32 LANES>
+V4P_DEVICE void v4p_prefill_by16(const PrefillIndexArgs& a) {
+    const v4p_u32 lane = v4p_tid_x() % LANES;
+    const v4p_i64 t = (v4p_i64)v4p_bid_x() * (V4POOL_BLOCK_THREADS / LANES) + v4p_tid_x() / LANES;
     if (t >= a.num_tokens) return;
-    // Round 1: everything that needs only t.
+    // Everything that needs only t, then the sequence's values.
     const v4p_i32 b = v4p_in<v4p_i32>(a.bid_per_token)[t];
-    const v4p_i64 p = v4p_in<v4p_i32>(a.positions)[t];
+    const v4p_i32 p32 = v4p_in<v4p_i32>(a.positions)[t];
     const v4p_i64 ext_at = v4p_in<v4p_i32>(a.extend_indptr)[t];
     const v4p_i64 swa_at = a.swa_indptr != 0 ? (v4p_i64)v4p_in<v4p_i32>(a.swa_indptr)[t] : 0;
     const v4p_i64 csa_end = v4p_in<v4p_i32>(a.csa_indptr)[t + 1];
     const v4p_i64 hca_at = v4p_in<v4p_i32>(a.hca_indptr)[t];
     if (b < 0) return;  // prefill has no pads; a negative id would be a wild read
-    // Round 2: the sequence's values and the first round of table entries, speculatively for
-    // every entry the position allows ((p+1) / ratio; n_committed cuts it below).
     const v4p_i64 cs = v4p_in<v4p_i32>(a.chunk_start_per_seq)[b];
     const v4p_i64 cu = v4p_in<v4p_i32>(a.cu_seqlens_q_per_seq)[b];
     const v4p_i64 committed = v4p_in<v4p_i32>(a.n_committed_hca_per_seq)[b];
     const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
-    v4p_i64 by_pos, unused;
-    if (p + 1 >= 0)
-        v4p_divmod(p + 1, a.hca_ratio, by_pos, unused);
-    else
-        by_pos = (p + 1) / a.hca_ratio;  // C division, as the host reference
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-    const V4pDiv rpb = v4p_div_make(a.hca_rows_per_block, lanes);
-    const v4p_u32 last_col = v4p_last_col(a.block_table_stride);
-    V4pHeadRound h;
-    h.load(table, lane, v4p_count32(by_pos), rpb, last_col, lanes);
-
+    const v4p_i64 p = p32;
+    // (p+1) / hca_ratio (check_launch: ratio >= 1): unsigned for every valid input (p >= 0), C
+    // division otherwise, as the host reference; 32-bit either way (p is an i32).
+    const v4p_i64 by_pos = p32 >= -1 ? (v4p_i64)((v4p_u32)(p32 + 1) / (v4p_u32)a.hca_ratio)
+                                     : (v4p_i64)((p32 + 1) / a.hca_ratio);
     const v4p_i64 win = a.win;
     const v4p_i64 in_chunk = p - cs;
     const v4p_i64 low = v4p_max(p - win + 1, 0);
-    const v4p_i64 ext = v4p_min(in_chunk + 1, win);
+    const v4p_u32 ext = v4p_count32(v4p_min(in_chunk + 1, win));
     const v4p_i64 pre = v4p_max(cs - low, 0);
-    const v4p_i64 n_hca = v4p_min(by_pos, committed);
+    const v4p_u32 nh = v4p_count32(v4p_min(by_pos, committed));
     // extend: the ext most recent in-chunk tokens' rows in this forward's K, oldest first.
     {
-        v4p_i32* out = v4p_out<v4p_i32>(a.extend_indices) + ext_at;
-        const v4p_i64 first = cu + in_chunk - ext + 1;
-        for (v4p_i64 k = lane; k < ext; k += lanes) out[k] = (v4p_i32)(first + k);
+        v4p_i32* dst = v4p_out<v4p_i32>(a.extend_indices) + ext_at;
+        const v4p_u32 first = (v4p_u32)(cu + in_chunk - (v4p_i64)ext + 1);
+        const V4pRun16 s(dst, ext);
+        if (lane < s.head) dst[lane] = (v4p_i32)(first + lane);
+        if (s.tail + lane < ext) dst[s.tail + lane] = (v4p_i32)(first + s.tail + lane);
+        const v4p_u32 f = first + s.head;
+        v4p_groups<LANES, 1>((v4p_vec16*)(dst + s.head), s.groups, lane, [&](v4p_u32 g) {
+            const v4p_u32 e = f + 4 * g;
+            return v4p_vec16{e, e + 1, e + 2, e + 3};
+        });
     }
-    if (a.swa_indptr != 0)  // dense: the whole slice is window rows
-        v4p_write_window(v4p_out<v4p_i32>(a.swa_indices) + swa_at, a.dense, slot, low, pre, lane, lanes);
-    // CSA: window at the tail, the top-k head is left for the translate-pack.
-    v4p_write_window(v4p_out<v4p_i32>(a.csa_indices) + (csa_end - pre), a.csa, slot, low, pre, lane, lanes);
-    // HCA: [window | compressed entries].
     v4p_i32* out = v4p_out<v4p_i32>(a.hca_indices) + hca_at;
-    v4p_write_window(out, a.hca, slot, low, pre, lane, lanes);
-    const v4p_u32 envelope = (v4p_u32)a.envelope_rows, nh = v4p_count32(n_hca);
-    h.store(out + pre, nh, rpb, envelope, lanes);
-    v4p_write_head_from(out + pre, table, lane + 8 * lanes, nh, 8 * lanes, rpb, last_col, envelope, lanes);
+    if (pre > 0) {
+        const v4p_u32 first = (v4p_u32)low;
+        if (a.swa_indptr != 0)  // dense: the whole slice is window rows
+            v4p_write_window_prefill(v4p_out<v4p_i32>(a.swa_indices) + swa_at, a.dense, slot, first, pre, lane, LANES);
+        // CSA: window at the tail, the top-k head is left for the translate-pack.
+        v4p_write_window_prefill(v4p_out<v4p_i32>(a.csa_indices) + (csa_end - pre), a.csa, slot, first, pre, lane,
+                                 LANES);
+        // HCA: [window | compressed entries].
+        v4p_write_window_prefill(out, a.hca, slot, first, pre, lane, LANES);
+    }
+    if (nh == 0) return;
+    v4p_head_by16<LANES>(out + pre, table, nh, (v4p_u32)a.hca_rows_per_block, (v4p_u32)a.envelope_rows, lane);
+}
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefill_indices(PrefillIndexArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
+    v4p_prefill_by16<V4POOL_PREFILL_LANES>(a);
+}
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefill_indices_short(PrefillIndexArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
+    v4p_prefill_by16<V4POOL_PREFILL_SHORT_LANES>(a);
 }
 
 // ---- §4: HCA compressed offsets as a standalone gather -----------------------------------

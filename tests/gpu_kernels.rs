@@ -8,6 +8,7 @@ mod common;
 use common::batches::{DecodeBatch, PrefillBatch};
 use common::{case_seed, check_case, device_or_skip, geometry_at, models, Case, Rng, WIN};
 use v4pool::backend::Backend;
+use v4pool::index::shape::prefill_short;
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
     Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_DENSE,
@@ -147,6 +148,13 @@ fn decode_index_builder_with_zero_tokens_stores_nothing() {
 
 // ---- prefill builder (§6) ---------------------------------------------------------------
 
+fn prefill_args(l: &Launch) -> Option<PrefillIndexArgs> {
+    match l {
+        Launch::Prefill(a) => Some(*a),
+        _ => None,
+    }
+}
+
 #[test]
 fn prefill_index_builder_matches_host() {
     let Some(cuda) = device_or_skip("prefill_index_builder_matches_host") else {
@@ -154,13 +162,14 @@ fn prefill_index_builder_matches_host() {
     };
     let cuda = &*cuda;
     for (model, ratios) in models() {
-        for i in 0..3u64 {
+        for i in 0..4u64 {
             let seed = case_seed(&format!("prefill-{model}"), i);
             let mut rng = Rng::new(seed);
             let g = common::big_geometry(&mut rng, &ratios);
             let topk = if i % 2 == 0 { 512 } else { 1024 };
-            let max_seqs = [1, 16, 64][i as usize];
-            let b = PrefillBatch::generate(&mut rng, &g, max_seqs, 8192, 8_000_000, topk, 1_000_000);
+            let max_seqs = [1, 16, 64, 16][i as usize];
+            let max_pos = if i == 3 { 16_000 } else { 1_000_000 };
+            let b = PrefillBatch::generate(&mut rng, &g, max_seqs, 8192, 8_000_000, topk, max_pos);
             let with_dense = i != 1;
             let t = b.num_tokens();
             let mut case = Case::new(
@@ -223,8 +232,17 @@ fn prefill_index_builder_matches_host() {
                     _pad: 0,
                 })]
             };
+            let short =
+                prefill_short(&make(&[0; 64]).iter().find_map(prefill_args).expect("a prefill launch"));
+            // Case 3's contexts (< 25K) are short enough for the short form (the others mostly not).
+            assert!(short || i != 3, "case 3 must run the short form");
             check_case(cuda, &case, &make);
-            println!("ok {} ({} MB)", case.name, case.total_bytes() >> 20);
+            println!(
+                "ok {} ({} form, {} MB)",
+                case.name,
+                if short { "short" } else { "long" },
+                case.total_bytes() >> 20
+            );
         }
     }
 }

@@ -8,7 +8,7 @@
 use std::ffi::{c_char, c_void, CString};
 use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, WindowParams};
 use v4pool::index::host::run_launch;
-use v4pool::index::shape::launch_shape;
+use v4pool::index::shape::{launch_shape, prefill_short};
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
     Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs,
@@ -328,6 +328,7 @@ fn decode_builder_long_hca_heads_every_alignment() {
 fn prefill_builder_kernel_matches_reference() {
     let Some(emu) = emu() else { return };
     let mut rng = Rng(0x1234_5678_9abc_def1);
+    let mut shorts = 0usize;
     for case in 0..60 {
         // Every third case with a ring longer than the 64 lanes a token has.
         let g = if case % 3 == 2 {
@@ -365,8 +366,11 @@ fn prefill_builder_kernel_matches_reference() {
         let t = positions.len();
         let stride =
             committed.iter().map(|&n| (i64::from(n) + rpb - 1) / rpb).max().unwrap().max(1) + rng.range(0, 2);
+        // Room for rows of stride + PAD: every case runs at its own stride (the short form
+        // where stride * rpb allows) and padded past the short form's bound (the long form).
+        const PAD: i64 = 300;
         let tables: Vec<i32> =
-            (0..bs * stride as usize).map(|_| rng.range(0, g.num_blocks - 1) as i32).collect();
+            (0..bs * (stride + PAD) as usize).map(|_| rng.range(0, g.num_blocks - 1) as i32).collect();
         let (mut ext_l, mut pre_l, mut csa_l, mut hca_l) = (vec![], vec![], vec![], vec![]);
         for i in 0..t {
             let (b, p) = (bids[i] as usize, i64::from(positions[i]));
@@ -388,36 +392,45 @@ fn prefill_builder_kernel_matches_reference() {
             csa.ring_stride = 2 * rng.range(1, 20) + 1;
             csa.run_rows = csa.ring_stride + rng.range(0, 4);
         }
-        compare(&emu, &format!("prefill case {case}"), &outputs, |outs| {
-            Launch::Prefill(PrefillIndexArgs {
-                dense: dense.unwrap_or_default(),
-                csa,
-                hca: g.window_params(128).unwrap(),
-                positions: addr(&positions),
-                bid_per_token: addr(&bids),
-                chunk_start_per_seq: addr(&chunk_start),
-                cu_seqlens_q_per_seq: addr(&cu_q),
-                state_slot_per_seq: addr(&slots),
-                n_committed_hca_per_seq: addr(&committed),
-                block_tables: addr(&tables),
-                extend_indptr: addr(&ptrs[0]),
-                extend_indices: outs[0].as_mut_ptr() as u64,
-                swa_indptr: if dense.is_some() { addr(&ptrs[1]) } else { 0 },
-                swa_indices: if dense.is_some() { outs[1].as_mut_ptr() as u64 } else { 0 },
-                csa_indptr: addr(&ptrs[2]),
-                csa_indices: outs[2].as_mut_ptr() as u64,
-                hca_indptr: addr(&ptrs[3]),
-                hca_indices: outs[3].as_mut_ptr() as u64,
-                envelope_rows: g.envelope_rows,
-                block_table_stride: stride as i32,
-                num_tokens: t as i32,
-                win: win as i32,
-                hca_ratio: hca_ratio as i32,
-                hca_rows_per_block: rpb as i32,
-                _pad: 0,
-            })
-        });
+        // Every variant of the builder (issue 13 A/B; the only Prefill launches of this binary).
+        for stride in [stride, stride + PAD] {
+            let make = |outs: &mut [Vec<i32>]| {
+                Launch::Prefill(PrefillIndexArgs {
+                    dense: dense.unwrap_or_default(),
+                    csa,
+                    hca: g.window_params(128).unwrap(),
+                    positions: addr(&positions),
+                    bid_per_token: addr(&bids),
+                    chunk_start_per_seq: addr(&chunk_start),
+                    cu_seqlens_q_per_seq: addr(&cu_q),
+                    state_slot_per_seq: addr(&slots),
+                    n_committed_hca_per_seq: addr(&committed),
+                    block_tables: addr(&tables),
+                    extend_indptr: addr(&ptrs[0]),
+                    extend_indices: outs[0].as_mut_ptr() as u64,
+                    swa_indptr: if dense.is_some() { addr(&ptrs[1]) } else { 0 },
+                    swa_indices: if dense.is_some() { outs[1].as_mut_ptr() as u64 } else { 0 },
+                    csa_indptr: addr(&ptrs[2]),
+                    csa_indices: outs[2].as_mut_ptr() as u64,
+                    hca_indptr: addr(&ptrs[3]),
+                    hca_indices: outs[3].as_mut_ptr() as u64,
+                    envelope_rows: g.envelope_rows,
+                    block_table_stride: stride as i32,
+                    num_tokens: t as i32,
+                    win: win as i32,
+                    hca_ratio: hca_ratio as i32,
+                    hca_rows_per_block: rpb as i32,
+                    _pad: 0,
+                })
+            };
+            let Launch::Prefill(args) = make(&mut outputs.clone()) else { unreachable!() };
+            let form = if prefill_short(&args) { "short" } else { "long" };
+            shorts += usize::from(prefill_short(&args));
+            compare(&emu, &format!("prefill case {case} stride {stride} ({form} form)"), &outputs, make);
+        }
     }
+    // Both forms ran, each on many cases.
+    assert!(shorts >= 10, "only {shorts} short-form runs");
 }
 
 #[test]

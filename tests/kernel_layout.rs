@@ -9,7 +9,8 @@ use std::mem::{align_of, offset_of, size_of};
 use v4pool::geometry::WindowParams;
 use v4pool::index::shape::{
     BLOCK_THREADS, CSA_TILE, DECODE_HCA_TILE, GATHER_LANES, GATHER_ROWS_PER_BLOCK, MAX_GRID_YZ,
-    PREFILL_LANES, PREFILL_TOKENS_PER_BLOCK, ROWS_PER_BLOCK, ROW_LANES, RUN_SPLIT, STATE_CHUNK,
+    PREFILL_LANES, PREFILL_SHORT_HEAD, PREFILL_SHORT_LANES, PREFILL_TOKENS_PER_BLOCK, ROWS_PER_BLOCK,
+    ROW_LANES, RUN_SPLIT, STATE_CHUNK,
 };
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
@@ -138,6 +139,8 @@ fn header_constants_match_the_launch_shapes() {
     assert_eq!(header_define("V4POOL_DECODE_HCA_TILE"), i64::from(DECODE_HCA_TILE));
     assert_eq!(header_define("V4POOL_PREFILL_LANES"), i64::from(PREFILL_LANES));
     assert_eq!(header_define("V4POOL_PREFILL_TOKENS_PER_BLOCK"), i64::from(PREFILL_TOKENS_PER_BLOCK));
+    assert_eq!(header_define("V4POOL_PREFILL_SHORT_LANES"), i64::from(PREFILL_SHORT_LANES));
+    assert_eq!(header_define("V4POOL_PREFILL_SHORT_HEAD") as u64, PREFILL_SHORT_HEAD);
     assert_eq!(header_define("V4POOL_CSA_TILE"), i64::from(CSA_TILE));
     assert_eq!(header_define("V4POOL_MAX_GRID_YZ"), i64::from(MAX_GRID_YZ));
     assert_eq!(header_define("V4POOL_STATE_CHUNK"), i64::from(STATE_CHUNK));

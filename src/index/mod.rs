@@ -387,7 +387,8 @@ pub struct CopyRunsArgs {
 pub enum Launch {
     /// `v4pool_decode_indices`
     Decode(DecodeIndexArgs),
-    /// `v4pool_prefill_indices`
+    /// `v4pool_prefill_indices`, or `v4pool_prefill_indices_short` for short HCA heads
+    /// ([`shape::prefill_short`]).
     Prefill(PrefillIndexArgs),
     /// `v4pool_hca_offsets`
     HcaOffsets(HcaOffsetsArgs),
@@ -416,6 +417,7 @@ impl Launch {
     pub fn symbol(&self) -> &'static str {
         match self {
             Launch::Decode(_) => "v4pool_decode_indices",
+            Launch::Prefill(a) if shape::prefill_short(a) => "v4pool_prefill_indices_short",
             Launch::Prefill(_) => "v4pool_prefill_indices",
             Launch::HcaOffsets(_) => "v4pool_hca_offsets",
             Launch::CsaPack(_) => "v4pool_csa_translate_pack",
@@ -431,9 +433,10 @@ impl Launch {
     }
 
     /// Every kernel symbol, for module loading and the code-object symbol test.
-    pub const SYMBOLS: [&'static str; 12] = [
+    pub const SYMBOLS: [&'static str; 13] = [
         "v4pool_decode_indices",
         "v4pool_prefill_indices",
+        "v4pool_prefill_indices_short",
         "v4pool_hca_offsets",
         "v4pool_csa_translate_pack",
         "v4pool_ring_write",

@@ -38,6 +38,30 @@ pub const DECODE_HCA_TILE: u32 = 32 * BLOCK_THREADS;
 pub const PREFILL_LANES: u32 = 64;
 /// Tokens one prefill-builder block holds (`V4POOL_PREFILL_TOKENS_PER_BLOCK`).
 pub const PREFILL_TOKENS_PER_BLOCK: u32 = BLOCK_THREADS / PREFILL_LANES;
+
+/// Lanes per token of the prefill builder's short form (`V4POOL_PREFILL_SHORT_LANES`).
+pub const PREFILL_SHORT_LANES: u32 = 16;
+/// The longest HCA head the short form is launched for (`V4POOL_PREFILL_SHORT_HEAD`).
+pub const PREFILL_SHORT_HEAD: u64 = 256;
+
+/// Whether a prefill launch runs the short form (`v4pool_prefill_indices_short`, 16 lanes per
+/// token): no token's HCA head can pass [`PREFILL_SHORT_HEAD`] entries, the most one
+/// block-table row describes (`block_table_stride * hca_rows_per_block`). Only the
+/// arguments' scalars decide (a graph replays the shape with new contents). Short heads are
+/// bound by per-token latency and prologue, which fewer lanes per token spread over more
+/// resident tokens; long heads want 64 lanes' loads in flight (H200, BENCHMARKS.md).
+pub fn prefill_short(a: &PrefillIndexArgs) -> bool {
+    count(a.block_table_stride) * count(a.hca_rows_per_block) <= PREFILL_SHORT_HEAD
+}
+
+/// Lanes per token of a prefill launch: [`PREFILL_SHORT_LANES`] or [`PREFILL_LANES`].
+pub fn prefill_lanes(a: &PrefillIndexArgs) -> u32 {
+    if prefill_short(a) {
+        PREFILL_SHORT_LANES
+    } else {
+        PREFILL_LANES
+    }
+}
 /// Top-k columns one CSA translate-pack block covers, grid y (`V4POOL_CSA_TILE`).
 pub const CSA_TILE: u32 = 2 * BLOCK_THREADS;
 /// Elements one lane of the state update moves per chunk (`V4POOL_STATE_CHUNK`).
@@ -126,9 +150,9 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
             grid: [grid_dim(count(a.num_tokens)), grid_dim(decode_hca_tiles(a)), 1],
             block: [b, 1, 1],
         },
-        // PREFILL_LANES lanes per token, PREFILL_TOKENS_PER_BLOCK tokens per block.
+        // prefill_lanes(a) lanes per token, the rest of the block other tokens.
         Launch::Prefill(a) => {
-            LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(PREFILL_TOKENS_PER_BLOCK)), b)
+            LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(BLOCK_THREADS / prefill_lanes(a))), b)
         }
         // One thread per entry.
         Launch::HcaOffsets(a) => LaunchShape::linear(ceil_div(count(a.num_entries), u64::from(b)), b),
@@ -701,9 +725,19 @@ mod tests {
         }
         let csa = CsaPackArgs { num_tokens: 0, topk_row_stride: 0, ..Default::default() };
         assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [1, 1, 1]);
-        // Prefill: four tokens per block.
-        let pre = PrefillIndexArgs { num_tokens: 9, ..Default::default() };
+        // Prefill: four tokens per block, sixteen (the short form) while stride * rpb <= 256.
+        let mut pre = PrefillIndexArgs {
+            num_tokens: 9,
+            block_table_stride: 129,
+            hca_rows_per_block: 2,
+            ..Default::default()
+        };
         assert_eq!(launch_shape(&Launch::Prefill(pre)).grid, [3, 1, 1]);
+        assert_eq!(Launch::Prefill(pre).symbol(), "v4pool_prefill_indices");
+        pre.block_table_stride = 128;
+        pre.num_tokens = 33;
+        assert_eq!(launch_shape(&Launch::Prefill(pre)).grid, [3, 1, 1]);
+        assert_eq!(Launch::Prefill(pre).symbol(), "v4pool_prefill_indices_short");
         let ring = RingWriteArgs { num_seqs: 3, write_per_batch: 128, ..Default::default() };
         assert_eq!(launch_shape(&Launch::RingWrite(ring)).grid, [3, 16, 1]);
         let ring = RingWriteArgs { num_seqs: 3, write_per_batch: 9, ..Default::default() };

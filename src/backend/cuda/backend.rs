@@ -299,8 +299,13 @@ impl CudaBackend {
 /// those whose first statement is `v4p_overlap_begin();` (they wait for the kernel before them
 /// before any global access; a unit test checks the embedded source). Any other kernel, the
 /// ones other modules add included, keeps plain stream order.
-pub(super) const OVERLAPPED_KERNELS: [&str; 4] =
-    ["v4pool_decode_indices", "v4pool_prefill_indices", "v4pool_hca_offsets", "v4pool_csa_translate_pack"];
+pub(super) const OVERLAPPED_KERNELS: [&str; 5] = [
+    "v4pool_decode_indices",
+    "v4pool_prefill_indices",
+    "v4pool_prefill_indices_short",
+    "v4pool_hca_offsets",
+    "v4pool_csa_translate_pack",
+];
 
 pub(super) fn bind(device: &Device) -> Result<(), BackendError> {
     // SAFETY: the primary context is retained for the process.
