@@ -437,7 +437,10 @@ impl DecodeRig {
         let cap = self.bufs.capacity();
         let layer_bytes = 4 * (cap.max_tokens * cap.index_topk as usize * layer) as u64;
         let ptr = self.topk[set].ptr + layer_bytes;
-        Launch::CsaPack(self.bufs.csa_pack_args(ptr, cap.index_topk).expect("stride = index_topk"))
+        let mut args = self.bufs.csa_pack_args(ptr, cap.index_topk).expect("stride = index_topk");
+        // A/B of the decode-mode pack forms (temporary): `_pad = 1` selects the previous form.
+        args._pad = i32::from(pack_variant_old());
+        Launch::CsaPack(args)
     }
 
     /// A forward's packs: one launch per CSA layer.
@@ -619,6 +622,26 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
         rig.release();
     }
     Ok(res)
+}
+
+/// The CSA translate-pack's decode form under measurement (temporary, for one A/B device call):
+/// true = the previous form (every load after the wait, table entries gathered), false = the
+/// table row staged before the wait. Set by `run` from `V4POOL_PACK_VARIANT`.
+static PACK_OLD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn pack_variant_old() -> bool {
+    PACK_OLD.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// `V4POOL_PACK_VARIANT`: `new` (or unset), `old`, or `ab` (the decode and CSA groups for new,
+/// old, new, old in one process, nothing else).
+fn pack_variants() -> Res<Vec<bool>> {
+    match std::env::var("V4POOL_PACK_VARIANT").as_deref() {
+        Ok("new") | Err(_) => Ok(vec![false]),
+        Ok("old") => Ok(vec![true]),
+        Ok("ab") => Ok(vec![false, true, false, true]),
+        Ok(v) => Err(format!("V4POOL_PACK_VARIANT={v}: expected new, old or ab").into()),
+    }
 }
 
 /// A machine-readable line `scripts/peer-table.py` joins with the peer's JSON.
@@ -1114,6 +1137,18 @@ fn run() -> Res<()> {
             tbs(&k)
         );
     }
+    let variants = pack_variants()?;
+    if variants.len() > 1 {
+        for old in variants {
+            PACK_OLD.store(old, std::sync::atomic::Ordering::Relaxed);
+            println!("\n#### CSA translate-pack variant: {}", if old { "old" } else { "new" });
+            decode_group(&gpu, &floors, &g)?;
+            csa_group(&gpu, &floors, &g)?;
+        }
+        return Ok(());
+    }
+    PACK_OLD.store(variants[0], std::sync::atomic::Ordering::Relaxed);
+    println!("CSA translate-pack variant: {}", if variants[0] { "old" } else { "new" });
     let dec = decode_group(&gpu, &floors, &g)?;
     csa_group(&gpu, &floors, &g)?;
     let pre = prefill_group(&gpu, &floors, &g)?;

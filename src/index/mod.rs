@@ -163,6 +163,18 @@ pub struct HcaOffsetsArgs {
 
 /// CSA translate-and-pack (§5) for one CSA layer: one launch per layer, as a forward pass runs
 /// it (layer L's top-k exists only after layer L's indexer ran), into the one CSA buffer.
+///
+/// **Input readiness.** Only `topk` may be the output of the kernel just before the pack in
+/// the stream. Every other input (`block_tables`, `positions`, `indptr`,
+/// `batch_id_per_token`, `skip_prefix_len_per_token`) must be complete before the kernel
+/// preceding the pack in the stream *starts*: the CUDA backend launches packs as programmatic
+/// dependents (`CudaBackend::overlapped_launches`), and in decode mode the kernel reads those
+/// inputs — the block-table row into shared memory included — before it waits for its
+/// predecessor, while a chain of such launches may still be running ahead of it. v4pool's own
+/// paths satisfy this by construction (the host uploads them when a batch is staged, before
+/// the builder; no kernel writes them). A launch whose metadata is written by the kernel
+/// right before the pack must be made without overlap (`set_overlapped_launches(false)`) or
+/// with a non-overlapped kernel between the writer and the pack.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct CsaPackArgs {
