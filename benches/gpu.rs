@@ -439,7 +439,7 @@ impl DecodeRig {
         let ptr = self.topk[set].ptr + layer_bytes;
         let mut args = self.bufs.csa_pack_args(ptr, cap.index_topk).expect("stride = index_topk");
         // A/B of the decode-mode pack forms (temporary): `_pad = 1` selects the previous form.
-        args._pad = i32::from(pack_variant_old());
+        args._pad = pack_variant();
         Launch::CsaPack(args)
     }
 
@@ -624,23 +624,29 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
     Ok(res)
 }
 
-/// The CSA translate-pack's decode form under measurement (temporary, for one A/B device call):
-/// true = the previous form (every load after the wait, table entries gathered), false = the
-/// table row staged before the wait. Set by `run` from `V4POOL_PACK_VARIANT`.
-static PACK_OLD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// The CSA translate-pack's decode form under measurement (temporary, for one A/B device call),
+/// passed in the argument's `_pad`: 0 `new` (table row staged in shared memory and top-k
+/// prefetched to L2, both before the wait), 2 `staged` (the row alone), 1 `old` (every load
+/// after the wait, table entries gathered). Set by `run` from `V4POOL_PACK_VARIANT`.
+static PACK_VARIANT: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
-fn pack_variant_old() -> bool {
-    PACK_OLD.load(std::sync::atomic::Ordering::Relaxed)
+fn pack_variant() -> i32 {
+    PACK_VARIANT.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// `V4POOL_PACK_VARIANT`: `new` (or unset), `old`, or `ab` (the decode and CSA groups for new,
-/// old, new, old in one process, nothing else).
-fn pack_variants() -> Res<Vec<bool>> {
+fn pack_variant_name(v: i32) -> &'static str {
+    ["new", "old", "staged"][v as usize]
+}
+
+/// `V4POOL_PACK_VARIANT`: `new` (or unset), `old`, `staged`, or `ab` (new, old, staged, twice
+/// over, in one process: the decode group in the first round, the CSA group in both).
+fn pack_variants() -> Res<Vec<i32>> {
     match std::env::var("V4POOL_PACK_VARIANT").as_deref() {
-        Ok("new") | Err(_) => Ok(vec![false]),
-        Ok("old") => Ok(vec![true]),
-        Ok("ab") => Ok(vec![false, true, false, true]),
-        Ok(v) => Err(format!("V4POOL_PACK_VARIANT={v}: expected new, old or ab").into()),
+        Ok("new") | Err(_) => Ok(vec![0]),
+        Ok("old") => Ok(vec![1]),
+        Ok("staged") => Ok(vec![2]),
+        Ok("ab") => Ok(vec![0, 1, 2, 0, 1, 2]),
+        Ok(v) => Err(format!("V4POOL_PACK_VARIANT={v}: expected new, old, staged or ab").into()),
     }
 }
 
@@ -1139,16 +1145,18 @@ fn run() -> Res<()> {
     }
     let variants = pack_variants()?;
     if variants.len() > 1 {
-        for old in variants {
-            PACK_OLD.store(old, std::sync::atomic::Ordering::Relaxed);
-            println!("\n#### CSA translate-pack variant: {}", if old { "old" } else { "new" });
-            decode_group(&gpu, &floors, &g)?;
+        for (round, &v) in variants.iter().enumerate() {
+            PACK_VARIANT.store(v, std::sync::atomic::Ordering::Relaxed);
+            println!("\n#### CSA translate-pack variant: {} (pass {})", pack_variant_name(v), round + 1);
+            if round < 3 {
+                decode_group(&gpu, &floors, &g)?;
+            }
             csa_group(&gpu, &floors, &g)?;
         }
         return Ok(());
     }
-    PACK_OLD.store(variants[0], std::sync::atomic::Ordering::Relaxed);
-    println!("CSA translate-pack variant: {}", if variants[0] { "old" } else { "new" });
+    PACK_VARIANT.store(variants[0], std::sync::atomic::Ordering::Relaxed);
+    println!("CSA translate-pack variant: {}", pack_variant_name(variants[0]));
     let dec = decode_group(&gpu, &floors, &g)?;
     csa_group(&gpu, &floors, &g)?;
     let pre = prefill_group(&gpu, &floors, &g)?;

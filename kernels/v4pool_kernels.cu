@@ -451,6 +451,14 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_hca_of
 #define V4P_CSA_STAGE_LANES ((v4p_u32)V4P_BLOCK)
 #endif
 
+/// Prefetch the 128-byte line holding `p` into L2 (sm_90 CUDA; nothing elsewhere). A hint:
+/// it moves no value into the thread, so it is no read in the memory model's sense.
+#if (defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)) && defined(__CUDA_ARCH__)
+V4P_DEVICE void v4p_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+#else
+V4P_DEVICE void v4p_prefetch_l2(const void*) {}
+#endif
+
 /// One pack entry: top-k value `v` -> pool row. Table columns below `staged_cols` come from
 /// the shared-memory copy `staged`, the rest (clamped, as the contract says) from `table`.
 V4P_DEVICE v4p_i32 csa_pack_entry(const v4p_i32* table, const v4p_i32* staged, v4p_i32 staged_cols,
@@ -511,8 +519,9 @@ V4P_DEVICE void csa_stage_row(v4p_i32* staged, const v4p_i32* table, v4p_i32 n, 
 }
 
 /// Decode mode with the table row staged before the wait (see above). `staged` holds
-/// V4POOL_CSA_STAGE_COLS i32, 16-byte aligned.
-V4P_DEVICE void csa_pack_staged(const CsaPackArgs& a, v4p_i32* staged) {
+/// V4POOL_CSA_STAGE_COLS i32, 16-byte aligned. `prefetch`: also prefetch the top-k lines to
+/// L2 before the wait.
+V4P_DEVICE void csa_pack_staged(const CsaPackArgs& a, v4p_i32* staged, bool prefetch) {
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
     const v4p_i64 tile = v4p_bid_y();
     if (t >= a.num_tokens) return;
@@ -536,11 +545,18 @@ V4P_DEVICE void csa_pack_staged(const CsaPackArgs& a, v4p_i32* staged) {
     const v4p_i64 rows = pos < 0 ? 0 : pos / V4POOL_CSA_RATIO + (pos % V4POOL_CSA_RATIO == V4POOL_CSA_RATIO - 1);
     const v4p_i64 reach = rows / cap + (rows % cap != 0);
     const v4p_i32 n = (v4p_i32)v4p_min(reach, v4p_min((v4p_i64)a.block_table_stride, V4POOL_CSA_STAGE_COLS));
+    const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + (v4p_i64)t * row_stride;
+    const v4p_i64 k0 = tile * V4POOL_CSA_TILE + tid;
+    if (prefetch) {
+        // Pull this tile's top-k lines toward L2 now: a hint with no value, so it may race
+        // the writer (L2 is where every SM's stores land; the load after the wait reads there).
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+            if (k0 + u * V4P_BLOCK < lim) v4p_prefetch_l2(topk + k0 + u * V4P_BLOCK);
+    }
     csa_stage_row(staged, table, n, V4P_CSA_STAGE_LANE(tid), V4P_CSA_STAGE_LANES);
     v4p_overlap_wait();  // the top-k is the previous kernel's (or its predecessors') output
     v4p_sync();
-    const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + (v4p_i64)t * row_stride;
-    const v4p_i64 k0 = tile * V4POOL_CSA_TILE + tid;
     v4p_i32 v[2];
     csa_load_topk(v, topk, k0, lim);
     const v4p_i32 last = a.block_table_stride - 1;
@@ -603,8 +619,10 @@ V4P_DEVICE void csa_pack_gather(const CsaPackArgs& a) {
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_translate_pack(CsaPackArgs a) {
     v4p_overlap_trigger();  // the next layer's pack may launch now; this one waits below
     V4P_CSA_STAGE_SHARED v4p_vec16 staged[V4POOL_CSA_STAGE_COLS / 4];
-    if (a.window_size > 0 && a._pad == 0) {
-        csa_pack_staged(a, (v4p_i32*)staged);
+    // `_pad` picks the decode form while the A/B lasts: 0 staged + top-k prefetch, 2 staged
+    // alone, 1 the previous form (everything after the wait).
+    if (a.window_size > 0 && a._pad != 1) {
+        csa_pack_staged(a, (v4p_i32*)staged, a._pad == 0);
     } else {
         v4p_overlap_wait();  // before any global access
         csa_pack_gather(a);

@@ -486,8 +486,9 @@ fn csa_pack_kernel_matches_reference() {
         let topk: Vec<i32> =
             (0..t as i64 * row_stride).map(|_| rng.range(0, stride * 64 + 100) as i32).collect();
         let outputs = vec![vec![POISON; extent(&indptr) + 3]];
-        // `_pad` 1: the previous decode form, kept for one A/B (both must match the reference).
-        for variant in [0, 1] {
+        // `_pad` selects the decode form while an A/B lasts (0 staged + prefetch, 1 the
+        // previous form, 2 staged): every one must match the reference.
+        for variant in [0, 1, 2] {
             compare(&emu, &format!("csa pack case {case} variant {variant}"), &outputs, |outs| {
                 Launch::CsaPack(CsaPackArgs {
                     topk: addr(&topk),
