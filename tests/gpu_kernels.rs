@@ -309,25 +309,29 @@ fn csa_translate_pack_decode_mode_matches_host() {
             let out: Vec<i32> = (0..out_len).map(|_| rng.next_u64() as i32).collect();
             let out = case.i32s("out", &out);
             let (envelope, stride) = (g.envelope_rows, b.stride as i32);
-            let make = move |p: &[u64]| {
-                vec![Launch::CsaPack(CsaPackArgs {
-                    topk: p[tk],
-                    block_tables: p[tb],
-                    positions: p[ps],
-                    indptr: p[ip],
-                    batch_id_per_token: p[bi],
-                    skip_prefix_len_per_token: 0,
-                    out: p[out],
-                    envelope_rows: envelope,
-                    topk_row_stride: row_stride as i32,
-                    block_table_stride: stride,
-                    num_tokens: t as i32,
-                    block_capacity: 64,
-                    window_size: WIN,
-                    _pad: 0,
-                })]
-            };
-            check_case(cuda, &case, &make);
+            // `_pad` picks the decode form while the A/B lasts (0 staged + prefetch, 1 the
+            // previous form, 2 staged): each is checked on its own.
+            for variant in [0, 1, 2] {
+                let make = move |p: &[u64]| {
+                    vec![Launch::CsaPack(CsaPackArgs {
+                        topk: p[tk],
+                        block_tables: p[tb],
+                        positions: p[ps],
+                        indptr: p[ip],
+                        batch_id_per_token: p[bi],
+                        skip_prefix_len_per_token: 0,
+                        out: p[out],
+                        envelope_rows: envelope,
+                        topk_row_stride: row_stride as i32,
+                        block_table_stride: stride,
+                        num_tokens: t as i32,
+                        block_capacity: 64,
+                        window_size: WIN,
+                        _pad: variant,
+                    })]
+                };
+                check_case(cuda, &case, &make);
+            }
         }
     }
 }
