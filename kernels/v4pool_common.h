@@ -103,16 +103,24 @@ V4P_DEVICE void v4p_sync() { __syncthreads(); }
 // (its blocks then sit in their own wait), and waits until the kernel before this one has
 // finished and its writes are visible. Every kernel launched that way calls it before its
 // first global load or store, so nothing reads or writes across that edge early; what
-// overlaps is the launch, block scheduling and the prologue. Without the attribute (any
+// overlaps is the launch, block scheduling and the prologue (the CSA translate-pack splits
+// it, below, to overlap its metadata and block-table loads too). Without the attribute (any
 // other launch, HIP, the host emulation, or a pre-Hopper target) it does nothing.
 #if (defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void v4p_overlap_begin() {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-}
+__device__ __forceinline__ void v4p_overlap_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void v4p_overlap_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 #else
-__device__ __forceinline__ void v4p_overlap_begin() {}
+__device__ __forceinline__ void v4p_overlap_trigger() {}
+__device__ __forceinline__ void v4p_overlap_wait() {}
 #endif
+// The two halves apart: a kernel that opens with v4p_overlap_trigger() instead may load, before
+// v4p_overlap_wait(), only inputs its contract declares complete before the kernel preceding it
+// in the stream starts (the CSA translate-pack's metadata and block tables), never anything the
+// kernel before it writes, and stores nothing before the wait.
+__device__ __forceinline__ void v4p_overlap_begin() {
+    v4p_overlap_trigger();
+    v4p_overlap_wait();
+}
 
 // ---- fixed-width integers ---------------------------------------------------------------------
 
@@ -158,6 +166,8 @@ static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, 
 #define V4POOL_PREFILL_SHORT_HEAD 256
 /// Top-k columns one CSA translate-pack block covers (grid y): two per thread.
 #define V4POOL_CSA_TILE 512
+/// The longest top-k row the staged decode pack (v4pool_csa_translate_pack_staged) serves.
+#define V4POOL_CSA_STAGED_MAX_TOPK 1024
 /// Lanes that write one window row in the §9 gather: 64 x 16 B = one 1024-B bf16 row.
 #define V4POOL_GATHER_LANES 64
 /// Window rows one §9 gather block writes (grid y tiles the window): two per lane group.

@@ -21,7 +21,8 @@
 // running counters instead of dividing (the divisions were most of the prefill builder's
 // instructions before). The index builders begin with v4p_overlap_begin(): the CUDA backend
 // launches them as programmatic dependents, so a graph of per-layer packs overlaps each launch
-// with the kernel before it. Other stores of consecutive entries are coalesced 4-byte stores
+// with the kernel before it (the CSA pack's decode form also its loads of everything but
+// the top-k: §5 below). Other stores of consecutive entries are coalesced 4-byte stores
 // across a warp; every row x width product of a plane address is 64-bit.
 #include "v4pool_common.h"
 
@@ -588,12 +589,162 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_hca_of
 
 // ---- §5: CSA translate-pack, one layer ---------------------------------------------------
 // grid (T, tiles = ceil(topk_row_stride / 512)), block 256: one block per (token, 512 top-k
-// columns), two columns per thread, both top-k loads in flight, then both table loads, then
-// the stores. (A spread of about four blocks per token with 32-bit shift/mask math measured
-// slower at top-k 512 and 1,024 and level at 2,048: BENCHMARKS.md.)
+// columns), two columns per thread. (A spread of about four blocks per token with 32-bit
+// shift/mask math measured slower at top-k 512 and 1,024 and level at 2,048: BENCHMARKS.md.)
+//
+// Decode mode (window_size > 0), the form a forward runs 21 times in a row: everything but the
+// top-k is loaded BEFORE v4p_overlap_wait() — batch id, slice bounds, position and the part of
+// the sequence's block-table row its top-k can reach, staged in shared memory — so while the
+// previous layer's pack still runs this block already holds its table, and after the wait one
+// dependent round trip is left (top-k load -> shared-memory lookup -> store) instead of two.
+// That is only sound because none of those inputs is written by a kernel that may still run:
+// the contract (index-buffers.md §5, ARCHITECTURE.md) requires every input but the top-k to be
+// complete before the kernel preceding the pack in the stream starts; in v4pool's own paths
+// they are host uploads staged before the builder, and no kernel writes them. Prefill mode
+// (window_size = 0: no position bounds the reachable columns, and a forward's tokens share
+// rows) reads everything after the wait and gathers table entries from global memory.
 
-extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_translate_pack(CsaPackArgs a) {
-    v4p_overlap_begin();  // before any global access (launched as a dependent)
+/// Block-table columns the decode form stages in shared memory (16 KB): a 1M-token context at
+/// 256 tokens (64 CSA rows) per block. Columns past it, or past what the position reaches,
+/// are read from the table itself, so the result never depends on this bound.
+#define V4POOL_CSA_STAGE_COLS 4096
+/// CSA compression ratio (index-buffers.md §2): a token at position p has (p + 1) / 4 rows.
+#define V4POOL_CSA_RATIO 4
+
+#if defined(V4P_TARGET_EMU)
+// The emulation runs each thread of a block to completion in turn (no barrier exists): every
+// thread stages the whole row itself into its own copy, so lane 0 of 1.
+#define V4P_CSA_STAGE_SHARED static thread_local
+#define V4P_CSA_STAGE_LANE(tid) 0u
+#define V4P_CSA_STAGE_LANES 1u
+#else
+#define V4P_CSA_STAGE_SHARED __shared__
+#define V4P_CSA_STAGE_LANE(tid) (tid)
+#define V4P_CSA_STAGE_LANES ((v4p_u32)V4P_BLOCK)
+#endif
+
+/// Prefetch the 128-byte line holding `p` into L2 (sm_90 CUDA; nothing elsewhere). A hint:
+/// it moves no value into the thread, so it is no read in the memory model's sense.
+#if (defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)) && defined(__CUDA_ARCH__)
+V4P_DEVICE void v4p_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+#else
+V4P_DEVICE void v4p_prefetch_l2(const void*) {}
+#endif
+
+/// One pack entry: top-k value `v` -> pool row. Table columns below `staged_cols` come from
+/// the shared-memory copy `staged`, the rest (clamped, as the contract says) from `table`.
+V4P_DEVICE v4p_i32 csa_pack_entry(const v4p_i32* table, const v4p_i32* staged, v4p_i32 staged_cols,
+                                  v4p_i32 last, v4p_i32 v, v4p_i32 cap, v4p_i64 envelope) {
+    v4p_i32 j = v / cap;
+    j = j < 0 ? 0 : (j > last ? last : j);  // clamp, do not drop
+    const v4p_i32 blk = j < staged_cols ? staged[j] : table[j];
+    return (v4p_i32)compress_row(blk, v % cap, envelope);
+}
+
+/// A thread's two top-k columns k0 and k0 + 256 (0 at or past `bound`), both loads in flight.
+V4P_DEVICE void csa_load_topk(v4p_i32 v[2], const v4p_i32* topk, v4p_i64 k0, v4p_i64 bound) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const v4p_i64 k = k0 + u * V4P_BLOCK;
+        v[u] = k < bound ? topk[k] : 0;
+    }
+}
+
+/// A slice longer than its top-k row (a host error) still gets every entry, read past the row
+/// as the contract's reference kernel would; the row's tiles share entries [row_stride, valid_k).
+V4P_DEVICE void csa_pack_overrun(v4p_i32* out, const v4p_i32* topk, const v4p_i32* table, const v4p_i32* staged,
+                                 v4p_i32 staged_cols, v4p_i32 last, v4p_i32 cap, v4p_i64 envelope, v4p_i64 valid_k,
+                                 v4p_i64 row_stride, v4p_i64 tile, v4p_u32 tid) {
+    if (valid_k <= row_stride) return;
+    const v4p_i64 row_tiles = (row_stride + V4POOL_CSA_TILE - 1) / V4POOL_CSA_TILE;
+    const v4p_i64 ntiles = row_tiles > 0 ? row_tiles : 1;
+    for (v4p_i64 k = row_stride + tile * V4P_BLOCK + tid; k < valid_k; k += ntiles * V4P_BLOCK)
+        out[k] = csa_pack_entry(table, staged, staged_cols, last, topk[k], cap, envelope);
+}
+
+/// Copy columns [0, n) of `table` into `staged` with the block's lanes: 16-byte loads when the
+/// row is 16-byte aligned, four in flight per lane before any shared store (a generic load
+/// might alias the shared array, so the compiler would otherwise wait for each store).
+/// Reads stay inside [0, n) of the row; writes inside [0, n) of `staged`.
+V4P_DEVICE void csa_stage_row(v4p_i32* staged, const v4p_i32* table, v4p_i32 n, v4p_u32 lane, v4p_u32 lanes) {
+    v4p_i32 scalar_from = 0;
+    if ((((v4p_u64)table) & 15) == 0) {
+        const v4p_vec16* src = (const v4p_vec16*)table;
+        v4p_vec16* dst = (v4p_vec16*)staged;
+        const v4p_i32 n4 = n / 4;
+        for (v4p_i32 q = (v4p_i32)lane; q < n4; q += 4 * (v4p_i32)lanes) {
+            v4p_vec16 r[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const v4p_i32 i = q + u * (v4p_i32)lanes;
+                if (i < n4) r[u] = src[i];
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const v4p_i32 i = q + u * (v4p_i32)lanes;
+                if (i < n4) dst[i] = r[u];
+            }
+        }
+        scalar_from = n4 * 4;
+    }
+    for (v4p_i32 c = scalar_from + (v4p_i32)lane; c < n; c += (v4p_i32)lanes) staged[c] = table[c];
+}
+
+/// Decode mode with the table row staged before the wait (see above). `staged` holds
+/// V4POOL_CSA_STAGE_COLS i32, 16-byte aligned. `prefetch`: also prefetch the top-k lines to
+/// L2 before the wait.
+V4P_DEVICE void csa_pack_staged(const CsaPackArgs& a, v4p_i32* staged, bool prefetch) {
+    const v4p_i32 t = (v4p_i32)v4p_bid_x();
+    const v4p_i64 tile = v4p_bid_y();
+    if (t >= a.num_tokens) return;
+    const v4p_u32 tid = v4p_tid_x();
+    // Before the wait: inputs the contract declares complete before the previous kernel
+    // started (never the top-k: the kernel before may still be writing it).
+    const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
+    const v4p_i32* ptr = v4p_in<v4p_i32>(a.indptr);
+    const v4p_i64 base = ptr[t];
+    const v4p_i64 end = ptr[t + 1];
+    const v4p_i64 pos = v4p_in<v4p_i64>(a.positions)[t];
+    if (b < 0) return;  // block-uniform, like every return before the barrier
+    const v4p_i64 row_stride = a.topk_row_stride;
+    const v4p_i64 valid_k = end - base - v4p_min(pos + 1, (v4p_i64)a.window_size);
+    const v4p_i64 lim = v4p_min(valid_k, row_stride);
+    if (tile * V4POOL_CSA_TILE >= lim && valid_k <= row_stride) return;  // nothing in this tile
+    const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
+    const v4p_i32 cap = a.block_capacity;
+    // Columns the token's top-k can reach: its (pos + 1) / 4 compressed rows, `cap` per block
+    // (pos >= 0 spelled without pos + 1, which could overflow), within the row and the stage.
+    const v4p_i64 rows = pos < 0 ? 0 : pos / V4POOL_CSA_RATIO + (pos % V4POOL_CSA_RATIO == V4POOL_CSA_RATIO - 1);
+    const v4p_i64 reach = rows / cap + (rows % cap != 0);
+    const v4p_i32 n = (v4p_i32)v4p_min(reach, v4p_min((v4p_i64)a.block_table_stride, V4POOL_CSA_STAGE_COLS));
+    const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + (v4p_i64)t * row_stride;
+    const v4p_i64 k0 = tile * V4POOL_CSA_TILE + tid;
+    if (prefetch) {
+        // Pull this tile's top-k lines toward L2 now: a hint with no value, so it may race
+        // the writer (L2 is where every SM's stores land; the load after the wait reads there).
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+            if (k0 + u * V4P_BLOCK < lim) v4p_prefetch_l2(topk + k0 + u * V4P_BLOCK);
+    }
+    csa_stage_row(staged, table, n, V4P_CSA_STAGE_LANE(tid), V4P_CSA_STAGE_LANES);
+    v4p_overlap_wait();  // the top-k is the previous kernel's (or its predecessors') output
+    v4p_sync();
+    v4p_i32 v[2];
+    csa_load_topk(v, topk, k0, lim);
+    const v4p_i32 last = a.block_table_stride - 1;
+    v4p_i32* out = v4p_out<v4p_i32>(a.out) + base;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const v4p_i64 k = k0 + u * V4P_BLOCK;
+        if (k < lim) out[k] = csa_pack_entry(table, staged, n, last, v[u], cap, a.envelope_rows);
+    }
+    csa_pack_overrun(out, topk, table, staged, n, last, cap, a.envelope_rows, valid_k, row_stride, tile, tid);
+}
+
+/// Every load after the wait, table entries gathered from global memory: prefill mode, and
+/// decode rows longer than V4POOL_CSA_STAGED_MAX_TOPK. Both top-k loads go out with the
+/// metadata, then both table loads, then the stores.
+V4P_DEVICE void csa_pack_gather(const CsaPackArgs& a) {
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
     const v4p_i64 tile = v4p_bid_y();
     if (t >= a.num_tokens) return;
@@ -610,11 +761,7 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_tr
     const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + (v4p_i64)t * row_stride;
     const v4p_i64 k0 = tile * V4POOL_CSA_TILE + tid;
     v4p_i32 v[2];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-        const v4p_i64 k = k0 + u * V4P_BLOCK;
-        v[u] = k < row_stride ? topk[k] : 0;
-    }
+    csa_load_topk(v, topk, k0, row_stride);
     if (b < 0) return;
     const v4p_i64 skip = a.window_size > 0 ? v4p_min(skip_src + 1, (v4p_i64)a.window_size) : skip_src;
     const v4p_i64 valid_k = end - base - skip;
@@ -638,17 +785,26 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_tr
         const v4p_i64 k = k0 + u * V4P_BLOCK;
         if (k < lim) out[k] = (v4p_i32)compress_row(blk[u], v[u] % cap, a.envelope_rows);
     }
-    if (valid_k > row_stride) {
-        // A slice longer than its top-k row (a host error) still gets every entry, read past
-        // the row as the contract's reference kernel would; the row's tiles share the rest.
-        const v4p_i64 row_tiles = (row_stride + V4POOL_CSA_TILE - 1) / V4POOL_CSA_TILE;
-        const v4p_i64 ntiles = row_tiles > 0 ? row_tiles : 1;
-        for (v4p_i64 k = row_stride + tile * V4P_BLOCK + tid; k < valid_k; k += ntiles * V4P_BLOCK) {
-            const v4p_i32 x = topk[k];
-            v4p_i32 j = x / cap;
-            j = j < 0 ? 0 : (j > last ? last : j);
-            out[k] = (v4p_i32)compress_row(table[j], x % cap, a.envelope_rows);
-        }
+    csa_pack_overrun(out, topk, table, table, 0, last, cap, a.envelope_rows, valid_k, row_stride, tile, tid);
+}
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_translate_pack(CsaPackArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
+    csa_pack_gather(a);
+}
+
+/// The decode form with the table row staged before the wait: a symbol of its own, so the
+/// gather form (prefill, and top-k rows of more than two tiles, where every tile would stage
+/// the whole row again) carries no shared memory and keeps its occupancy. The host picks it
+/// (`Launch::symbol`) for window_size > 0 and at most V4POOL_CSA_STAGED_MAX_TOPK columns.
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_translate_pack_staged(CsaPackArgs a) {
+    v4p_overlap_trigger();  // the next layer's pack may launch now; this one waits below
+    V4P_CSA_STAGE_SHARED v4p_vec16 staged[V4POOL_CSA_STAGE_COLS / 4];
+    if (a.window_size > 0) {
+        csa_pack_staged(a, (v4p_i32*)staged, true);
+    } else {
+        v4p_overlap_wait();  // before any global access
+        csa_pack_gather(a);
     }
 }
 

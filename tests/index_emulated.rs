@@ -472,12 +472,16 @@ fn csa_pack_kernel_matches_reference() {
         let row_stride =
             [8i64, 64, 300, 512, 513, 1024, 1100, 1800, 2048, 2049, 2600][rng.range(0, 10) as usize];
         let bs = rng.range(1, 4);
-        let stride = rng.range(1, 12);
+        // Now and then a row longer than the decode form stages (4,096 columns).
+        let stride = if rng.chance(10) { rng.range(4090, 4200) } else { rng.range(1, 12) };
         let tables: Vec<i32> = (0..bs * stride).map(|_| rng.range(0, 500) as i32).collect();
         let window = if rng.chance(50) { rng.range(1, 128) } else { 0 };
         let bids: Vec<i32> =
             (0..t).map(|_| if rng.chance(20) { -1 } else { rng.range(0, bs - 1) as i32 }).collect();
-        let positions: Vec<i64> = (0..t).map(|_| rng.range(0, 100_000)).collect();
+        // Short contexts too: top-k values past the columns a position reaches (and past
+        // the staged columns) come from the table itself.
+        let max_pos = [100_000i64, 2_000, 300, 2_000_000][rng.range(0, 3) as usize];
+        let positions: Vec<i64> = (0..t).map(|_| rng.range(0, max_pos)).collect();
         let skip: Vec<i32> = (0..t).map(|_| rng.range(0, 20) as i32).collect();
         let lens: Vec<i64> = (0..t)
             .map(|i| {
@@ -496,6 +500,8 @@ fn csa_pack_kernel_matches_reference() {
         let topk: Vec<i32> =
             (0..t as i64 * row_stride).map(|_| rng.range(0, stride * 64 + 100) as i32).collect();
         let outputs = vec![vec![POISON; extent(&indptr) + 3]];
+        // Decode rows of at most two tiles run the staged form, the rest the gather form
+        // (`Launch::symbol`): both against the reference.
         compare(&emu, &format!("csa pack case {case}"), &outputs, |outs| {
             Launch::CsaPack(CsaPackArgs {
                 topk: addr(&topk),

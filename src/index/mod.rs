@@ -163,6 +163,18 @@ pub struct HcaOffsetsArgs {
 
 /// CSA translate-and-pack (§5) for one CSA layer: one launch per layer, as a forward pass runs
 /// it (layer L's top-k exists only after layer L's indexer ran), into the one CSA buffer.
+///
+/// **Input readiness.** Only `topk` may be the output of the kernel just before the pack in
+/// the stream. Every other input (`block_tables`, `positions`, `indptr`,
+/// `batch_id_per_token`, `skip_prefix_len_per_token`) must be complete before the kernel
+/// preceding the pack in the stream *starts*: the CUDA backend launches packs as programmatic
+/// dependents (`CudaBackend::overlapped_launches`), and in decode mode the kernel reads those
+/// inputs — the block-table row into shared memory included — before it waits for its
+/// predecessor, while a chain of such launches may still be running ahead of it. v4pool's own
+/// paths satisfy this by construction (the host uploads them when a batch is staged, before
+/// the builder; no kernel writes them). A launch whose metadata is written by the kernel
+/// right before the pack must be made without overlap (`set_overlapped_launches(false)`) or
+/// with a non-overlapped kernel between the writer and the pack.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct CsaPackArgs {
@@ -420,6 +432,7 @@ impl Launch {
             Launch::Prefill(a) if shape::prefill_short(a) => "v4pool_prefill_indices_short",
             Launch::Prefill(_) => "v4pool_prefill_indices",
             Launch::HcaOffsets(_) => "v4pool_hca_offsets",
+            Launch::CsaPack(a) if shape::csa_staged(a) => "v4pool_csa_translate_pack_staged",
             Launch::CsaPack(_) => "v4pool_csa_translate_pack",
             Launch::RingWrite(_) => "v4pool_ring_write",
             Launch::RowScatter(_) => "v4pool_row_scatter",
@@ -433,12 +446,13 @@ impl Launch {
     }
 
     /// Every kernel symbol, for module loading and the code-object symbol test.
-    pub const SYMBOLS: [&'static str; 13] = [
+    pub const SYMBOLS: [&'static str; 14] = [
         "v4pool_decode_indices",
         "v4pool_prefill_indices",
         "v4pool_prefill_indices_short",
         "v4pool_hca_offsets",
         "v4pool_csa_translate_pack",
+        "v4pool_csa_translate_pack_staged",
         "v4pool_ring_write",
         "v4pool_row_scatter",
         "v4pool_update_compressor_states",

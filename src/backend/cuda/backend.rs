@@ -297,14 +297,18 @@ impl CudaBackend {
 
 /// The kernels launched as programmatic dependents when overlapped launches are on: exactly
 /// those whose first statement is `v4p_overlap_begin();` (they wait for the kernel before them
-/// before any global access; a unit test checks the embedded source). Any other kernel, the
+/// before any global access; a unit test checks the embedded source), or
+/// `v4p_overlap_trigger();` with a later `v4p_overlap_wait();` (the CSA translate-pack: before
+/// the wait it loads only inputs its contract requires complete before the kernel preceding
+/// it starts, and stores nothing). Any other kernel, the
 /// ones other modules add included, keeps plain stream order.
-pub(super) const OVERLAPPED_KERNELS: [&str; 5] = [
+pub(super) const OVERLAPPED_KERNELS: [&str; 6] = [
     "v4pool_decode_indices",
     "v4pool_prefill_indices",
     "v4pool_prefill_indices_short",
     "v4pool_hca_offsets",
     "v4pool_csa_translate_pack",
+    "v4pool_csa_translate_pack_staged",
 ];
 
 pub(super) fn bind(device: &Device) -> Result<(), BackendError> {
