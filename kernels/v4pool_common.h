@@ -166,9 +166,8 @@ static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, 
 #define V4POOL_PREFILL_SHORT_HEAD 256
 /// Top-k columns one CSA translate-pack block covers (grid y): two per thread.
 #define V4POOL_CSA_TILE 512
-/// The longest top-k row the staged decode pack (v4pool_csa_translate_pack_staged, one block
-/// per token, grid (T, 1)) serves.
-#define V4POOL_CSA_STAGED_MAX_TOPK 2048
+/// The longest top-k row the staged decode pack (v4pool_csa_translate_pack_staged) serves.
+#define V4POOL_CSA_STAGED_MAX_TOPK 1024
 /// Lanes that write one window row in the §9 gather: 64 x 16 B = one 1024-B bf16 row.
 #define V4POOL_GATHER_LANES 64
 /// Window rows one §9 gather block writes (grid y tiles the window): two per lane group.

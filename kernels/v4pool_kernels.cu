@@ -690,16 +690,12 @@ V4P_DEVICE void csa_stage_row(v4p_i32* staged, const v4p_i32* table, v4p_i32 n, 
     for (v4p_i32 c = scalar_from + (v4p_i32)lane; c < n; c += (v4p_i32)lanes) staged[c] = table[c];
 }
 
-/// Top-k columns one thread of the staged form keeps in flight (loads before stores).
-#define V4POOL_CSA_STAGED_PER_THREAD 8
-
-/// Decode mode with the table row staged before the wait (see above). One block per token
-/// covers its whole top-k row (grid (T, 1)), so the row is staged once per token however long
-/// the top-k is; V4POOL_CSA_STAGED_PER_THREAD columns per thread per round. `staged` holds
+/// Decode mode with the table row staged before the wait (see above). `staged` holds
 /// V4POOL_CSA_STAGE_COLS i32, 16-byte aligned. `prefetch`: also prefetch the top-k lines to
 /// L2 before the wait.
 V4P_DEVICE void csa_pack_staged(const CsaPackArgs& a, v4p_i32* staged, bool prefetch) {
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
+    const v4p_i64 tile = v4p_bid_y();
     if (t >= a.num_tokens) return;
     const v4p_u32 tid = v4p_tid_x();
     // Before the wait: inputs the contract declares complete before the previous kernel
@@ -713,7 +709,7 @@ V4P_DEVICE void csa_pack_staged(const CsaPackArgs& a, v4p_i32* staged, bool pref
     const v4p_i64 row_stride = a.topk_row_stride;
     const v4p_i64 valid_k = end - base - v4p_min(pos + 1, (v4p_i64)a.window_size);
     const v4p_i64 lim = v4p_min(valid_k, row_stride);
-    if (valid_k <= 0) return;  // nothing to write for this token
+    if (tile * V4POOL_CSA_TILE >= lim && valid_k <= row_stride) return;  // nothing in this tile
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
     const v4p_i32 cap = a.block_capacity;
     // Columns the token's top-k can reach: its (pos + 1) / 4 compressed rows, `cap` per block
@@ -722,35 +718,27 @@ V4P_DEVICE void csa_pack_staged(const CsaPackArgs& a, v4p_i32* staged, bool pref
     const v4p_i64 reach = rows / cap + (rows % cap != 0);
     const v4p_i32 n = (v4p_i32)v4p_min(reach, v4p_min((v4p_i64)a.block_table_stride, V4POOL_CSA_STAGE_COLS));
     const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + (v4p_i64)t * row_stride;
+    const v4p_i64 k0 = tile * V4POOL_CSA_TILE + tid;
     if (prefetch) {
-        // Pull the row's top-k lines toward L2 now (one per 32 columns): a hint with no value,
-        // so it may race the writer (L2 is where every SM's stores land; the load after the
-        // wait reads there).
-        for (v4p_i64 k = (v4p_i64)tid * 32; k < lim; k += (v4p_i64)V4P_BLOCK * 32) v4p_prefetch_l2(topk + k);
+        // Pull this tile's top-k lines toward L2 now: a hint with no value, so it may race
+        // the writer (L2 is where every SM's stores land; the load after the wait reads there).
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+            if (k0 + u * V4P_BLOCK < lim) v4p_prefetch_l2(topk + k0 + u * V4P_BLOCK);
     }
     csa_stage_row(staged, table, n, V4P_CSA_STAGE_LANE(tid), V4P_CSA_STAGE_LANES);
     v4p_overlap_wait();  // the top-k is the previous kernel's (or its predecessors') output
     v4p_sync();
+    v4p_i32 v[2];
+    csa_load_topk(v, topk, k0, lim);
     const v4p_i32 last = a.block_table_stride - 1;
     v4p_i32* out = v4p_out<v4p_i32>(a.out) + base;
-    const v4p_i64 round = (v4p_i64)V4POOL_CSA_STAGED_PER_THREAD * V4P_BLOCK;
-    for (v4p_i64 c0 = tid; c0 < lim; c0 += round) {
-        v4p_i32 v[V4POOL_CSA_STAGED_PER_THREAD];
 #pragma unroll
-        for (int u = 0; u < V4POOL_CSA_STAGED_PER_THREAD; ++u) {
-            const v4p_i64 k = c0 + u * V4P_BLOCK;
-            v[u] = k < lim ? topk[k] : 0;
-        }
-#pragma unroll
-        for (int u = 0; u < V4POOL_CSA_STAGED_PER_THREAD; ++u) {
-            const v4p_i64 k = c0 + u * V4P_BLOCK;
-            if (k < lim) out[k] = csa_pack_entry(table, staged, n, last, v[u], cap, a.envelope_rows);
-        }
+    for (int u = 0; u < 2; ++u) {
+        const v4p_i64 k = k0 + u * V4P_BLOCK;
+        if (k < lim) out[k] = csa_pack_entry(table, staged, n, last, v[u], cap, a.envelope_rows);
     }
-    // A slice longer than its top-k row (a host error) still gets every entry, read past the
-    // row as the contract's reference kernel would.
-    for (v4p_i64 k = row_stride + tid; k < valid_k; k += V4P_BLOCK)
-        out[k] = csa_pack_entry(table, staged, n, last, topk[k], cap, a.envelope_rows);
+    csa_pack_overrun(out, topk, table, staged, n, last, cap, a.envelope_rows, valid_k, row_stride, tile, tid);
 }
 
 /// Every load after the wait, table entries gathered from global memory: prefill mode, and

@@ -500,7 +500,7 @@ fn csa_pack_kernel_matches_reference() {
         let topk: Vec<i32> =
             (0..t as i64 * row_stride).map(|_| rng.range(0, stride * 64 + 100) as i32).collect();
         let outputs = vec![vec![POISON; extent(&indptr) + 3]];
-        // Decode rows of at most 2,048 columns run the staged form, the rest the gather form
+        // Decode rows of at most two tiles run the staged form, the rest the gather form
         // (`Launch::symbol`): both against the reference.
         compare(&emu, &format!("csa pack case {case}"), &outputs, |outs| {
             Launch::CsaPack(CsaPackArgs {

@@ -65,18 +65,17 @@ pub fn prefill_lanes(a: &PrefillIndexArgs) -> u32 {
 /// Top-k columns one CSA translate-pack block covers, grid y (`V4POOL_CSA_TILE`).
 pub const CSA_TILE: u32 = 2 * BLOCK_THREADS;
 /// The longest top-k row the CSA translate-pack's staged decode form is launched for
-/// (`V4POOL_CSA_STAGED_MAX_TOPK`): V4-Pro's 1,024 and twice it, eight columns per thread.
-pub const CSA_STAGED_MAX_TOPK: u32 = 4 * CSA_TILE;
+/// (`V4POOL_CSA_STAGED_MAX_TOPK`): two tiles, each of which stages the token's table row.
+pub const CSA_STAGED_MAX_TOPK: u32 = 2 * CSA_TILE;
 
 /// Whether a CSA translate-pack launch runs the staged decode form
 /// (`v4pool_csa_translate_pack_staged`): decode mode (`window_size > 0`) and a top-k row of at
 /// most [`CSA_STAGED_MAX_TOPK`] columns. That form loads everything but the top-k, the
 /// token's block-table row included (into shared memory), before it waits for the kernel
 /// before it, so a graph of per-layer packs keeps one dependent round trip per layer instead of
-/// two (H200: 21 layers at top-k 512 34.9 µs against ATOM's 53.0). One block per token covers
-/// its whole row, so the row is staged once (an earlier grid of one block per 512 columns
-/// staged it once per tile: 103.7 µs at top-k 2,048 against 78.0 gathered). Prefill rows are
-/// not bounded by a position, so prefill launches gather table entries instead. Only the
+/// two (H200: 21 layers at top-k 512 38.7 µs against 56.5). Past two tiles each tile would stage
+/// the row again (top-k 2,048: 103.7 µs against 78.0 gathered), and prefill rows are not
+/// bounded by a position, so those launches gather table entries instead. Only the
 /// arguments' scalars decide (a graph replays the shape with new contents).
 pub fn csa_staged(a: &CsaPackArgs) -> bool {
     a.window_size > 0 && a.topk_row_stride > 0 && a.topk_row_stride as u32 <= CSA_STAGED_MAX_TOPK
@@ -174,8 +173,6 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
         // One thread per entry.
         Launch::HcaOffsets(a) => LaunchShape::linear(ceil_div(count(a.num_entries), u64::from(b)), b),
         // (token, tile of the top-k row).
-        // The staged form: one block per token covering its row.
-        Launch::CsaPack(a) if csa_staged(a) => LaunchShape::linear(count(a.num_tokens), b),
         Launch::CsaPack(a) => LaunchShape {
             grid: [grid_dim(count(a.num_tokens)), grid_dim(csa_tiles(a.topk_row_stride)), 1],
             block: [b, 1, 1],
