@@ -40,6 +40,8 @@ struct Req {
     queued: u64,
     /// Whether it was admitted before (a re-admission is not counted in the hit rate).
     seen: bool,
+    /// Requests admitted past it while it waited at the head of the queue (bounded bypass).
+    passed: u32,
 }
 
 impl Req {
@@ -57,6 +59,7 @@ impl Req {
             admitted: 0,
             queued: spec.arrival,
             seen: false,
+            passed: 0,
         }
     }
     fn prefilling(&self) -> bool {
@@ -282,8 +285,9 @@ impl<'p> Engine<'p> {
         Ok(())
     }
 
-    /// FIFO admission: the manager matches the prefix, takes a slot and restores it from
-    /// the hit's checkpoint. A request that can never fit is refused and counted.
+    /// FIFO admission with a bounded bypass: the manager matches the prefix, takes a slot and
+    /// restores it from the hit's checkpoint. A request that can never fit is refused and
+    /// counted; a head waiting for blocks may be passed by short requests ([`Self::bypass`]).
     fn admit(&mut self) -> Result<(), SimError> {
         while let Some(front) = self.waiting.front() {
             if policy::refusal(&front.spec, &self.cfg, self.capacity_blocks, self.block_size) {
@@ -294,48 +298,87 @@ impl<'p> Engine<'p> {
             if self.running.len() >= self.cfg.cap_seqs(self.run) {
                 break;
             }
-            let mut r = self.waiting.pop_front().expect("the front exists");
-            if r.id.is_none() {
-                let prompt = r.spec.prompt;
-                self.learn(&mut r, prompt)?;
-            }
-            let target = r.spec.prompt.max(r.high_water);
-            let src = if self.run == SplitPolicy::NoReuse { &r.private } else { &r.hashes };
-            let hit = self.m.match_prefix(&src[..r.given]).min(target.saturating_sub(1));
-            let rest = (target - hit).div_ceil(self.block_size);
-            // Admission back-pressure is the manager's policy: the whole remaining prompt
-            // and decode room must stay obtainable, or admission only trades into preemptions.
-            if !self.m.may_admit(rest)? {
+            let r = self.waiting.pop_front().expect("the front exists");
+            if let Some(r) = self.try_admit(r)? {
                 self.waiting.push_front(r);
-                break;
-            }
-            let a = match self.m.admit(r.id()) {
-                Ok(a) => a,
-                Err(ManagerError::NoSlot | ManagerError::OutOfBlocks { .. }) => {
-                    self.waiting.push_front(r);
+                if !self.bypass()? {
                     break;
                 }
-                Err(e) => return Err(e.into()),
-            };
-            if !r.seen {
-                // Tokens an earlier request had prefilled: the longest prefix of committed
-                // blocks, at most what the manager may serve (one token is always computed).
-                let limit =
-                    ((r.spec.prompt.saturating_sub(1) / self.block_size) as usize).min(r.hashes.len());
-                let known = r.hashes[..limit].iter().take_while(|h| self.ever.contains(h)).count() as u64;
-                self.eligible_tokens += known * self.block_size;
-                self.first_hit_tokens += a.hit_tokens;
             }
-            self.rep.prefill_tokens_saved += a.hit_tokens;
-            r.seen = true;
-            r.context = a.hit_tokens;
-            r.admitted = self.step;
-            self.sum_wait += (self.step - r.spec.arrival) as f64;
-            self.admissions += 1;
-            self.queue_steps += self.step - r.queued;
-            self.running.push(r);
         }
         Ok(())
+    }
+
+    /// Bounded bypass: while the head waits for blocks, one of the next
+    /// [`policy::BYPASS_WINDOW`] requests whose prompt fits one prefill chunk may be admitted
+    /// past it, at most [`policy::BYPASS_PER_HEAD`] times per head. Returns whether one was.
+    fn bypass(&mut self) -> Result<bool, SimError> {
+        if self.running.len() >= self.cfg.cap_seqs(self.run)
+            || self.waiting.front().map_or(true, |h| h.passed >= policy::BYPASS_PER_HEAD)
+        {
+            return Ok(false);
+        }
+        let end = self.waiting.len().min(1 + policy::BYPASS_WINDOW);
+        let Some(i) = (1..end).find(|&i| {
+            let spec = &self.waiting[i].spec;
+            spec.prompt.max(self.waiting[i].high_water) <= self.cfg.prefill_chunk
+                && !policy::refusal(spec, &self.cfg, self.capacity_blocks, self.block_size)
+        }) else {
+            return Ok(false);
+        };
+        let r = self.waiting.remove(i).expect("in the window");
+        match self.try_admit(r)? {
+            Some(r) => {
+                self.waiting.insert(i, r);
+                Ok(false)
+            }
+            None => {
+                if let Some(h) = self.waiting.front_mut() {
+                    h.passed += 1;
+                }
+                Ok(true)
+            }
+        }
+    }
+
+    /// Match `r`'s prefix, and admit it if the policy lets it run now (the manager restores
+    /// its slot from the hit's checkpoint); `Some(r)` gives it back when it must wait.
+    fn try_admit(&mut self, mut r: Req) -> Result<Option<Req>, SimError> {
+        if r.id.is_none() {
+            let prompt = r.spec.prompt;
+            self.learn(&mut r, prompt)?;
+        }
+        let target = r.spec.prompt.max(r.high_water);
+        let src = if self.run == SplitPolicy::NoReuse { &r.private } else { &r.hashes };
+        let hit = self.m.match_prefix(&src[..r.given]).min(target.saturating_sub(1));
+        let rest = (target - hit).div_ceil(self.block_size);
+        // Admission back-pressure is the manager's policy: the whole remaining prompt
+        // and decode room must stay obtainable, or admission only trades into preemptions.
+        if !self.m.may_admit(rest)? {
+            return Ok(Some(r));
+        }
+        let a = match self.m.admit(r.id()) {
+            Ok(a) => a,
+            Err(ManagerError::NoSlot | ManagerError::OutOfBlocks { .. }) => return Ok(Some(r)),
+            Err(e) => return Err(e.into()),
+        };
+        if !r.seen {
+            // Tokens an earlier request had prefilled: the longest prefix of committed
+            // blocks, at most what the manager may serve (one token is always computed).
+            let limit = ((r.spec.prompt.saturating_sub(1) / self.block_size) as usize).min(r.hashes.len());
+            let known = r.hashes[..limit].iter().take_while(|h| self.ever.contains(h)).count() as u64;
+            self.eligible_tokens += known * self.block_size;
+            self.first_hit_tokens += a.hit_tokens;
+        }
+        self.rep.prefill_tokens_saved += a.hit_tokens;
+        r.seen = true;
+        r.context = a.hit_tokens;
+        r.admitted = self.step;
+        self.sum_wait += (self.step - r.spec.arrival) as f64;
+        self.admissions += 1;
+        self.queue_steps += self.step - r.queued;
+        self.running.push(r);
+        Ok(None)
     }
 
     /// One chunk budget shared in admission order; each request's chunk stops where the

@@ -16,6 +16,16 @@ pub(crate) const LCM_BLOCKS: u32 = 16;
 /// Blocks between permanent checkpoints under v4pool's reuse.
 pub(crate) const CHECKPOINT_EVERY: u32 = 8;
 
+/// Bounded bypass (the engine's admission, not the split policy's): how far behind a head
+/// that waits for blocks the engine looks for a request short enough to prefill in one step.
+/// Why: with admission waiting for a whole prompt's blocks, one 128k+ prompt at the head of a
+/// FIFO queue held every request behind it for ~1,100 steps on `mixed`, while short requests
+/// would have run and finished in the room the long one could not yet use.
+pub(crate) const BYPASS_WINDOW: usize = 16;
+/// How many requests may pass one head, so a long prompt is delayed by a bounded amount of
+/// short work (each passer's blocks come back, cached and evictable, when it finishes).
+pub(crate) const BYPASS_PER_HEAD: u32 = 8;
+
 /// The namespace every run hashes content in (the model revision an engine would set).
 pub(crate) const NAMESPACE: Namespace = Namespace(0x7634_706f_6f6c_2d73_696d_2d76_3400_0001);
 
