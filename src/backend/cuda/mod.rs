@@ -75,7 +75,10 @@ mod tests {
         for sym in backend::OVERLAPPED_KERNELS {
             assert!(Launch::SYMBOLS.contains(&sym), "{sym} is no launch symbol");
             let at = src.find(&format!("void {sym}(")).unwrap_or_else(|| panic!("{sym} not in the source"));
-            let body = &src[at..];
+            // This kernel's text only: up to the next entry point, so a wait in a later
+            // kernel does not count for this one.
+            let rest = &src[at..];
+            let body = &rest[..rest[1..].find("extern \"C\"").map_or(rest.len(), |e| e + 1)];
             let open = body.find('{').expect("kernel body");
             let first = body[open + 1..].trim_start();
             let split = first.starts_with("v4p_overlap_trigger();") && body.contains("v4p_overlap_wait();");
