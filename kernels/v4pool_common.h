@@ -164,10 +164,11 @@ static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, 
 /// longest HCA head (block_table_stride x hca_rows_per_block entries) it is launched for.
 #define V4POOL_PREFILL_SHORT_LANES 16
 #define V4POOL_PREFILL_SHORT_HEAD 256
-/// Top-k columns one CSA translate-pack block covers (grid y): two per thread.
+/// Top-k columns one CSA translate-pack block covers (grid y): two per thread (the gather
+/// form and v4pool_csa_translate_pack_staged), four per thread (..._staged_x4, top-k rows
+/// longer than V4POOL_CSA_TILE).
 #define V4POOL_CSA_TILE 512
-/// The longest top-k row the staged decode pack (v4pool_csa_translate_pack_staged) serves.
-#define V4POOL_CSA_STAGED_MAX_TOPK 1024
+#define V4POOL_CSA_TILE_X4 1024
 /// Lanes that write one window row in the §9 gather: 64 x 16 B = one 1024-B bf16 row.
 #define V4POOL_GATHER_LANES 64
 /// Window rows one §9 gather block writes (grid y tiles the window): two per lane group.
@@ -182,6 +183,7 @@ static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, 
 #define V4POOL_STATE_CHUNK 8
 static_assert(V4POOL_DECODE_HCA_TILE == 32 * V4POOL_BLOCK_THREADS, "32 entries per thread");
 static_assert(V4POOL_CSA_TILE == 2 * V4POOL_BLOCK_THREADS, "two columns per thread");
+static_assert(V4POOL_CSA_TILE_X4 == 4 * V4POOL_BLOCK_THREADS, "four columns per thread");
 static_assert(V4POOL_PREFILL_LANES * V4POOL_PREFILL_TOKENS_PER_BLOCK == V4POOL_BLOCK_THREADS, "tokens tile a block");
 static_assert(V4POOL_PREFILL_LANES % 32 == 0, "a prefill token owns whole warps (wave32 and wave64 halves)");
 static_assert(V4POOL_BLOCK_THREADS % V4POOL_PREFILL_SHORT_LANES == 0, "short-form tokens tile a block");

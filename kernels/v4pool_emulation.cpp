@@ -35,6 +35,7 @@ extern "C" int v4pool_emu_launch(const char* symbol, const void* args, const uns
     V4P_EMU_CASE(v4pool_hca_offsets, HcaOffsetsArgs)
     V4P_EMU_CASE(v4pool_csa_translate_pack, CsaPackArgs)
     V4P_EMU_CASE(v4pool_csa_translate_pack_staged, CsaPackArgs)
+    V4P_EMU_CASE(v4pool_csa_translate_pack_staged_x4, CsaPackArgs)
     V4P_EMU_CASE(v4pool_ring_write, RingWriteArgs)
     V4P_EMU_CASE(v4pool_row_scatter, RowScatterArgs)
     V4P_EMU_CASE(v4pool_update_compressor_states, StateUpdateArgs)

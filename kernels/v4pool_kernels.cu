@@ -631,18 +631,56 @@ V4P_DEVICE void v4p_prefetch_l2(const void* p) { asm volatile("prefetch.global.L
 V4P_DEVICE void v4p_prefetch_l2(const void*) {}
 #endif
 
-/// One pack entry: top-k value `v` -> pool row. Table columns below `staged_cols` come from
-/// the shared-memory copy `staged`, the rest (clamped, as the contract says) from `table`.
+/// Shift for a power-of-two `cap` (-1 for any other): csa_split's fast path, computed once per
+/// thread before the wait.
+V4P_DEVICE v4p_i32 csa_cap_shift(v4p_i32 cap) {
+    if ((cap & (cap - 1)) != 0) return -1;
+    v4p_i32 sh = 0;
+    while ((((v4p_u32)cap - 1) >> sh) != 0) ++sh;
+    return sh;
+}
+
+/// Top-k values -> (table column, row within the block), as csa_pack_entry spells it: column
+/// v / cap clamped to [0, last], row v % cap (C's truncating division and remainder). A
+/// power-of-two cap (64 in every DeepSeek-V4 layout; `sh` >= 0) takes a shift and a mask on
+/// the magnitude, a branch uniform over the block; any other cap divides.
+template <int E>
+V4P_DEVICE void csa_split(const v4p_i32 (&v)[E], v4p_i32 cap, v4p_i32 sh, v4p_i32 last, v4p_i32 (&j)[E],
+                          v4p_i32 (&r)[E]) {
+    if (sh >= 0) {
+        const v4p_u32 m = (v4p_u32)cap - 1;
+#pragma unroll
+        for (int u = 0; u < E; ++u) {
+            // |v| in unsigned arithmetic (INT_MIN included): its low bits give |v % cap|.
+            const v4p_u32 mag = v[u] < 0 ? 0u - (v4p_u32)v[u] : (v4p_u32)v[u];
+            const v4p_i32 q = (v4p_i32)(mag >> sh);
+            const v4p_i32 rem = (v4p_i32)(mag & m);
+            j[u] = v[u] < 0 ? 0 : (q > last ? last : q);  // v < 0: v / cap <= 0, clamped to 0
+            r[u] = v[u] < 0 ? -rem : rem;
+        }
+    } else {
+#pragma unroll
+        for (int u = 0; u < E; ++u) {
+            const v4p_i32 q = v[u] / cap;
+            j[u] = q < 0 ? 0 : (q > last ? last : q);  // clamp, do not drop
+            r[u] = v[u] % cap;
+        }
+    }
+}
+
+/// One pack entry (the overrun path): top-k value `v` -> pool row. Table columns below
+/// `staged_cols` come from the shared-memory copy `staged`, the rest from `table`.
 V4P_DEVICE v4p_i32 csa_pack_entry(const v4p_i32* table, const v4p_i32* staged, v4p_i32 staged_cols,
                                   v4p_i32 last, v4p_i32 v, v4p_i32 cap, v4p_i64 envelope) {
-    v4p_i32 j = v / cap;
-    j = j < 0 ? 0 : (j > last ? last : j);  // clamp, do not drop
-    const v4p_i32 blk = j < staged_cols ? staged[j] : table[j];
-    return (v4p_i32)compress_row(blk, v % cap, envelope);
+    const v4p_i32 vv[1] = {v};
+    v4p_i32 j[1], r[1];
+    csa_split<1>(vv, cap, csa_cap_shift(cap), last, j, r);
+    const v4p_i32 blk = j[0] < staged_cols ? staged[j[0]] : table[j[0]];
+    return (v4p_i32)compress_row(blk, r[0], envelope);
 }
 
 /// A thread's two top-k columns k0 and k0 + 256 (0 at or past `bound`), both loads in flight.
-V4P_DEVICE void csa_load_topk(v4p_i32 v[2], const v4p_i32* topk, v4p_i64 k0, v4p_i64 bound) {
+V4P_DEVICE void csa_load_topk(v4p_i32 (&v)[2], const v4p_i32* topk, v4p_i64 k0, v4p_i64 bound) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
         const v4p_i64 k = k0 + u * V4P_BLOCK;
@@ -651,12 +689,14 @@ V4P_DEVICE void csa_load_topk(v4p_i32 v[2], const v4p_i32* topk, v4p_i64 k0, v4p
 }
 
 /// A slice longer than its top-k row (a host error) still gets every entry, read past the row
-/// as the contract's reference kernel would; the row's tiles share entries [row_stride, valid_k).
+/// as the contract's reference kernel would; the row's tiles (TILE columns each) share entries
+/// [row_stride, valid_k).
+template <int TILE = V4POOL_CSA_TILE>
 V4P_DEVICE void csa_pack_overrun(v4p_i32* out, const v4p_i32* topk, const v4p_i32* table, const v4p_i32* staged,
                                  v4p_i32 staged_cols, v4p_i32 last, v4p_i32 cap, v4p_i64 envelope, v4p_i64 valid_k,
                                  v4p_i64 row_stride, v4p_i64 tile, v4p_u32 tid) {
     if (valid_k <= row_stride) return;
-    const v4p_i64 row_tiles = (row_stride + V4POOL_CSA_TILE - 1) / V4POOL_CSA_TILE;
+    const v4p_i64 row_tiles = (row_stride + TILE - 1) / TILE;
     const v4p_i64 ntiles = row_tiles > 0 ? row_tiles : 1;
     for (v4p_i64 k = row_stride + tile * V4P_BLOCK + tid; k < valid_k; k += ntiles * V4P_BLOCK)
         out[k] = csa_pack_entry(table, staged, staged_cols, last, topk[k], cap, envelope);
@@ -690,12 +730,18 @@ V4P_DEVICE void csa_stage_row(v4p_i32* staged, const v4p_i32* table, v4p_i32 n, 
     for (v4p_i32 c = scalar_from + (v4p_i32)lane; c < n; c += (v4p_i32)lanes) staged[c] = table[c];
 }
 
-/// Decode mode with the table row staged before the wait (see above). `staged` holds
-/// V4POOL_CSA_STAGE_COLS i32, 16-byte aligned. `prefetch`: also prefetch the top-k lines to
-/// L2 before the wait.
-V4P_DEVICE void csa_pack_staged(const CsaPackArgs& a, v4p_i32* staged, bool prefetch) {
+/// Decode mode with the table row staged before the wait (see above): E columns per thread, a
+/// tile of E * 256 columns per block (grid y); the row is staged in V4POOL_CSA_STAGE_COLS i32
+/// of shared memory, 16-byte aligned. After the wait: 32-bit columns, every top-k load of the
+/// thread in flight before the first use, no per-entry branch (the H200 A/B in BENCHMARKS.md:
+/// this body took 21 layers at top-k 2,048 from 58.3 to 46.6 µs).
+template <int E>
+V4P_DEVICE void csa_pack_staged(const CsaPackArgs& a) {
+    constexpr v4p_i32 TILE = E * V4P_BLOCK;
+    V4P_CSA_STAGE_SHARED v4p_vec16 staged16[V4POOL_CSA_STAGE_COLS / 4];
+    v4p_i32* staged = (v4p_i32*)staged16;
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
-    const v4p_i64 tile = v4p_bid_y();
+    const v4p_i32 tile = (v4p_i32)v4p_bid_y();
     if (t >= a.num_tokens) return;
     const v4p_u32 tid = v4p_tid_x();
     // Before the wait: inputs the contract declares complete before the previous kernel
@@ -709,40 +755,56 @@ V4P_DEVICE void csa_pack_staged(const CsaPackArgs& a, v4p_i32* staged, bool pref
     const v4p_i64 row_stride = a.topk_row_stride;
     const v4p_i64 valid_k = end - base - v4p_min(pos + 1, (v4p_i64)a.window_size);
     const v4p_i64 lim = v4p_min(valid_k, row_stride);
-    if (tile * V4POOL_CSA_TILE >= lim && valid_k <= row_stride) return;  // nothing in this tile
+    if ((v4p_i64)tile * TILE >= lim && valid_k <= row_stride) return;  // nothing in this tile
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
     const v4p_i32 cap = a.block_capacity;
+    const v4p_i32 last = a.block_table_stride - 1;
+    const v4p_i32 sh = csa_cap_shift(cap);
     // Columns the token's top-k can reach: its (pos + 1) / 4 compressed rows, `cap` per block
     // (pos >= 0 spelled without pos + 1, which could overflow), within the row and the stage.
     const v4p_i64 rows = pos < 0 ? 0 : pos / V4POOL_CSA_RATIO + (pos % V4POOL_CSA_RATIO == V4POOL_CSA_RATIO - 1);
     const v4p_i64 reach = rows / cap + (rows % cap != 0);
     const v4p_i32 n = (v4p_i32)v4p_min(reach, v4p_min((v4p_i64)a.block_table_stride, V4POOL_CSA_STAGE_COLS));
     const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + (v4p_i64)t * row_stride;
-    const v4p_i64 k0 = tile * V4POOL_CSA_TILE + tid;
-    if (prefetch) {
-        // Pull this tile's top-k lines toward L2 now: a hint with no value, so it may race
-        // the writer (L2 is where every SM's stores land; the load after the wait reads there).
-#pragma unroll
-        for (int u = 0; u < 2; ++u)
-            if (k0 + u * V4P_BLOCK < lim) v4p_prefetch_l2(topk + k0 + u * V4P_BLOCK);
+    // 32-bit columns: lim <= row_stride < 2^31, and a negative lim writes nothing.
+    const v4p_i32 lim32 = (v4p_i32)v4p_max(lim, (v4p_i64)-1);
+    const v4p_i32 c0 = tile * TILE + (v4p_i32)tid;
+    {
+        // Pull this tile's top-k lines toward L2 now, one prefetch per 128-byte line: a hint
+        // with no value, so it may race the writer (L2 is where every SM's stores land; the
+        // load after the wait reads there).
+        static_assert(TILE <= 32 * V4P_BLOCK, "one prefetch per thread covers the tile");
+        const v4p_i32 k = tile * TILE + (v4p_i32)tid * 32;
+        if ((v4p_i32)tid * 32 < TILE && k < lim32) v4p_prefetch_l2(topk + k);
     }
     csa_stage_row(staged, table, n, V4P_CSA_STAGE_LANE(tid), V4P_CSA_STAGE_LANES);
     v4p_overlap_wait();  // the top-k is the previous kernel's (or its predecessors') output
+    v4p_i32 v[E];
+#pragma unroll
+    for (int u = 0; u < E; ++u) {
+        const v4p_i32 k = c0 + u * V4P_BLOCK;
+        v[u] = k < lim32 ? topk[k] : 0;
+    }
     v4p_sync();
-    v4p_i32 v[2];
-    csa_load_topk(v, topk, k0, lim);
-    const v4p_i32 last = a.block_table_stride - 1;
+    v4p_i32 j[E], r[E], blk[E];
+    csa_split<E>(v, cap, sh, last, j, r);
+#pragma unroll
+    for (int u = 0; u < E; ++u) blk[u] = staged[j[u] < n ? j[u] : 0];
+    // Columns past the stage (past what the position reaches, or past 4,096): the table.
+#pragma unroll
+    for (int u = 0; u < E; ++u)
+        if (j[u] >= n && c0 + u * V4P_BLOCK < lim32) blk[u] = table[j[u]];
     v4p_i32* out = v4p_out<v4p_i32>(a.out) + base;
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-        const v4p_i64 k = k0 + u * V4P_BLOCK;
-        if (k < lim) out[k] = csa_pack_entry(table, staged, n, last, v[u], cap, a.envelope_rows);
+    for (int u = 0; u < E; ++u) {
+        const v4p_i32 k = c0 + u * V4P_BLOCK;
+        if (k < lim32) out[k] = (v4p_i32)compress_row(blk[u], r[u], a.envelope_rows);
     }
-    csa_pack_overrun(out, topk, table, staged, n, last, cap, a.envelope_rows, valid_k, row_stride, tile, tid);
+    csa_pack_overrun<TILE>(out, topk, table, staged, n, last, cap, a.envelope_rows, valid_k, row_stride, tile, tid);
 }
 
-/// Every load after the wait, table entries gathered from global memory: prefill mode, and
-/// decode rows longer than V4POOL_CSA_STAGED_MAX_TOPK. Both top-k loads go out with the
+/// Every load after the wait, table entries gathered from global memory: prefill mode (and a
+/// decode launch with an empty top-k row). Both top-k loads go out with the
 /// metadata, then both table loads, then the stores.
 V4P_DEVICE void csa_pack_gather(const CsaPackArgs& a) {
     const v4p_i32 t = (v4p_i32)v4p_bid_x();
@@ -769,21 +831,15 @@ V4P_DEVICE void csa_pack_gather(const CsaPackArgs& a) {
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
     const v4p_i32 cap = a.block_capacity;
     const v4p_i32 last = a.block_table_stride - 1;
-    v4p_i32 blk[2];
+    v4p_i32 j[2], r[2], blk[2];
+    csa_split<2>(v, cap, csa_cap_shift(cap), last, j, r);
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-        blk[u] = 0;
-        if (k0 + u * V4P_BLOCK < lim) {
-            v4p_i32 j = v[u] / cap;
-            j = j < 0 ? 0 : (j > last ? last : j);  // clamp, do not drop
-            blk[u] = table[j];
-        }
-    }
+    for (int u = 0; u < 2; ++u) blk[u] = k0 + u * V4P_BLOCK < lim ? table[j[u]] : 0;
     v4p_i32* out = v4p_out<v4p_i32>(a.out) + base;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
         const v4p_i64 k = k0 + u * V4P_BLOCK;
-        if (k < lim) out[k] = (v4p_i32)compress_row(blk[u], v[u] % cap, a.envelope_rows);
+        if (k < lim) out[k] = (v4p_i32)compress_row(blk[u], r[u], a.envelope_rows);
     }
     csa_pack_overrun(out, topk, table, table, 0, last, cap, a.envelope_rows, valid_k, row_stride, tile, tid);
 }
@@ -793,19 +849,25 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_tr
     csa_pack_gather(a);
 }
 
-/// The decode form with the table row staged before the wait: a symbol of its own, so the
-/// gather form (prefill, and top-k rows of more than two tiles, where every tile would stage
-/// the whole row again) carries no shared memory and keeps its occupancy. The host picks it
-/// (`Launch::symbol`) for window_size > 0 and at most V4POOL_CSA_STAGED_MAX_TOPK columns.
-extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_translate_pack_staged(CsaPackArgs a) {
+/// The decode forms, with the table row staged before the wait: symbols of their own, so the
+/// gather form (prefill) carries no shared memory. The host picks them (`Launch::symbol`) for
+/// window_size > 0: `staged` (two columns per thread, tiles of 512) for top-k rows up to 512,
+/// `staged_x4` (four per thread, tiles of 1,024) for longer ones. Both run at 8 blocks per SM
+/// (32 registers): a layer's blocks then take at most half the resident slots, so the next
+/// layer's pack is resident and staging its row while this one runs (H200 A/B, BENCHMARKS.md:
+/// 21 layers at top-k 1,024 in 43.2 µs at 8 blocks/SM against 51.1 at 6). Prefill launches
+/// reach them only through a caller's own symbol choice; they gather then, as the plain form.
+extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 8) void v4pool_csa_translate_pack_staged(CsaPackArgs a) {
     v4p_overlap_trigger();  // the next layer's pack may launch now; this one waits below
-    V4P_CSA_STAGE_SHARED v4p_vec16 staged[V4POOL_CSA_STAGE_COLS / 4];
-    if (a.window_size > 0) {
-        csa_pack_staged(a, (v4p_i32*)staged, true);
-    } else {
-        v4p_overlap_wait();  // before any global access
-        csa_pack_gather(a);
-    }
+    if (a.window_size > 0) return csa_pack_staged<2>(a);  // waits once its row is staged
+    v4p_overlap_wait();  // before any global access
+    csa_pack_gather(a);
+}
+extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_BLOCK_THREADS, 8) void v4pool_csa_translate_pack_staged_x4(CsaPackArgs a) {
+    v4p_overlap_trigger();  // the next layer's pack may launch now; this one waits below
+    if (a.window_size > 0) return csa_pack_staged<4>(a);  // waits once its row is staged
+    v4p_overlap_wait();  // before any global access
+    csa_pack_gather(a);
 }
 
 // ---- §7: SWA ring write, two planes --------------------------------------------------------

@@ -466,7 +466,7 @@ fn hca_offsets_kernel_matches_reference() {
 fn csa_pack_kernel_matches_reference() {
     let Some(emu) = emu() else { return };
     let mut rng = Rng(0x0bad_c0de_1234_0001);
-    for case in 0..60 {
+    for case in 0..200 {
         let t = rng.range(0, 6) as usize;
         // Rows of every columns-per-thread count (1..8) and of one to two tiles.
         let row_stride =
@@ -496,12 +496,21 @@ fn csa_pack_kernel_matches_reference() {
         // A few entries before the first slice: slices start at every alignment mod 4.
         let lead = rng.range(0, 3) as i32;
         let indptr: Vec<i32> = cumsum(&lens).iter().map(|&x| x + lead).collect();
-        // Values past the table exercise the clamp.
-        let topk: Vec<i32> =
-            (0..t as i64 * row_stride).map(|_| rng.range(0, stride * 64 + 100) as i32).collect();
+        // Rows per block: DeepSeek-V4's 64 (a power of two: shift and mask), others divide.
+        let cap = [64i64, 64, 64, 1, 3, 48, 128][rng.range(0, 6) as usize];
+        // Values past the table exercise the clamp; now and then negative ones (C division
+        // truncates: column 0, a negative row) and the i32 extremes.
+        let topk: Vec<i32> = (0..t as i64 * row_stride)
+            .map(|_| match rng.range(0, 99) {
+                0 => i32::MIN,
+                1 => i32::MAX,
+                2..=4 => -(rng.range(1, 300) as i32),
+                _ => rng.range(0, stride * cap + 100) as i32,
+            })
+            .collect();
         let outputs = vec![vec![POISON; extent(&indptr) + 3]];
-        // Decode rows of at most two tiles run the staged form, the rest the gather form
-        // (`Launch::symbol`): both against the reference.
+        // Decode rows run a staged form (two columns per thread up to 512, four past it),
+        // prefill rows the gather form (`Launch::symbol`): each against the reference.
         compare(&emu, &format!("csa pack case {case}"), &outputs, |outs| {
             Launch::CsaPack(CsaPackArgs {
                 topk: addr(&topk),
@@ -515,7 +524,7 @@ fn csa_pack_kernel_matches_reference() {
                 topk_row_stride: row_stride as i32,
                 block_table_stride: stride as i32,
                 num_tokens: t as i32,
-                block_capacity: 64,
+                block_capacity: cap as i32,
                 window_size: window as i32,
                 _pad: 0,
             })

@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 use std::mem::{align_of, offset_of, size_of};
 use v4pool::geometry::WindowParams;
 use v4pool::index::shape::{
-    BLOCK_THREADS, CSA_STAGED_MAX_TOPK, CSA_TILE, DECODE_HCA_TILE, GATHER_LANES, GATHER_ROWS_PER_BLOCK,
-    MAX_GRID_YZ, PREFILL_LANES, PREFILL_SHORT_HEAD, PREFILL_SHORT_LANES, PREFILL_TOKENS_PER_BLOCK,
-    ROWS_PER_BLOCK, ROW_LANES, RUN_SPLIT, STATE_CHUNK,
+    BLOCK_THREADS, CSA_TILE, CSA_TILE_X4, DECODE_HCA_TILE, GATHER_LANES, GATHER_ROWS_PER_BLOCK, MAX_GRID_YZ,
+    PREFILL_LANES, PREFILL_SHORT_HEAD, PREFILL_SHORT_LANES, PREFILL_TOKENS_PER_BLOCK, ROWS_PER_BLOCK,
+    ROW_LANES, RUN_SPLIT, STATE_CHUNK,
 };
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
@@ -142,7 +142,7 @@ fn header_constants_match_the_launch_shapes() {
     assert_eq!(header_define("V4POOL_PREFILL_SHORT_LANES"), i64::from(PREFILL_SHORT_LANES));
     assert_eq!(header_define("V4POOL_PREFILL_SHORT_HEAD") as u64, PREFILL_SHORT_HEAD);
     assert_eq!(header_define("V4POOL_CSA_TILE"), i64::from(CSA_TILE));
-    assert_eq!(header_define("V4POOL_CSA_STAGED_MAX_TOPK"), i64::from(CSA_STAGED_MAX_TOPK));
+    assert_eq!(header_define("V4POOL_CSA_TILE_X4"), i64::from(CSA_TILE_X4));
     assert_eq!(header_define("V4POOL_MAX_GRID_YZ"), i64::from(MAX_GRID_YZ));
     assert_eq!(header_define("V4POOL_STATE_CHUNK"), i64::from(STATE_CHUNK));
     assert_eq!(header_define("V4POOL_DTYPE_F32"), v4pool::index::ElemType::F32 as i64);

@@ -432,6 +432,7 @@ impl Launch {
             Launch::Prefill(a) if shape::prefill_short(a) => "v4pool_prefill_indices_short",
             Launch::Prefill(_) => "v4pool_prefill_indices",
             Launch::HcaOffsets(_) => "v4pool_hca_offsets",
+            Launch::CsaPack(a) if shape::csa_wide(a) => "v4pool_csa_translate_pack_staged_x4",
             Launch::CsaPack(a) if shape::csa_staged(a) => "v4pool_csa_translate_pack_staged",
             Launch::CsaPack(_) => "v4pool_csa_translate_pack",
             Launch::RingWrite(_) => "v4pool_ring_write",
@@ -446,13 +447,14 @@ impl Launch {
     }
 
     /// Every kernel symbol, for module loading and the code-object symbol test.
-    pub const SYMBOLS: [&'static str; 14] = [
+    pub const SYMBOLS: [&'static str; 15] = [
         "v4pool_decode_indices",
         "v4pool_prefill_indices",
         "v4pool_prefill_indices_short",
         "v4pool_hca_offsets",
         "v4pool_csa_translate_pack",
         "v4pool_csa_translate_pack_staged",
+        "v4pool_csa_translate_pack_staged_x4",
         "v4pool_ring_write",
         "v4pool_row_scatter",
         "v4pool_update_compressor_states",

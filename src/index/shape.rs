@@ -62,23 +62,39 @@ pub fn prefill_lanes(a: &PrefillIndexArgs) -> u32 {
         PREFILL_LANES
     }
 }
-/// Top-k columns one CSA translate-pack block covers, grid y (`V4POOL_CSA_TILE`).
+/// Top-k columns one CSA translate-pack block covers, grid y (`V4POOL_CSA_TILE`): the gather
+/// form and the staged decode form for top-k rows up to this long.
 pub const CSA_TILE: u32 = 2 * BLOCK_THREADS;
-/// The longest top-k row the CSA translate-pack's staged decode form is launched for
-/// (`V4POOL_CSA_STAGED_MAX_TOPK`): two tiles, each of which stages the token's table row.
-pub const CSA_STAGED_MAX_TOPK: u32 = 2 * CSA_TILE;
+/// Top-k columns one block of the wide staged decode form covers (`V4POOL_CSA_TILE_X4`), for
+/// rows longer than [`CSA_TILE`]: V4-Pro's 1,024 is one tile, 2,048 two.
+pub const CSA_TILE_X4: u32 = 4 * BLOCK_THREADS;
 
-/// Whether a CSA translate-pack launch runs the staged decode form
-/// (`v4pool_csa_translate_pack_staged`): decode mode (`window_size > 0`) and a top-k row of at
-/// most [`CSA_STAGED_MAX_TOPK`] columns. That form loads everything but the top-k, the
-/// token's block-table row included (into shared memory), before it waits for the kernel
-/// before it, so a graph of per-layer packs keeps one dependent round trip per layer instead of
-/// two (H200: 21 layers at top-k 512 38.7 µs against 56.5). Past two tiles each tile would stage
-/// the row again (top-k 2,048: 103.7 µs against 78.0 gathered), and prefill rows are not
-/// bounded by a position, so those launches gather table entries instead. Only the
-/// arguments' scalars decide (a graph replays the shape with new contents).
+/// Whether a CSA translate-pack launch runs a staged decode form
+/// (`v4pool_csa_translate_pack_staged[_x4]`): decode mode (`window_size > 0`) and a non-empty
+/// top-k row. Those forms load everything but the top-k, the token's block-table row included
+/// (into shared memory), before they wait for the kernel before them, so a graph of per-layer
+/// packs keeps one dependent round trip per layer instead of two. Prefill rows are not bounded
+/// by a position, so prefill launches gather table entries instead. Only the arguments'
+/// scalars decide (a graph replays the shape with new contents).
 pub fn csa_staged(a: &CsaPackArgs) -> bool {
-    a.window_size > 0 && a.topk_row_stride > 0 && a.topk_row_stride as u32 <= CSA_STAGED_MAX_TOPK
+    a.window_size > 0 && a.topk_row_stride > 0
+}
+
+/// Whether a staged decode launch takes the wide form (four columns per thread, tiles of
+/// [`CSA_TILE_X4`]): rows longer than [`CSA_TILE`]. H200, 21 per-layer packs at batch 256
+/// (BENCHMARKS.md): top-k 1,024 in 34.9 µs against 40.3 with two columns per thread; 2,048 in
+/// 46.6 against 69.4. At 512 two per thread win (29.2 against 31.9).
+pub fn csa_wide(a: &CsaPackArgs) -> bool {
+    csa_staged(a) && a.topk_row_stride as u32 > CSA_TILE
+}
+
+/// Top-k columns per block of this launch.
+pub fn csa_tile(a: &CsaPackArgs) -> u32 {
+    if csa_wide(a) {
+        CSA_TILE_X4
+    } else {
+        CSA_TILE
+    }
 }
 /// Elements one lane of the state update moves per chunk (`V4POOL_STATE_CHUNK`).
 pub const STATE_CHUNK: u32 = 8;
@@ -127,8 +143,8 @@ fn ceil_div(n: u64, d: u64) -> u64 {
 
 /// Tiles of one top-k row in the CSA translate-pack (grid y); the kernel derives the same
 /// number from `topk_row_stride` to stride past a row should `valid_k` exceed it.
-pub fn csa_tiles(topk_row_stride: i32) -> u64 {
-    ceil_div(count(topk_row_stride), u64::from(CSA_TILE)).max(1)
+pub fn csa_tiles(a: &CsaPackArgs) -> u64 {
+    ceil_div(count(a.topk_row_stride), u64::from(csa_tile(a))).max(1)
 }
 
 /// Lanes of the state update that share one plan row: the power of two covering
@@ -173,10 +189,9 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
         // One thread per entry.
         Launch::HcaOffsets(a) => LaunchShape::linear(ceil_div(count(a.num_entries), u64::from(b)), b),
         // (token, tile of the top-k row).
-        Launch::CsaPack(a) => LaunchShape {
-            grid: [grid_dim(count(a.num_tokens)), grid_dim(csa_tiles(a.topk_row_stride)), 1],
-            block: [b, 1, 1],
-        },
+        Launch::CsaPack(a) => {
+            LaunchShape { grid: [grid_dim(count(a.num_tokens)), grid_dim(csa_tiles(a)), 1], block: [b, 1, 1] }
+        }
         // (sequence, group of ROWS_PER_BLOCK ring rows).
         Launch::RingWrite(a) => LaunchShape {
             grid: [
@@ -733,11 +748,23 @@ mod tests {
         huge.block_table_stride = i32::MAX;
         assert_eq!(launch_shape(&Launch::Decode(huge)).grid, [3, MAX_GRID_YZ, 1]);
         assert_eq!(check_launch(&Launch::Decode(huge)), Ok(()));
-        // (token, CSA_TILE columns).
-        for (stride, tiles) in [(0, 1), (1, 1), (512, 1), (513, 2), (1024, 2), (2048, 4), (2049, 5)] {
-            assert_eq!(csa_tiles(stride), tiles, "top-k row {stride}");
+        // (token, CSA_TILE columns); decode rows past CSA_TILE take CSA_TILE_X4 columns.
+        for (stride, tiles, decode_tiles) in
+            [(0, 1, 1), (1, 1, 1), (512, 1, 1), (513, 2, 1), (1024, 2, 1), (2048, 4, 2), (2049, 5, 3)]
+        {
             let csa = CsaPackArgs { num_tokens: 7, topk_row_stride: stride, ..Default::default() };
+            assert_eq!(csa_tiles(&csa), tiles, "top-k row {stride}");
             assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [7, tiles as u32, 1]);
+            let dec = CsaPackArgs { window_size: 128, ..csa };
+            assert_eq!(csa_tiles(&dec), decode_tiles, "decode top-k row {stride}");
+            assert_eq!(launch_shape(&Launch::CsaPack(dec)).grid, [7, decode_tiles as u32, 1]);
+            let want = match stride {
+                0 => "v4pool_csa_translate_pack",
+                1..=512 => "v4pool_csa_translate_pack_staged",
+                _ => "v4pool_csa_translate_pack_staged_x4",
+            };
+            assert_eq!(Launch::CsaPack(dec).symbol(), want, "decode top-k row {stride}");
+            assert_eq!(Launch::CsaPack(csa).symbol(), "v4pool_csa_translate_pack");
         }
         let csa = CsaPackArgs { num_tokens: 0, topk_row_stride: 0, ..Default::default() };
         assert_eq!(launch_shape(&Launch::CsaPack(csa)).grid, [1, 1, 1]);
