@@ -32,6 +32,7 @@ extern "C" int v4pool_emu_launch(const char* symbol, const void* args, const uns
     V4P_EMU_CASE(v4pool_decode_indices, DecodeIndexArgs)
     V4P_EMU_CASE(v4pool_prefill_indices, PrefillIndexArgs)
     V4P_EMU_CASE(v4pool_prefill_indices_short, PrefillIndexArgs)
+    V4P_EMU_CASE(v4pool_prefill_indices_pair, PrefillIndexArgs)
     V4P_EMU_CASE(v4pool_hca_offsets, HcaOffsetsArgs)
     V4P_EMU_CASE(v4pool_csa_translate_pack, CsaPackArgs)
     V4P_EMU_CASE(v4pool_csa_translate_pack_staged, CsaPackArgs)

@@ -30,6 +30,8 @@
 
 V4P_DEVICE v4p_i64 v4p_min(v4p_i64 a, v4p_i64 b) { return a < b ? a : b; }
 V4P_DEVICE v4p_i64 v4p_max(v4p_i64 a, v4p_i64 b) { return a > b ? a : b; }
+V4P_DEVICE v4p_u32 v4p_min32(v4p_u32 a, v4p_u32 b) { return a < b ? a : b; }
+V4P_DEVICE v4p_u32 v4p_max32(v4p_u32 a, v4p_u32 b) { return a > b ? a : b; }
 
 template <typename T>
 V4P_DEVICE const T* v4p_in(v4p_ptr p) {
@@ -507,11 +509,19 @@ V4P_DEVICE void v4p_head_by16(v4p_i32* __restrict__ dst, const v4p_i32* __restri
     }
 }
 
+/// A token's head to write: dst[0..n) from `table` (the sequence's block-table row); n = 0
+/// for none. `b` is the token's sequence (two tokens of one sequence share `table`).
+struct V4pHead {
+    v4p_i32* dst;
+    const v4p_i32* table;
+    v4p_u32 n;
+    v4p_i32 b;
+};
+
+/// Token t's extend run, windows (SWA / CSA / HCA) and the place of its HCA compressed head.
 template <v4p_u32 LANES>
-V4P_DEVICE void v4p_prefill_by16(const PrefillIndexArgs& a) {
-    const v4p_u32 lane = v4p_tid_x() % LANES;
-    const v4p_i64 t = (v4p_i64)v4p_bid_x() * (V4POOL_BLOCK_THREADS / LANES) + v4p_tid_x() / LANES;
-    if (t >= a.num_tokens) return;
+V4P_DEVICE V4pHead v4p_prefill_token(const PrefillIndexArgs& a, v4p_i64 t, v4p_u32 lane) {
+    V4pHead none{nullptr, nullptr, 0, -1};
     // Everything that needs only t, then the sequence's values.
     const v4p_i32 b = v4p_in<v4p_i32>(a.bid_per_token)[t];
     const v4p_i32 p32 = v4p_in<v4p_i32>(a.positions)[t];
@@ -519,7 +529,7 @@ V4P_DEVICE void v4p_prefill_by16(const PrefillIndexArgs& a) {
     const v4p_i64 swa_at = a.swa_indptr != 0 ? (v4p_i64)v4p_in<v4p_i32>(a.swa_indptr)[t] : 0;
     const v4p_i64 csa_end = v4p_in<v4p_i32>(a.csa_indptr)[t + 1];
     const v4p_i64 hca_at = v4p_in<v4p_i32>(a.hca_indptr)[t];
-    if (b < 0) return;  // prefill has no pads; a negative id would be a wild read
+    if (b < 0) return none;  // prefill has no pads; a negative id would be a wild read
     const v4p_i64 cs = v4p_in<v4p_i32>(a.chunk_start_per_seq)[b];
     const v4p_i64 cu = v4p_in<v4p_i32>(a.cu_seqlens_q_per_seq)[b];
     const v4p_i64 committed = v4p_in<v4p_i32>(a.n_committed_hca_per_seq)[b];
@@ -560,8 +570,106 @@ V4P_DEVICE void v4p_prefill_by16(const PrefillIndexArgs& a) {
         // HCA: [window | compressed entries].
         v4p_write_window_prefill(out, a.hca, slot, first, pre, lane, LANES);
     }
-    if (nh == 0) return;
-    v4p_head_by16<LANES>(out + pre, table, nh, (v4p_u32)a.hca_rows_per_block, (v4p_u32)a.envelope_rows, lane);
+    return V4pHead{out + pre, table, nh, b};
+}
+
+template <v4p_u32 LANES>
+V4P_DEVICE void v4p_prefill_by16(const PrefillIndexArgs& a) {
+    const v4p_u32 lane = v4p_tid_x() % LANES;
+    const v4p_i64 t = (v4p_i64)v4p_bid_x() * (V4POOL_BLOCK_THREADS / LANES) + v4p_tid_x() / LANES;
+    if (t >= a.num_tokens) return;
+    const V4pHead h = v4p_prefill_token<LANES>(a, t, lane);
+    if (h.n == 0) return;
+    v4p_head_by16<LANES>(h.dst, h.table, h.n, (v4p_u32)a.hca_rows_per_block, (v4p_u32)a.envelope_rows, lane);
+}
+
+/// N tokens' compressed heads of one block-table row at rows per block 2 (N = 2 in
+/// v4pool_prefill_indices_pair): one set of table loads feeds every head's 16-byte groups.
+/// Group g of head i starts at entry h_i + 4g (h_i its scalar head, 0..3, which may differ
+/// between the slices' alignments); all lie within entries 2c .. 2c + 7, c = min_i h_i / 2 +
+/// 2g, i.e. table columns c .. c + 3 (clamped to the last column any head needs, so no load
+/// passes the row). Head i's group is then columns q_i .. q_i + 2 of those by its offset
+/// o_i = h_i - 2c.
+template <v4p_u32 LANES, int N>
+V4P_DEVICE void v4p_head_multi(const V4pHead* h, v4p_u32 env, v4p_u32 lane) {
+    const v4p_i32* table = h[0].table;
+    v4p_u32 hd[N], gs[N], hmin = 4, nmax = 0, gmin = 0xffffffffu, gmax = 0;
+    v4p_vec16* v[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const V4pRun16 s(h[i].dst, h[i].n);
+        const v4p_u32 k = s.tail + lane;
+        if (lane < s.head) h[i].dst[lane] = (v4p_i32)((v4p_u32)table[lane >> 1] * env + (lane & 1));
+        if (k < h[i].n) h[i].dst[k] = (v4p_i32)((v4p_u32)table[k >> 1] * env + (k & 1));
+        hd[i] = s.head, gs[i] = s.groups;
+        v[i] = (v4p_vec16*)(h[i].dst + s.head);
+#if defined(V4P_TARGET_EMU)
+        if (s.groups != 0 && ((v4p_u64)v[i] & 15) != 0) __builtin_trap();
+#endif
+        hmin = v4p_min32(hmin, s.head), nmax = v4p_max32(nmax, h[i].n);
+        gmin = v4p_min32(gmin, s.groups), gmax = v4p_max32(gmax, s.groups);
+    }
+    const v4p_u32 c0 = hmin >> 1, cmax = (nmax - 1) >> 1;
+    v4p_u32 o[N];  // 0..4
+#pragma unroll
+    for (int i = 0; i < N; ++i) o[i] = hd[i] - 2 * c0;
+    // Entries o .. o + 3 of the eight that columns x0..x3 give (entry 2i + r = x_i * env + r).
+    auto four = [&](v4p_u32 oo, const v4p_u32* x) {
+        const v4p_u32 q = oo >> 1;
+        const v4p_u32 a = q == 0 ? x[0] : q == 1 ? x[1] : x[2];
+        const v4p_u32 b = q == 0 ? x[1] : q == 1 ? x[2] : x[3];
+        const v4p_u32 c = q == 0 ? x[2] : x[3];  // only for odd o (q <= 1)
+        const v4p_u32 ba = a * env, bb = b * env, bc = c * env;
+        return (oo & 1) ? v4p_vec16{ba + 1, bb, bb + 1, bc} : v4p_vec16{ba, ba + 1, bb, bb + 1};
+    };
+    auto cols = [&](v4p_u32 g, v4p_u32* x) {
+        const v4p_u32 c = c0 + 2 * g;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x[i] = (v4p_u32)table[v4p_min32(c + (v4p_u32)i, cmax)];
+    };
+    constexpr int U = 2;
+    v4p_u32 g = lane;
+    for (; g + (U - 1) * LANES < gmin; g += U * LANES) {
+        v4p_u32 x[U][4];
+#pragma unroll
+        for (int u = 0; u < U; ++u) cols(g + (v4p_u32)u * LANES, x[u]);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int i = 0; i < N; ++i) v[i][g + (v4p_u32)u * LANES] = four(o[i], x[u]);
+    }
+    for (; g < gmax; g += LANES) {
+        v4p_u32 x[4];
+        cols(g, x);
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+            if (g < gs[i]) v[i][g] = four(o[i], x);
+    }
+}
+
+/// N consecutive tokens per LANES lanes: each token's extend
+/// run and windows as v4p_prefill_by16; the HCA heads from one set of table loads when all N
+/// tokens have heads, are of one sequence, and rows per block is 2, else each on its own.
+template <v4p_u32 LANES, int N>
+V4P_DEVICE void v4p_prefill_multi(const PrefillIndexArgs& a) {
+    const v4p_u32 lane = v4p_tid_x() % LANES;
+    const v4p_i64 t = N * ((v4p_i64)v4p_bid_x() * (V4POOL_BLOCK_THREADS / LANES) + v4p_tid_x() / LANES);
+    if (t >= a.num_tokens) return;
+    V4pHead h[N];
+    bool shared = a.hca_rows_per_block == 2;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        h[i] = t + i < a.num_tokens ? v4p_prefill_token<LANES>(a, t + i, lane) : V4pHead{nullptr, nullptr, 0, -1};
+        shared = shared && h[i].n != 0 && h[i].b == h[0].b;
+    }
+    const v4p_u32 rpb = (v4p_u32)a.hca_rows_per_block, env = (v4p_u32)a.envelope_rows;
+    if (shared) {
+        v4p_head_multi<LANES, N>(h, env, lane);
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        if (h[i].n != 0) v4p_head_by16<LANES>(h[i].dst, h[i].table, h[i].n, rpb, env, lane);
 }
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefill_indices(PrefillIndexArgs a) {
@@ -571,6 +679,16 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefil
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefill_indices_short(PrefillIndexArgs a) {
     v4p_overlap_begin();  // before any global access (launched as a dependent)
     v4p_prefill_by16<V4POOL_PREFILL_SHORT_LANES>(a);
+}
+// Two consecutive tokens per 64 lanes (8 per block), their HCA heads from one set of table
+// loads (v4p_prefill_multi). The host picks it (shape::prefill_pair) for long forwards over
+// moderate contexts, where the block-table row reads are L2-resident and half of them can go:
+// H200, 8,192 tokens at 128K in 15.55 µs against 17.28 (BENCHMARKS.md). With fewer tokens the
+// grid is too small (2,048 at 128K: 8.83 against 7.49), and at 1M the kernel is bound by its
+// DRAM writes (8,192 at 1M: 89.31 against 85.81), so those keep the one-token form.
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_prefill_indices_pair(PrefillIndexArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
+    v4p_prefill_multi<V4POOL_PREFILL_LANES, 2>(a);
 }
 
 // ---- §4: HCA compressed offsets as a standalone gather -----------------------------------

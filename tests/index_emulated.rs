@@ -8,7 +8,7 @@
 use std::ffi::{c_char, c_void, CString};
 use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, WindowParams};
 use v4pool::index::host::run_launch;
-use v4pool::index::shape::{launch_shape, prefill_short};
+use v4pool::index::shape::{launch_shape, prefill_short, LaunchShape};
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
     Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs,
@@ -44,14 +44,20 @@ impl Emu {
     /// # Safety
     /// As `run_launch`: the pointers in the launch cover what the kernel touches.
     unsafe fn run(&self, launch: &Launch) {
+        // SAFETY: forwarded.
+        unsafe { self.run_as(launch, launch.symbol(), launch_shape(launch)) }
+    }
+
+    /// # Safety
+    /// As `run`; `symbol` takes `launch`'s argument struct and `shape` covers its work.
+    unsafe fn run_as(&self, launch: &Launch, symbol: &str, shape: LaunchShape) {
         let bytes = v4pool::backend::kernel_argument(launch);
-        let shape = launch_shape(launch);
-        let sym = CString::new(launch.symbol()).unwrap();
+        let sym = CString::new(symbol).unwrap();
         // SAFETY: forwarded from the caller; the argument bytes are the struct the kernel takes.
         let rc = unsafe {
             (self.launch)(sym.as_ptr(), bytes.as_ptr().cast(), shape.grid.as_ptr(), shape.block[0])
         };
-        assert_eq!(rc, 0, "unknown kernel {}", launch.symbol());
+        assert_eq!(rc, 0, "unknown kernel {symbol}");
     }
 }
 
@@ -84,14 +90,28 @@ fn compare<T: Clone + PartialEq + std::fmt::Debug>(
     outputs: &[Vec<T>],
     make: impl Fn(&mut [Vec<T>]) -> Launch,
 ) -> bool {
+    compare_as(emu, what, outputs, make, None)
+}
+
+/// As [`compare`], the kernel run as `form` (symbol and shape) instead of the launch's own.
+fn compare_as<T: Clone + PartialEq + std::fmt::Debug>(
+    emu: &Emu,
+    what: &str,
+    outputs: &[Vec<T>],
+    make: impl Fn(&mut [Vec<T>]) -> Launch,
+    form: Option<(&str, LaunchShape)>,
+) -> bool {
     let mut host = outputs.to_vec();
     let mut dev = outputs.to_vec();
     let l = make(&mut host);
     // SAFETY: `make` points the launch at the test's live buffers, sized for the kernel.
     unsafe { run_launch(&l) }.unwrap_or_else(|e| panic!("{what}: host reference refused: {e}"));
     let l = make(&mut dev);
-    // SAFETY: as above.
-    unsafe { emu.run(&l) };
+    // SAFETY: as above; a forced form takes the same arguments and covers the same tokens.
+    match form {
+        Some((sym, shape)) => unsafe { emu.run_as(&l, sym, shape) },
+        None => unsafe { emu.run(&l) },
+    }
     assert!(host == dev, "{what}: kernel and host reference differ\nhost {host:?}\nkernel {dev:?}");
     host != outputs
 }
@@ -328,7 +348,7 @@ fn decode_builder_long_hca_heads_every_alignment() {
 fn prefill_builder_kernel_matches_reference() {
     let Some(emu) = emu() else { return };
     let mut rng = Rng(0x1234_5678_9abc_def1);
-    let mut shorts = 0usize;
+    let (mut shorts, mut pairs) = (0usize, 0usize);
     for case in 0..60 {
         // Every third case with a ring longer than the 64 lanes a token has.
         let g = if case % 3 == 2 {
@@ -354,7 +374,9 @@ fn prefill_builder_kernel_matches_reference() {
             } else {
                 rng.range(0, 1500)
             };
-            let len = rng.range(1, 6);
+            // Sequences of one token up to many (the paired form shares one table row between
+            // consecutive tokens of a sequence; odd counts leave a token on its own).
+            let len = if rng.chance(25) { rng.range(6, 40) } else { rng.range(1, 6) };
             cu_q.push(positions.len() as i32);
             chunk_start.push(cs as i32);
             committed.push(((cs + len) / hca_ratio) as i32);
@@ -392,7 +414,6 @@ fn prefill_builder_kernel_matches_reference() {
             csa.ring_stride = 2 * rng.range(1, 20) + 1;
             csa.run_rows = csa.ring_stride + rng.range(0, 4);
         }
-        // Every variant of the builder (issue 13 A/B; the only Prefill launches of this binary).
         for stride in [stride, stride + PAD] {
             let make = |outs: &mut [Vec<i32>]| {
                 Launch::Prefill(PrefillIndexArgs {
@@ -427,10 +448,17 @@ fn prefill_builder_kernel_matches_reference() {
             let form = if prefill_short(&args) { "short" } else { "long" };
             shorts += usize::from(prefill_short(&args));
             compare(&emu, &format!("prefill case {case} stride {stride} ({form} form)"), &outputs, make);
+            // The paired long form (two tokens per 64 lanes, 8 per block) on every case, whatever
+            // the shape rule picks (it pairs only forwards of 4,096 tokens or more).
+            let pair = LaunchShape { grid: [(t as u32).div_ceil(8).max(1), 1, 1], block: [256, 1, 1] };
+            let what = format!("prefill case {case} stride {stride} (paired form)");
+            compare_as(&emu, &what, &outputs, make, Some(("v4pool_prefill_indices_pair", pair)));
+            pairs += 1;
         }
     }
-    // Both forms ran, each on many cases.
+    // Both forms ran, each on many cases, and the paired form on every one.
     assert!(shorts >= 10, "only {shorts} short-form runs");
+    assert!(pairs >= 100, "only {pairs} paired-form runs");
 }
 
 #[test]

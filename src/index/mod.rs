@@ -430,6 +430,7 @@ impl Launch {
         match self {
             Launch::Decode(_) => "v4pool_decode_indices",
             Launch::Prefill(a) if shape::prefill_short(a) => "v4pool_prefill_indices_short",
+            Launch::Prefill(a) if shape::prefill_pair(a) => "v4pool_prefill_indices_pair",
             Launch::Prefill(_) => "v4pool_prefill_indices",
             Launch::HcaOffsets(_) => "v4pool_hca_offsets",
             Launch::CsaPack(a) if shape::csa_wide(a) => "v4pool_csa_translate_pack_staged_x4",
@@ -447,10 +448,11 @@ impl Launch {
     }
 
     /// Every kernel symbol, for module loading and the code-object symbol test.
-    pub const SYMBOLS: [&'static str; 15] = [
+    pub const SYMBOLS: [&'static str; 16] = [
         "v4pool_decode_indices",
         "v4pool_prefill_indices",
         "v4pool_prefill_indices_short",
+        "v4pool_prefill_indices_pair",
         "v4pool_hca_offsets",
         "v4pool_csa_translate_pack",
         "v4pool_csa_translate_pack_staged",

@@ -54,6 +54,33 @@ pub fn prefill_short(a: &PrefillIndexArgs) -> bool {
     count(a.block_table_stride) * count(a.hca_rows_per_block) <= PREFILL_SHORT_HEAD
 }
 
+/// The fewest tokens a prefill launch pairs (`v4pool_prefill_indices_pair`).
+pub const PREFILL_PAIR_MIN_TOKENS: i32 = 4096;
+/// The longest HCA head (`block_table_stride * hca_rows_per_block`) a paired launch serves.
+pub const PREFILL_PAIR_MAX_HEAD: u64 = 4096;
+
+/// Whether a long-form prefill launch runs the paired form (`v4pool_prefill_indices_pair`: two
+/// consecutive tokens per 64 lanes, their HCA heads from one set of table loads): rows per
+/// block 2, at least [`PREFILL_PAIR_MIN_TOKENS`] tokens, and heads of at most
+/// [`PREFILL_PAIR_MAX_HEAD`] entries. Pairing halves the block-table reads, which bound the
+/// builder while the rows are L2-resident (H200, 8,192 tokens at 128K: 15.55 µs against
+/// 17.28); with fewer tokens its grid is too small (2,048 at 128K: 8.83 against 7.49), and
+/// past 512K-token rows the builder is bound by its DRAM writes, where pairing lost (8,192 at
+/// 1M: 89.31 against 85.81; mixed contexts up to 1M: 41.81 against 38.54). Only the
+/// arguments' scalars decide, as for the short form.
+pub fn prefill_pair(a: &PrefillIndexArgs) -> bool {
+    !prefill_short(a)
+        && a.hca_rows_per_block == 2
+        && a.num_tokens >= PREFILL_PAIR_MIN_TOKENS
+        && count(a.block_table_stride) * 2 <= PREFILL_PAIR_MAX_HEAD
+}
+
+/// Tokens one block of a prefill launch builds: 256 lanes over [`prefill_lanes`] per token,
+/// twice as many in the paired form.
+pub fn prefill_tokens_per_block(a: &PrefillIndexArgs) -> u32 {
+    BLOCK_THREADS / prefill_lanes(a) * if prefill_pair(a) { 2 } else { 1 }
+}
+
 /// Lanes per token of a prefill launch: [`PREFILL_SHORT_LANES`] or [`PREFILL_LANES`].
 pub fn prefill_lanes(a: &PrefillIndexArgs) -> u32 {
     if prefill_short(a) {
@@ -184,7 +211,7 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
         },
         // prefill_lanes(a) lanes per token, the rest of the block other tokens.
         Launch::Prefill(a) => {
-            LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(BLOCK_THREADS / prefill_lanes(a))), b)
+            LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(prefill_tokens_per_block(a))), b)
         }
         // One thread per entry.
         Launch::HcaOffsets(a) => LaunchShape::linear(ceil_div(count(a.num_entries), u64::from(b)), b),
@@ -781,6 +808,21 @@ mod tests {
         pre.num_tokens = 33;
         assert_eq!(launch_shape(&Launch::Prefill(pre)).grid, [3, 1, 1]);
         assert_eq!(Launch::Prefill(pre).symbol(), "v4pool_prefill_indices_short");
+        // Paired: eight tokens per block for 4,096+ tokens over heads of at most 4,096 entries.
+        pre.num_tokens = 8192;
+        pre.block_table_stride = 2048;
+        assert_eq!(launch_shape(&Launch::Prefill(pre)).grid, [1024, 1, 1]);
+        assert_eq!(Launch::Prefill(pre).symbol(), "v4pool_prefill_indices_pair");
+        for (tokens, stride, rpb) in [(4095, 2048, 2), (8192, 2049, 2), (8192, 1365, 3)] {
+            let p = PrefillIndexArgs {
+                num_tokens: tokens,
+                block_table_stride: stride,
+                hca_rows_per_block: rpb,
+                ..pre
+            };
+            assert_eq!(Launch::Prefill(p).symbol(), "v4pool_prefill_indices", "{tokens} {stride} {rpb}");
+            assert_eq!(launch_shape(&Launch::Prefill(p)).grid, [(tokens as u32).div_ceil(4), 1, 1]);
+        }
         let ring = RingWriteArgs { num_seqs: 3, write_per_batch: 128, ..Default::default() };
         assert_eq!(launch_shape(&Launch::RingWrite(ring)).grid, [3, 16, 1]);
         let ring = RingWriteArgs { num_seqs: 3, write_per_batch: 9, ..Default::default() };

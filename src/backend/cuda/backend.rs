@@ -302,10 +302,11 @@ impl CudaBackend {
 /// the wait it loads only inputs its contract requires complete before the kernel preceding
 /// it starts, and stores nothing). Any other kernel, the
 /// ones other modules add included, keeps plain stream order.
-pub(super) const OVERLAPPED_KERNELS: [&str; 7] = [
+pub(super) const OVERLAPPED_KERNELS: [&str; 8] = [
     "v4pool_decode_indices",
     "v4pool_prefill_indices",
     "v4pool_prefill_indices_short",
+    "v4pool_prefill_indices_pair",
     "v4pool_hca_offsets",
     "v4pool_csa_translate_pack",
     "v4pool_csa_translate_pack_staged",
