@@ -456,32 +456,41 @@ struct V4pRun16 {
 /// first entry has the parity of the run's scalar head for every group (4 is even), so a group
 /// is two table loads (even) or three (odd) at consecutive columns and no division; any other
 /// `rpb` takes a running (block, row) pair per entry.
+/// A head run's scalar entries (each lane at most one of the lead and one of the tail), with
+/// the division of rows per block `dd` (a constant where inlined).
+V4P_DEVICE void v4p_head_ends(v4p_i32* dst, const v4p_i32* table, const V4pRun16& s, v4p_u32 n, v4p_u32 dd,
+                              v4p_u32 env, v4p_u32 lane) {
+    const v4p_u32 k = s.tail + lane;
+    if (lane < s.head) dst[lane] = (v4p_i32)((v4p_u32)table[lane / dd] * env + lane % dd);
+    if (k < n) dst[k] = (v4p_i32)((v4p_u32)table[k / dd] * env + k % dd);
+}
+
+/// Four consecutive head entries at rows per block 2, from table columns x0, x1 (and x2 when
+/// the group starts on an odd entry): (x0 r0, x0 r1, x1 r0, x1 r1) or (x0 r1, x1 r0, x1 r1, x2 r0).
+V4P_DEVICE v4p_vec16 v4p_rpb2_group(bool odd, v4p_u32 x0, v4p_u32 x1, v4p_u32 x2, v4p_u32 env) {
+    const v4p_u32 b0 = x0 * env, b1 = x1 * env;
+    return odd ? v4p_vec16{b0 + 1, b1, b1 + 1, x2 * env} : v4p_vec16{b0, b0 + 1, b1, b1 + 1};
+}
+
 template <v4p_u32 LANES>
 V4P_DEVICE void v4p_head_by16(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table, v4p_u32 n, v4p_u32 rpb,
                               v4p_u32 env, v4p_u32 lane) {
     const V4pRun16 s(dst, n);
     v4p_vec16* v = (v4p_vec16*)(dst + s.head);
-    const v4p_u32 d = rpb, k = s.tail + lane;
-    // The scalar entries (each thread at most one of the head and one of the tail), with the
-    // division of the branch's rows per block.
-    auto ends = [&](v4p_u32 dd) {
-        if (lane < s.head) dst[lane] = (v4p_i32)((v4p_u32)table[lane / dd] * env + lane % dd);
-        if (k < n) dst[k] = (v4p_i32)((v4p_u32)table[k / dd] * env + k % dd);
-    };
+    const v4p_u32 d = rpb;
+    auto ends = [&](v4p_u32 dd) { v4p_head_ends(dst, table, s, n, dd, env, lane); };
     if (d == 2) {
         ends(2);
         const v4p_i32* tq = table + (s.head >> 1);  // group g starts at column 2g of tq
         if (s.head & 1) {
             v4p_groups<LANES, 4>(v, s.groups, lane, [&](v4p_u32 g) {
                 const v4p_i32* c = tq + 2 * g;
-                const v4p_u32 b0 = (v4p_u32)c[0] * env, b1 = (v4p_u32)c[1] * env, b2 = (v4p_u32)c[2] * env;
-                return v4p_vec16{b0 + 1, b1, b1 + 1, b2};
+                return v4p_rpb2_group(true, (v4p_u32)c[0], (v4p_u32)c[1], (v4p_u32)c[2], env);
             });
         } else {
             v4p_groups<LANES, 4>(v, s.groups, lane, [&](v4p_u32 g) {
-                const v4p_i32* c = tq + 2 * g;
-                const v4p_u32 b0 = (v4p_u32)c[0] * env, b1 = (v4p_u32)c[1] * env;
-                return v4p_vec16{b0, b0 + 1, b1, b1 + 1};
+                const v4p_i32* c = tq + 2 * g;  // no third column: it may lie past the row
+                return v4p_rpb2_group(false, (v4p_u32)c[0], (v4p_u32)c[1], 0, env);
             });
         }
     } else if (d == 1) {
@@ -518,10 +527,12 @@ struct V4pHead {
     v4p_i32 b;
 };
 
+V4P_DEVICE V4pHead v4p_no_head() { return V4pHead{nullptr, nullptr, 0, -1}; }
+
 /// Token t's extend run, windows (SWA / CSA / HCA) and the place of its HCA compressed head.
 template <v4p_u32 LANES>
 V4P_DEVICE V4pHead v4p_prefill_token(const PrefillIndexArgs& a, v4p_i64 t, v4p_u32 lane) {
-    V4pHead none{nullptr, nullptr, 0, -1};
+    const V4pHead none = v4p_no_head();
     // Everything that needs only t, then the sequence's values.
     const v4p_i32 b = v4p_in<v4p_i32>(a.bid_per_token)[t];
     const v4p_i32 p32 = v4p_in<v4p_i32>(a.positions)[t];
@@ -598,9 +609,7 @@ V4P_DEVICE void v4p_head_multi(const V4pHead* h, v4p_u32 env, v4p_u32 lane) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         const V4pRun16 s(h[i].dst, h[i].n);
-        const v4p_u32 k = s.tail + lane;
-        if (lane < s.head) h[i].dst[lane] = (v4p_i32)((v4p_u32)table[lane >> 1] * env + (lane & 1));
-        if (k < h[i].n) h[i].dst[k] = (v4p_i32)((v4p_u32)table[k >> 1] * env + (k & 1));
+        v4p_head_ends(h[i].dst, table, s, h[i].n, 2, env, lane);
         hd[i] = s.head, gs[i] = s.groups;
         v[i] = (v4p_vec16*)(h[i].dst + s.head);
 #if defined(V4P_TARGET_EMU)
@@ -619,8 +628,7 @@ V4P_DEVICE void v4p_head_multi(const V4pHead* h, v4p_u32 env, v4p_u32 lane) {
         const v4p_u32 a = q == 0 ? x[0] : q == 1 ? x[1] : x[2];
         const v4p_u32 b = q == 0 ? x[1] : q == 1 ? x[2] : x[3];
         const v4p_u32 c = q == 0 ? x[2] : x[3];  // only for odd o (q <= 1)
-        const v4p_u32 ba = a * env, bb = b * env, bc = c * env;
-        return (oo & 1) ? v4p_vec16{ba + 1, bb, bb + 1, bc} : v4p_vec16{ba, ba + 1, bb, bb + 1};
+        return v4p_rpb2_group((oo & 1) != 0, a, b, c, env);
     };
     auto cols = [&](v4p_u32 g, v4p_u32* x) {
         const v4p_u32 c = c0 + 2 * g;
@@ -659,7 +667,7 @@ V4P_DEVICE void v4p_prefill_multi(const PrefillIndexArgs& a) {
     bool shared = a.hca_rows_per_block == 2;
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-        h[i] = t + i < a.num_tokens ? v4p_prefill_token<LANES>(a, t + i, lane) : V4pHead{nullptr, nullptr, 0, -1};
+        h[i] = t + i < a.num_tokens ? v4p_prefill_token<LANES>(a, t + i, lane) : v4p_no_head();
         shared = shared && h[i].n != 0 && h[i].b == h[0].b;
     }
     const v4p_u32 rpb = (v4p_u32)a.hca_rows_per_block, env = (v4p_u32)a.envelope_rows;

@@ -51,7 +51,12 @@ pub const PREFILL_SHORT_HEAD: u64 = 256;
 /// bound by per-token latency and prologue, which fewer lanes per token spread over more
 /// resident tokens; long heads want 64 lanes' loads in flight (H200, BENCHMARKS.md).
 pub fn prefill_short(a: &PrefillIndexArgs) -> bool {
-    count(a.block_table_stride) * count(a.hca_rows_per_block) <= PREFILL_SHORT_HEAD
+    prefill_max_head(a) <= PREFILL_SHORT_HEAD
+}
+
+/// The longest HCA head a prefill launch can write: what one block-table row describes.
+fn prefill_max_head(a: &PrefillIndexArgs) -> u64 {
+    count(a.block_table_stride) * count(a.hca_rows_per_block)
 }
 
 /// The fewest tokens a prefill launch pairs (`v4pool_prefill_indices_pair`).
@@ -72,7 +77,7 @@ pub fn prefill_pair(a: &PrefillIndexArgs) -> bool {
     !prefill_short(a)
         && a.hca_rows_per_block == 2
         && a.num_tokens >= PREFILL_PAIR_MIN_TOKENS
-        && count(a.block_table_stride) * 2 <= PREFILL_PAIR_MAX_HEAD
+        && prefill_max_head(a) <= PREFILL_PAIR_MAX_HEAD
 }
 
 /// Tokens one block of a prefill launch builds: 256 lanes over [`prefill_lanes`] per token,
