@@ -71,6 +71,9 @@ struct Gpu {
 
 /// Piece size of the kernel copy floor.
 const COPY_PIECE: u64 = 1 << 20;
+/// The traffic floor's pieces: 128 KiB, so even a 4 MB floor spreads over every SM (32 blocks
+/// a piece).
+const TRAFFIC_PIECE: u64 = 128 << 10;
 
 impl Gpu {
     /// Evict L2 (and keep the GPU busy while the host queues what follows).
@@ -158,26 +161,45 @@ impl Gpu {
             unsafe { self.be.copy(self.copy_dst.ptr, self.copy_src.ptr, bytes, S)? };
             Ok(())
         })?;
-        let runs: Vec<CopyRun> = (0..bytes.div_ceil(COPY_PIECE))
+        let kernel = self.copy_runs_graph(bytes, COPY_PIECE, |k| k)?;
+        let m = self.time_graphs(std::slice::from_ref(&memcpy), |_| Ok(()))?;
+        let k = self.time_graphs(std::slice::from_ref(&kernel), |_| Ok(()))?;
+        Ok((if k.med < m.med { k } else { m }, m, k))
+    }
+
+    /// The traffic floor of a kernel that reads `read` distinct bytes and writes `written`:
+    /// one copy_runs launch whose destination pieces (TRAFFIC_PIECE) cover `written`, consecutive
+    /// pieces sharing a source piece so the distinct source bytes are `read` (blocks of one
+    /// source run side by side: its second and later readers find it in L2). Graph replay,
+    /// cold L2.
+    fn traffic_floor(&self, read: u64, written: u64) -> Res<Stat> {
+        let written = written.clamp(16, self.copy_dst.bytes);
+        let read = read.clamp(16, written);
+        let (nsrc, ndst) = (read.div_ceil(TRAFFIC_PIECE), written.div_ceil(TRAFFIC_PIECE));
+        let kernel = self.copy_runs_graph(written, TRAFFIC_PIECE, |k| k * nsrc / ndst)?;
+        self.time_graphs(std::slice::from_ref(&kernel), |_| Ok(()))
+    }
+
+    /// One copy_runs launch, captured: destination pieces of `piece` bytes cover `bytes` of the
+    /// floor's destination, piece k reading source piece `src_piece(k)`.
+    fn copy_runs_graph(&self, bytes: u64, piece: u64, src_piece: impl Fn(u64) -> u64) -> Res<CudaGraph> {
+        let runs: Vec<CopyRun> = (0..bytes.div_ceil(piece))
             .map(|k| {
-                let off = k * COPY_PIECE;
+                let off = k * piece;
                 CopyRun {
-                    src: self.copy_src.ptr + off,
+                    src: self.copy_src.ptr + src_piece(k) * piece,
                     dst: self.copy_dst.ptr + off,
-                    bytes: COPY_PIECE.min(bytes - off),
+                    bytes: piece.min(bytes - off),
                 }
             })
             .collect();
         // The previous floor's replays have finished (every timed rep waits for its end event).
         self.upload(self.copy_desc.ptr, &runs)?;
-        let kernel = self.graph_of(&[Launch::CopyRuns(CopyRunsArgs {
+        self.graph_of(&[Launch::CopyRuns(CopyRunsArgs {
             runs: self.copy_desc.ptr,
             num_runs: runs.len() as i32,
             _pad: 0,
-        })])?;
-        let m = self.time_graphs(std::slice::from_ref(&memcpy), |_| Ok(()))?;
-        let k = self.time_graphs(std::slice::from_ref(&kernel), |_| Ok(()))?;
-        Ok((if k.med < m.med { k } else { m }, m, k))
+        })])
     }
 
     /// The write floor for `bytes`: a driver memset of them (graph replay, cold L2).
@@ -576,6 +598,18 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
                 memset: memset_b,
             },
         );
+        // What a kernel that must read the block-table rows (`br`) as well as write `bw`
+        // could reach with no dependent loads: the builder's bandwidth floor.
+        let traffic = gpu.traffic_floor(br, bw)?;
+        println!(
+            "  {:<34} traffic floor (read {} distinct, write {}): {:.2} µs; builder {:.2}× it, memset {:.2}× it",
+            "",
+            fmt_bytes(br),
+            fmt_bytes(bw),
+            traffic.med,
+            graph.med / traffic.med,
+            memset_b.med / traffic.med
+        );
         let name = format!("step     T {t:>4} (bs {batch}×{tps}), {label}");
         print_row(
             f,
@@ -590,7 +624,7 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
             },
         );
         if ctx_lo == 1 {
-            peer_line("decode", &format!("T={t}"), graph.med, bw, memset_b.med);
+            peer_line_traffic(&format!("T={t}"), graph.med, bw, memset_b.med, traffic.med);
         }
         if batch == 256 && ctx_lo == 1 && tps == 1 {
             peer_line("step", "T=256 topk=512", step.med, bw + pw, memset_s.med);
@@ -625,6 +659,11 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
 /// A machine-readable line `scripts/peer-table.py` joins with the peer's JSON.
 fn peer_line(kind: &str, shape: &str, us: f64, written: u64, memset_us: f64) {
     println!("PEER\t{kind}\t{shape}\t{us:.3}\t{written}\t{memset_us:.3}");
+}
+
+/// A decode PEER line, with the traffic floor as a last field.
+fn peer_line_traffic(shape: &str, us: f64, written: u64, memset_us: f64, traffic_us: f64) {
+    println!("PEER\tdecode\t{shape}\t{us:.3}\t{written}\t{memset_us:.3}\t{traffic_us:.3}");
 }
 
 // ---- CSA translate-pack ---------------------------------------------------------------------
@@ -1078,7 +1117,7 @@ fn run() -> Res<()> {
         ev1: be.event()?,
         copy_src: alloc(&be, copy_cap)?,
         copy_dst: alloc(&be, copy_cap)?,
-        copy_desc: alloc(&be, copy_cap.div_ceil(COPY_PIECE) * std::mem::size_of::<CopyRun>() as u64)?,
+        copy_desc: alloc(&be, copy_cap.div_ceil(TRAFFIC_PIECE) * std::mem::size_of::<CopyRun>() as u64)?,
         be,
     };
     let empty_graph_g = gpu.graph_of(&[Launch::Empty])?;
@@ -1119,11 +1158,15 @@ fn run() -> Res<()> {
             tbs(&k)
         );
     }
-    // `--prefill-only`: the floors and the prefill group alone.
+    // `--prefill-only` / `--decode-only`: the floors and that group alone.
     let prefill_only = std::env::args().any(|a| a == "--prefill-only");
+    let decode_only = std::env::args().any(|a| a == "--decode-only");
     let mut dec = DecodeResults { step_256: None, no_host_sync: None };
     if !prefill_only {
         dec = decode_group(&gpu, &floors, &g)?;
+        if decode_only {
+            return Ok(());
+        }
         csa_group(&gpu, &floors, &g)?;
     }
     let pre = prefill_group(&gpu, &floors, &g)?;

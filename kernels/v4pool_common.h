@@ -50,6 +50,9 @@
 #endif
 
 #define V4P_DEVICE __device__ __forceinline__
+/// Out of line: a path no V4 geometry takes, kept off the hot path's instruction stream (a
+/// cold L2 makes every instruction fetch miss of a small grid a DRAM round trip).
+#define V4P_DEVICE_COLD __device__ __attribute__((noinline))
 
 #if defined(V4P_TARGET_HIP)
 V4P_DEVICE unsigned v4p_tid_x() { return __builtin_amdgcn_workitem_id_x(); }
@@ -144,8 +147,10 @@ struct alignas(16) v4p_vec16 {
 
 // ---- launch constants (mirrored in src/index/shape.rs; tests/kernel_layout.rs checks) ------
 
-/// Threads per block of every kernel but v4pool_empty.
+/// Threads per block of every kernel but v4pool_empty and the decode builder.
 #define V4POOL_BLOCK_THREADS 256
+/// Threads per block of the decode builder (v4pool_decode_indices).
+#define V4POOL_DECODE_THREADS 128
 /// Lanes that copy one row together in the row kernels (ring write, row scatter).
 #define V4POOL_ROW_LANES 32
 /// Rows one block of the row kernels copies: V4POOL_BLOCK_THREADS / V4POOL_ROW_LANES.
@@ -153,9 +158,9 @@ struct alignas(16) v4p_vec16 {
 /// Blocks that share one run in fill_runs / copy_runs (grid y).
 #define V4POOL_RUN_SPLIT 32
 static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, "row groups tile a block");
-/// Fused HCA head entries one decode-builder block writes per round (grid y tiles the head):
+/// Fused HCA head entries one decode-builder block writes per round (grid x tiles the head):
 /// 32 per thread, eight 16-byte stores.
-#define V4POOL_DECODE_HCA_TILE 8192
+#define V4POOL_DECODE_HCA_TILE 4096
 /// Lanes that build one token's lists in the prefill builder (two warps); a block holds
 /// V4POOL_BLOCK_THREADS / V4POOL_PREFILL_LANES tokens.
 #define V4POOL_PREFILL_LANES 64
@@ -181,7 +186,7 @@ static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, 
 /// Elements one lane of the state update moves per chunk (16-byte bf16 loads, two 16-byte
 /// f32 stores).
 #define V4POOL_STATE_CHUNK 8
-static_assert(V4POOL_DECODE_HCA_TILE == 32 * V4POOL_BLOCK_THREADS, "32 entries per thread");
+static_assert(V4POOL_DECODE_HCA_TILE == 32 * V4POOL_DECODE_THREADS, "32 entries per thread");
 static_assert(V4POOL_CSA_TILE == 2 * V4POOL_BLOCK_THREADS, "two columns per thread");
 static_assert(V4POOL_CSA_TILE_X4 == 4 * V4POOL_BLOCK_THREADS, "four columns per thread");
 static_assert(V4POOL_PREFILL_LANES * V4POOL_PREFILL_TOKENS_PER_BLOCK == V4POOL_BLOCK_THREADS, "tokens tile a block");

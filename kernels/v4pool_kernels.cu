@@ -27,6 +27,7 @@
 #include "v4pool_common.h"
 
 #define V4P_BLOCK V4POOL_BLOCK_THREADS
+#define V4P_DECODE_NT V4POOL_DECODE_THREADS
 
 V4P_DEVICE v4p_i64 v4p_min(v4p_i64 a, v4p_i64 b) { return a < b ? a : b; }
 V4P_DEVICE v4p_i64 v4p_max(v4p_i64 a, v4p_i64 b) { return a > b ? a : b; }
@@ -86,14 +87,16 @@ V4P_DEVICE v4p_i64 v4p_ring_pos(WindowParams w, v4p_i64 pos) {
 /// rejects a row that does not fit), which is its low 32 bits. Rings past 2^31 positions (no
 /// V4 geometry) take the 64-bit division per entry.
 /// The 32-bit body of the window writers: out[i] for i = lane, lane + lanes, ... < n, from the
-/// ring position q of entry `lane` (q < slots) and the ring's 32-bit geometry.
+/// ring position q of entry `lane` (q < slots) and the ring's 32-bit geometry; entry n - 1 also
+/// to `*last` when `last` is not null (the decode builder's dest row, the token's own row).
 V4P_DEVICE void v4p_window_run32(v4p_i32* __restrict__ out, v4p_u32 base, v4p_u32 slots, v4p_u32 stride, v4p_u32 run,
-                                 v4p_u32 q, v4p_i64 n, v4p_u32 lane, v4p_u32 lanes) {
+                                 v4p_u32 q, v4p_i64 n, v4p_u32 lane, v4p_u32 lanes, v4p_i32* last = nullptr) {
     v4p_u32 c = q / stride, r = q - c * stride;
     const v4p_u32 step = lanes % slots;
     const v4p_u32 sc = step / stride, sr = step - sc * stride;
     for (v4p_i64 i = lane; i < n; i += lanes) {
         out[i] = (v4p_i32)(base + c * run + r);
+        if (last != nullptr && i == n - 1) *last = (v4p_i32)(base + c * run + r);
         q += step;
         c += sc;
         r += sr;
@@ -109,22 +112,41 @@ V4P_DEVICE void v4p_window_run32(v4p_i32* __restrict__ out, v4p_u32 base, v4p_u3
     }
 }
 
+/// v4p_write_window past 32 bits (a ring past 2^31 positions or a position past 2^32: no V4
+/// geometry), out of line: a 64-bit division per thread, then running counters.
+V4P_DEVICE_COLD void v4p_write_window_wide(v4p_i32* __restrict__ out, WindowParams w, v4p_i64 slot, v4p_i64 first,
+                                           v4p_i64 n, v4p_u32 lane, v4p_u32 lanes, v4p_i32* last) {
+    v4p_i64 q = v4p_ring_pos(w, first + (v4p_i64)lane);
+    const v4p_i64 step = (v4p_i64)lanes % w.ring_slots;
+    for (v4p_i64 i = lane; i < n; i += lanes) {
+        const v4p_i32 row = (v4p_i32)v4p_window_row_q(w, slot, q);
+        out[i] = row;
+        if (last != nullptr && i == n - 1) *last = row;
+        q += step;
+        if (q >= w.ring_slots) q -= w.ring_slots;
+    }
+}
+
+/// The decode builder's window tail: out[i] = window_row(w, slot, first + i) for i < n, and
+/// entry n - 1 to `*last` when not null, from the thread that computes it (so the dest row
+/// costs no division of its own). 32-bit running counters (v4p_window_run32) whenever the
+/// ring and the positions fit; anything wider out of line.
 V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_i64 slot, v4p_i64 first, v4p_i64 n,
-                                 v4p_u32 lane, v4p_u32 lanes) {
+                                 v4p_u32 lane, v4p_u32 lanes, v4p_i32* last) {
     if ((v4p_i64)lane >= n) return;
-    if ((v4p_u64)w.ring_slots > 0x7fffffffull || (v4p_u64)w.ring_stride > 0x7fffffffull) {
-        v4p_i64 q = v4p_ring_pos(w, first + (v4p_i64)lane);
-        const v4p_i64 step = (v4p_i64)lanes % w.ring_slots;
-        for (v4p_i64 i = lane; i < n; i += lanes) {
-            out[i] = (v4p_i32)v4p_window_row_q(w, slot, q);
-            q += step;
-            if (q >= w.ring_slots) q -= w.ring_slots;
-        }
+    const v4p_u64 pos = (v4p_u64)(first + (v4p_i64)lane);  // >= 0 here: first >= 0 when n > 0
+    if ((v4p_u64)w.ring_slots > 0x7fffffffull || (v4p_u64)w.ring_stride > 0x7fffffffull || pos > 0xffffffffull) {
+        v4p_write_window_wide(out, w, slot, first, n, lane, lanes, last);
         return;
     }
     v4p_window_run32(out, (v4p_u32)(slot * w.slot_rows + w.ring_start), (v4p_u32)w.ring_slots,
-                     (v4p_u32)w.ring_stride, (v4p_u32)w.run_rows, (v4p_u32)v4p_ring_pos(w, first + (v4p_i64)lane), n,
-                     lane, lanes);
+                     (v4p_u32)w.ring_stride, (v4p_u32)w.run_rows, (v4p_u32)pos % (v4p_u32)w.ring_slots, n, lane, lanes,
+                     last);
+}
+
+/// window_row out of line: the dest row of a token whose window is empty (position < 0).
+V4P_DEVICE_COLD v4p_i32 v4p_window_row_cold(WindowParams w, v4p_i64 slot, v4p_i64 pos) {
+    return (v4p_i32)window_row(w, slot, pos);
 }
 
 /// v4p_write_window for the prefill builder, without the 64-bit paths (their division
@@ -141,17 +163,17 @@ V4P_DEVICE void v4p_write_window_prefill(v4p_i32* __restrict__ out, WindowParams
 }
 
 /// Compressed entries e = 0..count-1 of one sequence, tiled: dst[e] = table[e / rpb] * envelope
-/// + e % rpb. Tile `tile` of `ntiles` takes entries [tile * 8B, tile * 8B + 8B) (B = block
-/// threads), then every ntiles-th such range after it; thread i takes e = i, i + B, ..., i + 7B
+/// + e % rpb. Tile `tile` of `ntiles` takes entries [tile * 8B, tile * 8B + 8B) (B = the
+/// decode builder's V4POOL_DECODE_THREADS), then every ntiles-th such range after it; thread i takes e = i, i + B, ..., i + 7B
 /// of its range, so every load and store instruction of a warp touches one contiguous span
 /// (4-byte lanes, coalesced), and all eight table loads are in flight before the first store.
 /// (block, row) of those entries come from one division and a running counter. The decode
 /// builder's writer for rows per block other than 2 (v4p_write_head_vec), exact for any.
-V4P_DEVICE void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table,
+V4P_DEVICE_COLD void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table,
                                            v4p_i64 count, v4p_i64 rpb, v4p_i64 envelope, v4p_i64 tile,
                                            v4p_i64 ntiles, v4p_u32 tid) {
-    const v4p_i64 per_tile = 8 * V4P_BLOCK;
-    const v4p_i64 jstep = (v4p_i64)V4P_BLOCK / rpb, rstep = (v4p_i64)V4P_BLOCK % rpb;
+    const v4p_i64 per_tile = 8 * V4P_DECODE_NT;
+    const v4p_i64 jstep = (v4p_i64)V4P_DECODE_NT / rpb, rstep = (v4p_i64)V4P_DECODE_NT % rpb;
     for (v4p_i64 e0 = tile * per_tile + tid; e0 < count; e0 += ntiles * per_tile) {
         v4p_i64 j, r;
         if ((v4p_u64)e0 <= 0xffffffffull && (v4p_u64)rpb <= 0xffffffffull) {
@@ -165,7 +187,7 @@ V4P_DEVICE void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_
         v4p_i32 blk[8], row[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-            blk[u] = e0 + u * V4P_BLOCK < count ? table[j] : 0;
+            blk[u] = e0 + u * V4P_DECODE_NT < count ? table[j] : 0;
             row[u] = (v4p_i32)r;
             j += jstep;
             r += rstep;
@@ -176,14 +198,14 @@ V4P_DEVICE void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-            const v4p_i64 e = e0 + u * V4P_BLOCK;
+            const v4p_i64 e = e0 + u * V4P_DECODE_NT;
             if (e < count) dst[e] = (v4p_i32)compress_row(blk[u], row[u], envelope);
         }
     }
 }
 
 /// 16-byte groups (4 entries) per thread of one decode-builder tile.
-#define V4P_HEAD_GROUPS (V4POOL_DECODE_HCA_TILE / (4 * V4POOL_BLOCK_THREADS))
+#define V4P_HEAD_GROUPS (V4POOL_DECODE_HCA_TILE / (4 * V4POOL_DECODE_THREADS))
 static_assert(V4P_HEAD_GROUPS % 2 == 0, "a tile is whole generic tiles of 8 entries per thread");
 
 /// Four entries, one 16-byte store at a 16-byte aligned `p`. NVIDIA targets say so in PTX, as a
@@ -225,11 +247,11 @@ V4P_DEVICE void v4p_head_load2(const v4p_i32* __restrict__ table, v4p_u32 j, boo
 /// The 16-byte groups of a head (see v4p_write_head_vec): group g = 4 entries at d + 4g from
 /// table entries t[2g], t[2g + 1] (and t[2g + 2] when ODD: the group starts at a block's second
 /// row); PAIR: t + 2g is 8-byte aligned (ODD: else t + 2g + 1 is). Per thread one pointer
-/// pair, V4P_HEAD_GROUPS groups 256 apart at fixed offsets from it.
+/// pair, V4P_HEAD_GROUPS groups V4POOL_DECODE_THREADS apart at fixed offsets from it.
 template <bool ODD, bool PAIR>
 V4P_DEVICE void v4p_head_groups(v4p_i32* __restrict__ d, const v4p_i32* __restrict__ t, v4p_u32 ngroups, v4p_u32 env,
                                 v4p_i64 tile, v4p_i64 ntiles, v4p_u32 tid) {
-    const v4p_u64 per_tile = (v4p_u64)V4P_HEAD_GROUPS * V4P_BLOCK;
+    const v4p_u64 per_tile = (v4p_u64)V4P_HEAD_GROUPS * V4P_DECODE_NT;
     for (v4p_u64 g0 = (v4p_u64)tile * per_tile + tid; g0 < ngroups; g0 += (v4p_u64)ntiles * per_tile) {
         const v4p_i32* tp = t + 2 * g0;
         v4p_i32* dp = d + 4 * g0;
@@ -237,8 +259,8 @@ V4P_DEVICE void v4p_head_groups(v4p_i32* __restrict__ d, const v4p_i32* __restri
 #pragma unroll
         for (int k = 0; k < V4P_HEAD_GROUPS; ++k) {
             a[k] = b[k] = c[k] = 0;
-            if (g0 + (v4p_u64)k * V4P_BLOCK >= ngroups) continue;
-            const v4p_u32 o = 2 * k * V4P_BLOCK;
+            if (g0 + (v4p_u64)k * V4P_DECODE_NT >= ngroups) continue;
+            const v4p_u32 o = 2 * k * V4P_DECODE_NT;
             if (!ODD || PAIR) {
                 v4p_head_load2(tp, o, PAIR, a[k], b[k]);
                 if (ODD) c[k] = (v4p_u32)tp[o + 2];
@@ -249,8 +271,8 @@ V4P_DEVICE void v4p_head_groups(v4p_i32* __restrict__ d, const v4p_i32* __restri
         }
 #pragma unroll
         for (int k = 0; k < V4P_HEAD_GROUPS; ++k) {
-            if (g0 + (v4p_u64)k * V4P_BLOCK >= ngroups) continue;
-            v4p_i32* p = dp + 4 * k * V4P_BLOCK;
+            if (g0 + (v4p_u64)k * V4P_DECODE_NT >= ngroups) continue;
+            v4p_i32* p = dp + 4 * k * V4P_DECODE_NT;
             if (!ODD)
                 v4p_head_store4(p, a[k] * env, a[k] * env + 1, b[k] * env, b[k] * env + 1);
             else
@@ -264,11 +286,11 @@ V4P_DEVICE void v4p_head_groups(v4p_i32* __restrict__ d, const v4p_i32* __restri
 /// boundary (hbegin is arbitrary), groups of 4 entries = 2 whole or 3 partial blocks (one
 /// 16-byte store from 2 or 3 table entries, one 8-byte load when aligned), and at most 3
 /// trailing entries; tile 0's threads 0-2 and 4-6 write the leading and trailing ones. Tile
-/// `tile` of `ntiles` (V4POOL_DECODE_HCA_TILE entries) takes V4P_HEAD_GROUPS * 256 groups,
-/// thread i groups i, i + 256, ...; all table loads of a thread are issued before its first
+/// `tile` of `ntiles` (V4POOL_DECODE_HCA_TILE entries) takes V4P_HEAD_GROUPS * 128 groups,
+/// thread i groups i, i + 128, ...; all table loads of a thread are issued before its first
 /// store. 32-bit entry arithmetic, the i32 of the 64-bit row as the generic writer. Any other
 /// rows per block, a head past 2^31 entries or an unaligned buffer take the generic writer over
-/// the same tile (exact either way). Eight groups (32 entries, 128 B) per thread measured
+/// the same tile (exact either way; out of line, off the hot path's instruction stream). Eight groups (32 entries, 128 B) per thread measured
 /// fastest on the H200 (BENCHMARKS.md, issue 13: T = 2,048 25.2 µs against 27.9 with four
 /// groups, 32.4 with two and 37.3 for the scalar writer; level at small batches).
 V4P_DEVICE void v4p_write_head_vec(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table, v4p_i64 count64,
@@ -317,9 +339,10 @@ V4P_DEVICE void v4p_write_head_vec(v4p_i32* __restrict__ dst, const v4p_i32* __r
     if (e1 != 0xffffffffu) dst[e1] = (v4p_i32)(blk1 * env + (e1 & 1));
 }
 
-/// Tiles of the fused HCA head in the decode builder (grid y; launch_shape derives the same):
-/// enough for the longest head a block-table row can describe (block_table_stride * rpb
-/// entries), at most V4POOL_MAX_GRID_YZ. One tile when nothing is fused.
+/// Tiles of the fused HCA head in the decode builder (grid x after the window block;
+/// launch_shape derives the same): enough for the longest head a block-table row can describe
+/// (block_table_stride * rpb entries), at most V4POOL_MAX_GRID_YZ (the writer strides by the
+/// count, so a cap loses nothing). One tile when nothing is fused.
 V4P_DEVICE v4p_i64 v4p_decode_hca_tiles(const DecodeIndexArgs& a) {
     if (a.block_tables == 0 || a.classes[V4POOL_CLASS_HCA].indptr == 0) return 1;
     const v4p_i64 stride = a.block_table_stride > 0 ? a.block_table_stride : 0;
@@ -355,52 +378,56 @@ V4P_DEVICE void v4p_copy_plane(PlaneWrite pw, v4p_i64 src_row, v4p_i64 dst_row, 
 }
 
 // ---- §3 + §4: decode index builder with fused HCA heads --------------------------------------
-// grid (T, v4p_decode_hca_tiles), block 256: one block per (token, tile of 8,192 entries of its
-// HCA head: one tile up to 1M contexts); the window tails and dest rows come from tile 0.
+// grid (1 + v4p_decode_hca_tiles, T), block V4POOL_DECODE_THREADS (128). Token t is grid y; its
+// blocks are side by side in grid x, so they are dispatched together and share the token's
+// metadata lines in L2: x = 0 writes the window tails and dest rows, x = 1 + k tile k of
+// 4,096 entries of the HCA head (two tiles for a 1M context). The windows in a block of their
+// own run beside the head instead of before it: in one block, the head's table loads waited
+// for batch id -> state slot -> window stores. (H200 A/B, BENCHMARKS.md 2026-11-30 23:06 UTC:
+// batch 256 8.29 -> 6.78 µs, 1,024 15.36 -> 12.64, MTP verify 2,048 25.09 -> 19.28; 128-thread
+// blocks at 8 per SM keep twice the tokens' dependent chains in flight of the 256-thread form.)
 
-extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_decode_indices(DecodeIndexArgs a) {
+extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_DECODE_THREADS, 8) void v4pool_decode_indices(DecodeIndexArgs a) {
     v4p_overlap_begin();  // before any global access (launched as a dependent)
-    const v4p_i32 t = (v4p_i32)v4p_bid_x();
+    const v4p_i32 t = (v4p_i32)v4p_bid_y();
     if (t >= a.num_tokens) return;
-    const v4p_i64 tile = v4p_bid_y();
+    const v4p_u32 x = v4p_bid_x();
     const v4p_u32 tid = v4p_tid_x();
     // Every load that needs only t goes out before the batch id comes back (a cold chain
     // batch id -> slot / table row is the kernel's critical path).
     const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
     const v4p_i64 p = v4p_in<v4p_i64>(a.positions)[t];
-    const ClassBuffers hca = a.classes[V4POOL_CLASS_HCA];
-    const bool fused = a.block_tables != 0 && hca.indptr != 0;
-    v4p_i64 hbegin = 0, hend = 0;
-    if (fused) {
-        hbegin = v4p_in<v4p_i32>(hca.indptr)[t];
-        hend = v4p_in<v4p_i32>(hca.indptr)[t + 1];
-    }
-    v4p_i64 ends[3] = {0, 0, 0};
-    if (tile == 0) {
+    if (x == 0) {
+        v4p_i64 ends[3] = {0, 0, 0};
 #pragma unroll
         for (int c = 0; c < 3; ++c)
             if (a.classes[c].indptr != 0) ends[c] = v4p_in<v4p_i32>(a.classes[c].indptr)[t + 1];
-    }
-    if (b < 0) return;  // pad token: no store at all
-    const v4p_i64 n = v4p_min(p + 1, (v4p_i64)a.win);
-    if (tile == 0) {
+        if (b < 0) return;  // pad token: no store at all
+        const v4p_i64 n = v4p_min(p + 1, (v4p_i64)a.win);
         const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
 #pragma unroll
         for (int c = 0; c < 3; ++c) {
             const ClassBuffers cb = a.classes[c];
             if (cb.indptr == 0) continue;  // class off
-            // Window at the tail of the slice, oldest first, the token itself last.
-            v4p_write_window(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), cb.params, slot, p - n + 1, n, tid, V4P_BLOCK);
-            if (tid == 0 && cb.dest_rows != 0) v4p_out<v4p_i32>(cb.dest_rows)[t] = (v4p_i32)window_row(cb.params, slot, p);
+            // Window at the tail of the slice, oldest first, the token itself last (its row is
+            // the dest row).
+            v4p_i32* dest = cb.dest_rows != 0 ? v4p_out<v4p_i32>(cb.dest_rows) + t : nullptr;
+            v4p_write_window(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), cb.params, slot, p - n + 1, n, tid,
+                             V4P_DECODE_NT, dest);
+            if (tid == 0 && dest != nullptr && n <= 0) *dest = v4p_window_row_cold(cb.params, slot, p);
         }
+        return;
     }
-    if (fused) {
-        // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile.
-        const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
-        v4p_i32* head = v4p_out<v4p_i32>(hca.indices) + hbegin;
-        v4p_write_head_vec(head, table, hend - hbegin - n, a.hca_rows_per_block, a.envelope_rows, tile,
-                           v4p_decode_hca_tiles(a), tid);
-    }
+    const ClassBuffers hca = a.classes[V4POOL_CLASS_HCA];
+    if (a.block_tables == 0 || hca.indptr == 0) return;  // nothing fused
+    const v4p_i64 hbegin = v4p_in<v4p_i32>(hca.indptr)[t];
+    const v4p_i64 hend = v4p_in<v4p_i32>(hca.indptr)[t + 1];
+    if (b < 0) return;
+    const v4p_i64 n = v4p_min(p + 1, (v4p_i64)a.win);
+    // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile.
+    const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
+    v4p_write_head_vec(v4p_out<v4p_i32>(hca.indices) + hbegin, table, hend - hbegin - n, a.hca_rows_per_block,
+                       a.envelope_rows, (v4p_i64)x - 1, v4p_decode_hca_tiles(a), tid);
 }
 
 // ---- §6: prefill index builder -----------------------------------------------------------

@@ -9,7 +9,9 @@ with scripts/atom-peer-state.py's rows in a second table (BENCH_LOG may hold sev
 output, concatenated).
 
 Prints one side-by-side table (graph-replay medians, µs): shape, v4pool, ATOM, ATOM / v4pool,
-and v4pool / a memset of the bytes v4pool writes. Decode rows compare the same work: ATOM's
+and v4pool / a memset of the bytes v4pool writes (decode rows also name v4pool / the traffic
+floor: a copy kernel reading the block-table rows the builder reads and writing what it
+writes, with no dependent loads). Decode rows compare the same work: ATOM's
 kernel writes only the window tails, its HCA heads are built on the host (numpy) and copied
 up, so its figure is kernel + host + H2D (the kernel alone is shown beside it).
 """
@@ -36,8 +38,9 @@ def main():
     ours = []
     for line in open(sys.argv[1], encoding="utf-8"):
         if line.startswith("PEER\t"):
-            _, kind, shape, us, written, memset = line.rstrip("\n").split("\t")
-            ours.append((kind, shape, float(us), int(written), float(memset)))
+            # An optional last field: the traffic floor (decode: reading the table rows too).
+            _, kind, shape, us, written, memset, *traffic = line.rstrip("\n").split("\t")
+            ours.append((kind, shape, float(us), int(written), float(memset), float(traffic[0]) if traffic else None))
     rows, heads = load_rows(sys.argv[2:])
     g = lambda kernel, shape, key="graph": rows.get((kernel, shape), {}).get(key, {}).get("median_us")  # noqa: E731
 
@@ -47,7 +50,7 @@ def main():
 
     print(f"{'shape':<38} {'v4pool µs':>10} {'ATOM µs':>12} {'ATOM/v4pool':>12} {'≥1.25×':>7} "
           f"{'written':>10} {'v4pool/memset':>14} {'≤1.5×':>6}  note")
-    for kind, shape, us, written, memset in ours:
+    for kind, shape, us, written, memset, traffic in ours:
         if kind == "state_update":
             continue  # the state kernels' table below
         note = ""
@@ -57,6 +60,8 @@ def main():
             hh = host_heads(t)
             atom = None if k is None or hh is None else k + hh
             note = f"ATOM kernel alone {k:.2f} µs (window tails only) + host heads {hh:.0f} µs" if atom else ""
+            if traffic:
+                note += f"; {us / traffic:.2f}× the traffic floor ({traffic:.2f} µs)"
             label = f"decode {shape}" + (" (bs1024×2 MTP verify)" if t == 2048 else "")
         elif kind == "step":
             d, hh, x21 = g("decode_indices", "T=256"), host_heads(256), g("csa_translate_pack", shape, "graph_x21")

@@ -190,7 +190,6 @@ fn required_bytes_overflow_is_an_error() {
     let g = pool.geometry().unwrap();
     for c in [
         cap(usize::MAX, 1, 1),
-        cap(1, usize::MAX, 1),
         cap(1, 1, usize::MAX),
         cap(usize::MAX / 4, 1, usize::MAX / 4),
         cap(1 << 40, 1, 1 << 30),
@@ -206,6 +205,23 @@ fn required_bytes_overflow_is_an_error() {
     ));
     let ok = DecodePath::required_bytes(&pool, cap(8, 16, 40)).unwrap();
     assert_eq!(pool.decode_path(cap(8, 16, 40)).unwrap().device_bytes(), ok);
+}
+
+/// Tokens are the decode builder's grid y: a capacity past 65,535 tokens is refused when the
+/// buffers are sized, not at the first launch.
+#[test]
+fn tokens_past_the_builder_grid_are_an_error() {
+    let pool = pool(64);
+    let g = pool.geometry().unwrap();
+    assert!(DecodeIndexBuffers::required_bytes(&g, cap(1, 65_535, 1)).is_ok());
+    for t in [65_536, usize::MAX] {
+        let r = DecodeIndexBuffers::required_bytes(&g, cap(1, t, 1));
+        assert!(
+            matches!(r, Err(DecodeError::TokensPastGrid { max_tokens, limit: 65_535 }) if max_tokens == t),
+            "{t}: {r:?}"
+        );
+        assert!(matches!(pool.decode_path(cap(1, t, 1)), Err(DecodeError::TokensPastGrid { .. })));
+    }
 }
 
 /// A position freed by a boundary move between staging and the build is caught at build.

@@ -266,7 +266,8 @@ fn decode_builder_kernel_matches_reference() {
     assert!(wrote > 30, "only {wrote} cases wrote anything");
 }
 
-/// The fused HCA heads are tiled over grid y: heads around and past the tile (8,192 entries)
+/// The fused HCA heads are tiled over grid x (after the window block): heads around and past
+/// the tile (4,096 entries) and its multiples
 /// at every slice alignment mod 4 of the output (the 16-byte writer's leading and trailing
 /// entries, even and odd first groups), table rows at both 8-byte alignments (an odd stride),
 /// several rows per block, tiles past a short head, pad tokens between long ones.
@@ -283,11 +284,15 @@ fn decode_builder_long_hca_heads_every_alignment() {
     let mut wrote = 0;
     for rpb in 1..=3i32 {
         let longest = i64::from(stride * rpb);
-        let heads: Vec<i64> =
-            [0, 1, 3, 4, 5, 7, 2047, 2049, 4095, 4097, 8191, 8192, 8193, 8195, 8198, longest - 1, longest]
-                .into_iter()
-                .filter(|&h| h <= longest)
-                .collect();
+        let heads: Vec<i64> = [
+            0, 1, 3, 4, 5, 7, 2047, 2049, 4095, 4096, 4097, 4098, 8191, 8192, 8193, 8195, 8198, 12_287,
+            12_289,
+        ]
+        .into_iter()
+        .chain([longest - 1, longest])
+        .into_iter()
+        .filter(|&h| h <= longest)
+        .collect();
         for lead in 0..4i32 {
             let t = heads.len() + 1;
             let bids: Vec<i32> =
@@ -335,7 +340,7 @@ fn decode_builder_long_hca_heads_every_alignment() {
                     dest_rows: outs[1].as_mut_ptr() as u64,
                 };
                 let l = Launch::Decode(a);
-                assert_eq!(launch_shape(&l).grid[1], ((longest + 8191) / 8192) as u32);
+                assert_eq!(launch_shape(&l).grid, [1 + ((longest + 4095) / 4096) as u32, t as u32, 1]);
                 l
             });
             wrote += usize::from(written);

@@ -31,9 +31,11 @@ pub const ROWS_PER_BLOCK: u32 = BLOCK_THREADS / ROW_LANES;
 pub const RUN_SPLIT: u32 = 32;
 /// Largest grid y and z both vendors accept (`V4POOL_MAX_GRID_YZ`).
 pub const MAX_GRID_YZ: u32 = 65_535;
+/// Threads per block of the decode builder (`V4POOL_DECODE_THREADS`).
+pub const DECODE_THREADS: u32 = 128;
 /// Fused HCA head entries one decode-builder block writes (`V4POOL_DECODE_HCA_TILE`): 32 per
-/// thread in eight 16-byte stores, so one tile holds a 1M-context head (8,192 entries).
-pub const DECODE_HCA_TILE: u32 = 32 * BLOCK_THREADS;
+/// thread in eight 16-byte stores, so two tiles hold a 1M-context head (8,192 entries).
+pub const DECODE_HCA_TILE: u32 = 32 * DECODE_THREADS;
 /// Lanes that build one token's lists in the prefill builder (`V4POOL_PREFILL_LANES`).
 pub const PREFILL_LANES: u32 = 64;
 /// Tokens one prefill-builder block holds (`V4POOL_PREFILL_TOKENS_PER_BLOCK`).
@@ -190,7 +192,8 @@ pub fn state_update_lanes(dim: i32) -> u32 {
     lanes
 }
 
-/// Tiles of a token's fused HCA head in the decode builder (grid y). The grid may depend only
+/// Tiles of a token's fused HCA head in the decode builder (grid x after the token's window
+/// block: the grid is `[1 + tiles, tokens, 1]`). The grid may depend only
 /// on the arguments' scalars (graphs replay it with new contents), so it covers the longest
 /// head one block-table row can describe, `block_table_stride * hca_rows_per_block` entries;
 /// tiles past a token's head return at once. One tile when nothing is fused. The kernel
@@ -209,11 +212,15 @@ pub fn decode_hca_tiles(a: &DecodeIndexArgs) -> u64 {
 pub fn launch_shape(launch: &Launch) -> LaunchShape {
     let b = BLOCK_THREADS;
     match launch {
-        // (token, tile of its fused HCA head).
-        Launch::Decode(a) => LaunchShape {
-            grid: [grid_dim(count(a.num_tokens)), grid_dim(decode_hca_tiles(a)), 1],
-            block: [b, 1, 1],
-        },
+        // (window block + tiles of the token's fused HCA head, token): a token's blocks side by
+        // side, so they are dispatched together.
+        Launch::Decode(a) => {
+            let blocks_per_token = if a.num_tokens > 0 { 1 + decode_hca_tiles(a) } else { 1 };
+            LaunchShape {
+                grid: [grid_dim(blocks_per_token), grid_dim(count(a.num_tokens)), 1],
+                block: [DECODE_THREADS, 1, 1],
+            }
+        }
         // prefill_lanes(a) lanes per token, the rest of the block other tokens.
         Launch::Prefill(a) => {
             LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(prefill_tokens_per_block(a))), b)
@@ -433,6 +440,8 @@ fn check_grid(launch: &Launch) -> Result<(), LaunchError> {
 
 fn check_decode(a: &DecodeIndexArgs) -> Result<(), LaunchError> {
     non_negative("num_tokens", a.num_tokens.into())?;
+    // Tokens are grid y.
+    at_most("num_tokens", a.num_tokens.into(), i64::from(MAX_GRID_YZ))?;
     non_negative("win", a.win.into())?;
     let mut any_class = false;
     let mut any_dest = false;
@@ -756,30 +765,42 @@ mod tests {
 
     #[test]
     fn shapes_cover_the_work() {
-        // Without fused heads: one block per token.
-        assert_eq!(launch_shape(&Launch::Decode(decode(256))).grid, [256, 1, 1]);
-        assert_eq!(launch_shape(&Launch::Decode(decode(256))).block, [256, 1, 1]);
+        // Without fused heads: a token's window block and one (empty) head tile.
+        assert_eq!(launch_shape(&Launch::Decode(decode(256))).grid, [2, 256, 1]);
+        assert_eq!(launch_shape(&Launch::Decode(decode(256))).block, [DECODE_THREADS, 1, 1]);
         // Fused heads: tiles of DECODE_HCA_TILE entries over the longest head a table row holds
-        // (1M contexts: 4,096 blocks of 2 rows = 8,192 entries, one tile).
+        // (1M contexts: 4,096 blocks of 2 rows = 8,192 entries, two tiles).
         let mut d = decode(256);
         d.classes[CLASS_HCA] = ClassBuffers { params: params(), indptr: 0x700, indices: 0x800, dest_rows: 0 };
         d.block_tables = 0x900;
         d.hca_rows_per_block = 2;
+        // (window block + head tiles of 4,096 entries, token): 1M contexts are 2 tiles.
+        d.block_table_stride = 2048;
+        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [2, 256, 1]);
+        assert_eq!(launch_shape(&Launch::Decode(d)).block, [DECODE_THREADS, 1, 1]);
         d.block_table_stride = 4096;
-        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 1, 1]);
+        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [3, 256, 1]);
         d.block_table_stride = 4097;
-        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 2, 1]);
+        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [4, 256, 1]);
         d.block_table_stride = 16_385;
-        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 5, 1]);
+        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [10, 256, 1]);
         d.block_tables = 0; // peer mode: nothing fused
-        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [256, 1, 1]);
+        assert_eq!(launch_shape(&Launch::Decode(d)).grid, [2, 256, 1]);
         let mut huge = decode(3);
         huge.classes[CLASS_HCA] = d.classes[CLASS_HCA];
         huge.block_tables = 0x900;
         huge.hca_rows_per_block = i32::MAX;
         huge.block_table_stride = i32::MAX;
-        assert_eq!(launch_shape(&Launch::Decode(huge)).grid, [3, MAX_GRID_YZ, 1]);
+        assert_eq!(launch_shape(&Launch::Decode(huge)).grid, [1 + MAX_GRID_YZ, 3, 1]);
         assert_eq!(check_launch(&Launch::Decode(huge)), Ok(()));
+        // Tokens are grid y: at most MAX_GRID_YZ of them.
+        let mut many = decode(MAX_GRID_YZ as i32);
+        assert_eq!(check_launch(&Launch::Decode(many)), Ok(()));
+        many.num_tokens += 1;
+        assert!(matches!(
+            check_launch(&Launch::Decode(many)),
+            Err(LaunchError::TooLarge { field: "num_tokens", .. })
+        ));
         // (token, CSA_TILE columns); decode rows past CSA_TILE take CSA_TILE_X4 columns.
         for (stride, tiles, decode_tiles) in
             [(0, 1, 1), (1, 1, 1), (512, 1, 1), (513, 2, 1), (1024, 2, 1), (2048, 4, 2), (2049, 5, 3)]

@@ -20,6 +20,7 @@
 use super::owned::{Carve, DeviceBuffer, Owned};
 use crate::backend::{Backend, BackendError, Stream};
 use crate::geometry::{Class, UnifiedPoolGeometry, WindowParams, CSA_RATIO, HCA_RATIO};
+use crate::index::shape::MAX_GRID_YZ;
 use crate::index::{ClassBuffers, CsaPackArgs, DecodeIndexArgs, DevicePtr, Launch};
 use std::ops::Range;
 use std::sync::Arc;
@@ -167,6 +168,14 @@ pub enum DecodeError {
     TooLarge {
         /// What overflowed.
         what: &'static str,
+    },
+    /// More tokens per step than one decode-builder launch takes (tokens are its grid y).
+    #[error("max_tokens {max_tokens} exceeds the decode builder's {limit} tokens per launch")]
+    TokensPastGrid {
+        /// `max_tokens` asked for.
+        max_tokens: usize,
+        /// The limit (`shape::MAX_GRID_YZ`).
+        limit: u32,
     },
     /// A forward whose slices overflow one of the buffers.
     #[error("{what}: {got} exceed the buffer's {cap}")]
@@ -405,6 +414,9 @@ impl DecodeIndexBuffers {
             cap.win,
             cap.index_topk,
         )?;
+        if cap.max_tokens > MAX_GRID_YZ as usize {
+            return Err(DecodeError::TokensPastGrid { max_tokens: cap.max_tokens, limit: MAX_GRID_YZ });
+        }
         let too_large = |what| DecodeError::TooLarge { what };
         let win = cap.win as u64;
         let max_ctx = (cap.max_blocks_per_seq as u64)
