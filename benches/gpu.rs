@@ -624,10 +624,10 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
             },
         );
         if ctx_lo == 1 {
-            peer_line_traffic(&format!("T={t}"), graph.med, bw, memset_b.med, traffic.med);
+            peer_line("decode", &format!("T={t}"), graph.med, bw, memset_b.med, Some(traffic.med));
         }
         if batch == 256 && ctx_lo == 1 && tps == 1 {
-            peer_line("step", "T=256 topk=512", step.med, bw + pw, memset_s.med);
+            peer_line("step", "T=256 topk=512", step.med, bw + pw, memset_s.med, None);
             res.step_256 = Some(StepResult { step, builder: graph, memset_step: memset_s });
             // No host synchronisation on the index path: with ~2.5 ms of work queued ahead,
             // staging + replay must return to the host long before the GPU reaches them.
@@ -656,14 +656,11 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
     Ok(res)
 }
 
-/// A machine-readable line `scripts/peer-table.py` joins with the peer's JSON.
-fn peer_line(kind: &str, shape: &str, us: f64, written: u64, memset_us: f64) {
-    println!("PEER\t{kind}\t{shape}\t{us:.3}\t{written}\t{memset_us:.3}");
-}
-
-/// A decode PEER line, with the traffic floor as a last field.
-fn peer_line_traffic(shape: &str, us: f64, written: u64, memset_us: f64, traffic_us: f64) {
-    println!("PEER\tdecode\t{shape}\t{us:.3}\t{written}\t{memset_us:.3}\t{traffic_us:.3}");
+/// A machine-readable line `scripts/peer-table.py` joins with the peer's JSON; the traffic
+/// floor, where measured (decode), as an optional last field.
+fn peer_line(kind: &str, shape: &str, us: f64, written: u64, memset_us: f64, traffic_us: Option<f64>) {
+    let traffic = traffic_us.map(|t| format!("\t{t:.3}")).unwrap_or_default();
+    println!("PEER\t{kind}\t{shape}\t{us:.3}\t{written}\t{memset_us:.3}{traffic}");
 }
 
 // ---- CSA translate-pack ---------------------------------------------------------------------
@@ -731,14 +728,14 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<()> {
             f,
             &Row { name: &name, eager: None, graph: gser, read: r21, written: w21, copy: c21, memset: m21 },
         );
-        peer_line("csa", &format!("T=256 topk={topk}"), g1.med, w1, m1.med);
+        peer_line("csa", &format!("T=256 topk={topk}"), g1.med, w1, m1.med, None);
         let name = format!("top-k {topk:>4}, 21 launches of layer 0");
         print_row(
             f,
             &Row { name: &name, eager: None, graph: gsame, read: r21, written: w21, copy: c21, memset: m21 },
         );
-        peer_line("csa_x21", &format!("T=256 topk={topk}"), gpl.med, w21, m21.med);
-        peer_line("csa_x21_same", &format!("T=256 topk={topk}"), gsame.med, w21, m21.med);
+        peer_line("csa_x21", &format!("T=256 topk={topk}"), gpl.med, w21, m21.med, None);
+        peer_line("csa_x21_same", &format!("T=256 topk={topk}"), gsame.med, w21, m21.med, None);
         drop((one, per_layer, same, serial));
         gpu.be.synchronize(S)?;
         rig.release();
@@ -947,7 +944,7 @@ fn prefill_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<(
             },
         );
         if !key.is_empty() {
-            peer_line("prefill", key, graph.med, written, memset.med);
+            peer_line("prefill", key, graph.med, written, memset.med, None);
         }
         if is_target {
             target = Some((graph, copy));

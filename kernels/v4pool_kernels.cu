@@ -164,14 +164,14 @@ V4P_DEVICE void v4p_write_window_prefill(v4p_i32* __restrict__ out, WindowParams
 
 /// Compressed entries e = 0..count-1 of one sequence, tiled: dst[e] = table[e / rpb] * envelope
 /// + e % rpb. Tile `tile` of `ntiles` takes entries [tile * 8B, tile * 8B + 8B) (B = the
-/// decode builder's V4POOL_DECODE_THREADS), then every ntiles-th such range after it; thread i takes e = i, i + B, ..., i + 7B
-/// of its range, so every load and store instruction of a warp touches one contiguous span
+/// decode builder's V4POOL_DECODE_THREADS), then every ntiles-th such range after it; thread i
+/// takes e = i, i + B, ..., i + 7B of its range, so every load and store instruction of a warp touches one contiguous span
 /// (4-byte lanes, coalesced), and all eight table loads are in flight before the first store.
 /// (block, row) of those entries come from one division and a running counter. The decode
 /// builder's writer for rows per block other than 2 (v4p_write_head_vec), exact for any.
 V4P_DEVICE_COLD void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table,
-                                           v4p_i64 count, v4p_i64 rpb, v4p_i64 envelope, v4p_i64 tile,
-                                           v4p_i64 ntiles, v4p_u32 tid) {
+                                                v4p_i64 count, v4p_i64 rpb, v4p_i64 envelope, v4p_i64 tile,
+                                                v4p_i64 ntiles, v4p_u32 tid) {
     const v4p_i64 per_tile = 8 * V4P_DECODE_NT;
     const v4p_i64 jstep = (v4p_i64)V4P_DECODE_NT / rpb, rstep = (v4p_i64)V4P_DECODE_NT % rpb;
     for (v4p_i64 e0 = tile * per_tile + tid; e0 < count; e0 += ntiles * per_tile) {
@@ -290,9 +290,10 @@ V4P_DEVICE void v4p_head_groups(v4p_i32* __restrict__ d, const v4p_i32* __restri
 /// thread i groups i, i + 128, ...; all table loads of a thread are issued before its first
 /// store. 32-bit entry arithmetic, the i32 of the 64-bit row as the generic writer. Any other
 /// rows per block, a head past 2^31 entries or an unaligned buffer take the generic writer over
-/// the same tile (exact either way; out of line, off the hot path's instruction stream). Eight groups (32 entries, 128 B) per thread measured
-/// fastest on the H200 (BENCHMARKS.md, issue 13: T = 2,048 25.2 µs against 27.9 with four
-/// groups, 32.4 with two and 37.3 for the scalar writer; level at small batches).
+/// the same tile (exact either way; out of line, off the hot path's instruction stream). Eight
+/// groups (32 entries, 128 B) per thread measured fastest on the H200 (BENCHMARKS.md, issue
+/// 13: T = 2,048 25.2 µs against 27.9 with four groups, 32.4 with two and 37.3 for the scalar
+/// writer; level at small batches).
 V4P_DEVICE void v4p_write_head_vec(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table, v4p_i64 count64,
                                    v4p_i64 rpb, v4p_i64 envelope, v4p_i64 tile, v4p_i64 ntiles, v4p_u32 tid) {
     if (count64 <= 0) return;
@@ -397,13 +398,13 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_DECODE_THREADS, 8) void v4poo
     // batch id -> slot / table row is the kernel's critical path).
     const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
     const v4p_i64 p = v4p_in<v4p_i64>(a.positions)[t];
+    const v4p_i64 n = v4p_min(p + 1, (v4p_i64)a.win);  // window entries: the tail of every slice
     if (x == 0) {
         v4p_i64 ends[3] = {0, 0, 0};
 #pragma unroll
         for (int c = 0; c < 3; ++c)
             if (a.classes[c].indptr != 0) ends[c] = v4p_in<v4p_i32>(a.classes[c].indptr)[t + 1];
         if (b < 0) return;  // pad token: no store at all
-        const v4p_i64 n = v4p_min(p + 1, (v4p_i64)a.win);
         const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
 #pragma unroll
         for (int c = 0; c < 3; ++c) {
@@ -423,7 +424,6 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_DECODE_THREADS, 8) void v4poo
     const v4p_i64 hbegin = v4p_in<v4p_i32>(hca.indptr)[t];
     const v4p_i64 hend = v4p_in<v4p_i32>(hca.indptr)[t + 1];
     if (b < 0) return;
-    const v4p_i64 n = v4p_min(p + 1, (v4p_i64)a.win);
     // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile.
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
     v4p_write_head_vec(v4p_out<v4p_i32>(hca.indices) + hbegin, table, hend - hbegin - n, a.hca_rows_per_block,

@@ -290,7 +290,6 @@ fn decode_builder_long_hca_heads_every_alignment() {
         ]
         .into_iter()
         .chain([longest - 1, longest])
-        .into_iter()
         .filter(|&h| h <= longest)
         .collect();
         for lead in 0..4i32 {
