@@ -1,4 +1,4 @@
-//! The kernel contract (`shared/spec/index-buffers.md`): by-value launch arguments that
+//! The kernel contract (`docs/index-buffers.md`): by-value launch arguments that
 //! every backend takes, and the host reference of every kernel.
 //!
 //! Each `*Args` struct is `#[repr(C)]` and `Pod`, passed to its kernel **by value** as the
