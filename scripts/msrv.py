@@ -16,7 +16,8 @@ import sys
 
 
 def ver(v):
-    return tuple(int(x) for x in v.split("."))
+    parts = [int(x) for x in v.split(".")]
+    return tuple(parts + [0] * (3 - len(parts)))
 
 
 host = next(l.split()[1] for l in subprocess.check_output(["rustc", "-vV"], text=True).splitlines()
