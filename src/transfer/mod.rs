@@ -5,7 +5,7 @@
 //! * [`engine`] — the [`TransferEngine`] interface another transfer library (NIXL, Mooncake)
 //!   can implement: register regions, post a list of `(src, dst, len)` spans, poll; span
 //!   coalescing; the in-process [`LocalEngine`].
-//! * [`handoff`] — prefill → decode handoff of one request between two pools: layout ids
+//! * [`handoff`](mod@handoff) — prefill → decode handoff of one request between two pools: layout ids
 //!   compared first, the receiver's blocks and slot reserved all-or-nothing, the request's
 //!   blocks and whole slot sent as a few coalesced spans, the request rebound on the receiver.
 //! * [`nccl`] — the two-GPU engine over NCCL, loaded at run time.
