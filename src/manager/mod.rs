@@ -53,8 +53,8 @@ use std::sync::Arc;
 use thiserror::Error;
 pub use tier::Tier;
 
-mod engine;
-pub use engine::{Admission, ManagerStats, RequestId, StoredCheckpoint};
+mod request;
+pub use request::{Admission, ManagerStats, RequestId, StoredCheckpoint};
 
 /// Everything the manager refuses. A refused call changes nothing unless it says so.
 #[derive(Debug, Error)]
@@ -148,7 +148,7 @@ pub struct KvManager {
     nodes: Nodes,
     index: HashMap<BlockHash, u32, BuildPassThrough>,
     by_id: Vec<Holder>,
-    requests: Vec<engine::Slot>,
+    requests: Vec<request::Slot>,
     free_requests: Vec<u32>,
     /// Checkpoints whose store copy is queued.
     copying: Vec<u32>,

@@ -1,7 +1,7 @@
 //! The manager's physical layer: the node table of cached and private blocks and checkpoint
 //! records, with the one intrusive recency list (least recently used at `head`) that holds every
 //! unreferenced cached block and every ready, unpinned checkpoint — what eviction may take —
-//! and the [`EvictionPolicy`] that picks from it. The request layer (`engine.rs`) and the store,
+//! and the [`EvictionPolicy`] that picks from it. The request layer (`request.rs`) and the store,
 //! boundary and tier code (`mod.rs`, `tier.rs`) work on these; nothing here knows requests.
 
 use super::{BlockHash, LayoutId};
