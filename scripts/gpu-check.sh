@@ -35,6 +35,15 @@ benches=${BENCHES:-gpu state_update window_gather transfer manager}
 # "binary[:test-name filter]": the filters keep the sanitizer's slowdown to the graph-replay tests.
 memcheck=${MEMCHECK:-gpu_kernels gpu_graph gpu_decode_path gpu_manager gpu_manager_tier gpu_state_update:captured_update gpu_window_gather:window_gather_graph pool_props:nothing_lost_on_the_gpu}
 
+# Copy the executable a `cargo --message-format=json` build reports on stdin to $1.
+executable_to() {
+  python3 -c 'import json,sys
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m.get("executable"): print(m["executable"])' |
+    tail -1 | xargs -r -I{} cp {} "$1"
+}
+
 # Build the tests and benches with cargo and copy them into one folder (tests/, benches/, bin/).
 build_into() {
   local dir=$1
@@ -45,21 +54,11 @@ build_into() {
   local t b
   for t in $tests; do
     [ "$t" = none ] && continue
-    cargo test --release --no-run --test "$t" --message-format=json 2>/dev/null |
-      python3 -c 'import json,sys
-for l in sys.stdin:
-    m=json.loads(l)
-    if m.get("reason")=="compiler-artifact" and m.get("executable"): print(m["executable"])' |
-      tail -1 | xargs -r -I{} cp {} "$dir/tests/$t"
+    cargo test --release --no-run --test "$t" --message-format=json 2>/dev/null | executable_to "$dir/tests/$t"
   done
   for b in $benches; do
     [ "$b" = none ] && continue
-    cargo build --release --bench "$b" --message-format=json 2>/dev/null |
-      python3 -c 'import json,sys
-for l in sys.stdin:
-    m=json.loads(l)
-    if m.get("reason")=="compiler-artifact" and m.get("executable"): print(m["executable"])' |
-      tail -1 | xargs -r -I{} cp {} "$dir/benches/$b"
+    cargo build --release --bench "$b" --message-format=json 2>/dev/null | executable_to "$dir/benches/$b"
   done
 }
 if [ -n "$pack" ]; then build_into "$pack"; echo "packed into $pack"; exit 0; fi
