@@ -666,6 +666,11 @@ pub struct NixlEngine {
     registry: Registry,
     /// Remote registrations changed since the peer's metadata was last loaded.
     remote_stale: bool,
+    /// A remote region was deregistered since then: the peer's metadata is reloaded from
+    /// scratch, because NIXL merges a reload into what it holds and would keep the dropped
+    /// region's descriptor (and its remote key), which a later region at an overlapping
+    /// address could be matched against.
+    remote_dropped: bool,
     next_ticket: u64,
     pending: BTreeMap<u64, Pending>,
     wait_timeout: Duration,
@@ -722,6 +727,7 @@ impl NixlEngine {
             mems,
             registry: Registry::default(),
             remote_stale: false,
+            remote_dropped: false,
             next_ticket: 0,
             pending: BTreeMap::new(),
             wait_timeout: options.wait_timeout,
@@ -748,9 +754,15 @@ impl NixlEngine {
     fn refresh_remote(&mut self) -> Result<(), EngineError> {
         if let Some(b) = &self.remote {
             let md = b.metadata()?;
+            if self.remote_dropped {
+                if let Some(p) = self.peer.take() {
+                    self.local.forget_peer(&p)?;
+                }
+            }
             self.peer = Some(self.local.load_peer(&md)?);
         }
         self.remote_stale = false;
+        self.remote_dropped = false;
         Ok(())
     }
 
@@ -796,6 +808,7 @@ impl TransferEngine for NixlEngine {
             (Side::Remote, Some(b)) => {
                 b.deregister(self.mems.1, r.addr, r.len)?;
                 self.remote_stale = true;
+                self.remote_dropped = true;
             }
             (Side::Remote, None) => {}
         }
@@ -815,9 +828,7 @@ impl TransferEngine for NixlEngine {
         // Each agent learns the other (name, connection info) before any KV byte moves.
         let md_a = self.local.metadata()?;
         b.load_peer(&md_a)?;
-        let md_b = b.metadata()?;
-        self.peer = Some(self.local.load_peer(&md_b)?);
-        self.remote_stale = false;
+        self.refresh_remote()?;
         Ok((local_msg.to_vec(), remote_msg.to_vec()))
     }
 
