@@ -17,25 +17,13 @@ use std::sync::Arc;
 use transfer_common::*;
 use v4pool::backend::{Backend, Stream};
 use v4pool::model::ModelShape;
-use v4pool::transfer::nixl::{self, NixlAgent, NixlEngine, NixlMem, NixlOptions};
+use v4pool::transfer::nixl::{NixlAgent, NixlEngine, NixlMem, NixlOptions};
 use v4pool::transfer::{handoff, Endpoint, LocalEngine};
 
 const TOKENS: [i64; 3] = [8 << 10, 128 << 10, 1 << 20];
 
 fn nixl_or_skip(test: &str) -> bool {
-    if std::env::var_os("UCX_MODULES").is_none() {
-        std::env::set_var("UCX_MODULES", "^ib*");
-    }
-    match nixl::unavailable_reason() {
-        None => true,
-        Some(why) => {
-            if std::env::var("V4POOL_REQUIRE_NIXL").is_ok_and(|v| v == "1") {
-                panic!("{test}: V4POOL_REQUIRE_NIXL=1 but NIXL is unavailable: {why}");
-            }
-            println!("SKIP: {test}: NIXL unavailable ({why})");
-            false
-        }
-    }
+    transfer_common::nixl_or_skip(test, &[("UCX_MODULES", "^ib*")])
 }
 
 #[test]

@@ -20,7 +20,7 @@ use std::hash::Hasher;
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Once};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use transfer_common::*;
 use v4pool::alloc::BlockHandle;
@@ -36,33 +36,12 @@ use v4pool::transfer::{
 
 const TOKENS: [i64; 3] = [8 << 10, 128 << 10, 1 << 20];
 
-/// The loopback UCX settings of docs/nixl.md, where the environment sets none (set once,
-/// before any agent exists, so UCX reads them at its initialisation).
-fn ucx_env() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        for (k, v) in
-            [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo"), ("UCX_MEM_EVENTS", "no"), ("UCX_MODULES", "^ib*")]
-        {
-            if std::env::var_os(k).is_none() {
-                std::env::set_var(k, v);
-            }
-        }
-    });
-}
+/// The loopback UCX settings of docs/nixl.md, where the environment sets none.
+const UCX_LOOPBACK: &[(&str, &str)] =
+    &[("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo"), ("UCX_MEM_EVENTS", "no"), ("UCX_MODULES", "^ib*")];
 
 fn nixl_or_skip(test: &str) -> bool {
-    ucx_env();
-    match nixl::unavailable_reason() {
-        None => true,
-        Some(why) => {
-            if std::env::var("V4POOL_REQUIRE_NIXL").is_ok_and(|v| v == "1") {
-                panic!("{test}: V4POOL_REQUIRE_NIXL=1 but NIXL is unavailable: {why}");
-            }
-            println!("SKIP: {test}: NIXL unavailable ({why})");
-            false
-        }
-    }
+    transfer_common::nixl_or_skip(test, UCX_LOOPBACK)
 }
 
 fn blocks_for(tokens: i64) -> i64 {
@@ -530,7 +509,7 @@ fn nixl_two_process_refusals_and_the_peer_gone() {
 #[test]
 #[ignore = "run as a child process by the two-process NIXL tests"]
 fn child_nixl_receiver() {
-    ucx_env();
+    assert!(nixl_or_skip("child_nixl_receiver"), "the parent found the library");
     let var = |k: &str| std::env::var(k).unwrap();
     let mut s = UnixStream::connect(var("V4POOL_NIXL_PEER_SOCK")).unwrap();
     let blocks: i64 = var("V4POOL_NIXL_PEER_BLOCKS").parse().unwrap();

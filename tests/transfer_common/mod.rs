@@ -238,3 +238,27 @@ pub fn check_received(
 pub fn same_bytes(pa: &Pool, a: &[(u64, u64)], pb: &Pool, b: &[(u64, u64)]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(&ra, &rb)| ra.1 == rb.1 && read(pa, &[ra]) == read(pb, &[rb]))
 }
+
+/// Whether the NIXL library loads (else print SKIP, or panic with `V4POOL_REQUIRE_NIXL=1`).
+/// First sets each of `ucx_defaults` the environment lacks, once per process and before any
+/// agent exists (UCX reads its settings when an agent's backend starts).
+pub fn nixl_or_skip(test: &str, ucx_defaults: &[(&str, &str)]) -> bool {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        for &(k, v) in ucx_defaults {
+            if std::env::var_os(k).is_none() {
+                std::env::set_var(k, v);
+            }
+        }
+    });
+    match v4pool::transfer::nixl::unavailable_reason() {
+        None => true,
+        Some(why) => {
+            if std::env::var("V4POOL_REQUIRE_NIXL").is_ok_and(|v| v == "1") {
+                panic!("{test}: V4POOL_REQUIRE_NIXL=1 but NIXL is unavailable: {why}");
+            }
+            println!("SKIP: {test}: NIXL unavailable ({why})");
+            false
+        }
+    }
+}
