@@ -383,39 +383,16 @@ fn send_to_child(
         gone();
     }
     assert!(matches!(engine.exchange(b"a", b"b"), Err(EngineError::Nixl { call: "exchange", .. })));
-    // Regions: the sender's planes and indexer pools, the receiver's likewise.
-    let mut reg = |side, ranges: &[(u64, u64)]| -> Vec<(u64, u64, RegionId)> {
-        ranges
-            .iter()
-            .map(|&(a, n)| {
-                // SAFETY: the sender's ranges are its pool's memory, live through this function;
-                // the receiver's are only recorded (the child registered them with its agent).
-                let id =
-                    unsafe { engine.register(side, MemRegion { addr: a, len: n, item_len: n }).unwrap() };
-                (a, n, id)
-            })
-            .collect()
-    };
-    let local = reg(Side::Local, &all_ranges(sender));
-    let remote = reg(Side::Remote, &whole);
-    let find = |regs: &[(u64, u64, RegionId)], addr: u64| -> (RegionId, u64) {
-        let r = regs.iter().find(|r| (r.0..r.0 + r.1).contains(&addr)).unwrap();
-        (r.2, addr - r.0)
-    };
+    // Regions: the sender's planes and indexer pools; the receiver's likewise, only recorded
+    // (the child registered them with its own agent).
+    let local = register_all(&mut engine, Side::Local, &all_ranges(sender));
+    let remote = register_all(&mut engine, Side::Remote, &whole);
     let sp = sender.slot_position(req.slot).unwrap();
     let src = unit_ranges(sender, &req.blocks, sp);
     let dst: Vec<(u64, u64)> = blocks.iter().chain(&slot).copied().collect();
     assert_eq!(src.len(), dst.len());
-    let spans: Vec<Span> = src
-        .iter()
-        .zip(&dst)
-        .map(|(&(sa, sn), &(da, dn))| {
-            assert_eq!(sn, dn);
-            let ((s, so), (d, doff)) = (find(&local, sa), find(&remote, da));
-            Span { src: s, dst: d, src_off: so, dst_off: doff, len: sn }
-        })
-        .collect();
-    let spans = coalesce(&spans);
+    let pairs: Vec<_> = src.into_iter().zip(dst).collect();
+    let spans = spans_between(&pairs, &local, &remote);
     let bytes: u64 = spans.iter().map(|s| s.len).sum();
     let t = Instant::now();
     let posted = engine.post(&spans).and_then(|tk| engine.wait(tk));
@@ -429,7 +406,7 @@ fn send_to_child(
         took.as_secs_f64() * 1e3,
         gbps(bytes, took)
     );
-    let d1 = digest(sender, &src);
+    let d1 = digest(sender, &unit_ranges(sender, &req.blocks, sp));
     let d2 = digest(sender, &window_ranges(sender, sp));
     send_frame(s, format!("{d1} {d2} {}", engine.agent_name()).as_bytes());
     let last = recv_frame(s).ok_or("receiver closed before its verdict")?;
@@ -636,4 +613,104 @@ fn untouched_pool(pool: &Pool) -> (u64, u64) {
     let poisoned =
         bytes.chunks_exact(4).filter(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) == POISON).count();
     (poisoned as u64, bytes.len() as u64 / 4)
+}
+
+/// Spans copying each `(src, dst)` range pair (equal lengths) between the registered regions
+/// that contain them.
+fn spans_between(
+    pairs: &[((u64, u64), (u64, u64))],
+    local: &[(u64, u64, RegionId)],
+    remote: &[(u64, u64, RegionId)],
+) -> Vec<Span> {
+    let find = |regs: &[(u64, u64, RegionId)], addr: u64| {
+        let r = regs.iter().find(|r| (r.0..r.0 + r.1).contains(&addr)).unwrap();
+        (r.2, addr - r.0)
+    };
+    let spans: Vec<Span> = pairs
+        .iter()
+        .map(|&((sa, sn), (da, dn))| {
+            assert_eq!(sn, dn);
+            let ((s, so), (d, doff)) = (find(local, sa), find(remote, da));
+            Span { src: s, dst: d, src_off: so, dst_off: doff, len: sn }
+        })
+        .collect();
+    coalesce(&spans)
+}
+
+fn register_all(e: &mut NixlEngine, side: Side, ranges: &[(u64, u64)]) -> Vec<(u64, u64, RegionId)> {
+    ranges
+        .iter()
+        .map(|&(a, n)| {
+            // SAFETY: the callers' ranges are a pool's memory or a live buffer, both kept alive
+            // and deregistered (engine dropped) before they are freed.
+            (a, n, unsafe { e.register(side, MemRegion { addr: a, len: n, item_len: n }).unwrap() })
+        })
+        .collect()
+}
+
+/// Offload through the engine: a request's block units written into a DRAM buffer of another
+/// agent (the spill, local → remote, what the trait's spans do), then — the blocks freed —
+/// written back into fresh blocks by a second engine with the roles swapped (the trait has no
+/// read), byte-exact.
+#[test]
+fn nixl_offload_to_a_dram_agent_and_back() {
+    if !nixl_or_skip("nixl_offload_to_a_dram_agent_and_back") {
+        return;
+    }
+    let (pool, _) = v4_pool(host(), &ModelShape::v4_flash(1).unwrap(), 24, 2);
+    let req = random_request(&pool, 4 << 10, &mut Rng::new(case_seed("nixl_offload", 0)));
+    let units: Vec<Vec<(u64, u64)>> = req.blocks.iter().map(|b| block_ranges(&pool, b.id)).collect();
+    let unit_bytes: u64 = units[0].iter().map(|r| r.1).sum();
+    let want: Vec<Vec<u8>> = units.iter().map(|u| read(&pool, u)).collect();
+    let mut buf = vec![0x5au8; (unit_bytes as usize) * units.len()];
+    let base = buf.as_mut_ptr() as u64;
+    // Unit i's ranges, packed in the buffer from i * unit_bytes.
+    let packed = |u: &[(u64, u64)], i: usize| {
+        let mut at = base + i as u64 * unit_bytes;
+        u.iter()
+            .map(|&(_, n)| {
+                at += n;
+                (at - n, n)
+            })
+            .collect::<Vec<_>>()
+    };
+    let opts = options();
+    let mut spill = NixlEngine::pair(NixlMem::Dram, NixlMem::Dram, &opts).unwrap();
+    spill.exchange(b"spill", b"tier").unwrap();
+    let l = register_all(&mut spill, Side::Local, &all_ranges(&pool));
+    let r = register_all(&mut spill, Side::Remote, &[(base, buf.len() as u64)]);
+    let pairs: Vec<_> =
+        units.iter().enumerate().flat_map(|(i, u)| u.iter().copied().zip(packed(u, i))).collect();
+    let spans = spans_between(&pairs, &l, &r);
+    let t = spill.post(&spans).unwrap();
+    spill.wait(t).unwrap();
+    drop(spill);
+    assert!(buf.chunks(unit_bytes as usize).zip(&want).all(|(a, b)| a == &b[..]), "the spilled units differ");
+    for b in &req.blocks {
+        pool.free_block(*b).unwrap();
+    }
+    poison_pool(&pool);
+    let fresh: Vec<_> = (0..units.len()).map(|_| pool.alloc_block().unwrap().handle).collect();
+    let mut restore = NixlEngine::pair(NixlMem::Dram, NixlMem::Dram, &opts).unwrap();
+    restore.exchange(b"tier", b"restore").unwrap();
+    let l = register_all(&mut restore, Side::Local, &[(base, buf.len() as u64)]);
+    let r = register_all(&mut restore, Side::Remote, &all_ranges(&pool));
+    let pairs: Vec<_> = units
+        .iter()
+        .enumerate()
+        .flat_map(|(i, u)| packed(u, i).into_iter().zip(block_ranges(&pool, fresh[i].id)))
+        .collect();
+    let spans = spans_between(&pairs, &l, &r);
+    let t = restore.post(&spans).unwrap();
+    restore.wait(t).unwrap();
+    drop(restore);
+    for (i, b) in fresh.iter().enumerate() {
+        assert!(read(&pool, &block_ranges(&pool, b.id)) == want[i], "restored unit {i} differs");
+    }
+    println!(
+        "nixl-offload: {} units of {} KiB spilled to a DRAM agent and restored into fresh blocks, {} spans each way",
+        units.len(),
+        unit_bytes >> 10,
+        spans.len()
+    );
 }
