@@ -617,8 +617,11 @@ fn untouched_pool(pool: &Pool) -> (u64, u64) {
 
 /// Spans copying each `(src, dst)` range pair (equal lengths) between the registered regions
 /// that contain them.
+/// `(address, bytes)`.
+type Range = (u64, u64);
+
 fn spans_between(
-    pairs: &[((u64, u64), (u64, u64))],
+    pairs: &[(Range, Range)],
     local: &[(u64, u64, RegionId)],
     remote: &[(u64, u64, RegionId)],
 ) -> Vec<Span> {

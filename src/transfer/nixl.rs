@@ -543,7 +543,9 @@ impl NixlAgent {
                 )?;
                 let posted = (n.post_xfer_req)(self.agent, req, opt);
                 if posted != SUCCESS && posted != IN_PROG {
-                    self.drop_request(req);
+                    // A request whose post failed moves nothing; if NIXL will not release
+                    // it, it stays with the agent (freed when the agent is destroyed).
+                    let _ = self.drop_request(req);
                     req = std::ptr::null_mut();
                     check("post_xfer_req", posted)?;
                 }
@@ -571,16 +573,21 @@ impl NixlAgent {
         }
     }
 
-    /// Release and destroy a request (aborting it if still in flight).
+    /// Release and destroy a request (cancelling it if still in flight). Returns `false`
+    /// when NIXL could not cancel it: the request is left alive (it may still write), to be
+    /// released again later.
     ///
     /// # Safety
-    /// `req` was created by this agent and is not used afterwards.
-    unsafe fn drop_request(&mut self, req: Handle) {
+    /// `req` was created by this agent; after `true` it is not used again.
+    unsafe fn drop_request(&mut self, req: Handle) -> bool {
         // SAFETY: the caller's promise; release before destroy, as NIXL requires.
         unsafe {
-            (self.nixl.release_xfer_req)(self.agent, req);
+            if (self.nixl.release_xfer_req)(self.agent, req) != SUCCESS {
+                return false;
+            }
             (self.nixl.destroy_xfer_req)(req);
         }
+        true
     }
 
     /// Notifications received since the last call, as `(sender agent, message)`. Also drives
@@ -673,6 +680,9 @@ pub struct NixlEngine {
     remote_dropped: bool,
     next_ticket: u64,
     pending: BTreeMap<u64, Pending>,
+    /// Requests given up on (a wait that timed out) that NIXL could not cancel: they may
+    /// still write, so no region is deregistered while any is here.
+    stuck: Vec<Handle>,
     wait_timeout: Duration,
 }
 
@@ -730,6 +740,7 @@ impl NixlEngine {
             remote_dropped: false,
             next_ticket: 0,
             pending: BTreeMap::new(),
+            stuck: Vec::new(),
             wait_timeout: options.wait_timeout,
         }
     }
@@ -766,11 +777,26 @@ impl NixlEngine {
         Ok(())
     }
 
+    /// Forget ticket `t`'s request; one NIXL cannot cancel is kept in `stuck`.
     fn finish(&mut self, t: u64) {
         if let Some(p) = self.pending.remove(&t) {
-            // SAFETY: created by the local agent, forgotten here.
-            unsafe { self.local.drop_request(p.req) };
+            // SAFETY: created by the local agent; forgotten here unless it stays stuck.
+            if !unsafe { self.local.drop_request(p.req) } {
+                self.stuck.push(p.req);
+            }
         }
+    }
+
+    /// Try again to release requests NIXL could not cancel.
+    fn release_stuck(&mut self) {
+        let mut still = Vec::new();
+        for req in std::mem::take(&mut self.stuck) {
+            // SAFETY: created by the local agent, not released yet.
+            if !unsafe { self.local.drop_request(req) } {
+                still.push(req);
+            }
+        }
+        self.stuck = still;
     }
 }
 
@@ -797,10 +823,15 @@ impl TransferEngine for NixlEngine {
 
     fn deregister(&mut self, id: RegionId) -> Result<(), EngineError> {
         let (side, r) = self.registry.get(id)?;
-        if !self.pending.is_empty() {
+        self.release_stuck();
+        if !self.pending.is_empty() || !self.stuck.is_empty() {
             return Err(EngineError::Nixl {
                 call: "deregister_mem",
-                message: format!("{} transfers in flight", self.pending.len()),
+                message: format!(
+                    "{} transfers in flight, {} that could not be cancelled",
+                    self.pending.len(),
+                    self.stuck.len()
+                ),
             });
         }
         match (side, self.remote.as_mut()) {
@@ -907,11 +938,18 @@ impl TransferEngine for NixlEngine {
         let start = Instant::now();
         while !self.poll(ticket)? {
             if start.elapsed() > self.wait_timeout {
-                // Released (aborted): the caller may release what the transfer was writing.
                 self.finish(ticket.0);
+                let cancelled = if self.stuck.is_empty() {
+                    "cancelled"
+                } else {
+                    "NOT cancelled: it may still write, and the engine keeps every region registered"
+                };
                 return Err(EngineError::Nixl {
                     call: "wait",
-                    message: format!("transfer not complete after {:?} (peer gone?)", self.wait_timeout),
+                    message: format!(
+                        "transfer not complete after {:?} (peer gone?); {cancelled}",
+                        self.wait_timeout
+                    ),
                 });
             }
             std::thread::yield_now();
@@ -930,6 +968,9 @@ impl Drop for NixlEngine {
                 self.finish(k);
             }
         }
+        // What NIXL still cannot cancel ends with the agent (its destruction tears down the
+        // UCX worker and every request on it).
+        self.release_stuck();
         // The agents deregister their memory when they drop (receiver first: fields in order).
         if let Some(b) = self.remote.take() {
             drop(b);
