@@ -4,15 +4,20 @@
 //! the request still poisoned. Prints the NIXL transfer's GB/s beside the in-process engine's
 //! device copies of the same spans (a third pool, same run) and the spans per request.
 //!
+//! The same sizes with the receiver in a second process on the same GPU (this binary re-run
+//! as the child; UCX's cuda_ipc between processes), checked by the receiver.
+//!
 //! Skips visibly without a GPU (fails with `V4POOL_REQUIRE_GPU=1`) or without the NIXL
 //! library (`$V4POOL_NIXL_LIB`; fails with `V4POOL_REQUIRE_NIXL=1`). UCX picks its transports
 //! unless `UCX_TLS` says otherwise; InfiniBand modules are kept off (`UCX_MODULES=^ib*`)
 //! unless the environment sets `UCX_MODULES`. docs/nixl.md has the command.
 
 mod common;
+mod nixl_common;
 mod transfer_common;
 
 use common::{case_seed, cuda_or_skip, Rng};
+use nixl_common::*;
 use std::sync::Arc;
 use transfer_common::*;
 use v4pool::backend::{Backend, Stream};
@@ -104,4 +109,44 @@ fn nixl_vram_handoffs_on_one_gpu() {
             gb(&out2),
         );
     }
+}
+
+/// The backend both processes use: CUDA device 0, or the host for the dry run.
+fn two_process_backend(test: &str) -> Option<(&'static str, Arc<dyn Backend>)> {
+    if std::env::var("V4POOL_TEST_DEVICE").is_ok_and(|v| v == "host") {
+        println!("DRY RUN: {test} on the host backend, 8K tokens only");
+        return Some(("host", Arc::new(v4pool::backend::host::HostBackend::new())));
+    }
+    let gpu = cuda_or_skip(test)?;
+    Some(("cuda", Arc::new(gpu)))
+}
+
+#[test]
+fn nixl_vram_handoffs_between_two_processes_on_one_gpu() {
+    let test = "nixl_vram_handoffs_between_two_processes_on_one_gpu";
+    let Some((kind, b)) = two_process_backend(test) else { return };
+    if !nixl_or_skip(test) {
+        return;
+    }
+    let model = ModelShape::v4_flash(1).unwrap();
+    let sizes: &[i64] = if kind == "host" { &TOKENS[..1] } else { &TOKENS };
+    for (i, &tokens) in sizes.iter().enumerate() {
+        let blocks = (tokens + 255) / 256 + 4;
+        let mut rng = Rng::new(case_seed("nixl_vram_2proc", i as u64));
+        let (s, id) = v4_pool(b.clone(), &model, blocks, 2);
+        let req = random_request(&s, tokens, &mut rng);
+        let mut peer = spawn_receiver(&format!("vram{i}"), tokens, blocks, 1, Mode::Receive, kind);
+        let verdict = send_to_child(&s, &id, &req, &mut peer, Mode::Receive)
+            .unwrap_or_else(|e| panic!("{tokens}: {e}"));
+        let text = peer.finish("two-process VRAM handoff", false);
+        assert!(verdict.starts_with("OK"), "{tokens}: receiver says {verdict}\n{text}");
+        println!("nixl-vram-2proc: {tokens} tokens ({kind}): receiver: {verdict}");
+    }
+}
+
+/// The receiver half of the test above, run in a child process.
+#[test]
+#[ignore = "run as a child process by nixl_vram_handoffs_between_two_processes_on_one_gpu"]
+fn child_nixl_receiver() {
+    as_child_receiver(&[("UCX_MODULES", "^ib*")]);
 }
