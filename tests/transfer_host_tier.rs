@@ -4,6 +4,7 @@
 //! an entry larger than the budget is refused without evicting anything, and a restore
 //! without room leaves the pool and the tier as they were.
 
+mod common;
 mod transfer_common;
 
 use proptest::prelude::*;

@@ -9,6 +9,9 @@
 //!   compared first, the receiver's blocks and slot reserved all-or-nothing, the request's
 //!   blocks and whole slot sent as a few coalesced spans, the request rebound on the receiver.
 //! * [`nccl`] — the two-GPU engine over NCCL, loaded at run time.
+//! * [`nixl`] — the engine over NIXL (UCX: RDMA, TCP, shared memory, CUDA copies), its C API
+//!   loaded at run time; two agents in one process, or an initiator writing to another
+//!   process's agent.
 //! * [`host_tier`] — a host-memory (pinned on CUDA) tier that cached blocks and checkpoint
 //!   units spill to instead of being dropped, LRU within a byte budget.
 
@@ -18,6 +21,7 @@ pub mod engine;
 pub mod handoff;
 pub mod host_tier;
 pub mod nccl;
+pub mod nixl;
 /// The regions are pool code (computed from the carved geometry, under the pool); re-exported
 /// here, where connectors look for them.
 pub use crate::pool::regions;
