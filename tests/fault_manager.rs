@@ -64,6 +64,18 @@ fn armed<R>(
     (counts, r.is_err())
 }
 
+/// The conversation again: whatever hits (perhaps shorter after a failure) is byte-exact.
+fn hit_again(m: &mut KvManager, t: &Turn) {
+    let id = m.add_request(1400, hashes(&t.tokens));
+    let adm = m.admit(id).expect("admit");
+    if adm.hit_tokens > 0 {
+        let want = &t.images.iter().find(|(k, _)| *k == adm.hit_tokens).expect("an image").1;
+        same(&read(m.pool(), &image_ranges(m.pool(), adm.slot.position)), want, "restored image");
+    }
+    m.complete_inflight().expect("complete");
+    m.finish(id).expect("finish");
+}
+
 #[test]
 fn an_admission_restoring_a_checkpoint_fails_cleanly() {
     sweep("admit (HBM hit)", |b, fail| {
@@ -90,14 +102,7 @@ fn spilling_to_and_restoring_from_the_host_tier_fails_cleanly() {
         let (mut m, t) = world(b);
         let (counts, _) = armed(b, fail, &mut m, |m| m.evict_all());
         // Whatever reached the tier hits; what did not was dropped (a miss, never wrong bytes).
-        let id = m.add_request(1400, hashes(&t.tokens));
-        let adm = m.admit(id).expect("admit");
-        if adm.hit_tokens > 0 {
-            let want = &t.images.iter().find(|(k, _)| *k == adm.hit_tokens).expect("an image").1;
-            same(&read(m.pool(), &image_ranges(m.pool(), adm.slot.position)), want, "restored image");
-        }
-        m.complete_inflight().expect("complete");
-        m.finish(id).expect("finish");
+        hit_again(&mut m, &t);
         settle(&mut m);
         counts
     });
@@ -115,14 +120,7 @@ fn spilling_to_and_restoring_from_the_host_tier_fails_cleanly() {
             m.finish(id).expect("finish");
         }
         // Later calls work: the conversation hits again (perhaps shorter), byte-exact.
-        let id = m.add_request(1400, hashes(&t.tokens));
-        let adm = m.admit(id).expect("admit");
-        if adm.hit_tokens > 0 {
-            let want = &t.images.iter().find(|(k, _)| *k == adm.hit_tokens).expect("an image").1;
-            same(&read(m.pool(), &image_ranges(m.pool(), adm.slot.position)), want, "restored image");
-        }
-        m.complete_inflight().expect("complete");
-        m.finish(id).expect("finish");
+        hit_again(&mut m, &t);
         settle(&mut m);
         counts
     });

@@ -6,6 +6,7 @@
 
 mod fault_common;
 mod manager_common;
+mod pool_common;
 
 use fault_common::{Call, FaultBackend};
 use manager_common::{block_ranges, pattern, read, write};
@@ -18,32 +19,10 @@ use v4pool::sizing::IndexerDtype;
 use v4pool::transfer::engine::{EngineError, MemRegion, RegionId, Side, Span, TransferTicket};
 use v4pool::transfer::{handoff, Endpoint, HostTier, HostTierError, LocalEngine, RequestKv, TransferEngine};
 
-const WIDTHS: [u64; 2] = [64, 32];
-const RATIOS: [i32; 6] = [0, 4, 128, 4, 128, 0];
+use pool_common::{RATIOS, WIDTHS};
 
 fn spec(positions: i64, slots: i64, ring: i64) -> PoolSpec {
-    use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
-    let field = |name: &str, rows: u64, fill, carried| StateField {
-        name: name.into(),
-        layers: 2,
-        shape: vec![rows, 8],
-        dtype: Dtype::F32,
-        fill,
-        carried,
-        align: 256,
-    };
-    let fields = vec![field("csa_kv", 10, Fill::Zero, true), field("csa_score", 10, Fill::NegInf, true)];
-    let arena = ArenaLayout::new(fields, &WIDTHS).expect("arena");
-    let probe = v4pool::GeometrySpec::new(RATIOS.to_vec(), 0, 0, ring, 256)
-        .arena_rows(arena.arena_rows())
-        .slot_align_rows(arena.slot_align_rows())
-        .build()
-        .expect("geometry");
-    let plane_rows = positions * probe.slot_rows;
-    let blocks = (positions - slots) * probe.slot_rows / probe.envelope_rows;
-    let geometry = probe.with_capacity(blocks, slots, Some(plane_rows)).expect("carve");
-    let csa = (0..RATIOS.len()).filter(|&l| RATIOS[l] == 4).collect();
-    PoolSpec::new(geometry, WIDTHS.to_vec(), arena, Some(IndexerDtype::Fp8), csa).expect("spec")
+    pool_common::small_spec_with(&RATIOS, &WIDTHS, IndexerDtype::Fp8, positions, ring, slots, None, None)
 }
 
 fn pool_on(b: Arc<dyn Backend>) -> Arc<Pool> {
