@@ -30,6 +30,10 @@ fn wrapping_counts_are_refused() {
     let r = m.allocate(a, u64::MAX);
     assert!(matches!(r, Err(ManagerError::Overflow(_))), "{r:?}");
     assert_eq!(m.block_table(a).expect("table"), table, "a refused allocate changed the table");
+    // Back-pressure for a request owing u64::MAX blocks: not admitted (before the fix the
+    // sum wrapped and said yes).
+    assert!(!m.may_admit(u64::MAX).expect("view"));
+    assert!(!m.may_admit(u64::MAX - 3).expect("view"));
     m.check_invariants().expect("invariants");
     // Later calls work.
     m.allocate(a, 300).expect("allocate");
