@@ -7,7 +7,6 @@
 
 mod fault_common;
 mod manager_common;
-mod pool_common;
 
 use fault_common::{Call, FaultBackend, CALLS};
 use manager_common::{block_ranges, pattern, read, slot_ranges, write};
@@ -19,7 +18,7 @@ use v4pool::pool::{Pool, PoolSpec};
 use v4pool::sizing::IndexerDtype;
 use v4pool::transfer::{handoff, Endpoint, HostTier, LocalEngine, RequestKv};
 
-use pool_common::{RATIOS, WIDTHS};
+use manager_common::pool_common::{self, RATIOS, WIDTHS};
 
 fn spec(positions: i64, slots: i64) -> PoolSpec {
     pool_common::small_spec(&RATIOS, &WIDTHS, IndexerDtype::Fp8, positions, slots)

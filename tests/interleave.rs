@@ -6,7 +6,6 @@
 
 mod fault_common;
 mod manager_common;
-mod pool_common;
 
 use fault_common::{Call, FaultBackend};
 use manager_common::{block_ranges, pattern, read, write};
@@ -19,7 +18,7 @@ use v4pool::sizing::IndexerDtype;
 use v4pool::transfer::engine::{EngineError, MemRegion, RegionId, Side, Span, TransferTicket};
 use v4pool::transfer::{handoff, Endpoint, HostTier, HostTierError, LocalEngine, RequestKv, TransferEngine};
 
-use pool_common::{RATIOS, WIDTHS};
+use manager_common::pool_common::{self, RATIOS, WIDTHS};
 
 fn spec(positions: i64, slots: i64, ring: i64) -> PoolSpec {
     pool_common::small_spec_with(&RATIOS, &WIDTHS, IndexerDtype::Fp8, positions, ring, slots, None, None)
@@ -121,10 +120,13 @@ fn a_boundary_move_during_a_handoff_cannot_strand_its_bytes() {
     }
 }
 
+/// The move's result, the units as they came back (handle, expected bytes), their pool.
+type TierCase = (Result<(), PoolError>, Vec<(BlockHandle, Vec<u8>)>, Arc<Pool>);
+
 /// Spill (or restore) with the worst-moment move hooked before the first host copy. Returns
 /// the move's result, the units as they came back (handle, expected bytes) and their pool:
 /// for a spill, a fresh pool of the same layout they were restored into.
-fn tier_case(restore: bool) -> (Result<(), PoolError>, Vec<(BlockHandle, Vec<u8>)>, Arc<Pool>) {
+fn tier_case(restore: bool) -> TierCase {
     let fb = FaultBackend::new();
     let pool = pool_on(fb.clone());
     let low: Vec<BlockHandle> = (0..3).map(|_| pool.alloc_block().unwrap().handle).collect();
