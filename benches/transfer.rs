@@ -85,14 +85,13 @@ fn time_handoff(
     engine: &mut dyn TransferEngine,
     s: &Pool,
     r: &Pool,
-    id: &str,
     tokens: i64,
 ) -> Res<(f64, f64, u64, usize)> {
     let req = request(s, tokens)?;
     let (mut bytes, mut spans) = (0, 0);
     let mut moves = Vec::new();
     let secs = time(|| {
-        let out = handoff(engine, &Endpoint::new(s, id), &Endpoint::new(r, id), &req)?;
+        let out = handoff(engine, &Endpoint::new(s), &Endpoint::new(r), &req)?;
         bytes = out.bytes;
         spans = out.spans;
         moves.push(out.transfer_time.as_secs_f64());
@@ -136,10 +135,10 @@ fn main() -> Res<()> {
         let blocks = (tokens + 255) / 256 + 4;
         // One GPU, local engine, against a device-to-device copy of the same bytes.
         {
-            let (s, id) = pool(b0.clone(), blocks)?;
+            let (s, _) = pool(b0.clone(), blocks)?;
             let (r, _) = pool(b0.clone(), blocks)?;
             let mut e = LocalEngine::new(b0.clone(), b0.clone(), Stream::DEFAULT);
-            let (secs, whole, bytes, spans) = time_handoff(&mut e, &s, &r, &id, tokens)?;
+            let (secs, whole, bytes, spans) = time_handoff(&mut e, &s, &r, tokens)?;
             let (a, c) = (gpu0.alloc_zeroed(bytes)?, gpu0.alloc_zeroed(bytes)?);
             let copy = time(|| {
                 // SAFETY: two fresh allocations of `bytes`.
@@ -165,10 +164,10 @@ fn main() -> Res<()> {
         // Two GPUs over NCCL, against cuMemcpyPeerAsync of the same bytes.
         if let Some(gpu1) = &gpu1 {
             let b1: Arc<dyn Backend> = Arc::new(gpu1.clone());
-            let (s, id) = pool(b0.clone(), blocks)?;
+            let (s, _) = pool(b0.clone(), blocks)?;
             let (r, _) = pool(b1.clone(), blocks)?;
             let mut e = NcclEngine::new(&gpu0, gpu1)?;
-            let (secs, whole, bytes, spans) = time_handoff(&mut e, &s, &r, &id, tokens)?;
+            let (secs, whole, bytes, spans) = time_handoff(&mut e, &s, &r, tokens)?;
             let (a, c) = (gpu0.alloc_zeroed(bytes)?, gpu1.alloc_zeroed(bytes)?);
             let (c0, c1) = (ctx(0)?, ctx(1)?);
             // Peer access both ways (already enabled by NCCL is fine).

@@ -204,7 +204,9 @@ impl PlanOptions {
         }
     }
 
-    /// The model: a preset by name, else a `config.json` at the path.
+    /// The model: a preset by name, else a `config.json` at the path (a directory means its
+    /// `config.json`), read through [`ModelShape::from_config_path`]: a FIFO or device is
+    /// refused unread, a file past [`crate::model::MAX_CONFIG_BYTES`] refused.
     pub fn model_shape(&self) -> Result<ModelShape, PlanOptionError> {
         match ModelShape::by_name(&self.model, self.spec_steps) {
             Err(ModelError::UnknownPreset { .. }) if std::path::Path::new(&self.model).exists() => {}
@@ -217,15 +219,10 @@ impl PlanOptions {
             }
             other => return Ok(other?),
         }
-        let mut path = std::path::PathBuf::from(&self.model);
-        if path.is_dir() {
-            path.push("config.json");
-        }
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| PlanOptionError::Io { path: path.display().to_string(), reason: e.to_string() })?;
-        let mut model = ModelShape::from_config_json_with(&text, self.spec_steps, self.drafts)?;
-        model.name = path.display().to_string();
-        Ok(model)
+        // The one bounded reader every entry point uses (CLI, Python, C): regular files only,
+        // opened without blocking, at most `MAX_CONFIG_BYTES`.
+        let path = std::path::Path::new(&self.model);
+        Ok(ModelShape::from_config_path(path, self.spec_steps, self.drafts)?.shape)
     }
 
     /// Size the pool and add its checkpoint facts.

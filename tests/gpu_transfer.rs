@@ -95,13 +95,12 @@ fn check_case(
 fn run_sizes(name: &str, sizes: &[i64], make: &dyn Fn(i64) -> (Pool, Pool, String, Box<dyn TransferEngine>)) {
     for (i, &tokens) in sizes.iter().enumerate() {
         let mut rng = Rng::new(case_seed(name, i as u64));
-        let (sender, receiver, id, mut engine) = make(tokens);
+        let (sender, receiver, _, mut engine) = make(tokens);
         poison_pool(&receiver);
         let req = random_request(&sender, tokens, &mut rng);
         let t = std::time::Instant::now();
-        let out =
-            handoff(engine.as_mut(), &Endpoint::new(&sender, &id), &Endpoint::new(&receiver, &id), &req)
-                .unwrap_or_else(|e| panic!("{name} {tokens}: {e}"));
+        let out = handoff(engine.as_mut(), &Endpoint::new(&sender), &Endpoint::new(&receiver), &req)
+            .unwrap_or_else(|e| panic!("{name} {tokens}: {e}"));
         let secs = t.elapsed().as_secs_f64();
         check_case(name, tokens, &sender, &receiver, &req, &out, secs);
         drop(engine);
@@ -139,17 +138,17 @@ fn nccl_handoff_gpu0_to_gpu1() {
         (s, r, id, Box::new(e) as Box<dyn TransferEngine>)
     });
     // Refusals over NCCL: mismatched layouts (no receiver allocation), no room.
-    let (s, id) = v4_pool(Arc::new(gpu0.clone()), &model, 40, 2);
-    let (r, id0) = v4_pool(Arc::new(gpu1.clone()), &ModelShape::v4_flash(0).unwrap(), 40, 2);
+    let (s, _) = v4_pool(Arc::new(gpu0.clone()), &model, 40, 2);
+    let (r, _) = v4_pool(Arc::new(gpu1.clone()), &ModelShape::v4_flash(0).unwrap(), 40, 2);
     let mut e = NcclEngine::new(&gpu0, &gpu1).unwrap();
     let req = random_request(&s, 8 << 10, &mut Rng::new(1));
     let before = r.counts().unwrap();
-    let err = handoff(&mut e, &Endpoint::new(&s, &id), &Endpoint::new(&r, &id0), &req).unwrap_err();
+    let err = handoff(&mut e, &Endpoint::new(&s), &Endpoint::new(&r), &req).unwrap_err();
     assert!(matches!(err, v4pool::transfer::HandoffError::LayoutMismatch { .. }), "{err}");
     assert_eq!(r.counts().unwrap(), before);
     let (small, _) = v4_pool(Arc::new(gpu1.clone()), &model, 8, 2);
     let before = small.counts().unwrap();
-    let err = handoff(&mut e, &Endpoint::new(&s, &id), &Endpoint::new(&small, &id), &req).unwrap_err();
+    let err = handoff(&mut e, &Endpoint::new(&s), &Endpoint::new(&small), &req).unwrap_err();
     assert!(matches!(err, v4pool::transfer::HandoffError::NoRoom { .. }), "{err}");
     assert_eq!(small.counts().unwrap(), before);
     println!("nccl: refusals OK (layout mismatch, no room)");

@@ -70,19 +70,19 @@ fn nixl_vram_handoffs_on_one_gpu() {
     for (i, &tokens) in sizes.iter().enumerate() {
         let blocks = (tokens + 255) / 256 + 4;
         let mut rng = Rng::new(case_seed("nixl_vram", i as u64));
-        let (s, id) = v4_pool(b.clone(), &model, blocks, 2);
+        let (s, _) = v4_pool(b.clone(), &model, blocks, 2);
         let (r, _) = v4_pool(b.clone(), &model, blocks, 2);
         let (r2, _) = v4_pool(b.clone(), &model, blocks, 2);
         poison_pool(&r);
         poison_pool(&r2);
         let req = random_request(&s, tokens, &mut rng);
         let mut engine = NixlEngine::pair(mem, mem, &NixlOptions::default()).unwrap();
-        let out = handoff(&mut engine, &Endpoint::new(&s, &id), &Endpoint::new(&r, &id), &req)
+        let out = handoff(&mut engine, &Endpoint::new(&s), &Endpoint::new(&r), &req)
             .unwrap_or_else(|e| panic!("{tokens}: {e}"));
         let words = check_received("nixl-vram", tokens, &s, &r, &req, &out);
         // The same request by device copies (one cuMemcpy per span), same spans.
         let mut local = LocalEngine::new(b.clone(), b.clone(), Stream::DEFAULT);
-        let out2 = handoff(&mut local, &Endpoint::new(&s, &id), &Endpoint::new(&r2, &id), &req).unwrap();
+        let out2 = handoff(&mut local, &Endpoint::new(&s), &Endpoint::new(&r2), &req).unwrap();
         check_received("local-vram", tokens, &s, &r2, &req, &out2);
         assert_eq!(out.spans, out2.spans);
         // A second NIXL handoff on the warm engine (the first pays connection setup).
@@ -91,7 +91,7 @@ fn nixl_vram_handoffs_on_one_gpu() {
         }
         r.free_slot(out.slot.handle).unwrap();
         poison_pool(&r);
-        let warm = handoff(&mut engine, &Endpoint::new(&s, &id), &Endpoint::new(&r, &id), &req).unwrap();
+        let warm = handoff(&mut engine, &Endpoint::new(&s), &Endpoint::new(&r), &req).unwrap();
         check_received("nixl-vram-warm", tokens, &s, &r, &req, &warm);
         let gb = |o: &v4pool::transfer::Rebound| o.bytes as f64 / o.transfer_time.as_secs_f64() / 1e9;
         println!(
@@ -133,11 +133,11 @@ fn nixl_vram_handoffs_between_two_processes_on_one_gpu() {
     for (i, &tokens) in sizes.iter().enumerate() {
         let blocks = (tokens + 255) / 256 + 4;
         let mut rng = Rng::new(case_seed("nixl_vram_2proc", i as u64));
-        let (s, id) = v4_pool(b.clone(), &model, blocks, 2);
+        let (s, _) = v4_pool(b.clone(), &model, blocks, 2);
         let req = random_request(&s, tokens, &mut rng);
         let mut peer = spawn_receiver(&format!("vram{i}"), tokens, blocks, 1, Mode::Receive, kind);
-        let verdict = send_to_child(&s, &id, &req, &mut peer, Mode::Receive)
-            .unwrap_or_else(|e| panic!("{tokens}: {e}"));
+        let verdict =
+            send_to_child(&s, &req, &mut peer, Mode::Receive).unwrap_or_else(|e| panic!("{tokens}: {e}"));
         let text = peer.finish("two-process VRAM handoff", false);
         assert!(verdict.starts_with("OK"), "{tokens}: receiver says {verdict}\n{text}");
         println!("nixl-vram-2proc: {tokens} tokens ({kind}): receiver: {verdict}");

@@ -123,6 +123,13 @@ fn refusals_are_typed_and_write_nothing() {
     assert!(matches!(e, StateUpdateError::OverCapacity { got: 17, max: 16, .. }), "{e}");
     let e = stage(&mut upd, vec![seq(leases[0], vec![(1 << 32) - 1], 1 << 32)]).unwrap_err();
     assert!(matches!(e, StateUpdateError::NotI32 { what: "position", .. }), "{e}");
+    // A first token row that wraps (seen failing before the fix: usize::MAX - 1 staged plan
+    // row -2, before the engine's buffer).
+    for first_token in [usize::MAX - 1, usize::MAX, i32::MAX as usize] {
+        let s = Seq { lease: leases[0], first_token, positions: vec![8, 9], context_len: 10 };
+        let e = stage(&mut upd, vec![s]).unwrap_err();
+        assert!(matches!(e, StateUpdateError::NotI32 { what: "token row", .. }), "{first_token}: {e}");
+    }
     // A freed slot's lease is stale.
     let e = stage(&mut upd, vec![seq(gone, vec![1], 2)]).unwrap_err();
     assert!(matches!(e, StateUpdateError::Pool(_)), "{e}");

@@ -55,8 +55,8 @@ fn handoff_case(name: &str, shared_backend: bool) {
         let mut rng = Rng::new(case_seed(name, i as u64));
         let b0: Arc<dyn Backend> = Arc::new(HostBackend::new());
         let b1 = if shared_backend { b0.clone() } else { Arc::new(HostBackend::new()) as Arc<dyn Backend> };
-        let (sender, id) = v4_pool(b0.clone(), &model, 16, 2);
-        let (receiver, id2) = v4_pool(b1.clone(), &model, 12, 2);
+        let (sender, _) = v4_pool(b0.clone(), &model, 16, 2);
+        let (receiver, _) = v4_pool(b1.clone(), &model, 12, 2);
         poison(&receiver, &mut rng);
         // The receiver already holds a request of its own: it must not be disturbed.
         let other = receiver.alloc_slot().unwrap();
@@ -64,8 +64,7 @@ fn handoff_case(name: &str, shared_backend: bool) {
         let before = read(&receiver, &all_ranges(&receiver));
         let counts = receiver.counts().unwrap();
         let mut engine = LocalEngine::new(b0, b1, Stream::DEFAULT);
-        let out =
-            handoff(&mut engine, &Endpoint::new(&sender, id), &Endpoint::new(&receiver, id2), &req).unwrap();
+        let out = handoff(&mut engine, &Endpoint::new(&sender), &Endpoint::new(&receiver), &req).unwrap();
         assert_eq!(out.blocks.len(), n);
         assert_eq!(out.context_len, req.context_len);
         assert_ne!(out.slot.handle, other.handle);
@@ -148,9 +147,7 @@ fn mismatched_layouts_are_refused_before_any_byte_moves() {
     let snapshot = read(&flash0, &all_ranges(&flash0));
     let counts = flash0.counts().unwrap();
     let mut engine = LocalEngine::new(b.clone(), b.clone(), Stream::DEFAULT);
-    let err =
-        handoff(&mut engine, &Endpoint::new(&flash, &flash_id), &Endpoint::new(&flash0, &flash0_id), &req)
-            .unwrap_err();
+    let err = handoff(&mut engine, &Endpoint::new(&flash), &Endpoint::new(&flash0), &req).unwrap_err();
     match err {
         HandoffError::LayoutMismatch { sender, receiver } => {
             assert_eq!((sender, receiver), (flash_id.clone(), flash0_id.clone()))
@@ -159,10 +156,15 @@ fn mismatched_layouts_are_refused_before_any_byte_moves() {
     }
     assert_nothing_new(&flash0, counts);
     assert!(read(&flash0, &all_ranges(&flash0)) == snapshot);
-    // Same id claimed for a different carve: the shapes are compared too.
-    let err =
-        handoff(&mut engine, &Endpoint::new(&flash, &flash_id), &Endpoint::new(&flash0, &flash_id), &req)
-            .unwrap_err();
+    // An endpoint speaks for its pool's own layout id: no caller string can stand in.
+    assert_eq!(Endpoint::new(&flash).layout_id(), flash.layout_id().as_str());
+    assert_eq!(Endpoint::new(&flash0).layout_id(), flash0_id);
+    // A peer claiming this side's id for a different carve (a forged hello): the shapes are
+    // compared too.
+    let mut forged: serde_json::Value = serde_json::from_slice(&Endpoint::new(&flash0).hello()).unwrap();
+    forged["layout_id"] = serde_json::Value::String(flash_id.clone());
+    let forged = serde_json::to_vec(&forged).unwrap();
+    let err = Endpoint::new(&flash).check_peer(&forged, true).unwrap_err();
     assert!(matches!(err, HandoffError::ShapeMismatch { .. }), "{err}");
     assert_nothing_new(&flash0, counts);
     assert!(read(&flash0, &all_ranges(&flash0)) == snapshot);
@@ -173,13 +175,12 @@ fn a_receiver_without_room_holds_nothing_afterwards() {
     let mut rng = Rng::new(case_seed("no_room", 0));
     let model = ModelShape::v4_flash(1).unwrap();
     let b: Arc<dyn Backend> = Arc::new(HostBackend::new());
-    let (sender, id) = v4_pool(b.clone(), &model, 12, 2);
+    let (sender, _) = v4_pool(b.clone(), &model, 12, 2);
     let (receiver, _) = v4_pool(b.clone(), &model, 4, 2);
     let req = request(&sender, 6, &mut rng);
     let counts = receiver.counts().unwrap();
     let mut engine = LocalEngine::new(b.clone(), b.clone(), Stream::DEFAULT);
-    let err =
-        handoff(&mut engine, &Endpoint::new(&sender, &id), &Endpoint::new(&receiver, &id), &req).unwrap_err();
+    let err = handoff(&mut engine, &Endpoint::new(&sender), &Endpoint::new(&receiver), &req).unwrap_err();
     assert!(matches!(err, HandoffError::NoRoom { blocks: 6, .. }), "{err}");
     assert_nothing_new(&receiver, counts);
     // No free slot: refused the same way.
@@ -187,8 +188,7 @@ fn a_receiver_without_room_holds_nothing_afterwards() {
     let s1 = receiver.alloc_slot().unwrap();
     let s2 = receiver.alloc_slot().unwrap();
     let counts = receiver.counts().unwrap();
-    let err = handoff(&mut engine, &Endpoint::new(&sender, &id), &Endpoint::new(&receiver, &id), &small)
-        .unwrap_err();
+    let err = handoff(&mut engine, &Endpoint::new(&sender), &Endpoint::new(&receiver), &small).unwrap_err();
     assert!(matches!(err, HandoffError::NoRoom { .. }), "{err}");
     assert_nothing_new(&receiver, counts);
     receiver.free_slot(s1.handle).unwrap();
@@ -198,8 +198,7 @@ fn a_receiver_without_room_holds_nothing_afterwards() {
     sender.free_block(stale.blocks[0]).unwrap();
     stale.blocks[0] = BlockHandle { generation: stale.blocks[0].generation, ..stale.blocks[0] };
     let counts = receiver.counts().unwrap();
-    let err = handoff(&mut engine, &Endpoint::new(&sender, &id), &Endpoint::new(&receiver, &id), &stale)
-        .unwrap_err();
+    let err = handoff(&mut engine, &Endpoint::new(&sender), &Endpoint::new(&receiver), &stale).unwrap_err();
     assert!(matches!(err, HandoffError::Request(_)), "{err}");
     assert_nothing_new(&receiver, counts);
 }
@@ -236,19 +235,17 @@ fn a_failed_transfer_releases_the_reservation() {
     let mut rng = Rng::new(case_seed("failed_transfer", 0));
     let model = ModelShape::v4_flash(1).unwrap();
     let b: Arc<dyn Backend> = Arc::new(HostBackend::new());
-    let (sender, id) = v4_pool(b.clone(), &model, 8, 2);
+    let (sender, _) = v4_pool(b.clone(), &model, 8, 2);
     let (receiver, _) = v4_pool(b.clone(), &model, 8, 2);
     let req = request(&sender, 4, &mut rng);
     let counts = receiver.counts().unwrap();
     let mut engine = FailingEngine(LocalEngine::new(b.clone(), b.clone(), Stream::DEFAULT));
-    let err =
-        handoff(&mut engine, &Endpoint::new(&sender, &id), &Endpoint::new(&receiver, &id), &req).unwrap_err();
+    let err = handoff(&mut engine, &Endpoint::new(&sender), &Endpoint::new(&receiver), &req).unwrap_err();
     assert!(matches!(err, HandoffError::Engine(EngineError::Nccl { .. })), "{err}");
     assert_nothing_new(&receiver, counts);
     // The sender still holds its request, untouched: a retry succeeds.
     let mut engine = LocalEngine::new(b.clone(), b, Stream::DEFAULT);
-    let out =
-        handoff(&mut engine, &Endpoint::new(&sender, &id), &Endpoint::new(&receiver, &id), &req).unwrap();
+    let out = handoff(&mut engine, &Endpoint::new(&sender), &Endpoint::new(&receiver), &req).unwrap();
     assert_eq!(out.blocks.len(), 4);
 }
 
@@ -298,7 +295,7 @@ fn held_bytes(pool: &Pool, req: &RequestKv) -> Vec<u8> {
 fn ping_pong(steps: Vec<(usize, bool, u64)>) {
     let model = ModelShape::v4_flash(1).unwrap();
     let b: Arc<dyn Backend> = Arc::new(HostBackend::new());
-    let (p0, id) = v4_pool(b.clone(), &model, 8, 2);
+    let (p0, _) = v4_pool(b.clone(), &model, 8, 2);
     let (p1, _) = v4_pool(b.clone(), &model, 6, 2);
     let pools = [&p0, &p1];
     let mut live: [Vec<Held>; 2] = [Vec::new(), Vec::new()];
@@ -319,7 +316,7 @@ fn ping_pong(steps: Vec<(usize, bool, u64)>) {
         }
         let i = (seed as usize / 3) % live[from].len();
         let before = r.counts().unwrap();
-        match handoff(&mut engine, &Endpoint::new(s, &id), &Endpoint::new(r, &id), &live[from][i].req) {
+        match handoff(&mut engine, &Endpoint::new(s), &Endpoint::new(r), &live[from][i].req) {
             Ok(out) => {
                 let h = live[from].swap_remove(i);
                 for blk in &h.req.blocks {

@@ -67,14 +67,14 @@ fn nixl_handoffs_between_two_host_pools() {
     let model = ModelShape::v4_flash(1).unwrap();
     for (i, &tokens) in TOKENS.iter().enumerate() {
         let mut rng = Rng::new(case_seed("nixl_pair", i as u64));
-        let (sender, id) = v4_pool(host(), &model, blocks_for(tokens), 2);
-        let (receiver, id2) = v4_pool(host(), &model, blocks_for(tokens), 2);
+        let (sender, _) = v4_pool(host(), &model, blocks_for(tokens), 2);
+        let (receiver, _) = v4_pool(host(), &model, blocks_for(tokens), 2);
         poison_pool(&receiver);
         let req = random_request(&sender, tokens, &mut rng);
         let counts = receiver.counts().unwrap();
         let mut engine = NixlEngine::pair(NixlMem::Dram, NixlMem::Dram, &options()).unwrap();
         let t = Instant::now();
-        let out = handoff(&mut engine, &Endpoint::new(&sender, &id), &Endpoint::new(&receiver, &id2), &req)
+        let out = handoff(&mut engine, &Endpoint::new(&sender), &Endpoint::new(&receiver), &req)
             .unwrap_or_else(|e| panic!("{tokens}: {e}"));
         let total = t.elapsed();
         assert_eq!(engine.in_flight(), 0);
@@ -98,8 +98,7 @@ fn nixl_handoffs_between_two_host_pools() {
         if i == 0 {
             let req2 = random_request(&sender, 1 << 10, &mut rng);
             let out2 =
-                handoff(&mut engine, &Endpoint::new(&sender, &id), &Endpoint::new(&receiver, &id2), &req2)
-                    .unwrap();
+                handoff(&mut engine, &Endpoint::new(&sender), &Endpoint::new(&receiver), &req2).unwrap();
             let sp = sender.slot_position(req2.slot).unwrap();
             let ids: Vec<u32> = req2.blocks.iter().map(|b| b.id).collect();
             let got: Vec<u32> = out2.blocks.iter().map(|b| b.id).collect();
@@ -126,27 +125,27 @@ fn nixl_refusals_leave_nothing_allocated() {
         return;
     }
     let model = ModelShape::v4_flash(1).unwrap();
-    let (s, id) = v4_pool(host(), &model, 40, 2);
+    let (s, _) = v4_pool(host(), &model, 40, 2);
     let req = random_request(&s, 8 << 10, &mut Rng::new(case_seed("nixl_refusals", 0)));
     let mut engine = NixlEngine::pair(NixlMem::Dram, NixlMem::Dram, &options()).unwrap();
     // Mismatched layouts: refused before the receiver allocates or any byte moves.
-    let (r0, id0) = v4_pool(host(), &ModelShape::v4_flash(0).unwrap(), 40, 2);
+    let (r0, _) = v4_pool(host(), &ModelShape::v4_flash(0).unwrap(), 40, 2);
     poison_pool(&r0);
     let (before, image) = (r0.counts().unwrap(), read(&r0, &all_ranges(&r0)));
-    let err = handoff(&mut engine, &Endpoint::new(&s, &id), &Endpoint::new(&r0, &id0), &req).unwrap_err();
+    let err = handoff(&mut engine, &Endpoint::new(&s), &Endpoint::new(&r0), &req).unwrap_err();
     assert!(matches!(err, HandoffError::LayoutMismatch { .. }), "{err}");
     assert_counts(&r0, before, "layout mismatch");
     assert!(read(&r0, &all_ranges(&r0)) == image, "layout mismatch: receiver bytes changed");
     // No room: fewer free blocks than the request holds.
     let (small, _) = v4_pool(host(), &model, 8, 2);
     let before = small.counts().unwrap();
-    let err = handoff(&mut engine, &Endpoint::new(&s, &id), &Endpoint::new(&small, &id), &req).unwrap_err();
+    let err = handoff(&mut engine, &Endpoint::new(&s), &Endpoint::new(&small), &req).unwrap_err();
     assert!(matches!(err, HandoffError::NoRoom { blocks: 32, .. }), "{err}");
     assert_counts(&small, before, "no room");
     // The engine is still good after both refusals.
     let (r, _) = v4_pool(host(), &model, 40, 2);
     poison_pool(&r);
-    let out = handoff(&mut engine, &Endpoint::new(&s, &id), &Endpoint::new(&r, &id), &req).unwrap();
+    let out = handoff(&mut engine, &Endpoint::new(&s), &Endpoint::new(&r), &req).unwrap();
     check_received("nixl-after-refusals", 8 << 10, &s, &r, &req, &out);
     // Spans the engine must refuse itself (outside a region, read-side remote): nothing posted.
     let mut buf = vec![7u8; 4096];
@@ -208,12 +207,12 @@ fn child_without_nixl() {
     // The rest of v4pool is unaffected: a handoff through the in-process engine.
     let model = ModelShape::v4_flash(1).unwrap();
     let b = host();
-    let (s, id) = v4_pool(b.clone(), &model, 12, 2);
+    let (s, _) = v4_pool(b.clone(), &model, 12, 2);
     let (r, _) = v4_pool(b.clone(), &model, 12, 2);
     poison_pool(&r);
     let req = random_request(&s, 2 << 10, &mut Rng::new(3));
     let mut e = LocalEngine::new(b.clone(), b, Stream::DEFAULT);
-    let out = handoff(&mut e, &Endpoint::new(&s, &id), &Endpoint::new(&r, &id), &req).unwrap();
+    let out = handoff(&mut e, &Endpoint::new(&s), &Endpoint::new(&r), &req).unwrap();
     check_received("local-without-nixl", 2 << 10, &s, &r, &req, &out);
     println!("child_without_nixl: OK ({why})");
 }
@@ -227,13 +226,13 @@ fn nixl_handoffs_between_two_processes() {
     let model = ModelShape::v4_flash(1).unwrap();
     for (i, &tokens) in TOKENS.iter().enumerate() {
         let mut rng = Rng::new(case_seed("nixl_2proc", i as u64));
-        let (sender, id) = v4_pool(host(), &model, blocks_for(tokens), 2);
+        let (sender, _) = v4_pool(host(), &model, blocks_for(tokens), 2);
         let req = random_request(&sender, tokens, &mut rng);
         // The sender's memory is only read: checked where hashing it twice is cheap.
         let before = (tokens < 1 << 20).then(|| digest(&sender, &all_ranges(&sender)));
         let mut peer =
             spawn_receiver(&format!("ok{i}"), tokens, blocks_for(tokens), 1, Mode::Receive, "host");
-        let verdict = send_to_child(&sender, &id, &req, &mut peer, Mode::Receive)
+        let verdict = send_to_child(&sender, &req, &mut peer, Mode::Receive)
             .unwrap_or_else(|e| panic!("{tokens}: {e}"));
         let text = peer.finish("two-process handoff", false);
         assert!(verdict.starts_with("OK"), "{tokens}: receiver says {verdict}\n{text}");
@@ -250,7 +249,7 @@ fn nixl_two_process_refusals_and_the_peer_gone() {
         return;
     }
     let model = ModelShape::v4_flash(1).unwrap();
-    let (sender, id) = v4_pool(host(), &model, 40, 2);
+    let (sender, _) = v4_pool(host(), &model, 40, 2);
     let req = random_request(&sender, 8 << 10, &mut Rng::new(case_seed("nixl_2proc_refusals", 0)));
     let counts = sender.counts().unwrap();
     let image = read(&sender, &all_ranges(&sender));
@@ -263,7 +262,7 @@ fn nixl_two_process_refusals_and_the_peer_gone() {
     for (tag, blocks, mtp, mode, want) in cases {
         let mut peer = spawn_receiver(tag, 8 << 10, blocks, mtp, mode, "host");
         let t = Instant::now();
-        let r = send_to_child(&sender, &id, &req, &mut peer, mode);
+        let r = send_to_child(&sender, &req, &mut peer, mode);
         let err = r.expect_err(tag);
         assert!(err.contains(want), "{tag}: {err}");
         let text = peer.finish(tag, mode != Mode::Receive);
@@ -278,7 +277,7 @@ fn nixl_two_process_refusals_and_the_peer_gone() {
     // The sender gone after the receiver reserved: the receiver releases everything.
     let mut peer = spawn_receiver("sendergone", 8 << 10, 40, 1, Mode::Receive, "host");
     let s = &mut peer.sock;
-    let mut hello = Endpoint::new(&sender, &id).hello();
+    let mut hello = Endpoint::new(&sender).hello();
     hello.extend_from_slice(format!("\n{}", req.blocks.len()).as_bytes());
     send_frame(s, &hello);
     for _ in 0..5 {

@@ -85,7 +85,9 @@ impl ExternalRegion {
     }
 }
 
-impl Backend for ExternalRegion {
+// SAFETY: carves allocations inside the engine's region (checked to fit) and forwards
+// everything else to the wrapped backend, which keeps its own promises.
+unsafe impl Backend for ExternalRegion {
     fn kind(&self) -> BackendKind {
         self.inner.kind()
     }

@@ -140,7 +140,10 @@ fn host_ptr(addr: DevicePtr) -> *mut u8 {
     std::ptr::with_exposed_provenance_mut(addr as usize)
 }
 
-impl Backend for HostBackend {
+// SAFETY: allocations are tracked and sized as asked (`alloc_zeroed`), host memory comes
+// from the default `alloc_host` (exactly `bytes`), and every copy, fill and launch is
+// checked against the live allocations before it touches memory.
+unsafe impl Backend for HostBackend {
     fn kind(&self) -> BackendKind {
         KIND
     }

@@ -301,7 +301,46 @@ pub(crate) mod size {
 }
 
 /// Allocation, copies and kernel launches on raw addresses. See the module's contract.
-pub trait Backend: Send + Sync + fmt::Debug {
+///
+/// # Safety
+/// Safe code in this crate builds slices and queues device work from what an
+/// implementation's safe methods return, so an implementation promises:
+///
+/// * [`Backend::alloc_zeroed`] returns, on `Ok`, an allocation of at least `bytes` bytes at
+///   `ptr`, 256-byte aligned, owned by the caller until [`Backend::free`];
+/// * [`Backend::alloc_host`] returns, on `Ok`, host memory of exactly `bytes` bytes at
+///   `ptr` (valid for reads and writes; dangling only when `bytes` is 0), owned by the
+///   caller until [`Backend::free_host`]: the default [`Backend::download_host`] and
+///   [`Backend::upload_host`] build slices over it;
+/// * the `unsafe` methods touch no memory beyond what their contracts name, and
+///   [`Backend::synchronize`] returns only once the stream's earlier work is complete.
+///
+/// An implementation without `unsafe impl` does not compile, so a backend outside the crate
+/// cannot make these promises by accident:
+///
+/// ```compile_fail,E0200
+/// # use v4pool::backend::*;
+/// # use v4pool::index::{DevicePtr, Launch};
+/// #[derive(Debug)]
+/// struct Lying;
+/// impl Backend for Lying {
+///     fn kind(&self) -> BackendKind { BackendKind::Host }
+///     fn device_name(&self) -> String { "lying".into() }
+///     fn alloc_zeroed(&self, _: u64) -> Result<DeviceAllocation, BackendError> { todo!() }
+///     unsafe fn free(&self, _: DeviceAllocation) {}
+///     unsafe fn upload(&self, _: DevicePtr, _: &[u8], _: Stream) -> Result<(), BackendError> { Ok(()) }
+///     unsafe fn download(&self, _: &mut [u8], _: DevicePtr, _: Stream) -> Result<(), BackendError> { Ok(()) }
+///     unsafe fn copy(&self, _: DevicePtr, _: DevicePtr, _: u64, _: Stream) -> Result<(), BackendError> { Ok(()) }
+///     unsafe fn fill_u32(&self, _: DevicePtr, _: u64, _: u32, _: Stream) -> Result<(), BackendError> { Ok(()) }
+///     unsafe fn launch(&self, _: &Launch, _: Stream) -> Result<(), BackendError> { Ok(()) }
+///     fn synchronize(&self, _: Stream) -> Result<(), BackendError> { Ok(()) }
+///     // A lie safe code would build a slice from.
+///     fn alloc_host(&self, bytes: u64) -> Result<HostAllocation, BackendError> {
+///         Ok(HostAllocation { ptr: 0x1000 as *mut u8, bytes: bytes as usize, pinned: false })
+///     }
+/// }
+/// ```
+pub unsafe trait Backend: Send + Sync + fmt::Debug {
     /// Which implementation this is.
     fn kind(&self) -> BackendKind;
 

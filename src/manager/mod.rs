@@ -107,6 +107,18 @@ pub enum ManagerError {
     /// The configuration is unusable.
     #[error("bad manager config: {0}")]
     Config(&'static str),
+    /// A count the caller passed overflows what it adds to (nothing changed).
+    #[error("arithmetic overflow computing {0}")]
+    Overflow(&'static str),
+    /// A request's block hashes repeat a value: hash `again` equals hash `first` (chained
+    /// hashes never repeat within one request; nothing changed).
+    #[error("block hash {again} repeats hash {first} of the same request")]
+    RepeatedHash {
+        /// Index of the first occurrence.
+        first: usize,
+        /// Index of the repeat.
+        again: usize,
+    },
     /// The host tier failed to copy (a backend or driver error; refusals for room are not
     /// errors: a spill that does not fit drops the entry, a restore without room shortens
     /// the hit).

@@ -51,7 +51,11 @@ impl PoolView {
     /// the running ones: the blocks their prompts still owe, its own, and `per_seq` blocks of
     /// decode room per request stay obtainable.
     pub fn admits(&self, rest: u64, per_seq: u32) -> bool {
-        self.spare_blocks() >= self.owed_blocks + rest + self.decode_room(per_seq)
+        // A sum past u64 is more than any pool holds: not admitted (never a wrap-around).
+        self.owed_blocks
+            .checked_add(rest)
+            .and_then(|n| n.checked_add(self.decode_room(per_seq)))
+            .is_some_and(|need| self.spare_blocks() >= need)
     }
 }
 

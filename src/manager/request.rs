@@ -169,7 +169,11 @@ impl KvManager {
     /// More full-block hashes of a request (generated tokens completed blocks); blocks already
     /// computed are committed to the index now.
     pub fn extend_hashes(&mut self, id: RequestId, hashes: &[BlockHash]) -> Result<(), ManagerError> {
-        self.req_mut(id)?.hashes.extend_from_slice(hashes);
+        let r = self.req_mut(id)?;
+        if let Some((first, again)) = first_repeat(r.hashes.iter().chain(hashes)) {
+            return Err(ManagerError::RepeatedHash { first, again });
+        }
+        r.hashes.extend_from_slice(hashes);
         self.index_blocks(id)
     }
 
@@ -204,6 +208,10 @@ impl KvManager {
         let r = self.req(id)?;
         if r.slot.is_some() {
             return Err(ManagerError::AlreadyRunning(id));
+        }
+        // A repeated hash would match one cached block at several table positions.
+        if let Some((first, again)) = first_repeat(r.hashes.iter()) {
+            return Err(ManagerError::RepeatedHash { first, again });
         }
         // At least one token is computed (its logits are needed).
         let limit = (r.known.saturating_sub(1) / self.block_size) as usize;
@@ -336,7 +344,9 @@ impl KvManager {
         if r.slot.is_none() {
             return Err(ManagerError::NotRunning(id));
         }
-        let want = (r.computed + tokens).div_ceil(bs) as usize;
+        let end = r.computed.checked_add(tokens).ok_or(ManagerError::Overflow("allocated tokens"))?;
+        let want =
+            usize::try_from(end.div_ceil(bs)).map_err(|_| ManagerError::Overflow("allocated blocks"))?;
         let have = r.blocks.len();
         if want <= have {
             return Ok(());
@@ -399,7 +409,7 @@ impl KvManager {
         if r.slot.is_none() {
             return Err(ManagerError::NotRunning(id));
         }
-        let after = r.computed + tokens;
+        let after = r.computed.checked_add(tokens).ok_or(ManagerError::Overflow("committed tokens"))?;
         let capacity = r.blocks.len() as u64 * bs;
         if after > capacity {
             return Err(ManagerError::CommitPastAllocation { tokens: after, capacity });
@@ -685,4 +695,16 @@ impl KvManager {
         }
         self.check_tier()
     }
+}
+
+/// The first repeated value among `hashes`: (index of its first occurrence, of the repeat).
+fn first_repeat<'a>(hashes: impl Iterator<Item = &'a BlockHash>) -> Option<(usize, usize)> {
+    let mut seen = std::collections::HashMap::new();
+    for (i, h) in hashes.enumerate() {
+        if let Some(&first) = seen.get(h) {
+            return Some((first, i));
+        }
+        seen.insert(*h, i);
+    }
+    None
 }

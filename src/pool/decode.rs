@@ -143,6 +143,17 @@ pub enum DecodeError {
         /// Blocks the pool has now.
         num_blocks: i64,
     },
+    /// A staged block id the build would read is no longer in the pool's block region (the
+    /// boundary moved after staging): restage with the moved ids.
+    #[error("sequence {seq}: staged block id {block} is outside the pool's blocks 0..{num_blocks} now")]
+    StaleBlock {
+        /// Sequence (batch row).
+        seq: usize,
+        /// The highest staged id the build reads for it.
+        block: i32,
+        /// Blocks the pool has now.
+        num_blocks: i64,
+    },
     /// A window outside the ring.
     #[error("window {win} must be in 1..={ring_slots} (the ring)")]
     BadWindow {
@@ -309,6 +320,25 @@ pub(crate) fn check_capacity(
     Ok(Class::ALL.map(|c| geometry.class_window_params(c).ok()))
 }
 
+/// Block-table columns a sequence of `context_len` tokens reads: its blocks, `ceil(context /
+/// block_size)` (`context_len` was checked non-negative and within the table).
+pub(crate) fn read_columns(context_len: i64, block_size: i64) -> usize {
+    (context_len.max(0) as u64).div_ceil(block_size.max(1) as u64) as usize
+}
+
+/// The first sequence whose highest read block id (`max_ids[seq]`, `None`: reads none) is no
+/// longer below `num_blocks` (the boundary moved after staging).
+pub(crate) fn check_blocks(max_ids: &[Option<i32>], num_blocks: i64) -> Result<(), DecodeError> {
+    match max_ids
+        .iter()
+        .enumerate()
+        .find_map(|(seq, m)| m.filter(|&b| i64::from(b) >= num_blocks).map(|b| (seq, b)))
+    {
+        Some((seq, block)) => Err(DecodeError::StaleBlock { seq, block, num_blocks }),
+        None => Ok(()),
+    }
+}
+
 /// The first staged position no longer in `live` (the boundary moved after staging).
 pub(crate) fn check_live(positions: &[i64], live: &Range<i64>) -> Result<(), DecodeError> {
     match positions.iter().enumerate().find(|(_, p)| !live.contains(p)) {
@@ -360,6 +390,14 @@ pub struct DecodeIndexBuffers {
     slice_cap: [u64; 3],
     /// Positions of the batch last staged (a pool-backed path re-checks them at build).
     staged_positions: Vec<i64>,
+    /// Block-table columns each staged sequence's build reads (batch row = index).
+    staged_columns: Vec<usize>,
+    /// Host mirror of the device block tables `[max_seqs][max_blocks_per_seq]` and each
+    /// row's running maximum, so a build re-checks the ids it reads in O(batch).
+    tables: Vec<i32>,
+    table_max: Vec<i32>,
+    /// Columns of each row ever written (beyond them the device table holds zeros).
+    row_len: Vec<usize>,
     staged_tokens: usize,
 }
 
@@ -488,6 +526,10 @@ impl DecodeIndexBuffers {
             staging: vec![0u8; layout.meta_end as usize],
             slice_cap,
             staged_positions: Vec::with_capacity(cap.max_seqs),
+            staged_columns: Vec::with_capacity(cap.max_seqs),
+            tables: vec![0; cap.max_seqs.saturating_mul(cap.max_blocks_per_seq)],
+            table_max: vec![0; cap.max_seqs.saturating_mul(cap.max_blocks_per_seq)],
+            row_len: vec![0; cap.max_seqs],
             staged_tokens: 0,
         };
         bufs.upload_metadata(&[], true)?;
@@ -677,10 +719,56 @@ impl DecodeIndexBuffers {
         let _range = crate::profiling::range("v4pool.decode_stage");
         let (bytes, tokens) = self.build_metadata(batch, tables)?;
         self.mem.upload(0, &self.staging[..bytes])?;
+        if tables {
+            for (b, s) in batch.iter().enumerate() {
+                self.mirror_write(b, 0, s.block_table);
+            }
+        }
         self.staged_positions.clear();
         self.staged_positions.extend(batch.iter().map(|s| s.position));
+        self.staged_columns.clear();
+        self.staged_columns.extend(batch.iter().map(|s| read_columns(s.context_len, self.block_size)));
         self.staged_tokens = tokens;
         Ok(tokens)
+    }
+
+    /// Record `ids` written at `row`, `start ..` of the device tables (both checked in range).
+    fn mirror_write(&mut self, row: usize, start: usize, ids: &[i32]) {
+        let w = self.cap.max_blocks_per_seq;
+        let r = row * w;
+        let end = start + ids.len();
+        self.tables[r + start..r + end].copy_from_slice(ids);
+        self.row_len[row] = self.row_len[row].max(end);
+        let mut m = if start == 0 { i32::MIN } else { self.table_max[r + start - 1] };
+        for c in start..self.row_len[row] {
+            m = m.max(self.tables[r + c]);
+            self.table_max[r + c] = m;
+        }
+    }
+
+    /// The highest block id the build reads from each staged row, from the mirror (columns
+    /// never written hold id 0 on the device).
+    fn staged_max_ids(&self) -> Vec<Option<i32>> {
+        let w = self.cap.max_blocks_per_seq;
+        self.staged_columns
+            .iter()
+            .enumerate()
+            .map(|(row, &cols)| {
+                if cols == 0 {
+                    return None;
+                }
+                let len = self.row_len[row];
+                let written = (len > 0).then(|| self.table_max[row * w + cols.min(len) - 1]);
+                let unwritten = (cols > len).then_some(0);
+                written.max(unwritten)
+            })
+            .collect()
+    }
+
+    /// Check the block ids the staged batch's build reads (from the tables staged or written
+    /// since) are all still below the bounds' block count.
+    pub fn check_staged_blocks(&self) -> Result<(), DecodeError> {
+        check_blocks(&self.staged_max_ids(), self.bounds.num_blocks)
     }
 
     /// Write `ids` into the device block table of batch row `row` from column `start_col`
@@ -706,6 +794,7 @@ impl DecodeIndexBuffers {
         }
         let off = self.layout.block_tables + 4 * (row * cap.max_blocks_per_seq + start_col) as u64;
         self.mem.upload(off, bytemuck::cast_slice(ids))?;
+        self.mirror_write(row, start_col, ids);
         Ok(())
     }
 

@@ -330,6 +330,12 @@ pub enum PoolError {
         /// The index.
         index: usize,
     },
+    #[error("the boundary is pinned by {pins} copy(ies) in flight; boundary moves wait until they end")]
+    /// The boundary is pinned ([`Pool::pin_boundary`]) by copies in flight.
+    BoundaryPinned {
+        /// Pins held.
+        pins: u64,
+    },
     #[error("the pool's lock was poisoned by a panic in another thread")]
     /// The pool's lock was poisoned by a panic in another thread.
     Poisoned,
@@ -432,6 +438,23 @@ impl Pool {
 
 struct State {
     boundary: Boundary,
+    /// Live [`BoundaryPin`]s: boundary moves are refused while any is held.
+    pins: u64,
+}
+
+/// A pin on a pool's boundary ([`Pool::pin_boundary`]): no boundary move happens while it
+/// lives, so held handles keep their ids and positions.
+#[derive(Debug)]
+pub struct BoundaryPin<'a> {
+    pool: &'a Pool,
+}
+
+impl Drop for BoundaryPin<'_> {
+    fn drop(&mut self) {
+        // A poisoned lock still holds the count: unpin through it.
+        let mut st = self.pool.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.pins = st.pins.saturating_sub(1);
+    }
 }
 
 /// The KV pool on one backend. See the module docs.
@@ -524,7 +547,7 @@ impl Pool {
             image_ranges,
             descriptor_lock: Mutex::new(()),
             layout_id,
-            state: Mutex::new(State { boundary }),
+            state: Mutex::new(State { boundary, pins: 0 }),
         };
         // Initialise every live position's state (the allocation is already zero).
         {
@@ -707,22 +730,58 @@ impl Pool {
     // ---- the elastic boundary -----------------------------------------------------------
 
     /// Move the boundary by `op` and carry out what it reports: copy relocated blocks (both
-    /// planes and every indexer layer) and slots, then initialise newly live positions. The
-    /// copies are queued on the pool's stream before anything else the caller queues.
+    /// planes and every indexer layer) and slots. The copies are queued on the pool's stream
+    /// before anything else the caller queues.
+    ///
+    /// All or nothing: the move is planned on a copy of the bookkeeping and committed only
+    /// once every copy is queued. If one fails, the pool keeps its old split and handles;
+    /// the copies that did run wrote only ids and positions that are free in the old split
+    /// (block moves go to free ids below the new count, slot moves to vacant groups), and
+    /// the pool's allocator indexes no hashes, so nothing live was touched. Newly live
+    /// positions are not filled here: [`Pool::alloc_slot`] initialises every position it
+    /// hands out, under this lock, before its holder can write it — a fill here would
+    /// overwrite the rows of the old split's blocks before the move is known to stand.
     fn apply(
         &self,
         op: impl FnOnce(&mut Boundary) -> Result<BoundaryChange, BoundaryError>,
     ) -> Result<BoundaryChange, PoolError> {
         let _range = crate::profiling::range("v4pool.boundary_move");
         let mut st = self.lock()?;
-        let change = op(&mut st.boundary)?;
+        if st.pins > 0 {
+            return Err(PoolError::BoundaryPinned { pins: st.pins });
+        }
+        let mut next = st.boundary.clone();
+        let change = op(&mut next)?;
         let runs = self.relocation_runs(&change)?;
-        // Both under the lock that moved the boundary: a slot handed out right after the
-        // move is initialised (and written by its holder) only after these are queued.
+        // Under the lock that moves the boundary: a slot or block handed out right after
+        // the move is written by its holder only after these are queued.
         // SAFETY: the runs were derived from this pool's planes and indexer by the geometry.
         unsafe { self.queue_copies(&runs)? };
-        self.init_positions_locked(&st, change.new_live_positions.clone())?;
+        st.boundary = next;
         Ok(change)
+    }
+
+    /// Pin the boundary: until the returned guard drops, every boundary move is refused
+    /// with [`PoolError::BoundaryPinned`], so the ids and positions of held handles stay
+    /// where they are. For copies that run outside the pool's stream and lock (a transfer
+    /// engine's, a host tier's): pin first, then look handles up, copy, and drop the pin.
+    /// Allocation and release go on meanwhile.
+    pub fn pin_boundary(&self) -> Result<BoundaryPin<'_>, PoolError> {
+        let mut st = self.lock()?;
+        st.pins = st.pins.checked_add(1).ok_or(PoolError::Overflow("boundary pins"))?;
+        Ok(BoundaryPin { pool: self })
+    }
+
+    /// Block ids of held handles, looked up together under the state lock.
+    pub fn block_ids(&self, blocks: &[BlockHandle]) -> Result<Vec<u32>, PoolError> {
+        let st = self.lock()?;
+        blocks
+            .iter()
+            .map(|&b| {
+                st.boundary.check_block(b)?;
+                Ok(b.id)
+            })
+            .collect()
     }
 
     /// Add `n` slots, moving the boundary down (relocating blocks as needed).

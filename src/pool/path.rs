@@ -59,8 +59,7 @@ fn pool_err(e: PoolError) -> DecodeError {
 /// ```
 ///
 /// Positions are checked live and block ids inside the block region against the pool at
-/// staging, and the staged positions are checked again at build (the boundary may have
-/// moved in between). [`Self::stage`] sends the block tables (O(context) bytes);
+/// staging, and both are checked again at build (the boundary may have moved in between). [`Self::stage`] sends the block tables (O(context) bytes);
 /// [`Self::stage_resident`] sends only the per-token metadata (O(batch)) when the tables are
 /// kept on the device with [`Self::write_block_table`].
 #[derive(Debug)]
@@ -137,10 +136,12 @@ impl DecodePath {
     }
 
     /// Run the decode builder over the staged batch (one launch on the pool's stream),
-    /// after checking its positions are still live slots of the pool.
+    /// after checking its positions are still live slots of the pool and the block ids it
+    /// reads (staged, or written to the resident tables since) still blocks of its region.
     pub fn build(&mut self) -> Result<(), DecodeError> {
         self.refresh()?;
         check_live(self.bufs.staged_positions(), &self.bufs.bounds().live)?;
+        self.bufs.check_staged_blocks()?;
         self.bufs.build()
     }
 
@@ -246,7 +247,8 @@ impl PrefillPath {
     }
 
     /// Run the prefill builder over the staged forward (one launch on the pool's stream),
-    /// after checking its positions are still live slots of the pool.
+    /// after checking its positions are still live slots of the pool and its block ids
+    /// still blocks of its region.
     pub fn build(&mut self) -> Result<(), DecodeError> {
         let bounds = self.pool.bounds().map_err(pool_err)?;
         self.bufs.set_bounds(bounds);

@@ -8,7 +8,10 @@
 //! forward uploads that and the block tables once. Engines use
 //! [`crate::pool::PrefillPath`]; [`PrefillIndexBuffers`] is the advanced, pool-less form.
 
-use super::decode::{check_capacity, check_live, check_seq, decode_slice_lens, DecodeError, PoolBounds};
+use super::decode::{
+    check_blocks, check_capacity, check_live, check_seq, decode_slice_lens, read_columns, DecodeError,
+    PoolBounds,
+};
 use super::owned::{Carve, DeviceBuffer, Owned};
 use crate::backend::{Backend, Stream};
 use crate::geometry::{Class, UnifiedPoolGeometry, WindowParams, CSA_RATIO, HCA_RATIO};
@@ -122,6 +125,8 @@ pub struct PrefillIndexBuffers {
     bounds: PoolBounds,
     staging: Vec<u8>,
     staged_positions: Vec<i64>,
+    /// Highest block id each staged sequence's build reads (re-checked at build).
+    staged_max_ids: Vec<Option<i32>>,
     staged_tokens: usize,
 }
 
@@ -217,6 +222,7 @@ impl PrefillIndexBuffers {
             bounds: PoolBounds::of(geometry),
             staging: vec![0u8; layout.meta_end as usize],
             staged_positions: Vec::with_capacity(cap.max_seqs),
+            staged_max_ids: Vec::with_capacity(cap.max_seqs),
             staged_tokens: 0,
         })
     }
@@ -281,6 +287,11 @@ impl PrefillIndexBuffers {
         self.mem.upload(0, &self.staging)?;
         self.staged_positions.clear();
         self.staged_positions.extend(batch.iter().map(|s| s.position));
+        self.staged_max_ids.clear();
+        self.staged_max_ids.extend(batch.iter().map(|s| {
+            let cols = read_columns(s.chunk_start + s.num_tokens as i64, self.block_size);
+            s.block_table[..cols].iter().copied().max()
+        }));
         self.staged_tokens = tokens;
         Ok(tokens)
     }
@@ -429,6 +440,7 @@ impl PrefillIndexBuffers {
     pub fn build(&self) -> Result<(), DecodeError> {
         let _range = crate::profiling::range("v4pool.prefill_build");
         check_live(&self.staged_positions, &self.bounds.live)?;
+        check_blocks(&self.staged_max_ids, self.bounds.num_blocks)?;
         if self.staged_tokens == 0 {
             return Ok(());
         }

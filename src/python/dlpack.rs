@@ -324,3 +324,81 @@ pub fn row_shape(rows: i64, row_bytes: u64, elem: Elem) -> PyResult<Vec<i64>> {
     }
     Ok(vec![rows, (row_bytes / elem.size()) as i64])
 }
+
+/// Most dimensions an imported tensor may have (a guard on the producer's `ndim`).
+const MAX_IMPORT_DIMS: i32 = 64;
+
+/// Memory an engine hands in, proven by its producer through DLPack: `obj.__dlpack__()`
+/// must return a legacy `dltensor` capsule on `device`, C-contiguous (compact strides),
+/// whose extent is computed with checked arithmetic. Returns `(address, bytes, capsule)`:
+/// the capsule is not consumed, so holding it keeps the producer's memory alive and its own
+/// destructor releases it. No address a Python object merely states (`data_ptr()`,
+/// `__array_interface__`) is accepted.
+pub fn import_region(obj: &Bound<'_, PyAny>, device: DLDevice) -> PyResult<(u64, u64, Py<PyAny>)> {
+    use pyo3::exceptions::PyTypeError;
+    if !obj.hasattr("__dlpack__")? {
+        return Err(PyTypeError::new_err(
+            "pool memory must come through DLPack (a torch tensor or a writable numpy array)",
+        ));
+    }
+    let capsule = obj.call_method0("__dlpack__")?;
+    let raw = capsule.as_ptr();
+    // SAFETY: `raw` is a live object (held by `capsule`); PyCapsule_IsValid accepts any
+    // object and only reads it, setting no error.
+    if unsafe { pyo3::ffi::PyCapsule_IsValid(raw, LEGACY.as_ptr()) } != 1 {
+        return Err(PyTypeError::new_err("__dlpack__ did not return an unconsumed dltensor capsule"));
+    }
+    // SAFETY: checked valid under this name just above.
+    let m = unsafe { pyo3::ffi::PyCapsule_GetPointer(raw, LEGACY.as_ptr()) } as *const DLManagedTensor;
+    if m.is_null() {
+        return Err(PyTypeError::new_err("the dltensor capsule holds no tensor"));
+    }
+    // SAFETY: a valid `dltensor` capsule points at its producer's DLManagedTensor, live while
+    // the capsule is (we hold it and consume nothing); `shape` / `strides` hold `ndim`
+    // entries when not null, as the protocol requires of its producers.
+    let t = unsafe { &(*m).dl_tensor };
+    if t.device.device_type != device.device_type || t.device.device_id != device.device_id {
+        return Err(PyValueError::new_err(format!(
+            "the memory is on DLPack device ({}, {}), the pool's backend on ({}, {})",
+            t.device.device_type, t.device.device_id, device.device_type, device.device_id
+        )));
+    }
+    if !(0..=MAX_IMPORT_DIMS).contains(&t.ndim) || (t.ndim > 0 && t.shape.is_null()) {
+        return Err(PyValueError::new_err(format!("a tensor of {} dimensions", t.ndim)));
+    }
+    let ndim = t.ndim as usize;
+    // SAFETY: see above: `ndim` entries, non-null when ndim > 0.
+    let shape: &[i64] = if ndim == 0 { &[] } else { unsafe { std::slice::from_raw_parts(t.shape, ndim) } };
+    let strides: Option<&[i64]> =
+        // SAFETY: as for `shape`.
+        (!t.strides.is_null() && ndim > 0).then(|| unsafe { std::slice::from_raw_parts(t.strides, ndim) });
+    let too_large = || PyValueError::new_err("the tensor's extent overflows 64 bits");
+    if t.dtype.bits == 0 || t.dtype.bits % 8 != 0 || t.dtype.lanes == 0 {
+        return Err(PyValueError::new_err(format!(
+            "dtype of {} bits x {} lanes",
+            t.dtype.bits, t.dtype.lanes
+        )));
+    }
+    let elem = u64::from(t.dtype.bits / 8) * u64::from(t.dtype.lanes);
+    let mut numel = 1u64;
+    for &d in shape {
+        let d = u64::try_from(d).map_err(|_| PyValueError::new_err("a negative dimension"))?;
+        numel = numel.checked_mul(d).ok_or_else(too_large)?;
+    }
+    // Compact row-major strides (in elements), a size-1 dimension's stride being free.
+    if let Some(st) = strides {
+        let mut want = 1i64;
+        for (&d, &s) in shape.iter().zip(st).rev() {
+            if d != 1 && s != want {
+                return Err(PyValueError::new_err("the memory backing a pool must be C-contiguous"));
+            }
+            want = want.checked_mul(d.max(1)).ok_or_else(too_large)?;
+        }
+    }
+    let bytes = numel.checked_mul(elem).ok_or_else(too_large)?;
+    let addr = (t.data as u64).checked_add(t.byte_offset).ok_or_else(too_large)?;
+    if addr.checked_add(bytes).is_none() || (bytes > 0 && t.data.is_null()) {
+        return Err(too_large());
+    }
+    Ok((addr, bytes, capsule.unbind()))
+}

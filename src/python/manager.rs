@@ -30,6 +30,8 @@ fn manager_err(e: ManagerError) -> PyErr {
         ManagerError::CommitPastAllocation { .. } => "CommitPastAllocation",
         ManagerError::NotCached { .. } => "NotCached",
         ManagerError::Config(_) => "Config",
+        ManagerError::Overflow(_) => "Overflow",
+        ManagerError::RepeatedHash { .. } => "RepeatedHash",
         ManagerError::HostTier(t) => return lib_err(t),
     };
     error(name, e.to_string())

@@ -102,35 +102,14 @@ fn stream_arg(stream: Option<&Bound<'_, PyAny>>, default: Stream) -> PyResult<St
     Ok(Stream(if handle == 0 { CUDA_LEGACY_STREAM } else { handle }))
 }
 
-/// `(address, bytes)` of an engine's buffer: a torch tensor (contiguous) or anything with
-/// `__array_interface__` (numpy).
-fn memory_arg(obj: &Bound<'_, PyAny>, kind: BackendKind) -> PyResult<(u64, u64)> {
-    if obj.hasattr("data_ptr")? {
-        if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
-            return Err(PyValueError::new_err("the tensor backing a pool must be contiguous"));
-        }
-        let on_gpu: bool = obj.getattr("is_cuda")?.extract()?;
-        if on_gpu != (kind != BackendKind::Host) {
-            return Err(PyValueError::new_err(format!(
-                "a {} tensor cannot back a pool on the {kind} backend",
-                if on_gpu { "GPU" } else { "CPU" }
-            )));
-        }
-        let ptr: u64 = obj.call_method0("data_ptr")?.extract()?;
-        let n: u64 = obj.call_method0("numel")?.extract()?;
-        let size: u64 = obj.call_method0("element_size")?.extract()?;
-        return Ok((ptr, n * size));
-    }
-    if kind != BackendKind::Host {
-        return Err(PyTypeError::new_err("a pool on a GPU backend needs a torch tensor or a pointer"));
-    }
-    let ai = obj.getattr("__array_interface__")?;
-    let (ptr, readonly): (u64, bool) = ai.get_item("data")?.extract()?;
-    if readonly || !ai.get_item("strides")?.is_none() {
-        return Err(PyValueError::new_err("the array backing a pool must be writable and contiguous"));
-    }
-    let nbytes: u64 = obj.getattr("nbytes")?.extract()?;
-    Ok((ptr, nbytes))
+/// `(address, bytes, what keeps it alive)` of an engine's buffer, through DLPack only (a
+/// torch tensor, a writable numpy array): the producer proves the memory, its device, size
+/// and strides; a stated pointer (`data_ptr()`, `__array_interface__`) is never taken.
+fn memory_arg(obj: &Bound<'_, PyAny>, kind: BackendKind, device: usize) -> PyResult<(u64, u64, Py<PyAny>)> {
+    let (ptr, bytes, capsule) = super::dlpack::import_region(obj, device_of(kind, device))?;
+    // The capsule keeps the producer's memory; the object too, for the engine's sake.
+    let keep = pyo3::types::PyTuple::new(obj.py(), [obj.clone().unbind(), capsule])?;
+    Ok((ptr, bytes, keep.into_any().unbind()))
 }
 
 fn device_of(kind: BackendKind, device: usize) -> DLDevice {
@@ -186,9 +165,9 @@ impl PyPool {
                         format!("the pool needs {need} bytes of memory, got {bytes}"),
                     ));
                 }
-                // SAFETY: the caller's promise, stated on `Pool` and `Pool.over_pointer`: the
-                // bytes are memory of this device, stay allocated (we also hold `obj`) and are
-                // the pool's alone.
+                // SAFETY: the bytes came through DLPack from their producer, on this backend's
+                // device (checked in `memory_arg`), stay allocated while we hold the capsule
+                // and the object (`obj`), and are the pool's alone: the engine handed them over.
                 let ext = unsafe { ExternalRegion::new(backend, ptr, bytes) }.map_err(lib_err)?;
                 let region = ext.region();
                 (Arc::new(ext), Some(region), Some(obj))
@@ -268,38 +247,12 @@ impl PyPool {
         let stream = stream_arg(stream.as_ref(), Stream::DEFAULT)?;
         let memory = match memory {
             None => None,
-            Some(m) => {
-                let (ptr, bytes) = memory_arg(&m, b.kind())?;
-                Some((ptr, bytes, m.unbind()))
-            }
+            Some(m) => Some(memory_arg(&m, b.kind(), device)?),
         };
         PyPool::build(py, plan, b, device, stream, memory)
     }
 
-    /// A pool over `nbytes` at address `ptr` (device memory of `backend`'s device; host
-    /// memory for the host backend). The caller guarantees the bytes stay allocated while
-    /// the pool and every view of it live (pass the owner as `keepalive`) and that nothing
-    /// else uses them: Python cannot check a raw address.
-    #[staticmethod]
-    #[pyo3(signature = (plan, ptr, nbytes, backend="auto", device=0, stream=None, keepalive=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn over_pointer(
-        py: Python<'_>,
-        plan: Py<Plan>,
-        ptr: u64,
-        nbytes: u64,
-        backend: &str,
-        device: usize,
-        stream: Option<Bound<'_, PyAny>>,
-        keepalive: Option<Py<PyAny>>,
-    ) -> PyResult<PyPool> {
-        let b = open_backend(backend, device).map_err(lib_err)?;
-        let stream = stream_arg(stream.as_ref(), Stream::DEFAULT)?;
-        let keep = keepalive.unwrap_or_else(|| py.None());
-        PyPool::build(py, plan, b, device, stream, Some((ptr, nbytes, keep)))
-    }
-
-    /// Bytes `memory` (or `over_pointer`) must provide for `plan`'s pool.
+    /// Bytes `memory` must provide for `plan`'s pool.
     #[staticmethod]
     fn required_bytes(plan: &Bound<'_, Plan>) -> PyResult<u64> {
         let spec = PoolSpec::from_plan(&plan.get().report.plan).map_err(lib_err)?;
@@ -462,6 +415,16 @@ impl PyPool {
         offset: u64,
         nbytes: usize,
     ) -> PyResult<Bound<'py, PyBytes>> {
+        // The range is checked against the plane before a byte is allocated for it.
+        let limit = self.pool().plane_bytes(plane).map_err(lib_err)?;
+        if offset.checked_add(nbytes as u64).is_none_or(|end| end > limit) {
+            return Err(lib_err(crate::pool::PoolError::PlaneRange {
+                plane,
+                offset,
+                len: nbytes as u64,
+                plane_bytes: limit,
+            }));
+        }
         let mut buf = vec![0u8; nbytes];
         self.pool().read_plane(plane, offset, &mut buf).map_err(lib_err)?;
         Ok(PyBytes::new(py, &buf))
@@ -526,36 +489,50 @@ impl PyPool {
     }
 }
 
-/// A 1-D (or 2-D) integer array argument: numpy arrays of the right type through
-/// `__array_interface__` (no copy), anything else as a sequence (copied into `tmp`).
-fn int_array<'a, T: Copy>(
-    obj: &'a Bound<'_, PyAny>,
-    typestr: &str,
+/// A 1-D (or 2-D) integer array argument, copied into `tmp`: anything exporting the buffer
+/// protocol (numpy arrays; read through Python's own `memoryview`, so the memory is what the
+/// exporter proves, never a stated pointer) of element format `format` and C-contiguous;
+/// anything else as a sequence of ints. Returns the elements and the shape.
+fn int_array<'a, T: bytemuck::Pod>(
+    obj: &Bound<'_, PyAny>,
+    format: &str,
     tmp: &'a mut Vec<T>,
     extract: fn(&Bound<'_, PyAny>) -> PyResult<Vec<T>>,
 ) -> PyResult<(&'a [T], Vec<usize>)> {
-    if let Ok(ai) = obj.getattr("__array_interface__") {
-        let shape: Vec<usize> = ai.get_item("shape")?.extract()?;
-        let ts: String = ai.get_item("typestr")?.extract()?;
-        let contiguous = ai.get_item("strides")?.is_none();
-        if ts == typestr && contiguous {
-            let (ptr, _): (usize, bool) = ai.get_item("data")?.extract()?;
-            let n: usize = shape.iter().product();
-            if n == 0 {
-                return Ok((&[], shape));
-            }
-            // SAFETY: a C-contiguous numpy array of `n` elements of T at `ptr` (type string
-            // and strides checked), kept alive by `obj` for 'a; the GIL is held throughout
-            // the call, so no Python code resizes or frees it meanwhile.
-            return Ok((unsafe { std::slice::from_raw_parts(ptr as *const T, n) }, shape));
-        }
+    let py = obj.py();
+    let memoryview = py.import("builtins")?.getattr("memoryview")?;
+    let Ok(mv) = memoryview.call1((obj,)) else {
+        *tmp = extract(obj)?;
+        let n = tmp.len();
+        return Ok((tmp.as_slice(), vec![n]));
+    };
+    let fmt: String = mv.getattr("format")?.extract()?;
+    let itemsize: usize = mv.getattr("itemsize")?.extract()?;
+    // Native little-endian integers of T's size: numpy writes 'l'/'q' for int64, 'i' for int32.
+    let ok_fmt = match format {
+        I64 => matches!(fmt.as_str(), "l" | "q" | "<l" | "<q" | "=l" | "=q"),
+        _ => matches!(fmt.as_str(), "i" | "<i" | "=i"),
+    };
+    if !ok_fmt || itemsize != std::mem::size_of::<T>() || !cfg!(target_endian = "little") {
         return Err(PyTypeError::new_err(format!(
-            "expected a C-contiguous {typestr} array, got typestr {ts} (use numpy.ascontiguousarray(x, dtype=...))"
+            "expected a C-contiguous {format} array, got buffer format {fmt:?} of {itemsize}-byte items \
+             (use numpy.ascontiguousarray(x, dtype=...))"
         )));
     }
-    *tmp = extract(obj)?;
-    let n = tmp.len();
-    Ok((tmp.as_slice(), vec![n]))
+    if !mv.getattr("c_contiguous")?.extract::<bool>()? {
+        return Err(PyTypeError::new_err(format!("expected a C-contiguous {format} array")));
+    }
+    let shape: Vec<usize> = mv.getattr("shape")?.extract()?;
+    let bytes = mv.call_method0("tobytes")?;
+    let bytes = bytes.cast::<PyBytes>()?.as_bytes();
+    let n = bytes.len() / std::mem::size_of::<T>();
+    if shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) != Some(n) {
+        return Err(PyValueError::new_err("the buffer's shape does not match its bytes"));
+    }
+    tmp.clear();
+    tmp.resize(n, T::zeroed());
+    bytemuck::cast_slice_mut::<T, u8>(tmp).copy_from_slice(bytes);
+    Ok((tmp.as_slice(), shape))
 }
 
 fn i64s(o: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {

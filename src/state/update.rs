@@ -402,7 +402,10 @@ impl StateUpdate {
                             context_len: s.context_len,
                         });
                     }
-                    let ragged = s.first_token as i64 + j as i64;
+                    // Checked before use: a wrapped row would point before the engine's
+                    // buffer (saturation only makes an overflow fail the i32 check).
+                    let ragged = i64::try_from(s.first_token).unwrap_or(i64::MAX).saturating_add(j as i64);
+                    i32_of("token row", ragged)?;
                     tokens = tokens.max(ragged + 1);
                     let from_end = s.context_len - p; // 1..
                     if from_end > k {

@@ -3,7 +3,7 @@
 //!
 //! The order is what keeps it safe to get wrong on either side:
 //!
-//! 1. **Layout ids first.** Each side sends its [`checkpoint::layout_id`](crate::checkpoint::layout_id)
+//! 1. **Layout ids first.** Each side sends its pool's [`Pool::layout_id`]
 //!    and wire shape (plane widths, envelope and slot rows, indexer block bytes) through
 //!    [`TransferEngine::exchange`]; either side refuses a mismatch with a typed error before
 //!    any KV byte moves or anything is allocated.
@@ -127,13 +127,12 @@ impl WireShape {
     }
 }
 
-/// One side of a handoff: a pool and the layout id it was built for.
+/// One side of a handoff: a pool, speaking for its own layout id ([`Pool::layout_id`]):
+/// the id comes from the pool, never from the caller, so a peer of another layout cannot be
+/// passed off as this one.
 #[derive(Debug)]
 pub struct Endpoint<'a> {
-    /// The pool.
-    pub pool: &'a Pool,
-    /// `checkpoint::layout_id` of the layout the pool was carved from.
-    pub layout_id: String,
+    pool: &'a Pool,
 }
 
 /// The pool's registrable memory: every plane, then every indexer pool.
@@ -143,14 +142,24 @@ struct PoolRegions {
 }
 
 impl<'a> Endpoint<'a> {
-    /// An endpoint for `pool`, built from the layout whose id is `layout_id`.
-    pub fn new(pool: &'a Pool, layout_id: impl Into<String>) -> Endpoint<'a> {
-        Endpoint { pool, layout_id: layout_id.into() }
+    /// An endpoint for `pool`, carrying the pool's own layout id.
+    pub fn new(pool: &'a Pool) -> Endpoint<'a> {
+        Endpoint { pool }
+    }
+
+    /// The pool this side moves bytes of.
+    pub fn pool(&self) -> &'a Pool {
+        self.pool
+    }
+
+    /// The layout id this side sends: its pool's.
+    pub fn layout_id(&self) -> &str {
+        self.pool.layout_id().as_str()
     }
 
     /// The handshake message this side sends: its layout id and wire shape.
     pub fn hello(&self) -> Vec<u8> {
-        serde_json::json!({ "layout_id": self.layout_id, "shape": WireShape::of(self.pool).to_json() })
+        serde_json::json!({ "layout_id": self.layout_id(), "shape": WireShape::of(self.pool).to_json() })
             .to_string()
             .into_bytes()
     }
@@ -162,7 +171,7 @@ impl<'a> Endpoint<'a> {
         let v: serde_json::Value = serde_json::from_slice(msg).map_err(|e| bad(&e.to_string()))?;
         let id = v.get("layout_id").and_then(|x| x.as_str()).ok_or_else(|| bad("no layout_id"))?;
         let shape = v.get("shape").and_then(WireShape::from_json).ok_or_else(|| bad("no shape"))?;
-        let (mine, theirs) = (self.layout_id.clone(), id.to_string());
+        let (mine, theirs) = (self.layout_id().to_string(), id.to_string());
         if mine != theirs {
             let (sender, receiver) = if self_is_sender { (mine, theirs) } else { (theirs, mine) };
             return Err(HandoffError::LayoutMismatch { sender, receiver });
@@ -345,12 +354,14 @@ pub fn handoff(
     let (at_receiver, at_sender) = engine.exchange(&sender.hello(), &receiver.hello())?;
     receiver.check_peer(&at_receiver, false)?;
     sender.check_peer(&at_sender, true)?;
-    // The sender's request must be held now.
+    // Pin both boundaries before looking anything up: the engine copies outside the pools'
+    // locks and streams, so no relocation may move a block or slot it reads or writes until
+    // the copy has ended (a move meanwhile is refused with `PoolError::BoundaryPinned`).
     let (sp, rp) = (sender.pool, receiver.pool);
+    let _pins = (sp.pin_boundary()?, rp.pin_boundary()?);
+    // The sender's request must be held now.
     let src_pos = sp.slot_position(request.slot).map_err(HandoffError::Request)?;
-    for &b in &request.blocks {
-        sp.check_block(b).map_err(HandoffError::Request)?;
-    }
+    sp.block_ids(&request.blocks).map_err(HandoffError::Request)?;
     // 2. All-or-nothing reservation.
     let (slot, blocks) = reserve(rp, request.blocks.len())?;
     let result = (|| {

@@ -20,6 +20,7 @@
 
 use crate::alloc::BlockHandle;
 use crate::backend::{Backend, HostAllocation};
+use crate::checkpoint::LayoutId;
 use crate::pool::{Pool, PoolError};
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
@@ -72,6 +73,14 @@ pub enum HostTierError {
     /// A pool call failed (a stale block handle, a backend error).
     #[error(transparent)]
     Pool(#[from] PoolError),
+    /// The entry was spilled from a pool of another layout: its bytes mean something else.
+    #[error("entry spilled from layout {entry}, the pool is layout {pool}")]
+    ForeignLayout {
+        /// The layout id the entry carries.
+        entry: String,
+        /// The pool's.
+        pool: String,
+    },
     /// Pinned host memory could not be had.
     #[error("pinned host allocation of {bytes} bytes failed: {message}")]
     Pinned {
@@ -127,6 +136,8 @@ fn id_runs(ids: &[u32]) -> Vec<(usize, u32, usize)> {
 struct Entry {
     /// `(first cell, cells)`, covering the entry's units in order.
     extents: Vec<(u64, u64)>,
+    /// The layout id of the pool the units were spilled from (only such a pool restores them).
+    layout: LayoutId,
     units: usize,
     stamp: u64,
 }
@@ -194,6 +205,13 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
         let backend = pool.backend().clone();
         let alloc =
             backend.alloc_host(bytes).map_err(|e| HostTierError::Pinned { bytes, message: e.to_string() })?;
+        // The trait's contract, checked where it is cheap: every cell copy trusts it.
+        if alloc.bytes as u64 != bytes || (bytes > 0 && alloc.ptr.is_null()) {
+            let message = format!("the backend returned {} bytes at {:p}", alloc.bytes, alloc.ptr);
+            // SAFETY: handed back to the backend that returned it, unused.
+            unsafe { backend.free_host(alloc) };
+            return Err(HostTierError::Pinned { bytes, message });
+        }
         let storage = Storage { backend, alloc: Some(alloc) };
         let mut free = BTreeMap::new();
         if capacity > 0 {
@@ -277,6 +295,18 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
         true
     }
 
+    /// The entry under `key`, if it was spilled from a pool of `pool`'s layout.
+    fn entry_for(&self, pool: &Pool, key: &K) -> Result<&Entry, HostTierError> {
+        let e = self.entries.get(key).ok_or(HostTierError::NotHeld)?;
+        if e.layout != *pool.layout_id() {
+            return Err(HostTierError::ForeignLayout {
+                entry: e.layout.to_string(),
+                pool: pool.layout_id().to_string(),
+            });
+        }
+        Ok(e)
+    }
+
     fn check_pool(&self, pool: &Pool) -> Result<Vec<UnitPart>, HostTierError> {
         let parts = unit_parts(pool)?;
         let bytes: Vec<u64> = parts.iter().map(|p| p.bytes).collect();
@@ -290,8 +320,12 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
     /// least-recently-used entries for the shortfall; returns the evicted keys. The blocks
     /// stay allocated in the pool: free them once this returns. Refused without evicting
     /// anything if the entry exceeds the budget, the key is held, or a handle is stale.
+    ///
+    /// The pool's boundary is pinned from the handle look-up until the copies have finished,
+    /// so no relocation can move a block between the look-up and the copy.
     pub fn spill(&mut self, pool: &Pool, key: K, blocks: &[BlockHandle]) -> Result<Vec<K>, HostTierError> {
         let parts = self.check_pool(pool)?;
+        let _pin = pool.pin_boundary()?;
         if self.entries.contains_key(&key) {
             return Err(HostTierError::AlreadyHeld);
         }
@@ -303,9 +337,7 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
                 capacity: self.capacity,
             });
         }
-        for &b in blocks {
-            pool.check_block(b)?;
-        }
+        let ids = pool.block_ids(blocks)?;
         let mut evicted = Vec::new();
         while self.free.values().sum::<u64>() < n {
             // n ≤ capacity: once every entry is gone the whole budget is free.
@@ -316,7 +348,6 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
             evicted.push(victim);
         }
         let extents = self.take_cells(n);
-        let ids: Vec<u32> = blocks.iter().map(|b| b.id).collect();
         // The pool's stream may still be writing these blocks; downloads wait for it.
         let mut done = 0usize;
         let result = (|| {
@@ -337,7 +368,8 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
         }
         self.clock += 1;
         self.order.insert(self.clock, key.clone());
-        self.entries.insert(key, Entry { extents, units: blocks.len(), stamp: self.clock });
+        let layout = pool.layout_id().clone();
+        self.entries.insert(key, Entry { extents, layout, units: blocks.len(), stamp: self.clock });
         Ok(evicted)
     }
 
@@ -345,7 +377,10 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
     /// none: without room nothing stays allocated and the entry stays held). Returns the
     /// blocks in the order they were spilled; the entry leaves the tier.
     pub fn restore(&mut self, pool: &Pool, key: &K) -> Result<Vec<BlockHandle>, HostTierError> {
-        let units = self.entries.get(key).ok_or(HostTierError::NotHeld)?.units;
+        let units = self.entry_for(pool, key)?.units;
+        // Pinned from before the blocks are handed out until they are written (and, on a
+        // failure, freed): a relocation meanwhile would leave these handles stale.
+        let _pin = pool.pin_boundary()?;
         let mut blocks = Vec::with_capacity(units);
         for _ in 0..units {
             match pool.alloc_block() {
@@ -378,15 +413,14 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
         blocks: &[BlockHandle],
     ) -> Result<(), HostTierError> {
         let parts = self.check_pool(pool)?;
-        let e = self.entries.get(key).ok_or(HostTierError::NotHeld)?;
+        let e = self.entry_for(pool, key)?;
         if e.units != blocks.len() {
             return Err(HostTierError::UnitCount { held: e.units, got: blocks.len() });
         }
-        for &b in blocks {
-            pool.check_block(b)?;
-        }
         let extents = e.extents.clone();
-        let ids: Vec<u32> = blocks.iter().map(|b| b.id).collect();
+        // Pinned from the look-up until the uploads have finished (see `spill`).
+        let _pin = pool.pin_boundary()?;
+        let ids = pool.block_ids(blocks)?;
         let mut done = 0usize;
         let queued = (|| {
             for (first, cells) in extents {

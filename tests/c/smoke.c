@@ -24,6 +24,9 @@ int main(void) {
     V4poolPlan *plan = NULL;
     CHECK(v4pool_plan_new("v4-nope", 1ull << 30, 4, NULL, NULL, 0, &plan) == V4POOL_STATUS_REJECTED);
     CHECK(strcmp(v4pool_last_error_variant(), "UnknownPreset") == 0);
+    /* A device as a config path: refused unread, never blocking or growing. */
+    CHECK(v4pool_plan_new("/dev/zero", 1ull << 30, 4, NULL, NULL, 0, &plan) == V4POOL_STATUS_REJECTED);
+    CHECK(strcmp(v4pool_last_error_variant(), "NotAFile") == 0);
     CHECK(v4pool_plan_new("v4-flash", 256ull << 20, 4, "fp8", "fp8", 0, &plan) == V4POOL_STATUS_OK);
     if (!plan) return 1;
     V4poolPlanInfo info;

@@ -16,7 +16,7 @@
 
 use std::sync::Arc;
 #[path = "../pool_common/mod.rs"]
-mod pool_common;
+pub mod pool_common;
 
 use v4pool::arena::{Dtype, Fill, StateField};
 use v4pool::backend::{Backend, Stream};

@@ -163,17 +163,11 @@ impl Peer {
 }
 
 /// Sender side of one two-process handoff. Returns the receiver's last frame.
-pub fn send_to_child(
-    sender: &Pool,
-    id: &str,
-    req: &RequestKv,
-    peer: &mut Peer,
-    mode: Mode,
-) -> Result<String, String> {
+pub fn send_to_child(sender: &Pool, req: &RequestKv, peer: &mut Peer, mode: Mode) -> Result<String, String> {
     let Peer { child, sock: s, .. } = peer;
     // Both pools are of one kind (host, or CUDA device 0), the receiver's chosen the same way.
     let mem = NixlMem::for_backend(sender.backend().as_ref(), 0).map_err(|e| e.to_string())?;
-    let me = Endpoint::new(sender, id);
+    let me = Endpoint::new(sender);
     let mut hello = me.hello();
     hello.extend_from_slice(format!("\n{}", req.blocks.len()).as_bytes());
     send_frame(s, &hello);
@@ -255,7 +249,7 @@ pub fn receiver_main() {
     let mode = var("V4POOL_NIXL_PEER_MODE");
     let backend = backend_named(&var("V4POOL_NIXL_PEER_BACKEND"));
     let mem = NixlMem::for_backend(backend.as_ref(), 0).unwrap();
-    let (pool, id) = v4_pool(backend, &ModelShape::v4_flash(mtp).unwrap(), blocks, 2);
+    let (pool, _) = v4_pool(backend, &ModelShape::v4_flash(mtp).unwrap(), blocks, 2);
     poison_pool(&pool);
     let counts = pool.counts().unwrap();
     // `reserved`: a slot was taken and given back (taking one initialises its bytes), so
@@ -269,7 +263,7 @@ pub fn receiver_main() {
     let hello = recv_frame(&mut s).unwrap();
     let cut = hello.iter().rposition(|&b| b == b'\n').unwrap();
     let n: usize = std::str::from_utf8(&hello[cut + 1..]).unwrap().parse().unwrap();
-    let me = Endpoint::new(&pool, &id);
+    let me = Endpoint::new(&pool);
     if let Err(e) = me.check_peer(&hello[..cut], false) {
         let tag = if matches!(e, HandoffError::LayoutMismatch { .. }) { "LAYOUT" } else { "SHAPE" };
         send_frame(&mut s, format!("ERR {tag}: {e}").as_bytes());

@@ -319,7 +319,9 @@ impl Drop for Inner {
     }
 }
 
-impl Backend for CudaBackend {
+// SAFETY: allocations and pinned host memory come from the CUDA driver at the sizes asked
+// (errors returned otherwise); copies and launches are queued as their contracts state.
+unsafe impl Backend for CudaBackend {
     fn kind(&self) -> BackendKind {
         KIND
     }

@@ -159,7 +159,9 @@ impl Drop for HipBackend {
     }
 }
 
-impl Backend for HipBackend {
+// SAFETY: allocations and pinned host memory come from the HIP runtime at the sizes asked
+// (errors returned otherwise); copies and launches are queued as their contracts state.
+unsafe impl Backend for HipBackend {
     fn kind(&self) -> BackendKind {
         KIND
     }
