@@ -200,12 +200,17 @@ pub struct CsaPackArgs {
     pub block_table_stride: i32,
     /// Tokens in the grid (T).
     pub num_tokens: i32,
-    /// 64 (CSA rows per block).
+    /// Compressed rows per block of the class (`block_size / ratio`: 64 for V4's CSA).
     pub block_capacity: i32,
     /// Window length (decode: skip derived per token), or 0 (prefill: the skip buffer).
     pub window_size: i32,
-    /// Padding to the C layout.
-    pub _pad: i32,
+    /// The class's compress ratio (4 for V4's CSA; 1 or 2 for V4.1): a token at position p
+    /// reaches `(p + 1) / ratio` rows. Only bounds the columns the decode form stages, so
+    /// the result never depends on it; at least 1.
+    pub compress_ratio: i32,
+    /// Added to every packed row: the layer's compress bias (0 in V4; a V4.1 layer reaches
+    /// its owner's rows through it, `docs/v41.md`), never negative.
+    pub compress_bias: i64,
 }
 
 /// One plane a row write targets: `pool` is the layer view's base in that plane.

@@ -143,6 +143,11 @@ struct Planned {
 
 impl PrefillIndexBuffers {
     fn plan(geometry: &UnifiedPoolGeometry, cap: PrefillCapacity) -> Result<Planned, DecodeError> {
+        // The prefill builder fills the coarse class class-wide ([window | compressed]), V4's
+        // rule; per-layer coarse packs (V4.1) are the decode path's only, for now.
+        if !geometry.coarse_head_fill() {
+            return Err(DecodeError::SharedCompressors { path: "prefill" });
+        }
         let params = check_capacity(
             geometry,
             [cap.max_seqs, cap.max_tokens, cap.max_blocks_per_seq],
@@ -462,7 +467,8 @@ impl PrefillIndexBuffers {
             num_tokens: self.staged_tokens as i32,
             block_capacity: (self.block_size / i64::from(CSA_RATIO)) as i32,
             window_size: 0,
-            ..Default::default()
+            compress_ratio: CSA_RATIO,
+            compress_bias: 0,
         })
     }
 

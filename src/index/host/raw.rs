@@ -245,6 +245,7 @@ unsafe fn run_csa_pack(a: &CsaPackArgs) -> Result<()> {
             num_tokens: a.num_tokens,
             block_capacity: a.block_capacity,
             window_size: a.window_size,
+            compress_bias: a.compress_bias,
         })
     }
 }
