@@ -18,7 +18,7 @@ if p=$(cat .gpu/bin-path 2>/dev/null); then mkdir -p "$(dirname "$p")" && cp .gp
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader; } | tee "$out/summary.txt"
 [ "$phase" = bench ] && TESTS=none MEMCHECK=none
 [ "$phase" = tests ] && BENCHES=none
-for t in ${TESTS:-gpu_backend gpu_kernels gpu_graph gpu_decode_path gpu_manager gpu_manager_tier gpu_state_update gpu_window_gather gpu_transfer gpu_profiling pool_props decode_step hip_backend manager_exact}; do
+for t in ${TESTS:-gpu_backend gpu_kernels gpu_graph gpu_decode_path gpu_manager gpu_manager_tier gpu_state_update gpu_window_gather gpu_transfer gpu_profiling pool_props decode_step hip_backend manager_exact gpu_v41_index}; do
   [ "$t" = none ] && continue
   [ -x .gpu/tests/$t ] || { echo "missing $t" | tee -a "$out/summary.txt"; continue; }
   s=$(date +%s)
@@ -34,7 +34,7 @@ echo "pytest gpu rc=$? $(tail -1 "$out/py.log")" | tee -a "$out/summary.txt"
 fi
 echo "== memcheck" | tee -a "$out/summary.txt"
 # "binary[:test-name filter]" (the filters keep the sanitizer's slowdown to the graph-replay tests).
-for m in ${MEMCHECK:-gpu_decode_path gpu_manager gpu_manager_tier gpu_state_update:captured_update gpu_window_gather:window_gather_graph}; do
+for m in ${MEMCHECK:-gpu_decode_path gpu_manager gpu_manager_tier gpu_state_update:captured_update gpu_window_gather:window_gather_graph gpu_v41_index:v41_decode_path_on_the_device}; do
   b=${m%%:*}; f=""; [ "$b" != "$m" ] && f=${m#*:}
   [ -x .gpu/tests/$b ] || continue
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 .gpu/tests/$b $f > "$out/mc-$b.log" 2>&1

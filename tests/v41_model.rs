@@ -255,3 +255,114 @@ fn a_v41_pool_initialises_and_checkpoints() {
     assert_eq!(cursor, vec![7, -1, -1, -1]);
     assert!(image.layout_id().to_string().starts_with("dsv41-v4pool-compact-v1:"), "{}", image.layout_id());
 }
+
+/// A V4.1 pool carved empty for a manager: `positions` slots' rows of plane.
+fn v41_manager_pool(positions: i64) -> Arc<Pool> {
+    let m = ModelShape::by_name("v4.1-flash", 0).unwrap();
+    let layout = v4pool::sizing::PoolLayout::new(&m, KvDtype::Bf16, IndexerDtype::Fp8).unwrap();
+    let g = layout.carve(0, 0, positions * layout.geometry.slot_rows).unwrap();
+    let spec = PoolSpec::from_layout(&layout, g).unwrap();
+    Arc::new(Pool::new(Arc::new(HostBackend::new()), spec, Stream::DEFAULT).unwrap())
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed ^ 0x9e37_79b9_7f4a_7c15;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// The slot's checkpoint image ranges `(offset in plane 0, len)`.
+fn image_ranges(pool: &Pool, position: i64) -> Vec<(u64, u64)> {
+    let (start, _) = pool.spec().geometry.slot_span(position).unwrap();
+    pool.checkpoint_ranges().unwrap()[0].iter().map(|&(off, len)| (start as u64 * 1024 + off, len)).collect()
+}
+
+fn read(pool: &Pool, ranges: &[(u64, u64)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for &(off, len) in ranges {
+        let mut b = vec![0u8; len as usize];
+        pool.read_plane(0, off, &mut b).unwrap();
+        out.extend(b);
+    }
+    out
+}
+
+/// The manager on a V4.1 pool, unchanged: a request's state and full blocks written by the
+/// host, a checkpoint taken at 1,024 tokens, a second request with the same prefix admitted
+/// with a 1,024-token hit whose restored image and blocks are the first request's bytes; the
+/// boundary moves and the transfer regions describe the one plane.
+#[test]
+fn the_manager_checkpoints_and_transfer_regions_work_on_a_v41_pool() {
+    use v4pool::manager::{chain_hashes, ElasticPolicy, KvManager, ManagerConfig, Namespace};
+    let pool = v41_manager_pool(12);
+    let cfg = ManagerConfig { checkpoint_every: 2, rolling: true, ..Default::default() };
+    let mut m = KvManager::new(pool.clone(), cfg, Box::new(ElasticPolicy::default())).unwrap();
+    let tokens: Vec<u32> = (0..1400u32).map(|i| i.wrapping_mul(2_654_435_761) >> 7).collect();
+    let hashes = chain_hashes(Namespace::from_label("v4.1-flash@test"), None, &tokens, 256);
+    let block_bytes = pool.spec().geometry.block_bytes(1024);
+    let a = m.add_request(1400, hashes.clone());
+    m.admit(a).unwrap();
+    let mut done = 0u64;
+    while done < 1024 {
+        let n = m.prefill_stop(a, 512).unwrap().min(1024 - done);
+        m.allocate(a, n).unwrap();
+        let slot = m.slot(a).unwrap().unwrap();
+        let table = m.block_table(a).unwrap();
+        // The forward: the slot's carried state is a function of the history; full blocks
+        // get rows that are a function of their hash.
+        let img = image_ranges(&pool, slot.position);
+        let total: u64 = img.iter().map(|r| r.1).sum();
+        let bytes = pattern(done + n, total as usize);
+        let mut at = 0;
+        for &(off, len) in &img {
+            pool.write_plane(0, off, &bytes[at..at + len as usize]).unwrap();
+            at += len as usize;
+        }
+        for b in done / 256..(done + n) / 256 {
+            let id = u64::from(table[b as usize] as u32);
+            pool.write_plane(
+                0,
+                id * block_bytes,
+                &pattern(hashes[b as usize].0 as u64, block_bytes as usize),
+            )
+            .unwrap();
+        }
+        m.commit(a, n).unwrap();
+        m.complete_inflight().unwrap();
+        done += n;
+    }
+    let pos_a = m.slot(a).unwrap().unwrap().position;
+    let at_1024 = read(&pool, &image_ranges(&pool, pos_a));
+    let blocks_a: Vec<i32> = m.block_table(a).unwrap()[..4].to_vec();
+    m.finish(a).unwrap();
+    m.check_invariants().unwrap();
+    // Scribble over the freed slot, so that only a restore can bring the image back.
+    let (s0, s1) = pool.spec().geometry.slot_span(pos_a).unwrap();
+    pool.write_plane(0, s0 as u64 * 1024, &pattern(999, ((s1 - s0) * 1024) as usize)).unwrap();
+    let b = m.add_request(1100, hashes[..4].to_vec());
+    let adm = m.admit(b).unwrap();
+    assert_eq!(adm.hit_tokens, 1024);
+    m.complete_inflight().unwrap();
+    assert_eq!(read(&pool, &image_ranges(&pool, adm.slot.position)), at_1024, "restored image");
+    let table_b = m.block_table(b).unwrap();
+    for (i, &blk) in table_b[..4].iter().enumerate() {
+        let mut got = vec![0u8; block_bytes as usize];
+        pool.read_plane(0, u64::from(blk as u32) * block_bytes, &mut got).unwrap();
+        assert_eq!(got, pattern(hashes[i].0 as u64, block_bytes as usize), "block {i}");
+    }
+    assert_eq!(table_b[..4], blocks_a[..], "the cached blocks are shared");
+    m.rebalance().unwrap();
+    m.check_invariants().unwrap();
+    let regions =
+        pool.transfer_regions(&v4pool::transfer::TransferConfig { enabled: true, pipeline_parallel_size: 1 });
+    let r = regions.unwrap();
+    assert_eq!(r.slot_regions.len(), 1);
+    m.finish(b).unwrap();
+    m.check_invariants().unwrap();
+}

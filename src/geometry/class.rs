@@ -22,9 +22,14 @@ pub enum Class {
     Hca = 2,
 }
 
+/// Index-buffer slots: dense and the two compressed slots (the builders' `classes` arrays,
+/// the kernels' `V4POOL_CLASS_*`). The row space itself holds any number of classes; a
+/// geometry with more than two compressed ones gets no index buffers (`index_slots`).
+pub const NUM_SLOTS: usize = 3;
+
 impl Class {
     /// Every class, in slot order.
-    pub const ALL: [Class; 3] = [Class::Dense, Class::Csa, Class::Hca];
+    pub const ALL: [Class; NUM_SLOTS] = [Class::Dense, Class::Csa, Class::Hca];
 
     /// V4's compress ratio of the slot (0, 4, 128); a geometry's own is
     /// [`UnifiedPoolGeometry::class_ratio`].

@@ -24,7 +24,7 @@ mod error;
 mod owners;
 mod runs;
 
-pub use class::Class;
+pub use class::{Class, NUM_SLOTS};
 pub use error::GeometryError;
 pub use owners::{index_slots, resolve_owners, visible_groups};
 pub use runs::merge_abutting;

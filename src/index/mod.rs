@@ -22,6 +22,7 @@ pub use gather::{
 };
 
 use crate::geometry::WindowParams;
+use crate::geometry::NUM_SLOTS;
 use bytemuck::{Pod, Zeroable};
 
 /// Raw device address (a host address on the host backend).
@@ -60,7 +61,7 @@ pub struct ClassBuffers {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct DecodeIndexArgs {
     /// [dense, csa, hca], see `CLASS_*`.
-    pub classes: [ClassBuffers; 3],
+    pub classes: [ClassBuffers; NUM_SLOTS],
     /// i32 [bs]: physical slot per sequence.
     pub state_slot_per_seq: DevicePtr,
     /// i32 [>= T]; -1 = pad.

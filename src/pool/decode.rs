@@ -19,6 +19,7 @@
 
 use super::owned::{Carve, DeviceBuffer, Owned};
 use crate::backend::{Backend, BackendError, Stream};
+use crate::geometry::NUM_SLOTS;
 use crate::geometry::{visible_groups, Class, UnifiedPoolGeometry, WindowParams, CSA_RATIO, HCA_RATIO};
 use crate::index::shape::MAX_GRID_YZ;
 use crate::index::{ClassBuffers, CsaPackArgs, DecodeIndexArgs, DevicePtr, Launch};
@@ -322,7 +323,7 @@ pub(crate) fn check_capacity(
     counts: [usize; 3],
     win: i32,
     index_topk: i32,
-) -> Result<[Option<WindowParams>; 3], DecodeError> {
+) -> Result<[Option<WindowParams>; NUM_SLOTS], DecodeError> {
     for (what, v) in ["max_seqs", "max_tokens", "max_blocks_per_seq"].into_iter().zip(counts) {
         if v == 0 {
             return Err(DecodeError::ZeroCapacity { what });
@@ -372,11 +373,11 @@ struct Layout {
     slots: u64,
     batch_ids: u64,
     positions: u64,
-    indptr: [u64; 3],
+    indptr: [u64; NUM_SLOTS],
     block_tables: u64,
     meta_end: u64,
-    indices: [u64; 3],
-    dest_rows: [u64; 3],
+    indices: [u64; NUM_SLOTS],
+    dest_rows: [u64; NUM_SLOTS],
     total: u64,
 }
 
@@ -384,8 +385,8 @@ struct Layout {
 /// class's per-token slice capacity.
 struct Planned {
     layout: Layout,
-    params: [Option<WindowParams>; 3],
-    slice_cap: [u64; 3],
+    params: [Option<WindowParams>; NUM_SLOTS],
+    slice_cap: [u64; NUM_SLOTS],
 }
 
 /// Persistent decode index buffers on a backend: the advanced, pool-less form of
@@ -396,7 +397,7 @@ pub struct DecodeIndexBuffers {
     cap: DecodeCapacity,
     layout: Layout,
     mem: Owned,
-    params: [Option<WindowParams>; 3],
+    params: [Option<WindowParams>; NUM_SLOTS],
     envelope_rows: i64,
     hca_rows_per_block: i32,
     block_size: i64,
@@ -410,7 +411,7 @@ pub struct DecodeIndexBuffers {
     bounds: PoolBounds,
     staging: Vec<u8>,
     /// Per-token slice capacity of each class's index buffer.
-    slice_cap: [u64; 3],
+    slice_cap: [u64; NUM_SLOTS],
     /// Positions of the batch last staged (a pool-backed path re-checks them at build).
     staged_positions: Vec<i64>,
     staged_tokens: usize,
@@ -496,15 +497,15 @@ impl DecodeIndexBuffers {
         l.slots = take(Some(s), 4)?;
         l.batch_ids = take(Some(t), 4)?;
         l.positions = take(Some(t), 8)?;
-        for c in 0..3 {
+        for c in 0..NUM_SLOTS {
             l.indptr[c] = take(t.checked_add(1), 4)?;
         }
         l.block_tables = take(s.checked_mul(cap.max_blocks_per_seq as u64), 4)?;
         l.meta_end = take(Some(0), 1)?;
-        for c in 0..3 {
+        for c in 0..NUM_SLOTS {
             l.indices[c] = take(t.checked_mul(slice_cap[c]), 4)?;
         }
-        for c in 0..3 {
+        for c in 0..NUM_SLOTS {
             l.dest_rows[c] = take(Some(t), 4)?;
         }
         l.total = carve.end();
@@ -610,7 +611,7 @@ impl DecodeIndexBuffers {
     pub fn decode_args(&self) -> DecodeIndexArgs {
         let b = self.base();
         let l = &self.layout;
-        let mut classes = [ClassBuffers::default(); 3];
+        let mut classes = [ClassBuffers::default(); NUM_SLOTS];
         for c in Class::ALL {
             if let Some(params) = self.params[c.index()] {
                 let i = c.index();
@@ -891,8 +892,8 @@ impl DecodeIndexBuffers {
             st[o..o + 4].copy_from_slice(&v.to_ne_bytes());
         };
         let (win, topk) = (i64::from(cap.win), i64::from(cap.index_topk));
-        let mut ptr = [0i64; 3];
-        for c in 0..3 {
+        let mut ptr = [0i64; NUM_SLOTS];
+        for c in 0..NUM_SLOTS {
             put_i32(st, l.indptr[c], 0, 0);
         }
         let mut t = 0usize;
@@ -915,7 +916,7 @@ impl DecodeIndexBuffers {
                 ptr[Class::Hca.index()] += hca + n;
                 // Each slice is within its class's capacity (the context checks bound the
                 // HCA head), and `plan` checked max_tokens × capacity fits an i32.
-                for c in 0..3 {
+                for c in 0..NUM_SLOTS {
                     put_i32(st, l.indptr[c], t + 1, ptr[c] as i32);
                 }
                 t += 1;
@@ -924,7 +925,7 @@ impl DecodeIndexBuffers {
         // Pad tokens: batch id −1, empty slices (the indptr tail repeats its last value).
         for p in t..cap.max_tokens {
             put_i32(st, l.batch_ids, p, -1);
-            for c in 0..3 {
+            for c in 0..NUM_SLOTS {
                 put_i32(st, l.indptr[c], p + 1, ptr[c] as i32);
             }
         }

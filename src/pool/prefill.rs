@@ -11,6 +11,7 @@
 use super::decode::{check_capacity, check_live, check_seq, decode_slice_lens, DecodeError, PoolBounds};
 use super::owned::{Carve, DeviceBuffer, Owned};
 use crate::backend::{Backend, Stream};
+use crate::geometry::NUM_SLOTS;
 use crate::geometry::{Class, UnifiedPoolGeometry, WindowParams, CSA_RATIO, HCA_RATIO};
 use crate::index::{CsaPackArgs, DevicePtr, Launch, PrefillIndexArgs};
 use std::sync::Arc;
@@ -114,7 +115,7 @@ pub struct PrefillIndexBuffers {
     cap: PrefillCapacity,
     layout: Layout,
     mem: Owned,
-    params: [Option<WindowParams>; 3],
+    params: [Option<WindowParams>; NUM_SLOTS],
     /// Entries each index buffer holds: [dense, csa, hca, extend].
     entries: [u64; 4],
     envelope_rows: i64,
@@ -137,7 +138,7 @@ impl std::fmt::Debug for PrefillIndexBuffers {
 
 struct Planned {
     layout: Layout,
-    params: [Option<WindowParams>; 3],
+    params: [Option<WindowParams>; NUM_SLOTS],
     entries: [u64; 4],
 }
 

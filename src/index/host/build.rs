@@ -1,6 +1,7 @@
 //! The index builders and the CSA translate-pack (index-buffers.md §3–§6) on safe slices.
 
 use super::*;
+use crate::geometry::NUM_SLOTS;
 use crate::index::CLASS_HCA;
 
 // ---- §3 + §4: decode builder ----------------------------------------------------------------
@@ -22,7 +23,7 @@ pub struct DecodeClass<'a> {
 #[derive(Debug)]
 pub struct DecodeIndices<'a> {
     /// [dense, csa, hca] (`CLASS_*`).
-    pub classes: [Option<DecodeClass<'a>>; 3],
+    pub classes: [Option<DecodeClass<'a>>; NUM_SLOTS],
     /// Physical slot per sequence.
     pub state_slot_per_seq: &'a [i32],
     /// Sequence of each token; −1 for pads.
