@@ -653,15 +653,19 @@ fn read_v41_keys<'a>(
 }
 
 impl ModelShape {
-    fn preset(name: &str, trunk: Vec<i32>, spec_steps: i64, topk: i64) -> Result<Self, ModelError> {
+    /// A published shape: window 128, head 512 (RoPE 64), indexer 128, block 256.
+    fn published(
+        name: &str,
+        ratios: Vec<i32>,
+        trunk: usize,
+        spec_steps: i64,
+        topk: i64,
+    ) -> Result<Self, ModelError> {
         check_spec_steps(spec_steps)?;
-        let num_hidden_layers = trunk.len();
-        let mut ratios = trunk;
-        ratios.push(DENSE_RATIO); // the MTP layer, sized whether or not speculation is on
         Ok(ModelShape {
             name: name.to_string(),
-            num_hidden_layers,
-            num_mtp_layers: 1,
+            num_hidden_layers: trunk,
+            num_mtp_layers: ratios.len() - trunk,
             ratios,
             draft_layers: Vec::new(),
             sliding_window: 128,
@@ -678,30 +682,25 @@ impl ModelShape {
         })
     }
 
+    fn preset(name: &str, trunk: Vec<i32>, spec_steps: i64, topk: i64) -> Result<Self, ModelError> {
+        let num_hidden_layers = trunk.len();
+        let mut ratios = trunk;
+        ratios.push(DENSE_RATIO); // the MTP layer, sized whether or not speculation is on
+        Self::published(name, ratios, num_hidden_layers, spec_steps, topk)
+    }
+
     /// DeepSeek-V4.1-Flash without its draft layers: `[0,0] + [2]*18 + [1]*20`, KV sources
     /// 2, 8, 14, 20, index sources those and 24, 28, 32, 36, Engram history 3.
     pub fn v41_flash(spec_steps: i64) -> Result<Self, ModelError> {
-        check_spec_steps(spec_steps)?;
         let mut ratios = vec![DENSE_RATIO; 2];
         ratios.extend([2; 18]);
         ratios.extend([1; 20]);
         Ok(ModelShape {
-            name: "v4.1-flash".to_string(),
-            num_hidden_layers: 40,
-            num_mtp_layers: 0,
-            ratios,
-            draft_layers: Vec::new(),
-            sliding_window: 128,
-            spec_steps,
-            head_dim: 512,
-            qk_rope_head_dim: 64,
-            index_head_dim: 128,
-            index_topk: 512,
-            block_size: V4_BLOCK_SIZE,
             family: ModelFamily::V41,
             kv_sources: vec![2, 8, 14, 20],
             index_sources: vec![2, 8, 14, 20, 24, 28, 32, 36],
             engram_history: 3,
+            ..Self::published("v4.1-flash", ratios, 40, spec_steps, 512)?
         })
     }
 

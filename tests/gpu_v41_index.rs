@@ -13,10 +13,9 @@ mod common;
 
 use common::{case_seed, device_or_skip, Rng};
 use std::sync::Arc;
-use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::backend::{Backend, Stream};
 use v4pool::geometry::{GeometrySpec, RowForm, UnifiedPoolGeometry};
-use v4pool::pool::{DecodeBuffer, DecodeCapacity, DecodePath, DecodeSeq, Pool, PoolSpec};
+use v4pool::pool::{DecodeBuffer, DecodeCapacity, DecodePath, DecodeSeq, Pool};
 use v4pool::Class;
 
 const POISON: i32 = -0x5a5a5a5b;
@@ -33,25 +32,10 @@ fn v41_ratios(drafts: usize) -> Vec<i32> {
 
 /// A V4.1 compact pool with 16-byte rows (the index paths never touch the planes' bytes).
 fn pool_on(backend: Arc<dyn Backend>, block: i64, ring: i64, blocks: i64, slots: i64) -> Arc<Pool> {
-    let field = StateField {
-        name: "state".into(),
-        layers: 1,
-        shape: vec![1, 4],
-        dtype: Dtype::F32,
-        fill: Fill::Zero,
-        carried: true,
-        align: 256,
-    };
-    let arena = ArenaLayout::new(vec![field], &[16]).unwrap();
-    let geometry = GeometrySpec::new(v41_ratios(if ring > 128 { 3 } else { 0 }), blocks, slots, ring, block)
+    let spec = GeometrySpec::new(v41_ratios(if ring > 128 { 3 } else { 0 }), blocks, slots, ring, block)
         .kv_sources(vec![2, 8, 14, 20])
-        .form(RowForm::Compact)
-        .arena_rows(arena.arena_rows())
-        .slot_align_rows(arena.slot_align_rows())
-        .build()
-        .unwrap();
-    let spec = PoolSpec::new(geometry, vec![16], arena, None, Vec::new()).unwrap();
-    Arc::new(Pool::new(backend, spec, Stream::DEFAULT).unwrap())
+        .form(RowForm::Compact);
+    common::index_pool_of(backend, spec)
 }
 
 struct Seq {
