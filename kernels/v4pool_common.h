@@ -567,6 +567,8 @@ V4P_DEVICE v4p_i64 window_row_at(WindowParams w, v4p_i64 slot, v4p_i64 q) {
 }
 
 /// Compressed row `r` of logical-to-physical block `block` (no layer term: it is in the view).
+/// A layer that reads another layer's rows (V4.1) adds its non-negative compress bias to this
+/// (CsaPackArgs::compress_bias); indices stay in [0, view_rows): docs/v41.md, open point O1.
 V4P_DEVICE v4p_i64 compress_row(v4p_i64 block, v4p_i64 r, v4p_i64 envelope_rows) {
     return block * envelope_rows + r;
 }

@@ -171,7 +171,7 @@ pub enum SizingError {
         /// Persistent buffers charged to the budget.
         overhead: u64,
     },
-    #[error("{family:?} rows are bf16 only here: the V4 fp8 record is not a V4.1 format (got --dtype {kv})")]
+    #[error("V4.1 rows are bf16 only here: the V4 fp8 record is not a V4.1 format (got {kv} for a {family:?} model)")]
     /// A V4.1 model asked for a KV dtype other than bf16 (its packed rows are not built).
     KvDtypeUnsupported {
         /// The model family.

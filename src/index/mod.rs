@@ -11,6 +11,12 @@
 //!
 //! Element types: positions are `i64` in decode and CSA pack, `i32` in prefill and the ring
 //! write (as the contract allows); everything else is `i32`.
+//!
+//! Every index a builder or pack writes is relative to a layer view and lies in
+//! `[0, view_rows)`, also where layers share compressors (V4.1): a reader reaches its owner's
+//! compressed rows through a non-negative per-layer compress bias, the views starting in a
+//! lead below plane row 0 where the spec's bias would be negative (open point O1, decided in
+//! `docs/v41.md`); −1 stays the pad value of every top-k and index buffer.
 
 pub mod bounds;
 mod gather;

@@ -392,7 +392,8 @@ impl Overhead {
     /// capacity `decode`, computed without allocating (for production sizes).
     pub fn estimate(spec: &PoolSpec, decode: Option<DecodeCapacity>) -> Result<Overhead, PoolError> {
         let g = &spec.geometry;
-        let planes: u64 = spec.plane_widths.iter().map(|&w| g.plane_bytes(w)).sum();
+        // Each plane's allocation holds its view lead too (none in V4).
+        let planes: u64 = spec.plane_widths.iter().map(|&w| g.allocation_rows() as u64 * w).sum();
         let max_blocks = g.max_blocks_beside(0).max(0) as u64;
         let indexer = spec.indexer.map_or(0, |ix| {
             spec.csa_layers.len() as u64 * max_blocks * ix.pool_block_bytes().iter().sum::<u64>()
