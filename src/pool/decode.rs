@@ -345,7 +345,7 @@ pub(crate) fn check_capacity(
 }
 
 /// The fine and coarse slots' compress ratios of `geometry` (V4: 4, 128).
-fn slot_ratios(geometry: &UnifiedPoolGeometry) -> Result<[i64; 2], DecodeError> {
+pub(crate) fn slot_ratios(geometry: &UnifiedPoolGeometry) -> Result<[i64; 2], DecodeError> {
     let r = |c| {
         geometry
             .class_ratio(c)
