@@ -1,5 +1,6 @@
 //! The generalised row space and V4.1-Flash's compact form: the worked numbers of
-//! `docs/v41.md` (the spec's §5.1, §5.2, §6 and §5.5), and properties over V4.1 shapes
+//! `docs/v41.md` (the spec's worked numbers: the generalised row space, the small example,
+//! the compact form), and properties over V4.1 shapes
 //! (block 16 and 256, ring 128 and 133): no two rows collide, every compressed read of a
 //! reader lands on its owner's row, moving the boundary keeps every address.
 
@@ -58,7 +59,7 @@ fn ratios_must_divide_the_block_and_negatives_are_refused() {
     assert!(matches!(across, Err(GeometryError::OwnerClassDiffers { layer: 20, owner: 19, .. })));
 }
 
-/// The spec's §5.1: the generalised (envelope) row space on V4.1's ratios, block 256, ring
+/// The spec's worked numbers for the generalised (envelope) row space on V4.1's ratios, block 256, ring
 /// 128, 3 blocks, 2 slots, no arena, align 2.
 #[test]
 fn worked_5_1_envelope_form_on_v41_ratios() {
@@ -130,7 +131,7 @@ fn distinct_rows(g: &UnifiedPoolGeometry) -> (usize, usize) {
     n
 }
 
-/// The spec's §5.2: ratios [0,2,2,1,1], KV sources (1, 3), block 8, ring 6, 2 blocks,
+/// The spec's small example: ratios [0,2,2,1,1], KV sources (1, 3), block 8, ring 6, 2 blocks,
 /// 2 slots, envelope (reference) form.
 #[test]
 fn worked_5_2_small_example() {
@@ -210,7 +211,7 @@ fn compact(block: i64, ring: i64, drafts: usize, blocks: i64, slots: i64, arena:
         .unwrap()
 }
 
-/// The spec's §6 compact form: owners-only envelopes, one contiguous ring per layer.
+/// The spec's proposal, the compact form: owners-only envelopes, one contiguous ring per layer.
 #[test]
 fn worked_compact_form() {
     let g = compact(256, 128, 0, 3, 2, 33);
@@ -239,7 +240,7 @@ fn worked_compact_form() {
     assert_eq!(gd.entry_rows, 5719);
 }
 
-/// §5.1's block-16 line: envelope 464 rows; entry 5,120; with drafts and ring 133, 665 +
+/// The generalised row space's block-16 line: envelope 464 rows; entry 5,120; with drafts and ring 133, 665 +
 /// 2,445 + 2,869 = 5,979.
 #[test]
 fn worked_5_1_block_16() {

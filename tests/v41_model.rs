@@ -163,7 +163,7 @@ fn arena_fields_and_fill_values() {
     assert_eq!(dl.geometry.entry_rows, 43 * 133);
 }
 
-/// The spec's §5.5 (compact form in one row space, bf16, FP8 index): 739,840 B per page,
+/// The spec's capacity at 100 GiB (compact form in one row space, bf16, FP8 index): 739,840 B per page,
 /// 5,277,696 B per request.
 #[test]
 fn capacity_numbers() {
