@@ -74,7 +74,7 @@ fn run(ops: Vec<Op>) {
                     .enumerate()
                     .map(|(i, b)| {
                         let r = block_ranges(&pool, b.id);
-                        let d = bytes(seed ^ (i as u64 + 1) * 0x9e37_79b9, total(&r));
+                        let d = bytes(seed ^ ((i as u64 + 1) * 0x9e37_79b9), total(&r));
                         write(&pool, &r, &d);
                         d
                     })
