@@ -5,7 +5,8 @@
 //! (every head entry is the owner's row, every window entry the class's ring row, every
 //! cell past a slice keeps its poison).
 //!
-//! `v41_decode_path_matches_the_geometry_on_the_host` runs everywhere;
+//! `v41_decode_path_matches_the_geometry_on_the_host` and `other_ratios_take_the_same_decode_path`
+//! (ratios 8 and 64 with V4's class-wide coarse head) run everywhere;
 //! `v41_decode_path_on_the_device` runs the same cases on the GPU and compares every buffer
 //! with the host path's (SKIP without a device; `V4POOL_REQUIRE_GPU=1` makes that a failure).
 
@@ -264,4 +265,82 @@ fn v41_decode_path_on_the_device() {
         }
         println!("ok V4.1 block {block} ring {ring}");
     }
+}
+
+/// A class is data: ratios no DeepSeek model uses (8 and 64, the envelope form, V4's
+/// class-wide coarse head) go through the same decode path — slice lengths, window tails,
+/// the coarse heads from the block tables and the fine pack — as the geometry says.
+#[test]
+fn other_ratios_take_the_same_decode_path() {
+    let pool = common::index_pool_of(
+        Arc::new(common::host()),
+        GeometrySpec::new(vec![0, 8, 64, 8, 64, 0], 50, 8, 131, 256),
+    );
+    let g = pool.geometry().unwrap();
+    assert_eq!((g.class_ratio(Class::Csa).unwrap(), g.class_ratio(Class::Hca).unwrap()), (Some(8), Some(64)));
+    let mut rng = Rng::new(case_seed("other-ratios", 0));
+    let cap = DecodeCapacity {
+        max_seqs: 8,
+        max_tokens: 48,
+        max_blocks_per_seq: 40,
+        win: WIN,
+        index_topk: TOPK as i32,
+    };
+    let mut path = pool.decode_path(cap).unwrap();
+    let seqs = batch(&mut rng, &g, 6, 40);
+    let staged: Vec<DecodeSeq<'_>> = seqs
+        .iter()
+        .map(|s| DecodeSeq {
+            position: s.position,
+            context_len: s.ctx,
+            num_tokens: s.n,
+            block_table: &s.table,
+        })
+        .collect();
+    poison(&path, pool.backend().as_ref());
+    path.stage(&staged).unwrap();
+    path.build().unwrap();
+    let mut rows: Vec<i32> = (0..cap.max_tokens * TOPK).map(|_| rng.below(1 << 30) as i32).collect();
+    let mut t = 0;
+    for s in &seqs {
+        for k in 0..s.n {
+            let visible = v4pool::geometry::visible_groups(s.ctx - s.n as i64 + k as i64, 8) as u64;
+            for i in 0..(visible as usize).min(TOPK) {
+                rows[t * TOPK + i] = rng.below(visible) as i32;
+            }
+            t += 1;
+        }
+    }
+    let be = pool.backend();
+    let a = be.alloc_zeroed(4 * rows.len() as u64).unwrap();
+    // SAFETY: a fresh allocation of exactly these bytes, then [max_tokens][TOPK] non-negative
+    // i32 on the path's backend for the pack.
+    unsafe {
+        be.upload(a.ptr, bytemuck::cast_slice(&rows), Stream::DEFAULT).unwrap();
+        path.csa_pack(a.ptr, TOPK as i32).unwrap();
+    }
+    let tokens: usize = seqs.iter().map(|s| s.n).sum();
+    // The fine slot: the pack's heads then the window, as the V4.1 reference builds them.
+    let ptr = path.read_i32(DecodeBuffer::Indptr(Class::Csa)).unwrap();
+    let got = path.read_i32(DecodeBuffer::Indices(Class::Csa)).unwrap();
+    assert_eq!(&got[..ptr[tokens] as usize], &reference(&g, Class::Csa, Some(1), &seqs, &rows)[..]);
+    // The coarse slot: every committed row of ratio 64 from the block tables, then the window.
+    let ptr = path.read_i32(DecodeBuffer::Indptr(Class::Hca)).unwrap();
+    let got = path.read_i32(DecodeBuffer::Indices(Class::Hca)).unwrap();
+    let w = g.window_params(64).unwrap();
+    let mut want = Vec::new();
+    for s in &seqs {
+        for k in 0..s.n {
+            let pos = s.ctx - s.n as i64 + k as i64;
+            for e in 0..v4pool::geometry::visible_groups(pos, 64) {
+                want.push(g.compress_index(2, i64::from(s.table[(e / 4) as usize]), e % 4).unwrap() as i32);
+            }
+            let n = (pos + 1).min(i64::from(WIN));
+            want.extend((pos + 1 - n..=pos).map(|p| w.index(s.position, p) as i32));
+        }
+    }
+    assert_eq!(&got[..ptr[tokens] as usize], &want[..]);
+    assert!(got[ptr[tokens] as usize..].iter().all(|&x| x == POISON));
+    // SAFETY: the reads above synchronised the stream.
+    unsafe { be.free(a) };
 }
