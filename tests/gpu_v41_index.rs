@@ -62,6 +62,34 @@ fn batch(rng: &mut Rng, g: &UnifiedPoolGeometry, bs: usize, max_cols: usize) -> 
         .collect()
 }
 
+fn staged(seqs: &[Seq]) -> Vec<DecodeSeq<'_>> {
+    seqs.iter()
+        .map(|s| DecodeSeq {
+            position: s.position,
+            context_len: s.ctx,
+            num_tokens: s.n,
+            block_table: &s.table,
+        })
+        .collect()
+}
+
+/// The indexer's top-k `[max_tokens][TOPK]` for a layer of `ratio`: rows each token sees
+/// (`visible_groups`) in the entries the pack reads, anything non-negative past them.
+fn topk_rows(rng: &mut Rng, seqs: &[Seq], ratio: i64, max_tokens: usize) -> Vec<i32> {
+    let mut rows: Vec<i32> = (0..max_tokens * TOPK).map(|_| rng.below(1 << 30) as i32).collect();
+    let mut t = 0;
+    for s in seqs {
+        for k in 0..s.n {
+            let visible = v4pool::geometry::visible_groups(s.ctx - s.n as i64 + k as i64, ratio) as u64;
+            for i in 0..(visible as usize).min(TOPK) {
+                rows[t * TOPK + i] = rng.below(visible) as i32;
+            }
+            t += 1;
+        }
+    }
+    rows
+}
+
 fn poison(path: &DecodePath, be: &dyn Backend) {
     for c in Class::ALL {
         for which in [DecodeBuffer::Indices(c), DecodeBuffer::DestRows(c)] {
@@ -138,15 +166,7 @@ fn run_case(pool: &Arc<Pool>, seed: u64, host_twin: Option<&Arc<Pool>>) {
     let mut twin = host_twin.map(|h| h.decode_path(cap).unwrap());
     let bs = rng.range(1, 8) as usize;
     let seqs = batch(&mut rng, &g, bs, max_cols);
-    let staged: Vec<DecodeSeq<'_>> = seqs
-        .iter()
-        .map(|s| DecodeSeq {
-            position: s.position,
-            context_len: s.ctx,
-            num_tokens: s.n,
-            block_table: &s.table,
-        })
-        .collect();
+    let staged = staged(&seqs);
     poison(&path, pool.backend().as_ref());
     path.stage(&staged).unwrap();
     path.build().unwrap();
@@ -188,21 +208,8 @@ fn run_case(pool: &Arc<Pool>, seed: u64, host_twin: Option<&Arc<Pool>>) {
         }
     }
     for layer in 2..40 {
-        // The indexer's top-k: rows the token sees (`visible_groups` of the layer's ratio) in
-        // the entries the pack reads, anything non-negative past them.
         let ratio = i64::from(g.layer_class(layer).unwrap().ratio);
-        let mut rows: Vec<i32> = (0..cap.max_tokens * TOPK).map(|_| rng.below(1 << 30) as i32).collect();
-        let mut t = 0;
-        for s in &seqs {
-            for k in 0..s.n {
-                let pos = s.ctx - s.n as i64 + k as i64;
-                let visible = v4pool::geometry::visible_groups(pos, ratio) as u64;
-                for i in 0..(visible as usize).min(TOPK) {
-                    rows[t * TOPK + i] = rng.below(visible) as i32;
-                }
-                t += 1;
-            }
-        }
+        let rows = topk_rows(&mut rng, &seqs, ratio, cap.max_tokens);
         let be = pool.backend();
         let a = be.alloc_zeroed(4 * rows.len() as u64).unwrap();
         // SAFETY: a fresh allocation of exactly these bytes.
@@ -288,29 +295,11 @@ fn other_ratios_take_the_same_decode_path() {
     };
     let mut path = pool.decode_path(cap).unwrap();
     let seqs = batch(&mut rng, &g, 6, 40);
-    let staged: Vec<DecodeSeq<'_>> = seqs
-        .iter()
-        .map(|s| DecodeSeq {
-            position: s.position,
-            context_len: s.ctx,
-            num_tokens: s.n,
-            block_table: &s.table,
-        })
-        .collect();
+    let staged = staged(&seqs);
     poison(&path, pool.backend().as_ref());
     path.stage(&staged).unwrap();
     path.build().unwrap();
-    let mut rows: Vec<i32> = (0..cap.max_tokens * TOPK).map(|_| rng.below(1 << 30) as i32).collect();
-    let mut t = 0;
-    for s in &seqs {
-        for k in 0..s.n {
-            let visible = v4pool::geometry::visible_groups(s.ctx - s.n as i64 + k as i64, 8) as u64;
-            for i in 0..(visible as usize).min(TOPK) {
-                rows[t * TOPK + i] = rng.below(visible) as i32;
-            }
-            t += 1;
-        }
-    }
+    let rows = topk_rows(&mut rng, &seqs, 8, cap.max_tokens);
     let be = pool.backend();
     let a = be.alloc_zeroed(4 * rows.len() as u64).unwrap();
     // SAFETY: a fresh allocation of exactly these bytes, then [max_tokens][TOPK] non-negative
