@@ -51,10 +51,12 @@ typedef enum V4poolDecodeBuffer {
 } V4poolDecodeBuffer;
 
 /**
- * A KV class: which compress ratio a layer's KV is kept at.
+ * A KV class's slot in the index buffers: dense, fine ("CSA"), coarse ("HCA").
  *
- * The discriminant is the class's slot in the decode builder's `classes` array (the
- * kernels' `V4POOL_CLASS_*`), so `class as usize` indexes it.
+ * The discriminant is the slot in the decode builder's `classes` array (the kernels'
+ * `V4POOL_CLASS_*`), so `class as usize` indexes it. Which compress ratio fills a slot is
+ * the geometry's data ([`UnifiedPoolGeometry::class_ratio`]): V4's 4 and 128
+ * ([`Class::ratio`]), V4.1's 1 and 2.
  */
 typedef struct Class Class;
 

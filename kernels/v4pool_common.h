@@ -355,11 +355,12 @@ struct CsaPackArgs {
     v4p_i32 topk_row_stride;
     v4p_i32 block_table_stride;
     v4p_i32 num_tokens;
-    v4p_i32 block_capacity;
+    v4p_i32 block_capacity;             // compressed rows per block of the class (block_size / ratio)
     v4p_i32 window_size;
-    v4p_i32 _pad;
+    v4p_i32 compress_ratio;             // (p + 1) / ratio rows reachable; bounds the staged columns only
+    v4p_i64 compress_bias;              // added to every packed row (0 in V4; docs/v41.md)
 };
-V4POOL_CHECK_SIZE(CsaPackArgs, 88);
+V4POOL_CHECK_SIZE(CsaPackArgs, 96);
 V4POOL_CHECK_ALIGN(CsaPackArgs, 8);
 V4POOL_CHECK_OFFSET(CsaPackArgs, topk, 0);
 V4POOL_CHECK_OFFSET(CsaPackArgs, block_tables, 8);
@@ -374,7 +375,8 @@ V4POOL_CHECK_OFFSET(CsaPackArgs, block_table_stride, 68);
 V4POOL_CHECK_OFFSET(CsaPackArgs, num_tokens, 72);
 V4POOL_CHECK_OFFSET(CsaPackArgs, block_capacity, 76);
 V4POOL_CHECK_OFFSET(CsaPackArgs, window_size, 80);
-V4POOL_CHECK_OFFSET(CsaPackArgs, _pad, 84);
+V4POOL_CHECK_OFFSET(CsaPackArgs, compress_ratio, 84);
+V4POOL_CHECK_OFFSET(CsaPackArgs, compress_bias, 88);
 
 struct PlaneWrite {
     v4p_ptr kv;    // [T, row_bytes] source rows
@@ -565,6 +567,8 @@ V4P_DEVICE v4p_i64 window_row_at(WindowParams w, v4p_i64 slot, v4p_i64 q) {
 }
 
 /// Compressed row `r` of logical-to-physical block `block` (no layer term: it is in the view).
+/// A layer that reads another layer's rows (V4.1) adds its non-negative compress bias to this
+/// (CsaPackArgs::compress_bias); indices stay in [0, view_rows): docs/v41.md, open point O1.
 V4P_DEVICE v4p_i64 compress_row(v4p_i64 block, v4p_i64 r, v4p_i64 envelope_rows) {
     return block * envelope_rows + r;
 }

@@ -761,8 +761,6 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_hca_of
 /// 256 tokens (64 CSA rows) per block. Columns past it, or past what the position reaches,
 /// are read from the table itself, so the result never depends on this bound.
 #define V4POOL_CSA_STAGE_COLS 4096
-/// CSA compression ratio (index-buffers.md §2): a token at position p has (p + 1) / 4 rows.
-#define V4POOL_CSA_RATIO 4
 
 #if defined(V4P_TARGET_EMU)
 // The emulation runs each thread of a block to completion in turn (no barrier exists): every
@@ -821,15 +819,21 @@ V4P_DEVICE void csa_split(const v4p_i32 (&v)[E], v4p_i32 cap, v4p_i32 sh, v4p_i3
     }
 }
 
+/// A packed row: the compressed row of (block, row) plus the layer's compress bias (0 in V4;
+/// a V4.1 reader reaches its owner's rows through it), formed in 64 bits, stored as i32.
+V4P_DEVICE v4p_i32 csa_biased_row(v4p_i64 blk, v4p_i64 r, v4p_i64 envelope, v4p_i64 bias) {
+    return (v4p_i32)(compress_row(blk, r, envelope) + bias);
+}
+
 /// One pack entry (the overrun path): top-k value `v` -> pool row. Table columns below
 /// `staged_cols` come from the shared-memory copy `staged`, the rest from `table`.
 V4P_DEVICE v4p_i32 csa_pack_entry(const v4p_i32* table, const v4p_i32* staged, v4p_i32 staged_cols,
-                                  v4p_i32 last, v4p_i32 v, v4p_i32 cap, v4p_i64 envelope) {
+                                  v4p_i32 last, v4p_i32 v, v4p_i32 cap, v4p_i64 envelope, v4p_i64 bias) {
     const v4p_i32 vv[1] = {v};
     v4p_i32 j[1], r[1];
     csa_split<1>(vv, cap, csa_cap_shift(cap), last, j, r);
     const v4p_i32 blk = j[0] < staged_cols ? staged[j[0]] : table[j[0]];
-    return (v4p_i32)compress_row(blk, r[0], envelope);
+    return csa_biased_row(blk, r[0], envelope, bias);
 }
 
 /// A thread's two top-k columns k0 and k0 + 256 (0 at or past `bound`), both loads in flight.
@@ -846,13 +850,13 @@ V4P_DEVICE void csa_load_topk(v4p_i32 (&v)[2], const v4p_i32* topk, v4p_i64 k0, 
 /// [row_stride, valid_k).
 template <int TILE = V4POOL_CSA_TILE>
 V4P_DEVICE void csa_pack_overrun(v4p_i32* out, const v4p_i32* topk, const v4p_i32* table, const v4p_i32* staged,
-                                 v4p_i32 staged_cols, v4p_i32 last, v4p_i32 cap, v4p_i64 envelope, v4p_i64 valid_k,
-                                 v4p_i64 row_stride, v4p_i64 tile, v4p_u32 tid) {
+                                 v4p_i32 staged_cols, v4p_i32 last, v4p_i32 cap, v4p_i64 envelope, v4p_i64 bias,
+                                 v4p_i64 valid_k, v4p_i64 row_stride, v4p_i64 tile, v4p_u32 tid) {
     if (valid_k <= row_stride) return;
     const v4p_i64 row_tiles = (row_stride + TILE - 1) / TILE;
     const v4p_i64 ntiles = row_tiles > 0 ? row_tiles : 1;
     for (v4p_i64 k = row_stride + tile * V4P_BLOCK + tid; k < valid_k; k += ntiles * V4P_BLOCK)
-        out[k] = csa_pack_entry(table, staged, staged_cols, last, topk[k], cap, envelope);
+        out[k] = csa_pack_entry(table, staged, staged_cols, last, topk[k], cap, envelope, bias);
 }
 
 /// Copy columns [0, n) of `table` into `staged` with the block's lanes: 16-byte loads when the
@@ -913,9 +917,11 @@ V4P_DEVICE void csa_pack_staged(const CsaPackArgs& a) {
     const v4p_i32 cap = a.block_capacity;
     const v4p_i32 last = a.block_table_stride - 1;
     const v4p_i32 sh = csa_cap_shift(cap);
-    // Columns the token's top-k can reach: its (pos + 1) / 4 compressed rows, `cap` per block
-    // (pos >= 0 spelled without pos + 1, which could overflow), within the row and the stage.
-    const v4p_i64 rows = pos < 0 ? 0 : pos / V4POOL_CSA_RATIO + (pos % V4POOL_CSA_RATIO == V4POOL_CSA_RATIO - 1);
+    // Columns the token's top-k can reach: its (pos + 1) / ratio compressed rows, `cap` per
+    // block (pos >= 0 spelled without pos + 1, which could overflow), within the row and the
+    // stage. A ratio below 1 (refused at launch) stages nothing; the table serves every column.
+    const v4p_i64 ratio = a.compress_ratio;
+    const v4p_i64 rows = pos < 0 || ratio < 1 ? 0 : pos / ratio + (pos % ratio == ratio - 1);
     const v4p_i64 reach = rows / cap + (rows % cap != 0);
     const v4p_i32 n = (v4p_i32)v4p_min(reach, v4p_min((v4p_i64)a.block_table_stride, V4POOL_CSA_STAGE_COLS));
     const v4p_i32* topk = v4p_in<v4p_i32>(a.topk) + (v4p_i64)t * row_stride;
@@ -951,9 +957,10 @@ V4P_DEVICE void csa_pack_staged(const CsaPackArgs& a) {
 #pragma unroll
     for (int u = 0; u < E; ++u) {
         const v4p_i32 k = c0 + u * V4P_BLOCK;
-        if (k < lim32) out[k] = (v4p_i32)compress_row(blk[u], r[u], a.envelope_rows);
+        if (k < lim32) out[k] = csa_biased_row(blk[u], r[u], a.envelope_rows, a.compress_bias);
     }
-    csa_pack_overrun<TILE>(out, topk, table, staged, n, last, cap, a.envelope_rows, valid_k, row_stride, tile, tid);
+    csa_pack_overrun<TILE>(out, topk, table, staged, n, last, cap, a.envelope_rows, a.compress_bias, valid_k,
+                           row_stride, tile, tid);
 }
 
 /// Every load after the wait, table entries gathered from global memory: prefill mode (and a
@@ -992,9 +999,10 @@ V4P_DEVICE void csa_pack_gather(const CsaPackArgs& a) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
         const v4p_i64 k = k0 + u * V4P_BLOCK;
-        if (k < lim) out[k] = (v4p_i32)compress_row(blk[u], r[u], a.envelope_rows);
+        if (k < lim) out[k] = csa_biased_row(blk[u], r[u], a.envelope_rows, a.compress_bias);
     }
-    csa_pack_overrun(out, topk, table, table, 0, last, cap, a.envelope_rows, valid_k, row_stride, tile, tid);
+    csa_pack_overrun(out, topk, table, table, 0, last, cap, a.envelope_rows, a.compress_bias, valid_k, row_stride,
+                     tile, tid);
 }
 
 extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_csa_translate_pack(CsaPackArgs a) {

@@ -8,7 +8,7 @@
 
 use crate::checked::{add, mul};
 use crate::geometry::UnifiedPoolGeometry;
-use crate::model::ModelShape;
+use crate::model::{ModelFamily, ModelShape};
 use thiserror::Error;
 
 crate::checked::overflow_into!(ArenaError);
@@ -36,6 +36,8 @@ pub enum Dtype {
     F32,
     /// bfloat16.
     Bf16,
+    /// 64-bit signed integer (V4.1's cursor).
+    I64,
 }
 
 impl Dtype {
@@ -44,6 +46,7 @@ impl Dtype {
         match self {
             Dtype::F32 => 4,
             Dtype::Bf16 => 2,
+            Dtype::I64 => 8,
         }
     }
 }
@@ -55,15 +58,30 @@ pub enum Fill {
     Zero,
     /// f32 −inf (`0xff80_0000`): an empty softmax score.
     NegInf,
+    /// V4.1's cursor: element 0 (the committed position) zero, every later element −1 (no
+    /// Engram history yet). All-ones words after the first element.
+    Cursor,
 }
 
 impl Fill {
+    /// Leading bytes of each layer's tensor that stay zero before [`Fill::pattern`] applies:
+    /// one element for [`Fill::Cursor`], none otherwise.
+    pub fn lead_zero_bytes(self, dtype: Dtype) -> u64 {
+        match self {
+            Fill::Cursor => dtype.itemsize(),
+            Fill::Zero | Fill::NegInf => 0,
+        }
+    }
+
     /// The 32-bit word a memset writes to give this fill in `dtype`.
     pub fn pattern(self, dtype: Dtype) -> u32 {
         match (self, dtype) {
             (Fill::Zero, _) => 0,
             (Fill::NegInf, Dtype::F32) => F32_NEG_INF,
             (Fill::NegInf, Dtype::Bf16) => BF16_NEG_INF_X2,
+            // An integer has no −inf; `validate_fields` refuses the pair.
+            (Fill::NegInf, Dtype::I64) => 0,
+            (Fill::Cursor, _) => u32::MAX,
         }
     }
 }
@@ -344,6 +362,9 @@ fn gcd(a: u64, b: u64) -> u64 {
 /// `state_window` is present only when the model has absent (carried-window) layers; it
 /// holds those layers in sorted id order, `(ring_slots, 512)` bf16, aligned to its own row.
 pub fn state_fields(model: &ModelShape) -> Result<Vec<StateField>, ArenaError> {
+    if model.family == ModelFamily::V41 {
+        return v41_state_fields(model);
+    }
     let k = u64::try_from(model.spec_steps)
         .map_err(|_| ArenaError::BadModel { reason: format!("spec_steps {} < 0", model.spec_steps) })?;
     let ring = u64::try_from(model.ring_slots())
@@ -386,6 +407,52 @@ pub fn state_fields(model: &ModelShape) -> Result<Vec<StateField>, ArenaError> {
     Ok(fields)
 }
 
+/// V4.1's per-request state beside the windows the entry holds (every layer's, drafts
+/// included): the KV owners' compressor rings, `owners × (max owner ratio + k) × 512` fp32
+/// for the kv and the score (both start at zero: V4.1's gate-free ratio-1 compressor and its
+/// ratio-2 compressor sum scores from 0, not −inf), and the cursor, `(history + 1)` int64:
+/// the committed position (0), then the Engram history, oldest first, −1 for none. Every
+/// field is carried by a checkpoint (`docs/v41.md`).
+fn v41_state_fields(model: &ModelShape) -> Result<Vec<StateField>, ArenaError> {
+    let bad = |reason: String| ArenaError::BadModel { reason };
+    let k =
+        u64::try_from(model.spec_steps).map_err(|_| bad(format!("spec_steps {} < 0", model.spec_steps)))?;
+    let history = u64::try_from(model.engram_history)
+        .map_err(|_| bad(format!("engram history {} < 0", model.engram_history)))?;
+    let mut owner_ratios = Vec::with_capacity(model.kv_sources.len());
+    for &l in &model.kv_sources {
+        match model.ratios.get(l) {
+            Some(&r) if r > 0 => owner_ratios.push(r as u64),
+            _ => return Err(bad(format!("KV source {l} is not a compressed layer"))),
+        }
+    }
+    let max_ratio = owner_ratios.iter().copied().max().ok_or_else(|| bad("no KV source layers".into()))?;
+    let ring = add(max_ratio, k, "compressor ring rows")?;
+    let head = u64::try_from(model.head_dim).map_err(|_| bad(format!("head_dim {}", model.head_dim)))?;
+    let owners = owner_ratios.len() as u64;
+    let f = |name: &str, layers: u64, shape: Vec<u64>, dtype: Dtype, fill: Fill| StateField {
+        name: name.to_string(),
+        layers,
+        shape,
+        dtype,
+        fill,
+        carried: true,
+        align: FIELD_ALIGN,
+    };
+    Ok(vec![
+        f(V41_COMPRESS_KV, owners, vec![ring, head], Dtype::F32, Fill::Zero),
+        f(V41_COMPRESS_SCORE, owners, vec![ring, head], Dtype::F32, Fill::Zero),
+        f(V41_CURSOR, 1, vec![add(history, 1, "cursor elements")?], Dtype::I64, Fill::Cursor),
+    ])
+}
+
+/// V4.1 field: the KV owners' compressor kv rings.
+pub const V41_COMPRESS_KV: &str = "compress_kv";
+/// V4.1 field: the KV owners' compressor score rings.
+pub const V41_COMPRESS_SCORE: &str = "compress_score";
+/// V4.1 field: committed position and Engram history.
+pub const V41_CURSOR: &str = "cursor";
+
 /// Reject what §2.4 refuses of a field list: none, duplicates, an align not a multiple of 256.
 pub fn validate_fields(fields: &[StateField]) -> Result<(), ArenaError> {
     if fields.is_empty() {
@@ -394,6 +461,11 @@ pub fn validate_fields(fields: &[StateField]) -> Result<(), ArenaError> {
     for (i, f) in fields.iter().enumerate() {
         if fields[..i].iter().any(|g| g.name == f.name) {
             return Err(ArenaError::DuplicateField { name: f.name.clone() });
+        }
+        if f.fill == Fill::NegInf && f.dtype == Dtype::I64 {
+            return Err(ArenaError::BadModel {
+                reason: format!("field {:?}: an int64 field has no -inf", f.name),
+            });
         }
         if f.align == 0 || f.align % FIELD_ALIGN != 0 {
             return Err(ArenaError::FieldAlign { name: f.name.clone(), align: f.align });
@@ -809,7 +881,18 @@ impl ArenaLayout {
                 }
                 let start = add(base, pf.offset, "field start")?;
                 push(PlaneFill { plane: p, offset: cursor, bytes: start - cursor, pattern: 0 });
-                push(PlaneFill { plane: p, offset: start, bytes, pattern });
+                let (layer_bytes, lead) = (f.per_layer_bytes()?, f.fill.lead_zero_bytes(f.dtype));
+                if lead == 0 {
+                    push(PlaneFill { plane: p, offset: start, bytes, pattern });
+                } else {
+                    // Each layer's tensor: its leading element zero, the rest the pattern.
+                    for layer in 0..f.layers {
+                        let at = add(start, mul(layer, layer_bytes, "field layer offset")?, "field layer")?;
+                        let lead = lead.min(layer_bytes);
+                        push(PlaneFill { plane: p, offset: at, bytes: lead, pattern: 0 });
+                        push(PlaneFill { plane: p, offset: at + lead, bytes: layer_bytes - lead, pattern });
+                    }
+                }
                 cursor = start + bytes;
             }
             push(PlaneFill { plane: p, offset: cursor, bytes: end - cursor, pattern: 0 });

@@ -543,6 +543,9 @@ fn py_tuple(v: &[u64]) -> String {
 /// The checkpoint layout id (§6), one line; two workers must agree byte for byte.
 pub fn layout_id(layout: &PoolLayout) -> Result<String, CheckpointError> {
     let m = &layout.model;
+    if m.family == crate::model::ModelFamily::V41 {
+        return Ok(v41_layout_id(layout));
+    }
     let fields = layout.arena.fields();
     let shape = |name: &'static str| -> Result<String, CheckpointError> {
         fields
@@ -569,6 +572,38 @@ pub fn layout_id(layout: &PoolLayout) -> Result<String, CheckpointError> {
         ratios.join(","),
         nocopy.join(","),
     ))
+}
+
+/// V4.1's layout id: v4pool's own image (arena, then class-grouped windows, owners-only
+/// envelopes), so it names neither the reference engine's image nor V4's; every input that
+/// gives the image bytes their meaning is in it (`docs/v41.md`).
+fn v41_layout_id(layout: &PoolLayout) -> String {
+    let m = &layout.model;
+    let join = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+    let ratios: Vec<String> = m.ratios.iter().map(i32::to_string).collect();
+    let state: Vec<String> = layout
+        .arena
+        .fields()
+        .iter()
+        .map(|f| format!("{}{}x{}", f.name, f.layers, py_tuple(&f.shape)))
+        .collect();
+    format!(
+        "dsv41-v4pool-compact-v1:block={}:ring={}:dims={},{},{}:state={}:main={}:index={}:ratios={}\
+         :kv_sources={}:index_sources={}:history={}:form={:?}",
+        m.block_size,
+        m.ring_slots(),
+        m.head_dim,
+        m.qk_rope_head_dim,
+        m.index_head_dim,
+        state.join(";"),
+        layout.kv.layout_name(),
+        layout.indexer.name(),
+        ratios.join(","),
+        join(&m.kv_sources),
+        join(&m.index_sources),
+        m.engram_history,
+        layout.geometry.form,
+    )
 }
 
 #[cfg(test)]

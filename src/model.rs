@@ -3,7 +3,9 @@
 //! The ratio list is data: nothing here assumes a pattern beyond the presets, and a model
 //! may have no dense class at all (V4-Pro with DSpark drafts made absent).
 
-use crate::geometry::{GeometrySpec, ABSENT_RATIO, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
+use crate::geometry::{
+    resolve_owners, GeometryError, GeometrySpec, RowForm, ABSENT_RATIO, CSA_RATIO, DENSE_RATIO, HCA_RATIO,
+};
 use thiserror::Error;
 
 /// Tokens per block, forced for every V4 model: 2·lcm(4, 128).
@@ -17,6 +19,31 @@ pub enum DraftMode {
     /// Drafts want bf16 KV where the pool is packed: their windows are a state field and
     /// the layers are `ABSENT_RATIO` here.
     Absent,
+}
+
+/// Which DeepSeek generation a model is: it fixes what ratio 1 means and whether layers
+/// share compressors (`docs/v41.md`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ModelFamily {
+    /// DeepSeek-V4 / V4-Pro: ratios 0 (or 1) window-only, 4, 128; every compressed layer
+    /// owns its rows.
+    #[default]
+    V4,
+    /// DeepSeek-V4.1: any positive ratio dividing the block size (1 is a compressed class),
+    /// shared compressors (`kv_source_layer_ids`), Engram history in the cursor.
+    V41,
+}
+
+impl ModelFamily {
+    /// The family a config's `model_type` names (`deepseek_v41`, `deepseek_v41_text`, and
+    /// their variants are V4.1; everything else is read as V4).
+    pub fn from_model_type(model_type: &str) -> ModelFamily {
+        if model_type.starts_with("deepseek_v41") {
+            ModelFamily::V41
+        } else {
+            ModelFamily::V4
+        }
+    }
 }
 
 /// Everything the pool reads from a DeepSeek-V4 model.
@@ -46,6 +73,18 @@ pub struct ModelShape {
     pub index_topk: i64,
     /// Tokens per block.
     pub block_size: i64,
+    /// The generation (fixes ratio 1's meaning and the state fields).
+    pub family: ModelFamily,
+    /// KV source layers (`kv_source_layer_ids`): the layers with a compressor, compressed
+    /// rows and index keys; every other compressed layer reads the nearest one before it.
+    /// Empty: every compressed layer owns its rows (V4).
+    pub kv_sources: Vec<usize>,
+    /// Index source layers (`index_source_layer_ids`): the layers that run the indexer's
+    /// top-k (a superset of `kv_sources`). Empty in V4.
+    pub index_sources: Vec<usize>,
+    /// Compressed ids of Engram history a request's cursor keeps (`engram_max_ngram_size −
+    /// 1`; 0 without Engram).
+    pub engram_history: i64,
 }
 
 /// What a model description can be rejected for.
@@ -82,8 +121,8 @@ pub enum ModelError {
         /// The value given.
         got: i64,
     },
-    #[error("unknown model preset {name:?} (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark)")]
-    /// Unknown model preset `name` (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark).
+    #[error("unknown model preset {name:?} (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark, v4.1-flash, v4.1-flash-dspark)")]
+    /// Unknown model preset `name` (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark, v4.1-flash, v4.1-flash-dspark).
     UnknownPreset {
         /// The name.
         name: String,
@@ -176,6 +215,24 @@ pub enum ModelError {
         /// What it is instead.
         kind: &'static str,
     },
+    /// A V4.1 draft layer's `compress_ratios` entry is not 0 (drafts are window-only).
+    #[error("compress_ratios[{layer}] = {got}: draft layers are window-only (0)")]
+    DraftNotWindowOnly {
+        /// The draft layer.
+        layer: usize,
+        /// The ratio given.
+        got: i64,
+    },
+    /// A source layer list the geometry refuses (unsorted, not a compressed layer, a layer
+    /// with no source before it or with one of another class), or KV sources that are not
+    /// index sources.
+    #[error("{key}: {reason}")]
+    Sources {
+        /// The config key.
+        key: &'static str,
+        /// Why.
+        reason: String,
+    },
     /// A config file larger than [`MAX_CONFIG_BYTES`].
     #[error("{path} is larger than {limit} bytes; a config.json is a few kilobytes")]
     TooLarge {
@@ -208,6 +265,8 @@ impl ModelError {
             Io { .. } => "Io",
             NotAFile { .. } => "NotAFile",
             TooLarge { .. } => "TooLarge",
+            DraftNotWindowOnly { .. } => "DraftNotWindowOnly",
+            Sources { .. } => "Sources",
         }
     }
 }
@@ -266,14 +325,16 @@ pub const COMPRESSED_SPARSE_ATTENTION: &str = "compressed_sparse_attention";
 /// An HCA layer in `layer_types` (compress rate 128).
 pub const HEAVILY_COMPRESSED_ATTENTION: &str = "heavily_compressed_attention";
 
-/// A config's compress ratio as the pool's ratio: 0 and 1 (how some engines write a
-/// sliding-only layer) are dense, 4 CSA, 128 HCA.
-fn pool_ratio(got: i64) -> Option<i32> {
-    match got {
-        0 | 1 => Some(DENSE_RATIO),
-        4 => Some(CSA_RATIO),
-        128 => Some(HCA_RATIO),
-        _ => None,
+/// A config's compress ratio as the pool's ratio. V4: 0 and 1 (how some engines write a
+/// sliding-only layer) are dense, 4 CSA, 128 HCA, nothing else. V4.1: 0 dense, any positive
+/// ratio kept as it is (the geometry checks it divides the block size).
+fn pool_ratio(got: i64, family: ModelFamily) -> Option<i32> {
+    match (family, got) {
+        (ModelFamily::V4, 0 | 1) => Some(DENSE_RATIO),
+        (ModelFamily::V4, 4) => Some(CSA_RATIO),
+        (ModelFamily::V4, 128) => Some(HCA_RATIO),
+        (ModelFamily::V4, _) => None,
+        (ModelFamily::V41, r) => i32::try_from(r).ok().filter(|&r| r >= 0),
     }
 }
 
@@ -354,7 +415,7 @@ const LAYER_TYPES: &str = "layer_types";
 const COMPRESS_RATES: &str = "compress_rates";
 
 /// The `compress_ratios` list as pool ratios.
-fn ratio_list(v: &serde_json::Value) -> Result<Vec<i32>, ModelError> {
+fn ratio_list(v: &serde_json::Value, family: ModelFamily) -> Result<Vec<i32>, ModelError> {
     let serde_json::Value::Array(list) = v else {
         return Err(ModelError::WrongType { key: RATIOS, expected: "a list", got: json_kind(v) });
     };
@@ -372,7 +433,7 @@ fn ratio_list(v: &serde_json::Value) -> Result<Vec<i32>, ModelError> {
                 }
             };
             // -1 is the pool's own rewrite (DraftMode::Absent), never a config value.
-            pool_ratio(got).ok_or(ModelError::UnknownRatio { layer, got })
+            pool_ratio(got, family).ok_or(ModelError::UnknownRatio { layer, got })
         })
         .collect()
 }
@@ -403,7 +464,7 @@ fn layer_type_ratios(
     let kind_ratio = |kind: &str, default: i64, ratio: i32| -> Result<i32, ModelError> {
         let Some(v) = rates.and_then(|m| m.get(kind)).filter(|v| !v.is_null()) else { return Ok(ratio) };
         let got = int_in(v, COMPRESS_RATES, 0, i64::MAX)?;
-        if pool_ratio(got) != Some(ratio) {
+        if pool_ratio(got, ModelFamily::V4) != Some(ratio) {
             return Err(ModelError::BadValue {
                 key: COMPRESS_RATES,
                 reason: format!("{kind} has rate {got}; V4 defines {default}"),
@@ -498,16 +559,113 @@ fn file_kind(meta: &std::fs::Metadata) -> &'static str {
     }
 }
 
+const TEXT_CONFIG: &str = "text_config";
+const MODEL_TYPE: &str = "model_type";
+const KV_SOURCES: &str = "kv_source_layer_ids";
+const INDEX_SOURCES: &str = "index_source_layer_ids";
+const ENGRAM: &str = "engram_max_ngram_size";
+
+type Obj = serde_json::Map<String, serde_json::Value>;
+
+/// The family `model_type` names: the text config's, else the top level's; absent is V4.
+fn model_family(
+    obj: &Obj,
+    top: &Obj,
+    read: &std::cell::RefCell<Vec<&'static str>>,
+) -> Result<ModelFamily, ModelError> {
+    let mut family = ModelFamily::V4;
+    for o in [top, obj] {
+        match o.get(MODEL_TYPE).filter(|v| !v.is_null()) {
+            None => {}
+            Some(serde_json::Value::String(t)) => {
+                if !read.borrow().contains(&MODEL_TYPE) {
+                    read.borrow_mut().push(MODEL_TYPE);
+                }
+                // Either level naming V4.1 makes it V4.1 (the top says `deepseek_v41`, the
+                // text config `deepseek_v41_text`).
+                if ModelFamily::from_model_type(t) == ModelFamily::V41 {
+                    family = ModelFamily::V41;
+                }
+            }
+            Some(other) => {
+                return Err(ModelError::WrongType {
+                    key: MODEL_TYPE,
+                    expected: "a string",
+                    got: json_kind(other),
+                })
+            }
+        }
+    }
+    Ok(family)
+}
+
+/// What a V4.1 config adds.
+#[derive(Default)]
+struct V41Keys {
+    kv_sources: Vec<usize>,
+    index_sources: Vec<usize>,
+    engram_history: i64,
+}
+
+/// A list of layer ids (non-negative integers; the geometry checks order and range).
+fn layer_list(v: &serde_json::Value, key: &'static str) -> Result<Vec<usize>, ModelError> {
+    let serde_json::Value::Array(list) = v else {
+        return Err(ModelError::WrongType { key, expected: "a list", got: json_kind(v) });
+    };
+    list.iter().map(|x| int_in(x, key, 0, MAX_LAYERS).map(|i| i as usize)).collect()
+}
+
+/// V4.1's own keys, checked against the ratio list: draft entries window-only; both source
+/// lists sorted, unique, compressed backbone layers, KV sources among the index sources, and
+/// every compressed layer with a source of its class before it; the Engram history.
+fn read_v41_keys<'a>(
+    ratios: &[i32],
+    backbone: usize,
+    get: &dyn Fn(&'static str) -> Option<&'a serde_json::Value>,
+) -> Result<V41Keys, ModelError> {
+    if let Some((layer, &r)) = ratios.iter().enumerate().skip(backbone).find(|(_, &r)| r != DENSE_RATIO) {
+        return Err(ModelError::DraftNotWindowOnly { layer, got: i64::from(r) });
+    }
+    let sources = |key: &'static str| -> Result<Vec<usize>, ModelError> {
+        let list = get(key).map(|v| layer_list(v, key)).transpose()?.unwrap_or_default();
+        if let Some(&l) = list.iter().find(|&&l| l >= backbone) {
+            return Err(ModelError::Sources {
+                key,
+                reason: format!("layer {l} is not a backbone layer (< {backbone})"),
+            });
+        }
+        resolve_owners(ratios, &list)
+            .map_err(|e: GeometryError| ModelError::Sources { key, reason: e.to_string() })?;
+        Ok(list)
+    };
+    let kv_sources = sources(KV_SOURCES)?;
+    let index_sources = sources(INDEX_SOURCES)?;
+    if !index_sources.is_empty() {
+        if let Some(&l) = kv_sources.iter().find(|l| !index_sources.contains(l)) {
+            return Err(ModelError::Sources {
+                key: KV_SOURCES,
+                reason: format!("layer {l} is not an index source"),
+            });
+        }
+    }
+    let engram_history = get(ENGRAM).map_or(Ok(1), |v| int_in(v, ENGRAM, 1, MAX_DIM))? - 1;
+    Ok(V41Keys { kv_sources, index_sources, engram_history })
+}
+
 impl ModelShape {
-    fn preset(name: &str, trunk: Vec<i32>, spec_steps: i64, topk: i64) -> Result<Self, ModelError> {
+    /// A published shape: window 128, head 512 (RoPE 64), indexer 128, block 256.
+    fn published(
+        name: &str,
+        ratios: Vec<i32>,
+        trunk: usize,
+        spec_steps: i64,
+        topk: i64,
+    ) -> Result<Self, ModelError> {
         check_spec_steps(spec_steps)?;
-        let num_hidden_layers = trunk.len();
-        let mut ratios = trunk;
-        ratios.push(DENSE_RATIO); // the MTP layer, sized whether or not speculation is on
         Ok(ModelShape {
             name: name.to_string(),
-            num_hidden_layers,
-            num_mtp_layers: 1,
+            num_hidden_layers: trunk,
+            num_mtp_layers: ratios.len() - trunk,
             ratios,
             draft_layers: Vec::new(),
             sliding_window: 128,
@@ -517,7 +675,43 @@ impl ModelShape {
             index_head_dim: 128,
             index_topk: topk,
             block_size: V4_BLOCK_SIZE,
+            family: ModelFamily::V4,
+            kv_sources: Vec::new(),
+            index_sources: Vec::new(),
+            engram_history: 0,
         })
+    }
+
+    fn preset(name: &str, trunk: Vec<i32>, spec_steps: i64, topk: i64) -> Result<Self, ModelError> {
+        let num_hidden_layers = trunk.len();
+        let mut ratios = trunk;
+        ratios.push(DENSE_RATIO); // the MTP layer, sized whether or not speculation is on
+        Self::published(name, ratios, num_hidden_layers, spec_steps, topk)
+    }
+
+    /// DeepSeek-V4.1-Flash without its draft layers: `[0,0] + [2]*18 + [1]*20`, KV sources
+    /// 2, 8, 14, 20, index sources those and 24, 28, 32, 36, Engram history 3.
+    pub fn v41_flash(spec_steps: i64) -> Result<Self, ModelError> {
+        let mut ratios = vec![DENSE_RATIO; 2];
+        ratios.extend([2; 18]);
+        ratios.extend([1; 20]);
+        Ok(ModelShape {
+            family: ModelFamily::V41,
+            kv_sources: vec![2, 8, 14, 20],
+            index_sources: vec![2, 8, 14, 20, 24, 28, 32, 36],
+            engram_history: 3,
+            ..Self::published("v4.1-flash", ratios, 40, spec_steps, 512)?
+        })
+    }
+
+    /// V4.1-Flash with its three DSpark draft layers (40–42), window-only, each with its
+    /// own window ring in the entry.
+    pub fn v41_flash_dspark(spec_steps: i64) -> Result<Self, ModelError> {
+        let mut m = Self::v41_flash(spec_steps)?;
+        m.ratios.extend([DENSE_RATIO; 3]);
+        m.draft_layers = vec![40, 41, 42];
+        m.name.push_str("-dspark");
+        Ok(m)
     }
 
     /// V4-Flash: `[0,0] + [4,128]*20 + [4] + [0]` (43 trunk layers + 1 MTP).
@@ -563,6 +757,8 @@ impl ModelShape {
             "v4-pro-dspark" => Self::v4_pro_dspark(spec_steps, DraftMode::Absent),
             "v4-flash-dspark-dense" => Self::v4_flash_dspark(spec_steps, DraftMode::Dense),
             "v4-pro-dspark-dense" => Self::v4_pro_dspark(spec_steps, DraftMode::Dense),
+            "v4.1-flash" => Self::v41_flash(spec_steps),
+            "v4.1-flash-dspark" => Self::v41_flash_dspark(spec_steps),
             _ => Err(ModelError::UnknownPreset { name: name.to_string() }),
         }
     }
@@ -631,11 +827,27 @@ impl ModelShape {
         // here as an error rather than a stack overflow.
         let root: serde_json::Value =
             serde_json::from_str(text).map_err(|e| ModelError::Json(e.to_string()))?;
-        let obj = match &root {
+        let top = match &root {
             serde_json::Value::Object(o) => o,
             other => return Err(ModelError::NotAnObject { got: json_kind(other) }),
         };
         let read = std::cell::RefCell::new(Vec::new());
+        // V4.1 keeps every text key under `text_config`; read from there when present.
+        let obj = match top.get(TEXT_CONFIG).filter(|v| !v.is_null()) {
+            Some(serde_json::Value::Object(t)) => {
+                read.borrow_mut().push(TEXT_CONFIG);
+                t
+            }
+            Some(other) => {
+                return Err(ModelError::WrongType {
+                    key: TEXT_CONFIG,
+                    expected: "an object",
+                    got: json_kind(other),
+                })
+            }
+            None => top,
+        };
+        let family = model_family(obj, top, &read)?;
         let get = |key: &'static str| {
             let v = obj.get(key).filter(|v| !v.is_null());
             if v.is_some() {
@@ -660,8 +872,9 @@ impl ModelShape {
 
         let with_mtp = num_hidden_layers + nextn;
         let with_drafts = drafts.map(|d| num_hidden_layers + d.stages);
-        let listed = get(RATIOS).map(ratio_list).transpose()?;
+        let listed = get(RATIOS).map(|v| ratio_list(v, family)).transpose()?;
         let typed = get(LAYER_TYPES)
+            .filter(|_| family == ModelFamily::V4)
             .map(|types| layer_type_ratios(types, get(COMPRESS_RATES), num_hidden_layers, with_mtp))
             .transpose()?;
         let (ratios, ratio_form) = match (listed, typed) {
@@ -682,6 +895,10 @@ impl ModelShape {
         if ratios.len() != with_mtp && Some(ratios.len()) != with_drafts {
             return Err(ModelError::RatioCount { got: ratios.len(), expected: with_mtp });
         }
+        let v41 = match family {
+            ModelFamily::V4 => V41Keys::default(),
+            ModelFamily::V41 => read_v41_keys(&ratios, num_hidden_layers, &get)?,
+        };
 
         let mut shape = ModelShape {
             name: "config".to_string(),
@@ -696,17 +913,42 @@ impl ModelShape {
             index_head_dim,
             index_topk,
             block_size: V4_BLOCK_SIZE,
+            family,
+            kv_sources: v41.kv_sources,
+            index_sources: v41.index_sources,
+            engram_history: v41.engram_history,
         };
+        if family == ModelFamily::V41 {
+            // The layers past the backbone are V4.1's DSpark drafts, windowed in the entry.
+            shape.draft_layers = (num_hidden_layers..shape.ratios.len()).collect();
+        }
         if let Some(d) = drafts {
             shape = shape.with_drafts(d.stages, d.mode);
         }
         Ok(ModelConfig { shape, keys_read: read.into_inner(), ratio_form })
     }
 
-    /// The geometry arguments the model fixes (ratio list, ring, block size) at a split;
-    /// the caller adds plane capacity, arena rows and alignment.
+    /// The geometry arguments the model fixes (ratio list, ring, block size, and for shared
+    /// compressors the source layers in the compact form) at a split; the caller adds plane
+    /// capacity, arena rows and alignment.
     pub fn geometry_spec(&self, num_blocks: i64, num_slots: i64) -> GeometrySpec {
-        GeometrySpec::new(self.ratios.clone(), num_blocks, num_slots, self.ring_slots(), self.block_size)
+        let spec =
+            GeometrySpec::new(self.ratios.clone(), num_blocks, num_slots, self.ring_slots(), self.block_size);
+        if self.kv_sources.is_empty() {
+            spec
+        } else {
+            spec.kv_sources(self.kv_sources.clone()).form(RowForm::Compact)
+        }
+    }
+
+    /// The layers that own index keys, in order (the indexer cache's layer order): the CSA
+    /// layers in V4, the KV sources in V4.1 (its index keys derive from the owner's
+    /// compressed latent, so only owners have them).
+    pub fn indexer_layers(&self) -> Vec<usize> {
+        match self.family {
+            ModelFamily::V4 => self.csa_layers(),
+            ModelFamily::V41 => self.kv_sources.clone(),
+        }
     }
 
     /// `ring_slots = W + k`: the window plus the draft lookahead.

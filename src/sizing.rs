@@ -42,7 +42,7 @@
 
 use crate::arena::{plan_regions, ArenaError, ArenaLayout};
 use crate::checked::{add, mul};
-use crate::geometry::{GeometryError, GeometrySpec, UnifiedPoolGeometry, MAX_PLANE_ROWS};
+use crate::geometry::{GeometryError, UnifiedPoolGeometry, MAX_PLANE_ROWS};
 use crate::model::ModelShape;
 use thiserror::Error;
 
@@ -105,6 +105,14 @@ impl IndexerDtype {
             IndexerDtype::Fp4 => &[INDEXER_FP4_DATA_BYTES, INDEXER_FP4_SCALE_BYTES],
         }
     }
+    /// Bytes one index-key row takes in each pool, in pool order (FP8: 128 fp8 + an fp32
+    /// scale; FP4: 64 B of e2m1 data, then a 4-B e8m0 scale row): a V4 CSA block is 64 rows.
+    pub fn pool_row_bytes(self) -> &'static [u64] {
+        match self {
+            IndexerDtype::Fp8 => &[INDEXER_FP8_BLOCK_BYTES / 64],
+            IndexerDtype::Fp4 => &[INDEXER_FP4_DATA_BYTES / 64, INDEXER_FP4_SCALE_BYTES / 64],
+        }
+    }
     /// Bytes one block of one CSA layer takes across the pools (8,448 or 4,352).
     pub fn layer_block_bytes(self) -> u64 {
         self.pool_block_bytes().iter().sum()
@@ -163,6 +171,14 @@ pub enum SizingError {
         /// Persistent buffers charged to the budget.
         overhead: u64,
     },
+    #[error("V4.1 rows are bf16 only here: the V4 fp8 record is not a V4.1 format (got {kv} for a {family:?} model)")]
+    /// A V4.1 model asked for a KV dtype other than bf16 (its packed rows are not built).
+    KvDtypeUnsupported {
+        /// The model family.
+        family: crate::model::ModelFamily,
+        /// The dtype asked for.
+        kv: &'static str,
+    },
     #[error("arithmetic overflow computing {what}")]
     /// Arithmetic overflow computing `what`.
     Overflow {
@@ -214,6 +230,7 @@ impl SizingError {
             NoSlots { .. } => "NoSlots",
             MinSlots { .. } => "MinSlots",
             NoCompressedLayers => "NoCompressedLayers",
+            KvDtypeUnsupported { .. } => "KvDtypeUnsupported",
             BudgetTooSmall { .. } => "BudgetTooSmall",
             Overflow { .. } => "Overflow",
             CarveMismatch { .. } => "CarveMismatch",
@@ -250,8 +267,12 @@ pub struct PoolLayout {
 impl PoolLayout {
     /// The layout of `model` at `kv` / `indexer`, priced at capacity (0, 0).
     pub fn new(model: &ModelShape, kv: KvDtype, indexer: IndexerDtype) -> Result<Self, SizingError> {
+        if model.family == crate::model::ModelFamily::V41 && kv != KvDtype::Bf16 {
+            return Err(SizingError::KvDtypeUnsupported { family: model.family, kv: kv.name() });
+        }
         let arena = ArenaLayout::for_model(model, kv.plane_widths())?;
-        let geometry = GeometrySpec::new(model.ratios.clone(), 0, 0, model.ring_slots(), model.block_size)
+        let geometry = model
+            .geometry_spec(0, 0)
             .arena_rows(arena.arena_rows())
             .slot_align_rows(arena.slot_align_rows())
             .build()?;
@@ -266,9 +287,20 @@ impl PoolLayout {
     pub fn n_csa(&self) -> u64 {
         self.model.n_csa() as u64
     }
-    /// Indexer bytes of one block, all CSA layers, all pools.
+    /// Index-key rows of one block over every layer that owns index keys
+    /// ([`ModelShape::indexer_layers`]): `block_size / ratio` each (64 per V4 CSA layer; 640
+    /// for V4.1-Flash at block 256).
+    pub fn indexer_block_rows(&self) -> Result<u64, SizingError> {
+        let g = &self.geometry;
+        self.model.indexer_layers().into_iter().try_fold(0u64, |acc, l| {
+            let rows = g.layer_class(l)?.block_rows;
+            Ok(add(acc, to_u64(rows, "indexer rows")?, "indexer rows")?)
+        })
+    }
+    /// Indexer bytes of one block, every indexer layer, all pools.
     pub fn indexer_block_bytes(&self) -> Result<u64, SizingError> {
-        Ok(mul(self.n_csa(), self.indexer.layer_block_bytes(), "indexer block bytes")?)
+        let row: u64 = self.indexer.pool_row_bytes().iter().sum();
+        Ok(mul(self.indexer_block_rows()?, row, "indexer block bytes")?)
     }
     /// Bytes of one block: `Σ_planes envelope_rows × width + indexer_block_bytes`.
     pub fn page_bytes(&self) -> Result<u64, SizingError> {
@@ -282,16 +314,12 @@ impl PoolLayout {
     }
     /// Bytes of each indexer pool sized for `blocks` blocks, in pool order.
     pub fn indexer_pool_bytes(&self, blocks: i64) -> Result<Vec<u64>, SizingError> {
-        let per_layer = mul(self.n_csa(), to_u64(blocks, "indexer blocks")?, "indexer pool bytes")?;
-        self.indexer
-            .pool_block_bytes()
-            .iter()
-            .map(|&b| Ok(mul(per_layer, b, "indexer pool bytes")?))
-            .collect()
+        let rows = mul(self.indexer_block_rows()?, to_u64(blocks, "indexer blocks")?, "indexer pool bytes")?;
+        self.indexer.pool_row_bytes().iter().map(|&b| Ok(mul(rows, b, "indexer pool bytes")?)).collect()
     }
-    /// Bytes of each plane at `plane_rows` rows, in plane order.
+    /// Bytes of each plane at `plane_rows` rows, in plane order, its view lead included.
     pub fn plane_bytes(&self, plane_rows: i64) -> Result<Vec<u64>, SizingError> {
-        let rows = to_u64(plane_rows, "plane rows")?;
+        let rows = to_u64(add(plane_rows, self.geometry.view_lead_rows, "plane rows")?, "plane rows")?;
         self.widths().iter().map(|&w| Ok(mul(rows, w, "plane bytes")?)).collect()
     }
     /// The same layout carved at a split and a fixed plane.

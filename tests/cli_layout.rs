@@ -228,7 +228,11 @@ fn config_json_path_is_read() {
 fn errors_exit_2_with_variant_names() {
     let base = ["layout", "--blocks", "3", "--slots", "2", "--ring", "7"];
     let cases: Vec<(Vec<&str>, &str)> = vec![
-        (vec!["layout", "--ratios", "4,7", "--blocks", "1", "--slots", "1", "--ring", "7"], "UnknownRatios"),
+        (vec!["layout", "--ratios", "4,-2", "--blocks", "1", "--slots", "1", "--ring", "7"], "UnknownRatios"),
+        (
+            vec!["layout", "--ratios", "4,7", "--blocks", "1", "--slots", "1", "--ring", "7"],
+            "BlockSizeNotDivisible",
+        ),
         (vec!["layout", "--ratios", "", "--blocks", "1", "--slots", "1", "--ring", "7"], "BadValue"),
         (vec!["layout", "--ratios", "4,x", "--blocks", "1", "--slots", "1", "--ring", "7"], "BadValue"),
         (vec!["layout", "--ratios", "4", "--blocks", "1", "--slots", "1", "--ring", "0"], "RingSlots"),

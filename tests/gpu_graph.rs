@@ -82,7 +82,8 @@ fn step_launches(params: [WindowParams; 3], envelope_rows: i64, p: &[u64]) -> Ve
         num_tokens: T_CAP as i32,
         block_capacity: 64,
         window_size: WIN,
-        _pad: 0,
+        compress_ratio: 4,
+        compress_bias: 0,
     };
     vec![Launch::Decode(d), Launch::CsaPack(csa)]
 }

@@ -342,7 +342,8 @@ fn csa_translate_pack_decode_mode_matches_host() {
                     num_tokens: t as i32,
                     block_capacity: 64,
                     window_size: WIN,
-                    _pad: 0,
+                    compress_ratio: 4,
+                    compress_bias: 0,
                 })]
             };
             check_case(cuda, &case, &make);
@@ -392,7 +393,8 @@ fn csa_translate_pack_prefill_mode_matches_host() {
                     num_tokens: t as i32,
                     block_capacity: 64,
                     window_size: 0,
-                    _pad: 0,
+                    compress_ratio: 4,
+                    compress_bias: 0,
                 })]
             };
             check_case(cuda, &case, &make);

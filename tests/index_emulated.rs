@@ -528,8 +528,13 @@ fn csa_pack_kernel_matches_reference() {
         // A few entries before the first slice: slices start at every alignment mod 4.
         let lead = rng.range(0, 3) as i32;
         let indptr: Vec<i32> = cumsum(&lens).iter().map(|&x| x + lead).collect();
-        // Rows per block: DeepSeek-V4's 64 (a power of two: shift and mask), others divide.
-        let cap = [64i64, 64, 64, 1, 3, 48, 128][rng.range(0, 6) as usize];
+        // Rows per block: DeepSeek-V4's 64 (a power of two: shift and mask), others divide;
+        // V4.1's 128 and 256 (block 256 at ratios 2 and 1) and 8, 16 (block 16).
+        let cap = [64i64, 64, 64, 1, 3, 48, 128, 256, 8, 16][rng.range(0, 9) as usize];
+        // The class ratio (V4's 4, V4.1's 1 and 2, and others) and the layer's compress bias
+        // (0 for V4 and owners; V4.1 readers up to a few thousand rows).
+        let ratio = [4i64, 4, 1, 2, 3, 128][rng.range(0, 5) as usize];
+        let bias = if rng.chance(50) { 0 } else { rng.range(1, 5000) };
         // Values past the table exercise the clamp; now and then negative ones (C division
         // truncates: column 0, a negative row) and the i32 extremes.
         let topk: Vec<i32> = (0..t as i64 * row_stride)
@@ -558,7 +563,8 @@ fn csa_pack_kernel_matches_reference() {
                 num_tokens: t as i32,
                 block_capacity: cap as i32,
                 window_size: window as i32,
-                _pad: 0,
+                compress_ratio: ratio as i32,
+                compress_bias: bias,
             })
         });
     }

@@ -80,7 +80,8 @@ fn rust_checks() -> Checks {
         }
         CsaPackArgs {
             topk, block_tables, positions, indptr, batch_id_per_token, skip_prefix_len_per_token, out,
-            envelope_rows, topk_row_stride, block_table_stride, num_tokens, block_capacity, window_size, _pad,
+            envelope_rows, topk_row_stride, block_table_stride, num_tokens, block_capacity, window_size,
+            compress_ratio, compress_bias,
         }
         PlaneWrite { kv, pool, row_bytes }
         RingWriteArgs {

@@ -1,13 +1,17 @@
 //! The three KV classes of a V4 pool as a type, so a class index or a ratio that names no
 //! class cannot be expressed where a class is meant.
 
-use super::{GeometryError, UnifiedPoolGeometry, WindowParams, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
+use super::{
+    index_slots, GeometryError, UnifiedPoolGeometry, WindowParams, CSA_RATIO, DENSE_RATIO, HCA_RATIO,
+};
 use std::fmt;
 
-/// A KV class: which compress ratio a layer's KV is kept at.
+/// A KV class's slot in the index buffers: dense, fine ("CSA"), coarse ("HCA").
 ///
-/// The discriminant is the class's slot in the decode builder's `classes` array (the
-/// kernels' `V4POOL_CLASS_*`), so `class as usize` indexes it.
+/// The discriminant is the slot in the decode builder's `classes` array (the kernels'
+/// `V4POOL_CLASS_*`), so `class as usize` indexes it. Which compress ratio fills a slot is
+/// the geometry's data ([`UnifiedPoolGeometry::class_ratio`]): V4's 4 and 128
+/// ([`Class::ratio`]), V4.1's 1 and 2.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Class {
     /// Sliding-window-only layers (compress ratio 0): a window, no compressed rows.
@@ -18,11 +22,17 @@ pub enum Class {
     Hca = 2,
 }
 
+/// Index-buffer slots: dense and the two compressed slots (the builders' `classes` arrays,
+/// the kernels' `V4POOL_CLASS_*`). The row space itself holds any number of classes; a
+/// geometry with more than two compressed ones gets no index buffers (`index_slots`).
+pub const NUM_SLOTS: usize = 3;
+
 impl Class {
     /// Every class, in slot order.
-    pub const ALL: [Class; 3] = [Class::Dense, Class::Csa, Class::Hca];
+    pub const ALL: [Class; NUM_SLOTS] = [Class::Dense, Class::Csa, Class::Hca];
 
-    /// The compress ratio of the class (0, 4, 128).
+    /// V4's compress ratio of the slot (0, 4, 128); a geometry's own is
+    /// [`UnifiedPoolGeometry::class_ratio`].
     pub const fn ratio(self) -> i32 {
         match self {
             Class::Dense => DENSE_RATIO,
@@ -66,14 +76,45 @@ impl TryFrom<i32> for Class {
 }
 
 impl UnifiedPoolGeometry {
-    /// Whether the geometry has layers of `class`.
-    pub fn has_class(&self, class: Class) -> bool {
-        self.class(class.ratio()).is_some()
+    /// The compress ratio in `class`'s index-buffer slot ([`index_slots`]: the smaller
+    /// compressed ratio fine, the larger coarse), `None` when the geometry has no such layers;
+    /// a geometry with more than two compressed classes has no slots (an error).
+    pub fn class_ratio(&self, class: Class) -> Result<Option<i32>, GeometryError> {
+        let (fine, coarse) = index_slots(&self.ratios)?;
+        let r = match class {
+            Class::Dense => DENSE_RATIO,
+            Class::Csa => fine,
+            Class::Hca => coarse,
+        };
+        Ok(self.class(r).map(|_| r))
     }
 
-    /// The window parameters of `class` ([`UnifiedPoolGeometry::window_params`] by class).
+    /// Whether the geometry has layers in `class`'s slot.
+    pub fn has_class(&self, class: Class) -> bool {
+        matches!(self.class_ratio(class), Ok(Some(_)))
+    }
+
+    /// The window parameters of `class` ([`UnifiedPoolGeometry::window_params`] by slot).
     pub fn class_window_params(&self, class: Class) -> Result<WindowParams, GeometryError> {
-        self.window_params(class.ratio())
+        let ratio = self.class_ratio(class)?.ok_or(GeometryError::NoSuchClass { ratio: class.ratio() })?;
+        self.window_params(ratio)
+    }
+
+    /// The slot of `layer_id`'s class.
+    pub fn layer_slot(&self, layer_id: usize) -> Result<Class, GeometryError> {
+        let ratio = self.layer_class(layer_id)?.ratio;
+        Class::ALL
+            .into_iter()
+            .find(|&c| matches!(self.class_ratio(c), Ok(Some(r)) if r == ratio))
+            .ok_or(GeometryError::NoSuchClass { ratio })
+    }
+
+    /// Whether the coarse slot takes every committed compressed row, built class-wide from
+    /// the block tables (V4's head fill). False with shared compressors (V4.1): every
+    /// compressed layer is top-k selected, so both slots are filled per layer by the
+    /// translate-pack.
+    pub fn coarse_head_fill(&self) -> bool {
+        self.kv_sources.is_none()
     }
 }
 

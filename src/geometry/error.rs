@@ -8,8 +8,8 @@ pub enum GeometryError {
     #[error("a V4 pool needs at least one layer")]
     /// A V4 pool needs at least one layer.
     NoLayers,
-    #[error("unknown V4 compress ratios {ratios:?}")]
-    /// Unknown V4 compress ratios `ratios`.
+    #[error("unknown compress ratios {ratios:?} (0, a positive ratio, or -1 for absent)")]
+    /// Unknown compress ratios `ratios` (a negative value other than −1).
     UnknownRatios {
         /// The ratios given.
         ratios: Vec<i32>,
@@ -222,6 +222,49 @@ pub enum GeometryError {
         /// End of the run before it.
         prev_end: i64,
     },
+    #[error("source layer lists must ascend without repeats: {sources:?}")]
+    /// Source layer lists must ascend without repeats.
+    SourcesNotSorted {
+        /// The list given.
+        sources: Vec<usize>,
+    },
+    #[error("source layer {layer} is not a compressed layer of the {num_layers} given")]
+    /// A source layer is out of range, or a window-only or absent layer.
+    BadSource {
+        /// The source layer.
+        layer: usize,
+        /// Layers there are.
+        num_layers: usize,
+    },
+    #[error("compressed layer {layer} has no source layer at or before it")]
+    /// A compressed layer has no source layer at or before it.
+    NoSourceBefore {
+        /// The layer.
+        layer: usize,
+    },
+    #[error("layer {layer} (ratio {ratio}) would read source {owner} of ratio {owner_ratio}: a layer and its owner share one class")]
+    /// A layer's owner is in another class.
+    OwnerClassDiffers {
+        /// The reading layer.
+        layer: usize,
+        /// Its ratio.
+        ratio: i32,
+        /// The source it would read.
+        owner: usize,
+        /// The source's ratio.
+        owner_ratio: i32,
+    },
+    #[error("the compact row form needs source layers (a config without them keeps the envelope form)")]
+    /// The compact form was asked for without source layers.
+    CompactWithoutSources,
+    #[error("{count} compressed classes {ratios:?}: the index buffers hold at most two")]
+    /// More than two compressed classes where index buffers are built.
+    TooManyIndexClasses {
+        /// Distinct positive ratios.
+        count: usize,
+        /// The ratios, envelope order.
+        ratios: Vec<i32>,
+    },
 }
 
 impl GeometryError {
@@ -257,6 +300,12 @@ impl GeometryError {
             GroupOutOfRange { .. } => "GroupOutOfRange",
             RunNegative { .. } => "RunNegative",
             RunOverlap { .. } => "RunOverlap",
+            SourcesNotSorted { .. } => "SourcesNotSorted",
+            BadSource { .. } => "BadSource",
+            NoSourceBefore { .. } => "NoSourceBefore",
+            OwnerClassDiffers { .. } => "OwnerClassDiffers",
+            CompactWithoutSources => "CompactWithoutSources",
+            TooManyIndexClasses { .. } => "TooManyIndexClasses",
         }
     }
 }

@@ -21,10 +21,12 @@
 
 mod class;
 mod error;
+mod owners;
 mod runs;
 
-pub use class::Class;
+pub use class::{Class, NUM_SLOTS};
 pub use error::GeometryError;
+pub use owners::{index_slots, resolve_owners, visible_groups};
 pub use runs::merge_abutting;
 
 use crate::checked::{add, mul, sub};
@@ -43,21 +45,65 @@ pub const HCA_RATIO: i32 = 128;
 /// window is a state field instead). It never reaches `classes`.
 pub const ABSENT_RATIO: i32 = -1;
 
-/// Narrow class first, so a future class can be appended without moving it.
+/// V4's envelope order, what [`envelope_order`] gives for V4's ratios.
 pub const ENVELOPE_ORDER: [i32; 2] = [HCA_RATIO, CSA_RATIO];
-/// Dense leads the entry: the one class with no envelope part.
+/// V4's entry order, what [`entry_order`] gives for V4's ratios.
 pub const ENTRY_ORDER: [i32; 3] = [DENSE_RATIO, HCA_RATIO, CSA_RATIO];
+
+/// The compressed classes of a ratio list in envelope order: distinct positive ratios,
+/// largest first (the class with the fewest rows per block sits lowest). A pure function of
+/// the list, so two runs of one model agree; for V4 it is [`ENVELOPE_ORDER`].
+pub fn envelope_order(ratios: &[i32]) -> Vec<i32> {
+    let mut order: Vec<i32> = ratios.iter().copied().filter(|&r| r > 0).collect();
+    order.sort_unstable_by(|a, b| b.cmp(a));
+    order.dedup();
+    order
+}
+
+/// The classes of a ratio list in entry order: dense first (when present), then the
+/// compressed classes in envelope order; for V4 it is [`ENTRY_ORDER`].
+pub fn entry_order(ratios: &[i32]) -> Vec<i32> {
+    let dense = ratios.contains(&DENSE_RATIO).then_some(DENSE_RATIO);
+    dense.into_iter().chain(envelope_order(ratios)).collect()
+}
+
+/// Which compressed rows an envelope holds and how windows are anchored (`docs/v41.md`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum RowForm {
+    /// The seed's layout: every compressed layer's rows in every envelope, windows anchored
+    /// at the layer's envelope rows. V4's form; with source layers it is the reference
+    /// engine's form (readers' rows reserved, never written).
+    #[default]
+    Envelope,
+    /// Owners only: an envelope holds the source layers' rows alone, every layer's window is
+    /// one contiguous ring, and each compressed layer reaches its owner's rows by a bias.
+    Compact,
+}
 
 /// Largest plane the attention kernels can index: they take int32 row indices.
 pub const MAX_PLANE_ROWS: i64 = i32::MAX as i64;
 
+/// A ratio the row space can hold: absent, dense, or any positive ratio (whether it divides
+/// the block size is checked with the block size).
 fn is_known_ratio(r: i32) -> bool {
-    r == ABSENT_RATIO || ENTRY_ORDER.contains(&r)
+    r == ABSENT_RATIO || r >= 0
 }
 
 /// Ceiling division of non-negative `a` by positive `b`.
 fn ceil_div(a: i64, b: i64) -> i64 {
     a / b + i64::from(a % b != 0)
+}
+
+/// Row a class's `index`-th layer's view anchors at before the lead: its ring's start in
+/// the dense class and the compact form (one ring of `ring_stride` rows per layer), its
+/// compressed rows in the envelope form.
+fn layer_anchor(cls: &ClassLayout, form: RowForm, index: usize) -> Result<i64, GeometryError> {
+    let i = index as i64;
+    Ok(if cls.ratio == DENSE_RATIO || form == RowForm::Compact {
+        mul(i, cls.ring_stride, "base row")?
+    } else {
+        add(cls.envelope_offset, mul(i, cls.block_rows, "base row")?, "base row")?
+    })
 }
 
 /// The layer-independent part of a window row, `f(q)`: the window is cut into
@@ -124,6 +170,10 @@ pub struct ClassLayout {
     pub ratio: i32,
     /// Global layer ids in class order; a layer's position here is its `layer_index`.
     pub layers: Vec<usize>,
+    /// The layers whose compressed rows an envelope holds, ascending: every layer of the
+    /// class in the envelope form, the class's source layers in the compact form, none for
+    /// the dense class.
+    pub owners: Vec<usize>,
     /// Rows one block compresses to in one layer (`block_size / ratio`); also the class's
     /// layer stride in an envelope. 0 for the dense class.
     pub block_rows: i64,
@@ -140,9 +190,11 @@ pub struct ClassLayout {
 }
 
 impl ClassLayout {
+    #[allow(clippy::too_many_arguments)]
     fn build(
         ratio: i32,
         layers: Vec<usize>,
+        owners: Vec<usize>,
         block_rows: i64,
         ring_stride: i64,
         ring_slots: i64,
@@ -157,10 +209,21 @@ impl ClassLayout {
             ring_slots,
             envelope_offset,
             entry_offset,
-            envelope_rows: mul(n, block_rows, "class envelope rows")?,
+            envelope_rows: mul(owners.len() as i64, block_rows, "class envelope rows")?,
             entry_rows: entry_rows_for(n, ring_stride, ring_slots)?,
             layers,
+            owners,
         })
+    }
+
+    /// Row of `owner`'s compressed rows in an envelope.
+    pub fn envelope_position(&self, owner: usize) -> Result<i64, GeometryError> {
+        let i = self
+            .owners
+            .iter()
+            .position(|&l| l == owner)
+            .ok_or(GeometryError::LayerNotInClass { layer: owner, ratio: self.ratio })?;
+        Ok(self.envelope_offset + i as i64 * self.block_rows)
     }
 
     /// Layers of the class.
@@ -238,6 +301,11 @@ pub struct GeometrySpec {
     pub slot_positions: Option<i64>,
     /// Row multiple a slot is rounded up to.
     pub slot_align_rows: i64,
+    /// Source layers (`kv_source_layer_ids`): whose compressed rows the other layers of a
+    /// class read. `None` (V4): every compressed layer owns its rows.
+    pub kv_sources: Option<Vec<usize>>,
+    /// Which rows an envelope holds ([`RowForm::Compact`] needs `kv_sources`).
+    pub form: RowForm,
 }
 
 impl GeometrySpec {
@@ -253,7 +321,19 @@ impl GeometrySpec {
             arena_rows: 0,
             slot_positions: None,
             slot_align_rows: 2,
+            kv_sources: None,
+            form: RowForm::Envelope,
         }
+    }
+    /// Layers read the compressed rows of these source layers (V4.1's shared compressors).
+    pub fn kv_sources(mut self, sources: Vec<usize>) -> Self {
+        self.kv_sources = Some(sources);
+        self
+    }
+    /// Lay the envelope out in `form`.
+    pub fn form(mut self, form: RowForm) -> Self {
+        self.form = form;
+        self
     }
     /// Fix the plane's rows (default: exactly what the counts need).
     pub fn plane_rows(mut self, rows: i64) -> Self {
@@ -314,8 +394,28 @@ pub struct UnifiedPoolGeometry {
     pub slot_positions: i64,
     /// Position numbering's origin (0 in a pool).
     pub slot_origin: i64,
-    /// Present classes keyed by ratio (dense 0, CSA 4, HCA 128).
+    /// Present classes keyed by ratio (dense 0, then any positive ratio).
     pub classes: BTreeMap<i32, ClassLayout>,
+    /// Compressed classes, envelope order ([`envelope_order`] of the ratios).
+    pub envelope_order: Vec<i32>,
+    /// Classes, entry order ([`entry_order`] of the ratios).
+    pub entry_order: Vec<i32>,
+    /// Source layers, when layers share compressors.
+    pub kv_sources: Option<Vec<usize>>,
+    /// Which rows an envelope holds.
+    pub form: RowForm,
+    /// Every layer's owner: the layer whose compressed rows it reads (`None` for dense and
+    /// absent layers).
+    pub owners: Vec<Option<usize>>,
+    /// Every layer's compress bias: what a compressed index adds to `block × envelope_rows +
+    /// row` to reach the owner's row, relative to the layer's view (0 for V4; never negative,
+    /// the view lead absorbing what would be).
+    pub compress_bias: Vec<i64>,
+    /// Rows below plane row 0 that layer views may start in (0 for V4): views are moved
+    /// down by this much so that no compressed index is negative (open point O1, decided in
+    /// `docs/v41.md`). Nothing is ever written there; the pool allocates them in front of
+    /// the plane.
+    pub view_lead_rows: i64,
 }
 
 impl UnifiedPoolGeometry {
@@ -331,6 +431,8 @@ impl UnifiedPoolGeometry {
             arena_rows,
             slot_positions,
             slot_align_rows,
+            kv_sources,
+            form,
         } = spec;
         if ratios.is_empty() {
             return Err(GeometryError::NoLayers);
@@ -366,38 +468,58 @@ impl UnifiedPoolGeometry {
         let layers_of = |ratio: i32| -> Vec<usize> {
             ratios.iter().enumerate().filter(|&(_, &r)| r == ratio).map(|(i, _)| i).collect()
         };
-        for ratio in ENVELOPE_ORDER {
-            if !layers_of(ratio).is_empty() && block_size % i64::from(ratio) != 0 {
+        let envelope_order = envelope_order(&ratios);
+        let entry_order = entry_order(&ratios);
+        for &ratio in &envelope_order {
+            if block_size % i64::from(ratio) != 0 {
                 return Err(GeometryError::BlockSizeNotDivisible { block_size, ratio });
             }
         }
-        let stride_of =
-            |ratio: i32| if ratio == DENSE_RATIO { ring_slots } else { block_size / i64::from(ratio) };
+        let owners = match &kv_sources {
+            Some(sources) => resolve_owners(&ratios, sources)?,
+            None => ratios.iter().enumerate().map(|(l, &r)| (r > 0).then_some(l)).collect(),
+        };
+        if form == RowForm::Compact && kv_sources.is_none() {
+            return Err(GeometryError::CompactWithoutSources);
+        }
+        let block_rows_of = |ratio: i32| if ratio == DENSE_RATIO { 0 } else { block_size / i64::from(ratio) };
+        // The envelope form interleaves a compressed class's windows at its block-row
+        // stride (the seed's construction); the compact form and the dense class keep each
+        // layer's ring contiguous.
+        let stride_of = |ratio: i32| {
+            if ratio == DENSE_RATIO || form == RowForm::Compact {
+                ring_slots
+            } else {
+                block_size / i64::from(ratio)
+            }
+        };
+        // The layers whose rows an envelope holds.
+        let owners_of = |ratio: i32| -> Vec<usize> {
+            match form {
+                _ if ratio <= 0 => Vec::new(),
+                RowForm::Envelope => layers_of(ratio),
+                RowForm::Compact => layers_of(ratio).into_iter().filter(|&l| owners[l] == Some(l)).collect(),
+            }
+        };
 
         // Both orders are walked before any layout is built, so each class learns its
         // offset in the envelope and in the entry at once.
         let mut envelope_offsets = BTreeMap::new();
         let mut cursor = 0i64;
-        for ratio in ENVELOPE_ORDER {
-            let n = layers_of(ratio).len() as i64;
-            if n > 0 {
-                envelope_offsets.insert(ratio, cursor);
-                cursor =
-                    add(cursor, mul(n, block_size / i64::from(ratio), "envelope rows")?, "envelope rows")?;
-            }
+        for &ratio in &envelope_order {
+            envelope_offsets.insert(ratio, cursor);
+            let n = owners_of(ratio).len() as i64;
+            cursor = add(cursor, mul(n, block_rows_of(ratio), "envelope rows")?, "envelope rows")?;
         }
         let envelope_rows = cursor;
         let mut classes = BTreeMap::new();
         cursor = 0;
-        for ratio in ENTRY_ORDER {
-            let layers = layers_of(ratio);
-            if layers.is_empty() {
-                continue;
-            }
+        for &ratio in &entry_order {
             let class = ClassLayout::build(
                 ratio,
-                layers,
-                if ratio == DENSE_RATIO { 0 } else { block_size / i64::from(ratio) },
+                layers_of(ratio),
+                owners_of(ratio),
+                block_rows_of(ratio),
                 stride_of(ratio),
                 ring_slots,
                 envelope_offsets.get(&ratio).copied().unwrap_or(0),
@@ -407,6 +529,32 @@ impl UnifiedPoolGeometry {
             classes.insert(ratio, class);
         }
         let entry_rows = cursor;
+
+        // Where each layer's view would anchor with no lead (the spec's base row), and the
+        // bias from there to the owner's rows; the most negative bias becomes the lead.
+        let mut anchors = vec![0i64; ratios.len()];
+        let mut spec_bias = vec![0i64; ratios.len()];
+        for cls in classes.values() {
+            for (i, &l) in cls.layers.iter().enumerate() {
+                anchors[l] = layer_anchor(cls, form, i)?;
+                if let Some(owner) = owners[l] {
+                    spec_bias[l] = sub(cls.envelope_position(owner)?, anchors[l], "compress bias")?;
+                }
+            }
+        }
+        let view_lead_rows = spec_bias
+            .iter()
+            .copied()
+            .min()
+            .unwrap_or(0)
+            .min(0)
+            .checked_neg()
+            .ok_or(GeometryError::Overflow { what: "view lead rows" })?;
+        let compress_bias: Vec<i64> = ratios
+            .iter()
+            .zip(&spec_bias)
+            .map(|(&r, &b)| if r > 0 { b + view_lead_rows } else { 0 })
+            .collect();
 
         // A slot's start is the one address the compressor state's alignment rests on, so
         // the slot (not the window) is rounded up.
@@ -436,8 +584,9 @@ impl UnifiedPoolGeometry {
                 slot_rows,
             });
         }
-        if plane_rows > MAX_PLANE_ROWS {
-            return Err(GeometryError::PlaneExceedsI32 { plane_rows });
+        // A view reaches from its base (possibly in the lead) to the plane's end.
+        if add(plane_rows, view_lead_rows, "plane rows")? > MAX_PLANE_ROWS {
+            return Err(GeometryError::PlaneExceedsI32 { plane_rows: plane_rows + view_lead_rows });
         }
         let slot_positions_v = slot_positions.unwrap_or(held);
         // Positions this plane does not reach, because it took its numbering from one with
@@ -469,6 +618,13 @@ impl UnifiedPoolGeometry {
             slot_positions: slot_positions_v,
             slot_origin,
             classes,
+            envelope_order,
+            entry_order,
+            kv_sources,
+            form,
+            owners,
+            compress_bias,
+            view_lead_rows,
         })
     }
 
@@ -490,6 +646,8 @@ impl UnifiedPoolGeometry {
             arena_rows: self.arena_rows,
             slot_positions: None,
             slot_align_rows: self.slot_align_rows,
+            kv_sources: self.kv_sources.clone(),
+            form: self.form,
         })
     }
 
@@ -505,6 +663,8 @@ impl UnifiedPoolGeometry {
             arena_rows: self.arena_rows,
             slot_positions: Some(self.slot_positions),
             slot_align_rows: self.slot_align_rows,
+            kv_sources: self.kv_sources.clone(),
+            form: self.form,
         }
     }
 
@@ -542,15 +702,33 @@ impl UnifiedPoolGeometry {
         self.classes.get(&ratio).ok_or(GeometryError::NoSuchClass { ratio })
     }
 
-    /// Row a layer's view anchors at; the view runs from there to the plane's end.
+    /// Row a layer's view anchors at; the view runs from there to the plane's end. Below 0
+    /// (down to `-view_lead_rows`) when the geometry has a view lead.
     pub fn layer_base_row(&self, layer_id: usize) -> Result<i64, GeometryError> {
         let cls = self.layer_class(layer_id)?;
-        let index = cls.layer_index(layer_id)? as i64;
-        Ok(if cls.ratio == DENSE_RATIO {
-            index * cls.ring_stride
-        } else {
-            cls.envelope_offset + index * cls.block_rows
-        })
+        let index = cls.layer_index(layer_id)?;
+        Ok(layer_anchor(cls, self.form, index)? - self.view_lead_rows)
+    }
+
+    /// Plane rows a pool allocates per plane: the lead below row 0, then the plane.
+    pub fn allocation_rows(&self) -> i64 {
+        self.plane_rows + self.view_lead_rows
+    }
+
+    /// The layer whose compressed rows `layer_id` reads (itself in V4).
+    pub fn owner(&self, layer_id: usize) -> Result<usize, GeometryError> {
+        let cls = self.layer_class(layer_id)?;
+        if cls.ratio == DENSE_RATIO {
+            return Err(GeometryError::DenseHasNoCompressed { layer: layer_id });
+        }
+        self.owners[layer_id].ok_or(GeometryError::DenseHasNoCompressed { layer: layer_id })
+    }
+
+    /// The layer's compress bias (see [`UnifiedPoolGeometry::compress_bias`]); refused for
+    /// dense and absent layers.
+    pub fn layer_compress_bias(&self, layer_id: usize) -> Result<i64, GeometryError> {
+        self.owner(layer_id)?;
+        Ok(self.compress_bias[layer_id])
     }
 
     /// Rows a layer's view spans: its base to the end of the plane.
@@ -558,7 +736,9 @@ impl UnifiedPoolGeometry {
         Ok(self.plane_rows - self.layer_base_row(layer_id)?)
     }
 
-    /// Index of a compressed row, relative to the layer's own base (no layer term).
+    /// Index of a compressed row of block `block` as layer `layer_id` reads it: its owner's
+    /// row, relative to the layer's own view (`block × envelope_rows + row + bias`; the bias
+    /// is 0 in V4, so no layer term).
     pub fn compress_index(&self, layer_id: usize, block: i64, row: i64) -> Result<i64, GeometryError> {
         let cls = self.layer_class(layer_id)?;
         if cls.ratio == DENSE_RATIO {
@@ -574,7 +754,7 @@ impl UnifiedPoolGeometry {
         if !(0..self.num_blocks).contains(&block) {
             return Err(GeometryError::BlockOutOfRange { block, num_blocks: self.num_blocks });
         }
-        Ok(block * self.envelope_rows + row)
+        Ok(block * self.envelope_rows + row + self.compress_bias[layer_id])
     }
 
     /// Index of a sliding-window row, relative to the layer's own base.
@@ -591,9 +771,12 @@ impl UnifiedPoolGeometry {
     /// nothing here; only `plane_rows` (through `slot_positions`) must stay fixed.
     pub fn window_params(&self, ratio: i32) -> Result<WindowParams, GeometryError> {
         let cls = self.classes.get(&ratio).ok_or(GeometryError::NoSuchClass { ratio })?;
-        let anchor = if ratio == DENSE_RATIO { 0 } else { cls.envelope_offset };
+        // Layer i's view sits `anchor(i) - anchor(0)` rows above the class's first layer's,
+        // which is its ring's layer term; the lead moves every view down, so rows move up.
+        let anchor = layer_anchor(cls, self.form, 0)?;
         Ok(WindowParams {
-            ring_start: self.arena_rows + cls.entry_offset - anchor - self.slot_origin * self.slot_rows,
+            ring_start: self.arena_rows + cls.entry_offset - anchor + self.view_lead_rows
+                - self.slot_origin * self.slot_rows,
             slot_rows: self.slot_rows,
             ring_slots: self.ring_slots,
             ring_stride: cls.ring_stride,
@@ -660,7 +843,7 @@ impl UnifiedPoolGeometry {
     /// entry coordinates: classes in entry order, each shifted by its entry offset.
     pub fn entry_row_runs(&self) -> Vec<(i64, i64)> {
         let mut all = Vec::new();
-        for ratio in ENTRY_ORDER {
+        for &ratio in &self.entry_order {
             if let Some(cls) = self.classes.get(&ratio) {
                 all.extend(cls.entry_row_runs().into_iter().map(|(s, c)| (s + cls.entry_offset, c)));
             }

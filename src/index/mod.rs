@@ -11,6 +11,12 @@
 //!
 //! Element types: positions are `i64` in decode and CSA pack, `i32` in prefill and the ring
 //! write (as the contract allows); everything else is `i32`.
+//!
+//! Every index a builder or pack writes is relative to a layer view and lies in
+//! `[0, view_rows)`, also where layers share compressors (V4.1): a reader reaches its owner's
+//! compressed rows through a non-negative per-layer compress bias, the views starting in a
+//! lead below plane row 0 where the spec's bias would be negative (open point O1, decided in
+//! `docs/v41.md`); −1 stays the pad value of every top-k and index buffer.
 
 pub mod bounds;
 mod gather;
@@ -22,6 +28,7 @@ pub use gather::{
 };
 
 use crate::geometry::WindowParams;
+use crate::geometry::NUM_SLOTS;
 use bytemuck::{Pod, Zeroable};
 
 /// Raw device address (a host address on the host backend).
@@ -60,7 +67,7 @@ pub struct ClassBuffers {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct DecodeIndexArgs {
     /// [dense, csa, hca], see `CLASS_*`.
-    pub classes: [ClassBuffers; 3],
+    pub classes: [ClassBuffers; NUM_SLOTS],
     /// `i32 [bs]`: physical slot per sequence.
     pub state_slot_per_seq: DevicePtr,
     /// i32 [>= T]; -1 = pad.
@@ -200,12 +207,17 @@ pub struct CsaPackArgs {
     pub block_table_stride: i32,
     /// Tokens in the grid (T).
     pub num_tokens: i32,
-    /// 64 (CSA rows per block).
+    /// Compressed rows per block of the class (`block_size / ratio`: 64 for V4's CSA).
     pub block_capacity: i32,
     /// Window length (decode: skip derived per token), or 0 (prefill: the skip buffer).
     pub window_size: i32,
-    /// Padding to the C layout.
-    pub _pad: i32,
+    /// The class's compress ratio (4 for V4's CSA; 1 or 2 for V4.1): a token at position p
+    /// reaches `(p + 1) / ratio` rows. Only bounds the columns the decode form stages, so
+    /// the result never depends on it; at least 1.
+    pub compress_ratio: i32,
+    /// Added to every packed row: the layer's compress bias (0 in V4; a V4.1 layer reaches
+    /// its owner's rows through it, `docs/v41.md`), never negative.
+    pub compress_bias: i64,
 }
 
 /// One plane a row write targets: `pool` is the layer view's base in that plane.

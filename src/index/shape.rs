@@ -556,6 +556,8 @@ fn check_csa_pack(a: &CsaPackArgs) -> Result<(), LaunchError> {
     non_negative("topk_row_stride", a.topk_row_stride.into())?;
     non_negative("envelope_rows", a.envelope_rows)?;
     at_least("block_capacity", a.block_capacity.into(), 1)?;
+    at_least("compress_ratio", a.compress_ratio.into(), 1)?;
+    non_negative("compress_bias", a.compress_bias)?;
     at_least("block_table_stride", a.block_table_stride.into(), 1)?;
     if a.num_tokens > 0 {
         for (field, ptr) in [
@@ -976,6 +978,7 @@ mod tests {
             out: 5,
             num_tokens: 2,
             block_capacity: 64,
+            compress_ratio: 4,
             block_table_stride: 3,
             topk_row_stride: 8,
             ..Default::default()

@@ -19,7 +19,8 @@
 
 use super::owned::{Carve, DeviceBuffer, Owned};
 use crate::backend::{Backend, BackendError, Stream};
-use crate::geometry::{Class, UnifiedPoolGeometry, WindowParams, CSA_RATIO, HCA_RATIO};
+use crate::geometry::NUM_SLOTS;
+use crate::geometry::{visible_groups, Class, UnifiedPoolGeometry, WindowParams, CSA_RATIO, HCA_RATIO};
 use crate::index::shape::MAX_GRID_YZ;
 use crate::index::{ClassBuffers, CsaPackArgs, DecodeIndexArgs, DevicePtr, Launch};
 use std::ops::Range;
@@ -174,6 +175,23 @@ pub enum DecodeError {
     /// A class the geometry lacks.
     #[error("the geometry lacks the {0} class this buffer needs")]
     MissingClass(Class),
+    /// A path that does not yet build a geometry whose layers share compressors (V4.1).
+    #[error("the {path} path does not build layers that share compressors (V4.1) yet")]
+    SharedCompressors {
+        /// The path.
+        path: &'static str,
+    },
+    /// The one-CSA-buffer pack of a geometry whose layers share compressors: each layer
+    /// packs with its own compress bias ([`DecodeIndexBuffers::layer_pack_args`]).
+    #[error("layers share compressors here: pack per layer (layer_pack_args), each with its bias")]
+    PackNeedsLayer,
+    /// A layer no translate-pack fills: window-only, absent, or V4's coarse class (its heads
+    /// are the builder's).
+    #[error("layer {layer} is not filled by a translate-pack")]
+    NotPacked {
+        /// The layer.
+        layer: usize,
+    },
     /// Buffers whose sizes overflow (a byte count past `u64`, or an index past `i32`).
     #[error("capacity too large: {what} overflows")]
     TooLarge {
@@ -217,13 +235,30 @@ pub enum DecodeError {
     Pool(String),
 }
 
-/// Slice lengths of one decode token: window rows, CSA head, HCA head.
+/// Slice lengths of one V4 decode token: window rows, CSA head, HCA head.
 #[inline]
 pub fn decode_slice_lens(pos: i64, ctx: i64, win: i64, topk: i64) -> (i64, i64, i64) {
+    class_slice_lens(pos, ctx, win, topk, [i64::from(CSA_RATIO), i64::from(HCA_RATIO)], true)
+}
+
+/// Slice lengths of one decode token for the fine and coarse slots' `ratios`: window rows,
+/// then each slot's head, `visible_groups(pos, ratio)` compressed rows (the per-sequence
+/// `ctx / ratio` bound is redundant where `pos < ctx`, kept as V4 had it), capped by the
+/// top-k — except the coarse slot under `coarse_head_fill` (V4), which takes them all.
+#[inline]
+pub fn class_slice_lens(
+    pos: i64,
+    ctx: i64,
+    win: i64,
+    topk: i64,
+    ratios: [i64; 2],
+    coarse_head_fill: bool,
+) -> (i64, i64, i64) {
     let n = (pos + 1).min(win);
-    let csa = ((pos + 1) / i64::from(CSA_RATIO)).min(ctx / i64::from(CSA_RATIO)).min(topk);
-    let hca = ((pos + 1) / i64::from(HCA_RATIO)).min(ctx / i64::from(HCA_RATIO));
-    (n, csa, hca)
+    let head = |r: i64| visible_groups(pos, r).min(ctx / r);
+    let fine = head(ratios[0]).min(topk);
+    let coarse = if coarse_head_fill { head(ratios[1]) } else { head(ratios[1]).min(topk) };
+    (n, fine, coarse)
 }
 
 /// The bounds staging checks positions and block ids against: the pool's live slot
@@ -300,7 +335,7 @@ pub(crate) fn check_capacity(
     counts: [usize; 3],
     win: i32,
     index_topk: i32,
-) -> Result<[Option<WindowParams>; 3], DecodeError> {
+) -> Result<[Option<WindowParams>; NUM_SLOTS], DecodeError> {
     for (what, v) in ["max_seqs", "max_tokens", "max_blocks_per_seq"].into_iter().zip(counts) {
         if v == 0 {
             return Err(DecodeError::ZeroCapacity { what });
@@ -313,7 +348,8 @@ pub(crate) fn check_capacity(
         return Err(DecodeError::NegativeTopk(index_topk));
     }
     for c in [Class::Csa, Class::Hca] {
-        if !geometry.has_class(c) {
+        // More than two compressed classes have no slots: no buffers can be built.
+        if geometry.class_ratio(c).map_err(|e| DecodeError::Pool(e.to_string()))?.is_none() {
             return Err(DecodeError::MissingClass(c));
         }
     }
@@ -339,6 +375,18 @@ pub(crate) fn check_blocks(max_ids: &[Option<i32>], num_blocks: i64) -> Result<(
     }
 }
 
+/// The fine and coarse slots' compress ratios of `geometry` (V4: 4, 128).
+pub(crate) fn slot_ratios(geometry: &UnifiedPoolGeometry) -> Result<[i64; 2], DecodeError> {
+    let r = |c| {
+        geometry
+            .class_ratio(c)
+            .map_err(|e| DecodeError::Pool(e.to_string()))?
+            .map(i64::from)
+            .ok_or(DecodeError::MissingClass(c))
+    };
+    Ok([r(Class::Csa)?, r(Class::Hca)?])
+}
+
 /// The first staged position no longer in `live` (the boundary moved after staging).
 pub(crate) fn check_live(positions: &[i64], live: &Range<i64>) -> Result<(), DecodeError> {
     match positions.iter().enumerate().find(|(_, p)| !live.contains(p)) {
@@ -356,11 +404,11 @@ struct Layout {
     slots: u64,
     batch_ids: u64,
     positions: u64,
-    indptr: [u64; 3],
+    indptr: [u64; NUM_SLOTS],
     block_tables: u64,
     meta_end: u64,
-    indices: [u64; 3],
-    dest_rows: [u64; 3],
+    indices: [u64; NUM_SLOTS],
+    dest_rows: [u64; NUM_SLOTS],
     total: u64,
 }
 
@@ -368,8 +416,8 @@ struct Layout {
 /// class's per-token slice capacity.
 struct Planned {
     layout: Layout,
-    params: [Option<WindowParams>; 3],
-    slice_cap: [u64; 3],
+    params: [Option<WindowParams>; NUM_SLOTS],
+    slice_cap: [u64; NUM_SLOTS],
 }
 
 /// Persistent decode index buffers on a backend: the advanced, pool-less form of
@@ -380,14 +428,21 @@ pub struct DecodeIndexBuffers {
     cap: DecodeCapacity,
     layout: Layout,
     mem: Owned,
-    params: [Option<WindowParams>; 3],
+    params: [Option<WindowParams>; NUM_SLOTS],
     envelope_rows: i64,
     hca_rows_per_block: i32,
     block_size: i64,
+    /// The fine and coarse slots' compress ratios (V4: 4, 128; V4.1: 1, 2).
+    slot_ratios: [i64; 2],
+    /// V4's class-wide coarse head fill ([`UnifiedPoolGeometry::coarse_head_fill`]).
+    head_fill: bool,
+    /// Every layer's slot (`None`: absent) and compress bias, for the per-layer packs.
+    layer_slots: Vec<Option<Class>>,
+    compress_bias: Vec<i64>,
     bounds: PoolBounds,
     staging: Vec<u8>,
     /// Per-token slice capacity of each class's index buffer.
-    slice_cap: [u64; 3],
+    slice_cap: [u64; NUM_SLOTS],
     /// Positions of the batch last staged (a pool-backed path re-checks them at build).
     staged_positions: Vec<i64>,
     /// Block-table columns each staged sequence's build reads (batch row = index).
@@ -461,7 +516,10 @@ impl DecodeIndexBuffers {
         let max_ctx = (cap.max_blocks_per_seq as u64)
             .checked_mul(geometry.block_size as u64)
             .ok_or(too_large("longest context"))?;
-        let hca_head_cap = max_ctx / HCA_RATIO as u64;
+        let coarse = slot_ratios(geometry)?[1] as u64;
+        // The coarse head: every committed row (V4's head fill), else the top-k.
+        let hca_head_cap =
+            if geometry.coarse_head_fill() { max_ctx / coarse } else { (cap.index_topk as u64).min(max_ctx) };
         let slice_cap = [win, win + cap.index_topk as u64, win + hca_head_cap];
         let (t, s) = (cap.max_tokens as u64, cap.max_seqs as u64);
         // Every indptr entry is an i32: a full step's slices must fit one.
@@ -478,7 +536,7 @@ impl DecodeIndexBuffers {
         l.slots = take(Some(s), 4)?;
         l.batch_ids = take(Some(t), 4)?;
         l.positions = take(Some(t), 8)?;
-        for c in 0..3 {
+        for c in 0..NUM_SLOTS {
             l.indptr[c] = take(t.checked_add(1), 4)?;
         }
         l.block_tables = take(s.checked_mul(cap.max_blocks_per_seq as u64), 4)?;
@@ -486,7 +544,7 @@ impl DecodeIndexBuffers {
         for (at, c) in l.indices.iter_mut().zip(slice_cap) {
             *at = take(t.checked_mul(c), 4)?;
         }
-        for c in 0..3 {
+        for c in 0..NUM_SLOTS {
             l.dest_rows[c] = take(Some(t), 4)?;
         }
         l.total = carve.end();
@@ -520,8 +578,12 @@ impl DecodeIndexBuffers {
             mem,
             params,
             envelope_rows: geometry.envelope_rows,
-            hca_rows_per_block: (geometry.block_size / i64::from(HCA_RATIO)) as i32,
+            hca_rows_per_block: (geometry.block_size / slot_ratios(geometry)?[1]) as i32,
             block_size: geometry.block_size,
+            slot_ratios: slot_ratios(geometry)?,
+            head_fill: geometry.coarse_head_fill(),
+            layer_slots: (0..geometry.num_layers).map(|l| geometry.layer_slot(l).ok()).collect(),
+            compress_bias: geometry.compress_bias.clone(),
             bounds: PoolBounds::of(geometry),
             staging: vec![0u8; layout.meta_end as usize],
             slice_cap,
@@ -592,7 +654,7 @@ impl DecodeIndexBuffers {
     pub fn decode_args(&self) -> DecodeIndexArgs {
         let b = self.base();
         let l = &self.layout;
-        let mut classes = [ClassBuffers::default(); 3];
+        let mut classes = [ClassBuffers::default(); NUM_SLOTS];
         for c in Class::ALL {
             if let Some(params) = self.params[c.index()] {
                 let i = c.index();
@@ -609,7 +671,8 @@ impl DecodeIndexBuffers {
             state_slot_per_seq: b + l.slots,
             batch_id_per_token: b + l.batch_ids,
             positions: b + l.positions,
-            block_tables: b + l.block_tables,
+            // Without V4's head fill the builder leaves the coarse heads to the packs.
+            block_tables: if self.head_fill { b + l.block_tables } else { 0 },
             envelope_rows: self.envelope_rows,
             block_table_stride: self.cap.max_blocks_per_seq as i32,
             hca_rows_per_block: self.hca_rows_per_block,
@@ -629,12 +692,43 @@ impl DecodeIndexBuffers {
     /// buffer. Refuses a stride shorter than `index_topk` (the kernel reads that much of a
     /// row).
     pub fn csa_pack_args(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<CsaPackArgs, DecodeError> {
+        if !self.head_fill {
+            // Shared compressors: every layer packs with its own bias (`layer_pack_args`).
+            return Err(DecodeError::PackNeedsLayer);
+        }
+        self.pack_args(Class::Csa, 0, topk, topk_row_stride)
+    }
+
+    /// The translate-pack arguments of compressed layer `layer`: its top-k into the heads of
+    /// its slot's buffer, with its compress bias (V4.1: both slots, every compressed layer,
+    /// after its indexer). V4's coarse layers are refused: the builder fills their heads.
+    pub fn layer_pack_args(
+        &self,
+        layer: usize,
+        topk: DevicePtr,
+        topk_row_stride: i32,
+    ) -> Result<CsaPackArgs, DecodeError> {
+        let slot = match self.layer_slots.get(layer).copied().flatten() {
+            Some(c @ (Class::Csa | Class::Hca)) if !(c == Class::Hca && self.head_fill) => c,
+            _ => return Err(DecodeError::NotPacked { layer }),
+        };
+        self.pack_args(slot, self.compress_bias[layer], topk, topk_row_stride)
+    }
+
+    fn pack_args(
+        &self,
+        slot: Class,
+        compress_bias: i64,
+        topk: DevicePtr,
+        topk_row_stride: i32,
+    ) -> Result<CsaPackArgs, DecodeError> {
         if topk_row_stride < self.cap.index_topk.max(1) {
             return Err(DecodeError::TopkStride { stride: topk_row_stride, topk: self.cap.index_topk });
         }
         let b = self.base();
         let l = &self.layout;
-        let i = Class::Csa.index();
+        let i = slot.index();
+        let ratio = self.slot_ratios[i - 1];
         Ok(CsaPackArgs {
             topk,
             block_tables: b + l.block_tables,
@@ -647,9 +741,10 @@ impl DecodeIndexBuffers {
             topk_row_stride,
             block_table_stride: self.cap.max_blocks_per_seq as i32,
             num_tokens: self.cap.max_tokens as i32,
-            block_capacity: (self.block_size / i64::from(CSA_RATIO)) as i32,
+            block_capacity: (self.block_size / ratio) as i32,
             window_size: self.cap.win,
-            ..Default::default()
+            compress_ratio: ratio as i32,
+            compress_bias,
         })
     }
 
@@ -823,6 +918,24 @@ impl DecodeIndexBuffers {
         Ok(())
     }
 
+    /// Translate-pack of compressed layer `layer` ([`Self::layer_pack_args`]): its top-k into
+    /// the heads of its slot's buffer, with its compress bias.
+    ///
+    /// # Safety
+    /// As [`Self::csa_pack`], the non-negative entries being the first
+    /// `min(visible_groups(pos, ratio), index_topk)` of each real token's row.
+    pub unsafe fn layer_pack(
+        &self,
+        layer: usize,
+        topk: DevicePtr,
+        topk_row_stride: i32,
+    ) -> Result<(), DecodeError> {
+        let args = self.layer_pack_args(layer, topk, topk_row_stride)?;
+        // SAFETY: the caller vouches for `topk`; every other pointer is this handle's own.
+        unsafe { self.mem.launch(&Launch::CsaPack(args))? };
+        Ok(())
+    }
+
     /// Fill the host staging image (with the block tables when `tables`); returns (bytes to
     /// upload, real tokens). Nothing is written unless the whole batch is valid.
     fn build_metadata(
@@ -867,8 +980,8 @@ impl DecodeIndexBuffers {
             st[o..o + 4].copy_from_slice(&v.to_ne_bytes());
         };
         let (win, topk) = (i64::from(cap.win), i64::from(cap.index_topk));
-        let mut ptr = [0i64; 3];
-        for c in 0..3 {
+        let mut ptr = [0i64; NUM_SLOTS];
+        for c in 0..NUM_SLOTS {
             put_i32(st, l.indptr[c], 0, 0);
         }
         let mut t = 0usize;
@@ -881,7 +994,8 @@ impl DecodeIndexBuffers {
             }
             for k in 0..s.num_tokens {
                 let pos = s.context_len - s.num_tokens as i64 + k as i64;
-                let (n, csa, hca) = decode_slice_lens(pos, s.context_len, win, topk);
+                let (n, csa, hca) =
+                    class_slice_lens(pos, s.context_len, win, topk, self.slot_ratios, self.head_fill);
                 put_i32(st, l.batch_ids, t, b as i32);
                 let o = l.positions as usize + 8 * t;
                 st[o..o + 8].copy_from_slice(&pos.to_ne_bytes());

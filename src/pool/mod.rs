@@ -188,7 +188,7 @@ impl PoolSpec {
                 )
             })
             .collect();
-        format!(
+        let id = format!(
             "v4pool-spec:ratios={}:block={}:ring={}:arena_rows={}:entry_rows={}:slot_rows={}:widths={}\
              :fields={}:indexer={}:csa={}",
             join(&g.ratios.iter().map(i32::to_string).collect::<Vec<_>>()),
@@ -201,7 +201,16 @@ impl PoolSpec {
             fields.join(";"),
             self.indexer.map_or("none", |ix| ix.name()),
             join(&self.csa_layers.iter().map(usize::to_string).collect::<Vec<_>>()),
-        )
+        );
+        // Shared compressors change every compressed address; V4's id stays as it was.
+        match &g.kv_sources {
+            None => id,
+            Some(src) => format!(
+                "{id}:kv_sources={}:form={:?}",
+                join(&src.iter().map(usize::to_string).collect::<Vec<_>>()),
+                g.form
+            ),
+        }
     }
 }
 
@@ -390,7 +399,8 @@ impl Overhead {
     /// capacity `decode`, computed without allocating (for production sizes).
     pub fn estimate(spec: &PoolSpec, decode: Option<DecodeCapacity>) -> Result<Overhead, PoolError> {
         let g = &spec.geometry;
-        let planes: u64 = spec.plane_widths.iter().map(|&w| g.plane_bytes(w)).sum();
+        // Each plane's allocation holds its view lead too (none in V4).
+        let planes: u64 = spec.plane_widths.iter().map(|&w| g.allocation_rows() as u64 * w).sum();
         let max_blocks = g.max_blocks_beside(0).max(0) as u64;
         let indexer = spec.indexer.map_or(0, |ix| {
             spec.csa_layers.len() as u64 * max_blocks * ix.pool_block_bytes().iter().sum::<u64>()
@@ -506,9 +516,12 @@ impl Pool {
         // Planes back to back, each start on a 256-byte boundary.
         let mut plane_offsets = Vec::with_capacity(spec.plane_widths.len());
         let mut cursor = 0u64;
+        // A plane's view lead (rows below row 0 that views may start in; none in V4) comes
+        // first, so the plane's row 0 is its base address.
         for &w in &spec.plane_widths {
-            plane_offsets.push(cursor);
-            let bytes = checked((g.plane_rows as u64).checked_mul(w), "plane bytes")?;
+            let lead = checked((g.view_lead_rows as u64).checked_mul(w), "plane bytes")?;
+            plane_offsets.push(checked(cursor.checked_add(lead), "planes")?);
+            let bytes = checked((g.allocation_rows() as u64).checked_mul(w), "plane bytes")?;
             cursor = checked(cursor.checked_add(bytes), "planes")?.div_ceil(PLANE_ALIGN) * PLANE_ALIGN;
         }
         // The indexer cache: one region per indexer pool (FP8: one; FP4: data, scales),
@@ -644,7 +657,11 @@ impl Pool {
         let base = g.layer_base_row(layer)?;
         let ptr = self.plane_ptr(plane)?;
         let w = self.spec.plane_widths[plane]; // plane_ptr checked the index
-        let ptr = ptr + base as u64 * w;
+                                               // A base below row 0 lies in the plane's view lead, which the allocation holds.
+        let ptr = checked(
+            (base.checked_mul(w as i64)).and_then(|off| ptr.checked_add_signed(off)),
+            "layer view address",
+        )?;
         Ok(LayerView { layer, plane, ptr, rows: g.layer_view_rows(layer)?, row_bytes: w })
     }
 

@@ -157,6 +157,33 @@ impl DecodePath {
         unsafe { self.bufs.csa_pack(topk, topk_row_stride) }
     }
 
+    /// Translate-pack of compressed layer `layer` into its slot's heads, with its compress
+    /// bias (V4.1: every compressed layer, both slots, after its indexer).
+    ///
+    /// # Safety
+    /// As [`DecodeIndexBuffers::layer_pack`]: `topk` addresses live memory of the pool's
+    /// backend holding i32 `[max_tokens][topk_row_stride]`, ready on the pool's stream, with
+    /// non-negative entries where the contract reads them.
+    pub unsafe fn layer_pack(
+        &self,
+        layer: usize,
+        topk: DevicePtr,
+        topk_row_stride: i32,
+    ) -> Result<(), DecodeError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.bufs.layer_pack(layer, topk, topk_row_stride) }
+    }
+
+    /// One compressed layer's translate-pack launch, for graph capture.
+    pub fn layer_pack_launch(
+        &self,
+        layer: usize,
+        topk: DevicePtr,
+        topk_row_stride: i32,
+    ) -> Result<Launch, DecodeError> {
+        Ok(Launch::CsaPack(self.bufs.layer_pack_args(layer, topk, topk_row_stride)?))
+    }
+
     /// The decode builder's launch, for graph capture (advanced: running it through
     /// [`crate::backend::Backend::launch`] is the caller's `unsafe`; [`Self::build`] is the safe
     /// way).

@@ -9,12 +9,16 @@
 //! [`crate::pool::PrefillPath`]; [`PrefillIndexBuffers`] is the advanced, pool-less form.
 
 use super::decode::{
-    check_blocks, check_capacity, check_live, check_seq, decode_slice_lens, read_columns, DecodeError,
-    PoolBounds,
+    check_blocks, check_capacity, check_live, check_seq, class_slice_lens, read_columns, slot_ratios,
+    DecodeError, PoolBounds,
 };
 use super::owned::{Carve, DeviceBuffer, Owned};
 use crate::backend::{Backend, Stream};
+use crate::geometry::NUM_SLOTS;
 use crate::geometry::{Class, UnifiedPoolGeometry, WindowParams, CSA_RATIO, HCA_RATIO};
+
+/// V4's fine and coarse slot ratios (4, 128), for the V4 form of the slice lengths.
+const V4_SLOT_RATIOS: [i64; 2] = [CSA_RATIO as i64, HCA_RATIO as i64];
 use crate::index::{CsaPackArgs, DevicePtr, Launch, PrefillIndexArgs};
 use std::sync::Arc;
 
@@ -84,10 +88,16 @@ pub enum PrefillBuffer {
 /// sequence whose context after the chunk is `ctx`: (extend rows, earlier-chunk window rows,
 /// CSA head, HCA compressed entries). The heads are decode's formulas (§13: causal).
 pub fn prefill_slice_lens(p: i64, cs: i64, ctx: i64, win: i64, topk: i64) -> (i64, i64, i64, i64) {
+    slot_slice_lens(p, cs, ctx, win, topk, V4_SLOT_RATIOS)
+}
+
+/// [`prefill_slice_lens`] for the fine and coarse slots' `ratios` (the coarse class takes
+/// every committed row: the prefill builder's class-wide rule).
+fn slot_slice_lens(p: i64, cs: i64, ctx: i64, win: i64, topk: i64, ratios: [i64; 2]) -> (i64, i64, i64, i64) {
     let low = (p - win + 1).max(0);
     let ext = (p - cs + 1).min(win);
     let pre = (cs - low).max(0);
-    let (_, csa, hca) = decode_slice_lens(p, ctx, win, topk);
+    let (_, csa, hca) = class_slice_lens(p, ctx, win, topk, ratios, true);
     (ext, pre, csa, hca)
 }
 
@@ -117,11 +127,13 @@ pub struct PrefillIndexBuffers {
     cap: PrefillCapacity,
     layout: Layout,
     mem: Owned,
-    params: [Option<WindowParams>; 3],
+    params: [Option<WindowParams>; NUM_SLOTS],
     /// Entries each index buffer holds: [dense, csa, hca, extend].
     entries: [u64; 4],
     envelope_rows: i64,
     block_size: i64,
+    /// The fine and coarse slots' compress ratios (V4: 4, 128).
+    slot_ratios: [i64; 2],
     bounds: PoolBounds,
     staging: Vec<u8>,
     staged_positions: Vec<i64>,
@@ -142,12 +154,17 @@ impl std::fmt::Debug for PrefillIndexBuffers {
 
 struct Planned {
     layout: Layout,
-    params: [Option<WindowParams>; 3],
+    params: [Option<WindowParams>; NUM_SLOTS],
     entries: [u64; 4],
 }
 
 impl PrefillIndexBuffers {
     fn plan(geometry: &UnifiedPoolGeometry, cap: PrefillCapacity) -> Result<Planned, DecodeError> {
+        // The prefill builder fills the coarse class class-wide ([window | compressed]), V4's
+        // rule; per-layer coarse packs (V4.1) are the decode path's only, for now.
+        if !geometry.coarse_head_fill() {
+            return Err(DecodeError::SharedCompressors { path: "prefill" });
+        }
         let params = check_capacity(
             geometry,
             [cap.max_seqs, cap.max_tokens, cap.max_blocks_per_seq],
@@ -159,7 +176,7 @@ impl PrefillIndexBuffers {
         let max_ctx = (cap.max_blocks_per_seq as u64)
             .checked_mul(geometry.block_size as u64)
             .ok_or(too_large("longest context"))?;
-        let worst_hca = (win - 1 + max_ctx / HCA_RATIO as u64).checked_mul(t);
+        let worst_hca = (win - 1 + max_ctx / slot_ratios(geometry)?[1] as u64).checked_mul(t);
         let hca = match cap.max_hca_entries {
             Some(n) => Some(n),
             None => worst_hca,
@@ -219,6 +236,7 @@ impl PrefillIndexBuffers {
             entries,
             envelope_rows: geometry.envelope_rows,
             block_size: geometry.block_size,
+            slot_ratios: slot_ratios(geometry)?,
             bounds: PoolBounds::of(geometry),
             staging: vec![0u8; layout.meta_end as usize],
             staged_positions: Vec::with_capacity(cap.max_seqs),
@@ -338,7 +356,8 @@ impl PrefillIndexBuffers {
         for s in batch {
             let ctx = s.chunk_start + s.num_tokens as i64;
             for p in s.chunk_start..ctx {
-                let (ext, pre, csa, hca) = prefill_slice_lens(p, s.chunk_start, ctx, win, topk);
+                let (ext, pre, csa, hca) =
+                    slot_slice_lens(p, s.chunk_start, ctx, win, topk, self.slot_ratios);
                 total[Class::Dense.index()] += if dense { pre } else { 0 };
                 total[Class::Csa.index()] += pre + csa;
                 total[Class::Hca.index()] += pre + hca;
@@ -374,11 +393,12 @@ impl PrefillIndexBuffers {
             put(st, l.chunk_start, b, s.chunk_start);
             put(st, l.cu_q, b, t as i64);
             put(st, l.slots, b, s.position);
-            put(st, l.committed, b, ctx / i64::from(HCA_RATIO));
+            put(st, l.committed, b, ctx / self.slot_ratios[1]);
             let row = l.block_tables as usize + 4 * b * cap.max_blocks_per_seq;
             st[row..row + 4 * s.block_table.len()].copy_from_slice(bytemuck::cast_slice(s.block_table));
             for p in s.chunk_start..ctx {
-                let (ext, pre, csa, hca) = prefill_slice_lens(p, s.chunk_start, ctx, win, topk);
+                let (ext, pre, csa, hca) =
+                    slot_slice_lens(p, s.chunk_start, ctx, win, topk, self.slot_ratios);
                 put(st, l.positions, t, p);
                 put(st, l.batch_ids, t, b as i64);
                 put(st, l.skip, t, pre);
@@ -423,8 +443,8 @@ impl PrefillIndexBuffers {
             block_table_stride: self.cap.max_blocks_per_seq as i32,
             num_tokens: self.staged_tokens as i32,
             win: self.cap.win,
-            hca_ratio: HCA_RATIO,
-            hca_rows_per_block: (self.block_size / i64::from(HCA_RATIO)) as i32,
+            hca_ratio: self.slot_ratios[1] as i32,
+            hca_rows_per_block: (self.block_size / self.slot_ratios[1]) as i32,
             _pad: 0,
         }
     }
@@ -472,9 +492,10 @@ impl PrefillIndexBuffers {
             topk_row_stride,
             block_table_stride: self.cap.max_blocks_per_seq as i32,
             num_tokens: self.staged_tokens as i32,
-            block_capacity: (self.block_size / i64::from(CSA_RATIO)) as i32,
+            block_capacity: (self.block_size / self.slot_ratios[0]) as i32,
             window_size: 0,
-            ..Default::default()
+            compress_ratio: self.slot_ratios[0] as i32,
+            compress_bias: 0,
         })
     }
 

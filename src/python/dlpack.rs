@@ -68,12 +68,13 @@ pub struct DLManagedTensorVersioned {
     pub dl_tensor: DLTensor,
 }
 
-/// Element types a view hands out (DLPack type codes: uint 1, float 2, bfloat 4,
+/// Element types a view hands out (DLPack type codes: int 0, uint 1, float 2, bfloat 4,
 /// float8_e4m3fn 10).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Elem {
     U8,
     I32,
+    I64,
     F32,
     Bf16,
     F8E4M3,
@@ -85,12 +86,14 @@ impl Elem {
             Elem::U8 | Elem::F8E4M3 => 1,
             Elem::Bf16 => 2,
             Elem::I32 | Elem::F32 => 4,
+            Elem::I64 => 8,
         }
     }
     fn dl(self) -> DLDataType {
         let (code, bits) = match self {
             Elem::U8 => (1, 8),
             Elem::I32 => (0, 32),
+            Elem::I64 => (0, 64),
             Elem::F32 => (2, 32),
             Elem::Bf16 => (4, 16),
             Elem::F8E4M3 => (10, 8),
@@ -101,13 +104,16 @@ impl Elem {
         match self {
             Elem::U8 => "uint8",
             Elem::I32 => "int32",
+            Elem::I64 => "int64",
             Elem::F32 => "float32",
             Elem::Bf16 => "bfloat16",
             Elem::F8E4M3 => "float8_e4m3fn",
         }
     }
     pub fn parse(name: &str) -> Option<Elem> {
-        [Elem::U8, Elem::I32, Elem::F32, Elem::Bf16, Elem::F8E4M3].into_iter().find(|e| e.name() == name)
+        [Elem::U8, Elem::I32, Elem::I64, Elem::F32, Elem::Bf16, Elem::F8E4M3]
+            .into_iter()
+            .find(|e| e.name() == name)
     }
 }
 

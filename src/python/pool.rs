@@ -329,6 +329,7 @@ impl PyPool {
         let elem = match v.dtype {
             Dtype::F32 => Elem::F32,
             Dtype::Bf16 => Elem::Bf16,
+            Dtype::I64 => Elem::I64,
         };
         let mut view = self.view(ptr, elem, v.dims.iter().map(|&d| d as i64).collect());
         view.strides = v.strides.iter().map(|&s| s as i64).collect();

@@ -371,6 +371,14 @@ pub fn index_pool(
     blocks: i64,
     slots: i64,
 ) -> std::sync::Arc<v4pool::pool::Pool> {
+    index_pool_of(backend, GeometrySpec::new(ratios, blocks, slots, 129, 256))
+}
+
+/// As [`index_pool`] for any geometry spec (its arena rows and alignment are the pool's).
+pub fn index_pool_of(
+    backend: std::sync::Arc<dyn Backend>,
+    spec: GeometrySpec,
+) -> std::sync::Arc<v4pool::pool::Pool> {
     use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
     let field = StateField {
         name: "state".into(),
@@ -382,7 +390,7 @@ pub fn index_pool(
         align: 256,
     };
     let arena = ArenaLayout::new(vec![field], &[16]).expect("arena");
-    let geometry = GeometrySpec::new(ratios, blocks, slots, 129, 256)
+    let geometry = spec
         .arena_rows(arena.arena_rows())
         .slot_align_rows(arena.slot_align_rows())
         .build()

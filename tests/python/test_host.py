@@ -57,6 +57,15 @@ def test_plan_options(plan):
         plan.no_such_field
 
 
+def test_v41_preset_plans_in_bf16():
+    p = v4pool.plan(model="v4.1-flash", budget=100 << 30, max_seqs=256, dtype="bf16")
+    assert p.page_bytes == 739_840 and p.slot_bytes == 5_277_696
+    assert p.tokens >= 34_800_000
+    with pytest.raises(v4pool.V4PoolError) as e:
+        v4pool.plan(model="v4.1-flash-dspark", budget=100 << 30, max_seqs=256, dtype="fp8")
+    assert e.value.variant == "KvDtypeUnsupported"
+
+
 @pytest.mark.parametrize(
     "kwargs, variant",
     [

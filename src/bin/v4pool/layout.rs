@@ -7,7 +7,7 @@ use crate::{conclude, parse_args, CliError, ParsedArgs, Streams};
 use serde_json::{json, Value};
 use std::fmt::Write as _;
 use std::path::Path;
-use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, ABSENT_RATIO, ENTRY_ORDER};
+use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, ABSENT_RATIO};
 use v4pool::model::{DraftMode, Drafts, ModelError, ModelShape};
 
 /// Row widths the table prices a plane at: fp8 NoPE and bf16 RoPE (`pool-runtime.md` §1).
@@ -40,9 +40,10 @@ usage: v4pool layout (--model NAME|PATH | --ratios R,R,...) --blocks N --slots S
                      [--slot-positions Q] [--slot-align-rows K] [--spec-steps K]
                      [--draft-stages N [--draft-mode absent|dense]] [--json]
 
-  --model    a preset (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark, ...-dspark-dense)
+  --model    a preset (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark, ...-dspark-dense,
+             v4.1-flash, v4.1-flash-dspark)
              or a config.json (or the folder holding one)
-  --ratios   a ratio list (0 dense, 4 CSA, 128 HCA, -1 absent); needs --ring
+  --ratios   a ratio list (0 dense, any positive ratio dividing the block, -1 absent); needs --ring
   --ring     ring slots (default: the model's window + --spec-steps)
   --block-size  tokens per block (default 256)
   --draft-stages, --draft-mode  DSpark drafts appended to a config.json's trunk
@@ -88,22 +89,24 @@ fn geometry_spec(p: &ParsedArgs) -> Result<(String, GeometrySpec), CliError> {
     };
     let num_blocks = p.required_i64("--blocks")?;
     let num_slots = p.required_i64("--slots")?;
-    let (name, ratios, ring_default, block_default) = match model {
+    // A model brings its source layers and row form (V4.1) with its ratios.
+    let (name, base, ring_default) = match model {
         Some(m) => {
             let ring = m.ring_slots();
-            (m.name, m.ratios, Some(ring), m.block_size)
+            (m.name.clone(), m.geometry_spec(num_blocks, num_slots), Some(ring))
         }
         None => {
             let ratios = p.i32_list("--ratios")?.unwrap_or_default();
-            ("ratios".to_string(), ratios, None, DEFAULT_BLOCK_SIZE)
+            let spec = GeometrySpec::new(ratios, num_blocks, num_slots, 0, DEFAULT_BLOCK_SIZE);
+            ("ratios".to_string(), spec, None)
         }
     };
     let ring = match (p.i64("--ring")?, ring_default) {
         (Some(r), _) | (None, Some(r)) => r,
         (None, None) => return Err(CliError::MissingOption { flag: "--ring" }),
     };
-    let block_size = p.i64("--block-size")?.unwrap_or(block_default);
-    let mut spec = GeometrySpec::new(ratios, num_blocks, num_slots, ring, block_size);
+    let block_size = p.i64("--block-size")?.unwrap_or(base.block_size);
+    let mut spec = GeometrySpec { ring_slots: ring, block_size, ..base };
     if let Some(v) = p.i64("--plane-rows")? {
         spec = spec.plane_rows(v);
     }
@@ -161,7 +164,7 @@ fn looks_like_path(arg: &str) -> bool {
 /// The layout under the spec's names (see the module docs).
 pub(crate) fn layout_json(g: &UnifiedPoolGeometry) -> Result<Value, CliError> {
     let mut classes = Vec::new();
-    for ratio in ENTRY_ORDER {
+    for &ratio in &g.entry_order {
         let Some(c) = g.class(ratio) else { continue };
         let w = g.window_params(ratio)?;
         classes.push(json!({
@@ -194,7 +197,7 @@ pub(crate) fn layout_json(g: &UnifiedPoolGeometry) -> Result<Value, CliError> {
     }
     let physical_slots =
         (0..g.num_slots).map(|group| g.physical_slot(group)).collect::<Result<Vec<_>, _>>()?;
-    Ok(json!({
+    let mut out = json!({
         "ratios": g.ratios,
         "num_blocks": g.num_blocks,
         "num_slots": g.num_slots,
@@ -211,7 +214,16 @@ pub(crate) fn layout_json(g: &UnifiedPoolGeometry) -> Result<Value, CliError> {
         "classes": classes,
         "layers": layers,
         "physical_slots": physical_slots,
-    }))
+    });
+    // Shared compressors (V4.1) only: V4's JSON stays as it was.
+    if let (Some(src), Some(obj)) = (&g.kv_sources, out.as_object_mut()) {
+        obj.insert("kv_sources".into(), json!(src));
+        obj.insert("form".into(), json!(format!("{:?}", g.form).to_lowercase()));
+        obj.insert("owners".into(), json!(g.owners));
+        obj.insert("compress_bias".into(), json!(g.compress_bias));
+        obj.insert("view_lead_rows".into(), json!(g.view_lead_rows));
+    }
+    Ok(out)
 }
 
 fn class_name(ratio: i32) -> &'static str {
@@ -219,7 +231,7 @@ fn class_name(ratio: i32) -> &'static str {
         0 => "dense",
         4 => "CSA",
         128 => "HCA",
-        _ => "?",
+        _ => "class",
     }
 }
 
@@ -229,6 +241,9 @@ pub(crate) fn layout_table(name: &str, g: &UnifiedPoolGeometry) -> Result<String
     // Writing to a String cannot fail; the results are dropped deliberately.
     let ratios: Vec<String> = g.ratios.iter().map(|r| r.to_string()).collect();
     let _ = writeln!(out, "model {name}: {} layers, ratios [{}]", g.num_layers, ratios.join(","));
+    if let Some(src) = &g.kv_sources {
+        let _ = writeln!(out, "kv sources {src:?}, {:?} form, view lead {} rows", g.form, g.view_lead_rows);
+    }
     let _ = writeln!(
         out,
         "blocks {}  slots {}  ring_slots {}  block_size {}  arena_rows {}  slot_align_rows {}",
@@ -257,7 +272,7 @@ pub(crate) fn layout_table(name: &str, g: &UnifiedPoolGeometry) -> Result<String
         "ring_stride",
         "run_rows"
     );
-    for ratio in ENTRY_ORDER {
+    for &ratio in &g.entry_order {
         let Some(c) = g.class(ratio) else { continue };
         let w = g.window_params(ratio)?;
         let _ = writeln!(

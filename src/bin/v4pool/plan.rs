@@ -1,7 +1,7 @@
 //! `v4pool plan`: size a pool from a byte budget (`pool-runtime.md` §3) and print the split.
 //!
 //! ```text
-//! v4pool plan --model v4-flash|v4-pro|v4-flash-dspark|v4-pro-dspark|…|PATH/config.json
+//! v4pool plan --model v4-flash|v4-pro|v4-flash-dspark|v4-pro-dspark|v4.1-flash|…|PATH/config.json
 //!             --budget 100GiB --max-seqs 256
 //!             [--dtype fp8|bf16] [--indexer fp8|fp4] [--spec-steps K]
 //!             [--min-slots N] [--overhead BYTES] [--json]
@@ -21,7 +21,8 @@ usage: v4pool plan --model NAME|PATH/config.json --budget BYTES --max-seqs N
                    [--min-slots N] [--overhead BYTES] [--json]
 
   --model       preset (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark, and -dense
-                variants with dense drafts) or a HuggingFace config.json
+                variants with dense drafts; v4.1-flash, v4.1-flash-dspark: bf16 only)
+                or a HuggingFace config.json (V4.1's nested text_config too)
   --budget      bytes the pool may take: 1234, 512MiB, 80GB, 100GiB
   --max-seqs    admitted requests: one slot each
   --dtype       main KV: fp8 (two planes, default) or bf16 (one plane)

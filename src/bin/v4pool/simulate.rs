@@ -19,7 +19,7 @@ baselines on the elastic split: no reuse, and reuse at 4,096-token granularity. 
 the budget plus at most a sixteenth of it for decode index buffers and a few MiB of host
 bookkeeping; options that would need more are refused.
 
-  --model NAME|PATH     v4-flash (default), v4-pro, …, or a config.json
+  --model NAME|PATH     v4-flash (default), v4-pro, v4.1-flash, …, or a config.json
   --spec-steps K        speculative steps (ring = window + K)            [0]
   --budget BYTES        pool budget, e.g. 8GiB                           [6GiB]
   --max-seqs N          running requests; the fixed split reserves N slots [48]

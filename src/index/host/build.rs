@@ -1,6 +1,7 @@
 //! The index builders and the CSA translate-pack (index-buffers.md §3–§6) on safe slices.
 
 use super::*;
+use crate::geometry::NUM_SLOTS;
 use crate::index::CLASS_HCA;
 
 // ---- §3 + §4: decode builder ----------------------------------------------------------------
@@ -22,7 +23,7 @@ pub struct DecodeClass<'a> {
 #[derive(Debug)]
 pub struct DecodeIndices<'a> {
     /// [dense, csa, hca] (`CLASS_*`).
-    pub classes: [Option<DecodeClass<'a>>; 3],
+    pub classes: [Option<DecodeClass<'a>>; NUM_SLOTS],
     /// Physical slot per sequence.
     pub state_slot_per_seq: &'a [i32],
     /// Sequence of each token; −1 for pads.
@@ -138,10 +139,12 @@ pub struct CsaPack<'a> {
     pub topk_row_stride: i32,
     /// Tokens (T).
     pub num_tokens: i32,
-    /// CSA rows per block (64).
+    /// Compressed rows per block of the class (64 for V4's CSA).
     pub block_capacity: i32,
     /// Window length (decode), or 0 to read the skip buffer (prefill).
     pub window_size: i32,
+    /// Added to every packed row (the layer's compress bias; 0 in V4).
+    pub compress_bias: i64,
 }
 
 /// §5 for every layer: the heads `[indptr[t], indptr[t] + valid_k)` from the top-k rows, block
@@ -175,7 +178,11 @@ pub fn csa_translate_pack(k: CsaPack<'_>) -> Result<()> {
             put(
                 k.out,
                 base + i,
-                compress_row(k.block_tables.get(b.into(), blk)?, v % cap, k.envelope_rows)?,
+                add(
+                    compress_row(k.block_tables.get(b.into(), blk)?, v % cap, k.envelope_rows)?,
+                    k.compress_bias,
+                    "biased row",
+                )?,
                 "out",
             )?;
         }

@@ -2,6 +2,7 @@
 //! functions.
 
 use super::*;
+use crate::geometry::NUM_SLOTS;
 use crate::index::shape::check_launch;
 use crate::index::ElemType;
 use crate::index::{
@@ -111,7 +112,7 @@ unsafe fn run_decode(a: &DecodeIndexArgs) -> Result<()> {
         let live: Vec<i32> = bids.iter().copied().filter(|&b| b >= 0).collect();
         let bs = len_of("state_slot_per_seq", seqs_reached(&live))?;
         let slots: &[i32] = input("state_slot_per_seq", a.state_slot_per_seq, bs)?;
-        let mut classes: [Option<DecodeClass<'_>>; 3] = [None, None, None];
+        let mut classes: [Option<DecodeClass<'_>>; NUM_SLOTS] = [None, None, None];
         for (c, cls) in a.classes.iter().enumerate() {
             if cls.indptr == 0 {
                 continue;
@@ -245,6 +246,7 @@ unsafe fn run_csa_pack(a: &CsaPackArgs) -> Result<()> {
             num_tokens: a.num_tokens,
             block_capacity: a.block_capacity,
             window_size: a.window_size,
+            compress_bias: a.compress_bias,
         })
     }
 }

@@ -194,6 +194,35 @@ fn hca_offsets_worked_example() {
     assert!(hca_offsets(&[-1], &[0], &tables, 10000, 2, &mut out).is_err());
 }
 
+/// The reference engine's translator-takes-the-bias case (`docs/v41.md`): envelope 10,
+/// 2 rows per block, tables [[0,1,2],[3,4,5]], top-k [[0,1,2,−1],[3,2,1,−1]], slices of 3 →
+/// [0,1,10,41,40,31]; a bias shifts every entry by itself and touches nothing else.
+#[test]
+fn csa_pack_takes_the_compress_bias() {
+    let table = [0, 1, 2, 3, 4, 5];
+    for bias in [0i64, 128, 256, 4_864] {
+        let mut out = vec![U; 7];
+        csa_translate_pack(CsaPack {
+            topk: &[0, 1, 2, -1, 3, 2, 1, -1],
+            block_tables: BlockTables { table: &table, stride: 3 },
+            positions: &[5, 7],
+            indptr: &[0, 3, 6],
+            batch_id_per_token: &[0, 1],
+            skip_prefix_len_per_token: &[0, 0],
+            out: &mut out,
+            envelope_rows: 10,
+            topk_row_stride: 4,
+            num_tokens: 2,
+            block_capacity: 2,
+            window_size: 0,
+            compress_bias: bias,
+        })
+        .unwrap();
+        let b = bias as i32;
+        assert_eq!(out, vec![b, 1 + b, 10 + b, 41 + b, 40 + b, 31 + b, U], "bias {bias}");
+    }
+}
+
 #[test]
 fn csa_pack_decode_worked_example() {
     let c = decode_case();
@@ -212,6 +241,7 @@ fn csa_pack_decode_worked_example() {
         num_tokens: 4,
         block_capacity: 64,
         window_size: 8,
+        compress_bias: 0,
     })
     .unwrap();
     assert_eq!(
@@ -287,6 +317,7 @@ fn prefill_builder_worked_example_and_csa_follow_up() {
         num_tokens: 5,
         block_capacity: 64,
         window_size: 0,
+        compress_bias: 0,
     })
     .unwrap();
     assert_eq!(csa_idx, vec![2774, 2772, 37, 38, 39, 40, 30, 31, 32, 2775, 661, 38, 39, 40, 30, 31, 32, U]);
