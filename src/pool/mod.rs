@@ -15,6 +15,7 @@ mod image;
 pub(crate) mod owned;
 mod path;
 pub mod prefill;
+mod rows;
 #[cfg(test)]
 mod tests;
 
@@ -24,6 +25,7 @@ pub use decode::{
 pub use owned::DeviceBuffer;
 pub use path::{DecodePath, PrefillPath};
 pub use prefill::{prefill_slice_lens, PrefillBuffer, PrefillCapacity, PrefillIndexBuffers, PrefillSeq};
+pub use rows::{CompressedRow, KvRowWriter, RowSet, RowWriteCapacity, RowWriteError, WindowSeq};
 
 use crate::alloc::{AllocError, BlockGrant, BlockHandle, SlotHandle};
 use crate::arena::{ArenaError, ArenaLayout, FieldView};

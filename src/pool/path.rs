@@ -136,6 +136,11 @@ impl DecodePath {
         self.bufs.write_block_table(row, start_col, ids)
     }
 
+    /// Slot positions of the batch staged last (one per sequence).
+    pub fn staged_positions(&self) -> &[i64] {
+        self.bufs.staged_positions()
+    }
+
     /// Run the decode builder over the staged batch (one launch on the pool's stream),
     /// after checking its positions are still live slots of the pool.
     pub fn build(&mut self) -> Result<(), DecodeError> {
