@@ -141,6 +141,11 @@ impl DecodePath {
         self.bufs.staged_positions()
     }
 
+    /// The CSA head of every staged token: `[head, entries]` (see the buffers' doc).
+    pub fn staged_csa_heads(&self) -> &[[i32; 2]] {
+        self.bufs.staged_csa_heads()
+    }
+
     /// Run the decode builder over the staged batch (one launch on the pool's stream),
     /// after checking its positions are still live slots of the pool.
     pub fn build(&mut self) -> Result<(), DecodeError> {
@@ -248,6 +253,11 @@ impl PrefillPath {
         let bounds = self.pool.bounds().map_err(pool_err)?;
         self.bufs.set_bounds(bounds);
         self.bufs.stage(batch)
+    }
+
+    /// The CSA head of every staged token: `[head, entries]` (see the buffers' doc).
+    pub fn staged_csa_heads(&self) -> &[[i32; 2]] {
+        self.bufs.staged_csa_heads()
     }
 
     /// Run the prefill builder over the staged forward (one launch on the pool's stream),
