@@ -367,6 +367,17 @@ impl KvRowWriter {
         Ok((class, v0.ptr, rope, v0.rows))
     }
 
+    /// Rows a write to `set` reads from its KV (what was staged for it).
+    pub fn staged_rows(&self, set: RowSet) -> Result<usize> {
+        match (set, &self.window, &self.compressed) {
+            (RowSet::Window, Staged::Window { tokens, .. }, _) => Ok(*tokens),
+            (RowSet::Compressed(c), _, Staged::Compressed { class, blocks }) if *class == c => {
+                Ok(blocks.len())
+            }
+            _ => Err(RowWriteError::NothingStaged { what: format!("{set:?}") }),
+        }
+    }
+
     /// The launch of a write of `tokens` rows of `kv` to `set`'s staged rows in `layer`, and
     /// the check to run under the lock.
     fn args(&self, layer: usize, set: RowSet, kv: DevicePtr, stride: usize) -> Result<(KvRowsArgs, usize)> {
