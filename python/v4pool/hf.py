@@ -117,7 +117,11 @@ class PoolEngine:
             with open(os.path.join(d, "config.json"), "w") as f:
                 json.dump(_pool_config(cfg), f)
             self.plan = v4pool.plan(model=d, budget=budget, max_seqs=max_seqs, dtype=dtype)
-        self.pool = v4pool.Pool(self.plan, backend=backend, device=device)
+        # On a GPU the pool's work goes on torch's current stream, so every v4pool launch and
+        # upload is ordered with the model's own kernels (no cross-stream races).
+        stream = torch.cuda.current_stream() if backend == "cuda" else None
+        self.pool = v4pool.Pool(self.plan, backend=backend, device=device, stream=stream)
+        self.device = next(model.parameters()).device
         self.max_blocks = -(-max_context // BLOCK)
         self.fwd = v4pool.Forward(
             self.pool, max_seqs, max_seqs, self.max_blocks,
@@ -219,7 +223,7 @@ class PoolEngine:
                       [list(range(s, s + n)) for s, n in zip(starts, chunks)],
                       [s + n for s, n in zip(starts, chunks)])
         ctx = _Fwd("prefill", reqs, starts, chunks)
-        logits = self._run(ctx, torch.tensor([ids]), torch.tensor([pos]))
+        logits = self._run(ctx, torch.tensor([ids], device=self.device), torch.tensor([pos], device=self.device))
         out = []
         for i, r in enumerate(reqs):
             r.computed += chunks[i]
@@ -239,7 +243,7 @@ class PoolEngine:
         f.decode_build()
         f.state_stage([r.slot for r in reqs], list(range(len(reqs))), [[p] for p in pos], [p + 1 for p in pos])
         ctx = _Fwd("decode", reqs, pos, [1] * len(reqs))
-        logits = self._run(ctx, torch.tensor([ids]), torch.tensor([pos]))
+        logits = self._run(ctx, torch.tensor([ids], device=self.device), torch.tensor([pos], device=self.device))
         for r in reqs:
             r.computed += 1
         return [logits[i] for i in range(len(reqs))]
@@ -354,7 +358,7 @@ def _compress(engine, ctx, module, layer, hidden, kind, ape_name):
     kv = module.kv_proj(hidden)[0]
     gate = module.gate_proj(hidden)[0]
     # The score the state holds: gate + bias in the model's dtype (transformers adds them so).
-    pos = torch.cat([torch.arange(s, s + n) for _, s, n, _ in ctx.spans()])
+    pos = torch.cat([torch.arange(s, s + n, device=kv.device) for _, s, n, _ in ctx.spans()])
     score = gate + module.position_bias[pos % ratio]
     kv_name, score_name = {"csa_main": ("csa_main_kv", "csa_main_score"),
                            "csa_idx": ("csa_idx_kv", "csa_idx_score"),
@@ -370,12 +374,12 @@ def _compress(engine, ctx, module, layer, hidden, kind, ape_name):
             res.append((w0, None))
             continue
         comp = module.kv_norm((nkv * ngate.softmax(dim=2, dtype=torch.float32).to(nkv.dtype)).sum(dim=2))
-        positions = (torch.arange(w0, w0 + nkv.shape[1]) * ratio).unsqueeze(0)
+        positions = (torch.arange(w0, w0 + nkv.shape[1], device=nkv.device) * ratio).unsqueeze(0)
         cos, sin = module.rotary_emb(comp, position_ids=positions, layer_type=module.rope_layer_type)
         comp = _mv4.apply_rotary_pos_emb(comp.unsqueeze(1), cos, sin).squeeze(1)
         res.append((w0, comp[0]))
     # Then the state update (section 8): this forward's rows into the ring.
-    ape = torch.zeros((ratio, kv.shape[1]), dtype=score.dtype)
+    ape = torch.zeros((ratio, kv.shape[1]), dtype=score.dtype, device=score.device)
     engine.fwd.state_update(kind, ordinal, kv.contiguous(), score.contiguous(), ape)
     return res
 
@@ -411,7 +415,7 @@ def _indexer_topk(engine, ctx, indexer, layer, hidden, q_residual, position_ids,
         hs = hidden[:, t0:t0 + n]
         pid = position_ids[:, t0:t0 + n]
         if keys is None or keys.shape[0] == 0:
-            rows.append(torch.full((n, 1), -1, dtype=torch.long))
+            rows.append(torch.full((n, 1), -1, dtype=torch.long, device=hidden.device))
             continue
         cos_q, sin_q = indexer.rotary_emb(hs, position_ids=pid, layer_type=indexer.rope_layer_type)
         q = indexer.q_b_proj(q_residual[:, t0:t0 + n]).view(1, n, -1, indexer.head_dim).transpose(1, 2)
@@ -419,7 +423,7 @@ def _indexer_topk(engine, ctx, indexer, layer, hidden, q_residual, position_ids,
         scores = indexer.scorer(q, keys.unsqueeze(0), hs)
         k = min(indexer.index_topk, keys.shape[0])
         thr = (pid + 1) // indexer.compress_rate
-        fut = torch.arange(keys.shape[0]).view(1, 1, -1) >= thr.unsqueeze(-1)
+        fut = torch.arange(keys.shape[0], device=keys.device).view(1, 1, -1) >= thr.unsqueeze(-1)
         scores = scores.masked_fill(fut, float("-inf"))
         top = scores.topk(k, dim=-1).indices
         top = torch.where(top >= thr.unsqueeze(-1), torch.full_like(top, -1), top)

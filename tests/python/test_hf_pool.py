@@ -29,7 +29,10 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
 
 BACKEND = os.environ.get("V4POOL_HF_BACKEND", "host")
 if BACKEND == "cuda" and not torch.cuda.is_available():
+    if os.environ.get("V4POOL_REQUIRE_GPU") == "1":
+        raise RuntimeError("V4POOL_REQUIRE_GPU=1 but torch sees no GPU")
     pytest.skip("SKIP: V4POOL_HF_BACKEND=cuda but torch sees no GPU", allow_module_level=True)
+DEVICE = "cuda" if BACKEND == "cuda" else "cpu"
 
 
 def tiny(index_topk=16, seed=0):
@@ -45,7 +48,7 @@ def tiny(index_topk=16, seed=0):
         num_local_experts=2, num_experts_per_tok=1, moe_intermediate_size=32, intermediate_size=64,
         initializer_range=0.2,
     )
-    return DeepseekV4ForCausalLM(cfg).to(torch.bfloat16).eval()
+    return DeepseekV4ForCausalLM(cfg).to(device=DEVICE, dtype=torch.bfloat16).eval()
 
 
 def prompts_of(lengths, seed=1):
@@ -61,13 +64,13 @@ def reference(model, prompt, steps, quantize=False):
     try:
         with torch.no_grad():
             r = model.generate(
-                torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
+                torch.tensor([prompt], device=DEVICE), max_new_tokens=steps, do_sample=False,
                 output_logits=True, return_dict_in_generate=True,
             )
     finally:
         for undo in patches:
             undo()
-    return r.sequences[0, len(prompt):].tolist(), torch.stack([x[0].float() for x in r.logits])
+    return r.sequences[0, len(prompt):].tolist(), torch.stack([x[0].float() for x in r.logits]).cpu()
 
 
 def _quantize_reference_kv():
@@ -107,7 +110,7 @@ def run_and_compare(model, lengths, steps, chunk, dtype="bf16", max_context=2048
     worst = 0.0
     for p, (toks, logits) in zip(prompts, outs):
         ref_toks, ref_logits = reference(model, p, steps, quantize=(dtype == "fp8"))
-        diff = (ref_logits - logits).abs().amax(dim=-1)
+        diff = (ref_logits - logits.cpu()).abs().amax(dim=-1)
         worst = max(worst, float(diff.max()) / float(ref_logits.abs().max()))
         if dtype == "fp8":
             # top-1 agreement at every step: each step's pool logits rank the reference's
@@ -153,6 +156,7 @@ def test_pack_matches_the_reference_quantisation_byte_for_byte():
     g = torch.Generator().manual_seed(7)
     kv = (torch.randn(130, 512, generator=g) * torch.logspace(-3, 3, 512)).to(torch.bfloat16)
     kv[5, 64:128] = 0  # an all-zero tile
+    kv = kv.to(DEVICE)
     slot = engine.pool.alloc_slot()
     engine.fwd.stage_window([slot], [0], [130])
     layer = engine.ratios.index(4)
@@ -161,7 +165,7 @@ def test_pack_matches_the_reference_quantisation_byte_for_byte():
                          for p in range(2, 130)])
     got = engine.rows(layer, rows)
     want = hf.quantize_fp8_reference(kv[2:130])
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(got.cpu().view(torch.int16), want.cpu().view(torch.int16))
 
 
 def test_forward_arguments_are_checked():
@@ -172,12 +176,12 @@ def test_forward_arguments_are_checked():
     f.stage_window([slot], [0], [3])
     layer = engine.ratios.index(4)
     with pytest.raises(v4pool.V4PoolError) as e:
-        f.write_window(layer, torch.zeros(3, 512))  # float32, not bfloat16
+        f.write_window(layer, torch.zeros(3, 512, device=DEVICE))  # float32, not bfloat16
     assert e.value.variant == "BadTensor"
     with pytest.raises(v4pool.V4PoolError):
-        f.write_window(layer, torch.zeros(4, 512, dtype=torch.bfloat16))  # 4 rows, 3 staged
+        f.write_window(layer, torch.zeros(4, 512, dtype=torch.bfloat16, device=DEVICE))  # 4 rows, 3 staged
     with pytest.raises(v4pool.V4PoolError):
-        f.write_window(layer, torch.zeros(3, 1024, dtype=torch.bfloat16)[:, ::2])  # strided
+        f.write_window(layer, torch.zeros(3, 1024, dtype=torch.bfloat16, device=DEVICE)[:, ::2])  # strided
     with pytest.raises(v4pool.V4PoolError):
         f.write_window(layer, [[0] * 512] * 3)  # not a tensor
     # A top-k row with -1 where the pack reads an id: refused before the launch.
@@ -194,4 +198,4 @@ def test_forward_arguments_are_checked():
     # A freed slot: the staged window write is refused.
     engine.pool.free_slot(slot)
     with pytest.raises(v4pool.V4PoolError):
-        f.write_window(layer, torch.zeros(3, 512, dtype=torch.bfloat16))
+        f.write_window(layer, torch.zeros(3, 512, dtype=torch.bfloat16, device=DEVICE))

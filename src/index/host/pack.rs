@@ -2,6 +2,7 @@
 //! format at given destination rows, packing the fp8 pool's NoPE part into e4m3 values with
 //! e8m0 tile scales. One formula: the kernel's integer steps, transcribed.
 
+use super::gather::row_range;
 use super::*;
 use crate::index::{FP8_NOPE_ROW_BYTES, FP8_NOPE_VALUES, FP8_TILE, KV_ROW_VALUES, ROPE_ROW_BYTES};
 
@@ -100,15 +101,6 @@ pub enum KvPlanes<'a> {
         /// RoPE rows.
         rope: &'a mut [u8],
     },
-}
-
-fn row_range(row: i64, width: u64, len: usize, buffer: &'static str) -> Result<std::ops::Range<usize>> {
-    let oob = || HostKernelError::OutOfBounds { buffer, index: row, len };
-    let start = usize::try_from(row_byte_offset(row, width as i64)?).map_err(|_| oob())?;
-    match start.checked_add(width as usize) {
-        Some(end) if end <= len => Ok(start..end),
-        _ => Err(oob()),
-    }
 }
 
 /// `v4pool_kv_rows`: for `t < num_tokens` whose batch id (if given) is not negative and whose
