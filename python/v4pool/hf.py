@@ -435,19 +435,48 @@ def _indexer_topk(engine, ctx, indexer, layer, hidden, q_residual, position_ids,
 # ---- attention over the rows the index buffers name ----------------------------------------
 
 
-def _attend(attn, q, keys, sinks_logit_dtype):
-    """transformers' eager attention for one token: q `[H, D]`, keys `[n, D]` (K = V)."""
-    w = torch.matmul(q, keys.transpose(0, 1)) * attn.scaling  # [H, n]
-    sinks = attn.sinks.reshape(-1, 1).to(w.dtype)
+def _attend_slices(engine, attn, layer, q, ptr, ind, extend):
+    """transformers' eager attention for every token at once: token t attends the pool rows
+    of its slice `ind[ptr[t]:ptr[t+1]]` of the layer's view (and, in prefill, the rows
+    `ext[eptr[t]:eptr[t+1]]` of this forward's own KV), K = V, with the sinks. Slices are
+    padded to one length with -inf logits (exact zeros in the softmax, as transformers' masks
+    give). q: `[T, H, D]`; returns `[T, H, D]`."""
+    T = q.shape[0]
+    dev = q.device
+    ptr = ptr[: T + 1].long()
+    p0 = int(ptr[0])
+    prefix_rows = engine.rows(layer, ind[p0:int(ptr[T])])
+    lp = ptr[1:] - ptr[:-1]
+    if extend is not None:
+        eptr, ext, own = extend
+        eptr = eptr[: T + 1].long()
+        le = eptr[1:] - eptr[:-1]
+        table = torch.cat([prefix_rows, own])
+    else:
+        le = torch.zeros_like(lp)
+        table = prefix_rows
+    L = max(int((lp + le).max()), 1)
+    ar = torch.arange(L, device=dev).unsqueeze(0)
+    in_prefix = ar < lp.unsqueeze(1)
+    idx = ptr[:-1].unsqueeze(1) - p0 + ar
+    if extend is not None:
+        k = (ar - lp.unsqueeze(1)).clamp(min=0)
+        in_ext = (~in_prefix) & (k < le.unsqueeze(1))
+        pos = (eptr[:-1].unsqueeze(1) + k).clamp(max=max(int(eptr[T]) - 1, 0))
+        ext_idx = prefix_rows.shape[0] + ext[: max(int(eptr[T]), 1)].long()[pos]
+        idx = torch.where(in_prefix, idx, ext_idx)
+        valid = in_prefix | in_ext
+    else:
+        valid = in_prefix
+    idx = torch.where(valid, idx, torch.zeros_like(idx))
+    keys = table[idx] if table.shape[0] else table.new_zeros((T, L, table.shape[-1]))  # [T, L, D]
+    w = torch.bmm(q, keys.transpose(1, 2)) * attn.scaling  # [T, H, L]
+    w = w.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    sinks = attn.sinks.reshape(1, -1, 1).expand(T, -1, 1).to(w.dtype)
     logits = torch.cat([w, sinks], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(keys.dtype)
-    return torch.matmul(probs, keys)  # [H, D]
-
-
-def _slices(view_indptr, view_indices, t):
-    a, b = int(view_indptr[t]), int(view_indptr[t + 1])
-    return view_indices[a:b]
+    return torch.bmm(probs, keys)
 
 
 def _attention(engine, attn, hidden_states, position_embeddings, position_ids):
@@ -484,26 +513,18 @@ def _attention(engine, attn, hidden_states, position_embeddings, position_ids):
             else:
                 f.prefill_csa_pack(topk)
 
-    out = torch.empty_like(q[0].transpose(0, 1))  # [T, H, D]
     qt = q[0].transpose(0, 1)  # [T, H, D]
     if ctx.mode == "decode":
         ind = torch.from_dlpack(f.decode_indices(cls))
         ptr = torch.from_dlpack(f.decode_indptr(cls))
-        for t in range(T):
-            keys = engine.rows(layer, _slices(ptr, ind, t))
-            out[t] = _attend(attn, qt[t], keys, None)
+        out = _attend_slices(engine, attn, layer, qt, ptr, ind, None)
     else:
         ext = torch.from_dlpack(f.prefill_buffer("extend_indices"))
         eptr = torch.from_dlpack(f.prefill_buffer("extend_indptr"))
         ind = torch.from_dlpack(f.prefill_buffer("indices", cls))
         ptr = torch.from_dlpack(f.prefill_buffer("indptr", cls))
-        for t in range(T):
-            prefix = engine.rows(layer, _slices(ptr, ind, t))
-            own = kv_rows[_slices(eptr, ext, t).long()]
-            if engine.fp8:
-                own = quantize_fp8_reference(own)  # in-chunk rows at the pool's precision
-            keys = torch.cat([prefix, own]) if ratio != HCA else torch.cat([own, prefix])
-            out[t] = _attend(attn, qt[t], keys, None)
+        own = quantize_fp8_reference(kv_rows) if engine.fp8 else kv_rows  # in-chunk rows at the pool's precision
+        out = _attend_slices(engine, attn, layer, qt, ptr, ind, (eptr, ext, own))
         f.write_window(layer, kv_rows)  # the ring write: after attention
 
     attn_output = out.unsqueeze(0)  # [1, T, H, D], as transformers' attention returns it

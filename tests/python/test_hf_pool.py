@@ -33,6 +33,8 @@ if BACKEND == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("V4POOL_REQUIRE_GPU=1 but torch sees no GPU")
     pytest.skip("SKIP: V4POOL_HF_BACKEND=cuda but torch sees no GPU", allow_module_level=True)
 DEVICE = "cuda" if BACKEND == "cuda" else "cpu"
+if DEVICE == "cpu":
+    torch.set_num_threads(1)  # a tiny model: more threads only contend (17x slower on 2 cores)
 
 
 def tiny(index_topk=16, seed=0):
@@ -112,12 +114,13 @@ def run_and_compare(model, lengths, steps, chunk, dtype="bf16", max_context=2048
         ref_toks, ref_logits = reference(model, p, steps, quantize=(dtype == "fp8"))
         diff = (ref_logits - logits.cpu()).abs().amax(dim=-1)
         worst = max(worst, float(diff.max()) / float(ref_logits.abs().max()))
-        if dtype == "fp8":
-            # top-1 agreement at every step: each step's pool logits rank the reference's
-            # token first (the pool follows its own tokens, the same ones).
-            assert toks == ref_toks, (len(p), toks, ref_toks)
-        else:
-            assert toks == ref_toks, (len(p), toks, ref_toks)
+        if toks != ref_toks:
+            k = next(i for i, (a, b) in enumerate(zip(toks, ref_toks)) if a != b)
+            top2 = ref_logits[k].topk(2).values
+            pytest.fail(f"prompt {len(p)}: step {k}: pool {toks[k]}, transformers {ref_toks[k]}; "
+                        f"reference top-2 gap {float(top2[0] - top2[1]):.4f}, |delta logit| {float(diff[k]):.4f}")
+        # (fp8: the same assertion is the top-1 agreement at every step: the pool's greedy
+        # token is the quantised reference's top-1 at each step.)
         assert float(diff.max()) <= bound(ref_logits), (len(p), diff.tolist())
     return worst
 
