@@ -435,48 +435,62 @@ def _indexer_topk(engine, ctx, indexer, layer, hidden, q_residual, position_ids,
 # ---- attention over the rows the index buffers name ----------------------------------------
 
 
-def _attend_slices(engine, attn, layer, q, ptr, ind, extend):
-    """transformers' eager attention for every token at once: token t attends the pool rows
-    of its slice `ind[ptr[t]:ptr[t+1]]` of the layer's view (and, in prefill, the rows
-    `ext[eptr[t]:eptr[t+1]]` of this forward's own KV), K = V, with the sinks. Slices are
-    padded to one length with -inf logits (exact zeros in the softmax, as transformers' masks
-    give). q: `[T, H, D]`; returns `[T, H, D]`."""
-    T = q.shape[0]
-    dev = q.device
-    ptr = ptr[: T + 1].long()
-    p0 = int(ptr[0])
-    prefix_rows = engine.rows(layer, ind[p0:int(ptr[T])])
-    lp = ptr[1:] - ptr[:-1]
-    if extend is not None:
-        eptr, ext, own = extend
-        eptr = eptr[: T + 1].long()
-        le = eptr[1:] - eptr[:-1]
-        table = torch.cat([prefix_rows, own])
+def _keys_of(engine, layer, ratio, mode, ind, ptr, own, topk, s0, n, t0, dtype):
+    """One request's keys and mask for transformers' eager attention, laid out as its own
+    cache hands them over: `[window: the last 127 positions before the chunk, then the chunk
+    (decode: the last 128 positions, the token's own row last) | every compressed entry in
+    ascending order]`, each row fetched from the pool through the class's index buffer (the
+    chunk's own rows in prefill from this forward's KV), masked as transformers masks them:
+    the sliding window causally, HCA entries that close after a query, CSA entries its
+    top-k did not select. Returns keys `[1, 1, L, 512]` and an additive mask `[1, 1, n, L]`."""
+    dev = ind.device
+    neg = float("-inf")
+    p_last = s0 + n - 1
+    if mode == "decode":
+        a, b = int(ptr[t0]), int(ptr[t0 + 1])
+        nw = min(p_last + 1, 128)
+        sl = ind[a:b]
+        window = engine.rows(layer, sl[b - a - nw:])
+        head = sl[: b - a - nw]
+        wpos = torch.arange(p_last - nw + 1, p_last + 1, device=dev)
+        heads = [head]
     else:
-        le = torch.zeros_like(lp)
-        table = prefix_rows
-    L = max(int((lp + le).max()), 1)
-    ar = torch.arange(L, device=dev).unsqueeze(0)
-    in_prefix = ar < lp.unsqueeze(1)
-    idx = ptr[:-1].unsqueeze(1) - p0 + ar
-    if extend is not None:
-        k = (ar - lp.unsqueeze(1)).clamp(min=0)
-        in_ext = (~in_prefix) & (k < le.unsqueeze(1))
-        pos = (eptr[:-1].unsqueeze(1) + k).clamp(max=max(int(eptr[T]) - 1, 0))
-        ext_idx = prefix_rows.shape[0] + ext[: max(int(eptr[T]), 1)].long()[pos]
-        idx = torch.where(in_prefix, idx, ext_idx)
-        valid = in_prefix | in_ext
+        pre0 = min(s0, 127)
+        a, b = int(ptr[t0]), int(ptr[t0 + 1])
+        sl = ind[a:b]
+        prev = sl[:pre0] if ratio == HCA else sl[b - a - pre0:]
+        window = torch.cat([engine.rows(layer, prev), own[t0:t0 + n]])
+        wpos = torch.arange(s0 - pre0, s0 + n, device=dev)
+        heads = []
+        for t in range(t0, t0 + n):
+            a, b = int(ptr[t]), int(ptr[t + 1])
+            p = s0 + t - t0
+            pre = min(p + 1, 128) - min(p - s0 + 1, 128)
+            heads.append(ind[a + pre:b] if ratio == HCA else ind[a:b - pre])
+    qpos = torch.arange(s0, s0 + n, device=dev)
+    vis = (wpos.unsqueeze(0) <= qpos.unsqueeze(1)) & (wpos.unsqueeze(0) > qpos.unsqueeze(1) - 128)
+    wmask = torch.zeros(vis.shape, dtype=dtype, device=dev).masked_fill(~vis, neg)
+    if ratio == 0:
+        return window.view(1, 1, -1, window.shape[-1]), wmask.view(1, 1, n, -1)
+    if ratio == HCA:
+        entries = engine.rows(layer, heads[-1])  # the last query's head: every entry so far
+        e = torch.arange(entries.shape[0], device=dev)
+        ok = e.unsqueeze(0) < ((qpos + 1) // HCA).unsqueeze(1)
+        if mode == "decode":
+            ok = torch.ones_like(ok)
     else:
-        valid = in_prefix
-    idx = torch.where(valid, idx, torch.zeros_like(idx))
-    keys = table[idx] if table.shape[0] else table.new_zeros((T, L, table.shape[-1]))  # [T, L, D]
-    w = torch.bmm(q, keys.transpose(1, 2)) * attn.scaling  # [T, H, L]
-    w = w.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    sinks = attn.sinks.reshape(1, -1, 1).expand(T, -1, 1).to(w.dtype)
-    logits = torch.cat([w, sinks], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(keys.dtype)
-    return torch.bmm(probs, keys)
+        num = (p_last + 1) // CSA  # entries of the context after this forward
+        entries = window.new_zeros((num, window.shape[-1]))
+        ok = torch.zeros((n, num), dtype=torch.bool, device=dev)
+        for i, head in enumerate(heads):
+            ids = topk[t0 + i, : head.shape[0]].to(dev)
+            if head.shape[0]:
+                entries[ids] = engine.rows(layer, head)
+                ok[i, ids] = True
+    cmask = torch.zeros(ok.shape, dtype=dtype, device=dev).masked_fill(~ok, neg)
+    keys = torch.cat([window, entries])
+    mask = torch.cat([wmask, cmask], dim=-1)
+    return keys.view(1, 1, -1, keys.shape[-1]), mask.view(1, 1, n, -1)
 
 
 def _attention(engine, attn, hidden_states, position_embeddings, position_ids):
@@ -500,6 +514,7 @@ def _attention(engine, attn, hidden_states, position_embeddings, position_ids):
     if ctx.mode == "decode":
         f.write_decode(layer, kv_rows)  # the token attends to itself: before attention
 
+    topk = None
     if ratio:
         comp = attn.compressor
         kind = "csa_main" if ratio == CSA else "hca_main"
@@ -513,21 +528,24 @@ def _attention(engine, attn, hidden_states, position_embeddings, position_ids):
             else:
                 f.prefill_csa_pack(topk)
 
-    qt = q[0].transpose(0, 1)  # [T, H, D]
     if ctx.mode == "decode":
-        ind = torch.from_dlpack(f.decode_indices(cls))
-        ptr = torch.from_dlpack(f.decode_indptr(cls))
-        out = _attend_slices(engine, attn, layer, qt, ptr, ind, None)
+        ind = torch.from_dlpack(f.decode_indices(cls)).long()
+        ptr = torch.from_dlpack(f.decode_indptr(cls)).long()
+        own = None
     else:
-        ext = torch.from_dlpack(f.prefill_buffer("extend_indices"))
-        eptr = torch.from_dlpack(f.prefill_buffer("extend_indptr"))
-        ind = torch.from_dlpack(f.prefill_buffer("indices", cls))
-        ptr = torch.from_dlpack(f.prefill_buffer("indptr", cls))
+        ind = torch.from_dlpack(f.prefill_buffer("indices", cls)).long()
+        ptr = torch.from_dlpack(f.prefill_buffer("indptr", cls)).long()
         own = quantize_fp8_reference(kv_rows) if engine.fp8 else kv_rows  # in-chunk rows at the pool's precision
-        out = _attend_slices(engine, attn, layer, qt, ptr, ind, (eptr, ext, own))
+    outs = []
+    for r, s0, n, t0 in ctx.spans():
+        keys, mask = _keys_of(engine, layer, ratio, ctx.mode, ind, ptr, own, topk if ratio == CSA else None,
+                              s0, n, t0, q.dtype)
+        o, _ = _mv4.eager_attention_forward(attn, q[:, :, t0:t0 + n], keys, keys, mask, scaling=attn.scaling)
+        outs.append(o)  # [1, n, H, D]
+    if ctx.mode == "prefill":
         f.write_window(layer, kv_rows)  # the ring write: after attention
 
-    attn_output = out.unsqueeze(0)  # [1, T, H, D], as transformers' attention returns it
+    attn_output = torch.cat(outs, dim=1)  # [1, T, H, D], as transformers' attention returns it
     attn_output = _mv4.apply_rotary_pos_emb(attn_output.transpose(1, 2), cos, -sin).transpose(1, 2)
     grouped = attn_output.reshape(*input_shape, attn.config.o_groups, -1)
     grouped = attn.o_a_proj(grouped).flatten(2)

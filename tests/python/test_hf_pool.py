@@ -37,6 +37,15 @@ if DEVICE == "cpu":
     torch.set_num_threads(1)  # a tiny model: more threads only contend (17x slower on 2 cores)
 
 
+# Batch composition: transformers' model itself is not row-independent on CPU (a token's
+# mHC `comb`, DeepseekV4HyperConnection, differs in its last bits between a batch of one token
+# and one of two; torch 2.11), so a batched run (pooled or not) matches one-request runs up to
+# rounding only. One request at a time, the pool's run is bit-identical to transformers'
+# (test_bf16_one_request_bit_identical); batched, tokens agree except where the reference's
+# own top-2 gap is within the rounding bound (a near-tie, reported).
+HC_MULT = int(os.environ.get("V4POOL_HF_HC_MULT", "4"))
+
+
 def tiny(index_topk=16, seed=0):
     torch.manual_seed(seed)
     cfg = DeepseekV4Config(
@@ -48,9 +57,15 @@ def tiny(index_topk=16, seed=0):
             "heavily_compressed_attention", "compressed_sparse_attention",
         ],
         num_local_experts=2, num_experts_per_tok=1, moe_intermediate_size=32, intermediate_size=64,
-        initializer_range=0.2,
+        initializer_range=0.2, hc_mult=HC_MULT,
     )
-    return DeepseekV4ForCausalLM(cfg).to(device=DEVICE, dtype=torch.bfloat16).eval()
+    model = DeepseekV4ForCausalLM(cfg).to(device=DEVICE, dtype=torch.bfloat16).eval()
+    # The lm_head in float32 (for both runs): bf16 logits of a random model tie exactly at
+    # some steps (a 512-way argmax at 2^-8 resolution), which makes the reference's own
+    # greedy token arbitrary; the pool is about the KV, not the head's precision.
+    model.lm_head.float()
+    model.lm_head.register_forward_pre_hook(lambda mod, args: (args[0].float(),))
+    return model
 
 
 def prompts_of(lengths, seed=1):
@@ -58,34 +73,49 @@ def prompts_of(lengths, seed=1):
     return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
 
 
-def reference(model, prompt, steps, quantize=False):
-    """transformers' own greedy run: tokens and float32 logits per step."""
-    patches = []
-    if quantize:
-        patches = _quantize_reference_kv()
+def reference(model, prompt, steps, chunk, quantize=False):
+    """transformers' own cache (DynamicCache): the prompt prefilled in chunks of `chunk` (the
+    pool's chunk boundaries), then greedy decode steps; tokens and float32 logits per step."""
+    from transformers import DynamicCache
+
+    patches = _quantize_reference_kv() if quantize else []
+    toks, logits = [], []
     try:
         with torch.no_grad():
-            r = model.generate(
-                torch.tensor([prompt], device=DEVICE), max_new_tokens=steps, do_sample=False,
-                output_logits=True, return_dict_in_generate=True,
-            )
+            cache = DynamicCache(config=model.config)
+            ids = torch.tensor([prompt], device=DEVICE)
+            for s in range(0, len(prompt), chunk):
+                out = model(input_ids=ids[:, s:s + chunk], past_key_values=cache, use_cache=True)
+            for i in range(steps):
+                lg = out.logits[0, -1].float()
+                logits.append(lg.cpu())
+                toks.append(int(lg.argmax()))
+                if i + 1 < steps:
+                    out = model(input_ids=torch.tensor([[toks[-1]]], device=DEVICE), past_key_values=cache,
+                                use_cache=True)
     finally:
         for undo in patches:
             undo()
-    return r.sequences[0, len(prompt):].tolist(), torch.stack([x[0].float() for x in r.logits]).cpu()
+    return toks, torch.stack(logits)
 
 
 def _quantize_reference_kv():
     """The fp8 pool's e4m3 + e8m0 quantise-dequantise applied to transformers' KV: every
     sliding-window row when it enters the cache, every compressed entry when it is emitted."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mv4
 
     hca = mv4.DeepseekV4HCACache
     orig_update, orig_comp = hca.update, hca.update_compressor_states
+    orig_sliding = DynamicSlidingWindowLayer.update
 
     def update(self, key_states, value_states, *a, **k):
         q = hf.quantize_fp8_reference(key_states)
         return orig_update(self, q, q, *a, **k)
+
+    def sliding(self, key_states, value_states, *a, **k):  # the dense (sliding-only) layers
+        q = hf.quantize_fp8_reference(key_states)
+        return orig_sliding(self, q, q, *a, **k)
 
     def comp(self, name, compressed):
         if name == "compressor":
@@ -93,9 +123,11 @@ def _quantize_reference_kv():
         return orig_comp(self, name, compressed)
 
     hca.update, hca.update_compressor_states = update, comp
+    DynamicSlidingWindowLayer.update = sliding
 
     def undo():
         hca.update, hca.update_compressor_states = orig_update, orig_comp
+        DynamicSlidingWindowLayer.update = orig_sliding
 
     return [undo]
 
@@ -104,25 +136,42 @@ def bound(ref_logits):
     return 0.025 * float(ref_logits.abs().max()) + 0.02
 
 
-def run_and_compare(model, lengths, steps, chunk, dtype="bf16", max_context=2048):
+def run_and_compare(model, lengths, steps, chunk, dtype="bf16", max_context=2048, exact=False, ties=None):
+    ties = [] if ties is None else ties
     engine = hf.attach(model, dtype=dtype, budget="96MiB", max_seqs=len(lengths),
                        max_context=max_context, chunk=chunk, backend=BACKEND)
     prompts = prompts_of(lengths)
     outs = engine.generate(prompts, steps)
     worst = 0.0
     for p, (toks, logits) in zip(prompts, outs):
-        ref_toks, ref_logits = reference(model, p, steps, quantize=(dtype == "fp8"))
+        ref_toks, ref_logits = reference(model, p, steps, chunk, quantize=(dtype == "fp8"))
         diff = (ref_logits - logits.cpu()).abs().amax(dim=-1)
-        worst = max(worst, float(diff.max()) / float(ref_logits.abs().max()))
-        if toks != ref_toks:
-            k = next(i for i, (a, b) in enumerate(zip(toks, ref_toks)) if a != b)
+        k = next((i for i, (a, b) in enumerate(zip(toks, ref_toks)) if a != b), len(toks))
+        if k < len(toks):
             top2 = ref_logits[k].topk(2).values
-            pytest.fail(f"prompt {len(p)}: step {k}: pool {toks[k]}, transformers {ref_toks[k]}; "
-                        f"reference top-2 gap {float(top2[0] - top2[1]):.4f}, |delta logit| {float(diff[k]):.4f}")
-        # (fp8: the same assertion is the top-1 agreement at every step: the pool's greedy
-        # token is the quantised reference's top-1 at each step.)
-        assert float(diff.max()) <= bound(ref_logits), (len(p), diff.tolist())
+            gap = float(top2[0] - top2[1])
+            msg = (f"prompt {len(p)}: step {k}: pool {toks[k]}, transformers {ref_toks[k]}; "
+                   f"reference top-2 gap {gap:.4f}, |delta logit| {float(diff[k]):.4f}")
+            if exact or gap > 2 * float(diff[k]):
+                pytest.fail(msg)  # not a near-tie of the reference: a real difference
+            print("near-tie, comparison of this request stops:", msg)
+            ties.append(msg)
+        worst = max(worst, float(diff[: k + 1].max()) / float(ref_logits.abs().max()))
+        # Logits within the bound up to (and at) the first divergence; fp8: the same check is
+        # the top-1 agreement at every step compared.
+        assert float(diff[: k + 1].max()) <= bound(ref_logits), (len(p), diff.tolist())
+        if exact:
+            assert float(diff.max()) == 0.0, (len(p), diff.tolist())
     return worst
+
+
+def test_bf16_one_request_bit_identical():
+    # Each prompt alone (a batch of one): every logit of 32 decode steps equals transformers'
+    # own cache bit for bit, at top-k 16 below the CSA entries. Lengths: below 4, one past 4,
+    # below the window, a multiple of 4 and of 128, one past it, >= 8 HCA entries.
+    model = tiny(index_topk=16)
+    for n in [3, 5, 100, 128, 129, 1030]:
+        run_and_compare(model, [n], steps=32, chunk=256, exact=True)
 
 
 def test_bf16_batch_of_lengths_token_identical():
@@ -131,8 +180,9 @@ def test_bf16_batch_of_lengths_token_identical():
     # One batch of six requests, prefilled in chunks of 256 (the long prompt in five
     # chunks), then 32 decode steps with all six in every step.
     model = tiny(index_topk=16)
-    worst = run_and_compare(model, [3, 5, 100, 128, 129, 1030], steps=32, chunk=256)
-    print(f"bf16, top-k 16: worst |delta logit| / max |logit| = {worst:.4f}")
+    ties = []
+    worst = run_and_compare(model, [3, 5, 100, 128, 129, 1030], steps=32, chunk=256, ties=ties)
+    print(f"bf16, top-k 16: worst |delta logit| / max |logit| = {worst:.4f}; near-ties {len(ties)}")
 
 
 def test_bf16_topk_at_least_the_entries():
