@@ -235,6 +235,11 @@ fn the_writer_puts_rows_where_the_geometry_says() {
         ));
         assert!(plane(&pool, 0) == snapshot, "a refused write changed the plane");
         assert!(matches!(w.stage_window(&seqs), Err(RowWriteError::StaleLease { seq: 1, .. })));
+        let twice = WindowSeq { slot: a.handle, first_position: 0, tokens: 1 };
+        assert!(matches!(
+            w.stage_window(&[twice, twice]),
+            Err(RowWriteError::SharedSlot { first: 0, second: 1, .. })
+        ));
         assert!(matches!(
             w.stage_window(&[WindowSeq { slot: a.handle, first_position: 0, tokens: 301 }]),
             Err(RowWriteError::TooManyTokens { .. })

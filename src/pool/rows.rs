@@ -80,6 +80,16 @@ pub enum RowWriteError {
         /// The position.
         position: i64,
     },
+    /// Two sequences of one window stage on one slot: their ring rows would race.
+    #[error("sequences {first} and {second} share slot position {position}")]
+    SharedSlot {
+        /// The first sequence.
+        first: usize,
+        /// The second.
+        second: usize,
+        /// Their position.
+        position: i64,
+    },
     /// A slot lease that is not live.
     #[error("sequence {seq}: slot lease is not live: {reason}")]
     StaleLease {
@@ -293,6 +303,12 @@ impl KvRowWriter {
                     .collect::<Result<Vec<i64>>>()
             })
             .map_err(pool_err)??;
+        let mut seen = std::collections::HashMap::with_capacity(positions.len());
+        for (i, &p) in positions.iter().enumerate() {
+            if let Some(first) = seen.insert(p, i) {
+                return Err(RowWriteError::SharedSlot { first, second: i, position: p });
+            }
+        }
         let g = self.pool.geometry().map_err(pool_err)?;
         self.window = Staged::Nothing;
         for class in [Class::Dense, Class::Csa, Class::Hca] {
