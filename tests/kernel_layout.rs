@@ -14,8 +14,8 @@ use v4pool::index::shape::{
 };
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
-    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs, WindowGatherArgs,
-    CLASS_CSA, CLASS_DENSE, CLASS_HCA,
+    KvRowsArgs, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs,
+    WindowGatherArgs, CLASS_CSA, CLASS_DENSE, CLASS_HCA,
 };
 
 const HEADER: &str = include_str!("../kernels/v4pool_common.h");
@@ -99,6 +99,7 @@ fn rust_checks() -> Checks {
         WindowGatherArgs {
             params, pool, rope, state_slot_per_seq, anchor_pos, out, view_rows, num_seqs, draft_window,
         }
+        KvRowsArgs { kv, dest_rows, batch_id_per_token, nope, rope, kv_row_stride, view_rows, num_tokens, fp8 }
     }
     c
 }

@@ -747,5 +747,8 @@ pub unsafe extern "C" fn v4pool_decode_synchronize(decode: *const V4poolDecode) 
     guard(|| get(decode, "decode")?.step.synchronize().map_err(rejected))
 }
 
+mod forward;
+pub use forward::{v4pool_csa_topk_free, v4pool_csa_topk_new, v4pool_decode_csa_pack, V4poolCsaTopk};
+
 #[cfg(test)]
 mod tests;

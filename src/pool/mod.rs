@@ -16,8 +16,10 @@ pub(crate) mod owned;
 mod path;
 pub mod prefill;
 pub mod regions;
+mod rows;
 #[cfg(test)]
 mod tests;
+mod topk;
 
 pub use decode::{
     decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq, PoolBounds,
@@ -25,6 +27,8 @@ pub use decode::{
 pub use owned::DeviceBuffer;
 pub use path::{DecodePath, PrefillPath};
 pub use prefill::{prefill_slice_lens, PrefillBuffer, PrefillCapacity, PrefillIndexBuffers, PrefillSeq};
+pub use rows::{CompressedRow, KvRowWriter, RowSet, RowWriteCapacity, RowWriteError, WindowSeq};
+pub use topk::{convert_topk, CsaTopk, TopkError, TopkRows};
 
 use crate::alloc::{AllocError, BlockGrant, BlockHandle, SlotHandle};
 use crate::arena::{ArenaError, ArenaLayout, FieldView};

@@ -135,6 +135,16 @@ impl DecodePath {
         self.bufs.write_block_table(row, start_col, ids)
     }
 
+    /// Slot positions of the batch staged last (one per sequence).
+    pub fn staged_positions(&self) -> &[i64] {
+        self.bufs.staged_positions()
+    }
+
+    /// The CSA head of every staged token: `[head, entries]` (see the buffers' doc).
+    pub fn staged_csa_heads(&self) -> &[[i32; 2]] {
+        self.bufs.staged_csa_heads()
+    }
+
     /// Run the decode builder over the staged batch (one launch on the pool's stream),
     /// after checking its positions are still live slots of the pool and the block ids it
     /// reads (staged, or written to the resident tables since) still blocks of its region.
@@ -271,6 +281,11 @@ impl PrefillPath {
         let bounds = self.pool.bounds().map_err(pool_err)?;
         self.bufs.set_bounds(bounds);
         self.bufs.stage(batch)
+    }
+
+    /// The CSA head of every staged token: `[head, entries]` (see the buffers' doc).
+    pub fn staged_csa_heads(&self) -> &[[i32; 2]] {
+        self.bufs.staged_csa_heads()
     }
 
     /// Run the prefill builder over the staged forward (one launch on the pool's stream),

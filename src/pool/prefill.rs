@@ -136,6 +136,8 @@ pub struct PrefillIndexBuffers {
     slot_ratios: [i64; 2],
     bounds: PoolBounds,
     staging: Vec<u8>,
+    /// CSA head of every staged token (what the translate-pack reads of its top-k row).
+    csa_heads: Vec<[i32; 2]>,
     staged_positions: Vec<i64>,
     /// Highest block id each staged sequence's build reads (re-checked at build).
     staged_max_ids: Vec<Option<i32>>,
@@ -239,6 +241,7 @@ impl PrefillIndexBuffers {
             slot_ratios: slot_ratios(geometry)?,
             bounds: PoolBounds::of(geometry),
             staging: vec![0u8; layout.meta_end as usize],
+            csa_heads: Vec::new(),
             staged_positions: Vec::with_capacity(cap.max_seqs),
             staged_max_ids: Vec::with_capacity(cap.max_seqs),
             staged_tokens: 0,
@@ -388,6 +391,7 @@ impl PrefillIndexBuffers {
             put(st, l.indptr[i], 0, 0);
         }
         let mut t = 0usize;
+        self.csa_heads.clear();
         for (b, s) in batch.iter().enumerate() {
             let ctx = s.chunk_start + s.num_tokens as i64;
             put(st, l.chunk_start, b, s.chunk_start);
@@ -402,6 +406,8 @@ impl PrefillIndexBuffers {
                 put(st, l.positions, t, p);
                 put(st, l.batch_ids, t, b as i64);
                 put(st, l.skip, t, pre);
+                // At most index_topk and a position / 4: both i32.
+                self.csa_heads.push([csa as i32, ((p + 1) / i64::from(crate::geometry::CSA_RATIO)) as i32]);
                 ptr[Class::Dense.index()] += if dense { pre } else { 0 };
                 ptr[Class::Csa.index()] += pre + csa;
                 ptr[Class::Hca.index()] += pre + hca;
@@ -469,6 +475,13 @@ impl PrefillIndexBuffers {
         // staged count, so the kernel reads staged metadata and writes inside the buffers.
         unsafe { self.mem.launch(&self.launch())? };
         Ok(())
+    }
+
+    /// The CSA head of every token of the forward staged last: `[head, entries]`: how many top-k
+    /// entries of its row the translate-pack reads, and the compressed CSA entries its
+    /// position may select (`(pos + 1) / 4`).
+    pub fn staged_csa_heads(&self) -> &[[i32; 2]] {
+        &self.csa_heads
     }
 
     /// CSA translate-pack arguments (prefill mode) for one CSA layer over the staged

@@ -40,7 +40,7 @@ pub struct Slot {
 }
 
 impl Slot {
-    fn handle(&self) -> SlotHandle {
+    pub(super) fn handle(&self) -> SlotHandle {
         SlotHandle { group: self.group, generation: self.generation, pool: self.pool_id }
     }
     fn from_handle(h: SlotHandle, position: i64) -> Slot {
@@ -68,7 +68,7 @@ pub struct Block {
 }
 
 impl Block {
-    fn handle(&self) -> BlockHandle {
+    pub(super) fn handle(&self) -> BlockHandle {
         BlockHandle { id: self.id, generation: self.generation, pool: self.pool_id }
     }
     fn from_handle(h: BlockHandle) -> Block {
@@ -138,6 +138,11 @@ pub struct PyPool {
 impl PyPool {
     fn pool(&self) -> &Pool {
         &self.hold.pool
+    }
+
+    /// The DLPack device of the pool's memory, for the forward binding's views.
+    pub(super) fn dl_device(&self) -> DLDevice {
+        self.device
     }
 
     /// The pool, and the hold that keeps its memory alive, for the manager binding.
