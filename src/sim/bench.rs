@@ -49,10 +49,16 @@ pub fn bench_requests(cell: &Cell) -> Vec<RequestSpec> {
     (0..cell.prompts).map(|i| RequestSpec::new(i, 0, cell.isl, cell.osl)).collect()
 }
 
-/// Replay `cell` on `backend` with V4-Flash's FP8 pool sized to hold the cell's running cap
-/// (memory never binds in these cells: the cap does), under the fixed split.
+/// The model a preset's cells ran (V4-Pro for the `-pro-` presets, else V4-Flash).
+pub fn cell_model(cell: &Cell) -> Result<ModelShape, SimError> {
+    let m = if cell.preset.contains("-pro-") { ModelShape::v4_pro(0) } else { ModelShape::v4_flash(0) };
+    m.map_err(|e| SimError::Bench(e.to_string()))
+}
+
+/// Replay `cell` on `backend` with the cell's model in an FP8 pool sized to hold the cell's
+/// running cap (memory never binds in these cells: the cap does), under the fixed split.
 pub fn replay(backend: Arc<dyn Backend>, cell: &Cell, cost: StepCost) -> Result<SimReport, SimError> {
-    let model = ModelShape::v4_flash(0).map_err(|e| SimError::Bench(e.to_string()))?;
+    let model = cell_model(cell)?;
     let cfg = bench_config(cell, cost);
     let probe = plan(&model, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, 1, 1 << 30))
         .map_err(|e| SimError::Bench(e.to_string()))?;

@@ -528,9 +528,17 @@ impl<'p> Engine<'p> {
     /// Prefill `r` within `budget`; returns whether it stalled for lack of blocks.
     fn prefill_one(&mut self, r: &mut Req, budget: &mut u64) -> Result<bool, SimError> {
         while r.prefilling() && *budget > 0 {
-            let take = self.m.prefill_stop(r.id(), *budget)?;
+            let mut take = self.m.prefill_stop(r.id(), *budget)?;
             if take == 0 {
                 break;
+            }
+            // A prompt whose known content ends before its end (a trace request's partial
+            // last block): stop the chunk where the hashes end, so the manager's rolling
+            // checkpoint lands where a later turn's match ends.
+            let hashed = r.given as u64 * self.block_size;
+            let rolling = self.run != SplitPolicy::Reuse4096;
+            if rolling && hashed > r.context && hashed < r.spec.prompt && r.context + take > hashed {
+                take = hashed - r.context;
             }
             match self.m.allocate(r.id(), take) {
                 Ok(()) => {}

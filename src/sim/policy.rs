@@ -87,9 +87,12 @@ pub(crate) fn preemption_victim(keys: impl Iterator<Item = (u64, u64)>, stalled:
 /// so one block's content is named by (owner, block index) — far cheaper than hashing
 /// 256 synthetic tokens — and the chain makes equal prefixes hash equal.
 ///
-/// A trace request (`ids` given: its 512-token prefix ids, see `trace.rs`) names a block
-/// wholly inside its prompt and inside one trace block by (that id, the half); any other
-/// block is its own request's.
+/// A trace request (`ids` given: its 512-token prefix ids, see `trace.rs`) names a block by
+/// (its trace block's id, the half) when that whole trace block lies inside the prompt, and
+/// stops there: the partial last trace block and the output are content the trace does not
+/// name (a later turn's id at that position names the block grown by the output), so no
+/// request could hit them, and a key of its own would only make the manager keep rolling
+/// checkpoints nobody restores.
 pub(crate) fn extend_hashes(
     ns: Namespace,
     req: &RequestSpec,
@@ -102,13 +105,14 @@ pub(crate) fn extend_hashes(
     let tb = super::trace::TRACE_BLOCK_TOKENS;
     for i in out.len() as u64..blocks {
         let (start, end) = (i * block_size, (i + 1) * block_size);
-        let traced = ids.and_then(|ids| {
+        let traced = ids.map(|ids| {
             let j = start / tb;
-            let inside = end <= req.prompt && (end - 1) / tb == j;
+            let inside = (j + 1) * tb <= req.prompt && (end - 1) / tb == j;
             inside.then(|| ids.get(j as usize).map(|&h| (h, (start % tb) / block_size.max(1)))).flatten()
         });
         let words = match traced {
-            Some((h, half)) => [3, h as u32, (h >> 32) as u32, half as u32, 0],
+            Some(Some((h, half))) => [3, h as u32, (h >> 32) as u32, half as u32, 0],
+            Some(None) => return,
             None => {
                 let (tag, owner) = if end <= req.shared { (1, req.system) } else { (2, req.conv) };
                 [tag, owner as u32, (owner >> 32) as u32, i as u32, (i >> 32) as u32]
