@@ -206,8 +206,8 @@ pub struct Cell {
 /// dataset, `--random-range-ratio 1.0`; prompts per concurrency from the same repository's
 /// `deepseek-v4.jsx`, `numPromptsByConc`; running caps from the launch flags there: the
 /// H200 FP8 balanced cell `--max-running-requests 128`, high-throughput 256, low-latency
-/// none given — its SGLang default is far above 16). As copied into
-/// `shared/spec/serving-calibration.md`.
+/// none given — its SGLang default is far above 16; B200 inferred, V4-Pro from the source's
+/// note). As copied into `shared/spec/serving-calibration.md`.
 pub const CELLS: [Cell; 12] = [
     h200("low-latency", 1, 32, 4096, 183.0, 3.26, 632.0),
     h200("low-latency", 16, 32, 4096, 655.0, 10.11, 2752.0),
@@ -227,7 +227,9 @@ const fn h200(s: &'static str, c: u32, n: u64, cap: u32, ttft: f64, tpot: f64, t
     cell(H200X4_FLASH_FP8, s, c, n, cap, ttft, tpot, thr)
 }
 const fn b200(s: &'static str, c: u32, n: u64, ttft: f64, tpot: f64, thr: f64) -> Cell {
-    cell(B200X4_FLASH_FP4, s, c, n, 4096, ttft, tpot, thr)
+    // Inferred, not published: the cells' mean decode batch X·osl·TPOT is 239 at c=256 and
+    // 261 at c=1,024, as a cap of 256 would give.
+    cell(B200X4_FLASH_FP4, s, c, n, 256, ttft, tpot, thr)
 }
 const fn pro(s: &'static str, c: u32, n: u64, ttft: f64, tpot: f64, thr: f64) -> Cell {
     // "KV fits about 15 requests" (the source's note on this deployment): the cap.

@@ -12,10 +12,17 @@
 //! run out even after eviction a running request is preempted (its committed blocks stay
 //! cached, so it resumes with a hit), as engines do.
 //!
-//! The same workload (same seed) runs as four [`SplitPolicy`] runs: the manager's elastic
-//! boundary and a fixed split of the same budget (`max_seqs` slots reserved at start-up),
-//! both with v4pool's reuse, and two baselines on the elastic split: no reuse, and reuse
-//! only at 4,096-token granularity.
+//! The same workload (same seed) runs as several [`SplitPolicy`] runs: the manager's elastic
+//! boundary and a fixed split of the same budget (`max_seqs` slots reserved at start-up,
+//! [`sglang_fixed_slots`] sizes it the way SGLang sizes V4), both with v4pool's reuse, two
+//! baselines on the elastic split: no reuse, and reuse only at 4,096-token granularity, and
+//! the elastic split with a host tier.
+//!
+//! In time ([`TimeConfig`]) every step costs what the step-cost model ([`cost`]) charges for
+//! its work, and the runs report TTFT, TPOT, end-to-end latency, throughput per GPU and
+//! goodput ([`TimeReport`]); a Mooncake trace ([`trace`]) replays with its own arrivals;
+//! [`bench`] replays a published benchmark cell. `docs/simulate.md` has the model, its
+//! validation and the results.
 //!
 //! * [`workload`] — the PRNG, the mixes, the lazy arrival stream (benches use it too).
 //! * [`engine`] — the step loop ([`Engine`], [`simulate`]).
