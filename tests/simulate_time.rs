@@ -286,4 +286,14 @@ fn the_commands_carry_the_time_figures_and_read_their_own_coefficients() {
     let bad =
         std::process::Command::new(bin).args(["simulate", "--cost", "nope", "--json"]).output().unwrap();
     assert_eq!(bad.status.code(), Some(2));
+    // `--cost none` counts steps as before: no time figures, and time options are refused.
+    let steps = ["simulate", "--cost", "none", "--steps", "30", "--budget", "1GiB", "--max-seqs", "4"];
+    let out =
+        std::process::Command::new(bin).args(steps).args(["--backend", "host", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["runs"].as_array().unwrap().iter().all(|r| r["time"].is_null()) && v["in_time"] == false);
+    let out =
+        std::process::Command::new(bin).args(steps).args(["--duration", "5", "--json"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
 }
