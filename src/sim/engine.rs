@@ -371,7 +371,7 @@ impl<'p> Engine<'p> {
         policy::extend_hashes(NAMESPACE, &r.spec, ids, self.block_size, blocks, &mut r.hashes);
         let mine = self.run == SplitPolicy::NoReuse;
         if mine {
-            let ns = Namespace(NAMESPACE.0 ^ (u128::from(r.spec.id) << 64 | 0x6e6f_7265_7573_65));
+            let ns = Namespace(NAMESPACE.0 ^ (u128::from(r.spec.id) << 64 | 0x006e_6f72_6575_7365));
             policy::extend_hashes(ns, &r.spec, ids, self.block_size, blocks, &mut r.private);
         }
         let target = match self.run {
@@ -433,7 +433,7 @@ impl<'p> Engine<'p> {
     /// past it, at most [`policy::BYPASS_PER_HEAD`] times per head. Returns whether one was.
     fn bypass(&mut self) -> Result<bool, SimError> {
         if self.running.len() >= self.cfg.cap_seqs(self.run)
-            || self.waiting.front().map_or(true, |h| h.passed >= policy::BYPASS_PER_HEAD)
+            || self.waiting.front().is_none_or(|h| h.passed >= policy::BYPASS_PER_HEAD)
         {
             return Ok(false);
         }
