@@ -1254,7 +1254,7 @@ fn host_check() -> Res<()> {
 }
 
 /// `--profile-shapes`: one eager launch of each index kernel at the shapes that matter, for
-/// Nsight Compute (`scripts/perf-session.sh`): decode builder at batch 256, translate-pack at
+/// Nsight Compute (`scripts/gpu-check.sh --ncu`): decode builder at batch 256, translate-pack at
 /// top-k 512 and 2,048, prefill of 8,192 tokens at 128K and at 1M.
 fn profile_shapes() -> Res<()> {
     let be = CudaBackend::new(0)?;

@@ -106,7 +106,7 @@ fn check(
     let (kv_name, score_name) = c.fields();
     let ring = a.fields()[a.field_index(kv_name)?].shape[0] as i64;
     for (lease, positions, _ctx, first) in seqs.iter().take(8) {
-        let (j, &p) = positions.iter().enumerate().last().ok_or("empty sequence")?;
+        let (j, &p) = positions.iter().enumerate().next_back().ok_or("empty sequence")?;
         let t = first + j;
         for (name, want) in [
             (kv_name, (0..dim).map(|e| f32_of_bf16(kv[t * dim + e])).collect::<Vec<f32>>()),
@@ -138,6 +138,7 @@ fn bf16s(rng: &mut Rng, n: usize) -> Vec<u16> {
 
 /// One shape: stage `bs` sequences of `q` tokens, capture the update of `c` at layer 0, check,
 /// time, print.
+#[allow(clippy::too_many_arguments)] // one bench shape's parameters
 fn shape(
     t: &Timer,
     pool: &Arc<Pool>,

@@ -1,5 +1,5 @@
 // v4pool_kernels.cu — every v4pool kernel, one source for CUDA (nvcc, NVRTC, clang -x cuda)
-// and HIP (clang -x hip, hiprtc). The contract is shared/spec/index-buffers.md; the host
+// and HIP (clang -x hip, hiprtc). The contract is docs/index-buffers.md; the host
 // reference of each kernel is src/index/host.rs and the launch shapes src/index/shape.rs.
 //
 // Every kernel is `extern "C"`, named as `Launch::SYMBOLS` in src/index/mod.rs, and takes its

@@ -3,7 +3,7 @@
 (2,048 and 8,192 tokens, no context before them). Uses the peer bench's own cases, checks and
 timer; writes $OUT/atom_peer_extra.json (rows in the peer JSON's format).
 
-    ATOM_PEER_DIR=$PWD/.gpu/peer python3 scripts/atom-peer-extra.py
+    ATOM_PEER_DIR=<peer directory> python3 scripts/atom-peer-extra.py
 """
 import json
 import os

@@ -23,13 +23,14 @@ Every configuration is checked against ATOM's own *_reference first (outputs poi
 graph replay must reproduce the eager output; then eager and graph-replay medians (triton's
 do_bench, cold L2), as `atom_peer_bench.measure_case` does for the index builders.
 
-ATOM's state_writes.py and v4_quant.py are not among the files setup-atom-peer extracts. Copy
+ATOM's state_writes.py and v4_quant.py are not among the files the peer directory holds. Copy
 them beside the others first (same pinned commit), then run with the peer dir:
 
-    C=ffdf3bb5ddf8a15a64d521a2eeb3bc7438f9ac21; K=.gpu/peer/atom/model_ops/v4_kernels
-    git -C /work/.mirror/ROCm+ATOM/repo show $C:atom/model_ops/v4_kernels/state_writes.py > $K/state_writes.py
-    git -C /work/.mirror/ROCm+ATOM/repo show $C:atom/model_ops/v4_kernels/v4_quant.py > $K/v4_quant.py
-    ATOM_PEER_DIR=$PWD/.gpu/peer OUT=$OUT python3 scripts/atom-peer-state.py [--quick] [--only update|gather]
+    ATOM=<a clone of ROCm/ATOM>; PEER=<the peer directory>
+    C=ffdf3bb5ddf8a15a64d521a2eeb3bc7438f9ac21; K=$PEER/atom/model_ops/v4_kernels
+    git -C $ATOM show $C:atom/model_ops/v4_kernels/state_writes.py > $K/state_writes.py
+    git -C $ATOM show $C:atom/model_ops/v4_kernels/v4_quant.py > $K/v4_quant.py
+    ATOM_PEER_DIR=$PEER OUT=$OUT python3 scripts/atom-peer-state.py [--quick] [--only update|gather]
 
 (`$ATOM_PEER_DIR/state_writes.py` and `$ATOM_PEER_DIR/v4_quant.py`, flat, are found too.)
 v4_quant imports `aiter.dtypes` for its fp8 dtype: a stand-in module maps it to torch's

@@ -497,7 +497,7 @@ pub fn assign_planes(fields: &[StateField], widths: &[u64]) -> Result<(Vec<usize
                     .entry_bytes;
             cost = cost.max(bytes.div_ceil(w));
         }
-        if best.as_ref().map_or(true, |(b, _)| cost < *b) {
+        if best.as_ref().is_none_or(|(b, _)| cost < *b) {
             best = Some((cost, assignment.clone()));
         }
     }

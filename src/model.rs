@@ -537,7 +537,7 @@ impl ModelShape {
         self.num_mtp_layers = 0;
         let first = self.ratios.len();
         let ratio = if mode == DraftMode::Absent { ABSENT_RATIO } else { DENSE_RATIO };
-        self.ratios.extend(std::iter::repeat(ratio).take(stages));
+        self.ratios.extend(std::iter::repeat_n(ratio, stages));
         self.draft_layers = (first..first + stages).collect();
         self.name.push_str(if mode == DraftMode::Absent { "-dspark" } else { "-dspark-dense" });
         self

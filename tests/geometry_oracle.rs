@@ -1,6 +1,8 @@
-//! The Rust geometry against the Python oracle (`shared/spec/v4_pool_geometry.py`): random
-//! configs, every quantity and every address of a sample of inputs, and the same inputs
-//! rejected by both. One python3 process answers all cases. Skipped (with a notice) when
+//! The Rust geometry against the Python oracle (the seed module `v4_pool_geometry.py`, see
+//! `docs/geometry.md`; not part of this repository): random configs, every quantity and every
+//! address of a sample of inputs, and the same inputs rejected by both. One python3 process
+//! answers all cases. The oracle is read from `$V4POOL_GEOMETRY_ORACLE`, else from
+//! `../shared/spec/v4_pool_geometry.py` beside the checkout; skipped (with a notice) when
 //! python3 or the oracle is missing.
 
 use serde_json::{json, Value};
@@ -283,7 +285,10 @@ fn rust_answer(g: &UnifiedPoolGeometry, q: &Value) -> Value {
 }
 
 fn oracle_path() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/spec/v4_pool_geometry.py")
+    match std::env::var_os("V4POOL_GEOMETRY_ORACLE") {
+        Some(path) => PathBuf::from(path),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/spec/v4_pool_geometry.py"),
+    }
 }
 
 #[test]

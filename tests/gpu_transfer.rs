@@ -25,7 +25,6 @@ use v4pool::transfer::{handoff, Endpoint, LocalEngine, Rebound, RequestKv, Trans
 use v4pool::Class;
 
 const TOKENS: [i64; 3] = [8 << 10, 128 << 10, 1 << 20];
-const POISON: u32 = 0xa5c3_5a3c;
 
 fn require_two() -> bool {
     std::env::var("V4POOL_REQUIRE_GPUS").is_ok_and(|v| v == "2")
@@ -35,82 +34,6 @@ fn nccl_env() {
     if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
         std::env::set_var("NCCL_NVLS_ENABLE", "0");
     }
-}
-
-/// Fill every byte of `pool` with `POISON` (device fill).
-fn poison(pool: &Pool) {
-    assert_ne!(POISON, 0);
-    for (addr, len) in all_ranges(pool) {
-        // SAFETY: the pool's own planes and indexer; lengths are multiples of 4 (row widths
-        // and indexer blocks are).
-        unsafe { pool.backend().fill_u32(addr, len / 4, POISON, pool.stream()).unwrap() };
-    }
-    pool.backend().synchronize(pool.stream()).unwrap();
-}
-
-/// A prefill's request of `tokens` on `pool`: fresh blocks, random bytes in them and in
-/// its whole slot.
-fn request(pool: &Pool, tokens: i64, rng: &mut Rng) -> RequestKv {
-    let slot = pool.alloc_slot().unwrap();
-    let n = (tokens + 255) / 256;
-    let blocks: Vec<_> = (0..n).map(|_| pool.alloc_block().unwrap().handle).collect();
-    // Random bytes across the planes and indexer in large uploads (every block gets some).
-    for (addr, len) in all_ranges(pool) {
-        let mut at = 0;
-        while at < len {
-            let n = (len - at).min(256 << 20);
-            let mut buf = vec![0u8; n as usize];
-            rng.fill(&mut buf);
-            // SAFETY: inside the pool's own allocation.
-            unsafe { pool.backend().upload(addr + at, &buf, pool.stream()).unwrap() };
-            at += n;
-        }
-    }
-    pool.backend().synchronize(pool.stream()).unwrap();
-    RequestKv { blocks, slot: slot.handle, context_len: tokens as u64 }
-}
-
-/// Everything the request owns on `pool`, per block and slot, as one byte vector.
-fn request_bytes(pool: &Pool, blocks: &[u32], position: i64) -> Vec<u8> {
-    let mut ranges = Vec::new();
-    for &b in blocks {
-        ranges.extend(block_ranges(pool, b));
-    }
-    ranges.extend(slot_ranges(pool, position));
-    read(pool, &ranges)
-}
-
-/// Receiver words outside the request that still hold the poison, and all such words.
-fn untouched_outside(pool: &Pool, out: &Rebound) -> (u64, u64) {
-    let mut inside: Vec<(u64, u64)> = slot_ranges(pool, out.slot.position);
-    for b in &out.blocks {
-        inside.extend(block_ranges(pool, b.id));
-    }
-    inside.sort_unstable();
-    let mut merged: Vec<(u64, u64)> = Vec::new();
-    for (a, n) in inside {
-        match merged.last_mut() {
-            Some(m) if m.0 + m.1 == a => m.1 += n,
-            _ => merged.push((a, n)),
-        }
-    }
-    let (mut poisoned, mut words) = (0u64, 0u64);
-    for (base, len) in all_ranges(pool) {
-        let mut at = base;
-        let ends = merged.iter().filter(|m| m.0 >= base && m.0 < base + len).copied();
-        for (gap_start, gap_end) in ends.map(|m| (m.0, m.0 + m.1)).chain([(base + len, base + len)]) {
-            if gap_start > at {
-                let bytes = read(pool, &[(at, gap_start - at)]);
-                words += bytes.len() as u64 / 4;
-                poisoned += bytes
-                    .chunks_exact(4)
-                    .filter(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) == POISON)
-                    .count() as u64;
-            }
-            at = at.max(gap_end);
-        }
-    }
-    (poisoned, words)
 }
 
 /// The decode step's index buffers for the rebound request, built on `backend` (the
@@ -153,19 +76,7 @@ fn check_case(
     out: &Rebound,
     secs: f64,
 ) {
-    let sp = sender.slot_position(req.slot).unwrap();
-    let ids: Vec<u32> = req.blocks.iter().map(|b| b.id).collect();
-    let got_ids: Vec<u32> = out.blocks.iter().map(|b| b.id).collect();
-    let want = request_bytes(sender, &ids, sp);
-    let got = request_bytes(receiver, &got_ids, out.slot.position);
-    assert!(want == got, "{name} {tokens}: received bytes differ");
-    assert_eq!(
-        read(receiver, &window_ranges(receiver, out.slot.position)),
-        read(sender, &window_ranges(sender, sp)),
-        "{name} {tokens}: window rows differ"
-    );
-    let (poisoned, words) = untouched_outside(receiver, out);
-    assert_eq!(poisoned, words, "{name} {tokens}: receiver bytes outside the request changed");
+    let words = check_received(name, tokens, sender, receiver, req, out);
     // The decode index build on the receiving device equals the host reference.
     let dev = decode_build(receiver.backend().clone(), receiver, out);
     let reference = decode_build(Arc::new(HostBackend::new()), receiver, out);
@@ -185,8 +96,8 @@ fn run_sizes(name: &str, sizes: &[i64], make: &dyn Fn(i64) -> (Pool, Pool, Strin
     for (i, &tokens) in sizes.iter().enumerate() {
         let mut rng = Rng::new(case_seed(name, i as u64));
         let (sender, receiver, id, mut engine) = make(tokens);
-        poison(&receiver);
-        let req = request(&sender, tokens, &mut rng);
+        poison_pool(&receiver);
+        let req = random_request(&sender, tokens, &mut rng);
         let t = std::time::Instant::now();
         let out =
             handoff(engine.as_mut(), &Endpoint::new(&sender, &id), &Endpoint::new(&receiver, &id), &req)
@@ -231,7 +142,7 @@ fn nccl_handoff_gpu0_to_gpu1() {
     let (s, id) = v4_pool(Arc::new(gpu0.clone()), &model, 40, 2);
     let (r, id0) = v4_pool(Arc::new(gpu1.clone()), &ModelShape::v4_flash(0).unwrap(), 40, 2);
     let mut e = NcclEngine::new(&gpu0, &gpu1).unwrap();
-    let req = request(&s, 8 << 10, &mut Rng::new(1));
+    let req = random_request(&s, 8 << 10, &mut Rng::new(1));
     let before = r.counts().unwrap();
     let err = handoff(&mut e, &Endpoint::new(&s, &id), &Endpoint::new(&r, &id0), &req).unwrap_err();
     assert!(matches!(err, v4pool::transfer::HandoffError::LayoutMismatch { .. }), "{err}");

@@ -819,8 +819,7 @@ fn state_update_kernel_matches_reference() {
         let use_map = rng.chance(50);
         let plan: Vec<i32> = plan
             .chunks(4)
-            .map(|r| if use_map { [r[0], r[1], r[2], -5] } else { *<&[i32; 4]>::try_from(r).unwrap() })
-            .flat_map(|r| r)
+            .flat_map(|r| if use_map { [r[0], r[1], r[2], -5] } else { *<&[i32; 4]>::try_from(r).unwrap() })
             .collect();
         // 16-byte aligned copies (the kernel reads plan rows as vectors).
         let plan16: Vec<u128> = vec![0; plan.len() / 4 + 1];

@@ -496,7 +496,7 @@ fn contradictory_or_unknown_forms_are_typed_errors() {
         ModelShape::from_config_json(&flash_native(true, true, Some(&list(&swapped))), 0),
         Err(FormsDisagree { layer: 2, .. })
     ));
-    let cases: Vec<(String, fn(&ModelError) -> bool)> = vec![
+    let cases: Vec<HostileCase> = vec![
         (
             flash_native(true, true, None).replace("\"sliding_attention\"", "\"full_attention\""),
             |e| matches!(e, UnknownLayerType { layer: 0, got } if got == "full_attention"),
@@ -544,6 +544,7 @@ fn temp_dir(tag: &str) -> std::path::PathBuf {
 }
 
 /// `from_config_path` on `path` in a thread, failing the test if it does not answer in 10 s.
+#[allow(clippy::result_large_err)] // the library's error type, as the library returns it
 fn read_path(path: &std::path::Path) -> Result<v4pool::model::ModelConfig, ModelError> {
     let (tx, rx) = std::sync::mpsc::channel();
     let p = path.to_path_buf();

@@ -102,7 +102,10 @@ fn worker(pool: &Pool, fwd: &Forward, k: u64, stop: &AtomicBool, checked: &Atomi
                         s.bytes.push(bytes);
                     }
                     let mut image = None;
-                    with_current(&mut s.handle, &fwd.slots, |h| Ok(image = Some(pool.checkpoint(h)?)));
+                    with_current(&mut s.handle, &fwd.slots, |h| {
+                        image = Some(pool.checkpoint(h)?);
+                        Ok(())
+                    });
                     s.image = image;
                     slots.push(s);
                 }
@@ -137,7 +140,10 @@ fn worker(pool: &Pool, fwd: &Forward, k: u64, stop: &AtomicBool, checked: &Atomi
                 let s = &mut slots[n];
                 let want = s.image.clone().expect("image");
                 let mut got = None;
-                with_current(&mut s.handle, &fwd.slots, |h| Ok(got = Some(pool.checkpoint(h)?)));
+                with_current(&mut s.handle, &fwd.slots, |h| {
+                    got = Some(pool.checkpoint(h)?);
+                    Ok(())
+                });
                 assert!(got.as_ref() == Some(&want), "worker {k}: slot {:?} checkpoint changed", s.handle);
                 with_current(&mut s.handle, &fwd.slots, |h| pool.restore(h, &want));
                 verify_slot(s);

@@ -41,7 +41,8 @@ fn copy_regions_checks_every_run_and_moves_exactly_the_bytes() {
     let before = planes(&pool);
     let plane0 = pool.plane_bytes(0).unwrap();
     let at = |region, offset| Loc { region, offset };
-    let bad: Vec<(RegionCopy, fn(&PoolError) -> bool)> = vec![
+    type Case = (RegionCopy, fn(&PoolError) -> bool);
+    let bad: Vec<Case> = vec![
         (
             RegionCopy { src: at(Region::Plane(0), plane0 - 8), dst: at(Region::Plane(0), 0), bytes: 16 },
             |e| matches!(e, PoolError::OutOfRange { .. }),

@@ -4,6 +4,7 @@
 //! an entry larger than the budget is refused without evicting anything, and a restore
 //! without room leaves the pool and the tier as they were.
 
+mod common;
 mod transfer_common;
 
 use proptest::prelude::*;
@@ -74,7 +75,7 @@ fn run(ops: Vec<Op>) {
                     .enumerate()
                     .map(|(i, b)| {
                         let r = block_ranges(&pool, b.id);
-                        let d = bytes(seed ^ (i as u64 + 1) * 0x9e37_79b9, total(&r));
+                        let d = bytes(seed ^ ((i as u64 + 1) * 0x9e37_79b9), total(&r));
                         write(&pool, &r, &d);
                         d
                     })

@@ -50,7 +50,7 @@ impl IdSet {
     #[inline]
     pub(crate) fn insert(&mut self, id: u32) -> bool {
         let mut i = id as usize;
-        if self.levels.first().map_or(true, |l| i / 64 >= l.len()) {
+        if self.levels.first().is_none_or(|l| i / 64 >= l.len()) {
             self.grow_to(i + 1);
         }
         let leaf = &mut self.levels[0][i / 64];

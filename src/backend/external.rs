@@ -5,18 +5,18 @@
 //! Everything else (copies, fills, launches, synchronisation) goes to the inner backend of
 //! the same device. Allocations that do not fit in what is left of the region fall through
 //! to the inner backend, so short-lived scratch (a checkpoint's staging buffer) never fails
-//! for want of region bytes; [`ExternalRegion::required_bytes`] says how much a pool needs
-//! for all of its own allocations to come from the region.
+//! for want of region bytes; `Pool::required_bytes` (in `pool`, the layer above) says how
+//! much a pool needs for all of its own allocations to come from the region.
 //!
 //! The region is a stack: an allocation takes the next 256-byte aligned bytes, and freeing
 //! the top allocation (and any freed ones below it) returns their bytes.
 
 use super::{Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, Stream};
 use crate::index::{DevicePtr, Launch};
-use crate::pool::{Overhead, PoolError, PoolSpec};
 use std::sync::{Arc, Mutex};
 
-const ALIGN: u64 = 256;
+/// The alignment of every allocation carved from the region.
+pub const ALIGN: u64 = 256;
 
 /// Allocations of the region, in address order: (offset from the aligned start, bytes, live).
 #[derive(Debug, Default)]
@@ -67,19 +67,6 @@ impl ExternalRegion {
                 reason: format!("region {ptr:#x} + {bytes} bytes holds no 256-byte aligned byte"),
             }),
         }
-    }
-
-    /// Bytes a pool for `spec` allocates for itself (planes, indexer cache, descriptors),
-    /// counting the 256-byte alignment of each: a region this large holds all of them.
-    pub fn required_bytes(spec: &PoolSpec) -> Result<u64, PoolError> {
-        let o = Overhead::estimate(spec, None)?;
-        // Planes are padded to 256 bytes each, the indexer pools likewise (at most two).
-        let pad = ALIGN * (spec.plane_widths.len() as u64 + 2 + 1);
-        o.plane_bytes
-            .checked_add(o.indexer_bytes)
-            .and_then(|x| x.checked_add(o.descriptor_bytes))
-            .and_then(|x| x.checked_add(pad))
-            .ok_or(PoolError::Overflow("external region bytes"))
     }
 
     /// Whether `ptr` lies in the region.

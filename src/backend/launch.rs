@@ -2,7 +2,7 @@
 //! by-value parameter, the kernel's index in [`Launch::SYMBOLS`] (the order both device
 //! backends resolve their module's functions in) and the grid.
 //!
-//! Both device backends call [`DeviceLaunch::prepare`] and hand [`DeviceLaunch::params`] to
+//! Both device backends call `DeviceLaunch::prepare` and hand `DeviceLaunch::params` to
 //! `cuLaunchKernel` / `hipModuleLaunchKernel`; the emulation test takes
 //! [`kernel_argument`]'s bytes. Nothing else matches on the launch kind to find its argument.
 

@@ -349,7 +349,7 @@ fn new_pool(
     let mut b = open_backend(name, device as usize).map_err(rejected)?;
     let spec = PoolSpec::from_plan(&plan.report.plan).map_err(rejected)?;
     if let Some((ptr, bytes)) = external {
-        let need = ExternalRegion::required_bytes(&spec).map_err(rejected)?;
+        let need = Pool::required_bytes(&spec).map_err(rejected)?;
         if bytes < need {
             return Err((
                 V4poolStatus::Rejected,
@@ -393,7 +393,7 @@ pub unsafe extern "C" fn v4pool_pool_required_bytes(
 ) -> V4poolStatus {
     guard(|| {
         let spec = PoolSpec::from_plan(&get(plan, "plan")?.report.plan).map_err(rejected)?;
-        *out(out_bytes, "out_bytes")? = ExternalRegion::required_bytes(&spec).map_err(rejected)?;
+        *out(out_bytes, "out_bytes")? = Pool::required_bytes(&spec).map_err(rejected)?;
         Ok(())
     })
 }

@@ -1,6 +1,6 @@
 //! The row space: where every DeepSeek-V4 KV row lives, in rows rather than bytes.
 //!
-//! A port of `shared/spec/seed-v4_pool_geometry.txt`, name for name, so the two read side by
+//! A port of the seed geometry module (`docs/geometry.md`), name for name, so the two read side by
 //! side. Every quantity is an `i64` like the spec's Python ints; every check of the spec is a
 //! [`GeometryError`] variant, and so is everything the spec leaves to chance (a zero or
 //! indivisible block size, overflow, a plane too tall for an i32 index). No input panics.

@@ -1,4 +1,4 @@
-//! The kernel contract (`shared/spec/index-buffers.md`): by-value launch arguments that
+//! The kernel contract (`docs/index-buffers.md`): by-value launch arguments that
 //! every backend takes, and the host reference of every kernel.
 //!
 //! Each `*Args` struct is `#[repr(C)]` and `Pod`, passed to its kernel **by value** as the
@@ -61,7 +61,7 @@ pub struct ClassBuffers {
 pub struct DecodeIndexArgs {
     /// [dense, csa, hca], see `CLASS_*`.
     pub classes: [ClassBuffers; 3],
-    /// i32 [bs]: physical slot per sequence.
+    /// `i32 [bs]`: physical slot per sequence.
     pub state_slot_per_seq: DevicePtr,
     /// i32 [>= T]; -1 = pad.
     pub batch_id_per_token: DevicePtr,
@@ -91,17 +91,17 @@ pub struct PrefillIndexArgs {
     pub csa: WindowParams,
     /// HCA window parameters.
     pub hca: WindowParams,
-    /// i32 [T]
+    /// `i32 [T]`
     pub positions: DevicePtr,
-    /// i32 [T]
+    /// `i32 [T]`
     pub bid_per_token: DevicePtr,
-    /// i32 [bs]
+    /// `i32 [bs]`
     pub chunk_start_per_seq: DevicePtr,
-    /// i32 [bs]
+    /// `i32 [bs]`
     pub cu_seqlens_q_per_seq: DevicePtr,
-    /// i32 [bs]
+    /// `i32 [bs]`
     pub state_slot_per_seq: DevicePtr,
-    /// i32 [bs]
+    /// `i32 [bs]`
     pub n_committed_hca_per_seq: DevicePtr,
     /// i32 [bs, block_table_stride]
     pub block_tables: DevicePtr,
@@ -141,13 +141,13 @@ pub struct PrefillIndexArgs {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct HcaOffsetsArgs {
-    /// i32 [N]
+    /// `i32 [N]`
     pub entry_idx: DevicePtr,
-    /// i32 [N]
+    /// `i32 [N]`
     pub bid_per_entry: DevicePtr,
     /// i32 [bs, block_table_stride]
     pub block_tables: DevicePtr,
-    /// i32 out [N]
+    /// `i32 out [N]`
     pub out: DevicePtr,
     /// Rows of one block's envelope.
     pub envelope_rows: i64,
@@ -190,7 +190,7 @@ pub struct CsaPackArgs {
     pub batch_id_per_token: DevicePtr,
     /// i32 [>= T]; required when `window_size == 0`.
     pub skip_prefix_len_per_token: DevicePtr,
-    /// i32 out [>= indptr[T]]
+    /// `i32 out [>= indptr[T]]`
     pub out: DevicePtr,
     /// Rows of one block's envelope.
     pub envelope_rows: i64,
@@ -233,7 +233,7 @@ pub struct RingWriteArgs {
     pub positions: DevicePtr,
     /// i32 [bs+1]
     pub cu_seqlens_q: DevicePtr,
-    /// i32 [bs]
+    /// `i32 [bs]`
     pub state_slot_per_seq: DevicePtr,
     /// Rows of the layer view; rows outside it are dropped.
     pub view_rows: i64,
@@ -362,7 +362,7 @@ pub struct FillRun {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct FillRunsArgs {
-    /// `FillRun` [num_runs] in device memory.
+    /// `FillRun [num_runs]` in device memory.
     pub runs: DevicePtr,
     /// Runs in the descriptor.
     pub num_runs: i32,
@@ -386,7 +386,7 @@ pub struct CopyRun {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct CopyRunsArgs {
-    /// `CopyRun` [num_runs] in device memory.
+    /// `CopyRun [num_runs]` in device memory.
     pub runs: DevicePtr,
     /// Runs in the descriptor.
     pub num_runs: i32,

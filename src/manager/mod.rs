@@ -32,6 +32,7 @@
 //! work has completed, and [`KvManager::rebalance`] once per step.
 
 pub mod hash;
+mod physical;
 pub mod policy;
 mod store;
 mod tier;
@@ -45,12 +46,15 @@ use crate::checkpoint::{CheckpointError, CheckpointLayout, LayoutId};
 use crate::pool::{Pool, PoolError, SlotLease};
 use crate::sizing::IndexerDtype;
 use hash::BuildPassThrough;
+use physical::{BlockNode, CkptNode, Holder, Node, Nodes, NIL};
+pub use physical::{Candidate, CandidateKind, CkptState, EvictionPolicy, Lru, NodeId};
 use std::collections::HashMap;
 use std::sync::Arc;
 use thiserror::Error;
+pub use tier::Tier;
 
-mod engine;
-pub use engine::{Admission, ManagerStats, RequestId, StoredCheckpoint};
+mod request;
+pub use request::{Admission, ManagerStats, RequestId, StoredCheckpoint};
 
 /// Everything the manager refuses. A refused call changes nothing unless it says so.
 #[derive(Debug, Error)]
@@ -130,177 +134,6 @@ impl Default for ManagerConfig {
     }
 }
 
-const NIL: u32 = u32::MAX;
-
-/// A cached or private block.
-#[derive(Clone, Debug)]
-struct BlockNode {
-    handle: BlockHandle,
-    /// `Some` once committed and in the index (private duplicates stay `None`).
-    hash: Option<BlockHash>,
-    refs: u32,
-    /// The checkpoint record ending at this block, or NIL.
-    ckpt: u32,
-}
-
-/// A checkpoint record's lifecycle state (§6).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CkptState {
-    /// Its store copy is queued; invisible to lookups until `complete_inflight`.
-    Copying,
-    /// Visible; restores may read it.
-    Ready,
-    /// Its block left the index; units go back once no writer or pin needs them.
-    Evicting,
-}
-
-#[derive(Clone, Debug)]
-struct CkptNode {
-    hash: BlockHash,
-    /// The block node it ends at (NIL once unindexed).
-    block: u32,
-    units: Vec<BlockHandle>,
-    state: CkptState,
-    pins: u32,
-    /// Whether a request may drop it when it stores its next rolling checkpoint.
-    rolling: bool,
-    /// Whether a restore has read it: a proven reuse point (a shared system prompt's end, a
-    /// branch), never demoted as superseded when a chain leaves.
-    restored: bool,
-    layout: LayoutId,
-}
-
-#[derive(Clone, Debug)]
-enum Node {
-    Free,
-    Block(BlockNode),
-    Ckpt(CkptNode),
-}
-
-/// Who holds a pool block id (for boundary moves).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Holder {
-    None,
-    Block(u32),
-    Unit(u32, u32),
-}
-
-/// Nodes (blocks and checkpoints) with an intrusive LRU list: `head` is evicted first.
-#[derive(Default)]
-struct Nodes {
-    nodes: Vec<Node>,
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    in_lru: Vec<bool>,
-    free: Vec<u32>,
-    head: u32,
-    tail: u32,
-    /// Blocks the LRU would free if evicted whole (blocks + units of listed checkpoints).
-    lru_blocks: u64,
-}
-
-impl Nodes {
-    fn new() -> Nodes {
-        Nodes { head: NIL, tail: NIL, ..Nodes::default() }
-    }
-    fn insert(&mut self, node: Node) -> u32 {
-        if let Some(i) = self.free.pop() {
-            self.nodes[i as usize] = node;
-            i
-        } else {
-            self.nodes.push(node);
-            self.prev.push(NIL);
-            self.next.push(NIL);
-            self.in_lru.push(false);
-            (self.nodes.len() - 1) as u32
-        }
-    }
-    fn remove(&mut self, i: u32) -> Node {
-        self.unlink(i);
-        self.free.push(i);
-        std::mem::replace(&mut self.nodes[i as usize], Node::Free)
-    }
-    fn block(&self, i: u32) -> &BlockNode {
-        match &self.nodes[i as usize] {
-            Node::Block(b) => b,
-            _ => unreachable!("node {i} is not a block"),
-        }
-    }
-    fn block_mut(&mut self, i: u32) -> &mut BlockNode {
-        match &mut self.nodes[i as usize] {
-            Node::Block(b) => b,
-            _ => unreachable!("node {i} is not a block"),
-        }
-    }
-    fn ckpt(&self, i: u32) -> &CkptNode {
-        match &self.nodes[i as usize] {
-            Node::Ckpt(c) => c,
-            _ => unreachable!("node {i} is not a checkpoint"),
-        }
-    }
-    fn ckpt_mut(&mut self, i: u32) -> &mut CkptNode {
-        match &mut self.nodes[i as usize] {
-            Node::Ckpt(c) => c,
-            _ => unreachable!("node {i} is not a checkpoint"),
-        }
-    }
-    fn weight(&self, i: u32) -> u64 {
-        match &self.nodes[i as usize] {
-            Node::Ckpt(c) => c.units.len() as u64,
-            _ => 1,
-        }
-    }
-    /// Append (or move) `i` to the most-recently-used end.
-    fn touch(&mut self, i: u32) {
-        self.unlink(i);
-        let iu = i as usize;
-        self.prev[iu] = self.tail;
-        self.next[iu] = NIL;
-        if self.tail != NIL {
-            self.next[self.tail as usize] = i;
-        } else {
-            self.head = i;
-        }
-        self.tail = i;
-        self.in_lru[iu] = true;
-        self.lru_blocks += self.weight(i);
-    }
-    /// Put `i` at the evicted-first end.
-    fn touch_front(&mut self, i: u32) {
-        self.unlink(i);
-        let iu = i as usize;
-        self.next[iu] = self.head;
-        self.prev[iu] = NIL;
-        if self.head != NIL {
-            self.prev[self.head as usize] = i;
-        } else {
-            self.tail = i;
-        }
-        self.head = i;
-        self.in_lru[iu] = true;
-        self.lru_blocks += self.weight(i);
-    }
-    fn unlink(&mut self, i: u32) {
-        let iu = i as usize;
-        if !self.in_lru[iu] {
-            return;
-        }
-        let (p, n) = (self.prev[iu], self.next[iu]);
-        if p != NIL {
-            self.next[p as usize] = n;
-        } else {
-            self.head = n;
-        }
-        if n != NIL {
-            self.prev[n as usize] = p;
-        } else {
-            self.tail = p;
-        }
-        self.in_lru[iu] = false;
-        self.lru_blocks -= self.weight(i);
-    }
-}
-
 /// The request-level KV manager over one [`Pool`]. See the module docs.
 pub struct KvManager {
     pool: Arc<Pool>,
@@ -310,10 +143,12 @@ pub struct KvManager {
     units_per_ckpt: u32,
     block_size: u64,
     policy: Box<dyn SplitPolicy>,
+    /// Which evictable node goes first ([`Lru`] unless [`KvManager::set_eviction_policy`]).
+    eviction: Box<dyn EvictionPolicy>,
     nodes: Nodes,
     index: HashMap<BlockHash, u32, BuildPassThrough>,
     by_id: Vec<Holder>,
-    requests: Vec<engine::Slot>,
+    requests: Vec<request::Slot>,
     free_requests: Vec<u32>,
     /// Checkpoints whose store copy is queued.
     copying: Vec<u32>,
@@ -376,6 +211,7 @@ impl KvManager {
             units_per_ckpt,
             block_size,
             policy,
+            eviction: Box::new(Lru),
             nodes: Nodes::new(),
             index: HashMap::default(),
             by_id: vec![Holder::None; capacity],
@@ -399,6 +235,16 @@ impl KvManager {
         m.pool.resize(0, slots)?;
         m.pool.resize(blocks, slots)?;
         Ok(m)
+    }
+
+    /// Replace the eviction policy (default [`Lru`]); takes effect at the next eviction.
+    pub fn set_eviction_policy(&mut self, policy: Box<dyn EvictionPolicy>) {
+        self.eviction = policy;
+    }
+
+    /// The eviction policy's name.
+    pub fn eviction_policy_name(&self) -> &'static str {
+        self.eviction.name()
     }
 
     /// The pool underneath.
@@ -604,11 +450,14 @@ impl KvManager {
         }
         let mut free = u64::from(free);
         while free < u64::from(need) {
-            let head = self.nodes.head;
-            if head == NIL {
+            if self.nodes.head == NIL {
                 break;
             }
-            free += self.evict(head)?;
+            let victim = self.eviction.victim(&mut self.nodes.candidates());
+            let Some(victim) = victim.filter(|&v| self.nodes.is_candidate(v)) else {
+                return Err(ManagerError::Config("the eviction policy chose no evictable node"));
+            };
+            free += self.evict(victim.0)?;
         }
         if free < u64::from(need) {
             return Err(ManagerError::OutOfBlocks { need: u64::from(need), available: free });

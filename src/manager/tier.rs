@@ -26,6 +26,73 @@ use super::{BlockHash, BlockNode, CkptState, Holder, KvManager, ManagerError, Ma
 use crate::alloc::BlockHandle;
 use crate::pool::Pool;
 use crate::transfer::{HostTier, HostTierError};
+use std::hash::Hash;
+
+/// A store below HBM that the manager's evicted block units spill to and come back from,
+/// byte-exact, keyed by `K`, with its own recency and budget. The manager drives it (what
+/// spills is what eviction takes) and forgets what it reports dropped. [`HostTier`] — host
+/// memory of the pool's backend, page-locked on CUDA — is the implementation the manager
+/// builds (`ManagerConfig::host_tier_bytes`); another tier (disk, a remote store) implements
+/// these calls and is constructed in `ManagerTier::new`.
+pub trait Tier<K>: Send {
+    /// Bytes of one block unit.
+    fn unit_bytes(&self) -> u64;
+    /// Units the budget holds.
+    fn capacity_units(&self) -> u64;
+    /// Units held now.
+    fn used_units(&self) -> u64;
+    /// Whether nothing is held.
+    fn is_empty(&self) -> bool;
+    /// Whether `key` is held.
+    fn contains(&self, key: &K) -> bool;
+    /// Held keys, least recent first.
+    fn lru_order(&self) -> Vec<K>;
+    /// Mark `key` most recent; whether it is held.
+    fn touch(&mut self, key: &K) -> bool;
+    /// Drop `key`; whether it was held.
+    fn evict(&mut self, key: &K) -> bool;
+    /// Copy `blocks` (block units of `pool`) out under `key`, dropping least recent entries for
+    /// room; returns the keys dropped.
+    fn spill(&mut self, pool: &Pool, key: K, blocks: &[BlockHandle]) -> Result<Vec<K>, HostTierError>;
+    /// Copy `key`'s units back into fresh blocks of `pool` (all or nothing) and drop it here.
+    fn restore(&mut self, pool: &Pool, key: &K) -> Result<Vec<BlockHandle>, HostTierError>;
+}
+
+impl<K: Eq + Hash + Clone + Send> Tier<K> for HostTier<K>
+where
+    HostTier<K>: Send,
+{
+    fn unit_bytes(&self) -> u64 {
+        HostTier::unit_bytes(self)
+    }
+    fn capacity_units(&self) -> u64 {
+        HostTier::capacity_units(self)
+    }
+    fn used_units(&self) -> u64 {
+        HostTier::used_units(self)
+    }
+    fn is_empty(&self) -> bool {
+        HostTier::is_empty(self)
+    }
+    fn contains(&self, key: &K) -> bool {
+        HostTier::contains(self, key)
+    }
+    fn lru_order(&self) -> Vec<K> {
+        HostTier::lru_order(self)
+    }
+    fn touch(&mut self, key: &K) -> bool {
+        HostTier::touch(self, key)
+    }
+    fn evict(&mut self, key: &K) -> bool {
+        HostTier::evict(self, key)
+    }
+    fn spill(&mut self, pool: &Pool, key: K, blocks: &[BlockHandle]) -> Result<Vec<K>, HostTierError> {
+        HostTier::spill(self, pool, key, blocks)
+    }
+    fn restore(&mut self, pool: &Pool, key: &K) -> Result<Vec<BlockHandle>, HostTierError> {
+        HostTier::restore(self, pool, key)
+    }
+}
 
 /// What the tier holds: a block's unit, or the units of the checkpoint ending at a block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -36,7 +103,7 @@ pub(super) enum TierKey {
 
 /// The host tier with the manager's counts of what it holds.
 pub(super) struct ManagerTier {
-    host: HostTier<TierKey>,
+    host: Box<dyn Tier<TierKey>>,
     blocks: u64,
     ckpts: u64,
 }
@@ -48,7 +115,7 @@ impl ManagerTier {
         if budget == 0 {
             return Ok(None);
         }
-        let host = HostTier::new(pool, budget)?;
+        let host: Box<dyn Tier<TierKey>> = Box::new(HostTier::new(pool, budget)?);
         if host.capacity_units() == 0 {
             return Err(ManagerError::Config("host tier budget is below one block unit"));
         }

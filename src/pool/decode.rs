@@ -235,6 +235,7 @@ impl PoolBounds {
 /// Checks one sequence shared by decode and prefill staging: position live, context
 /// within what the tables and the pool can index, table length, and (when `ids`) every id
 /// a block of the pool. Returns the blocks the context needs.
+#[allow(clippy::too_many_arguments)] // one input per rule checked; a struct would only rename them
 pub(crate) fn check_seq(
     seq: usize,
     position: i64,
@@ -444,8 +445,8 @@ impl DecodeIndexBuffers {
         }
         l.block_tables = take(s.checked_mul(cap.max_blocks_per_seq as u64), 4)?;
         l.meta_end = take(Some(0), 1)?;
-        for c in 0..3 {
-            l.indices[c] = take(t.checked_mul(slice_cap[c]), 4)?;
+        for (at, c) in l.indices.iter_mut().zip(slice_cap) {
+            *at = take(t.checked_mul(c), 4)?;
         }
         for c in 0..3 {
             l.dest_rows[c] = take(Some(t), 4)?;
@@ -572,8 +573,6 @@ impl DecodeIndexBuffers {
             hca_rows_per_block: self.hca_rows_per_block,
             num_tokens: self.cap.max_tokens as i32,
             win: self.cap.win,
-            // The single-copy values of the retired batched mode (one CSA buffer).
-            ..Default::default()
         }
     }
 
@@ -802,8 +801,8 @@ impl DecodeIndexBuffers {
                 ptr[Class::Hca.index()] += hca + n;
                 // Each slice is within its class's capacity (the context checks bound the
                 // HCA head), and `plan` checked max_tokens × capacity fits an i32.
-                for c in 0..3 {
-                    put_i32(st, l.indptr[c], t + 1, ptr[c] as i32);
+                for (&at, &p) in l.indptr.iter().zip(&ptr) {
+                    put_i32(st, at, t + 1, p as i32);
                 }
                 t += 1;
             }
@@ -811,8 +810,8 @@ impl DecodeIndexBuffers {
         // Pad tokens: batch id −1, empty slices (the indptr tail repeats its last value).
         for p in t..cap.max_tokens {
             put_i32(st, l.batch_ids, p, -1);
-            for c in 0..3 {
-                put_i32(st, l.indptr[c], p + 1, ptr[c] as i32);
+            for (&at, &end) in l.indptr.iter().zip(&ptr) {
+                put_i32(st, at, p + 1, end as i32);
             }
         }
         Ok((if tables { l.meta_end } else { l.block_tables } as usize, t))

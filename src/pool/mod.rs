@@ -15,6 +15,7 @@ mod image;
 pub(crate) mod owned;
 mod path;
 pub mod prefill;
+pub mod regions;
 #[cfg(test)]
 mod tests;
 
@@ -33,7 +34,7 @@ use crate::checkpoint::{LayoutId, Loc, Region, RegionCopy};
 use crate::geometry::{GeometryError, UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO};
 use crate::index::{CopyRun, CopyRunsArgs, DevicePtr, FillRun, FillRunsArgs, Launch};
 use crate::sizing::IndexerDtype;
-use crate::transfer::{TransferConfig, TransferRegions};
+use regions::{TransferConfig, TransferRegions};
 use std::sync::{Arc, Mutex, MutexGuard};
 use thiserror::Error;
 
@@ -267,8 +268,8 @@ pub enum PoolError {
     /// A plan with min_slots the value sizes the indexer below what the plane can hold; pools need min_slots 0.
     MinSlots(i64),
     #[error(transparent)]
-    /// A failure of the layer below ([`crate::transfer::TransferError`]).
-    Transfer(#[from] crate::transfer::TransferError),
+    /// The transfer regions could not be computed ([`regions::TransferError`]).
+    Transfer(#[from] regions::TransferError),
     #[error(transparent)]
     /// A failure of the layer below ([`crate::checkpoint::CheckpointError`]).
     Checkpoint(#[from] crate::checkpoint::CheckpointError),
@@ -409,6 +410,23 @@ impl Overhead {
     /// The pool's own bytes (descriptors, index buffers, host bookkeeping) over the planes'.
     pub fn fraction(&self) -> f64 {
         (self.descriptor_bytes + self.index_bytes + self.host_bytes) as f64 / self.plane_bytes.max(1) as f64
+    }
+}
+
+impl Pool {
+    /// Bytes a pool for `spec` allocates for itself (planes, indexer cache, descriptors),
+    /// counting the 256-byte alignment of each: an
+    /// [`ExternalRegion`](crate::backend::external::ExternalRegion) this large holds all of them.
+    pub fn required_bytes(spec: &PoolSpec) -> Result<u64, PoolError> {
+        use crate::backend::external::ALIGN;
+        let o = Overhead::estimate(spec, None)?;
+        // Planes are padded to 256 bytes each, the indexer pools likewise (at most two).
+        let pad = ALIGN * (spec.plane_widths.len() as u64 + 2 + 1);
+        o.plane_bytes
+            .checked_add(o.indexer_bytes)
+            .and_then(|x| x.checked_add(o.descriptor_bytes))
+            .and_then(|x| x.checked_add(pad))
+            .ok_or(PoolError::Overflow("external region bytes"))
     }
 }
 
@@ -587,7 +605,7 @@ impl Pool {
     pub fn transfer_regions(&self, config: &TransferConfig) -> Result<TransferRegions, PoolError> {
         let g = self.geometry()?;
         let ix = self.spec.indexer.unwrap_or(IndexerDtype::Fp8);
-        Ok(crate::transfer::transfer_regions(
+        Ok(regions::transfer_regions(
             &g,
             &self.spec.plane_widths,
             &self.spec.csa_layers,

@@ -182,8 +182,8 @@ impl PrefillIndexBuffers {
             l.indptr[i] = take(t.checked_add(1))?;
         }
         l.meta_end = take(Some(0))?;
-        for i in 0..4 {
-            l.indices[i] = take(Some(e[i]))?;
+        for (at, n) in l.indices.iter_mut().zip(e) {
+            *at = take(Some(n))?;
         }
         l.total = carve.end();
         if usize::try_from(l.meta_end).is_err() {
@@ -375,8 +375,8 @@ impl PrefillIndexBuffers {
                 ptr[Class::Csa.index()] += pre + csa;
                 ptr[Class::Hca.index()] += pre + hca;
                 ptr[EXTEND] += ext;
-                for i in 0..4 {
-                    put(st, l.indptr[i], t + 1, ptr[i]);
+                for (&at, &p) in l.indptr.iter().zip(&ptr) {
+                    put(st, at, t + 1, p);
                 }
                 t += 1;
             }

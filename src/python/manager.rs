@@ -79,6 +79,7 @@ impl PyKvManager {
     /// keeps blocks of different models or adapters from matching. `host_tier_bytes`: host
     /// memory (page-locked on CUDA) evicted blocks and checkpoints spill to; 0: none.
     #[new]
+    #[allow(clippy::too_many_arguments)] // Python keyword arguments, one per option
     #[pyo3(signature = (pool, policy="elastic", checkpoint_every=16, rolling=true, slots=None, namespace="", host_tier_bytes=0))]
     fn new(
         py: Python<'_>,

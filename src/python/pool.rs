@@ -179,7 +179,7 @@ impl PyPool {
         let (backend, region, keep): (Arc<dyn Backend>, _, _) = match memory {
             None => (backend, None, None),
             Some((ptr, bytes, obj)) => {
-                let need = ExternalRegion::required_bytes(&spec).map_err(lib_err)?;
+                let need = Pool::required_bytes(&spec).map_err(lib_err)?;
                 if bytes < need {
                     return Err(error(
                         "RegionTooSmall",
@@ -303,7 +303,7 @@ impl PyPool {
     #[staticmethod]
     fn required_bytes(plan: &Bound<'_, Plan>) -> PyResult<u64> {
         let spec = PoolSpec::from_plan(&plan.get().report.plan).map_err(lib_err)?;
-        ExternalRegion::required_bytes(&spec).map_err(lib_err)
+        Pool::required_bytes(&spec).map_err(lib_err)
     }
 
     #[getter]

@@ -118,6 +118,18 @@ pub enum EngineError {
         /// Its error text.
         message: String,
     },
+    /// The NIXL C API library is not present (or lacks a symbol, or is the stub build);
+    /// nothing was attempted.
+    #[error("NIXL unavailable: {0}")]
+    NixlUnavailable(String),
+    /// A NIXL call failed (or a transfer did not complete in time).
+    #[error("{call} failed: {message}")]
+    Nixl {
+        /// The failing call.
+        call: &'static str,
+        /// Its status and what it means.
+        message: String,
+    },
 }
 
 /// A byte mover between two pools' memories. See the module docs.

@@ -5,10 +5,13 @@
 //! * [`engine`] — the [`TransferEngine`] interface another transfer library (NIXL, Mooncake)
 //!   can implement: register regions, post a list of `(src, dst, len)` spans, poll; span
 //!   coalescing; the in-process [`LocalEngine`].
-//! * [`handoff`] — prefill → decode handoff of one request between two pools: layout ids
+//! * [`handoff`](mod@handoff) — prefill → decode handoff of one request between two pools: layout ids
 //!   compared first, the receiver's blocks and slot reserved all-or-nothing, the request's
 //!   blocks and whole slot sent as a few coalesced spans, the request rebound on the receiver.
 //! * [`nccl`] — the two-GPU engine over NCCL, loaded at run time.
+//! * [`nixl`] — the engine over NIXL (UCX: RDMA, TCP, shared memory, CUDA copies), its C API
+//!   loaded at run time; two agents in one process, or an initiator writing to another
+//!   process's agent.
 //! * [`host_tier`] — a host-memory (pinned on CUDA) tier that cached blocks and checkpoint
 //!   units spill to instead of being dropped, LRU within a byte budget.
 
@@ -18,12 +21,27 @@ pub mod engine;
 pub mod handoff;
 pub mod host_tier;
 pub mod nccl;
-pub mod regions;
+pub mod nixl;
+/// The regions are pool code (computed from the carved geometry, under the pool); re-exported
+/// here, where connectors look for them.
+pub use crate::pool::regions;
 
 pub use engine::{coalesce, LocalEngine, MemRegion, RegionId, Span, TransferEngine, TransferTicket};
 pub use handoff::{handoff, Endpoint, HandoffError, HandoffPlan, Rebound, RequestKv, WireShape};
 pub use host_tier::{HostTier, HostTierError};
 pub use regions::*;
+
+impl TransferRegion {
+    /// The region as a transfer library registers it: absolute address, length and item
+    /// length, given the base addresses of the plane allocation and of the indexer.
+    pub fn export(&self, planes_base: u64, indexer_base: u64) -> MemRegion {
+        let base = match self.alloc {
+            Alloc::Planes => planes_base,
+            Alloc::Indexer => indexer_base,
+        };
+        MemRegion { addr: base + self.base, len: self.total_bytes, item_len: self.unit_bytes }
+    }
+}
 
 /// The §7 regions of `pool` at its current split, exported as `(role, (address, length,
 /// item length))` for an engine's own registration: block regions, then slot regions.

@@ -152,7 +152,7 @@ pub fn expected(pool: &Pool, layer: usize, batch: &[GatherSeq], wd: usize) -> Ve
         for i in 0..wd as i64 {
             let p = s.anchor - (wd as i64 - 1) + i;
             if p < 0 {
-                out.extend(std::iter::repeat(0u16).take(512));
+                out.extend(std::iter::repeat_n(0u16, 512));
                 continue;
             }
             let row: Vec<u8> = if ratio == ABSENT_RATIO {

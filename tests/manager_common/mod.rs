@@ -262,8 +262,8 @@ fn update_state(pool: &Arc<Pool>, lease: SlotLease, t: &[u32], from: usize, to: 
         }
     }
     let mut digests = Vec::with_capacity(to - from);
-    for p in from..to {
-        let tok = u64::from(t[p]) ^ ((p as u64) << 32);
+    for (p, &token) in t.iter().enumerate().take(to).skip(from) {
+        let tok = u64::from(token) ^ ((p as u64) << 32);
         for r in rings.iter_mut() {
             let k = r.c.window() as usize;
             let mut h = mix(tok ^ (r.layer << 56) ^ ((r.c as u64) << 60));

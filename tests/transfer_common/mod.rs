@@ -8,6 +8,7 @@ use v4pool::checkpoint::layout_id;
 use v4pool::model::ModelShape;
 use v4pool::pool::{Pool, PoolSpec};
 use v4pool::sizing::{IndexerDtype, KvDtype, PoolLayout};
+use v4pool::transfer::{Rebound, RequestKv};
 
 /// A V4 pool of `model` (fp8 KV, fp8 indexer) with `blocks` blocks and `slots` slots (plane
 /// sized for exactly that, so the boundary cannot grow past it), and its layout id.
@@ -115,4 +116,149 @@ pub fn paired_runs(pairs: &[(u32, u32)]) -> usize {
     sorted.sort_unstable();
     sorted.windows(2).filter(|w| !(w[1].0 == w[0].0 + 1 && w[1].1 == w[0].1 + 1)).count()
         + usize::from(!pairs.is_empty())
+}
+
+/// The word [`poison_pool`] fills a pool with (never zero: a zeroed pool would pass).
+pub const POISON: u32 = 0xa5c3_5a3c;
+
+/// Fill every byte of `pool` with `POISON` (device fill).
+pub fn poison_pool(pool: &Pool) {
+    assert_ne!(POISON, 0);
+    for (addr, len) in all_ranges(pool) {
+        // SAFETY: the pool's own planes and indexer; lengths are multiples of 4 (row widths
+        // and indexer blocks are).
+        unsafe { pool.backend().fill_u32(addr, len / 4, POISON, pool.stream()).unwrap() };
+    }
+    pool.backend().synchronize(pool.stream()).unwrap();
+}
+
+/// A prefill's request of `tokens` on `pool` (blocks of 256 tokens): fresh blocks, random bytes in them and in
+/// its whole slot.
+pub fn random_request(pool: &Pool, tokens: i64, rng: &mut crate::common::Rng) -> RequestKv {
+    let slot = pool.alloc_slot().unwrap();
+    let n = (tokens + 255) / 256;
+    let blocks: Vec<_> = (0..n).map(|_| pool.alloc_block().unwrap().handle).collect();
+    // Random bytes across the planes and indexer in large uploads (every block gets some).
+    for (addr, len) in all_ranges(pool) {
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(256 << 20);
+            let mut buf = vec![0u8; n as usize];
+            rng.fill(&mut buf);
+            // SAFETY: inside the pool's own allocation.
+            unsafe { pool.backend().upload(addr + at, &buf, pool.stream()).unwrap() };
+            at += n;
+        }
+    }
+    pool.backend().synchronize(pool.stream()).unwrap();
+    RequestKv { blocks, slot: slot.handle, context_len: tokens as u64 }
+}
+
+/// Everything the request owns on `pool`, per block and slot, as one byte vector.
+pub fn request_bytes(pool: &Pool, blocks: &[u32], position: i64) -> Vec<u8> {
+    let mut ranges = Vec::new();
+    for &b in blocks {
+        ranges.extend(block_ranges(pool, b));
+    }
+    ranges.extend(slot_ranges(pool, position));
+    read(pool, &ranges)
+}
+
+/// Receiver words outside the request that still hold the poison, and all such words.
+pub fn untouched_outside(pool: &Pool, out: &Rebound) -> (u64, u64) {
+    let mut inside: Vec<(u64, u64)> = slot_ranges(pool, out.slot.position);
+    for b in &out.blocks {
+        inside.extend(block_ranges(pool, b.id));
+    }
+    inside.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::new();
+    for (a, n) in inside {
+        match merged.last_mut() {
+            Some(m) if m.0 + m.1 == a => m.1 += n,
+            _ => merged.push((a, n)),
+        }
+    }
+    let (mut poisoned, mut words) = (0u64, 0u64);
+    for (base, len) in all_ranges(pool) {
+        let mut at = base;
+        let ends = merged.iter().filter(|m| m.0 >= base && m.0 < base + len).copied();
+        for (gap_start, gap_end) in ends.map(|m| (m.0, m.0 + m.1)).chain([(base + len, base + len)]) {
+            if gap_start > at {
+                let bytes = read(pool, &[(at, gap_start - at)]);
+                words += bytes.len() as u64 / 4;
+                poisoned += bytes
+                    .chunks_exact(4)
+                    .filter(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) == POISON)
+                    .count() as u64;
+            }
+            at = at.max(gap_end);
+        }
+    }
+    (poisoned, words)
+}
+
+/// The receiver holds exactly the sender's request: every block (in table order) and the
+/// whole slot byte-identical, the window rows too, and every receiver word outside the
+/// request still `POISON` (see [`poison_pool`]). Returns the words checked outside.
+pub fn check_received(
+    name: &str,
+    tokens: i64,
+    sender: &Pool,
+    receiver: &Pool,
+    req: &RequestKv,
+    out: &Rebound,
+) -> u64 {
+    let sp = sender.slot_position(req.slot).unwrap();
+    assert_eq!(req.blocks.len(), out.blocks.len());
+    // Unit by unit (a 1M-token request is gigabytes: no copy of it all at once).
+    for (i, (a, b)) in req.blocks.iter().zip(&out.blocks).enumerate() {
+        assert!(
+            same_bytes(sender, &block_ranges(sender, a.id), receiver, &block_ranges(receiver, b.id)),
+            "{name} {tokens}: block {i} of the table (ids {} -> {}) differs",
+            a.id,
+            b.id
+        );
+    }
+    assert!(
+        same_bytes(sender, &slot_ranges(sender, sp), receiver, &slot_ranges(receiver, out.slot.position)),
+        "{name} {tokens}: slot differs"
+    );
+    assert_eq!(
+        read(receiver, &window_ranges(receiver, out.slot.position)),
+        read(sender, &window_ranges(sender, sp)),
+        "{name} {tokens}: window rows differ"
+    );
+    let (poisoned, words) = untouched_outside(receiver, out);
+    assert_eq!(poisoned, words, "{name} {tokens}: receiver bytes outside the request changed");
+    words
+}
+
+/// Whether `a`'s ranges of pool `pa` hold the same bytes as `b`'s of pool `pb` (pairwise, equal
+/// lengths), read range by range.
+pub fn same_bytes(pa: &Pool, a: &[(u64, u64)], pb: &Pool, b: &[(u64, u64)]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(&ra, &rb)| ra.1 == rb.1 && read(pa, &[ra]) == read(pb, &[rb]))
+}
+
+/// Whether the NIXL library loads (else print SKIP, or panic with `V4POOL_REQUIRE_NIXL=1`).
+/// First sets each of `ucx_defaults` the environment lacks, once per process and before any
+/// agent exists (UCX reads its settings when an agent's backend starts).
+pub fn nixl_or_skip(test: &str, ucx_defaults: &[(&str, &str)]) -> bool {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        for &(k, v) in ucx_defaults {
+            if std::env::var_os(k).is_none() {
+                std::env::set_var(k, v);
+            }
+        }
+    });
+    match v4pool::transfer::nixl::unavailable_reason() {
+        None => true,
+        Some(why) => {
+            if std::env::var("V4POOL_REQUIRE_NIXL").is_ok_and(|v| v == "1") {
+                panic!("{test}: V4POOL_REQUIRE_NIXL=1 but NIXL is unavailable: {why}");
+            }
+            println!("SKIP: {test}: NIXL unavailable ({why})");
+            false
+        }
+    }
 }

@@ -4,7 +4,6 @@
 //! backend owns.
 
 use super::driver::{check, error_text, unavailable, CudaStaging};
-use super::graph::{CudaEvent, GraphCapture};
 use super::module::{candidates, device, load_image, resolve, Device, ModuleSource};
 use super::KIND;
 use crate::backend::launch::{DeviceLaunch, NO_PARAMS};
@@ -38,7 +37,9 @@ unsafe impl Sync for Inner {}
 /// The CUDA backend on one device. Cheap to clone (clones share the stream and staging).
 #[derive(Clone)]
 pub struct CudaBackend {
-    inner: Arc<Inner>,
+    // `pub(super)`: graph.rs adds the capture and event constructors (it builds on this file;
+    // this file never names graph.rs).
+    pub(super) inner: Arc<Inner>,
 }
 
 impl fmt::Debug for CudaBackend {
@@ -211,32 +212,6 @@ impl CudaBackend {
         // SAFETY: context current; `stream` is the caller's live stream or ours.
         check("cuStreamIsCapturing", unsafe { sys::cuStreamIsCapturing(stream, &mut status) })?;
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-    }
-
-    /// Start recording the work queued on `stream` into a graph. Until [`GraphCapture::end`]
-    /// nothing runs; uploads, downloads and allocation are refused on that stream (and
-    /// allocation is illegal on this thread) while capturing.
-    pub fn begin_capture(&self, stream: Stream) -> Result<GraphCapture, BackendError> {
-        self.bind()?;
-        let raw = self.inner.stream(stream);
-        // SAFETY: context current. Thread-local mode: other threads (other tests, the
-        // engine's allocator) may keep calling the driver while this stream records.
-        check("cuStreamBeginCapture_v2", unsafe {
-            sys::cuStreamBeginCapture_v2(raw, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        })?;
-        Ok(GraphCapture { inner: self.inner.clone(), stream: raw, ended: false })
-    }
-
-    /// A timing event (created with `CU_EVENT_DEFAULT`: the default-flag path that records
-    /// timestamps).
-    pub fn event(&self) -> Result<CudaEvent, BackendError> {
-        self.bind()?;
-        let mut ev: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: context current; valid out-pointer.
-        check("cuEventCreate", unsafe {
-            sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DEFAULT as u32)
-        })?;
-        Ok(CudaEvent { inner: self.inner.clone(), event: ev })
     }
 
     /// Launch `f` with an explicit shape; `params` is the driver's `kernelParams` (see

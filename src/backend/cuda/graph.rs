@@ -3,12 +3,40 @@
 //! batch-dependent value lives behind a persistent pointer, [`CudaGraph::replay`] runs the same
 //! launches on new contents. [`CudaEvent`] times work on a stream.
 
-use super::backend::{bind, Inner};
+use super::backend::{bind, CudaBackend, Inner};
 use super::driver::check;
 use crate::backend::{BackendError, Stream};
 use cudarc::driver::sys;
 use std::fmt;
 use std::sync::Arc;
+
+impl CudaBackend {
+    /// Start recording the work queued on `stream` into a graph. Until [`GraphCapture::end`]
+    /// nothing runs; uploads, downloads and allocation are refused on that stream (and
+    /// allocation is illegal on this thread) while capturing.
+    pub fn begin_capture(&self, stream: Stream) -> Result<GraphCapture, BackendError> {
+        bind(&self.inner.device)?;
+        let raw = self.inner.stream(stream);
+        // SAFETY: context current. Thread-local mode: other threads (other tests, the
+        // engine's allocator) may keep calling the driver while this stream records.
+        check("cuStreamBeginCapture_v2", unsafe {
+            sys::cuStreamBeginCapture_v2(raw, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        })?;
+        Ok(GraphCapture { inner: self.inner.clone(), stream: raw, ended: false })
+    }
+
+    /// A timing event (created with `CU_EVENT_DEFAULT`: the default-flag path that records
+    /// timestamps).
+    pub fn event(&self) -> Result<CudaEvent, BackendError> {
+        bind(&self.inner.device)?;
+        let mut ev: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: context current; valid out-pointer.
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DEFAULT as u32)
+        })?;
+        Ok(CudaEvent { inner: self.inner.clone(), event: ev })
+    }
+}
 
 /// A stream being recorded; [`GraphCapture::end`] turns it into a [`CudaGraph`]. Dropped
 /// without `end`, the capture is ended and discarded.

@@ -3,7 +3,7 @@
 //! * **No crash without a GPU.** cudarc's dynamic loading panics at the first driver call
 //!   when libcuda is absent, so [`is_available`] and [`CudaBackend::new`] probe for the
 //!   library (and for every driver symbol this file calls) before touching it; a machine
-//!   with no driver or no device gets [`BackendError::Unavailable`].
+//!   with no driver or no device gets [`BackendError::Unavailable`](crate::backend::BackendError::Unavailable).
 //! * **Kernels, once per process.** The module is loaded once per device and kept for the
 //!   life of the process (its primary context stays retained, so the handles never go
 //!   stale): the embedded sm_90 cubin when the device is a 9.x part, else the embedded PTX
@@ -14,7 +14,7 @@
 //!   (`Stream(raw CUstream)`), and `Stream::DEFAULT` is a non-blocking stream this backend
 //!   owns. Kernel arguments are the `*Args` struct by value, the kernel's single parameter.
 //! * **No host synchronisation on the index path.** Uploads go through the pinned staging
-//!   ring both device backends share ([`crate::backend::staging`]), so `upload` returns as
+//!   ring both device backends share (`backend::staging`), so `upload` returns as
 //!   soon as the bytes are staged, without waiting for the stream; the ring holds at least
 //!   four of the largest upload seen (up to 256 MiB), so it only waits when the device is
 //!   that far behind, and once when it grows. Launches and

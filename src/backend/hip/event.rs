@@ -6,7 +6,7 @@ use crate::backend::{BackendError, Stream};
 use std::ffi::c_int;
 use std::fmt;
 
-/// A timing event; see [`HipBackend::event`].
+/// A timing event; see [`HipBackend::event`](super::HipBackend::event).
 pub struct HipEvent {
     pub(super) api: &'static HipApi,
     pub(super) ordinal: c_int,

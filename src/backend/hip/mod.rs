@@ -1,8 +1,8 @@
-//! The HIP backend (AMD GPUs, MI300 = gfx942 first): the same [`Backend`] as CUDA and host.
+//! The HIP backend (AMD GPUs, MI300 = gfx942 first): the same [`Backend`](crate::backend::Backend) as CUDA and host.
 //!
 //! Nothing of ROCm is linked: `libamdhip64` is opened at run time with `libloading`, and
 //! `libhiprtc` only when a run-time compile is needed, so the crate builds and runs on a
-//! machine without ROCm, where [`HipBackend::new`] returns [`BackendError::Unavailable`].
+//! machine without ROCm, where [`HipBackend::new`] returns [`BackendError::Unavailable`](crate::backend::BackendError::Unavailable).
 //!
 //! # Which code runs
 //!
@@ -28,10 +28,10 @@
 //!
 //! # Streams
 //!
-//! Work goes on the caller's `hipStream_t`; [`Stream::DEFAULT`] is a non-blocking stream this
+//! Work goes on the caller's `hipStream_t`; [`Stream::DEFAULT`](crate::backend::Stream::DEFAULT) is a non-blocking stream this
 //! backend owns. Every call first makes the backend's device current on the calling thread.
 //! Uploads up to 64 MiB go through the pinned staging ring both device backends share
-//! ([`crate::backend::staging`]), so `upload` returns without waiting for the stream; the host
+//! (`backend::staging`), so `upload` returns without waiting for the stream; the host
 //! waits only in `download`, `synchronize`, `alloc_zeroed` (zeros must be in place for every
 //! stream), larger uploads and event timing. Launches go through the same
 //! [`crate::backend::launch`] preparation as CUDA's: checked with
@@ -64,7 +64,7 @@ use std::ffi::{c_int, c_uint, c_void};
 const KIND: BackendKind = BackendKind::Hip;
 
 /// Every kernel symbol the backend looks up when it loads a module (a module lacking one is
-/// [`BackendError::MissingKernel`]); the code-object test checks exactly this list.
+/// [`BackendError::MissingKernel`](crate::backend::BackendError::MissingKernel)); the code-object test checks exactly this list.
 pub const KERNEL_SYMBOLS: [&str; Launch::SYMBOLS.len()] = Launch::SYMBOLS;
 
 /// Offset of `gcnArchName[256]` in `hipDeviceProp_tR0600` (ROCm 6.x/7.x `hip_runtime_api.h`:

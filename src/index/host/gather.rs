@@ -81,6 +81,7 @@ fn row_range(row: i64, width: u64, len: usize, buffer: &'static str) -> Result<s
 /// is zeros when `p < 0`, else the source row `window_row(params, slot, p)` as 512 bf16.
 /// Sequences with a negative slot (pads) are not written. A row outside `[0, view_rows)` is an
 /// error here (the device skips it; a staged lease never reaches one).
+#[allow(clippy::too_many_arguments)] // the kernel's argument list, one for one
 pub fn window_gather(
     params: &WindowParams,
     planes: GatherPlanes<'_>,

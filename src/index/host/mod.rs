@@ -266,6 +266,7 @@ impl BlockTables<'_> {
 }
 
 /// Writes `out[start + e] = table[seq][e / rpb] * envelope + e % rpb` for `e < count` (§4).
+#[allow(clippy::too_many_arguments)] // the head's inputs as the kernel takes them
 fn write_compressed(
     out: &mut [i32],
     start: i64,

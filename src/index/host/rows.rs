@@ -34,6 +34,7 @@ fn copy_row(plane: &mut PlaneRows<'_>, src_row: i64, dst_row: i64) -> Result<()>
 
 /// §7 ring write: the last `min(tok, write_per_batch)` tokens of each sequence to their window
 /// rows in every plane; rows outside `[0, view_rows)` are dropped.
+#[allow(clippy::too_many_arguments)] // the kernel's argument list, one for one
 pub fn ring_write(
     params: &WindowParams,
     planes: &mut [PlaneRows<'_>],

@@ -130,16 +130,6 @@ impl TransferRegion {
     pub fn units(&self) -> u64 {
         self.total_bytes.checked_div(self.unit_bytes).unwrap_or(0)
     }
-    /// The region as a transfer library registers it: absolute address, length and item
-    /// length, given the base addresses of the plane allocation and of the indexer.
-    pub fn export(&self, planes_base: u64, indexer_base: u64) -> super::MemRegion {
-        let base = match self.alloc {
-            Alloc::Planes => planes_base,
-            Alloc::Indexer => indexer_base,
-        };
-        super::MemRegion { addr: base + self.base, len: self.total_bytes, item_len: self.unit_bytes }
-    }
-
     /// Offset in `alloc` of unit `unit` (a block id, or a group for slot regions).
     pub fn unit_offset(&self, unit: i64) -> Result<u64, TransferError> {
         let units = self.units();
