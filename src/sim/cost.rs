@@ -499,12 +499,14 @@ fn solve(mut a: Vec<Vec<f64>>, mut b: Vec<f64>) -> Option<Vec<f64>> {
         }
         a.swap(col, piv);
         b.swap(col, piv);
-        for r in col + 1..n {
-            let f = a[r][col] / a[col][col];
-            for k in col..n {
-                a[r][k] -= f * a[col][k];
+        let (upper, lower) = a.split_at_mut(col + 1);
+        let pivot = &upper[col];
+        for (i, row) in lower.iter_mut().enumerate() {
+            let f = row[col] / pivot[col];
+            for (v, p) in row[col..].iter_mut().zip(&pivot[col..]) {
+                *v -= f * p;
             }
-            b[r] -= f * b[col];
+            b[col + 1 + i] -= f * b[col];
         }
     }
     let mut x = vec![0.0; n];

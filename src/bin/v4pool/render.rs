@@ -266,8 +266,8 @@ const RUN_COLORS: [&str; 6] = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7
 fn latency_cdfs(s: &mut String, reports: &[SimReport], w: f64) {
     let (top, ph) = (50.0, 190.0);
     let pw = (w - 120.0) / 2.0;
-    let panels: [(&str, fn(&TimeReport) -> &LatencyHistogram); 2] =
-        [("TTFT (ms, log)", |t| &t.ttft_ms), ("TPOT (ms, log)", |t| &t.tpot_ms)];
+    type Pick = fn(&TimeReport) -> &LatencyHistogram;
+    let panels: [(&str, Pick); 2] = [("TTFT (ms, log)", |t| &t.ttft_ms), ("TPOT (ms, log)", |t| &t.tpot_ms)];
     for (k, (title, pick)) in panels.iter().enumerate() {
         let x0 = 50.0 + k as f64 * (pw + 40.0);
         let all: Vec<(f64, f64)> =
