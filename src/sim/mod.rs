@@ -21,7 +21,7 @@
 //! In time ([`TimeConfig`]) every step costs what the step-cost model ([`cost`]) charges for
 //! its work, and the runs report TTFT, TPOT, end-to-end latency, throughput per GPU and
 //! goodput ([`TimeReport`]); a Mooncake trace ([`trace`]) replays with its own arrivals;
-//! [`bench`] replays a published benchmark cell. `docs/simulate.md` has the model, its
+//! [`bench`](mod@bench) replays a published benchmark cell. `docs/simulate.md` has the model, its
 //! validation and the results.
 //!
 //! * [`workload`] — the PRNG, the mixes, the lazy arrival stream (benches use it too).
