@@ -410,8 +410,7 @@ impl StateUpdate {
         let mut tokens = 0i64;
         for (b, (s, &slot)) in seqs.iter().zip(&positions).enumerate() {
             let slot = i32_of("slot position", slot)?;
-            for c in 0..CLASSES.len() {
-                let k = self.windows[c];
+            for (plan, &k) in plans.iter_mut().zip(&self.windows) {
                 if k == 0 {
                     continue; // no plan (V4.1's second)
                 }
@@ -442,7 +441,7 @@ impl StateUpdate {
                         return Err(StateUpdateError::DuplicatePosition { seq: b, position: p });
                     }
                     seen |= bit;
-                    plans[c].extend([i32_of("token row", ragged)?, b as i32, i32_of("position", p)?, slot]);
+                    plan.extend([i32_of("token row", ragged)?, b as i32, i32_of("position", p)?, slot]);
                 }
             }
         }
