@@ -129,3 +129,28 @@ fn v41_indexer_rows_survive_a_host_tier_spill_and_restore() {
     }
     drop(hog);
 }
+
+/// At production sizes (100 GiB, 256 sequences) the indexer a V4.1 pool allocates is what
+/// the plan budgeted for it, never more, and planes plus indexer stay inside the budget.
+#[test]
+fn the_v41_indexer_stays_inside_the_plans_budget() {
+    use v4pool::pool::{Overhead, PoolSpec};
+    use v4pool::sizing::{plan, PlanRequest};
+    for model in [ModelShape::v41_flash(0).unwrap(), ModelShape::v41_flash_dspark(5).unwrap()] {
+        let budget = 100u64 << 30;
+        let p = plan(&model, &PlanRequest::new(KvDtype::Bf16, IndexerDtype::Fp8, 256, budget)).unwrap();
+        let spec = PoolSpec::from_plan(&p).unwrap();
+        assert_eq!(spec.csa_layers, vec![2, 8, 14, 20]);
+        let o = Overhead::estimate(&spec, None).unwrap();
+        assert!(o.indexer_bytes > 0, "{}: no indexer", model.name);
+        assert!(
+            o.indexer_bytes <= p.indexer_total_bytes,
+            "{}: {} > {}",
+            model.name,
+            o.indexer_bytes,
+            p.indexer_total_bytes
+        );
+        assert!(o.plane_bytes <= p.planes_total_bytes);
+        assert!(o.indexer_bytes + o.plane_bytes <= budget);
+    }
+}
