@@ -291,7 +291,9 @@ struct PrefillIndexArgs {
     v4p_i32 win;
     v4p_i32 hca_ratio;
     v4p_i32 hca_rows_per_block;
-    v4p_i32 _pad;
+    // 0: V4's coarse slice [window | compressed], the compressed head from the block tables;
+    // 1: the coarse slot packed per layer (V4.1): [top-k head (left to the pack) | window].
+    v4p_i32 coarse_packed;
 };
 V4POOL_CHECK_SIZE(PrefillIndexArgs, 272);
 V4POOL_CHECK_ALIGN(PrefillIndexArgs, 8);
@@ -319,7 +321,7 @@ V4POOL_CHECK_OFFSET(PrefillIndexArgs, num_tokens, 252);
 V4POOL_CHECK_OFFSET(PrefillIndexArgs, win, 256);
 V4POOL_CHECK_OFFSET(PrefillIndexArgs, hca_ratio, 260);
 V4POOL_CHECK_OFFSET(PrefillIndexArgs, hca_rows_per_block, 264);
-V4POOL_CHECK_OFFSET(PrefillIndexArgs, _pad, 268);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, coarse_packed, 268);
 
 struct HcaOffsetsArgs {
     v4p_ptr entry_idx;      // i32 [N]

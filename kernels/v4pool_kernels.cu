@@ -566,7 +566,9 @@ V4P_DEVICE V4pHead v4p_prefill_token(const PrefillIndexArgs& a, v4p_i64 t, v4p_u
     const v4p_i64 ext_at = v4p_in<v4p_i32>(a.extend_indptr)[t];
     const v4p_i64 swa_at = a.swa_indptr != 0 ? (v4p_i64)v4p_in<v4p_i32>(a.swa_indptr)[t] : 0;
     const v4p_i64 csa_end = v4p_in<v4p_i32>(a.csa_indptr)[t + 1];
-    const v4p_i64 hca_at = v4p_in<v4p_i32>(a.hca_indptr)[t];
+    // The coarse slice's window goes at its start ([window | compressed], V4) or, packed per
+    // layer, at its tail as the fine slot's ([head | window], V4.1).
+    const v4p_i64 hca_at = v4p_in<v4p_i32>(a.hca_indptr)[t + (a.coarse_packed != 0 ? 1 : 0)];
     if (b < 0) return none;  // prefill has no pads; a negative id would be a wild read
     const v4p_i64 cs = v4p_in<v4p_i32>(a.chunk_start_per_seq)[b];
     const v4p_i64 cu = v4p_in<v4p_i32>(a.cu_seqlens_q_per_seq)[b];
@@ -583,7 +585,7 @@ V4P_DEVICE V4pHead v4p_prefill_token(const PrefillIndexArgs& a, v4p_i64 t, v4p_u
     const v4p_i64 low = v4p_max(p - win + 1, 0);
     const v4p_u32 ext = v4p_count32(v4p_min(in_chunk + 1, win));
     const v4p_i64 pre = v4p_max(cs - low, 0);
-    const v4p_u32 nh = v4p_count32(v4p_min(by_pos, committed));
+    const v4p_u32 nh = a.coarse_packed != 0 ? 0u : v4p_count32(v4p_min(by_pos, committed));
     // extend: the ext most recent in-chunk tokens' rows in this forward's K, oldest first.
     {
         v4p_i32* dst = v4p_out<v4p_i32>(a.extend_indices) + ext_at;
@@ -597,7 +599,7 @@ V4P_DEVICE V4pHead v4p_prefill_token(const PrefillIndexArgs& a, v4p_i64 t, v4p_u
             return v4p_vec16{e, e + 1, e + 2, e + 3};
         });
     }
-    v4p_i32* out = v4p_out<v4p_i32>(a.hca_indices) + hca_at;
+    v4p_i32* out = v4p_out<v4p_i32>(a.hca_indices) + (a.coarse_packed != 0 ? hca_at - pre : hca_at);
     if (pre > 0) {
         const v4p_u32 first = (v4p_u32)low;
         if (a.swa_indptr != 0)  // dense: the whole slice is window rows
@@ -605,7 +607,7 @@ V4P_DEVICE V4pHead v4p_prefill_token(const PrefillIndexArgs& a, v4p_i64 t, v4p_u
         // CSA: window at the tail, the top-k head is left for the translate-pack.
         v4p_write_window_prefill(v4p_out<v4p_i32>(a.csa_indices) + (csa_end - pre), a.csa, slot, first, pre, lane,
                                  LANES);
-        // HCA: [window | compressed entries].
+        // HCA: [window | compressed entries], or the window tail when packed per layer.
         v4p_write_window_prefill(out, a.hca, slot, first, pre, lane, LANES);
     }
     return V4pHead{out + pre, table, nh, b};

@@ -117,12 +117,61 @@ impl IndexerDtype {
     pub fn layer_block_bytes(self) -> u64 {
         self.pool_block_bytes().iter().sum()
     }
+    /// The indexer cache's layers in each of its pools, `[pool][i]` for the `i`-th of
+    /// `layers` (the layers owning index keys, [`ModelShape::indexer_layers`]): the layer's
+    /// array `[indexer_blocks][block_bytes]` starts `prefix × indexer_blocks` bytes into its
+    /// pool. Every V4 layer takes V4's CSA block ([`Self::pool_block_bytes`]); where the
+    /// geometry has KV sources (V4.1) an owner takes its `block_size / ratio` rows at
+    /// [`Self::pool_row_bytes`] (O8: one plane per KV owner). The one formula every user of
+    /// the indexer cache reads (pool carve, copies, host tier, handoff, regions, checkpoints).
+    pub fn layer_parts(
+        self,
+        geometry: &UnifiedPoolGeometry,
+        layers: &[usize],
+    ) -> Result<Vec<Vec<IndexerPart>>, GeometryError> {
+        let owners = geometry.kv_sources.is_some();
+        let mut out = Vec::with_capacity(self.pool_block_bytes().len());
+        for (&block, &row) in self.pool_block_bytes().iter().zip(self.pool_row_bytes()) {
+            let mut prefix = 0u64;
+            let mut parts = Vec::with_capacity(layers.len());
+            for &l in layers {
+                let block_bytes = if owners {
+                    let rows = u64::try_from(geometry.layer_class(l)?.block_rows)
+                        .map_err(|_| GeometryError::Overflow { what: "indexer rows" })?;
+                    mul(rows, row, "indexer block bytes")?
+                } else {
+                    block
+                };
+                parts.push(IndexerPart { prefix, block_bytes });
+                prefix = add(prefix, block_bytes, "indexer layer prefix")?;
+            }
+            out.push(parts);
+        }
+        Ok(out)
+    }
     /// Lower-case name, as the CLI spells it.
     pub fn name(self) -> &'static str {
         match self {
             IndexerDtype::Fp8 => "fp8",
             IndexerDtype::Fp4 => "fp4",
         }
+    }
+}
+
+/// One index-key layer in one indexer pool ([`IndexerDtype::layer_parts`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexerPart {
+    /// Block bytes of the layers before this one in the pool: the layer starts
+    /// `prefix × indexer_blocks` bytes into the pool.
+    pub prefix: u64,
+    /// Bytes of one block of this layer.
+    pub block_bytes: u64,
+}
+
+impl IndexerPart {
+    /// Byte offset of `block` of this layer in its pool of `indexer_blocks` blocks.
+    pub fn offset(&self, block: u64, indexer_blocks: u64) -> Option<u64> {
+        self.prefix.checked_mul(indexer_blocks)?.checked_add(block.checked_mul(self.block_bytes)?)
     }
 }
 

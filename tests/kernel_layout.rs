@@ -72,7 +72,7 @@ fn rust_checks() -> Checks {
             dense, csa, hca, positions, bid_per_token, chunk_start_per_seq, cu_seqlens_q_per_seq,
             state_slot_per_seq, n_committed_hca_per_seq, block_tables, extend_indptr, extend_indices,
             swa_indptr, swa_indices, csa_indptr, csa_indices, hca_indptr, hca_indices, envelope_rows,
-            block_table_stride, num_tokens, win, hca_ratio, hca_rows_per_block, _pad,
+            block_table_stride, num_tokens, win, hca_ratio, hca_rows_per_block, coarse_packed,
         }
         HcaOffsetsArgs {
             entry_idx, bid_per_entry, block_tables, out, envelope_rows, block_table_stride, rows_per_block,

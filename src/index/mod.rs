@@ -126,7 +126,7 @@ pub struct PrefillIndexArgs {
     pub csa_indices: DevicePtr,
     /// i32 [>= T+1]
     pub hca_indptr: DevicePtr,
-    /// i32 out: `[window rows | compressed]`
+    /// i32 out: `[window rows | compressed]` (`coarse_packed`: `[head | window rows]`)
     pub hca_indices: DevicePtr,
     /// Rows of one block's envelope.
     pub envelope_rows: i64,
@@ -140,8 +140,11 @@ pub struct PrefillIndexArgs {
     pub hca_ratio: i32,
     /// HCA rows one block holds per layer (`block_size / 128`).
     pub hca_rows_per_block: i32,
-    /// Padding to the C layout.
-    pub _pad: i32,
+    /// 0: V4's coarse slice `[window rows | compressed]`, the compressed head from the block
+    /// tables (class-wide). 1: the coarse slot is filled per layer by the translate-pack
+    /// (V4.1, `UnifiedPoolGeometry::coarse_head_fill` false): `[top-k head (left to the
+    /// pack) | window rows]`, as the CSA slice; the builder writes only the window tail.
+    pub coarse_packed: i32,
 }
 
 /// HCA compressed offsets (§4) as a standalone gather.

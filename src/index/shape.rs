@@ -56,8 +56,12 @@ pub fn prefill_short(a: &PrefillIndexArgs) -> bool {
     prefill_max_head(a) <= PREFILL_SHORT_HEAD
 }
 
-/// The longest HCA head a prefill launch can write: what one block-table row describes.
+/// The longest HCA head a prefill launch can write: what one block-table row describes
+/// (none when the coarse slot is packed per layer: the builder writes windows only).
 fn prefill_max_head(a: &PrefillIndexArgs) -> u64 {
+    if a.coarse_packed != 0 {
+        return 0;
+    }
     count(a.block_table_stride) * count(a.hca_rows_per_block)
 }
 
@@ -515,6 +519,8 @@ fn check_prefill(a: &PrefillIndexArgs) -> Result<(), LaunchError> {
     check_window("hca", &a.hca, win)?;
     at_least("hca_ratio", a.hca_ratio.into(), 1)?;
     at_least("hca_rows_per_block", a.hca_rows_per_block.into(), 1)?;
+    non_negative("coarse_packed", a.coarse_packed.into())?; // a flag: 0 or 1
+    at_most("coarse_packed", a.coarse_packed.into(), 1)?;
     at_least("block_table_stride", a.block_table_stride.into(), 1)?;
     non_negative("envelope_rows", a.envelope_rows)?;
     if a.num_tokens > 0 {

@@ -375,6 +375,19 @@ pub(crate) fn check_blocks(max_ids: &[Option<i32>], num_blocks: i64) -> Result<(
     }
 }
 
+/// The slot whose heads layer `layer`'s translate-pack fills (`layer_slots` per layer;
+/// `head_fill`: V4's class-wide coarse heads, which no pack fills).
+pub(crate) fn packed_slot(
+    layer_slots: &[Option<Class>],
+    head_fill: bool,
+    layer: usize,
+) -> Result<Class, DecodeError> {
+    match layer_slots.get(layer).copied().flatten() {
+        Some(c @ (Class::Csa | Class::Hca)) if !(c == Class::Hca && head_fill) => Ok(c),
+        _ => Err(DecodeError::NotPacked { layer }),
+    }
+}
+
 /// The fine and coarse slots' compress ratios of `geometry` (V4: 4, 128).
 pub(crate) fn slot_ratios(geometry: &UnifiedPoolGeometry) -> Result<[i64; 2], DecodeError> {
     let r = |c| {
@@ -719,10 +732,7 @@ impl DecodeIndexBuffers {
         topk: DevicePtr,
         topk_row_stride: i32,
     ) -> Result<CsaPackArgs, DecodeError> {
-        let slot = match self.layer_slots.get(layer).copied().flatten() {
-            Some(c @ (Class::Csa | Class::Hca)) if !(c == Class::Hca && self.head_fill) => c,
-            _ => return Err(DecodeError::NotPacked { layer }),
-        };
+        let slot = packed_slot(&self.layer_slots, self.head_fill, layer)?;
         self.pack_args(slot, self.compress_bias[layer], topk, topk_row_stride)
     }
 

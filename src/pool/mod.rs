@@ -35,9 +35,9 @@ use crate::arena::{ArenaError, ArenaLayout, FieldView};
 use crate::backend::{Backend, BackendError, DeviceAllocation, Stream};
 use crate::boundary::{Boundary, BoundaryChange, BoundaryError};
 use crate::checkpoint::{LayoutId, Loc, Region, RegionCopy};
-use crate::geometry::{GeometryError, UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO};
+use crate::geometry::{GeometryError, UnifiedPoolGeometry, DENSE_RATIO};
 use crate::index::{CopyRun, CopyRunsArgs, DevicePtr, FillRun, FillRunsArgs, Launch};
-use crate::sizing::IndexerDtype;
+use crate::sizing::{IndexerDtype, IndexerPart};
 use regions::{TransferConfig, TransferRegions};
 use std::sync::{Arc, Mutex, MutexGuard};
 use thiserror::Error;
@@ -62,7 +62,8 @@ pub struct PoolSpec {
     pub arena: ArenaLayout,
     /// The CSA indexer cache's format (`None`: no indexer cache).
     pub indexer: Option<IndexerDtype>,
-    /// Global ids of the CSA layers (the indexer cache's layer order).
+    /// Global ids of the layers owning index keys, the indexer cache's layer order
+    /// ([`UnifiedPoolGeometry::index_key_layers`]): V4's CSA layers, V4.1's KV sources.
     pub csa_layers: Vec<usize>,
     /// The §6 layout id of the plan the spec came from, with the spec's fingerprint then: a
     /// pool only reports the plan's id while the spec still is what the plan made.
@@ -108,7 +109,7 @@ impl PoolSpec {
             plane_widths: layout.widths().to_vec(),
             arena: layout.arena.clone(),
             indexer: Some(layout.indexer),
-            csa_layers: layout.model.csa_layers(),
+            csa_layers: layout.model.indexer_layers(),
             plan_layout: None,
         };
         spec.validate()?;
@@ -146,10 +147,10 @@ impl PoolSpec {
         if self.arena.slot_align_rows() != g.slot_align_rows {
             return Err(PoolError::InconsistentSpec { what: "slot_align_rows (arena and geometry differ)" });
         }
-        let csa: Vec<usize> = (0..g.num_layers).filter(|&l| g.ratios[l] == CSA_RATIO).collect();
-        if csa != self.csa_layers {
+        if g.index_key_layers() != self.csa_layers {
             return Err(PoolError::InconsistentSpec {
-                what: "csa_layers (not the geometry's ratio-4 layers)",
+                what:
+                    "csa_layers (not the geometry's index-key layers: V4's ratio-4 layers, V4.1's KV sources)",
             });
         }
         if let Some((_, fp)) = &self.plan_layout {
@@ -158,6 +159,15 @@ impl PoolSpec {
             }
         }
         Ok(())
+    }
+
+    /// The indexer cache's layers per indexer pool ([`IndexerDtype::layer_parts`]); empty
+    /// without an indexer cache.
+    pub fn indexer_parts(&self) -> Result<Vec<Vec<IndexerPart>>, PoolError> {
+        match self.indexer.filter(|_| !self.csa_layers.is_empty()) {
+            Some(ix) => Ok(ix.layer_parts(&self.geometry, &self.csa_layers)?),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// The layout id images of this spec's pools carry: the plan's §6 id for a spec from
@@ -406,9 +416,8 @@ impl Overhead {
         // Each plane's allocation holds its view lead too (none in V4).
         let planes: u64 = spec.plane_widths.iter().map(|&w| g.allocation_rows() as u64 * w).sum();
         let max_blocks = g.max_blocks_beside(0).max(0) as u64;
-        let indexer = spec.indexer.map_or(0, |ix| {
-            spec.csa_layers.len() as u64 * max_blocks * ix.pool_block_bytes().iter().sum::<u64>()
-        });
+        let per_block: u64 = spec.indexer_parts()?.iter().flatten().map(|p| p.block_bytes).sum();
+        let indexer = per_block * max_blocks;
         let index = match decode {
             Some(cap) => DecodeIndexBuffers::required_bytes(g, cap).map_err(|e| match e {
                 DecodeError::Backend(b) => PoolError::Backend(b),
@@ -481,6 +490,8 @@ pub struct Pool {
     indexer: Option<DeviceAllocation>,
     /// Offset of each indexer pool inside the indexer allocation.
     indexer_offsets: Vec<u64>,
+    /// Each indexer pool's index-key layers ([`PoolSpec::indexer_parts`]).
+    indexer_parts: Vec<Vec<IndexerPart>>,
     /// Blocks the indexer cache is sized for (the most the plane can hold).
     indexer_blocks: u64,
     descriptors: Option<DeviceAllocation>,
@@ -529,24 +540,19 @@ impl Pool {
             cursor = checked(cursor.checked_add(bytes), "planes")?.div_ceil(PLANE_ALIGN) * PLANE_ALIGN;
         }
         // The indexer cache: one region per indexer pool (FP8: one; FP4: data, scales),
-        // each `[n_csa][indexer_blocks][pool block bytes]`, sized for every block the plane
+        // each the index-key layers' `[indexer_blocks][layer block bytes]` in layer order
+        // (V4: `[n_csa][indexer_blocks][pool block bytes]`), sized for every block the plane
         // can hold so the boundary never outgrows it.
         let indexer_blocks = boundary.max_blocks_beside(0) as u64;
+        let indexer_parts = spec.indexer_parts()?;
         let mut indexer_offsets = Vec::new();
         let mut indexer_bytes = 0u64;
-        if let Some(ix) = spec.indexer.filter(|_| !spec.csa_layers.is_empty()) {
-            for &pb in ix.pool_block_bytes() {
-                indexer_offsets.push(indexer_bytes);
-                let bytes = checked(
-                    (spec.csa_layers.len() as u64)
-                        .checked_mul(indexer_blocks)
-                        .and_then(|x| x.checked_mul(pb)),
-                    "indexer bytes",
-                )?;
-                indexer_bytes = checked(indexer_bytes.checked_add(bytes), "indexer bytes")?
-                    .div_ceil(PLANE_ALIGN)
-                    * PLANE_ALIGN;
-            }
+        for parts in &indexer_parts {
+            indexer_offsets.push(indexer_bytes);
+            let per_block = parts.iter().try_fold(0u64, |acc, p| acc.checked_add(p.block_bytes));
+            let bytes = checked(per_block.and_then(|b| b.checked_mul(indexer_blocks)), "indexer bytes")?;
+            indexer_bytes = checked(indexer_bytes.checked_add(bytes), "indexer bytes")?.div_ceil(PLANE_ALIGN)
+                * PLANE_ALIGN;
         }
         let planes = backend.alloc_zeroed(cursor.max(PLANE_ALIGN))?;
         let indexer = if indexer_bytes > 0 { Some(backend.alloc_zeroed(indexer_bytes)?) } else { None };
@@ -559,6 +565,7 @@ impl Pool {
             plane_offsets,
             indexer,
             indexer_offsets,
+            indexer_parts,
             indexer_blocks,
             descriptors,
             image_ranges,
@@ -636,6 +643,15 @@ impl Pool {
     pub fn indexer_offsets(&self) -> &[u64] {
         &self.indexer_offsets
     }
+    /// Each indexer pool's index-key layers, in [`PoolSpec::csa_layers`] order (empty
+    /// without an indexer cache): layer `i`'s block `b` of pool `p` is at
+    /// `indexer_ptr + indexer_offsets[p] + indexer_parts()[p][i].offset(b, indexer_blocks)`.
+    pub fn indexer_parts(&self) -> &[Vec<IndexerPart>] {
+        if self.indexer.is_none() {
+            return &[];
+        }
+        &self.indexer_parts
+    }
 
     /// PD / offload transfer regions at the current split (`pool-runtime.md` §7): block
     /// regions for both planes and every CSA indexer layer, slot regions for both planes,
@@ -645,10 +661,11 @@ impl Pool {
     pub fn transfer_regions(&self, config: &TransferConfig) -> Result<TransferRegions, PoolError> {
         let g = self.geometry()?;
         let ix = self.spec.indexer.unwrap_or(IndexerDtype::Fp8);
+        let layers = regions::indexer_layers(&g, &self.spec.csa_layers, ix)?;
         Ok(regions::transfer_regions(
             &g,
             &self.spec.plane_widths,
-            &self.spec.csa_layers,
+            &layers,
             ix,
             self.indexer_blocks as i64,
             config,
@@ -858,10 +875,10 @@ impl Pool {
             let bytes = g.block_bytes(w);
             runs.push(CopyRun { src: base + from * bytes, dst: base + to * bytes, bytes });
         }
-        if let (Some(base), Some(ix)) = (self.indexer_ptr(), self.spec.indexer) {
-            for (&pb, &off) in ix.pool_block_bytes().iter().zip(&self.indexer_offsets) {
-                for c in 0..self.spec.csa_layers.len() as u64 {
-                    let layer = base + off + c * self.indexer_blocks * pb;
+        if let Some(base) = self.indexer_ptr() {
+            for (parts, &off) in self.indexer_parts().iter().zip(&self.indexer_offsets) {
+                for part in parts {
+                    let (pb, layer) = (part.block_bytes, base + off + part.prefix * self.indexer_blocks);
                     runs.push(CopyRun { src: layer + from * pb, dst: layer + to * pb, bytes: pb });
                 }
             }
@@ -928,18 +945,9 @@ impl Pool {
         match region {
             Region::Plane(p) => self.plane_bytes(p),
             Region::Indexer(i) => {
-                let pools = self
-                    .spec
-                    .indexer
-                    .filter(|_| self.indexer.is_some())
-                    .map_or(&[][..], |ix| ix.pool_block_bytes());
-                let pb = pools.get(i).ok_or(PoolError::NoSuchRegion { region })?;
-                checked(
-                    (self.spec.csa_layers.len() as u64)
-                        .checked_mul(self.indexer_blocks)
-                        .and_then(|x| x.checked_mul(*pb)),
-                    "indexer pool bytes",
-                )
+                let parts = self.indexer_parts().get(i).ok_or(PoolError::NoSuchRegion { region })?;
+                let per_block = parts.iter().try_fold(0u64, |acc, p| acc.checked_add(p.block_bytes));
+                checked(per_block.and_then(|b| b.checked_mul(self.indexer_blocks)), "indexer pool bytes")
             }
         }
     }

@@ -308,6 +308,33 @@ impl PrefillPath {
         unsafe { self.bufs.csa_pack(topk, topk_row_stride) }
     }
 
+    /// Translate-pack (prefill mode) of compressed layer `layer` into its slot's heads, with
+    /// its compress bias (V4.1: every compressed layer, both slots, after its indexer).
+    ///
+    /// # Safety
+    /// As [`PrefillIndexBuffers::layer_pack`]: `topk` addresses live memory of the pool's
+    /// backend holding i32 `[staged tokens][topk_row_stride]`, ready on the pool's stream,
+    /// with non-negative entries where the contract reads them.
+    pub unsafe fn layer_pack(
+        &self,
+        layer: usize,
+        topk: DevicePtr,
+        topk_row_stride: i32,
+    ) -> Result<(), DecodeError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.bufs.layer_pack(layer, topk, topk_row_stride) }
+    }
+
+    /// One compressed layer's translate-pack launch (prefill mode), for graph capture.
+    pub fn layer_pack_launch(
+        &self,
+        layer: usize,
+        topk: DevicePtr,
+        topk_row_stride: i32,
+    ) -> Result<Launch, DecodeError> {
+        Ok(Launch::CsaPack(self.bufs.layer_pack_args(layer, topk, topk_row_stride)?))
+    }
+
     /// A sub-buffer by name (`None`: dense buffers of a geometry without dense layers).
     pub fn buffer(&self, which: PrefillBuffer) -> Option<DeviceBuffer> {
         self.bufs.buffer(which)

@@ -194,6 +194,7 @@ unsafe fn run_prefill(a: &PrefillIndexArgs) -> Result<()> {
             win: a.win,
             hca_ratio: a.hca_ratio,
             hca_rows_per_block: a.hca_rows_per_block,
+            coarse_packed: a.coarse_packed != 0,
         })
     }
 }
