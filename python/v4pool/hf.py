@@ -13,8 +13,17 @@ state the pool holds, the indexer's scores, attention over the rows the index bu
 is transformers' own code or the same torch operations on the same values, in the same
 order. docs/forward.md gives the per-forward order.
 
-Not in the pool (yet): the indexer's compressed keys stay in host tensors per request: the
-pool's indexer cache holds fp8 / fp4 keys, while transformers' indexer scores bf16 keys.
+The scheduler is a ``v4pool.KvManager`` over the pool (``add`` admits with the longest
+prefix hit restored from a checkpoint; per forward ``prefill_stop`` / ``allocate`` /
+``commit``, then ``complete_inflight``; ``preempt``, ``admit`` again, ``finish``); the
+writers take the slot and block handles the manager lends for each request, asked afresh
+every forward. ``handoff`` moves a running request to an engine attached with
+``manager=False`` on another pool (v4pool's in-process transfer engine).
+
+Not in the pool (yet): the indexer's compressed keys stay in host tensors per request (and,
+per full hashed block, in a bounded host cache keyed by block hash, so a prefix hit finds
+them): the pool's indexer cache holds fp8 / fp4 keys, while transformers' indexer scores bf16
+keys.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -83,28 +93,32 @@ def quantize_fp8_reference(kv: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Request:
-    """One request as the engine's scheduler holds it."""
+    """One request as the engine's scheduler holds it. Driven by the engine's `KvManager`
+    (`mid` its manager id: slot and blocks are the manager's, asked afresh every step), or,
+    on a pool without a manager (a handoff's receiver), holding its slot and blocks itself."""
 
     rid: int
     prompt: list
-    slot: object = None
-    blocks: list = field(default_factory=list)
-    tokens: list = field(default_factory=list)  # prompt + generated, as computed so far
+    mid: int = None  # the manager's request id
+    slot: object = None  # held directly (no manager)
+    blocks: list = field(default_factory=list)  # held directly (no manager)
+    tokens: list = field(default_factory=list)  # prompt + generated (the last one pending)
     computed: int = 0  # tokens whose KV is in the pool
+    hashes: list = field(default_factory=list)  # chained hashes of its full blocks so far
     # Per CSA layer: the indexer's compressed keys (bf16 [entries, index_head_dim]).
     index_keys: dict = field(default_factory=dict)
     logits: list = field(default_factory=list)
 
     @property
-    def table(self) -> list:
-        return [b.id for b in self.blocks]
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
 
 
 class PoolEngine:
     """A DeepseekV4ForCausalLM on a v4pool pool (see the module doc)."""
 
     def __init__(self, model, *, dtype="bf16", budget="256MiB", max_seqs=8, max_context=4096,
-                 chunk=256, backend="host", device=0):
+                 chunk=256, backend="host", device=0, manager=True, policy="elastic"):
         cfg = model.config
         self.model = model
         self.cfg = cfg
@@ -138,6 +152,16 @@ class PoolEngine:
         self._ctx = None
         self._next_id = 0
         self._orig = {}
+        # The scheduler's side: a KvManager over the pool (prefix reuse with checkpoints,
+        # preemption), or none (the pool's slots and blocks taken directly, e.g. a handoff's
+        # receiver, which only continues requests handed to it).
+        self.manager = v4pool.KvManager(self.pool, policy=policy) if manager else None
+        # Until the indexer's keys live in the pool (the pool's indexer cache holds fp8 / fp4
+        # keys, transformers' indexer scores bf16 ones): each full, hashed block's keys per
+        # CSA layer, keyed like the manager's cache by block hash, so a prefix hit finds them.
+        # Bounded by the pool's block count (the manager cannot cache more blocks).
+        self._index_cache = OrderedDict()
+        self._index_cap = self.pool.counts()["max_blocks"] * self.ratios.count(CSA) if manager else 0
 
     # ---- pool views (zero-copy torch tensors over the pool's memory) -------------------
 
@@ -163,21 +187,120 @@ class PoolEngine:
     # ---- requests ----------------------------------------------------------------------
 
     def add(self, prompt) -> Request:
+        """A new request, admitted (with the manager: its prefix hit restored)."""
         r = Request(self._next_id, list(prompt))
         self._next_id += 1
-        r.slot = self.pool.alloc_slot()
         r.tokens = list(prompt)
+        if self.manager is None:
+            r.slot = self.pool.alloc_slot()
+            return r
+        r.mid = self.manager.add_request(r.tokens)
+        r.hashes = self.manager.block_hashes(r.tokens)
+        self.admit(r)
         return r
 
-    def _grow(self, r: Request, ctx: int):
-        while len(r.blocks) * BLOCK < ctx:
+    def admit(self, r: Request) -> int:
+        """Admit `r` (waiting: new or preempted); returns the hit tokens. The slot comes back
+        restored from the hit's checkpoint, prefill resumes at the hit."""
+        hit = self.manager.admit(r.mid)
+        r.computed = hit
+        r.index_keys = {}
+        nb = hit // BLOCK
+        for layer, ratio in enumerate(self.ratios):
+            if ratio != CSA or nb == 0:
+                continue
+            parts = []
+            for h in r.hashes[:nb]:
+                k = self._index_cache.get((layer, h))
+                if k is None:
+                    raise RuntimeError(f"indexer keys of hit block {h:032x} at layer {layer} were dropped")
+                self._index_cache.move_to_end((layer, h))
+                parts.append(k)
+            r.index_keys[layer] = torch.cat(parts)
+        return hit
+
+    def preempt(self, r: Request):
+        """Preempt a running request: its slot goes, its committed blocks stay cached (a
+        rolling checkpoint at its last block boundary), it waits for `admit`."""
+        self.manager.preempt(r.mid)
+        r.computed = 0
+        r.index_keys = {}
+
+    def _slot(self, r):
+        return r.slot if self.manager is None else self.manager.slot(r.mid)
+
+    def _blocks(self, r):
+        return r.blocks if self.manager is None else self.manager.blocks(r.mid)
+
+    def _table(self, r):
+        return [b.id for b in r.blocks] if self.manager is None else self.manager.block_table(r.mid)
+
+    def _grow(self, r: Request, n: int):
+        """Blocks for `n` more tokens of `r`."""
+        if self.manager is not None:
+            self.manager.allocate(r.mid, n)
+            return
+        while len(r.blocks) * BLOCK < r.computed + n:
             r.blocks.append(self.pool.alloc_block())
 
+    def _commit(self, reqs, counts):
+        """After a forward: its tokens are in the pool. New full blocks get their hashes
+        (generated tokens too, so a resumed request hits them) and their indexer keys go to
+        the host cache; the manager commits (storing checkpoints at block boundaries), and
+        once the forward's work is complete (a GPU: torch's stream, which the pool shares)
+        its stored checkpoints become ready."""
+        for r, n in zip(reqs, counts):
+            r.computed += n
+            if self.manager is None:
+                continue
+            known = len(r.tokens) // BLOCK
+            if known > len(r.hashes):
+                new = self.manager.block_hashes(r.tokens[: known * BLOCK])[len(r.hashes):]
+                self.manager.extend_hashes(r.mid, new)
+                r.hashes += new
+            self.manager.commit(r.mid, n)
+            full = min(r.computed // BLOCK, len(r.hashes))
+            per = BLOCK // CSA
+            for layer, keys in r.index_keys.items():
+                for b in range(full):
+                    key = (layer, r.hashes[b])
+                    if key in self._index_cache:
+                        continue
+                    self._index_cache[key] = keys[b * per:(b + 1) * per].clone()
+                    while len(self._index_cache) > self._index_cap:
+                        self._index_cache.popitem(last=False)
+        if self.manager is not None:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            self.manager.complete_inflight()
+            self.manager.rebalance()
+
     def finish(self, r: Request):
+        if self.manager is not None:
+            if r.mid is not None:
+                self.manager.finish(r.mid)
+                r.mid = None
+            return
         for b in r.blocks:
             self.pool.free_block(b)
-        self.pool.free_slot(r.slot)
+        if r.slot is not None:
+            self.pool.free_slot(r.slot)
         r.blocks, r.slot = [], None
+
+    def handoff(self, r: Request, receiver: "PoolEngine") -> Request:
+        """Hand running `r` to `receiver` (an engine without a manager on a pool of the same
+        layout) through v4pool's in-process transfer engine: its blocks and whole slot are
+        copied; `r` is finished here; the returned request continues on `receiver`."""
+        if receiver.manager is not None:
+            raise ValueError("the receiver holds handed-off requests itself: attach it with manager=False")
+        slot, blocks, n = self.manager.handoff(r.mid, receiver.pool)
+        if n != r.computed:
+            raise RuntimeError(f"handoff carried {n} tokens, the request computed {r.computed}")
+        moved = Request(receiver._next_id, r.prompt, slot=slot, blocks=blocks, tokens=list(r.tokens),
+                        computed=r.computed, index_keys=dict(r.index_keys), logits=list(r.logits))
+        receiver._next_id += 1
+        self.finish(r)
+        return moved
 
     # ---- the attention the model runs --------------------------------------------------
 
@@ -209,72 +332,89 @@ class PoolEngine:
         starts, ids, pos = [], [], []
         for r, n in zip(reqs, chunks):
             cs = r.computed
-            self._grow(r, cs + n)
+            self._grow(r, n)
             starts.append(cs)
             ids += r.tokens[cs:cs + n]
             pos += list(range(cs, cs + n))
-        slots = [self.pool.slot_position(r.slot) for r in reqs]
+        slots = [self._slot(r) for r in reqs]
         f = self.fwd
-        f.prefill_stage(slots, starts, chunks, [r.table for r in reqs])
+        f.prefill_stage([s.position for s in slots], starts, chunks, [self._table(r) for r in reqs])
         f.prefill_build()
-        f.stage_window([r.slot for r in reqs], starts, chunks)
+        f.stage_window(slots, starts, chunks)
         firsts = [sum(chunks[:i]) for i in range(len(reqs))]
-        f.state_stage([r.slot for r in reqs], firsts,
+        f.state_stage(slots, firsts,
                       [list(range(s, s + n)) for s, n in zip(starts, chunks)],
                       [s + n for s, n in zip(starts, chunks)])
-        ctx = _Fwd("prefill", reqs, starts, chunks)
+        ctx = _Fwd("prefill", reqs, starts, chunks, [self._blocks(r) for r in reqs], [s.position for s in slots])
         logits = self._run(ctx, torch.tensor([ids], device=self.device), torch.tensor([pos], device=self.device))
-        out = []
-        for i, r in enumerate(reqs):
-            r.computed += chunks[i]
-            out.append(logits[firsts[i] + chunks[i] - 1])
-        return out
+        self._commit(reqs, chunks)
+        return [logits[firsts[i] + chunks[i] - 1] for i in range(len(reqs))]
 
     def decode(self, reqs):
         """One decode step: each request's last token (its KV not yet in the pool)."""
         ids, pos = [], []
         for r in reqs:
-            self._grow(r, r.computed + 1)
+            self._grow(r, 1)
             ids.append(r.tokens[r.computed])
             pos.append(r.computed)
         f = self.fwd
-        slots = [self.pool.slot_position(r.slot) for r in reqs]
-        f.decode_stage(slots, [p + 1 for p in pos], [r.table for r in reqs])
+        slots = [self._slot(r) for r in reqs]
+        f.decode_stage([s.position for s in slots], [p + 1 for p in pos], [self._table(r) for r in reqs])
         f.decode_build()
-        f.state_stage([r.slot for r in reqs], list(range(len(reqs))), [[p] for p in pos], [p + 1 for p in pos])
-        ctx = _Fwd("decode", reqs, pos, [1] * len(reqs))
+        f.state_stage(slots, list(range(len(reqs))), [[p] for p in pos], [p + 1 for p in pos])
+        ctx = _Fwd("decode", reqs, pos, [1] * len(reqs), [self._blocks(r) for r in reqs], [s.position for s in slots])
         logits = self._run(ctx, torch.tensor([ids], device=self.device), torch.tensor([pos], device=self.device))
-        for r in reqs:
-            r.computed += 1
+        self._commit(reqs, [1] * len(reqs))
         return [logits[i] for i in range(len(reqs))]
+
+    def _stop(self, r: Request, chunk: int) -> int:
+        """Tokens of `r`'s next prefill chunk (0: it decodes): up to its last known token but
+        the pending one (with the manager: also at checkpoint points, see `prefill_stop`)."""
+        if self.manager is not None:
+            return self.manager.prefill_stop(r.mid, chunk)
+        end = len(r.tokens) - (1 if r.generated else 0)
+        return max(0, min(chunk, end - r.computed))
+
+    def step(self, reqs, *, chunk=None):
+        """One scheduler step over running `reqs`: a prefill forward for those with prompt (or,
+        resumed, recomputation) left, else one decode step for all. A request whose prefill
+        reached its last token picks its first generated token. Returns whether it decoded."""
+        chunk = chunk or self.chunk
+        live = [(r, n) for r in reqs for n in [self._stop(r, chunk)] if n > 0]
+        if live:
+            rs, ns = [r for r, _ in live], [n for _, n in live]
+            for r, lg in zip(rs, self.prefill(rs, ns)):
+                if r.computed == len(r.tokens):  # the prompt's last token: its logits choose
+                    r.logits.append(lg)
+                    r.tokens.append(int(lg.argmax()))
+            return False
+        for r, lg in zip(reqs, self.decode(reqs)):
+            r.logits.append(lg)
+            r.tokens.append(int(lg.argmax()))
+        return True
+
+    def run(self, reqs, max_new_tokens, *, chunk=None):
+        """Steps until every request of `reqs` has `max_new_tokens` generated tokens (those
+        done drop out of the batch)."""
+        while True:
+            live = [r for r in reqs if r.generated < max_new_tokens]
+            if not live:
+                return
+            self.step(live, chunk=chunk)
 
     def generate(self, prompts, max_new_tokens, *, chunk=None):
         """Greedy generation for `prompts` (token lists) in one batch: chunked prefill, then
         decode steps. Returns `(tokens, logits)` per request (generated tokens; the logits
         that chose them, float32)."""
-        chunk = chunk or self.chunk
-        reqs = [self.add(p) for p in prompts]
+        reqs = []
         try:
-            last = {}
-            while any(r.computed < len(r.prompt) for r in reqs):
-                live = [r for r in reqs if r.computed < len(r.prompt)]
-                ns = [min(chunk, len(r.prompt) - r.computed) for r in live]
-                for r, lg in zip(live, self.prefill(live, ns)):
-                    if r.computed == len(r.prompt):
-                        last[r.rid] = lg
-            for r in reqs:
-                lg = last[r.rid]
-                r.logits.append(lg)
-                r.tokens.append(int(lg.argmax()))
-            for _ in range(max_new_tokens - 1):
-                for r, lg in zip(reqs, self.decode(reqs)):
-                    r.logits.append(lg)
-                    r.tokens.append(int(lg.argmax()))
+            for p in prompts:
+                reqs.append(self.add(p))
+            self.run(reqs, max_new_tokens, chunk=chunk)
             return [(r.tokens[len(r.prompt):], torch.stack(r.logits)) for r in reqs]
         finally:
             for r in reqs:
-                if r.slot is not None:
-                    self.finish(r)
+                self.finish(r)
 
 
 @dataclass
@@ -285,12 +425,19 @@ class _Fwd:
     reqs: list
     starts: list  # first new position per request
     counts: list  # new tokens per request
+    blocks: list  # per request its block handles (the manager's, current this forward)
+    positions: list  # per request its slot position this forward
 
     def spans(self):
         t = 0
         for r, s, n in zip(self.reqs, self.starts, self.counts):
             yield r, s, n, t
             t += n
+
+    def of(self, r):
+        """(slot position, block handles) of `r` this forward."""
+        i = next(i for i, x in enumerate(self.reqs) if x is r)
+        return self.positions[i], self.blocks[i]
 
 
 def attach(model, **kw) -> PoolEngine:
@@ -322,7 +469,7 @@ def _entries(engine, ctx, comp, layer, kv, gate, state_kv, state_score, ratio, o
         if w1 <= w0:
             out.append((w0, None, None))
             continue
-        pos = engine.pool.slot_position(r.slot)
+        pos = ctx.of(r)[0]
         width = 2 * ratio if overlap else ratio
         nw = w1 - w0
         new_kv = kv.new_zeros((1, nw, width, head_dim))
@@ -393,7 +540,7 @@ def _write_entries(engine, layer, cls, ctx, entries, ratio):
             continue
         for i in range(e.shape[0]):
             w = w0 + i
-            blocks.append(r.blocks[w // per_block])
+            blocks.append(ctx.of(r)[1][w // per_block])
             rows.append(w % per_block)
         kvs.append(e)
     if not kvs:

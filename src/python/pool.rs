@@ -43,7 +43,7 @@ impl Slot {
     pub(super) fn handle(&self) -> SlotHandle {
         SlotHandle { group: self.group, generation: self.generation, pool: self.pool_id }
     }
-    fn from_handle(h: SlotHandle, position: i64) -> Slot {
+    pub(super) fn from_handle(h: SlotHandle, position: i64) -> Slot {
         Slot { group: h.group, generation: h.generation, pool_id: h.pool, position }
     }
 }
@@ -71,7 +71,7 @@ impl Block {
     pub(super) fn handle(&self) -> BlockHandle {
         BlockHandle { id: self.id, generation: self.generation, pool: self.pool_id }
     }
-    fn from_handle(h: BlockHandle) -> Block {
+    pub(super) fn from_handle(h: BlockHandle) -> Block {
         Block { id: h.id, generation: h.generation, pool_id: h.pool }
     }
 }
