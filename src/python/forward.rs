@@ -14,6 +14,7 @@ use crate::pool::{
     CompressedRow, CsaTopk, DecodeCapacity, KvRowWriter, Pool, PrefillBuffer, PrefillCapacity, PrefillPath,
     PrefillSeq, RowSet, RowWriteCapacity, TopkRows, WindowSeq,
 };
+use crate::state::gather::{GatherCapacity, GatherSeq, WindowGather};
 use crate::state::inputs::{HostStateInputs, StateStaging};
 use crate::state::update::{StateInputs, StateSeq, StateUpdate, StateUpdateCapacity};
 use pyo3::exceptions::PyValueError;
@@ -23,7 +24,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 type Shared<T> = Arc<Mutex<T>>;
 
 /// The pool-side steps of a forward on one pool: `Forward(pool, max_seqs, max_tokens,
-/// max_blocks_per_seq, *, prefill_tokens=None, hca_entries=None, win=None, index_topk=None)`.
+/// max_blocks_per_seq, *, prefill_tokens=None, hca_entries=None, win=None, index_topk=None,
+/// gather_window=None)` (`gather_window`: rows per sequence of the §9 window gather's own
+/// output, default `win`).
 #[pyclass(module = "v4pool", name = "Forward", frozen)]
 pub struct PyForward {
     pool: Arc<Pool>,
@@ -33,6 +36,7 @@ pub struct PyForward {
     writer: Shared<KvRowWriter>,
     topk: CsaTopk,
     state: Shared<(StateUpdate, StateStaging)>,
+    gather: Shared<WindowGather>,
     max_blocks_per_seq: usize,
     keep: Keep,
 }
@@ -140,7 +144,7 @@ impl PyForward {
 #[pymethods]
 impl PyForward {
     #[new]
-    #[pyo3(signature = (pool, max_seqs, max_tokens, max_blocks_per_seq, *, prefill_tokens=None, hca_entries=None, win=None, index_topk=None))]
+    #[pyo3(signature = (pool, max_seqs, max_tokens, max_blocks_per_seq, *, prefill_tokens=None, hca_entries=None, win=None, index_topk=None, gather_window=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         pool: &Bound<'_, PyPool>,
@@ -151,6 +155,7 @@ impl PyForward {
         hca_entries: Option<u64>,
         win: Option<i32>,
         index_topk: Option<i32>,
+        gather_window: Option<usize>,
     ) -> PyResult<PyForward> {
         let p = pool.get();
         let (arc, hold) = p.shared();
@@ -180,11 +185,26 @@ impl PyForward {
         // The widest compressor row is CSA main's 1,024; the largest bias table HCA's 128 rows.
         let staging = StateStaging::new(&arc, scap.max_tokens, 1024, 128).map_err(lib_err)?;
         let state = Arc::new(Mutex::new((update, staging)));
+        let out_window = gather_window.unwrap_or(win.max(0) as usize);
+        let gather = Arc::new(Mutex::new(
+            arc.window_gather(GatherCapacity { max_seqs, out_window }).map_err(lib_err)?,
+        ));
         let decode = Arc::new(Mutex::new(decode));
         let prefill = Arc::new(Mutex::new(prefill));
         let writer = Arc::new(Mutex::new(writer));
-        let keep: Keep = Arc::new((decode.clone(), prefill.clone(), hold.clone()));
-        Ok(PyForward { pool: arc, device, decode, prefill, writer, topk, state, max_blocks_per_seq, keep })
+        let keep: Keep = Arc::new((decode.clone(), prefill.clone(), gather.clone(), hold.clone()));
+        Ok(PyForward {
+            pool: arc,
+            device,
+            decode,
+            prefill,
+            writer,
+            topk,
+            state,
+            gather,
+            max_blocks_per_seq,
+            keep,
+        })
     }
 
     /// Whether the pool packs fp8 rows (else bf16 rows).
@@ -453,6 +473,42 @@ impl PyForward {
             // types described, alive for the call; the engine orders them before the stream.
             unsafe { st.0.update(comp, layer, &inputs) }.map_err(lib_err)
         }
+    }
+
+    // ---- window gather (§9) -------------------------------------------------------------
+
+    /// Stage a window gather: per sequence its slot, its anchor (the window's newest
+    /// position) and optionally its context length (the anchor must be below it). Returns
+    /// the batch size.
+    #[pyo3(signature = (slots, anchors, context_lens=None))]
+    fn gather_stage(
+        &self,
+        slots: Vec<Slot>,
+        anchors: Vec<i64>,
+        context_lens: Option<Vec<i64>>,
+    ) -> PyResult<usize> {
+        if anchors.len() != slots.len() || context_lens.as_ref().is_some_and(|c| c.len() != slots.len()) {
+            return Err(error("BatchShape", "gather arrays differ in length".into()));
+        }
+        let seqs: Vec<GatherSeq> = (0..slots.len())
+            .map(|i| GatherSeq {
+                slot: slots[i].handle(),
+                anchor: anchors[i],
+                context_len: context_lens.as_ref().map(|c| c[i]),
+            })
+            .collect();
+        lock(&self.gather)?.stage(&seqs).map_err(lib_err)
+    }
+
+    /// Gather `layer`'s window of `draft_window` rows for the staged batch (one launch on the
+    /// pool's stream) into the handle's own output: a bf16 view `[staged, draft_window, 512]`
+    /// (row `s` of sequence `b` is position `anchor_b - (draft_window - 1) + s`; zeros below
+    /// position 0; fp8 rows dequantised). The next gather overwrites it.
+    fn gather(&self, layer: usize, draft_window: usize) -> PyResult<DeviceView> {
+        let mut g = lock(&self.gather)?;
+        let buf = g.gather(layer, draft_window).map_err(lib_err)?;
+        let shape = vec![g.staged() as i64, draft_window as i64, KV_ROW_VALUES as i64];
+        Ok(DeviceView::contiguous(buf.ptr, Elem::Bf16, shape, self.device, self.keep.clone()))
     }
 
     fn __repr__(&self) -> String {
