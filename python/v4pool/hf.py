@@ -7,7 +7,8 @@ then runs several requests of different lengths in one batch: prompts prefilled 
 through the pool's prefill path, then greedy decode steps through its decode path. Every
 pool-side step is a v4pool call (``v4pool.Forward``): the index builds, the CSA translate-pack
 from the indexer's top-k, the token's own rows (decode row scatter, prefill ring write), the
-compressors' emitted rows at the request's compressed rows, and the compressor-state update
+compressors' emitted rows at the request's compressed rows and the indexer's keys in the
+pool's indexer cache, and the compressor-state update
 (section 8). The model-side math (projections, the compressors' softmax pooling over the
 state the pool holds, the indexer's scores, attention over the rows the index buffers name)
 is transformers' own code or the same torch operations on the same values, in the same
@@ -20,10 +21,11 @@ writers take the slot and block handles the manager lends for each request, aske
 every forward. ``handoff`` moves a running request to an engine attached with
 ``manager=False`` on another pool (v4pool's in-process transfer engine).
 
-Not in the pool (yet): the indexer's compressed keys stay in host tensors per request (and,
-per full hashed block, in a bounded host cache keyed by block hash, so a prefix hit finds
-them): the pool's indexer cache holds fp8 / fp4 keys, while transformers' indexer scores bf16
-keys.
+The indexer's compressed keys live in the pool too: the pool is planned with a bf16 indexer
+cache (``indexer="bf16"``: transformers' indexer scores bf16 keys, which the fp8 / fp4 formats
+would not hold exactly), written through ``Forward.write_index_keys`` at the CSA entries'
+rows and read back through ``Pool.indexer_view``, so a prefix hit, a relocation and a handoff
+carry them with the blocks.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -105,8 +106,6 @@ class Request:
     tokens: list = field(default_factory=list)  # prompt + generated (the last one pending)
     computed: int = 0  # tokens whose KV is in the pool
     hashes: list = field(default_factory=list)  # chained hashes of its full blocks so far
-    # Per CSA layer: the indexer's compressed keys (bf16 [entries, index_head_dim]).
-    index_keys: dict = field(default_factory=dict)
     logits: list = field(default_factory=list)
 
     @property
@@ -130,7 +129,9 @@ class PoolEngine:
         with tempfile.TemporaryDirectory() as d:
             with open(os.path.join(d, "config.json"), "w") as f:
                 json.dump(_pool_config(cfg), f)
-            self.plan = v4pool.plan(model=d, budget=budget, max_seqs=max_seqs, dtype=dtype)
+            # The indexer's keys in a bf16 indexer cache: transformers' indexer scores bf16
+            # keys, which the fp8 / fp4 formats would not hold exactly.
+            self.plan = v4pool.plan(model=d, budget=budget, max_seqs=max_seqs, dtype=dtype, indexer="bf16")
         # On a GPU the pool's work goes on torch's current stream, so every v4pool launch and
         # upload is ordered with the model's own kernels (no cross-stream races).
         stream = torch.cuda.current_stream() if backend == "cuda" else None
@@ -156,12 +157,7 @@ class PoolEngine:
         # preemption), or none (the pool's slots and blocks taken directly, e.g. a handoff's
         # receiver, which only continues requests handed to it).
         self.manager = v4pool.KvManager(self.pool, policy=policy) if manager else None
-        # Until the indexer's keys live in the pool (the pool's indexer cache holds fp8 / fp4
-        # keys, transformers' indexer scores bf16 ones): each full, hashed block's keys per
-        # CSA layer, keyed like the manager's cache by block hash, so a prefix hit finds them.
-        # Bounded by the pool's block count (the manager cannot cache more blocks).
-        self._index_cache = OrderedDict()
-        self._index_cap = self.pool.counts()["max_blocks"] * self.ratios.count(CSA) if manager else 0
+        self._ikeys = {}
 
     # ---- pool views (zero-copy torch tensors over the pool's memory) -------------------
 
@@ -178,6 +174,17 @@ class PoolEngine:
         if self.fp8:
             return _dequant_fp8(planes[0][idx], planes[1][idx])
         return planes[0][idx]
+
+    def index_keys(self, layer, blocks, entries: int) -> torch.Tensor:
+        """CSA layer `layer`'s first `entries` index keys of a request with block handles
+        `blocks`, read from the pool's bf16 indexer cache `[entries, index_head_dim]`."""
+        rank = self.ordinal[layer]
+        if rank not in self._ikeys:
+            self._ikeys[rank] = torch.from_dlpack(self.pool.indexer_view(rank))
+        per = BLOCK // CSA
+        w = torch.arange(entries, device=self.device)
+        ids = torch.tensor([b.id for b in blocks], dtype=torch.long, device=self.device)
+        return self._ikeys[rank][ids[w // per] if entries else w, w % per]
 
     def state(self, name):
         if name not in self._state:
@@ -204,19 +211,6 @@ class PoolEngine:
         restored from the hit's checkpoint, prefill resumes at the hit."""
         hit = self.manager.admit(r.mid)
         r.computed = hit
-        r.index_keys = {}
-        nb = hit // BLOCK
-        for layer, ratio in enumerate(self.ratios):
-            if ratio != CSA or nb == 0:
-                continue
-            parts = []
-            for h in r.hashes[:nb]:
-                k = self._index_cache.get((layer, h))
-                if k is None:
-                    raise RuntimeError(f"indexer keys of hit block {h:032x} at layer {layer} were dropped")
-                self._index_cache.move_to_end((layer, h))
-                parts.append(k)
-            r.index_keys[layer] = torch.cat(parts)
         return hit
 
     def preempt(self, r: Request):
@@ -224,7 +218,6 @@ class PoolEngine:
         rolling checkpoint at its last block boundary), it waits for `admit`."""
         self.manager.preempt(r.mid)
         r.computed = 0
-        r.index_keys = {}
 
     def _slot(self, r):
         return r.slot if self.manager is None else self.manager.slot(r.mid)
@@ -245,8 +238,7 @@ class PoolEngine:
 
     def _commit(self, reqs, counts):
         """After a forward: its tokens are in the pool. New full blocks get their hashes
-        (generated tokens too, so a resumed request hits them) and their indexer keys go to
-        the host cache; the manager commits (storing checkpoints at block boundaries), and
+        (generated tokens too, so a resumed request hits them); the manager commits (storing checkpoints at block boundaries), and
         once the forward's work is complete (a GPU: torch's stream, which the pool shares)
         its stored checkpoints become ready."""
         for r, n in zip(reqs, counts):
@@ -259,16 +251,6 @@ class PoolEngine:
                 self.manager.extend_hashes(r.mid, new)
                 r.hashes += new
             self.manager.commit(r.mid, n)
-            full = min(r.computed // BLOCK, len(r.hashes))
-            per = BLOCK // CSA
-            for layer, keys in r.index_keys.items():
-                for b in range(full):
-                    key = (layer, r.hashes[b])
-                    if key in self._index_cache:
-                        continue
-                    self._index_cache[key] = keys[b * per:(b + 1) * per].clone()
-                    while len(self._index_cache) > self._index_cap:
-                        self._index_cache.popitem(last=False)
         if self.manager is not None:
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
@@ -297,7 +279,7 @@ class PoolEngine:
         if n != r.computed:
             raise RuntimeError(f"handoff carried {n} tokens, the request computed {r.computed}")
         moved = Request(receiver._next_id, r.prompt, slot=slot, blocks=blocks, tokens=list(r.tokens),
-                        computed=r.computed, index_keys=dict(r.index_keys), logits=list(r.logits))
+                        computed=r.computed, logits=list(r.logits))
         receiver._next_id += 1
         self.finish(r)
         return moved
@@ -531,8 +513,10 @@ def _compress(engine, ctx, module, layer, hidden, kind, ape_name):
     return res
 
 
-def _write_entries(engine, layer, cls, ctx, entries, ratio):
-    """The compressor's emitted rows at the requests' compressed rows (before attention)."""
+def _write_entries(engine, layer, cls, ctx, entries, ratio, index_entries=None):
+    """The compressor's emitted rows at the requests' compressed rows (before attention); for
+    a CSA layer also the indexer's keys of the same entries, in the pool's indexer cache
+    (before the indexer scores them)."""
     per_block = BLOCK // ratio
     blocks, rows, kvs = [], [], []
     for (w0, e), (r, *_rest) in zip(entries, ctx.spans()):
@@ -547,21 +531,21 @@ def _write_entries(engine, layer, cls, ctx, entries, ratio):
         return
     engine.fwd.stage_compressed(cls, blocks, rows)
     engine.fwd.write_compressed(layer, cls, torch.cat(kvs).to(torch.bfloat16).contiguous())
+    if index_entries is not None:
+        keys = [e for _, e in index_entries if e is not None]
+        engine.fwd.write_index_keys(engine.ordinal[layer], torch.cat(keys).to(torch.bfloat16).contiguous())
 
 
 def _indexer_topk(engine, ctx, indexer, layer, hidden, q_residual, position_ids, entries):
-    """transformers' indexer scoring over each request's compressed keys: int64 rows
+    """transformers' indexer scoring over each request's compressed keys (read from the
+    pool's indexer cache, where this forward's entries were just written): int64 rows
     `[valid ids | -1 tail]`, `min(index_topk, entries)` wide, padded with -1 to one width."""
-    for (w0, e), (r, *_rest) in zip(entries, ctx.spans()):
-        keys = r.index_keys.get(layer)
-        if e is not None:
-            r.index_keys[layer] = e if keys is None else torch.cat([keys, e])
     rows = []
     for r, s, n, t0 in ctx.spans():
-        keys = r.index_keys.get(layer)
+        keys = engine.index_keys(layer, ctx.of(r)[1], (s + n) // indexer.compress_rate)
         hs = hidden[:, t0:t0 + n]
         pid = position_ids[:, t0:t0 + n]
-        if keys is None or keys.shape[0] == 0:
+        if keys.shape[0] == 0:
             rows.append(torch.full((n, 1), -1, dtype=torch.long, device=hidden.device))
             continue
         cos_q, sin_q = indexer.rotary_emb(hs, position_ids=pid, layer_type=indexer.rope_layer_type)
@@ -666,9 +650,12 @@ def _attention(engine, attn, hidden_states, position_embeddings, position_ids):
         comp = attn.compressor
         kind = "csa_main" if ratio == CSA else "hca_main"
         entries = _compress(engine, ctx, comp, layer, hidden_states, kind, None)
-        _write_entries(engine, layer, cls, ctx, entries, ratio)  # before the indexer and attention
-        if ratio == CSA:
+        idx_entries = None
+        if ratio == CSA:  # the indexer's entries close at the same windows as the main ones
             idx_entries = _compress(engine, ctx, comp.indexer, layer, hidden_states, "csa_idx", None)
+        # Emitted rows and index keys before the indexer and attention read them.
+        _write_entries(engine, layer, cls, ctx, entries, ratio, idx_entries)
+        if ratio == CSA:
             topk = _indexer_topk(engine, ctx, comp.indexer, layer, hidden_states, q_residual, position_ids, idx_entries)
             if ctx.mode == "decode":
                 f.decode_csa_pack(topk)

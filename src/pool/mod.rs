@@ -27,7 +27,9 @@ pub use decode::{
 pub use owned::DeviceBuffer;
 pub use path::{DecodePath, PrefillPath};
 pub use prefill::{prefill_slice_lens, PrefillBuffer, PrefillCapacity, PrefillIndexBuffers, PrefillSeq};
-pub use rows::{CompressedRow, KvRowWriter, RowSet, RowWriteCapacity, RowWriteError, WindowSeq};
+pub use rows::{
+    CompressedRow, KvRowWriter, RowSet, RowWriteCapacity, RowWriteError, WindowSeq, INDEX_KEY_VALUES,
+};
 pub use topk::{convert_topk, CsaTopk, TopkError, TopkRows};
 
 use crate::alloc::{AllocError, BlockGrant, BlockHandle, SlotHandle};
@@ -236,6 +238,25 @@ pub enum PoolError {
     #[error(transparent)]
     /// A failure of the layer below ([`BackendError`]).
     Backend(#[from] BackendError),
+    #[error("the pool has no indexer cache")]
+    /// The pool has no indexer cache (no CSA layer, or a plan without one).
+    NoIndexer,
+    #[error("indexer pool {part} outside 0..{parts}")]
+    /// Indexer pool `part` outside 0..`parts` (FP8 and BF16: one; FP4: data, scales).
+    NoSuchIndexerPart {
+        /// Pool index.
+        part: usize,
+        /// Pools there are.
+        parts: usize,
+    },
+    #[error("CSA layer rank {rank} outside 0..{layers}")]
+    /// CSA layer rank `rank` outside 0..`layers`.
+    NoSuchCsaLayer {
+        /// Rank among the CSA layers.
+        rank: usize,
+        /// CSA layers there are.
+        layers: usize,
+    },
     #[error("plane {plane} outside 0..{planes}")]
     /// Plane `plane` outside 0..`planes`.
     NoSuchPlane {
@@ -377,6 +398,20 @@ pub struct SlotLease {
     pub handle: SlotHandle,
     /// Where the slot sits: the position kernels take.
     pub position: i64,
+}
+
+/// One CSA layer's indexer cache in one indexer pool: `[blocks][rows_per_block][row_bytes]`
+/// from `ptr` (block `b` of the pool's block ids is block `b` here).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexerView {
+    /// Address of block 0, row 0.
+    pub ptr: DevicePtr,
+    /// Blocks (the most the plane can hold).
+    pub blocks: u64,
+    /// Index-key rows per block (a V4 CSA block: 64).
+    pub rows_per_block: u64,
+    /// Bytes of one row in this pool.
+    pub row_bytes: u64,
 }
 
 /// The pool's own memory besides the planes, reported so it can be held under 1 %.
@@ -635,6 +670,27 @@ impl Pool {
     /// Byte offset of each indexer pool (FP8: one; FP4: data, scales) in the allocation.
     pub fn indexer_offsets(&self) -> &[u64] {
         &self.indexer_offsets
+    }
+    /// The indexer cache of CSA layer `rank` (its index among the CSA layers) in indexer pool
+    /// `part`: its base, and its shape `[indexer_blocks][64 rows][row bytes]`.
+    pub fn indexer_view(&self, rank: usize, part: usize) -> Result<IndexerView, PoolError> {
+        let ix = self.spec.indexer.filter(|_| self.indexer.is_some()).ok_or(PoolError::NoIndexer)?;
+        let layers = self.spec.csa_layers.len();
+        let (&block_bytes, &off) = ix
+            .pool_block_bytes()
+            .get(part)
+            .zip(self.indexer_offsets.get(part))
+            .ok_or(PoolError::NoSuchIndexerPart { part, parts: ix.pool_block_bytes().len() })?;
+        if rank >= layers {
+            return Err(PoolError::NoSuchCsaLayer { rank, layers });
+        }
+        let base = self.indexer_ptr().ok_or(PoolError::NoIndexer)?;
+        Ok(IndexerView {
+            ptr: base + off + rank as u64 * self.indexer_blocks * block_bytes,
+            blocks: self.indexer_blocks,
+            rows_per_block: 64,
+            row_bytes: ix.pool_row_bytes()[part],
+        })
     }
 
     /// PD / offload transfer regions at the current split (`pool-runtime.md` §7): block

@@ -12,7 +12,7 @@ use crate::geometry::Class;
 use crate::index::KV_ROW_VALUES;
 use crate::pool::{
     CompressedRow, CsaTopk, DecodeCapacity, KvRowWriter, Pool, PrefillBuffer, PrefillCapacity, PrefillPath,
-    PrefillSeq, RowSet, RowWriteCapacity, TopkRows, WindowSeq,
+    PrefillSeq, RowSet, RowWriteCapacity, TopkRows, WindowSeq, INDEX_KEY_VALUES,
 };
 use crate::state::gather::{GatherCapacity, GatherSeq, WindowGather};
 use crate::state::inputs::{HostStateInputs, StateStaging};
@@ -81,19 +81,25 @@ impl PyForward {
         if let Some(n) = tokens.filter(|&n| n != rows) {
             return Err(error("BadTensor", format!("kv: {rows} rows, the staged batch has {n} tokens")));
         }
+        self.check_device(&t, "kv")?;
+        Ok((t, rows, stride))
+    }
+
+    /// `t` lies on the pool's device.
+    fn check_device(&self, t: &Tensor<'_>, name: &str) -> PyResult<()> {
         if t.device.device_type != self.device.device_type
             || (self.device.device_type != DL_CPU && t.device.device_id != self.device.device_id)
         {
             return Err(error(
                 "BadTensor",
                 format!(
-                    "kv: device {:?} is not the pool's {:?}",
+                    "{name}: device {:?} is not the pool's {:?}",
                     (t.device.device_type, t.device.device_id),
                     (self.device.device_type, self.device.device_id)
                 ),
             ));
         }
-        Ok((t, rows, stride))
+        Ok(())
     }
 
     /// Write `kv` through the writer: host memory on the host backend, the device address on a
@@ -372,6 +378,29 @@ impl PyForward {
     /// Write `kv` `[tokens, 512]` bf16 to the staged window rows of `layer` (after its attention).
     fn write_window(&self, layer: usize, kv: &Bound<'_, PyAny>) -> PyResult<()> {
         self.write_rows(layer, RowSet::Window, kv)
+    }
+
+    /// Write the indexer's keys `[entries, 128]` bf16 of the staged CSA entries (the same
+    /// `stage_compressed("csa", ..)` as the main compressor's) to CSA layer `rank`'s indexer
+    /// cache (a bf16 indexer cache; before the layer's indexer scores them).
+    fn write_index_keys(&self, rank: usize, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let staged = lock(&self.writer)?.staged_rows(RowSet::Compressed(Class::Csa)).map_err(lib_err)?;
+        let t = tensor(keys, "keys")?;
+        let (rows, _, stride) = t.rows("keys", DL_BFLOAT, 16, INDEX_KEY_VALUES as i64)?;
+        if rows != staged {
+            return Err(error("BadTensor", format!("keys: {rows} rows, {staged} CSA entries staged")));
+        }
+        self.check_device(&t, "keys")?;
+        let w = lock(&self.writer)?;
+        if self.device.device_type == DL_CPU {
+            // SAFETY: checked bf16 rows (u16 bits) of `t`, used only inside this call.
+            let s = unsafe { t.host_slice::<u16>("keys", rows, INDEX_KEY_VALUES, stride)? };
+            w.write_index_keys(rank, s, stride).map_err(lib_err)
+        } else {
+            // SAFETY: a checked bf16 tensor of the pool's device with exactly the staged rows
+            // at `stride`, alive for the call; the engine orders it before the pool's stream.
+            unsafe { w.write_index_keys_from(rank, t.ptr, stride) }.map_err(lib_err)
+        }
     }
 
     /// Write `kv` `[entries, 512]` bf16 to the staged compressed rows at `layer` (before the

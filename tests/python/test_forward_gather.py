@@ -15,17 +15,22 @@ from test_hf_pool import BACKEND, prompts_of, tiny  # noqa: E402
 
 
 class Recorder:
-    """The engine's `Forward`, recording the KV of every ring write per layer."""
+    """The engine's `Forward`, recording the tensor of every call of `method` per its first
+    argument (a layer, or a CSA rank) in `.kv`."""
 
-    def __init__(self, f):
-        self.f, self.kv = f, {}
+    def __init__(self, f, method="write_window"):
+        self.f, self.kv, self.method = f, {}, method
 
     def __getattr__(self, name):
-        return getattr(self.f, name)
+        call = getattr(self.f, name)
+        if name != self.method:
+            return call
 
-    def write_window(self, layer, kv):
-        self.kv.setdefault(layer, []).append(kv.clone())
-        return self.f.write_window(layer, kv)
+        def record(key, t):
+            self.kv.setdefault(key, []).append(t.clone())
+            return call(key, t)
+
+        return record
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
