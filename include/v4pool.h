@@ -243,8 +243,6 @@ typedef struct V4poolBuffer {
 extern "C" {
 #endif // __cplusplus
 
-extern void free(void *p);
-
 /**
  * The variant name of this thread's last error ("" after a success). Valid until the
  * thread's next v4pool call.
