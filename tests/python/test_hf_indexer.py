@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 import v4pool  # noqa: E402
 import v4pool.hf as hf  # noqa: E402
 from test_forward_gather import Recorder  # noqa: E402
-from test_hf_pool import BACKEND, prompts_of, tiny  # noqa: E402
+from test_hf_pool import BACKEND, DEVICE, prompts_of, tiny  # noqa: E402
 
 
 def test_index_keys_land_at_their_entries_rows():
@@ -42,7 +42,7 @@ def test_index_key_writes_are_checked():
     model = tiny()
     eng = hf.attach(model, dtype="bf16", budget="96MiB", max_seqs=2, chunk=64, backend=BACKEND)
     f = eng.fwd
-    keys = torch.zeros((1, 128), dtype=torch.bfloat16)
+    keys = torch.zeros((1, 128), dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(v4pool.V4PoolError) as e:
         f.write_index_keys(0, keys)  # nothing staged
     assert e.value.variant == "NothingStaged"
@@ -51,12 +51,12 @@ def test_index_key_writes_are_checked():
     blk = eng._blocks(r)[0]
     f.stage_compressed("csa", [blk], [0])
     with pytest.raises(v4pool.V4PoolError):
-        f.write_index_keys(0, torch.zeros((2, 128), dtype=torch.bfloat16))  # rows != staged
+        f.write_index_keys(0, torch.zeros((2, 128), dtype=torch.bfloat16, device=DEVICE))  # rows != staged
     with pytest.raises(v4pool.V4PoolError):
-        f.write_index_keys(0, torch.zeros((1, 64), dtype=torch.bfloat16))  # too narrow
+        f.write_index_keys(0, torch.zeros((1, 64), dtype=torch.bfloat16, device=DEVICE))  # too narrow
     with pytest.raises(v4pool.V4PoolError):
-        f.write_index_keys(0, torch.zeros((1, 128), dtype=torch.float32))  # dtype
-    f.write_index_keys(0, torch.full((1, 128), 1.5, dtype=torch.bfloat16))
+        f.write_index_keys(0, torch.zeros((1, 128), dtype=torch.float32, device=DEVICE))  # dtype
+    f.write_index_keys(0, torch.full((1, 128), 1.5, dtype=torch.bfloat16, device=DEVICE))
     assert (torch.from_dlpack(eng.pool.indexer_view(0))[blk.id, 0] == 1.5).all()
     eng.finish(r)
     # A pool whose indexer cache is fp8 has no key writer (a typed refusal, nothing written).
@@ -66,6 +66,6 @@ def test_index_key_writes_are_checked():
     b = pool.alloc_block()
     fw.stage_compressed("csa", [b], [0])
     with pytest.raises(v4pool.V4PoolError) as e:
-        fw.write_index_keys(0, keys)
+        fw.write_index_keys(0, keys.cpu())
     assert e.value.variant == "IndexerFormat"
     pool.free_block(b)
