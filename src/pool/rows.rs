@@ -203,6 +203,9 @@ enum Staged {
 /// Values of one index-key row (V4's `index_head_dim`).
 pub const INDEX_KEY_VALUES: usize = 128;
 
+/// A run of consecutive index-key rows: (first staged entry, entries, destination address).
+type KeyRun = (usize, usize, DevicePtr);
+
 /// The KV row writer of one pool: an owned handle (see the module doc).
 #[derive(Debug)]
 pub struct KvRowWriter {
@@ -473,7 +476,7 @@ impl KvRowWriter {
 
     /// The staged CSA entries' destinations in CSA layer `rank`'s bf16 indexer cache, as
     /// runs `(first entry, entries, address)` of consecutive rows, checked against the view.
-    fn index_key_runs(&self, rank: usize) -> Result<(Vec<(usize, usize, DevicePtr)>, &[BlockHandle])> {
+    fn index_key_runs(&self, rank: usize) -> Result<(Vec<KeyRun>, &[BlockHandle])> {
         let format = self.pool.spec().indexer.map_or("none", |ix| ix.name());
         if self.pool.spec().indexer != Some(crate::sizing::IndexerDtype::Bf16) {
             return Err(RowWriteError::IndexerFormat { format });
@@ -483,7 +486,7 @@ impl KvRowWriter {
             _ => return Err(RowWriteError::NothingStaged { what: "CSA entries (index keys)".into() }),
         };
         let view = self.pool.indexer_view(rank, 0).map_err(pool_err)?;
-        let mut runs: Vec<(usize, usize, DevicePtr)> = Vec::new();
+        let mut runs: Vec<KeyRun> = Vec::new();
         for (entry, (b, &row)) in blocks.iter().zip(rows).enumerate() {
             if u64::from(b.id) >= view.blocks || row < 0 || row as u64 >= view.rows_per_block {
                 return Err(RowWriteError::BadEntry {
@@ -508,8 +511,8 @@ impl KvRowWriter {
     fn queue_index_keys(
         &self,
         blocks: &[BlockHandle],
-        runs: &[(usize, usize, DevicePtr)],
-        mut copy: impl FnMut(&(usize, usize, DevicePtr)) -> std::result::Result<(), BackendError>,
+        runs: &[KeyRun],
+        mut copy: impl FnMut(&KeyRun) -> std::result::Result<(), BackendError>,
     ) -> Result<()> {
         self.pool
             .with_boundary(|b| {
