@@ -54,6 +54,8 @@ pub const INDEXER_FP8_BLOCK_BYTES: u64 = 8_448;
 pub const INDEXER_FP4_DATA_BYTES: u64 = 4_096;
 /// FP4 indexer scales: per block per CSA layer, e8m0 `[1][4][64]`.
 pub const INDEXER_FP4_SCALE_BYTES: u64 = 256;
+/// BF16 indexer: per block per CSA layer, 64 rows × 128 bf16 keys (256 B a row).
+pub const INDEXER_BF16_BLOCK_BYTES: u64 = 16_384;
 
 /// How the main KV rows are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -95,6 +97,10 @@ pub enum IndexerDtype {
     Fp8,
     /// Two pools: data `[n_csa][NB][4096 B]`, then scales `[n_csa][NB][256 B]`.
     Fp4,
+    /// One pool `[n_csa][NB][64][128]` bf16: the keys exactly as a bf16 indexer scores them
+    /// (transformers' DeepSeek-V4; a reference run's pool). Twice the fp8 cache; not one of
+    /// the layout-id vocabulary's `fp8|fp4` (pool-runtime.md), so its layout id names `bf16`.
+    Bf16,
 }
 
 impl IndexerDtype {
@@ -103,6 +109,7 @@ impl IndexerDtype {
         match self {
             IndexerDtype::Fp8 => &[INDEXER_FP8_BLOCK_BYTES],
             IndexerDtype::Fp4 => &[INDEXER_FP4_DATA_BYTES, INDEXER_FP4_SCALE_BYTES],
+            IndexerDtype::Bf16 => &[INDEXER_BF16_BLOCK_BYTES],
         }
     }
     /// Bytes one index-key row takes in each pool, in pool order (FP8: 128 fp8 + an fp32
@@ -111,6 +118,7 @@ impl IndexerDtype {
         match self {
             IndexerDtype::Fp8 => &[INDEXER_FP8_BLOCK_BYTES / 64],
             IndexerDtype::Fp4 => &[INDEXER_FP4_DATA_BYTES / 64, INDEXER_FP4_SCALE_BYTES / 64],
+            IndexerDtype::Bf16 => &[INDEXER_BF16_BLOCK_BYTES / 64],
         }
     }
     /// Bytes one block of one CSA layer takes across the pools (8,448 or 4,352).
@@ -154,6 +162,7 @@ impl IndexerDtype {
         match self {
             IndexerDtype::Fp8 => "fp8",
             IndexerDtype::Fp4 => "fp4",
+            IndexerDtype::Bf16 => "bf16",
         }
     }
 }

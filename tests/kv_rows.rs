@@ -8,7 +8,7 @@ mod common;
 mod gather_common;
 
 use common::{case_seed, Rng};
-use gather_common::model_pool;
+use gather_common::{model_pool, model_pool_with};
 use std::ffi::c_void;
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
@@ -18,6 +18,7 @@ use v4pool::index::shape::launch_shape;
 use v4pool::index::{KvRowsArgs, Launch};
 use v4pool::model::ModelShape;
 use v4pool::pool::{CompressedRow, RowSet, RowWriteCapacity, RowWriteError, WindowSeq};
+use v4pool::sizing::IndexerDtype;
 
 type EmuKvRows = unsafe extern "C" fn(*const c_void, *const u32, u32) -> i32;
 
@@ -253,4 +254,67 @@ fn w0(fp8: bool) -> usize {
     } else {
         1024
     }
+}
+
+/// The whole indexer cache of a host pool.
+fn indexer_bytes(pool: &v4pool::pool::Pool) -> Vec<u8> {
+    let v = pool.indexer_view(0, 0).unwrap();
+    let n = pool.spec().csa_layers.len() as u64 * v.blocks * v.rows_per_block * v.row_bytes;
+    let mut out = vec![0u8; n as usize];
+    // SAFETY: the pool's indexer allocation, `n` bytes from CSA layer 0's base (host backend).
+    unsafe { pool.backend().download(&mut out, v.ptr, pool.stream()) }.unwrap();
+    out
+}
+
+#[test]
+fn index_keys_land_at_their_entries_rows_and_nothing_else_changes() {
+    let model = ModelShape::v4_flash(0).unwrap();
+    let pool = model_pool_with(Arc::new(HostBackend::new()), &model, false, 6, 3, Some(IndexerDtype::Bf16));
+    let mut rng = Rng::new(case_seed("index-keys-writer", 0));
+    let v = pool.indexer_view(0, 0).unwrap();
+    assert_eq!((v.rows_per_block, v.row_bytes), (64, 256));
+    let fresh = rng.bytes(indexer_bytes(&pool).len());
+    // SAFETY: as in `indexer_bytes`.
+    unsafe { pool.backend().upload(v.ptr, &fresh, pool.stream()) }.unwrap();
+    let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens: 16 }).unwrap();
+    let b0 = pool.alloc_block().unwrap().handle;
+    let b1 = pool.alloc_block().unwrap().handle;
+    // Two consecutive rows (one copy run), then a row of another block.
+    let entries = [
+        CompressedRow { block: b1, row: 5 },
+        CompressedRow { block: b1, row: 6 },
+        CompressedRow { block: b0, row: 63 },
+    ];
+    w.stage_compressed(Class::Csa, &entries).unwrap();
+    let stride = 136;
+    let keys = bf16_values(&mut rng, 2 * stride + 128);
+    let rank = 2;
+    w.write_index_keys(rank, &keys, stride).unwrap();
+    let mut expect = fresh.clone();
+    let layer_bytes = (v.blocks * 64 * 256) as usize;
+    for (i, e) in entries.iter().enumerate() {
+        let at = rank * layer_bytes + (e.block.id as usize * 64 + e.row as usize) * 256;
+        let bytes: Vec<u8> =
+            keys[i * stride..i * stride + 128].iter().flat_map(|k| k.to_ne_bytes()).collect();
+        expect[at..at + 256].copy_from_slice(&bytes);
+    }
+    assert!(indexer_bytes(&pool) == expect, "index keys off their rows, or other bytes changed");
+    // Refusals, nothing written: a short buffer, a CSA rank past the layers, HCA entries
+    // staged, a freed block, a pool whose indexer cache is fp8.
+    assert!(matches!(w.write_index_keys(rank, &keys[..300], stride), Err(RowWriteError::KvShape { .. })));
+    let ranks = pool.spec().csa_layers.len();
+    assert!(matches!(w.write_index_keys(ranks, &keys, stride), Err(RowWriteError::Pool(_))));
+    pool.free_block(b0).unwrap();
+    assert!(matches!(w.write_index_keys(rank, &keys, stride), Err(RowWriteError::BadEntry { entry: 2, .. })));
+    w.stage_compressed(Class::Hca, &[CompressedRow { block: b1, row: 0 }]).unwrap();
+    assert!(matches!(w.write_index_keys(rank, &keys, stride), Err(RowWriteError::NothingStaged { .. })));
+    assert!(indexer_bytes(&pool) == expect, "a refused write changed the indexer cache");
+    let fp8 = model_pool_with(Arc::new(HostBackend::new()), &model, false, 6, 3, Some(IndexerDtype::Fp8));
+    let mut w8 = fp8.kv_row_writer(RowWriteCapacity { max_tokens: 16 }).unwrap();
+    let b = fp8.alloc_block().unwrap().handle;
+    w8.stage_compressed(Class::Csa, &[CompressedRow { block: b, row: 0 }]).unwrap();
+    assert!(matches!(
+        w8.write_index_keys(0, &keys, stride),
+        Err(RowWriteError::IndexerFormat { format: "fp8" })
+    ));
 }

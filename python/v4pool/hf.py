@@ -7,14 +7,25 @@ then runs several requests of different lengths in one batch: prompts prefilled 
 through the pool's prefill path, then greedy decode steps through its decode path. Every
 pool-side step is a v4pool call (``v4pool.Forward``): the index builds, the CSA translate-pack
 from the indexer's top-k, the token's own rows (decode row scatter, prefill ring write), the
-compressors' emitted rows at the request's compressed rows, and the compressor-state update
+compressors' emitted rows at the request's compressed rows and the indexer's keys in the
+pool's indexer cache, and the compressor-state update
 (section 8). The model-side math (projections, the compressors' softmax pooling over the
 state the pool holds, the indexer's scores, attention over the rows the index buffers name)
 is transformers' own code or the same torch operations on the same values, in the same
 order. docs/forward.md gives the per-forward order.
 
-Not in the pool (yet): the indexer's compressed keys stay in host tensors per request: the
-pool's indexer cache holds fp8 / fp4 keys, while transformers' indexer scores bf16 keys.
+The scheduler is a ``v4pool.KvManager`` over the pool (``add`` admits with the longest
+prefix hit restored from a checkpoint; per forward ``prefill_stop`` / ``allocate`` /
+``commit``, then ``complete_inflight``; ``preempt``, ``admit`` again, ``finish``); the
+writers take the slot and block handles the manager lends for each request, asked afresh
+every forward. ``handoff`` moves a running request to an engine attached with
+``manager=False`` on another pool (v4pool's in-process transfer engine).
+
+The indexer's compressed keys live in the pool too: the pool is planned with a bf16 indexer
+cache (``indexer="bf16"``: transformers' indexer scores bf16 keys, which the fp8 / fp4 formats
+would not hold exactly), written through ``Forward.write_index_keys`` at the CSA entries'
+rows and read back through ``Pool.indexer_view``, so a prefix hit, a relocation and a handoff
+carry them with the blocks.
 """
 
 from __future__ import annotations
@@ -83,28 +94,30 @@ def quantize_fp8_reference(kv: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Request:
-    """One request as the engine's scheduler holds it."""
+    """One request as the engine's scheduler holds it. Driven by the engine's `KvManager`
+    (`mid` its manager id: slot and blocks are the manager's, asked afresh every step), or,
+    on a pool without a manager (a handoff's receiver), holding its slot and blocks itself."""
 
     rid: int
     prompt: list
-    slot: object = None
-    blocks: list = field(default_factory=list)
-    tokens: list = field(default_factory=list)  # prompt + generated, as computed so far
+    mid: int = None  # the manager's request id
+    slot: object = None  # held directly (no manager)
+    blocks: list = field(default_factory=list)  # held directly (no manager)
+    tokens: list = field(default_factory=list)  # prompt + generated (the last one pending)
     computed: int = 0  # tokens whose KV is in the pool
-    # Per CSA layer: the indexer's compressed keys (bf16 [entries, index_head_dim]).
-    index_keys: dict = field(default_factory=dict)
+    hashes: list = field(default_factory=list)  # chained hashes of its full blocks so far
     logits: list = field(default_factory=list)
 
     @property
-    def table(self) -> list:
-        return [b.id for b in self.blocks]
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
 
 
 class PoolEngine:
     """A DeepseekV4ForCausalLM on a v4pool pool (see the module doc)."""
 
     def __init__(self, model, *, dtype="bf16", budget="256MiB", max_seqs=8, max_context=4096,
-                 chunk=256, backend="host", device=0):
+                 chunk=256, backend="host", device=0, manager=True, policy="elastic"):
         cfg = model.config
         self.model = model
         self.cfg = cfg
@@ -116,7 +129,9 @@ class PoolEngine:
         with tempfile.TemporaryDirectory() as d:
             with open(os.path.join(d, "config.json"), "w") as f:
                 json.dump(_pool_config(cfg), f)
-            self.plan = v4pool.plan(model=d, budget=budget, max_seqs=max_seqs, dtype=dtype)
+            # The indexer's keys in a bf16 indexer cache: transformers' indexer scores bf16
+            # keys, which the fp8 / fp4 formats would not hold exactly.
+            self.plan = v4pool.plan(model=d, budget=budget, max_seqs=max_seqs, dtype=dtype, indexer="bf16")
         # On a GPU the pool's work goes on torch's current stream, so every v4pool launch and
         # upload is ordered with the model's own kernels (no cross-stream races).
         stream = torch.cuda.current_stream() if backend == "cuda" else None
@@ -138,6 +153,11 @@ class PoolEngine:
         self._ctx = None
         self._next_id = 0
         self._orig = {}
+        # The scheduler's side: a KvManager over the pool (prefix reuse with checkpoints,
+        # preemption), or none (the pool's slots and blocks taken directly, e.g. a handoff's
+        # receiver, which only continues requests handed to it).
+        self.manager = v4pool.KvManager(self.pool, policy=policy) if manager else None
+        self._ikeys = {}
 
     # ---- pool views (zero-copy torch tensors over the pool's memory) -------------------
 
@@ -155,6 +175,17 @@ class PoolEngine:
             return _dequant_fp8(planes[0][idx], planes[1][idx])
         return planes[0][idx]
 
+    def index_keys(self, layer, blocks, entries: int) -> torch.Tensor:
+        """CSA layer `layer`'s first `entries` index keys of a request with block handles
+        `blocks`, read from the pool's bf16 indexer cache `[entries, index_head_dim]`."""
+        rank = self.ordinal[layer]
+        if rank not in self._ikeys:
+            self._ikeys[rank] = torch.from_dlpack(self.pool.indexer_view(rank))
+        per = BLOCK // CSA
+        w = torch.arange(entries, device=self.device)
+        ids = torch.tensor([b.id for b in blocks], dtype=torch.long, device=self.device)
+        return self._ikeys[rank][ids[w // per] if entries else w, w % per]
+
     def state(self, name):
         if name not in self._state:
             self._state[name] = torch.from_dlpack(self.pool.state_view(name))
@@ -163,21 +194,95 @@ class PoolEngine:
     # ---- requests ----------------------------------------------------------------------
 
     def add(self, prompt) -> Request:
+        """A new request, admitted (with the manager: its prefix hit restored)."""
         r = Request(self._next_id, list(prompt))
         self._next_id += 1
-        r.slot = self.pool.alloc_slot()
         r.tokens = list(prompt)
+        if self.manager is None:
+            r.slot = self.pool.alloc_slot()
+            return r
+        r.mid = self.manager.add_request(r.tokens)
+        r.hashes = self.manager.block_hashes(r.tokens)
+        self.admit(r)
         return r
 
-    def _grow(self, r: Request, ctx: int):
-        while len(r.blocks) * BLOCK < ctx:
+    def admit(self, r: Request) -> int:
+        """Admit `r` (waiting: new or preempted); returns the hit tokens. The slot comes back
+        restored from the hit's checkpoint, prefill resumes at the hit."""
+        hit = self.manager.admit(r.mid)
+        r.computed = hit
+        return hit
+
+    def preempt(self, r: Request):
+        """Preempt a running request: its slot goes, its committed blocks stay cached (a
+        rolling checkpoint at its last block boundary), it waits for `admit`."""
+        self.manager.preempt(r.mid)
+        r.computed = 0
+
+    def _slot(self, r):
+        return r.slot if self.manager is None else self.manager.slot(r.mid)
+
+    def _blocks(self, r):
+        return r.blocks if self.manager is None else self.manager.blocks(r.mid)
+
+    def _table(self, r):
+        return [b.id for b in r.blocks] if self.manager is None else self.manager.block_table(r.mid)
+
+    def _grow(self, r: Request, n: int):
+        """Blocks for `n` more tokens of `r`."""
+        if self.manager is not None:
+            self.manager.allocate(r.mid, n)
+            return
+        while len(r.blocks) * BLOCK < r.computed + n:
             r.blocks.append(self.pool.alloc_block())
 
+    def _commit(self, reqs, counts):
+        """After a forward: its tokens are in the pool. New full blocks get their hashes
+        (generated tokens too, so a resumed request hits them); the manager commits (storing checkpoints at block boundaries), and
+        once the forward's work is complete (a GPU: torch's stream, which the pool shares)
+        its stored checkpoints become ready."""
+        for r, n in zip(reqs, counts):
+            r.computed += n
+            if self.manager is None:
+                continue
+            known = len(r.tokens) // BLOCK
+            if known > len(r.hashes):
+                new = self.manager.block_hashes(r.tokens[: known * BLOCK])[len(r.hashes):]
+                self.manager.extend_hashes(r.mid, new)
+                r.hashes += new
+            self.manager.commit(r.mid, n)
+        if self.manager is not None:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            self.manager.complete_inflight()
+            self.manager.rebalance()
+
     def finish(self, r: Request):
+        if self.manager is not None:
+            if r.mid is not None:
+                self.manager.finish(r.mid)
+                r.mid = None
+            return
         for b in r.blocks:
             self.pool.free_block(b)
-        self.pool.free_slot(r.slot)
+        if r.slot is not None:
+            self.pool.free_slot(r.slot)
         r.blocks, r.slot = [], None
+
+    def handoff(self, r: Request, receiver: "PoolEngine") -> Request:
+        """Hand running `r` to `receiver` (an engine without a manager on a pool of the same
+        layout) through v4pool's in-process transfer engine: its blocks and whole slot are
+        copied; `r` is finished here; the returned request continues on `receiver`."""
+        if receiver.manager is not None:
+            raise ValueError("the receiver holds handed-off requests itself: attach it with manager=False")
+        slot, blocks, n = self.manager.handoff(r.mid, receiver.pool)
+        if n != r.computed:
+            raise RuntimeError(f"handoff carried {n} tokens, the request computed {r.computed}")
+        moved = Request(receiver._next_id, r.prompt, slot=slot, blocks=blocks, tokens=list(r.tokens),
+                        computed=r.computed, logits=list(r.logits))
+        receiver._next_id += 1
+        self.finish(r)
+        return moved
 
     # ---- the attention the model runs --------------------------------------------------
 
@@ -209,72 +314,89 @@ class PoolEngine:
         starts, ids, pos = [], [], []
         for r, n in zip(reqs, chunks):
             cs = r.computed
-            self._grow(r, cs + n)
+            self._grow(r, n)
             starts.append(cs)
             ids += r.tokens[cs:cs + n]
             pos += list(range(cs, cs + n))
-        slots = [self.pool.slot_position(r.slot) for r in reqs]
+        slots = [self._slot(r) for r in reqs]
         f = self.fwd
-        f.prefill_stage(slots, starts, chunks, [r.table for r in reqs])
+        f.prefill_stage([s.position for s in slots], starts, chunks, [self._table(r) for r in reqs])
         f.prefill_build()
-        f.stage_window([r.slot for r in reqs], starts, chunks)
+        f.stage_window(slots, starts, chunks)
         firsts = [sum(chunks[:i]) for i in range(len(reqs))]
-        f.state_stage([r.slot for r in reqs], firsts,
+        f.state_stage(slots, firsts,
                       [list(range(s, s + n)) for s, n in zip(starts, chunks)],
                       [s + n for s, n in zip(starts, chunks)])
-        ctx = _Fwd("prefill", reqs, starts, chunks)
+        ctx = _Fwd("prefill", reqs, starts, chunks, [self._blocks(r) for r in reqs], [s.position for s in slots])
         logits = self._run(ctx, torch.tensor([ids], device=self.device), torch.tensor([pos], device=self.device))
-        out = []
-        for i, r in enumerate(reqs):
-            r.computed += chunks[i]
-            out.append(logits[firsts[i] + chunks[i] - 1])
-        return out
+        self._commit(reqs, chunks)
+        return [logits[firsts[i] + chunks[i] - 1] for i in range(len(reqs))]
 
     def decode(self, reqs):
         """One decode step: each request's last token (its KV not yet in the pool)."""
         ids, pos = [], []
         for r in reqs:
-            self._grow(r, r.computed + 1)
+            self._grow(r, 1)
             ids.append(r.tokens[r.computed])
             pos.append(r.computed)
         f = self.fwd
-        slots = [self.pool.slot_position(r.slot) for r in reqs]
-        f.decode_stage(slots, [p + 1 for p in pos], [r.table for r in reqs])
+        slots = [self._slot(r) for r in reqs]
+        f.decode_stage([s.position for s in slots], [p + 1 for p in pos], [self._table(r) for r in reqs])
         f.decode_build()
-        f.state_stage([r.slot for r in reqs], list(range(len(reqs))), [[p] for p in pos], [p + 1 for p in pos])
-        ctx = _Fwd("decode", reqs, pos, [1] * len(reqs))
+        f.state_stage(slots, list(range(len(reqs))), [[p] for p in pos], [p + 1 for p in pos])
+        ctx = _Fwd("decode", reqs, pos, [1] * len(reqs), [self._blocks(r) for r in reqs], [s.position for s in slots])
         logits = self._run(ctx, torch.tensor([ids], device=self.device), torch.tensor([pos], device=self.device))
-        for r in reqs:
-            r.computed += 1
+        self._commit(reqs, [1] * len(reqs))
         return [logits[i] for i in range(len(reqs))]
+
+    def _stop(self, r: Request, chunk: int) -> int:
+        """Tokens of `r`'s next prefill chunk (0: it decodes): up to its last known token but
+        the pending one (with the manager: also at checkpoint points, see `prefill_stop`)."""
+        if self.manager is not None:
+            return self.manager.prefill_stop(r.mid, chunk)
+        end = len(r.tokens) - (1 if r.generated else 0)
+        return max(0, min(chunk, end - r.computed))
+
+    def step(self, reqs, *, chunk=None):
+        """One scheduler step over running `reqs`: a prefill forward for those with prompt (or,
+        resumed, recomputation) left, else one decode step for all. A request whose prefill
+        reached its last token picks its first generated token. Returns whether it decoded."""
+        chunk = chunk or self.chunk
+        live = [(r, n) for r in reqs for n in [self._stop(r, chunk)] if n > 0]
+        if live:
+            rs, ns = [r for r, _ in live], [n for _, n in live]
+            for r, lg in zip(rs, self.prefill(rs, ns)):
+                if r.computed == len(r.tokens):  # the prompt's last token: its logits choose
+                    r.logits.append(lg)
+                    r.tokens.append(int(lg.argmax()))
+            return False
+        for r, lg in zip(reqs, self.decode(reqs)):
+            r.logits.append(lg)
+            r.tokens.append(int(lg.argmax()))
+        return True
+
+    def run(self, reqs, max_new_tokens, *, chunk=None):
+        """Steps until every request of `reqs` has `max_new_tokens` generated tokens (those
+        done drop out of the batch)."""
+        while True:
+            live = [r for r in reqs if r.generated < max_new_tokens]
+            if not live:
+                return
+            self.step(live, chunk=chunk)
 
     def generate(self, prompts, max_new_tokens, *, chunk=None):
         """Greedy generation for `prompts` (token lists) in one batch: chunked prefill, then
         decode steps. Returns `(tokens, logits)` per request (generated tokens; the logits
         that chose them, float32)."""
-        chunk = chunk or self.chunk
-        reqs = [self.add(p) for p in prompts]
+        reqs = []
         try:
-            last = {}
-            while any(r.computed < len(r.prompt) for r in reqs):
-                live = [r for r in reqs if r.computed < len(r.prompt)]
-                ns = [min(chunk, len(r.prompt) - r.computed) for r in live]
-                for r, lg in zip(live, self.prefill(live, ns)):
-                    if r.computed == len(r.prompt):
-                        last[r.rid] = lg
-            for r in reqs:
-                lg = last[r.rid]
-                r.logits.append(lg)
-                r.tokens.append(int(lg.argmax()))
-            for _ in range(max_new_tokens - 1):
-                for r, lg in zip(reqs, self.decode(reqs)):
-                    r.logits.append(lg)
-                    r.tokens.append(int(lg.argmax()))
+            for p in prompts:
+                reqs.append(self.add(p))
+            self.run(reqs, max_new_tokens, chunk=chunk)
             return [(r.tokens[len(r.prompt):], torch.stack(r.logits)) for r in reqs]
         finally:
             for r in reqs:
-                if r.slot is not None:
-                    self.finish(r)
+                self.finish(r)
 
 
 @dataclass
@@ -285,12 +407,19 @@ class _Fwd:
     reqs: list
     starts: list  # first new position per request
     counts: list  # new tokens per request
+    blocks: list  # per request its block handles (the manager's, current this forward)
+    positions: list  # per request its slot position this forward
 
     def spans(self):
         t = 0
         for r, s, n in zip(self.reqs, self.starts, self.counts):
             yield r, s, n, t
             t += n
+
+    def of(self, r):
+        """(slot position, block handles) of `r` this forward."""
+        i = next(i for i, x in enumerate(self.reqs) if x is r)
+        return self.positions[i], self.blocks[i]
 
 
 def attach(model, **kw) -> PoolEngine:
@@ -322,7 +451,7 @@ def _entries(engine, ctx, comp, layer, kv, gate, state_kv, state_score, ratio, o
         if w1 <= w0:
             out.append((w0, None, None))
             continue
-        pos = engine.pool.slot_position(r.slot)
+        pos = ctx.of(r)[0]
         width = 2 * ratio if overlap else ratio
         nw = w1 - w0
         new_kv = kv.new_zeros((1, nw, width, head_dim))
@@ -384,8 +513,10 @@ def _compress(engine, ctx, module, layer, hidden, kind, ape_name):
     return res
 
 
-def _write_entries(engine, layer, cls, ctx, entries, ratio):
-    """The compressor's emitted rows at the requests' compressed rows (before attention)."""
+def _write_entries(engine, layer, cls, ctx, entries, ratio, index_entries=None):
+    """The compressor's emitted rows at the requests' compressed rows (before attention); for
+    a CSA layer also the indexer's keys of the same entries, in the pool's indexer cache
+    (before the indexer scores them)."""
     per_block = BLOCK // ratio
     blocks, rows, kvs = [], [], []
     for (w0, e), (r, *_rest) in zip(entries, ctx.spans()):
@@ -393,28 +524,28 @@ def _write_entries(engine, layer, cls, ctx, entries, ratio):
             continue
         for i in range(e.shape[0]):
             w = w0 + i
-            blocks.append(r.blocks[w // per_block])
+            blocks.append(ctx.of(r)[1][w // per_block])
             rows.append(w % per_block)
         kvs.append(e)
     if not kvs:
         return
     engine.fwd.stage_compressed(cls, blocks, rows)
     engine.fwd.write_compressed(layer, cls, torch.cat(kvs).to(torch.bfloat16).contiguous())
+    if index_entries is not None:
+        keys = [e for _, e in index_entries if e is not None]
+        engine.fwd.write_index_keys(engine.ordinal[layer], torch.cat(keys).to(torch.bfloat16).contiguous())
 
 
 def _indexer_topk(engine, ctx, indexer, layer, hidden, q_residual, position_ids, entries):
-    """transformers' indexer scoring over each request's compressed keys: int64 rows
+    """transformers' indexer scoring over each request's compressed keys (read from the
+    pool's indexer cache, where this forward's entries were just written): int64 rows
     `[valid ids | -1 tail]`, `min(index_topk, entries)` wide, padded with -1 to one width."""
-    for (w0, e), (r, *_rest) in zip(entries, ctx.spans()):
-        keys = r.index_keys.get(layer)
-        if e is not None:
-            r.index_keys[layer] = e if keys is None else torch.cat([keys, e])
     rows = []
     for r, s, n, t0 in ctx.spans():
-        keys = r.index_keys.get(layer)
+        keys = engine.index_keys(layer, ctx.of(r)[1], (s + n) // indexer.compress_rate)
         hs = hidden[:, t0:t0 + n]
         pid = position_ids[:, t0:t0 + n]
-        if keys is None or keys.shape[0] == 0:
+        if keys.shape[0] == 0:
             rows.append(torch.full((n, 1), -1, dtype=torch.long, device=hidden.device))
             continue
         cos_q, sin_q = indexer.rotary_emb(hs, position_ids=pid, layer_type=indexer.rope_layer_type)
@@ -519,9 +650,12 @@ def _attention(engine, attn, hidden_states, position_embeddings, position_ids):
         comp = attn.compressor
         kind = "csa_main" if ratio == CSA else "hca_main"
         entries = _compress(engine, ctx, comp, layer, hidden_states, kind, None)
-        _write_entries(engine, layer, cls, ctx, entries, ratio)  # before the indexer and attention
-        if ratio == CSA:
+        idx_entries = None
+        if ratio == CSA:  # the indexer's entries close at the same windows as the main ones
             idx_entries = _compress(engine, ctx, comp.indexer, layer, hidden_states, "csa_idx", None)
+        # Emitted rows and index keys before the indexer and attention read them.
+        _write_entries(engine, layer, cls, ctx, entries, ratio, idx_entries)
+        if ratio == CSA:
             topk = _indexer_topk(engine, ctx, comp.indexer, layer, hidden_states, q_residual, position_ids, idx_entries)
             if ctx.mode == "decode":
                 f.decode_csa_pack(topk)

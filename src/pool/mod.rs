@@ -27,7 +27,9 @@ pub use decode::{
 pub use owned::DeviceBuffer;
 pub use path::{DecodePath, PrefillPath};
 pub use prefill::{prefill_slice_lens, PrefillBuffer, PrefillCapacity, PrefillIndexBuffers, PrefillSeq};
-pub use rows::{CompressedRow, KvRowWriter, RowSet, RowWriteCapacity, RowWriteError, WindowSeq};
+pub use rows::{
+    CompressedRow, KvRowWriter, RowSet, RowWriteCapacity, RowWriteError, WindowSeq, INDEX_KEY_VALUES,
+};
 pub use topk::{convert_topk, CsaTopk, TopkError, TopkRows};
 
 use crate::alloc::{AllocError, BlockGrant, BlockHandle, SlotHandle};
@@ -246,6 +248,25 @@ pub enum PoolError {
     #[error(transparent)]
     /// A failure of the layer below ([`BackendError`]).
     Backend(#[from] BackendError),
+    #[error("the pool has no indexer cache")]
+    /// The pool has no indexer cache (no CSA layer, or a plan without one).
+    NoIndexer,
+    #[error("indexer pool {part} outside 0..{parts}")]
+    /// Indexer pool `part` outside 0..`parts` (FP8 and BF16: one; FP4: data, scales).
+    NoSuchIndexerPart {
+        /// Pool index.
+        part: usize,
+        /// Pools there are.
+        parts: usize,
+    },
+    #[error("CSA layer rank {rank} outside 0..{layers}")]
+    /// CSA layer rank `rank` outside 0..`layers`.
+    NoSuchCsaLayer {
+        /// Rank among the CSA layers.
+        rank: usize,
+        /// CSA layers there are.
+        layers: usize,
+    },
     #[error("plane {plane} outside 0..{planes}")]
     /// Plane `plane` outside 0..`planes`.
     NoSuchPlane {
@@ -387,6 +408,20 @@ pub struct SlotLease {
     pub handle: SlotHandle,
     /// Where the slot sits: the position kernels take.
     pub position: i64,
+}
+
+/// One CSA layer's indexer cache in one indexer pool: `[blocks][rows_per_block][row_bytes]`
+/// from `ptr` (block `b` of the pool's block ids is block `b` here).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexerView {
+    /// Address of block 0, row 0.
+    pub ptr: DevicePtr,
+    /// Blocks (the most the plane can hold).
+    pub blocks: u64,
+    /// Index-key rows per block (a V4 CSA block: 64).
+    pub rows_per_block: u64,
+    /// Bytes of one row in this pool.
+    pub row_bytes: u64,
 }
 
 /// The pool's own memory besides the planes, reported so it can be held under 1 %.
@@ -651,6 +686,29 @@ impl Pool {
             return &[];
         }
         &self.indexer_parts
+    }
+
+    /// The indexer cache of index-key layer `rank` (its index in [`PoolSpec::csa_layers`]: V4's
+    /// CSA layers, V4.1's KV owners) in indexer pool `part`: its base, and its shape
+    /// `[indexer_blocks][rows per block][row bytes]` (a V4 CSA block: 64 rows), placed by
+    /// [`Pool::indexer_parts`], the one formula.
+    pub fn indexer_view(&self, rank: usize, part: usize) -> Result<IndexerView, PoolError> {
+        let ix = self.spec.indexer.filter(|_| self.indexer.is_some()).ok_or(PoolError::NoIndexer)?;
+        let parts = self.indexer_parts();
+        let (layers, &off) = parts
+            .get(part)
+            .zip(self.indexer_offsets.get(part))
+            .ok_or(PoolError::NoSuchIndexerPart { part, parts: parts.len() })?;
+        let layer = layers.get(rank).ok_or(PoolError::NoSuchCsaLayer { rank, layers: layers.len() })?;
+        let row_bytes = ix.pool_row_bytes()[part];
+        let start = checked(layer.offset(0, self.indexer_blocks), "indexer layer offset")?;
+        let base = self.indexer_ptr().ok_or(PoolError::NoIndexer)?;
+        Ok(IndexerView {
+            ptr: base + off + start,
+            blocks: self.indexer_blocks,
+            rows_per_block: layer.block_bytes / row_bytes,
+            row_bytes,
+        })
     }
 
     /// PD / offload transfer regions at the current split (`pool-runtime.md` §7): block

@@ -109,6 +109,13 @@ pub enum RowWriteError {
     /// The decode path's staged batch no longer matches the pool.
     #[error("decode path: {0}")]
     Decode(String),
+    /// The indexer's keys are written only to a bf16 indexer cache (the fp8 / fp4 key pack
+    /// has no writer yet).
+    #[error("index keys: the pool's indexer cache is {format}; only a bf16 one has a writer")]
+    IndexerFormat {
+        /// The pool's indexer format (`none` without one).
+        format: &'static str,
+    },
     /// A pool whose planes are neither the fp8 nor the bf16 row format.
     #[error("planes of {widths:?} B rows are neither fp8 [512, 128] nor bf16 [1024]")]
     RowFormat {
@@ -188,8 +195,16 @@ enum Staged {
     Compressed {
         class: Class,
         blocks: Vec<BlockHandle>,
+        /// Each entry's row in its block (the indexer cache's row for a CSA entry).
+        rows: Vec<i64>,
     },
 }
+
+/// Values of one index-key row (V4's `index_head_dim`).
+pub const INDEX_KEY_VALUES: usize = 128;
+
+/// A run of consecutive index-key rows: (first staged entry, entries, destination address).
+type KeyRun = (usize, usize, DevicePtr);
 
 /// The KV row writer of one pool: an owned handle (see the module doc).
 #[derive(Debug)]
@@ -367,7 +382,11 @@ impl KvRowWriter {
         }
         self.compressed = Staged::Nothing;
         self.owned.upload(self.compressed_at, bytemuck::cast_slice(&rows))?;
-        self.compressed = Staged::Compressed { class, blocks: entries.iter().map(|e| e.block).collect() };
+        self.compressed = Staged::Compressed {
+            class,
+            blocks: entries.iter().map(|e| e.block).collect(),
+            rows: entries.iter().map(|e| e.row).collect(),
+        };
         Ok(entries.len())
     }
 
@@ -387,7 +406,7 @@ impl KvRowWriter {
     pub fn staged_rows(&self, set: RowSet) -> Result<usize> {
         match (set, &self.window, &self.compressed) {
             (RowSet::Window, Staged::Window { tokens, .. }, _) => Ok(*tokens),
-            (RowSet::Compressed(c), _, Staged::Compressed { class, blocks }) if *class == c => {
+            (RowSet::Compressed(c), _, Staged::Compressed { class, blocks, .. }) if *class == c => {
                 Ok(blocks.len())
             }
             _ => Err(RowWriteError::NothingStaged { what: format!("{set:?}") }),
@@ -402,7 +421,7 @@ impl KvRowWriter {
             (RowSet::Window, Staged::Window { tokens, .. }, _) => {
                 (self.owned.base() + self.window_at[class_index(class)], *tokens)
             }
-            (RowSet::Compressed(c), _, Staged::Compressed { class: staged, blocks })
+            (RowSet::Compressed(c), _, Staged::Compressed { class: staged, blocks, .. })
                 if *staged == c && c == class =>
             {
                 (self.owned.base() + self.compressed_at, blocks.len())
@@ -453,6 +472,111 @@ impl KvRowWriter {
                 unsafe { self.owned.launch(launch) }.map_err(RowWriteError::from)
             })
             .map_err(pool_err)?
+    }
+
+    /// The staged CSA entries' destinations in CSA layer `rank`'s bf16 indexer cache, as
+    /// runs `(first entry, entries, address)` of consecutive rows, checked against the view.
+    fn index_key_runs(&self, rank: usize) -> Result<(Vec<KeyRun>, &[BlockHandle])> {
+        let format = self.pool.spec().indexer.map_or("none", |ix| ix.name());
+        if self.pool.spec().indexer != Some(crate::sizing::IndexerDtype::Bf16) {
+            return Err(RowWriteError::IndexerFormat { format });
+        }
+        let (blocks, rows) = match &self.compressed {
+            Staged::Compressed { class: Class::Csa, blocks, rows } => (blocks, rows),
+            _ => return Err(RowWriteError::NothingStaged { what: "CSA entries (index keys)".into() }),
+        };
+        let view = self.pool.indexer_view(rank, 0).map_err(pool_err)?;
+        let mut runs: Vec<KeyRun> = Vec::new();
+        for (entry, (b, &row)) in blocks.iter().zip(rows).enumerate() {
+            if u64::from(b.id) >= view.blocks || row < 0 || row as u64 >= view.rows_per_block {
+                return Err(RowWriteError::BadEntry {
+                    entry,
+                    reason: format!("block {} row {row} outside the indexer cache", b.id),
+                });
+            }
+            let at = view.ptr + (u64::from(b.id) * view.rows_per_block + row as u64) * view.row_bytes;
+            match runs.last_mut() {
+                Some((first, n, start))
+                    if *start + *n as u64 * view.row_bytes == at && *first + *n == entry =>
+                {
+                    *n += 1
+                }
+                _ => runs.push((entry, 1, at)),
+            }
+        }
+        Ok((runs, blocks))
+    }
+
+    /// Copy under the pool's lock after re-checking the staged blocks: `copy(run)` per run.
+    fn queue_index_keys(
+        &self,
+        blocks: &[BlockHandle],
+        runs: &[KeyRun],
+        mut copy: impl FnMut(&KeyRun) -> std::result::Result<(), BackendError>,
+    ) -> Result<()> {
+        self.pool
+            .with_boundary(|b| {
+                for (entry, h) in blocks.iter().enumerate() {
+                    b.check_block(*h)
+                        .map_err(|e| RowWriteError::BadEntry { entry, reason: e.to_string() })?;
+                }
+                runs.iter().try_for_each(|r| copy(r).map_err(RowWriteError::from))
+            })
+            .map_err(pool_err)?
+    }
+
+    /// The indexer's key rows of the staged CSA entries (`stage_compressed(Class::Csa, ..)`,
+    /// the same entries as the main compressor's) into CSA layer `rank`'s indexer cache:
+    /// `keys` row `i` (128 bf16 values at `i × stride`) to entry `i`'s block and row. Only a
+    /// bf16 indexer cache (copied); before the layer's indexer scores them.
+    pub fn write_index_keys(&self, rank: usize, keys: &[u16], stride: usize) -> Result<()> {
+        let (runs, blocks) = self.index_key_runs(rank)?;
+        let n = blocks.len();
+        let need = if n == 0 { 0 } else { (n - 1) * stride + INDEX_KEY_VALUES };
+        if stride < INDEX_KEY_VALUES || keys.len() < need {
+            return Err(RowWriteError::KvShape { len: keys.len(), tokens: n, row: INDEX_KEY_VALUES, stride });
+        }
+        let (backend, stream) = (self.pool.backend(), self.pool.stream());
+        self.queue_index_keys(blocks, &runs, |&(first, count, at)| {
+            let mut packed = Vec::with_capacity(count * INDEX_KEY_VALUES);
+            for e in first..first + count {
+                packed.extend_from_slice(&keys[e * stride..e * stride + INDEX_KEY_VALUES]);
+            }
+            // SAFETY: `at` and `count` rows lie in the pool's live indexer allocation (checked
+            // against its view); the blocks were re-checked live under this lock.
+            unsafe { backend.upload(at, bytemuck::cast_slice(&packed), stream) }
+        })
+    }
+
+    /// [`Self::write_index_keys`] from device memory: `keys` row `i` at `keys + i × stride × 2`.
+    ///
+    /// # Safety
+    /// `keys` points to live device memory of the pool's backend holding the staged entries'
+    /// rows of 128 bf16 values at `stride` values apart, not overlapping the indexer cache,
+    /// unchanged until the pool's stream has run the copies.
+    pub unsafe fn write_index_keys_from(&self, rank: usize, keys: DevicePtr, stride: usize) -> Result<()> {
+        let (runs, blocks) = self.index_key_runs(rank)?;
+        if stride < INDEX_KEY_VALUES {
+            return Err(RowWriteError::KvShape {
+                len: 0,
+                tokens: blocks.len(),
+                row: INDEX_KEY_VALUES,
+                stride,
+            });
+        }
+        let (backend, stream) = (self.pool.backend(), self.pool.stream());
+        let row = (INDEX_KEY_VALUES * 2) as u64;
+        self.queue_index_keys(blocks, &runs, |&(first, count, at)| {
+            let src = keys + (first * stride * 2) as u64;
+            if stride == INDEX_KEY_VALUES {
+                // SAFETY: source rows covered by the caller; destination checked in the view.
+                return unsafe { backend.copy(at, src, count as u64 * row, stream) };
+            }
+            (0..count as u64).try_for_each(|i| {
+                // SAFETY: as above, one row at a time.
+                unsafe { backend.copy(at + i * row, src + i * (stride as u64) * 2, row, stream) }
+            })
+        })
     }
 
     fn upload_kv(&self, kv: &[u16], tokens: usize, stride: usize) -> Result<()> {

@@ -12,8 +12,9 @@ use crate::geometry::Class;
 use crate::index::KV_ROW_VALUES;
 use crate::pool::{
     CompressedRow, CsaTopk, DecodeCapacity, KvRowWriter, Pool, PrefillBuffer, PrefillCapacity, PrefillPath,
-    PrefillSeq, RowSet, RowWriteCapacity, TopkRows, WindowSeq,
+    PrefillSeq, RowSet, RowWriteCapacity, TopkRows, WindowSeq, INDEX_KEY_VALUES,
 };
+use crate::state::gather::{GatherCapacity, GatherSeq, WindowGather};
 use crate::state::inputs::{HostStateInputs, StateStaging};
 use crate::state::update::{StateInputs, StateSeq, StateUpdate, StateUpdateCapacity};
 use pyo3::exceptions::PyValueError;
@@ -23,7 +24,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 type Shared<T> = Arc<Mutex<T>>;
 
 /// The pool-side steps of a forward on one pool: `Forward(pool, max_seqs, max_tokens,
-/// max_blocks_per_seq, *, prefill_tokens=None, hca_entries=None, win=None, index_topk=None)`.
+/// max_blocks_per_seq, *, prefill_tokens=None, hca_entries=None, win=None, index_topk=None,
+/// gather_window=None)` (`gather_window`: rows per sequence of the §9 window gather's own
+/// output, default `win`).
 #[pyclass(module = "v4pool", name = "Forward", frozen)]
 pub struct PyForward {
     pool: Arc<Pool>,
@@ -33,6 +36,7 @@ pub struct PyForward {
     writer: Shared<KvRowWriter>,
     topk: CsaTopk,
     state: Shared<(StateUpdate, StateStaging)>,
+    gather: Shared<WindowGather>,
     max_blocks_per_seq: usize,
     keep: Keep,
 }
@@ -77,19 +81,25 @@ impl PyForward {
         if let Some(n) = tokens.filter(|&n| n != rows) {
             return Err(error("BadTensor", format!("kv: {rows} rows, the staged batch has {n} tokens")));
         }
+        self.check_device(&t, "kv")?;
+        Ok((t, rows, stride))
+    }
+
+    /// `t` lies on the pool's device.
+    fn check_device(&self, t: &Tensor<'_>, name: &str) -> PyResult<()> {
         if t.device.device_type != self.device.device_type
             || (self.device.device_type != DL_CPU && t.device.device_id != self.device.device_id)
         {
             return Err(error(
                 "BadTensor",
                 format!(
-                    "kv: device {:?} is not the pool's {:?}",
+                    "{name}: device {:?} is not the pool's {:?}",
                     (t.device.device_type, t.device.device_id),
                     (self.device.device_type, self.device.device_id)
                 ),
             ));
         }
-        Ok((t, rows, stride))
+        Ok(())
     }
 
     /// Write `kv` through the writer: host memory on the host backend, the device address on a
@@ -140,7 +150,7 @@ impl PyForward {
 #[pymethods]
 impl PyForward {
     #[new]
-    #[pyo3(signature = (pool, max_seqs, max_tokens, max_blocks_per_seq, *, prefill_tokens=None, hca_entries=None, win=None, index_topk=None))]
+    #[pyo3(signature = (pool, max_seqs, max_tokens, max_blocks_per_seq, *, prefill_tokens=None, hca_entries=None, win=None, index_topk=None, gather_window=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         pool: &Bound<'_, PyPool>,
@@ -151,6 +161,7 @@ impl PyForward {
         hca_entries: Option<u64>,
         win: Option<i32>,
         index_topk: Option<i32>,
+        gather_window: Option<usize>,
     ) -> PyResult<PyForward> {
         let p = pool.get();
         let (arc, hold) = p.shared();
@@ -180,11 +191,26 @@ impl PyForward {
         // The widest compressor row is CSA main's 1,024; the largest bias table HCA's 128 rows.
         let staging = StateStaging::new(&arc, scap.max_tokens, 1024, 128).map_err(lib_err)?;
         let state = Arc::new(Mutex::new((update, staging)));
+        let out_window = gather_window.unwrap_or(win.max(0) as usize);
+        let gather = Arc::new(Mutex::new(
+            arc.window_gather(GatherCapacity { max_seqs, out_window }).map_err(lib_err)?,
+        ));
         let decode = Arc::new(Mutex::new(decode));
         let prefill = Arc::new(Mutex::new(prefill));
         let writer = Arc::new(Mutex::new(writer));
-        let keep: Keep = Arc::new((decode.clone(), prefill.clone(), hold.clone()));
-        Ok(PyForward { pool: arc, device, decode, prefill, writer, topk, state, max_blocks_per_seq, keep })
+        let keep: Keep = Arc::new((decode.clone(), prefill.clone(), gather.clone(), hold.clone()));
+        Ok(PyForward {
+            pool: arc,
+            device,
+            decode,
+            prefill,
+            writer,
+            topk,
+            state,
+            gather,
+            max_blocks_per_seq,
+            keep,
+        })
     }
 
     /// Whether the pool packs fp8 rows (else bf16 rows).
@@ -354,6 +380,29 @@ impl PyForward {
         self.write_rows(layer, RowSet::Window, kv)
     }
 
+    /// Write the indexer's keys `[entries, 128]` bf16 of the staged CSA entries (the same
+    /// `stage_compressed("csa", ..)` as the main compressor's) to CSA layer `rank`'s indexer
+    /// cache (a bf16 indexer cache; before the layer's indexer scores them).
+    fn write_index_keys(&self, rank: usize, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let staged = lock(&self.writer)?.staged_rows(RowSet::Compressed(Class::Csa)).map_err(lib_err)?;
+        let t = tensor(keys, "keys")?;
+        let (rows, _, stride) = t.rows("keys", DL_BFLOAT, 16, INDEX_KEY_VALUES as i64)?;
+        if rows != staged {
+            return Err(error("BadTensor", format!("keys: {rows} rows, {staged} CSA entries staged")));
+        }
+        self.check_device(&t, "keys")?;
+        let w = lock(&self.writer)?;
+        if self.device.device_type == DL_CPU {
+            // SAFETY: checked bf16 rows (u16 bits) of `t`, used only inside this call.
+            let s = unsafe { t.host_slice::<u16>("keys", rows, INDEX_KEY_VALUES, stride)? };
+            w.write_index_keys(rank, s, stride).map_err(lib_err)
+        } else {
+            // SAFETY: a checked bf16 tensor of the pool's device with exactly the staged rows
+            // at `stride`, alive for the call; the engine orders it before the pool's stream.
+            unsafe { w.write_index_keys_from(rank, t.ptr, stride) }.map_err(lib_err)
+        }
+    }
+
     /// Write `kv` `[entries, 512]` bf16 to the staged compressed rows at `layer` (before the
     /// indexer and attention that read them).
     fn write_compressed(&self, layer: usize, cls: &str, kv: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -453,6 +502,42 @@ impl PyForward {
             // types described, alive for the call; the engine orders them before the stream.
             unsafe { st.0.update(comp, layer, &inputs) }.map_err(lib_err)
         }
+    }
+
+    // ---- window gather (§9) -------------------------------------------------------------
+
+    /// Stage a window gather: per sequence its slot, its anchor (the window's newest
+    /// position) and optionally its context length (the anchor must be below it). Returns
+    /// the batch size.
+    #[pyo3(signature = (slots, anchors, context_lens=None))]
+    fn gather_stage(
+        &self,
+        slots: Vec<Slot>,
+        anchors: Vec<i64>,
+        context_lens: Option<Vec<i64>>,
+    ) -> PyResult<usize> {
+        if anchors.len() != slots.len() || context_lens.as_ref().is_some_and(|c| c.len() != slots.len()) {
+            return Err(error("BatchShape", "gather arrays differ in length".into()));
+        }
+        let seqs: Vec<GatherSeq> = (0..slots.len())
+            .map(|i| GatherSeq {
+                slot: slots[i].handle(),
+                anchor: anchors[i],
+                context_len: context_lens.as_ref().map(|c| c[i]),
+            })
+            .collect();
+        lock(&self.gather)?.stage(&seqs).map_err(lib_err)
+    }
+
+    /// Gather `layer`'s window of `draft_window` rows for the staged batch (one launch on the
+    /// pool's stream) into the handle's own output: a bf16 view `[staged, draft_window, 512]`
+    /// (row `s` of sequence `b` is position `anchor_b - (draft_window - 1) + s`; zeros below
+    /// position 0; fp8 rows dequantised). The next gather overwrites it.
+    fn gather(&self, layer: usize, draft_window: usize) -> PyResult<DeviceView> {
+        let mut g = lock(&self.gather)?;
+        let buf = g.gather(layer, draft_window).map_err(lib_err)?;
+        let shape = vec![g.staged() as i64, draft_window as i64, KV_ROW_VALUES as i64];
+        Ok(DeviceView::contiguous(buf.ptr, Elem::Bf16, shape, self.device, self.keep.clone()))
     }
 
     fn __repr__(&self) -> String {
