@@ -14,7 +14,7 @@ fn v41_ratios(drafts: usize) -> Vec<i32> {
     let mut r = vec![0, 0];
     r.extend([2; 18]);
     r.extend([1; 20]);
-    r.extend(std::iter::repeat(0).take(drafts));
+    r.extend(std::iter::repeat_n(0, drafts));
     r
 }
 const KV_SOURCES: [usize; 4] = [2, 8, 14, 20];

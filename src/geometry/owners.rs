@@ -79,7 +79,8 @@ mod tests {
     #[test]
     fn the_v41_kv_and_index_maps() {
         let kv = resolve_owners(&v41(), &[2, 8, 14, 20]).unwrap();
-        for l in 0..40 {
+        assert_eq!(kv.len(), 40);
+        for (l, &got) in kv.iter().enumerate().take(40) {
             let want = match l {
                 0 | 1 => None,
                 2..=7 => Some(2),
@@ -87,11 +88,12 @@ mod tests {
                 14..=19 => Some(14),
                 _ => Some(20),
             };
-            assert_eq!(kv[l], want, "layer {l}");
+            assert_eq!(got, want, "layer {l}");
         }
         let ix = resolve_owners(&v41(), &[2, 8, 14, 20, 24, 28, 32, 36]).unwrap();
-        for l in 20..40 {
-            assert_eq!(ix[l], Some(20 + (l - 20) / 4 * 4), "layer {l}");
+        assert_eq!(ix.len(), 40);
+        for (l, &got) in ix.iter().enumerate().take(40).skip(20) {
+            assert_eq!(got, Some(20 + (l - 20) / 4 * 4), "layer {l}");
         }
     }
 

@@ -43,7 +43,7 @@ pub use report::{LatencyHistogram, Sample, SimReport};
 pub use workload::{Mix, RequestSpec, Rng, Workload, WorkloadConfig};
 
 use crate::geometry::UnifiedPoolGeometry;
-use crate::pool::{DecodeCapacity, DecodeIndexBuffers, PoolError};
+use crate::pool::{DecodeCapacity, DecodeError, DecodeIndexBuffers, PoolError};
 
 /// Most requests waiting for admission; arrivals beyond it are turned away (counted in
 /// [`SimReport::turned_away`]). 65,536 requests of 32 bytes: 2 MiB.
@@ -88,7 +88,7 @@ pub enum SimError {
 }
 
 /// A configuration the simulator refuses before it allocates anything.
-#[derive(Debug, thiserror::Error, PartialEq)]
+#[derive(Debug, thiserror::Error)]
 pub enum SimConfigError {
     /// A count outside its range.
     #[error("{what} of {got} is outside {min}..={max}")]
@@ -122,7 +122,7 @@ pub enum SimConfigError {
     },
     /// The decode buffers cannot be laid out for this geometry.
     #[error("decode index buffers: {0}")]
-    Decode(String),
+    Decode(#[source] DecodeError),
 }
 
 /// Which run: the manager's split policy and how prefixes are reused.
@@ -269,8 +269,7 @@ impl SimConfig {
         let limit = pool_bytes / DECODE_BUDGET_DIVISOR;
         for policy in [SplitPolicy::Elastic, SplitPolicy::Fixed] {
             let cap = self.decode_capacity(geometry, policy);
-            let bytes = DecodeIndexBuffers::required_bytes(geometry, cap)
-                .map_err(|e| SimConfigError::Decode(e.to_string()))?;
+            let bytes = DecodeIndexBuffers::required_bytes(geometry, cap).map_err(SimConfigError::Decode)?;
             if bytes > limit {
                 let (seqs, context) = (cap.max_seqs, self.max_context);
                 return Err(SimConfigError::DecodeBuffers { seqs, context, bytes, limit });
