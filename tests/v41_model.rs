@@ -265,16 +265,10 @@ fn v41_manager_pool(positions: i64) -> Arc<Pool> {
     Arc::new(Pool::new(Arc::new(HostBackend::new()), spec, Stream::DEFAULT).unwrap())
 }
 
+/// Random bytes for a seed, from the tests' generator (`tests/common`'s, reached directly).
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed ^ 0x9e37_79b9_7f4a_7c15;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    let mut rng = v4pool::sim::Rng::new(seed);
+    std::iter::repeat_with(|| rng.next_u64().to_le_bytes()).flatten().take(len).collect()
 }
 
 /// The slot's checkpoint image ranges `(offset in plane 0, len)`.
