@@ -12,7 +12,7 @@
 //! run out even after eviction a running request is preempted (its committed blocks stay
 //! cached, so it resumes with a hit), as engines do.
 //!
-//! The same workload (same seed) runs as four [`SplitPolicy`] runs: the manager's elastic
+//! The same workload (same seed) runs as four [`RunKind`] runs: the manager's elastic
 //! boundary and a fixed split of the same budget (`max_seqs` slots reserved at start-up),
 //! both with v4pool's reuse, and two baselines on the elastic split: no reuse, and reuse
 //! only at 4,096-token granularity.
@@ -125,9 +125,10 @@ pub enum SimConfigError {
     Decode(#[source] DecodeError),
 }
 
-/// Which run: the manager's split policy and how prefixes are reused.
+/// Which run: the manager's split policy and how prefixes are reused (a run of the
+/// simulator; the policy itself is a [`crate::manager::SplitPolicy`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SplitPolicy {
+pub enum RunKind {
     /// [`crate::manager::ElasticPolicy`], with v4pool's reuse (checkpoints every 16 blocks,
     /// at prompt ends and rolling ones at turn ends: hits at any block boundary).
     Elastic,
@@ -142,18 +143,17 @@ pub enum SplitPolicy {
     Reuse4096,
 }
 
-impl SplitPolicy {
+impl RunKind {
     /// Every run, in report order.
-    pub const ALL: [SplitPolicy; 4] =
-        [SplitPolicy::Elastic, SplitPolicy::Fixed, SplitPolicy::NoReuse, SplitPolicy::Reuse4096];
+    pub const ALL: [RunKind; 4] = [RunKind::Elastic, RunKind::Fixed, RunKind::NoReuse, RunKind::Reuse4096];
 
     /// `elastic`, `fixed`, `no_reuse` or `reuse_4096`.
     pub fn name(self) -> &'static str {
         match self {
-            SplitPolicy::Elastic => "elastic",
-            SplitPolicy::Fixed => "fixed",
-            SplitPolicy::NoReuse => "no_reuse",
-            SplitPolicy::Reuse4096 => "reuse_4096",
+            RunKind::Elastic => "elastic",
+            RunKind::Fixed => "fixed",
+            RunKind::NoReuse => "no_reuse",
+            RunKind::Reuse4096 => "reuse_4096",
         }
     }
 }
@@ -224,15 +224,15 @@ impl SimConfig {
     }
 
     /// Running requests the decode buffers must hold under `policy`.
-    pub fn cap_seqs(&self, policy: SplitPolicy) -> usize {
+    pub fn cap_seqs(&self, policy: RunKind) -> usize {
         match policy {
-            SplitPolicy::Fixed => self.max_seqs,
-            SplitPolicy::Elastic | SplitPolicy::NoReuse | SplitPolicy::Reuse4096 => self.elastic_max_seqs,
+            RunKind::Fixed => self.max_seqs,
+            RunKind::Elastic | RunKind::NoReuse | RunKind::Reuse4096 => self.elastic_max_seqs,
         }
     }
 
     /// The decode buffers' capacity for `policy` on `geometry`.
-    pub fn decode_capacity(&self, geometry: &UnifiedPoolGeometry, policy: SplitPolicy) -> DecodeCapacity {
+    pub fn decode_capacity(&self, geometry: &UnifiedPoolGeometry, policy: RunKind) -> DecodeCapacity {
         let seqs = self.cap_seqs(policy);
         DecodeCapacity {
             max_seqs: seqs,
@@ -267,7 +267,7 @@ impl SimConfig {
         range("--slot-headroom", u64::from(self.slot_headroom), 1, positions)?;
         range("sample interval", self.sample_every, 1, u64::MAX)?;
         let limit = pool_bytes / DECODE_BUDGET_DIVISOR;
-        for policy in [SplitPolicy::Elastic, SplitPolicy::Fixed] {
+        for policy in [RunKind::Elastic, RunKind::Fixed] {
             let cap = self.decode_capacity(geometry, policy);
             let bytes = DecodeIndexBuffers::required_bytes(geometry, cap).map_err(SimConfigError::Decode)?;
             if bytes > limit {

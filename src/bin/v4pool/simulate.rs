@@ -6,7 +6,7 @@ use crate::{conclude, parse_args, CliError, ParsedArgs, Streams};
 use std::io::Write as _;
 use v4pool::backend::{BackendChoice, BackendKind, Stream};
 use v4pool::pool::{Overhead, Pool, PoolSpec};
-use v4pool::sim::{Engine, Mix, SimConfig, SimReport, SplitPolicy};
+use v4pool::sim::{Engine, Mix, RunKind, SimConfig, SimReport};
 use v4pool::sizing::{IndexerDtype, KvDtype, Plan, PlanRequest};
 
 const HELP: &str = "\
@@ -67,7 +67,7 @@ const FLAGS: [&str; 3] = ["--json", "--no-progress", "--help"];
 /// except by the backend or the pool failing.
 struct Setup {
     cfg: SimConfig,
-    policies: Vec<SplitPolicy>,
+    policies: Vec<RunKind>,
     model: String,
     plan: Plan,
     spec: PoolSpec,
@@ -138,12 +138,12 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
         "--policy",
         "all",
         &[
-            ("all", &SplitPolicy::ALL[..]),
-            ("both", &[SplitPolicy::Elastic, SplitPolicy::Fixed][..]),
-            ("elastic", &[SplitPolicy::Elastic][..]),
-            ("fixed", &[SplitPolicy::Fixed][..]),
-            ("no_reuse", &[SplitPolicy::NoReuse][..]),
-            ("reuse_4096", &[SplitPolicy::Reuse4096][..]),
+            ("all", &RunKind::ALL[..]),
+            ("both", &[RunKind::Elastic, RunKind::Fixed][..]),
+            ("elastic", &[RunKind::Elastic][..]),
+            ("fixed", &[RunKind::Fixed][..]),
+            ("no_reuse", &[RunKind::NoReuse][..]),
+            ("reuse_4096", &[RunKind::Reuse4096][..]),
         ],
         "all, both, elastic, fixed, no_reuse or reuse_4096",
     )?
@@ -233,7 +233,7 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
 fn run_policy(
     pool: &std::sync::Arc<Pool>,
     cfg: &SimConfig,
-    policy: SplitPolicy,
+    policy: RunKind,
     progress: bool,
     io: &mut Streams<'_>,
 ) -> Result<SimReport, CliError> {
