@@ -873,7 +873,7 @@ impl PrefillRig {
             win: WIN,
             hca_ratio: HCA_RATIO,
             hca_rows_per_block: (g.block_size / i64::from(HCA_RATIO)) as i32,
-            _pad: 0,
+            coarse_packed: 0,
         };
         Ok(PrefillRig { inputs, outputs, args, out_ptrs: [o(0), o(1), o(2), o(3)] })
     }

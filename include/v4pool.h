@@ -71,6 +71,11 @@ typedef struct Compressor Compressor;
 typedef struct SplitPolicy SplitPolicy;
 
 /**
+ * A checked top-k buffer for a pool's CSA packs (opaque).
+ */
+typedef struct V4poolCsaTopk V4poolCsaTopk;
+
+/**
  * Decode index buffers of one pool (opaque).
  */
 typedef struct V4poolDecode V4poolDecode;
@@ -251,7 +256,7 @@ const char *v4pool_last_error_variant(void);
 const char *v4pool_last_error_message(void);
 
 /**
- * Size a pool: `v4pool plan`. `dtype` (`fp8`/`bf16`) and `indexer` (`fp8`/`fp4`) may be null
+ * Size a pool: `v4pool plan`. `dtype` (`fp8`/`bf16`) and `indexer` (`fp8`/`fp4`/`bf16`) may be null
  * for the defaults; `model` is a preset name or a `config.json` path (a directory means its
  * `config.json`). A config is read only if it is a regular file of at most 4 MiB: a FIFO or
  * device is refused unread (`NotAFile`), a larger file refused (`TooLarge`); nothing blocks.
@@ -503,6 +508,42 @@ enum V4poolStatus v4pool_decode_buffer(const struct V4poolDecode *decode,
  * `decode` is live.
  */
 enum V4poolStatus v4pool_decode_synchronize(const struct V4poolDecode *decode);
+
+/**
+ * A top-k buffer for `max_tokens` rows of `index_topk` on `pool` (sized like the decode
+ * handle it serves).
+ *
+ * # Safety
+ * `pool` is live; `out_topk` writable.
+ */
+enum V4poolStatus v4pool_csa_topk_new(const struct V4poolPool *pool,
+                                      size_t max_tokens,
+                                      size_t index_topk,
+                                      struct V4poolCsaTopk **out_topk);
+
+/**
+ * Free a top-k buffer (null is a no-op).
+ *
+ * # Safety
+ * `topk` is null or a live handle, not used afterwards.
+ */
+void v4pool_csa_topk_free(struct V4poolCsaTopk *topk);
+
+/**
+ * One CSA layer's decode translate-pack: `ids` holds `rows × width` ids (`bits` 32: int32,
+ * 64: int64), row `t` the indexer's top-k of the staged batch's token `t`; every id the pack
+ * reads is checked (`0 <= id < (pos + 1) / 4`) before the launch on the pool's stream.
+ *
+ * # Safety
+ * `decode` and `topk` are live handles of the same pool; `ids` holds `rows × width` elements
+ * of the named width (or is null with `rows × width == 0`).
+ */
+enum V4poolStatus v4pool_decode_csa_pack(const struct V4poolDecode *decode,
+                                         const struct V4poolCsaTopk *topk,
+                                         const void *ids,
+                                         uint32_t bits,
+                                         size_t rows,
+                                         size_t width);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -129,6 +129,7 @@ __device__ __forceinline__ void v4p_overlap_begin() {
 
 typedef signed char v4p_i8;
 typedef unsigned char v4p_u8;
+typedef unsigned short v4p_u16;
 typedef int v4p_i32;
 typedef unsigned int v4p_u32;
 typedef long long v4p_i64;
@@ -290,7 +291,9 @@ struct PrefillIndexArgs {
     v4p_i32 win;
     v4p_i32 hca_ratio;
     v4p_i32 hca_rows_per_block;
-    v4p_i32 _pad;
+    // 0: V4's coarse slice [window | compressed], the compressed head from the block tables;
+    // 1: the coarse slot packed per layer (V4.1): [top-k head (left to the pack) | window].
+    v4p_i32 coarse_packed;
 };
 V4POOL_CHECK_SIZE(PrefillIndexArgs, 272);
 V4POOL_CHECK_ALIGN(PrefillIndexArgs, 8);
@@ -318,7 +321,7 @@ V4POOL_CHECK_OFFSET(PrefillIndexArgs, num_tokens, 252);
 V4POOL_CHECK_OFFSET(PrefillIndexArgs, win, 256);
 V4POOL_CHECK_OFFSET(PrefillIndexArgs, hca_ratio, 260);
 V4POOL_CHECK_OFFSET(PrefillIndexArgs, hca_rows_per_block, 264);
-V4POOL_CHECK_OFFSET(PrefillIndexArgs, _pad, 268);
+V4POOL_CHECK_OFFSET(PrefillIndexArgs, coarse_packed, 268);
 
 struct HcaOffsetsArgs {
     v4p_ptr entry_idx;      // i32 [N]
@@ -549,6 +552,34 @@ V4POOL_CHECK_OFFSET(WindowGatherArgs, out, 72);
 V4POOL_CHECK_OFFSET(WindowGatherArgs, view_rows, 80);
 V4POOL_CHECK_OFFSET(WindowGatherArgs, num_seqs, 88);
 V4POOL_CHECK_OFFSET(WindowGatherArgs, draft_window, 92);
+
+// bf16 KV rows -> the pool's row format at given destination rows (docs/forward.md: a decode
+// token's own rows, a prefill chunk's window rows, a compressor's emitted rows). fp8 = 1: the
+// NoPE plane's 512-B rows (448 e4m3 values, seven e8m0 tile scales each written twice, zero
+// padding) and the RoPE plane's 128-B rows (64 bf16 copied); fp8 = 0: the bf16 plane's
+// 1024-B rows (512 bf16 copied).
+struct KvRowsArgs {
+    v4p_ptr kv;                  // bf16 [T][kv_row_stride]: 448 NoPE values, then 64 RoPE
+    v4p_ptr dest_rows;           // i32 [>= T]: row of the layer view; outside [0, view_rows) dropped
+    v4p_ptr batch_id_per_token;  // i32 [>= T] or 0: a negative id is a pad token (skipped)
+    v4p_ptr nope;                // layer view base: the fp8 NoPE plane, or the bf16 plane
+    v4p_ptr rope;                // layer view base of the RoPE plane (fp8 = 1), else 0
+    v4p_i64 kv_row_stride;       // elements from one source row to the next (>= 512)
+    v4p_i64 view_rows;
+    v4p_i32 num_tokens;
+    v4p_i32 fp8;
+};
+V4POOL_CHECK_SIZE(KvRowsArgs, 64);
+V4POOL_CHECK_ALIGN(KvRowsArgs, 8);
+V4POOL_CHECK_OFFSET(KvRowsArgs, kv, 0);
+V4POOL_CHECK_OFFSET(KvRowsArgs, dest_rows, 8);
+V4POOL_CHECK_OFFSET(KvRowsArgs, batch_id_per_token, 16);
+V4POOL_CHECK_OFFSET(KvRowsArgs, nope, 24);
+V4POOL_CHECK_OFFSET(KvRowsArgs, rope, 32);
+V4POOL_CHECK_OFFSET(KvRowsArgs, kv_row_stride, 40);
+V4POOL_CHECK_OFFSET(KvRowsArgs, view_rows, 48);
+V4POOL_CHECK_OFFSET(KvRowsArgs, num_tokens, 56);
+V4POOL_CHECK_OFFSET(KvRowsArgs, fp8, 60);
 
 // ---- geometry (index-buffers.md §2), device side -----------------------------------------
 

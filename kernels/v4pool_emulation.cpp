@@ -63,3 +63,9 @@ extern "C" int v4pool_emu_launch_gather(const char* symbol, const void* args, co
     }
     return -1;
 }
+
+/// The KV row writer (bf16 KV into the pool's row format), for tests/kv_rows.rs.
+extern "C" int v4pool_emu_launch_kv_rows(const void* args, const unsigned grid[3], unsigned threads) {
+    v4p_emu_run<KvRowsArgs>(v4pool_kv_rows, args, grid, threads);
+    return 0;
+}

@@ -259,14 +259,16 @@ pub struct CheckpointLayout {
 impl CheckpointLayout {
     /// The checkpoint layout of a priced pool layout.
     pub fn for_pool(layout: &PoolLayout) -> Result<Self, CheckpointError> {
-        Self::new(&layout.arena, &layout.geometry, layout.n_csa(), layout.indexer)
+        Self::new(&layout.arena, &layout.geometry, &layout.model.indexer_layers(), layout.indexer)
     }
 
-    /// From an arena planned at the geometry's plane widths.
+    /// From an arena planned at the geometry's plane widths, with the indexer cache's
+    /// index-key layers `indexer_layers` (V4: the CSA layers; V4.1: the KV sources; none
+    /// without an indexer cache).
     pub fn new(
         arena: &ArenaLayout,
         geom: &UnifiedPoolGeometry,
-        n_csa: u64,
+        indexer_layers: &[usize],
         indexer: IndexerDtype,
     ) -> Result<Self, CheckpointError> {
         if arena.arena_rows() != geom.arena_rows {
@@ -278,7 +280,7 @@ impl CheckpointLayout {
         }
         let state: Vec<Vec<(u64, u64)>> =
             (0..arena.planes().len()).map(|p| arena.plane_checkpoint_ranges(p)).collect::<Result<_, _>>()?;
-        Self::from_parts(&state, &arena.widths(), geom, n_csa, indexer)
+        Self::from_parts(&state, &arena.widths(), geom, indexer_layers, indexer)
     }
 
     /// From explicit per-plane state ranges and plane widths (any widths: the spec's worked
@@ -287,7 +289,7 @@ impl CheckpointLayout {
         state_ranges: &[Vec<(u64, u64)>],
         widths: &[u64],
         geom: &UnifiedPoolGeometry,
-        n_csa: u64,
+        indexer_layers: &[usize],
         indexer: IndexerDtype,
     ) -> Result<Self, CheckpointError> {
         if state_ranges.len() != widths.len() {
@@ -315,14 +317,16 @@ impl CheckpointLayout {
                 bytes,
             });
         }
-        // FP8: each layer's 8,448-B block; FP4: all data blocks, then all scale blocks.
-        for (pool, &part) in indexer.pool_block_bytes().iter().enumerate() {
-            for c in 0..n_csa {
+        // FP8: each layer's block (V4: 8,448 B); FP4: all data blocks, then all scale blocks.
+        let layers =
+            if indexer_layers.is_empty() { Vec::new() } else { indexer.layer_parts(geom, indexer_layers)? };
+        for (pool, parts) in layers.iter().enumerate() {
+            for part in parts {
                 unit_parts.push(UnitPart {
                     region: Region::Indexer(pool),
-                    base_per_nb: mul(c, part, "indexer layer base")?,
-                    block_stride: part,
-                    bytes: part,
+                    base_per_nb: part.prefix,
+                    block_stride: part.block_bytes,
+                    bytes: part.block_bytes,
                 });
             }
         }

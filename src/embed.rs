@@ -99,6 +99,26 @@ pub fn class_from_name(name: &str) -> Option<Class> {
     }
 }
 
+/// Parse a compressor name (`csa_main`, `csa_idx`, `hca_main`).
+pub fn compressor_from_name(name: &str) -> Option<crate::state::update::Compressor> {
+    use crate::state::update::Compressor;
+    match name {
+        "csa_main" => Some(Compressor::CsaMain),
+        "csa_idx" => Some(Compressor::CsaIdx),
+        "hca_main" => Some(Compressor::HcaMain),
+        _ => None,
+    }
+}
+
+/// The state-update element type of a DLPack `(code, bits)` (float32 or bfloat16).
+pub fn elem_type_from_dlpack(code: u8, bits: u8) -> Option<crate::index::ElemType> {
+    match (code, bits) {
+        (2, 32) => Some(crate::index::ElemType::F32),
+        (4, 16) => Some(crate::index::ElemType::Bf16),
+        _ => None,
+    }
+}
+
 /// One decode step's batch as flat arrays (index `b` is sequence `b`).
 #[derive(Clone, Copy, Debug)]
 pub struct FlatBatch<'a> {

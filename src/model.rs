@@ -87,12 +87,39 @@ pub struct ModelShape {
     pub engram_history: i64,
 }
 
+/// The widths the pool's row format stores (`pool-runtime.md` §1, row formats): a KV row of
+/// 512 values (448 NoPE + 64 RoPE) and indexer keys of 128; a config with other dims is
+/// refused naming the first key that differs.
+pub fn check_row_format(head_dim: i64, qk_rope_head_dim: i64, index_head_dim: i64) -> Result<(), ModelError> {
+    for (key, got, expected) in [
+        ("head_dim", head_dim, 512),
+        ("qk_rope_head_dim", qk_rope_head_dim, 64),
+        ("index_head_dim", index_head_dim, 128),
+    ] {
+        if got != expected {
+            return Err(ModelError::RowFormat { key, got, expected });
+        }
+    }
+    Ok(())
+}
+
 /// What a model description can be rejected for.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum ModelError {
     #[error("config is not valid JSON: {0}")]
     /// Config is not valid JSON: the value.
     Json(String),
+    #[error("config key {key} = {got} does not match the pool's row format ({expected})")]
+    /// Config key `key` = `got` differs from the width the pool's row format stores
+    /// (`expected`): the rows would be planned at V4 widths the model does not have.
+    RowFormat {
+        /// The config key.
+        key: &'static str,
+        /// The value given.
+        got: i64,
+        /// The width the row format has.
+        expected: i64,
+    },
     #[error("config key {key} is missing")]
     /// Config key `key` is missing.
     MissingKey {
@@ -257,6 +284,7 @@ impl ModelError {
         use ModelError::*;
         match self {
             Json(_) => "Json",
+            RowFormat { .. } => "RowFormat",
             MissingKey { .. } => "MissingKey",
             BadValue { .. } => "BadValue",
             RatioCount { .. } => "RatioCount",
@@ -877,6 +905,7 @@ impl ModelShape {
         let qk_rope_head_dim = required("qk_rope_head_dim", 1, head_dim)?;
         let index_head_dim = required("index_head_dim", 1, MAX_DIM)?;
         let index_topk = required("index_topk", 1, MAX_DIM)?;
+        check_row_format(head_dim, qk_rope_head_dim, index_head_dim)?;
 
         let with_mtp = num_hidden_layers + nextn;
         let with_drafts = drafts.map(|d| num_hidden_layers + d.stages);

@@ -178,15 +178,16 @@ impl PlanOptions {
         }
     }
 
-    /// Parse an `indexer` option value (`fp8` or `fp4`).
+    /// Parse an `indexer` option value (`fp8`, `fp4` or `bf16`).
     pub fn indexer_from_name(name: &str) -> Result<IndexerDtype, PlanOptionError> {
         match name {
             "fp8" => Ok(IndexerDtype::Fp8),
             "fp4" => Ok(IndexerDtype::Fp4),
+            "bf16" => Ok(IndexerDtype::Bf16),
             other => Err(PlanOptionError::BadValue {
                 option: "indexer",
                 value: other.into(),
-                expected: "fp8 or fp4",
+                expected: "fp8, fp4 or bf16",
             }),
         }
     }

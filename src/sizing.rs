@@ -54,6 +54,8 @@ pub const INDEXER_FP8_BLOCK_BYTES: u64 = 8_448;
 pub const INDEXER_FP4_DATA_BYTES: u64 = 4_096;
 /// FP4 indexer scales: per block per CSA layer, e8m0 `[1][4][64]`.
 pub const INDEXER_FP4_SCALE_BYTES: u64 = 256;
+/// BF16 indexer: per block per CSA layer, 64 rows × 128 bf16 keys (256 B a row).
+pub const INDEXER_BF16_BLOCK_BYTES: u64 = 16_384;
 
 /// How the main KV rows are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -95,6 +97,10 @@ pub enum IndexerDtype {
     Fp8,
     /// Two pools: data `[n_csa][NB][4096 B]`, then scales `[n_csa][NB][256 B]`.
     Fp4,
+    /// One pool `[n_csa][NB][64][128]` bf16: the keys exactly as a bf16 indexer scores them
+    /// (transformers' DeepSeek-V4; a reference run's pool). Twice the fp8 cache; not one of
+    /// the layout-id vocabulary's `fp8|fp4` (pool-runtime.md), so its layout id names `bf16`.
+    Bf16,
 }
 
 impl IndexerDtype {
@@ -103,6 +109,7 @@ impl IndexerDtype {
         match self {
             IndexerDtype::Fp8 => &[INDEXER_FP8_BLOCK_BYTES],
             IndexerDtype::Fp4 => &[INDEXER_FP4_DATA_BYTES, INDEXER_FP4_SCALE_BYTES],
+            IndexerDtype::Bf16 => &[INDEXER_BF16_BLOCK_BYTES],
         }
     }
     /// Bytes one index-key row takes in each pool, in pool order (FP8: 128 fp8 + an fp32
@@ -111,18 +118,69 @@ impl IndexerDtype {
         match self {
             IndexerDtype::Fp8 => &[INDEXER_FP8_BLOCK_BYTES / 64],
             IndexerDtype::Fp4 => &[INDEXER_FP4_DATA_BYTES / 64, INDEXER_FP4_SCALE_BYTES / 64],
+            IndexerDtype::Bf16 => &[INDEXER_BF16_BLOCK_BYTES / 64],
         }
     }
     /// Bytes one block of one CSA layer takes across the pools (8,448 or 4,352).
     pub fn layer_block_bytes(self) -> u64 {
         self.pool_block_bytes().iter().sum()
     }
+    /// The indexer cache's layers in each of its pools, `[pool][i]` for the `i`-th of
+    /// `layers` (the layers owning index keys, [`ModelShape::indexer_layers`]): the layer's
+    /// array `[indexer_blocks][block_bytes]` starts `prefix × indexer_blocks` bytes into its
+    /// pool. Every V4 layer takes V4's CSA block ([`Self::pool_block_bytes`]); where the
+    /// geometry has KV sources (V4.1) an owner takes its `block_size / ratio` rows at
+    /// [`Self::pool_row_bytes`] (O8: one plane per KV owner). The one formula every user of
+    /// the indexer cache reads (pool carve, copies, host tier, handoff, regions, checkpoints).
+    pub fn layer_parts(
+        self,
+        geometry: &UnifiedPoolGeometry,
+        layers: &[usize],
+    ) -> Result<Vec<Vec<IndexerPart>>, GeometryError> {
+        let owners = geometry.kv_sources.is_some();
+        let mut out = Vec::with_capacity(self.pool_block_bytes().len());
+        for (&block, &row) in self.pool_block_bytes().iter().zip(self.pool_row_bytes()) {
+            let mut prefix = 0u64;
+            let mut parts = Vec::with_capacity(layers.len());
+            for &l in layers {
+                let block_bytes = if owners {
+                    let rows = u64::try_from(geometry.layer_class(l)?.block_rows)
+                        .map_err(|_| GeometryError::Overflow { what: "indexer rows" })?;
+                    mul(rows, row, "indexer block bytes")?
+                } else {
+                    block
+                };
+                parts.push(IndexerPart { prefix, block_bytes });
+                prefix = add(prefix, block_bytes, "indexer layer prefix")?;
+            }
+            out.push(parts);
+        }
+        Ok(out)
+    }
     /// Lower-case name, as the CLI spells it.
     pub fn name(self) -> &'static str {
         match self {
             IndexerDtype::Fp8 => "fp8",
             IndexerDtype::Fp4 => "fp4",
+            IndexerDtype::Bf16 => "bf16",
         }
+    }
+}
+
+/// One index-key layer in one indexer pool ([`IndexerDtype::layer_parts`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexerPart {
+    /// Block bytes of the layers before this one in the pool: the layer starts
+    /// `prefix × indexer_blocks` bytes into the pool.
+    pub prefix: u64,
+    /// Bytes of one block of this layer.
+    pub block_bytes: u64,
+}
+
+impl IndexerPart {
+    /// Byte offset of `block` of this layer in its pool of `indexer_blocks` blocks.
+    pub fn offset(&self, block: u64, indexer_blocks: u64) -> Option<u64> {
+        self.prefix.checked_mul(indexer_blocks)?.checked_add(block.checked_mul(self.block_bytes)?)
     }
 }
 

@@ -175,7 +175,7 @@ fn toy_two_plane_pool_round_trips() {
         .build()
         .unwrap();
     for idx in [IndexerDtype::Fp8, IndexerDtype::Fp4] {
-        let ck = CheckpointLayout::new(&arena, &g, 2, idx).unwrap();
+        let ck = CheckpointLayout::new(&arena, &g, &[0, 2], idx).unwrap();
         let units: Vec<i64> = [5, 0, 8, 2, 7, 1, 3, 6, 4][..ck.units_per_checkpoint as usize].to_vec();
         round_trip(&ck, &g, idx.pool_block_bytes(), 2, 11, &units, 0, 2, &mut rng);
     }

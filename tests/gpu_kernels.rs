@@ -229,7 +229,7 @@ fn prefill_index_builder_matches_host() {
                     win: WIN,
                     hca_ratio: HCA_RATIO,
                     hca_rows_per_block: HCA_ROWS_PER_BLOCK,
-                    _pad: 0,
+                    coarse_packed: 0,
                 })]
             };
             let short =

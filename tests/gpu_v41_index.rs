@@ -9,6 +9,9 @@
 //! (ratios 8 and 64 with V4's class-wide coarse head) run everywhere;
 //! `v41_decode_path_on_the_device` runs the same cases on the GPU and compares every buffer
 //! with the host path's (SKIP without a device; `V4POOL_REQUIRE_GPU=1` makes that a failure).
+//! The prefill path likewise (`v41_prefill_path_matches_the_geometry_on_the_host`,
+//! `v41_prefill_path_on_the_device`): chunks after earlier ones, both slots `[head | window
+//! tail]`, every compressed layer packed with its bias.
 
 mod common;
 
@@ -16,7 +19,10 @@ use common::{case_seed, device_or_skip, Rng};
 use std::sync::Arc;
 use v4pool::backend::{Backend, Stream};
 use v4pool::geometry::{GeometrySpec, RowForm, UnifiedPoolGeometry};
-use v4pool::pool::{DecodeBuffer, DecodeCapacity, DecodePath, DecodeSeq, Pool};
+use v4pool::pool::{
+    DecodeBuffer, DecodeCapacity, DecodePath, DecodeSeq, Pool, PrefillBuffer, PrefillCapacity, PrefillPath,
+    PrefillSeq,
+};
 use v4pool::Class;
 
 const POISON: i32 = -0x5a5a5a5b;
@@ -104,13 +110,16 @@ fn poison(path: &DecodePath, be: &dyn Backend) {
 
 /// What a class's buffer must hold after the build and the pack of `layer` (for the
 /// compressed slots): per token, its window tail (the class's ring rows, oldest first) after
-/// its head of `layer`'s top-k translated to the owner's rows; poison past the slices.
+/// its head of `layer`'s top-k translated to the owner's rows; poison past the slices. The
+/// window is the token's last `WIN` positions in decode; in prefill (`prefill`) the part of
+/// them before the chunk (the chunk's own rows are the extend buffer's).
 fn reference(
     g: &UnifiedPoolGeometry,
     class: Class,
     layer: Option<usize>,
     seqs: &[Seq],
     topk: &[i32],
+    prefill: bool,
 ) -> Vec<i32> {
     let ratio = g.class_ratio(class).unwrap().unwrap();
     let w = g.window_params(ratio).unwrap();
@@ -140,7 +149,8 @@ fn reference(
                 }
             }
             let n = (pos + 1).min(i64::from(WIN));
-            for p in pos + 1 - n..=pos {
+            let window = if prefill { pos + 1 - n..s.ctx - s.n as i64 } else { pos + 1 - n..pos + 1 };
+            for p in window {
                 out.push(w.index(s.position, p) as i32);
             }
             t += 1;
@@ -180,7 +190,7 @@ fn run_case(pool: &Arc<Pool>, seed: u64, host_twin: Option<&Arc<Pool>>) {
     let check = |c: Class, layer: Option<usize>, topk: &[i32], what: &str| {
         let ptr = indptr(c);
         let got = path.read_i32(DecodeBuffer::Indices(c)).unwrap();
-        let want = reference(&g, c, layer, &seqs, topk);
+        let want = reference(&g, c, layer, &seqs, topk, false);
         let end = ptr[tokens] as usize;
         assert_eq!(&got[..end], &want[..], "{what}: {c} slices");
         assert!(got[end..].iter().all(|&x| x == POISON), "{what}: {c} past the slices");
@@ -248,19 +258,21 @@ fn run_case(pool: &Arc<Pool>, seed: u64, host_twin: Option<&Arc<Pool>>) {
 
 const SHAPES: [(i64, i64, i64); 3] = [(256, 128, 60), (16, 133, 960), (256, 133, 60)];
 
-#[test]
-fn v41_decode_path_matches_the_geometry_on_the_host() {
+type Case = fn(&Arc<Pool>, u64, Option<&Arc<Pool>>);
+
+/// Three cases of `case` per shape on the host (seeded by `name`).
+fn on_the_host(name: &str, case: Case) {
     for (i, &(block, ring, blocks)) in SHAPES.iter().enumerate() {
         let pool = pool_on(Arc::new(common::host()), block, ring, blocks, 8);
         for c in 0..3 {
-            run_case(&pool, case_seed("v41-host", (i * 10 + c) as u64), None);
+            case(&pool, case_seed(name, (i * 10 + c) as u64), None);
         }
     }
 }
 
-#[test]
-fn v41_decode_path_on_the_device() {
-    let Some(dev) = device_or_skip("v41_decode_path_on_the_device") else {
+/// Four cases of `case` per shape on the device, each against a host twin (SKIP without one).
+fn on_the_device(test: &str, name: &str, case: Case) {
+    let Some(dev) = device_or_skip(test) else {
         return;
     };
     let dev: Arc<dyn Backend> = Arc::from(dev);
@@ -268,10 +280,20 @@ fn v41_decode_path_on_the_device() {
         let dpool = pool_on(dev.clone(), block, ring, blocks, 8);
         let hpool = pool_on(Arc::new(common::host()), block, ring, blocks, 8);
         for c in 0..4 {
-            run_case(&dpool, case_seed("v41-device", (i * 10 + c) as u64), Some(&hpool));
+            case(&dpool, case_seed(name, (i * 10 + c) as u64), Some(&hpool));
         }
-        println!("ok V4.1 block {block} ring {ring}");
+        println!("ok {name}: V4.1 block {block} ring {ring}");
     }
+}
+
+#[test]
+fn v41_decode_path_matches_the_geometry_on_the_host() {
+    on_the_host("v41-host", run_case);
+}
+
+#[test]
+fn v41_decode_path_on_the_device() {
+    on_the_device("v41_decode_path_on_the_device", "v41-device", run_case);
 }
 
 /// A class is data: ratios no DeepSeek model uses (8 and 64, the envelope form, V4's
@@ -312,7 +334,7 @@ fn other_ratios_take_the_same_decode_path() {
     // The fine slot: the pack's heads then the window, as the V4.1 reference builds them.
     let ptr = path.read_i32(DecodeBuffer::Indptr(Class::Csa)).unwrap();
     let got = path.read_i32(DecodeBuffer::Indices(Class::Csa)).unwrap();
-    assert_eq!(&got[..ptr[tokens] as usize], &reference(&g, Class::Csa, Some(1), &seqs, &rows)[..]);
+    assert_eq!(&got[..ptr[tokens] as usize], &reference(&g, Class::Csa, Some(1), &seqs, &rows, false)[..]);
     // The coarse slot: every committed row of ratio 64 from the block tables, then the window.
     let ptr = path.read_i32(DecodeBuffer::Indptr(Class::Hca)).unwrap();
     let got = path.read_i32(DecodeBuffer::Indices(Class::Hca)).unwrap();
@@ -332,4 +354,148 @@ fn other_ratios_take_the_same_decode_path() {
     assert!(got[ptr[tokens] as usize..].iter().all(|&x| x == POISON));
     // SAFETY: the reads above synchronised the stream.
     unsafe { be.free(a) };
+}
+
+/// A prefill forward: chunks of up to 300 tokens after 0..6 blocks of earlier context.
+fn prefill_batch(rng: &mut Rng, g: &UnifiedPoolGeometry, bs: usize, max_cols: usize) -> Vec<Seq> {
+    let live: Vec<i64> = g.live_positions().collect();
+    rng.distinct(bs, live.len() as u64)
+        .into_iter()
+        .map(|i| {
+            let max_ctx = (max_cols as i64 * g.block_size).min(6 * g.block_size + 700);
+            let n = rng.range(1, 300.min(max_ctx - 1)) as usize;
+            let cs = if rng.below(4) == 0 { 0 } else { rng.range(0, max_ctx - n as i64) };
+            let ctx = cs + n as i64;
+            let cols = ((ctx + g.block_size - 1) / g.block_size) as usize;
+            let table = (0..cols).map(|_| rng.below(g.num_blocks as u64) as i32).collect();
+            Seq { position: live[i as usize], ctx, n, table }
+        })
+        .collect()
+}
+
+fn poison_prefill(path: &PrefillPath, be: &dyn Backend) {
+    let mut bufs = vec![PrefillBuffer::ExtendIndices];
+    bufs.extend(Class::ALL.map(PrefillBuffer::Indices));
+    for which in bufs {
+        if let Some(buf) = path.buffer(which) {
+            let bytes = vec![POISON; buf.len as usize];
+            // SAFETY: the path's own buffer, exactly its length in i32.
+            unsafe { be.upload(buf.ptr, bytemuck::cast_slice(&bytes), Stream::DEFAULT).unwrap() };
+        }
+    }
+}
+
+/// One V4.1 prefill forward on `pool`: stage, poison, build (both compressed slots' heads
+/// stay poisoned: no class-wide coarse fill), then pack every compressed layer; after each
+/// pack its slot's buffer equals the reference (heads on the owner's rows, the earlier
+/// chunks' window rows at the tail), and on a device every buffer equals the host twin's.
+fn run_prefill_case(pool: &Arc<Pool>, seed: u64, host_twin: Option<&Arc<Pool>>) {
+    let g = pool.geometry().unwrap();
+    let mut rng = Rng::new(seed);
+    let max_cols = 40;
+    let cap = PrefillCapacity {
+        max_seqs: 4,
+        max_tokens: 1200,
+        max_blocks_per_seq: max_cols,
+        win: WIN,
+        index_topk: TOPK as i32,
+        max_hca_entries: None,
+    };
+    let mut path = pool.prefill_path(cap).unwrap();
+    let mut twin = host_twin.map(|h| h.prefill_path(cap).unwrap());
+    let bs = rng.range(1, 4) as usize;
+    let seqs = prefill_batch(&mut rng, &g, bs, max_cols);
+    let staged: Vec<PrefillSeq<'_>> = seqs
+        .iter()
+        .map(|s| PrefillSeq {
+            position: s.position,
+            chunk_start: s.ctx - s.n as i64,
+            num_tokens: s.n,
+            block_table: &s.table,
+        })
+        .collect();
+    let tokens = path.stage(&staged).unwrap();
+    poison_prefill(&path, pool.backend().as_ref());
+    path.build().unwrap();
+    if let (Some(t), Some(h)) = (twin.as_mut(), host_twin) {
+        t.stage(&staged).unwrap();
+        poison_prefill(t, h.backend().as_ref());
+        t.build().unwrap();
+    }
+    let same_as_twin = |which: PrefillBuffer, what: &str| {
+        if let Some(t) = &twin {
+            assert_eq!(
+                path.read_i32(which).unwrap(),
+                t.read_i32(which).unwrap(),
+                "{what}: {which:?} device vs host"
+            );
+        }
+    };
+    // After the build: each compressed slot holds the windows only, at the slices' tails.
+    for c in [Class::Csa, Class::Hca] {
+        let ptr = path.read_i32(PrefillBuffer::Indptr(c)).unwrap();
+        let got = path.read_i32(PrefillBuffer::Indices(c)).unwrap();
+        let ratio = i64::from(g.class_ratio(c).unwrap().unwrap());
+        let (mut t, mut want) = (0, Vec::new());
+        let w = g.window_params(ratio as i32).unwrap();
+        for s in &seqs {
+            let cs = s.ctx - s.n as i64;
+            for p in cs..s.ctx {
+                let head = v4pool::geometry::visible_groups(p, ratio).min(TOPK as i64) as usize;
+                assert_eq!(
+                    (ptr[t + 1] - ptr[t]) as usize,
+                    head + (cs - (p - i64::from(WIN) + 1).max(0)).max(0) as usize
+                );
+                want.extend(std::iter::repeat_n(POISON, head));
+                want.extend(((p - i64::from(WIN) + 1).max(0)..cs).map(|q| w.index(s.position, q) as i32));
+                t += 1;
+            }
+        }
+        assert_eq!(&got[..ptr[tokens] as usize], &want[..], "{c}: the build's windows");
+        assert!(got[ptr[tokens] as usize..].iter().all(|&x| x == POISON), "{c}: past the slices");
+        same_as_twin(PrefillBuffer::Indices(c), "build");
+    }
+    for which in [PrefillBuffer::ExtendIndices, PrefillBuffer::Indices(Class::Dense)] {
+        same_as_twin(which, "build");
+    }
+    for layer in 2..40 {
+        let ratio = i64::from(g.layer_class(layer).unwrap().ratio);
+        let rows = topk_rows(&mut rng, &seqs, ratio, cap.max_tokens);
+        let slot = g.layer_slot(layer).unwrap();
+        let pack = |p: &PrefillPath, be: &Arc<dyn Backend>| {
+            let a = be.alloc_zeroed(4 * rows.len() as u64).unwrap();
+            // SAFETY: a fresh allocation of exactly these bytes, then [max_tokens][TOPK]
+            // non-negative i32 on the path's backend for the pack.
+            unsafe {
+                be.upload(a.ptr, bytemuck::cast_slice(&rows), Stream::DEFAULT).unwrap();
+                p.layer_pack(layer, a.ptr, TOPK as i32).unwrap();
+            }
+            let got = p.read_i32(PrefillBuffer::Indices(slot)).unwrap();
+            // SAFETY: the read synchronised the stream.
+            unsafe { be.free(a) };
+            got
+        };
+        let got = pack(&path, pool.backend());
+        if let (Some(t), Some(h)) = (&twin, host_twin) {
+            assert_eq!(got, pack(t, h.backend()), "layer {layer}: device vs host");
+        }
+        let end = path.read_i32(PrefillBuffer::Indptr(slot)).unwrap()[tokens] as usize;
+        let want = reference(&g, slot, Some(layer), &seqs, &rows, true);
+        assert_eq!(&got[..end], &want[..], "layer {layer}: {slot} slices");
+        assert!(got[end..].iter().all(|&x| x == POISON), "layer {layer}: {slot} past the slices");
+    }
+    // Window-only layers are not packed; the single-CSA-buffer pack is refused.
+    assert!(path.layer_pack_launch(0, 1, TOPK as i32).is_err());
+    // SAFETY: refused before any launch (the pointer is never read).
+    assert!(unsafe { path.csa_pack(1, TOPK as i32) }.is_err());
+}
+
+#[test]
+fn v41_prefill_path_matches_the_geometry_on_the_host() {
+    on_the_host("v41-prefill-host", run_prefill_case);
+}
+
+#[test]
+fn v41_prefill_path_on_the_device() {
+    on_the_device("v41_prefill_path_on_the_device", "v41-prefill-device", run_prefill_case);
 }

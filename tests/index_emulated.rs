@@ -335,9 +335,29 @@ fn decode_builder_long_hca_heads_every_alignment() {
 #[test]
 fn prefill_builder_kernel_matches_reference() {
     let Some(emu) = emu() else { return };
-    let mut rng = Rng::new(0x1234_5678_9abc_def1);
+    let (shorts, pairs) = prefill_cases(&emu, Rng::new(0x1234_5678_9abc_def1), 60, false);
+    // Both forms ran, each on many cases, and the paired form on every one.
+    assert!(shorts >= 10, "only {shorts} short-form runs");
+    assert!(pairs >= 100, "only {pairs} paired-form runs");
+}
+
+/// The prefill builder with the coarse slot packed per layer (V4.1): HCA windows at each
+/// slice's tail, the heads left poisoned for the pack, in every form.
+#[test]
+fn prefill_builder_packed_coarse_matches_reference() {
+    let Some(emu) = emu() else { return };
+    let (shorts, pairs) = prefill_cases(&emu, Rng::new(0x6b1d_0f41_2c37_9e55), 40, true);
+    // No HCA head to write: every launch takes the short form.
+    assert_eq!(shorts, 80);
+    assert_eq!(pairs, 80);
+}
+
+/// `cases` random prefill launches (each at two table strides), the kernel against the host
+/// reference in its own form and the paired form; `packed`: the coarse slot packed per layer.
+/// Returns (short-form runs, paired-form runs).
+fn prefill_cases(emu: &Emu, mut rng: Rng, cases: usize, packed: bool) -> (usize, usize) {
     let (mut shorts, mut pairs) = (0usize, 0usize);
-    for case in 0..60 {
+    for case in 0..cases {
         // Every third case with a ring longer than the 64 lanes a token has.
         let g = if case % 3 == 2 {
             random_geometry_ring(&mut rng, true, 65, 300)
@@ -390,7 +410,9 @@ fn prefill_builder_kernel_matches_reference() {
             ext_l.push((p - cs + 1).min(win));
             pre_l.push(pre);
             csa_l.push(pre + rng.range(0, 4));
-            hca_l.push(pre + ((p + 1) / hca_ratio).min(committed[b].into()));
+            hca_l.push(
+                pre + if packed { rng.range(0, 4) } else { ((p + 1) / hca_ratio).min(committed[b].into()) },
+            );
         }
         let dense = g.window_params(0).ok();
         let ptrs = [cumsum(&ext_l), cumsum(&pre_l), cumsum(&csa_l), cumsum(&hca_l)];
@@ -429,24 +451,22 @@ fn prefill_builder_kernel_matches_reference() {
                     win: win as i32,
                     hca_ratio: hca_ratio as i32,
                     hca_rows_per_block: rpb as i32,
-                    _pad: 0,
+                    coarse_packed: i32::from(packed),
                 })
             };
             let Launch::Prefill(args) = make(&mut outputs.clone()) else { unreachable!() };
             let form = if prefill_short(&args) { "short" } else { "long" };
             shorts += usize::from(prefill_short(&args));
-            compare(&emu, &format!("prefill case {case} stride {stride} ({form} form)"), &outputs, make);
+            compare(emu, &format!("prefill case {case} stride {stride} ({form} form)"), &outputs, make);
             // The paired long form (two tokens per 64 lanes, 8 per block) on every case, whatever
             // the shape rule picks (it pairs only forwards of 4,096 tokens or more).
             let pair = LaunchShape { grid: [(t as u32).div_ceil(8).max(1), 1, 1], block: [256, 1, 1] };
             let what = format!("prefill case {case} stride {stride} (paired form)");
-            compare_as(&emu, &what, &outputs, make, Some(("v4pool_prefill_indices_pair", pair)));
+            compare_as(emu, &what, &outputs, make, Some(("v4pool_prefill_indices_pair", pair)));
             pairs += 1;
         }
     }
-    // Both forms ran, each on many cases, and the paired form on every one.
-    assert!(shorts >= 10, "only {shorts} short-form runs");
-    assert!(pairs >= 100, "only {pairs} paired-form runs");
+    (shorts, pairs)
 }
 
 #[test]

@@ -14,8 +14,8 @@ use v4pool::index::shape::{
 };
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
-    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs, WindowGatherArgs,
-    CLASS_CSA, CLASS_DENSE, CLASS_HCA,
+    KvRowsArgs, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs,
+    WindowGatherArgs, CLASS_CSA, CLASS_DENSE, CLASS_HCA,
 };
 
 const HEADER: &str = include_str!("../kernels/v4pool_common.h");
@@ -72,7 +72,7 @@ fn rust_checks() -> Checks {
             dense, csa, hca, positions, bid_per_token, chunk_start_per_seq, cu_seqlens_q_per_seq,
             state_slot_per_seq, n_committed_hca_per_seq, block_tables, extend_indptr, extend_indices,
             swa_indptr, swa_indices, csa_indptr, csa_indices, hca_indptr, hca_indices, envelope_rows,
-            block_table_stride, num_tokens, win, hca_ratio, hca_rows_per_block, _pad,
+            block_table_stride, num_tokens, win, hca_ratio, hca_rows_per_block, coarse_packed,
         }
         HcaOffsetsArgs {
             entry_idx, bid_per_entry, block_tables, out, envelope_rows, block_table_stride, rows_per_block,
@@ -99,6 +99,7 @@ fn rust_checks() -> Checks {
         WindowGatherArgs {
             params, pool, rope, state_slot_per_seq, anchor_pos, out, view_rows, num_seqs, draft_window,
         }
+        KvRowsArgs { kv, dest_rows, batch_id_per_token, nope, rope, kv_row_stride, view_rows, num_tokens, fp8 }
     }
     c
 }

@@ -158,8 +158,19 @@ fn defaults_and_nulls() {
     assert_eq!(got.head_dim, 512);
     let got = ModelShape::from_config_json(&flash_with("head_dim", Some("null")), 0).unwrap();
     assert_eq!(got.head_dim, 512);
-    let got = ModelShape::from_config_json(&flash_with("head_dim", Some("576")), 0).unwrap();
-    assert_eq!(got.head_dim, 576);
+    // Dims other than the pool's row format are refused naming the key (they used to be
+    // planned silently at V4 widths).
+    for (key, value, expected) in [
+        ("head_dim", 576, 512),
+        ("head_dim", 256, 512),
+        ("qk_rope_head_dim", 32, 64),
+        ("index_head_dim", 64, 128),
+    ] {
+        assert_eq!(
+            ModelShape::from_config_json(&flash_with(key, Some(&value.to_string())), 0),
+            Err(ModelError::RowFormat { key, got: value, expected })
+        );
+    }
     assert_eq!(
         ModelShape::from_config_json(&flash_with("num_nextn_predict_layers", None), 0),
         Err(ModelError::RatioCount { got: 44, expected: 43 })

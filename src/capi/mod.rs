@@ -225,7 +225,7 @@ pub extern "C" fn v4pool_last_error_message() -> *const c_char {
     LAST.with(|l| l.borrow().1.as_ptr())
 }
 
-/// Size a pool: `v4pool plan`. `dtype` (`fp8`/`bf16`) and `indexer` (`fp8`/`fp4`) may be null
+/// Size a pool: `v4pool plan`. `dtype` (`fp8`/`bf16`) and `indexer` (`fp8`/`fp4`/`bf16`) may be null
 /// for the defaults; `model` is a preset name or a `config.json` path (a directory means its
 /// `config.json`). A config is read only if it is a regular file of at most 4 MiB: a FIFO or
 /// device is refused unread (`NotAFile`), a larger file refused (`TooLarge`); nothing blocks.
@@ -746,6 +746,9 @@ pub unsafe extern "C" fn v4pool_decode_buffer(
 pub unsafe extern "C" fn v4pool_decode_synchronize(decode: *const V4poolDecode) -> V4poolStatus {
     guard(|| get(decode, "decode")?.step.synchronize().map_err(rejected))
 }
+
+mod forward;
+pub use forward::{v4pool_csa_topk_free, v4pool_csa_topk_new, v4pool_decode_csa_pack, V4poolCsaTopk};
 
 #[cfg(test)]
 mod tests;

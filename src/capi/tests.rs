@@ -73,3 +73,80 @@ fn plan_pool_views_and_errors() {
         v4pool_plan_free(plan);
     }
 }
+
+#[test]
+fn decode_csa_pack_checks_the_topk() {
+    // SAFETY: every pointer below is a live local or a handle this test made.
+    unsafe {
+        let mut plan = ptr::null_mut();
+        let st = v4pool_plan_new(c"v4-flash".as_ptr(), 256 << 20, 4, ptr::null(), ptr::null(), 0, &mut plan);
+        assert_eq!(st, V4poolStatus::Ok, "{:?}", last());
+        let mut pool = ptr::null_mut();
+        assert_eq!(v4pool_pool_new(plan, c"host".as_ptr(), 0, 0, &mut pool), V4poolStatus::Ok);
+        let mut slot = V4poolSlot::default();
+        assert_eq!(v4pool_pool_alloc_slot(pool, &mut slot), V4poolStatus::Ok);
+        let mut block = V4poolBlock::default();
+        assert_eq!(v4pool_pool_alloc_block(pool, &mut block), V4poolStatus::Ok);
+        let cap = V4poolDecodeCapacity {
+            max_seqs: 2,
+            max_tokens: 2,
+            max_blocks_per_seq: 2,
+            win: 128,
+            index_topk: 4,
+        };
+        let mut decode = ptr::null_mut();
+        assert_eq!(v4pool_decode_new(pool, &cap, &mut decode), V4poolStatus::Ok, "{:?}", last());
+        let mut topk = ptr::null_mut();
+        assert_eq!(v4pool_csa_topk_new(pool, 2, 4, &mut topk), V4poolStatus::Ok);
+        // One token at position 8 (context 9): the pack reads 2 ids, below (8 + 1) / 4 = 2.
+        let (pos, ctx, n, table) = ([slot.position], [9i64], [1i64], [block.id as i32, 0]);
+        let mut tokens = 0usize;
+        let st = v4pool_decode_stage(
+            decode,
+            1,
+            pos.as_ptr(),
+            ctx.as_ptr(),
+            n.as_ptr(),
+            table.as_ptr(),
+            2,
+            &mut tokens,
+        );
+        assert_eq!(st, V4poolStatus::Ok, "{:?}", last());
+        assert_eq!(v4pool_decode_build(decode, 0), V4poolStatus::Ok);
+        let bad: [i64; 2] = [1, -1];
+        assert_eq!(
+            v4pool_decode_csa_pack(decode, topk, bad.as_ptr().cast(), 64, 1, 2),
+            V4poolStatus::Rejected
+        );
+        assert_eq!(last().0, "BadId");
+        let narrow: [i32; 1] = [0];
+        assert_eq!(
+            v4pool_decode_csa_pack(decode, topk, narrow.as_ptr().cast(), 32, 1, 1),
+            V4poolStatus::Rejected
+        );
+        assert_eq!(last().0, "TooNarrow");
+        assert_eq!(
+            v4pool_decode_csa_pack(decode, topk, bad.as_ptr().cast(), 16, 1, 2),
+            V4poolStatus::InvalidArgument
+        );
+        let good: [i64; 2] = [1, 0];
+        assert_eq!(
+            v4pool_decode_csa_pack(decode, topk, good.as_ptr().cast(), 64, 1, 2),
+            V4poolStatus::Ok,
+            "{:?}",
+            last()
+        );
+        // The CSA heads are the ids' pool rows: block row 1 and 0 of the block.
+        let mut ptrb = V4poolBuffer::default();
+        assert_eq!(v4pool_decode_buffer(decode, 1, 1, &mut ptrb), V4poolStatus::Ok);
+        let mut idx = V4poolBuffer::default();
+        assert_eq!(v4pool_decode_buffer(decode, 0, 1, &mut idx), V4poolStatus::Ok);
+        let heads = std::slice::from_raw_parts(idx.ptr as *const i32, 2);
+        let r = i64::from(block.id) * (*pool).pool.spec().geometry.envelope_rows;
+        assert_eq!(heads, [r as i32 + 1, r as i32]);
+        v4pool_csa_topk_free(topk);
+        v4pool_decode_free(decode);
+        v4pool_pool_free(pool);
+        v4pool_plan_free(plan);
+    }
+}

@@ -731,6 +731,16 @@ impl UnifiedPoolGeometry {
         Ok(self.compress_bias[layer_id])
     }
 
+    /// The layers owning index keys, in order (the indexer cache's layers): with KV sources
+    /// (V4.1) the sources, whose compressed latent the index keys derive from (O8: one plane
+    /// per KV owner; re-index layers read their owner's); else V4's ratio-4 (CSA) layers.
+    pub fn index_key_layers(&self) -> Vec<usize> {
+        match &self.kv_sources {
+            Some(sources) => sources.clone(),
+            None => (0..self.num_layers).filter(|&l| self.ratios[l] == CSA_RATIO).collect(),
+        }
+    }
+
     /// Rows a layer's view spans: its base to the end of the plane.
     pub fn layer_view_rows(&self, layer_id: usize) -> Result<i64, GeometryError> {
         Ok(self.plane_rows - self.layer_base_row(layer_id)?)

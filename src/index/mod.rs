@@ -126,7 +126,7 @@ pub struct PrefillIndexArgs {
     pub csa_indices: DevicePtr,
     /// i32 [>= T+1]
     pub hca_indptr: DevicePtr,
-    /// i32 out: `[window rows | compressed]`
+    /// i32 out: `[window rows | compressed]` (`coarse_packed`: `[head | window rows]`)
     pub hca_indices: DevicePtr,
     /// Rows of one block's envelope.
     pub envelope_rows: i64,
@@ -140,8 +140,11 @@ pub struct PrefillIndexArgs {
     pub hca_ratio: i32,
     /// HCA rows one block holds per layer (`block_size / 128`).
     pub hca_rows_per_block: i32,
-    /// Padding to the C layout.
-    pub _pad: i32,
+    /// 0: V4's coarse slice `[window rows | compressed]`, the compressed head from the block
+    /// tables (class-wide). 1: the coarse slot is filled per layer by the translate-pack
+    /// (V4.1, `UnifiedPoolGeometry::coarse_head_fill` false): `[top-k head (left to the
+    /// pack) | window rows]`, as the CSA slice; the builder writes only the window tail.
+    pub coarse_packed: i32,
 }
 
 /// HCA compressed offsets (§4) as a standalone gather.
@@ -272,6 +275,38 @@ pub struct RowScatterArgs {
     pub num_tokens: i32,
     /// Padding to the C layout.
     pub _pad: i32,
+}
+
+/// Values in one KV row the model hands over: 448 NoPE, then 64 RoPE (head_dim 512).
+pub const KV_ROW_VALUES: usize = 512;
+
+/// bf16 KV rows into the pool's row format (docs/forward.md): `kv[t]` (512 bf16: 448 NoPE
+/// values, then 64 RoPE) to row `dest_rows[t]` of the layer view, for every token whose batch id
+/// is not negative (`batch_id_per_token == 0`: every token) and whose row is in
+/// `[0, view_rows)`. `fp8 = 1` packs the NoPE part into e4m3 values with seven e8m0 tile scales
+/// (`index::host::pack_fp8_row`) and copies the RoPE part into the second plane; `fp8 = 0`
+/// copies all 512 values into the one bf16 plane.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct KvRowsArgs {
+    /// bf16 `[T][kv_row_stride]`.
+    pub kv: DevicePtr,
+    /// i32 `[>= T]`: the row of the layer view each token goes to.
+    pub dest_rows: DevicePtr,
+    /// i32 `[>= T]`, or 0 (no pads).
+    pub batch_id_per_token: DevicePtr,
+    /// Layer view base of the NoPE plane (fp8) or of the bf16 plane.
+    pub nope: DevicePtr,
+    /// Layer view base of the RoPE plane (fp8), else 0.
+    pub rope: DevicePtr,
+    /// Elements from one source row to the next (>= 512).
+    pub kv_row_stride: i64,
+    /// Rows of the layer view; rows outside it are dropped.
+    pub view_rows: i64,
+    /// Tokens in the grid.
+    pub num_tokens: i32,
+    /// 1: the fp8 pool's two planes; 0: the bf16 plane.
+    pub fp8: i32,
 }
 
 /// Element type of a state-update input (`V4POOL_DTYPE_*`): what an engine's compressor
@@ -432,6 +467,8 @@ pub enum Launch {
     WindowGather(WindowGatherArgs),
     /// `v4pool_window_gather_fp8`: §9 window gather from the fp8 NoPE and bf16 RoPE planes.
     WindowGatherFp8(WindowGatherArgs),
+    /// `v4pool_kv_rows`: bf16 KV rows into the pool's row format.
+    KvRows(KvRowsArgs),
     /// `v4pool_empty`: the launch-overhead floor benchmarks measure against.
     Empty,
 }
@@ -455,12 +492,13 @@ impl Launch {
             Launch::CopyRuns(_) => "v4pool_copy_runs",
             Launch::WindowGather(_) => "v4pool_window_gather",
             Launch::WindowGatherFp8(_) => "v4pool_window_gather_fp8",
+            Launch::KvRows(_) => "v4pool_kv_rows",
             Launch::Empty => "v4pool_empty",
         }
     }
 
     /// Every kernel symbol, for module loading and the code-object symbol test.
-    pub const SYMBOLS: [&'static str; 16] = [
+    pub const SYMBOLS: [&'static str; 17] = [
         "v4pool_decode_indices",
         "v4pool_prefill_indices",
         "v4pool_prefill_indices_short",
@@ -476,6 +514,7 @@ impl Launch {
         "v4pool_copy_runs",
         "v4pool_window_gather",
         "v4pool_window_gather_fp8",
+        "v4pool_kv_rows",
         "v4pool_empty",
     ];
 }

@@ -56,8 +56,12 @@ pub fn prefill_short(a: &PrefillIndexArgs) -> bool {
     prefill_max_head(a) <= PREFILL_SHORT_HEAD
 }
 
-/// The longest HCA head a prefill launch can write: what one block-table row describes.
+/// The longest HCA head a prefill launch can write: what one block-table row describes
+/// (none when the coarse slot is packed per layer: the builder writes windows only).
 fn prefill_max_head(a: &PrefillIndexArgs) -> u64 {
+    if a.coarse_packed != 0 {
+        return 0;
+    }
     count(a.block_table_stride) * count(a.hca_rows_per_block)
 }
 
@@ -243,6 +247,7 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
         Launch::RowScatter(a) => {
             LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(ROWS_PER_BLOCK)), b)
         }
+        Launch::KvRows(a) => LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(ROWS_PER_BLOCK)), b),
         // BLOCK_THREADS / lanes plan rows per block.
         Launch::StateUpdate(a) => {
             LaunchShape::linear(ceil_div(count(a.num_rows), u64::from(b / state_update_lanes(a.dim))), b)
@@ -514,6 +519,8 @@ fn check_prefill(a: &PrefillIndexArgs) -> Result<(), LaunchError> {
     check_window("hca", &a.hca, win)?;
     at_least("hca_ratio", a.hca_ratio.into(), 1)?;
     at_least("hca_rows_per_block", a.hca_rows_per_block.into(), 1)?;
+    non_negative("coarse_packed", a.coarse_packed.into())?; // a flag: 0 or 1
+    at_most("coarse_packed", a.coarse_packed.into(), 1)?;
     at_least("block_table_stride", a.block_table_stride.into(), 1)?;
     non_negative("envelope_rows", a.envelope_rows)?;
     if a.num_tokens > 0 {
@@ -644,6 +651,25 @@ fn check_row_scatter(a: &RowScatterArgs) -> Result<(), LaunchError> {
     Ok(())
 }
 
+fn check_kv_rows(a: &super::KvRowsArgs) -> Result<(), LaunchError> {
+    non_negative("num_tokens", a.num_tokens.into())?;
+    non_negative("view_rows", a.view_rows)?;
+    at_least("kv_row_stride", a.kv_row_stride, super::KV_ROW_VALUES as i64)?;
+    if a.fp8 != 0 && a.fp8 != 1 {
+        return Err(LaunchError::BadCode { field: "fp8", value: a.fp8 });
+    }
+    if a.num_tokens > 0 {
+        present("kv", a.kv)?;
+        present("dest_rows", a.dest_rows)?;
+        present("nope", a.nope)?;
+    }
+    // The RoPE plane exists exactly in the fp8 pool.
+    if (a.rope != 0) != (a.fp8 == 1) {
+        return Err(LaunchError::PlaneHalfGiven { plane: 1 });
+    }
+    Ok(())
+}
+
 fn check_state_update(a: &StateUpdateArgs) -> Result<(), LaunchError> {
     non_negative("num_rows", a.num_rows.into())?;
     at_least("dim", a.dim.into(), 1)?;
@@ -706,6 +732,7 @@ pub fn check_launch(launch: &Launch) -> Result<(), LaunchError> {
         Launch::CsaPack(a) => check_csa_pack(a)?,
         Launch::RingWrite(a) => check_ring_write(a)?,
         Launch::RowScatter(a) => check_row_scatter(a)?,
+        Launch::KvRows(a) => check_kv_rows(a)?,
         Launch::StateUpdate(a) => check_state_update(a)?,
         Launch::FillRuns(a) => {
             non_negative("num_runs", a.num_runs.into())?;

@@ -198,11 +198,11 @@ impl KvManager {
         policy: Box<dyn SplitPolicy>,
     ) -> Result<Self, ManagerError> {
         let spec = pool.spec();
-        let n_csa = if spec.indexer.is_some() { spec.csa_layers.len() as u64 } else { 0 };
+        let layers: &[usize] = if spec.indexer.is_some() { &spec.csa_layers } else { &[] };
         let ck = CheckpointLayout::new(
             &spec.arena,
             &spec.geometry,
-            n_csa,
+            layers,
             spec.indexer.unwrap_or(IndexerDtype::Fp8),
         )?;
         let units_per_ckpt = u32::try_from(ck.units_per_checkpoint)

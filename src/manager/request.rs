@@ -518,6 +518,22 @@ impl KvManager {
     pub fn block_table(&self, id: RequestId) -> Result<Vec<i32>, ManagerError> {
         Ok(self.req(id)?.blocks.iter().map(|&b| self.nodes.block(b).handle.id as i32).collect())
     }
+    /// A request's block handles in table order (current after every boundary move): what
+    /// the pool's writers take for its rows. Lent, not given: the manager still owns them.
+    pub fn block_handles(&self, id: RequestId) -> Result<Vec<BlockHandle>, ManagerError> {
+        Ok(self.req(id)?.blocks.iter().map(|&b| self.nodes.block(b).handle).collect())
+    }
+    /// A running request as a handoff sends it: its block handles, its slot and its computed
+    /// tokens (`NotRunning` while it waits).
+    pub fn request_kv(&self, id: RequestId) -> Result<crate::transfer::RequestKv, ManagerError> {
+        let r = self.req(id)?;
+        let slot = r.slot.ok_or(ManagerError::NotRunning(id))?;
+        Ok(crate::transfer::RequestKv {
+            blocks: self.block_handles(id)?,
+            slot: slot.handle,
+            context_len: r.computed,
+        })
+    }
     /// A running request's slot (current after every boundary move).
     pub fn slot(&self, id: RequestId) -> Result<Option<SlotLease>, ManagerError> {
         Ok(self.req(id)?.slot)

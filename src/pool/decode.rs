@@ -380,6 +380,19 @@ pub(crate) fn check_blocks(max_ids: &[Option<i32>], num_blocks: i64) -> Result<(
     }
 }
 
+/// The slot whose heads layer `layer`'s translate-pack fills (`layer_slots` per layer;
+/// `head_fill`: V4's class-wide coarse heads, which no pack fills).
+pub(crate) fn packed_slot(
+    layer_slots: &[Option<Class>],
+    head_fill: bool,
+    layer: usize,
+) -> Result<Class, DecodeError> {
+    match layer_slots.get(layer).copied().flatten() {
+        Some(c @ (Class::Csa | Class::Hca)) if !(c == Class::Hca && head_fill) => Ok(c),
+        _ => Err(DecodeError::NotPacked { layer }),
+    }
+}
+
 /// The fine and coarse slots' compress ratios of `geometry` (V4: 4, 128).
 pub(crate) fn slot_ratios(geometry: &UnifiedPoolGeometry) -> Result<[i64; 2], DecodeError> {
     let r = |c| geometry.class_ratio(c)?.map(i64::from).ok_or(DecodeError::MissingClass(c));
@@ -440,6 +453,9 @@ pub struct DecodeIndexBuffers {
     compress_bias: Vec<i64>,
     bounds: PoolBounds,
     staging: Vec<u8>,
+    /// CSA head (top-k entries the pack reads) of every staged token, for checking an
+    /// engine's top-k rows before a pack.
+    csa_heads: Vec<[i32; 2]>,
     /// Per-token slice capacity of each class's index buffer.
     slice_cap: [u64; NUM_SLOTS],
     /// Positions of the batch last staged (a pool-backed path re-checks them at build).
@@ -585,6 +601,7 @@ impl DecodeIndexBuffers {
             compress_bias: geometry.compress_bias.clone(),
             bounds: PoolBounds::of(geometry),
             staging: vec![0u8; layout.meta_end as usize],
+            csa_heads: Vec::with_capacity(cap.max_tokens),
             slice_cap,
             staged_positions: Vec::with_capacity(cap.max_seqs),
             staged_columns: Vec::with_capacity(cap.max_seqs),
@@ -625,6 +642,13 @@ impl DecodeIndexBuffers {
     /// Positions of the batch last staged, one per sequence.
     pub fn staged_positions(&self) -> &[i64] {
         &self.staged_positions
+    }
+
+    /// The CSA head of every token of the batch staged last: `[head, entries]`: how many top-k
+    /// entries of its row the translate-pack reads, and the compressed CSA entries its
+    /// position may select (`(pos + 1) / 4`).
+    pub fn staged_csa_heads(&self) -> &[[i32; 2]] {
+        &self.csa_heads
     }
 
     /// The bounds staging checks against.
@@ -707,10 +731,7 @@ impl DecodeIndexBuffers {
         topk: DevicePtr,
         topk_row_stride: i32,
     ) -> Result<CsaPackArgs, DecodeError> {
-        let slot = match self.layer_slots.get(layer).copied().flatten() {
-            Some(c @ (Class::Csa | Class::Hca)) if !(c == Class::Hca && self.head_fill) => c,
-            _ => return Err(DecodeError::NotPacked { layer }),
-        };
+        let slot = packed_slot(&self.layer_slots, self.head_fill, layer)?;
         self.pack_args(slot, self.compress_bias[layer], topk, topk_row_stride)
     }
 
@@ -983,6 +1004,7 @@ impl DecodeIndexBuffers {
         for c in 0..NUM_SLOTS {
             put_i32(st, l.indptr[c], 0, 0);
         }
+        self.csa_heads.clear();
         let mut t = 0usize;
         for (b, s) in batch.iter().enumerate() {
             // Live positions lie in the plane, whose rows fit an i32.
@@ -995,6 +1017,8 @@ impl DecodeIndexBuffers {
                 let pos = s.context_len - s.num_tokens as i64 + k as i64;
                 let (n, csa, hca) =
                     class_slice_lens(pos, s.context_len, win, topk, self.slot_ratios, self.head_fill);
+                // At most index_topk and a position / the fine ratio: both i32.
+                self.csa_heads.push([csa as i32, ((pos + 1) / self.slot_ratios[0]) as i32]);
                 put_i32(st, l.batch_ids, t, b as i32);
                 let o = l.positions as usize + 8 * t;
                 st[o..o + 8].copy_from_slice(&pos.to_ne_bytes());

@@ -16,8 +16,10 @@ pub(crate) mod owned;
 mod path;
 pub mod prefill;
 pub mod regions;
+mod rows;
 #[cfg(test)]
 mod tests;
+mod topk;
 
 pub use decode::{
     decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq, PoolBounds,
@@ -25,15 +27,19 @@ pub use decode::{
 pub use owned::DeviceBuffer;
 pub use path::{DecodePath, PrefillPath};
 pub use prefill::{prefill_slice_lens, PrefillBuffer, PrefillCapacity, PrefillIndexBuffers, PrefillSeq};
+pub use rows::{
+    CompressedRow, KvRowWriter, RowSet, RowWriteCapacity, RowWriteError, WindowSeq, INDEX_KEY_VALUES,
+};
+pub use topk::{convert_topk, CsaTopk, TopkError, TopkRows};
 
 use crate::alloc::{AllocError, BlockGrant, BlockHandle, SlotHandle};
 use crate::arena::{ArenaError, ArenaLayout, FieldView};
 use crate::backend::{Backend, BackendError, DeviceAllocation, Stream};
 use crate::boundary::{Boundary, BoundaryChange, BoundaryError};
 use crate::checkpoint::{LayoutId, Loc, Region, RegionCopy};
-use crate::geometry::{GeometryError, UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO};
+use crate::geometry::{GeometryError, UnifiedPoolGeometry, DENSE_RATIO};
 use crate::index::{CopyRun, CopyRunsArgs, DevicePtr, FillRun, FillRunsArgs, Launch};
-use crate::sizing::IndexerDtype;
+use crate::sizing::{IndexerDtype, IndexerPart};
 use regions::{TransferConfig, TransferRegions};
 use std::sync::{Arc, Mutex, MutexGuard};
 use thiserror::Error;
@@ -58,7 +64,8 @@ pub struct PoolSpec {
     pub arena: ArenaLayout,
     /// The CSA indexer cache's format (`None`: no indexer cache).
     pub indexer: Option<IndexerDtype>,
-    /// Global ids of the CSA layers (the indexer cache's layer order).
+    /// Global ids of the layers owning index keys, the indexer cache's layer order
+    /// ([`UnifiedPoolGeometry::index_key_layers`]): V4's CSA layers, V4.1's KV sources.
     pub csa_layers: Vec<usize>,
     /// The §6 layout id of the plan the spec came from, with the spec's fingerprint then: a
     /// pool only reports the plan's id while the spec still is what the plan made.
@@ -104,7 +111,7 @@ impl PoolSpec {
             plane_widths: layout.widths().to_vec(),
             arena: layout.arena.clone(),
             indexer: Some(layout.indexer),
-            csa_layers: layout.model.csa_layers(),
+            csa_layers: layout.model.indexer_layers(),
             plan_layout: None,
         };
         spec.validate()?;
@@ -142,10 +149,10 @@ impl PoolSpec {
         if self.arena.slot_align_rows() != g.slot_align_rows {
             return Err(PoolError::InconsistentSpec { what: "slot_align_rows (arena and geometry differ)" });
         }
-        let csa: Vec<usize> = (0..g.num_layers).filter(|&l| g.ratios[l] == CSA_RATIO).collect();
-        if csa != self.csa_layers {
+        if g.index_key_layers() != self.csa_layers {
             return Err(PoolError::InconsistentSpec {
-                what: "csa_layers (not the geometry's ratio-4 layers)",
+                what:
+                    "csa_layers (not the geometry's index-key layers: V4's ratio-4 layers, V4.1's KV sources)",
             });
         }
         if let Some((_, fp)) = &self.plan_layout {
@@ -154,6 +161,15 @@ impl PoolSpec {
             }
         }
         Ok(())
+    }
+
+    /// The indexer cache's layers per indexer pool ([`IndexerDtype::layer_parts`]); empty
+    /// without an indexer cache.
+    pub fn indexer_parts(&self) -> Result<Vec<Vec<IndexerPart>>, PoolError> {
+        match self.indexer.filter(|_| !self.csa_layers.is_empty()) {
+            Some(ix) => Ok(ix.layer_parts(&self.geometry, &self.csa_layers)?),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// The layout id images of this spec's pools carry: the plan's §6 id for a spec from
@@ -232,6 +248,25 @@ pub enum PoolError {
     #[error(transparent)]
     /// A failure of the layer below ([`BackendError`]).
     Backend(#[from] BackendError),
+    #[error("the pool has no indexer cache")]
+    /// The pool has no indexer cache (no CSA layer, or a plan without one).
+    NoIndexer,
+    #[error("indexer pool {part} outside 0..{parts}")]
+    /// Indexer pool `part` outside 0..`parts` (FP8 and BF16: one; FP4: data, scales).
+    NoSuchIndexerPart {
+        /// Pool index.
+        part: usize,
+        /// Pools there are.
+        parts: usize,
+    },
+    #[error("CSA layer rank {rank} outside 0..{layers}")]
+    /// CSA layer rank `rank` outside 0..`layers`.
+    NoSuchCsaLayer {
+        /// Rank among the CSA layers.
+        rank: usize,
+        /// CSA layers there are.
+        layers: usize,
+    },
     #[error("plane {plane} outside 0..{planes}")]
     /// Plane `plane` outside 0..`planes`.
     NoSuchPlane {
@@ -376,6 +411,20 @@ pub struct SlotLease {
     pub position: i64,
 }
 
+/// One CSA layer's indexer cache in one indexer pool: `[blocks][rows_per_block][row_bytes]`
+/// from `ptr` (block `b` of the pool's block ids is block `b` here).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexerView {
+    /// Address of block 0, row 0.
+    pub ptr: DevicePtr,
+    /// Blocks (the most the plane can hold).
+    pub blocks: u64,
+    /// Index-key rows per block (a V4 CSA block: 64).
+    pub rows_per_block: u64,
+    /// Bytes of one row in this pool.
+    pub row_bytes: u64,
+}
+
 /// The pool's own memory besides the planes, reported so it can be held under 1 %.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Overhead {
@@ -403,9 +452,8 @@ impl Overhead {
         // Each plane's allocation holds its view lead too (none in V4).
         let planes: u64 = spec.plane_widths.iter().map(|&w| g.allocation_rows() as u64 * w).sum();
         let max_blocks = g.max_blocks_beside(0).max(0) as u64;
-        let indexer = spec.indexer.map_or(0, |ix| {
-            spec.csa_layers.len() as u64 * max_blocks * ix.pool_block_bytes().iter().sum::<u64>()
-        });
+        let per_block: u64 = spec.indexer_parts()?.iter().flatten().map(|p| p.block_bytes).sum();
+        let indexer = per_block * max_blocks;
         let index = match decode {
             Some(cap) => DecodeIndexBuffers::required_bytes(g, cap).map_err(|e| match e {
                 DecodeError::Backend(b) => PoolError::Backend(b),
@@ -478,6 +526,8 @@ pub struct Pool {
     indexer: Option<DeviceAllocation>,
     /// Offset of each indexer pool inside the indexer allocation.
     indexer_offsets: Vec<u64>,
+    /// Each indexer pool's index-key layers ([`PoolSpec::indexer_parts`]).
+    indexer_parts: Vec<Vec<IndexerPart>>,
     /// Blocks the indexer cache is sized for (the most the plane can hold).
     indexer_blocks: u64,
     descriptors: Option<DeviceAllocation>,
@@ -526,24 +576,19 @@ impl Pool {
             cursor = checked(cursor.checked_add(bytes), "planes")?.div_ceil(PLANE_ALIGN) * PLANE_ALIGN;
         }
         // The indexer cache: one region per indexer pool (FP8: one; FP4: data, scales),
-        // each `[n_csa][indexer_blocks][pool block bytes]`, sized for every block the plane
+        // each the index-key layers' `[indexer_blocks][layer block bytes]` in layer order
+        // (V4: `[n_csa][indexer_blocks][pool block bytes]`), sized for every block the plane
         // can hold so the boundary never outgrows it.
         let indexer_blocks = boundary.max_blocks_beside(0) as u64;
+        let indexer_parts = spec.indexer_parts()?;
         let mut indexer_offsets = Vec::new();
         let mut indexer_bytes = 0u64;
-        if let Some(ix) = spec.indexer.filter(|_| !spec.csa_layers.is_empty()) {
-            for &pb in ix.pool_block_bytes() {
-                indexer_offsets.push(indexer_bytes);
-                let bytes = checked(
-                    (spec.csa_layers.len() as u64)
-                        .checked_mul(indexer_blocks)
-                        .and_then(|x| x.checked_mul(pb)),
-                    "indexer bytes",
-                )?;
-                indexer_bytes = checked(indexer_bytes.checked_add(bytes), "indexer bytes")?
-                    .div_ceil(PLANE_ALIGN)
-                    * PLANE_ALIGN;
-            }
+        for parts in &indexer_parts {
+            indexer_offsets.push(indexer_bytes);
+            let per_block = parts.iter().try_fold(0u64, |acc, p| acc.checked_add(p.block_bytes));
+            let bytes = checked(per_block.and_then(|b| b.checked_mul(indexer_blocks)), "indexer bytes")?;
+            indexer_bytes = checked(indexer_bytes.checked_add(bytes), "indexer bytes")?.div_ceil(PLANE_ALIGN)
+                * PLANE_ALIGN;
         }
         let planes = backend.alloc_zeroed(cursor.max(PLANE_ALIGN))?;
         let indexer = if indexer_bytes > 0 { Some(backend.alloc_zeroed(indexer_bytes)?) } else { None };
@@ -556,6 +601,7 @@ impl Pool {
             plane_offsets,
             indexer,
             indexer_offsets,
+            indexer_parts,
             indexer_blocks,
             descriptors,
             image_ranges,
@@ -633,6 +679,38 @@ impl Pool {
     pub fn indexer_offsets(&self) -> &[u64] {
         &self.indexer_offsets
     }
+    /// Each indexer pool's index-key layers, in [`PoolSpec::csa_layers`] order (empty
+    /// without an indexer cache): layer `i`'s block `b` of pool `p` is at
+    /// `indexer_ptr + indexer_offsets[p] + indexer_parts()[p][i].offset(b, indexer_blocks)`.
+    pub fn indexer_parts(&self) -> &[Vec<IndexerPart>] {
+        if self.indexer.is_none() {
+            return &[];
+        }
+        &self.indexer_parts
+    }
+
+    /// The indexer cache of index-key layer `rank` (its index in [`PoolSpec::csa_layers`]: V4's
+    /// CSA layers, V4.1's KV owners) in indexer pool `part`: its base, and its shape
+    /// `[indexer_blocks][rows per block][row bytes]` (a V4 CSA block: 64 rows), placed by
+    /// [`Pool::indexer_parts`], the one formula.
+    pub fn indexer_view(&self, rank: usize, part: usize) -> Result<IndexerView, PoolError> {
+        let ix = self.spec.indexer.filter(|_| self.indexer.is_some()).ok_or(PoolError::NoIndexer)?;
+        let parts = self.indexer_parts();
+        let (layers, &off) = parts
+            .get(part)
+            .zip(self.indexer_offsets.get(part))
+            .ok_or(PoolError::NoSuchIndexerPart { part, parts: parts.len() })?;
+        let layer = layers.get(rank).ok_or(PoolError::NoSuchCsaLayer { rank, layers: layers.len() })?;
+        let row_bytes = ix.pool_row_bytes()[part];
+        let start = checked(layer.offset(0, self.indexer_blocks), "indexer layer offset")?;
+        let base = self.indexer_ptr().ok_or(PoolError::NoIndexer)?;
+        Ok(IndexerView {
+            ptr: base + off + start,
+            blocks: self.indexer_blocks,
+            rows_per_block: layer.block_bytes / row_bytes,
+            row_bytes,
+        })
+    }
 
     /// PD / offload transfer regions at the current split (`pool-runtime.md` §7): block
     /// regions for both planes and every CSA indexer layer, slot regions for both planes,
@@ -642,10 +720,11 @@ impl Pool {
     pub fn transfer_regions(&self, config: &TransferConfig) -> Result<TransferRegions, PoolError> {
         let g = self.geometry()?;
         let ix = self.spec.indexer.unwrap_or(IndexerDtype::Fp8);
+        let layers = regions::indexer_layers(&g, &self.spec.csa_layers, ix)?;
         Ok(regions::transfer_regions(
             &g,
             &self.spec.plane_widths,
-            &self.spec.csa_layers,
+            &layers,
             ix,
             self.indexer_blocks as i64,
             config,
@@ -855,10 +934,10 @@ impl Pool {
             let bytes = g.block_bytes(w);
             runs.push(CopyRun { src: base + from * bytes, dst: base + to * bytes, bytes });
         }
-        if let (Some(base), Some(ix)) = (self.indexer_ptr(), self.spec.indexer) {
-            for (&pb, &off) in ix.pool_block_bytes().iter().zip(&self.indexer_offsets) {
-                for c in 0..self.spec.csa_layers.len() as u64 {
-                    let layer = base + off + c * self.indexer_blocks * pb;
+        if let Some(base) = self.indexer_ptr() {
+            for (parts, &off) in self.indexer_parts().iter().zip(&self.indexer_offsets) {
+                for part in parts {
+                    let (pb, layer) = (part.block_bytes, base + off + part.prefix * self.indexer_blocks);
                     runs.push(CopyRun { src: layer + from * pb, dst: layer + to * pb, bytes: pb });
                 }
             }
@@ -925,18 +1004,9 @@ impl Pool {
         match region {
             Region::Plane(p) => self.plane_bytes(p),
             Region::Indexer(i) => {
-                let pools = self
-                    .spec
-                    .indexer
-                    .filter(|_| self.indexer.is_some())
-                    .map_or(&[][..], |ix| ix.pool_block_bytes());
-                let pb = pools.get(i).ok_or(PoolError::NoSuchRegion { region })?;
-                checked(
-                    (self.spec.csa_layers.len() as u64)
-                        .checked_mul(self.indexer_blocks)
-                        .and_then(|x| x.checked_mul(*pb)),
-                    "indexer pool bytes",
-                )
+                let parts = self.indexer_parts().get(i).ok_or(PoolError::NoSuchRegion { region })?;
+                let per_block = parts.iter().try_fold(0u64, |acc, p| acc.checked_add(p.block_bytes));
+                checked(per_block.and_then(|b| b.checked_mul(self.indexer_blocks)), "indexer pool bytes")
             }
         }
     }

@@ -136,6 +136,16 @@ impl DecodePath {
         self.bufs.write_block_table(row, start_col, ids)
     }
 
+    /// Slot positions of the batch staged last (one per sequence).
+    pub fn staged_positions(&self) -> &[i64] {
+        self.bufs.staged_positions()
+    }
+
+    /// The CSA head of every staged token: `[head, entries]` (see the buffers' doc).
+    pub fn staged_csa_heads(&self) -> &[[i32; 2]] {
+        self.bufs.staged_csa_heads()
+    }
+
     /// Run the decode builder over the staged batch (one launch on the pool's stream),
     /// after checking its positions are still live slots of the pool and the block ids it
     /// reads (staged, or written to the resident tables since) still blocks of its region.
@@ -274,6 +284,11 @@ impl PrefillPath {
         self.bufs.stage(batch)
     }
 
+    /// The CSA head of every staged token: `[head, entries]` (see the buffers' doc).
+    pub fn staged_csa_heads(&self) -> &[[i32; 2]] {
+        self.bufs.staged_csa_heads()
+    }
+
     /// Run the prefill builder over the staged forward (one launch on the pool's stream),
     /// after checking its positions are still live slots of the pool and its block ids
     /// still blocks of its region.
@@ -292,6 +307,33 @@ impl PrefillPath {
     pub unsafe fn csa_pack(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<(), DecodeError> {
         // SAFETY: forwarded from the caller.
         unsafe { self.bufs.csa_pack(topk, topk_row_stride) }
+    }
+
+    /// Translate-pack (prefill mode) of compressed layer `layer` into its slot's heads, with
+    /// its compress bias (V4.1: every compressed layer, both slots, after its indexer).
+    ///
+    /// # Safety
+    /// As [`PrefillIndexBuffers::layer_pack`]: `topk` addresses live memory of the pool's
+    /// backend holding i32 `[staged tokens][topk_row_stride]`, ready on the pool's stream,
+    /// with non-negative entries where the contract reads them.
+    pub unsafe fn layer_pack(
+        &self,
+        layer: usize,
+        topk: DevicePtr,
+        topk_row_stride: i32,
+    ) -> Result<(), DecodeError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.bufs.layer_pack(layer, topk, topk_row_stride) }
+    }
+
+    /// One compressed layer's translate-pack launch (prefill mode), for graph capture.
+    pub fn layer_pack_launch(
+        &self,
+        layer: usize,
+        topk: DevicePtr,
+        topk_row_stride: i32,
+    ) -> Result<Launch, DecodeError> {
+        Ok(Launch::CsaPack(self.bufs.layer_pack_args(layer, topk, topk_row_stride)?))
     }
 
     /// A sub-buffer by name (`None`: dense buffers of a geometry without dense layers).

@@ -3,14 +3,19 @@
 //! `[window | compressed]` slices; the CSA heads come from the translate-pack in prefill
 //! mode (§5, `window_size = 0`, the per-token skip being the token's earlier-chunk window).
 //!
+//! Where layers share compressors (V4.1, no class-wide coarse head fill) both compressed
+//! slots are `[top-k head | window tail]`: the builder writes the window tails only and
+//! every compressed layer's translate-pack fills its slot's heads with the slot's ratio and
+//! the layer's compress bias ([`PrefillIndexBuffers::layer_pack_args`]), as in decode.
+//!
 //! The host computes per token only the slice lengths and their prefix sums, and per
 //! sequence the chunk start, the row of its first token and its committed HCA rows; a
 //! forward uploads that and the block tables once. Engines use
 //! [`crate::pool::PrefillPath`]; [`PrefillIndexBuffers`] is the advanced, pool-less form.
 
 use super::decode::{
-    check_blocks, check_capacity, check_live, check_seq, class_slice_lens, read_columns, slot_ratios,
-    DecodeError, PoolBounds,
+    check_blocks, check_capacity, check_live, check_seq, class_slice_lens, packed_slot, read_columns,
+    slot_ratios, DecodeError, PoolBounds,
 };
 use super::owned::{Carve, DeviceBuffer, Owned};
 use crate::backend::{Backend, Stream};
@@ -38,7 +43,8 @@ pub struct PrefillCapacity {
     /// Entries of the HCA prefix buffer; `None` sizes it for the worst case
     /// (`max_tokens × (win − 1 + longest context / 128)`), which at 8K tokens and 1M
     /// context is ~260 MB — engines that bound a forward's context pass their own bound and
-    /// `stage` refuses a forward that exceeds it.
+    /// `stage` refuses a forward that exceeds it. Packed per layer (V4.1) the worst case is
+    /// the CSA buffer's, `max_tokens × (win − 1 + min(index_topk, longest context / ratio))`.
     pub max_hca_entries: Option<u64>,
 }
 
@@ -88,16 +94,25 @@ pub enum PrefillBuffer {
 /// sequence whose context after the chunk is `ctx`: (extend rows, earlier-chunk window rows,
 /// CSA head, HCA compressed entries). The heads are decode's formulas (§13: causal).
 pub fn prefill_slice_lens(p: i64, cs: i64, ctx: i64, win: i64, topk: i64) -> (i64, i64, i64, i64) {
-    slot_slice_lens(p, cs, ctx, win, topk, V4_SLOT_RATIOS)
+    slot_slice_lens(p, cs, ctx, win, topk, V4_SLOT_RATIOS, true)
 }
 
-/// [`prefill_slice_lens`] for the fine and coarse slots' `ratios` (the coarse class takes
-/// every committed row: the prefill builder's class-wide rule).
-fn slot_slice_lens(p: i64, cs: i64, ctx: i64, win: i64, topk: i64, ratios: [i64; 2]) -> (i64, i64, i64, i64) {
+/// [`prefill_slice_lens`] for the fine and coarse slots' `ratios`; under `head_fill` (V4)
+/// the coarse class takes every committed row (the builder's class-wide rule), else its head
+/// is capped by the top-k as the fine one's ([`class_slice_lens`]).
+fn slot_slice_lens(
+    p: i64,
+    cs: i64,
+    ctx: i64,
+    win: i64,
+    topk: i64,
+    ratios: [i64; 2],
+    head_fill: bool,
+) -> (i64, i64, i64, i64) {
     let low = (p - win + 1).max(0);
     let ext = (p - cs + 1).min(win);
     let pre = (cs - low).max(0);
-    let (_, csa, hca) = class_slice_lens(p, ctx, win, topk, ratios, true);
+    let (_, csa, hca) = class_slice_lens(p, ctx, win, topk, ratios, head_fill);
     (ext, pre, csa, hca)
 }
 
@@ -134,8 +149,16 @@ pub struct PrefillIndexBuffers {
     block_size: i64,
     /// The fine and coarse slots' compress ratios (V4: 4, 128).
     slot_ratios: [i64; 2],
+    /// V4's class-wide coarse head fill ([`UnifiedPoolGeometry::coarse_head_fill`]); without
+    /// it both compressed slots are packed per layer.
+    head_fill: bool,
+    /// Every layer's slot (`None`: absent) and compress bias, for the per-layer packs.
+    layer_slots: Vec<Option<Class>>,
+    compress_bias: Vec<i64>,
     bounds: PoolBounds,
     staging: Vec<u8>,
+    /// CSA head of every staged token (what the translate-pack reads of its top-k row).
+    csa_heads: Vec<[i32; 2]>,
     staged_positions: Vec<i64>,
     /// Highest block id each staged sequence's build reads (re-checked at build).
     staged_max_ids: Vec<Option<i32>>,
@@ -160,11 +183,6 @@ struct Planned {
 
 impl PrefillIndexBuffers {
     fn plan(geometry: &UnifiedPoolGeometry, cap: PrefillCapacity) -> Result<Planned, DecodeError> {
-        // The prefill builder fills the coarse class class-wide ([window | compressed]), V4's
-        // rule; per-layer coarse packs (V4.1) are the decode path's only, for now.
-        if !geometry.coarse_head_fill() {
-            return Err(DecodeError::SharedCompressors { path: "prefill" });
-        }
         let params = check_capacity(
             geometry,
             [cap.max_seqs, cap.max_tokens, cap.max_blocks_per_seq],
@@ -176,7 +194,11 @@ impl PrefillIndexBuffers {
         let max_ctx = (cap.max_blocks_per_seq as u64)
             .checked_mul(geometry.block_size as u64)
             .ok_or(too_large("longest context"))?;
-        let worst_hca = (win - 1 + max_ctx / slot_ratios(geometry)?[1] as u64).checked_mul(t);
+        let coarse_rows = max_ctx / slot_ratios(geometry)?[1] as u64;
+        // Packed per layer the coarse head is capped by the top-k, as the fine one.
+        let coarse_head =
+            if geometry.coarse_head_fill() { coarse_rows } else { coarse_rows.min(cap.index_topk as u64) };
+        let worst_hca = (win - 1 + coarse_head).checked_mul(t);
         let hca = match cap.max_hca_entries {
             Some(n) => Some(n),
             None => worst_hca,
@@ -237,8 +259,12 @@ impl PrefillIndexBuffers {
             envelope_rows: geometry.envelope_rows,
             block_size: geometry.block_size,
             slot_ratios: slot_ratios(geometry)?,
+            head_fill: geometry.coarse_head_fill(),
+            layer_slots: (0..geometry.num_layers).map(|l| geometry.layer_slot(l).ok()).collect(),
+            compress_bias: geometry.compress_bias.clone(),
             bounds: PoolBounds::of(geometry),
             staging: vec![0u8; layout.meta_end as usize],
+            csa_heads: Vec::new(),
             staged_positions: Vec::with_capacity(cap.max_seqs),
             staged_max_ids: Vec::with_capacity(cap.max_seqs),
             staged_tokens: 0,
@@ -357,7 +383,7 @@ impl PrefillIndexBuffers {
             let ctx = s.chunk_start + s.num_tokens as i64;
             for p in s.chunk_start..ctx {
                 let (ext, pre, csa, hca) =
-                    slot_slice_lens(p, s.chunk_start, ctx, win, topk, self.slot_ratios);
+                    slot_slice_lens(p, s.chunk_start, ctx, win, topk, self.slot_ratios, self.head_fill);
                 total[Class::Dense.index()] += if dense { pre } else { 0 };
                 total[Class::Csa.index()] += pre + csa;
                 total[Class::Hca.index()] += pre + hca;
@@ -388,6 +414,7 @@ impl PrefillIndexBuffers {
             put(st, l.indptr[i], 0, 0);
         }
         let mut t = 0usize;
+        self.csa_heads.clear();
         for (b, s) in batch.iter().enumerate() {
             let ctx = s.chunk_start + s.num_tokens as i64;
             put(st, l.chunk_start, b, s.chunk_start);
@@ -398,10 +425,12 @@ impl PrefillIndexBuffers {
             st[row..row + 4 * s.block_table.len()].copy_from_slice(bytemuck::cast_slice(s.block_table));
             for p in s.chunk_start..ctx {
                 let (ext, pre, csa, hca) =
-                    slot_slice_lens(p, s.chunk_start, ctx, win, topk, self.slot_ratios);
+                    slot_slice_lens(p, s.chunk_start, ctx, win, topk, self.slot_ratios, self.head_fill);
                 put(st, l.positions, t, p);
                 put(st, l.batch_ids, t, b as i64);
                 put(st, l.skip, t, pre);
+                // At most index_topk and a position / 4: both i32.
+                self.csa_heads.push([csa as i32, ((p + 1) / i64::from(crate::geometry::CSA_RATIO)) as i32]);
                 ptr[Class::Dense.index()] += if dense { pre } else { 0 };
                 ptr[Class::Csa.index()] += pre + csa;
                 ptr[Class::Hca.index()] += pre + hca;
@@ -445,7 +474,7 @@ impl PrefillIndexBuffers {
             win: self.cap.win,
             hca_ratio: self.slot_ratios[1] as i32,
             hca_rows_per_block: (self.block_size / self.slot_ratios[1]) as i32,
-            _pad: 0,
+            coarse_packed: i32::from(!self.head_fill),
         }
     }
 
@@ -471,15 +500,51 @@ impl PrefillIndexBuffers {
         Ok(())
     }
 
+    /// The CSA head of every token of the forward staged last: `[head, entries]`: how many top-k
+    /// entries of its row the translate-pack reads, and the compressed CSA entries its
+    /// position may select (`(pos + 1) / 4`).
+    pub fn staged_csa_heads(&self) -> &[[i32; 2]] {
+        &self.csa_heads
+    }
+
     /// CSA translate-pack arguments (prefill mode) for one CSA layer over the staged
-    /// forward.
+    /// forward (V4: every CSA layer owns its rows). Where layers share compressors each
+    /// packs with its own bias: refused, see [`Self::layer_pack_args`].
     pub fn csa_pack_args(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<CsaPackArgs, DecodeError> {
+        if !self.head_fill {
+            return Err(DecodeError::PackNeedsLayer);
+        }
+        self.pack_args(Class::Csa, 0, topk, topk_row_stride)
+    }
+
+    /// The translate-pack arguments (prefill mode) of compressed layer `layer` over the
+    /// staged forward: its top-k into the heads of its slot's buffer, with the slot's ratio
+    /// and the layer's compress bias (V4.1: both slots, every compressed layer, after its
+    /// indexer). V4's coarse layers are refused: the builder fills their heads.
+    pub fn layer_pack_args(
+        &self,
+        layer: usize,
+        topk: DevicePtr,
+        topk_row_stride: i32,
+    ) -> Result<CsaPackArgs, DecodeError> {
+        let slot = packed_slot(&self.layer_slots, self.head_fill, layer)?;
+        self.pack_args(slot, self.compress_bias[layer], topk, topk_row_stride)
+    }
+
+    fn pack_args(
+        &self,
+        slot: Class,
+        compress_bias: i64,
+        topk: DevicePtr,
+        topk_row_stride: i32,
+    ) -> Result<CsaPackArgs, DecodeError> {
         if topk_row_stride < self.cap.index_topk.max(1) {
             return Err(DecodeError::TopkStride { stride: topk_row_stride, topk: self.cap.index_topk });
         }
         let b = self.mem.base();
         let l = &self.layout;
-        let c = Class::Csa.index();
+        let c = slot.index();
+        let ratio = self.slot_ratios[c - 1];
         Ok(CsaPackArgs {
             topk,
             block_tables: b + l.block_tables,
@@ -492,10 +557,10 @@ impl PrefillIndexBuffers {
             topk_row_stride,
             block_table_stride: self.cap.max_blocks_per_seq as i32,
             num_tokens: self.staged_tokens as i32,
-            block_capacity: (self.block_size / self.slot_ratios[0]) as i32,
+            block_capacity: (self.block_size / ratio) as i32,
             window_size: 0,
-            compress_ratio: self.slot_ratios[0] as i32,
-            compress_bias: 0,
+            compress_ratio: ratio as i32,
+            compress_bias,
         })
     }
 
@@ -507,6 +572,27 @@ impl PrefillIndexBuffers {
     /// contract reads it (`index-buffers.md` §5).
     pub unsafe fn csa_pack(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<(), DecodeError> {
         let args = self.csa_pack_args(topk, topk_row_stride)?;
+        if self.staged_tokens == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller vouches for `topk`; every other pointer is this handle's own.
+        unsafe { self.mem.launch(&Launch::CsaPack(args))? };
+        Ok(())
+    }
+
+    /// Translate-pack (prefill mode) of compressed layer `layer` ([`Self::layer_pack_args`])
+    /// over the staged forward.
+    ///
+    /// # Safety
+    /// As [`Self::csa_pack`], the non-negative entries being the first
+    /// `min(visible_groups(pos, ratio), index_topk)` of each token's row.
+    pub unsafe fn layer_pack(
+        &self,
+        layer: usize,
+        topk: DevicePtr,
+        topk_row_stride: i32,
+    ) -> Result<(), DecodeError> {
+        let args = self.layer_pack_args(layer, topk, topk_row_stride)?;
         if self.staged_tokens == 0 {
             return Ok(());
         }

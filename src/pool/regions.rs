@@ -10,7 +10,7 @@
 use crate::arena::{plan_regions, ArenaError};
 use crate::checked::{add, mul};
 use crate::geometry::{GeometryError, UnifiedPoolGeometry};
-use crate::sizing::{IndexerDtype, Plan, INDEXER_FP8_BLOCK_BYTES};
+use crate::sizing::{IndexerDtype, IndexerPart, Plan};
 use thiserror::Error;
 
 crate::checked::overflow_into!(TransferError);
@@ -170,13 +170,14 @@ impl TransferRegions {
 }
 
 /// The §7 regions of the carved `geom` with planes of `widths` (in plane order, one
-/// allocation), the indexer's CSA layer ids `csa_layers`, and an indexer allocated for
+/// allocation), the indexer's index-key layers (id and part of the FP8 pool, in layer order:
+/// [`indexer_layers`]), and an indexer allocated for
 /// `indexer_blocks` blocks (its layer stride; only the pool's `num_blocks` are registered).
 /// Transfer off → nothing registered; FP4 or pipeline parallelism with transfer → refused.
 pub fn transfer_regions(
     geom: &UnifiedPoolGeometry,
     widths: &[u64],
-    csa_layers: &[usize],
+    indexer_layers: &[(usize, IndexerPart)],
     indexer: IndexerDtype,
     indexer_blocks: i64,
     config: &TransferConfig,
@@ -231,13 +232,13 @@ pub fn transfer_regions(
         });
     }
     let cap = to_u64(indexer_blocks, "indexer blocks")?;
-    for (c, &layer) in csa_layers.iter().enumerate() {
+    for &(layer, part) in indexer_layers {
         out.block_regions.push(TransferRegion {
             role: format!("dsv4.csa_indexer.layer_{layer}"),
             alloc: Alloc::Indexer,
-            base: mul(mul(c as u64, cap, "indexer base")?, INDEXER_FP8_BLOCK_BYTES, "indexer base")?,
-            unit_bytes: INDEXER_FP8_BLOCK_BYTES,
-            total_bytes: mul(nb, INDEXER_FP8_BLOCK_BYTES, "indexer region bytes")?,
+            base: mul(part.prefix, cap, "indexer base")?,
+            unit_bytes: part.block_bytes,
+            total_bytes: mul(nb, part.block_bytes, "indexer region bytes")?,
             order: UnitOrder::Forward,
         });
     }
@@ -246,14 +247,26 @@ pub fn transfer_regions(
 
 /// The regions of a sized [`Plan`] at its planned split.
 pub fn plan_transfer_regions(plan: &Plan, config: &TransferConfig) -> Result<TransferRegions, TransferError> {
+    let layers = indexer_layers(&plan.geometry, &plan.layout.model.indexer_layers(), plan.layout.indexer)?;
     transfer_regions(
         &plan.geometry,
         plan.layout.widths(),
-        &plan.layout.model.csa_layers(),
+        &layers,
         plan.layout.indexer,
         plan.max_blocks,
         config,
     )
+}
+
+/// Each index-key layer of `layers` with its part of `indexer`'s first pool (FP8: the only
+/// one), as [`transfer_regions`] takes them.
+pub fn indexer_layers(
+    geom: &UnifiedPoolGeometry,
+    layers: &[usize],
+    indexer: IndexerDtype,
+) -> Result<Vec<(usize, IndexerPart)>, GeometryError> {
+    let parts = indexer.layer_parts(geom, layers)?;
+    Ok(layers.iter().copied().zip(parts.into_iter().next().unwrap_or_default()).collect())
 }
 
 #[cfg(test)]
@@ -265,6 +278,11 @@ mod tests {
 
     fn example() -> UnifiedPoolGeometry {
         GeometrySpec::new(vec![4, 128, 4, 0], 3, 2, 7, 256).arena_rows(10).build().unwrap()
+    }
+
+    /// The example's CSA layers 0 and 2 with their FP8 parts.
+    fn csa(g: &UnifiedPoolGeometry) -> Vec<(usize, IndexerPart)> {
+        indexer_layers(g, &[0, 2], IndexerDtype::Fp8).unwrap()
     }
 
     fn region(
@@ -284,7 +302,7 @@ mod tests {
         assert_eq!((g.envelope_rows, g.entry_rows, g.slot_rows), (130, 85, 96));
         assert_eq!((g.plane_rows, g.slot_positions), (672, 7));
         assert_eq!((g.physical_slot(0).unwrap(), g.physical_slot(1).unwrap()), (6, 5));
-        let r = transfer_regions(&g, &[16, 8], &[0, 2], IndexerDtype::Fp8, 3, &ON).unwrap();
+        let r = transfer_regions(&g, &[16, 8], &csa(&g), IndexerDtype::Fp8, 3, &ON).unwrap();
         use UnitOrder::*;
         assert_eq!(
             r.block_regions,
@@ -321,7 +339,7 @@ mod tests {
     #[test]
     fn section_7_worked_example_bf16() {
         let g = example();
-        let r = transfer_regions(&g, &[32], &[0, 2], IndexerDtype::Fp8, 3, &ON).unwrap();
+        let r = transfer_regions(&g, &[32], &csa(&g), IndexerDtype::Fp8, 3, &ON).unwrap();
         assert_eq!(r.block_regions.len(), 3);
         assert_eq!(
             r.block_regions[0],
@@ -342,7 +360,7 @@ mod tests {
             .plane_rows(672)
             .build()
             .unwrap();
-        let r = transfer_regions(&g, &[16, 8], &[0, 2], IndexerDtype::Fp8, 5, &ON).unwrap();
+        let r = transfer_regions(&g, &[16, 8], &csa(&g), IndexerDtype::Fp8, 5, &ON).unwrap();
         assert_eq!((r.slot_regions[0].base, r.slot_regions[0].total_bytes), (0, 0));
         assert_eq!((r.slot_regions[1].base, r.slot_regions[1].total_bytes), (10_752, 0));
         // Indexer layers are strided by the allocated capacity, not the live count.
@@ -351,24 +369,24 @@ mod tests {
         let g = example();
         let off = TransferConfig { enabled: false, pipeline_parallel_size: 4 };
         assert_eq!(
-            transfer_regions(&g, &[16, 8], &[0, 2], IndexerDtype::Fp4, 3, &off),
+            transfer_regions(&g, &[16, 8], &csa(&g), IndexerDtype::Fp4, 3, &off),
             Ok(TransferRegions::default())
         );
         assert_eq!(
-            transfer_regions(&g, &[16, 8], &[0, 2], IndexerDtype::Fp4, 3, &ON),
+            transfer_regions(&g, &[16, 8], &csa(&g), IndexerDtype::Fp4, 3, &ON),
             Err(TransferError::Fp4Indexer)
         );
         let pp = TransferConfig { enabled: true, pipeline_parallel_size: 2 };
         assert_eq!(
-            transfer_regions(&g, &[16, 8], &[0, 2], IndexerDtype::Fp8, 3, &pp),
+            transfer_regions(&g, &[16, 8], &csa(&g), IndexerDtype::Fp8, 3, &pp),
             Err(TransferError::PipelineParallel { size: 2 })
         );
         assert_eq!(
-            transfer_regions(&g, &[16, 8], &[0, 2], IndexerDtype::Fp8, 2, &ON),
+            transfer_regions(&g, &[16, 8], &csa(&g), IndexerDtype::Fp8, 2, &ON),
             Err(TransferError::IndexerTooSmall { indexer_blocks: 2, num_blocks: 3 })
         );
         assert_eq!(
-            transfer_regions(&g, &[], &[0, 2], IndexerDtype::Fp8, 3, &ON),
+            transfer_regions(&g, &[], &csa(&g), IndexerDtype::Fp8, 3, &ON),
             Err(TransferError::PlaneCount { planes: 0 })
         );
     }

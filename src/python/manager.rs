@@ -3,13 +3,14 @@
 //! are computed here in Rust (the manager's namespace, the pool's block size). Every other
 //! argument passes straight through to [`KvManager`].
 
-use super::pool::{Hold, PyPool};
+use super::pool::{Block, Hold, PyPool, Slot};
 use super::{error, lib_err};
 use crate::checkpoint::{CheckpointImage, LayoutId};
 use crate::manager::{
     chain_hashes, BlockHash, ElasticPolicy, FixedPolicy, KvManager, ManagerConfig, ManagerError, Namespace,
     RequestId, SplitPolicy, StoredCheckpoint,
 };
+use crate::transfer::{handoff, Endpoint, LocalEngine};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -206,6 +207,47 @@ impl PyKvManager {
     /// A running request's slot position (None while it waits).
     fn slot_position(&self, id: u64) -> PyResult<Option<i64>> {
         Ok(self.lock()?.slot(RequestId::from_bits(id)).map_err(manager_err)?.map(|s| s.position))
+    }
+
+    /// A running request's slot as the pool's writers take it (None while it waits). Lent:
+    /// the manager frees it; ask again after every step (a boundary move relocates it).
+    fn slot(&self, id: u64) -> PyResult<Option<Slot>> {
+        let s = self.lock()?.slot(RequestId::from_bits(id)).map_err(manager_err)?;
+        Ok(s.map(|s| Slot::from_handle(s.handle, s.position)))
+    }
+
+    /// A request's blocks (handles, table order) as the pool's writers take them. Lent like
+    /// `slot`: never free them through the pool.
+    fn blocks(&self, id: u64) -> PyResult<Vec<Block>> {
+        let b = self.lock()?.block_handles(RequestId::from_bits(id)).map_err(manager_err)?;
+        Ok(b.into_iter().map(Block::from_handle).collect())
+    }
+
+    /// Hand a running request to `receiver` (a pool of the same layout) through the
+    /// in-process engine (`transfer::handoff` with `LocalEngine`): returns the receiver's
+    /// `(slot, blocks, context_len)`, which the caller then owns on `receiver` (free them
+    /// there). The request stays here; finish it when done. The manager's lock is held
+    /// throughout, so no step of this manager moves the request meanwhile.
+    fn handoff(
+        &self,
+        py: Python<'_>,
+        id: u64,
+        receiver: &Bound<'_, PyPool>,
+    ) -> PyResult<(Slot, Vec<Block>, u64)> {
+        let (rpool, _hold) = receiver.get().shared();
+        let rebound = py
+            .detach(|| {
+                let m = self.inner.lock().map_err(|_| None)?;
+                let kv = m.request_kv(RequestId::from_bits(id)).map_err(|e| Some(manager_err(e)))?;
+                let sp = m.pool();
+                let mut engine =
+                    LocalEngine::new(sp.backend().clone(), rpool.backend().clone(), rpool.stream());
+                handoff(&mut engine, &Endpoint::new(sp), &Endpoint::new(&rpool), &kv)
+                    .map_err(|e| Some(lib_err(e)))
+            })
+            .map_err(|e| e.unwrap_or_else(poisoned))?;
+        let slot = Slot::from_handle(rebound.slot.handle, rebound.slot.position);
+        Ok((slot, rebound.blocks.into_iter().map(Block::from_handle).collect(), rebound.context_len))
     }
 
     /// Tokens of a request whose KV and state are in the pool.

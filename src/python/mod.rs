@@ -5,8 +5,10 @@
 //! views (`dlpack.rs`) that keep the pool alive. No pool logic lives here.
 
 mod dlpack;
+mod forward;
 mod manager;
 mod pool;
+mod tensor;
 
 use crate::model::Drafts;
 use crate::plan_report::{PlanOptionError, PlanOptions, PlanReport};
@@ -147,5 +149,6 @@ fn v4pool(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<dlpack::DeviceView>()?;
     pool::register(m)?;
     manager::register(m)?;
+    forward::register(m)?;
     Ok(())
 }

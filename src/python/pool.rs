@@ -40,10 +40,10 @@ pub struct Slot {
 }
 
 impl Slot {
-    fn handle(&self) -> SlotHandle {
+    pub(super) fn handle(&self) -> SlotHandle {
         SlotHandle { group: self.group, generation: self.generation, pool: self.pool_id }
     }
-    fn from_handle(h: SlotHandle, position: i64) -> Slot {
+    pub(super) fn from_handle(h: SlotHandle, position: i64) -> Slot {
         Slot { group: h.group, generation: h.generation, pool_id: h.pool, position }
     }
 }
@@ -68,10 +68,10 @@ pub struct Block {
 }
 
 impl Block {
-    fn handle(&self) -> BlockHandle {
+    pub(super) fn handle(&self) -> BlockHandle {
         BlockHandle { id: self.id, generation: self.generation, pool: self.pool_id }
     }
-    fn from_handle(h: BlockHandle) -> Block {
+    pub(super) fn from_handle(h: BlockHandle) -> Block {
         Block { id: h.id, generation: h.generation, pool_id: h.pool }
     }
 }
@@ -138,6 +138,11 @@ pub struct PyPool {
 impl PyPool {
     fn pool(&self) -> &Pool {
         &self.hold.pool
+    }
+
+    /// The DLPack device of the pool's memory, for the forward binding's views.
+    pub(super) fn dl_device(&self) -> DLDevice {
+        self.device
     }
 
     /// The pool, and the hold that keeps its memory alive, for the manager binding.
@@ -315,6 +320,17 @@ impl PyPool {
         let v = self.pool().layer_view(layer, plane).map_err(lib_err)?;
         let elem = self.plane_elem(plane, dtype)?;
         Ok(self.view(v.ptr, elem, row_shape(v.rows, v.row_bytes, elem)?))
+    }
+
+    /// CSA layer `rank`'s indexer K cache (its rank among the CSA layers) in indexer pool
+    /// `part` (FP8 and BF16: 0; FP4: 0 data, 1 scales): `[blocks, 64, 128]` bfloat16 for a bf16
+    /// cache, else `[blocks, 64, row bytes]` uint8; block `b` is the pool's block id `b`.
+    #[pyo3(signature = (rank, part=0))]
+    fn indexer_view(&self, rank: usize, part: usize) -> PyResult<DeviceView> {
+        let v = self.pool().indexer_view(rank, part).map_err(lib_err)?;
+        let bf16 = self.pool().spec().indexer == Some(crate::sizing::IndexerDtype::Bf16);
+        let (elem, cols) = if bf16 { (Elem::Bf16, v.row_bytes / 2) } else { (Elem::U8, v.row_bytes) };
+        Ok(self.view(v.ptr, elem, vec![v.blocks as i64, v.rows_per_block as i64, cols as i64]))
     }
 
     /// Names of the compressor-state fields.

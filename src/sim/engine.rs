@@ -3,10 +3,17 @@
 //! then the manager's `complete_inflight` and `rebalance`. Memory decisions are the
 //! [`KvManager`]'s; the engine's own are in `policy.rs`; this file sequences them and keeps
 //! the figures.
+//!
+//! In time ([`super::TimeConfig`]) the clock advances by what the step-cost model charges
+//! for the step's work (prefill tokens and their context, decoded sequences and their
+//! contexts, host-tier bytes restored); tokens a step produces exist at its end. An idle
+//! engine jumps to the next arrival. A closed loop sends the next request when one finishes.
 
+use super::cost::StepLoad;
 use super::policy::{self, NAMESPACE};
-use super::report::{LatencyHistogram, Sample, SimReport};
-use super::{RequestSpec, RunKind, SimConfig, SimError, MAX_SAMPLES, MAX_WAITING};
+use super::report::{LatencyHistogram, Sample, SimReport, TimeReport};
+use super::trace::Trace;
+use super::{RequestSpec, RunKind, SimConfig, SimError, MAX_SAMPLES, MAX_STEPS, MAX_WAITING};
 use crate::backend::Backend;
 use crate::manager::{BlockHash, KvManager, ManagerError, Namespace, RequestId};
 use crate::pool::{DecodePath, DecodeSeq, Pool};
@@ -42,6 +49,12 @@ struct Req {
     seen: bool,
     /// Requests admitted past it while it waited at the head of the queue (bounded bypass).
     passed: u32,
+    /// When it was sent (its arrival, or in a closed loop the moment a client sent it), ms.
+    sent_ms: f64,
+    /// The step it arrived at.
+    arrived_step: u64,
+    /// When its first token existed, ms.
+    first_ms: Option<f64>,
 }
 
 impl Req {
@@ -60,6 +73,9 @@ impl Req {
             queued: spec.arrival,
             seen: false,
             passed: 0,
+            sent_ms: spec.arrival as f64,
+            arrived_step: spec.arrival,
+            first_ms: None,
         }
     }
     fn prefilling(&self) -> bool {
@@ -106,6 +122,23 @@ pub struct Engine<'p> {
     /// Steps requests spent in the queue, summed over every stay (arrival or preemption to
     /// admission).
     queue_steps: u64,
+    /// The trace whose hash ids trace requests carry.
+    trace: Option<Arc<Trace>>,
+    /// The clock, ms (time mode), and when the next memory sample is due.
+    clock_ms: f64,
+    next_sample_ms: f64,
+    /// The arrival stream has ended.
+    exhausted: bool,
+    /// This step's work, for the cost model.
+    load: StepLoad,
+    /// Host-tier bytes restored before this step.
+    restored: u64,
+    busy_ms: f64,
+    time: TimeReport,
+    /// Input + output tokens of completed requests, and of those within the target.
+    done_tokens: u64,
+    done_out_tokens: u64,
+    slo_tokens: u64,
     _pool: PhantomData<&'p Pool>,
 }
 
@@ -179,13 +212,45 @@ impl<'p> Engine<'p> {
             sum_wait: 0.0,
             admissions: 0,
             queue_steps: 0,
+            trace: None,
+            clock_ms: 0.0,
+            next_sample_ms: 0.0,
+            exhausted: false,
+            load: StepLoad::default(),
+            restored: 0,
+            busy_ms: 0.0,
+            time: TimeReport::default(),
+            done_tokens: 0,
+            done_out_tokens: 0,
+            slo_tokens: 0,
             _pool: PhantomData,
         })
     }
 
-    /// Whether every step has run.
+    /// Take trace requests' hash ids from `trace` (the requests come from
+    /// [`Trace::specs`]).
+    pub fn with_trace(mut self, trace: Arc<Trace>) -> Self {
+        self.trace = Some(trace);
+        self
+    }
+
+    /// Whether the run is over: every step has run, or in time, the arrivals ended and
+    /// every request finished, or the clock passed the horizon (or [`MAX_STEPS`] ran).
     pub fn done(&self) -> bool {
-        self.step >= self.cfg.steps
+        match &self.cfg.time {
+            None => self.step >= self.cfg.steps,
+            Some(t) => {
+                let drained = self.exhausted
+                    && self.pending.is_none()
+                    && self.waiting.is_empty()
+                    && self.running.is_empty();
+                drained || self.clock_ms >= t.horizon_ms || self.step >= self.cfg.steps.min(MAX_STEPS)
+            }
+        }
+    }
+    /// The clock, ms (0 when the run counts steps).
+    pub fn clock_ms(&self) -> f64 {
+        self.clock_ms
     }
     /// Steps run so far.
     pub fn steps_done(&self) -> u64 {
@@ -207,6 +272,15 @@ impl<'p> Engine<'p> {
     /// One forward step; `arrivals` yields the requests in arrival order.
     pub fn step(&mut self, arrivals: &mut dyn Iterator<Item = RequestSpec>) -> Result<(), SimError> {
         self.arrive(arrivals);
+        if self.cfg.time.is_some() && self.waiting.is_empty() && self.running.is_empty() {
+            // Idle: jump to the next arrival (an open loop's; a closed loop sends at once).
+            if let Some(next) = self.pending.or_else(|| self.pull(arrivals)) {
+                self.pending = Some(next);
+                self.clock_ms = self.clock_ms.max(next.arrival as f64);
+                self.arrive(arrivals);
+            }
+        }
+        self.load = StepLoad::default();
         self.admit()?;
         let mut stalled = self.prefill()?;
         stalled |= self.decode()?;
@@ -220,7 +294,10 @@ impl<'p> Engine<'p> {
             self.waiting.push_front(r);
             self.rep.preemptions += 1;
         }
-        self.build_index()?;
+        if self.cfg.build_index {
+            self.build_index()?;
+        }
+        self.advance()?;
         self.complete()?;
         self.m.complete_inflight()?;
         self.m.rebalance()?;
@@ -229,10 +306,27 @@ impl<'p> Engine<'p> {
         Ok(())
     }
 
+    fn pull(&mut self, arrivals: &mut dyn Iterator<Item = RequestSpec>) -> Option<RequestSpec> {
+        let next = arrivals.next();
+        self.exhausted |= next.is_none();
+        next
+    }
+
+    /// Arrivals due join the queue: by step, by ms (open loop), or while fewer than the
+    /// concurrency are in flight (closed loop, sent now).
     fn arrive(&mut self, arrivals: &mut dyn Iterator<Item = RequestSpec>) {
+        let closed = self.cfg.time.as_ref().and_then(|t| t.concurrency);
         loop {
-            let Some(req) = self.pending.take().or_else(|| arrivals.next()) else { return };
-            if req.arrival > self.step {
+            if closed.is_some_and(|c| self.waiting.len() + self.running.len() >= c) {
+                return;
+            }
+            let Some(req) = self.pending.take().or_else(|| self.pull(arrivals)) else { return };
+            let due = match (&self.cfg.time, closed) {
+                (None, _) => req.arrival <= self.step,
+                (Some(_), Some(_)) => true,
+                (Some(_), None) => req.arrival as f64 <= self.clock_ms,
+            };
+            if !due {
                 self.pending = Some(req);
                 return;
             }
@@ -240,20 +334,45 @@ impl<'p> Engine<'p> {
             if self.waiting.len() >= MAX_WAITING {
                 self.rep.turned_away += 1;
             } else {
-                self.waiting.push_back(Req::new(req));
+                let mut r = Req::new(req);
+                if self.cfg.time.is_some() {
+                    // Queue figures count steps; the arrival is in ms.
+                    (r.queued, r.arrived_step) = (self.step, self.step);
+                }
+                if closed.is_some() {
+                    r.sent_ms = self.clock_ms;
+                }
+                self.waiting.push_back(r);
             }
         }
+    }
+
+    /// Time mode: charge the step's work, advance the clock, and stamp first tokens.
+    fn advance(&mut self) -> Result<(), SimError> {
+        let Some(t) = &self.cfg.time else { return Ok(()) };
+        let restored = self.m.stats().tier_restored_bytes;
+        self.load.restored_bytes = restored.saturating_sub(self.restored);
+        self.restored = restored;
+        let ms = t.cost.step_ms(&self.load);
+        self.clock_ms += ms;
+        self.busy_ms += ms;
+        for r in self.running.iter_mut().filter(|r| r.generated > 0 && r.first_ms.is_none()) {
+            r.first_ms = Some(self.clock_ms);
+            self.time.ttft_ms.record(self.clock_ms - r.sent_ms);
+        }
+        Ok(())
     }
 
     /// Hash `r`'s blocks up to `tokens` and hand the manager what this run gives it: every
     /// hash, or (`reuse_4096`) only whole groups of [`policy::LCM_BLOCKS`].
     fn learn(&mut self, r: &mut Req, tokens: u64) -> Result<(), ManagerError> {
-        let blocks = tokens / self.block_size;
-        policy::extend_hashes(NAMESPACE, &r.spec, self.block_size, blocks, &mut r.hashes);
+        let blocks = if self.cfg.hash_blocks { tokens / self.block_size } else { 0 };
+        let ids = self.trace.as_deref().and_then(|t| t.ids_of(&r.spec));
+        policy::extend_hashes(NAMESPACE, &r.spec, ids, self.block_size, blocks, &mut r.hashes);
         let mine = self.run == RunKind::NoReuse;
         if mine {
             let ns = Namespace(NAMESPACE.0 ^ (u128::from(r.spec.id) << 64 | 0x006e_6f72_6575_7365));
-            policy::extend_hashes(ns, &r.spec, self.block_size, blocks, &mut r.private);
+            policy::extend_hashes(ns, &r.spec, ids, self.block_size, blocks, &mut r.private);
         }
         let target = match self.run {
             RunKind::Reuse4096 => r.hashes.len() / policy::LCM_BLOCKS as usize * policy::LCM_BLOCKS as usize,
@@ -367,12 +486,13 @@ impl<'p> Engine<'p> {
             let known = r.hashes[..limit].iter().take_while(|h| self.ever.contains(h)).count() as u64;
             self.eligible_tokens += known * self.block_size;
             self.first_hit_tokens += a.hit_tokens;
+            self.rep.input_tokens += r.spec.prompt;
         }
         self.rep.prefill_tokens_saved += a.hit_tokens;
         r.seen = true;
         r.context = a.hit_tokens;
         r.admitted = self.step;
-        self.sum_wait += (self.step - r.spec.arrival) as f64;
+        self.sum_wait += self.step.saturating_sub(r.arrived_step) as f64;
         self.admissions += 1;
         self.queue_steps += self.step - r.queued;
         self.running.push(r);
@@ -406,15 +526,25 @@ impl<'p> Engine<'p> {
     /// Prefill `r` within `budget`; returns whether it stalled for lack of blocks.
     fn prefill_one(&mut self, r: &mut Req, budget: &mut u64) -> Result<bool, SimError> {
         while r.prefilling() && *budget > 0 {
-            let take = self.m.prefill_stop(r.id(), *budget)?;
+            let mut take = self.m.prefill_stop(r.id(), *budget)?;
             if take == 0 {
                 break;
+            }
+            // A prompt whose known content ends before its end (a trace request's partial
+            // last block): stop the chunk where the hashes end, so the manager's rolling
+            // checkpoint lands where a later turn's match ends.
+            let hashed = r.given as u64 * self.block_size;
+            let rolling = self.run != RunKind::Reuse4096;
+            if rolling && hashed > r.context && hashed < r.spec.prompt && r.context + take > hashed {
+                take = hashed - r.context;
             }
             match self.m.allocate(r.id(), take) {
                 Ok(()) => {}
                 Err(ManagerError::OutOfBlocks { .. }) => return Ok(true),
                 Err(e) => return Err(e.into()),
             }
+            self.load.prefill_tokens += take;
+            self.load.prefill_ctx_tokens += take as f64 * (r.context as f64 + take as f64 / 2.0);
             self.committed(r, take)?;
             self.rep.prefilled_tokens += take;
             *budget -= take;
@@ -445,6 +575,8 @@ impl<'p> Engine<'p> {
             Err(ManagerError::OutOfBlocks { .. }) => return Ok(true),
             Err(e) => return Err(e.into()),
         }
+        self.load.decode_seqs += 1;
+        self.load.decode_ctx_tokens += r.context;
         self.learn(r, r.context + t)?;
         self.committed(r, t)?;
         r.generated += t;
@@ -497,11 +629,31 @@ impl<'p> Engine<'p> {
                 let r = self.running.remove(i);
                 self.m.finish(r.id())?;
                 self.rep.completed += 1;
+                self.finished_in_time(&r);
             } else {
                 i += 1;
             }
         }
         Ok(())
+    }
+
+    /// A completed request's latencies and whether it met the target.
+    fn finished_in_time(&mut self, r: &Req) {
+        let Some(t) = &self.cfg.time else { return };
+        let first = r.first_ms.unwrap_or(self.clock_ms);
+        let ttft = first - r.sent_ms;
+        let tpot = if r.spec.output > 1 { (self.clock_ms - first) / (r.spec.output - 1) as f64 } else { 0.0 };
+        self.time.e2e_ms.record(self.clock_ms - r.sent_ms);
+        if r.spec.output > 1 {
+            self.time.tpot_ms.record(tpot);
+        }
+        let tokens = r.spec.prompt + r.spec.output;
+        self.done_tokens += tokens;
+        self.done_out_tokens += r.spec.output;
+        if ttft <= t.slo_ttft_ms && tpot <= t.slo_tpot_ms {
+            self.time.within_slo += 1;
+            self.slo_tokens += tokens;
+        }
     }
 
     /// Per-step sums and maxima, and a memory sample every `sample_every` steps.
@@ -516,7 +668,14 @@ impl<'p> Engine<'p> {
         self.rep.max_compressed_tokens = self.rep.max_compressed_tokens.max(tokens);
         let held = self.m.checkpoint_bytes_held();
         self.rep.max_checkpoint_bytes = self.rep.max_checkpoint_bytes.max(held);
-        if self.step % self.sample_every == 0 || self.step + 1 == self.cfg.steps {
+        let due = match &self.cfg.time {
+            None => self.step % self.sample_every == 0 || self.step + 1 == self.cfg.steps,
+            Some(_) => self.clock_ms >= self.next_sample_ms,
+        };
+        if due && self.rep.samples.len() < MAX_SAMPLES as usize + 1 {
+            if let Some(t) = &self.cfg.time {
+                self.next_sample_ms = self.clock_ms + t.horizon_ms / MAX_SAMPLES as f64;
+            }
             let s = self.sample(tokens)?;
             self.rep.samples.push(s);
         }
@@ -530,6 +689,7 @@ impl<'p> Engine<'p> {
         let used_s = i64::from(v.num_slots - v.free_slots);
         Ok(Sample {
             step: self.step,
+            time_ms: self.clock_ms,
             block_rows_used: used_b * e,
             block_rows_free: i64::from(v.free_blocks) * e,
             slot_rows_used: used_s * s,
@@ -560,6 +720,7 @@ impl<'p> Engine<'p> {
         rep.final_split =
             (v.num_blocks, v.num_blocks - v.free_blocks, v.num_slots, v.num_slots - v.free_slots);
         let st = self.m.stats();
+        rep.time = self.time_report(st.tier_restored_bytes);
         rep.checkpoint_bytes_held = self.m.checkpoint_bytes_held();
         rep.checkpoints_stored = st.checkpoints_stored;
         rep.evicted_blocks = st.evicted_blocks;
@@ -579,7 +740,7 @@ impl<'p> Engine<'p> {
         let still: u64 = self.waiting.iter().map(|r| self.step - r.queued).sum();
         let queued = rep.arrived - rep.refused - rep.turned_away;
         self.release_all()?;
-        let n = self.cfg.steps.max(1) as f64;
+        let n = self.step.max(1) as f64;
         rep.mean_running = self.sum_running / n;
         rep.mean_compressed_tokens = self.sum_tokens / n;
         rep.mean_wait_steps = self.sum_wait / self.admissions.max(1) as f64;
@@ -589,7 +750,33 @@ impl<'p> Engine<'p> {
         rep.index_build_mean_us = self.build.mean();
         rep.index_build_p99_us = self.build.quantile(0.99);
         rep.index_build_max_us = self.build.max();
+        rep.steps = self.step;
         Ok(rep)
+    }
+
+    /// The time figures at the end (requests never given a first token count with their
+    /// wait so far; `release_all` has not run yet).
+    fn time_report(&mut self, restored: u64) -> Option<TimeReport> {
+        let t = self.cfg.time.as_ref()?;
+        let mut out = std::mem::take(&mut self.time);
+        for r in self.running.iter().chain(&self.waiting).filter(|r| r.first_ms.is_none()) {
+            out.ttft_ms.record(self.clock_ms - r.sent_ms);
+            out.ttft_censored += 1;
+        }
+        let secs = (self.clock_ms / 1000.0).max(1e-9);
+        let gpus = f64::from(t.cost.gpus.max(1));
+        out.cost = t.cost.name.clone();
+        out.gpus = t.cost.gpus;
+        out.duration_s = self.clock_ms / 1000.0;
+        out.tok_s_gpu = self.done_tokens as f64 / secs / gpus;
+        out.out_tok_s_gpu = self.done_out_tokens as f64 / secs / gpus;
+        out.goodput_rps = out.within_slo as f64 / secs;
+        out.goodput_tok_s_gpu = self.slo_tokens as f64 / secs / gpus;
+        out.slo_ttft_ms = t.slo_ttft_ms;
+        out.slo_tpot_ms = t.slo_tpot_ms;
+        out.busy = self.busy_ms / self.clock_ms.max(1e-9);
+        out.restored_bytes = restored;
+        Some(out)
     }
 }
 

@@ -12,10 +12,17 @@
 //! run out even after eviction a running request is preempted (its committed blocks stay
 //! cached, so it resumes with a hit), as engines do.
 //!
-//! The same workload (same seed) runs as four [`RunKind`] runs: the manager's elastic
-//! boundary and a fixed split of the same budget (`max_seqs` slots reserved at start-up),
-//! both with v4pool's reuse, and two baselines on the elastic split: no reuse, and reuse
-//! only at 4,096-token granularity.
+//! The same workload (same seed) runs as several [`RunKind`] runs: the manager's elastic
+//! boundary and a fixed split of the same budget (`max_seqs` slots reserved at start-up,
+//! [`sglang_fixed_slots`] sizes it the way SGLang sizes V4), both with v4pool's reuse, two
+//! baselines on the elastic split: no reuse, and reuse only at 4,096-token granularity, and
+//! the elastic split with a host tier.
+//!
+//! In time ([`TimeConfig`]) every step costs what the step-cost model ([`cost`]) charges for
+//! its work, and the runs report TTFT, TPOT, end-to-end latency, throughput per GPU and
+//! goodput ([`TimeReport`]); a Mooncake trace ([`trace`]) replays with its own arrivals;
+//! [`bench`](mod@bench) replays a published benchmark cell. `docs/simulate.md` has the model, its
+//! validation and the results.
 //!
 //! * [`workload`] — the PRNG, the mixes, the lazy arrival stream (benches use it too).
 //! * [`engine`] — the step loop ([`Engine`], [`simulate`]).
@@ -33,13 +40,19 @@
 //! fixed-size latency histogram. One exception, for the hit-rate figure: the set of block
 //! hashes ever committed (16 B per distinct block the run computed).
 
+pub mod bench;
+pub mod cost;
 pub mod engine;
 mod policy;
 pub mod report;
+pub mod trace;
 pub mod workload;
 
+pub use cost::{StepCost, StepLoad};
 pub use engine::{simulate, Engine};
-pub use report::{LatencyHistogram, Sample, SimReport};
+pub use policy::{sglang_fixed_slots, SGLANG_SWA_RATIO};
+pub use report::{LatencyHistogram, Sample, SimReport, TimeReport};
+pub use trace::{Trace, TraceError};
 pub use workload::{Mix, RequestSpec, Rng, Workload, WorkloadConfig};
 
 use crate::geometry::UnifiedPoolGeometry;
@@ -85,6 +98,18 @@ pub enum SimError {
     /// The configuration does not fit the pool (see [`SimConfig::check`]).
     #[error(transparent)]
     Config(#[from] SimConfigError),
+    /// The step-cost model refused its input.
+    #[error(transparent)]
+    Cost(#[from] cost::CostError),
+    /// A trace could not be read.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    /// A calibration replay's model could not be built.
+    #[error("calibration replay: {0}")]
+    BenchModel(#[source] crate::model::ModelError),
+    /// A calibration replay could not size its pool.
+    #[error("calibration replay: {0}")]
+    Bench(#[source] crate::sizing::SizingError),
 }
 
 /// A configuration the simulator refuses before it allocates anything.
@@ -123,6 +148,9 @@ pub enum SimConfigError {
     /// The decode buffers cannot be laid out for this geometry.
     #[error("decode index buffers: {0}")]
     Decode(#[source] DecodeError),
+    /// A time-mode figure that is not a finite positive number.
+    #[error("{0} {1} is not a finite positive number")]
+    Time(&'static str, f64),
 }
 
 /// Which run: the manager's split policy and how prefixes are reused (a run of the
@@ -141,6 +169,11 @@ pub enum RunKind {
     /// 16 blocks of 256, none rolling, and only whole 16-block groups hashed), the way
     /// engines that reuse at the LCM of the groups' block sizes behave.
     Reuse4096,
+    /// The elastic split with v4pool's reuse and a host tier of
+    /// [`SimConfig::host_tier_bytes`] (`ManagerConfig::host_tier_bytes`): what the LRU
+    /// evicts spills to host memory and comes back on a hit (restores charged at the cost
+    /// model's host bandwidth).
+    ElasticTier,
 }
 
 impl RunKind {
@@ -154,6 +187,7 @@ impl RunKind {
             RunKind::Fixed => "fixed",
             RunKind::NoReuse => "no_reuse",
             RunKind::Reuse4096 => "reuse_4096",
+            RunKind::ElasticTier => "elastic+host",
         }
     }
 }
@@ -186,7 +220,42 @@ pub struct SimConfig {
     /// Sample memory by region every this many steps (sparser when `steps` needs it to
     /// stay under [`MAX_SAMPLES`]).
     pub sample_every: u64,
+    /// Run in time (a step costs what [`TimeConfig::cost`] says; arrivals in ms); `None`:
+    /// count steps, every step the same.
+    pub time: Option<TimeConfig>,
+    /// Host-tier bytes of the [`RunKind::ElasticTier`] run.
+    pub host_tier_bytes: u64,
+    /// Whether requests' blocks are hashed (prefix caching). Off for a workload whose prompts
+    /// share nothing by construction (the calibration benchmark's random prompts): no
+    /// checkpoint is stored that nothing could hit.
+    pub hash_blocks: bool,
+    /// Whether every decode step stages and builds the decode indices on the backend (the
+    /// run's real work; off only where a test needs the timing alone to be fast).
+    pub build_index: bool,
 }
+
+/// Time mode: the step-cost model, the arrival window and the latency target.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TimeConfig {
+    /// What a step costs.
+    pub cost: StepCost,
+    /// The run stops at this clock (ms) with whatever is still queued or running counted
+    /// as censored (TTFT so far); a drained run stops earlier.
+    pub horizon_ms: f64,
+    /// Closed loop (a benchmark client): at most this many requests in flight, the next sent
+    /// when one finishes; arrival times are ignored. `None`: open loop, arrivals at their ms.
+    pub concurrency: Option<usize>,
+    /// Time to first token a request must meet to count toward goodput, ms.
+    pub slo_ttft_ms: f64,
+    /// Time per output token it must meet, ms.
+    pub slo_tpot_ms: f64,
+}
+
+/// The latency target goodput is reported against by default: a first token within 2 s and
+/// 50 ms per output token (20 tokens/s, faster than reading), for a chat service.
+pub const SLO_TTFT_MS: f64 = 2000.0;
+/// See [`SLO_TTFT_MS`].
+pub const SLO_TPOT_MS: f64 = 50.0;
 
 impl Default for SimConfig {
     fn default() -> Self {
@@ -202,6 +271,10 @@ impl Default for SimConfig {
             max_context: 1 << 20,
             slot_headroom: 2,
             sample_every: 10,
+            time: None,
+            host_tier_bytes: 0,
+            hash_blocks: true,
+            build_index: true,
         }
     }
 }
@@ -227,7 +300,9 @@ impl SimConfig {
     pub fn cap_seqs(&self, policy: RunKind) -> usize {
         match policy {
             RunKind::Fixed => self.max_seqs,
-            RunKind::Elastic | RunKind::NoReuse | RunKind::Reuse4096 => self.elastic_max_seqs,
+            RunKind::Elastic | RunKind::NoReuse | RunKind::Reuse4096 | RunKind::ElasticTier => {
+                self.elastic_max_seqs
+            }
         }
     }
 
@@ -266,6 +341,20 @@ impl SimConfig {
         range("tokens per decode", self.tokens_per_decode as u64, 1, MAX_TOKENS_PER_DECODE as u64)?;
         range("--slot-headroom", u64::from(self.slot_headroom), 1, positions)?;
         range("sample interval", self.sample_every, 1, u64::MAX)?;
+        if let Some(t) = &self.time {
+            if !(t.horizon_ms.is_finite() && t.horizon_ms > 0.0) {
+                return Err(SimConfigError::Time("horizon", t.horizon_ms));
+            }
+            if !(t.slo_ttft_ms.is_finite() && t.slo_ttft_ms > 0.0) {
+                return Err(SimConfigError::Time("TTFT target", t.slo_ttft_ms));
+            }
+            if !(t.slo_tpot_ms.is_finite() && t.slo_tpot_ms > 0.0) {
+                return Err(SimConfigError::Time("TPOT target", t.slo_tpot_ms));
+            }
+            if let Some(c) = t.concurrency {
+                range("--concurrency", c as u64, 1, MAX_WAITING as u64)?;
+            }
+        }
         let limit = pool_bytes / DECODE_BUDGET_DIVISOR;
         for policy in [RunKind::Elastic, RunKind::Fixed] {
             let cap = self.decode_capacity(geometry, policy);

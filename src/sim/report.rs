@@ -5,6 +5,8 @@
 pub struct Sample {
     /// The step sampled.
     pub step: u64,
+    /// The clock at that step, ms (0 when the run counts steps).
+    pub time_ms: f64,
     /// Rows of blocks held by requests.
     pub block_rows_used: i64,
     /// Rows of free blocks.
@@ -23,8 +25,9 @@ pub struct Sample {
     pub compressed_tokens: u64,
 }
 
-/// Latencies in a fixed number of log-spaced buckets (1 % wide, from 0.01 µs to ~17 s), so
-/// a run of any length keeps the same few kilobytes. Percentiles are exact to a bucket.
+/// Latencies in a fixed number of log-spaced buckets (1 % wide, from 0.01 to ~3·10⁷ units:
+/// µs for index builds, ms for request latencies), so a run of any length keeps the same
+/// few kilobytes. Percentiles are exact to a bucket.
 #[derive(Clone, Debug)]
 pub struct LatencyHistogram {
     counts: Vec<u64>,
@@ -64,6 +67,18 @@ impl LatencyHistogram {
     /// Largest (exact), 0 when empty.
     pub fn max(&self) -> f64 {
         self.max
+    }
+    /// The cumulative distribution as (value, fraction at or below it) at each bucket that
+    /// holds a count: at most the histogram's bucket count of points.
+    pub fn cdf(&self) -> Vec<(f64, f64)> {
+        let mut seen = 0;
+        let n = self.n.max(1) as f64;
+        let mut out = Vec::new();
+        for (i, c) in self.counts.iter().enumerate().filter(|(_, c)| **c > 0) {
+            seen += c;
+            out.push(((HIST_MIN_US * HIST_GROWTH.powi(i as i32 + 1)).min(self.max), seen as f64 / n));
+        }
+        out
     }
     /// The `q`-quantile (0..=1): the upper edge of the bucket holding it, capped at the max.
     pub fn quantile(&self, q: f64) -> f64 {
@@ -171,6 +186,57 @@ pub struct SimReport {
     pub samples: Vec<Sample>,
     /// Final row space: (num_blocks, used blocks, num_slots, used slots).
     pub final_split: (u32, u32, u32, u32),
+    /// Prompt tokens of first admissions (the hit rate over all input is
+    /// `prefix_hit_tokens / input_tokens`).
+    pub input_tokens: u64,
+    /// The figures in time, when the run had a step-cost model.
+    pub time: Option<TimeReport>,
+}
+
+/// What a run in time reports (latencies in ms).
+#[derive(Clone, Debug, Default)]
+pub struct TimeReport {
+    /// The cost model's name.
+    pub cost: String,
+    /// GPUs the throughput is divided by.
+    pub gpus: u32,
+    /// The clock at the end, s (the last completion when the run drained).
+    pub duration_s: f64,
+    /// Time to first token of every request that got one, and of every request still
+    /// waiting for one at the end with its wait so far (a lower bound, counted in
+    /// `ttft_censored`).
+    pub ttft_ms: LatencyHistogram,
+    /// Requests whose TTFT is a lower bound (no first token when the run stopped).
+    pub ttft_censored: u64,
+    /// Time per output token of completed requests, (finish − first token) / (output − 1).
+    pub tpot_ms: LatencyHistogram,
+    /// Arrival (or send, in a closed loop) to finish, completed requests.
+    pub e2e_ms: LatencyHistogram,
+    /// Input + output tokens of completed requests per second per GPU.
+    pub tok_s_gpu: f64,
+    /// Output tokens of completed requests per second per GPU.
+    pub out_tok_s_gpu: f64,
+    /// Requests that completed within the latency target, per second.
+    pub goodput_rps: f64,
+    /// Their input + output tokens per second per GPU.
+    pub goodput_tok_s_gpu: f64,
+    /// Completed requests that met the target.
+    pub within_slo: u64,
+    /// The target: TTFT, ms.
+    pub slo_ttft_ms: f64,
+    /// The target: TPOT, ms.
+    pub slo_tpot_ms: f64,
+    /// Busy time (steps run) over the clock.
+    pub busy: f64,
+    /// Host-tier bytes restored (charged at the model's host bandwidth).
+    pub restored_bytes: u64,
+}
+
+impl TimeReport {
+    /// (p50, p90, p99) of a histogram.
+    pub fn percentiles(h: &LatencyHistogram) -> (f64, f64, f64) {
+        (h.quantile(0.5), h.quantile(0.9), h.quantile(0.99))
+    }
 }
 
 #[cfg(test)]

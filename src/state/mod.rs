@@ -12,4 +12,5 @@
 //! and reject bad input with a typed error before any launch.
 
 pub mod gather;
+pub mod inputs;
 pub mod update;

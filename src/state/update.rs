@@ -26,6 +26,13 @@
 //! the engine's kv / score / ape inputs are raw pointers, hence `unsafe`. Input element
 //! types: kv and score f32 or bf16 (an engine's compressor emits either; the kernel widens),
 //! ape f32 or bf16; the state is f32.
+//!
+//! DeepSeek-V4.1 (a pool whose arena holds `compress_kv` / `compress_score`): only the KV
+//! owners have compressors, all with one ring of `S = max owner ratio + k` rows (`docs/v41.md`).
+//! One plan keeps each sequence's last `S` positions (no overlap, so `S` covers the ratio and
+//! the draft tokens); [`StateUpdate::update_owner`] writes owner `o`'s ring with its own ratio
+//! (the rows of its ape). The cursor (committed position and Engram history) is the engine's
+//! to write: its Engram ids come from the model, not from a compressor.
 
 use crate::alloc::SlotHandle;
 use crate::backend::BackendError;
@@ -48,7 +55,7 @@ pub enum Compressor {
 }
 
 impl Compressor {
-    /// Every compressor.
+    /// Every V4 compressor (V4.1's owners: [`StateUpdate::update_owner`]).
     pub const ALL: [Compressor; 3] = [Compressor::CsaMain, Compressor::CsaIdx, Compressor::HcaMain];
 
     /// The arena fields `(kv, score)` it writes (`pool-runtime.md` §2.1).
@@ -215,6 +222,14 @@ pub enum StateUpdateError {
         /// The value.
         value: i64,
     },
+    /// An owner ordinal outside the KV owners (V4.1), or a V4 pool asked for one.
+    #[error("owner {owner} outside the pool's {owners} KV owners")]
+    NoSuchOwner {
+        /// The owner ordinal asked for.
+        owner: u64,
+        /// KV owners the pool's compressor rings hold (0: not a V4.1 pool).
+        owners: u64,
+    },
     /// A layer the field pair has no tensor for.
     #[error("{compressor:?}: layer {layer} outside its {layers} layers")]
     NoSuchLayer {
@@ -288,6 +303,10 @@ pub struct StateUpdate {
     tokens: i64,
     /// Slot handles and positions staged, re-checked at every launch.
     staged: Vec<(SlotHandle, i64)>,
+    /// Each plan's window K (V4: 8 and 128; V4.1: the owners' ring S, and 0 = no plan) and
+    /// its rows (`min(max_tokens, max_seqs · K)`).
+    windows: [i64; 2],
+    rows: [usize; 2],
 }
 
 /// A pad row: position −1, the kernel skips it.
@@ -302,9 +321,11 @@ impl StateUpdate {
                 return Err(StateUpdateError::OverCapacity { what, got: n, max: i32::MAX as usize });
             }
         }
+        let windows = plan_windows(&pool)?;
+        let rows = windows.map(|k| cap.max_tokens.min(cap.max_seqs.saturating_mul(k as usize)));
         let mut carve = Carve::default();
-        let csa = carve.take(cap.rows(Class::Csa) as u64, 16).ok_or_else(too_large)?;
-        let hca = carve.take(cap.rows(Class::Hca) as u64, 16).ok_or_else(too_large)?;
+        let csa = carve.take(rows[0] as u64, 16).ok_or_else(too_large)?;
+        let hca = carve.take(rows[1] as u64, 16).ok_or_else(too_large)?;
         let slot_map_at = carve.take(cap.max_seqs as u64, 4).ok_or_else(too_large)?;
         let mem = Owned::new(Arc::clone(pool.backend()), pool.stream(), carve.end())?;
         let mut upd = StateUpdate {
@@ -314,9 +335,11 @@ impl StateUpdate {
             plan_at: [csa, hca],
             slot_map_at,
             live_rows: [0; 2],
-            dirty_rows: [cap.rows(Class::Csa), cap.rows(Class::Hca)],
+            dirty_rows: rows,
             tokens: 0,
             staged: Vec::new(),
+            windows,
+            rows,
         };
         upd.stage(&[])?;
         Ok(upd)
@@ -339,7 +362,7 @@ impl StateUpdate {
         let i = plan_index(class)?;
         Some(DeviceBuffer {
             ptr: self.mem.base() + self.plan_at[i],
-            len: 4 * self.cap.rows(class) as u64,
+            len: 4 * self.rows[i] as u64,
             elem_bytes: 4,
         })
     }
@@ -387,8 +410,10 @@ impl StateUpdate {
         let mut tokens = 0i64;
         for (b, (s, &slot)) in seqs.iter().zip(&positions).enumerate() {
             let slot = i32_of("slot position", slot)?;
-            for (c, class) in CLASSES.iter().enumerate() {
-                let k = window(*class);
+            for (plan, &k) in plans.iter_mut().zip(&self.windows) {
+                if k == 0 {
+                    continue; // no plan (V4.1's second)
+                }
                 // Positions ctx-K..ctx-1 as bits 0..K-1 (K <= 128): a duplicate is a race.
                 let mut seen = 0u128;
                 for (j, &p) in s.positions.iter().enumerate() {
@@ -416,17 +441,17 @@ impl StateUpdate {
                         return Err(StateUpdateError::DuplicatePosition { seq: b, position: p });
                     }
                     seen |= bit;
-                    plans[c].extend([i32_of("token row", ragged)?, b as i32, i32_of("position", p)?, slot]);
+                    plan.extend([i32_of("token row", ragged)?, b as i32, i32_of("position", p)?, slot]);
                 }
             }
         }
-        for (c, class) in CLASSES.iter().enumerate() {
-            let rows = plans[c].len() / 4;
-            if rows > self.cap.rows(*class) {
+        for (c, plan) in plans.iter().enumerate() {
+            let rows = plan.len() / 4;
+            if rows > self.rows[c] {
                 return Err(StateUpdateError::OverCapacity {
                     what: if c == 0 { "CSA plan rows" } else { "HCA plan rows" },
                     got: rows,
-                    max: self.cap.rows(*class),
+                    max: self.rows[c],
                 });
             }
         }
@@ -452,7 +477,59 @@ impl StateUpdate {
     /// staged tokens: for graph capture (launching it is the caller's `unsafe`;
     /// [`Self::update`] is the checked way). The grid is the plan's capacity.
     pub fn launch(&self, compressor: Compressor, layer: u64, inputs: &StateInputs) -> Result<Launch> {
+        if self.windows[1] == 0 {
+            // A V4.1 pool: its compressors are the owners' (`owner_launch`).
+            return Err(StateUpdateError::NoSuchLayer { compressor, layer, layers: 0 });
+        }
         let (kv_name, score_name) = compressor.fields();
+        let plan_i = plan_index(compressor.class()).unwrap_or(0);
+        self.field_launch((kv_name, score_name), plan_i, layer, compressor.ratio(), inputs, |layers| {
+            StateUpdateError::NoSuchLayer { compressor, layer, layers }
+        })
+    }
+
+    /// The launch of V4.1 KV owner `owner` (its ordinal among the KV sources, the rings'
+    /// layer index) over the staged plan, with the owner's ratio (its ape's rows); as
+    /// [`Self::launch`] otherwise.
+    pub fn owner_launch(&self, owner: u64, inputs: &StateInputs) -> Result<Launch> {
+        let g = &self.pool.spec().geometry;
+        let sources = g.kv_sources.as_deref().unwrap_or(&[]);
+        let owners = if self.windows[1] == 0 { sources.len() as u64 } else { 0 };
+        let ratio = usize::try_from(owner)
+            .ok()
+            .and_then(|o| sources.get(o))
+            .filter(|_| owner < owners)
+            .and_then(|&l| g.ratios.get(l))
+            .ok_or(StateUpdateError::NoSuchOwner { owner, owners })?;
+        let fields = (crate::arena::V41_COMPRESS_KV, crate::arena::V41_COMPRESS_SCORE);
+        self.field_launch(fields, 0, owner, i64::from(*ratio), inputs, |_| StateUpdateError::NoSuchOwner {
+            owner,
+            owners,
+        })
+    }
+
+    /// Write V4.1 KV owner `owner`'s compressor ring from the staged plan
+    /// ([`Self::owner_launch`]); as [`Self::update`] otherwise.
+    ///
+    /// # Safety
+    /// As [`Self::update`], `inputs.ape` holding the owner's `[ratio][dim]` elements.
+    pub unsafe fn update_owner(&self, owner: u64, inputs: &StateInputs) -> Result<()> {
+        let launch = self.owner_launch(owner, inputs)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { self.run(&launch) }
+    }
+
+    /// The launch writing the field pair `(kv_name, score_name)` at `layer` from plan
+    /// `plan_i` with `ratio` ape rows; `no_layer(layers)` names a layer past the fields'.
+    fn field_launch(
+        &self,
+        (kv_name, score_name): (&'static str, &'static str),
+        plan_i: usize,
+        layer: u64,
+        ratio: i64,
+        inputs: &StateInputs,
+        no_layer: impl Fn(u64) -> StateUpdateError,
+    ) -> Result<Launch> {
         let (kv_ptr, kv) = self.pool.state_view(kv_name)?;
         let (score_ptr, score) = self.pool.state_view(score_name)?;
         let shape = |name: &'static str, v: &crate::arena::FieldView| -> Result<()> {
@@ -478,9 +555,9 @@ impl StateUpdate {
         }
         let (layers, ring, dim) = (kv.dims[0], kv.dims[2] as i64, kv.dims[3] as i64);
         if layer >= layers {
-            return Err(StateUpdateError::NoSuchLayer { compressor, layer, layers });
+            return Err(no_layer(layers));
         }
-        let k = compressor.window();
+        let k = self.windows[plan_i];
         if ring < k {
             return Err(StateUpdateError::RingTooSmall { field: kv_name, ring, window: k });
         }
@@ -496,8 +573,7 @@ impl StateUpdate {
                 return Err(StateUpdateError::InputTooSmall { what, got, needed });
             }
         }
-        let class = compressor.class();
-        let plan = self.plan(class).ok_or(StateUpdateError::FieldShape {
+        let plan = self.plan(CLASSES[plan_i]).ok_or(StateUpdateError::FieldShape {
             field: kv_name,
             reason: "its class has no write plan".into(),
         })?;
@@ -514,11 +590,11 @@ impl StateUpdate {
             score_slot_bytes: (score.strides[1] * 4) as i64,
             kv_row_stride: inputs.kv_row_stride,
             score_row_stride: inputs.score_row_stride,
-            num_rows: self.cap.rows(class) as i32,
+            num_rows: self.rows[plan_i] as i32,
             dim: i32_of("dim", dim)?,
             ring: i32_of("ring", ring)?,
             window: k as i32,
-            ratio: compressor.ratio() as i32,
+            ratio: i32_of("ratio", ratio)?,
             in_dtype: inputs.dtype as i32,
             ape_dtype: inputs.ape_dtype as i32,
             _pad: 0,
@@ -536,6 +612,16 @@ impl StateUpdate {
     /// pool's stream, aligned to their element size and not overlapping the pool's planes.
     pub unsafe fn update(&self, compressor: Compressor, layer: u64, inputs: &StateInputs) -> Result<()> {
         let launch = self.launch(compressor, layer, inputs)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { self.run(&launch) }
+    }
+
+    /// Queue `launch` under the pool's lock after checking every staged slot is still where
+    /// it was staged.
+    ///
+    /// # Safety
+    /// As [`Self::update`], for the inputs `launch` reads.
+    unsafe fn run(&self, launch: &Launch) -> Result<()> {
         let backend = self.pool.backend();
         let stream = self.pool.stream();
         self.pool.with_boundary(|b| {
@@ -547,10 +633,28 @@ impl StateUpdate {
             }
             // SAFETY: the plan and the state fields are the pool's and this handle's own
             // (addresses from the arena and the carve); the inputs are the caller's promise.
-            unsafe { backend.launch(&launch, stream)? };
+            unsafe { backend.launch(launch, stream)? };
             Ok(())
         })?
     }
+}
+
+/// Each plan's window K for `pool`: V4's (8, 128); for V4.1 (an arena with the owners'
+/// compressor rings) the rings' S rows and no second plan.
+fn plan_windows(pool: &Pool) -> Result<[i64; 2]> {
+    if pool.spec().arena.field_index(crate::arena::V41_COMPRESS_KV).is_err() {
+        return Ok(CLASSES.map(window));
+    }
+    let (_, kv) = pool.state_view(crate::arena::V41_COMPRESS_KV)?;
+    let ring = kv.dims.get(2).copied().unwrap_or(0) as i64;
+    // The stage's duplicate check holds K positions in a 128-bit mask.
+    if !(1..=128).contains(&ring) {
+        return Err(StateUpdateError::FieldShape {
+            field: crate::arena::V41_COMPRESS_KV,
+            reason: format!("a ring of {ring} rows (1..=128 rows a plan keeps)"),
+        });
+    }
+    Ok([ring, 0])
 }
 
 fn plan_index(class: Class) -> Option<usize> {

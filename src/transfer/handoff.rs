@@ -205,17 +205,31 @@ impl<'a> Endpoint<'a> {
     }
 }
 
-/// Each indexer pool of `pool` as (address, bytes, block bytes): `[n_csa][indexer_blocks][pb]`.
+/// Each indexer pool of `pool` as (address, bytes, registered item bytes): its index-key
+/// layers' `[indexer_blocks][layer block bytes]` in layer order ([`Pool::indexer_parts`]; V4:
+/// `[n_csa][indexer_blocks][pb]`, items of `pb`).
 fn indexer_pools(pool: &Pool) -> Vec<(u64, u64, u64)> {
-    let (Some(base), Some(ix)) = (pool.indexer_ptr(), pool.spec().indexer) else {
+    let Some(base) = pool.indexer_ptr() else {
         return Vec::new();
     };
-    let layers = pool.spec().csa_layers.len() as u64;
-    ix.pool_block_bytes()
+    pool.indexer_parts()
         .iter()
         .zip(pool.indexer_offsets())
-        .map(|(&pb, &off)| (base + off, layers * pool.indexer_blocks() * pb, pb))
+        .map(|(layers, &off)| {
+            let per_block: u64 = layers.iter().map(|p| p.block_bytes).sum();
+            // Items every layer's blocks are whole multiples of (V4: the one block size).
+            let item = layers.iter().map(|p| p.block_bytes).fold(0, gcd);
+            (base + off, per_block * pool.indexer_blocks(), item)
+        })
         .collect()
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
 }
 
 /// A request's KV on the sender: its block table (in order) and its slot.
@@ -296,17 +310,17 @@ fn plan(
             len: g.slot_bytes(w),
         });
     }
-    let layers = sender.spec().csa_layers.len() as u64;
     let (nb_s, nb_r) = (sender.indexer_blocks(), receiver.indexer_blocks());
-    for (i, (_, _, pb)) in indexer_pools(sender).into_iter().enumerate() {
-        for c in 0..layers {
+    // The shapes matched, so both pools have these layers (only their block counts differ).
+    for (i, layers) in sender.indexer_parts().iter().enumerate() {
+        for part in layers {
             for &(a, b) in pairs {
                 spans.push(Span {
                     src: s.indexer[i],
                     dst: r.indexer[i],
-                    src_off: (c * nb_s + u64::from(a)) * pb,
-                    dst_off: (c * nb_r + u64::from(b)) * pb,
-                    len: pb,
+                    src_off: part.prefix * nb_s + u64::from(a) * part.block_bytes,
+                    dst_off: part.prefix * nb_r + u64::from(b) * part.block_bytes,
+                    len: part.block_bytes,
                 });
             }
         }

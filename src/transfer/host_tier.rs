@@ -115,13 +115,13 @@ fn unit_parts(pool: &Pool) -> Result<Vec<UnitPart>, PoolError> {
         let bb = g.block_bytes(w);
         parts.push(UnitPart { base: pool.plane_ptr(p)?, stride: bb, bytes: bb });
     }
-    if let (Some(base), Some(ix)) = (pool.indexer_ptr(), pool.spec().indexer) {
-        for (&pb, &off) in ix.pool_block_bytes().iter().zip(pool.indexer_offsets()) {
-            for c in 0..pool.spec().csa_layers.len() as u64 {
+    if let Some(base) = pool.indexer_ptr() {
+        for (layers, &off) in pool.indexer_parts().iter().zip(pool.indexer_offsets()) {
+            for part in layers {
                 parts.push(UnitPart {
-                    base: base + off + c * pool.indexer_blocks() * pb,
-                    stride: pb,
-                    bytes: pb,
+                    base: base + off + part.prefix * pool.indexer_blocks(),
+                    stride: part.block_bytes,
+                    bytes: part.block_bytes,
                 });
             }
         }

@@ -24,7 +24,7 @@
 //!   both are in.
 //!
 //! Two shapes: [`NixlEngine::pair`] holds both agents (both pools in this process, the shape
-//! [`super::handoff`](mod@super::handoff) drives), [`NixlEngine::to_peer`] holds the initiator only, the receiver
+//! [`handoff`](fn@super::handoff) drives), [`NixlEngine::to_peer`] holds the initiator only, the receiver
 //! being a [`NixlAgent`] in another process that registers its own memory and sends its
 //! metadata over the caller's channel; there the receiver learns of completion from
 //! [`NixlAgent::notifications`].

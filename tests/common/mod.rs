@@ -397,8 +397,7 @@ pub fn index_pool_of(
         .slot_align_rows(arena.slot_align_rows())
         .build()
         .expect("geometry");
-    let csa = v4pool::Class::Csa.ratio();
-    let csa_layers = geometry.class(csa).map(|c| c.layers.clone()).unwrap_or_default();
+    let csa_layers = geometry.index_key_layers();
     let spec = v4pool::pool::PoolSpec::new(geometry, vec![16], arena, None, csa_layers).expect("spec");
     std::sync::Arc::new(v4pool::pool::Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
 }

@@ -43,6 +43,19 @@ pub fn model_pool(
     positions: i64,
     slots: i64,
 ) -> Arc<Pool> {
+    model_pool_with(backend, model, fp8, positions, slots, None)
+}
+
+/// [`model_pool`] with an indexer cache of `indexer`'s format.
+#[allow(dead_code)] // not every test binary that includes this module uses it
+pub fn model_pool_with(
+    backend: Arc<dyn Backend>,
+    model: &ModelShape,
+    fp8: bool,
+    positions: i64,
+    slots: i64,
+    indexer: Option<v4pool::sizing::IndexerDtype>,
+) -> Arc<Pool> {
     let w = widths(fp8);
     let arena = ArenaLayout::for_model(model, &w).expect("arena");
     let probe = model
@@ -54,7 +67,7 @@ pub fn model_pool(
     let plane_rows = positions * probe.slot_rows;
     let blocks = (positions - slots) * probe.slot_rows / probe.envelope_rows;
     let geometry = probe.with_capacity(blocks.min(8), slots, Some(plane_rows)).expect("carve");
-    let spec = PoolSpec::new(geometry, w, arena, None, model.csa_layers()).expect("spec");
+    let spec = PoolSpec::new(geometry, w, arena, indexer, model.csa_layers()).expect("spec");
     Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
 }
 

@@ -13,7 +13,18 @@ use v4pool::transfer::{Rebound, RequestKv};
 /// A V4 pool of `model` (fp8 KV, fp8 indexer) with `blocks` blocks and `slots` slots (plane
 /// sized for exactly that, so the boundary cannot grow past it), and its layout id.
 pub fn v4_pool(backend: Arc<dyn Backend>, model: &ModelShape, blocks: i64, slots: i64) -> (Pool, String) {
-    let layout = PoolLayout::new(model, KvDtype::Fp8, IndexerDtype::Fp8).expect("layout");
+    pool_of(backend, model, KvDtype::Fp8, blocks, slots)
+}
+
+/// [`v4_pool`] for `model` with `kv` rows (V4.1: bf16 only).
+pub fn pool_of(
+    backend: Arc<dyn Backend>,
+    model: &ModelShape,
+    kv: KvDtype,
+    blocks: i64,
+    slots: i64,
+) -> (Pool, String) {
+    let layout = PoolLayout::new(model, kv, IndexerDtype::Fp8).expect("layout");
     let g = &layout.geometry;
     // Rows for the blocks, plus a whole slot span per slot and one more for alignment.
     let rows = blocks * g.envelope_rows + (slots + 1) * (g.slot_rows + g.slot_align_rows.max(1));
@@ -32,10 +43,11 @@ pub fn block_ranges(pool: &Pool, id: u32) -> Vec<(u64, u64)> {
         let bb = g.block_bytes(w);
         out.push((pool.plane_ptr(p).unwrap() + u64::from(id) * bb, bb));
     }
-    if let (Some(base), Some(ix)) = (pool.indexer_ptr(), pool.spec().indexer) {
-        for (&pb, &off) in ix.pool_block_bytes().iter().zip(pool.indexer_offsets()) {
-            for c in 0..pool.spec().csa_layers.len() as u64 {
-                out.push((base + off + (c * pool.indexer_blocks() + u64::from(id)) * pb, pb));
+    if let Some(base) = pool.indexer_ptr() {
+        for (parts, &off) in pool.indexer_parts().iter().zip(pool.indexer_offsets()) {
+            for part in parts {
+                let at = part.offset(u64::from(id), pool.indexer_blocks()).unwrap();
+                out.push((base + off + at, part.block_bytes));
             }
         }
     }
@@ -101,10 +113,10 @@ pub fn total(ranges: &[(u64, u64)]) -> usize {
 pub fn all_ranges(pool: &Pool) -> Vec<(u64, u64)> {
     let mut out: Vec<(u64, u64)> =
         (0..pool.num_planes()).map(|p| (pool.plane_ptr(p).unwrap(), pool.plane_bytes(p).unwrap())).collect();
-    if let (Some(base), Some(ix)) = (pool.indexer_ptr(), pool.spec().indexer) {
-        let layers = pool.spec().csa_layers.len() as u64;
-        for (&pb, &off) in ix.pool_block_bytes().iter().zip(pool.indexer_offsets()) {
-            out.push((base + off, layers * pool.indexer_blocks() * pb));
+    if let Some(base) = pool.indexer_ptr() {
+        for (parts, &off) in pool.indexer_parts().iter().zip(pool.indexer_offsets()) {
+            let per_block: u64 = parts.iter().map(|p| p.block_bytes).sum();
+            out.push((base + off, per_block * pool.indexer_blocks()));
         }
     }
     out

@@ -1,4 +1,4 @@
-//! The `v4pool` command line: `layout`, `plan`, `simulate`. Not part of the library: it
+//! The `v4pool` command line: `layout`, `plan`, `simulate`, `calibrate`. Not part of the library: it
 //! parses arguments and renders what the library computes.
 //!
 //! Every subcommand takes `--key value` options and bare `--flag`s through [`parse_args`];
@@ -7,6 +7,7 @@
 //! writer ([`Streams`]): a closed stdout ends the command quietly (as `head` users expect),
 //! any other write error is one line on stderr and exit status 2; nothing panics.
 
+mod calibrate;
 mod layout;
 mod plan;
 mod render;
@@ -77,7 +78,8 @@ usage: v4pool <command> [options]
 commands:
   layout     print the row-space geometry of a model or ratio list
   plan       size a pool from a byte budget
-  simulate   drive a pool through a request trace
+  simulate   drive a pool through a request trace, in time
+  calibrate  fit simulate's step-cost model to published serving figures
   help       print this message
 
 `v4pool <command> --help` describes a command's options.";
@@ -85,7 +87,7 @@ commands:
 /// Everything the command line rejects.
 #[derive(Debug, Error)]
 pub enum CliError {
-    #[error("unknown command {name:?} (layout, plan, simulate, help)")]
+    #[error("unknown command {name:?} (layout, plan, simulate, calibrate, help)")]
     UnknownCommand { name: String },
     #[error("unknown option {flag:?}")]
     UnknownFlag { flag: String },
@@ -123,7 +125,7 @@ pub enum CliError {
     Simulation(#[from] v4pool::sim::SimError),
     #[error("argument {index} is not valid UTF-8: {arg:?}")]
     NotUtf8 { index: usize, arg: String },
-    #[error("no command given; usage: v4pool <command> [options] (layout, plan, simulate, help)")]
+    #[error("no command given; usage: v4pool <command> [options] (layout, plan, simulate, calibrate, help)")]
     NoCommand,
     #[error("cannot write output: {0}")]
     Output(std::io::Error),
@@ -306,6 +308,7 @@ pub(crate) fn run(args: &[String], io: &mut Streams<'_>) -> i32 {
         "layout" => layout::run(rest, io),
         "plan" => plan::run(rest, io),
         "simulate" => simulate::run(rest, io),
+        "calibrate" => calibrate::run(rest, io),
         "help" | "--help" | "-h" => conclude("v4pool", io.print(USAGE), false, io),
         other => fail("v4pool", &CliError::UnknownCommand { name: other.to_string() }, json, io),
     }

@@ -3,7 +3,7 @@
 //! ```text
 //! v4pool plan --model v4-flash|v4-pro|v4-flash-dspark|v4-pro-dspark|v4.1-flash|…|PATH/config.json
 //!             --budget 100GiB --max-seqs 256
-//!             [--dtype fp8|bf16] [--indexer fp8|fp4] [--spec-steps K]
+//!             [--dtype fp8|bf16] [--indexer fp8|fp4|bf16] [--spec-steps K]
 //!             [--min-slots N] [--overhead BYTES] [--json]
 //! ```
 //!
@@ -17,7 +17,7 @@ use v4pool::sizing::{parse_bytes, plan, IndexerDtype, KvDtype, PlanRequest};
 
 const USAGE: &str = "\
 usage: v4pool plan --model NAME|PATH/config.json --budget BYTES --max-seqs N
-                   [--dtype fp8|bf16] [--indexer fp8|fp4] [--spec-steps K]
+                   [--dtype fp8|bf16] [--indexer fp8|fp4|bf16] [--spec-steps K]
                    [--min-slots N] [--overhead BYTES] [--json]
 
   --model       preset (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark, and -dense
@@ -26,7 +26,7 @@ usage: v4pool plan --model NAME|PATH/config.json --budget BYTES --max-seqs N
   --budget      bytes the pool may take: 1234, 512MiB, 80GB, 100GiB
   --max-seqs    admitted requests: one slot each
   --dtype       main KV: fp8 (two planes, default) or bf16 (one plane)
-  --indexer     CSA indexer cache: fp8 (default) or fp4
+  --indexer     CSA indexer cache: fp8 (default), fp4 or bf16 (exact bf16 keys)
   --spec-steps  speculative steps k; ring = window + k (default 0)
   --min-slots   fewest slots the elastic boundary may shrink to; the indexer is sized
                 for the blocks the plane holds beside them (default 0)
@@ -69,7 +69,8 @@ pub(crate) fn execute(args: &[String]) -> Result<Option<PlanReport>, CliError> {
     let indexer = match p.get("--indexer").unwrap_or("fp8") {
         "fp8" => IndexerDtype::Fp8,
         "fp4" => IndexerDtype::Fp4,
-        other => return Err(bad("--indexer", other, "fp8 or fp4")),
+        "bf16" => IndexerDtype::Bf16,
+        other => return Err(bad("--indexer", other, "fp8, fp4 or bf16")),
     };
     let min_slots = p.i64("--min-slots")?.unwrap_or(0);
     let overhead_bytes = p.get("--overhead").map(parse_bytes).transpose()?.unwrap_or(0);

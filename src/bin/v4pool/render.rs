@@ -1,7 +1,17 @@
 //! Rendering `v4pool simulate`'s figures: a table, one JSON object, an SVG picture.
 
 use std::fmt::Write as _;
-use v4pool::sim::{Sample, SimConfig, SimReport};
+use v4pool::sim::{LatencyHistogram, Sample, SimConfig, SimReport, TimeReport};
+
+/// `p50 / p90 / p99` of a latency histogram, in ms or s.
+fn pcts(h: &LatencyHistogram) -> String {
+    let (a, b, c) = TimeReport::percentiles(h);
+    if c >= 10_000.0 {
+        format!("{:.1}/{:.1}/{:.1} s", a / 1e3, b / 1e3, c / 1e3)
+    } else {
+        format!("{a:.0}/{b:.0}/{c:.0}")
+    }
+}
 
 /// Render a report pair as a readable table.
 pub(crate) fn render_table(reports: &[SimReport]) -> String {
@@ -14,6 +24,28 @@ pub(crate) fn render_table(reports: &[SimReport]) -> String {
         s.push('\n');
     };
     row(&mut s, "policy", &|r| r.policy.clone());
+    if reports.iter().any(|r| r.time.is_some()) {
+        let t = |r: &SimReport| r.time.clone().unwrap_or_default();
+        row(&mut s, "TTFT ms p50/p90/p99", &|r| pcts(&t(r).ttft_ms));
+        row(&mut s, "TPOT ms p50/p90/p99", &|r| pcts(&t(r).tpot_ms));
+        row(&mut s, "end-to-end ms p50/p90/p99", &|r| pcts(&t(r).e2e_ms));
+        row(&mut s, "tok/s/GPU (in+out) / out", &|r| {
+            format!("{:.0} / {:.0}", t(r).tok_s_gpu, t(r).out_tok_s_gpu)
+        });
+        row(&mut s, "goodput req/s (tok/s/GPU)", &|r| {
+            format!("{:.3} ({:.0})", t(r).goodput_rps, t(r).goodput_tok_s_gpu)
+        });
+        row(&mut s, "within target / TTFT censored", &|r| {
+            format!("{} / {}", t(r).within_slo, t(r).ttft_censored)
+        });
+        row(&mut s, "seconds simulated / busy", &|r| format!("{:.0} / {:.2}", t(r).duration_s, t(r).busy));
+        row(&mut s, "hit tokens / input tokens", &|r| {
+            format!("{:.3}", r.prefix_hit_tokens as f64 / r.input_tokens.max(1) as f64)
+        });
+        row(&mut s, "host tier GiB restored", &|r| {
+            format!("{:.2}", t(r).restored_bytes as f64 / (1u64 << 30) as f64)
+        });
+    }
     row(&mut s, "requests arrived", &|r| r.arrived.to_string());
     row(&mut s, "requests completed", &|r| r.completed.to_string());
     row(&mut s, "refused (never fit) / turned away", &|r| format!("{} / {}", r.refused, r.turned_away));
@@ -45,8 +77,28 @@ pub(crate) fn render_table(reports: &[SimReport]) -> String {
     s
 }
 
-/// The numbers as one JSON object.
-pub(crate) fn to_json(cfg: &SimConfig, reports: &[SimReport]) -> serde_json::Value {
+/// The time figures of a run as one JSON object.
+fn time_json(t: &TimeReport) -> serde_json::Value {
+    use serde_json::json;
+    let h = |h: &LatencyHistogram| {
+        let (p50, p90, p99) = TimeReport::percentiles(h);
+        json!({"p50": p50, "p90": p90, "p99": p99, "mean": h.mean(), "max": h.max(), "count": h.count()})
+    };
+    json!({"cost": t.cost, "gpus": t.gpus, "duration_s": t.duration_s,
+           "ttft_ms": h(&t.ttft_ms), "ttft_censored": t.ttft_censored,
+           "tpot_ms": h(&t.tpot_ms), "e2e_ms": h(&t.e2e_ms),
+           "tok_s_gpu": t.tok_s_gpu, "out_tok_s_gpu": t.out_tok_s_gpu,
+           "goodput": {"rps": t.goodput_rps, "tok_s_gpu": t.goodput_tok_s_gpu, "within": t.within_slo,
+                       "ttft_ms": t.slo_ttft_ms, "tpot_ms": t.slo_tpot_ms},
+           "busy": t.busy, "host_tier_restored_bytes": t.restored_bytes})
+}
+
+/// The numbers as one JSON object (`ceiling`: a trace's (hit, all) 512-token blocks).
+pub(crate) fn to_json(
+    cfg: &SimConfig,
+    reports: &[SimReport],
+    ceiling: Option<(u64, u64)>,
+) -> serde_json::Value {
     use serde_json::json;
     let runs: Vec<serde_json::Value> = reports
         .iter()
@@ -85,6 +137,8 @@ pub(crate) fn to_json(cfg: &SimConfig, reports: &[SimReport]) -> serde_json::Val
                 "checkpoint_bytes_held": r.checkpoint_bytes_held,
                 "max_checkpoint_bytes": r.max_checkpoint_bytes,
                 "evictions": {"blocks": r.evicted_blocks, "checkpoints": r.evicted_checkpoints},
+                "input_tokens": r.input_tokens,
+                "time": r.time.as_ref().map(time_json),
             });
             if let (Some(o), serde_json::Value::Object(extra)) = (run.as_object_mut(), reuse) {
                 o.extend(extra);
@@ -92,14 +146,19 @@ pub(crate) fn to_json(cfg: &SimConfig, reports: &[SimReport]) -> serde_json::Val
             run
         })
         .collect();
+    let trace = ceiling.map(|(hit, all)| {
+        json!({"ceiling_blocks": hit, "blocks": all,
+        "ceiling": hit as f64 / all.max(1) as f64, "block_tokens": 512})
+    });
     json!({"mix": cfg.mix.name(), "rate": cfg.rate, "steps": cfg.steps, "seed": cfg.seed,
-           "max_seqs": cfg.max_seqs, "runs": runs})
+           "max_seqs": cfg.max_seqs, "in_time": cfg.time.is_some(), "trace": trace, "runs": runs})
 }
 
 /// Memory by region over time (one panel per run) and the row space at the end.
 pub(crate) fn to_svg(reports: &[SimReport]) -> String {
     let (w, ph, gap) = (900.0f64, 220.0f64, 70.0f64);
-    let h = 40.0 + reports.len() as f64 * (ph + gap) + 90.0;
+    let cdf_h = if reports.iter().any(|r| r.time.is_some()) { 260.0 } else { 0.0 };
+    let h = 40.0 + cdf_h + reports.len() as f64 * (ph + gap) + 90.0;
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -115,10 +174,13 @@ pub(crate) fn to_svg(reports: &[SimReport]) -> String {
     ];
     let _ = writeln!(
         s,
-        r#"<text x="20" y="24" font-size="15">v4pool simulate — plane rows by region over time</text>"#
+        r#"<text x="20" y="24" font-size="15">v4pool simulate — latency CDFs, and plane rows by region over time</text>"#
     );
+    if cdf_h > 0.0 {
+        latency_cdfs(&mut s, reports, w);
+    }
     for (k, r) in reports.iter().enumerate() {
-        let top = 40.0 + k as f64 * (ph + gap);
+        let top = 40.0 + cdf_h + k as f64 * (ph + gap);
         let (x0, pw) = (60.0, w - 80.0);
         let _ = writeln!(s, r#"<text x="{x0}" y="{}">{} ({})</text>"#, top + 12.0, r.policy, r.backend);
         let n = r.samples.len().max(2) as f64 - 1.0;
@@ -162,7 +224,7 @@ pub(crate) fn to_svg(reports: &[SimReport]) -> String {
         );
     }
     // The row space at the end of each run, as a strip.
-    let ytop = 40.0 + reports.len() as f64 * (ph + gap);
+    let ytop = 40.0 + cdf_h + reports.len() as f64 * (ph + gap);
     for (k, r) in reports.iter().enumerate() {
         let y = ytop + k as f64 * 22.0;
         let (x0, pw) = (140.0, w - 160.0);
@@ -195,4 +257,58 @@ pub(crate) fn to_svg(reports: &[SimReport]) -> String {
     }
     s.push_str("</svg>\n");
     s
+}
+
+/// Run colours of the CDF panels.
+const RUN_COLORS: [&str; 6] = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"];
+
+/// Two panels side by side: the TTFT and TPOT CDFs of every run, on a log time axis.
+fn latency_cdfs(s: &mut String, reports: &[SimReport], w: f64) {
+    let (top, ph) = (50.0, 190.0);
+    let pw = (w - 120.0) / 2.0;
+    type Pick = fn(&TimeReport) -> &LatencyHistogram;
+    let panels: [(&str, Pick); 2] = [("TTFT (ms, log)", |t| &t.ttft_ms), ("TPOT (ms, log)", |t| &t.tpot_ms)];
+    for (k, (title, pick)) in panels.iter().enumerate() {
+        let x0 = 50.0 + k as f64 * (pw + 40.0);
+        let all: Vec<(f64, f64)> =
+            reports.iter().filter_map(|r| r.time.as_ref()).flat_map(|t| pick(t).cdf()).collect();
+        let lo = all.iter().map(|p| p.0).fold(f64::INFINITY, f64::min).max(1e-3);
+        let hi = all.iter().map(|p| p.0).fold(0.0f64, f64::max).max(lo * 10.0);
+        let (la, lb) = (lo.log10().floor(), hi.log10().ceil());
+        let x = |v: f64| x0 + pw * (v.max(lo).log10() - la) / (lb - la).max(1e-9);
+        let _ = writeln!(
+            s,
+            r#"<text x="{x0}" y="{}">{title} — fraction of requests at or below</text>"#,
+            top - 6.0
+        );
+        let _ = writeln!(
+            s,
+            r#"<rect x="{x0}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="black"/>"#
+        );
+        let mut d = la as i32;
+        while d <= lb as i32 {
+            let xv = x(10f64.powi(d));
+            let _ = writeln!(
+                s,
+                r##"<line x1="{xv:.1}" y1="{top}" x2="{xv:.1}" y2="{}" stroke="#dddddd"/>"##,
+                top + ph
+            );
+            let _ =
+                writeln!(s, r#"<text x="{xv:.1}" y="{}" text-anchor="middle">1e{d}</text>"#, top + ph + 14.0);
+            d += 1;
+        }
+        for (i, r) in reports.iter().enumerate() {
+            let Some(t) = &r.time else { continue };
+            let mut pts = format!("{:.1},{:.1} ", x0, top + ph);
+            for (v, f) in pick(t).cdf() {
+                let _ = write!(pts, "{:.1},{:.1} ", x(v), top + ph * (1.0 - f));
+            }
+            let c = RUN_COLORS[i % RUN_COLORS.len()];
+            let _ = writeln!(s, r#"<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="1.5"/>"#);
+            if k == 0 {
+                let ly = top + 14.0 + i as f64 * 14.0;
+                let _ = writeln!(s, r#"<text x="{}" y="{ly}" fill="{c}">{}</text>"#, x0 + 8.0, r.policy);
+            }
+        }
+    }
 }

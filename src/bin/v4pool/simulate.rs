@@ -1,47 +1,80 @@
 //! `v4pool simulate`: parse the options, check them against the pool they describe (exit
 //! status 2 before anything runs or prints), run [`v4pool::sim`] under each policy, render.
+//! In time (the default: `--cost` names a step-cost preset or a coefficient file) arrivals
+//! are in seconds and the runs report TTFT, TPOT, end-to-end latency, throughput and
+//! goodput; `--cost none` counts steps as before.
 
 use crate::render::{render_table, to_json, to_svg};
 use crate::{conclude, parse_args, CliError, ParsedArgs, Streams};
 use std::io::Write as _;
 use v4pool::backend::{BackendChoice, BackendKind, Stream};
 use v4pool::pool::{Overhead, Pool, PoolSpec};
-use v4pool::sim::{Engine, Mix, RunKind, SimConfig, SimReport};
+use v4pool::sim::{Engine, Mix, RequestSpec, RunKind, SimConfig, SimReport, StepCost, TimeConfig, Trace};
 use v4pool::sizing::{IndexerDtype, KvDtype, Plan, PlanRequest};
 
 const HELP: &str = "\
 usage: v4pool simulate [options]
 
 Drives a pool through the request-level KV manager as a serving engine would (Poisson
-arrivals, prefix hits, chunked prefill, a decode index build every step) on one workload:
-the elastic boundary and a fixed split (both with v4pool's prefix reuse), beside two
-baselines on the elastic split: no reuse, and reuse at 4,096-token granularity. Memory is
-the budget plus at most a sixteenth of it for decode index buffers and a few MiB of host
-bookkeeping; options that would need more are refused.
+arrivals or a Mooncake trace, prefix hits, chunked prefill, a decode index build every
+step) on one workload: the elastic boundary and a fixed split sized the way SGLang sizes
+DeepSeek-V4 (both with v4pool's prefix reuse), beside two baselines on the elastic split: no
+reuse, and reuse at 4,096-token granularity; with --host-tier, also elastic with a host
+tier. In time (default), a step costs what the step-cost model charges (see `v4pool
+calibrate`) and the runs report TTFT, TPOT and end-to-end latency p50/p90/p99,
+tok/s/GPU and goodput under a latency target. Memory is the budget plus at most a
+sixteenth of it for decode index buffers and a few MiB of host bookkeeping; options that
+would need more are refused.
+
+  --cost PRESET|FILE|none  h200x4-flash-fp8 (default), b200x4-flash-fp4, h200x8-pro-fp4,
+                        h200x4-flash-fp8-low-latency, a JSON file of coefficients (the
+                        form `v4pool calibrate --json` prints), or none: count steps
+  --duration S          seconds of arrivals (time mode)                  [600]
+  --horizon S           stop the clock here (time mode) [duration + 600; trace end + 3600]
+  --trace FILE          replay a Mooncake JSONL trace with its arrivals (time mode)
+  --trace-shard K/N     only conversations routed to shard K of N          [0/1]
+  --trace-speed X       arrivals X times faster than recorded              [1]
+  --concurrency N       closed loop: N requests in flight (a benchmark client)
+  --slo-ttft MS / --slo-tpot MS   goodput's latency target          [2000 / 50]
+  --host-tier BYTES     add the elastic run with a host tier of BYTES
+  --fixed-slots sglang|N  the fixed split's slots: SGLang's DeepSeek-V4 default window
+                        share (swa_full_tokens_ratio 0.1) of the budget, or N
+                                       [sglang in time unless --max-seqs is given]
 
   --model NAME|PATH     v4-flash (default), v4-pro, v4.1-flash, …, or a config.json
   --spec-steps K        speculative steps (ring = window + K)            [0]
   --budget BYTES        pool budget, e.g. 8GiB                           [6GiB]
-  --max-seqs N          running requests; the fixed split reserves N slots [48]
+  --max-seqs N          running requests under the fixed split (its slots)  [48]
   --elastic-max-seqs N  running requests under the elastic boundary, at least
                         --max-seqs, at most the plane's slot positions
                                        [4 × max-seqs, at most the slot positions]
   --dtype fp8|bf16      KV planes                                        [fp8]
   --indexer fp8|fp4     indexer cache                                    [fp8]
   --mix chat|agentic|mixed|multiturn                                     [mixed]
-  --rate R              mean arrivals per step, in (0, 1000]             [0.4]
-  --steps N             forward steps, at most 10,000,000                [2000]
+  --rate R              mean arrivals per second (time) or per step      [0.5 / 0.4]
+  --steps N             forward steps, at most 10,000,000     [2000; time: the cap]
   --seed S                                                               [7]
   --prefill-chunk T     prefill tokens per step                          [8192]
   --max-context T       longest context                                  [1048576]
   --policy all|both|elastic|fixed|no_reuse|reuse_4096
                         all: the four runs; both: elastic and fixed      [all]
   --backend auto|host|cuda|hip   (auto honours V4POOL_BACKEND)           [auto]
-  --svg FILE            memory by region over time, and the row space
+  --svg FILE            latency CDFs beside memory by region over time, and the row space
   --json                the numbers as one JSON object
   --no-progress         no progress bar";
 
-const OPTIONS: [&str; 18] = [
+const OPTIONS: [&str; 29] = [
+    "--cost",
+    "--duration",
+    "--horizon",
+    "--trace",
+    "--trace-shard",
+    "--trace-speed",
+    "--concurrency",
+    "--slo-ttft",
+    "--slo-tpot",
+    "--host-tier",
+    "--fixed-slots",
     "--model",
     "--spec-steps",
     "--draft-stages",
@@ -67,6 +100,8 @@ const FLAGS: [&str; 3] = ["--json", "--no-progress", "--help"];
 /// except by the backend or the pool failing.
 struct Setup {
     cfg: SimConfig,
+    /// Where the arrivals come from.
+    source: Source,
     policies: Vec<RunKind>,
     model: String,
     plan: Plan,
@@ -76,6 +111,14 @@ struct Setup {
     svg: Option<(String, std::fs::File)>,
     json: bool,
     progress: bool,
+}
+
+/// The arrivals every run replays.
+enum Source {
+    /// A mix's lazy stream (its configuration).
+    Mix(v4pool::sim::WorkloadConfig),
+    /// A trace's requests, with the trace their hash ids come from.
+    Trace(std::sync::Arc<Trace>, Vec<RequestSpec>),
 }
 
 /// `v4pool simulate` (arguments after the word `simulate`); returns the exit status.
@@ -129,10 +172,35 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
     )?;
     let mix = p.get("--mix").unwrap_or("mixed");
     let mix = Mix::parse(mix).ok_or_else(|| bad("--mix", mix, "chat, agentic, mixed or multiturn"))?;
-    let rate = match p.get("--rate") {
-        None => 0.4,
-        Some(v) => v.trim().parse::<f64>().map_err(|_| bad("--rate", v, "a number"))?,
+    let cost = match p.get("--cost").unwrap_or(v4pool::sim::cost::H200X4_FLASH_FP8) {
+        "none" => None,
+        v if std::path::Path::new(v).is_file() => {
+            let text = read_small(v)?;
+            Some(
+                StepCost::from_json(&text)
+                    .map_err(|e| CliError::Io { path: v.into(), reason: e.to_string() })?,
+            )
+        }
+        v => Some(v4pool::sim::cost::preset(v).map_err(|_| bad("--cost", v, COST_EXPECTED))?),
     };
+    let in_time = cost.is_some();
+    let number = |key: &str, default: f64| -> Result<f64, CliError> {
+        match p.get(key) {
+            None => Ok(default),
+            Some(v) => match v.trim().parse::<f64>() {
+                Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+                _ => Err(bad(key, v, "a finite positive number")),
+            },
+        }
+    };
+    let rate = number("--rate", if in_time { 0.5 } else { 0.4 })?;
+    if !in_time {
+        for key in ["--trace", "--duration", "--horizon", "--concurrency", "--slo-ttft", "--slo-tpot"] {
+            if p.get(key).is_some() {
+                return Err(CliError::Conflict { a: "--cost none", b: "a time-mode option" });
+            }
+        }
+    }
     let policies = choose(
         &p,
         "--policy",
@@ -154,26 +222,108 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
             BackendKind::parse(v).map_err(|_| bad("--backend", v, "auto, host, cuda or hip"))?,
         ),
     };
-    let max_seqs = count(&p, "--max-seqs", 48)?;
+    let mut max_seqs = count(&p, "--max-seqs", 48)?;
     let plan_seqs =
         i64::try_from(max_seqs).map_err(|_| bad("--max-seqs", &max_seqs.to_string(), "a count"))?;
     let plan = v4pool::sizing::plan(&model, &PlanRequest::new(kv, indexer, plan_seqs, budget))?;
     let spec = PoolSpec::from_plan(&plan)?;
     let positions = spec.geometry.slot_positions.max(0) as u64;
+    // The fixed split: in time, SGLang's sizing unless a count is given.
+    match p.get("--fixed-slots") {
+        Some("sglang") => max_seqs = v4pool::sim::sglang_fixed_slots(&plan, v4pool::sim::SGLANG_SWA_RATIO),
+        Some(v) => {
+            max_seqs = v.trim().parse::<u64>().map_err(|_| bad("--fixed-slots", v, "sglang or a count"))?
+        }
+        // An explicit --max-seqs keeps its meaning in time too.
+        None if in_time && p.get("--max-seqs").is_none() => {
+            max_seqs = v4pool::sim::sglang_fixed_slots(&plan, v4pool::sim::SGLANG_SWA_RATIO)
+        }
+        None => {}
+    }
+    if p.get("--fixed-slots").is_some() && p.get("--max-seqs").is_some() {
+        return Err(CliError::Conflict { a: "--fixed-slots", b: "--max-seqs" });
+    }
     let as_usize = |key: &str, v: u64| usize::try_from(v).map_err(|_| bad(key, &v.to_string(), "a count"));
+    let seed = count(&p, "--seed", 7)?;
+    let max_context = count(&p, "--max-context", 1 << 20)?;
+    let elastic_default = max_seqs.saturating_mul(4).min(positions).max(max_seqs);
+    // A host tier holds at least one block and at most 16 budgets (host memory the run
+    // allocates: a bound, not a clamp).
+    let host_tier_bytes = match p.get("--host-tier") {
+        None => 0,
+        Some(v) => match v4pool::sizing::parse_bytes(v) {
+            Ok(b) if b >= plan.page_bytes && b <= budget.saturating_mul(16) => b,
+            _ => return Err(bad("--host-tier", v, "bytes from one block's page to 16 times --budget")),
+        },
+    };
+    let mut policies = policies;
+    if host_tier_bytes > 0 && p.get("--policy").is_none() {
+        policies.push(RunKind::ElasticTier);
+    }
+    let (source, time, steps) = match cost {
+        None => {
+            let steps = count(&p, "--steps", 2000)?;
+            let wc = v4pool::sim::WorkloadConfig { mix, rate, steps, seed, max_context };
+            (Source::Mix(wc), None, steps)
+        }
+        Some(cost) => {
+            let (source, end_s) = match p.get("--trace") {
+                None => {
+                    let duration = number("--duration", 600.0)?;
+                    // One arrival tick per ms: the rate per tick is the rate per second / 1000.
+                    let wc = v4pool::sim::WorkloadConfig {
+                        mix,
+                        rate: rate / 1000.0,
+                        steps: (duration * 1000.0) as u64,
+                        seed,
+                        max_context,
+                    };
+                    (Source::Mix(wc), duration + 600.0)
+                }
+                Some(path) => {
+                    let trace = Trace::from_path(std::path::Path::new(path))
+                        .map_err(|e| CliError::Io { path: path.into(), reason: e.to_string() })?;
+                    let v = p.get("--trace-shard").unwrap_or("0/1");
+                    let (k, n) = shard(v)?;
+                    let trace = trace.shard(k, n).map_err(|_| bad("--trace-shard", v, "K/N with K < N"))?;
+                    let trace = std::sync::Arc::new(trace);
+                    let speed = number("--trace-speed", 1.0)?;
+                    let specs = trace
+                        .specs(speed)
+                        .map_err(|_| bad("--trace-speed", "", "a finite positive number"))?;
+                    let last = specs.last().map_or(0, |r| r.arrival) as f64 / 1000.0;
+                    (Source::Trace(trace, specs), last + 3600.0)
+                }
+            };
+            let concurrency = match p.get("--concurrency") {
+                None => None,
+                Some(v) => Some(as_usize(
+                    "--concurrency",
+                    v.trim().parse::<u64>().map_err(|_| bad("--concurrency", v, "a count"))?,
+                )?),
+            };
+            let time = TimeConfig {
+                cost,
+                horizon_ms: number("--horizon", end_s)? * 1000.0,
+                concurrency,
+                slo_ttft_ms: number("--slo-ttft", v4pool::sim::SLO_TTFT_MS)?,
+                slo_tpot_ms: number("--slo-tpot", v4pool::sim::SLO_TPOT_MS)?,
+            };
+            (source, Some(time), count(&p, "--steps", v4pool::sim::MAX_STEPS)?)
+        }
+    };
     let cfg = SimConfig {
         mix,
-        rate,
-        steps: count(&p, "--steps", 2000)?,
-        seed: count(&p, "--seed", 7)?,
+        rate: if in_time { rate / 1000.0 } else { rate },
+        steps,
+        seed,
         max_seqs: as_usize("--max-seqs", max_seqs)?,
-        elastic_max_seqs: as_usize(
-            "--elastic-max-seqs",
-            count(&p, "--elastic-max-seqs", max_seqs.saturating_mul(4).min(positions).max(max_seqs))?,
-        )?,
+        elastic_max_seqs: as_usize("--elastic-max-seqs", count(&p, "--elastic-max-seqs", elastic_default)?)?,
         prefill_chunk: count(&p, "--prefill-chunk", 8192)?,
-        max_context: count(&p, "--max-context", 1 << 20)?,
+        max_context,
         tokens_per_decode: 1 + model.spec_steps.max(0) as usize,
+        time,
+        host_tier_bytes,
         ..SimConfig::default()
     };
     let o = Overhead::estimate(&spec, None)?;
@@ -183,7 +333,28 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
         Some(path) => Some((path.to_string(), create_svg(path)?)),
     };
     let progress = !json && !p.flag("--no-progress") && std::io::IsTerminal::is_terminal(&std::io::stderr());
-    Ok(Some(Setup { cfg, policies, model: model.name, plan, spec, choice, svg, json, progress }))
+    Ok(Some(Setup { cfg, source, policies, model: model.name, plan, spec, choice, svg, json, progress }))
+}
+
+const COST_EXPECTED: &str = "a preset (h200x4-flash-fp8, h200x4-flash-fp8-low-latency, b200x4-flash-fp4, \
+h200x8-pro-fp4), a JSON file of coefficients, or none";
+
+/// `K/N` with K < N (checked by the trace).
+fn shard(v: &str) -> Result<(u64, u64), CliError> {
+    let e = || bad("--trace-shard", v, "K/N");
+    let (k, n) = v.split_once('/').ok_or_else(e)?;
+    Ok((k.trim().parse().map_err(|_| e())?, n.trim().parse().map_err(|_| e())?))
+}
+
+/// A small text file (a coefficient file: at most 1 MiB).
+fn read_small(path: &str) -> Result<String, CliError> {
+    use std::io::Read as _;
+    let io = |reason: String| CliError::Io { path: path.to_string(), reason };
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(1 << 20).read_to_string(&mut text))
+        .map_err(|e| io(e.to_string()))?;
+    Ok(text)
 }
 
 /// Create the `--svg` file before the run, so a bad path is refused up front. A FIFO is
@@ -199,31 +370,53 @@ fn create_svg(path: &str) -> Result<std::fs::File, CliError> {
 
 fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
     let backend = v4pool::backend::select(s.choice)?;
+    let workload = match &s.source {
+        Source::Trace(t, specs) => {
+            let (hit, all) = t.ceiling();
+            format!(
+                "trace of {} requests, ceiling {hit}/{all} = {:.3} of 512-token blocks",
+                specs.len(),
+                hit as f64 / all.max(1) as f64
+            )
+        }
+        Source::Mix(wc) => match &s.cfg.time {
+            Some(_) => format!(
+                "{} arrivals/s over {:.0} s ({} mix)",
+                wc.rate * 1000.0,
+                wc.steps as f64 / 1000.0,
+                wc.mix.name()
+            ),
+            None => format!("{} arrivals/step over {} steps ({} mix)", wc.rate, wc.steps, wc.mix.name()),
+        },
+    };
+    let cost = s.cfg.time.as_ref().map_or("steps".to_string(), |t| format!("in time ({})", t.cost.name));
     if !s.json {
         io.note(format_args!(
-            "v4pool simulate: {} on {} ({}), budget {} B, plane {} rows, {} arrivals/step over {} steps ({} mix)\n",
+            "v4pool simulate: {} on {} ({}), budget {} B, plane {} rows, fixed split {} slots, {workload}, {cost}\n",
             s.model,
             backend.kind(),
             backend.device_name(),
             s.plan.budget_bytes,
             s.plan.plane_rows,
-            s.cfg.rate,
-            s.cfg.steps,
-            s.cfg.mix.name()
+            s.cfg.max_seqs,
         ));
     }
     let mut reports = Vec::new();
     for &policy in &s.policies {
         let pool = std::sync::Arc::new(Pool::new(backend.clone(), s.spec.clone(), Stream::DEFAULT)?);
-        reports.push(run_policy(&pool, &s.cfg, policy, s.progress, io)?);
+        reports.push(run_policy(&pool, &s, policy, io)?);
     }
     if let Some((path, mut file)) = s.svg {
         file.write_all(to_svg(&reports).as_bytes())
             .and_then(|()| file.flush())
             .map_err(|e| CliError::Io { path, reason: e.to_string() })?;
     }
+    let ceiling = match &s.source {
+        Source::Trace(t, _) => Some(t.ceiling()),
+        Source::Mix(_) => None,
+    };
     if s.json {
-        io.print(&to_json(&s.cfg, &reports).to_string())
+        io.print(&to_json(&s.cfg, &reports, ceiling).to_string())
     } else {
         io.print(&format!("{}\n{}", s.model, render_table(&reports).trim_end_matches('\n')))
     }
@@ -232,19 +425,31 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
 /// One run, with a progress bar on stderr when asked for.
 fn run_policy(
     pool: &std::sync::Arc<Pool>,
-    cfg: &SimConfig,
+    s: &Setup,
     policy: RunKind,
-    progress: bool,
     io: &mut Streams<'_>,
 ) -> Result<SimReport, CliError> {
+    let (cfg, progress) = (&s.cfg, s.progress);
     let mut engine = Engine::new(pool, cfg, policy)?;
-    let mut arrivals = cfg.workload();
+    let mut arrivals: Box<dyn Iterator<Item = RequestSpec>> = match &s.source {
+        Source::Mix(wc) => Box::new(v4pool::sim::Workload::new(*wc)),
+        Source::Trace(t, specs) => {
+            engine = engine.with_trace(t.clone());
+            Box::new(specs.clone().into_iter())
+        }
+    };
     let every = (cfg.steps / 100).max(1);
+    let horizon = cfg.time.as_ref().map(|t| t.horizon_ms);
+    let mut shown = u64::MAX;
     while !engine.done() {
         let step = engine.steps_done();
         engine.step(&mut arrivals)?;
-        if progress && step % every == 0 {
-            let pct = (step + 1) * 100 / cfg.steps.max(1);
+        let pct = match horizon {
+            Some(h) => (engine.clock_ms() * 100.0 / h).min(100.0) as u64,
+            None => (step + 1) * 100 / cfg.steps.max(1),
+        };
+        if progress && (horizon.is_some() && pct != shown || horizon.is_none() && step % every == 0) {
+            shown = pct;
             io.note(format_args!(
                 "\r  {:<8} [{:<40}] {:>3}%  running {:>4}  waiting {:>5}",
                 policy.name(),

@@ -242,9 +242,13 @@ pub struct PrefillIndices<'a> {
     pub hca_ratio: i32,
     /// HCA rows one block holds per layer.
     pub hca_rows_per_block: i32,
+    /// The coarse slot is packed per layer (V4.1): its slice is `[head | window]` as the
+    /// CSA slice, the head left to the translate-pack; V4 (false): `[window | compressed]`.
+    pub coarse_packed: bool,
 }
 
-/// §6: extend rows, dense window slice, CSA window tail, HCA `[window | compressed]`.
+/// §6: extend rows, dense window slice, CSA window tail, HCA `[window | compressed]` (packed
+/// per layer: the HCA window tail only).
 pub fn prefill_indices(k: PrefillIndices<'_>) -> Result<()> {
     let PrefillIndices {
         dense,
@@ -266,6 +270,7 @@ pub fn prefill_indices(k: PrefillIndices<'_>) -> Result<()> {
         win,
         hca_ratio,
         hca_rows_per_block,
+        coarse_packed,
     } = k;
     let hca_ratio = divisor("hca_ratio", hca_ratio.into())?;
     let win = i64::from(win);
@@ -296,6 +301,11 @@ pub fn prefill_indices(k: PrefillIndices<'_>) -> Result<()> {
         }
         let end = i64::from(at(prefix_csa.indptr, t + 1, "csa_indptr")?);
         write_window(prefix_csa.indices, end - pre, pre, &csa, slot, low, "csa_indices")?;
+        if coarse_packed {
+            let end = i64::from(at(prefix_hca.indptr, t + 1, "hca_indptr")?);
+            write_window(prefix_hca.indices, end - pre, pre, &hca, slot, low, "hca_indices")?;
+            continue;
+        }
         let start = i64::from(at(prefix_hca.indptr, t, "hca_indptr")?);
         write_window(prefix_hca.indices, start, pre, &hca, slot, low, "hca_indices")?;
         write_compressed(

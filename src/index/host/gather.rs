@@ -67,7 +67,12 @@ pub fn dequant_fp8_row(nope: &[u8], rope: &[u8], out: &mut [u8]) {
 }
 
 /// Byte range of row `row` in a buffer of `width`-byte rows, checked against its length.
-fn row_range(row: i64, width: u64, len: usize, buffer: &'static str) -> Result<std::ops::Range<usize>> {
+pub(super) fn row_range(
+    row: i64,
+    width: u64,
+    len: usize,
+    buffer: &'static str,
+) -> Result<std::ops::Range<usize>> {
     let oob = || HostKernelError::OutOfBounds { buffer, index: row, len };
     let start = usize::try_from(row_byte_offset(row, width as i64)?).map_err(|_| oob())?;
     match start.checked_add(width as usize) {

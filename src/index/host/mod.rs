@@ -20,6 +20,7 @@ use thiserror::Error;
 // in their own files; every public name stays at `crate::index::host::*`.
 mod build;
 mod gather;
+mod pack;
 mod raw;
 mod rows;
 mod state;
@@ -31,6 +32,7 @@ pub use build::{
     DecodeIndices, PrefillIndices,
 };
 pub use gather::{dequant_fp8_row, e8m0_scale, fp8_scaled_bf16, window_gather, GatherPlanes};
+pub use pack::{e4m3_rne, e8m0_of_amax, kv_rows, pack_fp8_row, KvPlanes};
 pub use raw::run_launch;
 pub use rows::{fill_pattern, ring_write, row_scatter, PlaneRows};
 pub use state::{update_compressor_states, StateMemory};

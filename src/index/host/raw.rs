@@ -96,6 +96,7 @@ pub unsafe fn run_launch(launch: &Launch) -> Result<()> {
             Launch::CopyRuns(a) => run_copy_runs(a),
             Launch::WindowGather(a) => run_window_gather(a, false),
             Launch::WindowGatherFp8(a) => run_window_gather(a, true),
+            Launch::KvRows(a) => run_kv_rows(a),
             Launch::Empty => Ok(()),
         }
     }
@@ -193,6 +194,7 @@ unsafe fn run_prefill(a: &PrefillIndexArgs) -> Result<()> {
             win: a.win,
             hca_ratio: a.hca_ratio,
             hca_rows_per_block: a.hca_rows_per_block,
+            coarse_packed: a.coarse_packed != 0,
         })
     }
 }
@@ -302,6 +304,42 @@ unsafe fn run_row_scatter(a: &RowScatterArgs) -> Result<()> {
         let dest: &[i32] = input("dest_rows", a.dest_rows, t)?;
         let mut planes = plane_rows(&a.planes, t as i64, a.view_rows)?;
         row_scatter(&mut planes, bids, dest, a.view_rows, a.num_tokens)
+    }
+}
+
+/// # Safety
+/// See [`run_launch`].
+unsafe fn run_kv_rows(a: &crate::index::KvRowsArgs) -> Result<()> {
+    use super::{kv_rows, KvPlanes};
+    use crate::index::{FP8_NOPE_ROW_BYTES, KV_ROW_VALUES, ROPE_ROW_BYTES};
+    let t = count(a.num_tokens);
+    if t == 0 {
+        return Ok(());
+    }
+    let stride = len_of("kv_row_stride", a.kv_row_stride)?;
+    // The last row needs only its 512 values, not a whole stride.
+    let kv_len = (t - 1).checked_mul(stride).and_then(|n| n.checked_add(KV_ROW_VALUES));
+    let kv_len =
+        kv_len.ok_or(HostKernelError::OutOfBounds { buffer: "kv", index: a.num_tokens.into(), len: 0 })?;
+    // SAFETY: lengths from the arguments; the caller covers them.
+    unsafe {
+        let kv: &[u16] = input("kv", a.kv, kv_len)?;
+        let dest: &[i32] = input("dest_rows", a.dest_rows, t)?;
+        let bids: Option<&[i32]> = if a.batch_id_per_token == 0 {
+            None
+        } else {
+            Some(input("batch_id_per_token", a.batch_id_per_token, t)?)
+        };
+        let rows = |w: u64| len_of("view bytes", mul(a.view_rows, w as i64, "view bytes")?);
+        let mut planes = if a.fp8 == 1 {
+            KvPlanes::Fp8 {
+                nope: output("nope", a.nope, rows(FP8_NOPE_ROW_BYTES)?)?,
+                rope: output("rope", a.rope, rows(ROPE_ROW_BYTES)?)?,
+            }
+        } else {
+            KvPlanes::Bf16 { pool: output("nope", a.nope, rows(2 * KV_ROW_VALUES as u64)?)? }
+        };
+        kv_rows(kv, stride, dest, bids, &mut planes, a.view_rows, a.num_tokens)
     }
 }
 

@@ -295,6 +295,7 @@ fn prefill_builder_worked_example_and_csa_follow_up() {
         win: 8,
         hca_ratio: 8,
         hca_rows_per_block: 2,
+        coarse_packed: false,
     })
     .unwrap();
     assert_eq!(ext, vec![0, 0, 1, 0, 1, 2, 3, 3, 4, U]);
@@ -323,6 +324,66 @@ fn prefill_builder_worked_example_and_csa_follow_up() {
     assert_eq!(csa_idx, vec![2774, 2772, 37, 38, 39, 40, 30, 31, 32, 2775, 661, 38, 39, 40, 30, 31, 32, U]);
 }
 
+/// The §6 batch with the coarse slot packed per layer (V4.1): the builder writes the HCA
+/// window at the tail of each slice, no compressed head; the pack (prefill mode, the
+/// layer's bias) fills the heads.
+#[test]
+fn prefill_packed_coarse_slot_keeps_its_head_for_the_pack() {
+    let g = geometry_b();
+    let (dense, csa, hca) =
+        (g.window_params(0).unwrap(), g.window_params(4).unwrap(), g.window_params(128).unwrap());
+    let (bids, tables) = ([0, 0, 0, 1, 1], [7, 8, 21, 5]);
+    let ptr = [0, 0, 0, 0, 9, 17];
+    let (mut ext, mut swa, mut csa_idx, mut hca_idx) = (vec![U; 10], vec![U; 14], vec![U; 18], vec![U; 18]);
+    prefill_indices(PrefillIndices {
+        dense,
+        csa,
+        hca,
+        positions: &[0, 1, 2, 14, 15],
+        bid_per_token: &bids,
+        chunk_start_per_seq: &[0, 14],
+        cu_seqlens_q_per_seq: &[0, 3],
+        state_slot_per_seq: &[3, 0],
+        // Ignored when packed (a V4 builder would write 2 compressed rows here).
+        n_committed_hca_per_seq: &[0, 2],
+        block_tables: BlockTables { table: &tables, stride: 2 },
+        extend: Csr { indptr: &[0, 1, 3, 6, 7, 9], indices: &mut ext },
+        prefix_swa: Some(Csr { indptr: &[0, 0, 0, 0, 7, 13], indices: &mut swa }),
+        prefix_csa: Csr { indptr: &ptr, indices: &mut csa_idx },
+        prefix_hca: Csr { indptr: &ptr, indices: &mut hca_idx },
+        envelope_rows: 132,
+        num_tokens: 5,
+        win: 8,
+        hca_ratio: 8,
+        hca_rows_per_block: 2,
+        coarse_packed: true,
+    })
+    .unwrap();
+    // The windows are V4's (see the worked example), now at each slice's tail.
+    assert_eq!(hca_idx, vec![U, U, 24, 27, 28, 31, 11, 12, 15, U, U, 27, 28, 31, 11, 12, 15, U]);
+    assert_eq!(csa_idx, vec![U, U, 37, 38, 39, 40, 30, 31, 32, U, U, 38, 39, 40, 30, 31, 32, U]);
+    let topk = cat(&[&[0, 0], &[0, 0], &[0, 0], &[1, 2], &[3, 0]]);
+    csa_translate_pack(CsaPack {
+        topk: &topk,
+        block_tables: BlockTables { table: &tables, stride: 2 },
+        positions: &[],
+        indptr: &ptr,
+        batch_id_per_token: &bids,
+        skip_prefix_len_per_token: &[0, 0, 0, 7, 6],
+        out: &mut hca_idx,
+        envelope_rows: 132,
+        topk_row_stride: 2,
+        num_tokens: 5,
+        block_capacity: 2,
+        window_size: 0,
+        compress_bias: 5,
+    })
+    .unwrap();
+    // Token 3 (table [21, 5]): rows 1 → 21·132 + 1, 2 → 5·132 + 0; token 4: 3 → 5·132 + 1,
+    // 0 → 21·132; each + 5.
+    assert_eq!(hca_idx, vec![2778, 665, 24, 27, 28, 31, 11, 12, 15, 666, 2777, 27, 28, 31, 11, 12, 15, U]);
+}
+
 #[test]
 fn prefill_without_dense_leaves_swa_alone() {
     let g = GeometrySpec::new(vec![4, 128, 4, 128], 40, 4, 11, 256).build().unwrap();
@@ -348,6 +409,7 @@ fn prefill_without_dense_leaves_swa_alone() {
         win: 8,
         hca_ratio: 8,
         hca_rows_per_block: 2,
+        coarse_packed: false,
     })
     .unwrap();
     assert_eq!(ext, vec![0, U]);

@@ -1,0 +1,686 @@
+"""v4pool.hf: a transformers ``DeepseekV4ForCausalLM`` whose attention reads its KV from a
+v4pool pool.
+
+``engine = attach(model, dtype="bf16")`` builds a pool sized from the model's config and
+swaps every layer's attention for one that keeps its state in the pool; ``engine.generate``
+then runs several requests of different lengths in one batch: prompts prefilled in chunks
+through the pool's prefill path, then greedy decode steps through its decode path. Every
+pool-side step is a v4pool call (``v4pool.Forward``): the index builds, the CSA translate-pack
+from the indexer's top-k, the token's own rows (decode row scatter, prefill ring write), the
+compressors' emitted rows at the request's compressed rows and the indexer's keys in the
+pool's indexer cache, and the compressor-state update
+(section 8). The model-side math (projections, the compressors' softmax pooling over the
+state the pool holds, the indexer's scores, attention over the rows the index buffers name)
+is transformers' own code or the same torch operations on the same values, in the same
+order. docs/forward.md gives the per-forward order.
+
+The scheduler is a ``v4pool.KvManager`` over the pool (``add`` admits with the longest
+prefix hit restored from a checkpoint; per forward ``prefill_stop`` / ``allocate`` /
+``commit``, then ``complete_inflight``; ``preempt``, ``admit`` again, ``finish``); the
+writers take the slot and block handles the manager lends for each request, asked afresh
+every forward. ``handoff`` moves a running request to an engine attached with
+``manager=False`` on another pool (v4pool's in-process transfer engine).
+
+The indexer's compressed keys live in the pool too: the pool is planned with a bf16 indexer
+cache (``indexer="bf16"``: transformers' indexer scores bf16 keys, which the fp8 / fp4 formats
+would not hold exactly), written through ``Forward.write_index_keys`` at the CSA entries'
+rows and read back through ``Pool.indexer_view``, so a prefix hit, a relocation and a handoff
+carry them with the blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import v4pool
+
+try:  # transformers is an optional dependency of the wheel
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as _mv4
+except ImportError as e:  # pragma: no cover
+    raise ImportError("v4pool.hf needs transformers with DeepSeek-V4 (5.17 or later)") from e
+
+BLOCK = 256  # tokens per block (the pool's block size for every V4 model)
+CSA, HCA = 4, 128
+SLIDING, CSA_T, HCA_T = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+RATIO = {SLIDING: 0, CSA_T: CSA, HCA_T: HCA}
+CLASS = {0: "dense", CSA: "csa", HCA: "hca"}
+
+
+def _pool_config(config) -> dict:
+    """The keys v4pool's config loader reads, from a transformers DeepseekV4Config."""
+    d = config.to_dict()
+    keep = {
+        "num_hidden_layers", "sliding_window", "head_dim", "qk_rope_head_dim", "index_head_dim",
+        "index_topk", "layer_types", "compress_rates",
+    }
+    out = {k: d[k] for k in keep if k in d}
+    out["num_nextn_predict_layers"] = 0  # transformers' model runs no MTP layer
+    return out
+
+
+def _dequant_fp8(nope: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rows of the fp8 pool as bf16 `[n, 512]`: e4m3 values times their tile's e8m0 scale
+    (the even byte 448 + 2i), the RoPE part as stored."""
+    vals = nope[:, :448].view(torch.float8_e4m3fn).float().view(-1, 7, 64)
+    e = nope[:, 448:462:2].to(torch.int32)
+    scale = torch.where(e == 0, torch.zeros_like(e, dtype=torch.float32), torch.exp2((e - 127).float()))
+    out = (vals * scale.unsqueeze(-1)).view(-1, 448).to(torch.bfloat16)
+    return torch.cat([out, rope.view(torch.bfloat16)], dim=-1)
+
+
+def quantize_fp8_reference(kv: torch.Tensor) -> torch.Tensor:
+    """The fp8 row format's quantise-dequantise in torch (the reference the fp8 tests apply to
+    transformers' own KV): per 64-value NoPE tile the least power-of-two scale with
+    amax / scale <= 448, values rounded to e4m3, RoPE kept in bf16."""
+    shape = kv.shape
+    x = kv.reshape(-1, 512)
+    nope = x[:, :448].float().view(-1, 7, 64)
+    amax = nope.abs().amax(dim=-1, keepdim=True)
+    exp = torch.ceil(torch.log2(amax / 448.0))
+    # log2 of a float is not exact at powers of two: step to the least exponent that fits.
+    exp = torch.where(amax / torch.exp2(exp - 1) <= 448.0, exp - 1, exp)
+    exp = torch.where(amax / torch.exp2(exp) > 448.0, exp + 1, exp)
+    scale = torch.where(amax == 0, torch.ones_like(amax), torch.exp2(exp.clamp(-126, 127)))
+    q = (nope / scale).to(torch.float8_e4m3fn).float() * torch.where(amax == 0, torch.zeros_like(scale), scale)
+    out = torch.cat([q.view(-1, 448).to(torch.bfloat16), x[:, 448:]], dim=-1)
+    return out.view(shape)
+
+
+@dataclass
+class Request:
+    """One request as the engine's scheduler holds it. Driven by the engine's `KvManager`
+    (`mid` its manager id: slot and blocks are the manager's, asked afresh every step), or,
+    on a pool without a manager (a handoff's receiver), holding its slot and blocks itself."""
+
+    rid: int
+    prompt: list
+    mid: int = None  # the manager's request id
+    slot: object = None  # held directly (no manager)
+    blocks: list = field(default_factory=list)  # held directly (no manager)
+    tokens: list = field(default_factory=list)  # prompt + generated (the last one pending)
+    computed: int = 0  # tokens whose KV is in the pool
+    hashes: list = field(default_factory=list)  # chained hashes of its full blocks so far
+    logits: list = field(default_factory=list)
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+
+class PoolEngine:
+    """A DeepseekV4ForCausalLM on a v4pool pool (see the module doc)."""
+
+    def __init__(self, model, *, dtype="bf16", budget="256MiB", max_seqs=8, max_context=4096,
+                 chunk=256, backend="host", device=0, manager=True, policy="elastic"):
+        cfg = model.config
+        self.model = model
+        self.cfg = cfg
+        self.chunk = chunk
+        self.layer_types = list(cfg.layer_types)
+        self.ratios = [RATIO[t] for t in self.layer_types]
+        self.win = cfg.sliding_window
+        self.topk = cfg.index_topk
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "config.json"), "w") as f:
+                json.dump(_pool_config(cfg), f)
+            # The indexer's keys in a bf16 indexer cache: transformers' indexer scores bf16
+            # keys, which the fp8 / fp4 formats would not hold exactly.
+            self.plan = v4pool.plan(model=d, budget=budget, max_seqs=max_seqs, dtype=dtype, indexer="bf16")
+        # On a GPU the pool's work goes on torch's current stream, so every v4pool launch and
+        # upload is ordered with the model's own kernels (no cross-stream races).
+        stream = torch.cuda.current_stream() if backend == "cuda" else None
+        self.pool = v4pool.Pool(self.plan, backend=backend, device=device, stream=stream)
+        self.device = next(model.parameters()).device
+        self.max_blocks = -(-max_context // BLOCK)
+        self.fwd = v4pool.Forward(
+            self.pool, max_seqs, max_seqs, self.max_blocks,
+            prefill_tokens=max_seqs * chunk, win=self.win, index_topk=self.topk,
+        )
+        self.fp8 = self.fwd.fp8
+        self.ordinal = []  # a layer's index among the layers of its class
+        seen = {}
+        for r in self.ratios:
+            self.ordinal.append(seen.get(r, 0))
+            seen[r] = seen.get(r, 0) + 1
+        self._views = {}
+        self._state = {}
+        self._ctx = None
+        self._next_id = 0
+        self._orig = {}
+        # The scheduler's side: a KvManager over the pool (prefix reuse with checkpoints,
+        # preemption), or none (the pool's slots and blocks taken directly, e.g. a handoff's
+        # receiver, which only continues requests handed to it).
+        self.manager = v4pool.KvManager(self.pool, policy=policy) if manager else None
+        self._ikeys = {}
+
+    # ---- pool views (zero-copy torch tensors over the pool's memory) -------------------
+
+    def view(self, layer):
+        if layer not in self._views:
+            planes = [torch.from_dlpack(self.pool.layer_view(layer, p)) for p in range(self.pool.num_planes)]
+            self._views[layer] = planes
+        return self._views[layer]
+
+    def rows(self, layer, idx: torch.Tensor) -> torch.Tensor:
+        """Rows `idx` of `layer`'s view as bf16 `[n, 512]` (fp8 rows dequantised)."""
+        planes = self.view(layer)
+        idx = idx.long()
+        if self.fp8:
+            return _dequant_fp8(planes[0][idx], planes[1][idx])
+        return planes[0][idx]
+
+    def index_keys(self, layer, blocks, entries: int) -> torch.Tensor:
+        """CSA layer `layer`'s first `entries` index keys of a request with block handles
+        `blocks`, read from the pool's bf16 indexer cache `[entries, index_head_dim]`."""
+        rank = self.ordinal[layer]
+        if rank not in self._ikeys:
+            self._ikeys[rank] = torch.from_dlpack(self.pool.indexer_view(rank))
+        per = BLOCK // CSA
+        w = torch.arange(entries, device=self.device)
+        ids = torch.tensor([b.id for b in blocks], dtype=torch.long, device=self.device)
+        return self._ikeys[rank][ids[w // per] if entries else w, w % per]
+
+    def state(self, name):
+        if name not in self._state:
+            self._state[name] = torch.from_dlpack(self.pool.state_view(name))
+        return self._state[name]
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def add(self, prompt) -> Request:
+        """A new request, admitted (with the manager: its prefix hit restored)."""
+        r = Request(self._next_id, list(prompt))
+        self._next_id += 1
+        r.tokens = list(prompt)
+        if self.manager is None:
+            r.slot = self.pool.alloc_slot()
+            return r
+        r.mid = self.manager.add_request(r.tokens)
+        r.hashes = self.manager.block_hashes(r.tokens)
+        self.admit(r)
+        return r
+
+    def admit(self, r: Request) -> int:
+        """Admit `r` (waiting: new or preempted); returns the hit tokens. The slot comes back
+        restored from the hit's checkpoint, prefill resumes at the hit."""
+        hit = self.manager.admit(r.mid)
+        r.computed = hit
+        return hit
+
+    def preempt(self, r: Request):
+        """Preempt a running request: its slot goes, its committed blocks stay cached (a
+        rolling checkpoint at its last block boundary), it waits for `admit`."""
+        self.manager.preempt(r.mid)
+        r.computed = 0
+
+    def _slot(self, r):
+        return r.slot if self.manager is None else self.manager.slot(r.mid)
+
+    def _blocks(self, r):
+        return r.blocks if self.manager is None else self.manager.blocks(r.mid)
+
+    def _table(self, r):
+        return [b.id for b in r.blocks] if self.manager is None else self.manager.block_table(r.mid)
+
+    def _grow(self, r: Request, n: int):
+        """Blocks for `n` more tokens of `r`."""
+        if self.manager is not None:
+            self.manager.allocate(r.mid, n)
+            return
+        while len(r.blocks) * BLOCK < r.computed + n:
+            r.blocks.append(self.pool.alloc_block())
+
+    def _commit(self, reqs, counts):
+        """After a forward: its tokens are in the pool. New full blocks get their hashes
+        (generated tokens too, so a resumed request hits them); the manager commits (storing checkpoints at block boundaries), and
+        once the forward's work is complete (a GPU: torch's stream, which the pool shares)
+        its stored checkpoints become ready."""
+        for r, n in zip(reqs, counts):
+            r.computed += n
+            if self.manager is None:
+                continue
+            known = len(r.tokens) // BLOCK
+            if known > len(r.hashes):
+                new = self.manager.block_hashes(r.tokens[: known * BLOCK])[len(r.hashes):]
+                self.manager.extend_hashes(r.mid, new)
+                r.hashes += new
+            self.manager.commit(r.mid, n)
+        if self.manager is not None:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            self.manager.complete_inflight()
+            self.manager.rebalance()
+
+    def finish(self, r: Request):
+        if self.manager is not None:
+            if r.mid is not None:
+                self.manager.finish(r.mid)
+                r.mid = None
+            return
+        for b in r.blocks:
+            self.pool.free_block(b)
+        if r.slot is not None:
+            self.pool.free_slot(r.slot)
+        r.blocks, r.slot = [], None
+
+    def handoff(self, r: Request, receiver: "PoolEngine") -> Request:
+        """Hand running `r` to `receiver` (an engine without a manager on a pool of the same
+        layout) through v4pool's in-process transfer engine: its blocks and whole slot are
+        copied; `r` is finished here; the returned request continues on `receiver`."""
+        if receiver.manager is not None:
+            raise ValueError("the receiver holds handed-off requests itself: attach it with manager=False")
+        slot, blocks, n = self.manager.handoff(r.mid, receiver.pool)
+        if n != r.computed:
+            raise RuntimeError(f"handoff carried {n} tokens, the request computed {r.computed}")
+        moved = Request(receiver._next_id, r.prompt, slot=slot, blocks=blocks, tokens=list(r.tokens),
+                        computed=r.computed, logits=list(r.logits))
+        receiver._next_id += 1
+        self.finish(r)
+        return moved
+
+    # ---- the attention the model runs --------------------------------------------------
+
+    def __enter__(self):
+        for layer in self.model.model.layers:
+            attn = layer.self_attn
+            self._orig[attn] = attn.forward
+            attn.forward = _bind(self, attn)
+        return self
+
+    def __exit__(self, *exc):
+        for attn, f in self._orig.items():
+            attn.forward = f
+        self._orig.clear()
+
+    # ---- forwards ------------------------------------------------------------------------
+
+    def _run(self, ctx, input_ids, position_ids):
+        self._ctx = ctx
+        try:
+            with torch.no_grad(), self:
+                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        finally:
+            self._ctx = None
+        return out.logits[0].float()
+
+    def prefill(self, reqs, chunks):
+        """One prefill forward: `chunks[i]` new tokens of `reqs[i]` (contiguous, in batch order)."""
+        starts, ids, pos = [], [], []
+        for r, n in zip(reqs, chunks):
+            cs = r.computed
+            self._grow(r, n)
+            starts.append(cs)
+            ids += r.tokens[cs:cs + n]
+            pos += list(range(cs, cs + n))
+        slots = [self._slot(r) for r in reqs]
+        f = self.fwd
+        f.prefill_stage([s.position for s in slots], starts, chunks, [self._table(r) for r in reqs])
+        f.prefill_build()
+        f.stage_window(slots, starts, chunks)
+        firsts = [sum(chunks[:i]) for i in range(len(reqs))]
+        f.state_stage(slots, firsts,
+                      [list(range(s, s + n)) for s, n in zip(starts, chunks)],
+                      [s + n for s, n in zip(starts, chunks)])
+        ctx = _Fwd("prefill", reqs, starts, chunks, [self._blocks(r) for r in reqs], [s.position for s in slots])
+        logits = self._run(ctx, torch.tensor([ids], device=self.device), torch.tensor([pos], device=self.device))
+        self._commit(reqs, chunks)
+        return [logits[firsts[i] + chunks[i] - 1] for i in range(len(reqs))]
+
+    def decode(self, reqs):
+        """One decode step: each request's last token (its KV not yet in the pool)."""
+        ids, pos = [], []
+        for r in reqs:
+            self._grow(r, 1)
+            ids.append(r.tokens[r.computed])
+            pos.append(r.computed)
+        f = self.fwd
+        slots = [self._slot(r) for r in reqs]
+        f.decode_stage([s.position for s in slots], [p + 1 for p in pos], [self._table(r) for r in reqs])
+        f.decode_build()
+        f.state_stage(slots, list(range(len(reqs))), [[p] for p in pos], [p + 1 for p in pos])
+        ctx = _Fwd("decode", reqs, pos, [1] * len(reqs), [self._blocks(r) for r in reqs], [s.position for s in slots])
+        logits = self._run(ctx, torch.tensor([ids], device=self.device), torch.tensor([pos], device=self.device))
+        self._commit(reqs, [1] * len(reqs))
+        return [logits[i] for i in range(len(reqs))]
+
+    def _stop(self, r: Request, chunk: int) -> int:
+        """Tokens of `r`'s next prefill chunk (0: it decodes): up to its last known token but
+        the pending one (with the manager: also at checkpoint points, see `prefill_stop`)."""
+        if self.manager is not None:
+            return self.manager.prefill_stop(r.mid, chunk)
+        end = len(r.tokens) - (1 if r.generated else 0)
+        return max(0, min(chunk, end - r.computed))
+
+    def step(self, reqs, *, chunk=None):
+        """One scheduler step over running `reqs`: a prefill forward for those with prompt (or,
+        resumed, recomputation) left, else one decode step for all. A request whose prefill
+        reached its last token picks its first generated token. Returns whether it decoded."""
+        chunk = chunk or self.chunk
+        live = [(r, n) for r in reqs for n in [self._stop(r, chunk)] if n > 0]
+        if live:
+            rs, ns = [r for r, _ in live], [n for _, n in live]
+            for r, lg in zip(rs, self.prefill(rs, ns)):
+                if r.computed == len(r.tokens):  # the prompt's last token: its logits choose
+                    r.logits.append(lg)
+                    r.tokens.append(int(lg.argmax()))
+            return False
+        for r, lg in zip(reqs, self.decode(reqs)):
+            r.logits.append(lg)
+            r.tokens.append(int(lg.argmax()))
+        return True
+
+    def run(self, reqs, max_new_tokens, *, chunk=None):
+        """Steps until every request of `reqs` has `max_new_tokens` generated tokens (those
+        done drop out of the batch)."""
+        while True:
+            live = [r for r in reqs if r.generated < max_new_tokens]
+            if not live:
+                return
+            self.step(live, chunk=chunk)
+
+    def generate(self, prompts, max_new_tokens, *, chunk=None):
+        """Greedy generation for `prompts` (token lists) in one batch: chunked prefill, then
+        decode steps. Returns `(tokens, logits)` per request (generated tokens; the logits
+        that chose them, float32)."""
+        reqs = []
+        try:
+            for p in prompts:
+                reqs.append(self.add(p))
+            self.run(reqs, max_new_tokens, chunk=chunk)
+            return [(r.tokens[len(r.prompt):], torch.stack(r.logits)) for r in reqs]
+        finally:
+            for r in reqs:
+                self.finish(r)
+
+
+@dataclass
+class _Fwd:
+    """The forward the attention layers are in: its requests and their new tokens."""
+
+    mode: str
+    reqs: list
+    starts: list  # first new position per request
+    counts: list  # new tokens per request
+    blocks: list  # per request its block handles (the manager's, current this forward)
+    positions: list  # per request its slot position this forward
+
+    def spans(self):
+        t = 0
+        for r, s, n in zip(self.reqs, self.starts, self.counts):
+            yield r, s, n, t
+            t += n
+
+    def of(self, r):
+        """(slot position, block handles) of `r` this forward."""
+        i = next(i for i, x in enumerate(self.reqs) if x is r)
+        return self.positions[i], self.blocks[i]
+
+
+def attach(model, **kw) -> PoolEngine:
+    """A PoolEngine over `model` (a DeepseekV4ForCausalLM): see the module doc."""
+    return PoolEngine(model, **kw)
+
+
+def _bind(engine, attn):
+    def forward(hidden_states, position_embeddings, position_ids, attention_mask=None, past_key_values=None, **kw):
+        return _attention(engine, attn, hidden_states, position_embeddings, position_ids)
+
+    return forward
+
+
+# ---- compressors over the pool's state ------------------------------------------------------
+
+
+def _entries(engine, ctx, comp, layer, kv, gate, state_kv, state_score, ratio, overlap, head_dim):
+    """Compressed entries that close in this forward, per request: the softmax-gated pool of
+    each window, from this forward's rows (tokens at or after the request's start) and the
+    pool's state ring (earlier tokens: read before this forward's state update). Returns a
+    list per request of (first entry index, entries [n, head_dim] before norm/rope inputs)."""
+    out = []
+    S = state_kv.shape[2]
+    for r, s, n, t0 in ctx.spans():
+        # Window w closes at token w * ratio + ratio - 1: those closing in [s, s + n).
+        w0 = max(0, -(-(s - ratio + 1) // ratio))
+        w1 = (s + n) // ratio  # exclusive
+        if w1 <= w0:
+            out.append((w0, None, None))
+            continue
+        pos = ctx.of(r)[0]
+        width = 2 * ratio if overlap else ratio
+        nw = w1 - w0
+        new_kv = kv.new_zeros((1, nw, width, head_dim))
+        new_gate = gate.new_full((1, nw, width, head_dim), float("-inf"))
+
+        def tok(p, half):
+            """(kv, gate) of token p's half (0: Ca / the only series, 1: Cb)."""
+            lo, hi = (0, head_dim) if half == 0 else (head_dim, 2 * head_dim)
+            if p >= s:
+                return kv[t0 + p - s, lo:hi], gate[t0 + p - s, lo:hi]
+            row = p % S
+            return (state_kv[comp, pos, row, lo:hi].to(kv.dtype), state_score[comp, pos, row, lo:hi].to(gate.dtype))
+
+        for i, w in enumerate(range(w0, w1)):
+            for j in range(ratio):
+                p = w * ratio + j
+                half = 1 if overlap else 0
+                new_kv[0, i, (ratio if overlap else 0) + j], new_gate[0, i, (ratio if overlap else 0) + j] = tok(p, half)
+                if overlap and w > 0:
+                    q = (w - 1) * ratio + j
+                    new_kv[0, i, j], new_gate[0, i, j] = tok(q, 0)
+        out.append((w0, new_kv, new_gate))
+    return out
+
+
+def _compress(engine, ctx, module, layer, hidden, kind, ape_name):
+    """One compressor (`module`: transformers' compressor or indexer) over this forward:
+    its state update in the pool, and the entries that close here (normed and rotated as
+    transformers does). Returns per request `(first entry, entries)` or `(w, None)`."""
+    ratio = module.compress_rate
+    overlap = kind != "hca_main"
+    head_dim = module.head_dim
+    kv = module.kv_proj(hidden)[0]
+    gate = module.gate_proj(hidden)[0]
+    # The score the state holds: gate + bias in the model's dtype (transformers adds them so).
+    pos = torch.cat([torch.arange(s, s + n, device=kv.device) for _, s, n, _ in ctx.spans()])
+    score = gate + module.position_bias[pos % ratio]
+    kv_name, score_name = {"csa_main": ("csa_main_kv", "csa_main_score"),
+                           "csa_idx": ("csa_idx_kv", "csa_idx_score"),
+                           "hca_main": ("hca_main_kv", "hca_main_score")}[kind]
+    ordinal = engine.ordinal[layer]
+    skv = engine.state(kv_name)
+    ssc = engine.state(score_name)
+    # Entries first: they read the state ring as the previous forward left it.
+    raw = _entries(engine, ctx, ordinal, layer, kv, score, skv, ssc, ratio, overlap, head_dim)
+    res = []
+    for (w0, nkv, ngate), (r, s, n, t0) in zip(raw, ctx.spans()):
+        if nkv is None:
+            res.append((w0, None))
+            continue
+        comp = module.kv_norm((nkv * ngate.softmax(dim=2, dtype=torch.float32).to(nkv.dtype)).sum(dim=2))
+        positions = (torch.arange(w0, w0 + nkv.shape[1], device=nkv.device) * ratio).unsqueeze(0)
+        cos, sin = module.rotary_emb(comp, position_ids=positions, layer_type=module.rope_layer_type)
+        comp = _mv4.apply_rotary_pos_emb(comp.unsqueeze(1), cos, sin).squeeze(1)
+        res.append((w0, comp[0]))
+    # Then the state update (section 8): this forward's rows into the ring.
+    ape = torch.zeros((ratio, kv.shape[1]), dtype=score.dtype, device=score.device)
+    engine.fwd.state_update(kind, ordinal, kv.contiguous(), score.contiguous(), ape)
+    return res
+
+
+def _write_entries(engine, layer, cls, ctx, entries, ratio, index_entries=None):
+    """The compressor's emitted rows at the requests' compressed rows (before attention); for
+    a CSA layer also the indexer's keys of the same entries, in the pool's indexer cache
+    (before the indexer scores them)."""
+    per_block = BLOCK // ratio
+    blocks, rows, kvs = [], [], []
+    for (w0, e), (r, *_rest) in zip(entries, ctx.spans()):
+        if e is None:
+            continue
+        for i in range(e.shape[0]):
+            w = w0 + i
+            blocks.append(ctx.of(r)[1][w // per_block])
+            rows.append(w % per_block)
+        kvs.append(e)
+    if not kvs:
+        return
+    engine.fwd.stage_compressed(cls, blocks, rows)
+    engine.fwd.write_compressed(layer, cls, torch.cat(kvs).to(torch.bfloat16).contiguous())
+    if index_entries is not None:
+        keys = [e for _, e in index_entries if e is not None]
+        engine.fwd.write_index_keys(engine.ordinal[layer], torch.cat(keys).to(torch.bfloat16).contiguous())
+
+
+def _indexer_topk(engine, ctx, indexer, layer, hidden, q_residual, position_ids, entries):
+    """transformers' indexer scoring over each request's compressed keys (read from the
+    pool's indexer cache, where this forward's entries were just written): int64 rows
+    `[valid ids | -1 tail]`, `min(index_topk, entries)` wide, padded with -1 to one width."""
+    rows = []
+    for r, s, n, t0 in ctx.spans():
+        keys = engine.index_keys(layer, ctx.of(r)[1], (s + n) // indexer.compress_rate)
+        hs = hidden[:, t0:t0 + n]
+        pid = position_ids[:, t0:t0 + n]
+        if keys.shape[0] == 0:
+            rows.append(torch.full((n, 1), -1, dtype=torch.long, device=hidden.device))
+            continue
+        cos_q, sin_q = indexer.rotary_emb(hs, position_ids=pid, layer_type=indexer.rope_layer_type)
+        q = indexer.q_b_proj(q_residual[:, t0:t0 + n]).view(1, n, -1, indexer.head_dim).transpose(1, 2)
+        q = _mv4.apply_rotary_pos_emb(q, cos_q, sin_q).transpose(1, 2)
+        scores = indexer.scorer(q, keys.unsqueeze(0), hs)
+        k = min(indexer.index_topk, keys.shape[0])
+        thr = (pid + 1) // indexer.compress_rate
+        fut = torch.arange(keys.shape[0], device=keys.device).view(1, 1, -1) >= thr.unsqueeze(-1)
+        scores = scores.masked_fill(fut, float("-inf"))
+        top = scores.topk(k, dim=-1).indices
+        top = torch.where(top >= thr.unsqueeze(-1), torch.full_like(top, -1), top)
+        rows.append(top[0])
+    width = max(x.shape[1] for x in rows)
+    return torch.cat([F.pad(x, (0, width - x.shape[1]), value=-1) for x in rows])
+
+
+# ---- attention over the rows the index buffers name ----------------------------------------
+
+
+def _keys_of(engine, layer, ratio, mode, ind, ptr, own, topk, s0, n, t0, dtype):
+    """One request's keys and mask for transformers' eager attention, laid out as its own
+    cache hands them over: `[window: the last 127 positions before the chunk, then the chunk
+    (decode: the last 128 positions, the token's own row last) | every compressed entry in
+    ascending order]`, each row fetched from the pool through the class's index buffer (the
+    chunk's own rows in prefill from this forward's KV), masked as transformers masks them:
+    the sliding window causally, HCA entries that close after a query, CSA entries its
+    top-k did not select. Returns keys `[1, 1, L, 512]` and an additive mask `[1, 1, n, L]`."""
+    dev = ind.device
+    neg = float("-inf")
+    p_last = s0 + n - 1
+    if mode == "decode":
+        a, b = int(ptr[t0]), int(ptr[t0 + 1])
+        nw = min(p_last + 1, 128)
+        sl = ind[a:b]
+        window = engine.rows(layer, sl[b - a - nw:])
+        head = sl[: b - a - nw]
+        wpos = torch.arange(p_last - nw + 1, p_last + 1, device=dev)
+        heads = [head]
+    else:
+        pre0 = min(s0, 127)
+        a, b = int(ptr[t0]), int(ptr[t0 + 1])
+        sl = ind[a:b]
+        prev = sl[:pre0] if ratio == HCA else sl[b - a - pre0:]
+        window = torch.cat([engine.rows(layer, prev), own[t0:t0 + n]])
+        wpos = torch.arange(s0 - pre0, s0 + n, device=dev)
+        heads = []
+        for t in range(t0, t0 + n):
+            a, b = int(ptr[t]), int(ptr[t + 1])
+            p = s0 + t - t0
+            pre = min(p + 1, 128) - min(p - s0 + 1, 128)
+            heads.append(ind[a + pre:b] if ratio == HCA else ind[a:b - pre])
+    qpos = torch.arange(s0, s0 + n, device=dev)
+    vis = (wpos.unsqueeze(0) <= qpos.unsqueeze(1)) & (wpos.unsqueeze(0) > qpos.unsqueeze(1) - 128)
+    wmask = torch.zeros(vis.shape, dtype=dtype, device=dev).masked_fill(~vis, neg)
+    if ratio == 0:
+        return window.view(1, 1, -1, window.shape[-1]), wmask.view(1, 1, n, -1)
+    if ratio == HCA:
+        entries = engine.rows(layer, heads[-1])  # the last query's head: every entry so far
+        e = torch.arange(entries.shape[0], device=dev)
+        ok = e.unsqueeze(0) < ((qpos + 1) // HCA).unsqueeze(1)
+        if mode == "decode":
+            ok = torch.ones_like(ok)
+    else:
+        num = (p_last + 1) // CSA  # entries of the context after this forward
+        entries = window.new_zeros((num, window.shape[-1]))
+        ok = torch.zeros((n, num), dtype=torch.bool, device=dev)
+        for i, head in enumerate(heads):
+            ids = topk[t0 + i, : head.shape[0]].to(dev)
+            if head.shape[0]:
+                entries[ids] = engine.rows(layer, head)
+                ok[i, ids] = True
+    cmask = torch.zeros(ok.shape, dtype=dtype, device=dev).masked_fill(~ok, neg)
+    keys = torch.cat([window, entries])
+    mask = torch.cat([wmask, cmask], dim=-1)
+    return keys.view(1, 1, -1, keys.shape[-1]), mask.view(1, 1, n, -1)
+
+
+def _attention(engine, attn, hidden_states, position_embeddings, position_ids):
+    ctx = engine._ctx
+    layer = attn.layer_idx
+    ratio = engine.ratios[layer]
+    cls = CLASS[ratio]
+    f = engine.fwd
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, attn.head_dim)
+    cos, sin = position_embeddings[attn.rope_layer_type]
+    q_residual = attn.q_a_norm(attn.q_a_proj(hidden_states))
+    q = attn.q_b_proj(q_residual).view(*hidden_shape).transpose(1, 2)
+    q = attn.q_b_norm(q)
+    q = _mv4.apply_rotary_pos_emb(q, cos, sin)
+    kv = attn.kv_norm(attn.kv_proj(hidden_states)).view(*hidden_shape).transpose(1, 2)
+    kv = _mv4.apply_rotary_pos_emb(kv, cos, sin)
+    kv_rows = kv[0, 0].contiguous()  # [T, 512]
+    T = kv_rows.shape[0]
+
+    if ctx.mode == "decode":
+        f.write_decode(layer, kv_rows)  # the token attends to itself: before attention
+
+    topk = None
+    if ratio:
+        comp = attn.compressor
+        kind = "csa_main" if ratio == CSA else "hca_main"
+        entries = _compress(engine, ctx, comp, layer, hidden_states, kind, None)
+        idx_entries = None
+        if ratio == CSA:  # the indexer's entries close at the same windows as the main ones
+            idx_entries = _compress(engine, ctx, comp.indexer, layer, hidden_states, "csa_idx", None)
+        # Emitted rows and index keys before the indexer and attention read them.
+        _write_entries(engine, layer, cls, ctx, entries, ratio, idx_entries)
+        if ratio == CSA:
+            topk = _indexer_topk(engine, ctx, comp.indexer, layer, hidden_states, q_residual, position_ids, idx_entries)
+            if ctx.mode == "decode":
+                f.decode_csa_pack(topk)
+            else:
+                f.prefill_csa_pack(topk)
+
+    if ctx.mode == "decode":
+        ind = torch.from_dlpack(f.decode_indices(cls)).long()
+        ptr = torch.from_dlpack(f.decode_indptr(cls)).long()
+        own = None
+    else:
+        ind = torch.from_dlpack(f.prefill_buffer("indices", cls)).long()
+        ptr = torch.from_dlpack(f.prefill_buffer("indptr", cls)).long()
+        own = quantize_fp8_reference(kv_rows) if engine.fp8 else kv_rows  # in-chunk rows at the pool's precision
+    outs = []
+    for r, s0, n, t0 in ctx.spans():
+        keys, mask = _keys_of(engine, layer, ratio, ctx.mode, ind, ptr, own, topk if ratio == CSA else None,
+                              s0, n, t0, q.dtype)
+        o, _ = _mv4.eager_attention_forward(attn, q[:, :, t0:t0 + n], keys, keys, mask, scaling=attn.scaling)
+        outs.append(o)  # [1, n, H, D]
+    if ctx.mode == "prefill":
+        f.write_window(layer, kv_rows)  # the ring write: after attention
+
+    attn_output = torch.cat(outs, dim=1)  # [1, T, H, D], as transformers' attention returns it
+    attn_output = _mv4.apply_rotary_pos_emb(attn_output.transpose(1, 2), cos, -sin).transpose(1, 2)
+    grouped = attn_output.reshape(*input_shape, attn.config.o_groups, -1)
+    grouped = attn.o_a_proj(grouped).flatten(2)
+    return attn.o_b_proj(grouped), None

@@ -1,0 +1,701 @@
+//! The forward's own-row writes (docs/forward.md): the model's bf16 KV into the pool's row
+//! format, through the `v4pool_kv_rows` kernel (fp8 pack or bf16 copy).
+//!
+//! ```text
+//! let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens })?;   // once
+//! // decode: the token's own rows are the decode build's destination rows
+//! w.write_decode(&path, layer, &kv)?;                 // per layer, before its attention
+//! // prefill: the chunk's window rows (the ring write), staged once per forward
+//! w.stage_window(&[WindowSeq { slot, first_position, tokens }, ..])?;
+//! w.write(layer, RowSet::Window, &kv)?;               // per layer, after its attention
+//! // a compressor's emitted entries at the request's compressed rows
+//! w.stage_compressed(Class::Csa, &[CompressedRow { block, row }, ..])?;
+//! w.write(layer, RowSet::Compressed(Class::Csa), &kv)?;  // before the indexer and attention
+//! ```
+//!
+//! Rows are computed from the geometry (`window_index`, `compress_index`) from slot leases and
+//! block handles, never taken from the caller; a write re-checks every staged lease and block
+//! under the pool's state lock and queues its launch under the same lock.
+
+use super::decode::check_live;
+use super::owned::{Carve, Owned};
+use super::{DecodePath, Pool, PoolError};
+use crate::alloc::{BlockHandle, SlotHandle};
+use crate::backend::BackendError;
+use crate::geometry::{Class, DENSE_RATIO};
+use crate::index::{DevicePtr, KvRowsArgs, Launch, FP8_NOPE_ROW_BYTES, KV_ROW_VALUES, ROPE_ROW_BYTES};
+use std::sync::Arc;
+use thiserror::Error;
+
+/// What a KV row write refuses, before anything is launched.
+#[derive(Debug, Error)]
+pub enum RowWriteError {
+    /// More tokens than the writer was sized for.
+    #[error("{got} tokens exceed the writer's capacity of {cap}")]
+    TooManyTokens {
+        /// Tokens given.
+        got: usize,
+        /// `max_tokens`.
+        cap: usize,
+    },
+    /// A KV buffer that is not `tokens` rows of 512 bf16 values.
+    #[error("kv holds {len} bf16 values, not {tokens} rows of {row} (row stride {stride})")]
+    KvShape {
+        /// Values given.
+        len: usize,
+        /// Rows needed.
+        tokens: usize,
+        /// Values per row read.
+        row: usize,
+        /// Values from one row to the next.
+        stride: usize,
+    },
+    /// A layer the rows cannot go to.
+    #[error("layer {layer}: {why}")]
+    BadLayer {
+        /// The layer given.
+        layer: usize,
+        /// Why.
+        why: String,
+    },
+    /// Nothing staged for this row set (or staged for another class).
+    #[error("no rows staged for {what}")]
+    NothingStaged {
+        /// The row set asked for.
+        what: String,
+    },
+    /// The layer's class has no compressed rows, or the geometry lacks the class.
+    #[error("class {class:?} has no {what} rows in this pool")]
+    NoSuchRows {
+        /// The class asked for.
+        class: Class,
+        /// Window or compressed.
+        what: &'static str,
+    },
+    /// A negative first position.
+    #[error("sequence {seq}: position {position} is negative")]
+    NegativePosition {
+        /// Batch row.
+        seq: usize,
+        /// The position.
+        position: i64,
+    },
+    /// Two sequences of one window stage on one slot: their ring rows would race.
+    #[error("sequences {first} and {second} share slot position {position}")]
+    SharedSlot {
+        /// The first sequence.
+        first: usize,
+        /// The second.
+        second: usize,
+        /// Their position.
+        position: i64,
+    },
+    /// A slot lease that is not live.
+    #[error("sequence {seq}: slot lease is not live: {reason}")]
+    StaleLease {
+        /// Batch row.
+        seq: usize,
+        /// The allocator's reason.
+        reason: String,
+    },
+    /// A block handle that is not live, or a row outside the block.
+    #[error("entry {entry}: {reason}")]
+    BadEntry {
+        /// Entry index.
+        entry: usize,
+        /// Why.
+        reason: String,
+    },
+    /// The decode path's staged batch no longer matches the pool.
+    #[error("decode path: {0}")]
+    Decode(String),
+    /// The indexer's keys are written only to a bf16 indexer cache (the fp8 / fp4 key pack
+    /// has no writer yet).
+    #[error("index keys: the pool's indexer cache is {format}; only a bf16 one has a writer")]
+    IndexerFormat {
+        /// The pool's indexer format (`none` without one).
+        format: &'static str,
+    },
+    /// A pool whose planes are neither the fp8 nor the bf16 row format.
+    #[error("planes of {widths:?} B rows are neither fp8 [512, 128] nor bf16 [1024]")]
+    RowFormat {
+        /// Plane widths.
+        widths: Vec<u64>,
+    },
+    /// Sizes whose byte counts overflow.
+    #[error("a writer of {max_tokens} tokens overflows")]
+    TooLarge {
+        /// `max_tokens`.
+        max_tokens: usize,
+    },
+    /// The backend failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// The pool refused.
+    #[error("pool: {0}")]
+    Pool(String),
+}
+
+type Result<T> = std::result::Result<T, RowWriteError>;
+
+fn pool_err(e: PoolError) -> RowWriteError {
+    match e {
+        PoolError::Backend(b) => RowWriteError::Backend(b),
+        other => RowWriteError::Pool(other.to_string()),
+    }
+}
+
+/// What a writer is sized for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowWriteCapacity {
+    /// Most tokens (rows) one write carries.
+    pub max_tokens: usize,
+}
+
+/// One sequence of a prefill chunk: its tokens are `first_position ..` and sit contiguously in
+/// the KV (sequences in batch order).
+#[derive(Clone, Copy, Debug)]
+pub struct WindowSeq {
+    /// The request's slot.
+    pub slot: SlotHandle,
+    /// Position of the chunk's first token.
+    pub first_position: i64,
+    /// Tokens of the chunk.
+    pub tokens: usize,
+}
+
+/// One compressed entry a compressor emitted: row `row` (`0 .. block_rows` of the class) of
+/// block `block` of the request's block table.
+#[derive(Clone, Copy, Debug)]
+pub struct CompressedRow {
+    /// The block holding the entry.
+    pub block: BlockHandle,
+    /// Row inside the block (entry index mod rows per block).
+    pub row: i64,
+}
+
+/// Which staged rows a write goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowSet {
+    /// The last [`WindowSeq`]s staged: their window rows in the layer's class ring.
+    Window,
+    /// The last [`CompressedRow`]s staged for this class.
+    Compressed(Class),
+}
+
+/// Rows staged for one class: per-class destination rows (layer-independent) on the device.
+#[derive(Debug, Default)]
+enum Staged {
+    #[default]
+    Nothing,
+    Window {
+        slots: Vec<SlotHandle>,
+        tokens: usize,
+    },
+    Compressed {
+        class: Class,
+        blocks: Vec<BlockHandle>,
+        /// Each entry's row in its block (the indexer cache's row for a CSA entry).
+        rows: Vec<i64>,
+    },
+}
+
+/// Values of one index-key row (V4's `index_head_dim`).
+pub const INDEX_KEY_VALUES: usize = 128;
+
+/// A run of consecutive index-key rows: (first staged entry, entries, destination address).
+type KeyRun = (usize, usize, DevicePtr);
+
+/// The KV row writer of one pool: an owned handle (see the module doc).
+#[derive(Debug)]
+pub struct KvRowWriter {
+    pool: Arc<Pool>,
+    owned: Owned,
+    cap: RowWriteCapacity,
+    kv_at: u64,
+    /// Window destination rows, one buffer per class (dense, CSA, HCA).
+    window_at: [u64; 3],
+    compressed_at: u64,
+    window: Staged,
+    compressed: Staged,
+    fp8: bool,
+}
+
+fn class_index(class: Class) -> usize {
+    match class {
+        Class::Dense => 0,
+        Class::Csa => 1,
+        Class::Hca => 2,
+    }
+}
+
+impl Pool {
+    /// A KV row writer for this pool, sized for `cap` (see [`KvRowWriter`]).
+    pub fn kv_row_writer(self: &Arc<Self>, cap: RowWriteCapacity) -> Result<KvRowWriter> {
+        KvRowWriter::new(Arc::clone(self), cap)
+    }
+}
+
+impl KvRowWriter {
+    /// Buffers for `cap` on `pool`'s backend and stream.
+    pub fn new(pool: Arc<Pool>, cap: RowWriteCapacity) -> Result<KvRowWriter> {
+        let widths = &pool.spec().plane_widths;
+        let fp8 = match widths.as_slice() {
+            [w] if *w == 2 * KV_ROW_VALUES as u64 => false,
+            [n, r] if *n == FP8_NOPE_ROW_BYTES && *r == ROPE_ROW_BYTES => true,
+            _ => return Err(RowWriteError::RowFormat { widths: widths.clone() }),
+        };
+        let too_large = RowWriteError::TooLarge { max_tokens: cap.max_tokens };
+        if i32::try_from(cap.max_tokens).is_err() {
+            return Err(too_large);
+        }
+        let n = cap.max_tokens as u64;
+        let mut c = Carve::default();
+        let layout = (|| {
+            let kv = c.take(n.checked_mul(KV_ROW_VALUES as u64)?, 2)?;
+            let w = [c.take(n, 4)?, c.take(n, 4)?, c.take(n, 4)?];
+            let comp = c.take(n, 4)?;
+            Some((kv, w, comp))
+        })();
+        let (kv_at, window_at, compressed_at) = layout.ok_or(too_large)?;
+        let owned = Owned::new(Arc::clone(pool.backend()), pool.stream(), c.end())?;
+        Ok(KvRowWriter {
+            pool,
+            owned,
+            cap,
+            kv_at,
+            window_at,
+            compressed_at,
+            window: Staged::Nothing,
+            compressed: Staged::Nothing,
+            fp8,
+        })
+    }
+
+    /// What the buffers were sized for.
+    pub fn capacity(&self) -> RowWriteCapacity {
+        self.cap
+    }
+    /// Whether the pool packs fp8 rows (else it copies bf16 rows).
+    pub fn is_fp8(&self) -> bool {
+        self.fp8
+    }
+    /// The pool written to.
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    fn check_tokens(&self, tokens: usize) -> Result<()> {
+        if tokens > self.cap.max_tokens {
+            return Err(RowWriteError::TooManyTokens { got: tokens, cap: self.cap.max_tokens });
+        }
+        Ok(())
+    }
+
+    /// Stage a prefill chunk's window rows for every class of the pool (one upload per class):
+    /// of each sequence's tokens the last `min(tokens, ring_slots)` go to their ring rows (the
+    /// ring write), earlier ones nowhere (a later token of the chunk takes their row). Returns
+    /// the tokens staged.
+    pub fn stage_window(&mut self, seqs: &[WindowSeq]) -> Result<usize> {
+        let tokens = seqs.iter().try_fold(0usize, |n, s| n.checked_add(s.tokens));
+        let tokens =
+            tokens.ok_or(RowWriteError::TooManyTokens { got: usize::MAX, cap: self.cap.max_tokens })?;
+        self.check_tokens(tokens)?;
+        for (seq, s) in seqs.iter().enumerate() {
+            if s.first_position < 0 {
+                return Err(RowWriteError::NegativePosition { seq, position: s.first_position });
+            }
+        }
+        let positions = self
+            .pool
+            .with_boundary(|b| {
+                seqs.iter()
+                    .enumerate()
+                    .map(|(seq, s)| {
+                        b.position(s.slot)
+                            .map_err(|e| RowWriteError::StaleLease { seq, reason: e.to_string() })
+                    })
+                    .collect::<Result<Vec<i64>>>()
+            })
+            .map_err(pool_err)??;
+        let mut seen = std::collections::HashMap::with_capacity(positions.len());
+        for (i, &p) in positions.iter().enumerate() {
+            if let Some(first) = seen.insert(p, i) {
+                return Err(RowWriteError::SharedSlot { first, second: i, position: p });
+            }
+        }
+        let g = self.pool.geometry().map_err(pool_err)?;
+        self.window = Staged::Nothing;
+        for class in [Class::Dense, Class::Csa, Class::Hca] {
+            let Some(layer) = g.ratios.iter().position(|&r| r == class.ratio()) else { continue };
+            let mut rows = Vec::with_capacity(tokens);
+            for (s, &slot) in seqs.iter().zip(&positions) {
+                let keep = s.tokens.min(g.ring_slots as usize);
+                for i in 0..s.tokens {
+                    if i < s.tokens - keep {
+                        rows.push(-1); // dropped: the ring keeps only the last ring_slots
+                        continue;
+                    }
+                    let p = s.first_position + i as i64;
+                    let row = g
+                        .window_index(layer, slot, p % g.ring_slots)
+                        .map_err(|e| RowWriteError::BadLayer { layer, why: e.to_string() })?;
+                    rows.push(
+                        i32::try_from(row)
+                            .map_err(|_| RowWriteError::Pool(format!("row {row} exceeds i32")))?,
+                    );
+                }
+            }
+            self.owned.upload(self.window_at[class_index(class)], bytemuck::cast_slice(&rows))?;
+        }
+        self.window = Staged::Window { slots: seqs.iter().map(|s| s.slot).collect(), tokens };
+        Ok(tokens)
+    }
+
+    /// Stage compressed entries of `class` (CSA or HCA): entry `i` goes to row `row` of its
+    /// block (`compress_index`). Returns the entries staged.
+    pub fn stage_compressed(&mut self, class: Class, entries: &[CompressedRow]) -> Result<usize> {
+        self.check_tokens(entries.len())?;
+        if class.ratio() == DENSE_RATIO {
+            return Err(RowWriteError::NoSuchRows { class, what: "compressed" });
+        }
+        let g = self.pool.geometry().map_err(pool_err)?;
+        let layer = g
+            .ratios
+            .iter()
+            .position(|&r| r == class.ratio())
+            .ok_or(RowWriteError::NoSuchRows { class, what: "compressed" })?;
+        self.pool
+            .with_boundary(|b| {
+                entries.iter().enumerate().try_for_each(|(entry, e)| {
+                    b.check_block(e.block)
+                        .map_err(|err| RowWriteError::BadEntry { entry, reason: err.to_string() })
+                })
+            })
+            .map_err(pool_err)??;
+        let mut rows = Vec::with_capacity(entries.len());
+        for (entry, e) in entries.iter().enumerate() {
+            let row = g
+                .compress_index(layer, i64::from(e.block.id), e.row)
+                .map_err(|err| RowWriteError::BadEntry { entry, reason: err.to_string() })?;
+            rows.push(i32::try_from(row).map_err(|_| RowWriteError::Pool(format!("row {row} exceeds i32")))?);
+        }
+        self.compressed = Staged::Nothing;
+        self.owned.upload(self.compressed_at, bytemuck::cast_slice(&rows))?;
+        self.compressed = Staged::Compressed {
+            class,
+            blocks: entries.iter().map(|e| e.block).collect(),
+            rows: entries.iter().map(|e| e.row).collect(),
+        };
+        Ok(entries.len())
+    }
+
+    /// The layer's class and its views (NoPE or bf16 plane, RoPE plane in fp8).
+    fn layer_target(&self, layer: usize) -> Result<(Class, DevicePtr, DevicePtr, i64)> {
+        let g = &self.pool.spec().geometry;
+        let bad = |why: String| RowWriteError::BadLayer { layer, why };
+        let cls = g.layer_class(layer).map_err(|e| bad(e.to_string()))?;
+        let class = Class::from_ratio(cls.ratio).map_err(|e| bad(e.to_string()))?;
+        let v0 = self.pool.layer_view(layer, 0).map_err(|e| bad(e.to_string()))?;
+        let rope =
+            if self.fp8 { self.pool.layer_view(layer, 1).map_err(|e| bad(e.to_string()))?.ptr } else { 0 };
+        Ok((class, v0.ptr, rope, v0.rows))
+    }
+
+    /// Rows a write to `set` reads from its KV (what was staged for it).
+    pub fn staged_rows(&self, set: RowSet) -> Result<usize> {
+        match (set, &self.window, &self.compressed) {
+            (RowSet::Window, Staged::Window { tokens, .. }, _) => Ok(*tokens),
+            (RowSet::Compressed(c), _, Staged::Compressed { class, blocks, .. }) if *class == c => {
+                Ok(blocks.len())
+            }
+            _ => Err(RowWriteError::NothingStaged { what: format!("{set:?}") }),
+        }
+    }
+
+    /// The launch of a write of `tokens` rows of `kv` to `set`'s staged rows in `layer`, and
+    /// the check to run under the lock.
+    fn args(&self, layer: usize, set: RowSet, kv: DevicePtr, stride: usize) -> Result<(KvRowsArgs, usize)> {
+        let (class, nope, rope, view_rows) = self.layer_target(layer)?;
+        let (dest, tokens) = match (set, &self.window, &self.compressed) {
+            (RowSet::Window, Staged::Window { tokens, .. }, _) => {
+                (self.owned.base() + self.window_at[class_index(class)], *tokens)
+            }
+            (RowSet::Compressed(c), _, Staged::Compressed { class: staged, blocks, .. })
+                if *staged == c && c == class =>
+            {
+                (self.owned.base() + self.compressed_at, blocks.len())
+            }
+            _ => {
+                return Err(RowWriteError::NothingStaged {
+                    what: format!("{set:?} of layer {layer} ({class:?})"),
+                })
+            }
+        };
+        let args = KvRowsArgs {
+            kv,
+            dest_rows: dest,
+            batch_id_per_token: 0,
+            nope,
+            rope,
+            kv_row_stride: stride as i64,
+            view_rows,
+            num_tokens: tokens as i32, // at most max_tokens, which fits an i32
+            fp8: i32::from(self.fp8),
+        };
+        Ok((args, tokens))
+    }
+
+    /// Queue `launch` under the pool's lock after re-checking what `set` was staged from.
+    ///
+    /// # Safety
+    /// `launch`'s pointers cover what its kernel reads and writes.
+    unsafe fn queue(&self, set: RowSet, launch: &Launch) -> Result<()> {
+        self.pool
+            .with_boundary(|b| {
+                match (set, &self.window, &self.compressed) {
+                    (RowSet::Window, Staged::Window { slots, .. }, _) => {
+                        for (seq, h) in slots.iter().enumerate() {
+                            b.check_slot(*h)
+                                .map_err(|e| RowWriteError::StaleLease { seq, reason: e.to_string() })?;
+                        }
+                    }
+                    (RowSet::Compressed(_), _, Staged::Compressed { blocks, .. }) => {
+                        for (entry, h) in blocks.iter().enumerate() {
+                            b.check_block(*h)
+                                .map_err(|e| RowWriteError::BadEntry { entry, reason: e.to_string() })?;
+                        }
+                    }
+                    _ => return Err(RowWriteError::NothingStaged { what: format!("{set:?}") }),
+                }
+                // SAFETY: forwarded from the caller.
+                unsafe { self.owned.launch(launch) }.map_err(RowWriteError::from)
+            })
+            .map_err(pool_err)?
+    }
+
+    /// The staged CSA entries' destinations in CSA layer `rank`'s bf16 indexer cache, as
+    /// runs `(first entry, entries, address)` of consecutive rows, checked against the view.
+    fn index_key_runs(&self, rank: usize) -> Result<(Vec<KeyRun>, &[BlockHandle])> {
+        let format = self.pool.spec().indexer.map_or("none", |ix| ix.name());
+        if self.pool.spec().indexer != Some(crate::sizing::IndexerDtype::Bf16) {
+            return Err(RowWriteError::IndexerFormat { format });
+        }
+        let (blocks, rows) = match &self.compressed {
+            Staged::Compressed { class: Class::Csa, blocks, rows } => (blocks, rows),
+            _ => return Err(RowWriteError::NothingStaged { what: "CSA entries (index keys)".into() }),
+        };
+        let view = self.pool.indexer_view(rank, 0).map_err(pool_err)?;
+        let mut runs: Vec<KeyRun> = Vec::new();
+        for (entry, (b, &row)) in blocks.iter().zip(rows).enumerate() {
+            if u64::from(b.id) >= view.blocks || row < 0 || row as u64 >= view.rows_per_block {
+                return Err(RowWriteError::BadEntry {
+                    entry,
+                    reason: format!("block {} row {row} outside the indexer cache", b.id),
+                });
+            }
+            let at = view.ptr + (u64::from(b.id) * view.rows_per_block + row as u64) * view.row_bytes;
+            match runs.last_mut() {
+                Some((first, n, start))
+                    if *start + *n as u64 * view.row_bytes == at && *first + *n == entry =>
+                {
+                    *n += 1
+                }
+                _ => runs.push((entry, 1, at)),
+            }
+        }
+        Ok((runs, blocks))
+    }
+
+    /// Copy under the pool's lock after re-checking the staged blocks: `copy(run)` per run.
+    fn queue_index_keys(
+        &self,
+        blocks: &[BlockHandle],
+        runs: &[KeyRun],
+        mut copy: impl FnMut(&KeyRun) -> std::result::Result<(), BackendError>,
+    ) -> Result<()> {
+        self.pool
+            .with_boundary(|b| {
+                for (entry, h) in blocks.iter().enumerate() {
+                    b.check_block(*h)
+                        .map_err(|e| RowWriteError::BadEntry { entry, reason: e.to_string() })?;
+                }
+                runs.iter().try_for_each(|r| copy(r).map_err(RowWriteError::from))
+            })
+            .map_err(pool_err)?
+    }
+
+    /// The indexer's key rows of the staged CSA entries (`stage_compressed(Class::Csa, ..)`,
+    /// the same entries as the main compressor's) into CSA layer `rank`'s indexer cache:
+    /// `keys` row `i` (128 bf16 values at `i × stride`) to entry `i`'s block and row. Only a
+    /// bf16 indexer cache (copied); before the layer's indexer scores them.
+    pub fn write_index_keys(&self, rank: usize, keys: &[u16], stride: usize) -> Result<()> {
+        let (runs, blocks) = self.index_key_runs(rank)?;
+        let n = blocks.len();
+        let need = if n == 0 { 0 } else { (n - 1) * stride + INDEX_KEY_VALUES };
+        if stride < INDEX_KEY_VALUES || keys.len() < need {
+            return Err(RowWriteError::KvShape { len: keys.len(), tokens: n, row: INDEX_KEY_VALUES, stride });
+        }
+        let (backend, stream) = (self.pool.backend(), self.pool.stream());
+        self.queue_index_keys(blocks, &runs, |&(first, count, at)| {
+            let mut packed = Vec::with_capacity(count * INDEX_KEY_VALUES);
+            for e in first..first + count {
+                packed.extend_from_slice(&keys[e * stride..e * stride + INDEX_KEY_VALUES]);
+            }
+            // SAFETY: `at` and `count` rows lie in the pool's live indexer allocation (checked
+            // against its view); the blocks were re-checked live under this lock.
+            unsafe { backend.upload(at, bytemuck::cast_slice(&packed), stream) }
+        })
+    }
+
+    /// [`Self::write_index_keys`] from device memory: `keys` row `i` at `keys + i × stride × 2`.
+    ///
+    /// # Safety
+    /// `keys` points to live device memory of the pool's backend holding the staged entries'
+    /// rows of 128 bf16 values at `stride` values apart, not overlapping the indexer cache,
+    /// unchanged until the pool's stream has run the copies.
+    pub unsafe fn write_index_keys_from(&self, rank: usize, keys: DevicePtr, stride: usize) -> Result<()> {
+        let (runs, blocks) = self.index_key_runs(rank)?;
+        if stride < INDEX_KEY_VALUES {
+            return Err(RowWriteError::KvShape {
+                len: 0,
+                tokens: blocks.len(),
+                row: INDEX_KEY_VALUES,
+                stride,
+            });
+        }
+        let (backend, stream) = (self.pool.backend(), self.pool.stream());
+        let row = (INDEX_KEY_VALUES * 2) as u64;
+        self.queue_index_keys(blocks, &runs, |&(first, count, at)| {
+            let src = keys + (first * stride * 2) as u64;
+            if stride == INDEX_KEY_VALUES {
+                // SAFETY: source rows covered by the caller; destination checked in the view.
+                return unsafe { backend.copy(at, src, count as u64 * row, stream) };
+            }
+            (0..count as u64).try_for_each(|i| {
+                // SAFETY: as above, one row at a time.
+                unsafe { backend.copy(at + i * row, src + i * (stride as u64) * 2, row, stream) }
+            })
+        })
+    }
+
+    fn upload_kv(&self, kv: &[u16], tokens: usize, stride: usize) -> Result<()> {
+        let need = if tokens == 0 { 0 } else { (tokens - 1) * stride + KV_ROW_VALUES };
+        if stride < KV_ROW_VALUES || kv.len() < need {
+            return Err(RowWriteError::KvShape { len: kv.len(), tokens, row: KV_ROW_VALUES, stride });
+        }
+        // Packed to the staging buffer's stride of 512 values.
+        let mut packed = Vec::with_capacity(tokens * KV_ROW_VALUES);
+        for t in 0..tokens {
+            packed.extend_from_slice(&kv[t * stride..t * stride + KV_ROW_VALUES]);
+        }
+        self.owned.upload(self.kv_at, bytemuck::cast_slice(&packed))?;
+        Ok(())
+    }
+
+    /// Write `kv` (bf16 bits, `tokens` rows `stride` values apart, from host memory) to `set`'s
+    /// staged rows of `layer`: uploaded to the writer's own buffer, then one launch.
+    pub fn write(&self, layer: usize, set: RowSet, kv: &[u16], stride: usize) -> Result<()> {
+        let (args, tokens) = self.args(layer, set, self.owned.base() + self.kv_at, KV_ROW_VALUES)?;
+        self.upload_kv(kv, tokens, stride)?;
+        // SAFETY: kv is this handle's staging buffer holding `tokens` rows of 512; the dest rows
+        // its own (`tokens` entries); the planes are the layer's views, bounded by view_rows.
+        unsafe { self.queue(set, &Launch::KvRows(args)) }
+    }
+
+    /// As [`Self::write`], reading the KV from device memory.
+    ///
+    /// # Safety
+    /// `kv .. + ((tokens − 1) × stride + 512) × 2` bytes (tokens = the staged rows) is live
+    /// memory of the pool's backend holding bf16 values, 2-B aligned, ready on the pool's
+    /// stream, overlapping neither the pool's planes nor this handle's buffers.
+    pub unsafe fn write_from(&self, layer: usize, set: RowSet, kv: DevicePtr, stride: usize) -> Result<()> {
+        if stride < KV_ROW_VALUES {
+            return Err(RowWriteError::KvShape { len: 0, tokens: 0, row: KV_ROW_VALUES, stride });
+        }
+        let (args, _) = self.args(layer, set, kv, stride)?;
+        // SAFETY: kv covered by the caller; the rest as in `write`.
+        unsafe { self.queue(set, &Launch::KvRows(args)) }
+    }
+
+    /// The decode write's launch: the path's staged tokens to their destination rows of
+    /// `layer`'s class (the decode build's output), pads skipped.
+    fn decode_args(
+        &self,
+        path: &DecodePath,
+        layer: usize,
+        kv: DevicePtr,
+        stride: usize,
+    ) -> Result<(KvRowsArgs, usize)> {
+        if !Arc::ptr_eq(path.pool(), &self.pool) {
+            return Err(RowWriteError::Decode("the decode path indexes another pool".into()));
+        }
+        let (class, nope, rope, view_rows) = self.layer_target(layer)?;
+        let dest = path.dest_rows(class).ok_or(RowWriteError::NoSuchRows { class, what: "destination" })?;
+        let bids = path
+            .buffer(crate::pool::DecodeBuffer::BatchIds)
+            .ok_or(RowWriteError::Decode("no batch ids".into()))?;
+        let tokens = path.staged_tokens();
+        Ok((
+            KvRowsArgs {
+                kv,
+                dest_rows: dest.ptr,
+                batch_id_per_token: bids.ptr,
+                nope,
+                rope,
+                kv_row_stride: stride as i64,
+                view_rows,
+                num_tokens: tokens as i32, // at most the path's max_tokens, an i32
+                fp8: i32::from(self.fp8),
+            },
+            tokens,
+        ))
+    }
+
+    /// Queue a decode write under the lock after checking the path's staged positions are
+    /// still live slots (as its build does).
+    ///
+    /// # Safety
+    /// As [`Self::queue`].
+    unsafe fn queue_decode(&self, path: &DecodePath, launch: &Launch) -> Result<()> {
+        self.pool
+            .with_boundary(|b| {
+                check_live(path.staged_positions(), &b.live_positions())
+                    .map_err(|e| RowWriteError::Decode(e.to_string()))?;
+                // SAFETY: forwarded from the caller.
+                unsafe { self.owned.launch(launch) }.map_err(RowWriteError::from)
+            })
+            .map_err(pool_err)?
+    }
+
+    /// A decode token's own rows: `kv` (host memory, the staged tokens' rows `stride` values
+    /// apart) to `layer`'s destination rows from `path`'s last build. Call per layer after
+    /// the build and before the layer's attention (the token attends to itself).
+    pub fn write_decode(&self, path: &DecodePath, layer: usize, kv: &[u16], stride: usize) -> Result<()> {
+        let (args, tokens) = self.decode_args(path, layer, self.owned.base() + self.kv_at, KV_ROW_VALUES)?;
+        self.check_tokens(tokens)?;
+        self.upload_kv(kv, tokens, stride)?;
+        // SAFETY: kv is this handle's staging buffer (tokens ≤ max_tokens rows); the dest rows and
+        // batch ids the path's own (max_tokens entries); the planes the layer's views.
+        unsafe { self.queue_decode(path, &Launch::KvRows(args)) }
+    }
+
+    /// As [`Self::write_decode`], reading the KV from device memory.
+    ///
+    /// # Safety
+    /// As [`Self::write_from`], with tokens = the path's staged tokens.
+    pub unsafe fn write_decode_from(
+        &self,
+        path: &DecodePath,
+        layer: usize,
+        kv: DevicePtr,
+        stride: usize,
+    ) -> Result<()> {
+        if stride < KV_ROW_VALUES {
+            return Err(RowWriteError::KvShape { len: 0, tokens: 0, row: KV_ROW_VALUES, stride });
+        }
+        let (args, _) = self.decode_args(path, layer, kv, stride)?;
+        // SAFETY: kv covered by the caller; the rest as in `write_decode`.
+        unsafe { self.queue_decode(path, &Launch::KvRows(args)) }
+    }
+}

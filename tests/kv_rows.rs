@@ -1,0 +1,320 @@
+//! The KV row writer (`v4pool_kv_rows`): the kernel source itself (the C++ emulation) against
+//! the host reference on fresh random inputs with poisoned outputs, and the pool-level writer
+//! (`Pool::kv_row_writer`) on the host backend: rows land where the geometry says, bytes as
+//! `pack_fp8_row` makes them, nothing else of the planes changes, stale leases and blocks are
+//! refused before any launch.
+
+mod common;
+mod gather_common;
+
+use common::{case_seed, Rng};
+use gather_common::{model_pool, model_pool_with};
+use std::ffi::c_void;
+use std::sync::Arc;
+use v4pool::backend::host::HostBackend;
+use v4pool::geometry::Class;
+use v4pool::index::host::{kv_rows, pack_fp8_row, run_launch, KvPlanes};
+use v4pool::index::shape::launch_shape;
+use v4pool::index::{KvRowsArgs, Launch};
+use v4pool::model::ModelShape;
+use v4pool::pool::{CompressedRow, RowSet, RowWriteCapacity, RowWriteError, WindowSeq};
+use v4pool::sizing::IndexerDtype;
+
+type EmuKvRows = unsafe extern "C" fn(*const c_void, *const u32, u32) -> i32;
+
+/// Random bf16 bits: mostly normal values over a wide range, some zeros, negative zeros,
+/// subnormals, an infinity now and then, and whole zero tiles.
+fn bf16_values(rng: &mut Rng, n: usize) -> Vec<u16> {
+    let mut v: Vec<u16> = (0..n)
+        .map(|_| match rng.below(100) {
+            0..=2 => 0,
+            3 => 0x8000,
+            4..=5 => (rng.below(0x7f) as u16) | if rng.chance(0.5) { 0x8000 } else { 0 },
+            6 => 0x7f80,
+            _ => {
+                let e = 100 + rng.below(60) as u16; // 2^-27 .. 2^32
+                (e << 7) | (rng.below(128) as u16) | if rng.chance(0.5) { 0x8000 } else { 0 }
+            }
+        })
+        .collect();
+    for t in 0..n / 64 {
+        if rng.chance(0.05) {
+            v[t * 64..t * 64 + 64].fill(0);
+        }
+    }
+    v
+}
+
+#[test]
+fn the_kernel_source_matches_the_host_reference() {
+    let Some(path) = v4pool::kernels::host_emulation_library() else {
+        assert!(
+            !std::env::var("V4POOL_REQUIRE_DEVICE_BUILD").is_ok_and(|v| v == "1"),
+            "V4POOL_REQUIRE_DEVICE_BUILD=1 but build.rs built no host-emulation library"
+        );
+        println!("SKIP: no host-emulation library");
+        return;
+    };
+    // SAFETY: the library is ours (build.rs built it from kernels/).
+    let lib = unsafe { libloading::Library::new(path) }.expect("load");
+    // SAFETY: the symbol has this signature (kernels/v4pool_emulation.cpp).
+    let emu = unsafe { *lib.get::<EmuKvRows>(b"v4pool_emu_launch_kv_rows\0").expect("symbol") };
+    for case in 0..24u64 {
+        let mut rng = Rng::new(case_seed("kv-rows-emulated", case));
+        let fp8 = case % 2 == 0;
+        let t = 1 + rng.below(40) as usize;
+        let stride = 512 + 8 * rng.below(3) as usize;
+        let view_rows = 64i64;
+        let kv = bf16_values(&mut rng, (t - 1) * stride + 512);
+        let dest: Vec<i32> = (0..t).map(|_| rng.range(-3, view_rows + 3) as i32).collect();
+        let bids: Vec<i32> = (0..t).map(|_| if rng.chance(0.2) { -1 } else { rng.below(4) as i32 }).collect();
+        let with_bids = rng.chance(0.5);
+        let (w0, w1) = if fp8 { (512usize, 128usize) } else { (1024, 0) };
+        let poison = |w: usize| vec![0xa5u8; view_rows as usize * w];
+        let run = |reference: bool| -> (Vec<u8>, Vec<u8>) {
+            let (mut p0, mut p1) = (poison(w0), poison(w1.max(1)));
+            let args = KvRowsArgs {
+                kv: kv.as_ptr() as u64,
+                dest_rows: dest.as_ptr() as u64,
+                batch_id_per_token: if with_bids { bids.as_ptr() as u64 } else { 0 },
+                nope: p0.as_mut_ptr() as u64,
+                rope: if fp8 { p1.as_mut_ptr() as u64 } else { 0 },
+                kv_row_stride: stride as i64,
+                view_rows,
+                num_tokens: t as i32,
+                fp8: i32::from(fp8),
+            };
+            let launch = Launch::KvRows(args);
+            if reference {
+                // SAFETY: every pointer is a live buffer of the sizes the arguments name.
+                unsafe { run_launch(&launch) }.expect("reference");
+            } else {
+                let shape = launch_shape(&launch);
+                let bytes = v4pool::backend::kernel_argument(&launch);
+                // SAFETY: as above; the argument bytes are the struct the kernel takes.
+                assert_eq!(unsafe { emu(bytes.as_ptr().cast(), shape.grid.as_ptr(), shape.block[0]) }, 0);
+            }
+            (p0, p1)
+        };
+        let host = run(true);
+        let dev = run(false);
+        assert!(host == dev, "case {case}: kernel and host reference differ");
+        // Untouched: rows no live token targets keep the poison; targeted rows do not.
+        let mut hit = vec![false; view_rows as usize];
+        for i in 0..t {
+            if (!with_bids || bids[i] >= 0) && (0..view_rows).contains(&i64::from(dest[i])) {
+                hit[dest[i] as usize] = true;
+            }
+        }
+        for (r, &h) in hit.iter().enumerate() {
+            let row = &host.0[r * w0..(r + 1) * w0];
+            assert_eq!(row.iter().all(|&b| b == 0xa5), !h, "case {case} row {r}");
+        }
+    }
+}
+
+#[test]
+fn the_pack_is_the_spec_row_format() {
+    let mut rng = Rng::new(case_seed("kv-rows-format", 0));
+    let kv = bf16_values(&mut rng, 512);
+    let (mut nope, mut rope) = (vec![0xffu8; 512], vec![0xffu8; 128]);
+    pack_fp8_row(&kv, &mut nope, &mut rope).unwrap();
+    for tile in 0..7 {
+        assert_eq!(nope[448 + 2 * tile], nope[449 + 2 * tile], "each scale twice");
+    }
+    assert!(nope[462..].iter().all(|&b| b == 0), "zero padding");
+    for i in 0..64 {
+        assert_eq!(u16::from_ne_bytes([rope[2 * i], rope[2 * i + 1]]), kv[448 + i], "RoPE copied");
+    }
+    // The reference refuses a short source instead of reading past it.
+    let mut planes = KvPlanes::Bf16 { pool: &mut [0u8; 1024] };
+    assert!(kv_rows(&kv[..511], 512, &[0], None, &mut planes, 1, 1).is_err());
+}
+
+fn host_pool(fp8: bool) -> Arc<v4pool::pool::Pool> {
+    model_pool(Arc::new(HostBackend::new()), &ModelShape::v4_flash(0).unwrap(), fp8, 6, 3)
+}
+
+fn plane(pool: &v4pool::pool::Pool, i: usize) -> Vec<u8> {
+    let mut out = vec![0u8; pool.plane_bytes(i).unwrap() as usize];
+    pool.read_plane(i, 0, &mut out).unwrap();
+    out
+}
+
+#[test]
+fn the_writer_puts_rows_where_the_geometry_says() {
+    for fp8 in [true, false] {
+        let pool = host_pool(fp8);
+        let g = pool.geometry().unwrap();
+        let mut rng = Rng::new(case_seed("kv-rows-writer", u64::from(fp8)));
+        let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens: 300 }).unwrap();
+        // Fresh random plane contents: an untouched byte is one that keeps its value.
+        for i in 0..pool.num_planes() {
+            let bytes = rng.bytes(pool.plane_bytes(i).unwrap() as usize);
+            pool.write_plane(i, 0, &bytes).unwrap();
+        }
+        let a = pool.alloc_slot().unwrap();
+        let b = pool.alloc_slot().unwrap();
+        // Sequence a: 140 tokens from position 5 (more than the ring: the first 12 dropped);
+        // sequence b: 3 tokens from position 1,000.
+        let seqs = [
+            WindowSeq { slot: a.handle, first_position: 5, tokens: 140 },
+            WindowSeq { slot: b.handle, first_position: 1000, tokens: 3 },
+        ];
+        assert_eq!(w.stage_window(&seqs).unwrap(), 143);
+        let csa = g.ratios.iter().position(|&r| r == 4).unwrap();
+        let kv = bf16_values(&mut rng, 143 * 520);
+        let before: Vec<Vec<u8>> = (0..pool.num_planes()).map(|i| plane(&pool, i)).collect();
+        w.write(csa, RowSet::Window, &kv, 520).unwrap();
+        let after: Vec<Vec<u8>> = (0..pool.num_planes()).map(|i| plane(&pool, i)).collect();
+        let base = g.layer_base_row(csa).unwrap();
+        let mut expect = before.clone();
+        let mut put = |t: usize, slot: i64, p: i64| {
+            let row = (base + g.window_index(csa, slot, p % g.ring_slots).unwrap()) as usize;
+            let src = &kv[t * 520..t * 520 + 512];
+            if fp8 {
+                let (mut n, mut r) = (vec![0u8; 512], vec![0u8; 128]);
+                pack_fp8_row(src, &mut n, &mut r).unwrap();
+                expect[0][row * 512..row * 512 + 512].copy_from_slice(&n);
+                expect[1][row * 128..row * 128 + 128].copy_from_slice(&r);
+            } else {
+                let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_ne_bytes()).collect();
+                expect[0][row * 1024..row * 1024 + 1024].copy_from_slice(&bytes);
+            }
+        };
+        for t in 12..140 {
+            put(t, a.position, 5 + t as i64);
+        }
+        for t in 0..3 {
+            put(140 + t, b.position, 1000 + t as i64);
+        }
+        assert!(after == expect, "fp8 {fp8}: window rows differ from the geometry's, or other bytes changed");
+
+        // Compressed rows: entries at rows of two blocks, HCA class.
+        let b0 = pool.alloc_block().unwrap().handle;
+        let b1 = pool.alloc_block().unwrap().handle;
+        let hca = g.ratios.iter().position(|&r| r == 128).unwrap();
+        let entries = [CompressedRow { block: b1, row: 1 }, CompressedRow { block: b0, row: 0 }];
+        w.stage_compressed(Class::Hca, &entries).unwrap();
+        let kv2 = bf16_values(&mut rng, 2 * 512);
+        w.write(hca, RowSet::Compressed(Class::Hca), &kv2, 512).unwrap();
+        let hbase = g.layer_base_row(hca).unwrap();
+        for (i, e) in entries.iter().enumerate() {
+            let row = (hbase + g.compress_index(hca, i64::from(e.block.id), e.row).unwrap()) as usize;
+            let got = &plane(&pool, 0)[row * w0(fp8)..(row + 1) * w0(fp8)];
+            if fp8 {
+                let (mut n, mut r) = (vec![0u8; 512], vec![0u8; 128]);
+                pack_fp8_row(&kv2[i * 512..i * 512 + 512], &mut n, &mut r).unwrap();
+                assert_eq!(got, &n[..]);
+            } else {
+                let bytes: Vec<u8> =
+                    kv2[i * 512..i * 512 + 512].iter().flat_map(|v| v.to_ne_bytes()).collect();
+                assert_eq!(got, &bytes[..]);
+            }
+        }
+        // Staged for HCA, written to a CSA layer: refused.
+        assert!(matches!(
+            w.write(csa, RowSet::Compressed(Class::Hca), &kv2, 512),
+            Err(RowWriteError::NothingStaged { .. })
+        ));
+        // A short KV buffer: refused before any launch.
+        assert!(matches!(
+            w.write(hca, RowSet::Compressed(Class::Hca), &kv2[..1000], 512),
+            Err(RowWriteError::KvShape { .. })
+        ));
+        // A freed block, a freed slot: refused at write time (staged while live).
+        pool.free_block(b0).unwrap();
+        let snapshot = plane(&pool, 0);
+        assert!(matches!(
+            w.write(hca, RowSet::Compressed(Class::Hca), &kv2, 512),
+            Err(RowWriteError::BadEntry { .. })
+        ));
+        pool.free_slot(b.handle).unwrap();
+        assert!(matches!(
+            w.write(csa, RowSet::Window, &kv, 520),
+            Err(RowWriteError::StaleLease { seq: 1, .. })
+        ));
+        assert!(plane(&pool, 0) == snapshot, "a refused write changed the plane");
+        assert!(matches!(w.stage_window(&seqs), Err(RowWriteError::StaleLease { seq: 1, .. })));
+        let twice = WindowSeq { slot: a.handle, first_position: 0, tokens: 1 };
+        assert!(matches!(
+            w.stage_window(&[twice, twice]),
+            Err(RowWriteError::SharedSlot { first: 0, second: 1, .. })
+        ));
+        assert!(matches!(
+            w.stage_window(&[WindowSeq { slot: a.handle, first_position: 0, tokens: 301 }]),
+            Err(RowWriteError::TooManyTokens { .. })
+        ));
+    }
+}
+
+fn w0(fp8: bool) -> usize {
+    if fp8 {
+        512
+    } else {
+        1024
+    }
+}
+
+/// The whole indexer cache of a host pool.
+fn indexer_bytes(pool: &v4pool::pool::Pool) -> Vec<u8> {
+    let v = pool.indexer_view(0, 0).unwrap();
+    let n = pool.spec().csa_layers.len() as u64 * v.blocks * v.rows_per_block * v.row_bytes;
+    let mut out = vec![0u8; n as usize];
+    // SAFETY: the pool's indexer allocation, `n` bytes from CSA layer 0's base (host backend).
+    unsafe { pool.backend().download(&mut out, v.ptr, pool.stream()) }.unwrap();
+    out
+}
+
+#[test]
+fn index_keys_land_at_their_entries_rows_and_nothing_else_changes() {
+    let model = ModelShape::v4_flash(0).unwrap();
+    let pool = model_pool_with(Arc::new(HostBackend::new()), &model, false, 6, 3, Some(IndexerDtype::Bf16));
+    let mut rng = Rng::new(case_seed("index-keys-writer", 0));
+    let v = pool.indexer_view(0, 0).unwrap();
+    assert_eq!((v.rows_per_block, v.row_bytes), (64, 256));
+    let fresh = rng.bytes(indexer_bytes(&pool).len());
+    // SAFETY: as in `indexer_bytes`.
+    unsafe { pool.backend().upload(v.ptr, &fresh, pool.stream()) }.unwrap();
+    let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens: 16 }).unwrap();
+    let b0 = pool.alloc_block().unwrap().handle;
+    let b1 = pool.alloc_block().unwrap().handle;
+    // Two consecutive rows (one copy run), then a row of another block.
+    let entries = [
+        CompressedRow { block: b1, row: 5 },
+        CompressedRow { block: b1, row: 6 },
+        CompressedRow { block: b0, row: 63 },
+    ];
+    w.stage_compressed(Class::Csa, &entries).unwrap();
+    let stride = 136;
+    let keys = bf16_values(&mut rng, 2 * stride + 128);
+    let rank = 2;
+    w.write_index_keys(rank, &keys, stride).unwrap();
+    let mut expect = fresh.clone();
+    let layer_bytes = (v.blocks * 64 * 256) as usize;
+    for (i, e) in entries.iter().enumerate() {
+        let at = rank * layer_bytes + (e.block.id as usize * 64 + e.row as usize) * 256;
+        let bytes: Vec<u8> =
+            keys[i * stride..i * stride + 128].iter().flat_map(|k| k.to_ne_bytes()).collect();
+        expect[at..at + 256].copy_from_slice(&bytes);
+    }
+    assert!(indexer_bytes(&pool) == expect, "index keys off their rows, or other bytes changed");
+    // Refusals, nothing written: a short buffer, a CSA rank past the layers, HCA entries
+    // staged, a freed block, a pool whose indexer cache is fp8.
+    assert!(matches!(w.write_index_keys(rank, &keys[..300], stride), Err(RowWriteError::KvShape { .. })));
+    let ranks = pool.spec().csa_layers.len();
+    assert!(matches!(w.write_index_keys(ranks, &keys, stride), Err(RowWriteError::Pool(_))));
+    pool.free_block(b0).unwrap();
+    assert!(matches!(w.write_index_keys(rank, &keys, stride), Err(RowWriteError::BadEntry { entry: 2, .. })));
+    w.stage_compressed(Class::Hca, &[CompressedRow { block: b1, row: 0 }]).unwrap();
+    assert!(matches!(w.write_index_keys(rank, &keys, stride), Err(RowWriteError::NothingStaged { .. })));
+    assert!(indexer_bytes(&pool) == expect, "a refused write changed the indexer cache");
+    let fp8 = model_pool_with(Arc::new(HostBackend::new()), &model, false, 6, 3, Some(IndexerDtype::Fp8));
+    let mut w8 = fp8.kv_row_writer(RowWriteCapacity { max_tokens: 16 }).unwrap();
+    let b = fp8.alloc_block().unwrap().handle;
+    w8.stage_compressed(Class::Csa, &[CompressedRow { block: b, row: 0 }]).unwrap();
+    assert!(matches!(
+        w8.write_index_keys(0, &keys, stride),
+        Err(RowWriteError::IndexerFormat { format: "fp8" })
+    ));
+}
