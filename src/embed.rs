@@ -295,7 +295,10 @@ mod tests {
     fn variant_names_descend_through_wrappers() {
         let e = PoolError::Geometry(GeometryError::RingSlots { got: -1 });
         assert_eq!(error_variant(&e), "RingSlots");
-        assert_eq!(error_variant(&PoolError::Decode("x".into())), "Decode");
+        let d = PoolError::Decode(Box::new(DecodeError::NegativeTopk(-1)));
+        assert_eq!(error_variant(&d), "NegativeTopk");
+        let p = DecodeError::Pool(Box::new(PoolError::Poisoned));
+        assert_eq!(error_variant(&p), "Poisoned");
         assert_eq!(error_variant(&PoolError::MinSlots(3)), "MinSlots");
         assert_eq!(error_variant(&PoolError::Poisoned), "Poisoned");
         let b = PoolError::Backend(BackendError::UnknownBackendName { value: "x".into() });

@@ -250,15 +250,23 @@ pub enum ModelError {
         /// The ratio given.
         got: i64,
     },
-    /// A source layer list the geometry refuses (unsorted, not a compressed layer, a layer
-    /// with no source before it or with one of another class), or KV sources that are not
-    /// index sources.
+    /// A source layer list that names a draft layer, or KV sources that are not index
+    /// sources.
     #[error("{key}: {reason}")]
     Sources {
         /// The config key.
         key: &'static str,
         /// Why.
         reason: String,
+    },
+    /// A source layer list the geometry refuses (unsorted, not a compressed layer, a layer
+    /// with no source before it or with one of another class).
+    #[error("{key}: {source}")]
+    SourceOwners {
+        /// The config key.
+        key: &'static str,
+        /// What the geometry refused.
+        source: GeometryError,
     },
     /// A config file larger than [`MAX_CONFIG_BYTES`].
     #[error("{path} is larger than {limit} bytes; a config.json is a few kilobytes")]
@@ -295,6 +303,7 @@ impl ModelError {
             TooLarge { .. } => "TooLarge",
             DraftNotWindowOnly { .. } => "DraftNotWindowOnly",
             Sources { .. } => "Sources",
+            SourceOwners { .. } => "SourceOwners",
         }
     }
 }
@@ -662,8 +671,7 @@ fn read_v41_keys<'a>(
                 reason: format!("layer {l} is not a backbone layer (< {backbone})"),
             });
         }
-        resolve_owners(ratios, &list)
-            .map_err(|e: GeometryError| ModelError::Sources { key, reason: e.to_string() })?;
+        resolve_owners(ratios, &list).map_err(|source| ModelError::SourceOwners { key, source })?;
         Ok(list)
     };
     let kv_sources = sources(KV_SOURCES)?;

@@ -8,6 +8,8 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use v4pool::alloc::{BlockHandle, BlockPool, SlotPool};
+// The tests' generator, reached directly: this binary counts allocations and needs no more.
+use v4pool::sim::Rng;
 
 /// Counts allocations made by the current thread (other test threads do not interfere).
 struct Counting;
@@ -42,22 +44,14 @@ fn allocs() -> u64 {
     ALLOCS.with(|c| c.get())
 }
 
-/// xorshift: deterministic churn without a dependency.
-fn next(state: &mut u64) -> u64 {
-    *state ^= *state << 13;
-    *state ^= *state >> 7;
-    *state ^= *state << 17;
-    *state
-}
-
 /// A pool half held, then random frees and allocations, some blocks published so the cached
 /// queue turns too.
-fn churn(pool: &mut BlockPool, held: &mut Vec<BlockHandle>, rounds: usize, seed: &mut u64) {
+fn churn(pool: &mut BlockPool, held: &mut Vec<BlockHandle>, rounds: usize, rng: &mut Rng) {
     for _ in 0..rounds {
-        let i = (next(seed) % held.len() as u64) as usize;
+        let i = (rng.next_u64() % held.len() as u64) as usize;
         let h = held.swap_remove(i);
-        if next(seed) % 4 == 0 {
-            pool.publish_handle(h, next(seed) % 1024, 256).unwrap();
+        if rng.next_u64() % 4 == 0 {
+            pool.publish_handle(h, rng.next_u64() % 1024, 256).unwrap();
         }
         pool.free_handle(h).unwrap();
         held.push(black_box(pool.alloc().unwrap()).handle);
@@ -68,11 +62,11 @@ fn churn(pool: &mut BlockPool, held: &mut Vec<BlockHandle>, rounds: usize, seed:
 fn steady_state_alloc_and_free_do_not_allocate() {
     let mut pool = BlockPool::new(4096).unwrap();
     let mut held: Vec<BlockHandle> = (0..2048).map(|_| pool.alloc().unwrap().handle).collect();
-    let mut seed = 0x9E37_79B9_7F4A_7C15;
+    let mut rng = Rng::new(0x9E37_79B9_7F4A_7C15);
     // Warm up: the prefix index reaches its size, the queues their capacity.
-    churn(&mut pool, &mut held, 50_000, &mut seed);
+    churn(&mut pool, &mut held, 50_000, &mut rng);
     let before = allocs();
-    churn(&mut pool, &mut held, 50_000, &mut seed);
+    churn(&mut pool, &mut held, 50_000, &mut rng);
     // Publishing a hash into the warmed index may still rehash rarely; alloc and free alone
     // must not allocate at all.
     let mid = allocs();
@@ -114,9 +108,9 @@ fn alloc_free_speed() {
         }
         // Realistic: half the pool held, random frees and allocations.
         let mut held: Vec<BlockHandle> = (0..n / 2).map(|_| pool.alloc().unwrap().handle).collect();
-        let mut seed = 0x2545_F491_4F6C_DD1D;
+        let mut rng = Rng::new(0x2545_F491_4F6C_DD1D);
         let t = Instant::now();
-        churn(&mut pool, &mut held, iters as usize, &mut seed);
+        churn(&mut pool, &mut held, iters as usize, &mut rng);
         let mixed = t.elapsed().as_nanos() as f64 / f64::from(iters);
         let mut slots = SlotPool::new(n).unwrap();
         let mut slot = f64::INFINITY;

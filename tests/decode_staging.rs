@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::Rng;
+
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::Stream;
@@ -34,16 +36,6 @@ fn cap(max_seqs: usize, max_tokens: usize, max_blocks_per_seq: usize) -> DecodeC
     DecodeCapacity { max_seqs, max_tokens, max_blocks_per_seq, win: 128, index_topk: 512 }
 }
 
-struct XorShift(u64);
-impl XorShift {
-    fn below(&mut self, m: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % m
-    }
-}
-
 /// Poison every class's index buffer (so cells the build skips would differ), build, read.
 fn build_and_read(path: &mut DecodePath) -> Vec<Vec<i32>> {
     let mut out = Vec::new();
@@ -62,7 +54,7 @@ fn resident_tables_build_the_same_indices_as_full_staging() {
     let mut full = pool.decode_path(cap(8, 16, 40)).unwrap();
     let mut resident = pool.decode_path(cap(8, 16, 40)).unwrap();
     let live: Vec<i64> = pool.geometry().unwrap().live_positions().collect();
-    let mut rng = XorShift(12345);
+    let mut rng = Rng::new(12345);
     let ctx: Vec<i64> = (0..6).map(|_| 2 + rng.below(40 * 256 - 2) as i64).collect();
     let tables: Vec<Vec<i32>> =
         ctx.iter().map(|&c| (0..(c + 255) / 256).map(|_| rng.below(400) as i32).collect()).collect();
@@ -295,7 +287,7 @@ fn decode_path_writes_what_the_geometry_says() {
     let g = pool.geometry().unwrap();
     let mut path = pool.decode_path(DecodeCapacity { index_topk: 16, ..cap(4, 8, 24) }).unwrap();
     let live: Vec<i64> = g.live_positions().collect();
-    let mut rng = XorShift(99);
+    let mut rng = Rng::new(99);
     // Contexts from 1 to the table's reach; one sequence with two tokens (an MTP verify).
     let ctx = [1i64, 300, 129 + rng.below(5000) as i64, 24 * 256];
     let ntok = [1usize, 2, 1, 3];
@@ -394,7 +386,7 @@ fn prefill_path_writes_what_the_geometry_says() {
     // A fresh prompt, a chunk resumed mid-window, a chunk resumed deep in its context.
     let chunks = [(0i64, 200usize), (90, 60), (5000, 300)];
     let slots = [live[5], live[1], live[9]];
-    let mut rng = XorShift(7);
+    let mut rng = Rng::new(7);
     let tables: Vec<Vec<i32>> = chunks
         .iter()
         .map(|&(cs, n)| (0..(cs + n as i64 + 255) / 256).map(|_| rng.below(200) as i32).collect())

@@ -5,6 +5,9 @@
 //! `../shared/spec/v4_pool_geometry.py` beside the checkout; skipped (with a notice) when
 //! python3 or the oracle is missing.
 
+mod common;
+
+use common::Rng;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -69,47 +72,26 @@ for c in json.load(open(sys.argv[2])):
 json.dump(out, sys.stdout)
 "#;
 
-/// xorshift64*: reproducible cases without a dependency.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// Uniform in `lo..=hi`.
-    fn range(&mut self, lo: i64, hi: i64) -> i64 {
-        lo + (self.next() % (hi - lo + 1) as u64) as i64
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
-    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.next() as usize % items.len()]
-    }
-}
-
 /// Arguments inside the domain the two agree on: Rust refuses strictly more (negative
 /// counts, zero or indivisible block sizes, planes past i32), so those stay out.
 fn random_args(rng: &mut Rng) -> Value {
     let n = rng.range(0, 9) as usize;
     let mut ratios: Vec<i32> = (0..n).map(|_| rng.pick(&[0, 4, 128, 4, 128, -1])).collect();
-    if rng.chance(4) && !ratios.is_empty() {
+    if rng.chance(0.04) && !ratios.is_empty() {
         let i = rng.range(0, n as i64 - 1) as usize;
         ratios[i] = rng.pick(&[2, 8, 64, 256, -2, 1]); // unknown: both refuse
     }
     let has_hca = ratios.contains(&128);
     let block_size = if has_hca { 128 * rng.range(1, 3) } else { 4 * rng.range(1, 96) };
-    let ring = if rng.chance(3) { rng.range(-2, 0) } else { rng.range(1, 300) };
+    let ring = if rng.chance(0.03) { rng.range(-2, 0) } else { rng.range(1, 300) };
     let (small, large) = (rng.range(0, 40), rng.range(0, 3000));
-    let arena = if rng.chance(3) { -rng.range(1, 5) } else { rng.pick(&[0, 0, small, large]) };
+    let arena = if rng.chance(0.03) { -rng.range(1, 5) } else { rng.pick(&[0, 0, small, large]) };
     let any_align = rng.range(1, 64);
-    let align = if rng.chance(3) { rng.range(-1, 0) } else { rng.pick(&[1, 2, 2, 4, 8, any_align]) };
+    let align = if rng.chance(0.03) { rng.range(-1, 0) } else { rng.pick(&[1, 2, 2, 4, 8, any_align]) };
     let num_blocks = rng.range(0, 50);
     let num_slots = rng.range(0, 12);
-    let plane = if rng.chance(40) { Value::Null } else { json!(rng.range(-10, 60_000)) };
-    let positions = if rng.chance(60) { Value::Null } else { json!(rng.range(-3, 400)) };
+    let plane = if rng.chance(0.4) { Value::Null } else { json!(rng.range(-10, 60_000)) };
+    let positions = if rng.chance(0.6) { Value::Null } else { json!(rng.range(-3, 400)) };
     json!({
         "ratios": ratios, "num_blocks": num_blocks, "num_slots": num_slots, "ring_slots": ring,
         "block_size": block_size, "plane_rows": plane, "arena_rows": arena,
@@ -162,7 +144,7 @@ fn random_queries(rng: &mut Rng, g: &UnifiedPoolGeometry) -> Value {
         (0..6).map(|_| json!([rng.range(0, 64) * rng.pick(&[1, 2, 4]), rng.range(0, 8)])).collect();
     let mut with_capacity: Vec<Value> = Vec::new();
     for _ in 0..4 {
-        let plane = if rng.chance(30) {
+        let plane = if rng.chance(0.3) {
             Value::Null
         } else {
             json!(g.plane_rows + rng.range(-200, 200).max(-g.plane_rows))
@@ -301,7 +283,7 @@ fn rust_geometry_matches_the_python_oracle() {
         return;
     }
 
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut rng = Rng::new(0x9E37_79B9_7F4A_7C15);
     let mut cases = Vec::with_capacity(CASES);
     let mut rust = Vec::with_capacity(CASES);
     for _ in 0..CASES {

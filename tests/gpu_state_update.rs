@@ -32,14 +32,14 @@ fn forward_on(
 ) -> Vec<Vec<u8>> {
     let pool = v4_pool(backend, model, kv, bs as i64);
     let leases: Vec<_> = (0..bs).map(|_| pool.alloc_slot().unwrap()).collect();
-    poison(&pool, &mut Rng(seed));
+    poison(&pool, &mut Rng::new(seed));
     let cap = StateUpdateCapacity { max_seqs: bs, max_tokens: bs * 300 };
-    let decode = forward(&mut Rng(seed ^ 1), &leases, model.spec_steps + 1, 1_000_000);
+    let decode = forward(&mut Rng::new(seed ^ 1), &leases, model.spec_steps + 1, 1_000_000);
     let what = format!("{} {kv:?} bs={bs} decode on {:?}", model.name, pool.backend().kind());
-    run_forward(&pool, &mut Rng(seed ^ 2), &decode, cap, &what);
-    let prefill = forward(&mut Rng(seed ^ 3), &leases, 300, 5000);
+    run_forward(&pool, &mut Rng::new(seed ^ 2), &decode, cap, &what);
+    let prefill = forward(&mut Rng::new(seed ^ 3), &leases, 300, 5000);
     let what = format!("{} {kv:?} bs={bs} prefill on {:?}", model.name, pool.backend().kind());
-    run_forward(&pool, &mut Rng(seed ^ 4), &prefill, cap, &what);
+    run_forward(&pool, &mut Rng::new(seed ^ 4), &prefill, cap, &what);
     planes(&pool)
 }
 
@@ -76,10 +76,16 @@ fn device_update_equals_the_host_reference() {
         let run = |backend: Arc<dyn Backend>| {
             let pool = small_pool(backend, widths, k, None, 1024);
             let leases: Vec<_> = (0..1024).map(|_| pool.alloc_slot().unwrap()).collect();
-            poison(&pool, &mut Rng(seed));
-            let seqs = forward(&mut Rng(seed ^ 1), &leases, 2, 1_000_000);
+            poison(&pool, &mut Rng::new(seed));
+            let seqs = forward(&mut Rng::new(seed ^ 1), &leases, 2, 1_000_000);
             let cap = StateUpdateCapacity { max_seqs: 1024, max_tokens: 2048 };
-            run_forward(&pool, &mut Rng(seed ^ 2), &seqs, cap, &format!("small arena {widths:?} bs=1024"));
+            run_forward(
+                &pool,
+                &mut Rng::new(seed ^ 2),
+                &seqs,
+                cap,
+                &format!("small arena {widths:?} bs=1024"),
+            );
             planes(&pool)
         };
         let (d, h) = (run(dev.clone()), run(Arc::new(HostBackend::new())));
@@ -99,7 +105,7 @@ fn captured_update_replays_new_batches_across_boundary_moves() {
     let dev: Arc<dyn Backend> = Arc::new(cuda.clone());
     let model = ModelShape::v4_flash(2).unwrap();
     let pool: Arc<Pool> = v4_pool(dev.clone(), &model, KvDtype::Fp8, 12);
-    let mut rng = Rng(common::case_seed("gpu-state-update-graph", 0));
+    let mut rng = Rng::new(common::case_seed("gpu-state-update-graph", 0));
     let mut leases: Vec<SlotLease> = (0..10).map(|_| pool.alloc_slot().unwrap()).collect();
     let cap = StateUpdateCapacity { max_seqs: 8, max_tokens: 24 };
     let mut upd = pool.state_update(cap).unwrap();

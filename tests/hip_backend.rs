@@ -8,6 +8,9 @@
 //!   skipping when build.rs embedded no HIP code objects.
 //! * `V4POOL_BACKEND=hip V4POOL_REQUIRE_GPU=1`: fail instead of skipping when no HIP device.
 
+mod common;
+
+use common::Rng;
 use v4pool::backend::hip::elf::{self, EF_AMDGPU_MACH_GFX90A, EF_AMDGPU_MACH_GFX942, EM_AMDGPU};
 use v4pool::backend::hip::{embedded_code_objects, HipBackend, ModuleOrigin, KERNEL_SYMBOLS};
 use v4pool::backend::host::HostBackend;
@@ -147,25 +150,6 @@ fn hip_or_skip(test: &str) -> Option<HipBackend> {
     }
 }
 
-/// Deterministic random bytes (SplitMix64), so a failure reproduces.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-}
-
 /// A device allocation freed on drop (after the backend's stream has drained).
 struct Buf<'a> {
     backend: &'a dyn Backend,
@@ -211,7 +195,7 @@ impl Drop for Buf<'_> {
 /// destinations; every byte outside the written range must keep its poison.
 pub fn check_memory_ops(b: &dyn Backend, seed: u64) {
     let s = Stream::DEFAULT;
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     const N: usize = 1 << 16;
 
     // Zeroed even where an earlier allocation left data.
@@ -264,7 +248,7 @@ pub fn check_memory_ops(b: &dyn Backend, seed: u64) {
     assert!(dst.download(s) == dst_bytes, "device copy differs");
 
     // fill_u32 over a poisoned middle range.
-    let pattern = 0xff80_0000u32 ^ (rng.next() as u32 & 0xffff);
+    let pattern = 0xff80_0000u32 ^ (rng.next_u64() as u32 & 0xffff);
     let (word_off, words) = (13u64, 5000u64);
     // SAFETY: the range lies in `dst`.
     unsafe { b.fill_u32(dst.ptr() + 4 * word_off, words, pattern, s) }.unwrap();
@@ -279,7 +263,7 @@ pub fn check_memory_ops(b: &dyn Backend, seed: u64) {
 /// the kernels' 16-byte vector split) over poisoned buffers, plus `v4pool_empty`.
 pub fn check_run_kernels(b: &dyn Backend, seed: u64) {
     let s = Stream::DEFAULT;
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     const N: u64 = 1 << 18;
     let target = Buf::new(b, N);
     let source = Buf::new(b, N);
@@ -293,7 +277,7 @@ pub fn check_run_kernels(b: &dyn Backend, seed: u64) {
     for lane in 0..12u64 {
         let start = lane * 8192 + 4 * rng.below(64);
         let bytes = 4 * [0, 1, 3, 4, 5, 17, 255, 1000][rng.below(8) as usize];
-        let pattern = rng.next() as u32;
+        let pattern = rng.next_u64() as u32;
         fills.push(FillRun { dst: target.ptr() + start, bytes, pattern, _pad: 0 });
         for w in 0..(bytes / 4) as usize {
             let at = start as usize + 4 * w;

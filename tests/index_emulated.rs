@@ -5,6 +5,9 @@
 //!
 //! Skipped (with a note on stderr) when build.rs found no clang to build the library.
 
+mod common;
+
+use common::Rng;
 use std::ffi::{c_char, c_void, CString};
 use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, WindowParams};
 use v4pool::index::host::run_launch;
@@ -58,25 +61,6 @@ impl Emu {
             (self.launch)(sym.as_ptr(), bytes.as_ptr().cast(), shape.grid.as_ptr(), shape.block[0])
         };
         assert_eq!(rc, 0, "unknown kernel {symbol}");
-    }
-}
-
-/// xorshift64*: deterministic random inputs.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    /// Uniform in [lo, hi].
-    fn range(&mut self, lo: i64, hi: i64) -> i64 {
-        lo + (self.next() % (hi - lo + 1) as u64) as i64
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
     }
 }
 
@@ -139,7 +123,7 @@ fn random_geometry_ring(
         if need_compressed && !(ratios.contains(&4) && ratios.contains(&128)) {
             continue;
         }
-        let block = if rng.chance(50) { 256 } else { 128 };
+        let block = if rng.chance(0.5) { 256 } else { 128 };
         let spec =
             GeometrySpec::new(ratios, rng.range(4, 40), rng.range(3, 8), rng.range(ring_lo, ring_hi), block)
                 .arena_rows(rng.range(0, 5));
@@ -168,7 +152,7 @@ fn extent(indptr: &[i32]) -> usize {
 #[test]
 fn decode_builder_kernel_matches_reference() {
     let Some(emu) = emu() else { return };
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15);
     let mut wrote = 0;
     for case in 0..60 {
         // Every third case with a ring longer than the 256 threads of a block.
@@ -183,12 +167,12 @@ fn decode_builder_kernel_matches_reference() {
         let slots = physical_slots(&mut rng, &g, bs);
         let t = rng.range(0, 9) as usize;
         let bids: Vec<i32> =
-            (0..t).map(|_| if rng.chance(20) { -1 } else { rng.range(0, bs as i64 - 1) as i32 }).collect();
+            (0..t).map(|_| if rng.chance(0.2) { -1 } else { rng.range(0, bs as i64 - 1) as i32 }).collect();
         let positions: Vec<i64> = (0..t).map(|_| rng.range(0, 5000)).collect();
-        let stride = if rng.chance(30) { rng.range(600, 2100) } else { rng.range(1, 6) } as i32;
+        let stride = if rng.chance(0.3) { rng.range(600, 2100) } else { rng.range(1, 6) } as i32;
         let tables: Vec<i32> =
             (0..bs * stride as usize).map(|_| rng.range(0, g.num_blocks - 1) as i32).collect();
-        let fused = rng.chance(60);
+        let fused = rng.chance(0.6);
         // Per class: enabled?, head lengths, indptr.
         let mut classes = Vec::new();
         for (c, ratio) in [0, 4, 128].into_iter().enumerate() {
@@ -196,7 +180,7 @@ fn decode_builder_kernel_matches_reference() {
                 classes.push(None);
                 continue;
             };
-            if c > 0 && rng.chance(20) {
+            if c > 0 && rng.chance(0.2) {
                 classes.push(None);
                 continue;
             }
@@ -214,7 +198,7 @@ fn decode_builder_kernel_matches_reference() {
                     n + head
                 })
                 .collect();
-            classes.push(Some((params, cumsum(&lens), rng.chance(80))));
+            classes.push(Some((params, cumsum(&lens), rng.chance(0.8))));
         }
         if classes.iter().flatten().count() == 0 {
             continue;
@@ -274,7 +258,7 @@ fn decode_builder_kernel_matches_reference() {
 #[test]
 fn decode_builder_long_hca_heads_every_alignment() {
     let Some(emu) = emu() else { return };
-    let mut rng = Rng(0x4ca1_1ed5_0000_0001);
+    let mut rng = Rng::new(0x4ca1_1ed5_0000_0001);
     let g = random_geometry(&mut rng, true);
     let win = rng.range(1, g.ring_slots) as i32;
     let stride = 4201i32;
@@ -351,7 +335,7 @@ fn decode_builder_long_hca_heads_every_alignment() {
 #[test]
 fn prefill_builder_kernel_matches_reference() {
     let Some(emu) = emu() else { return };
-    let (shorts, pairs) = prefill_cases(&emu, Rng(0x1234_5678_9abc_def1), 60, false);
+    let (shorts, pairs) = prefill_cases(&emu, Rng::new(0x1234_5678_9abc_def1), 60, false);
     // Both forms ran, each on many cases, and the paired form on every one.
     assert!(shorts >= 10, "only {shorts} short-form runs");
     assert!(pairs >= 100, "only {pairs} paired-form runs");
@@ -362,7 +346,7 @@ fn prefill_builder_kernel_matches_reference() {
 #[test]
 fn prefill_builder_packed_coarse_matches_reference() {
     let Some(emu) = emu() else { return };
-    let (shorts, pairs) = prefill_cases(&emu, Rng(0x6b1d_0f41_2c37_9e55), 40, true);
+    let (shorts, pairs) = prefill_cases(&emu, Rng::new(0x6b1d_0f41_2c37_9e55), 40, true);
     // No HCA head to write: every launch takes the short form.
     assert_eq!(shorts, 80);
     assert_eq!(pairs, 80);
@@ -391,16 +375,16 @@ fn prefill_cases(emu: &Emu, mut rng: Rng, cases: usize, packed: bool) -> (usize,
             (vec![], vec![], vec![], vec![], vec![]);
         for b in 0..bs {
             // Long contexts give HCA heads of several 2,048-entry rounds.
-            let cs = if rng.chance(30) {
+            let cs = if rng.chance(0.3) {
                 0
-            } else if rng.chance(30) {
+            } else if rng.chance(0.3) {
                 rng.range(20_000, 70_000)
             } else {
                 rng.range(0, 1500)
             };
             // Sequences of one token up to many (the paired form shares one table row between
             // consecutive tokens of a sequence; odd counts leave a token on its own).
-            let len = if rng.chance(25) { rng.range(6, 40) } else { rng.range(1, 6) };
+            let len = if rng.chance(0.25) { rng.range(6, 40) } else { rng.range(1, 6) };
             cu_q.push(positions.len() as i32);
             chunk_start.push(cs as i32);
             committed.push(((cs + len) / hca_ratio) as i32);
@@ -488,7 +472,7 @@ fn prefill_cases(emu: &Emu, mut rng: Rng, cases: usize, packed: bool) -> (usize,
 #[test]
 fn hca_offsets_kernel_matches_reference() {
     let Some(emu) = emu() else { return };
-    let mut rng = Rng(0xdead_beef_cafe_f00d);
+    let mut rng = Rng::new(0xdead_beef_cafe_f00d);
     for case in 0..30 {
         let n = rng.range(0, 700) as usize;
         let bs = rng.range(1, 5);
@@ -517,7 +501,7 @@ fn hca_offsets_kernel_matches_reference() {
 #[test]
 fn csa_pack_kernel_matches_reference() {
     let Some(emu) = emu() else { return };
-    let mut rng = Rng(0x0bad_c0de_1234_0001);
+    let mut rng = Rng::new(0x0bad_c0de_1234_0001);
     for case in 0..200 {
         let t = rng.range(0, 6) as usize;
         // Rows of every columns-per-thread count (1..8) and of one to two tiles.
@@ -525,11 +509,11 @@ fn csa_pack_kernel_matches_reference() {
             [8i64, 64, 300, 512, 513, 1024, 1100, 1800, 2048, 2049, 2600][rng.range(0, 10) as usize];
         let bs = rng.range(1, 4);
         // Now and then a row longer than the decode form stages (4,096 columns).
-        let stride = if rng.chance(10) { rng.range(4090, 4200) } else { rng.range(1, 12) };
+        let stride = if rng.chance(0.1) { rng.range(4090, 4200) } else { rng.range(1, 12) };
         let tables: Vec<i32> = (0..bs * stride).map(|_| rng.range(0, 500) as i32).collect();
-        let window = if rng.chance(50) { rng.range(1, 128) } else { 0 };
+        let window = if rng.chance(0.5) { rng.range(1, 128) } else { 0 };
         let bids: Vec<i32> =
-            (0..t).map(|_| if rng.chance(20) { -1 } else { rng.range(0, bs - 1) as i32 }).collect();
+            (0..t).map(|_| if rng.chance(0.2) { -1 } else { rng.range(0, bs - 1) as i32 }).collect();
         // Short contexts too: top-k values past the columns a position reaches (and past
         // the staged columns) come from the table itself.
         let max_pos = [100_000i64, 2_000, 300, 2_000_000][rng.range(0, 3) as usize];
@@ -554,7 +538,7 @@ fn csa_pack_kernel_matches_reference() {
         // The class ratio (V4's 4, V4.1's 1 and 2, and others) and the layer's compress bias
         // (0 for V4 and owners; V4.1 readers up to a few thousand rows).
         let ratio = [4i64, 4, 1, 2, 3, 128][rng.range(0, 5) as usize];
-        let bias = if rng.chance(50) { 0 } else { rng.range(1, 5000) };
+        let bias = if rng.chance(0.5) { 0 } else { rng.range(1, 5000) };
         // Values past the table exercise the clamp; now and then negative ones (C division
         // truncates: column 0, a negative row) and the i32 extremes.
         let topk: Vec<i32> = (0..t as i64 * row_stride)
@@ -591,7 +575,7 @@ fn csa_pack_kernel_matches_reference() {
 }
 
 fn random_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
-    (0..n).map(|_| rng.next() as u8).collect()
+    (0..n).map(|_| rng.next_u64() as u8).collect()
 }
 
 /// Row widths that take the 16-byte, 4-byte and byte paths of the row copy.
@@ -600,16 +584,22 @@ const WIDTHS: [(i64, i64); 4] = [(512, 128), (1024, 0), (36, 12), (7, 5)];
 #[test]
 fn ring_write_kernel_matches_reference() {
     let Some(emu) = emu() else { return };
-    let mut rng = Rng(0x5555_aaaa_1111_2222);
+    let mut rng = Rng::new(0x5555_aaaa_1111_2222);
     for case in 0..40 {
         let g = random_geometry(&mut rng, false);
         let ratio = *g.classes.keys().next().unwrap();
         let params: WindowParams = g.window_params(ratio).unwrap();
         let view_rows = g.plane_rows - rng.range(0, 20);
         let (w0, w1) = WIDTHS[rng.range(0, 3) as usize];
-        let bs = rng.range(1, 4) as usize;
-        let mut slots = physical_slots(&mut rng, &g, bs);
-        if rng.chance(30) {
+        // Distinct slots: two sequences of one batch never share a slot (their writes to one
+        // ring row would race; the kernel and the reference order them differently).
+        let bs = rng.range(1, 4.min(g.num_slots)) as usize;
+        let mut slots: Vec<i32> = rng
+            .distinct(bs, g.num_slots as u64)
+            .into_iter()
+            .map(|s| g.physical_slot(s).unwrap() as i32)
+            .collect();
+        if rng.chance(0.3) {
             slots[0] = g.slot_positions as i32; // stale: its rows fall past the view
         }
         let mut cu = vec![0i32];
@@ -625,7 +615,7 @@ fn ring_write_kernel_matches_reference() {
         let kv0 = random_bytes(&mut rng, t * w0 as usize + 1);
         let kv1 = random_bytes(&mut rng, t * w1 as usize + 1);
         // Misalign the second plane's kv by one byte half the time (byte path).
-        let off = usize::from(rng.chance(50) && w1 % 16 != 0);
+        let off = usize::from(rng.chance(0.5) && w1 % 16 != 0);
         let outputs = vec![
             random_bytes(&mut rng, (view_rows * w0) as usize),
             random_bytes(&mut rng, (view_rows * w1) as usize),
@@ -659,12 +649,12 @@ fn ring_write_kernel_matches_reference() {
 #[test]
 fn row_scatter_kernel_matches_reference() {
     let Some(emu) = emu() else { return };
-    let mut rng = Rng(0x7777_3333_9999_0000);
+    let mut rng = Rng::new(0x7777_3333_9999_0000);
     for case in 0..40 {
         let view_rows = rng.range(1, 300);
         let (w0, w1) = WIDTHS[rng.range(0, 3) as usize];
         let t = rng.range(0, 20) as usize;
-        let bids: Vec<i32> = (0..t).map(|_| if rng.chance(20) { -1 } else { 0 }).collect();
+        let bids: Vec<i32> = (0..t).map(|_| if rng.chance(0.2) { -1 } else { 0 }).collect();
         // Distinct rows, some out of the view (negative or past it).
         let mut rows: Vec<i64> = (0..view_rows).collect();
         for i in (1..rows.len()).rev() {
@@ -672,7 +662,7 @@ fn row_scatter_kernel_matches_reference() {
         }
         let dest: Vec<i32> = (0..t)
             .map(|i| {
-                if rng.chance(15) {
+                if rng.chance(0.15) {
                     [-1, view_rows as i32, 1 << 30][rng.range(0, 2) as usize]
                 } else {
                     rows[i % rows.len()] as i32
@@ -727,13 +717,13 @@ fn disjoint_ranges(rng: &mut Rng, total: i64, count: usize, unit: i64, max_len: 
 #[test]
 fn fill_and_copy_runs_kernels_match_reference() {
     let Some(emu) = emu() else { return };
-    let mut rng = Rng(0x0123_4567_89ab_cdef);
+    let mut rng = Rng::new(0x0123_4567_89ab_cdef);
     for case in 0..20 {
         let total = 200_000i64;
         let n = rng.range(0, 6) as usize;
         let fills = disjoint_ranges(&mut rng, total, n, 4, 40_000);
         let outputs = vec![random_bytes(&mut rng, total as usize)];
-        let patterns: Vec<u32> = fills.iter().map(|_| rng.next() as u32).collect();
+        let patterns: Vec<u32> = fills.iter().map(|_| rng.next_u64() as u32).collect();
         compare(&emu, &format!("fill case {case}"), &outputs, |outs| {
             let base = outs[0].as_mut_ptr() as u64;
             let runs: Vec<FillRun> = fills
@@ -750,7 +740,7 @@ fn fill_and_copy_runs_kernels_match_reference() {
         let n = rng.range(0, 6) as usize;
         let copies = disjoint_ranges(&mut rng, total - 64, n, 1, 30_000);
         let shifts: Vec<i64> =
-            copies.iter().map(|_| if rng.chance(50) { 0 } else { rng.range(0, 31) }).collect();
+            copies.iter().map(|_| if rng.chance(0.5) { 0 } else { rng.range(0, 31) }).collect();
         let outputs = vec![random_bytes(&mut rng, total as usize)];
         compare(&emu, &format!("copy case {case}"), &outputs, |outs| {
             let base = outs[0].as_mut_ptr() as u64;
@@ -789,13 +779,13 @@ fn random_values(rng: &mut Rng, n: usize, bf16: bool) -> Vec<u8> {
 #[test]
 fn state_update_kernel_matches_reference() {
     let Some(emu) = emu() else { return };
-    let mut rng = Rng(0x3c3c_5a5a_0f0f_9696);
+    let mut rng = Rng::new(0x3c3c_5a5a_0f0f_9696);
     for case in 0..60 {
         // The V4 dims (16-byte path), a small multiple of 8, and odd dims (element path).
         let dim = [256, 512, 1024, 8, 24, 13, 3][rng.range(0, 6) as usize] as i64;
-        let (ratio, window) = if rng.chance(50) { (4, 8) } else { (128, 128) };
+        let (ratio, window) = if rng.chance(0.5) { (4, 8) } else { (128, 128) };
         let ring = window + rng.range(0, 5);
-        let (in_bf16, ape_bf16) = (rng.chance(50), rng.chance(50));
+        let (in_bf16, ape_bf16) = (rng.chance(0.5), rng.chance(0.5));
         // Row strides: tight, padded, or (odd dims only) anything.
         let kv_stride = dim + [0, 8, 24][rng.range(0, 2) as usize];
         let score_stride = dim + [0, 8, 1][rng.range(0, 2) as usize];
@@ -828,7 +818,7 @@ fn state_update_kernel_matches_reference() {
         }
         // Shuffled plan rows (any order is a valid plan): pads among live rows, ragged ids
         // that are not their plan row.
-        if rng.chance(50) {
+        if rng.chance(0.5) {
             let n = plan.len() / 4;
             for i in (1..n).rev() {
                 let j = rng.range(0, i as i64) as usize;
@@ -842,7 +832,7 @@ fn state_update_kernel_matches_reference() {
         let kv = random_values(&mut rng, rows * kv_stride as usize, in_bf16);
         let score = random_values(&mut rng, rows * score_stride as usize, in_bf16);
         let ape = random_values(&mut rng, (ratio * dim) as usize, ape_bf16);
-        let use_map = rng.chance(50);
+        let use_map = rng.chance(0.5);
         let plan: Vec<i32> = plan
             .chunks(4)
             .flat_map(|r| if use_map { [r[0], r[1], r[2], -5] } else { *<&[i32; 4]>::try_from(r).unwrap() })

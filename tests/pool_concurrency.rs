@@ -14,12 +14,14 @@
 mod pool_common;
 
 use pool_common::{pattern, small_pool, WIDTHS};
+// The tests' generator (`tests/common` wraps it; this binary does not load `common`).
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use v4pool::alloc::{BlockHandle, SlotHandle};
 use v4pool::checkpoint::CheckpointImage;
 use v4pool::pool::{Pool, PoolError};
+use v4pool::sim::Rng;
 
 const WORKERS: u64 = 4;
 const POSITIONS: i64 = 40;
@@ -65,13 +67,8 @@ fn worker(pool: &Pool, fwd: &Forward, k: u64, stop: &AtomicBool, checked: &Atomi
     let block_len: Vec<usize> = WIDTHS.iter().map(|&w| g.block_bytes(w) as usize).collect();
     let mut slots: Vec<Held<SlotHandle>> = Vec::new();
     let mut blocks: Vec<Held<BlockHandle>> = Vec::new();
-    let mut x = k.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
+    let mut rng = Rng::new(k);
+    let mut next = move || rng.next_u64();
     let verify_slot = |s: &mut Held<SlotHandle>| {
         for (p, want) in s.bytes.iter().enumerate() {
             let mut got = vec![0u8; want.len()];
@@ -167,11 +164,9 @@ fn worker(pool: &Pool, fwd: &Forward, k: u64, stop: &AtomicBool, checked: &Atomi
 /// Move the boundary at random until told to stop, counting moves applied and slots and
 /// blocks relocated.
 fn mover(pool: &Pool, fwd: &Forward, stop: &AtomicBool, applied: &AtomicU64, relocated: &AtomicU64) {
-    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15);
     while !stop.load(Ordering::Relaxed) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        let x = rng.next_u64();
         let n = (x >> 32) as u32 % 3 + 1;
         let c = pool.counts().expect("counts");
         let (held_slots, held_blocks) = (c.num_slots - c.free_slots, c.num_blocks - c.free_blocks);

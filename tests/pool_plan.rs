@@ -6,7 +6,7 @@ use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, Stream};
 use v4pool::checkpoint::CheckpointLayout;
 use v4pool::model::ModelShape;
-use v4pool::pool::{DecodeCapacity, Overhead, Pool, PoolSpec};
+use v4pool::pool::{DecodeCapacity, DecodeError, Overhead, Pool, PoolError, PoolSpec};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest};
 use v4pool::transfer::{Alloc, TransferConfig};
 
@@ -49,6 +49,20 @@ fn overhead_stays_under_one_percent_at_production_sizes() {
             assert!(o.indexer_bytes <= p.indexer_total_bytes);
             assert!(o.plane_bytes <= p.planes_total_bytes);
         }
+    }
+}
+
+#[test]
+fn a_decode_refusal_reaches_the_caller_typed() {
+    // The decode path's refusal crosses into the pool's error as itself, so a caller matches
+    // the variant rather than parsing a message.
+    let model = ModelShape::v4_flash(1).unwrap();
+    let p = plan(&model, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, 4, 3 << 30)).unwrap();
+    let spec = PoolSpec::from_plan(&p).unwrap();
+    let cap = DecodeCapacity { max_seqs: 4, max_tokens: 8, max_blocks_per_seq: 4, win: 128, index_topk: -1 };
+    match Overhead::estimate(&spec, Some(cap)) {
+        Err(PoolError::Decode(d)) => assert!(matches!(*d, DecodeError::NegativeTopk(-1)), "{d:?}"),
+        other => panic!("expected a decode refusal: {other:?}"),
     }
 }
 

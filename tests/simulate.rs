@@ -9,7 +9,7 @@ use v4pool::backend::{Backend, Stream};
 use v4pool::model::ModelShape;
 use v4pool::pool::{Pool, PoolSpec};
 use v4pool::sim::{
-    simulate, Mix, RequestSpec, SimConfig, SimConfigError, SimError, SplitPolicy, Workload, WorkloadConfig,
+    simulate, Mix, RequestSpec, RunKind, SimConfig, SimConfigError, SimError, Workload, WorkloadConfig,
     MAX_WAITING,
 };
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest};
@@ -34,7 +34,7 @@ fn both_policies_run_the_same_workload_and_release_everything() {
     };
     let requests: Vec<RequestSpec> = cfg.workload().collect();
     let mut reports = Vec::new();
-    for policy in [SplitPolicy::Elastic, SplitPolicy::Fixed] {
+    for policy in [RunKind::Elastic, RunKind::Fixed] {
         let pool = pool(1 << 30, cfg.max_seqs as i64);
         let r = simulate(&pool, &cfg, policy, requests.iter().copied()).unwrap();
         let c = pool.counts().unwrap();
@@ -66,7 +66,7 @@ fn requests_still_queued_count_in_the_per_request_wait() {
     };
     let requests: Vec<RequestSpec> = (0..5).map(|i| RequestSpec::new(i, i * 10, 100, 1000)).collect();
     let pool = pool(1 << 30, 1);
-    let r = simulate(&pool, &cfg, SplitPolicy::Fixed, requests).unwrap();
+    let r = simulate(&pool, &cfg, RunKind::Fixed, requests).unwrap();
     assert_eq!((r.arrived, r.completed, r.preemptions), (5, 0, 0));
     assert_eq!(r.mean_wait_steps, 0.0, "the one admission waited nothing");
     // Queued since steps 10, 20, 30 and 40 at step 50: (40 + 30 + 20 + 10) / 5 requests.
@@ -149,7 +149,7 @@ fn small(steps: u64, rate: f64) -> SimConfig {
 fn the_waiting_queue_is_bounded() {
     let cfg = SimConfig { sample_every: 1, ..small(120, 1000.0) };
     let pool = pool(1 << 30, cfg.max_seqs as i64);
-    let r = simulate(&pool, &cfg, SplitPolicy::Fixed, cfg.workload()).unwrap();
+    let r = simulate(&pool, &cfg, RunKind::Fixed, cfg.workload()).unwrap();
     assert!(r.turned_away > 0, "{} arrivals, none turned away", r.arrived);
     assert!(r.samples.iter().all(|s| s.waiting <= MAX_WAITING + cfg.max_seqs));
     assert!(r.samples.iter().any(|s| s.waiting >= MAX_WAITING - 1000), "the queue never filled");
@@ -163,7 +163,7 @@ fn a_prompt_larger_than_the_pool_is_refused() {
     let block_tokens = 256u64;
     let mut requests = vec![RequestSpec::new(0, 0, 60_000, 100)];
     requests.extend((1..6).map(|id| RequestSpec::new(id, id, 500, 20)));
-    for policy in [SplitPolicy::Elastic, SplitPolicy::Fixed] {
+    for policy in [RunKind::Elastic, RunKind::Fixed] {
         // The big one needs one block more than the whole plane holds.
         let pool = pool(1 << 30, cfg.max_seqs as i64);
         let blocks = pool.geometry().unwrap().max_blocks_beside(0) as u64;
@@ -199,7 +199,7 @@ fn the_config_is_checked_against_the_pool() {
     // The decode buffers may take a sixteenth of the pool's bytes.
     assert!(matches!(ok.check(&g, 1 << 16), Err(SimConfigError::DecodeBuffers { .. })));
     // The engine refuses the same before it touches the pool.
-    let err = simulate(&pool, &too_many, SplitPolicy::Elastic, std::iter::empty()).unwrap_err();
+    let err = simulate(&pool, &too_many, RunKind::Elastic, std::iter::empty()).unwrap_err();
     assert!(matches!(err, SimError::Config(_)), "{err}");
 }
 
@@ -218,7 +218,7 @@ fn the_multiturn_mix_hits() {
         ..SimConfig::default()
     };
     let mut reports = Vec::new();
-    for policy in SplitPolicy::ALL {
+    for policy in RunKind::ALL {
         let pool = pool(1 << 30, cfg.max_seqs as i64);
         let r = simulate(&pool, &cfg, policy, cfg.workload()).unwrap();
         let c = pool.counts().unwrap();

@@ -9,7 +9,7 @@ use v4pool::backend::{Backend, Stream};
 use v4pool::model::ModelShape;
 use v4pool::pool::{Pool, PoolSpec};
 use v4pool::sim::cost::{self, Figure, CELLS, H200X4_FLASH_FP8};
-use v4pool::sim::{bench, simulate, RequestSpec, SimConfig, SplitPolicy, TimeConfig, Trace};
+use v4pool::sim::{bench, simulate, RequestSpec, RunKind, SimConfig, TimeConfig, Trace};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest};
 
 /// The published 4×H200 V4-Flash FP8 cells the validation must meet (±15 %), as
@@ -103,8 +103,8 @@ fn timed(concurrency: Option<usize>) -> SimConfig {
 #[test]
 fn one_request_has_the_latencies_the_cost_model_gives() {
     let cfg = timed(None);
-    let r = simulate(&pool(1 << 30, 4), &cfg, SplitPolicy::Elastic, [RequestSpec::new(0, 1000, 1000, 5)])
-        .unwrap();
+    let r =
+        simulate(&pool(1 << 30, 4), &cfg, RunKind::Elastic, [RequestSpec::new(0, 1000, 1000, 5)]).unwrap();
     let t = r.time.unwrap();
     assert_eq!(r.completed, 1);
     assert!((t.ttft_ms.quantile(0.5) - 21.0).abs() < 1e-9, "TTFT {}", t.ttft_ms.quantile(0.5));
@@ -123,7 +123,7 @@ fn one_request_has_the_latencies_the_cost_model_gives() {
 fn the_closed_loop_and_the_horizon() {
     let reqs: Vec<RequestSpec> = (0..6).map(|i| RequestSpec::new(i, 0, 500, 20)).collect();
     let cfg = timed(Some(2));
-    let r = simulate(&pool(1 << 30, 4), &cfg, SplitPolicy::Elastic, reqs.clone()).unwrap();
+    let r = simulate(&pool(1 << 30, 4), &cfg, RunKind::Elastic, reqs.clone()).unwrap();
     assert_eq!((r.completed, r.max_running), (6, 2), "two in flight at a time");
     let t = r.time.unwrap();
     assert_eq!(t.ttft_censored, 0);
@@ -131,7 +131,7 @@ fn the_closed_loop_and_the_horizon() {
     // or with their first token.
     let mut short = timed(Some(6));
     short.time.as_mut().unwrap().horizon_ms = 50.0;
-    let r = simulate(&pool(1 << 30, 4), &short, SplitPolicy::Elastic, reqs).unwrap();
+    let r = simulate(&pool(1 << 30, 4), &short, RunKind::Elastic, reqs).unwrap();
     let t = r.time.unwrap();
     assert_eq!(r.completed, 0);
     assert_eq!(t.ttft_ms.count(), 6);
@@ -152,7 +152,7 @@ fn a_trace_snippet_maps_512_token_ids_onto_pool_blocks() {
     let trace = Arc::new(Trace::parse(text).unwrap());
     assert_eq!(trace.ceiling(), (3, 8));
     let cfg = timed(None);
-    for policy in [SplitPolicy::Elastic, SplitPolicy::NoReuse] {
+    for policy in [RunKind::Elastic, RunKind::NoReuse] {
         let pool = pool(1 << 30, 4);
         let mut engine = v4pool::sim::Engine::new(&pool, &cfg, policy).unwrap().with_trace(trace.clone());
         let mut arrivals = trace.specs(1.0).unwrap().into_iter();
@@ -161,7 +161,7 @@ fn a_trace_snippet_maps_512_token_ids_onto_pool_blocks() {
         }
         let r = engine.finish().unwrap();
         assert_eq!((r.completed, r.input_tokens), (3, 4096));
-        let want = if policy == SplitPolicy::Elastic { 1024 } else { 0 };
+        let want = if policy == RunKind::Elastic { 1024 } else { 0 };
         assert_eq!(r.prefix_hit_tokens, want, "{policy:?}");
         // What an infinite cache could have served: the same 1,024 tokens.
         assert_eq!(r.eligible_prefix_tokens, 1024, "{policy:?}");
@@ -204,13 +204,9 @@ fn the_conversation_trace_against_the_baselines() {
         ..SimConfig::default()
     };
     let mut runs = Vec::new();
-    for policy in [
-        SplitPolicy::Elastic,
-        SplitPolicy::Fixed,
-        SplitPolicy::NoReuse,
-        SplitPolicy::Reuse4096,
-        SplitPolicy::ElasticTier,
-    ] {
+    for policy in
+        [RunKind::Elastic, RunKind::Fixed, RunKind::NoReuse, RunKind::Reuse4096, RunKind::ElasticTier]
+    {
         let pool = Arc::new(Pool::new(host(), PoolSpec::from_plan(&p).unwrap(), Stream::DEFAULT).unwrap());
         let mut engine = v4pool::sim::Engine::new(&pool, &cfg, policy).unwrap().with_trace(trace.clone());
         let mut arrivals = specs.clone().into_iter();

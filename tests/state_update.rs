@@ -32,7 +32,7 @@ fn v4_shapes_write_exactly_the_last_k_rows() {
         ("pro bf16 k=2", ModelShape::v4_pro(2).unwrap(), KvDtype::Bf16),
     ];
     for (i, (what, model, kv)) in cases.into_iter().enumerate() {
-        let mut rng = Rng(0x51ed_2700_0000_0001 + i as u64 * 0x9e37_79b9);
+        let mut rng = Rng::new(0x51ed_2700_0000_0001 + i as u64 * 0x9e37_79b9);
         let pool = v4_pool(host(), &model, kv, 3);
         let leases: Vec<_> = (0..3).map(|_| pool.alloc_slot().unwrap()).collect();
         poison(&pool, &mut rng);
@@ -50,7 +50,7 @@ fn large_batches_on_a_small_arena() {
     for (i, (bs, widths, k)) in
         [(1024usize, &[64u64, 32][..], 1u64), (700, &[128][..], 4)].into_iter().enumerate()
     {
-        let mut rng = Rng(0x0bad_cafe_0000_0011 + i as u64);
+        let mut rng = Rng::new(0x0bad_cafe_0000_0011 + i as u64);
         let pool = small_pool(host(), widths, k, None, bs as i64 + 3);
         let leases: Vec<_> = (0..bs).map(|_| pool.alloc_slot().unwrap()).collect();
         poison(&pool, &mut rng);
@@ -95,7 +95,7 @@ fn plans_keep_the_last_k_positions_and_pad_to_capacity() {
 
 #[test]
 fn refusals_are_typed_and_write_nothing() {
-    let mut rng = Rng(0x7e57_0000_0000_0042);
+    let mut rng = Rng::new(0x7e57_0000_0000_0042);
     let pool = small_pool(host(), &[64, 32], 2, None, 6);
     let leases: Vec<_> = (0..4).map(|_| pool.alloc_slot().unwrap()).collect();
     let gone = pool.alloc_slot().unwrap();

@@ -42,15 +42,7 @@ fn pool() -> Pool {
 }
 
 fn bytes(seed: u64, n: usize) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
+    common::Rng::new(seed).bytes(n)
 }
 
 fn run(ops: Vec<Op>) {

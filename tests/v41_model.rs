@@ -116,7 +116,7 @@ fn malformed_v41_configs_are_refused() {
     r[5] = -1;
     assert_eq!(read(v41_config(&r, kv, ix)), Err(ModelError::UnknownRatio { layer: 5, got: -1 }));
     let bad_sources = |kv: &str, ix: &str| match read(v41_config(&v41_ratios(), kv, ix)) {
-        Err(ModelError::Sources { key, .. }) => key,
+        Err(ModelError::Sources { key, .. } | ModelError::SourceOwners { key, .. }) => key,
         other => panic!("{kv} {ix}: {other:?}"),
     };
     assert_eq!(bad_sources("[2, 8, 14, 19]", ix), "kv_source_layer_ids"); // 19 is ratio 2, 20 ratio 1
@@ -126,6 +126,11 @@ fn malformed_v41_configs_are_refused() {
     assert_eq!(bad_sources("[2, 8, 14, 20, 41]", ix), "kv_source_layer_ids"); // a draft layer
     assert_eq!(bad_sources(kv, "[2, 8, 20, 24]"), "kv_source_layer_ids"); // 14 not an index source
     assert_eq!(bad_sources(kv, "[2, 8, 14, 20, 20]"), "index_source_layer_ids");
+    // The geometry's refusal arrives as the geometry's error, not its text.
+    assert!(matches!(
+        read(v41_config(&v41_ratios(), "[8, 2, 14, 20]", ix)),
+        Err(ModelError::SourceOwners { key: "kv_source_layer_ids", .. })
+    ));
     assert!(matches!(
         read(good_config().replace("\"text_config\": {", "\"text_config\": 5, \"x\": {")),
         Err(ModelError::WrongType { key: "text_config", .. })
@@ -265,16 +270,10 @@ fn v41_manager_pool(positions: i64) -> Arc<Pool> {
     Arc::new(Pool::new(Arc::new(HostBackend::new()), spec, Stream::DEFAULT).unwrap())
 }
 
+/// Random bytes for a seed, from the tests' generator (`tests/common`'s, reached directly).
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed ^ 0x9e37_79b9_7f4a_7c15;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    let mut rng = v4pool::sim::Rng::new(seed);
+    std::iter::repeat_with(|| rng.next_u64().to_le_bytes()).flatten().take(len).collect()
 }
 
 /// The slot's checkpoint image ranges `(offset in plane 0, len)`.

@@ -18,9 +18,10 @@
 //! [`DecodeIndexBuffers`] is the advanced, pool-less form (benchmarks, kernel tests).
 
 use super::owned::{Carve, DeviceBuffer, Owned};
+use super::PoolError;
 use crate::backend::{Backend, BackendError, Stream};
-use crate::geometry::NUM_SLOTS;
 use crate::geometry::{visible_groups, Class, UnifiedPoolGeometry, WindowParams, CSA_RATIO, HCA_RATIO};
+use crate::geometry::{GeometryError, NUM_SLOTS};
 use crate::index::shape::MAX_GRID_YZ;
 use crate::index::{ClassBuffers, CsaPackArgs, DecodeIndexArgs, DevicePtr, Launch};
 use std::ops::Range;
@@ -230,9 +231,13 @@ pub enum DecodeError {
     /// A backend failure.
     #[error(transparent)]
     Backend(#[from] BackendError),
-    /// A pool failure (its lock, its geometry).
+    /// The geometry cannot say a class's ratio (its index slots are not laid out).
+    #[error(transparent)]
+    Geometry(#[from] GeometryError),
+    /// A pool failure (its lock, a handle it does not hold); boxed, a pool error can carry a
+    /// decode error.
     #[error("pool: {0}")]
-    Pool(String),
+    Pool(#[source] Box<PoolError>),
 }
 
 /// Slice lengths of one V4 decode token: window rows, CSA head, HCA head.
@@ -349,7 +354,7 @@ pub(crate) fn check_capacity(
     }
     for c in [Class::Csa, Class::Hca] {
         // More than two compressed classes have no slots: no buffers can be built.
-        if geometry.class_ratio(c).map_err(|e| DecodeError::Pool(e.to_string()))?.is_none() {
+        if geometry.class_ratio(c)?.is_none() {
             return Err(DecodeError::MissingClass(c));
         }
     }
@@ -390,13 +395,7 @@ pub(crate) fn packed_slot(
 
 /// The fine and coarse slots' compress ratios of `geometry` (V4: 4, 128).
 pub(crate) fn slot_ratios(geometry: &UnifiedPoolGeometry) -> Result<[i64; 2], DecodeError> {
-    let r = |c| {
-        geometry
-            .class_ratio(c)
-            .map_err(|e| DecodeError::Pool(e.to_string()))?
-            .map(i64::from)
-            .ok_or(DecodeError::MissingClass(c))
-    };
+    let r = |c| geometry.class_ratio(c)?.map(i64::from).ok_or(DecodeError::MissingClass(c));
     Ok([r(Class::Csa)?, r(Class::Hca)?])
 }
 

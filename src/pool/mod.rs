@@ -318,8 +318,9 @@ pub enum PoolError {
     /// A failure of the layer below ([`crate::checkpoint::CheckpointError`]).
     Checkpoint(#[from] crate::checkpoint::CheckpointError),
     #[error("decode buffers: {0}")]
-    /// Decode buffers: the value.
-    Decode(String),
+    /// The decode index buffers cannot be laid out ([`DecodeError`]; boxed, a decode error
+    /// can carry a pool error).
+    Decode(#[source] Box<DecodeError>),
     #[error("arithmetic overflow computing {0}")]
     /// Arithmetic overflow computing the value.
     Overflow(&'static str),
@@ -456,7 +457,7 @@ impl Overhead {
         let index = match decode {
             Some(cap) => DecodeIndexBuffers::required_bytes(g, cap).map_err(|e| match e {
                 DecodeError::Backend(b) => PoolError::Backend(b),
-                other => PoolError::Decode(other.to_string()),
+                other => PoolError::Decode(Box::new(other)),
             })?,
             None => 0,
         };

@@ -44,7 +44,8 @@ impl Pool {
 fn pool_err(e: PoolError) -> DecodeError {
     match e {
         PoolError::Backend(b) => DecodeError::Backend(b),
-        other => DecodeError::Pool(other.to_string()),
+        PoolError::Decode(d) => *d,
+        other => DecodeError::Pool(Box::new(other)),
     }
 }
 

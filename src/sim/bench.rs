@@ -9,7 +9,7 @@
 //! skipped because it does not change the timing (the cost model charges the step).
 
 use super::cost::{Cell, StepCost};
-use super::{RequestSpec, SimConfig, SimError, SimReport, SplitPolicy, TimeConfig, SLO_TPOT_MS, SLO_TTFT_MS};
+use super::{RequestSpec, RunKind, SimConfig, SimError, SimReport, TimeConfig, SLO_TPOT_MS, SLO_TTFT_MS};
 use crate::backend::{Backend, Stream};
 use crate::model::ModelShape;
 use crate::pool::{Pool, PoolSpec};
@@ -52,7 +52,7 @@ pub fn bench_requests(cell: &Cell) -> Vec<RequestSpec> {
 /// The model a preset's cells ran (V4-Pro for the `-pro-` presets, else V4-Flash).
 pub fn cell_model(cell: &Cell) -> Result<ModelShape, SimError> {
     let m = if cell.preset.contains("-pro-") { ModelShape::v4_pro(0) } else { ModelShape::v4_flash(0) };
-    m.map_err(|e| SimError::Bench(e.to_string()))
+    m.map_err(SimError::BenchModel)
 }
 
 /// Replay `cell` on `backend` with the cell's model in an FP8 pool sized to hold the cell's
@@ -61,13 +61,13 @@ pub fn replay(backend: Arc<dyn Backend>, cell: &Cell, cost: StepCost) -> Result<
     let model = cell_model(cell)?;
     let cfg = bench_config(cell, cost);
     let probe = plan(&model, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, 1, 1 << 30))
-        .map_err(|e| SimError::Bench(e.to_string()))?;
+        .map_err(SimError::Bench)?;
     // Each running request: its slot and its context's blocks, plus two of decode room.
     let per_req = probe.slot_bytes + (cfg.max_context.div_ceil(256) + 2) * probe.page_bytes;
     let budget = cfg.max_seqs as u64 * per_req + (256 << 20);
     let p = plan(&model, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, cfg.max_seqs as i64, budget))
-        .map_err(|e| SimError::Bench(e.to_string()))?;
+        .map_err(SimError::Bench)?;
     let spec = PoolSpec::from_plan(&p)?;
     let pool = Arc::new(Pool::new(backend, spec, Stream::DEFAULT)?);
-    super::simulate(&pool, &cfg, SplitPolicy::Fixed, bench_requests(cell))
+    super::simulate(&pool, &cfg, RunKind::Fixed, bench_requests(cell))
 }

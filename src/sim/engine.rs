@@ -13,7 +13,7 @@ use super::cost::StepLoad;
 use super::policy::{self, NAMESPACE};
 use super::report::{LatencyHistogram, Sample, SimReport, TimeReport};
 use super::trace::Trace;
-use super::{RequestSpec, SimConfig, SimError, SplitPolicy, MAX_SAMPLES, MAX_STEPS, MAX_WAITING};
+use super::{RequestSpec, RunKind, SimConfig, SimError, MAX_SAMPLES, MAX_STEPS, MAX_WAITING};
 use crate::backend::Backend;
 use crate::manager::{BlockHash, KvManager, ManagerError, Namespace, RequestId};
 use crate::pool::{DecodePath, DecodeSeq, Pool};
@@ -91,7 +91,7 @@ impl Req {
 /// [`simulate`] does all three. Dropping it mid-run frees everything it holds.
 pub struct Engine<'p> {
     m: KvManager,
-    run: SplitPolicy,
+    run: RunKind,
     cfg: SimConfig,
     backend: Arc<dyn Backend>,
     /// The decode path the pool gave out (its buffers are freed when it drops).
@@ -157,7 +157,7 @@ impl std::fmt::Debug for Engine<'_> {
 pub fn simulate(
     pool: &Arc<Pool>,
     cfg: &SimConfig,
-    policy: SplitPolicy,
+    policy: RunKind,
     requests: impl IntoIterator<Item = RequestSpec>,
 ) -> Result<SimReport, SimError> {
     let mut engine = Engine::new(pool, cfg, policy)?;
@@ -171,7 +171,7 @@ pub fn simulate(
 impl<'p> Engine<'p> {
     /// Check `cfg` against `pool` ([`SimConfig::check`]), build the run's manager (which
     /// sets the start-up split) and allocate the decode index buffers.
-    pub fn new(pool: &'p Arc<Pool>, cfg: &SimConfig, policy: SplitPolicy) -> Result<Engine<'p>, SimError> {
+    pub fn new(pool: &'p Arc<Pool>, cfg: &SimConfig, policy: RunKind) -> Result<Engine<'p>, SimError> {
         let geometry = pool.geometry()?;
         let o = pool.overhead(0)?;
         cfg.check(&geometry, o.plane_bytes + o.indexer_bytes)?;
@@ -369,15 +369,13 @@ impl<'p> Engine<'p> {
         let blocks = if self.cfg.hash_blocks { tokens / self.block_size } else { 0 };
         let ids = self.trace.as_deref().and_then(|t| t.ids_of(&r.spec));
         policy::extend_hashes(NAMESPACE, &r.spec, ids, self.block_size, blocks, &mut r.hashes);
-        let mine = self.run == SplitPolicy::NoReuse;
+        let mine = self.run == RunKind::NoReuse;
         if mine {
             let ns = Namespace(NAMESPACE.0 ^ (u128::from(r.spec.id) << 64 | 0x006e_6f72_6575_7365));
             policy::extend_hashes(ns, &r.spec, ids, self.block_size, blocks, &mut r.private);
         }
         let target = match self.run {
-            SplitPolicy::Reuse4096 => {
-                r.hashes.len() / policy::LCM_BLOCKS as usize * policy::LCM_BLOCKS as usize
-            }
+            RunKind::Reuse4096 => r.hashes.len() / policy::LCM_BLOCKS as usize * policy::LCM_BLOCKS as usize,
             _ => r.hashes.len(),
         };
         let src = if mine { &r.private } else { &r.hashes };
@@ -468,7 +466,7 @@ impl<'p> Engine<'p> {
             self.learn(&mut r, prompt)?;
         }
         let target = r.spec.prompt.max(r.high_water);
-        let src = if self.run == SplitPolicy::NoReuse { &r.private } else { &r.hashes };
+        let src = if self.run == RunKind::NoReuse { &r.private } else { &r.hashes };
         let hit = self.m.match_prefix(&src[..r.given]).min(target.saturating_sub(1));
         let rest = (target - hit).div_ceil(self.block_size);
         // Admission back-pressure is the manager's policy: the whole remaining prompt
@@ -536,7 +534,7 @@ impl<'p> Engine<'p> {
             // last block): stop the chunk where the hashes end, so the manager's rolling
             // checkpoint lands where a later turn's match ends.
             let hashed = r.given as u64 * self.block_size;
-            let rolling = self.run != SplitPolicy::Reuse4096;
+            let rolling = self.run != RunKind::Reuse4096;
             if rolling && hashed > r.context && hashed < r.spec.prompt && r.context + take > hashed {
                 take = hashed - r.context;
             }

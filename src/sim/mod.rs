@@ -12,7 +12,7 @@
 //! run out even after eviction a running request is preempted (its committed blocks stay
 //! cached, so it resumes with a hit), as engines do.
 //!
-//! The same workload (same seed) runs as several [`SplitPolicy`] runs: the manager's elastic
+//! The same workload (same seed) runs as several [`RunKind`] runs: the manager's elastic
 //! boundary and a fixed split of the same budget (`max_seqs` slots reserved at start-up,
 //! [`sglang_fixed_slots`] sizes it the way SGLang sizes V4), both with v4pool's reuse, two
 //! baselines on the elastic split: no reuse, and reuse only at 4,096-token granularity, and
@@ -56,7 +56,7 @@ pub use trace::{Trace, TraceError};
 pub use workload::{Mix, RequestSpec, Rng, Workload, WorkloadConfig};
 
 use crate::geometry::UnifiedPoolGeometry;
-use crate::pool::{DecodeCapacity, DecodeIndexBuffers, PoolError};
+use crate::pool::{DecodeCapacity, DecodeError, DecodeIndexBuffers, PoolError};
 
 /// Most requests waiting for admission; arrivals beyond it are turned away (counted in
 /// [`SimReport::turned_away`]). 65,536 requests of 32 bytes: 2 MiB.
@@ -104,13 +104,16 @@ pub enum SimError {
     /// A trace could not be read.
     #[error(transparent)]
     Trace(#[from] TraceError),
+    /// A calibration replay's model could not be built.
+    #[error("calibration replay: {0}")]
+    BenchModel(#[source] crate::model::ModelError),
     /// A calibration replay could not size its pool.
     #[error("calibration replay: {0}")]
-    Bench(String),
+    Bench(#[source] crate::sizing::SizingError),
 }
 
 /// A configuration the simulator refuses before it allocates anything.
-#[derive(Debug, thiserror::Error, PartialEq)]
+#[derive(Debug, thiserror::Error)]
 pub enum SimConfigError {
     /// A count outside its range.
     #[error("{what} of {got} is outside {min}..={max}")]
@@ -144,15 +147,16 @@ pub enum SimConfigError {
     },
     /// The decode buffers cannot be laid out for this geometry.
     #[error("decode index buffers: {0}")]
-    Decode(String),
+    Decode(#[source] DecodeError),
     /// A time-mode figure that is not a finite positive number.
     #[error("{0} {1} is not a finite positive number")]
     Time(&'static str, f64),
 }
 
-/// Which run: the manager's split policy and how prefixes are reused.
+/// Which run: the manager's split policy and how prefixes are reused (a run of the
+/// simulator; the policy itself is a [`crate::manager::SplitPolicy`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SplitPolicy {
+pub enum RunKind {
     /// [`crate::manager::ElasticPolicy`], with v4pool's reuse (checkpoints every 16 blocks,
     /// at prompt ends and rolling ones at turn ends: hits at any block boundary).
     Elastic,
@@ -172,19 +176,18 @@ pub enum SplitPolicy {
     ElasticTier,
 }
 
-impl SplitPolicy {
+impl RunKind {
     /// Every run, in report order.
-    pub const ALL: [SplitPolicy; 4] =
-        [SplitPolicy::Elastic, SplitPolicy::Fixed, SplitPolicy::NoReuse, SplitPolicy::Reuse4096];
+    pub const ALL: [RunKind; 4] = [RunKind::Elastic, RunKind::Fixed, RunKind::NoReuse, RunKind::Reuse4096];
 
     /// `elastic`, `fixed`, `no_reuse` or `reuse_4096`.
     pub fn name(self) -> &'static str {
         match self {
-            SplitPolicy::Elastic => "elastic",
-            SplitPolicy::Fixed => "fixed",
-            SplitPolicy::NoReuse => "no_reuse",
-            SplitPolicy::Reuse4096 => "reuse_4096",
-            SplitPolicy::ElasticTier => "elastic+host",
+            RunKind::Elastic => "elastic",
+            RunKind::Fixed => "fixed",
+            RunKind::NoReuse => "no_reuse",
+            RunKind::Reuse4096 => "reuse_4096",
+            RunKind::ElasticTier => "elastic+host",
         }
     }
 }
@@ -220,7 +223,7 @@ pub struct SimConfig {
     /// Run in time (a step costs what [`TimeConfig::cost`] says; arrivals in ms); `None`:
     /// count steps, every step the same.
     pub time: Option<TimeConfig>,
-    /// Host-tier bytes of the [`SplitPolicy::ElasticTier`] run.
+    /// Host-tier bytes of the [`RunKind::ElasticTier`] run.
     pub host_tier_bytes: u64,
     /// Whether requests' blocks are hashed (prefix caching). Off for a workload whose prompts
     /// share nothing by construction (the calibration benchmark's random prompts): no
@@ -294,18 +297,17 @@ impl SimConfig {
     }
 
     /// Running requests the decode buffers must hold under `policy`.
-    pub fn cap_seqs(&self, policy: SplitPolicy) -> usize {
+    pub fn cap_seqs(&self, policy: RunKind) -> usize {
         match policy {
-            SplitPolicy::Fixed => self.max_seqs,
-            SplitPolicy::Elastic
-            | SplitPolicy::NoReuse
-            | SplitPolicy::Reuse4096
-            | SplitPolicy::ElasticTier => self.elastic_max_seqs,
+            RunKind::Fixed => self.max_seqs,
+            RunKind::Elastic | RunKind::NoReuse | RunKind::Reuse4096 | RunKind::ElasticTier => {
+                self.elastic_max_seqs
+            }
         }
     }
 
     /// The decode buffers' capacity for `policy` on `geometry`.
-    pub fn decode_capacity(&self, geometry: &UnifiedPoolGeometry, policy: SplitPolicy) -> DecodeCapacity {
+    pub fn decode_capacity(&self, geometry: &UnifiedPoolGeometry, policy: RunKind) -> DecodeCapacity {
         let seqs = self.cap_seqs(policy);
         DecodeCapacity {
             max_seqs: seqs,
@@ -354,10 +356,9 @@ impl SimConfig {
             }
         }
         let limit = pool_bytes / DECODE_BUDGET_DIVISOR;
-        for policy in [SplitPolicy::Elastic, SplitPolicy::Fixed] {
+        for policy in [RunKind::Elastic, RunKind::Fixed] {
             let cap = self.decode_capacity(geometry, policy);
-            let bytes = DecodeIndexBuffers::required_bytes(geometry, cap)
-                .map_err(|e| SimConfigError::Decode(e.to_string()))?;
+            let bytes = DecodeIndexBuffers::required_bytes(geometry, cap).map_err(SimConfigError::Decode)?;
             if bytes > limit {
                 let (seqs, context) = (cap.max_seqs, self.max_context);
                 return Err(SimConfigError::DecodeBuffers { seqs, context, bytes, limit });

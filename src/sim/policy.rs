@@ -3,7 +3,7 @@
 //! [`KvManager`]'s. Here: the manager each run is built with, which requests are refused,
 //! which request a stall preempts, and the block hashes a request's tokens have.
 
-use super::{RequestSpec, SimConfig, SplitPolicy};
+use super::{RequestSpec, RunKind, SimConfig};
 use crate::manager::{
     block_hash, BlockHash, ElasticPolicy, FixedPolicy, KvManager, ManagerConfig, ManagerError, Namespace,
 };
@@ -30,11 +30,7 @@ pub(crate) const BYPASS_PER_HEAD: u32 = 8;
 pub(crate) const NAMESPACE: Namespace = Namespace(0x7634_706f_6f6c_2d73_696d_2d76_3400_0001);
 
 /// The manager a run drives: the run's split policy and reuse configuration.
-pub(crate) fn manager(
-    pool: &Arc<Pool>,
-    cfg: &SimConfig,
-    run: SplitPolicy,
-) -> Result<KvManager, ManagerError> {
+pub(crate) fn manager(pool: &Arc<Pool>, cfg: &SimConfig, run: RunKind) -> Result<KvManager, ManagerError> {
     let elastic = ElasticPolicy {
         headroom: cfg.slot_headroom,
         max_slots: u32::try_from(cfg.elastic_max_seqs).unwrap_or(u32::MAX),
@@ -45,14 +41,14 @@ pub(crate) fn manager(
     let reuse =
         ManagerConfig { checkpoint_every: CHECKPOINT_EVERY, rolling: true, ..ManagerConfig::default() };
     let (config, policy): (ManagerConfig, Box<dyn crate::manager::SplitPolicy>) = match run {
-        SplitPolicy::Fixed => {
+        RunKind::Fixed => {
             (reuse, Box::new(FixedPolicy { slots: u32::try_from(cfg.max_seqs).unwrap_or(u32::MAX) }))
         }
-        SplitPolicy::Elastic | SplitPolicy::NoReuse => (reuse, Box::new(elastic)),
-        SplitPolicy::ElasticTier => {
+        RunKind::Elastic | RunKind::NoReuse => (reuse, Box::new(elastic)),
+        RunKind::ElasticTier => {
             (ManagerConfig { host_tier_bytes: cfg.host_tier_bytes, ..reuse }, Box::new(elastic))
         }
-        SplitPolicy::Reuse4096 => (
+        RunKind::Reuse4096 => (
             ManagerConfig { checkpoint_every: LCM_BLOCKS, rolling: false, ..ManagerConfig::default() },
             Box::new(elastic),
         ),

@@ -16,10 +16,10 @@
 //! last) and launches one grid of `max_seqs` sequences; sequences past the staged batch are
 //! pads (slot −1) and nothing of theirs is written.
 
-use crate::alloc::SlotHandle;
-use crate::arena::{STATE_WINDOW, WINDOW_ROW_BYTES};
+use crate::alloc::{AllocError, SlotHandle};
+use crate::arena::{ArenaError, STATE_WINDOW, WINDOW_ROW_BYTES};
 use crate::backend::{BackendError, Stream};
-use crate::geometry::{WindowParams, ABSENT_RATIO};
+use crate::geometry::{GeometryError, WindowParams, ABSENT_RATIO};
 use crate::index::{
     DevicePtr, Launch, WindowGatherArgs, FP8_NOPE_ROW_BYTES, GATHER_ROW_BYTES, ROPE_ROW_BYTES,
 };
@@ -95,13 +95,30 @@ pub enum GatherError {
         /// Why.
         why: String,
     },
+    /// A layer whose ratio has no ring window in this geometry.
+    #[error("layer {layer} has no gatherable window: {source}")]
+    WindowGeometry {
+        /// The layer given.
+        layer: usize,
+        /// What the geometry refused.
+        source: GeometryError,
+    },
+    /// An absent layer whose carried window the arena does not place (no `state_window`
+    /// field).
+    #[error("layer {layer} has no carried window: {source}")]
+    NoCarriedWindow {
+        /// The layer given.
+        layer: usize,
+        /// What the arena refused.
+        source: ArenaError,
+    },
     /// A slot lease that is not live (freed, relocated away, or another pool's).
-    #[error("sequence {seq}: slot lease is not live: {reason}")]
+    #[error("sequence {seq}: slot lease is not live: {source}")]
     StaleLease {
         /// Batch row.
         seq: usize,
-        /// The allocator's reason.
-        reason: String,
+        /// What the slot allocator refused.
+        source: AllocError,
     },
     /// Sizes whose byte counts overflow.
     #[error("gather buffers of {max_seqs} sequences x {out_window} rows overflow")]
@@ -114,15 +131,23 @@ pub enum GatherError {
     /// The backend failed.
     #[error(transparent)]
     Backend(#[from] BackendError),
+    /// A staged position that does not fit the kernel's i32 slot index.
+    #[error("sequence {seq}: position {position} exceeds i32")]
+    PositionPastI32 {
+        /// Batch row.
+        seq: usize,
+        /// Its slot position.
+        position: i64,
+    },
     /// The pool refused (a poisoned lock, a plane it does not have).
     #[error("pool: {0}")]
-    Pool(String),
+    Pool(#[source] PoolError),
 }
 
 fn pool_err(e: PoolError) -> GatherError {
     match e {
         PoolError::Backend(b) => GatherError::Backend(b),
-        other => GatherError::Pool(other.to_string()),
+        other => GatherError::Pool(other),
     }
 }
 
@@ -187,7 +212,8 @@ impl Pool {
         if ratio == ABSENT_RATIO {
             return self.carried_window_source(layer);
         }
-        let params = g.window_params(ratio).map_err(|e| no_window(e.to_string()))?;
+        let params =
+            g.window_params(ratio).map_err(|source| GatherError::WindowGeometry { layer, source })?;
         let view = |plane| self.layer_view(layer, plane).map_err(pool_err);
         let widths = &spec.plane_widths;
         let (pool, rope) = match widths.as_slice() {
@@ -215,8 +241,9 @@ impl Pool {
         let spec = self.spec();
         let g = &spec.geometry;
         let no_window = |why: String| GatherError::NoWindow { layer, why };
-        let field = spec.arena.field_index(STATE_WINDOW).map_err(|e| no_window(e.to_string()))?;
-        let (plane, offset) = spec.arena.field_place(field).map_err(|e| no_window(e.to_string()))?;
+        let no_field = |source| GatherError::NoCarriedWindow { layer, source };
+        let field = spec.arena.field_index(STATE_WINDOW).map_err(no_field)?;
+        let (plane, offset) = spec.arena.field_place(field).map_err(no_field)?;
         let width = spec.plane_widths[plane];
         if width == 0 || WINDOW_ROW_BYTES % width != 0 {
             return Err(no_window(format!("a {width}-B plane does not divide {WINDOW_ROW_BYTES}-B rows")));
@@ -233,7 +260,9 @@ impl Pool {
             .ok_or_else(too_large)?;
         let rows = i64::try_from(bytes / width).map_err(|_| too_large())?;
         let per = (WINDOW_ROW_BYTES / width) as i64;
-        let params = g.field_window_params(rows, per).map_err(|e| no_window(e.to_string()))?;
+        let params = g
+            .field_window_params(rows, per)
+            .map_err(|source| GatherError::WindowGeometry { layer, source })?;
         Ok(GatherSource {
             layer,
             params,
@@ -340,9 +369,9 @@ impl WindowGather {
         let positions = self.positions(batch.iter().map(|s| s.slot))?;
         // Pads over whatever an earlier, longer batch left.
         let mut slots = vec![-1i32; batch.len().max(self.dirty)];
-        for (dst, p) in slots.iter_mut().zip(&positions) {
+        for (seq, (dst, &position)) in slots.iter_mut().zip(&positions).enumerate() {
             // A position is below the plane's rows, which fit an i32.
-            *dst = i32::try_from(*p).map_err(|_| GatherError::Pool(format!("position {p} exceeds i32")))?;
+            *dst = i32::try_from(position).map_err(|_| GatherError::PositionPastI32 { seq, position })?;
         }
         let anchors: Vec<i64> = batch.iter().map(|s| s.anchor).collect();
         self.owned.upload(self.slots_at, bytemuck::cast_slice(&slots))?;
@@ -358,9 +387,7 @@ impl WindowGather {
             .with_boundary(|b| {
                 leases
                     .enumerate()
-                    .map(|(seq, h)| {
-                        b.position(h).map_err(|e| GatherError::StaleLease { seq, reason: e.to_string() })
-                    })
+                    .map(|(seq, h)| b.position(h).map_err(|source| GatherError::StaleLease { seq, source }))
                     .collect()
             })
             .map_err(pool_err)?
@@ -406,7 +433,7 @@ impl WindowGather {
         self.pool
             .with_boundary(|b| {
                 for (seq, h) in self.staged.iter().enumerate() {
-                    b.check_slot(*h).map_err(|e| GatherError::StaleLease { seq, reason: e.to_string() })?;
+                    b.check_slot(*h).map_err(|source| GatherError::StaleLease { seq, source })?;
                 }
                 // SAFETY: forwarded from the caller.
                 unsafe { self.owned.launch(launch) }.map_err(GatherError::from)

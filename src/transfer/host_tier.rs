@@ -19,7 +19,7 @@
 //! else: which blocks to spill and when is the prefix-reuse manager's call.
 
 use crate::alloc::BlockHandle;
-use crate::backend::{Backend, HostAllocation};
+use crate::backend::{Backend, BackendError, HostAllocation};
 use crate::checkpoint::LayoutId;
 use crate::pool::{Pool, PoolError};
 use std::collections::{BTreeMap, HashMap};
@@ -82,11 +82,19 @@ pub enum HostTierError {
         pool: String,
     },
     /// Pinned host memory could not be had.
-    #[error("pinned host allocation of {bytes} bytes failed: {message}")]
+    #[error("pinned host allocation of {bytes} bytes failed: {source}")]
     Pinned {
         /// Bytes asked for.
         bytes: u64,
-        /// Driver message.
+        /// What the backend refused.
+        source: BackendError,
+    },
+    /// The backend's pinned allocation is not what was asked for (its trait contract broken).
+    #[error("pinned host allocation of {bytes} bytes: {message}")]
+    BadPinned {
+        /// Bytes asked for.
+        bytes: u64,
+        /// What the backend returned.
         message: String,
     },
 }
@@ -203,14 +211,13 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
         let capacity = budget_bytes.checked_div(unit_bytes).unwrap_or(0);
         let bytes = capacity * unit_bytes;
         let backend = pool.backend().clone();
-        let alloc =
-            backend.alloc_host(bytes).map_err(|e| HostTierError::Pinned { bytes, message: e.to_string() })?;
+        let alloc = backend.alloc_host(bytes).map_err(|source| HostTierError::Pinned { bytes, source })?;
         // The trait's contract, checked where it is cheap: every cell copy trusts it.
         if alloc.bytes as u64 != bytes || (bytes > 0 && alloc.ptr.is_null()) {
             let message = format!("the backend returned {} bytes at {:p}", alloc.bytes, alloc.ptr);
             // SAFETY: handed back to the backend that returned it, unused.
             unsafe { backend.free_host(alloc) };
-            return Err(HostTierError::Pinned { bytes, message });
+            return Err(HostTierError::BadPinned { bytes, message });
         }
         let storage = Storage { backend, alloc: Some(alloc) };
         let mut free = BTreeMap::new();

@@ -85,21 +85,18 @@ pub fn case_seed(name: &str, i: u64) -> u64 {
     base_seed() ^ h.finish()
 }
 
-/// xorshift64*: small, fast, reproducible from its seed.
+/// The tests' one random-number generator: the library's SplitMix64 ([`v4pool::sim::Rng`],
+/// the simulator's and the benches'), with the draws tests need on top. Reproducible from
+/// its seed; any seed (zero too) is a good one.
 #[derive(Clone, Debug)]
-pub struct Rng(u64);
+pub struct Rng(v4pool::sim::Rng);
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Rng(seed | 1)
+        Rng(v4pool::sim::Rng::new(seed))
     }
     pub fn next_u64(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        self.0.next_u64()
     }
     /// Uniform in `[0, n)`; `n > 0`.
     pub fn below(&mut self, n: u64) -> u64 {
@@ -109,8 +106,13 @@ impl Rng {
     pub fn range(&mut self, lo: i64, hi: i64) -> i64 {
         lo + self.below((hi - lo + 1) as u64) as i64
     }
+    /// True with probability `p` (0..=1).
     pub fn chance(&mut self, p: f64) -> bool {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64 <= p
+        self.0.f64() < p
+    }
+    /// One of `items` (not empty), uniformly.
+    pub fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len() as u64) as usize]
     }
     pub fn fill(&mut self, buf: &mut [u8]) {
         let mut chunks = buf.chunks_exact_mut(8);

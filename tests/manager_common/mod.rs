@@ -99,7 +99,8 @@ fn pool_with(
     Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
 }
 
-/// SplitMix64.
+/// The SplitMix64 finaliser as a stateless hash of `x` (token ids, the synthetic model's
+/// values); random draws come from `v4pool::sim::Rng`, as `tests/README.md` says.
 pub fn mix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -107,15 +108,7 @@ pub fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed;
-    (0..len)
-        .map(|_| {
-            x = mix(x);
-            x as u8
-        })
-        .collect()
-}
+pub use pool_common::pattern;
 
 /// Tokens of a conversation `family`, `len` long: families share their first `shared` tokens.
 pub fn tokens(family: u64, len: usize, shared: usize) -> Vec<u32> {

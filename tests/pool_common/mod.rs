@@ -87,15 +87,10 @@ pub fn small_pool(positions: i64, initial_slots: i64) -> Pool {
     small_pool_on(Arc::new(HostBackend::new()), positions, initial_slots)
 }
 
-/// A deterministic byte pattern for a seed (xorshift; never all zeros).
+/// Random bytes for a seed, from the tests' generator ([`v4pool::sim::Rng`], which
+/// `tests/common` wraps; reached directly, as this module is loaded without `common`). Equal
+/// seeds give equal bytes.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
+    let mut rng = v4pool::sim::Rng::new(seed);
+    std::iter::repeat_with(|| rng.next_u64().to_le_bytes()).flatten().take(len).collect()
 }

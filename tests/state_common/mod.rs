@@ -15,28 +15,8 @@ use v4pool::sizing::{IndexerDtype, KvDtype, PoolLayout};
 use v4pool::state::update::{Compressor, StateInputs, StateSeq, StateUpdateCapacity};
 use v4pool::GeometrySpec;
 
-/// xorshift64*.
-#[derive(Clone, Debug)]
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    /// Uniform in [lo, hi].
-    pub fn range(&mut self, lo: i64, hi: i64) -> i64 {
-        lo + (self.next() % (hi - lo + 1) as u64) as i64
-    }
-    pub fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
-    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| (self.next() >> 32) as u8).collect()
-    }
-}
+/// The tests' generator (`tests/common`).
+pub use crate::common::Rng;
 
 /// A V4 pool of `model` in `kv` layout: `slots` slots and 4 blocks.
 pub fn v4_pool(backend: Arc<dyn Backend>, model: &ModelShape, kv: KvDtype, slots: i64) -> Arc<Pool> {
@@ -145,7 +125,7 @@ pub fn forward(rng: &mut Rng, leases: &[SlotLease], max_q: i64, max_ctx: i64) ->
             let q = rng.range(1, max_q);
             let ctx = rng.range(q, max_ctx.max(q));
             let mut positions: Vec<i64> = (ctx - q..ctx).collect();
-            if rng.chance(20) {
+            if rng.chance(0.2) {
                 for i in (1..positions.len()).rev() {
                     positions.swap(i, rng.range(0, i as i64) as usize);
                 }
@@ -201,8 +181,8 @@ pub fn inputs(
     dtype: ElemType,
     ape_dtype: ElemType,
 ) -> Inputs {
-    let kv_row_stride = dim + if rng.chance(50) { 8 * rng.range(1, 4) } else { 0 };
-    let score_row_stride = dim + if rng.chance(50) { 8 * rng.range(1, 4) } else { 0 };
+    let kv_row_stride = dim + if rng.chance(0.5) { 8 * rng.range(1, 4) } else { 0 };
+    let score_row_stride = dim + if rng.chance(0.5) { 8 * rng.range(1, 4) } else { 0 };
     Inputs {
         kv: values(rng, rows.max(1) * kv_row_stride as usize, dtype),
         score: values(rng, rows.max(1) * score_row_stride as usize, dtype),
@@ -328,8 +308,8 @@ pub fn run_forward(pool: &Arc<Pool>, rng: &mut Rng, seqs: &[Seq], cap: StateUpda
         let n = layers(pool, c);
         for layer in [0, n - 1] {
             let (_, dim) = field_shape(pool, c);
-            let dtype = if rng.chance(60) { ElemType::Bf16 } else { ElemType::F32 };
-            let ape = if rng.chance(50) { ElemType::Bf16 } else { ElemType::F32 };
+            let dtype = if rng.chance(0.6) { ElemType::Bf16 } else { ElemType::F32 };
+            let ape = if rng.chance(0.5) { ElemType::Bf16 } else { ElemType::F32 };
             let i = inputs(rng, c, dim, tokens(seqs), dtype, ape);
             let (allocs, view) = upload(pool.backend().as_ref(), &i);
             // SAFETY: the inputs were uploaded to the pool's backend with these shapes.

@@ -9,7 +9,7 @@ use crate::{conclude, parse_args, CliError, ParsedArgs, Streams};
 use std::io::Write as _;
 use v4pool::backend::{BackendChoice, BackendKind, Stream};
 use v4pool::pool::{Overhead, Pool, PoolSpec};
-use v4pool::sim::{Engine, Mix, RequestSpec, SimConfig, SimReport, SplitPolicy, StepCost, TimeConfig, Trace};
+use v4pool::sim::{Engine, Mix, RequestSpec, RunKind, SimConfig, SimReport, StepCost, TimeConfig, Trace};
 use v4pool::sizing::{IndexerDtype, KvDtype, Plan, PlanRequest};
 
 const HELP: &str = "\
@@ -102,7 +102,7 @@ struct Setup {
     cfg: SimConfig,
     /// Where the arrivals come from.
     source: Source,
-    policies: Vec<SplitPolicy>,
+    policies: Vec<RunKind>,
     model: String,
     plan: Plan,
     spec: PoolSpec,
@@ -206,12 +206,12 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
         "--policy",
         "all",
         &[
-            ("all", &SplitPolicy::ALL[..]),
-            ("both", &[SplitPolicy::Elastic, SplitPolicy::Fixed][..]),
-            ("elastic", &[SplitPolicy::Elastic][..]),
-            ("fixed", &[SplitPolicy::Fixed][..]),
-            ("no_reuse", &[SplitPolicy::NoReuse][..]),
-            ("reuse_4096", &[SplitPolicy::Reuse4096][..]),
+            ("all", &RunKind::ALL[..]),
+            ("both", &[RunKind::Elastic, RunKind::Fixed][..]),
+            ("elastic", &[RunKind::Elastic][..]),
+            ("fixed", &[RunKind::Fixed][..]),
+            ("no_reuse", &[RunKind::NoReuse][..]),
+            ("reuse_4096", &[RunKind::Reuse4096][..]),
         ],
         "all, both, elastic, fixed, no_reuse or reuse_4096",
     )?
@@ -258,7 +258,7 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
     };
     let mut policies = policies;
     if host_tier_bytes > 0 && p.get("--policy").is_none() {
-        policies.push(SplitPolicy::ElasticTier);
+        policies.push(RunKind::ElasticTier);
     }
     let (source, time, steps) = match cost {
         None => {
@@ -426,7 +426,7 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
 fn run_policy(
     pool: &std::sync::Arc<Pool>,
     s: &Setup,
-    policy: SplitPolicy,
+    policy: RunKind,
     io: &mut Streams<'_>,
 ) -> Result<SimReport, CliError> {
     let (cfg, progress) = (&s.cfg, s.progress);
