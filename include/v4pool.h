@@ -66,9 +66,10 @@ typedef struct Class Class;
 typedef struct Compressor Compressor;
 
 /**
- * Which run: the manager's split policy and how prefixes are reused.
+ * Which run: the manager's split policy and how prefixes are reused (a run of the
+ * simulator; the policy itself is a [`crate::manager::SplitPolicy`]).
  */
-typedef struct SplitPolicy SplitPolicy;
+typedef struct RunKind RunKind;
 
 /**
  * A checked top-k buffer for a pool's CSA packs (opaque).
