@@ -66,12 +66,6 @@ typedef struct Class Class;
 typedef struct Compressor Compressor;
 
 /**
- * Which run: the manager's split policy and how prefixes are reused (a run of the
- * simulator; the policy itself is a [`crate::manager::SplitPolicy`]).
- */
-typedef struct RunKind RunKind;
-
-/**
  * A checked top-k buffer for a pool's CSA packs (opaque).
  */
 typedef struct V4poolCsaTopk V4poolCsaTopk;
