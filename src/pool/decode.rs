@@ -393,6 +393,23 @@ pub(crate) fn packed_slot(
     }
 }
 
+/// What both translate-packs (decode and prefill) check and derive for `slot`: a top-k row
+/// stride of at least `index_topk` (the kernel reads that much of a row), the slot's compress
+/// ratio, and the compressed rows a block holds for it (`block_size / ratio`).
+pub(crate) fn pack_slot(
+    index_topk: i32,
+    topk_row_stride: i32,
+    slot_ratios: [i64; 2],
+    slot: Class,
+    block_size: i64,
+) -> Result<(i64, i32), DecodeError> {
+    if topk_row_stride < index_topk.max(1) {
+        return Err(DecodeError::TopkStride { stride: topk_row_stride, topk: index_topk });
+    }
+    let ratio = slot_ratios[slot.index() - 1];
+    Ok((ratio, (block_size / ratio) as i32))
+}
+
 /// The fine and coarse slots' compress ratios of `geometry` (V4: 4, 128).
 pub(crate) fn slot_ratios(geometry: &UnifiedPoolGeometry) -> Result<[i64; 2], DecodeError> {
     let r = |c| geometry.class_ratio(c)?.map(i64::from).ok_or(DecodeError::MissingClass(c));
@@ -742,13 +759,11 @@ impl DecodeIndexBuffers {
         topk: DevicePtr,
         topk_row_stride: i32,
     ) -> Result<CsaPackArgs, DecodeError> {
-        if topk_row_stride < self.cap.index_topk.max(1) {
-            return Err(DecodeError::TopkStride { stride: topk_row_stride, topk: self.cap.index_topk });
-        }
+        let (ratio, block_capacity) =
+            pack_slot(self.cap.index_topk, topk_row_stride, self.slot_ratios, slot, self.block_size)?;
         let b = self.base();
         let l = &self.layout;
         let i = slot.index();
-        let ratio = self.slot_ratios[i - 1];
         Ok(CsaPackArgs {
             topk,
             block_tables: b + l.block_tables,
@@ -761,7 +776,7 @@ impl DecodeIndexBuffers {
             topk_row_stride,
             block_table_stride: self.cap.max_blocks_per_seq as i32,
             num_tokens: self.cap.max_tokens as i32,
-            block_capacity: (self.block_size / ratio) as i32,
+            block_capacity,
             window_size: self.cap.win,
             compress_ratio: ratio as i32,
             compress_bias,

@@ -14,8 +14,8 @@
 //! [`crate::pool::PrefillPath`]; [`PrefillIndexBuffers`] is the advanced, pool-less form.
 
 use super::decode::{
-    check_blocks, check_capacity, check_live, check_seq, class_slice_lens, packed_slot, read_columns,
-    slot_ratios, DecodeError, PoolBounds,
+    check_blocks, check_capacity, check_live, check_seq, class_slice_lens, pack_slot, packed_slot,
+    read_columns, slot_ratios, DecodeError, PoolBounds,
 };
 use super::owned::{Carve, DeviceBuffer, Owned};
 use crate::backend::{Backend, Stream};
@@ -538,13 +538,11 @@ impl PrefillIndexBuffers {
         topk: DevicePtr,
         topk_row_stride: i32,
     ) -> Result<CsaPackArgs, DecodeError> {
-        if topk_row_stride < self.cap.index_topk.max(1) {
-            return Err(DecodeError::TopkStride { stride: topk_row_stride, topk: self.cap.index_topk });
-        }
+        let (ratio, block_capacity) =
+            pack_slot(self.cap.index_topk, topk_row_stride, self.slot_ratios, slot, self.block_size)?;
         let b = self.mem.base();
         let l = &self.layout;
         let c = slot.index();
-        let ratio = self.slot_ratios[c - 1];
         Ok(CsaPackArgs {
             topk,
             block_tables: b + l.block_tables,
@@ -557,7 +555,7 @@ impl PrefillIndexBuffers {
             topk_row_stride,
             block_table_stride: self.cap.max_blocks_per_seq as i32,
             num_tokens: self.staged_tokens as i32,
-            block_capacity: (self.block_size / ratio) as i32,
+            block_capacity,
             window_size: 0,
             compress_ratio: ratio as i32,
             compress_bias,
