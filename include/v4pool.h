@@ -1,7 +1,7 @@
 #ifndef V4POOL_H
 #define V4POOL_H
 
-/* Generated from src/capi/mod.rs by cbindgen (include/cbindgen.toml): do not edit. */
+/* Generated from src/bindings/capi/mod.rs by cbindgen (include/cbindgen.toml): do not edit. */
 
 #include <stdint.h>
 #include <stddef.h>

@@ -26,7 +26,7 @@ LAYERS = [
     ["state", "transfer"],
     ["manager"],
     ["embed", "sim"],
-    ["python", "capi"],
+    ["bindings"],
 ]
 # ARCHITECTURE.md's sentences that the layers alone do not imply.
 FORBIDDEN = {
@@ -71,6 +71,14 @@ def main():
                         errors.append(f"{rel}: `{top}` names `crate::{m}` (layer {rank[m]} is not below {rank[top]})")
                     elif m in FORBIDDEN.get(top, ()):
                         errors.append(f"{rel}: `{top}` must not name `crate::{m}` (ARCHITECTURE.md)")
+            if top == "bindings":
+                # The two bindings are rooms side by side: neither names the other.
+                parts = rel.split(os.sep)
+                if len(parts) > 2:
+                    own = parts[1]
+                    for other in ("python", "capi"):
+                        if other != own and re.search(r"\b(crate::bindings::|super::)" + other + r"\b", text):
+                            errors.append(f"{rel}: binding `{own}` names binding `{other}`")
             stem = f.removesuffix(".rs")
             if stem != "mod" and not (rel_folder == "." and stem == "lib"):
                 names = set(re.findall(r"\bsuper::([a-z_][a-z0-9_]*)", text))

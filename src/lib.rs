@@ -43,10 +43,8 @@ pub mod sizing;
 pub mod state;
 pub mod transfer;
 
-#[cfg(feature = "capi")]
-pub mod capi;
-#[cfg(feature = "python")]
-pub mod python;
+#[cfg(any(feature = "capi", feature = "python"))]
+pub mod bindings;
 
 pub use geometry::{
     Class, ClassLayout, GeometryError, GeometrySpec, UnifiedPoolGeometry, WindowParams, ABSENT_RATIO,
