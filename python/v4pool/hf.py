@@ -137,6 +137,11 @@ class PoolEngine:
         stream = torch.cuda.current_stream() if backend == "cuda" else None
         self.pool = v4pool.Pool(self.plan, backend=backend, device=device, stream=stream)
         self.device = next(model.parameters()).device
+        # The model's activation dtype. The pool holds its rows in its own format (bf16, or
+        # fp8 + bf16 RoPE) whatever the model computes in: a float32 model writes its KV
+        # rounded to bf16 and reads the rows back widened, as an engine with a narrower KV
+        # cache than its activations does.
+        self.act = next(model.parameters()).dtype
         self.max_blocks = -(-max_context // BLOCK)
         self.fwd = v4pool.Forward(
             self.pool, max_seqs, max_seqs, self.max_blocks,
@@ -172,8 +177,8 @@ class PoolEngine:
         planes = self.view(layer)
         idx = idx.long()
         if self.fp8:
-            return _dequant_fp8(planes[0][idx], planes[1][idx])
-        return planes[0][idx]
+            return _dequant_fp8(planes[0][idx], planes[1][idx]).to(self.act)
+        return planes[0][idx].to(self.act)
 
     def index_keys(self, layer, blocks, entries: int) -> torch.Tensor:
         """CSA layer `layer`'s first `entries` index keys of a request with block handles
@@ -184,7 +189,7 @@ class PoolEngine:
         per = BLOCK // CSA
         w = torch.arange(entries, device=self.device)
         ids = torch.tensor([b.id for b in blocks], dtype=torch.long, device=self.device)
-        return self._ikeys[rank][ids[w // per] if entries else w, w % per]
+        return self._ikeys[rank][ids[w // per] if entries else w, w % per].to(self.act)
 
     def state(self, name):
         if name not in self._state:
@@ -639,7 +644,7 @@ def _attention(engine, attn, hidden_states, position_embeddings, position_ids):
     q = _mv4.apply_rotary_pos_emb(q, cos, sin)
     kv = attn.kv_norm(attn.kv_proj(hidden_states)).view(*hidden_shape).transpose(1, 2)
     kv = _mv4.apply_rotary_pos_emb(kv, cos, sin)
-    kv_rows = kv[0, 0].contiguous()  # [T, 512]
+    kv_rows = kv[0, 0].to(torch.bfloat16).contiguous()  # [T, 512], the pool's bf16 input
     T = kv_rows.shape[0]
 
     if ctx.mode == "decode":
@@ -669,7 +674,7 @@ def _attention(engine, attn, hidden_states, position_embeddings, position_ids):
     else:
         ind = torch.from_dlpack(f.prefill_buffer("indices", cls)).long()
         ptr = torch.from_dlpack(f.prefill_buffer("indptr", cls)).long()
-        own = quantize_fp8_reference(kv_rows) if engine.fp8 else kv_rows  # in-chunk rows at the pool's precision
+        own = (quantize_fp8_reference(kv_rows) if engine.fp8 else kv_rows).to(q.dtype)  # in-chunk rows at the pool's precision
     outs = []
     for r, s0, n, t0 in ctx.spans():
         keys, mask = _keys_of(engine, layer, ratio, ctx.mode, ind, ptr, own, topk if ratio == CSA else None,
