@@ -300,7 +300,7 @@ fn index_keys_land_at_their_entries_rows_and_nothing_else_changes() {
     }
     assert!(indexer_bytes(&pool) == expect, "index keys off their rows, or other bytes changed");
     // Refusals, nothing written: a short buffer, a CSA rank past the layers, HCA entries
-    // staged, a freed block, a pool whose indexer cache is fp8.
+    // staged, a freed block (every format: tests/index_keys.rs).
     assert!(matches!(w.write_index_keys(rank, &keys[..300], stride), Err(RowWriteError::KvShape { .. })));
     let ranks = pool.spec().csa_layers.len();
     assert!(matches!(w.write_index_keys(ranks, &keys, stride), Err(RowWriteError::Pool(_))));
@@ -309,12 +309,4 @@ fn index_keys_land_at_their_entries_rows_and_nothing_else_changes() {
     w.stage_compressed(Class::Hca, &[CompressedRow { block: b1, row: 0 }]).unwrap();
     assert!(matches!(w.write_index_keys(rank, &keys, stride), Err(RowWriteError::NothingStaged { .. })));
     assert!(indexer_bytes(&pool) == expect, "a refused write changed the indexer cache");
-    let fp8 = model_pool_with(Arc::new(HostBackend::new()), &model, false, 6, 3, Some(IndexerDtype::Fp8));
-    let mut w8 = fp8.kv_row_writer(RowWriteCapacity { max_tokens: 16 }).unwrap();
-    let b = fp8.alloc_block().unwrap().handle;
-    w8.stage_compressed(Class::Csa, &[CompressedRow { block: b, row: 0 }]).unwrap();
-    assert!(matches!(
-        w8.write_index_keys(0, &keys, stride),
-        Err(RowWriteError::IndexerFormat { format: "fp8" })
-    ));
 }

@@ -490,7 +490,12 @@ impl KvRowWriter {
             _ => return Err(RowWriteError::NothingStaged { what: "CSA entries (index keys)".into() }),
         };
         if stride < INDEX_KEY_VALUES {
-            return Err(RowWriteError::KvShape { len: 0, tokens: blocks.len(), row: INDEX_KEY_VALUES, stride });
+            return Err(RowWriteError::KvShape {
+                len: 0,
+                tokens: blocks.len(),
+                row: INDEX_KEY_VALUES,
+                stride,
+            });
         }
         let data = self.pool.indexer_view(rank, 0).map_err(pool_err)?;
         let (format, scales) = match ix {
@@ -498,7 +503,8 @@ impl KvRowWriter {
             IndexerDtype::Fp8 => (INDEX_KEYS_FP8, 0),
             IndexerDtype::Fp4 => (INDEX_KEYS_FP4, self.pool.indexer_view(rank, 1).map_err(pool_err)?.ptr),
         };
-        let bad_cache = || RowWriteError::Pool(format!("indexer cache of {} blocks overflows i32", data.blocks));
+        let bad_cache =
+            || RowWriteError::Pool(format!("indexer cache of {} blocks overflows i32", data.blocks));
         let block_rows = i32::try_from(data.rows_per_block).map_err(|_| bad_cache())?;
         let num_blocks = i64::try_from(data.blocks).map_err(|_| bad_cache())?;
         let mut dest = Vec::with_capacity(blocks.len());

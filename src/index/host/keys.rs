@@ -24,11 +24,7 @@ pub const FP8_KEY_AMAX_FLOOR: u32 = 0x38d1_b717;
 
 /// Largest magnitude (f32 bits) of bf16 values `x`, NaN ignored.
 fn bf16_amax(x: &[u16]) -> u32 {
-    x.iter()
-        .map(|&v| (u32::from(v) << 16) & 0x7fff_ffff)
-        .filter(|&m| m <= 0x7f80_0000)
-        .max()
-        .unwrap_or(0)
+    x.iter().map(|&v| (u32::from(v) << 16) & 0x7fff_ffff).filter(|&m| m <= 0x7f80_0000).max().unwrap_or(0)
 }
 
 /// The e8m0 byte of a group whose largest magnitude has f32 bits `amax`, fitting e2m1's 6: 0
@@ -47,7 +43,7 @@ pub fn e8m0_of_amax_e2m1(amax: u32) -> u8 {
 pub fn e2m1_rne(u: u32) -> u8 {
     let s = ((u >> 28) & 0x8) as u8;
     let a = u & 0x7fff_ffff; // positive f32 bits order as their values
-    // Upper midpoint of each code: even codes keep their tie (`<=`), odd ones pass it on.
+                             // Upper midpoint of each code: even codes keep their tie (`<=`), odd ones pass it on.
     const EDGES: [(u32, bool); 7] = [
         (0x3e80_0000, true),  // 0.25
         (0x3f40_0000, false), // 0.75
@@ -65,7 +61,11 @@ pub fn e2m1_rne(u: u32) -> u8 {
 /// (returned as its bits).
 pub fn pack_fp8_key(key: &[u16], data: &mut [u8]) -> Result<u32> {
     if key.len() < INDEX_KEY_VALUES || data.len() != INDEX_KEY_VALUES {
-        return Err(HostKernelError::OutOfBounds { buffer: "fp8 key", index: 0, len: key.len().min(data.len()) });
+        return Err(HostKernelError::OutOfBounds {
+            buffer: "fp8 key",
+            index: 0,
+            len: key.len().min(data.len()),
+        });
     }
     let key = &key[..INDEX_KEY_VALUES];
     let b = u32::from(e8m0_of_amax(bf16_amax(key).max(FP8_KEY_AMAX_FLOOR)));
@@ -176,11 +176,9 @@ pub fn index_keys(
             index: t,
             len: keys.len(),
         })?;
-        let key = keys.get(start..start.saturating_add(INDEX_KEY_VALUES)).ok_or(HostKernelError::OutOfBounds {
-            buffer: "keys",
-            index: t,
-            len: keys.len(),
-        })?;
+        let key = keys
+            .get(start..start.saturating_add(INDEX_KEY_VALUES))
+            .ok_or(HostKernelError::OutOfBounds { buffer: "keys", index: t, len: keys.len() })?;
         let base = block * block_bytes;
         match cache {
             KeyCache::Bf16 { data } => {

@@ -355,8 +355,11 @@ unsafe fn run_index_keys(a: &crate::index::IndexKeysArgs) -> Result<()> {
     }
     let stride = len_of("key_row_stride", a.key_row_stride)?;
     let keys_len = (t - 1).checked_mul(stride).and_then(|n| n.checked_add(INDEX_KEY_VALUES));
-    let keys_len =
-        keys_len.ok_or(HostKernelError::OutOfBounds { buffer: "keys", index: a.num_tokens.into(), len: 0 })?;
+    let keys_len = keys_len.ok_or(HostKernelError::OutOfBounds {
+        buffer: "keys",
+        index: a.num_tokens.into(),
+        len: 0,
+    })?;
     let rows = len_of("block_rows", a.block_rows.into())?;
     let (block, scale) = key_block_bytes(a.format, rows)
         .ok_or(HostKernelError::Launch(super::LaunchError::BadCode { field: "format", value: a.format }))?;
