@@ -17,18 +17,14 @@ mod gather_common;
 
 use common::{case_seed, Rng};
 use gather_common::model_pool_with;
-use std::ffi::c_void;
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::geometry::Class;
-use v4pool::index::host::{index_keys, key_block_bytes, pack_fp4_key, pack_fp8_key, run_launch, KeyCache};
-use v4pool::index::shape::launch_shape;
+use v4pool::index::host::{index_keys, key_block_bytes, pack_fp4_key, pack_fp8_key, KeyCache};
 use v4pool::index::{IndexKeysArgs, Launch, INDEX_KEYS_BF16, INDEX_KEYS_FP4, INDEX_KEYS_FP8};
 use v4pool::model::ModelShape;
 use v4pool::pool::{CompressedRow, Pool, RowWriteCapacity, RowWriteError};
 use v4pool::sizing::IndexerDtype;
-
-type EmuIndexKeys = unsafe extern "C" fn(*const c_void, *const u32, u32) -> i32;
 
 /// bf16 bits of `f` (truncated: any bf16 is a valid input).
 fn bf16(f: f32) -> u16 {
@@ -71,18 +67,11 @@ const FORMATS: [i32; 3] = [INDEX_KEYS_BF16, INDEX_KEYS_FP8, INDEX_KEYS_FP4];
 
 #[test]
 fn the_kernel_source_matches_the_host_reference() {
-    let Some(path) = v4pool::kernels::host_emulation_library() else {
-        assert!(
-            !std::env::var("V4POOL_REQUIRE_DEVICE_BUILD").is_ok_and(|v| v == "1"),
-            "V4POOL_REQUIRE_DEVICE_BUILD=1 but build.rs built no host-emulation library"
-        );
-        println!("SKIP: no host-emulation library");
+    let Some(lib) = common::emulation_library() else {
         return;
     };
-    // SAFETY: the library is ours (build.rs built it from kernels/).
-    let lib = unsafe { libloading::Library::new(path) }.expect("load");
     // SAFETY: the symbol has this signature (kernels/v4pool_emulation.cpp).
-    let emu = unsafe { *lib.get::<EmuIndexKeys>(b"v4pool_emu_launch_index_keys\0").expect("symbol") };
+    let emu = unsafe { *lib.get::<common::EmuLaunch>(b"v4pool_emu_launch_index_keys\0").expect("symbol") };
     for case in 0..30u64 {
         let mut rng = Rng::new(case_seed("index-keys-emulated", case));
         let format = FORMATS[case as usize % 3];
@@ -119,15 +108,9 @@ fn the_kernel_source_matches_the_host_reference() {
                 _pad: 0,
             };
             let launch = Launch::IndexKeys(args);
-            if reference {
-                // SAFETY: every pointer is a live buffer of the sizes the arguments name.
-                unsafe { run_launch(&launch) }.expect("reference");
-            } else {
-                let shape = launch_shape(&launch);
-                let bytes = v4pool::backend::kernel_argument(&launch);
-                // SAFETY: as above; the argument bytes are the struct the kernel takes.
-                assert_eq!(unsafe { emu(bytes.as_ptr().cast(), shape.grid.as_ptr(), shape.block[0]) }, 0);
-            }
+            // SAFETY: every pointer is a live buffer of the sizes the arguments name; `emu` is
+            // this kernel's entry.
+            unsafe { common::run_reference_or_emulated(&launch, emu, reference) };
             (data, scales)
         };
         let host = run(true);

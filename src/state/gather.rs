@@ -482,7 +482,10 @@ impl WindowGather {
             .and_then(|n| n.checked_mul(GATHER_ROW_BYTES))
             .ok_or_else(|| bad("the window's size overflows".into()))?;
         if bytes < need {
-            return Err(bad(format!("{need} B needed: {} sequences x {draft_window} rows", self.cap.max_seqs)));
+            return Err(bad(format!(
+                "{need} B needed: {} sequences x {draft_window} rows",
+                self.cap.max_seqs
+            )));
         }
         if out % 16 != 0 {
             return Err(bad("not 16-B aligned".into()));
@@ -507,14 +510,22 @@ impl WindowGather {
     /// bits, e.g. an engine's CPU tensor on the host backend): gathered into a buffer of the
     /// pool's backend made for the call, then the staged sequences' rows copied into `out`
     /// (waits for the stream); rows of pad sequences are untouched, as on a device.
-    pub fn gather_into_host(&self, layer: usize, draft_window: usize, out: &mut [u16]) -> Result<(), GatherError> {
+    pub fn gather_into_host(
+        &self,
+        layer: usize,
+        draft_window: usize,
+        out: &mut [u16],
+    ) -> Result<(), GatherError> {
         let rows = (self.cap.max_seqs as u64).checked_mul(draft_window as u64);
         let bytes = rows.and_then(|r| r.checked_mul(GATHER_ROW_BYTES));
         let have = (out.len() as u64).saturating_mul(2);
         let bad = |why: String| GatherError::BadOutput { out: 0, bytes: have, why };
         let bytes = bytes.ok_or_else(|| bad("the window's size overflows".into()))?;
         if have < bytes {
-            return Err(bad(format!("{bytes} B needed: {} sequences x {draft_window} rows", self.cap.max_seqs)));
+            return Err(bad(format!(
+                "{bytes} B needed: {} sequences x {draft_window} rows",
+                self.cap.max_seqs
+            )));
         }
         let tmp = Owned::new(Arc::clone(self.pool.backend()), self.pool.stream(), bytes.max(16))?;
         let launch = self.gather_launch(layer, draft_window, tmp.base())?;

@@ -114,7 +114,10 @@ impl Tensor<'_> {
         let mut want = 1i64;
         for (d, (&n, &s)) in self.shape.iter().zip(&self.strides).enumerate().rev() {
             if n != 1 && s != want {
-                return Err(bad(name, format!("strides {:?}: dimension {d} is not contiguous", self.strides)));
+                return Err(bad(
+                    name,
+                    format!("strides {:?}: dimension {d} is not contiguous", self.strides),
+                ));
             }
             want = want.checked_mul(n).ok_or_else(|| bad(name, "size overflows".into()))?;
         }
