@@ -103,8 +103,9 @@ def test_gather_into_an_engine_tensor_equals_the_gather(dtype):
          .view(3, wd, 512), "the pool's own plane"),
         ([[0] * 512] * wd, "not a tensor"),
     ]
-    if DEVICE == "cpu" and torch.cuda.is_available():
-        hostile.append((torch.zeros((3, wd, 512), dtype=torch.bfloat16, device="cuda"), "another device"))
+    if DEVICE == "cuda" or torch.cuda.is_available():
+        other = "cpu" if DEVICE == "cuda" else "cuda"
+        hostile.append((torch.zeros((3, wd, 512), dtype=torch.bfloat16, device=other), "another device"))
     for t, why in hostile:
         with pytest.raises(v4pool.V4PoolError) as e:
             f.gather_into(0, wd, t)
