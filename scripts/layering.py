@@ -15,7 +15,7 @@ import sys
 
 # Lowest first. A module may name only modules of a strictly lower layer.
 LAYERS = [
-    ["checked", "profiling"],
+    ["checked", "profiling", "rng"],
     ["geometry"],
     ["model", "index"],
     ["arena", "alloc", "kernels"],

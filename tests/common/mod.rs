@@ -123,7 +123,8 @@ pub fn case_seed(name: &str, i: u64) -> u64 {
 }
 
 /// The tests' one random-number generator: the library's SplitMix64 ([`v4pool::sim::Rng`],
-/// the simulator's and the benches'), with the draws tests need on top. Reproducible from
+/// the simulator's and the benches'), with the draws tests need on top (`below`, `fill` and
+/// `bytes` are the library's own). Reproducible from
 /// its seed; any seed (zero too) is a good one.
 #[derive(Clone, Debug)]
 pub struct Rng(v4pool::sim::Rng);
@@ -137,7 +138,7 @@ impl Rng {
     }
     /// Uniform in `[0, n)`; `n > 0`.
     pub fn below(&mut self, n: u64) -> u64 {
-        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
+        self.0.below(n)
     }
     /// Uniform in `[lo, hi]`.
     pub fn range(&mut self, lo: i64, hi: i64) -> i64 {
@@ -152,18 +153,10 @@ impl Rng {
         items[self.below(items.len() as u64) as usize]
     }
     pub fn fill(&mut self, buf: &mut [u8]) {
-        let mut chunks = buf.chunks_exact_mut(8);
-        for c in &mut chunks {
-            c.copy_from_slice(&self.next_u64().to_le_bytes());
-        }
-        let rest = chunks.into_remainder();
-        let last = self.next_u64().to_le_bytes();
-        rest.copy_from_slice(&last[..rest.len()]);
+        self.0.fill(buf)
     }
     pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        let mut v = vec![0; n];
-        self.fill(&mut v);
-        v
+        self.0.bytes(n)
     }
     /// `k` distinct values of `[0, n)`, in random order.
     pub fn distinct(&mut self, k: usize, n: u64) -> Vec<i64> {
