@@ -24,6 +24,7 @@ use crate::alloc::{BlockHandle, SlotHandle};
 use crate::backend::BackendError;
 use crate::geometry::{Class, DENSE_RATIO};
 use crate::index::{DevicePtr, KvRowsArgs, Launch, FP8_NOPE_ROW_BYTES, KV_ROW_VALUES, ROPE_ROW_BYTES};
+use crate::variant::VariantName;
 use std::sync::Arc;
 use thiserror::Error;
 
@@ -134,6 +135,36 @@ pub enum RowWriteError {
     /// The pool refused.
     #[error("pool: {0}")]
     Pool(String),
+}
+
+impl VariantName for RowWriteError {
+    fn variant_name(&self) -> &'static str {
+        use RowWriteError::*;
+        match self {
+            TooManyTokens { .. } => "TooManyTokens",
+            KvShape { .. } => "KvShape",
+            BadLayer { .. } => "BadLayer",
+            NothingStaged { .. } => "NothingStaged",
+            NoSuchRows { .. } => "NoSuchRows",
+            NegativePosition { .. } => "NegativePosition",
+            SharedSlot { .. } => "SharedSlot",
+            StaleLease { .. } => "StaleLease",
+            BadEntry { .. } => "BadEntry",
+            Decode(_) => "Decode",
+            IndexerFormat { .. } => "IndexerFormat",
+            RowFormat { .. } => "RowFormat",
+            TooLarge { .. } => "TooLarge",
+            Backend(e) => e.variant_name(),
+            Pool(_) => "Pool",
+        }
+    }
+
+    fn is_device_failure(&self) -> bool {
+        match self {
+            RowWriteError::Backend(e) => e.is_device_failure(),
+            _ => false,
+        }
+    }
 }
 
 type Result<T> = std::result::Result<T, RowWriteError>;
