@@ -623,7 +623,7 @@ impl std::fmt::Debug for DecodeIndexBuffers {
     }
 }
 
-/// One sub-buffer of the decode path, by name (for [`DecodeIndexBuffers::buffer`] and reads).
+/// One sub-buffer of the decode path, by name (for [`crate::pool::DecodePath::buffer`] and reads).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DecodeBuffer {
     /// i32 `[max_seqs]`: physical slot per sequence.

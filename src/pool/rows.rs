@@ -19,8 +19,8 @@
 
 use super::decode::check_live;
 use super::owned::{Carve, Owned};
-use super::{DecodePath, Pool, PoolError};
-use crate::alloc::{BlockHandle, SlotHandle};
+use super::{DecodeError, DecodePath, Pool, PoolError};
+use crate::alloc::{AllocError, BlockHandle, SlotHandle};
 use crate::backend::BackendError;
 use crate::geometry::{Class, DENSE_RATIO};
 use crate::index::{DevicePtr, KvRowsArgs, Launch, FP8_NOPE_ROW_BYTES, KV_ROW_VALUES, ROPE_ROW_BYTES};
@@ -52,12 +52,13 @@ pub enum RowWriteError {
         stride: usize,
     },
     /// A layer the rows cannot go to.
-    #[error("layer {layer}: {why}")]
+    #[error("layer {layer}: {source}")]
     BadLayer {
         /// The layer given.
         layer: usize,
-        /// Why.
-        why: String,
+        /// The geometry's or pool's refusal.
+        #[source]
+        source: Box<PoolError>,
     },
     /// Nothing staged for this row set (or staged for another class).
     #[error("no rows staged for {what}")]
@@ -92,24 +93,45 @@ pub enum RowWriteError {
         position: i64,
     },
     /// A slot lease that is not live.
-    #[error("sequence {seq}: slot lease is not live: {reason}")]
+    #[error("sequence {seq}: slot lease is not live: {source}")]
     StaleLease {
         /// Batch row.
         seq: usize,
         /// The allocator's reason.
-        reason: String,
+        #[source]
+        source: AllocError,
     },
     /// A block handle that is not live, or a row outside the block.
-    #[error("entry {entry}: {reason}")]
+    #[error("entry {entry}: {source}")]
     BadEntry {
         /// Entry index.
         entry: usize,
-        /// Why.
-        reason: String,
+        /// The allocator's or geometry's refusal.
+        #[source]
+        source: Box<PoolError>,
     },
+    /// A staged entry outside the indexer cache's view.
+    #[error("entry {entry}: block {block} row {row} outside the indexer cache")]
+    EntryOutsideIndexer {
+        /// Entry index.
+        entry: usize,
+        /// Its block id.
+        block: u32,
+        /// Its row in the block.
+        row: i64,
+    },
+    /// A row number past `i32` (the kernels' row type).
+    #[error("row {row} exceeds i32")]
+    RowPastI32 {
+        /// The row.
+        row: i64,
+    },
+    /// A decode path of another pool.
+    #[error("the decode path indexes another pool")]
+    ForeignPath,
     /// The decode path's staged batch no longer matches the pool.
     #[error("decode path: {0}")]
-    Decode(String),
+    Decode(#[source] Box<DecodeError>),
     /// The indexer's keys are written only to a bf16 indexer cache (the fp8 / fp4 key pack
     /// has no writer yet).
     #[error("index keys: the pool's indexer cache is {format}; only a bf16 one has a writer")]
@@ -134,7 +156,7 @@ pub enum RowWriteError {
     Backend(#[from] BackendError),
     /// The pool refused.
     #[error("pool: {0}")]
-    Pool(String),
+    Pool(#[source] Box<PoolError>),
 }
 
 impl VariantName for RowWriteError {
@@ -150,18 +172,23 @@ impl VariantName for RowWriteError {
             SharedSlot { .. } => "SharedSlot",
             StaleLease { .. } => "StaleLease",
             BadEntry { .. } => "BadEntry",
-            Decode(_) => "Decode",
+            EntryOutsideIndexer { .. } => "EntryOutsideIndexer",
+            RowPastI32 { .. } => "RowPastI32",
+            ForeignPath => "ForeignPath",
+            Decode(e) => e.variant_name(),
             IndexerFormat { .. } => "IndexerFormat",
             RowFormat { .. } => "RowFormat",
             TooLarge { .. } => "TooLarge",
             Backend(e) => e.variant_name(),
-            Pool(_) => "Pool",
+            Pool(e) => e.variant_name(),
         }
     }
 
     fn is_device_failure(&self) -> bool {
         match self {
             RowWriteError::Backend(e) => e.is_device_failure(),
+            RowWriteError::Decode(e) => e.is_device_failure(),
+            RowWriteError::Pool(e) => e.is_device_failure(),
             _ => false,
         }
     }
@@ -172,7 +199,7 @@ type Result<T> = std::result::Result<T, RowWriteError>;
 fn pool_err(e: PoolError) -> RowWriteError {
     match e {
         PoolError::Backend(b) => RowWriteError::Backend(b),
-        other => RowWriteError::Pool(other.to_string()),
+        other => RowWriteError::Pool(Box::new(other)),
     }
 }
 
@@ -343,8 +370,7 @@ impl KvRowWriter {
                 seqs.iter()
                     .enumerate()
                     .map(|(seq, s)| {
-                        b.position(s.slot)
-                            .map_err(|e| RowWriteError::StaleLease { seq, reason: e.to_string() })
+                        b.position(s.slot).map_err(|e| RowWriteError::StaleLease { seq, source: e })
                     })
                     .collect::<Result<Vec<i64>>>()
             })
@@ -370,11 +396,8 @@ impl KvRowWriter {
                     let p = s.first_position + i as i64;
                     let row = g
                         .window_index(layer, slot, p % g.ring_slots)
-                        .map_err(|e| RowWriteError::BadLayer { layer, why: e.to_string() })?;
-                    rows.push(
-                        i32::try_from(row)
-                            .map_err(|_| RowWriteError::Pool(format!("row {row} exceeds i32")))?,
-                    );
+                        .map_err(|e| RowWriteError::BadLayer { layer, source: Box::new(e.into()) })?;
+                    rows.push(i32::try_from(row).map_err(|_| RowWriteError::RowPastI32 { row })?);
                 }
             }
             self.owned.upload(self.window_at[class_index(class)], bytemuck::cast_slice(&rows))?;
@@ -400,7 +423,7 @@ impl KvRowWriter {
             .with_boundary(|b| {
                 entries.iter().enumerate().try_for_each(|(entry, e)| {
                     b.check_block(e.block)
-                        .map_err(|err| RowWriteError::BadEntry { entry, reason: err.to_string() })
+                        .map_err(|err| RowWriteError::BadEntry { entry, source: Box::new(err.into()) })
                 })
             })
             .map_err(pool_err)??;
@@ -408,8 +431,8 @@ impl KvRowWriter {
         for (entry, e) in entries.iter().enumerate() {
             let row = g
                 .compress_index(layer, i64::from(e.block.id), e.row)
-                .map_err(|err| RowWriteError::BadEntry { entry, reason: err.to_string() })?;
-            rows.push(i32::try_from(row).map_err(|_| RowWriteError::Pool(format!("row {row} exceeds i32")))?);
+                .map_err(|err| RowWriteError::BadEntry { entry, source: Box::new(err.into()) })?;
+            rows.push(i32::try_from(row).map_err(|_| RowWriteError::RowPastI32 { row })?);
         }
         self.compressed = Staged::Nothing;
         self.owned.upload(self.compressed_at, bytemuck::cast_slice(&rows))?;
@@ -424,12 +447,11 @@ impl KvRowWriter {
     /// The layer's class and its views (NoPE or bf16 plane, RoPE plane in fp8).
     fn layer_target(&self, layer: usize) -> Result<(Class, DevicePtr, DevicePtr, i64)> {
         let g = &self.pool.spec().geometry;
-        let bad = |why: String| RowWriteError::BadLayer { layer, why };
-        let cls = g.layer_class(layer).map_err(|e| bad(e.to_string()))?;
-        let class = Class::from_ratio(cls.ratio).map_err(|e| bad(e.to_string()))?;
-        let v0 = self.pool.layer_view(layer, 0).map_err(|e| bad(e.to_string()))?;
-        let rope =
-            if self.fp8 { self.pool.layer_view(layer, 1).map_err(|e| bad(e.to_string()))?.ptr } else { 0 };
+        let bad = |e: PoolError| RowWriteError::BadLayer { layer, source: Box::new(e) };
+        let cls = g.layer_class(layer).map_err(|e| bad(e.into()))?;
+        let class = Class::from_ratio(cls.ratio).map_err(|e| bad(e.into()))?;
+        let v0 = self.pool.layer_view(layer, 0).map_err(bad)?;
+        let rope = if self.fp8 { self.pool.layer_view(layer, 1).map_err(bad)?.ptr } else { 0 };
         Ok((class, v0.ptr, rope, v0.rows))
     }
 
@@ -487,14 +509,13 @@ impl KvRowWriter {
                 match (set, &self.window, &self.compressed) {
                     (RowSet::Window, Staged::Window { slots, .. }, _) => {
                         for (seq, h) in slots.iter().enumerate() {
-                            b.check_slot(*h)
-                                .map_err(|e| RowWriteError::StaleLease { seq, reason: e.to_string() })?;
+                            b.check_slot(*h).map_err(|e| RowWriteError::StaleLease { seq, source: e })?;
                         }
                     }
                     (RowSet::Compressed(_), _, Staged::Compressed { blocks, .. }) => {
                         for (entry, h) in blocks.iter().enumerate() {
                             b.check_block(*h)
-                                .map_err(|e| RowWriteError::BadEntry { entry, reason: e.to_string() })?;
+                                .map_err(|e| RowWriteError::BadEntry { entry, source: Box::new(e.into()) })?;
                         }
                     }
                     _ => return Err(RowWriteError::NothingStaged { what: format!("{set:?}") }),
@@ -520,10 +541,7 @@ impl KvRowWriter {
         let mut runs: Vec<KeyRun> = Vec::new();
         for (entry, (b, &row)) in blocks.iter().zip(rows).enumerate() {
             if u64::from(b.id) >= view.blocks || row < 0 || row as u64 >= view.rows_per_block {
-                return Err(RowWriteError::BadEntry {
-                    entry,
-                    reason: format!("block {} row {row} outside the indexer cache", b.id),
-                });
+                return Err(RowWriteError::EntryOutsideIndexer { entry, block: b.id, row });
             }
             let at = view.ptr + (u64::from(b.id) * view.rows_per_block + row as u64) * view.row_bytes;
             match runs.last_mut() {
@@ -549,7 +567,7 @@ impl KvRowWriter {
             .with_boundary(|b| {
                 for (entry, h) in blocks.iter().enumerate() {
                     b.check_block(*h)
-                        .map_err(|e| RowWriteError::BadEntry { entry, reason: e.to_string() })?;
+                        .map_err(|e| RowWriteError::BadEntry { entry, source: Box::new(e.into()) })?;
                 }
                 runs.iter().try_for_each(|r| copy(r).map_err(RowWriteError::from))
             })
@@ -659,13 +677,13 @@ impl KvRowWriter {
         stride: usize,
     ) -> Result<(KvRowsArgs, usize)> {
         if !Arc::ptr_eq(path.pool(), &self.pool) {
-            return Err(RowWriteError::Decode("the decode path indexes another pool".into()));
+            return Err(RowWriteError::ForeignPath);
         }
         let (class, nope, rope, view_rows) = self.layer_target(layer)?;
         let dest = path.dest_rows(class).ok_or(RowWriteError::NoSuchRows { class, what: "destination" })?;
         let bids = path
             .buffer(crate::pool::DecodeBuffer::BatchIds)
-            .ok_or(RowWriteError::Decode("no batch ids".into()))?;
+            .ok_or(RowWriteError::NothingStaged { what: "decode batch ids".into() })?;
         let tokens = path.staged_tokens();
         Ok((
             KvRowsArgs {
@@ -692,7 +710,7 @@ impl KvRowWriter {
         self.pool
             .with_boundary(|b| {
                 check_live(path.staged_positions(), &b.live_positions())
-                    .map_err(|e| RowWriteError::Decode(e.to_string()))?;
+                    .map_err(|e| RowWriteError::Decode(Box::new(e)))?;
                 // SAFETY: forwarded from the caller.
                 unsafe { self.owned.launch(launch) }.map_err(RowWriteError::from)
             })

@@ -1,6 +1,6 @@
 //! The simulator: a pool driven as a serving engine would drive it, through the
 //! request-level [`KvManager`](crate::manager::KvManager) and nothing below it (the
-//! [`DecodePath`](crate::pool::DecodePath) the pool gives out is staged from the manager's
+//! [`DecodePath`] the pool gives out is staged from the manager's
 //! block tables and slots).
 //!
 //! Requests arrive (Poisson); prompt and output lengths come from a mix (chat, agentic up to
