@@ -505,15 +505,24 @@ pub(crate) fn check_blocks(max_ids: &[Option<i32>], num_blocks: i64) -> Result<(
     }
 }
 
-/// The slot whose heads layer `layer`'s translate-pack fills (`layer_slots` per layer;
-/// `head_fill`: V4's class-wide coarse heads, which no pack fills).
-pub(crate) fn packed_slot(
+/// The slot and compress bias of a translate-pack: `None`, V4's one-CSA-buffer pack of any
+/// CSA layer (bias 0; refused where layers share compressors, `head_fill` false); `Some(layer)`,
+/// the slot whose heads layer `layer` fills (`layer_slots` per layer) with its bias (V4's
+/// class-wide coarse heads, `head_fill`, are the builder's: no pack fills them).
+pub(crate) fn pack_target(
     layer_slots: &[Option<Class>],
+    compress_bias: &[i64],
     head_fill: bool,
-    layer: usize,
-) -> Result<Class, DecodeError> {
+    layer: Option<usize>,
+) -> Result<(Class, i64), DecodeError> {
+    let Some(layer) = layer else {
+        return if head_fill { Ok((Class::Csa, 0)) } else { Err(DecodeError::PackNeedsLayer) };
+    };
     match layer_slots.get(layer).copied().flatten() {
-        Some(c @ (Class::Csa | Class::Hca)) if !(c == Class::Hca && head_fill) => Ok(c),
+        // Both tables hold one entry per layer.
+        Some(c @ (Class::Csa | Class::Hca)) if !(c == Class::Hca && head_fill) => {
+            compress_bias.get(layer).map(|&bias| (c, bias)).ok_or(DecodeError::NotPacked { layer })
+        }
         _ => Err(DecodeError::NotPacked { layer }),
     }
 }
@@ -864,14 +873,8 @@ impl DecodeIndexBuffers {
         topk: DevicePtr,
         topk_row_stride: i32,
     ) -> Result<CsaPackArgs, DecodeError> {
-        match layer {
-            None if !self.head_fill => Err(DecodeError::PackNeedsLayer),
-            None => self.slot_pack_args(Class::Csa, 0, topk, topk_row_stride),
-            Some(layer) => {
-                let slot = packed_slot(&self.layer_slots, self.head_fill, layer)?;
-                self.slot_pack_args(slot, self.compress_bias[layer], topk, topk_row_stride)
-            }
-        }
+        let (slot, bias) = pack_target(&self.layer_slots, &self.compress_bias, self.head_fill, layer)?;
+        self.slot_pack_args(slot, bias, topk, topk_row_stride)
     }
 
     fn slot_pack_args(

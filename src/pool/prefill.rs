@@ -14,7 +14,7 @@
 //! [`crate::pool::PrefillPath`]: these buffers (crate-private) with the pool they index.
 
 use super::decode::{
-    check_blocks, check_capacity, check_live, check_seq, class_slice_lens, pack_slot, packed_slot,
+    check_blocks, check_capacity, check_live, check_seq, class_slice_lens, pack_slot, pack_target,
     read_columns, slot_ratios, DecodeError, PoolBounds,
 };
 use super::owned::{Carve, DeviceBuffer, Owned};
@@ -524,14 +524,8 @@ impl PrefillIndexBuffers {
         topk: DevicePtr,
         topk_row_stride: i32,
     ) -> Result<CsaPackArgs, DecodeError> {
-        match layer {
-            None if !self.head_fill => Err(DecodeError::PackNeedsLayer),
-            None => self.slot_pack_args(Class::Csa, 0, topk, topk_row_stride),
-            Some(layer) => {
-                let slot = packed_slot(&self.layer_slots, self.head_fill, layer)?;
-                self.slot_pack_args(slot, self.compress_bias[layer], topk, topk_row_stride)
-            }
-        }
+        let (slot, bias) = pack_target(&self.layer_slots, &self.compress_bias, self.head_fill, layer)?;
+        self.slot_pack_args(slot, bias, topk, topk_row_stride)
     }
 
     fn slot_pack_args(
