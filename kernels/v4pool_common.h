@@ -581,6 +581,36 @@ V4POOL_CHECK_OFFSET(KvRowsArgs, view_rows, 48);
 V4POOL_CHECK_OFFSET(KvRowsArgs, num_tokens, 56);
 V4POOL_CHECK_OFFSET(KvRowsArgs, fp8, 60);
 
+// The indexer's bf16 key rows -> one CSA layer's indexer K cache (docs/forward.md, "Indexer
+// keys"): keys[t] (128 bf16) to entry dest[t] = block x block_rows + row; entries outside
+// [0, num_blocks x block_rows) dropped. format 0: bf16 rows (256 B, copied); 1: FP8, per block
+// [block_rows x 128 e4m3][block_rows x f32 scale]; 2: FP4, data per block [4][block_rows][16]
+// (e2m1, value 2j in the low nibble of byte j), scales per block [4][block_rows] (e8m0).
+struct IndexKeysArgs {
+    v4p_ptr keys;            // bf16 [T][key_row_stride]
+    v4p_ptr dest;            // i32 [>= T]
+    v4p_ptr data;            // the layer's cache at block 0 (FP4: its data pool)
+    v4p_ptr scales;          // FP4: the layer's scale pool at block 0; else 0
+    v4p_i64 key_row_stride;  // >= 128
+    v4p_i64 num_blocks;
+    v4p_i32 num_tokens;
+    v4p_i32 block_rows;
+    v4p_i32 format;
+    v4p_i32 _pad;
+};
+V4POOL_CHECK_SIZE(IndexKeysArgs, 64);
+V4POOL_CHECK_ALIGN(IndexKeysArgs, 8);
+V4POOL_CHECK_OFFSET(IndexKeysArgs, keys, 0);
+V4POOL_CHECK_OFFSET(IndexKeysArgs, dest, 8);
+V4POOL_CHECK_OFFSET(IndexKeysArgs, data, 16);
+V4POOL_CHECK_OFFSET(IndexKeysArgs, scales, 24);
+V4POOL_CHECK_OFFSET(IndexKeysArgs, key_row_stride, 32);
+V4POOL_CHECK_OFFSET(IndexKeysArgs, num_blocks, 40);
+V4POOL_CHECK_OFFSET(IndexKeysArgs, num_tokens, 48);
+V4POOL_CHECK_OFFSET(IndexKeysArgs, block_rows, 52);
+V4POOL_CHECK_OFFSET(IndexKeysArgs, format, 56);
+V4POOL_CHECK_OFFSET(IndexKeysArgs, _pad, 60);
+
 // ---- geometry (index-buffers.md §2), device side -----------------------------------------
 
 /// Window row of absolute position `pos` in physical slot `slot`, relative to the layer view.

@@ -69,3 +69,9 @@ extern "C" int v4pool_emu_launch_kv_rows(const void* args, const unsigned grid[3
     v4p_emu_run<KvRowsArgs>(v4pool_kv_rows, args, grid, threads);
     return 0;
 }
+
+/// The indexer key writer (bf16 keys into an indexer K cache), for tests/index_keys.rs.
+extern "C" int v4pool_emu_launch_index_keys(const void* args, const unsigned grid[3], unsigned threads) {
+    v4p_emu_run<IndexKeysArgs>(v4pool_index_keys, args, grid, threads);
+    return 0;
+}

@@ -15,7 +15,7 @@ import sys
 
 # Lowest first. A module may name only modules of a strictly lower layer.
 LAYERS = [
-    ["checked", "profiling", "variant"],
+    ["checked", "profiling", "rng", "variant"],
     ["geometry"],
     ["model", "index"],
     ["arena", "alloc", "kernels"],

@@ -1,11 +1,13 @@
 //! The kernel source and whatever device code `build.rs` could build with the tools it found.
 //!
-//! [`SOURCE`] is always present: `kernels/v4pool_common.h` and `kernels/v4pool_kernels.cu` as
-//! one translation unit with no includes, ready for NVRTC or hiprtc. The precompiled objects
+//! [`SOURCE`] is always present: `kernels/v4pool_kernels.cu` with what it includes — the shared
+//! header `kernels/v4pool_common.h` and one `kernels/*.cuh` file per kernel family — inlined
+//! into one translation unit with no includes (`#line` markers keep each file's name and line
+//! numbers in diagnostics), ready for NVRTC or hiprtc. The precompiled objects
 //! are present only when the build machine had the compiler (see `build.rs`); a backend loads
 //! one if it exists and compiles [`SOURCE`] at run time otherwise.
 
-/// Header and kernels as one string NVRTC / hiprtc compile without include paths.
+/// Header and kernel families as one string NVRTC / hiprtc compile without include paths.
 pub const SOURCE: &str = include_str!(concat!(env!("OUT_DIR"), "/v4pool_kernels_embedded.cu"));
 
 /// Name to give [`SOURCE`] in run-time compiler diagnostics.
@@ -83,6 +85,18 @@ mod tests {
         assert!(!SOURCE.contains("#include"), "the embedded source must not need include paths");
         assert!(!SOURCE.contains("#pragma once"));
         assert!(SOURCE.contains("struct DecodeIndexArgs"));
+        // Every family file of kernels/ is inlined (a file nothing includes would be dead code
+        // the device compilers never see), under its own name for diagnostics.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+        let mut families = 0;
+        for entry in std::fs::read_dir(&dir).expect("read kernels/") {
+            let name = entry.expect("a kernels/ entry").file_name().to_string_lossy().into_owned();
+            if name.ends_with(".cuh") {
+                families += 1;
+                assert!(SOURCE.contains(&format!("#line 1 \"{name}\"\n")), "kernels/{name} is not inlined");
+            }
+        }
+        assert!(families > 0, "no kernel family files found in {}", dir.display());
         for sym in Launch::SYMBOLS {
             assert!(SOURCE.contains(&format!("void {sym}(")), "kernel {sym} missing from the source");
         }

@@ -37,6 +37,7 @@ pub mod model;
 pub mod plan_report;
 pub mod pool;
 pub mod profiling;
+mod rng;
 pub mod sim;
 pub mod sizing;
 pub mod state;

@@ -1,12 +1,11 @@
 //! Checkpoint store and restore plans executed on host byte buffers: random slot contents,
 //! poisoned destinations, and every byte outside the plan verified untouched.
 
-use proptest::prelude::*;
-use proptest::test_runner::TestRng;
 use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::checkpoint::{CheckpointLayout, Region, RegionCopy};
 use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry};
 use v4pool::model::{DraftMode, ModelShape};
+use v4pool::sim::Rng;
 use v4pool::sizing::{IndexerDtype, KvDtype, PoolLayout};
 
 const POISON: u8 = 0xA5;
@@ -31,12 +30,6 @@ impl Memory {
             self.region(run.dst.region)[d..d + n].copy_from_slice(&bytes);
         }
     }
-}
-
-fn random(rng: &mut TestRng, n: usize) -> Vec<u8> {
-    let mut v = vec![0u8; n];
-    rng.fill_bytes(&mut v);
-    v
 }
 
 /// Bytes of each region a plan writes, as a mask.
@@ -67,15 +60,15 @@ fn round_trip(
     units: &[i64],
     src_group: i64,
     dst_group: i64,
-    rng: &mut TestRng,
+    rng: &mut Rng,
 ) {
     let plane_len: Vec<usize> = ck.widths.iter().map(|&w| (g.plane_rows as u64 * w) as usize).collect();
     let idx_len: Vec<usize> =
         indexer_parts.iter().map(|&b| (n_csa * indexer_blocks as u64 * b) as usize).collect();
     // The whole pool random (the source slot included); the destination is what gets poisoned.
     let mut mem = Memory {
-        planes: plane_len.iter().map(|&n| random(rng, n)).collect(),
-        indexer: idx_len.iter().map(|&n| random(rng, n)).collect(),
+        planes: plane_len.iter().map(|&n| rng.bytes(n)).collect(),
+        indexer: idx_len.iter().map(|&n| rng.bytes(n)).collect(),
     };
     let src = g.physical_slot(src_group).unwrap();
     let store = ck.store_plan(g, src, units, indexer_blocks).unwrap();
@@ -156,7 +149,7 @@ fn round_trip(
 
 #[test]
 fn toy_two_plane_pool_round_trips() {
-    let mut rng = TestRng::deterministic_rng(proptest::test_runner::RngAlgorithm::ChaCha);
+    let mut rng = Rng::new(0xc4ec_0001);
     // The §7 toy shape: widths 16 and 8, with a carried and a non-carried state field.
     let f = |name: &str, bytes: u64, carried: bool| StateField {
         name: name.into(),
@@ -183,7 +176,7 @@ fn toy_two_plane_pool_round_trips() {
 
 #[test]
 fn real_pools_round_trip() {
-    let mut rng = TestRng::deterministic_rng(proptest::test_runner::RngAlgorithm::ChaCha);
+    let mut rng = Rng::new(0xc4ec_0002);
     let cases = [
         (ModelShape::v4_flash(1).unwrap(), KvDtype::Fp8, IndexerDtype::Fp8),
         (ModelShape::v4_flash_dspark(3, DraftMode::Absent).unwrap(), KvDtype::Fp8, IndexerDtype::Fp4),

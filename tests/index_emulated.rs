@@ -574,10 +574,6 @@ fn csa_pack_kernel_matches_reference() {
     }
 }
 
-fn random_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
-    (0..n).map(|_| rng.next_u64() as u8).collect()
-}
-
 /// Row widths that take the 16-byte, 4-byte and byte paths of the row copy.
 const WIDTHS: [(i64, i64); 4] = [(512, 128), (1024, 0), (36, 12), (7, 5)];
 
@@ -612,14 +608,11 @@ fn ring_write_kernel_matches_reference() {
         }
         let t = positions.len();
         let wpb = rng.range(1, params.ring_slots) as i32;
-        let kv0 = random_bytes(&mut rng, t * w0 as usize + 1);
-        let kv1 = random_bytes(&mut rng, t * w1 as usize + 1);
+        let kv0 = rng.bytes(t * w0 as usize + 1);
+        let kv1 = rng.bytes(t * w1 as usize + 1);
         // Misalign the second plane's kv by one byte half the time (byte path).
         let off = usize::from(rng.chance(0.5) && w1 % 16 != 0);
-        let outputs = vec![
-            random_bytes(&mut rng, (view_rows * w0) as usize),
-            random_bytes(&mut rng, (view_rows * w1) as usize),
-        ];
+        let outputs = vec![rng.bytes((view_rows * w0) as usize), rng.bytes((view_rows * w1) as usize)];
         compare(&emu, &format!("ring write case {case}"), &outputs, |outs| {
             let mut planes = [
                 PlaneWrite { kv: addr(&kv0), pool: outs[0].as_mut_ptr() as u64, row_bytes: w0 },
@@ -671,12 +664,9 @@ fn row_scatter_kernel_matches_reference() {
             .collect();
         let dest: Vec<i32> =
             dest.iter().enumerate().map(|(i, &d)| if i >= rows.len() { -1 } else { d }).collect();
-        let kv0 = random_bytes(&mut rng, t * w0 as usize);
-        let kv1 = random_bytes(&mut rng, t * w1 as usize);
-        let outputs = vec![
-            random_bytes(&mut rng, (view_rows * w0) as usize),
-            random_bytes(&mut rng, (view_rows * w1) as usize),
-        ];
+        let kv0 = rng.bytes(t * w0 as usize);
+        let kv1 = rng.bytes(t * w1 as usize);
+        let outputs = vec![rng.bytes((view_rows * w0) as usize), rng.bytes((view_rows * w1) as usize)];
         compare(&emu, &format!("row scatter case {case}"), &outputs, |outs| {
             let mut planes = [
                 PlaneWrite { kv: addr(&kv0), pool: outs[0].as_mut_ptr() as u64, row_bytes: w0 },
@@ -722,7 +712,7 @@ fn fill_and_copy_runs_kernels_match_reference() {
         let total = 200_000i64;
         let n = rng.range(0, 6) as usize;
         let fills = disjoint_ranges(&mut rng, total, n, 4, 40_000);
-        let outputs = vec![random_bytes(&mut rng, total as usize)];
+        let outputs = vec![rng.bytes(total as usize)];
         let patterns: Vec<u32> = fills.iter().map(|_| rng.next_u64() as u32).collect();
         compare(&emu, &format!("fill case {case}"), &outputs, |outs| {
             let base = outs[0].as_mut_ptr() as u64;
@@ -736,12 +726,12 @@ fn fill_and_copy_runs_kernels_match_reference() {
             Launch::FillRuns(FillRunsArgs { runs: addr(runs), num_runs: runs.len() as i32, _pad: 0 })
         });
 
-        let src = random_bytes(&mut rng, total as usize);
+        let src = rng.bytes(total as usize);
         let n = rng.range(0, 6) as usize;
         let copies = disjoint_ranges(&mut rng, total - 64, n, 1, 30_000);
         let shifts: Vec<i64> =
             copies.iter().map(|_| if rng.chance(0.5) { 0 } else { rng.range(0, 31) }).collect();
-        let outputs = vec![random_bytes(&mut rng, total as usize)];
+        let outputs = vec![rng.bytes(total as usize)];
         compare(&emu, &format!("copy case {case}"), &outputs, |outs| {
             let base = outs[0].as_mut_ptr() as u64;
             let runs: Vec<CopyRun> = copies
@@ -842,7 +832,7 @@ fn state_update_kernel_matches_reference() {
         let plan_addr = plan16.as_ptr() as u64;
         // SAFETY: plan16 holds plan.len() / 4 + 1 16-byte rows.
         unsafe { std::ptr::copy_nonoverlapping(plan.as_ptr(), plan_addr as *mut i32, plan.len()) };
-        let outputs = vec![random_bytes(&mut rng, (positions * slot_bytes) as usize + 64)];
+        let outputs = vec![rng.bytes((positions * slot_bytes) as usize + 64)];
         let kv_off = rng.range(0, 3) * 16; // where position 0 starts in the buffer
         let wrote = compare(&emu, &format!("state update case {case} dim {dim}"), &outputs, |outs| {
             let base = outs[0].as_mut_ptr() as u64 + kv_off as u64;

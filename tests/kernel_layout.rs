@@ -14,7 +14,7 @@ use v4pool::index::shape::{
 };
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
-    KvRowsArgs, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs,
+    IndexKeysArgs, KvRowsArgs, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs,
     WindowGatherArgs, CLASS_CSA, CLASS_DENSE, CLASS_HCA,
 };
 
@@ -100,6 +100,7 @@ fn rust_checks() -> Checks {
             params, pool, rope, state_slot_per_seq, anchor_pos, out, view_rows, num_seqs, draft_window,
         }
         KvRowsArgs { kv, dest_rows, batch_id_per_token, nope, rope, kv_row_stride, view_rows, num_tokens, fp8 }
+        IndexKeysArgs { keys, dest, data, scales, key_row_stride, num_blocks, num_tokens, block_rows, format, _pad }
     }
     c
 }

@@ -9,18 +9,14 @@ mod gather_common;
 
 use common::{case_seed, Rng};
 use gather_common::{model_pool, model_pool_with};
-use std::ffi::c_void;
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::geometry::Class;
-use v4pool::index::host::{kv_rows, pack_fp8_row, run_launch, KvPlanes};
-use v4pool::index::shape::launch_shape;
+use v4pool::index::host::{kv_rows, pack_fp8_row, KvPlanes};
 use v4pool::index::{KvRowsArgs, Launch};
 use v4pool::model::ModelShape;
 use v4pool::pool::{CompressedRow, RowSet, RowWriteCapacity, RowWriteError, WindowSeq};
 use v4pool::sizing::IndexerDtype;
-
-type EmuKvRows = unsafe extern "C" fn(*const c_void, *const u32, u32) -> i32;
 
 /// Random bf16 bits: mostly normal values over a wide range, some zeros, negative zeros,
 /// subnormals, an infinity now and then, and whole zero tiles.
@@ -47,18 +43,11 @@ fn bf16_values(rng: &mut Rng, n: usize) -> Vec<u16> {
 
 #[test]
 fn the_kernel_source_matches_the_host_reference() {
-    let Some(path) = v4pool::kernels::host_emulation_library() else {
-        assert!(
-            !std::env::var("V4POOL_REQUIRE_DEVICE_BUILD").is_ok_and(|v| v == "1"),
-            "V4POOL_REQUIRE_DEVICE_BUILD=1 but build.rs built no host-emulation library"
-        );
-        println!("SKIP: no host-emulation library");
+    let Some(lib) = common::emulation_library() else {
         return;
     };
-    // SAFETY: the library is ours (build.rs built it from kernels/).
-    let lib = unsafe { libloading::Library::new(path) }.expect("load");
     // SAFETY: the symbol has this signature (kernels/v4pool_emulation.cpp).
-    let emu = unsafe { *lib.get::<EmuKvRows>(b"v4pool_emu_launch_kv_rows\0").expect("symbol") };
+    let emu = unsafe { *lib.get::<common::EmuLaunch>(b"v4pool_emu_launch_kv_rows\0").expect("symbol") };
     for case in 0..24u64 {
         let mut rng = Rng::new(case_seed("kv-rows-emulated", case));
         let fp8 = case % 2 == 0;
@@ -85,15 +74,9 @@ fn the_kernel_source_matches_the_host_reference() {
                 fp8: i32::from(fp8),
             };
             let launch = Launch::KvRows(args);
-            if reference {
-                // SAFETY: every pointer is a live buffer of the sizes the arguments name.
-                unsafe { run_launch(&launch) }.expect("reference");
-            } else {
-                let shape = launch_shape(&launch);
-                let bytes = v4pool::backend::kernel_argument(&launch);
-                // SAFETY: as above; the argument bytes are the struct the kernel takes.
-                assert_eq!(unsafe { emu(bytes.as_ptr().cast(), shape.grid.as_ptr(), shape.block[0]) }, 0);
-            }
+            // SAFETY: every pointer is a live buffer of the sizes the arguments name; `emu` is
+            // this kernel's entry.
+            unsafe { common::run_reference_or_emulated(&launch, emu, reference) };
             (p0, p1)
         };
         let host = run(true);
@@ -300,7 +283,7 @@ fn index_keys_land_at_their_entries_rows_and_nothing_else_changes() {
     }
     assert!(indexer_bytes(&pool) == expect, "index keys off their rows, or other bytes changed");
     // Refusals, nothing written: a short buffer, a CSA rank past the layers, HCA entries
-    // staged, a freed block, a pool whose indexer cache is fp8.
+    // staged, a freed block (every format: tests/index_keys.rs).
     assert!(matches!(w.write_index_keys(rank, &keys[..300], stride), Err(RowWriteError::KvShape { .. })));
     let ranks = pool.spec().csa_layers.len();
     assert!(matches!(w.write_index_keys(ranks, &keys, stride), Err(RowWriteError::Pool(_))));
@@ -309,12 +292,4 @@ fn index_keys_land_at_their_entries_rows_and_nothing_else_changes() {
     w.stage_compressed(Class::Hca, &[CompressedRow { block: b1, row: 0 }]).unwrap();
     assert!(matches!(w.write_index_keys(rank, &keys, stride), Err(RowWriteError::NothingStaged { .. })));
     assert!(indexer_bytes(&pool) == expect, "a refused write changed the indexer cache");
-    let fp8 = model_pool_with(Arc::new(HostBackend::new()), &model, false, 6, 3, Some(IndexerDtype::Fp8));
-    let mut w8 = fp8.kv_row_writer(RowWriteCapacity { max_tokens: 16 }).unwrap();
-    let b = fp8.alloc_block().unwrap().handle;
-    w8.stage_compressed(Class::Csa, &[CompressedRow { block: b, row: 0 }]).unwrap();
-    assert!(matches!(
-        w8.write_index_keys(0, &keys, stride),
-        Err(RowWriteError::IndexerFormat { format: "fp8" })
-    ));
 }

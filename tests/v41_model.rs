@@ -272,8 +272,7 @@ fn v41_manager_pool(positions: i64) -> Arc<Pool> {
 
 /// Random bytes for a seed, from the tests' generator (`tests/common`'s, reached directly).
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut rng = v4pool::sim::Rng::new(seed);
-    std::iter::repeat_with(|| rng.next_u64().to_le_bytes()).flatten().take(len).collect()
+    v4pool::sim::Rng::new(seed).bytes(len)
 }
 
 /// The slot's checkpoint image ranges `(offset in plane 0, len)`.

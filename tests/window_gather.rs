@@ -311,3 +311,48 @@ fn a_slot_relocated_after_staging_is_refused_until_restaged_with_its_new_lease()
     g.stage(&[GatherSeq { slot: moved.new, anchor: 7, context_len: None }]).unwrap();
     g.gather(csa, 4).unwrap();
 }
+
+#[test]
+fn gather_into_host_equals_the_gather_and_outputs_the_launch_reads_are_refused() {
+    // The engine-output path the bindings use for a CPU tensor (`gather_into_host`) writes
+    // exactly the handle's gather into a poisoned buffer, pad sequences' rows untouched; and
+    // `check_output` (what the bindings run before the unsafe `gather_into`) refuses short,
+    // misaligned and aliasing outputs with a typed error.
+    for fp8 in [true, false] {
+        let model = v4pool::model::ModelShape::v4_flash(1).unwrap();
+        let pool = host_pool(&model, fp8);
+        let leases: Vec<_> = (0..3).map(|_| pool.alloc_slot().unwrap()).collect();
+        let mut rng = Rng::new(case_seed("gather-into-host", u64::from(fp8)));
+        fill(&pool, &leases, &mut rng);
+        let wd = 64;
+        let mut g = pool.window_gather(GatherCapacity { max_seqs: 4, out_window: wd }).unwrap();
+        g.stage(&batch(&mut rng, &leases, 3, wd)).unwrap();
+        for layer in source_layers(&model) {
+            let mut out = vec![0xbeefu16; 4 * wd * 512];
+            g.gather_into_host(layer, wd, &mut out).unwrap();
+            g.gather(layer, wd).unwrap();
+            let want = g.read_output().unwrap();
+            assert_eq!(want.len(), 3 * wd * 512);
+            assert!(out[..want.len()] == want[..], "fp8 {fp8} layer {layer}: differs from the gather");
+            assert!(out[want.len()..].iter().all(|&v| v == 0xbeef), "a pad sequence's rows were written");
+            assert!(matches!(
+                g.gather_into_host(layer, wd, &mut out[..100]),
+                Err(GatherError::BadOutput { .. })
+            ));
+        }
+        let bytes = 4 * wd as u64 * 1024;
+        let fresh = vec![0u128; (bytes / 16) as usize];
+        let ok = fresh.as_ptr() as u64;
+        g.check_output(wd, ok, bytes).unwrap();
+        for (out, len, why) in [
+            (ok, bytes - 16, "short"),
+            (ok + 8, bytes - 16, "misaligned"),
+            (pool.plane_ptr(0).unwrap() + 4096, bytes, "inside plane 0"),
+            (pool.plane_ptr(pool.num_planes() - 1).unwrap() - 16, bytes, "reaching into the last plane"),
+            (g.output().unwrap().ptr, bytes, "the handle's own output"),
+            (u64::MAX - 15, bytes, "wrapping"),
+        ] {
+            assert!(matches!(g.check_output(wd, out, len), Err(GatherError::BadOutput { .. })), "{why}");
+        }
+    }
+}

@@ -22,10 +22,11 @@ every forward. ``handoff`` moves a running request to an engine attached with
 ``manager=False`` on another pool (v4pool's in-process transfer engine).
 
 The indexer's compressed keys live in the pool too: the pool is planned with a bf16 indexer
-cache (``indexer="bf16"``: transformers' indexer scores bf16 keys, which the fp8 / fp4 formats
-would not hold exactly), written through ``Forward.write_index_keys`` at the CSA entries'
-rows and read back through ``Pool.indexer_view``, so a prefix hit, a relocation and a handoff
-carry them with the blocks.
+cache by default (``indexer="bf16"``: transformers' indexer scores bf16 keys), or with the
+spec's FP8 / FP4 indexer cache (``indexer="fp8"`` / ``"fp4"``: the keys quantised by the
+kernel, and dequantised here with the same formula, ``read_index_rows``), written through
+``Forward.write_index_keys`` at the CSA entries' rows and read back through
+``Pool.indexer_view``, so a prefix hit, a relocation and a handoff carry them with the blocks.
 """
 
 from __future__ import annotations
@@ -92,6 +93,102 @@ def quantize_fp8_reference(kv: torch.Tensor) -> torch.Tensor:
     return out.view(shape)
 
 
+# ---- the indexer K cache's row formats (docs/forward.md, "Indexer keys") -------------------
+# The same formulas as the kernel `v4pool_index_keys` (src/index/host/keys.rs), for finite keys.
+
+
+def _least_pow2_exponent(amax: torch.Tensor, vmax_mant: float, vmax_exp: int) -> torch.Tensor:
+    """The least integer k with amax <= vmax * 2^k, vmax = vmax_mant * 2^vmax_exp (vmax_mant in
+    [1, 2)), exactly (frexp, no log2 rounding); amax > 0."""
+    mant, e = torch.frexp(amax)  # amax = mant * 2^e, mant in [0.5, 1)
+    return torch.where(mant * 2 <= vmax_mant, e - 1 - vmax_exp, e - vmax_exp)
+
+
+def pack_index_fp8_reference(keys: torch.Tensor):
+    """bf16 keys `[n, 128]` in the FP8 indexer format: `(data [n, 128] uint8 e4m3, scale [n]
+    float32)`, per row the least power of two with max(amax, 1e-4) / scale <= 448, values
+    x / scale rounded to nearest even e4m3."""
+    x = keys.reshape(-1, 128).float()
+    amax = torch.where(torch.isnan(x), torch.zeros_like(x), x.abs()).amax(dim=-1)
+    amax = torch.clamp(amax, min=torch.tensor(1e-4, dtype=torch.float32).item())
+    k = _least_pow2_exponent(amax, 1.75, 8)
+    scale = torch.ldexp(torch.ones_like(amax), k)
+    data = (x * torch.ldexp(torch.ones_like(amax), -k).unsqueeze(-1)).to(torch.float8_e4m3fn)
+    return data.view(torch.uint8), scale
+
+
+def dequant_index_fp8(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 indexer rows (`[n, 128]` uint8, `[n]` float32) as bf16 keys `[n, 128]` (exact: an
+    e4m3 value times a power of two)."""
+    return (data.view(torch.float8_e4m3fn).float() * scale.reshape(-1, 1)).to(torch.bfloat16)
+
+
+def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """e2m1 nibbles (sign in bit 3) of float32 `v`, nearest even code, saturating at 6."""
+    a = v.abs()
+    code = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int()
+            + (a > 2.5).int() + (a >= 3.5).int() + (a > 5.0).int())
+    return (code | (torch.signbit(v).int() << 3)).to(torch.uint8)
+
+
+def pack_index_fp4_reference(keys: torch.Tensor):
+    """bf16 keys `[n, 128]` in the FP4 indexer format: `(data [n, 4, 16] uint8, scales [n, 4]
+    uint8)`: per group of 32 values the least e8m0 byte B with amax / 2^(B-127) <= 6 (0 for an
+    all-zero group), values rounded to nearest even e2m1, value 2j in the low nibble of byte j."""
+    x = keys.reshape(-1, 4, 32).float()
+    amax = torch.where(torch.isnan(x), torch.zeros_like(x), x.abs()).amax(dim=-1)
+    zero = amax == 0
+    k = _least_pow2_exponent(torch.where(zero, torch.ones_like(amax), amax), 1.5, 2)
+    b = torch.where(zero, torch.zeros_like(k), torch.clamp(k + 127, min=1))
+    inv = torch.where(zero, torch.zeros_like(amax), torch.ldexp(torch.ones_like(amax), 127 - b))
+    codes = _e2m1_codes(x * inv.unsqueeze(-1)).view(-1, 4, 16, 2)
+    data = codes[..., 0] | (codes[..., 1] << 4)
+    return data, b.to(torch.uint8)
+
+
+_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def dequant_index_fp4(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """FP4 indexer rows (`[n, 4, 16]`, `[n, 4]` uint8) as bf16 keys `[n, 128]` (exact)."""
+    table = torch.tensor(_E2M1 + [-v for v in _E2M1], dtype=torch.float32, device=data.device)
+    nib = torch.stack([data & 0xF, data >> 4], dim=-1).long().view(-1, 4, 32)
+    b = scales.to(torch.int32)
+    scale = torch.where(b == 0, torch.zeros_like(b, dtype=torch.float32), torch.exp2((b - 127).float()))
+    return (table[nib] * scale.unsqueeze(-1)).view(-1, 128).to(torch.bfloat16)
+
+
+def quantize_index_reference(keys: torch.Tensor, indexer: str) -> torch.Tensor:
+    """The indexer format's quantise-dequantise of bf16 keys `[..., 128]` (bf16: unchanged)."""
+    if indexer == "bf16":
+        return keys
+    shape = keys.shape
+    if indexer == "fp8":
+        out = dequant_index_fp8(*pack_index_fp8_reference(keys))
+    elif indexer == "fp4":
+        out = dequant_index_fp4(*pack_index_fp4_reference(keys))
+    else:
+        raise ValueError(f"indexer {indexer!r}: bf16, fp8 or fp4")
+    return out.to(keys.dtype).view(shape)
+
+
+def read_index_rows(pool, rank: int, ids: torch.Tensor, rows: torch.Tensor, indexer: str) -> torch.Tensor:
+    """Rows `(ids[i], rows[i])` (block id, row in block) of CSA layer `rank`'s indexer K cache,
+    read through `Pool.indexer_view` and dequantised: bf16 `[n, 128]`."""
+    v = torch.from_dlpack(pool.indexer_view(rank))
+    if indexer == "bf16":
+        return v[ids, rows]
+    nb, per = v.shape[0], v.shape[1]
+    if indexer == "fp8":  # per block [per x 128 e4m3][per x f32 scale]
+        blk = v.reshape(nb, -1)
+        data = blk[:, : per * 128].reshape(nb, per, 128)
+        scale = blk[:, per * 128:].reshape(nb, per, 4).view(torch.float32)
+        return dequant_index_fp8(data[ids, rows], scale[ids, rows])
+    data = v.reshape(nb, 4, per, 16)  # per block [4][per][16] e2m1
+    scales = torch.from_dlpack(pool.indexer_view(rank, 1)).reshape(nb, 4, per)  # [4][per] e8m0
+    return dequant_index_fp4(data[ids, :, rows], scales[ids, :, rows])
+
+
 @dataclass
 class Request:
     """One request as the engine's scheduler holds it. Driven by the engine's `KvManager`
@@ -117,7 +214,7 @@ class PoolEngine:
     """A DeepseekV4ForCausalLM on a v4pool pool (see the module doc)."""
 
     def __init__(self, model, *, dtype="bf16", budget="256MiB", max_seqs=8, max_context=4096,
-                 chunk=256, backend="host", device=0, manager=True, policy="elastic"):
+                 chunk=256, backend="host", device=0, manager=True, policy="elastic", indexer="bf16"):
         cfg = model.config
         self.model = model
         self.cfg = cfg
@@ -129,14 +226,20 @@ class PoolEngine:
         with tempfile.TemporaryDirectory() as d:
             with open(os.path.join(d, "config.json"), "w") as f:
                 json.dump(_pool_config(cfg), f)
-            # The indexer's keys in a bf16 indexer cache: transformers' indexer scores bf16
-            # keys, which the fp8 / fp4 formats would not hold exactly.
-            self.plan = v4pool.plan(model=d, budget=budget, max_seqs=max_seqs, dtype=dtype, indexer="bf16")
+            # The indexer's keys in a bf16 indexer cache by default: transformers' indexer scores
+            # bf16 keys, which the fp8 / fp4 formats hold only quantised.
+            self.plan = v4pool.plan(model=d, budget=budget, max_seqs=max_seqs, dtype=dtype, indexer=indexer)
+        self.indexer = indexer
         # On a GPU the pool's work goes on torch's current stream, so every v4pool launch and
         # upload is ordered with the model's own kernels (no cross-stream races).
         stream = torch.cuda.current_stream() if backend == "cuda" else None
         self.pool = v4pool.Pool(self.plan, backend=backend, device=device, stream=stream)
         self.device = next(model.parameters()).device
+        # The model's activation dtype. The pool holds its rows in its own format (bf16, or
+        # fp8 + bf16 RoPE) whatever the model computes in: a float32 model writes its KV
+        # rounded to bf16 and reads the rows back widened, as an engine with a narrower KV
+        # cache than its activations does.
+        self.act = next(model.parameters()).dtype
         self.max_blocks = -(-max_context // BLOCK)
         self.fwd = v4pool.Forward(
             self.pool, max_seqs, max_seqs, self.max_blocks,
@@ -172,19 +275,23 @@ class PoolEngine:
         planes = self.view(layer)
         idx = idx.long()
         if self.fp8:
-            return _dequant_fp8(planes[0][idx], planes[1][idx])
-        return planes[0][idx]
+            return _dequant_fp8(planes[0][idx], planes[1][idx]).to(self.act)
+        return planes[0][idx].to(self.act)
 
     def index_keys(self, layer, blocks, entries: int) -> torch.Tensor:
         """CSA layer `layer`'s first `entries` index keys of a request with block handles
-        `blocks`, read from the pool's bf16 indexer cache `[entries, index_head_dim]`."""
+        `blocks`, read from the pool's indexer cache `[entries, index_head_dim]` bf16 (fp8 / fp4
+        caches dequantised with their formats' formula)."""
         rank = self.ordinal[layer]
-        if rank not in self._ikeys:
-            self._ikeys[rank] = torch.from_dlpack(self.pool.indexer_view(rank))
         per = BLOCK // CSA
         w = torch.arange(entries, device=self.device)
         ids = torch.tensor([b.id for b in blocks], dtype=torch.long, device=self.device)
-        return self._ikeys[rank][ids[w // per] if entries else w, w % per]
+        if self.indexer != "bf16":  # fp8 / fp4: dequantised (exact in bf16)
+            return read_index_rows(self.pool, rank, ids[w // per] if entries else w, w % per,
+                                   self.indexer).to(self.act)
+        if rank not in self._ikeys:
+            self._ikeys[rank] = torch.from_dlpack(self.pool.indexer_view(rank))
+        return self._ikeys[rank][ids[w // per] if entries else w, w % per].to(self.act)
 
     def state(self, name):
         if name not in self._state:
@@ -639,7 +746,7 @@ def _attention(engine, attn, hidden_states, position_embeddings, position_ids):
     q = _mv4.apply_rotary_pos_emb(q, cos, sin)
     kv = attn.kv_norm(attn.kv_proj(hidden_states)).view(*hidden_shape).transpose(1, 2)
     kv = _mv4.apply_rotary_pos_emb(kv, cos, sin)
-    kv_rows = kv[0, 0].contiguous()  # [T, 512]
+    kv_rows = kv[0, 0].to(torch.bfloat16).contiguous()  # [T, 512], the pool's bf16 input
     T = kv_rows.shape[0]
 
     if ctx.mode == "decode":
@@ -669,7 +776,7 @@ def _attention(engine, attn, hidden_states, position_embeddings, position_ids):
     else:
         ind = torch.from_dlpack(f.prefill_buffer("indices", cls)).long()
         ptr = torch.from_dlpack(f.prefill_buffer("indptr", cls)).long()
-        own = quantize_fp8_reference(kv_rows) if engine.fp8 else kv_rows  # in-chunk rows at the pool's precision
+        own = (quantize_fp8_reference(kv_rows) if engine.fp8 else kv_rows).to(q.dtype)  # in-chunk rows at the pool's precision
     outs = []
     for r, s0, n, t0 in ctx.spans():
         keys, mask = _keys_of(engine, layer, ratio, ctx.mode, ind, ptr, own, topk if ratio == CSA else None,

@@ -144,14 +144,11 @@ mod tests {
         // Ids spread over three levels (64^2 = 4096 < 300_000), with a deterministic walk.
         let mut s = IdSet::default();
         let mut m = BTreeSet::new();
-        let mut x: u64 = 0x1234_5678_9ABC_DEF1;
+        let mut rng = crate::rng::Rng::new(0x1234_5678_9ABC_DEF1);
         // Miri interprets every step: a shorter walk still crosses all three levels.
         let steps = if cfg!(miri) { 3_000 } else { 200_000u32 };
         for step in 0..steps {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let id = (x % 300_000) as u32;
+            let id = rng.below(300_000) as u32;
             if step % 3 == 0 {
                 assert_eq!(s.remove(id), m.remove(&id));
             } else if step % 7 == 0 {

@@ -29,6 +29,7 @@ pub fn kernel_argument(launch: &Launch) -> &[u8] {
         Launch::CopyRuns(a) => bytes_of(a),
         Launch::WindowGather(a) | Launch::WindowGatherFp8(a) => bytes_of(a),
         Launch::KvRows(a) => bytes_of(a),
+        Launch::IndexKeys(a) => bytes_of(a),
         Launch::Empty => &[],
     }
 }

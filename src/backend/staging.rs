@@ -376,18 +376,11 @@ mod tests {
         fake.device.borrow_mut().resize(64 * upload, 0);
         let mut ring = StagingRing::<Fake>::default();
         let mut want = vec![0u8; 64 * upload];
-        let mut seed = 0x9e37_79b9_u32;
+        let mut rng = crate::rng::Rng::new(0x9e37_79b9);
         // 40 uploads of 1 MiB into a 4 MiB ring with nothing run: the ring must wrap onto
         // regions still queued and wait for them instead of overwriting their bytes.
         for i in 0..40usize {
-            let data: Vec<u8> = (0..upload - 3 * i)
-                .map(|_| {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 17;
-                    seed ^= seed << 5;
-                    seed as u8
-                })
-                .collect();
+            let data = rng.bytes(upload - 3 * i);
             let dst = (i % 64) * upload;
             want[dst..dst + data.len()].copy_from_slice(&data);
             // SAFETY: the fake device holds every destination range.

@@ -309,6 +309,47 @@ pub struct KvRowsArgs {
     pub fp8: i32,
 }
 
+/// Values of one indexer key row (V4's `index_head_dim`).
+pub const INDEX_KEY_VALUES: usize = 128;
+
+/// `IndexKeysArgs::format`: the bf16 indexer cache (256-B rows, keys copied).
+pub const INDEX_KEYS_BF16: i32 = 0;
+/// `IndexKeysArgs::format`: the FP8 indexer cache (per block `[rows × 128 e4m3][rows × f32]`).
+pub const INDEX_KEYS_FP8: i32 = 1;
+/// `IndexKeysArgs::format`: the FP4 indexer cache (e2m1 data `[4][rows][16]`, e8m0 scales
+/// `[4][rows]`, in two pools).
+pub const INDEX_KEYS_FP4: i32 = 2;
+
+/// The indexer's key rows into one CSA layer's indexer K cache (docs/forward.md, "Indexer
+/// keys"): `keys[t]` (128 bf16) to entry `dest[t] = block × block_rows + row` of the layer's
+/// cache, for every `t < num_tokens` whose entry is in `[0, num_blocks × block_rows)` (others
+/// dropped). `format` picks the cache's row format ([`INDEX_KEYS_BF16`], [`INDEX_KEYS_FP8`],
+/// [`INDEX_KEYS_FP4`]); the quantisation is `index::host::keys`' formula, bit for bit.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct IndexKeysArgs {
+    /// bf16 `[T][key_row_stride]`.
+    pub keys: DevicePtr,
+    /// i32 `[>= T]`: `block × block_rows + row`.
+    pub dest: DevicePtr,
+    /// The layer's cache at block 0 (FP4: its data pool).
+    pub data: DevicePtr,
+    /// FP4: the layer's scale pool at block 0; otherwise 0.
+    pub scales: DevicePtr,
+    /// Elements from one key row to the next (>= 128).
+    pub key_row_stride: i64,
+    /// Blocks of the cache.
+    pub num_blocks: i64,
+    /// Keys in the grid (T).
+    pub num_tokens: i32,
+    /// Rows one block holds per layer (64 for V4's CSA).
+    pub block_rows: i32,
+    /// The cache's row format (`INDEX_KEYS_*`).
+    pub format: i32,
+    /// Padding to the C layout.
+    pub _pad: i32,
+}
+
 /// Element type of a state-update input (`V4POOL_DTYPE_*`): what an engine's compressor
 /// emits (kv, score) and the positional bias (ape) are either; the state is always f32.
 #[repr(i32)]
@@ -469,6 +510,8 @@ pub enum Launch {
     WindowGatherFp8(WindowGatherArgs),
     /// `v4pool_kv_rows`: bf16 KV rows into the pool's row format.
     KvRows(KvRowsArgs),
+    /// `v4pool_index_keys`: the indexer's bf16 keys into an indexer K cache's row format.
+    IndexKeys(IndexKeysArgs),
     /// `v4pool_empty`: the launch-overhead floor benchmarks measure against.
     Empty,
 }
@@ -493,12 +536,13 @@ impl Launch {
             Launch::WindowGather(_) => "v4pool_window_gather",
             Launch::WindowGatherFp8(_) => "v4pool_window_gather_fp8",
             Launch::KvRows(_) => "v4pool_kv_rows",
+            Launch::IndexKeys(_) => "v4pool_index_keys",
             Launch::Empty => "v4pool_empty",
         }
     }
 
     /// Every kernel symbol, for module loading and the code-object symbol test.
-    pub const SYMBOLS: [&'static str; 17] = [
+    pub const SYMBOLS: [&'static str; 18] = [
         "v4pool_decode_indices",
         "v4pool_prefill_indices",
         "v4pool_prefill_indices_short",
@@ -516,5 +560,6 @@ impl Launch {
         "v4pool_window_gather_fp8",
         "v4pool_kv_rows",
         "v4pool_empty",
+        "v4pool_index_keys",
     ];
 }

@@ -249,6 +249,9 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
             LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(ROWS_PER_BLOCK)), b)
         }
         Launch::KvRows(a) => LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(ROWS_PER_BLOCK)), b),
+        Launch::IndexKeys(a) => {
+            LaunchShape::linear(ceil_div(count(a.num_tokens), u64::from(ROWS_PER_BLOCK)), b)
+        }
         // BLOCK_THREADS / lanes plan rows per block.
         Launch::StateUpdate(a) => {
             LaunchShape::linear(ceil_div(count(a.num_rows), u64::from(b / state_update_lanes(a.dim))), b)
@@ -691,6 +694,38 @@ fn check_kv_rows(a: &super::KvRowsArgs) -> Result<(), LaunchError> {
     Ok(())
 }
 
+fn check_index_keys(a: &super::IndexKeysArgs) -> Result<(), LaunchError> {
+    use super::{INDEX_KEYS_BF16, INDEX_KEYS_FP4, INDEX_KEYS_FP8};
+    non_negative("num_tokens", a.num_tokens.into())?;
+    non_negative("num_blocks", a.num_blocks)?;
+    at_least("block_rows", a.block_rows.into(), 1)?;
+    at_least("key_row_stride", a.key_row_stride, super::INDEX_KEY_VALUES as i64)?;
+    if ![INDEX_KEYS_BF16, INDEX_KEYS_FP8, INDEX_KEYS_FP4].contains(&a.format) {
+        return Err(LaunchError::BadCode { field: "format", value: a.format });
+    }
+    // The scale pool exists exactly in the FP4 cache.
+    if (a.scales != 0) != (a.format == INDEX_KEYS_FP4) {
+        return Err(LaunchError::PlaneHalfGiven { plane: 1 });
+    }
+    if a.num_tokens > 0 {
+        present("keys", a.keys)?;
+        present("dest", a.dest)?;
+        present("data", a.data)?;
+        // bf16 stores and the FP8 f32 scale store at their own alignment.
+        let align = match a.format {
+            INDEX_KEYS_FP8 => 4,
+            INDEX_KEYS_BF16 => 2,
+            _ => 1,
+        };
+        for (field, addr, align) in [("keys", a.keys, 2), ("dest", a.dest, 4), ("data", a.data, align)] {
+            if addr % align != 0 {
+                return Err(LaunchError::Misaligned { field, addr, align });
+            }
+        }
+    }
+    Ok(())
+}
+
 fn check_state_update(a: &StateUpdateArgs) -> Result<(), LaunchError> {
     non_negative("num_rows", a.num_rows.into())?;
     at_least("dim", a.dim.into(), 1)?;
@@ -754,6 +789,7 @@ pub fn check_launch(launch: &Launch) -> Result<(), LaunchError> {
         Launch::RingWrite(a) => check_ring_write(a)?,
         Launch::RowScatter(a) => check_row_scatter(a)?,
         Launch::KvRows(a) => check_kv_rows(a)?,
+        Launch::IndexKeys(a) => check_index_keys(a)?,
         Launch::StateUpdate(a) => check_state_update(a)?,
         Launch::FillRuns(a) => {
             non_negative("num_runs", a.num_runs.into())?;

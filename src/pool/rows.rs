@@ -1,5 +1,6 @@
 //! The forward's own-row writes (docs/forward.md): the model's bf16 KV into the pool's row
-//! format, through the `v4pool_kv_rows` kernel (fp8 pack or bf16 copy).
+//! format, through the `v4pool_kv_rows` kernel (fp8 pack or bf16 copy), and the indexer's keys
+//! into the indexer K cache's format through `v4pool_index_keys` (bf16 copy, FP8 or FP4 pack).
 //!
 //! ```text
 //! let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens })?;   // once
@@ -11,6 +12,7 @@
 //! // a compressor's emitted entries at the request's compressed rows
 //! w.stage_compressed(Class::Csa, &[CompressedRow { block, row }, ..])?;
 //! w.write(layer, RowSet::Compressed(Class::Csa), &kv)?;  // before the indexer and attention
+//! w.write_index_keys(csa_rank, &keys, 128)?;           // the same entries' indexer keys
 //! ```
 //!
 //! Rows are computed from the geometry (`window_index`, `compress_index`) from slot leases and
@@ -23,7 +25,11 @@ use super::{DecodeError, DecodePath, Pool, PoolError};
 use crate::alloc::{AllocError, BlockHandle, SlotHandle};
 use crate::backend::BackendError;
 use crate::geometry::{Class, DENSE_RATIO};
-use crate::index::{DevicePtr, KvRowsArgs, Launch, FP8_NOPE_ROW_BYTES, KV_ROW_VALUES, ROPE_ROW_BYTES};
+use crate::index::{
+    DevicePtr, IndexKeysArgs, KvRowsArgs, Launch, FP8_NOPE_ROW_BYTES, INDEX_KEYS_BF16, INDEX_KEYS_FP4,
+    INDEX_KEYS_FP8, KV_ROW_VALUES, ROPE_ROW_BYTES,
+};
+use crate::sizing::IndexerDtype;
 use crate::variant::VariantName;
 use std::sync::Arc;
 use thiserror::Error;
@@ -126,17 +132,22 @@ pub enum RowWriteError {
         /// The row.
         row: i64,
     },
+    /// An indexer cache whose rows per block or blocks overflow the kernel's `i32` / `i64`.
+    #[error("indexer cache of {blocks} blocks overflows the index-key kernel's integers")]
+    IndexerTooLarge {
+        /// Its blocks.
+        blocks: u64,
+    },
     /// A decode path of another pool.
     #[error("the decode path indexes another pool")]
     ForeignPath,
     /// The decode path's staged batch no longer matches the pool.
     #[error("decode path: {0}")]
     Decode(#[source] Box<DecodeError>),
-    /// The indexer's keys are written only to a bf16 indexer cache (the fp8 / fp4 key pack
-    /// has no writer yet).
-    #[error("index keys: the pool's indexer cache is {format}; only a bf16 one has a writer")]
+    /// Index keys for a pool without an indexer cache.
+    #[error("index keys: the pool's indexer cache is {format}")]
     IndexerFormat {
-        /// The pool's indexer format (`none` without one).
+        /// The pool's indexer format (`none`: it has no indexer cache).
         format: &'static str,
     },
     /// A pool whose planes are neither the fp8 nor the bf16 row format.
@@ -174,6 +185,7 @@ impl VariantName for RowWriteError {
             BadEntry { .. } => "BadEntry",
             EntryOutsideIndexer { .. } => "EntryOutsideIndexer",
             RowPastI32 { .. } => "RowPastI32",
+            IndexerTooLarge { .. } => "IndexerTooLarge",
             ForeignPath => "ForeignPath",
             Decode(e) => e.variant_name(),
             IndexerFormat { .. } => "IndexerFormat",
@@ -258,11 +270,7 @@ enum Staged {
     },
 }
 
-/// Values of one index-key row (V4's `index_head_dim`).
-pub const INDEX_KEY_VALUES: usize = 128;
-
-/// A run of consecutive index-key rows: (first staged entry, entries, destination address).
-type KeyRun = (usize, usize, DevicePtr);
+pub use crate::index::INDEX_KEY_VALUES;
 
 /// The KV row writer of one pool: an owned handle (see the module doc).
 #[derive(Debug)]
@@ -274,6 +282,8 @@ pub struct KvRowWriter {
     /// Window destination rows, one buffer per class (dense, CSA, HCA).
     window_at: [u64; 3],
     compressed_at: u64,
+    /// The staged CSA entries' indexer destinations (`block × rows_per_block + row`).
+    index_at: u64,
     window: Staged,
     compressed: Staged,
     fp8: bool,
@@ -313,9 +323,10 @@ impl KvRowWriter {
             let kv = c.take(n.checked_mul(KV_ROW_VALUES as u64)?, 2)?;
             let w = [c.take(n, 4)?, c.take(n, 4)?, c.take(n, 4)?];
             let comp = c.take(n, 4)?;
-            Some((kv, w, comp))
+            let index = c.take(n, 4)?;
+            Some((kv, w, comp, index))
         })();
-        let (kv_at, window_at, compressed_at) = layout.ok_or(too_large)?;
+        let (kv_at, window_at, compressed_at, index_at) = layout.ok_or(too_large)?;
         let owned = Owned::new(Arc::clone(pool.backend()), pool.stream(), c.end())?;
         Ok(KvRowWriter {
             pool,
@@ -324,6 +335,7 @@ impl KvRowWriter {
             kv_at,
             window_at,
             compressed_at,
+            index_at,
             window: Staged::Nothing,
             compressed: Staged::Nothing,
             fp8,
@@ -526,85 +538,16 @@ impl KvRowWriter {
             .map_err(pool_err)?
     }
 
-    /// The staged CSA entries' destinations in CSA layer `rank`'s bf16 indexer cache, as
-    /// runs `(first entry, entries, address)` of consecutive rows, checked against the view.
-    fn index_key_runs(&self, rank: usize) -> Result<(Vec<KeyRun>, &[BlockHandle])> {
-        let format = self.pool.spec().indexer.map_or("none", |ix| ix.name());
-        if self.pool.spec().indexer != Some(crate::sizing::IndexerDtype::Bf16) {
-            return Err(RowWriteError::IndexerFormat { format });
-        }
+    /// The launch writing the staged CSA entries' keys (`keys`, rows `stride` values apart)
+    /// into CSA layer `rank`'s indexer cache in its format, with each entry's destination
+    /// (`block × rows_per_block + row`, checked inside the cache) uploaded to this handle's
+    /// buffer.
+    fn index_keys_args(&self, rank: usize, keys: DevicePtr, stride: usize) -> Result<IndexKeysArgs> {
+        let ix = self.pool.spec().indexer.ok_or(RowWriteError::IndexerFormat { format: "none" })?;
         let (blocks, rows) = match &self.compressed {
             Staged::Compressed { class: Class::Csa, blocks, rows } => (blocks, rows),
             _ => return Err(RowWriteError::NothingStaged { what: "CSA entries (index keys)".into() }),
         };
-        let view = self.pool.indexer_view(rank, 0).map_err(pool_err)?;
-        let mut runs: Vec<KeyRun> = Vec::new();
-        for (entry, (b, &row)) in blocks.iter().zip(rows).enumerate() {
-            if u64::from(b.id) >= view.blocks || row < 0 || row as u64 >= view.rows_per_block {
-                return Err(RowWriteError::EntryOutsideIndexer { entry, block: b.id, row });
-            }
-            let at = view.ptr + (u64::from(b.id) * view.rows_per_block + row as u64) * view.row_bytes;
-            match runs.last_mut() {
-                Some((first, n, start))
-                    if *start + *n as u64 * view.row_bytes == at && *first + *n == entry =>
-                {
-                    *n += 1
-                }
-                _ => runs.push((entry, 1, at)),
-            }
-        }
-        Ok((runs, blocks))
-    }
-
-    /// Copy under the pool's lock after re-checking the staged blocks: `copy(run)` per run.
-    fn queue_index_keys(
-        &self,
-        blocks: &[BlockHandle],
-        runs: &[KeyRun],
-        mut copy: impl FnMut(&KeyRun) -> std::result::Result<(), BackendError>,
-    ) -> Result<()> {
-        self.pool
-            .with_boundary(|b| {
-                for (entry, h) in blocks.iter().enumerate() {
-                    b.check_block(*h)
-                        .map_err(|e| RowWriteError::BadEntry { entry, source: Box::new(e.into()) })?;
-                }
-                runs.iter().try_for_each(|r| copy(r).map_err(RowWriteError::from))
-            })
-            .map_err(pool_err)?
-    }
-
-    /// The indexer's key rows of the staged CSA entries (`stage_compressed(Class::Csa, ..)`,
-    /// the same entries as the main compressor's) into CSA layer `rank`'s indexer cache:
-    /// `keys` row `i` (128 bf16 values at `i × stride`) to entry `i`'s block and row. Only a
-    /// bf16 indexer cache (copied); before the layer's indexer scores them.
-    pub fn write_index_keys(&self, rank: usize, keys: &[u16], stride: usize) -> Result<()> {
-        let (runs, blocks) = self.index_key_runs(rank)?;
-        let n = blocks.len();
-        let need = if n == 0 { 0 } else { (n - 1) * stride + INDEX_KEY_VALUES };
-        if stride < INDEX_KEY_VALUES || keys.len() < need {
-            return Err(RowWriteError::KvShape { len: keys.len(), tokens: n, row: INDEX_KEY_VALUES, stride });
-        }
-        let (backend, stream) = (self.pool.backend(), self.pool.stream());
-        self.queue_index_keys(blocks, &runs, |&(first, count, at)| {
-            let mut packed = Vec::with_capacity(count * INDEX_KEY_VALUES);
-            for e in first..first + count {
-                packed.extend_from_slice(&keys[e * stride..e * stride + INDEX_KEY_VALUES]);
-            }
-            // SAFETY: `at` and `count` rows lie in the pool's live indexer allocation (checked
-            // against its view); the blocks were re-checked live under this lock.
-            unsafe { backend.upload(at, bytemuck::cast_slice(&packed), stream) }
-        })
-    }
-
-    /// [`Self::write_index_keys`] from device memory: `keys` row `i` at `keys + i × stride × 2`.
-    ///
-    /// # Safety
-    /// `keys` points to live device memory of the pool's backend holding the staged entries'
-    /// rows of 128 bf16 values at `stride` values apart, not overlapping the indexer cache,
-    /// unchanged until the pool's stream has run the copies.
-    pub unsafe fn write_index_keys_from(&self, rank: usize, keys: DevicePtr, stride: usize) -> Result<()> {
-        let (runs, blocks) = self.index_key_runs(rank)?;
         if stride < INDEX_KEY_VALUES {
             return Err(RowWriteError::KvShape {
                 len: 0,
@@ -613,30 +556,89 @@ impl KvRowWriter {
                 stride,
             });
         }
-        let (backend, stream) = (self.pool.backend(), self.pool.stream());
-        let row = (INDEX_KEY_VALUES * 2) as u64;
-        self.queue_index_keys(blocks, &runs, |&(first, count, at)| {
-            let src = keys + (first * stride * 2) as u64;
-            if stride == INDEX_KEY_VALUES {
-                // SAFETY: source rows covered by the caller; destination checked in the view.
-                return unsafe { backend.copy(at, src, count as u64 * row, stream) };
+        let data = self.pool.indexer_view(rank, 0).map_err(pool_err)?;
+        let (format, scales) = match ix {
+            IndexerDtype::Bf16 => (INDEX_KEYS_BF16, 0),
+            IndexerDtype::Fp8 => (INDEX_KEYS_FP8, 0),
+            IndexerDtype::Fp4 => (INDEX_KEYS_FP4, self.pool.indexer_view(rank, 1).map_err(pool_err)?.ptr),
+        };
+        let bad_cache = || RowWriteError::IndexerTooLarge { blocks: data.blocks };
+        let block_rows = i32::try_from(data.rows_per_block).map_err(|_| bad_cache())?;
+        let num_blocks = i64::try_from(data.blocks).map_err(|_| bad_cache())?;
+        let mut dest = Vec::with_capacity(blocks.len());
+        for (entry, (b, &row)) in blocks.iter().zip(rows).enumerate() {
+            let id = u64::from(b.id);
+            if id >= data.blocks || row < 0 || row as u64 >= data.rows_per_block {
+                return Err(RowWriteError::EntryOutsideIndexer { entry, block: b.id, row });
             }
-            (0..count as u64).try_for_each(|i| {
-                // SAFETY: as above, one row at a time.
-                unsafe { backend.copy(at + i * row, src + i * (stride as u64) * 2, row, stream) }
-            })
+            let e = id * data.rows_per_block + row as u64;
+            let past = || RowWriteError::RowPastI32 { row: i64::try_from(e).unwrap_or(i64::MAX) };
+            dest.push(i32::try_from(e).map_err(|_| past())?);
+        }
+        self.owned.upload(self.index_at, bytemuck::cast_slice(&dest))?;
+        Ok(IndexKeysArgs {
+            keys,
+            dest: self.owned.base() + self.index_at,
+            data: data.ptr,
+            scales,
+            key_row_stride: stride as i64,
+            num_blocks,
+            num_tokens: blocks.len() as i32, // at most max_tokens, an i32
+            block_rows,
+            format,
+            _pad: 0,
         })
     }
 
-    fn upload_kv(&self, kv: &[u16], tokens: usize, stride: usize) -> Result<()> {
-        let need = if tokens == 0 { 0 } else { (tokens - 1) * stride + KV_ROW_VALUES };
-        if stride < KV_ROW_VALUES || kv.len() < need {
-            return Err(RowWriteError::KvShape { len: kv.len(), tokens, row: KV_ROW_VALUES, stride });
+    /// The indexer's key rows of the staged CSA entries (`stage_compressed(Class::Csa, ..)`,
+    /// the same entries as the main compressor's) into CSA layer `rank`'s indexer cache:
+    /// `keys` row `i` (128 bf16 values at `i × stride`) to entry `i`'s block and row, in the
+    /// cache's format (bf16 copied; FP8 and FP4 quantised by `v4pool_index_keys`, the formula
+    /// of `index::host::keys`). Uploaded to the writer's own buffer, then one launch under the
+    /// pool's lock after the staged blocks are re-checked live; before the layer's indexer
+    /// scores them.
+    pub fn write_index_keys(&self, rank: usize, keys: &[u16], stride: usize) -> Result<()> {
+        let kv = self.owned.base() + self.kv_at;
+        let args = self.index_keys_args(rank, kv, INDEX_KEY_VALUES)?;
+        let n = args.num_tokens as usize;
+        let need = if n == 0 { 0 } else { (n - 1) * stride + INDEX_KEY_VALUES };
+        if stride < INDEX_KEY_VALUES || keys.len() < need {
+            return Err(RowWriteError::KvShape { len: keys.len(), tokens: n, row: INDEX_KEY_VALUES, stride });
         }
-        // Packed to the staging buffer's stride of 512 values.
-        let mut packed = Vec::with_capacity(tokens * KV_ROW_VALUES);
+        self.upload_rows(keys, n, stride, INDEX_KEY_VALUES)?;
+        // SAFETY: keys are this handle's staging buffer (n ≤ max_tokens rows of 128 ≤ its 512
+        // values a row), dest its own buffer of n entries; data (and FP4 scales) the layer's
+        // indexer arrays of num_blocks blocks, every entry checked inside them.
+        unsafe { self.queue(RowSet::Compressed(Class::Csa), &Launch::IndexKeys(args)) }
+    }
+
+    /// [`Self::write_index_keys`] from device memory: `keys` row `i` at `keys + i × stride × 2`.
+    ///
+    /// # Safety
+    /// `keys .. + ((entries − 1) × stride + 128) × 2` bytes (entries = the staged CSA entries)
+    /// is live memory of the pool's backend holding bf16 values, 2-B aligned, ready on the
+    /// pool's stream, overlapping neither the indexer cache nor this handle's buffers.
+    pub unsafe fn write_index_keys_from(&self, rank: usize, keys: DevicePtr, stride: usize) -> Result<()> {
+        let args = self.index_keys_args(rank, keys, stride)?;
+        // SAFETY: keys covered by the caller; the rest as in `write_index_keys`.
+        unsafe { self.queue(RowSet::Compressed(Class::Csa), &Launch::IndexKeys(args)) }
+    }
+
+    fn upload_kv(&self, kv: &[u16], tokens: usize, stride: usize) -> Result<()> {
+        self.upload_rows(kv, tokens, stride, KV_ROW_VALUES)
+    }
+
+    /// `tokens` rows of `row` values (`stride` apart in `kv`) packed into the staging buffer
+    /// (`row` ≤ 512 values apart: the buffer holds `max_tokens` rows of 512).
+    fn upload_rows(&self, kv: &[u16], tokens: usize, stride: usize, row: usize) -> Result<()> {
+        self.check_tokens(tokens)?;
+        let need = if tokens == 0 { 0 } else { (tokens - 1) * stride + row };
+        if stride < row || kv.len() < need || row > KV_ROW_VALUES {
+            return Err(RowWriteError::KvShape { len: kv.len(), tokens, row, stride });
+        }
+        let mut packed = Vec::with_capacity(tokens * row);
         for t in 0..tokens {
-            packed.extend_from_slice(&kv[t * stride..t * stride + KV_ROW_VALUES]);
+            packed.extend_from_slice(&kv[t * stride..t * stride + row]);
         }
         self.owned.upload(self.kv_at, bytemuck::cast_slice(&packed))?;
         Ok(())

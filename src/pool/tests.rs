@@ -38,8 +38,9 @@ fn tiny_pool(positions: i64, slots: i64) -> Pool {
     Pool::new(Arc::new(HostBackend::new()), spec, Stream::DEFAULT).unwrap()
 }
 
+/// Random bytes for a seed (the crate's one generator); equal seeds give equal bytes.
 fn bytes(seed: u8, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) | 1).collect()
+    crate::rng::Rng::new(u64::from(seed)).bytes(len)
 }
 
 #[test]

@@ -6,65 +6,9 @@
 //! Two streams made from the same [`WorkloadConfig`] yield the same requests, which is how
 //! the elastic and fixed runs see one workload.
 
-/// A deterministic PRNG (SplitMix64): the workload must be identical for both policies. The
-/// benches draw their inputs from it too.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    /// A generator seeded with `seed`; equal seeds give equal sequences.
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed ^ 0x9e37_79b9_7f4a_7c15)
-    }
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `lo..hi` (`hi > lo`; an empty range yields `lo`).
-    pub fn range(&mut self, lo: i64, hi: i64) -> i64 {
-        let span = hi.wrapping_sub(lo).max(1) as u64;
-        lo.wrapping_add((self.next_u64() % span) as i64)
-    }
-    /// Fisher–Yates shuffle.
-    pub fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            let j = (self.next_u64() % (i as u64 + 1)) as usize;
-            v.swap(i, j);
-        }
-    }
-    /// Uniform in [0, 1).
-    pub fn f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    /// Poisson-distributed count (Knuth; fine for the small means a step sees). Capped at
-    /// 1,001 draws, so a huge mean cannot loop long.
-    pub fn poisson(&mut self, mean: f64) -> u64 {
-        let l = (-mean).exp();
-        let (mut k, mut p) = (0u64, 1.0);
-        loop {
-            p *= self.f64();
-            if p <= l || k > 1000 {
-                return k;
-            }
-            k += 1;
-        }
-    }
-    /// Log-normal with the given median and log-sd, clamped to [lo, hi].
-    pub fn lognormal(&mut self, median: f64, sigma: f64, lo: u64, hi: u64) -> u64 {
-        let (u1, u2) = (self.f64().max(1e-12), self.f64());
-        let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
-        ((median * (sigma * z).exp()) as u64).clamp(lo, hi)
-    }
-    /// Log-uniform in [lo, hi].
-    pub fn log_uniform(&mut self, lo: u64, hi: u64) -> u64 {
-        let (a, b) = ((lo as f64).ln(), (hi as f64).ln());
-        ((a + (b - a) * self.f64()).exp() as u64).clamp(lo, hi)
-    }
-}
+// The workload's generator is the crate's one, defined at the bottom of the layering
+// (src/rng.rs) so unit tests of every module can use it; public here as `sim::Rng`.
+pub use crate::rng::Rng;
 
 /// Length mixes of the workload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -143,6 +143,17 @@ pub enum GatherError {
     /// The pool refused (a poisoned lock, a plane it does not have).
     #[error("pool: {0}")]
     Pool(#[source] PoolError),
+    /// An output range [`WindowGather::gather_into`] cannot write: too short, misaligned, or
+    /// overlapping what the launch reads.
+    #[error("gather output at {out:#x} ({bytes} B): {why}")]
+    BadOutput {
+        /// The output's address.
+        out: DevicePtr,
+        /// Its length in bytes.
+        bytes: u64,
+        /// Why.
+        why: String,
+    },
 }
 
 impl VariantName for GatherError {
@@ -164,6 +175,7 @@ impl VariantName for GatherError {
             TooLarge { .. } => "TooLarge",
             Backend(e) => e.variant_name(),
             PositionPastI32 { .. } => "PositionPastI32",
+            BadOutput { .. } => "BadOutput",
             Pool(e) => e.variant_name(),
         }
     }
@@ -491,6 +503,72 @@ impl WindowGather {
         // SAFETY: the sources are the pool's views (bounded by view_rows), the slot and anchor
         // buffers this handle's own (max_seqs entries), `out` is covered by the caller.
         unsafe { self.queue(&launch) }
+    }
+
+    /// Check an engine's output range for [`Self::gather_into`] of `draft_window` rows: at
+    /// least `max_seqs × draft_window × 1024` bytes, 16-B aligned, overlapping neither a plane
+    /// of the pool (what the gather reads) nor this handle's buffers. What it cannot check —
+    /// that the range is live memory of the pool's backend — stays the caller's.
+    pub fn check_output(&self, draft_window: usize, out: DevicePtr, bytes: u64) -> Result<(), GatherError> {
+        let bad = |why: String| GatherError::BadOutput { out, bytes, why };
+        let need = (self.cap.max_seqs as u64)
+            .checked_mul(draft_window as u64)
+            .and_then(|n| n.checked_mul(GATHER_ROW_BYTES))
+            .ok_or_else(|| bad("the window's size overflows".into()))?;
+        if bytes < need {
+            return Err(bad(format!(
+                "{need} B needed: {} sequences x {draft_window} rows",
+                self.cap.max_seqs
+            )));
+        }
+        if out % 16 != 0 {
+            return Err(bad("not 16-B aligned".into()));
+        }
+        let end = out.checked_add(bytes).ok_or_else(|| bad("the range wraps".into()))?;
+        let overlaps = |base: DevicePtr, len: u64| base < end && out < base.saturating_add(len);
+        let own = layout(self.cap).map_or(0, |l| l.3);
+        if overlaps(self.owned.base(), own) {
+            return Err(bad("overlaps the gather handle's own buffers".into()));
+        }
+        for plane in 0..self.pool.num_planes() {
+            let base = self.pool.plane_ptr(plane).map_err(pool_err)?;
+            let len = self.pool.plane_bytes(plane).map_err(pool_err)?;
+            if overlaps(base, len) {
+                return Err(bad(format!("overlaps the pool's plane {plane}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::gather_into`] for an output in host memory (`[max_seqs, draft_window, 512]` bf16
+    /// bits, e.g. an engine's CPU tensor on the host backend): gathered into a buffer of the
+    /// pool's backend made for the call, then the staged sequences' rows copied into `out`
+    /// (waits for the stream); rows of pad sequences are untouched, as on a device.
+    pub fn gather_into_host(
+        &self,
+        layer: usize,
+        draft_window: usize,
+        out: &mut [u16],
+    ) -> Result<(), GatherError> {
+        let rows = (self.cap.max_seqs as u64).checked_mul(draft_window as u64);
+        let bytes = rows.and_then(|r| r.checked_mul(GATHER_ROW_BYTES));
+        let have = (out.len() as u64).saturating_mul(2);
+        let bad = |why: String| GatherError::BadOutput { out: 0, bytes: have, why };
+        let bytes = bytes.ok_or_else(|| bad("the window's size overflows".into()))?;
+        if have < bytes {
+            return Err(bad(format!(
+                "{bytes} B needed: {} sequences x {draft_window} rows",
+                self.cap.max_seqs
+            )));
+        }
+        let tmp = Owned::new(Arc::clone(self.pool.backend()), self.pool.stream(), bytes.max(16))?;
+        let launch = self.gather_launch(layer, draft_window, tmp.base())?;
+        // SAFETY: `tmp` is this call's own buffer of max_seqs × draft_window rows; the rest as
+        // in `gather_into`.
+        unsafe { self.queue(&launch)? };
+        let staged = self.staged.len() * draft_window * GATHER_ROW_BYTES as usize;
+        tmp.download(0, &mut bytemuck::cast_slice_mut(out)[..staged])?;
+        Ok(())
     }
 
     /// Gather into the handle's own output (`[max_seqs, out_window, 512]` bf16, rows of

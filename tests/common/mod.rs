@@ -14,6 +14,43 @@ use v4pool::backend::{Backend, BackendError, Stream};
 use v4pool::index::Launch;
 use v4pool::{GeometrySpec, UnifiedPoolGeometry};
 
+/// The host-emulation library build.rs compiled from `kernels/` (the kernel source as plain
+/// C++), loaded; or `None` after printing SKIP (a failure with V4POOL_REQUIRE_DEVICE_BUILD=1).
+pub fn emulation_library() -> Option<libloading::Library> {
+    let Some(path) = v4pool::kernels::host_emulation_library() else {
+        assert!(
+            !std::env::var("V4POOL_REQUIRE_DEVICE_BUILD").is_ok_and(|v| v == "1"),
+            "V4POOL_REQUIRE_DEVICE_BUILD=1 but build.rs built no host-emulation library"
+        );
+        println!("SKIP: no host-emulation library");
+        return None;
+    };
+    // SAFETY: the library is ours (build.rs built it from kernels/); loading runs no code of
+    // its own beyond the C++ runtime's initialisers.
+    Some(unsafe { libloading::Library::new(path) }.expect("load"))
+}
+
+/// An emulation library's per-kernel entry: `(argument bytes, grid, threads) -> 0`.
+pub type EmuLaunch = unsafe extern "C" fn(*const std::ffi::c_void, *const u32, u32) -> i32;
+
+/// Run `launch` through the host reference (`reference`) or the kernel source's emulation
+/// entry `emu`, over the launch's own grid.
+///
+/// # Safety
+/// Every pointer in the launch's arguments is a live buffer of the sizes they name; `emu` is
+/// the entry of the launch's kernel.
+pub unsafe fn run_reference_or_emulated(launch: &Launch, emu: EmuLaunch, reference: bool) {
+    if reference {
+        // SAFETY: the caller's promise.
+        unsafe { v4pool::index::host::run_launch(launch) }.expect("reference");
+    } else {
+        let shape = v4pool::index::shape::launch_shape(launch);
+        let bytes = v4pool::backend::kernel_argument(launch);
+        // SAFETY: as above; the argument bytes are the struct the kernel takes.
+        assert_eq!(unsafe { emu(bytes.as_ptr().cast(), shape.grid.as_ptr(), shape.block[0]) }, 0);
+    }
+}
+
 /// The CUDA backend on device 0, or `None` after printing why the test is skipped. With
 /// `V4POOL_REQUIRE_GPU=1` a missing device fails the test instead.
 pub fn cuda_or_skip(test: &str) -> Option<CudaBackend> {
@@ -86,7 +123,8 @@ pub fn case_seed(name: &str, i: u64) -> u64 {
 }
 
 /// The tests' one random-number generator: the library's SplitMix64 ([`v4pool::sim::Rng`],
-/// the simulator's and the benches'), with the draws tests need on top. Reproducible from
+/// the simulator's and the benches'), with the draws tests need on top (`below`, `fill` and
+/// `bytes` are the library's own). Reproducible from
 /// its seed; any seed (zero too) is a good one.
 #[derive(Clone, Debug)]
 pub struct Rng(v4pool::sim::Rng);
@@ -100,7 +138,7 @@ impl Rng {
     }
     /// Uniform in `[0, n)`; `n > 0`.
     pub fn below(&mut self, n: u64) -> u64 {
-        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
+        self.0.below(n)
     }
     /// Uniform in `[lo, hi]`.
     pub fn range(&mut self, lo: i64, hi: i64) -> i64 {
@@ -115,18 +153,10 @@ impl Rng {
         items[self.below(items.len() as u64) as usize]
     }
     pub fn fill(&mut self, buf: &mut [u8]) {
-        let mut chunks = buf.chunks_exact_mut(8);
-        for c in &mut chunks {
-            c.copy_from_slice(&self.next_u64().to_le_bytes());
-        }
-        let rest = chunks.into_remainder();
-        let last = self.next_u64().to_le_bytes();
-        rest.copy_from_slice(&last[..rest.len()]);
+        self.0.fill(buf)
     }
     pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        let mut v = vec![0; n];
-        self.fill(&mut v);
-        v
+        self.0.bytes(n)
     }
     /// `k` distinct values of `[0, n)`, in random order.
     pub fn distinct(&mut self, k: usize, n: u64) -> Vec<i64> {

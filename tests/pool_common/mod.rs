@@ -91,6 +91,5 @@ pub fn small_pool(positions: i64, initial_slots: i64) -> Pool {
 /// `tests/common` wraps; reached directly, as this module is loaded without `common`). Equal
 /// seeds give equal bytes.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut rng = v4pool::sim::Rng::new(seed);
-    std::iter::repeat_with(|| rng.next_u64().to_le_bytes()).flatten().take(len).collect()
+    v4pool::sim::Rng::new(seed).bytes(len)
 }

@@ -1,33 +1,17 @@
 //! The host backend's checks and its raw-pointer paths. Small enough to run under Miri
 //! (`scripts/miri.sh`), which checks the copies, fills and reference kernels for undefined
-//! behaviour; inputs are random (a fixed-seed xorshift, fresh per test) and outputs poisoned.
+//! behaviour; inputs are random (the crate's one generator, `rng::Rng`, seeded per test) and outputs
+//! poisoned.
 
 use super::*;
 use crate::index::host::{hca_offsets, row_scatter, BlockTables, PlaneRows};
 use crate::index::{
     CopyRun, CopyRunsArgs, FillRun, FillRunsArgs, HcaOffsetsArgs, PlaneWrite, RowScatterArgs,
 };
+use crate::rng::Rng;
 use bytemuck::{bytes_of, cast_slice, Pod};
 
 const S: Stream = Stream::DEFAULT;
-
-/// xorshift64: random test inputs without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 /// Upload `data` into a fresh allocation of the backend.
 fn put<T: Pod>(b: &HostBackend, data: &[T]) -> DeviceAllocation {
@@ -77,7 +61,7 @@ fn allocations_are_aligned_zeroed_and_tracked() {
 #[test]
 fn copies_and_fills_stay_inside_allocations() {
     let b = HostBackend::new();
-    let mut rng = Rng(0x5eed_0001);
+    let mut rng = Rng::new(0x5eed_0001);
     let data = rng.bytes(64);
     let a = put(&b, &data);
     let poison = vec![0xa5u8; 64];
@@ -146,7 +130,7 @@ fn bad_launches_are_errors() {
 #[test]
 fn copy_and_fill_runs_match_a_model() {
     let b = HostBackend::new();
-    let mut rng = Rng(0x5eed_0002);
+    let mut rng = Rng::new(0x5eed_0002);
     let n = 512usize;
     let src_data = rng.bytes(n);
     let src = put(&b, &src_data);
@@ -167,7 +151,7 @@ fn copy_and_fill_runs_match_a_model() {
     unsafe { b.launch(&launch, S).unwrap() };
     assert_eq!(get(&b, &dst), want);
 
-    let pattern = rng.next() as u32;
+    let pattern = rng.next_u64() as u32;
     let fills = [FillRun { dst: dst.ptr + 384, bytes: 64, pattern, _pad: 0 }];
     for w in want[384..448].chunks_exact_mut(4) {
         w.copy_from_slice(&pattern.to_ne_bytes());
@@ -186,7 +170,7 @@ fn copy_and_fill_runs_match_a_model() {
 #[test]
 fn runs_outside_live_allocations_are_refused() {
     let b = HostBackend::new();
-    let mut rng = Rng(0x5eed_0003);
+    let mut rng = Rng::new(0x5eed_0003);
     let data = rng.bytes(256);
     let a = put(&b, &data);
     // Words, so the address is 4-byte aligned for the fill runs (a byte vector need not be,
@@ -244,7 +228,7 @@ fn free_all_but(b: &HostBackend, a: DeviceAllocation) {
 #[test]
 fn reference_kernels_through_raw_pointers() {
     let b = HostBackend::new();
-    let mut rng = Rng(0x5eed_0004);
+    let mut rng = Rng::new(0x5eed_0004);
     let (t, rows, w0, w1) = (6usize, 9usize, 16usize, 4usize);
     let kv0 = rng.bytes(t * w0);
     let kv1 = rng.bytes(t * w1);

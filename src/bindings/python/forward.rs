@@ -377,7 +377,8 @@ impl PyForward {
 
     /// Write the indexer's keys `[entries, 128]` bf16 of the staged CSA entries (the same
     /// `stage_compressed("csa", ..)` as the main compressor's) to CSA layer `rank`'s indexer
-    /// cache (a bf16 indexer cache; before the layer's indexer scores them).
+    /// cache in its format (bf16 copied, FP8 / FP4 quantised by `v4pool_index_keys`; before the
+    /// layer's indexer scores them).
     fn write_index_keys(&self, rank: usize, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let staged = lock(&self.writer)?.staged_rows(RowSet::Compressed(Class::Csa)).map_err(lib_err)?;
         let t = tensor(keys, "keys")?;
@@ -533,6 +534,35 @@ impl PyForward {
         let buf = g.gather(layer, draft_window).map_err(lib_err)?;
         let shape = vec![g.staged() as i64, draft_window as i64, KV_ROW_VALUES as i64];
         Ok(DeviceView::contiguous(buf.ptr, Elem::Bf16, shape, self.device, self.keep.clone()))
+    }
+
+    /// Gather `layer`'s window of `draft_window` rows for the staged batch into `out`, an
+    /// engine's tensor: bfloat16 `[max_seqs, draft_window, 512]`, contiguous, on the pool's
+    /// device (row `s` of sequence `b` as in `gather`; rows of pad sequences past the staged
+    /// batch untouched). Every argument is checked before the launch: dtype, shape, strides,
+    /// device, alignment, and that `out` overlaps neither the pool's planes nor the gather's
+    /// own buffers (`WindowGather::check_output`).
+    fn gather_into(&self, layer: usize, draft_window: usize, out: &Bound<'_, PyAny>) -> PyResult<()> {
+        let g = lock(&self.gather)?;
+        let t = tensor(out, "out")?;
+        let max_seqs = g.capacity().max_seqs;
+        let shape = [max_seqs as i64, draft_window as i64, KV_ROW_VALUES as i64];
+        let bytes = t.contiguous("out", DL_BFLOAT, 16, &shape)?;
+        self.check_device(&t, "out")?;
+        g.check_output(draft_window, t.ptr, bytes).map_err(lib_err)?;
+        if self.device.device_type != DL_CPU {
+            // SAFETY: `out` is a checked bf16 tensor of the pool's device covering max_seqs x
+            // draft_window rows, 16-B aligned, overlapping neither the pool's planes nor the
+            // handle's buffers (check_output), alive for the call (the capsule in `t`); torch
+            // orders its later use after the pool's stream (the engine shares the stream).
+            return unsafe { g.gather_into(layer, draft_window, t.ptr) }.map_err(lib_err);
+        }
+        // The host backend accepts no memory it did not allocate: the gather goes through a
+        // buffer of its own and the staged rows are copied into the tensor.
+        // SAFETY: checked bf16 elements of `t`'s CPU memory (u16 bits), written only inside
+        // this call while the capsule in `t` keeps the tensor alive.
+        let dst = unsafe { t.host_slice_mut::<u16>("out", 1, (bytes / 2) as usize, 0)? };
+        g.gather_into_host(layer, draft_window, dst).map_err(lib_err)
     }
 
     fn __repr__(&self) -> String {

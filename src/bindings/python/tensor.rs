@@ -109,6 +109,35 @@ impl Tensor<'_> {
         Ok((rows as usize, cols as usize, stride as usize))
     }
 
+    /// A row-major contiguous tensor of exactly `shape` and element type (`code`, `bits`);
+    /// strides of dimensions of size 1 are not looked at (torch leaves them arbitrary).
+    /// Returns its length in bytes.
+    pub fn contiguous(&self, name: &str, code: u8, bits: u8, shape: &[i64]) -> PyResult<u64> {
+        if (self.code, self.bits) != (code, bits) {
+            return Err(bad(
+                name,
+                format!("dtype code {} bits {}, expected code {code} bits {bits}", self.code, self.bits),
+            ));
+        }
+        if self.shape != shape {
+            return Err(bad(name, format!("shape {:?}, expected {shape:?}", self.shape)));
+        }
+        let mut want = 1i64;
+        for (d, (&n, &s)) in self.shape.iter().zip(&self.strides).enumerate().rev() {
+            if n != 1 && s != want {
+                return Err(bad(
+                    name,
+                    format!("strides {:?}: dimension {d} is not contiguous", self.strides),
+                ));
+            }
+            want = want.checked_mul(n).ok_or_else(|| bad(name, "size overflows".into()))?;
+        }
+        u64::try_from(want)
+            .ok()
+            .and_then(|n| n.checked_mul(u64::from(bits) / 8))
+            .ok_or_else(|| bad(name, format!("shape {shape:?}")))
+    }
+
     /// The elements of a `rows()`-checked CPU tensor as a slice (`(rows − 1) × stride + cols`).
     ///
     /// # Safety
@@ -134,5 +163,29 @@ impl Tensor<'_> {
         // SAFETY: torch describes `len` elements of T from `ptr` (shape and strides checked),
         // alive while the capsule is; the caller bounds the lifetime.
         Ok(unsafe { std::slice::from_raw_parts(self.ptr as usize as *const T, len) })
+    }
+
+    /// As [`Self::host_slice`], writable.
+    ///
+    /// # Safety
+    /// As [`Self::host_slice`]; nothing else may read or write the elements while the slice
+    /// lives (the caller holds the GIL and hands the slice to no other thread).
+    #[allow(clippy::mut_from_ref)] // the memory is torch's, not `self`'s
+    pub unsafe fn host_slice_mut<T>(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        stride: usize,
+    ) -> PyResult<&mut [T]> {
+        // SAFETY: forwarded; only its checks (device, alignment) and length are used.
+        let len = unsafe { self.host_slice::<T>(name, rows, cols, stride)? }.len();
+        if len == 0 {
+            return Ok(&mut []);
+        }
+        // SAFETY: torch describes `len` elements of T from `ptr` (checked above), alive while the
+        // capsule is, which torch lets us write (a tensor argument we hold); no other reference
+        // to them exists during the caller's use (its contract).
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr as usize as *mut T, len) })
     }
 }

@@ -204,12 +204,10 @@ mod pack_tests {
 
     #[test]
     fn a_packed_row_dequantises_within_half_a_code() {
-        let mut x = 0x1234_5678_9abc_def0u64;
+        let mut rng = crate::rng::Rng::new(0x1234_5678_9abc_def0);
         let mut kv = vec![0u16; 512];
         for v in kv.iter_mut() {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = rng.next_u64();
             let f = ((x % 20001) as f32 / 1000.0 - 10.0) * if x % 7 == 0 { 30.0 } else { 1.0 };
             *v = (f.to_bits() >> 16) as u16;
         }

@@ -97,6 +97,7 @@ pub unsafe fn run_launch(launch: &Launch) -> Result<()> {
             Launch::WindowGather(a) => run_window_gather(a, false),
             Launch::WindowGatherFp8(a) => run_window_gather(a, true),
             Launch::KvRows(a) => run_kv_rows(a),
+            Launch::IndexKeys(a) => run_index_keys(a),
             Launch::Empty => Ok(()),
         }
     }
@@ -340,6 +341,40 @@ unsafe fn run_kv_rows(a: &crate::index::KvRowsArgs) -> Result<()> {
             KvPlanes::Bf16 { pool: output("nope", a.nope, rows(2 * KV_ROW_VALUES as u64)?)? }
         };
         kv_rows(kv, stride, dest, bids, &mut planes, a.view_rows, a.num_tokens)
+    }
+}
+
+/// # Safety
+/// See [`run_launch`].
+unsafe fn run_index_keys(a: &crate::index::IndexKeysArgs) -> Result<()> {
+    use super::{index_keys, key_block_bytes, KeyCache};
+    use crate::index::{INDEX_KEYS_BF16, INDEX_KEYS_FP8, INDEX_KEY_VALUES};
+    let t = count(a.num_tokens);
+    if t == 0 {
+        return Ok(());
+    }
+    let stride = len_of("key_row_stride", a.key_row_stride)?;
+    let keys_len = (t - 1).checked_mul(stride).and_then(|n| n.checked_add(INDEX_KEY_VALUES));
+    let keys_len = keys_len.ok_or(HostKernelError::OutOfBounds {
+        buffer: "keys",
+        index: a.num_tokens.into(),
+        len: 0,
+    })?;
+    let rows = len_of("block_rows", a.block_rows.into())?;
+    let (block, scale) = key_block_bytes(a.format, rows)
+        .ok_or(HostKernelError::Launch(super::LaunchError::BadCode { field: "format", value: a.format }))?;
+    let bytes = |per: usize| len_of("indexer bytes", mul(a.num_blocks, per as i64, "indexer bytes")?);
+    // SAFETY: lengths from the arguments; the caller covers them.
+    unsafe {
+        let keys: &[u16] = input("keys", a.keys, keys_len)?;
+        let dest: &[i32] = input("dest", a.dest, t)?;
+        let data: &mut [u8] = output("data", a.data, bytes(block)?)?;
+        let mut cache = match a.format {
+            INDEX_KEYS_BF16 => KeyCache::Bf16 { data },
+            INDEX_KEYS_FP8 => KeyCache::Fp8 { data },
+            _ => KeyCache::Fp4 { data, scales: output("scales", a.scales, bytes(scale)?)? },
+        };
+        index_keys(keys, stride, dest, &mut cache, a.num_blocks, a.block_rows, a.num_tokens)
     }
 }
 

@@ -1,0 +1,300 @@
+// decode_index.cuh — the decode index builder (docs/index-buffers.md sections 3 and 4: window
+// tails, dest rows and the fused HCA heads) with its window and head writers, and the standalone
+// HCA compressed-offset gather (section 4).
+//
+// Part of the one translation unit kernels/v4pool_kernels.cu: included there after v4pool_common.h
+// and the helpers several families share, whose names it uses; never compiled on its own (no
+// include guard, no includes of its own).
+
+/// v4p_write_window past 32 bits (a ring past 2^31 positions or a position past 2^32: no V4
+/// geometry), out of line: a 64-bit division per thread, then running counters.
+V4P_DEVICE_COLD void v4p_write_window_wide(v4p_i32* __restrict__ out, WindowParams w, v4p_i64 slot, v4p_i64 first,
+                                           v4p_i64 n, v4p_u32 lane, v4p_u32 lanes, v4p_i32* last) {
+    v4p_i64 q = v4p_ring_pos(w, first + (v4p_i64)lane);
+    const v4p_i64 step = (v4p_i64)lanes % w.ring_slots;
+    for (v4p_i64 i = lane; i < n; i += lanes) {
+        const v4p_i32 row = (v4p_i32)v4p_window_row_q(w, slot, q);
+        out[i] = row;
+        if (last != nullptr && i == n - 1) *last = row;
+        q += step;
+        if (q >= w.ring_slots) q -= w.ring_slots;
+    }
+}
+
+/// The decode builder's window tail: out[i] = window_row(w, slot, first + i) for i < n, and
+/// entry n - 1 to `*last` when not null, from the thread that computes it (so the dest row
+/// costs no division of its own). 32-bit running counters (v4p_window_run32) whenever the
+/// ring and the positions fit; anything wider out of line.
+V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_i64 slot, v4p_i64 first, v4p_i64 n,
+                                 v4p_u32 lane, v4p_u32 lanes, v4p_i32* last) {
+    if ((v4p_i64)lane >= n) return;
+    const v4p_u64 pos = (v4p_u64)(first + (v4p_i64)lane);  // >= 0 here: first >= 0 when n > 0
+    if ((v4p_u64)w.ring_slots > 0x7fffffffull || (v4p_u64)w.ring_stride > 0x7fffffffull || pos > 0xffffffffull) {
+        v4p_write_window_wide(out, w, slot, first, n, lane, lanes, last);
+        return;
+    }
+    v4p_window_run32(out, (v4p_u32)(slot * w.slot_rows + w.ring_start), (v4p_u32)w.ring_slots,
+                     (v4p_u32)w.ring_stride, (v4p_u32)w.run_rows, (v4p_u32)pos % (v4p_u32)w.ring_slots, n, lane, lanes,
+                     last);
+}
+
+/// window_row out of line: the dest row of a token whose window is empty (position < 0).
+V4P_DEVICE_COLD v4p_i32 v4p_window_row_cold(WindowParams w, v4p_i64 slot, v4p_i64 pos) {
+    return (v4p_i32)window_row(w, slot, pos);
+}
+
+/// Compressed entries e = 0..count-1 of one sequence, tiled: dst[e] = table[e / rpb] * envelope
+/// + e % rpb. Tile `tile` of `ntiles` takes entries [tile * 8B, tile * 8B + 8B) (B = the
+/// decode builder's V4POOL_DECODE_THREADS), then every ntiles-th such range after it; thread i
+/// takes e = i, i + B, ..., i + 7B of its range, so every load and store instruction of a warp touches one contiguous span
+/// (4-byte lanes, coalesced), and all eight table loads are in flight before the first store.
+/// (block, row) of those entries come from one division and a running counter. The decode
+/// builder's writer for rows per block other than 2 (v4p_write_head_vec), exact for any.
+V4P_DEVICE_COLD void v4p_write_compressed_tiled(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table,
+                                                v4p_i64 count, v4p_i64 rpb, v4p_i64 envelope, v4p_i64 tile,
+                                                v4p_i64 ntiles, v4p_u32 tid) {
+    const v4p_i64 per_tile = 8 * V4P_DECODE_NT;
+    const v4p_i64 jstep = (v4p_i64)V4P_DECODE_NT / rpb, rstep = (v4p_i64)V4P_DECODE_NT % rpb;
+    for (v4p_i64 e0 = tile * per_tile + tid; e0 < count; e0 += ntiles * per_tile) {
+        v4p_i64 j, r;
+        if ((v4p_u64)e0 <= 0xffffffffull && (v4p_u64)rpb <= 0xffffffffull) {
+            const v4p_u32 e32 = (v4p_u32)e0, d32 = (v4p_u32)rpb;
+            j = (v4p_i64)(e32 / d32);
+            r = (v4p_i64)(e32 - (e32 / d32) * d32);
+        } else {
+            j = e0 / rpb;
+            r = e0 % rpb;
+        }
+        v4p_i32 blk[8], row[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            blk[u] = e0 + u * V4P_DECODE_NT < count ? table[j] : 0;
+            row[u] = (v4p_i32)r;
+            j += jstep;
+            r += rstep;
+            if (r >= rpb) {
+                r -= rpb;
+                ++j;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const v4p_i64 e = e0 + u * V4P_DECODE_NT;
+            if (e < count) dst[e] = (v4p_i32)compress_row(blk[u], row[u], envelope);
+        }
+    }
+}
+
+/// 16-byte groups (4 entries) per thread of one decode-builder tile.
+#define V4P_HEAD_GROUPS (V4POOL_DECODE_HCA_TILE / (4 * V4POOL_DECODE_THREADS))
+static_assert(V4P_HEAD_GROUPS % 2 == 0, "a tile is whole generic tiles of 8 entries per thread");
+
+/// Four entries, one 16-byte store at a 16-byte aligned `p`. NVIDIA targets say so in PTX, as a
+/// global store (STG.128): NVVM may split a vector store of computed values into four, and a
+/// generic store is what plain `st.v4` becomes.
+V4P_DEVICE void v4p_head_store4(v4p_i32* p, v4p_u32 x, v4p_u32 y, v4p_u32 z, v4p_u32 w) {
+#if defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)
+    asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %0; st.global.v4.u32 [g], {%1, %2, %3, %4}; }" ::"l"(p), "r"(x),
+                 "r"(y), "r"(z), "r"(w)
+                 : "memory");
+#else
+    v4p_vec16 v;
+    v.x = x, v.y = y, v.z = z, v.w = w;
+#if defined(V4P_TARGET_EMU)
+    if (((v4p_u64)p & 15) != 0) __builtin_trap();  // a device would fault: so must the tests
+    __builtin_memcpy(p, &v, 16);                    // no type punning in the C++ emulation
+#else
+    *(v4p_vec16*)p = v;
+#endif
+#endif
+}
+
+/// Table entries j and j + 1 (`pair`: one 8-byte load, j is 8-byte aligned in the row).
+V4P_DEVICE void v4p_head_load2(const v4p_i32* __restrict__ table, v4p_u32 j, bool pair, v4p_u32& a, v4p_u32& b) {
+    if (pair) {
+#if defined(V4P_TARGET_EMU)
+        v4p_u64 v;
+        if (((v4p_u64)(table + j) & 7) != 0) __builtin_trap();  // as a device's misaligned load
+        __builtin_memcpy(&v, table + j, 8);
+#else
+        const v4p_u64 v = *(const v4p_u64*)(table + j);
+#endif
+        a = (v4p_u32)v, b = (v4p_u32)(v >> 32);
+    } else {
+        a = (v4p_u32)table[j], b = (v4p_u32)table[j + 1];
+    }
+}
+
+/// The 16-byte groups of a head (see v4p_write_head_vec): group g = 4 entries at d + 4g from
+/// table entries t[2g], t[2g + 1] (and t[2g + 2] when ODD: the group starts at a block's second
+/// row); PAIR: t + 2g is 8-byte aligned (ODD: else t + 2g + 1 is). Per thread one pointer
+/// pair, V4P_HEAD_GROUPS groups V4POOL_DECODE_THREADS apart at fixed offsets from it.
+template <bool ODD, bool PAIR>
+V4P_DEVICE void v4p_head_groups(v4p_i32* __restrict__ d, const v4p_i32* __restrict__ t, v4p_u32 ngroups, v4p_u32 env,
+                                v4p_i64 tile, v4p_i64 ntiles, v4p_u32 tid) {
+    const v4p_u64 per_tile = (v4p_u64)V4P_HEAD_GROUPS * V4P_DECODE_NT;
+    for (v4p_u64 g0 = (v4p_u64)tile * per_tile + tid; g0 < ngroups; g0 += (v4p_u64)ntiles * per_tile) {
+        const v4p_i32* tp = t + 2 * g0;
+        v4p_i32* dp = d + 4 * g0;
+        v4p_u32 a[V4P_HEAD_GROUPS], b[V4P_HEAD_GROUPS], c[V4P_HEAD_GROUPS];
+#pragma unroll
+        for (int k = 0; k < V4P_HEAD_GROUPS; ++k) {
+            a[k] = b[k] = c[k] = 0;
+            if (g0 + (v4p_u64)k * V4P_DECODE_NT >= ngroups) continue;
+            const v4p_u32 o = 2 * k * V4P_DECODE_NT;
+            if (!ODD || PAIR) {
+                v4p_head_load2(tp, o, PAIR, a[k], b[k]);
+                if (ODD) c[k] = (v4p_u32)tp[o + 2];
+            } else {
+                a[k] = (v4p_u32)tp[o];
+                v4p_head_load2(tp, o + 1, true, b[k], c[k]);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < V4P_HEAD_GROUPS; ++k) {
+            if (g0 + (v4p_u64)k * V4P_DECODE_NT >= ngroups) continue;
+            v4p_i32* p = dp + 4 * k * V4P_DECODE_NT;
+            if (!ODD)
+                v4p_head_store4(p, a[k] * env, a[k] * env + 1, b[k] * env, b[k] * env + 1);
+            else
+                v4p_head_store4(p, a[k] * env + 1, b[k] * env, b[k] * env + 1, c[k] * env);
+        }
+    }
+}
+
+/// The decode builder's fused HCA head with 16-byte stores, for rows per block 2 (every V4
+/// geometry): the slice head `dst` is cut into at most 3 leading entries up to a 16-byte
+/// boundary (hbegin is arbitrary), groups of 4 entries = 2 whole or 3 partial blocks (one
+/// 16-byte store from 2 or 3 table entries, one 8-byte load when aligned), and at most 3
+/// trailing entries; tile 0's threads 0-2 and 4-6 write the leading and trailing ones. Tile
+/// `tile` of `ntiles` (V4POOL_DECODE_HCA_TILE entries) takes V4P_HEAD_GROUPS * 128 groups,
+/// thread i groups i, i + 128, ...; all table loads of a thread are issued before its first
+/// store. 32-bit entry arithmetic, the i32 of the 64-bit row as the generic writer. Any other
+/// rows per block, a head past 2^31 entries or an unaligned buffer take the generic writer over
+/// the same tile (exact either way; out of line, off the hot path's instruction stream). Eight
+/// groups (32 entries, 128 B) per thread measured fastest on the H200 (BENCHMARKS.md, issue
+/// 13: T = 2,048 25.2 µs against 27.9 with four groups, 32.4 with two and 37.3 for the scalar
+/// writer; level at small batches).
+V4P_DEVICE void v4p_write_head_vec(v4p_i32* __restrict__ dst, const v4p_i32* __restrict__ table, v4p_i64 count64,
+                                   v4p_i64 rpb, v4p_i64 envelope, v4p_i64 tile, v4p_i64 ntiles, v4p_u32 tid) {
+    if (count64 <= 0) return;
+    const v4p_u64 daddr = (v4p_u64)dst, taddr = (v4p_u64)table;
+    if (rpb != 2 || count64 > 0x7fffffffll || ((daddr | taddr) & 3) != 0) {
+        const v4p_i64 sub = V4P_HEAD_GROUPS / 2;  // generic tiles (8 entries per thread) per tile
+        for (v4p_i64 s = 0; s < sub; ++s)
+            v4p_write_compressed_tiled(dst, table, count64, rpb, envelope, tile * sub + s, ntiles * sub, tid);
+        return;
+    }
+    const v4p_u32 count = (v4p_u32)count64, env = (v4p_u32)envelope;
+    const v4p_u32 lead = (v4p_u32)(0 - (daddr >> 2)) & 3u;  // entries before a 16-byte boundary
+    const v4p_u32 nlead = lead < count ? lead : count;
+    const v4p_u32 ngroups = (count - nlead) >> 2;
+    const v4p_u32 tail0 = nlead + 4 * ngroups;
+    // Leading / trailing entry of this thread (tile 0 only), loaded with the groups' loads.
+    v4p_u32 e1 = 0xffffffffu, blk1 = 0;
+    if (tile == 0) {
+        if (tid < nlead)
+            e1 = tid;
+        else if (tid >= 4 && tid - 4 < count - tail0)
+            e1 = tail0 + (tid - 4);
+        if (e1 != 0xffffffffu) blk1 = (v4p_u32)table[e1 >> 1];
+    }
+    // Group g covers entries lead + 4g .. lead + 4g + 3: blocks jb + 2g and jb + 2g + 1, and
+    // jb + 2g + 2 when lead is odd (then the group starts at a block's second row). Both
+    // choices are uniform over the block: one loop each, with no per-group branch.
+    const bool odd = (lead & 1) != 0;
+    const v4p_u32 jb = lead >> 1;
+    const bool pair0 = ((taddr + 4 * (v4p_u64)jb) & 7) == 0;  // (jb + 2g) starts an 8-byte pair
+    const v4p_i32* tb = table + jb;
+    v4p_i32* db = dst + lead;
+    if (!odd) {
+        if (pair0)
+            v4p_head_groups<false, true>(db, tb, ngroups, env, tile, ntiles, tid);
+        else
+            v4p_head_groups<false, false>(db, tb, ngroups, env, tile, ntiles, tid);
+    } else {
+        if (pair0)
+            v4p_head_groups<true, true>(db, tb, ngroups, env, tile, ntiles, tid);
+        else
+            v4p_head_groups<true, false>(db, tb, ngroups, env, tile, ntiles, tid);
+    }
+    if (e1 != 0xffffffffu) dst[e1] = (v4p_i32)(blk1 * env + (e1 & 1));
+}
+
+/// Tiles of the fused HCA head in the decode builder (grid x after the window block;
+/// launch_shape derives the same): enough for the longest head a block-table row can describe
+/// (block_table_stride * rpb entries), at most V4POOL_MAX_GRID_YZ (the writer strides by the
+/// count, so a cap loses nothing). One tile when nothing is fused.
+V4P_DEVICE v4p_i64 v4p_decode_hca_tiles(const DecodeIndexArgs& a) {
+    if (a.block_tables == 0 || a.classes[V4POOL_CLASS_HCA].indptr == 0) return 1;
+    const v4p_i64 stride = a.block_table_stride > 0 ? a.block_table_stride : 0;
+    const v4p_i64 rpb = a.hca_rows_per_block > 0 ? a.hca_rows_per_block : 0;
+    const v4p_i64 tiles = (stride * rpb + V4POOL_DECODE_HCA_TILE - 1) / V4POOL_DECODE_HCA_TILE;
+    return tiles < 1 ? 1 : (tiles > V4POOL_MAX_GRID_YZ ? V4POOL_MAX_GRID_YZ : tiles);
+}
+
+// ---- §3 + §4: decode index builder with fused HCA heads --------------------------------------
+// grid (1 + v4p_decode_hca_tiles, T), block V4POOL_DECODE_THREADS (128). Token t is grid y; its
+// blocks are side by side in grid x, so they are dispatched together and share the token's
+// metadata lines in L2: x = 0 writes the window tails and dest rows, x = 1 + k tile k of
+// 4,096 entries of the HCA head (two tiles for a 1M context). The windows in a block of their
+// own run beside the head instead of before it: in one block, the head's table loads waited
+// for batch id -> state slot -> window stores. (H200 A/B, BENCHMARKS.md 2026-11-30 23:06 UTC:
+// batch 256 8.29 -> 6.78 µs, 1,024 15.36 -> 12.64, MTP verify 2,048 25.09 -> 19.28; 128-thread
+// blocks at 8 per SM keep twice the tokens' dependent chains in flight of the 256-thread form.)
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_DECODE_THREADS, 8) void v4pool_decode_indices(DecodeIndexArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
+    const v4p_i32 t = (v4p_i32)v4p_bid_y();
+    if (t >= a.num_tokens) return;
+    const v4p_u32 x = v4p_bid_x();
+    const v4p_u32 tid = v4p_tid_x();
+    // Every load that needs only t goes out before the batch id comes back (a cold chain
+    // batch id -> slot / table row is the kernel's critical path).
+    const v4p_i32 b = v4p_in<v4p_i32>(a.batch_id_per_token)[t];
+    const v4p_i64 p = v4p_in<v4p_i64>(a.positions)[t];
+    const v4p_i64 n = v4p_min(p + 1, (v4p_i64)a.win);  // window entries: the tail of every slice
+    if (x == 0) {
+        v4p_i64 ends[3] = {0, 0, 0};
+#pragma unroll
+        for (int c = 0; c < 3; ++c)
+            if (a.classes[c].indptr != 0) ends[c] = v4p_in<v4p_i32>(a.classes[c].indptr)[t + 1];
+        if (b < 0) return;  // pad token: no store at all
+        const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
+#pragma unroll
+        for (int c = 0; c < 3; ++c) {
+            const ClassBuffers cb = a.classes[c];
+            if (cb.indptr == 0) continue;  // class off
+            // Window at the tail of the slice, oldest first, the token itself last (its row is
+            // the dest row).
+            v4p_i32* dest = cb.dest_rows != 0 ? v4p_out<v4p_i32>(cb.dest_rows) + t : nullptr;
+            v4p_write_window(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), cb.params, slot, p - n + 1, n, tid,
+                             V4P_DECODE_NT, dest);
+            if (tid == 0 && dest != nullptr && n <= 0) *dest = v4p_window_row_cold(cb.params, slot, p);
+        }
+        return;
+    }
+    const ClassBuffers hca = a.classes[V4POOL_CLASS_HCA];
+    if (a.block_tables == 0 || hca.indptr == 0) return;  // nothing fused
+    const v4p_i64 hbegin = v4p_in<v4p_i32>(hca.indptr)[t];
+    const v4p_i64 hend = v4p_in<v4p_i32>(hca.indptr)[t + 1];
+    if (b < 0) return;
+    // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile.
+    const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
+    v4p_write_head_vec(v4p_out<v4p_i32>(hca.indices) + hbegin, table, hend - hbegin - n, a.hca_rows_per_block,
+                       a.envelope_rows, (v4p_i64)x - 1, v4p_decode_hca_tiles(a), tid);
+}
+
+// ---- §4: HCA compressed offsets as a standalone gather -----------------------------------
+// grid (ceil(N / 256)), block 256: one thread per entry.
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_hca_offsets(HcaOffsetsArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
+    const v4p_i64 i = (v4p_i64)v4p_bid_x() * V4P_BLOCK + v4p_tid_x();
+    if (i >= a.num_entries) return;
+    const v4p_i32 e = v4p_in<v4p_i32>(a.entry_idx)[i];
+    const v4p_i32 b = v4p_in<v4p_i32>(a.bid_per_entry)[i];
+    const v4p_i32 rpb = a.rows_per_block;
+    const v4p_i64 blk = v4p_in<v4p_i32>(a.block_tables)[(v4p_i64)b * a.block_table_stride + e / rpb];
+    v4p_out<v4p_i32>(a.out)[i] = (v4p_i32)compress_row(blk, e % rpb, a.envelope_rows);
+}

@@ -1,0 +1,183 @@
+// kv_rows.cuh — the KV row writers: bf16 KV of the forward's own rows into the pool's row format
+// (docs/forward.md). New kernels of the forward's own-row writes go in this file, after the ones
+// here.
+//
+// Part of the one translation unit kernels/v4pool_kernels.cu: included there after v4pool_common.h
+// and the helpers several families share, whose names it uses; never compiled on its own (no
+// include guard, no includes of its own).
+
+// =============================================================================================
+// ---- KV row writers (issue 23): bf16 KV into the pool's row format ---------------------------
+// New kernels of the forward's own-row writes go in this section (docs/forward.md).
+// =============================================================================================
+// grid (ceil(T / 8)), block 256: 8 tokens per block, 32 lanes per token (the row kernels'
+// shape). fp8: lane i < 7 packs NoPE tile i (64 values: amax, its e8m0 scale, 64 e4m3 bytes and
+// the scale twice), lane 7 copies the RoPE part and zeroes the padding; lanes 8..31 idle. bf16:
+// every lane copies 16 of the 512 values. The pack formula is src/index/host/pack.rs's, integer
+// for integer: the scale is the least power of two 2^(B-127) with amax / scale <= 448, and each
+// value is x / scale (exact: a power of two) rounded to nearest even e4m3fn.
+
+/// The e8m0 byte of a tile whose largest magnitude has f32 bits `amax` (non-negative): 0 for an
+/// all-zero tile; else the exponent of amax minus 8, plus one when its mantissa passes 1.75
+/// (448 = 1.75 x 2^8), at least 1 (amax below 448 x 2^-126).
+V4P_DEVICE v4p_u32 v4p_e8m0_of_amax(v4p_u32 amax) {
+    if (amax == 0) return 0;
+    v4p_i32 b = (v4p_i32)(amax >> 23) - 8 + ((amax & 0x7fffffu) > 0x600000u ? 1 : 0);
+    if (b < 1) b = 1;
+    if (b > 254) b = 254;
+    return (v4p_u32)b;
+}
+
+/// f32 bits `u` as e4m3fn, rounded to nearest even; magnitudes past 448 (and infinities)
+/// saturate to 448, NaN is 0x7f with the sign, f32 subnormals become a signed zero.
+V4P_DEVICE v4p_u32 v4p_e4m3_rne(v4p_u32 u) {
+    const v4p_u32 s = (u >> 24) & 0x80u;
+    const v4p_u32 a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return s | 0x7fu;
+    if (a >= 0x43e00000u) return s | 0x7eu;  // >= 448
+    const v4p_i32 e = (v4p_i32)(a >> 23) - 127;
+    v4p_u32 code, rem, half;
+    if (e >= -6) {
+        code = ((v4p_u32)(e + 7) << 3) | ((a & 0x7fffffu) >> 20);
+        rem = a & 0xfffffu;
+        half = 0x80000u;
+    } else {
+        if ((a >> 23) == 0) return s;
+        const v4p_u32 m = (a & 0x7fffffu) | 0x800000u;
+        const v4p_u32 sh = (v4p_u32)(14 - e);  // value / 2^-9 = m >> sh; sh >= 21
+        if (sh > 31) return s;
+        code = m >> sh;
+        rem = m & ((1u << sh) - 1u);
+        half = 1u << (sh - 1u);
+    }
+    if (rem > half || (rem == half && (code & 1u))) code += 1;
+    if (code > 0x7eu) code = 0x7eu;
+    return s | code;
+}
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_kv_rows(KvRowsArgs a) {
+    const v4p_u32 tid = v4p_tid_x();
+    const v4p_i64 t = (v4p_i64)v4p_bid_x() * V4POOL_ROWS_PER_BLOCK + tid / V4POOL_ROW_LANES;
+    const v4p_u32 lane = tid % V4POOL_ROW_LANES;
+    if (t >= a.num_tokens) return;
+    if (a.batch_id_per_token != 0 && v4p_in<v4p_i32>(a.batch_id_per_token)[t] < 0) return;
+    const v4p_i64 row = v4p_in<v4p_i32>(a.dest_rows)[t];
+    if (row < 0 || row >= a.view_rows) return;  // dropped, not wrapped
+    const v4p_u16* src = v4p_in<v4p_u16>(a.kv) + t * a.kv_row_stride;
+    if (!a.fp8) {
+        v4p_u16* dst = v4p_out<v4p_u16>(a.nope) + row * 512;
+        for (v4p_u32 i = lane * 16; i < lane * 16 + 16; ++i) dst[i] = src[i];
+        return;
+    }
+    v4p_u8* nope = v4p_out<v4p_u8>(a.nope) + row * V4P_NOPE_ROW_BYTES;
+    if (lane < 7) {
+        const v4p_u16* x = src + lane * 64;
+        v4p_u32 amax = 0;
+        for (int i = 0; i < 64; ++i) {
+            const v4p_u32 m = ((v4p_u32)x[i] << 16) & 0x7fffffffu;
+            if (m <= 0x7f800000u && m > amax) amax = m;  // NaN never the amax
+        }
+        const v4p_u32 b = v4p_e8m0_of_amax(amax);
+        // 1 / scale = 2^(127 - b), a normal f32 for every b the formula gives (1..248).
+        const float inv = b == 0 ? 0.0f : v4p_f32_from_bits((254u - b) << 23);
+        for (int i = 0; i < 64; ++i)
+            nope[lane * 64 + i] = (v4p_u8)v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits((v4p_u32)x[i] << 16) * inv));
+        nope[V4P_NOPE_VALUES + 2 * lane] = (v4p_u8)b;
+        nope[V4P_NOPE_VALUES + 2 * lane + 1] = (v4p_u8)b;
+    } else if (lane == 7) {
+        v4p_u16* rope = v4p_out<v4p_u16>(a.rope) + row * (V4P_ROPE_ROW_BYTES / 2);
+        for (int i = 0; i < 64; ++i) rope[i] = src[V4P_NOPE_VALUES + i];
+        for (int i = V4P_NOPE_VALUES + 14; i < V4P_NOPE_ROW_BYTES; ++i) nope[i] = 0;
+    }
+}
+
+// ---- the indexer's key rows (v4pool_index_keys) ---------------------------------------------
+// grid (ceil(T / 8)), block 256: 8 keys per block, 32 lanes per key, 4 of its 128 values per
+// lane. No lane reads another's result (the C++ emulation runs lanes one after another), so a
+// lane that needs a row's or a group's amax computes it itself. The formulas are
+// src/index/host/keys.rs's, integer for integer (docs/forward.md, "Indexer keys"):
+//   FP8: per row, B = v4p_e8m0_of_amax(max(amax, 1e-4)): the least power of two 2^(B-127) with
+//        max(amax, 1e-4) / scale <= 448 (an all-zero row gets 2^-22), stored as an f32; each
+//        value x / scale (exact) rounded to nearest even e4m3fn, saturating at 448.
+//   FP4: per group of 32 values, the least e8m0 byte B with amax / 2^(B-127) <= 6 (0 for an
+//        all-zero group); each value x / scale rounded to nearest even e2m1, saturating at 6.
+// amax ignores NaN and counts infinities.
+
+/// The e8m0 byte of a group whose largest magnitude has f32 bits `amax`, to fit e2m1's 6:
+/// 0 for an all-zero group; else the exponent of amax minus 2, plus one when its mantissa
+/// passes 1.5 (6 = 1.5 x 2^2), at least 1 (at most 253: amax = inf).
+V4P_DEVICE v4p_u32 v4p_e8m0_of_amax_e2m1(v4p_u32 amax) {
+    if (amax == 0) return 0;
+    v4p_i32 b = (v4p_i32)(amax >> 23) - 2 + ((amax & 0x7fffffu) > 0x400000u ? 1 : 0);
+    if (b < 1) b = 1;
+    return (v4p_u32)b;
+}
+
+/// f32 bits `u` as an e2m1 nibble (sign in bit 3), rounded to nearest even code: codes 0..7 are
+/// 0, 0.5, 1, 1.5, 2, 3, 4, 6; the midpoints 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 go to the even
+/// code; 6 and past (infinities and NaN too) saturate to 6 with the sign.
+V4P_DEVICE v4p_u32 v4p_e2m1_rne(v4p_u32 u) {
+    const v4p_u32 s = (u >> 28) & 0x8u;
+    const v4p_u32 a = u & 0x7fffffffu;  // positive f32 bits order as their values
+    v4p_u32 c;
+    if (a <= 0x3e800000u) c = 0;        // <= 0.25
+    else if (a < 0x3f400000u) c = 1;    // < 0.75
+    else if (a <= 0x3fa00000u) c = 2;   // <= 1.25
+    else if (a < 0x3fe00000u) c = 3;    // < 1.75
+    else if (a <= 0x40200000u) c = 4;   // <= 2.5
+    else if (a < 0x40600000u) c = 5;    // < 3.5
+    else if (a <= 0x40a00000u) c = 6;   // <= 5
+    else c = 7;
+    return s | c;
+}
+
+/// Largest magnitude (f32 bits) of `n` bf16 values, NaN ignored.
+V4P_DEVICE v4p_u32 v4p_bf16_amax(const v4p_u16* x, int n) {
+    v4p_u32 amax = 0;
+    for (int i = 0; i < n; ++i) {
+        const v4p_u32 m = ((v4p_u32)x[i] << 16) & 0x7fffffffu;
+        if (m <= 0x7f800000u && m > amax) amax = m;
+    }
+    return amax;
+}
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_index_keys(IndexKeysArgs a) {
+    const v4p_u32 tid = v4p_tid_x();
+    const v4p_i64 t = (v4p_i64)v4p_bid_x() * V4POOL_ROWS_PER_BLOCK + tid / V4POOL_ROW_LANES;
+    const v4p_u32 lane = tid % V4POOL_ROW_LANES;
+    if (t >= a.num_tokens) return;
+    const v4p_i64 rows = a.block_rows;
+    const v4p_i64 e = v4p_in<v4p_i32>(a.dest)[t];
+    if (e < 0 || e >= a.num_blocks * rows) return;  // dropped, not wrapped
+    const v4p_i64 block = e / rows, r = e % rows;
+    const v4p_u16* src = v4p_in<v4p_u16>(a.keys) + t * a.key_row_stride;
+    const v4p_u32 i0 = lane * 4;
+    if (a.format == 0) {
+        v4p_u16* dst = v4p_out<v4p_u16>(a.data) + e * 128;
+        for (v4p_u32 i = i0; i < i0 + 4; ++i) dst[i] = src[i];
+        return;
+    }
+    if (a.format == 1) {
+        v4p_u8* blk = v4p_out<v4p_u8>(a.data) + block * rows * 132;
+        v4p_u32 amax = v4p_bf16_amax(src, 128);
+        if (amax < 0x38d1b717u) amax = 0x38d1b717u;  // 1e-4f
+        const v4p_u32 b = v4p_e8m0_of_amax(amax);  // 105..247 here: scale and 1/scale normal
+        const float inv = v4p_f32_from_bits((254u - b) << 23);
+        for (v4p_u32 i = i0; i < i0 + 4; ++i)
+            blk[r * 128 + i] = (v4p_u8)v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits((v4p_u32)src[i] << 16) * inv));
+        if (lane == 0) v4p_out<v4p_u32>(a.data)[(block * rows * 132 + rows * 128 + r * 4) / 4] = b << 23;
+        return;
+    }
+    // FP4: lane 8g + j holds values 32g + 4j .. + 3 of group g: bytes 2j, 2j + 1 of its 16.
+    const v4p_u32 g = lane / 8, j = lane % 8;
+    const v4p_u32 b = v4p_e8m0_of_amax_e2m1(v4p_bf16_amax(src + 32 * g, 32));
+    // 1 / scale = 2^(127 - b), a normal f32 for every b the formula gives (1..253).
+    const float inv = b == 0 ? 0.0f : v4p_f32_from_bits((254u - b) << 23);
+    v4p_u8* data = v4p_out<v4p_u8>(a.data) + block * rows * 64 + ((v4p_i64)g * rows + r) * 16;
+    for (v4p_u32 k = 0; k < 2; ++k) {
+        const v4p_u32 lo = (v4p_u32)src[i0 + 2 * k] << 16, hi = (v4p_u32)src[i0 + 2 * k + 1] << 16;
+        data[2 * j + k] = (v4p_u8)(v4p_e2m1_rne(v4p_f32_bits(v4p_f32_from_bits(lo) * inv)) |
+                                   (v4p_e2m1_rne(v4p_f32_bits(v4p_f32_from_bits(hi) * inv)) << 4));
+    }
+    if (j == 0) v4p_out<v4p_u8>(a.scales)[block * rows * 4 + (v4p_i64)g * rows + r] = (v4p_u8)b;
+}
