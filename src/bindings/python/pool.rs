@@ -559,6 +559,28 @@ fn i32s(o: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
     o.extract()
 }
 
+/// A decode batch of the arrays given, `block_tables` (2-D `[batch, columns]` int32, copied
+/// into `tmp`) or `None` for resident tables.
+fn flat_batch<'a>(
+    positions: &'a [i64],
+    context_lens: &'a [i64],
+    num_tokens: &'a [i64],
+    block_tables: Option<&Bound<'_, PyAny>>,
+    tmp: &'a mut Vec<i32>,
+) -> PyResult<FlatDecodeBatch<'a>> {
+    let (block_tables, table_stride) = match block_tables {
+        Some(t) => {
+            let (flat, shape) = int_array(t, I32, tmp, i32s)?;
+            if shape.len() != 2 {
+                return Err(PyValueError::new_err("block_tables must be 2-D [batch, columns]"));
+            }
+            (Some(flat), shape[1])
+        }
+        None => (None, 0),
+    };
+    Ok(FlatDecodeBatch { positions, context_lens, num_tokens, block_tables, table_stride })
+}
+
 const I64: &str = "<i8";
 const I32: &str = "<i4";
 
@@ -617,23 +639,7 @@ impl PyDecode {
                 &ones
             }
         };
-        let (tables, stride) = match block_tables {
-            Some(t) => {
-                let (flat, shape) = int_array(t, I32, &mut t3, i32s)?;
-                if shape.len() != 2 {
-                    return Err(PyValueError::new_err("block_tables must be 2-D [batch, columns]"));
-                }
-                (Some(flat), shape[1])
-            }
-            None => (None, 0),
-        };
-        let batch = FlatDecodeBatch {
-            positions,
-            context_lens,
-            num_tokens,
-            block_tables: tables,
-            table_stride: stride,
-        };
+        let batch = flat_batch(positions, context_lens, num_tokens, block_tables, &mut t3)?;
         self.lock()?.stage_flat(&batch).map_err(lib_err)
     }
 
@@ -705,20 +711,7 @@ impl PyDecode {
         let (positions, _) = int_array(positions, I64, &mut t0, i64s)?;
         let (context_lens, _) = int_array(context_lens, I64, &mut t1, i64s)?;
         let (num_tokens, _) = int_array(num_tokens, I64, &mut t2, i64s)?;
-        let (tables, stride) = match block_tables {
-            Some(t) => {
-                let (flat, shape) = int_array(t, I32, &mut t3, i32s)?;
-                (Some(flat), shape.get(1).copied().unwrap_or(0))
-            }
-            None => (None, 0),
-        };
-        let batch = FlatDecodeBatch {
-            positions,
-            context_lens,
-            num_tokens,
-            block_tables: tables,
-            table_stride: stride,
-        };
+        let batch = flat_batch(positions, context_lens, num_tokens, block_tables, &mut t3)?;
         let mut step = self.lock()?;
         let start = std::time::Instant::now();
         for _ in 0..iters.max(1) {
