@@ -27,9 +27,7 @@ use v4pool::geometry::{UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
 use v4pool::index::shape::prefill_short;
 use v4pool::index::{CopyRun, CopyRunsArgs, DevicePtr, Launch, PrefillIndexArgs};
 use v4pool::model::ModelShape;
-use v4pool::pool::{
-    decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodeIndexBuffers, DecodeSeq, Pool, PoolSpec,
-};
+use v4pool::pool::{decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodePath, DecodeSeq, Pool, PoolSpec};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, Plan, PlanRequest};
 use v4pool::Class;
 
@@ -121,7 +119,7 @@ impl Gpu {
 
     fn launch(&self, l: &Launch) -> Res<()> {
         // SAFETY: every caller builds `l` from buffers it allocated on this backend and sized
-        // as the argument struct states (DecodeIndexBuffers, the prefill layout, copy runs).
+        // as the argument struct states (a decode path's own, the prefill layout, copy runs).
         unsafe { self.be.launch(l, S)? };
         Ok(())
     }
@@ -431,20 +429,40 @@ fn random_topk(rng: &mut Rng, set: &DecodeSet, topk: usize, layers: usize) -> Ve
     v
 }
 
-/// Everything of one decode configuration on one backend.
+/// The pools the decode and CSA groups index: one of the bench's plan on the GPU, whose
+/// decode paths are timed, and one of the same spec on the host backend, the reference each
+/// configuration is checked against. Neither's planes are read or written by the decode
+/// index kernels (they write index buffers and destination rows only).
+struct Pools {
+    gpu: Arc<Pool>,
+    host: Arc<Pool>,
+}
+
+impl Pools {
+    fn of(gpu: &Gpu, p: &Plan) -> Res<Pools> {
+        Ok(Pools {
+            gpu: Arc::new(Pool::new(Arc::new(gpu.be.clone()), PoolSpec::from_plan(p)?, S)?),
+            host: host_pool(p)?,
+        })
+    }
+}
+
+/// A host-backend pool of plan `p` (its memory is committed only where touched).
+fn host_pool(p: &Plan) -> Res<Arc<Pool>> {
+    Ok(Arc::new(Pool::new(Arc::new(HostBackend::new()), PoolSpec::from_plan(p)?, S)?))
+}
+
+/// Everything of one decode configuration on one pool's backend: its decode path (the
+/// builder's and packs' buffers) and the top-k input sets.
 struct DecodeRig {
-    bufs: DecodeIndexBuffers,
+    path: DecodePath,
     topk: Vec<DeviceAllocation>,
 }
 
 impl DecodeRig {
-    fn new(
-        be: Arc<dyn Backend>,
-        g: &UnifiedPoolGeometry,
-        cap: DecodeCapacity,
-        topk_sets: &[Vec<i32>],
-    ) -> Res<Self> {
-        let bufs = DecodeIndexBuffers::new(be.clone(), S, g, cap)?;
+    fn new(pool: &Arc<Pool>, cap: DecodeCapacity, topk_sets: &[Vec<i32>]) -> Res<Self> {
+        let be = pool.backend().clone();
+        let path = pool.decode_path(cap)?;
         let mut topk = Vec::new();
         for t in topk_sets {
             let a = alloc(be.as_ref(), 4 * t.len() as u64)?;
@@ -452,15 +470,15 @@ impl DecodeRig {
             unsafe { be.upload(a.ptr, bytemuck::cast_slice(t), S)? };
             topk.push(a);
         }
-        Ok(DecodeRig { bufs, topk })
+        Ok(DecodeRig { path, topk })
     }
 
     /// CSA layer `layer`'s translate-pack (its own top-k rows, the one CSA buffer).
     fn pack(&self, set: usize, layer: usize) -> Launch {
-        let cap = self.bufs.capacity();
+        let cap = self.path.capacity();
         let layer_bytes = 4 * (cap.max_tokens * cap.index_topk as usize * layer) as u64;
         let ptr = self.topk[set].ptr + layer_bytes;
-        Launch::CsaPack(self.bufs.csa_pack_args(ptr, cap.index_topk).expect("stride = index_topk"))
+        self.path.csa_pack_launch(ptr, cap.index_topk).expect("stride = index_topk")
     }
 
     /// A forward's packs: one launch per CSA layer.
@@ -469,16 +487,16 @@ impl DecodeRig {
     }
 
     fn release(mut self) {
-        let be = self.bufs.backend().clone();
+        let be = self.path.pool().backend().clone();
         for a in self.topk.drain(..) {
             free(be.as_ref(), a);
         }
-        // The buffers free themselves on drop (after the stream drains).
+        // The path's buffers free themselves on drop (after the stream drains).
     }
 }
 
 /// Download a class's live slices (`[0, indptr[T])`) and the indptr.
-fn class_output(bufs: &DecodeIndexBuffers, class: Class) -> Res<Vec<i32>> {
+fn class_output(bufs: &DecodePath, class: Class) -> Res<Vec<i32>> {
     let ptr = bufs.read_i32(DecodeBuffer::Indptr(class))?;
     let n = usize::try_from(*ptr.last().unwrap_or(&0)).map_err(|_| "negative indptr")?;
     let mut out = ptr;
@@ -487,27 +505,21 @@ fn class_output(bufs: &DecodeIndexBuffers, class: Class) -> Res<Vec<i32>> {
     Ok(out)
 }
 
-/// Run the builder and layer 0's pack (input set 0) on the GPU and on the host backend and
-/// compare every class's slices.
-fn check_decode(
-    gpu: &Gpu,
-    rig: &mut DecodeRig,
-    g: &UnifiedPoolGeometry,
-    set: &DecodeSet,
-    topk0: &[i32],
-) -> Res<()> {
-    let host: Arc<dyn Backend> = Arc::new(HostBackend::new());
-    let mut hrig =
-        DecodeRig::new(host.clone(), g, rig.bufs.capacity(), std::slice::from_ref(&topk0.to_vec()))?;
+/// Run the builder and layer 0's pack (input set 0) on the GPU and on the host backend (a
+/// host pool of the same spec, `pools.host`) and compare every class's slices.
+fn check_decode(gpu: &Gpu, rig: &mut DecodeRig, pools: &Pools, set: &DecodeSet, topk0: &[i32]) -> Res<()> {
+    let g = &pools.host.spec().geometry;
+    let host = pools.host.backend().clone();
+    let mut hrig = DecodeRig::new(&pools.host, rig.path.capacity(), std::slice::from_ref(&topk0.to_vec()))?;
     let seqs = set.seqs();
-    hrig.bufs.stage(&seqs)?;
-    // SAFETY: the host rig's own buffers, sized by DecodeIndexBuffers.
+    hrig.path.stage(&seqs)?;
+    // SAFETY: the host rig's own buffers, sized by its decode path.
     unsafe {
-        host.launch(&hrig.bufs.launch(), S)?;
+        host.launch(&hrig.path.build_launch(), S)?;
         host.launch(&hrig.pack(0, 0), S)?;
     }
-    rig.bufs.stage(&seqs)?;
-    gpu.launch(&rig.bufs.launch())?;
+    rig.path.stage(&seqs)?;
+    gpu.launch(&rig.path.build_launch())?;
     gpu.launch(&rig.pack(0, 0))?;
     gpu.be.synchronize(S)?;
     // One CSA buffer: after every layer's pack it holds the last layer's heads.
@@ -516,8 +528,8 @@ fn check_decode(
         checks.push((Class::Dense, "dense"));
     }
     for (class, what) in checks {
-        let a = class_output(&rig.bufs, class)?;
-        let b = class_output(&hrig.bufs, class)?;
+        let a = class_output(&rig.path, class)?;
+        let b = class_output(&hrig.path, class)?;
         compare(what, &a, &b)?;
     }
     hrig.release();
@@ -536,7 +548,8 @@ struct DecodeResults {
     no_host_sync: Option<(f64, f64)>,
 }
 
-fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeResults> {
+fn decode_group(gpu: &Gpu, f: &Floors, pools: &Pools) -> Res<DecodeResults> {
+    let g = &pools.gpu.spec().geometry;
     header("decode index build (V4-Flash, window + HCA heads, one CSA buffer; 'step' adds 21 per-layer CSA packs, top-k 512, one graph)");
     let max_blocks = ((DECODE_MAX_CTX + g.block_size - 1) / g.block_size) as usize;
     let mut res = DecodeResults { step_256: None, no_host_sync: None };
@@ -558,19 +571,19 @@ fn decode_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<DecodeRes
             .collect();
         let topks: Vec<Vec<i32>> = sets.iter().map(|s| random_topk(&mut rng, s, 512, CSA_LAYERS)).collect();
         let cap = decode_capacity(batch, tps, 512, max_blocks);
-        let mut rig = DecodeRig::new(Arc::new(gpu.be.clone()), g, cap, &topks)?;
-        check_decode(gpu, &mut rig, g, &sets[0], &topks[0])?;
+        let mut rig = DecodeRig::new(&pools.gpu, cap, &topks)?;
+        check_decode(gpu, &mut rig, pools, &sets[0], &topks[0])?;
         let seqs: Vec<Vec<DecodeSeq<'_>>> = sets.iter().map(|s| s.seqs()).collect();
-        let dec = gpu.graph_of(&[rig.bufs.launch()])?;
+        let dec = gpu.graph_of(&[rig.path.build_launch()])?;
         let steps: Vec<CudaGraph> = (0..NSETS)
-            .map(|k| gpu.graph_of(&[vec![rig.bufs.launch()], rig.packs(k, CSA_LAYERS)].concat()))
+            .map(|k| gpu.graph_of(&[vec![rig.path.build_launch()], rig.packs(k, CSA_LAYERS)].concat()))
             .collect::<Res<_>>()?;
-        let bufs = std::cell::RefCell::new(&mut rig.bufs);
+        let bufs = std::cell::RefCell::new(&mut rig.path);
         let stage = |i: usize| -> Res<()> {
             bufs.borrow_mut().stage(&seqs[i % NSETS])?;
             Ok(())
         };
-        let launch = bufs.borrow().launch();
+        let launch = bufs.borrow().build_launch();
         let eager = gpu.time(REPS, stage, |_| gpu.launch(&launch))?;
         let graph = gpu.time_graphs(std::slice::from_ref(&dec), stage)?;
         let step = gpu.time_graphs(&steps, stage)?;
@@ -665,7 +678,8 @@ fn peer_line(kind: &str, shape: &str, us: f64, written: u64, memset_us: f64, tra
 
 // ---- CSA translate-pack ---------------------------------------------------------------------
 
-fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<()> {
+fn csa_group(gpu: &Gpu, f: &Floors, pools: &Pools) -> Res<()> {
+    let g = &pools.gpu.spec().geometry;
     header(
         "CSA translate-pack (T = 256, contexts random ≤1M; one launch per layer, each layer its own top-k)",
     );
@@ -678,8 +692,8 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<()> {
             (0..NSETS).map(|_| DecodeSet::random(&mut rng, g, batch, 1, DECODE_MAX_CTX)).collect();
         let topks: Vec<Vec<i32>> = sets.iter().map(|s| random_topk(&mut rng, s, topk, CSA_LAYERS)).collect();
         let cap = decode_capacity(batch, 1, topk, max_blocks);
-        let mut rig = DecodeRig::new(Arc::new(gpu.be.clone()), g, cap, &topks)?;
-        check_decode(gpu, &mut rig, g, &sets[0], &topks[0])?;
+        let mut rig = DecodeRig::new(&pools.gpu, cap, &topks)?;
+        check_decode(gpu, &mut rig, pools, &sets[0], &topks[0])?;
         let seqs: Vec<Vec<DecodeSeq<'_>>> = sets.iter().map(|s| s.seqs()).collect();
         let one: Vec<CudaGraph> = (0..NSETS).map(|k| gpu.graph_of(&[rig.pack(k, 0)])).collect::<Res<_>>()?;
         // The forward's path: 21 launches, one per CSA layer, in one graph.
@@ -692,7 +706,7 @@ fn csa_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<()> {
         let serial: Vec<CudaGraph> =
             (0..NSETS).map(|k| gpu.graph_serial(&rig.packs(k, CSA_LAYERS))).collect::<Res<_>>()?;
         let packs1: Vec<Launch> = (0..NSETS).map(|k| rig.pack(k, 0)).collect();
-        let bufs = std::cell::RefCell::new(&mut rig.bufs);
+        let bufs = std::cell::RefCell::new(&mut rig.path);
         let stage = |i: usize| -> Res<()> {
             bufs.borrow_mut().stage(&seqs[i % NSETS])?;
             Ok(())
@@ -1160,11 +1174,13 @@ fn run() -> Res<()> {
     let decode_only = std::env::args().any(|a| a == "--decode-only");
     let mut dec = DecodeResults { step_256: None, no_host_sync: None };
     if !prefill_only {
-        dec = decode_group(&gpu, &floors, &g)?;
+        // The decode paths index pools of the plan (dropped before the groups after).
+        let pools = Pools::of(&gpu, &p)?;
+        dec = decode_group(&gpu, &floors, &pools)?;
         if decode_only {
             return Ok(());
         }
-        csa_group(&gpu, &floors, &g)?;
+        csa_group(&gpu, &floors, &pools)?;
     }
     let pre = prefill_group(&gpu, &floors, &g)?;
     if !prefill_only {
@@ -1215,22 +1231,23 @@ fn host_check() -> Res<()> {
     let p = flash_plan(1024, 100 * GIB)?;
     let g = &p.geometry;
     let host = HostBackend::new();
+    let pool = host_pool(&p)?;
     let max_blocks = ((DECODE_MAX_CTX + g.block_size - 1) / g.block_size) as usize;
     let mut rng = Rng::new(5);
     for (batch, tps, topk) in [(1usize, 1usize, 512usize), (256, 1, 2048), (1024, 2, 512)] {
         let set = DecodeSet::random_tps(&mut rng, g, batch, 1, DECODE_MAX_CTX, tps);
         let tk = random_topk(&mut rng, &set, topk, CSA_LAYERS);
         let cap = decode_capacity(batch, tps, topk, max_blocks);
-        let mut rig = DecodeRig::new(Arc::new(HostBackend::new()), g, cap, std::slice::from_ref(&tk))?;
-        rig.bufs.stage(&set.seqs())?;
-        rig.bufs.build()?;
-        // SAFETY: the rig's own buffers, sized by DecodeIndexBuffers.
+        let mut rig = DecodeRig::new(&pool, cap, std::slice::from_ref(&tk))?;
+        rig.path.stage(&set.seqs())?;
+        rig.path.build()?;
+        // SAFETY: the rig's own buffers, sized by its decode path.
         unsafe {
             for l in rig.packs(0, CSA_LAYERS) {
-                rig.bufs.backend().launch(&l, S)?;
+                pool.backend().launch(&l, S)?;
             }
         }
-        let hca = class_output(&rig.bufs, Class::Hca)?;
+        let hca = class_output(&rig.path, Class::Hca)?;
         let (r, w) = set.builder_bytes(true);
         println!(
             "  decode batch {batch}×{tps}, top-k {topk}: ok ({} HCA entries; builder R {r} W {w})",
@@ -1260,18 +1277,18 @@ fn profile_shapes() -> Res<()> {
     let be = CudaBackend::new(0)?;
     let p = flash_plan(1024, 100 * GIB)?;
     let g = &p.geometry;
+    let pool = Arc::new(Pool::new(Arc::new(be.clone()), PoolSpec::from_plan(&p)?, S)?);
     let max_blocks = ((DECODE_MAX_CTX + g.block_size - 1) / g.block_size) as usize;
     let mut rng = Rng::new(5);
     for topk in [512usize, 2048] {
         let set = DecodeSet::random(&mut rng, g, 256, 1, DECODE_MAX_CTX);
         let tk = random_topk(&mut rng, &set, topk, 1);
-        let arc: Arc<dyn Backend> = Arc::new(be.clone());
         let mut rig =
-            DecodeRig::new(arc, g, decode_capacity(256, 1, topk, max_blocks), std::slice::from_ref(&tk))?;
-        rig.bufs.stage(&set.seqs())?;
-        // SAFETY: the rig's own buffers, sized by DecodeIndexBuffers.
+            DecodeRig::new(&pool, decode_capacity(256, 1, topk, max_blocks), std::slice::from_ref(&tk))?;
+        rig.path.stage(&set.seqs())?;
+        // SAFETY: the rig's own buffers, sized by its decode path.
         unsafe {
-            be.launch(&rig.bufs.launch(), S)?;
+            be.launch(&rig.path.build_launch(), S)?;
             be.launch(&rig.pack(0, 0), S)?;
         }
         be.synchronize(S)?;

@@ -14,12 +14,13 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
 use v4pool::alloc::{BlockPool, SlotHandle, SlotPool};
+use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::backend::host::HostBackend;
-use v4pool::backend::{Backend, Stream};
+use v4pool::backend::Stream;
 use v4pool::boundary::Boundary;
-use v4pool::geometry::UnifiedPoolGeometry;
+use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry};
 use v4pool::model::ModelShape;
-use v4pool::pool::{DecodeCapacity, DecodeIndexBuffers, DecodeSeq};
+use v4pool::pool::{DecodeCapacity, DecodeSeq, Pool, PoolSpec};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, Plan, PlanRequest};
 
 type Res<T> = Result<T, Box<dyn Error>>;
@@ -62,6 +63,30 @@ fn row(name: &str, s: &Stat, unit: &str, note: &str) {
 fn flash_plan(seqs: i64, budget: u64) -> Res<Plan> {
     let m = ModelShape::v4_flash(1)?;
     Ok(plan(&m, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, seqs, budget))?)
+}
+
+/// A host pool for the staging bench: V4-Flash's layers, block size and ring with `g`'s block
+/// and slot counts, but 16-byte rows and a one-field arena. Staging reads only the pool's
+/// live positions and block count (and the layer pattern's classes); a pool of the plan
+/// itself would take its whole budget of host address space.
+fn staging_pool(g: &UnifiedPoolGeometry) -> Res<Arc<Pool>> {
+    let field = StateField {
+        name: "state".into(),
+        layers: 1,
+        shape: vec![1, 4],
+        dtype: Dtype::F32,
+        fill: Fill::Zero,
+        carried: true,
+        align: 256,
+    };
+    let arena = ArenaLayout::new(vec![field], &[16])?;
+    let geometry = GeometrySpec::new(g.ratios.clone(), g.num_blocks, g.num_slots, g.ring_slots, g.block_size)
+        .arena_rows(arena.arena_rows())
+        .slot_align_rows(arena.slot_align_rows())
+        .build()?;
+    let csa_layers = geometry.index_key_layers();
+    let spec = PoolSpec::new(geometry, vec![16], arena, None, csa_layers)?;
+    Ok(Arc::new(Pool::new(Arc::new(HostBackend::new()), spec, Stream::DEFAULT)?))
 }
 
 fn allocators() -> Res<bool> {
@@ -219,8 +244,8 @@ fn plans() -> Res<()> {
 fn staging() -> Res<()> {
     println!("\n== decode staging on the host backend (µs per step; the host's share of a decode step)");
     let p = flash_plan(1024, 100 * GIB)?;
-    let g = &p.geometry;
-    let host: Arc<dyn Backend> = Arc::new(HostBackend::new());
+    let pool = staging_pool(&p.geometry)?;
+    let g = &pool.spec().geometry;
     // The image holds whole block-table rows (capacity columns), so its size follows
     // batch × longest context, not batch alone: one short-context row shows the difference.
     for (batch, max_ctx) in
@@ -234,8 +259,7 @@ fn staging() -> Res<()> {
             win: 128,
             index_topk: 512,
         };
-        // The pool-less buffers: a pool of this plan would commit its whole budget on the host.
-        let mut bufs = DecodeIndexBuffers::new(host.clone(), Stream::DEFAULT, g, cap)?;
+        let mut bufs = pool.decode_path(cap)?;
         // Several input sets, staged in rotation.
         let mut rng = Rng::new(3 + batch as u64);
         let live = g.live_positions();
@@ -282,7 +306,7 @@ fn staging() -> Res<()> {
         // Metadata image: everything before the index buffers (block tables dominate).
         let meta = 4 * batch as u64 * (1 + 1 + 2 + 3) + 12 + 4 * batch as u64 * max_blocks as u64;
         row(
-            &format!("DecodeIndexBuffers::stage, batch {batch}, contexts ≤ {max_ctx}"),
+            &format!("DecodePath::stage, batch {batch}, contexts ≤ {max_ctx}"),
             &s,
             "µs",
             &format!("(~{} staged, block tables {} cols)", fmt_bytes(meta), max_blocks),
@@ -296,7 +320,7 @@ fn staging() -> Res<()> {
             Ok(())
         })?;
         row(
-            &format!("DecodeIndexBuffers::stage_resident, batch {batch}, contexts ≤ {max_ctx}"),
+            &format!("DecodePath::stage_resident, batch {batch}, contexts ≤ {max_ctx}"),
             &s,
             "µs",
             &format!("(~{} staged: tokens only)", fmt_bytes(4 * batch as u64 * 7 + 12)),

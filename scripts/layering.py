@@ -15,7 +15,7 @@ import sys
 
 # Lowest first. A module may name only modules of a strictly lower layer.
 LAYERS = [
-    ["checked", "profiling", "rng"],
+    ["checked", "profiling", "rng", "variant"],
     ["geometry"],
     ["model", "index"],
     ["arena", "alloc", "kernels"],
@@ -25,7 +25,7 @@ LAYERS = [
     ["pool"],
     ["state", "transfer"],
     ["manager"],
-    ["embed", "sim"],
+    ["sim"],
     ["bindings"],
 ]
 # ARCHITECTURE.md's sentences that the layers alone do not imply.

@@ -9,6 +9,7 @@
 use crate::checked::{add, mul};
 use crate::geometry::UnifiedPoolGeometry;
 use crate::model::{ModelFamily, ModelShape};
+use crate::variant::VariantName;
 use thiserror::Error;
 
 crate::checked::overflow_into!(ArenaError);
@@ -302,9 +303,8 @@ pub enum ArenaError {
     },
 }
 
-impl ArenaError {
-    /// The variant's name, as the CLI's `--json` reports it.
-    pub fn variant_name(&self) -> &'static str {
+impl VariantName for ArenaError {
+    fn variant_name(&self) -> &'static str {
         use ArenaError::*;
         match self {
             NoFields => "NoFields",

@@ -15,6 +15,7 @@ use crate::arena::{ArenaError, ArenaLayout};
 use crate::checked::{add, mul};
 use crate::geometry::{merge_abutting, GeometryError, UnifiedPoolGeometry};
 use crate::sizing::{IndexerDtype, PoolLayout};
+use crate::variant::VariantName;
 use thiserror::Error;
 
 crate::checked::overflow_into!(CheckpointError);
@@ -112,9 +113,8 @@ pub enum CheckpointError {
     },
 }
 
-impl CheckpointError {
-    /// The variant's name (the innermost one for wrapped errors).
-    pub fn variant_name(&self) -> &'static str {
+impl VariantName for CheckpointError {
+    fn variant_name(&self) -> &'static str {
         use CheckpointError::*;
         match self {
             Arena(e) => e.variant_name(),
@@ -130,6 +130,14 @@ impl CheckpointError {
             NotLive { .. } => "NotLive",
             MissingField { .. } => "MissingField",
             ForeignLayout { .. } => "ForeignLayout",
+        }
+    }
+
+    fn is_device_failure(&self) -> bool {
+        match self {
+            CheckpointError::Arena(e) => e.is_device_failure(),
+            CheckpointError::Geometry(e) => e.is_device_failure(),
+            _ => false,
         }
     }
 }

@@ -17,8 +17,8 @@
 //! * [`sim`] — the simulator: a pool driven as a serving engine would, and the shared
 //!   workload generator. The `v4pool` command (`src/bin/v4pool/`) renders it.
 //! * [`plan_report`] — a plan with its checkpoint facts and its JSON form (CLI and bindings).
-//! * [`embed`] — what the Python module (feature `python`) and the C ABI (feature `capi`)
-//!   share: error variant names, backends by name, a decode step over flat arrays.
+//! * [`VariantName`] ([`variant`]) — the name of an error's variant, implemented by every
+//!   error type; the bindings (`bindings`, features `python` and `capi`) report errors by it.
 
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -29,7 +29,6 @@ pub mod backend;
 pub mod boundary;
 mod checked;
 pub mod checkpoint;
-pub mod embed;
 pub mod geometry;
 pub mod index;
 pub mod kernels;
@@ -43,9 +42,12 @@ pub mod sim;
 pub mod sizing;
 pub mod state;
 pub mod transfer;
+pub mod variant;
 
 #[cfg(any(feature = "capi", feature = "python"))]
 pub mod bindings;
+
+pub use variant::VariantName;
 
 pub use geometry::{
     Class, ClassLayout, GeometryError, GeometrySpec, UnifiedPoolGeometry, WindowParams, ABSENT_RATIO,

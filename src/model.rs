@@ -6,6 +6,7 @@
 use crate::geometry::{
     resolve_owners, GeometryError, GeometrySpec, RowForm, ABSENT_RATIO, CSA_RATIO, DENSE_RATIO, HCA_RATIO,
 };
+use crate::variant::VariantName;
 use thiserror::Error;
 
 /// Tokens per block, forced for every V4 model: 2·lcm(4, 128).
@@ -278,9 +279,8 @@ pub enum ModelError {
     },
 }
 
-impl ModelError {
-    /// The variant's name, as `v4pool layout --json` reports it.
-    pub fn variant_name(&self) -> &'static str {
+impl VariantName for ModelError {
+    fn variant_name(&self) -> &'static str {
         use ModelError::*;
         match self {
             Json(_) => "Json",

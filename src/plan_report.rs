@@ -9,6 +9,7 @@
 use crate::checkpoint::{layout_id, CheckpointError, CheckpointLayout};
 use crate::model::{DraftMode, Drafts, ModelError, ModelShape};
 use crate::sizing::{plan, IndexerDtype, KvDtype, Plan, PlanRequest, SizingError};
+use crate::variant::VariantName;
 use serde_json::json;
 use thiserror::Error;
 
@@ -113,15 +114,23 @@ pub enum PlanOptionError {
     Checkpoint(#[from] CheckpointError),
 }
 
-impl PlanOptionError {
-    /// The variant's name; wrapped library errors report their own.
-    pub fn variant_name(&self) -> &'static str {
+impl VariantName for PlanOptionError {
+    fn variant_name(&self) -> &'static str {
         match self {
             PlanOptionError::BadValue { .. } => "BadValue",
             PlanOptionError::Io { .. } => "Io",
             PlanOptionError::Model(e) => e.variant_name(),
             PlanOptionError::Sizing(e) => e.variant_name(),
             PlanOptionError::Checkpoint(e) => e.variant_name(),
+        }
+    }
+
+    fn is_device_failure(&self) -> bool {
+        match self {
+            PlanOptionError::Model(e) => e.is_device_failure(),
+            PlanOptionError::Sizing(e) => e.is_device_failure(),
+            PlanOptionError::Checkpoint(e) => e.is_device_failure(),
+            _ => false,
         }
     }
 }

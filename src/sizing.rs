@@ -44,6 +44,7 @@ use crate::arena::{plan_regions, ArenaError, ArenaLayout};
 use crate::checked::{add, mul};
 use crate::geometry::{GeometryError, UnifiedPoolGeometry, MAX_PLANE_ROWS};
 use crate::model::ModelShape;
+use crate::variant::VariantName;
 use thiserror::Error;
 
 crate::checked::overflow_into!(SizingError);
@@ -278,9 +279,8 @@ pub enum SizingError {
     },
 }
 
-impl SizingError {
-    /// The variant's name (the innermost one for wrapped errors), as `--json` reports it.
-    pub fn variant_name(&self) -> &'static str {
+impl VariantName for SizingError {
+    fn variant_name(&self) -> &'static str {
         use SizingError::*;
         match self {
             Arena(e) => e.variant_name(),
@@ -296,6 +296,14 @@ impl SizingError {
             BadBytes { .. } => "BadBytes",
             UnknownUnit { .. } => "UnknownUnit",
             BytesOverflow { .. } => "BytesOverflow",
+        }
+    }
+
+    fn is_device_failure(&self) -> bool {
+        match self {
+            SizingError::Arena(e) => e.is_device_failure(),
+            SizingError::Geometry(e) => e.is_device_failure(),
+            _ => false,
         }
     }
 }

@@ -11,9 +11,7 @@ use common::Rng;
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::Stream;
-use v4pool::pool::{
-    DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodePath, DecodeSeq, Pool,
-};
+use v4pool::pool::{DecodeBuffer, DecodeCapacity, DecodeError, DecodePath, DecodeSeq, Pool};
 use v4pool::Class;
 
 /// A host pool of `blocks` blocks and 16 slots over V4-like ratios (20 CSA/HCA pairs and
@@ -186,16 +184,19 @@ fn required_bytes_overflow_is_an_error() {
         cap(usize::MAX / 4, 1, usize::MAX / 4),
         cap(1 << 40, 1, 1 << 30),
     ] {
-        let r = DecodeIndexBuffers::required_bytes(&g, c);
+        let r = DecodePath::required_bytes(&g, c);
         assert!(matches!(r, Err(DecodeError::TooLarge { .. })), "{c:?}: {r:?}");
-        assert!(matches!(DecodePath::required_bytes(&pool, c), Err(DecodeError::TooLarge { .. })));
+        assert!(matches!(
+            DecodePath::required_bytes(&pool.spec().geometry, c),
+            Err(DecodeError::TooLarge { .. })
+        ));
         assert!(matches!(pool.decode_path(c), Err(DecodeError::TooLarge { .. })));
     }
     assert!(matches!(
         pool.decode_path(DecodeCapacity { index_topk: -1, ..cap(1, 1, 1) }),
         Err(DecodeError::NegativeTopk(-1))
     ));
-    let ok = DecodePath::required_bytes(&pool, cap(8, 16, 40)).unwrap();
+    let ok = DecodePath::required_bytes(&pool.spec().geometry, cap(8, 16, 40)).unwrap();
     assert_eq!(pool.decode_path(cap(8, 16, 40)).unwrap().device_bytes(), ok);
 }
 
@@ -205,9 +206,9 @@ fn required_bytes_overflow_is_an_error() {
 fn tokens_past_the_builder_grid_are_an_error() {
     let pool = pool(64);
     let g = pool.geometry().unwrap();
-    assert!(DecodeIndexBuffers::required_bytes(&g, cap(1, 65_535, 1)).is_ok());
+    assert!(DecodePath::required_bytes(&g, cap(1, 65_535, 1)).is_ok());
     for t in [65_536, usize::MAX] {
-        let r = DecodeIndexBuffers::required_bytes(&g, cap(1, t, 1));
+        let r = DecodePath::required_bytes(&g, cap(1, t, 1));
         assert!(
             matches!(r, Err(DecodeError::TokensPastGrid { max_tokens, limit: 65_535 }) if max_tokens == t),
             "{t}: {r:?}"

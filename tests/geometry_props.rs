@@ -10,6 +10,7 @@ use v4pool::geometry::{
     entry_rows_for, ring_offset_for, GeometryError, GeometrySpec, UnifiedPoolGeometry, ABSENT_RATIO,
     DENSE_RATIO, MAX_PLANE_ROWS,
 };
+use v4pool::VariantName;
 
 /// A small geometry's arguments: few layers, blocks and slots, so properties can walk
 /// every live row. `plane_extra` and `positions_extra` grow the plane past the tight fit

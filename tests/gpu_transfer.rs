@@ -19,7 +19,7 @@ use v4pool::backend::cuda::{self, CudaBackend};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, Stream};
 use v4pool::model::ModelShape;
-use v4pool::pool::{DecodeBuffer, DecodeCapacity, DecodeIndexBuffers, DecodeSeq, Pool};
+use v4pool::pool::{DecodeBuffer, DecodeCapacity, DecodeSeq, Pool};
 use v4pool::transfer::nccl::{self, NcclEngine};
 use v4pool::transfer::{handoff, Endpoint, LocalEngine, Rebound, RequestKv, TransferEngine};
 use v4pool::Class;
@@ -37,9 +37,11 @@ fn nccl_env() {
 }
 
 /// The decode step's index buffers for the rebound request, built on `backend` (the
-/// receiving GPU, or the host reference) with the receiver's geometry, read back.
+/// receiving GPU, or the host reference) by the decode path of a pool of the receiver's spec
+/// (the build reads the geometry, live positions and block count, never the planes), read
+/// back.
 fn decode_build(backend: Arc<dyn Backend>, pool: &Pool, out: &Rebound) -> Vec<Vec<i32>> {
-    let g = pool.geometry().unwrap();
+    let pool = Arc::new(Pool::new(backend, pool.spec().clone(), Stream::DEFAULT).unwrap());
     let table = out.block_ids();
     let cap = DecodeCapacity {
         max_seqs: 1,
@@ -48,7 +50,7 @@ fn decode_build(backend: Arc<dyn Backend>, pool: &Pool, out: &Rebound) -> Vec<Ve
         win: 128,
         index_topk: 2048,
     };
-    let mut bufs = DecodeIndexBuffers::new(backend, Stream::DEFAULT, &g, cap).unwrap();
+    let mut bufs = pool.decode_path(cap).unwrap();
     let seq = DecodeSeq {
         position: out.slot.position,
         context_len: out.context_len as i64,
@@ -58,7 +60,7 @@ fn decode_build(backend: Arc<dyn Backend>, pool: &Pool, out: &Rebound) -> Vec<Ve
     bufs.stage(&[seq]).unwrap();
     bufs.build().unwrap();
     let mut got = Vec::new();
-    for c in Class::ALL.into_iter().filter(|&c| bufs.has_class(c)) {
+    for c in Class::ALL.into_iter().filter(|&c| bufs.indices(c).is_some()) {
         for which in [DecodeBuffer::Indices(c), DecodeBuffer::Indptr(c), DecodeBuffer::DestRows(c)] {
             got.push(bufs.read_i32(which).unwrap());
         }

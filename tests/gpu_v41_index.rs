@@ -252,7 +252,8 @@ fn run_case(pool: &Arc<Pool>, seed: u64, host_twin: Option<&Arc<Pool>>) {
         }
     }
     // Window-only layers are not packed; the single-CSA-buffer pack is refused.
-    assert!(path.layer_pack_launch(0, 1, TOPK as i32).is_err());
+    // SAFETY: refused before any launch (the pointer is never read).
+    assert!(unsafe { path.layer_pack(0, 1, TOPK as i32) }.is_err());
     assert!(path.csa_pack_launch(1, TOPK as i32).is_err());
 }
 
@@ -485,8 +486,8 @@ fn run_prefill_case(pool: &Arc<Pool>, seed: u64, host_twin: Option<&Arc<Pool>>) 
         assert!(got[end..].iter().all(|&x| x == POISON), "layer {layer}: {slot} past the slices");
     }
     // Window-only layers are not packed; the single-CSA-buffer pack is refused.
-    assert!(path.layer_pack_launch(0, 1, TOPK as i32).is_err());
-    // SAFETY: refused before any launch (the pointer is never read).
+    // SAFETY (both): refused before any launch (the pointer is never read).
+    assert!(unsafe { path.layer_pack(0, 1, TOPK as i32) }.is_err());
     assert!(unsafe { path.csa_pack(1, TOPK as i32) }.is_err());
 }
 

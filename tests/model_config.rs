@@ -3,6 +3,7 @@
 
 use proptest::prelude::*;
 use v4pool::model::{DraftMode, Drafts, ModelError, ModelShape, MAX_LAYERS, MAX_SPEC_STEPS};
+use v4pool::VariantName;
 use v4pool::{ABSENT_RATIO, DENSE_RATIO};
 
 fn list(v: &[i32]) -> String {

@@ -17,6 +17,7 @@ mod slot;
 pub use block::{BlockGrant, BlockHandle, BlockPool, BlockRetired, RawUnit, Reservation};
 pub use slot::{SlotHandle, SlotPool, SlotRetired};
 
+use crate::variant::VariantName;
 use std::sync::atomic::{AtomicU32, Ordering};
 use thiserror::Error;
 
@@ -168,6 +169,31 @@ pub enum AllocError {
         /// The most allowed.
         limit: u32,
     },
+}
+
+impl VariantName for AllocError {
+    fn variant_name(&self) -> &'static str {
+        use AllocError::*;
+        match self {
+            NoFreeBlocks => "NoFreeBlocks",
+            NoFreeSlots => "NoFreeSlots",
+            BlockOutOfRange { .. } => "BlockOutOfRange",
+            GroupOutOfRange { .. } => "GroupOutOfRange",
+            BlockReferenced { .. } => "BlockReferenced",
+            BlockNotHeld { .. } => "BlockNotHeld",
+            RawUnit { .. } => "RawUnit",
+            UnitMismatch { .. } => "UnitMismatch",
+            RefCountOverflow { .. } => "RefCountOverflow",
+            NotHeld { .. } => "NotHeld",
+            GroupPinned { .. } => "GroupPinned",
+            GroupNotPinned { .. } => "GroupNotPinned",
+            DoubleFree { .. } => "DoubleFree",
+            StaleHandle { .. } => "StaleHandle",
+            ForeignHandle { .. } => "ForeignHandle",
+            MaxBelowNum { .. } => "MaxBelowNum",
+            TooManyIds { .. } => "TooManyIds",
+        }
+    }
 }
 
 #[cfg(test)]

@@ -40,9 +40,10 @@ pub mod select;
 pub(crate) mod staging;
 
 pub use launch::kernel_argument;
-pub use select::{open, select, BackendChoice};
+pub use select::{open, open_on, select, select_on, BackendChoice};
 
 use crate::index::{DevicePtr, Launch};
+use crate::variant::VariantName;
 use std::fmt;
 use thiserror::Error;
 
@@ -258,6 +259,39 @@ pub enum BackendError {
         /// The alignment required.
         align: u64,
     },
+}
+
+impl VariantName for BackendError {
+    fn variant_name(&self) -> &'static str {
+        use BackendError::*;
+        match self {
+            Unavailable { .. } => "Unavailable",
+            Driver { .. } => "Driver",
+            OutOfMemory { .. } => "OutOfMemory",
+            MissingKernel { .. } => "MissingKernel",
+            Compile { .. } => "Compile",
+            UnknownBackendName { .. } => "UnknownBackendName",
+            InvalidLaunch { .. } => "InvalidLaunch",
+            TooLarge { .. } => "TooLarge",
+            OutsideAllocation { .. } => "OutsideAllocation",
+            Overlap { .. } => "Overlap",
+            Misaligned { .. } => "Misaligned",
+        }
+    }
+    // The driver-side variants; the others (a misspelt backend name, a size past `u64`, a
+    // range outside an allocation) refuse the caller's input.
+    fn is_device_failure(&self) -> bool {
+        use BackendError::*;
+        matches!(
+            self,
+            Unavailable { .. }
+                | Driver { .. }
+                | OutOfMemory { .. }
+                | MissingKernel { .. }
+                | Compile { .. }
+                | InvalidLaunch { .. }
+        )
+    }
 }
 
 /// Checked sizes: the one place a backend turns a caller's `u64` into a host size or an end

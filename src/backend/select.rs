@@ -25,6 +25,17 @@ impl BackendKind {
     }
 }
 
+impl BackendChoice {
+    /// Parse `auto` or a backend's name ([`BackendKind::parse`]).
+    pub fn parse(s: &str) -> Result<BackendChoice, BackendError> {
+        if s.trim().eq_ignore_ascii_case("auto") {
+            Ok(BackendChoice::Auto)
+        } else {
+            BackendKind::parse(s).map(BackendChoice::Exactly)
+        }
+    }
+}
+
 /// The environment's override, if any (`V4POOL_BACKEND`).
 pub fn env_choice() -> Result<Option<BackendKind>, BackendError> {
     match std::env::var("V4POOL_BACKEND") {
@@ -35,10 +46,16 @@ pub fn env_choice() -> Result<Option<BackendKind>, BackendError> {
 
 /// Open one backend of `kind` on device 0.
 pub fn open(kind: BackendKind) -> Result<Arc<dyn Backend>, BackendError> {
+    open_on(kind, 0)
+}
+
+/// Open one backend of `kind` on device `device` (the host backend has one device, any
+/// `device` names it).
+pub fn open_on(kind: BackendKind, device: usize) -> Result<Arc<dyn Backend>, BackendError> {
     Ok(match kind {
         BackendKind::Host => Arc::new(super::host::HostBackend::new()),
-        BackendKind::Cuda => Arc::new(super::cuda::CudaBackend::new(0)?),
-        BackendKind::Hip => Arc::new(super::hip::HipBackend::new(0)?),
+        BackendKind::Cuda => Arc::new(super::cuda::CudaBackend::new(device)?),
+        BackendKind::Hip => Arc::new(super::hip::HipBackend::new(device)?),
     })
 }
 
@@ -63,4 +80,21 @@ pub fn select(choice: BackendChoice) -> Result<Arc<dyn Backend>, BackendError> {
         }
     }
     open(BackendKind::Host)
+}
+
+/// [`select`] on device `device`: the kind is picked as [`select`] picks it, then opened on
+/// `device` (a device the kind lacks is that backend's error, never a fallback to another
+/// kind).
+pub fn select_on(choice: BackendChoice, device: usize) -> Result<Arc<dyn Backend>, BackendError> {
+    let kind = match choice {
+        BackendChoice::Exactly(k) => k,
+        BackendChoice::Auto => {
+            let b = select(BackendChoice::Auto)?;
+            if device == 0 || b.kind() == BackendKind::Host {
+                return Ok(b);
+            }
+            b.kind()
+        }
+    };
+    open_on(kind, device)
 }

@@ -52,6 +52,12 @@ impl Class {
         self as usize
     }
 
+    /// The class named `name` ([`Class::name`]'s spelling: `dense`, `csa`, `hca`); any other
+    /// text names none.
+    pub fn from_name(name: &str) -> Option<Class> {
+        Class::ALL.into_iter().find(|c| c.name() == name)
+    }
+
     /// Lower-case name, as reports and error messages spell it.
     pub const fn name(self) -> &'static str {
         match self {

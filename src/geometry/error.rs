@@ -1,3 +1,4 @@
+use crate::variant::VariantName;
 use thiserror::Error;
 
 /// Everything the geometry rejects: every check of the spec, with the numbers its message
@@ -267,9 +268,8 @@ pub enum GeometryError {
     },
 }
 
-impl GeometryError {
-    /// The variant's name, as `v4pool layout --json` reports it.
-    pub fn variant_name(&self) -> &'static str {
+impl VariantName for GeometryError {
+    fn variant_name(&self) -> &'static str {
         use GeometryError::*;
         match self {
             NoLayers => "NoLayers",

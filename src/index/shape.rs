@@ -19,6 +19,7 @@ use super::{
     RingWriteArgs, RowScatterArgs, StateUpdateArgs, WindowGatherArgs, CLASS_HCA,
 };
 use crate::geometry::WindowParams;
+use crate::variant::VariantName;
 use thiserror::Error;
 
 /// Threads per block of every kernel but `v4pool_empty` (`V4POOL_BLOCK_THREADS`).
@@ -370,6 +371,26 @@ pub enum LaunchError {
         /// Plane index.
         plane: usize,
     },
+}
+
+impl VariantName for LaunchError {
+    fn variant_name(&self) -> &'static str {
+        use LaunchError::*;
+        match self {
+            Negative { .. } => "Negative",
+            TooSmall { .. } => "TooSmall",
+            TooLarge { .. } => "TooLarge",
+            MissingBuffer { .. } => "MissingBuffer",
+            UnexpectedBuffer { .. } => "UnexpectedBuffer",
+            NoClass => "NoClass",
+            NoDestRows => "NoDestRows",
+            BadWindowParams { .. } => "BadWindowParams",
+            WindowExceedsRing { .. } => "WindowExceedsRing",
+            BadCode { .. } => "BadCode",
+            Misaligned { .. } => "Misaligned",
+            PlaneHalfGiven { .. } => "PlaneHalfGiven",
+        }
+    }
 }
 
 const CLASS_NAMES: [&str; 3] = ["dense", "csa", "hca"];

@@ -6,16 +6,15 @@
 //! a context to build indices. One kernel launch then writes every window tail, every HCA
 //! head (from the block tables) and the destination rows. Every buffer lives at a fixed
 //! address sized for the largest batch, so the launch can be captured in a graph once and
-//! replayed with new contents staged by [`DecodeIndexBuffers::stage`].
+//! replayed with new contents staged by [`crate::pool::DecodePath::stage`].
 //!
-//! What a step uploads: [`DecodeIndexBuffers::stage`] sends the per-token metadata *and*
-//! every sequence's block table, O(context) bytes; with the tables kept resident on the
-//! device ([`DecodeIndexBuffers::write_block_table`] when a sequence enters or gains a
-//! block), [`DecodeIndexBuffers::stage_resident`] sends only the O(batch) metadata.
+//! What a step uploads: `stage` sends the per-token metadata *and* every sequence's block
+//! table, O(context) bytes; with the tables kept resident on the device
+//! ([`crate::pool::DecodePath::write_block_table`] when a sequence enters or gains a block),
+//! `stage_resident` sends only the O(batch) metadata.
 //!
-//! Engines use [`crate::pool::DecodePath`], which wraps these buffers with the pool they
-//! index (live slot positions and block ids are read from the pool itself).
-//! [`DecodeIndexBuffers`] is the advanced, pool-less form (benchmarks, kernel tests).
+//! The one public form is [`crate::pool::DecodePath`]: these buffers (crate-private) with the
+//! pool they index, whose live slot positions and block ids it reads from the pool itself.
 
 use super::owned::{Carve, DeviceBuffer, Owned};
 use super::PoolError;
@@ -24,6 +23,7 @@ use crate::geometry::{visible_groups, Class, UnifiedPoolGeometry, WindowParams, 
 use crate::geometry::{GeometryError, NUM_SLOTS};
 use crate::index::shape::MAX_GRID_YZ;
 use crate::index::{ClassBuffers, CsaPackArgs, DecodeIndexArgs, DevicePtr, Launch};
+use crate::variant::VariantName;
 use std::ops::Range;
 use std::sync::Arc;
 use thiserror::Error;
@@ -56,6 +56,68 @@ pub struct DecodeSeq<'a> {
     /// `stage_resident` only checks its length, the device rows being kept current with
     /// `write_block_table`.
     pub block_table: &'a [i32],
+}
+
+/// One decode step's batch as flat arrays, one per field (index `b` is sequence `b`): the
+/// shape a foreign caller (the Python module, the C ABI) hands over, turned into
+/// [`DecodeSeq`]s by [`crate::pool::DecodePath::stage_flat`].
+#[derive(Clone, Copy, Debug)]
+pub struct FlatDecodeBatch<'a> {
+    /// Slot positions (from `physical_slot`).
+    pub positions: &'a [i64],
+    /// Context length after the step, its tokens included.
+    pub context_lens: &'a [i64],
+    /// Tokens the step writes per sequence (1 + drafts).
+    pub num_tokens: &'a [i64],
+    /// Block tables, row `b` at `b * table_stride`; `None`: the tables are resident on the
+    /// device (written with [`crate::pool::DecodePath::write_block_table`]).
+    pub block_tables: Option<&'a [i32]>,
+    /// Columns from one block-table row to the next.
+    pub table_stride: usize,
+}
+
+impl<'a> FlatDecodeBatch<'a> {
+    /// The batch as decode sequences: the arrays one length, every token count a count, and
+    /// each sequence's block table the columns its context needs from row `b *
+    /// table_stride` (at most `table_stride`: staging refuses a table too short). Resident
+    /// tables are only length-checked at staging: `resident` (zeros, the buffers' columns)
+    /// stands in for them.
+    pub(crate) fn seqs(
+        &self,
+        block_size: i64,
+        resident: &'a [i32],
+    ) -> Result<Vec<DecodeSeq<'a>>, DecodeError> {
+        let n = self.positions.len();
+        if self.context_lens.len() != n || self.num_tokens.len() != n {
+            return Err(DecodeError::BatchShape {
+                positions: n,
+                context_lens: self.context_lens.len(),
+                num_tokens: self.num_tokens.len(),
+            });
+        }
+        let mut seqs = Vec::with_capacity(n);
+        for b in 0..n {
+            let ctx = self.context_lens[b];
+            let num_tokens = usize::try_from(self.num_tokens[b])
+                .map_err(|_| DecodeError::BadTokenCount { seq: b, num_tokens: self.num_tokens[b] })?;
+            let needed = read_columns(ctx, block_size);
+            let block_table = match self.block_tables {
+                Some(t) => {
+                    let start = b.saturating_mul(self.table_stride);
+                    let cols = needed.min(self.table_stride);
+                    t.get(start..start.saturating_add(cols)).ok_or(DecodeError::BlockTableTooShort {
+                        seq: b,
+                        context_len: ctx,
+                        needed: i64::try_from(needed).unwrap_or(i64::MAX),
+                        got: t.len().saturating_sub(start).min(self.table_stride),
+                    })?
+                }
+                None => &resident[..needed.min(resident.len())],
+            };
+            seqs.push(DecodeSeq { position: self.positions[b], context_len: ctx, num_tokens, block_table });
+        }
+        Ok(seqs)
+    }
 }
 
 /// What the decode path refuses.
@@ -183,8 +245,8 @@ pub enum DecodeError {
         path: &'static str,
     },
     /// The one-CSA-buffer pack of a geometry whose layers share compressors: each layer
-    /// packs with its own compress bias ([`DecodeIndexBuffers::layer_pack_args`]).
-    #[error("layers share compressors here: pack per layer (layer_pack_args), each with its bias")]
+    /// packs with its own compress bias ([`crate::pool::DecodePath::layer_pack`]).
+    #[error("layers share compressors here: pack per layer (layer_pack), each with its bias")]
     PackNeedsLayer,
     /// A layer no translate-pack fills: window-only, absent, or V4's coarse class (its heads
     /// are the builder's).
@@ -228,6 +290,26 @@ pub enum DecodeError {
     /// A buffer read back with the wrong element type.
     #[error("{0} is not an i32 buffer")]
     NotI32(&'static str),
+    /// Flat batch arrays (one per field) of different lengths.
+    #[error(
+        "batch arrays differ in length: {positions} positions, {context_lens} context lengths, {num_tokens} token counts"
+    )]
+    BatchShape {
+        /// Positions given.
+        positions: usize,
+        /// Context lengths given.
+        context_lens: usize,
+        /// Token counts given.
+        num_tokens: usize,
+    },
+    /// A token count in flat batch arrays that is negative or past `usize`.
+    #[error("sequence {seq}: {num_tokens} tokens is not a count")]
+    BadTokenCount {
+        /// Sequence (batch row).
+        seq: usize,
+        /// Its token count.
+        num_tokens: i64,
+    },
     /// A backend failure.
     #[error(transparent)]
     Backend(#[from] BackendError),
@@ -238,6 +320,49 @@ pub enum DecodeError {
     /// decode error.
     #[error("pool: {0}")]
     Pool(#[source] Box<PoolError>),
+}
+
+impl VariantName for DecodeError {
+    fn variant_name(&self) -> &'static str {
+        use DecodeError::*;
+        match self {
+            TooManySeqs { .. } => "TooManySeqs",
+            TooManyTokens { .. } => "TooManyTokens",
+            BlockTableTooLong { .. } => "BlockTableTooLong",
+            BlockTableTooShort { .. } => "BlockTableTooShort",
+            ContextTooLong { .. } => "ContextTooLong",
+            BadSequence { .. } => "BadSequence",
+            BadPosition { .. } => "BadPosition",
+            BadBlock { .. } => "BadBlock",
+            StaleBlock { .. } => "StaleBlock",
+            BadWindow { .. } => "BadWindow",
+            ZeroCapacity { .. } => "ZeroCapacity",
+            NegativeTopk(_) => "NegativeTopk",
+            MissingClass(_) => "MissingClass",
+            SharedCompressors { .. } => "SharedCompressors",
+            PackNeedsLayer => "PackNeedsLayer",
+            NotPacked { .. } => "NotPacked",
+            TooLarge { .. } => "TooLarge",
+            TokensPastGrid { .. } => "TokensPastGrid",
+            BufferFull { .. } => "BufferFull",
+            TopkStride { .. } => "TopkStride",
+            NotI32(_) => "NotI32",
+            BatchShape { .. } => "BatchShape",
+            BadTokenCount { .. } => "BadTokenCount",
+            Backend(e) => e.variant_name(),
+            Geometry(e) => e.variant_name(),
+            Pool(e) => e.variant_name(),
+        }
+    }
+
+    fn is_device_failure(&self) -> bool {
+        match self {
+            DecodeError::Backend(e) => e.is_device_failure(),
+            DecodeError::Geometry(e) => e.is_device_failure(),
+            DecodeError::Pool(e) => e.is_device_failure(),
+            _ => false,
+        }
+    }
 }
 
 /// Slice lengths of one V4 decode token: window rows, CSA head, HCA head.
@@ -269,7 +394,7 @@ pub fn class_slice_lens(
 /// The bounds staging checks positions and block ids against: the pool's live slot
 /// positions and its block count (a [`crate::pool::DecodePath`] reads both from the pool).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PoolBounds {
+pub(crate) struct PoolBounds {
     /// Live slot positions.
     pub live: Range<i64>,
     /// Blocks in the block region (ids `0..num_blocks`).
@@ -380,15 +505,24 @@ pub(crate) fn check_blocks(max_ids: &[Option<i32>], num_blocks: i64) -> Result<(
     }
 }
 
-/// The slot whose heads layer `layer`'s translate-pack fills (`layer_slots` per layer;
-/// `head_fill`: V4's class-wide coarse heads, which no pack fills).
-pub(crate) fn packed_slot(
+/// The slot and compress bias of a translate-pack: `None`, V4's one-CSA-buffer pack of any
+/// CSA layer (bias 0; refused where layers share compressors, `head_fill` false); `Some(layer)`,
+/// the slot whose heads layer `layer` fills (`layer_slots` per layer) with its bias (V4's
+/// class-wide coarse heads, `head_fill`, are the builder's: no pack fills them).
+pub(crate) fn pack_target(
     layer_slots: &[Option<Class>],
+    compress_bias: &[i64],
     head_fill: bool,
-    layer: usize,
-) -> Result<Class, DecodeError> {
+    layer: Option<usize>,
+) -> Result<(Class, i64), DecodeError> {
+    let Some(layer) = layer else {
+        return if head_fill { Ok((Class::Csa, 0)) } else { Err(DecodeError::PackNeedsLayer) };
+    };
     match layer_slots.get(layer).copied().flatten() {
-        Some(c @ (Class::Csa | Class::Hca)) if !(c == Class::Hca && head_fill) => Ok(c),
+        // Both tables hold one entry per layer.
+        Some(c @ (Class::Csa | Class::Hca)) if !(c == Class::Hca && head_fill) => {
+            compress_bias.get(layer).map(|&bias| (c, bias)).ok_or(DecodeError::NotPacked { layer })
+        }
         _ => Err(DecodeError::NotPacked { layer }),
     }
 }
@@ -453,7 +587,7 @@ struct Planned {
 /// [`crate::pool::DecodePath`]. The buffers are owned (freed on drop, after the stream
 /// drains) and every call touches only them; positions and block ids are checked against
 /// the [`PoolBounds`] last set (the geometry's at creation).
-pub struct DecodeIndexBuffers {
+pub(crate) struct DecodeIndexBuffers {
     cap: DecodeCapacity,
     layout: Layout,
     mem: Owned,
@@ -498,7 +632,7 @@ impl std::fmt::Debug for DecodeIndexBuffers {
     }
 }
 
-/// One sub-buffer of the decode path, by name (for [`DecodeIndexBuffers::buffer`] and reads).
+/// One sub-buffer of the decode path, by name (for [`crate::pool::DecodePath::buffer`] and reads).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DecodeBuffer {
     /// i32 `[max_seqs]`: physical slot per sequence.
@@ -588,7 +722,10 @@ impl DecodeIndexBuffers {
 
     /// Device bytes the buffers for `cap` take, without allocating them (for sizing and
     /// overhead reports). Sizes that overflow are [`DecodeError::TooLarge`].
-    pub fn required_bytes(geometry: &UnifiedPoolGeometry, cap: DecodeCapacity) -> Result<u64, DecodeError> {
+    pub(crate) fn required_bytes(
+        geometry: &UnifiedPoolGeometry,
+        cap: DecodeCapacity,
+    ) -> Result<u64, DecodeError> {
         Ok(Self::plan(geometry, cap)?.layout.total)
     }
 
@@ -596,7 +733,7 @@ impl DecodeIndexBuffers {
     /// `geometry`'s classes; positions and block ids are checked against `geometry`'s split
     /// until [`Self::set_bounds`]. The buffers start staged with an empty batch (all pads),
     /// so a build before any `stage` writes nothing.
-    pub fn new(
+    pub(crate) fn new(
         backend: Arc<dyn Backend>,
         stream: Stream,
         geometry: &UnifiedPoolGeometry,
@@ -632,50 +769,45 @@ impl DecodeIndexBuffers {
     }
 
     /// Bytes these buffers hold on the device (the pool reports it as overhead).
-    pub fn device_bytes(&self) -> u64 {
+    pub(crate) fn device_bytes(&self) -> u64 {
         self.layout.total
     }
 
     /// The capacity the buffers were sized for.
-    pub fn capacity(&self) -> DecodeCapacity {
+    pub(crate) fn capacity(&self) -> DecodeCapacity {
         self.cap
     }
 
-    /// The backend the buffers live on.
-    pub fn backend(&self) -> &Arc<dyn Backend> {
-        self.mem.backend()
-    }
-
     /// The stream every upload and launch goes on.
-    pub fn stream(&self) -> Stream {
+    pub(crate) fn stream(&self) -> Stream {
         self.mem.stream()
     }
 
     /// Tokens of the batch last staged (pads excluded).
-    pub fn staged_tokens(&self) -> usize {
+    pub(crate) fn staged_tokens(&self) -> usize {
         self.staged_tokens
     }
 
     /// Positions of the batch last staged, one per sequence.
-    pub fn staged_positions(&self) -> &[i64] {
+    pub(crate) fn staged_positions(&self) -> &[i64] {
         &self.staged_positions
     }
 
     /// The CSA head of every token of the batch staged last: `[head, entries]`: how many top-k
     /// entries of its row the translate-pack reads, and the compressed CSA entries its
     /// position may select (`(pos + 1) / 4`).
-    pub fn staged_csa_heads(&self) -> &[[i32; 2]] {
+    pub(crate) fn staged_csa_heads(&self) -> &[[i32; 2]] {
         &self.csa_heads
     }
 
     /// The bounds staging checks against.
-    pub fn bounds(&self) -> &PoolBounds {
+    pub(crate) fn bounds(&self) -> &PoolBounds {
         &self.bounds
     }
 
     /// Set the bounds staging checks against, after the boundary moved (the buffers and
     /// every address stay).
-    pub fn set_bounds(&mut self, bounds: PoolBounds) {
+    pub(crate) fn set_bounds(&mut self, bounds: PoolBounds) {
         self.bounds = bounds;
     }
 
@@ -684,14 +816,14 @@ impl DecodeIndexBuffers {
     }
 
     /// Whether the geometry has `class` (dense may be absent; CSA and HCA never are).
-    pub fn has_class(&self, class: Class) -> bool {
+    pub(crate) fn has_class(&self, class: Class) -> bool {
         self.params[class.index()].is_some()
     }
 
     /// The decode builder's arguments: fixed pointers, `num_tokens = max_tokens` (pad tokens
     /// carry batch id −1), so it can be captured once and replayed. One CSA buffer: every
     /// CSA layer's translate-pack overwrites its heads in turn.
-    pub fn decode_args(&self) -> DecodeIndexArgs {
+    pub(crate) fn decode_args(&self) -> DecodeIndexArgs {
         let b = self.base();
         let l = &self.layout;
         let mut classes = [ClassBuffers::default(); NUM_SLOTS];
@@ -723,36 +855,29 @@ impl DecodeIndexBuffers {
 
     /// The decode launch, ready for graph capture ([`Backend::launch`] is the caller's
     /// `unsafe`; [`Self::build`] is the safe way to run it).
-    pub fn launch(&self) -> Launch {
+    pub(crate) fn launch(&self) -> Launch {
         Launch::Decode(self.decode_args())
     }
 
-    /// CSA translate-pack arguments for one CSA layer, reading the indexer's top-k from
-    /// `topk` (i32 `[max_tokens][topk_row_stride]`) and writing the heads of the one CSA
-    /// buffer. Refuses a stride shorter than `index_topk` (the kernel reads that much of a
+    /// The translate-pack arguments of one layer's top-k `topk` (i32
+    /// `[rows][topk_row_stride]`): `None`, V4's one-CSA-buffer pack of any CSA layer (every
+    /// CSA layer owns its rows; refused where layers share compressors,
+    /// [`DecodeError::PackNeedsLayer`]); `Some(layer)`, compressed layer `layer` into the
+    /// heads of its slot's buffer with its compress bias (V4.1: both slots, every compressed
+    /// layer, after its indexer; V4's coarse layers are refused, the builder fills their
+    /// heads). Refuses a stride shorter than `index_topk` (the kernel reads that much of a
     /// row).
-    pub fn csa_pack_args(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<CsaPackArgs, DecodeError> {
-        if !self.head_fill {
-            // Shared compressors: every layer packs with its own bias (`layer_pack_args`).
-            return Err(DecodeError::PackNeedsLayer);
-        }
-        self.pack_args(Class::Csa, 0, topk, topk_row_stride)
-    }
-
-    /// The translate-pack arguments of compressed layer `layer`: its top-k into the heads of
-    /// its slot's buffer, with its compress bias (V4.1: both slots, every compressed layer,
-    /// after its indexer). V4's coarse layers are refused: the builder fills their heads.
-    pub fn layer_pack_args(
+    pub(crate) fn pack_args(
         &self,
-        layer: usize,
+        layer: Option<usize>,
         topk: DevicePtr,
         topk_row_stride: i32,
     ) -> Result<CsaPackArgs, DecodeError> {
-        let slot = packed_slot(&self.layer_slots, self.head_fill, layer)?;
-        self.pack_args(slot, self.compress_bias[layer], topk, topk_row_stride)
+        let (slot, bias) = pack_target(&self.layer_slots, &self.compress_bias, self.head_fill, layer)?;
+        self.slot_pack_args(slot, bias, topk, topk_row_stride)
     }
 
-    fn pack_args(
+    fn slot_pack_args(
         &self,
         slot: Class,
         compress_bias: i64,
@@ -785,7 +910,7 @@ impl DecodeIndexBuffers {
 
     /// A sub-buffer's address and length (`None`: a dense buffer of a geometry without
     /// dense layers).
-    pub fn buffer(&self, which: DecodeBuffer) -> Option<DeviceBuffer> {
+    pub(crate) fn buffer(&self, which: DecodeBuffer) -> Option<DeviceBuffer> {
         let (t, s) = (self.cap.max_tokens as u64, self.cap.max_seqs as u64);
         let l = &self.layout;
         let (off, len, elem) = match which {
@@ -807,23 +932,23 @@ impl DecodeIndexBuffers {
 
     /// A class's index buffer (`max_tokens` slices of the class's capacity; token `t`'s
     /// slice is `[indptr[t], indptr[t+1])`).
-    pub fn indices(&self, class: Class) -> Option<DeviceBuffer> {
+    pub(crate) fn indices(&self, class: Class) -> Option<DeviceBuffer> {
         self.buffer(DecodeBuffer::Indices(class))
     }
 
     /// A class's indptr (`max_tokens + 1` i32).
-    pub fn indptr(&self, class: Class) -> Option<DeviceBuffer> {
+    pub(crate) fn indptr(&self, class: Class) -> Option<DeviceBuffer> {
         self.buffer(DecodeBuffer::Indptr(class))
     }
 
     /// A class's destination rows (`max_tokens` i32).
-    pub fn dest_rows(&self, class: Class) -> Option<DeviceBuffer> {
+    pub(crate) fn dest_rows(&self, class: Class) -> Option<DeviceBuffer> {
         self.buffer(DecodeBuffer::DestRows(class))
     }
 
     /// Read an i32 sub-buffer back (waits for the stream). A buffer the geometry lacks is
     /// [`DecodeError::MissingClass`]; positions (i64) are [`DecodeError::NotI32`].
-    pub fn read_i32(&self, which: DecodeBuffer) -> Result<Vec<i32>, DecodeError> {
+    pub(crate) fn read_i32(&self, which: DecodeBuffer) -> Result<Vec<i32>, DecodeError> {
         let buf = self.buffer(which).ok_or(DecodeError::MissingClass(Class::Dense))?;
         if buf.elem_bytes != 4 {
             return Err(DecodeError::NotI32(which.name()));
@@ -833,7 +958,7 @@ impl DecodeIndexBuffers {
 
     /// Stage a batch: metadata and the sequences' block tables, one upload of O(context)
     /// bytes (every table is sent). Returns the batch's real token count.
-    pub fn stage(&mut self, batch: &[DecodeSeq<'_>]) -> Result<usize, DecodeError> {
+    pub(crate) fn stage(&mut self, batch: &[DecodeSeq<'_>]) -> Result<usize, DecodeError> {
         self.upload_metadata(batch, true)
     }
 
@@ -841,7 +966,7 @@ impl DecodeIndexBuffers {
     /// holds sequence `b`'s table, kept current with [`Self::write_block_table`]): one
     /// upload of the O(batch) metadata only. Each `block_table` is checked for length but not
     /// sent.
-    pub fn stage_resident(&mut self, batch: &[DecodeSeq<'_>]) -> Result<usize, DecodeError> {
+    pub(crate) fn stage_resident(&mut self, batch: &[DecodeSeq<'_>]) -> Result<usize, DecodeError> {
         self.upload_metadata(batch, false)
     }
 
@@ -897,14 +1022,14 @@ impl DecodeIndexBuffers {
 
     /// Check the block ids the staged batch's build reads (from the tables staged or written
     /// since) are all still below the bounds' block count.
-    pub fn check_staged_blocks(&self) -> Result<(), DecodeError> {
+    pub(crate) fn check_staged_blocks(&self) -> Result<(), DecodeError> {
         check_blocks(&self.staged_max_ids(), self.bounds.num_blocks)
     }
 
     /// Write `ids` into the device block table of batch row `row` from column `start_col`
     /// (an entering sequence's whole table, or the blocks a sequence just gained). Every id
     /// must be a block of the pool (see [`PoolBounds`]).
-    pub fn write_block_table(
+    pub(crate) fn write_block_table(
         &mut self,
         row: usize,
         start_col: usize,
@@ -929,7 +1054,7 @@ impl DecodeIndexBuffers {
     }
 
     /// Run the decode builder over the staged batch on the buffers' stream.
-    pub fn build(&self) -> Result<(), DecodeError> {
+    pub(crate) fn build(&self) -> Result<(), DecodeError> {
         let _range = crate::profiling::range("v4pool.decode_build");
         // SAFETY: every pointer is this handle's own, sized for `max_tokens`; the staged
         // indptrs were computed here and fit each class's slice capacity (checked when the
@@ -938,34 +1063,21 @@ impl DecodeIndexBuffers {
         Ok(())
     }
 
-    /// CSA translate-pack for one CSA layer over the staged batch, on the buffers' stream:
-    /// turns the indexer's sequence-local top-k into pool rows at the heads of the CSA
-    /// buffer.
+    /// Run the translate-pack of [`Self::pack_args`] on the buffers' stream.
     ///
     /// # Safety
     /// `topk` must address live memory of this backend holding i32
-    /// `[max_tokens][topk_row_stride]`, ordered before this call on the stream; the first `min((pos+1)/4, ctx/4, index_topk)` entries of each real
-    /// token's row must be non-negative (`index-buffers.md` §5).
-    pub unsafe fn csa_pack(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<(), DecodeError> {
-        let args = self.csa_pack_args(topk, topk_row_stride)?;
-        // SAFETY: the caller vouches for `topk`; every other pointer is this handle's own.
-        unsafe { self.mem.launch(&Launch::CsaPack(args))? };
-        Ok(())
-    }
-
-    /// Translate-pack of compressed layer `layer` ([`Self::layer_pack_args`]): its top-k into
-    /// the heads of its slot's buffer, with its compress bias.
-    ///
-    /// # Safety
-    /// As [`Self::csa_pack`], the non-negative entries being the first
-    /// `min(visible_groups(pos, ratio), index_topk)` of each real token's row.
-    pub unsafe fn layer_pack(
+    /// `[max_tokens][topk_row_stride]`, ordered before this call on the stream, non-negative where the
+    /// contract reads it (`index-buffers.md` §5): the first `min((pos+1)/4, ctx/4,
+    /// index_topk)` entries of each real token's row for the CSA pack, the first
+    /// `min(visible_groups(pos, ratio), index_topk)` for a layer's.
+    pub(crate) unsafe fn pack(
         &self,
-        layer: usize,
+        layer: Option<usize>,
         topk: DevicePtr,
         topk_row_stride: i32,
     ) -> Result<(), DecodeError> {
-        let args = self.layer_pack_args(layer, topk, topk_row_stride)?;
+        let args = self.pack_args(layer, topk, topk_row_stride)?;
         // SAFETY: the caller vouches for `topk`; every other pointer is this handle's own.
         unsafe { self.mem.launch(&Launch::CsaPack(args))? };
         Ok(())

@@ -21,12 +21,10 @@ mod rows;
 mod tests;
 mod topk;
 
-pub use decode::{
-    decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq, PoolBounds,
-};
+pub use decode::{decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodeError, DecodeSeq, FlatDecodeBatch};
 pub use owned::DeviceBuffer;
 pub use path::{DecodePath, PrefillPath};
-pub use prefill::{prefill_slice_lens, PrefillBuffer, PrefillCapacity, PrefillIndexBuffers, PrefillSeq};
+pub use prefill::{prefill_slice_lens, PrefillBuffer, PrefillCapacity, PrefillSeq};
 pub use rows::{
     CompressedRow, KvRowWriter, RowSet, RowWriteCapacity, RowWriteError, WindowSeq, INDEX_KEY_VALUES,
 };
@@ -40,6 +38,7 @@ use crate::checkpoint::{LayoutId, Loc, Region, RegionCopy};
 use crate::geometry::{GeometryError, UnifiedPoolGeometry, DENSE_RATIO};
 use crate::index::{CopyRun, CopyRunsArgs, DevicePtr, FillRun, FillRunsArgs, Launch};
 use crate::sizing::{IndexerDtype, IndexerPart};
+use crate::variant::VariantName;
 use regions::{TransferConfig, TransferRegions};
 use std::sync::{Arc, Mutex, MutexGuard};
 use thiserror::Error;
@@ -386,6 +385,54 @@ pub enum PoolError {
     Poisoned,
 }
 
+impl VariantName for PoolError {
+    fn variant_name(&self) -> &'static str {
+        use PoolError::*;
+        match self {
+            Geometry(e) => e.variant_name(),
+            Arena(e) => e.variant_name(),
+            Alloc(e) => e.variant_name(),
+            Boundary(e) => e.variant_name(),
+            Backend(e) => e.variant_name(),
+            NoIndexer => "NoIndexer",
+            NoSuchIndexerPart { .. } => "NoSuchIndexerPart",
+            NoSuchCsaLayer { .. } => "NoSuchCsaLayer",
+            NoSuchPlane { .. } => "NoSuchPlane",
+            ArenaMismatch { .. } => "ArenaMismatch",
+            SlotOrigin(_) => "SlotOrigin",
+            PlaneRange { .. } => "PlaneRange",
+            BufferSize { .. } => "BufferSize",
+            MinSlots(_) => "MinSlots",
+            Transfer(e) => e.variant_name(),
+            Checkpoint(e) => e.variant_name(),
+            Decode(e) => e.variant_name(),
+            Overflow(_) => "Overflow",
+            InconsistentSpec { .. } => "InconsistentSpec",
+            NoSuchBlock { .. } => "NoSuchBlock",
+            NotLive { .. } => "NotLive",
+            OutOfRange { .. } => "OutOfRange",
+            NoSuchRegion { .. } => "NoSuchRegion",
+            SelfOverlap { .. } => "SelfOverlap",
+            BoundaryPinned { .. } => "BoundaryPinned",
+            Poisoned => "Poisoned",
+        }
+    }
+
+    fn is_device_failure(&self) -> bool {
+        match self {
+            PoolError::Geometry(e) => e.is_device_failure(),
+            PoolError::Arena(e) => e.is_device_failure(),
+            PoolError::Alloc(e) => e.is_device_failure(),
+            PoolError::Boundary(e) => e.is_device_failure(),
+            PoolError::Backend(e) => e.is_device_failure(),
+            PoolError::Transfer(e) => e.is_device_failure(),
+            PoolError::Checkpoint(e) => e.is_device_failure(),
+            PoolError::Decode(e) => e.is_device_failure(),
+            _ => false,
+        }
+    }
+}
+
 /// One layer's view of one plane: from the layer's base row to the plane's end. Index
 /// buffer entries are rows of this view; row `x` is at `ptr + x * row_bytes` (64-bit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -455,7 +502,7 @@ impl Overhead {
         let per_block: u64 = spec.indexer_parts()?.iter().flatten().map(|p| p.block_bytes).sum();
         let indexer = per_block * max_blocks;
         let index = match decode {
-            Some(cap) => DecodeIndexBuffers::required_bytes(g, cap).map_err(|e| match e {
+            Some(cap) => DecodePath::required_bytes(g, cap).map_err(|e| match e {
                 DecodeError::Backend(b) => PoolError::Backend(b),
                 other => PoolError::Decode(Box::new(other)),
             })?,

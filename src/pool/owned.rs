@@ -59,9 +59,6 @@ impl Owned {
         Ok(Owned { backend, stream, alloc: Some(alloc), bytes })
     }
 
-    pub(crate) fn backend(&self) -> &Arc<dyn Backend> {
-        &self.backend
-    }
     pub(crate) fn stream(&self) -> Stream {
         self.stream
     }

@@ -12,13 +12,14 @@
 //! objects.
 
 use super::decode::{
-    check_live, DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq, PoolBounds,
+    check_live, DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq, FlatDecodeBatch,
+    PoolBounds,
 };
 use super::owned::DeviceBuffer;
 use super::prefill::{PrefillBuffer, PrefillCapacity, PrefillIndexBuffers, PrefillSeq};
 use super::{Pool, PoolError};
 use crate::backend::Stream;
-use crate::geometry::Class;
+use crate::geometry::{Class, UnifiedPoolGeometry};
 use crate::index::{DevicePtr, Launch};
 use std::sync::Arc;
 
@@ -62,11 +63,33 @@ fn pool_err(e: PoolError) -> DecodeError {
 /// Positions are checked live and block ids inside the block region against the pool at
 /// staging, and both are checked again at build (the boundary may have moved in between). [`Self::stage`] sends the block tables (O(context) bytes);
 /// [`Self::stage_resident`] sends only the per-token metadata (O(batch)) when the tables are
-/// kept on the device with [`Self::write_block_table`].
-#[derive(Debug)]
+/// kept on the device with [`Self::write_block_table`]; [`Self::stage_flat`] takes the batch
+/// as flat arrays (a foreign caller's shape). [`Self::build_on`] builds on another stream
+/// (a graph's capture stream) with the same checks as [`Self::build`].
 pub struct DecodePath {
     pool: Arc<Pool>,
     bufs: DecodeIndexBuffers,
+    /// Zeros, the buffers' columns: stand in for resident tables in `stage_flat`'s length
+    /// check.
+    no_table: Vec<i32>,
+    /// Streams a build went on besides the pool's; drained before the buffers go.
+    streams: Vec<Stream>,
+}
+
+impl std::fmt::Debug for DecodePath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodePath").field("bufs", &self.bufs).field("streams", &self.streams).finish()
+    }
+}
+
+impl Drop for DecodePath {
+    fn drop(&mut self) {
+        // The buffers free themselves after the pool's stream drains; builds queued on other
+        // streams must be done first. A failure here has no caller to go to.
+        for &s in &self.streams {
+            let _ = self.pool.backend().synchronize(s);
+        }
+    }
 }
 
 impl DecodePath {
@@ -75,12 +98,14 @@ impl DecodePath {
     pub fn new(pool: Arc<Pool>, cap: DecodeCapacity) -> Result<DecodePath, DecodeError> {
         let geometry = pool.geometry().map_err(pool_err)?;
         let bufs = DecodeIndexBuffers::new(Arc::clone(pool.backend()), pool.stream(), &geometry, cap)?;
-        Ok(DecodePath { pool, bufs })
+        Ok(DecodePath { pool, bufs, no_table: vec![0; cap.max_blocks_per_seq], streams: Vec::new() })
     }
 
-    /// Device bytes a decode path for `cap` takes on `pool`, without allocating.
-    pub fn required_bytes(pool: &Pool, cap: DecodeCapacity) -> Result<u64, DecodeError> {
-        DecodeIndexBuffers::required_bytes(&pool.spec().geometry, cap)
+    /// Device bytes a decode path for `cap` takes on a pool of `geometry`, without
+    /// allocating (sizing, overhead reports; sizes that overflow are
+    /// [`DecodeError::TooLarge`]).
+    pub fn required_bytes(geometry: &UnifiedPoolGeometry, cap: DecodeCapacity) -> Result<u64, DecodeError> {
+        DecodeIndexBuffers::required_bytes(geometry, cap)
     }
 
     /// The pool this path indexes.
@@ -119,10 +144,27 @@ impl DecodePath {
     }
 
     /// Stage a decode batch whose block tables are resident (batch row `b` holds sequence
-    /// `b`'s table): O(batch) bytes uploaded. See [`DecodeIndexBuffers::stage_resident`].
+    /// `b`'s table, see [`Self::write_block_table`]): O(batch) bytes uploaded; each
+    /// sequence's `block_table` is only length-checked.
     pub fn stage_resident(&mut self, batch: &[DecodeSeq<'_>]) -> Result<usize, DecodeError> {
         self.refresh()?;
         self.bufs.stage_resident(batch)
+    }
+
+    /// Stage a batch given as flat arrays ([`FlatDecodeBatch`]): with its block tables as
+    /// [`Self::stage`], or, when `block_tables` is `None`, resident as
+    /// [`Self::stage_resident`]. Arrays of different lengths and negative token counts are
+    /// refused; returns the batch's real token count.
+    pub fn stage_flat(&mut self, batch: &FlatDecodeBatch<'_>) -> Result<usize, DecodeError> {
+        let block_size = self.pool.spec().geometry.block_size;
+        let seqs = batch.seqs(block_size, &self.no_table)?;
+        // `refresh`, field by field: `seqs` borrows `no_table`.
+        self.bufs.set_bounds(self.pool.bounds().map_err(pool_err)?);
+        if batch.block_tables.is_some() {
+            self.bufs.stage(&seqs)
+        } else {
+            self.bufs.stage_resident(&seqs)
+        }
     }
 
     /// Write block ids into batch row `row`'s resident table from column `start_col`.
@@ -150,31 +192,60 @@ impl DecodePath {
     /// after checking its positions are still live slots of the pool and the block ids it
     /// reads (staged, or written to the resident tables since) still blocks of its region.
     pub fn build(&mut self) -> Result<(), DecodeError> {
+        self.build_on(self.stream())
+    }
+
+    /// [`Self::build`] queued on `stream` instead of the pool's (a graph's capture stream):
+    /// the same checks, then the same launch, whose pointers and grid are fixed, so it may be
+    /// captured once and replayed after each stage. The caller orders `stream` after the
+    /// staging on the pool's stream; the path drains `stream` before its buffers go.
+    pub fn build_on(&mut self, stream: Stream) -> Result<(), DecodeError> {
         self.refresh()?;
         check_live(self.bufs.staged_positions(), &self.bufs.bounds().live)?;
         self.bufs.check_staged_blocks()?;
-        self.bufs.build()
+        if stream == self.stream() {
+            return self.bufs.build();
+        }
+        // SAFETY: the launch's pointers are the path's own buffers (sized for its capacity,
+        // the staged offsets checked against each class's slice capacity) and its positions
+        // were just checked live; the buffers outlive the launch (drop drains `stream`).
+        // Misordered against the staging, the builder reads stale metadata of these same
+        // buffers: wrong indices, never an address outside them.
+        unsafe { self.pool.backend().launch(&self.bufs.launch(), stream)? };
+        if !self.streams.contains(&stream) {
+            self.streams.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Wait for the pool's stream and every other stream a build went on.
+    pub fn synchronize(&self) -> Result<(), DecodeError> {
+        self.pool.backend().synchronize(self.stream())?;
+        for &s in &self.streams {
+            self.pool.backend().synchronize(s)?;
+        }
+        Ok(())
     }
 
     /// CSA translate-pack for one CSA layer (call once per CSA layer, after its indexer and
     /// before its attention: every layer overwrites the heads of the one CSA buffer).
     ///
     /// # Safety
-    /// As [`DecodeIndexBuffers::csa_pack`]: `topk` addresses live memory of the pool's
-    /// backend holding i32 `[max_tokens][topk_row_stride]`, ready on the pool's stream, with
-    /// non-negative entries where the contract reads them.
+    /// `topk` addresses live memory of the pool's backend holding i32
+    /// `[max_tokens][topk_row_stride]`, ready on the pool's stream, with the first
+    /// `min((pos+1)/4, ctx/4, index_topk)` entries of each real token's row non-negative
+    /// (`index-buffers.md` §5).
     pub unsafe fn csa_pack(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<(), DecodeError> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.bufs.csa_pack(topk, topk_row_stride) }
+        unsafe { self.bufs.pack(None, topk, topk_row_stride) }
     }
 
     /// Translate-pack of compressed layer `layer` into its slot's heads, with its compress
     /// bias (V4.1: every compressed layer, both slots, after its indexer).
     ///
     /// # Safety
-    /// As [`DecodeIndexBuffers::layer_pack`]: `topk` addresses live memory of the pool's
-    /// backend holding i32 `[max_tokens][topk_row_stride]`, ready on the pool's stream, with
-    /// non-negative entries where the contract reads them.
+    /// As [`Self::csa_pack`], the non-negative entries being the first
+    /// `min(visible_groups(pos, ratio), index_topk)` of each real token's row.
     pub unsafe fn layer_pack(
         &self,
         layer: usize,
@@ -182,29 +253,20 @@ impl DecodePath {
         topk_row_stride: i32,
     ) -> Result<(), DecodeError> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.bufs.layer_pack(layer, topk, topk_row_stride) }
-    }
-
-    /// One compressed layer's translate-pack launch, for graph capture.
-    pub fn layer_pack_launch(
-        &self,
-        layer: usize,
-        topk: DevicePtr,
-        topk_row_stride: i32,
-    ) -> Result<Launch, DecodeError> {
-        Ok(Launch::CsaPack(self.bufs.layer_pack_args(layer, topk, topk_row_stride)?))
+        unsafe { self.bufs.pack(Some(layer), topk, topk_row_stride) }
     }
 
     /// The decode builder's launch, for graph capture (advanced: running it through
-    /// [`crate::backend::Backend::launch`] is the caller's `unsafe`; [`Self::build`] is the safe
-    /// way).
+    /// [`crate::backend::Backend::launch`] is the caller's `unsafe`; [`Self::build`] and
+    /// [`Self::build_on`] are the safe ways).
     pub fn build_launch(&self) -> Launch {
         self.bufs.launch()
     }
 
-    /// One CSA layer's translate-pack launch, for graph capture (see [`Self::build_launch`]).
+    /// One CSA layer's translate-pack launch, for graph capture (see [`Self::build_launch`];
+    /// [`Self::csa_pack`] runs the same arguments).
     pub fn csa_pack_launch(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<Launch, DecodeError> {
-        Ok(Launch::CsaPack(self.bufs.csa_pack_args(topk, topk_row_stride)?))
+        Ok(Launch::CsaPack(self.bufs.pack_args(None, topk, topk_row_stride)?))
     }
 
     /// A sub-buffer by name (`None`: dense buffers of a geometry without dense layers).
@@ -248,9 +310,10 @@ impl PrefillPath {
         Ok(PrefillPath { pool, bufs })
     }
 
-    /// Device bytes a prefill path for `cap` takes on `pool`, without allocating.
-    pub fn required_bytes(pool: &Pool, cap: PrefillCapacity) -> Result<u64, DecodeError> {
-        PrefillIndexBuffers::required_bytes(&pool.spec().geometry, cap)
+    /// Device bytes a prefill path for `cap` takes on a pool of `geometry`, without
+    /// allocating.
+    pub fn required_bytes(geometry: &UnifiedPoolGeometry, cap: PrefillCapacity) -> Result<u64, DecodeError> {
+        PrefillIndexBuffers::required_bytes(geometry, cap)
     }
 
     /// The pool this path indexes.
@@ -306,16 +369,15 @@ impl PrefillPath {
     /// entries where the contract reads them (`index-buffers.md` §5).
     pub unsafe fn csa_pack(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<(), DecodeError> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.bufs.csa_pack(topk, topk_row_stride) }
+        unsafe { self.bufs.pack(None, topk, topk_row_stride) }
     }
 
     /// Translate-pack (prefill mode) of compressed layer `layer` into its slot's heads, with
     /// its compress bias (V4.1: every compressed layer, both slots, after its indexer).
     ///
     /// # Safety
-    /// As [`PrefillIndexBuffers::layer_pack`]: `topk` addresses live memory of the pool's
-    /// backend holding i32 `[staged tokens][topk_row_stride]`, ready on the pool's stream,
-    /// with non-negative entries where the contract reads them.
+    /// As [`Self::csa_pack`], the non-negative entries being the first
+    /// `min(visible_groups(pos, ratio), index_topk)` of each token's row.
     pub unsafe fn layer_pack(
         &self,
         layer: usize,
@@ -323,17 +385,7 @@ impl PrefillPath {
         topk_row_stride: i32,
     ) -> Result<(), DecodeError> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.bufs.layer_pack(layer, topk, topk_row_stride) }
-    }
-
-    /// One compressed layer's translate-pack launch (prefill mode), for graph capture.
-    pub fn layer_pack_launch(
-        &self,
-        layer: usize,
-        topk: DevicePtr,
-        topk_row_stride: i32,
-    ) -> Result<Launch, DecodeError> {
-        Ok(Launch::CsaPack(self.bufs.layer_pack_args(layer, topk, topk_row_stride)?))
+        unsafe { self.bufs.pack(Some(layer), topk, topk_row_stride) }
     }
 
     /// A sub-buffer by name (`None`: dense buffers of a geometry without dense layers).

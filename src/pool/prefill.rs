@@ -6,15 +6,15 @@
 //! Where layers share compressors (V4.1, no class-wide coarse head fill) both compressed
 //! slots are `[top-k head | window tail]`: the builder writes the window tails only and
 //! every compressed layer's translate-pack fills its slot's heads with the slot's ratio and
-//! the layer's compress bias ([`PrefillIndexBuffers::layer_pack_args`]), as in decode.
+//! the layer's compress bias ([`crate::pool::PrefillPath::layer_pack`]), as in decode.
 //!
 //! The host computes per token only the slice lengths and their prefix sums, and per
 //! sequence the chunk start, the row of its first token and its committed HCA rows; a
-//! forward uploads that and the block tables once. Engines use
-//! [`crate::pool::PrefillPath`]; [`PrefillIndexBuffers`] is the advanced, pool-less form.
+//! forward uploads that and the block tables once. The one public form is
+//! [`crate::pool::PrefillPath`]: these buffers (crate-private) with the pool they index.
 
 use super::decode::{
-    check_blocks, check_capacity, check_live, check_seq, class_slice_lens, pack_slot, packed_slot,
+    check_blocks, check_capacity, check_live, check_seq, class_slice_lens, pack_slot, pack_target,
     read_columns, slot_ratios, DecodeError, PoolBounds,
 };
 use super::owned::{Carve, DeviceBuffer, Owned};
@@ -138,7 +138,7 @@ const EXTEND: usize = 3;
 
 /// Prefill index buffers on a backend: the advanced, pool-less form of
 /// [`crate::pool::PrefillPath`] (owned; freed on drop; checks against [`PoolBounds`]).
-pub struct PrefillIndexBuffers {
+pub(crate) struct PrefillIndexBuffers {
     cap: PrefillCapacity,
     layout: Layout,
     mem: Owned,
@@ -237,12 +237,15 @@ impl PrefillIndexBuffers {
     }
 
     /// Device bytes the buffers for `cap` take, without allocating them.
-    pub fn required_bytes(geometry: &UnifiedPoolGeometry, cap: PrefillCapacity) -> Result<u64, DecodeError> {
+    pub(crate) fn required_bytes(
+        geometry: &UnifiedPoolGeometry,
+        cap: PrefillCapacity,
+    ) -> Result<u64, DecodeError> {
         Ok(Self::plan(geometry, cap)?.layout.total)
     }
 
     /// Size and allocate the buffers for `cap` on `backend` (work on `stream`).
-    pub fn new(
+    pub(crate) fn new(
         backend: Arc<dyn Backend>,
         stream: Stream,
         geometry: &UnifiedPoolGeometry,
@@ -272,23 +275,23 @@ impl PrefillIndexBuffers {
     }
 
     /// Bytes these buffers hold on the device.
-    pub fn device_bytes(&self) -> u64 {
+    pub(crate) fn device_bytes(&self) -> u64 {
         self.layout.total
     }
     /// The capacity the buffers were sized for.
-    pub fn capacity(&self) -> PrefillCapacity {
+    pub(crate) fn capacity(&self) -> PrefillCapacity {
         self.cap
     }
     /// The stream every upload and launch goes on.
-    pub fn stream(&self) -> Stream {
+    pub(crate) fn stream(&self) -> Stream {
         self.mem.stream()
     }
     /// Tokens of the forward last staged.
-    pub fn staged_tokens(&self) -> usize {
+    pub(crate) fn staged_tokens(&self) -> usize {
         self.staged_tokens
     }
     /// Set the bounds staging checks against.
-    pub fn set_bounds(&mut self, bounds: PoolBounds) {
+    pub(crate) fn set_bounds(&mut self, bounds: PoolBounds) {
         self.bounds = bounds;
     }
 
@@ -297,7 +300,7 @@ impl PrefillIndexBuffers {
     }
 
     /// A sub-buffer's address and length (`None`: dense buffers without dense layers).
-    pub fn buffer(&self, which: PrefillBuffer) -> Option<DeviceBuffer> {
+    pub(crate) fn buffer(&self, which: PrefillBuffer) -> Option<DeviceBuffer> {
         let (t, s) = (self.cap.max_tokens as u64, self.cap.max_seqs as u64);
         let l = &self.layout;
         let (off, len) = match which {
@@ -319,13 +322,13 @@ impl PrefillIndexBuffers {
     }
 
     /// Read an i32 sub-buffer back (waits for the stream).
-    pub fn read_i32(&self, which: PrefillBuffer) -> Result<Vec<i32>, DecodeError> {
+    pub(crate) fn read_i32(&self, which: PrefillBuffer) -> Result<Vec<i32>, DecodeError> {
         let buf = self.buffer(which).ok_or(DecodeError::MissingClass(Class::Dense))?;
         Ok(self.mem.read_i32(buf)?)
     }
 
     /// Stage one forward (metadata and block tables, one upload); returns its tokens.
-    pub fn stage(&mut self, batch: &[PrefillSeq<'_>]) -> Result<usize, DecodeError> {
+    pub(crate) fn stage(&mut self, batch: &[PrefillSeq<'_>]) -> Result<usize, DecodeError> {
         let _range = crate::profiling::range("v4pool.prefill_stage");
         let tokens = self.build_metadata(batch)?;
         self.mem.upload(0, &self.staging)?;
@@ -480,13 +483,13 @@ impl PrefillIndexBuffers {
 
     /// The prefill builder's launch for the staged forward (advanced: see
     /// [`Self::build`] for the safe way to run it).
-    pub fn launch(&self) -> Launch {
+    pub(crate) fn launch(&self) -> Launch {
         Launch::Prefill(self.prefill_args())
     }
 
     /// Run the prefill builder over the staged forward, after checking its positions are
     /// still live under the bounds last set.
-    pub fn build(&self) -> Result<(), DecodeError> {
+    pub(crate) fn build(&self) -> Result<(), DecodeError> {
         let _range = crate::profiling::range("v4pool.prefill_build");
         check_live(&self.staged_positions, &self.bounds.live)?;
         check_blocks(&self.staged_max_ids, self.bounds.num_blocks)?;
@@ -503,35 +506,29 @@ impl PrefillIndexBuffers {
     /// The CSA head of every token of the forward staged last: `[head, entries]`: how many top-k
     /// entries of its row the translate-pack reads, and the compressed CSA entries its
     /// position may select (`(pos + 1) / 4`).
-    pub fn staged_csa_heads(&self) -> &[[i32; 2]] {
+    pub(crate) fn staged_csa_heads(&self) -> &[[i32; 2]] {
         &self.csa_heads
     }
 
-    /// CSA translate-pack arguments (prefill mode) for one CSA layer over the staged
-    /// forward (V4: every CSA layer owns its rows). Where layers share compressors each
-    /// packs with its own bias: refused, see [`Self::layer_pack_args`].
-    pub fn csa_pack_args(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<CsaPackArgs, DecodeError> {
-        if !self.head_fill {
-            return Err(DecodeError::PackNeedsLayer);
-        }
-        self.pack_args(Class::Csa, 0, topk, topk_row_stride)
-    }
-
-    /// The translate-pack arguments (prefill mode) of compressed layer `layer` over the
-    /// staged forward: its top-k into the heads of its slot's buffer, with the slot's ratio
-    /// and the layer's compress bias (V4.1: both slots, every compressed layer, after its
-    /// indexer). V4's coarse layers are refused: the builder fills their heads.
-    pub fn layer_pack_args(
+    /// The translate-pack arguments of one layer's top-k `topk` (i32
+    /// `[rows][topk_row_stride]`): `None`, V4's one-CSA-buffer pack of any CSA layer (every
+    /// CSA layer owns its rows; refused where layers share compressors,
+    /// [`DecodeError::PackNeedsLayer`]); `Some(layer)`, compressed layer `layer` into the
+    /// heads of its slot's buffer with its compress bias (V4.1: both slots, every compressed
+    /// layer, after its indexer; V4's coarse layers are refused, the builder fills their
+    /// heads). Refuses a stride shorter than `index_topk` (the kernel reads that much of a
+    /// row).
+    pub(crate) fn pack_args(
         &self,
-        layer: usize,
+        layer: Option<usize>,
         topk: DevicePtr,
         topk_row_stride: i32,
     ) -> Result<CsaPackArgs, DecodeError> {
-        let slot = packed_slot(&self.layer_slots, self.head_fill, layer)?;
-        self.pack_args(slot, self.compress_bias[layer], topk, topk_row_stride)
+        let (slot, bias) = pack_target(&self.layer_slots, &self.compress_bias, self.head_fill, layer)?;
+        self.slot_pack_args(slot, bias, topk, topk_row_stride)
     }
 
-    fn pack_args(
+    fn slot_pack_args(
         &self,
         slot: Class,
         compress_bias: i64,
@@ -562,35 +559,21 @@ impl PrefillIndexBuffers {
         })
     }
 
-    /// CSA translate-pack (prefill mode) for one CSA layer over the staged forward.
+    /// Run the translate-pack of [`Self::pack_args`] on the buffers' stream.
     ///
     /// # Safety
-    /// `topk` addresses live memory of this backend holding i32
-    /// `[staged tokens][topk_row_stride]`, ready on the stream, non-negative where the
-    /// contract reads it (`index-buffers.md` §5).
-    pub unsafe fn csa_pack(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<(), DecodeError> {
-        let args = self.csa_pack_args(topk, topk_row_stride)?;
-        if self.staged_tokens == 0 {
-            return Ok(());
-        }
-        // SAFETY: the caller vouches for `topk`; every other pointer is this handle's own.
-        unsafe { self.mem.launch(&Launch::CsaPack(args))? };
-        Ok(())
-    }
-
-    /// Translate-pack (prefill mode) of compressed layer `layer` ([`Self::layer_pack_args`])
-    /// over the staged forward.
-    ///
-    /// # Safety
-    /// As [`Self::csa_pack`], the non-negative entries being the first
-    /// `min(visible_groups(pos, ratio), index_topk)` of each token's row.
-    pub unsafe fn layer_pack(
+    /// `topk` must address live memory of this backend holding i32
+    /// `[staged tokens][topk_row_stride]`, ordered before this call on the stream, non-negative where the
+    /// contract reads it (`index-buffers.md` §5): the first `min((pos+1)/4, ctx/4,
+    /// index_topk)` entries of each real token's row for the CSA pack, the first
+    /// `min(visible_groups(pos, ratio), index_topk)` for a layer's.
+    pub(crate) unsafe fn pack(
         &self,
-        layer: usize,
+        layer: Option<usize>,
         topk: DevicePtr,
         topk_row_stride: i32,
     ) -> Result<(), DecodeError> {
-        let args = self.layer_pack_args(layer, topk, topk_row_stride)?;
+        let args = self.pack_args(layer, topk, topk_row_stride)?;
         if self.staged_tokens == 0 {
             return Ok(());
         }

@@ -11,6 +11,7 @@ use crate::arena::{plan_regions, ArenaError};
 use crate::checked::{add, mul};
 use crate::geometry::{GeometryError, UnifiedPoolGeometry};
 use crate::sizing::{IndexerDtype, IndexerPart, Plan};
+use crate::variant::VariantName;
 use thiserror::Error;
 
 crate::checked::overflow_into!(TransferError);
@@ -69,9 +70,8 @@ pub enum TransferError {
     Arena(#[from] ArenaError),
 }
 
-impl TransferError {
-    /// The variant's name (the innermost one for wrapped errors).
-    pub fn variant_name(&self) -> &'static str {
+impl VariantName for TransferError {
+    fn variant_name(&self) -> &'static str {
         use TransferError::*;
         match self {
             Fp4Indexer => "Fp4Indexer",
@@ -82,6 +82,14 @@ impl TransferError {
             Overflow { .. } => "Overflow",
             Geometry(e) => e.variant_name(),
             Arena(e) => e.variant_name(),
+        }
+    }
+
+    fn is_device_failure(&self) -> bool {
+        match self {
+            TransferError::Geometry(e) => e.is_device_failure(),
+            TransferError::Arena(e) => e.is_device_failure(),
+            _ => false,
         }
     }
 }

@@ -21,8 +21,8 @@
 
 use super::decode::check_live;
 use super::owned::{Carve, Owned};
-use super::{DecodePath, Pool, PoolError};
-use crate::alloc::{BlockHandle, SlotHandle};
+use super::{DecodeError, DecodePath, Pool, PoolError};
+use crate::alloc::{AllocError, BlockHandle, SlotHandle};
 use crate::backend::BackendError;
 use crate::geometry::{Class, DENSE_RATIO};
 use crate::index::{
@@ -30,6 +30,7 @@ use crate::index::{
     INDEX_KEYS_FP8, KV_ROW_VALUES, ROPE_ROW_BYTES,
 };
 use crate::sizing::IndexerDtype;
+use crate::variant::VariantName;
 use std::sync::Arc;
 use thiserror::Error;
 
@@ -57,12 +58,13 @@ pub enum RowWriteError {
         stride: usize,
     },
     /// A layer the rows cannot go to.
-    #[error("layer {layer}: {why}")]
+    #[error("layer {layer}: {source}")]
     BadLayer {
         /// The layer given.
         layer: usize,
-        /// Why.
-        why: String,
+        /// The geometry's or pool's refusal.
+        #[source]
+        source: Box<PoolError>,
     },
     /// Nothing staged for this row set (or staged for another class).
     #[error("no rows staged for {what}")]
@@ -97,24 +99,51 @@ pub enum RowWriteError {
         position: i64,
     },
     /// A slot lease that is not live.
-    #[error("sequence {seq}: slot lease is not live: {reason}")]
+    #[error("sequence {seq}: slot lease is not live: {source}")]
     StaleLease {
         /// Batch row.
         seq: usize,
         /// The allocator's reason.
-        reason: String,
+        #[source]
+        source: AllocError,
     },
     /// A block handle that is not live, or a row outside the block.
-    #[error("entry {entry}: {reason}")]
+    #[error("entry {entry}: {source}")]
     BadEntry {
         /// Entry index.
         entry: usize,
-        /// Why.
-        reason: String,
+        /// The allocator's or geometry's refusal.
+        #[source]
+        source: Box<PoolError>,
     },
+    /// A staged entry outside the indexer cache's view.
+    #[error("entry {entry}: block {block} row {row} outside the indexer cache")]
+    EntryOutsideIndexer {
+        /// Entry index.
+        entry: usize,
+        /// Its block id.
+        block: u32,
+        /// Its row in the block.
+        row: i64,
+    },
+    /// A row number past `i32` (the kernels' row type).
+    #[error("row {row} exceeds i32")]
+    RowPastI32 {
+        /// The row.
+        row: i64,
+    },
+    /// An indexer cache whose rows per block or blocks overflow the kernel's `i32` / `i64`.
+    #[error("indexer cache of {blocks} blocks overflows the index-key kernel's integers")]
+    IndexerTooLarge {
+        /// Its blocks.
+        blocks: u64,
+    },
+    /// A decode path of another pool.
+    #[error("the decode path indexes another pool")]
+    ForeignPath,
     /// The decode path's staged batch no longer matches the pool.
     #[error("decode path: {0}")]
-    Decode(String),
+    Decode(#[source] Box<DecodeError>),
     /// Index keys for a pool without an indexer cache.
     #[error("index keys: the pool's indexer cache is {format}")]
     IndexerFormat {
@@ -138,7 +167,43 @@ pub enum RowWriteError {
     Backend(#[from] BackendError),
     /// The pool refused.
     #[error("pool: {0}")]
-    Pool(String),
+    Pool(#[source] Box<PoolError>),
+}
+
+impl VariantName for RowWriteError {
+    fn variant_name(&self) -> &'static str {
+        use RowWriteError::*;
+        match self {
+            TooManyTokens { .. } => "TooManyTokens",
+            KvShape { .. } => "KvShape",
+            BadLayer { .. } => "BadLayer",
+            NothingStaged { .. } => "NothingStaged",
+            NoSuchRows { .. } => "NoSuchRows",
+            NegativePosition { .. } => "NegativePosition",
+            SharedSlot { .. } => "SharedSlot",
+            StaleLease { .. } => "StaleLease",
+            BadEntry { .. } => "BadEntry",
+            EntryOutsideIndexer { .. } => "EntryOutsideIndexer",
+            RowPastI32 { .. } => "RowPastI32",
+            IndexerTooLarge { .. } => "IndexerTooLarge",
+            ForeignPath => "ForeignPath",
+            Decode(e) => e.variant_name(),
+            IndexerFormat { .. } => "IndexerFormat",
+            RowFormat { .. } => "RowFormat",
+            TooLarge { .. } => "TooLarge",
+            Backend(e) => e.variant_name(),
+            Pool(e) => e.variant_name(),
+        }
+    }
+
+    fn is_device_failure(&self) -> bool {
+        match self {
+            RowWriteError::Backend(e) => e.is_device_failure(),
+            RowWriteError::Decode(e) => e.is_device_failure(),
+            RowWriteError::Pool(e) => e.is_device_failure(),
+            _ => false,
+        }
+    }
 }
 
 type Result<T> = std::result::Result<T, RowWriteError>;
@@ -146,7 +211,7 @@ type Result<T> = std::result::Result<T, RowWriteError>;
 fn pool_err(e: PoolError) -> RowWriteError {
     match e {
         PoolError::Backend(b) => RowWriteError::Backend(b),
-        other => RowWriteError::Pool(other.to_string()),
+        other => RowWriteError::Pool(Box::new(other)),
     }
 }
 
@@ -317,8 +382,7 @@ impl KvRowWriter {
                 seqs.iter()
                     .enumerate()
                     .map(|(seq, s)| {
-                        b.position(s.slot)
-                            .map_err(|e| RowWriteError::StaleLease { seq, reason: e.to_string() })
+                        b.position(s.slot).map_err(|e| RowWriteError::StaleLease { seq, source: e })
                     })
                     .collect::<Result<Vec<i64>>>()
             })
@@ -344,11 +408,8 @@ impl KvRowWriter {
                     let p = s.first_position + i as i64;
                     let row = g
                         .window_index(layer, slot, p % g.ring_slots)
-                        .map_err(|e| RowWriteError::BadLayer { layer, why: e.to_string() })?;
-                    rows.push(
-                        i32::try_from(row)
-                            .map_err(|_| RowWriteError::Pool(format!("row {row} exceeds i32")))?,
-                    );
+                        .map_err(|e| RowWriteError::BadLayer { layer, source: Box::new(e.into()) })?;
+                    rows.push(i32::try_from(row).map_err(|_| RowWriteError::RowPastI32 { row })?);
                 }
             }
             self.owned.upload(self.window_at[class_index(class)], bytemuck::cast_slice(&rows))?;
@@ -374,7 +435,7 @@ impl KvRowWriter {
             .with_boundary(|b| {
                 entries.iter().enumerate().try_for_each(|(entry, e)| {
                     b.check_block(e.block)
-                        .map_err(|err| RowWriteError::BadEntry { entry, reason: err.to_string() })
+                        .map_err(|err| RowWriteError::BadEntry { entry, source: Box::new(err.into()) })
                 })
             })
             .map_err(pool_err)??;
@@ -382,8 +443,8 @@ impl KvRowWriter {
         for (entry, e) in entries.iter().enumerate() {
             let row = g
                 .compress_index(layer, i64::from(e.block.id), e.row)
-                .map_err(|err| RowWriteError::BadEntry { entry, reason: err.to_string() })?;
-            rows.push(i32::try_from(row).map_err(|_| RowWriteError::Pool(format!("row {row} exceeds i32")))?);
+                .map_err(|err| RowWriteError::BadEntry { entry, source: Box::new(err.into()) })?;
+            rows.push(i32::try_from(row).map_err(|_| RowWriteError::RowPastI32 { row })?);
         }
         self.compressed = Staged::Nothing;
         self.owned.upload(self.compressed_at, bytemuck::cast_slice(&rows))?;
@@ -398,12 +459,11 @@ impl KvRowWriter {
     /// The layer's class and its views (NoPE or bf16 plane, RoPE plane in fp8).
     fn layer_target(&self, layer: usize) -> Result<(Class, DevicePtr, DevicePtr, i64)> {
         let g = &self.pool.spec().geometry;
-        let bad = |why: String| RowWriteError::BadLayer { layer, why };
-        let cls = g.layer_class(layer).map_err(|e| bad(e.to_string()))?;
-        let class = Class::from_ratio(cls.ratio).map_err(|e| bad(e.to_string()))?;
-        let v0 = self.pool.layer_view(layer, 0).map_err(|e| bad(e.to_string()))?;
-        let rope =
-            if self.fp8 { self.pool.layer_view(layer, 1).map_err(|e| bad(e.to_string()))?.ptr } else { 0 };
+        let bad = |e: PoolError| RowWriteError::BadLayer { layer, source: Box::new(e) };
+        let cls = g.layer_class(layer).map_err(|e| bad(e.into()))?;
+        let class = Class::from_ratio(cls.ratio).map_err(|e| bad(e.into()))?;
+        let v0 = self.pool.layer_view(layer, 0).map_err(bad)?;
+        let rope = if self.fp8 { self.pool.layer_view(layer, 1).map_err(bad)?.ptr } else { 0 };
         Ok((class, v0.ptr, rope, v0.rows))
     }
 
@@ -461,14 +521,13 @@ impl KvRowWriter {
                 match (set, &self.window, &self.compressed) {
                     (RowSet::Window, Staged::Window { slots, .. }, _) => {
                         for (seq, h) in slots.iter().enumerate() {
-                            b.check_slot(*h)
-                                .map_err(|e| RowWriteError::StaleLease { seq, reason: e.to_string() })?;
+                            b.check_slot(*h).map_err(|e| RowWriteError::StaleLease { seq, source: e })?;
                         }
                     }
                     (RowSet::Compressed(_), _, Staged::Compressed { blocks, .. }) => {
                         for (entry, h) in blocks.iter().enumerate() {
                             b.check_block(*h)
-                                .map_err(|e| RowWriteError::BadEntry { entry, reason: e.to_string() })?;
+                                .map_err(|e| RowWriteError::BadEntry { entry, source: Box::new(e.into()) })?;
                         }
                     }
                     _ => return Err(RowWriteError::NothingStaged { what: format!("{set:?}") }),
@@ -503,21 +562,18 @@ impl KvRowWriter {
             IndexerDtype::Fp8 => (INDEX_KEYS_FP8, 0),
             IndexerDtype::Fp4 => (INDEX_KEYS_FP4, self.pool.indexer_view(rank, 1).map_err(pool_err)?.ptr),
         };
-        let bad_cache =
-            || RowWriteError::Pool(format!("indexer cache of {} blocks overflows i32", data.blocks));
+        let bad_cache = || RowWriteError::IndexerTooLarge { blocks: data.blocks };
         let block_rows = i32::try_from(data.rows_per_block).map_err(|_| bad_cache())?;
         let num_blocks = i64::try_from(data.blocks).map_err(|_| bad_cache())?;
         let mut dest = Vec::with_capacity(blocks.len());
         for (entry, (b, &row)) in blocks.iter().zip(rows).enumerate() {
             let id = u64::from(b.id);
             if id >= data.blocks || row < 0 || row as u64 >= data.rows_per_block {
-                return Err(RowWriteError::BadEntry {
-                    entry,
-                    reason: format!("block {} row {row} outside the indexer cache", b.id),
-                });
+                return Err(RowWriteError::EntryOutsideIndexer { entry, block: b.id, row });
             }
             let e = id * data.rows_per_block + row as u64;
-            dest.push(i32::try_from(e).map_err(|_| RowWriteError::Pool(format!("entry {e} exceeds i32")))?);
+            let past = || RowWriteError::RowPastI32 { row: i64::try_from(e).unwrap_or(i64::MAX) };
+            dest.push(i32::try_from(e).map_err(|_| past())?);
         }
         self.owned.upload(self.index_at, bytemuck::cast_slice(&dest))?;
         Ok(IndexKeysArgs {
@@ -623,13 +679,13 @@ impl KvRowWriter {
         stride: usize,
     ) -> Result<(KvRowsArgs, usize)> {
         if !Arc::ptr_eq(path.pool(), &self.pool) {
-            return Err(RowWriteError::Decode("the decode path indexes another pool".into()));
+            return Err(RowWriteError::ForeignPath);
         }
         let (class, nope, rope, view_rows) = self.layer_target(layer)?;
         let dest = path.dest_rows(class).ok_or(RowWriteError::NoSuchRows { class, what: "destination" })?;
         let bids = path
             .buffer(crate::pool::DecodeBuffer::BatchIds)
-            .ok_or(RowWriteError::Decode("no batch ids".into()))?;
+            .ok_or(RowWriteError::NothingStaged { what: "decode batch ids".into() })?;
         let tokens = path.staged_tokens();
         Ok((
             KvRowsArgs {
@@ -656,7 +712,7 @@ impl KvRowWriter {
         self.pool
             .with_boundary(|b| {
                 check_live(path.staged_positions(), &b.live_positions())
-                    .map_err(|e| RowWriteError::Decode(e.to_string()))?;
+                    .map_err(|e| RowWriteError::Decode(Box::new(e)))?;
                 // SAFETY: forwarded from the caller.
                 unsafe { self.owned.launch(launch) }.map_err(RowWriteError::from)
             })

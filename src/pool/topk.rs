@@ -11,6 +11,7 @@ use super::owned::Owned;
 use super::{DecodeError, DecodePath, Pool, PrefillPath};
 use crate::backend::BackendError;
 use crate::index::DevicePtr;
+use crate::variant::VariantName;
 use std::sync::Arc;
 use thiserror::Error;
 
@@ -91,6 +92,29 @@ pub enum TopkError {
     /// The backend failed.
     #[error(transparent)]
     Backend(#[from] BackendError),
+}
+
+impl VariantName for TopkError {
+    fn variant_name(&self) -> &'static str {
+        use TopkError::*;
+        match self {
+            Shape { .. } => "Shape",
+            TooNarrow { .. } => "TooNarrow",
+            BadId { .. } => "BadId",
+            TooManyTokens { .. } => "TooManyTokens",
+            OtherPool => "OtherPool",
+            Decode(e) => e.variant_name(),
+            Backend(e) => e.variant_name(),
+        }
+    }
+
+    fn is_device_failure(&self) -> bool {
+        match self {
+            TopkError::Decode(e) => e.is_device_failure(),
+            TopkError::Backend(e) => e.is_device_failure(),
+            _ => false,
+        }
+    }
 }
 
 /// A checked top-k staging buffer for one pool's packs (see the module doc).

@@ -42,6 +42,7 @@
 //! the engine replaying the benchmark — are compared by `v4pool calibrate` and by
 //! `tests/simulate_time.rs`.
 
+use crate::variant::VariantName;
 use serde_json::Value;
 
 /// What the cost model can be refused with.
@@ -64,6 +65,18 @@ pub enum CostError {
     /// The fitted equations do not determine the coefficients.
     #[error("preset {0}: the fitted cells do not determine every coefficient")]
     Underdetermined(String),
+}
+
+impl VariantName for CostError {
+    fn variant_name(&self) -> &'static str {
+        use CostError::*;
+        match self {
+            UnknownPreset(_, _) => "UnknownPreset",
+            Json(_) => "Json",
+            Coefficient { .. } => "Coefficient",
+            Underdetermined(_) => "Underdetermined",
+        }
+    }
 }
 
 /// The coefficients of one (model, hardware, parallelism, quantisation): see the module docs.

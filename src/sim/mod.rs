@@ -1,6 +1,6 @@
 //! The simulator: a pool driven as a serving engine would drive it, through the
 //! request-level [`KvManager`](crate::manager::KvManager) and nothing below it (the
-//! [`DecodePath`](crate::pool::DecodePath) the pool gives out is staged from the manager's
+//! [`DecodePath`] the pool gives out is staged from the manager's
 //! block tables and slots).
 //!
 //! Requests arrive (Poisson); prompt and output lengths come from a mix (chat, agentic up to
@@ -56,7 +56,8 @@ pub use trace::{Trace, TraceError};
 pub use workload::{Mix, RequestSpec, Rng, Workload, WorkloadConfig};
 
 use crate::geometry::UnifiedPoolGeometry;
-use crate::pool::{DecodeCapacity, DecodeError, DecodeIndexBuffers, PoolError};
+use crate::pool::{DecodeCapacity, DecodeError, DecodePath, PoolError};
+use crate::variant::VariantName;
 
 /// Most requests waiting for admission; arrivals beyond it are turned away (counted in
 /// [`SimReport::turned_away`]). 65,536 requests of 32 bytes: 2 MiB.
@@ -112,6 +113,37 @@ pub enum SimError {
     Bench(#[source] crate::sizing::SizingError),
 }
 
+impl VariantName for SimError {
+    fn variant_name(&self) -> &'static str {
+        use SimError::*;
+        match self {
+            Pool(e) => e.variant_name(),
+            Decode(e) => e.variant_name(),
+            Backend(e) => e.variant_name(),
+            Manager(e) => e.variant_name(),
+            Config(e) => e.variant_name(),
+            Cost(e) => e.variant_name(),
+            Trace(e) => e.variant_name(),
+            BenchModel(e) => e.variant_name(),
+            Bench(e) => e.variant_name(),
+        }
+    }
+
+    fn is_device_failure(&self) -> bool {
+        match self {
+            SimError::Pool(e) => e.is_device_failure(),
+            SimError::Decode(e) => e.is_device_failure(),
+            SimError::Backend(e) => e.is_device_failure(),
+            SimError::Manager(e) => e.is_device_failure(),
+            SimError::Config(e) => e.is_device_failure(),
+            SimError::Cost(e) => e.is_device_failure(),
+            SimError::Trace(e) => e.is_device_failure(),
+            SimError::BenchModel(e) => e.is_device_failure(),
+            SimError::Bench(e) => e.is_device_failure(),
+        }
+    }
+}
+
 /// A configuration the simulator refuses before it allocates anything.
 #[derive(Debug, thiserror::Error)]
 pub enum SimConfigError {
@@ -151,6 +183,26 @@ pub enum SimConfigError {
     /// A time-mode figure that is not a finite positive number.
     #[error("{0} {1} is not a finite positive number")]
     Time(&'static str, f64),
+}
+
+impl VariantName for SimConfigError {
+    fn variant_name(&self) -> &'static str {
+        use SimConfigError::*;
+        match self {
+            OutOfRange { .. } => "OutOfRange",
+            Rate(_) => "Rate",
+            DecodeBuffers { .. } => "DecodeBuffers",
+            Decode(e) => e.variant_name(),
+            Time(_, _) => "Time",
+        }
+    }
+
+    fn is_device_failure(&self) -> bool {
+        match self {
+            SimConfigError::Decode(e) => e.is_device_failure(),
+            _ => false,
+        }
+    }
 }
 
 /// Which run: the manager's split policy and how prefixes are reused (a run of the
@@ -358,7 +410,7 @@ impl SimConfig {
         let limit = pool_bytes / DECODE_BUDGET_DIVISOR;
         for policy in [RunKind::Elastic, RunKind::Fixed] {
             let cap = self.decode_capacity(geometry, policy);
-            let bytes = DecodeIndexBuffers::required_bytes(geometry, cap).map_err(SimConfigError::Decode)?;
+            let bytes = DecodePath::required_bytes(geometry, cap).map_err(SimConfigError::Decode)?;
             if bytes > limit {
                 let (seqs, context) = (cap.max_seqs, self.max_context);
                 return Err(SimConfigError::DecodeBuffers { seqs, context, bytes, limit });

@@ -17,6 +17,7 @@
 //! prefix of its ids that earlier requests' prompts carried, over all ids.
 
 use super::RequestSpec;
+use crate::variant::VariantName;
 
 /// A trace line that cannot be read, with its 1-based line number.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -51,6 +52,20 @@ pub enum TraceError {
     /// A replay speed that is not finite and positive.
     #[error("trace speed {0} is not a finite positive number")]
     Speed(f64),
+}
+
+impl VariantName for TraceError {
+    fn variant_name(&self) -> &'static str {
+        use TraceError::*;
+        match self {
+            Line { .. } => "Line",
+            OutOfOrder { .. } => "OutOfOrder",
+            TooLong => "TooLong",
+            Io(_) => "Io",
+            Shard(_, _) => "Shard",
+            Speed(_) => "Speed",
+        }
+    }
 }
 
 /// Most requests one trace may hold (its ids are kept in memory: the conversation trace's

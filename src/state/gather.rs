@@ -25,6 +25,7 @@ use crate::index::{
 };
 use crate::pool::owned::{Carve, Owned};
 use crate::pool::{DeviceBuffer, Pool, PoolError};
+use crate::variant::VariantName;
 use std::sync::Arc;
 use thiserror::Error;
 
@@ -153,6 +154,39 @@ pub enum GatherError {
         /// Why.
         why: String,
     },
+}
+
+impl VariantName for GatherError {
+    fn variant_name(&self) -> &'static str {
+        use GatherError::*;
+        match self {
+            EmptyWindow => "EmptyWindow",
+            WindowExceedsRing { .. } => "WindowExceedsRing",
+            WindowExceedsOutput { .. } => "WindowExceedsOutput",
+            NoOutput => "NoOutput",
+            TooManySeqs { .. } => "TooManySeqs",
+            NegativeAnchor { .. } => "NegativeAnchor",
+            AnchorPastContext { .. } => "AnchorPastContext",
+            NoSuchLayer { .. } => "NoSuchLayer",
+            NoWindow { .. } => "NoWindow",
+            WindowGeometry { .. } => "WindowGeometry",
+            NoCarriedWindow { .. } => "NoCarriedWindow",
+            StaleLease { .. } => "StaleLease",
+            TooLarge { .. } => "TooLarge",
+            Backend(e) => e.variant_name(),
+            PositionPastI32 { .. } => "PositionPastI32",
+            BadOutput { .. } => "BadOutput",
+            Pool(e) => e.variant_name(),
+        }
+    }
+
+    fn is_device_failure(&self) -> bool {
+        match self {
+            GatherError::Backend(e) => e.is_device_failure(),
+            GatherError::Pool(e) => e.is_device_failure(),
+            _ => false,
+        }
+    }
 }
 
 fn pool_err(e: PoolError) -> GatherError {

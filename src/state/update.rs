@@ -40,6 +40,7 @@ use crate::geometry::Class;
 use crate::index::{DevicePtr, ElemType, Launch, StateUpdateArgs};
 use crate::pool::owned::{Carve, Owned};
 use crate::pool::{DeviceBuffer, Pool, PoolError};
+use crate::variant::VariantName;
 use std::sync::Arc;
 use thiserror::Error;
 
@@ -57,6 +58,21 @@ pub enum Compressor {
 impl Compressor {
     /// Every V4 compressor (V4.1's owners: [`StateUpdate::update_owner`]).
     pub const ALL: [Compressor; 3] = [Compressor::CsaMain, Compressor::CsaIdx, Compressor::HcaMain];
+
+    /// Its name as callers spell it (`csa_main`, `csa_idx`, `hca_main`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Compressor::CsaMain => "csa_main",
+            Compressor::CsaIdx => "csa_idx",
+            Compressor::HcaMain => "hca_main",
+        }
+    }
+
+    /// The compressor named `name` ([`Compressor::name`]'s spelling); any other text names
+    /// none.
+    pub fn from_name(name: &str) -> Option<Compressor> {
+        Compressor::ALL.into_iter().find(|c| c.name() == name)
+    }
 
     /// The arena fields `(kv, score)` it writes (`pool-runtime.md` §2.1).
     pub fn fields(self) -> (&'static str, &'static str) {
@@ -274,6 +290,37 @@ pub enum StateUpdateError {
         /// Where the handle is now (`None`: not held).
         now: Option<i64>,
     },
+}
+
+impl VariantName for StateUpdateError {
+    fn variant_name(&self) -> &'static str {
+        use StateUpdateError::*;
+        match self {
+            Pool(e) => e.variant_name(),
+            Backend(e) => e.variant_name(),
+            RingTooSmall { .. } => "RingTooSmall",
+            NegativePosition { .. } => "NegativePosition",
+            PastContext { .. } => "PastContext",
+            DuplicatePosition { .. } => "DuplicatePosition",
+            SharedSlot { .. } => "SharedSlot",
+            OverCapacity { .. } => "OverCapacity",
+            NotI32 { .. } => "NotI32",
+            NoSuchOwner { .. } => "NoSuchOwner",
+            NoSuchLayer { .. } => "NoSuchLayer",
+            FieldShape { .. } => "FieldShape",
+            DimMismatch { .. } => "DimMismatch",
+            InputTooSmall { .. } => "InputTooSmall",
+            Restage { .. } => "Restage",
+        }
+    }
+
+    fn is_device_failure(&self) -> bool {
+        match self {
+            StateUpdateError::Pool(e) => e.is_device_failure(),
+            StateUpdateError::Backend(e) => e.is_device_failure(),
+            _ => false,
+        }
+    }
 }
 
 type Result<T> = std::result::Result<T, StateUpdateError>;

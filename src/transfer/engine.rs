@@ -11,6 +11,7 @@
 //! few large copies — per-block descriptors of a few KiB run at a fraction of the link.
 
 use crate::backend::{Backend, BackendError, Stream};
+use crate::variant::VariantName;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use thiserror::Error;
@@ -130,6 +131,32 @@ pub enum EngineError {
         /// Its status and what it means.
         message: String,
     },
+}
+
+impl VariantName for EngineError {
+    fn variant_name(&self) -> &'static str {
+        use EngineError::*;
+        match self {
+            UnknownRegion(_) => "UnknownRegion",
+            WrongSide { .. } => "WrongSide",
+            OutOfRegion { .. } => "OutOfRegion",
+            Overlap { .. } => "Overlap",
+            UnknownTicket(_) => "UnknownTicket",
+            MessageTooLong { .. } => "MessageTooLong",
+            Backend(e) => e.variant_name(),
+            NcclUnavailable(_) => "NcclUnavailable",
+            Nccl { .. } => "Nccl",
+            NixlUnavailable(_) => "NixlUnavailable",
+            Nixl { .. } => "Nixl",
+        }
+    }
+
+    fn is_device_failure(&self) -> bool {
+        match self {
+            EngineError::Backend(e) => e.is_device_failure(),
+            _ => false,
+        }
+    }
 }
 
 /// A byte mover between two pools' memories. See the module docs.

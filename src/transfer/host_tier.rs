@@ -22,6 +22,7 @@ use crate::alloc::BlockHandle;
 use crate::backend::{Backend, BackendError, HostAllocation};
 use crate::checkpoint::LayoutId;
 use crate::pool::{Pool, PoolError};
+use crate::variant::VariantName;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 use std::sync::Arc;
@@ -97,6 +98,31 @@ pub enum HostTierError {
         /// What the backend returned.
         message: String,
     },
+}
+
+impl VariantName for HostTierError {
+    fn variant_name(&self) -> &'static str {
+        use HostTierError::*;
+        match self {
+            TooLarge { .. } => "TooLarge",
+            AlreadyHeld => "AlreadyHeld",
+            NotHeld => "NotHeld",
+            UnitCount { .. } => "UnitCount",
+            NoRoom { .. } => "NoRoom",
+            PoolMismatch { .. } => "PoolMismatch",
+            Pool(e) => e.variant_name(),
+            ForeignLayout { .. } => "ForeignLayout",
+            Pinned { .. } => "Pinned",
+            BadPinned { .. } => "BadPinned",
+        }
+    }
+
+    fn is_device_failure(&self) -> bool {
+        match self {
+            HostTierError::Pool(e) => e.is_device_failure(),
+            _ => false,
+        }
+    }
 }
 
 /// One part of a unit in a pool: for block `id` at `base + id × stride`, `bytes` long.

@@ -5,6 +5,7 @@
 //! Every offset and length read from the bytes is checked: a truncated or hostile file is an
 //! [`ElfError`], never a panic or an out-of-bounds read.
 
+use crate::variant::VariantName;
 use thiserror::Error;
 
 /// `e_machine` of an AMDGPU code object.
@@ -88,6 +89,22 @@ pub enum ElfError {
     /// A compressed offload bundle (not read here).
     #[error("compressed offload bundle: decompress it with clang-offload-bundler first")]
     CompressedBundle,
+}
+
+impl VariantName for ElfError {
+    fn variant_name(&self) -> &'static str {
+        use ElfError::*;
+        match self {
+            NotElf { .. } => "NotElf",
+            Unsupported { .. } => "Unsupported",
+            Truncated { .. } => "Truncated",
+            SectionEntrySize { .. } => "SectionEntrySize",
+            SymbolEntrySize { .. } => "SymbolEntrySize",
+            BadLink { .. } => "BadLink",
+            BadName { .. } => "BadName",
+            CompressedBundle => "CompressedBundle",
+        }
+    }
 }
 
 /// One entry of `.symtab` or `.dynsym`.

@@ -18,6 +18,7 @@ use std::io::Write;
 use thiserror::Error;
 use v4pool::geometry::GeometryError;
 use v4pool::model::ModelError;
+use v4pool::VariantName;
 
 fn main() {
     let (stdout, stderr) = (std::io::stdout(), std::io::stderr());

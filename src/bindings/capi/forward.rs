@@ -76,6 +76,6 @@ pub unsafe extern "C" fn v4pool_decode_csa_pack(
             }
             _ => return Err(invalid("bits is not 32 or 64")),
         };
-        t.topk.pack_decode(d.step.path(), rows_of, width).map_err(rejected)
+        t.topk.pack_decode(&d.step, rows_of, width).map_err(rejected)
     })
 }

@@ -9,11 +9,11 @@
 //! crosses the boundary: it becomes `V4POOL_PANIC`.
 
 use crate::backend::external::ExternalRegion;
-use crate::backend::Stream;
-use crate::embed::{error_variant, open_backend, DecodeStep, FlatBatch};
+use crate::backend::{self, BackendChoice, Stream};
 use crate::geometry::Class;
 use crate::plan_report::{PlanOptions, PlanReport};
-use crate::pool::{DecodeCapacity, Pool, PoolSpec};
+use crate::pool::{DecodeCapacity, DecodeError, DecodePath, FlatDecodeBatch, Pool, PoolSpec};
+use crate::VariantName;
 use std::cell::RefCell;
 use std::ffi::{c_char, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -47,7 +47,7 @@ pub struct V4poolPool {
 
 /// Decode index buffers of one pool (opaque).
 pub struct V4poolDecode {
-    step: DecodeStep,
+    step: DecodePath,
 }
 
 /// A plan's main numbers.
@@ -173,15 +173,9 @@ fn guard(f: impl FnOnce() -> Result<(), (V4poolStatus, String, String)>) -> V4po
 
 type Fail = (V4poolStatus, String, String);
 
-fn rejected<E: std::fmt::Debug + std::fmt::Display>(e: E) -> Fail {
-    let variant = error_variant(&e);
-    // `BackendError`'s driver-side variants (the others — a misspelt backend name, a range
-    // outside an allocation — are the caller's input).
-    const BACKEND: [&str; 6] =
-        ["Unavailable", "Driver", "OutOfMemory", "MissingKernel", "Compile", "InvalidLaunch"];
-    let status =
-        if BACKEND.contains(&variant.as_str()) { V4poolStatus::Backend } else { V4poolStatus::Rejected };
-    (status, variant, e.to_string())
+fn rejected<E: VariantName + std::fmt::Display>(e: E) -> Fail {
+    let status = if e.is_device_failure() { V4poolStatus::Backend } else { V4poolStatus::Rejected };
+    (status, e.variant_name().to_string(), e.to_string())
 }
 
 fn invalid(what: &str) -> Fail {
@@ -348,7 +342,8 @@ fn new_pool(
     // SAFETY: the caller's string promise (every entry point states it).
     let name = unsafe { text(backend, "backend") }?.unwrap_or("auto");
     let slot = out(out_pool, "out_pool")?;
-    let mut b = open_backend(name, device as usize).map_err(rejected)?;
+    let mut b =
+        BackendChoice::parse(name).and_then(|c| backend::select_on(c, device as usize)).map_err(rejected)?;
     let spec = PoolSpec::from_plan(&plan.report.plan).map_err(rejected)?;
     if let Some((ptr, bytes)) = external {
         let need = Pool::required_bytes(&spec).map_err(rejected)?;
@@ -616,7 +611,7 @@ pub unsafe extern "C" fn v4pool_decode_new(
             index_topk: c.index_topk,
         };
         let slot = out(out_decode, "out_decode")?;
-        let step = DecodeStep::new(p, cap).map_err(rejected)?;
+        let step = p.decode_path(cap).map_err(rejected)?;
         *slot = Box::into_raw(Box::new(V4poolDecode { step }));
         Ok(())
     })
@@ -672,14 +667,14 @@ pub unsafe extern "C" fn v4pool_decode_stage(
             // SAFETY: the caller's promise: `batch * table_stride` elements.
             Some(unsafe { std::slice::from_raw_parts(block_tables, n) })
         };
-        let flat = FlatBatch {
+        let flat = FlatDecodeBatch {
             positions: arr(positions, "positions")?,
             context_lens: arr(context_lens, "context_lens")?,
             num_tokens: arr(num_tokens, "num_tokens")?,
             block_tables: tables,
             table_stride,
         };
-        let tokens = d.step.stage(&flat).map_err(rejected)?;
+        let tokens = d.step.stage_flat(&flat).map_err(rejected)?;
         if !out_tokens.is_null() {
             *out(out_tokens, "out_tokens")? = tokens;
         }
@@ -694,7 +689,11 @@ pub unsafe extern "C" fn v4pool_decode_stage(
 /// `decode` is live; `stream` a live stream of the pool's device or 0.
 #[no_mangle]
 pub unsafe extern "C" fn v4pool_decode_build(decode: *mut V4poolDecode, stream: u64) -> V4poolStatus {
-    guard(|| out(decode, "decode")?.step.build((stream != 0).then_some(Stream(stream))).map_err(rejected))
+    guard(|| {
+        let d = out(decode, "decode")?;
+        let stream = if stream == 0 { d.step.stream() } else { Stream(stream) };
+        d.step.build_on(stream).map_err(rejected)
+    })
 }
 
 /// Which decode buffer `v4pool_decode_buffer` returns (passed as its integer value).
@@ -726,14 +725,15 @@ pub unsafe extern "C" fn v4pool_decode_buffer(
         let class = *Class::ALL.get(cls as usize).ok_or_else(|| invalid("cls is not 0, 1 or 2"))?;
         // `which` arrives as an integer: a C caller can pass any value, and an out-of-range
         // Rust enum would be undefined behaviour.
-        let (ptr, len) = match which {
+        let b = match which {
             w if w == V4poolDecodeBuffer::Indices as u32 => s.indices(class),
             w if w == V4poolDecodeBuffer::Indptr as u32 => s.indptr(class),
             w if w == V4poolDecodeBuffer::DestRows as u32 => s.dest_rows(class),
             _ => return Err(invalid("which is not a V4poolDecodeBuffer")),
         }
+        .ok_or(DecodeError::MissingClass(class))
         .map_err(rejected)?;
-        *out(out_buffer, "out_buffer")? = V4poolBuffer { ptr, len };
+        *out(out_buffer, "out_buffer")? = V4poolBuffer { ptr: b.ptr, len: b.len };
         Ok(())
     })
 }

@@ -1,22 +1,23 @@
 //! `v4pool.Forward`: every pool-side step of a DeepSeek-V4 forward on one pool, for an engine
 //! (or `v4pool.hf`) driving a model from Python. A thin translation over the library: the
-//! decode path (`DecodeStep`), the prefill path, the KV row writer and the checked CSA top-k
+//! decode path (`DecodePath`), the prefill path, the KV row writer and the checked CSA top-k
 //! pack; tensors arrive as `torch.Tensor`s (`tensor.rs`), checked before any launch.
 
 use super::dlpack::{DLDevice, DeviceView, Elem, Keep, DL_CPU};
 use super::pool::{Block, PyPool, Slot};
+use super::tensor::elem_type_from_dlpack;
 use super::tensor::{tensor, Tensor, DL_BFLOAT, DL_INT};
 use super::{error, lib_err};
-use crate::embed::{class_from_name, compressor_from_name, elem_type_from_dlpack, DecodeStep, FlatBatch};
 use crate::geometry::Class;
 use crate::index::KV_ROW_VALUES;
 use crate::pool::{
-    CompressedRow, CsaTopk, DecodeCapacity, KvRowWriter, Pool, PrefillBuffer, PrefillCapacity, PrefillPath,
-    PrefillSeq, RowSet, RowWriteCapacity, TopkRows, WindowSeq, INDEX_KEY_VALUES,
+    CompressedRow, CsaTopk, DecodeCapacity, DecodePath, FlatDecodeBatch, KvRowWriter, Pool, PrefillBuffer,
+    PrefillCapacity, PrefillPath, PrefillSeq, RowSet, RowWriteCapacity, TopkRows, WindowSeq,
+    INDEX_KEY_VALUES,
 };
 use crate::state::gather::{GatherCapacity, GatherSeq, WindowGather};
 use crate::state::inputs::{HostStateInputs, StateStaging};
-use crate::state::update::{StateInputs, StateSeq, StateUpdate, StateUpdateCapacity};
+use crate::state::update::{Compressor, StateInputs, StateSeq, StateUpdate, StateUpdateCapacity};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -31,7 +32,7 @@ type Shared<T> = Arc<Mutex<T>>;
 pub struct PyForward {
     pool: Arc<Pool>,
     device: DLDevice,
-    decode: Shared<DecodeStep>,
+    decode: Shared<DecodePath>,
     prefill: Shared<PrefillPath>,
     writer: Shared<KvRowWriter>,
     topk: CsaTopk,
@@ -46,7 +47,7 @@ fn lock<T>(m: &Mutex<T>) -> PyResult<MutexGuard<'_, T>> {
 }
 
 fn class_arg(cls: &str) -> PyResult<Class> {
-    class_from_name(cls)
+    Class::from_name(cls)
         .ok_or_else(|| PyValueError::new_err(format!("class {cls:?}: one of dense, csa, hca")))
 }
 
@@ -171,7 +172,7 @@ impl PyForward {
         let index_topk = index_topk.unwrap_or(512);
         let prefill_tokens = prefill_tokens.unwrap_or(max_tokens);
         let dcap = DecodeCapacity { max_seqs, max_tokens, max_blocks_per_seq, win, index_topk };
-        let decode = DecodeStep::new(arc.clone(), dcap).map_err(lib_err)?;
+        let decode = arc.decode_path(dcap).map_err(lib_err)?;
         let pcap = PrefillCapacity {
             max_seqs,
             max_tokens: prefill_tokens,
@@ -233,36 +234,30 @@ impl PyForward {
     ) -> PyResult<usize> {
         let num_tokens = num_tokens.unwrap_or_else(|| vec![1; positions.len()]);
         let flat = flat_tables(&block_tables, self.max_blocks_per_seq)?;
-        let batch = FlatBatch {
+        let batch = FlatDecodeBatch {
             positions: &positions,
             context_lens: &context_lens,
             num_tokens: &num_tokens,
             block_tables: Some(&flat),
             table_stride: self.max_blocks_per_seq,
         };
-        lock(&self.decode)?.stage(&batch).map_err(lib_err)
+        lock(&self.decode)?.stage_flat(&batch).map_err(lib_err)
     }
 
     /// The decode build (one launch on the pool's stream): window tails, HCA heads, dest rows.
     fn decode_build(&self) -> PyResult<()> {
-        lock(&self.decode)?.build(None).map_err(lib_err)
+        lock(&self.decode)?.build().map_err(lib_err)
     }
 
     /// A class's decode index buffer, indptr or destination rows (int32 views).
     fn decode_indices(&self, cls: &str) -> PyResult<DeviceView> {
         let d = lock(&self.decode)?;
-        let b = d
-            .path()
-            .indices(class_arg(cls)?)
-            .ok_or_else(|| error("MissingClass", format!("no {cls} class")))?;
+        let b = d.indices(class_arg(cls)?).ok_or_else(|| error("MissingClass", format!("no {cls} class")))?;
         Ok(self.view(b, Elem::I32))
     }
     fn decode_indptr(&self, cls: &str) -> PyResult<DeviceView> {
         let d = lock(&self.decode)?;
-        let b = d
-            .path()
-            .indptr(class_arg(cls)?)
-            .ok_or_else(|| error("MissingClass", format!("no {cls} class")))?;
+        let b = d.indptr(class_arg(cls)?).ok_or_else(|| error("MissingClass", format!("no {cls} class")))?;
         Ok(self.view(b, Elem::I32))
     }
 
@@ -270,21 +265,21 @@ impl PyForward {
     /// int32 or int64, e.g. transformers' `[valid | -1]` rows `min(index_topk, entries)` wide).
     fn decode_csa_pack(&self, topk: &Bound<'_, PyAny>) -> PyResult<()> {
         let d = lock(&self.decode)?;
-        self.with_topk(topk, |rows, width| self.topk.pack_decode(d.path(), rows, width).map_err(lib_err))
+        self.with_topk(topk, |rows, width| self.topk.pack_decode(&d, rows, width).map_err(lib_err))
     }
 
     /// A decode token's own rows at `layer`: `kv` `[staged tokens, 512]` bf16 to the build's
     /// destination rows of the layer's class (before the layer's attention).
     fn write_decode(&self, layer: usize, kv: &Bound<'_, PyAny>) -> PyResult<()> {
         let d = lock(&self.decode)?;
-        let tokens = d.path().staged_tokens();
+        let tokens = d.staged_tokens();
         self.write_kv(
             kv,
             Some(tokens),
-            |w, s, stride| w.write_decode(d.path(), layer, s, stride).map_err(lib_err),
+            |w, s, stride| w.write_decode(&d, layer, s, stride).map_err(lib_err),
             // SAFETY: `ptr` is a checked bf16 tensor of the pool's device with `tokens` rows at
             // `stride`, alive for the call; the engine orders it before the pool's stream.
-            |w, ptr, stride| unsafe { w.write_decode_from(d.path(), layer, ptr, stride) }.map_err(lib_err),
+            |w, ptr, stride| unsafe { w.write_decode_from(&d, layer, ptr, stride) }.map_err(lib_err),
         )
     }
 
@@ -448,7 +443,7 @@ impl PyForward {
         score: &Bound<'_, PyAny>,
         ape: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let comp = compressor_from_name(compressor).ok_or_else(|| {
+        let comp = Compressor::from_name(compressor).ok_or_else(|| {
             PyValueError::new_err(format!("compressor {compressor:?}: csa_main, csa_idx or hca_main"))
         })?;
         let (kv, score, ape) = (tensor(kv, "kv")?, tensor(score, "score")?, tensor(ape, "ape")?);

@@ -15,29 +15,6 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-/// A manager error as `V4PoolError`: the pool's, checkpoint's and backend's errors by their
-/// own innermost variant, the manager's own by its name (their `RequestId` payload is no
-/// variant of anything, so the generic naming would stop at it).
-fn manager_err(e: ManagerError) -> PyErr {
-    let name = match &e {
-        ManagerError::Pool(p) => return lib_err(p),
-        ManagerError::Checkpoint(c) => return lib_err(c),
-        ManagerError::Backend(b) => return lib_err(b),
-        ManagerError::UnknownRequest(_) => "UnknownRequest",
-        ManagerError::NotRunning(_) => "NotRunning",
-        ManagerError::AlreadyRunning(_) => "AlreadyRunning",
-        ManagerError::NoSlot => "NoSlot",
-        ManagerError::OutOfBlocks { .. } => "OutOfBlocks",
-        ManagerError::CommitPastAllocation { .. } => "CommitPastAllocation",
-        ManagerError::NotCached { .. } => "NotCached",
-        ManagerError::Config(_) => "Config",
-        ManagerError::Overflow(_) => "Overflow",
-        ManagerError::RepeatedHash { .. } => "RepeatedHash",
-        ManagerError::HostTier(t) => return lib_err(t),
-    };
-    error(name, e.to_string())
-}
-
 fn poisoned() -> PyErr {
     error("Poisoned", "manager lock poisoned".into())
 }
@@ -67,7 +44,7 @@ impl PyKvManager {
     ) -> PyResult<T> {
         py.detach(|| self.inner.lock().map(|mut m| f(&mut m)).map_err(|_| ()))
             .map_err(|()| poisoned())?
-            .map_err(manager_err)
+            .map_err(lib_err)
     }
 
     fn hashes(&self, m: &KvManager, tokens: &[u32], parent: Option<u128>) -> Vec<BlockHash> {
@@ -115,7 +92,7 @@ impl PyKvManager {
             }
         };
         let config = ManagerConfig { checkpoint_every, rolling, host_tier_bytes };
-        let m = py.detach(|| KvManager::new(pool, config, policy)).map_err(manager_err)?;
+        let m = py.detach(|| KvManager::new(pool, config, policy)).map_err(lib_err)?;
         Ok(PyKvManager { inner: Mutex::new(m), namespace: Namespace::from_label(namespace), _hold: hold })
     }
 
@@ -149,7 +126,7 @@ impl PyKvManager {
     /// More full-block hashes of a request (from `block_hashes`, chained from its last).
     fn extend_hashes(&self, id: u64, hashes: Vec<u128>) -> PyResult<()> {
         let hashes: Vec<BlockHash> = hashes.into_iter().map(BlockHash).collect();
-        self.lock()?.extend_hashes(RequestId::from_bits(id), &hashes).map_err(manager_err)
+        self.lock()?.extend_hashes(RequestId::from_bits(id), &hashes).map_err(lib_err)
     }
 
     /// Tokens of `tokens` the cache would serve now (no side effects).
@@ -165,7 +142,7 @@ impl PyKvManager {
 
     /// How many of `budget` prefill tokens the request's next chunk takes (0: it decodes).
     fn prefill_stop(&self, id: u64, budget: u64) -> PyResult<u64> {
-        self.lock()?.prefill_stop(RequestId::from_bits(id), budget).map_err(manager_err)
+        self.lock()?.prefill_stop(RequestId::from_bits(id), budget).map_err(lib_err)
     }
 
     /// Blocks for `tokens` more tokens of a running request.
@@ -201,25 +178,25 @@ impl PyKvManager {
 
     /// A request's block table (pool block ids, current after every boundary move).
     fn block_table(&self, id: u64) -> PyResult<Vec<i32>> {
-        self.lock()?.block_table(RequestId::from_bits(id)).map_err(manager_err)
+        self.lock()?.block_table(RequestId::from_bits(id)).map_err(lib_err)
     }
 
     /// A running request's slot position (None while it waits).
     fn slot_position(&self, id: u64) -> PyResult<Option<i64>> {
-        Ok(self.lock()?.slot(RequestId::from_bits(id)).map_err(manager_err)?.map(|s| s.position))
+        Ok(self.lock()?.slot(RequestId::from_bits(id)).map_err(lib_err)?.map(|s| s.position))
     }
 
     /// A running request's slot as the pool's writers take it (None while it waits). Lent:
     /// the manager frees it; ask again after every step (a boundary move relocates it).
     fn slot(&self, id: u64) -> PyResult<Option<Slot>> {
-        let s = self.lock()?.slot(RequestId::from_bits(id)).map_err(manager_err)?;
+        let s = self.lock()?.slot(RequestId::from_bits(id)).map_err(lib_err)?;
         Ok(s.map(|s| Slot::from_handle(s.handle, s.position)))
     }
 
     /// A request's blocks (handles, table order) as the pool's writers take them. Lent like
     /// `slot`: never free them through the pool.
     fn blocks(&self, id: u64) -> PyResult<Vec<Block>> {
-        let b = self.lock()?.block_handles(RequestId::from_bits(id)).map_err(manager_err)?;
+        let b = self.lock()?.block_handles(RequestId::from_bits(id)).map_err(lib_err)?;
         Ok(b.into_iter().map(Block::from_handle).collect())
     }
 
@@ -238,7 +215,7 @@ impl PyKvManager {
         let rebound = py
             .detach(|| {
                 let m = self.inner.lock().map_err(|_| None)?;
-                let kv = m.request_kv(RequestId::from_bits(id)).map_err(|e| Some(manager_err(e)))?;
+                let kv = m.request_kv(RequestId::from_bits(id)).map_err(|e| Some(lib_err(e)))?;
                 let sp = m.pool();
                 let mut engine =
                     LocalEngine::new(sp.backend().clone(), rpool.backend().clone(), rpool.stream());
@@ -252,7 +229,7 @@ impl PyKvManager {
 
     /// Tokens of a request whose KV and state are in the pool.
     fn computed_tokens(&self, id: u64) -> PyResult<u64> {
-        self.lock()?.computed_tokens(RequestId::from_bits(id)).map_err(manager_err)
+        self.lock()?.computed_tokens(RequestId::from_bits(id)).map_err(lib_err)
     }
 
     /// Bytes of checkpoints held (stored or being stored).

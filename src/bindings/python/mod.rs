@@ -13,6 +13,7 @@ mod tensor;
 use crate::model::Drafts;
 use crate::plan_report::{PlanOptionError, PlanOptions, PlanReport};
 use crate::sizing::parse_bytes;
+use crate::VariantName;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -35,9 +36,9 @@ pub(crate) fn error(variant: &str, message: String) -> PyErr {
     })
 }
 
-/// Any library error, named by its innermost variant.
-pub(crate) fn lib_err<E: std::fmt::Debug + std::fmt::Display>(e: E) -> PyErr {
-    error(&crate::embed::error_variant(&e), e.to_string())
+/// Any library error, named by its innermost variant ([`VariantName`]).
+pub(crate) fn lib_err<E: VariantName + std::fmt::Display>(e: E) -> PyErr {
+    error(e.variant_name(), e.to_string())
 }
 
 fn plan_err(e: PlanOptionError) -> PyErr {

@@ -7,11 +7,11 @@ use super::{error, lib_err, Plan};
 use crate::alloc::{BlockHandle, SlotHandle};
 use crate::arena::Dtype;
 use crate::backend::external::ExternalRegion;
-use crate::backend::{Backend, BackendKind, Stream};
+use crate::backend::{self, Backend, BackendChoice, BackendKind, Stream};
 use crate::boundary::BoundaryChange;
 use crate::checkpoint::{CheckpointImage, LayoutId};
-use crate::embed::{class_from_name, open_backend, DecodeStep, FlatBatch};
-use crate::pool::{DecodeCapacity, Pool, PoolSpec};
+use crate::geometry::Class;
+use crate::pool::{DecodeCapacity, DecodeError, DecodePath, DeviceBuffer, FlatDecodeBatch, Pool, PoolSpec};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -248,7 +248,7 @@ impl PyPool {
         stream: Option<Bound<'_, PyAny>>,
         memory: Option<Bound<'_, PyAny>>,
     ) -> PyResult<PyPool> {
-        let b = open_backend(backend, device).map_err(lib_err)?;
+        let b = BackendChoice::parse(backend).and_then(|c| backend::select_on(c, device)).map_err(lib_err)?;
         let stream = stream_arg(stream.as_ref(), Stream::DEFAULT)?;
         let memory = match memory {
             None => None,
@@ -489,7 +489,7 @@ impl PyPool {
             win: win.unwrap_or(model.sliding_window as i32),
             index_topk: index_topk.unwrap_or(model.index_topk as i32),
         };
-        let step = DecodeStep::new(self.hold.pool.clone(), cap).map_err(lib_err)?;
+        let step = self.hold.pool.decode_path(cap).map_err(lib_err)?;
         let step = Arc::new(Mutex::new(step));
         let keep: Keep = Arc::new((step.clone(), self.hold.clone()));
         Ok(PyDecode { step, hold: self.hold.clone(), device: self.device, keep })
@@ -559,6 +559,28 @@ fn i32s(o: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
     o.extract()
 }
 
+/// A decode batch of the arrays given, `block_tables` (2-D `[batch, columns]` int32, copied
+/// into `tmp`) or `None` for resident tables.
+fn flat_batch<'a>(
+    positions: &'a [i64],
+    context_lens: &'a [i64],
+    num_tokens: &'a [i64],
+    block_tables: Option<&Bound<'_, PyAny>>,
+    tmp: &'a mut Vec<i32>,
+) -> PyResult<FlatDecodeBatch<'a>> {
+    let (block_tables, table_stride) = match block_tables {
+        Some(t) => {
+            let (flat, shape) = int_array(t, I32, tmp, i32s)?;
+            if shape.len() != 2 {
+                return Err(PyValueError::new_err("block_tables must be 2-D [batch, columns]"));
+            }
+            (Some(flat), shape[1])
+        }
+        None => (None, 0),
+    };
+    Ok(FlatDecodeBatch { positions, context_lens, num_tokens, block_tables, table_stride })
+}
+
 const I64: &str = "<i8";
 const I32: &str = "<i4";
 
@@ -566,25 +588,28 @@ const I32: &str = "<i4";
 /// and the buffers as int32 DLPack views.
 #[pyclass(module = "v4pool", name = "Decode", frozen)]
 pub struct PyDecode {
-    step: Arc<Mutex<DecodeStep>>,
+    step: Arc<Mutex<DecodePath>>,
     hold: Arc<Hold>,
     device: DLDevice,
     keep: Keep,
 }
 
 impl PyDecode {
-    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, DecodeStep>> {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, DecodePath>> {
         self.step.lock().map_err(|_| error("Poisoned", "decode buffers' lock poisoned".into()))
     }
 
-    fn view(&self, (ptr, len): (u64, u64)) -> DeviceView {
-        let mut v = DeviceView::contiguous(ptr, Elem::I32, vec![len as i64], self.device, self.keep.clone());
+    /// An int32 view of `b` (`None`: the geometry lacks `class`).
+    fn view(&self, class: Class, b: Option<DeviceBuffer>) -> PyResult<DeviceView> {
+        let b = b.ok_or(DecodeError::MissingClass(class)).map_err(lib_err)?;
+        let mut v =
+            DeviceView::contiguous(b.ptr, Elem::I32, vec![b.len as i64], self.device, self.keep.clone());
         v.sync = Some(sync_fn(&self.hold));
-        v
+        Ok(v)
     }
 
-    fn class(&self, cls: &str) -> PyResult<crate::geometry::Class> {
-        class_from_name(cls)
+    fn class(&self, cls: &str) -> PyResult<Class> {
+        Class::from_name(cls)
             .ok_or_else(|| PyValueError::new_err(format!("class {cls:?}: one of dense, csa, hca")))
     }
 }
@@ -614,19 +639,8 @@ impl PyDecode {
                 &ones
             }
         };
-        let (tables, stride) = match block_tables {
-            Some(t) => {
-                let (flat, shape) = int_array(t, I32, &mut t3, i32s)?;
-                if shape.len() != 2 {
-                    return Err(PyValueError::new_err("block_tables must be 2-D [batch, columns]"));
-                }
-                (Some(flat), shape[1])
-            }
-            None => (None, 0),
-        };
-        let batch =
-            FlatBatch { positions, context_lens, num_tokens, block_tables: tables, table_stride: stride };
-        self.lock()?.stage(&batch).map_err(lib_err)
+        let batch = flat_batch(positions, context_lens, num_tokens, block_tables, &mut t3)?;
+        self.lock()?.stage_flat(&batch).map_err(lib_err)
     }
 
     /// Write batch row `row`'s device block table from column `start_col`.
@@ -642,29 +656,29 @@ impl PyDecode {
     #[pyo3(signature = (stream=None))]
     fn build(&self, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let stream = stream_arg(stream, self.hold.pool.stream())?;
-        self.lock()?.build(Some(stream)).map_err(lib_err)
+        self.lock()?.build_on(stream).map_err(lib_err)
     }
 
     /// Class `cls`'s index buffer (`dense`, `csa`, `hca`), int32 `[max_tokens × slice
     /// capacity]`. Token `t`'s rows are `indices[indptr[t]:indptr[t+1]]`.
     fn indices(&self, cls: &str) -> PyResult<DeviceView> {
         let c = self.class(cls)?;
-        Ok(self.view(self.lock()?.indices(c).map_err(lib_err)?))
+        self.view(c, self.lock()?.indices(c))
     }
     /// Class `cls`'s indptr, int32 `[max_tokens + 1]`.
     fn indptr(&self, cls: &str) -> PyResult<DeviceView> {
         let c = self.class(cls)?;
-        Ok(self.view(self.lock()?.indptr(c).map_err(lib_err)?))
+        self.view(c, self.lock()?.indptr(c))
     }
     /// Class `cls`'s destination rows (where each token's new row goes), int32 `[max_tokens]`.
     fn dest_rows(&self, cls: &str) -> PyResult<DeviceView> {
         let c = self.class(cls)?;
-        Ok(self.view(self.lock()?.dest_rows(c).map_err(lib_err)?))
+        self.view(c, self.lock()?.dest_rows(c))
     }
 
     /// The capacities the buffers were sized for.
     fn capacity<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = self.lock()?.path().capacity();
+        let c = self.lock()?.capacity();
         let d = PyDict::new(py);
         d.set_item("max_seqs", c.max_seqs)?;
         d.set_item("max_tokens", c.max_tokens)?;
@@ -697,21 +711,13 @@ impl PyDecode {
         let (positions, _) = int_array(positions, I64, &mut t0, i64s)?;
         let (context_lens, _) = int_array(context_lens, I64, &mut t1, i64s)?;
         let (num_tokens, _) = int_array(num_tokens, I64, &mut t2, i64s)?;
-        let (tables, stride) = match block_tables {
-            Some(t) => {
-                let (flat, shape) = int_array(t, I32, &mut t3, i32s)?;
-                (Some(flat), shape.get(1).copied().unwrap_or(0))
-            }
-            None => (None, 0),
-        };
-        let batch =
-            FlatBatch { positions, context_lens, num_tokens, block_tables: tables, table_stride: stride };
+        let batch = flat_batch(positions, context_lens, num_tokens, block_tables, &mut t3)?;
         let mut step = self.lock()?;
         let start = std::time::Instant::now();
         for _ in 0..iters.max(1) {
-            step.stage(&batch).map_err(lib_err)?;
+            step.stage_flat(&batch).map_err(lib_err)?;
             if build {
-                step.build(None).map_err(lib_err)?;
+                step.build().map_err(lib_err)?;
             }
         }
         Ok(start.elapsed().as_secs_f64() / f64::from(iters.max(1)))

@@ -10,6 +10,17 @@ use pyo3::prelude::*;
 pub const DL_INT: u8 = 0;
 /// bfloat16's DLPack type code.
 pub const DL_BFLOAT: u8 = 4;
+/// IEEE float's DLPack type code.
+const DL_FLOAT: u8 = 2;
+
+/// The state update's element type of a DLPack `(code, bits)`: float32 or bfloat16.
+pub fn elem_type_from_dlpack(code: u8, bits: u8) -> Option<crate::index::ElemType> {
+    match (code, bits) {
+        (DL_FLOAT, 32) => Some(crate::index::ElemType::F32),
+        (DL_BFLOAT, 16) => Some(crate::index::ElemType::Bf16),
+        _ => None,
+    }
+}
 
 /// A tensor argument as torch describes it; `_capsule` keeps torch's export (and so the
 /// memory) alive while the call uses the address.
