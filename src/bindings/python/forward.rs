@@ -11,8 +11,8 @@ use super::{error, lib_err};
 use crate::geometry::Class;
 use crate::index::KV_ROW_VALUES;
 use crate::pool::{
-    CompressedRow, CsaTopk, DecodeCapacity, DecodePath, FlatDecodeBatch, KvRowWriter, Pool, PrefillBuffer,
-    PrefillCapacity, PrefillPath, PrefillSeq, RowSet, RowWriteCapacity, TopkRows, WindowSeq,
+    CompressedRow, CsaTopk, DecodeCapacity, DecodeError, DecodePath, FlatDecodeBatch, KvRowWriter, Pool,
+    PrefillBuffer, PrefillCapacity, PrefillPath, PrefillSeq, RowSet, RowWriteCapacity, TopkRows, WindowSeq,
     INDEX_KEY_VALUES,
 };
 use crate::state::gather::{GatherCapacity, GatherSeq, WindowGather};
@@ -252,12 +252,14 @@ impl PyForward {
     /// A class's decode index buffer, indptr or destination rows (int32 views).
     fn decode_indices(&self, cls: &str) -> PyResult<DeviceView> {
         let d = lock(&self.decode)?;
-        let b = d.indices(class_arg(cls)?).ok_or_else(|| error("MissingClass", format!("no {cls} class")))?;
+        let c = class_arg(cls)?;
+        let b = d.indices(c).ok_or(DecodeError::MissingClass(c)).map_err(lib_err)?;
         Ok(self.view(b, Elem::I32))
     }
     fn decode_indptr(&self, cls: &str) -> PyResult<DeviceView> {
         let d = lock(&self.decode)?;
-        let b = d.indptr(class_arg(cls)?).ok_or_else(|| error("MissingClass", format!("no {cls} class")))?;
+        let c = class_arg(cls)?;
+        let b = d.indptr(c).ok_or(DecodeError::MissingClass(c)).map_err(lib_err)?;
         Ok(self.view(b, Elem::I32))
     }
 
