@@ -505,25 +505,44 @@ pub(crate) fn check_blocks(max_ids: &[Option<i32>], num_blocks: i64) -> Result<(
     }
 }
 
-/// The slot and compress bias of a translate-pack: `None`, V4's one-CSA-buffer pack of any
-/// CSA layer (bias 0; refused where layers share compressors, `head_fill` false); `Some(layer)`,
-/// the slot whose heads layer `layer` fills (`layer_slots` per layer) with its bias (V4's
-/// class-wide coarse heads, `head_fill`, are the builder's: no pack fills them).
-pub(crate) fn pack_target(
-    layer_slots: &[Option<Class>],
-    compress_bias: &[i64],
-    head_fill: bool,
-    layer: Option<usize>,
-) -> Result<(Class, i64), DecodeError> {
-    let Some(layer) = layer else {
-        return if head_fill { Ok((Class::Csa, 0)) } else { Err(DecodeError::PackNeedsLayer) };
-    };
-    match layer_slots.get(layer).copied().flatten() {
-        // Both tables hold one entry per layer.
-        Some(c @ (Class::Csa | Class::Hca)) if !(c == Class::Hca && head_fill) => {
-            compress_bias.get(layer).map(|&bias| (c, bias)).ok_or(DecodeError::NotPacked { layer })
+/// Where a translate-pack writes, derived once from the geometry for both index paths
+/// (decode and prefill): V4's class-wide coarse head fill, and every layer's slot (`None`:
+/// absent) and compress bias.
+#[derive(Clone, Debug)]
+pub(crate) struct PackTargets {
+    /// V4's class-wide coarse head fill ([`UnifiedPoolGeometry::coarse_head_fill`]); without
+    /// it both compressed slots are packed per layer.
+    pub(crate) head_fill: bool,
+    layer_slots: Vec<Option<Class>>,
+    compress_bias: Vec<i64>,
+}
+
+impl PackTargets {
+    pub(crate) fn of(geometry: &UnifiedPoolGeometry) -> PackTargets {
+        PackTargets {
+            head_fill: geometry.coarse_head_fill(),
+            layer_slots: (0..geometry.num_layers).map(|l| geometry.layer_slot(l).ok()).collect(),
+            compress_bias: geometry.compress_bias.clone(),
         }
-        _ => Err(DecodeError::NotPacked { layer }),
+    }
+
+    /// The slot and compress bias of a translate-pack of one layer's top-k: `None`, V4's
+    /// one-CSA-buffer pack of any CSA layer (every CSA layer owns its rows; bias 0; refused
+    /// where layers share compressors, [`DecodeError::PackNeedsLayer`]); `Some(layer)`,
+    /// compressed layer `layer` into the heads of its slot's buffer with its compress bias
+    /// (V4.1: both slots, every compressed layer, after its indexer; V4's coarse heads are
+    /// the builder's, so its coarse layers are refused, [`DecodeError::NotPacked`]).
+    pub(crate) fn target(&self, layer: Option<usize>) -> Result<(Class, i64), DecodeError> {
+        let Some(layer) = layer else {
+            return if self.head_fill { Ok((Class::Csa, 0)) } else { Err(DecodeError::PackNeedsLayer) };
+        };
+        match self.layer_slots.get(layer).copied().flatten() {
+            // Both tables hold one entry per layer.
+            Some(c @ (Class::Csa | Class::Hca)) if !(c == Class::Hca && self.head_fill) => {
+                self.compress_bias.get(layer).map(|&bias| (c, bias)).ok_or(DecodeError::NotPacked { layer })
+            }
+            _ => Err(DecodeError::NotPacked { layer }),
+        }
     }
 }
 
@@ -597,11 +616,8 @@ pub(crate) struct DecodeIndexBuffers {
     block_size: i64,
     /// The fine and coarse slots' compress ratios (V4: 4, 128; V4.1: 1, 2).
     slot_ratios: [i64; 2],
-    /// V4's class-wide coarse head fill ([`UnifiedPoolGeometry::coarse_head_fill`]).
-    head_fill: bool,
-    /// Every layer's slot (`None`: absent) and compress bias, for the per-layer packs.
-    layer_slots: Vec<Option<Class>>,
-    compress_bias: Vec<i64>,
+    /// Where the translate-packs write (V4's coarse head fill, per-layer slots and biases).
+    targets: PackTargets,
     bounds: PoolBounds,
     staging: Vec<u8>,
     /// CSA head (top-k entries the pack reads) of every staged token, for checking an
@@ -750,9 +766,7 @@ impl DecodeIndexBuffers {
             hca_rows_per_block: (geometry.block_size / slot_ratios(geometry)?[1]) as i32,
             block_size: geometry.block_size,
             slot_ratios: slot_ratios(geometry)?,
-            head_fill: geometry.coarse_head_fill(),
-            layer_slots: (0..geometry.num_layers).map(|l| geometry.layer_slot(l).ok()).collect(),
-            compress_bias: geometry.compress_bias.clone(),
+            targets: PackTargets::of(geometry),
             bounds: PoolBounds::of(geometry),
             staging: vec![0u8; layout.meta_end as usize],
             csa_heads: Vec::with_capacity(cap.max_tokens),
@@ -844,7 +858,7 @@ impl DecodeIndexBuffers {
             batch_id_per_token: b + l.batch_ids,
             positions: b + l.positions,
             // Without V4's head fill the builder leaves the coarse heads to the packs.
-            block_tables: if self.head_fill { b + l.block_tables } else { 0 },
+            block_tables: if self.targets.head_fill { b + l.block_tables } else { 0 },
             envelope_rows: self.envelope_rows,
             block_table_stride: self.cap.max_blocks_per_seq as i32,
             hca_rows_per_block: self.hca_rows_per_block,
@@ -860,20 +874,15 @@ impl DecodeIndexBuffers {
     }
 
     /// The translate-pack arguments of one layer's top-k `topk` (i32
-    /// `[rows][topk_row_stride]`): `None`, V4's one-CSA-buffer pack of any CSA layer (every
-    /// CSA layer owns its rows; refused where layers share compressors,
-    /// [`DecodeError::PackNeedsLayer`]); `Some(layer)`, compressed layer `layer` into the
-    /// heads of its slot's buffer with its compress bias (V4.1: both slots, every compressed
-    /// layer, after its indexer; V4's coarse layers are refused, the builder fills their
-    /// heads). Refuses a stride shorter than `index_topk` (the kernel reads that much of a
-    /// row).
+    /// `[rows][topk_row_stride]`) at the slot and bias [`PackTargets::target`] gives; refuses a
+    /// stride shorter than `index_topk` (the kernel reads that much of a row).
     pub(crate) fn pack_args(
         &self,
         layer: Option<usize>,
         topk: DevicePtr,
         topk_row_stride: i32,
     ) -> Result<CsaPackArgs, DecodeError> {
-        let (slot, bias) = pack_target(&self.layer_slots, &self.compress_bias, self.head_fill, layer)?;
+        let (slot, bias) = self.targets.target(layer)?;
         self.slot_pack_args(slot, bias, topk, topk_row_stride)
     }
 
@@ -1143,7 +1152,7 @@ impl DecodeIndexBuffers {
             for k in 0..s.num_tokens {
                 let pos = s.context_len - s.num_tokens as i64 + k as i64;
                 let (n, csa, hca) =
-                    class_slice_lens(pos, s.context_len, win, topk, self.slot_ratios, self.head_fill);
+                    class_slice_lens(pos, s.context_len, win, topk, self.slot_ratios, self.targets.head_fill);
                 // At most index_topk and a position / the fine ratio: both i32.
                 self.csa_heads.push([csa as i32, ((pos + 1) / self.slot_ratios[0]) as i32]);
                 put_i32(st, l.batch_ids, t, b as i32);

@@ -14,8 +14,8 @@
 //! [`crate::pool::PrefillPath`]: these buffers (crate-private) with the pool they index.
 
 use super::decode::{
-    check_blocks, check_capacity, check_live, check_seq, class_slice_lens, pack_slot, pack_target,
-    read_columns, slot_ratios, DecodeError, PoolBounds,
+    check_blocks, check_capacity, check_live, check_seq, class_slice_lens, pack_slot, read_columns,
+    slot_ratios, DecodeError, PackTargets, PoolBounds,
 };
 use super::owned::{Carve, DeviceBuffer, Owned};
 use crate::backend::{Backend, Stream};
@@ -149,12 +149,8 @@ pub(crate) struct PrefillIndexBuffers {
     block_size: i64,
     /// The fine and coarse slots' compress ratios (V4: 4, 128).
     slot_ratios: [i64; 2],
-    /// V4's class-wide coarse head fill ([`UnifiedPoolGeometry::coarse_head_fill`]); without
-    /// it both compressed slots are packed per layer.
-    head_fill: bool,
-    /// Every layer's slot (`None`: absent) and compress bias, for the per-layer packs.
-    layer_slots: Vec<Option<Class>>,
-    compress_bias: Vec<i64>,
+    /// Where the translate-packs write (V4's coarse head fill, per-layer slots and biases).
+    targets: PackTargets,
     bounds: PoolBounds,
     staging: Vec<u8>,
     /// CSA head of every staged token (what the translate-pack reads of its top-k row).
@@ -262,9 +258,7 @@ impl PrefillIndexBuffers {
             envelope_rows: geometry.envelope_rows,
             block_size: geometry.block_size,
             slot_ratios: slot_ratios(geometry)?,
-            head_fill: geometry.coarse_head_fill(),
-            layer_slots: (0..geometry.num_layers).map(|l| geometry.layer_slot(l).ok()).collect(),
-            compress_bias: geometry.compress_bias.clone(),
+            targets: PackTargets::of(geometry),
             bounds: PoolBounds::of(geometry),
             staging: vec![0u8; layout.meta_end as usize],
             csa_heads: Vec::new(),
@@ -385,8 +379,15 @@ impl PrefillIndexBuffers {
         for s in batch {
             let ctx = s.chunk_start + s.num_tokens as i64;
             for p in s.chunk_start..ctx {
-                let (ext, pre, csa, hca) =
-                    slot_slice_lens(p, s.chunk_start, ctx, win, topk, self.slot_ratios, self.head_fill);
+                let (ext, pre, csa, hca) = slot_slice_lens(
+                    p,
+                    s.chunk_start,
+                    ctx,
+                    win,
+                    topk,
+                    self.slot_ratios,
+                    self.targets.head_fill,
+                );
                 total[Class::Dense.index()] += if dense { pre } else { 0 };
                 total[Class::Csa.index()] += pre + csa;
                 total[Class::Hca.index()] += pre + hca;
@@ -427,8 +428,15 @@ impl PrefillIndexBuffers {
             let row = l.block_tables as usize + 4 * b * cap.max_blocks_per_seq;
             st[row..row + 4 * s.block_table.len()].copy_from_slice(bytemuck::cast_slice(s.block_table));
             for p in s.chunk_start..ctx {
-                let (ext, pre, csa, hca) =
-                    slot_slice_lens(p, s.chunk_start, ctx, win, topk, self.slot_ratios, self.head_fill);
+                let (ext, pre, csa, hca) = slot_slice_lens(
+                    p,
+                    s.chunk_start,
+                    ctx,
+                    win,
+                    topk,
+                    self.slot_ratios,
+                    self.targets.head_fill,
+                );
                 put(st, l.positions, t, p);
                 put(st, l.batch_ids, t, b as i64);
                 put(st, l.skip, t, pre);
@@ -477,7 +485,7 @@ impl PrefillIndexBuffers {
             win: self.cap.win,
             hca_ratio: self.slot_ratios[1] as i32,
             hca_rows_per_block: (self.block_size / self.slot_ratios[1]) as i32,
-            coarse_packed: i32::from(!self.head_fill),
+            coarse_packed: i32::from(!self.targets.head_fill),
         }
     }
 
@@ -511,20 +519,15 @@ impl PrefillIndexBuffers {
     }
 
     /// The translate-pack arguments of one layer's top-k `topk` (i32
-    /// `[rows][topk_row_stride]`): `None`, V4's one-CSA-buffer pack of any CSA layer (every
-    /// CSA layer owns its rows; refused where layers share compressors,
-    /// [`DecodeError::PackNeedsLayer`]); `Some(layer)`, compressed layer `layer` into the
-    /// heads of its slot's buffer with its compress bias (V4.1: both slots, every compressed
-    /// layer, after its indexer; V4's coarse layers are refused, the builder fills their
-    /// heads). Refuses a stride shorter than `index_topk` (the kernel reads that much of a
-    /// row).
+    /// `[rows][topk_row_stride]`) at the slot and bias [`PackTargets::target`] gives; refuses a
+    /// stride shorter than `index_topk` (the kernel reads that much of a row).
     pub(crate) fn pack_args(
         &self,
         layer: Option<usize>,
         topk: DevicePtr,
         topk_row_stride: i32,
     ) -> Result<CsaPackArgs, DecodeError> {
-        let (slot, bias) = pack_target(&self.layer_slots, &self.compress_bias, self.head_fill, layer)?;
+        let (slot, bias) = self.targets.target(layer)?;
         self.slot_pack_args(slot, bias, topk, topk_row_stride)
     }
 
