@@ -17,7 +17,7 @@ import sys
 LAYERS = [
     ["checked", "profiling", "rng", "variant"],
     ["geometry"],
-    ["model", "index"],
+    ["model", "index", "format"],
     ["arena", "alloc", "kernels"],
     ["sizing", "boundary"],
     ["checkpoint"],

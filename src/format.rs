@@ -1,0 +1,627 @@
+//! Row formats: the bytes one token's KV row (512 values: 448 NoPE, then 64 RoPE) takes in the
+//! pool, each format **one description** ([`RowFormat`]) that sizing, the host packer and
+//! unpacker, and every byte path read through [`PlaneFormat::byte_offset`] /
+//! [`PlaneFormat::row_spans`]. Adding a format (NVFP4's 384 B, say) is one more `static` here.
+//!
+//! A format is a list of **planes** (a row index means the same row in every plane) and a list
+//! of **segments** (a run of the 512 values, their element encoding, and where their scales
+//! sit). A plane's row is cut into **regions**; a plane is **paged** when `page_rows > 1`: a page
+//! holds `page_rows` rows of region 0, then `page_rows` rows of region 1, … (FlashMLA's V4
+//! layout: 64 data rows of 576 B, then 64 scale rows of 8 B). Unpaged rows are back to back.
+//!
+//! | format | planes (bytes/row) | values | scales |
+//! |---|---|---|---|
+//! | `atom-fp8` | 512 NoPE + 128 RoPE | 448 e4m3, 64 bf16 | e8m0 per 64, stored twice |
+//! | `bf16` | 1024 | 512 bf16 | — |
+//! | `flashmla-v4` | 584, pages of 64: 576 data + 8 scale | 448 e4m3, 64 bf16 | e8m0 per 64 |
+//! | `flashmla-v41` | 528 interleaved | 512 e4m3 | e8m0 per 32 |
+//! | `flashmla-v41-fp4` | 288 interleaved | 512 e2m1 (even index low nibble) | e4m3 per 16 |
+//!
+//! Scale rules (the writer's choice; a reader only multiplies): a power-of-two (e8m0) scale is
+//! the least `2^(B-127)` with `max(amax, floor) / scale <= elem_max`. `atom-fp8` has floor 0 (an
+//! all-zero tile stores `B = 0` and zero values: v4pool's rule since issue 23); the FlashMLA
+//! formats take FlashMLA's own `tests/quant.py` rule, `2^ceil(log2(max(amax / 448, 1e-4)))`,
+//! i.e. floor `448e-4` (`B >= 114`). An e4m3 scale (fp4) is `amax / 6` rounded to nearest even
+//! e4m3, values `x / scale` rounded to nearest even e2m1 and saturated at 6 (a scale rounded down
+//! saturates at most one step). Values divide by the scale in f32 and round to nearest even.
+
+use crate::index::host::{e2m1_rne, e4m3_rne, e8m0_of_amax, e8m0_of_amax_e2m1};
+use crate::index::KV_ROW_VALUES;
+use crate::variant::VariantName;
+use thiserror::Error;
+
+/// The formats, by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RowFormatId {
+    /// ROCm/ATOM's (aiter's) fp8 rows: a 512-B NoPE plane and a 128-B RoPE plane (640 B).
+    AtomFp8,
+    /// One 1,024-B plane of 512 bf16 values.
+    Bf16,
+    /// FlashMLA's DeepSeek-V4 fp8 layout: 584 B a token in pages of 64 tokens.
+    FlashMlaV4,
+    /// FlashMLA's DeepSeek-V4.1 fp8 layout: 528 B a token, interleaved.
+    FlashMlaV41,
+    /// FlashMLA's DeepSeek-V4.1 fp4 extra cache: 288 B a token, interleaved.
+    FlashMlaV41Fp4,
+}
+
+/// How one value is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Elem {
+    /// bfloat16, copied.
+    Bf16,
+    /// float8 e4m3fn (largest finite 448).
+    E4m3,
+    /// float4 e2m1 (largest 6), two to a byte, the even-indexed value in the low nibble.
+    E2m1,
+}
+
+impl Elem {
+    /// Bits one value takes.
+    pub fn bits(self) -> usize {
+        match self {
+            Elem::Bf16 => 16,
+            Elem::E4m3 => 8,
+            Elem::E2m1 => 4,
+        }
+    }
+}
+
+/// How one scale is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleEnc {
+    /// A power of two as an e8m0 byte `B` (scale `2^(B-127)`); the group's amax is raised to at
+    /// least the f32 with bits `amax_floor` before the least fitting `B` is taken.
+    E8m0 {
+        /// f32 bits of the amax floor (0: an all-zero group stores `B = 0`).
+        amax_floor: u32,
+    },
+    /// An e4m3fn byte: `amax / elem_max` rounded to nearest even.
+    E4m3,
+}
+
+/// Where bytes sit in a row: the plane, the region of the plane's row, the byte in the region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Place {
+    /// Plane index.
+    pub plane: usize,
+    /// Region of that plane's row.
+    pub region: usize,
+    /// Byte offset inside the region.
+    pub offset: usize,
+}
+
+/// The scales of a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScaleSpec {
+    /// Values one scale covers.
+    pub group: usize,
+    /// Its encoding (one byte either way).
+    pub enc: ScaleEnc,
+    /// Where scale 0 sits; scale `g` is `g × copies` bytes on.
+    pub place: Place,
+    /// How many times each scale is stored (ATOM stores each twice).
+    pub copies: usize,
+}
+
+/// A run of the 512 values in one encoding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// First value of the run.
+    pub first: usize,
+    /// Values in the run.
+    pub count: usize,
+    /// Their encoding.
+    pub elem: Elem,
+    /// Where value `first` sits; the rest follow packed.
+    pub data: Place,
+    /// Their scales, if quantised.
+    pub scale: Option<ScaleSpec>,
+}
+
+/// One plane's row layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlaneFormat {
+    /// Bytes of each region of a row, in order; their sum is the row's bytes.
+    pub regions: &'static [u64],
+    /// Rows of a page (1: unpaged, rows back to back).
+    pub page_rows: u64,
+}
+
+impl PlaneFormat {
+    /// Bytes one row takes.
+    pub fn row_bytes(&self) -> u64 {
+        self.regions.iter().sum()
+    }
+    /// Byte offset of region `region` of row `row` from the plane's row 0 (`None` past 64 bits
+    /// or for a region the row lacks).
+    pub fn byte_offset(&self, row: u64, region: usize) -> Option<u64> {
+        let before: u64 = self.regions.get(..region)?.iter().sum();
+        self.regions.get(region)?;
+        let p = self.page_rows;
+        let page_bytes = p.checked_mul(self.row_bytes())?;
+        (row / p)
+            .checked_mul(page_bytes)?
+            .checked_add(p.checked_mul(before)?)?
+            .checked_add((row % p).checked_mul(self.regions[region])?)
+    }
+    /// The byte spans `(offset, len)` rows `[first, first + rows)` occupy, in increasing offset,
+    /// abutting spans merged: one span when unpaged or when the run is whole pages; for a partial
+    /// page, one span per region. The one conversion from rows to bytes a byte path (copy,
+    /// checkpoint, transfer) of a paged plane reads.
+    pub fn row_spans(&self, first: u64, rows: u64) -> Option<Vec<(u64, u64)>> {
+        let end = first.checked_add(rows)?;
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        let mut push = |off: u64, len: u64| {
+            if len == 0 {
+                return;
+            }
+            match out.last_mut() {
+                Some((o, l)) if *o + *l == off => *l += len,
+                _ => out.push((off, len)),
+            }
+        };
+        let p = self.page_rows;
+        let mut r = first;
+        while r < end {
+            let page_end = (r / p + 1).checked_mul(p)?.min(end);
+            let n = page_end - r;
+            for (k, &w) in self.regions.iter().enumerate() {
+                push(self.byte_offset(r, k)?, n.checked_mul(w)?);
+            }
+            r = page_end;
+        }
+        Some(out)
+    }
+}
+
+/// One row format: its planes and what its bytes mean.
+#[derive(Debug, PartialEq, Eq)]
+pub struct RowFormat {
+    /// Which one.
+    pub id: RowFormatId,
+    /// The name the CLI, the bindings and the layout id use.
+    pub name: &'static str,
+    /// Its planes, in plane order.
+    pub planes: &'static [PlaneFormat],
+    /// Its value runs, covering the 512 values once.
+    pub segments: &'static [Segment],
+    /// Rows of the page an attention kernel reads it in (FlashMLA: 64; views are handed over as
+    /// `[pages, kernel_page_rows, 1, row_bytes]`); 1 where the kernel takes rows.
+    pub kernel_page_rows: u64,
+}
+
+/// FlashMLA's amax floor, `448 × 1e-4` (its `tests/quant.py`: `scale_inv` at least 1e-4).
+pub const FLASHMLA_AMAX_FLOOR: u32 = 0x3d37_8034;
+
+const fn at(plane: usize, region: usize, offset: usize) -> Place {
+    Place { plane, region, offset }
+}
+
+static ATOM_FP8: RowFormat = RowFormat {
+    id: RowFormatId::AtomFp8,
+    name: "atom-fp8",
+    planes: &[PlaneFormat { regions: &[512], page_rows: 1 }, PlaneFormat { regions: &[128], page_rows: 1 }],
+    segments: &[
+        Segment {
+            first: 0,
+            count: 448,
+            elem: Elem::E4m3,
+            data: at(0, 0, 0),
+            scale: Some(ScaleSpec { group: 64, enc: ScaleEnc::E8m0 { amax_floor: 0 }, place: at(0, 0, 448), copies: 2 }),
+        },
+        Segment { first: 448, count: 64, elem: Elem::Bf16, data: at(1, 0, 0), scale: None },
+    ],
+    kernel_page_rows: 1,
+};
+
+static BF16: RowFormat = RowFormat {
+    id: RowFormatId::Bf16,
+    name: "bf16",
+    planes: &[PlaneFormat { regions: &[1024], page_rows: 1 }],
+    segments: &[Segment { first: 0, count: 512, elem: Elem::Bf16, data: at(0, 0, 0), scale: None }],
+    kernel_page_rows: 1,
+};
+
+static FLASHMLA_V4: RowFormat = RowFormat {
+    id: RowFormatId::FlashMlaV4,
+    name: "flashmla-v4",
+    planes: &[PlaneFormat { regions: &[576, 8], page_rows: 64 }],
+    segments: &[
+        Segment {
+            first: 0,
+            count: 448,
+            elem: Elem::E4m3,
+            data: at(0, 0, 0),
+            scale: Some(ScaleSpec {
+                group: 64,
+                enc: ScaleEnc::E8m0 { amax_floor: FLASHMLA_AMAX_FLOOR },
+                place: at(0, 1, 0),
+                copies: 1,
+            }),
+        },
+        Segment { first: 448, count: 64, elem: Elem::Bf16, data: at(0, 0, 448), scale: None },
+    ],
+    kernel_page_rows: 64,
+};
+
+static FLASHMLA_V41: RowFormat = RowFormat {
+    id: RowFormatId::FlashMlaV41,
+    name: "flashmla-v41",
+    planes: &[PlaneFormat { regions: &[528], page_rows: 1 }],
+    segments: &[Segment {
+        first: 0,
+        count: 512,
+        elem: Elem::E4m3,
+        data: at(0, 0, 0),
+        scale: Some(ScaleSpec {
+            group: 32,
+            enc: ScaleEnc::E8m0 { amax_floor: FLASHMLA_AMAX_FLOOR },
+            place: at(0, 0, 512),
+            copies: 1,
+        }),
+    }],
+    kernel_page_rows: 64,
+};
+
+static FLASHMLA_V41_FP4: RowFormat = RowFormat {
+    id: RowFormatId::FlashMlaV41Fp4,
+    name: "flashmla-v41-fp4",
+    planes: &[PlaneFormat { regions: &[288], page_rows: 1 }],
+    segments: &[Segment {
+        first: 0,
+        count: 512,
+        elem: Elem::E2m1,
+        data: at(0, 0, 0),
+        scale: Some(ScaleSpec { group: 16, enc: ScaleEnc::E4m3, place: at(0, 0, 256), copies: 1 }),
+    }],
+    kernel_page_rows: 64,
+};
+
+/// Every format, in the order the CLI lists them.
+pub const ALL: [RowFormatId; 5] = [
+    RowFormatId::AtomFp8,
+    RowFormatId::Bf16,
+    RowFormatId::FlashMlaV4,
+    RowFormatId::FlashMlaV41,
+    RowFormatId::FlashMlaV41Fp4,
+];
+
+/// What the format code refuses.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum FormatError {
+    #[error("unknown row format {name:?} (atom-fp8, bf16, flashmla-v4, flashmla-v41, flashmla-v41-fp4)")]
+    /// A name no format has.
+    Unknown {
+        /// The name given.
+        name: String,
+    },
+    #[error("a KV row is {want} values, got {got}")]
+    /// The input row is not 512 values.
+    RowLength {
+        /// Values given.
+        got: usize,
+        /// Values a row has.
+        want: usize,
+    },
+    #[error("plane {plane} of a {format} row is {want} B, got {got}")]
+    /// A plane image of the wrong length.
+    PlaneLength {
+        /// The format.
+        format: &'static str,
+        /// Plane index.
+        plane: usize,
+        /// Bytes given.
+        got: usize,
+        /// Bytes its row takes.
+        want: usize,
+    },
+}
+
+impl VariantName for FormatError {
+    fn variant_name(&self) -> &'static str {
+        match self {
+            FormatError::Unknown { .. } => "Unknown",
+            FormatError::RowLength { .. } => "RowLength",
+            FormatError::PlaneLength { .. } => "PlaneLength",
+        }
+    }
+}
+
+impl RowFormatId {
+    /// The description.
+    pub fn format(self) -> &'static RowFormat {
+        match self {
+            RowFormatId::AtomFp8 => &ATOM_FP8,
+            RowFormatId::Bf16 => &BF16,
+            RowFormatId::FlashMlaV4 => &FLASHMLA_V4,
+            RowFormatId::FlashMlaV41 => &FLASHMLA_V41,
+            RowFormatId::FlashMlaV41Fp4 => &FLASHMLA_V41_FP4,
+        }
+    }
+    /// The format a name spells.
+    pub fn from_name(name: &str) -> Result<Self, FormatError> {
+        ALL.into_iter().find(|f| f.format().name == name).ok_or_else(|| FormatError::Unknown { name: name.into() })
+    }
+}
+
+fn amax_of(x: &[u16]) -> u32 {
+    // bf16 bits widened to f32 bits; NaN is never the amax, infinities count.
+    x.iter().map(|&v| (u32::from(v) << 16) & 0x7fff_ffff).filter(|&m| m <= 0x7f80_0000).max().unwrap_or(0)
+}
+
+/// The value an e4m3fn byte encodes (NaN for `0x7f` / `0xff`).
+pub fn e4m3_value(b: u8) -> f32 {
+    let s = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let e = i32::from((b >> 3) & 0xf);
+    let m = f32::from(b & 7);
+    if e == 15 && b & 7 == 7 {
+        return f32::NAN;
+    }
+    s * if e == 0 { m / 8.0 * 2f32.powi(-6) } else { (1.0 + m / 8.0) * 2f32.powi(e - 7) }
+}
+
+/// The value an e2m1 nibble encodes.
+pub fn e2m1_value(n: u8) -> f32 {
+    const V: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+    let v = V[usize::from(n & 7)];
+    if n & 8 != 0 {
+        -v
+    } else {
+        v
+    }
+}
+
+/// The scale an e8m0 byte encodes, `2^(B-127)` (0 for `B = 0`, which v4pool's own rule writes for
+/// an all-zero tile; NaN for 255).
+pub fn e8m0_value(b: u8) -> f32 {
+    match b {
+        0 => 0.0,
+        255 => f32::NAN,
+        _ => 2f32.powi(i32::from(b) - 127),
+    }
+}
+
+impl RowFormat {
+    /// Bytes one token's row takes over every plane.
+    pub fn bytes_per_token(&self) -> u64 {
+        self.planes.iter().map(PlaneFormat::row_bytes).sum()
+    }
+    /// Row bytes of each plane, in plane order.
+    pub fn plane_widths(&self) -> Vec<u64> {
+        self.planes.iter().map(PlaneFormat::row_bytes).collect()
+    }
+    /// Whether any plane is paged (its rows' bytes are not contiguous).
+    pub fn is_paged(&self) -> bool {
+        self.planes.iter().any(|p| p.page_rows > 1)
+    }
+
+    fn byte_in_row(&self, p: Place) -> usize {
+        let plane = &self.planes[p.plane];
+        plane.regions[..p.region].iter().sum::<u64>() as usize + p.offset
+    }
+
+    /// One token's 512 bf16 values (native-order bits) as its row in each plane, regions in
+    /// order (de-paged: [`PlaneFormat::byte_offset`] places each region). Bytes no segment
+    /// names (padding) are zero.
+    pub fn pack(&self, kv: &[u16]) -> Result<Vec<Vec<u8>>, FormatError> {
+        if kv.len() != KV_ROW_VALUES {
+            return Err(FormatError::RowLength { got: kv.len(), want: KV_ROW_VALUES });
+        }
+        let mut out: Vec<Vec<u8>> = self.planes.iter().map(|p| vec![0u8; p.row_bytes() as usize]).collect();
+        for seg in self.segments {
+            let vals = &kv[seg.first..seg.first + seg.count];
+            let data = self.byte_in_row(seg.data);
+            let group = seg.scale.map_or(seg.count, |s| s.group);
+            for (g, x) in vals.chunks(group).enumerate() {
+                // inv: 1 / scale, the factor a value is multiplied by before rounding.
+                let inv = match seg.scale {
+                    None => 1.0,
+                    Some(s) => {
+                        let (byte, scale) = match s.enc {
+                            ScaleEnc::E8m0 { amax_floor } => {
+                                let a = amax_of(x).max(amax_floor);
+                                let b = match seg.elem {
+                                    Elem::E2m1 => e8m0_of_amax_e2m1(a),
+                                    _ => e8m0_of_amax(a),
+                                };
+                                (b, e8m0_value(b))
+                            }
+                            ScaleEnc::E4m3 => {
+                                let max = if seg.elem == Elem::E2m1 { 6.0 } else { 448.0 };
+                                let b = e4m3_rne((f32::from_bits(amax_of(x)) / max).to_bits());
+                                (b, e4m3_value(b))
+                            }
+                        };
+                        let at = self.byte_in_row(s.place) + g * s.copies;
+                        out[s.place.plane][at..at + s.copies].fill(byte);
+                        if scale > 0.0 && scale.is_finite() {
+                            1.0 / scale
+                        } else {
+                            0.0
+                        }
+                    }
+                };
+                for (i, &v) in x.iter().enumerate() {
+                    let k = g * group + i; // value index inside the segment
+                    let f = f32::from_bits(u32::from(v) << 16);
+                    let row = &mut out[seg.data.plane];
+                    match seg.elem {
+                        Elem::Bf16 => row[data + 2 * k..data + 2 * k + 2].copy_from_slice(&v.to_ne_bytes()),
+                        // A power-of-two inverse is exact; an e4m3 scale's is rounded once.
+                        Elem::E4m3 => row[data + k] = e4m3_rne((f * inv).to_bits()),
+                        Elem::E2m1 => {
+                            let n = e2m1_rne((f * inv).to_bits());
+                            row[data + k / 2] |= if k % 2 == 0 { n } else { n << 4 };
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The 512 values a row holds (f32; what an attention kernel dequantises to), from each
+    /// plane's row as [`RowFormat::pack`] returns it.
+    pub fn unpack(&self, rows: &[&[u8]]) -> Result<Vec<f32>, FormatError> {
+        for (plane, p) in self.planes.iter().enumerate() {
+            let got = rows.get(plane).map_or(0, |r| r.len());
+            if got != p.row_bytes() as usize {
+                return Err(FormatError::PlaneLength { format: self.name, plane, got, want: p.row_bytes() as usize });
+            }
+        }
+        let mut out = vec![0f32; KV_ROW_VALUES];
+        for seg in self.segments {
+            let data = self.byte_in_row(seg.data);
+            let row = rows[seg.data.plane];
+            for k in 0..seg.count {
+                let scale = seg.scale.map_or(1.0, |s| {
+                    let b = rows[s.place.plane][self.byte_in_row(s.place) + (k / s.group) * s.copies];
+                    match s.enc {
+                        ScaleEnc::E8m0 { .. } => e8m0_value(b),
+                        ScaleEnc::E4m3 => e4m3_value(b),
+                    }
+                });
+                let v = match seg.elem {
+                    Elem::Bf16 => f32::from_bits(u32::from(u16::from_ne_bytes([row[data + 2 * k], row[data + 2 * k + 1]])) << 16),
+                    Elem::E4m3 => e4m3_value(row[data + k]),
+                    Elem::E2m1 => e2m1_value(row[data + k / 2] >> (4 * (k % 2))),
+                };
+                out[seg.first + k] = v * scale;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes the packed row (`pack`'s output) as row `row` of the planes (`planes[i]` is plane
+    /// i from its row 0), through [`PlaneFormat::byte_offset`].
+    pub fn place(&self, row: u64, packed: &[Vec<u8>], planes: &mut [&mut [u8]]) -> Option<()> {
+        for ((p, img), dst) in self.planes.iter().zip(packed).zip(planes.iter_mut()) {
+            let mut at = 0usize;
+            for (k, &w) in p.regions.iter().enumerate() {
+                let off = usize::try_from(p.byte_offset(row, k)?).ok()?;
+                dst.get_mut(off..off + w as usize)?.copy_from_slice(&img[at..at + w as usize]);
+                at += w as usize;
+            }
+        }
+        Some(())
+    }
+
+    /// Reads row `row` of the planes back as `pack`'s per-plane images.
+    pub fn fetch(&self, row: u64, planes: &[&[u8]]) -> Option<Vec<Vec<u8>>> {
+        self.planes
+            .iter()
+            .zip(planes)
+            .map(|(p, src)| {
+                let mut img = Vec::with_capacity(p.row_bytes() as usize);
+                for (k, &w) in p.regions.iter().enumerate() {
+                    let off = usize::try_from(p.byte_offset(row, k)?).ok()?;
+                    img.extend_from_slice(src.get(off..off + w as usize)?);
+                }
+                Some(img)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::host::pack_fp8_row;
+    use crate::rng::Rng;
+
+    fn random_row(rng: &mut Rng) -> Vec<u16> {
+        // Varied magnitudes per tile so scales differ; never all zero.
+        (0..KV_ROW_VALUES)
+            .map(|i| {
+                let mag = 2f32.powi((i / 32) as i32 % 9 - 4);
+                let v = (rng.below(2001) as f32 / 1000.0 - 1.0) * mag;
+                (v.to_bits() >> 16) as u16
+            })
+            .collect()
+    }
+
+    #[test]
+    fn bytes_per_token_are_the_published_ones() {
+        let b: Vec<u64> = ALL.iter().map(|f| f.format().bytes_per_token()).collect();
+        assert_eq!(b, [640, 1024, 584, 528, 288]);
+        for f in ALL {
+            assert_eq!(RowFormatId::from_name(f.format().name), Ok(f));
+        }
+        assert!(matches!(RowFormatId::from_name("fp9"), Err(FormatError::Unknown { .. })));
+    }
+
+    #[test]
+    fn atom_fp8_is_the_kernel_pack_byte_for_byte() {
+        // The description of today's format reproduces the verified pack (kernel's formula).
+        let mut rng = Rng::new(7);
+        for _ in 0..64 {
+            let kv = random_row(&mut rng);
+            let (mut nope, mut rope) = (vec![0xa5u8; 512], vec![0x5au8; 128]);
+            pack_fp8_row(&kv, &mut nope, &mut rope).unwrap();
+            let got = RowFormatId::AtomFp8.format().pack(&kv).unwrap();
+            assert_eq!(got, vec![nope, rope]);
+        }
+    }
+
+    #[test]
+    fn paged_offsets_follow_flashmla_v4() {
+        let p = &RowFormatId::FlashMlaV4.format().planes[0];
+        // Page 1 starts at 64 × 584; its row 3's data at +3 × 576, its scales after 64 × 576.
+        assert_eq!(p.byte_offset(67, 0), Some(37_376 + 3 * 576));
+        assert_eq!(p.byte_offset(67, 1), Some(37_376 + 36_864 + 3 * 8));
+        // Whole pages are one span; a partial page two.
+        assert_eq!(p.row_spans(64, 128), Some(vec![(37_376, 2 * 37_376)]));
+        assert_eq!(p.row_spans(2, 3), Some(vec![(2 * 576, 3 * 576), (36_864 + 16, 24)]));
+        let u = &RowFormatId::FlashMlaV41.format().planes[0];
+        assert_eq!(u.row_spans(5, 70), Some(vec![(5 * 528, 70 * 528)]));
+    }
+
+    #[test]
+    fn pack_place_fetch_unpack_round_trip_within_the_format_error() {
+        let mut rng = Rng::new(11);
+        for f in ALL {
+            let fmt = f.format();
+            let mut planes: Vec<Vec<u8>> = fmt.planes.iter().map(|p| vec![0xeeu8; (130 * p.row_bytes()) as usize]).collect();
+            let kv = random_row(&mut rng);
+            let packed = fmt.pack(&kv).unwrap();
+            let mut views: Vec<&mut [u8]> = planes.iter_mut().map(|v| v.as_mut_slice()).collect();
+            fmt.place(69, &packed, &mut views).unwrap();
+            let views: Vec<&[u8]> = planes.iter().map(|v| v.as_slice()).collect();
+            let back = fmt.fetch(69, &views).unwrap();
+            assert_eq!(back, packed, "{}", fmt.name);
+            let refs: Vec<&[u8]> = back.iter().map(|v| v.as_slice()).collect();
+            let vals = fmt.unpack(&refs).unwrap();
+            for (i, (&v, &x)) in vals.iter().zip(&kv).enumerate() {
+                let x = f32::from_bits(u32::from(x) << 16);
+                // Relative to the value's group amax: e4m3 has 3 mantissa bits, e2m1 1.
+                let rel = match fmt.name {
+                    "bf16" => 0.0,
+                    "flashmla-v41-fp4" => 0.26,
+                    _ => 0.0625,
+                };
+                let group_amax = 2f32.powi((i / 32) as i32 % 9 - 4);
+                assert!((v - x).abs() <= rel * group_amax + 1e-30, "{} value {i}: {v} vs {x}", fmt.name);
+            }
+            // Only the row's own bytes changed.
+            let touched: usize = planes.iter().map(|p| p.iter().filter(|&&b| b != 0xee).count()).sum();
+            assert!(touched as u64 <= fmt.bytes_per_token());
+        }
+    }
+
+    #[test]
+    fn flashmla_scale_floor_is_quant_py_rule() {
+        // 2^ceil(log2(max(amax / 448, 1e-4))): tiny or zero rows get 2^-13 (byte 114).
+        let kv = vec![0u16; KV_ROW_VALUES];
+        let v4 = RowFormatId::FlashMlaV4.format().pack(&kv).unwrap();
+        assert_eq!(&v4[0][576..583], &[114u8; 7]);
+        let atom = RowFormatId::AtomFp8.format().pack(&kv).unwrap();
+        assert_eq!(&atom[0][448..462], &[0u8; 14]);
+        // amax exactly 448 × 2^k takes scale 2^k; one bf16 step above takes 2^(k+1).
+        let mut kv = vec![0u16; KV_ROW_VALUES];
+        kv[0] = (448f32.to_bits() >> 16) as u16;
+        assert_eq!(RowFormatId::FlashMlaV4.format().pack(&kv).unwrap()[0][576], 127);
+        kv[0] += 1;
+        assert_eq!(RowFormatId::FlashMlaV4.format().pack(&kv).unwrap()[0][576], 128);
+    }
+}

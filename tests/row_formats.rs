@@ -1,0 +1,201 @@
+//! The row formats' bytes against a decoder written from the formats' text alone (FlashMLA's
+//! `flash_mla_interface.py` notes, as issue 33 quotes them), not from `v4pool::format`:
+//!
+//! - V4, 584 B a token in pages of 64: a page holds its 64 data rows (448 e4m3 NoPE, then 64 bf16
+//!   RoPE = 576 B) first, then its 64 scale rows of 8 B (7 e8m0, one per 64 NoPE values, a pad).
+//! - V4.1, 528 B interleaved: 512 e4m3 (RoPE quantised too), then 16 e8m0, one per 32 values.
+//! - V4.1 fp4, 288 B interleaved: 256 B e2m1 (even index in the low nibble), then 32 e4m3
+//!   scales, one per 16 values.
+//! - ATOM's (today's fp8): a 512-B NoPE row (448 e4m3, the 7 e8m0 tile scales each twice, zero
+//!   pad) and a 128-B RoPE row of 64 bf16.
+//!
+//! Rows are packed by `v4pool::format` into poisoned planes at scattered rows (across page
+//! boundaries), decoded here, and compared with the values the format's own unpack gives and
+//! with the input within the encoding's error; bytes of other rows stay poisoned.
+
+use v4pool::format::{RowFormatId, ALL};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // SplitMix64, written out: this file shares nothing with the library it checks.
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+fn bf16(x: f32) -> u16 {
+    (x.to_bits() >> 16) as u16
+}
+fn from_bf16(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+
+// e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa; exponent 0 subnormal; S.1111.111 NaN.
+fn e4m3(b: u8) -> f32 {
+    let sign = if b >> 7 == 1 { -1.0f32 } else { 1.0 };
+    let exp = (b >> 3) & 0xf;
+    let man = (b & 7) as f32;
+    if exp == 0xf && b & 7 == 7 {
+        return f32::NAN;
+    }
+    if exp == 0 {
+        sign * man * 2f32.powi(-9)
+    } else {
+        sign * (8.0 + man) * 2f32.powi(exp as i32 - 10)
+    }
+}
+fn e8m0(b: u8) -> f32 {
+    2f32.powi(b as i32 - 127)
+}
+fn e2m1(n: u8) -> f32 {
+    let mag = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0][(n & 7) as usize];
+    if n & 8 == 8 {
+        -mag
+    } else {
+        mag
+    }
+}
+
+/// Token `t`'s 512 values from the planes of `format`, by the text above.
+fn decode(format: RowFormatId, planes: &[Vec<u8>], t: usize) -> Vec<f32> {
+    let mut out = vec![0f32; 512];
+    match format {
+        RowFormatId::FlashMlaV4 => {
+            let page = &planes[0][(t / 64) * 64 * 584..];
+            let data = &page[(t % 64) * 576..][..576];
+            let scales = &page[64 * 576 + (t % 64) * 8..][..8];
+            for i in 0..448 {
+                out[i] = e4m3(data[i]) * e8m0(scales[i / 64]);
+            }
+            for i in 0..64 {
+                out[448 + i] = from_bf16(u16::from_le_bytes([data[448 + 2 * i], data[449 + 2 * i]]));
+            }
+        }
+        RowFormatId::FlashMlaV41 => {
+            let row = &planes[0][t * 528..][..528];
+            for i in 0..512 {
+                out[i] = e4m3(row[i]) * e8m0(row[512 + i / 32]);
+            }
+        }
+        RowFormatId::FlashMlaV41Fp4 => {
+            let row = &planes[0][t * 288..][..288];
+            for i in 0..512 {
+                let nibble = if i % 2 == 0 { row[i / 2] & 0xf } else { row[i / 2] >> 4 };
+                out[i] = e2m1(nibble) * e4m3(row[256 + i / 16]);
+            }
+        }
+        RowFormatId::AtomFp8 => {
+            let nope = &planes[0][t * 512..][..512];
+            let rope = &planes[1][t * 128..][..128];
+            for tile in 0..7 {
+                assert_eq!(nope[448 + 2 * tile], nope[449 + 2 * tile], "ATOM stores each scale twice");
+            }
+            assert!(nope[462..].iter().all(|&b| b == 0), "ATOM's pad is zero");
+            for i in 0..448 {
+                // v4pool's own rule writes B = 0 for an all-zero tile (scale 0, values 0).
+                let b = nope[448 + 2 * (i / 64)];
+                out[i] = if b == 0 { 0.0 } else { e4m3(nope[i]) * e8m0(b) };
+            }
+            for i in 0..64 {
+                out[448 + i] = from_bf16(u16::from_le_bytes([rope[2 * i], rope[2 * i + 1]]));
+            }
+        }
+        RowFormatId::Bf16 => {
+            let row = &planes[0][t * 1024..][..1024];
+            for i in 0..512 {
+                out[i] = from_bf16(u16::from_le_bytes([row[2 * i], row[2 * i + 1]]));
+            }
+        }
+    }
+    out
+}
+
+/// Largest error the encoding allows, relative to the amax of the value's scale group.
+fn tolerance(format: RowFormatId, i: usize) -> f32 {
+    match format {
+        RowFormatId::Bf16 => 0.0,
+        RowFormatId::FlashMlaV41Fp4 => 0.26, // e2m1 steps of 2 below 6 (×amax/6), scale rounding
+        RowFormatId::AtomFp8 | RowFormatId::FlashMlaV4 if i >= 448 => 0.0, // bf16 RoPE
+        _ => 1.0 / 16.0, // e4m3: 3 mantissa bits, round to nearest
+    }
+}
+
+#[test]
+fn every_format_decodes_by_its_text() {
+    assert!(cfg!(target_endian = "little"), "the formats are little-endian byte layouts");
+    let mut rng = Rng(0x33);
+    for format in ALL {
+        let f = format.format();
+        let tokens = 200usize; // four pages of 64 and a partial one
+        let mut planes: Vec<Vec<u8>> =
+            f.planes.iter().map(|p| vec![0xc3u8; tokens.div_ceil(64) * 64 * p.row_bytes() as usize]).collect();
+        let rows = [0usize, 1, 62, 63, 64, 65, 127, 128, 130, 191, 199];
+        let mut inputs = Vec::new();
+        for &t in &rows {
+            // Per-32 magnitudes from 2^-6 to 2^6, one all-zero group in some rows, sign mixed.
+            let zero_group = if t % 3 == 0 { Some(t % 16) } else { None };
+            let kv: Vec<u16> = (0..512)
+                .map(|i| {
+                    if zero_group == Some(i / 32) {
+                        return 0;
+                    }
+                    let mag = 2f32.powi(((i / 32 + t) % 13) as i32 - 6);
+                    bf16(rng.unit() * mag)
+                })
+                .collect();
+            let packed = f.pack(&kv).unwrap();
+            let mut views: Vec<&mut [u8]> = planes.iter_mut().map(|v| v.as_mut_slice()).collect();
+            f.place(t as u64, &packed, &mut views).unwrap();
+            inputs.push((t, kv, packed));
+        }
+        for (t, kv, packed) in &inputs {
+            let got = decode(format, &planes, *t);
+            let refs: Vec<&[u8]> = packed.iter().map(|v| v.as_slice()).collect();
+            let own = f.unpack(&refs).unwrap();
+            for i in 0..512 {
+                assert_eq!(got[i].to_bits(), own[i].to_bits(), "{} token {t} value {i}: text vs unpack", f.name);
+                let x = from_bf16(kv[i]);
+                let group = match format {
+                    RowFormatId::FlashMlaV41Fp4 => 16,
+                    RowFormatId::FlashMlaV41 => 32,
+                    _ if i >= 448 => 1,
+                    _ => 64,
+                };
+                let g0 = i / group * group;
+                let amax = kv[g0..g0 + group].iter().map(|&v| from_bf16(v).abs()).fold(0f32, f32::max);
+                let err = (got[i] - x).abs();
+                assert!(err <= tolerance(format, i) * amax, "{} token {t} value {i}: {} vs {x}", f.name, got[i]);
+            }
+        }
+        // Every byte not in a written row is still poison.
+        for (p, plane) in f.planes.iter().zip(&planes) {
+            let mut owned = vec![false; plane.len()];
+            for &t in &rows {
+                for (off, len) in p.row_spans(t as u64, 1).unwrap() {
+                    owned[off as usize..(off + len) as usize].iter_mut().for_each(|o| *o = true);
+                }
+            }
+            for (i, (&b, &o)) in plane.iter().zip(&owned).enumerate() {
+                assert!(o || b == 0xc3, "{}: byte {i} outside the written rows changed", f.name);
+            }
+        }
+    }
+}
+
+#[test]
+fn flashmla_v4_pages_keep_data_before_scales() {
+    // Token 65's data row is at page 1 + 1 × 576; its scale row after the page's 64 data rows.
+    let f = RowFormatId::FlashMlaV4.format();
+    let p = &f.planes[0];
+    assert_eq!(p.byte_offset(65, 0), Some(64 * 584 + 576));
+    assert_eq!(p.byte_offset(65, 1), Some(64 * 584 + 64 * 576 + 8));
+    // Two tokens of one page: data spans and scale spans apart.
+    assert_eq!(p.row_spans(10, 2), Some(vec![(10 * 576, 2 * 576), (64 * 576 + 80, 16)]));
+}
