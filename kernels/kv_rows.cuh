@@ -64,7 +64,27 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_kv_row
     const v4p_i64 row = v4p_in<v4p_i32>(a.dest_rows)[t];
     if (row < 0 || row >= a.view_rows) return;  // dropped, not wrapped
     const v4p_u16* src = v4p_in<v4p_u16>(a.kv) + t * a.kv_row_stride;
-    if (!a.fp8) {
+    if (a.format == 2) {
+        // FlashMLA V4.1 (528-B rows, src/format.rs `flashmla-v41`): lane i < 16 packs group i of
+        // 32 values: the least e8m0 scale with max(amax, 448e-4) / scale <= 448 (FlashMLA's
+        // tests/quant.py: 2^ceil(log2(max(amax / 448, 1e-4)))), 32 e4m3 bytes, the scale byte at
+        // 512 + i. Lanes 16..31 idle.
+        if (lane >= 16) return;
+        v4p_u8* out = v4p_out<v4p_u8>(a.nope) + row * 528;
+        const v4p_u16* x = src + lane * 32;
+        v4p_u32 amax = 0x3d378034u;  // 448e-4 as f32 bits: FlashMLA's floor
+        for (int i = 0; i < 32; ++i) {
+            const v4p_u32 m = ((v4p_u32)x[i] << 16) & 0x7fffffffu;
+            if (m <= 0x7f800000u && m > amax) amax = m;  // NaN never the amax
+        }
+        const v4p_u32 b = v4p_e8m0_of_amax(amax);
+        const float inv = v4p_f32_from_bits((254u - b) << 23);
+        for (int i = 0; i < 32; ++i)
+            out[lane * 32 + i] = (v4p_u8)v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits((v4p_u32)x[i] << 16) * inv));
+        out[512 + lane] = (v4p_u8)b;
+        return;
+    }
+    if (a.format == 0) {
         v4p_u16* dst = v4p_out<v4p_u16>(a.nope) + row * 512;
         for (v4p_u32 i = lane * 16; i < lane * 16 + 16; ++i) dst[i] = src[i];
         return;

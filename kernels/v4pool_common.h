@@ -554,20 +554,21 @@ V4POOL_CHECK_OFFSET(WindowGatherArgs, num_seqs, 88);
 V4POOL_CHECK_OFFSET(WindowGatherArgs, draft_window, 92);
 
 // bf16 KV rows -> the pool's row format at given destination rows (docs/forward.md: a decode
-// token's own rows, a prefill chunk's window rows, a compressor's emitted rows). fp8 = 1: the
-// NoPE plane's 512-B rows (448 e4m3 values, seven e8m0 tile scales each written twice, zero
-// padding) and the RoPE plane's 128-B rows (64 bf16 copied); fp8 = 0: the bf16 plane's
-// 1024-B rows (512 bf16 copied).
+// token's own rows, a prefill chunk's window rows, a compressor's emitted rows). format 1 (ATOM's
+// fp8): the NoPE plane's 512-B rows (448 e4m3 values, seven e8m0 tile scales each written twice,
+// zero padding) and the RoPE plane's 128-B rows (64 bf16 copied); format 0: the bf16 plane's
+// 1024-B rows (512 bf16 copied); format 2 (FlashMLA V4.1): one plane of 528-B rows, 512 e4m3
+// then 16 e8m0 scales, one per 32 values (src/format.rs).
 struct KvRowsArgs {
     v4p_ptr kv;                  // bf16 [T][kv_row_stride]: 448 NoPE values, then 64 RoPE
     v4p_ptr dest_rows;           // i32 [>= T]: row of the layer view; outside [0, view_rows) dropped
     v4p_ptr batch_id_per_token;  // i32 [>= T] or 0: a negative id is a pad token (skipped)
     v4p_ptr nope;                // layer view base: the fp8 NoPE plane, or the bf16 plane
-    v4p_ptr rope;                // layer view base of the RoPE plane (fp8 = 1), else 0
+    v4p_ptr rope;                // layer view base of the RoPE plane (format 1), else 0
     v4p_i64 kv_row_stride;       // elements from one source row to the next (>= 512)
     v4p_i64 view_rows;
     v4p_i32 num_tokens;
-    v4p_i32 fp8;
+    v4p_i32 format;              // 0 bf16, 1 ATOM fp8, 2 FlashMLA V4.1 (528 B)
 };
 V4POOL_CHECK_SIZE(KvRowsArgs, 64);
 V4POOL_CHECK_ALIGN(KvRowsArgs, 8);
@@ -579,7 +580,7 @@ V4POOL_CHECK_OFFSET(KvRowsArgs, rope, 32);
 V4POOL_CHECK_OFFSET(KvRowsArgs, kv_row_stride, 40);
 V4POOL_CHECK_OFFSET(KvRowsArgs, view_rows, 48);
 V4POOL_CHECK_OFFSET(KvRowsArgs, num_tokens, 56);
-V4POOL_CHECK_OFFSET(KvRowsArgs, fp8, 60);
+V4POOL_CHECK_OFFSET(KvRowsArgs, format, 60);
 
 // The indexer's bf16 key rows -> one CSA layer's indexer K cache (docs/forward.md, "Indexer
 // keys"): keys[t] (128 bf16) to entry dest[t] = block x block_rows + row; entries outside

@@ -418,28 +418,28 @@ impl RowFormat {
                 let inv = match seg.scale {
                     None => 1.0,
                     Some(s) => {
-                        let (byte, scale) = match s.enc {
+                        let (byte, inv) = match s.enc {
                             ScaleEnc::E8m0 { amax_floor } => {
                                 let a = amax_of(x).max(amax_floor);
                                 let b = match seg.elem {
                                     Elem::E2m1 => e8m0_of_amax_e2m1(a),
                                     _ => e8m0_of_amax(a),
                                 };
-                                (b, e8m0_value(b))
+                                // 1 / scale as the kernels form it, 2^(127 - B) from its bits
+                                // (0 for B = 0, and for B = 254, an infinite amax's).
+                                let inv = if b == 0 { 0.0 } else { f32::from_bits((254 - u32::from(b)) << 23) };
+                                (b, inv)
                             }
                             ScaleEnc::E4m3 => {
                                 let max = if seg.elem == Elem::E2m1 { 6.0 } else { 448.0 };
                                 let b = e4m3_rne((f32::from_bits(amax_of(x)) / max).to_bits());
-                                (b, e4m3_value(b))
+                                let scale = e4m3_value(b);
+                                (b, if scale > 0.0 && scale.is_finite() { 1.0 / scale } else { 0.0 })
                             }
                         };
                         let at = self.byte_in_row(s.place) + g * s.copies;
                         out[s.place.plane][at..at + s.copies].fill(byte);
-                        if scale > 0.0 && scale.is_finite() {
-                            1.0 / scale
-                        } else {
-                            0.0
-                        }
+                        inv
                     }
                 };
                 for (i, &v) in x.iter().enumerate() {
@@ -505,6 +505,25 @@ impl RowFormat {
             }
         }
         Some(())
+    }
+
+    /// Tokens `kv` (`n × 512` bf16 bits, token after token) as rows `0..n` of fresh planes of
+    /// `n` rows rounded up to whole kernel pages (zero elsewhere): what an attention kernel
+    /// reads, built by the description alone (tests, and engines checking a format).
+    pub fn pack_planes(&self, kv: &[u16]) -> Result<Vec<Vec<u8>>, FormatError> {
+        if kv.len() % KV_ROW_VALUES != 0 {
+            return Err(FormatError::RowLength { got: kv.len() % KV_ROW_VALUES, want: KV_ROW_VALUES });
+        }
+        let n = (kv.len() / KV_ROW_VALUES) as u64;
+        let rows = n.div_ceil(self.kernel_page_rows) * self.kernel_page_rows;
+        let mut planes: Vec<Vec<u8>> = self.planes.iter().map(|p| vec![0u8; (rows * p.row_bytes()) as usize]).collect();
+        for (t, x) in kv.chunks_exact(KV_ROW_VALUES).enumerate() {
+            let packed = self.pack(x)?;
+            let mut views: Vec<&mut [u8]> = planes.iter_mut().map(|v| v.as_mut_slice()).collect();
+            // In range by construction: the planes hold `rows >= n` rows.
+            self.place(t as u64, &packed, &mut views).expect("rows inside the planes");
+        }
+        Ok(planes)
     }
 
     /// Reads row `row` of the planes back as `pack`'s per-plane images.

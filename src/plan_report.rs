@@ -174,17 +174,13 @@ impl PlanOptions {
         }
     }
 
-    /// Parse a `dtype` option value (`fp8` or `bf16`).
+    /// Parse a `dtype` option value (`fp8`, `bf16` or `flashmla-v41`).
     pub fn kv_from_name(name: &str) -> Result<KvDtype, PlanOptionError> {
-        match name {
-            "fp8" => Ok(KvDtype::Fp8),
-            "bf16" => Ok(KvDtype::Bf16),
-            other => Err(PlanOptionError::BadValue {
-                option: "dtype",
-                value: other.into(),
-                expected: "fp8 or bf16",
-            }),
-        }
+        KvDtype::from_name(name).ok_or_else(|| PlanOptionError::BadValue {
+            option: "dtype",
+            value: name.into(),
+            expected: "fp8, bf16 or flashmla-v41",
+        })
     }
 
     /// Parse an `indexer` option value (`fp8`, `fp4` or `bf16`).

@@ -65,14 +65,31 @@ pub enum KvDtype {
     Fp8,
     /// One plane: 512 bf16 per row, RoPE inline.
     Bf16,
+    /// One plane of FlashMLA's DeepSeek-V4.1 rows (528 B: 512 e4m3, RoPE quantised too, then 16
+    /// e8m0 scales), read in place by FlashMLA's sparse decode (`crate::format`, docs/flashmla.md).
+    /// V4.1 models only: V4 keeps its RoPE in bf16.
+    FlashMlaV41,
 }
 
 impl KvDtype {
-    /// Bytes per row of each plane, in plane order.
+    /// Every dtype, in the order the CLI lists them.
+    pub const ALL: [KvDtype; 3] = [KvDtype::Fp8, KvDtype::Bf16, KvDtype::FlashMlaV41];
+
+    /// The row format's description (`crate::format`): what every byte of a row means.
+    pub fn row_format(self) -> crate::format::RowFormatId {
+        use crate::format::RowFormatId;
+        match self {
+            KvDtype::Fp8 => RowFormatId::AtomFp8,
+            KvDtype::Bf16 => RowFormatId::Bf16,
+            KvDtype::FlashMlaV41 => RowFormatId::FlashMlaV41,
+        }
+    }
+    /// Bytes per row of each plane, in plane order (the row format's; a test holds them equal).
     pub fn plane_widths(self) -> &'static [u64] {
         match self {
             KvDtype::Fp8 => &[512, 128],
             KvDtype::Bf16 => &[1024],
+            KvDtype::FlashMlaV41 => &[528],
         }
     }
     /// The spelling the checkpoint layout id uses.
@@ -80,6 +97,7 @@ impl KvDtype {
         match self {
             KvDtype::Fp8 => "fp8-2buff",
             KvDtype::Bf16 => "bf16",
+            KvDtype::FlashMlaV41 => "flashmla-v41",
         }
     }
     /// Lower-case name, as the CLI spells it.
@@ -87,7 +105,19 @@ impl KvDtype {
         match self {
             KvDtype::Fp8 => "fp8",
             KvDtype::Bf16 => "bf16",
+            KvDtype::FlashMlaV41 => "flashmla-v41",
         }
+    }
+    /// The dtype a name spells (the CLI's and the bindings' one parser).
+    pub fn from_name(name: &str) -> Option<KvDtype> {
+        Self::ALL.into_iter().find(|k| k.name() == name)
+    }
+    /// Whether a model family can store its rows in this dtype: V4.1's rows have no fp8 form
+    /// but FlashMLA's 528-B one (ATOM's 640-B record is V4's), and V4 keeps its RoPE in bf16,
+    /// which the 528-B format quantises.
+    pub fn fits(self, family: crate::model::ModelFamily) -> bool {
+        use crate::model::ModelFamily;
+        !matches!((family, self), (ModelFamily::V41, KvDtype::Fp8) | (ModelFamily::V4, KvDtype::FlashMlaV41))
     }
 }
 
@@ -230,8 +260,8 @@ pub enum SizingError {
         /// Persistent buffers charged to the budget.
         overhead: u64,
     },
-    #[error("V4.1 rows are bf16 only here: the V4 fp8 record is not a V4.1 format (got {kv} for a {family:?} model)")]
-    /// A V4.1 model asked for a KV dtype other than bf16 (its packed rows are not built).
+    #[error("{kv} rows do not fit a {family:?} model (V4.1: bf16 or flashmla-v41; V4: fp8 or bf16)")]
+    /// A KV dtype the model family's rows have no form in (`KvDtype::fits`).
     KvDtypeUnsupported {
         /// The model family.
         family: crate::model::ModelFamily,
@@ -333,7 +363,7 @@ pub struct PoolLayout {
 impl PoolLayout {
     /// The layout of `model` at `kv` / `indexer`, priced at capacity (0, 0).
     pub fn new(model: &ModelShape, kv: KvDtype, indexer: IndexerDtype) -> Result<Self, SizingError> {
-        if model.family == crate::model::ModelFamily::V41 && kv != KvDtype::Bf16 {
+        if !kv.fits(model.family) {
             return Err(SizingError::KvDtypeUnsupported { family: model.family, kv: kv.name() });
         }
         let arena = ArenaLayout::for_model(model, kv.plane_widths())?;
@@ -396,6 +426,68 @@ impl PoolLayout {
         plane_rows: i64,
     ) -> Result<UnifiedPoolGeometry, SizingError> {
         Ok(self.geometry.with_capacity(num_blocks, num_slots, Some(plane_rows))?)
+    }
+}
+
+/// One row format's capacity at a plan's budget ([`Plan::capacity_by_format`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FormatCapacity {
+    /// The row format.
+    pub format: crate::format::RowFormatId,
+    /// Bytes one compressed (block) row takes in it.
+    pub block_row_bytes: u64,
+    /// Bytes one window (slot) row takes in it.
+    pub window_row_bytes: u64,
+    /// The spec's tight fit (`(B − m·slot_bytes) // page_bytes`) at these row bytes.
+    pub tight_fit_blocks: i64,
+    /// Whether a pool carves this format today (a [`KvDtype`] names it).
+    pub carved: bool,
+}
+
+impl FormatCapacity {
+    /// History tokens the blocks hold.
+    pub fn tokens(&self, block_size: i64) -> i64 {
+        self.tight_fit_blocks.saturating_mul(block_size)
+    }
+}
+
+impl Plan {
+    /// Every row format the model's rows have a form in, priced by the spec's tight fit at this
+    /// plan's budget, slot count, envelope and entry rows: the capacity one format gains over
+    /// another. The compressor-state arena keeps its bytes; V4.1's fp4 format holds compressed
+    /// rows only (FlashMLA reads it as the extra cache), its windows stay 528-B rows.
+    pub fn capacity_by_format(&self) -> Result<Vec<FormatCapacity>, SizingError> {
+        use crate::format::{RowFormatId, ALL};
+        use crate::model::ModelFamily;
+        let g = &self.layout.geometry;
+        let arena_bytes = mul(to_u64(g.arena_rows, "arena rows")?, self.layout.widths().iter().sum(), "arena")?;
+        let entry = to_u64(g.slot_rows - g.arena_rows, "entry rows")?;
+        let e = to_u64(g.envelope_rows, "envelope rows")?;
+        let net = self.budget_bytes - self.overhead_bytes.min(self.budget_bytes);
+        let m = to_u64(self.num_slots, "slots")?;
+        let mut out = Vec::new();
+        for f in ALL {
+            let v41 = self.layout.model.family == ModelFamily::V41;
+            let (block_row, window_row) = match (f, v41) {
+                (RowFormatId::AtomFp8 | RowFormatId::FlashMlaV4, true) => continue,
+                (RowFormatId::FlashMlaV41 | RowFormatId::FlashMlaV41Fp4, false) => continue,
+                (RowFormatId::FlashMlaV41Fp4, true) => {
+                    (f.format().bytes_per_token(), RowFormatId::FlashMlaV41.format().bytes_per_token())
+                }
+                _ => (f.format().bytes_per_token(), f.format().bytes_per_token()),
+            };
+            let slot = add(arena_bytes, mul(entry, window_row, "slot bytes")?, "slot bytes")?;
+            let page = add(mul(e, block_row, "page bytes")?, self.layout.indexer_block_bytes()?, "page bytes")?;
+            let blocks = net.saturating_sub(mul(m, slot, "slot region")?) / page;
+            out.push(FormatCapacity {
+                format: f,
+                block_row_bytes: block_row,
+                window_row_bytes: window_row,
+                tight_fit_blocks: to_i64(blocks, "blocks")?,
+                carved: KvDtype::ALL.iter().any(|k| k.row_format() == f),
+            });
+        }
+        Ok(out)
     }
 }
 

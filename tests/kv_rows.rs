@@ -13,7 +13,7 @@ use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::geometry::Class;
 use v4pool::index::host::{kv_rows, pack_fp8_row, KvPlanes};
-use v4pool::index::{KvRowsArgs, Launch};
+use v4pool::index::{KvRowsArgs, Launch, KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V41};
 use v4pool::model::ModelShape;
 use v4pool::pool::{CompressedRow, RowSet, RowWriteCapacity, RowWriteError, WindowSeq};
 use v4pool::sizing::IndexerDtype;
@@ -48,9 +48,11 @@ fn the_kernel_source_matches_the_host_reference() {
     };
     // SAFETY: the symbol has this signature (kernels/v4pool_emulation.cpp).
     let emu = unsafe { *lib.get::<common::EmuLaunch>(b"v4pool_emu_launch_kv_rows\0").expect("symbol") };
-    for case in 0..24u64 {
+    for case in 0..36u64 {
         let mut rng = Rng::new(case_seed("kv-rows-emulated", case));
-        let fp8 = case % 2 == 0;
+        // Every format the kernel writes: ATOM's fp8, bf16, FlashMLA's V4.1 528-B rows.
+        let format = [KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V41][case as usize % 3];
+        let fp8 = format == KV_ROWS_ATOM_FP8;
         let t = 1 + rng.below(40) as usize;
         let stride = 512 + 8 * rng.below(3) as usize;
         let view_rows = 64i64;
@@ -58,7 +60,11 @@ fn the_kernel_source_matches_the_host_reference() {
         let dest: Vec<i32> = (0..t).map(|_| rng.range(-3, view_rows + 3) as i32).collect();
         let bids: Vec<i32> = (0..t).map(|_| if rng.chance(0.2) { -1 } else { rng.below(4) as i32 }).collect();
         let with_bids = rng.chance(0.5);
-        let (w0, w1) = if fp8 { (512usize, 128usize) } else { (1024, 0) };
+        let (w0, w1) = match format {
+            KV_ROWS_ATOM_FP8 => (512usize, 128usize),
+            KV_ROWS_FLASHMLA_V41 => (528, 0),
+            _ => (1024, 0),
+        };
         let poison = |w: usize| vec![0xa5u8; view_rows as usize * w];
         let run = |reference: bool| -> (Vec<u8>, Vec<u8>) {
             let (mut p0, mut p1) = (poison(w0), poison(w1.max(1)));
@@ -71,7 +77,7 @@ fn the_kernel_source_matches_the_host_reference() {
                 kv_row_stride: stride as i64,
                 view_rows,
                 num_tokens: t as i32,
-                fp8: i32::from(fp8),
+                format,
             };
             let launch = Launch::KvRows(args);
             // SAFETY: every pointer is a live buffer of the sizes the arguments name; `emu` is
@@ -81,7 +87,19 @@ fn the_kernel_source_matches_the_host_reference() {
         };
         let host = run(true);
         let dev = run(false);
-        assert!(host == dev, "case {case}: kernel and host reference differ");
+        assert!(host == dev, "case {case} (format {format}): kernel and host reference differ");
+        if format == KV_ROWS_FLASHMLA_V41 {
+            // The host reference is the format's one description, row for row.
+            let f = v4pool::format::RowFormatId::FlashMlaV41.format();
+            for i in 0..t {
+                let r = dest[i];
+                let last = (0..t).rev().find(|&j| dest[j] == r && (!with_bids || bids[j] >= 0));
+                if (0..view_rows as i32).contains(&r) && last == Some(i) {
+                    let want = f.pack(&kv[i * stride..i * stride + 512]).unwrap();
+                    assert_eq!(&host.0[r as usize * 528..(r as usize + 1) * 528], &want[0][..], "case {case} row {r}");
+                }
+            }
+        }
         // Untouched: rows no live token targets keep the poison; targeted rows do not.
         let mut hit = vec![false; view_rows as usize];
         for i in 0..t {

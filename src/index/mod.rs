@@ -283,9 +283,11 @@ pub const KV_ROW_VALUES: usize = 512;
 /// bf16 KV rows into the pool's row format (docs/forward.md): `kv[t]` (512 bf16: 448 NoPE
 /// values, then 64 RoPE) to row `dest_rows[t]` of the layer view, for every token whose batch id
 /// is not negative (`batch_id_per_token == 0`: every token) and whose row is in
-/// `[0, view_rows)`. `fp8 = 1` packs the NoPE part into e4m3 values with seven e8m0 tile scales
-/// (`index::host::pack_fp8_row`) and copies the RoPE part into the second plane; `fp8 = 0`
-/// copies all 512 values into the one bf16 plane.
+/// `[0, view_rows)`, in the row format `format` names ([`KV_ROWS_BF16`], [`KV_ROWS_ATOM_FP8`],
+/// [`KV_ROWS_FLASHMLA_V41`]; `crate::format` describes each): ATOM's fp8 packs the NoPE part into
+/// e4m3 values with seven e8m0 tile scales (`index::host::pack_fp8_row`) and copies the RoPE part
+/// into the second plane; bf16 copies all 512 values into the one plane; FlashMLA's V4.1 packs
+/// all 512 into e4m3 with an e8m0 scale per 32 (528-B rows, one plane).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct KvRowsArgs {
@@ -295,9 +297,9 @@ pub struct KvRowsArgs {
     pub dest_rows: DevicePtr,
     /// i32 `[>= T]`, or 0 (no pads).
     pub batch_id_per_token: DevicePtr,
-    /// Layer view base of the NoPE plane (fp8) or of the bf16 plane.
+    /// Layer view base of the NoPE plane (ATOM's fp8) or of the format's one plane.
     pub nope: DevicePtr,
-    /// Layer view base of the RoPE plane (fp8), else 0.
+    /// Layer view base of the RoPE plane (ATOM's fp8), else 0.
     pub rope: DevicePtr,
     /// Elements from one source row to the next (>= 512).
     pub kv_row_stride: i64,
@@ -305,9 +307,18 @@ pub struct KvRowsArgs {
     pub view_rows: i64,
     /// Tokens in the grid.
     pub num_tokens: i32,
-    /// 1: the fp8 pool's two planes; 0: the bf16 plane.
-    pub fp8: i32,
+    /// The row format: [`KV_ROWS_BF16`], [`KV_ROWS_ATOM_FP8`] or [`KV_ROWS_FLASHMLA_V41`].
+    pub format: i32,
 }
+
+/// `KvRowsArgs::format`: the bf16 pool's one plane of 1,024-B rows.
+pub const KV_ROWS_BF16: i32 = 0;
+/// `KvRowsArgs::format`: ATOM's fp8 pool, a 512-B NoPE plane and a 128-B RoPE plane.
+pub const KV_ROWS_ATOM_FP8: i32 = 1;
+/// `KvRowsArgs::format`: FlashMLA's V4.1 fp8 rows, one plane of 528-B rows.
+pub const KV_ROWS_FLASHMLA_V41: i32 = 2;
+/// Bytes of a FlashMLA V4.1 row: 512 e4m3, then 16 e8m0 scales (`crate::format`).
+pub const FLASHMLA_V41_ROW_BYTES: u64 = 528;
 
 /// Values of one indexer key row (V4's `index_head_dim`).
 pub const INDEX_KEY_VALUES: usize = 128;

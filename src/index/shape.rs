@@ -679,8 +679,9 @@ fn check_kv_rows(a: &super::KvRowsArgs) -> Result<(), LaunchError> {
     non_negative("num_tokens", a.num_tokens.into())?;
     non_negative("view_rows", a.view_rows)?;
     at_least("kv_row_stride", a.kv_row_stride, super::KV_ROW_VALUES as i64)?;
-    if a.fp8 != 0 && a.fp8 != 1 {
-        return Err(LaunchError::BadCode { field: "fp8", value: a.fp8 });
+    use super::{KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V41};
+    if ![KV_ROWS_BF16, KV_ROWS_ATOM_FP8, KV_ROWS_FLASHMLA_V41].contains(&a.format) {
+        return Err(LaunchError::BadCode { field: "format", value: a.format });
     }
     if a.num_tokens > 0 {
         present("kv", a.kv)?;
@@ -688,7 +689,7 @@ fn check_kv_rows(a: &super::KvRowsArgs) -> Result<(), LaunchError> {
         present("nope", a.nope)?;
     }
     // The RoPE plane exists exactly in the fp8 pool.
-    if (a.rope != 0) != (a.fp8 == 1) {
+    if (a.rope != 0) != (a.format == KV_ROWS_ATOM_FP8) {
         return Err(LaunchError::PlaneHalfGiven { plane: 1 });
     }
     Ok(())

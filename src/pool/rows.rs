@@ -26,7 +26,8 @@ use crate::alloc::{AllocError, BlockHandle, SlotHandle};
 use crate::backend::BackendError;
 use crate::geometry::{Class, DENSE_RATIO};
 use crate::index::{
-    DevicePtr, IndexKeysArgs, KvRowsArgs, Launch, FP8_NOPE_ROW_BYTES, INDEX_KEYS_BF16, INDEX_KEYS_FP4,
+    DevicePtr, IndexKeysArgs, KvRowsArgs, Launch, FLASHMLA_V41_ROW_BYTES, FP8_NOPE_ROW_BYTES, INDEX_KEYS_BF16,
+    INDEX_KEYS_FP4, KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V41,
     INDEX_KEYS_FP8, KV_ROW_VALUES, ROPE_ROW_BYTES,
 };
 use crate::sizing::IndexerDtype;
@@ -150,7 +151,8 @@ pub enum RowWriteError {
         /// The pool's indexer format (`none`: it has no indexer cache).
         format: &'static str,
     },
-    /// A pool whose planes are neither the fp8 nor the bf16 row format.
+    /// A pool whose planes are none of the row formats the writer packs (ATOM's fp8, bf16,
+    /// FlashMLA's V4.1).
     #[error("planes of {widths:?} B rows are neither fp8 [512, 128] nor bf16 [1024]")]
     RowFormat {
         /// Plane widths.
@@ -286,7 +288,8 @@ pub struct KvRowWriter {
     index_at: u64,
     window: Staged,
     compressed: Staged,
-    fp8: bool,
+    /// `KvRowsArgs::format` of the pool's planes.
+    format: i32,
 }
 
 fn class_index(class: Class) -> usize {
@@ -308,9 +311,10 @@ impl KvRowWriter {
     /// Buffers for `cap` on `pool`'s backend and stream.
     pub fn new(pool: Arc<Pool>, cap: RowWriteCapacity) -> Result<KvRowWriter> {
         let widths = &pool.spec().plane_widths;
-        let fp8 = match widths.as_slice() {
-            [w] if *w == 2 * KV_ROW_VALUES as u64 => false,
-            [n, r] if *n == FP8_NOPE_ROW_BYTES && *r == ROPE_ROW_BYTES => true,
+        let format = match widths.as_slice() {
+            [w] if *w == 2 * KV_ROW_VALUES as u64 => KV_ROWS_BF16,
+            [n, r] if *n == FP8_NOPE_ROW_BYTES && *r == ROPE_ROW_BYTES => KV_ROWS_ATOM_FP8,
+            [w] if *w == FLASHMLA_V41_ROW_BYTES => KV_ROWS_FLASHMLA_V41,
             _ => return Err(RowWriteError::RowFormat { widths: widths.clone() }),
         };
         let too_large = RowWriteError::TooLarge { max_tokens: cap.max_tokens };
@@ -338,7 +342,7 @@ impl KvRowWriter {
             index_at,
             window: Staged::Nothing,
             compressed: Staged::Nothing,
-            fp8,
+            format,
         })
     }
 
@@ -346,9 +350,13 @@ impl KvRowWriter {
     pub fn capacity(&self) -> RowWriteCapacity {
         self.cap
     }
-    /// Whether the pool packs fp8 rows (else it copies bf16 rows).
+    /// Whether the pool packs ATOM's fp8 rows (else bf16 copies or FlashMLA V4.1 rows).
     pub fn is_fp8(&self) -> bool {
-        self.fp8
+        self.format == KV_ROWS_ATOM_FP8
+    }
+    /// The pool's row format as `KvRowsArgs::format` names it.
+    pub fn row_format_code(&self) -> i32 {
+        self.format
     }
     /// The pool written to.
     pub fn pool(&self) -> &Arc<Pool> {
@@ -463,7 +471,7 @@ impl KvRowWriter {
         let cls = g.layer_class(layer).map_err(|e| bad(e.into()))?;
         let class = Class::from_ratio(cls.ratio).map_err(|e| bad(e.into()))?;
         let v0 = self.pool.layer_view(layer, 0).map_err(bad)?;
-        let rope = if self.fp8 { self.pool.layer_view(layer, 1).map_err(bad)?.ptr } else { 0 };
+        let rope = if self.is_fp8() { self.pool.layer_view(layer, 1).map_err(bad)?.ptr } else { 0 };
         Ok((class, v0.ptr, rope, v0.rows))
     }
 
@@ -506,7 +514,7 @@ impl KvRowWriter {
             kv_row_stride: stride as i64,
             view_rows,
             num_tokens: tokens as i32, // at most max_tokens, which fits an i32
-            fp8: i32::from(self.fp8),
+            format: self.format,
         };
         Ok((args, tokens))
     }
@@ -697,7 +705,7 @@ impl KvRowWriter {
                 kv_row_stride: stride as i64,
                 view_rows,
                 num_tokens: tokens as i32, // at most the path's max_tokens, an i32
-                fp8: i32::from(self.fp8),
+                format: self.format,
             },
             tokens,
         ))

@@ -3,7 +3,7 @@
 //! ```text
 //! v4pool plan --model v4-flash|v4-pro|v4-flash-dspark|v4-pro-dspark|v4.1-flash|…|PATH/config.json
 //!             --budget 100GiB --max-seqs 256
-//!             [--dtype fp8|bf16] [--indexer fp8|fp4|bf16] [--spec-steps K]
+//!             [--dtype fp8|bf16|flashmla-v41] [--indexer fp8|fp4|bf16] [--spec-steps K]
 //!             [--min-slots N] [--overhead BYTES] [--json]
 //! ```
 //!
@@ -17,15 +17,17 @@ use v4pool::sizing::{parse_bytes, plan, IndexerDtype, KvDtype, PlanRequest};
 
 const USAGE: &str = "\
 usage: v4pool plan --model NAME|PATH/config.json --budget BYTES --max-seqs N
-                   [--dtype fp8|bf16] [--indexer fp8|fp4|bf16] [--spec-steps K]
+                   [--dtype fp8|bf16|flashmla-v41] [--indexer fp8|fp4|bf16] [--spec-steps K]
                    [--min-slots N] [--overhead BYTES] [--json]
 
   --model       preset (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark, and -dense
-                variants with dense drafts; v4.1-flash, v4.1-flash-dspark: bf16 only)
+                variants with dense drafts; v4.1-flash, v4.1-flash-dspark: bf16 or
+                flashmla-v41)
                 or a HuggingFace config.json (V4.1's nested text_config too)
   --budget      bytes the pool may take: 1234, 512MiB, 80GB, 100GiB
   --max-seqs    admitted requests: one slot each
-  --dtype       main KV: fp8 (two planes, default) or bf16 (one plane)
+  --dtype       main KV: fp8 (ATOM's 640-B rows in two planes, default for V4), bf16 (one
+                plane), flashmla-v41 (FlashMLA's 528-B V4.1 rows, default for V4.1)
   --indexer     CSA indexer cache: fp8 (default), fp4 or bf16 (exact bf16 keys)
   --spec-steps  speculative steps k; ring = window + k (default 0)
   --min-slots   fewest slots the elastic boundary may shrink to; the indexer is sized
@@ -61,10 +63,9 @@ pub(crate) fn execute(args: &[String]) -> Result<Option<PlanReport>, CliError> {
         value: value.to_string(),
         expected,
     };
-    let kv = match p.get("--dtype").unwrap_or("fp8") {
-        "fp8" => KvDtype::Fp8,
-        "bf16" => KvDtype::Bf16,
-        other => return Err(bad("--dtype", other, "fp8 or bf16")),
+    let kv = match p.get("--dtype") {
+        Some(d) => Some(KvDtype::from_name(d).ok_or_else(|| bad("--dtype", d, "fp8, bf16 or flashmla-v41"))?),
+        None => None,
     };
     let indexer = match p.get("--indexer").unwrap_or("fp8") {
         "fp8" => IndexerDtype::Fp8,
@@ -76,6 +77,11 @@ pub(crate) fn execute(args: &[String]) -> Result<Option<PlanReport>, CliError> {
     let overhead_bytes = p.get("--overhead").map(parse_bytes).transpose()?.unwrap_or(0);
     let budget_bytes = parse_bytes(budget_text)?;
     let model = load_model(model_spec, &p)?;
+    // The default is the family's fp8 form: ATOM's rows for V4, FlashMLA's 528-B rows for V4.1.
+    let kv = kv.unwrap_or(match model.family {
+        v4pool::model::ModelFamily::V41 => KvDtype::FlashMlaV41,
+        v4pool::model::ModelFamily::V4 => KvDtype::Fp8,
+    });
     let req = PlanRequest { min_slots, overhead_bytes, ..PlanRequest::new(kv, indexer, m, budget_bytes) };
     Ok(Some(PlanReport::new(plan(&model, &req)?)?))
 }
@@ -161,6 +167,33 @@ fn to_text(report: &PlanReport) -> String {
         report.units_per_checkpoint
     ));
     line(format!("  layout id: {}", report.layout_id));
+    // What each row format holds at this budget and slot count (one formula, the spec's tight
+    // fit, for every format, so the gain between two is like for like).
+    if let Ok(caps) = p.capacity_by_format() {
+        let here = caps.iter().find(|c| c.format == p.layout.kv.row_format()).copied();
+        line("  KV bytes per token by row format (spec tight fit at this budget and slot count):".to_string());
+        for c in &caps {
+            let gain = here.map_or(String::new(), |h| {
+                let d = c.tokens(m.block_size) - h.tokens(m.block_size);
+                let pct = 100.0 * d as f64 / h.tokens(m.block_size).max(1) as f64;
+                if c.format == h.format { "(this plan)".to_string() } else { format!("{d:+} tokens ({pct:+.1} %)") }
+            });
+            let bytes = if c.block_row_bytes == c.window_row_bytes {
+                format!("{} B", c.block_row_bytes)
+            } else {
+                format!("{} B compressed, {} B window", c.block_row_bytes, c.window_row_bytes)
+            };
+            line(format!(
+                "    {:<17} {:<27} {:>9} blocks {:>14} tokens  {}{}",
+                c.format.format().name,
+                bytes,
+                grouped(c.tight_fit_blocks as u64),
+                grouped(c.tokens(m.block_size) as u64),
+                gain,
+                if c.carved { "" } else { "  [not carved yet: docs/flashmla.md]" }
+            ));
+        }
+    }
     s
 }
 

@@ -162,7 +162,13 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
     let json = p.flag("--json");
     let model = crate::layout::load_model(p.get("--model").unwrap_or("v4-flash"), &p)?;
     let budget = v4pool::sizing::parse_bytes(p.get("--budget").unwrap_or("6GiB"))?;
-    let kv = choose(&p, "--dtype", "fp8", &[("fp8", KvDtype::Fp8), ("bf16", KvDtype::Bf16)], "fp8 or bf16")?;
+    let kv = choose(
+        &p,
+        "--dtype",
+        "fp8",
+        &[("fp8", KvDtype::Fp8), ("bf16", KvDtype::Bf16), ("flashmla-v41", KvDtype::FlashMlaV41)],
+        "fp8, bf16 or flashmla-v41",
+    )?;
     let indexer = choose(
         &p,
         "--indexer",

@@ -141,11 +141,27 @@ fn plan(
     Plan::new(py, report)
 }
 
+/// Tokens' bf16 KV (`kv`: bytes of `n × 512` native-order bf16 values) packed by the row format
+/// `format` (`atom-fp8`, `bf16`, `flashmla-v4`, `flashmla-v41`, `flashmla-v41-fp4`) into
+/// fresh planes of `n` rows rounded up to the kernel's pages: one `bytes` per plane. What the
+/// pool's writers write, from the format's one description (`v4pool::format`).
+#[pyfunction]
+fn pack_rows(py: Python<'_>, format: &str, kv: &[u8]) -> PyResult<Vec<Py<pyo3::types::PyBytes>>> {
+    let f = crate::format::RowFormatId::from_name(format).map_err(lib_err)?.format();
+    if kv.len() % 2 != 0 {
+        return Err(lib_err(crate::format::FormatError::RowLength { got: kv.len(), want: 2 * crate::index::KV_ROW_VALUES }));
+    }
+    let values: Vec<u16> = kv.chunks_exact(2).map(|b| u16::from_ne_bytes([b[0], b[1]])).collect();
+    let planes = py.detach(|| f.pack_planes(&values)).map_err(lib_err)?;
+    Ok(planes.iter().map(|p| pyo3::types::PyBytes::new(py, p).unbind()).collect())
+}
+
 #[pymodule]
 fn v4pool(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("V4PoolError", m.py().get_type::<V4PoolError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
+    m.add_function(wrap_pyfunction!(pack_rows, m)?)?;
     m.add_class::<Plan>()?;
     m.add_class::<dlpack::DeviceView>()?;
     pool::register(m)?;

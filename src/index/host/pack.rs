@@ -101,6 +101,11 @@ pub enum KvPlanes<'a> {
         /// RoPE rows.
         rope: &'a mut [u8],
     },
+    /// FlashMLA's V4.1 plane of 528-B rows (`crate::format`'s `flashmla-v41`).
+    FlashMlaV41 {
+        /// The view's rows.
+        pool: &'a mut [u8],
+    },
 }
 
 /// `v4pool_kv_rows`: for `t < num_tokens` whose batch id (if given) is not negative and whose
@@ -146,6 +151,13 @@ pub fn kv_rows(
                 let n = row_range(row, FP8_NOPE_ROW_BYTES, nope.len(), "nope")?;
                 let r = row_range(row, ROPE_ROW_BYTES, rope.len(), "rope")?;
                 pack_fp8_row(src, &mut nope[n], &mut rope[r])?;
+            }
+            KvPlanes::FlashMlaV41 { pool } => {
+                // The format's one description packs (no second transcription of the formula).
+                let f = crate::format::RowFormatId::FlashMlaV41.format();
+                let r = row_range(row, f.bytes_per_token(), pool.len(), "pool")?;
+                let packed = f.pack(src).map_err(|_| HostKernelError::OutOfBounds { buffer: "kv", index: t, len: kv.len() })?;
+                pool[r].copy_from_slice(&packed[0]);
             }
         }
     }

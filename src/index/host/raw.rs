@@ -332,13 +332,15 @@ unsafe fn run_kv_rows(a: &crate::index::KvRowsArgs) -> Result<()> {
             Some(input("batch_id_per_token", a.batch_id_per_token, t)?)
         };
         let rows = |w: u64| len_of("view bytes", mul(a.view_rows, w as i64, "view bytes")?);
-        let mut planes = if a.fp8 == 1 {
-            KvPlanes::Fp8 {
+        let mut planes = match a.format {
+            crate::index::KV_ROWS_ATOM_FP8 => KvPlanes::Fp8 {
                 nope: output("nope", a.nope, rows(FP8_NOPE_ROW_BYTES)?)?,
                 rope: output("rope", a.rope, rows(ROPE_ROW_BYTES)?)?,
-            }
-        } else {
-            KvPlanes::Bf16 { pool: output("nope", a.nope, rows(2 * KV_ROW_VALUES as u64)?)? }
+            },
+            crate::index::KV_ROWS_FLASHMLA_V41 => KvPlanes::FlashMlaV41 {
+                pool: output("nope", a.nope, rows(crate::index::FLASHMLA_V41_ROW_BYTES)?)?,
+            },
+            _ => KvPlanes::Bf16 { pool: output("nope", a.nope, rows(2 * KV_ROW_VALUES as u64)?)? },
         };
         kv_rows(kv, stride, dest, bids, &mut planes, a.view_rows, a.num_tokens)
     }
