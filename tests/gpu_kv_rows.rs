@@ -79,3 +79,42 @@ fn kv_rows_match_the_host() {
         assert!(planes(&d) == planes(&h), "fp8 {fp8}: device planes differ from the host reference's");
     }
 }
+
+#[test]
+fn flashmla_v41_rows_match_the_host() {
+    // V4.1-Flash in FlashMLA's 528-B rows: the device kernel's packs equal the host reference's
+    // (the format's description) over every byte of the plane, window and compressed rows.
+    let Some(dev) = device_or_skip("flashmla_v41_rows_match_the_host") else {
+        return;
+    };
+    let dev: Arc<dyn Backend> = Arc::from(dev);
+    let model = ModelShape::v41_flash(0).unwrap();
+    let w = v4pool::sizing::KvDtype::FlashMlaV41.plane_widths().to_vec();
+    let d = gather_common::model_pool_at(dev.clone(), &model, w.clone(), 6, 3, None);
+    let h = gather_common::model_pool_at(Arc::new(HostBackend::new()), &model, w, 6, 3, None);
+    let mut rng = Rng::new(case_seed("gpu-kv-rows-v41", 0));
+    let bytes = rng.bytes(d.plane_bytes(0).unwrap() as usize);
+    d.write_plane(0, 0, &bytes).unwrap();
+    h.write_plane(0, 0, &bytes).unwrap();
+    let cap = RowWriteCapacity { max_tokens: 600 };
+    let (mut wd, mut wh) = (d.kv_row_writer(cap).unwrap(), h.kv_row_writer(cap).unwrap());
+    let sd: Vec<_> = (0..3).map(|_| d.alloc_slot().unwrap()).collect();
+    let sh: Vec<_> = (0..3).map(|_| h.alloc_slot().unwrap()).collect();
+    let starts = [0i64, 7, 1_000_000];
+    let tokens = [300usize, 1, 129];
+    let seqs = |s: &[v4pool::pool::SlotLease]| -> Vec<WindowSeq> {
+        (0..3).map(|i| WindowSeq { slot: s[i].handle, first_position: starts[i], tokens: tokens[i] }).collect()
+    };
+    wd.stage_window(&seqs(&sd)).unwrap();
+    wh.stage_window(&seqs(&sh)).unwrap();
+    let n: usize = tokens.iter().sum();
+    let mut kv: Vec<u16> = (0..n * 512).map(|_| (rng.next_u64() as u16) & 0x7f7f).collect();
+    kv[64..96].fill(0);
+    let g = d.geometry().unwrap();
+    for class in g.classes.values() {
+        let layer = class.layers[0];
+        wd.write(layer, RowSet::Window, &kv, 512).unwrap();
+        wh.write(layer, RowSet::Window, &kv, 512).unwrap();
+    }
+    assert!(planes(&d) == planes(&h), "flashmla-v41: device plane differs from the host reference's");
+}

@@ -311,3 +311,49 @@ fn index_keys_land_at_their_entries_rows_and_nothing_else_changes() {
     assert!(matches!(w.write_index_keys(rank, &keys, stride), Err(RowWriteError::NothingStaged { .. })));
     assert!(indexer_bytes(&pool) == expect, "a refused write changed the indexer cache");
 }
+
+#[test]
+fn a_v41_pool_in_flashmla_rows_gets_the_format_pack_at_its_window_rows() {
+    // V4.1-Flash in FlashMLA's 528-B rows on the host backend: each class's first layer gets the
+    // staged tokens' rows exactly as the format's description packs them, at the rows the
+    // geometry's window_index names; every other byte keeps its random value.
+    let model = ModelShape::v41_flash(0).unwrap();
+    let w = v4pool::sizing::KvDtype::FlashMlaV41.plane_widths().to_vec();
+    let pool = gather_common::model_pool_at(Arc::new(HostBackend::new()), &model, w, 6, 3, None);
+    let mut rng = Rng::new(case_seed("kv-rows-v41", 0));
+    pool.write_plane(0, 0, &rng.bytes(pool.plane_bytes(0).unwrap() as usize)).unwrap();
+    let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens: 64 }).unwrap();
+    let slots: Vec<_> = (0..2).map(|_| pool.alloc_slot().unwrap()).collect();
+    let before = plane(&pool, 0); // after alloc_slot initialised the slots' state
+    let seqs = [
+        WindowSeq { slot: slots[0].handle, first_position: 5, tokens: 3 },
+        WindowSeq { slot: slots[1].handle, first_position: 1_000, tokens: 2 },
+    ];
+    assert_eq!(w.stage_window(&seqs).unwrap(), 5);
+    let kv = bf16_values(&mut rng, 5 * 512);
+    let g = pool.geometry().unwrap();
+    let f = v4pool::format::RowFormatId::FlashMlaV41.format();
+    let mut want = before.clone();
+    let mut written = 0;
+    for class in g.classes.values() {
+        let layer = class.layers[0];
+        w.write(layer, RowSet::Window, &kv, 512).unwrap();
+        // The view runs from its base row to the plane's end (lead rows included).
+        let base = pool.plane_bytes(0).unwrap() as i64 / 528 - pool.layer_view(layer, 0).unwrap().rows;
+        let mut t = 0;
+        for (s, lease) in seqs.iter().zip(&slots) {
+            let pos = pool.with_boundary(|b| b.position(lease.handle)).unwrap().unwrap();
+            for i in 0..s.tokens as i64 {
+                let q = (s.first_position + i) % g.ring_slots;
+                let row = (base + g.window_index(layer, pos, q).unwrap()) as usize;
+                want[row * 528..(row + 1) * 528].copy_from_slice(&f.pack(&kv[t * 512..(t + 1) * 512]).unwrap()[0]);
+                t += 1;
+                written += 1;
+            }
+        }
+    }
+    assert!(written >= 10, "V4.1-Flash has at least two classes");
+    let got = plane(&pool, 0);
+    let bad: Vec<usize> = (0..got.len() / 528).filter(|&r| got[r * 528..(r + 1) * 528] != want[r * 528..(r + 1) * 528]).collect();
+    assert!(bad.is_empty(), "rows as the description packs them, nothing else changed; rows differing: {bad:?}");
+}

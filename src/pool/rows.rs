@@ -24,7 +24,7 @@ use super::owned::{Carve, Owned};
 use super::{DecodeError, DecodePath, Pool, PoolError};
 use crate::alloc::{AllocError, BlockHandle, SlotHandle};
 use crate::backend::BackendError;
-use crate::geometry::{Class, DENSE_RATIO};
+use crate::geometry::Class;
 use crate::index::{
     DevicePtr, IndexKeysArgs, KvRowsArgs, Launch, FLASHMLA_V41_ROW_BYTES, FP8_NOPE_ROW_BYTES, INDEX_KEYS_BF16,
     INDEX_KEYS_FP4, KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V41,
@@ -404,7 +404,9 @@ impl KvRowWriter {
         let g = self.pool.geometry().map_err(pool_err)?;
         self.window = Staged::Nothing;
         for class in [Class::Dense, Class::Csa, Class::Hca] {
-            let Some(layer) = g.ratios.iter().position(|&r| r == class.ratio()) else { continue };
+            // The geometry's ratio in the class's slot (V4: 0/4/128; V4.1: 0/1/2).
+            let Ok(Some(ratio)) = g.class_ratio(class) else { continue };
+            let Some(layer) = g.ratios.iter().position(|&r| r == ratio) else { continue };
             let mut rows = Vec::with_capacity(tokens);
             for (s, &slot) in seqs.iter().zip(&positions) {
                 let keep = s.tokens.min(g.ring_slots as usize);
@@ -430,14 +432,13 @@ impl KvRowWriter {
     /// block (`compress_index`). Returns the entries staged.
     pub fn stage_compressed(&mut self, class: Class, entries: &[CompressedRow]) -> Result<usize> {
         self.check_tokens(entries.len())?;
-        if class.ratio() == DENSE_RATIO {
+        if class == Class::Dense {
             return Err(RowWriteError::NoSuchRows { class, what: "compressed" });
         }
         let g = self.pool.geometry().map_err(pool_err)?;
-        let layer = g
-            .ratios
-            .iter()
-            .position(|&r| r == class.ratio())
+        let ratio = g.class_ratio(class).ok().flatten();
+        let layer = ratio
+            .and_then(|ratio| g.ratios.iter().position(|&r| r == ratio))
             .ok_or(RowWriteError::NoSuchRows { class, what: "compressed" })?;
         self.pool
             .with_boundary(|b| {
@@ -468,8 +469,7 @@ impl KvRowWriter {
     fn layer_target(&self, layer: usize) -> Result<(Class, DevicePtr, DevicePtr, i64)> {
         let g = &self.pool.spec().geometry;
         let bad = |e: PoolError| RowWriteError::BadLayer { layer, source: Box::new(e) };
-        let cls = g.layer_class(layer).map_err(|e| bad(e.into()))?;
-        let class = Class::from_ratio(cls.ratio).map_err(|e| bad(e.into()))?;
+        let class = g.layer_slot(layer).map_err(|e| bad(e.into()))?;
         let v0 = self.pool.layer_view(layer, 0).map_err(bad)?;
         let rope = if self.is_fp8() { self.pool.layer_view(layer, 1).map_err(bad)?.ptr } else { 0 };
         Ok((class, v0.ptr, rope, v0.rows))

@@ -56,7 +56,19 @@ pub fn model_pool_with(
     slots: i64,
     indexer: Option<v4pool::sizing::IndexerDtype>,
 ) -> Arc<Pool> {
-    let w = widths(fp8);
+    model_pool_at(backend, model, widths(fp8), positions, slots, indexer)
+}
+
+/// [`model_pool_with`] at any plane widths (a row format's, `KvDtype::plane_widths`).
+#[allow(dead_code)] // not every test binary that includes this module uses it
+pub fn model_pool_at(
+    backend: Arc<dyn Backend>,
+    model: &ModelShape,
+    w: Vec<u64>,
+    positions: i64,
+    slots: i64,
+    indexer: Option<v4pool::sizing::IndexerDtype>,
+) -> Arc<Pool> {
     let arena = ArenaLayout::for_model(model, &w).expect("arena");
     let probe = model
         .geometry_spec(0, 0)
@@ -67,7 +79,7 @@ pub fn model_pool_with(
     let plane_rows = positions * probe.slot_rows;
     let blocks = (positions - slots) * probe.slot_rows / probe.envelope_rows;
     let geometry = probe.with_capacity(blocks.min(8), slots, Some(plane_rows)).expect("carve");
-    let spec = PoolSpec::new(geometry, w, arena, indexer, model.csa_layers()).expect("spec");
+    let spec = PoolSpec::new(geometry, w, arena, indexer, model.indexer_layers()).expect("spec");
     Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
 }
 
