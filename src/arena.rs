@@ -721,6 +721,25 @@ impl ArenaLayout {
     pub fn slot_align_rows(&self) -> i64 {
         self.slot_align_rows
     }
+    /// The same fields with the arena and the slot alignment rounded to whole pages of
+    /// `page_rows` rows (a paged row format: the arena's bytes then fill whole pages and never
+    /// share one with window rows). The fields keep their offsets; the added rows are padding.
+    pub fn page_aligned(mut self, page_rows: i64) -> Result<Self, ArenaError> {
+        if page_rows < 1 {
+            return Err(ArenaError::Overflow { what: "page rows" });
+        }
+        let gcd = |mut a: i64, mut b: i64| {
+            while b != 0 {
+                (a, b) = (b, a % b);
+            }
+            a
+        };
+        let pages = add(self.arena_rows, page_rows - 1, "arena rows")? / page_rows;
+        self.arena_rows = mul(pages, page_rows, "arena rows")?;
+        let g = gcd(self.slot_align_rows, page_rows);
+        self.slot_align_rows = mul(self.slot_align_rows / g, page_rows, "slot alignment")?;
+        Ok(self)
+    }
     /// Sum of the fields' bytes (no padding): the "state bytes" of §2.5.
     pub fn state_bytes(&self) -> Result<u64, ArenaError> {
         self.fields.iter().try_fold(0u64, |acc, f| Ok::<_, ArenaError>(add(acc, f.bytes()?, "state bytes")?))

@@ -69,11 +69,16 @@ pub enum KvDtype {
     /// e8m0 scales), read in place by FlashMLA's sparse decode (`crate::format`, docs/flashmla.md).
     /// V4.1 models only: V4 keeps its RoPE in bf16.
     FlashMlaV41,
+    /// One paged plane of FlashMLA's DeepSeek-V4 rows (584 B a token: pages of 64 rows, 64
+    /// data rows of 448 e4m3 + 64 bf16, then 64 scale rows of 7 e8m0 + a pad), read in place by
+    /// FlashMLA's sparse decode on SM90. Envelopes, slots and the arena are whole pages
+    /// ([`KvDtype::page_rows`]) so a block or slot is one contiguous byte range. V4 only.
+    FlashMlaV4,
 }
 
 impl KvDtype {
     /// Every dtype, in the order the CLI lists them.
-    pub const ALL: [KvDtype; 3] = [KvDtype::Fp8, KvDtype::Bf16, KvDtype::FlashMlaV41];
+    pub const ALL: [KvDtype; 4] = [KvDtype::Fp8, KvDtype::Bf16, KvDtype::FlashMlaV4, KvDtype::FlashMlaV41];
 
     /// The row format's description (`crate::format`): what every byte of a row means.
     pub fn row_format(self) -> crate::format::RowFormatId {
@@ -82,7 +87,13 @@ impl KvDtype {
             KvDtype::Fp8 => RowFormatId::AtomFp8,
             KvDtype::Bf16 => RowFormatId::Bf16,
             KvDtype::FlashMlaV41 => RowFormatId::FlashMlaV41,
+            KvDtype::FlashMlaV4 => RowFormatId::FlashMlaV4,
         }
+    }
+    /// Rows of the planes' pages (1: rows back to back): envelopes, slots and the compressor
+    /// arena are rounded to it, so every block and slot is whole pages.
+    pub fn page_rows(self) -> i64 {
+        self.row_format().format().planes.iter().map(|p| p.page_rows as i64).max().unwrap_or(1)
     }
     /// Bytes per row of each plane, in plane order (the row format's; a test holds them equal).
     pub fn plane_widths(self) -> &'static [u64] {
@@ -90,6 +101,7 @@ impl KvDtype {
             KvDtype::Fp8 => &[512, 128],
             KvDtype::Bf16 => &[1024],
             KvDtype::FlashMlaV41 => &[528],
+            KvDtype::FlashMlaV4 => &[584],
         }
     }
     /// The spelling the checkpoint layout id uses.
@@ -98,6 +110,7 @@ impl KvDtype {
             KvDtype::Fp8 => "fp8-2buff",
             KvDtype::Bf16 => "bf16",
             KvDtype::FlashMlaV41 => "flashmla-v41",
+            KvDtype::FlashMlaV4 => "flashmla-v4",
         }
     }
     /// Lower-case name, as the CLI spells it.
@@ -106,6 +119,7 @@ impl KvDtype {
             KvDtype::Fp8 => "fp8",
             KvDtype::Bf16 => "bf16",
             KvDtype::FlashMlaV41 => "flashmla-v41",
+            KvDtype::FlashMlaV4 => "flashmla-v4",
         }
     }
     /// The dtype a name spells (the CLI's and the bindings' one parser).
@@ -117,7 +131,10 @@ impl KvDtype {
     /// which the 528-B format quantises.
     pub fn fits(self, family: crate::model::ModelFamily) -> bool {
         use crate::model::ModelFamily;
-        !matches!((family, self), (ModelFamily::V41, KvDtype::Fp8) | (ModelFamily::V4, KvDtype::FlashMlaV41))
+        !matches!(
+            (family, self),
+            (ModelFamily::V41, KvDtype::Fp8 | KvDtype::FlashMlaV4) | (ModelFamily::V4, KvDtype::FlashMlaV41)
+        )
     }
 }
 
@@ -366,11 +383,16 @@ impl PoolLayout {
         if !kv.fits(model.family) {
             return Err(SizingError::KvDtypeUnsupported { family: model.family, kv: kv.name() });
         }
-        let arena = ArenaLayout::for_model(model, kv.plane_widths())?;
+        // A paged format's unit of contiguous bytes is a page: the arena, every slot and every
+        // envelope are whole pages (the arena's bytes then never share a page with window rows,
+        // whose data and scales sit apart inside it).
+        let page = kv.page_rows();
+        let arena = ArenaLayout::for_model(model, kv.plane_widths())?.page_aligned(page)?;
         let geometry = model
             .geometry_spec(0, 0)
             .arena_rows(arena.arena_rows())
             .slot_align_rows(arena.slot_align_rows())
+            .envelope_align_rows(page)
             .build()?;
         Ok(PoolLayout { model: model.clone(), kv, indexer, arena, geometry })
     }
@@ -453,39 +475,52 @@ impl FormatCapacity {
 
 impl Plan {
     /// Every row format the model's rows have a form in, priced by the spec's tight fit at this
-    /// plan's budget, slot count, envelope and entry rows: the capacity one format gains over
-    /// another. The compressor-state arena keeps its bytes; V4.1's fp4 format holds compressed
-    /// rows only (FlashMLA reads it as the extra cache), its windows stay 528-B rows.
+    /// plan's budget and slot count: a format a pool carves ([`KvDtype`]) at its own layout
+    /// (its envelope, entry and arena rows, page alignment included), V4.1's fp4 format — not
+    /// carved — at this plan's rows with 288-B compressed rows and 528-B windows. The capacity
+    /// one format gains over another, like for like.
     pub fn capacity_by_format(&self) -> Result<Vec<FormatCapacity>, SizingError> {
         use crate::format::{RowFormatId, ALL};
-        use crate::model::ModelFamily;
-        let g = &self.layout.geometry;
-        let arena_bytes = mul(to_u64(g.arena_rows, "arena rows")?, self.layout.widths().iter().sum(), "arena")?;
-        let entry = to_u64(g.slot_rows - g.arena_rows, "entry rows")?;
-        let e = to_u64(g.envelope_rows, "envelope rows")?;
+        let model = &self.layout.model;
         let net = self.budget_bytes - self.overhead_bytes.min(self.budget_bytes);
         let m = to_u64(self.num_slots, "slots")?;
+        let tight = |page: u64, slot: u64| -> Result<i64, SizingError> {
+            to_i64(net.saturating_sub(mul(m, slot, "slot region")?) / page, "blocks")
+        };
         let mut out = Vec::new();
         for f in ALL {
-            let v41 = self.layout.model.family == ModelFamily::V41;
-            let (block_row, window_row) = match (f, v41) {
-                (RowFormatId::AtomFp8 | RowFormatId::FlashMlaV4, true) => continue,
-                (RowFormatId::FlashMlaV41 | RowFormatId::FlashMlaV41Fp4, false) => continue,
-                (RowFormatId::FlashMlaV41Fp4, true) => {
-                    (f.format().bytes_per_token(), RowFormatId::FlashMlaV41.format().bytes_per_token())
+            if let Some(kv) = KvDtype::ALL.into_iter().find(|k| k.row_format() == f) {
+                if !kv.fits(model.family) {
+                    continue;
                 }
-                _ => (f.format().bytes_per_token(), f.format().bytes_per_token()),
-            };
-            let slot = add(arena_bytes, mul(entry, window_row, "slot bytes")?, "slot bytes")?;
-            let page = add(mul(e, block_row, "page bytes")?, self.layout.indexer_block_bytes()?, "page bytes")?;
-            let blocks = net.saturating_sub(mul(m, slot, "slot region")?) / page;
-            out.push(FormatCapacity {
-                format: f,
-                block_row_bytes: block_row,
-                window_row_bytes: window_row,
-                tight_fit_blocks: to_i64(blocks, "blocks")?,
-                carved: KvDtype::ALL.iter().any(|k| k.row_format() == f),
-            });
+                let l = PoolLayout::new(model, kv, self.layout.indexer)?;
+                let b = f.format().bytes_per_token();
+                out.push(FormatCapacity {
+                    format: f,
+                    block_row_bytes: b,
+                    window_row_bytes: b,
+                    tight_fit_blocks: tight(l.page_bytes()?, l.slot_bytes()?)?,
+                    carved: true,
+                });
+            } else if f == RowFormatId::FlashMlaV41Fp4 && model.family == crate::model::ModelFamily::V41 {
+                let g = &self.layout.geometry;
+                let arena = mul(to_u64(g.arena_rows, "arena rows")?, self.layout.widths().iter().sum(), "arena")?;
+                let window = RowFormatId::FlashMlaV41.format().bytes_per_token();
+                let entry = mul(to_u64(g.slot_rows - g.arena_rows, "entry rows")?, window, "slot bytes")?;
+                let block = f.format().bytes_per_token();
+                let page = add(
+                    mul(to_u64(g.envelope_rows, "envelope rows")?, block, "page bytes")?,
+                    self.layout.indexer_block_bytes()?,
+                    "page bytes",
+                )?;
+                out.push(FormatCapacity {
+                    format: f,
+                    block_row_bytes: block,
+                    window_row_bytes: window,
+                    tight_fit_blocks: tight(page, add(arena, entry, "slot bytes")?)?,
+                    carved: false,
+                });
+            }
         }
         Ok(out)
     }

@@ -21,6 +21,12 @@ pub enum GeometryError {
         /// The value given.
         got: i64,
     },
+    #[error("envelope_align_rows must be positive, got {got}")]
+    /// `envelope_align_rows` must be positive, got `got`.
+    EnvelopeAlignRows {
+        /// The value given.
+        got: i64,
+    },
     #[error("ring_slots must be positive, got {got}")]
     /// `ring_slots` must be positive, got `got`.
     RingSlots {
@@ -275,6 +281,7 @@ impl VariantName for GeometryError {
             NoLayers => "NoLayers",
             UnknownRatios { .. } => "UnknownRatios",
             SlotAlignRows { .. } => "SlotAlignRows",
+            EnvelopeAlignRows { .. } => "EnvelopeAlignRows",
             RingSlots { .. } => "RingSlots",
             RingStride { .. } => "RingStride",
             ArenaRows { .. } => "ArenaRows",

@@ -306,6 +306,10 @@ pub struct GeometrySpec {
     pub kv_sources: Option<Vec<usize>>,
     /// Which rows an envelope holds ([`RowForm::Compact`] needs `kv_sources`).
     pub form: RowForm,
+    /// Row multiple an envelope is rounded up to (1: tight). A paged row format (FlashMLA's
+    /// 64-row pages) sets its page so every block is whole pages: a block's bytes are then one
+    /// contiguous range, the same range a uniform-row plane gives, for every copy that moves it.
+    pub envelope_align_rows: i64,
 }
 
 impl GeometrySpec {
@@ -323,7 +327,13 @@ impl GeometrySpec {
             slot_align_rows: 2,
             kv_sources: None,
             form: RowForm::Envelope,
+            envelope_align_rows: 1,
         }
+    }
+    /// Round every envelope up to a multiple of `rows` (see the field).
+    pub fn envelope_align_rows(mut self, rows: i64) -> Self {
+        self.envelope_align_rows = rows;
+        self
     }
     /// Layers read the compressed rows of these source layers (V4.1's shared compressors).
     pub fn kv_sources(mut self, sources: Vec<usize>) -> Self {
@@ -382,7 +392,10 @@ pub struct UnifiedPoolGeometry {
     pub arena_rows: i64,
     /// Slot rows are a multiple of this.
     pub slot_align_rows: i64,
-    /// Rows of one block's envelope (every compressed layer).
+    /// Envelope rows are a multiple of this (1: tight).
+    pub envelope_align_rows: i64,
+    /// Rows of one block's envelope (every compressed layer), rounded up to
+    /// `envelope_align_rows`.
     pub envelope_rows: i64,
     /// Rows of one slot's entry (every layer's window rows).
     pub entry_rows: i64,
@@ -433,6 +446,7 @@ impl UnifiedPoolGeometry {
             slot_align_rows,
             kv_sources,
             form,
+            envelope_align_rows,
         } = spec;
         if ratios.is_empty() {
             return Err(GeometryError::NoLayers);
@@ -445,6 +459,9 @@ impl UnifiedPoolGeometry {
         }
         if slot_align_rows < 1 {
             return Err(GeometryError::SlotAlignRows { got: slot_align_rows });
+        }
+        if envelope_align_rows < 1 {
+            return Err(GeometryError::EnvelopeAlignRows { got: envelope_align_rows });
         }
         if ring_slots < 1 {
             return Err(GeometryError::RingSlots { got: ring_slots });
@@ -511,7 +528,8 @@ impl UnifiedPoolGeometry {
             let n = owners_of(ratio).len() as i64;
             cursor = add(cursor, mul(n, block_rows_of(ratio), "envelope rows")?, "envelope rows")?;
         }
-        let envelope_rows = cursor;
+        // Rows past the last class are padding no index reaches (a paged format's page tail).
+        let envelope_rows = mul(ceil_div(cursor, envelope_align_rows), envelope_align_rows, "envelope rows")?;
         let mut classes = BTreeMap::new();
         cursor = 0;
         for &ratio in &entry_order {
@@ -611,6 +629,7 @@ impl UnifiedPoolGeometry {
             block_size,
             arena_rows,
             slot_align_rows,
+            envelope_align_rows,
             envelope_rows,
             entry_rows,
             slot_rows,
@@ -648,6 +667,7 @@ impl UnifiedPoolGeometry {
             slot_align_rows: self.slot_align_rows,
             kv_sources: self.kv_sources.clone(),
             form: self.form,
+            envelope_align_rows: self.envelope_align_rows,
         })
     }
 
@@ -665,6 +685,7 @@ impl UnifiedPoolGeometry {
             slot_align_rows: self.slot_align_rows,
             kv_sources: self.kv_sources.clone(),
             form: self.form,
+            envelope_align_rows: self.envelope_align_rows,
         }
     }
 
