@@ -568,9 +568,10 @@ struct KvRowsArgs {
     v4p_i64 kv_row_stride;       // elements from one source row to the next (>= 512)
     v4p_i64 view_rows;
     v4p_i32 num_tokens;
-    v4p_i32 format;              // 0 bf16, 1 ATOM fp8, 2 FlashMLA V4.1 (528 B)
+    v4p_i32 format;              // 0 bf16, 1 ATOM fp8, 2 FlashMLA V4.1 (528 B), 3 FlashMLA V4 (584 B, paged)
+    v4p_i64 view_row0;           // paged formats: nope is plane row 0, view row r is plane row view_row0 + r
 };
-V4POOL_CHECK_SIZE(KvRowsArgs, 64);
+V4POOL_CHECK_SIZE(KvRowsArgs, 72);
 V4POOL_CHECK_ALIGN(KvRowsArgs, 8);
 V4POOL_CHECK_OFFSET(KvRowsArgs, kv, 0);
 V4POOL_CHECK_OFFSET(KvRowsArgs, dest_rows, 8);
@@ -581,6 +582,7 @@ V4POOL_CHECK_OFFSET(KvRowsArgs, kv_row_stride, 40);
 V4POOL_CHECK_OFFSET(KvRowsArgs, view_rows, 48);
 V4POOL_CHECK_OFFSET(KvRowsArgs, num_tokens, 56);
 V4POOL_CHECK_OFFSET(KvRowsArgs, format, 60);
+V4POOL_CHECK_OFFSET(KvRowsArgs, view_row0, 64);
 
 // The indexer's bf16 key rows -> one CSA layer's indexer K cache (docs/forward.md, "Indexer
 // keys"): keys[t] (128 bf16) to entry dest[t] = block x block_rows + row; entries outside

@@ -232,12 +232,28 @@ pub fn plane_ranges(
     for &(s, n) in state_ranges {
         all.push((to_i64(s, "state range")?, to_i64(n, "state range")?));
     }
+    // A paged plane (FlashMLA's V4 rows) keeps a page's data rows apart from its scale rows:
+    // a run of window rows is then one span per region and page, from the format's
+    // `row_spans` (slots start on a page, so offsets from the slot's start are plane offsets
+    // shifted by whole pages).
+    let paged = crate::format::plane_of_width(width);
     for &(start, count) in entry_runs {
         let row = arena_rows.checked_add(start).ok_or(CheckpointError::Overflow { what: "window row" })?;
+        if paged.page_rows > 1 {
+            let spans = paged
+                .row_spans(to_u64(row, "window row")?, to_u64(count, "window rows")?)
+                .ok_or(CheckpointError::Overflow { what: "window range" })?;
+            for (off, len) in spans {
+                all.push((to_i64(off, "window range")?, to_i64(len, "window range")?));
+            }
+            continue;
+        }
         let off = row.checked_mul(w).ok_or(CheckpointError::Overflow { what: "window range" })?;
         let len = count.checked_mul(w).ok_or(CheckpointError::Overflow { what: "window range" })?;
         all.push((off, len));
     }
+    // Offset order (a paged plane's scale spans sit after the next run's data spans).
+    all.sort_unstable();
     merge_abutting(&all)?.into_iter().map(|(s, n)| Ok((to_u64(s, "range")?, to_u64(n, "range")?))).collect()
 }
 

@@ -345,6 +345,18 @@ impl RowFormatId {
     }
 }
 
+/// The plane layout of a `width`-byte row, among every format's planes (their widths differ:
+/// 512, 128, 1024, 584, 528, 288), so a pool that knows its planes by width reads its paging
+/// here; a width no format has is an unpaged plane (the geometry's own worked examples use any
+/// width).
+pub fn plane_of_width(width: u64) -> PlaneFormat {
+    ALL.iter()
+        .flat_map(|f| f.format().planes.iter())
+        .find(|p| p.row_bytes() == width)
+        .copied()
+        .unwrap_or(PlaneFormat { regions: &[], page_rows: 1 })
+}
+
 fn amax_of(x: &[u16]) -> u32 {
     // bf16 bits widened to f32 bits; NaN is never the amax, infinities count.
     x.iter().map(|&v| (u32::from(v) << 16) & 0x7fff_ffff).filter(|&m| m <= 0x7f80_0000).max().unwrap_or(0)

@@ -99,7 +99,7 @@ fn rust_checks() -> Checks {
         WindowGatherArgs {
             params, pool, rope, state_slot_per_seq, anchor_pos, out, view_rows, num_seqs, draft_window,
         }
-        KvRowsArgs { kv, dest_rows, batch_id_per_token, nope, rope, kv_row_stride, view_rows, num_tokens, format }
+        KvRowsArgs { kv, dest_rows, batch_id_per_token, nope, rope, kv_row_stride, view_rows, num_tokens, format, view_row0 }
         IndexKeysArgs { keys, dest, data, scales, key_row_stride, num_blocks, num_tokens, block_rows, format, _pad }
     }
     c

@@ -78,6 +78,7 @@ fn the_kernel_source_matches_the_host_reference() {
                 view_rows,
                 num_tokens: t as i32,
                 format,
+                view_row0: 0,
             };
             let launch = Launch::KvRows(args);
             // SAFETY: every pointer is a live buffer of the sizes the arguments name; `emu` is
@@ -356,4 +357,57 @@ fn a_v41_pool_in_flashmla_rows_gets_the_format_pack_at_its_window_rows() {
     let got = plane(&pool, 0);
     let bad: Vec<usize> = (0..got.len() / 528).filter(|&r| got[r * 528..(r + 1) * 528] != want[r * 528..(r + 1) * 528]).collect();
     assert!(bad.is_empty(), "rows as the description packs them, nothing else changed; rows differing: {bad:?}");
+}
+
+#[test]
+fn the_kernel_source_packs_flashmla_v4_pages_as_the_host_reference() {
+    // FlashMLA's 584-B paged rows: the kernel (as C++) equals the host reference on random
+    // tokens with pads, dropped rows and a view starting mid-page; each written row is the
+    // format description's pack at its page place; every other byte of the plane stays poison.
+    let Some(lib) = common::emulation_library() else {
+        return;
+    };
+    // SAFETY: the symbol has this signature (kernels/v4pool_emulation.cpp).
+    let emu = unsafe { *lib.get::<common::EmuLaunch>(b"v4pool_emu_launch_kv_rows\0").expect("symbol") };
+    let f = v4pool::format::RowFormatId::FlashMlaV4.format();
+    for case in 0..12u64 {
+        let mut rng = Rng::new(case_seed("kv-rows-flashmla-v4", case));
+        let t = 1 + rng.below(40) as usize;
+        let stride = 512 + 8 * rng.below(3) as usize;
+        let view_rows = 150i64;
+        let row0 = rng.below(100) as i64; // the view's first plane row: mid-page in general
+        let pages = (row0 + view_rows + 63) / 64;
+        let kv = bf16_values(&mut rng, (t - 1) * stride + 512);
+        let dest: Vec<i32> = (0..t).map(|_| rng.range(-3, view_rows + 3) as i32).collect();
+        let bids: Vec<i32> = (0..t).map(|_| if rng.chance(0.2) { -1 } else { rng.below(4) as i32 }).collect();
+        let run = |reference: bool| -> Vec<u8> {
+            let mut plane = vec![0xa5u8; pages as usize * 64 * 584];
+            let args = KvRowsArgs {
+                kv: kv.as_ptr() as u64,
+                dest_rows: dest.as_ptr() as u64,
+                batch_id_per_token: bids.as_ptr() as u64,
+                nope: plane.as_mut_ptr() as u64,
+                rope: 0,
+                kv_row_stride: stride as i64,
+                view_rows,
+                num_tokens: t as i32,
+                format: v4pool::index::KV_ROWS_FLASHMLA_V4,
+                view_row0: row0,
+            };
+            // SAFETY: every pointer is a live buffer of the sizes the arguments name.
+            unsafe { common::run_reference_or_emulated(&Launch::KvRows(args), emu, reference) };
+            plane
+        };
+        let host = run(true);
+        let dev = run(false);
+        assert!(host == dev, "case {case}: kernel and host reference differ");
+        let mut want = vec![0xa5u8; host.len()];
+        for i in 0..t {
+            if bids[i] >= 0 && (0..view_rows as i32).contains(&dest[i]) {
+                let packed = f.pack(&kv[i * stride..i * stride + 512]).unwrap();
+                f.place((row0 + i64::from(dest[i])) as u64, &packed, &mut [&mut want[..]]).unwrap();
+            }
+        }
+        assert!(host == want, "case {case}: rows at their page places, nothing else written");
+    }
 }

@@ -307,8 +307,13 @@ pub struct KvRowsArgs {
     pub view_rows: i64,
     /// Tokens in the grid.
     pub num_tokens: i32,
-    /// The row format: [`KV_ROWS_BF16`], [`KV_ROWS_ATOM_FP8`] or [`KV_ROWS_FLASHMLA_V41`].
+    /// The row format: [`KV_ROWS_BF16`], [`KV_ROWS_ATOM_FP8`], [`KV_ROWS_FLASHMLA_V41`] or
+    /// [`KV_ROWS_FLASHMLA_V4`].
     pub format: i32,
+    /// Paged formats ([`KV_ROWS_FLASHMLA_V4`]): `nope` is the plane's row 0 (its first page)
+    /// and view row `r` is plane row `view_row0 + r`, whose bytes the page arithmetic places;
+    /// 0 for the unpaged formats.
+    pub view_row0: i64,
 }
 
 /// `KvRowsArgs::format`: the bf16 pool's one plane of 1,024-B rows.
@@ -319,6 +324,11 @@ pub const KV_ROWS_ATOM_FP8: i32 = 1;
 pub const KV_ROWS_FLASHMLA_V41: i32 = 2;
 /// Bytes of a FlashMLA V4.1 row: 512 e4m3, then 16 e8m0 scales (`crate::format`).
 pub const FLASHMLA_V41_ROW_BYTES: u64 = 528;
+/// `KvRowsArgs::format`: FlashMLA's V4 rows, one plane of 584-B rows in pages of 64 (a page:
+/// 64 data rows of 448 e4m3 + 64 bf16, then 64 scale rows of 7 e8m0 + a pad byte).
+pub const KV_ROWS_FLASHMLA_V4: i32 = 3;
+/// Bytes of a FlashMLA V4 row (576 data + 8 scale bytes; paged, `crate::format`).
+pub const FLASHMLA_V4_ROW_BYTES: u64 = 584;
 
 /// Values of one indexer key row (V4's `index_head_dim`).
 pub const INDEX_KEY_VALUES: usize = 128;

@@ -679,9 +679,14 @@ fn check_kv_rows(a: &super::KvRowsArgs) -> Result<(), LaunchError> {
     non_negative("num_tokens", a.num_tokens.into())?;
     non_negative("view_rows", a.view_rows)?;
     at_least("kv_row_stride", a.kv_row_stride, super::KV_ROW_VALUES as i64)?;
-    use super::{KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V41};
-    if ![KV_ROWS_BF16, KV_ROWS_ATOM_FP8, KV_ROWS_FLASHMLA_V41].contains(&a.format) {
+    use super::{KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V4, KV_ROWS_FLASHMLA_V41};
+    if ![KV_ROWS_BF16, KV_ROWS_ATOM_FP8, KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V4].contains(&a.format) {
         return Err(LaunchError::BadCode { field: "format", value: a.format });
+    }
+    // Only a paged format has a view offset inside its plane; it is a row, never negative.
+    non_negative("view_row0", a.view_row0)?;
+    if a.format != KV_ROWS_FLASHMLA_V4 && a.view_row0 != 0 {
+        return Err(LaunchError::BadCode { field: "view_row0", value: i32::try_from(a.view_row0).unwrap_or(i32::MAX) });
     }
     if a.num_tokens > 0 {
         present("kv", a.kv)?;

@@ -27,7 +27,7 @@ use crate::backend::BackendError;
 use crate::geometry::Class;
 use crate::index::{
     DevicePtr, IndexKeysArgs, KvRowsArgs, Launch, FLASHMLA_V41_ROW_BYTES, FP8_NOPE_ROW_BYTES, INDEX_KEYS_BF16,
-    INDEX_KEYS_FP4, KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V41,
+    FLASHMLA_V4_ROW_BYTES, INDEX_KEYS_FP4, KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V4, KV_ROWS_FLASHMLA_V41,
     INDEX_KEYS_FP8, KV_ROW_VALUES, ROPE_ROW_BYTES,
 };
 use crate::sizing::IndexerDtype;
@@ -315,6 +315,7 @@ impl KvRowWriter {
             [w] if *w == 2 * KV_ROW_VALUES as u64 => KV_ROWS_BF16,
             [n, r] if *n == FP8_NOPE_ROW_BYTES && *r == ROPE_ROW_BYTES => KV_ROWS_ATOM_FP8,
             [w] if *w == FLASHMLA_V41_ROW_BYTES => KV_ROWS_FLASHMLA_V41,
+            [w] if *w == FLASHMLA_V4_ROW_BYTES => KV_ROWS_FLASHMLA_V4,
             _ => return Err(RowWriteError::RowFormat { widths: widths.clone() }),
         };
         let too_large = RowWriteError::TooLarge { max_tokens: cap.max_tokens };
@@ -465,14 +466,21 @@ impl KvRowWriter {
         Ok(entries.len())
     }
 
-    /// The layer's class and its views (NoPE or bf16 plane, RoPE plane in fp8).
-    fn layer_target(&self, layer: usize) -> Result<(Class, DevicePtr, DevicePtr, i64)> {
+    /// The layer's class and its views (NoPE or bf16 plane, RoPE plane in fp8), and the view's
+    /// first row in the plane when the format is paged (the kernel then takes the plane's row
+    /// 0: page arithmetic starts there), else 0.
+    fn layer_target(&self, layer: usize) -> Result<(Class, DevicePtr, DevicePtr, i64, i64)> {
         let g = &self.pool.spec().geometry;
         let bad = |e: PoolError| RowWriteError::BadLayer { layer, source: Box::new(e) };
         let class = g.layer_slot(layer).map_err(|e| bad(e.into()))?;
         let v0 = self.pool.layer_view(layer, 0).map_err(bad)?;
         let rope = if self.is_fp8() { self.pool.layer_view(layer, 1).map_err(bad)?.ptr } else { 0 };
-        Ok((class, v0.ptr, rope, v0.rows))
+        if self.format == KV_ROWS_FLASHMLA_V4 {
+            let plane = self.pool.plane_ptr(0).map_err(bad)?;
+            let row0 = (v0.ptr - plane) / FLASHMLA_V4_ROW_BYTES;
+            return Ok((class, plane, 0, v0.rows, row0 as i64));
+        }
+        Ok((class, v0.ptr, rope, v0.rows, 0))
     }
 
     /// Rows a write to `set` reads from its KV (what was staged for it).
@@ -489,7 +497,7 @@ impl KvRowWriter {
     /// The launch of a write of `tokens` rows of `kv` to `set`'s staged rows in `layer`, and
     /// the check to run under the lock.
     fn args(&self, layer: usize, set: RowSet, kv: DevicePtr, stride: usize) -> Result<(KvRowsArgs, usize)> {
-        let (class, nope, rope, view_rows) = self.layer_target(layer)?;
+        let (class, nope, rope, view_rows, view_row0) = self.layer_target(layer)?;
         let (dest, tokens) = match (set, &self.window, &self.compressed) {
             (RowSet::Window, Staged::Window { tokens, .. }, _) => {
                 (self.owned.base() + self.window_at[class_index(class)], *tokens)
@@ -515,6 +523,7 @@ impl KvRowWriter {
             view_rows,
             num_tokens: tokens as i32, // at most max_tokens, which fits an i32
             format: self.format,
+            view_row0,
         };
         Ok((args, tokens))
     }
@@ -689,7 +698,7 @@ impl KvRowWriter {
         if !Arc::ptr_eq(path.pool(), &self.pool) {
             return Err(RowWriteError::ForeignPath);
         }
-        let (class, nope, rope, view_rows) = self.layer_target(layer)?;
+        let (class, nope, rope, view_rows, view_row0) = self.layer_target(layer)?;
         let dest = path.dest_rows(class).ok_or(RowWriteError::NoSuchRows { class, what: "destination" })?;
         let bids = path
             .buffer(crate::pool::DecodeBuffer::BatchIds)
@@ -706,6 +715,7 @@ impl KvRowWriter {
                 view_rows,
                 num_tokens: tokens as i32, // at most the path's max_tokens, an i32
                 format: self.format,
+                view_row0,
             },
             tokens,
         ))

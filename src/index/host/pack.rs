@@ -106,6 +106,14 @@ pub enum KvPlanes<'a> {
         /// The view's rows.
         pool: &'a mut [u8],
     },
+    /// FlashMLA's V4 plane of 584-B rows in pages of 64 (`crate::format`'s `flashmla-v4`),
+    /// from its row 0; view row `r` is plane row `row0 + r`.
+    FlashMlaV4 {
+        /// The plane from its row 0 through the view's last page.
+        plane: &'a mut [u8],
+        /// The view's first row in the plane.
+        row0: i64,
+    },
 }
 
 /// `v4pool_kv_rows`: for `t < num_tokens` whose batch id (if given) is not negative and whose
@@ -158,6 +166,13 @@ pub fn kv_rows(
                 let r = row_range(row, f.bytes_per_token(), pool.len(), "pool")?;
                 let packed = f.pack(src).map_err(|_| HostKernelError::OutOfBounds { buffer: "kv", index: t, len: kv.len() })?;
                 pool[r].copy_from_slice(&packed[0]);
+            }
+            KvPlanes::FlashMlaV4 { plane, row0 } => {
+                let f = crate::format::RowFormatId::FlashMlaV4.format();
+                let oob = HostKernelError::OutOfBounds { buffer: "plane", index: row, len: plane.len() };
+                let packed = f.pack(src).map_err(|_| oob.clone())?;
+                let r = u64::try_from(*row0 + row).map_err(|_| oob.clone())?;
+                f.place(r, &packed, &mut [&mut plane[..]]).ok_or(oob)?;
             }
         }
     }

@@ -340,6 +340,21 @@ unsafe fn run_kv_rows(a: &crate::index::KvRowsArgs) -> Result<()> {
             crate::index::KV_ROWS_FLASHMLA_V41 => KvPlanes::FlashMlaV41 {
                 pool: output("nope", a.nope, rows(crate::index::FLASHMLA_V41_ROW_BYTES)?)?,
             },
+            crate::index::KV_ROWS_FLASHMLA_V4 => {
+                // The plane from row 0 through the view's last whole page.
+                let end = a.view_row0.checked_add(a.view_rows).ok_or(HostKernelError::OutOfBounds {
+                    buffer: "nope",
+                    index: a.view_row0,
+                    len: 0,
+                })?;
+                let pages = end.checked_add(63).map(|e| e / 64).ok_or(HostKernelError::OutOfBounds {
+                    buffer: "nope",
+                    index: end,
+                    len: 0,
+                })?;
+                let bytes = len_of("plane bytes", mul(pages, 64 * crate::index::FLASHMLA_V4_ROW_BYTES as i64, "plane bytes")?)?;
+                KvPlanes::FlashMlaV4 { plane: output("nope", a.nope, bytes)?, row0: a.view_row0 }
+            }
             _ => KvPlanes::Bf16 { pool: output("nope", a.nope, rows(2 * KV_ROW_VALUES as u64)?)? },
         };
         kv_rows(kv, stride, dest, bids, &mut planes, a.view_rows, a.num_tokens)
