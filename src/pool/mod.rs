@@ -274,6 +274,16 @@ pub enum PoolError {
         /// Planes there are.
         planes: usize,
     },
+    #[error("layer {layer}'s rows cannot be handed to a kernel in pages of {page_rows}: {why}")]
+    /// A layer view a paged kernel cannot take ([`Pool::page_view`]).
+    NotPageable {
+        /// The layer.
+        layer: usize,
+        /// The page asked for.
+        page_rows: i64,
+        /// Why not.
+        why: &'static str,
+    },
     #[error("arena rows {arena} differ from the geometry's {geometry}")]
     /// Arena rows `arena` differ from the geometry's `geometry`.
     ArenaMismatch {
@@ -398,6 +408,7 @@ impl VariantName for PoolError {
             NoSuchIndexerPart { .. } => "NoSuchIndexerPart",
             NoSuchCsaLayer { .. } => "NoSuchCsaLayer",
             NoSuchPlane { .. } => "NoSuchPlane",
+            NotPageable { .. } => "NotPageable",
             ArenaMismatch { .. } => "ArenaMismatch",
             SlotOrigin(_) => "SlotOrigin",
             PlaneRange { .. } => "PlaneRange",
@@ -433,8 +444,35 @@ impl VariantName for PoolError {
     }
 }
 
+/// A layer's rows as an attention kernel that reads pages of rows takes them (FlashMLA:
+/// `k_cache = [pages, page_rows, 1, row_bytes]`, an index `page × page_rows + offset`): the
+/// view's first row rounded down to a page, so view index `i` is kernel index `i + row_shift`
+/// (a layer's base need not start a page: V4's CSA layers start 40 rows into one). Every layer
+/// of a class has the same shift where its layer term is whole pages (CSA; dense at ring 128),
+/// so one index buffer, shifted once, serves the class; HCA layers (2 rows apart) each have
+/// their own (docs/flashmla.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageView {
+    /// Global layer id.
+    pub layer: usize,
+    /// Plane index.
+    pub plane: usize,
+    /// Address of the view's first page.
+    pub ptr: DevicePtr,
+    /// Whole pages from there to the plane's end.
+    pub pages: i64,
+    /// Rows of a page.
+    pub page_rows: i64,
+    /// Bytes per row of the plane.
+    pub row_bytes: u64,
+    /// Kernel index of view row 0 (`base mod page_rows`).
+    pub row_shift: i64,
+}
+
 /// One layer's view of one plane: from the layer's base row to the plane's end. Index
-/// buffer entries are rows of this view; row `x` is at `ptr + x * row_bytes` (64-bit).
+/// buffer entries are rows of this view; row `x` is at `ptr + x * row_bytes` (64-bit) in an
+/// unpaged plane; a paged plane's rows sit where its format's page arithmetic puts them
+/// (`crate::format`), and a kernel takes them through [`Pool::page_view`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LayerView {
     /// Global layer id.
@@ -790,6 +828,38 @@ impl Pool {
             "layer view address",
         )?;
         Ok(LayerView { layer, plane, ptr, rows: g.layer_view_rows(layer)?, row_bytes: w })
+    }
+
+    /// `layer`'s rows in `plane` as a kernel reading pages of `page_rows` takes them
+    /// ([`PageView`]). A paged plane's own page must be the kernel's; a view starting in the
+    /// plane's lead (below row 0) has no page origin (V4.1's compact form: refused).
+    pub fn page_view(&self, layer: usize, plane: usize, page_rows: i64) -> Result<PageView, PoolError> {
+        let g = &self.spec.geometry;
+        let not = |why| PoolError::NotPageable { layer, page_rows, why };
+        if page_rows < 1 {
+            return Err(not("a page holds at least one row"));
+        }
+        let ptr = self.plane_ptr(plane)?;
+        let w = self.spec.plane_widths[plane];
+        let own = crate::format::plane_of_width(w).page_rows as i64;
+        if own > 1 && own != page_rows {
+            return Err(not("the plane's rows are paged at another size"));
+        }
+        let base = g.layer_base_row(layer)?;
+        if base < 0 {
+            return Err(not("the view starts in the plane's lead"));
+        }
+        let first = base / page_rows * page_rows;
+        let off = checked(first.checked_mul(w as i64).and_then(|o| u64::try_from(o).ok()), "page view address")?;
+        Ok(PageView {
+            layer,
+            plane,
+            ptr: checked(ptr.checked_add(off), "page view address")?,
+            pages: (g.plane_rows - first) / page_rows,
+            page_rows,
+            row_bytes: w,
+            row_shift: base - first,
+        })
     }
 
     /// Every non-absent layer's view in every plane, in layer order.
