@@ -201,35 +201,6 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_index_
     const v4p_i64 block = e / rows, r = e % rows;
     const v4p_u16* src = v4p_in<v4p_u16>(a.keys) + t * a.key_row_stride;
     const v4p_u32 i0 = lane * 4;
-    if (a.format == 3) {
-        // FlashMLA V4 (584-B rows in pages of 64, src/format.rs `flashmla-v4`): plane row
-        // R = view_row0 + row; its 576 data bytes at page(R) x 37376 + (R mod 64) x 576, its 8
-        // scale bytes after the page's 64 data rows, at + 36864 + (R mod 64) x 8. Lane i < 7 packs
-        // NoPE tile i (64 values, FlashMLA's floor as in format 2) and writes scale byte i; lane 7
-        // copies the 64 bf16 RoPE values after the 448 e4m3 and zeroes the pad byte.
-        const v4p_i64 r = a.view_row0 + row;
-        v4p_u8* page = v4p_out<v4p_u8>(a.nope) + (r / 64) * (64 * 584);
-        v4p_u8* data = page + (r % 64) * 576;
-        v4p_u8* scales = page + 64 * 576 + (r % 64) * 8;
-        if (lane < 7) {
-            const v4p_u16* x = src + lane * 64;
-            v4p_u32 amax = 0x3d378034u;  // 448e-4 as f32 bits: FlashMLA's floor
-            for (int i = 0; i < 64; ++i) {
-                const v4p_u32 m = ((v4p_u32)x[i] << 16) & 0x7fffffffu;
-                if (m <= 0x7f800000u && m > amax) amax = m;  // NaN never the amax
-            }
-            const v4p_u32 b = v4p_e8m0_of_amax(amax);
-            const float inv = v4p_f32_from_bits((254u - b) << 23);
-            for (int i = 0; i < 64; ++i)
-                data[lane * 64 + i] = (v4p_u8)v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits((v4p_u32)x[i] << 16) * inv));
-            scales[lane] = (v4p_u8)b;
-        } else if (lane == 7) {
-            v4p_u16* rope = (v4p_u16*)(data + 448);
-            for (int i = 0; i < 64; ++i) rope[i] = src[V4P_NOPE_VALUES + i];
-            scales[7] = 0;
-        }
-        return;
-    }
     if (a.format == 0) {
         v4p_u16* dst = v4p_out<v4p_u16>(a.data) + e * 128;
         for (v4p_u32 i = i0; i < i0 + 4; ++i) dst[i] = src[i];
