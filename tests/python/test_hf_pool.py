@@ -60,12 +60,12 @@ if DEVICE == "cpu":
 HC_MULT = int(os.environ.get("V4POOL_HF_HC_MULT", "4"))
 
 
-def tiny(index_topk=16, seed=0, act=torch.bfloat16):
+def tiny(index_topk=16, seed=0, act=torch.bfloat16, window=128):
     torch.manual_seed(seed)
     cfg = DeepseekV4Config(
         vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
         head_dim=512, qk_rope_head_dim=64, q_lora_rank=32, o_groups=2, o_lora_rank=16,
-        index_n_heads=8, index_head_dim=128, index_topk=index_topk, sliding_window=128,
+        index_n_heads=8, index_head_dim=128, index_topk=index_topk, sliding_window=window,
         layer_types=[
             "sliding_attention", "compressed_sparse_attention",
             "heavily_compressed_attention", "compressed_sparse_attention",
@@ -208,6 +208,18 @@ def test_bf16_one_request_bit_identical():
     model = tiny(index_topk=16)
     for n in [3, 5, 100, 128, 129, 1030]:
         run_and_compare(model, [n], steps=32, chunk=256, exact=True)
+
+
+@pytest.mark.parametrize("window", [64, 32, 96])
+def test_bf16_other_windows_bit_identical(window):
+    # Every window the pool plans, not only V4's 128: one request at a time, every logit of
+    # 24 decode steps equals transformers' own cache bit for bit. Prompt lengths around the
+    # window (one below, at, one past) and past two HCA entries; chunks of 40 so a chunk's
+    # early tokens reach back into the previous chunk's window rows (40 < window) or not
+    # (the 32-token window).
+    model = tiny(index_topk=16, window=window)
+    for n in [3, window - 1, window, window + 1, 300]:
+        run_and_compare(model, [n], steps=24, chunk=40, exact=True)
 
 
 # Prompt lengths of the batch tests (see test_bf16_batch_of_lengths_token_identical).
