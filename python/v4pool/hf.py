@@ -47,9 +47,8 @@ except ImportError as e:  # pragma: no cover
     raise ImportError("v4pool.hf needs transformers with DeepSeek-V4 (5.17 or later)") from e
 
 BLOCK = 256  # tokens per block (the pool's block size for every V4 model)
+# V4's two compress ratios, the pool's classes (the window is the model's: PoolEngine.win).
 CSA, HCA = 4, 128
-SLIDING, CSA_T, HCA_T = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-RATIO = {SLIDING: 0, CSA_T: CSA, HCA_T: HCA}
 CLASS = {0: "dense", CSA: "csa", HCA: "hca"}
 
 
@@ -220,8 +219,6 @@ class PoolEngine:
         self.cfg = cfg
         self.chunk = chunk
         self.layer_types = list(cfg.layer_types)
-        self.ratios = [RATIO[t] for t in self.layer_types]
-        self.win = cfg.sliding_window
         self.topk = cfg.index_topk
         with tempfile.TemporaryDirectory() as d:
             with open(os.path.join(d, "config.json"), "w") as f:
@@ -230,10 +227,19 @@ class PoolEngine:
             # bf16 keys, which the fp8 / fp4 formats hold only quantised.
             self.plan = v4pool.plan(model=d, budget=budget, max_seqs=max_seqs, dtype=dtype, indexer=indexer)
         self.indexer = indexer
+        # The window and the layers' compress ratios as the plan laid the pool out (its ring is
+        # the window plus the draft lookahead), checked against the config they came from.
+        self.win = self.plan.ring_slots - self.plan.spec_steps
+        if self.win != cfg.sliding_window:
+            raise ValueError(f"the plan's window {self.win} is not the config's sliding_window {cfg.sliding_window}")
         # On a GPU the pool's work goes on torch's current stream, so every v4pool launch and
         # upload is ordered with the model's own kernels (no cross-stream races).
         stream = torch.cuda.current_stream() if backend == "cuda" else None
         self.pool = v4pool.Pool(self.plan, backend=backend, device=device, stream=stream)
+        self.ratios = list(self.pool.ratios)
+        want = [cfg.compress_rates.get(t, 0) for t in self.layer_types]  # sliding: no rate
+        if self.ratios != want or not set(self.ratios) <= set(CLASS):
+            raise ValueError(f"the pool's layer ratios {self.ratios} are not the config's {want}")
         self.device = next(model.parameters()).device
         # The model's activation dtype. The pool holds its rows in its own format (bf16, or
         # fp8 + bf16 RoPE) whatever the model computes in: a float32 model writes its KV
@@ -675,25 +681,27 @@ def _indexer_topk(engine, ctx, indexer, layer, hidden, q_residual, position_ids,
 
 def _keys_of(engine, layer, ratio, mode, ind, ptr, own, topk, s0, n, t0, dtype):
     """One request's keys and mask for transformers' eager attention, laid out as its own
-    cache hands them over: `[window: the last 127 positions before the chunk, then the chunk
-    (decode: the last 128 positions, the token's own row last) | every compressed entry in
-    ascending order]`, each row fetched from the pool through the class's index buffer (the
+    cache hands them over: `[window: the last W - 1 positions before the chunk, then the chunk
+    (decode: the last W positions, the token's own row last) | every compressed entry in
+    ascending order]` (W the model's `sliding_window`, the window the engine's `Forward`
+    builds), each row fetched from the pool through the class's index buffer (the
     chunk's own rows in prefill from this forward's KV), masked as transformers masks them:
     the sliding window causally, HCA entries that close after a query, CSA entries its
     top-k did not select. Returns keys `[1, 1, L, 512]` and an additive mask `[1, 1, n, L]`."""
     dev = ind.device
     neg = float("-inf")
+    win = engine.win
     p_last = s0 + n - 1
     if mode == "decode":
         a, b = int(ptr[t0]), int(ptr[t0 + 1])
-        nw = min(p_last + 1, 128)
+        nw = min(p_last + 1, win)
         sl = ind[a:b]
         window = engine.rows(layer, sl[b - a - nw:])
         head = sl[: b - a - nw]
         wpos = torch.arange(p_last - nw + 1, p_last + 1, device=dev)
         heads = [head]
     else:
-        pre0 = min(s0, 127)
+        pre0 = min(s0, win - 1)
         a, b = int(ptr[t0]), int(ptr[t0 + 1])
         sl = ind[a:b]
         prev = sl[:pre0] if ratio == HCA else sl[b - a - pre0:]
@@ -703,10 +711,10 @@ def _keys_of(engine, layer, ratio, mode, ind, ptr, own, topk, s0, n, t0, dtype):
         for t in range(t0, t0 + n):
             a, b = int(ptr[t]), int(ptr[t + 1])
             p = s0 + t - t0
-            pre = min(p + 1, 128) - min(p - s0 + 1, 128)
+            pre = min(p + 1, win) - min(p - s0 + 1, win)  # window rows of earlier chunks
             heads.append(ind[a + pre:b] if ratio == HCA else ind[a:b - pre])
     qpos = torch.arange(s0, s0 + n, device=dev)
-    vis = (wpos.unsqueeze(0) <= qpos.unsqueeze(1)) & (wpos.unsqueeze(0) > qpos.unsqueeze(1) - 128)
+    vis = (wpos.unsqueeze(0) <= qpos.unsqueeze(1)) & (wpos.unsqueeze(0) > qpos.unsqueeze(1) - win)
     wmask = torch.zeros(vis.shape, dtype=dtype, device=dev).masked_fill(~vis, neg)
     if ratio == 0:
         return window.view(1, 1, -1, window.shape[-1]), wmask.view(1, 1, n, -1)
