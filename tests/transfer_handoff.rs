@@ -50,13 +50,17 @@ fn poison(pool: &Pool, rng: &mut Rng) {
 }
 
 fn handoff_case(name: &str, shared_backend: bool) {
+    handoff_case_kv(name, shared_backend, v4pool::sizing::KvDtype::Fp8);
+}
+
+fn handoff_case_kv(name: &str, shared_backend: bool, kv: v4pool::sizing::KvDtype) {
     let model = ModelShape::v4_flash(1).unwrap();
     for (i, n) in [1usize, 3, 6, 10].into_iter().enumerate() {
         let mut rng = Rng::new(case_seed(name, i as u64));
         let b0: Arc<dyn Backend> = Arc::new(HostBackend::new());
         let b1 = if shared_backend { b0.clone() } else { Arc::new(HostBackend::new()) as Arc<dyn Backend> };
-        let (sender, _) = v4_pool(b0.clone(), &model, 16, 2);
-        let (receiver, _) = v4_pool(b1.clone(), &model, 12, 2);
+        let (sender, _) = transfer_common::pool_of(b0.clone(), &model, kv, 16, 2);
+        let (receiver, _) = transfer_common::pool_of(b1.clone(), &model, kv, 12, 2);
         poison(&receiver, &mut rng);
         // The receiver already holds a request of its own: it must not be disturbed.
         let other = receiver.alloc_slot().unwrap();
@@ -120,6 +124,13 @@ fn handoff_case(name: &str, shared_backend: bool) {
 #[test]
 fn handoff_is_byte_exact_on_one_backend() {
     handoff_case("handoff_one_backend", true);
+}
+
+#[test]
+fn handoff_is_byte_exact_in_flashmla_v4_paged_rows() {
+    // Blocks and slots are whole 64-row pages in FlashMLA's 584-B format: the same spans move
+    // them byte-exact (docs/flashmla.md).
+    handoff_case_kv("handoff-flashmla-v4", false, v4pool::sizing::KvDtype::FlashMlaV4);
 }
 
 #[test]

@@ -37,8 +37,12 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn pool() -> Pool {
+    pool_kv(v4pool::sizing::KvDtype::Fp8)
+}
+
+fn pool_kv(kv: v4pool::sizing::KvDtype) -> Pool {
     // Small V4-Flash pool: 10 blocks; the tier holds 5 units.
-    v4_pool(Arc::new(HostBackend::new()), &ModelShape::v4_flash(1).unwrap(), 10, 1).0
+    pool_of(Arc::new(HostBackend::new()), &ModelShape::v4_flash(1).unwrap(), kv, 10, 1).0
 }
 
 fn bytes(seed: u64, n: usize) -> Vec<u8> {
@@ -46,7 +50,10 @@ fn bytes(seed: u64, n: usize) -> Vec<u8> {
 }
 
 fn run(ops: Vec<Op>) {
-    let pool = pool();
+    run_on(pool(), ops)
+}
+
+fn run_on(pool: Pool, ops: Vec<Op>) {
     let mut tier: HostTier<u64> = HostTier::new(&pool, 0).unwrap();
     assert_eq!(tier.capacity_units(), 0);
     let unit = HostTier::<u64>::new(&pool, 1).unwrap().unit_bytes();
@@ -162,6 +169,15 @@ proptest! {
     fn spill_and_restore_are_byte_exact_and_lru(ops in prop::collection::vec(op(), 1..40)) {
         run(ops);
     }
+}
+
+#[test]
+fn spill_and_restore_are_byte_exact_in_flashmla_v4_paged_rows() {
+    // A block is whole 584-B pages: its unit is the same contiguous range as in a uniform plane.
+    run_on(
+        pool_kv(v4pool::sizing::KvDtype::FlashMlaV4),
+        vec![Op::Spill(1, 1), Op::Spill(2, 2), Op::Restore(0), Op::Spill(3, 3), Op::Evict(0), Op::Restore(1)],
+    );
 }
 
 #[test]
