@@ -55,9 +55,10 @@ V4P_DEVICE v4p_u32 v4p_e4m3_rne(v4p_u32 u) {
     return s | code;
 }
 
-extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_kv_rows(KvRowsArgs a) {
+/// Block `bid` of v4pool_kv_rows (the kernel, and v4pool_write_batch's KV row items).
+V4P_DEVICE void v4p_kv_rows_block(const KvRowsArgs& a, v4p_u32 bid) {
     const v4p_u32 tid = v4p_tid_x();
-    const v4p_i64 t = (v4p_i64)v4p_bid_x() * V4POOL_ROWS_PER_BLOCK + tid / V4POOL_ROW_LANES;
+    const v4p_i64 t = (v4p_i64)bid * V4POOL_ROWS_PER_BLOCK + tid / V4POOL_ROW_LANES;
     const v4p_u32 lane = tid % V4POOL_ROW_LANES;
     if (t >= a.num_tokens) return;
     if (a.batch_id_per_token != 0 && v4p_in<v4p_i32>(a.batch_id_per_token)[t] < 0) return;
@@ -89,6 +90,10 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_kv_row
         for (int i = 0; i < 64; ++i) rope[i] = src[V4P_NOPE_VALUES + i];
         for (int i = V4P_NOPE_VALUES + 14; i < V4P_NOPE_ROW_BYTES; ++i) nope[i] = 0;
     }
+}
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_kv_rows(KvRowsArgs a) {
+    v4p_kv_rows_block(a, v4p_bid_x());
 }
 
 // ---- the indexer's key rows (v4pool_index_keys) ---------------------------------------------
@@ -141,9 +146,10 @@ V4P_DEVICE v4p_u32 v4p_bf16_amax(const v4p_u16* x, int n) {
     return amax;
 }
 
-extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_index_keys(IndexKeysArgs a) {
+/// Block `bid` of v4pool_index_keys (the kernel, and v4pool_write_batch's index-key items).
+V4P_DEVICE void v4p_index_keys_block(const IndexKeysArgs& a, v4p_u32 bid) {
     const v4p_u32 tid = v4p_tid_x();
-    const v4p_i64 t = (v4p_i64)v4p_bid_x() * V4POOL_ROWS_PER_BLOCK + tid / V4POOL_ROW_LANES;
+    const v4p_i64 t = (v4p_i64)bid * V4POOL_ROWS_PER_BLOCK + tid / V4POOL_ROW_LANES;
     const v4p_u32 lane = tid % V4POOL_ROW_LANES;
     if (t >= a.num_tokens) return;
     const v4p_i64 rows = a.block_rows;
@@ -180,4 +186,40 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_index_
                                    (v4p_e2m1_rne(v4p_f32_bits(v4p_f32_from_bits(hi) * inv)) << 4));
     }
     if (j == 0) v4p_out<v4p_u8>(a.scales)[block * rows * 4 + (v4p_i64)g * rows + r] = (v4p_u8)b;
+}
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_index_keys(IndexKeysArgs a) {
+    v4p_index_keys_block(a, v4p_bid_x());
+}
+
+// ---- several writes in one launch (v4pool_write_batch) ---------------------------------------
+// grid (num_blocks), block 256 (every item's own kernel's block). Block b finds its item (the
+// last one whose first block is <= b: a binary search over at most 128 i32, L1-resident after
+// the first blocks) and runs block b - first_block of it through the item's own kernel body, so
+// a batched write is the per-layer write bit for bit. Launched as a programmatic dependent: the
+// item table and first blocks are host uploads made before the kernel preceding this one
+// started (WriteBatch::set, refused while a stream captures), so the search and the item's
+// arguments load before the wait, while the predecessor still runs; every load and store of the
+// write itself comes after it. Threads of a block take one item: no divergence on the kind.
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_write_batch(WriteBatchArgs a) {
+    v4p_overlap_trigger();  // the next launch may start now; this one waits below
+    const v4p_i32 b = (v4p_i32)v4p_bid_x();
+    const v4p_i32* first = v4p_in<v4p_i32>(a.first_block);
+    v4p_i32 lo = 0, hi = a.num_items - 1;
+    while (lo < hi) {
+        const v4p_i32 mid = (lo + hi + 1) / 2;
+        if (first[mid] <= b)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    const WriteItem it = v4p_in<WriteItem>(a.items)[lo];
+    const v4p_u32 block = (v4p_u32)(b - first[lo]);
+    v4p_overlap_wait();  // the write's inputs and outputs are the predecessors' (or the engine's)
+    if (it.kind == V4POOL_WRITE_KV_ROWS)
+        v4p_kv_rows_block(it.args.kv_rows, block);
+    else if (it.kind == V4POOL_WRITE_INDEX_KEYS)
+        v4p_index_keys_block(it.args.index_keys, block);
+    else if (it.kind == V4POOL_WRITE_STATE_UPDATE)
+        v4p_state_update_block(it.args.state, block);
 }

@@ -163,10 +163,12 @@ V4P_DEVICE void v4p_state_row_vec(const StateUpdateArgs& a, v4p_u32x4 row, v4p_u
     v4p_st16_cs(score_dst + e1 * 4, v4p_add4(s1, p1));
 }
 
-extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update_compressor_states(StateUpdateArgs a) {
+/// Block `bid` of v4pool_update_compressor_states (the kernel, and v4pool_write_batch's
+/// state-update items).
+V4P_DEVICE void v4p_state_update_block(const StateUpdateArgs& a, v4p_u32 bid) {
     const v4p_u32 lanes = v4p_state_lanes(a.dim);
     const v4p_u32 tid = v4p_tid_x(), lane = tid % lanes;
-    const v4p_i64 r = (v4p_i64)v4p_bid_x() * (V4P_BLOCK / lanes) + tid / lanes;
+    const v4p_i64 r = (v4p_i64)bid * (V4P_BLOCK / lanes) + tid / lanes;
     if (r >= a.num_rows) return;
     const v4p_u32x4 row = v4p_ld16(a.write_plan + (v4p_u64)r * 16);
     if ((v4p_i32)row.z < 0) return;  // pad row: no load, no store
@@ -198,6 +200,10 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update
         ((float*)kv_dst)[e] = k;
         ((float*)score_dst)[e] = s;
     }
+}
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update_compressor_states(StateUpdateArgs a) {
+    v4p_state_update_block(a, v4p_bid_x());
 }
 
 // ---- fill / copy runs (compressor-state init, slot copies) -----------------------------------

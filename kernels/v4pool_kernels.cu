@@ -34,7 +34,8 @@
 //   row_write.cuh      SWA ring write and row scatter
 //   state_update.cuh   compressor-state update; fill / copy runs
 //   window_gather.cuh  DSpark window gather
-//   kv_rows.cuh        KV row writers (the forward's own rows)
+//   kv_rows.cuh        KV row writers (the forward's own rows), indexer keys, and the write
+//                      batch (several of those writes and state updates in one launch)
 #include "v4pool_common.h"
 
 // ---- device helpers of several families ------------------------------------------------------

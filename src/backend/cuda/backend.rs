@@ -277,7 +277,7 @@ impl CudaBackend {
 /// the wait it loads only inputs its contract requires complete before the kernel preceding
 /// it starts, and stores nothing). Any other kernel, the
 /// ones other modules add included, keeps plain stream order.
-pub(super) const OVERLAPPED_KERNELS: [&str; 8] = [
+pub(super) const OVERLAPPED_KERNELS: [&str; 9] = [
     "v4pool_decode_indices",
     "v4pool_prefill_indices",
     "v4pool_prefill_indices_short",
@@ -286,6 +286,7 @@ pub(super) const OVERLAPPED_KERNELS: [&str; 8] = [
     "v4pool_csa_translate_pack",
     "v4pool_csa_translate_pack_staged",
     "v4pool_csa_translate_pack_staged_x4",
+    "v4pool_write_batch",
 ];
 
 pub(super) fn bind(device: &Device) -> Result<(), BackendError> {
