@@ -339,7 +339,9 @@ fn run(opts: &Options) -> Res<()> {
         for &kv in &opts.formats {
             // V4.1 is bf16 rows only (docs/v41.md).
             let kv = if model.family == v4pool::model::ModelFamily::V41 { KvDtype::Bf16 } else { kv };
+            let started = std::time::Instant::now();
             let tw = twins(&be, &model, kv, max_batch)?;
+            let setup_s = started.elapsed().as_secs_f64();
             println!("\n== {} ({} trunk layers), {} rows, FP8 indexer cache", model.name, model.num_hidden_layers, format_name(kv));
             println!(
                 "  {:>5} {:>3} | {:>15} | {:>10} {:>10} {:>10} | {:>8} {:>9} | {:>8} {:>8} | {:>9} {:>9}",
@@ -387,6 +389,7 @@ fn run(opts: &Options) -> Res<()> {
                 }
             }
             drop(tw);
+            println!("  ({:.1} s: pools and held slots {setup_s:.1} s)", started.elapsed().as_secs_f64());
         }
     }
     be.synchronize(S)?;

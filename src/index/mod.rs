@@ -408,6 +408,14 @@ impl WriteItem {
 /// order and at once: none may read what another writes, and no two may write one byte (the
 /// pool's writes of one layer, or the state updates of many, are such a set). Item `i` covers
 /// `first_block[i] .. first_block[i + 1]` (the last: `.. num_blocks`), its own kernel's grid.
+///
+/// **Input readiness** (the kernel is a programmatic dependent, as the CSA translate-pack): the
+/// two tables, every state item's `write_plan`, every index-key item's `dest`, and the
+/// `dest_rows` of every KV row item with `batch_id_per_token == 0` are read before the kernel
+/// waits for its predecessor, so they must be complete before the kernel preceding the batch in
+/// the stream *starts*; v4pool's writers stage all of them by host upload. Everything else (the
+/// engine's kv / score / keys, a decode write's destination rows and batch ids) is read after
+/// the wait and may be the previous kernel's output.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct WriteBatchArgs {

@@ -142,7 +142,9 @@ impl WriteBatch {
     ///
     /// Launching the result (`Backend::launch`, a graph) is `unsafe` as every item's own
     /// launch is, and more: no item may read what another writes, and no two may write one
-    /// byte, since the items run in any order and at once.
+    /// byte, since the items run in any order and at once; and the items' staged metadata must
+    /// be complete before the kernel preceding the batch starts (`WriteBatchArgs`' input
+    /// readiness: the writers' launch calls stage it by host upload, so it is).
     pub fn set(&mut self, launches: &[Launch]) -> Result<Launch, WriteBatchError> {
         if launches.is_empty() || launches.len() > self.cap {
             return Err(WriteBatchError::Count { got: launches.len(), cap: self.cap });
