@@ -44,6 +44,9 @@ fn host_pool(model: &ModelShape, kv: KvDtype) -> Arc<v4pool::pool::Pool> {
     step_pool(Arc::new(HostBackend::new()), model, kv, SEQS as i64 + 1, 2 * SEQS as i64 + 2)
 }
 
+/// What one step leaves: the pool's bytes, the decode path's buffers, launches per kind.
+type StepResult = (Vec<Vec<u8>>, Vec<Vec<i32>>, Vec<(Kind, usize)>);
+
 /// Run one step in `order` on a fresh poisoned pool; `emulate` runs the batches through the
 /// kernel source instead of the host reference. Returns the pool's bytes and the path's.
 fn run(
@@ -52,7 +55,7 @@ fn run(
     tps: usize,
     order: Order,
     emulate: Option<common::EmuLaunch>,
-) -> (Vec<Vec<u8>>, Vec<Vec<i32>>, Vec<(Kind, usize)>) {
+) -> StepResult {
     let pool = host_pool(model, kv);
     poison_pool(&pool, 0x5eed_0000 + tps as u64);
     let held = Holdings::take(&pool, SEQS);
