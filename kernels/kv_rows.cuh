@@ -11,9 +11,16 @@
 // New kernels of the forward's own-row writes go in this section (docs/forward.md).
 // =============================================================================================
 // grid (ceil(T / 8)), block 256: 8 tokens per block, 32 lanes per token (the row kernels'
-// shape). fp8: lane i < 7 packs NoPE tile i (64 values: amax, its e8m0 scale, 64 e4m3 bytes and
-// the scale twice), lane 7 copies the RoPE part and zeroes the padding; lanes 8..31 idle. bf16:
-// every lane copies 16 of the 512 values. The pack formula is src/index/host/pack.rs's, integer
+// shape). 16-byte path (aligned rows, every V4 engine's): fp8: four lanes per NoPE tile (each
+// loads the tile's 64 values, takes its amax and e8m0 scale, and writes 16 of its e4m3 bytes),
+// the last four the RoPE part and the padding; bf16: every lane copies 32 bytes. Each lane's
+// loads all go out before its stores. (Issue 34's step bench: the element path below, one lane
+// per tile looping over 64 values with byte stores the compiler must order after the next
+// load, took 14 us a launch at batch 1 and 25 us at 2,048 tokens, against 2 us for the bf16
+// copy; it stays for unaligned sources.) Element path: lane i < 7 packs NoPE tile i (64
+// values: amax, its e8m0 scale, 64 e4m3 bytes and the scale twice), lane 7 copies the RoPE part
+// and zeroes the padding; bf16: every lane copies 16 of the 512 values. The pack formula is
+// src/index/host/pack.rs's, integer
 // for integer: the scale is the least power of two 2^(B-127) with amax / scale <= 448, and each
 // value is x / scale (exact: a power of two) rounded to nearest even e4m3fn.
 
@@ -55,15 +62,64 @@ V4P_DEVICE v4p_u32 v4p_e4m3_rne(v4p_u32 u) {
     return s | code;
 }
 
-extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_kv_rows(KvRowsArgs a) {
-    const v4p_u32 tid = v4p_tid_x();
-    const v4p_i64 t = (v4p_i64)v4p_bid_x() * V4POOL_ROWS_PER_BLOCK + tid / V4POOL_ROW_LANES;
-    const v4p_u32 lane = tid % V4POOL_ROW_LANES;
-    if (t >= a.num_tokens) return;
-    if (a.batch_id_per_token != 0 && v4p_in<v4p_i32>(a.batch_id_per_token)[t] < 0) return;
-    const v4p_i64 row = v4p_in<v4p_i32>(a.dest_rows)[t];
-    if (row < 0 || row >= a.view_rows) return;  // dropped, not wrapped
+/// The larger of `amax` and the magnitudes (f32 bits) of the two bf16 in word `w`, NaN
+/// ignored (the low half is the earlier value).
+V4P_DEVICE v4p_u32 v4p_amax_bf16x2(v4p_u32 amax, v4p_u32 w) {
+    const v4p_u32 lo = (w << 16) & 0x7fffffffu, hi = w & 0x7fff0000u;
+    if (lo <= 0x7f800000u && lo > amax) amax = lo;
+    if (hi <= 0x7f800000u && hi > amax) amax = hi;
+    return amax;
+}
+
+/// Largest magnitude (f32 bits) of the bf16 in `n` vectors, NaN ignored.
+V4P_DEVICE v4p_u32 v4p_amax_vecs(const v4p_u32x4* w, int n) {
+    v4p_u32 amax = 0;
+    for (int k = 0; k < n; ++k) {
+        amax = v4p_amax_bf16x2(amax, w[k].x);
+        amax = v4p_amax_bf16x2(amax, w[k].y);
+        amax = v4p_amax_bf16x2(amax, w[k].z);
+        amax = v4p_amax_bf16x2(amax, w[k].w);
+    }
+    return amax;
+}
+
+/// The e4m3 bytes of the two bf16 in word `w` times `inv` (exact: a power of two), packed
+/// little-endian into the low 16 bits.
+V4P_DEVICE v4p_u32 v4p_e4m3_bf16x2(v4p_u32 w, float inv) {
+    const v4p_u32 lo = v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits(w << 16) * inv));
+    const v4p_u32 hi = v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits(w & 0xffff0000u) * inv));
+    return lo | (hi << 8);
+}
+
+/// The e4m3 bytes of the eight bf16 in `w0`, `w1` (values in order), four to a word.
+V4P_DEVICE v4p_u32x4 v4p_e4m3_bf16x8(v4p_u32x4 w0, v4p_u32x4 w1, float inv) {
+    v4p_u32x4 r;
+    r.x = v4p_e4m3_bf16x2(w0.x, inv) | (v4p_e4m3_bf16x2(w0.y, inv) << 16);
+    r.y = v4p_e4m3_bf16x2(w0.z, inv) | (v4p_e4m3_bf16x2(w0.w, inv) << 16);
+    r.z = v4p_e4m3_bf16x2(w1.x, inv) | (v4p_e4m3_bf16x2(w1.y, inv) << 16);
+    r.w = v4p_e4m3_bf16x2(w1.z, inv) | (v4p_e4m3_bf16x2(w1.w, inv) << 16);
+    return r;
+}
+
+/// Token `t`'s row, lane `lane`, of v4pool_kv_rows; `row` is dest_rows[t] when `row_known`
+/// (v4pool_write_batch loads it before its wait where the destinations are a host upload),
+/// else loaded here. The 16-byte path when every row start is 16-byte aligned (the pool's views
+/// always are; the source when its base and row stride are, as every engine tensor's): the same
+/// for the whole launch, so no lane diverges on it; anything else takes the element path. On
+/// the 16-byte path the source row's loads (which depend on the token alone) go out before the
+/// batch id and destination row come back, and every load of a lane before its first store:
+/// one round trip. fp8: lane L < 28 loads its tile's 64 values (tile L / 4: eight vectors, the
+/// four lanes of a tile read the same 128 bytes), takes their amax and scale, and stores 16 of
+/// the 64 bytes (quarter L % 4) as one vector, quarter 0 the scale twice; lanes 28..31 copy 32
+/// bytes of RoPE each and zero the padding (bytes 462..511: 2 bytes, then three vectors).
+V4P_DEVICE void v4p_kv_rows_token(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, bool row_known, v4p_i64 row) {
     const v4p_u16* src = v4p_in<v4p_u16>(a.kv) + t * a.kv_row_stride;
+    if (a.format >= 2) {
+        // The FlashMLA formats (2: V4.1 528 B; 3: V4 584 B paged) take the element path.
+        if (a.batch_id_per_token != 0 && v4p_in<v4p_i32>(a.batch_id_per_token)[t] < 0) return;
+        if (!row_known) row = v4p_in<v4p_i32>(a.dest_rows)[t];
+        if (row < 0 || row >= a.view_rows) return;  // dropped, not wrapped
+    }
     if (a.format == 2) {
         // FlashMLA V4.1 (528-B rows, src/format.rs `flashmla-v41`): lane i < 16 packs group i of
         // 32 values: the least e8m0 scale with max(amax, 448e-4) / scale <= 448 (FlashMLA's
@@ -113,7 +169,55 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_kv_row
         }
         return;
     }
-    if (a.format == 0) {
+    const bool fp8 = a.format == 1;
+    const bool vec = ((a.kv | ((v4p_u64)a.kv_row_stride * 2) | a.nope | a.rope) & 15) == 0;
+    if (vec) {
+        const v4p_ptr s = (v4p_ptr)src;
+        v4p_u32x4 w[8];
+        if (!fp8) {
+            w[0] = v4p_ld16(s + 32 * lane);
+            w[1] = v4p_ld16(s + 32 * lane + 16);
+        } else if (lane < 28) {
+            for (int k = 0; k < 8; ++k) w[k] = v4p_ld16(s + (lane / 4) * 128 + 16 * k);
+        } else {
+            w[0] = v4p_ld16(s + 2 * V4P_NOPE_VALUES + 32 * (lane - 28));
+            w[1] = v4p_ld16(s + 2 * V4P_NOPE_VALUES + 32 * (lane - 28) + 16);
+        }
+        if (a.batch_id_per_token != 0 && v4p_in<v4p_i32>(a.batch_id_per_token)[t] < 0) return;
+        if (!row_known) row = v4p_in<v4p_i32>(a.dest_rows)[t];
+        if (row < 0 || row >= a.view_rows) return;  // dropped, not wrapped
+        if (!fp8) {
+            const v4p_u64 d = a.nope + row_byte_offset(row, 1024) + 32 * lane;
+            v4p_st16(d, w[0]);
+            v4p_st16(d + 16, w[1]);
+            return;
+        }
+        const v4p_u64 nope = a.nope + row_byte_offset(row, V4P_NOPE_ROW_BYTES);
+        if (lane < 28) {
+            const v4p_u32 tile = lane / 4, q = lane % 4;
+            const v4p_u32 b = v4p_e8m0_of_amax(v4p_amax_vecs(w, 8));
+            // 1 / scale = 2^(127 - b), a normal f32 for every b the formula gives (1..248).
+            const float inv = b == 0 ? 0.0f : v4p_f32_from_bits((254u - b) << 23);
+            v4p_st16(nope + tile * 64 + q * 16, v4p_e4m3_bf16x8(w[2 * q], w[2 * q + 1], inv));
+            if (q == 0) *(v4p_u16*)(nope + V4P_NOPE_VALUES + 2 * tile) = (v4p_u16)(b | (b << 8));
+            return;
+        }
+        const v4p_u32 j = lane - 28;
+        const v4p_u64 rope = a.rope + row_byte_offset(row, V4P_ROPE_ROW_BYTES);
+        v4p_st16(rope + 32 * j, w[0]);
+        v4p_st16(rope + 32 * j + 16, w[1]);
+        v4p_u32x4 zero;
+        zero.x = zero.y = zero.z = zero.w = 0;
+        if (j == 0)
+            *(v4p_u16*)(nope + V4P_NOPE_VALUES + 14) = 0;
+        else
+            v4p_st16(nope + 464 + 16 * (j - 1), zero);
+        return;
+    }
+    if (a.batch_id_per_token != 0 && v4p_in<v4p_i32>(a.batch_id_per_token)[t] < 0) return;
+    if (!row_known) row = v4p_in<v4p_i32>(a.dest_rows)[t];
+    if (row < 0 || row >= a.view_rows) return;  // dropped, not wrapped
+    if (!fp8) {
         v4p_u16* dst = v4p_out<v4p_u16>(a.nope) + row * 512;
         for (v4p_u32 i = lane * 16; i < lane * 16 + 16; ++i) dst[i] = src[i];
         return;
@@ -138,6 +242,19 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_kv_row
         for (int i = 0; i < 64; ++i) rope[i] = src[V4P_NOPE_VALUES + i];
         for (int i = V4P_NOPE_VALUES + 14; i < V4P_NOPE_ROW_BYTES; ++i) nope[i] = 0;
     }
+}
+
+/// Block `bid` of v4pool_kv_rows.
+V4P_DEVICE void v4p_kv_rows_block(const KvRowsArgs& a, v4p_u32 bid) {
+    const v4p_u32 tid = v4p_tid_x();
+    const v4p_i64 t = (v4p_i64)bid * V4POOL_ROWS_PER_BLOCK + tid / V4POOL_ROW_LANES;
+    if (t >= a.num_tokens) return;
+    v4p_kv_rows_token(a, t, tid % V4POOL_ROW_LANES, false, 0);
+}
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_kv_rows(KvRowsArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
+    v4p_kv_rows_block(a, v4p_bid_x());
 }
 
 // ---- the indexer's key rows (v4pool_index_keys) ---------------------------------------------
@@ -180,9 +297,15 @@ V4P_DEVICE v4p_u32 v4p_e2m1_rne(v4p_u32 u) {
     return s | c;
 }
 
-/// Largest magnitude (f32 bits) of `n` bf16 values, NaN ignored.
-V4P_DEVICE v4p_u32 v4p_bf16_amax(const v4p_u16* x, int n) {
+/// Largest magnitude (f32 bits) of `n` bf16 values, NaN ignored; from 16-byte vectors (all
+/// loads before the first compare) when `vec` (`x` 16-byte aligned, `n` a multiple of 8).
+V4P_DEVICE v4p_u32 v4p_bf16_amax(const v4p_u16* x, int n, bool vec) {
     v4p_u32 amax = 0;
+    if (vec) {
+        v4p_u32x4 w[16];  // n <= 128
+        for (int k = 0; k < n / 8; ++k) w[k] = v4p_ld16((v4p_ptr)x + 16 * k);
+        return v4p_amax_vecs(w, n / 8);
+    }
     for (int i = 0; i < n; ++i) {
         const v4p_u32 m = ((v4p_u32)x[i] << 16) & 0x7fffffffu;
         if (m <= 0x7f800000u && m > amax) amax = m;
@@ -190,17 +313,26 @@ V4P_DEVICE v4p_u32 v4p_bf16_amax(const v4p_u16* x, int n) {
     return amax;
 }
 
-extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_index_keys(IndexKeysArgs a) {
+/// Block `bid` of v4pool_index_keys (the kernel, and v4pool_write_batch's index-key items).
+V4P_DEVICE void v4p_index_keys_entry(const IndexKeysArgs& a, v4p_i64 t, v4p_u32 lane, v4p_i64 e);
+
+V4P_DEVICE void v4p_index_keys_block(const IndexKeysArgs& a, v4p_u32 bid) {
     const v4p_u32 tid = v4p_tid_x();
-    const v4p_i64 t = (v4p_i64)v4p_bid_x() * V4POOL_ROWS_PER_BLOCK + tid / V4POOL_ROW_LANES;
-    const v4p_u32 lane = tid % V4POOL_ROW_LANES;
+    const v4p_i64 t = (v4p_i64)bid * V4POOL_ROWS_PER_BLOCK + tid / V4POOL_ROW_LANES;
     if (t >= a.num_tokens) return;
+    v4p_index_keys_entry(a, t, tid % V4POOL_ROW_LANES, v4p_in<v4p_i32>(a.dest)[t]);
+}
+
+/// Key `t` to entry `e` (dest[t], loaded by the caller: v4pool_write_batch loads it before its
+/// wait, the destinations being a host upload), lane `lane`.
+V4P_DEVICE void v4p_index_keys_entry(const IndexKeysArgs& a, v4p_i64 t, v4p_u32 lane, v4p_i64 e) {
     const v4p_i64 rows = a.block_rows;
-    const v4p_i64 e = v4p_in<v4p_i32>(a.dest)[t];
     if (e < 0 || e >= a.num_blocks * rows) return;  // dropped, not wrapped
     const v4p_i64 block = e / rows, r = e % rows;
     const v4p_u16* src = v4p_in<v4p_u16>(a.keys) + t * a.key_row_stride;
     const v4p_u32 i0 = lane * 4;
+    // The amax from 16-byte vectors when the rows are 16-byte aligned (uniform per launch).
+    const bool vec = ((a.keys | ((v4p_u64)a.key_row_stride * 2)) & 15) == 0;
     if (a.format == 0) {
         v4p_u16* dst = v4p_out<v4p_u16>(a.data) + e * 128;
         for (v4p_u32 i = i0; i < i0 + 4; ++i) dst[i] = src[i];
@@ -208,7 +340,7 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_index_
     }
     if (a.format == 1) {
         v4p_u8* blk = v4p_out<v4p_u8>(a.data) + block * rows * 132;
-        v4p_u32 amax = v4p_bf16_amax(src, 128);
+        v4p_u32 amax = v4p_bf16_amax(src, 128, vec);
         if (amax < 0x38d1b717u) amax = 0x38d1b717u;  // 1e-4f
         const v4p_u32 b = v4p_e8m0_of_amax(amax);  // 105..247 here: scale and 1/scale normal
         const float inv = v4p_f32_from_bits((254u - b) << 23);
@@ -219,7 +351,7 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_index_
     }
     // FP4: lane 8g + j holds values 32g + 4j .. + 3 of group g: bytes 2j, 2j + 1 of its 16.
     const v4p_u32 g = lane / 8, j = lane % 8;
-    const v4p_u32 b = v4p_e8m0_of_amax_e2m1(v4p_bf16_amax(src + 32 * g, 32));
+    const v4p_u32 b = v4p_e8m0_of_amax_e2m1(v4p_bf16_amax(src + 32 * g, 32, vec));
     // 1 / scale = 2^(127 - b), a normal f32 for every b the formula gives (1..253).
     const float inv = b == 0 ? 0.0f : v4p_f32_from_bits((254u - b) << 23);
     v4p_u8* data = v4p_out<v4p_u8>(a.data) + block * rows * 64 + ((v4p_i64)g * rows + r) * 16;
@@ -229,4 +361,71 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_index_
                                    (v4p_e2m1_rne(v4p_f32_bits(v4p_f32_from_bits(hi) * inv)) << 4));
     }
     if (j == 0) v4p_out<v4p_u8>(a.scales)[block * rows * 4 + (v4p_i64)g * rows + r] = (v4p_u8)b;
+}
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_index_keys(IndexKeysArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
+    v4p_index_keys_block(a, v4p_bid_x());
+}
+
+// ---- several writes in one launch (v4pool_write_batch) ---------------------------------------
+// grid (num_blocks), block 256 (every item's own kernel's block). Block b finds its item (the
+// last one whose first block is <= b: a binary search over at most 128 i32, L1-resident after
+// the first blocks) and runs block b - first_block of it through the item's own kernel body, so
+// a batched write is the per-layer write bit for bit. Launched as a programmatic dependent: the
+// item table and first blocks are host uploads made before the kernel preceding this one
+// started (WriteBatch::set, refused while a stream captures), so the search and the item's
+// arguments load before the wait, while the predecessor still runs, and so does each item's
+// host-staged metadata (WriteBatchArgs' input readiness): a plan row, a key's destination, a
+// staged row write's destination row. The write's data (the engine's inputs, and a decode
+// write's destination rows, the builder's output) and every store come after the wait. At
+// batch 1 that takes a dependent round trip off each layer's critical path. Threads of a block
+// take one item: no divergence on the kind.
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_write_batch(WriteBatchArgs a) {
+    v4p_overlap_trigger();  // the next launch may start now; this one waits below
+    const v4p_i32 b = (v4p_i32)v4p_bid_x();
+    const v4p_i32* first = v4p_in<v4p_i32>(a.first_block);
+    v4p_i32 lo = 0, hi = a.num_items - 1;
+    while (lo < hi) {
+        const v4p_i32 mid = (lo + hi + 1) / 2;
+        if (first[mid] <= b)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    const WriteItem it = v4p_in<WriteItem>(a.items)[lo];
+    const v4p_u32 block = (v4p_u32)(b - first[lo]), tid = v4p_tid_x();
+    // Before the wait, what the host staged (the contract of WriteBatchArgs): a state update's
+    // plan row, an index key's destination, and the destination row of a KV row write without
+    // batch ids (the writer's staged window or compressed rows; a decode write's rows are the
+    // builder's output and its batch ids mark them: those load after the wait).
+    if (it.kind == V4POOL_WRITE_STATE_UPDATE) {
+        const StateUpdateArgs& s = it.args.state;
+        const v4p_u32 lanes = v4p_state_lanes(s.dim);
+        const v4p_i64 r = (v4p_i64)block * (V4P_BLOCK / lanes) + tid / lanes;
+        v4p_u32x4 row;
+        row.x = row.y = row.z = row.w = 0;
+        if (r < s.num_rows) row = v4p_ld16(s.write_plan + (v4p_u64)r * 16);
+        v4p_overlap_wait();
+        if (r < s.num_rows) v4p_state_update_row(s, row, tid % lanes, lanes);
+        return;
+    }
+    const v4p_i64 t = (v4p_i64)block * V4POOL_ROWS_PER_BLOCK + tid / V4POOL_ROW_LANES;
+    const v4p_u32 lane = tid % V4POOL_ROW_LANES;
+    if (it.kind == V4POOL_WRITE_INDEX_KEYS) {
+        const IndexKeysArgs& k = it.args.index_keys;
+        const v4p_i64 e = t < k.num_tokens ? (v4p_i64)v4p_in<v4p_i32>(k.dest)[t] : -1;
+        v4p_overlap_wait();
+        if (t < k.num_tokens) v4p_index_keys_entry(k, t, lane, e);
+        return;
+    }
+    if (it.kind == V4POOL_WRITE_KV_ROWS) {
+        const KvRowsArgs& w = it.args.kv_rows;
+        const bool staged = w.batch_id_per_token == 0 && t < w.num_tokens;
+        const v4p_i64 row = staged ? (v4p_i64)v4p_in<v4p_i32>(w.dest_rows)[t] : 0;
+        v4p_overlap_wait();
+        if (t < w.num_tokens) v4p_kv_rows_token(w, t, lane, staged, row);
+        return;
+    }
+    v4p_overlap_wait();
 }

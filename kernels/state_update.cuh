@@ -45,44 +45,8 @@ V4P_DEVICE float v4p_load_elem(v4p_ptr row, v4p_i32 dtype, v4p_i64 i) {
     return ((const float*)row)[i];
 }
 
-/// Four u32 loaded or stored as one 16-byte vector: clang's vector extension, or (nvcc,
-/// NVRTC) the 16-byte aligned struct.
-#if defined(V4P_TARGET_NVCC)
-typedef v4p_vec16 v4p_u32x4;
-#else
-typedef v4p_u32 v4p_u32x4 __attribute__((ext_vector_type(4)));
-#endif
-
-/// Global loads and the streaming store as inline PTX on NVIDIA targets: NVVM splits a vector
-/// store of computed values into four scalar stores (seen in nvcc 13.0's PTX for the score
-/// row), and a generic access costs an address-space check the global one does not.
-V4P_DEVICE v4p_u32x4 v4p_ld16(v4p_ptr p) {
-#if defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)
-    v4p_u32x4 v;
-    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-#else
-    return *(const v4p_u32x4*)p;
-#endif
-}
-
-V4P_DEVICE void v4p_ld8(v4p_ptr p, v4p_u32& w0, v4p_u32& w1) {
-#if defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)
-    asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(w0), "=r"(w1) : "l"(p));
-#else
-    w0 = ((const v4p_u32*)p)[0];
-    w1 = ((const v4p_u32*)p)[1];
-#endif
-}
-
-V4P_DEVICE void v4p_st16_cs(v4p_u64 p, v4p_u32x4 v) {
-#if defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)
-    asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
-#else
-    *(v4p_u32x4*)p = v;
-#endif
-}
+// The 16-byte vector loads and stores (v4p_u32x4, v4p_ld16, v4p_ld8, v4p_st16_cs) are the
+// shared helpers of v4pool_kernels.cu.
 
 /// Four bf16 in two words as f32 bit patterns (exact: the bf16 is the f32's upper half).
 /// Little-endian: the low half of a word is the earlier element.
@@ -163,12 +127,21 @@ V4P_DEVICE void v4p_state_row_vec(const StateUpdateArgs& a, v4p_u32x4 row, v4p_u
     v4p_st16_cs(score_dst + e1 * 4, v4p_add4(s1, p1));
 }
 
-extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update_compressor_states(StateUpdateArgs a) {
+/// Block `bid` of v4pool_update_compressor_states (the kernel, and v4pool_write_batch's
+/// state-update items).
+V4P_DEVICE void v4p_state_update_row(const StateUpdateArgs& a, v4p_u32x4 row, v4p_u32 lane, v4p_u32 lanes);
+
+V4P_DEVICE void v4p_state_update_block(const StateUpdateArgs& a, v4p_u32 bid) {
     const v4p_u32 lanes = v4p_state_lanes(a.dim);
     const v4p_u32 tid = v4p_tid_x(), lane = tid % lanes;
-    const v4p_i64 r = (v4p_i64)v4p_bid_x() * (V4P_BLOCK / lanes) + tid / lanes;
+    const v4p_i64 r = (v4p_i64)bid * (V4P_BLOCK / lanes) + tid / lanes;
     if (r >= a.num_rows) return;
-    const v4p_u32x4 row = v4p_ld16(a.write_plan + (v4p_u64)r * 16);
+    v4p_state_update_row(a, v4p_ld16(a.write_plan + (v4p_u64)r * 16), lane, lanes);
+}
+
+/// Plan row `row` (loaded by the caller: v4pool_write_batch loads it before its wait, the plan
+/// being a host upload) of v4pool_update_compressor_states, lane `lane` of `lanes`.
+V4P_DEVICE void v4p_state_update_row(const StateUpdateArgs& a, v4p_u32x4 row, v4p_u32 lane, v4p_u32 lanes) {
     if ((v4p_i32)row.z < 0) return;  // pad row: no load, no store
     if (v4p_state_vec(a, lanes)) {
         const bool in_bf16 = a.in_dtype == V4POOL_DTYPE_BF16, ape_bf16 = a.ape_dtype == V4POOL_DTYPE_BF16;
@@ -198,6 +171,11 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update
         ((float*)kv_dst)[e] = k;
         ((float*)score_dst)[e] = s;
     }
+}
+
+extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_update_compressor_states(StateUpdateArgs a) {
+    v4p_overlap_begin();  // before any global access (launched as a dependent)
+    v4p_state_update_block(a, v4p_bid_x());
 }
 
 // ---- fill / copy runs (compressor-state init, slot copies) -----------------------------------

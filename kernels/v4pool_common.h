@@ -614,6 +614,43 @@ V4POOL_CHECK_OFFSET(IndexKeysArgs, block_rows, 52);
 V4POOL_CHECK_OFFSET(IndexKeysArgs, format, 56);
 V4POOL_CHECK_OFFSET(IndexKeysArgs, _pad, 60);
 
+// Several independent writes in one launch (docs/forward.md, "Fewer launches"): block b runs
+// block b - first_block[i] of item i (the last item with first_block[i] <= b), as the item's
+// own kernel (v4pool_kv_rows, v4pool_index_keys, v4pool_update_compressor_states) runs it.
+#define V4POOL_WRITE_KV_ROWS 1
+#define V4POOL_WRITE_INDEX_KEYS 2
+#define V4POOL_WRITE_STATE_UPDATE 3
+#define V4POOL_WRITE_BATCH_MAX_ITEMS 128
+
+struct WriteItem {
+    v4p_i32 kind;  // V4POOL_WRITE_*
+    v4p_i32 _pad;
+    union {
+        KvRowsArgs kv_rows;
+        IndexKeysArgs index_keys;
+        StateUpdateArgs state;
+        v4p_u64 raw[15];
+    } args;
+};
+V4POOL_CHECK_SIZE(WriteItem, 128);
+V4POOL_CHECK_ALIGN(WriteItem, 8);
+V4POOL_CHECK_OFFSET(WriteItem, kind, 0);
+V4POOL_CHECK_OFFSET(WriteItem, _pad, 4);
+V4POOL_CHECK_OFFSET(WriteItem, args, 8);
+
+struct WriteBatchArgs {
+    v4p_ptr items;        // WriteItem [num_items]
+    v4p_ptr first_block;  // i32 [num_items]: 0 first, increasing
+    v4p_i32 num_items;    // 1 .. V4POOL_WRITE_BATCH_MAX_ITEMS
+    v4p_i32 num_blocks;   // the grid: every item's blocks
+};
+V4POOL_CHECK_SIZE(WriteBatchArgs, 24);
+V4POOL_CHECK_ALIGN(WriteBatchArgs, 8);
+V4POOL_CHECK_OFFSET(WriteBatchArgs, items, 0);
+V4POOL_CHECK_OFFSET(WriteBatchArgs, first_block, 8);
+V4POOL_CHECK_OFFSET(WriteBatchArgs, num_items, 16);
+V4POOL_CHECK_OFFSET(WriteBatchArgs, num_blocks, 20);
+
 // ---- geometry (index-buffers.md §2), device side -----------------------------------------
 
 /// Window row of absolute position `pos` in physical slot `slot`, relative to the layer view.

@@ -75,3 +75,10 @@ extern "C" int v4pool_emu_launch_index_keys(const void* args, const unsigned gri
     v4p_emu_run<IndexKeysArgs>(v4pool_index_keys, args, grid, threads);
     return 0;
 }
+
+/// The write batch (KV row, index-key and state-update writes in one launch), for
+/// tests/step_batch.rs.
+extern "C" int v4pool_emu_launch_write_batch(const void* args, const unsigned grid[3], unsigned threads) {
+    v4p_emu_run<WriteBatchArgs>(v4pool_write_batch, args, grid, threads);
+    return 0;
+}

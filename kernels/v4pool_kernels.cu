@@ -19,10 +19,11 @@
 // entries, 32 entries per thread (at batch 1,024 and the MTP verify step 1.4-1.5x faster than
 // 4-byte stores of 8 per thread), 32-bit and division-free. Window loops carry quotients as
 // running counters instead of dividing (the divisions were most of the prefill builder's
-// instructions before). The index builders begin with v4p_overlap_begin(): the CUDA backend
-// launches them as programmatic dependents, so a graph of per-layer packs overlaps each launch
-// with the kernel before it (the CSA pack's decode form also its loads of everything but
-// the top-k: §5, csa_pack.cuh). Other stores of consecutive entries are coalesced 4-byte stores
+// instructions before). The index builders and the forward's writers (KV rows, index keys,
+// state update) begin with v4p_overlap_begin(): the CUDA backend launches them as programmatic
+// dependents, so a graph of a decode step's launches overlaps each launch with the kernel before
+// it (the CSA pack's decode form and the write batch also their loads of host-staged metadata:
+// §5, csa_pack.cuh; kv_rows.cuh). Other stores of consecutive entries are coalesced 4-byte stores
 // across a warp; every row x width product of a plane address is 64-bit.
 //
 // Files. This is the one translation unit: the shared header, the device helpers several kernel
@@ -34,7 +35,8 @@
 //   row_write.cuh      SWA ring write and row scatter
 //   state_update.cuh   compressor-state update; fill / copy runs
 //   window_gather.cuh  DSpark window gather
-//   kv_rows.cuh        KV row writers (the forward's own rows)
+//   kv_rows.cuh        KV row writers (the forward's own rows), indexer keys, and the write
+//                      batch (several of those writes and state updates in one launch)
 #include "v4pool_common.h"
 
 // ---- device helpers of several families ------------------------------------------------------
@@ -123,6 +125,56 @@ V4P_DEVICE void v4p_window_run32(v4p_i32* __restrict__ out, v4p_u32 base, v4p_u3
             r = q - c * stride;
         }
     }
+}
+
+// ---- 16-byte vectors (the state update, the KV row and index-key writers) -----------------------
+
+/// Four u32 loaded or stored as one 16-byte vector: clang's vector extension, or (nvcc,
+/// NVRTC) the 16-byte aligned struct.
+#if defined(V4P_TARGET_NVCC)
+typedef v4p_vec16 v4p_u32x4;
+#else
+typedef v4p_u32 v4p_u32x4 __attribute__((ext_vector_type(4)));
+#endif
+
+/// Global loads and the streaming store as inline PTX on NVIDIA targets: NVVM splits a vector
+/// store of computed values into four scalar stores (seen in nvcc 13.0's PTX for the score
+/// row), and a generic access costs an address-space check the global one does not.
+V4P_DEVICE v4p_u32x4 v4p_ld16(v4p_ptr p) {
+#if defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)
+    v4p_u32x4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#else
+    return *(const v4p_u32x4*)p;
+#endif
+}
+
+V4P_DEVICE void v4p_ld8(v4p_ptr p, v4p_u32& w0, v4p_u32& w1) {
+#if defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)
+    asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(w0), "=r"(w1) : "l"(p));
+#else
+    w0 = ((const v4p_u32*)p)[0];
+    w1 = ((const v4p_u32*)p)[1];
+#endif
+}
+
+V4P_DEVICE void v4p_st16_cs(v4p_u64 p, v4p_u32x4 v) {
+#if defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)
+    asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+#else
+    *(v4p_u32x4*)p = v;
+#endif
+}
+
+/// A plain 16-byte global store (the pool's rows: attention reads them soon, no streaming hint).
+V4P_DEVICE void v4p_st16(v4p_u64 p, v4p_u32x4 v) {
+#if defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+#else
+    *(v4p_u32x4*)p = v;
+#endif
 }
 
 // ---- the pool's fp8 row format (the window gather reads it, the KV row writers write it) -----

@@ -30,10 +30,10 @@ while [ $# -gt 0 ]; do
     *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2;;
   esac
 done
-tests=${TESTS:-gpu_backend gpu_kernels gpu_graph gpu_decode_path gpu_manager gpu_manager_tier gpu_state_update gpu_window_gather gpu_transfer gpu_profiling pool_props hip_backend manager_exact gpu_v41_index}
-benches=${BENCHES:-gpu state_update window_gather transfer manager}
+tests=${TESTS:-gpu_backend gpu_kernels gpu_graph gpu_decode_path gpu_manager gpu_manager_tier gpu_state_update gpu_window_gather gpu_transfer gpu_profiling pool_props hip_backend manager_exact gpu_v41_index gpu_kv_rows gpu_index_keys gpu_step_batch}
+benches=${BENCHES:-gpu state_update window_gather transfer manager step}
 # "binary[:test-name filter]": the filters keep the sanitizer's slowdown to the graph-replay tests.
-memcheck=${MEMCHECK:-gpu_kernels gpu_graph gpu_decode_path gpu_manager gpu_manager_tier gpu_state_update:captured_update gpu_window_gather:window_gather_graph pool_props:nothing_lost_on_the_gpu gpu_v41_index:v41_decode_path_on_the_device}
+memcheck=${MEMCHECK:-gpu_kernels gpu_graph gpu_decode_path gpu_manager gpu_manager_tier gpu_state_update:captured_update gpu_window_gather:window_gather_graph pool_props:nothing_lost_on_the_gpu gpu_v41_index:v41_decode_path_on_the_device gpu_step_batch}
 
 # Copy the executable a `cargo --message-format=json` build reports on stdin to $1.
 executable_to() {

@@ -15,7 +15,8 @@ use v4pool::index::shape::{
 use v4pool::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
     IndexKeysArgs, KvRowsArgs, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs,
-    WindowGatherArgs, CLASS_CSA, CLASS_DENSE, CLASS_HCA,
+    WindowGatherArgs, WriteBatchArgs, WriteItem, CLASS_CSA, CLASS_DENSE, CLASS_HCA, WRITE_BATCH_MAX_ITEMS,
+    WRITE_INDEX_KEYS, WRITE_KV_ROWS, WRITE_STATE_UPDATE,
 };
 
 const HEADER: &str = include_str!("../kernels/v4pool_common.h");
@@ -101,6 +102,8 @@ fn rust_checks() -> Checks {
         }
         KvRowsArgs { kv, dest_rows, batch_id_per_token, nope, rope, kv_row_stride, view_rows, num_tokens, format, view_row0 }
         IndexKeysArgs { keys, dest, data, scales, key_row_stride, num_blocks, num_tokens, block_rows, format, _pad }
+        WriteItem { kind, _pad, args }
+        WriteBatchArgs { items, first_block, num_items, num_blocks }
     }
     c
 }
@@ -156,6 +159,10 @@ fn header_constants_match_the_launch_shapes() {
     assert_eq!(header_define("V4POOL_CLASS_DENSE"), CLASS_DENSE as i64);
     assert_eq!(header_define("V4POOL_CLASS_CSA"), CLASS_CSA as i64);
     assert_eq!(header_define("V4POOL_CLASS_HCA"), CLASS_HCA as i64);
+    assert_eq!(header_define("V4POOL_WRITE_KV_ROWS"), i64::from(WRITE_KV_ROWS));
+    assert_eq!(header_define("V4POOL_WRITE_INDEX_KEYS"), i64::from(WRITE_INDEX_KEYS));
+    assert_eq!(header_define("V4POOL_WRITE_STATE_UPDATE"), i64::from(WRITE_STATE_UPDATE));
+    assert_eq!(header_define("V4POOL_WRITE_BATCH_MAX_ITEMS"), WRITE_BATCH_MAX_ITEMS as i64);
 }
 
 #[test]

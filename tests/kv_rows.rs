@@ -54,7 +54,9 @@ fn the_kernel_source_matches_the_host_reference() {
         let format = [KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V41][case as usize % 3];
         let fp8 = format == KV_ROWS_ATOM_FP8;
         let t = 1 + rng.below(40) as usize;
-        let stride = 512 + 8 * rng.below(3) as usize;
+        // Odd strides too: unaligned rows take the kernel's element path, aligned ones its
+        // 16-byte path.
+        let stride = 512 + rng.below(9) as usize;
         let view_rows = 64i64;
         let kv = bf16_values(&mut rng, (t - 1) * stride + 512);
         let dest: Vec<i32> = (0..t).map(|_| rng.range(-3, view_rows + 3) as i32).collect();
@@ -409,5 +411,48 @@ fn the_kernel_source_packs_flashmla_v4_pages_as_the_host_reference() {
             }
         }
         assert!(host == want, "case {case}: rows at their page places, nothing else written");
+    }
+}
+
+#[test]
+fn v41_layers_take_their_window_rows() {
+    // Regression: the writer named a layer's class by V4's ratios (0, 4, 128), so every
+    // compressed layer of DeepSeek-V4.1 (ratios 1 and 2, the fine and coarse slots) was
+    // refused, by the decode write and the window write alike.
+    use v4pool::pool::{DecodeCapacity, DecodeSeq, PoolSpec};
+    use v4pool::sizing::{KvDtype, PoolLayout};
+    let model = ModelShape::v41_flash(0).unwrap();
+    let layout = PoolLayout::new(&model, KvDtype::Bf16, IndexerDtype::Fp8).unwrap();
+    let lg = &layout.geometry;
+    let geometry = layout.carve(4, 2, 4 * lg.envelope_rows + 3 * (lg.slot_rows + lg.slot_align_rows.max(1))).unwrap();
+    let spec = PoolSpec::from_layout(&layout, geometry).unwrap();
+    let pool = Arc::new(v4pool::pool::Pool::new(Arc::new(HostBackend::new()), spec, Default::default()).unwrap());
+    let g = pool.geometry().unwrap();
+    let mut rng = Rng::new(case_seed("kv-rows-v41", 0));
+    let a = pool.alloc_slot().unwrap();
+    let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens: 3 }).unwrap();
+    w.stage_window(&[WindowSeq { slot: a.handle, first_position: 1000, tokens: 3 }]).unwrap();
+    let mut path = pool
+        .decode_path(DecodeCapacity { max_seqs: 1, max_tokens: 1, max_blocks_per_seq: 4, win: 128, index_topk: 512 })
+        .unwrap();
+    let table = [0, 1, 2, 3];
+    path.stage(&[DecodeSeq { position: a.position, context_len: 1004, num_tokens: 1, block_table: &table }]).unwrap();
+    path.build().unwrap();
+    // Dense, coarse (ratio 2) and fine (ratio 1) layers.
+    for layer in [0usize, 2, 25] {
+        let base = g.layer_base_row(layer).unwrap();
+        let row_bytes = |p: i64| -> Vec<u8> {
+            let row = (base + g.window_index(layer, a.position, p % g.ring_slots).unwrap()) as usize;
+            plane(&pool, 0)[row * 1024..(row + 1) * 1024].to_vec()
+        };
+        let as_bytes = |v: &[u16]| -> Vec<u8> { v.iter().flat_map(|x| x.to_ne_bytes()).collect() };
+        let kv = bf16_values(&mut rng, 3 * 512);
+        w.write(layer, RowSet::Window, &kv, 512).unwrap();
+        for t in 0..3 {
+            assert_eq!(row_bytes(1000 + t as i64), as_bytes(&kv[t * 512..(t + 1) * 512]), "layer {layer} window row {t}");
+        }
+        let kv = bf16_values(&mut rng, 512);
+        w.write_decode(&path, layer, &kv, 512).unwrap();
+        assert_eq!(row_bytes(1003), as_bytes(&kv), "layer {layer}: the decode token's own row");
     }
 }

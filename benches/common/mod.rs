@@ -96,9 +96,19 @@ pub mod graph {
         }
 
         /// Median / p10 / p90 µs of replaying `g`, `prep(i)` (untimed) before each rep's flush.
-        pub fn replay(&self, g: &CudaGraph, mut prep: impl FnMut(usize) -> Res<()>) -> Res<(f64, f64, f64)> {
-            let mut v = Vec::with_capacity(GRAPH_REPS);
-            for i in 0..GRAPH_WARM + GRAPH_REPS {
+        pub fn replay(&self, g: &CudaGraph, prep: impl FnMut(usize) -> Res<()>) -> Res<(f64, f64, f64)> {
+            self.replay_reps(g, GRAPH_REPS, prep)
+        }
+
+        /// [`Self::replay`] over `reps` timed reps (after `GRAPH_WARM` warm-ups).
+        pub fn replay_reps(
+            &self,
+            g: &CudaGraph,
+            reps: usize,
+            mut prep: impl FnMut(usize) -> Res<()>,
+        ) -> Res<(f64, f64, f64)> {
+            let mut v = Vec::with_capacity(reps);
+            for i in 0..GRAPH_WARM + reps {
                 prep(i)?;
                 // SAFETY: the flush allocation is live and FLUSH_BYTES long.
                 unsafe { self.be.fill_u32(self.flush.ptr, FLUSH_BYTES / 4, i as u32, S)? };

@@ -30,6 +30,7 @@ pub fn kernel_argument(launch: &Launch) -> &[u8] {
         Launch::WindowGather(a) | Launch::WindowGatherFp8(a) => bytes_of(a),
         Launch::KvRows(a) => bytes_of(a),
         Launch::IndexKeys(a) => bytes_of(a),
+        Launch::WriteBatch(a) => bytes_of(a),
         Launch::Empty => &[],
     }
 }

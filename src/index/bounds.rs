@@ -63,6 +63,17 @@ pub(crate) fn claim(buffer: &'static str, addr: u64, bytes: usize, write: bool) 
     })
 }
 
+/// Forget the slices the running launch has taken: the next part of a launch made of parts
+/// (a write batch's items, each a launch of its own whose slices are gone when it returns)
+/// may take them again. A no-op when bounds are not set.
+pub(crate) fn release_claims() {
+    BOUNDS.with_borrow_mut(|b| {
+        if let Some(b) = b {
+            b.taken.clear();
+        }
+    });
+}
+
 /// [`run_launch`] that touches nothing outside `live` (`(base, bytes)` ranges): every buffer a
 /// kernel would read or write must lie inside one range ([`HostKernelError::OutsideAllocation`]
 /// otherwise), and no written buffer may overlap another buffer of the launch

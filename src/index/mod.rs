@@ -371,6 +371,85 @@ pub struct IndexKeysArgs {
     pub _pad: i32,
 }
 
+/// `WriteItem::kind`: a [`KvRowsArgs`] write.
+pub const WRITE_KV_ROWS: i32 = 1;
+/// `WriteItem::kind`: an [`IndexKeysArgs`] write.
+pub const WRITE_INDEX_KEYS: i32 = 2;
+/// `WriteItem::kind`: a [`StateUpdateArgs`] write.
+pub const WRITE_STATE_UPDATE: i32 = 3;
+/// Most items one [`WriteBatchArgs`] launch carries.
+pub const WRITE_BATCH_MAX_ITEMS: usize = 128;
+
+/// One write of a [`WriteBatchArgs`] launch: `kind` (`WRITE_*`) names which argument struct
+/// `args` holds (its bytes from offset 0, the rest zero): the same arguments, and the same
+/// blocks, the write's own kernel takes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct WriteItem {
+    /// `WRITE_KV_ROWS`, `WRITE_INDEX_KEYS` or `WRITE_STATE_UPDATE`.
+    pub kind: i32,
+    /// Padding to the C layout.
+    pub _pad: i32,
+    /// The argument struct's bytes (a union of the three in the kernel header).
+    pub args: [u64; 15],
+}
+
+impl WriteItem {
+    /// The item running `launch`, if it is a write the batch kernel carries.
+    pub fn of(launch: &Launch) -> Option<WriteItem> {
+        let (kind, bytes): (i32, &[u8]) = match launch {
+            Launch::KvRows(a) => (WRITE_KV_ROWS, bytemuck::bytes_of(a)),
+            Launch::IndexKeys(a) => (WRITE_INDEX_KEYS, bytemuck::bytes_of(a)),
+            Launch::StateUpdate(a) => (WRITE_STATE_UPDATE, bytemuck::bytes_of(a)),
+            _ => return None,
+        };
+        let mut item = WriteItem { kind, ..Default::default() };
+        bytemuck::bytes_of_mut(&mut item.args)[..bytes.len()].copy_from_slice(bytes);
+        Some(item)
+    }
+
+    /// The launch this item stands for (`None`: an unknown kind).
+    pub fn launch(&self) -> Option<Launch> {
+        let bytes = bytemuck::bytes_of(&self.args);
+        fn read<T: Pod>(b: &[u8]) -> T {
+            bytemuck::pod_read_unaligned(&b[..std::mem::size_of::<T>()])
+        }
+        match self.kind {
+            WRITE_KV_ROWS => Some(Launch::KvRows(read(bytes))),
+            WRITE_INDEX_KEYS => Some(Launch::IndexKeys(read(bytes))),
+            WRITE_STATE_UPDATE => Some(Launch::StateUpdate(read(bytes))),
+            _ => None,
+        }
+    }
+}
+
+/// Several independent writes in one launch (docs/forward.md, "Fewer launches"): block `b` of
+/// the grid runs block `b − first_block[i]` of item `i`, the last item whose `first_block` is
+/// at most `b`, exactly as the item's own kernel runs that block. The items may run in any
+/// order and at once: none may read what another writes, and no two may write one byte (the
+/// pool's writes of one layer, or the state updates of many, are such a set). Item `i` covers
+/// `first_block[i] .. first_block[i + 1]` (the last: `.. num_blocks`), its own kernel's grid.
+///
+/// **Input readiness** (the kernel is a programmatic dependent, as the CSA translate-pack): the
+/// two tables, every state item's `write_plan`, every index-key item's `dest`, and the
+/// `dest_rows` of every KV row item with `batch_id_per_token == 0` are read before the kernel
+/// waits for its predecessor, so they must be complete before the kernel preceding the batch in
+/// the stream *starts*; v4pool's writers stage all of them by host upload. Everything else (the
+/// engine's kv / score / keys, a decode write's destination rows and batch ids) is read after
+/// the wait and may be the previous kernel's output.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct WriteBatchArgs {
+    /// `WriteItem [num_items]` in device memory, 8-byte aligned.
+    pub items: DevicePtr,
+    /// i32 `[num_items]` in device memory: each item's first block, `0` first, increasing.
+    pub first_block: DevicePtr,
+    /// Items (1 ..= `WRITE_BATCH_MAX_ITEMS`).
+    pub num_items: i32,
+    /// Blocks of the grid: the items' grids together.
+    pub num_blocks: i32,
+}
+
 /// Element type of a state-update input (`V4POOL_DTYPE_*`): what an engine's compressor
 /// emits (kv, score) and the positional bias (ape) are either; the state is always f32.
 #[repr(i32)]
@@ -533,6 +612,8 @@ pub enum Launch {
     KvRows(KvRowsArgs),
     /// `v4pool_index_keys`: the indexer's bf16 keys into an indexer K cache's row format.
     IndexKeys(IndexKeysArgs),
+    /// `v4pool_write_batch`: KV row, index-key and state-update writes in one launch.
+    WriteBatch(WriteBatchArgs),
     /// `v4pool_empty`: the launch-overhead floor benchmarks measure against.
     Empty,
 }
@@ -558,12 +639,13 @@ impl Launch {
             Launch::WindowGatherFp8(_) => "v4pool_window_gather_fp8",
             Launch::KvRows(_) => "v4pool_kv_rows",
             Launch::IndexKeys(_) => "v4pool_index_keys",
+            Launch::WriteBatch(_) => "v4pool_write_batch",
             Launch::Empty => "v4pool_empty",
         }
     }
 
     /// Every kernel symbol, for module loading and the code-object symbol test.
-    pub const SYMBOLS: [&'static str; 18] = [
+    pub const SYMBOLS: [&'static str; 19] = [
         "v4pool_decode_indices",
         "v4pool_prefill_indices",
         "v4pool_prefill_indices_short",
@@ -582,5 +664,6 @@ impl Launch {
         "v4pool_kv_rows",
         "v4pool_empty",
         "v4pool_index_keys",
+        "v4pool_write_batch",
     ];
 }

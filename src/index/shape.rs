@@ -272,7 +272,18 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
             ],
             block: [b, 1, 1],
         },
+        // Every item's own grid, side by side.
+        Launch::WriteBatch(a) => LaunchShape::linear(count(a.num_blocks), b),
         Launch::Empty => LaunchShape { grid: [1, 1, 1], block: [1, 1, 1] },
+    }
+}
+
+/// Blocks a write the batch kernel carries takes: its own kernel's grid (linear for every kind
+/// a [`super::WriteItem`] holds), `None` for any other launch.
+pub fn write_item_blocks(launch: &Launch) -> Option<u64> {
+    match launch {
+        Launch::KvRows(_) | Launch::IndexKeys(_) | Launch::StateUpdate(_) => Some(launch_shape(launch).blocks()),
+        _ => None,
     }
 }
 
@@ -785,6 +796,23 @@ fn check_state_update(a: &StateUpdateArgs) -> Result<(), LaunchError> {
     Ok(())
 }
 
+/// What can be seen of a write batch without reading its tables: a count of items the kernel
+/// takes, a grid, both tables present and aligned (the items' contents are the host
+/// reference's and [`crate::pool::WriteBatch`]'s to check).
+fn check_write_batch(a: &super::WriteBatchArgs) -> Result<(), LaunchError> {
+    at_least("num_items", a.num_items.into(), 1)?;
+    at_most("num_items", a.num_items.into(), super::WRITE_BATCH_MAX_ITEMS as i64)?;
+    at_least("num_blocks", a.num_blocks.into(), a.num_items.into())?;
+    present("items", a.items)?;
+    present("first_block", a.first_block)?;
+    for (field, addr, align) in [("items", a.items, 8), ("first_block", a.first_block, 4)] {
+        if addr % align != 0 {
+            return Err(LaunchError::Misaligned { field, addr, align });
+        }
+    }
+    Ok(())
+}
+
 /// Reject a launch the contract says the host must reject, before any backend runs it.
 pub fn check_launch(launch: &Launch) -> Result<(), LaunchError> {
     match launch {
@@ -811,6 +839,7 @@ pub fn check_launch(launch: &Launch) -> Result<(), LaunchError> {
         }
         Launch::WindowGather(a) => check_window_gather(a, false)?,
         Launch::WindowGatherFp8(a) => check_window_gather(a, true)?,
+        Launch::WriteBatch(a) => check_write_batch(a)?,
         Launch::Empty => {}
     }
     check_grid(launch)

@@ -10,6 +10,7 @@
 //! internal mutex (they are host bookkeeping plus, for moves, copies queued on the pool's
 //! stream); views and index-buffer addresses are plain values that never change.
 
+mod batch;
 pub mod decode;
 mod image;
 pub(crate) mod owned;
@@ -21,6 +22,7 @@ mod rows;
 mod tests;
 mod topk;
 
+pub use batch::{WriteBatch, WriteBatchError};
 pub use decode::{decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodeError, DecodeSeq, FlatDecodeBatch};
 pub use owned::DeviceBuffer;
 pub use path::{DecodePath, PrefillPath};

@@ -269,6 +269,17 @@ impl DecodePath {
         Ok(Launch::CsaPack(self.bufs.pack_args(None, topk, topk_row_stride)?))
     }
 
+    /// Compressed layer `layer`'s translate-pack launch (V4.1: every compressed layer), for
+    /// graph capture (see [`Self::build_launch`]; [`Self::layer_pack`] runs the same arguments).
+    pub fn layer_pack_launch(
+        &self,
+        layer: usize,
+        topk: DevicePtr,
+        topk_row_stride: i32,
+    ) -> Result<Launch, DecodeError> {
+        Ok(Launch::CsaPack(self.bufs.pack_args(Some(layer), topk, topk_row_stride)?))
+    }
+
     /// A sub-buffer by name (`None`: dense buffers of a geometry without dense layers).
     pub fn buffer(&self, which: DecodeBuffer) -> Option<DeviceBuffer> {
         self.bufs.buffer(which)

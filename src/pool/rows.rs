@@ -405,8 +405,9 @@ impl KvRowWriter {
         let g = self.pool.geometry().map_err(pool_err)?;
         self.window = Staged::Nothing;
         for class in [Class::Dense, Class::Csa, Class::Hca] {
-            // The geometry's ratio in the class's slot (V4: 0/4/128; V4.1: 0/1/2).
-            let Ok(Some(ratio)) = g.class_ratio(class) else { continue };
+            // The slot's ratio (V4.1's fine and coarse slots are ratios 1 and 2): window rows
+            // are the same for every layer of a class, so its first layer names them.
+            let Some(ratio) = g.class_ratio(class).ok().flatten() else { continue };
             let Some(layer) = g.ratios.iter().position(|&r| r == ratio) else { continue };
             let mut rows = Vec::with_capacity(tokens);
             for (s, &slot) in seqs.iter().zip(&positions) {
@@ -472,6 +473,7 @@ impl KvRowWriter {
     fn layer_target(&self, layer: usize) -> Result<(Class, DevicePtr, DevicePtr, i64, i64)> {
         let g = &self.pool.spec().geometry;
         let bad = |e: PoolError| RowWriteError::BadLayer { layer, source: Box::new(e) };
+        // The layer's index-buffer slot (V4: its ratio's class; V4.1: ratio 1 fine, 2 coarse).
         let class = g.layer_slot(layer).map_err(|e| bad(e.into()))?;
         let v0 = self.pool.layer_view(layer, 0).map_err(bad)?;
         let rope = if self.is_fp8() { self.pool.layer_view(layer, 1).map_err(bad)?.ptr } else { 0 };
@@ -636,9 +638,18 @@ impl KvRowWriter {
     /// is live memory of the pool's backend holding bf16 values, 2-B aligned, ready on the
     /// pool's stream, overlapping neither the indexer cache nor this handle's buffers.
     pub unsafe fn write_index_keys_from(&self, rank: usize, keys: DevicePtr, stride: usize) -> Result<()> {
-        let args = self.index_keys_args(rank, keys, stride)?;
+        let launch = self.index_keys_launch(rank, keys, stride)?;
         // SAFETY: keys covered by the caller; the rest as in `write_index_keys`.
-        unsafe { self.queue(RowSet::Compressed(Class::Csa), &Launch::IndexKeys(args)) }
+        unsafe { self.queue(RowSet::Compressed(Class::Csa), &launch) }
+    }
+
+    /// The launch [`Self::write_index_keys_from`] queues, for graph capture and
+    /// [`crate::pool::WriteBatch`]: the same checks and the same upload of the entries'
+    /// destinations to this handle's buffer, but no re-check of the staged blocks and nothing
+    /// queued. Launching it is the caller's `unsafe`: the contract of
+    /// [`Self::write_index_keys_from`], with the staged blocks still held.
+    pub fn index_keys_launch(&self, rank: usize, keys: DevicePtr, stride: usize) -> Result<Launch> {
+        Ok(Launch::IndexKeys(self.index_keys_args(rank, keys, stride)?))
     }
 
     fn upload_kv(&self, kv: &[u16], tokens: usize, stride: usize) -> Result<()> {
@@ -678,12 +689,20 @@ impl KvRowWriter {
     /// memory of the pool's backend holding bf16 values, 2-B aligned, ready on the pool's
     /// stream, overlapping neither the pool's planes nor this handle's buffers.
     pub unsafe fn write_from(&self, layer: usize, set: RowSet, kv: DevicePtr, stride: usize) -> Result<()> {
+        let launch = self.write_launch(layer, set, kv, stride)?;
+        // SAFETY: kv covered by the caller; the rest as in `write`.
+        unsafe { self.queue(set, &launch) }
+    }
+
+    /// The launch [`Self::write_from`] queues, for graph capture and
+    /// [`crate::pool::WriteBatch`]: the same checks, but no re-check of the staged leases or
+    /// blocks and nothing queued. Launching it is the caller's `unsafe`: the contract of
+    /// [`Self::write_from`], with what was staged still held where it was staged.
+    pub fn write_launch(&self, layer: usize, set: RowSet, kv: DevicePtr, stride: usize) -> Result<Launch> {
         if stride < KV_ROW_VALUES {
             return Err(RowWriteError::KvShape { len: 0, tokens: 0, row: KV_ROW_VALUES, stride });
         }
-        let (args, _) = self.args(layer, set, kv, stride)?;
-        // SAFETY: kv covered by the caller; the rest as in `write`.
-        unsafe { self.queue(set, &Launch::KvRows(args)) }
+        Ok(Launch::KvRows(self.args(layer, set, kv, stride)?.0))
     }
 
     /// The decode write's launch: the path's staged tokens to their destination rows of
@@ -760,11 +779,27 @@ impl KvRowWriter {
         kv: DevicePtr,
         stride: usize,
     ) -> Result<()> {
+        let launch = self.write_decode_launch(path, layer, kv, stride)?;
+        // SAFETY: kv covered by the caller; the rest as in `write_decode`.
+        unsafe { self.queue_decode(path, &launch) }
+    }
+
+    /// The launch [`Self::write_decode_from`] queues, for graph capture and
+    /// [`crate::pool::WriteBatch`]: the same checks, but no re-check of the path's staged
+    /// positions and nothing queued. Its destination rows and batch ids are the path's
+    /// buffers, which every build rewrites, so one captured launch serves every step. Launching
+    /// it is the caller's `unsafe`: the contract of [`Self::write_decode_from`], after the
+    /// path's build, with its staged positions still live slots.
+    pub fn write_decode_launch(
+        &self,
+        path: &DecodePath,
+        layer: usize,
+        kv: DevicePtr,
+        stride: usize,
+    ) -> Result<Launch> {
         if stride < KV_ROW_VALUES {
             return Err(RowWriteError::KvShape { len: 0, tokens: 0, row: KV_ROW_VALUES, stride });
         }
-        let (args, _) = self.decode_args(path, layer, kv, stride)?;
-        // SAFETY: kv covered by the caller; the rest as in `write_decode`.
-        unsafe { self.queue_decode(path, &Launch::KvRows(args)) }
+        Ok(Launch::KvRows(self.decode_args(path, layer, kv, stride)?.0))
     }
 }

@@ -273,11 +273,12 @@ impl CudaBackend {
 /// The kernels launched as programmatic dependents when overlapped launches are on: exactly
 /// those whose first statement is `v4p_overlap_begin();` (they wait for the kernel before them
 /// before any global access; a unit test checks the embedded source), or
-/// `v4p_overlap_trigger();` with a later `v4p_overlap_wait();` (the CSA translate-pack: before
-/// the wait it loads only inputs its contract requires complete before the kernel preceding
-/// it starts, and stores nothing). Any other kernel, the
+/// `v4p_overlap_trigger();` with a later `v4p_overlap_wait();` (the CSA translate-pack and the
+/// write batch: before the wait they load only inputs their contracts require complete before
+/// the kernel preceding them starts, and store nothing). The forward's writers (KV rows, index
+/// keys, state update) joined for issue 34: a decode step is a chain of them. Any other kernel, the
 /// ones other modules add included, keeps plain stream order.
-pub(super) const OVERLAPPED_KERNELS: [&str; 8] = [
+pub(super) const OVERLAPPED_KERNELS: [&str; 12] = [
     "v4pool_decode_indices",
     "v4pool_prefill_indices",
     "v4pool_prefill_indices_short",
@@ -286,6 +287,10 @@ pub(super) const OVERLAPPED_KERNELS: [&str; 8] = [
     "v4pool_csa_translate_pack",
     "v4pool_csa_translate_pack_staged",
     "v4pool_csa_translate_pack_staged_x4",
+    "v4pool_kv_rows",
+    "v4pool_index_keys",
+    "v4pool_update_compressor_states",
+    "v4pool_write_batch",
 ];
 
 pub(super) fn bind(device: &Device) -> Result<(), BackendError> {

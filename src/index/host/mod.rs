@@ -171,6 +171,14 @@ pub enum HostKernelError {
         /// Its length in bytes.
         bytes: u64,
     },
+    /// A write batch whose item table does not describe its grid.
+    #[error("write batch item {item}: {reason}")]
+    BadWriteBatch {
+        /// The item.
+        item: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A buffer that overlaps another of the same launch where one of them is written.
     #[error(
         "{buffer}: {bytes} bytes at {addr:#x} overlap another buffer of the launch that one of them writes"
@@ -205,6 +213,7 @@ impl VariantName for HostKernelError {
             RowWidth { .. } => "RowWidth",
             OutsideAllocation { .. } => "OutsideAllocation",
             Aliased { .. } => "Aliased",
+            BadWriteBatch { .. } => "BadWriteBatch",
         }
     }
 

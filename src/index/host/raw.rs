@@ -98,6 +98,7 @@ pub unsafe fn run_launch(launch: &Launch) -> Result<()> {
             Launch::WindowGatherFp8(a) => run_window_gather(a, true),
             Launch::KvRows(a) => run_kv_rows(a),
             Launch::IndexKeys(a) => run_index_keys(a),
+            Launch::WriteBatch(a) => run_write_batch(a),
             Launch::Empty => Ok(()),
         }
     }
@@ -306,6 +307,46 @@ unsafe fn run_row_scatter(a: &RowScatterArgs) -> Result<()> {
         let mut planes = plane_rows(&a.planes, t as i64, a.view_rows)?;
         row_scatter(&mut planes, bids, dest, a.view_rows, a.num_tokens)
     }
+}
+
+/// The write batch: each item as its own launch, in table order (the items are independent,
+/// so any order gives these bytes), after checking that the table tiles the grid exactly as
+/// the items' own kernels' grids do (the device kernel trusts it).
+///
+/// # Safety
+/// See [`run_launch`]; every item's pointers as its own launch's.
+unsafe fn run_write_batch(a: &crate::index::WriteBatchArgs) -> Result<()> {
+    use crate::index::shape::write_item_blocks;
+    use crate::index::WriteItem;
+    let n = count(a.num_items);
+    // Copied out: the tables' slices end here, before any item takes its own.
+    // SAFETY: lengths from the arguments; the caller covers them.
+    let (items, first): (Vec<WriteItem>, Vec<i32>) = unsafe {
+        (input::<WriteItem>("items", a.items, n)?.to_vec(), input::<i32>("first_block", a.first_block, n)?.to_vec())
+    };
+    crate::index::bounds::release_claims();
+    let bad = |item: usize, reason: String| HostKernelError::BadWriteBatch { item, reason };
+    let mut launches = Vec::with_capacity(n);
+    for (i, item) in items.iter().enumerate() {
+        let launch = item.launch().ok_or_else(|| bad(i, format!("kind {} is no write", item.kind)))?;
+        let start = i64::from(first[i]);
+        let end = if i + 1 < n { i64::from(first[i + 1]) } else { i64::from(a.num_blocks) };
+        if i == 0 && start != 0 {
+            return Err(bad(i, format!("first block {start}: the table starts at 0")));
+        }
+        let own = write_item_blocks(&launch).map_or(0, |b| b as i64);
+        if end - start != own {
+            return Err(bad(i, format!("blocks {start}..{end}, its own grid has {own}")));
+        }
+        launches.push(launch);
+    }
+    for launch in &launches {
+        // SAFETY: forwarded from this function's contract; each item's slices are released
+        // when it returns (they alias nothing the next item holds).
+        unsafe { run_launch(launch)? };
+        crate::index::bounds::release_claims();
+    }
+    Ok(())
 }
 
 /// # Safety
