@@ -161,3 +161,22 @@ fn simulate_bounds_the_decode_buffers_by_the_budget() {
     check_contract("a small run", &ok, Out::Capture);
     assert_eq!(ok.code, Some(0), "{ok:?}");
 }
+
+/// A `--max-context` shorter than the mix's requests can be is refused (exit 2, one line):
+/// agentic prompts are 32K tokens and up, so the mixed and agentic mixes need 32,769.
+#[test]
+fn simulate_refuses_a_max_context_its_mix_cannot_draw() {
+    // Seen failing before the fix: exit 101, a panic in the generator's clamp (min > max).
+    for mix in ["mixed", "agentic"] {
+        for context in ["2", "32768"] {
+            let r = simulate(&["--no-progress", "--mix", mix, "--max-context", context]);
+            refused(&format!("--mix {mix} --max-context {context}"), &r);
+            assert!(r.stderr.contains("32769") && r.stderr.contains(mix), "{r:?}");
+        }
+    }
+    for (mix, context) in [("chat", "2"), ("multiturn", "2"), ("mixed", "32769")] {
+        let r = simulate(&["--no-progress", "--json", "--mix", mix, "--max-context", context]);
+        check_contract(&format!("--mix {mix} --max-context {context}"), &r, Out::Capture);
+        assert_eq!(r.code, Some(0), "--mix {mix} --max-context {context}: {r:?}");
+    }
+}

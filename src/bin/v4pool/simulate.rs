@@ -9,7 +9,9 @@ use crate::{conclude, parse_args, CliError, ParsedArgs, Streams};
 use std::io::Write as _;
 use v4pool::backend::{BackendChoice, BackendKind, Stream};
 use v4pool::pool::{Overhead, Pool, PoolSpec};
-use v4pool::sim::{Engine, Mix, RequestSpec, RunKind, SimConfig, SimReport, StepCost, TimeConfig, Trace};
+use v4pool::sim::{
+    Engine, Mix, RequestSpec, RunKind, SimConfig, SimError, SimReport, StepCost, TimeConfig, Trace, Workload,
+};
 use v4pool::sizing::{IndexerDtype, KvDtype, Plan, PlanRequest};
 
 const HELP: &str = "\
@@ -55,7 +57,8 @@ would need more are refused.
   --steps N             forward steps, at most 10,000,000     [2000; time: the cap]
   --seed S                                                               [7]
   --prefill-chunk T     prefill tokens per step                          [8192]
-  --max-context T       longest context                                  [1048576]
+  --max-context T       longest context; agentic and mixed: at least 32769
+                        (agentic prompts are 32768 tokens and up)        [1048576]
   --policy all|both|elastic|fixed|no_reuse|reuse_4096
                         all: the four runs; both: elastic and fixed      [all]
   --backend auto|host|cuda|hip   (auto honours V4POOL_BACKEND)           [auto]
@@ -115,8 +118,8 @@ struct Setup {
 
 /// The arrivals every run replays.
 enum Source {
-    /// A mix's lazy stream (its configuration).
-    Mix(v4pool::sim::WorkloadConfig),
+    /// A mix's lazy stream, not yet drawn (each run replays a clone of it).
+    Mix(v4pool::sim::Workload),
     /// A trace's requests, with the trace their hash ids come from.
     Trace(std::sync::Arc<Trace>, Vec<RequestSpec>),
 }
@@ -264,7 +267,7 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
         None => {
             let steps = count(&p, "--steps", 2000)?;
             let wc = v4pool::sim::WorkloadConfig { mix, rate, steps, seed, max_context };
-            (Source::Mix(wc), None, steps)
+            (Source::Mix(Workload::new(wc).map_err(SimError::from)?), None, steps)
         }
         Some(cost) => {
             let (source, end_s) = match p.get("--trace") {
@@ -278,7 +281,7 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
                         seed,
                         max_context,
                     };
-                    (Source::Mix(wc), duration + 600.0)
+                    (Source::Mix(Workload::new(wc).map_err(SimError::from)?), duration + 600.0)
                 }
                 Some(path) => {
                     let trace = Trace::from_path(std::path::Path::new(path))
@@ -327,7 +330,7 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
         ..SimConfig::default()
     };
     let o = Overhead::estimate(&spec, None)?;
-    cfg.check(&spec.geometry, o.plane_bytes + o.indexer_bytes).map_err(v4pool::sim::SimError::from)?;
+    cfg.check(&spec.geometry, o.plane_bytes + o.indexer_bytes).map_err(SimError::from)?;
     let svg = match p.get("--svg") {
         None => None,
         Some(path) => Some((path.to_string(), create_svg(path)?)),
@@ -379,14 +382,16 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
                 hit as f64 / all.max(1) as f64
             )
         }
-        Source::Mix(wc) => match &s.cfg.time {
-            Some(_) => format!(
+        Source::Mix(w) => match (&s.cfg.time, w.config()) {
+            (Some(_), wc) => format!(
                 "{} arrivals/s over {:.0} s ({} mix)",
                 wc.rate * 1000.0,
                 wc.steps as f64 / 1000.0,
                 wc.mix.name()
             ),
-            None => format!("{} arrivals/step over {} steps ({} mix)", wc.rate, wc.steps, wc.mix.name()),
+            (None, wc) => {
+                format!("{} arrivals/step over {} steps ({} mix)", wc.rate, wc.steps, wc.mix.name())
+            }
         },
     };
     let cost = s.cfg.time.as_ref().map_or("steps".to_string(), |t| format!("in time ({})", t.cost.name));
@@ -432,7 +437,7 @@ fn run_policy(
     let (cfg, progress) = (&s.cfg, s.progress);
     let mut engine = Engine::new(pool, cfg, policy)?;
     let mut arrivals: Box<dyn Iterator<Item = RequestSpec>> = match &s.source {
-        Source::Mix(wc) => Box::new(v4pool::sim::Workload::new(*wc)),
+        Source::Mix(w) => Box::new(w.clone()),
         Source::Trace(t, specs) => {
             engine = engine.with_trace(t.clone());
             Box::new(specs.clone().into_iter())
