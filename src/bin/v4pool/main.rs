@@ -111,6 +111,8 @@ pub enum CliError {
     #[error("{what} of {got} exceeds the {max} this command lists")]
     TooLarge { what: &'static str, got: i64, max: i64 },
     #[error("{0}")]
+    File(#[from] v4pool::file::FileError),
+    #[error("{0}")]
     Model(#[from] ModelError),
     #[error("{0}")]
     Geometry(#[from] GeometryError),
@@ -148,6 +150,7 @@ impl CliError {
             Conflict { .. } => "Conflict",
             Io { .. } => "Io",
             TooLarge { .. } => "TooLarge",
+            File(e) => e.variant_name(),
             Model(e) => e.variant_name(),
             Geometry(e) => e.variant_name(),
             Sizing(e) => e.variant_name(),

@@ -9,8 +9,10 @@ use crate::{conclude, parse_args, CliError, ParsedArgs, Streams};
 use std::io::Write as _;
 use v4pool::backend::{BackendChoice, BackendKind, Stream};
 use v4pool::pool::{Overhead, Pool, PoolSpec};
+use v4pool::sim::cost::CostError;
 use v4pool::sim::{
-    Engine, Mix, RequestSpec, RunKind, SimConfig, SimError, SimReport, StepCost, TimeConfig, Trace, Workload,
+    Engine, Mix, RequestSpec, RunKind, SimConfig, SimError, SimReport, StepCost, TimeConfig, Trace,
+    TraceError, Workload,
 };
 use v4pool::sizing::{IndexerDtype, KvDtype, Plan, PlanRequest};
 
@@ -177,12 +179,12 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
     let mix = Mix::parse(mix).ok_or_else(|| bad("--mix", mix, "chat, agentic, mixed or multiturn"))?;
     let cost = match p.get("--cost").unwrap_or(v4pool::sim::cost::H200X4_FLASH_FP8) {
         "none" => None,
-        v if std::path::Path::new(v).is_file() => {
-            let text = read_small(v)?;
-            Some(
-                StepCost::from_json(&text)
-                    .map_err(|e| CliError::Io { path: v.into(), reason: e.to_string() })?,
-            )
+        // Anything that exists is a file to read (a FIFO or a device is refused by the reader).
+        v if std::path::Path::new(v).exists() => {
+            Some(StepCost::from_path(std::path::Path::new(v)).map_err(|e| match e {
+                CostError::File(f) => CliError::File(f),
+                e => CliError::Io { path: v.into(), reason: e.to_string() },
+            })?)
         }
         v => Some(v4pool::sim::cost::preset(v).map_err(|_| bad("--cost", v, COST_EXPECTED))?),
     };
@@ -284,8 +286,10 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
                     (Source::Mix(Workload::new(wc).map_err(SimError::from)?), duration + 600.0)
                 }
                 Some(path) => {
-                    let trace = Trace::from_path(std::path::Path::new(path))
-                        .map_err(|e| CliError::Io { path: path.into(), reason: e.to_string() })?;
+                    let trace = Trace::from_path(std::path::Path::new(path)).map_err(|e| match e {
+                        TraceError::File(f) => CliError::File(f),
+                        e => CliError::Io { path: path.into(), reason: e.to_string() },
+                    })?;
                     let v = p.get("--trace-shard").unwrap_or("0/1");
                     let (k, n) = shard(v)?;
                     let trace = trace.shard(k, n).map_err(|_| bad("--trace-shard", v, "K/N with K < N"))?;
@@ -347,17 +351,6 @@ fn shard(v: &str) -> Result<(u64, u64), CliError> {
     let e = || bad("--trace-shard", v, "K/N");
     let (k, n) = v.split_once('/').ok_or_else(e)?;
     Ok((k.trim().parse().map_err(|_| e())?, n.trim().parse().map_err(|_| e())?))
-}
-
-/// A small text file (a coefficient file: at most 1 MiB).
-fn read_small(path: &str) -> Result<String, CliError> {
-    use std::io::Read as _;
-    let io = |reason: String| CliError::Io { path: path.to_string(), reason };
-    let mut text = String::new();
-    std::fs::File::open(path)
-        .and_then(|f| f.take(1 << 20).read_to_string(&mut text))
-        .map_err(|e| io(e.to_string()))?;
-    Ok(text)
 }
 
 /// Create the `--svg` file before the run, so a bad path is refused up front. A FIFO is
