@@ -361,3 +361,40 @@ fn nixl_offload_to_a_dram_agent_and_back() {
         spans.len()
     );
 }
+
+/// A peer's metadata refused (cut short, padded) and then loaded whole: the retry loads.
+/// Seen failing before the fix: NIXL had taken the peer's connection from the short copy and
+/// dropped its record of it on refusing the rest, so every later load of the valid metadata
+/// was "invalid parameter", for good.
+#[test]
+fn a_refused_peer_metadata_does_not_stick() {
+    if !nixl_or_skip("a_refused_peer_metadata_does_not_stick") {
+        return;
+    }
+    let opts = options();
+    let mut a = NixlAgent::new(None, &opts).unwrap();
+    let mut b = NixlAgent::new(None, &opts).unwrap();
+    let mut buf = vec![0u8; 8192];
+    // SAFETY: `buf` outlives both agents' use of it (deregistered on drop, before `buf`).
+    unsafe { a.register(NixlMem::Dram, buf.as_mut_ptr() as u64, 8192).unwrap() };
+    let md = a.metadata().unwrap();
+    assert_eq!(nixl::check_metadata(&md).unwrap(), a.name());
+    let mut padded = md.clone();
+    padded.extend_from_slice(b"garbage");
+    for round in 0..2 {
+        for bad in [&md[..md.len() - 1], &md[..md.len() / 2], &md[..30], &padded[..]] {
+            let r = b.load_peer(bad);
+            assert!(
+                matches!(r, Err(EngineError::NixlMetadata { .. })),
+                "round {round}, {} B: {r:?}",
+                bad.len()
+            );
+        }
+        assert_eq!(b.load_peer(&md).expect("the whole metadata loads after a refusal"), a.name());
+        // A refresh of the loaded peer loads too.
+        assert_eq!(b.load_peer(&md).unwrap(), a.name());
+        b.forget_peer(a.name()).expect("the peer is loaded");
+    }
+    drop((a, b));
+    drop(buf);
+}
