@@ -118,6 +118,28 @@ def test_wrong_dtypes_and_shapes_are_refused():
     """)
 
 
+def test_arrays_of_the_wrong_rank_are_refused_not_flattened():
+    # Seen failing before the fix: a [1, 1] positions array (and 2-D context lengths and
+    # token counts, 3-D block tables, 2-D resident-table ids) was flattened and staged.
+    run("""
+    pool = v4pool.Pool(plan, backend="host")
+    dec = pool.decode(2, 8)
+    s = pool.alloc_slot()
+    pos = np.array([s.position], dtype=np.int64)
+    ctx = np.array([300], dtype=np.int64)
+    tables = np.array([[0, 1]], dtype=np.int32)
+    for e in [refused(lambda: dec.stage(pos.reshape(1, 1), ctx, block_tables=tables), ValueError),
+              refused(lambda: dec.stage(pos, ctx.reshape(1, 1), block_tables=tables), ValueError),
+              refused(lambda: dec.stage(pos, ctx, np.ones((1, 1), np.int64), block_tables=tables), ValueError),
+              refused(lambda: dec.stage(pos.reshape(()), ctx, block_tables=tables), ValueError),
+              refused(lambda: dec.stage(pos, ctx, block_tables=tables.reshape(1, 1, 2)), ValueError),
+              refused(lambda: dec.write_block_table(0, tables), ValueError)]:
+        assert "1-D" in str(e) or "2-D" in str(e), e
+    assert dec.stage(pos, ctx, block_tables=tables) == 1
+    dec.write_block_table(0, tables[0])
+    """)
+
+
 def test_several_threads_do_not_crash():
     run("""
     pool = v4pool.Pool(plan, backend="host")
