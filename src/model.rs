@@ -576,7 +576,8 @@ fn layer_list(v: &serde_json::Value, key: &'static str) -> Result<Vec<usize>, Mo
 }
 
 /// V4.1's own keys, checked against the ratio list: draft entries window-only; both source
-/// lists sorted, unique, compressed backbone layers, KV sources among the index sources, and
+/// lists sorted, unique, compressed backbone layers, KV sources given (at least one) and among
+/// the index sources, and
 /// every compressed layer with a source of its class before it; the Engram history.
 fn read_v41_keys<'a>(
     ratios: &[i32],
@@ -598,6 +599,15 @@ fn read_v41_keys<'a>(
         Ok(list)
     };
     let kv_sources = sources(KV_SOURCES)?;
+    // V4.1 shares compressors: its compressor state is held per KV source, so a config that
+    // names none describes no V4.1 pool (the geometry alone would lay it out in V4's form).
+    // Refused here, where every reader (layout, plan, the bindings) meets it.
+    if kv_sources.is_empty() {
+        return Err(ModelError::Sources {
+            key: KV_SOURCES,
+            reason: "a V4.1 config names its KV source layers (those with a compressor): none given".into(),
+        });
+    }
     let index_sources = sources(INDEX_SOURCES)?;
     if !index_sources.is_empty() {
         if let Some(&l) = kv_sources.iter().find(|l| !index_sources.contains(l)) {
