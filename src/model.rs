@@ -5,7 +5,7 @@
 
 use crate::file::{read_text_bounded, FileError};
 use crate::geometry::{
-    resolve_owners, GeometryError, GeometrySpec, RowForm, ABSENT_RATIO, CSA_RATIO, DENSE_RATIO, HCA_RATIO,
+    resolve_owners, GeometryError, GeometrySpec, ABSENT_RATIO, CSA_RATIO, DENSE_RATIO, HCA_RATIO,
 };
 use crate::variant::VariantName;
 use thiserror::Error;
@@ -902,13 +902,8 @@ impl ModelShape {
     /// compressors the source layers in the compact form) at a split; the caller adds plane
     /// capacity, arena rows and alignment.
     pub fn geometry_spec(&self, num_blocks: i64, num_slots: i64) -> GeometrySpec {
-        let spec =
-            GeometrySpec::new(self.ratios.clone(), num_blocks, num_slots, self.ring_slots(), self.block_size);
-        if self.kv_sources.is_empty() {
-            spec
-        } else {
-            spec.kv_sources(self.kv_sources.clone()).form(RowForm::Compact)
-        }
+        GeometrySpec::new(self.ratios.clone(), num_blocks, num_slots, self.ring_slots(), self.block_size)
+            .shared_compressors(self.kv_sources.clone())
     }
 
     /// The layers that own index keys, in order (the indexer cache's layer order): the CSA

@@ -332,6 +332,16 @@ impl GeometrySpec {
         self.kv_sources = Some(sources);
         self
     }
+    /// Layers share compressors as V4.1 lays them out: `sources` in the compact form. An
+    /// empty list leaves the spec as it is (V4: every compressed layer owns its rows, the
+    /// envelope form). What a model's spec and a bare ratio list with sources both use.
+    pub fn shared_compressors(self, sources: Vec<usize>) -> Self {
+        if sources.is_empty() {
+            self
+        } else {
+            self.kv_sources(sources).form(RowForm::Compact)
+        }
+    }
     /// Lay the envelope out in `form`.
     pub fn form(mut self, form: RowForm) -> Self {
         self.form = form;

@@ -280,13 +280,26 @@ impl ParsedArgs {
 
     /// A comma-separated list of i32 (`--ratios 0,0,4,128`); empty items are errors.
     pub(crate) fn i32_list(&self, key: &str) -> Result<Option<Vec<i32>>, CliError> {
+        self.list(key, "a comma-separated list of 32-bit integers")
+    }
+
+    /// A comma-separated list of layer ids (`--kv-sources 2,8,14,20`); empty items are errors.
+    pub(crate) fn usize_list(&self, key: &str) -> Result<Option<Vec<usize>>, CliError> {
+        self.list(key, "a comma-separated list of layer ids")
+    }
+
+    fn list<T: std::str::FromStr>(
+        &self,
+        key: &str,
+        expected: &'static str,
+    ) -> Result<Option<Vec<T>>, CliError> {
         let Some(text) = self.get(key) else { return Ok(None) };
         text.split(',')
             .map(|item| {
-                item.trim().parse::<i32>().map_err(|_| CliError::BadValue {
+                item.trim().parse::<T>().map_err(|_| CliError::BadValue {
                     flag: key.to_string(),
                     value: text.to_string(),
-                    expected: "a comma-separated list of 32-bit integers",
+                    expected,
                 })
             })
             .collect::<Result<Vec<_>, _>>()
