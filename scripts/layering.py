@@ -16,7 +16,7 @@ import sys
 # Lowest first. A module may name only modules of a strictly lower layer.
 LAYERS = [
     ["checked", "profiling", "rng", "variant"],
-    ["geometry"],
+    ["geometry", "file"],
     ["model", "index", "format"],
     ["arena", "alloc", "kernels"],
     ["sizing", "boundary"],

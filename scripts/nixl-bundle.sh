@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
 # Pack what a machine without network needs to run the NIXL tests: the libraries of the pinned
 # nixl-cu13 1.5.1 wheel that libnixl_capi.so, its UCX plugin and UCX's CUDA / CMA transports
-# load (about 45 MB, 12 MB as .tar.xz), into OUT (default .gpu/nixl-1.5.1.tar.xz). Unpack
-# there and point V4POOL_NIXL_LIB at <dir>/.nixl_cu13.mesonpy.libs/libnixl_capi.so
-# (docs/nixl.md). Reuses the wheel .ci/run downloads (same pin, same sha256).
+# load (about 45 MB, 12 MB as .tar.xz), into OUT (a path of the caller's; default
+# .gpu/nixl-1.5.1.tar.xz of the checkout). Unpack there and point V4POOL_NIXL_LIB at
+# <dir>/.nixl_cu13.mesonpy.libs/libnixl_capi.so (docs/nixl.md; scripts/nixl-gpu.sh does it).
+# Reuses the wheel .ci/run downloads (same pin, same sha256).
+#
+#   scripts/nixl-bundle.sh [OUT]
 set -euo pipefail
+# OUT made absolute before anything changes directory (the archive is written from a
+# staging folder).
+case ${1:-} in
+  "") out=$(cd "$(dirname "$0")/.." && pwd)/.gpu/nixl-1.5.1.tar.xz ;;
+  /*) out=$1 ;;
+  *) out=$PWD/$1 ;;
+esac
 cd "$(dirname "$0")/.."
-out=${1:-.gpu/nixl-1.5.1.tar.xz}
 whl=nixl_cu13-1.5.1-cp311-cp311-manylinux_2_28_x86_64.whl
 sha=6279834382eeabab60bfc2fe62c2363cda3bf520278bbd4a007932cc76073de5
 dir=$PWD/target/nixl-1.5.1
@@ -32,7 +41,7 @@ roots="$m/libnixl_capi.so $m/plugins/libplugin_UCX.so nixl_cu13.libs/ucx/libuct_
 # the CUDA driver and runtime they name come from the target machine).
 keep=$( (for r in $roots; do echo "$r"; ldd "$r" | awk -v s="$stage/" '$3 ~ s {print $3}'; done) \
   | while read -r f; do realpath --relative-to="$stage" "$f"; done | sort -u)
-tar -cJf "$OLDPWD/$out" $keep
+tar -cJf "$out" $keep
 cd "$OLDPWD"
 rm -rf "$stage"
 ls -la "$out"

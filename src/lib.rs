@@ -29,6 +29,7 @@ pub mod backend;
 pub mod boundary;
 mod checked;
 pub mod checkpoint;
+pub mod file;
 pub mod format;
 pub mod geometry;
 pub mod index;

@@ -3,8 +3,9 @@
 //! The ratio list is data: nothing here assumes a pattern beyond the presets, and a model
 //! may have no dense class at all (V4-Pro with DSpark drafts made absent).
 
+use crate::file::{read_text_bounded, FileError};
 use crate::geometry::{
-    resolve_owners, GeometryError, GeometrySpec, RowForm, ABSENT_RATIO, CSA_RATIO, DENSE_RATIO, HCA_RATIO,
+    resolve_owners, GeometryError, GeometrySpec, ABSENT_RATIO, CSA_RATIO, DENSE_RATIO, HCA_RATIO,
 };
 use crate::variant::VariantName;
 use thiserror::Error;
@@ -226,23 +227,10 @@ pub enum ModelError {
         /// The pool ratio `layer_types` gives there.
         layer_types: i32,
     },
-    /// A config file could not be read.
-    #[error("cannot read {path}: {reason}")]
-    Io {
-        /// The path as given.
-        path: String,
-        /// The operating system's reason.
-        reason: String,
-    },
-    /// A config path names something other than a regular file (a FIFO, a device such as
-    /// `/dev/zero`, a socket): refused before it is opened, so reading cannot hang.
-    #[error("{path} is {kind}, not a regular file")]
-    NotAFile {
-        /// The path as given.
-        path: String,
-        /// What it is instead.
-        kind: &'static str,
-    },
+    /// A config file the bounded reader refused (unreadable, not a regular file, over
+    /// [`MAX_CONFIG_BYTES`], not UTF-8).
+    #[error(transparent)]
+    File(#[from] FileError),
     /// A V4.1 draft layer's `compress_ratios` entry is not 0 (drafts are window-only).
     #[error("compress_ratios[{layer}] = {got}: draft layers are window-only (0)")]
     DraftNotWindowOnly {
@@ -269,14 +257,6 @@ pub enum ModelError {
         /// What the geometry refused.
         source: GeometryError,
     },
-    /// A config file larger than [`MAX_CONFIG_BYTES`].
-    #[error("{path} is larger than {limit} bytes; a config.json is a few kilobytes")]
-    TooLarge {
-        /// The path as given.
-        path: String,
-        /// The limit it exceeds.
-        limit: u64,
-    },
 }
 
 impl VariantName for ModelError {
@@ -298,9 +278,7 @@ impl VariantName for ModelError {
             DraftStages { .. } => "DraftStages",
             UnknownLayerType { .. } => "UnknownLayerType",
             FormsDisagree { .. } => "FormsDisagree",
-            Io { .. } => "Io",
-            NotAFile { .. } => "NotAFile",
-            TooLarge { .. } => "TooLarge",
+            File(e) => e.variant_name(),
             DraftNotWindowOnly { .. } => "DraftNotWindowOnly",
             Sources { .. } => "Sources",
             SourceOwners { .. } => "SourceOwners",
@@ -533,67 +511,12 @@ fn layer_type_ratios(
     Ok(out)
 }
 
-/// A file's path and text (a directory's `config.json`), refusing non-regular files before
-/// opening them and anything over [`MAX_CONFIG_BYTES`].
+/// A config path's file and text: a directory means its `config.json`; the file is read by
+/// the crate's one bounded reader ([`crate::file::read_text_bounded`]) at [`MAX_CONFIG_BYTES`].
 fn read_bounded(path: &std::path::Path) -> Result<(std::path::PathBuf, String), ModelError> {
-    use std::io::Read;
-    let mut path = path.to_path_buf();
-    let shown = |p: &std::path::Path| p.display().to_string();
-    let io =
-        |p: &std::path::Path, e: std::io::Error| ModelError::Io { path: shown(p), reason: e.to_string() };
-    let mut meta = std::fs::metadata(&path).map_err(|e| io(&path, e))?;
-    if meta.is_dir() {
-        path.push("config.json");
-        meta = std::fs::metadata(&path).map_err(|e| io(&path, e))?;
-    }
-    if !meta.is_file() {
-        return Err(ModelError::NotAFile { path: shown(&path), kind: file_kind(&meta) });
-    }
-    let mut options = std::fs::OpenOptions::new();
-    options.read(true);
-    // Non-blocking, so a regular file swapped for a FIFO after the check above cannot
-    // hang the open; it is refused by the second check on the open handle.
-    #[cfg(target_os = "linux")]
-    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, 0o4000); // O_NONBLOCK
-    let file = options.open(&path).map_err(|e| io(&path, e))?;
-    let meta = file.metadata().map_err(|e| io(&path, e))?;
-    if !meta.is_file() {
-        return Err(ModelError::NotAFile { path: shown(&path), kind: file_kind(&meta) });
-    }
-    let mut bytes = Vec::new();
-    file.take(MAX_CONFIG_BYTES + 1).read_to_end(&mut bytes).map_err(|e| io(&path, e))?;
-    if bytes.len() as u64 > MAX_CONFIG_BYTES {
-        return Err(ModelError::TooLarge { path: shown(&path), limit: MAX_CONFIG_BYTES });
-    }
-    let text = String::from_utf8(bytes)
-        .map_err(|e| ModelError::Json(format!("{}: not UTF-8 ({e})", shown(&path))))?;
-    Ok((path, text))
-}
-
-/// What a non-regular file is, in words.
-fn file_kind(meta: &std::fs::Metadata) -> &'static str {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::FileTypeExt;
-        let t = meta.file_type();
-        if t.is_fifo() {
-            return "a FIFO";
-        }
-        if t.is_char_device() {
-            return "a character device";
-        }
-        if t.is_block_device() {
-            return "a block device";
-        }
-        if t.is_socket() {
-            return "a socket";
-        }
-    }
-    if meta.is_dir() {
-        "a directory"
-    } else {
-        "not a regular file"
-    }
+    let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
+    let text = read_text_bounded(&file, MAX_CONFIG_BYTES)?;
+    Ok((file, text))
 }
 
 const TEXT_CONFIG: &str = "text_config";
@@ -653,7 +576,8 @@ fn layer_list(v: &serde_json::Value, key: &'static str) -> Result<Vec<usize>, Mo
 }
 
 /// V4.1's own keys, checked against the ratio list: draft entries window-only; both source
-/// lists sorted, unique, compressed backbone layers, KV sources among the index sources, and
+/// lists sorted, unique, compressed backbone layers, KV sources given (at least one) and among
+/// the index sources, and
 /// every compressed layer with a source of its class before it; the Engram history.
 fn read_v41_keys<'a>(
     ratios: &[i32],
@@ -675,6 +599,15 @@ fn read_v41_keys<'a>(
         Ok(list)
     };
     let kv_sources = sources(KV_SOURCES)?;
+    // V4.1 shares compressors: its compressor state is held per KV source, so a config that
+    // names none describes no V4.1 pool (the geometry alone would lay it out in V4's form).
+    // Refused here, where every reader (layout, plan, the bindings) meets it.
+    if kv_sources.is_empty() {
+        return Err(ModelError::Sources {
+            key: KV_SOURCES,
+            reason: "a V4.1 config names its KV source layers (those with a compressor): none given".into(),
+        });
+    }
     let index_sources = sources(INDEX_SOURCES)?;
     if !index_sources.is_empty() {
         if let Some(&l) = kv_sources.iter().find(|l| !index_sources.contains(l)) {
@@ -969,13 +902,8 @@ impl ModelShape {
     /// compressors the source layers in the compact form) at a split; the caller adds plane
     /// capacity, arena rows and alignment.
     pub fn geometry_spec(&self, num_blocks: i64, num_slots: i64) -> GeometrySpec {
-        let spec =
-            GeometrySpec::new(self.ratios.clone(), num_blocks, num_slots, self.ring_slots(), self.block_size);
-        if self.kv_sources.is_empty() {
-            spec
-        } else {
-            spec.kv_sources(self.kv_sources.clone()).form(RowForm::Compact)
-        }
+        GeometrySpec::new(self.ratios.clone(), num_blocks, num_slots, self.ring_slots(), self.block_size)
+            .shared_compressors(self.kv_sources.clone())
     }
 
     /// The layers that own index keys, in order (the indexer cache's layer order): the CSA

@@ -75,15 +75,23 @@ fn a_full_stdout_is_one_line_on_stderr() {
     assert_eq!(r.code, Some(2));
 }
 
+/// A fresh scratch folder for test `name`, and a FIFO `fifo` in it (`None`: no mkfifo here).
+fn scratch_with_fifo(name: &str, fifo: &str) -> (std::path::PathBuf, Option<std::path::PathBuf>) {
+    let dir = std::env::temp_dir().join(format!("v4pool-cli-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(fifo);
+    let _ = std::fs::remove_file(&path);
+    let made = std::process::Command::new("mkfifo").arg(&path).status().is_ok_and(|s| s.success());
+    (dir, made.then_some(path))
+}
+
 /// A config path that is not a small regular file is refused at once (no hang on a FIFO,
 /// no unbounded read of a device).
 #[test]
 fn config_paths_are_read_bounded() {
-    let dir = std::env::temp_dir().join(format!("v4pool-cli-hostile-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let fifo = dir.join("fifo.json");
-    let _ = std::fs::remove_file(&fifo);
-    let made = std::process::Command::new("mkfifo").arg(&fifo).status().is_ok_and(|s| s.success());
+    let (dir, fifo) = scratch_with_fifo("hostile", "fifo.json");
+    let made = fifo.is_some();
+    let fifo = fifo.unwrap_or_default();
     let huge = dir.join("huge.json");
     std::fs::File::create(&huge).unwrap().set_len(64 << 20).unwrap();
     let mut paths = vec!["/dev/zero".to_string(), "/dev/urandom".to_string(), huge.display().to_string()];
@@ -160,4 +168,68 @@ fn simulate_bounds_the_decode_buffers_by_the_budget() {
     let ok = simulate(&["--json", "--max-context", "16777216"]);
     check_contract("a small run", &ok, Out::Capture);
     assert_eq!(ok.code, Some(0), "{ok:?}");
+}
+
+/// A `--max-context` shorter than the mix's requests can be is refused (exit 2, one line):
+/// agentic prompts are 32K tokens and up, so the mixed and agentic mixes need 32,769.
+#[test]
+fn simulate_refuses_a_max_context_its_mix_cannot_draw() {
+    // Seen failing before the fix: exit 101, a panic in the generator's clamp (min > max).
+    for mix in ["mixed", "agentic"] {
+        for context in ["2", "32768"] {
+            let r = simulate(&["--no-progress", "--mix", mix, "--max-context", context]);
+            refused(&format!("--mix {mix} --max-context {context}"), &r);
+            assert!(r.stderr.contains("32769") && r.stderr.contains(mix), "{r:?}");
+        }
+    }
+    for (mix, context) in [("chat", "2"), ("multiturn", "2"), ("mixed", "32769")] {
+        let r = simulate(&["--no-progress", "--json", "--mix", mix, "--max-context", context]);
+        check_contract(&format!("--mix {mix} --max-context {context}"), &r, Out::Capture);
+        assert_eq!(r.code, Some(0), "--mix {mix} --max-context {context}: {r:?}");
+    }
+}
+
+/// The trace and the cost file are read as a config is (one bounded reader): a FIFO or a
+/// device refused unopened or unread, a file over the cap refused with the cap named, and
+/// nothing past the cap silently dropped.
+#[test]
+fn trace_and_cost_files_are_read_bounded() {
+    // Seen failing before the fix: a --trace FIFO blocked in open (past the deadline),
+    // /dev/zero was read for 1 GiB and refused as JSON, not as a device.
+    let (dir, fifo) = scratch_with_fifo("files", "trace.fifo");
+    let mut unread = vec![("/dev/zero".to_string(), "a character device")];
+    match fifo {
+        Some(f) => unread.push((f.display().to_string(), "a FIFO")),
+        None => println!("SKIP the FIFO case: mkfifo is not available"),
+    }
+    for (path, kind) in &unread {
+        for key in ["--trace", "--cost"] {
+            let r = v4pool(
+                &os(&["simulate", key, path, "--budget", "1GiB"]),
+                Out::Capture,
+                Duration::from_secs(20),
+            );
+            refused(&format!("{key} {path}"), &r);
+            assert!(r.stderr.contains(kind), "{key} {path}: {r:?}");
+        }
+    }
+    let huge = dir.join("huge.jsonl");
+    std::fs::File::create(&huge).unwrap().set_len(v4pool::sim::trace::MAX_TRACE_BYTES + 1).unwrap();
+    let r = v4pool(&os(&["simulate", "--trace", &huge.display().to_string()]), Out::Capture, LIMIT);
+    refused("--trace past the cap", &r);
+    assert!(r.stderr.contains(&v4pool::sim::trace::MAX_TRACE_BYTES.to_string()), "{r:?}");
+    // Seen failing before the fix: exit 0, the file read to 1 MiB and the rest dropped.
+    let cost = v4pool::sim::cost::preset("h200x4-flash-fp8").unwrap().to_json().to_string();
+    let padded = dir.join("cost.json");
+    std::fs::write(&padded, format!("{cost}{}garbage", " ".repeat(1 << 20))).unwrap();
+    let r = simulate(&["--no-progress", "--cost", &padded.display().to_string()]);
+    refused("--cost past the cap", &r);
+    assert!(r.stderr.contains(&v4pool::sim::cost::MAX_COST_BYTES.to_string()), "{r:?}");
+    // The same coefficients unpadded are read.
+    std::fs::write(&padded, &cost).unwrap();
+    let r =
+        simulate(&["--no-progress", "--json", "--policy", "fixed", "--cost", &padded.display().to_string()]);
+    check_contract("--cost FILE", &r, Out::Capture);
+    assert_eq!(r.code, Some(0), "{r:?}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

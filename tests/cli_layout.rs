@@ -403,3 +403,47 @@ fn help_and_dispatch() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("usage: v4pool"));
 }
+
+/// `--ratios` with `--kv-sources` lays V4.1's shared compressors out as its preset does (the
+/// compact form, the view lead, every compress bias). Seen failing before the fix: the option
+/// did not exist (UnknownFlag, exit 2), so a ratio list could not express V4.1.
+#[test]
+fn ratios_take_kv_sources() {
+    let mut ratios = vec!["0"; 2];
+    ratios.extend(["2"; 18]);
+    ratios.extend(["1"; 20]);
+    let ratios = ratios.join(",");
+    let common = ["--blocks", "3", "--slots", "2", "--json"];
+    let mut by_ratios = vec!["layout", "--ratios", &ratios, "--kv-sources", "2,8,14,20", "--ring", "128"];
+    by_ratios.extend(common);
+    let mut by_model = vec!["layout", "--model", "v4.1-flash"];
+    by_model.extend(common);
+    let (a, b) = (json_of(&by_ratios), json_of(&by_model));
+    assert_eq!(a["kv_sources"], serde_json::json!([2, 8, 14, 20]), "{a}");
+    assert!(a["view_lead_rows"].as_i64().unwrap() > 0, "{a}");
+    assert_eq!(a, b, "the ratio list with its sources lays out as the preset");
+    // The geometry's refusals of a source list, and the option beside --model.
+    for (sources, variant) in [("8,14,20", "NoSourceBefore"), ("8,2", "SourcesNotSorted"), ("0", "BadSource")]
+    {
+        let o = v4pool(&[
+            "layout",
+            "--ratios",
+            &ratios,
+            "--kv-sources",
+            sources,
+            "--ring",
+            "128",
+            "--blocks",
+            "1",
+            "--slots",
+            "1",
+            "--json",
+        ]);
+        assert_eq!(o.status.code(), Some(2));
+        let e: Value = serde_json::from_str(&stdout(&o)).unwrap();
+        assert_eq!(e["error"], variant, "{sources}: {e}");
+    }
+    let o =
+        v4pool(&["layout", "--model", "v4.1-flash", "--kv-sources", "2", "--blocks", "1", "--slots", "1"]);
+    assert_eq!(o.status.code(), Some(2));
+}

@@ -7,6 +7,7 @@
 
 use std::sync::mpsc;
 use std::time::Duration;
+use v4pool::file::FileError;
 use v4pool::model::{ModelError, MAX_CONFIG_BYTES};
 use v4pool::plan_report::{PlanOptionError, PlanOptions};
 
@@ -37,10 +38,10 @@ fn a_fifo_is_refused_without_blocking() {
         return;
     }
     let r = shape_of(fifo.to_str().unwrap());
-    assert!(matches!(r, Err(PlanOptionError::Model(ModelError::NotAFile { .. }))), "{r:?}");
+    assert!(matches!(r, Err(PlanOptionError::Model(ModelError::File(FileError::NotAFile { .. })))), "{r:?}");
     // The directory form reaches the same file.
     let r = shape_of(dir.to_str().unwrap());
-    assert!(matches!(r, Err(PlanOptionError::Model(ModelError::NotAFile { .. }))), "{r:?}");
+    assert!(matches!(r, Err(PlanOptionError::Model(ModelError::File(FileError::NotAFile { .. })))), "{r:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -49,7 +50,10 @@ fn devices_are_refused_unread() {
     for dev in ["/dev/zero", "/dev/urandom"] {
         if std::path::Path::new(dev).exists() {
             let r = shape_of(dev);
-            assert!(matches!(r, Err(PlanOptionError::Model(ModelError::NotAFile { .. }))), "{dev}: {r:?}");
+            assert!(
+                matches!(r, Err(PlanOptionError::Model(ModelError::File(FileError::NotAFile { .. })))),
+                "{dev}: {r:?}"
+            );
         }
     }
 }
@@ -63,6 +67,6 @@ fn a_config_past_the_limit_is_refused() {
     std::fs::write(&path, format!("{{\"pad\": \"{pad}\"}}")).expect("write");
     assert!(std::fs::metadata(&path).unwrap().len() > MAX_CONFIG_BYTES);
     let r = shape_of(path.to_str().unwrap());
-    assert!(matches!(r, Err(PlanOptionError::Model(ModelError::TooLarge { .. }))), "{r:?}");
+    assert!(matches!(r, Err(PlanOptionError::Model(ModelError::File(FileError::TooLarge { .. })))), "{r:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -411,3 +411,24 @@ fn arithmetic_edges_are_typed_errors() {
         assert!(got.unwrap().is_err());
     }
 }
+
+/// A geometry of a million layers, and every layer's base row, envelope position and class
+/// index, take O(layers · log layers) work. Seen failing before the fix: the per-layer
+/// searches were linear scans inside per-layer loops, so this ran for minutes (killed after
+/// 120 s; 16,000 layers already took 0.1 s). A shape of the layout is checked too, so the
+/// loop cannot be optimised away.
+#[test]
+fn a_million_layers_lay_out_without_a_per_layer_scan() {
+    let n = 1_000_000usize;
+    let g = GeometrySpec::new(vec![4; n], 1, 1, 8, 256).build().expect("a million CSA layers");
+    let cls = g.class(4).expect("the CSA class");
+    assert_eq!(g.envelope_rows, 64 * n as i64);
+    for l in (0..n).rev() {
+        assert_eq!(cls.layer_index(l), Ok(l));
+        assert_eq!(cls.envelope_position(l), Ok(64 * l as i64));
+        assert_eq!(g.layer_base_row(l), Ok(64 * l as i64));
+    }
+    let mixed: Vec<i32> = (0..n).map(|l| [0, 4, 128][l % 3]).collect();
+    let g = GeometrySpec::new(mixed, 1, 1, 8, 256).build().expect("a million mixed layers");
+    assert_eq!(g.layer_class(n - 1).unwrap().layer_index(n - 1), Ok(n / 3));
+}

@@ -250,10 +250,9 @@ fn a_build_after_the_blocks_shrank_under_a_staged_table_is_refused() {
     }
 }
 
-#[test]
-fn a_prefill_build_after_the_blocks_shrank_is_refused() {
+/// A prefill path on `pool` with one 10-token chunk staged whose table reads the top block.
+fn staged_prefill(pool: &Arc<Pool>) -> v4pool::pool::PrefillPath {
     use v4pool::pool::{PrefillCapacity, PrefillSeq};
-    let pool = decode_pool();
     let n = pool.counts().unwrap().num_blocks as i32;
     let live = pool.geometry().unwrap().live_positions();
     let cap = PrefillCapacity {
@@ -269,9 +268,63 @@ fn a_prefill_build_after_the_blocks_shrank_is_refused() {
     let batch =
         [PrefillSeq { position: live.end - 1, chunk_start: 290, num_tokens: 10, block_table: &table }];
     path.stage(&batch).unwrap();
+    path
+}
+
+#[test]
+fn a_prefill_build_after_the_blocks_shrank_is_refused() {
+    let pool = decode_pool();
+    let mut path = staged_prefill(&pool);
     path.build().expect("a build at the staged split");
     pool.shrink_blocks(2).unwrap();
     pool.grow_slots(1).unwrap();
     let r = path.build();
     assert!(matches!(r, Err(DecodeError::StaleBlock { seq: 0, .. })), "{r:?}");
+}
+
+#[test]
+fn a_csa_pack_after_the_blocks_shrank_under_a_staged_table_is_refused() {
+    // Seen failing before the fix: `pack_decode` (and the raw `csa_pack`) returned Ok after
+    // the block region shrank under the staged tables, writing CSA rows of blocks that had
+    // become gap or slot rows; `build` already refused the same batch.
+    use v4pool::pool::{CsaTopk, TopkRows};
+    let pool = decode_pool();
+    let n = pool.counts().unwrap().num_blocks;
+    let held: Vec<BlockHandle> = (0..n).map(|_| pool.alloc_block().unwrap().handle).collect();
+    let table: Vec<i32> = held.iter().map(|h| h.id as i32).collect();
+    let live = pool.geometry().unwrap().live_positions();
+    let context_len = i64::from(n) * 256 - 48;
+    let cap =
+        DecodeCapacity { max_seqs: 1, max_tokens: 1, max_blocks_per_seq: n as usize, win: 8, index_topk: 4 };
+    let mut path = pool.decode_path(cap).unwrap();
+    let batch = [DecodeSeq { position: live.end - 1, context_len, num_tokens: 1, block_table: &table }];
+    path.stage(&batch).unwrap();
+    path.build().expect("a build at the staged split");
+    let topk = CsaTopk::new(&pool, 1, 4).unwrap();
+    let ids = [0i32, 1, 2, 3];
+    topk.pack_decode(&path, TopkRows::I32(&ids), 4).expect("a pack at the staged split");
+    for &h in &held[1..] {
+        pool.free_block(h).unwrap();
+    }
+    pool.shrink_blocks(n - 1).unwrap();
+    let r = topk.pack_decode(&path, TopkRows::I32(&ids), 4);
+    assert!(
+        matches!(r, Err(v4pool::pool::TopkError::Decode(DecodeError::StaleBlock { seq: 0, .. }))),
+        "{r:?}"
+    );
+    assert!(matches!(path.build(), Err(DecodeError::StaleBlock { seq: 0, .. })));
+}
+
+#[test]
+fn a_prefill_csa_pack_after_the_blocks_shrank_is_refused() {
+    // Seen failing before the fix: as the decode pack, `pack_prefill` returned Ok.
+    use v4pool::pool::{CsaTopk, TopkError, TopkRows};
+    let pool = decode_pool();
+    let path = staged_prefill(&pool);
+    let topk = CsaTopk::new(&pool, 64, 4).unwrap();
+    let ids: Vec<i32> = (0..10).flat_map(|_| [0, 1, 2, 3]).collect();
+    topk.pack_prefill(&path, TopkRows::I32(&ids), 4).expect("a pack at the staged split");
+    pool.shrink_blocks(2).unwrap();
+    let r = topk.pack_prefill(&path, TopkRows::I32(&ids), 4);
+    assert!(matches!(r, Err(TopkError::Decode(DecodeError::StaleBlock { seq: 0, .. }))), "{r:?}");
 }

@@ -456,3 +456,69 @@ fn v41_layers_take_their_window_rows() {
         assert_eq!(row_bytes(1003), as_bytes(&kv), "layer {layer}: the decode token's own row");
     }
 }
+
+#[test]
+fn a_stride_whose_span_wraps_is_a_shape_error() {
+    // Seen failing before the fix: `(tokens − 1) × stride + row` wrapped for stride
+    // usize::MAX and the copy panicked slicing the KV (window, compressed and index-key
+    // writes alike).
+    let pool = model_pool_with(
+        Arc::new(HostBackend::new()),
+        &ModelShape::v4_flash(0).unwrap(),
+        true,
+        6,
+        3,
+        Some(IndexerDtype::Fp8),
+    );
+    let g = pool.geometry().unwrap();
+    let csa = g.ratios.iter().position(|&r| r == 4).unwrap();
+    let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens: 8 }).unwrap();
+    let slot = pool.alloc_slot().unwrap().handle;
+    w.stage_window(&[WindowSeq { slot, first_position: 0, tokens: 4 }]).unwrap();
+    let kv = vec![0x3f80u16; 4 * 512];
+    let before = plane(&pool, 0);
+    for stride in [usize::MAX, usize::MAX / 2, usize::MAX / 3 + 1] {
+        let r = w.write(csa, RowSet::Window, &kv, stride);
+        assert!(matches!(r, Err(RowWriteError::KvShape { tokens: 4, .. })), "window, stride {stride}: {r:?}");
+    }
+    let block = pool.alloc_block().unwrap().handle;
+    let entries: Vec<CompressedRow> = (0..4).map(|row| CompressedRow { block, row }).collect();
+    w.stage_compressed(Class::Csa, &entries).unwrap();
+    for stride in [usize::MAX, usize::MAX / 2] {
+        let r = w.write(csa, RowSet::Compressed(Class::Csa), &kv, stride);
+        assert!(
+            matches!(r, Err(RowWriteError::KvShape { tokens: 4, .. })),
+            "compressed, stride {stride}: {r:?}"
+        );
+        let r = w.write_index_keys(0, &kv, stride);
+        assert!(
+            matches!(r, Err(RowWriteError::KvShape { tokens: 4, .. })),
+            "index keys, stride {stride}: {r:?}"
+        );
+    }
+    assert!(plane(&pool, 0) == before, "a refused write changed the plane");
+    // The same writes at a stride that fits go through.
+    w.write(csa, RowSet::Compressed(Class::Csa), &kv, 512).expect("a fitting stride");
+    w.write_index_keys(0, &kv, 512).expect("a fitting stride");
+}
+
+#[test]
+fn window_positions_past_i64_are_refused() {
+    // Seen failing before the fix: staging 2 tokens from position i64::MAX returned Ok (the
+    // second position wrapped negative) and the write went through.
+    let pool = host_pool(true);
+    let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens: 8 }).unwrap();
+    let slot = pool.alloc_slot().unwrap().handle;
+    for (first, tokens) in [(i64::MAX, 2), (i64::MAX - 2, 4)] {
+        let r = w.stage_window(&[WindowSeq { slot, first_position: first, tokens }]);
+        assert!(
+            matches!(r, Err(RowWriteError::PositionPastI64 { seq: 0, first_position, tokens: t })
+                if first_position == first && t == tokens),
+            "{first} + {tokens}: {r:?}"
+        );
+    }
+    let r = w.write(0, RowSet::Window, &vec![0u16; 2 * 512], 512);
+    assert!(matches!(r, Err(RowWriteError::NothingStaged { .. })), "{r:?}");
+    // The last position that is one.
+    assert_eq!(w.stage_window(&[WindowSeq { slot, first_position: i64::MAX - 1, tokens: 2 }]).unwrap(), 2);
+}

@@ -2,6 +2,7 @@
 //! hostile configs become typed errors, never panics.
 
 use proptest::prelude::*;
+use v4pool::file::FileError;
 use v4pool::model::{DraftMode, Drafts, ModelError, ModelShape, MAX_LAYERS, MAX_SPEC_STEPS};
 use v4pool::VariantName;
 use v4pool::{ABSENT_RATIO, DENSE_RATIO};
@@ -581,26 +582,31 @@ fn config_paths_are_read_bounded() {
     let mut text = flash_config().into_bytes();
     text.resize(MAX_CONFIG_BYTES as usize + 1, b' ');
     std::fs::write(&big, &text).unwrap();
-    assert!(matches!(read_path(&big), Err(ModelError::TooLarge { limit, .. }) if limit == MAX_CONFIG_BYTES));
+    assert!(
+        matches!(read_path(&big), Err(ModelError::File(FileError::TooLarge { limit, .. })) if limit == MAX_CONFIG_BYTES)
+    );
     text.truncate(MAX_CONFIG_BYTES as usize);
     std::fs::write(&big, &text).unwrap();
     assert!(read_path(&big).is_ok(), "exactly the cap is fine");
     std::fs::write(&big, [0xff, 0xfe, b'{']).unwrap();
-    assert!(matches!(read_path(&big), Err(ModelError::Json(_))));
-    assert!(matches!(read_path(&dir.join("missing.json")), Err(ModelError::Io { .. })));
+    assert!(matches!(read_path(&big), Err(ModelError::File(FileError::NotUtf8 { .. }))));
+    assert!(matches!(read_path(&dir.join("missing.json")), Err(ModelError::File(FileError::Io { .. }))));
     // Devices and FIFOs: refused before they are read, without hanging.
     for dev in ["/dev/zero", "/dev/urandom", "/dev/null"] {
         if std::path::Path::new(dev).exists() {
             let got = read_path(std::path::Path::new(dev));
             assert!(
-                matches!(got, Err(ModelError::NotAFile { kind: "a character device", .. })),
+                matches!(got, Err(ModelError::File(FileError::NotAFile { kind: "a character device", .. }))),
                 "{dev}: {got:?}"
             );
         }
     }
     let fifo = dir.join("fifo.json");
     if std::process::Command::new("mkfifo").arg(&fifo).status().is_ok_and(|s| s.success()) {
-        assert!(matches!(read_path(&fifo), Err(ModelError::NotAFile { kind: "a FIFO", .. })));
+        assert!(matches!(
+            read_path(&fifo),
+            Err(ModelError::File(FileError::NotAFile { kind: "a FIFO", .. }))
+        ));
     } else {
         println!("SKIP: mkfifo unavailable; FIFO case not run");
     }

@@ -32,7 +32,7 @@ fn both_policies_run_the_same_workload_and_release_everything() {
         max_context: 1 << 16,
         ..SimConfig::default()
     };
-    let requests: Vec<RequestSpec> = cfg.workload().collect();
+    let requests: Vec<RequestSpec> = cfg.workload().unwrap().collect();
     let mut reports = Vec::new();
     for policy in [RunKind::Elastic, RunKind::Fixed] {
         let pool = pool(1 << 30, cfg.max_seqs as i64);
@@ -126,7 +126,7 @@ fn the_command_prints_json_with_both_runs() {
 #[test]
 fn the_workload_is_lazy() {
     let cfg = WorkloadConfig { mix: Mix::Mixed, rate: 1000.0, steps: 1 << 40, seed: 3, max_context: 1 << 20 };
-    let first: Vec<RequestSpec> = Workload::new(cfg).take(5000).collect();
+    let first: Vec<RequestSpec> = Workload::new(cfg).unwrap().take(5000).collect();
     assert_eq!(first.len(), 5000);
     assert!(first.last().unwrap().arrival < 10, "a rate of 1000 fills 5000 within a few steps");
 }
@@ -149,7 +149,7 @@ fn small(steps: u64, rate: f64) -> SimConfig {
 fn the_waiting_queue_is_bounded() {
     let cfg = SimConfig { sample_every: 1, ..small(120, 1000.0) };
     let pool = pool(1 << 30, cfg.max_seqs as i64);
-    let r = simulate(&pool, &cfg, RunKind::Fixed, cfg.workload()).unwrap();
+    let r = simulate(&pool, &cfg, RunKind::Fixed, cfg.workload().unwrap()).unwrap();
     assert!(r.turned_away > 0, "{} arrivals, none turned away", r.arrived);
     assert!(r.samples.iter().all(|s| s.waiting <= MAX_WAITING + cfg.max_seqs));
     assert!(r.samples.iter().any(|s| s.waiting >= MAX_WAITING - 1000), "the queue never filled");
@@ -220,7 +220,7 @@ fn the_multiturn_mix_hits() {
     let mut reports = Vec::new();
     for policy in RunKind::ALL {
         let pool = pool(1 << 30, cfg.max_seqs as i64);
-        let r = simulate(&pool, &cfg, policy, cfg.workload()).unwrap();
+        let r = simulate(&pool, &cfg, policy, cfg.workload().unwrap()).unwrap();
         let c = pool.counts().unwrap();
         assert_eq!((c.free_blocks, c.free_slots), (c.num_blocks, c.num_slots), "{policy:?} leaked");
         assert!(r.completed > 0, "{policy:?} completed nothing");

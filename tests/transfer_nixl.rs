@@ -361,3 +361,120 @@ fn nixl_offload_to_a_dram_agent_and_back() {
         spans.len()
     );
 }
+
+/// A peer's metadata refused (cut short, padded) and then loaded whole: the retry loads.
+/// Seen failing before the fix: NIXL had taken the peer's connection from the short copy and
+/// dropped its record of it on refusing the rest, so every later load of the valid metadata
+/// was "invalid parameter", for good.
+#[test]
+fn a_refused_peer_metadata_does_not_stick() {
+    if !nixl_or_skip("a_refused_peer_metadata_does_not_stick") {
+        return;
+    }
+    let opts = options();
+    let mut a = NixlAgent::new(None, &opts).unwrap();
+    let mut b = NixlAgent::new(None, &opts).unwrap();
+    let mut buf = vec![0u8; 8192];
+    // SAFETY: `buf` outlives both agents' use of it (deregistered on drop, before `buf`).
+    unsafe { a.register(NixlMem::Dram, buf.as_mut_ptr() as u64, 8192).unwrap() };
+    let md = a.metadata().unwrap();
+    assert_eq!(nixl::check_metadata(&md).unwrap(), a.name());
+    let mut padded = md.clone();
+    padded.extend_from_slice(b"garbage");
+    for round in 0..2 {
+        for bad in [&md[..md.len() - 1], &md[..md.len() / 2], &md[..30], &padded[..]] {
+            let r = b.load_peer(bad);
+            assert!(
+                matches!(r, Err(EngineError::NixlMetadata { .. })),
+                "round {round}, {} B: {r:?}",
+                bad.len()
+            );
+        }
+        assert_eq!(b.load_peer(&md).expect("the whole metadata loads after a refusal"), a.name());
+        // A refresh of the loaded peer loads too.
+        assert_eq!(b.load_peer(&md).unwrap(), a.name());
+        b.forget_peer(a.name()).expect("the peer is loaded");
+    }
+    drop((a, b));
+    drop(buf);
+}
+
+// ---- the NIXL scripts: every path they touch is an argument --------------------------------
+
+/// The checkout's `scripts/NAME`.
+fn script(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts").join(name)
+}
+
+/// `scripts/nixl-gpu.sh --bins DIR` run from outside the checkout, with stand-in test
+/// binaries that check they were given the unpacked bundle: no `.gpu/` folder, no packing
+/// script. Seen failing before the fix: the script read `.gpu/nixl-1.5.1.tar.xz` and
+/// `.gpu/tests/` of its working directory, ignored its arguments, and exited 1.
+#[test]
+fn nixl_gpu_takes_its_paths_as_arguments() {
+    let dir = std::env::temp_dir().join(format!("v4pool-nixl-gpu-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let lib = dir.join("stage/.nixl_cu13.mesonpy.libs");
+    std::fs::create_dir_all(&lib).unwrap();
+    std::fs::create_dir_all(dir.join("bins/tests")).unwrap();
+    std::fs::write(lib.join("libnixl_capi.so"), b"").unwrap();
+    let tar = std::process::Command::new("tar")
+        .args(["-cJf", "../bins/nixl-1.5.1.tar.xz", ".nixl_cu13.mesonpy.libs"])
+        .current_dir(dir.join("stage"))
+        .status()
+        .unwrap();
+    assert!(tar.success());
+    for (name, rc) in [("gpu_transfer_nixl", 0), ("transfer_nixl", 0)] {
+        let body = format!(
+            "#!/bin/sh\ntest -f \"$V4POOL_NIXL_LIB\" || exit 3\necho \"test result: ok. {name}\"\nexit {rc}\n"
+        );
+        let p = dir.join("bins/tests").join(name);
+        std::fs::write(&p, body).unwrap();
+        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    let run = |args: &[&str]| {
+        std::process::Command::new("bash")
+            .arg(script("nixl-gpu.sh"))
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .unwrap()
+    };
+    let r = run(&["--bins", "bins", "--out", "out"]);
+    let text = String::from_utf8_lossy(&r.stdout).into_owned() + &String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(0), "{text}");
+    assert_eq!(text.matches("test result: ok").count(), 3, "{text}");
+    for log in ["gpu_transfer_nixl", "gpu_transfer_nixl-tls", "transfer_nixl"] {
+        assert!(dir.join("out").join(format!("{log}.log")).is_file(), "{log}.log: {text}");
+    }
+    // A missing binary or bundle, an unknown argument: exit 2 with a line saying so.
+    let r = run(&["--bins", "bins", "--bundle", "none.tar.xz"]);
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("none.tar.xz"));
+    assert_eq!(run(&["--nope"]).status.code(), Some(2));
+    assert_eq!(run(&[]).status.code(), Some(2));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `scripts/nixl-bundle.sh /absolute/path.tar.xz` writes there. Seen failing before the fix:
+/// it wrote to `<checkout>//absolute/path.tar.xz` (tar: Cannot write) and exited 2. Needs the
+/// pinned wheel `.ci/run` downloads into target/nixl-1.5.1 (skips without it).
+#[test]
+fn nixl_bundle_writes_an_absolute_output_path() {
+    let wheel = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("target/nixl-1.5.1/nixl_cu13-1.5.1-cp311-cp311-manylinux_2_28_x86_64.whl");
+    if !wheel.is_file() {
+        assert!(std::env::var_os("V4POOL_REQUIRE_NIXL").is_none(), "no wheel at {}", wheel.display());
+        println!("SKIP nixl_bundle_writes_an_absolute_output_path: no wheel at {}", wheel.display());
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("v4pool-nixl-bundle-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = dir.join("deep/nixl.tar.xz");
+    let r = std::process::Command::new("bash").arg(script("nixl-bundle.sh")).arg(&out).output().unwrap();
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let list = std::process::Command::new("tar").arg("-tJf").arg(&out).output().unwrap();
+    let names = String::from_utf8_lossy(&list.stdout);
+    assert!(names.lines().any(|l| l == ".nixl_cu13.mesonpy.libs/libnixl_capi.so"), "{names}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -126,6 +126,13 @@ fn malformed_v41_configs_are_refused() {
     assert_eq!(bad_sources("[2, 8, 14, 20, 41]", ix), "kv_source_layer_ids"); // a draft layer
     assert_eq!(bad_sources(kv, "[2, 8, 20, 24]"), "kv_source_layer_ids"); // 14 not an index source
     assert_eq!(bad_sources(kv, "[2, 8, 14, 20, 20]"), "index_source_layer_ids");
+    // No KV sources (an empty list, or none given): V4.1 shares compressors, so its arena has
+    // no owner to hold compressor state. Seen failing before the fix: the config read, so
+    // `layout` printed a V4-form layout of it while `plan` refused it (BadModel).
+    assert_eq!(bad_sources("[]", ix), "kv_source_layer_ids");
+    let absent = good_config().replace("\"kv_source_layer_ids\": [2, 8, 14, 20],", "");
+    assert!(!absent.contains("kv_source_layer_ids"));
+    assert!(matches!(read(absent), Err(ModelError::Sources { key: "kv_source_layer_ids", .. })));
     // The geometry's refusal arrives as the geometry's error, not its text.
     assert!(matches!(
         read(v41_config(&v41_ratios(), "[8, 2, 14, 20]", ix)),

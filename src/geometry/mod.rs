@@ -168,7 +168,8 @@ impl WindowParams {
 pub struct ClassLayout {
     /// The class's compress ratio.
     pub ratio: i32,
-    /// Global layer ids in class order; a layer's position here is its `layer_index`.
+    /// Global layer ids in class order (ascending); a layer's position here is its
+    /// `layer_index`.
     pub layers: Vec<usize>,
     /// The layers whose compressed rows an envelope holds, ascending: every layer of the
     /// class in the envelope form, the class's source layers in the compact form, none for
@@ -218,11 +219,12 @@ impl ClassLayout {
 
     /// Row of `owner`'s compressed rows in an envelope.
     pub fn envelope_position(&self, owner: usize) -> Result<i64, GeometryError> {
+        // `owners` ascends (a filter of the ascending `layers`): a search, not a scan, so the
+        // per-layer loops over a geometry stay O(layers · log layers).
         let i = self
             .owners
-            .iter()
-            .position(|&l| l == owner)
-            .ok_or(GeometryError::LayerNotInClass { layer: owner, ratio: self.ratio })?;
+            .binary_search(&owner)
+            .map_err(|_| GeometryError::LayerNotInClass { layer: owner, ratio: self.ratio })?;
         Ok(self.envelope_offset + i as i64 * self.block_rows)
     }
 
@@ -243,10 +245,10 @@ impl ClassLayout {
 
     /// Position of `layer_id` in this class.
     pub fn layer_index(&self, layer_id: usize) -> Result<usize, GeometryError> {
+        // `layers` ascends (layer ids in order): see `envelope_position`.
         self.layers
-            .iter()
-            .position(|&l| l == layer_id)
-            .ok_or(GeometryError::LayerNotInClass { layer: layer_id, ratio: self.ratio })
+            .binary_search(&layer_id)
+            .map_err(|_| GeometryError::LayerNotInClass { layer: layer_id, ratio: self.ratio })
     }
 
     /// The class's ring offset of ring position `ring_pos` (see [`ring_offset_for`]).
@@ -339,6 +341,16 @@ impl GeometrySpec {
     pub fn kv_sources(mut self, sources: Vec<usize>) -> Self {
         self.kv_sources = Some(sources);
         self
+    }
+    /// Layers share compressors as V4.1 lays them out: `sources` in the compact form. An
+    /// empty list leaves the spec as it is (V4: every compressed layer owns its rows, the
+    /// envelope form). What a model's spec and a bare ratio list with sources both use.
+    pub fn shared_compressors(self, sources: Vec<usize>) -> Self {
+        if sources.is_empty() {
+            self
+        } else {
+            self.kv_sources(sources).form(RowForm::Compact)
+        }
     }
     /// Lay the envelope out in `form`.
     pub fn form(mut self, form: RowForm) -> Self {

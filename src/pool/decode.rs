@@ -1029,10 +1029,13 @@ impl DecodeIndexBuffers {
             .collect()
     }
 
-    /// Check the block ids the staged batch's build reads (from the tables staged or written
-    /// since) are all still below the bounds' block count.
-    pub(crate) fn check_staged_blocks(&self) -> Result<(), DecodeError> {
-        check_blocks(&self.staged_max_ids(), self.bounds.num_blocks)
+    /// Check the staged batch against `bounds` (the pool's now; the boundary may have moved
+    /// since staging): its positions still live slots, and the block ids a build or a
+    /// translate-pack reads (from the tables staged or written since) still below the block
+    /// count. Both kernels turn those ids into pool rows, so both run only after this.
+    pub(crate) fn check_staged(&self, bounds: &PoolBounds) -> Result<(), DecodeError> {
+        check_live(&self.staged_positions, &bounds.live)?;
+        check_blocks(&self.staged_max_ids(), bounds.num_blocks)
     }
 
     /// Write `ids` into the device block table of batch row `row` from column `start_col`

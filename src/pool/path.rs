@@ -12,8 +12,7 @@
 //! objects.
 
 use super::decode::{
-    check_live, DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq, FlatDecodeBatch,
-    PoolBounds,
+    DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq, FlatDecodeBatch, PoolBounds,
 };
 use super::owned::DeviceBuffer;
 use super::prefill::{PrefillBuffer, PrefillCapacity, PrefillIndexBuffers, PrefillSeq};
@@ -61,7 +60,8 @@ fn pool_err(e: PoolError) -> DecodeError {
 /// ```
 ///
 /// Positions are checked live and block ids inside the block region against the pool at
-/// staging, and both are checked again at build (the boundary may have moved in between). [`Self::stage`] sends the block tables (O(context) bytes);
+/// staging, and both are checked again at build and at every translate-pack (the boundary may
+/// have moved in between). [`Self::stage`] sends the block tables (O(context) bytes);
 /// [`Self::stage_resident`] sends only the per-token metadata (O(batch)) when the tables are
 /// kept on the device with [`Self::write_block_table`]; [`Self::stage_flat`] takes the batch
 /// as flat arrays (a foreign caller's shape). [`Self::build_on`] builds on another stream
@@ -201,8 +201,7 @@ impl DecodePath {
     /// staging on the pool's stream; the path drains `stream` before its buffers go.
     pub fn build_on(&mut self, stream: Stream) -> Result<(), DecodeError> {
         self.refresh()?;
-        check_live(self.bufs.staged_positions(), &self.bufs.bounds().live)?;
-        self.bufs.check_staged_blocks()?;
+        self.bufs.check_staged(self.bufs.bounds())?;
         if stream == self.stream() {
             return self.bufs.build();
         }
@@ -228,7 +227,10 @@ impl DecodePath {
     }
 
     /// CSA translate-pack for one CSA layer (call once per CSA layer, after its indexer and
-    /// before its attention: every layer overwrites the heads of the one CSA buffer).
+    /// before its attention: every layer overwrites the heads of the one CSA buffer). The pack
+    /// turns the staged block ids into pool rows, so it is refused as [`Self::build`] is when
+    /// the boundary moved under the staged batch ([`DecodeError::StaleBlock`],
+    /// [`DecodeError::BadPosition`]).
     ///
     /// # Safety
     /// `topk` addresses live memory of the pool's backend holding i32
@@ -236,6 +238,7 @@ impl DecodePath {
     /// `min((pos+1)/4, ctx/4, index_topk)` entries of each real token's row non-negative
     /// (`index-buffers.md` §5).
     pub unsafe fn csa_pack(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<(), DecodeError> {
+        self.bufs.check_staged(&self.pool.bounds().map_err(pool_err)?)?;
         // SAFETY: forwarded from the caller.
         unsafe { self.bufs.pack(None, topk, topk_row_stride) }
     }
@@ -252,6 +255,7 @@ impl DecodePath {
         topk: DevicePtr,
         topk_row_stride: i32,
     ) -> Result<(), DecodeError> {
+        self.bufs.check_staged(&self.pool.bounds().map_err(pool_err)?)?;
         // SAFETY: forwarded from the caller.
         unsafe { self.bufs.pack(Some(layer), topk, topk_row_stride) }
     }
@@ -372,13 +376,15 @@ impl PrefillPath {
         self.bufs.build()
     }
 
-    /// CSA translate-pack (prefill mode) for one CSA layer over the staged forward.
+    /// CSA translate-pack (prefill mode) for one CSA layer over the staged forward, refused
+    /// as [`Self::build`] is when the boundary moved under it.
     ///
     /// # Safety
     /// `topk` addresses live memory of the pool's backend holding i32
     /// `[staged tokens][topk_row_stride]`, ready on the pool's stream, with non-negative
     /// entries where the contract reads them (`index-buffers.md` §5).
     pub unsafe fn csa_pack(&self, topk: DevicePtr, topk_row_stride: i32) -> Result<(), DecodeError> {
+        self.bufs.check_staged(&self.pool.bounds().map_err(pool_err)?)?;
         // SAFETY: forwarded from the caller.
         unsafe { self.bufs.pack(None, topk, topk_row_stride) }
     }
@@ -395,6 +401,7 @@ impl PrefillPath {
         topk: DevicePtr,
         topk_row_stride: i32,
     ) -> Result<(), DecodeError> {
+        self.bufs.check_staged(&self.pool.bounds().map_err(pool_err)?)?;
         // SAFETY: forwarded from the caller.
         unsafe { self.bufs.pack(Some(layer), topk, topk_row_stride) }
     }

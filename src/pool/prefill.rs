@@ -495,12 +495,18 @@ impl PrefillIndexBuffers {
         Launch::Prefill(self.prefill_args())
     }
 
-    /// Run the prefill builder over the staged forward, after checking its positions are
-    /// still live under the bounds last set.
+    /// Check the staged forward against `bounds` (the pool's now): its positions still live
+    /// slots and the block ids its build and translate-packs read still blocks of the region.
+    pub(crate) fn check_staged(&self, bounds: &PoolBounds) -> Result<(), DecodeError> {
+        check_live(&self.staged_positions, &bounds.live)?;
+        check_blocks(&self.staged_max_ids, bounds.num_blocks)
+    }
+
+    /// Run the prefill builder over the staged forward, after checking it against the bounds
+    /// last set ([`Self::check_staged`]).
     pub(crate) fn build(&self) -> Result<(), DecodeError> {
         let _range = crate::profiling::range("v4pool.prefill_build");
-        check_live(&self.staged_positions, &self.bounds.live)?;
-        check_blocks(&self.staged_max_ids, self.bounds.num_blocks)?;
+        self.check_staged(&self.bounds)?;
         if self.staged_tokens == 0 {
             return Ok(());
         }

@@ -89,6 +89,16 @@ pub enum RowWriteError {
         /// The position.
         position: i64,
     },
+    /// A sequence whose last position (`first_position + tokens − 1`) is past `i64`.
+    #[error("sequence {seq}: {tokens} tokens from position {first_position} run past i64")]
+    PositionPastI64 {
+        /// Batch row.
+        seq: usize,
+        /// Its first position.
+        first_position: i64,
+        /// Its tokens.
+        tokens: usize,
+    },
     /// Two sequences of one window stage on one slot: their ring rows would race.
     #[error("sequences {first} and {second} share slot position {position}")]
     SharedSlot {
@@ -182,6 +192,7 @@ impl VariantName for RowWriteError {
             NothingStaged { .. } => "NothingStaged",
             NoSuchRows { .. } => "NoSuchRows",
             NegativePosition { .. } => "NegativePosition",
+            PositionPastI64 { .. } => "PositionPastI64",
             SharedSlot { .. } => "SharedSlot",
             StaleLease { .. } => "StaleLease",
             BadEntry { .. } => "BadEntry",
@@ -384,6 +395,16 @@ impl KvRowWriter {
             if s.first_position < 0 {
                 return Err(RowWriteError::NegativePosition { seq, position: s.first_position });
             }
+            // Positions are `first_position + i`, i < tokens: the last must be one too.
+            let last =
+                i64::try_from(s.tokens.saturating_sub(1)).ok().and_then(|t| s.first_position.checked_add(t));
+            if last.is_none() {
+                return Err(RowWriteError::PositionPastI64 {
+                    seq,
+                    first_position: s.first_position,
+                    tokens: s.tokens,
+                });
+            }
         }
         let positions = self
             .pool
@@ -515,6 +536,7 @@ impl KvRowWriter {
                 })
             }
         };
+        Self::kv_span(0, tokens, stride, KV_ROW_VALUES)?;
         let args = KvRowsArgs {
             kv,
             dest_rows: dest,
@@ -567,14 +589,7 @@ impl KvRowWriter {
             Staged::Compressed { class: Class::Csa, blocks, rows } => (blocks, rows),
             _ => return Err(RowWriteError::NothingStaged { what: "CSA entries (index keys)".into() }),
         };
-        if stride < INDEX_KEY_VALUES {
-            return Err(RowWriteError::KvShape {
-                len: 0,
-                tokens: blocks.len(),
-                row: INDEX_KEY_VALUES,
-                stride,
-            });
-        }
+        Self::kv_span(0, blocks.len(), stride, INDEX_KEY_VALUES)?;
         let data = self.pool.indexer_view(rank, 0).map_err(pool_err)?;
         let (format, scales) = match ix {
             IndexerDtype::Bf16 => (INDEX_KEYS_BF16, 0),
@@ -620,10 +635,6 @@ impl KvRowWriter {
         let kv = self.owned.base() + self.kv_at;
         let args = self.index_keys_args(rank, kv, INDEX_KEY_VALUES)?;
         let n = args.num_tokens as usize;
-        let need = if n == 0 { 0 } else { (n - 1) * stride + INDEX_KEY_VALUES };
-        if stride < INDEX_KEY_VALUES || keys.len() < need {
-            return Err(RowWriteError::KvShape { len: keys.len(), tokens: n, row: INDEX_KEY_VALUES, stride });
-        }
         self.upload_rows(keys, n, stride, INDEX_KEY_VALUES)?;
         // SAFETY: keys are this handle's staging buffer (n ≤ max_tokens rows of 128 ≤ its 512
         // values a row), dest its own buffer of n entries; data (and FP4 scales) the layer's
@@ -652,6 +663,22 @@ impl KvRowWriter {
         Ok(Launch::IndexKeys(self.index_keys_args(rank, keys, stride)?))
     }
 
+    /// Values a read of `tokens` rows of `row` values, `stride` apart, spans: `(tokens − 1) ×
+    /// stride + row` (0 for none). A stride shorter than a row, or a span whose bytes pass
+    /// `i64` (the kernels' stride and offset type), is [`RowWriteError::KvShape`] (`len`: the
+    /// values given, 0 for device memory).
+    fn kv_span(len: usize, tokens: usize, stride: usize, row: usize) -> Result<usize> {
+        let shape = RowWriteError::KvShape { len, tokens, row, stride };
+        if stride < row {
+            return Err(shape);
+        }
+        let Some(rest) = tokens.checked_sub(1) else { return Ok(0) };
+        rest.checked_mul(stride)
+            .and_then(|v| v.checked_add(row))
+            .filter(|&v| v <= (i64::MAX / 2) as usize)
+            .ok_or(shape)
+    }
+
     fn upload_kv(&self, kv: &[u16], tokens: usize, stride: usize) -> Result<()> {
         self.upload_rows(kv, tokens, stride, KV_ROW_VALUES)
     }
@@ -660,8 +687,8 @@ impl KvRowWriter {
     /// (`row` ≤ 512 values apart: the buffer holds `max_tokens` rows of 512).
     fn upload_rows(&self, kv: &[u16], tokens: usize, stride: usize, row: usize) -> Result<()> {
         self.check_tokens(tokens)?;
-        let need = if tokens == 0 { 0 } else { (tokens - 1) * stride + row };
-        if stride < row || kv.len() < need || row > KV_ROW_VALUES {
+        let need = Self::kv_span(kv.len(), tokens, stride, row)?;
+        if kv.len() < need || row > KV_ROW_VALUES {
             return Err(RowWriteError::KvShape { len: kv.len(), tokens, row, stride });
         }
         let mut packed = Vec::with_capacity(tokens * row);
@@ -723,6 +750,7 @@ impl KvRowWriter {
             .buffer(crate::pool::DecodeBuffer::BatchIds)
             .ok_or(RowWriteError::NothingStaged { what: "decode batch ids".into() })?;
         let tokens = path.staged_tokens();
+        Self::kv_span(0, tokens, stride, KV_ROW_VALUES)?;
         Ok((
             KvRowsArgs {
                 kv,

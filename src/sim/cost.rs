@@ -42,8 +42,13 @@
 //! the engine replaying the benchmark — are compared by `v4pool calibrate` and by
 //! `tests/simulate_time.rs`.
 
+use crate::file::{read_text_bounded, FileError};
 use crate::variant::VariantName;
 use serde_json::Value;
+
+/// Largest coefficient file [`StepCost::from_path`] reads (what `calibrate --json` writes is
+/// under 1 KiB).
+pub const MAX_COST_BYTES: u64 = 1 << 20;
 
 /// What the cost model can be refused with.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -65,6 +70,10 @@ pub enum CostError {
     /// The fitted equations do not determine the coefficients.
     #[error("preset {0}: the fitted cells do not determine every coefficient")]
     Underdetermined(String),
+    /// A coefficient file the bounded reader refused (unreadable, not a regular file, over
+    /// [`MAX_COST_BYTES`], not UTF-8).
+    #[error("cost file: {0}")]
+    File(#[from] FileError),
 }
 
 impl VariantName for CostError {
@@ -75,6 +84,7 @@ impl VariantName for CostError {
             Json(_) => "Json",
             Coefficient { .. } => "Coefficient",
             Underdetermined(_) => "Underdetermined",
+            File(e) => e.variant_name(),
         }
     }
 }
@@ -134,6 +144,12 @@ impl StepCost {
             "per_prefill_token_ms": self.per_prefill_token_ms, "prefill_ctx": self.prefill_ctx,
             "host_gbps": self.host_gbps,
         })
+    }
+
+    /// Read a coefficient file ([`Self::from_json`]) through the crate's one bounded reader,
+    /// at most [`MAX_COST_BYTES`].
+    pub fn from_path(path: &std::path::Path) -> Result<StepCost, CostError> {
+        Self::from_json(&read_text_bounded(path, MAX_COST_BYTES)?)
     }
 
     /// Read coefficients from a JSON object with the keys [`StepCost::to_json`] writes

@@ -183,6 +183,16 @@ pub enum SimConfigError {
     /// A time-mode figure that is not a finite positive number.
     #[error("{0} {1} is not a finite positive number")]
     Time(&'static str, f64),
+    /// A `max_context` shorter than the mix's requests can be ([`Mix::min_context`]).
+    #[error("--max-context {got} is below the {min} tokens a request of the {mix} mix may need")]
+    ContextBelowMix {
+        /// The mix.
+        mix: &'static str,
+        /// `max_context` given.
+        got: u64,
+        /// The mix's shortest context.
+        min: u64,
+    },
 }
 
 impl VariantName for SimConfigError {
@@ -194,6 +204,7 @@ impl VariantName for SimConfigError {
             DecodeBuffers { .. } => "DecodeBuffers",
             Decode(e) => e.variant_name(),
             Time(_, _) => "Time",
+            ContextBelowMix { .. } => "ContextBelowMix",
         }
     }
 
@@ -343,8 +354,8 @@ impl SimConfig {
         }
     }
 
-    /// A fresh arrival stream (the same one every call).
-    pub fn workload(&self) -> Workload {
+    /// A fresh arrival stream (the same one every call); refused as [`Workload::new`] refuses.
+    pub fn workload(&self) -> Result<Workload, SimConfigError> {
         Workload::new(self.workload_config())
     }
 

@@ -17,6 +17,7 @@
 //! prefix of its ids that earlier requests' prompts carried, over all ids.
 
 use super::RequestSpec;
+use crate::file::{read_text_bounded, FileError};
 use crate::variant::VariantName;
 
 /// A trace line that cannot be read, with its 1-based line number.
@@ -43,9 +44,10 @@ pub enum TraceError {
     /// More lines than [`MAX_TRACE_REQUESTS`].
     #[error("trace has more than {MAX_TRACE_REQUESTS} requests")]
     TooLong,
-    /// The file could not be read.
-    #[error("cannot read the trace: {0}")]
-    Io(String),
+    /// The file the bounded reader refused (unreadable, not a regular file, over
+    /// [`MAX_TRACE_BYTES`], not UTF-8).
+    #[error("trace: {0}")]
+    File(#[from] FileError),
     /// A shard `k/n` with `n == 0` or `k >= n`.
     #[error("shard {0}/{1} is not k/n with k < n")]
     Shard(u64, u64),
@@ -61,7 +63,7 @@ impl VariantName for TraceError {
             Line { .. } => "Line",
             OutOfOrder { .. } => "OutOfOrder",
             TooLong => "TooLong",
-            Io(_) => "Io",
+            File(e) => e.variant_name(),
             Shard(_, _) => "Shard",
             Speed(_) => "Speed",
         }
@@ -99,6 +101,10 @@ pub struct Trace {
 /// Requests of a trace carry this bit in [`RequestSpec::conv`]; the rest is the index into
 /// [`Trace::requests`] (multiturn conversations and unique requests never set it).
 pub const TRACE_CONV: u64 = 1 << 62;
+
+/// Largest trace file [`Trace::from_path`] reads: room for [`MAX_TRACE_REQUESTS`] lines of
+/// about 250 bytes (the conversation trace's 12,031 lines are under 3 MiB).
+pub const MAX_TRACE_BYTES: u64 = 1 << 30;
 
 impl Trace {
     /// Parse Mooncake JSONL. Blank lines are skipped; every other line must be an object
@@ -148,15 +154,10 @@ impl Trace {
         Ok(Trace { requests })
     }
 
-    /// Read and parse a file (bounded: at most 1 GiB).
+    /// Read (through the crate's one bounded reader, at most [`MAX_TRACE_BYTES`]) and parse
+    /// a file.
     pub fn from_path(path: &std::path::Path) -> Result<Trace, TraceError> {
-        use std::io::Read as _;
-        let f = std::fs::File::open(path).map_err(|e| TraceError::Io(format!("{}: {e}", path.display())))?;
-        let mut text = String::new();
-        f.take(1 << 30)
-            .read_to_string(&mut text)
-            .map_err(|e| TraceError::Io(format!("{}: {e}", path.display())))?;
-        Trace::parse(&text)
+        Trace::parse(&read_text_bounded(path, MAX_TRACE_BYTES)?)
     }
 
     /// Only the requests of shard `k` of `n`: a conversation's turns share their leading ids,

@@ -10,6 +10,8 @@
 // (src/rng.rs) so unit tests of every module can use it; public here as `sim::Rng`.
 pub use crate::rng::Rng;
 
+use super::SimConfigError;
+
 /// Length mixes of the workload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mix {
@@ -34,6 +36,16 @@ impl Mix {
             "mixed" => Some(Mix::Mixed),
             "multiturn" => Some(Mix::Multiturn),
             _ => None,
+        }
+    }
+    /// The shortest `max_context` whose every request of the mix fits: a one-token prompt and
+    /// one output token, or, where the mix draws agentic requests, an
+    /// [`AGENTIC_PROMPTS`]-floor prompt and one output token. A workload's `max_context` caps
+    /// the lengths it draws but never below their floor ([`Workload::new`] refuses it).
+    pub fn min_context(self) -> u64 {
+        match self {
+            Mix::Chat | Mix::Multiturn => 2,
+            Mix::Agentic | Mix::Mixed => AGENTIC_PROMPTS.0 + 1,
         }
     }
     /// The name [`Mix::parse`] reads.
@@ -74,6 +86,9 @@ impl RequestSpec {
         RequestSpec { id, arrival, prompt, output, conv: UNIQUE_CONV | id, system: 0, shared: 0 }
     }
 }
+
+/// The agentic requests' prompt range, tokens (log-uniform, capped by `max_context − 1`).
+pub const AGENTIC_PROMPTS: (u64, u64) = (32 << 10, 1 << 20);
 
 /// Conversation ids of requests that share nothing carry this bit (multiturn conversations
 /// count up from 0 without it).
@@ -125,9 +140,14 @@ pub struct Workload {
 }
 
 impl Workload {
-    /// A stream for `cfg`; nothing is drawn until it is iterated.
-    pub fn new(cfg: WorkloadConfig) -> Workload {
-        Workload {
+    /// A stream for `cfg`; nothing is drawn until it is iterated. A `max_context` shorter
+    /// than the mix's requests can be ([`Mix::min_context`]) is refused.
+    pub fn new(cfg: WorkloadConfig) -> Result<Workload, SimConfigError> {
+        let min = cfg.mix.min_context();
+        if cfg.max_context < min {
+            return Err(SimConfigError::ContextBelowMix { mix: cfg.mix.name(), got: cfg.max_context, min });
+        }
+        Ok(Workload {
             rng: Rng::new(cfg.seed),
             cfg,
             step: 0,
@@ -135,13 +155,18 @@ impl Workload {
             next_id: 0,
             open: Vec::new(),
             next_conv: 0,
-        }
+        })
+    }
+
+    /// The configuration the stream draws from.
+    pub fn config(&self) -> &WorkloadConfig {
+        &self.cfg
     }
 
     /// One request's lengths. The draw order (agentic coin, prompt, output) is the
     /// workload's definition: changing it changes every seed's trace.
     fn draw(&mut self) -> (u64, u64) {
-        let cap = self.cfg.max_context.max(2);
+        let cap = self.cfg.max_context; // at least the mix's min_context (`new`)
         let rng = &mut self.rng;
         let agentic = match self.cfg.mix {
             Mix::Chat | Mix::Multiturn => false,
@@ -149,7 +174,8 @@ impl Workload {
             Mix::Mixed => rng.f64() < 0.1,
         };
         let (prompt, output) = if agentic {
-            (rng.log_uniform(32 << 10, cap.min(1 << 20)), rng.log_uniform(200, 4096))
+            let (lo, hi) = AGENTIC_PROMPTS;
+            (rng.log_uniform(lo, cap.min(hi)), rng.log_uniform(200, 4096))
         } else {
             (rng.lognormal(1000.0, 0.8, 16, 16384), rng.lognormal(300.0, 0.7, 16, 4096))
         };
@@ -186,7 +212,7 @@ impl Workload {
     /// The next multiturn request: a new conversation (a system prompt and a first user
     /// message) or the next turn of an open one (its whole history and a new message).
     fn turn(&mut self, id: u64, arrival: u64) -> RequestSpec {
-        let cap = self.cfg.max_context.max(2);
+        let cap = self.cfg.max_context; // at least the mix's min_context (`new`)
         let (message, output) = self.draw();
         let rng = &mut self.rng;
         let continue_one = !self.open.is_empty() && (self.open.len() >= MAX_OPEN || rng.f64() < 0.75);
@@ -228,8 +254,8 @@ mod tests {
     #[test]
     fn workload_is_deterministic_and_bounded() {
         let cfg = WorkloadConfig { mix: Mix::Mixed, rate: 0.5, steps: 500, seed: 7, max_context: 1 << 20 };
-        let a: Vec<RequestSpec> = Workload::new(cfg).collect();
-        let b: Vec<RequestSpec> = Workload::new(cfg).collect();
+        let a: Vec<RequestSpec> = Workload::new(cfg).unwrap().collect();
+        let b: Vec<RequestSpec> = Workload::new(cfg).unwrap().collect();
         assert_eq!(a, b);
         assert!(!a.is_empty());
         for (i, r) in a.iter().enumerate() {

@@ -131,6 +131,17 @@ pub enum EngineError {
         /// Its status and what it means.
         message: String,
     },
+    /// A peer's NIXL metadata that is not a whole blob of the pinned format (cut short,
+    /// padded, a length that runs past its end): refused before NIXL reads any of it.
+    #[error("peer metadata refused: {reason} (at byte {at} of {len})")]
+    NixlMetadata {
+        /// What is wrong.
+        reason: &'static str,
+        /// Where in the blob.
+        at: usize,
+        /// The blob's length.
+        len: usize,
+    },
 }
 
 impl VariantName for EngineError {
@@ -148,6 +159,7 @@ impl VariantName for EngineError {
             Nccl { .. } => "Nccl",
             NixlUnavailable(_) => "NixlUnavailable",
             Nixl { .. } => "Nixl",
+            NixlMetadata { .. } => "NixlMetadata",
         }
     }
 

@@ -282,6 +282,115 @@ impl Default for NixlOptions {
     }
 }
 
+/// A walk over a NIXL 1.5 metadata blob (`nixlSerDes`: after the `nixlSerDes|` header, each
+/// field is its tag, a little-endian u64 length, that many bytes and a `|`).
+struct MdReader<'a> {
+    md: &'a [u8],
+    at: usize,
+}
+
+impl<'a> MdReader<'a> {
+    fn refuse(&self, reason: &'static str) -> EngineError {
+        EngineError::NixlMetadata { reason, at: self.at, len: self.md.len() }
+    }
+
+    /// The value of the field at the cursor, which must carry `tag`.
+    fn field(&mut self, tag: &str) -> Result<&'a [u8], EngineError> {
+        let rest = &self.md[self.at..];
+        let after_tag = rest
+            .strip_prefix(tag.as_bytes())
+            .ok_or_else(|| self.refuse("a field's tag is not the one due"))?;
+        let (len, value) =
+            after_tag.split_first_chunk::<8>().ok_or_else(|| self.refuse("cut short in a field's length"))?;
+        let len = usize::try_from(u64::from_le_bytes(*len))
+            .map_err(|_| self.refuse("a field's length is past usize"))?;
+        if value.len() <= len {
+            return Err(self.refuse("a field's value runs past the end"));
+        }
+        if value[len] != b'|' {
+            return Err(self.refuse("a field does not end with '|'"));
+        }
+        self.at += tag.len() + 8 + len + 1;
+        Ok(&value[..len])
+    }
+
+    /// A field holding a little-endian u64 count.
+    fn count(&mut self, tag: &str) -> Result<u64, EngineError> {
+        let v = self.field(tag)?;
+        let v: [u8; 8] = v.try_into().map_err(|_| self.refuse("a count is not 8 bytes"))?;
+        Ok(u64::from_le_bytes(v))
+    }
+
+    /// A field whose value must be non-empty (NIXL refuses empty names, types and lists).
+    fn text(&mut self, tag: &str) -> Result<&'a [u8], EngineError> {
+        let v = self.field(tag)?;
+        if v.is_empty() {
+            return Err(self.refuse("an empty name or value"));
+        }
+        Ok(v)
+    }
+}
+
+/// Bytes of NIXL's `nixlBasicDesc` (address, length, device id).
+const NIXL_BASIC_DESC_BYTES: usize = 24;
+
+/// Check that `md` is one whole NIXL 1.5 metadata blob, field by field as NIXL 1.5's
+/// `loadRemoteMD` reads it (header; `Agent`; `Conns` then that many backend `t`/`c` pairs;
+/// `MemSection`; `nixlSecElms` sections of a `bknd` and a descriptor list `nixlDList` with its
+/// `t` memory type, `n` descriptors and each descriptor), ending exactly at its end; returns
+/// the agent name. A blob NIXL would refuse after it had loaded the peer's connection must
+/// never reach it: NIXL 1.5.1 then drops its record of the connection without closing it, so
+/// every later load of that peer, valid or not, is an invalid parameter and no call undoes it.
+/// What remains for NIXL to refuse is a well-formed blob whose contents its backend cannot
+/// use (a corrupt remote key); see docs/nixl.md.
+pub fn check_metadata(md: &[u8]) -> Result<&str, EngineError> {
+    const HEADER: &[u8] = b"nixlSerDes|";
+    let mut r = MdReader { md, at: 0 };
+    if !md.starts_with(HEADER) {
+        return Err(r.refuse("no nixlSerDes header"));
+    }
+    r.at = HEADER.len();
+    let name = std::str::from_utf8(r.text("Agent")?).map_err(|_| r.refuse("the agent name is not UTF-8"))?;
+    for _ in 0..r.count("Conns")? {
+        r.text("t")?;
+        r.text("c")?;
+    }
+    if r.field("")? != b"MemSection" {
+        return Err(r.refuse("no MemSection after the connections"));
+    }
+    for _ in 0..r.count("nixlSecElms")? {
+        r.text("bknd")?;
+        let list = r.text("nixlDList")?;
+        if r.field("t")?.len() != 4 {
+            return Err(r.refuse("a memory type is not 4 bytes"));
+        }
+        let n = r.count("n")?;
+        if n == 0 {
+            return Err(r.refuse("an empty descriptor list"));
+        }
+        match list {
+            b"nixlSDList" => {
+                for _ in 0..n {
+                    if r.field("")?.len() < NIXL_BASIC_DESC_BYTES {
+                        return Err(r.refuse("a descriptor shorter than its address, length and device"));
+                    }
+                }
+            }
+            b"nixlBDList" => {
+                let want = usize::try_from(n).ok().and_then(|n| n.checked_mul(NIXL_BASIC_DESC_BYTES));
+                if Some(r.field("")?.len()) != want {
+                    return Err(r.refuse("a basic descriptor list of the wrong length"));
+                }
+            }
+            _ => return Err(r.refuse("an unknown descriptor list type")),
+        }
+    }
+    if r.at != md.len() {
+        return Err(r.refuse("bytes after the last section"));
+    }
+    Ok(name)
+}
+
 /// A unique agent name in this process (NIXL keys peers by name).
 fn agent_name(role: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -455,41 +564,38 @@ impl NixlAgent {
 
     /// Load (or refresh) a peer's metadata; returns the peer's name. A peer already loaded is
     /// forgotten first, so registrations it dropped are dropped here too.
+    ///
+    /// A refused load leaves nothing behind, so a valid copy loads afterwards: the blob is
+    /// checked whole first ([`check_metadata`]: NIXL 1.5.1 cannot undo a load it refuses
+    /// after taking the peer's connection), and whatever NIXL kept of one it refuses anyway is
+    /// invalidated under the peer's name.
     pub fn load_peer(&mut self, md: &[u8]) -> Result<String, EngineError> {
-        if md.is_empty() {
-            return Err(EngineError::Nixl { call: "load_remote_md", message: "empty metadata".into() });
+        let named = check_metadata(md)?.to_string();
+        // A refresh: forget the peer first (NIXL refuses a blob whose registrations differ
+        // from the ones it holds for the name).
+        if self.peers.contains(&named) {
+            self.forget_peer(&named)?;
         }
-        let load = |a: &Self| -> Result<String, EngineError> {
-            let mut name: *mut c_char = std::ptr::null_mut();
-            // SAFETY: a live agent, `md` readable for its length, an out-pointer.
-            check("load_remote_md", unsafe {
-                (a.nixl.load_remote_md)(a.agent, md.as_ptr() as *const c_void, md.len(), &mut name)
-            })?;
-            // SAFETY: NIXL returned a strdup'd NUL-terminated name, ours to free.
-            let s = unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned();
-            // SAFETY: as above, freed once.
-            unsafe { free(name as *mut c_void) };
-            Ok(s)
-        };
-        match load(self) {
-            Ok(name) => {
-                self.peers.insert(name.clone());
-                Ok(name)
+        let mut name: *mut c_char = std::ptr::null_mut();
+        // SAFETY: a live agent, `md` readable for its length, an out-pointer.
+        let loaded = check("load_remote_md", unsafe {
+            (self.nixl.load_remote_md)(self.agent, md.as_ptr() as *const c_void, md.len(), &mut name)
+        });
+        if let Err(e) = loaded {
+            if let Ok(n) = CString::new(named) {
+                // Whatever part of the peer NIXL kept; it may have kept nothing (an error then,
+                // not one to report over the refusal itself).
+                // SAFETY: a live agent, a NUL-terminated name.
+                let _ = unsafe { (self.nixl.invalidate_remote_md)(self.agent, n.as_ptr()) };
             }
-            // Loading over a known peer is refused by some versions: forget it, load again.
-            Err(first) => {
-                let known: Vec<String> = self.peers.iter().cloned().collect();
-                if known.is_empty() {
-                    return Err(first);
-                }
-                for p in known {
-                    let _ = self.forget_peer(&p);
-                }
-                let name = load(self)?;
-                self.peers.insert(name.clone());
-                Ok(name)
-            }
+            return Err(e);
         }
+        // SAFETY: NIXL returned a strdup'd NUL-terminated name, ours to free.
+        let s = unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned();
+        // SAFETY: as above, freed once.
+        unsafe { free(name as *mut c_void) };
+        self.peers.insert(s.clone());
+        Ok(s)
     }
 
     /// Drop a peer's metadata (and its connection).
@@ -975,5 +1081,71 @@ impl Drop for NixlEngine {
         if let Some(b) = self.remote.take() {
             drop(b);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One `nixlSerDes` field: tag, u64 length, value, `|`.
+    fn field(out: &mut Vec<u8>, tag: &str, value: &[u8]) {
+        out.extend_from_slice(tag.as_bytes());
+        out.extend_from_slice(&(value.len() as u64).to_le_bytes());
+        out.extend_from_slice(value);
+        out.push(b'|');
+    }
+
+    /// A blob of NIXL 1.5.1's layout (what `get_local_md` wrote for an agent with one UCX
+    /// connection and two registered DRAM ranges, byte values aside).
+    fn blob() -> Vec<u8> {
+        let mut md = b"nixlSerDes|".to_vec();
+        field(&mut md, "Agent", b"peer-7");
+        field(&mut md, "Conns", &1u64.to_le_bytes());
+        field(&mut md, "t", b"UCX");
+        field(&mut md, "c", &[0x20; 48]);
+        field(&mut md, "", b"MemSection");
+        field(&mut md, "nixlSecElms", &1u64.to_le_bytes());
+        field(&mut md, "bknd", b"UCX");
+        field(&mut md, "nixlDList", b"nixlSDList");
+        field(&mut md, "t", &0u32.to_le_bytes());
+        field(&mut md, "n", &2u64.to_le_bytes());
+        field(&mut md, "", &[1; 33]);
+        field(&mut md, "", &[2; 33]);
+        md
+    }
+
+    #[test]
+    fn a_whole_blob_is_read_and_every_cut_refused() {
+        let md = blob();
+        assert_eq!(check_metadata(&md).unwrap(), "peer-7");
+        for cut in 0..md.len() {
+            let r = check_metadata(&md[..cut]);
+            assert!(matches!(r, Err(EngineError::NixlMetadata { .. })), "cut at {cut}: {r:?}");
+        }
+        let mut padded = md.clone();
+        padded.push(b'x');
+        assert!(
+            matches!(check_metadata(&padded), Err(EngineError::NixlMetadata { reason, .. }) if reason.contains("after"))
+        );
+        // A length that runs past the end, a section list NIXL would refuse as empty.
+        let mut long = md.clone();
+        long[16] = 0xff; // the Agent field's length
+        assert!(check_metadata(&long).is_err());
+        let mut empty = b"nixlSerDes|".to_vec();
+        field(&mut empty, "Agent", b"p");
+        field(&mut empty, "Conns", &0u64.to_le_bytes());
+        field(&mut empty, "", b"MemSection");
+        field(&mut empty, "nixlSecElms", &0u64.to_le_bytes());
+        assert_eq!(check_metadata(&empty).unwrap(), "p");
+        empty.truncate(empty.len() - (11 + 8 + 8 + 1)); // the nixlSecElms field, again with one section
+        field(&mut empty, "nixlSecElms", &1u64.to_le_bytes());
+        field(&mut empty, "bknd", b"UCX");
+        field(&mut empty, "nixlDList", b"nixlSDList");
+        field(&mut empty, "t", &0u32.to_le_bytes());
+        field(&mut empty, "n", &0u64.to_le_bytes());
+        assert!(
+            matches!(check_metadata(&empty), Err(EngineError::NixlMetadata { reason, .. }) if reason.contains("empty"))
+        );
     }
 }

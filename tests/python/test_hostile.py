@@ -33,8 +33,8 @@ class Forged:
 """
 
 
-def run(body):
-    code = PRELUDE + textwrap.dedent(body)
+def run(body, setup=""):
+    code = PRELUDE + setup + textwrap.dedent(body)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"child exited {r.returncode}\n{r.stdout}\n{r.stderr}"
 
@@ -97,13 +97,18 @@ def test_huge_sizes_are_refused_before_allocating():
     """)
 
 
+# One sequence staged on a fresh pool's decode buffers: its position and context.
+STAGE_ONE = """
+pool = v4pool.Pool(plan, backend="host")
+dec = pool.decode(2, 8)
+s = pool.alloc_slot()
+pos = np.array([s.position], dtype=np.int64)
+ctx = np.array([300], dtype=np.int64)
+"""
+
+
 def test_wrong_dtypes_and_shapes_are_refused():
-    run("""
-    pool = v4pool.Pool(plan, backend="host")
-    dec = pool.decode(2, 8)
-    s = pool.alloc_slot()
-    pos = np.array([s.position], dtype=np.int64)
-    ctx = np.array([300], dtype=np.int64)
+    run(setup=STAGE_ONE, body="""
     for bad in [pos.astype(np.float64), pos.astype(np.int32), pos.astype(np.uint8),
                 np.array([s.position, 0, s.position, 0], dtype=np.int64)[::2]]:
         refused(lambda: dec.stage(bad, ctx), TypeError)
@@ -115,6 +120,23 @@ def test_wrong_dtypes_and_shapes_are_refused():
     refused(lambda: dec.stage(pos, ctx, block_tables=np.array([[-1, 2**31 - 1]], np.int32)), v4pool.V4PoolError)
     # Lists still work (copied).
     assert dec.stage([s.position], [300], block_tables=tables) == 1
+    """)
+
+
+def test_arrays_of_the_wrong_rank_are_refused_not_flattened():
+    # Seen failing before the fix: a [1, 1] positions array (and 2-D context lengths and
+    # token counts, 3-D block tables, 2-D resident-table ids) was flattened and staged.
+    run(setup=STAGE_ONE, body="""
+    tables = np.array([[0, 1]], dtype=np.int32)
+    for e in [refused(lambda: dec.stage(pos.reshape(1, 1), ctx, block_tables=tables), ValueError),
+              refused(lambda: dec.stage(pos, ctx.reshape(1, 1), block_tables=tables), ValueError),
+              refused(lambda: dec.stage(pos, ctx, np.ones((1, 1), np.int64), block_tables=tables), ValueError),
+              refused(lambda: dec.stage(pos.reshape(()), ctx, block_tables=tables), ValueError),
+              refused(lambda: dec.stage(pos, ctx, block_tables=tables.reshape(1, 1, 2)), ValueError),
+              refused(lambda: dec.write_block_table(0, tables), ValueError)]:
+        assert "1-D" in str(e) or "2-D" in str(e), e
+    assert dec.stage(pos, ctx, block_tables=tables) == 1
+    dec.write_block_table(0, tables[0])
     """)
 
 

@@ -17,9 +17,10 @@ const PLANE_WIDTHS: [u64; 2] = [512, 128];
 pub(crate) const MAX_LISTED_SLOTS: i64 = 1 << 20;
 const DEFAULT_BLOCK_SIZE: i64 = v4pool::model::V4_BLOCK_SIZE;
 
-const OPTIONS: [&str; 13] = [
+const OPTIONS: [&str; 14] = [
     "--model",
     "--ratios",
+    "--kv-sources",
     "--blocks",
     "--slots",
     "--ring",
@@ -35,7 +36,8 @@ const OPTIONS: [&str; 13] = [
 const FLAGS: [&str; 2] = ["--json", "--help"];
 
 const USAGE: &str = "\
-usage: v4pool layout (--model NAME|PATH | --ratios R,R,...) --blocks N --slots S
+usage: v4pool layout (--model NAME|PATH | --ratios R,R,... [--kv-sources L,L,...])
+                     --blocks N --slots S
                      [--ring R] [--block-size B] [--plane-rows P] [--arena-rows A]
                      [--slot-positions Q] [--slot-align-rows K] [--spec-steps K]
                      [--draft-stages N [--draft-mode absent|dense]] [--json]
@@ -44,6 +46,8 @@ usage: v4pool layout (--model NAME|PATH | --ratios R,R,...) --blocks N --slots S
              v4.1-flash, v4.1-flash-dspark)
              or a config.json (or the folder holding one)
   --ratios   a ratio list (0 dense, any positive ratio dividing the block, -1 absent); needs --ring
+  --kv-sources  with --ratios: the source layers of shared compressors (V4.1's
+             kv_source_layer_ids), laid out in the compact form as a V4.1 model is
   --ring     ring slots (default: the model's window + --spec-steps)
   --block-size  tokens per block (default 256)
   --draft-stages, --draft-mode  DSpark drafts appended to a config.json's trunk
@@ -77,6 +81,10 @@ fn geometry_spec(p: &ParsedArgs) -> Result<(String, GeometrySpec), CliError> {
     let model = match (p.get("--model"), p.get("--ratios")) {
         (Some(_), Some(_)) => return Err(CliError::Conflict { a: "--model", b: "--ratios" }),
         (None, None) => return Err(CliError::MissingOption { flag: "--model" }),
+        // A model brings its own sources (a config's kv_source_layer_ids).
+        (Some(_), None) if p.get("--kv-sources").is_some() => {
+            return Err(CliError::Conflict { a: "--kv-sources", b: "--model" })
+        }
         (Some(m), None) => Some(load_model(m, p)?),
         (None, Some(_)) => {
             for flag in ["--spec-steps", "--draft-stages", "--draft-mode"] {
@@ -97,7 +105,9 @@ fn geometry_spec(p: &ParsedArgs) -> Result<(String, GeometrySpec), CliError> {
         }
         None => {
             let ratios = p.i32_list("--ratios")?.unwrap_or_default();
-            let spec = GeometrySpec::new(ratios, num_blocks, num_slots, 0, DEFAULT_BLOCK_SIZE);
+            let sources = p.usize_list("--kv-sources")?.unwrap_or_default();
+            let spec = GeometrySpec::new(ratios, num_blocks, num_slots, 0, DEFAULT_BLOCK_SIZE)
+                .shared_compressors(sources);
             ("ratios".to_string(), spec, None)
         }
     };

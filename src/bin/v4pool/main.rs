@@ -111,6 +111,8 @@ pub enum CliError {
     #[error("{what} of {got} exceeds the {max} this command lists")]
     TooLarge { what: &'static str, got: i64, max: i64 },
     #[error("{0}")]
+    File(#[from] v4pool::file::FileError),
+    #[error("{0}")]
     Model(#[from] ModelError),
     #[error("{0}")]
     Geometry(#[from] GeometryError),
@@ -148,6 +150,7 @@ impl CliError {
             Conflict { .. } => "Conflict",
             Io { .. } => "Io",
             TooLarge { .. } => "TooLarge",
+            File(e) => e.variant_name(),
             Model(e) => e.variant_name(),
             Geometry(e) => e.variant_name(),
             Sizing(e) => e.variant_name(),
@@ -277,13 +280,26 @@ impl ParsedArgs {
 
     /// A comma-separated list of i32 (`--ratios 0,0,4,128`); empty items are errors.
     pub(crate) fn i32_list(&self, key: &str) -> Result<Option<Vec<i32>>, CliError> {
+        self.list(key, "a comma-separated list of 32-bit integers")
+    }
+
+    /// A comma-separated list of layer ids (`--kv-sources 2,8,14,20`); empty items are errors.
+    pub(crate) fn usize_list(&self, key: &str) -> Result<Option<Vec<usize>>, CliError> {
+        self.list(key, "a comma-separated list of layer ids")
+    }
+
+    fn list<T: std::str::FromStr>(
+        &self,
+        key: &str,
+        expected: &'static str,
+    ) -> Result<Option<Vec<T>>, CliError> {
         let Some(text) = self.get(key) else { return Ok(None) };
         text.split(',')
             .map(|item| {
-                item.trim().parse::<i32>().map_err(|_| CliError::BadValue {
+                item.trim().parse::<T>().map_err(|_| CliError::BadValue {
                     flag: key.to_string(),
                     value: text.to_string(),
-                    expected: "a comma-separated list of 32-bit integers",
+                    expected,
                 })
             })
             .collect::<Result<Vec<_>, _>>()

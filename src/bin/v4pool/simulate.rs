@@ -9,7 +9,11 @@ use crate::{conclude, parse_args, CliError, ParsedArgs, Streams};
 use std::io::Write as _;
 use v4pool::backend::{BackendChoice, BackendKind, Stream};
 use v4pool::pool::{Overhead, Pool, PoolSpec};
-use v4pool::sim::{Engine, Mix, RequestSpec, RunKind, SimConfig, SimReport, StepCost, TimeConfig, Trace};
+use v4pool::sim::cost::CostError;
+use v4pool::sim::{
+    Engine, Mix, RequestSpec, RunKind, SimConfig, SimError, SimReport, StepCost, TimeConfig, Trace,
+    TraceError, Workload,
+};
 use v4pool::sizing::{IndexerDtype, KvDtype, Plan, PlanRequest};
 
 const HELP: &str = "\
@@ -55,7 +59,8 @@ would need more are refused.
   --steps N             forward steps, at most 10,000,000     [2000; time: the cap]
   --seed S                                                               [7]
   --prefill-chunk T     prefill tokens per step                          [8192]
-  --max-context T       longest context                                  [1048576]
+  --max-context T       longest context; agentic and mixed: at least 32769
+                        (agentic prompts are 32768 tokens and up)        [1048576]
   --policy all|both|elastic|fixed|no_reuse|reuse_4096
                         all: the four runs; both: elastic and fixed      [all]
   --backend auto|host|cuda|hip   (auto honours V4POOL_BACKEND)           [auto]
@@ -115,8 +120,8 @@ struct Setup {
 
 /// The arrivals every run replays.
 enum Source {
-    /// A mix's lazy stream (its configuration).
-    Mix(v4pool::sim::WorkloadConfig),
+    /// A mix's lazy stream, not yet drawn (each run replays a clone of it).
+    Mix(v4pool::sim::Workload),
     /// A trace's requests, with the trace their hash ids come from.
     Trace(std::sync::Arc<Trace>, Vec<RequestSpec>),
 }
@@ -180,12 +185,12 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
     let mix = Mix::parse(mix).ok_or_else(|| bad("--mix", mix, "chat, agentic, mixed or multiturn"))?;
     let cost = match p.get("--cost").unwrap_or(v4pool::sim::cost::H200X4_FLASH_FP8) {
         "none" => None,
-        v if std::path::Path::new(v).is_file() => {
-            let text = read_small(v)?;
-            Some(
-                StepCost::from_json(&text)
-                    .map_err(|e| CliError::Io { path: v.into(), reason: e.to_string() })?,
-            )
+        // Anything that exists is a file to read (a FIFO or a device is refused by the reader).
+        v if std::path::Path::new(v).exists() => {
+            Some(StepCost::from_path(std::path::Path::new(v)).map_err(|e| match e {
+                CostError::File(f) => CliError::File(f),
+                e => CliError::Io { path: v.into(), reason: e.to_string() },
+            })?)
         }
         v => Some(v4pool::sim::cost::preset(v).map_err(|_| bad("--cost", v, COST_EXPECTED))?),
     };
@@ -270,7 +275,7 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
         None => {
             let steps = count(&p, "--steps", 2000)?;
             let wc = v4pool::sim::WorkloadConfig { mix, rate, steps, seed, max_context };
-            (Source::Mix(wc), None, steps)
+            (Source::Mix(Workload::new(wc).map_err(SimError::from)?), None, steps)
         }
         Some(cost) => {
             let (source, end_s) = match p.get("--trace") {
@@ -284,11 +289,13 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
                         seed,
                         max_context,
                     };
-                    (Source::Mix(wc), duration + 600.0)
+                    (Source::Mix(Workload::new(wc).map_err(SimError::from)?), duration + 600.0)
                 }
                 Some(path) => {
-                    let trace = Trace::from_path(std::path::Path::new(path))
-                        .map_err(|e| CliError::Io { path: path.into(), reason: e.to_string() })?;
+                    let trace = Trace::from_path(std::path::Path::new(path)).map_err(|e| match e {
+                        TraceError::File(f) => CliError::File(f),
+                        e => CliError::Io { path: path.into(), reason: e.to_string() },
+                    })?;
                     let v = p.get("--trace-shard").unwrap_or("0/1");
                     let (k, n) = shard(v)?;
                     let trace = trace.shard(k, n).map_err(|_| bad("--trace-shard", v, "K/N with K < N"))?;
@@ -333,7 +340,7 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
         ..SimConfig::default()
     };
     let o = Overhead::estimate(&spec, None)?;
-    cfg.check(&spec.geometry, o.plane_bytes + o.indexer_bytes).map_err(v4pool::sim::SimError::from)?;
+    cfg.check(&spec.geometry, o.plane_bytes + o.indexer_bytes).map_err(SimError::from)?;
     let svg = match p.get("--svg") {
         None => None,
         Some(path) => Some((path.to_string(), create_svg(path)?)),
@@ -350,17 +357,6 @@ fn shard(v: &str) -> Result<(u64, u64), CliError> {
     let e = || bad("--trace-shard", v, "K/N");
     let (k, n) = v.split_once('/').ok_or_else(e)?;
     Ok((k.trim().parse().map_err(|_| e())?, n.trim().parse().map_err(|_| e())?))
-}
-
-/// A small text file (a coefficient file: at most 1 MiB).
-fn read_small(path: &str) -> Result<String, CliError> {
-    use std::io::Read as _;
-    let io = |reason: String| CliError::Io { path: path.to_string(), reason };
-    let mut text = String::new();
-    std::fs::File::open(path)
-        .and_then(|f| f.take(1 << 20).read_to_string(&mut text))
-        .map_err(|e| io(e.to_string()))?;
-    Ok(text)
 }
 
 /// Create the `--svg` file before the run, so a bad path is refused up front. A FIFO is
@@ -385,14 +381,16 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
                 hit as f64 / all.max(1) as f64
             )
         }
-        Source::Mix(wc) => match &s.cfg.time {
-            Some(_) => format!(
+        Source::Mix(w) => match (&s.cfg.time, w.config()) {
+            (Some(_), wc) => format!(
                 "{} arrivals/s over {:.0} s ({} mix)",
                 wc.rate * 1000.0,
                 wc.steps as f64 / 1000.0,
                 wc.mix.name()
             ),
-            None => format!("{} arrivals/step over {} steps ({} mix)", wc.rate, wc.steps, wc.mix.name()),
+            (None, wc) => {
+                format!("{} arrivals/step over {} steps ({} mix)", wc.rate, wc.steps, wc.mix.name())
+            }
         },
     };
     let cost = s.cfg.time.as_ref().map_or("steps".to_string(), |t| format!("in time ({})", t.cost.name));
@@ -438,7 +436,7 @@ fn run_policy(
     let (cfg, progress) = (&s.cfg, s.progress);
     let mut engine = Engine::new(pool, cfg, policy)?;
     let mut arrivals: Box<dyn Iterator<Item = RequestSpec>> = match &s.source {
-        Source::Mix(wc) => Box::new(v4pool::sim::Workload::new(*wc)),
+        Source::Mix(w) => Box::new(w.clone()),
         Source::Trace(t, specs) => {
             engine = engine.with_trace(t.clone());
             Box::new(specs.clone().into_iter())

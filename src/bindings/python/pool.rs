@@ -515,19 +515,28 @@ impl PyPool {
     }
 }
 
-/// A 1-D (or 2-D) integer array argument, copied into `tmp`: anything exporting the buffer
-/// protocol (numpy arrays; read through Python's own `memoryview`, so the memory is what the
-/// exporter proves, never a stated pointer) of element format `format` and C-contiguous;
-/// anything else as a sequence of ints. Returns the elements and the shape.
+/// An integer array argument of rank `ndim` (1: one value per sequence or column; 2: rows of
+/// a table), copied into `tmp`: anything exporting the buffer protocol (numpy arrays; read
+/// through Python's own `memoryview`, so the memory is what the exporter proves, never a
+/// stated pointer) of element format `format` and C-contiguous; anything else as a sequence
+/// of ints (then 1-D). Returns the elements and the shape.
+///
+/// The rank is checked here, not in the library: the library takes each field as a slice,
+/// which has no rank, and this reader is the one place an N-D array becomes one (`tobytes`
+/// flattens); a `[1, 1]` positions array passed through would be staged as one position.
 fn int_array<'a, T: bytemuck::Pod>(
     obj: &Bound<'_, PyAny>,
     format: &str,
+    ndim: usize,
     tmp: &'a mut Vec<T>,
     extract: fn(&Bound<'_, PyAny>) -> PyResult<Vec<T>>,
 ) -> PyResult<(&'a [T], Vec<usize>)> {
     let py = obj.py();
     let memoryview = py.import("builtins")?.getattr("memoryview")?;
     let Ok(mv) = memoryview.call1((obj,)) else {
+        if ndim != 1 {
+            return Err(PyValueError::new_err(format!("expected a {ndim}-D {format} array, got a sequence")));
+        }
         *tmp = extract(obj)?;
         let n = tmp.len();
         return Ok((tmp.as_slice(), vec![n]));
@@ -549,6 +558,11 @@ fn int_array<'a, T: bytemuck::Pod>(
         return Err(PyTypeError::new_err(format!("expected a C-contiguous {format} array")));
     }
     let shape: Vec<usize> = mv.getattr("shape")?.extract()?;
+    if shape.len() != ndim {
+        return Err(PyValueError::new_err(format!(
+            "expected a {ndim}-D {format} array, got shape {shape:?} (not flattened)"
+        )));
+    }
     let bytes = mv.call_method0("tobytes")?;
     let bytes = bytes.cast::<PyBytes>()?.as_bytes();
     let n = bytes.len() / std::mem::size_of::<T>();
@@ -579,10 +593,8 @@ fn flat_batch<'a>(
 ) -> PyResult<FlatDecodeBatch<'a>> {
     let (block_tables, table_stride) = match block_tables {
         Some(t) => {
-            let (flat, shape) = int_array(t, I32, tmp, i32s)?;
-            if shape.len() != 2 {
-                return Err(PyValueError::new_err("block_tables must be 2-D [batch, columns]"));
-            }
+            // `[batch, columns]`, a 2-D array (a list of lists is no buffer).
+            let (flat, shape) = int_array(t, I32, 2, tmp, i32s)?;
             (Some(flat), shape[1])
         }
         None => (None, 0),
@@ -638,11 +650,11 @@ impl PyDecode {
         block_tables: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let (mut t0, mut t1, mut t2, mut t3) = (Vec::new(), Vec::new(), Vec::new(), Vec::<i32>::new());
-        let (positions, _) = int_array(positions, I64, &mut t0, i64s)?;
-        let (context_lens, _) = int_array(context_lens, I64, &mut t1, i64s)?;
+        let (positions, _) = int_array(positions, I64, 1, &mut t0, i64s)?;
+        let (context_lens, _) = int_array(context_lens, I64, 1, &mut t1, i64s)?;
         let ones;
         let num_tokens = match num_tokens {
-            Some(n) => int_array(n, I64, &mut t2, i64s)?.0,
+            Some(n) => int_array(n, I64, 1, &mut t2, i64s)?.0,
             None => {
                 ones = vec![1i64; positions.len()];
                 &ones
@@ -656,7 +668,7 @@ impl PyDecode {
     #[pyo3(signature = (row, ids, start_col=0))]
     fn write_block_table(&self, row: usize, ids: &Bound<'_, PyAny>, start_col: usize) -> PyResult<()> {
         let mut tmp = Vec::new();
-        let (ids, _) = int_array(ids, I32, &mut tmp, i32s)?;
+        let (ids, _) = int_array(ids, I32, 1, &mut tmp, i32s)?;
         self.lock()?.write_block_table(row, start_col, ids).map_err(lib_err)
     }
 
@@ -717,9 +729,9 @@ impl PyDecode {
         build: bool,
     ) -> PyResult<f64> {
         let (mut t0, mut t1, mut t2, mut t3) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let (positions, _) = int_array(positions, I64, &mut t0, i64s)?;
-        let (context_lens, _) = int_array(context_lens, I64, &mut t1, i64s)?;
-        let (num_tokens, _) = int_array(num_tokens, I64, &mut t2, i64s)?;
+        let (positions, _) = int_array(positions, I64, 1, &mut t0, i64s)?;
+        let (context_lens, _) = int_array(context_lens, I64, 1, &mut t1, i64s)?;
+        let (num_tokens, _) = int_array(num_tokens, I64, 1, &mut t2, i64s)?;
         let batch = flat_batch(positions, context_lens, num_tokens, block_tables, &mut t3)?;
         let mut step = self.lock()?;
         let start = std::time::Instant::now();
