@@ -44,7 +44,7 @@ fn plane_row(pool: &Pool, layer: usize, r: i64) -> u64 {
 fn bf16_row(rng: &mut Rng) -> Vec<u16> {
     (0..512)
         .map(|i| {
-            let mag = 2f32.powi((i / 64) as i32 % 7 - 3);
+            let mag = 2f32.powi(i / 64 % 7 - 3);
             let v = (rng.below(2001) as f32 / 1000.0 - 1.0) * mag;
             (v.to_bits() >> 16) as u16
         })
