@@ -16,8 +16,8 @@ import sys
 # Lowest first. A module may name only modules of a strictly lower layer.
 LAYERS = [
     ["checked", "profiling", "rng", "variant"],
-    ["geometry", "file"],
-    ["model", "index", "format"],
+    ["geometry", "file", "format"],
+    ["model", "index"],
     ["arena", "alloc", "kernels"],
     ["sizing", "boundary"],
     ["checkpoint"],

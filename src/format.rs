@@ -25,10 +25,87 @@
 //! e4m3, values `x / scale` rounded to nearest even e2m1 and saturated at 6 (a scale rounded down
 //! saturates at most one step). Values divide by the scale in f32 and round to nearest even.
 
-use crate::index::host::{e2m1_rne, e4m3_rne, e8m0_of_amax, e8m0_of_amax_e2m1};
-use crate::index::KV_ROW_VALUES;
 use crate::variant::VariantName;
 use thiserror::Error;
+
+/// Values of one KV row: 448 NoPE, then 64 RoPE (`crate::index::KV_ROW_VALUES` is this).
+pub const KV_ROW_VALUES: usize = 512;
+
+// ---- the scalar codecs every format (and the indexer's key formats) shares ----------------
+// The device kernels transcribe these integer for integer (kernels/kv_rows.cuh).
+
+/// The e8m0 byte of a tile whose largest finite magnitude has f32 bits `amax`: 0 for an
+/// all-zero tile, else the least `B` with `amax / 2^(B-127) <= 448` (the exponent of amax
+/// minus 8, plus one when its mantissa passes 1.75; 448 = 1.75 x 2^8), at least 1.
+pub fn e8m0_of_amax(amax: u32) -> u8 {
+    if amax == 0 {
+        return 0;
+    }
+    let b = (amax >> 23) as i32 - 8 + i32::from((amax & 0x7f_ffff) > 0x60_0000);
+    b.clamp(1, 254) as u8
+}
+
+/// f32 bits `u` as an e4m3fn byte, rounded to nearest even; magnitudes past 448 (and
+/// infinities) saturate to 448, NaN is `0x7f` with the sign, f32 subnormals a signed zero.
+pub fn e4m3_rne(u: u32) -> u8 {
+    let s = ((u >> 24) & 0x80) as u8;
+    let a = u & 0x7fff_ffff;
+    if a > 0x7f80_0000 {
+        return s | 0x7f;
+    }
+    if a >= 0x43e0_0000 {
+        return s | 0x7e;
+    }
+    let e = (a >> 23) as i32 - 127;
+    let (mut code, rem, half) = if e >= -6 {
+        ((((e + 7) as u32) << 3) | ((a & 0x7f_ffff) >> 20), a & 0xf_ffff, 0x8_0000u32)
+    } else {
+        if a >> 23 == 0 {
+            return s;
+        }
+        let m = (a & 0x7f_ffff) | 0x80_0000;
+        let sh = (14 - e) as u32; // value / 2^-9 = m >> sh, sh >= 21
+        if sh > 31 {
+            return s;
+        }
+        (m >> sh, m & ((1u32 << sh) - 1), 1u32 << (sh - 1))
+    };
+    if rem > half || (rem == half && code & 1 == 1) {
+        code += 1;
+    }
+    s | code.min(0x7e) as u8
+}
+
+/// The e8m0 byte of a group whose largest magnitude has f32 bits `amax`, fitting e2m1's 6: 0
+/// for an all-zero group, else the exponent of amax minus 2, plus one when its mantissa passes
+/// 1.5 (6 = 1.5 × 2^2), at least 1 (at most 253, for amax = inf).
+pub fn e8m0_of_amax_e2m1(amax: u32) -> u8 {
+    if amax == 0 {
+        return 0;
+    }
+    let b = (amax >> 23) as i32 - 2 + i32::from((amax & 0x7f_ffff) > 0x40_0000);
+    b.clamp(1, 253) as u8
+}
+
+/// f32 bits `u` as an e2m1 nibble (sign in bit 3), rounded to the nearest even code: codes
+/// 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; 6 and past (infinities, NaN) saturate to 6.
+pub fn e2m1_rne(u: u32) -> u8 {
+    let s = ((u >> 28) & 0x8) as u8;
+    let a = u & 0x7fff_ffff; // positive f32 bits order as their values
+                             // Upper midpoint of each code: even codes keep their tie (`<=`), odd ones pass it on.
+    const EDGES: [(u32, bool); 7] = [
+        (0x3e80_0000, true),  // 0.25
+        (0x3f40_0000, false), // 0.75
+        (0x3fa0_0000, true),  // 1.25
+        (0x3fe0_0000, false), // 1.75
+        (0x4020_0000, true),  // 2.5
+        (0x4060_0000, false), // 3.5
+        (0x40a0_0000, true),  // 5
+    ];
+    let code = EDGES.iter().position(|&(edge, even)| if even { a <= edge } else { a < edge }).unwrap_or(7);
+    s | code as u8
+}
+
 
 /// The formats, by name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -558,7 +635,6 @@ impl RowFormat {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::host::pack_fp8_row;
     use crate::rng::Rng;
 
     fn random_row(rng: &mut Rng) -> Vec<u16> {
@@ -580,19 +656,6 @@ mod tests {
             assert_eq!(RowFormatId::from_name(f.format().name), Ok(f));
         }
         assert!(matches!(RowFormatId::from_name("fp9"), Err(FormatError::Unknown { .. })));
-    }
-
-    #[test]
-    fn atom_fp8_is_the_kernel_pack_byte_for_byte() {
-        // The description of today's format reproduces the verified pack (kernel's formula).
-        let mut rng = Rng::new(7);
-        for _ in 0..64 {
-            let kv = random_row(&mut rng);
-            let (mut nope, mut rope) = (vec![0xa5u8; 512], vec![0x5au8; 128]);
-            pack_fp8_row(&kv, &mut nope, &mut rope).unwrap();
-            let got = RowFormatId::AtomFp8.format().pack(&kv).unwrap();
-            assert_eq!(got, vec![nope, rope]);
-        }
     }
 
     #[test]

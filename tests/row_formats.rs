@@ -199,3 +199,18 @@ fn flashmla_v4_pages_keep_data_before_scales() {
     // Two tokens of one page: data spans and scale spans apart.
     assert_eq!(p.row_spans(10, 2), Some(vec![(10 * 576, 2 * 576), (64 * 576 + 80, 16)]));
 }
+
+#[test]
+fn atom_fp8_description_is_the_kernel_pack_byte_for_byte() {
+    // The description of today's format reproduces the verified pack (the kernel's formula,
+    // `index::host::pack_fp8_row`) on random rows, all-zero tiles among them.
+    let mut rng = Rng(0x640);
+    for case in 0..64 {
+        let kv: Vec<u16> = (0..512)
+            .map(|i| if case % 5 == 0 && i < 64 { 0 } else { bf16(rng.unit() * 2f32.powi((i / 64) as i32 - 3)) })
+            .collect();
+        let (mut nope, mut rope) = (vec![0xa5u8; 512], vec![0x5au8; 128]);
+        v4pool::index::host::pack_fp8_row(&kv, &mut nope, &mut rope).unwrap();
+        assert_eq!(RowFormatId::AtomFp8.format().pack(&kv).unwrap(), vec![nope, rope], "case {case}");
+    }
+}

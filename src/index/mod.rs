@@ -278,7 +278,7 @@ pub struct RowScatterArgs {
 }
 
 /// Values in one KV row the model hands over: 448 NoPE, then 64 RoPE (head_dim 512).
-pub const KV_ROW_VALUES: usize = 512;
+pub const KV_ROW_VALUES: usize = crate::format::KV_ROW_VALUES;
 
 /// bf16 KV rows into the pool's row format (docs/forward.md): `kv[t]` (512 bf16: 448 NoPE
 /// values, then 64 RoPE) to row `dest_rows[t]` of the layer view, for every token whose batch id

@@ -15,7 +15,7 @@
 //! `amax` ignores NaN and counts infinities; NaN encodes as e4m3's NaN (`0x7f` with its sign)
 //! in FP8 and as 6 with its sign in FP4 (e2m1 has no NaN).
 
-use super::pack::{e4m3_rne, e8m0_of_amax};
+use crate::format::{e4m3_rne, e8m0_of_amax};
 use super::*;
 use crate::index::{INDEX_KEYS_BF16, INDEX_KEYS_FP4, INDEX_KEYS_FP8, INDEX_KEY_VALUES};
 
@@ -27,35 +27,7 @@ fn bf16_amax(x: &[u16]) -> u32 {
     x.iter().map(|&v| (u32::from(v) << 16) & 0x7fff_ffff).filter(|&m| m <= 0x7f80_0000).max().unwrap_or(0)
 }
 
-/// The e8m0 byte of a group whose largest magnitude has f32 bits `amax`, fitting e2m1's 6: 0
-/// for an all-zero group, else the exponent of amax minus 2, plus one when its mantissa passes
-/// 1.5 (6 = 1.5 × 2^2), at least 1 (at most 253, for amax = inf).
-pub fn e8m0_of_amax_e2m1(amax: u32) -> u8 {
-    if amax == 0 {
-        return 0;
-    }
-    let b = (amax >> 23) as i32 - 2 + i32::from((amax & 0x7f_ffff) > 0x40_0000);
-    b.clamp(1, 253) as u8
-}
-
-/// f32 bits `u` as an e2m1 nibble (sign in bit 3), rounded to the nearest even code: codes
-/// 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; 6 and past (infinities, NaN) saturate to 6.
-pub fn e2m1_rne(u: u32) -> u8 {
-    let s = ((u >> 28) & 0x8) as u8;
-    let a = u & 0x7fff_ffff; // positive f32 bits order as their values
-                             // Upper midpoint of each code: even codes keep their tie (`<=`), odd ones pass it on.
-    const EDGES: [(u32, bool); 7] = [
-        (0x3e80_0000, true),  // 0.25
-        (0x3f40_0000, false), // 0.75
-        (0x3fa0_0000, true),  // 1.25
-        (0x3fe0_0000, false), // 1.75
-        (0x4020_0000, true),  // 2.5
-        (0x4060_0000, false), // 3.5
-        (0x40a0_0000, true),  // 5
-    ];
-    let code = EDGES.iter().position(|&(edge, even)| if even { a <= edge } else { a < edge }).unwrap_or(7);
-    s | code as u8
-}
+pub use crate::format::{e2m1_rne, e8m0_of_amax_e2m1};
 
 /// One key row (128 bf16 values) in the FP8 format: 128 e4m3 bytes and the row's f32 scale
 /// (returned as its bits).

@@ -6,47 +6,7 @@ use super::gather::row_range;
 use super::*;
 use crate::index::{FP8_NOPE_ROW_BYTES, FP8_NOPE_VALUES, FP8_TILE, KV_ROW_VALUES, ROPE_ROW_BYTES};
 
-/// The e8m0 byte of a tile whose largest finite magnitude has f32 bits `amax`: 0 for an
-/// all-zero tile, else the least `B` with `amax / 2^(B-127) <= 448` (the exponent of amax
-/// minus 8, plus one when its mantissa passes 1.75; 448 = 1.75 x 2^8), at least 1.
-pub fn e8m0_of_amax(amax: u32) -> u8 {
-    if amax == 0 {
-        return 0;
-    }
-    let b = (amax >> 23) as i32 - 8 + i32::from((amax & 0x7f_ffff) > 0x60_0000);
-    b.clamp(1, 254) as u8
-}
-
-/// f32 bits `u` as an e4m3fn byte, rounded to nearest even; magnitudes past 448 (and
-/// infinities) saturate to 448, NaN is `0x7f` with the sign, f32 subnormals a signed zero.
-pub fn e4m3_rne(u: u32) -> u8 {
-    let s = ((u >> 24) & 0x80) as u8;
-    let a = u & 0x7fff_ffff;
-    if a > 0x7f80_0000 {
-        return s | 0x7f;
-    }
-    if a >= 0x43e0_0000 {
-        return s | 0x7e;
-    }
-    let e = (a >> 23) as i32 - 127;
-    let (mut code, rem, half) = if e >= -6 {
-        ((((e + 7) as u32) << 3) | ((a & 0x7f_ffff) >> 20), a & 0xf_ffff, 0x8_0000u32)
-    } else {
-        if a >> 23 == 0 {
-            return s;
-        }
-        let m = (a & 0x7f_ffff) | 0x80_0000;
-        let sh = (14 - e) as u32; // value / 2^-9 = m >> sh, sh >= 21
-        if sh > 31 {
-            return s;
-        }
-        (m >> sh, m & ((1u32 << sh) - 1), 1u32 << (sh - 1))
-    };
-    if rem > half || (rem == half && code & 1 == 1) {
-        code += 1;
-    }
-    s | code.min(0x7e) as u8
-}
+pub use crate::format::{e4m3_rne, e8m0_of_amax};
 
 /// One token's 512 bf16 values (`kv`, native-order bits: 448 NoPE, then 64 RoPE) as an fp8
 /// NoPE row (512 B: 448 e4m3, seven e8m0 scales each twice, zero padding) and a RoPE row
