@@ -207,7 +207,7 @@ fn atom_fp8_description_is_the_kernel_pack_byte_for_byte() {
     let mut rng = Rng(0x640);
     for case in 0..64 {
         let kv: Vec<u16> = (0..512)
-            .map(|i| if case % 5 == 0 && i < 64 { 0 } else { bf16(rng.unit() * 2f32.powi((i / 64) as i32 - 3)) })
+            .map(|i| if case % 5 == 0 && i < 64 { 0 } else { bf16(rng.unit() * 2f32.powi(i / 64 - 3)) })
             .collect();
         let (mut nope, mut rope) = (vec![0xa5u8; 512], vec![0x5au8; 128]);
         v4pool::index::host::pack_fp8_row(&kv, &mut nope, &mut rope).unwrap();
