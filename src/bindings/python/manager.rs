@@ -91,7 +91,7 @@ impl PyKvManager {
                 ))
             }
         };
-        let config = ManagerConfig { checkpoint_every, rolling, host_tier_bytes };
+        let config = ManagerConfig { checkpoint_every, rolling, host_tier_bytes, shared_tier: None };
         let m = py.detach(|| KvManager::new(pool, config, policy)).map_err(lib_err)?;
         Ok(PyKvManager { inner: Mutex::new(m), namespace: Namespace::from_label(namespace), _hold: hold })
     }
