@@ -31,12 +31,14 @@
 //! or [`KvManager::finish`]; per batch [`KvManager::complete_inflight`] after the batch's
 //! work has completed, and [`KvManager::rebalance`] once per step.
 
+mod events;
 pub mod hash;
 mod physical;
 pub mod policy;
 mod store;
 mod tier;
 
+pub use events::{KvEvent, Medium};
 pub use hash::{block_hash, chain_hashes, BlockHash, Namespace};
 pub use policy::{BlockGrowth, ElasticPolicy, FixedPolicy, PoolView, SplitPolicy};
 
@@ -217,6 +219,8 @@ pub struct KvManager {
     /// Blocks indexed since the last `complete_inflight`, published to the shared tier there
     /// (empty without one).
     publish: Vec<BlockHash>,
+    /// KV events recorded for a router (`None`: off, the default).
+    events: Option<events::EventLog>,
     stats: ManagerStats,
     /// Prompt tokens of every admission (resumptions included): what the cache could have
     /// served; `stats.hit_tokens` over this is the share of prompt work it did serve.
@@ -284,6 +288,7 @@ impl KvManager {
             tier,
             shared,
             publish: Vec::new(),
+            events: None,
             stats: ManagerStats::default(),
             admitted_tokens: 0,
         };
@@ -560,6 +565,13 @@ impl KvManager {
                 // With a host tier the block (and its checkpoint) is copied out before its
                 // ids are freed; the tables below change as without one.
                 let spilled = self.tier_spill_block(&b);
+                if let Some(h) = b.hash {
+                    let in_host = self.tier.as_ref().is_some_and(|t| t.holds(TierKey::Block(h)));
+                    self.event_removed(h, Medium::Gpu, !in_host);
+                    if in_host {
+                        self.event_stored(h, Medium::Cpu);
+                    }
+                }
                 // The checkpoint ending at this block is useless without it: unindex first,
                 // while the block node still links it.
                 let mut freed = 1;

@@ -134,6 +134,8 @@ pub(super) struct Req {
     pub(super) slot: Option<SlotLease>,
     /// The hash of this request's latest rolling checkpoint.
     pub(super) rolling: Option<BlockHash>,
+    /// Its tokens as the engine recorded them (`record_tokens`; only while events are on).
+    pub(super) tokens: Vec<u32>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -150,7 +152,7 @@ impl KvManager {
             .and_then(|s| s.req.as_ref())
             .ok_or(ManagerError::UnknownRequest(id))
     }
-    fn req_mut(&mut self, id: RequestId) -> Result<&mut Req, ManagerError> {
+    pub(super) fn req_mut(&mut self, id: RequestId) -> Result<&mut Req, ManagerError> {
         self.requests
             .get_mut(id.index as usize)
             .filter(|s| s.generation == id.generation)
@@ -170,6 +172,7 @@ impl KvManager {
             computed: 0,
             slot: None,
             rolling: None,
+            tokens: Vec::new(),
         };
         let index = match self.free_requests.pop() {
             Some(i) => i,
@@ -443,7 +446,7 @@ impl KvManager {
     fn index_blocks(&mut self, id: RequestId) -> Result<(), ManagerError> {
         let bs = self.block_size;
         // Field borrows, not `req_mut`: this runs once per committed block.
-        let KvManager { requests, index, nodes, tier, shared, publish, .. } = self;
+        let KvManager { requests, index, nodes, tier, shared, publish, events, .. } = self;
         let r = requests
             .get_mut(id.index as usize)
             .filter(|s| s.generation == id.generation)
@@ -456,11 +459,18 @@ impl KvManager {
                 e.insert(b);
                 nodes.block_mut(b).hash = Some(h);
                 // Recomputed while a copy sat in the host tier: HBM's is the one kept.
-                if let Some(t) = tier.as_mut() {
-                    t.forget_block(h);
-                }
+                let was_host = tier.as_mut().is_some_and(|t| t.forget_block(h));
                 if shared.is_some() {
                     publish.push(h);
+                }
+                if let Some(l) = events.as_mut() {
+                    if was_host {
+                        l.removed(h, super::Medium::Cpu);
+                    }
+                    let bs = bs as usize;
+                    let tokens = r.tokens.get(i * bs..(i + 1) * bs).unwrap_or(&[]);
+                    l.learn(h, i.checked_sub(1).map(|p| r.hashes[p]), tokens);
+                    l.stored(h, super::Medium::Gpu);
                 }
             }
         }

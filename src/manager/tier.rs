@@ -34,7 +34,7 @@
 //! refused as corrupt) ends the restore there. Either way the hit is shorter, never wrong,
 //! and nothing stays allocated that the tables do not hold.
 
-use super::{BlockHash, BlockNode, CkptState, Holder, KvManager, ManagerError, ManagerStats, Node, NIL};
+use super::{BlockHash, BlockNode, CkptState, Holder, KvManager, ManagerError, ManagerStats, Medium, Node, NIL};
 use crate::alloc::BlockHandle;
 use crate::pool::Pool;
 use crate::transfer::{EntryKind, HostTier, HostTierError, SharedKey, SharedTier};
@@ -223,9 +223,9 @@ impl ManagerTier {
         held
     }
 
-    /// Drop the host copy of block `h` (HBM holds it again).
-    pub(super) fn forget_block(&mut self, h: BlockHash) {
-        self.forget(TierKey::Block(h));
+    /// Drop the host copy of block `h` (HBM holds it again); whether there was one.
+    pub(super) fn forget_block(&mut self, h: BlockHash) -> bool {
+        self.forget(TierKey::Block(h))
     }
 
     /// Drop the host copy of the checkpoint ending at `h`.
@@ -238,7 +238,7 @@ impl ManagerTier {
         self.host.is_empty()
     }
 
-    fn holds(&self, key: TierKey) -> bool {
+    pub(super) fn holds(&self, key: TierKey) -> bool {
         self.host.contains(&key)
     }
 }
@@ -251,6 +251,12 @@ impl KvManager {
         let keys = t.host.lru_order();
         for &k in &keys {
             t.forget(k);
+        }
+        for &k in &keys {
+            if let TierKey::Block(h) = k {
+                // A host block is never in HBM too: it is gone from every local tier.
+                self.event_removed(h, Medium::Cpu, true);
+            }
         }
         keys.len() as u64
     }
@@ -269,6 +275,7 @@ impl KvManager {
             Err(e) => return Err(e.into()),
         };
         t.count(key, true);
+        let mut dropped = Vec::new();
         for k in evicted {
             t.count(k, false);
             stats.tier_host_evictions += 1;
@@ -277,9 +284,13 @@ impl KvManager {
                 if t.forget(TierKey::Ckpt(h)) {
                     stats.tier_host_evictions += 1;
                 }
+                dropped.push(h);
             }
         }
         stats.tier_spilled_bytes += units.len() as u64 * t.host.unit_bytes();
+        for h in dropped {
+            self.event_removed(h, Medium::Cpu, true);
+        }
         Ok(true)
     }
 
@@ -436,7 +447,10 @@ impl KvManager {
         let mut failed = None;
         // The first hash whose block did not come back.
         let mut missing = None;
+        // For the events: (index in the hit, whether it came from the host tier).
+        let mut came = Vec::new();
         for (i, (&h, _)) in hashes.iter().zip(nodes).enumerate().filter(|(_, (_, &b))| b == NIL) {
+            let from_host = self.tier.as_ref().is_some_and(|t| t.holds(TierKey::Block(h)));
             match self.tier_take(TierKey::Block(h)) {
                 Ok(Some(units)) => {
                     let node = self.nodes.insert(Node::Block(BlockNode {
@@ -448,6 +462,7 @@ impl KvManager {
                     self.set_holder(units[0].id, Holder::Block(node));
                     self.index.insert(h, node);
                     restored.push(node);
+                    came.push((i, from_host));
                 }
                 Ok(None) => {
                     missing = Some(i);
@@ -483,6 +498,21 @@ impl KvManager {
         // Deepest first, as `unref` lists them.
         for &b in restored.iter().rev() {
             self.nodes.touch(b);
+        }
+        if let Some(l) = self.events.as_mut() {
+            // What left the host tier, then everything now in HBM (one event each, in chain order).
+            for &(i, _) in came.iter().filter(|c| c.1) {
+                l.removed(hashes[i], Medium::Cpu);
+            }
+            for &(i, _) in &came {
+                let h = hashes[i];
+                // A block from the shared tier is another engine's: its parent is the chain's,
+                // its tokens unknown here.
+                if !l.knows(h) {
+                    l.learn(h, i.checked_sub(1).map(|p| hashes[p]), &[]);
+                }
+                l.stored(h, Medium::Gpu);
+            }
         }
         match (failed, missing) {
             (Some(e), _) => Err(e),
@@ -577,7 +607,10 @@ impl KvManager {
             Ok(_) => {
                 stats.shared_published_bytes += units.len() as u64 * s.unit_bytes();
                 match key {
-                    TierKey::Block(_) => stats.shared_published_blocks += 1,
+                    TierKey::Block(h) => {
+                        stats.shared_published_blocks += 1;
+                        self.event_stored(h, Medium::Storage);
+                    }
                     TierKey::Ckpt(_) => stats.shared_published_checkpoints += 1,
                 }
                 Ok(())
