@@ -5,7 +5,8 @@
 
 /// wyhash's four secret constants: the multiply-fold mixing of the block hashes
 /// (`manager::hash`) and of the shared tier's checksum (`transfer::shared_tier`).
-pub(crate) const WY: [u64; 4] = [0xa076_1d64_78bd_642f, 0xe703_7ed1_a0b4_28db, 0x8ebc_6af0_9c88_c6e3, 0x5899_65cc_7537_4cc3];
+pub(crate) const WY: [u64; 4] =
+    [0xa076_1d64_78bd_642f, 0xe703_7ed1_a0b4_28db, 0x8ebc_6af0_9c88_c6e3, 0x5899_65cc_7537_4cc3];
 
 /// wyhash's folded 64×64→128 multiply: the high and low halves of the product xor-ed.
 #[inline]

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use tier_common::manager_common::*;
 use tier_common::*;
 use v4pool::backend::host::HostBackend;
-use v4pool::events::{wire_hash, EventEncoding, EventsError, KvEventPublisher, KvEventSubscriber, KvEventsConfig};
+use v4pool::events::{
+    wire_hash, EventEncoding, EventsError, KvEventPublisher, KvEventSubscriber, KvEventsConfig,
+};
 use v4pool::manager::{BlockHash, FixedPolicy, KvEvent, KvManager, ManagerConfig, Medium};
 use v4pool::transfer::SharedTierConfig;
 use v4pool::VariantName;
@@ -29,7 +31,10 @@ fn zmq_or_skip(test: &str) -> bool {
     match v4pool::events::zmq::unavailable_reason() {
         None => true,
         Some(why) => {
-            assert!(std::env::var("V4POOL_REQUIRE_ZMQ").as_deref() != Ok("1"), "{test}: V4POOL_REQUIRE_ZMQ=1 but {why}");
+            assert!(
+                std::env::var("V4POOL_REQUIRE_ZMQ").as_deref() != Ok("1"),
+                "{test}: V4POOL_REQUIRE_ZMQ=1 but {why}"
+            );
             println!("SKIP: {test}: {why}");
             false
         }
@@ -99,8 +104,14 @@ fn the_manager_reports_each_tier_s_blocks_with_parents_and_tokens() {
     let mut want = hs.clone();
     want.sort();
     assert_eq!(sorted, want, "{ev:?}");
-    let cpu: Vec<&KvEvent> = ev.iter().filter(|e| matches!(e, KvEvent::Stored { medium: Medium::Cpu, .. })).collect();
-    assert_eq!(cpu.iter().map(|e| if let KvEvent::Stored { hashes, .. } = e { hashes.len() } else { 0 }).sum::<usize>(), 5);
+    let cpu: Vec<&KvEvent> =
+        ev.iter().filter(|e| matches!(e, KvEvent::Stored { medium: Medium::Cpu, .. })).collect();
+    assert_eq!(
+        cpu.iter()
+            .map(|e| if let KvEvent::Stored { hashes, .. } = e { hashes.len() } else { 0 })
+            .sum::<usize>(),
+        5
+    );
     for e in cpu {
         // Spilled blocks keep their parents and tokens.
         let KvEvent::Stored { hashes: h, parent, tokens: tk, .. } = e else { unreachable!() };
@@ -114,7 +125,9 @@ fn the_manager_reports_each_tier_s_blocks_with_parents_and_tokens() {
     let ev = m.drain_events();
     assert_eq!(ev.len(), 2, "one removal from the host tier, one store in HBM");
     assert!(matches!(&ev[0], KvEvent::Removed { medium: Medium::Cpu, hashes } if *hashes == hs));
-    assert!(matches!(&ev[1], KvEvent::Stored { medium: Medium::Gpu, hashes, parent: None, tokens } if *hashes == hs && tokens[..] == t[..1280]));
+    assert!(
+        matches!(&ev[1], KvEvent::Stored { medium: Medium::Gpu, hashes, parent: None, tokens } if *hashes == hs && tokens[..] == t[..1280])
+    );
     m.finish(b).unwrap();
     m.complete_inflight().unwrap();
     // Clearing the host tier removes what it held; an engine's reset is AllCleared.
@@ -191,7 +204,12 @@ fn s(x: &str) -> V {
 fn events() -> Vec<KvEvent> {
     let h = |x: u128| BlockHash(x << 64 | x);
     vec![
-        KvEvent::Stored { hashes: vec![h(7), h(8)], parent: Some(h(6)), tokens: (0..8).collect(), medium: Medium::Gpu },
+        KvEvent::Stored {
+            hashes: vec![h(7), h(8)],
+            parent: Some(h(6)),
+            tokens: (0..8).collect(),
+            medium: Medium::Gpu,
+        },
         KvEvent::Stored { hashes: vec![h(9)], parent: None, tokens: Vec::new(), medium: Medium::Storage },
         KvEvent::Removed { hashes: vec![h(7)], medium: Medium::Cpu },
         KvEvent::AllCleared,
@@ -223,10 +241,12 @@ fn want_events(enc: EventEncoding) -> Vec<V> {
 
 fn shape(enc: EventEncoding, tag: &str, fields: Vec<(&str, V)>) -> V {
     match enc {
-        EventEncoding::TaggedArray => V::A(std::iter::once(s(tag)).chain(fields.into_iter().map(|f| f.1)).collect()),
-        EventEncoding::TaggedMap => {
-            V::M(std::iter::once((s("type"), s(tag))).chain(fields.into_iter().map(|(k, v)| (s(k), v))).collect())
+        EventEncoding::TaggedArray => {
+            V::A(std::iter::once(s(tag)).chain(fields.into_iter().map(|f| f.1)).collect())
         }
+        EventEncoding::TaggedMap => V::M(
+            std::iter::once((s("type"), s(tag))).chain(fields.into_iter().map(|(k, v)| (s(k), v))).collect(),
+        ),
     }
 }
 
@@ -280,7 +300,11 @@ fn published_batches_arrive_in_order_and_replay() {
             ..KvEventsConfig::default()
         };
         let mut p = KvEventPublisher::new(config).unwrap();
-        assert!(p.endpoint().starts_with("tcp://127.0.0.1:") && !p.endpoint().ends_with('*'), "{}", p.endpoint());
+        assert!(
+            p.endpoint().starts_with("tcp://127.0.0.1:") && !p.endpoint().ends_with('*'),
+            "{}",
+            p.endpoint()
+        );
         let sub = joined(&mut p, "kv@");
         let first = p.next_seq();
         assert_eq!(p.publish(&[]).unwrap(), None, "an empty batch is not sent");
@@ -312,7 +336,8 @@ fn a_manager_s_events_reach_a_subscriber() {
     if !zmq_or_skip("a_manager_s_events_reach_a_subscriber") {
         return;
     }
-    let mut m = KvManager::new(small_pool(host(), 24), config(2, true), Box::new(FixedPolicy { slots: 3 })).unwrap();
+    let mut m =
+        KvManager::new(small_pool(host(), 24), config(2, true), Box::new(FixedPolicy { slots: 3 })).unwrap();
     m.enable_events(true);
     let config = KvEventsConfig {
         endpoint: "tcp://127.0.0.1:*".into(),
@@ -363,7 +388,8 @@ fn child_without_zmq() {
     assert_eq!(e.variant_name(), "ZmqUnavailable", "{e}");
     assert!(KvEventSubscriber::connect("tcp://127.0.0.1:1", "").is_err());
     // The manager still records (publishing is what needs the library).
-    let mut m = KvManager::new(small_pool(host(), 24), config(2, true), Box::new(FixedPolicy { slots: 3 })).unwrap();
+    let mut m =
+        KvManager::new(small_pool(host(), 24), config(2, true), Box::new(FixedPolicy { slots: 3 })).unwrap();
     m.enable_events(true);
     conversation(&mut m, 4);
     assert!(!m.drain_events().is_empty());

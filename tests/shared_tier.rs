@@ -237,7 +237,8 @@ fn foreign_other_key_and_half_written_entries_are_misses() {
     let foreign_pool = carved(state_pool_ring(host(), 24, 13));
     assert_ne!(foreign_pool.layout_id(), a.pool().layout_id());
     let mut ft = SharedTier::new(&foreign_pool, &shared_config(&other.0, 64 << 20)).unwrap();
-    let blocks: Vec<BlockHandle> = (0..a.units_per_checkpoint()).map(|_| foreign_pool.alloc_block().unwrap().handle).collect();
+    let blocks: Vec<BlockHandle> =
+        (0..a.units_per_checkpoint()).map(|_| foreign_pool.alloc_block().unwrap().handle).collect();
     assert!(ft.publish(&foreign_pool, ck, &blocks).unwrap());
     let foreign_file = ft.path_of(&ck);
     assert_ne!(foreign_file.parent(), path.parent(), "layouts share a folder");
@@ -407,7 +408,10 @@ fn unit_ranges(pool: &Pool, id: u32) -> Vec<(u64, u64)> {
     if let Some(base) = pool.indexer_ptr() {
         for (parts, &off) in pool.indexer_parts().iter().zip(pool.indexer_offsets()) {
             for part in parts {
-                out.push((base + off + part.offset(u64::from(id), pool.indexer_blocks()).unwrap(), part.block_bytes));
+                out.push((
+                    base + off + part.offset(u64::from(id), pool.indexer_blocks()).unwrap(),
+                    part.block_bytes,
+                ));
             }
         }
     }
@@ -452,7 +456,9 @@ fn two_writers_of_one_key_and_a_reader_in_three_processes() {
                     seen[w] += 1;
                     pool.free_block(blocks[0]).unwrap();
                 }
-                Err(HostTierError::NotHeld | HostTierError::Corrupt { .. } | HostTierError::Io { .. }) => misses += 1,
+                Err(HostTierError::NotHeld | HostTierError::Corrupt { .. } | HostTierError::Io { .. }) => {
+                    misses += 1
+                }
                 Err(e) => panic!("key {k}: {e}"),
             }
         }
@@ -465,7 +471,12 @@ fn two_writers_of_one_key_and_a_reader_in_three_processes() {
     }
     let c = pool.counts().unwrap();
     assert_eq!(c.free_blocks, c.num_blocks, "the reader leaked blocks");
-    println!("reader: {} restores of writer 1, {} of writer 2, {misses} misses; {:?}", seen[0], seen[1], t.stats());
+    println!(
+        "reader: {} restores of writer 1, {} of writer 2, {misses} misses; {:?}",
+        seen[0],
+        seen[1],
+        t.stats()
+    );
     assert!(seen[0] + seen[1] > 0, "the reader never restored anything");
     // Once both are done every entry is whole: one writer's bytes.
     for k in 0..WRITER_KEYS {

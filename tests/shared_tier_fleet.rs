@@ -136,7 +136,8 @@ fn reader(dir: &Path, n: u64, seed: u64, mtp: usize) -> String {
 }
 
 fn field<'a>(line: &'a str, name: &str) -> &'a str {
-    let at = line.find(&format!("{name}=")).unwrap_or_else(|| panic!("{name} not in {line}")) + name.len() + 1;
+    let at =
+        line.find(&format!("{name}=")).unwrap_or_else(|| panic!("{name} not in {line}")) + name.len() + 1;
     line[at..].split_whitespace().next().unwrap()
 }
 
@@ -162,7 +163,12 @@ fn a_prefix_committed_in_one_process_restores_in_another() {
         let seed = 0x35_0000 + i as u64;
         let (writer, want) = commit_prefix(&dir.0, n, seed);
         // Two pools at once in two processes, except at 1M (memory: see the module docs).
-        let writer = if n >= 1 << 20 { drop(writer); None } else { Some(writer) };
+        let writer = if n >= 1 << 20 {
+            drop(writer);
+            None
+        } else {
+            Some(writer)
+        };
         let line = reader(&dir.0, n, seed, 1);
         println!("{line}");
         assert_eq!(field(&line, "hit"), n.to_string(), "{line}");
@@ -186,7 +192,9 @@ fn refusals(dir: &Path, n: u64, seed: u64) {
     assert_eq!(field(&line, "hit"), "0", "{line}");
     println!("another layout: {line}");
     let pool = engine(dir, n, 1).pool().clone();
-    let tier = SharedTier::new(&pool, &SharedTierConfig { dir: dir.into(), budget_bytes: 1 << 40, sync: false }).unwrap();
+    let tier =
+        SharedTier::new(&pool, &SharedTierConfig { dir: dir.into(), budget_bytes: 1 << 40, sync: false })
+            .unwrap();
     let hs = hashes(&tokens(seed, n)[..n as usize]);
     let mid = tier.path_of(&SharedKey { kind: EntryKind::Block, hash: hs[hs.len() / 2].0 });
     let mut bytes = std::fs::read(&mid).unwrap();

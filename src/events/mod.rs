@@ -102,7 +102,10 @@ impl Default for KvEventsConfig {
 
 /// vLLM's rule: bind a wildcard or local endpoint, connect to anything else.
 fn binds(endpoint: &str) -> bool {
-    endpoint.contains('*') || endpoint.contains("::") || endpoint.starts_with("ipc://") || endpoint.starts_with("inproc://")
+    endpoint.contains('*')
+        || endpoint.contains("::")
+        || endpoint.starts_with("ipc://")
+        || endpoint.starts_with("inproc://")
 }
 
 /// The replay marker that ends an answer: -1 as 8 bytes big-endian.
@@ -209,7 +212,9 @@ impl KvEventPublisher {
         if events.is_empty() {
             return Ok(None);
         }
-        let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        let ts = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
         let c = &self.config;
         let payload: Arc<[u8]> = encode_batch(ts, events, c.dp_rank, c.encoding, c.block_size).into();
         let seq = self.seq;
@@ -280,8 +285,10 @@ pub struct KvEventSubscriber {
 const MAX_FRAME: usize = 64 << 20;
 
 fn split(frames: Vec<Vec<u8>>) -> Result<EventMessage, EventsError> {
-    let [topic, seq, payload]: [Vec<u8>; 3] = frames.try_into().map_err(|_| EventsError::BadReplay("not 3 frames"))?;
-    let seq = <[u8; 8]>::try_from(seq.as_slice()).map_err(|_| EventsError::BadReplay("a seq of other than 8 bytes"))?;
+    let [topic, seq, payload]: [Vec<u8>; 3] =
+        frames.try_into().map_err(|_| EventsError::BadReplay("not 3 frames"))?;
+    let seq = <[u8; 8]>::try_from(seq.as_slice())
+        .map_err(|_| EventsError::BadReplay("a seq of other than 8 bytes"))?;
     Ok((topic, u64::from_be_bytes(seq), payload))
 }
 
@@ -305,7 +312,12 @@ impl KvEventSubscriber {
 
     /// Ask the replay socket at `endpoint` for every buffered batch from `start`; the
     /// batches in order (waits at most `timeout_ms` for each frame).
-    pub fn replay(&self, endpoint: &str, start: u64, timeout_ms: i32) -> Result<Vec<EventMessage>, EventsError> {
+    pub fn replay(
+        &self,
+        endpoint: &str,
+        start: u64,
+        timeout_ms: i32,
+    ) -> Result<Vec<EventMessage>, EventsError> {
         let d = self.ctx.socket(zmq::DEALER)?;
         d.set_recv_timeout(timeout_ms)?;
         d.connect(endpoint)?;

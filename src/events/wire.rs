@@ -131,7 +131,13 @@ fn event(out: &mut Vec<u8>, e: &KvEvent, enc: EventEncoding, block_size: u32) {
 }
 
 /// The MessagePack of one batch: `[ts, [events…], dp_rank]`.
-pub fn encode_batch(ts: f64, events: &[KvEvent], dp_rank: u32, enc: EventEncoding, block_size: u32) -> Vec<u8> {
+pub fn encode_batch(
+    ts: f64,
+    events: &[KvEvent],
+    dp_rank: u32,
+    enc: EventEncoding,
+    block_size: u32,
+) -> Vec<u8> {
     let mut out = Vec::with_capacity(64 + events.len() * 32);
     ok(encode::write_array_len(&mut out, 3));
     ok(encode::write_f64(&mut out, ts));

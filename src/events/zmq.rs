@@ -197,7 +197,9 @@ impl Socket {
 
     fn set_int(&self, opt: c_int, v: c_int) -> Result<(), EventsError> {
         // SAFETY: a live socket; the option value is a C int of the size given.
-        let rc = unsafe { (self.z.setsockopt)(self.s, opt, (&v as *const c_int).cast(), std::mem::size_of::<c_int>()) };
+        let rc = unsafe {
+            (self.z.setsockopt)(self.s, opt, (&v as *const c_int).cast(), std::mem::size_of::<c_int>())
+        };
         self.check("zmq_setsockopt", rc).map(drop)
     }
 
@@ -271,7 +273,8 @@ impl Socket {
             let mut more: c_int = 0;
             let mut len = std::mem::size_of::<c_int>();
             // SAFETY: a live socket; `more` is a C int of `len` bytes.
-            let rc = unsafe { (self.z.getsockopt)(self.s, RCVMORE, (&mut more as *mut c_int).cast(), &mut len) };
+            let rc =
+                unsafe { (self.z.getsockopt)(self.s, RCVMORE, (&mut more as *mut c_int).cast(), &mut len) };
             self.check("zmq_getsockopt", rc)?;
             if more == 0 {
                 return Ok(frames);

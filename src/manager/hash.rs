@@ -39,7 +39,6 @@ const K1: u64 = WY[1];
 const K2: u64 = WY[2];
 const K3: u64 = WY[3];
 
-
 /// Two independent 64-bit lanes, each a wyhash-style absorb of 64-bit words.
 struct Mixer {
     a: u64,

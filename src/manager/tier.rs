@@ -34,7 +34,9 @@
 //! refused as corrupt) ends the restore there. Either way the hit is shorter, never wrong,
 //! and nothing stays allocated that the tables do not hold.
 
-use super::{BlockHash, BlockNode, CkptState, Holder, KvManager, ManagerError, ManagerStats, Medium, Node, NIL};
+use super::{
+    BlockHash, BlockNode, CkptState, Holder, KvManager, ManagerError, ManagerStats, Medium, Node, NIL,
+};
 use crate::alloc::BlockHandle;
 use crate::pool::Pool;
 use crate::transfer::{EntryKind, HostTier, HostTierError, SharedKey, SharedTier};
@@ -173,7 +175,12 @@ impl Tier<TierKey> for SharedTier {
     fn evict(&mut self, key: &TierKey) -> bool {
         SharedTier::evict(self, &key.shared())
     }
-    fn spill(&mut self, pool: &Pool, key: TierKey, blocks: &[BlockHandle]) -> Result<Vec<TierKey>, HostTierError> {
+    fn spill(
+        &mut self,
+        pool: &Pool,
+        key: TierKey,
+        blocks: &[BlockHandle],
+    ) -> Result<Vec<TierKey>, HostTierError> {
         self.publish(pool, key.shared(), blocks).map(|_| Vec::new())
     }
     fn restore(&mut self, pool: &Pool, key: &TierKey) -> Result<Vec<BlockHandle>, HostTierError> {
@@ -361,7 +368,8 @@ impl KvManager {
 
     /// Whether the host tier, else the shared tier, holds `key`.
     fn lower_holds(&self, key: TierKey) -> bool {
-        self.tier.as_ref().is_some_and(|t| t.holds(key)) || self.shared.as_ref().is_some_and(|s| s.contains(&key))
+        self.tier.as_ref().is_some_and(|t| t.holds(key))
+            || self.shared.as_ref().is_some_and(|s| s.contains(&key))
     }
 
     /// Bring the host part of the longest hit among `hashes` back into HBM (see the module

@@ -43,6 +43,7 @@
 pub mod bench;
 pub mod cost;
 pub mod engine;
+pub mod fleet;
 mod policy;
 pub mod report;
 pub mod trace;
@@ -183,6 +184,9 @@ pub enum SimConfigError {
     /// A time-mode figure that is not a finite positive number.
     #[error("{0} {1} is not a finite positive number")]
     Time(&'static str, f64),
+    /// A fleet (or anything that needs a clock) was asked to run counting steps.
+    #[error("this run needs time mode (a step-cost model and a horizon)")]
+    NotInTime,
 }
 
 impl VariantName for SimConfigError {
@@ -194,6 +198,7 @@ impl VariantName for SimConfigError {
             DecodeBuffers { .. } => "DecodeBuffers",
             Decode(e) => e.variant_name(),
             Time(_, _) => "Time",
+            NotInTime => "NotInTime",
         }
     }
 

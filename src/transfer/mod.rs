@@ -32,8 +32,10 @@ pub use crate::pool::regions;
 pub use engine::{coalesce, LocalEngine, MemRegion, RegionId, Span, TransferEngine, TransferTicket};
 pub use handoff::{handoff, Endpoint, HandoffError, HandoffPlan, Rebound, RequestKv, WireShape};
 pub use host_tier::{HostTier, HostTierError};
-pub use shared_tier::{EntryKind, SharedKey, SharedTier, SharedTierConfig, SharedTierStats, StdFs, TierIo, TierReader};
 pub use regions::*;
+pub use shared_tier::{
+    EntryKind, SharedKey, SharedTier, SharedTierConfig, SharedTierStats, StdFs, TierIo, TierReader,
+};
 
 impl TransferRegion {
     /// The region as a transfer library registers it: absolute address, length and item

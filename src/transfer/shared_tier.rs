@@ -371,7 +371,8 @@ impl SharedTier {
         let tier_dir = config.dir.join(TIER_DIR);
         let digest = checksum(layout.as_str().as_bytes());
         let layout_dir = tier_dir.join(format!("{:016x}", digest as u64));
-        let meta = fs::metadata(&config.dir).map_err(|source| HostTierError::Io { op: "stat the tier directory", source })?;
+        let meta = fs::metadata(&config.dir)
+            .map_err(|source| HostTierError::Io { op: "stat the tier directory", source })?;
         if !meta.is_dir() {
             let source = io::Error::new(io::ErrorKind::NotADirectory, config.dir.display().to_string());
             return Err(HostTierError::Io { op: "stat the tier directory", source });
@@ -439,9 +440,8 @@ impl SharedTier {
     /// header; the contents are checked when it is read).
     pub fn contains(&self, key: &SharedKey) -> bool {
         let head = self.head_bytes();
-        fs::metadata(self.path_of(key)).is_ok_and(|m| {
-            m.is_file() && m.len() > head && (m.len() - head) % self.unit_bytes.max(1) == 0
-        })
+        fs::metadata(self.path_of(key))
+            .is_ok_and(|m| m.is_file() && m.len() > head && (m.len() - head) % self.unit_bytes.max(1) == 0)
     }
 
     /// Mark `key` as just used (its mtime set to now: the fleet's LRU); whether it is there.
@@ -502,7 +502,12 @@ impl SharedTier {
     /// the pool; their bytes must be complete (the manager publishes after the batch that
     /// wrote them has completed). A failure writes nothing (a temporary file is removed) and
     /// leaves the pool as it was.
-    pub fn publish(&mut self, pool: &Pool, key: SharedKey, blocks: &[BlockHandle]) -> Result<bool, HostTierError> {
+    pub fn publish(
+        &mut self,
+        pool: &Pool,
+        key: SharedKey,
+        blocks: &[BlockHandle],
+    ) -> Result<bool, HostTierError> {
         let parts = self.check_pool(pool)?;
         if self.contains(&key) {
             self.touch(&key);
@@ -517,7 +522,11 @@ impl SharedTier {
         let bytes = u64::from(units) * self.unit_bytes;
         if bytes + self.head_bytes() > self.budget {
             let capacity = self.capacity_units();
-            return Err(HostTierError::TooLarge { units: blocks.len(), unit_bytes: self.unit_bytes, capacity });
+            return Err(HostTierError::TooLarge {
+                units: blocks.len(),
+                unit_bytes: self.unit_bytes,
+                capacity,
+            });
         }
         let host = self.staging(pool, bytes)?.ptr();
         {
@@ -527,7 +536,8 @@ impl SharedTier {
             // SAFETY: the staging buffer holds `bytes` (grown above) from this pool's
             // backend's `alloc_host` and nothing else uses it until the stream is
             // synchronised below; the ids are this pool's live blocks, the boundary pinned.
-            let queued = unsafe { copy_units(pool.backend().as_ref(), pool.stream(), &parts, host, &ids, true) };
+            let queued =
+                unsafe { copy_units(pool.backend().as_ref(), pool.stream(), &parts, host, &ids, true) };
             let finished = pool.backend().synchronize(pool.stream()).map_err(PoolError::from);
             queued.and(finished)?;
         }
@@ -542,7 +552,10 @@ impl SharedTier {
         }
         self.seq += 1;
         let tmp = dir.join(format!("{TEMP}{}-{}-{}", key.name(), std::process::id(), self.seq));
-        let written = self.io.write_file(&tmp, &head, body, self.sync).and_then(|()| fs::rename(&tmp, self.path_of(&key)));
+        let written = self
+            .io
+            .write_file(&tmp, &head, body, self.sync)
+            .and_then(|()| fs::rename(&tmp, self.path_of(&key)));
         if let Err(e) = written {
             let _ = fs::remove_file(&tmp);
             return Err(self.io_error("write the entry", e));
@@ -589,7 +602,8 @@ impl SharedTier {
             // SAFETY: the staging buffer holds the entry's payload (`units` units, read
             // above) from this pool's backend's `alloc_host`, untouched until the stream is
             // synchronised below; the ids are the blocks just allocated, the boundary pinned.
-            let queued = unsafe { copy_units(pool.backend().as_ref(), pool.stream(), &parts, host, &ids, false) };
+            let queued =
+                unsafe { copy_units(pool.backend().as_ref(), pool.stream(), &parts, host, &ids, false) };
             let finished = pool.backend().synchronize(pool.stream()).map_err(PoolError::from);
             Ok(queued.and(finished)?)
         });
@@ -606,7 +620,12 @@ impl SharedTier {
     }
 
     /// Read and check `key`'s entry from `file` into the staging buffer; its unit count.
-    fn read_entry(&mut self, pool: &Pool, key: &SharedKey, file: &mut dyn TierReader) -> Result<usize, HostTierError> {
+    fn read_entry(
+        &mut self,
+        pool: &Pool,
+        key: &SharedKey,
+        file: &mut dyn TierReader,
+    ) -> Result<usize, HostTierError> {
         let corrupt = |stats: &mut SharedTierStats, what: &'static str| {
             stats.corrupt += 1;
             HostTierError::Corrupt { what }

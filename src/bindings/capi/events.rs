@@ -98,7 +98,8 @@ pub unsafe extern "C" fn v4pool_block_hashes(
 ) -> V4poolStatus {
     guard(|| {
         // SAFETY: forwarded promises.
-        let label = unsafe { text(namespace_label, "namespace_label") }?.ok_or_else(|| invalid("namespace_label is null"))?;
+        let label = unsafe { text(namespace_label, "namespace_label") }?
+            .ok_or_else(|| invalid("namespace_label is null"))?;
         // SAFETY: forwarded promise.
         let tokens = unsafe { items(tokens, n_tokens, "tokens") }?;
         if block_size == 0 {
@@ -110,7 +111,11 @@ pub unsafe extern "C" fn v4pool_block_hashes(
         let len = out(out_len, "out_len")?;
         *len = hs.len();
         if hs.len() > out_cap {
-            return Err((V4poolStatus::InvalidArgument, "TooSmall".into(), format!("{} hashes, room for {out_cap}", hs.len())));
+            return Err((
+                V4poolStatus::InvalidArgument,
+                "TooSmall".into(),
+                format!("{} hashes, room for {out_cap}", hs.len()),
+            ));
         }
         if !hs.is_empty() {
             // SAFETY: `out_hashes` holds `out_cap` ≥ `hs.len()` writable hashes.
@@ -216,7 +221,12 @@ pub unsafe extern "C" fn v4pool_events_stored(
         // SAFETY: null or readable.
         let parent = unsafe { parent.as_ref() }.map(|p| p.hash());
         let medium = medium(medium_code)?;
-        e.pending.push(KvEvent::Stored { hashes: hs.iter().map(|h| h.hash()).collect(), parent, tokens: ts.to_vec(), medium });
+        e.pending.push(KvEvent::Stored {
+            hashes: hs.iter().map(|h| h.hash()).collect(),
+            parent,
+            tokens: ts.to_vec(),
+            medium,
+        });
         Ok(())
     })
 }

@@ -32,8 +32,9 @@ impl PyKvEventPublisher {
         block_size: u32,
         buffer_batches: usize,
     ) -> PyResult<PyKvEventPublisher> {
-        let encoding = EventEncoding::parse(encoding)
-            .ok_or_else(|| error("UnknownEncoding", format!("encoding {encoding:?}: one of \"array\", \"map\"")))?;
+        let encoding = EventEncoding::parse(encoding).ok_or_else(|| {
+            error("UnknownEncoding", format!("encoding {encoding:?}: one of \"array\", \"map\""))
+        })?;
         let config = KvEventsConfig {
             endpoint,
             replay_endpoint,
