@@ -51,6 +51,39 @@ typedef enum V4poolDecodeBuffer {
 } V4poolDecodeBuffer;
 
 /**
+ * Where blocks are resident (an event's `medium`).
+ */
+typedef enum V4poolMedium {
+  /**
+   * The pool (HBM).
+   */
+  V4POOL_MEDIUM_GPU = 0,
+  /**
+   * The host tier.
+   */
+  V4POOL_MEDIUM_CPU = 1,
+  /**
+   * The shared tier.
+   */
+  V4POOL_MEDIUM_STORAGE = 2,
+} V4poolMedium;
+
+/**
+ * How events are encoded: tagged arrays (llm-d, Dynamo) or tagged maps (vLLM 0.33.0's
+ * classes, Dynamo).
+ */
+typedef enum V4poolEventEncoding {
+  /**
+   * `[tag, fields…]`.
+   */
+  V4POOL_EVENT_ENCODING_ARRAY = 0,
+  /**
+   * `{"type": tag, …}`.
+   */
+  V4POOL_EVENT_ENCODING_MAP = 1,
+} V4poolEventEncoding;
+
+/**
  * A KV class's slot in the index buffers: dense, fine ("CSA"), coarse ("HCA").
  *
  * The discriminant is the slot in the decode builder's `classes` array (the kernels'
@@ -74,6 +107,11 @@ typedef struct V4poolCsaTopk V4poolCsaTopk;
  * Decode index buffers of one pool (opaque).
  */
 typedef struct V4poolDecode V4poolDecode;
+
+/**
+ * A KV event publisher with the events added since its last flush (opaque).
+ */
+typedef struct V4poolEvents V4poolEvents;
 
 /**
  * A sized plan (opaque).
@@ -233,6 +271,20 @@ typedef struct V4poolBuffer {
    */
   uint64_t len;
 } V4poolBuffer;
+
+/**
+ * A 128-bit chained block hash (`lo` the low 64 bits: what routers see).
+ */
+typedef struct V4poolHash {
+  /**
+   * Bits 0..64.
+   */
+  uint64_t lo;
+  /**
+   * Bits 64..128.
+   */
+  uint64_t hi;
+} V4poolHash;
 
 #ifdef __cplusplus
 extern "C" {
@@ -504,6 +556,110 @@ enum V4poolStatus v4pool_decode_buffer(const struct V4poolDecode *decode,
  * `decode` is live.
  */
 enum V4poolStatus v4pool_decode_synchronize(const struct V4poolDecode *decode);
+
+/**
+ * The chained hashes of every full block of `tokens` (`block_size` tokens each) in the
+ * namespace of `namespace_label` (as `KvManager`'s), chained from `parent` (null: the first
+ * block); writes at most `out_cap` of them and their count to `out_len`.
+ *
+ * # Safety
+ * `namespace_label` is NUL-terminated; `tokens` holds `n_tokens`; `parent` is null or
+ * readable; `out_hashes` holds `out_cap` writable hashes; `out_len` writable.
+ */
+enum V4poolStatus v4pool_block_hashes(const char *namespace_label,
+                                      const uint32_t *tokens,
+                                      size_t n_tokens,
+                                      size_t block_size,
+                                      const struct V4poolHash *parent,
+                                      struct V4poolHash *out_hashes,
+                                      size_t out_cap,
+                                      size_t *out_len);
+
+/**
+ * A publisher on `endpoint` (bound when it has a wildcard or is `ipc://` / `inproc://`,
+ * connected to otherwise), with a replay socket on `replay_endpoint` (null: none), every
+ * message's first frame `topic` (null: empty), events encoded as `encoding_code` (a
+ * `V4poolEventEncoding`).
+ *
+ * # Safety
+ * Strings are null or NUL-terminated; `out_events` writable.
+ */
+enum V4poolStatus v4pool_events_new(const char *endpoint,
+                                    const char *replay_endpoint,
+                                    const char *topic,
+                                    uint32_t encoding_code,
+                                    uint32_t dp_rank,
+                                    uint32_t block_size,
+                                    struct V4poolEvents **out_events);
+
+/**
+ * The endpoint subscribers connect to (a bound wildcard port resolved); owned by `events`.
+ *
+ * # Safety
+ * `events` is live.
+ */
+const char *v4pool_events_endpoint(const struct V4poolEvents *events);
+
+/**
+ * The replay endpoint, or null; owned by `events`.
+ *
+ * # Safety
+ * `events` is live.
+ */
+const char *v4pool_events_replay_endpoint(const struct V4poolEvents *events);
+
+/**
+ * Add a `BlockStored` event: `n` blocks (a chain, in order) after `parent` (null: none),
+ * with their tokens (`n_tokens` = `n` × block size, or 0 for none), in `medium_code` (a
+ * `V4poolMedium`).
+ *
+ * # Safety
+ * `events` is live; `hashes` holds `n`; `parent` is null or readable; `tokens` holds
+ * `n_tokens`.
+ */
+enum V4poolStatus v4pool_events_stored(struct V4poolEvents *events,
+                                       const struct V4poolHash *hashes,
+                                       size_t n,
+                                       const struct V4poolHash *parent,
+                                       const uint32_t *tokens,
+                                       size_t n_tokens,
+                                       uint32_t medium_code);
+
+/**
+ * Add a `BlockRemoved` event: `n` blocks left `medium`.
+ *
+ * # Safety
+ * `events` is live; `hashes` holds `n`.
+ */
+enum V4poolStatus v4pool_events_removed(struct V4poolEvents *events,
+                                        const struct V4poolHash *hashes,
+                                        size_t n,
+                                        uint32_t medium_code);
+
+/**
+ * Add an `AllBlocksCleared` event.
+ *
+ * # Safety
+ * `events` is live.
+ */
+enum V4poolStatus v4pool_events_cleared(struct V4poolEvents *events);
+
+/**
+ * Send the events added since the last flush as one batch; its sequence number to
+ * `out_seq` (-1: there was nothing to send).
+ *
+ * # Safety
+ * `events` is live; `out_seq` writable.
+ */
+enum V4poolStatus v4pool_events_flush(struct V4poolEvents *events, int64_t *out_seq);
+
+/**
+ * Close the publisher's sockets (unsent events are dropped).
+ *
+ * # Safety
+ * `events` is null or a live handle, not used after.
+ */
+void v4pool_events_free(struct V4poolEvents *events);
 
 /**
  * A top-k buffer for `max_tokens` rows of `index_topk` on `pool` (sized like the decode

@@ -25,6 +25,7 @@ LAYERS = [
     ["pool"],
     ["state", "transfer"],
     ["manager"],
+    ["events"],
     ["sim"],
     ["bindings"],
 ]

@@ -14,6 +14,8 @@
 //! * [`pool`] — the planes on a backend, per-layer views, slot state, checkpoints, transfers.
 //! * [`manager`] — the request-level KV manager: content-addressed blocks, checkpoint
 //!   store, admission with a hit, the elastic split policy.
+//! * [`events`] — KV events for routers: the manager's block events published in vLLM's
+//!   ZeroMQ / MessagePack format (libzmq loaded at run time).
 //! * [`sim`] — the simulator: a pool driven as a serving engine would, and the shared
 //!   workload generator. The `v4pool` command (`src/bin/v4pool/`) renders it.
 //! * [`plan_report`] — a plan with its checkpoint facts and its JSON form (CLI and bindings).
@@ -29,6 +31,7 @@ pub mod backend;
 pub mod boundary;
 mod checked;
 pub mod checkpoint;
+pub mod events;
 pub mod file;
 pub mod format;
 pub mod geometry;

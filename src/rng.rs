@@ -3,6 +3,18 @@
 //! at the bottom of the layering so that a unit test of any module may use it; the public path
 //! is [`crate::sim::Rng`].
 
+/// wyhash's four secret constants: the multiply-fold mixing of the block hashes
+/// (`manager::hash`) and of the shared tier's checksum (`transfer::shared_tier`).
+pub(crate) const WY: [u64; 4] =
+    [0xa076_1d64_78bd_642f, 0xe703_7ed1_a0b4_28db, 0x8ebc_6af0_9c88_c6e3, 0x5899_65cc_7537_4cc3];
+
+/// wyhash's folded 64×64→128 multiply: the high and low halves of the product xor-ed.
+#[inline]
+pub(crate) fn mum(a: u64, b: u64) -> u64 {
+    let r = u128::from(a) * u128::from(b);
+    (r as u64) ^ ((r >> 64) as u64)
+}
+
 /// A deterministic PRNG (SplitMix64): the simulator's workload must be identical for every
 /// run kind of one seed, and the benches and every test (unit and integration) draw their
 /// inputs from it too. Reached as [`crate::sim::Rng`].

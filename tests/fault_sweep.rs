@@ -3,7 +3,8 @@
 //! it makes with exactly that call failing. After each error the pool is as before (split,
 //! free counts, every held handle current, every held byte where its handle says), the host
 //! tier and the receiver hold nothing new, no device or host allocation is leaked, and the
-//! same operation then succeeds.
+//! same operation then succeeds. The shared tier's publish and restore too: a failed publish
+//! leaves no file (nor a temporary one), a failed restore no block allocated.
 
 mod fault_common;
 mod manager_common;
@@ -17,6 +18,7 @@ use v4pool::boundary::BoundaryChange;
 use v4pool::pool::{Pool, PoolSpec};
 use v4pool::sizing::IndexerDtype;
 use v4pool::transfer::{handoff, Endpoint, HostTier, LocalEngine, RequestKv};
+use v4pool::transfer::{EntryKind, SharedKey, SharedTier, SharedTierConfig};
 
 use manager_common::pool_common::{self, RATIOS, WIDTHS};
 
@@ -327,4 +329,90 @@ fn host_tier_spill_and_restore_fail_cleanly() {
         }
         counts
     });
+}
+
+/// Every file under `dir`, recursively (entries and temporary files alike).
+fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(d).into_iter().flatten().flatten() {
+            if e.path().is_dir() {
+                stack.push(e.path());
+            } else {
+                out.push(e.path());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn shared_tier_publish_and_restore_fail_cleanly() {
+    let dir = std::env::temp_dir().join(format!("v4pool-fault-shared-{}", std::process::id()));
+    let key = SharedKey { kind: EntryKind::Checkpoint, hash: 0x35 };
+    let fresh = || {
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        SharedTierConfig { dir: dir.clone(), budget_bytes: 64 << 20, sync: false }
+    };
+    sweep("shared publish", |b, fail| {
+        let p = pool(b);
+        let w = World::fill(&p, &[1], 31);
+        let blocks: Vec<BlockHandle> = w.blocks.iter().take(3).map(|x| x.0).collect();
+        let live = b.host.live_allocations();
+        let mut tier = SharedTier::new(&p, &fresh()).expect("tier");
+        b.arm(fail);
+        let r = tier.publish(&p, key, &blocks);
+        let fired = b.disarm();
+        let counts = b.counts();
+        w.check(&p, "shared publish");
+        if fail.is_some() {
+            assert!(fired && r.is_err(), "{fail:?}: {r:?}");
+            assert!(!tier.contains(&key), "{fail:?}: a failed publish left an entry");
+            assert!(files_under(&dir).is_empty(), "{fail:?}: files left: {:?}", files_under(&dir));
+            assert!(tier.publish(&p, key, &blocks).expect("a later publish works"));
+        } else {
+            assert!(r.expect("publish"));
+        }
+        // What a restore brings back is what was published.
+        let want: Vec<Vec<u8>> = w.blocks.iter().take(3).map(|x| x.1.clone()).collect();
+        for &h in &blocks {
+            p.free_block(h).unwrap();
+        }
+        let got = tier.restore(&p, &key).expect("restore");
+        for (h, bytes) in got.iter().zip(&want) {
+            assert!(read(&p, &block_ranges(&p, h.id)) == *bytes, "published bytes differ");
+        }
+        drop(tier);
+        assert_eq!(b.host.live_allocations(), live, "{fail:?}: the tier's staging leaked");
+        counts
+    });
+    sweep("shared restore", |b, fail| {
+        let p = pool(b);
+        let w = World::fill(&p, &[1], 37);
+        let blocks: Vec<BlockHandle> = w.blocks.iter().take(3).map(|x| x.0).collect();
+        let want: Vec<Vec<u8>> = w.blocks.iter().take(3).map(|x| x.1.clone()).collect();
+        let mut tier = SharedTier::new(&p, &fresh()).expect("tier");
+        assert!(tier.publish(&p, key, &blocks).expect("publish"));
+        for &h in &blocks {
+            p.free_block(h).unwrap();
+        }
+        let before = p.counts().unwrap();
+        b.arm(fail);
+        let r = tier.restore(&p, &key);
+        let fired = b.disarm();
+        let counts = b.counts();
+        if fail.is_some() {
+            assert!(fired && r.is_err(), "{fail:?}: {r:?}");
+            assert!(tier.contains(&key), "{fail:?}: a device failure dropped the entry");
+            assert_eq!(p.counts().unwrap(), before, "{fail:?}: restored blocks leaked");
+        }
+        let got = if fail.is_some() { tier.restore(&p, &key).expect("a later restore") } else { r.unwrap() };
+        for (h, bytes) in got.iter().zip(&want) {
+            assert!(read(&p, &block_ranges(&p, h.id)) == *bytes, "restored bytes differ");
+        }
+        counts
+    });
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -32,17 +32,12 @@ impl Namespace {
     }
 }
 
-const K0: u64 = 0xa076_1d64_78bd_642f;
-const K1: u64 = 0xe703_7ed1_a0b4_28db;
-const K2: u64 = 0x8ebc_6af0_9c88_c6e3;
-const K3: u64 = 0x5899_65cc_7537_4cc3;
+use crate::rng::{mum, WY};
 
-/// wyhash's folded 64×64→128 multiply.
-#[inline]
-fn mum(a: u64, b: u64) -> u64 {
-    let r = u128::from(a) * u128::from(b);
-    (r as u64) ^ ((r >> 64) as u64)
-}
+const K0: u64 = WY[0];
+const K1: u64 = WY[1];
+const K2: u64 = WY[2];
+const K3: u64 = WY[3];
 
 /// Two independent 64-bit lanes, each a wyhash-style absorb of 64-bit words.
 struct Mixer {

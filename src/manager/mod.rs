@@ -31,12 +31,14 @@
 //! or [`KvManager::finish`]; per batch [`KvManager::complete_inflight`] after the batch's
 //! work has completed, and [`KvManager::rebalance`] once per step.
 
+mod events;
 pub mod hash;
 mod physical;
 pub mod policy;
 mod store;
 mod tier;
 
+pub use events::{KvEvent, Medium};
 pub use hash::{block_hash, chain_hashes, BlockHash, Namespace};
 pub use policy::{BlockGrowth, ElasticPolicy, FixedPolicy, PoolView, SplitPolicy};
 
@@ -52,7 +54,7 @@ pub use physical::{Candidate, CandidateKind, CkptState, EvictionPolicy, Lru, Nod
 use std::collections::HashMap;
 use std::sync::Arc;
 use thiserror::Error;
-pub use tier::Tier;
+pub use tier::{Tier, TierKey};
 
 mod request;
 pub use request::{Admission, ManagerStats, RequestId, StoredCheckpoint};
@@ -171,11 +173,17 @@ pub struct ManagerConfig {
     /// spill to instead of being dropped, allocated at construction; 0: no host tier. A
     /// budget below one block unit is refused.
     pub host_tier_bytes: u64,
+    /// A shared tier of files (a directory every engine of a fleet mounts): committed blocks
+    /// and ready checkpoints are published there at [`KvManager::complete_inflight`] and
+    /// admission restores from it what neither HBM nor the host tier holds (`tier.rs`,
+    /// `docs/fleet.md`). `None`: no shared tier (or one given to
+    /// [`KvManager::set_shared_tier`]).
+    pub shared_tier: Option<crate::transfer::SharedTierConfig>,
 }
 
 impl Default for ManagerConfig {
     fn default() -> Self {
-        ManagerConfig { checkpoint_every: 16, rolling: true, host_tier_bytes: 0 }
+        ManagerConfig { checkpoint_every: 16, rolling: true, host_tier_bytes: 0, shared_tier: None }
     }
 }
 
@@ -206,6 +214,13 @@ pub struct KvManager {
     tracked: Option<i64>,
     /// Where evicted blocks and checkpoints spill (`None`: they are dropped).
     tier: Option<tier::ManagerTier>,
+    /// The fleet's shared tier (inclusive; `tier.rs`), if any.
+    shared: Option<Box<dyn Tier<TierKey>>>,
+    /// Blocks indexed since the last `complete_inflight`, published to the shared tier there
+    /// (empty without one).
+    publish: Vec<BlockHash>,
+    /// KV events recorded for a router (`None`: off, the default).
+    events: Option<events::EventLog>,
     stats: ManagerStats,
     /// Prompt tokens of every admission (resumptions included): what the cache could have
     /// served; `stats.hit_tokens` over this is the share of prompt work it did serve.
@@ -248,6 +263,10 @@ impl KvManager {
         let capacity = pool.indexer_blocks().max(1) as usize;
         let layout_id = pool.layout_id().clone();
         let tier = tier::ManagerTier::new(&pool, config.host_tier_bytes)?;
+        let shared = match &config.shared_tier {
+            Some(c) => Some(Box::new(crate::transfer::SharedTier::new(&pool, c)?) as Box<dyn Tier<TierKey>>),
+            None => None,
+        };
         let m = KvManager {
             pool,
             config,
@@ -267,6 +286,9 @@ impl KvManager {
             scratch: Vec::new(),
             tracked: None,
             tier,
+            shared,
+            publish: Vec::new(),
+            events: None,
             stats: ManagerStats::default(),
             admitted_tokens: 0,
         };
@@ -280,6 +302,30 @@ impl KvManager {
         m.pool.resize(0, slots)?;
         m.pool.resize(blocks, slots)?;
         Ok(m)
+    }
+
+    /// Install (or, with `None`, remove) the shared tier: any [`Tier`] over the same units,
+    /// with the shared semantics of `tier.rs` (a restore leaves the entry; its contents change
+    /// under the manager). Replaces the one `ManagerConfig::shared_tier` built.
+    pub fn set_shared_tier(&mut self, tier: Option<Box<dyn Tier<TierKey>>>) -> Result<(), ManagerError> {
+        if let Some(t) = &tier {
+            if t.unit_bytes() != self.units_bytes() {
+                return Err(ManagerError::Config("the shared tier's units are not this pool's"));
+            }
+        }
+        self.shared = tier;
+        self.publish.clear();
+        Ok(())
+    }
+
+    /// Bytes of one block unit of the pool (every plane and indexer layer).
+    fn units_bytes(&self) -> u64 {
+        crate::transfer::host_tier::part_bytes(&self.pool).map_or(0, |p| p.iter().sum())
+    }
+
+    /// Whether a shared tier is installed.
+    pub fn has_shared_tier(&self) -> bool {
+        self.shared.is_some()
     }
 
     /// Replace the eviction policy (default [`Lru`]); takes effect at the next eviction.
@@ -519,6 +565,13 @@ impl KvManager {
                 // With a host tier the block (and its checkpoint) is copied out before its
                 // ids are freed; the tables below change as without one.
                 let spilled = self.tier_spill_block(&b);
+                if let Some(h) = b.hash {
+                    let in_host = self.tier.as_ref().is_some_and(|t| t.holds(TierKey::Block(h)));
+                    self.event_removed(h, Medium::Gpu, !in_host);
+                    if in_host {
+                        self.event_stored(h, Medium::Cpu);
+                    }
+                }
                 // The checkpoint ending at this block is useless without it: unindex first,
                 // while the block node still links it.
                 let mut freed = 1;
@@ -683,6 +736,7 @@ impl KvManager {
     /// completed. Stores become READY and visible (or are released if their block left the
     /// index meanwhile); restores drop their pins.
     pub fn complete_inflight(&mut self) -> Result<(), ManagerError> {
+        let mut ready = Vec::new();
         for i in std::mem::take(&mut self.copying) {
             let c = self.nodes.ckpt_mut(i);
             if c.state == CkptState::Evicting {
@@ -694,6 +748,7 @@ impl KvManager {
                 if c.pins == 0 {
                     self.nodes.touch(i);
                 }
+                ready.push(i);
             }
         }
         for i in std::mem::take(&mut self.pinned) {
@@ -709,7 +764,8 @@ impl KvManager {
                 }
             }
         }
-        Ok(())
+        // Everything stored or committed before this call is complete now: publish it.
+        self.shared_publish(&ready)
     }
 
     /// A ready checkpoint ending at `hash`, if any.

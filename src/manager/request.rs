@@ -89,6 +89,23 @@ pub struct ManagerStats {
     pub tier_resident_checkpoints: u64,
     /// Host bytes those entries occupy now.
     pub tier_resident_bytes: u64,
+    /// Blocks this manager published to the shared tier (entries already there not counted).
+    pub shared_published_blocks: u64,
+    /// Checkpoints it published there.
+    pub shared_published_checkpoints: u64,
+    /// Payload bytes of those publications.
+    pub shared_published_bytes: u64,
+    /// Publications that failed (I/O: the directory gone, a full disk); the engine carried on.
+    pub shared_write_failures: u64,
+    /// Blocks brought back from the shared tier for a hit.
+    pub shared_restored_blocks: u64,
+    /// Checkpoints brought back from the shared tier for a hit.
+    pub shared_restored_checkpoints: u64,
+    /// Bytes copied back from the shared tier.
+    pub shared_restored_bytes: u64,
+    /// Shared entries refused on reading (torn, truncated, corrupt, another layout's, I/O):
+    /// misses that shortened a hit, never bytes in the pool.
+    pub shared_refused: u64,
 }
 
 /// A checkpoint read to host memory for a transfer between workers (prefill → decode,
@@ -117,6 +134,8 @@ pub(super) struct Req {
     pub(super) slot: Option<SlotLease>,
     /// The hash of this request's latest rolling checkpoint.
     pub(super) rolling: Option<BlockHash>,
+    /// Its tokens as the engine recorded them (`record_tokens`; only while events are on).
+    pub(super) tokens: Vec<u32>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -133,7 +152,7 @@ impl KvManager {
             .and_then(|s| s.req.as_ref())
             .ok_or(ManagerError::UnknownRequest(id))
     }
-    fn req_mut(&mut self, id: RequestId) -> Result<&mut Req, ManagerError> {
+    pub(super) fn req_mut(&mut self, id: RequestId) -> Result<&mut Req, ManagerError> {
         self.requests
             .get_mut(id.index as usize)
             .filter(|s| s.generation == id.generation)
@@ -153,6 +172,7 @@ impl KvManager {
             computed: 0,
             slot: None,
             rolling: None,
+            tokens: Vec::new(),
         };
         let index = match self.free_requests.pop() {
             Some(i) => i,
@@ -181,9 +201,10 @@ impl KvManager {
     /// prefix that ends at a ready checkpoint (no side effects). With a host tier, blocks and
     /// checkpoints held there count: admission brings them back.
     pub fn match_prefix(&self, hashes: &[BlockHash]) -> u64 {
-        let blocks = match &self.tier {
-            Some(t) if !t.is_empty() => self.tier_walk(hashes).1.last().map_or(0, |e| e.0),
-            _ => self.match_blocks(hashes, hashes.len()).0,
+        let blocks = if self.has_lower() {
+            self.tier_walk(hashes).1.last().map_or(0, |e| e.0)
+        } else {
+            self.match_blocks(hashes, hashes.len()).0
         };
         blocks as u64 * self.block_size
     }
@@ -215,8 +236,8 @@ impl KvManager {
         }
         // At least one token is computed (its logits are needed).
         let limit = (r.known.saturating_sub(1) / self.block_size) as usize;
-        if self.tier.as_ref().is_some_and(|t| !t.is_empty()) {
-            // The host-resident part of the longest hit comes back first; the HBM hit below
+        if self.has_lower() {
+            // The part of the longest hit in the host or shared tier comes back first; the HBM hit below
             // then covers it (shorter when it could not come back).
             let hashes: Vec<BlockHash> = r.hashes.iter().take(limit).copied().collect();
             self.tier_restore_hit(&hashes)?;
@@ -425,7 +446,7 @@ impl KvManager {
     fn index_blocks(&mut self, id: RequestId) -> Result<(), ManagerError> {
         let bs = self.block_size;
         // Field borrows, not `req_mut`: this runs once per committed block.
-        let KvManager { requests, index, nodes, tier, .. } = self;
+        let KvManager { requests, index, nodes, tier, shared, publish, events, .. } = self;
         let r = requests
             .get_mut(id.index as usize)
             .filter(|s| s.generation == id.generation)
@@ -438,8 +459,18 @@ impl KvManager {
                 e.insert(b);
                 nodes.block_mut(b).hash = Some(h);
                 // Recomputed while a copy sat in the host tier: HBM's is the one kept.
-                if let Some(t) = tier.as_mut() {
-                    t.forget_block(h);
+                let was_host = tier.as_mut().is_some_and(|t| t.forget_block(h));
+                if shared.is_some() {
+                    publish.push(h);
+                }
+                if let Some(l) = events.as_mut() {
+                    if was_host {
+                        l.removed(h, super::Medium::Cpu);
+                    }
+                    let bs = bs as usize;
+                    let tokens = r.tokens.get(i * bs..(i + 1) * bs).unwrap_or(&[]);
+                    l.learn(h, i.checked_sub(1).map(|p| r.hashes[p]), tokens);
+                    l.stored(h, super::Medium::Gpu);
                 }
             }
         }

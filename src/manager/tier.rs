@@ -1,7 +1,8 @@
-//! The host tier under the manager (issue 14): cached blocks and checkpoints that LRU
-//! eviction takes out of HBM spill to a [`HostTier`] (page-locked host memory on CUDA)
-//! instead of being dropped, stay findable by their hash, and come back into fresh blocks,
-//! byte-exact, when a hit needs them.
+//! The tiers under the manager: the host tier (issue 14) and the shared tier (issue 35).
+//!
+//! **The host tier.** Cached blocks and checkpoints that LRU eviction takes out of HBM spill
+//! to a [`HostTier`] (page-locked host memory on CUDA) instead of being dropped, stay findable
+//! by their hash, and come back into fresh blocks, byte-exact, when a hit needs them.
 //!
 //! The manager decides, by recency, and nothing else does: what spills is exactly what the
 //! manager's LRU evicts (the tier is not a second policy); the tier keeps its own recency
@@ -14,26 +15,43 @@
 //!   (`TierKey::Ckpt`) and is kept only while its block is resident somewhere: the tier
 //!   dropping a block drops the checkpoint that ends at it.
 //!
-//! Admission first brings back the host part of the longest hit ([`KvManager::tier_restore_hit`]):
+//! **The shared tier** ([`SharedTier`]: files in a directory every engine of a fleet mounts,
+//! or any [`Tier`] given to [`KvManager::set_shared_tier`]) is inclusive and not the
+//! manager's alone: what this manager commits is *published* there (written through, at
+//! [`KvManager::complete_inflight`]: the blocks indexed and the checkpoints that became ready
+//! since the last one, each once), and stays in HBM; other engines publish too and the tier
+//! evicts on its own, so the manager keeps no index or count of it and asks it on each walk.
+//! A restore from it leaves the entry there. Its failures are misses (counted in
+//! [`ManagerStats`]), never errors, except a device copy's.
+//!
+//! Admission first brings back the lower part of the longest hit ([`KvManager::tier_restore_hit`]),
+//! looking in HBM, then the host tier, then the shared tier for each block and checkpoint:
 //! room for it is made the usual way (the HBM part of the hit held meanwhile), each entry is
-//! restored all-or-nothing into fresh blocks on the pool's stream, and the restored blocks and
-//! checkpoint are indexed as ordinary HBM ones, so admission then proceeds as for an HBM hit.
-//! When the room cannot be made, the next shorter hit is tried; an entry the tier dropped
-//! while room was made ends the restore there. Either way the hit is shorter, never wrong,
+//! restored all-or-nothing into fresh blocks on the pool's stream (from the host tier if it
+//! holds it, else from the shared tier), and the restored blocks and checkpoint are indexed as
+//! ordinary HBM ones, so admission then proceeds as for an HBM hit. When the room cannot be
+//! made, the next shorter hit is tried; an entry that is gone (dropped while room was made,
+//! refused as corrupt) ends the restore there. Either way the hit is shorter, never wrong,
 //! and nothing stays allocated that the tables do not hold.
 
-use super::{BlockHash, BlockNode, CkptState, Holder, KvManager, ManagerError, ManagerStats, Node, NIL};
+use super::{
+    BlockHash, BlockNode, CkptState, Holder, KvManager, ManagerError, ManagerStats, Medium, Node, NIL,
+};
 use crate::alloc::BlockHandle;
 use crate::pool::Pool;
-use crate::transfer::{HostTier, HostTierError};
+use crate::transfer::{EntryKind, HostTier, HostTierError, SharedKey, SharedTier};
 use std::hash::Hash;
 
-/// A store below HBM that the manager's evicted block units spill to and come back from,
-/// byte-exact, keyed by `K`, with its own recency and budget. The manager drives it (what
-/// spills is what eviction takes) and forgets what it reports dropped. [`HostTier`] — host
-/// memory of the pool's backend, page-locked on CUDA — is the implementation the manager
-/// builds (`ManagerConfig::host_tier_bytes`); another tier (disk, a remote store) implements
-/// these calls and is constructed in `ManagerTier::new`.
+/// A store below HBM that block units go to and come back from, byte-exact, keyed by `K`,
+/// with its own recency and budget. As the **host tier** (exclusive) the manager drives it:
+/// what spills is what eviction takes, a restore takes the entry out, and the manager forgets
+/// what it reports dropped; [`HostTier`] — host memory of the pool's backend, page-locked on
+/// CUDA — is the implementation the manager builds (`ManagerConfig::host_tier_bytes`). As
+/// the **shared tier** (inclusive, a fleet's; see the module docs) a spill publishes a copy,
+/// a restore leaves the entry, and what it holds may change between any two calls;
+/// [`SharedTier`] (files) is the implementation the manager builds
+/// (`ManagerConfig::shared_tier`), another (a remote store, a simulator's model) is given to
+/// [`KvManager::set_shared_tier`].
 pub trait Tier<K>: Send {
     /// Bytes of one block unit.
     fn unit_bytes(&self) -> u64;
@@ -54,7 +72,8 @@ pub trait Tier<K>: Send {
     /// Copy `blocks` (block units of `pool`) out under `key`, dropping least recent entries for
     /// room; returns the keys dropped.
     fn spill(&mut self, pool: &Pool, key: K, blocks: &[BlockHandle]) -> Result<Vec<K>, HostTierError>;
-    /// Copy `key`'s units back into fresh blocks of `pool` (all or nothing) and drop it here.
+    /// Copy `key`'s units back into fresh blocks of `pool` (all or nothing) and drop it here
+    /// (a shared tier keeps it).
     fn restore(&mut self, pool: &Pool, key: &K) -> Result<Vec<BlockHandle>, HostTierError>;
 }
 
@@ -94,11 +113,79 @@ where
     }
 }
 
-/// What the tier holds: a block's unit, or the units of the checkpoint ending at a block.
+/// What `tier_bring_back` did.
+enum Brought {
+    /// The hit is in HBM now.
+    All,
+    /// No room could be made; nothing changed but recency.
+    NoRoom,
+    /// An entry was gone or refused: the first this many hashes' blocks are in HBM (what
+    /// came back is indexed), the rest of the hit is not.
+    Upto(usize),
+}
+
+/// What a tier holds: a block's unit, or the units of the checkpoint ending at a block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(super) enum TierKey {
+pub enum TierKey {
+    /// The unit of the block of this hash.
     Block(BlockHash),
+    /// The units of the checkpoint ending at the block of this hash.
     Ckpt(BlockHash),
+}
+
+impl TierKey {
+    /// The shared tier's key (its file name) for this key.
+    pub fn shared(self) -> SharedKey {
+        match self {
+            TierKey::Block(h) => SharedKey { kind: EntryKind::Block, hash: h.0 },
+            TierKey::Ckpt(h) => SharedKey { kind: EntryKind::Checkpoint, hash: h.0 },
+        }
+    }
+}
+
+/// The file tier as the manager's shared tier: a spill publishes (an entry already there is
+/// kept), a restore leaves the entry, the tier's own evictions are no one's to forget.
+impl Tier<TierKey> for SharedTier {
+    fn unit_bytes(&self) -> u64 {
+        SharedTier::unit_bytes(self)
+    }
+    fn capacity_units(&self) -> u64 {
+        SharedTier::capacity_units(self)
+    }
+    fn used_units(&self) -> u64 {
+        SharedTier::used_units(self)
+    }
+    fn is_empty(&self) -> bool {
+        // Other engines may have published since anything was asked: never known empty.
+        false
+    }
+    fn contains(&self, key: &TierKey) -> bool {
+        SharedTier::contains(self, &key.shared())
+    }
+    fn lru_order(&self) -> Vec<TierKey> {
+        let key = |k: SharedKey| match k.kind {
+            EntryKind::Block => TierKey::Block(BlockHash(k.hash)),
+            EntryKind::Checkpoint => TierKey::Ckpt(BlockHash(k.hash)),
+        };
+        SharedTier::lru_order(self).into_iter().map(key).collect()
+    }
+    fn touch(&mut self, key: &TierKey) -> bool {
+        SharedTier::touch(self, &key.shared())
+    }
+    fn evict(&mut self, key: &TierKey) -> bool {
+        SharedTier::evict(self, &key.shared())
+    }
+    fn spill(
+        &mut self,
+        pool: &Pool,
+        key: TierKey,
+        blocks: &[BlockHandle],
+    ) -> Result<Vec<TierKey>, HostTierError> {
+        self.publish(pool, key.shared(), blocks).map(|_| Vec::new())
+    }
+    fn restore(&mut self, pool: &Pool, key: &TierKey) -> Result<Vec<BlockHandle>, HostTierError> {
+        SharedTier::restore(self, pool, &key.shared())
+    }
 }
 
 /// The host tier with the manager's counts of what it holds.
@@ -143,9 +230,9 @@ impl ManagerTier {
         held
     }
 
-    /// Drop the host copy of block `h` (HBM holds it again).
-    pub(super) fn forget_block(&mut self, h: BlockHash) {
-        self.forget(TierKey::Block(h));
+    /// Drop the host copy of block `h` (HBM holds it again); whether there was one.
+    pub(super) fn forget_block(&mut self, h: BlockHash) -> bool {
+        self.forget(TierKey::Block(h))
     }
 
     /// Drop the host copy of the checkpoint ending at `h`.
@@ -158,7 +245,7 @@ impl ManagerTier {
         self.host.is_empty()
     }
 
-    fn holds(&self, key: TierKey) -> bool {
+    pub(super) fn holds(&self, key: TierKey) -> bool {
         self.host.contains(&key)
     }
 }
@@ -171,6 +258,12 @@ impl KvManager {
         let keys = t.host.lru_order();
         for &k in &keys {
             t.forget(k);
+        }
+        for &k in &keys {
+            if let TierKey::Block(h) = k {
+                // A host block is never in HBM too: it is gone from every local tier.
+                self.event_removed(h, Medium::Cpu, true);
+            }
         }
         keys.len() as u64
     }
@@ -189,6 +282,7 @@ impl KvManager {
             Err(e) => return Err(e.into()),
         };
         t.count(key, true);
+        let mut dropped = Vec::new();
         for k in evicted {
             t.count(k, false);
             stats.tier_host_evictions += 1;
@@ -197,9 +291,13 @@ impl KvManager {
                 if t.forget(TierKey::Ckpt(h)) {
                     stats.tier_host_evictions += 1;
                 }
+                dropped.push(h);
             }
         }
         stats.tier_spilled_bytes += units.len() as u64 * t.host.unit_bytes();
+        for h in dropped {
+            self.event_removed(h, Medium::Cpu, true);
+        }
         Ok(true)
     }
 
@@ -240,11 +338,13 @@ impl KvManager {
     /// ending there is in the tier).
     pub(super) fn tier_walk(&self, hashes: &[BlockHash]) -> (Vec<u32>, Vec<(usize, bool)>) {
         let (mut nodes, mut ends) = (Vec::new(), Vec::new());
-        let Some(t) = self.tier.as_ref().filter(|t| !t.is_empty()) else { return (nodes, ends) };
+        if !self.has_lower() {
+            return (nodes, ends);
+        }
         for (i, h) in hashes.iter().enumerate() {
             let node = match self.index.get(h) {
                 Some(&b) => b,
-                None if t.holds(TierKey::Block(*h)) => NIL,
+                None if self.lower_holds(TierKey::Block(*h)) => NIL,
                 None => break,
             };
             nodes.push(node);
@@ -253,44 +353,68 @@ impl KvManager {
                 if self.nodes.ckpt(ck).state == CkptState::Ready {
                     ends.push((i + 1, false));
                 }
-            } else if t.holds(TierKey::Ckpt(*h)) {
+            } else if self.lower_holds(TierKey::Ckpt(*h)) {
                 ends.push((i + 1, true));
             }
         }
         (nodes, ends)
     }
 
+    /// Whether a tier below HBM may hold part of a hit: a host tier holding anything, or a
+    /// shared tier (never known empty).
+    pub(super) fn has_lower(&self) -> bool {
+        self.tier.as_ref().is_some_and(|t| !t.is_empty()) || self.shared.is_some()
+    }
+
+    /// Whether the host tier, else the shared tier, holds `key`.
+    fn lower_holds(&self, key: TierKey) -> bool {
+        self.tier.as_ref().is_some_and(|t| t.holds(key))
+            || self.shared.as_ref().is_some_and(|s| s.contains(&key))
+    }
+
     /// Bring the host part of the longest hit among `hashes` back into HBM (see the module
     /// docs). Refusals for room shorten the hit; only copy failures are errors.
     pub(super) fn tier_restore_hit(&mut self, hashes: &[BlockHash]) -> Result<(), ManagerError> {
         // An empty tier walks nothing: the HBM match that follows is the whole answer.
-        let (nodes, ends) = self.tier_walk(hashes);
-        for (k, &(n, host_ck)) in ends.iter().enumerate().rev() {
-            let host_blocks = nodes[..n].iter().filter(|&&b| b == NIL).count() as u64;
-            let need = host_blocks + if host_ck { u64::from(self.units_per_ckpt) } else { 0 };
-            if need == 0 {
-                return Ok(()); // an HBM hit
+        let mut limit = hashes.len();
+        let mut shortened = false;
+        'walk: loop {
+            let (nodes, ends) = self.tier_walk(&hashes[..limit]);
+            for &(n, lower_ck) in ends.iter().rev() {
+                let lower_blocks = nodes[..n].iter().filter(|&&b| b == NIL).count() as u64;
+                let need = lower_blocks + if lower_ck { u64::from(self.units_per_ckpt) } else { 0 };
+                if need == 0 {
+                    break 'walk; // an HBM hit
+                }
+                match self.tier_bring_back(&hashes[..n], &nodes[..n], lower_ck, need)? {
+                    Brought::All => break 'walk,
+                    Brought::NoRoom => shortened = true,
+                    // Entries gone or refused: what came back is in HBM, and the hit is looked
+                    // for again before the first one missing (a strictly shorter walk).
+                    Brought::Upto(m) => {
+                        shortened = true;
+                        limit = m;
+                        continue 'walk;
+                    }
+                }
             }
-            if self.tier_bring_back(&hashes[..n], &nodes[..n], host_ck, need)? {
-                return Ok(());
-            }
-            if k + 1 == ends.len() {
-                self.stats.tier_shortened_hits += 1;
-            }
+            break;
+        }
+        if shortened {
+            self.stats.tier_shortened_hits += 1;
         }
         Ok(())
     }
 
     /// Make room for `need` blocks with the HBM part of the hit held, then restore the hit's
-    /// host blocks in order and its host checkpoint. `Ok(false)`: no room, nothing changed
-    /// but the hit's recency.
+    /// lower blocks in order and its lower checkpoint.
     fn tier_bring_back(
         &mut self,
         hashes: &[BlockHash],
         nodes: &[u32],
-        host_ck: bool,
+        lower_ck: bool,
         need: u64,
-    ) -> Result<bool, ManagerError> {
+    ) -> Result<Brought, ManagerError> {
         let n = nodes.len();
         // The hit is used: its host entries become the tier's most recent (evicted last while
         // room is made), its HBM blocks the LRU's when released below.
@@ -298,7 +422,7 @@ impl KvManager {
             for (h, _) in hashes.iter().zip(nodes).filter(|(_, &b)| b == NIL) {
                 t.host.touch(&TierKey::Block(*h));
             }
-            if host_ck {
+            if lower_ck {
                 t.host.touch(&TierKey::Ckpt(hashes[n - 1]));
             }
         }
@@ -307,7 +431,7 @@ impl KvManager {
             self.nodes.unlink(b);
             self.nodes.block_mut(b).refs += 1;
         }
-        let ck = if host_ck { NIL } else { self.nodes.block(nodes[n - 1]).ckpt };
+        let ck = if lower_ck { NIL } else { self.nodes.block(nodes[n - 1]).ckpt };
         if ck != NIL {
             self.nodes.unlink(ck);
             self.nodes.ckpt_mut(ck).pins += 1;
@@ -322,14 +446,19 @@ impl KvManager {
         self.unref(&held)?;
         match room {
             Ok(()) => {}
-            Err(ManagerError::OutOfBlocks { .. }) => return Ok(false),
+            Err(ManagerError::OutOfBlocks { .. }) => return Ok(Brought::NoRoom),
             Err(e) => return Err(e),
         }
         let mut restored = Vec::new();
         // A copy failure stops the restore like a missing entry, and is returned once what
         // came back is in the tables.
         let mut failed = None;
-        for (&h, _) in hashes.iter().zip(nodes).filter(|(_, &b)| b == NIL) {
+        // The first hash whose block did not come back.
+        let mut missing = None;
+        // For the events: (index in the hit, whether it came from the host tier).
+        let mut came = Vec::new();
+        for (i, (&h, _)) in hashes.iter().zip(nodes).enumerate().filter(|(_, (_, &b))| b == NIL) {
+            let from_host = self.tier.as_ref().is_some_and(|t| t.holds(TierKey::Block(h)));
             match self.tier_take(TierKey::Block(h)) {
                 Ok(Some(units)) => {
                     let node = self.nodes.insert(Node::Block(BlockNode {
@@ -341,17 +470,20 @@ impl KvManager {
                     self.set_holder(units[0].id, Holder::Block(node));
                     self.index.insert(h, node);
                     restored.push(node);
-                    self.stats.tier_restored_blocks += 1;
+                    came.push((i, from_host));
                 }
-                Ok(None) => break,
+                Ok(None) => {
+                    missing = Some(i);
+                    break;
+                }
                 Err(e) => {
+                    missing = Some(i);
                     failed = Some(e);
                     break;
                 }
             }
         }
-        let mut complete = restored.len() == nodes.iter().filter(|&&b| b == NIL).count();
-        if complete && host_ck {
+        if missing.is_none() && lower_ck {
             let h = hashes[n - 1];
             // Complete: every block of the hit is in HBM now.
             let end = self.index[&h];
@@ -361,12 +493,11 @@ impl KvManager {
                     Ok(Some(units)) => {
                         let c = self.attach_ckpt(end, h, units, CkptState::Ready, false);
                         self.stats.checkpoints_held += 1;
-                        self.stats.tier_restored_checkpoints += 1;
                         self.nodes.touch(c);
                     }
-                    Ok(None) => complete = false,
+                    Ok(None) => missing = Some(n - 1),
                     Err(e) => {
-                        complete = false;
+                        missing = Some(n - 1);
                         failed = Some(e);
                     }
                 }
@@ -376,25 +507,127 @@ impl KvManager {
         for &b in restored.iter().rev() {
             self.nodes.touch(b);
         }
-        if !complete {
-            self.stats.tier_shortened_hits += 1;
+        if let Some(l) = self.events.as_mut() {
+            // What left the host tier, then everything now in HBM (one event each, in chain order).
+            for &(i, _) in came.iter().filter(|c| c.1) {
+                l.removed(hashes[i], Medium::Cpu);
+            }
+            for &(i, _) in &came {
+                let h = hashes[i];
+                // A block from the shared tier is another engine's: its parent is the chain's,
+                // its tokens unknown here.
+                if !l.knows(h) {
+                    l.learn(h, i.checked_sub(1).map(|p| hashes[p]), &[]);
+                }
+                l.stored(h, Medium::Gpu);
+            }
         }
-        failed.map_or(Ok(true), Err)
+        match (failed, missing) {
+            (Some(e), _) => Err(e),
+            (None, Some(m)) => Ok(Brought::Upto(m)),
+            (None, None) => Ok(Brought::All),
+        }
     }
 
-    /// Restore `key` into fresh blocks (all or nothing; the entry leaves the tier). `None`
-    /// when the tier no longer holds it or the pool has no room.
+    /// Restore `key` into fresh blocks (all or nothing): from the host tier (the entry leaves
+    /// it) if it holds it, else from the shared tier (the entry stays). `None` when neither
+    /// holds it any more, the pool has no room, or the shared tier's entry was refused.
     fn tier_take(&mut self, key: TierKey) -> Result<Option<Vec<BlockHandle>>, ManagerError> {
+        match self.host_take(key)? {
+            Some(units) => Ok(Some(units)),
+            None => self.shared_take(key),
+        }
+    }
+
+    fn host_take(&mut self, key: TierKey) -> Result<Option<Vec<BlockHandle>>, ManagerError> {
         let KvManager { tier, pool, stats, .. } = self;
-        let Some(t) = tier.as_mut() else { return Ok(None) };
+        let Some(t) = tier.as_mut().filter(|t| t.holds(key)) else { return Ok(None) };
         match t.host.restore(pool, &key) {
             Ok(units) => {
                 t.count(key, false);
                 stats.tier_restored_bytes += units.len() as u64 * t.host.unit_bytes();
+                match key {
+                    TierKey::Block(_) => stats.tier_restored_blocks += 1,
+                    TierKey::Ckpt(_) => stats.tier_restored_checkpoints += 1,
+                }
                 Ok(Some(units))
             }
             Err(HostTierError::NotHeld | HostTierError::NoRoom { .. }) => Ok(None),
             Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Restore `key` from the shared tier. Only a device copy's failure is an error: an
+    /// entry refused on reading (torn, corrupt, foreign, the directory gone) is a miss.
+    fn shared_take(&mut self, key: TierKey) -> Result<Option<Vec<BlockHandle>>, ManagerError> {
+        let KvManager { shared, pool, stats, .. } = self;
+        let Some(s) = shared.as_mut() else { return Ok(None) };
+        match s.restore(pool, &key) {
+            Ok(units) => {
+                stats.shared_restored_bytes += units.len() as u64 * s.unit_bytes();
+                match key {
+                    TierKey::Block(_) => stats.shared_restored_blocks += 1,
+                    TierKey::Ckpt(_) => stats.shared_restored_checkpoints += 1,
+                }
+                Ok(Some(units))
+            }
+            Err(HostTierError::NotHeld | HostTierError::NoRoom { .. }) => Ok(None),
+            Err(HostTierError::Pool(e)) => Err(e.into()),
+            Err(_) => {
+                stats.shared_refused += 1;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Publish to the shared tier what became complete since the last call: the blocks
+    /// indexed (those still in HBM) and the checkpoint records `ready` (called by
+    /// `complete_inflight`, once the batch that wrote them has completed). An entry already
+    /// there is kept; a write that fails is counted and skipped; only a device copy's failure
+    /// is an error.
+    pub(super) fn shared_publish(&mut self, ready: &[u32]) -> Result<(), ManagerError> {
+        let blocks = std::mem::take(&mut self.publish);
+        if self.shared.is_none() {
+            return Ok(());
+        }
+        for h in blocks {
+            let Some(&b) = self.index.get(&h) else { continue }; // evicted meanwhile
+            let handle = self.nodes.block(b).handle;
+            self.shared_put(TierKey::Block(h), &[handle])?;
+        }
+        for &i in ready {
+            let (hash, units) = match &self.nodes.nodes[i as usize] {
+                Node::Ckpt(c) if c.state == CkptState::Ready && c.block != NIL => (c.hash, c.units.clone()),
+                _ => continue,
+            };
+            self.shared_put(TierKey::Ckpt(hash), &units)?;
+        }
+        Ok(())
+    }
+
+    fn shared_put(&mut self, key: TierKey, units: &[BlockHandle]) -> Result<(), ManagerError> {
+        let KvManager { shared, pool, stats, .. } = self;
+        let Some(s) = shared.as_mut() else { return Ok(()) };
+        if s.contains(&key) {
+            return Ok(());
+        }
+        match s.spill(pool, key, units) {
+            Ok(_) => {
+                stats.shared_published_bytes += units.len() as u64 * s.unit_bytes();
+                match key {
+                    TierKey::Block(h) => {
+                        stats.shared_published_blocks += 1;
+                        self.event_stored(h, Medium::Storage);
+                    }
+                    TierKey::Ckpt(_) => stats.shared_published_checkpoints += 1,
+                }
+                Ok(())
+            }
+            Err(HostTierError::Pool(e)) => Err(e.into()),
+            Err(_) => {
+                stats.shared_write_failures += 1;
+                Ok(())
+            }
         }
     }
 

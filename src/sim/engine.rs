@@ -268,6 +268,14 @@ impl<'p> Engine<'p> {
     pub fn manager(&self) -> &KvManager {
         &self.m
     }
+    /// The manager, to install a shared tier or take its events (`sim::fleet`).
+    pub fn manager_mut(&mut self) -> &mut KvManager {
+        &mut self.m
+    }
+    /// Whether anything is left to do: a request drawn and not yet due, waiting or running.
+    pub fn has_work(&self) -> bool {
+        self.pending.is_some() || !self.waiting.is_empty() || !self.running.is_empty()
+    }
 
     /// One forward step; `arrivals` yields the requests in arrival order.
     pub fn step(&mut self, arrivals: &mut dyn Iterator<Item = RequestSpec>) -> Result<(), SimError> {
@@ -350,7 +358,10 @@ impl<'p> Engine<'p> {
     /// Time mode: charge the step's work, advance the clock, and stamp first tokens.
     fn advance(&mut self) -> Result<(), SimError> {
         let Some(t) = &self.cfg.time else { return Ok(()) };
-        let restored = self.m.stats().tier_restored_bytes;
+        // Shared-tier bytes are charged as host-tier ones: both come over the GPU's host link
+        // (a 3FS-class store reads at about that rate per node; docs/simulate.md).
+        let st = self.m.stats();
+        let restored = st.tier_restored_bytes + st.shared_restored_bytes;
         self.load.restored_bytes = restored.saturating_sub(self.restored);
         self.restored = restored;
         let ms = t.cost.step_ms(&self.load);
@@ -720,7 +731,7 @@ impl<'p> Engine<'p> {
         rep.final_split =
             (v.num_blocks, v.num_blocks - v.free_blocks, v.num_slots, v.num_slots - v.free_slots);
         let st = self.m.stats();
-        rep.time = self.time_report(st.tier_restored_bytes);
+        rep.time = self.time_report(st.tier_restored_bytes + st.shared_restored_bytes);
         rep.checkpoint_bytes_held = self.m.checkpoint_bytes_held();
         rep.checkpoints_stored = st.checkpoints_stored;
         rep.evicted_blocks = st.evicted_blocks;

@@ -43,6 +43,7 @@
 pub mod bench;
 pub mod cost;
 pub mod engine;
+pub mod fleet;
 mod policy;
 pub mod report;
 pub mod trace;
@@ -193,6 +194,9 @@ pub enum SimConfigError {
         /// The mix's shortest context.
         min: u64,
     },
+    /// A fleet (or anything that needs a clock) was asked to run counting steps.
+    #[error("this run needs time mode (a step-cost model and a horizon)")]
+    NotInTime,
 }
 
 impl VariantName for SimConfigError {
@@ -205,6 +209,7 @@ impl VariantName for SimConfigError {
             Decode(e) => e.variant_name(),
             Time(_, _) => "Time",
             ContextBelowMix { .. } => "ContextBelowMix",
+            NotInTime => "NotInTime",
         }
     }
 

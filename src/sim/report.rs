@@ -80,6 +80,15 @@ impl LatencyHistogram {
         }
         out
     }
+    /// Add every latency `other` counted (the fleet's histogram from its engines').
+    pub fn merge(&mut self, other: &LatencyHistogram) {
+        for (a, b) in self.counts.iter_mut().zip(&other.counts) {
+            *a += b;
+        }
+        self.n += other.n;
+        self.sum += other.sum;
+        self.max = self.max.max(other.max);
+    }
     /// The `q`-quantile (0..=1): the upper edge of the bucket holding it, capped at the max.
     pub fn quantile(&self, q: f64) -> f64 {
         if self.n == 0 {

@@ -19,7 +19,7 @@
 //! else: which blocks to spill and when is the prefix-reuse manager's call.
 
 use crate::alloc::BlockHandle;
-use crate::backend::{Backend, BackendError, HostAllocation};
+use crate::backend::{Backend, BackendError, HostAllocation, Stream};
 use crate::checkpoint::LayoutId;
 use crate::pool::{Pool, PoolError};
 use crate::variant::VariantName;
@@ -28,7 +28,7 @@ use std::hash::Hash;
 use std::sync::Arc;
 use thiserror::Error;
 
-/// What the host tier refuses or fails with.
+/// What the host tier, or the shared tier ([`super::SharedTier`]), refuses or fails with.
 #[derive(Debug, Error)]
 pub enum HostTierError {
     /// The entry alone needs more than the whole budget; nothing was evicted.
@@ -98,6 +98,22 @@ pub enum HostTierError {
         /// What the backend returned.
         message: String,
     },
+    /// A shared tier's file I/O failed (the directory gone, a full disk): the entry is a
+    /// miss, nothing was written or restored.
+    #[error("shared tier: {op}: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
+    /// A shared tier's entry failed its checks (torn, truncated, corrupt, another key's):
+    /// a miss, never bytes in the pool; the file is removed.
+    #[error("shared tier entry refused: {what}")]
+    Corrupt {
+        /// Which check failed.
+        what: &'static str,
+    },
 }
 
 impl VariantName for HostTierError {
@@ -114,6 +130,8 @@ impl VariantName for HostTierError {
             ForeignLayout { .. } => "ForeignLayout",
             Pinned { .. } => "Pinned",
             BadPinned { .. } => "BadPinned",
+            Io { .. } => "Io",
+            Corrupt { .. } => "Corrupt",
         }
     }
 
@@ -127,14 +145,14 @@ impl VariantName for HostTierError {
 
 /// One part of a unit in a pool: for block `id` at `base + id × stride`, `bytes` long.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct UnitPart {
+pub(crate) struct UnitPart {
     base: u64,
     stride: u64,
     bytes: u64,
 }
 
 /// The parts of one unit of `pool`, in the tier's order: planes, then indexer pools × layers.
-fn unit_parts(pool: &Pool) -> Result<Vec<UnitPart>, PoolError> {
+pub(crate) fn unit_parts(pool: &Pool) -> Result<Vec<UnitPart>, PoolError> {
     let g = &pool.spec().geometry;
     let mut parts = Vec::new();
     for (p, &w) in pool.spec().plane_widths.iter().enumerate() {
@@ -155,6 +173,40 @@ fn unit_parts(pool: &Pool) -> Result<Vec<UnitPart>, PoolError> {
     Ok(parts)
 }
 
+/// The bytes of each part of a unit of `pool`.
+pub(crate) fn part_bytes(pool: &Pool) -> Result<Vec<u64>, PoolError> {
+    Ok(unit_parts(pool)?.iter().map(|p| p.bytes).collect())
+}
+
+/// The parts of `pool`'s units, refused unless their sizes are `part_bytes` (a tier built for
+/// a pool of another shape).
+pub(crate) fn parts_matching(pool: &Pool, part_bytes: &[u64]) -> Result<Vec<UnitPart>, HostTierError> {
+    let parts = unit_parts(pool)?;
+    if parts.len() != part_bytes.len() || parts.iter().zip(part_bytes).any(|(p, &b)| p.bytes != b) {
+        let (tier, pool) = (part_bytes.iter().sum(), parts.iter().map(|p| p.bytes).sum());
+        return Err(HostTierError::PoolMismatch { tier, pool });
+    }
+    Ok(parts)
+}
+
+/// `units` fresh blocks of `pool` for a restore, all or none (`NoRoom`: nothing stays
+/// allocated). The caller holds the boundary pinned.
+pub(crate) fn alloc_units(pool: &Pool, units: usize) -> Result<Vec<BlockHandle>, HostTierError> {
+    let mut blocks = Vec::with_capacity(units);
+    for _ in 0..units {
+        match pool.alloc_block() {
+            Ok(g) => blocks.push(g.handle),
+            Err(source) => {
+                for &b in &blocks {
+                    let _ = pool.free_block(b);
+                }
+                return Err(HostTierError::NoRoom { units, source });
+            }
+        }
+    }
+    Ok(blocks)
+}
+
 /// Runs of consecutive ids: `(index of first, first id, count)`.
 fn id_runs(ids: &[u32]) -> Vec<(usize, u32, usize)> {
     let mut out: Vec<(usize, u32, usize)> = Vec::new();
@@ -167,6 +219,49 @@ fn id_runs(ids: &[u32]) -> Vec<(usize, u32, usize)> {
     out
 }
 
+/// Queue, on `stream`, the copies between the units `ids` of a pool and host memory
+/// at `host` laid out part-major (every unit's part 0, then part 1, …; `ids.len()` units): one
+/// copy per part per run of consecutive ids. The bytes are in place once the stream has been
+/// synchronised.
+///
+/// # Safety
+/// `backend` and `stream` are the pool's; `host .. host + ids.len() × unit bytes` lies in a
+/// live allocation of `backend`'s `alloc_host`, neither read nor written by anyone else until
+/// the stream has been synchronised; `ids` are live blocks of the pool that no relocation
+/// moves meanwhile (the boundary is pinned); `parts` are [`unit_parts`] of the pool.
+pub(crate) unsafe fn copy_units(
+    backend: &dyn Backend,
+    stream: Stream,
+    parts: &[UnitPart],
+    host: *mut u8,
+    ids: &[u32],
+    to_host: bool,
+) -> Result<(), PoolError> {
+    let n = ids.len();
+    let mut start = 0usize;
+    let runs = id_runs(ids);
+    for part in parts {
+        for &(i, id, count) in &runs {
+            let at = start + i * part.bytes as usize;
+            let len = count * part.bytes as usize;
+            let dev = part.base + u64::from(id) * part.stride;
+            // SAFETY: `id .. id + count` are blocks of this pool, so `dev .. dev + len` lies
+            // inside the part's plane or indexer layer; `at .. at + len` lies inside the
+            // caller's host range (part-major, `n` units).
+            unsafe {
+                let cells = host.add(at);
+                if to_host {
+                    backend.download_host(cells, dev, len, stream)?
+                } else {
+                    backend.upload_host(dev, cells, len, stream)?
+                }
+            }
+        }
+        start += n * part.bytes as usize;
+    }
+    Ok(())
+}
+
 struct Entry {
     /// `(first cell, cells)`, covering the entry's units in order.
     extents: Vec<(u64, u64)>,
@@ -176,19 +271,36 @@ struct Entry {
     stamp: u64,
 }
 
-/// Host memory of the tier, from (and returned to) the pool's backend.
-struct Storage {
+/// Host memory of a tier (its cells, or a staging buffer), from (and returned to) the pool's
+/// backend.
+pub(crate) struct Storage {
     backend: Arc<dyn Backend>,
     /// `None` only while dropping.
     alloc: Option<HostAllocation>,
 }
 
 impl Storage {
+    /// `bytes` of host memory from `backend`'s `alloc_host` (page-locked on CUDA), its
+    /// contract checked where it is cheap: every copy into the cells trusts it.
+    pub(crate) fn new(backend: Arc<dyn Backend>, bytes: u64) -> Result<Storage, HostTierError> {
+        let alloc = backend.alloc_host(bytes).map_err(|source| HostTierError::Pinned { bytes, source })?;
+        if alloc.bytes as u64 != bytes || (bytes > 0 && alloc.ptr.is_null()) {
+            let message = format!("the backend returned {} bytes at {:p}", alloc.bytes, alloc.ptr);
+            // SAFETY: handed back to the backend that returned it, unused.
+            unsafe { backend.free_host(alloc) };
+            return Err(HostTierError::BadPinned { bytes, message });
+        }
+        Ok(Storage { backend, alloc: Some(alloc) })
+    }
     /// The cells' first byte.
-    fn ptr(&self) -> *mut u8 {
+    pub(crate) fn ptr(&self) -> *mut u8 {
         self.alloc.as_ref().map_or(std::ptr::null_mut(), |a| a.ptr)
     }
-    fn pinned(&self) -> bool {
+    /// Bytes held.
+    pub(crate) fn len(&self) -> usize {
+        self.alloc.as_ref().map_or(0, |a| a.bytes)
+    }
+    pub(crate) fn pinned(&self) -> bool {
         self.alloc.as_ref().is_some_and(|a| a.pinned)
     }
 }
@@ -232,20 +344,11 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
     /// A tier for units of `pool`, holding at most `budget_bytes` of host memory (allocated
     /// now by the pool's backend: page-locked on CUDA).
     pub fn new(pool: &Pool, budget_bytes: u64) -> Result<Self, HostTierError> {
-        let part_bytes: Vec<u64> = unit_parts(pool)?.iter().map(|p| p.bytes).collect();
+        let part_bytes = part_bytes(pool)?;
         let unit_bytes: u64 = part_bytes.iter().sum();
         let capacity = budget_bytes.checked_div(unit_bytes).unwrap_or(0);
         let bytes = capacity * unit_bytes;
-        let backend = pool.backend().clone();
-        let alloc = backend.alloc_host(bytes).map_err(|source| HostTierError::Pinned { bytes, source })?;
-        // The trait's contract, checked where it is cheap: every cell copy trusts it.
-        if alloc.bytes as u64 != bytes || (bytes > 0 && alloc.ptr.is_null()) {
-            let message = format!("the backend returned {} bytes at {:p}", alloc.bytes, alloc.ptr);
-            // SAFETY: handed back to the backend that returned it, unused.
-            unsafe { backend.free_host(alloc) };
-            return Err(HostTierError::BadPinned { bytes, message });
-        }
-        let storage = Storage { backend, alloc: Some(alloc) };
+        let storage = Storage::new(pool.backend().clone(), bytes)?;
         let mut free = BTreeMap::new();
         if capacity > 0 {
             free.insert(0, capacity);
@@ -341,12 +444,7 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
     }
 
     fn check_pool(&self, pool: &Pool) -> Result<Vec<UnitPart>, HostTierError> {
-        let parts = unit_parts(pool)?;
-        let bytes: Vec<u64> = parts.iter().map(|p| p.bytes).collect();
-        if bytes != self.part_bytes {
-            return Err(HostTierError::PoolMismatch { tier: self.unit_bytes, pool: bytes.iter().sum() });
-        }
-        Ok(parts)
+        parts_matching(pool, &self.part_bytes)
     }
 
     /// Copy the units `blocks` of `pool` (all parts) to host memory under `key`, evicting
@@ -414,18 +512,7 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
         // Pinned from before the blocks are handed out until they are written (and, on a
         // failure, freed): a relocation meanwhile would leave these handles stale.
         let _pin = pool.pin_boundary()?;
-        let mut blocks = Vec::with_capacity(units);
-        for _ in 0..units {
-            match pool.alloc_block() {
-                Ok(g) => blocks.push(g.handle),
-                Err(source) => {
-                    for &b in &blocks {
-                        let _ = pool.free_block(b);
-                    }
-                    return Err(HostTierError::NoRoom { units, source });
-                }
-            }
-        }
+        let blocks = alloc_units(pool, units)?;
         match self.restore_into(pool, key, &blocks) {
             Ok(()) => Ok(blocks),
             Err(e) => {
@@ -487,33 +574,15 @@ impl<K: Eq + Hash + Clone> HostTier<K> {
         ids: &[u32],
         to_host: bool,
     ) -> Result<(), HostTierError> {
-        let n = ids.len() as u64;
-        let mut host = (first * self.unit_bytes) as usize;
-        let stream = pool.stream();
-        let runs = id_runs(ids);
-        let (backend, base) = (&self.storage.backend, self.storage.ptr());
-        for part in parts {
-            for &(i, id, count) in &runs {
-                let at = host + i * part.bytes as usize;
-                let len = count * part.bytes as usize;
-                let dev = part.base + u64::from(id) * part.stride;
-                // SAFETY: `id .. id + count` are blocks of this pool (handles checked), so
-                // `dev .. dev + len` lies inside the part's plane or indexer layer; cells
-                // `at .. at + len` lie in the tier's buffer (from the backend's `alloc_host`:
-                // `first` and the ids' cells are within the capacity), held by this entry
-                // alone and not touched again until `finish` has waited for the stream.
-                unsafe {
-                    let cells = base.add(at);
-                    if to_host {
-                        backend.download_host(cells, dev, len, stream).map_err(PoolError::from)?
-                    } else {
-                        backend.upload_host(dev, cells, len, stream).map_err(PoolError::from)?
-                    }
-                }
-            }
-            host += (n * part.bytes) as usize;
+        let at = (first * self.unit_bytes) as usize;
+        // SAFETY: the cells `first .. first + ids.len()` lie within the capacity of the tier's
+        // buffer (from the backend's `alloc_host`), held by this entry alone and not touched
+        // again until `finish` has waited for the stream; the ids are blocks of this pool
+        // (handles checked by the caller under the pinned boundary).
+        unsafe {
+            let host = self.storage.ptr().add(at);
+            Ok(copy_units(self.storage.backend.as_ref(), pool.stream(), parts, host, ids, to_host)?)
         }
-        Ok(())
     }
 
     /// Take `n` cells: one extent if a free run is long enough, else the longest runs first.

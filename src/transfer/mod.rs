@@ -14,6 +14,8 @@
 //!   process's agent.
 //! * [`host_tier`] — a host-memory (pinned on CUDA) tier that cached blocks and checkpoint
 //!   units spill to instead of being dropped, LRU within a byte budget.
+//! * [`shared_tier`] — a tier of files in a directory every engine of a fleet mounts, keyed
+//!   by block hash and layout id, checked on every read, LRU by mtime across processes.
 
 #![warn(missing_docs)]
 
@@ -22,6 +24,7 @@ pub mod handoff;
 pub mod host_tier;
 pub mod nccl;
 pub mod nixl;
+pub mod shared_tier;
 /// The regions are pool code (computed from the carved geometry, under the pool); re-exported
 /// here, where connectors look for them.
 pub use crate::pool::regions;
@@ -30,6 +33,9 @@ pub use engine::{coalesce, LocalEngine, MemRegion, RegionId, Span, TransferEngin
 pub use handoff::{handoff, Endpoint, HandoffError, HandoffPlan, Rebound, RequestKv, WireShape};
 pub use host_tier::{HostTier, HostTierError};
 pub use regions::*;
+pub use shared_tier::{
+    EntryKind, SharedKey, SharedTier, SharedTierConfig, SharedTierStats, StdFs, TierIo, TierReader,
+};
 
 impl TransferRegion {
     /// The region as a transfer library registers it: absolute address, length and item

@@ -92,6 +92,38 @@ int main(void) {
     v4pool_decode_free(dec);
     v4pool_plan_free(plan);
 
+    /* KV events: v4pool's chained hashes for tokens, a publisher, one batch flushed. */
+    uint32_t toks[600];
+    for (int i = 0; i < 600; i++) toks[i] = (uint32_t)(i * 2654435761u);
+    V4poolHash hs[4];
+    size_t nh = 0;
+    CHECK(v4pool_block_hashes("m@1", toks, 600, 256, NULL, hs, 4, &nh) == V4POOL_STATUS_OK && nh == 2);
+    V4poolHash one[1];
+    CHECK(v4pool_block_hashes("m@1", toks + 256, 256, 256, &hs[0], one, 1, &nh) == V4POOL_STATUS_OK && nh == 1);
+    CHECK(one[0].lo == hs[1].lo && one[0].hi == hs[1].hi); /* chained from the parent */
+    CHECK(v4pool_block_hashes("m@1", toks, 600, 256, NULL, hs, 1, &nh) == V4POOL_STATUS_INVALID_ARGUMENT && nh == 2);
+    V4poolEvents *ev = NULL;
+    V4poolStatus st = v4pool_events_new("tcp://127.0.0.1:*", NULL, "kv@c@v4", V4POOL_EVENT_ENCODING_ARRAY, 0, 256, &ev);
+    if (st == V4POOL_STATUS_REJECTED && strcmp(v4pool_last_error_variant(), "ZmqUnavailable") == 0) {
+        printf("SKIP: KV events in C: %s\n", v4pool_last_error_message());
+    } else {
+        CHECK(st == V4POOL_STATUS_OK && ev != NULL);
+        CHECK(strncmp(v4pool_events_endpoint(ev), "tcp://127.0.0.1:", 16) == 0);
+        CHECK(v4pool_events_replay_endpoint(ev) == NULL);
+        int64_t seq = 7;
+        CHECK(v4pool_events_flush(ev, &seq) == V4POOL_STATUS_OK && seq == -1); /* nothing yet */
+        CHECK(v4pool_events_stored(ev, hs, 2, NULL, toks, 512, V4POOL_MEDIUM_GPU) == V4POOL_STATUS_OK);
+        CHECK(v4pool_events_stored(ev, hs, 2, NULL, toks, 100, V4POOL_MEDIUM_GPU) == V4POOL_STATUS_INVALID_ARGUMENT);
+        CHECK(v4pool_events_removed(ev, hs, 1, 9) == V4POOL_STATUS_INVALID_ARGUMENT);
+        CHECK(v4pool_events_removed(ev, hs, 1, V4POOL_MEDIUM_CPU) == V4POOL_STATUS_OK);
+        CHECK(v4pool_events_cleared(ev) == V4POOL_STATUS_OK);
+        CHECK(v4pool_events_flush(ev, &seq) == V4POOL_STATUS_OK && seq == 0);
+        CHECK(v4pool_events_cleared(ev) == V4POOL_STATUS_OK);
+        CHECK(v4pool_events_flush(ev, &seq) == V4POOL_STATUS_OK && seq == 1);
+        v4pool_events_free(ev);
+    }
+    CHECK(v4pool_events_new("tcp://127.0.0.1:*", NULL, NULL, 5, 0, 256, &ev) == V4POOL_STATUS_INVALID_ARGUMENT);
+
     printf("smoke: %d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
 }

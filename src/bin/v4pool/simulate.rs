@@ -10,6 +10,7 @@ use std::io::Write as _;
 use v4pool::backend::{BackendChoice, BackendKind, Stream};
 use v4pool::pool::{Overhead, Pool, PoolSpec};
 use v4pool::sim::cost::CostError;
+use v4pool::sim::fleet::{simulate_fleet, FleetConfig, FleetReport, FleetRun, Router};
 use v4pool::sim::{
     Engine, Mix, RequestSpec, RunKind, SimConfig, SimError, SimReport, StepCost, TimeConfig, Trace,
     TraceError, Workload,
@@ -41,6 +42,11 @@ would need more are refused.
   --concurrency N       closed loop: N requests in flight (a benchmark client)
   --slo-ttft MS / --slo-tpot MS   goodput's latency target          [2000 / 50]
   --host-tier BYTES     add the elastic run with a host tier of BYTES
+  --engines N           a fleet of N engines (each its own pool of --budget and host tier
+                        of --host-tier) replaying the whole --trace: runs shared tier,
+                        per-engine tiers only, no reuse; reports per engine and fleet
+  --router affinity|round-robin   the fleet's router (affinity: from KV events) [affinity]
+  --shared-tier BYTES   the fleet's shared tier                 [engines × budget]
   --fixed-slots sglang|N  the fixed split's slots: SGLang's DeepSeek-V4 default window
                         share (swa_full_tokens_ratio 0.1) of the budget, or N
                                        [sglang in time unless --max-seqs is given]
@@ -68,7 +74,10 @@ would need more are refused.
   --json                the numbers as one JSON object
   --no-progress         no progress bar";
 
-const OPTIONS: [&str; 29] = [
+const OPTIONS: [&str; 32] = [
+    "--engines",
+    "--router",
+    "--shared-tier",
     "--cost",
     "--duration",
     "--horizon",
@@ -116,6 +125,8 @@ struct Setup {
     svg: Option<(String, std::fs::File)>,
     json: bool,
     progress: bool,
+    /// `--engines`: a fleet run instead of one engine's.
+    fleet: Option<FleetConfig>,
 }
 
 /// The arrivals every run replays.
@@ -339,6 +350,41 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
         host_tier_bytes,
         ..SimConfig::default()
     };
+    let fleet = match p.get("--engines") {
+        None => None,
+        Some(v) => {
+            let engines = v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| (1..=v4pool::sim::fleet::MAX_ENGINES).contains(&n));
+            let engines = engines.ok_or_else(|| bad("--engines", v, "a count from 1 to 256"))?;
+            if p.get("--trace").is_none() || cfg.time.is_none() {
+                return Err(bad("--engines", v, "a fleet replays a --trace in time"));
+            }
+            let r = p.get("--router").unwrap_or("affinity");
+            let router = Router::parse(r).ok_or_else(|| bad("--router", r, "affinity or round-robin"))?;
+            let shared_tier_bytes = match p.get("--shared-tier") {
+                None => budget.saturating_mul(engines as u64),
+                Some(v) => v4pool::sizing::parse_bytes(v)
+                    .ok()
+                    .filter(|&b| b >= plan.page_bytes)
+                    .ok_or_else(|| bad("--shared-tier", v, "bytes, at least one block's page"))?,
+            };
+            Some(FleetConfig { engines, router, shared_tier_bytes })
+        }
+    };
+    if fleet.is_none() {
+        for key in ["--router", "--shared-tier"] {
+            if p.get(key).is_some() {
+                return Err(bad(key, p.get(key).unwrap_or(""), "a fleet option: give --engines"));
+            }
+        }
+    }
+    // A fleet charges modeled time only: the decode index build's wall time is what the
+    // single-engine runs check, and building for every engine's every step would only slow
+    // the replay.
+    let cfg = SimConfig { build_index: fleet.is_none(), ..cfg };
     let o = Overhead::estimate(&spec, None)?;
     cfg.check(&spec.geometry, o.plane_bytes + o.indexer_bytes).map_err(SimError::from)?;
     let svg = match p.get("--svg") {
@@ -346,7 +392,19 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
         Some(path) => Some((path.to_string(), create_svg(path)?)),
     };
     let progress = !json && !p.flag("--no-progress") && std::io::IsTerminal::is_terminal(&std::io::stderr());
-    Ok(Some(Setup { cfg, source, policies, model: model.name, plan, spec, choice, svg, json, progress }))
+    Ok(Some(Setup {
+        cfg,
+        source,
+        policies,
+        model: model.name,
+        plan,
+        spec,
+        choice,
+        svg,
+        json,
+        progress,
+        fleet,
+    }))
 }
 
 const COST_EXPECTED: &str = "a preset (h200x4-flash-fp8, h200x4-flash-fp8-low-latency, b200x4-flash-fp4, \
@@ -404,6 +462,20 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
             s.plan.plane_rows,
             s.cfg.max_seqs,
         ));
+    }
+    if let (Some(fleet), Source::Trace(trace, specs)) = (&s.fleet, &s.source) {
+        let mut reports = Vec::new();
+        for run in FleetRun::ALL {
+            if s.progress {
+                io.note(format_args!("  fleet run {} on {} engines…\n", run.name(), fleet.engines));
+            }
+            reports.push(simulate_fleet(&backend, &s.spec, &s.cfg, fleet, run, trace, specs)?);
+        }
+        return if s.json {
+            io.print(&fleet_json(&reports).to_string())
+        } else {
+            io.print(&format!("{}\n{}", s.model, fleet_table(&reports)))
+        };
     }
     let mut reports = Vec::new();
     for &policy in &s.policies {
@@ -468,4 +540,80 @@ fn run_policy(
         io.note(format_args!("\n"));
     }
     Ok(engine.finish()?)
+}
+
+/// The fleet runs as a table (the fleet's figures), then each run's engines.
+fn fleet_table(reports: &[FleetReport]) -> String {
+    let mut out = String::from(
+        "| run | router | TTFT p50 / p90 / p99 ms | TPOT p50 ms | tok/s/GPU | prompt tokens from cache | of the ceiling | restored GiB |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in reports {
+        out += &format!(
+            "| {} | {} | {:.1} / {:.1} / {:.1} | {:.1} | {:.1} | {:.3} | {:.3} | {:.2} |\n",
+            r.run.name(),
+            r.router.name(),
+            r.ttft_ms.quantile(0.5),
+            r.ttft_ms.quantile(0.9),
+            r.ttft_ms.quantile(0.99),
+            r.tpot_ms.quantile(0.5),
+            r.tok_s_gpu,
+            r.from_cache,
+            r.of_ceiling(),
+            r.restored_bytes as f64 / (1u64 << 30) as f64,
+        );
+    }
+    for r in reports {
+        out += &format!("\n{} (ceiling {:.3}): per engine\n", r.run.name(), r.ceiling);
+        out += "| engine | requests | TTFT p50 / p99 ms | prompt tokens from cache | of the ceiling |\n|---:|---:|---:|---:|---:|\n";
+        for (k, e) in r.engines.iter().enumerate() {
+            let (p50, p99) =
+                e.time.as_ref().map_or((0.0, 0.0), |t| (t.ttft_ms.quantile(0.5), t.ttft_ms.quantile(0.99)));
+            let cache = e.prefix_hit_tokens as f64 / e.input_tokens.max(1) as f64;
+            let of = if r.ceiling > 0.0 { cache / r.ceiling } else { 0.0 };
+            out += &format!("| {k} | {} | {p50:.1} / {p99:.1} | {cache:.3} | {of:.3} |\n", r.routed[k]);
+        }
+    }
+    out
+}
+
+fn fleet_json(reports: &[FleetReport]) -> serde_json::Value {
+    let runs: Vec<serde_json::Value> = reports
+        .iter()
+        .map(|r| {
+            let engines: Vec<serde_json::Value> = r
+                .engines
+                .iter()
+                .enumerate()
+                .map(|(k, e)| {
+                    let t = e.time.as_ref();
+                    serde_json::json!({
+                        "engine": k,
+                        "routed": r.routed[k],
+                        "completed": e.completed,
+                        "input_tokens": e.input_tokens,
+                        "prefix_hit_tokens": e.prefix_hit_tokens,
+                        "ttft_ms_p50": t.map_or(0.0, |t| t.ttft_ms.quantile(0.5)),
+                        "ttft_ms_p99": t.map_or(0.0, |t| t.ttft_ms.quantile(0.99)),
+                        "tpot_ms_p50": t.map_or(0.0, |t| t.tpot_ms.quantile(0.5)),
+                        "restored_bytes": t.map_or(0, |t| t.restored_bytes),
+                    })
+                })
+                .collect();
+            serde_json::json!({
+                "run": r.run.name(),
+                "router": r.router.name(),
+                "ttft_ms": [r.ttft_ms.quantile(0.5), r.ttft_ms.quantile(0.9), r.ttft_ms.quantile(0.99)],
+                "ttft_censored": r.ttft_censored,
+                "tpot_ms_p50": r.tpot_ms.quantile(0.5),
+                "tok_s_gpu": r.tok_s_gpu,
+                "from_cache": r.from_cache,
+                "ceiling": r.ceiling,
+                "of_ceiling": r.of_ceiling(),
+                "restored_bytes": r.restored_bytes,
+                "engines": engines,
+            })
+        })
+        .collect();
+    serde_json::json!({ "fleet": runs })
 }

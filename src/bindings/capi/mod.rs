@@ -748,7 +748,13 @@ pub unsafe extern "C" fn v4pool_decode_synchronize(decode: *const V4poolDecode) 
     guard(|| get(decode, "decode")?.step.synchronize().map_err(rejected))
 }
 
+mod events;
 mod forward;
+pub use events::{
+    v4pool_block_hashes, v4pool_events_cleared, v4pool_events_endpoint, v4pool_events_flush,
+    v4pool_events_free, v4pool_events_new, v4pool_events_removed, v4pool_events_replay_endpoint,
+    v4pool_events_stored, V4poolEventEncoding, V4poolEvents, V4poolHash, V4poolMedium,
+};
 pub use forward::{v4pool_csa_topk_free, v4pool_csa_topk_new, v4pool_decode_csa_pack, V4poolCsaTopk};
 
 #[cfg(test)]

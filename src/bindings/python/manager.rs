@@ -7,10 +7,10 @@ use super::pool::{Block, Hold, PyPool, Slot};
 use super::{error, lib_err};
 use crate::checkpoint::{CheckpointImage, LayoutId};
 use crate::manager::{
-    chain_hashes, BlockHash, ElasticPolicy, FixedPolicy, KvManager, ManagerConfig, ManagerError, Namespace,
-    RequestId, SplitPolicy, StoredCheckpoint,
+    chain_hashes, BlockHash, ElasticPolicy, FixedPolicy, KvEvent, KvManager, ManagerConfig, ManagerError,
+    Namespace, RequestId, SplitPolicy, StoredCheckpoint,
 };
-use crate::transfer::{handoff, Endpoint, LocalEngine};
+use crate::transfer::{handoff, Endpoint, LocalEngine, SharedTierConfig};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -31,7 +31,7 @@ pub struct PyKvManager {
 }
 
 impl PyKvManager {
-    fn lock(&self) -> PyResult<MutexGuard<'_, KvManager>> {
+    pub(super) fn lock(&self) -> PyResult<MutexGuard<'_, KvManager>> {
         self.inner.lock().map_err(|_| poisoned())
     }
 
@@ -58,9 +58,15 @@ impl PyKvManager {
     /// `"fixed"` (`slots` slots carved once; default the plan's `num_slots`). `namespace`
     /// keeps blocks of different models or adapters from matching. `host_tier_bytes`: host
     /// memory (page-locked on CUDA) evicted blocks and checkpoints spill to; 0: none.
+    /// `shared_tier_dir`: a directory every engine mounts, the fleet's shared tier (committed
+    /// blocks and checkpoints published there, hits restored from it), holding at most
+    /// `shared_tier_bytes`; `events`: record KV events (`drain_events`, `KvEventPublisher`).
     #[new]
     #[allow(clippy::too_many_arguments)] // Python keyword arguments, one per option
-    #[pyo3(signature = (pool, policy="elastic", checkpoint_every=16, rolling=true, slots=None, namespace="", host_tier_bytes=0))]
+    #[pyo3(signature = (
+        pool, policy="elastic", checkpoint_every=16, rolling=true, slots=None, namespace="", host_tier_bytes=0,
+        shared_tier_dir=None, shared_tier_bytes=1 << 40, events=false
+    ))]
     fn new(
         py: Python<'_>,
         pool: &Bound<'_, PyPool>,
@@ -70,6 +76,9 @@ impl PyKvManager {
         slots: Option<u32>,
         namespace: &str,
         host_tier_bytes: u64,
+        shared_tier_dir: Option<std::path::PathBuf>,
+        shared_tier_bytes: u64,
+        events: bool,
     ) -> PyResult<PyKvManager> {
         let (pool, hold) = pool.get().shared();
         let policy: Box<dyn SplitPolicy> = match policy {
@@ -91,8 +100,11 @@ impl PyKvManager {
                 ))
             }
         };
-        let config = ManagerConfig { checkpoint_every, rolling, host_tier_bytes };
-        let m = py.detach(|| KvManager::new(pool, config, policy)).map_err(lib_err)?;
+        let shared_tier =
+            shared_tier_dir.map(|dir| SharedTierConfig { dir, budget_bytes: shared_tier_bytes, sync: true });
+        let config = ManagerConfig { checkpoint_every, rolling, host_tier_bytes, shared_tier };
+        let mut m = py.detach(|| KvManager::new(pool, config, policy)).map_err(lib_err)?;
+        m.enable_events(events);
         Ok(PyKvManager { inner: Mutex::new(m), namespace: Namespace::from_label(namespace), _hold: hold })
     }
 
@@ -116,11 +128,55 @@ impl PyKvManager {
         Ok(self.hashes(&m, &tokens, parent).into_iter().map(|h| h.0).collect())
     }
 
-    /// A new waiting request with prompt `tokens`; returns its id.
+    /// A new waiting request with prompt `tokens`; returns its id. With events on, the
+    /// tokens go into the `BlockStored` events of its blocks.
     fn add_request(&self, tokens: Vec<u32>) -> PyResult<u64> {
         let mut m = self.lock()?;
         let hashes = self.hashes(&m, &tokens, None);
-        Ok(m.add_request(tokens.len() as u64, hashes).to_bits())
+        let id = m.add_request(tokens.len() as u64, hashes);
+        m.record_tokens(id, &tokens).map_err(lib_err)?;
+        Ok(id.to_bits())
+    }
+
+    /// More tokens of a request (what it generated) for its blocks' events.
+    fn record_tokens(&self, id: u64, tokens: Vec<u32>) -> PyResult<()> {
+        self.lock()?.record_tokens(RequestId::from_bits(id), &tokens).map_err(lib_err)
+    }
+
+    /// Turn KV events on or off (off drops what is pending).
+    fn enable_events(&self, on: bool) -> PyResult<()> {
+        self.lock()?.enable_events(on);
+        Ok(())
+    }
+
+    /// The KV events recorded since the last call: dicts with `type` (`BlockStored`,
+    /// `BlockRemoved`, `AllBlocksCleared`), `block_hashes` (128-bit ints), `parent_block_hash`,
+    /// `token_ids`, `medium` (`GPU`, `CPU`, `STORAGE`).
+    fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let events = self.lock()?.drain_events();
+        events
+            .into_iter()
+            .map(|e| {
+                let d = PyDict::new(py);
+                let hashes = |hs: Vec<BlockHash>| hs.into_iter().map(|h| h.0).collect::<Vec<u128>>();
+                match e {
+                    KvEvent::Stored { hashes: hs, parent, tokens, medium } => {
+                        d.set_item("type", "BlockStored")?;
+                        d.set_item("block_hashes", hashes(hs))?;
+                        d.set_item("parent_block_hash", parent.map(|p| p.0))?;
+                        d.set_item("token_ids", tokens)?;
+                        d.set_item("medium", medium.name())?;
+                    }
+                    KvEvent::Removed { hashes: hs, medium } => {
+                        d.set_item("type", "BlockRemoved")?;
+                        d.set_item("block_hashes", hashes(hs))?;
+                        d.set_item("medium", medium.name())?;
+                    }
+                    KvEvent::AllCleared => d.set_item("type", "AllBlocksCleared")?,
+                }
+                Ok(d)
+            })
+            .collect()
     }
 
     /// More full-block hashes of a request (from `block_hashes`, chained from its last).

@@ -5,6 +5,7 @@
 //! views (`dlpack.rs`) that keep the pool alive. No pool logic lives here.
 
 mod dlpack;
+mod events;
 mod forward;
 mod manager;
 mod pool;
@@ -166,6 +167,7 @@ fn v4pool(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<dlpack::DeviceView>()?;
     pool::register(m)?;
     manager::register(m)?;
+    events::register(m)?;
     forward::register(m)?;
     Ok(())
 }

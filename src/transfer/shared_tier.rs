@@ -1,0 +1,752 @@
+//! The shared tier: block units and checkpoints in files of a directory every engine of a
+//! fleet mounts (3FS, NFS, Lustre in production; a temporary directory in CI), addressed by
+//! the chained block hash and the pool's layout id, so that what one engine computed
+//! restores on another byte-exact — compressed blocks, and checkpoints (window rows and
+//! compressor state) — with no tail re-prefill. `docs/fleet.md` says why files and how this
+//! compares with Mooncake Store.
+//!
+//! * **An entry** is one file, `<dir>/v4pool-tier-1/<layout>/<shard>/<b|c><hash>` (`b`: a
+//!   block's unit, `c`: the units of the checkpoint ending at that block; `<layout>`: a
+//!   digest of the layout id, `<shard>`: the hash's top byte, so no directory grows past
+//!   1/256 of the entries): a header — magic, kind, hash, units, the layout id's length,
+//!   the payload's length and checksum, the header's own checksum — the layout id's text,
+//!   then the payload, the units' bytes part-major (as a host-tier extent).
+//! * **Publishing** writes a temporary file in the entry's directory (a name no reader
+//!   looks up), syncs it when [`SharedTierConfig::sync`] says so, and renames it over the
+//!   entry's name: a reader sees a whole file or none. Two writers of one key both finish and
+//!   the last rename wins; either file is whole (and, content-addressed, the same bytes).
+//! * **Reading** checks everything before a byte reaches the pool: the file's length, the
+//!   header and its checksum, the layout id (the whole text, not the directory's digest),
+//!   the key, the unit count and the payload's checksum. A torn, truncated, corrupt or
+//!   foreign entry is a miss ([`HostTierError::Corrupt`], [`HostTierError::ForeignLayout`]),
+//!   never wrong bytes, and the file is removed so the next publisher writes it anew. An
+//!   I/O failure (the mount gone) is a miss too ([`HostTierError::Io`]); the pool and the
+//!   engine carry on.
+//! * **Capacity** ([`SharedTierConfig::budget_bytes`], for the whole directory, every
+//!   layout): least recently used by modification time, across processes. A hit sets the
+//!   entry's mtime to now (access times are unreliable: `noatime`, `relatime`); a publisher
+//!   keeps an estimate of the directory's bytes (a scan at start, plus what it writes) and
+//!   scans when the estimate passes the budget or it has written [`SCAN_EVERY`] of it since
+//!   its last scan: the scan sums every entry and removes the oldest until the directory is
+//!   at [`LOW_WATER`] of the budget (and temporary files older than [`STALE_TEMP`], a
+//!   writer's that died). Each process writes at most `budget / SCAN_EVERY` plus one entry
+//!   between two of its scans, so with `N` writers the directory exceeds the budget by at
+//!   most `N × (budget / SCAN_EVERY + largest entry)`.
+//!
+//! The bytes go through a [`TierIo`]: [`StdFs`] (plain `std::fs`) here; NIXL's POSIX or GDS
+//! file plugins implement the same two calls (`docs/fleet.md` says what that needs). Names,
+//! renames, removals and scans are POSIX calls on the mount whatever moves the bytes.
+
+use super::host_tier::{alloc_units, copy_units, part_bytes, parts_matching, Storage, UnitPart};
+use super::HostTierError;
+use crate::alloc::BlockHandle;
+use crate::checkpoint::LayoutId;
+use crate::pool::{Pool, PoolError};
+use crate::rng::{mum, WY};
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+/// The tier's folder inside the configured directory (the format's version is in its name).
+pub const TIER_DIR: &str = "v4pool-tier-1";
+/// A publisher scans after writing this fraction (1/N) of the budget since its last scan.
+pub const SCAN_EVERY: u64 = 8;
+/// A scan that finds the directory over budget removes entries until it is at this share of
+/// the budget (per mille), so the next scans are not all evictions.
+pub const LOW_WATER: u64 = 900;
+/// A temporary file this old is a dead writer's: a scan removes it.
+pub const STALE_TEMP: Duration = Duration::from_secs(600);
+
+const MAGIC: &[u8; 8] = b"v4poolT1";
+/// Fixed header bytes before the layout id's text.
+const FIXED: usize = 80;
+/// The prefix of temporary files (never an entry name: entries start with `b` or `c`).
+const TEMP: &str = ".tmp-";
+
+/// What an entry holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum EntryKind {
+    /// One block's unit (every plane and indexer layer).
+    Block,
+    /// The units of the checkpoint ending at a block (window rows and compressor state).
+    Checkpoint,
+}
+
+impl EntryKind {
+    fn letter(self) -> char {
+        match self {
+            EntryKind::Block => 'b',
+            EntryKind::Checkpoint => 'c',
+        }
+    }
+    fn code(self) -> u8 {
+        match self {
+            EntryKind::Block => 1,
+            EntryKind::Checkpoint => 2,
+        }
+    }
+}
+
+/// An entry's key: what it holds and the block hash it belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SharedKey {
+    /// Block or checkpoint.
+    pub kind: EntryKind,
+    /// The chained block hash (`manager::BlockHash`'s value).
+    pub hash: u128,
+}
+
+impl SharedKey {
+    /// The entry's file name.
+    fn name(&self) -> String {
+        format!("{}{:032x}", self.kind.letter(), self.hash)
+    }
+    /// The key a file name names, if it is an entry's.
+    fn parse(name: &str) -> Option<SharedKey> {
+        let kind = match name.as_bytes().first()? {
+            b'b' => EntryKind::Block,
+            b'c' => EntryKind::Checkpoint,
+            _ => return None,
+        };
+        let hex = name.get(1..)?;
+        if hex.len() != 32 {
+            return None;
+        }
+        Some(SharedKey { kind, hash: u128::from_str_radix(hex, 16).ok()? })
+    }
+}
+
+/// Where the shared tier lives and how much of it a fleet uses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedTierConfig {
+    /// A directory every engine mounts; it must exist (the tier creates its folders inside).
+    pub dir: PathBuf,
+    /// Bytes the whole directory may hold (every layout's entries); see the module docs for
+    /// how far over it concurrent writers can take it.
+    pub budget_bytes: u64,
+    /// Sync each entry to stable storage before it is renamed into place (a crash then
+    /// leaves whole entries or none; without it a file system may leave a renamed file
+    /// empty after a power loss, which readers refuse as torn).
+    pub sync: bool,
+}
+
+/// An open entry file, as a [`TierIo`] reads it.
+pub trait TierReader {
+    /// The file's length in bytes.
+    fn len(&self) -> u64;
+    /// Whether the file is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Fill `dst` from the file's bytes at `offset` (an error if the file ends first).
+    fn read_exact_at(&mut self, offset: u64, dst: &mut [u8]) -> io::Result<()>;
+}
+
+/// How entry bytes move between memory and files: [`StdFs`] here; NIXL's POSIX (or GDS)
+/// plugin is the second implementation (`docs/fleet.md`). The memory is the tier's staging
+/// buffer, from the pool's backend's `alloc_host` (page-locked on CUDA), which a NIXL
+/// implementation registers as DRAM.
+pub trait TierIo: Send + std::fmt::Debug {
+    /// Create the new file `path` (refused if it exists) holding `head` then `body`; on
+    /// stable storage before returning when `sync`.
+    fn write_file(&self, path: &Path, head: &[u8], body: &[u8], sync: bool) -> io::Result<()>;
+    /// Open the file at `path` for reading.
+    fn open(&self, path: &Path) -> io::Result<Box<dyn TierReader>>;
+}
+
+/// Plain `std::fs` I/O.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StdFs;
+
+struct StdReader {
+    file: fs::File,
+    len: u64,
+}
+
+impl TierReader for StdReader {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn read_exact_at(&mut self, offset: u64, dst: &mut [u8]) -> io::Result<()> {
+        use std::io::{Read, Seek, SeekFrom};
+        self.file.seek(SeekFrom::Start(offset))?;
+        self.file.read_exact(dst)
+    }
+}
+
+impl TierIo for StdFs {
+    fn write_file(&self, path: &Path, head: &[u8], body: &[u8], sync: bool) -> io::Result<()> {
+        use std::io::Write;
+        let mut f = fs::OpenOptions::new().write(true).create_new(true).open(path)?;
+        f.write_all(head)?;
+        f.write_all(body)?;
+        if sync {
+            f.sync_data()?;
+        }
+        Ok(())
+    }
+    fn open(&self, path: &Path) -> io::Result<Box<dyn TierReader>> {
+        let file = fs::File::open(path)?;
+        let len = file.metadata()?.len();
+        Ok(Box::new(StdReader { file, len }))
+    }
+}
+
+/// What one tier has done since it was built (this process's view).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SharedTierStats {
+    /// Entries written (renamed into place).
+    pub published: u64,
+    /// Bytes of those files.
+    pub published_bytes: u64,
+    /// Publications skipped: the entry was there already (another engine wrote it).
+    pub already_present: u64,
+    /// Entries restored into a pool.
+    pub restored: u64,
+    /// Payload bytes restored.
+    pub restored_bytes: u64,
+    /// Entries refused on reading: torn, truncated, a bad header, key or checksum.
+    pub corrupt: u64,
+    /// Entries refused on reading: another layout's.
+    pub foreign: u64,
+    /// I/O calls that failed (the directory gone, a full disk, a reader racing a removal).
+    pub io_errors: u64,
+    /// Capacity scans run.
+    pub scans: u64,
+    /// Entries removed by this process's scans, and their bytes.
+    pub evicted: u64,
+    /// See [`SharedTierStats::evicted`].
+    pub evicted_bytes: u64,
+    /// Dead writers' temporary files removed.
+    pub stale_temps: u64,
+}
+
+/// The shared tier over one directory, serving pools of one layout (see the module docs).
+pub struct SharedTier {
+    /// `<dir>/v4pool-tier-1`.
+    tier_dir: PathBuf,
+    /// The configured directory: never created by the tier (a vanished mount stays absent).
+    dir: PathBuf,
+    /// `<tier_dir>/<layout digest>`.
+    layout_dir: PathBuf,
+    layout: LayoutId,
+    unit_bytes: u64,
+    part_bytes: Vec<u64>,
+    budget: u64,
+    sync: bool,
+    io: Box<dyn TierIo>,
+    /// Host memory entries pass through (grown to the largest entry; freed on drop).
+    staging: Option<Storage>,
+    /// The directory's bytes as far as this process knows.
+    used: u64,
+    written_since_scan: u64,
+    /// Temporary names: pid and a counter.
+    seq: u64,
+    stats: SharedTierStats,
+}
+
+impl std::fmt::Debug for SharedTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedTier")
+            .field("layout_dir", &self.layout_dir)
+            .field("unit_bytes", &self.unit_bytes)
+            .field("budget", &self.budget)
+            .field("used", &self.used)
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+const S0: u64 = WY[0];
+const S1: u64 = WY[1];
+const S2: u64 = WY[2];
+const S3: u64 = WY[3];
+
+/// A 128-bit checksum of `bytes` (two multiply-fold lanes over 32-byte words, then the
+/// length): every bit of the input reaches both halves, so a flipped, torn or shifted byte
+/// goes undetected with probability about 2^-64 or less. Not a cryptographic hash: it guards
+/// against accidents (torn writes, bit rot, a truncation), not against an adversary with
+/// write access to the directory, who could write any entry anyway.
+pub fn checksum(bytes: &[u8]) -> u128 {
+    let (mut a, mut b) = (S0, S1);
+    let mut round = |c: &[u8]| {
+        let w = |i: usize| u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+        // The previous state is folded back in whatever the product: a zero product (a word
+        // equal to a constant) loses no earlier input.
+        a = mum(w(0) ^ S2 ^ a, w(1) ^ S3) ^ a.rotate_left(29);
+        b = mum(w(2) ^ S1 ^ b, w(3) ^ S0) ^ b.rotate_left(37);
+    };
+    let mut chunks = bytes.chunks_exact(32);
+    for c in &mut chunks {
+        round(c);
+    }
+    let rest = chunks.remainder();
+    if !rest.is_empty() {
+        let mut last = [0u8; 32];
+        last[..rest.len()].copy_from_slice(rest);
+        round(&last);
+    }
+    let len = bytes.len() as u64;
+    let x = mum(a ^ len ^ S1, b ^ S2);
+    let y = mum(b ^ len.rotate_left(32) ^ S3, a ^ S0 ^ x);
+    (u128::from(y) << 64) | u128::from(x ^ mum(x, S3))
+}
+
+fn put_u32(h: &mut [u8], at: usize, v: u32) {
+    h[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+fn put_u64(h: &mut [u8], at: usize, v: u64) {
+    h[at..at + 8].copy_from_slice(&v.to_le_bytes());
+}
+fn put_u128(h: &mut [u8], at: usize, v: u128) {
+    h[at..at + 16].copy_from_slice(&v.to_le_bytes());
+}
+fn get_u32(h: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(h[at..at + 4].try_into().expect("4 bytes"))
+}
+fn get_u64(h: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(h[at..at + 8].try_into().expect("8 bytes"))
+}
+fn get_u128(h: &[u8], at: usize) -> u128 {
+    u128::from_le_bytes(h[at..at + 16].try_into().expect("16 bytes"))
+}
+
+/// The header of an entry of `units` units of `key` with `payload_len` bytes summing to
+/// `sum`, in `layout`.
+fn header(key: SharedKey, units: u32, layout: &[u8], payload_len: u64, sum: u128) -> Vec<u8> {
+    let mut h = vec![0u8; FIXED + layout.len()];
+    h[..8].copy_from_slice(MAGIC);
+    h[8] = key.kind.code();
+    put_u32(&mut h, 12, units);
+    put_u128(&mut h, 16, key.hash);
+    put_u32(&mut h, 32, layout.len() as u32);
+    put_u64(&mut h, 40, payload_len);
+    put_u128(&mut h, 48, sum);
+    h[FIXED..].copy_from_slice(layout);
+    let own = header_sum(&h);
+    put_u128(&mut h, 64, own);
+    h
+}
+
+/// The header's own checksum: its fixed fields before the checksum, and the layout text.
+fn header_sum(h: &[u8]) -> u128 {
+    let mut covered = h[..64].to_vec();
+    covered.extend_from_slice(&h[FIXED..]);
+    checksum(&covered)
+}
+
+/// Create `dir` if absent (its parent must exist).
+fn make_dir(dir: &Path) -> io::Result<()> {
+    match fs::create_dir(dir) {
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        other => other,
+    }
+}
+
+/// One file a scan found.
+struct Found {
+    path: PathBuf,
+    bytes: u64,
+    mtime: SystemTime,
+    key: Option<SharedKey>,
+}
+
+impl SharedTier {
+    /// A tier for units of `pool` in `config.dir` (which must exist), moving bytes with
+    /// [`StdFs`].
+    pub fn new(pool: &Pool, config: &SharedTierConfig) -> Result<SharedTier, HostTierError> {
+        SharedTier::with_io(pool, config, Box::new(StdFs))
+    }
+
+    /// As [`SharedTier::new`] with another [`TierIo`].
+    pub fn with_io(
+        pool: &Pool,
+        config: &SharedTierConfig,
+        io: Box<dyn TierIo>,
+    ) -> Result<SharedTier, HostTierError> {
+        let part_bytes = part_bytes(pool)?;
+        let unit_bytes = part_bytes.iter().sum();
+        let layout = pool.layout_id().clone();
+        let tier_dir = config.dir.join(TIER_DIR);
+        let digest = checksum(layout.as_str().as_bytes());
+        let layout_dir = tier_dir.join(format!("{:016x}", digest as u64));
+        let meta = fs::metadata(&config.dir)
+            .map_err(|source| HostTierError::Io { op: "stat the tier directory", source })?;
+        if !meta.is_dir() {
+            let source = io::Error::new(io::ErrorKind::NotADirectory, config.dir.display().to_string());
+            return Err(HostTierError::Io { op: "stat the tier directory", source });
+        }
+        for d in [&tier_dir, &layout_dir] {
+            make_dir(d).map_err(|source| HostTierError::Io { op: "create the tier's folders", source })?;
+        }
+        let mut tier = SharedTier {
+            tier_dir,
+            dir: config.dir.clone(),
+            layout_dir,
+            layout,
+            unit_bytes,
+            part_bytes,
+            budget: config.budget_bytes,
+            sync: config.sync,
+            io,
+            staging: None,
+            used: 0,
+            written_since_scan: 0,
+            seq: 0,
+            stats: SharedTierStats::default(),
+        };
+        tier.scan();
+        Ok(tier)
+    }
+
+    /// Bytes of one unit.
+    pub fn unit_bytes(&self) -> u64 {
+        self.unit_bytes
+    }
+    /// Units the budget holds.
+    pub fn capacity_units(&self) -> u64 {
+        self.budget.checked_div(self.unit_bytes).unwrap_or(0)
+    }
+    /// Units the directory holds as far as this process knows (headers count as payload).
+    pub fn used_units(&self) -> u64 {
+        self.used.checked_div(self.unit_bytes).unwrap_or(0)
+    }
+    /// The directory's bytes as far as this process knows (exact after a scan).
+    pub fn used_bytes(&self) -> u64 {
+        self.used
+    }
+    /// What this tier has done.
+    pub fn stats(&self) -> SharedTierStats {
+        self.stats
+    }
+    /// The folder this layout's entries live in.
+    pub fn layout_dir(&self) -> &Path {
+        &self.layout_dir
+    }
+    /// The file `key`'s entry lives in.
+    pub fn path_of(&self, key: &SharedKey) -> PathBuf {
+        self.shard_dir(key).join(key.name())
+    }
+    fn shard_dir(&self, key: &SharedKey) -> PathBuf {
+        self.layout_dir.join(format!("{:02x}", (key.hash >> 120) as u8))
+    }
+    /// Bytes of an entry's header for this layout (an entry is this plus its units).
+    pub fn head_bytes(&self) -> u64 {
+        (FIXED + self.layout.as_str().len()) as u64
+    }
+
+    /// Whether an entry for `key` is there with a plausible length (whole units after the
+    /// header; the contents are checked when it is read).
+    pub fn contains(&self, key: &SharedKey) -> bool {
+        let head = self.head_bytes();
+        fs::metadata(self.path_of(key))
+            .is_ok_and(|m| m.is_file() && m.len() > head && (m.len() - head) % self.unit_bytes.max(1) == 0)
+    }
+
+    /// Mark `key` as just used (its mtime set to now: the fleet's LRU); whether it is there.
+    pub fn touch(&mut self, key: &SharedKey) -> bool {
+        let r = fs::OpenOptions::new()
+            .append(true)
+            .open(self.path_of(key))
+            .and_then(|f| f.set_modified(SystemTime::now()));
+        r.is_ok()
+    }
+
+    /// Remove `key`'s entry; whether it was there.
+    pub fn evict(&mut self, key: &SharedKey) -> bool {
+        let path = self.path_of(key);
+        let bytes = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        let removed = fs::remove_file(path).is_ok();
+        if removed {
+            self.used = self.used.saturating_sub(bytes);
+        }
+        removed
+    }
+
+    /// This layout's entries, least recently used (oldest mtime) first.
+    pub fn lru_order(&self) -> Vec<SharedKey> {
+        let mut found = Vec::new();
+        self.scan_layout(&self.layout_dir, &mut found);
+        found.sort_by_key(|f| f.mtime);
+        found.into_iter().filter_map(|f| f.key).collect()
+    }
+
+    fn check_pool(&self, pool: &Pool) -> Result<Vec<UnitPart>, HostTierError> {
+        if pool.layout_id() != &self.layout {
+            return Err(HostTierError::ForeignLayout {
+                entry: self.layout.to_string(),
+                pool: pool.layout_id().to_string(),
+            });
+        }
+        parts_matching(pool, &self.part_bytes)
+    }
+
+    /// The staging buffer, at least `bytes` long (grown from the pool's backend).
+    fn staging(&mut self, pool: &Pool, bytes: u64) -> Result<&Storage, HostTierError> {
+        if self.staging.as_ref().is_none_or(|s| (s.len() as u64) < bytes) {
+            // The old buffer has no copy queued (every copy is waited for), so it may go.
+            self.staging = None;
+            self.staging = Some(Storage::new(pool.backend().clone(), bytes)?);
+        }
+        Ok(self.staging.as_ref().expect("just made"))
+    }
+
+    fn io_error(&mut self, op: &'static str, source: io::Error) -> HostTierError {
+        self.stats.io_errors += 1;
+        HostTierError::Io { op, source }
+    }
+
+    /// Write the units `blocks` of `pool` as `key`'s entry (see the module docs): `Ok(false)`
+    /// when an entry is there already (it is touched instead). The blocks stay allocated in
+    /// the pool; their bytes must be complete (the manager publishes after the batch that
+    /// wrote them has completed). A failure writes nothing (a temporary file is removed) and
+    /// leaves the pool as it was.
+    pub fn publish(
+        &mut self,
+        pool: &Pool,
+        key: SharedKey,
+        blocks: &[BlockHandle],
+    ) -> Result<bool, HostTierError> {
+        let parts = self.check_pool(pool)?;
+        if self.contains(&key) {
+            self.touch(&key);
+            self.stats.already_present += 1;
+            return Ok(false);
+        }
+        let units = u32::try_from(blocks.len()).map_err(|_| HostTierError::TooLarge {
+            units: blocks.len(),
+            unit_bytes: self.unit_bytes,
+            capacity: self.capacity_units(),
+        })?;
+        let bytes = u64::from(units) * self.unit_bytes;
+        if bytes + self.head_bytes() > self.budget {
+            let capacity = self.capacity_units();
+            return Err(HostTierError::TooLarge {
+                units: blocks.len(),
+                unit_bytes: self.unit_bytes,
+                capacity,
+            });
+        }
+        let host = self.staging(pool, bytes)?.ptr();
+        {
+            // Pinned from the handle look-up until the copies have finished.
+            let _pin = pool.pin_boundary()?;
+            let ids = pool.block_ids(blocks)?;
+            // SAFETY: the staging buffer holds `bytes` (grown above) from this pool's
+            // backend's `alloc_host` and nothing else uses it until the stream is
+            // synchronised below; the ids are this pool's live blocks, the boundary pinned.
+            let queued =
+                unsafe { copy_units(pool.backend().as_ref(), pool.stream(), &parts, host, &ids, true) };
+            let finished = pool.backend().synchronize(pool.stream()).map_err(PoolError::from);
+            queued.and(finished)?;
+        }
+        // SAFETY: `bytes` of the staging buffer, written by the copies just waited for.
+        let body = unsafe { std::slice::from_raw_parts(host, bytes as usize) };
+        let head = header(key, units, self.layout.as_str().as_bytes(), bytes, checksum(body));
+        let dir = self.shard_dir(&key);
+        // Never the configured directory itself: a mount that vanished stays absent.
+        let made = [&self.tier_dir, &self.layout_dir, &dir].into_iter().try_for_each(|d| make_dir(d));
+        if let Err(e) = made {
+            return Err(self.io_error("create the entry's folder", e));
+        }
+        self.seq += 1;
+        let tmp = dir.join(format!("{TEMP}{}-{}-{}", key.name(), std::process::id(), self.seq));
+        let written = self
+            .io
+            .write_file(&tmp, &head, body, self.sync)
+            .and_then(|()| fs::rename(&tmp, self.path_of(&key)));
+        if let Err(e) = written {
+            let _ = fs::remove_file(&tmp);
+            return Err(self.io_error("write the entry", e));
+        }
+        let len = head.len() as u64 + bytes;
+        self.stats.published += 1;
+        self.stats.published_bytes += len;
+        self.used += len;
+        self.written_since_scan += len;
+        if self.used > self.budget || self.written_since_scan >= self.budget / SCAN_EVERY {
+            self.scan();
+        }
+        Ok(true)
+    }
+
+    /// Read `key`'s entry into freshly allocated blocks of `pool` (all or nothing: on any
+    /// refusal nothing stays allocated); the entry stays (other engines may want it) and is
+    /// touched. Blocks come back in the order they were published.
+    pub fn restore(&mut self, pool: &Pool, key: &SharedKey) -> Result<Vec<BlockHandle>, HostTierError> {
+        let parts = self.check_pool(pool)?;
+        let path = self.path_of(key);
+        let mut file = match self.io.open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(HostTierError::NotHeld),
+            Err(e) => return Err(self.io_error("open the entry", e)),
+        };
+        let units = match self.read_entry(pool, key, file.as_mut()) {
+            Ok(units) => units,
+            Err(e) => {
+                if matches!(e, HostTierError::Corrupt { .. } | HostTierError::ForeignLayout { .. }) {
+                    // Refused for good: the next publisher writes it anew.
+                    let _ = fs::remove_file(&path);
+                }
+                return Err(e);
+            }
+        };
+        drop(file);
+        let host = self.staging.as_ref().expect("read_entry filled it").ptr();
+        // Pinned from before the blocks are handed out until they are written (and, on a
+        // failure, freed).
+        let _pin = pool.pin_boundary()?;
+        let blocks = alloc_units(pool, units)?;
+        let copied = pool.block_ids(&blocks).map_err(HostTierError::from).and_then(|ids| {
+            // SAFETY: the staging buffer holds the entry's payload (`units` units, read
+            // above) from this pool's backend's `alloc_host`, untouched until the stream is
+            // synchronised below; the ids are the blocks just allocated, the boundary pinned.
+            let queued =
+                unsafe { copy_units(pool.backend().as_ref(), pool.stream(), &parts, host, &ids, false) };
+            let finished = pool.backend().synchronize(pool.stream()).map_err(PoolError::from);
+            Ok(queued.and(finished)?)
+        });
+        if let Err(e) = copied {
+            for &b in &blocks {
+                let _ = pool.free_block(b);
+            }
+            return Err(e);
+        }
+        self.touch(key);
+        self.stats.restored += 1;
+        self.stats.restored_bytes += units as u64 * self.unit_bytes;
+        Ok(blocks)
+    }
+
+    /// Read and check `key`'s entry from `file` into the staging buffer; its unit count.
+    fn read_entry(
+        &mut self,
+        pool: &Pool,
+        key: &SharedKey,
+        file: &mut dyn TierReader,
+    ) -> Result<usize, HostTierError> {
+        let corrupt = |stats: &mut SharedTierStats, what: &'static str| {
+            stats.corrupt += 1;
+            HostTierError::Corrupt { what }
+        };
+        let len = file.len();
+        if len < FIXED as u64 {
+            return Err(corrupt(&mut self.stats, "shorter than a header"));
+        }
+        let mut fixed = vec![0u8; FIXED];
+        if let Err(e) = file.read_exact_at(0, &mut fixed) {
+            return Err(self.io_error("read the entry's header", e));
+        }
+        if &fixed[..8] != MAGIC {
+            return Err(corrupt(&mut self.stats, "not an entry (magic)"));
+        }
+        let layout_len = get_u32(&fixed, 32) as u64;
+        let payload_len = get_u64(&fixed, 40);
+        let head_len = FIXED as u64 + layout_len;
+        if layout_len > 1 << 16 || head_len > len {
+            return Err(corrupt(&mut self.stats, "layout id past the file's end"));
+        }
+        let mut head = fixed;
+        head.resize(head_len as usize, 0);
+        if let Err(e) = file.read_exact_at(FIXED as u64, &mut head[FIXED..]) {
+            return Err(self.io_error("read the entry's header", e));
+        }
+        if header_sum(&head) != get_u128(&head, 64) {
+            return Err(corrupt(&mut self.stats, "header checksum"));
+        }
+        // A whole header: what it says can be believed as written.
+        if &head[FIXED..] != self.layout.as_str().as_bytes() {
+            self.stats.foreign += 1;
+            return Err(HostTierError::ForeignLayout {
+                entry: String::from_utf8_lossy(&head[FIXED..]).into_owned(),
+                pool: self.layout.to_string(),
+            });
+        }
+        let units = get_u32(&head, 12) as u64;
+        if head[8] != key.kind.code() || get_u128(&head, 16) != key.hash {
+            return Err(corrupt(&mut self.stats, "another key's entry"));
+        }
+        if units == 0 || units.checked_mul(self.unit_bytes) != Some(payload_len) {
+            return Err(corrupt(&mut self.stats, "unit count and payload length disagree"));
+        }
+        if head_len.checked_add(payload_len) != Some(len) {
+            return Err(corrupt(&mut self.stats, "torn or truncated (length)"));
+        }
+        let host = self.staging(pool, payload_len)?.ptr();
+        // SAFETY: the staging buffer holds at least `payload_len` bytes, and no copy is
+        // queued on it (every copy is waited for before the call that queued it returns).
+        let body = unsafe { std::slice::from_raw_parts_mut(host, payload_len as usize) };
+        if let Err(e) = file.read_exact_at(head_len, body) {
+            return Err(self.io_error("read the entry's payload", e));
+        }
+        if checksum(body) != get_u128(&head, 48) {
+            return Err(corrupt(&mut self.stats, "payload checksum"));
+        }
+        Ok(units as usize)
+    }
+
+    /// Every file under one layout's folder.
+    fn scan_layout(&self, layout_dir: &Path, out: &mut Vec<Found>) {
+        let Ok(shards) = fs::read_dir(layout_dir) else { return };
+        for shard in shards.flatten() {
+            let Ok(files) = fs::read_dir(shard.path()) else { continue };
+            for f in files.flatten() {
+                let Ok(m) = f.metadata() else { continue };
+                if !m.is_file() {
+                    continue;
+                }
+                let name = f.file_name();
+                let key = name.to_str().and_then(SharedKey::parse);
+                let mtime = m.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+                out.push(Found { path: f.path(), bytes: m.len(), mtime, key });
+            }
+        }
+    }
+
+    /// The capacity scan (module docs): sum the directory, remove dead writers' temporary
+    /// files, and when over budget the least recently used entries down to [`LOW_WATER`].
+    fn scan(&mut self) {
+        self.stats.scans += 1;
+        self.written_since_scan = 0;
+        let mut found = Vec::new();
+        if let Ok(layouts) = fs::read_dir(&self.tier_dir) {
+            for l in layouts.flatten() {
+                self.scan_layout(&l.path(), &mut found);
+            }
+        } else if !self.dir.exists() {
+            self.stats.io_errors += 1;
+        }
+        let now = SystemTime::now();
+        let mut used = 0u64;
+        let mut entries = Vec::new();
+        for f in found {
+            let temp = f.key.is_none();
+            if temp && now.duration_since(f.mtime).is_ok_and(|age| age > STALE_TEMP) {
+                if fs::remove_file(&f.path).is_ok() {
+                    self.stats.stale_temps += 1;
+                }
+                continue;
+            }
+            used += f.bytes;
+            if !temp {
+                entries.push(f);
+            }
+        }
+        if used > self.budget {
+            let low = self.budget / 1000 * LOW_WATER;
+            entries.sort_by_key(|f| f.mtime);
+            for f in entries {
+                if used <= low {
+                    break;
+                }
+                if fs::remove_file(&f.path).is_ok() {
+                    used = used.saturating_sub(f.bytes);
+                    self.stats.evicted += 1;
+                    self.stats.evicted_bytes += f.bytes;
+                }
+            }
+        }
+        self.used = used;
+    }
+}

@@ -1,0 +1,534 @@
+//! The shared tier (files in a directory every engine mounts) on the host backend, small
+//! pools: a prefix one manager committed restores on another byte-exact (blocks, window rows,
+//! compressor state written by the state-update kernel); torn, truncated, corrupt,
+//! foreign-layout, other-key and half-written entries are misses that never reach the pool
+//! and leave nothing allocated; two writers of one key in two processes racing a reader that
+//! only ever sees one writer's whole entry; capacity bounded with LRU-by-mtime eviction; the
+//! directory removed mid-run leaves the engine serving (misses) with nothing leaked.
+//! `tests/shared_tier_fleet.rs` runs the V4-Flash two-process prefixes (8K / 128K / 1M).
+
+mod tier_common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+use tier_common::manager_common::*;
+use tier_common::*;
+use v4pool::alloc::BlockHandle;
+use v4pool::backend::host::HostBackend;
+use v4pool::manager::{FixedPolicy, KvManager, ManagerConfig};
+use v4pool::pool::Pool;
+use v4pool::transfer::{EntryKind, HostTierError, SharedKey, SharedTier, SharedTierConfig};
+use v4pool::VariantName;
+
+fn host() -> Arc<HostBackend> {
+    Arc::new(HostBackend::new())
+}
+
+/// A fresh directory under the system's temporary one, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let d = std::env::temp_dir().join(format!("v4pool-shared-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        TempDir(d)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `pool` carved the way a manager would (as many blocks as one slot leaves), for the tests
+/// that drive a tier without a manager.
+fn carved(pool: Arc<Pool>) -> Arc<Pool> {
+    let blocks = pool.with_boundary(|b| b.max_blocks_beside(1)).unwrap();
+    pool.resize(blocks, 1).unwrap();
+    pool
+}
+
+fn shared_config(dir: &Path, budget: u64) -> SharedTierConfig {
+    SharedTierConfig { dir: dir.to_path_buf(), budget_bytes: budget, sync: false }
+}
+
+/// A manager as `tiered` builds it (3 fixed slots, checkpoints every 2 blocks and rolling),
+/// with the shared tier in `dir` and a host tier of `host_units` units.
+fn fleet_manager(pool: Arc<Pool>, dir: &Path, host_units: u64) -> KvManager {
+    let config = ManagerConfig {
+        host_tier_bytes: host_units * unit_bytes(&pool),
+        shared_tier: Some(shared_config(dir, 64 << 20)),
+        ..config(2, true)
+    };
+    KvManager::new(pool, config, Box::new(FixedPolicy { slots: 3 })).expect("manager")
+}
+
+/// Every block and slot back in the pool once the cache is emptied.
+fn drained(m: &mut KvManager) {
+    m.complete_inflight().unwrap();
+    m.check_invariants().unwrap();
+    m.evict_all().unwrap();
+    let c = m.pool().counts().unwrap();
+    assert_eq!((c.free_blocks, c.free_slots), (c.num_blocks, c.num_slots), "something stayed held");
+}
+
+/// The entry file of `key` in `dir` for pools of `pool`'s layout.
+fn entry_path(pool: &Pool, dir: &Path, key: SharedKey) -> PathBuf {
+    SharedTier::new(pool, &shared_config(dir, 64 << 20)).unwrap().path_of(&key)
+}
+
+fn ckpt_key(t: &Turn, blocks: usize) -> SharedKey {
+    SharedKey { kind: EntryKind::Checkpoint, hash: hashes(&t.tokens)[blocks - 1].0 }
+}
+
+fn block_key(t: &Turn, block: usize) -> SharedKey {
+    SharedKey { kind: EntryKind::Block, hash: hashes(&t.tokens)[block].0 }
+}
+
+#[test]
+fn a_prefix_one_manager_committed_restores_on_another() {
+    let dir = TempDir::new("restore");
+    for pool_of in [small_pool, state_pool] {
+        let _ = std::fs::remove_dir_all(dir.0.join(v4pool::transfer::shared_tier::TIER_DIR));
+        let mut a = fleet_manager(pool_of(host(), 24), &dir.0, 0);
+        let turn = turn(&mut a, 1);
+        let s = a.stats();
+        // Five prompt-and-output blocks, the checkpoints at 512, 768, 1,024 and 1,280.
+        assert_eq!((s.shared_published_blocks, s.shared_published_checkpoints), (5, 4), "{s:?}");
+        assert_eq!(s.shared_write_failures, 0);
+        // Another manager on another pool, its memory poisoned: the whole prefix comes from
+        // the files, blocks and the slot image (state and windows) byte for byte.
+        let mut b = fleet_manager(pool_of(host(), 24), &dir.0, 0);
+        poison_blocks(&b, 0xbad);
+        assert_eq!(b.match_prefix(&hashes(&turn.tokens[..1400])), 1280);
+        let r = rehit(&mut b, &turn, 1280);
+        let s = b.stats();
+        assert_eq!((s.shared_restored_blocks, s.shared_restored_checkpoints), (5, 1), "{s:?}");
+        assert_eq!(s.shared_restored_bytes, (5 + u64::from(b.units_per_checkpoint())) * unit_bytes(b.pool()));
+        assert_eq!(s.shared_refused, 0);
+        // It continues like any request, and nothing is republished: the entries are there.
+        run_to(&mut b, r, &turn.tokens, 1500, 700);
+        b.finish(r).unwrap();
+        assert_eq!(b.stats().shared_published_blocks, 0, "{:?}", b.stats());
+        drained(&mut b);
+        drained(&mut a);
+    }
+}
+
+#[test]
+fn the_host_tier_is_asked_before_the_shared_tier() {
+    let dir = TempDir::new("order");
+    let mut a = fleet_manager(state_pool(host(), 24), &dir.0, 64);
+    let turn = turn(&mut a, 1);
+    // HBM → host tier: the same manager's hit comes back from host memory, not the files.
+    a.evict_all().unwrap();
+    poison_blocks(&a, 3);
+    let r = rehit(&mut a, &turn, 1280);
+    let s = a.stats();
+    assert_eq!((s.tier_restored_blocks, s.tier_restored_checkpoints), (5, 1), "{s:?}");
+    assert_eq!((s.shared_restored_blocks, s.shared_restored_checkpoints), (0, 0), "{s:?}");
+    a.finish(r).unwrap();
+    // With the host tier emptied the same hit comes from the shared tier.
+    a.evict_all().unwrap();
+    a.clear_host_tier();
+    poison_blocks(&a, 4);
+    let r = rehit(&mut a, &turn, 1280);
+    let s = a.stats();
+    assert_eq!((s.shared_restored_blocks, s.shared_restored_checkpoints), (5, 1), "{s:?}");
+    a.finish(r).unwrap();
+    drained(&mut a);
+}
+
+/// Damage an entry file in place (`unit`: bytes of one unit, what "extended" appends, so the
+/// file still looks like whole units).
+fn damage(path: &Path, how: &str, unit: u64) {
+    let mut bytes = std::fs::read(path).unwrap();
+    match how {
+        "payload" => {
+            let at = bytes.len() - 7;
+            bytes[at] ^= 0x10;
+        }
+        "header" => bytes[13] ^= 1,
+        "truncated" => bytes.truncate(bytes.len() - 100),
+        "torn" => bytes.truncate(bytes.len() / 2),
+        "extended" => {
+            let more = bytes[bytes.len() - unit as usize..].to_vec();
+            bytes.extend(more);
+        }
+        "empty" => bytes.clear(),
+        _ => unreachable!(),
+    }
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn refused_entries_are_misses_and_never_reach_the_pool() {
+    let dir = TempDir::new("refused");
+    let mut a = fleet_manager(state_pool(host(), 24), &dir.0, 0);
+    let turn = turn(&mut a, 1);
+    drained(&mut a);
+    let ck = ckpt_key(&turn, 5);
+    let path = entry_path(a.pool(), &dir.0, ck);
+    let good = std::fs::read(&path).unwrap();
+    let b_pool = carved(state_pool(host(), 24));
+    // Directly: every damage is refused with a typed error, nothing allocated, the file gone.
+    for how in ["payload", "header", "truncated", "torn", "extended", "empty"] {
+        std::fs::write(&path, &good).unwrap();
+        damage(&path, how, unit_bytes(a.pool()));
+        let mut t = SharedTier::new(&b_pool, &shared_config(&dir.0, 64 << 20)).unwrap();
+        let before = b_pool.counts().unwrap();
+        let r = t.restore(&b_pool, &ck);
+        assert!(matches!(r, Err(HostTierError::Corrupt { .. })), "{how}: {r:?}");
+        assert_eq!(r.unwrap_err().variant_name(), "Corrupt");
+        assert_eq!(b_pool.counts().unwrap(), before, "{how}: blocks stayed allocated");
+        assert!(!path.exists(), "{how}: a refused entry stays");
+        assert_eq!(t.stats().corrupt, 1, "{how}");
+    }
+    // Through a manager: the checkpoint at 1,280 damaged, the hit ends at 1,024 (restored
+    // exactly); the damaged entry counted and removed.
+    for how in ["payload", "header", "extended"] {
+        std::fs::write(&path, &good).unwrap();
+        damage(&path, how, unit_bytes(a.pool()));
+        let mut b = fleet_manager(state_pool(host(), 24), &dir.0, 0);
+        poison_blocks(&b, 5);
+        let r = rehit(&mut b, &turn, 1024);
+        let s = b.stats();
+        assert_eq!(s.shared_refused, 1, "{how}: {s:?}");
+        assert!(!path.exists(), "{how}");
+        b.finish(r).unwrap();
+        drained(&mut b);
+    }
+    // A truncated or torn file does not even look whole: a miss without a read.
+    for how in ["truncated", "torn"] {
+        std::fs::write(&path, &good).unwrap();
+        damage(&path, how, unit_bytes(a.pool()));
+        let mut b = fleet_manager(state_pool(host(), 24), &dir.0, 0);
+        assert_eq!(b.match_prefix(&hashes(&turn.tokens[..1400])), 1024, "{how}");
+        let r = rehit(&mut b, &turn, 1024);
+        b.finish(r).unwrap();
+        drained(&mut b);
+    }
+    // A block in the middle refused: the chain stops before it, and with no checkpoint
+    // below the restored blocks the hit is the 512-token one.
+    std::fs::write(&path, &good).unwrap();
+    let blk = entry_path(a.pool(), &dir.0, block_key(&turn, 2));
+    damage(&blk, "payload", unit_bytes(a.pool()));
+    let mut b = fleet_manager(state_pool(host(), 24), &dir.0, 0);
+    let r = rehit(&mut b, &turn, 512);
+    assert_eq!(b.stats().shared_refused, 1);
+    b.finish(r).unwrap();
+    drained(&mut b);
+}
+
+#[test]
+fn foreign_other_key_and_half_written_entries_are_misses() {
+    let dir = TempDir::new("foreign");
+    let other = TempDir::new("foreign-other");
+    let mut a = fleet_manager(state_pool(host(), 24), &dir.0, 0);
+    let turn = turn(&mut a, 1);
+    drained(&mut a);
+    let ck = ckpt_key(&turn, 5);
+    let path = entry_path(a.pool(), &dir.0, ck);
+    // The same key published by a pool of another layout (ring 13), its file put where this
+    // layout's entry lives: a whole, well-formed entry of another layout.
+    let foreign_pool = carved(state_pool_ring(host(), 24, 13));
+    assert_ne!(foreign_pool.layout_id(), a.pool().layout_id());
+    let mut ft = SharedTier::new(&foreign_pool, &shared_config(&other.0, 64 << 20)).unwrap();
+    let blocks: Vec<BlockHandle> =
+        (0..a.units_per_checkpoint()).map(|_| foreign_pool.alloc_block().unwrap().handle).collect();
+    assert!(ft.publish(&foreign_pool, ck, &blocks).unwrap());
+    let foreign_file = ft.path_of(&ck);
+    assert_ne!(foreign_file.parent(), path.parent(), "layouts share a folder");
+    // Only the length is this layout's when the units match; otherwise contains() already says no.
+    let foreign_bytes = std::fs::read(&foreign_file).unwrap();
+    let b_pool = carved(state_pool(host(), 24));
+    let mut t = SharedTier::new(&b_pool, &shared_config(&dir.0, 64 << 20)).unwrap();
+    std::fs::write(&path, &foreign_bytes).unwrap();
+    let before = b_pool.counts().unwrap();
+    let r = t.restore(&b_pool, &ck);
+    assert!(matches!(r, Err(HostTierError::ForeignLayout { .. })), "{r:?}");
+    assert_eq!(b_pool.counts().unwrap(), before);
+    assert_eq!(t.stats().foreign, 1);
+    // Another key's whole entry under this key's name: refused.
+    let blk0 = entry_path(a.pool(), &dir.0, block_key(&turn, 0));
+    let blk1 = entry_path(a.pool(), &dir.0, block_key(&turn, 1));
+    let saved = std::fs::read(&blk1).unwrap();
+    std::fs::copy(&blk0, &blk1).unwrap();
+    let r = t.restore(&b_pool, &block_key(&turn, 1));
+    assert!(matches!(r, Err(HostTierError::Corrupt { what: "another key's entry" })), "{r:?}");
+    std::fs::write(&blk1, saved).unwrap();
+    // A writer's temporary file (not renamed yet) is invisible; the entry is a miss.
+    std::fs::remove_file(&path).ok();
+    let tmp = path.with_file_name(format!(".tmp-{}-99999-1", path.file_name().unwrap().to_str().unwrap()));
+    std::fs::write(&tmp, &foreign_bytes).unwrap();
+    assert!(!t.contains(&ck));
+    assert!(matches!(t.restore(&b_pool, &ck), Err(HostTierError::NotHeld)));
+    // Through a manager: the checkpoint at 1,280 is not there, the hit ends at 1,024.
+    let mut b = fleet_manager(state_pool(host(), 24), &dir.0, 0);
+    let r = rehit(&mut b, &turn, 1024);
+    b.finish(r).unwrap();
+    drained(&mut b);
+    // A stale temporary file (a dead writer's) is removed by the next capacity scan.
+    let old = SystemTime::now() - Duration::from_secs(3600);
+    std::fs::File::options().append(true).open(&tmp).unwrap().set_modified(old).unwrap();
+    let t = SharedTier::new(&b_pool, &shared_config(&dir.0, 64 << 20)).unwrap();
+    assert!(!tmp.exists() && t.stats().stale_temps == 1, "{:?}", t.stats());
+}
+
+/// Bytes under `dir` (every file, recursively).
+fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(dir) else { return 0 };
+    rd.flatten()
+        .map(|e| {
+            let m = e.metadata().unwrap();
+            if m.is_dir() {
+                dir_bytes(&e.path())
+            } else {
+                m.len()
+            }
+        })
+        .sum()
+}
+
+#[test]
+fn capacity_is_bounded_least_recently_used_first() {
+    let dir = TempDir::new("capacity");
+    let pool = carved(small_pool(host(), 24));
+    let b = pool.alloc_block().unwrap().handle;
+    let probe = SharedTier::new(&pool, &shared_config(&dir.0, 1 << 30)).unwrap();
+    let entry = probe.head_bytes() + probe.unit_bytes();
+    drop(probe);
+    // Ten entries' room; forty published.
+    let budget = 10 * entry;
+    let mut t = SharedTier::new(&pool, &shared_config(&dir.0, budget)).unwrap();
+    let key = |i: u128| SharedKey { kind: EntryKind::Block, hash: i << 64 | 0x5151 };
+    let day_ago = SystemTime::now() - Duration::from_secs(86_400);
+    for i in 0..40u128 {
+        assert!(t.publish(&pool, key(i), &[b]).unwrap());
+        // Publication order is recency order (explicit mtimes: no clock granularity).
+        let f = std::fs::File::options().append(true).open(t.path_of(&key(i))).unwrap();
+        f.set_modified(day_ago + Duration::from_secs(i as u64)).unwrap();
+        // Entry 0 is used all along: always the most recent.
+        assert!(t.touch(&key(0)));
+        let on_disk = dir_bytes(&dir.0);
+        assert!(on_disk <= budget + budget / 8 + entry, "{on_disk} B on disk over {budget} B");
+    }
+    let s = t.stats();
+    assert!(s.evicted >= 30 && s.scans > 1, "{s:?}");
+    assert!(t.contains(&key(0)), "the most recently used entry was evicted");
+    assert!(!t.contains(&key(1)), "the least recently used entry survived");
+    assert!(t.contains(&key(39)));
+    // The LRU order lists the survivors oldest first, entry 0 last.
+    let order = t.lru_order();
+    assert_eq!(order.last(), Some(&key(0)));
+    assert!(order.len() <= 10);
+    // An entry larger than the whole budget is refused before anything is written.
+    let many: Vec<BlockHandle> = (0..11).map(|_| pool.alloc_block().unwrap().handle).collect();
+    let r = t.publish(&pool, key(100), &many);
+    assert!(matches!(r, Err(HostTierError::TooLarge { .. })), "{r:?}");
+    assert!(!t.contains(&key(100)));
+}
+
+#[test]
+fn the_directory_removed_mid_run_leaves_the_engine_serving() {
+    let dir = TempDir::new("removed");
+    let mut a = fleet_manager(state_pool(host(), 24), &dir.0, 0);
+    let first = turn(&mut a, 1);
+    drained(&mut a);
+    std::fs::remove_dir_all(&dir.0).unwrap();
+    // Publications fail (counted), hits miss, the engine runs on.
+    let second = turn(&mut a, 2);
+    let s = a.stats();
+    assert!(s.shared_write_failures > 0, "{s:?}");
+    drained(&mut a);
+    let r = rehit(&mut a, &first, 0);
+    a.finish(r).unwrap();
+    drained(&mut a);
+    assert!(!dir.0.exists(), "the tier recreated a vanished mount point");
+    // A new manager cannot open a missing directory: a typed error, not a panic.
+    let e = KvManager::new(
+        state_pool(host(), 24),
+        ManagerConfig { shared_tier: Some(shared_config(&dir.0, 1 << 20)), ..config(2, true) },
+        Box::new(FixedPolicy { slots: 3 }),
+    )
+    .unwrap_err();
+    assert_eq!(e.variant_name(), "Io", "{e}");
+    // The directory back (the mount restored): publishing resumes.
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let before = a.stats().shared_published_blocks;
+    let _third = turn(&mut a, 3);
+    assert!(a.stats().shared_published_blocks > before, "{:?}", a.stats());
+    drained(&mut a);
+    let _ = second;
+}
+
+// ---- two writers of one key, in two processes, and a reader -------------------------------
+
+const WRITER_KEYS: u128 = 6;
+
+/// The bytes writer `w` publishes for block entry `k`: every byte of the unit differs
+/// between the two writers.
+fn writer_bytes(pool: &Pool, w: u64, k: u128) -> Vec<u8> {
+    let n = unit_bytes(pool) as usize;
+    pattern(0x77 ^ (w << 40) ^ (k as u64), n)
+}
+
+/// Write `bytes` over the whole unit of `block` (every plane and indexer layer).
+fn write_unit(pool: &Pool, block: BlockHandle, bytes: &[u8]) {
+    let mut at = 0;
+    for (addr, len) in unit_ranges(pool, block.id) {
+        // SAFETY: the ranges are the pool's own block unit (planes and indexer layers).
+        unsafe { pool.backend().upload(addr, &bytes[at..at + len as usize], pool.stream()).unwrap() };
+        at += len as usize;
+    }
+    pool.backend().synchronize(pool.stream()).unwrap();
+}
+
+fn read_unit(pool: &Pool, block: BlockHandle) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (addr, len) in unit_ranges(pool, block.id) {
+        let mut buf = vec![0u8; len as usize];
+        // SAFETY: as in `write_unit`.
+        unsafe { pool.backend().download(&mut buf, addr, pool.stream()).unwrap() };
+        out.extend(buf);
+    }
+    out
+}
+
+/// Device ranges of block `id`'s unit: every plane, then every indexer layer.
+fn unit_ranges(pool: &Pool, id: u32) -> Vec<(u64, u64)> {
+    let g = &pool.spec().geometry;
+    let mut out = Vec::new();
+    for (p, &w) in pool.spec().plane_widths.iter().enumerate() {
+        out.push((pool.plane_ptr(p).unwrap() + u64::from(id) * g.block_bytes(w), g.block_bytes(w)));
+    }
+    if let Some(base) = pool.indexer_ptr() {
+        for (parts, &off) in pool.indexer_parts().iter().zip(pool.indexer_offsets()) {
+            for part in parts {
+                out.push((
+                    base + off + part.offset(u64::from(id), pool.indexer_blocks()).unwrap(),
+                    part.block_bytes,
+                ));
+            }
+        }
+    }
+    out
+}
+
+fn writer_key(k: u128) -> SharedKey {
+    SharedKey { kind: EntryKind::Block, hash: k.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1 }
+}
+
+#[test]
+fn two_writers_of_one_key_and_a_reader_in_three_processes() {
+    let dir = TempDir::new("writers");
+    let pool = carved(small_pool(host(), 24));
+    let until = SystemTime::now() + Duration::from_millis(1500);
+    let deadline = until.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_millis().to_string();
+    let spawn = |w: &str| {
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "child_shared_writer", "--ignored", "--nocapture", "--test-threads", "1"])
+            .env("V4POOL_SHARED_DIR", &dir.0)
+            .env("V4POOL_SHARED_WRITER", w)
+            .env("V4POOL_SHARED_UNTIL", &deadline)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let kids = [spawn("1"), spawn("2")];
+    // The reader: restore every key over and over while both rewrite them; every restored
+    // unit is one writer's whole bytes (a refusal is a miss, never a mix).
+    let mut t = SharedTier::new(&pool, &shared_config(&dir.0, 1 << 30)).unwrap();
+    let want: Vec<[Vec<u8>; 2]> =
+        (0..WRITER_KEYS).map(|k| [writer_bytes(&pool, 1, k), writer_bytes(&pool, 2, k)]).collect();
+    let (mut seen, mut misses) = ([0u64; 2], 0u64);
+    while SystemTime::now() < until + Duration::from_millis(300) {
+        for k in 0..WRITER_KEYS {
+            match t.restore(&pool, &writer_key(k)) {
+                Ok(blocks) => {
+                    let got = read_unit(&pool, blocks[0]);
+                    let w = want[k as usize].iter().position(|x| *x == got);
+                    let w = w.unwrap_or_else(|| panic!("key {k}: restored bytes are neither writer's"));
+                    seen[w] += 1;
+                    pool.free_block(blocks[0]).unwrap();
+                }
+                Err(HostTierError::NotHeld | HostTierError::Corrupt { .. } | HostTierError::Io { .. }) => {
+                    misses += 1
+                }
+                Err(e) => panic!("key {k}: {e}"),
+            }
+        }
+    }
+    for k in kids {
+        let out = k.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && text.contains("1 passed"), "writer failed:\n{text}");
+        println!("{}", text.lines().find(|l| l.starts_with("writer")).unwrap_or(""));
+    }
+    let c = pool.counts().unwrap();
+    assert_eq!(c.free_blocks, c.num_blocks, "the reader leaked blocks");
+    println!(
+        "reader: {} restores of writer 1, {} of writer 2, {misses} misses; {:?}",
+        seen[0],
+        seen[1],
+        t.stats()
+    );
+    assert!(seen[0] + seen[1] > 0, "the reader never restored anything");
+    // Once both are done every entry is whole: one writer's bytes.
+    for k in 0..WRITER_KEYS {
+        let blocks = t.restore(&pool, &writer_key(k)).unwrap();
+        assert!(want[k as usize].contains(&read_unit(&pool, blocks[0])));
+        pool.free_block(blocks[0]).unwrap();
+    }
+    // No temporary file is left behind.
+    let mut stack = vec![dir.0.clone()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(d).unwrap().flatten() {
+            if e.metadata().unwrap().is_dir() {
+                stack.push(e.path());
+            } else {
+                assert!(!e.file_name().to_string_lossy().starts_with(".tmp-"), "left: {:?}", e.path());
+            }
+        }
+    }
+}
+
+/// One writer of `two_writers_of_one_key_and_a_reader_in_three_processes`: until the
+/// deadline, remove and republish every key with its own bytes (so the two writers' renames
+/// race each other and the reader).
+#[test]
+#[ignore = "run as a child process by two_writers_of_one_key_and_a_reader_in_three_processes"]
+fn child_shared_writer() {
+    let (Ok(dir), Ok(w), Ok(until)) = (
+        std::env::var("V4POOL_SHARED_DIR"),
+        std::env::var("V4POOL_SHARED_WRITER"),
+        std::env::var("V4POOL_SHARED_UNTIL"),
+    ) else {
+        println!("SKIP: child_shared_writer runs only as a child of the two-writer test");
+        return;
+    };
+    let w: u64 = w.parse().unwrap();
+    let until = SystemTime::UNIX_EPOCH + Duration::from_millis(until.parse().unwrap());
+    let pool = carved(small_pool(host(), 24));
+    let mut t = SharedTier::new(&pool, &shared_config(Path::new(&dir), 1 << 30)).unwrap();
+    let blocks: Vec<BlockHandle> = (0..WRITER_KEYS)
+        .map(|k| {
+            let b = pool.alloc_block().unwrap().handle;
+            write_unit(&pool, b, &writer_bytes(&pool, w, k));
+            b
+        })
+        .collect();
+    let mut rounds = 0u64;
+    while SystemTime::now() < until {
+        for k in 0..WRITER_KEYS {
+            t.evict(&writer_key(k));
+            t.publish(&pool, writer_key(k), &[blocks[k as usize]]).unwrap();
+        }
+        rounds += 1;
+    }
+    println!("writer {w}: {rounds} rounds of {WRITER_KEYS} keys; {:?}", t.stats());
+}
