@@ -101,6 +101,22 @@ V4P_DEVICE v4p_u32x4 v4p_e4m3_bf16x8(v4p_u32x4 w0, v4p_u32x4 w1, float inv) {
     return r;
 }
 
+/// One scale group of a FlashMLA format (src/format.rs): the least e8m0 scale with
+/// max(amax, 448e-4) / scale <= 448 (FlashMLA's tests/quant.py:
+/// 2^ceil(log2(max(amax / 448, 1e-4)))), the `n` values `x / scale` as e4m3 bytes at `out`;
+/// returns the scale's byte. NaN is never the amax.
+V4P_DEVICE v4p_u32 v4p_flashmla_group(const v4p_u16* x, int n, v4p_u8* out) {
+    v4p_u32 amax = 0x3d378034u;  // 448e-4 as f32 bits: FlashMLA's floor
+    for (int i = 0; i < n; ++i) {
+        const v4p_u32 m = ((v4p_u32)x[i] << 16) & 0x7fffffffu;
+        if (m <= 0x7f800000u && m > amax) amax = m;
+    }
+    const v4p_u32 b = v4p_e8m0_of_amax(amax);
+    const float inv = v4p_f32_from_bits((254u - b) << 23);
+    for (int i = 0; i < n; ++i) out[i] = (v4p_u8)v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits((v4p_u32)x[i] << 16) * inv));
+    return b;
+}
+
 /// Token `t`'s row, lane `lane`, of v4pool_kv_rows; `row` is dest_rows[t] when `row_known`
 /// (v4pool_write_batch loads it before its wait where the destinations are a host upload),
 /// else loaded here. The 16-byte path when every row start is 16-byte aligned (the pool's views
@@ -127,17 +143,7 @@ V4P_DEVICE void v4p_kv_rows_token(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, 
         // 512 + i. Lanes 16..31 idle.
         if (lane >= 16) return;
         v4p_u8* out = v4p_out<v4p_u8>(a.nope) + row * 528;
-        const v4p_u16* x = src + lane * 32;
-        v4p_u32 amax = 0x3d378034u;  // 448e-4 as f32 bits: FlashMLA's floor
-        for (int i = 0; i < 32; ++i) {
-            const v4p_u32 m = ((v4p_u32)x[i] << 16) & 0x7fffffffu;
-            if (m <= 0x7f800000u && m > amax) amax = m;  // NaN never the amax
-        }
-        const v4p_u32 b = v4p_e8m0_of_amax(amax);
-        const float inv = v4p_f32_from_bits((254u - b) << 23);
-        for (int i = 0; i < 32; ++i)
-            out[lane * 32 + i] = (v4p_u8)v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits((v4p_u32)x[i] << 16) * inv));
-        out[512 + lane] = (v4p_u8)b;
+        out[512 + lane] = (v4p_u8)v4p_flashmla_group(src + lane * 32, 32, out + lane * 32);
         return;
     }
     if (a.format == 3) {
@@ -151,17 +157,7 @@ V4P_DEVICE void v4p_kv_rows_token(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, 
         v4p_u8* data = page + (r % 64) * 576;
         v4p_u8* scales = page + 64 * 576 + (r % 64) * 8;
         if (lane < 7) {
-            const v4p_u16* x = src + lane * 64;
-            v4p_u32 amax = 0x3d378034u;  // 448e-4 as f32 bits: FlashMLA's floor
-            for (int i = 0; i < 64; ++i) {
-                const v4p_u32 m = ((v4p_u32)x[i] << 16) & 0x7fffffffu;
-                if (m <= 0x7f800000u && m > amax) amax = m;  // NaN never the amax
-            }
-            const v4p_u32 b = v4p_e8m0_of_amax(amax);
-            const float inv = v4p_f32_from_bits((254u - b) << 23);
-            for (int i = 0; i < 64; ++i)
-                data[lane * 64 + i] = (v4p_u8)v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits((v4p_u32)x[i] << 16) * inv));
-            scales[lane] = (v4p_u8)b;
+            scales[lane] = (v4p_u8)v4p_flashmla_group(src + lane * 64, 64, data + lane * 64);
         } else if (lane == 7) {
             v4p_u16* rope = (v4p_u16*)(data + 448);
             for (int i = 0; i < 64; ++i) rope[i] = src[V4P_NOPE_VALUES + i];
