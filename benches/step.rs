@@ -208,7 +208,11 @@ fn twins(be: &CudaBackend, model: &ModelShape, kv: KvDtype, seqs: usize) -> Res<
     let p = plan(model, &PlanRequest::new(kv, IndexerDtype::Fp8, seqs as i64, 48 * GIB))?;
     let need = 2 * seqs as i64 + MAX_CTX / p.layout.geometry.block_size + 1;
     if p.num_blocks < need {
-        return Err(format!("{}: the plan holds {} blocks, the bench needs {need}", model.name, p.num_blocks).into());
+        return Err(format!(
+            "{}: the plan holds {} blocks, the bench needs {need}",
+            model.name, p.num_blocks
+        )
+        .into());
     }
     let gpu = Arc::new(Pool::new(Arc::new(be.clone()), PoolSpec::from_plan(&p)?, S)?);
     let host = Arc::new(Pool::new(Arc::new(HostBackend::new()), PoolSpec::from_plan(&p)?, S)?);
@@ -239,7 +243,15 @@ struct Shape {
     check: String,
 }
 
-fn run_shape(t: &GraphTimer, tw: &Twins, model: &ModelShape, tps: usize, batch: usize, bw: f64, reps: usize) -> Res<Shape> {
+fn run_shape(
+    t: &GraphTimer,
+    tw: &Twins,
+    model: &ModelShape,
+    tps: usize,
+    batch: usize,
+    bw: f64,
+    reps: usize,
+) -> Res<Shape> {
     let seed = 0x5_7e9 + 31 * batch as u64 + tps as u64;
     let ctx = contexts(batch, tps, seed);
     let data = StepData::new(&tw.gpu, model.num_hidden_layers, tps, ctx, model.index_topk as usize, seed);
@@ -265,14 +277,28 @@ fn run_shape(t: &GraphTimer, tw: &Twins, model: &ModelShape, tps: usize, batch: 
         let got = gather(gbe.as_ref(), &runs)?;
         if got != want {
             let at = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0);
-            return Err(format!("{} {}: written byte {at} differs from the host's", model.name, order.name()).into());
+            return Err(format!(
+                "{} {}: written byte {at} differs from the host's",
+                model.name,
+                order.name()
+            )
+            .into());
         }
         if step_common::path_outputs(&grig.path) != want_path {
-            return Err(format!("{} {}: decode path buffers differ from the host's", model.name, order.name()).into());
+            return Err(format!(
+                "{} {}: decode path buffers differ from the host's",
+                model.name,
+                order.name()
+            )
+            .into());
         }
         orders.push(launches);
     }
-    let check = format!("{} bytes in {} runs equal to the host's in all three orders", fmt_bytes(want.len() as u64), runs.len());
+    let check = format!(
+        "{} bytes in {} runs equal to the host's in all three orders",
+        fmt_bytes(want.len() as u64),
+        runs.len()
+    );
     drop(hrig);
 
     let mut res = Shape {
@@ -323,7 +349,12 @@ fn run(opts: &Options) -> Res<()> {
     let be = CudaBackend::new(0)?;
     let module = be.module_source().map(|m| format!("{m:?}")).unwrap_or_else(|e| format!("none ({e})"));
     let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    println!("device: {} (sm_{}{}), kernels from {module}; run at unix time {unix}", be.device_name(), be.compute_capability().0, be.compute_capability().1);
+    println!(
+        "device: {} (sm_{}{}), kernels from {module}; run at unix time {unix}",
+        be.device_name(),
+        be.compute_capability().0,
+        be.compute_capability().1
+    );
     let t = GraphTimer::new(&be)?;
     let bw = copy_bandwidth(&t, opts.reps)?;
     let empty1 = t.replay_reps(&empty_graph(&t, 1)?, opts.reps, |_| Ok(()))?.0;
@@ -342,10 +373,26 @@ fn run(opts: &Options) -> Res<()> {
             let started = std::time::Instant::now();
             let tw = twins(&be, &model, kv, max_batch)?;
             let setup_s = started.elapsed().as_secs_f64();
-            println!("\n== {} ({} trunk layers), {} rows, FP8 indexer cache", model.name, model.num_hidden_layers, format_name(kv));
+            println!(
+                "\n== {} ({} trunk layers), {} rows, FP8 indexer cache",
+                model.name,
+                model.num_hidden_layers,
+                format_name(kv)
+            );
             println!(
                 "  {:>5} {:>3} | {:>15} | {:>10} {:>10} {:>10} | {:>8} {:>9} | {:>8} {:>8} | {:>9} {:>9}",
-                "batch", "tps", "launches b/a/e", "per-layer", "fused", "at-end", "launch fl", "traffic fl", "fused/fl", "gain", "warm fused", "moved"
+                "batch",
+                "tps",
+                "launches b/a/e",
+                "per-layer",
+                "fused",
+                "at-end",
+                "launch fl",
+                "traffic fl",
+                "fused/fl",
+                "gain",
+                "warm fused",
+                "moved"
             );
             for &tps in &opts.mtp {
                 for &batch in &opts.batches {
@@ -382,7 +429,10 @@ fn run(opts: &Options) -> Res<()> {
                         s.warm_fused,
                         s.bytes
                     );
-                    println!("        check: {}; p90 {:.2} / {:.2} / {:.2} µs", s.check, s.p90[0], s.p90[1], s.p90[2]);
+                    println!(
+                        "        check: {}; p90 {:.2} / {:.2} / {:.2} µs",
+                        s.check, s.p90[0], s.p90[1], s.p90[2]
+                    );
                     for k in &s.kinds {
                         println!("        {k}");
                     }
@@ -410,7 +460,14 @@ fn host_check() -> Res<()> {
             for order in Order::ALL {
                 let pool = step_pool(Arc::new(HostBackend::new()), &model, kv, 4, 8);
                 let held = Holdings::take(&pool, 3);
-                let data = StepData::new(&pool, model.num_hidden_layers, tps, vec![256, 1024, 77], model.index_topk as usize, 3);
+                let data = StepData::new(
+                    &pool,
+                    model.num_hidden_layers,
+                    tps,
+                    vec![256, 1024, 77],
+                    model.index_topk as usize,
+                    3,
+                );
                 let mut rig = StepRig::new(&pool, &held, &data);
                 let launches = rig.launches(order);
                 // SAFETY: the rig's own launches.
@@ -450,7 +507,9 @@ fn main() {
             eprintln!("step bench: V4POOL_REQUIRE_GPU=1 but no CUDA device: {why}");
             std::process::exit(1);
         }
-        println!("step bench: SKIP — no CUDA device ({why}); the host-backend check at a tiny shape instead:");
+        println!(
+            "step bench: SKIP — no CUDA device ({why}); the host-backend check at a tiny shape instead:"
+        );
     }
     if host_only || !cuda::is_available() {
         if let Err(e) = host_check() {

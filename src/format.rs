@@ -106,7 +106,6 @@ pub fn e2m1_rne(u: u32) -> u8 {
     s | code as u8
 }
 
-
 /// The formats, by name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RowFormatId {
@@ -285,7 +284,12 @@ static ATOM_FP8: RowFormat = RowFormat {
             count: 448,
             elem: Elem::E4m3,
             data: at(0, 0, 0),
-            scale: Some(ScaleSpec { group: 64, enc: ScaleEnc::E8m0 { amax_floor: 0 }, place: at(0, 0, 448), copies: 2 }),
+            scale: Some(ScaleSpec {
+                group: 64,
+                enc: ScaleEnc::E8m0 { amax_floor: 0 },
+                place: at(0, 0, 448),
+                copies: 2,
+            }),
         },
         Segment { first: 448, count: 64, elem: Elem::Bf16, data: at(1, 0, 0), scale: None },
     ],
@@ -418,7 +422,9 @@ impl RowFormatId {
     }
     /// The format a name spells.
     pub fn from_name(name: &str) -> Result<Self, FormatError> {
-        ALL.into_iter().find(|f| f.format().name == name).ok_or_else(|| FormatError::Unknown { name: name.into() })
+        ALL.into_iter()
+            .find(|f| f.format().name == name)
+            .ok_or_else(|| FormatError::Unknown { name: name.into() })
     }
 }
 
@@ -516,7 +522,8 @@ impl RowFormat {
                                 };
                                 // 1 / scale as the kernels form it, 2^(127 - B) from its bits
                                 // (0 for B = 0, and for B = 254, an infinite amax's).
-                                let inv = if b == 0 { 0.0 } else { f32::from_bits((254 - u32::from(b)) << 23) };
+                                let inv =
+                                    if b == 0 { 0.0 } else { f32::from_bits((254 - u32::from(b)) << 23) };
                                 (b, inv)
                             }
                             ScaleEnc::E4m3 => {
@@ -556,7 +563,12 @@ impl RowFormat {
         for (plane, p) in self.planes.iter().enumerate() {
             let got = rows.get(plane).map_or(0, |r| r.len());
             if got != p.row_bytes() as usize {
-                return Err(FormatError::PlaneLength { format: self.name, plane, got, want: p.row_bytes() as usize });
+                return Err(FormatError::PlaneLength {
+                    format: self.name,
+                    plane,
+                    got,
+                    want: p.row_bytes() as usize,
+                });
             }
         }
         let mut out = vec![0f32; KV_ROW_VALUES];
@@ -572,7 +584,9 @@ impl RowFormat {
                     }
                 });
                 let v = match seg.elem {
-                    Elem::Bf16 => f32::from_bits(u32::from(u16::from_ne_bytes([row[data + 2 * k], row[data + 2 * k + 1]])) << 16),
+                    Elem::Bf16 => f32::from_bits(
+                        u32::from(u16::from_ne_bytes([row[data + 2 * k], row[data + 2 * k + 1]])) << 16,
+                    ),
                     Elem::E4m3 => e4m3_value(row[data + k]),
                     Elem::E2m1 => e2m1_value(row[data + k / 2] >> (4 * (k % 2))),
                 };
@@ -605,7 +619,8 @@ impl RowFormat {
         }
         let n = (kv.len() / KV_ROW_VALUES) as u64;
         let rows = n.div_ceil(self.kernel_page_rows) * self.kernel_page_rows;
-        let mut planes: Vec<Vec<u8>> = self.planes.iter().map(|p| vec![0u8; (rows * p.row_bytes()) as usize]).collect();
+        let mut planes: Vec<Vec<u8>> =
+            self.planes.iter().map(|p| vec![0u8; (rows * p.row_bytes()) as usize]).collect();
         for (t, x) in kv.chunks_exact(KV_ROW_VALUES).enumerate() {
             let packed = self.pack(x)?;
             let mut views: Vec<&mut [u8]> = planes.iter_mut().map(|v| v.as_mut_slice()).collect();
@@ -676,7 +691,8 @@ mod tests {
         let mut rng = Rng::new(11);
         for f in ALL {
             let fmt = f.format();
-            let mut planes: Vec<Vec<u8>> = fmt.planes.iter().map(|p| vec![0xeeu8; (130 * p.row_bytes()) as usize]).collect();
+            let mut planes: Vec<Vec<u8>> =
+                fmt.planes.iter().map(|p| vec![0xeeu8; (130 * p.row_bytes()) as usize]).collect();
             let kv = random_row(&mut rng);
             let packed = fmt.pack(&kv).unwrap();
             let mut views: Vec<&mut [u8]> = planes.iter_mut().map(|v| v.as_mut_slice()).collect();

@@ -504,7 +504,8 @@ impl Plan {
                 });
             } else if f == RowFormatId::FlashMlaV41Fp4 && model.family == crate::model::ModelFamily::V41 {
                 let g = &self.layout.geometry;
-                let arena = mul(to_u64(g.arena_rows, "arena rows")?, self.layout.widths().iter().sum(), "arena")?;
+                let arena =
+                    mul(to_u64(g.arena_rows, "arena rows")?, self.layout.widths().iter().sum(), "arena")?;
                 let window = RowFormatId::FlashMlaV41.format().bytes_per_token();
                 let entry = mul(to_u64(g.slot_rows - g.arena_rows, "entry rows")?, window, "slot bytes")?;
                 let block = f.format().bytes_per_token();
@@ -781,6 +782,15 @@ pub fn parse_bytes(text: &str) -> Result<u64, SizingError> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn kv_dtype_widths_are_their_row_formats() {
+        // The planes a pool carves are the ones the row format's description names.
+        for k in KvDtype::ALL {
+            assert_eq!(k.plane_widths(), k.row_format().format().plane_widths().as_slice(), "{}", k.name());
+            assert_eq!(KvDtype::from_name(k.name()), Some(k));
+        }
+    }
+
     use super::*;
     use crate::model::ModelShape;
 

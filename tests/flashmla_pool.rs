@@ -93,7 +93,9 @@ fn rows_land_at_their_page_places() {
             }
         }
     }
-    for (class, ratio, entries) in [(Class::Csa, 4, [(1usize, 5i64), (0, 63), (1, 0)]), (Class::Hca, 128, [(0, 1), (1, 0), (1, 1)])] {
+    for (class, ratio, entries) in
+        [(Class::Csa, 4, [(1usize, 5i64), (0, 63), (1, 0)]), (Class::Hca, 128, [(0, 1), (1, 0), (1, 1)])]
+    {
         let rows: Vec<CompressedRow> =
             entries.iter().map(|&(b, r)| CompressedRow { block: blocks[b], row: r }).collect();
         w.stage_compressed(class, &rows).unwrap();
@@ -105,50 +107,52 @@ fn rows_land_at_their_page_places() {
         }
     }
     let got = plane(&p);
-    let bad = (0..got.len() / 584).filter(|&r| got[r * 584..(r + 1) * 584] != want[r * 584..(r + 1) * 584]).count();
+    let bad =
+        (0..got.len() / 584).filter(|&r| got[r * 584..(r + 1) * 584] != want[r * 584..(r + 1) * 584]).count();
     assert_eq!(bad, 0, "{bad} row-sized byte ranges differ from the description's placement");
 }
 
 #[test]
 fn a_checkpoint_carries_window_rows_through_the_paged_spans() {
-  for k in [0, 2] {
-    let p = pool_k(k);
-    let runs = p.geometry().unwrap().entry_row_runs();
-    println!("spec steps {k}: {} entry runs, first {:?}", runs.len(), runs.first());
-    let f = RowFormatId::FlashMlaV4.format();
-    let mut rng = Rng::new(case_seed("flashmla-pool", 1));
-    p.write_plane(0, 0, &rng.bytes(p.plane_bytes(0).unwrap() as usize)).unwrap();
-    let a = p.alloc_slot().unwrap();
-    let b = p.alloc_slot().unwrap();
-    let mut w = p.kv_row_writer(RowWriteCapacity { max_tokens: 200 }).unwrap();
-    w.stage_window(&[WindowSeq { slot: a.handle, first_position: 0, tokens: 130 }]).unwrap();
-    let kv: Vec<u16> = (0..130).flat_map(|_| bf16_row(&mut rng)).collect();
-    let g = p.geometry().unwrap();
-    let layers: Vec<usize> = [0, 4, 128].iter().map(|&r| g.ratios.iter().position(|&x| x == r).unwrap()).collect();
-    for &layer in &layers {
-        w.write(layer, RowSet::Window, &kv, 512).unwrap();
-    }
-    let image = p.checkpoint(a.handle).unwrap();
-    let before = plane(&p);
-    p.restore(b.handle, &image).unwrap();
-    let after = plane(&p);
-    let pos = |h| p.with_boundary(|bd| bd.position(h)).unwrap().unwrap();
-    let (pa, pb) = (pos(a.handle), pos(b.handle));
-    // Every window row of every layer the writer wrote reads back the same in slot b.
-    for &layer in &layers {
-        for q in 0..g.ring_slots {
-            let ra = plane_row(&p, layer, g.window_index(layer, pa, q).unwrap());
-            let rb = plane_row(&p, layer, g.window_index(layer, pb, q).unwrap());
-            assert_eq!(
-                f.fetch(ra, &[&after[..]]).unwrap(),
-                f.fetch(rb, &[&after[..]]).unwrap(),
-                "layer {layer} ring position {q}"
-            );
+    for k in [0, 2] {
+        let p = pool_k(k);
+        let runs = p.geometry().unwrap().entry_row_runs();
+        println!("spec steps {k}: {} entry runs, first {:?}", runs.len(), runs.first());
+        let f = RowFormatId::FlashMlaV4.format();
+        let mut rng = Rng::new(case_seed("flashmla-pool", 1));
+        p.write_plane(0, 0, &rng.bytes(p.plane_bytes(0).unwrap() as usize)).unwrap();
+        let a = p.alloc_slot().unwrap();
+        let b = p.alloc_slot().unwrap();
+        let mut w = p.kv_row_writer(RowWriteCapacity { max_tokens: 200 }).unwrap();
+        w.stage_window(&[WindowSeq { slot: a.handle, first_position: 0, tokens: 130 }]).unwrap();
+        let kv: Vec<u16> = (0..130).flat_map(|_| bf16_row(&mut rng)).collect();
+        let g = p.geometry().unwrap();
+        let layers: Vec<usize> =
+            [0, 4, 128].iter().map(|&r| g.ratios.iter().position(|&x| x == r).unwrap()).collect();
+        for &layer in &layers {
+            w.write(layer, RowSet::Window, &kv, 512).unwrap();
         }
+        let image = p.checkpoint(a.handle).unwrap();
+        let before = plane(&p);
+        p.restore(b.handle, &image).unwrap();
+        let after = plane(&p);
+        let pos = |h| p.with_boundary(|bd| bd.position(h)).unwrap().unwrap();
+        let (pa, pb) = (pos(a.handle), pos(b.handle));
+        // Every window row of every layer the writer wrote reads back the same in slot b.
+        for &layer in &layers {
+            for q in 0..g.ring_slots {
+                let ra = plane_row(&p, layer, g.window_index(layer, pa, q).unwrap());
+                let rb = plane_row(&p, layer, g.window_index(layer, pb, q).unwrap());
+                assert_eq!(
+                    f.fetch(ra, &[&after[..]]).unwrap(),
+                    f.fetch(rb, &[&after[..]]).unwrap(),
+                    "layer {layer} ring position {q}"
+                );
+            }
+        }
+        // Nothing outside slot b's pages changed.
+        let (s, e) = g.slot_span(pb).unwrap();
+        let (s, e) = (s as usize * 584, e as usize * 584);
+        assert!(before[..s] == after[..s] && before[e..] == after[e..], "the restore wrote outside its slot");
     }
-    // Nothing outside slot b's pages changed.
-    let (s, e) = g.slot_span(pb).unwrap();
-    let (s, e) = (s as usize * 584, e as usize * 584);
-    assert!(before[..s] == after[..s] && before[e..] == after[e..], "the restore wrote outside its slot");
-  }
 }

@@ -40,7 +40,8 @@ fn step(
     let pool = step_pool(backend, model, kv, SEQS as i64 + 1, 2 * SEQS as i64 + 2);
     poison_pool(&pool, seed);
     let held = Holdings::take(&pool, SEQS);
-    let data = StepData::new(&pool, model.num_hidden_layers, tps, contexts(seed), model.index_topk as usize, seed);
+    let data =
+        StepData::new(&pool, model.num_hidden_layers, tps, contexts(seed), model.index_topk as usize, seed);
     let mut rig = StepRig::new(&pool, &held, &data);
     let launches = rig.launches(order);
     match cuda {

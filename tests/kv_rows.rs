@@ -99,7 +99,11 @@ fn the_kernel_source_matches_the_host_reference() {
                 let last = (0..t).rev().find(|&j| dest[j] == r && (!with_bids || bids[j] >= 0));
                 if (0..view_rows as i32).contains(&r) && last == Some(i) {
                     let want = f.pack(&kv[i * stride..i * stride + 512]).unwrap();
-                    assert_eq!(&host.0[r as usize * 528..(r as usize + 1) * 528], &want[0][..], "case {case} row {r}");
+                    assert_eq!(
+                        &host.0[r as usize * 528..(r as usize + 1) * 528],
+                        &want[0][..],
+                        "case {case} row {r}"
+                    );
                 }
             }
         }
@@ -349,7 +353,8 @@ fn a_v41_pool_in_flashmla_rows_gets_the_format_pack_at_its_window_rows() {
             for i in 0..s.tokens as i64 {
                 let q = (s.first_position + i) % g.ring_slots;
                 let row = (base + g.window_index(layer, pos, q).unwrap()) as usize;
-                want[row * 528..(row + 1) * 528].copy_from_slice(&f.pack(&kv[t * 512..(t + 1) * 512]).unwrap()[0]);
+                want[row * 528..(row + 1) * 528]
+                    .copy_from_slice(&f.pack(&kv[t * 512..(t + 1) * 512]).unwrap()[0]);
                 t += 1;
                 written += 1;
             }
@@ -357,8 +362,13 @@ fn a_v41_pool_in_flashmla_rows_gets_the_format_pack_at_its_window_rows() {
     }
     assert!(written >= 10, "V4.1-Flash has at least two classes");
     let got = plane(&pool, 0);
-    let bad: Vec<usize> = (0..got.len() / 528).filter(|&r| got[r * 528..(r + 1) * 528] != want[r * 528..(r + 1) * 528]).collect();
-    assert!(bad.is_empty(), "rows as the description packs them, nothing else changed; rows differing: {bad:?}");
+    let bad: Vec<usize> = (0..got.len() / 528)
+        .filter(|&r| got[r * 528..(r + 1) * 528] != want[r * 528..(r + 1) * 528])
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "rows as the description packs them, nothing else changed; rows differing: {bad:?}"
+    );
 }
 
 #[test]
@@ -424,19 +434,28 @@ fn v41_layers_take_their_window_rows() {
     let model = ModelShape::v41_flash(0).unwrap();
     let layout = PoolLayout::new(&model, KvDtype::Bf16, IndexerDtype::Fp8).unwrap();
     let lg = &layout.geometry;
-    let geometry = layout.carve(4, 2, 4 * lg.envelope_rows + 3 * (lg.slot_rows + lg.slot_align_rows.max(1))).unwrap();
+    let geometry =
+        layout.carve(4, 2, 4 * lg.envelope_rows + 3 * (lg.slot_rows + lg.slot_align_rows.max(1))).unwrap();
     let spec = PoolSpec::from_layout(&layout, geometry).unwrap();
-    let pool = Arc::new(v4pool::pool::Pool::new(Arc::new(HostBackend::new()), spec, Default::default()).unwrap());
+    let pool =
+        Arc::new(v4pool::pool::Pool::new(Arc::new(HostBackend::new()), spec, Default::default()).unwrap());
     let g = pool.geometry().unwrap();
     let mut rng = Rng::new(case_seed("kv-rows-v41", 0));
     let a = pool.alloc_slot().unwrap();
     let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens: 3 }).unwrap();
     w.stage_window(&[WindowSeq { slot: a.handle, first_position: 1000, tokens: 3 }]).unwrap();
     let mut path = pool
-        .decode_path(DecodeCapacity { max_seqs: 1, max_tokens: 1, max_blocks_per_seq: 4, win: 128, index_topk: 512 })
+        .decode_path(DecodeCapacity {
+            max_seqs: 1,
+            max_tokens: 1,
+            max_blocks_per_seq: 4,
+            win: 128,
+            index_topk: 512,
+        })
         .unwrap();
     let table = [0, 1, 2, 3];
-    path.stage(&[DecodeSeq { position: a.position, context_len: 1004, num_tokens: 1, block_table: &table }]).unwrap();
+    path.stage(&[DecodeSeq { position: a.position, context_len: 1004, num_tokens: 1, block_table: &table }])
+        .unwrap();
     path.build().unwrap();
     // Dense, coarse (ratio 2) and fine (ratio 1) layers.
     for layer in [0usize, 2, 25] {
@@ -449,7 +468,11 @@ fn v41_layers_take_their_window_rows() {
         let kv = bf16_values(&mut rng, 3 * 512);
         w.write(layer, RowSet::Window, &kv, 512).unwrap();
         for t in 0..3 {
-            assert_eq!(row_bytes(1000 + t as i64), as_bytes(&kv[t * 512..(t + 1) * 512]), "layer {layer} window row {t}");
+            assert_eq!(
+                row_bytes(1000 + t as i64),
+                as_bytes(&kv[t * 512..(t + 1) * 512]),
+                "layer {layer} window row {t}"
+            );
         }
         let kv = bf16_values(&mut rng, 512);
         w.write_decode(&path, layer, &kv, 512).unwrap();

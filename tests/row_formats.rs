@@ -123,7 +123,7 @@ fn tolerance(format: RowFormatId, i: usize) -> f32 {
         RowFormatId::Bf16 => 0.0,
         RowFormatId::FlashMlaV41Fp4 => 0.26, // e2m1 steps of 2 below 6 (×amax/6), scale rounding
         RowFormatId::AtomFp8 | RowFormatId::FlashMlaV4 if i >= 448 => 0.0, // bf16 RoPE
-        _ => 1.0 / 16.0, // e4m3: 3 mantissa bits, round to nearest
+        _ => 1.0 / 16.0,                     // e4m3: 3 mantissa bits, round to nearest
     }
 }
 
@@ -134,8 +134,11 @@ fn every_format_decodes_by_its_text() {
     for format in ALL {
         let f = format.format();
         let tokens = 200usize; // four pages of 64 and a partial one
-        let mut planes: Vec<Vec<u8>> =
-            f.planes.iter().map(|p| vec![0xc3u8; tokens.div_ceil(64) * 64 * p.row_bytes() as usize]).collect();
+        let mut planes: Vec<Vec<u8>> = f
+            .planes
+            .iter()
+            .map(|p| vec![0xc3u8; tokens.div_ceil(64) * 64 * p.row_bytes() as usize])
+            .collect();
         let rows = [0usize, 1, 62, 63, 64, 65, 127, 128, 130, 191, 199];
         let mut inputs = Vec::new();
         for &t in &rows {
@@ -160,7 +163,12 @@ fn every_format_decodes_by_its_text() {
             let refs: Vec<&[u8]> = packed.iter().map(|v| v.as_slice()).collect();
             let own = f.unpack(&refs).unwrap();
             for i in 0..512 {
-                assert_eq!(got[i].to_bits(), own[i].to_bits(), "{} token {t} value {i}: text vs unpack", f.name);
+                assert_eq!(
+                    got[i].to_bits(),
+                    own[i].to_bits(),
+                    "{} token {t} value {i}: text vs unpack",
+                    f.name
+                );
                 let x = from_bf16(kv[i]);
                 let group = match format {
                     RowFormatId::FlashMlaV41Fp4 => 16,
@@ -171,7 +179,12 @@ fn every_format_decodes_by_its_text() {
                 let g0 = i / group * group;
                 let amax = kv[g0..g0 + group].iter().map(|&v| from_bf16(v).abs()).fold(0f32, f32::max);
                 let err = (got[i] - x).abs();
-                assert!(err <= tolerance(format, i) * amax, "{} token {t} value {i}: {} vs {x}", f.name, got[i]);
+                assert!(
+                    err <= tolerance(format, i) * amax,
+                    "{} token {t} value {i}: {} vs {x}",
+                    f.name,
+                    got[i]
+                );
             }
         }
         // Every byte not in a written row is still poison.

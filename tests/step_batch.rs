@@ -85,7 +85,11 @@ fn fused_orders_write_what_the_per_layer_order_writes() {
                 let (got, got_path, kinds) = run(&model, kv, tps, order, None);
                 let fused: usize = kinds.iter().map(|k| k.1).sum();
                 assert!(fused < per_layer, "{}: {fused} launches, per layer {per_layer}", model.name);
-                assert!(got_path == want_path, "{} {kv:?} tps {tps} {order:?}: path buffers differ", model.name);
+                assert!(
+                    got_path == want_path,
+                    "{} {kv:?} tps {tps} {order:?}: path buffers differ",
+                    model.name
+                );
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     if let Some(at) = g.iter().zip(w).position(|(a, b)| a != b) {
                         panic!("{} {kv:?} tps {tps} {order:?}: region {i} differs at byte {at}", model.name);
@@ -106,7 +110,8 @@ fn the_per_layer_order_writes_every_row_it_names() {
         // Slots are initialised as they are handed out: the snapshot comes after.
         let held = Holdings::take(&pool, SEQS);
         let before = pool_bytes(&pool);
-        let data = StepData::new(&pool, model.num_hidden_layers, 2, contexts(9), model.index_topk as usize, 5);
+        let data =
+            StepData::new(&pool, model.num_hidden_layers, 2, contexts(9), model.index_topk as usize, 5);
         let mut rig = StepRig::new(&pool, &held, &data);
         let launches = rig.launches(Order::PerLayer);
         // SAFETY: the rig's own launches.
@@ -114,7 +119,8 @@ fn the_per_layer_order_writes_every_row_it_names() {
         let after = pool_bytes(&pool);
         let runs = rig.written_runs(&data);
         // Map each run to (region, offset): planes by their base, the indexer cache by its.
-        let mut bases: Vec<(u64, usize)> = (0..pool.num_planes()).map(|p| (pool.plane_ptr(p).unwrap(), p)).collect();
+        let mut bases: Vec<(u64, usize)> =
+            (0..pool.num_planes()).map(|p| (pool.plane_ptr(p).unwrap(), p)).collect();
         if let Some(ptr) = pool.indexer_ptr() {
             bases.push((ptr, pool.num_planes()));
         }
@@ -126,7 +132,11 @@ fn the_per_layer_order_writes_every_row_it_names() {
         }
         for (region, (a, b)) in after.iter().zip(&before).enumerate() {
             for (i, (x, y)) in a.iter().zip(b).enumerate() {
-                assert!(x == y || named[region][i], "{}: region {region} byte {i} changed outside the runs", model.name);
+                assert!(
+                    x == y || named[region][i],
+                    "{}: region {region} byte {i} changed outside the runs",
+                    model.name
+                );
             }
         }
         // And most named bytes changed (a random poison byte may equal the written one).
@@ -183,10 +193,9 @@ fn batches_refuse_what_they_cannot_carry() {
     // A table that does not tile the grid as the items' own kernels do is the host
     // reference's error, not a silent partial write.
     let Launch::WriteBatch(good) = b.set(&writes[..2]).unwrap() else { panic!("a write batch") };
-    for args in [
-        WriteBatchArgs { num_blocks: good.num_blocks + 1, ..good },
-        WriteBatchArgs { num_items: 1, ..good },
-    ] {
+    for args in
+        [WriteBatchArgs { num_blocks: good.num_blocks + 1, ..good }, WriteBatchArgs { num_items: 1, ..good }]
+    {
         // SAFETY: the batch's own table; the items are the rig's launches.
         let r = unsafe { pool.backend().launch(&Launch::WriteBatch(args), Stream::DEFAULT) };
         assert!(r.is_err(), "{args:?} ran");

@@ -282,7 +282,9 @@ pub fn launch_shape(launch: &Launch) -> LaunchShape {
 /// a [`super::WriteItem`] holds), `None` for any other launch.
 pub fn write_item_blocks(launch: &Launch) -> Option<u64> {
     match launch {
-        Launch::KvRows(_) | Launch::IndexKeys(_) | Launch::StateUpdate(_) => Some(launch_shape(launch).blocks()),
+        Launch::KvRows(_) | Launch::IndexKeys(_) | Launch::StateUpdate(_) => {
+            Some(launch_shape(launch).blocks())
+        }
         _ => None,
     }
 }
@@ -697,7 +699,10 @@ fn check_kv_rows(a: &super::KvRowsArgs) -> Result<(), LaunchError> {
     // Only a paged format has a view offset inside its plane; it is a row, never negative.
     non_negative("view_row0", a.view_row0)?;
     if a.format != KV_ROWS_FLASHMLA_V4 && a.view_row0 != 0 {
-        return Err(LaunchError::BadCode { field: "view_row0", value: i32::try_from(a.view_row0).unwrap_or(i32::MAX) });
+        return Err(LaunchError::BadCode {
+            field: "view_row0",
+            value: i32::try_from(a.view_row0).unwrap_or(i32::MAX),
+        });
     }
     if a.num_tokens > 0 {
         present("kv", a.kv)?;

@@ -852,7 +852,8 @@ impl Pool {
             return Err(not("the view starts in the plane's lead"));
         }
         let first = base / page_rows * page_rows;
-        let off = checked(first.checked_mul(w as i64).and_then(|o| u64::try_from(o).ok()), "page view address")?;
+        let off =
+            checked(first.checked_mul(w as i64).and_then(|o| u64::try_from(o).ok()), "page view address")?;
         Ok(PageView {
             layer,
             plane,

@@ -26,9 +26,9 @@ use crate::alloc::{AllocError, BlockHandle, SlotHandle};
 use crate::backend::BackendError;
 use crate::geometry::Class;
 use crate::index::{
-    DevicePtr, IndexKeysArgs, KvRowsArgs, Launch, FLASHMLA_V41_ROW_BYTES, FP8_NOPE_ROW_BYTES, INDEX_KEYS_BF16,
-    FLASHMLA_V4_ROW_BYTES, INDEX_KEYS_FP4, KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V4, KV_ROWS_FLASHMLA_V41,
-    INDEX_KEYS_FP8, KV_ROW_VALUES, ROPE_ROW_BYTES,
+    DevicePtr, IndexKeysArgs, KvRowsArgs, Launch, FLASHMLA_V41_ROW_BYTES, FLASHMLA_V4_ROW_BYTES,
+    FP8_NOPE_ROW_BYTES, INDEX_KEYS_BF16, INDEX_KEYS_FP4, INDEX_KEYS_FP8, KV_ROWS_ATOM_FP8, KV_ROWS_BF16,
+    KV_ROWS_FLASHMLA_V4, KV_ROWS_FLASHMLA_V41, KV_ROW_VALUES, ROPE_ROW_BYTES,
 };
 use crate::sizing::IndexerDtype;
 use crate::variant::VariantName;

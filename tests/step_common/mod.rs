@@ -145,7 +145,14 @@ impl StepData {
     /// A step of `batch` sequences of `tps` tokens at contexts `ctx` on pools of `pool`'s
     /// spec (the pool gives the geometry and the arena's state fields); `seed` draws the
     /// block tables, inputs and top-k.
-    pub fn new(pool: &Pool, trunk: usize, tps: usize, ctx: Vec<i64>, index_topk: usize, seed: u64) -> StepData {
+    pub fn new(
+        pool: &Pool,
+        trunk: usize,
+        tps: usize,
+        ctx: Vec<i64>,
+        index_topk: usize,
+        seed: u64,
+    ) -> StepData {
         let g = &pool.spec().geometry;
         let batch = ctx.len();
         let mut rng = Rng::new(seed);
@@ -217,7 +224,12 @@ fn layer_plans(pool: &Pool, trunk: usize, v41: bool) -> Vec<LayerPlan> {
                 l.pack = ratio != DENSE_RATIO;
                 if let Some(o) = owners.iter().position(|&s| s == layer) {
                     let d = dim(v4pool::arena::V41_COMPRESS_KV);
-                    l.states.push(StateCall { compressor: None, ordinal: o as u64, dim: d, ratio: ratio as usize });
+                    l.states.push(StateCall {
+                        compressor: None,
+                        ordinal: o as u64,
+                        dim: d,
+                        ratio: ratio as usize,
+                    });
                 }
                 return l;
             }
@@ -442,12 +454,9 @@ impl StepRig {
                 let topk = packs.next().expect("a top-k per packed layer");
                 let a = inputs.bytes(bytemuck::cast_slice(topk));
                 let k = data.index_topk as i32;
-                let launch = if data.v41 {
-                    path.layer_pack_launch(l.layer, a, k)
-                } else {
-                    path.csa_pack_launch(a, k)
-                }
-                .expect("pack launch");
+                let launch =
+                    if data.v41 { path.layer_pack_launch(l.layer, a, k) } else { path.csa_pack_launch(a, k) }
+                        .expect("pack launch");
                 out.push(StepLaunch { kind: Kind::Pack, launch });
             }
             per_layer.push(out);
@@ -684,7 +693,8 @@ pub fn step_pool(
     slots: i64,
     blocks: i64,
 ) -> Arc<Pool> {
-    let layout = v4pool::sizing::PoolLayout::new(model, kv, v4pool::sizing::IndexerDtype::Fp8).expect("layout");
+    let layout =
+        v4pool::sizing::PoolLayout::new(model, kv, v4pool::sizing::IndexerDtype::Fp8).expect("layout");
     let g = &layout.geometry;
     let rows = blocks * g.envelope_rows + (slots + 1) * (g.slot_rows + g.slot_align_rows.max(1));
     let geometry = layout.carve(blocks, slots, rows).expect("carve");

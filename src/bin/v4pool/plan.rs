@@ -171,12 +171,18 @@ fn to_text(report: &PlanReport) -> String {
     // fit, for every format, so the gain between two is like for like).
     if let Ok(caps) = p.capacity_by_format() {
         let here = caps.iter().find(|c| c.format == p.layout.kv.row_format()).copied();
-        line("  KV bytes per token by row format (spec tight fit at this budget and slot count):".to_string());
+        line(
+            "  KV bytes per token by row format (spec tight fit at this budget and slot count):".to_string(),
+        );
         for c in &caps {
             let gain = here.map_or(String::new(), |h| {
                 let d = c.tokens(m.block_size) - h.tokens(m.block_size);
                 let pct = 100.0 * d as f64 / h.tokens(m.block_size).max(1) as f64;
-                if c.format == h.format { "(this plan)".to_string() } else { format!("{d:+} tokens ({pct:+.1} %)") }
+                if c.format == h.format {
+                    "(this plan)".to_string()
+                } else {
+                    format!("{d:+} tokens ({pct:+.1} %)")
+                }
             });
             let bytes = if c.block_row_bytes == c.window_row_bytes {
                 format!("{} B", c.block_row_bytes)

@@ -150,7 +150,10 @@ fn plan(
 fn pack_rows(py: Python<'_>, format: &str, kv: &[u8]) -> PyResult<Vec<Py<pyo3::types::PyBytes>>> {
     let f = crate::format::RowFormatId::from_name(format).map_err(lib_err)?.format();
     if kv.len() % 2 != 0 {
-        return Err(lib_err(crate::format::FormatError::RowLength { got: kv.len(), want: 2 * crate::index::KV_ROW_VALUES }));
+        return Err(lib_err(crate::format::FormatError::RowLength {
+            got: kv.len(),
+            want: 2 * crate::index::KV_ROW_VALUES,
+        }));
     }
     let values: Vec<u16> = kv.chunks_exact(2).map(|b| u16::from_ne_bytes([b[0], b[1]])).collect();
     let planes = py.detach(|| f.pack_planes(&values)).map_err(lib_err)?;

@@ -15,8 +15,8 @@
 //! `amax` ignores NaN and counts infinities; NaN encodes as e4m3's NaN (`0x7f` with its sign)
 //! in FP8 and as 6 with its sign in FP4 (e2m1 has no NaN).
 
-use crate::format::{e4m3_rne, e8m0_of_amax};
 use super::*;
+use crate::format::{e4m3_rne, e8m0_of_amax};
 use crate::index::{INDEX_KEYS_BF16, INDEX_KEYS_FP4, INDEX_KEYS_FP8, INDEX_KEY_VALUES};
 
 /// 1e-4 as f32 bits: the floor of an FP8 row's amax (an all-zero row still gets a scale).

@@ -124,7 +124,11 @@ pub fn kv_rows(
                 // The format's one description packs (no second transcription of the formula).
                 let f = crate::format::RowFormatId::FlashMlaV41.format();
                 let r = row_range(row, f.bytes_per_token(), pool.len(), "pool")?;
-                let packed = f.pack(src).map_err(|_| HostKernelError::OutOfBounds { buffer: "kv", index: t, len: kv.len() })?;
+                let packed = f.pack(src).map_err(|_| HostKernelError::OutOfBounds {
+                    buffer: "kv",
+                    index: t,
+                    len: kv.len(),
+                })?;
                 pool[r].copy_from_slice(&packed[0]);
             }
             KvPlanes::FlashMlaV4 { plane, row0 } => {

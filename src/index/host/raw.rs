@@ -322,7 +322,10 @@ unsafe fn run_write_batch(a: &crate::index::WriteBatchArgs) -> Result<()> {
     // Copied out: the tables' slices end here, before any item takes its own.
     // SAFETY: lengths from the arguments; the caller covers them.
     let (items, first): (Vec<WriteItem>, Vec<i32>) = unsafe {
-        (input::<WriteItem>("items", a.items, n)?.to_vec(), input::<i32>("first_block", a.first_block, n)?.to_vec())
+        (
+            input::<WriteItem>("items", a.items, n)?.to_vec(),
+            input::<i32>("first_block", a.first_block, n)?.to_vec(),
+        )
     };
     crate::index::bounds::release_claims();
     let bad = |item: usize, reason: String| HostKernelError::BadWriteBatch { item, reason };
@@ -393,7 +396,10 @@ unsafe fn run_kv_rows(a: &crate::index::KvRowsArgs) -> Result<()> {
                     index: end,
                     len: 0,
                 })?;
-                let bytes = len_of("plane bytes", mul(pages, 64 * crate::index::FLASHMLA_V4_ROW_BYTES as i64, "plane bytes")?)?;
+                let bytes = len_of(
+                    "plane bytes",
+                    mul(pages, 64 * crate::index::FLASHMLA_V4_ROW_BYTES as i64, "plane bytes")?,
+                )?;
                 KvPlanes::FlashMlaV4 { plane: output("nope", a.nope, bytes)?, row0: a.view_row0 }
             }
             _ => KvPlanes::Bf16 { pool: output("nope", a.nope, rows(2 * KV_ROW_VALUES as u64)?)? },
