@@ -13,7 +13,7 @@ use v4pool::backend::host::HostBackend;
 use v4pool::backend::Backend;
 use v4pool::geometry::Class;
 use v4pool::model::ModelShape;
-use v4pool::pool::{CompressedRow, Pool, RowSet, RowWriteCapacity, WindowSeq};
+use v4pool::pool::{CompressedRow, KvRowWriter, Pool, RowSet, RowWriteCapacity, WindowSeq};
 
 fn planes(pool: &Pool) -> Vec<Vec<u8>> {
     (0..pool.num_planes())
@@ -23,6 +23,34 @@ fn planes(pool: &Pool) -> Vec<Vec<u8>> {
             out
         })
         .collect()
+}
+
+/// The same random plane bytes on the device pool `d` and the host pool `h`, a writer on each
+/// with the same three sequences' window rows staged (a ring wrap, one token, a far position),
+/// and their KV: bf16 bits over a wide range with a zero tile.
+fn staged_windows(d: &Arc<Pool>, h: &Arc<Pool>, rng: &mut Rng) -> (KvRowWriter, KvRowWriter, Vec<u16>) {
+    for i in 0..d.num_planes() {
+        let bytes = rng.bytes(d.plane_bytes(i).unwrap() as usize);
+        d.write_plane(i, 0, &bytes).unwrap();
+        h.write_plane(i, 0, &bytes).unwrap();
+    }
+    let cap = RowWriteCapacity { max_tokens: 600 };
+    let (mut wd, mut wh) = (d.kv_row_writer(cap).unwrap(), h.kv_row_writer(cap).unwrap());
+    let sd: Vec<_> = (0..3).map(|_| d.alloc_slot().unwrap()).collect();
+    let sh: Vec<_> = (0..3).map(|_| h.alloc_slot().unwrap()).collect();
+    let starts = [0i64, 7, 1_000_000];
+    let tokens = [300usize, 1, 129];
+    let seqs = |s: &[v4pool::pool::SlotLease]| -> Vec<WindowSeq> {
+        (0..3)
+            .map(|i| WindowSeq { slot: s[i].handle, first_position: starts[i], tokens: tokens[i] })
+            .collect()
+    };
+    wd.stage_window(&seqs(&sd)).unwrap();
+    wh.stage_window(&seqs(&sh)).unwrap();
+    let n: usize = tokens.iter().sum();
+    let mut kv: Vec<u16> = (0..n * 512).map(|_| (rng.next_u64() as u16) & 0x7f7f).collect();
+    kv[64..128].fill(0);
+    (wd, wh, kv)
 }
 
 #[test]
@@ -36,28 +64,7 @@ fn kv_rows_match_the_host() {
         let d = model_pool(dev.clone(), &model, fp8, 6, 3);
         let h = model_pool(Arc::new(HostBackend::new()), &model, fp8, 6, 3);
         let mut rng = Rng::new(case_seed("gpu-kv-rows", u64::from(fp8)));
-        for i in 0..d.num_planes() {
-            let bytes = rng.bytes(d.plane_bytes(i).unwrap() as usize);
-            d.write_plane(i, 0, &bytes).unwrap();
-            h.write_plane(i, 0, &bytes).unwrap();
-        }
-        let cap = RowWriteCapacity { max_tokens: 600 };
-        let (mut wd, mut wh) = (d.kv_row_writer(cap).unwrap(), h.kv_row_writer(cap).unwrap());
-        let sd: Vec<_> = (0..3).map(|_| d.alloc_slot().unwrap()).collect();
-        let sh: Vec<_> = (0..3).map(|_| h.alloc_slot().unwrap()).collect();
-        let starts = [0i64, 7, 1_000_000];
-        let tokens = [300usize, 1, 129];
-        let seqs = |s: &[v4pool::pool::SlotLease]| -> Vec<WindowSeq> {
-            (0..3)
-                .map(|i| WindowSeq { slot: s[i].handle, first_position: starts[i], tokens: tokens[i] })
-                .collect()
-        };
-        wd.stage_window(&seqs(&sd)).unwrap();
-        wh.stage_window(&seqs(&sh)).unwrap();
-        let n: usize = tokens.iter().sum();
-        // bf16 bits over a wide range, zeros and a zero tile among them.
-        let mut kv: Vec<u16> = (0..n * 512).map(|_| (rng.next_u64() as u16) & 0x7f7f).collect();
-        kv[64..128].fill(0);
+        let (mut wd, mut wh, kv) = staged_windows(&d, &h, &mut rng);
         let g = d.geometry().unwrap();
         for ratio in [0, 4, 128] {
             let layer = g.ratios.iter().position(|&r| r == ratio).unwrap();
@@ -93,25 +100,7 @@ fn flashmla_v41_rows_match_the_host() {
     let d = gather_common::model_pool_at(dev.clone(), &model, w.clone(), 6, 3, None);
     let h = gather_common::model_pool_at(Arc::new(HostBackend::new()), &model, w, 6, 3, None);
     let mut rng = Rng::new(case_seed("gpu-kv-rows-v41", 0));
-    let bytes = rng.bytes(d.plane_bytes(0).unwrap() as usize);
-    d.write_plane(0, 0, &bytes).unwrap();
-    h.write_plane(0, 0, &bytes).unwrap();
-    let cap = RowWriteCapacity { max_tokens: 600 };
-    let (mut wd, mut wh) = (d.kv_row_writer(cap).unwrap(), h.kv_row_writer(cap).unwrap());
-    let sd: Vec<_> = (0..3).map(|_| d.alloc_slot().unwrap()).collect();
-    let sh: Vec<_> = (0..3).map(|_| h.alloc_slot().unwrap()).collect();
-    let starts = [0i64, 7, 1_000_000];
-    let tokens = [300usize, 1, 129];
-    let seqs = |s: &[v4pool::pool::SlotLease]| -> Vec<WindowSeq> {
-        (0..3)
-            .map(|i| WindowSeq { slot: s[i].handle, first_position: starts[i], tokens: tokens[i] })
-            .collect()
-    };
-    wd.stage_window(&seqs(&sd)).unwrap();
-    wh.stage_window(&seqs(&sh)).unwrap();
-    let n: usize = tokens.iter().sum();
-    let mut kv: Vec<u16> = (0..n * 512).map(|_| (rng.next_u64() as u16) & 0x7f7f).collect();
-    kv[64..96].fill(0);
+    let (wd, wh, kv) = staged_windows(&d, &h, &mut rng);
     let g = d.geometry().unwrap();
     for class in g.classes.values() {
         let layer = class.layers[0];
