@@ -78,7 +78,35 @@ impl PlanReport {
             "image_bytes": self.image_bytes,
             "units_per_checkpoint": self.units_per_checkpoint,
             "layout_id": self.layout_id,
+            "kv_bytes_per_token": p.layout.kv.row_format().format().bytes_per_token(),
+            "capacity_by_format": self.capacity_json(),
         })
+    }
+
+    /// `capacity_by_format`: every row format the model has a form in, priced by the spec's
+    /// tight fit at this plan's budget and slot count ([`Plan::capacity_by_format`]), with the
+    /// history tokens each gains over this plan's own format. Empty if it cannot be priced
+    /// (a budget below the slot region: the plan itself would have been refused).
+    fn capacity_json(&self) -> serde_json::Value {
+        let p = &self.plan;
+        let bs = p.layout.model.block_size;
+        let caps = p.capacity_by_format().unwrap_or_default();
+        let here = caps.iter().find(|c| c.format == p.layout.kv.row_format()).map(|c| c.tokens(bs));
+        let rows: Vec<serde_json::Value> = caps
+            .iter()
+            .map(|c| {
+                json!({
+                    "format": c.format.format().name,
+                    "block_row_bytes": c.block_row_bytes,
+                    "window_row_bytes": c.window_row_bytes,
+                    "tight_fit_blocks": c.tight_fit_blocks,
+                    "tokens": c.tokens(bs),
+                    "tokens_vs_plan": here.map(|h| c.tokens(bs) - h),
+                    "carved": c.carved,
+                })
+            })
+            .collect();
+        json!(rows)
     }
 }
 
@@ -179,7 +207,7 @@ impl PlanOptions {
         KvDtype::from_name(name).ok_or_else(|| PlanOptionError::BadValue {
             option: "dtype",
             value: name.into(),
-            expected: "fp8, bf16 or flashmla-v41",
+            expected: "fp8, bf16, flashmla-v4 or flashmla-v41",
         })
     }
 

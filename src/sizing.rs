@@ -277,7 +277,9 @@ pub enum SizingError {
         /// Persistent buffers charged to the budget.
         overhead: u64,
     },
-    #[error("{kv} rows do not fit a {family:?} model (V4.1: bf16 or flashmla-v41; V4: fp8 or bf16)")]
+    #[error(
+        "{kv} rows do not fit a {family:?} model (V4.1: bf16 or flashmla-v41; V4: fp8, bf16 or flashmla-v4)"
+    )]
     /// A KV dtype the model family's rows have no form in (`KvDtype::fits`).
     KvDtypeUnsupported {
         /// The model family.

@@ -299,6 +299,20 @@ fn errors_exit_2_with_variant_names() {
         (vec!["layout", "--blocks", "1", "--slots", "1", "--ring", "7"], "MissingOption"),
         (vec!["layout", "--model", "v4-flash", "--ratios", "4", "--blocks", "1", "--slots", "1"], "Conflict"),
         (vec!["layout", "--model", "v4-flashy", "--blocks", "1", "--slots", "1"], "UnknownPreset"),
+        (
+            vec!["layout", "--model", "v4-flash", "--dtype", "fp16", "--blocks", "1", "--slots", "1"],
+            "BadValue",
+        ),
+        (
+            vec!["layout", "--model", "v4-flash", "--dtype", "flashmla-v41", "--blocks", "1", "--slots", "1"],
+            "KvDtypeUnsupported",
+        ),
+        (
+            vec![
+                "layout", "--ratios", "4", "--dtype", "bf16", "--blocks", "1", "--slots", "1", "--ring", "7",
+            ],
+            "Conflict",
+        ),
         (vec!["layout", "--model", "/nonexistent/config.json", "--blocks", "1", "--slots", "1"], "Io"),
         (
             vec!["layout", "--model", "v4-flash", "--spec-steps", "-2", "--blocks", "1", "--slots", "1"],
@@ -446,4 +460,99 @@ fn ratios_take_kv_sources() {
     let o =
         v4pool(&["layout", "--model", "v4.1-flash", "--kv-sources", "2", "--blocks", "1", "--slots", "1"]);
     assert_eq!(o.status.code(), Some(2));
+}
+
+/// `--dtype` lays the geometry out as a pool of that format carves it: the rows `v4pool plan`
+/// sizes a pool with (envelope, arena, slot, alignment) are the layout's, and a paged format's
+/// envelopes, slots, arena and every slot group start in whole pages.
+#[test]
+fn dtype_lays_out_the_pools_geometry() {
+    for (model, dtype, widths, page) in [
+        ("v4-flash", "fp8", vec![512, 128], 1),
+        ("v4-flash", "flashmla-v4", vec![584], 64),
+        ("v4-pro", "flashmla-v4", vec![584], 64),
+        ("v4.1-flash", "flashmla-v41", vec![528], 1),
+    ] {
+        let plan = json_of(&[
+            "plan",
+            "--model",
+            model,
+            "--budget",
+            "4GiB",
+            "--max-seqs",
+            "3",
+            "--dtype",
+            dtype,
+            "--json",
+        ]);
+        let v = json_of(&[
+            "layout", "--model", model, "--dtype", dtype, "--blocks", "5", "--slots", "3", "--json",
+        ]);
+        for key in ["envelope_rows", "entry_rows", "arena_rows", "slot_rows", "slot_align_rows"] {
+            assert_eq!(v[key], plan[key], "{model} {dtype}: {key}");
+        }
+        assert_eq!(v["kv_dtype"], dtype);
+        assert_eq!(v["plane_widths"], serde_json::json!(widths), "{model} {dtype}");
+        assert_eq!(v["page_rows"], page, "{model} {dtype}");
+        for key in ["envelope_rows", "arena_rows", "slot_rows"] {
+            assert_eq!(v[key].as_i64().unwrap() % page, 0, "{model} {dtype}: {key} in whole pages");
+        }
+        for group in v["physical_slots"].as_array().unwrap() {
+            let start = v["slot_origin"].as_i64().unwrap()
+                - (group.as_i64().unwrap() + 1) * v["slot_rows"].as_i64().unwrap();
+            assert_eq!(start % page, 0, "{model} {dtype}: slot group {group} starts a page");
+        }
+    }
+    // Without --dtype the layout is the spec's (no arena): unchanged by the option's existence.
+    let bare = json_of(&["layout", "--model", "v4-flash", "--blocks", "5", "--slots", "3", "--json"]);
+    assert_eq!((bare["envelope_rows"].as_i64(), bare["arena_rows"].as_i64()), (Some(1384), Some(0)));
+    assert!(bare.get("kv_dtype").is_none());
+    let table = stdout(&v4pool(&[
+        "layout",
+        "--model",
+        "v4-flash",
+        "--dtype",
+        "flashmla-v4",
+        "--blocks",
+        "5",
+        "--slots",
+        "3",
+    ]));
+    assert!(table.contains("row format flashmla-v4 (584 B a token, pages of 64 rows)"), "{table}");
+    assert!(table.contains(" 584-B plane: "), "{table}");
+}
+
+/// `plan --json` prices every row format the model has a form in at the plan's budget: V4-Flash
+/// at 100 GiB and 256 sequences holds 584 B a token in FlashMLA's format against ATOM's 640, and
+/// the tokens it gains are the difference of the two tight fits.
+#[test]
+fn plan_json_reports_capacity_by_format() {
+    let v = json_of(&["plan", "--model", "v4-flash", "--budget", "100GiB", "--max-seqs", "256", "--json"]);
+    assert_eq!(v["kv_bytes_per_token"], 640);
+    let caps = v["capacity_by_format"].as_array().unwrap();
+    let of = |name: &str| {
+        caps.iter().find(|c| c["format"] == name).unwrap_or_else(|| panic!("{name} in {caps:?}"))
+    };
+    let (atom, fm) = (of("atom-fp8"), of("flashmla-v4"));
+    assert_eq!((atom["block_row_bytes"].as_u64(), fm["block_row_bytes"].as_u64()), (Some(640), Some(584)));
+    assert_eq!(atom["tight_fit_blocks"], v["tight_fit_blocks"], "this plan's own format is its tight fit");
+    assert_eq!(atom["tokens_vs_plan"], 0);
+    let gain = (fm["tight_fit_blocks"].as_i64().unwrap() - atom["tight_fit_blocks"].as_i64().unwrap()) * 256;
+    assert!(gain > 0);
+    assert_eq!(fm["tokens_vs_plan"].as_i64(), Some(gain));
+    assert!(caps.iter().all(|c| c["format"] != "flashmla-v41"), "V4 has no 528-B form");
+    let v41 =
+        json_of(&["plan", "--model", "v4.1-flash", "--budget", "100GiB", "--max-seqs", "256", "--json"]);
+    assert_eq!(v41["kv_bytes_per_token"], 528);
+    let fp4 = v41["capacity_by_format"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["format"] == "flashmla-v41-fp4")
+        .cloned();
+    let fp4 = fp4.expect("V4.1 prices its fp4 compressed rows");
+    assert_eq!(
+        (fp4["block_row_bytes"].as_u64(), fp4["window_row_bytes"].as_u64(), fp4["carved"].as_bool()),
+        (Some(288), Some(528), Some(false))
+    );
 }

@@ -9,6 +9,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, ABSENT_RATIO};
 use v4pool::model::{DraftMode, Drafts, ModelError, ModelShape};
+use v4pool::sizing::{IndexerDtype, KvDtype, PoolLayout};
 
 /// Row widths the table prices a plane at: fp8 NoPE and bf16 RoPE (`pool-runtime.md` §1).
 const PLANE_WIDTHS: [u64; 2] = [512, 128];
@@ -17,8 +18,9 @@ const PLANE_WIDTHS: [u64; 2] = [512, 128];
 pub(crate) const MAX_LISTED_SLOTS: i64 = 1 << 20;
 const DEFAULT_BLOCK_SIZE: i64 = v4pool::model::V4_BLOCK_SIZE;
 
-const OPTIONS: [&str; 14] = [
+const OPTIONS: [&str; 15] = [
     "--model",
+    "--dtype",
     "--ratios",
     "--kv-sources",
     "--blocks",
@@ -40,7 +42,8 @@ usage: v4pool layout (--model NAME|PATH | --ratios R,R,... [--kv-sources L,L,...
                      --blocks N --slots S
                      [--ring R] [--block-size B] [--plane-rows P] [--arena-rows A]
                      [--slot-positions Q] [--slot-align-rows K] [--spec-steps K]
-                     [--draft-stages N [--draft-mode absent|dense]] [--json]
+                     [--draft-stages N [--draft-mode absent|dense]]
+                     [--dtype fp8|bf16|flashmla-v4|flashmla-v41] [--json]
 
   --model    a preset (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark, ...-dspark-dense,
              v4.1-flash, v4.1-flash-dspark)
@@ -51,6 +54,9 @@ usage: v4pool layout (--model NAME|PATH | --ratios R,R,... [--kv-sources L,L,...
   --ring     ring slots (default: the model's window + --spec-steps)
   --block-size  tokens per block (default 256)
   --draft-stages, --draft-mode  DSpark drafts appended to a config.json's trunk
+  --dtype    with --model: the pool's row format lays the geometry out as a pool carves it
+             (the model's compressor arena and slot alignment at the format's planes; a
+             paged format's envelopes, slots and arena in whole pages) and prices its planes
   --json     one JSON object with the spec's names; errors as {\"error\", \"message\"}";
 
 /// Run `v4pool layout`; returns the exit status.
@@ -67,17 +73,29 @@ fn layout(args: &[String]) -> Result<Option<String>, CliError> {
     if parsed.flag("--help") {
         return Ok(None);
     }
-    let (name, spec) = geometry_spec(&parsed)?;
+    let (name, spec, kv) = geometry_spec(&parsed)?;
     let json = parsed.flag("--json");
     if json && spec.num_slots > MAX_LISTED_SLOTS {
         return Err(CliError::TooLarge { what: "--slots", got: spec.num_slots, max: MAX_LISTED_SLOTS });
     }
     let geometry = spec.build()?;
-    Ok(Some(if json { layout_json(&geometry)?.to_string() } else { layout_table(&name, &geometry)? }))
+    Ok(Some(if json {
+        let mut v = layout_json(&geometry)?;
+        if let (Some(kv), Some(obj)) = (kv, v.as_object_mut()) {
+            obj.insert("kv_dtype".into(), json!(kv.name()));
+            obj.insert("row_format".into(), json!(kv.row_format().format().name));
+            obj.insert("plane_widths".into(), json!(kv.plane_widths()));
+            obj.insert("page_rows".into(), json!(kv.page_rows()));
+        }
+        v.to_string()
+    } else {
+        layout_table(&name, &geometry, kv)?
+    }))
 }
 
-/// The model (or ratio list) and the options, as geometry arguments and a display name.
-fn geometry_spec(p: &ParsedArgs) -> Result<(String, GeometrySpec), CliError> {
+/// The model (or ratio list) and the options, as geometry arguments, a display name and the
+/// row format asked for.
+fn geometry_spec(p: &ParsedArgs) -> Result<(String, GeometrySpec, Option<KvDtype>), CliError> {
     let model = match (p.get("--model"), p.get("--ratios")) {
         (Some(_), Some(_)) => return Err(CliError::Conflict { a: "--model", b: "--ratios" }),
         (None, None) => return Err(CliError::MissingOption { flag: "--model" }),
@@ -87,7 +105,8 @@ fn geometry_spec(p: &ParsedArgs) -> Result<(String, GeometrySpec), CliError> {
         }
         (Some(m), None) => Some(load_model(m, p)?),
         (None, Some(_)) => {
-            for flag in ["--spec-steps", "--draft-stages", "--draft-mode"] {
+            // The arena and slot alignment a format needs come from a model's compressors.
+            for flag in ["--spec-steps", "--draft-stages", "--draft-mode", "--dtype"] {
                 if p.get(flag).is_some() {
                     return Err(CliError::Conflict { a: flag, b: "--ratios" });
                 }
@@ -95,13 +114,30 @@ fn geometry_spec(p: &ParsedArgs) -> Result<(String, GeometrySpec), CliError> {
             None
         }
     };
+    let kv = match p.get("--dtype") {
+        Some(d) => Some(KvDtype::from_name(d).ok_or_else(|| CliError::BadValue {
+            flag: "--dtype".to_string(),
+            value: d.to_string(),
+            expected: "fp8, bf16, flashmla-v4 or flashmla-v41",
+        })?),
+        None => None,
+    };
     let num_blocks = p.required_i64("--blocks")?;
     let num_slots = p.required_i64("--slots")?;
     // A model brings its source layers and row form (V4.1) with its ratios.
     let (name, base, ring_default) = match model {
         Some(m) => {
             let ring = m.ring_slots();
-            (m.name.clone(), m.geometry_spec(num_blocks, num_slots), Some(ring))
+            let mut spec = m.geometry_spec(num_blocks, num_slots);
+            if let Some(kv) = kv {
+                // The pool's own layout rules (one place: sizing::PoolLayout), at this split.
+                let l = PoolLayout::new(&m, kv, IndexerDtype::Fp8)?;
+                spec = spec
+                    .arena_rows(l.geometry.arena_rows)
+                    .slot_align_rows(l.geometry.slot_align_rows)
+                    .envelope_align_rows(kv.page_rows());
+            }
+            (m.name.clone(), spec, Some(ring))
         }
         None => {
             let ratios = p.i32_list("--ratios")?.unwrap_or_default();
@@ -129,7 +165,7 @@ fn geometry_spec(p: &ParsedArgs) -> Result<(String, GeometrySpec), CliError> {
     if let Some(v) = p.i64("--slot-align-rows")? {
         spec = spec.slot_align_rows(v);
     }
-    Ok((name, spec))
+    Ok((name, spec, kv))
 }
 
 /// A preset by name, else a config.json path (or a folder holding one).
@@ -246,7 +282,11 @@ fn class_name(ratio: i32) -> &'static str {
 }
 
 /// The readable form: totals, one line per class, per-layer base rows, plane bytes.
-pub(crate) fn layout_table(name: &str, g: &UnifiedPoolGeometry) -> Result<String, CliError> {
+pub(crate) fn layout_table(
+    name: &str,
+    g: &UnifiedPoolGeometry,
+    kv: Option<KvDtype>,
+) -> Result<String, CliError> {
     let mut out = String::new();
     // Writing to a String cannot fail; the results are dropped deliberately.
     let ratios: Vec<String> = g.ratios.iter().map(|r| r.to_string()).collect();
@@ -314,7 +354,17 @@ pub(crate) fn layout_table(name: &str, g: &UnifiedPoolGeometry) -> Result<String
         }
     }
     let _ = writeln!(out);
-    for width in PLANE_WIDTHS {
+    if let Some(kv) = kv {
+        let f = kv.row_format().format();
+        let _ = writeln!(
+            out,
+            "row format {} ({} B a token, pages of {} rows)",
+            f.name,
+            f.bytes_per_token(),
+            kv.page_rows()
+        );
+    }
+    for &width in kv.map_or(&PLANE_WIDTHS[..], |k| k.plane_widths()) {
         let _ = writeln!(
             out,
             "{width:>4}-B plane: {} B  (block {} B, slot {} B)",

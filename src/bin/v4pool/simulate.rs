@@ -183,7 +183,7 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
         "--dtype",
         "fp8",
         &[("fp8", KvDtype::Fp8), ("bf16", KvDtype::Bf16), ("flashmla-v41", KvDtype::FlashMlaV41)],
-        "fp8, bf16 or flashmla-v41",
+        "fp8, bf16, flashmla-v4 or flashmla-v41",
     )?;
     let indexer = choose(
         &p,
