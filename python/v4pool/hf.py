@@ -27,6 +27,20 @@ spec's FP8 / FP4 indexer cache (``indexer="fp8"`` / ``"fp4"``: the keys quantise
 kernel, and dequantised here with the same formula, ``read_index_rows``), written through
 ``Forward.write_index_keys`` at the CSA entries' rows and read back through
 ``Pool.indexer_view``, so a prefix hit, a relocation and a handoff carry them with the blocks.
+
+Attention. By default the attention is a torch loop over the rows the index buffers name
+(transformers' eager attention, its sinks included): the reference. With
+``attention="flashmla"`` (a pool in FlashMLA's V4 rows, ``dtype="flashmla-v4"``, on CUDA, a
+model with 64 or 128 query heads) every decode step attends through FlashMLA's sparse decode,
+the kernel vLLM and SGLang attend DeepSeek-V4 through, reading the pool's plane in place
+(``Pool.page_view``: the layer's pages as its ``k_cache`` and ``extra_k_cache``, no copy):
+the window part from the class's window rows, the compressed part from the CSA top-k head or
+the HCA compressed head, both from the decode build's buffers plus the view's shift, and the
+model's sinks as ``attn_sink``. The library is given by path (``flashmla_lib=`` or the
+``V4POOL_FLASHMLA_LIB`` environment variable: ``_flashmla_C.abi3.so`` of the ``vllm==0.33.0``
+wheel); absent or unusable, the engine refuses with ``FlashMlaUnavailable``. Prefill keeps the
+torch loop: FlashMLA's sparse prefill reads bf16 rows an engine gathers itself
+(docs/flashmla.md).
 """
 
 from __future__ import annotations
@@ -45,6 +59,64 @@ try:  # transformers is an optional dependency of the wheel
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as _mv4
 except ImportError as e:  # pragma: no cover
     raise ImportError("v4pool.hf needs transformers with DeepSeek-V4 (5.17 or later)") from e
+
+FLASHMLA_ENV = "V4POOL_FLASHMLA_LIB"
+# FlashMLA's sparse decode: pages of 64 rows, index widths in multiples of 64, these head counts.
+FLASHMLA_PAGE = 64
+FLASHMLA_HEADS = (64, 128)
+
+
+class FlashMlaUnavailable(RuntimeError):
+    """``attention="flashmla"`` asked for where FlashMLA cannot run: no library given, a library
+    that does not load, or a pool / model its sparse decode does not take (the message says
+    which)."""
+
+
+def load_flashmla(path=None):
+    """FlashMLA's ops (``torch.ops._flashmla_C``) from the library at `path` (default: the
+    ``V4POOL_FLASHMLA_LIB`` environment variable)."""
+    path = path or os.environ.get(FLASHMLA_ENV)
+    if not path:
+        raise FlashMlaUnavailable(f"attention='flashmla' needs FlashMLA's library: set {FLASHMLA_ENV} "
+                                  "(or flashmla_lib=) to _flashmla_C.abi3.so from the vllm==0.33.0 wheel")
+    if not os.path.isfile(path):
+        raise FlashMlaUnavailable(f"FlashMLA library {path!r} is not a file")
+    try:
+        torch.ops.load_library(path)
+        return torch.ops._flashmla_C
+    except (OSError, RuntimeError) as e:
+        raise FlashMlaUnavailable(f"FlashMLA library {path!r} does not load: {e}") from e
+
+
+def decode_flashmla_v4_rows(k_cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (kernel indices: page * 64 + offset) of a 584-B paged cache `[pages, 64, 1,
+    584]` as float32 `[n, 512]`: a page holds 64 data rows (448 e4m3 NoPE, 64 bf16 RoPE), then
+    64 scale rows (7 e8m0, one per 64 NoPE values, and a pad byte)."""
+    flat = k_cache.reshape(-1)
+    ids = ids.long().to(flat.device)
+    page, off = ids // FLASHMLA_PAGE, ids % FLASHMLA_PAGE
+    base = page * (FLASHMLA_PAGE * 584)
+    data = flat[(base + off * 576).unsqueeze(1) + torch.arange(576, device=flat.device)]
+    sc = flat[(base + FLASHMLA_PAGE * 576 + off * 8).unsqueeze(1) + torch.arange(7, device=flat.device)]
+    scale = torch.pow(2.0, sc.float() - 127.0).repeat_interleave(64, 1)
+    nope = data[:, :448].contiguous().view(torch.float8_e4m3fn).float() * scale
+    rope = data[:, 448:].contiguous().view(torch.bfloat16).float()
+    return torch.cat([nope, rope], 1)
+
+
+def quantize_flashmla_v4_reference(kv: torch.Tensor) -> torch.Tensor:
+    """`kv` [..., 512] rounded to the pool's 584-B rows, as float32: packed from bf16 by the row
+    format's one description (``v4pool.pack_rows``, what the pool's writers write) and decoded
+    again."""
+    rows = kv.reshape(-1, kv.shape[-1])
+    n = rows.shape[0]
+    if n == 0:
+        return kv.float()
+    raw = rows.to(torch.bfloat16).contiguous().cpu().view(torch.int16).numpy().tobytes()
+    plane = torch.frombuffer(bytearray(v4pool.pack_rows("flashmla-v4", raw)[0]), dtype=torch.uint8)
+    out = decode_flashmla_v4_rows(plane.view(-1, FLASHMLA_PAGE, 1, 584), torch.arange(n))
+    return out.reshape(kv.shape).to(kv.device)
+
 
 BLOCK = 256  # tokens per block (the pool's block size for every V4 model)
 # V4's two compress ratios, the pool's classes (the window is the model's: PoolEngine.win).
@@ -213,8 +285,27 @@ class PoolEngine:
     """A DeepseekV4ForCausalLM on a v4pool pool (see the module doc)."""
 
     def __init__(self, model, *, dtype="bf16", budget="256MiB", max_seqs=8, max_context=4096,
-                 chunk=256, backend="host", device=0, manager=True, policy="elastic", indexer="bf16"):
+                 chunk=256, backend="host", device=0, manager=True, policy="elastic", indexer="bf16",
+                 attention="torch", flashmla_lib=None):
         cfg = model.config
+        if attention not in ("torch", "flashmla"):
+            raise ValueError(f"attention {attention!r} is not 'torch' or 'flashmla'")
+        self.flashmla = None
+        if attention == "flashmla":
+            # Everything FlashMLA's SM90 sparse decode takes, refused before a pool is carved.
+            why = None
+            if backend != "cuda":
+                why = f"backend {backend!r}: FlashMLA runs on CUDA"
+            elif dtype != "flashmla-v4":
+                why = (f"dtype {dtype!r}: FlashMLA's SM90 decode reads the 584-B V4 rows "
+                       "(dtype='flashmla-v4'); its V4.1 formats need SM100 (docs/flashmla.md)")
+            elif cfg.num_attention_heads not in FLASHMLA_HEADS:
+                why = f"{cfg.num_attention_heads} query heads: FlashMLA's sparse decode takes {FLASHMLA_HEADS}"
+            elif cfg.head_dim != 512:
+                why = f"head_dim {cfg.head_dim}: FlashMLA's V4 decode takes 512"
+            if why:
+                raise FlashMlaUnavailable(why)
+            self.flashmla = load_flashmla(flashmla_lib)
         self.model = model
         self.cfg = cfg
         self.chunk = chunk
@@ -252,6 +343,10 @@ class PoolEngine:
             prefill_tokens=max_seqs * chunk, win=self.win, index_topk=self.topk,
         )
         self.fp8 = self.fwd.fp8
+        # FlashMLA's 584-B rows sit in pages (data rows, then scale rows): rows are read through
+        # the layer's page view and its shift, not a row view.
+        self.paged = dtype == "flashmla-v4"
+        self._pages = {}
         self.ordinal = []  # a layer's index among the layers of its class
         seen = {}
         for r in self.ratios:
@@ -276,10 +371,21 @@ class PoolEngine:
             self._views[layer] = planes
         return self._views[layer]
 
+    def page(self, layer):
+        """`layer`'s rows as FlashMLA's `k_cache` (`[pages, 64, 1, 584]` uint8 over the pool's
+        plane) and the shift its view indices take."""
+        if layer not in self._pages:
+            v, shift = self.pool.page_view(layer)
+            self._pages[layer] = (torch.from_dlpack(v), shift)
+        return self._pages[layer]
+
     def rows(self, layer, idx: torch.Tensor) -> torch.Tensor:
         """Rows `idx` of `layer`'s view as bf16 `[n, 512]` (fp8 rows dequantised)."""
-        planes = self.view(layer)
         idx = idx.long()
+        if self.paged:
+            k_cache, shift = self.page(layer)
+            return decode_flashmla_v4_rows(k_cache, idx + shift).to(self.act)
+        planes = self.view(layer)
         if self.fp8:
             return _dequant_fp8(planes[0][idx], planes[1][idx]).to(self.act)
         return planes[0][idx].to(self.act)
@@ -739,6 +845,46 @@ def _keys_of(engine, layer, ratio, mode, ind, ptr, own, topk, s0, n, t0, dtype):
     return keys.view(1, 1, -1, keys.shape[-1]), mask.view(1, 1, n, -1)
 
 
+def _flashmla_operands(ind, ptr, nwin, shift, device):
+    """FlashMLA's window and compressed index operands of one class from the decode build's
+    buffers: token t's slice `ind[ptr[t]:ptr[t+1]]` is `[compressed head | window tail]`, the
+    tail's length `nwin[t]`; each part left-packed into rows a multiple of 64 wide, shifted to
+    the page view, -1 after, with its length vector. Returns (indices [T, 1, W], lengths [T],
+    extra indices [T, 1, We] or None, extra lengths or None)."""
+    start, end = ptr[:-1], ptr[1:]
+    head = end - start - nwin
+
+    def part(first, length):
+        width = max(FLASHMLA_PAGE, -(-int(length.max()) // FLASHMLA_PAGE) * FLASHMLA_PAGE)
+        j = torch.arange(width, device=device)
+        ok = j.unsqueeze(0) < length.unsqueeze(1)
+        src = torch.where(ok, first.unsqueeze(1) + j, torch.zeros_like(j))
+        rows = torch.where(ok, ind[src] + shift, torch.full_like(src, -1))
+        return rows.to(torch.int32).unsqueeze(1).contiguous(), length.to(torch.int32).contiguous()
+
+    idx, tl = part(start + head, nwin)
+    if int(head.max()) == 0:
+        return idx, tl, None, None
+    eidx, etl = part(start, head)
+    return idx, tl, eidx, etl
+
+
+def _flashmla_decode(engine, attn, layer, q, ind, ptr, ctx):
+    """One decode step's attention of `layer` for every token through FlashMLA's sparse decode
+    over the pool's pages (module doc). Returns `[1, T, H, 512]` in the model's dtype."""
+    k_cache, shift = engine.page(layer)
+    dev = q.device
+    pos = torch.tensor(ctx.starts, device=dev)
+    nwin = torch.clamp(pos + 1, max=engine.win)
+    idx, tl, eidx, etl = _flashmla_operands(ind, ptr.to(dev), nwin, shift, dev)
+    qf = q[0].transpose(0, 1).unsqueeze(1).to(torch.bfloat16).contiguous()  # [T, 1, H, 512]
+    sink = attn.sinks.float().contiguous()
+    extra = k_cache if eidx is not None else None
+    out = engine.flashmla.sparse_decode_fwd(qf, k_cache, idx, tl, sink, None, None, extra, eidx, etl,
+                                            512, attn.scaling, None, False)[0]
+    return out[:, 0].unsqueeze(0).to(q.dtype)  # [1, T, H, 512]
+
+
 def _attention(engine, attn, hidden_states, position_embeddings, position_ids):
     ctx = engine._ctx
     layer = attn.layer_idx
@@ -784,13 +930,20 @@ def _attention(engine, attn, hidden_states, position_embeddings, position_ids):
     else:
         ind = torch.from_dlpack(f.prefill_buffer("indices", cls)).long()
         ptr = torch.from_dlpack(f.prefill_buffer("indptr", cls)).long()
-        own = (quantize_fp8_reference(kv_rows) if engine.fp8 else kv_rows).to(q.dtype)  # in-chunk rows at the pool's precision
-    outs = []
-    for r, s0, n, t0 in ctx.spans():
-        keys, mask = _keys_of(engine, layer, ratio, ctx.mode, ind, ptr, own, topk if ratio == CSA else None,
-                              s0, n, t0, q.dtype)
-        o, _ = _mv4.eager_attention_forward(attn, q[:, :, t0:t0 + n], keys, keys, mask, scaling=attn.scaling)
-        outs.append(o)  # [1, n, H, D]
+        if engine.paged:
+            own = quantize_flashmla_v4_reference(kv_rows)
+        else:
+            own = quantize_fp8_reference(kv_rows) if engine.fp8 else kv_rows
+        own = own.to(q.dtype)  # in-chunk rows at the pool's precision
+    if ctx.mode == "decode" and engine.flashmla is not None:
+        outs = [_flashmla_decode(engine, attn, layer, q, ind, ptr, ctx)]
+    else:
+        outs = []
+        for r, s0, n, t0 in ctx.spans():
+            keys, mask = _keys_of(engine, layer, ratio, ctx.mode, ind, ptr, own, topk if ratio == CSA else None,
+                                  s0, n, t0, q.dtype)
+            o, _ = _mv4.eager_attention_forward(attn, q[:, :, t0:t0 + n], keys, keys, mask, scaling=attn.scaling)
+            outs.append(o)  # [1, n, H, D]
     if ctx.mode == "prefill":
         f.write_window(layer, kv_rows)  # the ring write: after attention
 

@@ -92,10 +92,10 @@ if DEVICE == "cpu":
 HC_MULT = int(os.environ.get("V4POOL_HF_HC_MULT", "4"))
 
 
-def tiny(index_topk=16, seed=0, act=torch.bfloat16, window=128):
+def tiny(index_topk=16, seed=0, act=torch.bfloat16, window=128, heads=2):
     torch.manual_seed(seed)
     cfg = DeepseekV4Config(
-        vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
+        vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=heads,
         head_dim=512, qk_rope_head_dim=64, q_lora_rank=32, o_groups=2, o_lora_rank=16,
         index_n_heads=8, index_head_dim=128, index_topk=index_topk, sliding_window=window,
         layer_types=[
@@ -155,6 +155,7 @@ def reference(model, prompt, steps, chunk, quantize=None, follow=None):
 _POOL_FORMAT = {
     "bf16": lambda x: x.to(torch.bfloat16).to(x.dtype),
     "fp8": lambda x: hf.quantize_fp8_reference(x.to(torch.bfloat16)).to(x.dtype),
+    "flashmla-v4": lambda x: hf.quantize_flashmla_v4_reference(x).to(x.dtype),
 }
 
 
@@ -406,7 +407,7 @@ class _Follower(_Patched):
 
 
 def run_and_compare(model, lengths, steps, chunk, dtype="bf16", max_context=2048, exact=False, followed=None,
-                    bound=bound):
+                    bound=bound, **engine_kw):
     """The pool runs `lengths` (prompts of those lengths) in one batch; each request is then
     compared with its one-request reference, which checks and follows the pool's decisions
     (above; the near-ties it followed go to `followed`): logits within `bound` at every step;
@@ -414,12 +415,12 @@ def run_and_compare(model, lengths, steps, chunk, dtype="bf16", max_context=2048
     max |logit|."""
     followed = [] if followed is None else followed
     engine = hf.attach(model, dtype=dtype, budget="96MiB", max_seqs=len(lengths),
-                       max_context=max_context, chunk=chunk, backend=BACKEND)
+                       max_context=max_context, chunk=chunk, backend=BACKEND, **engine_kw)
     prompts = prompts_of(lengths)
     with _PoolDecisions(model, engine) as decisions:
         outs = engine.generate(prompts, steps)
     f32 = next(model.parameters()).dtype == torch.float32
-    fmt = dtype if (dtype == "fp8" or f32) else None  # a bf16 model's KV is bf16 already
+    fmt = dtype if (dtype != "bf16" or f32) else None  # a bf16 model's KV is bf16 already
     worst = 0.0
     for rid, (p, (toks, logits)) in enumerate(zip(prompts, outs)):  # a fresh engine: ids in order
         log = []
@@ -570,6 +571,79 @@ def test_pack_matches_the_reference_quantisation_byte_for_byte():
     got = engine.rows(layer, rows)
     want = hf.quantize_fp8_reference(kv[2:130])
     assert torch.equal(got.cpu().view(torch.int16), want.cpu().view(torch.int16))
+
+
+def test_flashmla_v4_pool_against_quantised_reference():
+    # A pool in FlashMLA's 584-B paged rows (the torch loop reading them through the layers'
+    # page views) against transformers with the same quantise-dequantise on its KV (the row
+    # format's own packer, FlashMLA's scale rule); the bound is the bf16 one, as for fp8.
+    model = tiny(index_topk=16, seed=5)
+    worst = run_and_compare(model, [6, 140, 260], steps=32, chunk=128, dtype="flashmla-v4")
+    print(f"flashmla-v4: worst |delta logit| / max |logit| = {worst:.4f}")
+
+
+def test_flashmla_v4_rows_are_the_formats_packing():
+    # The pool's writer (the kernel on CUDA) against the row format's description: every
+    # window row read back through the page view equals v4pool.pack_rows' bytes decoded.
+    model = tiny()
+    engine = hf.attach(model, dtype="flashmla-v4", budget="96MiB", max_seqs=2, chunk=128, backend=BACKEND)
+    g = torch.Generator().manual_seed(8)
+    kv = (torch.randn(130, 512, generator=g) * torch.logspace(-3, 3, 512)).to(torch.bfloat16)
+    kv[5, 64:128] = 0  # an all-zero scale group: FlashMLA's amax floor
+    kv = kv.to(DEVICE)
+    slot = engine.pool.alloc_slot()
+    engine.fwd.stage_window([slot], [0], [130])
+    for layer in (engine.ratios.index(0), engine.ratios.index(4), engine.ratios.index(128)):
+        engine.fwd.write_window(layer, kv)
+        rows = torch.tensor([engine.pool.window_index(layer, engine.pool.slot_position(slot), p % 128)
+                             for p in range(2, 130)])
+        got = engine.rows(layer, rows).float()
+        want = hf.quantize_flashmla_v4_reference(kv[2:130])
+        assert torch.equal(got.cpu(), want.cpu()), layer
+
+
+def test_flashmla_attention_is_refused_where_it_cannot_run(monkeypatch):
+    # attention="flashmla" names what is missing with a typed error, before a pool is carved.
+    monkeypatch.delenv(hf.FLASHMLA_ENV, raising=False)
+    cases = [
+        (tiny(heads=64), dict(dtype="flashmla-v4", backend="host"), "CUDA"),
+        (tiny(heads=64), dict(dtype="fp8", backend="cuda"), "584-B"),
+        (tiny(heads=2), dict(dtype="flashmla-v4", backend="cuda"), "query heads"),
+        (tiny(heads=64), dict(dtype="flashmla-v4", backend="cuda"), hf.FLASHMLA_ENV),
+        (tiny(heads=64), dict(dtype="flashmla-v4", backend="cuda", flashmla_lib="/nonexistent/_flashmla_C.so"),
+         "is not a file"),
+    ]
+    for model, kw, msg in cases:
+        with pytest.raises(hf.FlashMlaUnavailable, match=msg):
+            hf.attach(model, budget="96MiB", max_seqs=2, attention="flashmla", **kw)
+    with pytest.raises(ValueError):
+        hf.attach(tiny(), budget="96MiB", max_seqs=2, attention="sdpa")
+
+
+FLASHMLA_LIB = os.environ.get(hf.FLASHMLA_ENV)
+
+
+def _need_flashmla():
+    if BACKEND != "cuda" or not FLASHMLA_LIB:
+        msg = "V4POOL_HF_BACKEND=cuda and V4POOL_FLASHMLA_LIB needed"
+        if os.environ.get("V4POOL_REQUIRE_GPU") == "1":
+            pytest.fail(msg)
+        print(f"SKIP: {msg}")
+        pytest.skip(msg)
+
+
+def test_flashmla_attention_token_identical():
+    # The tiny model at FlashMLA's shapes (64 query heads, head dim 512) with every decode step
+    # attending through FlashMLA's sparse decode over the pool's pages: greedy tokens equal to
+    # transformers' with its KV rounded to the pool's format, at every step of every request
+    # (a near-tie followed is logged and counted: none expected), logits within the bf16 bound
+    # (FlashMLA rounds P and its output to bf16, as bf16 eager attention does).
+    _need_flashmla()
+    model = tiny(index_topk=16, seed=5, heads=64)
+    followed = []
+    worst = run_and_compare(model, [6, 140, 260, 1030], steps=32, chunk=128, dtype="flashmla-v4",
+                            followed=followed, attention="flashmla")
+    print(f"flashmla attention: worst |delta logit| / max |logit| = {worst:.4f}, near-ties followed {len(followed)}")
 
 
 def test_forward_arguments_are_checked():
