@@ -845,12 +845,19 @@ def _keys_of(engine, layer, ratio, mode, ind, ptr, own, topk, s0, n, t0, dtype):
     return keys.view(1, 1, -1, keys.shape[-1]), mask.view(1, 1, n, -1)
 
 
-def _flashmla_operands(ind, ptr, nwin, shift, device):
+def flashmla_operands(ind, ptr, nwin, shift, s_q=1):
     """FlashMLA's window and compressed index operands of one class from the decode build's
-    buffers: token t's slice `ind[ptr[t]:ptr[t+1]]` is `[compressed head | window tail]`, the
-    tail's length `nwin[t]`; each part left-packed into rows a multiple of 64 wide, shifted to
-    the page view, -1 after, with its length vector. Returns (indices [T, 1, W], lengths [T],
-    extra indices [T, 1, We] or None, extra lengths or None)."""
+    CSR buffers (`ind`, `ptr`, on the device): token t's slice `ind[ptr[t]:ptr[t+1]]` is
+    `[compressed head | window tail]` (docs/index-buffers.md), the tail `nwin[t]` rows long.
+    Each part is left-packed into rows a multiple of 64 wide, shifted to the layer's page view
+    (`Pool.page_view`), -1 after; a batch's `s_q` consecutive tokens (MTP) form one query
+    row group, whose length is the longest of its tokens' (FlashMLA's lengths are per batch
+    entry; the shorter tokens' tails are -1, which it skips). Returns (indices [B, s_q, W],
+    lengths [B], extra indices [B, s_q, We] or None when no token has a compressed head,
+    extra lengths or None)."""
+    device = ind.device
+    ptr = ptr.to(device).long()
+    nwin = nwin.to(device).long()
     start, end = ptr[:-1], ptr[1:]
     head = end - start - nwin
 
@@ -859,8 +866,9 @@ def _flashmla_operands(ind, ptr, nwin, shift, device):
         j = torch.arange(width, device=device)
         ok = j.unsqueeze(0) < length.unsqueeze(1)
         src = torch.where(ok, first.unsqueeze(1) + j, torch.zeros_like(j))
-        rows = torch.where(ok, ind[src] + shift, torch.full_like(src, -1))
-        return rows.to(torch.int32).unsqueeze(1).contiguous(), length.to(torch.int32).contiguous()
+        rows = torch.where(ok, ind[src].long() + shift, torch.full_like(src, -1))
+        lengths = length.view(-1, s_q).amax(1)
+        return rows.to(torch.int32).view(-1, s_q, width).contiguous(), lengths.to(torch.int32).contiguous()
 
     idx, tl = part(start + head, nwin)
     if int(head.max()) == 0:
@@ -876,7 +884,7 @@ def _flashmla_decode(engine, attn, layer, q, ind, ptr, ctx):
     dev = q.device
     pos = torch.tensor(ctx.starts, device=dev)
     nwin = torch.clamp(pos + 1, max=engine.win)
-    idx, tl, eidx, etl = _flashmla_operands(ind, ptr.to(dev), nwin, shift, dev)
+    idx, tl, eidx, etl = flashmla_operands(ind, ptr, nwin, shift)
     qf = q[0].transpose(0, 1).unsqueeze(1).to(torch.bfloat16).contiguous()  # [T, 1, H, 512]
     sink = attn.sinks.float().contiguous()
     extra = k_cache if eidx is not None else None
