@@ -5,6 +5,7 @@ v4pool's share of the v4pool-backed step in microseconds by kernel (torch.profil
 Run on the H200 (not collected by pytest: the file name does not start with test_):
 
     PYTHONPATH=/tmp/site python3 tests/python/bench_hf_step.py [--contexts 4096,32768,131072]
+        [--heads 64 --dtype flashmla-v4]   # with V4POOL_FLASHMLA_LIB: also FlashMLA's decode
 
 What it shows: the wall time of a decode step for both (median of --steps steps, after a
 warm-up; the model is tiny, so the step is dominated by launch and host overheads, and the
@@ -23,10 +24,10 @@ import v4pool.hf as hf
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 
-def tiny(device):
+def tiny(device, heads=2):
     torch.manual_seed(0)
     cfg = DeepseekV4Config(
-        vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
+        vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=heads,
         head_dim=512, qk_rope_head_dim=64, q_lora_rank=32, o_groups=2, o_lora_rank=16,
         index_n_heads=8, index_head_dim=128, index_topk=512, sliding_window=128,
         layer_types=[
@@ -68,13 +69,7 @@ def hf_steps(model, prompt, steps, chunk):
     return times
 
 
-def pool_steps(model, prompt, steps, chunk):
-    engine = hf.attach(model, dtype="bf16", budget="8GiB", max_seqs=1, max_context=len(prompt) + steps + 256,
-                       chunk=chunk, backend="cuda")
-    r = engine.add(prompt)
-    while r.computed < len(prompt):
-        engine.prefill([r], [min(chunk, len(prompt) - r.computed)])
-    r.tokens.append(0)
+def _timed(engine, r, steps):
     times = []
     for _ in range(steps):
         sync()
@@ -83,6 +78,26 @@ def pool_steps(model, prompt, steps, chunk):
         r.tokens.append(int(lg.argmax()))
         sync()
         times.append(time.perf_counter() - t0)
+    return times
+
+
+def pool_steps(model, prompt, steps, chunk, dtype="bf16", flashmla=False):
+    """The v4pool-backed model: the torch loop's decode steps, then (flashmla) FlashMLA's on the
+    same pool and request (the two attentions read the same rows; the timed steps go on from
+    where the torch loop's left off)."""
+    engine = hf.attach(model, dtype=dtype, budget="8GiB", max_seqs=1, max_context=len(prompt) + 3 * steps + 256,
+                       chunk=chunk, backend="cuda", attention="flashmla" if flashmla else "torch")
+    ops = engine.flashmla
+    engine.flashmla = None  # the torch loop first
+    r = engine.add(prompt)
+    while r.computed < len(prompt):
+        engine.prefill([r], [min(chunk, len(prompt) - r.computed)])
+    r.tokens.append(0)
+    times = _timed(engine, r, steps)
+    ftimes = None
+    if ops is not None:
+        engine.flashmla = ops
+        ftimes = _timed(engine, r, steps)
     # One more step under the profiler: v4pool kernels by name.
     from torch.profiler import ProfilerActivity, profile
 
@@ -101,7 +116,7 @@ def pool_steps(model, prompt, steps, chunk):
                 k[0] += 1
                 k[1] += us
     engine.finish(r)
-    return times, kernels, total
+    return times, ftimes, kernels, total
 
 
 def main():
@@ -109,15 +124,22 @@ def main():
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=2, help="query heads (FlashMLA takes 64 or 128)")
+    ap.add_argument("--dtype", default="bf16", help="the pool's rows (flashmla-v4 for FlashMLA)")
     a = ap.parse_args()
-    model = tiny("cuda")
+    import os
+
+    flashmla = a.dtype == "flashmla-v4" and bool(os.environ.get(hf.FLASHMLA_ENV))
+    model = tiny("cuda", a.heads)
+    print(f"tiny DeepSeek-V4: {a.heads} query heads, pool {a.dtype}, FlashMLA decode {'on' if flashmla else 'off'}")
     g = torch.Generator().manual_seed(1)
     for ctx in [int(c) for c in a.contexts.split(",")]:
         prompt = torch.randint(0, 512, (ctx,), generator=g).tolist()
         ht = hf_steps(model, prompt, a.steps, a.chunk)
-        pt, kernels, total = pool_steps(model, prompt, a.steps, a.chunk)
+        pt, ft, kernels, total = pool_steps(model, prompt, a.steps, a.chunk, a.dtype, flashmla)
+        extra = f", v4pool-backed with FlashMLA {statistics.median(ft) * 1e6:.0f} us" if ft else ""
         print(f"context {ctx}: decode step transformers cache {statistics.median(ht) * 1e6:.0f} us, "
-              f"v4pool-backed {statistics.median(pt) * 1e6:.0f} us (median of {a.steps})")
+              f"v4pool-backed (torch loop) {statistics.median(pt) * 1e6:.0f} us{extra} (median of {a.steps})")
         share = sum(v[1] for v in kernels.values())
         print(f"  v4pool kernels {share:.1f} us of {total:.1f} us device time in the profiled step:")
         for name, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
