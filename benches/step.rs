@@ -103,6 +103,29 @@ fn empty_graph(t: &GraphTimer, nodes: usize) -> Res<CudaGraph> {
     })
 }
 
+/// The dependent-node floor: a graph of `nodes` `copy_runs` launches, node i copying the 16
+/// bytes node i − 1 wrote (a descriptor load, a load of its predecessor's output, a store: the
+/// least a node that reads what the kernel before it wrote can do; the empty-kernel graph reads
+/// nothing). Returns the graph and the buffers it names (freed by the caller after the graph).
+fn chain_graph(t: &GraphTimer, nodes: usize) -> Res<(CudaGraph, Vec<DeviceAllocation>)> {
+    let be = &t.be;
+    let data = be.alloc_zeroed(((nodes + 1) * 16).max(256) as u64)?;
+    let runs: Vec<CopyRun> = (0..nodes)
+        .map(|i| CopyRun { src: data.ptr + 16 * i as u64, dst: data.ptr + 16 * (i + 1) as u64, bytes: 16 })
+        .collect();
+    let desc = table(be, &runs)?;
+    let size = std::mem::size_of::<CopyRun>() as u64;
+    let g = t.capture(|| {
+        for i in 0..nodes {
+            let args = CopyRunsArgs { runs: desc.ptr + size * i as u64, num_runs: 1, _pad: 0 };
+            // SAFETY: one 16-byte run inside `data`, described in `desc`; both outlive the graph.
+            unsafe { be.launch(&Launch::CopyRuns(args), S)? };
+        }
+        Ok(())
+    })?;
+    Ok((g, vec![data, desc]))
+}
+
 /// A descriptor table of `items` on `be` (freed by the caller).
 fn table<T: bytemuck::Pod>(be: &dyn Backend, items: &[T]) -> Res<DeviceAllocation> {
     let bytes: &[u8] = bytemuck::cast_slice(items);
@@ -236,6 +259,8 @@ struct Shape {
     us: [f64; 3],
     p90: [f64; 3],
     floor_launch: [f64; 3],
+    /// The fused order's dependent-node floor ([`chain_graph`]).
+    floor_chain: f64,
     traffic_us: f64,
     bytes: u64,
     warm_fused: f64,
@@ -306,6 +331,7 @@ fn run_shape(
         us: [0.0; 3],
         p90: [0.0; 3],
         floor_launch: [0.0; 3],
+        floor_chain: 0.0,
         traffic_us: 0.0,
         bytes: 0,
         warm_fused: 0.0,
@@ -323,6 +349,14 @@ fn run_shape(
         res.launches[i] = launches.len();
         if i == 1 {
             res.warm_fused = back_to_back(t, &g)?;
+            let (c, bufs) = chain_graph(t, launches.len())?;
+            res.floor_chain = t.replay_reps(&c, reps, |_| Ok(()))?.0;
+            t.be.synchronize(S)?;
+            drop(c);
+            for b in bufs {
+                // SAFETY: the chain graph that named them is gone and the stream drained.
+                unsafe { t.be.free(b) };
+            }
         }
         let e = empty_graph(t, launches.len())?;
         res.floor_launch[i] = t.replay_reps(&e, reps, |_| Ok(()))?.0;
@@ -367,9 +401,17 @@ fn run(opts: &Options) -> Res<()> {
     let max_batch = opts.batches.iter().copied().max().unwrap_or(1);
     for name in &opts.models {
         let model = preset(name)?;
-        for &kv in &opts.formats {
-            // V4.1 is bf16 rows only (docs/v41.md).
-            let kv = if model.family == v4pool::model::ModelFamily::V41 { KvDtype::Bf16 } else { kv };
+        // The formats asked for that the model has a form in (V4: fp8, bf16, flashmla-v4; V4.1:
+        // bf16, flashmla-v41); none of them: the family's own fp8 form.
+        let mut formats: Vec<KvDtype> =
+            opts.formats.iter().copied().filter(|k| k.fits(model.family)).collect();
+        if formats.is_empty() {
+            formats.push(match model.family {
+                v4pool::model::ModelFamily::V41 => KvDtype::FlashMlaV41,
+                v4pool::model::ModelFamily::V4 => KvDtype::Fp8,
+            });
+        }
+        for kv in formats {
             let started = std::time::Instant::now();
             let tw = twins(&be, &model, kv, max_batch)?;
             let setup_s = started.elapsed().as_secs_f64();
@@ -380,7 +422,7 @@ fn run(opts: &Options) -> Res<()> {
                 format_name(kv)
             );
             println!(
-                "  {:>5} {:>3} | {:>15} | {:>10} {:>10} {:>10} | {:>8} {:>9} | {:>8} {:>8} | {:>9} {:>9}",
+                "  {:>5} {:>3} | {:>15} | {:>10} {:>10} {:>10} | {:>8} {:>9} | {:>8} {:>8} {:>8} {:>8} | {:>9} {:>9}",
                 "batch",
                 "tps",
                 "launches b/a/e",
@@ -390,6 +432,8 @@ fn run(opts: &Options) -> Res<()> {
                 "launch fl",
                 "traffic fl",
                 "fused/fl",
+                "chain fl",
+                "fused/cfl",
                 "gain",
                 "warm fused",
                 "moved"
@@ -398,8 +442,9 @@ fn run(opts: &Options) -> Res<()> {
                 for &batch in &opts.batches {
                     let s = run_shape(&t, &tw, &model, tps, batch, bw, opts.reps)?;
                     let floor = s.floor_launch[1] + s.traffic_us;
+                    let chain = s.floor_chain + s.traffic_us;
                     println!(
-                        "  {batch:>5} {tps:>3} | {:>4}/{:>4}/{:>5} | {:>10.2} {:>10.2} {:>10.2} | {:>8.2} {:>9.2} | {:>8.2} {:>7.2}× | {:>9.2} {:>9}",
+                        "  {batch:>5} {tps:>3} | {:>4}/{:>4}/{:>5} | {:>10.2} {:>10.2} {:>10.2} | {:>8.2} {:>9.2} | {:>8.2} {:>8.2} {:>8.2} {:>7.2}× | {:>9.2} {:>9}",
                         s.launches[0],
                         s.launches[1],
                         s.launches[2],
@@ -409,12 +454,14 @@ fn run(opts: &Options) -> Res<()> {
                         s.floor_launch[1],
                         s.traffic_us,
                         s.us[1] / floor,
+                        s.floor_chain,
+                        s.us[1] / chain,
                         s.us[0] / s.us[1],
                         s.warm_fused,
                         fmt_bytes(s.bytes)
                     );
                     println!(
-                        "STEP\t{}\t{}\t{batch}\t{tps}\t{:.3}\t{:.3}\t{:.3}\t{}\t{}\t{}\t{:.3}\t{:.3}\t{:.3}\t{:.3}\t{}",
+                        "STEP\t{}\t{}\t{batch}\t{tps}\t{:.3}\t{:.3}\t{:.3}\t{}\t{}\t{}\t{:.3}\t{:.3}\t{:.3}\t{:.3}\t{}\t{:.3}",
                         model.name,
                         kv.name(),
                         s.us[0],
@@ -427,7 +474,8 @@ fn run(opts: &Options) -> Res<()> {
                         s.floor_launch[1],
                         s.traffic_us,
                         s.warm_fused,
-                        s.bytes
+                        s.bytes,
+                        s.floor_chain
                     );
                     println!(
                         "        check: {}; p90 {:.2} / {:.2} / {:.2} µs",
@@ -448,11 +496,18 @@ fn run(opts: &Options) -> Res<()> {
     Ok(())
 }
 
-/// The host-backend part at a tiny shape (no device needed): V4-Flash fp8 and V4.1-Flash bf16,
+/// The host-backend part at a tiny shape (no device needed): V4-Flash fp8 and flashmla-v4,
+/// V4-Pro fp8, V4.1-Flash bf16 and flashmla-v41,
 /// three sequences of one and two tokens on small pools; the fused orders' written bytes
 /// equal to the per-layer order's.
 fn host_check() -> Res<()> {
-    for (name, kv) in [("v4-flash", KvDtype::Fp8), ("v4-pro", KvDtype::Fp8), ("v4.1-flash", KvDtype::Bf16)] {
+    for (name, kv) in [
+        ("v4-flash", KvDtype::Fp8),
+        ("v4-flash", KvDtype::FlashMlaV4),
+        ("v4-pro", KvDtype::Fp8),
+        ("v4.1-flash", KvDtype::Bf16),
+        ("v4.1-flash", KvDtype::FlashMlaV41),
+    ] {
         let model = preset(name)?;
         for tps in [1usize, 2] {
             let mut written = Vec::new();
