@@ -569,6 +569,7 @@ fn csa_pack_kernel_matches_reference() {
                 window_size: window as i32,
                 compress_ratio: ratio as i32,
                 compress_bias: bias,
+                ..Default::default()
             })
         });
     }

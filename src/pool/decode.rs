@@ -864,6 +864,7 @@ impl DecodeIndexBuffers {
             hca_rows_per_block: self.hca_rows_per_block,
             num_tokens: self.cap.max_tokens as i32,
             win: self.cap.win,
+            flashmla: Default::default(),
         }
     }
 
@@ -914,6 +915,9 @@ impl DecodeIndexBuffers {
             window_size: self.cap.win,
             compress_ratio: ratio as i32,
             compress_bias,
+            extra_topk_length: 0,
+            extra_topk: 0,
+            shift: 0,
         })
     }
 
