@@ -38,7 +38,8 @@ fn csa_pack_flashmla_rows_match_host() {
     for (model, ratios) in models() {
         let seed = case_seed("flashmla-pack-geometry", model.len() as u64);
         let g = common::big_geometry(&mut Rng::new(seed), &ratios);
-        for (i, (bs, topk)) in [(1usize, 512i64), (64, 512), (256, 1024), (32, 2048)].into_iter().enumerate() {
+        for (i, (bs, topk)) in [(1usize, 512i64), (64, 512), (256, 1024), (32, 2048)].into_iter().enumerate()
+        {
             let seed = case_seed(&format!("flashmla-pack-{model}"), i as u64);
             let mut rng = Rng::new(seed);
             let p = FlashPack::random(&mut rng, &g, bs, 1_000_000, topk);
