@@ -8,7 +8,7 @@ mod common;
 
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
-use v4pool::backend::{Backend, Stream};
+use v4pool::backend::Stream;
 use v4pool::pool::{DecodeBuffer, DecodeCapacity, DecodeError, DecodeSeq, FlashMlaWidths, Pool};
 use v4pool::{Class, VariantName};
 

@@ -888,14 +888,14 @@ impl DecodeIndexBuffers {
         if let Some(f) = &flash {
             let w = f.widths;
             let extra = [0, i64::from(w.csa_extra_topk), i64::from(w.hca_extra_topk)];
-            for c in 0..NUM_SLOTS {
+            for (c, &extra) in extra.iter().enumerate() {
                 // The CSA compressed rows are one buffer (every CSA layer's pack in turn).
                 let extra_views = if c == Class::Csa.index() { 1 } else { f.views(c) };
                 let rows = |width: i64, views: u64| t.checked_mul(views)?.checked_mul(width as u64);
                 l.fm_shifts[c] = take(Some(f.views(c)), 4)?;
                 l.fm_indices[c] = take(rows(i64::from(w.topk), f.views(c)), 4)?;
                 l.fm_length[c] = take(Some(t), 4)?;
-                l.fm_extra[c] = take(rows(extra[c], extra_views), 4)?;
+                l.fm_extra[c] = take(rows(extra, extra_views), 4)?;
                 l.fm_extra_length[c] = take(Some(t), 4)?;
             }
         }

@@ -79,7 +79,7 @@ impl FlashDecode {
             let views = if c == CLASS_HCA { hca_views } else { rng.range(1, 2) as usize };
             let extra_topk = if c == CLASS_HCA {
                 let head = batch
-                    .indptr(|p, ctx| crate::common::batches::hca_head(p, ctx))
+                    .indptr(crate::common::batches::hca_head)
                     .windows(2)
                     .map(|w| i64::from(w[1] - w[0]))
                     .max()
@@ -106,6 +106,7 @@ impl FlashDecode {
 
     /// The case's buffers; `flash`: with the FlashMLA outputs, else the same launch in CSR mode
     /// (every class's CSR buffer on), for comparing the CSR part.
+    #[allow(clippy::type_complexity)] // the case, where its class buffers sit, its launches
     pub fn case(
         &self,
         name: &str,
