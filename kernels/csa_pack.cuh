@@ -101,6 +101,29 @@ V4P_DEVICE v4p_i32 csa_pack_entry(const v4p_i32* table, const v4p_i32* staged, v
     return csa_biased_row(blk, r[0], envelope, bias);
 }
 
+/// FlashMLA mode (index-buffers.md §5f; extra_topk > 0): the thread's columns c0 + u * 256 of
+/// token t's output row from `from` to the row's end get -1 (the tail), and tile 0's thread 0
+/// stores the row's length. A pad calls it with from = 0 and length 0. After the wait only.
+template <int E>
+V4P_DEVICE void csa_flash_tail(const CsaPackArgs& a, v4p_i32 t, v4p_i64 c0, v4p_i64 from, v4p_i64 tile, v4p_u32 tid,
+                               v4p_i64 len) {
+    v4p_i32* row = v4p_out<v4p_i32>(a.out) + (v4p_i64)t * a.extra_topk;
+#pragma unroll
+    for (int u = 0; u < E; ++u) {
+        const v4p_i64 k = c0 + u * V4P_BLOCK;
+        if (k >= from && k < a.extra_topk) row[k] = -1;
+    }
+    if (tile == 0 && tid == 0) v4p_out<v4p_i32>(a.extra_topk_length)[t] = (v4p_i32)len;
+}
+
+/// A packed entry as stored: CSR mode the biased row; FlashMLA mode the biased row + the
+/// layer's shift, or -1 for a negative top-k value (transformers' -1 tail; FlashMLA skips -1).
+/// shift is 0 in CSR mode (a launch check), so one expression serves both.
+V4P_DEVICE v4p_i32 csa_store_value(const CsaPackArgs& a, v4p_i32 v, v4p_i32 blk, v4p_i32 r) {
+    if (a.extra_topk > 0 && v < 0) return -1;
+    return csa_biased_row(blk, r, a.envelope_rows, a.compress_bias + a.shift);
+}
+
 /// A thread's two top-k columns k0 and k0 + 256 (0 at or past `bound`), both loads in flight.
 V4P_DEVICE void csa_load_topk(v4p_i32 (&v)[2], const v4p_i32* topk, v4p_i64 k0, v4p_i64 bound) {
 #pragma unroll
@@ -173,11 +196,22 @@ V4P_DEVICE void csa_pack_staged(const CsaPackArgs& a) {
     const v4p_i64 base = ptr[t];
     const v4p_i64 end = ptr[t + 1];
     const v4p_i64 pos = v4p_in<v4p_i64>(a.positions)[t];
-    if (b < 0) return;  // block-uniform, like every return before the barrier
+    const bool flash = a.extra_topk > 0;  // FlashMLA rows (§5f): whole rows, pads included
+    const v4p_i64 c00 = (v4p_i64)tile * TILE + tid;
+    if (b < 0) {  // block-uniform, like every return before the barrier
+        if (flash) {
+            v4p_overlap_wait();  // every store after the wait
+            csa_flash_tail<E>(a, t, c00, 0, tile, tid, 0);
+        }
+        return;
+    }
     const v4p_i64 row_stride = a.topk_row_stride;
     const v4p_i64 valid_k = end - base - v4p_min(pos + 1, (v4p_i64)a.window_size);
-    const v4p_i64 lim = v4p_min(valid_k, row_stride);
-    if ((v4p_i64)tile * TILE >= lim && valid_k <= row_stride) return;  // nothing in this tile
+    // FlashMLA mode never stores past its row (a longer head is the host's error).
+    const v4p_i64 lim = flash ? v4p_min(v4p_min(valid_k, row_stride), (v4p_i64)a.extra_topk)
+                              : v4p_min(valid_k, row_stride);
+    if (flash ? (v4p_i64)tile * TILE >= a.extra_topk : ((v4p_i64)tile * TILE >= lim && valid_k <= row_stride))
+        return;  // nothing in this tile
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
     const v4p_i32 cap = a.block_capacity;
     const v4p_i32 last = a.block_table_stride - 1;
@@ -218,12 +252,13 @@ V4P_DEVICE void csa_pack_staged(const CsaPackArgs& a) {
 #pragma unroll
     for (int u = 0; u < E; ++u)
         if (j[u] >= n && c0 + u * V4P_BLOCK < lim32) blk[u] = table[j[u]];
-    v4p_i32* out = v4p_out<v4p_i32>(a.out) + base;
+    v4p_i32* out = v4p_out<v4p_i32>(a.out) + (flash ? (v4p_i64)t * a.extra_topk : base);
 #pragma unroll
     for (int u = 0; u < E; ++u) {
         const v4p_i32 k = c0 + u * V4P_BLOCK;
-        if (k < lim32) out[k] = csa_biased_row(blk[u], r[u], a.envelope_rows, a.compress_bias);
+        if (k < lim32) out[k] = csa_store_value(a, v[u], blk[u], r[u]);
     }
+    if (flash) return csa_flash_tail<E>(a, t, c0, v4p_max(lim, (v4p_i64)0), tile, tid, v4p_max(lim, (v4p_i64)0));
     csa_pack_overrun<TILE>(out, topk, table, staged, n, last, cap, a.envelope_rows, a.compress_bias, valid_k,
                            row_stride, tile, tid);
 }
@@ -249,10 +284,15 @@ V4P_DEVICE void csa_pack_gather(const CsaPackArgs& a) {
     const v4p_i64 k0 = tile * V4POOL_CSA_TILE + tid;
     v4p_i32 v[2];
     csa_load_topk(v, topk, k0, row_stride);
-    if (b < 0) return;
+    const bool flash = a.extra_topk > 0;  // FlashMLA rows (§5f; decode): pads included
+    if (b < 0) {
+        if (flash) csa_flash_tail<2>(a, t, k0, 0, tile, tid, 0);
+        return;
+    }
     const v4p_i64 skip = a.window_size > 0 ? v4p_min(skip_src + 1, (v4p_i64)a.window_size) : skip_src;
     const v4p_i64 valid_k = end - base - skip;
-    const v4p_i64 lim = v4p_min(valid_k, row_stride);
+    const v4p_i64 lim =
+        flash ? v4p_min(v4p_min(valid_k, row_stride), (v4p_i64)a.extra_topk) : v4p_min(valid_k, row_stride);
     const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
     const v4p_i32 cap = a.block_capacity;
     const v4p_i32 last = a.block_table_stride - 1;
@@ -260,12 +300,13 @@ V4P_DEVICE void csa_pack_gather(const CsaPackArgs& a) {
     csa_split<2>(v, cap, csa_cap_shift(cap), last, j, r);
 #pragma unroll
     for (int u = 0; u < 2; ++u) blk[u] = k0 + u * V4P_BLOCK < lim ? table[j[u]] : 0;
-    v4p_i32* out = v4p_out<v4p_i32>(a.out) + base;
+    v4p_i32* out = v4p_out<v4p_i32>(a.out) + (flash ? (v4p_i64)t * a.extra_topk : base);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
         const v4p_i64 k = k0 + u * V4P_BLOCK;
-        if (k < lim) out[k] = csa_biased_row(blk[u], r[u], a.envelope_rows, a.compress_bias);
+        if (k < lim) out[k] = csa_store_value(a, v[u], blk[u], r[u]);
     }
+    if (flash) return csa_flash_tail<2>(a, t, k0, v4p_max(lim, (v4p_i64)0), tile, tid, v4p_max(lim, (v4p_i64)0));
     csa_pack_overrun(out, topk, table, table, 0, last, cap, a.envelope_rows, a.compress_bias, valid_k, row_stride,
                      tile, tid);
 }

@@ -225,12 +225,66 @@ V4P_DEVICE void v4p_write_head_vec(v4p_i32* __restrict__ dst, const v4p_i32* __r
 /// launch_shape derives the same): enough for the longest head a block-table row can describe
 /// (block_table_stride * rpb entries), at most V4POOL_MAX_GRID_YZ (the writer strides by the
 /// count, so a cap loses nothing). One tile when nothing is fused.
+/// FlashMLA's compressed part (index-buffers.md §3f) is a whole row of extra_topk entries, the -1
+/// tail included: the tiles cover the longer of that row and the CSR head (shape.rs derives the
+/// same).
 V4P_DEVICE v4p_i64 v4p_decode_hca_tiles(const DecodeIndexArgs& a) {
-    if (a.block_tables == 0 || a.classes[V4POOL_CLASS_HCA].indptr == 0) return 1;
+    const ClassBuffers& hca = a.classes[V4POOL_CLASS_HCA];
+    if (a.block_tables == 0 || hca.indptr == 0) return 1;
     const v4p_i64 stride = a.block_table_stride > 0 ? a.block_table_stride : 0;
     const v4p_i64 rpb = a.hca_rows_per_block > 0 ? a.hca_rows_per_block : 0;
-    const v4p_i64 tiles = (stride * rpb + V4POOL_DECODE_HCA_TILE - 1) / V4POOL_DECODE_HCA_TILE;
+    const v4p_i64 csr = hca.indices != 0 ? stride * rpb : 0;
+    const FlashMlaOut& fm = a.flashmla[V4POOL_CLASS_HCA];
+    const v4p_i64 flash = fm.extra_indices != 0 && fm.extra_topk > 0 ? (v4p_i64)fm.extra_topk : 0;
+    const v4p_i64 longest = csr > flash ? csr : flash;
+    const v4p_i64 tiles = (longest + V4POOL_DECODE_HCA_TILE - 1) / V4POOL_DECODE_HCA_TILE;
     return tiles < 1 ? 1 : (tiles > V4POOL_MAX_GRID_YZ ? V4POOL_MAX_GRID_YZ : tiles);
+}
+
+/// One entry of a FlashMLA row in every view (§3f): `row` (view-relative; negative = none) +
+/// view v's shift at element (v * T + t) * width + i, -1 where there is no row. The views'
+/// shifts are a handful of i32 the block reads alike (L1 broadcasts).
+V4P_DEVICE void v4p_flashmla_put(v4p_i32* __restrict__ out, const v4p_i32* __restrict__ shifts, v4p_i32 views,
+                                 v4p_i64 tokens, v4p_i64 t, v4p_i64 width, v4p_i64 i, v4p_i64 row) {
+    for (v4p_i32 v = 0; v < views; ++v)
+        out[((v4p_i64)v * tokens + t) * width + i] = row < 0 ? -1 : (v4p_i32)(row + shifts[v]);
+}
+
+/// A class's FlashMLA window rows and lengths for token t (§3f), the block's lanes across the
+/// row: entries i < n the window rows of positions p - n + 1 + i (oldest first), -1 to `topk`;
+/// a pad (b < 0) all -1 and length 0, its HCA compressed length 0 too (the tiles write its
+/// rows). `head` is the HCA head the indptr gives (written as extra_topk_length when the
+/// compressed part is on).
+V4P_DEVICE void v4p_flashmla_window(const FlashMlaOut& fm, WindowParams w, v4p_i64 tokens, v4p_i64 t, bool pad,
+                                    v4p_i64 slot, v4p_i64 p, v4p_i64 n, v4p_i64 head, v4p_u32 tid) {
+    v4p_i32* out = v4p_out<v4p_i32>(fm.indices);
+    const v4p_i32* shifts = v4p_in<v4p_i32>(fm.shifts);
+    for (v4p_i64 i = tid; i < fm.topk; i += V4P_DECODE_NT) {
+        const v4p_i64 row = !pad && i < n ? window_row(w, slot, p - n + 1 + i) : -1;
+        v4p_flashmla_put(out, shifts, fm.num_views, tokens, t, fm.topk, i, row);
+    }
+    if (tid != 0) return;
+    v4p_out<v4p_i32>(fm.topk_length)[t] = pad ? 0 : (v4p_i32)n;
+    if (fm.extra_indices != 0) v4p_out<v4p_i32>(fm.extra_topk_length)[t] = pad || head < 0 ? 0 : (v4p_i32)head;
+}
+
+/// Tile `tile` of `ntiles` of token t's FlashMLA compressed row (§3f; HCA): entries e < head
+/// from the block table (as the CSR head: table[e / rpb] * envelope + e % rpb), -1 to
+/// extra_topk, in every view. A head past the row is the host's error; the stores stay in the
+/// row. A pad (table == nullptr) gets -1 everywhere.
+V4P_DEVICE void v4p_flashmla_head(const FlashMlaOut& fm, const v4p_i32* __restrict__ table, v4p_i64 head, v4p_i64 rpb,
+                                  v4p_i64 envelope, v4p_i64 tokens, v4p_i64 t, v4p_i64 tile, v4p_i64 ntiles,
+                                  v4p_u32 tid) {
+    v4p_i32* out = v4p_out<v4p_i32>(fm.extra_indices);
+    const v4p_i32* shifts = v4p_in<v4p_i32>(fm.shifts);
+    const v4p_i64 width = fm.extra_topk;
+    for (v4p_i64 base = tile * V4POOL_DECODE_HCA_TILE; base < width; base += ntiles * V4POOL_DECODE_HCA_TILE) {
+        const v4p_i64 end = base + V4POOL_DECODE_HCA_TILE < width ? base + V4POOL_DECODE_HCA_TILE : width;
+        for (v4p_i64 i = base + tid; i < end; i += V4P_DECODE_NT) {
+            const v4p_i64 row = table != nullptr && i < head ? compress_row(table[i / rpb], i % rpb, envelope) : -1;
+            v4p_flashmla_put(out, shifts, fm.num_views, tokens, t, width, i, row);
+        }
+    }
 }
 
 // ---- §3 + §4: decode index builder with fused HCA heads --------------------------------------
@@ -259,18 +313,37 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_DECODE_THREADS, 8) void v4poo
 #pragma unroll
         for (int c = 0; c < 3; ++c)
             if (a.classes[c].indptr != 0) ends[c] = v4p_in<v4p_i32>(a.classes[c].indptr)[t + 1];
-        if (b < 0) return;  // pad token: no store at all
+        // FlashMLA rows (§3f) are written for pads too: a captured grid runs FlashMLA over every
+        // row, so a pad's row must say "nothing" (-1, length 0) whatever an earlier step left.
+        const FlashMlaOut& fh = a.flashmla[V4POOL_CLASS_HCA];
+        const v4p_i64 hhead = fh.extra_indices != 0 && b >= 0
+                                  ? ends[V4POOL_CLASS_HCA] - v4p_in<v4p_i32>(a.classes[V4POOL_CLASS_HCA].indptr)[t] - n
+                                  : 0;
+        if (b < 0) {  // pad token: no CSR store at all
+#pragma unroll
+            for (int c = 0; c < 3; ++c)
+                if (a.flashmla[c].indices != 0)
+                    v4p_flashmla_window(a.flashmla[c], a.classes[c].params, a.num_tokens, t, true, 0, p, 0, 0, tid);
+            return;
+        }
         const v4p_i64 slot = v4p_in<v4p_i32>(a.state_slot_per_seq)[b];
 #pragma unroll
         for (int c = 0; c < 3; ++c) {
             const ClassBuffers cb = a.classes[c];
             if (cb.indptr == 0) continue;  // class off
             // Window at the tail of the slice, oldest first, the token itself last (its row is
-            // the dest row).
+            // the dest row). Without a CSR buffer (FlashMLA only) the dest row is computed alone.
             v4p_i32* dest = cb.dest_rows != 0 ? v4p_out<v4p_i32>(cb.dest_rows) + t : nullptr;
-            v4p_write_window(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), cb.params, slot, p - n + 1, n, tid,
-                             V4P_DECODE_NT, dest);
-            if (tid == 0 && dest != nullptr && n <= 0) *dest = v4p_window_row_cold(cb.params, slot, p);
+            if (cb.indices != 0) {
+                v4p_write_window(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), cb.params, slot, p - n + 1, n, tid,
+                                 V4P_DECODE_NT, dest);
+                if (tid == 0 && dest != nullptr && n <= 0) *dest = v4p_window_row_cold(cb.params, slot, p);
+            } else if (tid == 0 && dest != nullptr) {
+                *dest = (v4p_i32)window_row(cb.params, slot, p);
+            }
+            if (a.flashmla[c].indices != 0)
+                v4p_flashmla_window(a.flashmla[c], cb.params, a.num_tokens, t, false, slot, p, n,
+                                    c == V4POOL_CLASS_HCA ? hhead : 0, tid);
         }
         return;
     }
@@ -278,9 +351,13 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_DECODE_THREADS, 8) void v4poo
     if (a.block_tables == 0 || hca.indptr == 0) return;  // nothing fused
     const v4p_i64 hbegin = v4p_in<v4p_i32>(hca.indptr)[t];
     const v4p_i64 hend = v4p_in<v4p_i32>(hca.indptr)[t + 1];
-    if (b < 0) return;
+    const FlashMlaOut& fh = a.flashmla[V4POOL_CLASS_HCA];
+    const v4p_i32* table = b >= 0 ? v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride : nullptr;
+    if (fh.extra_indices != 0)  // pads included: their rows are -1
+        v4p_flashmla_head(fh, table, hend - hbegin - n, a.hca_rows_per_block, a.envelope_rows, a.num_tokens, t,
+                          (v4p_i64)x - 1, v4p_decode_hca_tiles(a), tid);
+    if (b < 0 || hca.indices == 0) return;
     // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile.
-    const v4p_i32* table = v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride;
     v4p_write_head_vec(v4p_out<v4p_i32>(hca.indices) + hbegin, table, hend - hbegin - n, a.hca_rows_per_block,
                        a.envelope_rows, (v4p_i64)x - 1, v4p_decode_hca_tiles(a), tid);
 }

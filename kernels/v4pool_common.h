@@ -241,6 +241,32 @@ V4POOL_CHECK_OFFSET(ClassBuffers, indptr, 40);
 V4POOL_CHECK_OFFSET(ClassBuffers, indices, 48);
 V4POOL_CHECK_OFFSET(ClassBuffers, dest_rows, 56);
 
+// One class's decode-builder outputs in FlashMLA's convention (index-buffers.md §3f): rows of
+// [num_views][num_tokens][topk] (window) and [num_views][num_tokens][extra_topk] (HCA's
+// compressed part), view v's entries + shifts[v], -1 tails; indices == 0: off.
+struct FlashMlaOut {
+    v4p_ptr indices;            // i32 out [num_views][T][topk]
+    v4p_ptr topk_length;        // i32 out [T]
+    v4p_ptr extra_indices;      // i32 out [num_views][T][extra_topk]; HCA with block_tables only
+    v4p_ptr extra_topk_length;  // i32 out [T]; with extra_indices
+    v4p_ptr shifts;             // i32 [num_views]
+    v4p_i32 topk;
+    v4p_i32 extra_topk;
+    v4p_i32 num_views;
+    v4p_i32 _pad;
+};
+V4POOL_CHECK_SIZE(FlashMlaOut, 56);
+V4POOL_CHECK_ALIGN(FlashMlaOut, 8);
+V4POOL_CHECK_OFFSET(FlashMlaOut, indices, 0);
+V4POOL_CHECK_OFFSET(FlashMlaOut, topk_length, 8);
+V4POOL_CHECK_OFFSET(FlashMlaOut, extra_indices, 16);
+V4POOL_CHECK_OFFSET(FlashMlaOut, extra_topk_length, 24);
+V4POOL_CHECK_OFFSET(FlashMlaOut, shifts, 32);
+V4POOL_CHECK_OFFSET(FlashMlaOut, topk, 40);
+V4POOL_CHECK_OFFSET(FlashMlaOut, extra_topk, 44);
+V4POOL_CHECK_OFFSET(FlashMlaOut, num_views, 48);
+V4POOL_CHECK_OFFSET(FlashMlaOut, _pad, 52);
+
 struct DecodeIndexArgs {
     ClassBuffers classes[3];
     v4p_ptr state_slot_per_seq;  // i32 [bs]
@@ -252,8 +278,9 @@ struct DecodeIndexArgs {
     v4p_i32 hca_rows_per_block;
     v4p_i32 num_tokens;
     v4p_i32 win;
+    FlashMlaOut flashmla[3];  // all zero: CSR only
 };
-V4POOL_CHECK_SIZE(DecodeIndexArgs, 248);
+V4POOL_CHECK_SIZE(DecodeIndexArgs, 416);
 V4POOL_CHECK_ALIGN(DecodeIndexArgs, 8);
 V4POOL_CHECK_OFFSET(DecodeIndexArgs, classes, 0);
 V4POOL_CHECK_OFFSET(DecodeIndexArgs, state_slot_per_seq, 192);
@@ -265,6 +292,7 @@ V4POOL_CHECK_OFFSET(DecodeIndexArgs, block_table_stride, 232);
 V4POOL_CHECK_OFFSET(DecodeIndexArgs, hca_rows_per_block, 236);
 V4POOL_CHECK_OFFSET(DecodeIndexArgs, num_tokens, 240);
 V4POOL_CHECK_OFFSET(DecodeIndexArgs, win, 244);
+V4POOL_CHECK_OFFSET(DecodeIndexArgs, flashmla, 248);
 
 struct PrefillIndexArgs {
     WindowParams dense;
@@ -362,8 +390,11 @@ struct CsaPackArgs {
     v4p_i32 window_size;
     v4p_i32 compress_ratio;             // (p + 1) / ratio rows reachable; bounds the staged columns only
     v4p_i64 compress_bias;              // added to every packed row (0 in V4; docs/v41.md)
+    v4p_ptr extra_topk_length;          // i32 out [>= T]; FlashMLA mode only
+    v4p_i32 extra_topk;                 // 0: CSR out; > 0: FlashMLA rows out[T][extra_topk], -1 tails
+    v4p_i32 shift;                      // FlashMLA mode: the layer's page-view shift
 };
-V4POOL_CHECK_SIZE(CsaPackArgs, 96);
+V4POOL_CHECK_SIZE(CsaPackArgs, 112);
 V4POOL_CHECK_ALIGN(CsaPackArgs, 8);
 V4POOL_CHECK_OFFSET(CsaPackArgs, topk, 0);
 V4POOL_CHECK_OFFSET(CsaPackArgs, block_tables, 8);
@@ -380,6 +411,9 @@ V4POOL_CHECK_OFFSET(CsaPackArgs, block_capacity, 76);
 V4POOL_CHECK_OFFSET(CsaPackArgs, window_size, 80);
 V4POOL_CHECK_OFFSET(CsaPackArgs, compress_ratio, 84);
 V4POOL_CHECK_OFFSET(CsaPackArgs, compress_bias, 88);
+V4POOL_CHECK_OFFSET(CsaPackArgs, extra_topk_length, 96);
+V4POOL_CHECK_OFFSET(CsaPackArgs, extra_topk, 104);
+V4POOL_CHECK_OFFSET(CsaPackArgs, shift, 108);
 
 struct PlaneWrite {
     v4p_ptr kv;    // [T, row_bytes] source rows

@@ -84,6 +84,7 @@ fn step_launches(params: [WindowParams; 3], envelope_rows: i64, p: &[u64]) -> Ve
         window_size: WIN,
         compress_ratio: 4,
         compress_bias: 0,
+        ..Default::default()
     };
     vec![Launch::Decode(d), Launch::CsaPack(csa)]
 }

@@ -344,6 +344,7 @@ fn csa_translate_pack_decode_mode_matches_host() {
                     window_size: WIN,
                     compress_ratio: 4,
                     compress_bias: 0,
+                    ..Default::default()
                 })]
             };
             check_case(cuda, &case, &make);
@@ -395,6 +396,7 @@ fn csa_translate_pack_prefill_mode_matches_host() {
                     window_size: 0,
                     compress_ratio: 4,
                     compress_bias: 0,
+                    ..Default::default()
                 })]
             };
             check_case(cuda, &case, &make);

@@ -6,6 +6,7 @@
 //! Skipped (with a note on stderr) when build.rs found no clang to build the library.
 
 mod common;
+mod flashmla_common;
 
 use common::Rng;
 use std::ffi::{c_char, c_void, CString};
@@ -569,6 +570,7 @@ fn csa_pack_kernel_matches_reference() {
                 window_size: window as i32,
                 compress_ratio: ratio as i32,
                 compress_bias: bias,
+                ..Default::default()
             })
         });
     }
@@ -859,5 +861,48 @@ fn state_update_kernel_matches_reference() {
             })
         });
         assert!(wrote || tokens == 0, "case {case}: nothing written");
+    }
+}
+
+// ---- FlashMLA's convention (§3f, §5f) -------------------------------------------------------
+
+/// A flashmla_common case on the host reference and on the emulated kernel: every buffer equal.
+fn compare_case(emu: &Emu, case: &common::Case, make: &dyn Fn(&[u64]) -> Vec<Launch>) {
+    // SAFETY (both): the case's buffers are live and sized for its launches (flashmla_common).
+    let host = flashmla_common::run_in_memory(case, make, &|l| unsafe { run_launch(l) }.expect("reference"));
+    let dev = flashmla_common::run_in_memory(case, make, &|l| unsafe { emu.run(l) });
+    for ((h, d), b) in host.iter().zip(&dev).zip(&case.bufs) {
+        assert!(h == d, "{}: buffer {}: kernel and host reference differ", case.name, b.name);
+    }
+}
+
+#[test]
+fn decode_builder_flashmla_rows_match_reference() {
+    let Some(emu) = emu() else { return };
+    let mut rng = Rng::new(0xf1a5_e111_0000_0001);
+    for case_no in 0..24 {
+        let ratios = [0, 4, 128, 4, 128, 128][..rng.range(3, 6) as usize].to_vec();
+        let g = common::geometry_at(&ratios, rng.range(128, 133), rng.range(60_000, 300_000), 6);
+        // Heads past one tile (4,096 entries) now and then: positions to 1.2M.
+        let max_pos = if case_no % 6 == 5 { 1_200_000 } else { rng.range(100, 30_000) };
+        let (bs, views) = (rng.range(1, 4) as usize, rng.range(1, 4) as usize);
+        let d = flashmla_common::FlashDecode::random(&mut rng, &g, bs, max_pos, views);
+        let (case, _, make) = d.case(&format!("flash decode {case_no}"), 0, true);
+        compare_case(&emu, &case, &make);
+    }
+}
+
+#[test]
+fn csa_pack_flashmla_rows_match_reference() {
+    let Some(emu) = emu() else { return };
+    let mut rng = Rng::new(0xf1a5_e111_0000_0002);
+    for case_no in 0..24 {
+        let g = common::geometry_at(&[0, 4, 128, 4], rng.range(128, 133), rng.range(60_000, 300_000), 6);
+        // Top-k rows of the staged form (<= 512) and its wide form (> 512), an empty one (gather).
+        let topk = rng.pick(&[1, 64, 512, 513, 1024, 2048]);
+        let (bs, max_pos) = (rng.range(1, 4) as usize, rng.range(100, 40_000));
+        let p = flashmla_common::FlashPack::random(&mut rng, &g, bs, max_pos, topk);
+        let (case, _, make) = p.case(&format!("flash pack {case_no}"), 0);
+        compare_case(&emu, &case, &make);
     }
 }

@@ -62,8 +62,10 @@ proptest! {
         let poison = vec![-9; *indptr.last().unwrap() as usize + 2];
         let mut indices = poison.clone();
         let mut dest = vec![-9; t];
-        let class = DecodeClass { params: w, indptr: &indptr, indices: &mut indices, dest_rows: Some(&mut dest) };
+        let class =
+            DecodeClass { params: w, indptr: &indptr, indices: Some(&mut indices), dest_rows: Some(&mut dest) };
         decode_indices(DecodeIndices {
+            flashmla: [None, None, None],
             classes: [None, Some(class), None],
             state_slot_per_seq: &slots,
             batch_id_per_token: &bids,

@@ -13,10 +13,10 @@ use v4pool::index::shape::{
     PREFILL_TOKENS_PER_BLOCK, ROWS_PER_BLOCK, ROW_LANES, RUN_SPLIT, STATE_CHUNK,
 };
 use v4pool::index::{
-    ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
-    IndexKeysArgs, KvRowsArgs, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs,
-    WindowGatherArgs, WriteBatchArgs, WriteItem, CLASS_CSA, CLASS_DENSE, CLASS_HCA, WRITE_BATCH_MAX_ITEMS,
-    WRITE_INDEX_KEYS, WRITE_KV_ROWS, WRITE_STATE_UPDATE,
+    ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, FlashMlaOut,
+    HcaOffsetsArgs, IndexKeysArgs, KvRowsArgs, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs,
+    StateUpdateArgs, WindowGatherArgs, WriteBatchArgs, WriteItem, CLASS_CSA, CLASS_DENSE, CLASS_HCA,
+    WRITE_BATCH_MAX_ITEMS, WRITE_INDEX_KEYS, WRITE_KV_ROWS, WRITE_STATE_UPDATE,
 };
 
 const HEADER: &str = include_str!("../kernels/v4pool_common.h");
@@ -67,8 +67,9 @@ fn rust_checks() -> Checks {
         ClassBuffers { params, indptr, indices, dest_rows }
         DecodeIndexArgs {
             classes, state_slot_per_seq, batch_id_per_token, positions, block_tables, envelope_rows,
-            block_table_stride, hca_rows_per_block, num_tokens, win,
+            block_table_stride, hca_rows_per_block, num_tokens, win, flashmla,
         }
+        FlashMlaOut { indices, topk_length, extra_indices, extra_topk_length, shifts, topk, extra_topk, num_views, _pad }
         PrefillIndexArgs {
             dense, csa, hca, positions, bid_per_token, chunk_start_per_seq, cu_seqlens_q_per_seq,
             state_slot_per_seq, n_committed_hca_per_seq, block_tables, extend_indptr, extend_indices,
@@ -82,7 +83,7 @@ fn rust_checks() -> Checks {
         CsaPackArgs {
             topk, block_tables, positions, indptr, batch_id_per_token, skip_prefix_len_per_token, out,
             envelope_rows, topk_row_stride, block_table_stride, num_tokens, block_capacity, window_size,
-            compress_ratio, compress_bias,
+            compress_ratio, compress_bias, extra_topk_length, extra_topk, shift,
         }
         PlaneWrite { kv, pool, row_bytes }
         RingWriteArgs {

@@ -57,6 +57,42 @@ pub struct ClassBuffers {
     pub dest_rows: DevicePtr,
 }
 
+/// One class's outputs of the decode builder in FlashMLA's sparse-decode convention
+/// (index-buffers.md §3f): dense rows, valid entries left, a −1 tail, a length per token, each
+/// index a page-aligned view's (`Pool::page_view(layer, plane, 64)`): view index + the view's
+/// `shift`. A class's layers whose views have different shifts get one **view** each (HCA:
+/// every layer); the views' rows are one allocation, `[num_views][num_tokens][topk]`, view `v`
+/// at element `v * num_tokens * topk` (a stride derived from the scalars, so no pointer table
+/// is loaded on the kernel's critical path; the shifts are one small device array). The
+/// lengths are the same for every view: one array each. Off when `indices == 0` (then every
+/// other field must be 0).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct FlashMlaOut {
+    /// i32 out `[num_views][num_tokens][topk]`: the window part (FlashMLA's `indices`), the
+    /// window rows oldest first, shifted, then −1.
+    pub indices: DevicePtr,
+    /// i32 out `[num_tokens]`: window entries per token (FlashMLA's `topk_length`).
+    pub topk_length: DevicePtr,
+    /// i32 out `[num_views][num_tokens][extra_topk]`: the compressed part
+    /// (`extra_indices_in_kvcache`): HCA only, with `block_tables` (entries `0..head` from the
+    /// tables, shifted, then −1); 0 = not written by the builder (the CSA part is the pack's).
+    pub extra_indices: DevicePtr,
+    /// i32 out `[num_tokens]`: compressed entries per token (`extra_topk_length`); with
+    /// `extra_indices`.
+    pub extra_topk_length: DevicePtr,
+    /// i32 `[num_views]`: each view's shift (`page_view`'s `row_shift`, base row mod 64).
+    pub shifts: DevicePtr,
+    /// Entries per row of `indices` (≥ `win`; FlashMLA wants a multiple of 64).
+    pub topk: i32,
+    /// Entries per row of `extra_indices` (0 without it).
+    pub extra_topk: i32,
+    /// Views (≥ 1 when on).
+    pub num_views: i32,
+    /// Padding to the C layout.
+    pub _pad: i32,
+}
+
 /// Decode index builder (§3) with the HCA heads (§4) fused: one launch per decode step.
 ///
 /// Per live token `t` (batch id >= 0): every enabled class gets its window tail
@@ -86,6 +122,10 @@ pub struct DecodeIndexArgs {
     pub num_tokens: i32,
     /// Sliding window (≤ ring_slots).
     pub win: i32,
+    /// [dense, csa, hca]: each class's FlashMLA outputs (§3f); all zero = CSR only. A class is
+    /// still on or off by its `indptr` (its slice lengths: window `n`, HCA head
+    /// `indptr[t+1] − indptr[t] − n`), and writes its CSR `indices` only when that is given.
+    pub flashmla: [FlashMlaOut; NUM_SLOTS],
 }
 
 /// Prefill index builder (§6): one launch per prefill forward, no pad tokens.
@@ -221,6 +261,15 @@ pub struct CsaPackArgs {
     /// Added to every packed row: the layer's compress bias (0 in V4; a V4.1 layer reaches
     /// its owner's rows through it, `docs/v41.md`), never negative.
     pub compress_bias: i64,
+    /// FlashMLA's convention (§5f, decode only): i32 out `[>= T]`, each token's packed entries
+    /// (`extra_topk_length`); with `extra_topk > 0`, else 0.
+    pub extra_topk_length: DevicePtr,
+    /// 0: CSR (`out` at `indptr[t]`, §5). > 0: FlashMLA's `extra_indices_in_kvcache`, `out` is
+    /// i32 `[T][extra_topk]`: row t's `valid_k` entries (a negative top-k value → −1), each
+    /// + `shift`, then −1 to the row's end; pads a row of −1 and length 0.
+    pub extra_topk: i32,
+    /// FlashMLA mode: the CSA layer's page-view shift, added to every packed row; else 0.
+    pub shift: i32,
 }
 
 /// One plane a row write targets: `pool` is the layer view's base in that plane.

@@ -15,8 +15,8 @@
 //! hardware limits. The host backend additionally checks every index it reads.
 
 use super::{
-    ClassBuffers, CsaPackArgs, DecodeIndexArgs, HcaOffsetsArgs, Launch, PlaneWrite, PrefillIndexArgs,
-    RingWriteArgs, RowScatterArgs, StateUpdateArgs, WindowGatherArgs, CLASS_HCA,
+    ClassBuffers, CsaPackArgs, DecodeIndexArgs, FlashMlaOut, HcaOffsetsArgs, Launch, PlaneWrite,
+    PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs, WindowGatherArgs, CLASS_HCA,
 };
 use crate::geometry::WindowParams;
 use crate::variant::VariantName;
@@ -182,8 +182,11 @@ fn ceil_div(n: u64, d: u64) -> u64 {
 
 /// Tiles of one top-k row in the CSA translate-pack (grid y); the kernel derives the same
 /// number from `topk_row_stride` to stride past a row should `valid_k` exceed it.
+///
+/// FlashMLA mode (`extra_topk > 0`, §5f) writes whole rows (the −1 tail included): the tiles
+/// cover the longer of the top-k row and the output row.
 pub fn csa_tiles(a: &CsaPackArgs) -> u64 {
-    ceil_div(count(a.topk_row_stride), u64::from(csa_tile(a))).max(1)
+    ceil_div(count(a.topk_row_stride).max(count(a.extra_topk)), u64::from(csa_tile(a))).max(1)
 }
 
 /// Lanes of the state update that share one plan row: the power of two covering
@@ -204,12 +207,19 @@ pub fn state_update_lanes(dim: i32) -> u32 {
 /// tiles past a token's head return at once. One tile when nothing is fused. The kernel
 /// derives the same number (`v4p_decode_hca_tiles`) and strides by it, so a cap at
 /// `MAX_GRID_YZ` loses nothing.
+///
+/// FlashMLA's compressed part (§3f, `flashmla[HCA].extra_indices`) is a whole row of
+/// `extra_topk` entries (the −1 tail included), so the tiles cover the longer of that row and
+/// the CSR head.
 pub fn decode_hca_tiles(a: &DecodeIndexArgs) -> u64 {
-    if a.block_tables == 0 || a.classes[CLASS_HCA].indptr == 0 {
+    let hca = &a.classes[CLASS_HCA];
+    if a.block_tables == 0 || hca.indptr == 0 {
         return 1;
     }
-    let longest = count(a.block_table_stride) * count(a.hca_rows_per_block);
-    ceil_div(longest, u64::from(DECODE_HCA_TILE)).clamp(1, u64::from(MAX_GRID_YZ))
+    let csr = if hca.indices != 0 { count(a.block_table_stride) * count(a.hca_rows_per_block) } else { 0 };
+    let fm = &a.flashmla[CLASS_HCA];
+    let flash = if fm.extra_indices != 0 { count(fm.extra_topk) } else { 0 };
+    ceil_div(csr.max(flash), u64::from(DECODE_HCA_TILE)).clamp(1, u64::from(MAX_GRID_YZ))
 }
 
 /// Grid and block of a launch. Total for any arguments; run [`check_launch`] first to know the
@@ -487,8 +497,9 @@ fn check_decode(a: &DecodeIndexArgs) -> Result<(), LaunchError> {
     non_negative("win", a.win.into())?;
     let mut any_class = false;
     let mut any_dest = false;
-    for (c, cls) in a.classes.iter().enumerate() {
+    for (c, (cls, fm)) in a.classes.iter().zip(&a.flashmla).enumerate() {
         let ClassBuffers { params, indptr, indices, dest_rows } = cls;
+        check_flashmla_out(c, fm, *indptr != 0, a)?;
         if *indptr == 0 {
             if *indices != 0 {
                 return Err(LaunchError::UnexpectedBuffer {
@@ -504,7 +515,9 @@ fn check_decode(a: &DecodeIndexArgs) -> Result<(), LaunchError> {
             }
             continue;
         }
-        present("indices", *indices)?;
+        if *indices == 0 && fm.indices == 0 {
+            return Err(LaunchError::MissingBuffer { field: "indices (CSR or flashmla)" });
+        }
         check_window(CLASS_NAMES[c], params, a.win.into())?;
         any_class = true;
         any_dest |= *dest_rows != 0;
@@ -525,6 +538,54 @@ fn check_decode(a: &DecodeIndexArgs) -> Result<(), LaunchError> {
         at_least("block_table_stride", a.block_table_stride.into(), 1)?;
         non_negative("envelope_rows", a.envelope_rows)?;
     }
+    Ok(())
+}
+
+/// A class's FlashMLA outputs (§3f): all absent, or window rows at least `win` wide with their
+/// lengths and shifts for at least one view, and a compressed part only for HCA with block
+/// tables (the builder's fused head). Views × tokens × width must stay in an i64 element count.
+fn check_flashmla_out(
+    c: usize,
+    fm: &FlashMlaOut,
+    class_on: bool,
+    a: &DecodeIndexArgs,
+) -> Result<(), LaunchError> {
+    if fm.indices == 0 {
+        if *fm != FlashMlaOut::default() {
+            return Err(LaunchError::UnexpectedBuffer {
+                field: "flashmla",
+                because: "its indices are absent (the class's FlashMLA outputs are off)",
+            });
+        }
+        return Ok(());
+    }
+    if !class_on {
+        return Err(LaunchError::UnexpectedBuffer {
+            field: "flashmla.indices",
+            because: "its class's indptr is absent",
+        });
+    }
+    present("flashmla.topk_length", fm.topk_length)?;
+    present("flashmla.shifts", fm.shifts)?;
+    at_least("flashmla.num_views", fm.num_views.into(), 1)?;
+    at_least("flashmla.topk", fm.topk.into(), i64::from(a.win.max(1)))?;
+    if fm.extra_indices == 0 {
+        if fm.extra_topk_length != 0 || fm.extra_topk != 0 {
+            return Err(LaunchError::UnexpectedBuffer {
+                field: "flashmla.extra_topk_length",
+                because: "flashmla.extra_indices is absent",
+            });
+        }
+        return Ok(());
+    }
+    if c != CLASS_HCA || a.block_tables == 0 {
+        return Err(LaunchError::UnexpectedBuffer {
+            field: "flashmla.extra_indices",
+            because: "only the HCA class with block tables has a builder-written compressed part",
+        });
+    }
+    present("flashmla.extra_topk_length", fm.extra_topk_length)?;
+    at_least("flashmla.extra_topk", fm.extra_topk.into(), 1)?;
     Ok(())
 }
 
@@ -619,6 +680,21 @@ fn check_csa_pack(a: &CsaPackArgs) -> Result<(), LaunchError> {
             // §11: window_size = 0 without a skip buffer is a host error.
             present("skip_prefix_len_per_token", a.skip_prefix_len_per_token)?;
         }
+    }
+    // FlashMLA mode (§5f): decode only (the window derives each token's skip), with a length
+    // buffer; CSR mode carries neither.
+    non_negative("extra_topk", a.extra_topk.into())?;
+    if a.extra_topk > 0 {
+        at_least("window_size", a.window_size.into(), 1)?;
+        non_negative("shift", a.shift.into())?;
+        if a.num_tokens > 0 {
+            present("extra_topk_length", a.extra_topk_length)?;
+        }
+    } else if a.extra_topk_length != 0 || a.shift != 0 {
+        return Err(LaunchError::UnexpectedBuffer {
+            field: "extra_topk_length / shift",
+            because: "extra_topk is 0 (CSR mode)",
+        });
     }
     Ok(())
 }

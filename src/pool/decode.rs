@@ -22,7 +22,7 @@ use crate::backend::{Backend, BackendError, Stream};
 use crate::geometry::{visible_groups, Class, UnifiedPoolGeometry, WindowParams, CSA_RATIO, HCA_RATIO};
 use crate::geometry::{GeometryError, NUM_SLOTS};
 use crate::index::shape::MAX_GRID_YZ;
-use crate::index::{ClassBuffers, CsaPackArgs, DecodeIndexArgs, DevicePtr, Launch};
+use crate::index::{ClassBuffers, CsaPackArgs, DecodeIndexArgs, DevicePtr, FlashMlaOut, Launch};
 use crate::variant::VariantName;
 use std::ops::Range;
 use std::sync::Arc;
@@ -41,6 +41,62 @@ pub struct DecodeCapacity {
     pub win: i32,
     /// CSA top-k reserved per token (`index_topk`, ≥ 0).
     pub index_topk: i32,
+}
+
+/// Row widths of the decode path's FlashMLA outputs (index-buffers.md §3f, §5f): FlashMLA's
+/// sparse decode takes `indices [T, topk]` and `extra_indices_in_kvcache [T, extra_topk]` with
+/// both widths multiples of 64.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashMlaWidths {
+    /// Window part of every class (`indices`): at least `win`.
+    pub topk: i32,
+    /// CSA compressed part (the translate-pack's rows): at least `index_topk`.
+    pub csa_extra_topk: i32,
+    /// HCA compressed part (the builder's rows): at least the longest HCA head the path takes,
+    /// `max_blocks_per_seq × block_size / 128`.
+    pub hca_extra_topk: i32,
+}
+
+impl FlashMlaWidths {
+    /// The narrowest widths FlashMLA takes for `cap` on `geometry` (each rounded up to 64).
+    pub fn for_capacity(geometry: &UnifiedPoolGeometry, cap: DecodeCapacity) -> Result<Self, DecodeError> {
+        let need = flashmla_needs(geometry, cap)?;
+        let up = |n: i64| {
+            i32::try_from((n.max(1) + 63) / 64 * 64)
+                .map_err(|_| DecodeError::TooLarge { what: "a FlashMLA row" })
+        };
+        Ok(FlashMlaWidths { topk: up(need[0])?, csa_extra_topk: up(need[1])?, hca_extra_topk: up(need[2])? })
+    }
+}
+
+/// Entries each FlashMLA row must hold: [window, CSA head, HCA head] at their longest.
+fn flashmla_needs(geometry: &UnifiedPoolGeometry, cap: DecodeCapacity) -> Result<[i64; 3], DecodeError> {
+    let max_ctx = (cap.max_blocks_per_seq as i64)
+        .checked_mul(geometry.block_size)
+        .ok_or(DecodeError::TooLarge { what: "longest context" })?;
+    Ok([i64::from(cap.win), i64::from(cap.index_topk), max_ctx / i64::from(HCA_RATIO)])
+}
+
+/// One layer's FlashMLA operands on a decode path (`DecodePath::flashmla`): int32 buffers, rows
+/// of `max_tokens` tokens. The window part is its class's view for the layer's shift; the
+/// compressed part the HCA view (builder) or the one CSA buffer (each CSA layer's pack).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashMlaBuffers {
+    /// `indices [max_tokens, topk]`.
+    pub indices: DeviceBuffer,
+    /// `topk_length [max_tokens]`.
+    pub topk_length: DeviceBuffer,
+    /// `extra_indices_in_kvcache [max_tokens, extra_topk]` (`None`: a dense layer).
+    pub extra_indices: Option<DeviceBuffer>,
+    /// `extra_topk_length [max_tokens]` (with `extra_indices`).
+    pub extra_topk_length: Option<DeviceBuffer>,
+    /// Entries per row of `indices`.
+    pub topk: i32,
+    /// Entries per row of `extra_indices` (0 for a dense layer).
+    pub extra_topk: i32,
+    /// The layer's page-view shift (`Pool::page_view(layer, _, 64).row_shift`), already in every
+    /// index.
+    pub shift: i32,
 }
 
 /// One sequence of a decode step.
@@ -287,6 +343,30 @@ pub enum DecodeError {
         /// `index_topk`.
         topk: i32,
     },
+    /// A FlashMLA row width that is not a multiple of 64 (FlashMLA's sparse decode needs it).
+    #[error("FlashMLA {what} width {width} is not a positive multiple of 64")]
+    FlashMlaWidth {
+        /// Which row.
+        what: &'static str,
+        /// Width given.
+        width: i32,
+    },
+    /// A FlashMLA row too narrow for what the path can stage into it.
+    #[error("FlashMLA {what} width {width} is narrower than the {need} entries the path can stage")]
+    FlashMlaTooNarrow {
+        /// Which row.
+        what: &'static str,
+        /// Width given.
+        width: i32,
+        /// Entries the row must hold.
+        need: i64,
+    },
+    /// A FlashMLA operand asked of a path built without them, or of a layer without a view.
+    #[error("no FlashMLA operands: {why}")]
+    NoFlashMla {
+        /// Why.
+        why: &'static str,
+    },
     /// A buffer read back with the wrong element type.
     #[error("{0} is not an i32 buffer")]
     NotI32(&'static str),
@@ -346,6 +426,9 @@ impl VariantName for DecodeError {
             TokensPastGrid { .. } => "TokensPastGrid",
             BufferFull { .. } => "BufferFull",
             TopkStride { .. } => "TopkStride",
+            FlashMlaWidth { .. } => "FlashMlaWidth",
+            FlashMlaTooNarrow { .. } => "FlashMlaTooNarrow",
+            NoFlashMla { .. } => "NoFlashMla",
             NotI32(_) => "NotI32",
             BatchShape { .. } => "BatchShape",
             BadTokenCount { .. } => "BadTokenCount",
@@ -591,12 +674,76 @@ struct Layout {
     meta_end: u64,
     indices: [u64; NUM_SLOTS],
     dest_rows: [u64; NUM_SLOTS],
+    /// FlashMLA mode (§3f): each class's shifts, window rows and lengths; the compressed rows
+    /// and lengths of CSA (the pack's) and HCA (the builder's).
+    fm_shifts: [u64; NUM_SLOTS],
+    fm_indices: [u64; NUM_SLOTS],
+    fm_length: [u64; NUM_SLOTS],
+    fm_extra: [u64; NUM_SLOTS],
+    fm_extra_length: [u64; NUM_SLOTS],
     total: u64,
+}
+
+/// The decode path's FlashMLA mode: widths, each class's distinct view shifts (in order of
+/// the class's first layer with that shift), and each layer's (class, view).
+#[derive(Clone, Debug)]
+struct FlashPlan {
+    widths: FlashMlaWidths,
+    shifts: [Vec<i32>; NUM_SLOTS],
+    layer_view: Vec<Option<(Class, usize)>>,
+}
+
+impl FlashPlan {
+    /// Views of the layers' `shifts` (`None`: absent layer), widths checked against `cap`.
+    fn new(
+        geometry: &UnifiedPoolGeometry,
+        cap: DecodeCapacity,
+        widths: FlashMlaWidths,
+        layer_shifts: &[Option<i32>],
+    ) -> Result<FlashPlan, DecodeError> {
+        if !geometry.coarse_head_fill() {
+            return Err(DecodeError::SharedCompressors { path: "FlashMLA decode" });
+        }
+        let need = flashmla_needs(geometry, cap)?;
+        let rows = [
+            ("indices", widths.topk),
+            ("CSA extra", widths.csa_extra_topk),
+            ("HCA extra", widths.hca_extra_topk),
+        ];
+        for ((what, width), need) in rows.into_iter().zip(need) {
+            if width < 1 || width % 64 != 0 {
+                return Err(DecodeError::FlashMlaWidth { what, width });
+            }
+            if i64::from(width) < need {
+                return Err(DecodeError::FlashMlaTooNarrow { what, width, need });
+            }
+        }
+        let mut shifts: [Vec<i32>; NUM_SLOTS] = Default::default();
+        let mut layer_view = Vec::with_capacity(layer_shifts.len());
+        for (l, shift) in layer_shifts.iter().enumerate() {
+            let (Some(shift), Ok(class)) = (shift, geometry.layer_slot(l)) else {
+                layer_view.push(None);
+                continue;
+            };
+            let views = &mut shifts[class.index()];
+            let v = views.iter().position(|s| s == shift).unwrap_or_else(|| {
+                views.push(*shift);
+                views.len() - 1
+            });
+            layer_view.push(Some((class, v)));
+        }
+        Ok(FlashPlan { widths, shifts, layer_view })
+    }
+
+    fn views(&self, c: usize) -> u64 {
+        self.shifts[c].len() as u64
+    }
 }
 
 /// What `plan` decides: the layout, each class's params (`None`: absent), and each
 /// class's per-token slice capacity.
 struct Planned {
+    flash: Option<FlashPlan>,
     layout: Layout,
     params: [Option<WindowParams>; NUM_SLOTS],
     slice_cap: [u64; NUM_SLOTS],
@@ -618,6 +765,8 @@ pub(crate) struct DecodeIndexBuffers {
     slot_ratios: [i64; 2],
     /// Where the translate-packs write (V4's coarse head fill, per-layer slots and biases).
     targets: PackTargets,
+    /// FlashMLA mode (§3f, §5f): the builder and packs write FlashMLA's rows instead of CSR.
+    flash: Option<FlashPlan>,
     bounds: PoolBounds,
     staging: Vec<u8>,
     /// CSA head (top-k entries the pack reads) of every staged token, for checking an
@@ -683,7 +832,11 @@ impl DecodeBuffer {
 
 impl DecodeIndexBuffers {
     /// Check `cap` against `geometry` and lay the buffers out (no allocation).
-    fn plan(geometry: &UnifiedPoolGeometry, cap: DecodeCapacity) -> Result<Planned, DecodeError> {
+    fn plan(
+        geometry: &UnifiedPoolGeometry,
+        cap: DecodeCapacity,
+        flash: Option<(FlashMlaWidths, &[Option<i32>])>,
+    ) -> Result<Planned, DecodeError> {
         let params = check_capacity(
             geometry,
             [cap.max_seqs, cap.max_tokens, cap.max_blocks_per_seq],
@@ -723,17 +876,34 @@ impl DecodeIndexBuffers {
         }
         l.block_tables = take(s.checked_mul(cap.max_blocks_per_seq as u64), 4)?;
         l.meta_end = take(Some(0), 1)?;
+        let flash = flash.map(|(w, shifts)| FlashPlan::new(geometry, cap, w, shifts)).transpose()?;
+        // FlashMLA mode writes no CSR indices: their buffers take no bytes (the indptrs stay:
+        // they carry each token's slice lengths).
         for (at, c) in l.indices.iter_mut().zip(slice_cap) {
-            *at = take(t.checked_mul(c), 4)?;
+            *at = take(t.checked_mul(if flash.is_some() { 0 } else { c }), 4)?;
         }
         for c in 0..NUM_SLOTS {
             l.dest_rows[c] = take(Some(t), 4)?;
+        }
+        if let Some(f) = &flash {
+            let w = f.widths;
+            let extra = [0, i64::from(w.csa_extra_topk), i64::from(w.hca_extra_topk)];
+            for (c, &extra) in extra.iter().enumerate() {
+                // The CSA compressed rows are one buffer (every CSA layer's pack in turn).
+                let extra_views = if c == Class::Csa.index() { 1 } else { f.views(c) };
+                let rows = |width: i64, views: u64| t.checked_mul(views)?.checked_mul(width as u64);
+                l.fm_shifts[c] = take(Some(f.views(c)), 4)?;
+                l.fm_indices[c] = take(rows(i64::from(w.topk), f.views(c)), 4)?;
+                l.fm_length[c] = take(Some(t), 4)?;
+                l.fm_extra[c] = take(rows(extra, extra_views), 4)?;
+                l.fm_extra_length[c] = take(Some(t), 4)?;
+            }
         }
         l.total = carve.end();
         if usize::try_from(l.meta_end).is_err() {
             return Err(too_large("host staging"));
         }
-        Ok(Planned { layout: l, params, slice_cap })
+        Ok(Planned { flash, layout: l, params, slice_cap })
     }
 
     /// Device bytes the buffers for `cap` take, without allocating them (for sizing and
@@ -742,7 +912,7 @@ impl DecodeIndexBuffers {
         geometry: &UnifiedPoolGeometry,
         cap: DecodeCapacity,
     ) -> Result<u64, DecodeError> {
-        Ok(Self::plan(geometry, cap)?.layout.total)
+        Ok(Self::plan(geometry, cap, None)?.layout.total)
     }
 
     /// Size and allocate the buffers for `cap` on `backend` (work goes on `stream`), for
@@ -754,9 +924,17 @@ impl DecodeIndexBuffers {
         stream: Stream,
         geometry: &UnifiedPoolGeometry,
         cap: DecodeCapacity,
+        flash: Option<(FlashMlaWidths, &[Option<i32>])>,
     ) -> Result<Self, DecodeError> {
-        let Planned { layout, params, slice_cap } = Self::plan(geometry, cap)?;
+        let Planned { flash, layout, params, slice_cap } = Self::plan(geometry, cap, flash)?;
         let mem = Owned::new(backend, stream, layout.total)?;
+        if let Some(f) = &flash {
+            // The views' shifts are fixed for the pool's life: uploaded once, outside the
+            // metadata every stage rewrites.
+            for c in 0..NUM_SLOTS {
+                mem.upload(layout.fm_shifts[c], bytemuck::cast_slice(&f.shifts[c]))?;
+            }
+        }
         let mut bufs = DecodeIndexBuffers {
             cap,
             layout,
@@ -767,6 +945,7 @@ impl DecodeIndexBuffers {
             block_size: geometry.block_size,
             slot_ratios: slot_ratios(geometry)?,
             targets: PackTargets::of(geometry),
+            flash,
             bounds: PoolBounds::of(geometry),
             staging: vec![0u8; layout.meta_end as usize],
             csa_heads: Vec::with_capacity(cap.max_tokens),
@@ -847,8 +1026,29 @@ impl DecodeIndexBuffers {
                 classes[i] = ClassBuffers {
                     params,
                     indptr: b + l.indptr[i],
-                    indices: b + l.indices[i],
+                    indices: if self.flash.is_some() { 0 } else { b + l.indices[i] },
                     dest_rows: b + l.dest_rows[i],
+                };
+            }
+        }
+        let mut flashmla = [FlashMlaOut::default(); NUM_SLOTS];
+        if let Some(f) = &self.flash {
+            for c in Class::ALL {
+                let i = c.index();
+                if self.params[i].is_none() || f.shifts[i].is_empty() {
+                    continue;
+                }
+                let hca = c == Class::Hca;
+                flashmla[i] = FlashMlaOut {
+                    indices: b + l.fm_indices[i],
+                    topk_length: b + l.fm_length[i],
+                    extra_indices: if hca { b + l.fm_extra[i] } else { 0 },
+                    extra_topk_length: if hca { b + l.fm_extra_length[i] } else { 0 },
+                    shifts: b + l.fm_shifts[i],
+                    topk: f.widths.topk,
+                    extra_topk: if hca { f.widths.hca_extra_topk } else { 0 },
+                    num_views: f.shifts[i].len() as i32,
+                    _pad: 0,
                 };
             }
         }
@@ -864,6 +1064,7 @@ impl DecodeIndexBuffers {
             hca_rows_per_block: self.hca_rows_per_block,
             num_tokens: self.cap.max_tokens as i32,
             win: self.cap.win,
+            flashmla,
         }
     }
 
@@ -883,7 +1084,67 @@ impl DecodeIndexBuffers {
         topk_row_stride: i32,
     ) -> Result<CsaPackArgs, DecodeError> {
         let (slot, bias) = self.targets.target(layer)?;
-        self.slot_pack_args(slot, bias, topk, topk_row_stride)
+        let mut a = self.slot_pack_args(slot, bias, topk, topk_row_stride)?;
+        if let Some(f) = &self.flash {
+            // FlashMLA mode (§5f): the one CSA row buffer, shifted by the layer's view; the
+            // class-wide pack (`None`) needs the CSA layers to share one shift (V4's do).
+            let shift = match layer {
+                Some(l) => f.shifts[slot.index()][self.flashmla_view(l)?.1],
+                None => match f.shifts[Class::Csa.index()].as_slice() {
+                    [one] => *one,
+                    _ => return Err(DecodeError::PackNeedsLayer),
+                },
+            };
+            let (b, l) = (self.base(), &self.layout);
+            a.out = b + l.fm_extra[Class::Csa.index()];
+            a.extra_topk_length = b + l.fm_extra_length[Class::Csa.index()];
+            a.extra_topk = f.widths.csa_extra_topk;
+            a.shift = shift;
+        }
+        Ok(a)
+    }
+
+    /// Layer `layer`'s (class, view) in FlashMLA mode.
+    fn flashmla_view(&self, layer: usize) -> Result<(Class, usize), DecodeError> {
+        let f = self.flash.as_ref().ok_or(DecodeError::NoFlashMla { why: "the path writes CSR buffers" })?;
+        f.layer_view
+            .get(layer)
+            .copied()
+            .flatten()
+            .ok_or(DecodeError::NoFlashMla { why: "the layer has no view" })
+    }
+
+    /// Layer `layer`'s FlashMLA operands (FlashMLA mode only).
+    pub(crate) fn flashmla(&self, layer: usize) -> Result<FlashMlaBuffers, DecodeError> {
+        let (class, v) = self.flashmla_view(layer)?;
+        let f = self.flash.as_ref().ok_or(DecodeError::NoFlashMla { why: "the path writes CSR buffers" })?;
+        let (b, l, t) = (self.base(), &self.layout, self.cap.max_tokens as u64);
+        let i = class.index();
+        let buf = |off: u64, len: u64| DeviceBuffer { ptr: b + off, len, elem_bytes: 4 };
+        let topk = f.widths.topk;
+        let row = t * topk as u64;
+        let (extra_topk, extra_at) = match class {
+            Class::Dense => (0, None),
+            Class::Csa => (f.widths.csa_extra_topk, Some(l.fm_extra[i])),
+            Class::Hca => {
+                let w = f.widths.hca_extra_topk;
+                (w, Some(l.fm_extra[i] + 4 * v as u64 * t * w as u64))
+            }
+        };
+        Ok(FlashMlaBuffers {
+            indices: buf(l.fm_indices[i] + 4 * v as u64 * row, row),
+            topk_length: buf(l.fm_length[i], t),
+            extra_indices: extra_at.map(|at| buf(at, t * extra_topk as u64)),
+            extra_topk_length: extra_at.map(|_| buf(l.fm_extra_length[i], t)),
+            topk,
+            extra_topk,
+            shift: f.shifts[i][v],
+        })
+    }
+
+    /// Read any i32 buffer of these buffers back (waits for the stream).
+    pub(crate) fn read_buffer(&self, buf: DeviceBuffer) -> Result<Vec<i32>, DecodeError> {
+        Ok(self.mem.read_i32(buf)?)
     }
 
     fn slot_pack_args(
@@ -914,6 +1175,9 @@ impl DecodeIndexBuffers {
             window_size: self.cap.win,
             compress_ratio: ratio as i32,
             compress_bias,
+            extra_topk_length: 0,
+            extra_topk: 0,
+            shift: 0,
         })
     }
 
@@ -932,6 +1196,8 @@ impl DecodeIndexBuffers {
             {
                 return None
             }
+            // FlashMLA mode has no CSR index buffers (`flashmla(layer)` gives its rows).
+            DecodeBuffer::Indices(_) if self.flash.is_some() => return None,
             DecodeBuffer::Indptr(c) => (l.indptr[c.index()], t + 1, 4),
             DecodeBuffer::Indices(c) => (l.indices[c.index()], t * self.slice_cap[c.index()], 4),
             DecodeBuffer::DestRows(c) => (l.dest_rows[c.index()], t, 4),

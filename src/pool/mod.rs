@@ -23,7 +23,10 @@ mod tests;
 mod topk;
 
 pub use batch::{WriteBatch, WriteBatchError};
-pub use decode::{decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodeError, DecodeSeq, FlatDecodeBatch};
+pub use decode::{
+    decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodeError, DecodeSeq, FlashMlaBuffers, FlashMlaWidths,
+    FlatDecodeBatch,
+};
 pub use owned::DeviceBuffer;
 pub use path::{DecodePath, PrefillPath};
 pub use prefill::{prefill_slice_lens, PrefillBuffer, PrefillCapacity, PrefillSeq};

@@ -12,7 +12,8 @@
 //! objects.
 
 use super::decode::{
-    DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq, FlatDecodeBatch, PoolBounds,
+    DecodeBuffer, DecodeCapacity, DecodeError, DecodeIndexBuffers, DecodeSeq, FlashMlaBuffers,
+    FlashMlaWidths, FlatDecodeBatch, PoolBounds,
 };
 use super::owned::DeviceBuffer;
 use super::prefill::{PrefillBuffer, PrefillCapacity, PrefillIndexBuffers, PrefillSeq};
@@ -27,6 +28,15 @@ impl Pool {
     /// backend and stream. See [`DecodePath`].
     pub fn decode_path(self: &Arc<Self>, cap: DecodeCapacity) -> Result<DecodePath, DecodeError> {
         DecodePath::new(Arc::clone(self), cap)
+    }
+
+    /// A decode path in FlashMLA's convention ([`DecodePath::new_flashmla`]).
+    pub fn flashmla_decode_path(
+        self: &Arc<Self>,
+        cap: DecodeCapacity,
+        widths: FlashMlaWidths,
+    ) -> Result<DecodePath, DecodeError> {
+        DecodePath::new_flashmla(Arc::clone(self), cap, widths)
     }
 
     /// The prefill path for this pool: buffers sized for `cap` on the pool's backend and
@@ -96,9 +106,57 @@ impl DecodePath {
     /// Buffers sized for `cap` on `pool`'s backend and stream (see
     /// [`Pool::decode_path`]).
     pub fn new(pool: Arc<Pool>, cap: DecodeCapacity) -> Result<DecodePath, DecodeError> {
+        Self::with_flashmla(pool, cap, None)
+    }
+
+    /// A decode path writing FlashMLA's convention (index-buffers.md §3f, §5f) instead of CSR:
+    /// the builder writes every class's window rows (one view per distinct page-view shift
+    /// among the class's layers: HCA one per layer) and HCA's compressed rows in its one launch;
+    /// `csa_pack` writes the CSA rows. [`Self::flashmla`] gives a layer's operands. Widths not
+    /// a multiple of 64 are [`DecodeError::FlashMlaWidth`], rows too narrow for what the path
+    /// can stage [`DecodeError::FlashMlaTooNarrow`]; V4.1's shared compressors are refused.
+    pub fn new_flashmla(
+        pool: Arc<Pool>,
+        cap: DecodeCapacity,
+        widths: FlashMlaWidths,
+    ) -> Result<DecodePath, DecodeError> {
+        Self::with_flashmla(pool, cap, Some(widths))
+    }
+
+    fn with_flashmla(
+        pool: Arc<Pool>,
+        cap: DecodeCapacity,
+        widths: Option<FlashMlaWidths>,
+    ) -> Result<DecodePath, DecodeError> {
         let geometry = pool.geometry().map_err(pool_err)?;
-        let bufs = DecodeIndexBuffers::new(Arc::clone(pool.backend()), pool.stream(), &geometry, cap)?;
+        // Each layer's shift is its page view's (FlashMLA reads pages of 64 rows): the one
+        // formula, `Pool::page_view`.
+        let shifts: Vec<Option<i32>> = match widths {
+            None => Vec::new(),
+            Some(_) => (0..geometry.num_layers)
+                .map(|l| match geometry.layer_slot(l) {
+                    Err(_) => Ok(None),
+                    Ok(_) => pool.page_view(l, 0, 64).map(|v| Some(v.row_shift as i32)).map_err(pool_err),
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        let flash = widths.map(|w| (w, shifts.as_slice()));
+        let bufs = DecodeIndexBuffers::new(Arc::clone(pool.backend()), pool.stream(), &geometry, cap, flash)?;
         Ok(DecodePath { pool, bufs, no_table: vec![0; cap.max_blocks_per_seq], streams: Vec::new() })
+    }
+
+    /// Layer `layer`'s FlashMLA operands (a path from [`Self::new_flashmla`]; else
+    /// [`DecodeError::NoFlashMla`]): `indices` / `topk_length` (its class's view) and
+    /// `extra_indices` / `extra_topk_length` (HCA: its view; CSA: the one buffer the layer's
+    /// pack fills, so read it between that pack and the next). Hand FlashMLA
+    /// `Pool::page_view(layer, plane, 64)` as `k_cache` and `extra_k_cache`.
+    pub fn flashmla(&self, layer: usize) -> Result<FlashMlaBuffers, DecodeError> {
+        self.bufs.flashmla(layer)
+    }
+
+    /// Read one of [`Self::flashmla`]'s buffers back (waits for the pool's stream).
+    pub fn read_flashmla(&self, buf: DeviceBuffer) -> Result<Vec<i32>, DecodeError> {
+        self.bufs.read_buffer(buf)
     }
 
     /// Device bytes a decode path for `cap` takes on a pool of `geometry`, without

@@ -565,6 +565,9 @@ impl PrefillIndexBuffers {
             window_size: 0,
             compress_ratio: ratio as i32,
             compress_bias,
+            extra_topk_length: 0,
+            extra_topk: 0,
+            shift: 0,
         })
     }
 

@@ -11,7 +11,9 @@ use crate::backend::{self, Backend, BackendChoice, BackendKind, Stream};
 use crate::boundary::BoundaryChange;
 use crate::checkpoint::{CheckpointImage, LayoutId};
 use crate::geometry::Class;
-use crate::pool::{DecodeCapacity, DecodeError, DecodePath, DeviceBuffer, FlatDecodeBatch, Pool, PoolSpec};
+use crate::pool::{
+    DecodeCapacity, DecodeError, DecodePath, DeviceBuffer, FlashMlaWidths, FlatDecodeBatch, Pool, PoolSpec,
+};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -480,7 +482,10 @@ impl PyPool {
 
     /// Persistent decode index buffers for this pool. Defaults: one token per sequence
     /// plus the plan's speculative steps, the model's window and top-k, one CSA copy.
-    #[pyo3(signature = (max_seqs, max_blocks_per_seq, *, max_tokens=None, win=None, index_topk=None))]
+    /// `flashmla`: write FlashMLA's convention instead of CSR (index-buffers.md §3f): `True` for
+    /// the narrowest widths, or `(topk, csa_extra_topk, hca_extra_topk)` (multiples of 64);
+    /// `Decode.flashmla(layer)` then gives a layer's operands.
+    #[pyo3(signature = (max_seqs, max_blocks_per_seq, *, max_tokens=None, win=None, index_topk=None, flashmla=None))]
     fn decode(
         &self,
         max_seqs: usize,
@@ -488,6 +493,7 @@ impl PyPool {
         max_tokens: Option<usize>,
         win: Option<i32>,
         index_topk: Option<i32>,
+        flashmla: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyDecode> {
         let model = &self.plan.get().report.plan.layout.model;
         let per_seq = 1 + usize::try_from(model.spec_steps).unwrap_or(0);
@@ -498,7 +504,22 @@ impl PyPool {
             win: win.unwrap_or(model.sliding_window as i32),
             index_topk: index_topk.unwrap_or(model.index_topk as i32),
         };
-        let step = self.hold.pool.decode_path(cap).map_err(lib_err)?;
+        let step = match flashmla {
+            None => self.hold.pool.decode_path(cap),
+            Some(f) => {
+                let widths =
+                    if let Ok((topk, csa_extra_topk, hca_extra_topk)) = f.extract::<(i32, i32, i32)>() {
+                        FlashMlaWidths { topk, csa_extra_topk, hca_extra_topk }
+                    } else if f.extract::<bool>()? {
+                        let g = self.hold.pool.geometry().map_err(lib_err)?;
+                        FlashMlaWidths::for_capacity(&g, cap).map_err(lib_err)?
+                    } else {
+                        return self.decode(max_seqs, max_blocks_per_seq, max_tokens, win, index_topk, None);
+                    };
+                self.hold.pool.flashmla_decode_path(cap, widths)
+            }
+        }
+        .map_err(lib_err)?;
         let step = Arc::new(Mutex::new(step));
         let keep: Keep = Arc::new((step.clone(), self.hold.clone()));
         Ok(PyDecode { step, hold: self.hold.clone(), device: self.device, keep })
@@ -695,6 +716,30 @@ impl PyDecode {
     fn dest_rows(&self, cls: &str) -> PyResult<DeviceView> {
         let c = self.class(cls)?;
         self.view(c, self.lock()?.dest_rows(c))
+    }
+
+    /// Layer `layer`'s FlashMLA operands (a `decode(..., flashmla=...)` buffer set): a dict of
+    /// int32 views `indices [max_tokens, topk]`, `topk_length [max_tokens]`, and for a
+    /// compressed layer `extra_indices [max_tokens, extra_topk]`, `extra_topk_length`; plus the
+    /// layer's `shift` (already in every index). Hand FlashMLA `Pool.page_view(layer)` as
+    /// `k_cache` and `extra_k_cache`. A CSA layer's extra part is what its `csa_pack` wrote.
+    fn flashmla<'py>(&self, py: Python<'py>, layer: usize) -> PyResult<Bound<'py, PyDict>> {
+        let ops = self.lock()?.flashmla(layer).map_err(lib_err)?;
+        let d = PyDict::new(py);
+        let view = |b: DeviceBuffer, shape: Vec<i64>| {
+            let mut v = DeviceView::contiguous(b.ptr, Elem::I32, shape, self.device, self.keep.clone());
+            v.sync = Some(sync_fn(&self.hold));
+            v
+        };
+        let t = ops.topk_length.len as i64;
+        d.set_item("indices", view(ops.indices, vec![t, i64::from(ops.topk)]))?;
+        d.set_item("topk_length", view(ops.topk_length, vec![t]))?;
+        if let (Some(x), Some(xl)) = (ops.extra_indices, ops.extra_topk_length) {
+            d.set_item("extra_indices", view(x, vec![t, i64::from(ops.extra_topk)]))?;
+            d.set_item("extra_topk_length", view(xl, vec![t]))?;
+        }
+        d.set_item("shift", ops.shift)?;
+        Ok(d)
     }
 
     /// The capacities the buffers were sized for.

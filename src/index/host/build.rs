@@ -13,10 +13,37 @@ pub struct DecodeClass<'a> {
     pub params: WindowParams,
     /// CSR offsets `[T+1]`.
     pub indptr: &'a [i32],
-    /// The class's index buffer (out).
-    pub indices: &'a mut [i32],
+    /// The class's CSR index buffer (out); `None`: not written (FlashMLA's rows only).
+    pub indices: Option<&'a mut [i32]>,
     /// Destination rows `[T]` (out), if wanted.
     pub dest_rows: Option<&'a mut [i32]>,
+}
+
+/// One class's outputs in FlashMLA's convention (§3f): per view `v` (one per distinct
+/// page-view shift among the class's layers) a row of `topk` entries per token.
+#[derive(Debug)]
+pub struct FlashMlaClass<'a> {
+    /// Each view's shift (its length is the number of views).
+    pub shifts: &'a [i32],
+    /// Entries per window row.
+    pub topk: i32,
+    /// `[views][T][topk]` (out): window rows oldest first, + shift, then −1.
+    pub indices: &'a mut [i32],
+    /// `[T]` (out): window entries per token (0 for pads).
+    pub topk_length: &'a mut [i32],
+    /// The compressed part (HCA with block tables).
+    pub extra: Option<FlashMlaExtra<'a>>,
+}
+
+/// The compressed part of a class's FlashMLA outputs (§3f: the HCA head from the block tables).
+#[derive(Debug)]
+pub struct FlashMlaExtra<'a> {
+    /// Entries per compressed row.
+    pub extra_topk: i32,
+    /// `[views][T][extra_topk]` (out): entries `0..head`, + shift, then −1.
+    pub extra_indices: &'a mut [i32],
+    /// `[T]` (out): the head per token (0 for pads).
+    pub extra_topk_length: &'a mut [i32],
 }
 
 /// The decode builder's buffers and scalars; a class is off when its entry is `None`.
@@ -24,6 +51,8 @@ pub struct DecodeClass<'a> {
 pub struct DecodeIndices<'a> {
     /// [dense, csa, hca] (`CLASS_*`).
     pub classes: [Option<DecodeClass<'a>>; NUM_SLOTS],
+    /// [dense, csa, hca]: FlashMLA outputs of an enabled class (§3f), if wanted.
+    pub flashmla: [Option<FlashMlaClass<'a>>; NUM_SLOTS],
     /// Physical slot per sequence.
     pub state_slot_per_seq: &'a [i32],
     /// Sequence of each token; −1 for pads.
@@ -44,9 +73,17 @@ pub struct DecodeIndices<'a> {
 
 /// §3 with the fused §4 heads: per live token, each enabled class's window at the tail of its
 /// slice (oldest first) and its dest row; with block tables, the HCA head `e = 0..head`.
+///
+/// FlashMLA outputs (§3f) of class c, for every token t < T (pads included): view v's row t is
+/// `window_row(W_c, slot, p − n + 1 + i) + shift[v]` for `i < n`, −1 up to `topk`;
+/// `topk_length[t] = n`; with the compressed part, `compress_row(e) + shift[v]` for
+/// `e < head`, −1 up to `extra_topk`, `extra_topk_length[t] = head`. A pad's rows are all −1
+/// and its lengths 0 (a captured grid runs FlashMLA over every row: a pad must attend to
+/// nothing, whatever an earlier step left there).
 pub fn decode_indices(k: DecodeIndices<'_>) -> Result<()> {
     let DecodeIndices {
         mut classes,
+        mut flashmla,
         state_slot_per_seq,
         batch_id_per_token,
         positions,
@@ -56,36 +93,104 @@ pub fn decode_indices(k: DecodeIndices<'_>) -> Result<()> {
         num_tokens,
         win,
     } = k;
-    for t in 0..i64::from(num_tokens) {
+    let tokens = i64::from(num_tokens);
+    for t in 0..tokens {
         let b = at(batch_id_per_token, t, "batch_id_per_token")?;
         if b < 0 {
-            continue; // pad token
+            // Pad token: no CSR store; FlashMLA rows −1, lengths 0.
+            for fm in flashmla.iter_mut().flatten() {
+                flashmla_pad(fm, t, tokens)?;
+            }
+            continue;
         }
         let p = at(positions, t, "positions")?;
         let n = add(p, 1, "position")?.min(i64::from(win));
         let slot = i64::from(at(state_slot_per_seq, i64::from(b), "state_slot_per_seq")?);
-        for class in classes.iter_mut() {
+        for (class, fm) in classes.iter_mut().zip(flashmla.iter_mut()) {
             let Some(class) = class else { continue };
             let end = i64::from(at(class.indptr, t + 1, "indptr")?);
-            write_window(class.indices, end - n, n, &class.params, slot, p - n + 1, "indices")?;
+            if let Some(indices) = class.indices.as_deref_mut() {
+                write_window(indices, end - n, n, &class.params, slot, p - n + 1, "indices")?;
+            }
             if let Some(dest) = class.dest_rows.as_deref_mut() {
                 put(dest, t, window_row(&class.params, slot, p)?, "dest_rows")?;
             }
+            if let Some(fm) = fm.as_mut() {
+                let rows = (0..n).map(|i| window_row(&class.params, slot, p - n + 1 + i).map(Some));
+                flashmla_rows(fm.indices, fm.shifts, fm.topk, t, tokens, n, rows, "flashmla indices")?;
+                put(fm.topk_length, t, n, "flashmla topk_length")?;
+            }
         }
-        if let (Some(tables), Some(hca)) = (&block_tables, classes[CLASS_HCA].as_mut()) {
-            let begin = i64::from(at(hca.indptr, t, "hca indptr")?);
-            let head = i64::from(at(hca.indptr, t + 1, "hca indptr")?) - begin - n;
-            write_compressed(
-                hca.indices,
-                begin,
-                head,
-                tables,
-                i64::from(b),
-                i64::from(hca_rows_per_block),
-                envelope_rows,
-                "hca indices",
-            )?;
+        let Some(tables) = &block_tables else { continue };
+        let Some(hca) = classes[CLASS_HCA].as_mut() else { continue };
+        let begin = i64::from(at(hca.indptr, t, "hca indptr")?);
+        let head = i64::from(at(hca.indptr, t + 1, "hca indptr")?) - begin - n;
+        let rpb = i64::from(hca_rows_per_block);
+        if let Some(indices) = hca.indices.as_deref_mut() {
+            write_compressed(indices, begin, head, tables, i64::from(b), rpb, envelope_rows, "hca indices")?;
         }
+        let Some(fm) = flashmla[CLASS_HCA].as_mut() else { continue };
+        let Some(x) = fm.extra.as_mut() else { continue };
+        let rpb = divisor("rows_per_block", rpb)?;
+        let rows = (0..head)
+            .map(|e| compress_row(tables.get(i64::from(b), e / rpb)?, e % rpb, envelope_rows).map(Some));
+        flashmla_rows(
+            x.extra_indices,
+            fm.shifts,
+            x.extra_topk,
+            t,
+            tokens,
+            head,
+            rows,
+            "flashmla extra_indices",
+        )?;
+        put(x.extra_topk_length, t, head.max(0), "flashmla extra_topk_length")?;
+    }
+    Ok(())
+}
+
+/// Row `t` of every view of a FlashMLA buffer `[views][tokens][width]`: the `count` values of
+/// `rows` (view-relative; `None`: −1 in place) + the view's shift, then −1 to `width`. A count
+/// past the row is
+/// [`HostKernelError::PastRow`] (the device bounds its stores to the row instead).
+#[allow(clippy::too_many_arguments)] // the row's coordinates as the kernel takes them
+fn flashmla_rows(
+    out: &mut [i32],
+    shifts: &[i32],
+    width: i32,
+    t: i64,
+    tokens: i64,
+    count: i64,
+    rows: impl Iterator<Item = Result<Option<i64>>>,
+    buffer: &'static str,
+) -> Result<()> {
+    let width = i64::from(width);
+    if count > width {
+        return Err(HostKernelError::PastRow { buffer, token: t, entries: count, width });
+    }
+    let rows = rows.collect::<Result<Vec<Option<i64>>>>()?;
+    for (v, &shift) in shifts.iter().enumerate() {
+        let start =
+            mul(add(mul(v as i64, tokens, "flashmla row")?, t, "flashmla row")?, width, "flashmla row")?;
+        for i in 0..width {
+            let value = match rows.get(i as usize) {
+                Some(&Some(r)) => add(r, shift.into(), "shifted row")?,
+                _ => -1,
+            };
+            put(out, add(start, i, "flashmla entry")?, value, buffer)?;
+        }
+    }
+    Ok(())
+}
+
+/// A pad token's FlashMLA rows (§3f): −1 in every view, lengths 0.
+fn flashmla_pad(fm: &mut FlashMlaClass<'_>, t: i64, tokens: i64) -> Result<()> {
+    flashmla_rows(fm.indices, fm.shifts, fm.topk, t, tokens, 0, std::iter::empty(), "flashmla indices")?;
+    put(fm.topk_length, t, 0, "flashmla topk_length")?;
+    if let Some(x) = fm.extra.as_mut() {
+        let buffer = "flashmla extra_indices";
+        flashmla_rows(x.extra_indices, fm.shifts, x.extra_topk, t, tokens, 0, std::iter::empty(), buffer)?;
+        put(x.extra_topk_length, t, 0, "flashmla extra_topk_length")?;
     }
     Ok(())
 }
@@ -145,16 +250,38 @@ pub struct CsaPack<'a> {
     pub window_size: i32,
     /// Added to every packed row (the layer's compress bias; 0 in V4).
     pub compress_bias: i64,
+    /// FlashMLA's convention (§5f): `out` is `[T][extra_topk]` rows, not CSR slices.
+    pub flashmla: Option<FlashMlaPack<'a>>,
+}
+
+/// The translate-pack's FlashMLA mode (§5f, decode): dense rows with a −1 tail and a length.
+#[derive(Debug)]
+pub struct FlashMlaPack<'a> {
+    /// Entries per output row.
+    pub extra_topk: i32,
+    /// The layer's page-view shift, added to every packed row.
+    pub shift: i32,
+    /// `[T]` (out): packed entries per token (0 for pads).
+    pub extra_topk_length: &'a mut [i32],
 }
 
 /// §5 for every layer: the heads `[indptr[t], indptr[t] + valid_k)` from the top-k rows, block
 /// index clamped to the table (C division, as the device).
-pub fn csa_translate_pack(k: CsaPack<'_>) -> Result<()> {
+///
+/// FlashMLA mode (`flashmla`, §5f; decode): row t of `out` (`[T][extra_topk]`) holds the
+/// `valid_k` packed rows + `shift` (a negative top-k value, transformers' −1 tail, is −1 in
+/// place), then −1; `extra_topk_length[t] = max(valid_k, 0)`; a pad's row is −1, length 0.
+pub fn csa_translate_pack(mut k: CsaPack<'_>) -> Result<()> {
     let cap = divisor("block_capacity", k.block_capacity.into())?;
     let last = i64::from(k.block_tables.stride) - 1;
-    for t in 0..i64::from(k.num_tokens) {
+    let tokens = i64::from(k.num_tokens);
+    for t in 0..tokens {
         let b = at(k.batch_id_per_token, t, "batch_id_per_token")?;
         if b < 0 {
+            if let Some(fm) = k.flashmla.as_mut() {
+                flashmla_rows(k.out, &[fm.shift], fm.extra_topk, t, tokens, 0, std::iter::empty(), "out")?;
+                put(fm.extra_topk_length, t, 0, "extra_topk_length")?;
+            }
             continue;
         }
         let skip = if k.window_size > 0 {
@@ -172,6 +299,21 @@ pub fn csa_translate_pack(k: CsaPack<'_>) -> Result<()> {
             });
         }
         let row = mul(t, k.topk_row_stride.into(), "topk index")?;
+        if let Some(fm) = k.flashmla.as_mut() {
+            let valid = valid_k.max(0);
+            let entries = (0..valid).map(|i| {
+                let v = i64::from(at(k.topk, row + i, "topk")?);
+                if v < 0 {
+                    return Ok(None);
+                }
+                let blk = (v / cap).clamp(0, last.max(0)); // clamp, do not drop (as §5)
+                let r = compress_row(k.block_tables.get(b.into(), blk)?, v % cap, k.envelope_rows)?;
+                Ok(Some(add(r, k.compress_bias, "biased row")?))
+            });
+            flashmla_rows(k.out, &[fm.shift], fm.extra_topk, t, tokens, valid, entries, "out")?;
+            put(fm.extra_topk_length, t, valid, "extra_topk_length")?;
+            continue;
+        }
         for i in 0..valid_k {
             let v = i64::from(at(k.topk, row + i, "topk")?);
             let blk = (v / cap).clamp(0, last.max(0)); // clamp, do not drop

@@ -31,7 +31,7 @@ mod tests;
 
 pub use build::{
     csa_translate_pack, decode_indices, hca_offsets, prefill_indices, CsaPack, Csr, DecodeClass,
-    DecodeIndices, PrefillIndices,
+    DecodeIndices, FlashMlaClass, FlashMlaExtra, FlashMlaPack, PrefillIndices,
 };
 pub use gather::{dequant_fp8_row, e8m0_scale, fp8_scaled_bf16, window_gather, GatherPlanes};
 pub use keys::{
@@ -116,6 +116,18 @@ pub enum HostKernelError {
         valid_k: i64,
         /// Elements per top-k row.
         row_stride: i64,
+    },
+    #[error("{buffer}: token {token} has {entries} entries, its row holds {width}")]
+    /// `buffer`: token `token` has `entries` entries, more than its FlashMLA row's `width`.
+    PastRow {
+        /// Which buffer.
+        buffer: &'static str,
+        /// The token.
+        token: i64,
+        /// Entries the token has.
+        entries: i64,
+        /// Entries per row.
+        width: i64,
     },
     #[error("{buffer}: address {addr:#x} is null or not {align}-byte aligned")]
     /// `buffer`: address `addr` is null or not `align`-byte aligned.
@@ -206,6 +218,7 @@ impl VariantName for HostKernelError {
             TableColumn { .. } => "TableColumn",
             NegativeEntry { .. } => "NegativeEntry",
             TopkPastRow { .. } => "TopkPastRow",
+            PastRow { .. } => "PastRow",
             BadAddress { .. } => "BadAddress",
             TooLong { .. } => "TooLong",
             FillRunUnaligned { .. } => "FillRunUnaligned",

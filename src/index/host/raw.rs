@@ -6,8 +6,8 @@ use crate::geometry::NUM_SLOTS;
 use crate::index::shape::check_launch;
 use crate::index::ElemType;
 use crate::index::{
-    CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs, Launch,
-    PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs, WindowGatherArgs,
+    CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, FlashMlaOut, HcaOffsetsArgs,
+    Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs, WindowGatherArgs,
     CLASS_HCA,
 };
 
@@ -116,6 +116,7 @@ unsafe fn run_decode(a: &DecodeIndexArgs) -> Result<()> {
         let bs = len_of("state_slot_per_seq", seqs_reached(&live))?;
         let slots: &[i32] = input("state_slot_per_seq", a.state_slot_per_seq, bs)?;
         let mut classes: [Option<DecodeClass<'_>>; NUM_SLOTS] = [None, None, None];
+        let mut flashmla: [Option<FlashMlaClass<'_>>; NUM_SLOTS] = [None, None, None];
         for (c, cls) in a.classes.iter().enumerate() {
             if cls.indptr == 0 {
                 continue;
@@ -124,12 +125,9 @@ unsafe fn run_decode(a: &DecodeIndexArgs) -> Result<()> {
             let n = len_of("indices", indptr_extent(indptr))?;
             let dest_rows =
                 if cls.dest_rows == 0 { None } else { Some(output("dest_rows", cls.dest_rows, t)?) };
-            classes[c] = Some(DecodeClass {
-                params: cls.params,
-                indptr,
-                indices: output("indices", cls.indices, n)?,
-                dest_rows,
-            });
+            let indices = if cls.indices == 0 { None } else { Some(output("indices", cls.indices, n)?) };
+            classes[c] = Some(DecodeClass { params: cls.params, indptr, indices, dest_rows });
+            flashmla[c] = flashmla_class(&a.flashmla[c], t)?;
         }
         let block_tables = if a.block_tables != 0 && a.classes[CLASS_HCA].indptr != 0 {
             let n = len_of("block_tables", mul(bs as i64, a.block_table_stride.into(), "block_tables")?)?;
@@ -142,6 +140,7 @@ unsafe fn run_decode(a: &DecodeIndexArgs) -> Result<()> {
         };
         decode_indices(DecodeIndices {
             classes,
+            flashmla,
             state_slot_per_seq: slots,
             batch_id_per_token: bids,
             positions,
@@ -151,6 +150,43 @@ unsafe fn run_decode(a: &DecodeIndexArgs) -> Result<()> {
             num_tokens: a.num_tokens,
             win: a.win,
         })
+    }
+}
+
+/// A class's FlashMLA outputs (§3f) as slices: `[views][t][width]` rows and `[t]` lengths.
+///
+/// # Safety
+/// See [`run_launch`].
+unsafe fn flashmla_class<'a>(fm: &FlashMlaOut, t: usize) -> Result<Option<FlashMlaClass<'a>>> {
+    if fm.indices == 0 {
+        return Ok(None);
+    }
+    let rows = |width: i32, what| -> Result<usize> {
+        let n = mul(mul(fm.num_views.into(), t as i64, what)?, width.into(), what)?;
+        len_of(what, n)
+    };
+    // SAFETY: lengths from the arguments; the caller covers them.
+    unsafe {
+        let extra = if fm.extra_indices == 0 {
+            None
+        } else {
+            Some(FlashMlaExtra {
+                extra_topk: fm.extra_topk,
+                extra_indices: output(
+                    "flashmla extra_indices",
+                    fm.extra_indices,
+                    rows(fm.extra_topk, "flashmla extra_indices")?,
+                )?,
+                extra_topk_length: output("flashmla extra_topk_length", fm.extra_topk_length, t)?,
+            })
+        };
+        Ok(Some(FlashMlaClass {
+            shifts: input("flashmla shifts", fm.shifts, count(fm.num_views))?,
+            topk: fm.topk,
+            indices: output("flashmla indices", fm.indices, rows(fm.topk, "flashmla indices")?)?,
+            topk_length: output("flashmla topk_length", fm.topk_length, t)?,
+            extra,
+        }))
     }
 }
 
@@ -237,6 +273,17 @@ unsafe fn run_csa_pack(a: &CsaPackArgs) -> Result<()> {
         let rows = mul(seqs_reached(&live), a.block_table_stride.into(), "block_tables")?;
         let table = input("block_tables", a.block_tables, len_of("block_tables", rows)?)?;
         let topk_len = mul(t as i64, a.topk_row_stride.into(), "topk length")?;
+        // FlashMLA mode: `out` is [T][extra_topk] rows; CSR: the slices the indptr spans.
+        let (out_len, flashmla) = if a.extra_topk > 0 {
+            let fm = FlashMlaPack {
+                extra_topk: a.extra_topk,
+                shift: a.shift,
+                extra_topk_length: output("extra_topk_length", a.extra_topk_length, t)?,
+            };
+            (mul(t as i64, a.extra_topk.into(), "out length")?, Some(fm))
+        } else {
+            (indptr_extent(indptr), None)
+        };
         csa_translate_pack(CsaPack {
             topk: input("topk", a.topk, len_of("topk", topk_len)?)?,
             block_tables: BlockTables { table, stride: a.block_table_stride },
@@ -244,13 +291,14 @@ unsafe fn run_csa_pack(a: &CsaPackArgs) -> Result<()> {
             indptr,
             batch_id_per_token: bids,
             skip_prefix_len_per_token: skip,
-            out: output("out", a.out, len_of("out", indptr_extent(indptr))?)?,
+            out: output("out", a.out, len_of("out", out_len)?)?,
             envelope_rows: a.envelope_rows,
             topk_row_stride: a.topk_row_stride,
             num_tokens: a.num_tokens,
             block_capacity: a.block_capacity,
             window_size: a.window_size,
             compress_bias: a.compress_bias,
+            flashmla,
         })
     }
 }

@@ -96,22 +96,23 @@ fn run_decode_case(g: &UnifiedPoolGeometry, tables: Option<&[i32]>) -> DecodeOut
     let dense = g.window_params(0).ok().map(|params| DecodeClass {
         params,
         indptr: &c.swa_indptr,
-        indices: &mut out.swa,
+        indices: Some(&mut out.swa),
         dest_rows: Some(d0.as_mut_slice()),
     });
     let csa = DecodeClass {
         params: g.window_params(4).unwrap(),
         indptr: &c.csa_indptr,
-        indices: &mut out.csa,
+        indices: Some(&mut out.csa),
         dest_rows: Some(d1.as_mut_slice()),
     };
     let hca = DecodeClass {
         params: g.window_params(128).unwrap(),
         indptr: &c.hca_indptr,
-        indices: &mut out.hca,
+        indices: Some(&mut out.hca),
         dest_rows: Some(d2.as_mut_slice()),
     };
     decode_indices(DecodeIndices {
+        flashmla: [None, None, None],
         classes: [dense, Some(csa), Some(hca)],
         state_slot_per_seq: &c.slots,
         batch_id_per_token: &c.bids,
@@ -216,6 +217,7 @@ fn csa_pack_takes_the_compress_bias() {
             block_capacity: 2,
             window_size: 0,
             compress_bias: bias,
+            flashmla: None,
         })
         .unwrap();
         let b = bias as i32;
@@ -242,6 +244,7 @@ fn csa_pack_decode_worked_example() {
         block_capacity: 64,
         window_size: 8,
         compress_bias: 0,
+        flashmla: None,
     })
     .unwrap();
     assert_eq!(
@@ -319,6 +322,7 @@ fn prefill_builder_worked_example_and_csa_follow_up() {
         block_capacity: 64,
         window_size: 0,
         compress_bias: 0,
+        flashmla: None,
     })
     .unwrap();
     assert_eq!(csa_idx, vec![2774, 2772, 37, 38, 39, 40, 30, 31, 32, 2775, 661, 38, 39, 40, 30, 31, 32, U]);
@@ -377,6 +381,7 @@ fn prefill_packed_coarse_slot_keeps_its_head_for_the_pack() {
         block_capacity: 2,
         window_size: 0,
         compress_bias: 5,
+        flashmla: None,
     })
     .unwrap();
     // Token 3 (table [21, 5]): rows 1 → 21·132 + 1, 2 → 5·132 + 0; token 4: 3 → 5·132 + 1,

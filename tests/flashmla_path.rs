@@ -1,0 +1,132 @@
+//! The FlashMLA decode path (`Pool::flashmla_decode_path`) on the host backend: a layer's
+//! operands are the CSR path's slices of the same batch, reordered into FlashMLA's rows (window
+//! tail → `indices`, HCA head → `extra_indices`, the CSA pack's head → the CSA `extra_indices`),
+//! each + the layer's `page_view` shift, −1 to the row's end, pads all −1 with length 0; the
+//! views follow the shifts (CSA one, HCA one per layer); bad widths are typed errors.
+
+mod common;
+
+use std::sync::Arc;
+use v4pool::backend::host::HostBackend;
+use v4pool::backend::Stream;
+use v4pool::pool::{DecodeBuffer, DecodeCapacity, DecodeError, DecodeSeq, FlashMlaWidths, Pool};
+use v4pool::{Class, VariantName};
+
+fn pool() -> Arc<Pool> {
+    common::index_pool(Arc::new(HostBackend::new()), common::flash_ratios(), 300, 8)
+}
+
+fn cap() -> DecodeCapacity {
+    DecodeCapacity { max_seqs: 4, max_tokens: 8, max_blocks_per_seq: 40, win: 128, index_topk: 512 }
+}
+
+#[test]
+fn flashmla_rows_are_the_csr_slices_shifted() {
+    let pool = pool();
+    let g = pool.geometry().unwrap();
+    let widths = FlashMlaWidths::for_capacity(&g, cap()).unwrap();
+    assert_eq!((widths.topk, widths.csa_extra_topk, widths.hca_extra_topk), (128, 512, 128));
+    let mut csr = pool.decode_path(cap()).unwrap();
+    let mut fm = pool.flashmla_decode_path(cap(), widths).unwrap();
+    let mut rng = common::Rng::new(0xf1a5_9a70);
+    let live: Vec<i64> = g.live_positions().collect();
+    let ctx: Vec<i64> = vec![3, 40 * 256, 5_000, 9_999];
+    let tables: Vec<Vec<i32>> =
+        ctx.iter().map(|&c| (0..(c + 255) / 256).map(|_| rng.below(300) as i32).collect()).collect();
+    let batch: Vec<DecodeSeq<'_>> = (0..4)
+        .map(|i| DecodeSeq {
+            position: live[i + 1],
+            context_len: ctx[i],
+            num_tokens: 1 + i % 2,
+            block_table: &tables[i],
+        })
+        .collect();
+    let tokens = csr.stage(&batch).unwrap();
+    assert_eq!(fm.stage(&batch).unwrap(), tokens);
+    csr.build().unwrap();
+    fm.build().unwrap();
+    // One top-k for the CSA packs, transformers-style: [valid ids | -1].
+    let t_max = cap().max_tokens;
+    let heads = csr.staged_csa_heads().to_vec();
+    let mut topk = vec![-1i32; t_max * 512];
+    for (t, &[head, entries]) in heads.iter().enumerate() {
+        for k in 0..head as usize {
+            topk[t * 512 + k] = rng.below(entries.max(1) as u64) as i32;
+        }
+    }
+    let backend = pool.backend();
+    let dev = backend.alloc_zeroed(4 * topk.len() as u64).unwrap();
+    // SAFETY: `dev` is a live allocation of the top-k's length on the pool's backend.
+    unsafe { backend.upload(dev.ptr, bytemuck::cast_slice(&topk), Stream::DEFAULT).unwrap() };
+    // SAFETY: the top-k buffer is live, [max_tokens][512], valid where the pack reads it.
+    unsafe {
+        csr.csa_pack(dev.ptr, 512).unwrap();
+        fm.csa_pack(dev.ptr, 512).unwrap();
+    }
+    // Each live token's position (sequences in order, their tokens the context's last ones).
+    let pos: Vec<i64> = batch
+        .iter()
+        .flat_map(|s| (0..s.num_tokens as i64).map(move |k| s.context_len - s.num_tokens as i64 + k))
+        .collect();
+    let read = |c: Class, b: fn(Class) -> DecodeBuffer| csr.read_i32(b(c)).unwrap();
+    let (mut hca_views, mut csa_views) =
+        (std::collections::BTreeSet::new(), std::collections::BTreeSet::new());
+    for layer in 0..g.num_layers {
+        let class = g.layer_slot(layer).unwrap();
+        let ops = fm.flashmla(layer).unwrap();
+        let shift = pool.page_view(layer, 0, 64).unwrap().row_shift as i32;
+        assert_eq!(ops.shift, shift, "layer {layer}");
+        match class {
+            Class::Hca => hca_views.insert(ops.indices.ptr),
+            Class::Csa => csa_views.insert(ops.indices.ptr),
+            Class::Dense => true,
+        };
+        let (ix, len) = (fm.read_flashmla(ops.indices).unwrap(), fm.read_flashmla(ops.topk_length).unwrap());
+        let extra = ops.extra_indices.map(|b| fm.read_flashmla(b).unwrap());
+        let extra_len = ops.extra_topk_length.map(|b| fm.read_flashmla(b).unwrap());
+        let (indices, indptr) = (read(class, DecodeBuffer::Indices), read(class, DecodeBuffer::Indptr));
+        for t in 0..t_max {
+            let slice = &indices[indptr[t] as usize..indptr[t + 1] as usize];
+            let n = if t < tokens { (pos[t] + 1).min(128) as usize } else { 0 };
+            assert_eq!(len[t] as usize, n, "layer {layer} token {t}: topk_length");
+            let want_window: Vec<i32> = slice[slice.len() - n..].iter().map(|r| r + shift).collect();
+            let row = &ix[t * 128..(t + 1) * 128];
+            assert_eq!(&row[..n], &want_window[..], "layer {layer} token {t}: window");
+            assert!(row[n..].iter().all(|&x| x == -1), "layer {layer} token {t}: -1 tail");
+            let (Some(extra), Some(extra_len)) = (&extra, &extra_len) else { continue };
+            let head: Vec<i32> = slice[..slice.len() - n].iter().map(|r| r + shift).collect();
+            let w = ops.extra_topk as usize;
+            assert_eq!(extra_len[t] as usize, head.len(), "layer {layer} token {t}: extra_topk_length");
+            assert_eq!(&extra[t * w..t * w + head.len()], &head[..], "layer {layer} token {t}: compressed");
+            assert!(
+                extra[t * w + head.len()..(t + 1) * w].iter().all(|&x| x == -1),
+                "layer {layer} token {t}"
+            );
+        }
+    }
+    assert_eq!(hca_views.len(), 20, "one HCA view per layer (20 distinct shifts)");
+    assert_eq!(csa_views.len(), 1, "the CSA layers share one shift");
+    assert!(fm.read_i32(DecodeBuffer::Indices(Class::Csa)).is_err(), "no CSR buffers in FlashMLA mode");
+    // SAFETY: no launch uses the top-k any more (the packs ran on the pool's stream; drained).
+    unsafe { backend.free(dev) };
+}
+
+#[test]
+fn bad_widths_are_typed_errors() {
+    let pool = pool();
+    let g = pool.geometry().unwrap();
+    let ok = FlashMlaWidths::for_capacity(&g, cap()).unwrap();
+    let cases = [
+        (FlashMlaWidths { topk: 100, ..ok }, "FlashMlaWidth"),
+        (FlashMlaWidths { topk: 64, ..ok }, "FlashMlaTooNarrow"),
+        (FlashMlaWidths { csa_extra_topk: 448, ..ok }, "FlashMlaTooNarrow"),
+        (FlashMlaWidths { hca_extra_topk: 0, ..ok }, "FlashMlaWidth"),
+        (FlashMlaWidths { hca_extra_topk: 64, ..ok }, "FlashMlaTooNarrow"),
+    ];
+    for (w, want) in cases {
+        let e = pool.flashmla_decode_path(cap(), w).unwrap_err();
+        assert_eq!(e.variant_name(), want, "{w:?}: {e}");
+    }
+    let csr = pool.decode_path(cap()).unwrap();
+    assert!(matches!(csr.flashmla(2), Err(DecodeError::NoFlashMla { .. })));
+}
