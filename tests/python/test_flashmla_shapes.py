@@ -120,6 +120,37 @@ def _check_operands(pool, ring, layer, ratio, shift, tables, slot_pos, positions
         assert got == want, f"layer {layer} token {t}: compressed rows"
 
 
+def _builder_operands(fwdf, layer, T, shift, idx, tl, eidx, etl):
+    """The FlashMLA-mode builder's (and pack's) operands of `layer` for the T staged tokens,
+    checked equal to the ones formed from the CSR buffers (`idx`… at s_q = MTP): the same
+    rows in the same order, per token, −1 after each token's length. Returned as FlashMLA
+    takes them with one query a batch entry: ([T, 1, W], [T], [T, 1, We] or None, [T] or None)."""
+    ops = fwdf.flashmla(layer)
+    assert ops["shift"] == shift
+
+    def one(name, lname, want, want_len):
+        rows = torch.from_dlpack(ops[name])[:T]
+        lengths = torch.from_dlpack(ops[lname])[:T]
+        per_token = want.reshape(T, -1).to(rows.device)
+        w = rows.shape[1]
+        if per_token.shape[1] < w:
+            per_token = torch.nn.functional.pad(per_token, (0, w - per_token.shape[1]), value=-1)
+        assert bool((per_token[:, w:] == -1).all()), name  # nothing the builder's width cuts off
+        per_token = per_token[:, :w]
+        inside = torch.arange(w, device=rows.device).unsqueeze(0) < lengths.unsqueeze(1).long()
+        assert bool((lengths.long().view(-1, MTP).amax(1) <= want_len.to(rows.device).long()).all()), name
+        assert torch.equal(rows, torch.where(inside, per_token, torch.full_like(per_token, -1))), name
+        assert bool((per_token[~inside] == -1).all()), (name, "a row past the builder's length")
+        return rows.unsqueeze(1).contiguous(), lengths.contiguous()
+
+    bi, bl = one("indices", "topk_length", idx, tl)
+    if eidx is None:
+        assert "extra_indices" not in ops or int(torch.from_dlpack(ops["extra_topk_length"])[:T].max()) == 0
+        return bi, bl, None, None
+    bei, bel = one("extra_indices", "extra_topk_length", eidx, etl)
+    return bi, bl, bei, bel
+
+
 @pytest.mark.parametrize("batch,context", _shapes())
 def test_flashmla_reads_the_pool_through_v4pools_buffers(ops, batch, context):
     _run(batch, context, "cuda", ops)
@@ -142,6 +173,9 @@ def _run(batch, context, backend, ops):
     blocks = [pool.alloc_block() for _ in range(nblocks)]
     slots = [pool.alloc_slot() for _ in range(batch)]
     fwd = v4pool.Forward(pool, batch, batch * MTP, blocks_per_seq, win=WIN, index_topk=TOPK)
+    # The same step's FlashMLA buffers from the builder and the pack themselves (flashmla=True:
+    # FlashMLA's convention, the narrowest widths for these capacities).
+    fwdf = v4pool.Forward(pool, batch, batch * MTP, blocks_per_seq, win=WIN, index_topk=TOPK, flashmla=True)
     # Contexts a little apart (up to 300 tokens short of `context`), block tables over the
     # pool's blocks in a different rotation per sequence (sequences share blocks: the rows are
     # random anyway, and 256 sequences of 1M tokens would not fit one pool otherwise).
@@ -149,8 +183,9 @@ def _run(batch, context, backend, ops):
     ids = [b.id for b in blocks]
     tables = [[ids[(s * 31 + k) % nblocks] for k in range(blocks_per_seq)] for s in range(batch)]
     slot_pos = [pool.slot_position(s) for s in slots]
-    fwd.decode_stage(slot_pos, ctx, tables, [MTP] * batch)
-    fwd.decode_build()
+    for f in (fwd, fwdf):
+        f.decode_stage(slot_pos, ctx, tables, [MTP] * batch)
+        f.decode_build()
     positions = [c - MTP + j for c in ctx for j in range(MTP)]
     k0, _ = pool.page_view(0)
     _fill_random_rows(torch.from_dlpack(k0), gen)
@@ -174,6 +209,7 @@ def _run(batch, context, backend, ops):
             topk = score.topk(min(TOPK, score.shape[1]), dim=1).indices.to(torch.int32)
             topk = torch.where(torch.gather(score, 1, topk.long()) < 0, torch.full_like(topk, -1), topk)
             fwd.decode_csa_pack(topk.contiguous())
+            fwdf.decode_csa_pack(topk.contiguous())
         ind = torch.from_dlpack(fwd.decode_indices(cls))
         ptr = torch.from_dlpack(fwd.decode_indptr(cls))
         view, shift = pool.page_view(layer)
@@ -183,6 +219,7 @@ def _run(batch, context, backend, ops):
         _check_operands(pool, plan.ring_slots, layer, ratio, shift, tables, slot_pos, positions, idx.cpu(), tl.cpu(),
                         None if eidx is None else eidx.cpu(), None if etl is None else etl.cpu(),
                         None if topk is None else topk.cpu(), [0, T - 1])
+        built = _builder_operands(fwdf, layer, T, shift, idx, tl, eidx, etl)
         q = (torch.randn(batch, MTP, HEADS, 512, device=dev, generator=gen) * 0.3).to(torch.bfloat16)
         ref = _reference(q, k_cache, idx, tl, eidx, etl, sink, scale)
         assert torch.isfinite(ref).all()
@@ -196,10 +233,19 @@ def _run(batch, context, backend, ops):
         torch.cuda.synchronize()
         us = (time.perf_counter() - t0) * 1e6
         err, m = (out.float() - ref).abs().max().item(), ref.abs().max().item()
+        # The builder's own buffers, each MTP token a batch entry of one query (FlashMLA's
+        # lengths are per batch entry; the builder's are per token).
+        bi, bl, bei, bel = built
+        q1 = q.reshape(T, 1, HEADS, 512)
+        out1 = ops.sparse_decode_fwd(q1, k_cache, bi, bl, sink, None, None, k_cache if bei is not None else None,
+                                     bei, bel, 512, scale, None, False)[0]
+        err1 = (out1.float().view_as(ref) - ref).abs().max().item()
         width = idx.shape[-1] + (0 if eidx is None else eidx.shape[-1])
+        bwidth = bi.shape[-1] + (0 if bei is None else bei.shape[-1])
         report.append(f"layer {layer} (ratio {ratio}, shift {shift}, {width} indices): "
-                      f"max|err| {err:.2e} of {m:.2e}, first call {us:.0f} us")
-        assert err <= 2e-2 * m, report[-1]
+                      f"max|err| {err:.2e} of {m:.2e}, first call {us:.0f} us; "
+                      f"builder's buffers ({bwidth} wide) max|err| {err1:.2e}")
+        assert err <= 2e-2 * m and err1 <= 2e-2 * m, report[-1]
     print(f"\nV4-Flash, batch {batch}, context {context}, MTP {MTP}, {HEADS} heads:")
     for line in report:
         print("  " + line)

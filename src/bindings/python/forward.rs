@@ -151,7 +151,7 @@ impl PyForward {
 #[pymethods]
 impl PyForward {
     #[new]
-    #[pyo3(signature = (pool, max_seqs, max_tokens, max_blocks_per_seq, *, prefill_tokens=None, hca_entries=None, win=None, index_topk=None, gather_window=None))]
+    #[pyo3(signature = (pool, max_seqs, max_tokens, max_blocks_per_seq, *, prefill_tokens=None, hca_entries=None, win=None, index_topk=None, gather_window=None, flashmla=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         pool: &Bound<'_, PyPool>,
@@ -163,6 +163,7 @@ impl PyForward {
         win: Option<i32>,
         index_topk: Option<i32>,
         gather_window: Option<usize>,
+        flashmla: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyForward> {
         let p = pool.get();
         let (arc, hold) = p.shared();
@@ -172,7 +173,9 @@ impl PyForward {
         let index_topk = index_topk.unwrap_or(512);
         let prefill_tokens = prefill_tokens.unwrap_or(max_tokens);
         let dcap = DecodeCapacity { max_seqs, max_tokens, max_blocks_per_seq, win, index_topk };
-        let decode = arc.decode_path(dcap).map_err(lib_err)?;
+        // FlashMLA's convention when asked (`Pool.decode`'s `flashmla`): the build and every
+        // `decode_csa_pack` then write FlashMLA's operands, `flashmla(layer)` names them.
+        let decode = super::pool::decode_path_of(&arc, dcap, flashmla)?;
         let pcap = PrefillCapacity {
             max_seqs,
             max_tokens: prefill_tokens,
@@ -247,6 +250,13 @@ impl PyForward {
     /// The decode build (one launch on the pool's stream): window tails, HCA heads, dest rows.
     fn decode_build(&self) -> PyResult<()> {
         lock(&self.decode)?.build().map_err(lib_err)
+    }
+
+    /// Layer `layer`'s FlashMLA operands after `decode_build` (and, for a CSA layer, its
+    /// `decode_csa_pack`), of a Forward made with `flashmla=`: `Decode.flashmla`'s dict.
+    fn flashmla<'py>(&self, py: Python<'py>, layer: usize) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let ops = lock(&self.decode)?.flashmla(layer).map_err(lib_err)?;
+        super::pool::flashmla_dict(py, &ops, self.device, &self.keep, None)
     }
 
     /// A class's decode index buffer, indptr or destination rows (int32 views).

@@ -214,6 +214,62 @@ impl PyPool {
     }
 }
 
+/// A decode path over `pool` at `cap`: CSR buffers, or with `flashmla` (`True` for the
+/// narrowest widths, or `(topk, csa_extra_topk, hca_extra_topk)`; `False` / `None`: CSR)
+/// FlashMLA's convention (index-buffers.md §3f). The one parser `Pool.decode` and `Forward`
+/// share.
+pub(super) fn decode_path_of(
+    pool: &Arc<Pool>,
+    cap: DecodeCapacity,
+    flashmla: Option<&Bound<'_, PyAny>>,
+) -> PyResult<DecodePath> {
+    let widths = match flashmla {
+        None => None,
+        Some(f) => {
+            if let Ok((topk, csa_extra_topk, hca_extra_topk)) = f.extract::<(i32, i32, i32)>() {
+                Some(FlashMlaWidths { topk, csa_extra_topk, hca_extra_topk })
+            } else if f.extract::<bool>()? {
+                let g = pool.geometry().map_err(lib_err)?;
+                Some(FlashMlaWidths::for_capacity(&g, cap).map_err(lib_err)?)
+            } else {
+                None
+            }
+        }
+    };
+    match widths {
+        None => pool.decode_path(cap),
+        Some(w) => pool.flashmla_decode_path(cap, w),
+    }
+    .map_err(lib_err)
+}
+
+/// A layer's FlashMLA operands as the dict `Decode.flashmla` / `Forward.flashmla` return:
+/// int32 views `indices [max_tokens, topk]`, `topk_length [max_tokens]`, for a compressed
+/// layer `extra_indices [max_tokens, extra_topk]` and `extra_topk_length`, and `shift`.
+pub(super) fn flashmla_dict<'py>(
+    py: Python<'py>,
+    ops: &crate::pool::FlashMlaBuffers,
+    device: DLDevice,
+    keep: &Keep,
+    sync: Option<Arc<dyn Fn() -> PyResult<()> + Send + Sync>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let view = |b: DeviceBuffer, shape: Vec<i64>| {
+        let mut v = DeviceView::contiguous(b.ptr, Elem::I32, shape, device, keep.clone());
+        v.sync = sync.clone();
+        v
+    };
+    let t = ops.topk_length.len as i64;
+    d.set_item("indices", view(ops.indices, vec![t, i64::from(ops.topk)]))?;
+    d.set_item("topk_length", view(ops.topk_length, vec![t]))?;
+    if let (Some(x), Some(xl)) = (ops.extra_indices, ops.extra_topk_length) {
+        d.set_item("extra_indices", view(x, vec![t, i64::from(ops.extra_topk)]))?;
+        d.set_item("extra_topk_length", view(xl, vec![t]))?;
+    }
+    d.set_item("shift", ops.shift)?;
+    Ok(d)
+}
+
 fn sync_fn(hold: &Arc<Hold>) -> Arc<dyn Fn() -> PyResult<()> + Send + Sync> {
     let hold = hold.clone();
     Arc::new(move || hold.pool.backend().synchronize(hold.pool.stream()).map_err(lib_err))
@@ -504,22 +560,7 @@ impl PyPool {
             win: win.unwrap_or(model.sliding_window as i32),
             index_topk: index_topk.unwrap_or(model.index_topk as i32),
         };
-        let step = match flashmla {
-            None => self.hold.pool.decode_path(cap),
-            Some(f) => {
-                let widths =
-                    if let Ok((topk, csa_extra_topk, hca_extra_topk)) = f.extract::<(i32, i32, i32)>() {
-                        FlashMlaWidths { topk, csa_extra_topk, hca_extra_topk }
-                    } else if f.extract::<bool>()? {
-                        let g = self.hold.pool.geometry().map_err(lib_err)?;
-                        FlashMlaWidths::for_capacity(&g, cap).map_err(lib_err)?
-                    } else {
-                        return self.decode(max_seqs, max_blocks_per_seq, max_tokens, win, index_topk, None);
-                    };
-                self.hold.pool.flashmla_decode_path(cap, widths)
-            }
-        }
-        .map_err(lib_err)?;
+        let step = decode_path_of(&self.hold.pool, cap, flashmla)?;
         let step = Arc::new(Mutex::new(step));
         let keep: Keep = Arc::new((step.clone(), self.hold.clone()));
         Ok(PyDecode { step, hold: self.hold.clone(), device: self.device, keep })
@@ -725,21 +766,7 @@ impl PyDecode {
     /// `k_cache` and `extra_k_cache`. A CSA layer's extra part is what its `csa_pack` wrote.
     fn flashmla<'py>(&self, py: Python<'py>, layer: usize) -> PyResult<Bound<'py, PyDict>> {
         let ops = self.lock()?.flashmla(layer).map_err(lib_err)?;
-        let d = PyDict::new(py);
-        let view = |b: DeviceBuffer, shape: Vec<i64>| {
-            let mut v = DeviceView::contiguous(b.ptr, Elem::I32, shape, self.device, self.keep.clone());
-            v.sync = Some(sync_fn(&self.hold));
-            v
-        };
-        let t = ops.topk_length.len as i64;
-        d.set_item("indices", view(ops.indices, vec![t, i64::from(ops.topk)]))?;
-        d.set_item("topk_length", view(ops.topk_length, vec![t]))?;
-        if let (Some(x), Some(xl)) = (ops.extra_indices, ops.extra_topk_length) {
-            d.set_item("extra_indices", view(x, vec![t, i64::from(ops.extra_topk)]))?;
-            d.set_item("extra_topk_length", view(xl, vec![t]))?;
-        }
-        d.set_item("shift", ops.shift)?;
-        Ok(d)
+        flashmla_dict(py, &ops, self.device, &self.keep, Some(sync_fn(&self.hold)))
     }
 
     /// The capacities the buffers were sized for.
