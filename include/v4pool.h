@@ -193,6 +193,35 @@ typedef struct V4poolView {
 } V4poolView;
 
 /**
+ * A layer's rows as a paged attention kernel takes them (FlashMLA's `k_cache`
+ * `[pages, page_rows, 1, row_bytes]`): the page holding the layer's first row of plane
+ * `plane`, whole pages to the plane's end, and the shift its view indices take
+ * (`Pool::page_view`; `NotPageable` where the layer's pages are not whole in the plane).
+ */
+typedef struct V4poolPageView {
+  /**
+   * Address of the first page.
+   */
+  uint64_t ptr;
+  /**
+   * Whole pages from there to the plane's end.
+   */
+  int64_t pages;
+  /**
+   * Rows of a page.
+   */
+  int64_t page_rows;
+  /**
+   * Bytes per row.
+   */
+  uint64_t row_bytes;
+  /**
+   * Kernel index of view row 0: add it to the layer's view indices.
+   */
+  int64_t row_shift;
+} V4poolPageView;
+
+/**
  * A slot handed out: the allocator's handle and its position.
  */
 typedef struct V4poolSlot {
@@ -259,6 +288,25 @@ typedef struct V4poolDecodeCapacity {
 } V4poolDecodeCapacity;
 
 /**
+ * Index widths of a FlashMLA-convention decode path (see `FlashMlaWidths`): entries per row
+ * of the window part (`topk`), the CSA and the HCA compressed parts; multiples of 64.
+ */
+typedef struct V4poolFlashMlaWidths {
+  /**
+   * Window part (`indices`), at least the window.
+   */
+  int32_t topk;
+  /**
+   * CSA compressed part, at least the top-k.
+   */
+  int32_t csa_extra_topk;
+  /**
+   * HCA compressed part, at least the longest HCA head the capacity allows.
+   */
+  int32_t hca_extra_topk;
+} V4poolFlashMlaWidths;
+
+/**
  * A device buffer of `len` int32 elements.
  */
 typedef struct V4poolBuffer {
@@ -271,6 +319,44 @@ typedef struct V4poolBuffer {
    */
   uint64_t len;
 } V4poolBuffer;
+
+/**
+ * One layer's FlashMLA operands in a FlashMLA-convention decode path: int32 buffers
+ * `indices [max_tokens × topk]`, `topk_length [max_tokens]`, and for a compressed layer
+ * `extra_indices [max_tokens × extra_topk]`, `extra_topk_length` (`ptr` 0 for a dense
+ * layer); every index already shifted by `shift` to the layer's page view
+ * (`v4pool_pool_page_view`'s first page).
+ */
+typedef struct V4poolFlashMla {
+  /**
+   * `indices` (FlashMLA's window part).
+   */
+  struct V4poolBuffer indices;
+  /**
+   * `topk_length`.
+   */
+  struct V4poolBuffer topk_length;
+  /**
+   * `extra_indices_in_kvcache` (0 for a dense layer).
+   */
+  struct V4poolBuffer extra_indices;
+  /**
+   * `extra_topk_length` (0 for a dense layer).
+   */
+  struct V4poolBuffer extra_topk_length;
+  /**
+   * Entries per row of `indices`.
+   */
+  int32_t topk;
+  /**
+   * Entries per row of `extra_indices` (0 for a dense layer).
+   */
+  int32_t extra_topk;
+  /**
+   * The layer's page-view shift, already in every index.
+   */
+  int32_t shift;
+} V4poolFlashMla;
 
 /**
  * A 128-bit chained block hash (`lo` the low 64 bits: what routers see).
@@ -421,6 +507,18 @@ enum V4poolStatus v4pool_pool_layer_view(const struct V4poolPool *pool,
                                          struct V4poolView *out_view);
 
 /**
+ * Layer `layer`'s page view of plane `plane` in pages of `page_rows` rows (FlashMLA: 64).
+ *
+ * # Safety
+ * `pool` is live; `out_view` writable.
+ */
+enum V4poolStatus v4pool_pool_page_view(const struct V4poolPool *pool,
+                                        uint32_t layer,
+                                        uint32_t plane,
+                                        int64_t page_rows,
+                                        struct V4poolPageView *out_view);
+
+/**
  * Row of `layer`'s view holding ring entry `ring_pos` of the slot at `position`.
  *
  * # Safety
@@ -499,6 +597,30 @@ enum V4poolStatus v4pool_pool_write_plane(const struct V4poolPool *pool,
 enum V4poolStatus v4pool_decode_new(const struct V4poolPool *pool,
                                     const struct V4poolDecodeCapacity *cap,
                                     struct V4poolDecode **out_decode);
+
+/**
+ * Decode index buffers for `pool` sized for `cap`, in FlashMLA's convention (index-buffers.md
+ * §3f: the build and `v4pool_decode_csa_pack` write FlashMLA's operands, read with
+ * `v4pool_decode_flashmla`) at `widths` (null: the narrowest the capacity allows).
+ *
+ * # Safety
+ * `pool` is live; `cap` readable; `widths` null or readable; `out_decode` writable.
+ */
+enum V4poolStatus v4pool_decode_new_flashmla(const struct V4poolPool *pool,
+                                             const struct V4poolDecodeCapacity *cap,
+                                             const struct V4poolFlashMlaWidths *widths,
+                                             struct V4poolDecode **out_decode);
+
+/**
+ * Layer `layer`'s FlashMLA operands of a decode path from `v4pool_decode_new_flashmla`
+ * (`NoFlashMla` for a CSR path).
+ *
+ * # Safety
+ * `decode` is live; `out_ops` writable.
+ */
+enum V4poolStatus v4pool_decode_flashmla(const struct V4poolDecode *decode,
+                                         uint32_t layer,
+                                         struct V4poolFlashMla *out_ops);
 
 /**
  * Free decode buffers (null is ignored); waits for the streams they were used on.

@@ -92,6 +92,45 @@ int main(void) {
     v4pool_decode_free(dec);
     v4pool_plan_free(plan);
 
+    /* FlashMLA's rows and operands: a flashmla-v4 pool, a FlashMLA-convention decode path. */
+    CHECK(v4pool_plan_new("v4-flash", 512ull << 20, 2, "flashmla-v4", "fp8", 0, &plan) == V4POOL_STATUS_OK);
+    if (!plan) return 1;
+    CHECK(v4pool_pool_new(plan, "host", 0, 0, &pool) == V4POOL_STATUS_OK);
+    if (!pool) return 1;
+    CHECK(v4pool_pool_alloc_slot(pool, &slot) == V4POOL_STATUS_OK);
+    CHECK(v4pool_pool_alloc_block(pool, &b0) == V4POOL_STATUS_OK);
+    CHECK(v4pool_pool_alloc_block(pool, &b1) == V4POOL_STATUS_OK);
+    const uint32_t hca = 3; /* V4-Flash: the first HCA layer */
+    V4poolPageView pv;
+    CHECK(v4pool_pool_page_view(pool, hca, 0, 64, &pv) == V4POOL_STATUS_OK && pv.row_bytes == 584 && pv.page_rows == 64);
+    CHECK(v4pool_pool_page_view(pool, hca, 0, 100, &pv) == V4POOL_STATUS_REJECTED);
+    CHECK(v4pool_pool_page_view(pool, hca, 0, 64, &pv) == V4POOL_STATUS_OK);
+    V4poolFlashMlaWidths narrow = {.topk = 100, .csa_extra_topk = 512, .hca_extra_topk = 64};
+    CHECK(v4pool_decode_new_flashmla(pool, &cap, &narrow, &dec) == V4POOL_STATUS_REJECTED);
+    CHECK(strcmp(v4pool_last_error_variant(), "FlashMlaWidth") == 0);
+    CHECK(v4pool_decode_new_flashmla(pool, &cap, NULL, &dec) == V4POOL_STATUS_OK);
+    if (!dec) return 1;
+    positions[0] = slot.position;
+    tables[0] = (int32_t)b1.id;
+    tables[1] = (int32_t)b0.id;
+    CHECK(v4pool_decode_stage(dec, 1, positions, ctx, ntok, tables, 2, &tokens) == V4POOL_STATUS_OK && tokens == 1);
+    CHECK(v4pool_decode_build(dec, 0) == V4POOL_STATUS_OK);
+    CHECK(v4pool_decode_synchronize(dec) == V4POOL_STATUS_OK);
+    V4poolFlashMla ops;
+    CHECK(v4pool_decode_flashmla(dec, hca, &ops) == V4POOL_STATUS_OK && ops.shift == pv.row_shift);
+    const int32_t *wi = (const int32_t *)(uintptr_t)ops.indices.ptr, *wl = (const int32_t *)(uintptr_t)ops.topk_length.ptr;
+    const int32_t *ei = (const int32_t *)(uintptr_t)ops.extra_indices.ptr;
+    const int32_t *el = (const int32_t *)(uintptr_t)ops.extra_topk_length.ptr;
+    /* Token 0 at position 299: window 128 rows, newest last; HCA entries 300 / 128 = 2. */
+    CHECK(wl[0] == 128 && ops.topk % 64 == 0 && ops.topk >= 128 && (ops.topk == 128 || wi[128] == -1));
+    CHECK(v4pool_pool_window_index(pool, hca, slot.position, 299 % info.ring_slots, &newest) == V4POOL_STATUS_OK);
+    CHECK(wi[127] == newest + ops.shift);
+    CHECK(el[0] == 2 && ops.extra_topk % 64 == 0 && ei[2] == -1);
+    CHECK(v4pool_decode_flashmla(dec, 99, &ops) == V4POOL_STATUS_REJECTED);
+    v4pool_decode_free(dec);
+    v4pool_pool_free(pool);
+    v4pool_plan_free(plan);
+
     /* KV events: v4pool's chained hashes for tokens, a publisher, one batch flushed. */
     uint32_t toks[600];
     for (int i = 0; i < 600; i++) toks[i] = (uint32_t)(i * 2654435761u);

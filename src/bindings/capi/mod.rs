@@ -143,6 +143,43 @@ pub struct V4poolDecodeCapacity {
     pub index_topk: i32,
 }
 
+/// Index widths of a FlashMLA-convention decode path (see `FlashMlaWidths`): entries per row
+/// of the window part (`topk`), the CSA and the HCA compressed parts; multiples of 64.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct V4poolFlashMlaWidths {
+    /// Window part (`indices`), at least the window.
+    pub topk: i32,
+    /// CSA compressed part, at least the top-k.
+    pub csa_extra_topk: i32,
+    /// HCA compressed part, at least the longest HCA head the capacity allows.
+    pub hca_extra_topk: i32,
+}
+
+/// One layer's FlashMLA operands in a FlashMLA-convention decode path: int32 buffers
+/// `indices [max_tokens × topk]`, `topk_length [max_tokens]`, and for a compressed layer
+/// `extra_indices [max_tokens × extra_topk]`, `extra_topk_length` (`ptr` 0 for a dense
+/// layer); every index already shifted by `shift` to the layer's page view
+/// (`v4pool_pool_page_view`'s first page).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct V4poolFlashMla {
+    /// `indices` (FlashMLA's window part).
+    pub indices: V4poolBuffer,
+    /// `topk_length`.
+    pub topk_length: V4poolBuffer,
+    /// `extra_indices_in_kvcache` (0 for a dense layer).
+    pub extra_indices: V4poolBuffer,
+    /// `extra_topk_length` (0 for a dense layer).
+    pub extra_topk_length: V4poolBuffer,
+    /// Entries per row of `indices`.
+    pub topk: i32,
+    /// Entries per row of `extra_indices` (0 for a dense layer).
+    pub extra_topk: i32,
+    /// The layer's page-view shift, already in every index.
+    pub shift: i32,
+}
+
 thread_local! {
     static LAST: RefCell<(CString, CString)> = RefCell::new((CString::default(), CString::default()));
 }
@@ -465,6 +502,51 @@ pub unsafe extern "C" fn v4pool_pool_layer_view(
     })
 }
 
+/// A layer's rows as a paged attention kernel takes them (FlashMLA's `k_cache`
+/// `[pages, page_rows, 1, row_bytes]`): the page holding the layer's first row of plane
+/// `plane`, whole pages to the plane's end, and the shift its view indices take
+/// (`Pool::page_view`; `NotPageable` where the layer's pages are not whole in the plane).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct V4poolPageView {
+    /// Address of the first page.
+    pub ptr: u64,
+    /// Whole pages from there to the plane's end.
+    pub pages: i64,
+    /// Rows of a page.
+    pub page_rows: i64,
+    /// Bytes per row.
+    pub row_bytes: u64,
+    /// Kernel index of view row 0: add it to the layer's view indices.
+    pub row_shift: i64,
+}
+
+/// Layer `layer`'s page view of plane `plane` in pages of `page_rows` rows (FlashMLA: 64).
+///
+/// # Safety
+/// `pool` is live; `out_view` writable.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_pool_page_view(
+    pool: *const V4poolPool,
+    layer: u32,
+    plane: u32,
+    page_rows: i64,
+    out_view: *mut V4poolPageView,
+) -> V4poolStatus {
+    guard(|| {
+        let v =
+            get(pool, "pool")?.pool.page_view(layer as usize, plane as usize, page_rows).map_err(rejected)?;
+        *out(out_view, "out_view")? = V4poolPageView {
+            ptr: v.ptr,
+            pages: v.pages,
+            page_rows: v.page_rows,
+            row_bytes: v.row_bytes,
+            row_shift: v.row_shift,
+        };
+        Ok(())
+    })
+}
+
 /// Row of `layer`'s view holding ring entry `ring_pos` of the slot at `position`.
 ///
 /// # Safety
@@ -614,6 +696,76 @@ pub unsafe extern "C" fn v4pool_decode_new(
         let slot = out(out_decode, "out_decode")?;
         let step = p.decode_path(cap).map_err(rejected)?;
         *slot = Box::into_raw(Box::new(V4poolDecode { step }));
+        Ok(())
+    })
+}
+
+/// Decode index buffers for `pool` sized for `cap`, in FlashMLA's convention (index-buffers.md
+/// §3f: the build and `v4pool_decode_csa_pack` write FlashMLA's operands, read with
+/// `v4pool_decode_flashmla`) at `widths` (null: the narrowest the capacity allows).
+///
+/// # Safety
+/// `pool` is live; `cap` readable; `widths` null or readable; `out_decode` writable.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_decode_new_flashmla(
+    pool: *const V4poolPool,
+    cap: *const V4poolDecodeCapacity,
+    widths: *const V4poolFlashMlaWidths,
+    out_decode: *mut *mut V4poolDecode,
+) -> V4poolStatus {
+    guard(|| {
+        let p = get(pool, "pool")?.pool.clone();
+        let c = get(cap, "cap")?;
+        let cap = DecodeCapacity {
+            max_seqs: c.max_seqs as usize,
+            max_tokens: c.max_tokens as usize,
+            max_blocks_per_seq: c.max_blocks_per_seq as usize,
+            win: c.win,
+            index_topk: c.index_topk,
+        };
+        let w = if widths.is_null() {
+            let g = p.geometry().map_err(rejected)?;
+            crate::pool::FlashMlaWidths::for_capacity(&g, cap).map_err(rejected)?
+        } else {
+            let w = get(widths, "widths")?;
+            crate::pool::FlashMlaWidths {
+                topk: w.topk,
+                csa_extra_topk: w.csa_extra_topk,
+                hca_extra_topk: w.hca_extra_topk,
+            }
+        };
+        let slot = out(out_decode, "out_decode")?;
+        let step = p.flashmla_decode_path(cap, w).map_err(rejected)?;
+        *slot = Box::into_raw(Box::new(V4poolDecode { step }));
+        Ok(())
+    })
+}
+
+/// Layer `layer`'s FlashMLA operands of a decode path from `v4pool_decode_new_flashmla`
+/// (`NoFlashMla` for a CSR path).
+///
+/// # Safety
+/// `decode` is live; `out_ops` writable.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_decode_flashmla(
+    decode: *const V4poolDecode,
+    layer: u32,
+    out_ops: *mut V4poolFlashMla,
+) -> V4poolStatus {
+    guard(|| {
+        let ops = get(decode, "decode")?.step.flashmla(layer as usize).map_err(rejected)?;
+        let buf = |b: Option<crate::pool::DeviceBuffer>| {
+            b.map_or(V4poolBuffer::default(), |b| V4poolBuffer { ptr: b.ptr, len: b.len })
+        };
+        *out(out_ops, "out_ops")? = V4poolFlashMla {
+            indices: buf(Some(ops.indices)),
+            topk_length: buf(Some(ops.topk_length)),
+            extra_indices: buf(ops.extra_indices),
+            extra_topk_length: buf(ops.extra_topk_length),
+            topk: ops.topk,
+            extra_topk: ops.extra_topk,
+            shift: ops.shift,
+        };
         Ok(())
     })
 }
