@@ -12,6 +12,8 @@
 //! * [`nixl`] — the engine over NIXL (UCX: RDMA, TCP, shared memory, CUDA copies), its C API
 //!   loaded at run time; two agents in one process, or an initiator writing to another
 //!   process's agent.
+//! * [`nixl_file`] — the shared tier's bytes through NIXL's POSIX plugin ([`NixlPosix`], a
+//!   [`TierIo`]).
 //! * [`host_tier`] — a host-memory (pinned on CUDA) tier that cached blocks and checkpoint
 //!   units spill to instead of being dropped, LRU within a byte budget.
 //! * [`shared_tier`] — a tier of files in a directory every engine of a fleet mounts, keyed
@@ -24,6 +26,7 @@ pub mod handoff;
 pub mod host_tier;
 pub mod nccl;
 pub mod nixl;
+pub mod nixl_file;
 pub mod shared_tier;
 /// The regions are pool code (computed from the carved geometry, under the pool); re-exported
 /// here, where connectors look for them.
@@ -32,6 +35,7 @@ pub use crate::pool::regions;
 pub use engine::{coalesce, LocalEngine, MemRegion, RegionId, Span, TransferEngine, TransferTicket};
 pub use handoff::{handoff, Endpoint, HandoffError, HandoffPlan, Rebound, RequestKv, WireShape};
 pub use host_tier::{HostTier, HostTierError};
+pub use nixl_file::NixlPosix;
 pub use regions::*;
 pub use shared_tier::{
     EntryKind, SharedKey, SharedTier, SharedTierConfig, SharedTierStats, StdFs, TierIo, TierReader,
