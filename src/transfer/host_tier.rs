@@ -315,6 +315,56 @@ impl Drop for Storage {
     }
 }
 
+/// The whole units of `blocks` (every plane, then every indexer layer, as the tiers store
+/// them: part-major), read from `pool` through a staging copy on the pool's stream.
+pub fn read_units(pool: &Pool, blocks: &[BlockHandle]) -> Result<Vec<u8>, HostTierError> {
+    let mut out = Vec::new();
+    units_through_staging(pool, blocks, true, |host| out.extend_from_slice(host))?;
+    Ok(out)
+}
+
+/// Write `data` (as [`read_units`] returns it, for the same blocks) over the whole units of
+/// `blocks`; refused unless `data` is exactly their bytes.
+pub fn write_units(pool: &Pool, blocks: &[BlockHandle], data: &[u8]) -> Result<(), HostTierError> {
+    let unit: u64 = part_bytes(pool)?.iter().sum();
+    if data.len() as u64 != unit * blocks.len() as u64 {
+        return Err(HostTierError::PoolMismatch { tier: data.len() as u64, pool: unit * blocks.len() as u64 });
+    }
+    units_through_staging(pool, blocks, false, |host| host.copy_from_slice(data))
+}
+
+/// Copy `blocks`' units to (`to_host`) or from a fresh staging buffer, `with` seeing the buffer
+/// after (`to_host`) or before the copies.
+fn units_through_staging(
+    pool: &Pool,
+    blocks: &[BlockHandle],
+    to_host: bool,
+    mut with: impl FnMut(&mut [u8]),
+) -> Result<(), HostTierError> {
+    let parts = unit_parts(pool)?;
+    let bytes = parts.iter().map(|p| p.bytes).sum::<u64>() * blocks.len() as u64;
+    let staging = Storage::new(pool.backend().clone(), bytes)?;
+    // SAFETY: `bytes` of the staging buffer, which nothing else uses.
+    let host = unsafe { std::slice::from_raw_parts_mut(staging.ptr(), bytes as usize) };
+    if !to_host {
+        with(host);
+    }
+    {
+        let _pin = pool.pin_boundary()?;
+        let ids = pool.block_ids(blocks)?;
+        // SAFETY: the staging buffer holds the units of `ids` (this pool's live blocks, the
+        // boundary pinned) and is untouched until the stream is synchronised below.
+        let queued =
+            unsafe { copy_units(pool.backend().as_ref(), pool.stream(), &parts, staging.ptr(), &ids, to_host) };
+        let finished = pool.backend().synchronize(pool.stream()).map_err(PoolError::from);
+        queued.and(finished)?;
+    }
+    if to_host {
+        with(host);
+    }
+    Ok(())
+}
+
 /// The host tier, keyed by `K` (a block hash, a checkpoint hash). See the module docs.
 pub struct HostTier<K> {
     unit_bytes: u64,

@@ -18,6 +18,8 @@
 //!   units spill to instead of being dropped, LRU within a byte budget.
 //! * [`shared_tier`] — a tier of files in a directory every engine of a fleet mounts, keyed
 //!   by block hash and layout id, checked on every read, LRU by mtime across processes.
+//! * [`store_tier`] — the same entries in a key-value store ([`KvStore`]: Mooncake Store
+//!   through the Python layer), checked by the same code.
 
 #![warn(missing_docs)]
 
@@ -28,6 +30,7 @@ pub mod nccl;
 pub mod nixl;
 pub mod nixl_file;
 pub mod shared_tier;
+pub mod store_tier;
 /// The regions are pool code (computed from the carved geometry, under the pool); re-exported
 /// here, where connectors look for them.
 pub use crate::pool::regions;
@@ -36,6 +39,7 @@ pub use engine::{coalesce, LocalEngine, MemRegion, RegionId, Span, TransferEngin
 pub use handoff::{handoff, Endpoint, HandoffError, HandoffPlan, Rebound, RequestKv, WireShape};
 pub use host_tier::{HostTier, HostTierError};
 pub use nixl_file::NixlPosix;
+pub use store_tier::{KvStore, StoreTier};
 pub use regions::*;
 pub use shared_tier::{
     EntryKind, SharedKey, SharedTier, SharedTierConfig, SharedTierStats, StdFs, TierIo, TierReader,
