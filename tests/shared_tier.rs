@@ -36,7 +36,8 @@ struct TempDir(PathBuf);
 impl TempDir {
     /// One per test and I/O (both I/O's tests run side by side in one process).
     fn new(tag: &str, io: Io) -> TempDir {
-        let d = std::env::temp_dir().join(format!("v4pool-shared-{tag}-{}-{}", io.name(), std::process::id()));
+        let d =
+            std::env::temp_dir().join(format!("v4pool-shared-{tag}-{}-{}", io.name(), std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         TempDir(d)

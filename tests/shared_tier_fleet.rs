@@ -20,11 +20,11 @@ mod tier_io;
 mod transfer_common;
 
 use common::Rng;
-use tier_io::Io;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Instant;
+use tier_io::Io;
 use transfer_common::{block_ranges, poison_pool, read, slot_ranges, v4_pool, write};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::Backend;
@@ -64,8 +64,12 @@ fn engine(dir: &Path, tokens: u64, mtp: usize, io: Io) -> KvManager {
         budget_bytes: 2 * (blocks as u64 + 8) * (unit + 4096),
         sync: true,
     };
-    let config =
-        ManagerConfig { checkpoint_every: 0, rolling: false, host_tier_bytes: 0, shared_tier: Some(shared.clone()) };
+    let config = ManagerConfig {
+        checkpoint_every: 0,
+        rolling: false,
+        host_tier_bytes: 0,
+        shared_tier: Some(shared.clone()),
+    };
     let mut m = KvManager::new(Arc::new(pool), config, Box::new(FixedPolicy { slots: 1 })).unwrap();
     if io != Io::StdFs {
         io.install(&mut m, &shared);

@@ -27,6 +27,7 @@ class MooncakeStore:
         # Every key this process put, in order (what a test or an operator can look up:
         # Mooncake lists no keys).
         self.put_keys = []
+        self.closed = False
 
     @classmethod
     def connect(cls, master, metadata_server, local_hostname="127.0.0.1", segment_bytes=1 << 30,
@@ -41,20 +42,28 @@ class MooncakeStore:
                              master))
         return cls(s, segment_bytes)
 
+    def _open(self):
+        # Mooncake's client crashes when called after close(): a closed store is an error.
+        if self.closed:
+            raise MooncakeError("the store is closed")
+        return self.store
+
     def register_buffer(self, addr, size):
-        _ok("register_buffer", self.store.register_buffer(addr, size))
+        _ok("register_buffer", self._open().register_buffer(addr, size))
 
     def unregister_buffer(self, addr):
-        _ok("unregister_buffer", self.store.unregister_buffer(addr))
+        # A tier dropped after close() gives its buffer back to nothing: close() released it.
+        if not self.closed:
+            _ok("unregister_buffer", self.store.unregister_buffer(addr))
 
     def exist(self, keys):
-        codes = self.store.batch_is_exist(keys)
+        codes = self._open().batch_is_exist(keys)
         if len(codes) != len(keys) or any(c < 0 for c in codes):
             raise MooncakeError(f"mooncake batch_is_exist: {codes[:8]}")
         return [c == 1 for c in codes]
 
     def size(self, key):
-        n = self.store.get_size(key)
+        n = self._open().get_size(key)
         if n >= 0:
             return n
         # A negative size is "no such key" or a failure: which one, the existence check says.
@@ -64,16 +73,19 @@ class MooncakeStore:
         raise MooncakeError(f"mooncake get_size {key}: error {n} (is_exist {e})")
 
     def put(self, key, addr, size):
-        _ok("put_from", self.store.put_from(key, addr, size))
+        _ok("put_from", self._open().put_from(key, addr, size))
         self.put_keys.append(key)
 
     def get_into(self, key, addr, size):
-        n = self.store.get_into(key, addr, size)
+        n = self._open().get_into(key, addr, size)
         if n != size:
             raise MooncakeError(f"mooncake get_into {key}: {n} of {size} bytes")
 
     def remove(self, key):
-        return self.store.remove(key) == 0
+        # Forced: a refused entry goes even while a reader holds its lease.
+        return self._open().remove(key, True) == 0
 
     def close(self):
-        self.store.close()
+        if not self.closed:
+            self.closed = True
+            self.store.close()

@@ -39,11 +39,11 @@ pub use engine::{coalesce, LocalEngine, MemRegion, RegionId, Span, TransferEngin
 pub use handoff::{handoff, Endpoint, HandoffError, HandoffPlan, Rebound, RequestKv, WireShape};
 pub use host_tier::{HostTier, HostTierError};
 pub use nixl_file::NixlPosix;
-pub use store_tier::{KvStore, StoreTier};
 pub use regions::*;
 pub use shared_tier::{
     EntryKind, SharedKey, SharedTier, SharedTierConfig, SharedTierStats, StdFs, TierIo, TierReader,
 };
+pub use store_tier::{KvStore, StoreTier};
 
 impl TransferRegion {
     /// The region as a transfer library registers it: absolute address, length and item

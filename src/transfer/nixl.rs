@@ -617,11 +617,12 @@ impl NixlAgent {
 
     /// [`NixlAgent::deregister`] of memory or of a file range.
     pub(crate) fn deregister_seg(&mut self, what: Seg, addr: u64, len: u64) -> Result<(), EngineError> {
-        let i =
-            self.registered.iter().position(|&r| r == (what, addr, len)).ok_or_else(|| EngineError::Nixl {
+        let i = self.registered.iter().position(|&r| r == (what, addr, len)).ok_or_else(|| {
+            EngineError::Nixl {
                 call: "deregister_mem",
                 message: format!("{addr:#x}+{len} is not registered with {}", self.name),
-            })?;
+            }
+        })?;
         self.reg_call(what, addr, len, false)?;
         self.registered.swap_remove(i);
         Ok(())

@@ -81,9 +81,15 @@ impl NixlPosix {
 /// # Safety
 /// Each memory slice stays live and untouched by anything else until this returns (for a
 /// read, the pieces' memory is written); `fd` is open for the direction.
-unsafe fn transfer(agent: &Mutex<NixlAgent>, op: XferOp, fd: i32, pieces: &[(u64, u64, u64)]) -> io::Result<()> {
+unsafe fn transfer(
+    agent: &Mutex<NixlAgent>,
+    op: XferOp,
+    fd: i32,
+    pieces: &[(u64, u64, u64)],
+) -> io::Result<()> {
     let pieces: Vec<(u64, u64, u64)> = pieces.iter().copied().filter(|p| p.2 > 0).collect();
-    let (Some(lo), Some(hi)) = (pieces.iter().map(|p| p.1).min(), pieces.iter().map(|p| p.1 + p.2).max()) else {
+    let (Some(lo), Some(hi)) = (pieces.iter().map(|p| p.1).min(), pieces.iter().map(|p| p.1 + p.2).max())
+    else {
         return Ok(());
     };
     let mut a = agent.lock().map_err(|_| io::Error::other("the NIXL agent's lock is poisoned"))?;

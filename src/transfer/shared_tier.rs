@@ -37,11 +37,11 @@
 //! file plugins implement the same two calls (`docs/fleet.md` says what that needs). Names,
 //! renames, removals and scans are POSIX calls on the mount whatever moves the bytes.
 
-use super::host_tier::{alloc_units, copy_units, part_bytes, parts_matching, Storage, UnitPart};
+use super::host_tier::{copy_blocks_synced, part_bytes, parts_matching, restore_blocks, Storage, UnitPart};
 use super::HostTierError;
 use crate::alloc::BlockHandle;
 use crate::checkpoint::LayoutId;
-use crate::pool::{Pool, PoolError};
+use crate::pool::Pool;
 use crate::rng::{mum, WY};
 use std::fs;
 use std::io;
@@ -596,18 +596,9 @@ impl SharedTier {
             });
         }
         let host = self.staging(pool, bytes)?.ptr();
-        {
-            // Pinned from the handle look-up until the copies have finished.
-            let _pin = pool.pin_boundary()?;
-            let ids = pool.block_ids(blocks)?;
-            // SAFETY: the staging buffer holds `bytes` (grown above) from this pool's
-            // backend's `alloc_host` and nothing else uses it until the stream is
-            // synchronised below; the ids are this pool's live blocks, the boundary pinned.
-            let queued =
-                unsafe { copy_units(pool.backend().as_ref(), pool.stream(), &parts, host, &ids, true) };
-            let finished = pool.backend().synchronize(pool.stream()).map_err(PoolError::from);
-            queued.and(finished)?;
-        }
+        // SAFETY: the staging buffer holds `bytes` (grown above) from this pool's backend's
+        // `alloc_host`, and nothing else uses it meanwhile.
+        unsafe { copy_blocks_synced(pool, &parts, host, blocks, true)? };
         // SAFETY: `bytes` of the staging buffer, written by the copies just waited for.
         let body = unsafe { std::slice::from_raw_parts(host, bytes as usize) };
         let head = header(key, units, self.layout.as_str().as_bytes(), bytes, checksum(body));
@@ -661,25 +652,9 @@ impl SharedTier {
         };
         drop(file);
         let host = self.staging.as_ref().expect("read_entry filled it").ptr();
-        // Pinned from before the blocks are handed out until they are written (and, on a
-        // failure, freed).
-        let _pin = pool.pin_boundary()?;
-        let blocks = alloc_units(pool, units)?;
-        let copied = pool.block_ids(&blocks).map_err(HostTierError::from).and_then(|ids| {
-            // SAFETY: the staging buffer holds the entry's payload (`units` units, read
-            // above) from this pool's backend's `alloc_host`, untouched until the stream is
-            // synchronised below; the ids are the blocks just allocated, the boundary pinned.
-            let queued =
-                unsafe { copy_units(pool.backend().as_ref(), pool.stream(), &parts, host, &ids, false) };
-            let finished = pool.backend().synchronize(pool.stream()).map_err(PoolError::from);
-            Ok(queued.and(finished)?)
-        });
-        if let Err(e) = copied {
-            for &b in &blocks {
-                let _ = pool.free_block(b);
-            }
-            return Err(e);
-        }
+        // SAFETY: the staging buffer holds the entry's checked payload (`units` units) from
+        // this pool's backend's `alloc_host`, untouched meanwhile.
+        let blocks = unsafe { restore_blocks(pool, &parts, host, units)? };
         self.touch(key);
         self.stats.restored += 1;
         self.stats.restored_bytes += units as u64 * self.unit_bytes;

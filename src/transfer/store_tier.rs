@@ -18,12 +18,12 @@
 //! * **Failures are misses**: any error of the store (the master gone, a timeout) is
 //!   [`HostTierError::Io`], counted, and the engine carries on.
 
-use super::host_tier::{alloc_units, copy_units, part_bytes, parts_matching, Storage, UnitPart};
+use super::host_tier::{copy_blocks_synced, part_bytes, parts_matching, restore_blocks, Storage, UnitPart};
 use super::shared_tier::{check_head, checksum, head_len_of, header, refusal, Refused, FIXED, TIER_DIR};
 use super::{HostTierError, SharedKey, SharedTierStats};
 use crate::alloc::BlockHandle;
 use crate::checkpoint::LayoutId;
-use crate::pool::{Pool, PoolError};
+use crate::pool::Pool;
 use std::io;
 
 /// A key-value store the shared tier's entries live in. Buffers passed to [`KvStore::put`] and
@@ -74,7 +74,11 @@ impl StoreTier {
     /// A tier for units of `pool` in `store`, whose entries may total `capacity_bytes` (the
     /// store's segment: an entry larger is refused before it is written, a value larger is
     /// refused before it is read).
-    pub fn new(pool: &Pool, store: Box<dyn KvStore>, capacity_bytes: u64) -> Result<StoreTier, HostTierError> {
+    pub fn new(
+        pool: &Pool,
+        store: Box<dyn KvStore>,
+        capacity_bytes: u64,
+    ) -> Result<StoreTier, HostTierError> {
         let part_bytes = part_bytes(pool)?;
         let layout = pool.layout_id().clone();
         let digest = checksum(layout.as_str().as_bytes()) as u64;
@@ -167,7 +171,12 @@ impl StoreTier {
     /// Write the units `blocks` of `pool` as `key`'s entry: `Ok(false)` when the store holds
     /// it already. The blocks stay allocated; a failure stores nothing new and leaves the
     /// pool as it was.
-    pub fn publish(&mut self, pool: &Pool, key: SharedKey, blocks: &[BlockHandle]) -> Result<bool, HostTierError> {
+    pub fn publish(
+        &mut self,
+        pool: &Pool,
+        key: SharedKey,
+        blocks: &[BlockHandle],
+    ) -> Result<bool, HostTierError> {
         let parts = self.check_pool(pool)?;
         if self.contains(&key) {
             self.stats.already_present += 1;
@@ -185,19 +194,10 @@ impl StoreTier {
             return Err(too_large(self));
         }
         let host = self.staging(pool, head_len + bytes)?;
-        {
-            let _pin = pool.pin_boundary()?;
-            let ids = pool.block_ids(blocks)?;
-            // SAFETY: the staging buffer holds `head_len + bytes` (grown above) from this
-            // pool's backend's `alloc_host`; the units go after the header's room, and
-            // nothing else uses the buffer until the stream is synchronised below. The ids
-            // are this pool's live blocks, the boundary pinned.
-            let queued = unsafe {
-                copy_units(pool.backend().as_ref(), pool.stream(), &parts, host.add(head_len as usize), &ids, true)
-            };
-            let finished = pool.backend().synchronize(pool.stream()).map_err(PoolError::from);
-            queued.and(finished)?;
-        }
+        // SAFETY: the staging buffer holds `head_len + bytes` (grown above) from this pool's
+        // backend's `alloc_host`; the units go after the header's room, and nothing else uses
+        // the buffer meanwhile.
+        unsafe { copy_blocks_synced(pool, &parts, host.add(head_len as usize), blocks, true)? };
         // SAFETY: `head_len + bytes` bytes of the staging buffer, the units written by the
         // copies just waited for; the header's room is written below before the put.
         let entry = unsafe { std::slice::from_raw_parts_mut(host, (head_len + bytes) as usize) };
@@ -233,24 +233,9 @@ impl StoreTier {
             }
         };
         let host = self.staging.as_ref().expect("read_entry filled it").ptr();
-        let _pin = pool.pin_boundary()?;
-        let blocks = alloc_units(pool, units)?;
-        let copied = pool.block_ids(&blocks).map_err(HostTierError::from).and_then(|ids| {
-            // SAFETY: the staging buffer holds the checked entry (`units` units after
-            // `head_len` header bytes) from this pool's backend's `alloc_host`, untouched until
-            // the stream is synchronised below; the ids are the blocks just allocated.
-            let queued = unsafe {
-                copy_units(pool.backend().as_ref(), pool.stream(), &parts, host.add(head_len as usize), &ids, false)
-            };
-            let finished = pool.backend().synchronize(pool.stream()).map_err(PoolError::from);
-            Ok(queued.and(finished)?)
-        });
-        if let Err(e) = copied {
-            for &b in &blocks {
-                let _ = pool.free_block(b);
-            }
-            return Err(e);
-        }
+        // SAFETY: the staging buffer holds the checked entry (`units` units after `head_len`
+        // header bytes) from this pool's backend's `alloc_host`, untouched meanwhile.
+        let blocks = unsafe { restore_blocks(pool, &parts, host.add(head_len as usize), units)? };
         self.stats.restored += 1;
         self.stats.restored_bytes += units as u64 * self.unit_bytes;
         Ok(blocks)
@@ -270,7 +255,11 @@ impl StoreTier {
         }
         // Never a buffer for more than the tier can hold (a hostile size asks for nothing).
         if len > self.capacity_bytes + self.head_bytes() {
-            return Err(refusal(&mut self.stats, Refused::Corrupt("longer than the tier holds"), &self.layout));
+            return Err(refusal(
+                &mut self.stats,
+                Refused::Corrupt("longer than the tier holds"),
+                &self.layout,
+            ));
         }
         let host = self.staging(pool, len)?;
         // SAFETY: the staging buffer holds at least `len` bytes, no copy is queued on it.

@@ -125,7 +125,7 @@ def assert_drained(m, pool):
 def commit_prefix(n, seed, master_args):
     """The writer (this process): commit a prefix of `n` tokens with random bytes in every
     block unit and the whole slot image, publish it; (manager, pool, store, digest)."""
-    m, pool, store = engine(n, master_args, segment=(n // BLOCK + 16) * (11 << 20) // 10)
+    m, pool, store = engine(n, master_args, segment=(n // BLOCK + 16) * (3 << 20) // 2)
     t = tokens_of(seed, n)
     rid = m.add_request(t[:n])
     assert m.admit(rid) == 0
@@ -204,7 +204,7 @@ def test_refused_entries_and_another_layout_are_misses(master):
     good = store.store.get(mid)
     bad = bytearray(good)
     bad[len(bad) // 2] ^= 4
-    assert store.store.remove(mid) == 0 and store.store.put(mid, bytes(bad)) == 0
+    assert store.store.remove(mid, force=True) == 0 and store.store.put(mid, bytes(bad)) == 0
     r = run_reader(n, seed, master.args)
     assert (r["hit"], r["shared_refused"]) == (0, 1), r
     assert store.store.is_exist(mid) == 0, "the corrupt entry stays"
@@ -213,7 +213,7 @@ def test_refused_entries_and_another_layout_are_misses(master):
     other, other_pool, other_store, _ = commit_prefix_of_layout(n, seed, master.args, mtp=0)
     ck = key("c", hashes[-1])
     foreign = other_store.store.get(next(k for k in other_store.put_keys if k.endswith(ck[-33:])))
-    assert store.store.remove(ck) == 0 and store.store.put(ck, foreign) == 0
+    assert store.store.remove(ck, force=True) == 0 and store.store.put(ck, foreign) == 0
     r = run_reader(n, seed, master.args)
     assert (r["hit"], r["shared_refused"]) == (0, 1), r
     assert_drained(other, other_pool)
@@ -222,7 +222,7 @@ def test_refused_entries_and_another_layout_are_misses(master):
 
 def commit_prefix_of_layout(n, seed, master_args, mtp):
     """The prompt of `commit_prefix` published by a pool of another layout."""
-    m, pool, store = engine(n, master_args, mtp=mtp, segment=(n // BLOCK + 16) * (11 << 20) // 10)
+    m, pool, store = engine(n, master_args, mtp=mtp, segment=(n // BLOCK + 16) * (3 << 20) // 2)
     rid = m.add_request(tokens_of(seed, n)[:n])
     m.admit(rid)
     m.allocate(rid, n)

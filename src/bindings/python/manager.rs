@@ -362,7 +362,12 @@ impl PyKvManager {
     /// Mooncake Store adapter), `capacity_bytes` is what the store holds for the fleet (an
     /// entry larger is refused). Entries are the file tier's bytes, checked the same way.
     #[pyo3(signature = (store, capacity_bytes=1 << 40))]
-    fn set_shared_store(&self, py: Python<'_>, store: Option<Py<PyAny>>, capacity_bytes: u64) -> PyResult<()> {
+    fn set_shared_store(
+        &self,
+        py: Python<'_>,
+        store: Option<Py<PyAny>>,
+        capacity_bytes: u64,
+    ) -> PyResult<()> {
         // Without the GIL (`run`): the tier it replaces may call its store as it drops.
         self.run(py, |m| {
             let tier = match store {

@@ -458,7 +458,11 @@ impl PyPool {
     /// Write bytes into a plane at `offset` (stream-ordered).
     /// The whole units of `blocks` (every plane, then every indexer layer, part-major: the
     /// bytes a tier stores for them).
-    fn read_units<'py>(&self, py: Python<'py>, blocks: Vec<PyRef<'py, Block>>) -> PyResult<Bound<'py, PyBytes>> {
+    fn read_units<'py>(
+        &self,
+        py: Python<'py>,
+        blocks: Vec<PyRef<'py, Block>>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let h: Vec<_> = blocks.iter().map(|b| b.handle()).collect();
         let bytes = py.detach(|| crate::transfer::host_tier::read_units(self.pool(), &h)).map_err(lib_err)?;
         Ok(PyBytes::new(py, &bytes))
