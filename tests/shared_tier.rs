@@ -6,14 +6,19 @@
 //! only ever sees one writer's whole entry; capacity bounded with LRU-by-mtime eviction; the
 //! directory removed mid-run leaves the engine serving (misses) with nothing leaked.
 //! `tests/shared_tier_fleet.rs` runs the V4-Flash two-process prefixes (8K / 128K / 1M).
+//!
+//! Every test runs once per I/O (`tests/tier_io`: `std_fs::*` over `std::fs`, `nixl_posix::*`
+//! over NIXL's POSIX plugin, skipped visibly without the library).
 
 mod tier_common;
+mod tier_io;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 use tier_common::manager_common::*;
 use tier_common::*;
+use tier_io::Io;
 use v4pool::alloc::BlockHandle;
 use v4pool::backend::host::HostBackend;
 use v4pool::manager::{FixedPolicy, KvManager, ManagerConfig};
@@ -29,8 +34,10 @@ fn host() -> Arc<HostBackend> {
 struct TempDir(PathBuf);
 
 impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let d = std::env::temp_dir().join(format!("v4pool-shared-{tag}-{}", std::process::id()));
+    /// One per test and I/O (both I/O's tests run side by side in one process).
+    fn new(tag: &str, io: Io) -> TempDir {
+        let d =
+            std::env::temp_dir().join(format!("v4pool-shared-{tag}-{}-{}", io.name(), std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         TempDir(d)
@@ -56,14 +63,28 @@ fn shared_config(dir: &Path, budget: u64) -> SharedTierConfig {
 }
 
 /// A manager as `tiered` builds it (3 fixed slots, checkpoints every 2 blocks and rolling),
-/// with the shared tier in `dir` and a host tier of `host_units` units.
-fn fleet_manager(pool: Arc<Pool>, dir: &Path, host_units: u64) -> KvManager {
+/// with the shared tier in `dir` over `io` and a host tier of `host_units` units.
+fn fleet_manager(pool: Arc<Pool>, dir: &Path, host_units: u64, io: Io) -> KvManager {
+    fleet_manager_probed(pool, dir, host_units, io).0
+}
+
+/// [`fleet_manager`], with a handle on its NIXL I/O (when `io` is NIXL's) to check it holds
+/// no registration after a call.
+fn fleet_manager_probed(
+    pool: Arc<Pool>,
+    dir: &Path,
+    host_units: u64,
+    io: Io,
+) -> (KvManager, Option<v4pool::transfer::NixlPosix>) {
+    let shared = shared_config(dir, 64 << 20);
     let config = ManagerConfig {
         host_tier_bytes: host_units * unit_bytes(&pool),
-        shared_tier: Some(shared_config(dir, 64 << 20)),
+        shared_tier: Some(shared.clone()),
         ..config(2, true)
     };
-    KvManager::new(pool, config, Box::new(FixedPolicy { slots: 3 })).expect("manager")
+    let mut m = KvManager::new(pool, config, Box::new(FixedPolicy { slots: 3 })).expect("manager");
+    let probe = if io != Io::StdFs { io.install(&mut m, &shared) } else { None };
+    (m, probe)
 }
 
 /// Every block and slot back in the pool once the cache is emptied.
@@ -88,12 +109,11 @@ fn block_key(t: &Turn, block: usize) -> SharedKey {
     SharedKey { kind: EntryKind::Block, hash: hashes(&t.tokens)[block].0 }
 }
 
-#[test]
-fn a_prefix_one_manager_committed_restores_on_another() {
-    let dir = TempDir::new("restore");
+fn a_prefix_one_manager_committed_restores_on_another(io: Io) {
+    let dir = TempDir::new("restore", io);
     for pool_of in [small_pool, state_pool] {
         let _ = std::fs::remove_dir_all(dir.0.join(v4pool::transfer::shared_tier::TIER_DIR));
-        let mut a = fleet_manager(pool_of(host(), 24), &dir.0, 0);
+        let mut a = fleet_manager(pool_of(host(), 24), &dir.0, 0, io);
         let turn = turn(&mut a, 1);
         let s = a.stats();
         // Five prompt-and-output blocks, the checkpoints at 512, 768, 1,024 and 1,280.
@@ -101,7 +121,7 @@ fn a_prefix_one_manager_committed_restores_on_another() {
         assert_eq!(s.shared_write_failures, 0);
         // Another manager on another pool, its memory poisoned: the whole prefix comes from
         // the files, blocks and the slot image (state and windows) byte for byte.
-        let mut b = fleet_manager(pool_of(host(), 24), &dir.0, 0);
+        let mut b = fleet_manager(pool_of(host(), 24), &dir.0, 0, io);
         poison_blocks(&b, 0xbad);
         assert_eq!(b.match_prefix(&hashes(&turn.tokens[..1400])), 1280);
         let r = rehit(&mut b, &turn, 1280);
@@ -118,10 +138,9 @@ fn a_prefix_one_manager_committed_restores_on_another() {
     }
 }
 
-#[test]
-fn the_host_tier_is_asked_before_the_shared_tier() {
-    let dir = TempDir::new("order");
-    let mut a = fleet_manager(state_pool(host(), 24), &dir.0, 64);
+fn the_host_tier_is_asked_before_the_shared_tier(io: Io) {
+    let dir = TempDir::new("order", io);
+    let mut a = fleet_manager(state_pool(host(), 24), &dir.0, 64, io);
     let turn = turn(&mut a, 1);
     // HBM → host tier: the same manager's hit comes back from host memory, not the files.
     a.evict_all().unwrap();
@@ -164,10 +183,9 @@ fn damage(path: &Path, how: &str, unit: u64) {
     std::fs::write(path, bytes).unwrap();
 }
 
-#[test]
-fn refused_entries_are_misses_and_never_reach_the_pool() {
-    let dir = TempDir::new("refused");
-    let mut a = fleet_manager(state_pool(host(), 24), &dir.0, 0);
+fn refused_entries_are_misses_and_never_reach_the_pool(io: Io) {
+    let dir = TempDir::new("refused", io);
+    let mut a = fleet_manager(state_pool(host(), 24), &dir.0, 0, io);
     let turn = turn(&mut a, 1);
     drained(&mut a);
     let ck = ckpt_key(&turn, 5);
@@ -178,7 +196,7 @@ fn refused_entries_are_misses_and_never_reach_the_pool() {
     for how in ["payload", "header", "truncated", "torn", "extended", "empty"] {
         std::fs::write(&path, &good).unwrap();
         damage(&path, how, unit_bytes(a.pool()));
-        let mut t = SharedTier::new(&b_pool, &shared_config(&dir.0, 64 << 20)).unwrap();
+        let mut t = io.tier(&b_pool, &shared_config(&dir.0, 64 << 20)).unwrap();
         let before = b_pool.counts().unwrap();
         let r = t.restore(&b_pool, &ck);
         assert!(matches!(r, Err(HostTierError::Corrupt { .. })), "{how}: {r:?}");
@@ -192,7 +210,7 @@ fn refused_entries_are_misses_and_never_reach_the_pool() {
     for how in ["payload", "header", "extended"] {
         std::fs::write(&path, &good).unwrap();
         damage(&path, how, unit_bytes(a.pool()));
-        let mut b = fleet_manager(state_pool(host(), 24), &dir.0, 0);
+        let mut b = fleet_manager(state_pool(host(), 24), &dir.0, 0, io);
         poison_blocks(&b, 5);
         let r = rehit(&mut b, &turn, 1024);
         let s = b.stats();
@@ -205,7 +223,7 @@ fn refused_entries_are_misses_and_never_reach_the_pool() {
     for how in ["truncated", "torn"] {
         std::fs::write(&path, &good).unwrap();
         damage(&path, how, unit_bytes(a.pool()));
-        let mut b = fleet_manager(state_pool(host(), 24), &dir.0, 0);
+        let mut b = fleet_manager(state_pool(host(), 24), &dir.0, 0, io);
         assert_eq!(b.match_prefix(&hashes(&turn.tokens[..1400])), 1024, "{how}");
         let r = rehit(&mut b, &turn, 1024);
         b.finish(r).unwrap();
@@ -216,18 +234,17 @@ fn refused_entries_are_misses_and_never_reach_the_pool() {
     std::fs::write(&path, &good).unwrap();
     let blk = entry_path(a.pool(), &dir.0, block_key(&turn, 2));
     damage(&blk, "payload", unit_bytes(a.pool()));
-    let mut b = fleet_manager(state_pool(host(), 24), &dir.0, 0);
+    let mut b = fleet_manager(state_pool(host(), 24), &dir.0, 0, io);
     let r = rehit(&mut b, &turn, 512);
     assert_eq!(b.stats().shared_refused, 1);
     b.finish(r).unwrap();
     drained(&mut b);
 }
 
-#[test]
-fn foreign_other_key_and_half_written_entries_are_misses() {
-    let dir = TempDir::new("foreign");
-    let other = TempDir::new("foreign-other");
-    let mut a = fleet_manager(state_pool(host(), 24), &dir.0, 0);
+fn foreign_other_key_and_half_written_entries_are_misses(io: Io) {
+    let dir = TempDir::new("foreign", io);
+    let other = TempDir::new("foreign-other", io);
+    let mut a = fleet_manager(state_pool(host(), 24), &dir.0, 0, io);
     let turn = turn(&mut a, 1);
     drained(&mut a);
     let ck = ckpt_key(&turn, 5);
@@ -236,7 +253,7 @@ fn foreign_other_key_and_half_written_entries_are_misses() {
     // layout's entry lives: a whole, well-formed entry of another layout.
     let foreign_pool = carved(state_pool_ring(host(), 24, 13));
     assert_ne!(foreign_pool.layout_id(), a.pool().layout_id());
-    let mut ft = SharedTier::new(&foreign_pool, &shared_config(&other.0, 64 << 20)).unwrap();
+    let mut ft = io.tier(&foreign_pool, &shared_config(&other.0, 64 << 20)).unwrap();
     let blocks: Vec<BlockHandle> =
         (0..a.units_per_checkpoint()).map(|_| foreign_pool.alloc_block().unwrap().handle).collect();
     assert!(ft.publish(&foreign_pool, ck, &blocks).unwrap());
@@ -245,7 +262,7 @@ fn foreign_other_key_and_half_written_entries_are_misses() {
     // Only the length is this layout's when the units match; otherwise contains() already says no.
     let foreign_bytes = std::fs::read(&foreign_file).unwrap();
     let b_pool = carved(state_pool(host(), 24));
-    let mut t = SharedTier::new(&b_pool, &shared_config(&dir.0, 64 << 20)).unwrap();
+    let mut t = io.tier(&b_pool, &shared_config(&dir.0, 64 << 20)).unwrap();
     std::fs::write(&path, &foreign_bytes).unwrap();
     let before = b_pool.counts().unwrap();
     let r = t.restore(&b_pool, &ck);
@@ -267,14 +284,14 @@ fn foreign_other_key_and_half_written_entries_are_misses() {
     assert!(!t.contains(&ck));
     assert!(matches!(t.restore(&b_pool, &ck), Err(HostTierError::NotHeld)));
     // Through a manager: the checkpoint at 1,280 is not there, the hit ends at 1,024.
-    let mut b = fleet_manager(state_pool(host(), 24), &dir.0, 0);
+    let mut b = fleet_manager(state_pool(host(), 24), &dir.0, 0, io);
     let r = rehit(&mut b, &turn, 1024);
     b.finish(r).unwrap();
     drained(&mut b);
     // A stale temporary file (a dead writer's) is removed by the next capacity scan.
     let old = SystemTime::now() - Duration::from_secs(3600);
     std::fs::File::options().append(true).open(&tmp).unwrap().set_modified(old).unwrap();
-    let t = SharedTier::new(&b_pool, &shared_config(&dir.0, 64 << 20)).unwrap();
+    let t = io.tier(&b_pool, &shared_config(&dir.0, 64 << 20)).unwrap();
     assert!(!tmp.exists() && t.stats().stale_temps == 1, "{:?}", t.stats());
 }
 
@@ -293,9 +310,8 @@ fn dir_bytes(dir: &Path) -> u64 {
         .sum()
 }
 
-#[test]
-fn capacity_is_bounded_least_recently_used_first() {
-    let dir = TempDir::new("capacity");
+fn capacity_is_bounded_least_recently_used_first(io: Io) {
+    let dir = TempDir::new("capacity", io);
     let pool = carved(small_pool(host(), 24));
     let b = pool.alloc_block().unwrap().handle;
     let probe = SharedTier::new(&pool, &shared_config(&dir.0, 1 << 30)).unwrap();
@@ -303,7 +319,7 @@ fn capacity_is_bounded_least_recently_used_first() {
     drop(probe);
     // Ten entries' room; forty published.
     let budget = 10 * entry;
-    let mut t = SharedTier::new(&pool, &shared_config(&dir.0, budget)).unwrap();
+    let mut t = io.tier(&pool, &shared_config(&dir.0, budget)).unwrap();
     let key = |i: u128| SharedKey { kind: EntryKind::Block, hash: i << 64 | 0x5151 };
     let day_ago = SystemTime::now() - Duration::from_secs(86_400);
     for i in 0..40u128 {
@@ -332,10 +348,9 @@ fn capacity_is_bounded_least_recently_used_first() {
     assert!(!t.contains(&key(100)));
 }
 
-#[test]
-fn the_directory_removed_mid_run_leaves_the_engine_serving() {
-    let dir = TempDir::new("removed");
-    let mut a = fleet_manager(state_pool(host(), 24), &dir.0, 0);
+fn the_directory_removed_mid_run_leaves_the_engine_serving(io: Io) {
+    let dir = TempDir::new("removed", io);
+    let (mut a, probe) = fleet_manager_probed(state_pool(host(), 24), &dir.0, 0, io);
     let first = turn(&mut a, 1);
     drained(&mut a);
     std::fs::remove_dir_all(&dir.0).unwrap();
@@ -356,6 +371,8 @@ fn the_directory_removed_mid_run_leaves_the_engine_serving() {
     )
     .unwrap_err();
     assert_eq!(e.variant_name(), "Io", "{e}");
+    let e = io.tier(&carved(state_pool(host(), 24)), &shared_config(&dir.0, 1 << 20)).unwrap_err();
+    assert_eq!(e.variant_name(), "Io", "{e}");
     // The directory back (the mount restored): publishing resumes.
     std::fs::create_dir_all(&dir.0).unwrap();
     let before = a.stats().shared_published_blocks;
@@ -363,7 +380,21 @@ fn the_directory_removed_mid_run_leaves_the_engine_serving() {
     assert!(a.stats().shared_published_blocks > before, "{:?}", a.stats());
     drained(&mut a);
     let _ = second;
+    // Nothing of NIXL's left behind by the failed and the successful calls.
+    if let Some(p) = probe {
+        assert_eq!(p.registrations(), 0, "NIXL registrations leaked");
+    }
 }
+
+per_io!(
+    a_prefix_one_manager_committed_restores_on_another,
+    the_host_tier_is_asked_before_the_shared_tier,
+    refused_entries_are_misses_and_never_reach_the_pool,
+    foreign_other_key_and_half_written_entries_are_misses,
+    capacity_is_bounded_least_recently_used_first,
+    the_directory_removed_mid_run_leaves_the_engine_serving,
+    two_writers_of_one_key_and_a_reader_in_three_processes,
+);
 
 // ---- two writers of one key, in two processes, and a reader -------------------------------
 
@@ -422,9 +453,8 @@ fn writer_key(k: u128) -> SharedKey {
     SharedKey { kind: EntryKind::Block, hash: k.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1 }
 }
 
-#[test]
-fn two_writers_of_one_key_and_a_reader_in_three_processes() {
-    let dir = TempDir::new("writers");
+fn two_writers_of_one_key_and_a_reader_in_three_processes(io: Io) {
+    let dir = TempDir::new("writers", io);
     let pool = carved(small_pool(host(), 24));
     let until = SystemTime::now() + Duration::from_millis(1500);
     let deadline = until.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_millis().to_string();
@@ -434,6 +464,7 @@ fn two_writers_of_one_key_and_a_reader_in_three_processes() {
             .env("V4POOL_SHARED_DIR", &dir.0)
             .env("V4POOL_SHARED_WRITER", w)
             .env("V4POOL_SHARED_UNTIL", &deadline)
+            .env("V4POOL_TIER_IO", io.name())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -442,7 +473,7 @@ fn two_writers_of_one_key_and_a_reader_in_three_processes() {
     let kids = [spawn("1"), spawn("2")];
     // The reader: restore every key over and over while both rewrite them; every restored
     // unit is one writer's whole bytes (a refusal is a miss, never a mix).
-    let mut t = SharedTier::new(&pool, &shared_config(&dir.0, 1 << 30)).unwrap();
+    let mut t = io.tier(&pool, &shared_config(&dir.0, 1 << 30)).unwrap();
     let want: Vec<[Vec<u8>; 2]> =
         (0..WRITER_KEYS).map(|k| [writer_bytes(&pool, 1, k), writer_bytes(&pool, 2, k)]).collect();
     let (mut seen, mut misses) = ([0u64; 2], 0u64);
@@ -514,7 +545,7 @@ fn child_shared_writer() {
     let w: u64 = w.parse().unwrap();
     let until = SystemTime::UNIX_EPOCH + Duration::from_millis(until.parse().unwrap());
     let pool = carved(small_pool(host(), 24));
-    let mut t = SharedTier::new(&pool, &shared_config(Path::new(&dir), 1 << 30)).unwrap();
+    let mut t = Io::from_env().tier(&pool, &shared_config(Path::new(&dir), 1 << 30)).unwrap();
     let blocks: Vec<BlockHandle> = (0..WRITER_KEYS)
         .map(|k| {
             let b = pool.alloc_block().unwrap().handle;
@@ -531,4 +562,41 @@ fn child_shared_writer() {
         rounds += 1;
     }
     println!("writer {w}: {rounds} rounds of {WRITER_KEYS} keys; {:?}", t.stats());
+}
+
+/// NIXL's POSIX I/O on its own: the `FILE_SEG` code declared is the library's, a file it
+/// writes is the bytes given (read back by `std::fs`), a file `std::fs` wrote reads back
+/// through it at any offset, a read past the end is refused, an existing name is not
+/// overwritten, and no call leaves a registration behind.
+#[test]
+fn nixl_posix_moves_the_bytes() {
+    if !Io::NixlPosix.runs("nixl_posix_moves_the_bytes") {
+        return;
+    }
+    use v4pool::transfer::{NixlPosix, TierIo};
+    assert_eq!(v4pool::transfer::nixl::mem_type_name(v4pool::transfer::nixl::FILE_SEG).unwrap(), "FILE");
+    let dir = TempDir::new("nixl-bytes", Io::NixlPosix);
+    let io = NixlPosix::from_env().unwrap();
+    let head = pattern(1, 93);
+    let body = pattern(2, (3 << 20) + 17);
+    let path = dir.0.join("entry");
+    io.write_file(&path, &head, &body, true).unwrap();
+    let on_disk = std::fs::read(&path).unwrap();
+    assert!(on_disk[..93] == head[..] && on_disk[93..] == body[..], "written bytes differ");
+    let e = io.write_file(&path, &head, &body, false).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::AlreadyExists);
+    assert_eq!(std::fs::read(&path).unwrap(), on_disk, "an existing file was changed");
+    let mut r = io.open(&path).unwrap();
+    assert_eq!(r.len(), on_disk.len() as u64);
+    for (at, n) in [(0usize, 80usize), (93, body.len()), (4097, 65_536), (on_disk.len() - 1, 1)] {
+        let mut got = vec![0u8; n];
+        r.read_exact_at(at as u64, &mut got).unwrap();
+        assert!(got[..] == on_disk[at..at + n], "read of {n} at {at}");
+    }
+    let mut past = vec![0u8; 2];
+    let e = r.read_exact_at(on_disk.len() as u64 - 1, &mut past).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+    assert!(matches!(io.open(&dir.0.join("absent")), Err(e) if e.kind() == std::io::ErrorKind::NotFound));
+    drop(r);
+    assert_eq!(io.registrations(), 0);
 }

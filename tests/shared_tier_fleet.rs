@@ -10,8 +10,13 @@
 //! is dropped before the reader starts at 1M (two at once would need 9 GB), while at 8K and
 //! 128K both pools are alive at once. The files (4.3 GB at 1M) go to the system's temporary
 //! directory and are removed.
+//!
+//! Runs once per I/O (`tests/tier_io`): `std_fs::*` over `std::fs`, `nixl_posix::*` over
+//! NIXL's POSIX plugin (skipped visibly without the library); the two never run at once
+//! (memory, and the printed GB/s).
 
 mod common;
+mod tier_io;
 mod transfer_common;
 
 use common::Rng;
@@ -19,6 +24,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Instant;
+use tier_io::Io;
 use transfer_common::{block_ranges, poison_pool, read, slot_ranges, v4_pool, write};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::Backend;
@@ -46,24 +52,29 @@ fn hashes(t: &[u32]) -> Vec<BlockHash> {
 
 /// A manager over a fresh V4-Flash pool (`mtp` MTP layers: 1, or 0 for another layout) with
 /// room for `tokens` of prefix and its checkpoint, one slot, checkpoints only at prompt ends,
-/// and the shared tier in `dir`.
-fn engine(dir: &Path, tokens: u64, mtp: usize) -> KvManager {
+/// and the shared tier in `dir` over `io`.
+fn engine(dir: &Path, tokens: u64, mtp: usize, io: Io) -> KvManager {
     let model = ModelShape::v4_flash(mtp as i64).unwrap();
     let blocks = (tokens / BLOCK) as i64 + 8;
     let (pool, _) = v4_pool(host(), &model, blocks, 1);
     let unit: u64 = block_ranges(&pool, 0).iter().map(|r| r.1).sum();
+    // Twice the prefix: no eviction in these tests (tests/shared_tier.rs has them).
+    let shared = SharedTierConfig {
+        dir: dir.to_path_buf(),
+        budget_bytes: 2 * (blocks as u64 + 8) * (unit + 4096),
+        sync: true,
+    };
     let config = ManagerConfig {
         checkpoint_every: 0,
         rolling: false,
         host_tier_bytes: 0,
-        // Twice the prefix: no eviction in these tests (tests/shared_tier.rs has them).
-        shared_tier: Some(SharedTierConfig {
-            dir: dir.to_path_buf(),
-            budget_bytes: 2 * (blocks as u64 + 8) * (unit + 4096),
-            sync: true,
-        }),
+        shared_tier: Some(shared.clone()),
     };
-    KvManager::new(Arc::new(pool), config, Box::new(FixedPolicy { slots: 1 })).unwrap()
+    let mut m = KvManager::new(Arc::new(pool), config, Box::new(FixedPolicy { slots: 1 })).unwrap();
+    if io != Io::StdFs {
+        io.install(&mut m, &shared);
+    }
+    m
 }
 
 /// The checksum of every block of `table` (its whole unit) and of the slot's checkpoint image
@@ -86,9 +97,9 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
 /// The writer: commit a prefix of `n` tokens with random bytes in every block and in the
 /// whole slot, and publish it (complete_inflight). Returns the manager (the request
 /// finished, its blocks cached) and the prefix's digest.
-fn commit_prefix(dir: &Path, n: u64, seed: u64) -> (KvManager, u128) {
+fn commit_prefix(dir: &Path, n: u64, seed: u64, io: Io) -> (KvManager, u128) {
     let t = tokens(seed, n);
-    let mut m = engine(dir, n, 1);
+    let mut m = engine(dir, n, 1, io);
     let a = m.add_request(n, hashes(&t[..n as usize]));
     assert_eq!(m.admit(a).unwrap().hit_tokens, 0);
     m.allocate(a, n).unwrap();
@@ -109,7 +120,9 @@ fn commit_prefix(dir: &Path, n: u64, seed: u64) -> (KvManager, u128) {
     assert_eq!((s.shared_published_blocks, s.shared_published_checkpoints), (n / BLOCK, 1), "{s:?}");
     assert_eq!(s.shared_write_failures, 0);
     println!(
-        "writer: {n} tokens: published {} blocks and 1 checkpoint, {:.2} GB in {secs:.2} s ({:.2} GB/s, fsync on)",
+        "writer ({}): {n} tokens: published {} blocks and 1 checkpoint, {:.2} GB in {secs:.2} s ({:.2} GB/s, \
+         fsync on)",
+        io.name(),
         n / BLOCK,
         s.shared_published_bytes as f64 / 1e9,
         gbps(s.shared_published_bytes, secs)
@@ -120,13 +133,14 @@ fn commit_prefix(dir: &Path, n: u64, seed: u64) -> (KvManager, u128) {
 }
 
 /// Run the reader in a child process; its report line.
-fn reader(dir: &Path, n: u64, seed: u64, mtp: usize) -> String {
+fn reader(dir: &Path, n: u64, seed: u64, mtp: usize, io: Io) -> String {
     let out = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "child_fleet_reader", "--ignored", "--nocapture", "--test-threads", "1"])
         .env("V4POOL_FLEET_DIR", dir)
         .env("V4POOL_FLEET_TOKENS", n.to_string())
         .env("V4POOL_FLEET_SEED", seed.to_string())
         .env("V4POOL_FLEET_MTP", mtp.to_string())
+        .env("V4POOL_TIER_IO", io.name())
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
@@ -149,19 +163,22 @@ impl Drop for TempDir {
     }
 }
 
-fn temp(tag: &str) -> TempDir {
-    let d = std::env::temp_dir().join(format!("v4pool-fleet-{tag}-{}", std::process::id()));
+fn temp(tag: &str, io: Io) -> TempDir {
+    let d = std::env::temp_dir().join(format!("v4pool-fleet-{tag}-{}-{}", io.name(), std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     TempDir(d)
 }
 
-#[test]
-fn a_prefix_committed_in_one_process_restores_in_another() {
+/// Held by each run: the I/Os' runs one at a time (two 1M-token pools would need 9 GB).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn a_prefix_committed_in_one_process_restores_in_another(io: Io) {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     for (i, &n) in TOKENS.iter().enumerate() {
-        let dir = temp(&format!("{n}"));
+        let dir = temp(&format!("{n}"), io);
         let seed = 0x35_0000 + i as u64;
-        let (writer, want) = commit_prefix(&dir.0, n, seed);
+        let (writer, want) = commit_prefix(&dir.0, n, seed, io);
         // Two pools at once in two processes, except at 1M (memory: see the module docs).
         let writer = if n >= 1 << 20 {
             drop(writer);
@@ -169,7 +186,7 @@ fn a_prefix_committed_in_one_process_restores_in_another() {
         } else {
             Some(writer)
         };
-        let line = reader(&dir.0, n, seed, 1);
+        let line = reader(&dir.0, n, seed, 1, io);
         println!("{line}");
         assert_eq!(field(&line, "hit"), n.to_string(), "{line}");
         assert_eq!(field(&line, "digest"), format!("{want:032x}"), "the restored bytes differ: {line}");
@@ -180,18 +197,20 @@ fn a_prefix_committed_in_one_process_restores_in_another() {
             assert_eq!(c.free_blocks, c.num_blocks);
         }
         if n == TOKENS[0] {
-            refusals(&dir.0, n, seed);
+            refusals(&dir.0, n, seed, io);
         }
     }
 }
 
+per_io!(a_prefix_committed_in_one_process_restores_in_another);
+
 /// At 8K: a corrupt block in the middle, a truncated checkpoint and another layout: misses.
-fn refusals(dir: &Path, n: u64, seed: u64) {
+fn refusals(dir: &Path, n: u64, seed: u64, io: Io) {
     // Another layout (no MTP layer) finds nothing of this one's.
-    let line = reader(dir, n, seed, 0);
+    let line = reader(dir, n, seed, 0, io);
     assert_eq!(field(&line, "hit"), "0", "{line}");
     println!("another layout: {line}");
-    let pool = engine(dir, n, 1).pool().clone();
+    let pool = engine(dir, n, 1, Io::StdFs).pool().clone();
     let tier =
         SharedTier::new(&pool, &SharedTierConfig { dir: dir.into(), budget_bytes: 1 << 40, sync: false })
             .unwrap();
@@ -201,14 +220,14 @@ fn refusals(dir: &Path, n: u64, seed: u64) {
     let at = bytes.len() / 2;
     bytes[at] ^= 4;
     std::fs::write(&mid, bytes).unwrap();
-    let line = reader(dir, n, seed, 1);
+    let line = reader(dir, n, seed, 1, io);
     println!("corrupt block: {line}");
     assert_eq!((field(&line, "hit"), field(&line, "refused")), ("0", "1"), "{line}");
     assert!(!mid.exists(), "the corrupt entry stays");
     let ck = tier.path_of(&SharedKey { kind: EntryKind::Checkpoint, hash: hs[hs.len() - 1].0 });
     let len = std::fs::metadata(&ck).unwrap().len();
     std::fs::File::options().write(true).open(&ck).unwrap().set_len(len - 4096).unwrap();
-    let line = reader(dir, n, seed, 1);
+    let line = reader(dir, n, seed, 1, io);
     println!("truncated checkpoint: {line}");
     assert_eq!(field(&line, "hit"), "0", "{line}");
     assert!(dir.join(TIER_DIR).exists());
@@ -218,7 +237,7 @@ fn refusals(dir: &Path, n: u64, seed: u64) {
 /// more block, and reports the hit and the digest of what was restored; then everything
 /// goes back.
 #[test]
-#[ignore = "run as a child process by a_prefix_committed_in_one_process_restores_in_another"]
+#[ignore = "run as a child process by {std_fs,nixl_posix}::a_prefix_committed_in_one_process_restores_in_another"]
 fn child_fleet_reader() {
     let (Ok(dir), Ok(n), Ok(seed), Ok(mtp)) = (
         std::env::var("V4POOL_FLEET_DIR"),
@@ -230,7 +249,8 @@ fn child_fleet_reader() {
         return;
     };
     let (n, seed, mtp): (u64, u64, usize) = (n.parse().unwrap(), seed.parse().unwrap(), mtp.parse().unwrap());
-    let mut m = engine(Path::new(&dir), n, mtp);
+    let io = Io::from_env();
+    let mut m = engine(Path::new(&dir), n, mtp, io);
     poison_pool(m.pool());
     let t = tokens(seed, n);
     let b = m.add_request(n + BLOCK, hashes(&t));
@@ -247,10 +267,11 @@ fn child_fleet_reader() {
     assert_eq!((c.free_blocks, c.free_slots), (c.num_blocks, c.num_slots), "the reader holds something");
     println!(
         "reader: hit={hit} digest={d:032x} refused={} restored_blocks={} restored_checkpoints={} \
-         admit_s={secs:.3} restore_gbps={:.2}",
+         admit_s={secs:.3} restore_gbps={:.2} io={}",
         s.shared_refused,
         s.shared_restored_blocks,
         s.shared_restored_checkpoints,
-        gbps(s.shared_restored_bytes, secs)
+        gbps(s.shared_restored_bytes, secs),
+        io.name()
     );
 }

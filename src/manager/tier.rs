@@ -39,7 +39,7 @@ use super::{
 };
 use crate::alloc::BlockHandle;
 use crate::pool::Pool;
-use crate::transfer::{EntryKind, HostTier, HostTierError, SharedKey, SharedTier};
+use crate::transfer::{EntryKind, HostTier, HostTierError, SharedKey, SharedTier, StoreTier};
 use std::hash::Hash;
 
 /// A store below HBM that block units go to and come back from, byte-exact, keyed by `K`,
@@ -63,6 +63,10 @@ pub trait Tier<K>: Send {
     fn is_empty(&self) -> bool;
     /// Whether `key` is held.
     fn contains(&self, key: &K) -> bool;
+    /// Which of `keys` are held (a remote store answers in one round trip).
+    fn contains_many(&self, keys: &[K]) -> Vec<bool> {
+        keys.iter().map(|k| self.contains(k)).collect()
+    }
     /// Held keys, least recent first.
     fn lru_order(&self) -> Vec<K>;
     /// Mark `key` most recent; whether it is held.
@@ -185,6 +189,51 @@ impl Tier<TierKey> for SharedTier {
     }
     fn restore(&mut self, pool: &Pool, key: &TierKey) -> Result<Vec<BlockHandle>, HostTierError> {
         SharedTier::restore(self, pool, &key.shared())
+    }
+}
+
+/// A key-value store's tier (Mooncake Store) as the manager's shared tier: as the file
+/// tier, with the walk's look-ups batched and the store's own eviction (no LRU order here).
+impl Tier<TierKey> for StoreTier {
+    fn unit_bytes(&self) -> u64 {
+        StoreTier::unit_bytes(self)
+    }
+    fn capacity_units(&self) -> u64 {
+        StoreTier::capacity_units(self)
+    }
+    fn used_units(&self) -> u64 {
+        // The store's, not known here.
+        0
+    }
+    fn is_empty(&self) -> bool {
+        false
+    }
+    fn contains(&self, key: &TierKey) -> bool {
+        StoreTier::contains(self, &key.shared())
+    }
+    fn contains_many(&self, keys: &[TierKey]) -> Vec<bool> {
+        let keys: Vec<SharedKey> = keys.iter().map(|k| k.shared()).collect();
+        StoreTier::contains_many(self, &keys)
+    }
+    fn lru_order(&self) -> Vec<TierKey> {
+        Vec::new()
+    }
+    fn touch(&mut self, key: &TierKey) -> bool {
+        StoreTier::contains(self, &key.shared())
+    }
+    fn evict(&mut self, key: &TierKey) -> bool {
+        StoreTier::evict(self, &key.shared())
+    }
+    fn spill(
+        &mut self,
+        pool: &Pool,
+        key: TierKey,
+        blocks: &[BlockHandle],
+    ) -> Result<Vec<TierKey>, HostTierError> {
+        self.publish(pool, key.shared(), blocks).map(|_| Vec::new())
+    }
+    fn restore(&mut self, pool: &Pool, key: &TierKey) -> Result<Vec<BlockHandle>, HostTierError> {
+        StoreTier::restore(self, pool, &key.shared())
     }
 }
 
@@ -341,10 +390,11 @@ impl KvManager {
         if !self.has_lower() {
             return (nodes, ends);
         }
+        let mut known = Vec::new();
         for (i, h) in hashes.iter().enumerate() {
             let node = match self.index.get(h) {
                 Some(&b) => b,
-                None if self.lower_holds(TierKey::Block(*h)) => NIL,
+                None if self.lower_holds(TierKey::Block(*h), hashes, i, &mut known) => NIL,
                 None => break,
             };
             nodes.push(node);
@@ -353,7 +403,7 @@ impl KvManager {
                 if self.nodes.ckpt(ck).state == CkptState::Ready {
                     ends.push((i + 1, false));
                 }
-            } else if self.lower_holds(TierKey::Ckpt(*h)) {
+            } else if self.lower_holds(TierKey::Ckpt(*h), hashes, i, &mut known) {
                 ends.push((i + 1, true));
             }
         }
@@ -366,10 +416,25 @@ impl KvManager {
         self.tier.as_ref().is_some_and(|t| !t.is_empty()) || self.shared.is_some()
     }
 
-    /// Whether the host tier, else the shared tier, holds `key`.
-    fn lower_holds(&self, key: TierKey) -> bool {
-        self.tier.as_ref().is_some_and(|t| t.holds(key))
-            || self.shared.as_ref().is_some_and(|s| s.contains(&key))
+    /// Whether the host tier, else the shared tier, holds `key`, the block and checkpoint
+    /// entry of `hashes[i]`; the shared tier's answers are asked in growing batches
+    /// (`known`, both keys per hash) so that a store answers a long prefix in a few round
+    /// trips and a chain that breaks early asks little past the break.
+    fn lower_holds(&self, key: TierKey, hashes: &[BlockHash], i: usize, known: &mut Vec<bool>) -> bool {
+        if self.tier.as_ref().is_some_and(|t| t.holds(key)) {
+            return true;
+        }
+        let Some(s) = self.shared.as_ref() else { return false };
+        if 2 * i >= known.len() {
+            let from = known.len() / 2;
+            let upto = hashes.len().min(i + (from + 1).clamp(8, 1024));
+            let keys: Vec<TierKey> =
+                hashes[from..upto].iter().flat_map(|&h| [TierKey::Block(h), TierKey::Ckpt(h)]).collect();
+            known.extend(s.contains_many(&keys));
+            // A tier that answered for fewer (or more) keys than asked: the rest are misses.
+            known.resize(2 * upto, false);
+        }
+        known[2 * i + usize::from(matches!(key, TierKey::Ckpt(_)))]
     }
 
     /// Bring the host part of the longest hit among `hashes` back into HBM (see the module

@@ -315,6 +315,100 @@ impl Drop for Storage {
     }
 }
 
+/// Copy the units of `blocks` (live blocks of `pool`) into (`to_host`) or out of the host
+/// buffer at `host`, on the pool's stream, waiting for the copies; the boundary pinned from
+/// the handle look-up until they finish.
+///
+/// # Safety
+/// `host` holds `blocks.len()` units of `parts` from `pool`'s backend's `alloc_host`, and
+/// nothing else reads or writes it until this returns.
+pub(crate) unsafe fn copy_blocks_synced(
+    pool: &Pool,
+    parts: &[UnitPart],
+    host: *mut u8,
+    blocks: &[BlockHandle],
+    to_host: bool,
+) -> Result<(), HostTierError> {
+    let _pin = pool.pin_boundary()?;
+    let ids = pool.block_ids(blocks)?;
+    // SAFETY: the caller's promise on `host`; the ids are this pool's live blocks, the
+    // boundary pinned.
+    let queued = unsafe { copy_units(pool.backend().as_ref(), pool.stream(), parts, host, &ids, to_host) };
+    let finished = pool.backend().synchronize(pool.stream()).map_err(PoolError::from);
+    Ok(queued.and(finished)?)
+}
+
+/// `units` fresh blocks of `pool` holding the units at `host` (all or nothing: on a failure
+/// they are freed again).
+///
+/// # Safety
+/// `host` holds `units` units of `parts` from `pool`'s backend's `alloc_host`, untouched
+/// until this returns.
+pub(crate) unsafe fn restore_blocks(
+    pool: &Pool,
+    parts: &[UnitPart],
+    host: *mut u8,
+    units: usize,
+) -> Result<Vec<BlockHandle>, HostTierError> {
+    // Pinned from before the blocks are handed out until they are written (and, on a
+    // failure, freed): the copy's own pin nests inside it.
+    let _pin = pool.pin_boundary()?;
+    let blocks = alloc_units(pool, units)?;
+    // SAFETY: the caller's promise; the blocks were just allocated.
+    if let Err(e) = unsafe { copy_blocks_synced(pool, parts, host, &blocks, false) } {
+        for &b in &blocks {
+            let _ = pool.free_block(b);
+        }
+        return Err(e);
+    }
+    Ok(blocks)
+}
+
+/// The whole units of `blocks` (every plane, then every indexer layer, as the tiers store
+/// them: part-major), read from `pool` through a staging copy on the pool's stream.
+pub fn read_units(pool: &Pool, blocks: &[BlockHandle]) -> Result<Vec<u8>, HostTierError> {
+    let mut out = Vec::new();
+    units_through_staging(pool, blocks, true, |host| out.extend_from_slice(host))?;
+    Ok(out)
+}
+
+/// Write `data` (as [`read_units`] returns it, for the same blocks) over the whole units of
+/// `blocks`; refused unless `data` is exactly their bytes.
+pub fn write_units(pool: &Pool, blocks: &[BlockHandle], data: &[u8]) -> Result<(), HostTierError> {
+    let unit: u64 = part_bytes(pool)?.iter().sum();
+    if data.len() as u64 != unit * blocks.len() as u64 {
+        return Err(HostTierError::PoolMismatch {
+            tier: data.len() as u64,
+            pool: unit * blocks.len() as u64,
+        });
+    }
+    units_through_staging(pool, blocks, false, |host| host.copy_from_slice(data))
+}
+
+/// Copy `blocks`' units to (`to_host`) or from a fresh staging buffer, `with` seeing the buffer
+/// after (`to_host`) or before the copies.
+fn units_through_staging(
+    pool: &Pool,
+    blocks: &[BlockHandle],
+    to_host: bool,
+    mut with: impl FnMut(&mut [u8]),
+) -> Result<(), HostTierError> {
+    let parts = unit_parts(pool)?;
+    let bytes = parts.iter().map(|p| p.bytes).sum::<u64>() * blocks.len() as u64;
+    let staging = Storage::new(pool.backend().clone(), bytes)?;
+    // SAFETY: `bytes` of the staging buffer, which nothing else uses.
+    let host = unsafe { std::slice::from_raw_parts_mut(staging.ptr(), bytes as usize) };
+    if !to_host {
+        with(host);
+    }
+    // SAFETY: the staging buffer holds the units of `blocks`, untouched until this returns.
+    unsafe { copy_blocks_synced(pool, &parts, staging.ptr(), blocks, to_host)? };
+    if to_host {
+        with(host);
+    }
+    Ok(())
+}
+
 /// The host tier, keyed by `K` (a block hash, a checkpoint hash). See the module docs.
 pub struct HostTier<K> {
     unit_bytes: u64,

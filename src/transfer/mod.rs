@@ -12,10 +12,14 @@
 //! * [`nixl`] — the engine over NIXL (UCX: RDMA, TCP, shared memory, CUDA copies), its C API
 //!   loaded at run time; two agents in one process, or an initiator writing to another
 //!   process's agent.
+//! * [`nixl_file`] — the shared tier's bytes through NIXL's POSIX plugin ([`NixlPosix`], a
+//!   [`TierIo`]).
 //! * [`host_tier`] — a host-memory (pinned on CUDA) tier that cached blocks and checkpoint
 //!   units spill to instead of being dropped, LRU within a byte budget.
 //! * [`shared_tier`] — a tier of files in a directory every engine of a fleet mounts, keyed
 //!   by block hash and layout id, checked on every read, LRU by mtime across processes.
+//! * [`store_tier`] — the same entries in a key-value store ([`KvStore`]: Mooncake Store
+//!   through the Python layer), checked by the same code.
 
 #![warn(missing_docs)]
 
@@ -24,7 +28,9 @@ pub mod handoff;
 pub mod host_tier;
 pub mod nccl;
 pub mod nixl;
+pub mod nixl_file;
 pub mod shared_tier;
+pub mod store_tier;
 /// The regions are pool code (computed from the carved geometry, under the pool); re-exported
 /// here, where connectors look for them.
 pub use crate::pool::regions;
@@ -32,10 +38,12 @@ pub use crate::pool::regions;
 pub use engine::{coalesce, LocalEngine, MemRegion, RegionId, Span, TransferEngine, TransferTicket};
 pub use handoff::{handoff, Endpoint, HandoffError, HandoffPlan, Rebound, RequestKv, WireShape};
 pub use host_tier::{HostTier, HostTierError};
+pub use nixl_file::NixlPosix;
 pub use regions::*;
 pub use shared_tier::{
     EntryKind, SharedKey, SharedTier, SharedTierConfig, SharedTierStats, StdFs, TierIo, TierReader,
 };
+pub use store_tier::{KvStore, StoreTier};
 
 impl TransferRegion {
     /// The region as a transfer library registers it: absolute address, length and item

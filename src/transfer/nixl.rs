@@ -44,6 +44,10 @@ const SUCCESS: Status = 0;
 const IN_PROG: Status = 1;
 const MEM_DRAM: c_int = 0;
 const MEM_VRAM: c_int = 1;
+/// `FILE_SEG`: a descriptor's address is a file offset and its device id the file descriptor
+/// (the POSIX and GDS plugins).
+const MEM_FILE: c_int = 4;
+const XFER_READ: c_int = 0;
 const XFER_WRITE: c_int = 1;
 /// The notification prefix of a posted ticket (`v4pool:<agent>:<ticket>`).
 const NOTIF_PREFIX: &str = "v4pool:";
@@ -109,6 +113,7 @@ struct Nixl {
     notif_map_get_notif:
         unsafe extern "C" fn(Handle, *const c_char, usize, *mut *const c_void, *mut usize) -> Status,
     notif_map_clear: unsafe extern "C" fn(Handle) -> Status,
+    mem_type_to_string: unsafe extern "C" fn(c_int, *mut *const c_char) -> Status,
 }
 
 /// The library names tried, in order: `$V4POOL_NIXL_LIB`, then the soname.
@@ -178,6 +183,7 @@ fn load() -> Result<Nixl, String> {
             notif_map_get_notifs_size: sym!("notif_map_get_notifs_size"),
             notif_map_get_notif: sym!("notif_map_get_notif"),
             notif_map_clear: sym!("notif_map_clear"),
+            mem_type_to_string: sym!("mem_type_to_string"),
             _lib: lib,
         };
         // SAFETY: no arguments, no preconditions.
@@ -259,6 +265,48 @@ impl NixlMem {
         }
     }
 }
+
+/// What a descriptor names: memory, or a range of an open file (`FILE_SEG`: the address is
+/// an offset, the device id the descriptor). Files are crate-internal: only the shared
+/// tier's POSIX I/O ([`super::nixl_file`]) registers them, for the span of one call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Seg {
+    Mem(NixlMem),
+    File(c_int),
+}
+
+impl Seg {
+    fn raw(self) -> (c_int, u64) {
+        match self {
+            Seg::Mem(m) => m.seg(),
+            // A valid descriptor is non-negative (checked where it is registered).
+            Seg::File(fd) => (MEM_FILE, fd as u64),
+        }
+    }
+}
+
+/// A transfer's direction, from the initiator's local descriptors' point of view.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum XferOp {
+    /// Remote → local (`NIXL_READ`).
+    Read,
+    /// Local → remote (`NIXL_WRITE`).
+    Write,
+}
+
+/// The name NIXL gives memory type `code` (`nixl_capi_mem_type_to_string`): a check that the
+/// codes declared here are the library's (`4` must be `FILE`).
+pub fn mem_type_name(code: i32) -> Result<String, EngineError> {
+    let n = nixl()?;
+    let mut s: *const c_char = std::ptr::null();
+    // SAFETY: an out-pointer; NIXL points it at a static string.
+    check("mem_type_to_string", unsafe { (n.mem_type_to_string)(code, &mut s) })?;
+    // SAFETY: a NUL-terminated static string of the library.
+    Ok(unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned())
+}
+
+/// The memory type code of `FILE_SEG` as declared here (for [`mem_type_name`]'s check).
+pub const FILE_SEG: i32 = MEM_FILE;
 
 /// How agents are made.
 #[derive(Clone, Debug)]
@@ -397,8 +445,9 @@ fn agent_name(role: &str) -> String {
     format!("v4pool-{}-{}-{role}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
-/// One NIXL agent with a UCX backend, its progress thread off (progress is driven by the
-/// calls below). Usable on its own as the receiving end in another process.
+/// One NIXL agent with one backend — UCX ([`NixlAgent::new`]), or a storage plugin such as
+/// POSIX for the shared tier — its progress thread off (progress is driven by the calls
+/// below). Usable on its own as the receiving end in another process.
 pub struct NixlAgent {
     nixl: &'static Nixl,
     agent: Handle,
@@ -407,8 +456,8 @@ pub struct NixlAgent {
     opt: Handle,
     notif_map: Handle,
     name: String,
-    /// Registered `(mem, addr, len)` (deregistered on drop).
-    registered: Vec<(NixlMem, u64, u64)>,
+    /// Registered `(what, addr, len)` (deregistered on drop).
+    registered: Vec<(Seg, u64, u64)>,
     /// Peers whose metadata is loaded.
     peers: HashSet<String>,
 }
@@ -428,6 +477,15 @@ impl NixlAgent {
     /// An agent named `name` (unique among the agents it will talk to; `None`: a fresh name)
     /// with a UCX backend.
     pub fn new(name: Option<&str>, options: &NixlOptions) -> Result<NixlAgent, EngineError> {
+        NixlAgent::with_plugin(name, c"UCX", &options.backend_params)
+    }
+
+    /// An agent with one backend of `plugin` (`UCX`, `POSIX`, ...), made with `params`.
+    pub(crate) fn with_plugin(
+        name: Option<&str>,
+        plugin: &CStr,
+        params_in: &[(String, String)],
+    ) -> Result<NixlAgent, EngineError> {
         let n = nixl()?;
         let name = name.map(str::to_string).unwrap_or_else(|| agent_name("agent"));
         let cname = cstring("create_configured_agent", &name)?;
@@ -460,14 +518,14 @@ impl NixlAgent {
         // SAFETY: an out-pointer.
         check("create_params", unsafe { (n.create_params)(&mut params) })?;
         let added = (|| {
-            for (k, v) in &options.backend_params {
+            for (k, v) in params_in {
                 let (k, v) = (cstring("params_add", k)?, cstring("params_add", v)?);
                 // SAFETY: a live params object, NUL-terminated strings (copied by NIXL).
                 check("params_add", unsafe { (n.params_add)(params, k.as_ptr(), v.as_ptr()) })?;
             }
             // SAFETY: a live agent and params object; the plugin name is NUL-terminated.
             check("create_backend", unsafe {
-                (n.create_backend)(a.agent, c"UCX".as_ptr(), params, &mut a.backend)
+                (n.create_backend)(a.agent, plugin.as_ptr(), params, &mut a.backend)
             })
         })();
         // SAFETY: created above, used by nothing after this.
@@ -487,10 +545,15 @@ impl NixlAgent {
         &self.name
     }
 
-    fn reg_call(&self, mem: NixlMem, addr: u64, len: u64, register: bool) -> Result<(), EngineError> {
+    /// How many ranges are registered with the agent now.
+    pub fn registrations(&self) -> usize {
+        self.registered.len()
+    }
+
+    fn reg_call(&self, what: Seg, addr: u64, len: u64, register: bool) -> Result<(), EngineError> {
         let n = self.nixl;
         let call = if register { "register_mem" } else { "deregister_mem" };
-        let (seg, dev) = mem.seg();
+        let (seg, dev) = what.raw();
         let mut list: Handle = std::ptr::null_mut();
         // SAFETY: an out-pointer.
         check("create_reg_dlist", unsafe { (n.create_reg_dlist)(seg, &mut list) })?;
@@ -526,25 +589,41 @@ impl NixlAgent {
     /// [`NixlAgent::deregister`] or the agent is dropped, and no code may rely on its bytes
     /// while a peer may be writing them.
     pub unsafe fn register(&mut self, mem: NixlMem, addr: u64, len: u64) -> Result<(), EngineError> {
-        if len == 0 || addr.checked_add(len).is_none() {
+        // SAFETY: the caller's promise, forwarded.
+        unsafe { self.register_seg(Seg::Mem(mem), addr, len) }
+    }
+
+    /// [`NixlAgent::register`] of memory or of a file range.
+    ///
+    /// # Safety
+    /// As [`NixlAgent::register`] for memory; for a file, `fd` stays open until the range is
+    /// deregistered.
+    pub(crate) unsafe fn register_seg(&mut self, what: Seg, addr: u64, len: u64) -> Result<(), EngineError> {
+        if len == 0 || addr.checked_add(len).is_none() || matches!(what, Seg::File(fd) if fd < 0) {
             return Err(EngineError::Nixl {
                 call: "register_mem",
-                message: format!("bad range {addr:#x}+{len}"),
+                message: format!("bad range {addr:#x}+{len} of {what:?}"),
             });
         }
-        self.reg_call(mem, addr, len, true)?;
-        self.registered.push((mem, addr, len));
+        self.reg_call(what, addr, len, true)?;
+        self.registered.push((what, addr, len));
         Ok(())
     }
 
     /// Deregister a range registered with exactly these arguments.
     pub fn deregister(&mut self, mem: NixlMem, addr: u64, len: u64) -> Result<(), EngineError> {
-        let i =
-            self.registered.iter().position(|&r| r == (mem, addr, len)).ok_or_else(|| EngineError::Nixl {
+        self.deregister_seg(Seg::Mem(mem), addr, len)
+    }
+
+    /// [`NixlAgent::deregister`] of memory or of a file range.
+    pub(crate) fn deregister_seg(&mut self, what: Seg, addr: u64, len: u64) -> Result<(), EngineError> {
+        let i = self.registered.iter().position(|&r| r == (what, addr, len)).ok_or_else(|| {
+            EngineError::Nixl {
                 call: "deregister_mem",
                 message: format!("{addr:#x}+{len} is not registered with {}", self.name),
-            })?;
-        self.reg_call(mem, addr, len, false)?;
+            }
+        })?;
+        self.reg_call(what, addr, len, false)?;
         self.registered.swap_remove(i);
         Ok(())
     }
@@ -621,12 +700,35 @@ impl NixlAgent {
         spans: &[(u64, u64, u64)],
         notif: &[u8],
     ) -> Result<Handle, EngineError> {
+        // SAFETY: the caller's promise, forwarded.
+        unsafe { self.request(peer, XferOp::Write, (Seg::Mem(local), Seg::Mem(remote)), spans, Some(notif)) }
+    }
+
+    /// Create and post one request of `op` over `spans` `(local, remote, len)` between this
+    /// agent's `local` descriptors and `peer`'s `remote` ones (for a storage plugin the peer
+    /// is this agent itself), with notification `notif` if any (storage plugins have none).
+    ///
+    /// # Safety
+    /// As [`NixlAgent::write`]; for a read, nothing reads or writes the local ranges until
+    /// the request has completed or been released.
+    pub(crate) unsafe fn request(
+        &mut self,
+        peer: &str,
+        op: XferOp,
+        (local, remote): (Seg, Seg),
+        spans: &[(u64, u64, u64)],
+        notif: Option<&[u8]>,
+    ) -> Result<Handle, EngineError> {
         let n = self.nixl;
         let cpeer = cstring("create_xfer_req", peer)?;
         let (mut l, mut r, mut opt, mut req): (Handle, Handle, Handle, Handle) =
             (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
+        let code = match op {
+            XferOp::Read => XFER_READ,
+            XferOp::Write => XFER_WRITE,
+        };
         let result = (|| {
-            let ((ls, ld), (rs, rd)) = (local.seg(), remote.seg());
+            let ((ls, ld), (rs, rd)) = (local.raw(), remote.raw());
             // SAFETY: out-pointers, then live lists, opt args and agent; the caller's promise
             // covers the ranges; NIXL copies the notification bytes.
             unsafe {
@@ -638,14 +740,16 @@ impl NixlAgent {
                 }
                 check("create_opt_args", (n.create_opt_args)(&mut opt))?;
                 check("opt_args_add_backend", (n.opt_args_add_backend)(opt, self.backend))?;
-                check(
-                    "opt_args_set_notif_msg",
-                    (n.opt_args_set_notif_msg)(opt, notif.as_ptr() as *const c_void, notif.len()),
-                )?;
-                check("opt_args_set_has_notif", (n.opt_args_set_has_notif)(opt, true))?;
+                if let Some(notif) = notif {
+                    check(
+                        "opt_args_set_notif_msg",
+                        (n.opt_args_set_notif_msg)(opt, notif.as_ptr() as *const c_void, notif.len()),
+                    )?;
+                    check("opt_args_set_has_notif", (n.opt_args_set_has_notif)(opt, true))?;
+                }
                 check(
                     "create_xfer_req",
-                    (n.create_xfer_req)(self.agent, XFER_WRITE, l, r, cpeer.as_ptr(), &mut req, opt),
+                    (n.create_xfer_req)(self.agent, code, l, r, cpeer.as_ptr(), &mut req, opt),
                 )?;
                 let posted = (n.post_xfer_req)(self.agent, req, opt);
                 if posted != SUCCESS && posted != IN_PROG {
@@ -670,7 +774,7 @@ impl NixlAgent {
     }
 
     /// Whether `req` is done: `Ok(false)` in progress, an error if it failed.
-    fn status(&mut self, req: Handle) -> Result<bool, EngineError> {
+    pub(crate) fn status(&mut self, req: Handle) -> Result<bool, EngineError> {
         // SAFETY: a live agent and a request it created.
         match unsafe { (self.nixl.get_xfer_status)(self.agent, req) } {
             SUCCESS => Ok(true),
@@ -685,7 +789,7 @@ impl NixlAgent {
     ///
     /// # Safety
     /// `req` was created by this agent; after `true` it is not used again.
-    unsafe fn drop_request(&mut self, req: Handle) -> bool {
+    pub(crate) unsafe fn drop_request(&mut self, req: Handle) -> bool {
         // SAFETY: the caller's promise; release before destroy, as NIXL requires.
         unsafe {
             if (self.nixl.release_xfer_req)(self.agent, req) != SUCCESS {
@@ -733,8 +837,8 @@ impl NixlAgent {
 
 impl Drop for NixlAgent {
     fn drop(&mut self) {
-        for (mem, addr, len) in std::mem::take(&mut self.registered) {
-            let _ = self.reg_call(mem, addr, len, false);
+        for (what, addr, len) in std::mem::take(&mut self.registered) {
+            let _ = self.reg_call(what, addr, len, false);
         }
         let n = self.nixl;
         // SAFETY: each handle was created by this agent (null ones skipped) and is destroyed

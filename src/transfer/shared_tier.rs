@@ -37,11 +37,11 @@
 //! file plugins implement the same two calls (`docs/fleet.md` says what that needs). Names,
 //! renames, removals and scans are POSIX calls on the mount whatever moves the bytes.
 
-use super::host_tier::{alloc_units, copy_units, part_bytes, parts_matching, Storage, UnitPart};
+use super::host_tier::{copy_blocks_synced, part_bytes, parts_matching, restore_blocks, Storage, UnitPart};
 use super::HostTierError;
 use crate::alloc::BlockHandle;
 use crate::checkpoint::LayoutId;
-use crate::pool::{Pool, PoolError};
+use crate::pool::Pool;
 use crate::rng::{mum, WY};
 use std::fs;
 use std::io;
@@ -60,7 +60,7 @@ pub const STALE_TEMP: Duration = Duration::from_secs(600);
 
 const MAGIC: &[u8; 8] = b"v4poolT1";
 /// Fixed header bytes before the layout id's text.
-const FIXED: usize = 80;
+pub(crate) const FIXED: usize = 80;
 /// The prefix of temporary files (never an entry name: entries start with `b` or `c`).
 const TEMP: &str = ".tmp-";
 
@@ -74,7 +74,7 @@ pub enum EntryKind {
 }
 
 impl EntryKind {
-    fn letter(self) -> char {
+    pub(crate) fn letter(self) -> char {
         match self {
             EntryKind::Block => 'b',
             EntryKind::Checkpoint => 'c',
@@ -98,8 +98,8 @@ pub struct SharedKey {
 }
 
 impl SharedKey {
-    /// The entry's file name.
-    fn name(&self) -> String {
+    /// The entry's file name (and, in a key-value store, the key's last part).
+    pub(crate) fn name(&self) -> String {
         format!("{}{:032x}", self.kind.letter(), self.hash)
     }
     /// The key a file name names, if it is an entry's.
@@ -314,7 +314,7 @@ fn get_u128(h: &[u8], at: usize) -> u128 {
 
 /// The header of an entry of `units` units of `key` with `payload_len` bytes summing to
 /// `sum`, in `layout`.
-fn header(key: SharedKey, units: u32, layout: &[u8], payload_len: u64, sum: u128) -> Vec<u8> {
+pub(crate) fn header(key: SharedKey, units: u32, layout: &[u8], payload_len: u64, sum: u128) -> Vec<u8> {
     let mut h = vec![0u8; FIXED + layout.len()];
     h[..8].copy_from_slice(MAGIC);
     h[8] = key.kind.code();
@@ -334,6 +334,73 @@ fn header_sum(h: &[u8]) -> u128 {
     let mut covered = h[..64].to_vec();
     covered.extend_from_slice(&h[FIXED..]);
     checksum(&covered)
+}
+
+/// Why an entry's bytes are refused (a miss either way; the entry is removed).
+pub(crate) enum Refused {
+    /// Torn, truncated, corrupt, or another key's.
+    Corrupt(&'static str),
+    /// A whole entry of another layout (its layout id's text).
+    Foreign(String),
+}
+
+/// `r` as the error a reader returns, counted in `stats`; `pool` is the reader's layout.
+pub(crate) fn refusal(stats: &mut SharedTierStats, r: Refused, pool: &LayoutId) -> HostTierError {
+    match r {
+        Refused::Corrupt(what) => {
+            stats.corrupt += 1;
+            HostTierError::Corrupt { what }
+        }
+        Refused::Foreign(entry) => {
+            stats.foreign += 1;
+            HostTierError::ForeignLayout { entry, pool: pool.to_string() }
+        }
+    }
+}
+
+/// The header's length (fixed part and layout text) from an entry's first [`FIXED`] bytes,
+/// the entry being `len` bytes long (at least [`FIXED`], checked by the caller).
+pub(crate) fn head_len_of(fixed: &[u8], len: u64) -> Result<u64, Refused> {
+    if &fixed[..8] != MAGIC {
+        return Err(Refused::Corrupt("not an entry (magic)"));
+    }
+    let layout_len = get_u32(fixed, 32) as u64;
+    let head_len = FIXED as u64 + layout_len;
+    if layout_len > 1 << 16 || head_len > len {
+        return Err(Refused::Corrupt("layout id past the file's end"));
+    }
+    Ok(head_len)
+}
+
+/// Check a whole header (`head`: the fixed part and the layout text) as `key`'s entry in
+/// `layout` with units of `unit_bytes`, the entry being `len` bytes long: its unit count and
+/// the payload's checksum, which the caller checks once the payload is read.
+pub(crate) fn check_head(
+    head: &[u8],
+    key: &SharedKey,
+    layout: &LayoutId,
+    unit_bytes: u64,
+    len: u64,
+) -> Result<(usize, u128), Refused> {
+    if header_sum(head) != get_u128(head, 64) {
+        return Err(Refused::Corrupt("header checksum"));
+    }
+    // A whole header: what it says can be believed as written.
+    if &head[FIXED..] != layout.as_str().as_bytes() {
+        return Err(Refused::Foreign(String::from_utf8_lossy(&head[FIXED..]).into_owned()));
+    }
+    let units = get_u32(head, 12) as u64;
+    let payload_len = get_u64(head, 40);
+    if head[8] != key.kind.code() || get_u128(head, 16) != key.hash {
+        return Err(Refused::Corrupt("another key's entry"));
+    }
+    if units == 0 || units.checked_mul(unit_bytes) != Some(payload_len) {
+        return Err(Refused::Corrupt("unit count and payload length disagree"));
+    }
+    if (head.len() as u64).checked_add(payload_len) != Some(len) {
+        return Err(Refused::Corrupt("torn or truncated (length)"));
+    }
+    Ok((units as usize, get_u128(head, 48)))
 }
 
 /// Create `dir` if absent (its parent must exist).
@@ -529,18 +596,9 @@ impl SharedTier {
             });
         }
         let host = self.staging(pool, bytes)?.ptr();
-        {
-            // Pinned from the handle look-up until the copies have finished.
-            let _pin = pool.pin_boundary()?;
-            let ids = pool.block_ids(blocks)?;
-            // SAFETY: the staging buffer holds `bytes` (grown above) from this pool's
-            // backend's `alloc_host` and nothing else uses it until the stream is
-            // synchronised below; the ids are this pool's live blocks, the boundary pinned.
-            let queued =
-                unsafe { copy_units(pool.backend().as_ref(), pool.stream(), &parts, host, &ids, true) };
-            let finished = pool.backend().synchronize(pool.stream()).map_err(PoolError::from);
-            queued.and(finished)?;
-        }
+        // SAFETY: the staging buffer holds `bytes` (grown above) from this pool's backend's
+        // `alloc_host`, and nothing else uses it meanwhile.
+        unsafe { copy_blocks_synced(pool, &parts, host, blocks, true)? };
         // SAFETY: `bytes` of the staging buffer, written by the copies just waited for.
         let body = unsafe { std::slice::from_raw_parts(host, bytes as usize) };
         let head = header(key, units, self.layout.as_str().as_bytes(), bytes, checksum(body));
@@ -594,25 +652,9 @@ impl SharedTier {
         };
         drop(file);
         let host = self.staging.as_ref().expect("read_entry filled it").ptr();
-        // Pinned from before the blocks are handed out until they are written (and, on a
-        // failure, freed).
-        let _pin = pool.pin_boundary()?;
-        let blocks = alloc_units(pool, units)?;
-        let copied = pool.block_ids(&blocks).map_err(HostTierError::from).and_then(|ids| {
-            // SAFETY: the staging buffer holds the entry's payload (`units` units, read
-            // above) from this pool's backend's `alloc_host`, untouched until the stream is
-            // synchronised below; the ids are the blocks just allocated, the boundary pinned.
-            let queued =
-                unsafe { copy_units(pool.backend().as_ref(), pool.stream(), &parts, host, &ids, false) };
-            let finished = pool.backend().synchronize(pool.stream()).map_err(PoolError::from);
-            Ok(queued.and(finished)?)
-        });
-        if let Err(e) = copied {
-            for &b in &blocks {
-                let _ = pool.free_block(b);
-            }
-            return Err(e);
-        }
+        // SAFETY: the staging buffer holds the entry's checked payload (`units` units) from
+        // this pool's backend's `alloc_host`, untouched meanwhile.
+        let blocks = unsafe { restore_blocks(pool, &parts, host, units)? };
         self.touch(key);
         self.stats.restored += 1;
         self.stats.restored_bytes += units as u64 * self.unit_bytes;
@@ -626,53 +668,22 @@ impl SharedTier {
         key: &SharedKey,
         file: &mut dyn TierReader,
     ) -> Result<usize, HostTierError> {
-        let corrupt = |stats: &mut SharedTierStats, what: &'static str| {
-            stats.corrupt += 1;
-            HostTierError::Corrupt { what }
-        };
         let len = file.len();
         if len < FIXED as u64 {
-            return Err(corrupt(&mut self.stats, "shorter than a header"));
+            return Err(refusal(&mut self.stats, Refused::Corrupt("shorter than a header"), &self.layout));
         }
-        let mut fixed = vec![0u8; FIXED];
-        if let Err(e) = file.read_exact_at(0, &mut fixed) {
+        let mut head = vec![0u8; FIXED];
+        if let Err(e) = file.read_exact_at(0, &mut head) {
             return Err(self.io_error("read the entry's header", e));
         }
-        if &fixed[..8] != MAGIC {
-            return Err(corrupt(&mut self.stats, "not an entry (magic)"));
-        }
-        let layout_len = get_u32(&fixed, 32) as u64;
-        let payload_len = get_u64(&fixed, 40);
-        let head_len = FIXED as u64 + layout_len;
-        if layout_len > 1 << 16 || head_len > len {
-            return Err(corrupt(&mut self.stats, "layout id past the file's end"));
-        }
-        let mut head = fixed;
+        let head_len = head_len_of(&head, len).map_err(|r| refusal(&mut self.stats, r, &self.layout))?;
         head.resize(head_len as usize, 0);
         if let Err(e) = file.read_exact_at(FIXED as u64, &mut head[FIXED..]) {
             return Err(self.io_error("read the entry's header", e));
         }
-        if header_sum(&head) != get_u128(&head, 64) {
-            return Err(corrupt(&mut self.stats, "header checksum"));
-        }
-        // A whole header: what it says can be believed as written.
-        if &head[FIXED..] != self.layout.as_str().as_bytes() {
-            self.stats.foreign += 1;
-            return Err(HostTierError::ForeignLayout {
-                entry: String::from_utf8_lossy(&head[FIXED..]).into_owned(),
-                pool: self.layout.to_string(),
-            });
-        }
-        let units = get_u32(&head, 12) as u64;
-        if head[8] != key.kind.code() || get_u128(&head, 16) != key.hash {
-            return Err(corrupt(&mut self.stats, "another key's entry"));
-        }
-        if units == 0 || units.checked_mul(self.unit_bytes) != Some(payload_len) {
-            return Err(corrupt(&mut self.stats, "unit count and payload length disagree"));
-        }
-        if head_len.checked_add(payload_len) != Some(len) {
-            return Err(corrupt(&mut self.stats, "torn or truncated (length)"));
-        }
+        let (units, sum) = check_head(&head, key, &self.layout, self.unit_bytes, len)
+            .map_err(|r| refusal(&mut self.stats, r, &self.layout))?;
+        let payload_len = len - head_len;
         let host = self.staging(pool, payload_len)?.ptr();
         // SAFETY: the staging buffer holds at least `payload_len` bytes, and no copy is
         // queued on it (every copy is waited for before the call that queued it returns).
@@ -680,10 +691,10 @@ impl SharedTier {
         if let Err(e) = file.read_exact_at(head_len, body) {
             return Err(self.io_error("read the entry's payload", e));
         }
-        if checksum(body) != get_u128(&head, 48) {
-            return Err(corrupt(&mut self.stats, "payload checksum"));
+        if checksum(body) != sum {
+            return Err(refusal(&mut self.stats, Refused::Corrupt("payload checksum"), &self.layout));
         }
-        Ok(units as usize)
+        Ok(units)
     }
 
     /// Every file under one layout's folder.

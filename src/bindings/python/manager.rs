@@ -10,7 +10,7 @@ use crate::manager::{
     chain_hashes, BlockHash, ElasticPolicy, FixedPolicy, KvEvent, KvManager, ManagerConfig, ManagerError,
     Namespace, RequestId, SplitPolicy, StoredCheckpoint,
 };
-use crate::transfer::{handoff, Endpoint, LocalEngine, SharedTierConfig};
+use crate::transfer::{handoff, Endpoint, LocalEngine, SharedTierConfig, StoreTier};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -340,7 +340,46 @@ impl PyKvManager {
         d.set_item("tier_resident_blocks", s.tier_resident_blocks)?;
         d.set_item("tier_resident_checkpoints", s.tier_resident_checkpoints)?;
         d.set_item("tier_resident_bytes", s.tier_resident_bytes)?;
+        d.set_item("shared_published_blocks", s.shared_published_blocks)?;
+        d.set_item("shared_published_checkpoints", s.shared_published_checkpoints)?;
+        d.set_item("shared_published_bytes", s.shared_published_bytes)?;
+        d.set_item("shared_restored_blocks", s.shared_restored_blocks)?;
+        d.set_item("shared_restored_checkpoints", s.shared_restored_checkpoints)?;
+        d.set_item("shared_restored_bytes", s.shared_restored_bytes)?;
+        d.set_item("shared_refused", s.shared_refused)?;
+        d.set_item("shared_write_failures", s.shared_write_failures)?;
         Ok(d)
+    }
+
+    /// Evict every cached block and checkpoint from HBM (spilling to the host tier when
+    /// there is one); the number of blocks evicted.
+    fn evict_all(&self, py: Python<'_>) -> PyResult<u64> {
+        self.run(py, |m| m.evict_all())
+    }
+
+    /// Install a key-value store as the fleet's shared tier in place of any other (`None`:
+    /// remove it): `store` implements the protocol of `v4pool.mooncake.MooncakeStore` (the
+    /// Mooncake Store adapter), `capacity_bytes` is what the store holds for the fleet (an
+    /// entry larger is refused). Entries are the file tier's bytes, checked the same way.
+    #[pyo3(signature = (store, capacity_bytes=1 << 40))]
+    fn set_shared_store(
+        &self,
+        py: Python<'_>,
+        store: Option<Py<PyAny>>,
+        capacity_bytes: u64,
+    ) -> PyResult<()> {
+        // Without the GIL (`run`): the tier it replaces may call its store as it drops.
+        self.run(py, |m| {
+            let tier = match store {
+                Some(obj) => {
+                    let s = Box::new(super::store::PyStore::new(obj));
+                    let t = StoreTier::new(m.pool(), s, capacity_bytes)?;
+                    Some(Box::new(t) as Box<dyn crate::manager::Tier<crate::manager::TierKey>>)
+                }
+                None => None,
+            };
+            m.set_shared_tier(tier)
+        })
     }
 
     /// Check the manager's invariants (reference counts, index, pool agreement); raises

@@ -9,6 +9,7 @@ mod events;
 mod forward;
 mod manager;
 mod pool;
+mod store;
 mod tensor;
 
 use crate::model::Drafts;

@@ -514,6 +514,24 @@ impl PyPool {
         Ok(PyBytes::new(py, &buf))
     }
     /// Write bytes into a plane at `offset` (stream-ordered).
+    /// The whole units of `blocks` (every plane, then every indexer layer, part-major: the
+    /// bytes a tier stores for them).
+    fn read_units<'py>(
+        &self,
+        py: Python<'py>,
+        blocks: Vec<PyRef<'py, Block>>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let h: Vec<_> = blocks.iter().map(|b| b.handle()).collect();
+        let bytes = py.detach(|| crate::transfer::host_tier::read_units(self.pool(), &h)).map_err(lib_err)?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Write `data` (as `read_units` returns it) over the whole units of `blocks`.
+    fn write_units(&self, py: Python<'_>, blocks: Vec<PyRef<'_, Block>>, data: &[u8]) -> PyResult<()> {
+        let h: Vec<_> = blocks.iter().map(|b| b.handle()).collect();
+        py.detach(|| crate::transfer::host_tier::write_units(self.pool(), &h, data)).map_err(lib_err)
+    }
+
     fn write_plane(&self, plane: usize, offset: u64, data: &[u8]) -> PyResult<()> {
         self.pool().write_plane(plane, offset, data).map_err(lib_err)
     }
