@@ -29,6 +29,9 @@ fn cases() -> Vec<(ModelShape, KvDtype)> {
         (ModelShape::v4_flash(1).unwrap(), KvDtype::Bf16),
         (ModelShape::v4_pro(1).unwrap(), KvDtype::Fp8),
         (ModelShape::v41_flash(1).unwrap(), KvDtype::Bf16),
+        // FlashMLA's rows: the 584-B paged V4 format and the 528-B V4.1 one.
+        (ModelShape::v4_flash(1).unwrap(), KvDtype::FlashMlaV4),
+        (ModelShape::v41_flash(1).unwrap(), KvDtype::FlashMlaV41),
     ]
 }
 

@@ -554,10 +554,20 @@ impl StepRig {
         let spec = pool.spec();
         let g = &spec.geometry;
         let mut runs = Vec::new();
+        // A row's bytes: one span of a uniform plane; of a paged plane (FlashMLA's 584-B rows)
+        // its data and scale spans inside the page, through the layer's page view.
         let row_runs = |layer: usize, row: i64, runs: &mut Vec<CopyRun>| {
             for plane in 0..pool.num_planes() {
                 let v = pool.layer_view(layer, plane).expect("view");
-                runs.push(CopyRun { src: v.ptr + row as u64 * v.row_bytes, dst: 0, bytes: v.row_bytes });
+                let fmt = v4pool::format::plane_of_width(v.row_bytes);
+                if fmt.page_rows <= 1 {
+                    runs.push(CopyRun { src: v.ptr + row as u64 * v.row_bytes, dst: 0, bytes: v.row_bytes });
+                    continue;
+                }
+                let pv = pool.page_view(layer, plane, fmt.page_rows as i64).expect("page view");
+                for (off, len) in fmt.row_spans((row + pv.row_shift) as u64, 1).expect("row spans") {
+                    runs.push(CopyRun { src: pv.ptr + off, dst: 0, bytes: len });
+                }
             }
         };
         let toks = data.tokens();
