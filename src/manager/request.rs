@@ -138,6 +138,17 @@ pub(super) struct Req {
     pub(super) tokens: Vec<u32>,
 }
 
+/// What a hit occupies ([`KvManager::hit_footprint`]).
+#[derive(Clone, Copy, Debug, Default)]
+struct HitFootprint {
+    /// Blocks of the hit.
+    blocks: usize,
+    /// Units of it on the LRU now (its unreferenced blocks, its checkpoint if listed).
+    held_units: u64,
+    /// Units a tier below HBM must bring back (blocks, and the checkpoint if there).
+    lower_units: u64,
+}
+
 #[derive(Clone, Debug, Default)]
 pub(super) struct Slot {
     pub(super) generation: u32,
@@ -207,6 +218,67 @@ impl KvManager {
             self.match_blocks(hashes, hashes.len()).0
         };
         blocks as u64 * self.block_size
+    }
+
+    /// Admission back-pressure for a waiting request, as the policy says
+    /// ([`super::SplitPolicy::may_admit`]), with the request's own hit priced in: the blocks
+    /// past the hit, plus what the hit must bring back from a tier below HBM, against the room
+    /// obtainable *without* the hit's own blocks and checkpoint — admitting the request
+    /// references them, so they are not room it can be given.
+    ///
+    /// Why not [`KvManager::may_admit`] with the blocks past the hit: that counts the hit's
+    /// unreferenced cached blocks as evictable room. A request whose hit was most of the
+    /// evictable cache was admitted with nothing left for its prefill; it stalled, and so did
+    /// a running request that needed one decode block, the newest admission was preempted,
+    /// its hit went back to the LRU and passed the same check the next step: a fleet engine
+    /// preempted and re-admitted one request 110,726 times (issue 35), neither making
+    /// progress.
+    pub fn may_admit_request(&self, id: RequestId) -> Result<bool, ManagerError> {
+        let r = self.req(id)?;
+        if r.slot.is_some() {
+            return Err(ManagerError::AlreadyRunning(id));
+        }
+        let bs = self.block_size;
+        let limit = ((r.known.saturating_sub(1) / bs) as usize).min(r.hashes.len());
+        let f = self.hit_footprint(&r.hashes[..limit]);
+        let rest = (r.known.div_ceil(bs)).saturating_sub(f.blocks as u64).saturating_add(f.lower_units);
+        let mut v = self.view()?;
+        v.evictable_blocks =
+            v.evictable_blocks.saturating_sub(u32::try_from(f.held_units).unwrap_or(u32::MAX));
+        Ok(self.policy.may_admit(&v, rest))
+    }
+
+    /// What the longest hit among `hashes` occupies, as `admit` would take it: its length in
+    /// blocks, the units of it now on the LRU (evictable until admission references them),
+    /// and the units a tier below HBM must bring back.
+    fn hit_footprint(&self, hashes: &[BlockHash]) -> HitFootprint {
+        let listed = |i: u32| if self.nodes.in_lru[i as usize] { self.nodes.weight(i) } else { 0 };
+        let mut f = HitFootprint::default();
+        let (nodes, ck_lower) = if self.has_lower() {
+            let (nodes, ends) = self.tier_walk(hashes);
+            let Some(&(n, lower)) = ends.last() else { return f };
+            (nodes[..n].to_vec(), lower)
+        } else {
+            let (n, _) = self.match_blocks(hashes, hashes.len());
+            (hashes[..n].iter().map(|h| self.index[h]).collect(), false)
+        };
+        f.blocks = nodes.len();
+        for &b in &nodes {
+            if b == NIL {
+                f.lower_units += 1;
+            } else {
+                f.held_units += listed(b);
+            }
+        }
+        if ck_lower {
+            f.lower_units += u64::from(self.units_per_ckpt);
+        } else if let Some(&end) = nodes.last() {
+            let c = self.nodes.block(end).ckpt;
+            if c != NIL {
+                f.held_units += listed(c);
+            }
+        }
+        f
     }
 
     /// (blocks, checkpoint node) of the longest hit in HBM among the first `limit` hashes.
