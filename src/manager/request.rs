@@ -58,6 +58,9 @@ pub struct ManagerStats {
     pub evicted_blocks: u64,
     /// Checkpoints evicted (from the LRU; unindexed ones are not counted here).
     pub evicted_checkpoints: u64,
+    /// Checkpoints superseded while their request ran (a deeper one stored on the chain, no
+    /// restore read them, no other request held their block): moved to the evicted-first end.
+    pub superseded_checkpoints: u64,
     /// Blocks in the index now.
     pub cached_blocks: u64,
     /// Boundary moves carried out.
@@ -134,6 +137,9 @@ pub(super) struct Req {
     pub(super) slot: Option<SlotLease>,
     /// The hash of this request's latest rolling checkpoint.
     pub(super) rolling: Option<BlockHash>,
+    /// The hash of the latest permanent checkpoint this request stored itself (not one it
+    /// found there): superseded when it stores a deeper one.
+    pub(super) stored: Option<BlockHash>,
     /// Its tokens as the engine recorded them (`record_tokens`; only while events are on).
     pub(super) tokens: Vec<u32>,
 }
@@ -183,6 +189,7 @@ impl KvManager {
             computed: 0,
             slot: None,
             rolling: None,
+            stored: None,
             tokens: Vec::new(),
         };
         let index = match self.free_requests.pop() {
@@ -392,7 +399,13 @@ impl KvManager {
                 if c != NIL {
                     let n = self.nodes.ckpt(c);
                     let ready = n.state == CkptState::Ready && n.pins == 0;
-                    if deeper && ready && !n.restored {
+                    let demote = deeper && ready && !n.restored;
+                    // The chain's deepest ready checkpoint is what its next request restores:
+                    // never superseded, whatever its request did below it.
+                    if ready {
+                        self.nodes.ckpt_mut(c).superseded = demote;
+                    }
+                    if demote {
                         self.nodes.touch_front(c);
                     } else {
                         self.touch_ckpt(c);
@@ -566,10 +579,16 @@ impl KvManager {
             return Ok(());
         }
         let h = r.hashes[k - 1];
-        let prev = r.rolling;
+        let (prev, stored) = (r.rolling, r.stored);
         let Some(position) = r.slot.map(|s| s.position) else { return Err(ManagerError::NotRunning(id)) };
+        let existed = self.checkpoint_state(&h).is_some();
         if !self.begin_store(h, position, !permanent)? {
             return Ok(());
+        }
+        // The chain has a deeper checkpoint now: the permanent one this request stored before
+        // serves only a request that diverges between the two.
+        if let Some(p) = stored.filter(|&p| p != h) {
+            self.supersede(p);
         }
         if let Some(p) = prev.filter(|&p| p != h) {
             if let Some(&b) = self.index.get(&p) {
@@ -579,8 +598,37 @@ impl KvManager {
                 }
             }
         }
-        self.req_mut(id)?.rolling = if permanent { None } else { Some(h) };
+        let r = self.req_mut(id)?;
+        r.rolling = if permanent { None } else { Some(h) };
+        if permanent && !existed {
+            r.stored = Some(h);
+        }
         Ok(())
+    }
+
+    /// Retention under pressure: the checkpoint ending at `hash` has a deeper one on its chain.
+    /// Unless a restore has read it, or another running request holds its block (the chain
+    /// branches there, or will be continued from there), it moves to the evicted-first end of
+    /// the LRU and spills to a tier only into free room. Without pressure nothing is evicted and it
+    /// stays, so hits keep the finest cadence; under pressure the chain keeps its deepest
+    /// checkpoint and its proven ones, and what a coarser cadence would have held in
+    /// checkpoints is cache instead. Exactness is untouched: only which checkpoints are kept.
+    fn supersede(&mut self, hash: BlockHash) {
+        let Some(&b) = self.index.get(&hash) else { return };
+        let n = self.nodes.block(b);
+        let c = n.ckpt;
+        if c == NIL || n.refs > 1 {
+            return;
+        }
+        let ck = self.nodes.ckpt_mut(c);
+        if ck.restored || ck.rolling || ck.state == CkptState::Evicting {
+            return;
+        }
+        ck.superseded = true;
+        if self.nodes.in_lru[c as usize] {
+            self.nodes.touch_front(c);
+        }
+        self.stats.superseded_checkpoints += 1;
     }
 
     fn release(&mut self, id: RequestId) -> Result<(), ManagerError> {
@@ -590,6 +638,7 @@ impl KvManager {
         r.indexed = 0;
         r.computed = 0;
         r.rolling = None;
+        r.stored = None;
         self.unref(&blocks)?;
         if let Some(s) = slot {
             self.pool.free_slot(s.handle)?;
