@@ -291,5 +291,8 @@ fn a_scripted_run_reaches_every_path() {
     assert!(w.restores > 0 && s.hits > 0, "no hit: {s:?}");
     assert!(s.evicted_blocks + s.evicted_checkpoints > 0, "nothing evicted: {s:?}");
     assert!(s.boundary_moves > 0, "no boundary move: {s:?}");
+    // Retention under pressure ran: checkpoints superseded while their requests ran (their
+    // restores above still reproduce the stored images).
+    assert!(s.superseded_checkpoints > 0, "nothing superseded: {s:?}");
     assert!(s.block_relocations + s.slot_relocations > 0, "no relocation: {s:?}");
 }

@@ -380,3 +380,32 @@ fn a_budget_below_one_unit_is_refused_and_zero_means_no_tier() {
     assert_eq!(m.clear_host_tier(), 0);
     rehit(&mut m, &a, 0);
 }
+
+/// Admission prices a hit that must come back from the tier (issue 35): its blocks and
+/// checkpoint units are need, not room. `may_admit` with the blocks past the hit counted
+/// neither, so a request was admitted whose hit could not come back beside the running ones.
+#[test]
+fn admission_counts_what_a_tier_hit_brings_back() {
+    let mut m = tiered(small_pool(host(), 24), 64);
+    let upc = u64::from(m.units_per_checkpoint());
+    let t = turn(&mut m, 1);
+    m.evict_all().unwrap();
+    // The second turn (prompt 1,400: 6 blocks) hits 1,280 tokens (5 blocks + a checkpoint),
+    // all of it in the tier.
+    let b = m.add_request(1400, hashes(&t.tokens));
+    assert!(m.may_admit_request(b).unwrap(), "an empty pool admits it");
+    // A running request holds all but 6 blocks: 1 block past the hit plus 4 of decode room
+    // fit, the 5 blocks and the checkpoint coming back do not.
+    let free = u64::from(m.pool().counts().unwrap().free_blocks);
+    let filler = tokens(9, ((free - 6) * BLOCK) as usize, 0);
+    let c = m.add_request(filler.len() as u64, hashes(&filler));
+    m.admit(c).unwrap();
+    m.allocate(c, filler.len() as u64).unwrap();
+    assert_eq!(u64::from(m.pool().counts().unwrap().free_blocks), 6);
+    assert!(m.may_admit(1).unwrap(), "the old check passes");
+    assert!(!m.may_admit_request(b).unwrap(), "5 blocks + {upc} checkpoint units must come back");
+    m.check_invariants().unwrap();
+    m.finish(c).unwrap();
+    assert!(m.may_admit_request(b).unwrap());
+    assert!(matches!(m.may_admit_request(c), Err(ManagerError::UnknownRequest(_))));
+}

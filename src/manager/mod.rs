@@ -723,6 +723,7 @@ impl KvManager {
             pins: 0,
             rolling,
             restored: false,
+            superseded: false,
             layout: self.layout_id.clone(),
         }));
         for (k, id) in ids.into_iter().enumerate() {
@@ -746,7 +747,12 @@ impl KvManager {
             } else {
                 c.state = CkptState::Ready;
                 if c.pins == 0 {
-                    self.nodes.touch(i);
+                    // Superseded while its copy ran (a chunk crossed two checkpoint points).
+                    if c.superseded {
+                        self.nodes.touch_front(i);
+                    } else {
+                        self.nodes.touch(i);
+                    }
                 }
                 ready.push(i);
             }
@@ -785,6 +791,7 @@ impl KvManager {
         let c = self.nodes.ckpt_mut(ck);
         c.pins += 1;
         c.restored = true;
+        c.superseded = false;
         self.nodes.unlink(ck);
         self.pinned.push(ck);
         self.stats.restores += 1;

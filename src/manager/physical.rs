@@ -44,6 +44,13 @@ pub(super) struct CkptNode {
     /// Whether a restore has read it: a proven reuse point (a shared system prompt's end, a
     /// branch), never demoted as superseded when a chain leaves.
     pub(super) restored: bool,
+    /// Whether a deeper checkpoint of its chain exists and nothing has shown it to be a
+    /// branch point: it saves prefill only for a request that diverges inside its span, which
+    /// no request has done, for a whole slot image of bytes — less prefill per byte than any
+    /// block of a live chain. Kept at the evicted-first end of the LRU and spilled to a tier
+    /// only into free room, never pushing an entry out (`docs/simulate.md`, "Retention under
+    /// pressure"); a restore clears it.
+    pub(super) superseded: bool,
     pub(super) layout: LayoutId,
 }
 

@@ -58,6 +58,9 @@ pub struct ManagerStats {
     pub evicted_blocks: u64,
     /// Checkpoints evicted (from the LRU; unindexed ones are not counted here).
     pub evicted_checkpoints: u64,
+    /// Checkpoints superseded while their request ran (a deeper one stored on the chain, no
+    /// restore read them, no other request held their block): moved to the evicted-first end.
+    pub superseded_checkpoints: u64,
     /// Blocks in the index now.
     pub cached_blocks: u64,
     /// Boundary moves carried out.
@@ -134,8 +137,22 @@ pub(super) struct Req {
     pub(super) slot: Option<SlotLease>,
     /// The hash of this request's latest rolling checkpoint.
     pub(super) rolling: Option<BlockHash>,
+    /// The hash of the latest permanent checkpoint this request stored itself (not one it
+    /// found there): superseded when it stores a deeper one.
+    pub(super) stored: Option<BlockHash>,
     /// Its tokens as the engine recorded them (`record_tokens`; only while events are on).
     pub(super) tokens: Vec<u32>,
+}
+
+/// What a hit occupies ([`KvManager::hit_footprint`]).
+#[derive(Clone, Copy, Debug, Default)]
+struct HitFootprint {
+    /// Blocks of the hit.
+    blocks: usize,
+    /// Units of it on the LRU now (its unreferenced blocks, its checkpoint if listed).
+    held_units: u64,
+    /// Units a tier below HBM must bring back (blocks, and the checkpoint if there).
+    lower_units: u64,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -172,6 +189,7 @@ impl KvManager {
             computed: 0,
             slot: None,
             rolling: None,
+            stored: None,
             tokens: Vec::new(),
         };
         let index = match self.free_requests.pop() {
@@ -207,6 +225,67 @@ impl KvManager {
             self.match_blocks(hashes, hashes.len()).0
         };
         blocks as u64 * self.block_size
+    }
+
+    /// Admission back-pressure for a waiting request, as the policy says
+    /// ([`super::SplitPolicy::may_admit`]), with the request's own hit priced in: the blocks
+    /// past the hit, plus what the hit must bring back from a tier below HBM, against the room
+    /// obtainable *without* the hit's own blocks and checkpoint — admitting the request
+    /// references them, so they are not room it can be given.
+    ///
+    /// Why not [`KvManager::may_admit`] with the blocks past the hit: that counts the hit's
+    /// unreferenced cached blocks as evictable room. A request whose hit was most of the
+    /// evictable cache was admitted with nothing left for its prefill; it stalled, and so did
+    /// a running request that needed one decode block, the newest admission was preempted,
+    /// its hit went back to the LRU and passed the same check the next step: a fleet engine
+    /// preempted and re-admitted one request 110,726 times (issue 35), neither making
+    /// progress.
+    pub fn may_admit_request(&self, id: RequestId) -> Result<bool, ManagerError> {
+        let r = self.req(id)?;
+        if r.slot.is_some() {
+            return Err(ManagerError::AlreadyRunning(id));
+        }
+        let bs = self.block_size;
+        let limit = ((r.known.saturating_sub(1) / bs) as usize).min(r.hashes.len());
+        let f = self.hit_footprint(&r.hashes[..limit]);
+        let rest = (r.known.div_ceil(bs)).saturating_sub(f.blocks as u64).saturating_add(f.lower_units);
+        let mut v = self.view()?;
+        v.evictable_blocks =
+            v.evictable_blocks.saturating_sub(u32::try_from(f.held_units).unwrap_or(u32::MAX));
+        Ok(self.policy.may_admit(&v, rest))
+    }
+
+    /// What the longest hit among `hashes` occupies, as `admit` would take it: its length in
+    /// blocks, the units of it now on the LRU (evictable until admission references them),
+    /// and the units a tier below HBM must bring back.
+    fn hit_footprint(&self, hashes: &[BlockHash]) -> HitFootprint {
+        let listed = |i: u32| if self.nodes.in_lru[i as usize] { self.nodes.weight(i) } else { 0 };
+        let mut f = HitFootprint::default();
+        let (nodes, ck_lower) = if self.has_lower() {
+            let (nodes, ends) = self.tier_walk(hashes);
+            let Some(&(n, lower)) = ends.last() else { return f };
+            (nodes[..n].to_vec(), lower)
+        } else {
+            let (n, _) = self.match_blocks(hashes, hashes.len());
+            (hashes[..n].iter().map(|h| self.index[h]).collect(), false)
+        };
+        f.blocks = nodes.len();
+        for &b in &nodes {
+            if b == NIL {
+                f.lower_units += 1;
+            } else {
+                f.held_units += listed(b);
+            }
+        }
+        if ck_lower {
+            f.lower_units += u64::from(self.units_per_ckpt);
+        } else if let Some(&end) = nodes.last() {
+            let c = self.nodes.block(end).ckpt;
+            if c != NIL {
+                f.held_units += listed(c);
+            }
+        }
+        f
     }
 
     /// (blocks, checkpoint node) of the longest hit in HBM among the first `limit` hashes.
@@ -320,7 +399,13 @@ impl KvManager {
                 if c != NIL {
                     let n = self.nodes.ckpt(c);
                     let ready = n.state == CkptState::Ready && n.pins == 0;
-                    if deeper && ready && !n.restored {
+                    let demote = deeper && ready && !n.restored;
+                    // The chain's deepest ready checkpoint is what its next request restores:
+                    // never superseded, whatever its request did below it.
+                    if ready {
+                        self.nodes.ckpt_mut(c).superseded = demote;
+                    }
+                    if demote {
                         self.nodes.touch_front(c);
                     } else {
                         self.touch_ckpt(c);
@@ -494,10 +579,16 @@ impl KvManager {
             return Ok(());
         }
         let h = r.hashes[k - 1];
-        let prev = r.rolling;
+        let (prev, stored) = (r.rolling, r.stored);
         let Some(position) = r.slot.map(|s| s.position) else { return Err(ManagerError::NotRunning(id)) };
+        let existed = self.checkpoint_state(&h).is_some();
         if !self.begin_store(h, position, !permanent)? {
             return Ok(());
+        }
+        // The chain has a deeper checkpoint now: the permanent one this request stored before
+        // serves only a request that diverges between the two.
+        if let Some(p) = stored.filter(|&p| p != h) {
+            self.supersede(p);
         }
         if let Some(p) = prev.filter(|&p| p != h) {
             if let Some(&b) = self.index.get(&p) {
@@ -507,8 +598,37 @@ impl KvManager {
                 }
             }
         }
-        self.req_mut(id)?.rolling = if permanent { None } else { Some(h) };
+        let r = self.req_mut(id)?;
+        r.rolling = if permanent { None } else { Some(h) };
+        if permanent && !existed {
+            r.stored = Some(h);
+        }
         Ok(())
+    }
+
+    /// Retention under pressure: the checkpoint ending at `hash` has a deeper one on its chain.
+    /// Unless a restore has read it, or another running request holds its block (the chain
+    /// branches there, or will be continued from there), it moves to the evicted-first end of
+    /// the LRU and spills to a tier only into free room. Without pressure nothing is evicted and it
+    /// stays, so hits keep the finest cadence; under pressure the chain keeps its deepest
+    /// checkpoint and its proven ones, and what a coarser cadence would have held in
+    /// checkpoints is cache instead. Exactness is untouched: only which checkpoints are kept.
+    fn supersede(&mut self, hash: BlockHash) {
+        let Some(&b) = self.index.get(&hash) else { return };
+        let n = self.nodes.block(b);
+        let c = n.ckpt;
+        if c == NIL || n.refs > 1 {
+            return;
+        }
+        let ck = self.nodes.ckpt_mut(c);
+        if ck.restored || ck.rolling || ck.state == CkptState::Evicting {
+            return;
+        }
+        ck.superseded = true;
+        if self.nodes.in_lru[c as usize] {
+            self.nodes.touch_front(c);
+        }
+        self.stats.superseded_checkpoints += 1;
     }
 
     fn release(&mut self, id: RequestId) -> Result<(), ManagerError> {
@@ -518,6 +638,7 @@ impl KvManager {
         r.indexed = 0;
         r.computed = 0;
         r.rolling = None;
+        r.stored = None;
         self.unref(&blocks)?;
         if let Some(s) = slot {
             self.pool.free_slot(s.handle)?;

@@ -361,6 +361,13 @@ impl KvManager {
             return Ok(());
         }
         let (h, units) = (c.hash, c.units.clone());
+        // A superseded one saves fewer prefill tokens per byte than anything it would push out
+        // of the tier (physical.rs, `CkptNode::superseded`): it takes free room only.
+        let free =
+            self.tier.as_ref().map_or(0, |t| t.host.capacity_units().saturating_sub(t.host.used_units()));
+        if c.superseded && free < units.len() as u64 {
+            return Ok(());
+        }
         if self.tier_put(TierKey::Ckpt(h), &units)? {
             self.stats.tier_spilled_checkpoints += 1;
         }

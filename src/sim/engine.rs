@@ -476,13 +476,10 @@ impl<'p> Engine<'p> {
             let prompt = r.spec.prompt;
             self.learn(&mut r, prompt)?;
         }
-        let target = r.spec.prompt.max(r.high_water);
-        let src = if self.run == RunKind::NoReuse { &r.private } else { &r.hashes };
-        let hit = self.m.match_prefix(&src[..r.given]).min(target.saturating_sub(1));
-        let rest = (target - hit).div_ceil(self.block_size);
         // Admission back-pressure is the manager's policy: the whole remaining prompt
-        // and decode room must stay obtainable, or admission only trades into preemptions.
-        if !self.m.may_admit(rest)? {
+        // and decode room must stay obtainable beside the hit it references, or admission
+        // only trades into preemptions (or, counting the hit as room, a livelock).
+        if !self.m.may_admit_request(r.id())? {
             return Ok(Some(r));
         }
         let a = match self.m.admit(r.id()) {

@@ -28,7 +28,9 @@
 //! * [`engine`] — the step loop ([`Engine`], [`simulate`]).
 //! * `policy` — the engine's own decisions beside the manager's: the manager each run is
 //!   built with, refusal, the preemption victim, block hashes (admission back-pressure is the
-//!   manager's policy: [`KvManager::may_admit`](crate::manager::KvManager::may_admit)).
+//!   manager's policy:
+//!   [`KvManager::may_admit_request`](crate::manager::KvManager::may_admit_request), which
+//!   prices the request's own hit).
 //! * [`report`] — [`SimReport`], every figure a run produces.
 //!
 //! # Memory bound
