@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Pack what a machine without network needs to run the NIXL tests: the libraries of the pinned
-# nixl-cu13 1.5.1 wheel that libnixl_capi.so, its UCX plugin and UCX's CUDA / CMA transports
-# load (about 45 MB, 12 MB as .tar.xz), into OUT (a path of the caller's; default
+# nixl-cu13 1.5.1 wheel that libnixl_capi.so, its UCX plugin and UCX's CUDA / CMA transports,
+# and its POSIX plugin (the shared tier's files: libaio, liburing) load (about 47 MB, 8 MB
+# as .tar.xz), into OUT (a path of the caller's; default
 # .gpu/nixl-1.5.1.tar.xz of the checkout). Unpack there and point V4POOL_NIXL_LIB at
 # <dir>/.nixl_cu13.mesonpy.libs/libnixl_capi.so (docs/nixl.md; scripts/nixl-gpu.sh does it).
 # Reuses the wheel .ci/run downloads (same pin, same sha256).
@@ -35,7 +36,8 @@ with zipfile.ZipFile(sys.argv[1]) as z:
 PY
 cd "$stage"
 m=.nixl_cu13.mesonpy.libs
-roots="$m/libnixl_capi.so $m/plugins/libplugin_UCX.so nixl_cu13.libs/ucx/libuct_cuda.so.0.0.0
+roots="$m/libnixl_capi.so $m/plugins/libplugin_UCX.so $m/plugins/libplugin_POSIX.so
+  nixl_cu13.libs/ucx/libuct_cuda.so.0.0.0
   nixl_cu13.libs/ucx/libucm_cuda.so.0.0.0 nixl_cu13.libs/ucx/libuct_cma.so.0.0.0"
 # The roots and every library of the wheel they load (ldd resolves through their RPATHs;
 # the CUDA driver and runtime they name come from the target machine).
