@@ -117,6 +117,62 @@ V4P_DEVICE v4p_u32 v4p_flashmla_group(const v4p_u16* x, int n, v4p_u8* out) {
     return b;
 }
 
+/// The FlashMLA formats' 16-byte path (every row start 16-byte aligned; see v4p_kv_rows_token):
+/// the source loads of a lane first, then the batch id and destination row, then the stores.
+/// Format 3 (V4, 584 B paged): lane L < 28 loads NoPE tile L / 4 (64 values, eight vectors; the
+/// four lanes of a tile read the same 128 bytes), takes FlashMLA's scale of it and stores its
+/// quarter L % 4 as 16 e4m3 bytes, quarter 0 also the scale byte; lanes 28..31 copy 32 bytes
+/// of RoPE each, lane 28 zeroes the pad byte. Format 2 (V4.1, 528 B): lane i < 16 loads group i
+/// (32 values, four vectors), stores 32 e4m3 bytes and its scale byte. The bytes are
+/// v4p_flashmla_group's (same floor, same rounding; tests hold both to src/format.rs).
+V4P_DEVICE void v4p_flashmla_row_vec(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, bool row_known, v4p_i64 row) {
+    const v4p_ptr s = (v4p_ptr)(v4p_in<v4p_u16>(a.kv) + t * a.kv_row_stride);
+    const bool v4 = a.format == 3;
+    if (!v4 && lane >= 16) return;
+    v4p_u32x4 w[8];
+    if (v4 && lane < 28) {
+        for (int k = 0; k < 8; ++k) w[k] = v4p_ld16(s + (lane / 4) * 128 + 16 * k);
+    } else if (v4) {
+        w[0] = v4p_ld16(s + 2 * V4P_NOPE_VALUES + 32 * (lane - 28));
+        w[1] = v4p_ld16(s + 2 * V4P_NOPE_VALUES + 32 * (lane - 28) + 16);
+    } else {
+        for (int k = 0; k < 4; ++k) w[k] = v4p_ld16(s + 64 * lane + 16 * k);
+    }
+    if (a.batch_id_per_token != 0 && v4p_in<v4p_i32>(a.batch_id_per_token)[t] < 0) return;
+    if (!row_known) row = v4p_in<v4p_i32>(a.dest_rows)[t];
+    if (row < 0 || row >= a.view_rows) return;  // dropped, not wrapped
+    const v4p_u32 floor_bits = 0x3d378034u;  // 448e-4 as f32 bits: FlashMLA's floor
+    if (!v4) {
+        v4p_u32 amax = v4p_amax_vecs(w, 4);
+        if (amax < floor_bits) amax = floor_bits;
+        const v4p_u32 b = v4p_e8m0_of_amax(amax);
+        const float inv = v4p_f32_from_bits((254u - b) << 23);
+        const v4p_u64 out = a.nope + row_byte_offset(row, 528);
+        v4p_st16(out + 32 * lane, v4p_e4m3_bf16x8(w[0], w[1], inv));
+        v4p_st16(out + 32 * lane + 16, v4p_e4m3_bf16x8(w[2], w[3], inv));
+        *(v4p_u8*)(out + 512 + lane) = (v4p_u8)b;
+        return;
+    }
+    const v4p_i64 r = a.view_row0 + row;
+    const v4p_u64 page = a.nope + (v4p_u64)(r / 64) * (64 * 584);
+    const v4p_u64 data = page + (v4p_u64)(r % 64) * 576;
+    v4p_u8* scales = (v4p_u8*)(page + 64 * 576 + (v4p_u64)(r % 64) * 8);
+    if (lane < 28) {
+        const v4p_u32 tile = lane / 4, q = lane % 4;
+        v4p_u32 amax = v4p_amax_vecs(w, 8);
+        if (amax < floor_bits) amax = floor_bits;
+        const v4p_u32 b = v4p_e8m0_of_amax(amax);
+        const float inv = v4p_f32_from_bits((254u - b) << 23);
+        v4p_st16(data + tile * 64 + q * 16, v4p_e4m3_bf16x8(w[2 * q], w[2 * q + 1], inv));
+        if (q == 0) scales[tile] = (v4p_u8)b;
+        return;
+    }
+    const v4p_u32 j = lane - 28;
+    v4p_st16(data + 448 + 32 * j, w[0]);
+    v4p_st16(data + 448 + 32 * j + 16, w[1]);
+    if (j == 0) scales[7] = 0;
+}
+
 /// Token `t`'s row, lane `lane`, of v4pool_kv_rows; `row` is dest_rows[t] when `row_known`
 /// (v4pool_write_batch loads it before its wait where the destinations are a host upload),
 /// else loaded here. The 16-byte path when every row start is 16-byte aligned (the pool's views
@@ -130,8 +186,12 @@ V4P_DEVICE v4p_u32 v4p_flashmla_group(const v4p_u16* x, int n, v4p_u8* out) {
 /// bytes of RoPE each and zero the padding (bytes 462..511: 2 bytes, then three vectors).
 V4P_DEVICE void v4p_kv_rows_token(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, bool row_known, v4p_i64 row) {
     const v4p_u16* src = v4p_in<v4p_u16>(a.kv) + t * a.kv_row_stride;
+    if (a.format >= 2 && ((a.kv | ((v4p_u64)a.kv_row_stride * 2) | a.nope) & 15) == 0) {
+        v4p_flashmla_row_vec(a, t, lane, row_known, row);
+        return;
+    }
     if (a.format >= 2) {
-        // The FlashMLA formats (2: V4.1 528 B; 3: V4 584 B paged) take the element path.
+        // The FlashMLA formats (2: V4.1 528 B; 3: V4 584 B paged) off the 16-byte path.
         if (a.batch_id_per_token != 0 && v4p_in<v4p_i32>(a.batch_id_per_token)[t] < 0) return;
         if (!row_known) row = v4p_in<v4p_i32>(a.dest_rows)[t];
         if (row < 0 || row >= a.view_rows) return;  // dropped, not wrapped
