@@ -68,6 +68,10 @@ def _env_seconds(name, default):
     return float(v) if v else default
 
 
+# The calls that read or write a buffer's bytes (registrations only record ranges).
+_TOUCHES_BUFFER = ("put_from", "get_into")
+
+
 class _Job:
     __slots__ = ("fn", "args", "what", "addr", "done", "result", "error", "abandoned")
 
@@ -146,7 +150,7 @@ class MooncakeStore:
         addr = job.addr
         if addr is None:
             return []
-        busy = any(j.addr == addr for j in self._stuck)
+        busy = any(j.addr == addr and j.what in _TOUCHES_BUFFER for j in self._stuck)
         if job.what == "register_buffer" and job.error is None and job.result == 0:
             # The tier saw a failure and freed (or will free) this buffer: undo it now.
             return [(self.store.unregister_buffer, (addr,))]
@@ -163,7 +167,7 @@ class MooncakeStore:
             probe = False
             if self._down_until is not None:
                 now = time.monotonic()
-                buffer_stuck = any(j.addr is not None and j.what != "register_buffer" for j in self._stuck)
+                buffer_stuck = any(j.what in _TOUCHES_BUFFER for j in self._stuck)
                 if now < self._down_until or buffer_stuck:
                     self.counters["refused_down"] += 1
                     raise MooncakeDown(f"mooncake {what}: the store is down (a call overran "
@@ -206,7 +210,8 @@ class MooncakeStore:
             self._down_until = None
             self._next_backoff = self.backoff
             self.counters["recovered"] += 1
-            todo = [a for a in self._unregister_later if not any(j.addr == a for j in self._stuck)]
+            todo = [a for a in self._unregister_later
+                    if not any(j.addr == a and j.what in _TOUCHES_BUFFER for j in self._stuck)]
         for addr in todo:
             try:
                 self._call("unregister_buffer", self.store.unregister_buffer, addr, addr=addr)
@@ -245,9 +250,9 @@ class MooncakeStore:
         with self._lock:
             again = addr in self._unregister_later
         if again:
-            # A new buffer where an old one was registered: the old registration goes first.
-            _ok("unregister_buffer", self._call("unregister_buffer", self.store.unregister_buffer, addr,
-                                                addr=addr))
+            # A new buffer where an old one was registered: the old registration goes first
+            # (an error code means the client holds it no more: gone either way).
+            self._call("unregister_buffer", self.store.unregister_buffer, addr, addr=addr)
             with self._lock:
                 self._unregister_later.discard(addr)
                 self._registered.pop(addr, None)
@@ -262,7 +267,7 @@ class MooncakeStore:
         with self._lock:
             if addr not in self._registered:
                 return
-            if any(j.addr == addr for j in self._stuck):
+            if any(j.addr == addr and j.what in _TOUCHES_BUFFER for j in self._stuck):
                 self._unregister_later.add(addr)
                 raise MooncakeBufferBusy(f"mooncake unregister_buffer {addr:#x}: an abandoned call may "
                                          "still touch it")

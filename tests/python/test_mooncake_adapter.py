@@ -71,6 +71,19 @@ class FakeClient:
         self.calls.append("close")
 
 
+def downed(backoff, buffer=None, overrun=lambda s: s.exist(["a"])):
+    """A store over a fake client (with `buffer` registered first, `(addr, size)`), down
+    after `overrun(store)` overran: (client, store); the client's calls hang."""
+    c = FakeClient()
+    s = MooncakeStore(c, timeout=T, backoff=backoff)
+    if buffer:
+        s.register_buffer(*buffer)
+    c.hang.clear()
+    with pytest.raises(MooncakeDown):
+        overrun(s)
+    return c, s
+
+
 def wait_for(cond, secs=5):
     end = time.monotonic() + secs
     while not cond():
@@ -102,11 +115,7 @@ def test_a_call_that_overruns_marks_the_store_down_and_later_calls_never_reach_t
 
 
 def test_after_the_backoff_one_probe_goes_through_and_an_answer_brings_the_store_back():
-    c = FakeClient()
-    s = MooncakeStore(c, timeout=T, backoff=0.5)
-    c.hang.clear()
-    with pytest.raises(MooncakeDown):
-        s.exist(["a"])
+    c, s = downed(0.5)
     # The probe overruns too: down again, for twice as long.
     time.sleep(0.6)
     with pytest.raises(MooncakeDown, match="down for 1 s"):
@@ -122,12 +131,8 @@ def test_after_the_backoff_one_probe_goes_through_and_an_answer_brings_the_store
 
 
 def test_a_buffer_an_abandoned_call_may_touch_is_never_given_back_until_it_returns():
-    c = FakeClient()
-    s = MooncakeStore(c, timeout=T, backoff=0.2)
-    s.register_buffer(0x1000, 4096)
-    c.hang.clear()
-    with pytest.raises(MooncakeDown):
-        s.get_into("k", 0x1000 + 64, 128)  # inside the registered buffer
+    # The overrun is a read into the registered buffer.
+    c, s = downed(0.2, (0x1000, 4096), lambda s: s.get_into("k", 0x1000 + 64, 128))
     with pytest.raises(MooncakeBufferBusy) as e:
         s.unregister_buffer(0x1000)
     assert e.value.errno == errno.EBUSY
@@ -145,12 +150,7 @@ def test_a_buffer_an_abandoned_call_may_touch_is_never_given_back_until_it_retur
 
 
 def test_a_buffer_given_back_while_down_is_unregistered_once_the_store_answers():
-    c = FakeClient()
-    s = MooncakeStore(c, timeout=T, backoff=0.3)
-    s.register_buffer(0x2000, 4096)
-    c.hang.clear()
-    with pytest.raises(MooncakeDown):
-        s.exist(["a"])  # no buffer involved
+    c, s = downed(0.3, (0x2000, 4096))  # the overrun is a lookup: no buffer involved
     n = len(c.calls)
     s.unregister_buffer(0x2000)  # the tier may free it: no call of the client touches it
     assert len(c.calls) == n and s.pending_unregistrations() == [0x2000]
@@ -195,11 +195,7 @@ def test_errors_the_store_answers_are_misses_but_leave_it_up():
 
 
 def test_close_of_a_down_store_does_not_touch_the_client():
-    c = FakeClient()
-    s = MooncakeStore(c, timeout=T, backoff=60)
-    c.hang.clear()
-    with pytest.raises(MooncakeDown):
-        s.exist(["a"])
+    c, s = downed(60)
     s.close()
     assert "close" not in c.calls and s.closed
     with pytest.raises(MooncakeError, match="closed"):
