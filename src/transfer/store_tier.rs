@@ -33,7 +33,10 @@ pub trait KvStore: Send + std::fmt::Debug {
     /// Make `len` bytes at `addr` usable for puts and gets (the tier's staging buffer; a new
     /// one replaces the old, which is unregistered first).
     fn register_buffer(&self, addr: u64, len: u64) -> io::Result<()>;
-    /// Undo [`KvStore::register_buffer`] of the buffer at `addr`.
+    /// Undo [`KvStore::register_buffer`] of the buffer at `addr`. An error of kind
+    /// [`io::ErrorKind::ResourceBusy`] says the store may still read or write the buffer (a
+    /// call it gave up waiting for, e.g. with its master gone): the tier then never frees it.
+    /// Any other error: the store touches it no more, and it is freed.
     fn unregister_buffer(&self, addr: u64) -> io::Result<()>;
     /// Which of `keys` are held.
     fn exist(&self, keys: &[String]) -> io::Result<Vec<bool>>;
@@ -147,7 +150,7 @@ impl StoreTier {
         // The old buffer has no copy queued and no store call in flight (each is waited
         // for): it is unregistered and freed before the new one is made.
         if let Some(old) = self.staging.take() {
-            let _ = self.store.unregister_buffer(old.ptr() as u64);
+            self.give_back(old);
         }
         let s = Storage::new(pool.backend().clone(), bytes)?;
         if let Err(e) = self.store.register_buffer(s.ptr() as u64, s.len() as u64) {
@@ -156,6 +159,18 @@ impl StoreTier {
         let ptr = s.ptr();
         self.staging = Some(s);
         Ok(ptr)
+    }
+
+    /// Unregister `buf` and free it, unless the store may still touch it: then it is kept,
+    /// never freed (a bounded leak, one buffer per call the store gave up on, against a late
+    /// write into freed memory or into a buffer reused for a later entry).
+    fn give_back(&mut self, buf: Storage) {
+        if let Err(e) = self.store.unregister_buffer(buf.ptr() as u64) {
+            if e.kind() == io::ErrorKind::ResourceBusy {
+                self.stats.io_errors += 1;
+                std::mem::forget(buf);
+            }
+        }
     }
 
     fn check_pool(&self, pool: &Pool) -> Result<Vec<UnitPart>, HostTierError> {
@@ -282,7 +297,7 @@ impl StoreTier {
 impl Drop for StoreTier {
     fn drop(&mut self) {
         if let Some(s) = self.staging.take() {
-            let _ = self.store.unregister_buffer(s.ptr() as u64);
+            self.give_back(s);
         }
     }
 }

@@ -4,7 +4,9 @@ prefix of 8K or 128K tokens one process committed restores in another byte-exact
 block's whole unit and the slot's checkpoint image: window rows and compressor state) onto
 a poisoned pool; a corrupt entry, an entry of another layout under this layout's key and a
 reader of another layout are misses that never reach the pool; the master killed mid-run
-leaves both engines serving (misses, failed publications counted) with nothing held.
+leaves both engines serving (misses, failed publications counted) with nothing held, each
+store call bounded by the adapter (`v4pool.mooncake`; its logic alone:
+tests/python/test_mooncake_adapter.py).
 
 1M tokens is not run: the store keeps values in the writer's mounted segment, so a 1M
 prefix needs a 4.4 GB segment beside two 4.3 GB pools (13 GB on a shared 23 GB CI machine).
@@ -86,9 +88,10 @@ def master():
     m.kill()
 
 
-def engine(tokens, master_args, mtp=1, segment=0):
+def engine(tokens, master_args, mtp=1, segment=0, timeout=None):
     """A manager over a fresh V4-Flash host pool with room for `tokens` and one slot, a
-    checkpoint at prompt ends only, Mooncake as its shared tier (mounting `segment` bytes):
+    checkpoint at prompt ends only, Mooncake as its shared tier (mounting `segment` bytes;
+    each store call bounded by `timeout` s, the adapter's default when None):
     (manager, pool, store)."""
     import v4pool.mooncake
 
@@ -97,7 +100,7 @@ def engine(tokens, master_args, mtp=1, segment=0):
     pool = v4pool.Pool(plan, backend="host")
     m = v4pool.KvManager(pool, policy="fixed", slots=1, checkpoint_every=0, rolling=False)
     segment = segment or (64 << 20)
-    store = v4pool.mooncake.MooncakeStore.connect(*master_args, segment_bytes=segment)
+    store = v4pool.mooncake.MooncakeStore.connect(*master_args, segment_bytes=segment, timeout=timeout)
     m.set_shared_store(store, capacity_bytes=segment)
     return m, pool, store
 
@@ -122,10 +125,10 @@ def assert_drained(m, pool):
     assert (c["free_blocks"], c["free_slots"]) == (c["num_blocks"], c["num_slots"]), c
 
 
-def commit_prefix(n, seed, master_args):
+def commit_prefix(n, seed, master_args, timeout=None):
     """The writer (this process): commit a prefix of `n` tokens with random bytes in every
     block unit and the whole slot image, publish it; (manager, pool, store, digest)."""
-    m, pool, store = engine(n, master_args, segment=(n // BLOCK + 16) * (3 << 20) // 2)
+    m, pool, store = engine(n, master_args, segment=(n // BLOCK + 16) * (3 << 20) // 2, timeout=timeout)
     t = tokens_of(seed, n)
     rid = m.add_request(t[:n])
     assert m.admit(rid) == 0
@@ -233,12 +236,37 @@ def commit_prefix_of_layout(n, seed, master_args, mtp):
 
 
 def test_the_master_killed_mid_run_leaves_the_engines_serving(master):
-    n, seed = 8 << 10, 0x3600
-    m, pool, store, _ = commit_prefix(n, seed, master.args)
-    m2, pool2, _store2 = engine(n, master.args)
+    """With the master gone the client's next call blocks for good (0.3.14); the adapter's
+    bounded wait turns it into a miss and the store down: both engines admit (misses),
+    commit and publish (failures counted) within a few timeouts, and give every block, slot
+    and staging buffer back. In a child process (`killed_main`), which ends with `os._exit`:
+    the abandoned call wakes while CPython 3.11 finalizes, and a thread woken then is ended
+    by `pthread_exit`, which cannot unwind pybind11's frames (`std::terminate`, an abort
+    after the test passed; docs/fleet.md)."""
+    out = subprocess.run([sys.executable, __file__, "killed", str(master.proc.pid), *master.args],
+                         capture_output=True, text=True, timeout=300)
+    line = [x for x in out.stdout.splitlines() if x.startswith("{")]
+    assert out.returncode == 0 and line, out.stdout + out.stderr[-4000:]
+    r = json.loads(line[-1])
+    print(f"two engines served a prompt each with the master gone in {r['secs']:.1f} s; store counters "
+          f"{r['counters']}")
     master.kill()
+
+
+def killed_main(master_pid, master_args):
+    """The body of the test above: prints a JSON report, then ends the process at once."""
+    n, seed, timeout = 8 << 10, 0x3600, 2.0
+    m, pool, store, _ = commit_prefix(n, seed, master_args, timeout=timeout)
+    m2, pool2, store2 = engine(n, master_args, timeout=timeout)
+    os.kill(master_pid, 9)
+    while True:  # gone for good (the parent reaps it)
+        try:
+            socket.create_connection(tuple(master_args[0].rsplit(":", 1)), timeout=0.2).close()
+            time.sleep(0.05)
+        except OSError:
+            break
     t0 = time.time()
-    for mgr, p, s in ((m2, pool2, seed), (m, pool, seed + 1)):
+    for mgr, p, s, st in ((m2, pool2, seed, store2), (m, pool, seed + 1, store)):
         mgr.evict_all()
         t = tokens_of(s, n)
         rid = mgr.add_request(t[:n])
@@ -247,12 +275,30 @@ def test_the_master_killed_mid_run_leaves_the_engines_serving(master):
         mgr.commit(rid, n)
         mgr.complete_inflight()
         mgr.finish(rid)
-        st = mgr.stats()
-        assert st["shared_write_failures"] > 0, st
+        stats = mgr.stats()
+        assert stats["shared_write_failures"] > 0, stats
         assert_drained(mgr, p)
-    print(f"two engines served a prompt each with the master gone in {time.time() - t0:.1f} s")
+        # One call overran and marked the store down; every later one was refused at once.
+        assert st.down and st.counters["timeouts"] == 1 and st.counters["refused_down"] > 0, st.counters
+        # Nothing leaked: the tier, dropped, gave its staging buffer back; a buffer still
+        # registered is one whose unregistration waits for the store (none is touched by an
+        # abandoned call here: the overrun was a lookup).
+        mgr.set_shared_store(None, 0)
+        assert set(st.registrations()) == set(st.pending_unregistrations()), st.registrations()
+        assert all(c in ("batch_is_exist", "get_size", "is_exist", "remove") for c in st.stuck_calls())
+    secs = time.time() - t0
+    assert secs < 4 * timeout + 10, f"the store's calls were not bounded: {secs:.1f} s"
+    t1 = time.time()
+    for st in (store, store2):
+        st.close()  # not asked of the vanished master
+    assert time.time() - t1 < 1, "close of a down store waited on the client"
+    print(json.dumps({"secs": secs, "counters": store.counters}), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "killed":
+        killed_main(int(sys.argv[2]), tuple(sys.argv[3:5]))
     assert sys.argv[1] == "reader"
     reader_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), tuple(sys.argv[5:7]))

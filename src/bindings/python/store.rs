@@ -6,10 +6,15 @@
 //! `size(key) -> int | None`, `put(key, addr, size)`, `get_into(key, addr, size)` (the whole
 //! value, exactly `size` bytes), `remove(key) -> bool`. Addresses are the tier's staging
 //! buffer, registered first; the object must touch no byte outside `[addr, addr + size)`.
+//! `unregister_buffer` raising an `OSError` with errno EBUSY says a call it gave up on may
+//! still touch the buffer: the tier then never frees it.
 
 use crate::transfer::KvStore;
 use pyo3::prelude::*;
 use std::io;
+
+/// Linux's EBUSY, what `v4pool.mooncake.MooncakeBufferBusy` carries.
+const EBUSY: i32 = 16;
 
 /// The Python object behind a [`KvStore`].
 pub(super) struct PyStore {
@@ -29,10 +34,16 @@ impl PyStore {
         out: impl for<'py> FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
     ) -> io::Result<T> {
         Python::attach(|py| {
-            let r = self.obj.bind(py).call_method1(method, args)?;
-            out(&r)
+            let r = self.obj.bind(py).call_method1(method, args).and_then(|r| out(&r));
+            r.map_err(|e| {
+                // EBUSY (`MooncakeBufferBusy`): the store may still touch the buffer; the tier
+                // must keep it (`KvStore::unregister_buffer`). Every other error is a miss.
+                let busy = e.is_instance_of::<pyo3::exceptions::PyOSError>(py)
+                    && e.value(py).getattr("errno").and_then(|n| n.extract::<i32>()).ok() == Some(EBUSY);
+                let kind = if busy { io::ErrorKind::ResourceBusy } else { io::ErrorKind::Other };
+                io::Error::new(kind, format!("{method}: {e}"))
+            })
         })
-        .map_err(|e| io::Error::other(format!("{method}: {e}")))
     }
 }
 
