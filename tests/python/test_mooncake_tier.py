@@ -196,6 +196,41 @@ def test_a_prefix_committed_in_one_process_restores_in_another(master, n):
     store.close()
 
 
+def test_two_writers_of_one_prefix_a_reader_restores_one_of_them_whole(master):
+    # Two engines compute the same prefix (the same keys) with different bytes, both before
+    # either publishes, then publish one after the other; whatever the store keeps of the
+    # second's puts (an overwrite or a refusal, counted, never an error), a reader restores one
+    # writer's prefix whole, never a mixture, and nothing is held afterwards.
+    n, seed = 8 << 10, 0x35AA
+    seg = (n // BLOCK + 16) * (3 << 20) // 2
+    writers = []
+    for byte_seed in (1, 2):
+        m, pool, store = engine(n, master.args, segment=seg)
+        rid = m.add_request(tokens_of(seed, n)[:n])
+        assert m.admit(rid) == 0  # nothing published yet: both compute the prefix
+        m.allocate(rid, n)
+        rng = np.random.default_rng(byte_seed)
+        blocks = m.blocks(rid)
+        pool.write_units(blocks, rng.bytes(len(pool.read_units(blocks))))
+        layout, img = pool.checkpoint(m.slot(rid))
+        pool.restore(m.slot(rid), layout, rng.bytes(len(img)))
+        m.commit(rid, n)
+        writers.append((m, pool, store, rid))
+    wants = []
+    for m, pool, store, rid in writers:
+        m.complete_inflight()
+        wants.append(digest(m, pool, rid))
+        m.finish(rid)
+    assert wants[0] != wants[1]
+    r = run_reader(n, seed, master.args)
+    assert r["hit"] == n and r["digest"] in wants, r
+    print(f"two writers: the reader restored writer {wants.index(r['digest'])}'s prefix; the second's "
+          f"write failures {writers[1][0].stats()['shared_write_failures']}")
+    for m, pool, store, _ in writers:
+        assert_drained(m, pool)
+        store.close()
+
+
 def test_refused_entries_and_another_layout_are_misses(master):
     n, seed = 8 << 10, 0x35FF
     m, pool, store, want = commit_prefix(n, seed, master.args)
@@ -212,6 +247,11 @@ def test_refused_entries_and_another_layout_are_misses(master):
     r = run_reader(n, seed, master.args)
     assert (r["hit"], r["shared_refused"]) == (0, 1), r
     assert store.store.is_exist(mid) == 0, "the corrupt entry stays"
+    # The same entry truncated (a torn value): refused the same way.
+    assert store.store.put(mid, bytes(good[: len(good) // 3])) == 0
+    r = run_reader(n, seed, master.args)
+    assert (r["hit"], r["shared_refused"]) == (0, 1), r
+    assert store.store.is_exist(mid) == 0, "the truncated entry stays"
     assert store.store.put(mid, good) == 0
     # Another layout's whole entry under this layout's checkpoint key: refused, a miss.
     other, other_pool, other_store, _ = commit_prefix_of_layout(n, seed, master.args, mtp=0)
