@@ -553,24 +553,31 @@ def test_fp8_pool_float32_activations_top1_every_step():
     print(f"fp8, f32 activations: worst |delta logit| / max |logit| = {worst:.2e}")
 
 
-def test_pack_matches_the_reference_quantisation_byte_for_byte():
-    # The kernel's fp8 rows against hf.quantize_fp8_reference's torch formula: the pool's
-    # dequantised row equals the reference's quantise-dequantise value for value.
+@pytest.mark.parametrize("dtype,reference", [
+    ("fp8", hf.quantize_fp8_reference),
+    ("flashmla-v4", hf.quantize_flashmla_v4_reference),
+])
+def test_pack_matches_the_reference_quantisation_byte_for_byte(dtype, reference):
+    # The pool's writer (the kernel on CUDA) against the reference quantisation of its format
+    # (fp8: hf.quantize_fp8_reference's torch formula; flashmla-v4: the row format's own
+    # packer, v4pool.pack_rows, FlashMLA's scale rule): every window row of a dense, a CSA and
+    # an HCA layer read back (flashmla-v4 through the page view) equals the reference's
+    # quantise-dequantise value, bit for bit, an all-zero scale group included.
     model = tiny()
-    engine = hf.attach(model, dtype="fp8", budget="96MiB", max_seqs=2, chunk=128, backend=BACKEND)
+    engine = hf.attach(model, dtype=dtype, budget="96MiB", max_seqs=2, chunk=128, backend=BACKEND)
     g = torch.Generator().manual_seed(7)
     kv = (torch.randn(130, 512, generator=g) * torch.logspace(-3, 3, 512)).to(torch.bfloat16)
     kv[5, 64:128] = 0  # an all-zero tile
     kv = kv.to(DEVICE)
     slot = engine.pool.alloc_slot()
     engine.fwd.stage_window([slot], [0], [130])
-    layer = engine.ratios.index(4)
-    engine.fwd.write_window(layer, kv)
-    rows = torch.tensor([engine.pool.window_index(layer, engine.pool.slot_position(slot), p % 128)
-                         for p in range(2, 130)])
-    got = engine.rows(layer, rows)
-    want = hf.quantize_fp8_reference(kv[2:130])
-    assert torch.equal(got.cpu().view(torch.int16), want.cpu().view(torch.int16))
+    want = reference(kv[2:130]).to(torch.bfloat16)  # exact: e4m3 times a power of two
+    for layer in (engine.ratios.index(0), engine.ratios.index(4), engine.ratios.index(128)):
+        engine.fwd.write_window(layer, kv)
+        rows = torch.tensor([engine.pool.window_index(layer, engine.pool.slot_position(slot), p % 128)
+                             for p in range(2, 130)])
+        got = engine.rows(layer, rows).to(torch.bfloat16)
+        assert torch.equal(got.cpu().view(torch.int16), want.cpu().view(torch.int16)), (dtype, layer)
 
 
 def test_flashmla_v4_pool_against_quantised_reference():
@@ -580,26 +587,6 @@ def test_flashmla_v4_pool_against_quantised_reference():
     model = tiny(index_topk=16, seed=5)
     worst = run_and_compare(model, [6, 140, 260], steps=32, chunk=128, dtype="flashmla-v4")
     print(f"flashmla-v4: worst |delta logit| / max |logit| = {worst:.4f}")
-
-
-def test_flashmla_v4_rows_are_the_formats_packing():
-    # The pool's writer (the kernel on CUDA) against the row format's description: every
-    # window row read back through the page view equals v4pool.pack_rows' bytes decoded.
-    model = tiny()
-    engine = hf.attach(model, dtype="flashmla-v4", budget="96MiB", max_seqs=2, chunk=128, backend=BACKEND)
-    g = torch.Generator().manual_seed(8)
-    kv = (torch.randn(130, 512, generator=g) * torch.logspace(-3, 3, 512)).to(torch.bfloat16)
-    kv[5, 64:128] = 0  # an all-zero scale group: FlashMLA's amax floor
-    kv = kv.to(DEVICE)
-    slot = engine.pool.alloc_slot()
-    engine.fwd.stage_window([slot], [0], [130])
-    for layer in (engine.ratios.index(0), engine.ratios.index(4), engine.ratios.index(128)):
-        engine.fwd.write_window(layer, kv)
-        rows = torch.tensor([engine.pool.window_index(layer, engine.pool.slot_position(slot), p % 128)
-                             for p in range(2, 130)])
-        got = engine.rows(layer, rows).float()
-        want = hf.quantize_flashmla_v4_reference(kv[2:130])
-        assert torch.equal(got.cpu(), want.cpu()), layer
 
 
 def test_flashmla_attention_is_refused_where_it_cannot_run(monkeypatch):

@@ -180,6 +180,18 @@ pub struct V4poolFlashMla {
     pub shift: i32,
 }
 
+impl From<V4poolDecodeCapacity> for DecodeCapacity {
+    fn from(c: V4poolDecodeCapacity) -> DecodeCapacity {
+        DecodeCapacity {
+            max_seqs: c.max_seqs as usize,
+            max_tokens: c.max_tokens as usize,
+            max_blocks_per_seq: c.max_blocks_per_seq as usize,
+            win: c.win,
+            index_topk: c.index_topk,
+        }
+    }
+}
+
 thread_local! {
     static LAST: RefCell<(CString, CString)> = RefCell::new((CString::default(), CString::default()));
 }
@@ -685,14 +697,7 @@ pub unsafe extern "C" fn v4pool_decode_new(
 ) -> V4poolStatus {
     guard(|| {
         let p = get(pool, "pool")?.pool.clone();
-        let c = get(cap, "cap")?;
-        let cap = DecodeCapacity {
-            max_seqs: c.max_seqs as usize,
-            max_tokens: c.max_tokens as usize,
-            max_blocks_per_seq: c.max_blocks_per_seq as usize,
-            win: c.win,
-            index_topk: c.index_topk,
-        };
+        let cap = DecodeCapacity::from(*get(cap, "cap")?);
         let slot = out(out_decode, "out_decode")?;
         let step = p.decode_path(cap).map_err(rejected)?;
         *slot = Box::into_raw(Box::new(V4poolDecode { step }));
@@ -715,14 +720,7 @@ pub unsafe extern "C" fn v4pool_decode_new_flashmla(
 ) -> V4poolStatus {
     guard(|| {
         let p = get(pool, "pool")?.pool.clone();
-        let c = get(cap, "cap")?;
-        let cap = DecodeCapacity {
-            max_seqs: c.max_seqs as usize,
-            max_tokens: c.max_tokens as usize,
-            max_blocks_per_seq: c.max_blocks_per_seq as usize,
-            win: c.win,
-            index_topk: c.index_topk,
-        };
+        let cap = DecodeCapacity::from(*get(cap, "cap")?);
         let w = if widths.is_null() {
             let g = p.geometry().map_err(rejected)?;
             crate::pool::FlashMlaWidths::for_capacity(&g, cap).map_err(rejected)?
