@@ -57,6 +57,8 @@ struct Options {
     batches: Vec<usize>,
     mtp: Vec<usize>,
     reps: usize,
+    /// `--ablate`: after each shape, the fused step's parts alone ([`ablate`]).
+    ablate: bool,
 }
 
 fn list<T>(flag: &str, default: &str, parse: impl Fn(&str) -> Res<T>) -> Res<Vec<T>> {
@@ -73,6 +75,7 @@ impl Options {
             batches: list("--batches", "1,16,64,256,1024", |s| Ok(s.parse()?))?,
             mtp: list("--mtp", "1,2", |s| Ok(s.parse()?))?,
             reps: list("--reps", "100", |s| Ok(s.parse()?))?[0],
+            ablate: std::env::args().any(|a| a == "--ablate"),
         })
     }
 }
@@ -379,6 +382,67 @@ fn run_shape(
     Ok(res)
 }
 
+/// The fused step taken apart (`--ablate`): graphs of some of its launches only, and the same
+/// with programmatic dependent launches off, each beside the chain floor of as many nodes, so
+/// the table says which part of a node costs what. Timing only: the whole step's bytes were
+/// checked by [`run_shape`] before.
+fn ablate(t: &GraphTimer, tw: &Twins, model: &ModelShape, tps: usize, batch: usize, reps: usize) -> Res<Vec<String>> {
+    use step_common::Kind;
+    let seed = 0x5_7e9 + 31 * batch as u64 + tps as u64;
+    let data = StepData::new(&tw.gpu, model.num_hidden_layers, tps, contexts(batch, tps, seed), model.index_topk as usize, seed);
+    let mut rig = StepRig::new(&tw.gpu, &tw.held_gpu, &data);
+    // Run the whole step once so the builder's outputs (the writes' rows) are in place.
+    let all = rig.launches(Order::Fused);
+    // SAFETY: the rig's own launches.
+    unsafe { rig.queue(&all, S) };
+    t.be.synchronize(S)?;
+    type Keep = fn(Kind) -> bool;
+    let parts: [(&str, Order, Keep); 9] = [
+        ("fused step", Order::Fused, |_| true),
+        ("per-layer step", Order::PerLayer, |_| true),
+        ("writes only (no builder, no packs)", Order::Fused, |k| k != Kind::Build && k != Kind::Pack),
+        ("builder + packs", Order::Fused, |k| k == Kind::Build || k == Kind::Pack),
+        ("own rows only", Order::Fused, |k| k == Kind::Own),
+        ("emitted rows only", Order::Fused, |k| k == Kind::Emitted),
+        ("index keys only", Order::Fused, |k| k == Kind::Keys),
+        ("state updates only", Order::Fused, |k| k == Kind::State),
+        ("own rows + state updates", Order::Fused, |k| k == Kind::Own || k == Kind::State),
+    ];
+    let mut out = Vec::new();
+    for overlap in [true, false] {
+        t.be.set_overlapped_launches(overlap)?;
+        for (name, order, keep) in parts {
+            let launches = rig.launches_of(order, keep);
+            if launches.is_empty() {
+                continue;
+            }
+            let g = capture(t, &rig, &launches)?;
+            let us = t.replay_reps(&g, reps, |_| Ok(()))?.0;
+            let warm = back_to_back(t, &g)?;
+            drop(g);
+            let (c, bufs) = chain_graph(t, launches.len())?;
+            let chain = t.replay_reps(&c, reps, |_| Ok(()))?.0;
+            t.be.synchronize(S)?;
+            drop(c);
+            for b in bufs {
+                // SAFETY: the chain graph that named them is gone and the stream drained.
+                unsafe { t.be.free(b) };
+            }
+            let n = launches.len();
+            out.push(format!(
+                "ABLATE\t{}\t{batch}\t{tps}\t{}\t{name}\t{n}\t{us:.2}\t{:.2}\t{warm:.2}\t{chain:.2}\t{:.2}",
+                model.name,
+                if overlap { "pdl" } else { "plain" },
+                us / n as f64,
+                us / chain
+            ));
+        }
+    }
+    t.be.set_overlapped_launches(true)?;
+    t.be.synchronize(S)?;
+    Ok(out)
+}
+
 fn run(opts: &Options) -> Res<()> {
     let be = CudaBackend::new(0)?;
     let module = be.module_source().map(|m| format!("{m:?}")).unwrap_or_else(|e| format!("none ({e})"));
@@ -483,6 +547,12 @@ fn run(opts: &Options) -> Res<()> {
                     );
                     for k in &s.kinds {
                         println!("        {k}");
+                    }
+                    if opts.ablate {
+                        println!("        ablation: model batch tps launches part nodes µs µs/node warm chain-floor ÷chain");
+                        for line in ablate(&t, &tw, &model, tps, batch, opts.reps)? {
+                            println!("{line}");
+                        }
                     }
                 }
             }

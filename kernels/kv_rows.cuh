@@ -62,6 +62,29 @@ V4P_DEVICE v4p_u32 v4p_e4m3_rne(v4p_u32 u) {
     return s | code;
 }
 
+/// bf16 bits `x` times `inv` (1 / scale) as an e4m3fn byte: v4p_e4m3_rne of the product, but a
+/// NaN value is 0x7f with its own sign. A product's NaN sign is the platform's (x86 keeps the
+/// operand's, NVIDIA returns a canonical NaN), so the rule is on the input: every backend and
+/// the host reference (src/format.rs e4m3_of_scaled_bf16) write the same byte.
+V4P_DEVICE v4p_u32 v4p_e4m3_scaled(v4p_u32 x, float inv) {
+    if ((x & 0x7fffu) > 0x7f80u) return ((x >> 8) & 0x80u) | 0x7fu;
+    return v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits(x << 16) * inv));
+}
+
+// On NVIDIA sm_89 and later the 16-byte paths convert and reduce with the hardware's own
+// instructions: `cvt.rn.satfinite.e4m3x2.f32` (two f32 to two e4m3fn, nearest even, finite
+// saturation: exactly v4p_e4m3_rne but for the sign of a NaN, restored below) and
+// `max.bf16x2` (a NaN operand yields the other: NaN is never the amax, as below). The
+// software forms cost ~40 instructions a value; at batch 1 a row write is latency-bound and a
+// node of the decode step fetched ~10 KB of straight-line code per lane for its 16 values
+// (issue 34's ablation, 2026-12-02: 4.6 us a layer batch of own rows against 1.5 for the state
+// update, whose path has no conversion). HIP (gfx942's fp8 instructions are the FNUZ variant,
+// not e4m3fn), the host emulation and older targets keep the software forms; the host
+// reference (src/format.rs) is the formula for both.
+#if (defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define V4P_HW_FP8 1
+#endif
+
 /// The larger of `amax` and the magnitudes (f32 bits) of the two bf16 in word `w`, NaN
 /// ignored (the low half is the earlier value).
 V4P_DEVICE v4p_u32 v4p_amax_bf16x2(v4p_u32 amax, v4p_u32 w) {
@@ -71,8 +94,34 @@ V4P_DEVICE v4p_u32 v4p_amax_bf16x2(v4p_u32 amax, v4p_u32 w) {
     return amax;
 }
 
+#ifdef V4P_HW_FP8
+/// Lane-wise max of two bf16x2 words of magnitudes (sign bits clear), a NaN lane yielding the
+/// other operand's.
+V4P_DEVICE v4p_u32 v4p_hmax2(v4p_u32 a, v4p_u32 b) {
+    v4p_u32 d;
+    asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+#endif
+
 /// Largest magnitude (f32 bits) of the bf16 in `n` vectors, NaN ignored.
 V4P_DEVICE v4p_u32 v4p_amax_vecs(const v4p_u32x4* w, int n) {
+#ifdef V4P_HW_FP8
+    // Four independent chains of bf16x2 maxima over the magnitudes (the accumulators start at
+    // +0 and a NaN lane keeps the accumulator's), then the two halves as f32 bits: the same
+    // value as the integer form (non-negative non-NaN floats order as their bits).
+    const v4p_u32 m = 0x7fff7fffu;
+    v4p_u32 a = 0, b = 0, c = 0, d = 0;
+    for (int k = 0; k < n; ++k) {
+        a = v4p_hmax2(a, w[k].x & m);
+        b = v4p_hmax2(b, w[k].y & m);
+        c = v4p_hmax2(c, w[k].z & m);
+        d = v4p_hmax2(d, w[k].w & m);
+    }
+    const v4p_u32 r = v4p_hmax2(v4p_hmax2(a, b), v4p_hmax2(c, d));
+    const v4p_u32 lo = r << 16, hi = r & 0xffff0000u;
+    return lo > hi ? lo : hi;
+#else
     v4p_u32 amax = 0;
     for (int k = 0; k < n; ++k) {
         amax = v4p_amax_bf16x2(amax, w[k].x);
@@ -81,14 +130,50 @@ V4P_DEVICE v4p_u32 v4p_amax_vecs(const v4p_u32x4* w, int n) {
         amax = v4p_amax_bf16x2(amax, w[k].w);
     }
     return amax;
+#endif
+}
+
+/// The e4m3 bytes of f32 bits `lo`, `hi`, packed little-endian into the low 16 bits
+/// (v4p_e4m3_rne of each, but for the sign of a NaN).
+V4P_DEVICE v4p_u32 v4p_e4m3x2(v4p_u32 lo, v4p_u32 hi) {
+#ifdef V4P_HW_FP8
+    unsigned short h;
+    // d = [cvt(a) : cvt(b)]: a is the upper byte.
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(v4p_f32_from_bits(hi)), "f"(v4p_f32_from_bits(lo)));
+    return h;  // a NaN's sign: the caller's rule (v4p_e4m3_bf16x2)
+#else
+    return v4p_e4m3_rne(lo) | (v4p_e4m3_rne(hi) << 8);
+#endif
 }
 
 /// The e4m3 bytes of the two bf16 in word `w` times `inv` (exact: a power of two), packed
-/// little-endian into the low 16 bits.
+/// little-endian into the low 16 bits; each v4p_e4m3_scaled of its value (a NaN keeps the
+/// input's sign).
 V4P_DEVICE v4p_u32 v4p_e4m3_bf16x2(v4p_u32 w, float inv) {
-    const v4p_u32 lo = v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits(w << 16) * inv));
-    const v4p_u32 hi = v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits(w & 0xffff0000u) * inv));
-    return lo | (hi << 8);
+    v4p_u32 r = v4p_e4m3x2(v4p_f32_bits(v4p_f32_from_bits(w << 16) * inv),
+                           v4p_f32_bits(v4p_f32_from_bits(w & 0xffff0000u) * inv));
+    if ((w & 0x7fffu) > 0x7f80u) r = (r & 0xff00u) | 0x7fu | ((w >> 8) & 0x80u);
+    if ((w & 0x7fff0000u) > 0x7f800000u) r = (r & 0x00ffu) | 0x7f00u | ((w >> 16) & 0x8000u);
+    return r;
+}
+
+/// Vectors `2q` and `2q + 1` of `w` (q in 0..3) by selects, not an indexed load: an array
+/// indexed by a run-time value lives in local memory (the stack frame the 16-byte paths had).
+V4P_DEVICE void v4p_quarter(const v4p_u32x4* w, v4p_u32 q, v4p_u32x4& a, v4p_u32x4& b) {
+    a = w[0];
+    b = w[1];
+    if (q == 1) {
+        a = w[2];
+        b = w[3];
+    }
+    if (q == 2) {
+        a = w[4];
+        b = w[5];
+    }
+    if (q == 3) {
+        a = w[6];
+        b = w[7];
+    }
 }
 
 /// The e4m3 bytes of the eight bf16 in `w0`, `w1` (values in order), four to a word.
@@ -113,8 +198,18 @@ V4P_DEVICE v4p_u32 v4p_flashmla_group(const v4p_u16* x, int n, v4p_u8* out) {
     }
     const v4p_u32 b = v4p_e8m0_of_amax(amax);
     const float inv = v4p_f32_from_bits((254u - b) << 23);
-    for (int i = 0; i < n; ++i) out[i] = (v4p_u8)v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits((v4p_u32)x[i] << 16) * inv));
+    for (int i = 0; i < n; ++i) out[i] = (v4p_u8)v4p_e4m3_scaled(x[i], inv);
     return b;
+}
+
+/// Token `t`'s destination row (`row` when `row_known`, else dest_rows[t]), or -1 when its
+/// batch id marks a pad token. Both loads go out together (each buffer holds num_tokens
+/// entries, so reading a pad token's row is in bounds): one round trip after the wait, where
+/// the check-then-load form took two in a row.
+V4P_DEVICE v4p_i64 v4p_kv_dest(const KvRowsArgs& a, v4p_i64 t, bool row_known, v4p_i64 row) {
+    const v4p_i32 bid = a.batch_id_per_token != 0 ? v4p_in<v4p_i32>(a.batch_id_per_token)[t] : 0;
+    if (!row_known) row = v4p_in<v4p_i32>(a.dest_rows)[t];
+    return bid < 0 ? -1 : row;
 }
 
 /// The FlashMLA formats' 16-byte path (every row start 16-byte aligned; see v4p_kv_rows_token):
@@ -138,8 +233,7 @@ V4P_DEVICE void v4p_flashmla_row_vec(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lan
     } else {
         for (int k = 0; k < 4; ++k) w[k] = v4p_ld16(s + 64 * lane + 16 * k);
     }
-    if (a.batch_id_per_token != 0 && v4p_in<v4p_i32>(a.batch_id_per_token)[t] < 0) return;
-    if (!row_known) row = v4p_in<v4p_i32>(a.dest_rows)[t];
+    row = v4p_kv_dest(a, t, row_known, row);
     if (row < 0 || row >= a.view_rows) return;  // dropped, not wrapped
     const v4p_u32 floor_bits = 0x3d378034u;  // 448e-4 as f32 bits: FlashMLA's floor
     if (!v4) {
@@ -163,7 +257,9 @@ V4P_DEVICE void v4p_flashmla_row_vec(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lan
         if (amax < floor_bits) amax = floor_bits;
         const v4p_u32 b = v4p_e8m0_of_amax(amax);
         const float inv = v4p_f32_from_bits((254u - b) << 23);
-        v4p_st16(data + tile * 64 + q * 16, v4p_e4m3_bf16x8(w[2 * q], w[2 * q + 1], inv));
+        v4p_u32x4 w0, w1;
+        v4p_quarter(w, q, w0, w1);
+        v4p_st16(data + tile * 64 + q * 16, v4p_e4m3_bf16x8(w0, w1, inv));
         if (q == 0) scales[tile] = (v4p_u8)b;
         return;
     }
@@ -192,8 +288,7 @@ V4P_DEVICE void v4p_kv_rows_token(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, 
     }
     if (a.format >= 2) {
         // The FlashMLA formats (2: V4.1 528 B; 3: V4 584 B paged) off the 16-byte path.
-        if (a.batch_id_per_token != 0 && v4p_in<v4p_i32>(a.batch_id_per_token)[t] < 0) return;
-        if (!row_known) row = v4p_in<v4p_i32>(a.dest_rows)[t];
+        row = v4p_kv_dest(a, t, row_known, row);
         if (row < 0 || row >= a.view_rows) return;  // dropped, not wrapped
     }
     if (a.format == 2) {
@@ -239,8 +334,7 @@ V4P_DEVICE void v4p_kv_rows_token(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, 
             w[0] = v4p_ld16(s + 2 * V4P_NOPE_VALUES + 32 * (lane - 28));
             w[1] = v4p_ld16(s + 2 * V4P_NOPE_VALUES + 32 * (lane - 28) + 16);
         }
-        if (a.batch_id_per_token != 0 && v4p_in<v4p_i32>(a.batch_id_per_token)[t] < 0) return;
-        if (!row_known) row = v4p_in<v4p_i32>(a.dest_rows)[t];
+        row = v4p_kv_dest(a, t, row_known, row);
         if (row < 0 || row >= a.view_rows) return;  // dropped, not wrapped
         if (!fp8) {
             const v4p_u64 d = a.nope + row_byte_offset(row, 1024) + 32 * lane;
@@ -254,7 +348,9 @@ V4P_DEVICE void v4p_kv_rows_token(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, 
             const v4p_u32 b = v4p_e8m0_of_amax(v4p_amax_vecs(w, 8));
             // 1 / scale = 2^(127 - b), a normal f32 for every b the formula gives (1..248).
             const float inv = b == 0 ? 0.0f : v4p_f32_from_bits((254u - b) << 23);
-            v4p_st16(nope + tile * 64 + q * 16, v4p_e4m3_bf16x8(w[2 * q], w[2 * q + 1], inv));
+            v4p_u32x4 w0, w1;
+            v4p_quarter(w, q, w0, w1);
+            v4p_st16(nope + tile * 64 + q * 16, v4p_e4m3_bf16x8(w0, w1, inv));
             if (q == 0) *(v4p_u16*)(nope + V4P_NOPE_VALUES + 2 * tile) = (v4p_u16)(b | (b << 8));
             return;
         }
@@ -270,8 +366,7 @@ V4P_DEVICE void v4p_kv_rows_token(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, 
             v4p_st16(nope + 464 + 16 * (j - 1), zero);
         return;
     }
-    if (a.batch_id_per_token != 0 && v4p_in<v4p_i32>(a.batch_id_per_token)[t] < 0) return;
-    if (!row_known) row = v4p_in<v4p_i32>(a.dest_rows)[t];
+    row = v4p_kv_dest(a, t, row_known, row);
     if (row < 0 || row >= a.view_rows) return;  // dropped, not wrapped
     if (!fp8) {
         v4p_u16* dst = v4p_out<v4p_u16>(a.nope) + row * 512;
@@ -290,7 +385,7 @@ V4P_DEVICE void v4p_kv_rows_token(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, 
         // 1 / scale = 2^(127 - b), a normal f32 for every b the formula gives (1..248).
         const float inv = b == 0 ? 0.0f : v4p_f32_from_bits((254u - b) << 23);
         for (int i = 0; i < 64; ++i)
-            nope[lane * 64 + i] = (v4p_u8)v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits((v4p_u32)x[i] << 16) * inv));
+            nope[lane * 64 + i] = (v4p_u8)v4p_e4m3_scaled(x[i], inv);
         nope[V4P_NOPE_VALUES + 2 * lane] = (v4p_u8)b;
         nope[V4P_NOPE_VALUES + 2 * lane + 1] = (v4p_u8)b;
     } else if (lane == 7) {
@@ -353,6 +448,13 @@ V4P_DEVICE v4p_u32 v4p_e2m1_rne(v4p_u32 u) {
     return s | c;
 }
 
+/// bf16 bits `x` times `inv` as an e2m1 nibble: v4p_e2m1_rne of the product, a NaN value 6 with
+/// its own sign (the input's, as v4p_e4m3_scaled; src/format.rs e2m1_of_scaled_bf16).
+V4P_DEVICE v4p_u32 v4p_e2m1_scaled(v4p_u32 x, float inv) {
+    if ((x & 0x7fffu) > 0x7f80u) return ((x >> 12) & 0x8u) | 0x7u;
+    return v4p_e2m1_rne(v4p_f32_bits(v4p_f32_from_bits(x << 16) * inv));
+}
+
 /// Largest magnitude (f32 bits) of `n` bf16 values, NaN ignored; from 16-byte vectors (all
 /// loads before the first compare) when `vec` (`x` 16-byte aligned, `n` a multiple of 8).
 V4P_DEVICE v4p_u32 v4p_bf16_amax(const v4p_u16* x, int n, bool vec) {
@@ -400,8 +502,17 @@ V4P_DEVICE void v4p_index_keys_entry(const IndexKeysArgs& a, v4p_i64 t, v4p_u32 
         if (amax < 0x38d1b717u) amax = 0x38d1b717u;  // 1e-4f
         const v4p_u32 b = v4p_e8m0_of_amax(amax);  // 105..247 here: scale and 1/scale normal
         const float inv = v4p_f32_from_bits((254u - b) << 23);
-        for (v4p_u32 i = i0; i < i0 + 4; ++i)
-            blk[r * 128 + i] = (v4p_u8)v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits((v4p_u32)src[i] << 16) * inv));
+        // The lane's four values as two bf16x2 words, their four e4m3 bytes in one store
+        // (the row's bytes i0..i0 + 3: a 4-byte aligned word, 132 and 128 being multiples of 4).
+        v4p_u32 w01, w23;
+        if (vec) {
+            w01 = ((const v4p_u32*)(src + i0))[0];
+            w23 = ((const v4p_u32*)(src + i0))[1];
+        } else {
+            w01 = (v4p_u32)src[i0] | ((v4p_u32)src[i0 + 1] << 16);
+            w23 = (v4p_u32)src[i0 + 2] | ((v4p_u32)src[i0 + 3] << 16);
+        }
+        *(v4p_u32*)(blk + r * 128 + i0) = v4p_e4m3_bf16x2(w01, inv) | (v4p_e4m3_bf16x2(w23, inv) << 16);
         if (lane == 0) v4p_out<v4p_u32>(a.data)[(block * rows * 132 + rows * 128 + r * 4) / 4] = b << 23;
         return;
     }
@@ -412,9 +523,8 @@ V4P_DEVICE void v4p_index_keys_entry(const IndexKeysArgs& a, v4p_i64 t, v4p_u32 
     const float inv = b == 0 ? 0.0f : v4p_f32_from_bits((254u - b) << 23);
     v4p_u8* data = v4p_out<v4p_u8>(a.data) + block * rows * 64 + ((v4p_i64)g * rows + r) * 16;
     for (v4p_u32 k = 0; k < 2; ++k) {
-        const v4p_u32 lo = (v4p_u32)src[i0 + 2 * k] << 16, hi = (v4p_u32)src[i0 + 2 * k + 1] << 16;
-        data[2 * j + k] = (v4p_u8)(v4p_e2m1_rne(v4p_f32_bits(v4p_f32_from_bits(lo) * inv)) |
-                                   (v4p_e2m1_rne(v4p_f32_bits(v4p_f32_from_bits(hi) * inv)) << 4));
+        data[2 * j + k] =
+            (v4p_u8)(v4p_e2m1_scaled(src[i0 + 2 * k], inv) | (v4p_e2m1_scaled(src[i0 + 2 * k + 1], inv) << 4));
     }
     if (j == 0) v4p_out<v4p_u8>(a.scales)[block * rows * 4 + (v4p_i64)g * rows + r] = (v4p_u8)b;
 }

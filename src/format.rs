@@ -76,6 +76,26 @@ pub fn e4m3_rne(u: u32) -> u8 {
     s | code.min(0x7e) as u8
 }
 
+/// bf16 bits `v` times `inv` (1 / scale) as an e4m3fn byte: [`e4m3_rne`] of the product, but a
+/// NaN value is `0x7f` with its own sign. A product's NaN sign is the platform's (x86 keeps the
+/// operand's, NVIDIA GPUs return a canonical NaN), so the rule is on the input, and every
+/// backend writes the same byte (kv_rows.cuh `v4p_e4m3_scaled`).
+pub fn e4m3_of_scaled_bf16(v: u16, inv: f32) -> u8 {
+    if v & 0x7fff > 0x7f80 {
+        return ((v >> 8) as u8 & 0x80) | 0x7f;
+    }
+    e4m3_rne((f32::from_bits(u32::from(v) << 16) * inv).to_bits())
+}
+
+/// bf16 bits `v` times `inv` as an e2m1 nibble: [`e2m1_rne`] of the product, a NaN value 6 with
+/// its own sign (as [`e4m3_of_scaled_bf16`]; kv_rows.cuh `v4p_e2m1_scaled`).
+pub fn e2m1_of_scaled_bf16(v: u16, inv: f32) -> u8 {
+    if v & 0x7fff > 0x7f80 {
+        return ((v >> 12) as u8 & 0x8) | 0x7;
+    }
+    e2m1_rne((f32::from_bits(u32::from(v) << 16) * inv).to_bits())
+}
+
 /// The e8m0 byte of a group whose largest magnitude has f32 bits `amax`, fitting e2m1's 6: 0
 /// for an all-zero group, else the exponent of amax minus 2, plus one when its mantissa passes
 /// 1.5 (6 = 1.5 × 2^2), at least 1 (at most 253, for amax = inf).
@@ -540,14 +560,13 @@ impl RowFormat {
                 };
                 for (i, &v) in x.iter().enumerate() {
                     let k = g * group + i; // value index inside the segment
-                    let f = f32::from_bits(u32::from(v) << 16);
                     let row = &mut out[seg.data.plane];
                     match seg.elem {
                         Elem::Bf16 => row[data + 2 * k..data + 2 * k + 2].copy_from_slice(&v.to_ne_bytes()),
                         // A power-of-two inverse is exact; an e4m3 scale's is rounded once.
-                        Elem::E4m3 => row[data + k] = e4m3_rne((f * inv).to_bits()),
+                        Elem::E4m3 => row[data + k] = e4m3_of_scaled_bf16(v, inv),
                         Elem::E2m1 => {
-                            let n = e2m1_rne((f * inv).to_bits());
+                            let n = e2m1_of_scaled_bf16(v, inv);
                             row[data + k / 2] |= if k % 2 == 0 { n } else { n << 4 };
                         }
                     }
@@ -661,6 +680,26 @@ mod tests {
                 (v.to_bits() >> 16) as u16
             })
             .collect()
+    }
+
+    #[test]
+    fn a_scaled_nan_keeps_the_input_sign_and_the_rest_is_the_product_rounded() {
+        // The rule is on the input, whatever sign the platform gives a product's NaN.
+        for (v, e4m3, e2m1) in [(0x7fc1u16, 0x7fu8, 0x7u8), (0xffc1, 0xff, 0xf), (0x7f81, 0x7f, 0x7), (0xff80, 0xfe, 0xf)] {
+            assert_eq!(e4m3_of_scaled_bf16(v, 0.5), e4m3, "{v:#x}");
+            assert_eq!(e2m1_of_scaled_bf16(v, 0.5), e2m1, "{v:#x}");
+        }
+        let mut rng = Rng::new(9);
+        for _ in 0..10_000 {
+            let v = rng.next_u64() as u16;
+            if v & 0x7fff > 0x7f80 {
+                continue;
+            }
+            let inv = f32::from_bits(((100 + rng.below(60)) as u32) << 23);
+            let f = f32::from_bits(u32::from(v) << 16) * inv;
+            assert_eq!(e4m3_of_scaled_bf16(v, inv), e4m3_rne(f.to_bits()));
+            assert_eq!(e2m1_of_scaled_bf16(v, inv), e2m1_rne(f.to_bits()));
+        }
     }
 
     #[test]

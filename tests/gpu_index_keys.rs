@@ -80,6 +80,8 @@ fn index_keys_match_the_host() {
         keys[3 * stride + 7] = 0x7f80; // +inf
         keys[4 * stride + 9] = 0xff80; // -inf
         keys[5 * stride + 33] = 0x7fc1; // NaN
+        keys[6 * stride + 40] = 0xffc3; // negative NaN (its byte keeps the sign on every backend)
+        keys[7 * stride..7 * stride + 128].fill(0x8001); // negative subnormals
         wd.stage_compressed(Class::Csa, &ent(&bd)).unwrap();
         wh.stage_compressed(Class::Csa, &ent(&bh)).unwrap();
         for rank in [0, 2] {

@@ -27,7 +27,8 @@ fn planes(pool: &Pool) -> Vec<Vec<u8>> {
 
 /// The same random plane bytes on the device pool `d` and the host pool `h`, a writer on each
 /// with the same three sequences' window rows staged (a ring wrap, one token, a far position),
-/// and their KV: bf16 bits over a wide range with a zero tile.
+/// and their KV: bf16 bits of either sign over a wide range, with infinities, NaNs,
+/// subnormals, values near e4m3's top, and zero, negative-zero, all-NaN and saturating tiles.
 fn staged_windows(d: &Arc<Pool>, h: &Arc<Pool>, rng: &mut Rng) -> (KvRowWriter, KvRowWriter, Vec<u16>) {
     for i in 0..d.num_planes() {
         let bytes = rng.bytes(d.plane_bytes(i).unwrap() as usize);
@@ -48,8 +49,25 @@ fn staged_windows(d: &Arc<Pool>, h: &Arc<Pool>, rng: &mut Rng) -> (KvRowWriter, 
     wd.stage_window(&seqs(&sd)).unwrap();
     wh.stage_window(&seqs(&sh)).unwrap();
     let n: usize = tokens.iter().sum();
-    let mut kv: Vec<u16> = (0..n * 512).map(|_| (rng.next_u64() as u16) & 0x7f7f).collect();
-    kv[64..128].fill(0);
+    let mut kv: Vec<u16> = (0..n * 512)
+        .map(|_| {
+            let sign = if rng.chance(0.5) { 0x8000 } else { 0 };
+            sign | match rng.below(100) {
+                0..=1 => 0,
+                2 => 0x7f80,                             // infinity
+                3 => 0x7f81 + rng.below(0x7e) as u16,    // NaN (the byte keeps its sign)
+                4..=5 => 1 + rng.below(0x7e) as u16,     // subnormal
+                6..=9 => 0x4300 + rng.below(0x80) as u16, // 128..256: near e4m3's top
+                _ => ((90 + rng.below(80) as u16) << 7) | rng.below(128) as u16, // 2^-37 .. 2^42
+            }
+        })
+        .collect();
+    kv[64..128].fill(0); // an all-zero tile
+    kv[512..576].fill(0x8000); // an all-negative-zero tile
+    kv[1024..1088].fill(0x7fc0); // an all-NaN tile (amax 0: scale 0)
+    for (i, v) in kv[1536..1600].iter_mut().enumerate() {
+        *v = 0x43e0 + (i as u16 % 3); // 448, 452, 456: ties and past the top at scale 1
+    }
     (wd, wh, kv)
 }
 
@@ -87,25 +105,41 @@ fn kv_rows_match_the_host() {
     }
 }
 
+/// A pool of `model` in format `kv` as the sizing layout carves it (FlashMLA's V4 rows need its
+/// page alignment), with four slots and four blocks.
+fn layout_pool(backend: Arc<dyn Backend>, model: &ModelShape, kv: v4pool::sizing::KvDtype) -> Arc<Pool> {
+    let layout = v4pool::sizing::PoolLayout::new(model, kv, v4pool::sizing::IndexerDtype::Fp8).unwrap();
+    let g = &layout.geometry;
+    let (slots, blocks) = (4, 4);
+    let rows = blocks * g.envelope_rows + (slots + 1) * (g.slot_rows + g.slot_align_rows.max(1));
+    let geometry = layout.carve(blocks, slots, rows).unwrap();
+    let spec = v4pool::pool::PoolSpec::from_layout(&layout, geometry).unwrap();
+    Arc::new(Pool::new(backend, spec, v4pool::backend::Stream::DEFAULT).unwrap())
+}
+
 #[test]
-fn flashmla_v41_rows_match_the_host() {
-    // V4.1-Flash in FlashMLA's 528-B rows: the device kernel's packs equal the host reference's
-    // (the format's description) over every byte of the plane, window and compressed rows.
-    let Some(dev) = device_or_skip("flashmla_v41_rows_match_the_host") else {
+fn flashmla_rows_match_the_host() {
+    // FlashMLA's formats (V4-Flash in 584-B paged rows, V4.1-Flash in 528-B rows): the device
+    // kernel's packs equal the host reference's (the format's description) over every byte of
+    // the plane, window rows of every class.
+    let Some(dev) = device_or_skip("flashmla_rows_match_the_host") else {
         return;
     };
     let dev: Arc<dyn Backend> = Arc::from(dev);
-    let model = ModelShape::v41_flash(0).unwrap();
-    let w = v4pool::sizing::KvDtype::FlashMlaV41.plane_widths().to_vec();
-    let d = gather_common::model_pool_at(dev.clone(), &model, w.clone(), 6, 3, None);
-    let h = gather_common::model_pool_at(Arc::new(HostBackend::new()), &model, w, 6, 3, None);
-    let mut rng = Rng::new(case_seed("gpu-kv-rows-v41", 0));
-    let (wd, wh, kv) = staged_windows(&d, &h, &mut rng);
-    let g = d.geometry().unwrap();
-    for class in g.classes.values() {
-        let layer = class.layers[0];
-        wd.write(layer, RowSet::Window, &kv, 512).unwrap();
-        wh.write(layer, RowSet::Window, &kv, 512).unwrap();
+    for (model, kv) in [
+        (ModelShape::v4_flash(1).unwrap(), v4pool::sizing::KvDtype::FlashMlaV4),
+        (ModelShape::v41_flash(0).unwrap(), v4pool::sizing::KvDtype::FlashMlaV41),
+    ] {
+        let d = layout_pool(dev.clone(), &model, kv);
+        let h = layout_pool(Arc::new(HostBackend::new()), &model, kv);
+        let mut rng = Rng::new(case_seed("gpu-kv-rows-flashmla", kv.plane_widths()[0]));
+        let (wd, wh, kv_in) = staged_windows(&d, &h, &mut rng);
+        let g = d.geometry().unwrap();
+        for class in g.classes.values() {
+            let layer = class.layers[0];
+            wd.write(layer, RowSet::Window, &kv_in, 512).unwrap();
+            wh.write(layer, RowSet::Window, &kv_in, 512).unwrap();
+        }
+        assert!(planes(&d) == planes(&h), "{}: device plane differs from the host reference's", kv.name());
     }
-    assert!(planes(&d) == planes(&h), "flashmla-v41: device plane differs from the host reference's");
 }

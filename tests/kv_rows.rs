@@ -19,14 +19,16 @@ use v4pool::pool::{CompressedRow, RowSet, RowWriteCapacity, RowWriteError, Windo
 use v4pool::sizing::IndexerDtype;
 
 /// Random bf16 bits: mostly normal values over a wide range, some zeros, negative zeros,
-/// subnormals, an infinity now and then, and whole zero tiles.
+/// subnormals, infinities and NaNs of either sign now and then, and whole zero tiles.
 fn bf16_values(rng: &mut Rng, n: usize) -> Vec<u16> {
     let mut v: Vec<u16> = (0..n)
         .map(|_| match rng.below(100) {
             0..=2 => 0,
             3 => 0x8000,
             4..=5 => (rng.below(0x7f) as u16) | if rng.chance(0.5) { 0x8000 } else { 0 },
-            6 => 0x7f80,
+            6 => 0x7f80 | if rng.chance(0.5) { 0x8000 } else { 0 },
+            // NaN of either sign (its byte keeps the input's sign on every backend)
+            7 => 0x7f81 + rng.below(0x7e) as u16 | if rng.chance(0.5) { 0x8000 } else { 0 },
             _ => {
                 let e = 100 + rng.below(60) as u16; // 2^-27 .. 2^32
                 (e << 7) | (rng.below(128) as u16) | if rng.chance(0.5) { 0x8000 } else { 0 }

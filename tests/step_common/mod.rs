@@ -499,19 +499,31 @@ impl StepRig {
 
     /// The step's launches in `order` (the builder first).
     pub fn launches(&mut self, order: Order) -> Vec<StepLaunch> {
-        let mut out = vec![StepLaunch { kind: Kind::Build, launch: self.build }];
-        let pack = |l: &[StepLaunch]| l.iter().find(|s| s.kind == Kind::Pack).copied();
+        self.launches_of(order, |_| true)
+    }
+
+    /// The step's launches in `order` made of the launches of the kinds `keep` takes only (the
+    /// step bench's ablation: which part of a node costs what). The written bytes are the
+    /// whole step's only when `keep` takes every kind.
+    pub fn launches_of(&mut self, order: Order, keep: impl Fn(Kind) -> bool) -> Vec<StepLaunch> {
+        let mut out = Vec::new();
+        if keep(Kind::Build) {
+            out.push(StepLaunch { kind: Kind::Build, launch: self.build });
+        }
+        let pack = |l: &[StepLaunch]| l.iter().find(|s| s.kind == Kind::Pack && keep(Kind::Pack)).copied();
         for (i, l) in self.per_layer.iter().enumerate() {
             match order {
-                Order::PerLayer => out.extend(l.iter().copied()),
+                Order::PerLayer => out.extend(l.iter().filter(|s| keep(s.kind)).copied()),
                 Order::Fused | Order::StateAtEnd => {
                     let state = order == Order::Fused;
                     let writes: Vec<StepLaunch> = l
                         .iter()
-                        .filter(|s| s.kind != Kind::Pack && (state || s.kind != Kind::State))
+                        .filter(|s| s.kind != Kind::Pack && (state || s.kind != Kind::State) && keep(s.kind))
                         .copied()
                         .collect();
-                    if writes.len() == 1 {
+                    if writes.is_empty() {
+                        // nothing of this layer's writes kept
+                    } else if writes.len() == 1 {
                         out.push(writes[0]); // one write alone: its own kernel, no table
                     } else {
                         let list = if state { &mut self.fused } else { &mut self.at_end };
@@ -523,7 +535,7 @@ impl StepRig {
                 }
             }
         }
-        if order == Order::StateAtEnd && self.at_end.len() > self.per_layer.len() {
+        if order == Order::StateAtEnd && self.at_end.len() > self.per_layer.len() && keep(Kind::State) {
             let states: Vec<Launch> =
                 self.per_layer.iter().flatten().filter(|s| s.kind == Kind::State).map(|s| s.launch).collect();
             let last = self.at_end.last_mut().expect("state batch");

@@ -16,7 +16,7 @@
 //! in FP8 and as 6 with its sign in FP4 (e2m1 has no NaN).
 
 use super::*;
-use crate::format::{e4m3_rne, e8m0_of_amax};
+use crate::format::e8m0_of_amax;
 use crate::index::{INDEX_KEYS_BF16, INDEX_KEYS_FP4, INDEX_KEYS_FP8, INDEX_KEY_VALUES};
 
 /// 1e-4 as f32 bits: the floor of an FP8 row's amax (an all-zero row still gets a scale).
@@ -44,7 +44,7 @@ pub fn pack_fp8_key(key: &[u16], data: &mut [u8]) -> Result<u32> {
     // b is 105..=247 here, so 2^(b-127) and its inverse are normal f32s.
     let inv = f32::from_bits((254 - b) << 23);
     for (d, &v) in data.iter_mut().zip(key) {
-        *d = e4m3_rne((f32::from_bits(u32::from(v) << 16) * inv).to_bits());
+        *d = crate::format::e4m3_of_scaled_bf16(v, inv);
     }
     Ok(b << 23)
 }
@@ -60,7 +60,7 @@ pub fn pack_fp4_key(key: &[u16], data: &mut [[u8; 16]; 4], scales: &mut [u8; 4])
         let b = e8m0_of_amax_e2m1(bf16_amax(x));
         // 1 / scale = 2^(127 - b): a normal f32 for every b the formula gives (1..=253).
         let inv = if b == 0 { 0.0 } else { f32::from_bits((254 - u32::from(b)) << 23) };
-        let q = |v: u16| e2m1_rne((f32::from_bits(u32::from(v) << 16) * inv).to_bits());
+        let q = |v: u16| crate::format::e2m1_of_scaled_bf16(v, inv);
         for j in 0..16 {
             data[g][j] = q(x[2 * j]) | (q(x[2 * j + 1]) << 4);
         }

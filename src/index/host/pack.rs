@@ -6,7 +6,7 @@ use super::gather::row_range;
 use super::*;
 use crate::index::{FP8_NOPE_ROW_BYTES, FP8_NOPE_VALUES, FP8_TILE, KV_ROW_VALUES, ROPE_ROW_BYTES};
 
-pub use crate::format::{e4m3_rne, e8m0_of_amax};
+pub use crate::format::{e4m3_of_scaled_bf16, e4m3_rne, e8m0_of_amax};
 
 /// One token's 512 bf16 values (`kv`, native-order bits: 448 NoPE, then 64 RoPE) as an fp8
 /// NoPE row (512 B: 448 e4m3, seven e8m0 scales each twice, zero padding) and a RoPE row
@@ -34,7 +34,7 @@ pub fn pack_fp8_row(kv: &[u16], nope: &mut [u8], rope: &mut [u8]) -> Result<()> 
         // 1 / scale = 2^(127 - b): a normal f32 for every b the formula gives (1..=248).
         let inv = if b == 0 { 0.0 } else { f32::from_bits((254 - u32::from(b)) << 23) };
         for (i, &v) in x.iter().enumerate() {
-            nope[tile * FP8_TILE + i] = e4m3_rne((f32::from_bits(u32::from(v) << 16) * inv).to_bits());
+            nope[tile * FP8_TILE + i] = e4m3_of_scaled_bf16(v, inv);
         }
         nope[FP8_NOPE_VALUES + 2 * tile] = b;
         nope[FP8_NOPE_VALUES + 2 * tile + 1] = b;
