@@ -19,7 +19,11 @@
 //!
 //! `cargo bench --bench step` (`--bench` given): the device run; `--formats fp8,bf16` (row
 //! formats of the V4 models, by the plan option's names: another format is one more name),
-//! `--models`, `--batches`, `--mtp`, `--reps`. Without a CUDA device it prints SKIP, runs the
+//! `--models`, `--batches`, `--mtp`, `--reps`; `--flashmla-path` (on `flashmla-v4` rows the
+//! decode path in FlashMLA's convention: the builder and the packs write FlashMLA's operands);
+//! `--ablate` (after each shape, the fused step's parts alone, with and without programmatic
+//! dependent launches, beside the chain floor of as many nodes: which part of a node costs
+//! what). Without a CUDA device it prints SKIP, runs the
 //! host-backend check at a tiny shape (also `--host-check`) and exits 0 (1 with
 //! V4POOL_REQUIRE_GPU=1).
 
@@ -59,6 +63,9 @@ struct Options {
     reps: usize,
     /// `--ablate`: after each shape, the fused step's parts alone ([`ablate`]).
     ablate: bool,
+    /// `--flashmla-path`: on FlashMLA's V4 rows, the decode path in FlashMLA's convention
+    /// (the builder and the packs write FlashMLA's operands), listed as `flashmla-v4+path`.
+    flashmla_path: bool,
 }
 
 fn list<T>(flag: &str, default: &str, parse: impl Fn(&str) -> Res<T>) -> Res<Vec<T>> {
@@ -76,6 +83,7 @@ impl Options {
             mtp: list("--mtp", "1,2", |s| Ok(s.parse()?))?,
             reps: list("--reps", "100", |s| Ok(s.parse()?))?[0],
             ablate: std::env::args().any(|a| a == "--ablate"),
+            flashmla_path: std::env::args().any(|a| a == "--flashmla-path"),
         })
     }
 }
@@ -271,6 +279,7 @@ struct Shape {
     check: String,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run_shape(
     t: &GraphTimer,
     tw: &Twins,
@@ -279,10 +288,12 @@ fn run_shape(
     batch: usize,
     bw: f64,
     reps: usize,
+    flashmla_path: bool,
 ) -> Res<Shape> {
     let seed = 0x5_7e9 + 31 * batch as u64 + tps as u64;
     let ctx = contexts(batch, tps, seed);
-    let data = StepData::new(&tw.gpu, model.num_hidden_layers, tps, ctx, model.index_topk as usize, seed);
+    let mut data = StepData::new(&tw.gpu, model.num_hidden_layers, tps, ctx, model.index_topk as usize, seed);
+    data.flashmla_path = flashmla_path;
     let mut hrig = StepRig::new(&tw.host, &tw.held_host, &data);
     let mut grig = StepRig::new(&tw.gpu, &tw.held_gpu, &data);
     if hrig.tables != grig.tables || hrig.positions != grig.positions {
@@ -386,10 +397,19 @@ fn run_shape(
 /// with programmatic dependent launches off, each beside the chain floor of as many nodes, so
 /// the table says which part of a node costs what. Timing only: the whole step's bytes were
 /// checked by [`run_shape`] before.
-fn ablate(t: &GraphTimer, tw: &Twins, model: &ModelShape, tps: usize, batch: usize, reps: usize) -> Res<Vec<String>> {
+fn ablate(
+    t: &GraphTimer,
+    tw: &Twins,
+    model: &ModelShape,
+    (tps, batch): (usize, usize),
+    reps: usize,
+    flashmla_path: bool,
+) -> Res<Vec<String>> {
     use step_common::Kind;
     let seed = 0x5_7e9 + 31 * batch as u64 + tps as u64;
-    let data = StepData::new(&tw.gpu, model.num_hidden_layers, tps, contexts(batch, tps, seed), model.index_topk as usize, seed);
+    let mut data =
+        StepData::new(&tw.gpu, model.num_hidden_layers, tps, contexts(batch, tps, seed), model.index_topk as usize, seed);
+    data.flashmla_path = flashmla_path;
     let mut rig = StepRig::new(&tw.gpu, &tw.held_gpu, &data);
     // Run the whole step once so the builder's outputs (the writes' rows) are in place.
     let all = rig.launches(Order::Fused);
@@ -476,6 +496,8 @@ fn run(opts: &Options) -> Res<()> {
             });
         }
         for kv in formats {
+            let fm_path = opts.flashmla_path && kv == KvDtype::FlashMlaV4;
+            let fname = if fm_path { format!("{}+path", kv.name()) } else { kv.name().to_string() };
             let started = std::time::Instant::now();
             let tw = twins(&be, &model, kv, max_batch)?;
             let setup_s = started.elapsed().as_secs_f64();
@@ -504,7 +526,7 @@ fn run(opts: &Options) -> Res<()> {
             );
             for &tps in &opts.mtp {
                 for &batch in &opts.batches {
-                    let s = run_shape(&t, &tw, &model, tps, batch, bw, opts.reps)?;
+                    let s = run_shape(&t, &tw, &model, tps, batch, bw, opts.reps, fm_path)?;
                     let floor = s.floor_launch[1] + s.traffic_us;
                     let chain = s.floor_chain + s.traffic_us;
                     println!(
@@ -525,9 +547,8 @@ fn run(opts: &Options) -> Res<()> {
                         fmt_bytes(s.bytes)
                     );
                     println!(
-                        "STEP\t{}\t{}\t{batch}\t{tps}\t{:.3}\t{:.3}\t{:.3}\t{}\t{}\t{}\t{:.3}\t{:.3}\t{:.3}\t{:.3}\t{}\t{:.3}",
+                        "STEP\t{}\t{fname}\t{batch}\t{tps}\t{:.3}\t{:.3}\t{:.3}\t{}\t{}\t{}\t{:.3}\t{:.3}\t{:.3}\t{:.3}\t{}\t{:.3}",
                         model.name,
-                        kv.name(),
                         s.us[0],
                         s.us[1],
                         s.us[2],
@@ -550,7 +571,7 @@ fn run(opts: &Options) -> Res<()> {
                     }
                     if opts.ablate {
                         println!("        ablation: model batch tps launches part nodes µs µs/node warm chain-floor ÷chain");
-                        for line in ablate(&t, &tw, &model, tps, batch, opts.reps)? {
+                        for line in ablate(&t, &tw, &model, (tps, batch), opts.reps, fm_path)? {
                             println!("{line}");
                         }
                     }
@@ -571,12 +592,13 @@ fn run(opts: &Options) -> Res<()> {
 /// three sequences of one and two tokens on small pools; the fused orders' written bytes
 /// equal to the per-layer order's.
 fn host_check() -> Res<()> {
-    for (name, kv) in [
-        ("v4-flash", KvDtype::Fp8),
-        ("v4-flash", KvDtype::FlashMlaV4),
-        ("v4-pro", KvDtype::Fp8),
-        ("v4.1-flash", KvDtype::Bf16),
-        ("v4.1-flash", KvDtype::FlashMlaV41),
+    for (name, kv, fm_path) in [
+        ("v4-flash", KvDtype::Fp8, false),
+        ("v4-flash", KvDtype::FlashMlaV4, false),
+        ("v4-flash", KvDtype::FlashMlaV4, true),
+        ("v4-pro", KvDtype::Fp8, false),
+        ("v4.1-flash", KvDtype::Bf16, false),
+        ("v4.1-flash", KvDtype::FlashMlaV41, false),
     ] {
         let model = preset(name)?;
         for tps in [1usize, 2] {
@@ -585,7 +607,7 @@ fn host_check() -> Res<()> {
             for order in Order::ALL {
                 let pool = step_pool(Arc::new(HostBackend::new()), &model, kv, 4, 8);
                 let held = Holdings::take(&pool, 3);
-                let data = StepData::new(
+                let mut data = StepData::new(
                     &pool,
                     model.num_hidden_layers,
                     tps,
@@ -593,6 +615,7 @@ fn host_check() -> Res<()> {
                     model.index_topk as usize,
                     3,
                 );
+                data.flashmla_path = fm_path;
                 let mut rig = StepRig::new(&pool, &held, &data);
                 let launches = rig.launches(order);
                 // SAFETY: the rig's own launches.
@@ -604,8 +627,9 @@ fn host_check() -> Res<()> {
                 return Err(format!("{name} tps {tps}: the orders wrote different bytes").into());
             }
             println!(
-                "  host check {name} {} tps {tps}: {} written bytes equal in every order; launches per step {} / {} / {} (per-layer / fused / state-at-end)",
+                "  host check {name} {}{} tps {tps}: {} written bytes equal in every order; launches per step {} / {} / {} (per-layer / fused / state-at-end)",
                 kv.name(),
+                if fm_path { " (FlashMLA decode path)" } else { "" },
                 written[0].len(),
                 counts[0],
                 counts[1],

@@ -162,6 +162,10 @@ static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, 
 /// Fused HCA head entries one decode-builder block writes per round (grid x tiles the head):
 /// 32 per thread, eight 16-byte stores.
 #define V4POOL_DECODE_HCA_TILE 4096
+/// FlashMLA compressed-row entries (§3f) one decode-builder block writes per round: 4 per thread,
+/// whose table entries all load before any of its stores (each entry goes to every view).
+#define V4POOL_DECODE_FLASH_TILE 512
+static_assert(V4POOL_DECODE_FLASH_TILE % V4POOL_DECODE_THREADS == 0, "whole entries per thread");
 /// Lanes that build one token's lists in the prefill builder (two warps); a block holds
 /// V4POOL_BLOCK_THREADS / V4POOL_PREFILL_LANES tokens.
 #define V4POOL_PREFILL_LANES 64

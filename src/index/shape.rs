@@ -37,6 +37,9 @@ pub const DECODE_THREADS: u32 = 128;
 /// Fused HCA head entries one decode-builder block writes (`V4POOL_DECODE_HCA_TILE`): 32 per
 /// thread in eight 16-byte stores, so two tiles hold a 1M-context head (8,192 entries).
 pub const DECODE_HCA_TILE: u32 = 32 * DECODE_THREADS;
+/// FlashMLA compressed-row entries one decode-builder block writes per round
+/// (`V4POOL_DECODE_FLASH_TILE`): 4 per thread, their table loads before their stores.
+pub const DECODE_FLASH_TILE: u32 = 4 * DECODE_THREADS;
 /// Lanes that build one token's lists in the prefill builder (`V4POOL_PREFILL_LANES`).
 pub const PREFILL_LANES: u32 = 64;
 /// Tokens one prefill-builder block holds (`V4POOL_PREFILL_TOKENS_PER_BLOCK`).
@@ -209,8 +212,8 @@ pub fn state_update_lanes(dim: i32) -> u32 {
 /// `MAX_GRID_YZ` loses nothing.
 ///
 /// FlashMLA's compressed part (§3f, `flashmla[HCA].extra_indices`) is a whole row of
-/// `extra_topk` entries (the −1 tail included), so the tiles cover the longer of that row and
-/// the CSR head.
+/// `extra_topk` entries (the −1 tail included) in tiles of [`DECODE_FLASH_TILE`]; the grid has
+/// the more tiles of that row and the CSR head.
 pub fn decode_hca_tiles(a: &DecodeIndexArgs) -> u64 {
     let hca = &a.classes[CLASS_HCA];
     if a.block_tables == 0 || hca.indptr == 0 {
@@ -219,7 +222,9 @@ pub fn decode_hca_tiles(a: &DecodeIndexArgs) -> u64 {
     let csr = if hca.indices != 0 { count(a.block_table_stride) * count(a.hca_rows_per_block) } else { 0 };
     let fm = &a.flashmla[CLASS_HCA];
     let flash = if fm.extra_indices != 0 { count(fm.extra_topk) } else { 0 };
-    ceil_div(csr.max(flash), u64::from(DECODE_HCA_TILE)).clamp(1, u64::from(MAX_GRID_YZ))
+    ceil_div(csr, u64::from(DECODE_HCA_TILE))
+        .max(ceil_div(flash, u64::from(DECODE_FLASH_TILE)))
+        .clamp(1, u64::from(MAX_GRID_YZ))
 }
 
 /// Grid and block of a launch. Total for any arguments; run [`check_launch`] first to know the

@@ -22,7 +22,7 @@ use v4pool::backend::{Backend, DeviceAllocation, Stream};
 use v4pool::geometry::{Class, DENSE_RATIO};
 use v4pool::index::{CopyRun, DevicePtr, ElemType, Launch};
 use v4pool::pool::{
-    decode_slice_lens, CompressedRow, DecodeCapacity, DecodePath, DecodeSeq, KvRowWriter, Pool, RowSet,
+    decode_slice_lens, CompressedRow, DecodeCapacity, DecodePath, DecodeSeq, FlashMlaWidths, KvRowWriter, Pool, RowSet,
     RowWriteCapacity, SlotLease, WriteBatch,
 };
 use v4pool::sim::Rng;
@@ -134,6 +134,9 @@ pub struct StepData {
     words: Vec<u32>,
     /// Per packed layer, i32 `[T][index_topk]` top-k rows.
     topk: Vec<Vec<i32>>,
+    /// Build the decode path in FlashMLA's convention (`Pool::flashmla_decode_path`, the
+    /// narrowest widths for the step): the builder and the packs write FlashMLA's operands.
+    pub flashmla_path: bool,
 }
 
 /// Tokens of a batch: each sequence's `tps` positions `ctx - tps ..`, with its sequence.
@@ -185,7 +188,7 @@ impl StepData {
                 v
             })
             .collect();
-        StepData { batch, tps, ctx, tables, index_topk, v41, layers, words, topk }
+        StepData { batch, tps, ctx, tables, index_topk, v41, layers, words, topk, flashmla_path: false }
     }
 
     /// Tokens of the step.
@@ -352,7 +355,12 @@ impl StepRig {
             win: WIN,
             index_topk: data.index_topk as i32,
         };
-        let mut path = pool.decode_path(cap).expect("decode path");
+        let mut path = if data.flashmla_path {
+            let widths = FlashMlaWidths::for_capacity(&g, cap).expect("FlashMLA widths");
+            pool.flashmla_decode_path(cap, widths).expect("FlashMLA decode path")
+        } else {
+            pool.decode_path(cap).expect("decode path")
+        };
         let seqs: Vec<DecodeSeq<'_>> = (0..batch)
             .map(|b| DecodeSeq {
                 position: positions[b],
@@ -655,6 +663,27 @@ impl StepRig {
                 w += rows * 8 * s.dim as u64;
             }
         }
+        if data.flashmla_path {
+            // FlashMLA's operands are written whole (fixed widths, -1 tails): every view's
+            // rows and lengths by the builder, the CSA extra rows by each pack; the reads as
+            // on the CSR path (block-table entries, top-k rows), counted below.
+            let mut seen = std::collections::HashSet::new();
+            let mut csa_extra = 0u64;
+            for layer in 0..self.pool.spec().geometry.ratios.len() {
+                let Ok(f) = self.path.flashmla(layer) else { continue };
+                for b in [Some(f.indices), Some(f.topk_length), f.extra_indices, f.extra_topk_length].into_iter().flatten() {
+                    if seen.insert(b.ptr) {
+                        w += b.len * b.elem_bytes;
+                    }
+                }
+                if self.pool.spec().geometry.ratios[layer] == 4 {
+                    csa_extra = f.extra_indices.map_or(0, |b| b.len * 4) + f.extra_topk_length.map_or(0, |b| b.len * 4);
+                }
+            }
+            // The builder wrote the CSA extra buffer's rows once above; each pack writes them.
+            let packs = data.layers.iter().filter(|l| l.pack).count() as u64;
+            w += csa_extra * packs.saturating_sub(1);
+        }
         // The builder (window tails of every class, V4's HCA heads from the tables, the
         // destination rows) and the packs (each packed layer's head: top-k read, table
         // entries read, rows written).
@@ -662,12 +691,16 @@ impl StepRig {
         for &(b, p) in &data.tokens() {
             let (n, _, hca_head) = decode_slice_lens(p, data.ctx[b], i64::from(WIN), topk);
             let hca_head = if data.v41 { 0 } else { hca_head as u64 };
-            w += 4 * (3 * n as u64 + hca_head + 3);
+            if !data.flashmla_path {
+                w += 4 * (3 * n as u64 + hca_head + 3);
+            }
             r += 4 * hca_head.div_ceil(2);
             for l in data.layers.iter().filter(|l| l.pack) {
                 let head = ((p + 1) / l.ratio).min(topk) as u64;
                 r += 8 * head;
-                w += 4 * head;
+                if !data.flashmla_path {
+                    w += 4 * head;
+                }
             }
         }
         (r, w)
@@ -764,6 +797,24 @@ pub fn poison_pool(pool: &Pool, seed: u64) {
 pub fn path_outputs(path: &DecodePath) -> Vec<Vec<i32>> {
     use v4pool::pool::DecodeBuffer;
     let mut out = Vec::new();
+    if path.flashmla(0).is_ok() {
+        // FlashMLA mode: every distinct operand buffer of every layer, and the destination rows.
+        let mut seen = std::collections::HashSet::new();
+        for layer in 0..path.pool().spec().geometry.ratios.len() {
+            let f = path.flashmla(layer).expect("a FlashMLA path has every layer's operands");
+            for b in [Some(f.indices), Some(f.topk_length), f.extra_indices, f.extra_topk_length].into_iter().flatten() {
+                if seen.insert(b.ptr) {
+                    out.push(path.read_flashmla(b).expect("FlashMLA operand"));
+                }
+            }
+        }
+        for class in [Class::Dense, Class::Csa, Class::Hca] {
+            if let Ok(rows) = path.read_i32(DecodeBuffer::DestRows(class)) {
+                out.push(rows);
+            }
+        }
+        return out;
+    }
     for class in [Class::Dense, Class::Csa, Class::Hca] {
         let Ok(indptr) = path.read_i32(DecodeBuffer::Indptr(class)) else { continue };
         let n = (*indptr.last().unwrap_or(&0)).max(0) as usize;
