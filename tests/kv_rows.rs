@@ -28,7 +28,7 @@ fn bf16_values(rng: &mut Rng, n: usize) -> Vec<u16> {
             4..=5 => (rng.below(0x7f) as u16) | if rng.chance(0.5) { 0x8000 } else { 0 },
             6 => 0x7f80 | if rng.chance(0.5) { 0x8000 } else { 0 },
             // NaN of either sign (its byte keeps the input's sign on every backend)
-            7 => 0x7f81 + rng.below(0x7e) as u16 | if rng.chance(0.5) { 0x8000 } else { 0 },
+            7 => (0x7f81 + rng.below(0x7e) as u16) | if rng.chance(0.5) { 0x8000 } else { 0 },
             _ => {
                 let e = 100 + rng.below(60) as u16; // 2^-27 .. 2^32
                 (e << 7) | (rng.below(128) as u16) | if rng.chance(0.5) { 0x8000 } else { 0 }
