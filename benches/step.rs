@@ -407,8 +407,14 @@ fn ablate(
 ) -> Res<Vec<String>> {
     use step_common::Kind;
     let seed = 0x5_7e9 + 31 * batch as u64 + tps as u64;
-    let mut data =
-        StepData::new(&tw.gpu, model.num_hidden_layers, tps, contexts(batch, tps, seed), model.index_topk as usize, seed);
+    let mut data = StepData::new(
+        &tw.gpu,
+        model.num_hidden_layers,
+        tps,
+        contexts(batch, tps, seed),
+        model.index_topk as usize,
+        seed,
+    );
     data.flashmla_path = flashmla_path;
     let mut rig = StepRig::new(&tw.gpu, &tw.held_gpu, &data);
     // Run the whole step once so the builder's outputs (the writes' rows) are in place.

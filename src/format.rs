@@ -685,7 +685,9 @@ mod tests {
     #[test]
     fn a_scaled_nan_keeps_the_input_sign_and_the_rest_is_the_product_rounded() {
         // The rule is on the input, whatever sign the platform gives a product's NaN.
-        for (v, e4m3, e2m1) in [(0x7fc1u16, 0x7fu8, 0x7u8), (0xffc1, 0xff, 0xf), (0x7f81, 0x7f, 0x7), (0xff80, 0xfe, 0xf)] {
+        for (v, e4m3, e2m1) in
+            [(0x7fc1u16, 0x7fu8, 0x7u8), (0xffc1, 0xff, 0xf), (0x7f81, 0x7f, 0x7), (0xff80, 0xfe, 0xf)]
+        {
             assert_eq!(e4m3_of_scaled_bf16(v, 0.5), e4m3, "{v:#x}");
             assert_eq!(e2m1_of_scaled_bf16(v, 0.5), e2m1, "{v:#x}");
         }

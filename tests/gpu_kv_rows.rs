@@ -54,9 +54,9 @@ fn staged_windows(d: &Arc<Pool>, h: &Arc<Pool>, rng: &mut Rng) -> (KvRowWriter, 
             let sign = if rng.chance(0.5) { 0x8000 } else { 0 };
             sign | match rng.below(100) {
                 0..=1 => 0,
-                2 => 0x7f80,                             // infinity
-                3 => 0x7f81 + rng.below(0x7e) as u16,    // NaN (the byte keeps its sign)
-                4..=5 => 1 + rng.below(0x7e) as u16,     // subnormal
+                2 => 0x7f80,                                                     // infinity
+                3 => 0x7f81 + rng.below(0x7e) as u16, // NaN (the byte keeps its sign)
+                4..=5 => 1 + rng.below(0x7e) as u16,  // subnormal
                 6..=9 => 0x4300 + rng.below(0x80) as u16, // 128..256: near e4m3's top
                 _ => ((90 + rng.below(80) as u16) << 7) | rng.below(128) as u16, // 2^-37 .. 2^42
             }

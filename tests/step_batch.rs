@@ -51,18 +51,24 @@ fn host_pool(model: &ModelShape, kv: KvDtype) -> Arc<v4pool::pool::Pool> {
 type StepResult = (Vec<Vec<u8>>, Vec<Vec<i32>>, Vec<(Kind, usize)>);
 
 /// Run one step in `order` on a fresh poisoned pool; `emulate` runs the batches through the
-/// kernel source instead of the host reference. Returns the pool's bytes and the path's.
+/// kernel source instead of the host reference; `fm_path` builds the FlashMLA decode path.
+/// Returns the pool's bytes and the path's.
 fn run(
     model: &ModelShape,
     kv: KvDtype,
     tps: usize,
     order: Order,
     emulate: Option<common::EmuLaunch>,
+    fm_path: bool,
 ) -> StepResult {
     let pool = host_pool(model, kv);
     poison_pool(&pool, 0x5eed_0000 + tps as u64);
     let held = Holdings::take(&pool, SEQS);
-    let data = StepData::new(&pool, model.num_hidden_layers, tps, contexts(7), model.index_topk as usize, 11);
+    let mut data =
+        StepData::new(&pool, model.num_hidden_layers, tps, contexts(7), model.index_topk as usize, 11);
+    // `fm_path`: the decode path in FlashMLA's convention (the builder and the packs write
+    // FlashMLA's operands; V4 in FlashMLA's rows).
+    data.flashmla_path = fm_path;
     let mut rig = StepRig::new(&pool, &held, &data);
     let launches = rig.launches(order);
     for l in &launches {
@@ -80,12 +86,23 @@ fn run(
 
 #[test]
 fn fused_orders_write_what_the_per_layer_order_writes() {
-    for (model, kv) in cases() {
+    fused_orders_match(cases(), false);
+}
+
+#[test]
+fn the_flashmla_decode_path_step_is_the_same_in_every_order() {
+    // The FlashMLA-mode builder and packs inside the step: every order's pool bytes and every
+    // FlashMLA operand buffer equal to the per-layer order's.
+    fused_orders_match(vec![(ModelShape::v4_flash(1).unwrap(), KvDtype::FlashMlaV4)], true);
+}
+
+fn fused_orders_match(cases: Vec<(ModelShape, KvDtype)>, fm_path: bool) {
+    for (model, kv) in cases {
         for tps in [1usize, 2] {
-            let (want, want_path, kinds) = run(&model, kv, tps, Order::PerLayer, None);
+            let (want, want_path, kinds) = run(&model, kv, tps, Order::PerLayer, None, fm_path);
             let per_layer: usize = kinds.iter().map(|k| k.1).sum();
             for order in [Order::Fused, Order::StateAtEnd] {
-                let (got, got_path, kinds) = run(&model, kv, tps, order, None);
+                let (got, got_path, kinds) = run(&model, kv, tps, order, None, fm_path);
                 let fused: usize = kinds.iter().map(|k| k.1).sum();
                 assert!(fused < per_layer, "{}: {fused} launches, per layer {per_layer}", model.name);
                 assert!(
@@ -158,9 +175,9 @@ fn the_batch_kernel_source_matches_the_host_reference() {
     // SAFETY: the symbol has this signature (kernels/v4pool_emulation.cpp).
     let emu = unsafe { *lib.get::<common::EmuLaunch>(b"v4pool_emu_launch_write_batch\0").expect("symbol") };
     for (model, kv) in cases() {
-        let (want, _, _) = run(&model, kv, 2, Order::Fused, None);
+        let (want, _, _) = run(&model, kv, 2, Order::Fused, None, false);
         for order in [Order::Fused, Order::StateAtEnd] {
-            let (got, _, _) = run(&model, kv, 2, order, Some(emu));
+            let (got, _, _) = run(&model, kv, 2, order, Some(emu), false);
             assert!(got == want, "{} {kv:?} {order:?}: the emulated batch kernel differs", model.name);
         }
     }

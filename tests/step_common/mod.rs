@@ -22,8 +22,8 @@ use v4pool::backend::{Backend, DeviceAllocation, Stream};
 use v4pool::geometry::{Class, DENSE_RATIO};
 use v4pool::index::{CopyRun, DevicePtr, ElemType, Launch};
 use v4pool::pool::{
-    decode_slice_lens, CompressedRow, DecodeCapacity, DecodePath, DecodeSeq, FlashMlaWidths, KvRowWriter, Pool, RowSet,
-    RowWriteCapacity, SlotLease, WriteBatch,
+    decode_slice_lens, CompressedRow, DecodeCapacity, DecodePath, DecodeSeq, FlashMlaWidths, KvRowWriter,
+    Pool, RowSet, RowWriteCapacity, SlotLease, WriteBatch,
 };
 use v4pool::sim::Rng;
 use v4pool::state::update::{Compressor, StateInputs, StateSeq, StateUpdate, StateUpdateCapacity};
@@ -671,13 +671,17 @@ impl StepRig {
             let mut csa_extra = 0u64;
             for layer in 0..self.pool.spec().geometry.ratios.len() {
                 let Ok(f) = self.path.flashmla(layer) else { continue };
-                for b in [Some(f.indices), Some(f.topk_length), f.extra_indices, f.extra_topk_length].into_iter().flatten() {
+                for b in [Some(f.indices), Some(f.topk_length), f.extra_indices, f.extra_topk_length]
+                    .into_iter()
+                    .flatten()
+                {
                     if seen.insert(b.ptr) {
                         w += b.len * b.elem_bytes;
                     }
                 }
                 if self.pool.spec().geometry.ratios[layer] == 4 {
-                    csa_extra = f.extra_indices.map_or(0, |b| b.len * 4) + f.extra_topk_length.map_or(0, |b| b.len * 4);
+                    csa_extra = f.extra_indices.map_or(0, |b| b.len * 4)
+                        + f.extra_topk_length.map_or(0, |b| b.len * 4);
                 }
             }
             // The builder wrote the CSA extra buffer's rows once above; each pack writes them.
@@ -802,7 +806,10 @@ pub fn path_outputs(path: &DecodePath) -> Vec<Vec<i32>> {
         let mut seen = std::collections::HashSet::new();
         for layer in 0..path.pool().spec().geometry.ratios.len() {
             let f = path.flashmla(layer).expect("a FlashMLA path has every layer's operands");
-            for b in [Some(f.indices), Some(f.topk_length), f.extra_indices, f.extra_topk_length].into_iter().flatten() {
+            for b in [Some(f.indices), Some(f.topk_length), f.extra_indices, f.extra_topk_length]
+                .into_iter()
+                .flatten()
+            {
                 if seen.insert(b.ptr) {
                     out.push(path.read_flashmla(b).expect("FlashMLA operand"));
                 }
