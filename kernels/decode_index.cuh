@@ -303,9 +303,10 @@ V4P_DEVICE void v4p_flashmla_head(const FlashMlaOut& fm, const v4p_i32* __restri
 // grid (1 + v4p_decode_hca_tiles, T), block V4POOL_DECODE_THREADS (128). Token t is grid y; its
 // blocks are side by side in grid x, so they are dispatched together and share the token's
 // metadata lines in L2: x = 0 writes the window tails and dest rows, x = 1 + k tile k of
-// 4,096 entries of the HCA head (two tiles for a 1M context). The windows in a block of their
-// own run beside the head instead of before it: in one block, the head's table loads waited
-// for batch id -> state slot -> window stores. (H200 A/B, BENCHMARKS.md 2026-11-30 23:06 UTC:
+// 4,096 entries of the HCA head (two tiles for a 1M context; FlashMLA's compressed rows in
+// tiles of 512, sixteen for a 1M row: the grid has the more tiles of the two). The windows in a
+// block of their own run beside the head instead of before it: in one block, the head's table
+// loads waited for batch id -> state slot -> window stores. (H200 A/B, BENCHMARKS.md 2026-11-30 23:06 UTC:
 // batch 256 8.29 -> 6.78 µs, 1,024 15.36 -> 12.64, MTP verify 2,048 25.09 -> 19.28; 128-thread
 // blocks at 8 per SM keep twice the tokens' dependent chains in flight of the 256-thread form.)
 

@@ -73,7 +73,8 @@ V4P_DEVICE v4p_u32 v4p_e4m3_scaled(v4p_u32 x, float inv) {
 
 // On NVIDIA sm_89 and later the 16-byte paths convert and reduce with the hardware's own
 // instructions: `cvt.rn.satfinite.e4m3x2.f32` (two f32 to two e4m3fn, nearest even, finite
-// saturation: exactly v4p_e4m3_rne but for the sign of a NaN, restored below) and
+// saturation: exactly v4p_e4m3_rne but for the sign of a NaN, which v4p_e4m3_bf16x2 sets from
+// the input as v4p_e4m3_scaled does) and
 // `max.bf16x2` (a NaN operand yields the other: NaN is never the amax, as below). The
 // software forms cost ~40 instructions a value; at batch 1 a row write is latency-bound and a
 // node of the decode step fetched ~10 KB of straight-line code per lane for its 16 values
