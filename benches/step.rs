@@ -279,21 +279,40 @@ struct Shape {
     check: String,
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_shape(
-    t: &GraphTimer,
-    tw: &Twins,
-    model: &ModelShape,
-    tps: usize,
-    batch: usize,
-    bw: f64,
-    reps: usize,
-    flashmla_path: bool,
-) -> Res<Shape> {
+/// One shape's step: its contexts, inputs and top-k from the shape's seed (so every run of a
+/// shape, the timed one and the ablation, stages the same step), the decode path in
+/// FlashMLA's convention when `flashmla_path`.
+fn step_data(tw: &Twins, model: &ModelShape, (tps, batch): (usize, usize), flashmla_path: bool) -> StepData {
     let seed = 0x5_7e9 + 31 * batch as u64 + tps as u64;
     let ctx = contexts(batch, tps, seed);
     let mut data = StepData::new(&tw.gpu, model.num_hidden_layers, tps, ctx, model.index_topk as usize, seed);
     data.flashmla_path = flashmla_path;
+    data
+}
+
+/// Median µs of the [`chain_graph`] of `nodes` nodes (its buffers freed after).
+fn chain_floor(t: &GraphTimer, nodes: usize, reps: usize) -> Res<f64> {
+    let (c, bufs) = chain_graph(t, nodes)?;
+    let us = t.replay_reps(&c, reps, |_| Ok(()))?.0;
+    t.be.synchronize(S)?;
+    drop(c);
+    for b in bufs {
+        // SAFETY: the chain graph that named them is gone and the stream drained.
+        unsafe { t.be.free(b) };
+    }
+    Ok(us)
+}
+
+fn run_shape(
+    t: &GraphTimer,
+    tw: &Twins,
+    model: &ModelShape,
+    (tps, batch): (usize, usize),
+    bw: f64,
+    reps: usize,
+    flashmla_path: bool,
+) -> Res<Shape> {
+    let data = step_data(tw, model, (tps, batch), flashmla_path);
     let mut hrig = StepRig::new(&tw.host, &tw.held_host, &data);
     let mut grig = StepRig::new(&tw.gpu, &tw.held_gpu, &data);
     if hrig.tables != grig.tables || hrig.positions != grig.positions {
@@ -363,14 +382,7 @@ fn run_shape(
         res.launches[i] = launches.len();
         if i == 1 {
             res.warm_fused = back_to_back(t, &g)?;
-            let (c, bufs) = chain_graph(t, launches.len())?;
-            res.floor_chain = t.replay_reps(&c, reps, |_| Ok(()))?.0;
-            t.be.synchronize(S)?;
-            drop(c);
-            for b in bufs {
-                // SAFETY: the chain graph that named them is gone and the stream drained.
-                unsafe { t.be.free(b) };
-            }
+            res.floor_chain = chain_floor(t, launches.len(), reps)?;
         }
         let e = empty_graph(t, launches.len())?;
         res.floor_launch[i] = t.replay_reps(&e, reps, |_| Ok(()))?.0;
@@ -406,16 +418,7 @@ fn ablate(
     flashmla_path: bool,
 ) -> Res<Vec<String>> {
     use step_common::Kind;
-    let seed = 0x5_7e9 + 31 * batch as u64 + tps as u64;
-    let mut data = StepData::new(
-        &tw.gpu,
-        model.num_hidden_layers,
-        tps,
-        contexts(batch, tps, seed),
-        model.index_topk as usize,
-        seed,
-    );
-    data.flashmla_path = flashmla_path;
+    let data = step_data(tw, model, (tps, batch), flashmla_path);
     let mut rig = StepRig::new(&tw.gpu, &tw.held_gpu, &data);
     // Run the whole step once so the builder's outputs (the writes' rows) are in place.
     let all = rig.launches(Order::Fused);
@@ -446,14 +449,7 @@ fn ablate(
             let us = t.replay_reps(&g, reps, |_| Ok(()))?.0;
             let warm = back_to_back(t, &g)?;
             drop(g);
-            let (c, bufs) = chain_graph(t, launches.len())?;
-            let chain = t.replay_reps(&c, reps, |_| Ok(()))?.0;
-            t.be.synchronize(S)?;
-            drop(c);
-            for b in bufs {
-                // SAFETY: the chain graph that named them is gone and the stream drained.
-                unsafe { t.be.free(b) };
-            }
+            let chain = chain_floor(t, launches.len(), reps)?;
             let n = launches.len();
             out.push(format!(
                 "ABLATE\t{}\t{batch}\t{tps}\t{}\t{name}\t{n}\t{us:.2}\t{:.2}\t{warm:.2}\t{chain:.2}\t{:.2}",
@@ -532,7 +528,7 @@ fn run(opts: &Options) -> Res<()> {
             );
             for &tps in &opts.mtp {
                 for &batch in &opts.batches {
-                    let s = run_shape(&t, &tw, &model, tps, batch, bw, opts.reps, fm_path)?;
+                    let s = run_shape(&t, &tw, &model, (tps, batch), bw, opts.reps, fm_path)?;
                     let floor = s.floor_launch[1] + s.traffic_us;
                     let chain = s.floor_chain + s.traffic_us;
                     println!(

@@ -66,8 +66,11 @@ V4P_DEVICE v4p_u32 v4p_e4m3_rne(v4p_u32 u) {
 /// NaN value is 0x7f with its own sign. A product's NaN sign is the platform's (x86 keeps the
 /// operand's, NVIDIA returns a canonical NaN), so the rule is on the input: every backend and
 /// the host reference (src/format.rs e4m3_of_scaled_bf16) write the same byte.
+V4P_DEVICE bool v4p_bf16_is_nan(v4p_u32 x) { return (x & 0x7fffu) > 0x7f80u; }
+/// The e4m3 byte of a NaN bf16 `x`: 0x7f with its sign.
+V4P_DEVICE v4p_u32 v4p_e4m3_nan(v4p_u32 x) { return ((x >> 8) & 0x80u) | 0x7fu; }
 V4P_DEVICE v4p_u32 v4p_e4m3_scaled(v4p_u32 x, float inv) {
-    if ((x & 0x7fffu) > 0x7f80u) return ((x >> 8) & 0x80u) | 0x7fu;
+    if (v4p_bf16_is_nan(x)) return v4p_e4m3_nan(x);
     return v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits(x << 16) * inv));
 }
 
@@ -153,8 +156,8 @@ V4P_DEVICE v4p_u32 v4p_e4m3x2(v4p_u32 lo, v4p_u32 hi) {
 V4P_DEVICE v4p_u32 v4p_e4m3_bf16x2(v4p_u32 w, float inv) {
     v4p_u32 r = v4p_e4m3x2(v4p_f32_bits(v4p_f32_from_bits(w << 16) * inv),
                            v4p_f32_bits(v4p_f32_from_bits(w & 0xffff0000u) * inv));
-    if ((w & 0x7fffu) > 0x7f80u) r = (r & 0xff00u) | 0x7fu | ((w >> 8) & 0x80u);
-    if ((w & 0x7fff0000u) > 0x7f800000u) r = (r & 0x00ffu) | 0x7f00u | ((w >> 16) & 0x8000u);
+    if (v4p_bf16_is_nan(w & 0xffffu)) r = (r & 0xff00u) | v4p_e4m3_nan(w & 0xffffu);
+    if (v4p_bf16_is_nan(w >> 16)) r = (r & 0x00ffu) | (v4p_e4m3_nan(w >> 16) << 8);
     return r;
 }
 
@@ -452,7 +455,7 @@ V4P_DEVICE v4p_u32 v4p_e2m1_rne(v4p_u32 u) {
 /// bf16 bits `x` times `inv` as an e2m1 nibble: v4p_e2m1_rne of the product, a NaN value 6 with
 /// its own sign (the input's, as v4p_e4m3_scaled; src/format.rs e2m1_of_scaled_bf16).
 V4P_DEVICE v4p_u32 v4p_e2m1_scaled(v4p_u32 x, float inv) {
-    if ((x & 0x7fffu) > 0x7f80u) return ((x >> 12) & 0x8u) | 0x7u;
+    if (v4p_bf16_is_nan(x)) return ((x >> 12) & 0x8u) | 0x7u;
     return v4p_e2m1_rne(v4p_f32_bits(v4p_f32_from_bits(x << 16) * inv));
 }
 

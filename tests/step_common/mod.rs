@@ -665,28 +665,19 @@ impl StepRig {
         }
         if data.flashmla_path {
             // FlashMLA's operands are written whole (fixed widths, -1 tails): every view's
-            // rows and lengths by the builder, the CSA extra rows by each pack; the reads as
-            // on the CSR path (block-table entries, top-k rows), counted below.
-            let mut seen = std::collections::HashSet::new();
-            let mut csa_extra = 0u64;
-            for layer in 0..self.pool.spec().geometry.ratios.len() {
-                let Ok(f) = self.path.flashmla(layer) else { continue };
-                for b in [Some(f.indices), Some(f.topk_length), f.extra_indices, f.extra_topk_length]
-                    .into_iter()
-                    .flatten()
-                {
-                    if seen.insert(b.ptr) {
-                        w += b.len * b.elem_bytes;
-                    }
-                }
-                if self.pool.spec().geometry.ratios[layer] == 4 {
-                    csa_extra = f.extra_indices.map_or(0, |b| b.len * 4)
-                        + f.extra_topk_length.map_or(0, |b| b.len * 4);
-                }
-            }
-            // The builder wrote the CSA extra buffer's rows once above; each pack writes them.
+            // rows and lengths by the builder, and the one CSA extra buffer (rows and lengths)
+            // by every pack, so it counts once per pack; the reads as on the CSR path
+            // (block-table entries, top-k rows), counted below.
+            let ratios = &self.pool.spec().geometry.ratios;
+            let csa = ratios.iter().position(|&r| r == Class::Csa.ratio());
+            let csa_extra = csa.and_then(|l| self.path.flashmla(l).ok()).map_or(Vec::new(), |f| {
+                [f.extra_indices, f.extra_topk_length].into_iter().flatten().map(|b| b.ptr).collect()
+            });
             let packs = data.layers.iter().filter(|l| l.pack).count() as u64;
-            w += csa_extra * packs.saturating_sub(1);
+            for b in flashmla_operands(&self.path) {
+                let times = if csa_extra.contains(&b.ptr) { packs } else { 1 };
+                w += times * b.len * b.elem_bytes;
+            }
         }
         // The builder (window tails of every class, V4's HCA heads from the tables, the
         // destination rows) and the packs (each packed layer's head: top-k read, table
@@ -796,24 +787,32 @@ pub fn poison_pool(pool: &Pool, seed: u64) {
     }
 }
 
+/// A FlashMLA-mode path's operand buffers, each once (layers of one class and page shift share
+/// theirs; the CSA layers share one extra buffer), in layer order; none on a CSR path.
+pub fn flashmla_operands(path: &DecodePath) -> Vec<v4pool::pool::DeviceBuffer> {
+    let mut out: Vec<v4pool::pool::DeviceBuffer> = Vec::new();
+    for layer in 0..path.pool().spec().geometry.ratios.len() {
+        let Ok(f) = path.flashmla(layer) else { continue };
+        for b in
+            [Some(f.indices), Some(f.topk_length), f.extra_indices, f.extra_topk_length].into_iter().flatten()
+        {
+            if !out.iter().any(|o| o.ptr == b.ptr) {
+                out.push(b);
+            }
+        }
+    }
+    out
+}
+
 /// The decode path's outputs a step leaves: every class's indptr, live indices and
-/// destination rows.
+/// destination rows (FlashMLA mode: its operands and the destination rows).
 pub fn path_outputs(path: &DecodePath) -> Vec<Vec<i32>> {
     use v4pool::pool::DecodeBuffer;
     let mut out = Vec::new();
     if path.flashmla(0).is_ok() {
-        // FlashMLA mode: every distinct operand buffer of every layer, and the destination rows.
-        let mut seen = std::collections::HashSet::new();
-        for layer in 0..path.pool().spec().geometry.ratios.len() {
-            let f = path.flashmla(layer).expect("a FlashMLA path has every layer's operands");
-            for b in [Some(f.indices), Some(f.topk_length), f.extra_indices, f.extra_topk_length]
-                .into_iter()
-                .flatten()
-            {
-                if seen.insert(b.ptr) {
-                    out.push(path.read_flashmla(b).expect("FlashMLA operand"));
-                }
-            }
+        // FlashMLA mode: every distinct operand buffer, and the destination rows.
+        for b in flashmla_operands(path) {
+            out.push(path.read_flashmla(b).expect("FlashMLA operand"));
         }
         for class in [Class::Dense, Class::Csa, Class::Hca] {
             if let Ok(rows) = path.read_i32(DecodeBuffer::DestRows(class)) {
