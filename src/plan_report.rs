@@ -79,6 +79,7 @@ impl PlanReport {
             "units_per_checkpoint": self.units_per_checkpoint,
             "layout_id": self.layout_id,
             "kv_bytes_per_token": p.layout.kv.row_format().format().bytes_per_token(),
+            "compressed_row_bytes": p.layout.kv.compressed_row_bytes(),
             "capacity_by_format": self.capacity_json(),
         })
     }
@@ -91,7 +92,7 @@ impl PlanReport {
         let p = &self.plan;
         let bs = p.layout.model.block_size;
         let caps = p.capacity_by_format().unwrap_or_default();
-        let here = caps.iter().find(|c| c.format == p.layout.kv.row_format()).map(|c| c.tokens(bs));
+        let here = caps.iter().find(|c| c.format == p.layout.kv.named_format()).map(|c| c.tokens(bs));
         let rows: Vec<serde_json::Value> = caps
             .iter()
             .map(|c| {
@@ -102,7 +103,6 @@ impl PlanReport {
                     "tight_fit_blocks": c.tight_fit_blocks,
                     "tokens": c.tokens(bs),
                     "tokens_vs_plan": here.map(|h| c.tokens(bs) - h),
-                    "carved": c.carved,
                 })
             })
             .collect();
@@ -207,7 +207,7 @@ impl PlanOptions {
         KvDtype::from_name(name).ok_or_else(|| PlanOptionError::BadValue {
             option: "dtype",
             value: name.into(),
-            expected: "fp8, bf16, flashmla-v4 or flashmla-v41",
+            expected: "fp8, bf16, flashmla-v4, flashmla-v41 or flashmla-v41-fp4",
         })
     }
 

@@ -74,11 +74,17 @@ pub enum KvDtype {
     /// FlashMLA's sparse decode on SM90. Envelopes, slots and the arena are whole pages
     /// ([`KvDtype::page_rows`]) so a block or slot is one contiguous byte range. V4 only.
     FlashMlaV4,
+    /// FlashMLA's DeepSeek-V4.1 packed layout: windows (and the compressor state) in 528-B
+    /// [`KvDtype::FlashMlaV41`] rows, compressed rows in its 288-B fp4 rows (256 B e2m1, 32
+    /// e4m3 scales: FlashMLA's `extra_k_cache`), packed at their own width in each envelope
+    /// (`crate::geometry::PackedRows`, docs/flashmla.md). V4.1 models only.
+    FlashMlaV41Fp4,
 }
 
 impl KvDtype {
     /// Every dtype, in the order the CLI lists them.
-    pub const ALL: [KvDtype; 4] = [KvDtype::Fp8, KvDtype::Bf16, KvDtype::FlashMlaV4, KvDtype::FlashMlaV41];
+    pub const ALL: [KvDtype; 5] =
+        [KvDtype::Fp8, KvDtype::Bf16, KvDtype::FlashMlaV4, KvDtype::FlashMlaV41, KvDtype::FlashMlaV41Fp4];
 
     /// The row format's description (`crate::format`): what every byte of a row means.
     pub fn row_format(self) -> crate::format::RowFormatId {
@@ -86,9 +92,26 @@ impl KvDtype {
         match self {
             KvDtype::Fp8 => RowFormatId::AtomFp8,
             KvDtype::Bf16 => RowFormatId::Bf16,
-            KvDtype::FlashMlaV41 => RowFormatId::FlashMlaV41,
+            KvDtype::FlashMlaV41 | KvDtype::FlashMlaV41Fp4 => RowFormatId::FlashMlaV41,
             KvDtype::FlashMlaV4 => RowFormatId::FlashMlaV4,
         }
+    }
+    /// The format of the compressed rows where it is not the planes' own (the packed
+    /// [`KvDtype::FlashMlaV41Fp4`]); `None`: compressed rows are plane rows.
+    pub fn compressed_format(self) -> Option<crate::format::RowFormatId> {
+        match self {
+            KvDtype::FlashMlaV41Fp4 => Some(crate::format::RowFormatId::FlashMlaV41Fp4),
+            _ => None,
+        }
+    }
+    /// The format the dtype is named for: its compressed rows' where they are packed, else
+    /// its planes'.
+    pub fn named_format(self) -> crate::format::RowFormatId {
+        self.compressed_format().unwrap_or(self.row_format())
+    }
+    /// Bytes of one compressed row: the packed format's, else the planes' rows together.
+    pub fn compressed_row_bytes(self) -> u64 {
+        self.named_format().format().bytes_per_token()
     }
     /// Rows of the planes' pages (1: rows back to back): envelopes, slots and the compressor
     /// arena are rounded to it, so every block and slot is whole pages.
@@ -100,7 +123,7 @@ impl KvDtype {
         match self {
             KvDtype::Fp8 => &[512, 128],
             KvDtype::Bf16 => &[1024],
-            KvDtype::FlashMlaV41 => &[528],
+            KvDtype::FlashMlaV41 | KvDtype::FlashMlaV41Fp4 => &[528],
             KvDtype::FlashMlaV4 => &[584],
         }
     }
@@ -111,6 +134,7 @@ impl KvDtype {
             KvDtype::Bf16 => "bf16",
             KvDtype::FlashMlaV41 => "flashmla-v41",
             KvDtype::FlashMlaV4 => "flashmla-v4",
+            KvDtype::FlashMlaV41Fp4 => "flashmla-v41-fp4",
         }
     }
     /// Lower-case name, as the CLI spells it.
@@ -120,6 +144,7 @@ impl KvDtype {
             KvDtype::Bf16 => "bf16",
             KvDtype::FlashMlaV41 => "flashmla-v41",
             KvDtype::FlashMlaV4 => "flashmla-v4",
+            KvDtype::FlashMlaV41Fp4 => "flashmla-v41-fp4",
         }
     }
     /// The dtype a name spells (the CLI's and the bindings' one parser).
@@ -133,7 +158,8 @@ impl KvDtype {
         use crate::model::ModelFamily;
         !matches!(
             (family, self),
-            (ModelFamily::V41, KvDtype::Fp8 | KvDtype::FlashMlaV4) | (ModelFamily::V4, KvDtype::FlashMlaV41)
+            (ModelFamily::V41, KvDtype::Fp8 | KvDtype::FlashMlaV4)
+                | (ModelFamily::V4, KvDtype::FlashMlaV41 | KvDtype::FlashMlaV41Fp4)
         )
     }
 }
@@ -390,12 +416,17 @@ impl PoolLayout {
         // whose data and scales sit apart inside it).
         let page = kv.page_rows();
         let arena = ArenaLayout::for_model(model, kv.plane_widths())?.page_aligned(page)?;
-        let geometry = model
+        let mut spec = model
             .geometry_spec(0, 0)
             .arena_rows(arena.arena_rows())
             .slot_align_rows(arena.slot_align_rows())
-            .envelope_align_rows(page)
-            .build()?;
+            .envelope_align_rows(page);
+        if kv.compressed_format().is_some() {
+            let plane: u64 = kv.plane_widths().iter().sum();
+            spec = spec
+                .packed_rows(to_i64(kv.compressed_row_bytes(), "row bytes")?, to_i64(plane, "row bytes")?);
+        }
+        let geometry = spec.build()?;
         Ok(PoolLayout { model: model.clone(), kv, indexer, arena, geometry })
     }
 
@@ -464,8 +495,6 @@ pub struct FormatCapacity {
     pub window_row_bytes: u64,
     /// The spec's tight fit (`(B − m·slot_bytes) // page_bytes`) at these row bytes.
     pub tight_fit_blocks: i64,
-    /// Whether a pool carves this format today (a [`KvDtype`] names it).
-    pub carved: bool,
 }
 
 impl FormatCapacity {
@@ -478,11 +507,11 @@ impl FormatCapacity {
 impl Plan {
     /// Every row format the model's rows have a form in, priced by the spec's tight fit at this
     /// plan's budget and slot count: a format a pool carves ([`KvDtype`]) at its own layout
-    /// (its envelope, entry and arena rows, page alignment included), V4.1's fp4 format — not
-    /// carved — at this plan's rows with 288-B compressed rows and 528-B windows. The capacity
+    /// (its envelope, entry and arena rows, page alignment included; V4.1's fp4 format with its
+    /// compressed rows packed at 288 B beside 528-B windows). The capacity
     /// one format gains over another, like for like.
     pub fn capacity_by_format(&self) -> Result<Vec<FormatCapacity>, SizingError> {
-        use crate::format::{RowFormatId, ALL};
+        use crate::format::ALL;
         let model = &self.layout.model;
         let net = self.budget_bytes - self.overhead_bytes.min(self.budget_bytes);
         let m = to_u64(self.num_slots, "slots")?;
@@ -491,39 +520,20 @@ impl Plan {
         };
         let mut out = Vec::new();
         for f in ALL {
-            if let Some(kv) = KvDtype::ALL.into_iter().find(|k| k.row_format() == f) {
-                if !kv.fits(model.family) {
-                    continue;
-                }
-                let l = PoolLayout::new(model, kv, self.layout.indexer)?;
-                let b = f.format().bytes_per_token();
-                out.push(FormatCapacity {
-                    format: f,
-                    block_row_bytes: b,
-                    window_row_bytes: b,
-                    tight_fit_blocks: tight(l.page_bytes()?, l.slot_bytes()?)?,
-                    carved: true,
-                });
-            } else if f == RowFormatId::FlashMlaV41Fp4 && model.family == crate::model::ModelFamily::V41 {
-                let g = &self.layout.geometry;
-                let arena =
-                    mul(to_u64(g.arena_rows, "arena rows")?, self.layout.widths().iter().sum(), "arena")?;
-                let window = RowFormatId::FlashMlaV41.format().bytes_per_token();
-                let entry = mul(to_u64(g.slot_rows - g.arena_rows, "entry rows")?, window, "slot bytes")?;
-                let block = f.format().bytes_per_token();
-                let page = add(
-                    mul(to_u64(g.envelope_rows, "envelope rows")?, block, "page bytes")?,
-                    self.layout.indexer_block_bytes()?,
-                    "page bytes",
-                )?;
-                out.push(FormatCapacity {
-                    format: f,
-                    block_row_bytes: block,
-                    window_row_bytes: window,
-                    tight_fit_blocks: tight(page, add(arena, entry, "slot bytes")?)?,
-                    carved: false,
-                });
+            // The dtype a format names: its planes' format, or its compressed rows' (packed).
+            let Some(kv) = KvDtype::ALL.into_iter().find(|k| k.named_format() == f) else {
+                continue;
+            };
+            if !kv.fits(model.family) {
+                continue;
             }
+            let l = PoolLayout::new(model, kv, self.layout.indexer)?;
+            out.push(FormatCapacity {
+                format: f,
+                block_row_bytes: kv.compressed_row_bytes(),
+                window_row_bytes: kv.plane_widths().iter().sum(),
+                tight_fit_blocks: tight(l.page_bytes()?, l.slot_bytes()?)?,
+            });
         }
         Ok(out)
     }

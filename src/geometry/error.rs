@@ -264,6 +264,17 @@ pub enum GeometryError {
     #[error("the compact row form needs source layers (a config without them keeps the envelope form)")]
     /// The compact form was asked for without source layers.
     CompactWithoutSources,
+    #[error("packed compressed rows need the compact form (shared compressors): the envelope form interleaves windows with compressed rows")]
+    /// Packed compressed rows without the compact form.
+    PackedNeedsCompact,
+    #[error("packed rows of {compressed} B in a plane of {plane}-B rows: both must be positive")]
+    /// A packed-rows width that is not positive.
+    PackedRowBytes {
+        /// Bytes of a compressed row.
+        compressed: i64,
+        /// Bytes of a plane row.
+        plane: i64,
+    },
     #[error("{count} compressed classes {ratios:?}: the index buffers hold at most two")]
     /// More than two compressed classes where index buffers are built.
     TooManyIndexClasses {
@@ -312,6 +323,8 @@ impl VariantName for GeometryError {
             NoSourceBefore { .. } => "NoSourceBefore",
             OwnerClassDiffers { .. } => "OwnerClassDiffers",
             CompactWithoutSources => "CompactWithoutSources",
+            PackedNeedsCompact => "PackedNeedsCompact",
+            PackedRowBytes { .. } => "PackedRowBytes",
             TooManyIndexClasses { .. } => "TooManyIndexClasses",
         }
     }

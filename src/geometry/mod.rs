@@ -282,6 +282,42 @@ impl ClassLayout {
     }
 }
 
+/// Compressed rows narrower than the plane's rows (FlashMLA V4.1's 288-B fp4 rows beside its
+/// 528-B window rows, open point O3): an envelope holds its compressed rows packed at their own
+/// width, so a block costs `E′ × compressed` bytes, not `E′ × plane`, while every slot, the
+/// boundary, and every unit a copy moves stay in plane rows. Compressed rows then form a second
+/// lattice over the same plane bytes, the **compressed view**: compressed row `c` sits at byte
+/// `c × compressed` from plane row 0, and a compressed index is absolute in it
+/// (`block × compress_stride + envelope position of the owner + row`), not relative to a layer's
+/// window view. Only widths matter here, not what the bytes mean.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PackedRows {
+    /// Bytes of one compressed row.
+    pub compressed: i64,
+    /// Bytes of one plane row (window, state).
+    pub plane: i64,
+}
+
+impl PackedRows {
+    /// Plane rows that hold a whole number of compressed rows: the lattices meet every
+    /// `compressed / gcd` plane rows.
+    fn plane_period(self) -> i64 {
+        self.compressed / gcd(self.compressed, self.plane)
+    }
+    /// Compressed rows in `plane_rows` plane rows, rounded down.
+    fn compressed_rows_in(self, plane_rows: i64) -> Result<i64, GeometryError> {
+        Ok(mul(plane_rows, self.plane, "compressed rows")? / self.compressed)
+    }
+}
+
+fn gcd(a: i64, b: i64) -> i64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 /// Every constructor argument of the spec's `UnifiedPoolGeometry`, with its defaults.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GeometrySpec {
@@ -312,6 +348,8 @@ pub struct GeometrySpec {
     /// 64-row pages) sets its page so every block is whole pages: a block's bytes are then one
     /// contiguous range, the same range a uniform-row plane gives, for every copy that moves it.
     pub envelope_align_rows: i64,
+    /// Compressed rows packed at their own width ([`PackedRows`]; `None`: plane rows).
+    pub packed_rows: Option<PackedRows>,
 }
 
 impl GeometrySpec {
@@ -330,7 +368,14 @@ impl GeometrySpec {
             kv_sources: None,
             form: RowForm::Envelope,
             envelope_align_rows: 1,
+            packed_rows: None,
         }
+    }
+    /// Pack compressed rows at `compressed` bytes in a plane of `plane`-byte rows (see
+    /// [`PackedRows`]; the compact form only).
+    pub fn packed_rows(mut self, compressed: i64, plane: i64) -> Self {
+        self.packed_rows = Some(PackedRows { compressed, plane });
+        self
     }
     /// Round every envelope up to a multiple of `rows` (see the field).
     pub fn envelope_align_rows(mut self, rows: i64) -> Self {
@@ -441,6 +486,11 @@ pub struct UnifiedPoolGeometry {
     /// `docs/v41.md`). Nothing is ever written there; the pool allocates them in front of
     /// the plane.
     pub view_lead_rows: i64,
+    /// Compressed rows packed at their own width, if they are ([`PackedRows`]).
+    pub packed_rows: Option<PackedRows>,
+    /// Compressed rows from one block's to the next: `envelope_rows`, or with packed rows the
+    /// compressed rows an envelope's bytes hold (`envelope_rows × plane / compressed`).
+    pub compress_stride: i64,
 }
 
 impl UnifiedPoolGeometry {
@@ -459,6 +509,7 @@ impl UnifiedPoolGeometry {
             kv_sources,
             form,
             envelope_align_rows,
+            packed_rows,
         } = spec;
         if ratios.is_empty() {
             return Err(GeometryError::NoLayers);
@@ -511,6 +562,16 @@ impl UnifiedPoolGeometry {
         if form == RowForm::Compact && kv_sources.is_none() {
             return Err(GeometryError::CompactWithoutSources);
         }
+        if let Some(p) = packed_rows {
+            if p.compressed < 1 || p.plane < 1 {
+                return Err(GeometryError::PackedRowBytes { compressed: p.compressed, plane: p.plane });
+            }
+            // The envelope form interleaves a class's windows at its block-row stride, so its
+            // compressed rows and window rows share rows: one width.
+            if form != RowForm::Compact {
+                return Err(GeometryError::PackedNeedsCompact);
+            }
+        }
         let block_rows_of = |ratio: i32| if ratio == DENSE_RATIO { 0 } else { block_size / i64::from(ratio) };
         // The envelope form interleaves a compressed class's windows at its block-row
         // stride (the seed's construction); the compact form and the dense class keep each
@@ -541,7 +602,22 @@ impl UnifiedPoolGeometry {
             cursor = add(cursor, mul(n, block_rows_of(ratio), "envelope rows")?, "envelope rows")?;
         }
         // Rows past the last class are padding no index reaches (a paged format's page tail).
-        let envelope_rows = mul(ceil_div(cursor, envelope_align_rows), envelope_align_rows, "envelope rows")?;
+        // Packed, the envelope is the plane rows its compressed rows' bytes need, rounded to
+        // where the two lattices meet, so every block starts on a compressed row too.
+        let (envelope_rows, compress_stride) = match packed_rows {
+            None => {
+                let e = mul(ceil_div(cursor, envelope_align_rows), envelope_align_rows, "envelope rows")?;
+                (e, e)
+            }
+            Some(p) => {
+                let bytes = mul(cursor, p.compressed, "envelope bytes")?;
+                let period = p.plane_period();
+                let align =
+                    mul(period / gcd(period, envelope_align_rows), envelope_align_rows, "envelope rows")?;
+                let e = mul(ceil_div(ceil_div(bytes, p.plane), align), align, "envelope rows")?;
+                (e, mul(e, p.plane, "compress stride")? / p.compressed)
+            }
+        };
         let mut classes = BTreeMap::new();
         cursor = 0;
         for &ratio in &entry_order {
@@ -572,19 +648,31 @@ impl UnifiedPoolGeometry {
                 }
             }
         }
-        let view_lead_rows = spec_bias
-            .iter()
-            .copied()
-            .min()
-            .unwrap_or(0)
-            .min(0)
-            .checked_neg()
-            .ok_or(GeometryError::Overflow { what: "view lead rows" })?;
-        let compress_bias: Vec<i64> = ratios
-            .iter()
-            .zip(&spec_bias)
-            .map(|(&r, &b)| if r > 0 { b + view_lead_rows } else { 0 })
-            .collect();
+        let view_lead_rows = match packed_rows {
+            // Packed compressed indices are absolute in the compressed view: never negative.
+            Some(_) => 0,
+            None => spec_bias
+                .iter()
+                .copied()
+                .min()
+                .unwrap_or(0)
+                .min(0)
+                .checked_neg()
+                .ok_or(GeometryError::Overflow { what: "view lead rows" })?,
+        };
+        let compress_bias: Vec<i64> = match packed_rows {
+            // The owner's envelope position, in compressed rows.
+            Some(_) => ratios
+                .iter()
+                .zip(spec_bias.iter().zip(&anchors))
+                .map(|(&r, (&b, &a))| if r > 0 { b + a } else { 0 })
+                .collect(),
+            None => ratios
+                .iter()
+                .zip(&spec_bias)
+                .map(|(&r, &b)| if r > 0 { b + view_lead_rows } else { 0 })
+                .collect(),
+        };
 
         // A slot's start is the one address the compressor state's alignment rests on, so
         // the slot (not the window) is rounded up.
@@ -617,6 +705,12 @@ impl UnifiedPoolGeometry {
         // A view reaches from its base (possibly in the lead) to the plane's end.
         if add(plane_rows, view_lead_rows, "plane rows")? > MAX_PLANE_ROWS {
             return Err(GeometryError::PlaneExceedsI32 { plane_rows: plane_rows + view_lead_rows });
+        }
+        // The compressed view's indices are i32 too.
+        if let Some(p) = packed_rows {
+            if p.compressed_rows_in(plane_rows)? > MAX_PLANE_ROWS {
+                return Err(GeometryError::PlaneExceedsI32 { plane_rows: p.compressed_rows_in(plane_rows)? });
+            }
         }
         let slot_positions_v = slot_positions.unwrap_or(held);
         // Positions this plane does not reach, because it took its numbering from one with
@@ -656,6 +750,8 @@ impl UnifiedPoolGeometry {
             owners,
             compress_bias,
             view_lead_rows,
+            packed_rows,
+            compress_stride,
         })
     }
 
@@ -680,6 +776,7 @@ impl UnifiedPoolGeometry {
             kv_sources: self.kv_sources.clone(),
             form: self.form,
             envelope_align_rows: self.envelope_align_rows,
+            packed_rows: self.packed_rows,
         })
     }
 
@@ -698,6 +795,7 @@ impl UnifiedPoolGeometry {
             kv_sources: self.kv_sources.clone(),
             form: self.form,
             envelope_align_rows: self.envelope_align_rows,
+            packed_rows: self.packed_rows,
         }
     }
 
@@ -797,7 +895,26 @@ impl UnifiedPoolGeometry {
         if !(0..self.num_blocks).contains(&block) {
             return Err(GeometryError::BlockOutOfRange { block, num_blocks: self.num_blocks });
         }
-        Ok(block * self.envelope_rows + row + self.compress_bias[layer_id])
+        Ok(block * self.compress_stride + row + self.compress_bias[layer_id])
+    }
+
+    /// Rows of the view compressed indices are rows of, for `layer_id`: its layer view
+    /// ([`Self::layer_view_rows`]), or with packed rows the compressed view over the whole
+    /// plane (plane row 0 on, at the compressed width).
+    pub fn compressed_view_rows(&self, layer_id: usize) -> Result<i64, GeometryError> {
+        match self.compressed_plane_rows()? {
+            None => self.layer_view_rows(layer_id),
+            Some(rows) => {
+                self.layer_class(layer_id)?;
+                Ok(rows)
+            }
+        }
+    }
+
+    /// With packed rows, the compressed rows the plane holds (the compressed view's rows, the
+    /// same for every layer); `None` without.
+    pub fn compressed_plane_rows(&self) -> Result<Option<i64>, GeometryError> {
+        self.packed_rows.map(|p| p.compressed_rows_in(self.plane_rows)).transpose()
     }
 
     /// Index of a sliding-window row, relative to the layer's own base.

@@ -112,7 +112,8 @@ pub struct DecodeIndexArgs {
     pub positions: DevicePtr,
     /// i32 [bs, block_table_stride]; 0 = leave HCA heads to someone else (peer mode).
     pub block_tables: DevicePtr,
-    /// Rows of one block's envelope (the block stride of a layer view).
+    /// Rows from one block's compressed rows to the next (the geometry's `compress_stride`:
+    /// the envelope's rows, or a packed pool's compressed rows a block).
     pub envelope_rows: i64,
     /// Columns per block-table row.
     pub block_table_stride: i32,
@@ -168,7 +169,7 @@ pub struct PrefillIndexArgs {
     pub hca_indptr: DevicePtr,
     /// i32 out: `[window rows | compressed]` (`coarse_packed`: `[head | window rows]`)
     pub hca_indices: DevicePtr,
-    /// Rows of one block's envelope.
+    /// Compressed rows from one block to the next (`compress_stride`; see `DecodeIndexArgs`).
     pub envelope_rows: i64,
     /// Columns per block-table row.
     pub block_table_stride: i32,
@@ -199,7 +200,7 @@ pub struct HcaOffsetsArgs {
     pub block_tables: DevicePtr,
     /// `i32 out [N]`
     pub out: DevicePtr,
-    /// Rows of one block's envelope.
+    /// Compressed rows from one block to the next (`compress_stride`; see `DecodeIndexArgs`).
     pub envelope_rows: i64,
     /// Columns per block-table row.
     pub block_table_stride: i32,
@@ -242,7 +243,7 @@ pub struct CsaPackArgs {
     pub skip_prefix_len_per_token: DevicePtr,
     /// `i32 out [>= indptr[T]]`
     pub out: DevicePtr,
-    /// Rows of one block's envelope.
+    /// Compressed rows from one block to the next (`compress_stride`; see `DecodeIndexArgs`).
     pub envelope_rows: i64,
     /// Elements from one top-k row to the next (≥ index_topk).
     pub topk_row_stride: i32,
@@ -378,6 +379,11 @@ pub const FLASHMLA_V41_ROW_BYTES: u64 = 528;
 pub const KV_ROWS_FLASHMLA_V4: i32 = 3;
 /// Bytes of a FlashMLA V4 row (576 data + 8 scale bytes; paged, `crate::format`).
 pub const FLASHMLA_V4_ROW_BYTES: u64 = 584;
+/// `KvRowsArgs::format`: FlashMLA's V4.1 fp4 rows, 288 B (256 B e2m1, 32 e4m3 scales): the
+/// compressed rows of a packed pool (`crate::geometry::PackedRows`).
+pub const KV_ROWS_FLASHMLA_V41_FP4: i32 = 4;
+/// Bytes of a FlashMLA V4.1 fp4 row (`crate::format`'s `flashmla-v41-fp4`).
+pub const FLASHMLA_V41_FP4_ROW_BYTES: u64 = 288;
 
 /// Values of one indexer key row (V4's `index_head_dim`).
 pub const INDEX_KEY_VALUES: usize = 128;

@@ -773,8 +773,12 @@ fn check_kv_rows(a: &super::KvRowsArgs) -> Result<(), LaunchError> {
     non_negative("num_tokens", a.num_tokens.into())?;
     non_negative("view_rows", a.view_rows)?;
     at_least("kv_row_stride", a.kv_row_stride, super::KV_ROW_VALUES as i64)?;
-    use super::{KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V4, KV_ROWS_FLASHMLA_V41};
-    if ![KV_ROWS_BF16, KV_ROWS_ATOM_FP8, KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V4].contains(&a.format) {
+    use super::{
+        KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V4, KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V41_FP4,
+    };
+    if ![KV_ROWS_BF16, KV_ROWS_ATOM_FP8, KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V4, KV_ROWS_FLASHMLA_V41_FP4]
+        .contains(&a.format)
+    {
         return Err(LaunchError::BadCode { field: "format", value: a.format });
     }
     // Only a paged format has a view offset inside its plane; it is a row, never negative.

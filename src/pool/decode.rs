@@ -940,7 +940,7 @@ impl DecodeIndexBuffers {
             layout,
             mem,
             params,
-            envelope_rows: geometry.envelope_rows,
+            envelope_rows: geometry.compress_stride,
             hca_rows_per_block: (geometry.block_size / slot_ratios(geometry)?[1]) as i32,
             block_size: geometry.block_size,
             slot_ratios: slot_ratios(geometry)?,

@@ -142,6 +142,14 @@ impl PoolSpec {
         if self.plane_widths.is_empty() || self.plane_widths.contains(&0) {
             return Err(PoolError::InconsistentSpec { what: "plane_widths (empty, or a zero width)" });
         }
+        if let Some(p) = g.packed_rows {
+            // Compressed rows packed at their own width live in one plane of `p.plane`-B rows.
+            if self.plane_widths.len() != 1 || i64::try_from(self.plane_widths[0]).ok() != Some(p.plane) {
+                return Err(PoolError::InconsistentSpec {
+                    what: "plane_widths (packed compressed rows need one plane of the packing's row width)",
+                });
+            }
+        }
         if self.arena.widths() != self.plane_widths {
             return Err(PoolError::InconsistentSpec {
                 what: "plane_widths (the arena was planned for others)",
@@ -223,13 +231,17 @@ impl PoolSpec {
             join(&self.csa_layers.iter().map(usize::to_string).collect::<Vec<_>>()),
         );
         // Shared compressors change every compressed address; V4's id stays as it was.
-        match &g.kv_sources {
+        let id = match &g.kv_sources {
             None => id,
             Some(src) => format!(
                 "{id}:kv_sources={}:form={:?}",
                 join(&src.iter().map(usize::to_string).collect::<Vec<_>>()),
                 g.form
             ),
+        };
+        match g.packed_rows {
+            None => id,
+            Some(p) => format!("{id}:packed={}/{}", p.compressed, p.plane),
         }
     }
 }
@@ -833,6 +845,27 @@ impl Pool {
             "layer view address",
         )?;
         Ok(LayerView { layer, plane, ptr, rows: g.layer_view_rows(layer)?, row_bytes: w })
+    }
+
+    /// The view `layer`'s compressed indices are rows of: its layer view in plane 0, or in a
+    /// pool packing its compressed rows ([`crate::geometry::PackedRows`]) the compressed view,
+    /// from plane row 0 over the whole plane at the compressed width (FlashMLA's
+    /// `extra_k_cache`: `[rows / 64, 64, 1, 288]`, shift 0). Refused for a layer with no
+    /// compressed rows.
+    pub fn compressed_view(&self, layer: usize) -> Result<LayerView, PoolError> {
+        let g = &self.spec.geometry;
+        g.owner(layer)?;
+        match g.packed_rows {
+            None => self.layer_view(layer, 0),
+            Some(p) => Ok(LayerView {
+                layer,
+                plane: 0,
+                // No view lead: a packed geometry has none (compressed indices are absolute).
+                ptr: self.plane_ptr(0)?,
+                rows: g.compressed_view_rows(layer)?,
+                row_bytes: p.compressed as u64,
+            }),
+        }
     }
 
     /// `layer`'s rows in `plane` as a kernel reading pages of `page_rows` takes them

@@ -255,7 +255,7 @@ impl PrefillIndexBuffers {
             mem,
             params,
             entries,
-            envelope_rows: geometry.envelope_rows,
+            envelope_rows: geometry.compress_stride,
             block_size: geometry.block_size,
             slot_ratios: slot_ratios(geometry)?,
             targets: PackTargets::of(geometry),

@@ -26,9 +26,10 @@ use crate::alloc::{AllocError, BlockHandle, SlotHandle};
 use crate::backend::BackendError;
 use crate::geometry::Class;
 use crate::index::{
-    DevicePtr, IndexKeysArgs, KvRowsArgs, Launch, FLASHMLA_V41_ROW_BYTES, FLASHMLA_V4_ROW_BYTES,
-    FP8_NOPE_ROW_BYTES, INDEX_KEYS_BF16, INDEX_KEYS_FP4, INDEX_KEYS_FP8, KV_ROWS_ATOM_FP8, KV_ROWS_BF16,
-    KV_ROWS_FLASHMLA_V4, KV_ROWS_FLASHMLA_V41, KV_ROW_VALUES, ROPE_ROW_BYTES,
+    DevicePtr, IndexKeysArgs, KvRowsArgs, Launch, FLASHMLA_V41_FP4_ROW_BYTES, FLASHMLA_V41_ROW_BYTES,
+    FLASHMLA_V4_ROW_BYTES, FP8_NOPE_ROW_BYTES, INDEX_KEYS_BF16, INDEX_KEYS_FP4, INDEX_KEYS_FP8,
+    KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V4, KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V41_FP4,
+    KV_ROW_VALUES, ROPE_ROW_BYTES,
 };
 use crate::sizing::IndexerDtype;
 use crate::variant::VariantName;
@@ -301,6 +302,9 @@ pub struct KvRowWriter {
     compressed: Staged,
     /// `KvRowsArgs::format` of the pool's planes.
     format: i32,
+    /// `KvRowsArgs::format` of its compressed rows: `format`, or the packed rows' own
+    /// (`KV_ROWS_FLASHMLA_V41_FP4`, written through [`Pool::compressed_view`]).
+    compressed_format: i32,
 }
 
 fn class_index(class: Class) -> usize {
@@ -329,6 +333,15 @@ impl KvRowWriter {
             [w] if *w == FLASHMLA_V4_ROW_BYTES => KV_ROWS_FLASHMLA_V4,
             _ => return Err(RowWriteError::RowFormat { widths: widths.clone() }),
         };
+        let compressed_format = match pool.spec().geometry.packed_rows {
+            None => format,
+            Some(p)
+                if format == KV_ROWS_FLASHMLA_V41 && p.compressed as u64 == FLASHMLA_V41_FP4_ROW_BYTES =>
+            {
+                KV_ROWS_FLASHMLA_V41_FP4
+            }
+            Some(_) => return Err(RowWriteError::RowFormat { widths: widths.clone() }),
+        };
         let too_large = RowWriteError::TooLarge { max_tokens: cap.max_tokens };
         if i32::try_from(cap.max_tokens).is_err() {
             return Err(too_large);
@@ -355,6 +368,7 @@ impl KvRowWriter {
             window: Staged::Nothing,
             compressed: Staged::Nothing,
             format,
+            compressed_format,
         })
     }
 
@@ -369,6 +383,11 @@ impl KvRowWriter {
     /// The pool's row format as `KvRowsArgs::format` names it.
     pub fn row_format_code(&self) -> i32 {
         self.format
+    }
+    /// The compressed rows' format as `KvRowsArgs::format` names it (the row format's, unless
+    /// the pool packs its compressed rows).
+    pub fn compressed_format_code(&self) -> i32 {
+        self.compressed_format
     }
     /// The pool written to.
     pub fn pool(&self) -> &Arc<Pool> {
@@ -506,6 +525,19 @@ impl KvRowWriter {
         Ok((class, v0.ptr, rope, v0.rows, 0))
     }
 
+    /// Where `set`'s rows of `layer` go and in which format: the layer's view in the planes'
+    /// format ([`Self::layer_target`]), but a packed pool's compressed rows in its compressed
+    /// view (plane row 0 on, 288-B rows; compressed indices are absolute there).
+    fn set_target(&self, layer: usize, set: RowSet) -> Result<(Class, DevicePtr, DevicePtr, i64, i64, i32)> {
+        let (class, nope, rope, view_rows, view_row0) = self.layer_target(layer)?;
+        if !matches!(set, RowSet::Compressed(_)) || self.compressed_format == self.format {
+            return Ok((class, nope, rope, view_rows, view_row0, self.format));
+        }
+        let bad = |e: PoolError| RowWriteError::BadLayer { layer, source: Box::new(e) };
+        let v = self.pool.compressed_view(layer).map_err(bad)?;
+        Ok((class, v.ptr, 0, v.rows, 0, self.compressed_format))
+    }
+
     /// Rows a write to `set` reads from its KV (what was staged for it).
     pub fn staged_rows(&self, set: RowSet) -> Result<usize> {
         match (set, &self.window, &self.compressed) {
@@ -520,7 +552,7 @@ impl KvRowWriter {
     /// The launch of a write of `tokens` rows of `kv` to `set`'s staged rows in `layer`, and
     /// the check to run under the lock.
     fn args(&self, layer: usize, set: RowSet, kv: DevicePtr, stride: usize) -> Result<(KvRowsArgs, usize)> {
-        let (class, nope, rope, view_rows, view_row0) = self.layer_target(layer)?;
+        let (class, nope, rope, view_rows, view_row0, format) = self.set_target(layer, set)?;
         let (dest, tokens) = match (set, &self.window, &self.compressed) {
             (RowSet::Window, Staged::Window { tokens, .. }, _) => {
                 (self.owned.base() + self.window_at[class_index(class)], *tokens)
@@ -546,7 +578,7 @@ impl KvRowWriter {
             kv_row_stride: stride as i64,
             view_rows,
             num_tokens: tokens as i32, // at most max_tokens, which fits an i32
-            format: self.format,
+            format,
             view_row0,
         };
         Ok((args, tokens))

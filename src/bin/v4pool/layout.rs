@@ -84,6 +84,8 @@ fn layout(args: &[String]) -> Result<Option<String>, CliError> {
         if let (Some(kv), Some(obj)) = (kv, v.as_object_mut()) {
             obj.insert("kv_dtype".into(), json!(kv.name()));
             obj.insert("row_format".into(), json!(kv.row_format().format().name));
+            obj.insert("compressed_row_format".into(), json!(kv.named_format().format().name));
+            obj.insert("compressed_row_bytes".into(), json!(kv.compressed_row_bytes()));
             obj.insert("plane_widths".into(), json!(kv.plane_widths()));
             obj.insert("page_rows".into(), json!(kv.page_rows()));
         }
@@ -118,7 +120,7 @@ fn geometry_spec(p: &ParsedArgs) -> Result<(String, GeometrySpec, Option<KvDtype
         Some(d) => Some(KvDtype::from_name(d).ok_or_else(|| CliError::BadValue {
             flag: "--dtype".to_string(),
             value: d.to_string(),
-            expected: "fp8, bf16, flashmla-v4 or flashmla-v41",
+            expected: "fp8, bf16, flashmla-v4, flashmla-v41 or flashmla-v41-fp4",
         })?),
         None => None,
     };
@@ -136,6 +138,7 @@ fn geometry_spec(p: &ParsedArgs) -> Result<(String, GeometrySpec, Option<KvDtype
                     .arena_rows(l.geometry.arena_rows)
                     .slot_align_rows(l.geometry.slot_align_rows)
                     .envelope_align_rows(kv.page_rows());
+                spec.packed_rows = l.geometry.packed_rows;
             }
             (m.name.clone(), spec, Some(ring))
         }
@@ -363,6 +366,17 @@ pub(crate) fn layout_table(
             f.bytes_per_token(),
             kv.page_rows()
         );
+        if let (Some(c), Some(p)) = (kv.compressed_format(), g.packed_rows) {
+            let _ = writeln!(
+                out,
+                "compressed rows {} ({} B, packed: {} compressed rows a block in {} plane rows; compressed view {} rows)",
+                c.format().name,
+                p.compressed,
+                g.compress_stride,
+                g.envelope_rows,
+                g.compressed_plane_rows()?.unwrap_or(0)
+            );
+        }
     }
     for &width in kv.map_or(&PLANE_WIDTHS[..], |k| k.plane_widths()) {
         let _ = writeln!(

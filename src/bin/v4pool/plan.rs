@@ -64,13 +64,13 @@ pub(crate) fn execute(args: &[String]) -> Result<Option<PlanReport>, CliError> {
         value: value.to_string(),
         expected,
     };
-    let kv = match p.get("--dtype") {
-        Some(d) => Some(
-            KvDtype::from_name(d)
-                .ok_or_else(|| bad("--dtype", d, "fp8, bf16, flashmla-v4 or flashmla-v41"))?,
-        ),
-        None => None,
-    };
+    let kv =
+        match p.get("--dtype") {
+            Some(d) => Some(KvDtype::from_name(d).ok_or_else(|| {
+                bad("--dtype", d, "fp8, bf16, flashmla-v4, flashmla-v41 or flashmla-v41-fp4")
+            })?),
+            None => None,
+        };
     let indexer = match p.get("--indexer").unwrap_or("fp8") {
         "fp8" => IndexerDtype::Fp8,
         "fp4" => IndexerDtype::Fp4,
@@ -174,7 +174,7 @@ fn to_text(report: &PlanReport) -> String {
     // What each row format holds at this budget and slot count (one formula, the spec's tight
     // fit, for every format, so the gain between two is like for like).
     if let Ok(caps) = p.capacity_by_format() {
-        let here = caps.iter().find(|c| c.format == p.layout.kv.row_format()).copied();
+        let here = caps.iter().find(|c| c.format == p.layout.kv.named_format()).copied();
         line(
             "  KV bytes per token by row format (spec tight fit at this budget and slot count):".to_string(),
         );
@@ -194,13 +194,12 @@ fn to_text(report: &PlanReport) -> String {
                 format!("{} B compressed, {} B window", c.block_row_bytes, c.window_row_bytes)
             };
             line(format!(
-                "    {:<17} {:<27} {:>9} blocks {:>14} tokens  {}{}",
+                "    {:<17} {:<32} {:>9} blocks {:>14} tokens  {}",
                 c.format.format().name,
                 bytes,
                 grouped(c.tight_fit_blocks as u64),
                 grouped(c.tokens(m.block_size) as u64),
                 gain,
-                if c.carved { "" } else { "  [not carved yet: docs/flashmla.md]" }
             ));
         }
     }

@@ -61,8 +61,12 @@ pub enum KvPlanes<'a> {
         /// RoPE rows.
         rope: &'a mut [u8],
     },
-    /// FlashMLA's V4.1 plane of 528-B rows (`crate::format`'s `flashmla-v41`).
-    FlashMlaV41 {
+    /// A plane of one unpaged, one-plane format's rows, back to back: FlashMLA's V4.1 528-B
+    /// rows (`flashmla-v41`) or its 288-B fp4 rows (`flashmla-v41-fp4`, the packed pool's
+    /// compressed view).
+    Interleaved {
+        /// Which format.
+        format: crate::format::RowFormatId,
         /// The view's rows.
         pool: &'a mut [u8],
     },
@@ -120,9 +124,9 @@ pub fn kv_rows(
                 let r = row_range(row, ROPE_ROW_BYTES, rope.len(), "rope")?;
                 pack_fp8_row(src, &mut nope[n], &mut rope[r])?;
             }
-            KvPlanes::FlashMlaV41 { pool } => {
+            KvPlanes::Interleaved { format, pool } => {
                 // The format's one description packs (no second transcription of the formula).
-                let f = crate::format::RowFormatId::FlashMlaV41.format();
+                let f = format.format();
                 let r = row_range(row, f.bytes_per_token(), pool.len(), "pool")?;
                 let packed = f.pack(src).map_err(|_| HostKernelError::OutOfBounds {
                     buffer: "kv",

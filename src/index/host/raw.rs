@@ -429,8 +429,13 @@ unsafe fn run_kv_rows(a: &crate::index::KvRowsArgs) -> Result<()> {
                 nope: output("nope", a.nope, rows(FP8_NOPE_ROW_BYTES)?)?,
                 rope: output("rope", a.rope, rows(ROPE_ROW_BYTES)?)?,
             },
-            crate::index::KV_ROWS_FLASHMLA_V41 => KvPlanes::FlashMlaV41 {
+            crate::index::KV_ROWS_FLASHMLA_V41 => KvPlanes::Interleaved {
+                format: crate::format::RowFormatId::FlashMlaV41,
                 pool: output("nope", a.nope, rows(crate::index::FLASHMLA_V41_ROW_BYTES)?)?,
+            },
+            crate::index::KV_ROWS_FLASHMLA_V41_FP4 => KvPlanes::Interleaved {
+                format: crate::format::RowFormatId::FlashMlaV41Fp4,
+                pool: output("nope", a.nope, rows(crate::index::FLASHMLA_V41_FP4_ROW_BYTES)?)?,
             },
             crate::index::KV_ROWS_FLASHMLA_V4 => {
                 // The plane from row 0 through the view's last whole page.
