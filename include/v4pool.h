@@ -507,6 +507,18 @@ enum V4poolStatus v4pool_pool_layer_view(const struct V4poolPool *pool,
                                          struct V4poolView *out_view);
 
 /**
+ * The view `layer`'s compressed indices are rows of (`Pool::compressed_view`): its layer view
+ * of plane 0, or in a packed pool (`flashmla-v41-fp4`) the 288-B fp4 rows from plane row 0
+ * (FlashMLA's `extra_k_cache`, shift 0). Refused for a layer without compressed rows.
+ *
+ * # Safety
+ * `pool` is live; `out_view` writable.
+ */
+enum V4poolStatus v4pool_pool_compressed_view(const struct V4poolPool *pool,
+                                              uint32_t layer,
+                                              struct V4poolView *out_view);
+
+/**
  * Layer `layer`'s page view of plane `plane` in pages of `page_rows` rows (FlashMLA: 64).
  *
  * # Safety

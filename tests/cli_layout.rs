@@ -551,8 +551,32 @@ fn plan_json_reports_capacity_by_format() {
         .find(|c| c["format"] == "flashmla-v41-fp4")
         .cloned();
     let fp4 = fp4.expect("V4.1 prices its fp4 compressed rows");
+    assert_eq!((fp4["block_row_bytes"].as_u64(), fp4["window_row_bytes"].as_u64()), (Some(288), Some(528)));
+    // The packed plan itself: its tight fit is its own row, and it holds more than the 528-B one.
+    let packed = json_of(&[
+        "plan",
+        "--model",
+        "v4.1-flash",
+        "--budget",
+        "100GiB",
+        "--max-seqs",
+        "256",
+        "--dtype",
+        "flashmla-v41-fp4",
+        "--json",
+    ]);
     assert_eq!(
-        (fp4["block_row_bytes"].as_u64(), fp4["window_row_bytes"].as_u64(), fp4["carved"].as_bool()),
-        (Some(288), Some(528), Some(false))
+        (packed["kv_bytes_per_token"].as_u64(), packed["compressed_row_bytes"].as_u64()),
+        (Some(528), Some(288))
     );
+    let row = packed["capacity_by_format"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["format"] == "flashmla-v41-fp4")
+        .cloned();
+    let row = row.expect("the packed row");
+    assert_eq!(row["tight_fit_blocks"], packed["tight_fit_blocks"]);
+    assert_eq!(row["tokens_vs_plan"], 0);
+    assert!(packed["num_blocks"].as_i64() > v41["num_blocks"].as_i64(), "{packed} vs {v41}");
 }

@@ -118,6 +118,22 @@ fn sweep(name: &str, case: impl Fn(&Arc<FaultBackend>, Option<(Call, u64)>) -> [
     points
 }
 
+/// A V4.1-Flash pool on `b` in the packed layout (288-B compressed rows in 528-B plane rows):
+/// 6 blocks and 2 slots at the split, in a plane of 4 slot positions.
+fn packed_pool(b: &Arc<FaultBackend>) -> Pool {
+    use v4pool::sizing::{KvDtype, PoolLayout};
+    let layout = PoolLayout::new(
+        &v4pool::model::ModelShape::v41_flash(0).unwrap(),
+        KvDtype::FlashMlaV41Fp4,
+        IndexerDtype::Fp8,
+    )
+    .expect("layout");
+    let g = &layout.geometry;
+    let geometry = layout.carve(6, 2, 4 * g.slot_rows).expect("carve");
+    let spec = PoolSpec::from_layout(&layout, geometry).expect("spec");
+    Pool::new(b.clone() as Arc<dyn Backend>, spec, Stream::DEFAULT).expect("pool")
+}
+
 /// One boundary move under the sweep: refused whole on a failure, then done on a retry.
 fn boundary_case(
     b: &Arc<FaultBackend>,
@@ -126,7 +142,18 @@ fn boundary_case(
     prepare: impl Fn(&Pool),
     op: impl Fn(&Pool) -> Result<BoundaryChange, v4pool::pool::PoolError>,
 ) -> [u64; 10] {
-    let p = pool(b);
+    boundary_case_on(pool, b, fail, free_blocks, prepare, op)
+}
+
+fn boundary_case_on(
+    make: fn(&Arc<FaultBackend>) -> Pool,
+    b: &Arc<FaultBackend>,
+    fail: Option<(Call, u64)>,
+    free_blocks: &[usize],
+    prepare: impl Fn(&Pool),
+    op: impl Fn(&Pool) -> Result<BoundaryChange, v4pool::pool::PoolError>,
+) -> [u64; 10] {
+    let p = make(b);
     prepare(&p);
     let mut w = World::fill(&p, free_blocks, 7);
     let before = p.counts().unwrap();
@@ -186,6 +213,22 @@ fn every_boundary_move_is_all_or_nothing() {
     // Blocks grow over slots after a shrink made room to move into.
     sweep("grow_blocks_shrinking_slots", |b, fail| {
         boundary_case(b, fail, &[0], |_| {}, |p| p.grow_blocks_shrinking_slots(1))
+    });
+}
+
+#[test]
+fn every_boundary_move_is_all_or_nothing_in_the_packed_v41_layout() {
+    let p = packed_pool(&FaultBackend::new());
+    assert!(p.spec().geometry.packed_rows.is_some());
+    let c = p.counts().unwrap();
+    println!("packed pool: {c:?}");
+    // Blocks shrink (the top held blocks relocate down, their fp4 rows with them).
+    sweep("packed shrink_blocks", |b, fail| {
+        boundary_case_on(packed_pool, b, fail, &[0, 2], |_| {}, |p| p.shrink_blocks(2))
+    });
+    // Slots shrink (the low held slot relocates up into the vacant one).
+    sweep("packed shrink_slots", |b, fail| {
+        boundary_case_on(packed_pool, b, fail, &[], |_| {}, |p| p.shrink_slots(1))
     });
 }
 

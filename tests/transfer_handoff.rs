@@ -54,7 +54,11 @@ fn handoff_case(name: &str, shared_backend: bool) {
 }
 
 fn handoff_case_kv(name: &str, shared_backend: bool, kv: v4pool::sizing::KvDtype) {
-    let model = ModelShape::v4_flash(1).unwrap();
+    handoff_case_model(name, shared_backend, &ModelShape::v4_flash(1).unwrap(), kv);
+}
+
+fn handoff_case_model(name: &str, shared_backend: bool, model: &ModelShape, kv: v4pool::sizing::KvDtype) {
+    let model = model.clone();
     for (i, n) in [1usize, 3, 6, 10].into_iter().enumerate() {
         let mut rng = Rng::new(case_seed(name, i as u64));
         let b0: Arc<dyn Backend> = Arc::new(HostBackend::new());
@@ -131,6 +135,14 @@ fn handoff_is_byte_exact_in_flashmla_v4_paged_rows() {
     // Blocks and slots are whole 64-row pages in FlashMLA's 584-B format: the same spans move
     // them byte-exact (docs/flashmla.md).
     handoff_case_kv("handoff-flashmla-v4", false, v4pool::sizing::KvDtype::FlashMlaV4);
+}
+
+#[test]
+fn handoff_is_byte_exact_in_the_packed_v41_layout() {
+    // V4.1's 288-B compressed rows packed beside 528-B windows: blocks and slots are whole
+    // plane rows, so the spans are the same as in any pool.
+    let model = ModelShape::v41_flash(0).unwrap();
+    handoff_case_model("handoff-v41-packed", false, &model, v4pool::sizing::KvDtype::FlashMlaV41Fp4);
 }
 
 #[test]

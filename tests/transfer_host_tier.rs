@@ -181,6 +181,24 @@ fn spill_and_restore_are_byte_exact_in_flashmla_v4_paged_rows() {
 }
 
 #[test]
+fn spill_and_restore_are_byte_exact_in_the_packed_v41_layout() {
+    // V4.1's 288-B compressed rows packed in 528-B plane rows: a block is still whole plane rows.
+    let pool = pool_of(
+        Arc::new(HostBackend::new()),
+        &ModelShape::v41_flash(0).unwrap(),
+        v4pool::sizing::KvDtype::FlashMlaV41Fp4,
+        10,
+        1,
+    )
+    .0;
+    assert!(pool.spec().geometry.packed_rows.is_some());
+    run_on(
+        pool,
+        vec![Op::Spill(1, 1), Op::Spill(2, 2), Op::Restore(0), Op::Spill(3, 3), Op::Evict(0), Op::Restore(1)],
+    );
+}
+
+#[test]
 fn fragmented_entries_restore_exactly() {
     // Fill the tier with 1-unit entries, free every other one, then spill 2 units: they land
     // in two extents, and still come back exactly.

@@ -105,6 +105,10 @@ int main(void) {
     CHECK(v4pool_pool_page_view(pool, hca, 0, 64, &pv) == V4POOL_STATUS_OK && pv.row_bytes == 584 && pv.page_rows == 64);
     CHECK(v4pool_pool_page_view(pool, hca, 0, 100, &pv) == V4POOL_STATUS_REJECTED);
     CHECK(v4pool_pool_page_view(pool, hca, 0, 64, &pv) == V4POOL_STATUS_OK);
+    /* Unpacked, a layer's compressed view is its layer view; a dense layer has none. */
+    V4poolView cv;
+    CHECK(v4pool_pool_compressed_view(pool, hca, &cv) == V4POOL_STATUS_OK && cv.row_bytes == 584);
+    CHECK(v4pool_pool_compressed_view(pool, 0, &cv) == V4POOL_STATUS_REJECTED);
     V4poolFlashMlaWidths narrow = {.topk = 100, .csa_extra_topk = 512, .hca_extra_topk = 64};
     CHECK(v4pool_decode_new_flashmla(pool, &cap, &narrow, &dec) == V4POOL_STATUS_REJECTED);
     CHECK(strcmp(v4pool_last_error_variant(), "FlashMlaWidth") == 0);

@@ -159,12 +159,18 @@ pub fn image_ranges(pool: &Pool, position: i64) -> Vec<(usize, u64, u64)> {
 pub fn slot_ranges(pool: &Pool, position: i64) -> Vec<(usize, u64, u64)> {
     let g = &pool.spec().geometry;
     let (start, _) = g.slot_span(position).expect("position");
-    WIDTHS.iter().enumerate().map(|(p, &w)| (p, start as u64 * w, g.slot_bytes(w))).collect()
+    pool.spec()
+        .plane_widths
+        .iter()
+        .enumerate()
+        .map(|(p, &w)| (p, start as u64 * w, g.slot_bytes(w)))
+        .collect()
 }
 
 pub fn block_ranges(pool: &Pool, id: u32) -> Vec<(usize, u64, u64)> {
     let g = &pool.spec().geometry;
-    WIDTHS.iter().enumerate().map(|(p, &w)| (p, u64::from(id) * g.block_bytes(w), g.block_bytes(w))).collect()
+    let widths = &pool.spec().plane_widths;
+    widths.iter().enumerate().map(|(p, &w)| (p, u64::from(id) * g.block_bytes(w), g.block_bytes(w))).collect()
 }
 
 pub fn read(pool: &Pool, ranges: &[(usize, u64, u64)]) -> Vec<u8> {

@@ -514,6 +514,25 @@ pub unsafe extern "C" fn v4pool_pool_layer_view(
     })
 }
 
+/// The view `layer`'s compressed indices are rows of (`Pool::compressed_view`): its layer view
+/// of plane 0, or in a packed pool (`flashmla-v41-fp4`) the 288-B fp4 rows from plane row 0
+/// (FlashMLA's `extra_k_cache`, shift 0). Refused for a layer without compressed rows.
+///
+/// # Safety
+/// `pool` is live; `out_view` writable.
+#[no_mangle]
+pub unsafe extern "C" fn v4pool_pool_compressed_view(
+    pool: *const V4poolPool,
+    layer: u32,
+    out_view: *mut V4poolView,
+) -> V4poolStatus {
+    guard(|| {
+        let v = get(pool, "pool")?.pool.compressed_view(layer as usize).map_err(rejected)?;
+        *out(out_view, "out_view")? = V4poolView { ptr: v.ptr, rows: v.rows, row_bytes: v.row_bytes };
+        Ok(())
+    })
+}
+
 /// A layer's rows as a paged attention kernel takes them (FlashMLA's `k_cache`
 /// `[pages, page_rows, 1, row_bytes]`): the page holding the layer's first row of plane
 /// `plane`, whole pages to the plane's end, and the shift its view indices take

@@ -386,6 +386,14 @@ impl PyPool {
     /// `layer`'s rows as a paged attention kernel takes them (FlashMLA's `k_cache`): a
     /// uint8 view `[pages, page_rows, 1, row_bytes]` from the page holding the layer's first
     /// row, and the shift to add to the layer's view indices (`Pool::page_view`).
+    /// The view `layer`'s compressed indices are rows of, uint8 `[rows, row_bytes]`
+    /// (`Pool::compressed_view`): the layer's view of plane 0, or in a packed pool
+    /// (`flashmla-v41-fp4`) the 288-B fp4 rows from plane row 0 — FlashMLA's `extra_k_cache` as
+    /// `view[: rows // 64 * 64].view(-1, 64, 1, 288)`, shift 0.
+    fn compressed_view(&self, layer: usize) -> PyResult<DeviceView> {
+        let v = self.pool().compressed_view(layer).map_err(lib_err)?;
+        Ok(self.view(v.ptr, Elem::U8, vec![v.rows, v.row_bytes as i64]))
+    }
     #[pyo3(signature = (layer, plane=0, page_rows=64))]
     fn page_view(&self, layer: usize, plane: usize, page_rows: i64) -> PyResult<(DeviceView, i64)> {
         let v = self.pool().page_view(layer, plane, page_rows).map_err(lib_err)?;
