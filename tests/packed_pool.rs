@@ -150,8 +150,8 @@ fn random_packed_geometries_keep_every_row_apart() {
         let (ra, rb) = if ra == rb { (4, 1) } else { (ra, rb) };
         let (na, nb) = (rng.range(1, 5) as usize, rng.range(1, 5) as usize);
         let mut ratios = vec![0, 0];
-        ratios.extend(std::iter::repeat(ra).take(na));
-        ratios.extend(std::iter::repeat(rb).take(nb));
+        ratios.extend(std::iter::repeat_n(ra, na));
+        ratios.extend(std::iter::repeat_n(rb, nb));
         let mut sources = vec![2, 2 + na];
         if na > 2 && rng.chance(0.5) {
             sources.insert(1, 3);
@@ -223,11 +223,11 @@ fn random_packed_geometries_keep_every_row_apart() {
                 pair[1].2
             );
         }
-        assert!(spans.last().map_or(true, |s| s.0 + s.1 <= plane));
+        assert!(spans.last().is_none_or(|s| s.0 + s.1 <= plane));
     }
     // What the packing refuses: the envelope form (V4's interleaved windows), widths below 1.
     let v4 = GeometrySpec::new(vec![0, 4, 128], 1, 1, 8, 128).packed_rows(288, 528).build();
-    assert_eq!(v4.unwrap_err().to_string().contains("compact form"), true);
+    assert!(v4.unwrap_err().to_string().contains("compact form"));
     let zero = GeometrySpec::new(vec![0, 2, 1], 1, 1, 8, 16)
         .shared_compressors(vec![1, 2])
         .packed_rows(0, 528)
