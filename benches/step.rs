@@ -91,7 +91,10 @@ impl Options {
 /// A row format's name in the tables.
 fn format_name(kv: KvDtype) -> String {
     let w: u64 = kv.plane_widths().iter().sum();
-    format!("{} ({w} B rows)", kv.name())
+    match kv.compressed_format() {
+        Some(_) => format!("{} ({} B compressed, {w} B window rows)", kv.name(), kv.compressed_row_bytes()),
+        None => format!("{} ({w} B rows)", kv.name()),
+    }
 }
 
 // ---- device helpers --------------------------------------------------------------------------
@@ -488,7 +491,7 @@ fn run(opts: &Options) -> Res<()> {
     for name in &opts.models {
         let model = preset(name)?;
         // The formats asked for that the model has a form in (V4: fp8, bf16, flashmla-v4; V4.1:
-        // bf16, flashmla-v41); none of them: the family's own fp8 form.
+        // bf16, flashmla-v41, flashmla-v41-fp4); none of them: the family's own fp8 form.
         let mut formats: Vec<KvDtype> =
             opts.formats.iter().copied().filter(|k| k.fits(model.family)).collect();
         if formats.is_empty() {
@@ -590,7 +593,7 @@ fn run(opts: &Options) -> Res<()> {
 }
 
 /// The host-backend part at a tiny shape (no device needed): V4-Flash fp8 and flashmla-v4,
-/// V4-Pro fp8, V4.1-Flash bf16 and flashmla-v41,
+/// V4-Pro fp8, V4.1-Flash bf16, flashmla-v41 and the packed flashmla-v41-fp4,
 /// three sequences of one and two tokens on small pools; the fused orders' written bytes
 /// equal to the per-layer order's.
 fn host_check() -> Res<()> {
@@ -601,6 +604,7 @@ fn host_check() -> Res<()> {
         ("v4-pro", KvDtype::Fp8, false),
         ("v4.1-flash", KvDtype::Bf16, false),
         ("v4.1-flash", KvDtype::FlashMlaV41, false),
+        ("v4.1-flash", KvDtype::FlashMlaV41Fp4, false),
     ] {
         let model = preset(name)?;
         for tps in [1usize, 2] {

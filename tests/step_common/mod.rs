@@ -599,7 +599,17 @@ impl StepRig {
             if let Some(class) = l.emits {
                 for &(block, r) in &self.entries[usize::from(class == Class::Hca)] {
                     let row = g.compress_index(l.layer, i64::from(block), r).expect("compressed row");
-                    row_runs(l.layer, row, &mut runs);
+                    if g.packed_rows.is_some() {
+                        // Packed: a row of the compressed view, at its own width.
+                        let v = pool.compressed_view(l.layer).expect("compressed view");
+                        runs.push(CopyRun {
+                            src: v.ptr + row as u64 * v.row_bytes,
+                            dst: 0,
+                            bytes: v.row_bytes,
+                        });
+                    } else {
+                        row_runs(l.layer, row, &mut runs);
+                    }
                 }
             }
             if let Some(rank) = l.keys {
@@ -643,6 +653,8 @@ impl StepRig {
     pub fn traffic(&self, data: &StepData) -> (u64, u64) {
         let t = (data.batch * data.tps) as u64;
         let row = spec_row_bytes(&self.pool);
+        // A packed pool's compressed rows are narrower than its plane rows.
+        let crow = self.pool.spec().geometry.packed_rows.map_or(row, |p| p.compressed as u64);
         let (mut r, mut w) = (0u64, 0u64);
         for l in &data.layers {
             r += t * 2 * KV as u64;
@@ -650,7 +662,7 @@ impl StepRig {
             if let Some(class) = l.emits {
                 let n = self.entries[usize::from(class == Class::Hca)].len() as u64;
                 r += n * 2 * KV as u64;
-                w += n * row;
+                w += n * crow;
             }
             if l.keys.is_some() {
                 let n = self.entries[0].len() as u64;
