@@ -284,8 +284,15 @@ V4P_DEVICE void v4p_flashmla_row_vec(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lan
 /// four lanes of a tile read the same 128 bytes), takes their amax and scale, and stores 16 of
 /// the 64 bytes (quarter L % 4) as one vector, quarter 0 the scale twice; lanes 28..31 copy 32
 /// bytes of RoPE each and zero the padding (bytes 462..511: 2 bytes, then three vectors).
+V4P_DEVICE void v4p_fp4_row(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, bool row_known, v4p_i64 row, bool vec);
+
 V4P_DEVICE void v4p_kv_rows_token(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, bool row_known, v4p_i64 row) {
     const v4p_u16* src = v4p_in<v4p_u16>(a.kv) + t * a.kv_row_stride;
+    if (a.format == 4) {
+        // FlashMLA V4.1 fp4 (288-B rows): a packed pool's compressed rows (v4p_fp4_row).
+        v4p_fp4_row(a, t, lane, row_known, row, ((a.kv | ((v4p_u64)a.kv_row_stride * 2)) & 15) == 0);
+        return;
+    }
     if (a.format >= 2 && ((a.kv | ((v4p_u64)a.kv_row_stride * 2) | a.nope) & 15) == 0) {
         v4p_flashmla_row_vec(a, t, lane, row_known, row);
         return;
@@ -457,6 +464,47 @@ V4P_DEVICE v4p_u32 v4p_e2m1_rne(v4p_u32 u) {
 V4P_DEVICE v4p_u32 v4p_e2m1_scaled(v4p_u32 x, float inv) {
     if (v4p_bf16_is_nan(x)) return ((x >> 12) & 0x8u) | 0x7u;
     return v4p_e2m1_rne(v4p_f32_bits(v4p_f32_from_bits(x << 16) * inv));
+}
+
+/// The value of a non-negative e4m3fn byte `b` below 0x7f (exact: at most 4 significant bits
+/// times a power of two from 2^-9 to 2^5).
+V4P_DEVICE float v4p_e4m3_value_pos(v4p_u32 b) {
+    const v4p_u32 e = (b >> 3) & 15u, m = b & 7u;
+    const v4p_i32 ex = (e != 0 ? (v4p_i32)e : 1) - 10;
+    return (float)(e != 0 ? 8u + m : m) * v4p_f32_from_bits((v4p_u32)(ex + 127) << 23);
+}
+
+/// Token `t`'s row in FlashMLA's V4.1 fp4 format (288-B rows, src/format.rs `flashmla-v41-fp4`):
+/// lane i packs group i of 16 values — the e4m3 scale of amax / 6 rounded to nearest even (amax
+/// over the group, NaN ignored, infinities counted), 1 / scale (0 for a zero scale), the values
+/// as e2m1 nibbles (v4p_e2m1_scaled: nearest even, saturating at 6, a NaN 6 with its sign), the
+/// even-indexed value in the low nibble, 8 bytes at 8i, then the scale byte at 256 + i. Both
+/// divisions are IEEE f32 divisions, as the host reference's (CUDA and HIP compile `/` correctly
+/// rounded: no fast-math flag, and the quotient rounds once to f32 before e4m3, as on the host).
+/// `vec`: the source row is 16-byte aligned (two vector loads); the loads go out before the
+/// destination row comes back.
+V4P_DEVICE void v4p_fp4_row(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, bool row_known, v4p_i64 row, bool vec) {
+    const v4p_u16* src = v4p_in<v4p_u16>(a.kv) + t * a.kv_row_stride + lane * 16;
+    v4p_u32 w[8];
+    if (vec) {
+        const v4p_u32x4 v0 = v4p_ld16((v4p_ptr)src), v1 = v4p_ld16((v4p_ptr)src + 16);
+        w[0] = v0.x, w[1] = v0.y, w[2] = v0.z, w[3] = v0.w;
+        w[4] = v1.x, w[5] = v1.y, w[6] = v1.z, w[7] = v1.w;
+    } else {
+        for (int k = 0; k < 8; ++k) w[k] = (v4p_u32)src[2 * k] | ((v4p_u32)src[2 * k + 1] << 16);
+    }
+    row = v4p_kv_dest(a, t, row_known, row);
+    if (row < 0 || row >= a.view_rows) return;  // dropped, not wrapped
+    v4p_u32 amax = 0;
+    for (int k = 0; k < 8; ++k) amax = v4p_amax_bf16x2(amax, w[k]);
+    const v4p_u32 sb = v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits(amax) / 6.0f));
+    const float scale = v4p_e4m3_value_pos(sb);
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    v4p_u8* out = v4p_out<v4p_u8>(a.nope) + row * 288;
+    for (int k = 0; k < 8; ++k) {
+        out[8 * lane + k] = (v4p_u8)(v4p_e2m1_scaled(w[k] & 0xffffu, inv) | (v4p_e2m1_scaled(w[k] >> 16, inv) << 4));
+    }
+    out[256 + lane] = (v4p_u8)sb;
 }
 
 /// Largest magnitude (f32 bits) of `n` bf16 values, NaN ignored; from 16-byte vectors (all

@@ -129,16 +129,40 @@ fn flashmla_rows_match_the_host() {
     for (model, kv) in [
         (ModelShape::v4_flash(1).unwrap(), v4pool::sizing::KvDtype::FlashMlaV4),
         (ModelShape::v41_flash(0).unwrap(), v4pool::sizing::KvDtype::FlashMlaV41),
+        // The packed layout: 528-B windows, 288-B fp4 compressed rows in the compressed view.
+        (ModelShape::v41_flash(0).unwrap(), v4pool::sizing::KvDtype::FlashMlaV41Fp4),
     ] {
         let d = layout_pool(dev.clone(), &model, kv);
         let h = layout_pool(Arc::new(HostBackend::new()), &model, kv);
-        let mut rng = Rng::new(case_seed("gpu-kv-rows-flashmla", kv.plane_widths()[0]));
-        let (wd, wh, kv_in) = staged_windows(&d, &h, &mut rng);
+        let mut rng = Rng::new(case_seed("gpu-kv-rows-flashmla", kv.compressed_row_bytes()));
+        let (mut wd, mut wh, kv_in) = staged_windows(&d, &h, &mut rng);
         let g = d.geometry().unwrap();
         for class in g.classes.values() {
             let layer = class.layers[0];
             wd.write(layer, RowSet::Window, &kv_in, 512).unwrap();
             wh.write(layer, RowSet::Window, &kv_in, 512).unwrap();
+        }
+        if g.packed_rows.is_some() {
+            // Compressed rows of both V4.1 classes (ratio 1: the fine slot, ratio 2: the coarse
+            // one), rows spread over two blocks, the same special values.
+            let (bd, bh) = (
+                [d.alloc_block().unwrap(), d.alloc_block().unwrap()],
+                [h.alloc_block().unwrap(), h.alloc_block().unwrap()],
+            );
+            for (class, ratio) in [(Class::Csa, 1), (Class::Hca, 2)] {
+                let rows = 256 / ratio;
+                let ent = |b: &[v4pool::alloc::BlockGrant; 2]| -> Vec<CompressedRow> {
+                    (0..8)
+                        .map(|i| CompressedRow { block: b[i % 2].handle, row: (i as i64 * 37) % rows })
+                        .collect()
+                };
+                wd.stage_compressed(class, &ent(&bd)).unwrap();
+                wh.stage_compressed(class, &ent(&bh)).unwrap();
+                let layer = g.ratios.iter().position(|&r| r == ratio as i32).unwrap();
+                wd.write(layer, RowSet::Compressed(class), &kv_in[..8 * 512], 512).unwrap();
+                wh.write(layer, RowSet::Compressed(class), &kv_in[..8 * 512], 512).unwrap();
+            }
+            assert_eq!(wd.compressed_format_code(), v4pool::index::KV_ROWS_FLASHMLA_V41_FP4);
         }
         assert!(planes(&d) == planes(&h), "{}: device plane differs from the host reference's", kv.name());
     }

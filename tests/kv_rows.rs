@@ -13,7 +13,9 @@ use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::geometry::Class;
 use v4pool::index::host::{kv_rows, pack_fp8_row, KvPlanes};
-use v4pool::index::{KvRowsArgs, Launch, KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V41};
+use v4pool::index::{
+    KvRowsArgs, Launch, KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V41_FP4,
+};
 use v4pool::model::ModelShape;
 use v4pool::pool::{CompressedRow, RowSet, RowWriteCapacity, RowWriteError, WindowSeq};
 use v4pool::sizing::IndexerDtype;
@@ -50,10 +52,12 @@ fn the_kernel_source_matches_the_host_reference() {
     };
     // SAFETY: the symbol has this signature (kernels/v4pool_emulation.cpp).
     let emu = unsafe { *lib.get::<common::EmuLaunch>(b"v4pool_emu_launch_kv_rows\0").expect("symbol") };
-    for case in 0..36u64 {
+    for case in 0..48u64 {
         let mut rng = Rng::new(case_seed("kv-rows-emulated", case));
-        // Every format the kernel writes: ATOM's fp8, bf16, FlashMLA's V4.1 528-B rows.
-        let format = [KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V41][case as usize % 3];
+        // Every unpaged format the kernel writes: ATOM's fp8, bf16, FlashMLA's V4.1 528-B rows
+        // and its 288-B fp4 rows (a packed pool's compressed rows).
+        let format = [KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V41_FP4]
+            [case as usize % 4];
         let fp8 = format == KV_ROWS_ATOM_FP8;
         let t = 1 + rng.below(40) as usize;
         // Odd strides too: unaligned rows take the kernel's element path, aligned ones its
@@ -67,6 +71,7 @@ fn the_kernel_source_matches_the_host_reference() {
         let (w0, w1) = match format {
             KV_ROWS_ATOM_FP8 => (512usize, 128usize),
             KV_ROWS_FLASHMLA_V41 => (528, 0),
+            KV_ROWS_FLASHMLA_V41_FP4 => (288, 0),
             _ => (1024, 0),
         };
         let poison = |w: usize| vec![0xa5u8; view_rows as usize * w];
@@ -93,16 +98,20 @@ fn the_kernel_source_matches_the_host_reference() {
         let host = run(true);
         let dev = run(false);
         assert!(host == dev, "case {case} (format {format}): kernel and host reference differ");
-        if format == KV_ROWS_FLASHMLA_V41 {
+        if format == KV_ROWS_FLASHMLA_V41 || format == KV_ROWS_FLASHMLA_V41_FP4 {
             // The host reference is the format's one description, row for row.
-            let f = v4pool::format::RowFormatId::FlashMlaV41.format();
+            let f = if format == KV_ROWS_FLASHMLA_V41 {
+                v4pool::format::RowFormatId::FlashMlaV41.format()
+            } else {
+                v4pool::format::RowFormatId::FlashMlaV41Fp4.format()
+            };
             for i in 0..t {
                 let r = dest[i];
                 let last = (0..t).rev().find(|&j| dest[j] == r && (!with_bids || bids[j] >= 0));
                 if (0..view_rows as i32).contains(&r) && last == Some(i) {
                     let want = f.pack(&kv[i * stride..i * stride + 512]).unwrap();
                     assert_eq!(
-                        &host.0[r as usize * 528..(r as usize + 1) * 528],
+                        &host.0[r as usize * w0..(r as usize + 1) * w0],
                         &want[0][..],
                         "case {case} row {r}"
                     );
@@ -120,6 +129,120 @@ fn the_kernel_source_matches_the_host_reference() {
             let row = &host.0[r * w0..(r + 1) * w0];
             assert_eq!(row.iter().all(|&b| b == 0xa5), !h, "case {case} row {r}");
         }
+    }
+}
+
+/// FlashMLA's fp4 rows at the values a scale per 16 makes hard: NaN groups (all NaN, and one
+/// NaN among finite values), infinities (the e4m3 scale saturates at 448, the values at 6),
+/// magnitudes past 6 × 448, groups whose amax / 6 is below e4m3's smallest subnormal (a zero
+/// scale: every value 0 with its sign), subnormal bf16, zero and negative zero, ties of e2m1's
+/// rounding; the kernel source against the host reference, on the element and 16-byte paths.
+#[test]
+fn the_kernel_source_packs_fp4_special_groups_as_the_host_reference() {
+    let Some(lib) = common::emulation_library() else {
+        return;
+    };
+    // SAFETY: the symbol has this signature (kernels/v4pool_emulation.cpp).
+    let emu = unsafe { *lib.get::<common::EmuLaunch>(b"v4pool_emu_launch_kv_rows\0").expect("symbol") };
+    let b = |x: f32| (x.to_bits() >> 16) as u16;
+    let groups: Vec<[u16; 16]> = vec![
+        [0x7fc0; 16],
+        {
+            let mut g = [b(1.5); 16];
+            g[3] = 0xffc1;
+            g[9] = b(-2.25);
+            g
+        },
+        {
+            let mut g = [b(0.75); 16];
+            g[0] = 0x7f80;
+            g[5] = 0xff80;
+            g
+        },
+        [
+            b(1e30),
+            b(-3e4),
+            b(2700.0),
+            b(-2689.0),
+            b(1.0),
+            b(6.0),
+            b(5.0),
+            b(-7.0),
+            0,
+            0x8000,
+            b(3.5),
+            b(2.5),
+            b(1.25),
+            b(0.25),
+            b(0.75),
+            b(1.75),
+        ],
+        [b(1e-3); 16],
+        {
+            let mut g = [b(-1e-38); 16]; // amax / 6 far below e4m3's 2^-9: a zero scale
+            g[1] = 0x8001;
+            g[2] = 0x0000;
+            g
+        },
+        [0; 16],
+        [0x8000; 16],
+        {
+            let mut g = [0u16; 16];
+            for (i, v) in g.iter_mut().enumerate() {
+                *v = b((i as f32 - 8.0) * 0.375); // e2m1 ties after scaling
+            }
+            g
+        },
+    ];
+    let f = v4pool::format::RowFormatId::FlashMlaV41Fp4.format();
+    for stride in [512usize, 517] {
+        // Two rows: the groups in order, then reversed, padded with the first group.
+        let mut kv = vec![0u16; stride + 512];
+        for (t, row) in [0usize, 1].into_iter().zip([false, true]) {
+            for g in 0..32 {
+                let src = if row { &groups[(31 - g) % groups.len()] } else { &groups[g % groups.len()] };
+                kv[t * stride + 16 * g..t * stride + 16 * g + 16].copy_from_slice(src);
+            }
+        }
+        let dest = [1i32, 0];
+        let run = |reference: bool| -> Vec<u8> {
+            let mut p = vec![0xa5u8; 3 * 288];
+            let args = KvRowsArgs {
+                kv: kv.as_ptr() as u64,
+                dest_rows: dest.as_ptr() as u64,
+                batch_id_per_token: 0,
+                nope: p.as_mut_ptr() as u64,
+                rope: 0,
+                kv_row_stride: stride as i64,
+                view_rows: 3,
+                num_tokens: 2,
+                format: KV_ROWS_FLASHMLA_V41_FP4,
+                view_row0: 0,
+            };
+            // SAFETY: every pointer is a live buffer of the sizes the arguments name.
+            unsafe { common::run_reference_or_emulated(&Launch::KvRows(args), emu, reference) };
+            p
+        };
+        let (host, dev) = (run(true), run(false));
+        assert!(host == dev, "stride {stride}: kernel and host reference differ");
+        for (t, &r) in dest.iter().enumerate() {
+            let want = f.pack(&kv[t * stride..t * stride + 512]).unwrap();
+            assert_eq!(
+                &host[r as usize * 288..(r as usize + 1) * 288],
+                &want[0][..],
+                "stride {stride} row {r}"
+            );
+        }
+        assert!(host[576..].iter().all(|&x| x == 0xa5), "row 2 was not a destination");
+        // The hard groups as the format text reads them: an all-NaN group's scale is 0 (amax
+        // ignores NaN) and its nibbles are e2m1's 6 with the input's sign; a zero scale writes
+        // every value as a signed zero.
+        let row0 = &host[288..576];
+        assert_eq!(row0[256], 0, "all-NaN group: zero scale");
+        assert!(row0[..8].iter().all(|&x| x == 0x77), "all-NaN group: +6 nibbles");
+        assert_eq!(row0[256 + 2], 0x7e, "an infinity saturates the scale at 448");
+        assert_eq!(row0[256 + 5], 0, "amax / 6 below 2^-9: zero scale");
+        println!("stride {stride}: fp4 scales {:02x?}", &row0[256..256 + groups.len()]);
     }
 }
 
