@@ -134,18 +134,9 @@ fn packed_pool(b: &Arc<FaultBackend>) -> Pool {
     Pool::new(b.clone() as Arc<dyn Backend>, spec, Stream::DEFAULT).expect("pool")
 }
 
-/// One boundary move under the sweep: refused whole on a failure, then done on a retry.
+/// One boundary move under the sweep on a pool `make` builds: refused whole on a failure, then
+/// done on a retry.
 fn boundary_case(
-    b: &Arc<FaultBackend>,
-    fail: Option<(Call, u64)>,
-    free_blocks: &[usize],
-    prepare: impl Fn(&Pool),
-    op: impl Fn(&Pool) -> Result<BoundaryChange, v4pool::pool::PoolError>,
-) -> [u64; 10] {
-    boundary_case_on(pool, b, fail, free_blocks, prepare, op)
-}
-
-fn boundary_case_on(
     make: fn(&Arc<FaultBackend>) -> Pool,
     b: &Arc<FaultBackend>,
     fail: Option<(Call, u64)>,
@@ -189,6 +180,7 @@ fn a_failed_relocation_leaves_the_pool_as_it_was() {
     // held handle stale.
     let points = sweep("resize", |b, fail| {
         boundary_case(
+            pool,
             b,
             fail,
             &[0, 1, 2, 3],
@@ -205,14 +197,16 @@ fn a_failed_relocation_leaves_the_pool_as_it_was() {
 #[test]
 fn every_boundary_move_is_all_or_nothing() {
     // Slots grow over the top blocks (held ones relocate below).
-    sweep("grow_slots", |b, fail| boundary_case(b, fail, &[0, 2], |_| {}, |p| p.grow_slots(1)));
+    sweep("grow_slots", |b, fail| boundary_case(pool, b, fail, &[0, 2], |_| {}, |p| p.grow_slots(1)));
     // Slots shrink (the low held slots relocate up into the vacant one).
-    sweep("shrink_slots", |b, fail| boundary_case(b, fail, &[], |_| {}, |p| p.shrink_slots(1)));
+    sweep("shrink_slots", |b, fail| boundary_case(pool, b, fail, &[], |_| {}, |p| p.shrink_slots(1)));
     // Blocks shrink (the top held blocks relocate down).
-    sweep("shrink_blocks", |b, fail| boundary_case(b, fail, &[1, 3, 4], |_| {}, |p| p.shrink_blocks(3)));
+    sweep("shrink_blocks", |b, fail| {
+        boundary_case(pool, b, fail, &[1, 3, 4], |_| {}, |p| p.shrink_blocks(3))
+    });
     // Blocks grow over slots after a shrink made room to move into.
     sweep("grow_blocks_shrinking_slots", |b, fail| {
-        boundary_case(b, fail, &[0], |_| {}, |p| p.grow_blocks_shrinking_slots(1))
+        boundary_case(pool, b, fail, &[0], |_| {}, |p| p.grow_blocks_shrinking_slots(1))
     });
 }
 
@@ -224,11 +218,11 @@ fn every_boundary_move_is_all_or_nothing_in_the_packed_v41_layout() {
     println!("packed pool: {c:?}");
     // Blocks shrink (the top held blocks relocate down, their fp4 rows with them).
     sweep("packed shrink_blocks", |b, fail| {
-        boundary_case_on(packed_pool, b, fail, &[0, 2], |_| {}, |p| p.shrink_blocks(2))
+        boundary_case(packed_pool, b, fail, &[0, 2], |_| {}, |p| p.shrink_blocks(2))
     });
     // Slots shrink (the low held slot relocates up into the vacant one).
     sweep("packed shrink_slots", |b, fail| {
-        boundary_case_on(packed_pool, b, fail, &[], |_| {}, |p| p.shrink_slots(1))
+        boundary_case(packed_pool, b, fail, &[], |_| {}, |p| p.shrink_slots(1))
     });
 }
 
