@@ -466,14 +466,6 @@ V4P_DEVICE v4p_u32 v4p_e2m1_scaled(v4p_u32 x, float inv) {
     return v4p_e2m1_rne(v4p_f32_bits(v4p_f32_from_bits(x << 16) * inv));
 }
 
-/// The value of a non-negative e4m3fn byte `b` below 0x7f (exact: at most 4 significant bits
-/// times a power of two from 2^-9 to 2^5).
-V4P_DEVICE float v4p_e4m3_value_pos(v4p_u32 b) {
-    const v4p_u32 e = (b >> 3) & 15u, m = b & 7u;
-    const v4p_i32 ex = (e != 0 ? (v4p_i32)e : 1) - 10;
-    return (float)(e != 0 ? 8u + m : m) * v4p_f32_from_bits((v4p_u32)(ex + 127) << 23);
-}
-
 /// Token `t`'s row in FlashMLA's V4.1 fp4 format (288-B rows, src/format.rs `flashmla-v41-fp4`):
 /// lane i packs group i of 16 values — the e4m3 scale of amax / 6 rounded to nearest even (amax
 /// over the group, NaN ignored, infinities counted), 1 / scale (0 for a zero scale), the values
@@ -498,7 +490,7 @@ V4P_DEVICE void v4p_fp4_row(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, bool r
     v4p_u32 amax = 0;
     for (int k = 0; k < 8; ++k) amax = v4p_amax_bf16x2(amax, w[k]);
     const v4p_u32 sb = v4p_e4m3_rne(v4p_f32_bits(v4p_f32_from_bits(amax) / 6.0f));
-    const float scale = v4p_e4m3_value_pos(sb);
+    const float scale = v4p_e4m3_value(sb);  // sb <= 0x7e: amax / 6 is never NaN
     const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
     v4p_u8* out = v4p_out<v4p_u8>(a.nope) + row * 288;
     for (int k = 0; k < 8; ++k) {

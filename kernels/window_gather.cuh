@@ -29,16 +29,21 @@ V4P_DEVICE v4p_u32 v4p_bf16_rne(float f) {
 /// The e8m0 scale byte `e` as a float: 2^(e-127), 0 for e = 0 (an all-zero tile).
 V4P_DEVICE float v4p_e8m0_scale(v4p_u32 e) { return e == 0 ? 0.0f : v4p_f32_from_bits(e << 23); }
 
-/// One e4m3fn byte times `scale`, as bf16 bits. A normal byte's exponent and mantissa are an
-/// f32's once the bias difference (127 - 7 = 120) is added to the exponent; a subnormal one
-/// is m x 2^-9; both exact, so the only rounding is the product's (as float(x) * scale does).
-/// 0x7f / 0xff are NaN.
-V4P_DEVICE v4p_u32 v4p_fp8_scaled_bf16(v4p_u32 byte, float scale) {
+/// The value of an e4m3fn byte other than NaN (0x7f / 0xff): a normal byte's exponent and
+/// mantissa are an f32's once the bias difference (127 - 7 = 120) is added to the exponent; a
+/// subnormal one is m x 2^-9; both exact. (The KV row writer's fp4 scales decode through it too.)
+V4P_DEVICE float v4p_e4m3_value(v4p_u32 byte) {
     const v4p_u32 mag = byte & 0x7fu;
-    if (mag == 0x7fu) return 0x7fc0u;
-    float v = mag >= 8 ? v4p_f32_from_bits((mag << 20) + (120u << 23)) : (float)mag * v4p_f32_from_bits(118u << 23);
-    if (byte & 0x80u) v = -v;
-    return v4p_bf16_rne(v * scale);
+    const float v =
+        mag >= 8 ? v4p_f32_from_bits((mag << 20) + (120u << 23)) : (float)mag * v4p_f32_from_bits(118u << 23);
+    return (byte & 0x80u) ? -v : v;
+}
+
+/// One e4m3fn byte times `scale`, as bf16 bits: the only rounding is the product's (as
+/// float(x) * scale does). 0x7f / 0xff are NaN.
+V4P_DEVICE v4p_u32 v4p_fp8_scaled_bf16(v4p_u32 byte, float scale) {
+    if ((byte & 0x7fu) == 0x7fu) return 0x7fc0u;
+    return v4p_bf16_rne(v4p_e4m3_value(byte) * scale);
 }
 
 /// What one lane loaded for one window row: 16 B (copy, RoPE) or 8 e4m3 bytes + their scale.

@@ -707,9 +707,9 @@ impl UnifiedPoolGeometry {
             return Err(GeometryError::PlaneExceedsI32 { plane_rows: plane_rows + view_lead_rows });
         }
         // The compressed view's indices are i32 too.
-        if let Some(p) = packed_rows {
-            if p.compressed_rows_in(plane_rows)? > MAX_PLANE_ROWS {
-                return Err(GeometryError::PlaneExceedsI32 { plane_rows: p.compressed_rows_in(plane_rows)? });
+        if let Some(rows) = packed_rows.map(|p| p.compressed_rows_in(plane_rows)).transpose()? {
+            if rows > MAX_PLANE_ROWS {
+                return Err(GeometryError::PlaneExceedsI32 { plane_rows: rows });
             }
         }
         let slot_positions_v = slot_positions.unwrap_or(held);

@@ -380,12 +380,6 @@ impl PyPool {
         Ok(self.view(v.ptr, elem, row_shape(v.rows, v.row_bytes, elem)?))
     }
 
-    /// CSA layer `rank`'s indexer K cache (its rank among the CSA layers) in indexer pool
-    /// `part` (FP8 and BF16: 0; FP4: 0 data, 1 scales): `[blocks, 64, 128]` bfloat16 for a bf16
-    /// cache, else `[blocks, 64, row bytes]` uint8; block `b` is the pool's block id `b`.
-    /// `layer`'s rows as a paged attention kernel takes them (FlashMLA's `k_cache`): a
-    /// uint8 view `[pages, page_rows, 1, row_bytes]` from the page holding the layer's first
-    /// row, and the shift to add to the layer's view indices (`Pool::page_view`).
     /// The view `layer`'s compressed indices are rows of, uint8 `[rows, row_bytes]`
     /// (`Pool::compressed_view`): the layer's view of plane 0, or in a packed pool
     /// (`flashmla-v41-fp4`) the 288-B fp4 rows from plane row 0 — FlashMLA's `extra_k_cache` as
@@ -394,12 +388,18 @@ impl PyPool {
         let v = self.pool().compressed_view(layer).map_err(lib_err)?;
         Ok(self.view(v.ptr, Elem::U8, vec![v.rows, v.row_bytes as i64]))
     }
+    /// `layer`'s rows as a paged attention kernel takes them (FlashMLA's `k_cache`): a
+    /// uint8 view `[pages, page_rows, 1, row_bytes]` from the page holding the layer's first
+    /// row, and the shift to add to the layer's view indices (`Pool::page_view`).
     #[pyo3(signature = (layer, plane=0, page_rows=64))]
     fn page_view(&self, layer: usize, plane: usize, page_rows: i64) -> PyResult<(DeviceView, i64)> {
         let v = self.pool().page_view(layer, plane, page_rows).map_err(lib_err)?;
         let shape = vec![v.pages, v.page_rows, 1, v.row_bytes as i64];
         Ok((self.view(v.ptr, Elem::U8, shape), v.row_shift))
     }
+    /// CSA layer `rank`'s indexer K cache (its rank among the CSA layers) in indexer pool
+    /// `part` (FP8 and BF16: 0; FP4: 0 data, 1 scales): `[blocks, 64, 128]` bfloat16 for a bf16
+    /// cache, else `[blocks, 64, row bytes]` uint8; block `b` is the pool's block id `b`.
     #[pyo3(signature = (rank, part=0))]
     fn indexer_view(&self, rank: usize, part: usize) -> PyResult<DeviceView> {
         let v = self.pool().indexer_view(rank, part).map_err(lib_err)?;
