@@ -86,9 +86,10 @@ fn serve(
 ) -> Result<(u64, Vec<u32>), Box<dyn Error>> {
     let bs = m.block_size();
     let hashes = chain_hashes(ns, None, prompt, bs as usize);
-    let mut parent = hashes.last().copied(); // the block a generated block chains from
-                                             // Arrival: the prompt's length and its full blocks' hashes. `match_prefix` peeks at the
-                                             // hit without taking anything.
+    // The block a generated block chains from.
+    let mut parent = hashes.last().copied();
+    // Arrival: the prompt's length and its full blocks' hashes. `match_prefix` peeks at the
+    // hit without taking anything.
     let peek = m.match_prefix(&hashes);
     let id = m.add_request(prompt.len() as u64, hashes);
     // Admission: back-pressure first (the hit's own blocks are not room), then a slot,
