@@ -24,6 +24,8 @@ use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest};
 /// Prefill tokens a step may spend (the scheduler's token budget).
 const CHUNK: u64 = 512;
 
+// Field by field on a default config: see the note at `config` below.
+#[allow(clippy::field_reassign_with_default)]
 fn main() -> Result<(), Box<dyn Error>> {
     // 1. Plan and pool: V4-Flash with one MTP draft, fp8 KV, up to 8 sequences in 1 GiB, on
     //    the host backend (on a GPU: `backend::select(BackendChoice::Auto)` and the engine's
@@ -36,6 +38,8 @@ fn main() -> Result<(), Box<dyn Error>> {
     // 2. The manager owns the split between blocks and slots (elastic: slots grow with the
     //    running batch and go back to blocks when idle) and the prefix cache. A permanent
     //    checkpoint every 4 blocks, so a 1,024-token system prompt ends at one.
+    // Set field by field, not `ManagerConfig { .., ..Default::default() }`: the config
+    // structs become `#[non_exhaustive]` (issue 44), which forbids that form outside the crate.
     let mut config = ManagerConfig::default();
     config.checkpoint_every = 4;
     let mut m = KvManager::new(pool, config, Box::new(ElasticPolicy::default()))?;
