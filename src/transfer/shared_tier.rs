@@ -270,7 +270,7 @@ pub trait TierIo: Send + std::fmt::Debug {
     /// storage before returning when `sync`.
     fn write_file(&self, path: &Path, head: &[u8], body: &[u8], sync: bool) -> io::Result<()>;
     /// Open the regular file at `path` for reading, never blocking (a FIFO) nor following a
-    /// link ([`open_regular`] does both).
+    /// link (as `StdFs` does: an `lstat` first, a non-blocking open, an `fstat` after).
     fn open(&self, path: &Path) -> io::Result<Box<dyn TierReader>>;
 }
 
