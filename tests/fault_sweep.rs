@@ -384,6 +384,12 @@ fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     out
 }
 
+/// Units of one checkpoint entry of `p` (the shared tier refuses any other count under a
+/// checkpoint's key).
+fn units(p: &Pool) -> usize {
+    p.spec().checkpoint_layout().expect("checkpoint layout").units_per_checkpoint as usize
+}
+
 #[test]
 fn shared_tier_publish_and_restore_fail_cleanly() {
     let dir = std::env::temp_dir().join(format!("v4pool-fault-shared-{}", std::process::id()));
@@ -396,7 +402,7 @@ fn shared_tier_publish_and_restore_fail_cleanly() {
     sweep("shared publish", |b, fail| {
         let p = pool(b);
         let w = World::fill(&p, &[1], 31);
-        let blocks: Vec<BlockHandle> = w.blocks.iter().take(3).map(|x| x.0).collect();
+        let blocks: Vec<BlockHandle> = w.blocks.iter().take(units(&p)).map(|x| x.0).collect();
         let live = b.host.live_allocations();
         let mut tier = SharedTier::new(&p, &fresh()).expect("tier");
         b.arm(fail);
@@ -413,7 +419,7 @@ fn shared_tier_publish_and_restore_fail_cleanly() {
             assert!(r.expect("publish"));
         }
         // What a restore brings back is what was published.
-        let want: Vec<Vec<u8>> = w.blocks.iter().take(3).map(|x| x.1.clone()).collect();
+        let want: Vec<Vec<u8>> = w.blocks.iter().take(units(&p)).map(|x| x.1.clone()).collect();
         for &h in &blocks {
             p.free_block(h).unwrap();
         }
@@ -428,8 +434,8 @@ fn shared_tier_publish_and_restore_fail_cleanly() {
     sweep("shared restore", |b, fail| {
         let p = pool(b);
         let w = World::fill(&p, &[1], 37);
-        let blocks: Vec<BlockHandle> = w.blocks.iter().take(3).map(|x| x.0).collect();
-        let want: Vec<Vec<u8>> = w.blocks.iter().take(3).map(|x| x.1.clone()).collect();
+        let blocks: Vec<BlockHandle> = w.blocks.iter().take(units(&p)).map(|x| x.0).collect();
+        let want: Vec<Vec<u8>> = w.blocks.iter().take(units(&p)).map(|x| x.1.clone()).collect();
         let mut tier = SharedTier::new(&p, &fresh()).expect("tier");
         assert!(tier.publish(&p, key, &blocks).expect("publish"));
         for &h in &blocks {

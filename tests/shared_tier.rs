@@ -600,3 +600,358 @@ fn nixl_posix_moves_the_bytes() {
     drop(r);
     assert_eq!(io.registrations(), 0);
 }
+
+// ---- issue 43: the shared tier and the store tier as a hostile caller sees them ------------
+
+/// `bytes`' header rewritten to hold `units` units with `payload` (the format of
+/// `docs/fleet.md`, every checksum recomputed: a forgery only the unit rule can refuse).
+fn forge(bytes: &[u8], units: u32, payload: &[u8]) -> Vec<u8> {
+    use v4pool::transfer::shared_tier::checksum;
+    let head_len = 80 + u32::from_le_bytes(bytes[32..36].try_into().unwrap()) as usize;
+    let mut h = bytes[..head_len].to_vec();
+    h[12..16].copy_from_slice(&units.to_le_bytes());
+    h[40..48].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    h[48..64].copy_from_slice(&checksum(payload).to_le_bytes());
+    let mut covered = h[..64].to_vec();
+    covered.extend_from_slice(&h[80..]);
+    h[64..80].copy_from_slice(&checksum(&covered).to_le_bytes());
+    h.extend_from_slice(payload);
+    h
+}
+
+/// Set `path`'s modification time `secs` seconds in the past.
+fn age(path: &Path, secs: u64) {
+    let f = std::fs::File::options().append(true).open(path).unwrap();
+    f.set_modified(SystemTime::now() - Duration::from_secs(secs)).unwrap();
+}
+
+/// A file outside the tier: `len` bytes, an hour old.
+fn outside_file(path: &Path, len: usize) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, vec![7u8; len]).unwrap();
+    age(path, 3600);
+}
+
+#[test]
+fn defect43_row1_the_scan_never_follows_a_link_nor_removes_others_files() {
+    let root = TempDir::new("d43-row1", Io::StdFs);
+    let pool = carved(small_pool(host(), 24));
+    let entry_name = format!("b{:032x}", 0xabcdu128);
+    // (a) The tier's folder is a link to a folder outside: the tier is refused, and nothing
+    // there is touched (before: notes.txt, an hour old, was removed as a stale temp file).
+    let (v, t) = (root.0.join("V"), root.0.join("T"));
+    outside_file(&v.join("a/b/notes.txt"), 10);
+    outside_file(&v.join("a/b").join(&entry_name), 4096);
+    std::fs::create_dir_all(&t).unwrap();
+    std::os::unix::fs::symlink(&v, t.join(v4pool::transfer::shared_tier::TIER_DIR)).unwrap();
+    let r = SharedTier::new(&pool, &shared_config(&t, 1024));
+    assert!(v.join("a/b/notes.txt").exists(), "a file outside the tier was removed (tier folder a link)");
+    assert!(v.join("a/b").join(&entry_name).exists(), "an outside entry-named file was removed");
+    assert_eq!(r.map(drop).unwrap_err().variant_name(), "Io", "a linked tier folder was used");
+    // (b) A real tier folder holding a linked layout folder and, in this layout's folder, a
+    // linked shard folder and a stray file of no one's: a scan over budget removes none of
+    // them, and a publication into the linked shard is refused, writing nothing there.
+    let t2 = root.0.join("T2");
+    std::fs::create_dir_all(&t2).unwrap();
+    let probe = SharedTier::new(&pool, &shared_config(&t2, 1 << 30)).unwrap();
+    let layout_dir = probe.layout_dir().to_path_buf();
+    drop(probe);
+    let (v1, v2) = (root.0.join("V1"), root.0.join("V2"));
+    for v in [&v1, &v2] {
+        outside_file(&v.join("ab/notes.txt"), 10);
+        outside_file(&v.join("ab").join(&entry_name), 4096);
+        outside_file(&v.join("notes.txt"), 10);
+        outside_file(&v.join(&entry_name), 4096);
+    }
+    let tier_dir = t2.join(v4pool::transfer::shared_tier::TIER_DIR);
+    std::os::unix::fs::symlink(&v1, tier_dir.join("00000000deadbeef")).unwrap();
+    std::os::unix::fs::symlink(&v2, layout_dir.join("cd")).unwrap();
+    let stray = layout_dir.join("ef/notes.txt");
+    outside_file(&stray, 10);
+    let tier = SharedTier::new(&pool, &shared_config(&t2, 1024)).unwrap();
+    assert!(tier.stats().scans == 1 && tier.stats().evicted == 0, "{:?}", tier.stats());
+    for v in [&v1, &v2] {
+        for f in
+            [v.join("ab/notes.txt"), v.join("ab").join(&entry_name), v.join("notes.txt"), v.join(&entry_name)]
+        {
+            assert!(f.exists(), "{} outside the tier was removed by the scan", f.display());
+        }
+    }
+    assert!(stray.exists(), "a file the tier never writes was removed from its folder");
+    let key = SharedKey { kind: EntryKind::Block, hash: 0xcd << 120 | 5 };
+    let b = pool.alloc_block().unwrap().handle;
+    let mut roomy = SharedTier::new(&pool, &shared_config(&t2, 1 << 30)).unwrap();
+    let r = roomy.publish(&pool, key, &[b]);
+    let written: Vec<_> = std::fs::read_dir(&v2).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert_eq!(written.len(), 3, "a publication wrote through a linked shard folder: {written:?}");
+    assert_eq!(r.map(drop).unwrap_err().variant_name(), "Io");
+    // (c) This layout's own folder a link: refused, nothing outside touched.
+    std::fs::remove_dir_all(&tier_dir).unwrap();
+    std::fs::create_dir_all(&tier_dir).unwrap();
+    std::os::unix::fs::symlink(&v1, &layout_dir).unwrap();
+    let r = SharedTier::new(&pool, &shared_config(&t2, 1024));
+    assert!(v1.join("notes.txt").exists() && v1.join(&entry_name).exists(), "outside files removed");
+    assert_eq!(r.map(drop).unwrap_err().variant_name(), "Io", "a linked layout folder was used");
+}
+
+#[test]
+fn defect43_row2_two_tiers_in_one_process_publish_the_same_keys() {
+    // Tiers in one process (the issue's two; four make a collision likelier on a busy machine).
+    const WRITERS: usize = 4;
+    let dir = TempDir::new("d43-row2", Io::StdFs);
+    let key =
+        |i: u128| SharedKey { kind: EntryKind::Block, hash: i.wrapping_mul(0x9e37_79b9_7f4a_7c15) << 8 | i };
+    for round in 0..30 {
+        let barrier = Arc::new(std::sync::Barrier::new(WRITERS));
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|_| {
+                let (barrier, dir) = (barrier.clone(), dir.0.clone());
+                std::thread::spawn(move || {
+                    let pool = carved(small_pool(host(), 24));
+                    let mut t = SharedTier::new(&pool, &shared_config(&dir, 1 << 30)).unwrap();
+                    let b = pool.alloc_block().unwrap().handle;
+                    barrier.wait();
+                    let failed: Vec<u128> =
+                        (0..200u128).filter(|&i| t.publish(&pool, key(i), &[b]).is_err()).collect();
+                    failed
+                })
+            })
+            .collect();
+        let failed: Vec<Vec<u128>> = writers.into_iter().map(|w| w.join().unwrap()).collect();
+        let pool = carved(small_pool(host(), 24));
+        let mut t = SharedTier::new(&pool, &shared_config(&dir.0, 1 << 30)).unwrap();
+        let missing: Vec<u128> = (0..200u128).filter(|&i| !t.contains(&key(i))).collect();
+        assert!(missing.is_empty(), "round {round}: keys with no entry: {missing:?}");
+        assert!(failed.iter().all(|f| f.is_empty()), "round {round}: publications failed: {failed:?}");
+        for i in 0..200u128 {
+            assert!(t.evict(&key(i)));
+        }
+    }
+}
+
+#[test]
+fn defect43_row4_a_unit_count_that_does_not_fit_the_key_is_corrupt() {
+    let io = Io::StdFs;
+    let dir = TempDir::new("d43-row4", io);
+    let mut a = fleet_manager(state_pool(host(), 24), &dir.0, 0, io);
+    let turn = turn(&mut a, 1);
+    drained(&mut a);
+    let ub = unit_bytes(a.pool()) as usize;
+    let upc = a.units_per_checkpoint();
+    let ck = ckpt_key(&turn, 5);
+    let path = entry_path(a.pool(), &dir.0, ck);
+    let good = std::fs::read(&path).unwrap();
+    let head_len = good.len() - upc as usize * ub;
+    let payload = &good[head_len..];
+    let mut longer = payload.to_vec();
+    longer.extend_from_slice(&payload[payload.len() - ub..]);
+    let forged_ckpts =
+        [forge(&good, upc - 1, &payload[..payload.len() - ub]), forge(&good, upc + 1, &longer)];
+    let blk = entry_path(a.pool(), &dir.0, block_key(&turn, 2));
+    let good_blk = std::fs::read(&blk).unwrap();
+    let mut doubled = good_blk[head_len..].to_vec();
+    doubled.extend_from_slice(&good_blk[head_len..]);
+    let forged_blk = forge(&good_blk, 2, &doubled);
+    // Directly: each forgery is Corrupt, counted, removed, nothing allocated.
+    let b_pool = carved(state_pool(host(), 24));
+    for (what, p, bytes) in [
+        ("checkpoint of units - 1", &path, &forged_ckpts[0]),
+        ("checkpoint of units + 1", &path, &forged_ckpts[1]),
+        ("block of 2 units", &blk, &forged_blk),
+    ] {
+        std::fs::write(p, bytes).unwrap();
+        let mut t = io.tier(&b_pool, &shared_config(&dir.0, 64 << 20)).unwrap();
+        let before = b_pool.counts().unwrap();
+        let key = if p == &path { ck } else { block_key(&turn, 2) };
+        let r = t.restore(&b_pool, &key);
+        assert!(matches!(r, Err(HostTierError::Corrupt { .. })), "{what}: {r:?}");
+        assert_eq!(b_pool.counts().unwrap(), before, "{what}: blocks stayed allocated");
+        assert!(!p.exists(), "{what}: the forged entry stays");
+        assert_eq!(t.stats().corrupt, 1, "{what}");
+    }
+    std::fs::write(&blk, &good_blk).unwrap();
+    // Through a manager: the forged checkpoint ends the hit at 1,024 (admit works, the entry
+    // goes); the forged block ends it at 512, and nothing leaks. (With one unit a checkpoint,
+    // as here, the units − 1 forgery is an empty entry the walk's `contains` already skips.)
+    for forged in forged_ckpts.iter().filter(|f| f.len() > head_len) {
+        std::fs::write(&path, forged).unwrap();
+        let mut b = fleet_manager(state_pool(host(), 24), &dir.0, 0, io);
+        let r = rehit(&mut b, &turn, 1024);
+        assert_eq!(b.stats().shared_refused, 1, "{:?}", b.stats());
+        assert!(!path.exists(), "the forged checkpoint stays");
+        b.finish(r).unwrap();
+        drained(&mut b);
+    }
+    std::fs::write(&path, &good).unwrap();
+    std::fs::write(&blk, &forged_blk).unwrap();
+    let mut b = fleet_manager(state_pool(host(), 24), &dir.0, 0, io);
+    let r = rehit(&mut b, &turn, 512);
+    assert_eq!(b.stats().shared_refused, 1, "{:?}", b.stats());
+    assert!(!blk.exists(), "the forged block stays");
+    b.finish(r).unwrap();
+    drained(&mut b);
+}
+
+/// [`v4pool::transfer::StdFs`] that records the largest read asked and refuses any read over
+/// 1 MiB (so the unfixed tier does not read the sparse file whole).
+#[derive(Debug, Clone, Default)]
+struct Counting(Arc<std::sync::atomic::AtomicU64>);
+
+struct CountingReader(Box<dyn v4pool::transfer::TierReader>, Arc<std::sync::atomic::AtomicU64>);
+
+impl v4pool::transfer::TierReader for CountingReader {
+    fn len(&self) -> u64 {
+        self.0.len()
+    }
+    fn read_exact_at(&mut self, offset: u64, dst: &mut [u8]) -> std::io::Result<()> {
+        self.1.fetch_max(dst.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        if dst.len() > 1 << 20 {
+            return Err(std::io::Error::other("a read of the whole claimed payload"));
+        }
+        self.0.read_exact_at(offset, dst)
+    }
+}
+
+impl v4pool::transfer::TierIo for Counting {
+    fn write_file(&self, path: &Path, head: &[u8], body: &[u8], sync: bool) -> std::io::Result<()> {
+        v4pool::transfer::StdFs.write_file(path, head, body, sync)
+    }
+    fn open(&self, path: &Path) -> std::io::Result<Box<dyn v4pool::transfer::TierReader>> {
+        Ok(Box::new(CountingReader(v4pool::transfer::StdFs.open(path)?, self.0.clone())))
+    }
+}
+
+#[test]
+fn defect43_row5_a_sparse_entry_past_the_budget_is_refused_unread() {
+    let dir = TempDir::new("d43-row5", Io::StdFs);
+    let pool = carved(state_pool(host(), 24));
+    let mut m = fleet_manager(state_pool(host(), 24), &dir.0, 0, Io::StdFs);
+    let turn = turn(&mut m, 1);
+    drained(&mut m);
+    let ck = ckpt_key(&turn, 5);
+    let path = entry_path(&pool, &dir.0, ck);
+    let good = std::fs::read(&path).unwrap();
+    let ub = unit_bytes(&pool);
+    let head_len = good.len() as u64 - u64::from(m.units_per_checkpoint()) * ub;
+    // The tier first: its opening scan would evict the oversized file before the restore.
+    let io = Counting::default();
+    let mut t = SharedTier::with_io(&pool, &shared_config(&dir.0, 64 << 20), Box::new(io.clone())).unwrap();
+    // A header claiming 256 MiB of units over a sparse file of that length (budget 64 MiB).
+    let units = ((256u64 << 20) / ub) as u32;
+    let mut h = forge(&good, units, &[]);
+    h[40..48].copy_from_slice(&(u64::from(units) * ub).to_le_bytes());
+    let mut covered = h[..64].to_vec();
+    covered.extend_from_slice(&h[80..]);
+    h[64..80].copy_from_slice(&v4pool::transfer::shared_tier::checksum(&covered).to_le_bytes());
+    std::fs::write(&path, &h).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(head_len + u64::from(units) * ub)
+        .unwrap();
+    let r = t.restore(&pool, &ck);
+    let largest = io.0.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(largest <= head_len, "a read of {largest} B for a header of {head_len} B: the claim was read");
+    assert!(matches!(r, Err(HostTierError::Corrupt { .. })), "{r:?}");
+    assert!(!path.exists(), "the refused entry stays");
+}
+
+/// Make `path` a FIFO.
+fn mkfifo(path: &Path) {
+    let _ = std::fs::remove_file(path);
+    let ok = std::process::Command::new("mkfifo").arg(path).status().unwrap().success();
+    assert!(ok, "mkfifo {}", path.display());
+}
+
+/// Run `f` on a thread; its result, or `None` (after freeing the thread by opening the FIFO
+/// at `fifo` from the other end) when it does not return within 5 s.
+fn within_5s<T: Send + 'static>(fifo: &Path, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(f()).unwrap());
+    match rx.recv_timeout(Duration::from_secs(5)) {
+        Ok(v) => Some(v),
+        Err(_) => {
+            // Both ends, non-blocking for the reader end: whichever the thread waits on opens.
+            use std::os::unix::fs::OpenOptionsExt;
+            let _r = std::fs::OpenOptions::new().read(true).custom_flags(0o4000).open(fifo);
+            let _w = std::fs::OpenOptions::new().write(true).custom_flags(0o4000).open(fifo);
+            let _ = rx.recv_timeout(Duration::from_secs(5));
+            None
+        }
+    }
+}
+
+#[test]
+fn defect43_row6_a_fifo_at_an_entry_name_is_refused_unopened() {
+    let dir = TempDir::new("d43-row6", Io::StdFs);
+    let pool = carved(small_pool(host(), 24));
+    let t = SharedTier::new(&pool, &shared_config(&dir.0, 64 << 20)).unwrap();
+    let key = SharedKey { kind: EntryKind::Block, hash: 0x42 << 120 | 9 };
+    let path = t.path_of(&key);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    mkfifo(&path);
+    let t = Arc::new(std::sync::Mutex::new(t));
+    let (tt, p) = (t.clone(), pool.clone());
+    let r = within_5s(&path, move || {
+        tt.lock().unwrap().restore(&p, &key).map(drop).map_err(|e| e.variant_name())
+    });
+    let r = r.expect("restore blocked in open on a FIFO at the entry's name");
+    assert_eq!(r, Err("Corrupt"));
+    assert_eq!(pool.counts().unwrap().free_blocks, pool.counts().unwrap().num_blocks);
+    mkfifo(&path);
+    let tt = t.clone();
+    let touched = within_5s(&path, move || tt.lock().unwrap_or_else(|e| e.into_inner()).touch(&key));
+    assert!(!touched.expect("touch blocked in open on a FIFO at the entry's name"));
+    assert!(!t.lock().unwrap_or_else(|e| e.into_inner()).contains(&key));
+}
+
+/// A key-value store in memory (the Mooncake Store's calls, for the store tier's tests).
+#[derive(Debug, Default)]
+struct MemStore(std::sync::Mutex<std::collections::HashMap<String, Vec<u8>>>);
+
+impl v4pool::transfer::KvStore for MemStore {
+    fn register_buffer(&self, _: u64, _: u64) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn unregister_buffer(&self, _: u64) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn exist(&self, keys: &[String]) -> std::io::Result<Vec<bool>> {
+        let m = self.0.lock().unwrap();
+        Ok(keys.iter().map(|k| m.contains_key(k)).collect())
+    }
+    fn size(&self, key: &str) -> std::io::Result<Option<u64>> {
+        Ok(self.0.lock().unwrap().get(key).map(|v| v.len() as u64))
+    }
+    fn put(&self, key: &str, data: &[u8]) -> std::io::Result<()> {
+        self.0.lock().unwrap().insert(key.to_string(), data.to_vec());
+        Ok(())
+    }
+    fn get_into(&self, key: &str, dst: &mut [u8]) -> std::io::Result<()> {
+        let m = self.0.lock().unwrap();
+        let v = m.get(key).ok_or_else(|| std::io::Error::from(std::io::ErrorKind::NotFound))?;
+        if v.len() != dst.len() {
+            return Err(std::io::Error::other("size"));
+        }
+        dst.copy_from_slice(v);
+        Ok(())
+    }
+    fn remove(&self, key: &str) -> std::io::Result<bool> {
+        Ok(self.0.lock().unwrap().remove(key).is_some())
+    }
+}
+
+#[test]
+fn defect43_row7_a_store_tier_of_unbounded_capacity_restores() {
+    use v4pool::transfer::StoreTier;
+    let pool = carved(small_pool(host(), 24));
+    let b = pool.alloc_block().unwrap().handle;
+    let key = SharedKey { kind: EntryKind::Block, hash: 0x77 };
+    let mut t = StoreTier::new(&pool, Box::new(MemStore::default()), u64::MAX).unwrap();
+    assert!(t.publish(&pool, key, &[b]).unwrap());
+    let r = t.restore(&pool, &key);
+    assert!(r.is_ok(), "a published entry was refused: {r:?}");
+    assert!(t.contains(&key), "the entry was removed");
+    assert_eq!(r.unwrap().len(), 1);
+}

@@ -46,7 +46,6 @@ use crate::alloc::{AllocError, BlockHandle};
 use crate::boundary::BoundaryChange;
 use crate::checkpoint::{CheckpointError, CheckpointLayout, LayoutId};
 use crate::pool::{Pool, PoolError, SlotLease};
-use crate::sizing::IndexerDtype;
 use crate::variant::VariantName;
 use hash::BuildPassThrough;
 use physical::{BlockNode, CkptNode, Holder, Node, Nodes, NIL};
@@ -246,13 +245,7 @@ impl KvManager {
         policy: Box<dyn SplitPolicy>,
     ) -> Result<Self, ManagerError> {
         let spec = pool.spec();
-        let layers: &[usize] = if spec.indexer.is_some() { &spec.csa_layers } else { &[] };
-        let ck = CheckpointLayout::new(
-            &spec.arena,
-            &spec.geometry,
-            layers,
-            spec.indexer.unwrap_or(IndexerDtype::Fp8),
-        )?;
+        let ck = spec.checkpoint_layout()?;
         let units_per_ckpt = u32::try_from(ck.units_per_checkpoint)
             .map_err(|_| ManagerError::Config("checkpoint too large"))?;
         let block_size =

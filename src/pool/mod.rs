@@ -92,6 +92,20 @@ impl PoolSpec {
         Ok(spec)
     }
 
+    /// The checkpoint layout of pools of this spec: what one checkpoint's units hold (the
+    /// manager's, and the shared tier's count of a checkpoint entry's units).
+    pub fn checkpoint_layout(
+        &self,
+    ) -> Result<crate::checkpoint::CheckpointLayout, crate::checkpoint::CheckpointError> {
+        let layers: &[usize] = if self.indexer.is_some() { &self.csa_layers } else { &[] };
+        crate::checkpoint::CheckpointLayout::new(
+            &self.arena,
+            &self.geometry,
+            layers,
+            self.indexer.unwrap_or(IndexerDtype::Fp8),
+        )
+    }
+
     /// The spec of a sized plan: its carve, its arena, its indexer shape. The pool sizes
     /// its indexer cache for every block the plane can hold, so the plan must allow the
     /// boundary down to zero slots (`min_slots = 0`, the default).

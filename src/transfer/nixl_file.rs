@@ -22,7 +22,7 @@
 
 use super::engine::EngineError;
 use super::nixl::{NixlAgent, NixlMem, Seg, XferOp};
-use super::shared_tier::{TierIo, TierReader};
+use super::shared_tier::{open_regular, TierIo, TierReader};
 use std::fs;
 use std::io;
 use std::os::fd::AsRawFd;
@@ -154,7 +154,8 @@ impl TierIo for NixlPosix {
     }
 
     fn open(&self, path: &Path) -> io::Result<Box<dyn TierReader>> {
-        let file = fs::File::open(path)?;
+        // Never blocking on a FIFO nor following a link, as `StdFs`.
+        let file = open_regular(path, false)?;
         let len = file.metadata()?.len();
         Ok(Box::new(NixlReader { agent: self.agent.clone(), file, len }))
     }

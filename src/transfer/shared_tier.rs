@@ -12,24 +12,34 @@
 //!   the payload's length and checksum, the header's own checksum — the layout id's text,
 //!   then the payload, the units' bytes part-major (as a host-tier extent).
 //! * **Publishing** writes a temporary file in the entry's directory (a name no reader
-//!   looks up), syncs it when [`SharedTierConfig::sync`] says so, and renames it over the
-//!   entry's name: a reader sees a whole file or none. Two writers of one key both finish and
-//!   the last rename wins; either file is whole (and, content-addressed, the same bytes).
-//! * **Reading** checks everything before a byte reaches the pool: the file's length, the
-//!   header and its checksum, the layout id (the whole text, not the directory's digest),
-//!   the key, the unit count and the payload's checksum. A torn, truncated, corrupt or
+//!   looks up, unique to its writer: pid, a per-process random nonce and a process-wide
+//!   counter, created exclusively), syncs it when [`SharedTierConfig::sync`] says so, and
+//!   renames it over the entry's name: a reader sees a whole file or none. Two writers of one
+//!   key — in two processes, two tiers of one process, or two containers that all see pid 1 —
+//!   both finish and the last rename wins; either file is whole (and, content-addressed, the
+//!   same bytes). A writer only ever removes a temporary file it created.
+//! * **Reading** checks everything before a byte reaches the pool: that the entry's name is
+//!   a regular file (a FIFO, device or link there is refused unopened: an open cannot hang),
+//!   its length against the budget, the header and its checksum, the layout id (the whole
+//!   text, not the directory's digest), the key, the unit count (a block entry holds exactly
+//!   one unit, a checkpoint entry exactly the layout's units per checkpoint: anything else
+//!   could never be the pool's) and the payload's checksum. A torn, truncated, corrupt or
 //!   foreign entry is a miss ([`HostTierError::Corrupt`], [`HostTierError::ForeignLayout`]),
 //!   never wrong bytes, and the file is removed so the next publisher writes it anew. An
 //!   I/O failure (the mount gone) is a miss too ([`HostTierError::Io`]); the pool and the
 //!   engine carry on.
+//! * **Its own folders only.** The tier never follows a link: a tier, layout or shard folder
+//!   that is a symbolic link is refused (the tier is not built, a publication into it fails)
+//!   or, in a scan, skipped; a scan removes only names the tier writes (entries and its own
+//!   temporary files), never another file in its folders.
 //! * **Capacity** ([`SharedTierConfig::budget_bytes`], for the whole directory, every
 //!   layout): least recently used by modification time, across processes. A hit sets the
 //!   entry's mtime to now (access times are unreliable: `noatime`, `relatime`); a publisher
 //!   keeps an estimate of the directory's bytes (a scan at start, plus what it writes) and
 //!   scans when the estimate passes the budget or it has written [`SCAN_EVERY`] of it since
 //!   its last scan: the scan sums every entry and removes the oldest until the directory is
-//!   at [`LOW_WATER`] of the budget (and temporary files older than [`STALE_TEMP`], a
-//!   writer's that died). Each process writes at most `budget / SCAN_EVERY` plus one entry
+//!   at [`LOW_WATER`] of the budget (and the tier's temporary files older than
+//!   [`STALE_TEMP`], a writer's that died). Each process writes at most `budget / SCAN_EVERY` plus one entry
 //!   between two of its scans, so with `N` writers the directory exceeds the budget by at
 //!   most `N × (budget / SCAN_EVERY + largest entry)`.
 //!
@@ -46,6 +56,8 @@ use crate::rng::{mum, WY};
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, SystemTime};
 
 /// The tier's folder inside the configured directory (the format's version is in its name).
@@ -61,6 +73,8 @@ pub const STALE_TEMP: Duration = Duration::from_secs(600);
 const MAGIC: &[u8; 8] = b"v4poolT1";
 /// Fixed header bytes before the layout id's text.
 pub(crate) const FIXED: usize = 80;
+/// The longest layout id text an entry may carry.
+pub(crate) const MAX_LAYOUT_TEXT: u64 = 1 << 16;
 /// The prefix of temporary files (never an entry name: entries start with `b` or `c`).
 const TEMP: &str = ".tmp-";
 
@@ -117,6 +131,109 @@ impl SharedKey {
     }
 }
 
+/// Temporary names made by this process so far (shared by every tier in it: two tiers of one
+/// process never make the same name).
+static TEMP_SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// This process's nonce in temporary names: random per process (the standard library's
+/// hash keys come from the OS's random source), so two processes with one pid (containers
+/// that all see pid 1, on hosts sharing a mount) differ too.
+fn process_nonce() -> u64 {
+    static NONCE: OnceLock<u64> = OnceLock::new();
+    *NONCE.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+        h.finish()
+    })
+}
+
+/// A fresh temporary name for `key`'s entry: `.tmp-<name>-<pid>-<nonce>-<n>`.
+fn temp_name(key: &SharedKey) -> String {
+    let n = TEMP_SEQ.fetch_add(1, Ordering::Relaxed);
+    format!("{TEMP}{}-{}-{:016x}-{n}", key.name(), std::process::id(), process_nonce())
+}
+
+/// Whether `name` is a temporary name a tier writes (this one's or an earlier format's:
+/// `.tmp-`, an entry's name, then `-` and digits, hex and dashes).
+fn is_temp_name(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix(TEMP) else { return false };
+    let (Some(entry), Some(tail)) = (rest.get(..33), rest.get(33..)) else { return false };
+    SharedKey::parse(entry).is_some()
+        && tail.len() > 1
+        && tail.starts_with('-')
+        && tail.bytes().all(|c| c == b'-' || c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+}
+
+/// Whether `path` is a directory itself, not a link to one (nor anything else).
+fn real_dir(path: &Path) -> bool {
+    fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_dir())
+}
+
+/// The error for a tier folder that is not a real directory (a link, a file).
+fn not_own_folder(path: &Path) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("{} is not a directory of the tier's own (a link?): not followed", path.display()),
+    )
+}
+
+/// The real sub-directories of `dir` (links skipped, never followed) whose names are
+/// `name_len` lowercase hex digits (the names the tier gives its layout and shard folders).
+fn own_subdirs(dir: &Path, name_len: usize) -> Vec<PathBuf> {
+    let Ok(rd) = fs::read_dir(dir) else { return Vec::new() };
+    rd.flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter(|e| {
+            e.file_name().to_str().is_some_and(|n| {
+                n.len() == name_len && n.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+            })
+        })
+        .map(|e| e.path())
+        .collect()
+}
+
+/// Open the regular file at `path` (appending when `append`, else reading) without ever
+/// blocking or following a link: refused unopened unless `lstat` says a regular file,
+/// opened non-blocking (a FIFO swapped in meanwhile cannot hang the open), and refused
+/// again unless the open file is that same regular file.
+pub(crate) fn open_regular(path: &Path, append: bool) -> io::Result<fs::File> {
+    use std::os::unix::fs::MetadataExt;
+    let not_regular = || io::Error::new(io::ErrorKind::InvalidData, "not a regular file");
+    let before = fs::symlink_metadata(path)?;
+    if !before.file_type().is_file() {
+        return Err(not_regular());
+    }
+    let mut options = fs::OpenOptions::new();
+    if append {
+        options.append(true);
+    } else {
+        options.read(true);
+    }
+    #[cfg(target_os = "linux")]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, 0o4000); // O_NONBLOCK
+    let file = options.open(path)?;
+    let after = file.metadata()?;
+    if !after.is_file() || (after.dev(), after.ino()) != (before.dev(), before.ino()) {
+        return Err(not_regular());
+    }
+    Ok(file)
+}
+
+/// Units an entry of `kind` holds: one block's unit, or the units of one checkpoint.
+pub(crate) fn units_of(kind: EntryKind, ckpt_units: u64) -> u64 {
+    match kind {
+        EntryKind::Block => 1,
+        EntryKind::Checkpoint => ckpt_units,
+    }
+}
+
+/// Units of one checkpoint of `pool` (0 when its spec has no checkpoint layout: then no
+/// checkpoint entry is ever the pool's).
+pub(crate) fn checkpoint_units(pool: &Pool) -> u64 {
+    pool.spec().checkpoint_layout().map_or(0, |c| c.units_per_checkpoint)
+}
+
 /// Where the shared tier lives and how much of it a fleet uses.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SharedTierConfig {
@@ -148,10 +265,12 @@ pub trait TierReader {
 /// buffer, from the pool's backend's `alloc_host` (page-locked on CUDA), which a NIXL
 /// implementation registers as DRAM.
 pub trait TierIo: Send + std::fmt::Debug {
-    /// Create the new file `path` (refused if it exists) holding `head` then `body`; on
-    /// stable storage before returning when `sync`.
+    /// Create the new file `path` (refused with [`io::ErrorKind::AlreadyExists`] if it
+    /// exists: the caller then never removes it) holding `head` then `body`; on stable
+    /// storage before returning when `sync`.
     fn write_file(&self, path: &Path, head: &[u8], body: &[u8], sync: bool) -> io::Result<()>;
-    /// Open the file at `path` for reading.
+    /// Open the regular file at `path` for reading, never blocking (a FIFO) nor following a
+    /// link (as `StdFs` does: an `lstat` first, a non-blocking open, an `fstat` after).
     fn open(&self, path: &Path) -> io::Result<Box<dyn TierReader>>;
 }
 
@@ -187,7 +306,7 @@ impl TierIo for StdFs {
         Ok(())
     }
     fn open(&self, path: &Path) -> io::Result<Box<dyn TierReader>> {
-        let file = fs::File::open(path)?;
+        let file = open_regular(path, false)?;
         let len = file.metadata()?.len();
         Ok(Box::new(StdReader { file, len }))
     }
@@ -233,6 +352,8 @@ pub struct SharedTier {
     layout: LayoutId,
     unit_bytes: u64,
     part_bytes: Vec<u64>,
+    /// Units of one checkpoint entry of this layout.
+    ckpt_units: u64,
     budget: u64,
     sync: bool,
     io: Box<dyn TierIo>,
@@ -241,8 +362,6 @@ pub struct SharedTier {
     /// The directory's bytes as far as this process knows.
     used: u64,
     written_since_scan: u64,
-    /// Temporary names: pid and a counter.
-    seq: u64,
     stats: SharedTierStats,
 }
 
@@ -366,20 +485,22 @@ pub(crate) fn head_len_of(fixed: &[u8], len: u64) -> Result<u64, Refused> {
     }
     let layout_len = get_u32(fixed, 32) as u64;
     let head_len = FIXED as u64 + layout_len;
-    if layout_len > 1 << 16 || head_len > len {
+    if layout_len > MAX_LAYOUT_TEXT || head_len > len {
         return Err(Refused::Corrupt("layout id past the file's end"));
     }
     Ok(head_len)
 }
 
 /// Check a whole header (`head`: the fixed part and the layout text) as `key`'s entry in
-/// `layout` with units of `unit_bytes`, the entry being `len` bytes long: its unit count and
+/// `layout` with units of `unit_bytes` and `ckpt_units` units a checkpoint, the entry being
+/// `len` bytes long: its unit count and
 /// the payload's checksum, which the caller checks once the payload is read.
 pub(crate) fn check_head(
     head: &[u8],
     key: &SharedKey,
     layout: &LayoutId,
     unit_bytes: u64,
+    ckpt_units: u64,
     len: u64,
 ) -> Result<(usize, u128), Refused> {
     if header_sum(head) != get_u128(head, 64) {
@@ -393,6 +514,11 @@ pub(crate) fn check_head(
     let payload_len = get_u64(head, 40);
     if head[8] != key.kind.code() || get_u128(head, 16) != key.hash {
         return Err(Refused::Corrupt("another key's entry"));
+    }
+    // A count the key's kind never has (a forgery with a valid header) would poison every
+    // later admission of the prefix or leak the extra blocks: refused before the payload.
+    if units != units_of(key.kind, ckpt_units) {
+        return Err(Refused::Corrupt("unit count does not fit the key's kind"));
     }
     if units == 0 || units.checked_mul(unit_bytes) != Some(payload_len) {
         return Err(Refused::Corrupt("unit count and payload length disagree"));
@@ -446,6 +572,10 @@ impl SharedTier {
         }
         for d in [&tier_dir, &layout_dir] {
             make_dir(d).map_err(|source| HostTierError::Io { op: "create the tier's folders", source })?;
+            // A link here would take the scans' removals outside the tier.
+            if !real_dir(d) {
+                return Err(HostTierError::Io { op: "open the tier's folders", source: not_own_folder(d) });
+            }
         }
         let mut tier = SharedTier {
             tier_dir,
@@ -454,13 +584,13 @@ impl SharedTier {
             layout,
             unit_bytes,
             part_bytes,
+            ckpt_units: checkpoint_units(pool),
             budget: config.budget_bytes,
             sync: config.sync,
             io,
             staging: None,
             used: 0,
             written_since_scan: 0,
-            seq: 0,
             stats: SharedTierStats::default(),
         };
         tier.scan();
@@ -507,23 +637,39 @@ impl SharedTier {
     /// header; the contents are checked when it is read).
     pub fn contains(&self, key: &SharedKey) -> bool {
         let head = self.head_bytes();
-        fs::metadata(self.path_of(key))
-            .is_ok_and(|m| m.is_file() && m.len() > head && (m.len() - head) % self.unit_bytes.max(1) == 0)
+        fs::symlink_metadata(self.path_of(key)).is_ok_and(|m| {
+            m.file_type().is_file() && m.len() > head && (m.len() - head) % self.unit_bytes.max(1) == 0
+        })
     }
 
     /// Mark `key` as just used (its mtime set to now: the fleet's LRU); whether it is there.
     pub fn touch(&mut self, key: &SharedKey) -> bool {
-        let r = fs::OpenOptions::new()
-            .append(true)
-            .open(self.path_of(key))
+        let r = self
+            .own_folder(key)
+            .and_then(|d| open_regular(&d.join(key.name()), true))
             .and_then(|f| f.set_modified(SystemTime::now()));
         r.is_ok()
     }
 
+    /// `key`'s shard folder, checked to be the tier's own: it, the layout folder and the
+    /// tier folder are directories, not links (which would take a write or removal outside
+    /// the tier).
+    fn own_folder(&self, key: &SharedKey) -> io::Result<PathBuf> {
+        let shard = self.shard_dir(key);
+        for d in [&self.tier_dir, &self.layout_dir, &shard] {
+            let m = fs::symlink_metadata(d)?;
+            if !m.file_type().is_dir() {
+                return Err(not_own_folder(d));
+            }
+        }
+        Ok(shard)
+    }
+
     /// Remove `key`'s entry; whether it was there.
     pub fn evict(&mut self, key: &SharedKey) -> bool {
-        let path = self.path_of(key);
-        let bytes = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        let Ok(dir) = self.own_folder(key) else { return false };
+        let path = dir.join(key.name());
+        let bytes = fs::symlink_metadata(&path).map(|m| m.len()).unwrap_or(0);
         let removed = fs::remove_file(path).is_ok();
         if removed {
             self.used = self.used.saturating_sub(bytes);
@@ -534,7 +680,9 @@ impl SharedTier {
     /// This layout's entries, least recently used (oldest mtime) first.
     pub fn lru_order(&self) -> Vec<SharedKey> {
         let mut found = Vec::new();
-        self.scan_layout(&self.layout_dir, &mut found);
+        if real_dir(&self.tier_dir) && real_dir(&self.layout_dir) {
+            self.scan_layout(&self.layout_dir, &mut found);
+        }
         found.sort_by_key(|f| f.mtime);
         found.into_iter().filter_map(|f| f.key).collect()
     }
@@ -602,19 +750,34 @@ impl SharedTier {
         // SAFETY: `bytes` of the staging buffer, written by the copies just waited for.
         let body = unsafe { std::slice::from_raw_parts(host, bytes as usize) };
         let head = header(key, units, self.layout.as_str().as_bytes(), bytes, checksum(body));
-        let dir = self.shard_dir(&key);
         // Never the configured directory itself: a mount that vanished stays absent.
-        let made = [&self.tier_dir, &self.layout_dir, &dir].into_iter().try_for_each(|d| make_dir(d));
-        if let Err(e) = made {
-            return Err(self.io_error("create the entry's folder", e));
-        }
-        self.seq += 1;
-        let tmp = dir.join(format!("{TEMP}{}-{}-{}", key.name(), std::process::id(), self.seq));
-        let written = self
-            .io
-            .write_file(&tmp, &head, body, self.sync)
-            .and_then(|()| fs::rename(&tmp, self.path_of(&key)));
-        if let Err(e) = written {
+        let made = [&self.tier_dir, &self.layout_dir, &self.shard_dir(&key)]
+            .into_iter()
+            .try_for_each(|d| make_dir(d))
+            .and_then(|()| self.own_folder(&key));
+        let dir = match made {
+            Ok(dir) => dir,
+            Err(e) => return Err(self.io_error("create the entry's folder", e)),
+        };
+        // A name unique to this writer (`temp_name`); should it exist all the same (a
+        // leftover), another is tried, and a file this call did not create is never removed.
+        let mut tries = 0;
+        let tmp = loop {
+            let tmp = dir.join(temp_name(&key));
+            match self.io.write_file(&tmp, &head, body, self.sync) {
+                Ok(()) => break tmp,
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && tries < 3 => tries += 1,
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                    return Err(self.io_error("write the entry", e));
+                }
+                Err(e) => {
+                    // Created by this call (the name was free), so this call removes it.
+                    let _ = fs::remove_file(&tmp);
+                    return Err(self.io_error("write the entry", e));
+                }
+            }
+        };
+        if let Err(e) = fs::rename(&tmp, dir.join(key.name())) {
             let _ = fs::remove_file(&tmp);
             return Err(self.io_error("write the entry", e));
         }
@@ -634,7 +797,23 @@ impl SharedTier {
     /// touched. Blocks come back in the order they were published.
     pub fn restore(&mut self, pool: &Pool, key: &SharedKey) -> Result<Vec<BlockHandle>, HostTierError> {
         let parts = self.check_pool(pool)?;
-        let path = self.path_of(key);
+        let path = match self.own_folder(key) {
+            Ok(dir) => dir.join(key.name()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(HostTierError::NotHeld),
+            Err(e) => return Err(self.io_error("find the entry's folder", e)),
+        };
+        // Refused unopened unless a regular file: opening a FIFO waits for a writer forever.
+        match fs::symlink_metadata(&path) {
+            Ok(m) if m.file_type().is_file() => {}
+            Ok(_) => {
+                // Not an entry the tier wrote, under an entry's name: removed like a corrupt one.
+                let _ = fs::remove_file(&path);
+                let r = Refused::Corrupt("not a regular file");
+                return Err(refusal(&mut self.stats, r, &self.layout));
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(HostTierError::NotHeld),
+            Err(e) => return Err(self.io_error("stat the entry", e)),
+        }
         let mut file = match self.io.open(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(HostTierError::NotHeld),
@@ -672,6 +851,15 @@ impl SharedTier {
         if len < FIXED as u64 {
             return Err(refusal(&mut self.stats, Refused::Corrupt("shorter than a header"), &self.layout));
         }
+        // Never a buffer or a read for more than the tier holds: a sparse file whose header
+        // claims gigabytes is refused unread (no entry larger than the budget is published).
+        if len > self.budget {
+            return Err(refusal(
+                &mut self.stats,
+                Refused::Corrupt("longer than the tier holds"),
+                &self.layout,
+            ));
+        }
         let mut head = vec![0u8; FIXED];
         if let Err(e) = file.read_exact_at(0, &mut head) {
             return Err(self.io_error("read the entry's header", e));
@@ -681,7 +869,7 @@ impl SharedTier {
         if let Err(e) = file.read_exact_at(FIXED as u64, &mut head[FIXED..]) {
             return Err(self.io_error("read the entry's header", e));
         }
-        let (units, sum) = check_head(&head, key, &self.layout, self.unit_bytes, len)
+        let (units, sum) = check_head(&head, key, &self.layout, self.unit_bytes, self.ckpt_units, len)
             .map_err(|r| refusal(&mut self.stats, r, &self.layout))?;
         let payload_len = len - head_len;
         let host = self.staging(pool, payload_len)?.ptr();
@@ -697,18 +885,22 @@ impl SharedTier {
         Ok(units)
     }
 
-    /// Every file under one layout's folder.
+    /// The files the tier writes (entries and its temporary files) under one layout's real
+    /// folder (checked by the caller), in its real shard folders: links are never followed
+    /// (`DirEntry::file_type` and `metadata` do not), other names never listed.
     fn scan_layout(&self, layout_dir: &Path, out: &mut Vec<Found>) {
-        let Ok(shards) = fs::read_dir(layout_dir) else { return };
-        for shard in shards.flatten() {
-            let Ok(files) = fs::read_dir(shard.path()) else { continue };
+        for shard in own_subdirs(layout_dir, 2) {
+            let Ok(files) = fs::read_dir(&shard) else { continue };
             for f in files.flatten() {
-                let Ok(m) = f.metadata() else { continue };
-                if !m.is_file() {
+                if !f.file_type().is_ok_and(|t| t.is_file()) {
                     continue;
                 }
-                let name = f.file_name();
-                let key = name.to_str().and_then(SharedKey::parse);
+                let Some(name) = f.file_name().to_str().map(str::to_owned) else { continue };
+                let key = SharedKey::parse(&name);
+                if key.is_none() && !is_temp_name(&name) {
+                    continue;
+                }
+                let Ok(m) = f.metadata() else { continue };
                 let mtime = m.modified().unwrap_or(SystemTime::UNIX_EPOCH);
                 out.push(Found { path: f.path(), bytes: m.len(), mtime, key });
             }
@@ -721,9 +913,9 @@ impl SharedTier {
         self.stats.scans += 1;
         self.written_since_scan = 0;
         let mut found = Vec::new();
-        if let Ok(layouts) = fs::read_dir(&self.tier_dir) {
-            for l in layouts.flatten() {
-                self.scan_layout(&l.path(), &mut found);
+        if real_dir(&self.tier_dir) {
+            for l in own_subdirs(&self.tier_dir, 16) {
+                self.scan_layout(&l, &mut found);
             }
         } else if !self.dir.exists() {
             self.stats.io_errors += 1;

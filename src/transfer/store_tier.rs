@@ -19,7 +19,10 @@
 //!   [`HostTierError::Io`], counted, and the engine carries on.
 
 use super::host_tier::{copy_blocks_synced, part_bytes, parts_matching, restore_blocks, Storage, UnitPart};
-use super::shared_tier::{check_head, checksum, head_len_of, header, refusal, Refused, FIXED, TIER_DIR};
+use super::shared_tier::{
+    check_head, checkpoint_units, checksum, head_len_of, header, refusal, units_of, Refused, FIXED,
+    MAX_LAYOUT_TEXT, TIER_DIR,
+};
 use super::{HostTierError, SharedKey, SharedTierStats};
 use crate::alloc::BlockHandle;
 use crate::checkpoint::LayoutId;
@@ -58,6 +61,8 @@ pub struct StoreTier {
     layout: LayoutId,
     unit_bytes: u64,
     part_bytes: Vec<u64>,
+    /// Units of one checkpoint entry of this layout.
+    ckpt_units: u64,
     capacity_bytes: u64,
     staging: Option<Storage>,
     stats: SharedTierStats,
@@ -90,6 +95,7 @@ impl StoreTier {
             prefix: format!("{TIER_DIR}/{digest:016x}/"),
             unit_bytes: part_bytes.iter().sum(),
             part_bytes,
+            ckpt_units: checkpoint_units(pool),
             layout,
             capacity_bytes,
             staging: None,
@@ -205,7 +211,7 @@ impl StoreTier {
         let units = u32::try_from(blocks.len()).map_err(|_| too_large(self))?;
         let bytes = u64::from(units) * self.unit_bytes;
         let head_len = self.head_bytes();
-        if bytes + head_len > self.capacity_bytes {
+        if bytes.checked_add(head_len).is_none_or(|n| n > self.capacity_bytes) {
             return Err(too_large(self));
         }
         let host = self.staging(pool, head_len + bytes)?;
@@ -268,8 +274,14 @@ impl StoreTier {
         if len < FIXED as u64 {
             return Err(refusal(&mut self.stats, Refused::Corrupt("shorter than a header"), &self.layout));
         }
-        // Never a buffer for more than the tier can hold (a hostile size asks for nothing).
-        if len > self.capacity_bytes + self.head_bytes() {
+        // Never a buffer for more than the tier can hold (a hostile size asks for nothing);
+        // a capacity near `u64::MAX` (unbounded) must not wrap into refusing everything.
+        // Nor for more than any entry of this key could be (its units are the kind's; a
+        // layout text at its longest): a value of gigabytes under a block's key asks for
+        // nothing whatever the capacity.
+        let most = (FIXED as u64 + MAX_LAYOUT_TEXT)
+            .saturating_add(units_of(key.kind, self.ckpt_units).saturating_mul(self.unit_bytes));
+        if len > self.capacity_bytes.saturating_add(self.head_bytes()).min(most) {
             return Err(refusal(
                 &mut self.stats,
                 Refused::Corrupt("longer than the tier holds"),
@@ -284,7 +296,7 @@ impl StoreTier {
         }
         let checked = head_len_of(&entry[..FIXED], len).and_then(|head_len| {
             let (head, body) = entry.split_at(head_len as usize);
-            let (units, sum) = check_head(head, key, &self.layout, self.unit_bytes, len)?;
+            let (units, sum) = check_head(head, key, &self.layout, self.unit_bytes, self.ckpt_units, len)?;
             if checksum(body) != sum {
                 return Err(Refused::Corrupt("payload checksum"));
             }
