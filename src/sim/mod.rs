@@ -58,9 +58,11 @@ pub use report::{LatencyHistogram, Sample, SimReport, TimeReport};
 pub use trace::{Trace, TraceError};
 pub use workload::{Mix, RequestSpec, Rng, Workload, WorkloadConfig};
 
+use crate::backend::Backend;
 use crate::geometry::UnifiedPoolGeometry;
-use crate::pool::{DecodeCapacity, DecodeError, DecodePath, PoolError};
+use crate::pool::{DecodeCapacity, DecodeError, DecodePath, Pool, PoolError, PoolSpec};
 use crate::variant::VariantName;
+use std::sync::Arc;
 
 /// Most requests waiting for admission; arrivals beyond it are turned away (counted in
 /// [`SimReport::turned_away`]). 65,536 requests of 32 bytes: 2 MiB.
@@ -83,6 +85,16 @@ pub const MAX_TOKENS_PER_DECODE: usize = 64;
 pub const DECODE_WINDOW: i64 = 128;
 /// CSA top-k the decode buffers reserve per token.
 pub const DECODE_TOPK: i32 = 512;
+
+/// A pool for a simulation: its planes and indexer cache keep no bytes on an accounting
+/// host backend ([`crate::backend::host::keep_no_bytes`]; the pool's own code runs
+/// unchanged, its copies and fills counted instead of done), real memory on any other.
+pub fn sim_pool(backend: &Arc<dyn Backend>, spec: &PoolSpec) -> Result<Arc<Pool>, PoolError> {
+    crate::backend::host::keep_no_bytes(|| {
+        Pool::new(backend.clone(), spec.clone(), crate::backend::Stream::DEFAULT)
+    })
+    .map(Arc::new)
+}
 
 /// What a simulation can fail with while it runs.
 #[derive(Debug, thiserror::Error)]

@@ -7,7 +7,7 @@
 use crate::render::{render_table, to_json, to_svg};
 use crate::{conclude, parse_args, CliError, ParsedArgs, Streams};
 use std::io::Write as _;
-use v4pool::backend::{BackendChoice, BackendKind, Stream};
+use v4pool::backend::{BackendChoice, BackendKind};
 use v4pool::pool::{Overhead, Pool, PoolSpec};
 use v4pool::sim::cost::CostError;
 use v4pool::sim::fleet::{simulate_fleet, FleetConfig, FleetReport, FleetRun, Router};
@@ -430,6 +430,13 @@ fn create_svg(path: &str) -> Result<std::fs::File, CliError> {
 
 fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
     let backend = v4pool::backend::select(s.choice)?;
+    // The simulator needs a pool's accounting, not its planes' bytes: on the host, the
+    // accounting mode keeps the planes, indexer cache and host tiers as address ranges only.
+    let backend: std::sync::Arc<dyn v4pool::backend::Backend> = if backend.kind() == BackendKind::Host {
+        std::sync::Arc::new(v4pool::backend::host::HostBackend::accounting())
+    } else {
+        backend
+    };
     let workload = match &s.source {
         Source::Trace(t, specs) => {
             let (hit, all) = t.ceiling();
@@ -479,7 +486,7 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
     }
     let mut reports = Vec::new();
     for &policy in &s.policies {
-        let pool = std::sync::Arc::new(Pool::new(backend.clone(), s.spec.clone(), Stream::DEFAULT)?);
+        let pool = v4pool::sim::sim_pool(&backend, &s.spec)?;
         reports.push(run_policy(&pool, &s, policy, io)?);
     }
     if let Some((path, mut file)) = s.svg {
