@@ -12,8 +12,8 @@ use v4pool::pool::{Overhead, Pool, PoolSpec};
 use v4pool::sim::cost::CostError;
 use v4pool::sim::fleet::{simulate_fleet, FleetConfig, FleetReport, FleetRun, Router};
 use v4pool::sim::{
-    Engine, Mix, RequestSpec, RunKind, SimConfig, SimError, SimReport, StepCost, TimeConfig, Trace,
-    TraceError, Workload,
+    Engine, MemoryPlacement, Mix, RequestSpec, RunKind, SimConfig, SimError, SimReport, StepCost, TimeConfig,
+    Trace, TraceError, Workload,
 };
 use v4pool::sizing::{IndexerDtype, KvDtype, Plan, PlanRequest};
 
@@ -432,10 +432,15 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
     let backend = v4pool::backend::select(s.choice)?;
     // The simulator needs a pool's accounting, not its planes' bytes: on the host, the
     // accounting mode keeps the planes, indexer cache and host tiers as address ranges only.
-    let backend: std::sync::Arc<dyn v4pool::backend::Backend> = if backend.kind() == BackendKind::Host {
-        std::sync::Arc::new(v4pool::backend::host::HostBackend::accounting())
-    } else {
-        backend
+    let on_host = backend.kind() == BackendKind::Host;
+    let backend: std::sync::Arc<dyn v4pool::backend::Backend> =
+        if on_host { std::sync::Arc::new(v4pool::backend::host::HostBackend::accounting()) } else { backend };
+    // Refuse up front what would not fit this machine's memory (rather than be killed midway).
+    let at = MemoryPlacement { planes_on_host: false, index_on_host: on_host, tiers_committed: !on_host };
+    let engines = s.fleet.as_ref().map_or(1, |f| f.engines);
+    let estimate = match v4pool::sim::available_memory() {
+        Some(available) => s.cfg.check_memory(&s.spec, engines, at, available)?,
+        None => s.cfg.memory_estimate(&s.spec, engines, at)?,
     };
     let workload = match &s.source {
         Source::Trace(t, specs) => {
@@ -468,6 +473,19 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
             s.plan.budget_bytes,
             s.plan.plane_rows,
             s.cfg.max_seqs,
+        ));
+    }
+    if !s.json {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        io.note(format_args!(
+            "  host memory: about {:.2} GiB at the peak ({engines} engine(s) × {:.2} GiB; {})\n",
+            gib(estimate.total),
+            gib(estimate.per_engine),
+            if on_host {
+                "planes, indexer and host tiers kept without bytes"
+            } else {
+                "planes and indexer on the device, host tiers pinned"
+            },
         ));
     }
     if let (Some(fleet), Source::Trace(trace, specs)) = (&s.fleet, &s.source) {
