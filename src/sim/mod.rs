@@ -34,7 +34,8 @@
 //! * [`report`] — [`SimReport`], every figure a run produces.
 //!
 //! # Memory bound
-//! A run holds the pool (its budget), the decode index buffers (at most
+//! A run holds the pool (its budget: on the accounting host backend, [`sim_pool`], none of
+//! it in memory), the decode index buffers (at most
 //! 1/[`DECODE_BUDGET_DIVISOR`] of the pool's bytes; a larger configuration is refused by
 //! [`SimConfig::check`]), and host bookkeeping bounded by constants: at most
 //! [`MAX_WAITING`] queued requests (arrivals finding the queue full are turned away and

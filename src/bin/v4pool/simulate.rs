@@ -27,9 +27,10 @@ DeepSeek-V4 (both with v4pool's prefix reuse), beside two baselines on the elast
 reuse, and reuse at 4,096-token granularity; with --host-tier, also elastic with a host
 tier. In time (default), a step costs what the step-cost model charges (see `v4pool
 calibrate`) and the runs report TTFT, TPOT and end-to-end latency p50/p90/p99,
-tok/s/GPU and goodput under a latency target. Memory is the budget plus at most a
-sixteenth of it for decode index buffers and a few MiB of host bookkeeping; options that
-would need more are refused.
+tok/s/GPU and goodput under a latency target. On the host the pools' planes and host tiers keep
+no bytes (their copies are counted, not done): memory is the decode index buffers (at most
+a sixteenth of the budget) and the bookkeeping; the estimate is printed first, and a run
+that would not fit the machine's available memory is refused.
 
   --cost PRESET|FILE|none  h200x4-flash-fp8 (default), b200x4-flash-fp4, h200x8-pro-fp4,
                         h200x4-flash-fp8-low-latency, a JSON file of coefficients (the
