@@ -239,3 +239,138 @@ fn the_multiturn_mix_hits() {
     assert!(lcm.prefix_hit_rate < elastic.prefix_hit_rate);
     assert!(elastic.prefilled_tokens < no_reuse.prefilled_tokens);
 }
+
+/// A v4-flash fp8 pool spec of `budget` bytes for `seqs` sequences.
+fn spec(budget: u64, seqs: i64) -> PoolSpec {
+    let model = ModelShape::v4_flash(0).unwrap();
+    let p = plan(&model, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, seqs, budget)).unwrap();
+    PoolSpec::from_plan(&p).unwrap()
+}
+
+/// A report with the wall-clock figures (the index build's and staging's µs) cleared: what
+/// must not depend on where the pool's bytes are.
+fn modelled(mut r: v4pool::sim::SimReport) -> String {
+    r.index_build_mean_us = 0.0;
+    r.index_build_p99_us = 0.0;
+    r.index_build_max_us = 0.0;
+    r.stage_mean_us = 0.0;
+    r.backend.clear();
+    format!("{r:?}")
+}
+
+/// Issue 45: the accounting host backend (planes, indexer cache and host tier without
+/// bytes) runs the pool's and manager's own code, so every run reports the same figures as on
+/// the plain host backend, host tier spills and restores included.
+#[test]
+fn the_accounting_backend_gives_the_plain_backends_results() {
+    let cfg = SimConfig {
+        mix: Mix::Multiturn,
+        rate: 0.8,
+        steps: 400,
+        max_seqs: 8,
+        elastic_max_seqs: 24,
+        max_context: 1 << 16,
+        host_tier_bytes: 64 << 20,
+        ..SimConfig::default()
+    };
+    let requests: Vec<RequestSpec> = cfg.workload().unwrap().collect();
+    let s = spec(1 << 30, cfg.max_seqs as i64);
+    let accounting = Arc::new(HostBackend::accounting());
+    for policy in [RunKind::Elastic, RunKind::Fixed, RunKind::Reuse4096, RunKind::ElasticTier] {
+        let plain: Arc<dyn Backend> = Arc::new(HostBackend::new());
+        let p = Arc::new(Pool::new(plain, s.clone(), Stream::DEFAULT).unwrap());
+        let expected = simulate(&p, &cfg, policy, requests.iter().copied()).unwrap();
+        let backend: Arc<dyn Backend> = accounting.clone();
+        let p = v4pool::sim::sim_pool(&backend, &s).unwrap();
+        let got = simulate(&p, &cfg, policy, requests.iter().copied()).unwrap();
+        assert!(got.index_build_steps > 0, "{policy:?}: no decode index build ran");
+        assert!(expected.boundary_moves + expected.checkpoints_stored > 0, "{policy:?} moved nothing");
+        assert_eq!(modelled(got), modelled(expected), "{policy:?} differs on the accounting backend");
+    }
+    let st = accounting.accounting_stats().unwrap();
+    assert!(st.copied_bytes > 0 && st.filled_bytes > 0 && st.launches > 0, "nothing was counted: {st:?}");
+    assert!(st.to_host_bytes > 0, "the host tier took nothing: {st:?}");
+    assert_eq!((st.virtual_allocations, st.virtual_bytes), (0, 0), "virtual allocations leaked");
+}
+
+/// Issue 45: a simulated engine at a real budget (80 GiB of HBM, a 64 GiB host tier) holds
+/// only metadata: on the plain host backend the pool alone asks for 80 GiB (refused on a
+/// machine of less memory, or committed page by page as moves touch it).
+#[test]
+fn a_simulated_pool_at_80_gib_holds_only_metadata() {
+    const GIB: u64 = 1 << 30;
+    let cfg = SimConfig {
+        mix: Mix::Multiturn,
+        rate: 0.8,
+        steps: 300,
+        max_seqs: 8,
+        elastic_max_seqs: 24,
+        max_context: 1 << 16,
+        host_tier_bytes: 64 * GIB,
+        ..SimConfig::default()
+    };
+    let s = spec(80 * GIB, cfg.max_seqs as i64);
+    let accounting = Arc::new(HostBackend::accounting());
+    let backend: Arc<dyn Backend> = accounting.clone();
+    let p = v4pool::sim::sim_pool(&backend, &s).unwrap();
+    let mut engine = v4pool::sim::Engine::new(&p, &cfg, RunKind::ElasticTier).unwrap();
+    let mut arrivals = cfg.workload().unwrap();
+    while !engine.done() {
+        engine.step(&mut arrivals).unwrap();
+    }
+    let st = accounting.accounting_stats().unwrap();
+    let real = accounting.allocated_bytes();
+    let r = engine.finish().unwrap();
+    assert!(r.completed > 0 && r.index_build_steps > 0);
+    assert!(st.virtual_bytes >= 79 * GIB, "the planes were not kept without bytes: {st:?}");
+    // The tier holds whole units of its budget.
+    assert!(st.host_reserved_bytes > 63 * GIB, "the host tier was not reserved: {st:?}");
+    // Real memory: the decode index buffers and descriptors, a few MiB.
+    assert!(real < 256 << 20, "{real} bytes of real allocations beside an 80 GiB pool");
+}
+
+/// Issue 43 row 15: a run whose pools and tiers would not fit the machine's memory is
+/// refused up front; kept without bytes, the same run fits.
+#[test]
+fn a_run_that_would_not_fit_memory_is_refused_up_front() {
+    use v4pool::sim::MemoryPlacement;
+    const GIB: u64 = 1 << 30;
+    let cfg = SimConfig {
+        host_tier_bytes: 64 * GIB,
+        max_seqs: 8,
+        elastic_max_seqs: 24,
+        max_context: 1 << 16,
+        ..SimConfig::default()
+    };
+    let s = spec(80 * GIB, 8);
+    let plain = MemoryPlacement { planes_on_host: true, index_on_host: true, tiers_committed: true };
+    let accounting = MemoryPlacement { planes_on_host: false, index_on_host: true, tiers_committed: false };
+    let e = cfg.check_memory(&s, 4, plain, 24 * GIB).unwrap_err();
+    assert!(matches!(e, SimError::Config(SimConfigError::Memory { engines: 4, .. })), "{e}");
+    assert!(e.to_string().contains("GiB available"), "{e}");
+    let fit = cfg.check_memory(&s, 16, accounting, 24 * GIB).unwrap();
+    assert!(fit.total < 8 * GIB, "16 engines kept without bytes estimated at {} B", fit.total);
+    // The command refuses with one line and exit status 2 where the machine is smaller than
+    // 256 engines of 4 TiB kept without bytes (every CI machine).
+    let need = cfg.memory_estimate(&spec(4 << 40, 16), 256, accounting).unwrap().total;
+    if v4pool::sim::available_memory().is_some_and(|a| a < need) {
+        let dir = std::env::temp_dir().join(format!("v4pool-sim-mem-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let trace = dir.join("t.jsonl");
+        std::fs::write(
+            &trace,
+            "{\"timestamp\": 0, \"input_length\": 1000, \"output_length\": 10, \"hash_ids\": [1, 2]}\n",
+        )
+        .unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_v4pool"))
+            .args(["simulate", "--trace", trace.to_str().unwrap(), "--engines", "256", "--budget", "4TiB"])
+            .args(["--max-seqs", "16", "--backend", "host", "--no-progress"])
+            .output()
+            .unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        assert!(err.contains("GiB of host memory"), "{err}");
+    }
+}

@@ -94,8 +94,10 @@ pub struct Engine<'p> {
     run: RunKind,
     cfg: SimConfig,
     backend: Arc<dyn Backend>,
-    /// The decode path the pool gave out (its buffers are freed when it drops).
-    decode: DecodePath,
+    /// The decode path the pool gave out (its buffers are freed when it drops); none when
+    /// the run builds no index ([`SimConfig::build_index`] off: a fleet), which then holds
+    /// no decode buffers either.
+    decode: Option<DecodePath>,
     block_size: u64,
     /// Blocks at the start-up split: a request needing more is refused.
     capacity_blocks: u32,
@@ -178,7 +180,11 @@ impl<'p> Engine<'p> {
         let backend = pool.backend().clone();
         let m = policy::manager(pool, cfg, policy)?;
         let capacity_blocks = m.view()?.num_blocks;
-        let decode = pool.decode_path(cfg.decode_capacity(&geometry, policy))?;
+        let decode = if cfg.build_index {
+            Some(pool.decode_path(cfg.decode_capacity(&geometry, policy))?)
+        } else {
+            None
+        };
         let rep = SimReport {
             policy: policy.name().into(),
             backend: backend_name(backend.as_ref()),
@@ -595,6 +601,7 @@ impl<'p> Engine<'p> {
     /// The decode step's index build, for requests that decoded this step: stage (timed
     /// apart: it re-sends whole block tables), then launch and wait.
     fn build_index(&mut self) -> Result<(), SimError> {
+        let Some(decode) = self.decode.as_mut() else { return Ok(()) };
         let mut tables = Vec::new();
         let mut meta = Vec::new();
         for r in self.running.iter().filter(|r| !r.prefilling() && r.generated > 0) {
@@ -616,12 +623,12 @@ impl<'p> Engine<'p> {
                 block_table: t,
             })
             .collect();
-        let (stream, backend) = (self.decode.stream(), self.backend.as_ref());
+        let (stream, backend) = (decode.stream(), self.backend.as_ref());
         let t0 = Instant::now();
-        self.decode.stage(&batch)?;
+        decode.stage(&batch)?;
         backend.synchronize(stream)?;
         let t1 = Instant::now();
-        self.decode.build()?;
+        decode.build()?;
         backend.synchronize(stream)?;
         self.stage_us += (t1 - t0).as_secs_f64() * 1e6;
         self.build.record(t1.elapsed().as_secs_f64() * 1e6);

@@ -24,7 +24,7 @@ use super::policy::{self, NAMESPACE};
 use super::trace::Trace;
 use super::{Engine, LatencyHistogram, RequestSpec, RunKind, SimConfig, SimError, SimReport};
 use crate::alloc::BlockHandle;
-use crate::backend::{Backend, Stream};
+use crate::backend::Backend;
 use crate::manager::{KvEvent, Medium, Tier, TierKey};
 use crate::pool::{Pool, PoolSpec};
 use crate::transfer::HostTierError;
@@ -337,9 +337,7 @@ pub fn simulate_fleet(
         FleetRun::NoReuse => RunKind::NoReuse,
         FleetRun::PerEngine | FleetRun::Shared => RunKind::ElasticTier,
     };
-    let pools: Vec<Arc<Pool>> = (0..n)
-        .map(|_| Pool::new(backend.clone(), spec.clone(), Stream::DEFAULT).map(Arc::new))
-        .collect::<Result<_, _>>()?;
+    let pools: Vec<Arc<Pool>> = (0..n).map(|_| super::sim_pool(backend, spec)).collect::<Result<_, _>>()?;
     let mut engines = Vec::with_capacity(n);
     let unit = crate::transfer::host_tier::part_bytes(&pools[0])?.iter().sum();
     let shared = (run == FleetRun::Shared).then(|| SimSharedTier::new(fleet.shared_tier_bytes, unit));

@@ -34,7 +34,8 @@
 //! * [`report`] — [`SimReport`], every figure a run produces.
 //!
 //! # Memory bound
-//! A run holds the pool (its budget), the decode index buffers (at most
+//! A run holds the pool (its budget: on the accounting host backend, [`sim_pool`], none of
+//! it in memory), the decode index buffers (at most
 //! 1/[`DECODE_BUDGET_DIVISOR`] of the pool's bytes; a larger configuration is refused by
 //! [`SimConfig::check`]), and host bookkeeping bounded by constants: at most
 //! [`MAX_WAITING`] queued requests (arrivals finding the queue full are turned away and
@@ -58,9 +59,11 @@ pub use report::{LatencyHistogram, Sample, SimReport, TimeReport};
 pub use trace::{Trace, TraceError};
 pub use workload::{Mix, RequestSpec, Rng, Workload, WorkloadConfig};
 
+use crate::backend::Backend;
 use crate::geometry::UnifiedPoolGeometry;
-use crate::pool::{DecodeCapacity, DecodeError, DecodePath, PoolError};
+use crate::pool::{DecodeCapacity, DecodeError, DecodePath, Pool, PoolError, PoolSpec};
 use crate::variant::VariantName;
+use std::sync::Arc;
 
 /// Most requests waiting for admission; arrivals beyond it are turned away (counted in
 /// [`SimReport::turned_away`]). 65,536 requests of 32 bytes: 2 MiB.
@@ -83,6 +86,59 @@ pub const MAX_TOKENS_PER_DECODE: usize = 64;
 pub const DECODE_WINDOW: i64 = 128;
 /// CSA top-k the decode buffers reserve per token.
 pub const DECODE_TOPK: i32 = 512;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Host bytes the manager keeps per block of the pool at most (its cached-block index, the
+/// LRU, the block tables' entries), measured on the conversation trace at 80 GiB (issue 45).
+pub const MANAGER_BYTES_PER_BLOCK: u64 = 256;
+/// Host bytes a run holds whatever its pool: the binary, the queue (at most [`MAX_WAITING`]
+/// requests), histograms and samples.
+pub const BASE_BYTES: u64 = 64 << 20;
+
+/// Where a backend keeps what a simulated pool holds, for [`SimConfig::memory_estimate`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryPlacement {
+    /// The planes and indexer cache are host memory (the plain host backend).
+    pub planes_on_host: bool,
+    /// The decode index buffers are host memory (any host backend).
+    pub index_on_host: bool,
+    /// Host tiers are committed host memory (pinned on a device backend, the plain host
+    /// backend's heap); the accounting host backend reserves them without committing them.
+    pub tiers_committed: bool,
+}
+
+/// What one run of the simulator holds in host memory at its peak, by engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryEstimate {
+    /// Engines built at once.
+    pub engines: usize,
+    /// Bytes one engine holds at most.
+    pub per_engine: u64,
+    /// Bytes the run holds at most (engines × per engine + the run's own).
+    pub total: u64,
+}
+
+/// Bytes of memory the machine has available now (`MemAvailable`), where it says.
+pub fn available_memory() -> Option<u64> {
+    use std::io::Read as _;
+    let mut text = String::new();
+    // /proc/meminfo is a few KiB: read no more than 64 KiB of it.
+    std::fs::File::open("/proc/meminfo").ok()?.take(64 << 10).read_to_string(&mut text).ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// A pool for a simulation: its planes and indexer cache keep no bytes on an accounting
+/// host backend ([`crate::backend::host::keep_no_bytes`]; the pool's own code runs
+/// unchanged, its copies and fills counted instead of done), real memory on any other.
+pub fn sim_pool(backend: &Arc<dyn Backend>, spec: &PoolSpec) -> Result<Arc<Pool>, PoolError> {
+    crate::backend::host::keep_no_bytes(|| {
+        Pool::new(backend.clone(), spec.clone(), crate::backend::Stream::DEFAULT)
+    })
+    .map(Arc::new)
+}
 
 /// What a simulation can fail with while it runs.
 #[derive(Debug, thiserror::Error)]
@@ -196,6 +252,23 @@ pub enum SimConfigError {
         /// The mix's shortest context.
         min: u64,
     },
+    /// The run would hold more host memory than the machine has available
+    /// ([`SimConfig::memory_estimate`]): refused before anything is allocated, rather than
+    /// killed by the kernel midway.
+    #[error(
+        "needs about {:.1} GiB of host memory ({engines} engine(s) × {:.2} GiB), {:.1} GiB available",
+        *.need as f64 / GIB, *.per_engine as f64 / GIB, *.available as f64 / GIB
+    )]
+    Memory {
+        /// Engines the run builds at once.
+        engines: usize,
+        /// Bytes one engine holds at most.
+        per_engine: u64,
+        /// Bytes the run would hold at its peak.
+        need: u64,
+        /// Bytes the machine has available.
+        available: u64,
+    },
     /// A fleet (or anything that needs a clock) was asked to run counting steps.
     #[error("this run needs time mode (a step-cost model and a horizon)")]
     NotInTime,
@@ -212,6 +285,7 @@ impl VariantName for SimConfigError {
             Time(_, _) => "Time",
             ContextBelowMix { .. } => "ContextBelowMix",
             NotInTime => "NotInTime",
+            Memory { .. } => "Memory",
         }
     }
 
@@ -426,6 +500,7 @@ impl SimConfig {
             }
         }
         let limit = pool_bytes / DECODE_BUDGET_DIVISOR;
+        // (the memory bound is `memory_estimate`'s)
         for policy in [RunKind::Elastic, RunKind::Fixed] {
             let cap = self.decode_capacity(geometry, policy);
             let bytes = DecodePath::required_bytes(geometry, cap).map_err(SimConfigError::Decode)?;
@@ -435,5 +510,59 @@ impl SimConfig {
             }
         }
         Ok(())
+    }
+
+    /// Host memory a run of `engines` engines on pools of `spec` holds at its peak, with
+    /// the pools' parts placed as `at` says: per engine the pool's host bookkeeping, the
+    /// manager's per-block records ([`MANAGER_BYTES_PER_BLOCK`]), the decode index buffers
+    /// and their host staging when the run builds them, the planes and host tier where they
+    /// are host memory; plus [`BASE_BYTES`].
+    pub fn memory_estimate(
+        &self,
+        spec: &PoolSpec,
+        engines: usize,
+        at: MemoryPlacement,
+    ) -> Result<MemoryEstimate, SimError> {
+        let g = &spec.geometry;
+        let o = crate::pool::Overhead::estimate(spec, None)?;
+        let blocks = g.max_blocks_beside(0).max(0) as u64;
+        let mut per = o.host_bytes.saturating_add(blocks.saturating_mul(MANAGER_BYTES_PER_BLOCK));
+        if self.build_index {
+            // The elastic runs' capacity: at least the fixed split's.
+            let cap = self.decode_capacity(g, RunKind::Elastic);
+            let device = DecodePath::required_bytes(g, cap).map_err(SimConfigError::Decode)?;
+            // Host staging (at most the buffers' size) and the engine's block-table copies.
+            let tables =
+                (cap.max_seqs as u64).saturating_mul(cap.max_blocks_per_seq as u64).saturating_mul(8);
+            per = per.saturating_add(device).saturating_add(tables);
+            if at.index_on_host {
+                per = per.saturating_add(device);
+            }
+        }
+        if at.planes_on_host {
+            per = per.saturating_add(o.plane_bytes).saturating_add(o.indexer_bytes);
+        }
+        if at.tiers_committed {
+            per = per.saturating_add(self.host_tier_bytes);
+        }
+        let total = per.saturating_mul(engines as u64).saturating_add(BASE_BYTES);
+        Ok(MemoryEstimate { engines, per_engine: per, total })
+    }
+
+    /// [`Self::memory_estimate`] refused when it exceeds `available` bytes
+    /// ([`SimConfigError::Memory`]).
+    pub fn check_memory(
+        &self,
+        spec: &PoolSpec,
+        engines: usize,
+        at: MemoryPlacement,
+        available: u64,
+    ) -> Result<MemoryEstimate, SimError> {
+        let e = self.memory_estimate(spec, engines, at)?;
+        if e.total > available {
+            let (per_engine, need) = (e.per_engine, e.total);
+            return Err(SimConfigError::Memory { engines, per_engine, need, available }.into());
+        }
+        Ok(e)
     }
 }

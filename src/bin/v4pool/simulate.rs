@@ -7,13 +7,13 @@
 use crate::render::{render_table, to_json, to_svg};
 use crate::{conclude, parse_args, CliError, ParsedArgs, Streams};
 use std::io::Write as _;
-use v4pool::backend::{BackendChoice, BackendKind, Stream};
+use v4pool::backend::{BackendChoice, BackendKind};
 use v4pool::pool::{Overhead, Pool, PoolSpec};
 use v4pool::sim::cost::CostError;
 use v4pool::sim::fleet::{simulate_fleet, FleetConfig, FleetReport, FleetRun, Router};
 use v4pool::sim::{
-    Engine, Mix, RequestSpec, RunKind, SimConfig, SimError, SimReport, StepCost, TimeConfig, Trace,
-    TraceError, Workload,
+    Engine, MemoryPlacement, Mix, RequestSpec, RunKind, SimConfig, SimError, SimReport, StepCost, TimeConfig,
+    Trace, TraceError, Workload,
 };
 use v4pool::sizing::{IndexerDtype, KvDtype, Plan, PlanRequest};
 
@@ -27,9 +27,10 @@ DeepSeek-V4 (both with v4pool's prefix reuse), beside two baselines on the elast
 reuse, and reuse at 4,096-token granularity; with --host-tier, also elastic with a host
 tier. In time (default), a step costs what the step-cost model charges (see `v4pool
 calibrate`) and the runs report TTFT, TPOT and end-to-end latency p50/p90/p99,
-tok/s/GPU and goodput under a latency target. Memory is the budget plus at most a
-sixteenth of it for decode index buffers and a few MiB of host bookkeeping; options that
-would need more are refused.
+tok/s/GPU and goodput under a latency target. On the host the pools' planes and host tiers keep
+no bytes (their copies are counted, not done): memory is the decode index buffers (at most
+a sixteenth of the budget) and the bookkeeping; the estimate is printed first, and a run
+that would not fit the machine's available memory is refused.
 
   --cost PRESET|FILE|none  h200x4-flash-fp8 (default), b200x4-flash-fp4, h200x8-pro-fp4,
                         h200x4-flash-fp8-low-latency, a JSON file of coefficients (the
@@ -430,6 +431,18 @@ fn create_svg(path: &str) -> Result<std::fs::File, CliError> {
 
 fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
     let backend = v4pool::backend::select(s.choice)?;
+    // The simulator needs a pool's accounting, not its planes' bytes: on the host, the
+    // accounting mode keeps the planes, indexer cache and host tiers as address ranges only.
+    let on_host = backend.kind() == BackendKind::Host;
+    let backend: std::sync::Arc<dyn v4pool::backend::Backend> =
+        if on_host { std::sync::Arc::new(v4pool::backend::host::HostBackend::accounting()) } else { backend };
+    // Refuse up front what would not fit this machine's memory (rather than be killed midway).
+    let at = MemoryPlacement { planes_on_host: false, index_on_host: on_host, tiers_committed: !on_host };
+    let engines = s.fleet.as_ref().map_or(1, |f| f.engines);
+    let estimate = match v4pool::sim::available_memory() {
+        Some(available) => s.cfg.check_memory(&s.spec, engines, at, available)?,
+        None => s.cfg.memory_estimate(&s.spec, engines, at)?,
+    };
     let workload = match &s.source {
         Source::Trace(t, specs) => {
             let (hit, all) = t.ceiling();
@@ -463,6 +476,19 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
             s.cfg.max_seqs,
         ));
     }
+    if !s.json {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        io.note(format_args!(
+            "  host memory: about {:.2} GiB at the peak ({engines} engine(s) × {:.2} GiB; {})\n",
+            gib(estimate.total),
+            gib(estimate.per_engine),
+            if on_host {
+                "planes, indexer and host tiers kept without bytes"
+            } else {
+                "planes and indexer on the device, host tiers pinned"
+            },
+        ));
+    }
     if let (Some(fleet), Source::Trace(trace, specs)) = (&s.fleet, &s.source) {
         let mut reports = Vec::new();
         for run in FleetRun::ALL {
@@ -479,7 +505,7 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
     }
     let mut reports = Vec::new();
     for &policy in &s.policies {
-        let pool = std::sync::Arc::new(Pool::new(backend.clone(), s.spec.clone(), Stream::DEFAULT)?);
+        let pool = v4pool::sim::sim_pool(&backend, &s.spec)?;
         reports.push(run_policy(&pool, &s, policy, io)?);
     }
     if let Some((path, mut file)) = s.svg {
