@@ -9,7 +9,9 @@ mod common;
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::Stream;
-use v4pool::pool::{DecodeBuffer, DecodeCapacity, DecodeError, DecodeSeq, FlashMlaWidths, Pool};
+use v4pool::pool::{
+    DecodeBuffer, DecodeCapacity, DecodeError, DecodeSeq, DeviceBuffer, FlashMlaWidths, Pool,
+};
 use v4pool::{Class, VariantName};
 
 fn pool() -> Arc<Pool> {
@@ -129,4 +131,33 @@ fn bad_widths_are_typed_errors() {
     }
     let csr = pool.decode_path(cap()).unwrap();
     assert!(matches!(csr.flashmla(2), Err(DecodeError::NoFlashMla { .. })));
+}
+
+/// defect43 row 10: `read_flashmla` of a buffer whose length times 4 wraps (`u64::MAX / 4 + 1`
+/// elements) read 0 bytes and answered `Ok([])`; any buffer that is not inside the path's own
+/// memory (a length past it, an address before or after it) is `OutOfRange`,
+/// before anything is allocated for it; 8-byte elements are `NotI32`.
+#[test]
+fn read_flashmla_refuses_buffers_outside_the_path() {
+    let pool = pool();
+    let g = pool.geometry().unwrap();
+    let fm = pool.flashmla_decode_path(cap(), FlashMlaWidths::for_capacity(&g, cap()).unwrap()).unwrap();
+    let ops = fm.flashmla(2).unwrap();
+    assert_eq!(fm.read_flashmla(ops.topk_length).unwrap().len(), cap().max_tokens);
+    let b = ops.indices;
+    let cases = [
+        ("a length whose bytes wrap", DeviceBuffer { len: u64::MAX / 4 + 1, ..b }),
+        ("the largest length", DeviceBuffer { len: u64::MAX, ..b }),
+        ("a length past the path's memory", DeviceBuffer { len: fm.device_bytes() / 4 + 1, ..b }),
+        ("an address before it", DeviceBuffer { ptr: b.ptr - (1 << 20), ..b }),
+        ("an address after it", DeviceBuffer { ptr: b.ptr + fm.device_bytes(), len: 1, ..b }),
+    ];
+    for (what, buf) in cases {
+        match fm.read_flashmla(buf) {
+            Err(e) => assert_eq!(e.variant_name(), "OutOfRange", "{what}: {e}"),
+            Ok(v) => panic!("{what}: read {} values", v.len()),
+        }
+    }
+    let e = fm.read_flashmla(DeviceBuffer { elem_bytes: 8, ..b }).unwrap_err();
+    assert_eq!(e.variant_name(), "NotI32", "8-byte elements: {e}");
 }

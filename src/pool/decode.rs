@@ -370,6 +370,17 @@ pub enum DecodeError {
     /// A buffer read back with the wrong element type.
     #[error("{0} is not an i32 buffer")]
     NotI32(&'static str),
+    /// A buffer read back that is not inside the path's own memory (an address outside it, or
+    /// a length past its end or whose byte count overflows).
+    #[error("buffer at {ptr:#x} of {len} elements is not inside the path's {bytes} bytes")]
+    OutOfRange {
+        /// Address given.
+        ptr: DevicePtr,
+        /// Elements given.
+        len: u64,
+        /// Bytes the path holds.
+        bytes: u64,
+    },
     /// Flat batch arrays (one per field) of different lengths.
     #[error(
         "batch arrays differ in length: {positions} positions, {context_lens} context lengths, {num_tokens} token counts"
@@ -430,6 +441,7 @@ impl VariantName for DecodeError {
             FlashMlaTooNarrow { .. } => "FlashMlaTooNarrow",
             NoFlashMla { .. } => "NoFlashMla",
             NotI32(_) => "NotI32",
+            OutOfRange { .. } => "OutOfRange",
             BatchShape { .. } => "BatchShape",
             BadTokenCount { .. } => "BadTokenCount",
             Backend(e) => e.variant_name(),
@@ -1142,8 +1154,23 @@ impl DecodeIndexBuffers {
         })
     }
 
-    /// Read any i32 buffer of these buffers back (waits for the stream).
+    /// Read any i32 buffer of these buffers back (waits for the stream). A caller's
+    /// `DeviceBuffer` is a plain value: its bytes are checked inside the path's memory in
+    /// checked arithmetic before anything is allocated for them (`4 × len` must not wrap).
     pub(crate) fn read_buffer(&self, buf: DeviceBuffer) -> Result<Vec<i32>, DecodeError> {
+        if buf.elem_bytes != 4 {
+            return Err(DecodeError::NotI32("the buffer"));
+        }
+        let bytes = self.device_bytes();
+        let inside = buf
+            .ptr
+            .checked_sub(self.base())
+            .zip(buf.len.checked_mul(4))
+            .and_then(|(off, n)| off.checked_add(n))
+            .is_some_and(|end| end <= bytes);
+        if !inside {
+            return Err(DecodeError::OutOfRange { ptr: buf.ptr, len: buf.len, bytes });
+        }
         Ok(self.mem.read_i32(buf)?)
     }
 

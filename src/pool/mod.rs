@@ -888,6 +888,12 @@ impl Pool {
             return Err(not("the view starts in the plane's lead"));
         }
         let first = base / page_rows * page_rows;
+        // Not one whole page from the view's page to the plane's end (a page larger than the
+        // plane): a kernel reading pages would get an empty view with a page size no plane
+        // has (numpy refuses `[0, 2^63 − 1, 1, row]`).
+        if g.plane_rows - first < page_rows {
+            return Err(not("a page is larger than the plane from the view's page on"));
+        }
         let off =
             checked(first.checked_mul(w as i64).and_then(|o| u64::try_from(o).ok()), "page view address")?;
         Ok(PageView {
