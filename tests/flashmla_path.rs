@@ -86,6 +86,20 @@ fn flashmla_rows_are_the_csr_slices_shifted() {
         let (ix, len) = (fm.read_flashmla(ops.indices).unwrap(), fm.read_flashmla(ops.topk_length).unwrap());
         let extra = ops.extra_indices.map(|b| fm.read_flashmla(b).unwrap());
         let extra_len = ops.extra_topk_length.map(|b| fm.read_flashmla(b).unwrap());
+        // FlashMLA's per-batch-entry lengths: each sequence's longest token, pads 0.
+        let longest = |per_token: &[i32]| -> Vec<i32> {
+            let mut out = vec![0i32; cap().max_seqs];
+            let mut t = 0;
+            for (b, s) in batch.iter().enumerate() {
+                out[b] = per_token[t..t + s.num_tokens].iter().copied().max().unwrap();
+                t += s.num_tokens;
+            }
+            out
+        };
+        assert_eq!(fm.read_flashmla(ops.seq_topk_length).unwrap(), longest(&len), "layer {layer}");
+        if let (Some(b), Some(el)) = (ops.seq_extra_topk_length, &extra_len) {
+            assert_eq!(fm.read_flashmla(b).unwrap(), longest(el), "layer {layer}: seq_extra_topk_length");
+        }
         let (indices, indptr) = (read(class, DecodeBuffer::Indices), read(class, DecodeBuffer::Indptr));
         for t in 0..t_max {
             let slice = &indices[indptr[t] as usize..indptr[t + 1] as usize];
@@ -106,6 +120,12 @@ fn flashmla_rows_are_the_csr_slices_shifted() {
             );
         }
     }
+    // The next build resets the CSA compressed part: no rows until the layer's pack.
+    fm.build().unwrap();
+    let layer = (0..g.num_layers).find(|&l| g.layer_slot(l).ok() == Some(Class::Csa)).unwrap();
+    let ops = fm.flashmla(layer).unwrap();
+    assert!(fm.read_flashmla(ops.extra_indices.unwrap()).unwrap().iter().all(|&x| x == -1));
+    assert!(fm.read_flashmla(ops.extra_topk_length.unwrap()).unwrap().iter().all(|&x| x == 0));
     assert_eq!(hca_views.len(), 20, "one HCA view per layer (20 distinct shifts)");
     assert_eq!(csa_views.len(), 1, "the CSA layers share one shift");
     assert!(fm.read_i32(DecodeBuffer::Indices(Class::Csa)).is_err(), "no CSR buffers in FlashMLA mode");
