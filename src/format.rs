@@ -247,6 +247,10 @@ impl PlaneFormat {
     /// checkpoint, transfer) of a paged plane reads.
     pub fn row_spans(&self, first: u64, rows: u64) -> Option<Vec<(u64, u64)>> {
         let end = first.checked_add(rows)?;
+        // Rows past the tallest plane a pool has are no plane's: refused before any work.
+        if end > MAX_ROWS {
+            return None;
+        }
         let mut out: Vec<(u64, u64)> = Vec::new();
         let mut push = |off: u64, len: u64| {
             if len == 0 {
@@ -260,6 +264,14 @@ impl PlaneFormat {
         let p = self.page_rows;
         let mut r = first;
         while r < end {
+            if r % p == 0 && end - r >= p {
+                // Whole pages are one contiguous byte range: one span, whatever their count
+                // (the loop runs at most three times).
+                let (whole, page_bytes) = ((end - r) / p * p, p.checked_mul(self.row_bytes())?);
+                push((r / p).checked_mul(page_bytes)?, (whole / p).checked_mul(page_bytes)?);
+                r += whole;
+                continue;
+            }
             let page_end = (r / p + 1).checked_mul(p)?.min(end);
             let n = page_end - r;
             for (k, &w) in self.regions.iter().enumerate() {
@@ -286,6 +298,11 @@ pub struct RowFormat {
     /// `[pages, kernel_page_rows, 1, row_bytes]`); 1 where the kernel takes rows.
     pub kernel_page_rows: u64,
 }
+
+/// Rows of the tallest plane a pool may have: plane rows index as `i32` (the geometry refuses
+/// a taller plane, `geometry::MAX_PLANE_ROWS`; `tests/row_formats.rs` checks the two agree).
+/// [`PlaneFormat::row_spans`] refuses rows past it, so its work stays bounded.
+pub const MAX_ROWS: u64 = i32::MAX as u64;
 
 /// FlashMLA's amax floor, `448 × 1e-4` (its `tests/quant.py`: `scale_inv` at least 1e-4).
 pub const FLASHMLA_AMAX_FLOOR: u32 = 0x3d37_8034;
@@ -617,14 +634,30 @@ impl RowFormat {
 
     /// Writes the packed row (`pack`'s output) as row `row` of the planes (`planes[i]` is plane
     /// i from its row 0), through [`PlaneFormat::byte_offset`].
+    /// `None` (nothing written) for a row outside the planes and for images that are not
+    /// one row of each of the format's planes.
     pub fn place(&self, row: u64, packed: &[Vec<u8>], planes: &mut [&mut [u8]]) -> Option<()> {
-        for ((p, img), dst) in self.planes.iter().zip(packed).zip(planes.iter_mut()) {
-            let mut at = 0usize;
+        let n = self.planes.len();
+        if packed.len() != n
+            || planes.len() != n
+            || self.planes.iter().zip(packed).any(|(p, img)| img.len() as u64 != p.row_bytes())
+        {
+            return None;
+        }
+        // Every destination checked before the first byte moves: a refused place writes nothing.
+        let mut spans = Vec::new();
+        for (i, p) in self.planes.iter().enumerate() {
             for (k, &w) in p.regions.iter().enumerate() {
                 let off = usize::try_from(p.byte_offset(row, k)?).ok()?;
-                dst.get_mut(off..off + w as usize)?.copy_from_slice(&img[at..at + w as usize]);
-                at += w as usize;
+                let end = off.checked_add(usize::try_from(w).ok()?)?;
+                planes[i].get(off..end)?;
+                spans.push((i, off, end));
             }
+        }
+        let mut at = vec![0usize; n];
+        for (i, off, end) in spans {
+            planes[i][off..end].copy_from_slice(&packed[i][at[i]..at[i] + (end - off)]);
+            at[i] += end - off;
         }
         Some(())
     }

@@ -286,6 +286,10 @@ impl VariantName for ModelError {
     }
 }
 
+/// Speculative (MTP) steps a plan takes when none are named: every entry point's one default
+/// (the CLI's `--spec-steps`, Python's `plan(spec_steps=)`, `plan_report::PlanOptions`).
+pub const DEFAULT_SPEC_STEPS: i64 = 0;
+
 /// Most speculative steps a ring is sized for. Real configs use 0..=7; the bound keeps
 /// `ring_slots` and every product with it far from overflow.
 pub const MAX_SPEC_STEPS: i64 = 1 << 16;

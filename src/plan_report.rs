@@ -172,8 +172,8 @@ pub struct PlanOptions {
     pub budget_bytes: u64,
     /// Concurrent requests (slots) the plan must hold.
     pub max_seqs: i64,
-    /// KV dtype (fp8 planes or one bf16 plane).
-    pub kv: KvDtype,
+    /// KV dtype; `None`: the model family's default ([`KvDtype::default_for`]), as the CLI.
+    pub kv: Option<KvDtype>,
     /// Indexer cache dtype.
     pub indexer: IndexerDtype,
     /// Speculative (MTP) steps of a preset.
@@ -193,9 +193,9 @@ impl PlanOptions {
             model: model.to_string(),
             budget_bytes,
             max_seqs,
-            kv: KvDtype::Fp8,
+            kv: None,
             indexer: IndexerDtype::Fp8,
-            spec_steps: 0,
+            spec_steps: crate::model::DEFAULT_SPEC_STEPS,
             min_slots: 0,
             overhead_bytes: 0,
             drafts: None,
@@ -265,7 +265,12 @@ impl PlanOptions {
         let req = PlanRequest {
             min_slots: self.min_slots,
             overhead_bytes: self.overhead_bytes,
-            ..PlanRequest::new(self.kv, self.indexer, self.max_seqs, self.budget_bytes)
+            ..PlanRequest::new(
+                self.kv.unwrap_or(KvDtype::default_for(model.family)),
+                self.indexer,
+                self.max_seqs,
+                self.budget_bytes,
+            )
         };
         Ok(PlanReport::new(plan(&model, &req)?)?)
     }

@@ -86,6 +86,16 @@ impl KvDtype {
     pub const ALL: [KvDtype; 5] =
         [KvDtype::Fp8, KvDtype::Bf16, KvDtype::FlashMlaV4, KvDtype::FlashMlaV41, KvDtype::FlashMlaV41Fp4];
 
+    /// The dtype a plan of `family` takes when none is named: the family's fp8 form (ATOM's rows
+    /// for V4, FlashMLA's 528-B rows for V4.1, whose RoPE is quantised too). The one default
+    /// the CLI, the Python module and the C ABI share (`plan_report::PlanOptions`).
+    pub fn default_for(family: crate::model::ModelFamily) -> KvDtype {
+        match family {
+            crate::model::ModelFamily::V4 => KvDtype::Fp8,
+            crate::model::ModelFamily::V41 => KvDtype::FlashMlaV41,
+        }
+    }
+
     /// The row format's description (`crate::format`): what every byte of a row means.
     pub fn row_format(self) -> crate::format::RowFormatId {
         use crate::format::RowFormatId;

@@ -9,7 +9,9 @@ mod common;
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::Stream;
-use v4pool::pool::{DecodeBuffer, DecodeCapacity, DecodeError, DecodeSeq, FlashMlaWidths, Pool};
+use v4pool::pool::{
+    DecodeBuffer, DecodeCapacity, DecodeError, DecodeSeq, DeviceBuffer, FlashMlaWidths, Pool,
+};
 use v4pool::{Class, VariantName};
 
 fn pool() -> Arc<Pool> {
@@ -84,6 +86,20 @@ fn flashmla_rows_are_the_csr_slices_shifted() {
         let (ix, len) = (fm.read_flashmla(ops.indices).unwrap(), fm.read_flashmla(ops.topk_length).unwrap());
         let extra = ops.extra_indices.map(|b| fm.read_flashmla(b).unwrap());
         let extra_len = ops.extra_topk_length.map(|b| fm.read_flashmla(b).unwrap());
+        // FlashMLA's per-batch-entry lengths: each sequence's longest token, pads 0.
+        let longest = |per_token: &[i32]| -> Vec<i32> {
+            let mut out = vec![0i32; cap().max_seqs];
+            let mut t = 0;
+            for (b, s) in batch.iter().enumerate() {
+                out[b] = per_token[t..t + s.num_tokens].iter().copied().max().unwrap();
+                t += s.num_tokens;
+            }
+            out
+        };
+        assert_eq!(fm.read_flashmla(ops.seq_topk_length).unwrap(), longest(&len), "layer {layer}");
+        if let (Some(b), Some(el)) = (ops.seq_extra_topk_length, &extra_len) {
+            assert_eq!(fm.read_flashmla(b).unwrap(), longest(el), "layer {layer}: seq_extra_topk_length");
+        }
         let (indices, indptr) = (read(class, DecodeBuffer::Indices), read(class, DecodeBuffer::Indptr));
         for t in 0..t_max {
             let slice = &indices[indptr[t] as usize..indptr[t + 1] as usize];
@@ -104,6 +120,12 @@ fn flashmla_rows_are_the_csr_slices_shifted() {
             );
         }
     }
+    // The next build resets the CSA compressed part: no rows until the layer's pack.
+    fm.build().unwrap();
+    let layer = (0..g.num_layers).find(|&l| g.layer_slot(l).ok() == Some(Class::Csa)).unwrap();
+    let ops = fm.flashmla(layer).unwrap();
+    assert!(fm.read_flashmla(ops.extra_indices.unwrap()).unwrap().iter().all(|&x| x == -1));
+    assert!(fm.read_flashmla(ops.extra_topk_length.unwrap()).unwrap().iter().all(|&x| x == 0));
     assert_eq!(hca_views.len(), 20, "one HCA view per layer (20 distinct shifts)");
     assert_eq!(csa_views.len(), 1, "the CSA layers share one shift");
     assert!(fm.read_i32(DecodeBuffer::Indices(Class::Csa)).is_err(), "no CSR buffers in FlashMLA mode");
@@ -129,4 +151,33 @@ fn bad_widths_are_typed_errors() {
     }
     let csr = pool.decode_path(cap()).unwrap();
     assert!(matches!(csr.flashmla(2), Err(DecodeError::NoFlashMla { .. })));
+}
+
+/// defect43 row 10: `read_flashmla` of a buffer whose length times 4 wraps (`u64::MAX / 4 + 1`
+/// elements) read 0 bytes and answered `Ok([])`; any buffer that is not inside the path's own
+/// memory (a length past it, an address before or after it) is `OutOfRange`,
+/// before anything is allocated for it; 8-byte elements are `NotI32`.
+#[test]
+fn read_flashmla_refuses_buffers_outside_the_path() {
+    let pool = pool();
+    let g = pool.geometry().unwrap();
+    let fm = pool.flashmla_decode_path(cap(), FlashMlaWidths::for_capacity(&g, cap()).unwrap()).unwrap();
+    let ops = fm.flashmla(2).unwrap();
+    assert_eq!(fm.read_flashmla(ops.topk_length).unwrap().len(), cap().max_tokens);
+    let b = ops.indices;
+    let cases = [
+        ("a length whose bytes wrap", DeviceBuffer { len: u64::MAX / 4 + 1, ..b }),
+        ("the largest length", DeviceBuffer { len: u64::MAX, ..b }),
+        ("a length past the path's memory", DeviceBuffer { len: fm.device_bytes() / 4 + 1, ..b }),
+        ("an address before it", DeviceBuffer { ptr: b.ptr - (1 << 20), ..b }),
+        ("an address after it", DeviceBuffer { ptr: b.ptr + fm.device_bytes(), len: 1, ..b }),
+    ];
+    for (what, buf) in cases {
+        match fm.read_flashmla(buf) {
+            Err(e) => assert_eq!(e.variant_name(), "OutOfRange", "{what}: {e}"),
+            Ok(v) => panic!("{what}: read {} values", v.len()),
+        }
+    }
+    let e = fm.read_flashmla(DeviceBuffer { elem_bytes: 8, ..b }).unwrap_err();
+    assert_eq!(e.variant_name(), "NotI32", "8-byte elements: {e}");
 }

@@ -159,3 +159,53 @@ fn pool_is_send_and_sync_and_works_from_threads() {
     let c = pool.counts().unwrap();
     assert_eq!(c.free_blocks, c.num_blocks);
 }
+
+/// defect43 row 18: the bindings' plan request (`PlanOptions`, what Python and C size with)
+/// defaulted to fp8 rows for every model, so `v4.1-flash` was `KvDtypeUnsupported` there while
+/// the CLI picked `flashmla-v41`. Without a dtype every entry point takes the family's one
+/// default (`KvDtype::default_for`), and the same speculative steps
+/// (`model::DEFAULT_SPEC_STEPS`).
+#[test]
+fn plan_options_default_to_the_familys_rows() {
+    use v4pool::model::ModelFamily;
+    use v4pool::plan_report::PlanOptions;
+    for (model, family, kv) in
+        [("v4-flash", ModelFamily::V4, KvDtype::Fp8), ("v4.1-flash", ModelFamily::V41, KvDtype::FlashMlaV41)]
+    {
+        assert_eq!(KvDtype::default_for(family), kv, "{model}");
+        let o = PlanOptions::new(model, 8 << 30, 16);
+        assert_eq!(o.spec_steps, v4pool::model::DEFAULT_SPEC_STEPS);
+        let report = o.report().unwrap_or_else(|e| panic!("{model} at the defaults: {e}"));
+        assert_eq!(report.plan.layout.kv, kv, "{model}");
+        assert_eq!(report.plan.layout.model.spec_steps, v4pool::model::DEFAULT_SPEC_STEPS, "{model}");
+        // The defaults are the plan the library makes at the family's dtype.
+        let shape = ModelShape::by_name(model, v4pool::model::DEFAULT_SPEC_STEPS).unwrap();
+        let direct = plan(&shape, &PlanRequest::new(kv, IndexerDtype::Fp8, 16, 8 << 30)).unwrap();
+        assert_eq!((report.plan.num_blocks, report.plan.num_slots), (direct.num_blocks, direct.num_slots));
+    }
+}
+
+/// defect43 row 9 (the library's side; the Python views are `test_view_dtype_is_the_row_formats`):
+/// a plan's spec carries its row format, and a plane's one element type is read from it —
+/// bf16 where the plane holds bf16 values alone, none (bytes) where encodings or scales share it.
+#[test]
+fn a_plans_planes_name_their_element_type_from_the_row_format() {
+    use v4pool::format::Elem;
+    let v4 = ModelShape::v4_flash(0).unwrap();
+    let v41 = ModelShape::by_name("v4.1-flash", 0).unwrap();
+    let cases: [(&ModelShape, KvDtype, &[Option<Elem>]); 5] = [
+        (&v4, KvDtype::Fp8, &[None, Some(Elem::Bf16)]),
+        (&v4, KvDtype::Bf16, &[Some(Elem::Bf16)]),
+        (&v4, KvDtype::FlashMlaV4, &[None]),
+        (&v41, KvDtype::FlashMlaV41, &[None]),
+        (&v41, KvDtype::FlashMlaV41Fp4, &[None]),
+    ];
+    for (model, kv, want) in cases {
+        let p = plan(model, &PlanRequest::new(kv, IndexerDtype::Fp8, 4, 1 << 30)).unwrap();
+        let spec = PoolSpec::from_plan(&p).unwrap();
+        assert_eq!(spec.row_format().map(|f| f.id), Some(kv.row_format()), "{kv:?}");
+        let got: Vec<Option<Elem>> = (0..spec.plane_widths.len()).map(|i| spec.plane_elem(i)).collect();
+        assert_eq!(got, want, "{kv:?}");
+        assert_eq!(spec.plane_elem(spec.plane_widths.len()), None, "{kv:?}: a plane it lacks");
+    }
+}

@@ -232,3 +232,20 @@ fn slot_and_block_access_stays_inside_what_is_held() {
     assert!(matches!(pool.write_slot(lease.handle, 0, 0, &[1]), Err(PoolError::Alloc(_))));
     assert!(matches!(pool.write_block(block, 0, 0, &[1]), Err(PoolError::Alloc(_))));
 }
+
+/// defect43 row 11: a page larger than the plane was `Ok` with 0 pages (and a view of
+/// `[0, 2^63 − 1, 1, row]` through Python and C): refused as `NotPageable`, from every page
+/// size past what the plane holds from the view's page; the page sizes that fit still answer.
+#[test]
+fn page_views_refuse_pages_larger_than_the_plane() {
+    let pool = small_pool(12, 4);
+    let rows = pool.geometry().unwrap().plane_rows;
+    for page_rows in [i64::MAX, rows + 1, 1 << 40] {
+        match pool.page_view(0, 0, page_rows) {
+            Err(PoolError::NotPageable { .. }) => {}
+            other => panic!("page of {page_rows} rows on a {rows}-row plane: {other:?}"),
+        }
+    }
+    let v = pool.page_view(0, 0, 4).unwrap();
+    assert!(v.pages >= 1 && v.pages * 4 <= rows, "{v:?}");
+}

@@ -227,3 +227,89 @@ fn atom_fp8_description_is_the_kernel_pack_byte_for_byte() {
         assert_eq!(RowFormatId::AtomFp8.format().pack(&kv).unwrap(), vec![nope, rope], "case {case}");
     }
 }
+
+/// defect43 row 12: `place` with a packed image shorter than the format's row (or fewer
+/// images or planes than the format has) panicked on a slice index (or wrote part of a row and
+/// said `Some`): `None`, as for a row outside the planes, and the planes untouched.
+#[test]
+fn place_refuses_images_that_are_not_the_formats_rows() {
+    for id in ALL {
+        let f = id.format();
+        let sizes: Vec<usize> = f.planes.iter().map(|p| p.row_bytes() as usize).collect();
+        let mut planes: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0xc3u8; 64 * n]).collect();
+        let good: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![7u8; n]).collect();
+        let mut short = good.clone();
+        short[0].truncate(10);
+        let mut long = good.clone();
+        long[0].push(1);
+        for (what, packed) in
+            [("a 10-byte image", short), ("a longer image", long), ("too few images", vec![])]
+        {
+            let mut views: Vec<&mut [u8]> = planes.iter_mut().map(|v| v.as_mut_slice()).collect();
+            assert_eq!(f.place(0, &packed, &mut views), None, "{}: {what}", f.name);
+        }
+        if sizes.len() > 1 {
+            let mut views: Vec<&mut [u8]> = planes.iter_mut().take(1).map(|v| v.as_mut_slice()).collect();
+            assert_eq!(f.place(0, &good, &mut views), None, "{}: too few planes", f.name);
+        }
+        assert!(planes.iter().all(|p| p.iter().all(|&b| b == 0xc3)), "{}: a refused place wrote", f.name);
+        let mut views: Vec<&mut [u8]> = planes.iter_mut().map(|v| v.as_mut_slice()).collect();
+        assert_eq!(f.place(3, &good, &mut views), Some(()), "{}", f.name);
+    }
+}
+
+/// defect43 row 13: `row_spans(0, 1 << 40)` on the paged plane walked 2^34 pages (past 30 s):
+/// rows past any plane (`geometry::MAX_PLANE_ROWS`) are refused up front, and the tallest
+/// plane's rows come back at once (whole pages are one span, so the work does not grow with
+/// the count); every run equals the per-row spans merged.
+#[test]
+fn row_spans_are_bounded_work() {
+    let max = v4pool::format::MAX_ROWS;
+    assert_eq!(max, v4pool::geometry::MAX_PLANE_ROWS as u64, "one bound for plane rows");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for id in ALL {
+            for p in id.format().planes {
+                let _ = tx.send((p.row_spans(0, 1 << 40), p.row_spans(1, max), p.row_spans(0, max)));
+            }
+        }
+    });
+    let mut n = 0;
+    for id in ALL {
+        for p in id.format().planes {
+            let (past, past_by_one, tallest) =
+                rx.recv_timeout(std::time::Duration::from_secs(5)).expect("row_spans did not return in 5 s");
+            assert_eq!(past, None, "{}: rows past any plane", id.format().name);
+            assert_eq!(past_by_one, None, "{}: one row past the tallest plane", id.format().name);
+            let tallest = tallest.expect("the tallest plane's rows");
+            assert_eq!(tallest.iter().map(|s| s.1).sum::<u64>(), max * p.row_bytes(), "{}", id.format().name);
+            n += 1;
+        }
+    }
+    assert!(n > 0);
+    // Random runs against the per-row spans, merged where they abut.
+    let mut rng = Rng(0x5a4);
+    for id in ALL {
+        for p in id.format().planes {
+            for _ in 0..200 {
+                let first = rng.next() % 300;
+                let rows = rng.next() % 300;
+                let mut want: Vec<(u64, u64)> = Vec::new();
+                let mut spans: Vec<(u64, u64)> = Vec::new();
+                for r in first..first + rows {
+                    for (k, &w) in p.regions.iter().enumerate() {
+                        spans.push((p.byte_offset(r, k).unwrap(), w));
+                    }
+                }
+                spans.sort_unstable();
+                for (o, l) in spans {
+                    match want.last_mut() {
+                        Some((wo, wl)) if *wo + *wl == o => *wl += l,
+                        _ => want.push((o, l)),
+                    }
+                }
+                assert_eq!(p.row_spans(first, rows), Some(want), "{} rows {first}+{rows}", id.format().name);
+            }
+        }
+    }
+}

@@ -90,6 +90,13 @@ pub struct FlashMlaBuffers {
     pub extra_indices: Option<DeviceBuffer>,
     /// `extra_topk_length [max_tokens]` (with `extra_indices`).
     pub extra_topk_length: Option<DeviceBuffer>,
+    /// FlashMLA's own `topk_length [max_seqs]`: per batch entry (a staged sequence, its tokens
+    /// FlashMLA's `s_q` queries), the longest of its tokens' `topk_length`; 0 for a pad.
+    /// Exact for every token: a token's row is −1 from its own length on, and FlashMLA skips −1.
+    pub seq_topk_length: DeviceBuffer,
+    /// FlashMLA's own `extra_topk_length [max_seqs]` (with `extra_indices`), formed as
+    /// `seq_topk_length`; the CSA one is what the layer's pack writes (staged with the batch).
+    pub seq_extra_topk_length: Option<DeviceBuffer>,
     /// Entries per row of `indices`.
     pub topk: i32,
     /// Entries per row of `extra_indices` (0 for a dense layer).
@@ -370,6 +377,17 @@ pub enum DecodeError {
     /// A buffer read back with the wrong element type.
     #[error("{0} is not an i32 buffer")]
     NotI32(&'static str),
+    /// A buffer read back that is not inside the path's own memory (an address outside it, or
+    /// a length past its end or whose byte count overflows).
+    #[error("buffer at {ptr:#x} of {len} elements is not inside the path's {bytes} bytes")]
+    OutOfRange {
+        /// Address given.
+        ptr: DevicePtr,
+        /// Elements given.
+        len: u64,
+        /// Bytes the path holds.
+        bytes: u64,
+    },
     /// Flat batch arrays (one per field) of different lengths.
     #[error(
         "batch arrays differ in length: {positions} positions, {context_lens} context lengths, {num_tokens} token counts"
@@ -430,6 +448,7 @@ impl VariantName for DecodeError {
             FlashMlaTooNarrow { .. } => "FlashMlaTooNarrow",
             NoFlashMla { .. } => "NoFlashMla",
             NotI32(_) => "NotI32",
+            OutOfRange { .. } => "OutOfRange",
             BatchShape { .. } => "BatchShape",
             BadTokenCount { .. } => "BadTokenCount",
             Backend(e) => e.variant_name(),
@@ -670,6 +689,11 @@ struct Layout {
     batch_ids: u64,
     positions: u64,
     indptr: [u64; NUM_SLOTS],
+    /// FlashMLA mode: per sequence (FlashMLA's batch entry) its tokens' longest window part
+    /// (`topk_length [max_seqs]`, every class alike) and each class's longest compressed part
+    /// (`extra_topk_length [max_seqs]`), host-staged with the metadata (0 bytes otherwise).
+    fm_seq_length: u64,
+    fm_seq_extra_length: [u64; NUM_SLOTS],
     block_tables: u64,
     meta_end: u64,
     indices: [u64; NUM_SLOTS],
@@ -874,9 +898,15 @@ impl DecodeIndexBuffers {
         for c in 0..NUM_SLOTS {
             l.indptr[c] = take(t.checked_add(1), 4)?;
         }
+        let flash = flash.map(|(w, shifts)| FlashPlan::new(geometry, cap, w, shifts)).transpose()?;
+        // Before the block tables: a resident-table stage uploads the metadata up to them.
+        let per_seq = if flash.is_some() { s } else { 0 };
+        l.fm_seq_length = take(Some(per_seq), 4)?;
+        for c in 0..NUM_SLOTS {
+            l.fm_seq_extra_length[c] = take(Some(per_seq), 4)?;
+        }
         l.block_tables = take(s.checked_mul(cap.max_blocks_per_seq as u64), 4)?;
         l.meta_end = take(Some(0), 1)?;
-        let flash = flash.map(|(w, shifts)| FlashPlan::new(geometry, cap, w, shifts)).transpose()?;
         // FlashMLA mode writes no CSR indices: their buffers take no bytes (the indptrs stay:
         // they carry each token's slice lengths).
         for (at, c) in l.indices.iter_mut().zip(slice_cap) {
@@ -1131,20 +1161,52 @@ impl DecodeIndexBuffers {
                 (w, Some(l.fm_extra[i] + 4 * v as u64 * t * w as u64))
             }
         };
+        let seqs = self.cap.max_seqs as u64;
         Ok(FlashMlaBuffers {
             indices: buf(l.fm_indices[i] + 4 * v as u64 * row, row),
             topk_length: buf(l.fm_length[i], t),
             extra_indices: extra_at.map(|at| buf(at, t * extra_topk as u64)),
             extra_topk_length: extra_at.map(|_| buf(l.fm_extra_length[i], t)),
+            seq_topk_length: buf(l.fm_seq_length, seqs),
+            seq_extra_topk_length: extra_at.map(|_| buf(l.fm_seq_extra_length[i], seqs)),
             topk,
             extra_topk,
             shift: f.shifts[i][v],
         })
     }
 
-    /// Read any i32 buffer of these buffers back (waits for the stream).
+    /// Read any i32 buffer of these buffers back (waits for the stream). A caller's
+    /// `DeviceBuffer` is a plain value: its bytes are checked inside the path's memory in
+    /// checked arithmetic before anything is allocated for them (`4 × len` must not wrap).
     pub(crate) fn read_buffer(&self, buf: DeviceBuffer) -> Result<Vec<i32>, DecodeError> {
+        if buf.elem_bytes != 4 {
+            return Err(DecodeError::NotI32("the buffer"));
+        }
+        let bytes = self.device_bytes();
+        let inside = buf
+            .ptr
+            .checked_sub(self.base())
+            .zip(buf.len.checked_mul(4))
+            .and_then(|(off, n)| off.checked_add(n))
+            .is_some_and(|end| end <= bytes);
+        if !inside {
+            return Err(DecodeError::OutOfRange { ptr: buf.ptr, len: buf.len, bytes });
+        }
         Ok(self.mem.read_i32(buf)?)
+    }
+
+    /// FlashMLA mode: the fills that reset the one CSA compressed buffer before a build —
+    /// `(address, u32 count, value)`: every row −1 and every length 0, so a CSA layer read
+    /// before its pack shows no rows (never row 0, never the last step's pack).
+    pub(crate) fn csa_flash_reset(&self) -> Option<[(DevicePtr, u64, u32); 2]> {
+        let f = self.flash.as_ref()?;
+        self.has_class(Class::Csa).then_some(())?;
+        let (b, l, t) = (self.base(), &self.layout, self.cap.max_tokens as u64);
+        let i = Class::Csa.index();
+        Some([
+            (b + l.fm_extra[i], t * f.widths.csa_extra_topk as u64, u32::MAX),
+            (b + l.fm_extra_length[i], t, 0),
+        ])
     }
 
     fn slot_pack_args(
@@ -1410,6 +1472,16 @@ impl DecodeIndexBuffers {
             put_i32(st, l.indptr[c], 0, 0);
         }
         self.csa_heads.clear();
+        let flash = self.flash.is_some();
+        if flash {
+            // Pads (and the rest of a longer earlier batch) get length 0.
+            for b in 0..cap.max_seqs {
+                put_i32(st, l.fm_seq_length, b, 0);
+                for &at in &l.fm_seq_extra_length {
+                    put_i32(st, at, b, 0);
+                }
+            }
+        }
         let mut t = 0usize;
         for (b, s) in batch.iter().enumerate() {
             // Live positions lie in the plane, whose rows fit an i32.
@@ -1424,6 +1496,22 @@ impl DecodeIndexBuffers {
                     class_slice_lens(pos, s.context_len, win, topk, self.slot_ratios, self.targets.head_fill);
                 // At most index_topk and a position / the fine ratio: both i32.
                 self.csa_heads.push([csa as i32, ((pos + 1) / self.slot_ratios[0]) as i32]);
+                if flash {
+                    // FlashMLA's per-batch-entry lengths (its `s_q` tokens share one): the
+                    // longest of the sequence's tokens, the same slice lengths the builder and
+                    // the pack write per token (each within an i32, as the indptrs are).
+                    let get = |st: &Vec<u8>, off: u64| {
+                        let o = off as usize + 4 * b;
+                        i32::from_ne_bytes([st[o], st[o + 1], st[o + 2], st[o + 3]])
+                    };
+                    let longest = get(st, l.fm_seq_length).max(n as i32);
+                    put_i32(st, l.fm_seq_length, b, longest);
+                    for (c, part) in [(Class::Csa, csa), (Class::Hca, hca)] {
+                        let at = l.fm_seq_extra_length[c.index()];
+                        let longest = get(st, at).max(part as i32);
+                        put_i32(st, at, b, longest);
+                    }
+                }
                 put_i32(st, l.batch_ids, t, b as i32);
                 let o = l.positions as usize + 8 * t;
                 st[o..o + 8].copy_from_slice(&pos.to_ne_bytes());

@@ -74,6 +74,9 @@ pub struct PoolSpec {
     /// The §6 layout id of the plan the spec came from, with the spec's fingerprint then: a
     /// pool only reports the plan's id while the spec still is what the plan made.
     plan_layout: Option<(LayoutId, String)>,
+    /// The row format of the layout the spec came from ([`PoolSpec::from_layout`]); a spec
+    /// from parts has none.
+    row_format: Option<crate::format::RowFormatId>,
 }
 
 impl PoolSpec {
@@ -87,7 +90,15 @@ impl PoolSpec {
         indexer: Option<IndexerDtype>,
         csa_layers: Vec<usize>,
     ) -> Result<PoolSpec, PoolError> {
-        let spec = PoolSpec { geometry, plane_widths, arena, indexer, csa_layers, plan_layout: None };
+        let spec = PoolSpec {
+            geometry,
+            plane_widths,
+            arena,
+            indexer,
+            csa_layers,
+            plan_layout: None,
+            row_format: None,
+        };
         spec.validate()?;
         Ok(spec)
     }
@@ -131,6 +142,7 @@ impl PoolSpec {
             indexer: Some(layout.indexer),
             csa_layers: layout.model.indexer_layers(),
             plan_layout: None,
+            row_format: Some(layout.kv.row_format()),
         };
         spec.validate()?;
         let id = LayoutId::for_layout(layout)?;
@@ -187,6 +199,35 @@ impl PoolSpec {
             }
         }
         Ok(())
+    }
+
+    /// The row format of the plan this spec came from: what every byte of a plane row means
+    /// (`None` for a spec built from parts, or one whose plane widths are not the format's).
+    pub fn row_format(&self) -> Option<&'static crate::format::RowFormat> {
+        let f = self.row_format?.format();
+        f.planes.iter().map(|p| p.row_bytes()).eq(self.plane_widths.iter().copied()).then_some(f)
+    }
+
+    /// The one element type every byte of plane `plane`'s rows holds, read from the row format:
+    /// `Some(e)` where the plane is values of `e` alone (ATOM fp8's RoPE plane, the bf16 plane:
+    /// bf16), `None` where encodings or scales share it (the fp8 NoPE plane, FlashMLA's rows:
+    /// bytes) or the spec has no format. What a binding exports a plane's views as.
+    pub fn plane_elem(&self, plane: usize) -> Option<crate::format::Elem> {
+        let f = self.row_format()?;
+        let row_bits = f.planes.get(plane)?.row_bytes() * 8;
+        if f.segments.iter().any(|s| s.scale.is_some_and(|c| c.place.plane == plane)) {
+            return None;
+        }
+        let mut elem = None;
+        let mut bits = 0u64;
+        for s in f.segments.iter().filter(|s| s.data.plane == plane) {
+            if elem.is_some_and(|e| e != s.elem) {
+                return None;
+            }
+            elem = Some(s.elem);
+            bits += s.count as u64 * s.elem.bits() as u64;
+        }
+        elem.filter(|_| bits == row_bits)
     }
 
     /// The indexer cache's layers per indexer pool ([`IndexerDtype::layer_parts`]); empty
@@ -902,6 +943,12 @@ impl Pool {
             return Err(not("the view starts in the plane's lead"));
         }
         let first = base / page_rows * page_rows;
+        // Not one whole page from the view's page to the plane's end (a page larger than the
+        // plane): a kernel reading pages would get an empty view with a page size no plane
+        // has (numpy refuses `[0, 2^63 − 1, 1, row]`).
+        if g.plane_rows - first < page_rows {
+            return Err(not("a page is larger than the plane from the view's page on"));
+        }
         let off =
             checked(first.checked_mul(w as i64).and_then(|o| u64::try_from(o).ok()), "page view address")?;
         Ok(PageView {

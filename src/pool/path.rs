@@ -148,8 +148,11 @@ impl DecodePath {
     /// Layer `layer`'s FlashMLA operands (a path from [`Self::new_flashmla`]; else
     /// [`DecodeError::NoFlashMla`]): `indices` / `topk_length` (its class's view) and
     /// `extra_indices` / `extra_topk_length` (HCA: its view; CSA: the one buffer the layer's
-    /// pack fills, so read it between that pack and the next). Hand FlashMLA
-    /// `Pool::page_view(layer, plane, 64)` as `k_cache` and `extra_k_cache`.
+    /// pack fills, so read it between that pack and the next; each build resets it to −1 with
+    /// length 0 until then). Hand FlashMLA `Pool::page_view(layer, plane, 64)` as `k_cache` and
+    /// `extra_k_cache`, and `seq_topk_length` / `seq_extra_topk_length` (one per sequence,
+    /// its tokens sharing it) as its `topk_length` / `extra_topk_length` with `indices` viewed
+    /// `[sequences, s_q, topk]` (docs/flashmla.md, "MTP").
     pub fn flashmla(&self, layer: usize) -> Result<FlashMlaBuffers, DecodeError> {
         self.bufs.flashmla(layer)
     }
@@ -257,9 +260,23 @@ impl DecodePath {
     /// the same checks, then the same launch, whose pointers and grid are fixed, so it may be
     /// captured once and replayed after each stage. The caller orders `stream` after the
     /// staging on the pool's stream; the path drains `stream` before its buffers go.
+    ///
+    /// FlashMLA mode: the build first resets the CSA compressed rows to −1 and their lengths
+    /// to 0 (two fills on `stream`), so a CSA layer's operands before its pack show no rows —
+    /// neither row 0 nor the previous step's pack ([`Self::build_launch`] alone does not).
     pub fn build_on(&mut self, stream: Stream) -> Result<(), DecodeError> {
         self.refresh()?;
         self.bufs.check_staged(self.bufs.bounds())?;
+        // Drained on drop: every stream work of this path is queued on.
+        if stream != self.stream() && !self.streams.contains(&stream) {
+            self.streams.push(stream);
+        }
+        for (ptr, count, value) in self.bufs.csa_flash_reset().into_iter().flatten() {
+            // SAFETY: `ptr` and `count` name one of the path's own buffers (its CSA compressed
+            // rows or lengths, `count` u32 inside the allocation), which outlives the fill (drop
+            // drains every stream a build went on).
+            unsafe { self.pool.backend().fill_u32(ptr, count, value, stream)? };
+        }
         if stream == self.stream() {
             return self.bufs.build();
         }
@@ -269,9 +286,6 @@ impl DecodePath {
         // Misordered against the staging, the builder reads stale metadata of these same
         // buffers: wrong indices, never an address outside them.
         unsafe { self.pool.backend().launch(&self.bufs.launch(), stream)? };
-        if !self.streams.contains(&stream) {
-            self.streams.push(stream);
-        }
         Ok(())
     }
 
@@ -320,7 +334,8 @@ impl DecodePath {
 
     /// The decode builder's launch, for graph capture (advanced: running it through
     /// [`crate::backend::Backend::launch`] is the caller's `unsafe`; [`Self::build`] and
-    /// [`Self::build_on`] are the safe ways).
+    /// [`Self::build_on`] are the safe ways, and in FlashMLA mode also reset the CSA
+    /// compressed rows, which this launch does not write: capture `build_on` instead).
     pub fn build_launch(&self) -> Launch {
         self.bufs.launch()
     }

@@ -66,6 +66,23 @@ def test_v41_preset_plans_in_bf16():
     assert e.value.variant == "KvDtypeUnsupported"
 
 
+@pytest.mark.parametrize("model, kv", [("v4-flash", "fp8"), ("v4.1-flash", "flashmla-v41")])
+def test_plan_defaults_are_the_clis(model, kv):
+    # defect43 row 18: Python defaulted to fp8 rows (a V4.1 model was KvDtypeUnsupported) and
+    # its spec_steps default was its own; both are now the library's, which the CLI takes too.
+    p = v4pool.plan(model=model, budget="8GiB", max_seqs=16)
+    d = p.to_dict()
+    assert d["kv_dtype"] == kv and d["spec_steps"] == 0
+    cli = os.environ.get("V4POOL_CLI")
+    if not cli:
+        pytest.skip("V4POOL_CLI not set: no `v4pool` binary to compare with")
+    out = subprocess.run(
+        [cli, "plan", "--model", model, "--budget", "8GiB", "--max-seqs", "16", "--json"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    assert json.loads(out) == d
+
+
 @pytest.mark.parametrize(
     "kwargs, variant",
     [
@@ -119,6 +136,40 @@ def test_views_are_dlpack_objects(pool):
     assert pool.plane(1, dtype="float8_e4m3fn").shape == [pool.plane_rows, 128]
     with pytest.raises(ValueError):
         pool.plane(1, dtype="float64")
+
+
+@pytest.mark.parametrize(
+    "model, dtype, planes",
+    [
+        ("v4-flash", "fp8", [("uint8", 512), ("bfloat16", 64)]),
+        ("v4-flash", "bf16", [("bfloat16", 512)]),
+        ("v4-flash", "flashmla-v4", [("uint8", 584)]),
+        ("v4.1-flash", "bf16", [("bfloat16", 512)]),
+        ("v4.1-flash", "flashmla-v41", [("uint8", 528)]),
+        ("v4.1-flash", "flashmla-v41-fp4", [("uint8", 528)]),
+    ],
+)
+def test_view_dtype_is_the_row_formats(model, dtype, planes):
+    # defect43 row 9: a FlashMLA pool's plane and layer views were bfloat16 [rows, 292] over
+    # packed e4m3 / fp4 bytes. A plane of one bf16 value run is bfloat16; any other is bytes.
+    pool = v4pool.Pool(v4pool.plan(model=model, budget="1GiB", max_seqs=4, dtype=dtype), backend="host")
+    layer = next(i for i, r in enumerate(pool.ratios) if r > 0)
+    for plane, (name, cols) in enumerate(planes):
+        for v in (pool.plane(plane), pool.layer_view(layer, plane)):
+            assert (v.dtype, v.shape[1]) == (name, cols), (dtype, plane)
+        if name == "uint8":
+            a = np.from_dlpack(pool.plane(plane))
+            assert a.dtype == np.uint8 and a.shape == (pool.plane_rows, cols)
+
+
+def test_page_view_refuses_a_page_larger_than_the_plane(pool):
+    # defect43 row 11: Ok with 0 pages and a [0, 2^63 - 1, 1, 512] view numpy could not take.
+    for rows in (2**63 - 1, pool.plane_rows + 1):
+        with pytest.raises(v4pool.V4PoolError) as e:
+            pool.page_view(0, 0, rows)
+        assert e.value.variant == "NotPageable"
+    view, shift = pool.page_view(0, 0, 64)
+    assert view.shape[0] >= 1 and shift >= 0
 
 
 def test_window_rows_alias_the_planes(pool, plan):
@@ -332,3 +383,97 @@ def test_pool_over_too_little_memory(plan):
 def test_pool_memory_comes_through_dlpack_only(plan):
     # A raw address from Python cannot be checked: there is no `over_pointer` any more.
     assert not hasattr(v4pool.Pool, "over_pointer")
+
+# ---- FlashMLA operands of a decode object -------------------------------------------------
+
+MTP = 2  # tokens per sequence: FlashMLA's s_q
+
+
+def _flash_step(pool, plan, ctx, dec_kwargs=None):
+    """A FlashMLA-mode `Decode` staged and built for sequences of `ctx` (MTP tokens each) on
+    fresh slots and random block tables; returns (dec, positions, tables, token positions)."""
+    slots = [pool.alloc_slot() for _ in ctx]
+    cols = max(-(-c // 256) for c in ctx)
+    blocks = [pool.alloc_block() for _ in range(len(ctx) * cols)]
+    ids = RNG.permutation([b.id for b in blocks]).astype(np.int32)
+    tables = ids.reshape(len(ctx), cols)
+    dec = pool.decode(max_seqs=len(ctx) + 1, max_blocks_per_seq=cols, flashmla=True, **(dec_kwargs or {}))
+    positions = np.array([s.position for s in slots], dtype=np.int64)
+    dec.stage(positions, np.array(ctx, dtype=np.int64), [MTP] * len(ctx), tables)
+    dec.build()
+    pos = [c - MTP + j for c in ctx for j in range(MTP)]
+    return dec, positions, tables, pos
+
+
+@pytest.fixture(scope="module")
+def flash_plan():
+    return v4pool.plan(model="v4-flash", budget="512MiB", max_seqs=4, dtype="flashmla-v4", spec_steps=MTP - 1)
+
+
+def test_flashmla_csa_part_is_packed_on_the_decode_object(flash_plan):
+    # defect43 row 16: after build, a CSA layer's compressed part was zeros (row 0, a valid
+    # row) with length 0 and `Decode` had no pack. Each build now resets it to -1 with length 0
+    # (an unpacked layer can't pass for rows, nor show the last step's), and `csa_pack` fills
+    # it from the indexer's top-k (checked, as `Forward.decode_csa_pack`).
+    pool = v4pool.Pool(flash_plan, backend="host")
+    ctx = [700, 1500, 2100]
+    dec, positions, tables, pos = _flash_step(pool, flash_plan, ctx)
+    csa = layer_of(pool, 4)
+    ops = dec.flashmla(csa)
+    ex, el = np.from_dlpack(ops["extra_indices"]), np.from_dlpack(ops["extra_topk_length"])
+    T, W = el.shape[0], ex.shape[1]
+    assert ex.shape == (T, W)
+    assert np.all(ex == -1) and np.all(el == 0), "an unpacked CSA part looks like rows"
+    topk_w = dec.capacity()["index_topk"]
+    topk = np.full((len(pos), topk_w), -1, dtype=np.int32)
+    for t, p in enumerate(pos):
+        entries = (p + 1) // 4
+        head = min(entries, topk_w)
+        topk[t, :head] = RNG.choice(entries, size=head, replace=False)
+    dec.csa_pack(topk)
+    for t, p in enumerate(pos):
+        b, head = t // MTP, min((p + 1) // 4, topk_w)
+        want = [pool.compress_index(csa, int(tables[b][e // 64]), e % 64) + ops["shift"] for e in topk[t, :head]]
+        assert el[t] == head and list(ex[t, :head]) == want, t
+        assert np.all(ex[t, head:] == -1)
+    assert np.all(ex[len(pos):] == -1) and np.all(el[len(pos):] == 0), "pads"
+    dec.build()
+    assert np.all(ex == -1) and np.all(el == 0), "a build keeps the last step's CSA rows"
+    with pytest.raises(v4pool.V4PoolError) as e:
+        dec.csa_pack(np.full((len(pos), topk_w), 10**6, dtype=np.int32))
+    assert e.value.variant
+
+
+def test_flashmla_lengths_per_batch_entry(flash_plan):
+    # defect43 row 17: FlashMLA takes topk_length / extra_topk_length per batch entry ([B],
+    # shared by the entry's s_q tokens); v4pool gave them per token. `seq_topk_length` /
+    # `seq_extra_topk_length` are FlashMLA's: each sequence's longest (its last token's), pads 0,
+    # and every token's row is -1 from its own length on, so the shared length is exact.
+    pool = v4pool.Pool(flash_plan, backend="host")
+    ctx = [300, 1500, 2100]
+    dec, positions, tables, pos = _flash_step(pool, flash_plan, ctx)
+    cap = dec.capacity()
+    B = cap["max_seqs"]
+    topk = np.full((len(pos), cap["index_topk"]), -1, dtype=np.int32)
+    for t, p in enumerate(pos):
+        topk[t, : min((p + 1) // 4, cap["index_topk"])] = 0
+    dec.csa_pack(topk)
+    for ratio in (0, 4, 128):
+        ops = dec.flashmla(layer_of(pool, ratio))
+        sl = np.from_dlpack(ops["seq_topk_length"])
+        want = [min(c, cap["win"]) for c in ctx] + [0] * (B - len(ctx))
+        assert sl.shape == (B,) and list(sl) == want, ratio
+        idx = np.from_dlpack(ops["indices"])[: B * MTP].reshape(B, MTP, -1)
+        tl = np.from_dlpack(ops["topk_length"])[: B * MTP].reshape(B, MTP)
+        assert list(tl.max(1)) == want
+        for b in range(B):
+            for j in range(MTP):
+                assert np.all(idx[b, j, tl[b, j]:] == -1), (ratio, b, j)
+        if ratio == 0:
+            assert "seq_extra_topk_length" not in ops
+            continue
+        sel = np.from_dlpack(ops["seq_extra_topk_length"])
+        per = {4: lambda c: min(c // 4, cap["index_topk"]), 128: lambda c: c // 128}[ratio]
+        assert list(sel) == [per(c) for c in ctx] + [0] * (B - len(ctx)), ratio
+        etl = np.from_dlpack(ops["extra_topk_length"])[: B * MTP].reshape(B, MTP)
+        assert list(etl.max(1)) == list(sel), ratio

@@ -173,7 +173,7 @@ fn geometry_spec(p: &ParsedArgs) -> Result<(String, GeometrySpec, Option<KvDtype
 
 /// A preset by name, else a config.json path (or a folder holding one).
 pub(crate) fn load_model(arg: &str, p: &ParsedArgs) -> Result<ModelShape, CliError> {
-    let spec_steps = p.i64("--spec-steps")?.unwrap_or(0);
+    let spec_steps = p.i64("--spec-steps")?.unwrap_or(v4pool::model::DEFAULT_SPEC_STEPS);
     let drafts = match (p.i64("--draft-stages")?, p.get("--draft-mode")) {
         (None, None) => None,
         (None, Some(_)) => return Err(CliError::MissingOption { flag: "--draft-stages" }),

@@ -81,11 +81,8 @@ pub(crate) fn execute(args: &[String]) -> Result<Option<PlanReport>, CliError> {
     let overhead_bytes = p.get("--overhead").map(parse_bytes).transpose()?.unwrap_or(0);
     let budget_bytes = parse_bytes(budget_text)?;
     let model = load_model(model_spec, &p)?;
-    // The default is the family's fp8 form: ATOM's rows for V4, FlashMLA's 528-B rows for V4.1.
-    let kv = kv.unwrap_or(match model.family {
-        v4pool::model::ModelFamily::V41 => KvDtype::FlashMlaV41,
-        v4pool::model::ModelFamily::V4 => KvDtype::Fp8,
-    });
+    // The family's default, the library's one (the bindings' too).
+    let kv = kv.unwrap_or(KvDtype::default_for(model.family));
     let req = PlanRequest { min_slots, overhead_bytes, ..PlanRequest::new(kv, indexer, m, budget_bytes) };
     Ok(Some(PlanReport::new(plan(&model, &req)?)?))
 }

@@ -268,10 +268,11 @@ pub extern "C" fn v4pool_last_error_message() -> *const c_char {
     LAST.with(|l| l.borrow().1.as_ptr())
 }
 
-/// Size a pool: `v4pool plan`. `dtype` (`fp8`/`bf16`/`flashmla-v4`/`flashmla-v41`) and `indexer`
-/// (`fp8`/`fp4`/`bf16`) may be null
-/// for the defaults; `model` is a preset name or a `config.json` path (a directory means its
-/// `config.json`). A config is read only if it is a regular file of at most 4 MiB: a FIFO or
+/// Size a pool: `v4pool plan`. `dtype` (`fp8`/`bf16`/`flashmla-v4`/`flashmla-v41`/
+/// `flashmla-v41-fp4`) and `indexer` (`fp8`/`fp4`/`bf16`) may be null for the defaults (the
+/// model family's rows, as `v4pool plan`: fp8 for V4, flashmla-v41 for V4.1; an fp8
+/// indexer); `spec_steps` 0 is the default the CLI and Python take. `model` is a preset name or
+/// a `config.json` path (a directory means its `config.json`). A config is read only if it is a regular file of at most 4 MiB: a FIFO or
 /// device is refused unread (`NotAFile`), a larger file refused (`TooLarge`); nothing blocks.
 ///
 /// # Safety
@@ -295,7 +296,7 @@ pub unsafe extern "C" fn v4pool_plan_new(
         };
         // SAFETY: as above.
         if let Some(d) = unsafe { text(dtype, "dtype") }? {
-            o.kv = PlanOptions::kv_from_name(d).map_err(named)?;
+            o.kv = Some(PlanOptions::kv_from_name(d).map_err(named)?);
         }
         // SAFETY: as above.
         if let Some(i) = unsafe { text(indexer, "indexer") }? {

@@ -105,10 +105,12 @@ impl Plan {
     }
 }
 
-/// Size a pool from a byte budget: `v4pool plan` as a function.
+/// Size a pool from a byte budget: `v4pool plan` as a function. `dtype=None` takes the model
+/// family's rows (fp8 for V4, `flashmla-v41` for V4.1) and `spec_steps=None` the library's
+/// default (0), both as `v4pool plan` does.
 #[pyfunction]
 #[pyo3(signature = (
-    model="v4-flash", budget=None, max_seqs=16, *, dtype="fp8", indexer="fp8", spec_steps=0,
+    model="v4-flash", budget=None, max_seqs=16, *, dtype=None, indexer="fp8", spec_steps=None,
     min_slots=0, overhead=None, draft_stages=None, draft_mode="absent"
 ))]
 #[allow(clippy::too_many_arguments)]
@@ -117,9 +119,9 @@ fn plan(
     model: &str,
     budget: Option<Bound<'_, PyAny>>,
     max_seqs: i64,
-    dtype: &str,
+    dtype: Option<&str>,
     indexer: &str,
-    spec_steps: i64,
+    spec_steps: Option<i64>,
     min_slots: i64,
     overhead: Option<Bound<'_, PyAny>>,
     draft_stages: Option<usize>,
@@ -130,9 +132,14 @@ fn plan(
         None => 8 << 30,
     };
     let mut o = PlanOptions::new(model, budget_bytes, max_seqs);
-    o.kv = PlanOptions::kv_from_name(dtype).map_err(plan_err)?;
+    // Unnamed dtype and steps: the library's defaults (`PlanOptions::new`), the CLI's too.
+    if let Some(d) = dtype {
+        o.kv = Some(PlanOptions::kv_from_name(d).map_err(plan_err)?);
+    }
     o.indexer = PlanOptions::indexer_from_name(indexer).map_err(plan_err)?;
-    o.spec_steps = spec_steps;
+    if let Some(k) = spec_steps {
+        o.spec_steps = k;
+    }
     o.min_slots = min_slots;
     o.overhead_bytes = overhead.map(|v| bytes_arg(&v)).transpose()?.unwrap_or(0);
     if let Some(stages) = draft_stages {

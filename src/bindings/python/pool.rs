@@ -12,7 +12,8 @@ use crate::boundary::BoundaryChange;
 use crate::checkpoint::{CheckpointImage, LayoutId};
 use crate::geometry::Class;
 use crate::pool::{
-    DecodeCapacity, DecodeError, DecodePath, DeviceBuffer, FlashMlaWidths, FlatDecodeBatch, Pool, PoolSpec,
+    CsaTopk, DecodeCapacity, DecodeError, DecodePath, DeviceBuffer, FlashMlaWidths, FlatDecodeBatch, Pool,
+    PoolSpec, TopkRows,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -199,8 +200,10 @@ impl PyPool {
         v
     }
 
-    /// Default element type of a plane's rows: bf16 for the RoPE plane and the bf16
-    /// layout's single plane, raw bytes for the NoPE plane (fp8 values and scales share it).
+    /// Default element type of a plane's rows, from the pool's row format
+    /// (`PoolSpec::plane_elem`): bf16 for a plane of bf16 values alone (ATOM fp8's RoPE plane,
+    /// the bf16 layout's), raw bytes wherever encodings or scales share a row (the fp8 NoPE
+    /// plane, FlashMLA's packed e4m3 / fp4 rows) or the format is unknown.
     fn plane_elem(&self, plane: usize, dtype: Option<&str>) -> PyResult<Elem> {
         if let Some(name) = dtype {
             return Elem::parse(name).ok_or_else(|| {
@@ -209,8 +212,12 @@ impl PyPool {
                 ))
             });
         }
-        let widths = &self.pool().spec().plane_widths;
-        Ok(if widths.len() == 2 && plane == 0 { Elem::U8 } else { Elem::Bf16 })
+        Ok(match self.pool().spec().plane_elem(plane) {
+            Some(crate::format::Elem::Bf16) => Elem::Bf16,
+            Some(crate::format::Elem::E4m3) => Elem::F8E4M3,
+            // e2m1 has no DLPack type: two values a byte, handed over as the bytes.
+            Some(crate::format::Elem::E2m1) | None => Elem::U8,
+        })
     }
 }
 
@@ -244,8 +251,10 @@ pub(super) fn decode_path_of(
 }
 
 /// A layer's FlashMLA operands as the dict `Decode.flashmla` / `Forward.flashmla` return:
-/// int32 views `indices [max_tokens, topk]`, `topk_length [max_tokens]`, for a compressed
-/// layer `extra_indices [max_tokens, extra_topk]` and `extra_topk_length`, and `shift`.
+/// int32 views `indices [max_tokens, topk]`, `topk_length [max_tokens]` (per token),
+/// `seq_topk_length [max_seqs]` (per sequence: FlashMLA's `topk_length`), for a compressed
+/// layer `extra_indices [max_tokens, extra_topk]`, `extra_topk_length [max_tokens]` and
+/// `seq_extra_topk_length [max_seqs]`, and `shift`.
 pub(super) fn flashmla_dict<'py>(
     py: Python<'py>,
     ops: &crate::pool::FlashMlaBuffers,
@@ -260,11 +269,16 @@ pub(super) fn flashmla_dict<'py>(
         v
     };
     let t = ops.topk_length.len as i64;
+    let b = ops.seq_topk_length.len as i64;
     d.set_item("indices", view(ops.indices, vec![t, i64::from(ops.topk)]))?;
     d.set_item("topk_length", view(ops.topk_length, vec![t]))?;
+    d.set_item("seq_topk_length", view(ops.seq_topk_length, vec![b]))?;
     if let (Some(x), Some(xl)) = (ops.extra_indices, ops.extra_topk_length) {
         d.set_item("extra_indices", view(x, vec![t, i64::from(ops.extra_topk)]))?;
         d.set_item("extra_topk_length", view(xl, vec![t]))?;
+    }
+    if let Some(sx) = ops.seq_extra_topk_length {
+        d.set_item("seq_extra_topk_length", view(sx, vec![b]))?;
     }
     d.set_item("shift", ops.shift)?;
     Ok(d)
@@ -371,8 +385,10 @@ impl PyPool {
     }
 
     /// Layer `layer`'s view of plane `plane`: `[view rows, row elements]` from the layer's
-    /// base row; index-buffer entries are rows of it. `dtype`: `uint8` (NoPE default),
-    /// `bfloat16` (RoPE / bf16 default), `float8_e4m3fn`.
+    /// base row; index-buffer entries are rows of it. `dtype` defaults to the pool's row
+    /// format's: `bfloat16` for a plane of bf16 values (the fp8 layout's RoPE plane, the bf16
+    /// layout), else `uint8` (the fp8 NoPE plane, FlashMLA's packed rows); `float8_e4m3fn`
+    /// on request.
     #[pyo3(signature = (layer, plane, dtype=None))]
     fn layer_view(&self, layer: usize, plane: usize, dtype: Option<&str>) -> PyResult<DeviceView> {
         let v = self.pool().layer_view(layer, plane).map_err(lib_err)?;
@@ -566,7 +582,8 @@ impl PyPool {
     /// plus the plan's speculative steps, the model's window and top-k, one CSA copy.
     /// `flashmla`: write FlashMLA's convention instead of CSR (index-buffers.md §3f): `True` for
     /// the narrowest widths, or `(topk, csa_extra_topk, hca_extra_topk)` (multiples of 64);
-    /// `Decode.flashmla(layer)` then gives a layer's operands.
+    /// `Decode.flashmla(layer)` then gives a layer's operands (a CSA layer's after
+    /// `Decode.csa_pack`).
     #[pyo3(signature = (max_seqs, max_blocks_per_seq, *, max_tokens=None, win=None, index_topk=None, flashmla=None))]
     fn decode(
         &self,
@@ -587,9 +604,11 @@ impl PyPool {
             index_topk: index_topk.unwrap_or(model.index_topk as i32),
         };
         let step = decode_path_of(&self.hold.pool, cap, flashmla)?;
+        let topk =
+            CsaTopk::new(&self.hold.pool, cap.max_tokens, cap.index_topk.max(0) as usize).map_err(lib_err)?;
         let step = Arc::new(Mutex::new(step));
         let keep: Keep = Arc::new((step.clone(), self.hold.clone()));
-        Ok(PyDecode { step, hold: self.hold.clone(), device: self.device, keep })
+        Ok(PyDecode { step, topk, hold: self.hold.clone(), device: self.device, keep })
     }
 
     fn __repr__(&self) -> String {
@@ -698,6 +717,8 @@ const I32: &str = "<i4";
 #[pyclass(module = "v4pool", name = "Decode", frozen)]
 pub struct PyDecode {
     step: Arc<Mutex<DecodePath>>,
+    /// The checked top-k staging of `csa_pack`.
+    topk: CsaTopk,
     hold: Arc<Hold>,
     device: DLDevice,
     keep: Keep,
@@ -786,13 +807,43 @@ impl PyDecode {
     }
 
     /// Layer `layer`'s FlashMLA operands (a `decode(..., flashmla=...)` buffer set): a dict of
-    /// int32 views `indices [max_tokens, topk]`, `topk_length [max_tokens]`, and for a
-    /// compressed layer `extra_indices [max_tokens, extra_topk]`, `extra_topk_length`; plus the
-    /// layer's `shift` (already in every index). Hand FlashMLA `Pool.page_view(layer)` as
-    /// `k_cache` and `extra_k_cache`. A CSA layer's extra part is what its `csa_pack` wrote.
+    /// int32 views `indices [max_tokens, topk]`, `topk_length [max_tokens]` (per token),
+    /// `seq_topk_length [max_seqs]`, and for a compressed layer `extra_indices [max_tokens,
+    /// extra_topk]`, `extra_topk_length [max_tokens]`, `seq_extra_topk_length [max_seqs]`; plus
+    /// the layer's `shift` (already in every index). Hand FlashMLA `Pool.page_view(layer)` as
+    /// `k_cache` and `extra_k_cache`.
+    ///
+    /// FlashMLA's shapes: with every sequence staging `s_q` tokens (MTP: 1 + draft tokens) and
+    /// `B` sequences, `indices[:B * s_q].view(B, s_q, topk)` and `seq_topk_length[:B]` are its
+    /// `indices` and `topk_length` (likewise the extra ones): a batch entry's tokens share one
+    /// length, the longest of theirs, and each token's row is -1 from its own length on, which
+    /// FlashMLA skips. The per-token lengths are for kernels that take one query a row.
+    ///
+    /// A CSA layer's compressed part is what `csa_pack` wrote since the last `build`: each
+    /// build resets it to -1 with length 0, so an unpacked layer names no rows (never row 0,
+    /// never the previous step's pack); pack each CSA layer before its attention.
     fn flashmla<'py>(&self, py: Python<'py>, layer: usize) -> PyResult<Bound<'py, PyDict>> {
         let ops = self.lock()?.flashmla(layer).map_err(lib_err)?;
         flashmla_dict(py, &ops, self.device, &self.keep, Some(sync_fn(&self.hold)))
+    }
+
+    /// One CSA layer's translate-pack (after `build`, before the layer's attention) from the
+    /// indexer's top-k: a C-contiguous int32 or int64 array `[staged tokens, width]`, each row
+    /// `[valid ids | -1]` (transformers' form; the first `min((pos + 1) // 4, index_topk)`
+    /// entries must be ids of the token's visible CSA entries, else a typed error and nothing
+    /// packed). CSR mode: the CSA heads of `indices("csa")`; FlashMLA mode: the CSA layer's
+    /// `extra_indices` and lengths. Every CSA layer overwrites the one CSA buffer in turn.
+    fn csa_pack(&self, topk: &Bound<'_, PyAny>) -> PyResult<()> {
+        let step = self.lock()?;
+        let (mut t32, mut t64) = (Vec::<i32>::new(), Vec::<i64>::new());
+        let (rows, width) = match int_array(topk, I32, 2, &mut t32, i32s) {
+            Ok((flat, shape)) => (TopkRows::I32(flat), shape[1]),
+            Err(_) => {
+                let (flat, shape) = int_array(topk, I64, 2, &mut t64, i64s)?;
+                (TopkRows::I64(flat), shape[1])
+            }
+        };
+        self.topk.pack_decode(&step, rows, width).map_err(lib_err)
     }
 
     /// The capacities the buffers were sized for.
