@@ -233,3 +233,48 @@ fn trace_and_cost_files_are_read_bounded() {
     assert_eq!(r.code, Some(0), "{r:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// defect43 row 14: every subcommand with `--dtype` takes every row format (one parser), and
+/// its `--help` and its refusal list the same formats. `simulate --dtype flashmla-v4` was
+/// refused with "is not fp8, bf16, flashmla-v4 or flashmla-v41" while its help said
+/// `fp8|bf16`.
+#[test]
+fn defect43_row14_every_dtype_flag_takes_every_format_and_says_so() {
+    const FORMATS: [&str; 5] = ["fp8", "bf16", "flashmla-v4", "flashmla-v41", "flashmla-v41-fp4"];
+    let rest: [&[&str]; 3] = [
+        &["--model", "v4-flash", "--budget", "1GiB", "--max-seqs", "1"],
+        &["--model", "v4-flash", "--blocks", "1", "--slots", "1"],
+        &[],
+    ];
+    for (cmd, rest) in ["plan", "layout", "simulate"].into_iter().zip(rest) {
+        let help = v4pool(&os(&[cmd, "--help"]), Out::Capture, LIMIT);
+        assert_eq!(help.code, Some(0), "{help:?}");
+        let line = help.stdout.lines().find(|l| l.contains("--dtype")).expect("--dtype in the help");
+        let listed = line.split_whitespace().find(|w| w.starts_with("fp8")).unwrap_or("");
+        let listed = listed.trim_end_matches([']', ',']);
+        assert_eq!(listed.split('|').collect::<Vec<_>>(), FORMATS, "{cmd} --help: {line}");
+        let r = v4pool(&os(&[&[cmd, "--dtype", "fp16"], rest].concat()), Out::Capture, LIMIT);
+        refused(&format!("{cmd} --dtype fp16"), &r);
+        let want = "fp8, bf16, flashmla-v4, flashmla-v41 or flashmla-v41-fp4";
+        assert!(r.stderr.contains(want), "{cmd}: {:?}", r.stderr);
+    }
+    // Each format sizes the plane its own way: the blocks a run ends with tell them apart.
+    let mut blocks = Vec::new();
+    for (model, dtype) in [
+        ("v4-flash", "fp8"),
+        ("v4-flash", "bf16"),
+        ("v4-flash", "flashmla-v4"),
+        ("v4.1-flash", "flashmla-v41"),
+        ("v4.1-flash", "flashmla-v41-fp4"),
+    ] {
+        let r = simulate(&["--no-progress", "--json", "--mix", "chat", "--model", model, "--dtype", dtype]);
+        check_contract(&format!("simulate --model {model} --dtype {dtype}"), &r, Out::Capture);
+        assert_eq!(r.code, Some(0), "simulate --model {model} --dtype {dtype}: {r:?}");
+        let report: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+        blocks.push(report["runs"][0]["final"]["num_blocks"].as_u64().expect("final.num_blocks"));
+    }
+    let mut distinct = blocks.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), blocks.len(), "a --dtype was not used: blocks {blocks:?}");
+}
