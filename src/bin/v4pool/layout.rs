@@ -116,7 +116,7 @@ fn geometry_spec(p: &ParsedArgs) -> Result<(String, GeometrySpec, Option<KvDtype
             None
         }
     };
-    let kv = crate::kv_dtype(&p)?;
+    let kv = crate::kv_dtype(p)?;
     let num_blocks = p.required_i64("--blocks")?;
     let num_slots = p.required_i64("--slots")?;
     // A model brings its source layers and row form (V4.1) with its ratios.

@@ -316,9 +316,10 @@ fn parse_i64(key: &str, value: &str) -> Result<i64, CliError> {
     })
 }
 
-/// The `--dtype` values every subcommand's refusal lists: [`KvDtype::ALL`]'s names (a unit
-/// test holds them equal; each `--help` spells them `fp8|bf16|…` in the same order).
-pub(crate) const KV_DTYPES: &str = "fp8, bf16, flashmla-v4, flashmla-v41 or flashmla-v41-fp4";
+/// The `--dtype` values every subcommand's refusal lists: [`KvDtype::ALL`]'s names, as the
+/// bindings list them (a unit test holds them equal; each `--help` spells them
+/// `fp8|bf16|…` in the same order).
+pub(crate) const KV_DTYPES: &str = v4pool::plan_report::KV_DTYPE_NAMES;
 
 /// `--dtype`, if given: any row format, by [`KvDtype::from_name`] (the bindings' parser too),
 /// so `plan`, `layout` and `simulate` take the same names and refuse with the same list.
