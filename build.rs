@@ -4,8 +4,8 @@
 //! the kernel family files it includes inlined: ONE string that NVRTC / hiprtc compile without
 //! include paths or callbacks (`src/kernels.rs` embeds it).
 //!
-//! When found (never required; a missing tool or a failed compile is a `cargo:warning`, never a
-//! build failure, and leaves that artifact empty):
+//! When found (never required; a missing tool or a failed compile leaves that artifact empty,
+//! never fails the build):
 //! * nvcc (`NVCC`, `CUDA_HOME/bin`, `CUDA_PATH/bin`, `PATH`): sm_90 cubin and PTX;
 //! * clang 19+ (`V4POOL_CLANG`, `clang-NN` or `clang` on `PATH`) or ROCm's clang / hipcc
 //!   (`ROCM_PATH`, `HIP_PATH`, `/opt/rocm`): gfx942 and gfx90a code objects; without nvcc, clang
@@ -14,6 +14,13 @@
 //! The device compiles read the embedded file itself, so what they check is exactly the string
 //! the run-time compilers get. `V4POOL_SKIP_DEVICE_BUILD=1` skips them. Nothing is written
 //! outside `OUT_DIR`.
+//!
+//! Quiet when nothing is wrong: a compiler that is simply not installed is a line of the build
+//! log (`v4pool::kernels::build_log`), not a `cargo:warning` every downstream build prints. It
+//! is a warning when something was asked for and did not happen — a compiler named by
+//! `NVCC` / `CUDA_HOME` / `CUDA_PATH` / `V4POOL_CLANG` / `ROCM_PATH` / `HIP_PATH` not found,
+//! or device code required (`V4POOL_REQUIRE_DEVICE_BUILD=1`, as CI sets) — and whenever a
+//! compiler that was found fails or has diagnostics.
 
 use std::env;
 use std::fs;
@@ -30,7 +37,7 @@ const BUILD_LOG: &str = "v4pool_kernel_build.txt";
 const EMULATION: &str = "libv4pool_emu.so";
 const EMULATION_SRC: &str = "kernels/v4pool_emulation.cpp";
 
-const TOOL_VARS: [&str; 8] = [
+const TOOL_VARS: [&str; 9] = [
     "NVCC",
     "CUDA_HOME",
     "CUDA_PATH",
@@ -39,6 +46,7 @@ const TOOL_VARS: [&str; 8] = [
     "HIP_PATH",
     "PATH",
     "V4POOL_SKIP_DEVICE_BUILD",
+    "V4POOL_REQUIRE_DEVICE_BUILD",
 ];
 
 fn main() {
@@ -60,8 +68,8 @@ fn main() {
     let _ = fs::remove_file(out.join(EMULATION));
     let mut log = Vec::new();
     if env::var("V4POOL_SKIP_DEVICE_BUILD").is_ok_and(|v| v == "1") {
-        warn("V4POOL_SKIP_DEVICE_BUILD=1: device code not built (the embedded source is)");
-        log.push("skipped: V4POOL_SKIP_DEVICE_BUILD=1".to_string());
+        // Asked for: a note, a warning only if device code is also required.
+        absent("V4POOL_SKIP_DEVICE_BUILD=1: device code not built (the embedded source is)", false, &mut log);
     } else {
         build_cuda(&embedded, &out, &mut log);
         build_amdgcn(&embedded, &out, &mut log);
@@ -74,6 +82,21 @@ fn warn(msg: &str) {
     for line in msg.lines() {
         println!("cargo:warning=v4pool kernels: {line}");
     }
+}
+
+/// Something not built because its compiler is not there: a line of the build log, and a
+/// warning only when it was asked for (`named`: the environment names that compiler) or
+/// device code is required.
+fn absent(msg: &str, named: bool, log: &mut Vec<String>) {
+    if named || env::var("V4POOL_REQUIRE_DEVICE_BUILD").is_ok_and(|v| v == "1") {
+        warn(msg);
+    }
+    log.push(format!("not built: {msg}"));
+}
+
+/// Whether any of `vars` is set (non-empty): the user named a compiler there.
+fn named(vars: &[&str]) -> bool {
+    vars.iter().any(|v| env_path(v).is_some())
 }
 
 /// The kernels as one translation unit: every local `#include "name"` of `kernels/` (the header
@@ -172,9 +195,18 @@ fn find_nvcc() -> Option<PathBuf> {
 
 fn build_cuda(src: &Path, out: &Path, log: &mut Vec<String>) {
     let Some(nvcc) = find_nvcc() else {
-        warn("nvcc not found (NVCC, CUDA_HOME/bin, CUDA_PATH/bin, PATH): no sm_90 cubin; PTX from clang if found");
+        let cuda_named = named(&["NVCC", "CUDA_HOME", "CUDA_PATH"]);
+        absent(
+            "nvcc not found (NVCC, CUDA_HOME/bin, CUDA_PATH/bin, PATH): no sm_90 cubin; PTX from clang if found",
+            cuda_named,
+            log,
+        );
         if !clang_ptx(src, out, log) {
-            warn("no sm_90 PTX either: the CUDA backend compiles the embedded source with NVRTC");
+            absent(
+                "no sm_90 PTX either: the CUDA backend compiles the embedded source with NVRTC",
+                cuda_named || named(&["V4POOL_CLANG"]),
+                log,
+            );
         }
         return;
     };
@@ -249,7 +281,11 @@ fn clang_candidates(include_rocm: bool) -> Vec<PathBuf> {
 fn build_amdgcn(src: &Path, out: &Path, log: &mut Vec<String>) {
     let candidates = clang_candidates(true);
     if candidates.is_empty() {
-        warn("no clang 19+ or ROCm clang/hipcc found (V4POOL_CLANG, clang-NN, clang, ROCM_PATH): no gfx942/gfx90a code objects; the HIP backend compiles the embedded source with hiprtc");
+        absent(
+            "no clang 19+ or ROCm clang/hipcc found (V4POOL_CLANG, clang-NN, clang, ROCM_PATH): no gfx942/gfx90a code objects; the HIP backend compiles the embedded source with hiprtc",
+            named(&["V4POOL_CLANG", "ROCM_PATH", "HIP_PATH"]),
+            log,
+        );
         return;
     }
     let src_s = src.to_string_lossy();

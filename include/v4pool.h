@@ -91,12 +91,12 @@ typedef enum V4poolEventEncoding {
  * the geometry's data ([`UnifiedPoolGeometry::class_ratio`]): V4's 4 and 128
  * ([`Class::ratio`]), V4.1's 1 and 2.
  */
-typedef struct Class Class;
+typedef struct V4poolClass V4poolClass;
 
 /**
  * One compressor of a layer: the arena field pair it writes and its pool window.
  */
-typedef struct Compressor Compressor;
+typedef struct V4poolCompressor V4poolCompressor;
 
 /**
  * A checked top-k buffer for a pool's CSA packs (opaque).

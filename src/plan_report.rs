@@ -110,6 +110,10 @@ impl PlanReport {
     }
 }
 
+/// The `dtype` names every entry point lists when it refuses one ([`KvDtype::ALL`]'s names,
+/// in order; the CLI's unit test holds them equal).
+pub const KV_DTYPE_NAMES: &str = "fp8, bf16, flashmla-v4, flashmla-v41 or flashmla-v41-fp4";
+
 /// What a binding's `plan(...)` call rejects.
 #[derive(Debug, Error)]
 pub enum PlanOptionError {
@@ -202,12 +206,12 @@ impl PlanOptions {
         }
     }
 
-    /// Parse a `dtype` option value (`fp8`, `bf16` or `flashmla-v41`).
+    /// Parse a `dtype` option value (one of [`KV_DTYPE_NAMES`]).
     pub fn kv_from_name(name: &str) -> Result<KvDtype, PlanOptionError> {
         KvDtype::from_name(name).ok_or_else(|| PlanOptionError::BadValue {
             option: "dtype",
             value: name.into(),
-            expected: "fp8, bf16, flashmla-v4, flashmla-v41 or flashmla-v41-fp4",
+            expected: KV_DTYPE_NAMES,
         })
     }
 

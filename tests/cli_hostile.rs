@@ -233,3 +233,188 @@ fn trace_and_cost_files_are_read_bounded() {
     assert_eq!(r.code, Some(0), "{r:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// defect43 row 14: every subcommand with `--dtype` takes every row format (one parser), and
+/// its `--help` and its refusal list the same formats. `simulate --dtype flashmla-v4` was
+/// refused with "is not fp8, bf16, flashmla-v4 or flashmla-v41" while its help said
+/// `fp8|bf16`.
+#[test]
+fn defect43_row14_every_dtype_flag_takes_every_format_and_says_so() {
+    const FORMATS: [&str; 5] = ["fp8", "bf16", "flashmla-v4", "flashmla-v41", "flashmla-v41-fp4"];
+    let rest: [&[&str]; 3] = [
+        &["--model", "v4-flash", "--budget", "1GiB", "--max-seqs", "1"],
+        &["--model", "v4-flash", "--blocks", "1", "--slots", "1"],
+        &[],
+    ];
+    for (cmd, rest) in ["plan", "layout", "simulate"].into_iter().zip(rest) {
+        let help = v4pool(&os(&[cmd, "--help"]), Out::Capture, LIMIT);
+        assert_eq!(help.code, Some(0), "{help:?}");
+        let line = help.stdout.lines().find(|l| l.contains("--dtype")).expect("--dtype in the help");
+        let listed = line.split_whitespace().find(|w| w.starts_with("fp8")).unwrap_or("");
+        let listed = listed.trim_end_matches([']', ',']);
+        assert_eq!(listed.split('|').collect::<Vec<_>>(), FORMATS, "{cmd} --help: {line}");
+        let r = v4pool(&os(&[&[cmd, "--dtype", "fp16"], rest].concat()), Out::Capture, LIMIT);
+        refused(&format!("{cmd} --dtype fp16"), &r);
+        let want = "fp8, bf16, flashmla-v4, flashmla-v41 or flashmla-v41-fp4";
+        assert!(r.stderr.contains(want), "{cmd}: {:?}", r.stderr);
+    }
+    // Each format sizes the plane its own way: the blocks a run ends with tell them apart.
+    let mut blocks = Vec::new();
+    for (model, dtype) in [
+        ("v4-flash", "fp8"),
+        ("v4-flash", "bf16"),
+        ("v4-flash", "flashmla-v4"),
+        ("v4.1-flash", "flashmla-v41"),
+        ("v4.1-flash", "flashmla-v41-fp4"),
+    ] {
+        let r = simulate(&["--no-progress", "--json", "--mix", "chat", "--model", model, "--dtype", dtype]);
+        check_contract(&format!("simulate --model {model} --dtype {dtype}"), &r, Out::Capture);
+        assert_eq!(r.code, Some(0), "simulate --model {model} --dtype {dtype}: {r:?}");
+        let report: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+        blocks.push(report["runs"][0]["final"]["num_blocks"].as_u64().expect("final.num_blocks"));
+    }
+    let mut distinct = blocks.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), blocks.len(), "a --dtype was not used: blocks {blocks:?}");
+}
+
+/// defect43 row 20: every name `include/v4pool.h` gives C is v4pool's own — types `V4pool…`,
+/// enumerators and macros `V4POOL_…`, functions `v4pool_…` — so an application that has
+/// its own `Class` or `Compressor` links. The header exported `typedef struct Class Class`
+/// and `typedef struct Compressor Compressor`.
+#[test]
+fn defect43_row20_the_c_header_names_only_prefixed_things() {
+    let header = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/include/v4pool.h")).unwrap();
+    let mut code = String::new();
+    let mut rest = header.as_str();
+    // Comments out (they name Rust items).
+    while let Some(at) = rest.find("/*") {
+        code.push_str(&rest[..at]);
+        rest = rest[at..].find("*/").map_or("", |end| &rest[at + end + 2..]);
+    }
+    code.push_str(rest);
+    let ident = |s: &str| s.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect::<String>();
+    let mut bad = Vec::new();
+    let mut names = 0;
+    for line in code.lines() {
+        let t = line.trim();
+        let mut check = |name: String, prefix: &str| {
+            names += 1;
+            if !name.starts_with(prefix) {
+                bad.push(format!("{name} (want {prefix}…): {t}"));
+            }
+        };
+        for kw in ["typedef struct ", "typedef enum ", "struct ", "enum "] {
+            if let Some(r) = t.strip_prefix(kw) {
+                check(ident(r), "V4pool");
+            }
+        }
+        if let Some(name) = t.strip_prefix("} ").map(ident).filter(|n| !n.is_empty()) {
+            check(name, "V4pool");
+        }
+        if let Some(r) = t.strip_prefix("#define ") {
+            check(ident(r), "V4POOL_");
+        }
+        // Enumerators: `  NAME = 1,` (struct fields have a type before the name).
+        let first = ident(t);
+        if line.starts_with("  ")
+            && !first.is_empty()
+            && (t[first.len()..].starts_with(" =") || &t[first.len()..] == ",")
+        {
+            check(first, "V4POOL_");
+        }
+        if !line.starts_with(' ') && t.contains('(') && !t.starts_with('#') {
+            let before = &t[..t.find('(').unwrap()];
+            check(before.rsplit([' ', '*']).next().unwrap().to_string(), "v4pool_");
+        }
+    }
+    assert!(names > 100, "the header was not read: {names} names");
+    assert!(bad.is_empty(), "unprefixed C names in include/v4pool.h:\n{}", bad.join("\n"));
+}
+
+/// defect43 row 20: the scripts stand on their own — no path into a folder outside the
+/// repository (`scripts/tier-bench-gpu.sh` named this team's `../shared/gpu/pack`).
+#[test]
+fn defect43_row20_scripts_name_no_folder_outside_the_repository() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts");
+    let mut bad = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let path = e.unwrap().path();
+        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        for (i, line) in text.lines().enumerate() {
+            if ["../shared", "/work/", "shared/gpu"].iter().any(|p| line.contains(p)) {
+                bad.push(format!("{}:{}: {line}", path.display(), i + 1));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// defect43 row 20: a build where no device compiler is installed is quiet — no
+/// `cargo:warning` (every downstream build printed "nvcc not found … no sm_90 cubin") — but
+/// says what it skipped when device code was required (`V4POOL_REQUIRE_DEVICE_BUILD=1`) or
+/// a compiler was named and is not there. build.rs itself, compiled here and run as cargo
+/// runs it, with an empty PATH.
+#[test]
+fn defect43_row20_a_build_without_device_compilers_is_quiet() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let dir = std::env::temp_dir().join(format!("v4pool-build-rs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("out")).unwrap();
+    std::fs::create_dir_all(dir.join("bin")).unwrap();
+    let exe = dir.join("build-script");
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let built = std::process::Command::new(rustc)
+        .args(["--edition", "2021", "--crate-name", "build_script", "-o"])
+        .arg(&exe)
+        .arg(format!("{root}/build.rs"))
+        .output()
+        .unwrap();
+    assert!(built.status.success(), "{}", String::from_utf8_lossy(&built.stderr));
+    let run = |env: &[(&str, &str)]| {
+        let mut c = std::process::Command::new(&exe);
+        c.current_dir(root).env_clear().env("OUT_DIR", dir.join("out")).env("PATH", dir.join("bin"));
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        text.lines().filter(|l| l.starts_with("cargo:warning=")).map(str::to_string).collect::<Vec<_>>()
+    };
+    let quiet = run(&[]);
+    assert!(quiet.is_empty(), "nothing is wrong, yet:\n{}", quiet.join("\n"));
+    let log = std::fs::read_to_string(dir.join("out/v4pool_kernel_build.txt")).unwrap();
+    assert!(log.contains("nvcc not found"), "the build log still says what was skipped: {log:?}");
+    let required = run(&[("V4POOL_REQUIRE_DEVICE_BUILD", "1")]);
+    assert!(required.iter().any(|l| l.contains("nvcc not found")), "{required:?}");
+    let named = run(&[("NVCC", "/nonexistent/nvcc"), ("V4POOL_CLANG", "/nonexistent/clang")]);
+    assert!(named.iter().any(|l| l.contains("/nonexistent/nvcc")), "{named:?}");
+    assert!(named.iter().any(|l| l.contains("/nonexistent/clang") || l.contains("clang")), "{named:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// defect43 row 20: a packed plan whose compressed view outgrows an i32 index says so — it
+/// reported the compressed view's rows as the plane's ("plane of 2629338624 rows does not
+/// fit an i32 index").
+#[test]
+fn defect43_row20_a_plan_too_large_names_the_compressed_view() {
+    let r = v4pool(
+        &os(&[
+            "plan",
+            "--model",
+            "v4.1-flash",
+            "--dtype",
+            "flashmla-v41-fp4",
+            "--budget",
+            "1TiB",
+            "--max-seqs",
+            "16",
+        ]),
+        Out::Capture,
+        LIMIT,
+    );
+    refused("plan flashmla-v41-fp4 1TiB", &r);
+    assert!(r.stderr.contains("the compressed view of a plane of "), "{:?}", r.stderr);
+}

@@ -395,3 +395,167 @@ fn child_without_zmq() {
     assert!(!m.drain_events().is_empty());
     println!("child_without_zmq: OK ({e})");
 }
+
+// ---- defect43 row 3: hostile peers on the event sockets ------------------------------------
+
+/// The process's resident bytes (`VmRSS` of /proc/self/status).
+fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS");
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+}
+
+/// A hostile ZeroMQ peer written by hand (ZMTP 3.0, NULL mechanism — no libzmq on this side,
+/// so none of its own memory counts): connects to `endpoint`, says it is a `socket_type`,
+/// sends the short frames `lead` (each with MORE), then the header of one frame of `claimed`
+/// bytes and all of it but its last byte (beginning with `first`), and keeps the connection.
+/// Whatever the publisher holds for that frame it holds as long as this peer waits.
+fn hostile_peer(
+    endpoint: &str,
+    socket_type: &str,
+    lead: &[&[u8]],
+    first: u8,
+    claimed: u64,
+) -> std::net::TcpStream {
+    use std::io::Write;
+    let addr = endpoint.strip_prefix("tcp://").expect("a tcp endpoint");
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let mut greeting = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 0];
+    greeting.extend_from_slice(&{
+        let mut m = [0u8; 20];
+        m[..4].copy_from_slice(b"NULL");
+        m
+    });
+    greeting.extend_from_slice(&[0u8; 32]);
+    let mut ready = vec![5];
+    ready.extend_from_slice(b"READY");
+    ready.push(11);
+    ready.extend_from_slice(b"Socket-Type");
+    ready.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+    ready.extend_from_slice(socket_type.as_bytes());
+    let mut hello = greeting;
+    hello.extend_from_slice(&[0x04, ready.len() as u8]);
+    hello.extend_from_slice(&ready);
+    s.write_all(&hello).unwrap();
+    // libzmq drops a peer whose messages arrive before its own READY went out: wait for its
+    // greeting (64 bytes) and READY command (a short command frame), as a libzmq peer does.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 256];
+    while got.len() < 66 || got.len() < 66 + got[65] as usize {
+        let n = std::io::Read::read(&mut s, &mut buf).unwrap();
+        assert!(n > 0, "the publisher closed the connection during the handshake");
+        got.extend_from_slice(&buf[..n]);
+    }
+    let mut head = Vec::new();
+    for f in lead {
+        head.extend_from_slice(&[0x01, f.len() as u8]);
+        head.extend_from_slice(f);
+    }
+    head.push(0x02);
+    head.extend_from_slice(&claimed.to_be_bytes());
+    head.push(first);
+    // A refusing publisher closes the connection mid-frame: the write errors then, as it should.
+    let _ = s.write_all(&head);
+    let body = vec![0x61u8; 1 << 20];
+    let mut left = claimed - 2;
+    while left > 0 {
+        let n = left.min(body.len() as u64) as usize;
+        if s.write_all(&body[..n]).is_err() {
+            break;
+        }
+        left -= n as u64;
+    }
+    s
+}
+
+/// Whether the other side closed `s` within `within` (reading and dropping what it sent).
+fn dropped_by_peer(s: &mut std::net::TcpStream, within: Duration) -> bool {
+    use std::io::Read;
+    let t0 = Instant::now();
+    s.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+    let mut buf = [0u8; 4096];
+    while t0.elapsed() < within {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+/// defect43 row 3: a network peer sending one oversized frame — a subscription to the PUB
+/// socket, a request to the replay socket — is disconnected, and the publisher does not hold
+/// the frame: its RSS grows by a few MiB at most where, unbounded, it held each 64 MiB frame
+/// (and, for a complete subscription, a trie node per byte: +1.5 GiB per 16 MiB). Subscribers
+/// keep receiving and replay keeps answering. Run in a child process so that the RSS measured
+/// is the publisher's alone.
+#[test]
+fn defect43_row3_oversized_inbound_frames_are_refused() {
+    if !zmq_or_skip("defect43_row3_oversized_inbound_frames_are_refused") {
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_hostile_event_peers", "--ignored", "--nocapture", "--test-threads", "1"])
+        .env("V4POOL_HOSTILE_EVENT_CHILD", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && text.contains("child_hostile_event_peers: OK"), "{text}");
+    println!(
+        "{}",
+        text.lines().filter(|l| l.contains("child_hostile_event_peers")).collect::<Vec<_>>().join("\n")
+    );
+}
+
+#[test]
+#[ignore = "run as a child process by defect43_row3_oversized_inbound_frames_are_refused"]
+fn child_hostile_event_peers() {
+    if std::env::var("V4POOL_HOSTILE_EVENT_CHILD").is_err() {
+        println!("SKIP: child_hostile_event_peers runs only as a child");
+        return;
+    }
+    const FRAME: u64 = 64 << 20;
+    let config = KvEventsConfig {
+        endpoint: "tcp://127.0.0.1:*".into(),
+        replay_endpoint: Some("tcp://127.0.0.1:*".into()),
+        topic: "kv@pod-a@m".into(),
+        buffer_batches: 8,
+        ..KvEventsConfig::default()
+    };
+    let mut p = KvEventPublisher::new(config).unwrap();
+    let sub = joined(&mut p, "kv@");
+    let replay = p.replay_endpoint().unwrap().to_string();
+    assert!(!sub.replay(&replay, 0, 5000).unwrap().is_empty());
+    let before = rss_bytes();
+    // A subscription message (first byte 1) of 64 MiB; a replay request of 64 MiB after the
+    // DEALER's empty delimiter.
+    let mut subscriber = hostile_peer(p.endpoint(), "SUB", &[], 1, FRAME);
+    let mut requester = hostile_peer(&replay, "DEALER", &[b""], 0, FRAME);
+    // The PUB socket reads subscriptions as it is used: keep publishing meanwhile.
+    let mut sent = Vec::new();
+    for _ in 0..4 {
+        sent.push(p.publish(&events()).unwrap().unwrap());
+    }
+    let sub_dropped = dropped_by_peer(&mut subscriber, Duration::from_secs(3));
+    let req_dropped = dropped_by_peer(&mut requester, Duration::from_secs(3));
+    sent.push(p.publish(&events()).unwrap().unwrap());
+    let grown = rss_bytes().saturating_sub(before);
+    println!(
+        "child_hostile_event_peers: RSS +{:.1} MiB with two peers sending {} MiB frames; \
+         subscription peer dropped: {sub_dropped}, replay peer dropped: {req_dropped}",
+        grown as f64 / (1 << 20) as f64,
+        FRAME >> 20
+    );
+    // Normal subscribers are unaffected: every batch arrives, replay answers.
+    let got: Vec<u64> = (0..sent.len()).map(|_| sub.recv(5000).unwrap().expect("a batch").1).collect();
+    assert_eq!(got, sent);
+    let replayed: Vec<u64> = sub.replay(&replay, sent[0], 5000).unwrap().iter().map(|m| m.1).collect();
+    assert_eq!(replayed, sent);
+    assert!(sub_dropped, "the peer with a {FRAME}-byte subscription was not disconnected");
+    assert!(req_dropped, "the peer with a {FRAME}-byte replay request was not disconnected");
+    assert!(grown < 16 << 20, "the publisher's RSS grew by {grown} bytes");
+    drop((subscriber, requester));
+    println!("child_hostile_event_peers: OK");
+}

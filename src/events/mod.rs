@@ -13,6 +13,9 @@
 //! * **Payload**: [`wire`] — `[ts, [events], dp_rank]` in MessagePack, each event a tagged
 //!   array or a tagged map ([`EventEncoding`], a setting: the routers differ), block hashes
 //!   the low 64 bits of v4pool's chained hashes, `medium` `GPU` / `CPU` / `STORAGE` per tier.
+//! * **Inbound bound**: both sockets disconnect a peer sending a frame longer than
+//!   [`MAX_INBOUND_FRAME`] (subscriptions and replay requests are a few bytes), so no peer
+//!   makes the engine hold more than that per frame.
 //! * **libzmq** is loaded at run time ([`zmq`](mod@zmq)); without it every call is
 //!   [`EventsError::ZmqUnavailable`] and the rest of v4pool is unaffected.
 
@@ -108,6 +111,14 @@ fn binds(endpoint: &str) -> bool {
         || endpoint.starts_with("inproc://")
 }
 
+/// The longest frame a peer may send the publisher's sockets (libzmq disconnects it
+/// otherwise, before holding the frame): a subscription is a topic prefix, a replay request
+/// 8 bytes, a ZMTP READY command a socket type and a routing id of at most 255 bytes — 4 KiB
+/// fits every honest one many times over. Unbounded, one peer subscribing with a 16 MiB prefix
+/// made the PUB socket build 1.5 GiB of subscription trie, and each half-sent 64 MiB frame
+/// kept 64 MiB resident for as long as its peer waited (issue 43 row 3).
+pub const MAX_INBOUND_FRAME: usize = 4096;
+
 /// The replay marker that ends an answer: -1 as 8 bytes big-endian.
 pub const END_SEQ: [u8; 8] = [0xff; 8];
 
@@ -142,6 +153,8 @@ impl KvEventPublisher {
         let ctx = Arc::new(zmq::Context::new()?);
         let pub_socket = ctx.socket(zmq::PUB)?;
         pub_socket.set_send_hwm(config.hwm)?;
+        // Subscriptions are inbound messages on a PUB socket: bound them like any other.
+        pub_socket.set_max_inbound_frame(MAX_INBOUND_FRAME)?;
         let endpoint = if binds(&config.endpoint) {
             pub_socket.bind(&config.endpoint)?;
             pub_socket.last_endpoint()?
@@ -162,6 +175,7 @@ impl KvEventPublisher {
                 .spawn(move || {
                     let opened = ctx.socket(zmq::ROUTER).and_then(|s| {
                         s.set_send_hwm(hwm)?;
+                        s.set_max_inbound_frame(MAX_INBOUND_FRAME)?;
                         s.bind(&at)?;
                         let bound = s.last_endpoint()?;
                         Ok((s, bound))
@@ -253,8 +267,10 @@ fn serve_replay(s: &zmq::Socket, buf: &Buffer, stop: &AtomicBool, topic: &[u8]) 
             Ok(false) => continue,
             Err(_) => return,
         }
-        let Ok(frames) = s.recv_multipart(1024) else { continue };
-        // [client id, empty delimiter, start seq]: anything else is ignored, as vLLM does.
+        // [client id, empty delimiter, start seq] (a REQ client's too): a fourth frame is
+        // already not a request.
+        let Ok(frames) = s.recv_multipart(MAX_INBOUND_FRAME, 3) else { continue };
+        // Anything else is ignored, as vLLM does.
         let [id, _, start] = frames.as_slice() else { continue };
         let Ok(start) = <[u8; 8]>::try_from(start.as_slice()) else { continue };
         let start = u64::from_be_bytes(start);
@@ -297,6 +313,7 @@ impl KvEventSubscriber {
     pub fn connect(endpoint: &str, topic: &str) -> Result<KvEventSubscriber, EventsError> {
         let ctx = Arc::new(zmq::Context::new()?);
         let sub = ctx.socket(zmq::SUB)?;
+        sub.set_max_inbound_frame(MAX_FRAME)?;
         sub.subscribe(topic.as_bytes())?;
         sub.connect(endpoint)?;
         Ok(KvEventSubscriber { ctx, sub })
@@ -307,7 +324,7 @@ impl KvEventSubscriber {
         if !self.sub.poll_in(timeout_ms)? {
             return Ok(None);
         }
-        split(self.sub.recv_multipart(MAX_FRAME)?).map(Some)
+        split(self.sub.recv_multipart(MAX_FRAME, 3)?).map(Some)
     }
 
     /// Ask the replay socket at `endpoint` for every buffered batch from `start`; the
@@ -320,11 +337,13 @@ impl KvEventSubscriber {
     ) -> Result<Vec<EventMessage>, EventsError> {
         let d = self.ctx.socket(zmq::DEALER)?;
         d.set_recv_timeout(timeout_ms)?;
+        d.set_max_inbound_frame(MAX_FRAME)?;
         d.connect(endpoint)?;
         d.send_multipart(&[b"", &start.to_be_bytes()])?;
         let mut out = Vec::new();
         loop {
-            let mut frames = d.recv_multipart(MAX_FRAME)?;
+            // [empty delimiter, topic, seq, payload].
+            let mut frames = d.recv_multipart(MAX_FRAME, 4)?;
             // The DEALER sees the ROUTER's empty delimiter first.
             if frames.first().is_some_and(|f| f.is_empty()) {
                 frames.remove(0);

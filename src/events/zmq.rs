@@ -19,6 +19,7 @@ const SNDMORE: c_int = 2;
 const SUBSCRIBE: c_int = 6;
 const RCVMORE: c_int = 13;
 const LINGER: c_int = 17;
+const MAXMSGSIZE: c_int = 22;
 const SNDHWM: c_int = 23;
 const RCVTIMEO: c_int = 27;
 const LAST_ENDPOINT: c_int = 32;
@@ -203,6 +204,20 @@ impl Socket {
         self.check("zmq_setsockopt", rc).map(drop)
     }
 
+    /// Peers sending a frame longer than `bytes` are disconnected (`ZMQ_MAXMSGSIZE`, an
+    /// int64): libzmq checks each inbound frame's header against it before allocating the
+    /// frame — subscriptions and ZMTP commands included, on every socket type — so a peer
+    /// never makes this side hold more than `bytes` for a frame. Set before bind / connect
+    /// (libzmq reads it when a connection's engine starts).
+    pub(crate) fn set_max_inbound_frame(&self, bytes: usize) -> Result<(), EventsError> {
+        let v = i64::try_from(bytes).unwrap_or(i64::MAX);
+        // SAFETY: a live socket; the option value is an int64 of the size given.
+        let rc = unsafe {
+            (self.z.setsockopt)(self.s, MAXMSGSIZE, (&v as *const i64).cast(), std::mem::size_of::<i64>())
+        };
+        self.check("zmq_setsockopt", rc).map(drop)
+    }
+
     /// The send high-water mark (messages queued per peer before new ones are dropped).
     pub(crate) fn set_send_hwm(&self, n: i32) -> Result<(), EventsError> {
         self.set_int(SNDHWM, n)
@@ -256,20 +271,32 @@ impl Socket {
         Ok(())
     }
 
-    /// Receive one multipart message (each frame at most `max_frame` bytes: longer ones are
-    /// refused as truncated). An error on the receive timeout.
-    pub(crate) fn recv_multipart(&self, max_frame: usize) -> Result<Vec<Vec<u8>>, EventsError> {
+    /// Receive one multipart message of at most `max_frames` frames, each at most
+    /// `max_frame` bytes. A longer frame or message is an error, and the rest of that message
+    /// is read and dropped (so the next call starts at a message boundary). Only the bytes
+    /// received are kept: a peer sending many short frames costs what it sends, not
+    /// `max_frame` each. An error on the receive timeout.
+    pub(crate) fn recv_multipart(
+        &self,
+        max_frame: usize,
+        max_frames: usize,
+    ) -> Result<Vec<Vec<u8>>, EventsError> {
         let mut frames = Vec::new();
+        let mut buf = vec![0u8; max_frame];
+        let mut refused = None;
         loop {
-            let mut buf = vec![0u8; max_frame];
             // SAFETY: a live socket; `buf` has `max_frame` writable bytes.
             let n = unsafe { (self.z.recv)(self.s, buf.as_mut_ptr().cast(), buf.len(), 0) };
             let n = self.check("zmq_recv", n)? as usize;
-            if n > max_frame {
-                return Err(EventsError::Zmq { call: "zmq_recv", message: format!("a frame of {n} bytes") });
+            if refused.is_none() {
+                if n > max_frame {
+                    refused = Some(format!("a frame of {n} bytes (at most {max_frame})"));
+                } else if frames.len() == max_frames {
+                    refused = Some(format!("more than {max_frames} frames"));
+                } else {
+                    frames.push(buf[..n].to_vec());
+                }
             }
-            buf.truncate(n);
-            frames.push(buf);
             let mut more: c_int = 0;
             let mut len = std::mem::size_of::<c_int>();
             // SAFETY: a live socket; `more` is a C int of `len` bytes.
@@ -277,7 +304,10 @@ impl Socket {
                 unsafe { (self.z.getsockopt)(self.s, RCVMORE, (&mut more as *mut c_int).cast(), &mut len) };
             self.check("zmq_getsockopt", rc)?;
             if more == 0 {
-                return Ok(frames);
+                return match refused {
+                    None => Ok(frames),
+                    Some(message) => Err(EventsError::Zmq { call: "zmq_recv", message }),
+                };
             }
         }
     }

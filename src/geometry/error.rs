@@ -100,6 +100,18 @@ pub enum GeometryError {
         plane_rows: i64,
     },
     #[error(
+        "the compressed view of a plane of {plane_rows} rows has {compressed_rows} rows: more \
+         than an i32 index reaches (2147483647)"
+    )]
+    /// A packed plane's compressed view (its rows at their own width) has more rows than an
+    /// i32 index reaches, though the plane's own rows fit.
+    CompressedViewExceedsI32 {
+        /// Rows of the compressed view.
+        compressed_rows: i64,
+        /// Rows of the plane.
+        plane_rows: i64,
+    },
+    #[error(
         "plane of {plane_rows} rows holds {held} slots, more than the {slot_positions} positions \
          it was told to number by"
     )]
@@ -303,6 +315,7 @@ impl VariantName for GeometryError {
             EmptySlot => "EmptySlot",
             PlaneTooSmall { .. } => "PlaneTooSmall",
             PlaneExceedsI32 { .. } => "PlaneExceedsI32",
+            CompressedViewExceedsI32 { .. } => "CompressedViewExceedsI32",
             SlotPositionsTooFew { .. } => "SlotPositionsTooFew",
             LayerOutOfRange { .. } => "LayerOutOfRange",
             AbsentLayer { .. } => "AbsentLayer",

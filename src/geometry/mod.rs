@@ -709,7 +709,7 @@ impl UnifiedPoolGeometry {
         // The compressed view's indices are i32 too.
         if let Some(rows) = packed_rows.map(|p| p.compressed_rows_in(plane_rows)).transpose()? {
             if rows > MAX_PLANE_ROWS {
-                return Err(GeometryError::PlaneExceedsI32 { plane_rows: rows });
+                return Err(GeometryError::CompressedViewExceedsI32 { compressed_rows: rows, plane_rows });
             }
         }
         let slot_positions_v = slot_positions.unwrap_or(held);

@@ -33,9 +33,12 @@ class Forged:
 """
 
 
-def run(body, setup=""):
+def run(body, setup="", timeout=300):
     code = PRELUDE + setup + textwrap.dedent(body)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"child still running after {timeout} s (a hang)\n{e.stdout}\n{e.stderr}")
     assert r.returncode == 0, f"child exited {r.returncode}\n{r.stdout}\n{r.stderr}"
 
 
@@ -193,3 +196,74 @@ def test_config_fifo_is_refused_without_blocking(tmp_path):
     e = refused(lambda: v4pool.plan(model={str(fifo)!r}, budget="256MiB", max_seqs=4), v4pool.V4PoolError)
     assert e.variant == "NotAFile", e.variant
     """)
+
+
+# A store (the `KvManager.set_shared_store` protocol) whose `exist` runs `probe()` first:
+# `calls` counts its calls, `seen` the variants of the errors `probe` raised.
+REENTRANT_STORE = """
+class ProbingStore:
+    def __init__(self, probe):
+        self.probe, self.calls, self.seen = probe, 0, []
+    def register_buffer(self, addr, size): pass
+    def unregister_buffer(self, addr): pass
+    def exist(self, keys):
+        self.calls += 1
+        try:
+            self.probe()
+        except v4pool.V4PoolError as e:
+            self.seen.append(e.variant)
+        return [False] * len(keys)
+    def size(self, key): return None
+    def put(self, key, addr, size): pass
+    def get_into(self, key, addr, size): raise KeyError(key)
+    def remove(self, key): return False
+
+pool = v4pool.Pool(plan, backend="host")
+m = v4pool.KvManager(pool, policy="fixed", slots=1, checkpoint_every=0, rolling=False)
+"""
+
+
+def test_defect43_row8_a_store_calling_its_manager_is_refused_not_deadlocked():
+    """defect43 row 8: a store whose `exist()` calls `m.stats()` or `m.set_shared_store(None)`
+    on the manager that is calling it: `admit` never returned (the manager's lock, taken
+    again on the same thread). The call is refused with `variant == "Reentrant"` and the
+    admission completes as a miss."""
+    run("""
+    probes = [lambda: m.stats(), lambda: m.set_shared_store(None), lambda: m.match_prefix([1] * 512),
+              lambda: m.check_invariants()]
+    for k, probe in enumerate(probes):
+        store = ProbingStore(probe)
+        m.set_shared_store(store)
+        rid = m.add_request([k] * 600)
+        assert m.admit(rid) == 0
+        m.finish(rid)
+        assert store.calls > 0, (k, "the store was never asked")
+        assert store.seen == ["Reentrant"] * store.calls, (k, store.seen)
+    m.set_shared_store(None)
+    m.check_invariants()
+    assert m.stats()["admissions"] == len(probes)
+    """, setup=REENTRANT_STORE, timeout=60)
+
+
+def test_defect43_row8_another_thread_waits_for_the_manager_without_the_gil():
+    """defect43 row 8, across threads: while the manager calls its store (which runs Python,
+    so needs the GIL), another thread's `m.stats()` waited for the manager's lock holding the
+    GIL: neither could go on. It now waits with the GIL released, and both finish."""
+    run("""
+    import time
+    entered, out = threading.Event(), []
+    def slow():
+        entered.set()
+        time.sleep(0.5)  # the other thread takes the GIL meanwhile and asks for the manager
+    store = ProbingStore(slow)
+    m.set_shared_store(store)
+    rid = m.add_request([7] * 600)
+    def other():
+        entered.wait()
+        out.append(m.stats()["admissions"])
+    t = threading.Thread(target=other)
+    t.start()
+    assert m.admit(rid) == 0
+    t.join()
+    assert store.calls > 0 and out == [1], (store.calls, out)
+    """, setup=REENTRANT_STORE, timeout=60)

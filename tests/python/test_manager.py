@@ -185,3 +185,19 @@ def test_checkpoints_travel_between_managers(plan):
     raises("NotCached", m1.export_checkpoint, 12345)
     raises("NotCached", m2.import_checkpoint, 12345, layout, data)
     raises("ForeignLayout", m2.import_checkpoint, h[1], layout + "x", data)
+
+
+def test_defect43_row20_stats_has_every_field_of_the_rust_stats(mgr):
+    """defect43 row 20: one stats schema across bindings. `KvManager.stats()` has exactly the
+    fields of the Rust `ManagerStats` (read from its source in this checkout); it lacked
+    `superseded_checkpoints`. (The C ABI has no manager, so no stats struct to compare.)"""
+    import pathlib
+    import re
+
+    src = pathlib.Path(__file__).resolve().parents[2] / "src" / "manager" / "request.rs"
+    body = re.search(r"pub struct ManagerStats \{(.*?)\n\}", src.read_text(), re.S).group(1)
+    fields = re.findall(r"^\s*pub (\w+): u64,", body, re.M)
+    assert len(fields) > 20, fields
+    stats = mgr.stats()
+    assert list(stats) == fields, (set(fields) - set(stats), set(stats) - set(fields))
+    assert all(isinstance(v, int) for v in stats.values())

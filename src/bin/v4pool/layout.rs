@@ -43,7 +43,7 @@ usage: v4pool layout (--model NAME|PATH | --ratios R,R,... [--kv-sources L,L,...
                      [--ring R] [--block-size B] [--plane-rows P] [--arena-rows A]
                      [--slot-positions Q] [--slot-align-rows K] [--spec-steps K]
                      [--draft-stages N [--draft-mode absent|dense]]
-                     [--dtype fp8|bf16|flashmla-v4|flashmla-v41] [--json]
+                     [--dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4] [--json]
 
   --model    a preset (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark, ...-dspark-dense,
              v4.1-flash, v4.1-flash-dspark)
@@ -116,14 +116,7 @@ fn geometry_spec(p: &ParsedArgs) -> Result<(String, GeometrySpec, Option<KvDtype
             None
         }
     };
-    let kv = match p.get("--dtype") {
-        Some(d) => Some(KvDtype::from_name(d).ok_or_else(|| CliError::BadValue {
-            flag: "--dtype".to_string(),
-            value: d.to_string(),
-            expected: "fp8, bf16, flashmla-v4, flashmla-v41 or flashmla-v41-fp4",
-        })?),
-        None => None,
-    };
+    let kv = crate::kv_dtype(p)?;
     let num_blocks = p.required_i64("--blocks")?;
     let num_slots = p.required_i64("--slots")?;
     // A model brings its source layers and row form (V4.1) with its ratios.

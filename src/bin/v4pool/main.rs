@@ -18,6 +18,7 @@ use std::io::Write;
 use thiserror::Error;
 use v4pool::geometry::GeometryError;
 use v4pool::model::ModelError;
+use v4pool::sizing::KvDtype;
 use v4pool::VariantName;
 
 fn main() {
@@ -315,6 +316,25 @@ fn parse_i64(key: &str, value: &str) -> Result<i64, CliError> {
     })
 }
 
+/// The `--dtype` values every subcommand's refusal lists: [`KvDtype::ALL`]'s names, as the
+/// bindings list them (a unit test holds them equal; each `--help` spells them
+/// `fp8|bf16|…` in the same order).
+pub(crate) const KV_DTYPES: &str = v4pool::plan_report::KV_DTYPE_NAMES;
+
+/// `--dtype`, if given: any row format, by [`KvDtype::from_name`] (the bindings' parser too),
+/// so `plan`, `layout` and `simulate` take the same names and refuse with the same list.
+pub(crate) fn kv_dtype(p: &ParsedArgs) -> Result<Option<KvDtype>, CliError> {
+    p.get("--dtype")
+        .map(|d| {
+            KvDtype::from_name(d).ok_or_else(|| CliError::BadValue {
+                flag: "--dtype".to_string(),
+                value: d.to_string(),
+                expected: KV_DTYPES,
+            })
+        })
+        .transpose()
+}
+
 /// Run the command with `args` (without the program name); returns the exit status.
 pub(crate) fn run(args: &[String], io: &mut Streams<'_>) -> i32 {
     let json = args.iter().any(|a| a == "--json");
@@ -337,6 +357,13 @@ mod tests {
 
     fn strings(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn the_dtype_list_is_every_format() {
+        let names: Vec<&str> = KvDtype::ALL.iter().map(|k| k.name()).collect();
+        let (head, last) = names.split_at(names.len() - 1);
+        assert_eq!(KV_DTYPES, format!("{} or {}", head.join(", "), last[0]));
     }
 
     #[test]

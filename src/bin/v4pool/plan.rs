@@ -3,7 +3,7 @@
 //! ```text
 //! v4pool plan --model v4-flash|v4-pro|v4-flash-dspark|v4-pro-dspark|v4.1-flash|…|PATH/config.json
 //!             --budget 100GiB --max-seqs 256
-//!             [--dtype fp8|bf16|flashmla-v4|flashmla-v41] [--indexer fp8|fp4|bf16] [--spec-steps K]
+//!             [--dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4] [--indexer fp8|fp4|bf16] [--spec-steps K]
 //!             [--min-slots N] [--overhead BYTES] [--json]
 //! ```
 //!
@@ -17,7 +17,7 @@ use v4pool::sizing::{parse_bytes, plan, IndexerDtype, KvDtype, PlanRequest};
 
 const USAGE: &str = "\
 usage: v4pool plan --model NAME|PATH/config.json --budget BYTES --max-seqs N
-                   [--dtype fp8|bf16|flashmla-v4|flashmla-v41] [--indexer fp8|fp4|bf16] [--spec-steps K]
+                   [--dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4] [--indexer fp8|fp4|bf16] [--spec-steps K]
                    [--min-slots N] [--overhead BYTES] [--json]
 
   --model       preset (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark, and -dense
@@ -28,7 +28,9 @@ usage: v4pool plan --model NAME|PATH/config.json --budget BYTES --max-seqs N
   --max-seqs    admitted requests: one slot each
   --dtype       main KV: fp8 (ATOM's 640-B rows in two planes, default for V4), bf16 (one
                 plane), flashmla-v4 (FlashMLA's 584-B V4 rows, pages of 64; what its SM90
-                sparse decode reads), flashmla-v41 (FlashMLA's 528-B V4.1 rows, default for V4.1)
+                sparse decode reads), flashmla-v41 (FlashMLA's 528-B V4.1 rows, default for V4.1),
+                flashmla-v41-fp4 (V4.1's packed layout: 528-B window rows, FlashMLA's
+                288-B fp4 rows for the compressed KV)
   --indexer     CSA indexer cache: fp8 (default), fp4 or bf16 (exact bf16 keys)
   --spec-steps  speculative steps k; ring = window + k (default 0)
   --min-slots   fewest slots the elastic boundary may shrink to; the indexer is sized
@@ -64,13 +66,7 @@ pub(crate) fn execute(args: &[String]) -> Result<Option<PlanReport>, CliError> {
         value: value.to_string(),
         expected,
     };
-    let kv =
-        match p.get("--dtype") {
-            Some(d) => Some(KvDtype::from_name(d).ok_or_else(|| {
-                bad("--dtype", d, "fp8, bf16, flashmla-v4, flashmla-v41 or flashmla-v41-fp4")
-            })?),
-            None => None,
-        };
+    let kv = crate::kv_dtype(&p)?;
     let indexer = match p.get("--indexer").unwrap_or("fp8") {
         "fp8" => IndexerDtype::Fp8,
         "fp4" => IndexerDtype::Fp4,

@@ -59,7 +59,7 @@ that would not fit the machine's available memory is refused.
   --elastic-max-seqs N  running requests under the elastic boundary, at least
                         --max-seqs, at most the plane's slot positions
                                        [4 × max-seqs, at most the slot positions]
-  --dtype fp8|bf16      KV planes                                        [fp8]
+  --dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4   KV rows     [fp8]
   --indexer fp8|fp4     indexer cache                                    [fp8]
   --mix chat|agentic|mixed|multiturn                                     [mixed]
   --rate R              mean arrivals per second (time) or per step      [0.5 / 0.4]
@@ -179,13 +179,7 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
     let json = p.flag("--json");
     let model = crate::layout::load_model(p.get("--model").unwrap_or("v4-flash"), &p)?;
     let budget = v4pool::sizing::parse_bytes(p.get("--budget").unwrap_or("6GiB"))?;
-    let kv = choose(
-        &p,
-        "--dtype",
-        "fp8",
-        &[("fp8", KvDtype::Fp8), ("bf16", KvDtype::Bf16), ("flashmla-v41", KvDtype::FlashMlaV41)],
-        "fp8, bf16, flashmla-v4 or flashmla-v41",
-    )?;
+    let kv = crate::kv_dtype(&p)?.unwrap_or(KvDtype::Fp8);
     let indexer = choose(
         &p,
         "--indexer",

@@ -13,10 +13,57 @@ use crate::manager::{
 use crate::transfer::{handoff, Endpoint, LocalEngine, SharedTierConfig, StoreTier};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::cell::RefCell;
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 fn poisoned() -> PyErr {
     error("Poisoned", "manager lock poisoned".into())
+}
+
+fn reentrant() -> PyErr {
+    error(
+        "Reentrant",
+        "KvManager called from inside one of its own calls (a shared store's callback): \
+         refused, the manager is mid-call"
+            .into(),
+    )
+}
+
+thread_local! {
+    /// The managers whose lock this thread holds (their addresses). A shared store's Python
+    /// callback runs on the thread that holds its manager's lock: a call back into that
+    /// manager from there is refused ([`reentrant`]) instead of waiting for itself forever.
+    static HELD: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The manager, locked by this thread (and listed in [`HELD`] until dropped).
+pub(super) struct Held<'a> {
+    guard: MutexGuard<'a, KvManager>,
+    key: usize,
+}
+
+impl std::ops::Deref for Held<'_> {
+    type Target = KvManager;
+    fn deref(&self) -> &KvManager {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for Held<'_> {
+    fn deref_mut(&mut self) -> &mut KvManager {
+        &mut self.guard
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        HELD.with(|h| {
+            let mut h = h.borrow_mut();
+            if let Some(i) = h.iter().rposition(|&k| k == self.key) {
+                h.swap_remove(i);
+            }
+        });
+    }
 }
 
 /// The request-level KV manager (prefix reuse with checkpoints, the elastic boundary) over
@@ -31,18 +78,49 @@ pub struct PyKvManager {
 }
 
 impl PyKvManager {
-    pub(super) fn lock(&self) -> PyResult<MutexGuard<'_, KvManager>> {
-        self.inner.lock().map_err(|_| poisoned())
+    fn key(&self) -> usize {
+        std::ptr::from_ref(&self.inner) as usize
     }
 
-    /// `f` on the manager with the GIL released (a call may launch and wait on copies;
-    /// waiting for the lock without the GIL cannot deadlock against another caller).
+    /// Whether this thread is inside a call of this manager.
+    fn entered(&self) -> bool {
+        HELD.with(|h| h.borrow().contains(&self.key()))
+    }
+
+    fn hold<'a>(&self, guard: MutexGuard<'a, KvManager>) -> Held<'a> {
+        HELD.with(|h| h.borrow_mut().push(self.key()));
+        Held { guard, key: self.key() }
+    }
+
+    /// The manager, locked; refused from inside one of its own calls. While another thread
+    /// holds it, this one waits with the GIL released: that thread may be in a store's
+    /// Python callback, which needs the GIL to finish.
+    pub(super) fn lock(&self) -> PyResult<Held<'_>> {
+        if self.entered() {
+            return Err(reentrant());
+        }
+        Python::attach(|py| loop {
+            match self.inner.try_lock() {
+                Ok(guard) => return Ok(self.hold(guard)),
+                Err(TryLockError::Poisoned(_)) => return Err(poisoned()),
+                // Wait for it to be free, then try again with the GIL.
+                Err(TryLockError::WouldBlock) => py.detach(|| drop(self.inner.lock())),
+            }
+        })
+    }
+
+    /// `f` on the manager with the GIL released (a call may launch and wait on copies, or
+    /// call a shared store, which takes the GIL itself); refused from inside one of its own
+    /// calls.
     fn run<T: Send>(
         &self,
         py: Python<'_>,
         f: impl FnOnce(&mut KvManager) -> Result<T, ManagerError> + Send,
     ) -> PyResult<T> {
-        py.detach(|| self.inner.lock().map(|mut m| f(&mut m)).map_err(|_| ()))
+        if self.entered() {
+            return Err(reentrant());
+        }
+        py.detach(|| self.inner.lock().map(|guard| f(&mut self.hold(guard))).map_err(|_| ()))
             .map_err(|()| poisoned())?
             .map_err(lib_err)
     }
@@ -268,9 +346,12 @@ impl PyKvManager {
         receiver: &Bound<'_, PyPool>,
     ) -> PyResult<(Slot, Vec<Block>, u64)> {
         let (rpool, _hold) = receiver.get().shared();
+        if self.entered() {
+            return Err(reentrant());
+        }
         let rebound = py
             .detach(|| {
-                let m = self.inner.lock().map_err(|_| None)?;
+                let m = self.hold(self.inner.lock().map_err(|_| None)?);
                 let kv = m.request_kv(RequestId::from_bits(id)).map_err(|e| Some(lib_err(e)))?;
                 let sp = m.pool();
                 let mut engine =
@@ -325,6 +406,7 @@ impl PyKvManager {
         d.set_item("checkpoints_held", s.checkpoints_held)?;
         d.set_item("evicted_blocks", s.evicted_blocks)?;
         d.set_item("evicted_checkpoints", s.evicted_checkpoints)?;
+        d.set_item("superseded_checkpoints", s.superseded_checkpoints)?;
         d.set_item("cached_blocks", s.cached_blocks)?;
         d.set_item("boundary_moves", s.boundary_moves)?;
         d.set_item("block_relocations", s.block_relocations)?;
@@ -343,11 +425,11 @@ impl PyKvManager {
         d.set_item("shared_published_blocks", s.shared_published_blocks)?;
         d.set_item("shared_published_checkpoints", s.shared_published_checkpoints)?;
         d.set_item("shared_published_bytes", s.shared_published_bytes)?;
+        d.set_item("shared_write_failures", s.shared_write_failures)?;
         d.set_item("shared_restored_blocks", s.shared_restored_blocks)?;
         d.set_item("shared_restored_checkpoints", s.shared_restored_checkpoints)?;
         d.set_item("shared_restored_bytes", s.shared_restored_bytes)?;
         d.set_item("shared_refused", s.shared_refused)?;
-        d.set_item("shared_write_failures", s.shared_write_failures)?;
         Ok(d)
     }
 
