@@ -108,8 +108,8 @@ impl Plan {
 /// Size a pool from a byte budget: `v4pool plan` as a function.
 #[pyfunction]
 #[pyo3(signature = (
-    model="v4-flash", budget=None, max_seqs=16, *, dtype="fp8", indexer="fp8", spec_steps=0,
-    min_slots=0, overhead=None, draft_stages=None, draft_mode="absent"
+    model="v4-flash", budget=None, max_seqs=16, *, dtype=None, indexer=None, spec_steps=0,
+    min_slots=0, overhead=None, draft_stages=None, draft_mode="absent", arch=None
 ))]
 #[allow(clippy::too_many_arguments)]
 fn plan(
@@ -117,21 +117,24 @@ fn plan(
     model: &str,
     budget: Option<Bound<'_, PyAny>>,
     max_seqs: i64,
-    dtype: &str,
-    indexer: &str,
+    dtype: Option<&str>,
+    indexer: Option<&str>,
     spec_steps: i64,
     min_slots: i64,
     overhead: Option<Bound<'_, PyAny>>,
     draft_stages: Option<usize>,
     draft_mode: &str,
+    arch: Option<&str>,
 ) -> PyResult<Plan> {
     let budget_bytes = match budget {
         Some(b) => bytes_arg(&b)?,
         None => 8 << 30,
     };
     let mut o = PlanOptions::new(model, budget_bytes, max_seqs);
-    o.kv = PlanOptions::kv_from_name(dtype).map_err(plan_err)?;
-    o.indexer = PlanOptions::indexer_from_name(indexer).map_err(plan_err)?;
+    // Unnamed dtypes are the model family's and `arch`'s defaults (`sizing::default_dtypes`).
+    o.kv = dtype.map(PlanOptions::kv_from_name).transpose().map_err(plan_err)?;
+    o.indexer = indexer.map(PlanOptions::indexer_from_name).transpose().map_err(plan_err)?;
+    o.arch = arch.map(PlanOptions::arch_from_name).transpose().map_err(plan_err)?;
     o.spec_steps = spec_steps;
     o.min_slots = min_slots;
     o.overhead_bytes = overhead.map(|v| bytes_arg(&v)).transpose()?.unwrap_or(0);
