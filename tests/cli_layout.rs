@@ -644,9 +644,7 @@ fn plan_for_an_amd_architecture_picks_what_its_kernels_read() {
         assert_eq!(o.status.code(), Some(2), "{extra:?}: {err}");
         assert_eq!(err.trim_end().lines().count(), 1, "{extra:?}: {err}");
         assert!(err.contains(why), "{extra:?}: {err}");
-        let mut j = plan(extra);
-        j.push("--json".into());
-        let o = v4pool(&j.iter().map(String::as_str).collect::<Vec<_>>());
+        let o = v4pool(&plan(extra).iter().map(String::as_str).collect::<Vec<_>>());
         let v: Value = serde_json::from_str(&stdout(&o)).expect("one JSON error object");
         assert_eq!(v["error"], variant, "{extra:?}");
     }
