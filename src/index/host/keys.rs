@@ -1,5 +1,5 @@
 //! The indexer key writer's host reference (`v4pool_index_keys`): the indexer's bf16 key rows
-//! into one CSA layer's indexer K cache, in the pool's three row formats. One formula each
+//! into one CSA layer's indexer K cache, in the pool's row formats. One formula each
 //! (docs/forward.md, "Indexer keys"), the kernel's integer steps transcribed:
 //!
 //! * **bf16**: the 128 values copied (256-B rows).
@@ -11,9 +11,13 @@
 //!   values the least e8m0 byte `B` with `amax / 2^(B-127) <= 6` (0 for an all-zero group);
 //!   each value `x / 2^(B-127)` rounded to nearest even e2m1, saturating at 6; value `32g + 2j`
 //!   in the low nibble of byte `j` of group `g`, `32g + 2j + 1` in the high one.
+//! * **ATOM's FP8** (`atom-fp8`, `atom-fp8-fnuz`; [`crate::format::ATOM_FP8_KEYS`],
+//!   [`crate::format::ATOM_FP8_FNUZ_KEYS`]): FP8's block and scale rule at the encoding's max
+//!   (448 OCP e4m3, 240 e4m3fnuz), the values in ATOM's preshuffled 16×16 tiles; a NaN or
+//!   infinite value is the encoding's NaN and stays out of the amax (docs/amd.md).
 //!
-//! `amax` ignores NaN and counts infinities; NaN encodes as e4m3's NaN (`0x7f` with its sign)
-//! in FP8 and as 6 with its sign in FP4 (e2m1 has no NaN).
+//! Otherwise `amax` ignores NaN and counts infinities; NaN encodes as e4m3's NaN (`0x7f` with
+//! its sign) in FP8 and as 6 with its sign in FP4 (e2m1 has no NaN).
 
 use super::*;
 use crate::format::Fp8KeyFormat;
