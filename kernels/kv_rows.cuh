@@ -24,15 +24,43 @@
 // for integer: the scale is the least power of two 2^(B-127) with amax / scale <= 448, and each
 // value is x / scale (exact: a power of two) rounded to nearest even e4m3fn.
 
-/// The e8m0 byte of a tile whose largest magnitude has f32 bits `amax` (non-negative): 0 for an
-/// all-zero tile; else the exponent of amax minus 8, plus one when its mantissa passes 1.75
-/// (448 = 1.75 x 2^8), at least 1 (amax below 448 x 2^-126).
-V4P_DEVICE v4p_u32 v4p_e8m0_of_amax(v4p_u32 amax) {
+/// The least e8m0 byte B with amax / 2^(B-127) <= max (f32 bits, max a normal float): the
+/// exponent of amax minus max's, plus one when amax's mantissa passes max's; 0 for amax = 0,
+/// else clamped to 1..254 (src/format.rs e8m0_fitting).
+V4P_DEVICE v4p_u32 v4p_e8m0_fitting(v4p_u32 amax, v4p_u32 max) {
     if (amax == 0) return 0;
-    v4p_i32 b = (v4p_i32)(amax >> 23) - 8 + ((amax & 0x7fffffu) > 0x600000u ? 1 : 0);
+    v4p_i32 b = (v4p_i32)(amax >> 23) - ((v4p_i32)(max >> 23) - 127) + ((amax & 0x7fffffu) > (max & 0x7fffffu) ? 1 : 0);
     if (b < 1) b = 1;
     if (b > 254) b = 254;
     return (v4p_u32)b;
+}
+
+/// The e8m0 byte of a tile whose largest magnitude has f32 bits `amax` (non-negative): 0 for an
+/// all-zero tile; else the exponent of amax minus 8, plus one when its mantissa passes 1.75
+/// (448 = 1.75 x 2^8), at least 1 (amax below 448 x 2^-126).
+V4P_DEVICE v4p_u32 v4p_e8m0_of_amax(v4p_u32 amax) { return v4p_e8m0_fitting(amax, 0x43e00000u); }
+
+/// The e4m3 magnitude code (no sign) of positive finite f32 bits `a` under exponent bias `bias`
+/// (7: e4m3fn, 8: e4m3fnuz), rounded to nearest even; past the largest code is the caller's to
+/// saturate; f32 subnormals are 0 (src/format.rs e4m3_magnitude).
+V4P_DEVICE v4p_u32 v4p_e4m3_magnitude(v4p_u32 a, v4p_i32 bias) {
+    const v4p_i32 e = (v4p_i32)(a >> 23) - 127;
+    v4p_u32 code, rem, half;
+    if (e >= 1 - bias) {
+        code = ((v4p_u32)(e + bias) << 3) | ((a & 0x7fffffu) >> 20);
+        rem = a & 0xfffffu;
+        half = 0x80000u;
+    } else {
+        if ((a >> 23) == 0) return 0;
+        const v4p_u32 m = (a & 0x7fffffu) | 0x800000u;
+        const v4p_u32 sh = (v4p_u32)(21 - bias - e);  // value / 2^(-2 - bias) = m >> sh; sh >= 21
+        if (sh > 31) return 0;
+        code = m >> sh;
+        rem = m & ((1u << sh) - 1u);
+        half = 1u << (sh - 1u);
+    }
+    if (rem > half || (rem == half && (code & 1u))) code += 1;
+    return code;
 }
 
 /// f32 bits `u` as e4m3fn, rounded to nearest even; magnitudes past 448 (and infinities)
@@ -42,24 +70,19 @@ V4P_DEVICE v4p_u32 v4p_e4m3_rne(v4p_u32 u) {
     const v4p_u32 a = u & 0x7fffffffu;
     if (a > 0x7f800000u) return s | 0x7fu;
     if (a >= 0x43e00000u) return s | 0x7eu;  // >= 448
-    const v4p_i32 e = (v4p_i32)(a >> 23) - 127;
-    v4p_u32 code, rem, half;
-    if (e >= -6) {
-        code = ((v4p_u32)(e + 7) << 3) | ((a & 0x7fffffu) >> 20);
-        rem = a & 0xfffffu;
-        half = 0x80000u;
-    } else {
-        if ((a >> 23) == 0) return s;
-        const v4p_u32 m = (a & 0x7fffffu) | 0x800000u;
-        const v4p_u32 sh = (v4p_u32)(14 - e);  // value / 2^-9 = m >> sh; sh >= 21
-        if (sh > 31) return s;
-        code = m >> sh;
-        rem = m & ((1u << sh) - 1u);
-        half = 1u << (sh - 1u);
-    }
-    if (rem > half || (rem == half && (code & 1u))) code += 1;
-    if (code > 0x7eu) code = 0x7eu;
-    return s | code;
+    const v4p_u32 code = v4p_e4m3_magnitude(a, 7);
+    return s | (code > 0x7eu ? 0x7eu : code);
+}
+
+/// f32 bits `u` as e4m3fnuz (bias 8, largest 240, the one NaN 0x80, no -0), rounded to nearest
+/// even, as aiter's gfx942 conversion writes it: NaN and infinities 0x80, finite magnitudes past
+/// 240 clip to 240, anything rounding to zero 0x00 whatever its sign (src/format.rs e4m3fnuz_rne).
+V4P_DEVICE v4p_u32 v4p_e4m3fnuz_rne(v4p_u32 u) {
+    const v4p_u32 a = u & 0x7fffffffu;
+    if (a >= 0x7f800000u) return 0x80u;
+    v4p_u32 code = a >= 0x43700000u ? 0x7fu : v4p_e4m3_magnitude(a, 8);  // >= 240
+    if (code > 0x7fu) code = 0x7fu;
+    return code == 0 ? 0u : (((u >> 24) & 0x80u) | code);
 }
 
 /// bf16 bits `x` times `inv` (1 / scale) as an e4m3fn byte: v4p_e4m3_rne of the product, but a
@@ -429,17 +452,16 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_kv_row
 //        value x / scale (exact) rounded to nearest even e4m3fn, saturating at 448.
 //   FP4: per group of 32 values, the least e8m0 byte B with amax / 2^(B-127) <= 6 (0 for an
 //        all-zero group); each value x / scale rounded to nearest even e2m1, saturating at 6.
-// amax ignores NaN and counts infinities.
+//   ATOM FP8 (3: OCP e4m3, max 448; 4: e4m3fnuz, max 240; src/format.rs ATOM_FP8_KEYS and
+//        ATOM_FP8_FNUZ_KEYS): the FP8 rule at the encoding's max, over the finite values only (a
+//        NaN or infinite value is the encoding's NaN: 0x7f with its sign, or 0x80), the value
+//        bytes in ATOM's preshuffled order: (r / 16) x 2048 + (d / 16) x 256 + (r % 16) x 16 + d % 16.
+// amax ignores NaN and counts infinities (but in the ATOM formats).
 
 /// The e8m0 byte of a group whose largest magnitude has f32 bits `amax`, to fit e2m1's 6:
 /// 0 for an all-zero group; else the exponent of amax minus 2, plus one when its mantissa
 /// passes 1.5 (6 = 1.5 x 2^2), at least 1 (at most 253: amax = inf).
-V4P_DEVICE v4p_u32 v4p_e8m0_of_amax_e2m1(v4p_u32 amax) {
-    if (amax == 0) return 0;
-    v4p_i32 b = (v4p_i32)(amax >> 23) - 2 + ((amax & 0x7fffffu) > 0x400000u ? 1 : 0);
-    if (b < 1) b = 1;
-    return (v4p_u32)b;
-}
+V4P_DEVICE v4p_u32 v4p_e8m0_of_amax_e2m1(v4p_u32 amax) { return v4p_e8m0_fitting(amax, 0x40c00000u); }
 
 /// f32 bits `u` as an e2m1 nibble (sign in bit 3), rounded to nearest even code: codes 0..7 are
 /// 0, 0.5, 1, 1.5, 2, 3, 4, 6; the midpoints 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 go to the even
@@ -557,6 +579,37 @@ V4P_DEVICE void v4p_index_keys_entry(const IndexKeysArgs& a, v4p_i64 t, v4p_u32 
             w23 = (v4p_u32)src[i0 + 2] | ((v4p_u32)src[i0 + 3] << 16);
         }
         *(v4p_u32*)(blk + r * 128 + i0) = v4p_e4m3_bf16x2(w01, inv) | (v4p_e4m3_bf16x2(w23, inv) << 16);
+        if (lane == 0) v4p_out<v4p_u32>(a.data)[(block * rows * 132 + rows * 128 + r * 4) / 4] = b << 23;
+        return;
+    }
+    if (a.format == 3 || a.format == 4) {
+        // Every lane takes the row's amax over its finite values (NaN and infinities are the
+        // encoding's NaN, not part of the scale), then writes its four values: bytes
+        // d % 16 .. + 3 of one 16-byte tile row, a 4-byte aligned word.
+        const bool fnuz = a.format == 4;
+        v4p_u32 amax = 0;
+        for (int i = 0; i < 128; ++i) {
+            const v4p_u32 m = ((v4p_u32)src[i] << 16) & 0x7fffffffu;
+            if (m < 0x7f800000u && m > amax) amax = m;
+        }
+        if (amax < 0x38d1b717u) amax = 0x38d1b717u;  // 1e-4f
+        const v4p_u32 b = v4p_e8m0_fitting(amax, fnuz ? 0x43700000u : 0x43e00000u);  // 105..248
+        const float inv = v4p_f32_from_bits((254u - b) << 23);
+        v4p_u32 word = 0;
+        for (v4p_u32 k = 0; k < 4; ++k) {
+            const v4p_u32 x = src[i0 + k];
+            v4p_u32 q;
+            if ((x & 0x7f80u) == 0x7f80u) {
+                q = fnuz ? 0x80u : (((x >> 8) & 0x80u) | 0x7fu);
+            } else {
+                const v4p_u32 p = v4p_f32_bits(v4p_f32_from_bits(x << 16) * inv);
+                q = fnuz ? v4p_e4m3fnuz_rne(p) : v4p_e4m3_rne(p);
+            }
+            word |= q << (8 * k);
+        }
+        v4p_u8* blk = v4p_out<v4p_u8>(a.data) + block * rows * 132;
+        const v4p_i64 at = (r / 16) * 2048 + (v4p_i64)(i0 / 16) * 256 + (r % 16) * 16 + i0 % 16;
+        *(v4p_u32*)(blk + at) = word;
         if (lane == 0) v4p_out<v4p_u32>(a.data)[(block * rows * 132 + rows * 128 + r * 4) / 4] = b << 23;
         return;
     }

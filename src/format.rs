@@ -38,11 +38,50 @@ pub const KV_ROW_VALUES: usize = 512;
 /// all-zero tile, else the least `B` with `amax / 2^(B-127) <= 448` (the exponent of amax
 /// minus 8, plus one when its mantissa passes 1.75; 448 = 1.75 x 2^8), at least 1.
 pub fn e8m0_of_amax(amax: u32) -> u8 {
+    e8m0_fitting(amax, E4M3FN_MAX)
+}
+
+/// f32 bits of e4m3fn's largest finite value, 448 (1.75 × 2^8).
+pub const E4M3FN_MAX: u32 = 0x43e0_0000;
+/// f32 bits of e4m3fnuz's largest finite value, 240 (1.875 × 2^7).
+pub const E4M3FNUZ_MAX: u32 = 0x4370_0000;
+
+/// The least e8m0 byte `B` with `amax / 2^(B-127) <= max` (both f32 bits, `max` a normal
+/// float): the exponent of amax minus max's, plus one when amax's mantissa passes max's; 0 for
+/// `amax = 0`, else at least 1 and at most 254. The one power-of-two scale rule every e8m0 and
+/// power-of-two f32 scale here takes (kernels/kv_rows.cuh `v4p_e8m0_fitting`).
+pub fn e8m0_fitting(amax: u32, max: u32) -> u8 {
     if amax == 0 {
         return 0;
     }
-    let b = (amax >> 23) as i32 - 8 + i32::from((amax & 0x7f_ffff) > 0x60_0000);
+    let b =
+        (amax >> 23) as i32 - ((max >> 23) as i32 - 127) + i32::from((amax & 0x7f_ffff) > (max & 0x7f_ffff));
     b.clamp(1, 254) as u8
+}
+
+/// The e4m3 magnitude code (no sign) of the positive finite f32 bits `a` under exponent bias
+/// `bias` (7: e4m3fn, 8: e4m3fnuz), rounded to nearest even; a result past the format's largest
+/// code is the caller's to saturate. f32 subnormals are 0.
+fn e4m3_magnitude(a: u32, bias: i32) -> u32 {
+    let e = (a >> 23) as i32 - 127;
+    let (mut code, rem, half) = if e >= 1 - bias {
+        ((((e + bias) as u32) << 3) | ((a & 0x7f_ffff) >> 20), a & 0xf_ffff, 0x8_0000u32)
+    } else {
+        if a >> 23 == 0 {
+            return 0;
+        }
+        let m = (a & 0x7f_ffff) | 0x80_0000;
+        // value / 2^(-2 - bias) (the subnormal step) = m >> sh; sh >= 21
+        let sh = (21 - bias - e) as u32;
+        if sh > 31 {
+            return 0;
+        }
+        (m >> sh, m & ((1u32 << sh) - 1), 1u32 << (sh - 1))
+    };
+    if rem > half || (rem == half && code & 1 == 1) {
+        code += 1;
+    }
+    code
 }
 
 /// f32 bits `u` as an e4m3fn byte, rounded to nearest even; magnitudes past 448 (and
@@ -53,27 +92,41 @@ pub fn e4m3_rne(u: u32) -> u8 {
     if a > 0x7f80_0000 {
         return s | 0x7f;
     }
-    if a >= 0x43e0_0000 {
+    if a >= E4M3FN_MAX {
         return s | 0x7e;
     }
-    let e = (a >> 23) as i32 - 127;
-    let (mut code, rem, half) = if e >= -6 {
-        ((((e + 7) as u32) << 3) | ((a & 0x7f_ffff) >> 20), a & 0xf_ffff, 0x8_0000u32)
-    } else {
-        if a >> 23 == 0 {
-            return s;
-        }
-        let m = (a & 0x7f_ffff) | 0x80_0000;
-        let sh = (14 - e) as u32; // value / 2^-9 = m >> sh, sh >= 21
-        if sh > 31 {
-            return s;
-        }
-        (m >> sh, m & ((1u32 << sh) - 1), 1u32 << (sh - 1))
-    };
-    if rem > half || (rem == half && code & 1 == 1) {
-        code += 1;
+    s | e4m3_magnitude(a, 7).min(0x7e) as u8
+}
+
+/// f32 bits `u` as an e4m3fnuz byte (exponent bias 8, largest 240, one NaN `0x80`, no negative
+/// zero), rounded to nearest even, as aiter's conversion on gfx942 writes it
+/// (`hip_float8_impl.h`: NaN and infinities become `0x80`, finite magnitudes past 240 clip to
+/// 240, and a value that rounds to zero is `0x00` whatever its sign: `0x80` is not −0.0).
+pub fn e4m3fnuz_rne(u: u32) -> u8 {
+    let a = u & 0x7fff_ffff;
+    if a >= 0x7f80_0000 {
+        return 0x80;
     }
-    s | code.min(0x7e) as u8
+    let s = ((u >> 24) & 0x80) as u8;
+    let code = if a >= E4M3FNUZ_MAX { 0x7f } else { e4m3_magnitude(a, 8).min(0x7f) as u8 };
+    if code == 0 {
+        0
+    } else {
+        s | code
+    }
+}
+
+/// The value an e4m3fnuz byte encodes (NaN for `0x80`, the only NaN; no infinities).
+pub fn e4m3fnuz_value(b: u8) -> f32 {
+    if b == 0x80 {
+        return f32::NAN;
+    }
+    // Every other byte is half the e4m3fn value of the same byte (bias 8 against 7), and
+    // e4m3fn's NaN pattern 0x7f is fnuz's 240.
+    let s = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let e = i32::from((b >> 3) & 0xf);
+    let m = f32::from(b & 7);
+    s * if e == 0 { m / 8.0 * 2f32.powi(-7) } else { (1.0 + m / 8.0) * 2f32.powi(e - 8) }
 }
 
 /// bf16 bits `v` times `inv` (1 / scale) as an e4m3fn byte: [`e4m3_rne`] of the product, but a
@@ -100,11 +153,7 @@ pub fn e2m1_of_scaled_bf16(v: u16, inv: f32) -> u8 {
 /// for an all-zero group, else the exponent of amax minus 2, plus one when its mantissa passes
 /// 1.5 (6 = 1.5 × 2^2), at least 1 (at most 253, for amax = inf).
 pub fn e8m0_of_amax_e2m1(amax: u32) -> u8 {
-    if amax == 0 {
-        return 0;
-    }
-    let b = (amax >> 23) as i32 - 2 + i32::from((amax & 0x7f_ffff) > 0x40_0000);
-    b.clamp(1, 253) as u8
+    e8m0_fitting(amax, 0x40c0_0000)
 }
 
 /// f32 bits `u` as an e2m1 nibble (sign in bit 3), rounded to the nearest even code: codes
@@ -699,6 +748,188 @@ impl RowFormat {
     }
 }
 
+// ---- the indexer's fp8 key formats --------------------------------------------------------
+// A CSA layer's fp8 indexer cache: per block of `rows` key rows, `rows × 128` fp8 bytes, then
+// `rows` f32 scales (`[rows × 128][rows × 4]`, 132 B a row): one scale per row, a power of two.
+// The formats differ in the fp8 encoding, the order of a block's value bytes, and what a
+// non-finite key value becomes; where the scales sit is the same in all three.
+
+/// An fp8 encoding of indexer key values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fp8Elem {
+    /// OCP e4m3 (`float8_e4m3fn`): bias 7, largest 448, NaN `0x7f`/`0xff`, ±0.
+    E4m3fn,
+    /// `float8_e4m3fnuz`: bias 8, largest 240, the one NaN `0x80`, no −0 (gfx942's fp8).
+    E4m3fnuz,
+}
+
+impl Fp8Elem {
+    /// f32 bits of the largest finite value.
+    pub fn max_bits(self) -> u32 {
+        match self {
+            Fp8Elem::E4m3fn => E4M3FN_MAX,
+            Fp8Elem::E4m3fnuz => E4M3FNUZ_MAX,
+        }
+    }
+    /// The largest finite value (448 or 240: `torch.finfo(dtype).max`, ATOM's `fp8_max`).
+    pub fn max(self) -> f32 {
+        f32::from_bits(self.max_bits())
+    }
+    /// torch's (and DLPack's) name of the encoding.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            Fp8Elem::E4m3fn => "float8_e4m3fn",
+            Fp8Elem::E4m3fnuz => "float8_e4m3fnuz",
+        }
+    }
+    /// f32 bits `u` as a byte of this encoding, rounded to nearest even ([`e4m3_rne`],
+    /// [`e4m3fnuz_rne`]).
+    pub fn encode(self, u: u32) -> u8 {
+        match self {
+            Fp8Elem::E4m3fn => e4m3_rne(u),
+            Fp8Elem::E4m3fnuz => e4m3fnuz_rne(u),
+        }
+    }
+    /// The value a byte of this encoding holds.
+    pub fn value(self, b: u8) -> f32 {
+        match self {
+            Fp8Elem::E4m3fn => e4m3_value(b),
+            Fp8Elem::E4m3fnuz => e4m3fnuz_value(b),
+        }
+    }
+}
+
+/// Where value `d` of row `r` sits among a block's `rows × 128` value bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KeyOrder {
+    /// `r × 128 + d`: DeepGEMM's and vLLM's `fp8_paged_mqa_logits` read it.
+    RowMajor,
+    /// ATOM's `preshuffle=True` (MFMA 16×16 tiles), what aiter's
+    /// `deepgemm_fp8_paged_mqa_logits(..., Preshuffle=True)` reads: the block is cut into
+    /// groups of 16 rows (2,048 B each), a group into eight 16×16 tiles of 16 columns (256 B
+    /// each), a tile row-major: `(r / 16) × 2048 + (d / 16) × 256 + (r % 16) × 16 + d % 16`.
+    /// Needs `rows % 16 == 0`.
+    Preshuffled16,
+}
+
+/// What a NaN or infinite key value becomes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum NonFinite {
+    /// v4pool's DeepGEMM-form rule: an infinity counts in the row's amax and saturates; a NaN
+    /// is `0x7f` with its sign.
+    Saturate,
+    /// aiter's conversion: both are the encoding's NaN (`0x80` on e4m3fnuz, `0x7f` with the
+    /// sign on e4m3fn) and neither counts in the amax, so the row's finite values keep their
+    /// scale. (ATOM's Triton writer has no finite answer: an infinite amax makes its scale
+    /// infinite, and the reader's logit for that key is not finite either way.)
+    Nan,
+}
+
+/// One fp8 indexer key format: the bytes a block of key rows takes and what they mean.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Fp8KeyFormat {
+    /// The indexer dtype's name (`crate::sizing::IndexerDtype::name`).
+    pub name: &'static str,
+    /// The value encoding.
+    pub elem: Fp8Elem,
+    /// The order of a block's value bytes.
+    pub order: KeyOrder,
+    /// What a non-finite value becomes.
+    pub non_finite: NonFinite,
+    /// Who reads it.
+    pub reader: &'static str,
+}
+
+/// Values of one indexer key row (V4's `index_head_dim`).
+pub const KEY_VALUES: usize = 128;
+/// 1e-4 as f32 bits: the floor of a key row's amax, so an all-zero row still has a scale
+/// (DeepSeek's `ue8m0` rule and ATOM's `max(amax, 1e-4)`).
+pub const KEY_AMAX_FLOOR: u32 = 0x38d1_b717;
+
+/// The row-major e4m3fn cache DeepGEMM and vLLM read on NVIDIA (indexer dtype `fp8`).
+pub static FP8_KEYS: Fp8KeyFormat = Fp8KeyFormat {
+    name: "fp8",
+    elem: Fp8Elem::E4m3fn,
+    order: KeyOrder::RowMajor,
+    non_finite: NonFinite::Saturate,
+    reader: "DeepGEMM / vLLM fp8_paged_mqa_logits",
+};
+/// ATOM's cache off gfx942 (gfx950, gfx1250): preshuffled OCP e4m3, `fp8_max` 448.
+pub static ATOM_FP8_KEYS: Fp8KeyFormat = Fp8KeyFormat {
+    name: "atom-fp8",
+    elem: Fp8Elem::E4m3fn,
+    order: KeyOrder::Preshuffled16,
+    non_finite: NonFinite::Nan,
+    reader: "aiter deepgemm_fp8_paged_mqa_logits(Preshuffle=True)",
+};
+/// ATOM's cache on gfx942 (MI300X / MI325X): preshuffled e4m3fnuz, `fp8_max` 240.
+pub static ATOM_FP8_FNUZ_KEYS: Fp8KeyFormat = Fp8KeyFormat {
+    name: "atom-fp8-fnuz",
+    elem: Fp8Elem::E4m3fnuz,
+    order: KeyOrder::Preshuffled16,
+    non_finite: NonFinite::Nan,
+    reader: "aiter deepgemm_fp8_paged_mqa_logits(Preshuffle=True) on gfx942",
+};
+
+impl Fp8KeyFormat {
+    /// Bytes one block of `rows` key rows takes.
+    pub fn block_bytes(&self, rows: usize) -> Option<usize> {
+        rows.checked_mul(KEY_VALUES + 4)
+    }
+    /// Whether a block of `rows` rows can hold this format (the preshuffle's 16-row groups).
+    pub fn fits_rows(&self, rows: usize) -> bool {
+        rows > 0 && (self.order == KeyOrder::RowMajor || rows % 16 == 0)
+    }
+    /// Byte of value `d` of row `r` in a block of `rows` rows (`None` out of range).
+    pub fn value_offset(&self, rows: usize, r: usize, d: usize) -> Option<usize> {
+        if r >= rows || d >= KEY_VALUES || !self.fits_rows(rows) {
+            return None;
+        }
+        Some(match self.order {
+            KeyOrder::RowMajor => r * KEY_VALUES + d,
+            KeyOrder::Preshuffled16 => (r / 16) * 16 * KEY_VALUES + (d / 16) * 256 + (r % 16) * 16 + d % 16,
+        })
+    }
+    /// Byte of row `r`'s f32 scale in a block of `rows` rows.
+    pub fn scale_offset(&self, rows: usize, r: usize) -> Option<usize> {
+        if r >= rows || !self.fits_rows(rows) {
+            return None;
+        }
+        Some(rows * KEY_VALUES + 4 * r)
+    }
+    /// One key row (128 bf16 values, native bits) quantised: its 128 value bytes in value
+    /// order into `out`, and its scale's f32 bits. The scale is the least power of two `s` with
+    /// `max(amax, 1e-4) / s <= max` (ATOM's `2^ceil(log2(max(amax, 1e-4) / fp8_max))`, exactly);
+    /// each value is `x / s` (exact: a power of two) rounded to nearest even.
+    pub fn pack(&self, key: &[u16], out: &mut [u8]) -> Result<u32, FormatError> {
+        if key.len() < KEY_VALUES || out.len() != KEY_VALUES {
+            return Err(FormatError::RowLength { got: key.len().min(out.len()), want: KEY_VALUES });
+        }
+        let key = &key[..KEY_VALUES];
+        let finite_only = self.non_finite == NonFinite::Nan;
+        let amax = key
+            .iter()
+            .map(|&v| (u32::from(v) << 16) & 0x7fff_ffff)
+            .filter(|&m| if finite_only { m < 0x7f80_0000 } else { m <= 0x7f80_0000 })
+            .max()
+            .unwrap_or(0);
+        let b = u32::from(e8m0_fitting(amax.max(KEY_AMAX_FLOOR), self.elem.max_bits()));
+        // b is 105..=248 here, so 2^(b-127) and its inverse are normal f32s.
+        let inv = f32::from_bits((254 - b) << 23);
+        for (o, &v) in out.iter_mut().zip(key) {
+            *o = match (self.elem, self.non_finite) {
+                (Fp8Elem::E4m3fn, NonFinite::Saturate) => e4m3_of_scaled_bf16(v, inv),
+                (_, _) if v & 0x7f80 == 0x7f80 => match self.elem {
+                    Fp8Elem::E4m3fn => ((v >> 8) as u8 & 0x80) | 0x7f,
+                    Fp8Elem::E4m3fnuz => 0x80,
+                },
+                (elem, _) => elem.encode((f32::from_bits(u32::from(v) << 16) * inv).to_bits()),
+            };
+        }
+        Ok(b << 23)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -807,5 +1038,73 @@ mod tests {
         assert_eq!(RowFormatId::FlashMlaV4.format().pack(&kv).unwrap()[0][576], 127);
         kv[0] += 1;
         assert_eq!(RowFormatId::FlashMlaV4.format().pack(&kv).unwrap()[0][576], 128);
+    }
+
+    #[test]
+    fn e4m3fnuz_follows_aiters_rules() {
+        // Every finite code round-trips; its value is half the e4m3fn value of the same byte.
+        for b in 0..=255u8 {
+            let v = e4m3fnuz_value(b);
+            if b == 0x80 {
+                assert!(v.is_nan());
+                continue;
+            }
+            assert_eq!(e4m3fnuz_rne(v.to_bits()), b, "{b:#04x} = {v}");
+            if b & 0x7f != 0x7f {
+                assert_eq!(v, e4m3_value(b) / 2.0, "{b:#04x}");
+            }
+        }
+        assert_eq!(e4m3fnuz_value(0x7f), 240.0);
+        // Midpoints go to the even code, one ulp either side to the nearer.
+        for b in 0..0x7eu8 {
+            let (lo, hi) = (e4m3fnuz_value(b), e4m3fnuz_value(b + 1));
+            let mid = (lo + hi) / 2.0;
+            let even = if b % 2 == 0 { b } else { b + 1 };
+            assert_eq!(e4m3fnuz_rne(mid.to_bits()), even, "midpoint {mid}");
+            assert_eq!(e4m3fnuz_rne(mid.to_bits() + 1), b + 1, "above {mid}");
+            assert_eq!(e4m3fnuz_rne(mid.to_bits() - 1), b, "below {mid}");
+            assert_eq!(e4m3fnuz_rne((-mid).to_bits()), if even == 0 { 0 } else { 0x80 | even }, "-{mid}");
+        }
+        // No negative zero: -0.0 and negatives rounding to zero are 0x00; NaN and infinities
+        // are the one NaN; past 240 clips.
+        assert_eq!(e4m3fnuz_rne((-0.0f32).to_bits()), 0);
+        assert_eq!(e4m3fnuz_rne((-1e-9f32).to_bits()), 0);
+        assert_eq!(e4m3fnuz_rne((-2f32.powi(-12)).to_bits()), 0);
+        assert_eq!(e4m3fnuz_rne((-2f32.powi(-10)).to_bits()), 0x81);
+        for x in [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            assert_eq!(e4m3fnuz_rne(x.to_bits()), 0x80, "{x}");
+        }
+        for (x, b) in [(240.0f32, 0x7f), (247.9, 0x7f), (1e30, 0x7f), (-300.0, 0xff), (232.0, 0x7e)] {
+            assert_eq!(e4m3fnuz_rne(x.to_bits()), b, "{x}");
+        }
+    }
+
+    #[test]
+    fn the_power_of_two_scale_is_the_least_that_fits_each_max() {
+        for max in [E4M3FN_MAX, E4M3FNUZ_MAX, 0x40c0_0000] {
+            let m = f64::from(f32::from_bits(max));
+            for amax in [1e-4f32, 1.0, 239.9, 240.0, 240.1, 448.0, 449.0, 6.0, 7.0, 3e38, 1e-30] {
+                let b = e8m0_fitting(amax.to_bits(), max);
+                let scale = (f64::from(b) - 127.0).exp2();
+                assert!(f64::from(amax) / scale <= m, "{amax} / 2^{} > {m}", i32::from(b) - 127);
+                assert!(b == 1 || f64::from(amax) / (scale / 2.0) > m, "{amax}: {b} not the least");
+            }
+        }
+        assert_eq!(e8m0_fitting(0, E4M3FNUZ_MAX), 0);
+    }
+
+    #[test]
+    fn the_key_formats_place_values_as_their_readers_read_them() {
+        // Row-major: r × 128 + d; preshuffled: 16×16 tiles, 16 rows a group.
+        assert_eq!(FP8_KEYS.value_offset(64, 5, 17), Some(5 * 128 + 17));
+        assert_eq!(ATOM_FP8_FNUZ_KEYS.value_offset(64, 17, 35), Some(2048 + 2 * 256 + 16 + 3));
+        assert_eq!(ATOM_FP8_KEYS.scale_offset(64, 3), Some(64 * 128 + 12));
+        assert_eq!(ATOM_FP8_KEYS.value_offset(40, 0, 0), None); // not whole 16-row groups
+        assert_eq!(ATOM_FP8_KEYS.value_offset(64, 64, 0), None);
+        // An all-zero row takes the 1e-4 floor: 2^-21 at 240, 2^-22 at 448.
+        let mut q = [0xaau8; 128];
+        assert_eq!(f32::from_bits(ATOM_FP8_FNUZ_KEYS.pack(&[0x8000; 128], &mut q).unwrap()), 2f32.powi(-21));
+        assert!(q.iter().all(|&b| b == 0), "-0.0 is 0x00 in e4m3fnuz");
+        assert_eq!(f32::from_bits(ATOM_FP8_KEYS.pack(&[0; 128], &mut q).unwrap()), 2f32.powi(-22));
     }
 }

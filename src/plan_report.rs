@@ -8,7 +8,7 @@
 
 use crate::checkpoint::{layout_id, CheckpointError, CheckpointLayout};
 use crate::model::{DraftMode, Drafts, ModelError, ModelShape};
-use crate::sizing::{plan, IndexerDtype, KvDtype, Plan, PlanRequest, SizingError};
+use crate::sizing::{default_dtypes, plan, GpuArch, IndexerDtype, KvDtype, Plan, PlanRequest, SizingError};
 use crate::variant::VariantName;
 use serde_json::json;
 use thiserror::Error;
@@ -47,6 +47,7 @@ impl PlanReport {
             "model": m.name,
             "kv_dtype": p.layout.kv.name(),
             "indexer_dtype": p.layout.indexer.name(),
+            "arch": p.arch.map(|a| a.name()),
             "spec_steps": m.spec_steps,
             "ring_slots": m.ring_slots(),
             "plane_widths": p.layout.widths(),
@@ -176,10 +177,13 @@ pub struct PlanOptions {
     pub budget_bytes: u64,
     /// Concurrent requests (slots) the plan must hold.
     pub max_seqs: i64,
-    /// KV dtype; `None`: the model family's default ([`KvDtype::default_for`]), as the CLI.
+    /// KV dtype (fp8 planes or one bf16 plane); `None`: the model family's and architecture's
+    /// default ([`crate::sizing::default_dtypes`]).
     pub kv: Option<KvDtype>,
-    /// Indexer cache dtype.
-    pub indexer: IndexerDtype,
+    /// Indexer cache dtype; `None`: the architecture's default.
+    pub indexer: Option<IndexerDtype>,
+    /// The AMD architecture the pool is for (`None`: NVIDIA or the host).
+    pub arch: Option<GpuArch>,
     /// Speculative (MTP) steps of a preset.
     pub spec_steps: i64,
     /// Slots the plan reserves at least.
@@ -198,7 +202,8 @@ impl PlanOptions {
             budget_bytes,
             max_seqs,
             kv: None,
-            indexer: IndexerDtype::Fp8,
+            indexer: None,
+            arch: None,
             spec_steps: crate::model::DEFAULT_SPEC_STEPS,
             min_slots: 0,
             overhead_bytes: 0,
@@ -215,18 +220,22 @@ impl PlanOptions {
         })
     }
 
-    /// Parse an `indexer` option value (`fp8`, `fp4` or `bf16`).
+    /// Parse an `indexer` option value (`fp8`, `fp4`, `bf16`, `atom-fp8` or `atom-fp8-fnuz`).
     pub fn indexer_from_name(name: &str) -> Result<IndexerDtype, PlanOptionError> {
-        match name {
-            "fp8" => Ok(IndexerDtype::Fp8),
-            "fp4" => Ok(IndexerDtype::Fp4),
-            "bf16" => Ok(IndexerDtype::Bf16),
-            other => Err(PlanOptionError::BadValue {
-                option: "indexer",
-                value: other.into(),
-                expected: "fp8, fp4 or bf16",
-            }),
-        }
+        IndexerDtype::from_name(name).ok_or_else(|| PlanOptionError::BadValue {
+            option: "indexer",
+            value: name.into(),
+            expected: "fp8, fp4, bf16, atom-fp8 or atom-fp8-fnuz",
+        })
+    }
+
+    /// Parse an `arch` option value (`gfx90a`, `gfx942`, `gfx950` or `gfx1250`).
+    pub fn arch_from_name(name: &str) -> Result<GpuArch, PlanOptionError> {
+        GpuArch::from_name(name).ok_or_else(|| PlanOptionError::BadValue {
+            option: "arch",
+            value: name.into(),
+            expected: "gfx90a, gfx942, gfx950 or gfx1250",
+        })
     }
 
     /// Parse a `draft_mode` option value (`absent` or `dense`).
@@ -266,12 +275,14 @@ impl PlanOptions {
     /// Size the pool and add its checkpoint facts.
     pub fn report(&self) -> Result<PlanReport, PlanOptionError> {
         let model = self.model_shape()?;
+        let (kv, indexer) = default_dtypes(model.family, self.arch);
         let req = PlanRequest {
             min_slots: self.min_slots,
             overhead_bytes: self.overhead_bytes,
+            arch: self.arch,
             ..PlanRequest::new(
-                self.kv.unwrap_or(KvDtype::default_for(model.family)),
-                self.indexer,
+                self.kv.unwrap_or(kv),
+                self.indexer.unwrap_or(indexer),
                 self.max_seqs,
                 self.budget_bytes,
             )

@@ -185,13 +185,23 @@ pub enum IndexerDtype {
     /// (transformers' DeepSeek-V4; a reference run's pool). Twice the fp8 cache; not one of
     /// the layout-id vocabulary's `fp8|fp4` (pool-runtime.md), so its layout id names `bf16`.
     Bf16,
+    /// ATOM's fp8 cache off gfx942 (gfx950, gfx1250): the [`IndexerDtype::Fp8`] bytes, but
+    /// values in ATOM's preshuffled 16×16 tiles, OCP e4m3 at `fp8_max` 448
+    /// ([`crate::format::ATOM_FP8_KEYS`]); what aiter's `deepgemm_fp8_paged_mqa_logits(...,
+    /// Preshuffle=True)` reads. V4 only (blocks of 64 rows: the preshuffle tiles 16).
+    AtomFp8,
+    /// ATOM's fp8 cache on gfx942 (MI300X / MI325X): preshuffled, e4m3fnuz at `fp8_max` 240
+    /// ([`crate::format::ATOM_FP8_FNUZ_KEYS`]). V4 only.
+    AtomFp8Fnuz,
 }
 
 impl IndexerDtype {
     /// Bytes one block of one CSA layer takes in each indexer pool, in pool order.
     pub fn pool_block_bytes(self) -> &'static [u64] {
         match self {
-            IndexerDtype::Fp8 => &[INDEXER_FP8_BLOCK_BYTES],
+            IndexerDtype::Fp8 | IndexerDtype::AtomFp8 | IndexerDtype::AtomFp8Fnuz => {
+                &[INDEXER_FP8_BLOCK_BYTES]
+            }
             IndexerDtype::Fp4 => &[INDEXER_FP4_DATA_BYTES, INDEXER_FP4_SCALE_BYTES],
             IndexerDtype::Bf16 => &[INDEXER_BF16_BLOCK_BYTES],
         }
@@ -200,7 +210,9 @@ impl IndexerDtype {
     /// scale; FP4: 64 B of e2m1 data, then a 4-B e8m0 scale row): a V4 CSA block is 64 rows.
     pub fn pool_row_bytes(self) -> &'static [u64] {
         match self {
-            IndexerDtype::Fp8 => &[INDEXER_FP8_BLOCK_BYTES / 64],
+            IndexerDtype::Fp8 | IndexerDtype::AtomFp8 | IndexerDtype::AtomFp8Fnuz => {
+                &[INDEXER_FP8_BLOCK_BYTES / 64]
+            }
             IndexerDtype::Fp4 => &[INDEXER_FP4_DATA_BYTES / 64, INDEXER_FP4_SCALE_BYTES / 64],
             IndexerDtype::Bf16 => &[INDEXER_BF16_BLOCK_BYTES / 64],
         }
@@ -247,8 +259,144 @@ impl IndexerDtype {
             IndexerDtype::Fp8 => "fp8",
             IndexerDtype::Fp4 => "fp4",
             IndexerDtype::Bf16 => "bf16",
+            IndexerDtype::AtomFp8 => "atom-fp8",
+            IndexerDtype::AtomFp8Fnuz => "atom-fp8-fnuz",
         }
     }
+    /// Every indexer dtype, in the order the CLI lists them.
+    pub const ALL: [IndexerDtype; 5] = [
+        IndexerDtype::Fp8,
+        IndexerDtype::Fp4,
+        IndexerDtype::Bf16,
+        IndexerDtype::AtomFp8,
+        IndexerDtype::AtomFp8Fnuz,
+    ];
+    /// The dtype a name spells (the CLI's and the bindings' one parser).
+    pub fn from_name(name: &str) -> Option<IndexerDtype> {
+        Self::ALL.into_iter().find(|k| k.name() == name)
+    }
+    /// The fp8 key format's description (`crate::format`), for the fp8 caches.
+    pub fn fp8_keys(self) -> Option<&'static crate::format::Fp8KeyFormat> {
+        match self {
+            IndexerDtype::Fp8 => Some(&crate::format::FP8_KEYS),
+            IndexerDtype::AtomFp8 => Some(&crate::format::ATOM_FP8_KEYS),
+            IndexerDtype::AtomFp8Fnuz => Some(&crate::format::ATOM_FP8_FNUZ_KEYS),
+            IndexerDtype::Fp4 | IndexerDtype::Bf16 => None,
+        }
+    }
+    /// The `IndexKeysArgs::format` code its key writer takes (`crate::index::INDEX_KEYS_*`).
+    pub fn key_format_code(self) -> i32 {
+        use crate::index::*;
+        match self {
+            IndexerDtype::Fp8 => INDEX_KEYS_FP8,
+            IndexerDtype::Fp4 => INDEX_KEYS_FP4,
+            IndexerDtype::Bf16 => INDEX_KEYS_BF16,
+            IndexerDtype::AtomFp8 => INDEX_KEYS_ATOM_FP8,
+            IndexerDtype::AtomFp8Fnuz => INDEX_KEYS_ATOM_FP8_FNUZ,
+        }
+    }
+}
+
+/// An AMD GPU architecture a pool is planned for: on AMD the bytes an engine's kernels read
+/// depend on it (aiter's `fp8` is e4m3fnuz on gfx942 and OCP e4m3 on gfx950; ATOM's fp8 main KV
+/// exists only on gfx950 / gfx1250). docs/amd.md.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GpuArch {
+    /// MI200 (CDNA2): no fp8 in aiter.
+    Gfx90a,
+    /// MI300X / MI325X (CDNA3): fp8 is e4m3fnuz.
+    Gfx942,
+    /// MI350X / MI355X (CDNA4): fp8 is OCP e4m3.
+    Gfx950,
+    /// gfx1250: fp8 is OCP e4m3.
+    Gfx1250,
+}
+
+impl GpuArch {
+    /// Every architecture, in the order the CLI lists them.
+    pub const ALL: [GpuArch; 4] = [GpuArch::Gfx90a, GpuArch::Gfx942, GpuArch::Gfx950, GpuArch::Gfx1250];
+    /// The name (`gfx942`, …), as ROCm spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuArch::Gfx90a => "gfx90a",
+            GpuArch::Gfx942 => "gfx942",
+            GpuArch::Gfx950 => "gfx950",
+            GpuArch::Gfx1250 => "gfx1250",
+        }
+    }
+    /// The architecture a name spells.
+    pub fn from_name(name: &str) -> Option<GpuArch> {
+        Self::ALL.into_iter().find(|a| a.name() == name)
+    }
+    /// aiter's `dtypes.fp8` here (`aiter/utility/dtypes.py`); `None`: aiter has none.
+    pub fn fp8(self) -> Option<crate::format::Fp8Elem> {
+        use crate::format::Fp8Elem;
+        match self {
+            GpuArch::Gfx90a => None,
+            GpuArch::Gfx942 => Some(Fp8Elem::E4m3fnuz),
+            GpuArch::Gfx950 | GpuArch::Gfx1250 => Some(Fp8Elem::E4m3fn),
+        }
+    }
+    /// Whether ATOM's 640-B fp8 main KV is read here: aiter's sparse prefill and V4 decode
+    /// kernels exist for gfx950 / gfx1250 only, and ATOM turns fp8 off elsewhere
+    /// (`deepseek_v4_attn.py`).
+    pub fn reads_atom_fp8_kv(self) -> bool {
+        matches!(self, GpuArch::Gfx950 | GpuArch::Gfx1250)
+    }
+    /// Why `kv` is refused here, if it is: a format no kernel on this architecture reads.
+    pub fn refuses_kv(self, kv: KvDtype) -> Option<&'static str> {
+        match kv {
+            KvDtype::Fp8 if !self.reads_atom_fp8_kv() => Some(
+                "ATOM and aiter read the 640-B fp8 KV only on gfx950/gfx1250 (ATOM falls back to a bf16 KV \
+                 cache elsewhere); use --dtype bf16",
+            ),
+            KvDtype::FlashMlaV4 | KvDtype::FlashMlaV41 | KvDtype::FlashMlaV41Fp4 => {
+                Some("FlashMLA's formats are read by FlashMLA on NVIDIA only; use --dtype bf16")
+            }
+            _ => None,
+        }
+    }
+    /// Why `indexer` is refused here, if it is: its fp8 bytes are not this architecture's fp8,
+    /// or ATOM has no such cache here.
+    pub fn refuses_indexer(self, indexer: IndexerDtype) -> Option<&'static str> {
+        use crate::format::Fp8Elem;
+        let ours = self.fp8();
+        match indexer {
+            IndexerDtype::Bf16 => None,
+            IndexerDtype::Fp4 if self == GpuArch::Gfx942 || ours.is_none() => {
+                Some("ATOM's fp4 indexer is unsupported on gfx942 and gfx90a; use atom-fp8-fnuz (gfx942) or bf16")
+            }
+            IndexerDtype::Fp4 => None,
+            _ if ours.is_none() => Some("aiter has no fp8 type on gfx90a; use --indexer bf16"),
+            IndexerDtype::AtomFp8Fnuz if ours != Some(Fp8Elem::E4m3fnuz) => {
+                Some("e4m3fnuz is gfx942's fp8 only; use --indexer atom-fp8 here")
+            }
+            IndexerDtype::Fp8 | IndexerDtype::AtomFp8 if ours != Some(Fp8Elem::E4m3fn) => Some(
+                "gfx942's fp8 is e4m3fnuz: its readers would see OCP e4m3 bytes at half value and 0x80 as NaN; \
+                 use --indexer atom-fp8-fnuz",
+            ),
+            _ => None,
+        }
+    }
+}
+
+/// The main KV and indexer dtypes a pool of `family` takes when none is named: with no
+/// architecture (NVIDIA, the host) ATOM's fp8 rows for V4 and FlashMLA's 528-B rows for V4.1,
+/// with the row-major fp8 indexer; on an AMD architecture what its engine reads there: the fp8
+/// main KV where ATOM reads it (V4 on gfx950 / gfx1250), bf16 elsewhere, and ATOM's preshuffled
+/// fp8 indexer in the architecture's fp8 (bf16 on gfx90a, which has none).
+pub fn default_dtypes(family: crate::model::ModelFamily, arch: Option<GpuArch>) -> (KvDtype, IndexerDtype) {
+    use crate::model::ModelFamily;
+    let Some(arch) = arch else {
+        return (KvDtype::default_for(family), IndexerDtype::Fp8);
+    };
+    let kv = if family == ModelFamily::V4 && arch.reads_atom_fp8_kv() { KvDtype::Fp8 } else { KvDtype::Bf16 };
+    let indexer = match arch.fp8() {
+        Some(crate::format::Fp8Elem::E4m3fnuz) => IndexerDtype::AtomFp8Fnuz,
+        Some(crate::format::Fp8Elem::E4m3fn) => IndexerDtype::AtomFp8,
+        None => IndexerDtype::Bf16,
+    };
+    (kv, indexer)
 }
 
 /// One index-key layer in one indexer pool ([`IndexerDtype::layer_parts`]).
@@ -323,6 +471,27 @@ pub enum SizingError {
         /// The dtype asked for.
         kv: &'static str,
     },
+    #[error("{what} {name} is refused on {arch}: {why}")]
+    /// A dtype no kernel on the target architecture reads ([`GpuArch::refuses_kv`],
+    /// [`GpuArch::refuses_indexer`]).
+    UnreadableOnArch {
+        /// `KV dtype` or `indexer`.
+        what: &'static str,
+        /// The dtype's name.
+        name: &'static str,
+        /// The architecture.
+        arch: &'static str,
+        /// Why, and what to use instead.
+        why: &'static str,
+    },
+    #[error("indexer {indexer} does not fit a {family:?} model (ATOM's preshuffled caches are V4's)")]
+    /// An indexer dtype the model family's index keys have no form in.
+    IndexerUnsupported {
+        /// The model family.
+        family: crate::model::ModelFamily,
+        /// The indexer dtype asked for.
+        indexer: &'static str,
+    },
     #[error("arithmetic overflow computing {what}")]
     /// Arithmetic overflow computing `what`.
     Overflow {
@@ -374,6 +543,8 @@ impl VariantName for SizingError {
             MinSlots { .. } => "MinSlots",
             NoCompressedLayers => "NoCompressedLayers",
             KvDtypeUnsupported { .. } => "KvDtypeUnsupported",
+            UnreadableOnArch { .. } => "UnreadableOnArch",
+            IndexerUnsupported { .. } => "IndexerUnsupported",
             BudgetTooSmall { .. } => "BudgetTooSmall",
             Overflow { .. } => "Overflow",
             CarveMismatch { .. } => "CarveMismatch",
@@ -420,6 +591,11 @@ impl PoolLayout {
     pub fn new(model: &ModelShape, kv: KvDtype, indexer: IndexerDtype) -> Result<Self, SizingError> {
         if !kv.fits(model.family) {
             return Err(SizingError::KvDtypeUnsupported { family: model.family, kv: kv.name() });
+        }
+        if matches!(indexer, IndexerDtype::AtomFp8 | IndexerDtype::AtomFp8Fnuz)
+            && model.family != crate::model::ModelFamily::V4
+        {
+            return Err(SizingError::IndexerUnsupported { family: model.family, indexer: indexer.name() });
         }
         // A paged format's unit of contiguous bytes is a page: the arena, every slot and every
         // envelope are whole pages (the arena's bytes then never share a page with window rows,
@@ -566,12 +742,15 @@ pub struct PlanRequest {
     /// The pool's own persistent buffers (index buffers, metadata) the caller charges to
     /// the same budget; taken off before anything else.
     pub overhead_bytes: u64,
+    /// The AMD architecture the pool's bytes are for (`None`: NVIDIA or the host): a dtype
+    /// no kernel there reads is refused ([`GpuArch::refuses_kv`]).
+    pub arch: Option<GpuArch>,
 }
 
 impl PlanRequest {
     /// Size `max_num_seqs` slots in `budget_bytes`, no minimum, no overhead.
     pub fn new(kv: KvDtype, indexer: IndexerDtype, max_num_seqs: i64, budget_bytes: u64) -> Self {
-        PlanRequest { kv, indexer, max_num_seqs, budget_bytes, min_slots: 0, overhead_bytes: 0 }
+        PlanRequest { kv, indexer, max_num_seqs, budget_bytes, min_slots: 0, overhead_bytes: 0, arch: None }
     }
 }
 
@@ -580,6 +759,8 @@ impl PlanRequest {
 pub struct Plan {
     /// The layout sized.
     pub layout: PoolLayout,
+    /// The AMD architecture it was planned for ([`PlanRequest::arch`]).
+    pub arch: Option<GpuArch>,
     /// Bytes of one block (every plane plus its indexer share).
     pub page_bytes: u64,
     /// Bytes of one slot (every plane).
@@ -675,6 +856,15 @@ pub fn plan(model: &ModelShape, req: &PlanRequest) -> Result<Plan, SizingError> 
     if !(0..=m).contains(&req.min_slots) {
         return Err(SizingError::MinSlots { min_slots: req.min_slots, max_num_seqs: m });
     }
+    if let Some(arch) = req.arch {
+        let refused = [
+            ("KV dtype", req.kv.name(), arch.refuses_kv(req.kv)),
+            ("indexer", req.indexer.name(), arch.refuses_indexer(req.indexer)),
+        ];
+        if let Some((what, name, Some(why))) = refused.into_iter().find(|r| r.2.is_some()) {
+            return Err(SizingError::UnreadableOnArch { what, name, arch: arch.name(), why });
+        }
+    }
     let layout = PoolLayout::new(model, req.kv, req.indexer)?;
     let (s, e) = (layout.geometry.slot_rows, layout.geometry.envelope_rows);
     if e == 0 {
@@ -734,6 +924,7 @@ pub fn plan(model: &ModelShape, req: &PlanRequest) -> Result<Plan, SizingError> 
         "blocks",
     )?;
     Ok(Plan {
+        arch: req.arch,
         page_bytes,
         slot_bytes,
         num_blocks,

@@ -580,3 +580,72 @@ fn plan_json_reports_capacity_by_format() {
     assert_eq!(row["tokens_vs_plan"], 0);
     assert!(packed["num_blocks"].as_i64() > v41["num_blocks"].as_i64(), "{packed} vs {v41}");
 }
+
+/// A pool planned for an AMD architecture takes the formats its engine's kernels read there
+/// (docs/amd.md): gfx942 defaults to a bf16 main KV and ATOM's preshuffled e4m3fnuz indexer;
+/// ATOM's 640-B fp8 main KV, which aiter reads only on gfx950 / gfx1250, is refused on gfx942
+/// with one line saying why.
+#[test]
+fn plan_for_an_amd_architecture_picks_what_its_kernels_read() {
+    let plan = |extra: &[&str]| {
+        let mut a = vec!["plan", "--budget", "4GiB", "--max-seqs", "3", "--json"];
+        if !extra.contains(&"--model") {
+            a.extend_from_slice(&["--model", "v4-flash"]);
+        }
+        a.extend_from_slice(extra);
+        a.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let run = |extra: &[&str]| {
+        let a = plan(extra);
+        json_of(&a.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    for (extra, kv, indexer) in [
+        (&["--backend", "hip", "--arch", "gfx942"][..], "bf16", "atom-fp8-fnuz"),
+        (&["--arch", "gfx950"][..], "fp8", "atom-fp8"),
+        (&["--backend", "hip", "--arch", "gfx1250"][..], "fp8", "atom-fp8"),
+        (&["--arch", "gfx90a"][..], "bf16", "bf16"),
+        (&[][..], "fp8", "fp8"),
+        (&["--backend", "cuda"][..], "fp8", "fp8"),
+    ] {
+        let v = run(extra);
+        assert_eq!(
+            (v["kv_dtype"].as_str(), v["indexer_dtype"].as_str()),
+            (Some(kv), Some(indexer)),
+            "{extra:?}"
+        );
+        let id = v["layout_id"].as_str().unwrap();
+        assert!(id.contains(&format!(":index={indexer}:")), "{extra:?}: {id}");
+    }
+    // The indexer layout is in the layout id: a pool of another indexer layout is another id.
+    let ids: Vec<String> = ["fp8", "atom-fp8"]
+        .iter()
+        .map(|i| run(&["--indexer", i])["layout_id"].as_str().unwrap().to_string())
+        .collect();
+    assert_ne!(ids[0], ids[1]);
+    // Refused, exit 2, one line saying why.
+    for (extra, variant, why) in [
+        (
+            &["--backend", "hip", "--arch", "gfx942", "--dtype", "fp8"][..],
+            "UnreadableOnArch",
+            "gfx950/gfx1250",
+        ),
+        (&["--arch", "gfx942", "--indexer", "fp8"][..], "UnreadableOnArch", "e4m3fnuz"),
+        (&["--arch", "gfx950", "--indexer", "atom-fp8-fnuz"][..], "UnreadableOnArch", "gfx942"),
+        (&["--arch", "gfx942", "--dtype", "flashmla-v4"][..], "UnreadableOnArch", "NVIDIA"),
+        (&["--backend", "hip"][..], "MissingOption", "--arch"),
+        (&["--arch", "gfx1100"][..], "BadValue", "gfx942"),
+        (&["--backend", "cuda", "--arch", "gfx942"][..], "Conflict", "--arch"),
+        (&["--model", "v4.1-flash", "--indexer", "atom-fp8"][..], "IndexerUnsupported", "V4"),
+    ] {
+        let mut a = plan(extra);
+        a.retain(|x| x != "--json");
+        let o = v4pool(&a.iter().map(String::as_str).collect::<Vec<_>>());
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{extra:?}: {err}");
+        assert!(err.contains(why), "{extra:?}: {err}");
+        let o = v4pool(&plan(extra).iter().map(String::as_str).collect::<Vec<_>>());
+        let v: Value = serde_json::from_str(&stdout(&o)).expect("one JSON error object");
+        assert_eq!(v["error"], variant, "{extra:?}");
+    }
+}

@@ -1,5 +1,5 @@
 //! The indexer key writer on a device (`v4pool_index_keys` compiled for the GPU) against the
-//! host backend, in every indexer format (bf16, FP8, FP4): twin pools with the same fresh
+//! host backend, in every indexer format (bf16, FP8, FP4, ATOM's FP8 in OCP e4m3 and e4m3fnuz): twin pools with the same fresh
 //! random indexer bytes, the same key writes (wide-range random keys, an all-zero row, huge
 //! and tiny rows, infinities and NaN), every byte of every indexer pool compared. Skips with
 //! SKIP without a device (fails with V4POOL_REQUIRE_GPU=1).
@@ -52,7 +52,8 @@ fn index_keys_match_the_host() {
     };
     let dev: Arc<dyn Backend> = Arc::from(dev);
     let model = ModelShape::v4_flash(1).unwrap();
-    for (n, ix) in [IndexerDtype::Bf16, IndexerDtype::Fp8, IndexerDtype::Fp4].into_iter().enumerate() {
+    // Every indexer dtype: ATOM's preshuffled OCP e4m3 and e4m3fnuz caches (formats 3, 4) too.
+    for (n, ix) in IndexerDtype::ALL.into_iter().enumerate() {
         let d = model_pool_with(dev.clone(), &model, true, 6, 3, Some(ix));
         let h = model_pool_with(Arc::new(HostBackend::new()), &model, true, 6, 3, Some(ix));
         let mut rng = Rng::new(case_seed("gpu-index-keys", n as u64));
@@ -82,6 +83,9 @@ fn index_keys_match_the_host() {
         keys[5 * stride + 33] = 0x7fc1; // NaN
         keys[6 * stride + 40] = 0xffc3; // negative NaN (its byte keeps the sign on every backend)
         keys[7 * stride..7 * stride + 128].fill(0x8001); // negative subnormals
+        keys[8 * stride..8 * stride + 128].fill(0x8000); // -0.0 (0x00 in e4m3fnuz)
+        keys[9 * stride] = 0x4380; // 256: past e4m3fnuz's 240 beside tiny negatives
+        keys[9 * stride + 1..9 * stride + 128].fill(0xb3d6); // -1e-7
         wd.stage_compressed(Class::Csa, &ent(&bd)).unwrap();
         wh.stage_compressed(Class::Csa, &ent(&bh)).unwrap();
         for rank in [0, 2] {

@@ -20,8 +20,13 @@ use gather_common::model_pool_with;
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::geometry::Class;
-use v4pool::index::host::{index_keys, key_block_bytes, pack_fp4_key, pack_fp8_key, KeyCache};
-use v4pool::index::{IndexKeysArgs, Launch, INDEX_KEYS_BF16, INDEX_KEYS_FP4, INDEX_KEYS_FP8};
+use v4pool::index::host::{
+    fp8_key_format, index_keys, key_block_bytes, pack_fp4_key, pack_fp8_key, KeyCache,
+};
+use v4pool::index::{
+    IndexKeysArgs, Launch, INDEX_KEYS_ATOM_FP8, INDEX_KEYS_ATOM_FP8_FNUZ, INDEX_KEYS_BF16, INDEX_KEYS_FP4,
+    INDEX_KEYS_FP8,
+};
 use v4pool::model::ModelShape;
 use v4pool::pool::{CompressedRow, Pool, RowWriteCapacity, RowWriteError};
 use v4pool::sizing::IndexerDtype;
@@ -63,7 +68,8 @@ fn keys(rng: &mut Rng, rows: usize, stride: usize) -> Vec<u16> {
     v
 }
 
-const FORMATS: [i32; 3] = [INDEX_KEYS_BF16, INDEX_KEYS_FP8, INDEX_KEYS_FP4];
+const FORMATS: [i32; 5] =
+    [INDEX_KEYS_BF16, INDEX_KEYS_FP8, INDEX_KEYS_FP4, INDEX_KEYS_ATOM_FP8, INDEX_KEYS_ATOM_FP8_FNUZ];
 
 #[test]
 fn the_kernel_source_matches_the_host_reference() {
@@ -72,9 +78,9 @@ fn the_kernel_source_matches_the_host_reference() {
     };
     // SAFETY: the symbol has this signature (kernels/v4pool_emulation.cpp).
     let emu = unsafe { *lib.get::<common::EmuLaunch>(b"v4pool_emu_launch_index_keys\0").expect("symbol") };
-    for case in 0..30u64 {
+    for case in 0..40u64 {
         let mut rng = Rng::new(case_seed("index-keys-emulated", case));
-        let format = FORMATS[case as usize % 3];
+        let format = FORMATS[case as usize % FORMATS.len()];
         let t = 1 + rng.below(40) as usize;
         // Odd strides too: unaligned rows take the element amax, aligned ones the vectors.
         let stride = 128 + rng.below(9) as usize;
@@ -124,9 +130,14 @@ fn the_kernel_source_matches_the_host_reference() {
             let mut spans: Vec<(&[u8], u8)> = Vec::new();
             match format {
                 INDEX_KEYS_BF16 => spans.push((&host.0[e * 256..e * 256 + 256], 0xa5)),
-                INDEX_KEYS_FP8 => {
-                    spans.push((&host.0[b * block + r * 128..b * block + r * 128 + 128], 0xa5));
-                    let s = b * block + rows * 128 + r * 4;
+                INDEX_KEYS_FP8 | INDEX_KEYS_ATOM_FP8 | INDEX_KEYS_ATOM_FP8_FNUZ => {
+                    // The row's bytes where its format puts them (preshuffled: 8 runs of 16).
+                    let f = fp8_key_format(format).unwrap();
+                    for d in (0..128).step_by(16) {
+                        let at = b * block + f.value_offset(rows, r, d).unwrap();
+                        spans.push((&host.0[at..at + 16], 0xa5));
+                    }
+                    let s = b * block + f.scale_offset(rows, r).unwrap();
                     spans.push((&host.0[s..s + 4], 0xa5));
                 }
                 _ => {
@@ -293,7 +304,7 @@ fn indexer_pools(pool: &Pool) -> Vec<Vec<u8>> {
 #[test]
 fn the_writer_puts_keys_at_their_entries_in_every_format_and_nothing_else_changes() {
     let model = ModelShape::v4_flash(0).unwrap();
-    for (n, ix) in [IndexerDtype::Bf16, IndexerDtype::Fp8, IndexerDtype::Fp4].into_iter().enumerate() {
+    for (n, ix) in IndexerDtype::ALL.into_iter().enumerate() {
         let pool = model_pool_with(Arc::new(HostBackend::new()), &model, n % 2 == 0, 6, 3, Some(ix));
         let mut rng = Rng::new(case_seed("index-keys-writer-formats", n as u64));
         // Poison every indexer pool with fresh random bytes.
@@ -327,7 +338,8 @@ fn the_writer_puts_keys_at_their_entries_in_every_format_and_nothing_else_change
         let layer = |p: usize| {
             let base = pool.indexer_view(0, p).unwrap().ptr;
             let at = (pool.indexer_view(rank, p).unwrap().ptr - base) as usize;
-            let len = key_block_bytes(fmt(ix), 64).map(|(d, s)| if p == 0 { d } else { s }).unwrap();
+            let len =
+                key_block_bytes(ix.key_format_code(), 64).map(|(d, s)| if p == 0 { d } else { s }).unwrap();
             at..at + len * v.blocks as usize
         };
         let (r0, r1) = (layer(0), if ix == IndexerDtype::Fp4 { layer(1) } else { 0..0 });
@@ -337,6 +349,8 @@ fn the_writer_puts_keys_at_their_entries_in_every_format_and_nothing_else_change
             let mut cache = match ix {
                 IndexerDtype::Bf16 => KeyCache::Bf16 { data },
                 IndexerDtype::Fp8 => KeyCache::Fp8 { data },
+                IndexerDtype::AtomFp8 => KeyCache::AtomFp8 { data, fnuz: false },
+                IndexerDtype::AtomFp8Fnuz => KeyCache::AtomFp8 { data, fnuz: true },
                 IndexerDtype::Fp4 => KeyCache::Fp4 { data, scales: &mut rest[0][r1] },
             };
             index_keys(&k, stride, &dest, &mut cache, v.blocks as i64, 64, dest.len() as i32).unwrap();
@@ -375,10 +389,202 @@ fn the_writer_puts_keys_at_their_entries_in_every_format_and_nothing_else_change
     ));
 }
 
-fn fmt(ix: IndexerDtype) -> i32 {
-    match ix {
-        IndexerDtype::Bf16 => INDEX_KEYS_BF16,
-        IndexerDtype::Fp8 => INDEX_KEYS_FP8,
-        IndexerDtype::Fp4 => INDEX_KEYS_FP4,
+// ---- ATOM's fp8 indexer cache, read as aiter reads it -------------------------------------
+// The decoders and the addressing below are written from aiter's and ATOM's source (the
+// reader's rules), not from v4pool's encoder: `hip_float8_impl.h` (e4m3fnuz: bias 8, 0x80 the
+// one NaN, no -0, no infinities), `pa_mqa_logits.py` (the preshuffled reader's element and
+// scale addresses), `fused_compress.py` (ATOM's quantisation rule).
+
+/// An e4m3fnuz byte's value: bias 8, `0x80` the only NaN, no infinities, no −0.
+fn fnuz_value(b: u8) -> f64 {
+    if b == 0x80 {
+        return f64::NAN;
     }
+    let (e, m) = (i32::from((b >> 3) & 0xf), f64::from(b & 7));
+    let v = if e == 0 { m / 8.0 * 2f64.powi(-7) } else { (1.0 + m / 8.0) * 2f64.powi(e - 8) };
+    if b & 0x80 != 0 {
+        -v
+    } else {
+        v
+    }
+}
+
+/// An OCP e4m3 (e4m3fn) byte's value: `0x7f` / `0xff` NaN.
+fn ocp_value(b: u8) -> f64 {
+    if b & 0x7f == 0x7f {
+        f64::NAN
+    } else {
+        e4m3_value(b)
+    }
+}
+
+/// Byte of key element (token `t` of its block, dim `d`) in a block's value bytes, as aiter's
+/// `deepgemm_fp8_paged_mqa_logits(Preshuffle=True)` loads it (`offset_k_fixed`, HiddenDim 128):
+/// `d % 16 + d / 16 × 256 + t % 16 × 16 + t / 16 × 16 × 128`.
+fn aiter_key_byte(t: usize, d: usize) -> usize {
+    d % 16 + d / 16 * 256 + t % 16 * 16 + t / 16 * 16 * 128
+}
+
+/// Byte of token `t`'s f32 scale: the block viewed as f32 after its `rows × 128` value bytes.
+fn aiter_scale_byte(rows: usize, t: usize) -> usize {
+    rows * 128 + 4 * t
+}
+
+/// ATOM's rule for one key row (`fused_compress.py`, computed here in f64): the scale
+/// `2^ceil(log2(max(amax, 1e-4) / fp8_max))` over the row's finite values; each value
+/// `x / scale` clamped to ±fp8_max and rounded to the nearest value `decode` has, ties to the
+/// even code. `None`: the value must read NaN (a NaN or infinite input, aiter's conversion).
+fn atom_rule(key: &[u16], fp8_max: f64, decode: fn(u8) -> f64) -> (f64, Vec<Option<f64>>) {
+    let amax = key.iter().filter_map(|&v| finite(v)).map(f64::abs).fold(0.0, f64::max);
+    let scale = (amax.max(f64::from(1e-4f32)) / fp8_max).log2().ceil().exp2();
+    let codes: Vec<(u8, f64)> = (0..=255u8).map(|c| (c, decode(c))).filter(|(_, v)| v.is_finite()).collect();
+    let vals = key
+        .iter()
+        .map(|&v| {
+            let y = (finite(v)? / scale).clamp(-fp8_max, fp8_max);
+            let best = codes
+                .iter()
+                .min_by(|a, b| {
+                    let (da, db) = ((a.1 - y).abs(), (b.1 - y).abs());
+                    da.partial_cmp(&db).unwrap().then((a.0 & 1).cmp(&(b.0 & 1)))
+                })
+                .unwrap();
+            Some(best.1)
+        })
+        .collect();
+    (scale, vals)
+}
+
+/// Key rows for the ATOM tests: random rows and the special ones (−0.0, tiny negatives, NaN,
+/// ±inf, values past 240 and 448, an all-zero row, amax exactly 240 × 2^k and 448 × 2^k and one
+/// bf16 step above, huge and tiny rows).
+fn atom_rows(rng: &mut Rng) -> Vec<Vec<u16>> {
+    let row = |f: &dyn Fn(usize) -> f32| (0..128).map(|i| bf16(f(i))).collect::<Vec<u16>>();
+    let mut rows: Vec<Vec<u16>> = vec![
+        row(&|i| if i == 0 { 1.0 } else { -0.0 }),
+        row(&|i| if i % 2 == 0 { 100.0 } else { -1e-6 * (i as f32) }),
+        row(&|i| match i {
+            3 => f32::NAN,
+            4 => f32::INFINITY,
+            5 => f32::NEG_INFINITY,
+            _ => (i as f32 - 60.0) / 7.0,
+        }),
+        row(&|i| (i as f32 - 64.0) * 9.0), // past 240 and 448
+        row(&|i| if i == 9 { 1e4 } else { 239.0 - i as f32 }),
+        row(&|_| 0.0),
+        row(&|i| if i == 1 { 240.0 * 32.0 } else { 1.0 }),
+        row(&|i| if i == 1 { 448.0 / 8.0 } else { -1.0 }),
+        row(&|i| 3e38 * if i % 3 == 0 { -1.0 } else { 0.5 }),
+        row(&|i| 1e-30 * (i as f32 + 1.0)),
+        row(&|i| if i < 64 { f32::NAN } else { -f32::NAN }),
+    ];
+    // One bf16 step above 240 × 32: the next power of two.
+    let mut up = rows[6].clone();
+    up[1] += 1;
+    rows.push(up);
+    while rows.len() < 64 {
+        rows.push(keys(rng, 1, 128));
+    }
+    rows
+}
+
+/// Writes `rows` (one key per block position, in a random order of positions) into block 1
+/// of a poisoned three-block cache through the host reference, returning block 1's bytes.
+fn write_block(format: i32, rows: &[Vec<u16>], rng: &mut Rng) -> Vec<u8> {
+    let block = 64 * 132;
+    let mut data: Vec<u8> = rng.bytes(3 * block);
+    let order = rng.distinct(64, 64);
+    let keys: Vec<u16> = order.iter().flat_map(|&t| rows[t as usize].iter().copied()).collect();
+    let dest: Vec<i32> = order.iter().map(|&t| 64 + t as i32).collect();
+    let mut cache = match format {
+        INDEX_KEYS_FP8 => KeyCache::Fp8 { data: &mut data },
+        _ => KeyCache::AtomFp8 { data: &mut data, fnuz: format == INDEX_KEYS_ATOM_FP8_FNUZ },
+    };
+    index_keys(&keys, 128, &dest, &mut cache, 3, 64, 64).unwrap();
+    data[block..2 * block].to_vec()
+}
+
+#[test]
+fn aiters_preshuffled_reader_addresses_every_byte_of_a_block_once() {
+    let mut seen = vec![0u32; 64 * 128];
+    for t in 0..64 {
+        for d in 0..128 {
+            seen[aiter_key_byte(t, d)] += 1;
+        }
+    }
+    assert!(seen.iter().all(|&n| n == 1));
+}
+
+#[test]
+fn atom_keys_read_by_aiter_are_atoms_quantisation_at_every_block_position() {
+    for (format, fp8_max, decode, name) in [
+        (INDEX_KEYS_ATOM_FP8_FNUZ, 240.0, fnuz_value as fn(u8) -> f64, "atom-fp8-fnuz (gfx942)"),
+        (INDEX_KEYS_ATOM_FP8, 448.0, ocp_value as fn(u8) -> f64, "atom-fp8 (gfx950)"),
+    ] {
+        for case in 0..3u64 {
+            let mut rng = Rng::new(case_seed("index-keys-atom", case * 8 + format as u64));
+            let rows = atom_rows(&mut rng);
+            let blk = write_block(format, &rows, &mut rng);
+            for (t, key) in rows.iter().enumerate() {
+                let (scale, want) = atom_rule(key, fp8_max, decode);
+                let s = aiter_scale_byte(64, t);
+                let got_scale = f64::from(f32::from_ne_bytes(blk[s..s + 4].try_into().unwrap()));
+                assert_eq!(got_scale, scale, "{name} case {case} token {t}: scale");
+                for d in 0..128 {
+                    let b = blk[aiter_key_byte(t, d)];
+                    let got = decode(b);
+                    match want[d] {
+                        None => assert!(got.is_nan(), "{name} case {case} token {t} dim {d}: byte {b:#04x} is not NaN"),
+                        Some(w) => assert!(
+                            got == w,
+                            "{name} case {case} token {t} dim {d}: x = {} reads {got} (byte {b:#04x}), ATOM's rule gives {w}",
+                            f32::from_bits(u32::from(key[d]) << 16) / scale as f32
+                        ),
+                    }
+                    // gfx942's fp8 has no −0 and one NaN: 0x80 only where the input was NaN or
+                    // infinite.
+                    if format == INDEX_KEYS_ATOM_FP8_FNUZ && want[d].is_some() {
+                        assert_ne!(b, 0x80, "{name} token {t} dim {d}: a finite value written as NaN");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn todays_row_major_fp8_keys_read_by_gfx942s_reader_are_half_valued_or_nan() {
+    // Why the FNUZ layout exists: the row-major e4m3fn bytes (what v4pool wrote before
+    // `atom-fp8-fnuz`, and still writes as `fp8` for DeepGEMM / vLLM on NVIDIA) read through
+    // gfx942's e4m3fnuz: every finite value at exactly half, e4m3fn's −0 / negatives rounding
+    // to zero (0x80) as NaN, its NaN bytes (0x7f / 0xff) as ±240.
+    let mut rng = Rng::new(case_seed("index-keys-fnuz-misread", 0));
+    let rows = atom_rows(&mut rng);
+    let blk = write_block(INDEX_KEYS_FP8, &rows, &mut rng);
+    let (mut halves, mut nans, mut max240) = (0, 0, 0);
+    for t in 0..rows.len() {
+        let scale = f64::from(f32::from_ne_bytes(blk[64 * 128 + 4 * t..][..4].try_into().unwrap()));
+        for d in 0..128 {
+            let b = blk[t * 128 + d]; // row-major: DeepGEMM's own address
+            let (ocp, fnuz) = (ocp_value(b), fnuz_value(b));
+            if b == 0x80 {
+                assert!(fnuz.is_nan());
+                nans += 1;
+            } else if ocp.is_nan() {
+                assert_eq!(fnuz.abs(), 240.0);
+                max240 += 1;
+            } else if ocp != 0.0 {
+                assert_eq!(fnuz * scale, ocp * scale / 2.0);
+                halves += 1;
+            }
+        }
+    }
+    assert!(halves > 4000 && nans > 0 && max240 > 0, "{halves} halves, {nans} NaN, {max240} at 240");
+    // And so the row-major block is not ATOM's: read at aiter's preshuffled addresses with
+    // gfx942's decoder it does not give ATOM's values.
+    let (scale, want) = atom_rule(&rows[20], 240.0, fnuz_value);
+    let s = f64::from(f32::from_ne_bytes(blk[64 * 128 + 80..][..4].try_into().unwrap()));
+    let wrong = (0..128)
+        .filter(|&d| fnuz_value(blk[aiter_key_byte(20, d)]) * s != want[d].unwrap_or(f64::NAN) * scale);
+    assert!(wrong.count() > 64);
 }

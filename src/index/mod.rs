@@ -395,6 +395,12 @@ pub const INDEX_KEYS_FP8: i32 = 1;
 /// `IndexKeysArgs::format`: the FP4 indexer cache (e2m1 data `[4][rows][16]`, e8m0 scales
 /// `[4][rows]`, in two pools).
 pub const INDEX_KEYS_FP4: i32 = 2;
+/// `IndexKeysArgs::format`: ATOM's preshuffled FP8 indexer cache in OCP e4m3 (`fp8_max` 448;
+/// gfx950, gfx1250): `crate::format::ATOM_FP8_KEYS`. Blocks of a multiple of 16 rows.
+pub const INDEX_KEYS_ATOM_FP8: i32 = 3;
+/// `IndexKeysArgs::format`: ATOM's preshuffled FP8 indexer cache in e4m3fnuz (`fp8_max` 240;
+/// gfx942): `crate::format::ATOM_FP8_FNUZ_KEYS`. Blocks of a multiple of 16 rows.
+pub const INDEX_KEYS_ATOM_FP8_FNUZ: i32 = 4;
 
 /// The indexer's key rows into one CSA layer's indexer K cache (docs/forward.md, "Indexer
 /// keys"): `keys[t]` (128 bf16) to entry `dest[t] = block × block_rows + row` of the layer's

@@ -399,6 +399,16 @@ pub enum LaunchError {
         /// Plane index.
         plane: usize,
     },
+    #[error("{field} = {value} is not a multiple of {of}")]
+    /// `field` = `value` is not a multiple of `of` (ATOM's preshuffled key blocks: 16 rows).
+    NotMultiple {
+        /// The field.
+        field: &'static str,
+        /// The value given.
+        value: i64,
+        /// What it must be a multiple of.
+        of: i64,
+    },
 }
 
 impl VariantName for LaunchError {
@@ -417,6 +427,7 @@ impl VariantName for LaunchError {
             BadCode { .. } => "BadCode",
             Misaligned { .. } => "Misaligned",
             PlaneHalfGiven { .. } => "PlaneHalfGiven",
+            NotMultiple { .. } => "NotMultiple",
         }
     }
 }
@@ -802,13 +813,22 @@ fn check_kv_rows(a: &super::KvRowsArgs) -> Result<(), LaunchError> {
 }
 
 fn check_index_keys(a: &super::IndexKeysArgs) -> Result<(), LaunchError> {
-    use super::{INDEX_KEYS_BF16, INDEX_KEYS_FP4, INDEX_KEYS_FP8};
+    use super::{
+        INDEX_KEYS_ATOM_FP8, INDEX_KEYS_ATOM_FP8_FNUZ, INDEX_KEYS_BF16, INDEX_KEYS_FP4, INDEX_KEYS_FP8,
+    };
     non_negative("num_tokens", a.num_tokens.into())?;
     non_negative("num_blocks", a.num_blocks)?;
     at_least("block_rows", a.block_rows.into(), 1)?;
     at_least("key_row_stride", a.key_row_stride, super::INDEX_KEY_VALUES as i64)?;
-    if ![INDEX_KEYS_BF16, INDEX_KEYS_FP8, INDEX_KEYS_FP4].contains(&a.format) {
+    let formats =
+        [INDEX_KEYS_BF16, INDEX_KEYS_FP8, INDEX_KEYS_FP4, INDEX_KEYS_ATOM_FP8, INDEX_KEYS_ATOM_FP8_FNUZ];
+    if !formats.contains(&a.format) {
         return Err(LaunchError::BadCode { field: "format", value: a.format });
+    }
+    // ATOM's preshuffle tiles a block 16 rows at a time (crate::format::KeyOrder).
+    let preshuffled = [INDEX_KEYS_ATOM_FP8, INDEX_KEYS_ATOM_FP8_FNUZ].contains(&a.format);
+    if preshuffled && a.block_rows % 16 != 0 {
+        return Err(LaunchError::NotMultiple { field: "block_rows", value: a.block_rows.into(), of: 16 });
     }
     // The scale pool exists exactly in the FP4 cache.
     if (a.scales != 0) != (a.format == INDEX_KEYS_FP4) {
@@ -820,7 +840,7 @@ fn check_index_keys(a: &super::IndexKeysArgs) -> Result<(), LaunchError> {
         present("data", a.data)?;
         // bf16 stores and the FP8 f32 scale store at their own alignment.
         let align = match a.format {
-            INDEX_KEYS_FP8 => 4,
+            INDEX_KEYS_FP8 | INDEX_KEYS_ATOM_FP8 | INDEX_KEYS_ATOM_FP8_FNUZ => 4,
             INDEX_KEYS_BF16 => 2,
             _ => 1,
         };

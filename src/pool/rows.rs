@@ -27,9 +27,8 @@ use crate::backend::BackendError;
 use crate::geometry::Class;
 use crate::index::{
     DevicePtr, IndexKeysArgs, KvRowsArgs, Launch, FLASHMLA_V41_FP4_ROW_BYTES, FLASHMLA_V41_ROW_BYTES,
-    FLASHMLA_V4_ROW_BYTES, FP8_NOPE_ROW_BYTES, INDEX_KEYS_BF16, INDEX_KEYS_FP4, INDEX_KEYS_FP8,
-    KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V4, KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V41_FP4,
-    KV_ROW_VALUES, ROPE_ROW_BYTES,
+    FLASHMLA_V4_ROW_BYTES, FP8_NOPE_ROW_BYTES, KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V4,
+    KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V41_FP4, KV_ROW_VALUES, ROPE_ROW_BYTES,
 };
 use crate::sizing::IndexerDtype;
 use crate::variant::VariantName;
@@ -623,10 +622,10 @@ impl KvRowWriter {
         };
         Self::kv_span(0, blocks.len(), stride, INDEX_KEY_VALUES)?;
         let data = self.pool.indexer_view(rank, 0).map_err(pool_err)?;
-        let (format, scales) = match ix {
-            IndexerDtype::Bf16 => (INDEX_KEYS_BF16, 0),
-            IndexerDtype::Fp8 => (INDEX_KEYS_FP8, 0),
-            IndexerDtype::Fp4 => (INDEX_KEYS_FP4, self.pool.indexer_view(rank, 1).map_err(pool_err)?.ptr),
+        let format = ix.key_format_code();
+        let scales = match ix {
+            IndexerDtype::Fp4 => self.pool.indexer_view(rank, 1).map_err(pool_err)?.ptr,
+            _ => 0,
         };
         let bad_cache = || RowWriteError::IndexerTooLarge { blocks: data.blocks };
         let block_rows = i32::try_from(data.rows_per_block).map_err(|_| bad_cache())?;

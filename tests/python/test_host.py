@@ -83,10 +83,26 @@ def test_plan_defaults_are_the_clis(model, kv):
     assert json.loads(out) == d
 
 
+def test_plan_for_gfx942_takes_what_atom_reads_there():
+    # docs/amd.md: bf16 main KV (ATOM's fp8 KV is gfx950/gfx1250 only) and ATOM's preshuffled
+    # e4m3fnuz indexer; the fp8 main KV refused, saying why.
+    p = v4pool.plan(model="v4-flash", budget=BUDGET, max_seqs=4, arch="gfx942")
+    d = p.to_dict()
+    assert (d["kv_dtype"], d["indexer_dtype"], d["arch"]) == ("bf16", "atom-fp8-fnuz", "gfx942")
+    assert p.plane_widths == [1024] and ":index=atom-fp8-fnuz:" in d["layout_id"]
+    with pytest.raises(v4pool.V4PoolError) as e:
+        v4pool.plan(model="v4-flash", budget=BUDGET, max_seqs=4, arch="gfx942", dtype="fp8")
+    assert e.value.variant == "UnreadableOnArch" and "gfx950/gfx1250" in e.value.message
+    pool = v4pool.Pool(p, backend="host")
+    # A view of gfx942's fp8 exports DLPack's float8_e4m3fnuz (type code 11).
+    assert pool.plane(0, dtype="float8_e4m3fnuz").dtype == "float8_e4m3fnuz"
+
+
 @pytest.mark.parametrize(
     "kwargs, variant",
     [
         (dict(model="v4-nope"), "UnknownPreset"),
+        (dict(arch="gfx1100"), "BadValue"),
         (dict(budget="1MiB"), "BudgetTooSmall"),
         (dict(budget="12 parsecs"), "UnknownUnit"),
         (dict(dtype="fp16"), "BadValue"),

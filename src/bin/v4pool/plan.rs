@@ -3,7 +3,8 @@
 //! ```text
 //! v4pool plan --model v4-flash|v4-pro|v4-flash-dspark|v4-pro-dspark|v4.1-flash|…|PATH/config.json
 //!             --budget 100GiB --max-seqs 256
-//!             [--dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4] [--indexer fp8|fp4|bf16] [--spec-steps K]
+//!             [--dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4] [--indexer fp8|fp4|bf16|atom-fp8|atom-fp8-fnuz]
+//!             [--backend cuda|hip] [--arch gfx90a|gfx942|gfx950|gfx1250] [--spec-steps K]
 //!             [--min-slots N] [--overhead BYTES] [--json]
 //! ```
 //!
@@ -13,11 +14,12 @@
 use crate::layout::load_model;
 use crate::{conclude, parse_args, CliError, Streams};
 use v4pool::plan_report::PlanReport;
-use v4pool::sizing::{parse_bytes, plan, IndexerDtype, KvDtype, PlanRequest};
+use v4pool::sizing::{default_dtypes, parse_bytes, plan, GpuArch, IndexerDtype, PlanRequest};
 
 const USAGE: &str = "\
 usage: v4pool plan --model NAME|PATH/config.json --budget BYTES --max-seqs N
-                   [--dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4] [--indexer fp8|fp4|bf16] [--spec-steps K]
+                   [--dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4] [--indexer fp8|fp4|bf16|atom-fp8|atom-fp8-fnuz]
+                   [--backend cuda|hip] [--arch gfx90a|gfx942|gfx950|gfx1250] [--spec-steps K]
                    [--min-slots N] [--overhead BYTES] [--json]
 
   --model       preset (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark, and -dense
@@ -31,15 +33,23 @@ usage: v4pool plan --model NAME|PATH/config.json --budget BYTES --max-seqs N
                 sparse decode reads), flashmla-v41 (FlashMLA's 528-B V4.1 rows, default for V4.1),
                 flashmla-v41-fp4 (V4.1's packed layout: 528-B window rows, FlashMLA's
                 288-B fp4 rows for the compressed KV)
-  --indexer     CSA indexer cache: fp8 (default), fp4 or bf16 (exact bf16 keys)
+  --indexer     CSA indexer cache: fp8 (row-major e4m3fn, DeepGEMM/vLLM's; default), fp4, bf16
+                (exact bf16 keys), atom-fp8 (ATOM's preshuffled OCP e4m3; default on gfx950,
+                gfx1250) or atom-fp8-fnuz (ATOM's preshuffled e4m3fnuz; default on gfx942)
+  --backend     cuda (default) or hip; hip needs --arch
+  --arch        the AMD architecture (gfx90a, gfx942, gfx950, gfx1250): the defaults become
+                what ATOM/aiter read there (gfx942: bf16 KV, atom-fp8-fnuz indexer) and a dtype
+                no kernel there reads is refused
   --spec-steps  speculative steps k; ring = window + k (default 0)
   --min-slots   fewest slots the elastic boundary may shrink to; the indexer is sized
                 for the blocks the plane holds beside them (default 0)
   --overhead    bytes of the pool's own buffers charged to the budget (default 0)
   --json        one JSON object instead of the report";
 
-const OPTIONS: [&str; 10] = [
+const OPTIONS: [&str; 12] = [
     "--model",
+    "--backend",
+    "--arch",
     "--budget",
     "--max-seqs",
     "--dtype",
@@ -67,19 +77,36 @@ pub(crate) fn execute(args: &[String]) -> Result<Option<PlanReport>, CliError> {
         expected,
     };
     let kv = crate::kv_dtype(&p)?;
-    let indexer = match p.get("--indexer").unwrap_or("fp8") {
-        "fp8" => IndexerDtype::Fp8,
-        "fp4" => IndexerDtype::Fp4,
-        "bf16" => IndexerDtype::Bf16,
-        other => return Err(bad("--indexer", other, "fp8, fp4 or bf16")),
+    let indexer = match p.get("--indexer") {
+        Some(i) => Some(
+            IndexerDtype::from_name(i)
+                .ok_or_else(|| bad("--indexer", i, "fp8, fp4, bf16, atom-fp8 or atom-fp8-fnuz"))?,
+        ),
+        None => None,
     };
+    let arch = match p.get("--arch") {
+        Some(a) => {
+            Some(GpuArch::from_name(a).ok_or_else(|| bad("--arch", a, "gfx90a, gfx942, gfx950 or gfx1250"))?)
+        }
+        None => None,
+    };
+    // The architecture is what decides the formats; a HIP pool without one cannot pick them.
+    match (p.get("--backend"), arch) {
+        (None | Some("cuda"), None) | (None | Some("hip"), Some(_)) => {}
+        (Some("hip"), None) => return Err(CliError::MissingOption { flag: "--arch" }),
+        (Some("cuda"), Some(_)) => return Err(CliError::Conflict { a: "--backend cuda", b: "--arch" }),
+        (Some(other), _) => return Err(bad("--backend", other, "cuda or hip")),
+    }
     let min_slots = p.i64("--min-slots")?.unwrap_or(0);
     let overhead_bytes = p.get("--overhead").map(parse_bytes).transpose()?.unwrap_or(0);
     let budget_bytes = parse_bytes(budget_text)?;
     let model = load_model(model_spec, &p)?;
-    // The family's default, the library's one (the bindings' too).
-    let kv = kv.unwrap_or(KvDtype::default_for(model.family));
-    let req = PlanRequest { min_slots, overhead_bytes, ..PlanRequest::new(kv, indexer, m, budget_bytes) };
+    // Without an architecture the default is the family's fp8 form (ATOM's rows for V4,
+    // FlashMLA's 528-B rows for V4.1); with one, what ATOM and aiter read there.
+    let (default_kv, default_indexer) = default_dtypes(model.family, arch);
+    let (kv, indexer) = (kv.unwrap_or(default_kv), indexer.unwrap_or(default_indexer));
+    let req =
+        PlanRequest { min_slots, overhead_bytes, arch, ..PlanRequest::new(kv, indexer, m, budget_bytes) };
     Ok(Some(PlanReport::new(plan(&model, &req)?)?))
 }
 
@@ -273,7 +300,7 @@ mod tests {
         ))
         .unwrap()
         .unwrap();
-        assert_eq!(r.plan.layout.kv, KvDtype::Bf16);
+        assert_eq!(r.plan.layout.kv, v4pool::sizing::KvDtype::Bf16);
         assert_eq!(r.plan.layout.indexer, IndexerDtype::Fp4);
         assert_eq!(r.plan.max_blocks, r.plan.num_blocks);
         assert_eq!(r.plan.budget_bytes, 80_000_000_000);

@@ -300,7 +300,7 @@ pub unsafe extern "C" fn v4pool_plan_new(
         }
         // SAFETY: as above.
         if let Some(i) = unsafe { text(indexer, "indexer") }? {
-            o.indexer = PlanOptions::indexer_from_name(i).map_err(named)?;
+            o.indexer = Some(PlanOptions::indexer_from_name(i).map_err(named)?);
         }
         o.spec_steps = spec_steps;
         let slot = out(out_plan, "out_plan")?;

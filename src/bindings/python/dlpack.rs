@@ -69,7 +69,8 @@ pub struct DLManagedTensorVersioned {
 }
 
 /// Element types a view hands out (DLPack type codes: int 0, uint 1, float 2, bfloat 4,
-/// float8_e4m3fn 10).
+/// float8_e4m3fn 10, float8_e4m3fnuz 11 — `kDLFloat8_e4m3fnuz`, which torch exports and
+/// imports `float8_e4m3fnuz` as).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Elem {
     U8,
@@ -78,12 +79,14 @@ pub enum Elem {
     F32,
     Bf16,
     F8E4M3,
+    /// gfx942's fp8 (`crate::format::Fp8Elem::E4m3fnuz`).
+    F8E4M3Fnuz,
 }
 
 impl Elem {
     pub fn size(self) -> u64 {
         match self {
-            Elem::U8 | Elem::F8E4M3 => 1,
+            Elem::U8 | Elem::F8E4M3 | Elem::F8E4M3Fnuz => 1,
             Elem::Bf16 => 2,
             Elem::I32 | Elem::F32 => 4,
             Elem::I64 => 8,
@@ -97,6 +100,7 @@ impl Elem {
             Elem::F32 => (2, 32),
             Elem::Bf16 => (4, 16),
             Elem::F8E4M3 => (10, 8),
+            Elem::F8E4M3Fnuz => (11, 8),
         };
         DLDataType { code, bits, lanes: 1 }
     }
@@ -108,10 +112,11 @@ impl Elem {
             Elem::F32 => "float32",
             Elem::Bf16 => "bfloat16",
             Elem::F8E4M3 => "float8_e4m3fn",
+            Elem::F8E4M3Fnuz => "float8_e4m3fnuz",
         }
     }
     pub fn parse(name: &str) -> Option<Elem> {
-        [Elem::U8, Elem::I32, Elem::I64, Elem::F32, Elem::Bf16, Elem::F8E4M3]
+        [Elem::U8, Elem::I32, Elem::I64, Elem::F32, Elem::Bf16, Elem::F8E4M3, Elem::F8E4M3Fnuz]
             .into_iter()
             .find(|e| e.name() == name)
     }

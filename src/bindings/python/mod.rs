@@ -110,8 +110,8 @@ impl Plan {
 /// default (0), both as `v4pool plan` does.
 #[pyfunction]
 #[pyo3(signature = (
-    model="v4-flash", budget=None, max_seqs=16, *, dtype=None, indexer="fp8", spec_steps=None,
-    min_slots=0, overhead=None, draft_stages=None, draft_mode="absent"
+    model="v4-flash", budget=None, max_seqs=16, *, dtype=None, indexer=None, spec_steps=None,
+    min_slots=0, overhead=None, draft_stages=None, draft_mode="absent", arch=None
 ))]
 #[allow(clippy::too_many_arguments)]
 fn plan(
@@ -120,23 +120,24 @@ fn plan(
     budget: Option<Bound<'_, PyAny>>,
     max_seqs: i64,
     dtype: Option<&str>,
-    indexer: &str,
+    indexer: Option<&str>,
     spec_steps: Option<i64>,
     min_slots: i64,
     overhead: Option<Bound<'_, PyAny>>,
     draft_stages: Option<usize>,
     draft_mode: &str,
+    arch: Option<&str>,
 ) -> PyResult<Plan> {
     let budget_bytes = match budget {
         Some(b) => bytes_arg(&b)?,
         None => 8 << 30,
     };
     let mut o = PlanOptions::new(model, budget_bytes, max_seqs);
-    // Unnamed dtype and steps: the library's defaults (`PlanOptions::new`), the CLI's too.
-    if let Some(d) = dtype {
-        o.kv = Some(PlanOptions::kv_from_name(d).map_err(plan_err)?);
-    }
-    o.indexer = PlanOptions::indexer_from_name(indexer).map_err(plan_err)?;
+    // Unnamed dtypes and steps: the library's defaults (`PlanOptions::new`,
+    // `sizing::default_dtypes` for the family and `arch`), the CLI's too.
+    o.kv = dtype.map(PlanOptions::kv_from_name).transpose().map_err(plan_err)?;
+    o.indexer = indexer.map(PlanOptions::indexer_from_name).transpose().map_err(plan_err)?;
+    o.arch = arch.map(PlanOptions::arch_from_name).transpose().map_err(plan_err)?;
     if let Some(k) = spec_steps {
         o.spec_steps = k;
     }

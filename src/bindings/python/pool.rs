@@ -208,7 +208,7 @@ impl PyPool {
         if let Some(name) = dtype {
             return Elem::parse(name).ok_or_else(|| {
                 PyValueError::new_err(format!(
-                    "dtype {name:?}: one of uint8, float8_e4m3fn, bfloat16, int32, float32"
+                    "dtype {name:?}: one of uint8, float8_e4m3fn, float8_e4m3fnuz, bfloat16, int32, float32"
                 ))
             });
         }

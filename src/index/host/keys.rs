@@ -1,5 +1,5 @@
 //! The indexer key writer's host reference (`v4pool_index_keys`): the indexer's bf16 key rows
-//! into one CSA layer's indexer K cache, in the pool's three row formats. One formula each
+//! into one CSA layer's indexer K cache, in the pool's row formats. One formula each
 //! (docs/forward.md, "Indexer keys"), the kernel's integer steps transcribed:
 //!
 //! * **bf16**: the 128 values copied (256-B rows).
@@ -11,16 +11,23 @@
 //!   values the least e8m0 byte `B` with `amax / 2^(B-127) <= 6` (0 for an all-zero group);
 //!   each value `x / 2^(B-127)` rounded to nearest even e2m1, saturating at 6; value `32g + 2j`
 //!   in the low nibble of byte `j` of group `g`, `32g + 2j + 1` in the high one.
+//! * **ATOM's FP8** (`atom-fp8`, `atom-fp8-fnuz`; [`crate::format::ATOM_FP8_KEYS`],
+//!   [`crate::format::ATOM_FP8_FNUZ_KEYS`]): FP8's block and scale rule at the encoding's max
+//!   (448 OCP e4m3, 240 e4m3fnuz), the values in ATOM's preshuffled 16×16 tiles; a NaN or
+//!   infinite value is the encoding's NaN and stays out of the amax (docs/amd.md).
 //!
-//! `amax` ignores NaN and counts infinities; NaN encodes as e4m3's NaN (`0x7f` with its sign)
-//! in FP8 and as 6 with its sign in FP4 (e2m1 has no NaN).
+//! Otherwise `amax` ignores NaN and counts infinities; NaN encodes as e4m3's NaN (`0x7f` with
+//! its sign) in FP8 and as 6 with its sign in FP4 (e2m1 has no NaN).
 
 use super::*;
-use crate::format::e8m0_of_amax;
-use crate::index::{INDEX_KEYS_BF16, INDEX_KEYS_FP4, INDEX_KEYS_FP8, INDEX_KEY_VALUES};
+use crate::format::Fp8KeyFormat;
+use crate::index::{
+    INDEX_KEYS_ATOM_FP8, INDEX_KEYS_ATOM_FP8_FNUZ, INDEX_KEYS_BF16, INDEX_KEYS_FP4, INDEX_KEYS_FP8,
+    INDEX_KEY_VALUES,
+};
 
 /// 1e-4 as f32 bits: the floor of an FP8 row's amax (an all-zero row still gets a scale).
-pub const FP8_KEY_AMAX_FLOOR: u32 = 0x38d1_b717;
+pub const FP8_KEY_AMAX_FLOOR: u32 = crate::format::KEY_AMAX_FLOOR;
 
 /// Largest magnitude (f32 bits) of bf16 values `x`, NaN ignored.
 fn bf16_amax(x: &[u16]) -> u32 {
@@ -30,23 +37,13 @@ fn bf16_amax(x: &[u16]) -> u32 {
 pub use crate::format::{e2m1_rne, e8m0_of_amax_e2m1};
 
 /// One key row (128 bf16 values) in the FP8 format: 128 e4m3 bytes and the row's f32 scale
-/// (returned as its bits).
+/// (returned as its bits): [`crate::format::FP8_KEYS`]' rule.
 pub fn pack_fp8_key(key: &[u16], data: &mut [u8]) -> Result<u32> {
-    if key.len() < INDEX_KEY_VALUES || data.len() != INDEX_KEY_VALUES {
-        return Err(HostKernelError::OutOfBounds {
-            buffer: "fp8 key",
-            index: 0,
-            len: key.len().min(data.len()),
-        });
-    }
-    let key = &key[..INDEX_KEY_VALUES];
-    let b = u32::from(e8m0_of_amax(bf16_amax(key).max(FP8_KEY_AMAX_FLOOR)));
-    // b is 105..=247 here, so 2^(b-127) and its inverse are normal f32s.
-    let inv = f32::from_bits((254 - b) << 23);
-    for (d, &v) in data.iter_mut().zip(key) {
-        *d = crate::format::e4m3_of_scaled_bf16(v, inv);
-    }
-    Ok(b << 23)
+    crate::format::FP8_KEYS.pack(key, data).map_err(|_| HostKernelError::OutOfBounds {
+        buffer: "fp8 key",
+        index: 0,
+        len: key.len().min(data.len()),
+    })
 }
 
 /// One key row in the FP4 format: group `g`'s 16 data bytes into `data[g]` and its e8m0 byte
@@ -82,6 +79,15 @@ pub enum KeyCache<'a> {
         /// The layer's blocks.
         data: &'a mut [u8],
     },
+    /// ATOM's preshuffled FP8 ([`crate::format::ATOM_FP8_KEYS`] or, `fnuz`,
+    /// [`crate::format::ATOM_FP8_FNUZ_KEYS`]): `[blocks][rows × 128 + rows × 4]` bytes, the
+    /// values in 16×16 tiles.
+    AtomFp8 {
+        /// The layer's blocks.
+        data: &'a mut [u8],
+        /// e4m3fnuz (gfx942) rather than OCP e4m3.
+        fnuz: bool,
+    },
     /// FP4: data `[blocks][4][rows][16]`, scales `[blocks][4][rows]`.
     Fp4 {
         /// The layer's data blocks.
@@ -97,8 +103,20 @@ impl KeyCache<'_> {
         match self {
             KeyCache::Bf16 { .. } => INDEX_KEYS_BF16,
             KeyCache::Fp8 { .. } => INDEX_KEYS_FP8,
+            KeyCache::AtomFp8 { fnuz: false, .. } => INDEX_KEYS_ATOM_FP8,
+            KeyCache::AtomFp8 { fnuz: true, .. } => INDEX_KEYS_ATOM_FP8_FNUZ,
             KeyCache::Fp4 { .. } => INDEX_KEYS_FP4,
         }
+    }
+}
+
+/// The fp8 key format an `INDEX_KEYS_*` code names (`None`: bf16, FP4, unknown).
+pub fn fp8_key_format(format: i32) -> Option<&'static Fp8KeyFormat> {
+    match format {
+        INDEX_KEYS_FP8 => Some(&crate::format::FP8_KEYS),
+        INDEX_KEYS_ATOM_FP8 => Some(&crate::format::ATOM_FP8_KEYS),
+        INDEX_KEYS_ATOM_FP8_FNUZ => Some(&crate::format::ATOM_FP8_FNUZ_KEYS),
+        _ => None,
     }
 }
 
@@ -106,7 +124,9 @@ impl KeyCache<'_> {
 pub fn key_block_bytes(format: i32, rows: usize) -> Option<(usize, usize)> {
     match format {
         INDEX_KEYS_BF16 => Some((rows * 2 * INDEX_KEY_VALUES, 0)),
-        INDEX_KEYS_FP8 => Some((rows * (INDEX_KEY_VALUES + 4), 0)),
+        INDEX_KEYS_FP8 | INDEX_KEYS_ATOM_FP8 | INDEX_KEYS_ATOM_FP8_FNUZ => {
+            Some((fp8_key_format(format)?.block_bytes(rows)?, 0))
+        }
         INDEX_KEYS_FP4 => Some((rows * INDEX_KEY_VALUES / 2, rows * 4)),
         _ => None,
     }
@@ -135,7 +155,16 @@ pub fn index_keys(
         .ok()
         .filter(|&r| r > 0)
         .ok_or(HostKernelError::ZeroDivisor { what: "block_rows", value: block_rows.into() })?;
-    let (block_bytes, scale_bytes) = key_block_bytes(cache.format(), rows).unwrap_or((0, 0));
+    let format = cache.format();
+    if fp8_key_format(format).is_some_and(|f| !f.fits_rows(rows)) {
+        return Err(super::LaunchError::NotMultiple {
+            field: "block_rows",
+            value: block_rows.into(),
+            of: 16,
+        }
+        .into());
+    }
+    let (block_bytes, scale_bytes) = key_block_bytes(format, rows).unwrap_or((0, 0));
     let entries = mul(num_blocks, i64::from(block_rows), "indexer entries")?;
     for t in 0..i64::from(num_tokens) {
         let e = i64::from(at(dest, t, "dest")?);
@@ -159,10 +188,23 @@ pub fn index_keys(
                     out.copy_from_slice(&v.to_ne_bytes());
                 }
             }
-            KeyCache::Fp8 { data } => {
-                let d = range(base + r * INDEX_KEY_VALUES, INDEX_KEY_VALUES, data.len(), "cache")?;
-                let scale = pack_fp8_key(key, &mut data[d])?;
-                let s = range(base + rows * INDEX_KEY_VALUES + r * 4, 4, data.len(), "cache")?;
+            KeyCache::Fp8 { data } | KeyCache::AtomFp8 { data, .. } => {
+                // The format's own offsets (the preshuffle needs rows % 16 == 0: refused
+                // before any byte is written).
+                let f = fp8_key_format(format).ok_or(HostKernelError::OutOfBounds {
+                    buffer: "cache",
+                    index: 0,
+                    len: 0,
+                })?;
+                let len = data.len();
+                let oob = || HostKernelError::OutOfBounds { buffer: "cache", index: e, len };
+                let mut q = [0u8; INDEX_KEY_VALUES];
+                let scale = f.pack(key, &mut q).map_err(|_| oob())?;
+                for (d, &b) in q.iter().enumerate() {
+                    let at = f.value_offset(rows, r, d).ok_or_else(oob)?;
+                    data[range(base + at, 1, len, "cache")?][0] = b;
+                }
+                let s = range(base + f.scale_offset(rows, r).ok_or_else(oob)?, 4, len, "cache")?;
                 data[s].copy_from_slice(&scale.to_ne_bytes());
             }
             KeyCache::Fp4 { data, scales } => {

@@ -35,8 +35,8 @@ pub use build::{
 };
 pub use gather::{dequant_fp8_row, e8m0_scale, fp8_scaled_bf16, window_gather, GatherPlanes};
 pub use keys::{
-    e2m1_rne, e8m0_of_amax_e2m1, index_keys, key_block_bytes, pack_fp4_key, pack_fp8_key, KeyCache,
-    FP8_KEY_AMAX_FLOOR,
+    e2m1_rne, e8m0_of_amax_e2m1, fp8_key_format, index_keys, key_block_bytes, pack_fp4_key, pack_fp8_key,
+    KeyCache, FP8_KEY_AMAX_FLOOR,
 };
 pub use pack::{e4m3_rne, e8m0_of_amax, kv_rows, pack_fp8_row, KvPlanes};
 pub use raw::run_launch;

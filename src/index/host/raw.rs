@@ -465,7 +465,9 @@ unsafe fn run_kv_rows(a: &crate::index::KvRowsArgs) -> Result<()> {
 /// See [`run_launch`].
 unsafe fn run_index_keys(a: &crate::index::IndexKeysArgs) -> Result<()> {
     use super::{index_keys, key_block_bytes, KeyCache};
-    use crate::index::{INDEX_KEYS_BF16, INDEX_KEYS_FP8, INDEX_KEY_VALUES};
+    use crate::index::{
+        INDEX_KEYS_ATOM_FP8, INDEX_KEYS_ATOM_FP8_FNUZ, INDEX_KEYS_BF16, INDEX_KEYS_FP8, INDEX_KEY_VALUES,
+    };
     let t = count(a.num_tokens);
     if t == 0 {
         return Ok(());
@@ -489,6 +491,8 @@ unsafe fn run_index_keys(a: &crate::index::IndexKeysArgs) -> Result<()> {
         let mut cache = match a.format {
             INDEX_KEYS_BF16 => KeyCache::Bf16 { data },
             INDEX_KEYS_FP8 => KeyCache::Fp8 { data },
+            INDEX_KEYS_ATOM_FP8 => KeyCache::AtomFp8 { data, fnuz: false },
+            INDEX_KEYS_ATOM_FP8_FNUZ => KeyCache::AtomFp8 { data, fnuz: true },
             _ => KeyCache::Fp4 { data, scales: output("scales", a.scales, bytes(scale)?)? },
         };
         index_keys(keys, stride, dest, &mut cache, a.num_blocks, a.block_rows, a.num_tokens)
