@@ -286,7 +286,12 @@ impl FlashDecode {
 /// MODEL1 check before the K loads). A pad is a batch entry of its own. Returns, per token, the
 /// entries as FlashMLA uses them, or the first loaded entry that is the poison (a row entry
 /// the builder never wrote).
-pub fn flashmla_reads(rows: &[i32], lengths: &[i32], bid: &[i32], width: usize) -> Result<Vec<Vec<i32>>, String> {
+pub fn flashmla_reads(
+    rows: &[i32],
+    lengths: &[i32],
+    bid: &[i32],
+    width: usize,
+) -> Result<Vec<Vec<i32>>, String> {
     let t = bid.len();
     let mut out = Vec::with_capacity(t);
     for i in 0..t {
