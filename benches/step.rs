@@ -355,11 +355,20 @@ fn run_shape(
         }
         orders.push(launches);
     }
-    let check = format!(
+    let mut check = format!(
         "{} bytes in {} runs equal to the host's in all three orders",
         fmt_bytes(want.len() as u64),
         runs.len()
     );
+    if flashmla_path {
+        // Every FlashMLA operand equal to the host's, the poison included; the rule (whole
+        // rows, HCA rows to their limits and untouched past them) was checked by path_outputs.
+        let untouched = step_common::check_flashmla_rule(&grig.path, &want_path)?;
+        check += &format!(
+            "; FlashMLA operands equal to the host's, {} HCA entries past the rows' limits untouched",
+            untouched
+        );
+    }
     drop(hrig);
 
     let mut res = Shape {
@@ -610,6 +619,7 @@ fn host_check() -> Res<()> {
         for tps in [1usize, 2] {
             let mut written = Vec::new();
             let mut counts = Vec::new();
+            let mut paths = Vec::new();
             for order in Order::ALL {
                 let pool = step_pool(Arc::new(HostBackend::new()), &model, kv, 4, 8);
                 let held = Holdings::take(&pool, 3);
@@ -628,6 +638,11 @@ fn host_check() -> Res<()> {
                 unsafe { rig.queue(&launches, S) };
                 written.push(gather(pool.backend().as_ref(), &rig.written_runs(&data))?);
                 counts.push(launches.len());
+                // The decode path's buffers (FlashMLA's operands checked against their rule).
+                paths.push(step_common::path_outputs(&rig.path));
+            }
+            if paths.iter().any(|p| *p != paths[0]) {
+                return Err(format!("{name} tps {tps}: the orders left different decode path buffers").into());
             }
             if written.iter().any(|w| *w != written[0]) {
                 return Err(format!("{name} tps {tps}: the orders wrote different bytes").into());

@@ -225,9 +225,10 @@ V4P_DEVICE void v4p_write_head_vec(v4p_i32* __restrict__ dst, const v4p_i32* __r
 /// launch_shape derives the same): enough for the longest head a block-table row can describe
 /// (block_table_stride * rpb entries), at most V4POOL_MAX_GRID_YZ (the writer strides by the
 /// count, so a cap loses nothing). One tile when nothing is fused.
-/// FlashMLA's compressed part (index-buffers.md §3f) is a whole row of extra_topk entries, the -1
-/// tail included, in tiles of V4POOL_DECODE_FLASH_TILE: the grid has the more tiles of the two
-/// (shape.rs derives the same). Small tiles for FlashMLA's rows: each entry is a table load
+/// FlashMLA's compressed part (index-buffers.md §3f) is written through v4p_flashmla_limit of a
+/// row of extra_topk entries, in tiles of V4POOL_DECODE_FLASH_TILE: the grid covers the whole
+/// width (it may depend on the scalars only; tiles past a token's limit return at once) and has
+/// the more tiles of the two (shape.rs derives the same). Small tiles for FlashMLA's rows: each entry is a table load
 /// then one store per view, and with 4,096-entry tiles a thread's 32 loads went out one after
 /// another (the step bench, 2026-12-02: the FlashMLA-mode builder 39.7 us at batch 1, two
 /// blocks writing 20 views x 8,192 entries, against 5.5 for the CSR builder).
@@ -272,18 +273,33 @@ V4P_DEVICE void v4p_flashmla_window(const FlashMlaOut& fm, WindowParams w, v4p_i
     if (fm.extra_indices != 0) v4p_out<v4p_i32>(fm.extra_topk_length)[t] = pad || head < 0 ? 0 : (v4p_i32)head;
 }
 
+/// Entries of a FlashMLA compressed row written for a length of `length` (shape.rs
+/// flashmla_row_limit, index-buffers.md §3f): through the first multiple of 64 (FlashMLA's
+/// TOPK_BLOCK_SIZE) strictly past the length, at most the width. FlashMLA loads whole blocks of
+/// 64 entries up to the (per batch entry) length and replaces any entry at or past the length
+/// by -1 (splitkv_mla.cuh, MODEL1); "strictly past" leaves one -1 after the length, for an MTP
+/// sibling whose HCA head is one longer and whose batch entry's length is that head.
+V4P_DEVICE v4p_i64 v4p_flashmla_limit(v4p_i64 length, v4p_i64 width) {
+    if (length >= width) return width;
+    const v4p_i64 limit = ((length < 0 ? 0 : length) / 64 + 1) * 64;  // a negative length counts as 0
+    return limit < width ? limit : width;
+}
+
 /// Tile `tile` of `ntiles` of token t's FlashMLA compressed row (§3f; HCA): entries e < head
-/// from the block table (as the CSR head: table[e / rpb] * envelope + e % rpb), -1 to
-/// extra_topk, in every view. A head past the row is the host's error; the stores stay in the
-/// row. A pad (table == nullptr) gets -1 everywhere.
+/// from the block table (as the CSR head: table[e / rpb] * envelope + e % rpb), -1 from head
+/// to v4p_flashmla_limit(head, extra_topk), in every view; nothing past it (an earlier step's
+/// entries stay: FlashMLA never loads them when the lengths are passed). A head past the row
+/// is the host's error; the stores stay in the row. A pad (table == nullptr) gets -1 through
+/// the first 64. Tiles past the limit return at once (the grid covers the whole width).
 V4P_DEVICE void v4p_flashmla_head(const FlashMlaOut& fm, const v4p_i32* __restrict__ table, v4p_i64 head, v4p_i64 rpb,
                                   v4p_i64 envelope, v4p_i64 tokens, v4p_i64 t, v4p_i64 tile, v4p_i64 ntiles,
                                   v4p_u32 tid) {
     v4p_i32* out = v4p_out<v4p_i32>(fm.extra_indices);
     const v4p_i32* shifts = v4p_in<v4p_i32>(fm.shifts);
     const v4p_i64 width = fm.extra_topk;
+    const v4p_i64 limit = v4p_flashmla_limit(table != nullptr ? head : 0, width);
     constexpr int per = V4POOL_DECODE_FLASH_TILE / V4P_DECODE_NT;
-    for (v4p_i64 base = tile * V4POOL_DECODE_FLASH_TILE; base < width; base += ntiles * V4POOL_DECODE_FLASH_TILE) {
+    for (v4p_i64 base = tile * V4POOL_DECODE_FLASH_TILE; base < limit; base += ntiles * V4POOL_DECODE_FLASH_TILE) {
         // The thread's entries base + tid + k * NT: every table load first, then the stores.
         v4p_i64 rows[per];
 #pragma unroll
@@ -294,7 +310,7 @@ V4P_DEVICE void v4p_flashmla_head(const FlashMlaOut& fm, const v4p_i32* __restri
 #pragma unroll
         for (int k = 0; k < per; ++k) {
             const v4p_i64 i = base + tid + (v4p_i64)k * V4P_DECODE_NT;
-            if (i < width) v4p_flashmla_put(out, shifts, fm.num_views, tokens, t, width, i, rows[k]);
+            if (i < limit) v4p_flashmla_put(out, shifts, fm.num_views, tokens, t, width, i, rows[k]);
         }
     }
 }

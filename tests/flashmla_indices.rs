@@ -1,14 +1,16 @@
 //! The host reference of FlashMLA's index convention (index-buffers.md §3f, §5f) against the
 //! convention written out independently (`flashmla_common::FlashDecode::expected`,
 //! `FlashPack::expected`), on random geometries, batches and views with poisoned outputs: the
-//! whole of every FlashMLA buffer, its poisoned slack untouched, and the CSR part of a launch
-//! with FlashMLA outputs byte-identical to the same launch without them.
+//! whole of every FlashMLA buffer (every entry to the row's limit as the convention says, the
+//! poison past it and in the slack untouched), what FlashMLA reads of the rows with one length
+//! per batch entry, and the CSR part of a launch with FlashMLA outputs byte-identical to the
+//! same launch without them.
 
 mod common;
 mod flashmla_common;
 
 use common::{geometry_at, Rng};
-use flashmla_common::{run_in_memory, words, FlashDecode, FlashPack};
+use flashmla_common::{flashmla_reads, run_in_memory, words, FlashDecode, FlashPack};
 use v4pool::index::host::run_launch;
 use v4pool::index::Launch;
 
@@ -62,6 +64,50 @@ fn decode_builder_writes_flashmla_rows_by_the_convention() {
         }
     }
     assert!(pads > 20, "only {pads} pad tokens: the pad rule went untested");
+}
+
+/// What FlashMLA reads of the HCA compressed rows, each batch entry (a sequence's MTP tokens)
+/// given the longest of its tokens' lengths: never an entry the builder left unwritten, and
+/// per token exactly what a whole row (−1 to the width) gives — on random steps and on steps
+/// whose first token's head is a multiple of 64 and the next one's one longer (the case a
+/// row written only to `ceil64(head)` would fail: its sibling's length reaches one past it).
+#[test]
+fn flashmla_reads_only_written_compressed_entries() {
+    let mut rng = Rng::new(0xf1a5_4d1a_0000_0004);
+    let mut edges = 0;
+    for case_no in 0..40 {
+        let ratios = random_ratios(&mut rng);
+        let g = geometry_at(&ratios, rng.range(129, 133), rng.range(60_000, 400_000), rng.range(4, 12));
+        let bs = rng.range(1, 4) as usize;
+        let (views, max_pos) = (rng.range(1, 4) as usize, rng.range(100, 40_000));
+        let d = if case_no % 2 == 0 {
+            FlashDecode::mtp_edge(&mut rng, &g, bs, views)
+        } else {
+            FlashDecode::random(&mut rng, &g, bs, max_pos, views)
+        };
+        let name = format!("flash reads {case_no}");
+        let (case, bufs, make) = d.case(&name, 0, true);
+        let out = run_in_memory(&case, &make, &reference);
+        let b = bufs[2].expect("HCA in every case");
+        let cls = d.classes[2].as_ref().unwrap();
+        let (w, t) = (cls.extra_topk as usize, d.batch.bid.len());
+        let lengths = words(&out[b.extra_length.unwrap()]);
+        let rows = words(&out[b.extra.unwrap()]);
+        let whole: Vec<i32> =
+            d.expected(2)[2].iter().map(|&x| if x == flashmla_common::POISON { -1 } else { x }).collect();
+        for v in 0..cls.shifts.len() {
+            let view = |r: &[i32]| r[v * t * w..(v + 1) * t * w].to_vec();
+            let got = flashmla_reads(&view(&rows), &lengths[..t], &d.batch.bid, w)
+                .unwrap_or_else(|e| panic!("{name} view {v}: {e}"));
+            let want = flashmla_reads(&view(&whole), &lengths[..t], &d.batch.bid, w).unwrap();
+            assert_eq!(got, want, "{name} view {v}: what FlashMLA reads");
+        }
+        edges += (0..t)
+            .filter(|&i| d.batch.bid[i] >= 0 && lengths[i] % 64 == 0)
+            .filter(|&i| (0..t).any(|j| d.batch.bid[j] == d.batch.bid[i] && lengths[j] == lengths[i] + 1))
+            .count();
+    }
+    assert!(edges > 10, "only {edges} tokens at a 64-entry edge with a longer sibling");
 }
 
 #[test]

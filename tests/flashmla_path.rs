@@ -1,7 +1,7 @@
 //! The FlashMLA decode path (`Pool::flashmla_decode_path`) on the host backend: a layer's
 //! operands are the CSR path's slices of the same batch, reordered into FlashMLA's rows (window
 //! tail → `indices`, HCA head → `extra_indices`, the CSA pack's head → the CSA `extra_indices`),
-//! each + the layer's `page_view` shift, −1 to the row's end, pads all −1 with length 0; the
+//! each + the layer's `page_view` shift, −1 to the row's limit, pads −1 with length 0; the
 //! views follow the shifts (CSA one, HCA one per layer); bad widths are typed errors.
 
 mod common;
@@ -114,8 +114,15 @@ fn flashmla_rows_are_the_csr_slices_shifted() {
             let w = ops.extra_topk as usize;
             assert_eq!(extra_len[t] as usize, head.len(), "layer {layer} token {t}: extra_topk_length");
             assert_eq!(&extra[t * w..t * w + head.len()], &head[..], "layer {layer} token {t}: compressed");
+            // −1 to the row's limit (HCA: the first multiple of 64 past the head; CSA: the
+            // width); past it the row is not written (index-buffers.md §3f).
+            let limit = if class == Class::Hca {
+                v4pool::index::shape::flashmla_row_limit(head.len() as i64, w as i64) as usize
+            } else {
+                w
+            };
             assert!(
-                extra[t * w + head.len()..(t + 1) * w].iter().all(|&x| x == -1),
+                extra[t * w + head.len()..t * w + limit].iter().all(|&x| x == -1),
                 "layer {layer} token {t}"
             );
         }

@@ -1,7 +1,7 @@
 //! FlashMLA's index convention (index-buffers.md §3f, §5f) on CUDA against the host reference:
 //! the decode builder's FlashMLA rows (every class, 20 HCA views as V4-Flash has) and the CSA
 //! translate-pack's FlashMLA rows, at V4-Flash / V4-Pro shapes, every buffer compared whole with
-//! its poisoned slack. Skips without a device unless `V4POOL_REQUIRE_GPU=1`.
+//! its poisoned slack (an HCA row's entries past its limit stay the poison on both). Skips without a device unless `V4POOL_REQUIRE_GPU=1`.
 
 mod common;
 mod flashmla_common;
@@ -27,6 +27,13 @@ fn decode_builder_flashmla_rows_match_host() {
             check_case(&*cuda, &case, &make);
             println!("ok {name} ({} MB)", case.total_bytes() >> 20);
         }
+        // MTP tokens whose HCA heads straddle a multiple of 64: the row limit's edge.
+        let seed = case_seed(&format!("flashmla-decode-edge-{model}"), 0);
+        let d = FlashDecode::mtp_edge(&mut Rng::new(seed), &g, 64, hca_layers);
+        let name = format!("flashmla decode {model} MTP edge T={}", d.batch.bid.len());
+        let (case, _, make) = d.case(&name, seed, true);
+        check_case(&*cuda, &case, &make);
+        println!("ok {name}");
     }
 }
 

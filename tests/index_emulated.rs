@@ -886,7 +886,12 @@ fn decode_builder_flashmla_rows_match_reference() {
         // Heads past one tile (4,096 entries) now and then: positions to 1.2M.
         let max_pos = if case_no % 6 == 5 { 1_200_000 } else { rng.range(100, 30_000) };
         let (bs, views) = (rng.range(1, 4) as usize, rng.range(1, 4) as usize);
-        let d = flashmla_common::FlashDecode::random(&mut rng, &g, bs, max_pos, views);
+        // Every fourth: MTP tokens whose heads straddle a multiple of 64 (the row limit's edge).
+        let d = if case_no % 4 == 3 {
+            flashmla_common::FlashDecode::mtp_edge(&mut rng, &g, bs, views)
+        } else {
+            flashmla_common::FlashDecode::random(&mut rng, &g, bs, max_pos, views)
+        };
         let (case, _, make) = d.case(&format!("flash decode {case_no}"), 0, true);
         compare_case(&emu, &case, &make);
     }

@@ -76,7 +76,9 @@ pub struct FlashMlaOut {
     pub topk_length: DevicePtr,
     /// i32 out `[num_views][num_tokens][extra_topk]`: the compressed part
     /// (`extra_indices_in_kvcache`): HCA only, with `block_tables` (entries `0..head` from the
-    /// tables, shifted, then −1); 0 = not written by the builder (the CSA part is the pack's).
+    /// tables, shifted, then −1 through [`shape::flashmla_row_limit`]`(head, extra_topk)`;
+    /// nothing past it, so a row is valid only with `extra_topk_length`); 0 = not written by
+    /// the builder (the CSA part is the pack's).
     pub extra_indices: DevicePtr,
     /// i32 out `[num_tokens]`: compressed entries per token (`extra_topk_length`); with
     /// `extra_indices`.

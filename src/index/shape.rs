@@ -45,6 +45,26 @@ pub const PREFILL_LANES: u32 = 64;
 /// Tokens one prefill-builder block holds (`V4POOL_PREFILL_TOKENS_PER_BLOCK`).
 pub const PREFILL_TOKENS_PER_BLOCK: u32 = BLOCK_THREADS / PREFILL_LANES;
 
+/// Entries of one block FlashMLA's sparse decode loads at a time (its `TOPK_BLOCK_SIZE`).
+pub const FLASHMLA_TOPK_BLOCK: i64 = 64;
+
+/// Entries of a FlashMLA compressed (HCA extra) row of `width` entries the decode builder
+/// writes for a row of `length` valid entries (index-buffers.md §3f; `v4p_flashmla_limit` in
+/// the kernel): through the first multiple of [`FLASHMLA_TOPK_BLOCK`] strictly past the
+/// length, at most `width`; a negative length counts as 0 (a pad: −1 through 64). FlashMLA
+/// loads `ceil(length / 64)` blocks of a row, `length` read per batch entry, and makes every
+/// entry at or past the length −1 before use (FlashMLA 9241ae3,
+/// `csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh`): past the limit it loads nothing, so the
+/// builder writes nothing there. "Strictly past" keeps a −1 after every row's length, for a
+/// batch entry whose MTP tokens share the longest head (one more entry) as their length.
+pub fn flashmla_row_limit(length: i64, width: i64) -> i64 {
+    if length >= width {
+        return width.max(0);
+    }
+    let blocks = length.max(0) / FLASHMLA_TOPK_BLOCK + 1;
+    (blocks * FLASHMLA_TOPK_BLOCK).min(width).max(0)
+}
+
 /// Lanes per token of the prefill builder's short form (`V4POOL_PREFILL_SHORT_LANES`).
 pub const PREFILL_SHORT_LANES: u32 = 16;
 /// The longest HCA head the short form is launched for (`V4POOL_PREFILL_SHORT_HEAD`).

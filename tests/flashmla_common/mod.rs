@@ -2,8 +2,9 @@
 //! CSA packs as `Case`s (named buffers, poisoned outputs with slack), the launches that fill them,
 //! and the expected FlashMLA buffers written from the convention itself — per token, a row of
 //! `width` entries: the valid ones left (`page*64 + offset` = view index + the view's shift),
-//! −1 to the end, a length per token; pads a row of −1 and length 0 — never from the code
-//! under test. Shared by `flashmla_indices` (host reference against the convention),
+//! −1 to the row's limit (window and CSA rows: the width; HCA compressed rows: the first
+//! multiple of 64 strictly past the length), the poison untouched past it, a length per token;
+//! pads a row of −1 and length 0 — never from the code under test. Shared by `flashmla_indices` (host reference against the convention),
 //! `index_emulated` (the kernel source against the host reference) and `gpu_flashmla_indices`
 //! (CUDA against the host reference).
 #![allow(dead_code)]
@@ -72,6 +73,34 @@ impl FlashDecode {
     /// geometry has it; random views (HCA: `hca_views`, as many as the model's HCA layers).
     pub fn random(rng: &mut Rng, g: &UnifiedPoolGeometry, bs: usize, max_pos: i64, hca_views: usize) -> Self {
         let batch = DecodeBatch::generate(rng, g, bs, 512, max_pos, 0, 1);
+        Self::from_batch(rng, g, batch, hca_views)
+    }
+
+    /// A step whose sequences straddle an HCA head of a multiple of 64 (the case "strictly
+    /// past" exists for): each sequence's tokens at positions 8,192m + 126 + i, so its first
+    /// token's head is 64m and the next ones' 64m + 1 (FlashMLA takes the longest as the batch
+    /// entry's length); sequences of one token keep a random position.
+    pub fn mtp_edge(rng: &mut Rng, g: &UnifiedPoolGeometry, bs: usize, hca_views: usize) -> Self {
+        let mut batch = DecodeBatch::generate(rng, g, bs, 512, 300, 0, 1);
+        for b in 0..batch.bs {
+            let p0 = 8_192 * rng.range(0, 4) + 126;
+            let mut k = 0;
+            for t in 0..batch.bid.len() {
+                if batch.bid[t] == b as i32 {
+                    batch.pos[t] = p0 + k;
+                    k += 1;
+                }
+            }
+            batch.ctx[b] = p0 + k;
+        }
+        let stride = batch.ctx.iter().map(|&c| crate::common::batches::columns(c)).max().unwrap_or(1);
+        batch.stride = stride + rng.below(3) as usize;
+        batch.tables = crate::common::batches::tables(rng, g, batch.bs, batch.stride);
+        Self::from_batch(rng, g, batch, hca_views)
+    }
+
+    /// FlashMLA outputs on every class of `g` for `batch`.
+    pub fn from_batch(rng: &mut Rng, g: &UnifiedPoolGeometry, batch: DecodeBatch, hca_views: usize) -> Self {
         let indptrs = [batch.dense_indptr(), batch.csa_indptr(), batch.hca_indptr()];
         let mut classes: [Option<FlashClass>; 3] = [None, None, None];
         for c in 0..3 {
@@ -215,13 +244,19 @@ impl FlashDecode {
                 }
                 let head = if live { i64::from(cls.indptr[i + 1] - cls.indptr[i]) - n } else { 0 };
                 let row0 = if live { b.bid[i] as usize * b.stride } else { 0 };
-                for e in 0..i64::from(cls.extra_topk) {
+                let width = i64::from(cls.extra_topk);
+                // Written through the first multiple of 64 strictly past the head (a pad: 64),
+                // at most the width; past that the poison stays.
+                let limit = ((head.max(0) / 64 + 1) * 64).min(width);
+                for e in 0..width {
                     let rpb = i64::from(self.rpb);
                     ex.push(if e < head {
                         let block = i64::from(b.tables[row0 + (e / rpb) as usize]);
                         (block * self.envelope + e % rpb + i64::from(shift)) as i32
-                    } else {
+                    } else if e < limit {
                         -1
+                    } else {
+                        POISON
                     });
                 }
             }
@@ -242,6 +277,41 @@ impl FlashDecode {
             if compressed { tail(exlen) } else { Vec::new() },
         ]
     }
+}
+
+/// What FlashMLA's sparse decode reads of a `[T][width]` operand (`rows`, one view) when each
+/// batch entry (a sequence: its tokens, `bid`) is given one length, the longest of its tokens'
+/// (`lengths`): per token, entries `0..ceil64(L)` loaded, those at or past `L` made −1
+/// (FlashMLA 9241ae3, csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh: get_cur_req_info and the
+/// MODEL1 check before the K loads). A pad is a batch entry of its own. Returns, per token, the
+/// entries as FlashMLA uses them, or the first loaded entry that is the poison (a row entry
+/// the builder never wrote).
+pub fn flashmla_reads(
+    rows: &[i32],
+    lengths: &[i32],
+    bid: &[i32],
+    width: usize,
+) -> Result<Vec<Vec<i32>>, String> {
+    let t = bid.len();
+    let mut out = Vec::with_capacity(t);
+    for i in 0..t {
+        let l = if bid[i] < 0 {
+            lengths[i]
+        } else {
+            (0..t).filter(|&j| bid[j] == bid[i]).map(|j| lengths[j]).max().unwrap_or(0)
+        } as usize;
+        let loaded = l.div_ceil(64) * 64;
+        let mut used = Vec::with_capacity(l);
+        for e in 0..loaded.min(width) {
+            let v = rows[i * width + e];
+            if e < l && v == POISON {
+                return Err(format!("token {i} entry {e}: unwritten, under the batch entry's length {l}"));
+            }
+            used.push(if e < l { v } else { -1 });
+        }
+        out.push(used);
+    }
+    Ok(out)
 }
 
 /// A random CSA translate-pack in FlashMLA mode on a decode batch: transformers-style top-k rows

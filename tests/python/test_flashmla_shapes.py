@@ -120,15 +120,18 @@ def _check_operands(pool, ring, layer, ratio, shift, tables, slot_pos, positions
         assert got == want, f"layer {layer} token {t}: compressed rows"
 
 
-def _builder_operands(fwdf, layer, T, shift, idx, tl, eidx, etl):
+def _builder_operands(fwdf, layer, T, shift, idx, tl, eidx, etl, hca):
     """The FlashMLA-mode builder's (and pack's) operands of `layer` for the T staged tokens,
     checked equal to the ones formed from the CSR buffers (`idx`… at s_q = MTP): the same
-    rows in the same order, per token, −1 after each token's length. Returned as FlashMLA
-    takes them with one query a batch entry: ([T, 1, W], [T], [T, 1, We] or None, [T] or None)."""
+    rows in the same order, per token, −1 after each token's length to the row's limit (an HCA
+    layer's compressed rows: the first multiple of 64 strictly past the length; the rest: the
+    width; past the limit the builder writes nothing, index-buffers.md §3f). Returned as
+    FlashMLA takes them with one query a batch entry (FlashMLA then loads no entry past the
+    limit): ([T, 1, W], [T], [T, 1, We] or None, [T] or None)."""
     ops = fwdf.flashmla(layer)
     assert ops["shift"] == shift
 
-    def one(name, lname, want, want_len):
+    def one(name, lname, want, want_len, limited=False):
         rows = torch.from_dlpack(ops[name])[:T]
         lengths = torch.from_dlpack(ops[lname])[:T]
         per_token = want.reshape(T, -1).to(rows.device)
@@ -139,7 +142,11 @@ def _builder_operands(fwdf, layer, T, shift, idx, tl, eidx, etl):
         per_token = per_token[:, :w]
         inside = torch.arange(w, device=rows.device).unsqueeze(0) < lengths.unsqueeze(1).long()
         assert bool((lengths.long().view(-1, MTP).amax(1) <= want_len.to(rows.device).long()).all()), name
-        assert torch.equal(rows, torch.where(inside, per_token, torch.full_like(per_token, -1))), name
+        col = torch.arange(w, device=rows.device).unsqueeze(0)
+        limit = torch.clamp((lengths.long() // 64 + 1) * 64, max=w) if limited else torch.full_like(lengths.long(), w)
+        written = col < limit.unsqueeze(1)
+        want_rows = torch.where(inside, per_token, torch.full_like(per_token, -1))
+        assert torch.equal(rows[written], want_rows[written]), name
         assert bool((per_token[~inside] == -1).all()), (name, "a row past the builder's length")
         return rows.unsqueeze(1).contiguous(), lengths.contiguous()
 
@@ -147,7 +154,7 @@ def _builder_operands(fwdf, layer, T, shift, idx, tl, eidx, etl):
     if eidx is None:
         assert "extra_indices" not in ops or int(torch.from_dlpack(ops["extra_topk_length"])[:T].max()) == 0
         return bi, bl, None, None
-    bei, bel = one("extra_indices", "extra_topk_length", eidx, etl)
+    bei, bel = one("extra_indices", "extra_topk_length", eidx, etl, limited=hca)
     return bi, bl, bei, bel
 
 
@@ -219,7 +226,7 @@ def _run(batch, context, backend, ops):
         _check_operands(pool, plan.ring_slots, layer, ratio, shift, tables, slot_pos, positions, idx.cpu(), tl.cpu(),
                         None if eidx is None else eidx.cpu(), None if etl is None else etl.cpu(),
                         None if topk is None else topk.cpu(), [0, T - 1])
-        built = _builder_operands(fwdf, layer, T, shift, idx, tl, eidx, etl)
+        built = _builder_operands(fwdf, layer, T, shift, idx, tl, eidx, etl, ratio == 128)
         q = (torch.randn(batch, MTP, HEADS, 512, device=dev, generator=gen) * 0.3).to(torch.bfloat16)
         ref = _reference(q, k_cache, idx, tl, eidx, etl, sink, scale)
         assert torch.isfinite(ref).all()

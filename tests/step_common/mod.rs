@@ -20,6 +20,7 @@ use std::sync::Arc;
 use v4pool::alloc::BlockHandle;
 use v4pool::backend::{Backend, DeviceAllocation, Stream};
 use v4pool::geometry::{Class, DENSE_RATIO};
+use v4pool::index::shape::flashmla_row_limit;
 use v4pool::index::{CopyRun, DevicePtr, ElemType, Launch};
 use v4pool::pool::{
     decode_slice_lens, CompressedRow, DecodeCapacity, DecodePath, DecodeSeq, FlashMlaWidths, KvRowWriter,
@@ -361,6 +362,10 @@ impl StepRig {
         } else {
             pool.decode_path(cap).expect("decode path")
         };
+        // Every FlashMLA operand starts poisoned, the same on every pool: what the builder
+        // and the packs leave unwritten (past an HCA row's limit) stays the poison, which
+        // `path_outputs` checks and compares like any byte.
+        poison_flashmla_operands(&path);
         let seqs: Vec<DecodeSeq<'_>> = (0..batch)
             .map(|b| DecodeSeq {
                 position: positions[b],
@@ -676,18 +681,39 @@ impl StepRig {
             }
         }
         if data.flashmla_path {
-            // FlashMLA's operands are written whole (fixed widths, -1 tails): every view's
-            // rows and lengths by the builder, and the one CSA extra buffer (rows and lengths)
-            // by every pack, so it counts once per pack; the reads as on the CSR path
-            // (block-table entries, top-k rows), counted below.
-            let ratios = &self.pool.spec().geometry.ratios;
-            let csa = ratios.iter().position(|&r| r == Class::Csa.ratio());
-            let csa_extra = csa.and_then(|l| self.path.flashmla(l).ok()).map_or(Vec::new(), |f| {
-                [f.extra_indices, f.extra_topk_length].into_iter().flatten().map(|b| b.ptr).collect()
-            });
+            // FlashMLA's window rows, the CSA extra rows and every length buffer are written
+            // whole (fixed widths, -1 tails): every view's by the builder, the one CSA extra
+            // buffer (rows and lengths) by every pack, so it counts once per pack. The HCA
+            // compressed rows only to each row's limit (index-buffers.md §3f): per view, per
+            // token, `flashmla_row_limit(head, width)` entries (a pad's: 64). The reads as on
+            // the CSR path (block-table entries, top-k rows), counted below.
+            let csa_extra = flashmla_buffers_of(&self.path, Class::Csa, true);
+            let hca_extra = flashmla_buffers_of(&self.path, Class::Hca, false);
             let packs = data.layers.iter().filter(|l| l.pack).count() as u64;
+            let topk = data.index_topk as i64;
+            let heads: Vec<i64> = data
+                .tokens()
+                .iter()
+                .map(|&(b, p)| decode_slice_lens(p, data.ctx[b], i64::from(WIN), topk).2)
+                .collect();
             for b in flashmla_operands(&self.path) {
-                let times = if csa_extra.contains(&b.ptr) { packs } else { 1 };
+                if let Some(f) = hca_extra.iter().find(|f| f.extra_indices.is_some_and(|x| x.ptr == b.ptr)) {
+                    let width = i64::from(f.extra_topk);
+                    let rows = (b.len / width as u64) as usize;
+                    let limits: i64 = (0..rows)
+                        .map(|t| flashmla_row_limit(heads.get(t).copied().unwrap_or(0), width))
+                        .sum();
+                    w += limits as u64 * b.elem_bytes;
+                    continue;
+                }
+                let times = if csa_extra.iter().any(|f| {
+                    f.extra_indices.is_some_and(|x| x.ptr == b.ptr)
+                        || f.extra_topk_length.is_some_and(|x| x.ptr == b.ptr)
+                }) {
+                    packs
+                } else {
+                    1
+                };
                 w += times * b.len * b.elem_bytes;
             }
         }
@@ -799,6 +825,84 @@ pub fn poison_pool(pool: &Pool, seed: u64) {
     }
 }
 
+/// What the FlashMLA operands start as in a rig (`StepRig::new`): an i32 no row or length is.
+pub const FLASHMLA_POISON: i32 = -0x2f5a_3c1d;
+
+/// Poison every FlashMLA operand buffer of `path` (none on a CSR path), waiting for the upload.
+pub fn poison_flashmla_operands(path: &DecodePath) {
+    let be = path.pool().backend().clone();
+    for b in flashmla_operands(path) {
+        let words = vec![FLASHMLA_POISON; b.len as usize];
+        // SAFETY: the path's own buffer, `len` i32 elements long; nothing runs on it yet.
+        unsafe {
+            be.upload(b.ptr, bytemuck::cast_slice(&words), Stream::DEFAULT).expect("poison an operand")
+        };
+    }
+    be.synchronize(Stream::DEFAULT).expect("poisoned operands");
+}
+
+/// The FlashMLA operands of `path`'s layers of `class`, each buffer once (`first`: the first
+/// such layer's only, as the CSA layers share one extra buffer).
+fn flashmla_buffers_of(path: &DecodePath, class: Class, first: bool) -> Vec<v4pool::pool::FlashMlaBuffers> {
+    let g = &path.pool().spec().geometry;
+    let mut out: Vec<v4pool::pool::FlashMlaBuffers> = Vec::new();
+    for layer in 0..g.ratios.len() {
+        if g.ratios[layer] != class.ratio() {
+            continue;
+        }
+        let Ok(f) = path.flashmla(layer) else { continue };
+        if !out.iter().any(|o| o.extra_indices.map(|x| x.ptr) == f.extra_indices.map(|x| x.ptr)) {
+            out.push(f);
+        }
+        if first {
+            break;
+        }
+    }
+    out
+}
+
+/// The rule a FlashMLA-mode path's operands follow after a step (index-buffers.md §3f): window
+/// rows, CSA extra rows and lengths written whole; an HCA compressed row written through
+/// `flashmla_row_limit(length, width)` and the poison untouched past it. Checked on the
+/// buffers `path_outputs` reads (`bufs`, in `flashmla_operands` order). Returns the entries
+/// left untouched past the HCA rows' limits (what the rule saves).
+pub fn check_flashmla_rule(path: &DecodePath, bufs: &[Vec<i32>]) -> Result<u64, String> {
+    let mut untouched = 0u64;
+    let ops = flashmla_operands(path);
+    let at = |ptr: DevicePtr| ops.iter().position(|b| b.ptr == ptr).map(|i| &bufs[i]);
+    let hca = flashmla_buffers_of(path, Class::Hca, false);
+    for (b, words) in ops.iter().zip(bufs) {
+        let Some(f) = hca.iter().find(|f| f.extra_indices.is_some_and(|x| x.ptr == b.ptr)) else {
+            if let Some(i) = words.iter().position(|&x| x == FLASHMLA_POISON) {
+                return Err(format!("operand at {:#x}: entry {i} unwritten (a whole-row buffer)", b.ptr));
+            }
+            continue;
+        };
+        let lengths =
+            f.extra_topk_length.and_then(|l| at(l.ptr)).ok_or("HCA lengths not among the operands")?;
+        let width = f.extra_topk as usize;
+        for (t, row) in words.chunks(width).enumerate() {
+            let limit = flashmla_row_limit(i64::from(lengths[t]), width as i64) as usize;
+            if let Some(i) = row[..limit].iter().position(|&x| x == FLASHMLA_POISON) {
+                return Err(format!(
+                    "HCA operand at {:#x} token {t}: entry {i} under the limit {limit} unwritten",
+                    b.ptr
+                ));
+            }
+            if let Some(i) = row[limit..].iter().position(|&x| x != FLASHMLA_POISON) {
+                return Err(format!(
+                    "HCA operand at {:#x} token {t}: entry {} past the limit {limit} written ({})",
+                    b.ptr,
+                    limit + i,
+                    row[limit + i]
+                ));
+            }
+            untouched += (row.len() - limit) as u64;
+        }
+    }
+    Ok(untouched)
+}
+
 /// A FlashMLA-mode path's operand buffers, each once (layers of one class and page shift share
 /// theirs; the CSA layers share one extra buffer), in layer order; none on a CSR path.
 pub fn flashmla_operands(path: &DecodePath) -> Vec<v4pool::pool::DeviceBuffer> {
@@ -817,7 +921,8 @@ pub fn flashmla_operands(path: &DecodePath) -> Vec<v4pool::pool::DeviceBuffer> {
 }
 
 /// The decode path's outputs a step leaves: every class's indptr, live indices and
-/// destination rows (FlashMLA mode: its operands and the destination rows).
+/// destination rows (FlashMLA mode: its operands whole, poison included, checked against
+/// [`check_flashmla_rule`] first, and the destination rows).
 pub fn path_outputs(path: &DecodePath) -> Vec<Vec<i32>> {
     use v4pool::pool::DecodeBuffer;
     let mut out = Vec::new();
@@ -826,6 +931,7 @@ pub fn path_outputs(path: &DecodePath) -> Vec<Vec<i32>> {
         for b in flashmla_operands(path) {
             out.push(path.read_flashmla(b).expect("FlashMLA operand"));
         }
+        check_flashmla_rule(path, &out).unwrap_or_else(|e| panic!("the FlashMLA operands' rule: {e}"));
         for class in [Class::Dense, Class::Csa, Class::Hca] {
             if let Ok(rows) = path.read_i32(DecodeBuffer::DestRows(class)) {
                 out.push(rows);

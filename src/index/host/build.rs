@@ -40,7 +40,8 @@ pub struct FlashMlaClass<'a> {
 pub struct FlashMlaExtra<'a> {
     /// Entries per compressed row.
     pub extra_topk: i32,
-    /// `[views][T][extra_topk]` (out): entries `0..head`, + shift, then −1.
+    /// `[views][T][extra_topk]` (out): entries `0..head`, + shift, then −1 to
+    /// [`crate::index::shape::flashmla_row_limit`]`(head, extra_topk)`; nothing past it.
     pub extra_indices: &'a mut [i32],
     /// `[T]` (out): the head per token (0 for pads).
     pub extra_topk_length: &'a mut [i32],
@@ -77,9 +78,10 @@ pub struct DecodeIndices<'a> {
 /// FlashMLA outputs (§3f) of class c, for every token t < T (pads included): view v's row t is
 /// `window_row(W_c, slot, p − n + 1 + i) + shift[v]` for `i < n`, −1 up to `topk`;
 /// `topk_length[t] = n`; with the compressed part, `compress_row(e) + shift[v]` for
-/// `e < head`, −1 up to `extra_topk`, `extra_topk_length[t] = head`. A pad's rows are all −1
-/// and its lengths 0 (a captured grid runs FlashMLA over every row: a pad must attend to
-/// nothing, whatever an earlier step left there).
+/// `e < head`, −1 up to `flashmla_row_limit(head, extra_topk)` and nothing past it,
+/// `extra_topk_length[t] = head`. A pad's rows are −1 (window rows whole, compressed rows
+/// through 64) and its lengths 0 (a captured grid runs FlashMLA over every row: a pad must
+/// attend to nothing, whatever an earlier step left there).
 pub fn decode_indices(k: DecodeIndices<'_>) -> Result<()> {
     let DecodeIndices {
         mut classes,
@@ -117,7 +119,8 @@ pub fn decode_indices(k: DecodeIndices<'_>) -> Result<()> {
             }
             if let Some(fm) = fm.as_mut() {
                 let rows = (0..n).map(|i| window_row(&class.params, slot, p - n + 1 + i).map(Some));
-                flashmla_rows(fm.indices, fm.shifts, fm.topk, t, tokens, n, rows, "flashmla indices")?;
+                let cut = Row { width: fm.topk, limit: fm.topk.into() };
+                flashmla_rows(fm.indices, fm.shifts, cut, t, tokens, n, rows, "flashmla indices")?;
                 put(fm.topk_length, t, n, "flashmla topk_length")?;
             }
         }
@@ -134,37 +137,44 @@ pub fn decode_indices(k: DecodeIndices<'_>) -> Result<()> {
         let rpb = divisor("rows_per_block", rpb)?;
         let rows = (0..head)
             .map(|e| compress_row(tables.get(i64::from(b), e / rpb)?, e % rpb, envelope_rows).map(Some));
-        flashmla_rows(
-            x.extra_indices,
-            fm.shifts,
-            x.extra_topk,
-            t,
-            tokens,
-            head,
-            rows,
-            "flashmla extra_indices",
-        )?;
+        let cut = Row::compressed(x.extra_topk, head);
+        flashmla_rows(x.extra_indices, fm.shifts, cut, t, tokens, head, rows, "flashmla extra_indices")?;
         put(x.extra_topk_length, t, head.max(0), "flashmla extra_topk_length")?;
     }
     Ok(())
 }
 
+/// A FlashMLA row's width and the entries of it written (`limit ≤ width`): window rows and the
+/// CSA pack's rows whole, HCA compressed rows to [`crate::index::shape::flashmla_row_limit`].
+#[derive(Clone, Copy, Debug)]
+struct Row {
+    width: i32,
+    limit: i64,
+}
+
+impl Row {
+    /// An HCA compressed row of `width` entries holding `head` (§3f).
+    fn compressed(width: i32, head: i64) -> Row {
+        Row { width, limit: crate::index::shape::flashmla_row_limit(head, width.into()) }
+    }
+}
+
 /// Row `t` of every view of a FlashMLA buffer `[views][tokens][width]`: the `count` values of
-/// `rows` (view-relative; `None`: −1 in place) + the view's shift, then −1 to `width`. A count
-/// past the row is
-/// [`HostKernelError::PastRow`] (the device bounds its stores to the row instead).
+/// `rows` (view-relative; `None`: −1 in place) + the view's shift, then −1 to the row's limit;
+/// entries past it untouched. A count past the row is [`HostKernelError::PastRow`] (the
+/// device bounds its stores to the row instead).
 #[allow(clippy::too_many_arguments)] // the row's coordinates as the kernel takes them
 fn flashmla_rows(
     out: &mut [i32],
     shifts: &[i32],
-    width: i32,
+    row: Row,
     t: i64,
     tokens: i64,
     count: i64,
     rows: impl Iterator<Item = Result<Option<i64>>>,
     buffer: &'static str,
 ) -> Result<()> {
-    let width = i64::from(width);
+    let width = i64::from(row.width);
     if count > width {
         return Err(HostKernelError::PastRow { buffer, token: t, entries: count, width });
     }
@@ -172,7 +182,7 @@ fn flashmla_rows(
     for (v, &shift) in shifts.iter().enumerate() {
         let start =
             mul(add(mul(v as i64, tokens, "flashmla row")?, t, "flashmla row")?, width, "flashmla row")?;
-        for i in 0..width {
+        for i in 0..row.limit.min(width) {
             let value = match rows.get(i as usize) {
                 Some(&Some(r)) => add(r, shift.into(), "shifted row")?,
                 _ => -1,
@@ -183,13 +193,16 @@ fn flashmla_rows(
     Ok(())
 }
 
-/// A pad token's FlashMLA rows (§3f): −1 in every view, lengths 0.
+/// A pad token's FlashMLA rows (§3f): −1 in every view (window rows whole, compressed rows
+/// through 64), lengths 0.
 fn flashmla_pad(fm: &mut FlashMlaClass<'_>, t: i64, tokens: i64) -> Result<()> {
-    flashmla_rows(fm.indices, fm.shifts, fm.topk, t, tokens, 0, std::iter::empty(), "flashmla indices")?;
+    let cut = Row { width: fm.topk, limit: fm.topk.into() };
+    flashmla_rows(fm.indices, fm.shifts, cut, t, tokens, 0, std::iter::empty(), "flashmla indices")?;
     put(fm.topk_length, t, 0, "flashmla topk_length")?;
     if let Some(x) = fm.extra.as_mut() {
         let buffer = "flashmla extra_indices";
-        flashmla_rows(x.extra_indices, fm.shifts, x.extra_topk, t, tokens, 0, std::iter::empty(), buffer)?;
+        let cut = Row::compressed(x.extra_topk, 0);
+        flashmla_rows(x.extra_indices, fm.shifts, cut, t, tokens, 0, std::iter::empty(), buffer)?;
         put(x.extra_topk_length, t, 0, "flashmla extra_topk_length")?;
     }
     Ok(())
@@ -279,7 +292,8 @@ pub fn csa_translate_pack(mut k: CsaPack<'_>) -> Result<()> {
         let b = at(k.batch_id_per_token, t, "batch_id_per_token")?;
         if b < 0 {
             if let Some(fm) = k.flashmla.as_mut() {
-                flashmla_rows(k.out, &[fm.shift], fm.extra_topk, t, tokens, 0, std::iter::empty(), "out")?;
+                let cut = Row { width: fm.extra_topk, limit: fm.extra_topk.into() };
+                flashmla_rows(k.out, &[fm.shift], cut, t, tokens, 0, std::iter::empty(), "out")?;
                 put(fm.extra_topk_length, t, 0, "extra_topk_length")?;
             }
             continue;
@@ -310,7 +324,8 @@ pub fn csa_translate_pack(mut k: CsaPack<'_>) -> Result<()> {
                 let r = compress_row(k.block_tables.get(b.into(), blk)?, v % cap, k.envelope_rows)?;
                 Ok(Some(add(r, k.compress_bias, "biased row")?))
             });
-            flashmla_rows(k.out, &[fm.shift], fm.extra_topk, t, tokens, valid, entries, "out")?;
+            let cut = Row { width: fm.extra_topk, limit: fm.extra_topk.into() };
+            flashmla_rows(k.out, &[fm.shift], cut, t, tokens, valid, entries, "out")?;
             put(fm.extra_topk_length, t, valid, "extra_topk_length")?;
             continue;
         }
