@@ -34,8 +34,8 @@ pub use crate::manager::{
 // A step's index work: decode and prefill paths, row writes, compressor state, draft window.
 pub use crate::pool::{
     CompressedRow, CsaTopk, DecodeBuffer, DecodeCapacity, DecodeError, DecodePath, DecodeSeq,
-    FlashMlaBuffers, PrefillCapacity, PrefillPath, PrefillSeq, RowWriteCapacity, RowWriteError, TopkError,
-    WriteBatch, WriteBatchError,
+    FlashMlaBuffers, KvRowWriter, PrefillCapacity, PrefillPath, PrefillSeq, RowWriteCapacity, RowWriteError,
+    TopkError, WriteBatch, WriteBatchError,
 };
 pub use crate::state::gather::{GatherCapacity, GatherError, GatherSeq, WindowGather};
 pub use crate::state::update::{
@@ -43,6 +43,8 @@ pub use crate::state::update::{
 };
 
 // Moving a request's KV between engines.
-pub use crate::transfer::{handoff, HandoffError, RequestKv, TransferEngine, TransferError};
+// (`handoff` names both a module and its function in `transfer`: the function only.)
+pub use crate::transfer::handoff::{handoff, HandoffError, RequestKv};
+pub use crate::transfer::{TransferEngine, TransferError};
 
 pub use crate::VariantName;
