@@ -8,11 +8,7 @@
 
 use std::error::Error;
 use std::sync::Arc;
-use v4pool::backend::{host::HostBackend, Backend, Stream};
-use v4pool::model::ModelShape;
-use v4pool::pool::{DecodeBuffer, DecodeCapacity, DecodeSeq, Pool, PoolSpec};
-use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest};
-use v4pool::Class;
+use v4pool::prelude::*;
 
 fn main() -> Result<(), Box<dyn Error>> {
     // 1. Plan: V4-Flash with one MTP draft (ring 129), fp8 KV, 8 sequences in 2 GiB.

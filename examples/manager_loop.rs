@@ -13,13 +13,7 @@
 
 use std::error::Error;
 use std::sync::Arc;
-use v4pool::backend::{host::HostBackend, Backend, Stream};
-use v4pool::manager::{
-    block_hash, chain_hashes, ElasticPolicy, KvManager, ManagerConfig, Namespace, RequestId,
-};
-use v4pool::model::ModelShape;
-use v4pool::pool::{Pool, PoolSpec};
-use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest};
+use v4pool::prelude::*;
 
 /// Prefill tokens a step may spend (the scheduler's token budget).
 const CHUNK: u64 = 512;

@@ -41,6 +41,7 @@ pub mod manager;
 pub mod model;
 pub mod plan_report;
 pub mod pool;
+pub mod prelude;
 pub mod profiling;
 mod rng;
 pub mod sim;

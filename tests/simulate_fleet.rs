@@ -178,3 +178,84 @@ fn the_conversation_trace_on_sixteen_engines() {
     }
     assert!(r[0].from_cache >= r[1].from_cache && r[1].from_cache > r[2].from_cache);
 }
+
+/// Issue 45: the progress callback sees the run advance (routed requests and the fleet's
+/// clock never go back, every request before the horizon is routed) and changes nothing
+/// the run reports.
+#[test]
+fn the_progress_callback_follows_the_run_and_changes_nothing() {
+    use v4pool::sim::fleet::{simulate_fleet_with_progress, FleetProgress};
+    let trace = Arc::new(synthetic());
+    let (backend, spec, mut cfg) = setup(384 << 20, 4);
+    cfg.host_tier_bytes = 64 << 20;
+    let specs = trace.specs(1.0).unwrap();
+    // A horizon inside the trace: the requests after it are neither routed nor counted.
+    let horizon = specs[60].arrival as f64;
+    cfg.time.as_mut().unwrap().horizon_ms = horizon;
+    let before = specs.iter().filter(|r| (r.arrival as f64) < horizon).count();
+    assert!(before < specs.len());
+    let fleet = FleetConfig { engines: 3, router: Router::PrefixAffinity, shared_tier_bytes: 4 << 30 };
+    let plain = simulate_fleet(&backend, &spec, &cfg, &fleet, FleetRun::Shared, &trace, &specs).unwrap();
+    let mut seen: Vec<FleetProgress> = Vec::new();
+    let watched = simulate_fleet_with_progress(
+        &backend,
+        &spec,
+        &cfg,
+        &fleet,
+        FleetRun::Shared,
+        &trace,
+        &specs,
+        &mut |at: &FleetProgress| seen.push(*at),
+    )
+    .unwrap();
+    assert!(seen.len() > 10, "{} calls", seen.len());
+    for w in seen.windows(2) {
+        assert!(w[1].routed >= w[0].routed && w[1].clock_ms >= w[0].clock_ms, "{w:?}");
+        assert_eq!(w[1].steps, w[0].steps + 1, "one call per engine step");
+    }
+    let last = seen.last().unwrap();
+    assert_eq!((last.routed, last.requests), (before, before));
+    assert!(last.clock_ms <= horizon && last.horizon_ms == horizon);
+    assert_eq!(watched.routed, plain.routed);
+    assert_eq!(watched.routed.iter().sum::<u64>(), before as u64);
+    assert_eq!(
+        (watched.from_cache, watched.restored_bytes, watched.ttft_ms.quantile(0.99)),
+        (plain.from_cache, plain.restored_bytes, plain.ttft_ms.quantile(0.99))
+    );
+}
+
+/// Issue 45: `simulate --engines N` defaults each engine to a real engine's budget (80 GiB of
+/// HBM, a 64 GiB host tier) and a given `--budget` brings a host tier of four fifths of it;
+/// progress stays off stderr when it is not a terminal.
+#[test]
+fn a_fleet_defaults_to_real_engine_budgets() {
+    let dir = std::env::temp_dir().join(format!("v4pool-fleet-defaults-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("t.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"timestamp\": 0, \"input_length\": 1000, \"output_length\": 10, \"hash_ids\": [1, 2]}\n\
+         {\"timestamp\": 500, \"input_length\": 1500, \"output_length\": 10, \"hash_ids\": [1, 2, 3]}\n",
+    )
+    .unwrap();
+    let fleet = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_v4pool"))
+            .args(["simulate", "--trace", trace.to_str().unwrap(), "--engines", "2", "--backend", "host"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(0), "{err}");
+        assert!(String::from_utf8_lossy(&out.stdout).contains("| shared | affinity |"));
+        err
+    };
+    let err = fleet(&[]);
+    assert!(err.contains("budget 85899345920 B"), "{err}");
+    assert!(err.contains("2 engines × (80.0 GiB pool + 64.0 GiB host tier), shared tier 160.0 GiB"), "{err}");
+    assert!(!err.contains("routed"), "no progress where stderr is not a terminal: {err}");
+    let err = fleet(&["--budget", "10GiB"]);
+    assert!(err.contains("2 engines × (10.0 GiB pool + 8.0 GiB host tier)"), "{err}");
+    let err = fleet(&["--budget", "10GiB", "--host-tier", "1GiB"]);
+    assert!(err.contains("2 engines × (10.0 GiB pool + 1.0 GiB host tier)"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -96,6 +96,23 @@ pub struct FleetConfig {
 /// Most engines a fleet run builds.
 pub const MAX_ENGINES: usize = 256;
 
+/// Where a fleet run stands, handed to [`simulate_fleet_with_progress`]'s callback after every
+/// engine step (the caller throttles: a fleet steps its engines hundreds of thousands of times).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FleetProgress {
+    /// The fleet's clock: the clock of the engine furthest behind that still has work, in ms
+    /// of simulated time.
+    pub clock_ms: f64,
+    /// Where the clock stops.
+    pub horizon_ms: f64,
+    /// Requests routed so far.
+    pub routed: usize,
+    /// Requests the run routes: those arriving before the horizon.
+    pub requests: usize,
+    /// Engine steps taken so far, all engines together.
+    pub steps: u64,
+}
+
 #[derive(Debug, Default)]
 struct Index {
     entries: HashMap<TierKey, (u64, u64)>,
@@ -295,17 +312,23 @@ fn advance(
     queues: &mut [VecDeque<RequestSpec>],
     affinity: &mut Affinity,
     until: f64,
+    at: &mut FleetProgress,
+    progress: &mut dyn FnMut(&FleetProgress),
 ) -> Result<(), SimError> {
     loop {
         let next = (0..engines.len())
             .filter(|&e| (engines[e].has_work() || !queues[e].is_empty()) && engines[e].clock_ms() < until)
             .min_by(|&a, &b| engines[a].clock_ms().total_cmp(&engines[b].clock_ms()));
         let Some(e) = next else { return Ok(()) };
+        // The engine about to step is the one furthest behind: its clock is the fleet's.
+        at.clock_ms = at.clock_ms.max(engines[e].clock_ms());
         let q = &mut queues[e];
         let mut arrivals = std::iter::from_fn(|| q.pop_front());
         engines[e].step(&mut arrivals)?;
         let events = engines[e].manager_mut().drain_events();
         affinity.learn(e, &events);
+        at.steps += 1;
+        progress(at);
     }
 }
 
@@ -319,6 +342,22 @@ pub fn simulate_fleet(
     run: FleetRun,
     trace: &Arc<Trace>,
     specs: &[RequestSpec],
+) -> Result<FleetReport, SimError> {
+    simulate_fleet_with_progress(backend, spec, cfg, fleet, run, trace, specs, &mut |_| {})
+}
+
+/// [`simulate_fleet`], calling `progress` after every engine step with where the run stands
+/// (a fleet of real budgets runs for minutes; the caller decides how often to show it).
+#[allow(clippy::too_many_arguments)] // simulate_fleet's inputs plus the callback
+pub fn simulate_fleet_with_progress(
+    backend: &Arc<dyn Backend>,
+    spec: &PoolSpec,
+    cfg: &SimConfig,
+    fleet: &FleetConfig,
+    run: FleetRun,
+    trace: &Arc<Trace>,
+    specs: &[RequestSpec],
+    progress: &mut dyn FnMut(&FleetProgress),
 ) -> Result<FleetReport, SimError> {
     let n = fleet.engines;
     if n == 0 || n > MAX_ENGINES {
@@ -358,12 +397,14 @@ pub fn simulate_fleet(
     let prompt_blocks: u64 = specs.iter().map(|r| r.prompt / bs).sum();
     let load_weight = (prompt_blocks / specs.len().max(1) as u64 / 4).max(1);
     let (mut recent, mut recent_count) = (VecDeque::new(), vec![0usize; n]);
+    let requests = specs.iter().take_while(|r| (r.arrival as f64) < time.horizon_ms).count();
+    let mut at = FleetProgress { clock_ms: 0.0, horizon_ms: time.horizon_ms, routed: 0, requests, steps: 0 };
     for r in specs {
         let t = r.arrival as f64;
         if t >= time.horizon_ms {
             break;
         }
-        advance(&mut engines, &mut queues, &mut affinity, t)?;
+        advance(&mut engines, &mut queues, &mut affinity, t, &mut at, progress)?;
         let target = match fleet.router {
             Router::RoundRobin => {
                 turn += 1;
@@ -392,8 +433,9 @@ pub fn simulate_fleet(
         }
         routed[target] += 1;
         queues[target].push_back(*r);
+        at.routed += 1;
     }
-    advance(&mut engines, &mut queues, &mut affinity, time.horizon_ms)?;
+    advance(&mut engines, &mut queues, &mut affinity, time.horizon_ms, &mut at, progress)?;
     let mut reports = Vec::with_capacity(n);
     for e in engines {
         reports.push(e.finish()?);

@@ -10,7 +10,9 @@ use std::io::Write as _;
 use v4pool::backend::{BackendChoice, BackendKind};
 use v4pool::pool::{Overhead, Pool, PoolSpec};
 use v4pool::sim::cost::CostError;
-use v4pool::sim::fleet::{simulate_fleet, FleetConfig, FleetReport, FleetRun, Router};
+use v4pool::sim::fleet::{
+    simulate_fleet_with_progress, FleetConfig, FleetProgress, FleetReport, FleetRun, Router,
+};
 use v4pool::sim::{
     Engine, MemoryPlacement, Mix, RequestSpec, RunKind, SimConfig, SimError, SimReport, StepCost, TimeConfig,
     Trace, TraceError, Workload,
@@ -43,9 +45,14 @@ that would not fit the machine's available memory is refused.
   --concurrency N       closed loop: N requests in flight (a benchmark client)
   --slo-ttft MS / --slo-tpot MS   goodput's latency target          [2000 / 50]
   --host-tier BYTES     add the elastic run with a host tier of BYTES
+                       [none; with --engines 64GiB, or 4/5 of a given --budget]
   --engines N           a fleet of N engines (each its own pool of --budget and host tier
                         of --host-tier) replaying the whole --trace: runs shared tier,
-                        per-engine tiers only, no reuse; reports per engine and fleet
+                        per-engine tiers only, no reuse; reports per engine and fleet.
+                        Each engine defaults to a real engine's budget: 80GiB of KV in
+                        HBM (a 4xH200 V4-Flash deployment keeps more than this after
+                        its weights) and a 64GiB host tier; the planes and tiers keep
+                        no bytes on the host, so 16 such engines need under a GiB
   --router affinity|round-robin   the fleet's router (affinity: from KV events) [affinity]
   --shared-tier BYTES   the fleet's shared tier                 [engines × budget]
   --fixed-slots sglang|N  the fixed split's slots: SGLang's DeepSeek-V4 default window
@@ -54,7 +61,7 @@ that would not fit the machine's available memory is refused.
 
   --model NAME|PATH     v4-flash (default), v4-pro, v4.1-flash, …, or a config.json
   --spec-steps K        speculative steps (ring = window + K)            [0]
-  --budget BYTES        pool budget, e.g. 8GiB                           [6GiB]
+  --budget BYTES        pool budget, e.g. 8GiB         [6GiB; with --engines 80GiB]
   --max-seqs N          running requests under the fixed split (its slots)  [48]
   --elastic-max-seqs N  running requests under the elastic boundary, at least
                         --max-seqs, at most the plane's slot positions
@@ -73,7 +80,7 @@ that would not fit the machine's available memory is refused.
   --backend auto|host|cuda|hip   (auto honours V4POOL_BACKEND)           [auto]
   --svg FILE            latency CDFs beside memory by region over time, and the row space
   --json                the numbers as one JSON object
-  --no-progress         no progress bar";
+  --no-progress         no progress (it is shown only when stderr is a terminal)";
 
 const OPTIONS: [&str; 32] = [
     "--engines",
@@ -178,8 +185,20 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
     }
     let json = p.flag("--json");
     let model = crate::layout::load_model(p.get("--model").unwrap_or("v4-flash"), &p)?;
-    let budget = v4pool::sizing::parse_bytes(p.get("--budget").unwrap_or("6GiB"))?;
-    let kv = crate::kv_dtype(&p)?.unwrap_or(KvDtype::Fp8);
+    // A fleet is for deployments: its engines default to a real engine's KV budget (the
+    // planes keep no bytes on the host, so this costs metadata only). One engine keeps the
+    // small default its tables were measured at, where the layouts differ under pressure.
+    let in_fleet = p.get("--engines").is_some();
+    let budget = v4pool::sizing::parse_bytes(p.get("--budget").unwrap_or(if in_fleet {
+        FLEET_BUDGET
+    } else {
+        "6GiB"
+    }))?;
+    // A fleet engine's host tier keeps the real engine's proportion to its budget (64 GiB to
+    // 80 GiB) when only --budget is given.
+    let tier_default = in_fleet.then(|| budget / FLEET_TIER_OF_BUDGET.1 * FLEET_TIER_OF_BUDGET.0);
+    // The family's rows, as `plan` takes them (KvDtype::default_for).
+    let kv = crate::kv_dtype(&p)?.unwrap_or(KvDtype::default_for(model.family));
     let indexer = choose(
         &p,
         "--indexer",
@@ -266,13 +285,20 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
     let elastic_default = max_seqs.saturating_mul(4).min(positions).max(max_seqs);
     // A host tier holds at least one block and at most 16 budgets (host memory the run
     // allocates: a bound, not a clamp).
-    let host_tier_bytes = match p.get("--host-tier") {
-        None => 0,
-        Some(v) => match v4pool::sizing::parse_bytes(v) {
-            Ok(b) if b >= plan.page_bytes && b <= budget.saturating_mul(16) => b,
-            _ => return Err(bad("--host-tier", v, "bytes from one block's page to 16 times --budget")),
-        },
-    };
+    let host_tier_bytes =
+        match (p.get("--host-tier"), tier_default) {
+            (None, None) => 0,
+            (None, Some(b)) if b >= plan.page_bytes => b,
+            (None, Some(_)) => return Err(bad(
+                "--budget",
+                p.get("--budget").unwrap_or(""),
+                "bytes whose four fifths (the fleet's default host tier) hold a block; or give --host-tier",
+            )),
+            (Some(v), _) => match v4pool::sizing::parse_bytes(v) {
+                Ok(b) if b >= plan.page_bytes && b <= budget.saturating_mul(16) => b,
+                _ => return Err(bad("--host-tier", v, "bytes from one block's page to 16 times --budget")),
+            },
+        };
     let mut policies = policies;
     if host_tier_bytes > 0 && p.get("--policy").is_none() {
         policies.push(RunKind::ElasticTier);
@@ -402,6 +428,17 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
     }))
 }
 
+/// A fleet engine's default KV budget in HBM: issue 45's "real per-engine budget". The cost
+/// preset's deployment is 4×H200 (4 × 141 GB of HBM); V4-Flash's 284 B parameters take at most
+/// 284 GB at one byte each, so even with a tenth held back for activations and graphs more
+/// than 220 GB stay for KV: 80 GiB is a conservative engine, inside the 60–120 GiB range the
+/// issue names for the deployments a fleet simulation is for.
+const FLEET_BUDGET: &str = "80GiB";
+/// A fleet engine's default host tier: 64 GiB of the host's DRAM per engine (an 8-GPU H200
+/// node carries 1–2 TiB; two 4-GPU engines per node leave most of it to the system).
+/// So its default is 64 GiB beside the default budget, and four fifths of a given `--budget`.
+const FLEET_TIER_OF_BUDGET: (u64, u64) = (4, 5);
+
 const COST_EXPECTED: &str = "a preset (h200x4-flash-fp8, h200x4-flash-fp8-low-latency, b200x4-flash-fp4, \
 h200x8-pro-fp4), a JSON file of coefficients, or none";
 
@@ -484,12 +521,35 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
         ));
     }
     if let (Some(fleet), Source::Trace(trace, specs)) = (&s.fleet, &s.source) {
+        if !s.json {
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            io.note(format_args!(
+                "  fleet: {} engines × ({:.1} GiB pool + {:.1} GiB host tier), shared tier {:.1} GiB, {} router\n",
+                fleet.engines,
+                gib(s.plan.budget_bytes),
+                gib(s.cfg.host_tier_bytes),
+                gib(fleet.shared_tier_bytes),
+                fleet.router.name(),
+            ));
+        }
         let mut reports = Vec::new();
         for run in FleetRun::ALL {
+            let started = std::time::Instant::now();
+            let mut shown: Option<std::time::Instant> = None;
+            let mut show = |at: &FleetProgress| {
+                // At most four lines a second: the callback comes after every engine step.
+                if !s.progress || shown.is_some_and(|t| t.elapsed() < std::time::Duration::from_millis(250)) {
+                    return;
+                }
+                shown = Some(std::time::Instant::now());
+                io.note(format_args!("\r{}", fleet_progress_line(run, fleet.engines, at, started.elapsed())));
+            };
+            let report =
+                simulate_fleet_with_progress(&backend, &s.spec, &s.cfg, fleet, run, trace, specs, &mut show)?;
             if s.progress {
-                io.note(format_args!("  fleet run {} on {} engines…\n", run.name(), fleet.engines));
+                io.note(format_args!("\n"));
             }
-            reports.push(simulate_fleet(&backend, &s.spec, &s.cfg, fleet, run, trace, specs)?);
+            reports.push(report);
         }
         return if s.json {
             io.print(&fleet_json(&reports).to_string())
@@ -560,6 +620,27 @@ fn run_policy(
         io.note(format_args!("\n"));
     }
     Ok(engine.finish()?)
+}
+
+/// One progress line of a fleet run (no newline: it is redrawn in place).
+fn fleet_progress_line(
+    run: FleetRun,
+    engines: usize,
+    at: &FleetProgress,
+    wall: std::time::Duration,
+) -> String {
+    // Routed requests, not the clock, measure the way: after the last arrival the engines
+    // drain their queues and stop well before the horizon (the trace's end plus an hour).
+    let pct = at.routed * 100 / at.requests.max(1);
+    format!(
+        "  {:<10} {engines} engines  routed {:>6}/{} ({pct:>3}%)  clock {:>6.0} s  {:>9} steps  {:>4.0} s wall",
+        run.name(),
+        at.routed,
+        at.requests,
+        at.clock_ms / 1000.0,
+        at.steps,
+        wall.as_secs_f64(),
+    )
 }
 
 /// The fleet runs as a table (the fleet's figures), then each run's engines.
