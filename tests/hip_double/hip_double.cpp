@@ -23,6 +23,11 @@
 // the device (as HIP's do). Async copies read and write host memory when they run, not when
 // they are queued.
 //
+// hiprtc is here too (ROCm 5 shipped it inside libamdhip64, and the backend looks there): a
+// compile runs a real compiler, clang 19 (V4POOL_HIP_DOUBLE_CLANG, default clang-19), on the
+// source with the options given, for the arch asked (hiprtc's default: the device's), and
+// hands back its code object or its diagnostics as the log.
+//
 // Environment: V4POOL_HIP_DOUBLE_ARCH (default gfx942:sramecc+:xnack-; gfx90a works too),
 // V4POOL_HIP_DOUBLE_SEED (delay seed, default fixed), V4POOL_HIP_DOUBLE_MAX_DELAY_US (default
 // 200; 0 = no delays). Every refusal is printed to stderr with its reason and kept for
@@ -39,8 +44,15 @@
 #include <cstdlib>
 #include <deque>
 #include <functional>
+#include <fstream>
 #include <mutex>
+#include <sstream>
 #include <thread>
+
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <unordered_map>
 
 namespace {
@@ -740,6 +752,159 @@ int hipModuleLaunchKernel(void* function, unsigned gx, unsigned gy, unsigned gz,
         host->run(kernarg, g, bx);
     });
     return hipSuccess;
+}
+
+}  // extern "C"
+
+// ---- hiprtc, over a real clang ---------------------------------------------------------------
+
+namespace {
+
+struct RtcProgram {
+    std::string source, name, log;
+    std::vector<char> code;
+};
+
+enum : int {
+    HIPRTC_SUCCESS = 0,
+    HIPRTC_ERROR_INVALID_INPUT = 3,
+    HIPRTC_ERROR_INVALID_PROGRAM = 4,
+    HIPRTC_ERROR_COMPILATION = 6,
+    HIPRTC_ERROR_INTERNAL_ERROR = 11,
+};
+
+std::mutex g_rtc_m;
+std::map<void*, std::unique_ptr<RtcProgram>> g_rtc;
+
+RtcProgram* program_of(void* p) {
+    std::lock_guard<std::mutex> l(g_rtc_m);
+    auto it = g_rtc.find(p);
+    return it == g_rtc.end() ? nullptr : it->second.get();
+}
+
+std::string slurp(const std::string& path) {
+    std::ifstream f(path, std::ios::binary);
+    std::ostringstream o;
+    o << f.rdbuf();
+    return o.str();
+}
+
+/// Run `argv` (no shell), stderr and stdout to `log_path`; the exit status, or -1.
+int run_tool(const std::vector<std::string>& argv, const std::string& log_path) {
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    pid_t pid;
+    const int rc = posix_spawnp(&pid, args[0], &fa, nullptr, args.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (rc != 0) return -1;
+    int status = 0;
+    if (waitpid(pid, &status, 0) != pid) return -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* hiprtcGetErrorString(int code) {
+    switch (code) {
+        case HIPRTC_SUCCESS: return "HIPRTC_SUCCESS";
+        case HIPRTC_ERROR_INVALID_INPUT: return "HIPRTC_ERROR_INVALID_INPUT";
+        case HIPRTC_ERROR_INVALID_PROGRAM: return "HIPRTC_ERROR_INVALID_PROGRAM";
+        case HIPRTC_ERROR_COMPILATION: return "HIPRTC_ERROR_COMPILATION";
+        default: return "HIPRTC_ERROR_INTERNAL_ERROR";
+    }
+}
+
+int hiprtcCreateProgram(void** prog, const char* src, const char* name, int num_headers, const char** headers, const char** names) {
+    if (!prog || !src) return HIPRTC_ERROR_INVALID_INPUT;
+    if (num_headers != 0) return fail(HIPRTC_ERROR_INVALID_INPUT, "hiprtcCreateProgram: the double takes no headers");
+    auto p = std::make_unique<RtcProgram>();
+    p->source = src;
+    p->name = name ? name : "program.hip";
+    std::lock_guard<std::mutex> l(g_rtc_m);
+    *prog = p.get();
+    g_rtc[p.get()] = std::move(p);
+    return HIPRTC_SUCCESS;
+}
+
+int hiprtcCompileProgram(void* prog, int num_options, const char** options) {
+    RtcProgram* p = program_of(prog);
+    if (!p) return HIPRTC_ERROR_INVALID_PROGRAM;
+    if (num_options < 0 || (num_options > 0 && !options)) return HIPRTC_ERROR_INVALID_INPUT;
+    std::string arch;
+    std::vector<std::string> extra;
+    for (int i = 0; i < num_options; ++i) {
+        if (!options[i]) return HIPRTC_ERROR_INVALID_INPUT;
+        const std::string o = options[i];
+        if (o.rfind("--offload-arch=", 0) == 0) arch = o.substr(15);
+        else extra.push_back(o);
+    }
+    if (arch.empty()) arch = device_arch().substr(0, device_arch().find(':'));
+    char dir_template[] = "/tmp/v4pool-hiprtc-XXXXXX";
+    if (!mkdtemp(dir_template)) return HIPRTC_ERROR_INTERNAL_ERROR;
+    const std::string dir = dir_template, src = dir + "/source.hip", out = dir + "/code.o", log = dir + "/log.txt";
+    {
+        std::ofstream f(src, std::ios::binary);
+        f << p->source;
+    }
+    std::vector<std::string> argv = {env_or("V4POOL_HIP_DOUBLE_CLANG", "clang-19"), "-x", "hip", "--offload-device-only",
+                                     "--offload-arch=" + arch, "-nogpulib", "-nogpuinc", "-std=c++17",
+                                     "--no-gpu-bundle-output"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    argv.insert(argv.end(), {"-o", out, src});
+    const int rc = run_tool(argv, log);
+    p->log = slurp(log);
+    const std::string code = rc == 0 ? slurp(out) : std::string();
+    p->code.assign(code.begin(), code.end());
+    for (const auto& f : {src, out, log}) unlink(f.c_str());
+    rmdir(dir.c_str());
+    if (rc == -1) {
+        p->log = "the double's hiprtc could not run " + argv[0] + "\n" + p->log;
+        return HIPRTC_ERROR_INTERNAL_ERROR;
+    }
+    return rc == 0 && !p->code.empty() ? HIPRTC_SUCCESS : HIPRTC_ERROR_COMPILATION;
+}
+
+int hiprtcGetCodeSize(void* prog, size_t* size) {
+    RtcProgram* p = program_of(prog);
+    if (!p || !size) return HIPRTC_ERROR_INVALID_INPUT;
+    *size = p->code.size();
+    return HIPRTC_SUCCESS;
+}
+
+int hiprtcGetCode(void* prog, char* code) {
+    RtcProgram* p = program_of(prog);
+    if (!p || !code) return HIPRTC_ERROR_INVALID_INPUT;
+    std::memcpy(code, p->code.data(), p->code.size());
+    return HIPRTC_SUCCESS;
+}
+
+int hiprtcGetProgramLogSize(void* prog, size_t* size) {
+    RtcProgram* p = program_of(prog);
+    if (!p || !size) return HIPRTC_ERROR_INVALID_INPUT;
+    *size = p->log.size() + 1;
+    return HIPRTC_SUCCESS;
+}
+
+int hiprtcGetProgramLog(void* prog, char* log) {
+    RtcProgram* p = program_of(prog);
+    if (!p || !log) return HIPRTC_ERROR_INVALID_INPUT;
+    std::memcpy(log, p->log.c_str(), p->log.size() + 1);
+    return HIPRTC_SUCCESS;
+}
+
+int hiprtcDestroyProgram(void** prog) {
+    if (!prog) return HIPRTC_ERROR_INVALID_INPUT;
+    std::lock_guard<std::mutex> l(g_rtc_m);
+    if (!g_rtc.erase(*prog)) return HIPRTC_ERROR_INVALID_PROGRAM;
+    *prog = nullptr;
+    return HIPRTC_SUCCESS;
 }
 
 }  // extern "C"

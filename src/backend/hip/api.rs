@@ -239,14 +239,15 @@ pub(super) struct RtcApi {
 
 impl RtcApi {
     fn load() -> Result<RtcApi, String> {
-        // ROCm 5 shipped hiprtc inside libamdhip64.
-        let lib = open_first(&[
-            "libhiprtc.so",
-            "libhiprtc.so.7",
-            "libhiprtc.so.6",
-            "libhiprtc.so.5",
-            "libamdhip64.so",
-        ])?;
+        // ROCm 5 shipped hiprtc inside libamdhip64: the runtime named by V4POOL_HIP_RUNTIME
+        // takes that place when no libhiprtc is found.
+        let stems = ["libhiprtc.so", "libhiprtc.so.7", "libhiprtc.so.6", "libhiprtc.so.5", "libamdhip64.so"];
+        let lib = match runtime_override() {
+            Some(path) => {
+                open_first(&stems[..4]).or_else(|e| open_exactly(&path).map_err(|e2| format!("{e}; {e2}")))?
+            }
+            None => open_first(&stems)?,
+        };
         // SAFETY: signatures as in `hiprtc.h` (hiprtcResult is a C enum = int, a program is a
         // pointer); the table owns `lib`.
         unsafe {
