@@ -7,6 +7,9 @@
 //! * `V4POOL_REQUIRE_HIP_OBJECTS=1` (or CI's `V4POOL_REQUIRE_DEVICE_BUILD=1`): fail instead of
 //!   skipping when build.rs embedded no HIP code objects.
 //! * `V4POOL_BACKEND=hip V4POOL_REQUIRE_GPU=1`: fail instead of skipping when no HIP device.
+//! * `V4POOL_HIP_RUNTIME=$(tests/hip_double/build.sh)`: every device test runs over the HIP
+//!   runtime double (docs/amd.md), and the `double_*` tests run;
+//!   `V4POOL_REQUIRE_HIP_DOUBLE=1` (CI) fails them instead of skipping without it.
 
 mod common;
 
@@ -536,7 +539,9 @@ impl Double {
         // SAFETY: a NUL-terminated thread-local string, valid until the next refusal on this thread.
         unsafe { std::ffi::CStr::from_ptr(f()) }.to_string_lossy().into_owned()
     }
-    fn load_module(&self, image: &[u8]) -> Raw {
+    /// `hipModuleLoadData` on a copy of `image` (whose ELF headers must describe its extent:
+    /// the call takes no size).
+    fn try_load(&self, image: &[u8]) -> Result<Raw, HipErr> {
         // SAFETY: signatures as hip_runtime_api.h (and the double) declare them.
         let (init, load): (
             unsafe extern "C" fn(std::ffi::c_uint) -> HipErr,
@@ -545,12 +550,17 @@ impl Double {
         let mut aligned = vec![0u64; image.len().div_ceil(8)];
         bytemuck::cast_slice_mut::<u64, u8>(&mut aligned)[..image.len()].copy_from_slice(image);
         let mut module: Raw = std::ptr::null_mut();
-        // SAFETY: a complete code object in aligned memory that outlives the call.
+        // SAFETY: a code object in aligned memory that outlives the call.
         unsafe {
             assert_eq!(init(0), 0);
-            assert_eq!(load(&mut module, aligned.as_ptr().cast()), 0, "{}", self.last_error());
+            match load(&mut module, aligned.as_ptr().cast()) {
+                0 => Ok(module),
+                rc => Err(rc),
+            }
         }
-        module
+    }
+    fn load_module(&self, image: &[u8]) -> Raw {
+        self.try_load(image).unwrap_or_else(|rc| panic!("hipModuleLoadData {rc}: {}", self.last_error()))
     }
     fn function(&self, module: Raw, name: &str) -> Result<Raw, (HipErr, String)> {
         // SAFETY: as hip_runtime_api.h declares it.
@@ -770,4 +780,33 @@ fn double_delays_expose_a_missing_wait() {
     assert!(missed > 0, "the double's delays never exposed the missing wait");
     // SAFETY: our streams, drained above.
     unsafe { assert_eq!((destroy(x), destroy(y)), (0, 0)) };
+}
+
+/// The double's code-object reader on damaged AMDGPU metadata (random bytes of the msgpack
+/// note changed): a load succeeds or is refused as an invalid image, never a crash or hang.
+#[test]
+fn double_reads_damaged_metadata_without_crashing() {
+    let Some((b, dbl)) = double_or_skip("double_reads_damaged_metadata_without_crashing") else {
+        return;
+    };
+    let image = object_for(&b);
+    let needle = b"amdhsa.kernels";
+    let at = image.windows(needle.len()).position(|w| w == needle).expect("no AMDGPU metadata note");
+    let mut rng = Rng::new(0x5eed_3e7a);
+    let (mut loaded, mut refused) = (0, 0);
+    for _ in 0..300 {
+        let mut copy = image.to_vec();
+        for _ in 0..1 + rng.below(4) {
+            // The note's header (sizes, type) just before the map, and the map itself.
+            let i = at - 24 + rng.below(2048) as usize;
+            copy[i] = rng.next_u64() as u8;
+        }
+        match dbl.try_load(&copy) {
+            Ok(_) => loaded += 1,
+            Err(200) => refused += 1, // hipErrorInvalidImage
+            Err(rc) => panic!("hipError {rc}: {}", dbl.last_error()),
+        }
+    }
+    println!("damaged metadata: {loaded} loaded, {refused} refused");
+    assert!(refused > 0, "no damage was noticed");
 }

@@ -271,6 +271,7 @@ inline CodeObject parse_code_object(const uint8_t* image, size_t image_len) {
     const uint16_t shentsize = b.le<uint16_t>(58, "e_shentsize");
     const uint16_t shnum = b.le<uint16_t>(60, "e_shnum");
     if (shentsize != 64) throw CodeObjectError{"unexpected section header size"};
+    if (shoff > b.size()) throw CodeObjectError{"section headers lie outside the image"};
     struct Sec {
         uint32_t type, link;
         uint64_t off, size, entsize;
