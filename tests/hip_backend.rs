@@ -7,6 +7,9 @@
 //! * `V4POOL_REQUIRE_HIP_OBJECTS=1` (or CI's `V4POOL_REQUIRE_DEVICE_BUILD=1`): fail instead of
 //!   skipping when build.rs embedded no HIP code objects.
 //! * `V4POOL_BACKEND=hip V4POOL_REQUIRE_GPU=1`: fail instead of skipping when no HIP device.
+//! * `V4POOL_HIP_RUNTIME=$(tests/hip_double/build.sh)`: every device test runs over the HIP
+//!   runtime double (docs/amd.md), and the `double_*` tests run;
+//!   `V4POOL_REQUIRE_HIP_DOUBLE=1` (CI) fails them instead of skipping without it.
 
 mod common;
 
@@ -503,4 +506,307 @@ fn hiprtc_compile_errors_carry_the_log() {
         }
         other => panic!("a broken source must not compile: {other:?}"),
     }
+}
+
+// ---- through the HIP runtime double (tests/hip_double/, docs/amd.md) -----------------------
+//
+// With `V4POOL_HIP_RUNTIME` pointing at the double, every `hip_*` test above runs the backend
+// over it. The tests below call the double directly, as a backend with a bug would, and
+// assert that the double refuses what a real runtime must: they are what shows its checks
+// can fail. `V4POOL_REQUIRE_HIP_DOUBLE=1` (CI) fails instead of skipping without it.
+
+type HipErr = std::ffi::c_int;
+type Raw = *mut std::ffi::c_void;
+const HIP_ERROR_INVALID_VALUE: HipErr = 1;
+const HIP_ERROR_NOT_FOUND: HipErr = 500;
+
+/// The double's entry points the tests call.
+struct Double {
+    lib: libloading::Library,
+}
+
+impl Double {
+    /// # Safety
+    /// `T` is the C signature of `name` in tests/hip_double/hip_double.cpp.
+    unsafe fn sym<T: Copy>(&self, name: &str) -> T {
+        // SAFETY: forwarded to the caller; the library outlives every use in a test.
+        *unsafe { self.lib.get::<T>(name.as_bytes()) }.unwrap_or_else(|e| panic!("{name}: {e}"))
+    }
+    fn last_error(&self) -> String {
+        // SAFETY: the double's own `const char* v4poolHipDoubleLastError(void)`.
+        let f: unsafe extern "C" fn() -> *const std::ffi::c_char =
+            unsafe { self.sym("v4poolHipDoubleLastError") };
+        // SAFETY: a NUL-terminated thread-local string, valid until the next refusal on this thread.
+        unsafe { std::ffi::CStr::from_ptr(f()) }.to_string_lossy().into_owned()
+    }
+    /// `hipModuleLoadData` on a copy of `image` (whose ELF headers must describe its extent:
+    /// the call takes no size).
+    fn try_load(&self, image: &[u8]) -> Result<Raw, HipErr> {
+        // SAFETY: signatures as hip_runtime_api.h (and the double) declare them.
+        let (init, load): (
+            unsafe extern "C" fn(std::ffi::c_uint) -> HipErr,
+            unsafe extern "C" fn(*mut Raw, *const std::ffi::c_void) -> HipErr,
+        ) = unsafe { (self.sym("hipInit"), self.sym("hipModuleLoadData")) };
+        let mut aligned = vec![0u64; image.len().div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut aligned)[..image.len()].copy_from_slice(image);
+        let mut module: Raw = std::ptr::null_mut();
+        // SAFETY: a code object in aligned memory that outlives the call.
+        unsafe {
+            assert_eq!(init(0), 0);
+            match load(&mut module, aligned.as_ptr().cast()) {
+                0 => Ok(module),
+                rc => Err(rc),
+            }
+        }
+    }
+    fn load_module(&self, image: &[u8]) -> Raw {
+        self.try_load(image).unwrap_or_else(|rc| panic!("hipModuleLoadData {rc}: {}", self.last_error()))
+    }
+    fn function(&self, module: Raw, name: &str) -> Result<Raw, (HipErr, String)> {
+        // SAFETY: as hip_runtime_api.h declares it.
+        let get: unsafe extern "C" fn(*mut Raw, Raw, *const std::ffi::c_char) -> HipErr =
+            unsafe { self.sym("hipModuleGetFunction") };
+        let c = std::ffi::CString::new(name).unwrap();
+        let mut f: Raw = std::ptr::null_mut();
+        // SAFETY: a live module, a valid name.
+        match unsafe { get(&mut f, module, c.as_ptr()) } {
+            0 => Ok(f),
+            rc => Err((rc, self.last_error())),
+        }
+    }
+    /// `hipModuleLaunchKernel` on the null stream; `args` go as `kernelParams` (one by-value
+    /// struct, as the backend passes them) or, with `extra_size`, as HIP_LAUNCH_PARAM_BUFFER_*
+    /// claiming that many bytes.
+    ///
+    /// # Safety
+    /// Every pointer inside `args` is valid for the kernel.
+    unsafe fn launch(
+        &self,
+        f: Raw,
+        grid: u32,
+        block: [u32; 3],
+        shared: u32,
+        args: &mut [u8],
+        extra_size: Option<usize>,
+    ) -> Result<(), (HipErr, String)> {
+        #[allow(clippy::type_complexity)]
+        let launch: unsafe extern "C" fn(Raw, u32, u32, u32, u32, u32, u32, u32, Raw, *mut Raw, *mut Raw) -> HipErr =
+            // SAFETY: as hip_runtime_api.h declares it.
+            unsafe { self.sym("hipModuleLaunchKernel") };
+        let mut arg: Raw = args.as_mut_ptr().cast();
+        let mut size = extra_size.unwrap_or(0);
+        let mut extra: [Raw; 5] =
+            [1 as Raw, args.as_mut_ptr().cast(), 2 as Raw, (&mut size as *mut usize).cast(), 3 as Raw];
+        let (params, extra): (*mut Raw, *mut Raw) = match extra_size {
+            Some(_) => (std::ptr::null_mut(), extra.as_mut_ptr()),
+            None => (&mut arg, std::ptr::null_mut()),
+        };
+        let null_stream: Raw = std::ptr::null_mut();
+        // SAFETY: the caller's promise on the arguments; the buffers outlive the call (the
+        // runtime copies them).
+        match unsafe {
+            launch(f, grid, 1, 1, block[0], block[1], block[2], shared, null_stream, params, extra)
+        } {
+            0 => Ok(()),
+            rc => Err((rc, self.last_error())),
+        }
+    }
+    fn sync(&self) {
+        // SAFETY: as hip_runtime_api.h declares it.
+        let sync: unsafe extern "C" fn() -> HipErr = unsafe { self.sym("hipDeviceSynchronize") };
+        // SAFETY: no arguments.
+        assert_eq!(unsafe { sync() }, 0);
+    }
+}
+
+/// The double the backend was pointed at, or `None` after a visible SKIP.
+fn double_or_skip(test: &str) -> Option<(HipBackend, Double)> {
+    let required = env_set("V4POOL_REQUIRE_HIP_DOUBLE");
+    let path = std::env::var("V4POOL_HIP_RUNTIME").unwrap_or_default();
+    // SAFETY: the library the run names as the HIP runtime (loading it again shares the
+    // backend's instance); its initialisers start nothing.
+    let lib = (!path.is_empty()).then(|| unsafe { libloading::Library::new(&path) }).and_then(Result::ok);
+    let lib = lib.filter(|l| {
+        // SAFETY: only looked up, not called.
+        unsafe { l.get::<unsafe extern "C" fn()>(b"v4poolHipDoubleLastError") }.is_ok()
+    });
+    let Some(lib) = lib else {
+        assert!(
+            !required,
+            "V4POOL_REQUIRE_HIP_DOUBLE=1 but V4POOL_HIP_RUNTIME={path:?} is not the runtime double"
+        );
+        println!("SKIP {test}: V4POOL_HIP_RUNTIME does not name the HIP runtime double (tests/hip_double/build.sh)");
+        return None;
+    };
+    let backend = HipBackend::new(0).unwrap_or_else(|e| panic!("the backend over the double: {e}"));
+    Some((backend, Double { lib }))
+}
+
+/// The embedded object for the double's device (its arch as the backend read it).
+fn object_for(b: &HipBackend) -> &'static [u8] {
+    let arch = b.arch().expect("the double reports its arch");
+    let processor = arch.split(':').next().unwrap_or(arch);
+    embedded_code_objects()
+        .into_iter()
+        .find(|(a, _)| *a == processor)
+        .map(|(_, o)| o)
+        .unwrap_or_else(|| panic!("no embedded object for {processor}"))
+}
+
+/// The double refuses a wrong kernarg size, a block past the kernel's
+/// `.max_flat_workgroup_size`, LDS past 64 KiB and an unknown symbol — each with its own
+/// reason — and runs nothing it refused; the same launch with the right facts runs the kernel.
+#[test]
+fn double_refuses_launches_that_contradict_the_code_object() {
+    let Some((b, dbl)) = double_or_skip("double_refuses_launches_that_contradict_the_code_object") else {
+        return;
+    };
+    let module = dbl.load_module(object_for(&b));
+    let (rc, why) = dbl.function(module, "v4pool_no_such_kernel").unwrap_err();
+    assert_eq!(rc, HIP_ERROR_NOT_FOUND);
+    assert!(why.contains("has no kernel v4pool_no_such_kernel"), "{why}");
+
+    // A fill-runs launch over a poisoned buffer: the positive control, then the faults.
+    let s = Stream::DEFAULT;
+    let mut rng = Rng::new(0x5eed_0d0b);
+    let target = Buf::new(&b, 4096);
+    let poison = rng.bytes(4096);
+    target.upload(0, &poison, s);
+    let pattern = rng.next_u64() as u32;
+    let runs = [FillRun { dst: target.ptr() + 64, bytes: 512, pattern, _pad: 0 }];
+    let desc = Buf::new(&b, std::mem::size_of_val(&runs) as u64);
+    desc.upload(0, bytemuck::cast_slice(&runs), s);
+    b.synchronize(s).unwrap();
+    let args = FillRunsArgs { runs: desc.ptr(), num_runs: 1, _pad: 0 };
+    let mut bytes = bytemuck::bytes_of(&args).to_vec();
+    let n = bytes.len();
+    let fill = dbl.function(module, "v4pool_fill_runs").unwrap();
+    let block = v4pool::index::shape::launch_shape(&Launch::FillRuns(args)).block;
+
+    // Wrong kernarg sizes (through `extra`, where the caller states the size).
+    for wrong in [n - 8, n + 8] {
+        // SAFETY: refused before anything runs (asserted).
+        let (rc, why) = unsafe { dbl.launch(fill, 1, block, 0, &mut bytes, Some(wrong)) }.unwrap_err();
+        assert_eq!(rc, HIP_ERROR_INVALID_VALUE);
+        assert!(
+            why.contains(&format!("kernarg bytes {wrong} != the kernel's .kernarg_segment_size {n}")),
+            "{why}"
+        );
+    }
+    // A block one past the kernel's bound, through kernelParams as the backend passes them.
+    // SAFETY: refused before anything runs.
+    let (rc, why) = unsafe { dbl.launch(fill, 1, [4096, 1, 1], 0, &mut bytes, None) }.unwrap_err();
+    assert_eq!(rc, HIP_ERROR_INVALID_VALUE);
+    let bound: u32 = why
+        .split(".max_flat_workgroup_size ")
+        .nth(1)
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{why}"));
+    assert!(bound >= block[0], "the backend's own block {block:?} is past the bound {bound}");
+    // SAFETY: refused before anything runs.
+    let (rc, why) = unsafe { dbl.launch(fill, 1, [bound + 1, 1, 1], 0, &mut bytes, None) }.unwrap_err();
+    assert_eq!(rc, HIP_ERROR_INVALID_VALUE);
+    assert!(why.contains(&format!(".max_flat_workgroup_size {bound}")), "{why}");
+    // Dynamic LDS past 64 KiB.
+    // SAFETY: refused before anything runs.
+    let (rc, why) = unsafe { dbl.launch(fill, 1, block, 64 * 1024 + 1, &mut bytes, None) }.unwrap_err();
+    assert_eq!(rc, HIP_ERROR_INVALID_VALUE);
+    assert!(why.contains("exceeds 64 KiB"), "{why}");
+    dbl.sync();
+    assert!(target.download(s) == poison, "a refused launch wrote memory");
+
+    // The right facts, both ways of passing arguments: the kernel runs.
+    let mut expect = poison.clone();
+    for w in 0..128 {
+        expect[64 + 4 * w..68 + 4 * w].copy_from_slice(&pattern.to_le_bytes());
+    }
+    for extra in [None, Some(n)] {
+        // SAFETY: `desc` and `target` are live; the run lies in `target`.
+        unsafe { dbl.launch(fill, 1, [bound, 1, 1], 0, &mut bytes, extra) }.unwrap();
+        dbl.sync();
+        assert!(target.download(s) == expect, "fill_runs through the double differs");
+    }
+}
+
+/// The double's stream delays are what make a missing wait visible: copies queued on one
+/// stream and read back on another without a wait come back wrong; with the event wait HIP
+/// requires they come back right.
+#[test]
+fn double_delays_expose_a_missing_wait() {
+    let Some((b, dbl)) = double_or_skip("double_delays_expose_a_missing_wait") else {
+        return;
+    };
+    if std::env::var("V4POOL_HIP_DOUBLE_MAX_DELAY_US").is_ok_and(|v| v.trim() == "0") {
+        println!("SKIP double_delays_expose_a_missing_wait: V4POOL_HIP_DOUBLE_MAX_DELAY_US=0");
+        return;
+    }
+    // SAFETY: as hip_runtime_api.h declares them.
+    let (create, destroy): (
+        unsafe extern "C" fn(*mut Raw, u32) -> HipErr,
+        unsafe extern "C" fn(Raw) -> HipErr,
+    ) = unsafe { (dbl.sym("hipStreamCreateWithFlags"), dbl.sym("hipStreamDestroy")) };
+    let (mut x, mut y): (Raw, Raw) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: valid out-pointers; non-blocking streams.
+    unsafe { assert_eq!((create(&mut x, 1), create(&mut y, 1)), (0, 0)) };
+    let (sx, sy) = (Stream(x as u64), Stream(y as u64));
+    let mut rng = Rng::new(0x5eed_de1a);
+    const CHUNKS: u64 = 64;
+    const CHUNK: u64 = 256;
+    let src = Buf::new(&b, CHUNKS * CHUNK);
+    let dst = Buf::new(&b, CHUNKS * CHUNK);
+    let data = rng.bytes((CHUNKS * CHUNK) as usize);
+    src.upload(0, &data, Stream::DEFAULT);
+    b.synchronize(Stream::DEFAULT).unwrap();
+    let mut missed = 0;
+    for round in 0..5 {
+        let poison = rng.bytes((CHUNKS * CHUNK) as usize);
+        dst.upload(0, &poison, sy);
+        b.synchronize(sy).unwrap();
+        for c in 0..CHUNKS {
+            // SAFETY: both ranges lie in live, distinct allocations.
+            unsafe { b.copy(dst.ptr() + c * CHUNK, src.ptr() + c * CHUNK, CHUNK, sx) }.unwrap();
+        }
+        // The bug under test: read on stream y what stream x is still writing.
+        if dst.download(sy) != data {
+            missed += 1;
+        }
+        // The wait HIP requires: an event recorded after the copies, waited for.
+        let done = b.event().unwrap();
+        done.record(sx).unwrap();
+        done.synchronize().unwrap();
+        assert!(dst.download(sy) == data, "round {round}: the copies after their event differ");
+    }
+    println!("reads without a wait that saw unfinished copies: {missed} of 5");
+    assert!(missed > 0, "the double's delays never exposed the missing wait");
+    // SAFETY: our streams, drained above.
+    unsafe { assert_eq!((destroy(x), destroy(y)), (0, 0)) };
+}
+
+/// The double's code-object reader on damaged AMDGPU metadata (random bytes of the msgpack
+/// note changed): a load succeeds or is refused as an invalid image, never a crash or hang.
+#[test]
+fn double_reads_damaged_metadata_without_crashing() {
+    let Some((b, dbl)) = double_or_skip("double_reads_damaged_metadata_without_crashing") else {
+        return;
+    };
+    let image = object_for(&b);
+    let needle = b"amdhsa.kernels";
+    let at = image.windows(needle.len()).position(|w| w == needle).expect("no AMDGPU metadata note");
+    let mut rng = Rng::new(0x5eed_3e7a);
+    let (mut loaded, mut refused) = (0, 0);
+    for _ in 0..300 {
+        let mut copy = image.to_vec();
+        for _ in 0..1 + rng.below(4) {
+            // The note's header (sizes, type) just before the map, and the map itself.
+            let i = at - 24 + rng.below(2048) as usize;
+            copy[i] = rng.next_u64() as u8;
+        }
+        match dbl.try_load(&copy) {
+            Ok(_) => loaded += 1,
+            Err(200) => refused += 1, // hipErrorInvalidImage
+            Err(rc) => panic!("hipError {rc}: {}", dbl.last_error()),
+        }
+    }
+    println!("damaged metadata: {loaded} loaded, {refused} refused");
+    assert!(refused > 0, "no damage was noticed");
 }

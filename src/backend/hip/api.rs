@@ -43,6 +43,23 @@ pub(super) fn open_first(stems: &[&str]) -> Result<Library, String> {
     ))
 }
 
+/// `V4POOL_HIP_RUNTIME`: the one file to open as the HIP runtime instead of searching for
+/// libamdhip64 (a ROCm install elsewhere, or the project's runtime double of
+/// `tests/hip_double/`). Unset or empty: the search of [`library_candidates`].
+pub(super) const RUNTIME_ENV: &str = "V4POOL_HIP_RUNTIME";
+
+fn runtime_override() -> Option<String> {
+    std::env::var(RUNTIME_ENV).ok().filter(|p| !p.is_empty())
+}
+
+/// Open `path` and nothing else: a named runtime that fails to load is reported, never
+/// replaced by another one found on the search path.
+fn open_exactly(path: &str) -> Result<Library, String> {
+    // SAFETY: opening a library runs its initialisers; the user named this file as the HIP
+    // runtime.
+    unsafe { Library::new(path) }.map_err(|e| format!("{RUNTIME_ENV}={path} could not be loaded: {e}"))
+}
+
 /// Copy a function pointer out of `lib`.
 ///
 /// # Safety
@@ -105,8 +122,12 @@ pub(super) struct HipApi {
 
 impl HipApi {
     fn load() -> Result<HipApi, String> {
-        let lib =
-            open_first(&["libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so.5"])?;
+        let lib = match runtime_override() {
+            Some(path) => open_exactly(&path)?,
+            None => {
+                open_first(&["libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so.5"])?
+            }
+        };
         // SAFETY: each signature below is the one `hip_runtime_api.h` declares (hipError_t
         // is a C enum = int; handles are pointers; hipDevice_t is int); the pointers live as
         // long as `lib`, which the table owns.
@@ -218,14 +239,15 @@ pub(super) struct RtcApi {
 
 impl RtcApi {
     fn load() -> Result<RtcApi, String> {
-        // ROCm 5 shipped hiprtc inside libamdhip64.
-        let lib = open_first(&[
-            "libhiprtc.so",
-            "libhiprtc.so.7",
-            "libhiprtc.so.6",
-            "libhiprtc.so.5",
-            "libamdhip64.so",
-        ])?;
+        // ROCm 5 shipped hiprtc inside libamdhip64: the runtime named by V4POOL_HIP_RUNTIME
+        // takes that place when no libhiprtc is found.
+        let stems = ["libhiprtc.so", "libhiprtc.so.7", "libhiprtc.so.6", "libhiprtc.so.5", "libamdhip64.so"];
+        let lib = match runtime_override() {
+            Some(path) => {
+                open_first(&stems[..4]).or_else(|e| open_exactly(&path).map_err(|e2| format!("{e}; {e2}")))?
+            }
+            None => open_first(&stems)?,
+        };
         // SAFETY: signatures as in `hiprtc.h` (hiprtcResult is a C enum = int, a program is a
         // pointer); the table owns `lib`.
         unsafe {

@@ -3,6 +3,9 @@
 //! Nothing of ROCm is linked: `libamdhip64` is opened at run time with `libloading`, and
 //! `libhiprtc` only when a run-time compile is needed, so the crate builds and runs on a
 //! machine without ROCm, where [`HipBackend::new`] returns [`BackendError::Unavailable`](crate::backend::BackendError::Unavailable).
+//! `V4POOL_HIP_RUNTIME=/path/to/lib.so` names the runtime file to open instead of searching
+//! for libamdhip64 (CI points it at the runtime double of `tests/hip_double/`, docs/amd.md);
+//! hiprtc is then looked for under its own names first, then in that file.
 //!
 //! # Which code runs
 //!
