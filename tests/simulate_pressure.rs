@@ -126,3 +126,154 @@ mod retention {
         }
     }
 }
+
+/// Long prompts under pressure (issue 45): v4pool's reuse must serve at least the hits of
+/// reuse every 4,096 tokens on the same manager, on a Mooncake-format trace of long prompts
+/// sharing long prefixes (tool/agent-like: a few long tool prefixes, sessions growing turn
+/// by turn; `scripts/gen_long_trace.py` writes the full-size traces of the same shape).
+mod long_prompts {
+    use super::*;
+    use v4pool::sim::trace::TraceRequest;
+    use v4pool::sim::{cost, Engine, SimReport, TimeConfig, Trace};
+
+    /// The trace's shape (lengths in 512-token trace blocks).
+    #[derive(Clone, Copy, Debug)]
+    pub(super) struct Shape {
+        pub seed: u64,
+        pub sessions: u64,
+        pub prefixes: u64,
+        pub prefix_blocks: (u64, u64),
+        pub turns: (u64, u64),
+        pub add_tokens: (u64, u64),
+        pub output: (u64, u64),
+        pub gap_ms: (u64, u64),
+        pub think_ms: (u64, u64),
+        pub max_prompt: u64,
+    }
+
+    struct SplitMix(u64);
+    impl SplitMix {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+        fn range(&mut self, (lo, hi): (u64, u64)) -> u64 {
+            lo + self.next() % (hi - lo + 1)
+        }
+    }
+
+    /// Sessions open with one of a few shared prefixes and grow turn by turn (each turn
+    /// re-sends the previous prompt and its answer and adds a tool result); a full 512-token
+    /// block keeps its id, the previous prompt's partial last block grown by the answer gets a
+    /// new one, as the trace format says.
+    pub(super) fn trace(s: Shape) -> Trace {
+        const TB: u64 = 512;
+        let mut rng = SplitMix(s.seed);
+        let mut next_id = 0u64;
+        let mut fresh = |n: u64| {
+            let ids: Vec<u64> = (next_id..next_id + n).collect();
+            next_id += n;
+            ids
+        };
+        let prefixes: Vec<Vec<u64>> = (0..s.prefixes).map(|_| fresh(rng.range(s.prefix_blocks))).collect();
+        let mut reqs = Vec::new();
+        let mut start = 0u64;
+        for _ in 0..s.sessions {
+            start += rng.range(s.gap_ms);
+            let mut full = prefixes[(rng.next() % s.prefixes) as usize].clone();
+            let mut len = full.len() as u64 * TB;
+            let mut at = start;
+            for _ in 0..rng.range(s.turns) {
+                let prompt = len + rng.range(s.add_tokens);
+                if prompt > s.max_prompt {
+                    break;
+                }
+                let whole = prompt / TB;
+                let mut ids: Vec<u64> = full.iter().copied().take(whole as usize).collect();
+                ids.extend(fresh(whole - ids.len() as u64));
+                if prompt % TB != 0 {
+                    ids.extend(fresh(1));
+                }
+                let output = rng.range(s.output);
+                full = ids[..whole as usize].to_vec();
+                len = prompt + output;
+                reqs.push(TraceRequest { timestamp_ms: at, input: prompt, output, ids });
+                at += rng.range(s.think_ms);
+            }
+        }
+        reqs.sort_by_key(|r| r.timestamp_ms);
+        Trace { requests: reqs }
+    }
+
+    /// One run of `trace` on a fresh pool of `budget` bytes, in time.
+    pub(super) fn run(trace: &Arc<Trace>, budget: u64, policy: RunKind) -> SimReport {
+        let model = ModelShape::v4_flash(0).unwrap();
+        let p = plan(&model, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, 48, budget)).unwrap();
+        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
+        let pool = v4pool::sim::sim_pool(&backend, &PoolSpec::from_plan(&p).unwrap()).unwrap();
+        let specs = trace.specs(1.0).unwrap();
+        let cfg = SimConfig {
+            max_seqs: 16,
+            elastic_max_seqs: 64.min(p.geometry.slot_positions as usize),
+            steps: v4pool::sim::MAX_STEPS,
+            build_index: false,
+            time: Some(TimeConfig {
+                cost: cost::preset(cost::H200X4_FLASH_FP8).unwrap(),
+                horizon_ms: specs.last().unwrap().arrival as f64 + 3.6e6,
+                concurrency: None,
+                slo_ttft_ms: v4pool::sim::SLO_TTFT_MS,
+                slo_tpot_ms: v4pool::sim::SLO_TPOT_MS,
+            }),
+            ..SimConfig::default()
+        };
+        let mut engine = Engine::new(&pool, &cfg, policy).unwrap().with_trace(trace.clone());
+        let mut arrivals = specs.into_iter();
+        while !engine.done() {
+            engine.step(&mut arrivals).unwrap();
+        }
+        engine.finish().unwrap()
+    }
+
+    pub(super) fn line(r: &SimReport) -> String {
+        let t = r.time.as_ref().unwrap();
+        format!(
+            "{:<11} completed {:>5} hit tokens {:>9} of-ceiling {:.3} tok/s/GPU {:>8.1} TTFT p99 {:>9.1} ms ckpts {} evict {}",
+            r.policy,
+            r.completed,
+            r.prefix_hit_tokens,
+            r.prefix_hit_rate,
+            t.tok_s_gpu,
+            t.ttft_ms.quantile(0.99),
+            r.checkpoints_stored,
+            r.max_checkpoint_bytes >> 20,
+        )
+    }
+
+    #[test]
+    fn explore() {
+        let Ok(v) = std::env::var("V4POOL_EXPLORE") else { return };
+        let n: Vec<u64> = v.split(',').map(|x| x.parse().unwrap()).collect();
+        let shape = Shape {
+            seed: n[0],
+            sessions: n[1],
+            prefixes: n[2],
+            prefix_blocks: (n[3], n[4]),
+            turns: (n[5], n[6]),
+            add_tokens: (n[7], n[8]),
+            output: (50, 400),
+            gap_ms: (n[9], n[10]),
+            think_ms: (n[11], n[12]),
+            max_prompt: n[13],
+        };
+        let budget = n[14] << 20;
+        let t = Arc::new(trace(shape));
+        let input: u64 = t.requests.iter().map(|r| r.input).sum();
+        println!("{} requests, mean input {}", t.requests.len(), input / t.requests.len() as u64);
+        for p in [RunKind::Elastic, RunKind::Reuse4096] {
+            println!("{}", line(&run(&t, budget, p)));
+        }
+    }
+}

@@ -722,7 +722,9 @@ impl KvManager {
             state,
             pins: 0,
             rolling,
-            restored: false,
+            restores: 0,
+            interior: false,
+            proven: false,
             superseded: false,
             layout: self.layout_id.clone(),
         }));
@@ -790,7 +792,8 @@ impl KvManager {
         store::copy(&self.pool, &self.ck, position, &ids, false)?;
         let c = self.nodes.ckpt_mut(ck);
         c.pins += 1;
-        c.restored = true;
+        c.restores = c.restores.saturating_add(1);
+        c.proven |= c.interior || c.superseded || c.restores >= 2;
         c.superseded = false;
         self.nodes.unlink(ck);
         self.pinned.push(ck);
