@@ -240,7 +240,7 @@ mod long_prompts {
     pub(super) fn line(r: &SimReport) -> String {
         let t = r.time.as_ref().unwrap();
         format!(
-            "{:<11} completed {:>5} hit tokens {:>9} of-ceiling {:.3} tok/s/GPU {:>8.1} TTFT p99 {:>9.1} ms ckpts {} evict {}",
+            "{:<11} completed {:>5} hit tokens {:>9} of-ceiling {:.3} tok/s/GPU {:>8.1} TTFT p99 {:>9.1} ms ckpts {} MiB {} prefilled {} secs {:.0} running {:.1} preempt {} busy {:.3} max {}",
             r.policy,
             r.completed,
             r.prefix_hit_tokens,
@@ -249,6 +249,12 @@ mod long_prompts {
             t.ttft_ms.quantile(0.99),
             r.checkpoints_stored,
             r.max_checkpoint_bytes >> 20,
+            r.prefilled_tokens,
+            t.duration_s,
+            r.mean_running,
+            r.preemptions,
+            t.busy,
+            r.max_running,
         )
     }
 
