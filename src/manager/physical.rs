@@ -206,7 +206,7 @@ pub enum CandidateKind {
     Checkpoint {
         /// Block units it holds (what evicting it frees).
         units: u64,
-        /// Whether a restore has read it (a proven reuse point).
+        /// Whether a restore has read it (proven or not: see the manager's retention rule).
         restored: bool,
     },
 }

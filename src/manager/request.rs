@@ -390,7 +390,7 @@ impl KvManager {
     pub(super) fn unref(&mut self, nodes: &[u32]) -> Result<(), ManagerError> {
         // A released chain's checkpoints below its deepest ready one are superseded: a
         // request continuing the chain restores from the deepest, so they only serve one
-        // that diverges inside it. Unless a restore has used them, they go to the
+        // that diverges inside it. Unless proven (`CkptNode::proven`), they go to the
         // evicted-first end (their units are a whole slot image each, more than the blocks
         // between two of them).
         let mut deeper = false;
@@ -621,8 +621,8 @@ impl KvManager {
     }
 
     /// Retention under pressure: the checkpoint ending at `hash` has a deeper one on its chain.
-    /// Unless a restore has read it, or another running request holds its block (the chain
-    /// branches there, or will be continued from there), it moves to the evicted-first end of
+    /// Unless it is proven (`CkptNode::proven`), or another running request holds its block
+    /// (the chain branches there, or will be continued from there), it moves to the evicted-first end of
     /// the LRU and spills to a tier only into free room. Without pressure nothing is evicted and it
     /// stays, so hits keep the finest cadence; under pressure the chain keeps its deepest
     /// checkpoint and its proven ones, and what a coarser cadence would have held in
