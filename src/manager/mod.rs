@@ -511,7 +511,18 @@ impl KvManager {
                 let r = self.pool.grow_blocks(n);
                 self.apply(r);
             }
-            let rest = growth.grow.saturating_sub(n);
+            let mut rest = growth.grow.saturating_sub(n);
+            if rest > 0 && growth.shrink_idle_slots {
+                // Superseded checkpoints before idle slots: they save prefill only for a
+                // request diverging inside their span (physical.rs), an idle slot is the room
+                // the next admission runs in. Only when eviction can cover the rest, so a
+                // refusal still evicts nothing.
+                let free = u64::from(self.pool.counts()?.free_blocks);
+                if free + self.nodes.lru_blocks >= u64::from(need) {
+                    let freed = self.evict_superseded(u64::from(need).saturating_sub(free))?;
+                    rest = rest.saturating_sub(u32::try_from(freed).unwrap_or(u32::MAX));
+                }
+            }
             if rest > 0 && growth.shrink_idle_slots {
                 // As many as the idle slots allow, all or nothing per try.
                 let mut k = rest;
@@ -547,6 +558,20 @@ impl KvManager {
             return Err(ManagerError::OutOfBlocks { need: u64::from(need), available: free });
         }
         Ok(())
+    }
+
+    /// Evict superseded checkpoints from the evicted-first end of the LRU until `want` block
+    /// ids are freed or the head is something else; returns the ids freed.
+    fn evict_superseded(&mut self, want: u64) -> Result<u64, ManagerError> {
+        let mut freed = 0;
+        while freed < want {
+            let h = self.nodes.head;
+            if h == NIL || !matches!(&self.nodes.nodes[h as usize], Node::Ckpt(c) if c.superseded) {
+                break;
+            }
+            freed += self.evict(h)?;
+        }
+        Ok(freed)
     }
 
     /// Evict an LRU node; returns the block ids that became free.
@@ -715,7 +740,9 @@ impl KvManager {
             state,
             pins: 0,
             rolling,
-            restored: false,
+            restores: 0,
+            interior: false,
+            proven: false,
             superseded: false,
             layout: self.layout_id.clone(),
         }));
@@ -783,7 +810,8 @@ impl KvManager {
         store::copy(&self.pool, &self.ck, position, &ids, false)?;
         let c = self.nodes.ckpt_mut(ck);
         c.pins += 1;
-        c.restored = true;
+        c.restores = c.restores.saturating_add(1);
+        c.proven |= c.interior || c.superseded || c.restores >= 2;
         c.superseded = false;
         self.nodes.unlink(ck);
         self.pinned.push(ck);

@@ -41,9 +41,16 @@ pub(super) struct CkptNode {
     pub(super) pins: u32,
     /// Whether a request may drop it when it stores its next rolling checkpoint.
     pub(super) rolling: bool,
-    /// Whether a restore has read it: a proven reuse point (a shared system prompt's end, a
-    /// branch), never demoted as superseded when a chain leaves.
-    pub(super) restored: bool,
+    /// Admissions that restored it.
+    pub(super) restores: u32,
+    /// Whether its chain has gone past it (a deeper checkpoint was stored through its block).
+    pub(super) interior: bool,
+    /// A proven reuse point, never demoted as superseded: restored after its chain had gone
+    /// past it (a request diverged inside its span: a shared prefix's end, a branch), or
+    /// restored twice. A single restore of a chain's end is a continuation (the next turn, a
+    /// resumption): once that request stores deeper on the chain this one serves only a
+    /// request that diverges inside its span, like any superseded checkpoint.
+    pub(super) proven: bool,
     /// Whether a deeper checkpoint of its chain exists and nothing has shown it to be a
     /// branch point: it saves prefill only for a request that diverges inside its span, which
     /// no request has done, for a whole slot image of bytes — less prefill per byte than any
@@ -199,7 +206,7 @@ pub enum CandidateKind {
     Checkpoint {
         /// Block units it holds (what evicting it frees).
         units: u64,
-        /// Whether a restore has read it (a proven reuse point).
+        /// Whether a restore has read it (proven or not: see the manager's retention rule).
         restored: bool,
     },
 }
@@ -254,7 +261,7 @@ impl Nodes {
             at = self.next[i as usize];
             let kind = match &self.nodes[i as usize] {
                 Node::Ckpt(c) => {
-                    CandidateKind::Checkpoint { units: c.units.len() as u64, restored: c.restored }
+                    CandidateKind::Checkpoint { units: c.units.len() as u64, restored: c.restores > 0 }
                 }
                 _ => CandidateKind::Block,
             };

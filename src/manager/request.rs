@@ -140,6 +140,9 @@ pub(super) struct Req {
     /// The hash of the latest permanent checkpoint this request stored itself (not one it
     /// found there): superseded when it stores a deeper one.
     pub(super) stored: Option<BlockHash>,
+    /// The hash of the checkpoint its admission restored, until it stores deeper on the
+    /// chain (then that one is superseded for it: see [`super::physical::CkptNode::restores`]).
+    pub(super) from: Option<BlockHash>,
     /// Its tokens as the engine recorded them (`record_tokens`; only while events are on).
     pub(super) tokens: Vec<u32>,
 }
@@ -190,6 +193,7 @@ impl KvManager {
             slot: None,
             rolling: None,
             stored: None,
+            from: None,
             tokens: Vec::new(),
         };
         let index = match self.free_requests.pop() {
@@ -356,8 +360,10 @@ impl KvManager {
             }
         }
         let bs = self.block_size;
+        let from = (ck != NIL).then(|| self.nodes.ckpt(ck).hash);
         let r = self.req_mut(id)?;
         let known = r.known;
+        r.from = from;
         r.blocks = hit_nodes;
         r.indexed = hit;
         r.computed = hit as u64 * bs;
@@ -384,7 +390,7 @@ impl KvManager {
     pub(super) fn unref(&mut self, nodes: &[u32]) -> Result<(), ManagerError> {
         // A released chain's checkpoints below its deepest ready one are superseded: a
         // request continuing the chain restores from the deepest, so they only serve one
-        // that diverges inside it. Unless a restore has used them, they go to the
+        // that diverges inside it. Unless proven (`CkptNode::proven`), they go to the
         // evicted-first end (their units are a whole slot image each, more than the blocks
         // between two of them).
         let mut deeper = false;
@@ -399,11 +405,13 @@ impl KvManager {
                 if c != NIL {
                     let n = self.nodes.ckpt(c);
                     let ready = n.state == CkptState::Ready && n.pins == 0;
-                    let demote = deeper && ready && !n.restored;
+                    let demote = deeper && ready && !n.proven;
                     // The chain's deepest ready checkpoint is what its next request restores:
                     // never superseded, whatever its request did below it.
                     if ready {
-                        self.nodes.ckpt_mut(c).superseded = demote;
+                        let n = self.nodes.ckpt_mut(c);
+                        n.superseded = demote;
+                        n.interior |= deeper;
                     }
                     if demote {
                         self.nodes.touch_front(c);
@@ -579,7 +587,7 @@ impl KvManager {
             return Ok(());
         }
         let h = r.hashes[k - 1];
-        let (prev, stored) = (r.rolling, r.stored);
+        let (prev, stored, from) = (r.rolling, r.stored, r.from);
         let Some(position) = r.slot.map(|s| s.position) else { return Err(ManagerError::NotRunning(id)) };
         let existed = self.checkpoint_state(&h).is_some();
         if !self.begin_store(h, position, !permanent)? {
@@ -588,7 +596,12 @@ impl KvManager {
         // The chain has a deeper checkpoint now: the permanent one this request stored before
         // serves only a request that diverges between the two.
         if let Some(p) = stored.filter(|&p| p != h) {
-            self.supersede(p);
+            self.supersede(p, false);
+        }
+        // So has the checkpoint this request was admitted from: restored once, by the
+        // request now continuing past it, it was a continuation, not a branch.
+        if let Some(p) = from.filter(|&p| p != h) {
+            self.supersede(p, true);
         }
         if let Some(p) = prev.filter(|&p| p != h) {
             if let Some(&b) = self.index.get(&p) {
@@ -599,6 +612,7 @@ impl KvManager {
             }
         }
         let r = self.req_mut(id)?;
+        r.from = None;
         r.rolling = if permanent { None } else { Some(h) };
         if permanent && !existed {
             r.stored = Some(h);
@@ -607,21 +621,28 @@ impl KvManager {
     }
 
     /// Retention under pressure: the checkpoint ending at `hash` has a deeper one on its chain.
-    /// Unless a restore has read it, or another running request holds its block (the chain
-    /// branches there, or will be continued from there), it moves to the evicted-first end of
+    /// Unless it is proven (`CkptNode::proven`), or another running request holds its block
+    /// (the chain branches there, or will be continued from there), it moves to the evicted-first end of
     /// the LRU and spills to a tier only into free room. Without pressure nothing is evicted and it
     /// stays, so hits keep the finest cadence; under pressure the chain keeps its deepest
     /// checkpoint and its proven ones, and what a coarser cadence would have held in
     /// checkpoints is cache instead. Exactness is untouched: only which checkpoints are kept.
-    fn supersede(&mut self, hash: BlockHash) {
+    fn supersede(&mut self, hash: BlockHash, restored_from: bool) {
         let Some(&b) = self.index.get(&hash) else { return };
         let n = self.nodes.block(b);
-        let c = n.ckpt;
-        if c == NIL || n.refs > 1 {
+        let (c, shared) = (n.ckpt, n.refs > 1);
+        if c == NIL {
             return;
         }
         let ck = self.nodes.ckpt_mut(c);
-        if ck.restored || ck.rolling || ck.state == CkptState::Evicting {
+        if ck.state == CkptState::Evicting {
+            return;
+        }
+        // Its chain went past it, whoever holds the block: a later restore proves a branch.
+        ck.interior = true;
+        // A rolling checkpoint is its own request's to drop, unless it is the one this
+        // request restored (its request has left, or holds the block: `shared`).
+        if shared || ck.proven || (ck.rolling && !restored_from) {
             return;
         }
         ck.superseded = true;
@@ -639,6 +660,7 @@ impl KvManager {
         r.computed = 0;
         r.rolling = None;
         r.stored = None;
+        r.from = None;
         self.unref(&blocks)?;
         if let Some(s) = slot {
             self.pool.free_slot(s.handle)?;
