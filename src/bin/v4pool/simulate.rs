@@ -59,7 +59,8 @@ that would not fit the machine's available memory is refused.
   --elastic-max-seqs N  running requests under the elastic boundary, at least
                         --max-seqs, at most the plane's slot positions
                                        [4 × max-seqs, at most the slot positions]
-  --dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4   KV rows     [fp8]
+  --dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4   KV rows
+                        [the family's: fp8 for V4, flashmla-v41 for V4.1]
   --indexer fp8|fp4     indexer cache                                    [fp8]
   --mix chat|agentic|mixed|multiturn                                     [mixed]
   --rate R              mean arrivals per second (time) or per step      [0.5 / 0.4]
@@ -179,7 +180,7 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
     let json = p.flag("--json");
     let model = crate::layout::load_model(p.get("--model").unwrap_or("v4-flash"), &p)?;
     let budget = v4pool::sizing::parse_bytes(p.get("--budget").unwrap_or("6GiB"))?;
-    let kv = crate::kv_dtype(&p)?.unwrap_or(KvDtype::Fp8);
+    let kv = crate::kv_dtype(&p)?.unwrap_or(KvDtype::default_for(model.family));
     let indexer = choose(
         &p,
         "--indexer",
