@@ -171,23 +171,29 @@ fn an_older_struct_size_reads_tail_defaults_and_is_written_only_to_its_size() {
             Grown { struct_size: 16, old: 0, added: 99 }
         }
     }
-    // An older caller's struct: 8 bytes, then memory that is not its struct.
+    // An older caller's struct: 8 bytes, then memory that is not its struct (all access through
+    // one raw pointer, as C's would be).
     let mut mem: [u64; 2] = [0; 2];
     let bytes: *mut u8 = mem.as_mut_ptr().cast();
-    // SAFETY: writes within `mem`.
+    let p: *mut Grown = bytes.cast();
+    // SAFETY (every block below): reads and writes within `mem`, aligned.
     unsafe {
         bytes.cast::<u32>().write(8);
         bytes.add(4).cast::<u32>().write(5);
+        bytes.add(8).cast::<u64>().write(0xA5A5_A5A5_A5A5_A5A5);
     }
-    mem[1] = 0xA5A5_A5A5_A5A5_A5A5;
-    let p: *mut Grown = mem.as_mut_ptr().cast();
     let got = read_in(p.cast_const(), "grown").unwrap();
     assert_eq!(got, Grown { struct_size: 8, old: 5, added: 99 });
     write_out(p, "grown", Grown { struct_size: 0, old: 6, added: 7 }).unwrap();
-    assert_eq!(mem[1], 0xA5A5_A5A5_A5A5_A5A5, "written past the caller's size");
-    // SAFETY: reads within `mem`.
-    assert_eq!(unsafe { (bytes.cast::<u32>().read(), bytes.add(4).cast::<u32>().read()) }, (8, 6));
-    mem[0] = 12;
+    unsafe {
+        assert_eq!(
+            bytes.add(8).cast::<u64>().read(),
+            0xA5A5_A5A5_A5A5_A5A5,
+            "written past the caller's size"
+        );
+        assert_eq!((bytes.cast::<u32>().read(), bytes.add(4).cast::<u32>().read()), (8, 6));
+        bytes.cast::<u32>().write(12);
+    }
     let e = read_in(p.cast_const(), "grown").unwrap_err();
     assert_eq!((e.0, e.1.as_str()), (V4poolStatus::AbiMismatch, "StructSize"));
     assert!(e.2.contains("Grown.struct_size is 12") && e.2.contains("[8, 16]"), "{}", e.2);
