@@ -6,6 +6,12 @@
 #include <stdint.h>
 #include <stddef.h>
 
+/* The C ABI version this header declares; compare with v4pool_abi_version() at start-up.
+ * Every struct passed by pointer starts with struct_size: set it to sizeof(the struct)
+ * (e.g. V4poolView v = {.struct_size = sizeof(V4poolView)};) before the call, for input and
+ * output structs alike; the library refuses a size it does not know (V4POOL_STATUS_ABI_MISMATCH). */
+#define V4POOL_ABI_VERSION 1
+
 /**
  * What a call returned.
  */
@@ -30,6 +36,12 @@ typedef enum V4poolStatus {
    * A bug: a Rust panic was caught at the boundary.
    */
   V4POOL_STATUS_PANIC = 4,
+  /**
+   * A struct's `struct_size` is not a size this library knows (variant `StructSize`; the
+   * message names the struct, the size given and the sizes known): the caller was compiled
+   * against another `v4pool.h`, or left `struct_size` unset.
+   */
+  V4POOL_STATUS_ABI_MISMATCH = 5,
 } V4poolStatus;
 
 /**
@@ -128,6 +140,10 @@ typedef struct V4poolPool V4poolPool;
  */
 typedef struct V4poolPlanInfo {
   /**
+   * `sizeof` of this struct, set by the caller (see the header's versioning note).
+   */
+  uint32_t struct_size;
+  /**
    * Blocks at the plan's split.
    */
   int64_t num_blocks;
@@ -179,6 +195,10 @@ typedef struct V4poolPlanInfo {
  */
 typedef struct V4poolView {
   /**
+   * `sizeof` of this struct, set by the caller (see the header's versioning note).
+   */
+  uint32_t struct_size;
+  /**
    * Device (or host) address of row 0.
    */
   uint64_t ptr;
@@ -199,6 +219,10 @@ typedef struct V4poolView {
  * (`Pool::page_view`; `NotPageable` where the layer's pages are not whole in the plane).
  */
 typedef struct V4poolPageView {
+  /**
+   * `sizeof` of this struct, set by the caller (see the header's versioning note).
+   */
+  uint32_t struct_size;
   /**
    * Address of the first page.
    */
@@ -266,6 +290,10 @@ typedef struct V4poolBlock {
  */
 typedef struct V4poolDecodeCapacity {
   /**
+   * `sizeof` of this struct, set by the caller (see the header's versioning note).
+   */
+  uint32_t struct_size;
+  /**
    * Sequences in one step.
    */
   uint64_t max_seqs;
@@ -292,6 +320,10 @@ typedef struct V4poolDecodeCapacity {
  * of the window part (`topk`), the CSA and the HCA compressed parts; multiples of 64.
  */
 typedef struct V4poolFlashMlaWidths {
+  /**
+   * `sizeof` of this struct, set by the caller (see the header's versioning note).
+   */
+  uint32_t struct_size;
   /**
    * Window part (`indices`), at least the window.
    */
@@ -322,12 +354,18 @@ typedef struct V4poolBuffer {
 
 /**
  * One layer's FlashMLA operands in a FlashMLA-convention decode path: int32 buffers
- * `indices [max_tokens × topk]`, `topk_length [max_tokens]`, and for a compressed layer
- * `extra_indices [max_tokens × extra_topk]`, `extra_topk_length` (`ptr` 0 for a dense
+ * `indices [max_tokens × topk]`, `topk_length [max_tokens]` (per token), and for a compressed
+ * layer `extra_indices [max_tokens × extra_topk]`, `extra_topk_length` (`ptr` 0 for a dense
  * layer); every index already shifted by `shift` to the layer's page view
- * (`v4pool_pool_page_view`'s first page).
+ * (`v4pool_pool_page_view`'s first page). FlashMLA's own lengths are per batch entry:
+ * `seq_topk_length` / `seq_extra_topk_length [max_seqs]` (MTP: stage every sequence with the
+ * same `s_q` tokens, then `indices` is `[B, s_q, topk]` with these; docs/flashmla.md).
  */
 typedef struct V4poolFlashMla {
+  /**
+   * `sizeof` of this struct, set by the caller (see the header's versioning note).
+   */
+  uint32_t struct_size;
   /**
    * `indices` (FlashMLA's window part).
    */
@@ -344,6 +382,15 @@ typedef struct V4poolFlashMla {
    * `extra_topk_length` (0 for a dense layer).
    */
   struct V4poolBuffer extra_topk_length;
+  /**
+   * FlashMLA's own `topk_length [max_seqs]`, per batch entry (a staged sequence): the
+   * longest of its tokens' `topk_length`, 0 for a pad (docs/flashmla.md, the MTP rule).
+   */
+  struct V4poolBuffer seq_topk_length;
+  /**
+   * FlashMLA's own `extra_topk_length [max_seqs]`, formed likewise (0 for a dense layer).
+   */
+  struct V4poolBuffer seq_extra_topk_length;
   /**
    * Entries per row of `indices`.
    */
@@ -831,6 +878,12 @@ enum V4poolStatus v4pool_decode_csa_pack(const struct V4poolDecode *decode,
                                          uint32_t bits,
                                          size_t rows,
                                          size_t width);
+
+/**
+ * The ABI version of the library that is loaded (`V4POOL_ABI_VERSION` of the header it was
+ * built with). A caller compares it with its own header's `V4POOL_ABI_VERSION` at start-up.
+ */
+uint32_t v4pool_abi_version(void);
 
 #ifdef __cplusplus
 }  // extern "C"

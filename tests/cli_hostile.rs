@@ -418,3 +418,33 @@ fn defect43_row20_a_plan_too_large_names_the_compressed_view() {
     refused("plan flashmla-v41-fp4 1TiB", &r);
     assert!(r.stderr.contains("the compressed view of a plane of "), "{:?}", r.stderr);
 }
+
+/// defect43 row 18 (issue 44 item 2's "one default per family"): `simulate` without `--dtype`
+/// takes the model family's rows, as `plan` does: V4.1 runs on `flashmla-v41` instead of being
+/// refused because fp8 rows do not fit it. It defaulted to fp8 ("fp8 rows do not fit a V41
+/// model").
+#[test]
+fn defect43_row18_simulate_takes_the_family_default_dtype() {
+    let plain = simulate(&["--no-progress", "--json", "--mix", "chat", "--model", "v4.1-flash"]);
+    check_contract("simulate --model v4.1-flash", &plain, Out::Capture);
+    assert_eq!(plain.code, Some(0), "simulate --model v4.1-flash: {plain:?}");
+    let named = simulate(&[
+        "--no-progress",
+        "--json",
+        "--mix",
+        "chat",
+        "--model",
+        "v4.1-flash",
+        "--dtype",
+        "flashmla-v41",
+    ]);
+    assert_eq!(named.code, Some(0), "{named:?}");
+    let blocks = |r: &Run| {
+        let report: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+        report["runs"][0]["final"]["num_blocks"].as_u64().expect("final.num_blocks")
+    };
+    assert_eq!(blocks(&plain), blocks(&named), "the default is not flashmla-v41");
+    let help = v4pool(&os(&["simulate", "--help"]), Out::Capture, LIMIT);
+    let line = help.stdout.lines().find(|l| l.contains("--dtype")).expect("--dtype in the help");
+    assert!(!line.ends_with("[fp8]"), "help still names fp8 as the default: {line}");
+}

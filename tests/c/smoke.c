@@ -21,6 +21,8 @@ static int passed = 0, failed = 0;
     } while (0)
 
 int main(void) {
+    /* The library loaded is the one this header declares. */
+    CHECK(v4pool_abi_version() == V4POOL_ABI_VERSION);
     V4poolPlan *plan = NULL;
     CHECK(v4pool_plan_new("v4-nope", 1ull << 30, 4, NULL, NULL, 0, &plan) == V4POOL_STATUS_REJECTED);
     CHECK(strcmp(v4pool_last_error_variant(), "UnknownPreset") == 0);
@@ -29,7 +31,7 @@ int main(void) {
     CHECK(strcmp(v4pool_last_error_variant(), "NotAFile") == 0);
     CHECK(v4pool_plan_new("v4-flash", 256ull << 20, 4, "fp8", "fp8", 0, &plan) == V4POOL_STATUS_OK);
     if (!plan) return 1;
-    V4poolPlanInfo info;
+    V4poolPlanInfo info = {.struct_size = sizeof(V4poolPlanInfo)};
     CHECK(v4pool_plan_info(plan, &info) == V4POOL_STATUS_OK);
     CHECK(info.num_slots == 4 && info.num_planes == 2 && info.plane_widths[0] == 512);
     char *json = NULL;
@@ -39,7 +41,7 @@ int main(void) {
     V4poolPool *pool = NULL;
     CHECK(v4pool_pool_new(plan, "host", 0, 0, &pool) == V4POOL_STATUS_OK);
     if (!pool) return 1;
-    V4poolView view, plane0;
+    V4poolView view = {.struct_size = sizeof(V4poolView)}, plane0 = {.struct_size = sizeof(V4poolView)};
     CHECK(v4pool_pool_layer_view(pool, 2, 9, &view) == V4POOL_STATUS_REJECTED);
     CHECK(strcmp(v4pool_last_error_variant(), "NoSuchPlane") == 0);
     CHECK(v4pool_pool_plane(pool, 0, &plane0) == V4POOL_STATUS_OK && plane0.rows == info.plane_rows);
@@ -61,9 +63,24 @@ int main(void) {
     V4poolBlock b0, b1;
     CHECK(v4pool_pool_alloc_block(pool, &b0) == V4POOL_STATUS_OK);
     CHECK(v4pool_pool_alloc_block(pool, &b1) == V4POOL_STATUS_OK);
-    V4poolDecodeCapacity cap = {.max_seqs = 2, .max_tokens = 2, .max_blocks_per_seq = 2,
+    V4poolDecodeCapacity cap = {.struct_size = sizeof(V4poolDecodeCapacity), .max_seqs = 2, .max_tokens = 2, .max_blocks_per_seq = 2,
                                 .win = 128, .index_topk = 512};
     V4poolDecode *dec = NULL;
+    /* A struct of another header's size (or none set) is refused, typed, nothing made and the
+     * caller's output struct left as it was: the library reads and writes only the sizes it
+     * knows (issue 44 item 2). */
+    V4poolDecodeCapacity shorter = cap;
+    shorter.struct_size = (uint32_t)sizeof(V4poolDecodeCapacity) - 8;
+    CHECK(v4pool_decode_new(pool, &shorter, &dec) == V4POOL_STATUS_ABI_MISMATCH && dec == NULL);
+    CHECK(strcmp(v4pool_last_error_variant(), "StructSize") == 0);
+    CHECK(strstr(v4pool_last_error_message(), "V4poolDecodeCapacity.struct_size") != NULL);
+    shorter.struct_size = 0;
+    CHECK(v4pool_decode_new(pool, &shorter, &dec) == V4POOL_STATUS_ABI_MISMATCH && dec == NULL);
+    V4poolView bigger = {.struct_size = sizeof(V4poolView) + 8, .rows = -7};
+    CHECK(v4pool_pool_plane(pool, 0, &bigger) == V4POOL_STATUS_ABI_MISMATCH && bigger.rows == -7);
+    CHECK(strcmp(v4pool_last_error_variant(), "StructSize") == 0);
+    V4poolPlanInfo unsized_info = {.num_slots = -7};
+    CHECK(v4pool_plan_info(plan, &unsized_info) == V4POOL_STATUS_ABI_MISMATCH && unsized_info.num_slots == -7);
     CHECK(v4pool_decode_new(pool, &cap, &dec) == V4POOL_STATUS_OK);
     if (!dec) return 1;
     int64_t positions[1] = {slot.position}, ctx[1] = {300}, ntok[1] = {1};
@@ -101,17 +118,20 @@ int main(void) {
     CHECK(v4pool_pool_alloc_block(pool, &b0) == V4POOL_STATUS_OK);
     CHECK(v4pool_pool_alloc_block(pool, &b1) == V4POOL_STATUS_OK);
     const uint32_t hca = 3; /* V4-Flash: the first HCA layer */
-    V4poolPageView pv;
+    V4poolPageView pv = {.struct_size = sizeof(V4poolPageView)};
     CHECK(v4pool_pool_page_view(pool, hca, 0, 64, &pv) == V4POOL_STATUS_OK && pv.row_bytes == 584 && pv.page_rows == 64);
     CHECK(v4pool_pool_page_view(pool, hca, 0, 100, &pv) == V4POOL_STATUS_REJECTED);
     CHECK(v4pool_pool_page_view(pool, hca, 0, 64, &pv) == V4POOL_STATUS_OK);
     /* Unpacked, a layer's compressed view is its layer view; a dense layer has none. */
-    V4poolView cv;
+    V4poolView cv = {.struct_size = sizeof(V4poolView)};
     CHECK(v4pool_pool_compressed_view(pool, hca, &cv) == V4POOL_STATUS_OK && cv.row_bytes == 584);
     CHECK(v4pool_pool_compressed_view(pool, 0, &cv) == V4POOL_STATUS_REJECTED);
-    V4poolFlashMlaWidths narrow = {.topk = 100, .csa_extra_topk = 512, .hca_extra_topk = 64};
+    V4poolFlashMlaWidths narrow = {.struct_size = sizeof(V4poolFlashMlaWidths), .topk = 100, .csa_extra_topk = 512, .hca_extra_topk = 64};
     CHECK(v4pool_decode_new_flashmla(pool, &cap, &narrow, &dec) == V4POOL_STATUS_REJECTED);
     CHECK(strcmp(v4pool_last_error_variant(), "FlashMlaWidth") == 0);
+    narrow.struct_size = 4;
+    CHECK(v4pool_decode_new_flashmla(pool, &cap, &narrow, &dec) == V4POOL_STATUS_ABI_MISMATCH);
+    CHECK(strstr(v4pool_last_error_message(), "V4poolFlashMlaWidths") != NULL);
     CHECK(v4pool_decode_new_flashmla(pool, &cap, NULL, &dec) == V4POOL_STATUS_OK);
     if (!dec) return 1;
     positions[0] = slot.position;
@@ -120,7 +140,7 @@ int main(void) {
     CHECK(v4pool_decode_stage(dec, 1, positions, ctx, ntok, tables, 2, &tokens) == V4POOL_STATUS_OK && tokens == 1);
     CHECK(v4pool_decode_build(dec, 0) == V4POOL_STATUS_OK);
     CHECK(v4pool_decode_synchronize(dec) == V4POOL_STATUS_OK);
-    V4poolFlashMla ops;
+    V4poolFlashMla ops = {.struct_size = sizeof(V4poolFlashMla)};
     CHECK(v4pool_decode_flashmla(dec, hca, &ops) == V4POOL_STATUS_OK && ops.shift == pv.row_shift);
     const int32_t *wi = (const int32_t *)(uintptr_t)ops.indices.ptr, *wl = (const int32_t *)(uintptr_t)ops.topk_length.ptr;
     const int32_t *ei = (const int32_t *)(uintptr_t)ops.extra_indices.ptr;
@@ -130,6 +150,15 @@ int main(void) {
     CHECK(v4pool_pool_window_index(pool, hca, slot.position, 299 % info.ring_slots, &newest) == V4POOL_STATUS_OK);
     CHECK(wi[127] == newest + ops.shift);
     CHECK(el[0] == 2 && ops.extra_topk % 64 == 0 && ei[2] == -1);
+    /* FlashMLA's own per-sequence lengths ([max_seqs]): sequence 0 is the one token's, the pad
+     * sequence 1 is 0 (docs/flashmla.md's MTP rule). */
+    const int32_t *sl = (const int32_t *)(uintptr_t)ops.seq_topk_length.ptr;
+    const int32_t *sel = (const int32_t *)(uintptr_t)ops.seq_extra_topk_length.ptr;
+    CHECK(ops.seq_topk_length.len == cap.max_seqs && ops.seq_extra_topk_length.len == cap.max_seqs);
+    CHECK(sl[0] == wl[0] && sl[1] == 0 && sel[0] == el[0] && sel[1] == 0);
+    /* A dense layer has no compressed part: no per-sequence extra lengths either. */
+    CHECK(v4pool_decode_flashmla(dec, 0, &ops) == V4POOL_STATUS_OK && ops.seq_topk_length.ptr != 0);
+    CHECK(ops.extra_indices.ptr == 0 && ops.seq_extra_topk_length.ptr == 0);
     CHECK(v4pool_decode_flashmla(dec, 99, &ops) == V4POOL_STATUS_REJECTED);
     v4pool_decode_free(dec);
     v4pool_pool_free(pool);

@@ -66,7 +66,8 @@ that would not fit the machine's available memory is refused.
   --elastic-max-seqs N  running requests under the elastic boundary, at least
                         --max-seqs, at most the plane's slot positions
                                        [4 × max-seqs, at most the slot positions]
-  --dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4   KV rows     [fp8]
+  --dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4   KV rows
+                        [the family's: fp8 for V4, flashmla-v41 for V4.1]
   --indexer fp8|fp4     indexer cache                                    [fp8]
   --mix chat|agentic|mixed|multiturn                                     [mixed]
   --rate R              mean arrivals per second (time) or per step      [0.5 / 0.4]

@@ -7,6 +7,9 @@
 //! [`v4pool_last_error_message`]). Handles are freed by their `_free` function; a decode
 //! handle keeps its pool alive, so the order of frees does not matter. A Rust panic never
 //! crosses the boundary: it becomes `V4POOL_PANIC`.
+//!
+//! Versioning: see [`V4POOL_ABI_VERSION`] and [`SizedStruct`] (every struct passed by pointer, in or
+//! out, starts with `struct_size`, which the caller sets to `sizeof` and the library checks).
 
 use crate::backend::external::ExternalRegion;
 use crate::backend::{self, BackendChoice, Stream};
@@ -33,6 +36,10 @@ pub enum V4poolStatus {
     Backend = 3,
     /// A bug: a Rust panic was caught at the boundary.
     Panic = 4,
+    /// A struct's `struct_size` is not a size this library knows (variant `StructSize`; the
+    /// message names the struct, the size given and the sizes known): the caller was compiled
+    /// against another `v4pool.h`, or left `struct_size` unset.
+    AbiMismatch = 5,
 }
 
 /// A sized plan (opaque).
@@ -54,6 +61,8 @@ pub struct V4poolDecode {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct V4poolPlanInfo {
+    /// `sizeof` of this struct, set by the caller (see the header's versioning note).
+    pub struct_size: u32,
     /// Blocks at the plan's split.
     pub num_blocks: i64,
     /// Slots at the plan's split.
@@ -83,6 +92,8 @@ pub struct V4poolPlanInfo {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct V4poolView {
+    /// `sizeof` of this struct, set by the caller (see the header's versioning note).
+    pub struct_size: u32,
     /// Device (or host) address of row 0.
     pub ptr: u64,
     /// Rows addressable from `ptr`.
@@ -131,6 +142,8 @@ pub struct V4poolBuffer {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct V4poolDecodeCapacity {
+    /// `sizeof` of this struct, set by the caller (see the header's versioning note).
+    pub struct_size: u32,
     /// Sequences in one step.
     pub max_seqs: u64,
     /// Tokens in one step.
@@ -148,6 +161,8 @@ pub struct V4poolDecodeCapacity {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct V4poolFlashMlaWidths {
+    /// `sizeof` of this struct, set by the caller (see the header's versioning note).
+    pub struct_size: u32,
     /// Window part (`indices`), at least the window.
     pub topk: i32,
     /// CSA compressed part, at least the top-k.
@@ -157,13 +172,17 @@ pub struct V4poolFlashMlaWidths {
 }
 
 /// One layer's FlashMLA operands in a FlashMLA-convention decode path: int32 buffers
-/// `indices [max_tokens × topk]`, `topk_length [max_tokens]`, and for a compressed layer
-/// `extra_indices [max_tokens × extra_topk]`, `extra_topk_length` (`ptr` 0 for a dense
+/// `indices [max_tokens × topk]`, `topk_length [max_tokens]` (per token), and for a compressed
+/// layer `extra_indices [max_tokens × extra_topk]`, `extra_topk_length` (`ptr` 0 for a dense
 /// layer); every index already shifted by `shift` to the layer's page view
-/// (`v4pool_pool_page_view`'s first page).
+/// (`v4pool_pool_page_view`'s first page). FlashMLA's own lengths are per batch entry:
+/// `seq_topk_length` / `seq_extra_topk_length [max_seqs]` (MTP: stage every sequence with the
+/// same `s_q` tokens, then `indices` is `[B, s_q, topk]` with these; docs/flashmla.md).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct V4poolFlashMla {
+    /// `sizeof` of this struct, set by the caller (see the header's versioning note).
+    pub struct_size: u32,
     /// `indices` (FlashMLA's window part).
     pub indices: V4poolBuffer,
     /// `topk_length`.
@@ -172,6 +191,11 @@ pub struct V4poolFlashMla {
     pub extra_indices: V4poolBuffer,
     /// `extra_topk_length` (0 for a dense layer).
     pub extra_topk_length: V4poolBuffer,
+    /// FlashMLA's own `topk_length [max_seqs]`, per batch entry (a staged sequence): the
+    /// longest of its tokens' `topk_length`, 0 for a pad (docs/flashmla.md, the MTP rule).
+    pub seq_topk_length: V4poolBuffer,
+    /// FlashMLA's own `extra_topk_length [max_seqs]`, formed likewise (0 for a dense layer).
+    pub seq_extra_topk_length: V4poolBuffer,
     /// Entries per row of `indices`.
     pub topk: i32,
     /// Entries per row of `extra_indices` (0 for a dense layer).
@@ -352,19 +376,24 @@ pub unsafe extern "C" fn v4pool_plan_info(
         let p = &get(plan, "plan")?.report.plan;
         let widths = p.layout.widths();
         let m = &p.layout.model;
-        *out(out_info, "out_info")? = V4poolPlanInfo {
-            num_blocks: p.num_blocks,
-            num_slots: p.num_slots,
-            plane_rows: p.plane_rows,
-            num_planes: widths.len() as u32,
-            plane_widths: [widths[0], widths.get(1).copied().unwrap_or(0)],
-            block_size: m.block_size,
-            sliding_window: m.sliding_window,
-            ring_slots: m.ring_slots(),
-            index_topk: m.index_topk,
-            spec_steps: m.spec_steps,
-            total_bytes: p.total_bytes,
-        };
+        write_out(
+            out_info,
+            "out_info",
+            V4poolPlanInfo {
+                struct_size: 0,
+                num_blocks: p.num_blocks,
+                num_slots: p.num_slots,
+                plane_rows: p.plane_rows,
+                num_planes: widths.len() as u32,
+                plane_widths: [widths[0], widths.get(1).copied().unwrap_or(0)],
+                block_size: m.block_size,
+                sliding_window: m.sliding_window,
+                ring_slots: m.ring_slots(),
+                index_topk: m.index_topk,
+                spec_steps: m.spec_steps,
+                total_bytes: p.total_bytes,
+            },
+        )?;
         Ok(())
     })
 }
@@ -492,7 +521,11 @@ pub unsafe extern "C" fn v4pool_pool_plane(
         let p = &get(pool, "pool")?.pool;
         let ptr = p.plane_ptr(plane as usize).map_err(rejected)?;
         let row_bytes = p.spec().plane_widths[plane as usize];
-        *out(out_view, "out_view")? = V4poolView { ptr, rows: p.spec().geometry.plane_rows, row_bytes };
+        write_out(
+            out_view,
+            "out_view",
+            V4poolView { struct_size: 0, ptr, rows: p.spec().geometry.plane_rows, row_bytes },
+        )?;
         Ok(())
     })
 }
@@ -510,7 +543,11 @@ pub unsafe extern "C" fn v4pool_pool_layer_view(
 ) -> V4poolStatus {
     guard(|| {
         let v = get(pool, "pool")?.pool.layer_view(layer as usize, plane as usize).map_err(rejected)?;
-        *out(out_view, "out_view")? = V4poolView { ptr: v.ptr, rows: v.rows, row_bytes: v.row_bytes };
+        write_out(
+            out_view,
+            "out_view",
+            V4poolView { struct_size: 0, ptr: v.ptr, rows: v.rows, row_bytes: v.row_bytes },
+        )?;
         Ok(())
     })
 }
@@ -529,7 +566,11 @@ pub unsafe extern "C" fn v4pool_pool_compressed_view(
 ) -> V4poolStatus {
     guard(|| {
         let v = get(pool, "pool")?.pool.compressed_view(layer as usize).map_err(rejected)?;
-        *out(out_view, "out_view")? = V4poolView { ptr: v.ptr, rows: v.rows, row_bytes: v.row_bytes };
+        write_out(
+            out_view,
+            "out_view",
+            V4poolView { struct_size: 0, ptr: v.ptr, rows: v.rows, row_bytes: v.row_bytes },
+        )?;
         Ok(())
     })
 }
@@ -541,6 +582,8 @@ pub unsafe extern "C" fn v4pool_pool_compressed_view(
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct V4poolPageView {
+    /// `sizeof` of this struct, set by the caller (see the header's versioning note).
+    pub struct_size: u32,
     /// Address of the first page.
     pub ptr: u64,
     /// Whole pages from there to the plane's end.
@@ -568,13 +611,18 @@ pub unsafe extern "C" fn v4pool_pool_page_view(
     guard(|| {
         let v =
             get(pool, "pool")?.pool.page_view(layer as usize, plane as usize, page_rows).map_err(rejected)?;
-        *out(out_view, "out_view")? = V4poolPageView {
-            ptr: v.ptr,
-            pages: v.pages,
-            page_rows: v.page_rows,
-            row_bytes: v.row_bytes,
-            row_shift: v.row_shift,
-        };
+        write_out(
+            out_view,
+            "out_view",
+            V4poolPageView {
+                struct_size: 0,
+                ptr: v.ptr,
+                pages: v.pages,
+                page_rows: v.page_rows,
+                row_bytes: v.row_bytes,
+                row_shift: v.row_shift,
+            },
+        )?;
         Ok(())
     })
 }
@@ -717,7 +765,7 @@ pub unsafe extern "C" fn v4pool_decode_new(
 ) -> V4poolStatus {
     guard(|| {
         let p = get(pool, "pool")?.pool.clone();
-        let cap = DecodeCapacity::from(*get(cap, "cap")?);
+        let cap = DecodeCapacity::from(read_in(cap, "cap")?);
         let slot = out(out_decode, "out_decode")?;
         let step = p.decode_path(cap).map_err(rejected)?;
         *slot = Box::into_raw(Box::new(V4poolDecode { step }));
@@ -740,12 +788,12 @@ pub unsafe extern "C" fn v4pool_decode_new_flashmla(
 ) -> V4poolStatus {
     guard(|| {
         let p = get(pool, "pool")?.pool.clone();
-        let cap = DecodeCapacity::from(*get(cap, "cap")?);
+        let cap = DecodeCapacity::from(read_in(cap, "cap")?);
         let w = if widths.is_null() {
             let g = p.geometry().map_err(rejected)?;
             crate::pool::FlashMlaWidths::for_capacity(&g, cap).map_err(rejected)?
         } else {
-            let w = get(widths, "widths")?;
+            let w: V4poolFlashMlaWidths = read_in(widths, "widths")?;
             crate::pool::FlashMlaWidths {
                 topk: w.topk,
                 csa_extra_topk: w.csa_extra_topk,
@@ -775,15 +823,22 @@ pub unsafe extern "C" fn v4pool_decode_flashmla(
         let buf = |b: Option<crate::pool::DeviceBuffer>| {
             b.map_or(V4poolBuffer::default(), |b| V4poolBuffer { ptr: b.ptr, len: b.len })
         };
-        *out(out_ops, "out_ops")? = V4poolFlashMla {
-            indices: buf(Some(ops.indices)),
-            topk_length: buf(Some(ops.topk_length)),
-            extra_indices: buf(ops.extra_indices),
-            extra_topk_length: buf(ops.extra_topk_length),
-            topk: ops.topk,
-            extra_topk: ops.extra_topk,
-            shift: ops.shift,
-        };
+        write_out(
+            out_ops,
+            "out_ops",
+            V4poolFlashMla {
+                struct_size: 0,
+                indices: buf(Some(ops.indices)),
+                topk_length: buf(Some(ops.topk_length)),
+                extra_indices: buf(ops.extra_indices),
+                extra_topk_length: buf(ops.extra_topk_length),
+                seq_topk_length: buf(Some(ops.seq_topk_length)),
+                seq_extra_topk_length: buf(ops.seq_extra_topk_length),
+                topk: ops.topk,
+                extra_topk: ops.extra_topk,
+                shift: ops.shift,
+            },
+        )?;
         Ok(())
     })
 }
@@ -920,12 +975,15 @@ pub unsafe extern "C" fn v4pool_decode_synchronize(decode: *const V4poolDecode) 
 
 mod events;
 mod forward;
+mod sized;
 pub use events::{
     v4pool_block_hashes, v4pool_events_cleared, v4pool_events_endpoint, v4pool_events_flush,
     v4pool_events_free, v4pool_events_new, v4pool_events_removed, v4pool_events_replay_endpoint,
     v4pool_events_stored, V4poolEventEncoding, V4poolEvents, V4poolHash, V4poolMedium,
 };
 pub use forward::{v4pool_csa_topk_free, v4pool_csa_topk_new, v4pool_decode_csa_pack, V4poolCsaTopk};
+use sized::{read_in, write_out};
+pub use sized::{v4pool_abi_version, SizedStruct, V4POOL_ABI_VERSION};
 
 #[cfg(test)]
 mod tests;

@@ -30,7 +30,7 @@ fn plan_pool_views_and_errors() {
         let st = v4pool_plan_new(c"v4-flash".as_ptr(), 256 << 20, 4, ptr::null(), ptr::null(), 0, &mut plan);
         assert_eq!(st, V4poolStatus::Ok, "{:?}", last());
         assert_eq!(last(), (String::new(), String::new()));
-        let mut info = V4poolPlanInfo::default();
+        let mut info = V4poolPlanInfo::tail();
         assert_eq!(v4pool_plan_info(plan, &mut info), V4poolStatus::Ok);
         assert_eq!(info.num_slots, 4);
         let mut json = ptr::null_mut();
@@ -48,7 +48,7 @@ fn plan_pool_views_and_errors() {
             "{:?}",
             last()
         );
-        let mut view = V4poolView::default();
+        let mut view = V4poolView::tail();
         assert_eq!(v4pool_pool_layer_view(pool, 2, 0, &mut view), V4poolStatus::Ok);
         assert_eq!(view.row_bytes, 512);
         assert_eq!(v4pool_pool_layer_view(pool, 2, 7, &mut view), V4poolStatus::Rejected);
@@ -63,7 +63,7 @@ fn plan_pool_views_and_errors() {
         assert_eq!(v4pool_pool_layer_view(pool, 2, 0, &mut view), V4poolStatus::Ok);
         let addr = view.ptr + row as u64 * view.row_bytes;
         *(addr as *mut u8) = 0x5A;
-        let mut plane0 = V4poolView::default();
+        let mut plane0 = V4poolView::tail();
         assert_eq!(v4pool_pool_plane(pool, 0, &mut plane0), V4poolStatus::Ok);
         let mut b = [0u8; 1];
         assert_eq!(v4pool_pool_read_plane(pool, 0, addr - plane0.ptr, b.as_mut_ptr(), 1), V4poolStatus::Ok);
@@ -88,6 +88,7 @@ fn decode_csa_pack_checks_the_topk() {
         let mut block = V4poolBlock::default();
         assert_eq!(v4pool_pool_alloc_block(pool, &mut block), V4poolStatus::Ok);
         let cap = V4poolDecodeCapacity {
+            struct_size: size_of::<V4poolDecodeCapacity>() as u32,
             max_seqs: 2,
             max_tokens: 2,
             max_blocks_per_seq: 2,
@@ -149,4 +150,51 @@ fn decode_csa_pack_checks_the_topk() {
         v4pool_pool_free(pool);
         v4pool_plan_free(plan);
     }
+}
+
+/// A struct grown by one field (ABI 1 has none yet): its older size reads the new field's
+/// default and gets only its own bytes written; a size between the two is refused.
+#[test]
+fn an_older_struct_size_reads_tail_defaults_and_is_written_only_to_its_size() {
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    struct Grown {
+        struct_size: u32,
+        old: u32,
+        added: u64,
+    }
+    // SAFETY: `#[repr(C)]`, `struct_size: u32` first, integers only.
+    unsafe impl SizedStruct for Grown {
+        const NAME: &'static str = "Grown";
+        const SIZES: &'static [usize] = &[8, 16];
+        fn tail() -> Self {
+            Grown { struct_size: 16, old: 0, added: 99 }
+        }
+    }
+    // An older caller's struct: 8 bytes, then memory that is not its struct (all access through
+    // one raw pointer, as C's would be).
+    let mut mem: [u64; 2] = [0; 2];
+    let bytes: *mut u8 = mem.as_mut_ptr().cast();
+    let p: *mut Grown = bytes.cast();
+    // SAFETY (every block below): reads and writes within `mem`, aligned.
+    unsafe {
+        bytes.cast::<u32>().write(8);
+        bytes.add(4).cast::<u32>().write(5);
+        bytes.add(8).cast::<u64>().write(0xA5A5_A5A5_A5A5_A5A5);
+    }
+    let got = read_in(p.cast_const(), "grown").unwrap();
+    assert_eq!(got, Grown { struct_size: 8, old: 5, added: 99 });
+    write_out(p, "grown", Grown { struct_size: 0, old: 6, added: 7 }).unwrap();
+    unsafe {
+        assert_eq!(
+            bytes.add(8).cast::<u64>().read(),
+            0xA5A5_A5A5_A5A5_A5A5,
+            "written past the caller's size"
+        );
+        assert_eq!((bytes.cast::<u32>().read(), bytes.add(4).cast::<u32>().read()), (8, 6));
+        bytes.cast::<u32>().write(12);
+    }
+    let e = read_in(p.cast_const(), "grown").unwrap_err();
+    assert_eq!((e.0, e.1.as_str()), (V4poolStatus::AbiMismatch, "StructSize"));
+    assert!(e.2.contains("Grown.struct_size is 12") && e.2.contains("[8, 16]"), "{}", e.2);
 }
