@@ -26,6 +26,9 @@ LAYERS = [
     ["state", "transfer"],
     ["manager"],
     ["events"],
+    # What an engine uses, re-exported (src/prelude.rs): above every layer it names, below
+    # the simulator and the bindings, which name nothing of it.
+    ["prelude"],
     ["sim"],
     ["bindings"],
 ]
