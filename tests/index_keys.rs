@@ -579,7 +579,9 @@ fn todays_row_major_fp8_keys_read_by_gfx942s_reader_are_half_valued_or_nan() {
             }
         }
     }
-    assert!(halves > 4000 && nans > 0 && max240 > 0, "{halves} halves, {nans} NaN, {max240} at 240");
+    // Coverage, not a figure: the random rows' share of bytes at e4m3fn's 0x80 varies with the
+    // seed (seen 1,992 of 8,192), so only "well over a thousand halved values" is asserted.
+    assert!(halves > 1000 && nans > 0 && max240 > 0, "{halves} halves, {nans} NaN, {max240} at 240");
     // And so the row-major block is not ATOM's: read at aiter's preshuffled addresses with
     // gfx942's decoder it does not give ATOM's values.
     let (scale, want) = atom_rule(&rows[20], 240.0, fnuz_value);
