@@ -27,6 +27,7 @@ use v4pool::index::host::dequant_fp8_row;
 use v4pool::index::Launch;
 use v4pool::model::{DraftMode, ModelShape};
 use v4pool::pool::{Pool, PoolSpec, SlotLease};
+use v4pool::sizing::{IndexerDtype, KvDtype, KvSpec};
 use v4pool::state::gather::{GatherCapacity, GatherSeq, WindowGather};
 
 type Res<T> = Result<T, Box<dyn Error>>;
@@ -40,7 +41,8 @@ const CHECKED: usize = 4;
 /// A V4-Flash-DSpark (dense drafts) pool of `slots` slots, all leased.
 fn pool(dev: Arc<dyn Backend>, fp8: bool, slots: i64) -> Res<(Arc<Pool>, Vec<SlotLease>)> {
     let model = ModelShape::v4_flash_dspark(SPEC_STEPS, DraftMode::Dense)?;
-    let widths = if fp8 { vec![512, 128] } else { vec![1024] };
+    let kv = if fp8 { KvDtype::Fp8 } else { KvDtype::Bf16 };
+    let widths = kv.plane_widths();
     let arena = ArenaLayout::for_model(&model, &widths)?;
     let probe = model
         .geometry_spec(0, 0)
@@ -50,7 +52,8 @@ fn pool(dev: Arc<dyn Backend>, fp8: bool, slots: i64) -> Res<(Arc<Pool>, Vec<Slo
     // One slot span beyond the slots: a few blocks beside them (the gather reads no block).
     let blocks = (probe.slot_rows / probe.envelope_rows).min(16);
     let geometry = probe.with_capacity(blocks, slots, Some((slots + 1) * probe.slot_rows))?;
-    let spec = PoolSpec::new(geometry, widths, arena, None, model.csa_layers())?;
+    let kv = KvSpec::new(&model, kv, IndexerDtype::Fp8, None)?;
+    let spec = PoolSpec::new(geometry, widths, arena, None, model.csa_layers())?.with_kv_spec(kv)?;
     let pool = Arc::new(Pool::new(dev, spec, S)?);
     let leases = (0..slots).map(|_| pool.alloc_slot()).collect::<Result<Vec<_>, _>>()?;
     Ok((pool, leases))

@@ -249,7 +249,7 @@ V4P_DEVICE v4p_i64 v4p_kv_dest(const KvRowsArgs& a, v4p_i64 t, bool row_known, v
 /// v4p_flashmla_group's (same floor, same rounding; tests hold both to src/format.rs).
 V4P_DEVICE void v4p_flashmla_row_vec(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, bool row_known, v4p_i64 row) {
     const v4p_ptr s = (v4p_ptr)(v4p_in<v4p_u16>(a.kv) + t * a.kv_row_stride);
-    const bool v4 = a.format == 3;
+    const bool v4 = a.format == V4P_KV_ROWS_FLASHMLA_V4;
     if (!v4 && lane >= 16) return;
     v4p_u32x4 w[8];
     if (v4 && lane < 28) {
@@ -311,21 +311,21 @@ V4P_DEVICE void v4p_fp4_row(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, bool r
 
 V4P_DEVICE void v4p_kv_rows_token(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, bool row_known, v4p_i64 row) {
     const v4p_u16* src = v4p_in<v4p_u16>(a.kv) + t * a.kv_row_stride;
-    if (a.format == 4) {
+    if (a.format == V4P_KV_ROWS_FLASHMLA_V41_FP4) {
         // FlashMLA V4.1 fp4 (288-B rows): a packed pool's compressed rows (v4p_fp4_row).
         v4p_fp4_row(a, t, lane, row_known, row, ((a.kv | ((v4p_u64)a.kv_row_stride * 2)) & 15) == 0);
         return;
     }
-    if (a.format >= 2 && ((a.kv | ((v4p_u64)a.kv_row_stride * 2) | a.nope) & 15) == 0) {
+    if (a.format >= V4P_KV_ROWS_FLASHMLA_V41 && ((a.kv | ((v4p_u64)a.kv_row_stride * 2) | a.nope) & 15) == 0) {
         v4p_flashmla_row_vec(a, t, lane, row_known, row);
         return;
     }
-    if (a.format >= 2) {
+    if (a.format >= V4P_KV_ROWS_FLASHMLA_V41) {
         // The FlashMLA formats (2: V4.1 528 B; 3: V4 584 B paged) off the 16-byte path.
         row = v4p_kv_dest(a, t, row_known, row);
         if (row < 0 || row >= a.view_rows) return;  // dropped, not wrapped
     }
-    if (a.format == 2) {
+    if (a.format == V4P_KV_ROWS_FLASHMLA_V41) {
         // FlashMLA V4.1 (528-B rows, src/format.rs `flashmla-v41`): lane i < 16 packs group i of
         // 32 values: the least e8m0 scale with max(amax, 448e-4) / scale <= 448 (FlashMLA's
         // tests/quant.py: 2^ceil(log2(max(amax / 448, 1e-4)))), 32 e4m3 bytes, the scale byte at
@@ -335,7 +335,7 @@ V4P_DEVICE void v4p_kv_rows_token(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, 
         out[512 + lane] = (v4p_u8)v4p_flashmla_group(src + lane * 32, 32, out + lane * 32);
         return;
     }
-    if (a.format == 3) {
+    if (a.format == V4P_KV_ROWS_FLASHMLA_V4) {
         // FlashMLA V4 (584-B rows in pages of 64, src/format.rs `flashmla-v4`): plane row
         // R = view_row0 + row; its 576 data bytes at page(R) x 37376 + (R mod 64) x 576, its 8
         // scale bytes after the page's 64 data rows, at + 36864 + (R mod 64) x 8. Lane i < 7 packs
@@ -354,7 +354,7 @@ V4P_DEVICE void v4p_kv_rows_token(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, 
         }
         return;
     }
-    const bool fp8 = a.format == 1;
+    const bool fp8 = a.format == V4P_KV_ROWS_ATOM_FP8;
     const bool vec = ((a.kv | ((v4p_u64)a.kv_row_stride * 2) | a.nope | a.rope) & 15) == 0;
     if (vec) {
         const v4p_ptr s = (v4p_ptr)src;
@@ -557,12 +557,12 @@ V4P_DEVICE void v4p_index_keys_entry(const IndexKeysArgs& a, v4p_i64 t, v4p_u32 
     const v4p_u32 i0 = lane * 4;
     // The amax from 16-byte vectors when the rows are 16-byte aligned (uniform per launch).
     const bool vec = ((a.keys | ((v4p_u64)a.key_row_stride * 2)) & 15) == 0;
-    if (a.format == 0) {
+    if (a.format == V4P_INDEX_KEYS_BF16) {
         v4p_u16* dst = v4p_out<v4p_u16>(a.data) + e * 128;
         for (v4p_u32 i = i0; i < i0 + 4; ++i) dst[i] = src[i];
         return;
     }
-    if (a.format == 1) {
+    if (a.format == V4P_INDEX_KEYS_FP8) {
         v4p_u8* blk = v4p_out<v4p_u8>(a.data) + block * rows * 132;
         v4p_u32 amax = v4p_bf16_amax(src, 128, vec);
         if (amax < 0x38d1b717u) amax = 0x38d1b717u;  // 1e-4f
@@ -582,11 +582,11 @@ V4P_DEVICE void v4p_index_keys_entry(const IndexKeysArgs& a, v4p_i64 t, v4p_u32 
         if (lane == 0) v4p_out<v4p_u32>(a.data)[(block * rows * 132 + rows * 128 + r * 4) / 4] = b << 23;
         return;
     }
-    if (a.format == 3 || a.format == 4) {
+    if (a.format == V4P_INDEX_KEYS_ATOM_FP8 || a.format == V4P_INDEX_KEYS_ATOM_FP8_FNUZ) {
         // Every lane takes the row's amax over its finite values (NaN and infinities are the
         // encoding's NaN, not part of the scale), then writes its four values: bytes
         // d % 16 .. + 3 of one 16-byte tile row, a 4-byte aligned word.
-        const bool fnuz = a.format == 4;
+        const bool fnuz = a.format == V4P_INDEX_KEYS_ATOM_FP8_FNUZ;
         v4p_u32 amax = 0;
         for (int i = 0; i < 128; ++i) {
             const v4p_u32 m = ((v4p_u32)src[i] << 16) & 0x7fffffffu;

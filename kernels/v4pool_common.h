@@ -597,6 +597,13 @@ V4POOL_CHECK_OFFSET(WindowGatherArgs, draft_window, 92);
 // zero padding) and the RoPE plane's 128-B rows (64 bf16 copied); format 0: the bf16 plane's
 // 1024-B rows (512 bf16 copied); format 2 (FlashMLA V4.1): one plane of 528-B rows, 512 e4m3
 // then 16 e8m0 scales, one per 32 values (src/format.rs).
+// KvRowsArgs::format: src/format.rs RowFormatId::kernel_code, one per row format
+// (tests/row_formats.rs reads these lines and fails on any drift).
+#define V4P_KV_ROWS_BF16 0
+#define V4P_KV_ROWS_ATOM_FP8 1
+#define V4P_KV_ROWS_FLASHMLA_V41 2
+#define V4P_KV_ROWS_FLASHMLA_V4 3
+#define V4P_KV_ROWS_FLASHMLA_V41_FP4 4
 struct KvRowsArgs {
     v4p_ptr kv;                  // bf16 [T][kv_row_stride]: 448 NoPE values, then 64 RoPE
     v4p_ptr dest_rows;           // i32 [>= T]: row of the layer view; outside [0, view_rows) dropped
@@ -627,6 +634,12 @@ V4POOL_CHECK_OFFSET(KvRowsArgs, view_row0, 64);
 // [0, num_blocks x block_rows) dropped. format 0: bf16 rows (256 B, copied); 1: FP8, per block
 // [block_rows x 128 e4m3][block_rows x f32 scale]; 2: FP4, data per block [4][block_rows][16]
 // (e2m1, value 2j in the low nibble of byte j), scales per block [4][block_rows] (e8m0).
+// IndexKeysArgs::format: src/sizing.rs IndexerDtype::key_format_code (checked as above).
+#define V4P_INDEX_KEYS_BF16 0
+#define V4P_INDEX_KEYS_FP8 1
+#define V4P_INDEX_KEYS_FP4 2
+#define V4P_INDEX_KEYS_ATOM_FP8 3
+#define V4P_INDEX_KEYS_ATOM_FP8_FNUZ 4
 struct IndexKeysArgs {
     v4p_ptr keys;            // bf16 [T][key_row_stride]
     v4p_ptr dest;            // i32 [>= T]

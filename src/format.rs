@@ -506,6 +506,18 @@ impl RowFormatId {
             RowFormatId::FlashMlaV41Fp4 => &FLASHMLA_V41_FP4,
         }
     }
+    /// The code the kernels' `KvRowsArgs::format` names this format by (`crate::index`'s
+    /// `KV_ROWS_*` are these; `kernels/kv_rows.cuh`'s `V4P_KV_ROWS_*` are checked against them
+    /// by `tests/kv_rows.rs`).
+    pub const fn kernel_code(self) -> i32 {
+        match self {
+            RowFormatId::Bf16 => 0,
+            RowFormatId::AtomFp8 => 1,
+            RowFormatId::FlashMlaV41 => 2,
+            RowFormatId::FlashMlaV4 => 3,
+            RowFormatId::FlashMlaV41Fp4 => 4,
+        }
+    }
     /// The format a name spells.
     pub fn from_name(name: &str) -> Result<Self, FormatError> {
         ALL.into_iter()

@@ -128,14 +128,9 @@ impl KvDtype {
     pub fn page_rows(self) -> i64 {
         self.row_format().format().planes.iter().map(|p| p.page_rows as i64).max().unwrap_or(1)
     }
-    /// Bytes per row of each plane, in plane order (the row format's; a test holds them equal).
-    pub fn plane_widths(self) -> &'static [u64] {
-        match self {
-            KvDtype::Fp8 => &[512, 128],
-            KvDtype::Bf16 => &[1024],
-            KvDtype::FlashMlaV41 | KvDtype::FlashMlaV41Fp4 => &[528],
-            KvDtype::FlashMlaV4 => &[584],
-        }
+    /// Bytes per row of each plane, in plane order: the row format's.
+    pub fn plane_widths(self) -> Vec<u64> {
+        self.row_format().format().plane_widths()
     }
     /// The spelling the checkpoint layout id uses.
     pub fn layout_name(self) -> &'static str {
@@ -589,19 +584,12 @@ pub struct PoolLayout {
 impl PoolLayout {
     /// The layout of `model` at `kv` / `indexer`, priced at capacity (0, 0).
     pub fn new(model: &ModelShape, kv: KvDtype, indexer: IndexerDtype) -> Result<Self, SizingError> {
-        if !kv.fits(model.family) {
-            return Err(SizingError::KvDtypeUnsupported { family: model.family, kv: kv.name() });
-        }
-        if matches!(indexer, IndexerDtype::AtomFp8 | IndexerDtype::AtomFp8Fnuz)
-            && model.family != crate::model::ModelFamily::V4
-        {
-            return Err(SizingError::IndexerUnsupported { family: model.family, indexer: indexer.name() });
-        }
+        check_dtypes(model, kv, indexer)?;
         // A paged format's unit of contiguous bytes is a page: the arena, every slot and every
         // envelope are whole pages (the arena's bytes then never share a page with window rows,
         // whose data and scales sit apart inside it).
         let page = kv.page_rows();
-        let arena = ArenaLayout::for_model(model, kv.plane_widths())?.page_aligned(page)?;
+        let arena = ArenaLayout::for_model(model, &kv.plane_widths())?.page_aligned(page)?;
         let mut spec = model
             .geometry_spec(0, 0)
             .arena_rows(arena.arena_rows())
@@ -616,8 +604,12 @@ impl PoolLayout {
         Ok(PoolLayout { model: model.clone(), kv, indexer, arena, geometry })
     }
 
+    /// The spec of this layout's rows on `arch` ([`KvSpec::new`]).
+    pub fn kv_spec(&self, arch: Option<GpuArch>) -> Result<KvSpec, SizingError> {
+        KvSpec::new(&self.model, self.kv, self.indexer, arch)
+    }
     /// Row bytes of each plane.
-    pub fn widths(&self) -> &'static [u64] {
+    pub fn widths(&self) -> Vec<u64> {
         self.kv.plane_widths()
     }
     /// Number of CSA layers: the indexer's layer count.
@@ -667,6 +659,128 @@ impl PoolLayout {
         plane_rows: i64,
     ) -> Result<UnifiedPoolGeometry, SizingError> {
         Ok(self.geometry.with_capacity(num_blocks, num_slots, Some(plane_rows))?)
+    }
+}
+
+/// What a pool's rows are, carried once: the facts a writer, a path, a gather, a binding or
+/// the CLI asks instead of being handed them again (vLLM's `KVCacheSpec`). A plan makes it
+/// ([`Plan::kv_spec`], [`PoolLayout::kv_spec`]) and the pool holds it
+/// (`crate::pool::PoolSpec::kv_spec`): the row format and the compressed rows' packing, the
+/// indexer format, the sliding window, the index top-k, the MTP steps, the architecture.
+/// Nothing reads a format back from byte widths.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvSpec {
+    family: crate::model::ModelFamily,
+    kv: KvDtype,
+    indexer: IndexerDtype,
+    window: i32,
+    index_topk: i32,
+    spec_steps: i64,
+    arch: Option<GpuArch>,
+}
+
+impl KvSpec {
+    /// The spec of `model`'s rows in `kv` / `indexer` on `arch` (`None`: NVIDIA or the host):
+    /// the model's window, index top-k and MTP steps. Refuses what [`PoolLayout::new`] and
+    /// [`plan`] refuse (a dtype the family has no form in, one the architecture cannot read)
+    /// and a window or top-k past `i32` (the kernels' width).
+    pub fn new(
+        model: &ModelShape,
+        kv: KvDtype,
+        indexer: IndexerDtype,
+        arch: Option<GpuArch>,
+    ) -> Result<KvSpec, SizingError> {
+        check_dtypes(model, kv, indexer)?;
+        if let Some(arch) = arch {
+            check_arch(arch, kv, indexer)?;
+        }
+        let i32_of = |x: i64, what| i32::try_from(x).map_err(|_| SizingError::Overflow { what });
+        Ok(KvSpec {
+            family: model.family,
+            kv,
+            indexer,
+            window: i32_of(model.sliding_window, "sliding window")?,
+            index_topk: i32_of(model.index_topk, "index top-k")?,
+            spec_steps: model.spec_steps,
+            arch,
+        })
+    }
+    /// The model family.
+    pub fn family(&self) -> crate::model::ModelFamily {
+        self.family
+    }
+    /// The KV dtype (the name the CLI and the bindings take).
+    pub fn kv(&self) -> KvDtype {
+        self.kv
+    }
+    /// What every byte of a plane row means.
+    pub fn row_format(&self) -> &'static crate::format::RowFormat {
+        self.kv.row_format().format()
+    }
+    /// The compressed rows' format where they are packed at their own width
+    /// ([`KvSpec::packed`]); `None`: compressed rows are plane rows.
+    pub fn compressed_format(&self) -> Option<&'static crate::format::RowFormat> {
+        self.kv.compressed_format().map(crate::format::RowFormatId::format)
+    }
+    /// The format compressed rows are in: [`KvSpec::compressed_format`], else the planes'.
+    pub fn compressed_row_format(&self) -> &'static crate::format::RowFormat {
+        self.compressed_format().unwrap_or(self.row_format())
+    }
+    /// The packing of compressed rows beside plane rows (`None`: unpacked): the geometry a pool
+    /// of this spec is carved with.
+    pub fn packed(&self) -> Option<crate::geometry::PackedRows> {
+        let c = self.compressed_format()?;
+        Some(crate::geometry::PackedRows {
+            compressed: i64::try_from(c.bytes_per_token()).ok()?,
+            plane: i64::try_from(self.row_format().bytes_per_token()).ok()?,
+        })
+    }
+    /// The indexer cache's format.
+    pub fn indexer(&self) -> IndexerDtype {
+        self.indexer
+    }
+    /// The sliding window (`win`) every capacity and path defaults to.
+    pub fn window(&self) -> i32 {
+        self.window
+    }
+    /// The CSA top-k every capacity and path defaults to.
+    pub fn index_topk(&self) -> i32 {
+        self.index_topk
+    }
+    /// MTP (speculative) steps a decode step carries beside its token.
+    pub fn spec_steps(&self) -> i64 {
+        self.spec_steps
+    }
+    /// The AMD architecture planned for (`None`: NVIDIA or the host).
+    pub fn arch(&self) -> Option<GpuArch> {
+        self.arch
+    }
+}
+
+/// What [`PoolLayout::new`] refuses of a dtype pair for `model`.
+fn check_dtypes(model: &ModelShape, kv: KvDtype, indexer: IndexerDtype) -> Result<(), SizingError> {
+    if !kv.fits(model.family) {
+        return Err(SizingError::KvDtypeUnsupported { family: model.family, kv: kv.name() });
+    }
+    if matches!(indexer, IndexerDtype::AtomFp8 | IndexerDtype::AtomFp8Fnuz)
+        && model.family != crate::model::ModelFamily::V4
+    {
+        return Err(SizingError::IndexerUnsupported { family: model.family, indexer: indexer.name() });
+    }
+    Ok(())
+}
+
+/// What [`plan`] refuses of a dtype pair on `arch`.
+fn check_arch(arch: GpuArch, kv: KvDtype, indexer: IndexerDtype) -> Result<(), SizingError> {
+    let refused = [
+        ("KV dtype", kv.name(), arch.refuses_kv(kv)),
+        ("indexer", indexer.name(), arch.refuses_indexer(indexer)),
+    ];
+    match refused.into_iter().find(|r| r.2.is_some()) {
+        Some((what, name, Some(why))) => {
+            Err(SizingError::UnreadableOnArch { what, name, arch: arch.name(), why })
+        }
+        _ => Ok(()),
     }
 }
 
@@ -806,6 +920,11 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The spec of the planned pool's rows: what [`crate::pool::PoolSpec::from_plan`] hands
+    /// the pool.
+    pub fn kv_spec(&self) -> Result<KvSpec, SizingError> {
+        self.layout.kv_spec(self.arch)
+    }
     /// The §4 start-up cross-check: page and slot bytes recomputed from the geometry the
     /// pool actually carved (and its plane and row counts) must equal what sizing used.
     /// Checkpoint image bytes and the layout id are compared by the caller through
@@ -857,13 +976,7 @@ pub fn plan(model: &ModelShape, req: &PlanRequest) -> Result<Plan, SizingError> 
         return Err(SizingError::MinSlots { min_slots: req.min_slots, max_num_seqs: m });
     }
     if let Some(arch) = req.arch {
-        let refused = [
-            ("KV dtype", req.kv.name(), arch.refuses_kv(req.kv)),
-            ("indexer", req.indexer.name(), arch.refuses_indexer(req.indexer)),
-        ];
-        if let Some((what, name, Some(why))) = refused.into_iter().find(|r| r.2.is_some()) {
-            return Err(SizingError::UnreadableOnArch { what, name, arch: arch.name(), why });
-        }
+        check_arch(arch, req.kv, req.indexer)?;
     }
     let layout = PoolLayout::new(model, req.kv, req.indexer)?;
     let (s, e) = (layout.geometry.slot_rows, layout.geometry.envelope_rows);
@@ -996,10 +1109,8 @@ pub fn parse_bytes(text: &str) -> Result<u64, SizingError> {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn kv_dtype_widths_are_their_row_formats() {
-        // The planes a pool carves are the ones the row format's description names.
+    fn kv_dtype_names_round_trip() {
         for k in KvDtype::ALL {
-            assert_eq!(k.plane_widths(), k.row_format().format().plane_widths().as_slice(), "{}", k.name());
             assert_eq!(KvDtype::from_name(k.name()), Some(k));
         }
     }

@@ -450,8 +450,8 @@ fn a_v41_pool_in_flashmla_rows_gets_the_format_pack_at_its_window_rows() {
     // staged tokens' rows exactly as the format's description packs them, at the rows the
     // geometry's window_index names; every other byte keeps its random value.
     let model = ModelShape::v41_flash(0).unwrap();
-    let w = v4pool::sizing::KvDtype::FlashMlaV41.plane_widths().to_vec();
-    let pool = gather_common::model_pool_at(Arc::new(HostBackend::new()), &model, w, 6, 3, None);
+    let kv = v4pool::sizing::KvDtype::FlashMlaV41;
+    let pool = gather_common::model_pool_at(Arc::new(HostBackend::new()), &model, kv, 6, 3, None);
     let mut rng = Rng::new(case_seed("kv-rows-v41", 0));
     pool.write_plane(0, 0, &rng.bytes(pool.plane_bytes(0).unwrap() as usize)).unwrap();
     let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens: 64 }).unwrap();

@@ -209,3 +209,57 @@ fn a_plans_planes_name_their_element_type_from_the_row_format() {
         assert_eq!(spec.plane_elem(spec.plane_widths.len()), None, "{kv:?}: a plane it lacks");
     }
 }
+
+#[test]
+fn the_pool_carries_the_plans_kv_spec_and_capacities_default_to_it() {
+    // V4.1-Flash in its default rows: the pool's spec is the plan's, what the writer and the
+    // capacities read; a pool from parts without one is refused by name, not by widths.
+    let model = ModelShape::v41_flash(1).unwrap();
+    let req = PlanRequest::new(KvDtype::FlashMlaV41Fp4, IndexerDtype::Fp8, 4, 4 << 30);
+    let p = plan(&model, &req).unwrap();
+    let pool = Arc::new(
+        Pool::new(Arc::new(HostBackend::new()), PoolSpec::from_plan(&p).unwrap(), Stream::DEFAULT).unwrap(),
+    );
+    let kv = *pool.kv_spec().unwrap();
+    assert_eq!(kv, p.kv_spec().unwrap());
+    assert_eq!((kv.window(), kv.index_topk(), kv.spec_steps()), (128, model.index_topk as i32, 1));
+    assert_eq!(kv.row_format().name, "flashmla-v41");
+    assert_eq!(kv.compressed_format().map(|f| f.name), Some("flashmla-v41-fp4"));
+    assert_eq!(kv.packed(), pool.spec().geometry.packed_rows);
+    let d = DecodeCapacity::for_pool(&pool, 4, 8, 16).unwrap();
+    assert_eq!((d.win, d.index_topk), (kv.window(), kv.index_topk()));
+    let pc = v4pool::pool::PrefillCapacity::for_pool(&pool, 2, 64, 16).unwrap();
+    assert_eq!((pc.win, pc.index_topk, pc.max_hca_entries), (kv.window(), kv.index_topk(), None));
+    let w = pool.kv_row_writer(v4pool::pool::RowWriteCapacity { max_tokens: 8 }).unwrap();
+    assert_eq!(w.row_format_code(), kv.row_format().id.kernel_code());
+    assert_eq!(w.compressed_format_code(), v4pool::format::RowFormatId::FlashMlaV41Fp4.kernel_code());
+    // The same parts without the spec: bytes only.
+    let s = pool.spec();
+    let bare = PoolSpec::new(
+        s.geometry.clone(),
+        s.plane_widths.clone(),
+        s.arena.clone(),
+        s.indexer,
+        s.csa_layers.clone(),
+    )
+    .unwrap();
+    let bare = Arc::new(Pool::new(Arc::new(HostBackend::new()), bare, Stream::DEFAULT).unwrap());
+    assert!(matches!(DecodeCapacity::for_pool(&bare, 4, 8, 16), Err(PoolError::NoKvSpec)));
+    assert!(bare.kv_row_writer(v4pool::pool::RowWriteCapacity { max_tokens: 8 }).is_err());
+    // A spec whose row format is not the planes' is refused.
+    let v4 = v4pool::sizing::KvSpec::new(
+        &ModelShape::v4_flash(0).unwrap(),
+        KvDtype::Bf16,
+        IndexerDtype::Fp8,
+        None,
+    )
+    .unwrap();
+    let again = PoolSpec::new(
+        s.geometry.clone(),
+        s.plane_widths.clone(),
+        s.arena.clone(),
+        s.indexer,
+        s.csa_layers.clone(),
+    );
+    assert!(matches!(again.unwrap().with_kv_spec(v4), Err(PoolError::InconsistentSpec { .. })));
+}

@@ -313,3 +313,57 @@ fn row_spans_are_bounded_work() {
         }
     }
 }
+
+/// `#define NAME value` lines of kernels/v4pool_common.h whose name starts with `prefix`.
+fn kernel_codes(prefix: &str) -> Vec<(String, i32)> {
+    include_str!("../kernels/v4pool_common.h")
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.strip_prefix("#define ")?.split_whitespace();
+            let (name, value) = (w.next()?, w.next()?);
+            name.starts_with(prefix).then(|| (name.to_string(), value.parse().expect("a code")))
+        })
+        .collect()
+}
+
+#[test]
+fn the_kernels_format_codes_are_the_descriptions() {
+    // Each row format and indexer dtype has the one code its description gives, under the
+    // kernel header's name for it, and the header names no other: a format added, renumbered
+    // or dropped on one side fails here.
+    use v4pool::sizing::IndexerDtype;
+    let rows: Vec<(String, i32)> = ALL
+        .iter()
+        .map(|f| {
+            let name = f.format().name.to_uppercase().replace('-', "_");
+            (format!("V4P_KV_ROWS_{name}"), f.kernel_code())
+        })
+        .collect();
+    let mut want = rows.clone();
+    want.sort();
+    let mut got = kernel_codes("V4P_KV_ROWS_");
+    got.sort();
+    assert_eq!(got, want);
+    let mut want: Vec<(String, i32)> = IndexerDtype::ALL
+        .iter()
+        .map(|d| {
+            (format!("V4P_INDEX_KEYS_{}", d.name().to_uppercase().replace('-', "_")), d.key_format_code())
+        })
+        .collect();
+    want.sort();
+    let mut got = kernel_codes("V4P_INDEX_KEYS_");
+    got.sort();
+    assert_eq!(got, want);
+    // And the Rust constants the launchers pass are the same codes.
+    use v4pool::index::*;
+    assert_eq!(
+        [KV_ROWS_BF16, KV_ROWS_ATOM_FP8, KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V4, KV_ROWS_FLASHMLA_V41_FP4],
+        [
+            RowFormatId::Bf16.kernel_code(),
+            RowFormatId::AtomFp8.kernel_code(),
+            RowFormatId::FlashMlaV41.kernel_code(),
+            RowFormatId::FlashMlaV4.kernel_code(),
+            RowFormatId::FlashMlaV41Fp4.kernel_code(),
+        ]
+    );
+}

@@ -27,6 +27,7 @@ pub use gather::{
     WindowGatherArgs, FP8_NOPE_ROW_BYTES, FP8_NOPE_VALUES, FP8_TILE, GATHER_ROW_BYTES, ROPE_ROW_BYTES,
 };
 
+use crate::format::RowFormatId;
 use crate::geometry::WindowParams;
 use crate::geometry::NUM_SLOTS;
 use bytemuck::{Pod, Zeroable};
@@ -369,21 +370,21 @@ pub struct KvRowsArgs {
 }
 
 /// `KvRowsArgs::format`: the bf16 pool's one plane of 1,024-B rows.
-pub const KV_ROWS_BF16: i32 = 0;
+pub const KV_ROWS_BF16: i32 = RowFormatId::Bf16.kernel_code();
 /// `KvRowsArgs::format`: ATOM's fp8 pool, a 512-B NoPE plane and a 128-B RoPE plane.
-pub const KV_ROWS_ATOM_FP8: i32 = 1;
+pub const KV_ROWS_ATOM_FP8: i32 = RowFormatId::AtomFp8.kernel_code();
 /// `KvRowsArgs::format`: FlashMLA's V4.1 fp8 rows, one plane of 528-B rows.
-pub const KV_ROWS_FLASHMLA_V41: i32 = 2;
+pub const KV_ROWS_FLASHMLA_V41: i32 = RowFormatId::FlashMlaV41.kernel_code();
 /// Bytes of a FlashMLA V4.1 row: 512 e4m3, then 16 e8m0 scales (`crate::format`).
 pub const FLASHMLA_V41_ROW_BYTES: u64 = 528;
 /// `KvRowsArgs::format`: FlashMLA's V4 rows, one plane of 584-B rows in pages of 64 (a page:
 /// 64 data rows of 448 e4m3 + 64 bf16, then 64 scale rows of 7 e8m0 + a pad byte).
-pub const KV_ROWS_FLASHMLA_V4: i32 = 3;
+pub const KV_ROWS_FLASHMLA_V4: i32 = RowFormatId::FlashMlaV4.kernel_code();
 /// Bytes of a FlashMLA V4 row (576 data + 8 scale bytes; paged, `crate::format`).
 pub const FLASHMLA_V4_ROW_BYTES: u64 = 584;
 /// `KvRowsArgs::format`: FlashMLA's V4.1 fp4 rows, 288 B (256 B e2m1, 32 e4m3 scales): the
 /// compressed rows of a packed pool (`crate::geometry::PackedRows`).
-pub const KV_ROWS_FLASHMLA_V41_FP4: i32 = 4;
+pub const KV_ROWS_FLASHMLA_V41_FP4: i32 = RowFormatId::FlashMlaV41Fp4.kernel_code();
 /// Bytes of a FlashMLA V4.1 fp4 row (`crate::format`'s `flashmla-v41-fp4`).
 pub const FLASHMLA_V41_FP4_ROW_BYTES: u64 = 288;
 

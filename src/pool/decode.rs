@@ -57,7 +57,34 @@ pub struct FlashMlaWidths {
     pub hca_extra_topk: i32,
 }
 
+impl DecodeCapacity {
+    /// Buffers for `max_seqs` sequences of `max_tokens` tokens and `max_blocks_per_seq`
+    /// block-table columns on `pool`, at the window and index top-k of the pool's spec (the
+    /// one default every binding and the CLI take).
+    pub fn for_pool(
+        pool: &super::Pool,
+        max_seqs: usize,
+        max_tokens: usize,
+        max_blocks_per_seq: usize,
+    ) -> Result<Self, PoolError> {
+        let kv = pool.kv_spec()?;
+        Ok(DecodeCapacity {
+            max_seqs,
+            max_tokens,
+            max_blocks_per_seq,
+            win: kv.window(),
+            index_topk: kv.index_topk(),
+        })
+    }
+}
+
 impl FlashMlaWidths {
+    /// The narrowest widths FlashMLA takes for `cap` on `pool` ([`FlashMlaWidths::for_capacity`]
+    /// at the pool's geometry).
+    pub fn for_pool(pool: &super::Pool, cap: DecodeCapacity) -> Result<Self, DecodeError> {
+        Self::for_capacity(&pool.spec().geometry, cap)
+    }
+
     /// The narrowest widths FlashMLA takes for `cap` on `geometry` (each rounded up to 64).
     pub fn for_capacity(geometry: &UnifiedPoolGeometry, cap: DecodeCapacity) -> Result<Self, DecodeError> {
         let need = flashmla_needs(geometry, cap)?;

@@ -42,7 +42,7 @@ use crate::boundary::{Boundary, BoundaryChange, BoundaryError};
 use crate::checkpoint::{LayoutId, Loc, Region, RegionCopy};
 use crate::geometry::{GeometryError, UnifiedPoolGeometry, DENSE_RATIO};
 use crate::index::{CopyRun, CopyRunsArgs, DevicePtr, FillRun, FillRunsArgs, Launch};
-use crate::sizing::{IndexerDtype, IndexerPart};
+use crate::sizing::{IndexerDtype, IndexerPart, KvSpec, SizingError};
 use crate::variant::VariantName;
 use regions::{TransferConfig, TransferRegions};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -62,7 +62,7 @@ const PLANE_ALIGN: u64 = 256;
 pub struct PoolSpec {
     /// The row space at its fixed plane capacity and initial split.
     pub geometry: UnifiedPoolGeometry,
-    /// Row bytes of each plane: `[512, 128]` (fp8) or `[1024]` (bf16).
+    /// Row bytes of each plane (the row format's, where the spec has one: [`PoolSpec::kv_spec`]).
     pub plane_widths: Vec<u64>,
     /// The compressor-state fields and where they sit in a slot.
     pub arena: ArenaLayout,
@@ -74,9 +74,10 @@ pub struct PoolSpec {
     /// The §6 layout id of the plan the spec came from, with the spec's fingerprint then: a
     /// pool only reports the plan's id while the spec still is what the plan made.
     plan_layout: Option<(LayoutId, String)>,
-    /// The row format of the layout the spec came from ([`PoolSpec::from_layout`]); a spec
-    /// from parts has none.
-    row_format: Option<crate::format::RowFormatId>,
+    /// What the rows are ([`KvSpec`]): the plan's, or one given to a spec from parts
+    /// ([`PoolSpec::with_kv_spec`]); a spec from parts without one has byte planes only (no
+    /// row writer, gather or attention path).
+    kv_spec: Option<KvSpec>,
 }
 
 impl PoolSpec {
@@ -90,15 +91,8 @@ impl PoolSpec {
         indexer: Option<IndexerDtype>,
         csa_layers: Vec<usize>,
     ) -> Result<PoolSpec, PoolError> {
-        let spec = PoolSpec {
-            geometry,
-            plane_widths,
-            arena,
-            indexer,
-            csa_layers,
-            plan_layout: None,
-            row_format: None,
-        };
+        let spec =
+            PoolSpec { geometry, plane_widths, arena, indexer, csa_layers, plan_layout: None, kv_spec: None };
         spec.validate()?;
         Ok(spec)
     }
@@ -124,7 +118,18 @@ impl PoolSpec {
         if plan.min_slots != 0 {
             return Err(PoolError::MinSlots(plan.min_slots));
         }
-        Self::from_layout(&plan.layout, plan.geometry.clone())
+        let mut spec = Self::from_layout(&plan.layout, plan.geometry.clone())?;
+        spec.kv_spec = Some(plan.kv_spec()?);
+        Ok(spec)
+    }
+
+    /// This spec with its rows described by `kv` (a spec from parts: tests, engines carving
+    /// their own geometry): refused unless the planes are `kv`'s row format's and the
+    /// geometry packs compressed rows as `kv` does.
+    pub fn with_kv_spec(mut self, kv: KvSpec) -> Result<PoolSpec, PoolError> {
+        self.kv_spec = Some(kv);
+        self.validate()?;
+        Ok(self)
     }
 
     /// The spec of a priced layout carved to `geometry` (e.g. [`PoolLayout::carve`]): the
@@ -142,7 +147,7 @@ impl PoolSpec {
             indexer: Some(layout.indexer),
             csa_layers: layout.model.indexer_layers(),
             plan_layout: None,
-            row_format: Some(layout.kv.row_format()),
+            kv_spec: Some(layout.kv_spec(None)?),
         };
         spec.validate()?;
         let id = LayoutId::for_layout(layout)?;
@@ -193,6 +198,18 @@ impl PoolSpec {
                     "csa_layers (not the geometry's index-key layers: V4's ratio-4 layers, V4.1's KV sources)",
             });
         }
+        if let Some(kv) = &self.kv_spec {
+            if !kv.row_format().planes.iter().map(|p| p.row_bytes()).eq(self.plane_widths.iter().copied()) {
+                return Err(PoolError::InconsistentSpec {
+                    what: "plane_widths (not the row format's planes)",
+                });
+            }
+            if kv.packed() != g.packed_rows {
+                return Err(PoolError::InconsistentSpec {
+                    what: "packed_rows (the geometry packs compressed rows otherwise than the row format)",
+                });
+            }
+        }
         if let Some((_, fp)) = &self.plan_layout {
             if *fp != self.fingerprint() {
                 return Err(PoolError::InconsistentSpec { what: "a part edited after from_plan" });
@@ -201,11 +218,14 @@ impl PoolSpec {
         Ok(())
     }
 
-    /// The row format of the plan this spec came from: what every byte of a plane row means
-    /// (`None` for a spec built from parts, or one whose plane widths are not the format's).
+    /// What the pool's rows are (`None` for a spec from parts given none).
+    pub fn kv_spec(&self) -> Option<&KvSpec> {
+        self.kv_spec.as_ref()
+    }
+
+    /// The row format: what every byte of a plane row means (`None` without a [`KvSpec`]).
     pub fn row_format(&self) -> Option<&'static crate::format::RowFormat> {
-        let f = self.row_format?.format();
-        f.planes.iter().map(|p| p.row_bytes()).eq(self.plane_widths.iter().copied()).then_some(f)
+        self.kv_spec.as_ref().map(KvSpec::row_format)
     }
 
     /// The one element type every byte of plane `plane`'s rows holds, read from the row format:
@@ -398,6 +418,12 @@ pub enum PoolError {
     #[error(transparent)]
     /// A failure of the layer below ([`crate::checkpoint::CheckpointError`]).
     Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    #[error(transparent)]
+    /// The plan's rows have no spec ([`SizingError`]).
+    Sizing(#[from] SizingError),
+    #[error("the pool's spec says nothing of its rows (a spec from parts: PoolSpec::with_kv_spec)")]
+    /// A pool from parts without a [`KvSpec`]: no default window, top-k or row format.
+    NoKvSpec,
     #[error("decode buffers: {0}")]
     /// The decode index buffers cannot be laid out ([`DecodeError`]; boxed, a decode error
     /// can carry a pool error).
@@ -476,6 +502,8 @@ impl VariantName for PoolError {
             Alloc(e) => e.variant_name(),
             Boundary(e) => e.variant_name(),
             Backend(e) => e.variant_name(),
+            Sizing(e) => e.variant_name(),
+            NoKvSpec => "NoKvSpec",
             NoIndexer => "NoIndexer",
             NoSuchIndexerPart { .. } => "NoSuchIndexerPart",
             NoSuchCsaLayer { .. } => "NoSuchCsaLayer",
@@ -511,6 +539,7 @@ impl VariantName for PoolError {
             PoolError::Transfer(e) => e.is_device_failure(),
             PoolError::Checkpoint(e) => e.is_device_failure(),
             PoolError::Decode(e) => e.is_device_failure(),
+            PoolError::Sizing(e) => e.is_device_failure(),
             _ => false,
         }
     }
@@ -786,6 +815,11 @@ impl Pool {
     /// The stream all pool work goes on.
     pub fn stream(&self) -> Stream {
         self.stream
+    }
+    /// What the pool's rows are ([`PoolSpec::kv_spec`]); refused for a pool from parts given
+    /// none.
+    pub fn kv_spec(&self) -> Result<&KvSpec, PoolError> {
+        self.spec.kv_spec().ok_or(PoolError::NoKvSpec)
     }
     /// The spec the pool was built from.
     pub fn spec(&self) -> &PoolSpec {

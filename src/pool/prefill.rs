@@ -48,6 +48,28 @@ pub struct PrefillCapacity {
     pub max_hca_entries: Option<u64>,
 }
 
+impl PrefillCapacity {
+    /// Buffers for `max_seqs` chunks of `max_tokens` tokens and `max_blocks_per_seq`
+    /// block-table columns on `pool`, at the window and index top-k of the pool's spec, with
+    /// the HCA prefix buffer sized for the worst case (set `max_hca_entries` to bound it).
+    pub fn for_pool(
+        pool: &super::Pool,
+        max_seqs: usize,
+        max_tokens: usize,
+        max_blocks_per_seq: usize,
+    ) -> Result<Self, super::PoolError> {
+        let kv = pool.kv_spec()?;
+        Ok(PrefillCapacity {
+            max_seqs,
+            max_tokens,
+            max_blocks_per_seq,
+            win: kv.window(),
+            index_topk: kv.index_topk(),
+            max_hca_entries: None,
+        })
+    }
+}
+
 /// One sequence's chunk of a prefill forward.
 #[derive(Clone, Copy, Debug)]
 pub struct PrefillSeq<'a> {

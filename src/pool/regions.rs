@@ -258,7 +258,7 @@ pub fn plan_transfer_regions(plan: &Plan, config: &TransferConfig) -> Result<Tra
     let layers = indexer_layers(&plan.geometry, &plan.layout.model.indexer_layers(), plan.layout.indexer)?;
     transfer_regions(
         &plan.geometry,
-        plan.layout.widths(),
+        &plan.layout.widths(),
         &layers,
         plan.layout.indexer,
         plan.max_blocks,

@@ -25,11 +25,7 @@ use super::{DecodeError, DecodePath, Pool, PoolError};
 use crate::alloc::{AllocError, BlockHandle, SlotHandle};
 use crate::backend::BackendError;
 use crate::geometry::Class;
-use crate::index::{
-    DevicePtr, IndexKeysArgs, KvRowsArgs, Launch, FLASHMLA_V41_FP4_ROW_BYTES, FLASHMLA_V41_ROW_BYTES,
-    FLASHMLA_V4_ROW_BYTES, FP8_NOPE_ROW_BYTES, KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V4,
-    KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V41_FP4, KV_ROW_VALUES, ROPE_ROW_BYTES,
-};
+use crate::index::{DevicePtr, IndexKeysArgs, KvRowsArgs, Launch, KV_ROWS_ATOM_FP8, KV_ROW_VALUES};
 use crate::sizing::IndexerDtype;
 use crate::variant::VariantName;
 use std::sync::Arc;
@@ -161,13 +157,12 @@ pub enum RowWriteError {
         /// The pool's indexer format (`none`: it has no indexer cache).
         format: &'static str,
     },
-    /// A pool whose planes are none of the row formats the writer packs (ATOM's fp8, bf16,
-    /// FlashMLA's V4.1).
-    #[error("planes of {widths:?} B rows are neither fp8 [512, 128] nor bf16 [1024]")]
-    RowFormat {
-        /// Plane widths.
-        widths: Vec<u64>,
-    },
+    /// A pool from parts whose spec says nothing of its rows (`PoolSpec::with_kv_spec`): its
+    /// planes are bytes, and no format is read back from their widths.
+    #[error(
+        "the pool's spec has no row format (a spec from parts: give it one with PoolSpec::with_kv_spec)"
+    )]
+    NoRowFormat,
     /// Sizes whose byte counts overflow.
     #[error("a writer of {max_tokens} tokens overflows")]
     TooLarge {
@@ -202,7 +197,7 @@ impl VariantName for RowWriteError {
             ForeignPath => "ForeignPath",
             Decode(e) => e.variant_name(),
             IndexerFormat { .. } => "IndexerFormat",
-            RowFormat { .. } => "RowFormat",
+            NoRowFormat => "NoRowFormat",
             TooLarge { .. } => "TooLarge",
             Backend(e) => e.variant_name(),
             Pool(e) => e.variant_name(),
@@ -324,23 +319,11 @@ impl Pool {
 impl KvRowWriter {
     /// Buffers for `cap` on `pool`'s backend and stream.
     pub fn new(pool: Arc<Pool>, cap: RowWriteCapacity) -> Result<KvRowWriter> {
-        let widths = &pool.spec().plane_widths;
-        let format = match widths.as_slice() {
-            [w] if *w == 2 * KV_ROW_VALUES as u64 => KV_ROWS_BF16,
-            [n, r] if *n == FP8_NOPE_ROW_BYTES && *r == ROPE_ROW_BYTES => KV_ROWS_ATOM_FP8,
-            [w] if *w == FLASHMLA_V41_ROW_BYTES => KV_ROWS_FLASHMLA_V41,
-            [w] if *w == FLASHMLA_V4_ROW_BYTES => KV_ROWS_FLASHMLA_V4,
-            _ => return Err(RowWriteError::RowFormat { widths: widths.clone() }),
-        };
-        let compressed_format = match pool.spec().geometry.packed_rows {
-            None => format,
-            Some(p)
-                if format == KV_ROWS_FLASHMLA_V41 && p.compressed as u64 == FLASHMLA_V41_FP4_ROW_BYTES =>
-            {
-                KV_ROWS_FLASHMLA_V41_FP4
-            }
-            Some(_) => return Err(RowWriteError::RowFormat { widths: widths.clone() }),
-        };
+        // The spec says what the rows are (validated against the planes and the packing
+        // when the spec was made); the kernels' codes are the formats' own.
+        let kv = pool.spec().kv_spec().ok_or(RowWriteError::NoRowFormat)?;
+        let format = kv.row_format().id.kernel_code();
+        let compressed_format = kv.compressed_row_format().id.kernel_code();
         let too_large = RowWriteError::TooLarge { max_tokens: cap.max_tokens };
         if i32::try_from(cap.max_tokens).is_err() {
             return Err(too_large);
@@ -515,10 +498,12 @@ impl KvRowWriter {
         // The layer's index-buffer slot (V4: its ratio's class; V4.1: ratio 1 fine, 2 coarse).
         let class = g.layer_slot(layer).map_err(|e| bad(e.into()))?;
         let v0 = self.pool.layer_view(layer, 0).map_err(bad)?;
-        let rope = if self.is_fp8() { self.pool.layer_view(layer, 1).map_err(bad)?.ptr } else { 0 };
-        if self.format == KV_ROWS_FLASHMLA_V4 {
+        let f = self.pool.spec().row_format().ok_or(RowWriteError::NoRowFormat)?;
+        // A second plane is the RoPE plane (ATOM's fp8).
+        let rope = if f.planes.len() > 1 { self.pool.layer_view(layer, 1).map_err(bad)?.ptr } else { 0 };
+        if f.is_paged() {
             let plane = self.pool.plane_ptr(0).map_err(bad)?;
-            let row0 = (v0.ptr - plane) / FLASHMLA_V4_ROW_BYTES;
+            let row0 = (v0.ptr - plane) / f.planes[0].row_bytes();
             return Ok((class, plane, 0, v0.rows, row0 as i64));
         }
         Ok((class, v0.ptr, rope, v0.rows, 0))

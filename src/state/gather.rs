@@ -19,10 +19,9 @@
 use crate::alloc::{AllocError, SlotHandle};
 use crate::arena::{ArenaError, STATE_WINDOW, WINDOW_ROW_BYTES};
 use crate::backend::{BackendError, Stream};
+use crate::format::RowFormatId;
 use crate::geometry::{GeometryError, WindowParams, ABSENT_RATIO};
-use crate::index::{
-    DevicePtr, Launch, WindowGatherArgs, FP8_NOPE_ROW_BYTES, GATHER_ROW_BYTES, ROPE_ROW_BYTES,
-};
+use crate::index::{DevicePtr, Launch, WindowGatherArgs, GATHER_ROW_BYTES};
 use crate::pool::owned::{Carve, Owned};
 use crate::pool::{DeviceBuffer, Pool, PoolError};
 use crate::variant::VariantName;
@@ -260,13 +259,18 @@ impl Pool {
         let params =
             g.window_params(ratio).map_err(|source| GatherError::WindowGeometry { layer, source })?;
         let view = |plane| self.layer_view(layer, plane).map_err(pool_err);
-        let widths = &spec.plane_widths;
-        let (pool, rope) = match widths.as_slice() {
-            [w] if *w == GATHER_ROW_BYTES => (view(0)?, None),
-            [n, r] if *n == FP8_NOPE_ROW_BYTES && *r == ROPE_ROW_BYTES => (view(0)?, Some(view(1)?)),
+        // The spec says what the rows are; the gather kernel reads bf16 rows, or ATOM's fp8
+        // rows (NoPE and RoPE planes), and dequantises them to bf16.
+        let format = spec.row_format().ok_or_else(|| {
+            no_window("the pool's spec has no row format (a spec from parts without a KvSpec)".into())
+        })?;
+        let (pool, rope) = match format.id {
+            RowFormatId::Bf16 => (view(0)?, None),
+            RowFormatId::AtomFp8 => (view(0)?, Some(view(1)?)),
             _ => {
                 return Err(no_window(format!(
-                    "planes of {widths:?} B rows are neither fp8 [512, 128] nor bf16 [1024]"
+                    "the window gather reads atom-fp8 or bf16 rows, not {}",
+                    format.name
                 )))
             }
         };

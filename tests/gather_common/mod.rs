@@ -11,6 +11,7 @@ use v4pool::arena::{ArenaLayout, STATE_WINDOW};
 use v4pool::backend::{Backend, Stream};
 use v4pool::model::{DraftMode, ModelShape};
 use v4pool::pool::{Pool, PoolSpec, SlotLease};
+use v4pool::sizing::{IndexerDtype, KvDtype, KvSpec};
 use v4pool::state::gather::GatherSeq;
 use v4pool::ABSENT_RATIO;
 
@@ -25,12 +26,12 @@ pub fn models() -> Vec<ModelShape> {
     ]
 }
 
-/// Plane widths: fp8 two planes or one bf16 plane.
-pub fn widths(fp8: bool) -> Vec<u64> {
+/// The dtype of the tests' pools: ATOM's fp8 rows (two planes) or bf16 rows (one plane).
+pub fn kv_dtype(fp8: bool) -> KvDtype {
     if fp8 {
-        vec![512, 128]
+        KvDtype::Fp8
     } else {
-        vec![1024]
+        KvDtype::Bf16
     }
 }
 
@@ -56,19 +57,20 @@ pub fn model_pool_with(
     slots: i64,
     indexer: Option<v4pool::sizing::IndexerDtype>,
 ) -> Arc<Pool> {
-    model_pool_at(backend, model, widths(fp8), positions, slots, indexer)
+    model_pool_at(backend, model, kv_dtype(fp8), positions, slots, indexer)
 }
 
-/// [`model_pool_with`] at any plane widths (a row format's, `KvDtype::plane_widths`).
+/// [`model_pool_with`] in any row format (its planes, described by the pool's `KvSpec`).
 #[allow(dead_code)] // not every test binary that includes this module uses it
 pub fn model_pool_at(
     backend: Arc<dyn Backend>,
     model: &ModelShape,
-    w: Vec<u64>,
+    kv: KvDtype,
     positions: i64,
     slots: i64,
     indexer: Option<v4pool::sizing::IndexerDtype>,
 ) -> Arc<Pool> {
+    let w = kv.plane_widths();
     let arena = ArenaLayout::for_model(model, &w).expect("arena");
     let probe = model
         .geometry_spec(0, 0)
@@ -79,7 +81,10 @@ pub fn model_pool_at(
     let plane_rows = positions * probe.slot_rows;
     let blocks = (positions - slots) * probe.slot_rows / probe.envelope_rows;
     let geometry = probe.with_capacity(blocks.min(8), slots, Some(plane_rows)).expect("carve");
-    let spec = PoolSpec::new(geometry, w, arena, indexer, model.indexer_layers()).expect("spec");
+    let kv_spec = KvSpec::new(model, kv, indexer.unwrap_or(IndexerDtype::Fp8), None).expect("kv spec");
+    let spec = PoolSpec::new(geometry, w, arena, indexer, model.indexer_layers())
+        .and_then(|s| s.with_kv_spec(kv_spec))
+        .expect("spec");
     Arc::new(Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
 }
 

@@ -11,8 +11,9 @@ use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, ABSENT_RATIO};
 use v4pool::model::{DraftMode, Drafts, ModelError, ModelShape};
 use v4pool::sizing::{IndexerDtype, KvDtype, PoolLayout};
 
-/// Row widths the table prices a plane at: fp8 NoPE and bf16 RoPE (`pool-runtime.md` §1).
-const PLANE_WIDTHS: [u64; 2] = [512, 128];
+/// The dtype whose planes a ratio list without `--dtype` is priced at: ATOM's fp8 rows, NoPE
+/// and RoPE planes (`pool-runtime.md` §1).
+const PRICED_DTYPE: KvDtype = KvDtype::Fp8;
 /// Most groups `--json` lists in `physical_slots`; real pools hold a few thousand slots, and
 /// the bound keeps a hostile `--slots` from building a list the size of the plane.
 pub(crate) const MAX_LISTED_SLOTS: i64 = 1 << 20;
@@ -371,7 +372,7 @@ pub(crate) fn layout_table(
             );
         }
     }
-    for &width in kv.map_or(&PLANE_WIDTHS[..], |k| k.plane_widths()) {
+    for width in kv.unwrap_or(PRICED_DTYPE).plane_widths() {
         let _ = writeln!(
             out,
             "{width:>4}-B plane: {} B  (block {} B, slot {} B)",

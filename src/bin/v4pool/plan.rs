@@ -169,7 +169,7 @@ fn to_text(report: &PlanReport) -> String {
     ));
     line("  bytes:".to_string());
     let names = ["nope", "rope"];
-    for (i, (&b, &w)) in p.plane_bytes.iter().zip(p.layout.widths()).enumerate() {
+    for (i, (&b, w)) in p.plane_bytes.iter().zip(p.layout.widths()).enumerate() {
         let label = format!("plane {i} ({}, {w} B/row)", names.get(i).copied().unwrap_or("plane"));
         line(format!("    {label:<30} {:>18}  {}", grouped(b), human(b)));
     }

@@ -168,21 +168,22 @@ impl PyForward {
         let p = pool.get();
         let (arc, hold) = p.shared();
         let device = p.dl_device();
-        let g = &arc.spec().geometry;
-        let win = win.unwrap_or(g.ring_slots.min(128) as i32);
-        let index_topk = index_topk.unwrap_or(512);
         let prefill_tokens = prefill_tokens.unwrap_or(max_tokens);
-        let dcap = DecodeCapacity { max_seqs, max_tokens, max_blocks_per_seq, win, index_topk };
+        // The window and top-k default to the pool's spec (the model's), as `Pool.decode`'s do.
+        let mut dcap =
+            DecodeCapacity::for_pool(&arc, max_seqs, max_tokens, max_blocks_per_seq).map_err(lib_err)?;
+        dcap.win = win.unwrap_or(dcap.win);
+        dcap.index_topk = index_topk.unwrap_or(dcap.index_topk);
+        let (win, index_topk) = (dcap.win, dcap.index_topk);
         // FlashMLA's convention when asked (`Pool.decode`'s `flashmla`): the build and every
         // `decode_csa_pack` then write FlashMLA's operands, `flashmla(layer)` names them.
         let decode = super::pool::decode_path_of(&arc, dcap, flashmla)?;
         let pcap = PrefillCapacity {
-            max_seqs,
-            max_tokens: prefill_tokens,
-            max_blocks_per_seq,
             win,
             index_topk,
             max_hca_entries: hca_entries,
+            ..PrefillCapacity::for_pool(&arc, max_seqs, prefill_tokens, max_blocks_per_seq)
+                .map_err(lib_err)?
         };
         let prefill = arc.prefill_path(pcap).map_err(lib_err)?;
         let writer = arc

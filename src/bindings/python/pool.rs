@@ -594,15 +594,13 @@ impl PyPool {
         index_topk: Option<i32>,
         flashmla: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyDecode> {
-        let model = &self.plan.get().report.plan.layout.model;
-        let per_seq = 1 + usize::try_from(model.spec_steps).unwrap_or(0);
-        let cap = DecodeCapacity {
-            max_seqs,
-            max_tokens: max_tokens.unwrap_or(max_seqs.saturating_mul(per_seq)),
-            max_blocks_per_seq,
-            win: win.unwrap_or(model.sliding_window as i32),
-            index_topk: index_topk.unwrap_or(model.index_topk as i32),
-        };
+        let pool = &self.hold.pool;
+        let per_seq = 1 + usize::try_from(pool.kv_spec().map_err(lib_err)?.spec_steps()).unwrap_or(0);
+        let max_tokens = max_tokens.unwrap_or(max_seqs.saturating_mul(per_seq));
+        let mut cap =
+            DecodeCapacity::for_pool(pool, max_seqs, max_tokens, max_blocks_per_seq).map_err(lib_err)?;
+        cap.win = win.unwrap_or(cap.win);
+        cap.index_topk = index_topk.unwrap_or(cap.index_topk);
         let step = decode_path_of(&self.hold.pool, cap, flashmla)?;
         let topk =
             CsaTopk::new(&self.hold.pool, cap.max_tokens, cap.index_topk.max(0) as usize).map_err(lib_err)?;
