@@ -94,6 +94,56 @@ pub fn device_or_skip(test: &str) -> Option<Box<dyn Backend>> {
     cuda_or_skip(test).map(|b| Box::new(b) as Box<dyn Backend>)
 }
 
+/// True when the device tests run over the HIP runtime double (tests/hip_double/,
+/// docs/amd.md): `V4POOL_BACKEND=hip` and `V4POOL_HIP_RUNTIME` names a library exporting the
+/// double's own `v4poolHipDoubleLastError`. The double runs every kernel through its host
+/// emulation, one thread after another on one CPU core, in a CI step with a time budget, so
+/// the device tests run the same cases at smaller sizes there ([`sized`]); CUDA and a real
+/// ROCm runtime keep the full ones.
+pub fn hip_double() -> bool {
+    static DOUBLE: OnceLock<bool> = OnceLock::new();
+    *DOUBLE.get_or_init(|| {
+        if !std::env::var("V4POOL_BACKEND").is_ok_and(|v| v.eq_ignore_ascii_case("hip")) {
+            return false;
+        }
+        let Some(path) = std::env::var_os("V4POOL_HIP_RUNTIME").filter(|p| !p.is_empty()) else {
+            return false;
+        };
+        // SAFETY: the library the run names as the HIP runtime (the backend loads the same
+        // one; its initialisers start nothing); the symbol is only looked up, never called.
+        let Ok(lib) = (unsafe { libloading::Library::new(&path) }) else {
+            return false;
+        };
+        // SAFETY: as above.
+        let double = unsafe { lib.get::<unsafe extern "C" fn()>(b"v4poolHipDoubleLastError") }.is_ok();
+        // Kept loaded: the backend holds the same library for the rest of the process.
+        std::mem::forget(lib);
+        if double {
+            println!("HIP runtime double: the device cases run at their reduced sizes");
+        }
+        double
+    })
+}
+
+/// `full` on a real device; `double` under the HIP runtime double ([`hip_double`]).
+pub fn sized<T>(full: T, double: T) -> T {
+    if hip_double() {
+        double
+    } else {
+        full
+    }
+}
+
+/// For a test that runs no device code: true (after printing SKIP) under the HIP runtime
+/// double, whose CI step would only repeat what the plain `cargo test` run already checked.
+pub fn host_only_under_double(test: &str) -> bool {
+    let skip = hip_double();
+    if skip {
+        println!("SKIP: {test} runs no device code (the plain run covers it)");
+    }
+    skip
+}
+
 pub fn host() -> HostBackend {
     HostBackend::new()
 }
