@@ -199,9 +199,14 @@ class Layout:
         name = getattr(vllm_config.model_config, "served_model_name", None) or getattr(
             vllm_config.model_config, "model", "?"
         )
+        # The scheduler's KVCacheConfig holds one representative spec per group
+        # (generate_scheduler_kv_cache_config), the workers' the per-layer specs: the id is
+        # made of what both see. Per-layer pages differing under one id still cannot mix:
+        # an entry of another length is a miss.
         desc = ";".join(
             f"{g.idx}:{g.role}:{g.spec_kind}:bs{g.block_size}:w{g.window}:"
-            + ",".join(f"{n}={p}" for n, p in zip(g.layers, g.page_bytes))
+            f"p{_layer_specs(kv_cache_config.kv_cache_groups[g.idx].kv_cache_spec)[0].page_size_bytes}:"
+            + ",".join(g.layers)
             for g in groups
         )
         layout_id = f"vllm-{VLLM_VERSION}|{model_type}|block{block}|{desc}"
@@ -479,6 +484,7 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         meta = V4PoolMetadata(loads=self._pending_loads, saves=self._pending_saves,
                               finishing=self._finishing)
         self._pending_loads, self._pending_saves, self._finishing = [], [], []
+        n_finish = len(meta.saves)  # noted when request_finished_all_groups planned them
         mgr = self._kv_cache_manager
         for rid in scheduler_output.num_scheduled_tokens:
             req = self._requests.get(rid)
@@ -492,7 +498,7 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             self._saved_pos[rid] = pos
             meta.saves.extend(self._plan_saves(req, pos, mgr.get_block_ids(rid)))
-        self._note_saves(meta.saves)
+        self._note_saves(meta.saves[n_finish:])
         return meta
 
     def _note_saves(self, saves: list[Transfer]) -> None:

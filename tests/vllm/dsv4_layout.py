@@ -23,8 +23,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 MODELS = {"v4-flash": FIXTURES / "v4-flash", "v41-flash": FIXTURES / "v41-flash"}
 
 
-def vllm_config(model: str, *, block_size: int = 256, num_blocks: int = 256,
-                max_batched: int = 2048, max_model_len: int = 65536,
+def vllm_config(model: str, *, block_size: int = 256,
+                max_batched: int = 2048, max_model_len: int = 2048,
                 connector_extra: dict | None = None, enable_prefix_caching: bool = True):
     from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
@@ -46,7 +46,6 @@ def vllm_config(model: str, *, block_size: int = 256, num_blocks: int = 256,
     cfg = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
                      cache_config=cache_config, parallel_config=ParallelConfig(),
                      kv_transfer_config=kv)
-    cache_config.num_gpu_blocks = num_blocks
     return cfg
 
 
@@ -56,6 +55,8 @@ def layer_specs(cfg) -> dict:
     from vllm.transformers_utils.deepseek_v4_utils import get_compress_ratios
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
+    if getattr(cfg, "_v4pool_specs", None) is not None:
+        return cfg._v4pool_specs
     hf = cfg.model_config.hf_config
     ratios = get_compress_ratios(hf)[: hf.num_hidden_layers]
     cc = cfg.cache_config
@@ -95,26 +96,43 @@ def layer_specs(cfg) -> dict:
                                            compress_ratio=4,
                                            prefix=f"{p}.indexer.compressor.state_cache")
                 specs[ist.prefix] = ist.get_kv_cache_spec(cfg)
+    object.__setattr__(cfg, "_v4pool_specs", specs)
     return specs
 
 
-def kv_cache_config(cfg, num_blocks: int):
-    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+def kv_cache_config(cfg, memory_bytes: int = 1 << 30):
+    """The KVCacheConfig as vLLM's engine core makes it (``EngineCore._initialize_kv_caches``):
+    the layout resolved from the layers' backends, the global groups, then the per-worker
+    config for ``memory_bytes`` of KV memory."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.v1.attention.backends.utils import (get_supported_kv_cache_layouts,
+                                                  record_kv_cache_layout,
+                                                  resolve_kv_cache_layout)
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    register_all_kvcache_specs(cfg)
     specs = layer_specs(cfg)
-    groups = get_kv_cache_groups(cfg, specs)
-    # Memory for about num_blocks blocks: the planner sizes the slab itself.
-    probe = get_kv_cache_config_from_groups(cfg, groups, 1 << 30)
-    per_block = (1 << 30) // max(probe.num_blocks, 1)
-    return get_kv_cache_config_from_groups(cfg, groups, per_block * num_blocks + per_block - 1)
+    if cfg.cache_config.kv_cache_layout is None:
+        backends = get_current_attn_backends(cfg)
+        supported = [x.name for x in get_supported_kv_cache_layouts(backends)]
+        layout = resolve_kv_cache_layout(cfg, [supported], list(specs.values()))
+        record_kv_cache_layout(cfg.cache_config, layout.name)
+    groups = get_global_kv_cache_groups(cfg, [specs])
+    return get_kv_cache_configs(cfg, [specs], [memory_bytes], groups)[0]
 
 
-def allocate(kcfg):
+def allocate(cfg, kcfg):
+    """Per-layer CPU tensors over one backing allocation, by vLLM's ``allocate_kv_cache``."""
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    try:
-        from vllm.v1.attention.backend import KVCacheLayout  # type: ignore
-        layout = KVCacheLayout.NHD if hasattr(KVCacheLayout, "NHD") else list(KVCacheLayout)[0]
-    except Exception:
-        layout = "NHD"
+    layout = cfg.cache_config.get_resolved_kv_cache_layout()
     return allocate_kv_cache(kcfg, torch.device("cpu"), layout)
+
+
+def scheduler_blocks(cfg, kcfg) -> tuple[int, int]:
+    """(scheduler block, hash block) as EngineCore resolves them."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    return resolve_kv_cache_block_sizes(kcfg, cfg)

@@ -18,24 +18,21 @@ import dsv4_layout as L  # noqa: E402
 
 import torch  # noqa: E402
 
-BLOCKS = 96
 
 
 def _scheduler(model, tier, **kw):
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
-    from vllm.v1.kv_cache_interface import register_all_kvcache_specs  # type: ignore
+    cfg = L.vllm_config(model, connector_extra={"host_dir": str(tier), "host_bytes": 1 << 34}, **kw)
+    kcfg = L.kv_cache_config(cfg)
+    cfg.cache_config.num_gpu_blocks = kcfg.num_blocks
+    block, hash_block = L.scheduler_blocks(cfg, kcfg)
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 
-    cfg = L.vllm_config(model, num_blocks=BLOCKS,
-                        connector_extra={"host_dir": str(tier), "host_bytes": 1 << 34}, **kw)
-    kcfg = L.kv_cache_config(cfg, BLOCKS)
-    try:
-        register_all_kvcache_specs(cfg)
-    except Exception:
-        pass
-    s = Scheduler(vllm_config=cfg, kv_cache_config=kcfg, block_size=kcfg.kv_cache_groups and
-                  __import__("math").lcm(*[g.kv_cache_spec.block_size for g in kcfg.kv_cache_groups]),
+    s = Scheduler(vllm_config=cfg, kv_cache_config=generate_scheduler_kv_cache_config([kcfg]),
+                  block_size=block, hash_block_size=hash_block,
                   log_stats=True, structured_output_manager=StructuredOutputManager(cfg))
+    s.hash_block_size = hash_block
     return cfg, kcfg, s
 
 
@@ -43,19 +40,25 @@ def _worker(cfg, kcfg):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from v4pool.vllm import V4PoolConnector
 
-    kv = L.allocate(kcfg)
+    kv = L.allocate(cfg, kcfg)
     w = V4PoolConnector(cfg, KVConnectorRole.WORKER, kcfg)
     w.register_kv_caches(kv)
     return w, kv
 
 
-def _request(rid, tokens, max_tokens=1):
+def _request(s, rid, tokens, max_tokens=1):
+    """A request as vLLM's own tests make one (its block hasher at the hash block)."""
     from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    return Request(request_id=rid, prompt_token_ids=list(tokens),
-                   sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   pooling_params=None, eos_token_id=None)
+    init_none_hash(sha256)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sp.update_from_generation_config({}, 1)
+    return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=sp,
+                   pooling_params=None,
+                   block_hasher=get_request_block_hasher(s.hash_block_size, sha256))
 
 
 def _step(s, w, gen, written):
@@ -115,7 +118,7 @@ def test_prefix_restores_exactly(model, tmp_path):
     gen = torch.Generator().manual_seed(1)
     B = conn.layout.block
     prompt_a = torch.randint(1, 100000, (3 * B + 77,), generator=gen).tolist()
-    a = _request("A", prompt_a)
+    a = _request(s, "A", prompt_a)
     s.add_request(a)
     written = set()
     snap = None
@@ -126,10 +129,11 @@ def test_prefix_restores_exactly(model, tmp_path):
         if not s.requests and not s.has_unfinished_requests():
             break
     assert snap, "request A never finished its prefill"
+    print("DEBUG", conn.layout.layout_id == w.layout.layout_id, conn.layout.layout_id[:300], w.layout.layout_id[:300], conn.stats, [t.stats() for _, t in conn.tiers.tiers], [t.stats() for _, t in w.tiers.tiers], flush=True)
     assert s.reset_prefix_cache()
     # B: A's prompt + an unaligned suffix.
     prompt_b = prompt_a + torch.randint(1, 100000, (45,), generator=gen).tolist()
-    b = _request("B", prompt_b)
+    b = _request(s, "B", prompt_b)
     s.add_request(b)
     out = s.schedule()
     assert out.num_scheduled_tokens["B"] == len(prompt_b) - len(prompt_a)
