@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 import v4pool
+from v4pool.vllm_copy import NULL_BLOCK, SlabCopier, page_view
 
 from vllm.distributed.kv_events import BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -79,8 +80,6 @@ logger = init_logger(__name__)
 
 # Entry kinds in the tiers: a full block's pages, a checkpoint, a checkpoint index.
 BLOCK, CHECKPOINT, INDEX = "b", "c", "i"
-# vLLM's null block (BlockPool.null_block): a skipped window block; never read or written.
-NULL_BLOCK = 0
 
 
 class UnsupportedLayout(ValueError):
@@ -513,7 +512,8 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
                 if g.role != "full":
                     continue
                 self._events.append(BlockStored(
-                    block_hashes=[s.key], parent_block_hash=None, token_ids=toks,
+                    # 16 bytes: a 128-bit int does not fit the events' msgpack wire.
+                    block_hashes=[s.key.to_bytes(16, "little")], parent_block_hash=None, token_ids=toks,
                     block_size=B, lora_id=None, medium=self.tiers.tiers[0][0] if self.tiers.tiers else None,
                     lora_name=None, group_idx=g.idx, kv_cache_spec_kind=g.spec_kind,
                     kv_cache_spec_sliding_window=g.spec_window,
@@ -564,64 +564,29 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
                 page = page_of[name]
                 start = kt.offset + l * kt.layer_stride
                 storage = t.untyped_storage()
-                if t.data_ptr() != storage.data_ptr() + start or page > kt.block_stride != 0 and nblocks > 1:
+                if t.data_ptr() != storage.data_ptr() + start:
                     raise UnsupportedLayout(
                         f"v4pool.vllm: layer {name} (group {group_of[name]}): tensor at +"
                         f"{t.data_ptr() - storage.data_ptr()} B, the KVCacheTensor places it at "
                         f"+{start} B (block stride {kt.block_stride}, page {page})")
-                if start + (nblocks - 1) * kt.block_stride + page > storage.nbytes():
-                    raise UnsupportedLayout(f"v4pool.vllm: layer {name}: placement past the allocation")
-                raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-                self._pages[name] = torch.as_strided(raw, (nblocks, page), (kt.block_stride, 1), start)
+                self._pages[name] = page_view(t, start, nblocks, kt.block_stride, page)
         missing = [n for n in page_of if n not in self._pages]
         if missing:
             raise UnsupportedLayout(f"v4pool.vllm: layers without a KVCacheTensor: {missing[:4]}")
-
-    def _parts(self, tr: Transfer) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
-        """(page view, index tensor, block ids) per layer in body order."""
-        out = []
-        for gidx, ids in tr.blocks:
-            g = self.layout.groups[gidx]
-            for name in g.layers:
-                view = self._pages[name]
-                out.append((view, ids))
-        return out
-
-    def _body_len(self, tr: Transfer) -> int:
-        n = 0
-        for gidx, ids in tr.blocks:
-            g = self.layout.groups[gidx]
-            n += len(ids) * sum(g.page_bytes)
-        return n
+        self._copier = SlabCopier({g.idx: [self._pages[n] for n in g.layers] for g in self.layout.groups})
 
     def _save(self, tr: Transfer) -> bool:
-        parts = []
-        for view, ids in self._parts(tr):
-            if not ids:
-                continue
-            idx = torch.tensor(ids, dtype=torch.long, device=view.device)
-            parts.append(view.index_select(0, idx).cpu().reshape(-1))
-        ok = self.tiers.put(tr.kind, tr.key, parts)
+        ok = self.tiers.put(tr.kind, tr.key, [self._copier.gather(tr.blocks)])
         if ok and tr.kind == CHECKPOINT:
             self.tiers.add_index(tr.index_key, tr.pos % self.layout.block)
         return ok
 
     def _load(self, tr: Transfer) -> bool:
-        n = self._body_len(tr)
-        staging = torch.empty(n, dtype=torch.uint8, pin_memory=False)
+        staging = torch.empty(self._copier.body_len(tr.blocks), dtype=torch.uint8)
+        # Only a whole entry of this layout and of the planned length reaches vLLM's blocks.
         if not self.tiers.get_into(tr.kind, tr.key, staging):
             return False
-        off = 0
-        for view, ids in self._parts(tr):
-            page = view.shape[1]
-            chunk = staging[off: off + page * len(ids)].view(len(ids), page)
-            off += page * len(ids)
-            keep = [i for i, b in enumerate(ids) if b != NULL_BLOCK]
-            if not keep:
-                continue
-            dst = torch.tensor([ids[i] for i in keep], dtype=torch.long, device=view.device)
-            src = chunk[torch.tensor(keep, dtype=torch.long)].to(view.device, non_blocking=True)
-            view.index_copy_(0, dst, src)
+        self._copier.scatter(tr.blocks, staging)
         return True
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
