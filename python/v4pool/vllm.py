@@ -298,6 +298,42 @@ class Tiers:
         self.put(INDEX, key, [torch.tensor(tails, dtype=torch.int32).view(torch.uint8)])
 
 
+class IndexOnlyTiers:
+    """For benches/vllm_trace.py only (``bench_index_only``): the tier's keys and byte sizes
+    without bytes, in one LRU of ``host_bytes``, shareable between scheduler objects of one
+    process (a fleet's shared tier). Saves are accounted when planned."""
+
+    def __init__(self, capacity: int, shared: "dict | None" = None):
+        import collections
+
+        self.store = shared if shared is not None else collections.OrderedDict()
+        self.capacity = capacity
+        self.used = [sum(self.store.values())]
+        self.tiers = [("cpu", None)]
+
+    def where(self, kind, key):
+        if (kind, key) in self.store:
+            self.store.move_to_end((kind, key))
+            return "cpu"
+        return None
+
+    def add(self, kind, key, nbytes):
+        if (kind, key) in self.store:
+            return
+        self.store[(kind, key)] = nbytes
+        self.used[0] += nbytes
+        while self.used[0] > self.capacity and self.store:
+            _, n = self.store.popitem(last=False)
+            self.used[0] -= n
+
+    def read_index(self, key):
+        return list(self.store.get(("i-list", key), ()))
+
+    def add_index(self, key, tail):
+        tails = set(self.read_index(key)) | {tail}
+        self.store[("i-list", key)] = tuple(sorted(tails))
+
+
 # ------------------------------------------------------------------- the metadata
 
 
@@ -349,7 +385,12 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.layout = Layout.of(vllm_config, kv_cache_config)
         self.ns = v4pool.namespace_of(self.layout.model + "|" + self.layout.layout_id)
-        self.tiers = Tiers(self.layout, extra)
+        self.index_only = extra.get("bench_index_only")
+        if self.index_only is not None:
+            self.tiers = IndexOnlyTiers(_bytes(extra.get("host_bytes", 8 << 30)),
+                                        self.index_only if isinstance(self.index_only, dict) else None)
+        else:
+            self.tiers = Tiers(self.layout, extra)
         self.checkpoint_every_step = bool(extra.get("checkpoint_every_step", False))
         # Scheduler state.
         self._requests: dict[str, "Request"] = {}
@@ -502,6 +543,16 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _note_saves(self, saves: list[Transfer]) -> None:
         B = self.layout.block
+        if self.index_only is not None:
+            for s in saves:
+                n = sum(len(ids) * sum(self.layout.groups[g].page_bytes) for g, ids in s.blocks)
+                self.tiers.add(s.kind, s.key, n)
+                if s.kind == CHECKPOINT:
+                    self.tiers.add_index(s.index_key, s.pos % B)
+            self.stats["saved_entries"] += len(saves)
+            self.stats["saved_bytes"] = self.stats.get("saved_bytes", 0) + sum(
+                len(ids) * sum(self.layout.groups[g].page_bytes) for s in saves for g, ids in s.blocks)
+            return
         for s in saves:
             self.stats["saved_entries"] += 1
             if s.kind != BLOCK:
@@ -534,6 +585,8 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         if not saves:
             return False, None
         self._note_saves(saves)
+        if self.index_only is not None:
+            return False, None
         self._pending_saves.extend(saves)
         self._finishing.append(rid)
         # The blocks stay until the worker reports the saves done (get_finished).
