@@ -227,8 +227,9 @@ impl EntryDir {
         for p in parts {
             sum.push(p);
         }
-        let head = Header { kind, hash, layout_len: self.layout.len() as u64, body_len, body_sum: sum.finish() }
-            .bytes();
+        let head =
+            Header { kind, hash, layout_len: self.layout.len() as u64, body_len, body_sum: sum.finish() }
+                .bytes();
         let tmp = shard.join(format!(
             "{TEMP}{}-{:x}-{:032x}",
             std::process::id(),
@@ -505,7 +506,10 @@ mod tests {
         let mut out = vec![0u8; entry];
         assert_eq!(d.get_into('b', 29, &mut out), Lookup::Hit);
         assert_eq!(d.get_into('b', 0, &mut out), Lookup::Absent);
-        assert!(matches!(d.put('b', 99, &[&vec![0u8; budget as usize]]), Err(EntryDirError::TooLarge { .. })));
+        assert!(matches!(
+            d.put('b', 99, &[&vec![0u8; budget as usize]]),
+            Err(EntryDirError::TooLarge { .. })
+        ));
         let _ = fs::remove_dir_all(&root);
     }
 }

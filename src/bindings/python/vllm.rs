@@ -26,7 +26,13 @@ fn namespace_of(label: &str) -> u128 {
 /// (from `namespace_of`), after `parent`.
 #[pyfunction]
 #[pyo3(signature = (ns, tokens, block, parent=None))]
-fn chain_block_hashes(py: Python<'_>, ns: u128, tokens: Vec<u32>, block: usize, parent: Option<u128>) -> PyResult<Vec<u128>> {
+fn chain_block_hashes(
+    py: Python<'_>,
+    ns: u128,
+    tokens: Vec<u32>,
+    block: usize,
+    parent: Option<u128>,
+) -> PyResult<Vec<u128>> {
     if block == 0 {
         return Err(error("BadBlock", "block of 0 tokens".into()));
     }
@@ -56,7 +62,10 @@ fn cpu_u8(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<(usize, usize)> {
     let len = t.contiguous(name, DL_UINT, 8, &t.shape.clone())?;
     let len = usize::try_from(len).map_err(|_| error("BadTensor", format!("{name}: too large")))?;
     if len > 0 && t.device.device_type != DL_CPU {
-        return Err(error("BadTensor", format!("{name}: device type {} is not the CPU", t.device.device_type)));
+        return Err(error(
+            "BadTensor",
+            format!("{name}: device type {} is not the CPU", t.device.device_type),
+        ));
     }
     let ptr = usize::try_from(t.ptr).map_err(|_| error("BadTensor", format!("{name}: address")))?;
     Ok((ptr, len))
