@@ -145,7 +145,7 @@ def main() -> int:
         return r["hash_ids"][0] % args.fleet if r["hash_ids"] else 0
     per = [make_engine({"bench_index_only": True, "host_bytes": tier // args.fleet}, hbm)[0] for _ in range(args.fleet)]
     rows.append((f"(d) fleet of {args.fleet}, per-engine tiers", run(per, recs, affinity)))
-    shared = collections.OrderedDict()
+    shared = "fleet-shared-tier"
     fl = [make_engine({"bench_index_only": shared, "host_bytes": tier}, hbm)[0] for _ in range(args.fleet)]
     rows.append((f"(d) fleet of {args.fleet}, one shared tier", run(fl, recs, affinity)))
     print(f"# HBM {hbm / 2**30:.0f} GiB per engine, tier {tier / 2**30:.0f} GiB; {time.time() - t0:.0f} s")

@@ -298,17 +298,23 @@ class Tiers:
         self.put(INDEX, key, [torch.tensor(tails, dtype=torch.int32).view(torch.uint8)])
 
 
+_BENCH_SHARED: dict[str, dict] = {}
+
+
 class IndexOnlyTiers:
     """For benches/vllm_trace.py only (``bench_index_only``): the tier's keys and byte sizes
     without bytes, in one LRU of ``host_bytes``, shareable between scheduler objects of one
-    process (a fleet's shared tier). Saves are accounted when planned."""
+    process (a fleet's shared tier: pass the same dict). Saves are accounted when planned."""
 
     def __init__(self, capacity: int, shared: "dict | None" = None):
         import collections
 
-        self.store = shared if shared is not None else collections.OrderedDict()
+        st = shared if shared is not None else {}
+        st.setdefault("lru", collections.OrderedDict())
+        st.setdefault("index", {})
+        st.setdefault("used", [0])
+        self.store, self.index, self.used = st["lru"], st["index"], st["used"]
         self.capacity = capacity
-        self.used = [sum(self.store.values())]
         self.tiers = [("cpu", None)]
 
     def where(self, kind, key):
@@ -327,11 +333,10 @@ class IndexOnlyTiers:
             self.used[0] -= n
 
     def read_index(self, key):
-        return list(self.store.get(("i-list", key), ()))
+        return list(self.index.get(key, ()))
 
     def add_index(self, key, tail):
-        tails = set(self.read_index(key)) | {tail}
-        self.store[("i-list", key)] = tuple(sorted(tails))
+        self.index[key] = tuple(sorted(set(self.index.get(key, ())) | {tail}))
 
 
 # ------------------------------------------------------------------- the metadata
@@ -387,8 +392,10 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.ns = v4pool.namespace_of(self.layout.model + "|" + self.layout.layout_id)
         self.index_only = extra.get("bench_index_only")
         if self.index_only is not None:
-            self.tiers = IndexOnlyTiers(_bytes(extra.get("host_bytes", 8 << 30)),
-                                        self.index_only if isinstance(self.index_only, dict) else None)
+            # A name shares one index-only tier between the schedulers of one process.
+            shared = (_BENCH_SHARED.setdefault(self.index_only, {})
+                      if isinstance(self.index_only, str) else None)
+            self.tiers = IndexOnlyTiers(_bytes(extra.get("host_bytes", 8 << 30)), shared)
         else:
             self.tiers = Tiers(self.layout, extra)
         self.checkpoint_every_step = bool(extra.get("checkpoint_every_step", False))
