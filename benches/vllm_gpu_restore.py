@@ -53,18 +53,27 @@ def plan_for(fx, tokens: int, first_block: int):
     return blocks, ckpt
 
 
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tier-dir", default="/dev/shm/v4pool-vllm-bench")
     ap.add_argument("--tokens", default="8192,131072,1048576")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="run the same path on CPU tensors (checks the script, not a GPU figure)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if not args.cpu_smoke and not torch.cuda.is_available():
         print("SKIP vllm_gpu_restore: no CUDA device (torch.cuda.is_available() is False)")
         return 0
     fx = json.loads(FIXTURE.read_text())
-    dev = torch.device("cuda")
-    print(f"# {datetime.now(timezone.utc).isoformat(timespec='seconds')} on "
-          f"{torch.cuda.get_device_name(dev)}; layout of vLLM {fx['vllm']} ({fx['model']})")
+    dev = torch.device("cpu" if args.cpu_smoke else "cuda")
+    pin = dev.type == "cuda"
+    name = torch.cuda.get_device_name(dev) if pin else "CPU (smoke run, not a GPU figure)"
+    print(f"# {datetime.now(timezone.utc).isoformat(timespec='seconds')} on {name}; "
+          f"layout of vLLM {fx['vllm']} ({fx['model']})")
     print("| tokens | bytes moved | save s | restore s | restore GB/s | pinned H2D GB/s | ratio | exact |")
     print("|---:|---:|---:|---:|---:|---:|---:|---|")
     ok_all = True
@@ -97,42 +106,45 @@ def main() -> int:
         for k, plan in zip(keys, src_blocks):
             tier.put("b", k, [copier.gather(plan).clone()])
         tier.put("c", 1, [copier.gather(src_ckpt).clone()])
-        torch.cuda.synchronize()
+        sync(dev)
         t_save = time.perf_counter() - t0
         moved = 0
         t0 = time.perf_counter()
         for k, plan in zip(keys, dst_blocks):
-            staging = torch.empty(copier.body_len(plan), dtype=torch.uint8, pin_memory=True)
+            staging = torch.empty(copier.body_len(plan), dtype=torch.uint8, pin_memory=pin)
             assert tier.get_into("b", k, staging)
             copier.scatter(plan, staging)
             moved += staging.numel()
-        staging = torch.empty(copier.body_len(dst_ckpt), dtype=torch.uint8, pin_memory=True)
+        staging = torch.empty(copier.body_len(dst_ckpt), dtype=torch.uint8, pin_memory=pin)
         assert tier.get_into("c", 1, staging)
         copier.scatter(dst_ckpt, staging)
         moved += staging.numel()
-        torch.cuda.synchronize()
+        sync(dev)
         t_load = time.perf_counter() - t0
         # The same bytes by one pinned host-to-device copy.
-        host = torch.empty(moved, dtype=torch.uint8, pin_memory=True)
+        host = torch.empty(moved, dtype=torch.uint8, pin_memory=pin)
         dcopy = torch.empty(moved, dtype=torch.uint8, device=dev)
-        torch.cuda.synchronize()
+        sync(dev)
         t0 = time.perf_counter()
         dcopy.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
+        sync(dev)
         t_h2d = time.perf_counter() - t0
         exact = True
         for sp, dp in zip(src_blocks + [src_ckpt], dst_blocks + [dst_ckpt]):
             for (g, sids), (_, dids) in zip(sp, dp):
+                if not sids:
+                    continue
                 for v in copier.layers[g]:
-                    s_idx = torch.tensor(sids, device=dev)
-                    d_idx = torch.tensor(dids, device=dev)
+                    s_idx = torch.tensor(sids, dtype=torch.long, device=dev)
+                    d_idx = torch.tensor(dids, dtype=torch.long, device=dev)
                     exact &= torch.equal(v.index_select(0, s_idx), v.index_select(0, d_idx))
         ok_all &= exact
         gbs, h2d = moved / t_load / 1e9, moved / t_h2d / 1e9
         print(f"| {tokens} | {moved} | {t_save:.3f} | {t_load:.3f} | {gbs:.2f} | {h2d:.2f} | "
               f"{gbs / h2d:.2f} | {'yes' if exact else 'NO'} |")
         del buf, views, copier, host, dcopy
-        torch.cuda.empty_cache()
+        if pin:
+            torch.cuda.empty_cache()
         shutil.rmtree(args.tier_dir, ignore_errors=True)
     return 0 if ok_all else 1
 
