@@ -128,6 +128,8 @@ def main() -> int:
     ap.add_argument("--hbm", default=str(16 << 30), help="KV bytes per engine (HBM budget)")
     ap.add_argument("--tier", default=str(32 << 30), help="tier bytes (per engine, or shared total)")
     ap.add_argument("--fleet", type=int, default=2)
+    ap.add_argument("--checkpoint-every", type=int, default=1024,
+                    help="v4pool.vllm checkpoint_every (tokens, a multiple of 256)")
     args = ap.parse_args()
     recs = [json.loads(x) for x in open(args.trace)][: args.requests]
     skipped = sum(r["input_length"] >= MAX_LEN for r in recs)
@@ -139,14 +141,14 @@ def main() -> int:
     t0 = time.time()
     s, _ = make_engine(None, hbm)
     rows.append(("(a) vLLM alone", run([s], recs, lambda r: 0)))
-    s, _ = make_engine({"bench_index_only": True, "host_bytes": tier}, hbm)
+    s, _ = make_engine({"bench_index_only": True, "host_bytes": tier, "checkpoint_every": args.checkpoint_every}, hbm)
     rows.append(("(c) vLLM + v4pool.vllm host tier", run([s], recs, lambda r: 0)))
     def affinity(r):
         return r["hash_ids"][0] % args.fleet if r["hash_ids"] else 0
-    per = [make_engine({"bench_index_only": True, "host_bytes": tier // args.fleet}, hbm)[0] for _ in range(args.fleet)]
+    per = [make_engine({"bench_index_only": True, "host_bytes": tier // args.fleet, "checkpoint_every": args.checkpoint_every}, hbm)[0] for _ in range(args.fleet)]
     rows.append((f"(d) fleet of {args.fleet}, per-engine tiers", run(per, recs, affinity)))
     shared = "fleet-shared-tier"
-    fl = [make_engine({"bench_index_only": shared, "host_bytes": tier}, hbm)[0] for _ in range(args.fleet)]
+    fl = [make_engine({"bench_index_only": shared, "host_bytes": tier, "checkpoint_every": args.checkpoint_every}, hbm)[0] for _ in range(args.fleet)]
     rows.append((f"(d) fleet of {args.fleet}, one shared tier", run(fl, recs, affinity)))
     print(f"# HBM {hbm / 2**30:.0f} GiB per engine, tier {tier / 2**30:.0f} GiB; {time.time() - t0:.0f} s")
     print("| run | prompt tokens from cache | share | of ceiling | replayed | tier bytes / cached token |")

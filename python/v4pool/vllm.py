@@ -399,6 +399,17 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self.tiers = Tiers(self.layout, extra)
         self.checkpoint_every_step = bool(extra.get("checkpoint_every_step", False))
+        # Checkpoints inside a prefill chunk, every this many tokens (a multiple of the hash
+        # block; 0: none). The window and state rows of every position of a chunk are in
+        # vLLM's blocks until the next step frees the ones out of the window (V4); V4.1's
+        # ring holds only the chunk's end, so it takes checkpoints at chunk ends only.
+        every = int(extra.get("checkpoint_every", 0))
+        if every % self.layout.block:
+            raise UnsupportedLayout(
+                f"v4pool.vllm: checkpoint_every {every} is not a multiple of the block {self.layout.block}")
+        if any(g.role == "ring" for g in self.layout.groups):
+            every = 0
+        self.checkpoint_every = every
         # Scheduler state.
         self._requests: dict[str, "Request"] = {}
         self._hits: dict[str, _Hit] = {}
@@ -496,9 +507,12 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.stats["hits"] += 1
         self.stats["hit_tokens"] += num_external_tokens
 
-    def _plan_saves(self, request: "Request", pos: int, block_ids) -> list[Transfer]:
+    def _plan_saves(self, request: "Request", pos: int, block_ids,
+                    ckpts: "list[int] | None" = None) -> list[Transfer]:
         """Saves of the request's state at ``pos`` computed tokens: the whole blocks not yet
-        stored and a checkpoint at ``pos`` (with its index entry)."""
+        stored and checkpoints (with their index entries) at ``ckpts`` (default ``[pos]``);
+        each checkpoint position must be one whose window and state rows are still in the
+        blocks: within the step that computed it."""
         B = self.layout.block
         rid = request.request_id
         tokens = list(request.all_token_ids[:pos])
@@ -514,17 +528,19 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
             if any(b == NULL_BLOCK for _, bs in plan for b in bs):
                 break
             out.append(Transfer(BLOCK, h, plan, rid, (i + 1) * B, i))
-        j, t = divmod(pos, B)
-        key = self._tail_key(tokens, j, t, hashes)
-        if not self.tiers.where(CHECKPOINT, key):
+        for q in (ckpts if ckpts is not None else [pos]):
+            j, t = divmod(q, B)
+            key = self._tail_key(tokens, j, t, hashes)
+            if self.tiers.where(CHECKPOINT, key):
+                continue
             plan = []
             for g in self.layout.groups:
                 own = block_ids[g.idx]
-                bs = [own[b] if b < len(own) else NULL_BLOCK for b in self.layout.checkpoint_span(g, pos)]
+                bs = [own[b] if b < len(own) else NULL_BLOCK for b in self.layout.checkpoint_span(g, q)]
                 plan.append((g.idx, bs))
             # A checkpoint lacking a page (freed, never allocated) is not saved.
             if not any(b == NULL_BLOCK for _, bs in plan for b in bs):
-                out.append(Transfer(CHECKPOINT, key, plan, rid, pos, index_key=self._index_key(j, hashes)))
+                out.append(Transfer(CHECKPOINT, key, plan, rid, q, index_key=self._index_key(j, hashes)))
         return out
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -538,13 +554,22 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
             if req is None or mgr is None:
                 continue
             pos = req.num_computed_tokens  # already advanced past this step's chunk
-            at_prompt_end = pos == req.num_prompt_tokens
+            start = pos - scheduler_output.num_scheduled_tokens[rid]
             if pos > req.num_prompt_tokens or pos <= self._saved_pos.get(rid, 0):
                 continue
-            if not (at_prompt_end or self.checkpoint_every_step):
+            # Checkpoints where this step's rows still hold the state: every
+            # checkpoint_every tokens inside the chunk, the chunk's end on request, the
+            # prompt's end always.
+            ck = []
+            if self.checkpoint_every:
+                e = self.checkpoint_every
+                ck = list(range((start // e + 1) * e, pos + 1, e))
+            if (pos == req.num_prompt_tokens or self.checkpoint_every_step) and pos not in ck:
+                ck.append(pos)
+            if not ck:
                 continue
             self._saved_pos[rid] = pos
-            meta.saves.extend(self._plan_saves(req, pos, mgr.get_block_ids(rid)))
+            meta.saves.extend(self._plan_saves(req, pos, mgr.get_block_ids(rid), ck))
         self._note_saves(meta.saves[n_finish:])
         return meta
 
