@@ -46,6 +46,12 @@ def vllm_config(model: str, *, block_size: int = 256,
     cfg = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
                      cache_config=cache_config, parallel_config=ParallelConfig(),
                      kv_transfer_config=kv)
+    # vLLM's CPU platform turns prefix caching and chunked prefill off for MLA models
+    # (platforms/cpu.py: its CPU kernels lack them). The scheduler under test stands in for
+    # the GPU engine's, which keeps both: restore what was asked.
+    cfg.cache_config.enable_prefix_caching = enable_prefix_caching
+    cfg.scheduler_config.enable_chunked_prefill = True
+    cfg.scheduler_config.max_num_batched_tokens = max_batched
     return cfg
 
 
