@@ -128,7 +128,7 @@ def main() -> int:
     ap.add_argument("--hbm", default=str(16 << 30), help="KV bytes per engine (HBM budget)")
     ap.add_argument("--tier", default=str(32 << 30), help="tier bytes (per engine, or shared total)")
     ap.add_argument("--fleet", type=int, default=2)
-    ap.add_argument("--checkpoint-every", type=int, default=1024,
+    ap.add_argument("--checkpoint-every", type=int, default=0,
                     help="v4pool.vllm checkpoint_every (tokens, a multiple of 256)")
     args = ap.parse_args()
     recs = [json.loads(x) for x in open(args.trace)][: args.requests]
@@ -144,7 +144,9 @@ def main() -> int:
     s, _ = make_engine({"bench_index_only": True, "host_bytes": tier, "checkpoint_every": args.checkpoint_every}, hbm)
     rows.append(("(c) vLLM + v4pool.vllm host tier", run([s], recs, lambda r: 0)))
     def affinity(r):
-        return r["hash_ids"][0] % args.fleet if r["hash_ids"] else 0
+        # Every request shares block 0 (a system prompt): route by the first block after it.
+        ids = r["hash_ids"]
+        return ids[1] % args.fleet if len(ids) > 1 else 0
     per = [make_engine({"bench_index_only": True, "host_bytes": tier // args.fleet, "checkpoint_every": args.checkpoint_every}, hbm)[0] for _ in range(args.fleet)]
     rows.append((f"(d) fleet of {args.fleet}, per-engine tiers", run(per, recs, affinity)))
     shared = "fleet-shared-tier"
