@@ -141,16 +141,16 @@ def main() -> int:
     t0 = time.time()
     s, _ = make_engine(None, hbm)
     rows.append(("(a) vLLM alone", run([s], recs, lambda r: 0)))
-    s, _ = make_engine({"bench_index_only": True, "host_bytes": tier, "checkpoint_every": args.checkpoint_every}, hbm)
+    s, _ = make_engine({"bench_index_only": True, "host_bytes": tier, "checkpoint_every": args.checkpoint_every, "checkpoint_every_step": True}, hbm)
     rows.append(("(c) vLLM + v4pool.vllm host tier", run([s], recs, lambda r: 0)))
     def affinity(r):
         # Every request shares block 0 (a system prompt): route by the first block after it.
         ids = r["hash_ids"]
         return ids[1] % args.fleet if len(ids) > 1 else 0
-    per = [make_engine({"bench_index_only": True, "host_bytes": tier // args.fleet, "checkpoint_every": args.checkpoint_every}, hbm)[0] for _ in range(args.fleet)]
+    per = [make_engine({"bench_index_only": True, "host_bytes": tier // args.fleet, "checkpoint_every": args.checkpoint_every, "checkpoint_every_step": True}, hbm)[0] for _ in range(args.fleet)]
     rows.append((f"(d) fleet of {args.fleet}, per-engine tiers", run(per, recs, affinity)))
     shared = "fleet-shared-tier"
-    fl = [make_engine({"bench_index_only": shared, "host_bytes": tier, "checkpoint_every": args.checkpoint_every}, hbm)[0] for _ in range(args.fleet)]
+    fl = [make_engine({"bench_index_only": shared, "host_bytes": tier, "checkpoint_every": args.checkpoint_every, "checkpoint_every_step": True}, hbm)[0] for _ in range(args.fleet)]
     rows.append((f"(d) fleet of {args.fleet}, one shared tier", run(fl, recs, affinity)))
     print(f"# HBM {hbm / 2**30:.0f} GiB per engine, tier {tier / 2**30:.0f} GiB; {time.time() - t0:.0f} s")
     print("| run | prompt tokens from cache | share | of ceiling | replayed | tier bytes / cached token |")
