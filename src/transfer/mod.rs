@@ -24,6 +24,7 @@
 #![warn(missing_docs)]
 
 pub mod engine;
+pub mod entry_dir;
 pub mod handoff;
 pub mod host_tier;
 pub mod nccl;

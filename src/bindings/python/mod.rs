@@ -11,6 +11,7 @@ mod manager;
 mod pool;
 mod store;
 mod tensor;
+mod vllm;
 
 use crate::model::Drafts;
 use crate::plan_report::{PlanOptionError, PlanOptions, PlanReport};
@@ -181,5 +182,6 @@ fn v4pool(m: &Bound<'_, PyModule>) -> PyResult<()> {
     manager::register(m)?;
     events::register(m)?;
     forward::register(m)?;
+    vllm::register(m)?;
     Ok(())
 }

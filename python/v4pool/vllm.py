@@ -1,0 +1,705 @@
+"""v4pool inside vLLM: an out-of-tree KV connector (``KVConnectorBase_V1`` + ``SupportsHMA``)
+that restores DeepSeek-V4 / V4.1 prefixes exactly -- compressed history, indexer keys,
+windows, compressor state and the V4.1 ring -- from v4pool's entry tiers (a host tier on
+tmpfs every process of the machine shares, and a shared tier on a fleet mount).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "V4PoolConnector",
+                           "kv_connector_module_path": "v4pool.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"host_dir": "/dev/shm/v4pool",
+                               "host_bytes": "64GiB", "shared_dir": "/mnt/kv", "shared_bytes": "2TiB"}}'
+
+What it is, in vLLM's terms (``docs/vllm.md`` has the long form):
+
+* The scheduler side looks prefixes up with v4pool's chained block hashes
+  (``v4pool.chain_block_hashes``) in a namespace made of the model and the whole vLLM layout
+  (every group's spec and every layer's page), over blocks of the scheduler's block size.
+  A hit ends where a stored *checkpoint* ends -- any token, not only block multiples: a
+  checkpoint is the request's window rows, compressor state / ring and the partial blocks of
+  the compressed groups at one position, saved where a prefill or a request ended.
+* ``get_loaded_kv_cache_group_ids`` answers every group, so vLLM takes the hit as it is:
+  nothing replayed (V4.1's ``replay_start`` stays 0), no cut to whole blocks.
+* The worker side maps each layer's KV tensor (vLLM's per-block slab: a strided view) to a
+  ``[num_blocks, page_bytes]`` byte view through torch's own storage description, the page
+  size from the group's spec; saves gather the pages named by the scheduler's plan and
+  publish them whole and checksummed (``v4pool.EntryTier``); loads read an entry into a
+  staging buffer, and only an entry that is whole, of this layout and of the planned length
+  is scattered into the blocks the scheduler allocated for the hit.
+
+The one place that names the vLLM release this is written against: ``VLLM_VERSION``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+
+import v4pool
+from v4pool.vllm_copy import NULL_BLOCK, SlabCopier, page_view
+
+from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import (
+    CircularBufferSpec,
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    UniformTypeKVCacheSpecs,
+    get_kv_cache_spec_kind,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+#: The vLLM release this connector is written and tested against (CI pins it in
+#: ci/vllm-requirements.txt; the interface is experimental and moves between releases).
+VLLM_VERSION = "0.34.0"
+
+#: Model types the connector understands (hf_config.model_type).
+MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
+
+logger = init_logger(__name__)
+
+# Entry kinds in the tiers: a full block's pages, a checkpoint, a checkpoint index.
+BLOCK, CHECKPOINT, INDEX = "b", "c", "i"
+
+
+class UnsupportedLayout(ValueError):
+    """A model or KV layout the connector does not understand (raised at construction)."""
+
+
+def _bytes(v: Any) -> int:
+    if isinstance(v, int):
+        return v
+    s = str(v).strip()
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40, "B": 1}
+    for u, m in units.items():
+        if s.endswith(u):
+            return int(float(s[: -len(u)]) * m)
+    return int(s)
+
+
+# --------------------------------------------------------------------------- the layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One KV cache group as the connector moves it."""
+
+    idx: int
+    role: str  # "full" (prefix blocks), "window" (checkpointed window), "ring" (one block)
+    block_size: int  # tokens per block of this group
+    window: int  # sliding window in tokens (window groups)
+    layers: tuple[str, ...]
+    page_bytes: tuple[int, ...]  # per layer
+    spec_kind: str
+    spec_window: int | None
+
+
+def _layer_specs(spec) -> list:
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return list(spec.kv_cache_specs.values())
+    return [spec]
+
+
+def _classify(idx: int, spec) -> tuple[str, int]:
+    """The role of a group's spec, or UnsupportedLayout naming the group and the spec."""
+    inner = _layer_specs(spec)
+    kinds = set()
+    window = 0
+    for s in inner:
+        if isinstance(s, CircularBufferSpec):
+            kinds.add("ring")
+        elif isinstance(s, SlidingWindowMLASpec):
+            kinds.add("window")
+            window = max(window, s.sliding_window)
+        elif isinstance(s, (MLAAttentionSpec, FullAttentionSpec)) and type(s).__name__ in (
+            "MLAAttentionSpec",
+            "FullAttentionSpec",
+        ):
+            kinds.add("full")
+        else:
+            raise UnsupportedLayout(
+                f"v4pool.vllm: KV cache group {idx} has spec {type(s).__name__} ({s!r}), which "
+                "the connector does not restore (DeepSeek-V4 groups are MLAAttentionSpec, "
+                "SlidingWindowMLASpec and CircularBufferSpec)"
+            )
+    if len(kinds) != 1:
+        raise UnsupportedLayout(
+            f"v4pool.vllm: KV cache group {idx} mixes spec kinds {sorted(kinds)} ({spec!r})"
+        )
+    return kinds.pop(), window
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    model: str
+    groups: tuple[Group, ...]
+    block: int  # the hash block: the scheduler's block (LCM of the groups' block sizes)
+    layout_id: str
+
+    @staticmethod
+    def of(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> "Layout":
+        hf = vllm_config.model_config.hf_config
+        model_type = getattr(hf, "model_type", None)
+        if model_type not in MODEL_TYPES:
+            raise UnsupportedLayout(
+                f"v4pool.vllm: model type {model_type!r} is not one the connector restores "
+                f"({', '.join(MODEL_TYPES)})"
+            )
+        groups = []
+        for idx, g in enumerate(kv_cache_config.kv_cache_groups):
+            role, window = _classify(idx, g.kv_cache_spec)
+            spec = g.kv_cache_spec
+            per_layer = (
+                spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs) else None
+            )
+            pages = tuple(
+                (per_layer[n] if per_layer else spec).page_size_bytes for n in g.layer_names
+            )
+            kind = get_kv_cache_spec_kind(spec).value
+            groups.append(
+                Group(
+                    idx=idx,
+                    role=role,
+                    block_size=spec.block_size,
+                    window=window,
+                    layers=tuple(g.layer_names),
+                    page_bytes=pages,
+                    spec_kind=kind,
+                    spec_window=window or None,
+                )
+            )
+        block = 1
+        for g in groups:
+            if g.role != "ring":
+                block = math.lcm(block, g.block_size)
+        for g in groups:
+            if g.role != "ring" and block % g.block_size:
+                raise UnsupportedLayout(f"v4pool.vllm: group {g.idx} block {g.block_size}")
+        name = getattr(vllm_config.model_config, "served_model_name", None) or getattr(
+            vllm_config.model_config, "model", "?"
+        )
+        # The scheduler's KVCacheConfig holds one representative spec per group
+        # (generate_scheduler_kv_cache_config), the workers' the per-layer specs: the id is
+        # made of what both see. Per-layer pages differing under one id still cannot mix:
+        # an entry of another length is a miss.
+        desc = ";".join(
+            f"{g.idx}:{g.role}:{g.spec_kind}:bs{g.block_size}:w{g.window}:"
+            f"p{_layer_specs(kv_cache_config.kv_cache_groups[g.idx].kv_cache_spec)[0].page_size_bytes}:"
+            + ",".join(g.layers)
+            for g in groups
+        )
+        layout_id = f"vllm-{VLLM_VERSION}|{model_type}|block{block}|{desc}"
+        return Layout(model=f"{model_type}:{name}", groups=tuple(groups), block=block,
+                      layout_id=layout_id)
+
+    def block_span(self, g: Group, start: int, end: int) -> range:
+        """Group-block indices holding tokens [start, end)."""
+        return range(start // g.block_size, -(-end // g.block_size))
+
+    def checkpoint_span(self, g: Group, pos: int) -> range:
+        """Group-block indices a checkpoint at ``pos`` holds for group ``g``."""
+        if g.role == "full":
+            return self.block_span(g, pos - pos % self.block, pos)
+        if g.role == "window":
+            return self.block_span(g, max(0, pos - g.window), pos)
+        return range(0, 1)
+
+
+# ------------------------------------------------------------------------ the tiers
+
+
+class Tiers:
+    """The host tier and the shared tier, each optional; any failure is a miss."""
+
+    def __init__(self, layout: Layout, extra: dict):
+        self.tiers: list[tuple[str, Any]] = []
+        for medium, dkey, bkey, default_bytes in (
+            ("cpu", "host_dir", "host_bytes", 8 << 30),
+            ("shared", "shared_dir", "shared_bytes", 64 << 30),
+        ):
+            root = extra.get(dkey)
+            if not root:
+                continue
+            try:
+                tier = v4pool.EntryTier(
+                    str(root), layout.layout_id, _bytes(extra.get(bkey, default_bytes)),
+                    sync=bool(extra.get("sync", False)),
+                )
+            except Exception as e:  # a tier that cannot open: vLLM serves on misses
+                logger.warning("v4pool.vllm: %s tier %s unusable: %s", medium, root, e)
+                continue
+            self.tiers.append((medium, tier))
+        self.lock = threading.Lock()
+
+    def where(self, kind: str, key: int) -> str | None:
+        for medium, t in self.tiers:
+            try:
+                if t.contains(kind, key):
+                    return medium
+            except Exception:
+                continue
+        return None
+
+    def put(self, kind: str, key: int, parts: list[torch.Tensor]) -> bool:
+        ok = False
+        for medium, t in self.tiers:
+            try:
+                t.put(kind, key, parts)
+                ok = True
+            except Exception as e:
+                logger.warning("v4pool.vllm: %s tier put failed: %s", medium, e)
+        return ok
+
+    def get_into(self, kind: str, key: int, dst: torch.Tensor) -> bool:
+        for _, t in self.tiers:
+            try:
+                if t.get_into(kind, key, dst):
+                    return True
+            except Exception:
+                continue
+        return False
+
+    def read_index(self, key: int) -> list[int]:
+        for _, t in self.tiers:
+            try:
+                n = t.size(INDEX, key)
+                if not n or n % 4:
+                    continue
+                buf = torch.empty(n, dtype=torch.uint8)
+                if t.get_into(INDEX, key, buf):
+                    return buf.view(torch.int32).tolist()
+            except Exception:
+                continue
+        return []
+
+    def add_index(self, key: int, tail: int) -> None:
+        # Read-modify-write: a racing writer may drop one tail, which only costs a hit.
+        tails = sorted(set(self.read_index(key)) | {tail})
+        self.put(INDEX, key, [torch.tensor(tails, dtype=torch.int32).view(torch.uint8)])
+
+
+_BENCH_SHARED: dict[str, dict] = {}
+
+
+class IndexOnlyTiers:
+    """For benches/vllm_trace.py only (``bench_index_only``): the tier's keys and byte sizes
+    without bytes, in one LRU of ``host_bytes``, shareable between scheduler objects of one
+    process (a fleet's shared tier: pass the same dict). Saves are accounted when planned."""
+
+    def __init__(self, capacity: int, shared: "dict | None" = None):
+        import collections
+
+        st = shared if shared is not None else {}
+        st.setdefault("lru", collections.OrderedDict())
+        st.setdefault("index", {})
+        st.setdefault("used", [0])
+        self.store, self.index, self.used = st["lru"], st["index"], st["used"]
+        self.capacity = capacity
+        self.tiers = [("cpu", None)]
+
+    def where(self, kind, key):
+        if (kind, key) in self.store:
+            self.store.move_to_end((kind, key))
+            return "cpu"
+        return None
+
+    def add(self, kind, key, nbytes):
+        if (kind, key) in self.store:
+            return
+        self.store[(kind, key)] = nbytes
+        self.used[0] += nbytes
+        while self.used[0] > self.capacity and self.store:
+            _, n = self.store.popitem(last=False)
+            self.used[0] -= n
+
+    def read_index(self, key):
+        return list(self.index.get(key, ()))
+
+    def add_index(self, key, tail):
+        self.index[key] = tuple(sorted(set(self.index.get(key, ())) | {tail}))
+
+
+# ------------------------------------------------------------------- the metadata
+
+
+@dataclasses.dataclass
+class Transfer:
+    """One entry moved between the tiers and vLLM's blocks: for each group, the block ids
+    in body order (NULL_BLOCK: a page the body holds that this load does not write)."""
+
+    kind: str
+    key: int
+    blocks: list[tuple[int, list[int]]]
+    req_id: str
+    pos: int = 0  # checkpoint position / block end (for events)
+    block_index: int = -1  # full blocks: the block's index in the request
+    index_key: int = 0  # checkpoints: the index entry listing the tails after its block
+
+
+@dataclasses.dataclass
+class V4PoolMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = dataclasses.field(default_factory=list)
+    saves: list[Transfer] = dataclasses.field(default_factory=list)
+    # Requests whose finish-time saves are in this step (reported by get_finished).
+    finishing: list[str] = dataclasses.field(default_factory=list)
+
+
+# ------------------------------------------------------------------- the connector
+
+
+@dataclasses.dataclass
+class _Hit:
+    length: int
+    full_blocks: int  # whole hash blocks loaded from 'b' entries
+    ckpt_key: int
+    local: int  # tokens vLLM's own prefix cache already holds
+
+
+class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
+    """See the module docs."""
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "KVCacheConfig | None" = None,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise UnsupportedLayout("v4pool.vllm needs the KVCacheConfig (vLLM >= 0.34)")
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.layout = Layout.of(vllm_config, kv_cache_config)
+        self.ns = v4pool.namespace_of(self.layout.model + "|" + self.layout.layout_id)
+        self.index_only = extra.get("bench_index_only")
+        if self.index_only is not None:
+            # A name shares one index-only tier between the schedulers of one process.
+            shared = (_BENCH_SHARED.setdefault(self.index_only, {})
+                      if isinstance(self.index_only, str) else None)
+            self.tiers = IndexOnlyTiers(_bytes(extra.get("host_bytes", 8 << 30)), shared)
+        else:
+            self.tiers = Tiers(self.layout, extra)
+        self.checkpoint_every_step = bool(extra.get("checkpoint_every_step", False))
+        # Checkpoints inside a prefill chunk, every this many tokens (a multiple of the hash
+        # block; 0: none). The window and state rows of every position of a chunk are in
+        # vLLM's blocks until the next step frees the ones out of the window (V4); V4.1's
+        # ring holds only the chunk's end, so it takes checkpoints at chunk ends only.
+        every = int(extra.get("checkpoint_every", 0))
+        if every % self.layout.block:
+            raise UnsupportedLayout(
+                f"v4pool.vllm: checkpoint_every {every} is not a multiple of the block {self.layout.block}")
+        if any(g.role == "ring" for g in self.layout.groups):
+            every = 0
+        self.checkpoint_every = every
+        # Scheduler state.
+        self._requests: dict[str, "Request"] = {}
+        self._hits: dict[str, _Hit] = {}
+        self._pending_loads: list[Transfer] = []
+        self._pending_saves: list[Transfer] = []
+        self._finishing: list[str] = []
+        self._saved_pos: dict[str, int] = {}
+        self._events: list[BlockStored] = []
+        self.stats = {"lookups": 0, "hit_tokens": 0, "hits": 0, "saved_entries": 0}
+        # Worker state.
+        self._pages: dict[str, torch.Tensor] = {}
+        self._load_errors: set[int] = set()
+        self._finished_saving: set[str] = set()
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def _hashes(self, tokens: list[int]) -> list[int]:
+        return v4pool.chain_block_hashes(self.ns, list(tokens), self.layout.block)
+
+    def _tail_key(self, tokens: list[int], j: int, t: int, hashes: list[int]) -> int:
+        B = self.layout.block
+        parent = hashes[j - 1] if j > 0 else None
+        return v4pool.tail_hash(self.ns, list(tokens[j * B : j * B + t]), parent)
+
+    def _index_key(self, j: int, hashes: list[int]) -> int:
+        return v4pool.tail_hash(self.ns, [], hashes[j - 1] if j > 0 else None)
+
+    def lookup(self, tokens: list[int], limit: int) -> tuple[int, int, int]:
+        """The longest stored hit of ``tokens`` no longer than ``limit``:
+        (length, whole blocks, checkpoint key); (0, 0, 0) when none."""
+        B = self.layout.block
+        hashes = self._hashes(tokens[: limit - limit % B] if limit >= B else [])
+        k = 0
+        while k < len(hashes) and self.tiers.where(BLOCK, hashes[k]):
+            k += 1
+        for j in range(k, -1, -1):
+            tails = [t for t in self.tiers.read_index(self._index_key(j, hashes))
+                     if 0 <= t < B and j * B + t <= limit and j * B + t > 0]
+            for t in sorted(tails, reverse=True):
+                key = self._tail_key(tokens, j, t, hashes)
+                if self.tiers.where(CHECKPOINT, key):
+                    return j * B + t, j, key
+        return 0, 0, 0
+
+    def on_new_request(self, request: "Request") -> None:
+        self._requests[request.request_id] = request
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
+        self._requests[request.request_id] = request
+        self.stats["lookups"] += 1
+        tokens = list(request.prompt_token_ids or [])
+        # vLLM computes at least the last prompt token itself.
+        limit = len(tokens) - 1
+        length, full, key = self.lookup(tokens, limit)
+        if length <= num_computed_tokens:
+            return 0, False
+        self._hits[request.request_id] = _Hit(length, full, key, num_computed_tokens)
+        return length - num_computed_tokens, False
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        # Every group is restored: compressed, indexer, windows, state, ring.
+        return tuple(g.idx for g in self.layout.groups)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int):
+        hit = self._hits.pop(request.request_id, None)
+        if num_external_tokens == 0 or hit is None:
+            return
+        assert hit.length == hit.local + num_external_tokens, (hit, num_external_tokens)
+        ids = blocks.get_block_ids()
+        B = self.layout.block
+        tokens = list(request.prompt_token_ids or [])
+        hashes = self._hashes(tokens[: hit.full_blocks * B])
+        rid = request.request_id
+        first = hit.local // B  # whole blocks vLLM's own cache already holds
+        for i in range(first, hit.full_blocks):
+            plan = []
+            for g in self.layout.groups:
+                if g.role == "full":
+                    plan.append((g.idx, [ids[g.idx][b] for b in self.layout.block_span(g, i * B, (i + 1) * B)]))
+            self._pending_loads.append(Transfer(BLOCK, hashes[i], plan, rid, (i + 1) * B, i))
+        plan = []
+        for g in self.layout.groups:
+            span = self.layout.checkpoint_span(g, hit.length)
+            own = ids[g.idx]
+            out = []
+            for b in span:
+                bid = own[b] if b < len(own) else NULL_BLOCK
+                # Never write a block vLLM's prefix cache lent this request.
+                if g.role != "ring" and b * g.block_size < hit.local:
+                    bid = NULL_BLOCK
+                out.append(bid)
+            plan.append((g.idx, out))
+        self._pending_loads.append(Transfer(CHECKPOINT, hit.ckpt_key, plan, rid, hit.length))
+        self.stats["hits"] += 1
+        self.stats["hit_tokens"] += num_external_tokens
+
+    def _plan_saves(self, request: "Request", pos: int, block_ids,
+                    ckpts: "list[int] | None" = None) -> list[Transfer]:
+        """Saves of the request's state at ``pos`` computed tokens: the whole blocks not yet
+        stored and checkpoints (with their index entries) at ``ckpts`` (default ``[pos]``);
+        each checkpoint position must be one whose window and state rows are still in the
+        blocks: within the step that computed it."""
+        B = self.layout.block
+        rid = request.request_id
+        tokens = list(request.all_token_ids[:pos])
+        hashes = self._hashes(tokens)
+        out = []
+        for i, h in enumerate(hashes):
+            if self.tiers.where(BLOCK, h):
+                continue
+            plan = []
+            for g in self.layout.groups:
+                if g.role == "full":
+                    plan.append((g.idx, [block_ids[g.idx][b] for b in self.layout.block_span(g, i * B, (i + 1) * B)]))
+            if any(b == NULL_BLOCK for _, bs in plan for b in bs):
+                break
+            out.append(Transfer(BLOCK, h, plan, rid, (i + 1) * B, i))
+        for q in (ckpts if ckpts is not None else [pos]):
+            j, t = divmod(q, B)
+            key = self._tail_key(tokens, j, t, hashes)
+            if self.tiers.where(CHECKPOINT, key):
+                continue
+            plan = []
+            for g in self.layout.groups:
+                own = block_ids[g.idx]
+                bs = [own[b] if b < len(own) else NULL_BLOCK for b in self.layout.checkpoint_span(g, q)]
+                plan.append((g.idx, bs))
+            # A checkpoint lacking a page (freed, never allocated) is not saved.
+            if not any(b == NULL_BLOCK for _, bs in plan for b in bs):
+                out.append(Transfer(CHECKPOINT, key, plan, rid, q, index_key=self._index_key(j, hashes)))
+        return out
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = V4PoolMetadata(loads=self._pending_loads, saves=self._pending_saves,
+                              finishing=self._finishing)
+        self._pending_loads, self._pending_saves, self._finishing = [], [], []
+        n_finish = len(meta.saves)  # noted when request_finished_all_groups planned them
+        mgr = self._kv_cache_manager
+        for rid in scheduler_output.num_scheduled_tokens:
+            req = self._requests.get(rid)
+            if req is None or mgr is None:
+                continue
+            pos = req.num_computed_tokens  # already advanced past this step's chunk
+            start = pos - scheduler_output.num_scheduled_tokens[rid]
+            if pos > req.num_prompt_tokens or pos <= self._saved_pos.get(rid, 0):
+                continue
+            # Checkpoints where this step's rows still hold the state: every
+            # checkpoint_every tokens inside the chunk, the chunk's end on request, the
+            # prompt's end always.
+            ck = []
+            if self.checkpoint_every:
+                e = self.checkpoint_every
+                ck = list(range((start // e + 1) * e, pos + 1, e))
+            if (pos == req.num_prompt_tokens or self.checkpoint_every_step) and pos not in ck:
+                ck.append(pos)
+            if not ck:
+                continue
+            self._saved_pos[rid] = pos
+            meta.saves.extend(self._plan_saves(req, pos, mgr.get_block_ids(rid), ck))
+        self._note_saves(meta.saves[n_finish:])
+        return meta
+
+    def _note_saves(self, saves: list[Transfer]) -> None:
+        B = self.layout.block
+        if self.index_only is not None:
+            for s in saves:
+                n = sum(len(ids) * sum(self.layout.groups[g].page_bytes) for g, ids in s.blocks)
+                self.tiers.add(s.kind, s.key, n)
+                if s.kind == CHECKPOINT:
+                    self.tiers.add_index(s.index_key, s.pos % B)
+            self.stats["saved_entries"] += len(saves)
+            self.stats["saved_bytes"] = self.stats.get("saved_bytes", 0) + sum(
+                len(ids) * sum(self.layout.groups[g].page_bytes) for s in saves for g, ids in s.blocks)
+            return
+        for s in saves:
+            self.stats["saved_entries"] += 1
+            if s.kind != BLOCK:
+                continue
+            req = self._requests.get(s.req_id)
+            toks = list(req.all_token_ids[s.block_index * B:(s.block_index + 1) * B]) if req else []
+            for g in self.layout.groups:
+                if g.role != "full":
+                    continue
+                self._events.append(BlockStored(
+                    # 16 bytes: a 128-bit int does not fit the events' msgpack wire.
+                    block_hashes=[s.key.to_bytes(16, "little")], parent_block_hash=None, token_ids=toks,
+                    block_size=B, lora_id=None, medium=self.tiers.tiers[0][0] if self.tiers.tiers else None,
+                    lora_name=None, group_idx=g.idx, kv_cache_spec_kind=g.spec_kind,
+                    kv_cache_spec_sliding_window=g.spec_window,
+                ))
+
+    def request_finished(self, request: "Request", block_ids: list[int]):
+        return False, None
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]):
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        pos = request.num_computed_tokens
+        saved = self._saved_pos.pop(rid, 0)
+        self._hits.pop(rid, None)
+        if pos <= 0 or pos <= saved or not self.tiers.tiers:
+            return False, None
+        saves = self._plan_saves(request, pos, block_ids)
+        if not saves:
+            return False, None
+        self._note_saves(saves)
+        if self.index_only is not None:
+            return False, None
+        self._pending_saves.extend(saves)
+        self._finishing.append(rid)
+        # The blocks stay until the worker reports the saves done (get_finished).
+        return True, None
+
+    def take_events(self) -> Iterable[BlockStored]:
+        ev, self._events = self._events, []
+        return ev
+
+    # ------------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        """Map every layer to a [blocks, page_bytes] uint8 view of the backing allocation:
+        the placement (offset, layer stride, block stride) from the KVCacheConfig's
+        KVCacheTensor, the page from the group's spec; the layer's own tensor must start
+        exactly there (a layout that disagrees is refused, nothing is guessed)."""
+        cfg = self._kv_cache_config
+        page_of = {n: p for g in self.layout.groups for n, p in zip(g.layers, g.page_bytes)}
+        group_of = {n: g.idx for g in self.layout.groups for n in g.layers}
+        for kt in cfg.kv_cache_tensors:
+            nblocks = cfg.num_blocks_of(kt) if hasattr(cfg, "num_blocks_of") else cfg.num_blocks
+            for l, name in enumerate(kt.layers):
+                if name not in page_of:
+                    continue
+                t = kv_caches.get(name)
+                if t is None:
+                    raise UnsupportedLayout(f"v4pool.vllm: no KV tensor for layer {name}")
+                page = page_of[name]
+                start = kt.offset + l * kt.layer_stride
+                storage = t.untyped_storage()
+                if t.data_ptr() != storage.data_ptr() + start:
+                    raise UnsupportedLayout(
+                        f"v4pool.vllm: layer {name} (group {group_of[name]}): tensor at +"
+                        f"{t.data_ptr() - storage.data_ptr()} B, the KVCacheTensor places it at "
+                        f"+{start} B (block stride {kt.block_stride}, page {page})")
+                self._pages[name] = page_view(t, start, nblocks, kt.block_stride, page)
+        missing = [n for n in page_of if n not in self._pages]
+        if missing:
+            raise UnsupportedLayout(f"v4pool.vllm: layers without a KVCacheTensor: {missing[:4]}")
+        self._copier = SlabCopier({g.idx: [self._pages[n] for n in g.layers] for g in self.layout.groups})
+
+    def _save(self, tr: Transfer) -> bool:
+        ok = self.tiers.put(tr.kind, tr.key, [self._copier.gather(tr.blocks)])
+        if ok and tr.kind == CHECKPOINT:
+            self.tiers.add_index(tr.index_key, tr.pos % self.layout.block)
+        return ok
+
+    def _load(self, tr: Transfer) -> bool:
+        staging = torch.empty(self._copier.body_len(tr.blocks), dtype=torch.uint8)
+        # Only a whole entry of this layout and of the planned length reaches vLLM's blocks.
+        if not self.tiers.get_into(tr.kind, tr.key, staging):
+            return False
+        self._copier.scatter(tr.blocks, staging)
+        return True
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, V4PoolMetadata)
+        for tr in meta.loads:
+            if not self._load(tr):
+                # The scheduler counted these tokens; vLLM recomputes them.
+                for _, ids in tr.blocks:
+                    self._load_errors.update(b for b in ids if b != NULL_BLOCK)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
+        return
+
+    def wait_for_save(self):
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, V4PoolMetadata)
+        for tr in meta.saves:
+            self._save(tr)
+        self._finished_saving.update(meta.finishing)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        done, self._finished_saving = self._finished_saving, set()
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs

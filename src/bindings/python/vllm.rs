@@ -1,0 +1,193 @@
+//! What `v4pool.vllm` (the vLLM KV connector, `python/v4pool/vllm.py`) needs from the library:
+//! v4pool's chained block hashes (`manager::hash`) and an [`EntryDir`] tier that copies
+//! whole entries out of and into CPU `uint8` tensors taken through DLPack. A translation
+//! only: the tier's rules live in `transfer::entry_dir`.
+
+use super::dlpack::DL_CPU;
+use super::tensor::tensor;
+use super::{error, lib_err};
+use crate::manager::hash::{block_hash, chain_hashes, BlockHash, Namespace};
+use crate::transfer::entry_dir::{EntryDir, Lookup};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+/// DLPack's unsigned-integer type code.
+const DL_UINT: u8 = 1;
+
+/// The namespace of a label (`Namespace::from_label`): the model, the layout, an adapter.
+#[pyfunction]
+fn namespace_of(label: &str) -> u128 {
+    Namespace::from_label(label).0
+}
+
+/// The chained hashes of every full `block`-token block of `tokens` in namespace `ns`
+/// (from `namespace_of`), after `parent`.
+#[pyfunction]
+#[pyo3(signature = (ns, tokens, block, parent=None))]
+fn chain_block_hashes(
+    py: Python<'_>,
+    ns: u128,
+    tokens: Vec<u32>,
+    block: usize,
+    parent: Option<u128>,
+) -> PyResult<Vec<u128>> {
+    if block == 0 {
+        return Err(error("BadBlock", "block of 0 tokens".into()));
+    }
+    Ok(py.detach(|| {
+        chain_hashes(Namespace(ns), parent.map(BlockHash), &tokens, block).into_iter().map(|h| h.0).collect()
+    }))
+}
+
+/// The hash of `tokens` (any count, a partial tail included) after `parent` in `ns`.
+#[pyfunction]
+#[pyo3(signature = (ns, tokens, parent=None))]
+fn tail_hash(ns: u128, tokens: Vec<u32>, parent: Option<u128>) -> u128 {
+    block_hash(Namespace(ns), parent.map(BlockHash), &tokens).0
+}
+
+fn kind_of(kind: &str) -> PyResult<char> {
+    let mut c = kind.chars();
+    match (c.next(), c.next()) {
+        (Some(k), None) => Ok(k),
+        _ => Err(error("BadKind", format!("entry kind {kind:?} is not one letter"))),
+    }
+}
+
+/// The address and length of a C-contiguous CPU `uint8` tensor of any shape.
+fn cpu_u8(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<(usize, usize)> {
+    let t = tensor(obj, name)?;
+    let len = t.contiguous(name, DL_UINT, 8, &t.shape.clone())?;
+    let len = usize::try_from(len).map_err(|_| error("BadTensor", format!("{name}: too large")))?;
+    if len > 0 && t.device.device_type != DL_CPU {
+        return Err(error(
+            "BadTensor",
+            format!("{name}: device type {} is not the CPU", t.device.device_type),
+        ));
+    }
+    let ptr = usize::try_from(t.ptr).map_err(|_| error("BadTensor", format!("{name}: address")))?;
+    Ok((ptr, len))
+}
+
+/// `EntryTier(root, layout, budget_bytes, sync=False)`: whole checksummed entries keyed by a
+/// kind letter and a 128-bit hash, in `root/v4pool-entries-1/<layout digest>/`. `put` stores
+/// the concatenation of CPU `uint8` tensors; `get_into` fills one such tensor only when the
+/// entry is whole, of this layout and of exactly the tensor's length (else `False`: a miss).
+#[pyclass(module = "v4pool", name = "EntryTier")]
+pub struct PyEntryTier {
+    inner: Mutex<EntryDir>,
+    root: PathBuf,
+}
+
+#[pymethods]
+impl PyEntryTier {
+    #[new]
+    #[pyo3(signature = (root, layout, budget_bytes, sync=false))]
+    fn new(root: PathBuf, layout: &str, budget_bytes: u64, sync: bool) -> PyResult<Self> {
+        let inner = EntryDir::open(&root, layout, budget_bytes, sync).map_err(lib_err)?;
+        Ok(PyEntryTier { inner: Mutex::new(inner), root })
+    }
+
+    /// Whether an entry file exists (a read may still miss).
+    fn contains(&self, kind: &str, hash: u128) -> PyResult<bool> {
+        let k = kind_of(kind)?;
+        Ok(self.lock()?.contains(k, hash))
+    }
+
+    /// The body length the entry's header claims, or None.
+    fn size(&self, kind: &str, hash: u128) -> PyResult<Option<u64>> {
+        let k = kind_of(kind)?;
+        Ok(self.lock()?.body_len(k, hash))
+    }
+
+    /// Publish the concatenation of `parts` (C-contiguous CPU uint8 tensors) under the key.
+    fn put(&self, py: Python<'_>, kind: &str, hash: u128, parts: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
+        let k = kind_of(kind)?;
+        let mut descs = Vec::with_capacity(parts.len());
+        for (i, p) in parts.iter().enumerate() {
+            descs.push(cpu_u8(p, &format!("parts[{i}]"))?);
+        }
+        // The parts stay alive (the caller's list holds them) for the whole call.
+        let slices: Vec<&[u8]> = descs
+            .iter()
+            .map(|&(ptr, len)| {
+                if len == 0 {
+                    &[][..]
+                } else {
+                    // SAFETY: torch described `len` contiguous bytes at `ptr` on the CPU
+                    // (checked above); `parts` keeps the tensors alive through this call and
+                    // only this read touches them while the GIL is released.
+                    unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }
+                }
+            })
+            .collect();
+        py.detach(|| self.lock().and_then(|mut d| d.put(k, hash, &slices).map_err(lib_err)))
+    }
+
+    /// Fill `dst` (a C-contiguous CPU uint8 tensor) with the entry's whole body; `False` on a
+    /// miss (absent, corrupt, truncated, foreign, another length), when `dst` must be ignored.
+    fn get_into(&self, py: Python<'_>, kind: &str, hash: u128, dst: Bound<'_, PyAny>) -> PyResult<bool> {
+        let k = kind_of(kind)?;
+        let (ptr, len) = cpu_u8(&dst, "dst")?;
+        let out: &mut [u8] = if len == 0 {
+            &mut []
+        } else {
+            // SAFETY: torch described `len` contiguous writable CPU bytes at `ptr`; `dst` is held
+            // for the whole call and nothing else touches it while the GIL is released.
+            unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) }
+        };
+        py.detach(|| self.lock().map(|mut d| d.get_into(k, hash, out) == Lookup::Hit))
+    }
+
+    /// Remove an entry; whether one was there.
+    fn remove(&self, kind: &str, hash: u128) -> PyResult<bool> {
+        let k = kind_of(kind)?;
+        Ok(self.lock()?.remove(k, hash))
+    }
+
+    /// The counters (this process) and the directory's estimated bytes.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let inner = self.lock()?;
+        let s = inner.stats();
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("puts", s.puts),
+            ("put_bytes", s.put_bytes),
+            ("hits", s.hits),
+            ("absent", s.absent),
+            ("corrupt", s.corrupt),
+            ("foreign", s.foreign),
+            ("evicted", s.evicted),
+            ("put_errors", s.put_errors),
+            ("used_bytes", inner.used_bytes()),
+        ] {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
+    /// The folder this layout's entries live in.
+    fn layout_dir(&self) -> PyResult<PathBuf> {
+        Ok(self.lock()?.layout_dir().to_path_buf())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("EntryTier({:?})", self.root)
+    }
+}
+
+impl PyEntryTier {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, EntryDir>> {
+        self.inner.lock().map_err(|_| error("Poisoned", "the tier's lock was poisoned".into()))
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(namespace_of, m)?)?;
+    m.add_function(wrap_pyfunction!(chain_block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(tail_hash, m)?)?;
+    m.add_class::<PyEntryTier>()?;
+    Ok(())
+}
