@@ -192,6 +192,12 @@ impl PyKvManager {
         Ok(self.lock()?.block_size())
     }
 
+    /// What the pool's rows are (`KvManager::kv_spec`), the dict `Pool.kv_spec` gives.
+    #[getter]
+    fn kv_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        super::kv_spec_dict(py, self.lock()?.kv_spec())
+    }
+
     /// `"elastic"` or `"fixed"`.
     #[getter]
     fn policy(&self) -> PyResult<&'static str> {
