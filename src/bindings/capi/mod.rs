@@ -388,6 +388,8 @@ pub unsafe extern "C" fn v4pool_plan_info(
         let p = &get(plan, "plan")?.report.plan;
         let widths = p.layout.widths();
         let m = &p.layout.model;
+        // The window, top-k and MTP steps are the spec's: what a decode capacity's 0 takes.
+        let kv = p.kv_spec().map_err(rejected)?;
         write_out(
             out_info,
             "out_info",
@@ -399,10 +401,10 @@ pub unsafe extern "C" fn v4pool_plan_info(
                 num_planes: widths.len() as u32,
                 plane_widths: [widths[0], widths.get(1).copied().unwrap_or(0)],
                 block_size: m.block_size,
-                sliding_window: m.sliding_window,
+                sliding_window: i64::from(kv.window()),
                 ring_slots: m.ring_slots(),
-                index_topk: m.index_topk,
-                spec_steps: m.spec_steps,
+                index_topk: i64::from(kv.index_topk()),
+                spec_steps: kv.spec_steps(),
                 total_bytes: p.total_bytes,
             },
         )?;
