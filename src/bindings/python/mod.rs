@@ -63,6 +63,17 @@ pub struct Plan {
     fields: Py<PyDict>,
 }
 
+/// A new dict of `key => value` pairs (`?` on each insert): the binding's record-shaped returns
+/// (counts, capacities, stats) in one form.
+macro_rules! py_dict {
+    ($py:expr, { $($key:literal => $value:expr),* $(,)? }) => {{
+        let d = pyo3::types::PyDict::new($py);
+        $(d.set_item($key, $value)?;)*
+        d
+    }};
+}
+pub(crate) use py_dict;
+
 /// A JSON value as Python's `json.loads` makes it (dicts, lists, ints, strings, `None`).
 pub(crate) fn py_json<'py>(py: Python<'py>, value: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
     py.import("json")?.call_method1("loads", (value.to_string(),))

@@ -474,14 +474,14 @@ impl PyPool {
     /// Allocator counts now.
     fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.pool().counts().map_err(lib_err)?;
-        let d = PyDict::new(py);
-        d.set_item("num_blocks", c.num_blocks)?;
-        d.set_item("num_slots", c.num_slots)?;
-        d.set_item("free_blocks", c.free_blocks)?;
-        d.set_item("free_slots", c.free_slots)?;
-        d.set_item("max_blocks", c.max_blocks)?;
-        d.set_item("slot_positions", c.slot_positions)?;
-        Ok(d)
+        Ok(super::py_dict!(py, {
+            "num_blocks" => c.num_blocks,
+            "num_slots" => c.num_slots,
+            "free_blocks" => c.free_blocks,
+            "free_slots" => c.free_slots,
+            "max_blocks" => c.max_blocks,
+            "slot_positions" => c.slot_positions,
+        }))
     }
 
     /// Live slot positions `(first, end)` at the current split.
@@ -719,13 +719,13 @@ const I32: &str = "<i4";
 
 /// A decode capacity as `Decode.capacity()` / `Forward.capacity()` return it.
 pub(super) fn capacity_dict<'py>(py: Python<'py>, c: &DecodeCapacity) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("max_seqs", c.max_seqs)?;
-    d.set_item("max_tokens", c.max_tokens)?;
-    d.set_item("max_blocks_per_seq", c.max_blocks_per_seq)?;
-    d.set_item("win", c.win)?;
-    d.set_item("index_topk", c.index_topk)?;
-    Ok(d)
+    Ok(super::py_dict!(py, {
+        "max_seqs" => c.max_seqs,
+        "max_tokens" => c.max_tokens,
+        "max_blocks_per_seq" => c.max_blocks_per_seq,
+        "win" => c.win,
+        "index_topk" => c.index_topk,
+    }))
 }
 
 /// Decode index buffers of one pool: `stage` a batch, `build` on a stream (capturable),
