@@ -306,11 +306,12 @@ typedef struct V4poolDecodeCapacity {
    */
   uint64_t max_blocks_per_seq;
   /**
-   * Sliding window.
+   * Sliding window; 0: the pool's (its plan's model's, `V4poolPlanInfo::sliding_window`).
    */
   int32_t win;
   /**
-   * CSA top-k reserved per token.
+   * CSA top-k reserved per token; 0: the pool's (its plan's model's,
+   * `V4poolPlanInfo::index_topk`).
    */
   int32_t index_topk;
 } V4poolDecodeCapacity;
@@ -649,7 +650,8 @@ enum V4poolStatus v4pool_pool_write_plane(const struct V4poolPool *pool,
                                           size_t len);
 
 /**
- * Decode index buffers for `pool` sized for `cap`.
+ * Decode index buffers for `pool` sized for `cap` (`cap->win` / `cap->index_topk` 0: the
+ * pool's spec's window / top-k, the model's).
  *
  * # Safety
  * `pool` is live; `cap` readable; `out_decode` writable.
@@ -659,7 +661,8 @@ enum V4poolStatus v4pool_decode_new(const struct V4poolPool *pool,
                                     struct V4poolDecode **out_decode);
 
 /**
- * Decode index buffers for `pool` sized for `cap`, in FlashMLA's convention (index-buffers.md
+ * Decode index buffers for `pool` sized for `cap` (0 for the window or top-k: the pool's spec's),
+ * in FlashMLA's convention (index-buffers.md
  * §3f: the build and `v4pool_decode_csa_pack` write FlashMLA's operands, read with
  * `v4pool_decode_flashmla`) at `widths` (null: the narrowest the capacity allows).
  *

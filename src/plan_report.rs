@@ -8,7 +8,9 @@
 
 use crate::checkpoint::{layout_id, CheckpointError, CheckpointLayout};
 use crate::model::{DraftMode, Drafts, ModelError, ModelShape};
-use crate::sizing::{default_dtypes, plan, GpuArch, IndexerDtype, KvDtype, Plan, PlanRequest, SizingError};
+use crate::sizing::{
+    default_dtypes, plan, GpuArch, IndexerDtype, KvDtype, KvSpec, Plan, PlanRequest, SizingError,
+};
 use crate::variant::VariantName;
 use serde_json::json;
 use thiserror::Error;
@@ -82,6 +84,10 @@ impl PlanReport {
             "kv_bytes_per_token": p.layout.kv.row_format().format().bytes_per_token(),
             "compressed_row_bytes": p.layout.kv.compressed_row_bytes(),
             "capacity_by_format": self.capacity_json(),
+            // The spec the pool carries (`Pool::kv_spec`): what every capacity, path and binding
+            // default comes from. `null` only if the plan's dtypes cannot be read on its arch
+            // (the plan itself would have been refused).
+            "kv_spec": p.kv_spec().ok().map(|k| kv_spec_json(&k)),
         })
     }
 
@@ -109,6 +115,27 @@ impl PlanReport {
             .collect();
         json!(rows)
     }
+}
+
+/// A [`KvSpec`]'s JSON object: the `kv_spec` field of `v4pool plan --json` and what the Python
+/// `Pool.kv_spec` / `KvManager.kv_spec` return, one field list for all three. `window`,
+/// `index_topk` and `spec_steps` are the defaults every capacity, path and binding takes.
+pub fn kv_spec_json(k: &KvSpec) -> serde_json::Value {
+    json!({
+        "family": match k.family() {
+            crate::model::ModelFamily::V4 => "v4",
+            crate::model::ModelFamily::V41 => "v4.1",
+        },
+        "kv_dtype": k.kv().name(),
+        "row_format": k.row_format().name,
+        "compressed_format": k.compressed_format().map(|f| f.name),
+        "packed": k.packed().map(|p| json!({"compressed": p.compressed, "plane": p.plane})),
+        "indexer_dtype": k.indexer().name(),
+        "window": k.window(),
+        "index_topk": k.index_topk(),
+        "spec_steps": k.spec_steps(),
+        "arch": k.arch().map(|a| a.name()),
+    })
 }
 
 /// The `dtype` names every entry point lists when it refuses one ([`KvDtype::ALL`]'s names,

@@ -235,15 +235,17 @@ fn the_pool_carries_the_plans_kv_spec_and_capacities_default_to_it() {
     assert_eq!(w.compressed_format_code(), v4pool::format::RowFormatId::FlashMlaV41Fp4.kernel_code());
     // The same parts without the spec: bytes only.
     let s = pool.spec();
-    let bare = PoolSpec::new(
-        s.geometry.clone(),
-        s.plane_widths.clone(),
-        s.arena.clone(),
-        s.indexer,
-        s.csa_layers.clone(),
-    )
-    .unwrap();
-    let bare = Arc::new(Pool::new(Arc::new(HostBackend::new()), bare, Stream::DEFAULT).unwrap());
+    let parts = || {
+        PoolSpec::new(
+            s.geometry.clone(),
+            s.plane_widths.clone(),
+            s.arena.clone(),
+            s.indexer,
+            s.csa_layers.clone(),
+        )
+        .unwrap()
+    };
+    let bare = Arc::new(Pool::new(Arc::new(HostBackend::new()), parts(), Stream::DEFAULT).unwrap());
     assert!(matches!(DecodeCapacity::for_pool(&bare, 4, 8, 16), Err(PoolError::NoKvSpec)));
     assert!(bare.kv_row_writer(v4pool::pool::RowWriteCapacity { max_tokens: 8 }).is_err());
     // A spec whose row format is not the planes' is refused.
@@ -254,12 +256,5 @@ fn the_pool_carries_the_plans_kv_spec_and_capacities_default_to_it() {
         None,
     )
     .unwrap();
-    let again = PoolSpec::new(
-        s.geometry.clone(),
-        s.plane_widths.clone(),
-        s.arena.clone(),
-        s.indexer,
-        s.csa_layers.clone(),
-    );
-    assert!(matches!(again.unwrap().with_kv_spec(v4), Err(PoolError::InconsistentSpec { .. })));
+    assert!(matches!(parts().with_kv_spec(v4), Err(PoolError::InconsistentSpec { .. })));
 }

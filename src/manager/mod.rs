@@ -335,6 +335,13 @@ impl KvManager {
     pub fn pool(&self) -> &Arc<Pool> {
         &self.pool
     }
+    /// What the pool's rows are ([`Pool::kv_spec`]): row format, packing, indexer, window,
+    /// index top-k, MTP steps, arch — what an engine sizes its decode and prefill buffers and
+    /// reads its attention operands by, asked here rather than passed again. Refused
+    /// (`ManagerError::Pool(PoolError::NoKvSpec)`) only for a pool built from parts given none.
+    pub fn kv_spec(&self) -> Result<&crate::sizing::KvSpec, ManagerError> {
+        Ok(self.pool.kv_spec()?)
+    }
     /// Tokens per block.
     pub fn block_size(&self) -> u64 {
         self.block_size

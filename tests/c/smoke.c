@@ -132,6 +132,21 @@ int main(void) {
     narrow.struct_size = 4;
     CHECK(v4pool_decode_new_flashmla(pool, &cap, &narrow, &dec) == V4POOL_STATUS_ABI_MISMATCH);
     CHECK(strstr(v4pool_last_error_message(), "V4poolFlashMlaWidths") != NULL);
+    /* 0 for the window and top-k: the pool's spec's (the model's, as V4poolPlanInfo reports
+     * them), seen in the narrowest FlashMLA widths of a CSA layer (issue 44 item 1). */
+    V4poolDecodeCapacity spec_cap = cap;
+    spec_cap.win = 0;
+    spec_cap.index_topk = 0;
+    dec = NULL; /* the CSR path's handle above is freed */
+    CHECK(v4pool_decode_new_flashmla(pool, &spec_cap, NULL, &dec) == V4POOL_STATUS_OK && dec != NULL);
+    if (dec) {
+        V4poolFlashMla csa_ops = {.struct_size = sizeof(V4poolFlashMla)};
+        CHECK(v4pool_decode_flashmla(dec, layer, &csa_ops) == V4POOL_STATUS_OK);
+        CHECK(csa_ops.topk == (info.sliding_window + 63) / 64 * 64);
+        CHECK(csa_ops.extra_topk == (info.index_topk + 63) / 64 * 64 && csa_ops.extra_topk > 0);
+        v4pool_decode_free(dec);
+        dec = NULL;
+    }
     CHECK(v4pool_decode_new_flashmla(pool, &cap, NULL, &dec) == V4POOL_STATUS_OK);
     if (!dec) return 1;
     positions[0] = slot.position;

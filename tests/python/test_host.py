@@ -83,6 +83,38 @@ def test_plan_defaults_are_the_clis(model, kv):
     assert json.loads(out) == d
 
 
+def test_v41_plans_from_its_name_alone_and_every_default_is_the_specs():
+    # issue 44 item 1: `plan(model="v4.1-flash")` plans with nothing else named, and the window,
+    # index top-k and MTP steps a pool, its manager, `Pool.decode` and `Forward` default to are
+    # the plan's spec's (`kv_spec`, the same object `v4pool plan --json` prints).
+    spec = v4pool.plan(model="v4.1-flash").kv_spec
+    assert (spec["family"], spec["kv_dtype"], spec["row_format"]) == ("v4.1", "flashmla-v41", "flashmla-v41")
+    assert spec["window"] > 0 and spec["index_topk"] > 0 and spec["spec_steps"] == 0
+    for steps in (0, 1):
+        p = v4pool.plan(model="v4.1-flash", budget=BUDGET, max_seqs=2, spec_steps=steps)
+        s = p.kv_spec
+        assert s == dict(spec, spec_steps=steps)
+        pool = v4pool.Pool(p, backend="host")
+        assert pool.kv_spec == s
+        mgr = v4pool.KvManager(pool)
+        assert mgr.kv_spec == s
+        del mgr
+        cap = pool.decode(max_seqs=2, max_blocks_per_seq=2).capacity()
+        assert (cap["win"], cap["index_topk"], cap["max_tokens"]) == (s["window"], s["index_topk"], 2 * (1 + steps))
+        fcap = v4pool.Forward(pool, 2, 2, 2).capacity()
+        assert (fcap["win"], fcap["index_topk"]) == (s["window"], s["index_topk"])
+        cli = os.environ.get("V4POOL_CLI")
+        if cli:
+            out = subprocess.run(
+                [cli, "plan", "--model", "v4.1-flash", "--budget", BUDGET, "--max-seqs", "2",
+                 "--spec-steps", str(steps), "--json"],
+                check=True, capture_output=True, text=True,
+            ).stdout
+            assert json.loads(out)["kv_spec"] == s
+    if not os.environ.get("V4POOL_CLI"):
+        pytest.skip("V4POOL_CLI not set: the CLI's kv_spec not compared")
+
+
 def test_plan_for_gfx942_takes_what_atom_reads_there():
     # docs/amd.md: bf16 main KV (ATOM's fp8 KV is gfx950/gfx1250 only) and ATOM's preshuffled
     # e4m3fnuz indexer; the fp8 main KV refused, saying why.

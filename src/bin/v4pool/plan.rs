@@ -263,6 +263,7 @@ pub(crate) fn run(args: &[String], io: &mut Streams<'_>) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn args(s: &str) -> Vec<String> {
         s.split_whitespace().map(String::from).collect()
@@ -288,6 +289,13 @@ mod tests {
             j["plane_bytes"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
         let rows = j["plane_rows"].as_u64().unwrap();
         assert_eq!(planes, vec![rows * 512, rows * 128]);
+        // The spec the pool carries: the defaults every capacity and binding takes.
+        let k = &j["kv_spec"];
+        assert_eq!((&k["window"], &k["index_topk"], &k["spec_steps"]), (&json!(128), &json!(512), &json!(1)));
+        assert_eq!(
+            (&k["kv_dtype"], &k["row_format"], &k["packed"]),
+            (&json!("fp8"), &json!("atom-fp8"), &json!(null))
+        );
         let text = to_text(&r);
         assert!(text.contains("1,063,168"));
         assert!(text.contains("layout id: dsv4-paged-state-v3:block=256:ring=129:"));

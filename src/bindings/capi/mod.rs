@@ -150,9 +150,10 @@ pub struct V4poolDecodeCapacity {
     pub max_tokens: u64,
     /// Block-table columns per sequence.
     pub max_blocks_per_seq: u64,
-    /// Sliding window.
+    /// Sliding window; 0: the pool's (its plan's model's, `V4poolPlanInfo::sliding_window`).
     pub win: i32,
-    /// CSA top-k reserved per token.
+    /// CSA top-k reserved per token; 0: the pool's (its plan's model's,
+    /// `V4poolPlanInfo::index_topk`).
     pub index_topk: i32,
 }
 
@@ -204,16 +205,27 @@ pub struct V4poolFlashMla {
     pub shift: i32,
 }
 
-impl From<V4poolDecodeCapacity> for DecodeCapacity {
-    fn from(c: V4poolDecodeCapacity) -> DecodeCapacity {
-        DecodeCapacity {
-            max_seqs: c.max_seqs as usize,
-            max_tokens: c.max_tokens as usize,
-            max_blocks_per_seq: c.max_blocks_per_seq as usize,
-            win: c.win,
-            index_topk: c.index_topk,
-        }
+/// The capacity a C caller's struct asks for on `pool`: `DecodeCapacity::for_pool`'s, with the
+/// window and top-k the caller's where non-zero (0: the pool's spec's, as every binding
+/// defaults). Counts past `usize` are refused, not wrapped.
+fn decode_capacity(pool: &Pool, c: V4poolDecodeCapacity) -> Result<DecodeCapacity, Fail> {
+    let count = |v: u64, what: &str| {
+        usize::try_from(v).map_err(|_| invalid(&format!("cap.{what} {v} is past this target's size_t")))
+    };
+    let mut cap = DecodeCapacity::for_pool(
+        pool,
+        count(c.max_seqs, "max_seqs")?,
+        count(c.max_tokens, "max_tokens")?,
+        count(c.max_blocks_per_seq, "max_blocks_per_seq")?,
+    )
+    .map_err(rejected)?;
+    if c.win != 0 {
+        cap.win = c.win;
     }
+    if c.index_topk != 0 {
+        cap.index_topk = c.index_topk;
+    }
+    Ok(cap)
 }
 
 thread_local! {
@@ -376,6 +388,8 @@ pub unsafe extern "C" fn v4pool_plan_info(
         let p = &get(plan, "plan")?.report.plan;
         let widths = p.layout.widths();
         let m = &p.layout.model;
+        // The window, top-k and MTP steps are the spec's: what a decode capacity's 0 takes.
+        let kv = p.kv_spec().map_err(rejected)?;
         write_out(
             out_info,
             "out_info",
@@ -387,10 +401,10 @@ pub unsafe extern "C" fn v4pool_plan_info(
                 num_planes: widths.len() as u32,
                 plane_widths: [widths[0], widths.get(1).copied().unwrap_or(0)],
                 block_size: m.block_size,
-                sliding_window: m.sliding_window,
+                sliding_window: i64::from(kv.window()),
                 ring_slots: m.ring_slots(),
-                index_topk: m.index_topk,
-                spec_steps: m.spec_steps,
+                index_topk: i64::from(kv.index_topk()),
+                spec_steps: kv.spec_steps(),
                 total_bytes: p.total_bytes,
             },
         )?;
@@ -753,7 +767,8 @@ pub unsafe extern "C" fn v4pool_pool_write_plane(
     })
 }
 
-/// Decode index buffers for `pool` sized for `cap`.
+/// Decode index buffers for `pool` sized for `cap` (`cap->win` / `cap->index_topk` 0: the
+/// pool's spec's window / top-k, the model's).
 ///
 /// # Safety
 /// `pool` is live; `cap` readable; `out_decode` writable.
@@ -765,7 +780,7 @@ pub unsafe extern "C" fn v4pool_decode_new(
 ) -> V4poolStatus {
     guard(|| {
         let p = get(pool, "pool")?.pool.clone();
-        let cap = DecodeCapacity::from(read_in(cap, "cap")?);
+        let cap = decode_capacity(&p, read_in(cap, "cap")?)?;
         let slot = out(out_decode, "out_decode")?;
         let step = p.decode_path(cap).map_err(rejected)?;
         *slot = Box::into_raw(Box::new(V4poolDecode { step }));
@@ -773,7 +788,8 @@ pub unsafe extern "C" fn v4pool_decode_new(
     })
 }
 
-/// Decode index buffers for `pool` sized for `cap`, in FlashMLA's convention (index-buffers.md
+/// Decode index buffers for `pool` sized for `cap` (0 for the window or top-k: the pool's spec's),
+/// in FlashMLA's convention (index-buffers.md
 /// §3f: the build and `v4pool_decode_csa_pack` write FlashMLA's operands, read with
 /// `v4pool_decode_flashmla`) at `widths` (null: the narrowest the capacity allows).
 ///
@@ -788,7 +804,7 @@ pub unsafe extern "C" fn v4pool_decode_new_flashmla(
 ) -> V4poolStatus {
     guard(|| {
         let p = get(pool, "pool")?.pool.clone();
-        let cap = DecodeCapacity::from(read_in(cap, "cap")?);
+        let cap = decode_capacity(&p, read_in(cap, "cap")?)?;
         let w = if widths.is_null() {
             let g = p.geometry().map_err(rejected)?;
             crate::pool::FlashMlaWidths::for_capacity(&g, cap).map_err(rejected)?

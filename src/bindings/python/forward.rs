@@ -218,6 +218,12 @@ impl PyForward {
         })
     }
 
+    /// The decode capacities the buffers were sized for (`Decode.capacity()`'s dict; the
+    /// prefill path takes the same window and top-k).
+    fn capacity<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        super::pool::capacity_dict(py, &lock(&self.decode)?.capacity())
+    }
+
     /// Whether the pool packs fp8 rows (else bf16 rows).
     #[getter]
     fn fp8(&self) -> PyResult<bool> {

@@ -192,6 +192,12 @@ impl PyKvManager {
         Ok(self.lock()?.block_size())
     }
 
+    /// What the pool's rows are (`KvManager::kv_spec`), the dict `Pool.kv_spec` gives.
+    #[getter]
+    fn kv_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        super::kv_spec_dict(py, self.lock()?.kv_spec())
+    }
+
     /// `"elastic"` or `"fixed"`.
     #[getter]
     fn policy(&self) -> PyResult<&'static str> {
@@ -395,42 +401,42 @@ impl PyKvManager {
     /// The manager's counters since construction.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.lock()?.stats();
-        let d = PyDict::new(py);
-        d.set_item("admissions", s.admissions)?;
-        d.set_item("hits", s.hits)?;
-        d.set_item("hit_tokens", s.hit_tokens)?;
-        d.set_item("checkpoints_stored", s.checkpoints_stored)?;
-        d.set_item("refused_stores", s.refused_stores)?;
-        d.set_item("restores", s.restores)?;
-        d.set_item("checkpoint_bytes_copied", s.checkpoint_bytes_copied)?;
-        d.set_item("checkpoints_held", s.checkpoints_held)?;
-        d.set_item("evicted_blocks", s.evicted_blocks)?;
-        d.set_item("evicted_checkpoints", s.evicted_checkpoints)?;
-        d.set_item("superseded_checkpoints", s.superseded_checkpoints)?;
-        d.set_item("cached_blocks", s.cached_blocks)?;
-        d.set_item("boundary_moves", s.boundary_moves)?;
-        d.set_item("block_relocations", s.block_relocations)?;
-        d.set_item("slot_relocations", s.slot_relocations)?;
-        d.set_item("tier_spilled_blocks", s.tier_spilled_blocks)?;
-        d.set_item("tier_spilled_checkpoints", s.tier_spilled_checkpoints)?;
-        d.set_item("tier_spilled_bytes", s.tier_spilled_bytes)?;
-        d.set_item("tier_restored_blocks", s.tier_restored_blocks)?;
-        d.set_item("tier_restored_checkpoints", s.tier_restored_checkpoints)?;
-        d.set_item("tier_restored_bytes", s.tier_restored_bytes)?;
-        d.set_item("tier_host_evictions", s.tier_host_evictions)?;
-        d.set_item("tier_shortened_hits", s.tier_shortened_hits)?;
-        d.set_item("tier_resident_blocks", s.tier_resident_blocks)?;
-        d.set_item("tier_resident_checkpoints", s.tier_resident_checkpoints)?;
-        d.set_item("tier_resident_bytes", s.tier_resident_bytes)?;
-        d.set_item("shared_published_blocks", s.shared_published_blocks)?;
-        d.set_item("shared_published_checkpoints", s.shared_published_checkpoints)?;
-        d.set_item("shared_published_bytes", s.shared_published_bytes)?;
-        d.set_item("shared_write_failures", s.shared_write_failures)?;
-        d.set_item("shared_restored_blocks", s.shared_restored_blocks)?;
-        d.set_item("shared_restored_checkpoints", s.shared_restored_checkpoints)?;
-        d.set_item("shared_restored_bytes", s.shared_restored_bytes)?;
-        d.set_item("shared_refused", s.shared_refused)?;
-        Ok(d)
+        Ok(super::py_dict!(py, {
+            "admissions" => s.admissions,
+            "hits" => s.hits,
+            "hit_tokens" => s.hit_tokens,
+            "checkpoints_stored" => s.checkpoints_stored,
+            "refused_stores" => s.refused_stores,
+            "restores" => s.restores,
+            "checkpoint_bytes_copied" => s.checkpoint_bytes_copied,
+            "checkpoints_held" => s.checkpoints_held,
+            "evicted_blocks" => s.evicted_blocks,
+            "evicted_checkpoints" => s.evicted_checkpoints,
+            "superseded_checkpoints" => s.superseded_checkpoints,
+            "cached_blocks" => s.cached_blocks,
+            "boundary_moves" => s.boundary_moves,
+            "block_relocations" => s.block_relocations,
+            "slot_relocations" => s.slot_relocations,
+            "tier_spilled_blocks" => s.tier_spilled_blocks,
+            "tier_spilled_checkpoints" => s.tier_spilled_checkpoints,
+            "tier_spilled_bytes" => s.tier_spilled_bytes,
+            "tier_restored_blocks" => s.tier_restored_blocks,
+            "tier_restored_checkpoints" => s.tier_restored_checkpoints,
+            "tier_restored_bytes" => s.tier_restored_bytes,
+            "tier_host_evictions" => s.tier_host_evictions,
+            "tier_shortened_hits" => s.tier_shortened_hits,
+            "tier_resident_blocks" => s.tier_resident_blocks,
+            "tier_resident_checkpoints" => s.tier_resident_checkpoints,
+            "tier_resident_bytes" => s.tier_resident_bytes,
+            "shared_published_blocks" => s.shared_published_blocks,
+            "shared_published_checkpoints" => s.shared_published_checkpoints,
+            "shared_published_bytes" => s.shared_published_bytes,
+            "shared_write_failures" => s.shared_write_failures,
+            "shared_restored_blocks" => s.shared_restored_blocks,
+            "shared_restored_checkpoints" => s.shared_restored_checkpoints,
+            "shared_restored_bytes" => s.shared_restored_bytes,
+            "shared_refused" => s.shared_refused,
+        }))
     }
 
     /// Evict every cached block and checkpoint from HBM (spilling to the host tier when

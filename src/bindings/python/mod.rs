@@ -64,10 +64,34 @@ pub struct Plan {
     fields: Py<PyDict>,
 }
 
+/// A new dict of `key => value` pairs (`?` on each insert): the binding's record-shaped returns
+/// (counts, capacities, stats) in one form.
+macro_rules! py_dict {
+    ($py:expr, { $($key:literal => $value:expr),* $(,)? }) => {{
+        let d = pyo3::types::PyDict::new($py);
+        $(d.set_item($key, $value)?;)*
+        d
+    }};
+}
+pub(crate) use py_dict;
+
+/// A JSON value as Python's `json.loads` makes it (dicts, lists, ints, strings, `None`).
+pub(crate) fn py_json<'py>(py: Python<'py>, value: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
+    py.import("json")?.call_method1("loads", (value.to_string(),))
+}
+
+/// A pool's [`crate::sizing::KvSpec`] as a dict: the `kv_spec` field of `v4pool plan --json`
+/// (`plan_report::kv_spec_json`, one field list for the CLI, `Plan`, `Pool` and `KvManager`).
+pub(crate) fn kv_spec_dict<'py>(
+    py: Python<'py>,
+    spec: Result<&crate::sizing::KvSpec, impl VariantName + std::fmt::Display>,
+) -> PyResult<Bound<'py, PyAny>> {
+    py_json(py, &crate::plan_report::kv_spec_json(spec.map_err(lib_err)?))
+}
+
 impl Plan {
     fn new(py: Python<'_>, report: PlanReport) -> PyResult<Plan> {
-        let text = report.to_json().to_string();
-        let fields = py.import("json")?.call_method1("loads", (text,))?.cast_into::<PyDict>()?.unbind();
+        let fields = py_json(py, &report.to_json())?.cast_into::<PyDict>()?.unbind();
         Ok(Plan { report, fields })
     }
 }

@@ -356,6 +356,13 @@ impl PyPool {
     fn num_planes(&self) -> usize {
         self.pool().num_planes()
     }
+    /// What the pool's rows are (`Pool::kv_spec`) as a dict: the `kv_spec` of its plan's
+    /// `--json`. `window`, `index_topk` and `spec_steps` are what `decode`, `Forward` and the
+    /// prefill path default to.
+    #[getter]
+    fn kv_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        super::kv_spec_dict(py, self.pool().kv_spec())
+    }
     #[getter]
     fn plane_widths(&self) -> Vec<u64> {
         self.pool().spec().plane_widths.clone()
@@ -467,14 +474,14 @@ impl PyPool {
     /// Allocator counts now.
     fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.pool().counts().map_err(lib_err)?;
-        let d = PyDict::new(py);
-        d.set_item("num_blocks", c.num_blocks)?;
-        d.set_item("num_slots", c.num_slots)?;
-        d.set_item("free_blocks", c.free_blocks)?;
-        d.set_item("free_slots", c.free_slots)?;
-        d.set_item("max_blocks", c.max_blocks)?;
-        d.set_item("slot_positions", c.slot_positions)?;
-        Ok(d)
+        Ok(super::py_dict!(py, {
+            "num_blocks" => c.num_blocks,
+            "num_slots" => c.num_slots,
+            "free_blocks" => c.free_blocks,
+            "free_slots" => c.free_slots,
+            "max_blocks" => c.max_blocks,
+            "slot_positions" => c.slot_positions,
+        }))
     }
 
     /// Live slot positions `(first, end)` at the current split.
@@ -710,6 +717,17 @@ fn flat_batch<'a>(
 const I64: &str = "<i8";
 const I32: &str = "<i4";
 
+/// A decode capacity as `Decode.capacity()` / `Forward.capacity()` return it.
+pub(super) fn capacity_dict<'py>(py: Python<'py>, c: &DecodeCapacity) -> PyResult<Bound<'py, PyDict>> {
+    Ok(super::py_dict!(py, {
+        "max_seqs" => c.max_seqs,
+        "max_tokens" => c.max_tokens,
+        "max_blocks_per_seq" => c.max_blocks_per_seq,
+        "win" => c.win,
+        "index_topk" => c.index_topk,
+    }))
+}
+
 /// Decode index buffers of one pool: `stage` a batch, `build` on a stream (capturable),
 /// and the buffers as int32 DLPack views.
 #[pyclass(module = "v4pool", name = "Decode", frozen)]
@@ -846,14 +864,7 @@ impl PyDecode {
 
     /// The capacities the buffers were sized for.
     fn capacity<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = self.lock()?.capacity();
-        let d = PyDict::new(py);
-        d.set_item("max_seqs", c.max_seqs)?;
-        d.set_item("max_tokens", c.max_tokens)?;
-        d.set_item("max_blocks_per_seq", c.max_blocks_per_seq)?;
-        d.set_item("win", c.win)?;
-        d.set_item("index_topk", c.index_topk)?;
-        Ok(d)
+        capacity_dict(py, &self.lock()?.capacity())
     }
 
     /// Wait for every stream the buffers were used on.
