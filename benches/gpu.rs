@@ -403,13 +403,7 @@ impl DecodeSet {
 /// Decode buffers for `batch` sequences of `tps` tokens, top-k `topk`, one CSA buffer (every
 /// layer's translate-pack rewrites its heads, as a forward pass runs them).
 fn decode_capacity(batch: usize, tps: usize, topk: usize, max_blocks: usize) -> DecodeCapacity {
-    DecodeCapacity {
-        max_seqs: batch,
-        max_tokens: batch * tps,
-        max_blocks_per_seq: max_blocks,
-        win: WIN,
-        index_topk: topk as i32,
-    }
+    DecodeCapacity::new(batch, batch * tps, max_blocks, WIN, topk as i32)
 }
 
 /// Random sequence-local top-k, i32 `[layers][T][topk]`, values below each token's

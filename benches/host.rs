@@ -252,13 +252,7 @@ fn staging() -> Res<()> {
         [(1usize, 1_000_000i64), (64, 1_000_000), (256, 1_000_000), (1024, 1_000_000), (256, 32_768)]
     {
         let max_blocks = (max_ctx + g.block_size - 1) / g.block_size;
-        let cap = DecodeCapacity {
-            max_seqs: batch,
-            max_tokens: batch,
-            max_blocks_per_seq: max_blocks as usize,
-            win: 128,
-            index_topk: 512,
-        };
+        let cap = DecodeCapacity::new(batch, batch, max_blocks as usize, 128, 512);
         let mut bufs = pool.decode_path(cap)?;
         // Several input sets, staged in rotation.
         let mut rng = Rng::new(3 + batch as u64);

@@ -73,7 +73,7 @@ fn main() {
     }
     let blocks = (TOKENS / 256) as usize;
     let pool = pool(blocks as i64);
-    let cfg = |every| ManagerConfig { checkpoint_every: every, rolling: false, ..ManagerConfig::default() };
+    let cfg = |every| ManagerConfig::default().with_checkpoint_every(every).with_rolling(false);
 
     // ---- allocate + commit per block ----
     let mut m = KvManager::new(pool.clone(), cfg(0), Box::new(FixedPolicy { slots: 2 })).expect("manager");

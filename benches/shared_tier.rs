@@ -170,13 +170,12 @@ fn hashes(seed: u64, n: u64) -> Vec<BlockHash> {
 fn engine(b: &Arc<dyn Backend>, kv: KvDtype, n: u64, host_bytes: u64, dir: &Path, io: Io) -> Res<KvManager> {
     let blocks = (n / BLOCK) as i64 + 8;
     let p = pool(b.clone(), kv, blocks)?;
-    let shared = SharedTierConfig { dir: dir.to_path_buf(), budget_bytes: u64::MAX / 4, sync: true };
-    let config = ManagerConfig {
-        checkpoint_every: 0,
-        rolling: false,
-        host_tier_bytes: host_bytes,
-        shared_tier: Some(shared.clone()),
-    };
+    let shared = SharedTierConfig::new(dir.to_path_buf(), u64::MAX / 4);
+    let config = ManagerConfig::default()
+        .with_checkpoint_every(0)
+        .with_rolling(false)
+        .with_host_tier_bytes(host_bytes)
+        .with_shared_tier(shared.clone());
     let mut m = KvManager::new(Arc::new(p), config, Box::new(FixedPolicy { slots: 1 }))?;
     if io == Io::Nixl {
         let t = SharedTier::with_io(m.pool(), &shared, Box::new(nixl_io()?))?;
@@ -374,7 +373,7 @@ fn run(b: Arc<dyn Backend>, args: &Args, tokens: &[u64], reps: usize, ios: &[Io]
                     let p = pool(b.clone(), kv, 1)?;
                     let t = SharedTier::with_io(
                         &p,
-                        &SharedTierConfig { dir: root.clone(), budget_bytes: 1 << 40, sync: false },
+                        &SharedTierConfig::new(root.clone(), 1 << 40).with_sync(false),
                         Box::new(StdFs) as Box<dyn TierIo>,
                     )?;
                     t.unit_bytes()

@@ -155,7 +155,7 @@ fn shape(
         Compressor::CsaIdx => 256,
         Compressor::HcaMain => 512,
     };
-    let mut upd = pool.state_update(StateUpdateCapacity { max_seqs: bs, max_tokens: bs * q })?;
+    let mut upd = pool.state_update(StateUpdateCapacity::new(bs, bs * q))?;
     let seqs: Vec<(SlotLease, Vec<i64>, i64, usize)> = (0..bs)
         .map(|b| {
             let ctx = q as i64 + (rng.next_u64() % 1_000_000) as i64;

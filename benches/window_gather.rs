@@ -151,7 +151,7 @@ fn run() -> Res<()> {
             .first()
             .ok_or("no draft")?;
         for (n, wd) in [(1, 128), (64, 128), (256, 128), (1024, 128), (256, 133)] {
-            let mut g = pool.window_gather(GatherCapacity { max_seqs: n, out_window: wd })?;
+            let mut g = pool.window_gather(GatherCapacity::new(n, wd))?;
             let batches: Vec<Vec<GatherSeq>> = (0..ROTATE).map(|_| batch(&mut rng, &leases, n)).collect();
             g.stage(&batches[0])?;
             g.gather(layer, wd)?;
@@ -204,7 +204,7 @@ fn host_check() -> Res<()> {
         let (pool, leases) = pool(Arc::new(v4pool::backend::host::HostBackend::new()), fp8, 8)?;
         fill(&pool, &leases, &mut rng)?;
         for (n, wd) in [(1, 128), (6, 133)] {
-            let mut g = pool.window_gather(GatherCapacity { max_seqs: n, out_window: wd })?;
+            let mut g = pool.window_gather(GatherCapacity::new(n, wd))?;
             let b = batch(&mut rng, &leases, n);
             g.stage(&b)?;
             g.gather(layer, wd)?;

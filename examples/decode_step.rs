@@ -35,13 +35,9 @@ fn main() -> Result<(), Box<dyn Error>> {
 
     // 4. The decode path: buffers at fixed addresses, sized once for the largest batch
     //    (graph-capturable), on the pool's backend and stream.
-    let mut path = pool.decode_path(DecodeCapacity {
-        max_seqs: 8,
-        max_tokens: 16, // 8 sequences × (1 token + 1 MTP draft)
-        max_blocks_per_seq: 64,
-        win: 128,
-        index_topk: 512,
-    })?;
+    // 8 sequences of 16 tokens (1 token + 1 MTP draft each), 64 block-table columns, window
+    // 128, index top-k 512.
+    let mut path = pool.decode_path(DecodeCapacity::new(8, 16, 64, 128, 512))?;
 
     // 5. One step: stage the batch (metadata + block tables), then one build launch.
     let batch: Vec<DecodeSeq<'_>> = seqs

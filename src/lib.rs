@@ -44,6 +44,7 @@ pub mod pool;
 pub mod prelude;
 pub mod profiling;
 mod rng;
+mod setters;
 pub mod sim;
 pub mod sizing;
 pub mod state;

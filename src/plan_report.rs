@@ -197,6 +197,7 @@ impl VariantName for PlanOptionError {
 
 /// A plan request as the bindings take it: the same options as `v4pool plan`.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PlanOptions {
     /// A preset (`v4-flash`, `v4-pro`, …) or a path to a `config.json` (or its directory).
     pub model: String,
@@ -220,6 +221,16 @@ pub struct PlanOptions {
     /// Draft stages and mode of a `config.json` model (presets name their drafts).
     pub drafts: Option<Drafts>,
 }
+
+crate::setters::with_setters!(PlanOptions {
+    with_kv(kv: Some(KvDtype)),
+    with_indexer(indexer: Some(IndexerDtype)),
+    with_arch(arch: Some(GpuArch)),
+    with_spec_steps(spec_steps: i64),
+    with_min_slots(min_slots: i64),
+    with_overhead_bytes(overhead_bytes: u64),
+    with_drafts(drafts: Some(Drafts)),
+});
 
 impl PlanOptions {
     /// Defaults of `v4pool plan` for everything but the three required values.

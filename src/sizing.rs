@@ -841,6 +841,7 @@ impl Plan {
 
 /// What to size: dtypes, the admitted-request count, the budget.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PlanRequest {
     /// KV dtype.
     pub kv: KvDtype,
@@ -860,6 +861,12 @@ pub struct PlanRequest {
     /// no kernel there reads is refused ([`GpuArch::refuses_kv`]).
     pub arch: Option<GpuArch>,
 }
+
+crate::setters::with_setters!(PlanRequest {
+    with_min_slots(min_slots: i64),
+    with_overhead_bytes(overhead_bytes: u64),
+    with_arch(arch: Some(GpuArch)),
+});
 
 impl PlanRequest {
     /// Size `max_num_seqs` slots in `budget_bytes`, no minimum, no overhead.

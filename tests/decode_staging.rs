@@ -31,7 +31,7 @@ fn pool_on(backend: Arc<HostBackend>, ratios: Vec<i32>, blocks: i64, slots: i64)
 }
 
 fn cap(max_seqs: usize, max_tokens: usize, max_blocks_per_seq: usize) -> DecodeCapacity {
-    DecodeCapacity { max_seqs, max_tokens, max_blocks_per_seq, win: 128, index_topk: 512 }
+    DecodeCapacity::new(max_seqs, max_tokens, max_blocks_per_seq, 128, 512)
 }
 
 /// Poison every class's index buffer (so cells the build skips would differ), build, read.
@@ -192,10 +192,7 @@ fn required_bytes_overflow_is_an_error() {
         ));
         assert!(matches!(pool.decode_path(c), Err(DecodeError::TooLarge { .. })));
     }
-    assert!(matches!(
-        pool.decode_path(DecodeCapacity { index_topk: -1, ..cap(1, 1, 1) }),
-        Err(DecodeError::NegativeTopk(-1))
-    ));
+    assert!(matches!(pool.decode_path(cap(1, 1, 1).with_index_topk(-1)), Err(DecodeError::NegativeTopk(-1))));
     let ok = DecodePath::required_bytes(&pool.spec().geometry, cap(8, 16, 40)).unwrap();
     assert_eq!(pool.decode_path(cap(8, 16, 40)).unwrap().device_bytes(), ok);
 }
@@ -286,7 +283,7 @@ fn upload_topk(pool: &Pool, rows: &[Vec<i32>], stride: usize) -> v4pool::backend
 fn decode_path_writes_what_the_geometry_says() {
     let pool = pool(200);
     let g = pool.geometry().unwrap();
-    let mut path = pool.decode_path(DecodeCapacity { index_topk: 16, ..cap(4, 8, 24) }).unwrap();
+    let mut path = pool.decode_path(cap(4, 8, 24).with_index_topk(16)).unwrap();
     let live: Vec<i64> = g.live_positions().collect();
     let mut rng = Rng::new(99);
     // Contexts from 1 to the table's reach; one sequence with two tokens (an MTP verify).
@@ -374,14 +371,7 @@ fn prefill_path_writes_what_the_geometry_says() {
     use v4pool::pool::{PrefillBuffer, PrefillCapacity, PrefillSeq};
     let pool = pool(200);
     let g = pool.geometry().unwrap();
-    let cap = PrefillCapacity {
-        max_seqs: 3,
-        max_tokens: 700,
-        max_blocks_per_seq: 24,
-        win: 128,
-        index_topk: 16,
-        max_hca_entries: None,
-    };
+    let cap = PrefillCapacity::new(3, 700, 24, 128, 16);
     let mut path = pool.prefill_path(cap).unwrap();
     let live: Vec<i64> = g.live_positions().collect();
     // A fresh prompt, a chunk resumed mid-window, a chunk resumed deep in its context.
@@ -469,7 +459,7 @@ fn prefill_path_writes_what_the_geometry_says() {
         [PrefillSeq { position: slots[0], chunk_start: i64::MAX, num_tokens: 4, block_table: &tables[0] }];
     assert!(matches!(path.stage(&huge), Err(DecodeError::BadSequence { .. })));
     // A bounded HCA buffer refuses a forward that needs more.
-    let mut small = pool.prefill_path(PrefillCapacity { max_hca_entries: Some(1000), ..cap }).unwrap();
+    let mut small = pool.prefill_path(cap.with_max_hca_entries(1000)).unwrap();
     assert!(matches!(small.stage(&batch), Err(DecodeError::BufferFull { .. })));
     // SAFETY: the host backend ran the pack already; nothing uses the allocation.
     unsafe { pool.backend().free(topk) };

@@ -397,7 +397,7 @@ fn shared_tier_publish_and_restore_fail_cleanly() {
     let fresh = || {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        SharedTierConfig { dir: dir.clone(), budget_bytes: 64 << 20, sync: false }
+        SharedTierConfig::new(dir.clone(), 64 << 20).with_sync(false)
     };
     sweep("shared publish", |b, fail| {
         let p = pool(b);

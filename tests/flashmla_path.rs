@@ -19,7 +19,7 @@ fn pool() -> Arc<Pool> {
 }
 
 fn cap() -> DecodeCapacity {
-    DecodeCapacity { max_seqs: 4, max_tokens: 8, max_blocks_per_seq: 40, win: 128, index_topk: 512 }
+    DecodeCapacity::new(4, 8, 40, 128, 512)
 }
 
 #[test]
@@ -146,11 +146,11 @@ fn bad_widths_are_typed_errors() {
     let g = pool.geometry().unwrap();
     let ok = FlashMlaWidths::for_capacity(&g, cap()).unwrap();
     let cases = [
-        (FlashMlaWidths { topk: 100, ..ok }, "FlashMlaWidth"),
-        (FlashMlaWidths { topk: 64, ..ok }, "FlashMlaTooNarrow"),
-        (FlashMlaWidths { csa_extra_topk: 448, ..ok }, "FlashMlaTooNarrow"),
-        (FlashMlaWidths { hca_extra_topk: 0, ..ok }, "FlashMlaWidth"),
-        (FlashMlaWidths { hca_extra_topk: 64, ..ok }, "FlashMlaTooNarrow"),
+        (FlashMlaWidths::new(100, ok.csa_extra_topk, ok.hca_extra_topk), "FlashMlaWidth"),
+        (FlashMlaWidths::new(64, ok.csa_extra_topk, ok.hca_extra_topk), "FlashMlaTooNarrow"),
+        (FlashMlaWidths::new(ok.topk, 448, ok.hca_extra_topk), "FlashMlaTooNarrow"),
+        (FlashMlaWidths::new(ok.topk, ok.csa_extra_topk, 0), "FlashMlaWidth"),
+        (FlashMlaWidths::new(ok.topk, ok.csa_extra_topk, 64), "FlashMlaTooNarrow"),
     ];
     for (w, want) in cases {
         let e = pool.flashmla_decode_path(cap(), w).unwrap_err();

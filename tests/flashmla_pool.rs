@@ -71,7 +71,7 @@ fn rows_land_at_their_page_places() {
     let slots: Vec<_> = (0..2).map(|_| p.alloc_slot().unwrap()).collect();
     let blocks: Vec<_> = (0..2).map(|_| p.alloc_block().unwrap().handle).collect();
     let mut want = plane(&p); // after the slots' state was initialised
-    let mut w = p.kv_row_writer(RowWriteCapacity { max_tokens: 64 }).unwrap();
+    let mut w = p.kv_row_writer(RowWriteCapacity::new(64)).unwrap();
     let seqs = [
         WindowSeq { slot: slots[0].handle, first_position: 61, tokens: 5 }, // crosses a page
         WindowSeq { slot: slots[1].handle, first_position: 4_000, tokens: 3 },
@@ -123,7 +123,7 @@ fn a_checkpoint_carries_window_rows_through_the_paged_spans() {
         p.write_plane(0, 0, &rng.bytes(p.plane_bytes(0).unwrap() as usize)).unwrap();
         let a = p.alloc_slot().unwrap();
         let b = p.alloc_slot().unwrap();
-        let mut w = p.kv_row_writer(RowWriteCapacity { max_tokens: 200 }).unwrap();
+        let mut w = p.kv_row_writer(RowWriteCapacity::new(200)).unwrap();
         w.stage_window(&[WindowSeq { slot: a.handle, first_position: 0, tokens: 130 }]).unwrap();
         let kv: Vec<u16> = (0..130).flat_map(|_| bf16_row(&mut rng)).collect();
         let g = p.geometry().unwrap();

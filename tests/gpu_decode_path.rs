@@ -74,13 +74,7 @@ fn decode_and_prefill_paths_match_the_host() {
     };
     let dev: Arc<dyn Backend> = Arc::from(dev);
     let (dpool, hpool) = (pool_on(dev.clone()), pool_on(Arc::new(common::host())));
-    let cap = DecodeCapacity {
-        max_seqs: 32,
-        max_tokens: 64,
-        max_blocks_per_seq: 4000,
-        win: 128,
-        index_topk: TOPK as i32,
-    };
+    let cap = DecodeCapacity::new(32, 64, 4000, 128, TOPK as i32);
     let (mut d, mut h) = (dpool.decode_path(cap).unwrap(), hpool.decode_path(cap).unwrap());
     for i in 0..4 {
         let mut rng = Rng::new(case_seed("decode-path", i));
@@ -115,14 +109,7 @@ fn decode_and_prefill_paths_match_the_host() {
         println!("ok decode step {i}: {} tokens", d.staged_tokens());
     }
 
-    let pcap = PrefillCapacity {
-        max_seqs: 8,
-        max_tokens: 4096,
-        max_blocks_per_seq: 4000,
-        win: 128,
-        index_topk: TOPK as i32,
-        max_hca_entries: Some(4096 * 4200),
-    };
+    let pcap = PrefillCapacity::new(8, 4096, 4000, 128, TOPK as i32).with_max_hca_entries(4096 * 4200);
     let (mut dp, mut hp) = (dpool.prefill_path(pcap).unwrap(), hpool.prefill_path(pcap).unwrap());
     let live: Vec<i64> = dpool.geometry().unwrap().live_positions().collect();
     for i in 0..3 {
@@ -186,13 +173,7 @@ fn decode_path_graph_replays_restaged_batches() {
     };
     let dev: Arc<dyn Backend> = Arc::new(cuda.clone());
     let (dpool, hpool) = (pool_on(dev.clone()), pool_on(Arc::new(common::host())));
-    let cap = DecodeCapacity {
-        max_seqs: 64,
-        max_tokens: 128,
-        max_blocks_per_seq: 4000,
-        win: 128,
-        index_topk: TOPK as i32,
-    };
+    let cap = DecodeCapacity::new(64, 128, 4000, 128, TOPK as i32);
     let (mut d, mut h) = (dpool.decode_path(cap).unwrap(), hpool.decode_path(cap).unwrap());
     const LAYERS: usize = 21;
     let mut rng = Rng::new(case_seed("decode-path-graph", 0));

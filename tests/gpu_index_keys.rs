@@ -59,7 +59,7 @@ fn index_keys_match_the_host() {
         let mut rng = Rng::new(case_seed("gpu-index-keys", n as u64));
         let fresh: Vec<Vec<u8>> = pools(&h, ix, None).iter().map(|p| rng.bytes(p.len())).collect();
         assert!(pools(&d, ix, Some(&fresh)) == pools(&h, ix, Some(&fresh)));
-        let cap = RowWriteCapacity { max_tokens: 256 };
+        let cap = RowWriteCapacity::new(256);
         let (mut wd, mut wh) = (d.kv_row_writer(cap).unwrap(), h.kv_row_writer(cap).unwrap());
         let bd: Vec<_> = (0..3).map(|_| d.alloc_block().unwrap().handle).collect();
         let bh: Vec<_> = (0..3).map(|_| h.alloc_block().unwrap().handle).collect();

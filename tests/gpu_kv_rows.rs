@@ -35,7 +35,7 @@ fn staged_windows(d: &Arc<Pool>, h: &Arc<Pool>, rng: &mut Rng) -> (KvRowWriter, 
         d.write_plane(i, 0, &bytes).unwrap();
         h.write_plane(i, 0, &bytes).unwrap();
     }
-    let cap = RowWriteCapacity { max_tokens: 600 };
+    let cap = RowWriteCapacity::new(600);
     let (mut wd, mut wh) = (d.kv_row_writer(cap).unwrap(), h.kv_row_writer(cap).unwrap());
     let sd: Vec<_> = (0..3).map(|_| d.alloc_slot().unwrap()).collect();
     let sh: Vec<_> = (0..3).map(|_| h.alloc_slot().unwrap()).collect();

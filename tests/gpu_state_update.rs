@@ -33,7 +33,7 @@ fn forward_on(
     let pool = v4_pool(backend, model, kv, bs as i64);
     let leases: Vec<_> = (0..bs).map(|_| pool.alloc_slot().unwrap()).collect();
     poison(&pool, &mut Rng::new(seed));
-    let cap = StateUpdateCapacity { max_seqs: bs, max_tokens: bs * 300 };
+    let cap = StateUpdateCapacity::new(bs, bs * 300);
     let decode = forward(&mut Rng::new(seed ^ 1), &leases, model.spec_steps + 1, 1_000_000);
     let what = format!("{} {kv:?} bs={bs} decode on {:?}", model.name, pool.backend().kind());
     run_forward(&pool, &mut Rng::new(seed ^ 2), &decode, cap, &what);
@@ -82,7 +82,7 @@ fn device_update_equals_the_host_reference() {
             let leases: Vec<_> = (0..big).map(|_| pool.alloc_slot().unwrap()).collect();
             poison(&pool, &mut Rng::new(seed));
             let seqs = forward(&mut Rng::new(seed ^ 1), &leases, 2, 1_000_000);
-            let cap = StateUpdateCapacity { max_seqs: big, max_tokens: 2 * big };
+            let cap = StateUpdateCapacity::new(big, 2 * big);
             run_forward(
                 &pool,
                 &mut Rng::new(seed ^ 2),
@@ -111,7 +111,7 @@ fn captured_update_replays_new_batches_across_boundary_moves() {
     let pool: Arc<Pool> = v4_pool(dev.clone(), &model, KvDtype::Fp8, 12);
     let mut rng = Rng::new(common::case_seed("gpu-state-update-graph", 0));
     let mut leases: Vec<SlotLease> = (0..10).map(|_| pool.alloc_slot().unwrap()).collect();
-    let cap = StateUpdateCapacity { max_seqs: 8, max_tokens: 24 };
+    let cap = StateUpdateCapacity::new(8, 24);
     let mut upd = pool.state_update(cap).unwrap();
     // Fixed input buffers per compressor, sized for the capacity's tokens.
     let mut sets = Vec::new();

@@ -43,13 +43,7 @@ fn nccl_env() {
 fn decode_build(backend: Arc<dyn Backend>, pool: &Pool, out: &Rebound) -> Vec<Vec<i32>> {
     let pool = Arc::new(Pool::new(backend, pool.spec().clone(), Stream::DEFAULT).unwrap());
     let table = out.block_ids();
-    let cap = DecodeCapacity {
-        max_seqs: 1,
-        max_tokens: 1,
-        max_blocks_per_seq: table.len(),
-        win: 128,
-        index_topk: 2048,
-    };
+    let cap = DecodeCapacity::new(1, 1, table.len(), 128, 2048);
     let mut bufs = pool.decode_path(cap).unwrap();
     let seq = DecodeSeq {
         position: out.slot.position,

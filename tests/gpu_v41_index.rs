@@ -165,13 +165,7 @@ fn run_case(pool: &Arc<Pool>, seed: u64, host_twin: Option<&Arc<Pool>>) {
     let g = pool.geometry().unwrap();
     let mut rng = Rng::new(seed);
     let max_cols = 40;
-    let cap = DecodeCapacity {
-        max_seqs: 8,
-        max_tokens: 48,
-        max_blocks_per_seq: max_cols,
-        win: WIN,
-        index_topk: TOPK as i32,
-    };
+    let cap = DecodeCapacity::new(8, 48, max_cols, WIN, TOPK as i32);
     let mut path = pool.decode_path(cap).unwrap();
     let mut twin = host_twin.map(|h| h.decode_path(cap).unwrap());
     let bs = rng.range(1, 8) as usize;
@@ -318,13 +312,7 @@ fn other_ratios_take_the_same_decode_path() {
     let g = pool.geometry().unwrap();
     assert_eq!((g.class_ratio(Class::Csa).unwrap(), g.class_ratio(Class::Hca).unwrap()), (Some(8), Some(64)));
     let mut rng = Rng::new(case_seed("other-ratios", 0));
-    let cap = DecodeCapacity {
-        max_seqs: 8,
-        max_tokens: 48,
-        max_blocks_per_seq: 40,
-        win: WIN,
-        index_topk: TOPK as i32,
-    };
+    let cap = DecodeCapacity::new(8, 48, 40, WIN, TOPK as i32);
     let mut path = pool.decode_path(cap).unwrap();
     let seqs = batch(&mut rng, &g, 6, 40);
     let staged = staged(&seqs);
@@ -403,14 +391,7 @@ fn run_prefill_case(pool: &Arc<Pool>, seed: u64, host_twin: Option<&Arc<Pool>>) 
     let g = pool.geometry().unwrap();
     let mut rng = Rng::new(seed);
     let max_cols = 40;
-    let cap = PrefillCapacity {
-        max_seqs: 4,
-        max_tokens: 1200,
-        max_blocks_per_seq: max_cols,
-        win: WIN,
-        index_topk: TOPK as i32,
-        max_hca_entries: None,
-    };
+    let cap = PrefillCapacity::new(4, 1200, max_cols, WIN, TOPK as i32);
     let mut path = pool.prefill_path(cap).unwrap();
     let mut twin = host_twin.map(|h| h.prefill_path(cap).unwrap());
     let bs = rng.range(1, 4) as usize;

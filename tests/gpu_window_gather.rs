@@ -83,7 +83,7 @@ fn window_gather_matches_the_host() {
             // the same five shapes — one sequence at the ring's width, a few, a part of the
             // grid with pads, the whole grid, all but a few — at a sixteenth of the rows.
             let max_seqs = common::sized(1024, 64);
-            let cap = GatherCapacity { max_seqs, out_window: 128 };
+            let cap = GatherCapacity::new(max_seqs, 128);
             let (mut d, mut h) = (dpool.window_gather(cap).unwrap(), hpool.window_gather(cap).unwrap());
             let shapes = common::sized(
                 [(1, ring), (7, 128), (256, 128), (1024, 16), (1000, 3)],
@@ -130,7 +130,7 @@ fn window_gather_graph_replays_new_batches_and_boundary_moves() {
         (v4pool::model::ModelShape::v4_pro_dspark(3, v4pool::model::DraftMode::Absent).unwrap(), false),
     ] {
         let (dpool, hpool, mut dl, mut hl) = twin_pools(&dev, &model, fp8, &mut rng);
-        let cap = GatherCapacity { max_seqs: 64, out_window: 128 };
+        let cap = GatherCapacity::new(64, 128);
         let (mut d, mut h) = (dpool.window_gather(cap).unwrap(), hpool.window_gather(cap).unwrap());
         let layers = source_layers(&model);
         let wd = 128;

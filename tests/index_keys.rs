@@ -315,7 +315,7 @@ fn the_writer_puts_keys_at_their_entries_in_every_format_and_nothing_else_change
             unsafe { pool.backend().upload(v.ptr, &fresh, pool.stream()) }.unwrap();
         }
         let before = indexer_pools(&pool);
-        let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens: 16 }).unwrap();
+        let mut w = pool.kv_row_writer(RowWriteCapacity::new(16)).unwrap();
         let b0 = pool.alloc_block().unwrap().handle;
         let b1 = pool.alloc_block().unwrap().handle;
         let entries = [
@@ -379,7 +379,7 @@ fn the_writer_puts_keys_at_their_entries_in_every_format_and_nothing_else_change
     }
     // A pool without an indexer cache.
     let none = model_pool_with(Arc::new(HostBackend::new()), &model, true, 6, 3, None);
-    let w = none.kv_row_writer(RowWriteCapacity { max_tokens: 4 }).unwrap();
+    let w = none.kv_row_writer(RowWriteCapacity::new(4)).unwrap();
     let mut w = w;
     let b = none.alloc_block().unwrap().handle;
     w.stage_compressed(Class::Csa, &[CompressedRow { block: b, row: 0 }]).unwrap();

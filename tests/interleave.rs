@@ -201,7 +201,7 @@ fn a_unit_of_another_layout_is_refused() {
 }
 
 fn cap() -> DecodeCapacity {
-    DecodeCapacity { max_seqs: 2, max_tokens: 2, max_blocks_per_seq: 8, win: 8, index_topk: 4 }
+    DecodeCapacity::new(2, 2, 8, 8, 4)
 }
 
 /// A pool of 8 positions, 2 slots: enough blocks for a staged table at high ids.
@@ -255,14 +255,7 @@ fn staged_prefill(pool: &Arc<Pool>) -> v4pool::pool::PrefillPath {
     use v4pool::pool::{PrefillCapacity, PrefillSeq};
     let n = pool.counts().unwrap().num_blocks as i32;
     let live = pool.geometry().unwrap().live_positions();
-    let cap = PrefillCapacity {
-        max_seqs: 1,
-        max_tokens: 64,
-        max_blocks_per_seq: 8,
-        win: 8,
-        index_topk: 4,
-        max_hca_entries: None,
-    };
+    let cap = PrefillCapacity::new(1, 64, 8, 8, 4);
     let mut path = pool.prefill_path(cap).unwrap();
     let table = [0, n - 1];
     let batch =
@@ -294,8 +287,7 @@ fn a_csa_pack_after_the_blocks_shrank_under_a_staged_table_is_refused() {
     let table: Vec<i32> = held.iter().map(|h| h.id as i32).collect();
     let live = pool.geometry().unwrap().live_positions();
     let context_len = i64::from(n) * 256 - 48;
-    let cap =
-        DecodeCapacity { max_seqs: 1, max_tokens: 1, max_blocks_per_seq: n as usize, win: 8, index_topk: 4 };
+    let cap = DecodeCapacity::new(1, 1, n as usize, 8, 4);
     let mut path = pool.decode_path(cap).unwrap();
     let batch = [DecodeSeq { position: live.end - 1, context_len, num_tokens: 1, block_table: &table }];
     path.stage(&batch).unwrap();

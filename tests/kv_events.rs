@@ -19,7 +19,7 @@ use v4pool::backend::host::HostBackend;
 use v4pool::events::{
     wire_hash, EventEncoding, EventsError, KvEventPublisher, KvEventSubscriber, KvEventsConfig,
 };
-use v4pool::manager::{BlockHash, FixedPolicy, KvEvent, KvManager, ManagerConfig, Medium};
+use v4pool::manager::{BlockHash, FixedPolicy, KvEvent, KvManager, Medium};
 use v4pool::transfer::SharedTierConfig;
 use v4pool::VariantName;
 
@@ -58,11 +58,9 @@ fn the_manager_reports_each_tier_s_blocks_with_parents_and_tokens() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let pool = state_pool(host(), 24);
-    let config = ManagerConfig {
-        host_tier_bytes: 64 * unit_bytes(&pool),
-        shared_tier: Some(SharedTierConfig { dir: dir.clone(), budget_bytes: 64 << 20, sync: false }),
-        ..config(2, true)
-    };
+    let config = config(2, true)
+        .with_host_tier_bytes(64 * unit_bytes(&pool))
+        .with_shared_tier(SharedTierConfig::new(dir.clone(), 64 << 20).with_sync(false));
     let mut m = KvManager::new(pool, config, Box::new(FixedPolicy { slots: 3 })).unwrap();
     assert!(m.drain_events().is_empty(), "events are off by default");
     m.enable_events(true);
@@ -289,16 +287,14 @@ fn published_batches_arrive_in_order_and_replay() {
         return;
     }
     for enc in [EventEncoding::TaggedArray, EventEncoding::TaggedMap] {
-        let config = KvEventsConfig {
-            endpoint: "tcp://127.0.0.1:*".into(),
-            replay_endpoint: Some("tcp://127.0.0.1:*".into()),
-            topic: "kv@pod-a@deepseek-v4-flash".into(),
-            encoding: enc,
-            dp_rank: 1,
-            block_size: 4,
-            buffer_batches: 4,
-            ..KvEventsConfig::default()
-        };
+        let config = KvEventsConfig::default()
+            .with_endpoint("tcp://127.0.0.1:*".into())
+            .with_replay_endpoint("tcp://127.0.0.1:*".into())
+            .with_topic("kv@pod-a@deepseek-v4-flash".into())
+            .with_encoding(enc)
+            .with_dp_rank(1)
+            .with_block_size(4)
+            .with_buffer_batches(4);
         let mut p = KvEventPublisher::new(config).unwrap();
         assert!(
             p.endpoint().starts_with("tcp://127.0.0.1:") && !p.endpoint().ends_with('*'),
@@ -339,11 +335,9 @@ fn a_manager_s_events_reach_a_subscriber() {
     let mut m =
         KvManager::new(small_pool(host(), 24), config(2, true), Box::new(FixedPolicy { slots: 3 })).unwrap();
     m.enable_events(true);
-    let config = KvEventsConfig {
-        endpoint: "tcp://127.0.0.1:*".into(),
-        block_size: m.block_size() as u32,
-        ..KvEventsConfig::default()
-    };
+    let config = KvEventsConfig::default()
+        .with_endpoint("tcp://127.0.0.1:*".into())
+        .with_block_size(m.block_size() as u32);
     let mut p = KvEventPublisher::new(config).unwrap();
     let sub = joined(&mut p, "");
     let t = conversation(&mut m, 3);
@@ -517,13 +511,11 @@ fn child_hostile_event_peers() {
         return;
     }
     const FRAME: u64 = 64 << 20;
-    let config = KvEventsConfig {
-        endpoint: "tcp://127.0.0.1:*".into(),
-        replay_endpoint: Some("tcp://127.0.0.1:*".into()),
-        topic: "kv@pod-a@m".into(),
-        buffer_batches: 8,
-        ..KvEventsConfig::default()
-    };
+    let config = KvEventsConfig::default()
+        .with_endpoint("tcp://127.0.0.1:*".into())
+        .with_replay_endpoint("tcp://127.0.0.1:*".into())
+        .with_topic("kv@pod-a@m".into())
+        .with_buffer_batches(8);
     let mut p = KvEventPublisher::new(config).unwrap();
     let sub = joined(&mut p, "kv@");
     let replay = p.replay_endpoint().unwrap().to_string();

@@ -280,7 +280,7 @@ fn the_writer_puts_rows_where_the_geometry_says() {
         let pool = host_pool(fp8);
         let g = pool.geometry().unwrap();
         let mut rng = Rng::new(case_seed("kv-rows-writer", u64::from(fp8)));
-        let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens: 300 }).unwrap();
+        let mut w = pool.kv_row_writer(RowWriteCapacity::new(300)).unwrap();
         // Fresh random plane contents: an untouched byte is one that keeps its value.
         for i in 0..pool.num_planes() {
             let bytes = rng.bytes(pool.plane_bytes(i).unwrap() as usize);
@@ -409,7 +409,7 @@ fn index_keys_land_at_their_entries_rows_and_nothing_else_changes() {
     let fresh = rng.bytes(indexer_bytes(&pool).len());
     // SAFETY: as in `indexer_bytes`.
     unsafe { pool.backend().upload(v.ptr, &fresh, pool.stream()) }.unwrap();
-    let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens: 16 }).unwrap();
+    let mut w = pool.kv_row_writer(RowWriteCapacity::new(16)).unwrap();
     let b0 = pool.alloc_block().unwrap().handle;
     let b1 = pool.alloc_block().unwrap().handle;
     // Two consecutive rows (one copy run), then a row of another block.
@@ -454,7 +454,7 @@ fn a_v41_pool_in_flashmla_rows_gets_the_format_pack_at_its_window_rows() {
     let pool = gather_common::model_pool_at(Arc::new(HostBackend::new()), &model, kv, 6, 3, None);
     let mut rng = Rng::new(case_seed("kv-rows-v41", 0));
     pool.write_plane(0, 0, &rng.bytes(pool.plane_bytes(0).unwrap() as usize)).unwrap();
-    let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens: 64 }).unwrap();
+    let mut w = pool.kv_row_writer(RowWriteCapacity::new(64)).unwrap();
     let slots: Vec<_> = (0..2).map(|_| pool.alloc_slot().unwrap()).collect();
     let before = plane(&pool, 0); // after alloc_slot initialised the slots' state
     let seqs = [
@@ -567,17 +567,9 @@ fn v41_layers_take_their_window_rows() {
     let g = pool.geometry().unwrap();
     let mut rng = Rng::new(case_seed("kv-rows-v41", 0));
     let a = pool.alloc_slot().unwrap();
-    let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens: 3 }).unwrap();
+    let mut w = pool.kv_row_writer(RowWriteCapacity::new(3)).unwrap();
     w.stage_window(&[WindowSeq { slot: a.handle, first_position: 1000, tokens: 3 }]).unwrap();
-    let mut path = pool
-        .decode_path(DecodeCapacity {
-            max_seqs: 1,
-            max_tokens: 1,
-            max_blocks_per_seq: 4,
-            win: 128,
-            index_topk: 512,
-        })
-        .unwrap();
+    let mut path = pool.decode_path(DecodeCapacity::new(1, 1, 4, 128, 512)).unwrap();
     let table = [0, 1, 2, 3];
     path.stage(&[DecodeSeq { position: a.position, context_len: 1004, num_tokens: 1, block_table: &table }])
         .unwrap();
@@ -620,7 +612,7 @@ fn a_stride_whose_span_wraps_is_a_shape_error() {
     );
     let g = pool.geometry().unwrap();
     let csa = g.ratios.iter().position(|&r| r == 4).unwrap();
-    let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens: 8 }).unwrap();
+    let mut w = pool.kv_row_writer(RowWriteCapacity::new(8)).unwrap();
     let slot = pool.alloc_slot().unwrap().handle;
     w.stage_window(&[WindowSeq { slot, first_position: 0, tokens: 4 }]).unwrap();
     let kv = vec![0x3f80u16; 4 * 512];
@@ -655,7 +647,7 @@ fn window_positions_past_i64_are_refused() {
     // Seen failing before the fix: staging 2 tokens from position i64::MAX returned Ok (the
     // second position wrapped negative) and the write went through.
     let pool = host_pool(true);
-    let mut w = pool.kv_row_writer(RowWriteCapacity { max_tokens: 8 }).unwrap();
+    let mut w = pool.kv_row_writer(RowWriteCapacity::new(8)).unwrap();
     let slot = pool.alloc_slot().unwrap().handle;
     for (first, tokens) in [(i64::MAX, 2), (i64::MAX - 2, 4)] {
         let r = w.stage_window(&[WindowSeq { slot, first_position: first, tokens }]);

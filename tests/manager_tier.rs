@@ -12,8 +12,7 @@ use tier_common::manager_common::*;
 use tier_common::*;
 use v4pool::backend::host::HostBackend;
 use v4pool::manager::{
-    BlockHash, ElasticPolicy, FixedPolicy, KvManager, ManagerConfig, ManagerError, ManagerStats, RequestId,
-    SplitPolicy,
+    BlockHash, ElasticPolicy, FixedPolicy, KvManager, ManagerError, ManagerStats, RequestId, SplitPolicy,
 };
 
 fn host() -> Arc<HostBackend> {
@@ -295,7 +294,7 @@ impl Model {
 fn run_model(ops: &[Op], units: u64, elastic: bool) -> ManagerStats {
     // 14 blocks at 3 slots: two long conversations already evict.
     let pool = small_pool(host(), 16);
-    let config = ManagerConfig { host_tier_bytes: units * unit_bytes(&pool), ..config(2, true) };
+    let config = config(2, true).with_host_tier_bytes(units * unit_bytes(&pool));
     let policy: Box<dyn SplitPolicy> = if elastic {
         Box::new(ElasticPolicy { headroom: 1, max_slots: 6, ..ElasticPolicy::default() })
     } else {
@@ -367,7 +366,7 @@ fn a_scripted_run_spills_restores_and_drops() {
 fn a_budget_below_one_unit_is_refused_and_zero_means_no_tier() {
     let pool = small_pool(host(), 24);
     let unit = unit_bytes(&pool);
-    let config = ManagerConfig { host_tier_bytes: unit - 1, ..config(2, true) };
+    let config = config(2, true).with_host_tier_bytes(unit - 1);
     let r = KvManager::new(pool, config, Box::new(FixedPolicy { slots: 3 }));
     assert!(matches!(r, Err(ManagerError::Config(_))), "{r:?}");
     // No tier: evicted blocks are dropped and nothing is counted.

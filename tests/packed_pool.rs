@@ -254,7 +254,7 @@ fn write_rows(
     let (fw, fc) = (RowFormatId::FlashMlaV41.format(), RowFormatId::FlashMlaV41Fp4.format());
     let mut want = plane(p);
     let mut out = Written { compressed: Vec::new(), window: Vec::new() };
-    let mut w = p.kv_row_writer(RowWriteCapacity { max_tokens: 64 }).unwrap();
+    let mut w = p.kv_row_writer(RowWriteCapacity::new(64)).unwrap();
     assert_eq!(w.compressed_format_code(), v4pool::index::KV_ROWS_FLASHMLA_V41_FP4);
     let seqs = [
         WindowSeq { slot: slots[0].handle, first_position: 125, tokens: 6 }, // wraps the ring

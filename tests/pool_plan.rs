@@ -26,13 +26,7 @@ fn overhead_stays_under_one_percent_at_production_sizes() {
             let spec = PoolSpec::from_plan(&p).unwrap();
             // Persistent decode buffers for the largest batch: 256 sequences with one draft
             // token each, contexts to 1M tokens, all CSA layers in one translate-pack.
-            let cap = DecodeCapacity {
-                max_seqs: 256,
-                max_tokens: 512,
-                max_blocks_per_seq: (1 << 20) / 256 + 1,
-                win: 128,
-                index_topk: topk,
-            };
+            let cap = DecodeCapacity::new(256, 512, (1 << 20) / 256 + 1, 128, topk);
             let o = Overhead::estimate(&spec, Some(cap)).unwrap();
             assert!(o.index_bytes > 0 && o.host_bytes > 0 && o.descriptor_bytes > 0);
             assert!(
@@ -59,7 +53,7 @@ fn a_decode_refusal_reaches_the_caller_typed() {
     let model = ModelShape::v4_flash(1).unwrap();
     let p = plan(&model, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, 4, 3 << 30)).unwrap();
     let spec = PoolSpec::from_plan(&p).unwrap();
-    let cap = DecodeCapacity { max_seqs: 4, max_tokens: 8, max_blocks_per_seq: 4, win: 128, index_topk: -1 };
+    let cap = DecodeCapacity::new(4, 8, 4, 128, -1);
     match Overhead::estimate(&spec, Some(cap)) {
         Err(PoolError::Decode(d)) => assert!(matches!(*d, DecodeError::NegativeTopk(-1)), "{d:?}"),
         other => panic!("expected a decode refusal: {other:?}"),
@@ -106,7 +100,7 @@ fn new_slots_start_with_zero_kv_and_minus_infinity_scores() {
 #[test]
 fn transfer_regions_declare_both_planes_and_follow_the_split() {
     let (pool, _) = flash_pool(3 << 30, 4, 1);
-    let cfg = TransferConfig { enabled: true, pipeline_parallel_size: 1 };
+    let cfg = TransferConfig::new(true, 1);
     let r = pool.transfer_regions(&cfg).unwrap();
     assert_eq!(r.slot_regions.len(), 2);
     assert_eq!(r.expected_slot_regions(), 2);
@@ -230,7 +224,7 @@ fn the_pool_carries_the_plans_kv_spec_and_capacities_default_to_it() {
     assert_eq!((d.win, d.index_topk), (kv.window(), kv.index_topk()));
     let pc = v4pool::pool::PrefillCapacity::for_pool(&pool, 2, 64, 16).unwrap();
     assert_eq!((pc.win, pc.index_topk, pc.max_hca_entries), (kv.window(), kv.index_topk(), None));
-    let w = pool.kv_row_writer(v4pool::pool::RowWriteCapacity { max_tokens: 8 }).unwrap();
+    let w = pool.kv_row_writer(v4pool::pool::RowWriteCapacity::new(8)).unwrap();
     assert_eq!(w.row_format_code(), kv.row_format().id.kernel_code());
     assert_eq!(w.compressed_format_code(), v4pool::format::RowFormatId::FlashMlaV41Fp4.kernel_code());
     // The same parts without the spec: bytes only.
@@ -247,7 +241,7 @@ fn the_pool_carries_the_plans_kv_spec_and_capacities_default_to_it() {
     };
     let bare = Arc::new(Pool::new(Arc::new(HostBackend::new()), parts(), Stream::DEFAULT).unwrap());
     assert!(matches!(DecodeCapacity::for_pool(&bare, 4, 8, 16), Err(PoolError::NoKvSpec)));
-    assert!(bare.kv_row_writer(v4pool::pool::RowWriteCapacity { max_tokens: 8 }).is_err());
+    assert!(bare.kv_row_writer(v4pool::pool::RowWriteCapacity::new(8)).is_err());
     // A spec whose row format is not the planes' is refused.
     let v4 = v4pool::sizing::KvSpec::new(
         &ModelShape::v4_flash(0).unwrap(),

@@ -21,7 +21,7 @@ use tier_common::*;
 use tier_io::Io;
 use v4pool::alloc::BlockHandle;
 use v4pool::backend::host::HostBackend;
-use v4pool::manager::{FixedPolicy, KvManager, ManagerConfig};
+use v4pool::manager::{FixedPolicy, KvManager};
 use v4pool::pool::Pool;
 use v4pool::transfer::{EntryKind, HostTierError, SharedKey, SharedTier, SharedTierConfig};
 use v4pool::VariantName;
@@ -59,7 +59,7 @@ fn carved(pool: Arc<Pool>) -> Arc<Pool> {
 }
 
 fn shared_config(dir: &Path, budget: u64) -> SharedTierConfig {
-    SharedTierConfig { dir: dir.to_path_buf(), budget_bytes: budget, sync: false }
+    SharedTierConfig::new(dir.to_path_buf(), budget).with_sync(false)
 }
 
 /// A manager as `tiered` builds it (3 fixed slots, checkpoints every 2 blocks and rolling),
@@ -77,11 +77,8 @@ fn fleet_manager_probed(
     io: Io,
 ) -> (KvManager, Option<v4pool::transfer::NixlPosix>) {
     let shared = shared_config(dir, 64 << 20);
-    let config = ManagerConfig {
-        host_tier_bytes: host_units * unit_bytes(&pool),
-        shared_tier: Some(shared.clone()),
-        ..config(2, true)
-    };
+    let config =
+        config(2, true).with_host_tier_bytes(host_units * unit_bytes(&pool)).with_shared_tier(shared.clone());
     let mut m = KvManager::new(pool, config, Box::new(FixedPolicy { slots: 3 })).expect("manager");
     let probe = if io != Io::StdFs { io.install(&mut m, &shared) } else { None };
     (m, probe)
@@ -366,7 +363,7 @@ fn the_directory_removed_mid_run_leaves_the_engine_serving(io: Io) {
     // A new manager cannot open a missing directory: a typed error, not a panic.
     let e = KvManager::new(
         state_pool(host(), 24),
-        ManagerConfig { shared_tier: Some(shared_config(&dir.0, 1 << 20)), ..config(2, true) },
+        config(2, true).with_shared_tier(shared_config(&dir.0, 1 << 20)),
         Box::new(FixedPolicy { slots: 3 }),
     )
     .unwrap_err();

@@ -59,17 +59,12 @@ fn engine(dir: &Path, tokens: u64, mtp: usize, io: Io) -> KvManager {
     let (pool, _) = v4_pool(host(), &model, blocks, 1);
     let unit: u64 = block_ranges(&pool, 0).iter().map(|r| r.1).sum();
     // Twice the prefix: no eviction in these tests (tests/shared_tier.rs has them).
-    let shared = SharedTierConfig {
-        dir: dir.to_path_buf(),
-        budget_bytes: 2 * (blocks as u64 + 8) * (unit + 4096),
-        sync: true,
-    };
-    let config = ManagerConfig {
-        checkpoint_every: 0,
-        rolling: false,
-        host_tier_bytes: 0,
-        shared_tier: Some(shared.clone()),
-    };
+    let shared = SharedTierConfig::new(dir.to_path_buf(), 2 * (blocks as u64 + 8) * (unit + 4096));
+    let config = ManagerConfig::default()
+        .with_checkpoint_every(0)
+        .with_rolling(false)
+        .with_host_tier_bytes(0)
+        .with_shared_tier(shared.clone());
     let mut m = KvManager::new(Arc::new(pool), config, Box::new(FixedPolicy { slots: 1 })).unwrap();
     if io != Io::StdFs {
         io.install(&mut m, &shared);
@@ -211,9 +206,7 @@ fn refusals(dir: &Path, n: u64, seed: u64, io: Io) {
     assert_eq!(field(&line, "hit"), "0", "{line}");
     println!("another layout: {line}");
     let pool = engine(dir, n, 1, Io::StdFs).pool().clone();
-    let tier =
-        SharedTier::new(&pool, &SharedTierConfig { dir: dir.into(), budget_bytes: 1 << 40, sync: false })
-            .unwrap();
+    let tier = SharedTier::new(&pool, &SharedTierConfig::new(dir, 1 << 40).with_sync(false)).unwrap();
     let hs = hashes(&tokens(seed, n)[..n as usize]);
     let mid = tier.path_of(&SharedKey { kind: EntryKind::Block, hash: hs[hs.len() / 2].0 });
     let mut bytes = std::fs::read(&mid).unwrap();

@@ -23,15 +23,13 @@ fn pool(budget: u64, seqs: i64) -> Arc<Pool> {
 
 #[test]
 fn both_policies_run_the_same_workload_and_release_everything() {
-    let cfg = SimConfig {
-        mix: Mix::Chat,
-        rate: 0.6,
-        steps: 300,
-        max_seqs: 8,
-        elastic_max_seqs: 24,
-        max_context: 1 << 16,
-        ..SimConfig::default()
-    };
+    let cfg = SimConfig::default()
+        .with_mix(Mix::Chat)
+        .with_rate(0.6)
+        .with_steps(300)
+        .with_max_seqs(8)
+        .with_elastic_max_seqs(24)
+        .with_max_context(1 << 16);
     let requests: Vec<RequestSpec> = cfg.workload().unwrap().collect();
     let mut reports = Vec::new();
     for policy in [RunKind::Elastic, RunKind::Fixed] {
@@ -56,14 +54,12 @@ fn both_policies_run_the_same_workload_and_release_everything() {
 #[test]
 fn requests_still_queued_count_in_the_per_request_wait() {
     // One fixed slot, held past the run's end by the first request: the rest queue to the end.
-    let cfg = SimConfig {
-        mix: Mix::Chat,
-        steps: 50,
-        max_seqs: 1,
-        elastic_max_seqs: 1,
-        max_context: 1 << 16,
-        ..SimConfig::default()
-    };
+    let cfg = SimConfig::default()
+        .with_mix(Mix::Chat)
+        .with_steps(50)
+        .with_max_seqs(1)
+        .with_elastic_max_seqs(1)
+        .with_max_context(1 << 16);
     let requests: Vec<RequestSpec> = (0..5).map(|i| RequestSpec::new(i, i * 10, 100, 1000)).collect();
     let pool = pool(1 << 30, 1);
     let r = simulate(&pool, &cfg, RunKind::Fixed, requests).unwrap();
@@ -125,29 +121,27 @@ fn the_command_prints_json_with_both_runs() {
 /// iterated (the old simulator built the whole list first and ran out of memory).
 #[test]
 fn the_workload_is_lazy() {
-    let cfg = WorkloadConfig { mix: Mix::Mixed, rate: 1000.0, steps: 1 << 40, seed: 3, max_context: 1 << 20 };
+    let cfg = WorkloadConfig::new(Mix::Mixed, 1000.0, 1 << 40, 3, 1 << 20);
     let first: Vec<RequestSpec> = Workload::new(cfg).unwrap().take(5000).collect();
     assert_eq!(first.len(), 5000);
     assert!(first.last().unwrap().arrival < 10, "a rate of 1000 fills 5000 within a few steps");
 }
 
 fn small(steps: u64, rate: f64) -> SimConfig {
-    SimConfig {
-        mix: Mix::Chat,
-        rate,
-        steps,
-        max_seqs: 4,
-        elastic_max_seqs: 8,
-        max_context: 1 << 16,
-        ..SimConfig::default()
-    }
+    SimConfig::default()
+        .with_mix(Mix::Chat)
+        .with_rate(rate)
+        .with_steps(steps)
+        .with_max_seqs(4)
+        .with_elastic_max_seqs(8)
+        .with_max_context(1 << 16)
 }
 
 /// Arrivals beyond the queue's cap are turned away and counted; the queue never holds more
 /// than `MAX_WAITING` requests however long the run or high the rate.
 #[test]
 fn the_waiting_queue_is_bounded() {
-    let cfg = SimConfig { sample_every: 1, ..small(120, 1000.0) };
+    let cfg = small(120, 1000.0).with_sample_every(1);
     let pool = pool(1 << 30, cfg.max_seqs as i64);
     let r = simulate(&pool, &cfg, RunKind::Fixed, cfg.workload().unwrap()).unwrap();
     assert!(r.turned_away > 0, "{} arrivals, none turned away", r.arrived);
@@ -169,7 +163,7 @@ fn a_prompt_larger_than_the_pool_is_refused() {
         let blocks = pool.geometry().unwrap().max_blocks_beside(0) as u64;
         let mut reqs = requests.clone();
         reqs[0].prompt = (blocks + 1) * block_tokens;
-        let cfg = SimConfig { max_context: reqs[0].prompt + 200, ..cfg.clone() };
+        let cfg = cfg.clone().with_max_context(reqs[0].prompt + 200);
         let r = simulate(&pool, &cfg, policy, reqs).unwrap();
         assert_eq!(r.refused, 1, "{policy:?}");
         assert_eq!(r.completed, 5, "{policy:?}: the requests behind the refused one finish");
@@ -186,15 +180,15 @@ fn the_config_is_checked_against_the_pool() {
     let positions = g.slot_positions as u64;
     let ok = small(10, 0.5);
     ok.check(&g, 1 << 30).unwrap();
-    let too_many = SimConfig { elastic_max_seqs: positions as usize + 1, ..ok.clone() };
+    let too_many = ok.clone().with_elastic_max_seqs(positions as usize + 1);
     assert!(matches!(
         too_many.check(&g, 1 << 30),
         Err(SimConfigError::OutOfRange { what: "--elastic-max-seqs", max, .. }) if max == positions
     ));
-    let below = SimConfig { elastic_max_seqs: 2, ..ok.clone() };
+    let below = ok.clone().with_elastic_max_seqs(2);
     assert!(matches!(below.check(&g, 1 << 30), Err(SimConfigError::OutOfRange { .. })));
     for rate in [f64::NAN, f64::INFINITY, 0.0, -1.0, 1e6] {
-        assert!(matches!(SimConfig { rate, ..ok.clone() }.check(&g, 1 << 30), Err(SimConfigError::Rate(_))));
+        assert!(matches!(ok.clone().with_rate(rate).check(&g, 1 << 30), Err(SimConfigError::Rate(_))));
     }
     // The decode buffers may take a sixteenth of the pool's bytes.
     assert!(matches!(ok.check(&g, 1 << 16), Err(SimConfigError::DecodeBuffers { .. })));
@@ -208,15 +202,13 @@ fn the_config_is_checked_against_the_pool() {
 /// baseline only whole 16-block groups; every run leaves the pool empty.
 #[test]
 fn the_multiturn_mix_hits() {
-    let cfg = SimConfig {
-        mix: Mix::Multiturn,
-        rate: 0.4,
-        steps: 400,
-        max_seqs: 8,
-        elastic_max_seqs: 24,
-        max_context: 1 << 16,
-        ..SimConfig::default()
-    };
+    let cfg = SimConfig::default()
+        .with_mix(Mix::Multiturn)
+        .with_rate(0.4)
+        .with_steps(400)
+        .with_max_seqs(8)
+        .with_elastic_max_seqs(24)
+        .with_max_context(1 << 16);
     let mut reports = Vec::new();
     for policy in RunKind::ALL {
         let pool = pool(1 << 30, cfg.max_seqs as i64);
@@ -263,16 +255,14 @@ fn modelled(mut r: v4pool::sim::SimReport) -> String {
 /// the plain host backend, host tier spills and restores included.
 #[test]
 fn the_accounting_backend_gives_the_plain_backends_results() {
-    let cfg = SimConfig {
-        mix: Mix::Multiturn,
-        rate: 0.8,
-        steps: 400,
-        max_seqs: 8,
-        elastic_max_seqs: 24,
-        max_context: 1 << 16,
-        host_tier_bytes: 64 << 20,
-        ..SimConfig::default()
-    };
+    let cfg = SimConfig::default()
+        .with_mix(Mix::Multiturn)
+        .with_rate(0.8)
+        .with_steps(400)
+        .with_max_seqs(8)
+        .with_elastic_max_seqs(24)
+        .with_max_context(1 << 16)
+        .with_host_tier_bytes(64 << 20);
     let requests: Vec<RequestSpec> = cfg.workload().unwrap().collect();
     let s = spec(1 << 30, cfg.max_seqs as i64);
     let accounting = Arc::new(HostBackend::accounting());
@@ -299,16 +289,14 @@ fn the_accounting_backend_gives_the_plain_backends_results() {
 #[test]
 fn a_simulated_pool_at_80_gib_holds_only_metadata() {
     const GIB: u64 = 1 << 30;
-    let cfg = SimConfig {
-        mix: Mix::Multiturn,
-        rate: 0.8,
-        steps: 300,
-        max_seqs: 8,
-        elastic_max_seqs: 24,
-        max_context: 1 << 16,
-        host_tier_bytes: 64 * GIB,
-        ..SimConfig::default()
-    };
+    let cfg = SimConfig::default()
+        .with_mix(Mix::Multiturn)
+        .with_rate(0.8)
+        .with_steps(300)
+        .with_max_seqs(8)
+        .with_elastic_max_seqs(24)
+        .with_max_context(1 << 16)
+        .with_host_tier_bytes(64 * GIB);
     let s = spec(80 * GIB, cfg.max_seqs as i64);
     let accounting = Arc::new(HostBackend::accounting());
     let backend: Arc<dyn Backend> = accounting.clone();
@@ -335,13 +323,11 @@ fn a_simulated_pool_at_80_gib_holds_only_metadata() {
 fn a_run_that_would_not_fit_memory_is_refused_up_front() {
     use v4pool::sim::MemoryPlacement;
     const GIB: u64 = 1 << 30;
-    let cfg = SimConfig {
-        host_tier_bytes: 64 * GIB,
-        max_seqs: 8,
-        elastic_max_seqs: 24,
-        max_context: 1 << 16,
-        ..SimConfig::default()
-    };
+    let cfg = SimConfig::default()
+        .with_host_tier_bytes(64 * GIB)
+        .with_max_seqs(8)
+        .with_elastic_max_seqs(24)
+        .with_max_context(1 << 16);
     let s = spec(80 * GIB, 8);
     let plain = MemoryPlacement { planes_on_host: true, index_on_host: true, tiers_committed: true };
     let accounting = MemoryPlacement { planes_on_host: false, index_on_host: true, tiers_committed: false };

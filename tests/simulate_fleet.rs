@@ -44,20 +44,12 @@ fn setup(budget: u64, max_seqs: usize) -> (Arc<dyn Backend>, PoolSpec, SimConfig
     let p =
         plan(&model, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, max_seqs as i64, budget)).unwrap();
     let spec = PoolSpec::from_plan(&p).unwrap();
-    let cfg = SimConfig {
-        max_seqs,
-        elastic_max_seqs: (4 * max_seqs).min(p.geometry.slot_positions as usize),
-        steps: v4pool::sim::MAX_STEPS,
-        build_index: false,
-        time: Some(TimeConfig {
-            cost: cost::preset(H200X4_FLASH_FP8).unwrap(),
-            horizon_ms: 4.0e6,
-            concurrency: None,
-            slo_ttft_ms: v4pool::sim::SLO_TTFT_MS,
-            slo_tpot_ms: v4pool::sim::SLO_TPOT_MS,
-        }),
-        ..SimConfig::default()
-    };
+    let cfg = SimConfig::default()
+        .with_max_seqs(max_seqs)
+        .with_elastic_max_seqs((4 * max_seqs).min(p.geometry.slot_positions as usize))
+        .with_steps(v4pool::sim::MAX_STEPS)
+        .with_build_index(false)
+        .with_time(TimeConfig::new(cost::preset(H200X4_FLASH_FP8).unwrap(), 4.0e6));
     (Arc::new(HostBackend::new()), spec, cfg)
 }
 
@@ -71,7 +63,7 @@ fn run(
     let (backend, spec, mut cfg) = setup(384 << 20, 4);
     cfg.host_tier_bytes = host_tier;
     let specs = trace.specs(1.0).unwrap();
-    let fleet = FleetConfig { engines, router, shared_tier_bytes: 4 << 30 };
+    let fleet = FleetConfig::new(engines, router, 4 << 30);
     simulate_fleet(&backend, &spec, &cfg, &fleet, fleet_run, trace, &specs).unwrap()
 }
 
@@ -161,8 +153,7 @@ fn the_conversation_trace_on_sixteen_engines() {
     let (backend, spec, mut cfg) = setup(640 << 20, 4);
     cfg.host_tier_bytes = 128 << 20;
     cfg.time.as_mut().unwrap().horizon_ms = specs.last().unwrap().arrival as f64 + 3.6e6;
-    let fleet =
-        FleetConfig { engines: 16, router: Router::PrefixAffinity, shared_tier_bytes: 16 * (640 << 20) };
+    let fleet = FleetConfig::new(16, Router::PrefixAffinity, 16 * (640 << 20));
     let r: Vec<FleetReport> = FleetRun::ALL
         .iter()
         .map(|&run| simulate_fleet(&backend, &spec, &cfg, &fleet, run, &trace, &specs).unwrap())
@@ -194,7 +185,7 @@ fn the_progress_callback_follows_the_run_and_changes_nothing() {
     cfg.time.as_mut().unwrap().horizon_ms = horizon;
     let before = specs.iter().filter(|r| (r.arrival as f64) < horizon).count();
     assert!(before < specs.len());
-    let fleet = FleetConfig { engines: 3, router: Router::PrefixAffinity, shared_tier_bytes: 4 << 30 };
+    let fleet = FleetConfig::new(3, Router::PrefixAffinity, 4 << 30);
     let plain = simulate_fleet(&backend, &spec, &cfg, &fleet, FleetRun::Shared, &trace, &specs).unwrap();
     let mut seen: Vec<FleetProgress> = Vec::new();
     let watched = simulate_fleet_with_progress(

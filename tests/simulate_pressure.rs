@@ -31,15 +31,13 @@ fn turn(id: u64, arrival: u64, blocks: u64, output: u64, conv: u64) -> RequestSp
 /// 110,726 preemptions). Admission now prices the hit it references.
 #[test]
 fn a_request_whose_hit_is_the_evictable_cache_is_not_readmitted_into_a_stall() {
-    let cfg = SimConfig {
-        mix: Mix::Chat,
-        steps: 3000,
-        max_seqs: 4,
-        elastic_max_seqs: 4,
-        max_context: 1 << 18,
-        build_index: false,
-        ..SimConfig::default()
-    };
+    let cfg = SimConfig::default()
+        .with_mix(Mix::Chat)
+        .with_steps(3000)
+        .with_max_seqs(4)
+        .with_elastic_max_seqs(4)
+        .with_max_context(1 << 18)
+        .with_build_index(false);
     let pool = pool(640 << 20, 4);
     let blocks = u64::from(pool.counts().unwrap().max_blocks);
     // D fills the pool but for the cache of conversation 1's first turn, then decodes 600
@@ -76,17 +74,15 @@ mod retention {
 
     fn run(reqs: &[(u64, u64, u64, u64)], tier: bool) {
         let pool = pool(512 << 20, 4);
-        let cfg = SimConfig {
-            mix: Mix::Chat,
-            steps: 1500,
-            max_seqs: 4,
-            elastic_max_seqs: 8,
-            max_context: 1 << 17,
-            build_index: false,
-            prefill_chunk: 4096,
-            host_tier_bytes: if tier { 96 << 20 } else { 0 },
-            ..SimConfig::default()
-        };
+        let cfg = SimConfig::default()
+            .with_mix(Mix::Chat)
+            .with_steps(1500)
+            .with_max_seqs(4)
+            .with_elastic_max_seqs(8)
+            .with_max_context(1 << 17)
+            .with_build_index(false)
+            .with_prefill_chunk(4096)
+            .with_host_tier_bytes(if tier { 96 << 20 } else { 0 });
         let (mut at, mut len) = (0, std::collections::HashMap::new());
         let specs: Vec<RequestSpec> = reqs
             .iter()
@@ -215,20 +211,15 @@ mod long_prompts {
         let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
         let pool = v4pool::sim::sim_pool(&backend, &PoolSpec::from_plan(&p).unwrap()).unwrap();
         let specs = trace.specs(1.0).unwrap();
-        let cfg = SimConfig {
-            max_seqs: 16,
-            elastic_max_seqs: 64.min(p.geometry.slot_positions as usize),
-            steps: v4pool::sim::MAX_STEPS,
-            build_index: false,
-            time: Some(TimeConfig {
-                cost: cost::preset(cost::H200X4_FLASH_FP8).unwrap(),
-                horizon_ms: specs.last().unwrap().arrival as f64 + 3.6e6,
-                concurrency: None,
-                slo_ttft_ms: v4pool::sim::SLO_TTFT_MS,
-                slo_tpot_ms: v4pool::sim::SLO_TPOT_MS,
-            }),
-            ..SimConfig::default()
-        };
+        let cfg = SimConfig::default()
+            .with_max_seqs(16)
+            .with_elastic_max_seqs(64.min(p.geometry.slot_positions as usize))
+            .with_steps(v4pool::sim::MAX_STEPS)
+            .with_build_index(false)
+            .with_time(TimeConfig::new(
+                cost::preset(cost::H200X4_FLASH_FP8).unwrap(),
+                specs.last().unwrap().arrival as f64 + 3.6e6,
+            ));
         let mut engine = Engine::new(&pool, &cfg, policy).unwrap().with_trace(trace.clone());
         let mut arrivals = specs.into_iter();
         while !engine.done() {

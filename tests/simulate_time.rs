@@ -81,20 +81,17 @@ fn toy_cost() -> v4pool::sim::StepCost {
 }
 
 fn timed(concurrency: Option<usize>) -> SimConfig {
-    SimConfig {
-        max_seqs: 4,
-        elastic_max_seqs: 8,
-        max_context: 1 << 16,
-        steps: v4pool::sim::MAX_STEPS,
-        time: Some(TimeConfig {
-            cost: toy_cost(),
-            horizon_ms: 1e7,
-            concurrency,
-            slo_ttft_ms: 25.0,
-            slo_tpot_ms: 11.0,
-        }),
-        ..SimConfig::default()
-    }
+    SimConfig::default()
+        .with_max_seqs(4)
+        .with_elastic_max_seqs(8)
+        .with_max_context(1 << 16)
+        .with_steps(v4pool::sim::MAX_STEPS)
+        .with_time(
+            TimeConfig::new(toy_cost(), 1e7)
+                .with_concurrency(concurrency)
+                .with_slo_ttft_ms(25.0)
+                .with_slo_tpot_ms(11.0),
+        )
 }
 
 /// One request alone: its first step prefills 1,000 tokens and samples the first token
@@ -188,21 +185,17 @@ fn the_conversation_trace_against_the_baselines() {
     let model = ModelShape::v4_flash(0).unwrap();
     let p = plan(&model, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, 48, budget)).unwrap();
     let fixed = v4pool::sim::sglang_fixed_slots(&p, v4pool::sim::SGLANG_SWA_RATIO) as usize;
-    let cfg = SimConfig {
-        max_seqs: fixed,
-        // As `v4pool simulate` sets them: four times the fixed split's slots, at most the plane's.
-        elastic_max_seqs: (4 * fixed).min(p.geometry.slot_positions as usize).max(fixed),
-        steps: v4pool::sim::MAX_STEPS,
-        time: Some(TimeConfig {
-            cost: cost::preset(H200X4_FLASH_FP8).unwrap(),
-            horizon_ms: (specs.last().unwrap().arrival as f64) + 3.6e6,
-            concurrency: None,
-            slo_ttft_ms: v4pool::sim::SLO_TTFT_MS,
-            slo_tpot_ms: v4pool::sim::SLO_TPOT_MS,
-        }),
-        host_tier_bytes: 4 << 30,
-        ..SimConfig::default()
-    };
+    // elastic_max_seqs as `v4pool simulate` sets it: four times the fixed split's slots, at
+    // most the plane's.
+    let cfg = SimConfig::default()
+        .with_max_seqs(fixed)
+        .with_elastic_max_seqs((4 * fixed).min(p.geometry.slot_positions as usize).max(fixed))
+        .with_steps(v4pool::sim::MAX_STEPS)
+        .with_time(TimeConfig::new(
+            cost::preset(H200X4_FLASH_FP8).unwrap(),
+            (specs.last().unwrap().arrival as f64) + 3.6e6,
+        ))
+        .with_host_tier_bytes(4 << 30);
     let mut runs = Vec::new();
     for policy in
         [RunKind::Elastic, RunKind::Fixed, RunKind::NoReuse, RunKind::Reuse4096, RunKind::ElasticTier]

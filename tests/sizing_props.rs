@@ -37,7 +37,7 @@ proptest! {
         let kv = if bf16 { KvDtype::Bf16 } else { KvDtype::Fp8 };
         let indexer = if fp4 { IndexerDtype::Fp4 } else { IndexerDtype::Fp8 };
         let min_slots = m * i64::from(min_frac) / 100;
-        let req = PlanRequest { min_slots, overhead_bytes: overhead, ..PlanRequest::new(kv, indexer, m, budget) };
+        let req = PlanRequest::new(kv, indexer, m, budget).with_min_slots(min_slots).with_overhead_bytes(overhead);
         let shape = model(which, k);
         match plan(&shape, &req) {
             Ok(p) => {

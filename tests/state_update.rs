@@ -37,7 +37,7 @@ fn v4_shapes_write_exactly_the_last_k_rows() {
         let leases: Vec<_> = (0..3).map(|_| pool.alloc_slot().unwrap()).collect();
         poison(&pool, &mut rng);
         // Decode-shaped (1..=k+1 tokens each), then a prefill-shaped forward (up to 300).
-        let cap = StateUpdateCapacity { max_seqs: 3, max_tokens: 900 };
+        let cap = StateUpdateCapacity::new(3, 900);
         let decode = forward(&mut rng, &leases, model.spec_steps + 1, 1_000_000);
         run_forward(&pool, &mut rng, &decode, cap, &format!("{what} decode"));
         let prefill = forward(&mut rng, &leases, 300, 5000);
@@ -55,7 +55,7 @@ fn large_batches_on_a_small_arena() {
         let leases: Vec<_> = (0..bs).map(|_| pool.alloc_slot().unwrap()).collect();
         poison(&pool, &mut rng);
         let seqs = forward(&mut rng, &leases, 2, 1_000_000);
-        let cap = StateUpdateCapacity { max_seqs: 1024, max_tokens: 2048 };
+        let cap = StateUpdateCapacity::new(1024, 2048);
         run_forward(&pool, &mut rng, &seqs, cap, &format!("small arena bs={bs}"));
     }
 }
@@ -64,7 +64,7 @@ fn large_batches_on_a_small_arena() {
 fn plans_keep_the_last_k_positions_and_pad_to_capacity() {
     let pool = small_pool(host(), &[128], 1, None, 4);
     let leases: Vec<_> = (0..2).map(|_| pool.alloc_slot().unwrap()).collect();
-    let mut upd = pool.state_update(StateUpdateCapacity { max_seqs: 2, max_tokens: 300 }).unwrap();
+    let mut upd = pool.state_update(StateUpdateCapacity::new(2, 300)).unwrap();
     // Sequence 0: 200 tokens of a fresh prefill; sequence 1: 3 decode tokens at 1,000,000.
     let s0: Vec<i64> = (0..200).collect();
     let s1: Vec<i64> = (999_998..1_000_001).collect();
@@ -102,7 +102,7 @@ fn refusals_are_typed_and_write_nothing() {
     pool.free_slot(gone.handle).unwrap();
     poison(&pool, &mut rng);
     let before = planes(&pool);
-    let cap = StateUpdateCapacity { max_seqs: 3, max_tokens: 16 };
+    let cap = StateUpdateCapacity::new(3, 16);
     let mut upd = pool.state_update(cap).unwrap();
     let seq = |lease, positions: Vec<i64>, ctx| Seq { lease, first_token: 0, positions, context_len: ctx };
     let stage = |upd: &mut v4pool::state::update::StateUpdate, seqs: Vec<Seq>| upd.stage(&views(&seqs));

@@ -276,7 +276,7 @@ fn a_failed_transfer_releases_the_reservation() {
 fn exported_regions_name_the_pools_own_memory() {
     let b: Arc<dyn Backend> = Arc::new(HostBackend::new());
     let (pool, _) = v4_pool(b, &ModelShape::v4_flash(1).unwrap(), 6, 2);
-    let on = v4pool::transfer::TransferConfig { enabled: true, pipeline_parallel_size: 1 };
+    let on = v4pool::transfer::TransferConfig::new(true, 1);
     let regions = v4pool::transfer::exported_regions(&pool, &on).unwrap();
     let g = pool.geometry().unwrap();
     let n_csa = pool.spec().csa_layers.len();

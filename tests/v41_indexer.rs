@@ -42,7 +42,7 @@ fn the_v41_indexer_is_one_part_per_kv_owner_at_the_plans_price() {
     let ck = v4pool::checkpoint::CheckpointLayout::for_pool(&layout).unwrap();
     assert_eq!(ck.page_bytes, layout.page_bytes().unwrap());
     assert_eq!(ck.page_bytes, 640 * 1024 + 84_480);
-    let on = v4pool::pool::regions::TransferConfig { enabled: true, pipeline_parallel_size: 1 };
+    let on = v4pool::pool::regions::TransferConfig::new(true, 1);
     let regions = pool.transfer_regions(&on).unwrap();
     let ix: Vec<(String, u64, u64)> =
         regions.block_regions[1..].iter().map(|r| (r.role.clone(), r.base, r.unit_bytes)).collect();

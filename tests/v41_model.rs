@@ -306,7 +306,7 @@ fn read(pool: &Pool, ranges: &[(u64, u64)]) -> Vec<u8> {
 fn the_manager_checkpoints_and_transfer_regions_work_on_a_v41_pool() {
     use v4pool::manager::{chain_hashes, ElasticPolicy, KvManager, ManagerConfig, Namespace};
     let pool = v41_manager_pool(12);
-    let cfg = ManagerConfig { checkpoint_every: 2, rolling: true, ..Default::default() };
+    let cfg = ManagerConfig::default().with_checkpoint_every(2).with_rolling(true);
     let mut m = KvManager::new(pool.clone(), cfg, Box::new(ElasticPolicy::default())).unwrap();
     let tokens: Vec<u32> = (0..1400u32).map(|i| i.wrapping_mul(2_654_435_761) >> 7).collect();
     let hashes = chain_hashes(Namespace::from_label("v4.1-flash@test"), None, &tokens, 256);
@@ -364,8 +364,7 @@ fn the_manager_checkpoints_and_transfer_regions_work_on_a_v41_pool() {
     assert_eq!(table_b[..4], blocks_a[..], "the cached blocks are shared");
     m.rebalance().unwrap();
     m.check_invariants().unwrap();
-    let regions =
-        pool.transfer_regions(&v4pool::transfer::TransferConfig { enabled: true, pipeline_parallel_size: 1 });
+    let regions = pool.transfer_regions(&v4pool::transfer::TransferConfig::new(true, 1));
     let r = regions.unwrap();
     assert_eq!(r.slot_regions.len(), 1);
     m.finish(b).unwrap();

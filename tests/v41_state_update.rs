@@ -79,7 +79,7 @@ fn forward_on(backend: Arc<dyn Backend>, spec_steps: i64, seed: u64) -> Vec<u8> 
             context_len,
         })
         .collect();
-    let cap = StateUpdateCapacity { max_seqs: 4, max_tokens: 64 };
+    let cap = StateUpdateCapacity::new(4, 64);
     let mut upd = pool.state_update(cap).unwrap();
     upd.stage(&seqs).unwrap();
     let g = &pool.spec().geometry;

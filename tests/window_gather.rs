@@ -32,7 +32,7 @@ fn gathers_every_source_as_the_spec_says() {
             let leases: Vec<_> = (0..3).map(|_| pool.alloc_slot().unwrap()).collect();
             fill(&pool, &leases, &mut rng);
             let ring = pool.spec().geometry.ring_slots as usize;
-            let mut g = pool.window_gather(GatherCapacity { max_seqs: 1024, out_window: ring }).unwrap();
+            let mut g = pool.window_gather(GatherCapacity::new(1024, ring)).unwrap();
             for layer in source_layers(&model) {
                 for (n, wd) in [(1, ring), (5, 128), (1024, 2), (3, 1)] {
                     let b = batch(&mut rng, &leases, n, wd);
@@ -61,7 +61,7 @@ fn pads_and_rows_past_the_batch_are_never_written() {
     let leases: Vec<_> = (0..3).map(|_| pool.alloc_slot().unwrap()).collect();
     fill(&pool, &leases, &mut rng);
     let (cap, wd, layer) = (8, 7, source_layers(&model)[1]);
-    let g0 = pool.window_gather(GatherCapacity { max_seqs: cap, out_window: 0 }).unwrap();
+    let g0 = pool.window_gather(GatherCapacity::new(cap, 0)).unwrap();
     let mut g = g0;
     let be = pool.backend();
     let out = be.alloc_zeroed((cap * wd * 1024) as u64).unwrap();
@@ -92,7 +92,7 @@ fn bad_input_is_a_typed_error_before_any_launch() {
     let pool = host_pool(&model, true);
     let a = pool.alloc_slot().unwrap();
     let ring = pool.spec().geometry.ring_slots as usize;
-    let mut g = pool.window_gather(GatherCapacity { max_seqs: 2, out_window: 4 }).unwrap();
+    let mut g = pool.window_gather(GatherCapacity::new(2, 4)).unwrap();
     let seq = |anchor, context_len| GatherSeq { slot: a.handle, anchor, context_len };
     let csa = model.ratios.iter().position(|&r| r == 4).unwrap();
     assert!(matches!(g.stage(&[seq(5, None); 3]), Err(GatherError::TooManySeqs { got: 3, cap: 2 })));
@@ -109,7 +109,7 @@ fn bad_input_is_a_typed_error_before_any_launch() {
         Err(GatherError::WindowExceedsRing { ring_slots, .. }) if ring_slots == ring as i64
     ));
     assert!(matches!(g.gather(999, 2), Err(GatherError::NoSuchLayer { layer: 999, .. })));
-    let mut no_out = pool.window_gather(GatherCapacity { max_seqs: 2, out_window: 0 }).unwrap();
+    let mut no_out = pool.window_gather(GatherCapacity::new(2, 0)).unwrap();
     assert!(matches!(no_out.gather(csa, 2), Err(GatherError::NoOutput)));
     // A lease freed after staging: the gather refuses it; staging it again too.
     g.gather(csa, 3).unwrap();
@@ -299,7 +299,7 @@ fn a_slot_relocated_after_staging_is_refused_until_restaged_with_its_new_lease()
     let n = pool.counts().unwrap().num_slots;
     let leases: Vec<_> = (0..n).map(|_| pool.alloc_slot().unwrap()).collect();
     let held = leases.iter().map(|l| l.handle).min_by_key(|&h| pool.slot_position(h).unwrap()).unwrap();
-    let mut g = pool.window_gather(GatherCapacity { max_seqs: 1, out_window: 4 }).unwrap();
+    let mut g = pool.window_gather(GatherCapacity::new(1, 4)).unwrap();
     g.stage(&[GatherSeq { slot: held, anchor: 7, context_len: None }]).unwrap();
     g.gather(csa, 4).unwrap();
     for l in leases.iter().filter(|l| l.handle != held) {
@@ -325,7 +325,7 @@ fn gather_into_host_equals_the_gather_and_outputs_the_launch_reads_are_refused()
         let mut rng = Rng::new(case_seed("gather-into-host", u64::from(fp8)));
         fill(&pool, &leases, &mut rng);
         let wd = 64;
-        let mut g = pool.window_gather(GatherCapacity { max_seqs: 4, out_window: wd }).unwrap();
+        let mut g = pool.window_gather(GatherCapacity::new(4, wd)).unwrap();
         g.stage(&batch(&mut rng, &leases, 3, wd)).unwrap();
         for layer in source_layers(&model) {
             let mut out = vec![0xbeefu16; 4 * wd * 512];

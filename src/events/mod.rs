@@ -69,6 +69,7 @@ impl VariantName for EventsError {
 
 /// Where and how a publisher sends (vLLM's `KVEventsConfig`, plus the encoding).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct KvEventsConfig {
     /// The PUB socket's endpoint (vLLM's default `tcp://*:5557`).
     pub endpoint: String,
@@ -87,6 +88,17 @@ pub struct KvEventsConfig {
     /// The PUB socket's send high-water mark (vLLM's 100,000).
     pub hwm: i32,
 }
+
+crate::setters::with_setters!(KvEventsConfig {
+    with_endpoint(endpoint: String),
+    with_replay_endpoint(replay_endpoint: Some(String)),
+    with_topic(topic: String),
+    with_encoding(encoding: EventEncoding),
+    with_dp_rank(dp_rank: u32),
+    with_block_size(block_size: u32),
+    with_buffer_batches(buffer_batches: usize),
+    with_hwm(hwm: i32),
+});
 
 impl Default for KvEventsConfig {
     fn default() -> Self {

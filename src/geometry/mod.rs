@@ -320,6 +320,7 @@ fn gcd(a: i64, b: i64) -> i64 {
 
 /// Every constructor argument of the spec's `UnifiedPoolGeometry`, with its defaults.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GeometrySpec {
     /// Compress ratio of every layer (0, 4, 128, or −1 for absent).
     pub ratios: Vec<i32>,

@@ -162,6 +162,7 @@ impl VariantName for ManagerError {
 
 /// How the manager checkpoints and which layout its checkpoints belong to.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ManagerConfig {
     /// A permanent checkpoint every this many blocks (0: none besides prompt end and rolling).
     pub checkpoint_every: u32,
@@ -179,6 +180,13 @@ pub struct ManagerConfig {
     /// [`KvManager::set_shared_tier`]).
     pub shared_tier: Option<crate::transfer::SharedTierConfig>,
 }
+
+crate::setters::with_setters!(ManagerConfig {
+    with_checkpoint_every(checkpoint_every: u32),
+    with_rolling(rolling: bool),
+    with_host_tier_bytes(host_tier_bytes: u64),
+    with_shared_tier(shared_tier: Some(crate::transfer::SharedTierConfig)),
+});
 
 impl Default for ManagerConfig {
     fn default() -> Self {

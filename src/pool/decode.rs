@@ -30,6 +30,7 @@ use thiserror::Error;
 
 /// Capacities the persistent buffers are sized for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DecodeCapacity {
     /// Sequences in one step.
     pub max_seqs: usize,
@@ -43,10 +44,27 @@ pub struct DecodeCapacity {
     pub index_topk: i32,
 }
 
+impl DecodeCapacity {
+    /// Every capacity given ([`DecodeCapacity::for_pool`] takes the window and top-k from the
+    /// pool's spec).
+    pub fn new(
+        max_seqs: usize,
+        max_tokens: usize,
+        max_blocks_per_seq: usize,
+        win: i32,
+        index_topk: i32,
+    ) -> Self {
+        DecodeCapacity { max_seqs, max_tokens, max_blocks_per_seq, win, index_topk }
+    }
+}
+
+crate::setters::with_setters!(DecodeCapacity { with_win(win: i32), with_index_topk(index_topk: i32) });
+
 /// Row widths of the decode path's FlashMLA outputs (index-buffers.md §3f, §5f): FlashMLA's
 /// sparse decode takes `indices [T, topk]` and `extra_indices_in_kvcache [T, extra_topk]` with
 /// both widths multiples of 64.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct FlashMlaWidths {
     /// Window part of every class (`indices`): at least `win`.
     pub topk: i32,
@@ -55,6 +73,13 @@ pub struct FlashMlaWidths {
     /// HCA compressed part (the builder's rows): at least the longest HCA head the path takes,
     /// `max_blocks_per_seq × block_size / 128`.
     pub hca_extra_topk: i32,
+}
+
+impl FlashMlaWidths {
+    /// These widths ([`FlashMlaWidths::for_pool`] gives the narrowest FlashMLA takes).
+    pub fn new(topk: i32, csa_extra_topk: i32, hca_extra_topk: i32) -> Self {
+        FlashMlaWidths { topk, csa_extra_topk, hca_extra_topk }
+    }
 }
 
 impl DecodeCapacity {

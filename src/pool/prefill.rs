@@ -29,6 +29,7 @@ use std::sync::Arc;
 
 /// Capacities the prefill buffers are sized for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PrefillCapacity {
     /// Sequences (chunks) in one forward.
     pub max_seqs: usize,
@@ -47,6 +48,26 @@ pub struct PrefillCapacity {
     /// the CSA buffer's, `max_tokens × (win − 1 + min(index_topk, longest context / ratio))`.
     pub max_hca_entries: Option<u64>,
 }
+
+impl PrefillCapacity {
+    /// Every required capacity given, the HCA prefix buffer sized for the worst case
+    /// ([`PrefillCapacity::for_pool`] takes the window and top-k from the pool's spec).
+    pub fn new(
+        max_seqs: usize,
+        max_tokens: usize,
+        max_blocks_per_seq: usize,
+        win: i32,
+        index_topk: i32,
+    ) -> Self {
+        PrefillCapacity { max_seqs, max_tokens, max_blocks_per_seq, win, index_topk, max_hca_entries: None }
+    }
+}
+
+crate::setters::with_setters!(PrefillCapacity {
+    with_win(win: i32),
+    with_index_topk(index_topk: i32),
+    with_max_hca_entries(max_hca_entries: Some(u64)),
+});
 
 impl PrefillCapacity {
     /// Buffers for `max_seqs` chunks of `max_tokens` tokens and `max_blocks_per_seq`

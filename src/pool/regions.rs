@@ -154,11 +154,19 @@ impl TransferRegion {
 
 /// Whether transfer is configured, and the pipeline-parallel size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TransferConfig {
     /// Whether a KV connector is configured (off: nothing is registered).
     pub enabled: bool,
     /// Pipeline-parallel size (transfer supports 1).
     pub pipeline_parallel_size: u32,
+}
+
+impl TransferConfig {
+    /// Transfer `enabled` or not, at `pipeline_parallel_size`.
+    pub fn new(enabled: bool, pipeline_parallel_size: u32) -> Self {
+        TransferConfig { enabled, pipeline_parallel_size }
+    }
 }
 
 /// The regions a connector registers.

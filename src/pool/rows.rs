@@ -225,9 +225,17 @@ fn pool_err(e: PoolError) -> RowWriteError {
 
 /// What a writer is sized for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RowWriteCapacity {
     /// Most tokens (rows) one write carries.
     pub max_tokens: usize,
+}
+
+impl RowWriteCapacity {
+    /// A writer for writes of up to `max_tokens` rows.
+    pub fn new(max_tokens: usize) -> Self {
+        RowWriteCapacity { max_tokens }
+    }
 }
 
 /// One sequence of a prefill chunk: its tokens are `first_position ..` and sit contiguously in

@@ -84,6 +84,7 @@ impl FleetRun {
 
 /// A fleet: how many engines, the router, and the shared tier's budget.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct FleetConfig {
     /// Engines.
     pub engines: usize,
@@ -91,6 +92,13 @@ pub struct FleetConfig {
     pub router: Router,
     /// Bytes the shared tier holds (the `Shared` run).
     pub shared_tier_bytes: u64,
+}
+
+impl FleetConfig {
+    /// `engines` engines behind `router`, sharing a tier of `shared_tier_bytes`.
+    pub fn new(engines: usize, router: Router, shared_tier_bytes: u64) -> Self {
+        FleetConfig { engines, router, shared_tier_bytes }
+    }
 }
 
 /// Most engines a fleet run builds.

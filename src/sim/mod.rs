@@ -338,6 +338,7 @@ impl RunKind {
 
 /// Workload and engine parameters (the pool itself comes from the caller).
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct SimConfig {
     /// Length mix of the arrivals.
     pub mix: Mix,
@@ -378,8 +379,27 @@ pub struct SimConfig {
     pub build_index: bool,
 }
 
+crate::setters::with_setters!(SimConfig {
+    with_mix(mix: Mix),
+    with_rate(rate: f64),
+    with_steps(steps: u64),
+    with_seed(seed: u64),
+    with_max_seqs(max_seqs: usize),
+    with_elastic_max_seqs(elastic_max_seqs: usize),
+    with_prefill_chunk(prefill_chunk: u64),
+    with_tokens_per_decode(tokens_per_decode: usize),
+    with_max_context(max_context: u64),
+    with_slot_headroom(slot_headroom: u32),
+    with_sample_every(sample_every: u64),
+    with_time(time: Some(TimeConfig)),
+    with_host_tier_bytes(host_tier_bytes: u64),
+    with_hash_blocks(hash_blocks: bool),
+    with_build_index(build_index: bool),
+});
+
 /// Time mode: the step-cost model, the arrival window and the latency target.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct TimeConfig {
     /// What a step costs.
     pub cost: StepCost,
@@ -394,6 +414,20 @@ pub struct TimeConfig {
     /// Time per output token it must meet, ms.
     pub slo_tpot_ms: f64,
 }
+
+impl TimeConfig {
+    /// Open loop at `cost` until `horizon_ms`, against the default latency targets
+    /// ([`SLO_TTFT_MS`], [`SLO_TPOT_MS`]).
+    pub fn new(cost: StepCost, horizon_ms: f64) -> Self {
+        TimeConfig { cost, horizon_ms, concurrency: None, slo_ttft_ms: SLO_TTFT_MS, slo_tpot_ms: SLO_TPOT_MS }
+    }
+}
+
+crate::setters::with_setters!(TimeConfig {
+    with_concurrency(concurrency: Option<usize>),
+    with_slo_ttft_ms(slo_ttft_ms: f64),
+    with_slo_tpot_ms(slo_tpot_ms: f64),
+});
 
 /// The latency target goodput is reported against by default: a first token within 2 s and
 /// 50 ms per output token (20 tokens/s, faster than reading), for a chat service.

@@ -112,6 +112,7 @@ struct Conversation {
 
 /// What the arrival stream is drawn from.
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct WorkloadConfig {
     /// Length mix.
     pub mix: Mix,
@@ -123,6 +124,14 @@ pub struct WorkloadConfig {
     pub seed: u64,
     /// Longest context (prompt + output) a request may reach.
     pub max_context: u64,
+}
+
+impl WorkloadConfig {
+    /// `steps` steps of `mix` arrivals at `rate` per step from `seed`, contexts up to
+    /// `max_context` ([`crate::sim::SimConfig::workload_config`] takes them from a run's config).
+    pub fn new(mix: Mix, rate: f64, steps: u64, seed: u64, max_context: u64) -> Self {
+        WorkloadConfig { mix, rate, steps, seed, max_context }
+    }
 }
 
 /// The arrival stream, drawn lazily in arrival order (see the module docs).

@@ -197,6 +197,7 @@ fn pool_err(e: PoolError) -> GatherError {
 
 /// What a gather handle is sized for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GatherCapacity {
     /// Sequences per gather: the grid every launch runs (sequences past the staged batch are
     /// pads).
@@ -204,6 +205,13 @@ pub struct GatherCapacity {
     /// Rows per sequence of the handle's own output (`[max_seqs, out_window, 512]` bf16);
     /// 0 = no output of its own (only [`WindowGather::gather_into`]).
     pub out_window: usize,
+}
+
+impl GatherCapacity {
+    /// `max_seqs` sequences per gather, `out_window` rows each of the handle's own output.
+    pub fn new(max_seqs: usize, out_window: usize) -> Self {
+        GatherCapacity { max_seqs, out_window }
+    }
 }
 
 /// One sequence of a gather batch.

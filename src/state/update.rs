@@ -112,11 +112,19 @@ const CLASSES: [Class; 2] = [Class::Csa, Class::Hca];
 
 /// What the buffers are sized for: the most sequences and new tokens one forward stages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StateUpdateCapacity {
     /// Sequences per forward.
     pub max_seqs: usize,
     /// New tokens per forward (every sequence's together).
     pub max_tokens: usize,
+}
+
+impl StateUpdateCapacity {
+    /// `max_seqs` sequences and `max_tokens` new tokens per forward.
+    pub fn new(max_seqs: usize, max_tokens: usize) -> Self {
+        StateUpdateCapacity { max_seqs, max_tokens }
+    }
 }
 
 impl StateUpdateCapacity {

@@ -236,6 +236,7 @@ pub(crate) fn checkpoint_units(pool: &Pool) -> u64 {
 
 /// Where the shared tier lives and how much of it a fleet uses.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SharedTierConfig {
     /// A directory every engine mounts; it must exist (the tier creates its folders inside).
     pub dir: PathBuf,
@@ -247,6 +248,16 @@ pub struct SharedTierConfig {
     /// empty after a power loss, which readers refuse as torn).
     pub sync: bool,
 }
+
+impl SharedTierConfig {
+    /// A tier in `dir` of at most `budget_bytes`, every entry synced before it is renamed
+    /// into place (the crash-safe choice; [`SharedTierConfig::with_sync`] turns it off).
+    pub fn new(dir: impl Into<PathBuf>, budget_bytes: u64) -> Self {
+        SharedTierConfig { dir: dir.into(), budget_bytes, sync: true }
+    }
+}
+
+crate::setters::with_setters!(SharedTierConfig { with_sync(sync: bool) });
 
 /// An open entry file, as a [`TierIo`] reads it.
 pub trait TierReader {

@@ -284,8 +284,7 @@ fn update_state(pool: &Arc<Pool>, lease: SlotLease, t: &[u32], from: usize, to: 
     }
     // The kernel: one launch per compressor and layer over the forward's rows.
     let n = to - from;
-    let mut upd =
-        pool.state_update(StateUpdateCapacity { max_seqs: 1, max_tokens: n }).expect("state update");
+    let mut upd = pool.state_update(StateUpdateCapacity::new(1, n)).expect("state update");
     let positions: Vec<i64> = (from as i64..to as i64).collect();
     let seq = StateSeq { slot: lease.handle, first_token: 0, positions: &positions, context_len: to as i64 };
     upd.stage(&[seq]).expect("stage");
@@ -489,7 +488,7 @@ pub fn same(got: &[u8], want: &[u8], what: &str) {
 }
 
 pub fn config(every: u32, rolling: bool) -> v4pool::manager::ManagerConfig {
-    v4pool::manager::ManagerConfig { checkpoint_every: every, rolling, ..Default::default() }
+    v4pool::manager::ManagerConfig::default().with_checkpoint_every(every).with_rolling(rolling)
 }
 
 fn table_contents(m: &KvManager, id: RequestId, blocks: usize) -> Vec<u8> {

@@ -349,13 +349,7 @@ impl StepRig {
             }
         }
         let max_blocks = tables.iter().map(Vec::len).max().unwrap_or(1);
-        let cap = DecodeCapacity {
-            max_seqs: batch,
-            max_tokens: t,
-            max_blocks_per_seq: max_blocks,
-            win: WIN,
-            index_topk: data.index_topk as i32,
-        };
+        let cap = DecodeCapacity::new(batch, t, max_blocks, WIN, data.index_topk as i32);
         let mut path = if data.flashmla_path {
             let widths = FlashMlaWidths::for_capacity(&g, cap).expect("FlashMLA widths");
             pool.flashmla_decode_path(cap, widths).expect("FlashMLA decode path")
@@ -375,7 +369,7 @@ impl StepRig {
             })
             .collect();
         path.stage(&seqs).expect("stage the decode batch");
-        let wcap = RowWriteCapacity { max_tokens: t };
+        let wcap = RowWriteCapacity::new(t);
         let own = pool.kv_row_writer(wcap).expect("writer");
         let mut csa_w = pool.kv_row_writer(wcap).expect("writer");
         let mut hca_w = pool.kv_row_writer(wcap).expect("writer");
@@ -406,7 +400,7 @@ impl StepRig {
                 w.stage_compressed(class, &rows).expect("stage entries");
             }
         }
-        let scap = StateUpdateCapacity { max_seqs: batch, max_tokens: t };
+        let scap = StateUpdateCapacity::new(batch, t);
         let mut state = pool.state_update(scap).expect("state update");
         let pos_lists: Vec<Vec<i64>> = data.ctx.iter().map(|&c| (c - tps as i64..c).collect()).collect();
         let sseqs: Vec<StateSeq<'_>> = (0..batch)

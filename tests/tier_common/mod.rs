@@ -8,7 +8,7 @@ pub mod manager_common;
 
 use manager_common::*;
 use std::sync::Arc;
-use v4pool::manager::{FixedPolicy, KvManager, ManagerConfig};
+use v4pool::manager::{FixedPolicy, KvManager};
 use v4pool::pool::Pool;
 use v4pool::transfer::HostTier;
 
@@ -20,7 +20,7 @@ pub fn unit_bytes(pool: &Pool) -> u64 {
 /// A manager over a fresh small pool (3 fixed slots, a permanent checkpoint every 2 blocks
 /// and rolling ones) whose host tier holds `units` block units.
 pub fn tiered(pool: Arc<Pool>, units: u64) -> KvManager {
-    let config = ManagerConfig { host_tier_bytes: units * unit_bytes(&pool), ..config(2, true) };
+    let config = config(2, true).with_host_tier_bytes(units * unit_bytes(&pool));
     KvManager::new(pool, config, Box::new(FixedPolicy { slots: 3 })).expect("manager")
 }
 

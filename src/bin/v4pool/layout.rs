@@ -149,7 +149,9 @@ fn geometry_spec(p: &ParsedArgs) -> Result<(String, GeometrySpec, Option<KvDtype
         (None, None) => return Err(CliError::MissingOption { flag: "--ring" }),
     };
     let block_size = p.i64("--block-size")?.unwrap_or(base.block_size);
-    let mut spec = GeometrySpec { ring_slots: ring, block_size, ..base };
+    let mut spec = base;
+    spec.ring_slots = ring;
+    spec.block_size = block_size;
     if let Some(v) = p.i64("--plane-rows")? {
         spec = spec.plane_rows(v);
     }

@@ -105,8 +105,10 @@ pub(crate) fn execute(args: &[String]) -> Result<Option<PlanReport>, CliError> {
     // FlashMLA's 528-B rows for V4.1); with one, what ATOM and aiter read there.
     let (default_kv, default_indexer) = default_dtypes(model.family, arch);
     let (kv, indexer) = (kv.unwrap_or(default_kv), indexer.unwrap_or(default_indexer));
-    let req =
-        PlanRequest { min_slots, overhead_bytes, arch, ..PlanRequest::new(kv, indexer, m, budget_bytes) };
+    let mut req = PlanRequest::new(kv, indexer, m, budget_bytes)
+        .with_min_slots(min_slots)
+        .with_overhead_bytes(overhead_bytes);
+    req.arch = arch;
     Ok(Some(PlanReport::new(plan(&model, &req)?)?))
 }
 

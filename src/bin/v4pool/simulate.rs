@@ -307,7 +307,7 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
     let (source, time, steps) = match cost {
         None => {
             let steps = count(&p, "--steps", 2000)?;
-            let wc = v4pool::sim::WorkloadConfig { mix, rate, steps, seed, max_context };
+            let wc = v4pool::sim::WorkloadConfig::new(mix, rate, steps, seed, max_context);
             (Source::Mix(Workload::new(wc).map_err(SimError::from)?), None, steps)
         }
         Some(cost) => {
@@ -315,13 +315,13 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
                 None => {
                     let duration = number("--duration", 600.0)?;
                     // One arrival tick per ms: the rate per tick is the rate per second / 1000.
-                    let wc = v4pool::sim::WorkloadConfig {
+                    let wc = v4pool::sim::WorkloadConfig::new(
                         mix,
-                        rate: rate / 1000.0,
-                        steps: (duration * 1000.0) as u64,
+                        rate / 1000.0,
+                        (duration * 1000.0) as u64,
                         seed,
                         max_context,
-                    };
+                    );
                     (Source::Mix(Workload::new(wc).map_err(SimError::from)?), duration + 600.0)
                 }
                 Some(path) => {
@@ -348,30 +348,28 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
                     v.trim().parse::<u64>().map_err(|_| bad("--concurrency", v, "a count"))?,
                 )?),
             };
-            let time = TimeConfig {
-                cost,
-                horizon_ms: number("--horizon", end_s)? * 1000.0,
-                concurrency,
-                slo_ttft_ms: number("--slo-ttft", v4pool::sim::SLO_TTFT_MS)?,
-                slo_tpot_ms: number("--slo-tpot", v4pool::sim::SLO_TPOT_MS)?,
-            };
+            let time = TimeConfig::new(cost, number("--horizon", end_s)? * 1000.0)
+                .with_concurrency(concurrency)
+                .with_slo_ttft_ms(number("--slo-ttft", v4pool::sim::SLO_TTFT_MS)?)
+                .with_slo_tpot_ms(number("--slo-tpot", v4pool::sim::SLO_TPOT_MS)?);
             (source, Some(time), count(&p, "--steps", v4pool::sim::MAX_STEPS)?)
         }
     };
-    let cfg = SimConfig {
-        mix,
-        rate: if in_time { rate / 1000.0 } else { rate },
-        steps,
-        seed,
-        max_seqs: as_usize("--max-seqs", max_seqs)?,
-        elastic_max_seqs: as_usize("--elastic-max-seqs", count(&p, "--elastic-max-seqs", elastic_default)?)?,
-        prefill_chunk: count(&p, "--prefill-chunk", 8192)?,
-        max_context,
-        tokens_per_decode: 1 + model.spec_steps.max(0) as usize,
-        time,
-        host_tier_bytes,
-        ..SimConfig::default()
-    };
+    let mut cfg = SimConfig::default()
+        .with_mix(mix)
+        .with_rate(if in_time { rate / 1000.0 } else { rate })
+        .with_steps(steps)
+        .with_seed(seed)
+        .with_max_seqs(as_usize("--max-seqs", max_seqs)?)
+        .with_elastic_max_seqs(as_usize(
+            "--elastic-max-seqs",
+            count(&p, "--elastic-max-seqs", elastic_default)?,
+        )?)
+        .with_prefill_chunk(count(&p, "--prefill-chunk", 8192)?)
+        .with_max_context(max_context)
+        .with_tokens_per_decode(1 + model.spec_steps.max(0) as usize)
+        .with_host_tier_bytes(host_tier_bytes);
+    cfg.time = time;
     let fleet = match p.get("--engines") {
         None => None,
         Some(v) => {
@@ -393,7 +391,7 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
                     .filter(|&b| b >= plan.page_bytes)
                     .ok_or_else(|| bad("--shared-tier", v, "bytes, at least one block's page"))?,
             };
-            Some(FleetConfig { engines, router, shared_tier_bytes })
+            Some(FleetConfig::new(engines, router, shared_tier_bytes))
         }
     };
     if fleet.is_none() {
@@ -406,7 +404,7 @@ fn setup(args: &[String]) -> Result<Option<Setup>, CliError> {
     // A fleet charges modeled time only: the decode index build's wall time is what the
     // single-engine runs check, and building for every engine's every step would only slow
     // the replay.
-    let cfg = SimConfig { build_index: fleet.is_none(), ..cfg };
+    let cfg = cfg.with_build_index(fleet.is_none());
     let o = Overhead::estimate(&spec, None)?;
     cfg.check(&spec.geometry, o.plane_bytes + o.indexer_bytes).map_err(SimError::from)?;
     let svg = match p.get("--svg") {
