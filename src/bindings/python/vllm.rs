@@ -103,7 +103,7 @@ impl PyEntryTier {
     }
 
     /// Publish the concatenation of `parts` (C-contiguous CPU uint8 tensors) under the key.
-    fn put(&self, py: Python<'_>, kind: &str, hash: u128, parts: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
+    fn put(&self, kind: &str, hash: u128, parts: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
         let k = kind_of(kind)?;
         let mut descs = Vec::with_capacity(parts.len());
         for (i, p) in parts.iter().enumerate() {
@@ -117,28 +117,31 @@ impl PyEntryTier {
                     &[][..]
                 } else {
                     // SAFETY: torch described `len` contiguous bytes at `ptr` on the CPU
-                    // (checked above); `parts` keeps the tensors alive through this call and
-                    // only this read touches them while the GIL is released.
+                    // (checked above); `parts` keeps the tensors alive through this call, and the
+                    // GIL stays held, so no other Python thread can resize or free them mid-read.
                     unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }
                 }
             })
             .collect();
-        py.detach(|| self.lock().and_then(|mut d| d.put(k, hash, &slices).map_err(lib_err)))
+        // The GIL is kept: released, another thread could free or resize a part under the read.
+        self.lock().and_then(|mut d| d.put(k, hash, &slices).map_err(lib_err))
     }
 
     /// Fill `dst` (a C-contiguous CPU uint8 tensor) with the entry's whole body; `False` on a
     /// miss (absent, corrupt, truncated, foreign, another length), when `dst` must be ignored.
-    fn get_into(&self, py: Python<'_>, kind: &str, hash: u128, dst: Bound<'_, PyAny>) -> PyResult<bool> {
+    fn get_into(&self, kind: &str, hash: u128, dst: Bound<'_, PyAny>) -> PyResult<bool> {
         let k = kind_of(kind)?;
         let (ptr, len) = cpu_u8(&dst, "dst")?;
         let out: &mut [u8] = if len == 0 {
             &mut []
         } else {
             // SAFETY: torch described `len` contiguous writable CPU bytes at `ptr`; `dst` is held
-            // for the whole call and nothing else touches it while the GIL is released.
+            // for the whole call and the GIL stays held, so no other Python thread can resize or
+            // free it under the write.
             unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) }
         };
-        py.detach(|| self.lock().map(|mut d| d.get_into(k, hash, out) == Lookup::Hit))
+        // The GIL is kept, as in `put`.
+        self.lock().map(|mut d| d.get_into(k, hash, out) == Lookup::Hit)
     }
 
     /// Remove an entry; whether one was there.
