@@ -78,8 +78,9 @@ MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
 
 logger = init_logger(__name__)
 
-# Entry kinds in the tiers: a full block's pages, a checkpoint, a checkpoint index.
-BLOCK, CHECKPOINT, INDEX = "b", "c", "i"
+# Entry kinds in the tiers: a full block's pages, a checkpoint, a checkpoint index; and a
+# load the scheduler side already knows cannot be served (never in a tier).
+BLOCK, CHECKPOINT, INDEX, FAILED = "b", "c", "i", "x"
 
 
 class UnsupportedLayout(ValueError):
@@ -478,8 +479,18 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         hit = self._hits.pop(request.request_id, None)
         if num_external_tokens == 0 or hit is None:
             return
-        assert hit.length == hit.local + num_external_tokens, (hit, num_external_tokens)
         ids = blocks.get_block_ids()
+        if hit.length != hit.local + num_external_tokens:
+            # The scheduler took fewer tokens than offered (a cap of its own): no checkpoint
+            # ends there, so nothing is loaded and the blocks it allocated for them are
+            # reported as load errors, which vLLM recomputes.
+            end = hit.local + num_external_tokens
+            self._pending_loads.append(Transfer(FAILED, 0, [
+                (g.idx, [ids[g.idx][b] for b in (range(1) if g.role == "ring" else
+                                                 self.layout.block_span(g, hit.local, end))
+                         if b < len(ids[g.idx]) and ids[g.idx][b] != NULL_BLOCK])
+                for g in self.layout.groups], request.request_id))
+            return
         B = self.layout.block
         tokens = list(request.prompt_token_ids or [])
         hashes = self._hashes(tokens[: hit.full_blocks * B])
@@ -667,6 +678,8 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         return ok
 
     def _load(self, tr: Transfer) -> bool:
+        if tr.kind == FAILED:
+            return False
         staging = torch.empty(self._copier.body_len(tr.blocks), dtype=torch.uint8)
         # Only a whole entry of this layout and of the planned length reaches vLLM's blocks.
         if not self.tiers.get_into(tr.kind, tr.key, staging):
