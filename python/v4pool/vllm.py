@@ -113,6 +113,9 @@ class Group:
     page_bytes: tuple[int, ...]  # per layer
     spec_kind: str
     spec_window: int | None
+    # vLLM's prefix cache keeps (and lends) this group's blocks; V4.1's bounded-replay
+    # windows and its ring it does not.
+    cacheable: bool = True
 
 
 def _layer_specs(spec) -> list:
@@ -187,6 +190,7 @@ class Layout:
                     page_bytes=pages,
                     spec_kind=kind,
                     spec_window=window or None,
+                    cacheable=spec.prefix_cacheable,
                 )
             )
         block = 1
@@ -218,12 +222,19 @@ class Layout:
         return range(start // g.block_size, -(-end // g.block_size))
 
     def checkpoint_span(self, g: Group, pos: int) -> range:
-        """Group-block indices a checkpoint at ``pos`` holds for group ``g``."""
+        """Group-block indices a checkpoint at ``pos`` holds for group ``g``.
+
+        The V4.1 ring (``CircularBufferSpec``: the compressor's open group, ratio 1 or 2) is
+        held only where ``pos`` is not a multiple of the block: at a multiple (even) no
+        group is open, so no later token reads the ring's rows (vLLM's
+        ``CompressorMetadataBuilder``: "ordinary decode only needs the latest open row to
+        complete the next ratio-2 pair"), and a checkpoint there may be taken inside a
+        prefill chunk, where the ring holds the chunk's end instead."""
         if g.role == "full":
             return self.block_span(g, pos - pos % self.block, pos)
         if g.role == "window":
             return self.block_span(g, max(0, pos - g.window), pos)
-        return range(0, 1)
+        return range(0, 1) if pos % self.block else range(0)
 
 
 # ------------------------------------------------------------------------ the tiers
@@ -400,17 +411,22 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self.tiers = Tiers(self.layout, extra)
         self.checkpoint_every_step = bool(extra.get("checkpoint_every_step", False))
-        # Checkpoints inside a prefill chunk, every this many tokens (a multiple of the hash
-        # block; 0: none). The window and state rows of every position of a chunk are in
-        # vLLM's blocks until the next step frees the ones out of the window (V4); V4.1's
-        # ring holds only the chunk's end, so it takes checkpoints at chunk ends only.
-        every = int(extra.get("checkpoint_every", 0))
-        if every % self.layout.block:
-            raise UnsupportedLayout(
-                f"v4pool.vllm: checkpoint_every {every} is not a multiple of the block {self.layout.block}")
-        if any(g.role == "ring" for g in self.layout.groups):
-            every = 0
-        self.checkpoint_every = every
+        # A checkpoint where the request ends (prompt and output), for a next turn that
+        # carries the output (default on).
+        self.checkpoint_at_finish = bool(extra.get("checkpoint_at_finish", True))
+        # Checkpoints inside a prefill chunk (multiples of the hash block): every
+        # checkpoint_every tokens, and the prompt's last multiple of branch_every tokens,
+        # where a later prompt that shares this one's whole blocks of branch_every tokens
+        # diverges (v4pool's own manager checkpoints the prompt's last block boundary for
+        # the same reason; 0: none). The window and state rows of every position of a
+        # chunk are in vLLM's blocks until the next step frees those out of the window, and
+        # V4.1's ring needs none there (Layout.checkpoint_span).
+        for opt in ("checkpoint_every", "branch_every"):
+            every = int(extra.get(opt, 0))
+            if every < 0 or every % self.layout.block:
+                raise UnsupportedLayout(
+                    f"v4pool.vllm: {opt} {every} is not a multiple of the block {self.layout.block}")
+            setattr(self, opt, every)
         # Scheduler state.
         self._requests: dict[str, "Request"] = {}
         self._hits: dict[str, _Hit] = {}
@@ -509,8 +525,9 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
             out = []
             for b in span:
                 bid = own[b] if b < len(own) else NULL_BLOCK
-                # Never write a block vLLM's prefix cache lent this request.
-                if g.role != "ring" and b * g.block_size < hit.local:
+                # Never write a block vLLM's prefix cache lent this request (a group it
+                # does not cache has blocks of the request's own there: those are written).
+                if g.cacheable and b * g.block_size < hit.local:
                     bid = NULL_BLOCK
                 out.append(bid)
             plan.append((g.idx, out))
@@ -560,12 +577,17 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_loads, self._pending_saves, self._finishing = [], [], []
         n_finish = len(meta.saves)  # noted when request_finished_all_groups planned them
         mgr = self._kv_cache_manager
-        for rid in scheduler_output.num_scheduled_tokens:
+        # Where each request's chunk of this step starts, as the scheduler sent it to the
+        # workers (vLLM 0.34 builds this metadata before it advances num_computed_tokens).
+        starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
             req = self._requests.get(rid)
-            if req is None or mgr is None:
+            if req is None or mgr is None or rid not in starts:
                 continue
-            pos = req.num_computed_tokens  # already advanced past this step's chunk
-            start = pos - scheduler_output.num_scheduled_tokens[rid]
+            start = starts[rid]
+            pos = start + n  # the state the workers' forward leaves in the blocks
             if pos > req.num_prompt_tokens or pos <= self._saved_pos.get(rid, 0):
                 continue
             # Checkpoints where this step's rows still hold the state: every
@@ -575,6 +597,10 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
             if self.checkpoint_every:
                 e = self.checkpoint_every
                 ck = list(range((start // e + 1) * e, pos + 1, e))
+            if self.branch_every:
+                q = req.num_prompt_tokens - req.num_prompt_tokens % self.branch_every
+                if start < q <= pos and q not in ck:
+                    ck.append(q)
             if (pos == req.num_prompt_tokens or self.checkpoint_every_step) and pos not in ck:
                 ck.append(pos)
             if not ck:
@@ -622,7 +648,7 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         pos = request.num_computed_tokens
         saved = self._saved_pos.pop(rid, 0)
         self._hits.pop(rid, None)
-        if pos <= 0 or pos <= saved or not self.tiers.tiers:
+        if pos <= 0 or pos <= saved or not self.tiers.tiers or not self.checkpoint_at_finish:
             return False, None
         saves = self._plan_saves(request, pos, block_ids)
         if not saves:

@@ -27,7 +27,8 @@ torch.set_num_threads(1)
 def _scheduler(model, tier, **kw):
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
-    cfg = L.vllm_config(model, connector_extra={"host_dir": str(tier), "host_bytes": 1 << 34}, **kw)
+    cfg = L.vllm_config(model, connector_extra={"host_dir": str(tier), "host_bytes": 1 << 34,
+                                                      "branch_every": 256}, **kw)
     kcfg = L.kv_cache_config(cfg)
     cfg.cache_config.num_gpu_blocks = kcfg.num_blocks
     block, hash_block = L.scheduler_blocks(cfg, kcfg)
@@ -69,9 +70,11 @@ def _request(s, rid, tokens, max_tokens=1):
                    block_hasher=get_request_block_hasher(s.hash_block_size, sha256))
 
 
-def _step(s, w, gen, written):
+def _step(s, w, gen, written, after_forward=None):
     """One engine step with a mock model: every scheduled token's pages are written with
-    fresh random bytes (what the model would write), then the connector saves/loads."""
+    fresh random bytes (what the model would write), then the connector saves/loads;
+    ``after_forward()`` runs then, before the scheduler takes the step's output (which may
+    free a finished request's blocks)."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     out = s.schedule()
@@ -94,6 +97,8 @@ def _step(s, w, gen, written):
                     page.copy_(torch.randint(0, 256, page.shape, dtype=torch.uint8, generator=gen))
                 written.add((g.idx, bid))
     w.wait_for_save()
+    if after_forward is not None:
+        after_forward()
     sending, _ = w.get_finished(set())
     w.clear_connector_metadata()
     reqs = [r for r in out.num_scheduled_tokens]
@@ -118,8 +123,12 @@ def _snapshot(w, ids, layout, pos):
 
 
 def _run_a_then_b(model, tier, *, corrupt=False):
-    """Request A computed and saved; the prefix cache reset; B = A's prompt + an unaligned
-    suffix scheduled. Returns what the assertions need."""
+    """Request A computed and saved; the prefix cache reset; C = A's first 800 tokens + a
+    suffix and B = A's prompt + another, unaligned suffix scheduled in one step: C hits the
+    checkpoint A's prefill took inside its chunk at its prompt's last block boundary (768,
+    branch_every) from the tier; B hits C's first 768 tokens in vLLM's own prefix cache (C's
+    blocks, loaded in the same step) and the rest, to 845, from the tier. Returns what the
+    assertions need."""
     cfg, kcfg, s = _scheduler(model, tier)
     w, _ = _worker(cfg, kcfg)
     conn = s.connector
@@ -130,16 +139,25 @@ def _run_a_then_b(model, tier, *, corrupt=False):
     a = _request(s, "A", prompt_a)
     s.add_request(a)
     written = set()
-    snap = None
+    snaps = {}
+
+    def after_forward():
+        # A's pages as its prefill leaves them, at its end and at its branch checkpoint.
+        if not snaps and s.requests["A"].num_computed_tokens == len(prompt_a):
+            ids = s.kv_cache_manager.get_block_ids("A")
+            snaps[len(prompt_a)] = _snapshot(w, ids, conn.layout, len(prompt_a))
+            snaps[3 * B] = _snapshot(w, ids, conn.layout, 3 * B)
+
     for _ in range(20):
-        out = _step(s, w, gen, written)
-        if "A" in s.requests and s.requests["A"].num_computed_tokens == len(prompt_a) and snap is None:
-            snap = _snapshot(w, s.kv_cache_manager.get_block_ids("A"), conn.layout, len(prompt_a))
+        _step(s, w, gen, written, after_forward)
         if not s.requests and not s.has_unfinished_requests():
             break
-    assert snap, "request A never finished its prefill"
+    assert snaps, "request A never finished its prefill"
+    snap, snap_branch = snaps[len(prompt_a)], snaps[3 * B]
     assert s.reset_prefix_cache()
-    # B: A's prompt + an unaligned suffix.
+    prompt_c = prompt_a[:800] + torch.randint(1, 100000, (30,), generator=gen).tolist()
+    c = _request(s, "C", prompt_c)
+    s.add_request(c)
     prompt_b = prompt_a + torch.randint(1, 100000, (45,), generator=gen).tolist()
     b = _request(s, "B", prompt_b)
     s.add_request(b)
@@ -150,7 +168,7 @@ def _run_a_then_b(model, tier, *, corrupt=False):
             f.write_bytes(bytes(raw))
     out = s.schedule()
     return dict(s=s, w=w, conn=conn, out=out, a=prompt_a, b=prompt_b, req=b, snap=snap,
-                events=list(s.published))
+                c=prompt_c, req_c=c, snap_branch=snap_branch, events=list(s.published))
 
 
 @pytest.mark.parametrize("model", ["v4-flash", "v41-flash"])
@@ -163,6 +181,8 @@ def test_prefix_restores_exactly(model, tmp_path):
     assert out.num_scheduled_tokens["B"] == len(prompt_b) - len(prompt_a)
     assert b.num_computed_tokens - out.num_scheduled_tokens["B"] == len(prompt_a)
     assert b.replay_start == 0
+    st = b.prefill_stats
+    assert (st.num_local_cached_tokens, st.num_external_cached_tokens) == (768, 77)
     w.bind_connector_metadata(out.kv_connector_metadata)
     w.start_load_kv(None)
     assert not w.get_block_ids_with_load_errors()
@@ -173,6 +193,19 @@ def test_prefix_restores_exactly(model, tmp_path):
     assert got.keys() == snap.keys()
     for k in snap:
         assert torch.equal(got[k], snap[k]), k
+
+    # C: restored at 768, a block multiple inside A's one prefill chunk, exactly; the V4.1
+    # ring holds no open compressor group there, so that checkpoint carries none.
+    c, snap_branch = r["req_c"], r["snap_branch"]
+    assert out.num_scheduled_tokens["C"] == len(r["c"]) - 768 and c.replay_start == 0
+    assert c.num_computed_tokens - out.num_scheduled_tokens["C"] == 768
+    rings = {g.idx for g in conn.layout.groups if g.role == "ring"}
+    assert bool(rings) == (model == "v41-flash")
+    assert {k[0] for k in snap_branch} == {g.idx for g in conn.layout.groups} - rings
+    got = _snapshot(w, s.kv_cache_manager.get_block_ids("C"), conn.layout, 768)
+    assert got.keys() == snap_branch.keys()
+    for k in snap_branch:
+        assert torch.equal(got[k], snap_branch[k]), k
 
     # The events, through vLLM's own wire format and classes.
     import msgspec
