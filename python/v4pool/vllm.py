@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import threading
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -106,7 +107,9 @@ class Group:
     """One KV cache group as the connector moves it."""
 
     idx: int
-    role: str  # "full" (prefix blocks), "window" (checkpointed window), "ring" (one block)
+    # "full" (prefix blocks), "window" (checkpointed window), "state" (a compressor's
+    # state rows, checkpointed as far back as its open group reaches), "ring" (one block)
+    role: str
     block_size: int  # tokens per block of this group
     window: int  # sliding window in tokens (window groups)
     layers: tuple[str, ...]
@@ -116,6 +119,8 @@ class Group:
     # vLLM's prefix cache keeps (and lends) this group's blocks; V4.1's bounded-replay
     # windows and its ring it does not.
     cacheable: bool = True
+    ratio: int = 0  # state groups: the compress ratio of their layers
+    replay: int = 0  # tokens vLLM replays after a hit that does not restore this group
 
 
 def _layer_specs(spec) -> list:
@@ -153,12 +158,37 @@ def _classify(idx: int, spec) -> tuple[str, int]:
     return kinds.pop(), window
 
 
+def _state_ratio(idx: int, role: str, window: int, layers, hf) -> int:
+    """The compress ratio of a group of DeepSeek-V4 compressor states (vLLM's
+    ``CompressorStateCache``: layers ``model.layers.<i>....compressor.state_cache``, a
+    sliding window of ``(2 if ratio 4 else 1) * ratio`` fp32 rows), from the model's
+    ``compress_ratios``; 0 for any other group."""
+    if role != "window" or not all(n.endswith("compressor.state_cache") for n in layers):
+        return 0
+    from vllm.transformers_utils.deepseek_v4_utils import get_compress_ratios
+
+    table = get_compress_ratios(hf)
+    ratios = set()
+    for n in layers:
+        m = re.search(r"\.layers\.(\d+)\.", n)
+        if m is None or int(m.group(1)) >= len(table):
+            raise UnsupportedLayout(f"v4pool.vllm: group {idx}: no compress ratio for layer {n}")
+        ratios.add(int(table[int(m.group(1))]))
+    r = ratios.pop() if len(ratios) == 1 else 0
+    if r <= 1 or window % r or window // r not in (1, 2):
+        raise UnsupportedLayout(
+            f"v4pool.vllm: group {idx} holds compressor states of ratios "
+            f"{sorted(ratios | {r})} with a window of {window} tokens")
+    return r
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     model: str
     groups: tuple[Group, ...]
     block: int  # the hash block: the scheduler's block (LCM of the groups' block sizes)
     layout_id: str
+    replay: int = 0  # V4.1: the window vLLM's bounded replay recomputes after a hit
 
     @staticmethod
     def of(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> "Layout":
@@ -172,6 +202,8 @@ class Layout:
         groups = []
         for idx, g in enumerate(kv_cache_config.kv_cache_groups):
             role, window = _classify(idx, g.kv_cache_spec)
+            ratio = _state_ratio(idx, role, window, g.layer_names, hf)
+            role = "state" if ratio else role
             spec = g.kv_cache_spec
             per_layer = (
                 spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs) else None
@@ -191,6 +223,8 @@ class Layout:
                     spec_kind=kind,
                     spec_window=window or None,
                     cacheable=spec.prefix_cacheable,
+                    ratio=ratio,
+                    replay=spec.prefix_replay_tokens,
                 )
             )
         block = 1
@@ -215,7 +249,7 @@ class Layout:
         )
         layout_id = f"vllm-{VLLM_VERSION}|{model_type}|block{block}|{desc}"
         return Layout(model=f"{model_type}:{name}", groups=tuple(groups), block=block,
-                      layout_id=layout_id)
+                      layout_id=layout_id, replay=max(g.replay for g in groups))
 
     def block_span(self, g: Group, start: int, end: int) -> range:
         """Group-block indices holding tokens [start, end)."""
@@ -234,6 +268,13 @@ class Layout:
             return self.block_span(g, pos - pos % self.block, pos)
         if g.role == "window":
             return self.block_span(g, max(0, pos - g.window), pos)
+        if g.role == "state":
+            # The rows later tokens read: the open group's and, for the overlapping ratio-4
+            # compressor (window 2 x ratio), the group before it. A closed group's rows
+            # are in the compressed entry already (v4pool's own checkpoints leave the HCA
+            # state out for this reason: pool-runtime.md section 6).
+            reach = pos - pos % g.ratio - (g.window // g.ratio - 1) * g.ratio
+            return self.block_span(g, max(0, reach), pos)
         return range(0, 1) if pos % self.block else range(0)
 
 
@@ -316,7 +357,9 @@ _BENCH_SHARED: dict[str, dict] = {}
 class IndexOnlyTiers:
     """For benches/vllm_trace.py only (``bench_index_only``): the tier's keys and byte sizes
     without bytes, in one LRU of ``host_bytes``, shareable between scheduler objects of one
-    process (a fleet's shared tier: pass the same dict). Saves are accounted when planned."""
+    process (a fleet's shared tier: pass the same dict). Saves are accounted when planned.
+    Its clock is the file tier's (``transfer::entry_dir``: an entry's mtime is set when it is
+    written and when it is read, not when it is looked up)."""
 
     def __init__(self, capacity: int, shared: "dict | None" = None):
         import collections
@@ -330,10 +373,11 @@ class IndexOnlyTiers:
         self.tiers = [("cpu", None)]
 
     def where(self, kind, key):
+        return "cpu" if (kind, key) in self.store else None
+
+    def touch(self, kind, key):
         if (kind, key) in self.store:
             self.store.move_to_end((kind, key))
-            return "cpu"
-        return None
 
     def add(self, kind, key, nbytes):
         if (kind, key) in self.store:
@@ -385,6 +429,7 @@ class _Hit:
     full_blocks: int  # whole hash blocks loaded from 'b' entries
     ckpt_key: int
     local: int  # tokens vLLM's own prefix cache already holds
+    exact: bool = True  # a checkpoint ends it (False: whole blocks, vLLM replays the window)
 
 
 class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
@@ -414,6 +459,9 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         # A checkpoint where the request ends (prompt and output), for a next turn that
         # carries the output (default on).
         self.checkpoint_at_finish = bool(extra.get("checkpoint_at_finish", True))
+        # V4.1: where no checkpoint ends a run of stored whole blocks, offer the blocks and
+        # let vLLM replay the window after them, if that serves more tokens (default on).
+        self.replay_fallback = bool(extra.get("replay_fallback", True))
         # Checkpoints inside a prefill chunk (multiples of the hash block): every
         # checkpoint_every tokens, and the prompt's last multiple of branch_every tokens,
         # where a later prompt that shares this one's whole blocks of branch_every tokens
@@ -430,6 +478,7 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         # Scheduler state.
         self._requests: dict[str, "Request"] = {}
         self._hits: dict[str, _Hit] = {}
+        self._block_hits: set[str] = set()  # requests whose hit ends without a checkpoint
         self._pending_loads: list[Transfer] = []
         self._pending_saves: list[Transfer] = []
         self._finishing: list[str] = []
@@ -454,12 +503,13 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
     def _index_key(self, j: int, hashes: list[int]) -> int:
         return v4pool.tail_hash(self.ns, [], hashes[j - 1] if j > 0 else None)
 
-    def lookup(self, tokens: list[int], limit: int) -> tuple[int, int, int]:
-        """The longest stored hit of ``tokens`` no longer than ``limit``:
-        (length, whole blocks, checkpoint key); (0, 0, 0) when none."""
+    def lookup(self, tokens: list[int], limit: int, held: int = 0) -> tuple[int, int, int, int]:
+        """The longest stored hit of ``tokens`` no longer than ``limit``, the first
+        ``held`` whole blocks being in vLLM's own prefix cache: (length, whole blocks,
+        checkpoint key, the run of whole blocks held or stored); length 0 when none."""
         B = self.layout.block
         hashes = self._hashes(tokens[: limit - limit % B] if limit >= B else [])
-        k = 0
+        k = min(held, len(hashes))
         while k < len(hashes) and self.tiers.where(BLOCK, hashes[k]):
             k += 1
         for j in range(k, -1, -1):
@@ -468,8 +518,8 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
             for t in sorted(tails, reverse=True):
                 key = self._tail_key(tokens, j, t, hashes)
                 if self.tiers.where(CHECKPOINT, key):
-                    return j * B + t, j, key
-        return 0, 0, 0
+                    return j * B + t, j, key, k
+        return 0, 0, 0, k
 
     def on_new_request(self, request: "Request") -> None:
         self._requests[request.request_id] = request
@@ -480,13 +530,26 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         tokens = list(request.prompt_token_ids or [])
         # vLLM computes at least the last prompt token itself.
         limit = len(tokens) - 1
-        length, full, key = self.lookup(tokens, limit)
+        B = self.layout.block
+        length, full, key, run = self.lookup(tokens, limit, num_computed_tokens // B)
+        exact = True
+        if self.replay_fallback and self.layout.replay and run * B - self.layout.replay > length:
+            # No checkpoint near the end of the run of whole blocks: take the blocks and let
+            # vLLM replay the window after them (V4.1's bounded replay), as it would after
+            # a hit in its own prefix cache, when that serves more tokens.
+            length, full, key, exact = run * B, run, 0, False
+        self._block_hits.discard(request.request_id)
         if length <= num_computed_tokens:
             return 0, False
-        self._hits[request.request_id] = _Hit(length, full, key, num_computed_tokens)
+        self._hits[request.request_id] = _Hit(length, full, key, num_computed_tokens, exact)
+        if not exact:
+            self._block_hits.add(request.request_id)
         return length - num_computed_tokens, False
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        if request.request_id in self._block_hits:
+            # Whole blocks only: vLLM replays the window and rebuilds the ring.
+            return tuple(g.idx for g in self.layout.groups if g.role == "full")
         # Every group is restored: compressed, indexer, windows, state, ring.
         return tuple(g.idx for g in self.layout.groups)
 
@@ -512,12 +575,19 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         hashes = self._hashes(tokens[: hit.full_blocks * B])
         rid = request.request_id
         first = hit.local // B  # whole blocks vLLM's own cache already holds
+        loads = []
         for i in range(first, hit.full_blocks):
             plan = []
             for g in self.layout.groups:
                 if g.role == "full":
                     plan.append((g.idx, [ids[g.idx][b] for b in self.layout.block_span(g, i * B, (i + 1) * B)]))
-            self._pending_loads.append(Transfer(BLOCK, hashes[i], plan, rid, (i + 1) * B, i))
+            loads.append(Transfer(BLOCK, hashes[i], plan, rid, (i + 1) * B, i))
+        self.stats["hits"] += 1
+        self.stats["hit_tokens"] += num_external_tokens
+        if not hit.exact:
+            self.stats["replayed_hits"] = self.stats.get("replayed_hits", 0) + 1
+            self._add_loads(loads)
+            return
         plan = []
         for g in self.layout.groups:
             span = self.layout.checkpoint_span(g, hit.length)
@@ -531,9 +601,13 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
                     bid = NULL_BLOCK
                 out.append(bid)
             plan.append((g.idx, out))
-        self._pending_loads.append(Transfer(CHECKPOINT, hit.ckpt_key, plan, rid, hit.length))
-        self.stats["hits"] += 1
-        self.stats["hit_tokens"] += num_external_tokens
+        self._add_loads(loads + [Transfer(CHECKPOINT, hit.ckpt_key, plan, rid, hit.length)])
+
+    def _add_loads(self, loads: list[Transfer]) -> None:
+        self._pending_loads.extend(loads)
+        if self.index_only is not None:
+            for tr in loads:  # what the worker's reads would do to the tier's clock
+                self.tiers.touch(tr.kind, tr.key)
 
     def _plan_saves(self, request: "Request", pos: int, block_ids,
                     ckpts: "list[int] | None" = None) -> list[Transfer]:
@@ -648,6 +722,7 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         pos = request.num_computed_tokens
         saved = self._saved_pos.pop(rid, 0)
         self._hits.pop(rid, None)
+        self._block_hits.discard(rid)
         if pos <= 0 or pos <= saved or not self.tiers.tiers or not self.checkpoint_at_finish:
             return False, None
         saves = self._plan_saves(request, pos, block_ids)

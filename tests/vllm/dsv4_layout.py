@@ -26,8 +26,11 @@ MODELS = {"v4-flash": FIXTURES / "v4-flash", "v41-flash": FIXTURES / "v41-flash"
 
 
 def vllm_config(model: str, *, block_size: int = 256,
-                max_batched: int = 2048, max_model_len: int = 2048,
-                connector_extra: dict | None = None, enable_prefix_caching: bool = True):
+                max_batched: int = 2048, max_model_len: int = 2048, max_num_seqs: int = 16,
+                connector_extra: dict | None = None, enable_prefix_caching: bool = True,
+                connector: str = "V4PoolConnector"):
+    """The VllmConfig of ``model`` with ``connector`` (v4pool.vllm's, or an in-tree one by
+    name, e.g. "OffloadingConnector") when ``connector_extra`` is given."""
     from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
 
@@ -37,7 +40,8 @@ def vllm_config(model: str, *, block_size: int = 256,
                                # V4.1's architecture is its vision-language one: served
                                # text-only (--language-model-only), as the prompts are.
                                language_model_only=True)
-    scheduler_config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched,
+    scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs,
+                                       max_num_batched_tokens=max_batched,
                                        max_model_len=max_model_len, enable_chunked_prefill=True,
                                        is_encoder_decoder=False, watermark=0.0)
     cache_config = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9,
@@ -45,9 +49,11 @@ def vllm_config(model: str, *, block_size: int = 256,
                                enable_prefix_caching=enable_prefix_caching)
     kv = None
     if connector_extra is not None:
-        kv = KVTransferConfig(kv_connector="V4PoolConnector",
-                              kv_connector_module_path="v4pool.vllm", kv_role="kv_both",
-                              kv_connector_extra_config=connector_extra)
+        kv = KVTransferConfig(kv_connector=connector,
+                              kv_connector_module_path=("v4pool.vllm"
+                                                        if connector == "V4PoolConnector"
+                                                        else None),
+                              kv_role="kv_both", kv_connector_extra_config=connector_extra)
     cfg = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
                      cache_config=cache_config, parallel_config=ParallelConfig(),
                      kv_transfer_config=kv)
@@ -203,12 +209,13 @@ def kv_cache_config(cfg, memory_bytes: int = 1 << 30):
     return get_kv_cache_configs(cfg, [specs], [memory_bytes], groups)[0]
 
 
-def allocate(cfg, kcfg):
-    """Per-layer CPU tensors over one backing allocation, by vLLM's ``allocate_kv_cache``."""
+def allocate(cfg, kcfg, allocate=None):
+    """Per-layer CPU tensors over one backing allocation, by vLLM's ``allocate_kv_cache``
+    (``allocate``: its hook for the backing allocation, default zeroed)."""
     from vllm.v1.worker.utils import allocate_kv_cache
 
     layout = cfg.cache_config.get_resolved_kv_cache_layout()
-    return allocate_kv_cache(kcfg, torch.device("cpu"), layout)
+    return allocate_kv_cache(kcfg, torch.device("cpu"), layout, allocate=allocate)
 
 
 def scheduler_blocks(cfg, kcfg) -> tuple[int, int]:

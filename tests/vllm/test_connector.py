@@ -123,12 +123,12 @@ def _snapshot(w, ids, layout, pos):
 
 
 def _run_a_then_b(model, tier, *, corrupt=False):
-    """Request A computed and saved; the prefix cache reset; C = A's first 800 tokens + a
-    suffix and B = A's prompt + another, unaligned suffix scheduled in one step: C hits the
-    checkpoint A's prefill took inside its chunk at its prompt's last block boundary (768,
-    branch_every) from the tier; B hits C's first 768 tokens in vLLM's own prefix cache (C's
-    blocks, loaded in the same step) and the rest, to 845, from the tier. Returns what the
-    assertions need."""
+    """Request A computed and saved; the prefix cache reset; then, scheduled in one step,
+    D = A's first 600 tokens + a suffix (V4.1; two whole blocks, no checkpoint), C = A's first 800
+    tokens + another (it hits the checkpoint A's prefill took inside its chunk at its
+    prompt's last block boundary, 768: branch_every) and B = A's prompt + an unaligned
+    suffix (it hits C's first 768 tokens in vLLM's own prefix cache, C's blocks loaded in
+    the same step, and the rest, to 845, from the tier). Returns what the assertions need."""
     cfg, kcfg, s = _scheduler(model, tier)
     w, _ = _worker(cfg, kcfg)
     conn = s.connector
@@ -155,6 +155,12 @@ def _run_a_then_b(model, tier, *, corrupt=False):
     assert snaps, "request A never finished its prefill"
     snap, snap_branch = snaps[len(prompt_a)], snaps[3 * B]
     assert s.reset_prefix_cache()
+    # D (V4.1) shares A's first 600 tokens: two whole blocks, no checkpoint at or below 599.
+    # (V4 cannot serve it: D would compute those blocks in the step C and B read them.)
+    prompt_d = prompt_a[:600] + torch.randint(1, 100000, (20,), generator=gen).tolist()
+    d = _request(s, "D", prompt_d)
+    if model == "v41-flash":
+        s.add_request(d)
     prompt_c = prompt_a[:800] + torch.randint(1, 100000, (30,), generator=gen).tolist()
     c = _request(s, "C", prompt_c)
     s.add_request(c)
@@ -168,7 +174,8 @@ def _run_a_then_b(model, tier, *, corrupt=False):
             f.write_bytes(bytes(raw))
     out = s.schedule()
     return dict(s=s, w=w, conn=conn, out=out, a=prompt_a, b=prompt_b, req=b, snap=snap,
-                c=prompt_c, req_c=c, snap_branch=snap_branch, events=list(s.published))
+                c=prompt_c, req_c=c, snap_branch=snap_branch, d=prompt_d, req_d=d,
+                events=list(s.published))
 
 
 @pytest.mark.parametrize("model", ["v4-flash", "v41-flash"])
@@ -194,14 +201,35 @@ def test_prefix_restores_exactly(model, tmp_path):
     for k in snap:
         assert torch.equal(got[k], snap[k]), k
 
-    # C: restored at 768, a block multiple inside A's one prefill chunk, exactly; the V4.1
-    # ring holds no open compressor group there, so that checkpoint carries none.
+    # C: restored at 768, a block multiple inside A's one prefill chunk, exactly. No
+    # compressor group is open there: the checkpoint carries neither the V4.1 ring nor the
+    # V4 ratio-128 state, and of the ratio-4 state only the 4 rows before it (the group
+    # the next compressed entry overlaps).
     c, snap_branch = r["req_c"], r["snap_branch"]
     assert out.num_scheduled_tokens["C"] == len(r["c"]) - 768 and c.replay_start == 0
     assert c.num_computed_tokens - out.num_scheduled_tokens["C"] == 768
     rings = {g.idx for g in conn.layout.groups if g.role == "ring"}
     assert bool(rings) == (model == "v41-flash")
-    assert {k[0] for k in snap_branch} == {g.idx for g in conn.layout.groups} - rings
+    states = {g.ratio: g for g in conn.layout.groups if g.role == "state"}
+    assert sorted(states) == ([] if rings else [4, 128])
+    assert {k[0] for k in snap_branch} == ({g.idx for g in conn.layout.groups} - rings
+                                           - {g.idx for g in states.values() if g.ratio == 128})
+    if states:
+        assert {k[1] for k in snap_branch if k[0] == states[4].idx} == {767 // 4}
+
+    # D (V4.1): no checkpoint ends its run of two whole blocks; the connector takes the
+    # blocks and vLLM replays the window after them, as after a hit in its own cache
+    # (replay_fallback): 512 - 128 tokens served, the blocks restored exactly.
+    if model == "v41-flash":
+        d = r["req_d"]
+        assert out.num_scheduled_tokens["D"] == len(r["d"]) - (512 - 128)
+        assert d.replay_start == 512 - 128
+        full = [g for g in conn.layout.groups if g.role == "full"]
+        assert conn.get_loaded_kv_cache_group_ids(d) == tuple(g.idx for g in full)
+        got = _snapshot(w, s.kv_cache_manager.get_block_ids("D"), conn.layout, 512)
+        for k, v in snap.items():
+            if k[0] in {g.idx for g in full} and k[1] < 2:
+                assert torch.equal(got[k], v), k
     got = _snapshot(w, s.kv_cache_manager.get_block_ids("C"), conn.layout, 768)
     assert got.keys() == snap_branch.keys()
     for k in snap_branch:
