@@ -20,7 +20,9 @@ What it is, in vLLM's terms (``docs/vllm.md`` has the long form):
   checkpoint is the request's window rows, compressor state / ring and the partial blocks of
   the compressed groups at one position, saved where a prefill or a request ended.
 * ``get_loaded_kv_cache_group_ids`` answers every group, so vLLM takes the hit as it is:
-  nothing replayed (V4.1's ``replay_start`` stays 0), no cut to whole blocks.
+  nothing replayed (V4.1's ``replay_start`` stays 0), no cut to whole blocks. (V4.1's
+  ``replay_fallback``: where no checkpoint ends a run of stored blocks, the blocks alone,
+  vLLM replaying the window after them as after a hit in its own cache.)
 * The worker side maps each layer's KV tensor (vLLM's per-block slab: a strided view) to a
   ``[num_blocks, page_bytes]`` byte view through torch's own storage description, the page
   size from the group's spec; saves gather the pages named by the scheduler's plan and
