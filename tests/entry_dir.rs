@@ -75,7 +75,8 @@ fn a_linked_tier_or_layout_folder_is_refused_and_nothing_outside_is_touched() {
         Err(e) => assert_eq!(e.variant_name(), "Io"),
     }
     assert!(v2.join("ab").join(&entry_name).exists(), "a file outside was removed (layout folder a link)");
-    let written: Vec<_> = std::fs::read_dir(v2.join("ab")).unwrap().flatten().map(|e| e.file_name()).collect();
+    let written: Vec<_> =
+        std::fs::read_dir(v2.join("ab")).unwrap().flatten().map(|e| e.file_name()).collect();
     assert_eq!(written.len(), 1, "entries were written through a linked layout folder: {written:?}");
     assert!(EntryDir::open(&t2, LAYOUT, 1 << 30, false).is_err(), "a linked layout folder was used");
 }
@@ -209,7 +210,8 @@ fn truncated_and_corrupt_entries_are_misses_and_removed() {
     let root = temp_dir("corrupt");
     let mut d = EntryDir::open(&root.0, LAYOUT, 1 << 30, false).unwrap();
     let body = bytes(3 << 20, 7);
-    for (what, cut) in [("a body byte flipped", None), ("truncated", Some(1usize)), ("header only", Some(0))] {
+    for (what, cut) in [("a body byte flipped", None), ("truncated", Some(1usize)), ("header only", Some(0))]
+    {
         let hash = 0x5a << 120 | 11;
         let good = published(&mut d, 'b', hash, &body);
         let path = d.path_of('b', hash);
@@ -295,7 +297,8 @@ fn two_tiers_in_one_process_publish_the_same_keys() {
         let failed: Vec<Vec<u128>> = writers.into_iter().map(|w| w.join().unwrap()).collect();
         let mut t = EntryDir::open(&dir.0, LAYOUT, 1 << 30, false).unwrap();
         let mut out = vec![0u8; 2000];
-        let bad: Vec<u128> = (0..100u128).filter(|&i| t.get_into('b', key(i), &mut out) != Lookup::Hit).collect();
+        let bad: Vec<u128> =
+            (0..100u128).filter(|&i| t.get_into('b', key(i), &mut out) != Lookup::Hit).collect();
         assert!(bad.is_empty(), "round {round}: keys with no whole entry: {bad:?}");
         assert!(failed.iter().all(|f| f.is_empty()), "round {round}: publications failed: {failed:?}");
         for i in 0..100u128 {

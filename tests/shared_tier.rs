@@ -14,10 +14,10 @@ mod hostile_fs;
 mod tier_common;
 mod tier_io;
 
+use hostile_fs::{mkfifo, outside_file, within_5s, TempDir};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
-use hostile_fs::{mkfifo, outside_file, within_5s, TempDir};
 use tier_common::manager_common::*;
 use tier_common::*;
 use tier_io::Io;

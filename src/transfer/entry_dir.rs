@@ -170,7 +170,8 @@ impl EntryDir {
         fs::create_dir_all(root).map_err(io_err("creating", root))?;
         let tier_dir = root.join(ENTRY_DIR);
         let dir = tier_dir.join(format!("{:0w$x}", checksum(layout.as_bytes()), w = DIGEST_HEX));
-        tier_files::make_own_folders(&[&tier_dir, &dir]).map_err(io_err("opening the tier's folders", &dir))?;
+        tier_files::make_own_folders(&[&tier_dir, &dir])
+            .map_err(io_err("opening the tier's folders", &dir))?;
         let mut d = EntryDir {
             tier_dir,
             dir,
@@ -221,7 +222,8 @@ impl EntryDir {
     pub fn contains(&self, kind: char, hash: u128) -> bool {
         let min = (FIXED + self.layout.len()) as u64;
         self.own_path(kind, hash).is_ok_and(|p| {
-            fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_file() && m.len() >= min && m.len() <= self.budget)
+            fs::symlink_metadata(p)
+                .is_ok_and(|m| m.file_type().is_file() && m.len() >= min && m.len() <= self.budget)
         })
     }
 
@@ -315,7 +317,8 @@ impl EntryDir {
     fn write(&self, kind: u8, hash: u128, parts: &[&[u8]], body_len: u64) -> Result<(), EntryDirError> {
         let shard = self.shard_dir(hash);
         // Never the configured directory itself: a directory that vanished stays absent.
-        tier_files::make_own_folders(&[&self.tier_dir, &self.dir, &shard]).map_err(io_err("creating", &shard))?;
+        tier_files::make_own_folders(&[&self.tier_dir, &self.dir, &shard])
+            .map_err(io_err("creating", &shard))?;
         let mut sum = BodySum::default();
         for p in parts {
             sum.push(p);

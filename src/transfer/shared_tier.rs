@@ -50,12 +50,12 @@
 //! `transfer::tier_files`'s, which the entry tier ([`super::entry_dir`]) shares.
 
 use super::host_tier::{copy_blocks_synced, part_bytes, parts_matching, restore_blocks, Storage, UnitPart};
+use super::tier_files::{self, entry_name, open_regular, parse_entry_name, real_dir};
+pub use super::tier_files::{LOW_WATER, SCAN_EVERY, STALE_TEMP};
 use super::HostTierError;
 use crate::alloc::BlockHandle;
 use crate::checkpoint::LayoutId;
 use crate::pool::Pool;
-use super::tier_files::{self, entry_name, open_regular, parse_entry_name, real_dir};
-pub use super::tier_files::{LOW_WATER, SCAN_EVERY, STALE_TEMP};
 use crate::rng::{mum, WY};
 use std::fs;
 use std::io;

@@ -199,7 +199,11 @@ pub(crate) fn write_new(path: &Path, pieces: &[&[u8]], sync: bool) -> io::Result
 /// and writes it whole; it is then renamed over the entry's name. A name that exists all the
 /// same (a leftover) is retried with another; on any failure the temporary file this call
 /// created is removed, and a file it did not create never is.
-pub(crate) fn publish(dir: &Path, entry: &str, mut write: impl FnMut(&Path) -> io::Result<()>) -> io::Result<()> {
+pub(crate) fn publish(
+    dir: &Path,
+    entry: &str,
+    mut write: impl FnMut(&Path) -> io::Result<()>,
+) -> io::Result<()> {
     let mut tries = 0;
     let tmp = loop {
         let tmp = dir.join(temp_name(entry));
@@ -254,7 +258,11 @@ pub(crate) fn scan_layout<K>(layout_dir: &Path, parse: &dyn Fn(&str) -> Option<K
 
 /// [`scan_layout`] over every layout folder (`digest_len` hex digits) of the tier folder
 /// `tier_dir`; nothing when `tier_dir` is not a real directory.
-pub(crate) fn scan_tier<K>(tier_dir: &Path, digest_len: usize, parse: &dyn Fn(&str) -> Option<K>) -> Vec<Found<K>> {
+pub(crate) fn scan_tier<K>(
+    tier_dir: &Path,
+    digest_len: usize,
+    parse: &dyn Fn(&str) -> Option<K>,
+) -> Vec<Found<K>> {
     let mut found = Vec::new();
     if real_dir(tier_dir) {
         for l in own_subdirs(tier_dir, digest_len) {
@@ -327,7 +335,8 @@ mod tests {
         let t = temp_name(&n);
         assert!(is_temp_name(&t, &parse_entry_name));
         assert_ne!(t, temp_name(&n), "two temporary names of one process are equal");
-        for bad in [".tmp-notes", ".tmp-", &format!(".tmp-{n}"), &format!(".tmp-{n}-x"), &format!("{t}.bak")] {
+        for bad in [".tmp-notes", ".tmp-", &format!(".tmp-{n}"), &format!(".tmp-{n}-x"), &format!("{t}.bak")]
+        {
             assert!(!is_temp_name(bad, &parse_entry_name), "{bad}");
         }
     }
