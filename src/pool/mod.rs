@@ -103,11 +103,14 @@ impl PoolSpec {
         &self,
     ) -> Result<crate::checkpoint::CheckpointLayout, crate::checkpoint::CheckpointError> {
         let layers: &[usize] = if self.indexer.is_some() { &self.csa_layers } else { &[] };
-        crate::checkpoint::CheckpointLayout::new(
+        let planes: Vec<crate::format::PlaneFormat> =
+            (0..self.plane_widths.len()).filter_map(|p| self.plane_format(p)).collect();
+        crate::checkpoint::CheckpointLayout::for_planes(
             &self.arena,
             &self.geometry,
             layers,
             self.indexer.unwrap_or(IndexerDtype::Fp8),
+            &planes,
         )
     }
 
@@ -226,6 +229,26 @@ impl PoolSpec {
     /// The row format: what every byte of a plane row means (`None` without a [`KvSpec`]).
     pub fn row_format(&self) -> Option<&'static crate::format::RowFormat> {
         self.kv_spec.as_ref().map(KvSpec::row_format)
+    }
+
+    /// Plane `plane`'s row layout (regions, paging): the row format's plane, or for a spec from
+    /// parts without one the plane of its width ([`crate::format::plane_of_width`]). The one
+    /// answer to "how are this plane's rows paged" that page views and checkpoint ranges read:
+    /// two formats share the 584-B width at different pages.
+    pub fn plane_format(&self, plane: usize) -> Option<crate::format::PlaneFormat> {
+        let w = *self.plane_widths.get(plane)?;
+        Some(match self.row_format() {
+            Some(f) => *f.planes.get(plane)?,
+            None => crate::format::plane_of_width(w),
+        })
+    }
+
+    /// Rows of the page an attention kernel reads the planes in (FlashMLA's `k_cache =
+    /// [pages, page_rows, 1, row_bytes]`): the row format's `kernel_page_rows`; for a spec from
+    /// parts without one, FlashMLA's V4 format's (64).
+    pub fn kernel_page_rows(&self) -> i64 {
+        let f = self.row_format().unwrap_or(crate::format::RowFormatId::FlashMlaV4.format());
+        f.kernel_page_rows as i64
     }
 
     /// The one element type every byte of plane `plane`'s rows holds, read from the row format:
@@ -968,7 +991,7 @@ impl Pool {
         }
         let ptr = self.plane_ptr(plane)?;
         let w = self.spec.plane_widths[plane];
-        let own = crate::format::plane_of_width(w).page_rows as i64;
+        let own = self.spec.plane_format(plane).map_or(1, |p| p.page_rows as i64);
         if own > 1 && own != page_rows {
             return Err(not("the plane's rows are paged at another size"));
         }

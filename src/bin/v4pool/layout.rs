@@ -44,7 +44,7 @@ usage: v4pool layout (--model NAME|PATH | --ratios R,R,... [--kv-sources L,L,...
                      [--ring R] [--block-size B] [--plane-rows P] [--arena-rows A]
                      [--slot-positions Q] [--slot-align-rows K] [--spec-steps K]
                      [--draft-stages N [--draft-mode absent|dense]]
-                     [--dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4] [--json]
+                     [--dtype fp8|bf16|flashmla-v4|flashmla-v4-p2|flashmla-v41|flashmla-v41-fp4] [--json]
 
   --model    a preset (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark, ...-dspark-dense,
              v4.1-flash, v4.1-flash-dspark)

@@ -437,25 +437,26 @@ unsafe fn run_kv_rows(a: &crate::index::KvRowsArgs) -> Result<()> {
                 format: crate::format::RowFormatId::FlashMlaV41Fp4,
                 pool: output("nope", a.nope, rows(crate::index::FLASHMLA_V41_FP4_ROW_BYTES)?)?,
             },
-            crate::index::KV_ROWS_FLASHMLA_V4 => {
-                // The plane from row 0 through the view's last whole page.
-                let end = a.view_row0.checked_add(a.view_rows).ok_or(HostKernelError::OutOfBounds {
-                    buffer: "nope",
-                    index: a.view_row0,
-                    len: 0,
-                })?;
-                let pages = end.checked_add(63).map(|e| e / 64).ok_or(HostKernelError::OutOfBounds {
-                    buffer: "nope",
-                    index: end,
-                    len: 0,
-                })?;
-                let bytes = len_of(
-                    "plane bytes",
-                    mul(pages, 64 * crate::index::FLASHMLA_V4_ROW_BYTES as i64, "plane bytes")?,
-                )?;
-                KvPlanes::FlashMlaV4 { plane: output("nope", a.nope, bytes)?, row0: a.view_row0 }
-            }
-            _ => KvPlanes::Bf16 { pool: output("nope", a.nope, rows(2 * KV_ROW_VALUES as u64)?)? },
+            // A paged format's plane (FlashMLA's V4 rows: pages of 64 or of 2) from row 0
+            // through the view's last whole page, in the format's page.
+            code => match crate::format::RowFormatId::from_kernel_code(code).filter(|f| f.format().is_paged()) {
+                Some(format) => {
+                    let plane = &format.format().planes[0];
+                    let page = plane.page_rows as i64;
+                    let end = a.view_row0.checked_add(a.view_rows).ok_or(HostKernelError::OutOfBounds {
+                        buffer: "nope",
+                        index: a.view_row0,
+                        len: 0,
+                    })?;
+                    let pages = end.checked_add(page - 1).map(|e| e / page).ok_or(
+                        HostKernelError::OutOfBounds { buffer: "nope", index: end, len: 0 },
+                    )?;
+                    let page_bytes = mul(page, plane.row_bytes() as i64, "plane bytes")?;
+                    let bytes = len_of("plane bytes", mul(pages, page_bytes, "plane bytes")?)?;
+                    KvPlanes::Paged { format, plane: output("nope", a.nope, bytes)?, row0: a.view_row0 }
+                }
+                None => KvPlanes::Bf16 { pool: output("nope", a.nope, rows(2 * KV_ROW_VALUES as u64)?)? },
+            },
         };
         kv_rows(kv, stride, dest, bids, &mut planes, a.view_rows, a.num_tokens)
     }
