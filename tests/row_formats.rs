@@ -125,7 +125,7 @@ fn tolerance(format: RowFormatId, i: usize) -> f32 {
         RowFormatId::Bf16 => 0.0,
         RowFormatId::FlashMlaV41Fp4 => 0.26, // e2m1 steps of 2 below 6 (×amax/6), scale rounding
         RowFormatId::AtomFp8 | RowFormatId::FlashMlaV4 | RowFormatId::FlashMlaV4P2 if i >= 448 => 0.0, // bf16 RoPE
-        _ => 1.0 / 16.0,                     // e4m3: 3 mantissa bits, round to nearest
+        _ => 1.0 / 16.0, // e4m3: 3 mantissa bits, round to nearest
     }
 }
 
