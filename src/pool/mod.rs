@@ -995,11 +995,9 @@ impl Pool {
         if own > 1 && own != page_rows {
             return Err(not("the plane's rows are paged at another size"));
         }
-        let base = g.layer_base_row(layer)?;
-        if base < 0 {
+        let Some((first, row_shift)) = g.layer_page(layer, page_rows)? else {
             return Err(not("the view starts in the plane's lead"));
-        }
-        let first = base / page_rows * page_rows;
+        };
         // Not one whole page from the view's page to the plane's end (a page larger than the
         // plane): a kernel reading pages would get an empty view with a page size no plane
         // has (numpy refuses `[0, 2^63 − 1, 1, row]`).
@@ -1015,7 +1013,7 @@ impl Pool {
             pages: (g.plane_rows - first) / page_rows,
             page_rows,
             row_bytes: w,
-            row_shift: base - first,
+            row_shift,
         })
     }
 
