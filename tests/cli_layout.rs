@@ -530,8 +530,8 @@ fn dtype_lays_out_the_pools_geometry() {
 /// the other's capacity row.
 #[test]
 fn two_row_pages_give_one_hca_view_and_a_tight_envelope() {
-    let layout = |dtype: &str| {
-        json_of(&[
+    let args = |dtype: &'static str| {
+        [
             "layout",
             "--model",
             "v4-flash",
@@ -543,9 +543,9 @@ fn two_row_pages_give_one_hca_view_and_a_tight_envelope() {
             "5",
             "--slots",
             "3",
-            "--json",
-        ])
+        ]
     };
+    let layout = |dtype| json_of(&[&args(dtype)[..], &["--json"]].concat());
     let (p64, p2) = (layout("flashmla-v4"), layout("flashmla-v4-p2"));
     assert_eq!((p64["envelope_rows"].as_i64(), p2["envelope_rows"].as_i64()), (Some(1408), Some(1384)));
     let views = |v: &serde_json::Value| {
@@ -554,19 +554,7 @@ fn two_row_pages_give_one_hca_view_and_a_tight_envelope() {
     };
     assert_eq!(views(&p64), [3, 20, 1], "pages of 64: dense 0/129/258, HCA 2 rows apart, CSA 64 apart");
     assert_eq!(views(&p2), [2, 1, 1], "pages of 2");
-    let table = stdout(&v4pool(&[
-        "layout",
-        "--model",
-        "v4-flash",
-        "--spec-steps",
-        "1",
-        "--dtype",
-        "flashmla-v4-p2",
-        "--blocks",
-        "5",
-        "--slots",
-        "3",
-    ]));
+    let table = stdout(&v4pool(&args("flashmla-v4-p2")));
     assert!(
         table.contains("kernel page views (pages of 2 rows; one index operand each): dense 2, HCA 1, CSA 1"),
         "{table}"
