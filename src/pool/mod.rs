@@ -571,10 +571,11 @@ impl VariantName for PoolError {
 /// A layer's rows as an attention kernel that reads pages of rows takes them (FlashMLA:
 /// `k_cache = [pages, page_rows, 1, row_bytes]`, an index `page × page_rows + offset`): the
 /// view's first row rounded down to a page, so view index `i` is kernel index `i + row_shift`
-/// (a layer's base need not start a page: V4's CSA layers start 40 rows into one). Every layer
-/// of a class has the same shift where its layer term is whole pages (CSA; dense at ring 128),
-/// so one index buffer, shifted once, serves the class; HCA layers (2 rows apart) each have
-/// their own (docs/flashmla.md).
+/// (a layer's base need not start a page: V4's CSA layers start 40 rows into a 64-row one).
+/// Every layer of a class has the same shift where its layer term is whole pages (CSA; dense at
+/// ring 128), so one index buffer, shifted once, serves the class; HCA layers (2 rows apart)
+/// each have their own in 64-row pages and share one in `flashmla-v4-p2`'s 2-row pages
+/// (docs/flashmla.md). The page and shift are the geometry's (`UnifiedPoolGeometry::layer_page`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PageView {
     /// Global layer id.
