@@ -247,12 +247,19 @@ V4P_DEVICE v4p_i64 v4p_kv_dest(const KvRowsArgs& a, v4p_i64 t, bool row_known, v
 V4P_DEVICE bool v4p_is_flashmla_v4(v4p_i32 format) {
     return format == V4P_KV_ROWS_FLASHMLA_V4 || format == V4P_KV_ROWS_FLASHMLA_V4_P2;
 }
+template <v4p_i64 P>
+V4P_DEVICE void v4p_flashmla_v4_place_in(v4p_u64 plane, v4p_i64 r, v4p_u64& data, v4p_u64& scales) {
+    const v4p_u64 page = plane + (v4p_u64)(r / P) * (v4p_u64)(P * 584);
+    data = page + (v4p_u64)(r % P) * 576;
+    scales = page + (v4p_u64)P * 576 + (v4p_u64)(r % P) * 8;
+}
+// The page a compile-time constant in each branch: r / P and r mod P are shifts, not divisions.
 V4P_DEVICE void v4p_flashmla_v4_place(const KvRowsArgs& a, v4p_i64 row, v4p_u64& data, v4p_u64& scales) {
-    const v4p_i64 p = a.format == V4P_KV_ROWS_FLASHMLA_V4_P2 ? V4P_PAGE_ROWS_FLASHMLA_V4_P2 : V4P_PAGE_ROWS_FLASHMLA_V4;
     const v4p_i64 r = a.view_row0 + row;
-    const v4p_u64 page = a.nope + (v4p_u64)(r / p) * (v4p_u64)(p * 584);
-    data = page + (v4p_u64)(r % p) * 576;
-    scales = page + (v4p_u64)p * 576 + (v4p_u64)(r % p) * 8;
+    if (a.format == V4P_KV_ROWS_FLASHMLA_V4_P2)
+        v4p_flashmla_v4_place_in<V4P_PAGE_ROWS_FLASHMLA_V4_P2>(a.nope, r, data, scales);
+    else
+        v4p_flashmla_v4_place_in<V4P_PAGE_ROWS_FLASHMLA_V4>(a.nope, r, data, scales);
 }
 
 /// The FlashMLA formats' 16-byte path (every row start 16-byte aligned; see v4p_kv_rows_token):
