@@ -363,23 +363,24 @@ const fn at(plane: usize, region: usize, offset: usize) -> Place {
     Place { plane, region, offset }
 }
 
+/// V4's NoPE part as ATOM's and FlashMLA's V4 formats store it: 448 e4m3 values from byte 0 of
+/// plane 0, one e8m0 scale per 64 at `scale` (`copies` times), the amax raised to `amax_floor`.
+const fn nope_e4m3(amax_floor: u32, scale: Place, copies: usize) -> Segment {
+    Segment {
+        first: 0,
+        count: 448,
+        elem: Elem::E4m3,
+        data: at(0, 0, 0),
+        scale: Some(ScaleSpec { group: 64, enc: ScaleEnc::E8m0 { amax_floor }, place: scale, copies }),
+    }
+}
+
 static ATOM_FP8: RowFormat = RowFormat {
     id: RowFormatId::AtomFp8,
     name: "atom-fp8",
     planes: &[PlaneFormat { regions: &[512], page_rows: 1 }, PlaneFormat { regions: &[128], page_rows: 1 }],
     segments: &[
-        Segment {
-            first: 0,
-            count: 448,
-            elem: Elem::E4m3,
-            data: at(0, 0, 0),
-            scale: Some(ScaleSpec {
-                group: 64,
-                enc: ScaleEnc::E8m0 { amax_floor: 0 },
-                place: at(0, 0, 448),
-                copies: 2,
-            }),
-        },
+        nope_e4m3(0, at(0, 0, 448), 2),
         Segment { first: 448, count: 64, elem: Elem::Bf16, data: at(1, 0, 0), scale: None },
     ],
     kernel_page_rows: 1,
@@ -396,18 +397,7 @@ static BF16: RowFormat = RowFormat {
 // FlashMLA's V4 row: 448 e4m3 and 64 bf16 in a 576-B data region, the 7 e8m0 scales (and a pad
 // byte) in an 8-B scale region. Its two formats differ in the page alone.
 const FLASHMLA_V4_SEGMENTS: &[Segment] = &[
-    Segment {
-        first: 0,
-        count: 448,
-        elem: Elem::E4m3,
-        data: at(0, 0, 0),
-        scale: Some(ScaleSpec {
-            group: 64,
-            enc: ScaleEnc::E8m0 { amax_floor: FLASHMLA_AMAX_FLOOR },
-            place: at(0, 1, 0),
-            copies: 1,
-        }),
-    },
+    nope_e4m3(FLASHMLA_AMAX_FLOOR, at(0, 1, 0), 1),
     Segment { first: 448, count: 64, elem: Elem::Bf16, data: at(0, 0, 448), scale: None },
 ];
 
