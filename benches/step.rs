@@ -19,8 +19,10 @@
 //!
 //! `cargo bench --bench step` (`--bench` given): the device run; `--formats fp8,bf16` (row
 //! formats of the V4 models, by the plan option's names: another format is one more name),
-//! `--models`, `--batches`, `--mtp`, `--reps`; `--flashmla-path` (on `flashmla-v4` rows the
-//! decode path in FlashMLA's convention: the builder and the packs write FlashMLA's operands);
+//! `--models`, `--batches`, `--mtp`, `--reps`; `--flashmla-path` (on FlashMLA's V4 rows,
+//! `flashmla-v4` and `flashmla-v4-p2`, the decode path in FlashMLA's convention: the builder and
+//! the packs write FlashMLA's operands; `--formats fp8,flashmla-v4,flashmla-v4-p2
+//! --flashmla-path` times the CSR path beside both page sizes' FlashMLA paths);
 //! `--ablate` (after each shape, the fused step's parts alone, with and without programmatic
 //! dependent launches, beside the chain floor of as many nodes: which part of a node costs
 //! what). Without a CUDA device it prints SKIP, runs the
@@ -63,8 +65,9 @@ struct Options {
     reps: usize,
     /// `--ablate`: after each shape, the fused step's parts alone ([`ablate`]).
     ablate: bool,
-    /// `--flashmla-path`: on FlashMLA's V4 rows, the decode path in FlashMLA's convention
-    /// (the builder and the packs write FlashMLA's operands), listed as `flashmla-v4+path`.
+    /// `--flashmla-path`: on FlashMLA's V4 rows (either page size), the decode path in
+    /// FlashMLA's convention (the builder and the packs write FlashMLA's operands), listed as
+    /// `flashmla-v4+path` / `flashmla-v4-p2+path`.
     flashmla_path: bool,
 }
 
@@ -499,7 +502,7 @@ fn run(opts: &Options) -> Res<()> {
     let max_batch = opts.batches.iter().copied().max().unwrap_or(1);
     for name in &opts.models {
         let model = preset(name)?;
-        // The formats asked for that the model has a form in (V4: fp8, bf16, flashmla-v4; V4.1:
+        // The formats asked for that the model has a form in (V4: fp8, bf16, flashmla-v4[-p2]; V4.1:
         // bf16, flashmla-v41, flashmla-v41-fp4); none of them: the family's own fp8 form.
         let mut formats: Vec<KvDtype> =
             opts.formats.iter().copied().filter(|k| k.fits(model.family)).collect();
@@ -510,7 +513,7 @@ fn run(opts: &Options) -> Res<()> {
             });
         }
         for kv in formats {
-            let fm_path = opts.flashmla_path && kv == KvDtype::FlashMlaV4;
+            let fm_path = opts.flashmla_path && matches!(kv, KvDtype::FlashMlaV4 | KvDtype::FlashMlaV4P2);
             let fname = if fm_path { format!("{}+path", kv.name()) } else { kv.name().to_string() };
             let started = std::time::Instant::now();
             let tw = twins(&be, &model, kv, max_batch)?;
@@ -601,7 +604,8 @@ fn run(opts: &Options) -> Res<()> {
     Ok(())
 }
 
-/// The host-backend part at a tiny shape (no device needed): V4-Flash fp8 and flashmla-v4,
+/// The host-backend part at a tiny shape (no device needed): V4-Flash fp8, flashmla-v4 and
+/// flashmla-v4-p2 (CSR and FlashMLA paths),
 /// V4-Pro fp8, V4.1-Flash bf16, flashmla-v41 and the packed flashmla-v41-fp4,
 /// three sequences of one and two tokens on small pools; the fused orders' written bytes
 /// equal to the per-layer order's.
@@ -610,6 +614,8 @@ fn host_check() -> Res<()> {
         ("v4-flash", KvDtype::Fp8, false),
         ("v4-flash", KvDtype::FlashMlaV4, false),
         ("v4-flash", KvDtype::FlashMlaV4, true),
+        ("v4-flash", KvDtype::FlashMlaV4P2, false),
+        ("v4-flash", KvDtype::FlashMlaV4P2, true),
         ("v4-pro", KvDtype::Fp8, false),
         ("v4.1-flash", KvDtype::Bf16, false),
         ("v4.1-flash", KvDtype::FlashMlaV41, false),

@@ -239,9 +239,32 @@ V4P_DEVICE v4p_i64 v4p_kv_dest(const KvRowsArgs& a, v4p_i64 t, bool row_known, v
     return bid < 0 ? -1 : row;
 }
 
+/// FlashMLA's V4 formats (3: pages of 64, 5: pages of 2; src/format.rs `flashmla-v4`,
+/// `flashmla-v4-p2`): plane row R = view_row0 + row sits in page R / P (P x 584 bytes), its 576
+/// data bytes at R mod P data rows in, its 8 scale bytes after the page's P data rows, at
+/// P x 576 + (R mod P) x 8. FlashMLA's sparse decode reads a row of a [pages, P, 1, 584] view
+/// by the same arithmetic (splitkv_mla.cuh).
+V4P_DEVICE bool v4p_is_flashmla_v4(v4p_i32 format) {
+    return format == V4P_KV_ROWS_FLASHMLA_V4 || format == V4P_KV_ROWS_FLASHMLA_V4_P2;
+}
+template <v4p_i64 P>
+V4P_DEVICE void v4p_flashmla_v4_place_in(v4p_u64 plane, v4p_i64 r, v4p_u64& data, v4p_u64& scales) {
+    const v4p_u64 page = plane + (v4p_u64)(r / P) * (v4p_u64)(P * 584);
+    data = page + (v4p_u64)(r % P) * 576;
+    scales = page + (v4p_u64)P * 576 + (v4p_u64)(r % P) * 8;
+}
+// The page a compile-time constant in each branch: r / P and r mod P are shifts, not divisions.
+V4P_DEVICE void v4p_flashmla_v4_place(const KvRowsArgs& a, v4p_i64 row, v4p_u64& data, v4p_u64& scales) {
+    const v4p_i64 r = a.view_row0 + row;
+    if (a.format == V4P_KV_ROWS_FLASHMLA_V4_P2)
+        v4p_flashmla_v4_place_in<V4P_PAGE_ROWS_FLASHMLA_V4_P2>(a.nope, r, data, scales);
+    else
+        v4p_flashmla_v4_place_in<V4P_PAGE_ROWS_FLASHMLA_V4>(a.nope, r, data, scales);
+}
+
 /// The FlashMLA formats' 16-byte path (every row start 16-byte aligned; see v4p_kv_rows_token):
 /// the source loads of a lane first, then the batch id and destination row, then the stores.
-/// Format 3 (V4, 584 B paged): lane L < 28 loads NoPE tile L / 4 (64 values, eight vectors; the
+/// Formats 3 and 5 (V4, 584 B paged): lane L < 28 loads NoPE tile L / 4 (64 values, eight vectors; the
 /// four lanes of a tile read the same 128 bytes), takes FlashMLA's scale of it and stores its
 /// quarter L % 4 as 16 e4m3 bytes, quarter 0 also the scale byte; lanes 28..31 copy 32 bytes
 /// of RoPE each, lane 28 zeroes the pad byte. Format 2 (V4.1, 528 B): lane i < 16 loads group i
@@ -249,7 +272,7 @@ V4P_DEVICE v4p_i64 v4p_kv_dest(const KvRowsArgs& a, v4p_i64 t, bool row_known, v
 /// v4p_flashmla_group's (same floor, same rounding; tests hold both to src/format.rs).
 V4P_DEVICE void v4p_flashmla_row_vec(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, bool row_known, v4p_i64 row) {
     const v4p_ptr s = (v4p_ptr)(v4p_in<v4p_u16>(a.kv) + t * a.kv_row_stride);
-    const bool v4 = a.format == V4P_KV_ROWS_FLASHMLA_V4;
+    const bool v4 = v4p_is_flashmla_v4(a.format);
     if (!v4 && lane >= 16) return;
     v4p_u32x4 w[8];
     if (v4 && lane < 28) {
@@ -274,10 +297,9 @@ V4P_DEVICE void v4p_flashmla_row_vec(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lan
         *(v4p_u8*)(out + 512 + lane) = (v4p_u8)b;
         return;
     }
-    const v4p_i64 r = a.view_row0 + row;
-    const v4p_u64 page = a.nope + (v4p_u64)(r / 64) * (64 * 584);
-    const v4p_u64 data = page + (v4p_u64)(r % 64) * 576;
-    v4p_u8* scales = (v4p_u8*)(page + 64 * 576 + (v4p_u64)(r % 64) * 8);
+    v4p_u64 data, scale_at;
+    v4p_flashmla_v4_place(a, row, data, scale_at);
+    v4p_u8* scales = (v4p_u8*)scale_at;
     if (lane < 28) {
         const v4p_u32 tile = lane / 4, q = lane % 4;
         v4p_u32 amax = v4p_amax_vecs(w, 8);
@@ -321,7 +343,7 @@ V4P_DEVICE void v4p_kv_rows_token(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, 
         return;
     }
     if (a.format >= V4P_KV_ROWS_FLASHMLA_V41) {
-        // The FlashMLA formats (2: V4.1 528 B; 3: V4 584 B paged) off the 16-byte path.
+        // The FlashMLA formats (2: V4.1 528 B; 3, 5: V4 584 B paged) off the 16-byte path.
         row = v4p_kv_dest(a, t, row_known, row);
         if (row < 0 || row >= a.view_rows) return;  // dropped, not wrapped
     }
@@ -335,16 +357,14 @@ V4P_DEVICE void v4p_kv_rows_token(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, 
         out[512 + lane] = (v4p_u8)v4p_flashmla_group(src + lane * 32, 32, out + lane * 32);
         return;
     }
-    if (a.format == V4P_KV_ROWS_FLASHMLA_V4) {
-        // FlashMLA V4 (584-B rows in pages of 64, src/format.rs `flashmla-v4`): plane row
-        // R = view_row0 + row; its 576 data bytes at page(R) x 37376 + (R mod 64) x 576, its 8
-        // scale bytes after the page's 64 data rows, at + 36864 + (R mod 64) x 8. Lane i < 7 packs
-        // NoPE tile i (64 values, FlashMLA's floor as in format 2) and writes scale byte i; lane 7
-        // copies the 64 bf16 RoPE values after the 448 e4m3 and zeroes the pad byte.
-        const v4p_i64 r = a.view_row0 + row;
-        v4p_u8* page = v4p_out<v4p_u8>(a.nope) + (r / 64) * (64 * 584);
-        v4p_u8* data = page + (r % 64) * 576;
-        v4p_u8* scales = page + 64 * 576 + (r % 64) * 8;
+    if (v4p_is_flashmla_v4(a.format)) {
+        // FlashMLA V4 (584-B rows in pages, v4p_flashmla_v4_place). Lane i < 7 packs NoPE tile
+        // i (64 values, FlashMLA's floor as in format 2) and writes scale byte i; lane 7 copies
+        // the 64 bf16 RoPE values after the 448 e4m3 and zeroes the pad byte.
+        v4p_u64 data_at, scale_at;
+        v4p_flashmla_v4_place(a, row, data_at, scale_at);
+        v4p_u8* data = (v4p_u8*)data_at;
+        v4p_u8* scales = (v4p_u8*)scale_at;
         if (lane < 7) {
             scales[lane] = (v4p_u8)v4p_flashmla_group(src + lane * 64, 64, data + lane * 64);
         } else if (lane == 7) {

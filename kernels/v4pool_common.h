@@ -604,6 +604,11 @@ V4POOL_CHECK_OFFSET(WindowGatherArgs, draft_window, 92);
 #define V4P_KV_ROWS_FLASHMLA_V41 2
 #define V4P_KV_ROWS_FLASHMLA_V4 3
 #define V4P_KV_ROWS_FLASHMLA_V41_FP4 4
+#define V4P_KV_ROWS_FLASHMLA_V4_P2 5
+// Rows of a page of each paged format (src/format.rs PlaneFormat::page_rows; tests/row_formats.rs
+// reads these lines too): FlashMLA's V4 rows in pages of 64 (format 3) or of 2 (format 5).
+#define V4P_PAGE_ROWS_FLASHMLA_V4 64
+#define V4P_PAGE_ROWS_FLASHMLA_V4_P2 2
 struct KvRowsArgs {
     v4p_ptr kv;                  // bf16 [T][kv_row_stride]: 448 NoPE values, then 64 RoPE
     v4p_ptr dest_rows;           // i32 [>= T]: row of the layer view; outside [0, view_rows) dropped
@@ -613,7 +618,8 @@ struct KvRowsArgs {
     v4p_i64 kv_row_stride;       // elements from one source row to the next (>= 512)
     v4p_i64 view_rows;
     v4p_i32 num_tokens;
-    v4p_i32 format;              // 0 bf16, 1 ATOM fp8, 2 FlashMLA V4.1 (528 B), 3 FlashMLA V4 (584 B, paged)
+    v4p_i32 format;              // 0 bf16, 1 ATOM fp8, 2 FlashMLA V4.1 (528 B), 3 FlashMLA V4 (584 B, pages of
+                                 // 64), 4 FlashMLA V4.1 fp4 (288 B), 5 FlashMLA V4 (584 B, pages of 2)
     v4p_i64 view_row0;           // paged formats: nope is plane row 0, view row r is plane row view_row0 + r
 };
 V4POOL_CHECK_SIZE(KvRowsArgs, 72);

@@ -220,12 +220,26 @@ pub struct CopySpan {
 }
 
 /// One plane's image ranges (§6): `merge_abutting(state_ranges + window rows × width)`,
-/// window rows being `entry_runs` shifted past the arena.
+/// window rows being `entry_runs` shifted past the arena; a plane known by its width alone
+/// (paged as [`crate::format::plane_of_width`] says). [`plane_ranges_in`] takes the plane's
+/// layout.
 pub fn plane_ranges(
     state_ranges: &[(u64, u64)],
     arena_rows: i64,
     entry_runs: &[(i64, i64)],
     width: u64,
+) -> Result<Vec<(u64, u64)>, CheckpointError> {
+    plane_ranges_in(state_ranges, arena_rows, entry_runs, width, crate::format::plane_of_width(width))
+}
+
+/// [`plane_ranges`] of a plane of `width`-byte rows laid out as `paged` (its row format's
+/// plane: `flashmla-v4` and `flashmla-v4-p2` share the width at different pages).
+pub fn plane_ranges_in(
+    state_ranges: &[(u64, u64)],
+    arena_rows: i64,
+    entry_runs: &[(i64, i64)],
+    width: u64,
+    paged: crate::format::PlaneFormat,
 ) -> Result<Vec<(u64, u64)>, CheckpointError> {
     let w = to_i64(width, "plane width")?;
     let mut all = Vec::with_capacity(state_ranges.len() + entry_runs.len());
@@ -236,7 +250,6 @@ pub fn plane_ranges(
     // a run of window rows is then one span per region and page, from the format's
     // `row_spans` (slots start on a page, so offsets from the slot's start are plane offsets
     // shifted by whole pages).
-    let paged = crate::format::plane_of_width(width);
     for &(start, count) in entry_runs {
         let row = arena_rows.checked_add(start).ok_or(CheckpointError::Overflow { what: "window row" })?;
         if paged.page_rows > 1 {
@@ -281,9 +294,15 @@ pub struct CheckpointLayout {
 }
 
 impl CheckpointLayout {
-    /// The checkpoint layout of a priced pool layout.
+    /// The checkpoint layout of a priced pool layout (its planes the row format's).
     pub fn for_pool(layout: &PoolLayout) -> Result<Self, CheckpointError> {
-        Self::new(&layout.arena, &layout.geometry, &layout.model.indexer_layers(), layout.indexer)
+        Self::for_planes(
+            &layout.arena,
+            &layout.geometry,
+            &layout.model.indexer_layers(),
+            layout.indexer,
+            layout.kv.row_format().format().planes,
+        )
     }
 
     /// From an arena planned at the geometry's plane widths, with the indexer cache's
@@ -295,6 +314,20 @@ impl CheckpointLayout {
         indexer_layers: &[usize],
         indexer: IndexerDtype,
     ) -> Result<Self, CheckpointError> {
+        let planes: Vec<crate::format::PlaneFormat> =
+            arena.widths().iter().map(|&w| crate::format::plane_of_width(w)).collect();
+        Self::for_planes(arena, geom, indexer_layers, indexer, &planes)
+    }
+
+    /// As [`CheckpointLayout::new`] with each plane's layout given (a pool's row format's
+    /// planes, in plane order; their widths must be the arena's).
+    pub fn for_planes(
+        arena: &ArenaLayout,
+        geom: &UnifiedPoolGeometry,
+        indexer_layers: &[usize],
+        indexer: IndexerDtype,
+        planes: &[crate::format::PlaneFormat],
+    ) -> Result<Self, CheckpointError> {
         if arena.arena_rows() != geom.arena_rows {
             return Err(CheckpointError::LayoutMismatch {
                 what: "arena_rows",
@@ -304,7 +337,21 @@ impl CheckpointLayout {
         }
         let state: Vec<Vec<(u64, u64)>> =
             (0..arena.planes().len()).map(|p| arena.plane_checkpoint_ranges(p)).collect::<Result<_, _>>()?;
-        Self::from_parts(&state, &arena.widths(), geom, indexer_layers, indexer)
+        let widths = arena.widths();
+        if planes.len() != widths.len() {
+            return Err(CheckpointError::PlaneCount { widths: widths.len(), ranges: planes.len() });
+        }
+        // A paged plane's page arithmetic is its rows' width's; an unpaged one takes any width.
+        for (p, &w) in planes.iter().zip(&widths) {
+            if p.page_rows > 1 && p.row_bytes() != w {
+                return Err(CheckpointError::LayoutMismatch {
+                    what: "paged plane row bytes",
+                    expected: to_i64(w, "plane width")?,
+                    got: to_i64(p.row_bytes(), "plane width")?,
+                });
+            }
+        }
+        Self::from_planes(&state, &widths, planes, geom, indexer_layers, indexer)
     }
 
     /// From explicit per-plane state ranges and plane widths (any widths: the spec's worked
@@ -316,14 +363,27 @@ impl CheckpointLayout {
         indexer_layers: &[usize],
         indexer: IndexerDtype,
     ) -> Result<Self, CheckpointError> {
+        let planes: Vec<crate::format::PlaneFormat> =
+            widths.iter().map(|&w| crate::format::plane_of_width(w)).collect();
+        Self::from_planes(state_ranges, widths, &planes, geom, indexer_layers, indexer)
+    }
+
+    fn from_planes(
+        state_ranges: &[Vec<(u64, u64)>],
+        widths: &[u64],
+        planes: &[crate::format::PlaneFormat],
+        geom: &UnifiedPoolGeometry,
+        indexer_layers: &[usize],
+        indexer: IndexerDtype,
+    ) -> Result<Self, CheckpointError> {
         if state_ranges.len() != widths.len() {
             return Err(CheckpointError::PlaneCount { widths: widths.len(), ranges: state_ranges.len() });
         }
         let runs = geom.entry_row_runs();
         let plane_ranges: Vec<Vec<(u64, u64)>> = state_ranges
             .iter()
-            .zip(widths)
-            .map(|(s, &w)| plane_ranges(s, geom.arena_rows, &runs, w))
+            .zip(widths.iter().zip(planes))
+            .map(|(s, (&w, &p))| plane_ranges_in(s, geom.arena_rows, &runs, w, p))
             .collect::<Result<_, _>>()?;
         let image_bytes = plane_ranges
             .iter()

@@ -14,6 +14,7 @@
 //! | `atom-fp8` | 512 NoPE + 128 RoPE | 448 e4m3, 64 bf16 | e8m0 per 64, stored twice |
 //! | `bf16` | 1024 | 512 bf16 | — |
 //! | `flashmla-v4` | 584, pages of 64: 576 data + 8 scale | 448 e4m3, 64 bf16 | e8m0 per 64 |
+//! | `flashmla-v4-p2` | 584, pages of 2: 576 data + 8 scale | 448 e4m3, 64 bf16 | e8m0 per 64 |
 //! | `flashmla-v41` | 528 interleaved | 512 e4m3 | e8m0 per 32 |
 //! | `flashmla-v41-fp4` | 288 interleaved | 512 e2m1 (even index low nibble) | e4m3 per 16 |
 //!
@@ -184,6 +185,8 @@ pub enum RowFormatId {
     Bf16,
     /// FlashMLA's DeepSeek-V4 fp8 layout: 584 B a token in pages of 64 tokens.
     FlashMlaV4,
+    /// The same 584-B rows in pages of 2 tokens (one page shift for every HCA layer).
+    FlashMlaV4P2,
     /// FlashMLA's DeepSeek-V4.1 fp8 layout: 528 B a token, interleaved.
     FlashMlaV41,
     /// FlashMLA's DeepSeek-V4.1 fp4 extra cache: 288 B a token, interleaved.
@@ -360,23 +363,24 @@ const fn at(plane: usize, region: usize, offset: usize) -> Place {
     Place { plane, region, offset }
 }
 
+/// V4's NoPE part as ATOM's and FlashMLA's V4 formats store it: 448 e4m3 values from byte 0 of
+/// plane 0, one e8m0 scale per 64 at `scale` (`copies` times), the amax raised to `amax_floor`.
+const fn nope_e4m3(amax_floor: u32, scale: Place, copies: usize) -> Segment {
+    Segment {
+        first: 0,
+        count: 448,
+        elem: Elem::E4m3,
+        data: at(0, 0, 0),
+        scale: Some(ScaleSpec { group: 64, enc: ScaleEnc::E8m0 { amax_floor }, place: scale, copies }),
+    }
+}
+
 static ATOM_FP8: RowFormat = RowFormat {
     id: RowFormatId::AtomFp8,
     name: "atom-fp8",
     planes: &[PlaneFormat { regions: &[512], page_rows: 1 }, PlaneFormat { regions: &[128], page_rows: 1 }],
     segments: &[
-        Segment {
-            first: 0,
-            count: 448,
-            elem: Elem::E4m3,
-            data: at(0, 0, 0),
-            scale: Some(ScaleSpec {
-                group: 64,
-                enc: ScaleEnc::E8m0 { amax_floor: 0 },
-                place: at(0, 0, 448),
-                copies: 2,
-            }),
-        },
+        nope_e4m3(0, at(0, 0, 448), 2),
         Segment { first: 448, count: 64, elem: Elem::Bf16, data: at(1, 0, 0), scale: None },
     ],
     kernel_page_rows: 1,
@@ -390,26 +394,34 @@ static BF16: RowFormat = RowFormat {
     kernel_page_rows: 1,
 };
 
+// FlashMLA's V4 row: 448 e4m3 and 64 bf16 in a 576-B data region, the 7 e8m0 scales (and a pad
+// byte) in an 8-B scale region. Its two formats differ in the page alone.
+const FLASHMLA_V4_SEGMENTS: &[Segment] = &[
+    nope_e4m3(FLASHMLA_AMAX_FLOOR, at(0, 1, 0), 1),
+    Segment { first: 448, count: 64, elem: Elem::Bf16, data: at(0, 0, 448), scale: None },
+];
+
 static FLASHMLA_V4: RowFormat = RowFormat {
     id: RowFormatId::FlashMlaV4,
     name: "flashmla-v4",
     planes: &[PlaneFormat { regions: &[576, 8], page_rows: 64 }],
-    segments: &[
-        Segment {
-            first: 0,
-            count: 448,
-            elem: Elem::E4m3,
-            data: at(0, 0, 0),
-            scale: Some(ScaleSpec {
-                group: 64,
-                enc: ScaleEnc::E8m0 { amax_floor: FLASHMLA_AMAX_FLOOR },
-                place: at(0, 1, 0),
-                copies: 1,
-            }),
-        },
-        Segment { first: 448, count: 64, elem: Elem::Bf16, data: at(0, 0, 448), scale: None },
-    ],
+    segments: FLASHMLA_V4_SEGMENTS,
     kernel_page_rows: 64,
+};
+
+// The same rows in pages of 2 (1,168 B: 2 data rows, then their 2 scale rows). FlashMLA's sparse
+// decode takes any page size (`csrc/api/sparse_decode.h` checks `stride(1) == 584` and the 4-D
+// shape; the kernel addresses a row at `block × stride(0) + rel × 576`, its scales at
+// `block × stride(0) + page × 576 + rel × 8`); 2 keeps every data row 16-B aligned for its
+// 16-B loads (a page of 1 would not). Every layer term of a V4 geometry is then whole pages
+// but an odd MTP ring's, so every HCA layer has the same page shift: one HCA view
+// (docs/flashmla.md, "One HCA view").
+static FLASHMLA_V4_P2: RowFormat = RowFormat {
+    id: RowFormatId::FlashMlaV4P2,
+    name: "flashmla-v4-p2",
+    planes: &[PlaneFormat { regions: &[576, 8], page_rows: 2 }],
+    segments: FLASHMLA_V4_SEGMENTS,
+    kernel_page_rows: 2,
 };
 
 static FLASHMLA_V41: RowFormat = RowFormat {
@@ -446,10 +458,11 @@ static FLASHMLA_V41_FP4: RowFormat = RowFormat {
 };
 
 /// Every format, in the order the CLI lists them.
-pub const ALL: [RowFormatId; 5] = [
+pub const ALL: [RowFormatId; 6] = [
     RowFormatId::AtomFp8,
     RowFormatId::Bf16,
     RowFormatId::FlashMlaV4,
+    RowFormatId::FlashMlaV4P2,
     RowFormatId::FlashMlaV41,
     RowFormatId::FlashMlaV41Fp4,
 ];
@@ -457,7 +470,7 @@ pub const ALL: [RowFormatId; 5] = [
 /// What the format code refuses.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum FormatError {
-    #[error("unknown row format {name:?} (atom-fp8, bf16, flashmla-v4, flashmla-v41, flashmla-v41-fp4)")]
+    #[error("unknown row format {name:?} (atom-fp8, bf16, flashmla-v4, flashmla-v4-p2, flashmla-v41, flashmla-v41-fp4)")]
     /// A name no format has.
     Unknown {
         /// The name given.
@@ -502,6 +515,7 @@ impl RowFormatId {
             RowFormatId::AtomFp8 => &ATOM_FP8,
             RowFormatId::Bf16 => &BF16,
             RowFormatId::FlashMlaV4 => &FLASHMLA_V4,
+            RowFormatId::FlashMlaV4P2 => &FLASHMLA_V4_P2,
             RowFormatId::FlashMlaV41 => &FLASHMLA_V41,
             RowFormatId::FlashMlaV41Fp4 => &FLASHMLA_V41_FP4,
         }
@@ -516,7 +530,12 @@ impl RowFormatId {
             RowFormatId::FlashMlaV41 => 2,
             RowFormatId::FlashMlaV4 => 3,
             RowFormatId::FlashMlaV41Fp4 => 4,
+            RowFormatId::FlashMlaV4P2 => 5,
         }
+    }
+    /// The format a kernel code names ([`RowFormatId::kernel_code`]'s inverse).
+    pub fn from_kernel_code(code: i32) -> Option<Self> {
+        ALL.into_iter().find(|f| f.kernel_code() == code)
     }
     /// The format a name spells.
     pub fn from_name(name: &str) -> Result<Self, FormatError> {
@@ -526,10 +545,12 @@ impl RowFormatId {
     }
 }
 
-/// The plane layout of a `width`-byte row, among every format's planes (their widths differ:
-/// 512, 128, 1024, 584, 528, 288), so a pool that knows its planes by width reads its paging
-/// here; a width no format has is an unpaged plane (the geometry's own worked examples use any
-/// width).
+/// The plane layout of a `width`-byte row for a plane known by its width alone (a pool spec
+/// from parts without a row format): the first format's plane of that width in [`ALL`]'s order
+/// (584: `flashmla-v4`'s pages of 64, not `flashmla-v4-p2`'s pages of 2, which share the width);
+/// a width no format has is an unpaged plane (the geometry's own worked examples use any
+/// width). A pool with a row format reads its planes from the format
+/// (`crate::pool::PoolSpec::plane_format`).
 pub fn plane_of_width(width: u64) -> PlaneFormat {
     ALL.iter()
         .flat_map(|f| f.format().planes.iter())
@@ -983,7 +1004,7 @@ mod tests {
     #[test]
     fn bytes_per_token_are_the_published_ones() {
         let b: Vec<u64> = ALL.iter().map(|f| f.format().bytes_per_token()).collect();
-        assert_eq!(b, [640, 1024, 584, 528, 288]);
+        assert_eq!(b, [640, 1024, 584, 584, 528, 288]);
         for f in ALL {
             assert_eq!(RowFormatId::from_name(f.format().name), Ok(f));
         }
@@ -1001,6 +1022,16 @@ mod tests {
         assert_eq!(p.row_spans(2, 3), Some(vec![(2 * 576, 3 * 576), (36_864 + 16, 24)]));
         let u = &RowFormatId::FlashMlaV41.format().planes[0];
         assert_eq!(u.row_spans(5, 70), Some(vec![(5 * 528, 70 * 528)]));
+        // Pages of 2 (1,168 B): row 67 is page 33's second row, its scales after 2 × 576.
+        let p2 = &RowFormatId::FlashMlaV4P2.format().planes[0];
+        assert_eq!(p2.byte_offset(67, 0), Some(33 * 1_168 + 576));
+        assert_eq!(p2.byte_offset(67, 1), Some(33 * 1_168 + 1_152 + 8));
+        assert_eq!(p2.row_spans(4, 6), Some(vec![(4 * 584, 6 * 584)]));
+        // Rows 3 and 4: row 3's data, its scales abutting row 4's data (page 2), row 4's scales.
+        assert_eq!(
+            p2.row_spans(3, 2),
+            Some(vec![(1_168 + 576, 576), (1_168 + 1_160, 8 + 576), (2 * 1_168 + 1_152, 8)])
+        );
     }
 
     #[test]

@@ -140,7 +140,7 @@ pub fn kv_spec_json(k: &KvSpec) -> serde_json::Value {
 
 /// The `dtype` names every entry point lists when it refuses one ([`KvDtype::ALL`]'s names,
 /// in order; the CLI's unit test holds them equal).
-pub const KV_DTYPE_NAMES: &str = "fp8, bf16, flashmla-v4, flashmla-v41 or flashmla-v41-fp4";
+pub const KV_DTYPE_NAMES: &str = "fp8, bf16, flashmla-v4, flashmla-v4-p2, flashmla-v41 or flashmla-v41-fp4";
 
 /// What a binding's `plan(...)` call rejects.
 #[derive(Debug, Error)]

@@ -74,6 +74,11 @@ pub enum KvDtype {
     /// FlashMLA's sparse decode on SM90. Envelopes, slots and the arena are whole pages
     /// ([`KvDtype::page_rows`]) so a block or slot is one contiguous byte range. V4 only.
     FlashMlaV4,
+    /// [`KvDtype::FlashMlaV4`]'s rows in pages of 2 (`[2 × 576 B data][2 × 8 B scales]`):
+    /// every HCA layer then sits at one page shift, so the FlashMLA decode path writes one HCA
+    /// index operand where 64-row pages need one per layer, and envelopes pad to 2 rows, not
+    /// 64 (docs/flashmla.md, "One HCA view"). V4 only.
+    FlashMlaV4P2,
     /// FlashMLA's DeepSeek-V4.1 packed layout: windows (and the compressor state) in 528-B
     /// [`KvDtype::FlashMlaV41`] rows, compressed rows in its 288-B fp4 rows (256 B e2m1, 32
     /// e4m3 scales: FlashMLA's `extra_k_cache`), packed at their own width in each envelope
@@ -83,8 +88,14 @@ pub enum KvDtype {
 
 impl KvDtype {
     /// Every dtype, in the order the CLI lists them.
-    pub const ALL: [KvDtype; 5] =
-        [KvDtype::Fp8, KvDtype::Bf16, KvDtype::FlashMlaV4, KvDtype::FlashMlaV41, KvDtype::FlashMlaV41Fp4];
+    pub const ALL: [KvDtype; 6] = [
+        KvDtype::Fp8,
+        KvDtype::Bf16,
+        KvDtype::FlashMlaV4,
+        KvDtype::FlashMlaV4P2,
+        KvDtype::FlashMlaV41,
+        KvDtype::FlashMlaV41Fp4,
+    ];
 
     /// The dtype a plan of `family` takes when none is named: the family's fp8 form (ATOM's rows
     /// for V4, FlashMLA's 528-B rows for V4.1, whose RoPE is quantised too). The one default
@@ -104,6 +115,7 @@ impl KvDtype {
             KvDtype::Bf16 => RowFormatId::Bf16,
             KvDtype::FlashMlaV41 | KvDtype::FlashMlaV41Fp4 => RowFormatId::FlashMlaV41,
             KvDtype::FlashMlaV4 => RowFormatId::FlashMlaV4,
+            KvDtype::FlashMlaV4P2 => RowFormatId::FlashMlaV4P2,
         }
     }
     /// The format of the compressed rows where it is not the planes' own (the packed
@@ -139,6 +151,7 @@ impl KvDtype {
             KvDtype::Bf16 => "bf16",
             KvDtype::FlashMlaV41 => "flashmla-v41",
             KvDtype::FlashMlaV4 => "flashmla-v4",
+            KvDtype::FlashMlaV4P2 => "flashmla-v4-p2",
             KvDtype::FlashMlaV41Fp4 => "flashmla-v41-fp4",
         }
     }
@@ -149,6 +162,7 @@ impl KvDtype {
             KvDtype::Bf16 => "bf16",
             KvDtype::FlashMlaV41 => "flashmla-v41",
             KvDtype::FlashMlaV4 => "flashmla-v4",
+            KvDtype::FlashMlaV4P2 => "flashmla-v4-p2",
             KvDtype::FlashMlaV41Fp4 => "flashmla-v41-fp4",
         }
     }
@@ -163,7 +177,7 @@ impl KvDtype {
         use crate::model::ModelFamily;
         !matches!(
             (family, self),
-            (ModelFamily::V41, KvDtype::Fp8 | KvDtype::FlashMlaV4)
+            (ModelFamily::V41, KvDtype::Fp8 | KvDtype::FlashMlaV4 | KvDtype::FlashMlaV4P2)
                 | (ModelFamily::V4, KvDtype::FlashMlaV41 | KvDtype::FlashMlaV41Fp4)
         )
     }
@@ -345,7 +359,7 @@ impl GpuArch {
                 "ATOM and aiter read the 640-B fp8 KV only on gfx950/gfx1250 (ATOM falls back to a bf16 KV \
                  cache elsewhere); use --dtype bf16",
             ),
-            KvDtype::FlashMlaV4 | KvDtype::FlashMlaV41 | KvDtype::FlashMlaV41Fp4 => {
+            KvDtype::FlashMlaV4 | KvDtype::FlashMlaV4P2 | KvDtype::FlashMlaV41 | KvDtype::FlashMlaV41Fp4 => {
                 Some("FlashMLA's formats are read by FlashMLA on NVIDIA only; use --dtype bf16")
             }
             _ => None,

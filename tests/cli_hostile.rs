@@ -240,7 +240,7 @@ fn trace_and_cost_files_are_read_bounded() {
 /// `fp8|bf16`.
 #[test]
 fn defect43_row14_every_dtype_flag_takes_every_format_and_says_so() {
-    const FORMATS: [&str; 5] = ["fp8", "bf16", "flashmla-v4", "flashmla-v41", "flashmla-v41-fp4"];
+    const FORMATS: [&str; 6] = ["fp8", "bf16", "flashmla-v4", "flashmla-v4-p2", "flashmla-v41", "flashmla-v41-fp4"];
     let rest: [&[&str]; 3] = [
         &["--model", "v4-flash", "--budget", "1GiB", "--max-seqs", "1"],
         &["--model", "v4-flash", "--blocks", "1", "--slots", "1"],
@@ -255,7 +255,7 @@ fn defect43_row14_every_dtype_flag_takes_every_format_and_says_so() {
         assert_eq!(listed.split('|').collect::<Vec<_>>(), FORMATS, "{cmd} --help: {line}");
         let r = v4pool(&os(&[&[cmd, "--dtype", "fp16"], rest].concat()), Out::Capture, LIMIT);
         refused(&format!("{cmd} --dtype fp16"), &r);
-        let want = "fp8, bf16, flashmla-v4, flashmla-v41 or flashmla-v41-fp4";
+        let want = "fp8, bf16, flashmla-v4, flashmla-v4-p2, flashmla-v41 or flashmla-v41-fp4";
         assert!(r.stderr.contains(want), "{cmd}: {:?}", r.stderr);
     }
     // Each format sizes the plane its own way: the blocks a run ends with tell them apart.
@@ -264,6 +264,7 @@ fn defect43_row14_every_dtype_flag_takes_every_format_and_says_so() {
         ("v4-flash", "fp8"),
         ("v4-flash", "bf16"),
         ("v4-flash", "flashmla-v4"),
+        ("v4-flash", "flashmla-v4-p2"),
         ("v4.1-flash", "flashmla-v41"),
         ("v4.1-flash", "flashmla-v41-fp4"),
     ] {

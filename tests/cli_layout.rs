@@ -470,6 +470,7 @@ fn dtype_lays_out_the_pools_geometry() {
     for (model, dtype, widths, page) in [
         ("v4-flash", "fp8", vec![512, 128], 1),
         ("v4-flash", "flashmla-v4", vec![584], 64),
+        ("v4-flash", "flashmla-v4-p2", vec![584], 2),
         ("v4-pro", "flashmla-v4", vec![584], 64),
         ("v4.1-flash", "flashmla-v41", vec![528], 1),
     ] {
@@ -520,6 +521,69 @@ fn dtype_lays_out_the_pools_geometry() {
     ]));
     assert!(table.contains("row format flashmla-v4 (584 B a token, pages of 64 rows)"), "{table}");
     assert!(table.contains(" 584-B plane: "), "{table}");
+}
+
+/// FlashMLA's V4 rows in pages of 2 (`flashmla-v4-p2`) against pages of 64, V4-Flash at MTP 1
+/// (ring 129): the envelope is the 1,384 rows its layers take (not padded to 1,408), every HCA
+/// layer's view at one page shift (1 index operand, not 20), the dense layers at two (ring 129
+/// is odd), and at 100 GiB / 256 sequences the plan carves more blocks, each format's tight fit
+/// the other's capacity row.
+#[test]
+fn two_row_pages_give_one_hca_view_and_a_tight_envelope() {
+    let args = |dtype: &'static str| {
+        [
+            "layout",
+            "--model",
+            "v4-flash",
+            "--spec-steps",
+            "1",
+            "--dtype",
+            dtype,
+            "--blocks",
+            "5",
+            "--slots",
+            "3",
+        ]
+    };
+    let layout = |dtype| json_of(&[&args(dtype)[..], &["--json"]].concat());
+    let (p64, p2) = (layout("flashmla-v4"), layout("flashmla-v4-p2"));
+    assert_eq!((p64["envelope_rows"].as_i64(), p2["envelope_rows"].as_i64()), (Some(1408), Some(1384)));
+    let views = |v: &serde_json::Value| {
+        ["dense", "HCA", "CSA"]
+            .map(|c| v["kernel_page_views"][c].as_u64().unwrap_or_else(|| panic!("{c}: {v}")))
+    };
+    assert_eq!(views(&p64), [3, 20, 1], "pages of 64: dense 0/129/258, HCA 2 rows apart, CSA 64 apart");
+    assert_eq!(views(&p2), [2, 1, 1], "pages of 2");
+    let table = stdout(&v4pool(&args("flashmla-v4-p2")));
+    assert!(
+        table.contains("kernel page views (pages of 2 rows; one index operand each): dense 2, HCA 1, CSA 1"),
+        "{table}"
+    );
+    let plan = |dtype: &str| {
+        json_of(&[
+            "plan",
+            "--model",
+            "v4-flash",
+            "--budget",
+            "100GiB",
+            "--max-seqs",
+            "256",
+            "--dtype",
+            dtype,
+            "--json",
+        ])
+    };
+    let (a, b) = (plan("flashmla-v4"), plan("flashmla-v4-p2"));
+    let blocks = |v: &serde_json::Value| v["num_blocks"].as_i64().unwrap();
+    println!("blocks at 100 GiB: flashmla-v4 {} flashmla-v4-p2 {}", blocks(&a), blocks(&b));
+    assert!(blocks(&b) > blocks(&a), "the tighter envelope holds more blocks");
+    let fit = |v: &serde_json::Value, name: &str| {
+        v["capacity_by_format"].as_array().unwrap().iter().find(|c| c["format"] == name).unwrap()
+            ["tight_fit_blocks"]
+            .clone()
+    };
+    assert_eq!(fit(&a, "flashmla-v4-p2"), b["tight_fit_blocks"]);
+    assert_eq!(fit(&b, "flashmla-v4"), a["tight_fit_blocks"]);
 }
 
 /// `plan --json` prices every row format the model has a form in at the plan's budget: V4-Flash

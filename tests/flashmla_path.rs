@@ -2,7 +2,8 @@
 //! operands are the CSR path's slices of the same batch, reordered into FlashMLA's rows (window
 //! tail → `indices`, HCA head → `extra_indices`, the CSA pack's head → the CSA `extra_indices`),
 //! each + the layer's `page_view` shift, −1 to the row's limit, pads −1 with length 0; the
-//! views follow the shifts (CSA one, HCA one per layer); bad widths are typed errors.
+//! views follow the shifts (CSA one; HCA one per layer in FlashMLA's 64-row pages, one in all in
+//! `flashmla-v4-p2`'s 2-row pages); bad widths are typed errors.
 
 mod common;
 
@@ -24,7 +25,30 @@ fn cap() -> DecodeCapacity {
 
 #[test]
 fn flashmla_rows_are_the_csr_slices_shifted() {
-    let pool = pool();
+    // A pool from parts (no row format): FlashMLA's V4 pages of 64, 20 HCA page shifts.
+    rows_are_the_csr_slices_shifted(pool(), 20);
+}
+
+#[test]
+fn flashmla_v4_p2_rows_share_one_hca_view() {
+    // V4-Flash in `flashmla-v4-p2` at MTP 1 (ring 129): every HCA layer at one page shift, so
+    // one HCA operand serves all 20 layers; its rows are the CSR path's, shifted.
+    use v4pool::model::ModelShape;
+    use v4pool::pool::PoolSpec;
+    use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest};
+    let model = ModelShape::v4_flash(1).unwrap();
+    let p = plan(&model, &PlanRequest::new(KvDtype::FlashMlaV4P2, IndexerDtype::Fp8, 8, 400 << 20)).unwrap();
+    let spec = PoolSpec::from_plan(&p).unwrap();
+    assert_eq!(spec.kernel_page_rows(), 2);
+    rows_are_the_csr_slices_shifted(
+        Arc::new(Pool::new(Arc::new(HostBackend::new()), spec, Stream::DEFAULT).unwrap()),
+        1,
+    );
+}
+
+/// The FlashMLA path's operands on `pool` against its CSR path's slices of the same batch;
+/// `hca_views` distinct HCA operands.
+fn rows_are_the_csr_slices_shifted(pool: Arc<Pool>, hca_views_want: usize) {
     let g = pool.geometry().unwrap();
     let widths = FlashMlaWidths::for_capacity(&g, cap()).unwrap();
     assert_eq!((widths.topk, widths.csa_extra_topk, widths.hca_extra_topk), (128, 512, 128));
@@ -33,8 +57,10 @@ fn flashmla_rows_are_the_csr_slices_shifted() {
     let mut rng = common::Rng::new(0xf1a5_9a70);
     let live: Vec<i64> = g.live_positions().collect();
     let ctx: Vec<i64> = vec![3, 40 * 256, 5_000, 9_999];
-    let tables: Vec<Vec<i32>> =
-        ctx.iter().map(|&c| (0..(c + 255) / 256).map(|_| rng.below(300) as i32).collect()).collect();
+    let tables: Vec<Vec<i32>> = ctx
+        .iter()
+        .map(|&c| (0..(c + 255) / 256).map(|_| rng.below(g.num_blocks as u64) as i32).collect())
+        .collect();
     let batch: Vec<DecodeSeq<'_>> = (0..4)
         .map(|i| DecodeSeq {
             position: live[i + 1],
@@ -76,7 +102,7 @@ fn flashmla_rows_are_the_csr_slices_shifted() {
     for layer in 0..g.num_layers {
         let class = g.layer_slot(layer).unwrap();
         let ops = fm.flashmla(layer).unwrap();
-        let shift = pool.page_view(layer, 0, 64).unwrap().row_shift as i32;
+        let shift = pool.page_view(layer, 0, pool.spec().kernel_page_rows()).unwrap().row_shift as i32;
         assert_eq!(ops.shift, shift, "layer {layer}");
         match class {
             Class::Hca => hca_views.insert(ops.indices.ptr),
@@ -133,7 +159,7 @@ fn flashmla_rows_are_the_csr_slices_shifted() {
     let ops = fm.flashmla(layer).unwrap();
     assert!(fm.read_flashmla(ops.extra_indices.unwrap()).unwrap().iter().all(|&x| x == -1));
     assert!(fm.read_flashmla(ops.extra_topk_length.unwrap()).unwrap().iter().all(|&x| x == 0));
-    assert_eq!(hca_views.len(), 20, "one HCA view per layer (20 distinct shifts)");
+    assert_eq!(hca_views.len(), hca_views_want, "one HCA view per distinct page shift");
     assert_eq!(csa_views.len(), 1, "the CSA layers share one shift");
     assert!(fm.read_i32(DecodeBuffer::Indices(Class::Csa)).is_err(), "no CSR buffers in FlashMLA mode");
     // SAFETY: no launch uses the top-k any more (the packs ran on the pool's stream; drained).

@@ -119,7 +119,8 @@ fn layout_pool(backend: Arc<dyn Backend>, model: &ModelShape, kv: v4pool::sizing
 
 #[test]
 fn flashmla_rows_match_the_host() {
-    // FlashMLA's formats (V4-Flash in 584-B paged rows, V4.1-Flash in 528-B rows): the device
+    // FlashMLA's formats (V4-Flash in 584-B paged rows, pages of 64 and of 2; V4.1-Flash in
+    // 528-B rows): the device
     // kernel's packs equal the host reference's (the format's description) over every byte of
     // the plane, window rows of every class.
     let Some(dev) = device_or_skip("flashmla_rows_match_the_host") else {
@@ -128,6 +129,7 @@ fn flashmla_rows_match_the_host() {
     let dev: Arc<dyn Backend> = Arc::from(dev);
     for (model, kv) in [
         (ModelShape::v4_flash(1).unwrap(), v4pool::sizing::KvDtype::FlashMlaV4),
+        (ModelShape::v4_flash(1).unwrap(), v4pool::sizing::KvDtype::FlashMlaV4P2),
         (ModelShape::v41_flash(0).unwrap(), v4pool::sizing::KvDtype::FlashMlaV41),
         // The packed layout: 528-B windows, 288-B fp4 compressed rows in the compressed view.
         (ModelShape::v41_flash(0).unwrap(), v4pool::sizing::KvDtype::FlashMlaV41Fp4),

@@ -73,6 +73,7 @@ fn the_step_on_the_device_matches_the_host_in_every_order() {
         (ModelShape::v4_pro(1).unwrap(), KvDtype::Fp8, 2),
         (ModelShape::v41_flash(1).unwrap(), KvDtype::Bf16, 2),
         (ModelShape::v4_flash(1).unwrap(), KvDtype::FlashMlaV4, 2),
+        (ModelShape::v4_flash(1).unwrap(), KvDtype::FlashMlaV4P2, 2),
         (ModelShape::v41_flash(1).unwrap(), KvDtype::FlashMlaV41, 1),
     ];
     for (i, (model, kv, tps)) in cases.iter().enumerate() {

@@ -5,6 +5,7 @@
 //! refused before any launch.
 
 mod common;
+mod flashmla_common;
 mod gather_common;
 
 use common::{case_seed, Rng};
@@ -498,54 +499,78 @@ fn a_v41_pool_in_flashmla_rows_gets_the_format_pack_at_its_window_rows() {
 
 #[test]
 fn the_kernel_source_packs_flashmla_v4_pages_as_the_host_reference() {
-    // FlashMLA's 584-B paged rows: the kernel (as C++) equals the host reference on random
-    // tokens with pads, dropped rows and a view starting mid-page; each written row is the
-    // format description's pack at its page place; every other byte of the plane stays poison.
+    // FlashMLA's 584-B paged rows, in pages of 64 (`flashmla-v4`) and of 2 (`flashmla-v4-p2`):
+    // the kernel (as C++) equals the host reference on random tokens with pads, dropped rows and
+    // a view starting mid-page; each written row is the format description's pack at its page
+    // place; every other byte of the plane stays poison; and FlashMLA's own read of the plane as
+    // `[pages, P, 1, 584]` from the view's page (index = view row + the view's shift) gives each
+    // written row back (flashmla_common::flashmla_v4_read: FlashMLA's arithmetic, not ours).
     let Some(lib) = common::emulation_library() else {
         return;
     };
     // SAFETY: the symbol has this signature (kernels/v4pool_emulation.cpp).
     let emu = unsafe { *lib.get::<common::EmuLaunch>(b"v4pool_emu_launch_kv_rows\0").expect("symbol") };
-    let f = v4pool::format::RowFormatId::FlashMlaV4.format();
-    for case in 0..12u64 {
-        let mut rng = Rng::new(case_seed("kv-rows-flashmla-v4", case));
-        let t = 1 + rng.below(40) as usize;
-        let stride = 512 + 8 * rng.below(3) as usize;
-        let view_rows = 150i64;
-        let row0 = rng.below(100) as i64; // the view's first plane row: mid-page in general
-        let pages = (row0 + view_rows + 63) / 64;
-        let kv = bf16_values(&mut rng, (t - 1) * stride + 512);
-        let dest: Vec<i32> = (0..t).map(|_| rng.range(-3, view_rows + 3) as i32).collect();
-        let bids: Vec<i32> = (0..t).map(|_| if rng.chance(0.2) { -1 } else { rng.below(4) as i32 }).collect();
-        let run = |reference: bool| -> Vec<u8> {
-            let mut plane = vec![0xa5u8; pages as usize * 64 * 584];
-            let args = KvRowsArgs {
-                kv: kv.as_ptr() as u64,
-                dest_rows: dest.as_ptr() as u64,
-                batch_id_per_token: bids.as_ptr() as u64,
-                nope: plane.as_mut_ptr() as u64,
-                rope: 0,
-                kv_row_stride: stride as i64,
-                view_rows,
-                num_tokens: t as i32,
-                format: v4pool::index::KV_ROWS_FLASHMLA_V4,
-                view_row0: row0,
+    use v4pool::format::RowFormatId;
+    for id in [RowFormatId::FlashMlaV4, RowFormatId::FlashMlaV4P2] {
+        let f = id.format();
+        let page = f.kernel_page_rows as i64;
+        assert_eq!(page, f.planes[0].page_rows as i64, "{}: FlashMLA's page is the plane's", f.name);
+        for case in 0..12u64 {
+            let mut rng = Rng::new(case_seed(&format!("kv-rows-{}", f.name), case));
+            let t = 1 + rng.below(40) as usize;
+            let stride = 512 + 8 * rng.below(3) as usize;
+            let view_rows = 150i64;
+            let row0 = rng.below(100) as i64; // the view's first plane row: mid-page in general
+            let pages = (row0 + view_rows + page - 1) / page;
+            let kv = bf16_values(&mut rng, (t - 1) * stride + 512);
+            let dest: Vec<i32> = (0..t).map(|_| rng.range(-3, view_rows + 3) as i32).collect();
+            let bids: Vec<i32> =
+                (0..t).map(|_| if rng.chance(0.2) { -1 } else { rng.below(4) as i32 }).collect();
+            let run = |reference: bool| -> Vec<u8> {
+                let mut plane = vec![0xa5u8; (pages * page * 584) as usize];
+                let args = KvRowsArgs {
+                    kv: kv.as_ptr() as u64,
+                    dest_rows: dest.as_ptr() as u64,
+                    batch_id_per_token: bids.as_ptr() as u64,
+                    nope: plane.as_mut_ptr() as u64,
+                    rope: 0,
+                    kv_row_stride: stride as i64,
+                    view_rows,
+                    num_tokens: t as i32,
+                    format: id.kernel_code(),
+                    view_row0: row0,
+                };
+                // SAFETY: every pointer is a live buffer of the sizes the arguments name.
+                unsafe { common::run_reference_or_emulated(&Launch::KvRows(args), emu, reference) };
+                plane
             };
-            // SAFETY: every pointer is a live buffer of the sizes the arguments name.
-            unsafe { common::run_reference_or_emulated(&Launch::KvRows(args), emu, reference) };
-            plane
-        };
-        let host = run(true);
-        let dev = run(false);
-        assert!(host == dev, "case {case}: kernel and host reference differ");
-        let mut want = vec![0xa5u8; host.len()];
-        for i in 0..t {
-            if bids[i] >= 0 && (0..view_rows as i32).contains(&dest[i]) {
-                let packed = f.pack(&kv[i * stride..i * stride + 512]).unwrap();
-                f.place((row0 + i64::from(dest[i])) as u64, &packed, &mut [&mut want[..]]).unwrap();
+            let host = run(true);
+            let dev = run(false);
+            assert!(host == dev, "{} case {case}: kernel and host reference differ", f.name);
+            let mut want = vec![0xa5u8; host.len()];
+            let mut rows = std::collections::BTreeMap::new(); // view row -> its last packed row
+            for i in 0..t {
+                if bids[i] >= 0 && (0..view_rows as i32).contains(&dest[i]) {
+                    let packed = f.pack(&kv[i * stride..i * stride + 512]).unwrap();
+                    f.place((row0 + i64::from(dest[i])) as u64, &packed, &mut [&mut want[..]]).unwrap();
+                    rows.insert(i64::from(dest[i]), packed.concat());
+                }
+            }
+            assert!(host == want, "{} case {case}: rows at their page places, nothing else written", f.name);
+            // FlashMLA's view: from the page holding the view's first row, shifted.
+            let (first_page, shift) = (row0 / page, row0 % page);
+            let view = &dev[(first_page * page * 584) as usize..];
+            for (&r, packed) in &rows {
+                let got =
+                    flashmla_common::flashmla_v4_read(view, page as usize, (page * 584) as usize, r + shift);
+                assert_eq!(
+                    got.as_ref(),
+                    Some(packed),
+                    "{} case {case}: FlashMLA's read of view row {r}",
+                    f.name
+                );
             }
         }
-        assert!(host == want, "case {case}: rows at their page places, nothing else written");
     }
 }
 

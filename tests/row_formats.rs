@@ -3,6 +3,7 @@
 //!
 //! - V4, 584 B a token in pages of 64: a page holds its 64 data rows (448 e4m3 NoPE, then 64 bf16
 //!   RoPE = 576 B) first, then its 64 scale rows of 8 B (7 e8m0, one per 64 NoPE values, a pad).
+//!   `flashmla-v4-p2`: the same rows in pages of 2 (2 data rows, then their 2 scale rows).
 //! - V4.1, 528 B interleaved: 512 e4m3 (RoPE quantised too), then 16 e8m0, one per 32 values.
 //! - V4.1 fp4, 288 B interleaved: 256 B e2m1 (even index in the low nibble), then 32 e4m3
 //!   scales, one per 16 values.
@@ -67,10 +68,11 @@ fn e2m1(n: u8) -> f32 {
 fn decode(format: RowFormatId, planes: &[Vec<u8>], t: usize) -> Vec<f32> {
     let mut out = vec![0f32; 512];
     match format {
-        RowFormatId::FlashMlaV4 => {
-            let page = &planes[0][(t / 64) * 64 * 584..];
-            let data = &page[(t % 64) * 576..][..576];
-            let scales = &page[64 * 576 + (t % 64) * 8..][..8];
+        RowFormatId::FlashMlaV4 | RowFormatId::FlashMlaV4P2 => {
+            let p = if format == RowFormatId::FlashMlaV4 { 64 } else { 2 };
+            let page = &planes[0][(t / p) * p * 584..];
+            let data = &page[(t % p) * 576..][..576];
+            let scales = &page[p * 576 + (t % p) * 8..][..8];
             for i in 0..448 {
                 out[i] = e4m3(data[i]) * e8m0(scales[i / 64]);
             }
@@ -122,8 +124,8 @@ fn tolerance(format: RowFormatId, i: usize) -> f32 {
     match format {
         RowFormatId::Bf16 => 0.0,
         RowFormatId::FlashMlaV41Fp4 => 0.26, // e2m1 steps of 2 below 6 (×amax/6), scale rounding
-        RowFormatId::AtomFp8 | RowFormatId::FlashMlaV4 if i >= 448 => 0.0, // bf16 RoPE
-        _ => 1.0 / 16.0,                     // e4m3: 3 mantissa bits, round to nearest
+        RowFormatId::AtomFp8 | RowFormatId::FlashMlaV4 | RowFormatId::FlashMlaV4P2 if i >= 448 => 0.0, // bf16 RoPE
+        _ => 1.0 / 16.0, // e4m3: 3 mantissa bits, round to nearest
     }
 }
 
@@ -357,13 +359,39 @@ fn the_kernels_format_codes_are_the_descriptions() {
     // And the Rust constants the launchers pass are the same codes.
     use v4pool::index::*;
     assert_eq!(
-        [KV_ROWS_BF16, KV_ROWS_ATOM_FP8, KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V4, KV_ROWS_FLASHMLA_V41_FP4],
+        [
+            KV_ROWS_BF16,
+            KV_ROWS_ATOM_FP8,
+            KV_ROWS_FLASHMLA_V41,
+            KV_ROWS_FLASHMLA_V4,
+            KV_ROWS_FLASHMLA_V41_FP4,
+            KV_ROWS_FLASHMLA_V4_P2
+        ],
         [
             RowFormatId::Bf16.kernel_code(),
             RowFormatId::AtomFp8.kernel_code(),
             RowFormatId::FlashMlaV41.kernel_code(),
             RowFormatId::FlashMlaV4.kernel_code(),
             RowFormatId::FlashMlaV41Fp4.kernel_code(),
+            RowFormatId::FlashMlaV4P2.kernel_code(),
         ]
     );
+    for f in ALL {
+        assert_eq!(RowFormatId::from_kernel_code(f.kernel_code()), Some(f));
+    }
+    assert_eq!(RowFormatId::from_kernel_code(6), None);
+    // The page of each paged format, as the kernel's page arithmetic takes it: a
+    // `V4P_PAGE_ROWS_<NAME>` line per paged format, the description's `page_rows`, no other.
+    let mut want: Vec<(String, i32)> = ALL
+        .iter()
+        .filter(|f| f.format().is_paged())
+        .map(|f| {
+            let name = f.format().name.to_uppercase().replace('-', "_");
+            (format!("V4P_PAGE_ROWS_{name}"), f.format().planes[0].page_rows as i32)
+        })
+        .collect();
+    want.sort();
+    let mut got = kernel_codes("V4P_PAGE_ROWS_");
+    got.sort();
+    assert_eq!(got, want);
 }

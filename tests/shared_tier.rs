@@ -10,9 +10,11 @@
 //! Every test runs once per I/O (`tests/tier_io`: `std_fs::*` over `std::fs`, `nixl_posix::*`
 //! over NIXL's POSIX plugin, skipped visibly without the library).
 
+mod hostile_fs;
 mod tier_common;
 mod tier_io;
 
+use hostile_fs::{mkfifo, outside_file, within_5s, TempDir};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -30,24 +32,9 @@ fn host() -> Arc<HostBackend> {
     Arc::new(HostBackend::new())
 }
 
-/// A fresh directory under the system's temporary one, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    /// One per test and I/O (both I/O's tests run side by side in one process).
-    fn new(tag: &str, io: Io) -> TempDir {
-        let d =
-            std::env::temp_dir().join(format!("v4pool-shared-{tag}-{}-{}", io.name(), std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        TempDir(d)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A fresh directory for one test and I/O (both I/O's tests run side by side in one process).
+fn temp_dir(tag: &str, io: Io) -> TempDir {
+    TempDir::new(&format!("v4pool-shared-{tag}-{}", io.name()))
 }
 
 /// `pool` carved the way a manager would (as many blocks as one slot leaves), for the tests
@@ -107,7 +94,7 @@ fn block_key(t: &Turn, block: usize) -> SharedKey {
 }
 
 fn a_prefix_one_manager_committed_restores_on_another(io: Io) {
-    let dir = TempDir::new("restore", io);
+    let dir = temp_dir("restore", io);
     for pool_of in [small_pool, state_pool] {
         let _ = std::fs::remove_dir_all(dir.0.join(v4pool::transfer::shared_tier::TIER_DIR));
         let mut a = fleet_manager(pool_of(host(), 24), &dir.0, 0, io);
@@ -136,7 +123,7 @@ fn a_prefix_one_manager_committed_restores_on_another(io: Io) {
 }
 
 fn the_host_tier_is_asked_before_the_shared_tier(io: Io) {
-    let dir = TempDir::new("order", io);
+    let dir = temp_dir("order", io);
     let mut a = fleet_manager(state_pool(host(), 24), &dir.0, 64, io);
     let turn = turn(&mut a, 1);
     // HBM → host tier: the same manager's hit comes back from host memory, not the files.
@@ -181,7 +168,7 @@ fn damage(path: &Path, how: &str, unit: u64) {
 }
 
 fn refused_entries_are_misses_and_never_reach_the_pool(io: Io) {
-    let dir = TempDir::new("refused", io);
+    let dir = temp_dir("refused", io);
     let mut a = fleet_manager(state_pool(host(), 24), &dir.0, 0, io);
     let turn = turn(&mut a, 1);
     drained(&mut a);
@@ -239,8 +226,8 @@ fn refused_entries_are_misses_and_never_reach_the_pool(io: Io) {
 }
 
 fn foreign_other_key_and_half_written_entries_are_misses(io: Io) {
-    let dir = TempDir::new("foreign", io);
-    let other = TempDir::new("foreign-other", io);
+    let dir = temp_dir("foreign", io);
+    let other = temp_dir("foreign-other", io);
     let mut a = fleet_manager(state_pool(host(), 24), &dir.0, 0, io);
     let turn = turn(&mut a, 1);
     drained(&mut a);
@@ -308,7 +295,7 @@ fn dir_bytes(dir: &Path) -> u64 {
 }
 
 fn capacity_is_bounded_least_recently_used_first(io: Io) {
-    let dir = TempDir::new("capacity", io);
+    let dir = temp_dir("capacity", io);
     let pool = carved(small_pool(host(), 24));
     let b = pool.alloc_block().unwrap().handle;
     let probe = SharedTier::new(&pool, &shared_config(&dir.0, 1 << 30)).unwrap();
@@ -346,7 +333,7 @@ fn capacity_is_bounded_least_recently_used_first(io: Io) {
 }
 
 fn the_directory_removed_mid_run_leaves_the_engine_serving(io: Io) {
-    let dir = TempDir::new("removed", io);
+    let dir = temp_dir("removed", io);
     let (mut a, probe) = fleet_manager_probed(state_pool(host(), 24), &dir.0, 0, io);
     let first = turn(&mut a, 1);
     drained(&mut a);
@@ -451,7 +438,7 @@ fn writer_key(k: u128) -> SharedKey {
 }
 
 fn two_writers_of_one_key_and_a_reader_in_three_processes(io: Io) {
-    let dir = TempDir::new("writers", io);
+    let dir = temp_dir("writers", io);
     let pool = carved(small_pool(host(), 24));
     let until = SystemTime::now() + Duration::from_millis(1500);
     let deadline = until.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_millis().to_string();
@@ -572,7 +559,7 @@ fn nixl_posix_moves_the_bytes() {
     }
     use v4pool::transfer::{NixlPosix, TierIo};
     assert_eq!(v4pool::transfer::nixl::mem_type_name(v4pool::transfer::nixl::FILE_SEG).unwrap(), "FILE");
-    let dir = TempDir::new("nixl-bytes", Io::NixlPosix);
+    let dir = temp_dir("nixl-bytes", Io::NixlPosix);
     let io = NixlPosix::from_env().unwrap();
     let head = pattern(1, 93);
     let body = pattern(2, (3 << 20) + 17);
@@ -616,22 +603,9 @@ fn forge(bytes: &[u8], units: u32, payload: &[u8]) -> Vec<u8> {
     h
 }
 
-/// Set `path`'s modification time `secs` seconds in the past.
-fn age(path: &Path, secs: u64) {
-    let f = std::fs::File::options().append(true).open(path).unwrap();
-    f.set_modified(SystemTime::now() - Duration::from_secs(secs)).unwrap();
-}
-
-/// A file outside the tier: `len` bytes, an hour old.
-fn outside_file(path: &Path, len: usize) {
-    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-    std::fs::write(path, vec![7u8; len]).unwrap();
-    age(path, 3600);
-}
-
 #[test]
 fn defect43_row1_the_scan_never_follows_a_link_nor_removes_others_files() {
-    let root = TempDir::new("d43-row1", Io::StdFs);
+    let root = temp_dir("d43-row1", Io::StdFs);
     let pool = carved(small_pool(host(), 24));
     let entry_name = format!("b{:032x}", 0xabcdu128);
     // (a) The tier's folder is a link to a folder outside: the tier is refused, and nothing
@@ -695,7 +669,7 @@ fn defect43_row1_the_scan_never_follows_a_link_nor_removes_others_files() {
 fn defect43_row2_two_tiers_in_one_process_publish_the_same_keys() {
     // Tiers in one process (the two; four make a collision likelier on a busy machine).
     const WRITERS: usize = 4;
-    let dir = TempDir::new("d43-row2", Io::StdFs);
+    let dir = temp_dir("d43-row2", Io::StdFs);
     let key =
         |i: u128| SharedKey { kind: EntryKind::Block, hash: i.wrapping_mul(0x9e37_79b9_7f4a_7c15) << 8 | i };
     for round in 0..30 {
@@ -729,7 +703,7 @@ fn defect43_row2_two_tiers_in_one_process_publish_the_same_keys() {
 #[test]
 fn defect43_row4_a_unit_count_that_does_not_fit_the_key_is_corrupt() {
     let io = Io::StdFs;
-    let dir = TempDir::new("d43-row4", io);
+    let dir = temp_dir("d43-row4", io);
     let mut a = fleet_manager(state_pool(host(), 24), &dir.0, 0, io);
     let turn = turn(&mut a, 1);
     drained(&mut a);
@@ -820,7 +794,7 @@ impl v4pool::transfer::TierIo for Counting {
 
 #[test]
 fn defect43_row5_a_sparse_entry_past_the_budget_is_refused_unread() {
-    let dir = TempDir::new("d43-row5", Io::StdFs);
+    let dir = temp_dir("d43-row5", Io::StdFs);
     let pool = carved(state_pool(host(), 24));
     let mut m = fleet_manager(state_pool(host(), 24), &dir.0, 0, Io::StdFs);
     let turn = turn(&mut m, 1);
@@ -854,34 +828,9 @@ fn defect43_row5_a_sparse_entry_past_the_budget_is_refused_unread() {
     assert!(!path.exists(), "the refused entry stays");
 }
 
-/// Make `path` a FIFO.
-fn mkfifo(path: &Path) {
-    let _ = std::fs::remove_file(path);
-    let ok = std::process::Command::new("mkfifo").arg(path).status().unwrap().success();
-    assert!(ok, "mkfifo {}", path.display());
-}
-
-/// Run `f` on a thread; its result, or `None` (after freeing the thread by opening the FIFO
-/// at `fifo` from the other end) when it does not return within 5 s.
-fn within_5s<T: Send + 'static>(fifo: &Path, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || tx.send(f()).unwrap());
-    match rx.recv_timeout(Duration::from_secs(5)) {
-        Ok(v) => Some(v),
-        Err(_) => {
-            // Both ends, non-blocking for the reader end: whichever the thread waits on opens.
-            use std::os::unix::fs::OpenOptionsExt;
-            let _r = std::fs::OpenOptions::new().read(true).custom_flags(0o4000).open(fifo);
-            let _w = std::fs::OpenOptions::new().write(true).custom_flags(0o4000).open(fifo);
-            let _ = rx.recv_timeout(Duration::from_secs(5));
-            None
-        }
-    }
-}
-
 #[test]
 fn defect43_row6_a_fifo_at_an_entry_name_is_refused_unopened() {
-    let dir = TempDir::new("d43-row6", Io::StdFs);
+    let dir = temp_dir("d43-row6", Io::StdFs);
     let pool = carved(small_pool(host(), 24));
     let t = SharedTier::new(&pool, &shared_config(&dir.0, 64 << 20)).unwrap();
     let key = SharedKey { kind: EntryKind::Block, hash: 0x42 << 120 | 9 };

@@ -9,7 +9,11 @@
 //! Memory: a 1M-token prefix is 4,096 blocks of 1.04 MiB (4.3 GB of pool); the writer's pool
 //! is dropped before the reader starts at 1M (two at once would need 9 GB), while at 8K and
 //! 128K both pools are alive at once. The files (4.3 GB at 1M) go to the system's temporary
-//! directory and are removed.
+//! directory and are removed. A size whose files would not fit the disk's free space (with a
+//! margin: CI's machines have had as little as a few GB free while other steps download) is
+//! skipped with a printed SKIP line naming the bytes, or fails with `V4POOL_REQUIRE_DISK=1`; a
+//! disk that fills during the write (another process took the space) is reported the same way,
+//! never as a pass.
 //!
 //! Runs once per I/O (`tests/tier_io`): `std_fs::*` over `std::fs`, `nixl_posix::*` over
 //! NIXL's POSIX plugin (skipped visibly without the library); the two never run at once
@@ -89,12 +93,47 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
     bytes as f64 / secs / 1e9
 }
 
+/// Free bytes for an unprivileged writer on the filesystem holding `dir`.
+fn free_bytes(dir: &Path) -> u64 {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).unwrap();
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a valid out-parameter of the right type.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    assert_eq!(rc, 0, "statvfs {}", dir.display());
+    st.f_bavail as u64 * st.f_frsize as u64
+}
+
+/// `Some(reason)` when `need` bytes of entries (plus a 1 GiB margin for the rest of the
+/// machine) do not fit the free space under `dir`; with `V4POOL_REQUIRE_DISK=1`, a failure.
+fn disk_short(dir: &Path, need: u64, what: &str) -> Option<String> {
+    let free = free_bytes(dir);
+    if free >= need + (1 << 30) {
+        return None;
+    }
+    let why = format!(
+        "{what}: the entries need {:.2} GB and {:.2} GB are free under {} (margin 1 GiB)",
+        need as f64 / 1e9,
+        free as f64 / 1e9,
+        dir.display()
+    );
+    assert!(std::env::var("V4POOL_REQUIRE_DISK").as_deref() != Ok("1"), "V4POOL_REQUIRE_DISK=1: {why}");
+    Some(why)
+}
+
 /// The writer: commit a prefix of `n` tokens with random bytes in every block and in the
 /// whole slot, and publish it (complete_inflight). Returns the manager (the request
-/// finished, its blocks cached) and the prefix's digest.
-fn commit_prefix(dir: &Path, n: u64, seed: u64, io: Io) -> (KvManager, u128) {
+/// finished, its blocks cached) and the prefix's digest; `Err` (why) when the disk has no
+/// room for the entries (see the module docs).
+fn commit_prefix(dir: &Path, n: u64, seed: u64, io: Io) -> Result<(KvManager, u128), String> {
     let t = tokens(seed, n);
     let mut m = engine(dir, n, 1, io);
+    let unit: u64 = block_ranges(m.pool(), 0).iter().map(|r| r.1).sum();
+    let slot_bytes: u64 = slot_ranges(m.pool(), 0).iter().map(|r| r.1).sum();
+    let need = (n / BLOCK) * (unit + 4096) + slot_bytes + 4096;
+    if let Some(why) = disk_short(dir, need, &format!("{n} tokens over {}", io.name())) {
+        return Err(why);
+    }
     let a = m.add_request(n, hashes(&t[..n as usize]));
     assert_eq!(m.admit(a).unwrap().hit_tokens, 0);
     m.allocate(a, n).unwrap();
@@ -112,6 +151,17 @@ fn commit_prefix(dir: &Path, n: u64, seed: u64, io: Io) -> (KvManager, u128) {
     m.complete_inflight().unwrap();
     let secs = t0.elapsed().as_secs_f64();
     let s = m.stats();
+    if s.shared_write_failures > 0 {
+        // Only a disk that filled under the write is a skip; any other failure fails.
+        if let Some(why) =
+            disk_short(dir, 64 * unit, &format!("{n} tokens over {}, after the write", io.name()))
+        {
+            return Err(format!(
+                "the disk filled during the write ({} entries failed); {why}",
+                s.shared_write_failures
+            ));
+        }
+    }
     assert_eq!((s.shared_published_blocks, s.shared_published_checkpoints), (n / BLOCK, 1), "{s:?}");
     assert_eq!(s.shared_write_failures, 0);
     println!(
@@ -124,7 +174,7 @@ fn commit_prefix(dir: &Path, n: u64, seed: u64, io: Io) -> (KvManager, u128) {
     );
     let want = digest(&m, a);
     m.finish(a).unwrap();
-    (m, want)
+    Ok((m, want))
 }
 
 /// Run the reader in a child process; its report line.
@@ -173,7 +223,13 @@ fn a_prefix_committed_in_one_process_restores_in_another(io: Io) {
     for (i, &n) in TOKENS.iter().enumerate() {
         let dir = temp(&format!("{n}"), io);
         let seed = 0x35_0000 + i as u64;
-        let (writer, want) = commit_prefix(&dir.0, n, seed, io);
+        let (writer, want) = match commit_prefix(&dir.0, n, seed, io) {
+            Ok(w) => w,
+            Err(why) => {
+                println!("SKIP: {why}");
+                continue;
+            }
+        };
         // Two pools at once in two processes, except at 1M (memory: see the module docs).
         let writer = if n >= 1 << 20 {
             drop(writer);

@@ -29,8 +29,9 @@ fn cases() -> Vec<(ModelShape, KvDtype)> {
         (ModelShape::v4_flash(1).unwrap(), KvDtype::Bf16),
         (ModelShape::v4_pro(1).unwrap(), KvDtype::Fp8),
         (ModelShape::v41_flash(1).unwrap(), KvDtype::Bf16),
-        // FlashMLA's rows: the 584-B paged V4 format and the 528-B V4.1 one.
+        // FlashMLA's rows: the 584-B paged V4 format (pages of 64 and of 2) and the 528-B V4.1 one.
         (ModelShape::v4_flash(1).unwrap(), KvDtype::FlashMlaV4),
+        (ModelShape::v4_flash(1).unwrap(), KvDtype::FlashMlaV4P2),
         (ModelShape::v41_flash(1).unwrap(), KvDtype::FlashMlaV41),
     ]
 }
@@ -93,7 +94,13 @@ fn fused_orders_write_what_the_per_layer_order_writes() {
 fn the_flashmla_decode_path_step_is_the_same_in_every_order() {
     // The FlashMLA-mode builder and packs inside the step: every order's pool bytes and every
     // FlashMLA operand buffer equal to the per-layer order's.
-    fused_orders_match(vec![(ModelShape::v4_flash(1).unwrap(), KvDtype::FlashMlaV4)], true);
+    fused_orders_match(
+        vec![
+            (ModelShape::v4_flash(1).unwrap(), KvDtype::FlashMlaV4),
+            (ModelShape::v4_flash(1).unwrap(), KvDtype::FlashMlaV4P2),
+        ],
+        true,
+    );
 }
 
 fn fused_orders_match(cases: Vec<(ModelShape, KvDtype)>, fm_path: bool) {

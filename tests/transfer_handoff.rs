@@ -135,6 +135,8 @@ fn handoff_is_byte_exact_in_flashmla_v4_paged_rows() {
     // Blocks and slots are whole 64-row pages in FlashMLA's 584-B format: the same spans move
     // them byte-exact (docs/flashmla.md).
     handoff_case_kv("handoff-flashmla-v4", false, v4pool::sizing::KvDtype::FlashMlaV4);
+    // Pages of 2: blocks and slots are whole 2-row pages.
+    handoff_case_kv("handoff-flashmla-v4-p2", false, v4pool::sizing::KvDtype::FlashMlaV4P2);
 }
 
 #[test]

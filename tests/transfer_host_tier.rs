@@ -174,10 +174,19 @@ proptest! {
 #[test]
 fn spill_and_restore_are_byte_exact_in_flashmla_v4_paged_rows() {
     // A block is whole 584-B pages: its unit is the same contiguous range as in a uniform plane.
-    run_on(
-        pool_kv(v4pool::sizing::KvDtype::FlashMlaV4),
-        vec![Op::Spill(1, 1), Op::Spill(2, 2), Op::Restore(0), Op::Spill(3, 3), Op::Evict(0), Op::Restore(1)],
-    );
+    for kv in [v4pool::sizing::KvDtype::FlashMlaV4, v4pool::sizing::KvDtype::FlashMlaV4P2] {
+        run_on(
+            pool_kv(kv),
+            vec![
+                Op::Spill(1, 1),
+                Op::Spill(2, 2),
+                Op::Restore(0),
+                Op::Spill(3, 3),
+                Op::Evict(0),
+                Op::Restore(1),
+            ],
+        );
+    }
 }
 
 #[test]

@@ -30,7 +30,8 @@ kernel, and dequantised here with the same formula, ``read_index_rows``), writte
 
 Attention. By default the attention is a torch loop over the rows the index buffers name
 (transformers' eager attention, its sinks included): the reference. With
-``attention="flashmla"`` (a pool in FlashMLA's V4 rows, ``dtype="flashmla-v4"``, on CUDA, a
+``attention="flashmla"`` (a pool in FlashMLA's V4 rows, ``dtype="flashmla-v4"`` or its 2-row
+pages ``"flashmla-v4-p2"``, on CUDA, a
 model with 64 or 128 query heads) every decode step attends through FlashMLA's sparse decode,
 the kernel vLLM and SGLang attend DeepSeek-V4 through, reading the pool's plane in place
 (``Pool.page_view``: the layer's pages as its ``k_cache`` and ``extra_k_cache``, no copy):
@@ -61,8 +62,10 @@ except ImportError as e:  # pragma: no cover
     raise ImportError("v4pool.hf needs transformers with DeepSeek-V4 (5.17 or later)") from e
 
 FLASHMLA_ENV = "V4POOL_FLASHMLA_LIB"
-# FlashMLA's sparse decode: pages of 64 rows, index widths in multiples of 64, these head counts.
+# FlashMLA's sparse decode: index widths in multiples of 64 (the pool's default page too), these
+# head counts. The V4 row formats it reads: 584-B rows in pages of 64, or of 2.
 FLASHMLA_PAGE = 64
+FLASHMLA_V4_DTYPES = ("flashmla-v4", "flashmla-v4-p2")
 FLASHMLA_HEADS = (64, 128)
 
 
@@ -89,15 +92,17 @@ def load_flashmla(path=None):
 
 
 def decode_flashmla_v4_rows(k_cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` (kernel indices: page * 64 + offset) of a 584-B paged cache `[pages, 64, 1,
-    584]` as float32 `[n, 512]`: a page holds 64 data rows (448 e4m3 NoPE, 64 bf16 RoPE), then
-    64 scale rows (7 e8m0, one per 64 NoPE values, and a pad byte)."""
+    """Rows `ids` (kernel indices: page * P + offset) of a 584-B paged cache `[pages, P, 1,
+    584]` (P = 64: `flashmla-v4`; 2: `flashmla-v4-p2`) as float32 `[n, 512]`: a page holds P
+    data rows (448 e4m3 NoPE, 64 bf16 RoPE), then P scale rows (7 e8m0, one per 64 NoPE values,
+    and a pad byte)."""
     flat = k_cache.reshape(-1)
     ids = ids.long().to(flat.device)
-    page, off = ids // FLASHMLA_PAGE, ids % FLASHMLA_PAGE
-    base = page * (FLASHMLA_PAGE * 584)
+    p = k_cache.shape[1]
+    page, off = ids // p, ids % p
+    base = page * (p * 584)
     data = flat[(base + off * 576).unsqueeze(1) + torch.arange(576, device=flat.device)]
-    sc = flat[(base + FLASHMLA_PAGE * 576 + off * 8).unsqueeze(1) + torch.arange(7, device=flat.device)]
+    sc = flat[(base + p * 576 + off * 8).unsqueeze(1) + torch.arange(7, device=flat.device)]
     scale = torch.pow(2.0, sc.float() - 127.0).repeat_interleave(64, 1)
     nope = data[:, :448].contiguous().view(torch.float8_e4m3fn).float() * scale
     rope = data[:, 448:].contiguous().view(torch.bfloat16).float()
@@ -296,9 +301,10 @@ class PoolEngine:
             why = None
             if backend != "cuda":
                 why = f"backend {backend!r}: FlashMLA runs on CUDA"
-            elif dtype != "flashmla-v4":
+            elif dtype not in FLASHMLA_V4_DTYPES:
                 why = (f"dtype {dtype!r}: FlashMLA's SM90 decode reads the 584-B V4 rows "
-                       "(dtype='flashmla-v4'); its V4.1 formats need SM100 (docs/flashmla.md)")
+                       "(dtype='flashmla-v4' or 'flashmla-v4-p2'); its V4.1 formats need SM100 "
+                       "(docs/flashmla.md)")
             elif cfg.num_attention_heads not in FLASHMLA_HEADS:
                 why = f"{cfg.num_attention_heads} query heads: FlashMLA's sparse decode takes {FLASHMLA_HEADS}"
             elif cfg.head_dim != 512:
@@ -345,7 +351,7 @@ class PoolEngine:
         self.fp8 = self.fwd.fp8
         # FlashMLA's 584-B rows sit in pages (data rows, then scale rows): rows are read through
         # the layer's page view and its shift, not a row view.
-        self.paged = dtype == "flashmla-v4"
+        self.paged = dtype in FLASHMLA_V4_DTYPES
         self._pages = {}
         self.ordinal = []  # a layer's index among the layers of its class
         seen = {}
@@ -372,8 +378,8 @@ class PoolEngine:
         return self._views[layer]
 
     def page(self, layer):
-        """`layer`'s rows as FlashMLA's `k_cache` (`[pages, 64, 1, 584]` uint8 over the pool's
-        plane) and the shift its view indices take."""
+        """`layer`'s rows as FlashMLA's `k_cache` (`[pages, P, 1, 584]` uint8 over the pool's
+        plane, P the format's page) and the shift its view indices take."""
         if layer not in self._pages:
             v, shift = self.pool.page_view(layer)
             self._pages[layer] = (torch.from_dlpack(v), shift)

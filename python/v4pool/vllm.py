@@ -23,12 +23,15 @@ What it is, in vLLM's terms (``docs/vllm.md`` has the long form):
   nothing replayed (V4.1's ``replay_start`` stays 0), no cut to whole blocks. (V4.1's
   ``replay_fallback``: where no checkpoint ends a run of stored blocks, the blocks alone,
   vLLM replaying the window after them as after a hit in its own cache.)
-* The worker side maps each layer's KV tensor (vLLM's per-block slab: a strided view) to a
-  ``[num_blocks, page_bytes]`` byte view through torch's own storage description, the page
-  size from the group's spec; saves gather the pages named by the scheduler's plan and
-  publish them whole and checksummed (``v4pool.EntryTier``); loads read an entry into a
-  staging buffer, and only an entry that is whole, of this layout and of the planned length
-  is scattered into the blocks the scheduler allocated for the hit.
+* The worker side places each layer's pages in vLLM's backing allocation (the
+  ``KVCacheTensor``'s offset and strides, the page size from the group's spec; torch's own
+  storage description) and moves them with ``v4pool.vllm_copy``: saves gather the pages
+  named by the scheduler's plan into a page-locked host ring in the worker's process and
+  publish them whole and checksummed to the file tiers (``v4pool.EntryTier``), where the
+  scheduler finds them; loads copy an entry the ring holds straight into the blocks the
+  scheduler allocated for the hit (host-to-device copies of whole slab runs, no file read),
+  and read any other from the files into the ring first, only an entry that is whole, of
+  this layout and of the planned length.
 
 The one place that names the vLLM release this is written against: ``VLLM_VERSION``.
 """
@@ -36,6 +39,7 @@ The one place that names the vLLM release this is written against: ``VLLM_VERSIO
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import re
@@ -45,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 import v4pool
-from v4pool.vllm_copy import NULL_BLOCK, SlabCopier, page_view
+from v4pool.vllm_copy import NULL_BLOCK, EntryMover, HostRing, SlabCopier, page_view, storage_bytes
 
 from vllm.distributed.kv_events import BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -184,6 +188,15 @@ def _state_ratio(idx: int, role: str, window: int, layers, hf) -> int:
     return r
 
 
+def _slab_of(kv_cache_config: "KVCacheConfig") -> str:
+    """Where every layer's page lies in vLLM's per-block slab (each KVCacheTensor's offset,
+    layer stride, block stride and layers), digested: an entry's body holds a block's pages in
+    slab order (``v4pool.vllm_copy``), so entries of two placements must never mix."""
+    text = ";".join(f"{t.offset}+{t.layer_stride}/{t.block_stride}:" + ",".join(t.layers)
+                    for t in kv_cache_config.kv_cache_tensors)
+    return "slab:" + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     model: str
@@ -249,7 +262,7 @@ class Layout:
             + ",".join(g.layers)
             for g in groups
         )
-        layout_id = f"vllm-{VLLM_VERSION}|{model_type}|block{block}|{desc}"
+        layout_id = f"vllm-{VLLM_VERSION}|{model_type}|block{block}|{desc}|{_slab_of(kv_cache_config)}"
         return Layout(model=f"{model_type}:{name}", groups=tuple(groups), block=block,
                       layout_id=layout_id, replay=max(g.replay for g in groups))
 
@@ -489,6 +502,8 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.stats = {"lookups": 0, "hit_tokens": 0, "hits": 0, "saved_entries": 0}
         # Worker state.
         self._pages: dict[str, torch.Tensor] = {}
+        self._mover: "EntryMover | None" = None
+        self._load_event = None  # after this step's loads (CUDA), for wait_for_layer_load
         self._load_errors: set[int] = set()
         self._finished_saving: set[str] = set()
 
@@ -745,13 +760,19 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        """Map every layer to a [blocks, page_bytes] uint8 view of the backing allocation:
-        the placement (offset, layer stride, block stride) from the KVCacheConfig's
-        KVCacheTensor, the page from the group's spec; the layer's own tensor must start
-        exactly there (a layout that disagrees is refused, nothing is guessed)."""
+        """Place every layer's pages in vLLM's backing allocation: the placement (offset,
+        layer stride, block stride) from the KVCacheConfig's KVCacheTensor, the page from the
+        group's spec; the layer's own tensor must start exactly there, and every layer must
+        lie in one allocation (a layout that disagrees is refused, nothing is guessed). Then
+        the copy path: the slab's runs, the host ring (``pinned_bytes`` of the extra config,
+        default 4 GiB, page-locked on CUDA, allocated at the first save or load; 0: none) in
+        front of the file tiers."""
         cfg = self._kv_cache_config
         page_of = {n: p for g in self.layout.groups for n, p in zip(g.layers, g.page_bytes)}
         group_of = {n: g.idx for g in self.layout.groups for n in g.layers}
+        placed: dict[int, list[tuple[int, int, int]]] = {g.idx: [] for g in self.layout.groups}
+        raw = None
+        num_blocks = None
         for kt in cfg.kv_cache_tensors:
             nblocks = cfg.num_blocks_of(kt) if hasattr(cfg, "num_blocks_of") else cfg.num_blocks
             for l, name in enumerate(kt.layers):
@@ -768,48 +789,66 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
                         f"v4pool.vllm: layer {name} (group {group_of[name]}): tensor at +"
                         f"{t.data_ptr() - storage.data_ptr()} B, the KVCacheTensor places it at "
                         f"+{start} B (block stride {kt.block_stride}, page {page})")
+                whole = storage_bytes(t)
+                if raw is None:
+                    raw = whole
+                elif (whole.data_ptr(), whole.numel(), whole.device) != (raw.data_ptr(), raw.numel(), raw.device):
+                    raise UnsupportedLayout(
+                        f"v4pool.vllm: layer {name} is not in the backing allocation of the others")
                 self._pages[name] = page_view(t, start, nblocks, kt.block_stride, page)
+                placed[group_of[name]].append((start, kt.block_stride, page))
+                num_blocks = nblocks if num_blocks is None else min(num_blocks, nblocks)
         missing = [n for n in page_of if n not in self._pages]
         if missing:
             raise UnsupportedLayout(f"v4pool.vllm: layers without a KVCacheTensor: {missing[:4]}")
-        self._copier = SlabCopier({g.idx: [self._pages[n] for n in g.layers] for g in self.layout.groups})
-
-    def _save(self, tr: Transfer) -> bool:
-        ok = self.tiers.put(tr.kind, tr.key, [self._copier.gather(tr.blocks)])
-        if ok and tr.kind == CHECKPOINT:
-            self.tiers.add_index(tr.index_key, tr.pos % self.layout.block)
-        return ok
-
-    def _load(self, tr: Transfer) -> bool:
-        if tr.kind == FAILED:
-            return False
-        staging = torch.empty(self._copier.body_len(tr.blocks), dtype=torch.uint8)
-        # Only a whole entry of this layout and of the planned length reaches vLLM's blocks.
-        if not self.tiers.get_into(tr.kind, tr.key, staging):
-            return False
-        self._copier.scatter(tr.blocks, staging)
-        return True
+        try:
+            copier = SlabCopier(raw, placed, num_blocks)
+        except ValueError as e:
+            raise UnsupportedLayout(f"v4pool.vllm: {e}") from e
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        ring_bytes = _bytes(extra.get("pinned_bytes", 4 << 30))
+        ring = HostRing(ring_bytes, pin=raw.device.type == "cuda") if ring_bytes > 0 else None
+        self._mover = EntryMover(copier, ring, self.tiers)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Queue every planned load on the current stream (the forward that reads the pages
+        runs after them on it); a load that finds no whole entry of the planned length is
+        reported for recomputation, and nothing of it reaches vLLM's blocks."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, V4PoolMetadata)
-        for tr in meta.loads:
-            if not self._load(tr):
+        self._load_event = None
+        if not meta.loads:
+            return
+        # A load the scheduler already marked failed (FAILED) names no entry: reported, not read.
+        live = [tr for tr in meta.loads if tr.kind != FAILED]
+        moved = iter(self._mover.load([(tr.kind, tr.key, tr.blocks) for tr in live]))
+        done = [tr.kind != FAILED and next(moved) for tr in meta.loads]
+        self._load_event = self._mover.copier.record()
+        for tr, ok in zip(meta.loads, done):
+            if not ok:
                 # The scheduler counted these tokens; vLLM recomputes them.
                 for _, ids in tr.blocks:
                     self._load_errors.update(b for b in ids if b != NULL_BLOCK)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        # The loads were queued on the stream start_load_kv ran on; a layer on another stream
+        # waits for them there (on the device, not the host).
+        if self._load_event is not None:
+            torch.cuda.current_stream().wait_event(self._load_event)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
         return
 
     def wait_for_save(self):
+        """Store every planned save (pages into the host ring, then published to the file
+        tiers) and note the checkpoints in their index entries."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, V4PoolMetadata)
-        for tr in meta.saves:
-            self._save(tr)
+        if meta.saves:
+            done = self._mover.save([(tr.kind, tr.key, tr.blocks) for tr in meta.saves])
+            for tr, ok in zip(meta.saves, done):
+                if ok and tr.kind == CHECKPOINT:
+                    self.tiers.add_index(tr.index_key, tr.pos % self.layout.block)
         self._finished_saving.update(meta.finishing)
 
     def get_finished(self, finished_req_ids: set[str]):

@@ -657,6 +657,22 @@ impl UnifiedPoolGeometry {
         Ok(layer_anchor(cls, self.form, index)? - self.view_lead_rows)
     }
 
+    /// Where a layer's view starts in pages of `page_rows` rows (an attention kernel reading
+    /// pages: FlashMLA's `[pages, page_rows, 1, row_bytes]`): the first row of the page holding
+    /// the view's base row, and the base's place in that page, the **page shift** every index
+    /// of the view takes there. `None` for a view starting in the lead (below row 0, no page
+    /// holds it) or a page of no rows. Layers whose bases differ by whole pages share a shift,
+    /// so one index buffer serves them (V4's HCA layers, 2 rows apart: one shift in pages of
+    /// 2, twenty in pages of 64).
+    pub fn layer_page(&self, layer_id: usize, page_rows: i64) -> Result<Option<(i64, i64)>, GeometryError> {
+        let base = self.layer_base_row(layer_id)?;
+        if base < 0 || page_rows < 1 {
+            return Ok(None);
+        }
+        let first = base / page_rows * page_rows;
+        Ok(Some((first, base - first)))
+    }
+
     /// Plane rows a pool allocates per plane: the lead below row 0, then the plane.
     pub fn allocation_rows(&self) -> i64 {
         self.plane_rows + self.view_lead_rows

@@ -360,10 +360,11 @@ pub struct KvRowsArgs {
     pub view_rows: i64,
     /// Tokens in the grid.
     pub num_tokens: i32,
-    /// The row format: [`KV_ROWS_BF16`], [`KV_ROWS_ATOM_FP8`], [`KV_ROWS_FLASHMLA_V41`] or
-    /// [`KV_ROWS_FLASHMLA_V4`].
+    /// The row format: [`KV_ROWS_BF16`], [`KV_ROWS_ATOM_FP8`], [`KV_ROWS_FLASHMLA_V41`],
+    /// [`KV_ROWS_FLASHMLA_V4`], [`KV_ROWS_FLASHMLA_V4_P2`] or [`KV_ROWS_FLASHMLA_V41_FP4`].
     pub format: i32,
-    /// Paged formats ([`KV_ROWS_FLASHMLA_V4`]): `nope` is the plane's row 0 (its first page)
+    /// Paged formats ([`KV_ROWS_FLASHMLA_V4`], [`KV_ROWS_FLASHMLA_V4_P2`]): `nope` is the
+    /// plane's row 0 (its first page)
     /// and view row `r` is plane row `view_row0 + r`, whose bytes the page arithmetic places;
     /// 0 for the unpaged formats.
     pub view_row0: i64,
@@ -382,6 +383,9 @@ pub const FLASHMLA_V41_ROW_BYTES: u64 = 528;
 pub const KV_ROWS_FLASHMLA_V4: i32 = RowFormatId::FlashMlaV4.kernel_code();
 /// Bytes of a FlashMLA V4 row (576 data + 8 scale bytes; paged, `crate::format`).
 pub const FLASHMLA_V4_ROW_BYTES: u64 = 584;
+/// `KvRowsArgs::format`: FlashMLA's V4 rows in pages of 2 (`crate::format`'s `flashmla-v4-p2`:
+/// a page is 2 data rows of 576 B, then their 2 scale rows of 8 B).
+pub const KV_ROWS_FLASHMLA_V4_P2: i32 = RowFormatId::FlashMlaV4P2.kernel_code();
 /// `KvRowsArgs::format`: FlashMLA's V4.1 fp4 rows, 288 B (256 B e2m1, 32 e4m3 scales): the
 /// compressed rows of a packed pool (`crate::geometry::PackedRows`).
 pub const KV_ROWS_FLASHMLA_V41_FP4: i32 = RowFormatId::FlashMlaV41Fp4.kernel_code();

@@ -23,7 +23,16 @@ impl Pool {
         (0..spec.plane_widths.len())
             .map(|p| {
                 let state = spec.arena.plane_checkpoint_ranges(p)?;
-                Ok(crate::checkpoint::plane_ranges(&state, g.arena_rows, &entry_runs, spec.plane_widths[p])?)
+                let paged = spec
+                    .plane_format(p)
+                    .ok_or(PoolError::NoSuchPlane { plane: p, planes: spec.plane_widths.len() })?;
+                Ok(crate::checkpoint::plane_ranges_in(
+                    &state,
+                    g.arena_rows,
+                    &entry_runs,
+                    spec.plane_widths[p],
+                    paged,
+                )?)
             })
             .collect()
     }

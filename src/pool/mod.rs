@@ -103,11 +103,14 @@ impl PoolSpec {
         &self,
     ) -> Result<crate::checkpoint::CheckpointLayout, crate::checkpoint::CheckpointError> {
         let layers: &[usize] = if self.indexer.is_some() { &self.csa_layers } else { &[] };
-        crate::checkpoint::CheckpointLayout::new(
+        let planes: Vec<crate::format::PlaneFormat> =
+            (0..self.plane_widths.len()).filter_map(|p| self.plane_format(p)).collect();
+        crate::checkpoint::CheckpointLayout::for_planes(
             &self.arena,
             &self.geometry,
             layers,
             self.indexer.unwrap_or(IndexerDtype::Fp8),
+            &planes,
         )
     }
 
@@ -226,6 +229,26 @@ impl PoolSpec {
     /// The row format: what every byte of a plane row means (`None` without a [`KvSpec`]).
     pub fn row_format(&self) -> Option<&'static crate::format::RowFormat> {
         self.kv_spec.as_ref().map(KvSpec::row_format)
+    }
+
+    /// Plane `plane`'s row layout (regions, paging): the row format's plane, or for a spec from
+    /// parts without one the plane of its width ([`crate::format::plane_of_width`]). The one
+    /// answer to "how are this plane's rows paged" that page views and checkpoint ranges read:
+    /// two formats share the 584-B width at different pages.
+    pub fn plane_format(&self, plane: usize) -> Option<crate::format::PlaneFormat> {
+        let w = *self.plane_widths.get(plane)?;
+        Some(match self.row_format() {
+            Some(f) => *f.planes.get(plane)?,
+            None => crate::format::plane_of_width(w),
+        })
+    }
+
+    /// Rows of the page an attention kernel reads the planes in (FlashMLA's `k_cache =
+    /// [pages, page_rows, 1, row_bytes]`): the row format's `kernel_page_rows`; for a spec from
+    /// parts without one, FlashMLA's V4 format's (64).
+    pub fn kernel_page_rows(&self) -> i64 {
+        let f = self.row_format().unwrap_or(crate::format::RowFormatId::FlashMlaV4.format());
+        f.kernel_page_rows as i64
     }
 
     /// The one element type every byte of plane `plane`'s rows holds, read from the row format:
@@ -548,10 +571,11 @@ impl VariantName for PoolError {
 /// A layer's rows as an attention kernel that reads pages of rows takes them (FlashMLA:
 /// `k_cache = [pages, page_rows, 1, row_bytes]`, an index `page × page_rows + offset`): the
 /// view's first row rounded down to a page, so view index `i` is kernel index `i + row_shift`
-/// (a layer's base need not start a page: V4's CSA layers start 40 rows into one). Every layer
-/// of a class has the same shift where its layer term is whole pages (CSA; dense at ring 128),
-/// so one index buffer, shifted once, serves the class; HCA layers (2 rows apart) each have
-/// their own (docs/flashmla.md).
+/// (a layer's base need not start a page: V4's CSA layers start 40 rows into a 64-row one).
+/// Every layer of a class has the same shift where its layer term is whole pages (CSA; dense at
+/// ring 128), so one index buffer, shifted once, serves the class; HCA layers (2 rows apart)
+/// each have their own in 64-row pages and share one in `flashmla-v4-p2`'s 2-row pages
+/// (docs/flashmla.md). The page and shift are the geometry's (`UnifiedPoolGeometry::layer_page`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PageView {
     /// Global layer id.
@@ -968,15 +992,13 @@ impl Pool {
         }
         let ptr = self.plane_ptr(plane)?;
         let w = self.spec.plane_widths[plane];
-        let own = crate::format::plane_of_width(w).page_rows as i64;
+        let own = self.spec.plane_format(plane).map_or(1, |p| p.page_rows as i64);
         if own > 1 && own != page_rows {
             return Err(not("the plane's rows are paged at another size"));
         }
-        let base = g.layer_base_row(layer)?;
-        if base < 0 {
+        let Some((first, row_shift)) = g.layer_page(layer, page_rows)? else {
             return Err(not("the view starts in the plane's lead"));
-        }
-        let first = base / page_rows * page_rows;
+        };
         // Not one whole page from the view's page to the plane's end (a page larger than the
         // plane): a kernel reading pages would get an empty view with a page size no plane
         // has (numpy refuses `[0, 2^63 − 1, 1, row]`).
@@ -992,7 +1014,7 @@ impl Pool {
             pages: (g.plane_rows - first) / page_rows,
             page_rows,
             row_bytes: w,
-            row_shift: base - first,
+            row_shift,
         })
     }
 

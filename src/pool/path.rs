@@ -111,7 +111,8 @@ impl DecodePath {
 
     /// A decode path writing FlashMLA's convention (index-buffers.md §3f, §5f) instead of CSR:
     /// the builder writes every class's window rows (one view per distinct page-view shift
-    /// among the class's layers: HCA one per layer) and HCA's compressed rows in its one launch;
+    /// among the class's layers, in the row format's kernel pages: HCA one per layer in 64-row
+    /// pages, one in all in `flashmla-v4-p2`'s 2-row pages) and HCA's compressed rows in its one launch;
     /// `csa_pack` writes the CSA rows. [`Self::flashmla`] gives a layer's operands. Widths not
     /// a multiple of 64 are [`DecodeError::FlashMlaWidth`], rows too narrow for what the path
     /// can stage [`DecodeError::FlashMlaTooNarrow`]; V4.1's shared compressors are refused.
@@ -129,14 +130,16 @@ impl DecodePath {
         widths: Option<FlashMlaWidths>,
     ) -> Result<DecodePath, DecodeError> {
         let geometry = pool.geometry().map_err(pool_err)?;
-        // Each layer's shift is its page view's (FlashMLA reads pages of 64 rows): the one
-        // formula, `Pool::page_view`.
+        // Each layer's shift is its page view's in the pages FlashMLA reads the rows in (the
+        // row format's `kernel_page_rows`: 64, or 2 for `flashmla-v4-p2`): the one formula,
+        // `Pool::page_view`.
+        let page = pool.spec().kernel_page_rows();
         let shifts: Vec<Option<i32>> = match widths {
             None => Vec::new(),
             Some(_) => (0..geometry.num_layers)
                 .map(|l| match geometry.layer_slot(l) {
                     Err(_) => Ok(None),
-                    Ok(_) => pool.page_view(l, 0, 64).map(|v| Some(v.row_shift as i32)).map_err(pool_err),
+                    Ok(_) => pool.page_view(l, 0, page).map(|v| Some(v.row_shift as i32)).map_err(pool_err),
                 })
                 .collect::<Result<_, _>>()?,
         };
@@ -149,7 +152,8 @@ impl DecodePath {
     /// [`DecodeError::NoFlashMla`]): `indices` / `topk_length` (its class's view) and
     /// `extra_indices` / `extra_topk_length` (HCA: its view; CSA: the one buffer the layer's
     /// pack fills, so read it between that pack and the next; each build resets it to −1 with
-    /// length 0 until then). Hand FlashMLA `Pool::page_view(layer, plane, 64)` as `k_cache` and
+    /// length 0 until then). Hand FlashMLA `Pool::page_view(layer, plane, page)` (`page` the
+    /// spec's [`PoolSpec::kernel_page_rows`](crate::pool::PoolSpec::kernel_page_rows)) as `k_cache` and
     /// `extra_k_cache`, and `seq_topk_length` / `seq_extra_topk_length` (one per sequence,
     /// its tokens sharing it) as its `topk_length` / `extra_topk_length` with `indices` viewed
     /// `[sequences, s_q, topk]` (docs/flashmla.md, "MTP").

@@ -1,39 +1,50 @@
 //! A directory of whole, checksummed byte entries keyed by a kind letter and a 128-bit hash:
 //! the tier an engine that owns its own KV layout (vLLM's per-block slab, `docs/vllm.md`)
 //! stores block pages and checkpoints in, where [`super::shared_tier`] stores v4pool pool
-//! units. The same discipline as the shared tier, without a `Pool`:
+//! units. The same file mechanics as the shared tier (`transfer::tier_files`, one place for
+//! both), without a `Pool`:
 //!
 //! * **An entry** is one file `<dir>/v4pool-entries-1/<layout digest>/<shard>/<kind><hash>`:
 //!   a header (magic, kind, hash, the layout id's length, the body's length and checksum, the
 //!   header's own checksum), the layout id's text, then the body. The caller describes the
 //!   body (which pages of which tensors, in which order); the directory only keeps it whole.
-//! * **Publishing** writes a temporary file beside the entry and renames it over the name: a
-//!   reader sees a whole file or none; two publishers of one key both finish, the last wins.
-//! * **Reading** checks the file's length, the header checksum, the kind and hash, the whole
-//!   layout text, the body's length against what the caller expects and the body's checksum
-//!   before it says [`Lookup::Hit`]; anything else is a miss, and a corrupt, truncated or
-//!   foreign file is removed. The body is read into the caller's staging buffer, which the
-//!   caller copies into engine memory only on a hit.
+//! * **Its own folders and names only.** The tier, layout and shard folders must be real
+//!   directories (a link there is refused: the tier is not opened, a publication or read
+//!   through it fails, a scan skips it); an entry name holding anything but a regular file (a
+//!   link, a FIFO) is a corrupt entry, never opened or followed; scans list and remove only
+//!   names the tier writes.
+//! * **Publishing** writes a temporary file of a name unique to its writer, created
+//!   exclusively, beside the entry and renames it over the name: a reader sees a whole file
+//!   or none; two publishers of one key both finish, the last wins.
+//! * **Reading** checks, before the body is read, that the file is no longer than the budget
+//!   (no entry larger is ever published: a sparse file claiming gigabytes is refused unread)
+//!   and its length, the header checksum, the kind and hash, the whole layout text and the
+//!   body's length against what the caller expects; then the body's checksum, before it says
+//!   [`Lookup::Hit`]. Anything else is a miss, and a corrupt, truncated or non-regular entry is
+//!   removed. The body is read into the caller's staging buffer, which the caller copies into
+//!   engine memory only on a hit.
 //! * **Capacity**: least recently used by modification time (a hit sets it), across every
-//!   process sharing the directory; a publisher scans after writing 1/[`SCAN_EVERY`] of the
-//!   budget and removes the oldest entries down to [`LOW_WATER`] per mille of it.
+//!   process sharing the directory; a publisher scans after writing
+//!   1/[`SCAN_EVERY`](super::shared_tier::SCAN_EVERY) of the budget and removes the oldest
+//!   entries down to [`LOW_WATER`](super::shared_tier::LOW_WATER) per mille of it.
 //!
 //! A directory on tmpfs (`/dev/shm`) is a host tier every process of one machine shares (vLLM's
 //! scheduler and its workers are separate processes); one on a fleet mount is a shared tier.
 
-use super::shared_tier::{checksum, LOW_WATER, SCAN_EVERY, STALE_TEMP};
+use super::shared_tier::checksum;
+use super::tier_files::{self, entry_name, open_regular, parse_entry_name};
 use crate::VariantName;
 use std::fs;
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::path::{Path, PathBuf};
-use std::time::SystemTime;
 
 /// The folder inside the configured directory (the format's version is in its name).
 pub const ENTRY_DIR: &str = "v4pool-entries-1";
 const MAGIC: &[u8; 8] = b"v4poolE1";
 /// Fixed header bytes before the layout text.
 const FIXED: usize = 8 + 8 + 16 + 8 + 8 + 16 + 16;
-const TEMP: &str = ".tmp-";
+/// Hex digits of a layout folder's name (the layout id's checksum).
+const DIGEST_HEX: usize = 32;
 /// The longest layout id accepted (a header field of a foreign file is never trusted past it).
 pub const MAX_LAYOUT: usize = 64 << 10;
 
@@ -54,7 +65,7 @@ pub enum EntryDirError {
         /// The budget.
         budget: u64,
     },
-    /// The file system refused.
+    /// The file system refused (or a tier folder is not the tier's own: a link).
     #[error("{what} {path}: {source}")]
     Io {
         /// What was being done.
@@ -82,9 +93,10 @@ impl VariantName for EntryDirError {
 pub enum Lookup {
     /// The whole body is in the buffer, checked.
     Hit,
-    /// No entry under the key (or the directory is gone).
+    /// No entry under the key (or the directory is gone, or a folder on its way is a link).
     Absent,
-    /// An entry whose header, length or checksum is wrong (removed).
+    /// An entry whose header, length or checksum is wrong, longer than the budget, or not a
+    /// regular file (removed).
     Corrupt,
     /// An entry of another layout, or of another body length than asked (removed only if
     /// its own checks fail).
@@ -115,6 +127,9 @@ pub struct EntryDirStats {
 /// The tier (see the module docs).
 #[derive(Debug)]
 pub struct EntryDir {
+    /// `<root>/v4pool-entries-1`.
+    tier_dir: PathBuf,
+    /// `<tier_dir>/<layout digest>`.
     dir: PathBuf,
     layout: String,
     budget: u64,
@@ -137,17 +152,28 @@ fn kind_ok(kind: char) -> Result<u8, EntryDirError> {
     }
 }
 
+/// An entry file opened and its header checked (before its layout text and body are read).
+struct Opened {
+    file: fs::File,
+    head: Header,
+}
+
 impl EntryDir {
     /// Open (creating) the tier for `layout` under `root`, bounded by `budget_bytes` for the
-    /// whole `root/v4pool-entries-1`; `sync` makes every publish fsync before its rename.
+    /// whole `root/v4pool-entries-1`; `sync` makes every publish fsync before its rename. The
+    /// tier and layout folders must be real directories (a link there is an `Io` error).
     pub fn open(root: &Path, layout: &str, budget_bytes: u64, sync: bool) -> Result<EntryDir, EntryDirError> {
         if layout.is_empty() || layout.len() > MAX_LAYOUT {
             return Err(EntryDirError::BadLayout(layout.len()));
         }
-        let digest = checksum(layout.as_bytes());
-        let dir = root.join(ENTRY_DIR).join(format!("{digest:032x}"));
-        fs::create_dir_all(&dir).map_err(io_err("creating", &dir))?;
+        // The configured directory itself is the caller's (its path may hold links it chose).
+        fs::create_dir_all(root).map_err(io_err("creating", root))?;
+        let tier_dir = root.join(ENTRY_DIR);
+        let dir = tier_dir.join(format!("{:0w$x}", checksum(layout.as_bytes()), w = DIGEST_HEX));
+        tier_files::make_own_folders(&[&tier_dir, &dir])
+            .map_err(io_err("opening the tier's folders", &dir))?;
         let mut d = EntryDir {
+            tier_dir,
             dir,
             layout: layout.to_string(),
             budget: budget_bytes,
@@ -156,7 +182,7 @@ impl EntryDir {
             written_since_scan: 0,
             stats: EntryDirStats::default(),
         };
-        d.estimate = d.scan(false);
+        d.scan();
         Ok(d)
     }
 
@@ -175,23 +201,93 @@ impl EntryDir {
         self.estimate
     }
 
+    fn shard_dir(&self, hash: u128) -> PathBuf {
+        self.dir.join(format!("{:02x}", (hash >> 120) as u8))
+    }
+
     /// The file an entry lives in.
     pub fn path_of(&self, kind: char, hash: u128) -> PathBuf {
-        self.dir.join(format!("{:02x}", (hash >> 120) as u8)).join(format!("{kind}{hash:032x}"))
+        self.shard_dir(hash).join(entry_name(kind, hash))
     }
 
-    /// Whether a file exists under the key (not checked: a read may still miss).
+    /// The entry's path, its folders checked to be the tier's own (not links).
+    fn own_path(&self, kind: char, hash: u128) -> io::Result<PathBuf> {
+        let shard = self.shard_dir(hash);
+        tier_files::own_folders(&[&self.tier_dir, &self.dir, &shard])?;
+        Ok(shard.join(entry_name(kind, hash)))
+    }
+
+    /// Whether a regular file of a plausible length (a header, at most the budget) is there
+    /// under the key (not checked: a read may still miss).
     pub fn contains(&self, kind: char, hash: u128) -> bool {
-        self.path_of(kind, hash).is_file()
+        let min = (FIXED + self.layout.len()) as u64;
+        self.own_path(kind, hash).is_ok_and(|p| {
+            fs::symlink_metadata(p)
+                .is_ok_and(|m| m.file_type().is_file() && m.len() >= min && m.len() <= self.budget)
+        })
     }
 
-    /// The body length an entry's header claims, `None` when absent or unreadable.
-    pub fn body_len(&self, kind: char, hash: u128) -> Option<u64> {
-        let mut f = fs::File::open(self.path_of(kind, hash)).ok()?;
+    /// The body length an entry's checked header claims (never more than the budget), `None`
+    /// when absent, unreadable or refused (a refused entry is removed, as by
+    /// [`EntryDir::get_into`]).
+    pub fn body_len(&mut self, kind: char, hash: u128) -> Option<u64> {
+        match self.open_checked(kind, hash) {
+            Ok((_, o)) => Some(o.head.body_len),
+            Err((path, r)) => {
+                self.count(r, path.as_deref());
+                None
+            }
+        }
+    }
+
+    /// Open `(kind, hash)`'s entry and check what can be checked before its layout text and
+    /// body are read; on a refusal, the answer and (for a corrupt entry) the path to remove.
+    #[allow(clippy::type_complexity)]
+    fn open_checked(&self, kind: char, hash: u128) -> Result<(PathBuf, Opened), (Option<PathBuf>, Lookup)> {
+        let Ok(k) = kind_ok(kind) else { return Err((None, Lookup::Absent)) };
+        // A folder on the way that is absent or a link: nothing of the tier's is there.
+        let Ok(path) = self.own_path(kind, hash) else { return Err((None, Lookup::Absent)) };
+        let corrupt = |p: &Path| Err((Some(p.to_path_buf()), Lookup::Corrupt));
+        let mut file = match open_regular(&path, false) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => return corrupt(&path),
+            Err(_) => return Err((None, Lookup::Absent)),
+        };
+        let Ok(len) = file.metadata().map(|m| m.len()) else { return Err((None, Lookup::Absent)) };
+        // Never a read past the header of a file the tier could not have written.
+        if len < FIXED as u64 || len > self.budget {
+            return corrupt(&path);
+        }
         let mut head = [0u8; FIXED];
-        f.read_exact(&mut head).ok()?;
-        let h = Header::parse(&head)?;
-        Some(h.body_len)
+        if file.read_exact(&mut head).is_err() {
+            return corrupt(&path);
+        }
+        let Some(h) = Header::parse(&head) else { return corrupt(&path) };
+        if h.kind != k || h.hash != hash || h.layout_len > MAX_LAYOUT as u64 {
+            return corrupt(&path);
+        }
+        let want = (FIXED as u64).checked_add(h.layout_len).and_then(|n| n.checked_add(h.body_len));
+        if want != Some(len) {
+            return corrupt(&path);
+        }
+        Ok((path, Opened { file, head: h }))
+    }
+
+    /// Count a refusal, removing a corrupt entry at `path`.
+    fn count(&mut self, r: Lookup, path: Option<&Path>) {
+        match r {
+            Lookup::Hit => self.stats.hits += 1,
+            Lookup::Absent => self.stats.absent += 1,
+            Lookup::Corrupt => {
+                self.stats.corrupt += 1;
+                // Refused for good (a link or FIFO there is removed, never followed): the next
+                // publisher writes it anew.
+                if let Some(p) = path {
+                    let _ = fs::remove_file(p);
+                }
+            }
+            Lookup::Foreign => self.stats.foreign += 1,
+        }
     }
 
     /// Publish `body` (the concatenation of `parts`) under the key, replacing any entry.
@@ -209,9 +305,8 @@ impl EntryDir {
                 self.stats.put_bytes += total;
                 self.estimate += total;
                 self.written_since_scan += total;
-                if self.estimate > self.budget || self.written_since_scan > self.budget / SCAN_EVERY {
-                    self.estimate = self.scan(true);
-                    self.written_since_scan = 0;
+                if tier_files::scan_due(self.estimate, self.written_since_scan, self.budget) {
+                    self.scan();
                 }
             }
             Err(_) => self.stats.put_errors += 1,
@@ -220,9 +315,10 @@ impl EntryDir {
     }
 
     fn write(&self, kind: u8, hash: u128, parts: &[&[u8]], body_len: u64) -> Result<(), EntryDirError> {
-        let path = self.path_of(kind as char, hash);
-        let shard = path.parent().expect("an entry has a shard folder");
-        fs::create_dir_all(shard).map_err(io_err("creating", shard))?;
+        let shard = self.shard_dir(hash);
+        // Never the configured directory itself: a directory that vanished stays absent.
+        tier_files::make_own_folders(&[&self.tier_dir, &self.dir, &shard])
+            .map_err(io_err("creating", &shard))?;
         let mut sum = BodySum::default();
         for p in parts {
             sum.push(p);
@@ -230,135 +326,68 @@ impl EntryDir {
         let head =
             Header { kind, hash, layout_len: self.layout.len() as u64, body_len, body_sum: sum.finish() }
                 .bytes();
-        let tmp = shard.join(format!(
-            "{TEMP}{}-{:x}-{:032x}",
-            std::process::id(),
-            SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos()),
-            hash
-        ));
-        let written = (|| -> io::Result<()> {
-            let mut f = fs::File::create(&tmp)?;
-            f.write_all(&head)?;
-            f.write_all(self.layout.as_bytes())?;
-            for p in parts {
-                f.write_all(p)?;
-            }
-            if self.sync {
-                f.sync_all()?;
-            }
-            drop(f);
-            fs::rename(&tmp, &path)
-        })();
-        if let Err(e) = written {
-            let _ = fs::remove_file(&tmp);
-            return Err(EntryDirError::Io { what: "publishing", path, source: e });
-        }
-        Ok(())
+        let mut pieces: Vec<&[u8]> = vec![&head, self.layout.as_bytes()];
+        pieces.extend_from_slice(parts);
+        let name = entry_name(kind as char, hash);
+        tier_files::publish(&shard, &name, |tmp| tier_files::write_new(tmp, &pieces, self.sync))
+            .map_err(io_err("publishing", &shard.join(&name)))
     }
 
     /// Read the entry's body into `dst`, which must be exactly its length: [`Lookup::Hit`]
     /// only when every check passed (see the module docs). `dst` may hold partial bytes after
-    /// any other answer and must then not be used.
+    /// any other answer and must then not be used; an entry refused before its body is read
+    /// (longer than the budget, a bad header, another length) leaves `dst` untouched.
     pub fn get_into(&mut self, kind: char, hash: u128, dst: &mut [u8]) -> Lookup {
-        let Ok(k) = kind_ok(kind) else { return Lookup::Absent };
-        let path = self.path_of(kind, hash);
-        let r = self.read(&path, k, hash, dst);
-        match r {
-            Lookup::Hit => {
-                self.stats.hits += 1;
-                // The LRU clock: a hit is a use. A failure to set it only ages the entry.
-                if let Ok(f) = fs::File::options().write(true).open(&path) {
-                    let _ = f.set_modified(SystemTime::now());
-                }
+        let (path, r) = match self.open_checked(kind, hash) {
+            Ok((path, o)) => {
+                let r = self.read(o, dst);
+                (Some(path), r)
             }
-            Lookup::Absent => self.stats.absent += 1,
-            Lookup::Corrupt => {
-                self.stats.corrupt += 1;
-                let _ = fs::remove_file(&path);
+            Err((path, r)) => (path, r),
+        };
+        if r == Lookup::Hit {
+            // The LRU clock: a hit is a use. A failure to set it only ages the entry.
+            if let Some(p) = &path {
+                tier_files::touch(p);
             }
-            Lookup::Foreign => self.stats.foreign += 1,
         }
+        self.count(r, path.as_deref());
         r
     }
 
-    fn read(&self, path: &Path, kind: u8, hash: u128, dst: &mut [u8]) -> Lookup {
-        let Ok(mut f) = fs::File::open(path) else { return Lookup::Absent };
-        let Ok(meta) = f.metadata() else { return Lookup::Absent };
-        let mut head = [0u8; FIXED];
-        if f.read_exact(&mut head).is_err() {
+    fn read(&self, mut o: Opened, dst: &mut [u8]) -> Lookup {
+        let mut layout = vec![0u8; o.head.layout_len as usize];
+        if o.file.read_exact(&mut layout).is_err() {
             return Lookup::Corrupt;
         }
-        let Some(h) = Header::parse(&head) else { return Lookup::Corrupt };
-        if h.kind != kind || h.hash != hash || h.layout_len > MAX_LAYOUT as u64 {
-            return Lookup::Corrupt;
-        }
-        let want_len = FIXED as u64 + h.layout_len + h.body_len;
-        if meta.len() != want_len {
-            return Lookup::Corrupt;
-        }
-        let mut layout = vec![0u8; h.layout_len as usize];
-        if f.read_exact(&mut layout).is_err() {
-            return Lookup::Corrupt;
-        }
-        if layout != self.layout.as_bytes() || h.body_len != dst.len() as u64 {
+        if layout != self.layout.as_bytes() || o.head.body_len != dst.len() as u64 {
             return Lookup::Foreign;
         }
-        if f.read_exact(dst).is_err() {
+        if o.file.read_exact(dst).is_err() {
             return Lookup::Corrupt;
         }
         let mut sum = BodySum::default();
         sum.push(dst);
-        if sum.finish() != h.body_sum {
+        if sum.finish() != o.head.body_sum {
             return Lookup::Corrupt;
         }
         Lookup::Hit
     }
 
-    /// Remove an entry; whether one was there.
+    /// Remove an entry; whether one was there (never through a link).
     pub fn remove(&mut self, kind: char, hash: u128) -> bool {
-        fs::remove_file(self.path_of(kind, hash)).is_ok()
+        self.own_path(kind, hash).is_ok_and(|p| fs::remove_file(p).is_ok())
     }
 
-    /// Sum the whole tree's entry bytes; with `evict`, remove the oldest entries (every
-    /// layout) until it is at [`LOW_WATER`] of the budget when it is over, and stale
-    /// temporary files. Returns the bytes left.
-    fn scan(&mut self, evict: bool) -> u64 {
-        let Some(top) = self.dir.parent() else { return 0 };
-        let mut files: Vec<(SystemTime, u64, PathBuf)> = Vec::new();
-        let now = SystemTime::now();
-        let Ok(layouts) = fs::read_dir(top) else { return 0 };
-        for l in layouts.flatten() {
-            let Ok(shards) = fs::read_dir(l.path()) else { continue };
-            for s in shards.flatten() {
-                let Ok(entries) = fs::read_dir(s.path()) else { continue };
-                for e in entries.flatten() {
-                    let Ok(m) = e.metadata() else { continue };
-                    let mtime = m.modified().unwrap_or(SystemTime::UNIX_EPOCH);
-                    if e.file_name().to_string_lossy().starts_with(TEMP) {
-                        if evict && now.duration_since(mtime).is_ok_and(|age| age > STALE_TEMP) {
-                            let _ = fs::remove_file(e.path());
-                        }
-                        continue;
-                    }
-                    files.push((mtime, m.len(), e.path()));
-                }
-            }
-        }
-        let mut total: u64 = files.iter().map(|f| f.1).sum();
-        if evict && total > self.budget {
-            let low = self.budget / 1000 * LOW_WATER;
-            files.sort();
-            for (_, len, path) in files {
-                if total <= low {
-                    break;
-                }
-                if fs::remove_file(&path).is_ok() {
-                    total -= len;
-                    self.stats.evicted += 1;
-                }
-            }
-        }
-        total
+    /// Sum the tier's entries (every layout) and sweep it (`tier_files::sweep`: dead
+    /// writers' temporary files, and the oldest entries when it is over budget).
+    fn scan(&mut self) {
+        let parse = |n: &str| parse_entry_name(n);
+        let found = tier_files::scan_tier(&self.tier_dir, DIGEST_HEX, &parse);
+        let s = tier_files::sweep(found, self.budget);
+        self.estimate = s.used;
+        self.stats.evicted += s.evicted;
+        self.written_since_scan = 0;
     }
 }
 

@@ -32,6 +32,7 @@ pub mod nixl;
 pub mod nixl_file;
 pub mod shared_tier;
 pub mod store_tier;
+mod tier_files;
 /// The regions are pool code (computed from the carved geometry, under the pool); re-exported
 /// here, where connectors look for them.
 pub use crate::pool::regions;

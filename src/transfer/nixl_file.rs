@@ -22,7 +22,8 @@
 
 use super::engine::EngineError;
 use super::nixl::{NixlAgent, NixlMem, Seg, XferOp};
-use super::shared_tier::{open_regular, TierIo, TierReader};
+use super::shared_tier::{TierIo, TierReader};
+use super::tier_files::open_regular;
 use std::fs;
 use std::io;
 use std::os::fd::AsRawFd;

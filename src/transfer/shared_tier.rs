@@ -45,9 +45,13 @@
 //!
 //! The bytes go through a [`TierIo`]: [`StdFs`] (plain `std::fs`) here; NIXL's POSIX or GDS
 //! file plugins implement the same two calls (`docs/fleet.md` says what that needs). Names,
-//! renames, removals and scans are POSIX calls on the mount whatever moves the bytes.
+//! renames, removals and scans are POSIX calls on the mount whatever moves the bytes; their
+//! rules (no link followed, own names only, exclusive temporary files, the sweep) are
+//! `transfer::tier_files`'s, which the entry tier ([`super::entry_dir`]) shares.
 
 use super::host_tier::{copy_blocks_synced, part_bytes, parts_matching, restore_blocks, Storage, UnitPart};
+use super::tier_files::{self, entry_name, open_regular, parse_entry_name, real_dir};
+pub use super::tier_files::{LOW_WATER, SCAN_EVERY, STALE_TEMP};
 use super::HostTierError;
 use crate::alloc::BlockHandle;
 use crate::checkpoint::LayoutId;
@@ -56,27 +60,17 @@ use crate::rng::{mum, WY};
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
-use std::time::{Duration, SystemTime};
 
 /// The tier's folder inside the configured directory (the format's version is in its name).
 pub const TIER_DIR: &str = "v4pool-tier-1";
-/// A publisher scans after writing this fraction (1/N) of the budget since its last scan.
-pub const SCAN_EVERY: u64 = 8;
-/// A scan that finds the directory over budget removes entries until it is at this share of
-/// the budget (per mille), so the next scans are not all evictions.
-pub const LOW_WATER: u64 = 900;
-/// A temporary file this old is a dead writer's: a scan removes it.
-pub const STALE_TEMP: Duration = Duration::from_secs(600);
+/// Hex digits of a layout folder's name.
+const DIGEST_HEX: usize = 16;
 
 const MAGIC: &[u8; 8] = b"v4poolT1";
 /// Fixed header bytes before the layout id's text.
 pub(crate) const FIXED: usize = 80;
 /// The longest layout id text an entry may carry.
 pub(crate) const MAX_LAYOUT_TEXT: u64 = 1 << 16;
-/// The prefix of temporary files (never an entry name: entries start with `b` or `c`).
-const TEMP: &str = ".tmp-";
 
 /// What an entry holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -114,110 +108,18 @@ pub struct SharedKey {
 impl SharedKey {
     /// The entry's file name (and, in a key-value store, the key's last part).
     pub(crate) fn name(&self) -> String {
-        format!("{}{:032x}", self.kind.letter(), self.hash)
+        entry_name(self.kind.letter(), self.hash)
     }
     /// The key a file name names, if it is an entry's.
     fn parse(name: &str) -> Option<SharedKey> {
-        let kind = match name.as_bytes().first()? {
-            b'b' => EntryKind::Block,
-            b'c' => EntryKind::Checkpoint,
+        let (letter, hash) = parse_entry_name(name)?;
+        let kind = match letter {
+            'b' => EntryKind::Block,
+            'c' => EntryKind::Checkpoint,
             _ => return None,
         };
-        let hex = name.get(1..)?;
-        if hex.len() != 32 {
-            return None;
-        }
-        Some(SharedKey { kind, hash: u128::from_str_radix(hex, 16).ok()? })
+        Some(SharedKey { kind, hash })
     }
-}
-
-/// Temporary names made by this process so far (shared by every tier in it: two tiers of one
-/// process never make the same name).
-static TEMP_SEQ: AtomicU64 = AtomicU64::new(0);
-
-/// This process's nonce in temporary names: random per process (the standard library's
-/// hash keys come from the OS's random source), so two processes with one pid (containers
-/// that all see pid 1, on hosts sharing a mount) differ too.
-fn process_nonce() -> u64 {
-    static NONCE: OnceLock<u64> = OnceLock::new();
-    *NONCE.get_or_init(|| {
-        use std::hash::{BuildHasher, Hasher};
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u128(SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
-        h.finish()
-    })
-}
-
-/// A fresh temporary name for `key`'s entry: `.tmp-<name>-<pid>-<nonce>-<n>`.
-fn temp_name(key: &SharedKey) -> String {
-    let n = TEMP_SEQ.fetch_add(1, Ordering::Relaxed);
-    format!("{TEMP}{}-{}-{:016x}-{n}", key.name(), std::process::id(), process_nonce())
-}
-
-/// Whether `name` is a temporary name a tier writes (this one's or an earlier format's:
-/// `.tmp-`, an entry's name, then `-` and digits, hex and dashes).
-fn is_temp_name(name: &str) -> bool {
-    let Some(rest) = name.strip_prefix(TEMP) else { return false };
-    let (Some(entry), Some(tail)) = (rest.get(..33), rest.get(33..)) else { return false };
-    SharedKey::parse(entry).is_some()
-        && tail.len() > 1
-        && tail.starts_with('-')
-        && tail.bytes().all(|c| c == b'-' || c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
-}
-
-/// Whether `path` is a directory itself, not a link to one (nor anything else).
-fn real_dir(path: &Path) -> bool {
-    fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_dir())
-}
-
-/// The error for a tier folder that is not a real directory (a link, a file).
-fn not_own_folder(path: &Path) -> io::Error {
-    io::Error::new(
-        io::ErrorKind::InvalidInput,
-        format!("{} is not a directory of the tier's own (a link?): not followed", path.display()),
-    )
-}
-
-/// The real sub-directories of `dir` (links skipped, never followed) whose names are
-/// `name_len` lowercase hex digits (the names the tier gives its layout and shard folders).
-fn own_subdirs(dir: &Path, name_len: usize) -> Vec<PathBuf> {
-    let Ok(rd) = fs::read_dir(dir) else { return Vec::new() };
-    rd.flatten()
-        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-        .filter(|e| {
-            e.file_name().to_str().is_some_and(|n| {
-                n.len() == name_len && n.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
-            })
-        })
-        .map(|e| e.path())
-        .collect()
-}
-
-/// Open the regular file at `path` (appending when `append`, else reading) without ever
-/// blocking or following a link: refused unopened unless `lstat` says a regular file,
-/// opened non-blocking (a FIFO swapped in meanwhile cannot hang the open), and refused
-/// again unless the open file is that same regular file.
-pub(crate) fn open_regular(path: &Path, append: bool) -> io::Result<fs::File> {
-    use std::os::unix::fs::MetadataExt;
-    let not_regular = || io::Error::new(io::ErrorKind::InvalidData, "not a regular file");
-    let before = fs::symlink_metadata(path)?;
-    if !before.file_type().is_file() {
-        return Err(not_regular());
-    }
-    let mut options = fs::OpenOptions::new();
-    if append {
-        options.append(true);
-    } else {
-        options.read(true);
-    }
-    #[cfg(target_os = "linux")]
-    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, 0o4000); // O_NONBLOCK
-    let file = options.open(path)?;
-    let after = file.metadata()?;
-    if !after.is_file() || (after.dev(), after.ino()) != (before.dev(), before.ino()) {
-        return Err(not_regular());
-    }
-    Ok(file)
 }
 
 /// Units an entry of `kind` holds: one block's unit, or the units of one checkpoint.
@@ -307,14 +209,7 @@ impl TierReader for StdReader {
 
 impl TierIo for StdFs {
     fn write_file(&self, path: &Path, head: &[u8], body: &[u8], sync: bool) -> io::Result<()> {
-        use std::io::Write;
-        let mut f = fs::OpenOptions::new().write(true).create_new(true).open(path)?;
-        f.write_all(head)?;
-        f.write_all(body)?;
-        if sync {
-            f.sync_data()?;
-        }
-        Ok(())
+        tier_files::write_new(path, &[head, body], sync)
     }
     fn open(&self, path: &Path) -> io::Result<Box<dyn TierReader>> {
         let file = open_regular(path, false)?;
@@ -540,22 +435,6 @@ pub(crate) fn check_head(
     Ok((units as usize, get_u128(head, 48)))
 }
 
-/// Create `dir` if absent (its parent must exist).
-fn make_dir(dir: &Path) -> io::Result<()> {
-    match fs::create_dir(dir) {
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
-        other => other,
-    }
-}
-
-/// One file a scan found.
-struct Found {
-    path: PathBuf,
-    bytes: u64,
-    mtime: SystemTime,
-    key: Option<SharedKey>,
-}
-
 impl SharedTier {
     /// A tier for units of `pool` in `config.dir` (which must exist), moving bytes with
     /// [`StdFs`].
@@ -574,20 +453,16 @@ impl SharedTier {
         let layout = pool.layout_id().clone();
         let tier_dir = config.dir.join(TIER_DIR);
         let digest = checksum(layout.as_str().as_bytes());
-        let layout_dir = tier_dir.join(format!("{:016x}", digest as u64));
+        let layout_dir = tier_dir.join(format!("{:0w$x}", digest as u64, w = DIGEST_HEX));
         let meta = fs::metadata(&config.dir)
             .map_err(|source| HostTierError::Io { op: "stat the tier directory", source })?;
         if !meta.is_dir() {
             let source = io::Error::new(io::ErrorKind::NotADirectory, config.dir.display().to_string());
             return Err(HostTierError::Io { op: "stat the tier directory", source });
         }
-        for d in [&tier_dir, &layout_dir] {
-            make_dir(d).map_err(|source| HostTierError::Io { op: "create the tier's folders", source })?;
-            // A link here would take the scans' removals outside the tier.
-            if !real_dir(d) {
-                return Err(HostTierError::Io { op: "open the tier's folders", source: not_own_folder(d) });
-            }
-        }
+        // A link here would take the scans' removals outside the tier.
+        tier_files::make_own_folders(&[&tier_dir, &layout_dir])
+            .map_err(|source| HostTierError::Io { op: "open the tier's folders", source })?;
         let mut tier = SharedTier {
             tier_dir,
             dir: config.dir.clone(),
@@ -655,11 +530,7 @@ impl SharedTier {
 
     /// Mark `key` as just used (its mtime set to now: the fleet's LRU); whether it is there.
     pub fn touch(&mut self, key: &SharedKey) -> bool {
-        let r = self
-            .own_folder(key)
-            .and_then(|d| open_regular(&d.join(key.name()), true))
-            .and_then(|f| f.set_modified(SystemTime::now()));
-        r.is_ok()
+        self.own_folder(key).is_ok_and(|d| tier_files::touch(&d.join(key.name())))
     }
 
     /// `key`'s shard folder, checked to be the tier's own: it, the layout folder and the
@@ -667,12 +538,7 @@ impl SharedTier {
     /// the tier).
     fn own_folder(&self, key: &SharedKey) -> io::Result<PathBuf> {
         let shard = self.shard_dir(key);
-        for d in [&self.tier_dir, &self.layout_dir, &shard] {
-            let m = fs::symlink_metadata(d)?;
-            if !m.file_type().is_dir() {
-                return Err(not_own_folder(d));
-            }
-        }
+        tier_files::own_folders(&[&self.tier_dir, &self.layout_dir, &shard])?;
         Ok(shard)
     }
 
@@ -692,7 +558,7 @@ impl SharedTier {
     pub fn lru_order(&self) -> Vec<SharedKey> {
         let mut found = Vec::new();
         if real_dir(&self.tier_dir) && real_dir(&self.layout_dir) {
-            self.scan_layout(&self.layout_dir, &mut found);
+            tier_files::scan_layout(&self.layout_dir, &SharedKey::parse, &mut found);
         }
         found.sort_by_key(|f| f.mtime);
         found.into_iter().filter_map(|f| f.key).collect()
@@ -762,34 +628,14 @@ impl SharedTier {
         let body = unsafe { std::slice::from_raw_parts(host, bytes as usize) };
         let head = header(key, units, self.layout.as_str().as_bytes(), bytes, checksum(body));
         // Never the configured directory itself: a mount that vanished stays absent.
-        let made = [&self.tier_dir, &self.layout_dir, &self.shard_dir(&key)]
-            .into_iter()
-            .try_for_each(|d| make_dir(d))
-            .and_then(|()| self.own_folder(&key));
-        let dir = match made {
-            Ok(dir) => dir,
-            Err(e) => return Err(self.io_error("create the entry's folder", e)),
-        };
-        // A name unique to this writer (`temp_name`); should it exist all the same (a
-        // leftover), another is tried, and a file this call did not create is never removed.
-        let mut tries = 0;
-        let tmp = loop {
-            let tmp = dir.join(temp_name(&key));
-            match self.io.write_file(&tmp, &head, body, self.sync) {
-                Ok(()) => break tmp,
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && tries < 3 => tries += 1,
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                    return Err(self.io_error("write the entry", e));
-                }
-                Err(e) => {
-                    // Created by this call (the name was free), so this call removes it.
-                    let _ = fs::remove_file(&tmp);
-                    return Err(self.io_error("write the entry", e));
-                }
-            }
-        };
-        if let Err(e) = fs::rename(&tmp, dir.join(key.name())) {
-            let _ = fs::remove_file(&tmp);
+        let shard = self.shard_dir(&key);
+        if let Err(e) = tier_files::make_own_folders(&[&self.tier_dir, &self.layout_dir, &shard]) {
+            return Err(self.io_error("create the entry's folder", e));
+        }
+        // A temporary name unique to this writer, created exclusively, renamed into place.
+        let (io, sync) = (&self.io, self.sync);
+        let written = tier_files::publish(&shard, &key.name(), |tmp| io.write_file(tmp, &head, body, sync));
+        if let Err(e) = written {
             return Err(self.io_error("write the entry", e));
         }
         let len = head.len() as u64 + bytes;
@@ -797,7 +643,7 @@ impl SharedTier {
         self.stats.published_bytes += len;
         self.used += len;
         self.written_since_scan += len;
-        if self.used > self.budget || self.written_since_scan >= self.budget / SCAN_EVERY {
+        if tier_files::scan_due(self.used, self.written_since_scan, self.budget) {
             self.scan();
         }
         Ok(true)
@@ -896,71 +742,20 @@ impl SharedTier {
         Ok(units)
     }
 
-    /// The files the tier writes (entries and its temporary files) under one layout's real
-    /// folder (checked by the caller), in its real shard folders: links are never followed
-    /// (`DirEntry::file_type` and `metadata` do not), other names never listed.
-    fn scan_layout(&self, layout_dir: &Path, out: &mut Vec<Found>) {
-        for shard in own_subdirs(layout_dir, 2) {
-            let Ok(files) = fs::read_dir(&shard) else { continue };
-            for f in files.flatten() {
-                if !f.file_type().is_ok_and(|t| t.is_file()) {
-                    continue;
-                }
-                let Some(name) = f.file_name().to_str().map(str::to_owned) else { continue };
-                let key = SharedKey::parse(&name);
-                if key.is_none() && !is_temp_name(&name) {
-                    continue;
-                }
-                let Ok(m) = f.metadata() else { continue };
-                let mtime = m.modified().unwrap_or(SystemTime::UNIX_EPOCH);
-                out.push(Found { path: f.path(), bytes: m.len(), mtime, key });
-            }
-        }
-    }
-
     /// The capacity scan (module docs): sum the directory, remove dead writers' temporary
-    /// files, and when over budget the least recently used entries down to [`LOW_WATER`].
+    /// files, and when over budget the least recently used entries down to [`LOW_WATER`]
+    /// (`tier_files::sweep`, the rule the entry tier shares).
     fn scan(&mut self) {
         self.stats.scans += 1;
         self.written_since_scan = 0;
-        let mut found = Vec::new();
-        if real_dir(&self.tier_dir) {
-            for l in own_subdirs(&self.tier_dir, 16) {
-                self.scan_layout(&l, &mut found);
-            }
-        } else if !self.dir.exists() {
+        if !real_dir(&self.tier_dir) && !self.dir.exists() {
             self.stats.io_errors += 1;
         }
-        let now = SystemTime::now();
-        let mut used = 0u64;
-        let mut entries = Vec::new();
-        for f in found {
-            let temp = f.key.is_none();
-            if temp && now.duration_since(f.mtime).is_ok_and(|age| age > STALE_TEMP) {
-                if fs::remove_file(&f.path).is_ok() {
-                    self.stats.stale_temps += 1;
-                }
-                continue;
-            }
-            used += f.bytes;
-            if !temp {
-                entries.push(f);
-            }
-        }
-        if used > self.budget {
-            let low = self.budget / 1000 * LOW_WATER;
-            entries.sort_by_key(|f| f.mtime);
-            for f in entries {
-                if used <= low {
-                    break;
-                }
-                if fs::remove_file(&f.path).is_ok() {
-                    used = used.saturating_sub(f.bytes);
-                    self.stats.evicted += 1;
-                    self.stats.evicted_bytes += f.bytes;
-                }
-            }
-        }
-        self.used = used;
+        let found = tier_files::scan_tier(&self.tier_dir, DIGEST_HEX, &SharedKey::parse);
+        let swept = tier_files::sweep(found, self.budget);
+        self.stats.stale_temps += swept.stale_temps;
+        self.stats.evicted += swept.evicted;
+        self.stats.evicted_bytes += swept.evicted_bytes;
+        self.used = swept.used;
     }
 }

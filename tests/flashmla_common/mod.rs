@@ -466,3 +466,22 @@ pub fn run_in_memory(
 pub fn words(b: &[u8]) -> Vec<i32> {
     b.chunks_exact(4).map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
+
+/// The 584 bytes FlashMLA's V4 sparse decode reads for KV index `index` of a cache `[num_blocks,
+/// page_block_size, 1, 584]` that starts at `view[0]` with a block stride of `stride0` bytes
+/// (`kv.stride(0)`): its data (448 e4m3 NoPE, 64 bf16 RoPE) then its 7 e8m0 scales and the pad,
+/// the order `v4pool::format` packs a row in. FlashMLA's own arithmetic (deepseek-ai/FlashMLA at
+/// 9241ae3, `csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh`): `block = index / page_block_size`,
+/// `rel = index mod page_block_size`, the data at `block × stride0 + rel × 576`, the scales at
+/// `block × stride0 + page_block_size × 576 + rel × 8`; its API (`csrc/api/sparse_decode.h`)
+/// takes any page size with `stride(1) == 584`. Written from that text, not from
+/// `v4pool::format`. `None` for a negative index (FlashMLA skips −1) or bytes past the view.
+pub fn flashmla_v4_read(view: &[u8], page_block_size: usize, stride0: usize, index: i64) -> Option<Vec<u8>> {
+    let index = usize::try_from(index).ok()?;
+    let (block, rel) = (index / page_block_size, index % page_block_size);
+    let data = block * stride0 + rel * 576;
+    let scales = block * stride0 + page_block_size * 576 + rel * 8;
+    let mut row = view.get(data..data + 576)?.to_vec();
+    row.extend_from_slice(view.get(scales..scales + 8)?);
+    Some(row)
+}

@@ -53,10 +53,11 @@ def _e2m1(nib):
 
 def dequant(fmt, plane, n):
     """The format text, in torch: `plane` uint8 on the device, `n` rows -> [n, 512] float32."""
-    if fmt == "flashmla-v4":
-        pages = plane.view(-1, 64 * 584)
-        data = pages[:, : 64 * 576].reshape(-1, 576)[:n]
-        scale = pages[:, 64 * 576 :].reshape(-1, 8)[:n, :7]
+    if fmt in ("flashmla-v4", "flashmla-v4-p2"):
+        P = page_rows(fmt)  # a page: P data rows of 576 B, then P scale rows of 8 B
+        pages = plane.view(-1, P * 584)
+        data = pages[:, : P * 576].reshape(-1, 576)[:n]
+        scale = pages[:, P * 576 :].reshape(-1, 8)[:n, :7]
         nope = _e4m3(data[:, :448].contiguous()) * _e8m0(scale).repeat_interleave(64, 1)
         rope = data[:, 448:576].contiguous().view(torch.bfloat16).float()
         return torch.cat([nope, rope], 1)
@@ -69,6 +70,11 @@ def dequant(fmt, plane, n):
         vals = torch.stack([_e2m1(lo), _e2m1(hi)], 2).reshape(n, 512)
         return vals * _e4m3(rows[:, 256:].contiguous()).repeat_interleave(16, 1)
     raise ValueError(fmt)
+
+
+def page_rows(fmt):
+    """Rows of the pages FlashMLA reads `fmt` in (`kernel_page_rows`): 2 for `flashmla-v4-p2`."""
+    return 2 if fmt == "flashmla-v4-p2" else 64
 
 
 def packed(fmt, kv):
@@ -102,6 +108,10 @@ CASES = [
     # (format of k_cache, format of extra_k_cache or None, heads)
     ("flashmla-v4", "flashmla-v4", 64),
     ("flashmla-v4", None, 128),
+    # The same rows in pages of 2 (the one-HCA-view layout): FlashMLA's sparse decode takes any
+    # page_block_size (csrc/api/sparse_decode.h); benches/peers/flashmla_page_probe.py times it.
+    ("flashmla-v4-p2", "flashmla-v4-p2", 64),
+    ("flashmla-v4-p2", None, 128),
     ("flashmla-v41", "flashmla-v41", 64),
     ("flashmla-v41", "flashmla-v41-fp4", 64),
 ]
@@ -113,14 +123,15 @@ def test_flashmla_reads_v4pool_rows(ops, fmt, extra_fmt, heads):
     n, b = 1000, 4  # 1000 rows: 15 whole pages and a partial one
     kv = (torch.randn(n, 512, generator=gen) * torch.linspace(0.05, 3, 512)).to(torch.bfloat16)
     kplane = packed(fmt, kv)
-    rows = (n + 63) // 64 * 64  # pack_rows rounds to whole 64-row pages
+    page = page_rows(fmt)
+    rows = (n + page - 1) // page * page  # pack_rows rounds to whole kernel pages
     width = kplane.numel() // rows
     kref = dequant(fmt, kplane, n)
     # The format's own error against the input: e4m3 and bf16 parts within a value's group.
     err = (kref - kv.float().cuda()).abs().max().item()
     assert err <= 0.07 * kv.float().abs().max().item(), f"{fmt} quantisation error {err}"
-    k_cache = kplane.view(-1, 64, 1, width)
-    assert k_cache.shape[0] == rows // 64 and width == {"flashmla-v4": 584, "flashmla-v41": 528}[fmt]
+    k_cache = kplane.view(-1, page, 1, width)
+    assert k_cache.shape[0] == rows // page and width == {"flashmla-v4": 584, "flashmla-v4-p2": 584, "flashmla-v41": 528}[fmt]
     q = (torch.randn(b, 1, heads, 512, generator=gen) * 0.3).to(torch.bfloat16).cuda()
     lengths = [128, 100, 77, 1]
     idx, tl = _indices(b, n, 128, lengths, gen)
@@ -132,7 +143,7 @@ def test_flashmla_reads_v4pool_rows(ops, fmt, extra_fmt, heads):
         ewidth = eplane.numel() // rows
         elens = [256, 190, 64, 3]
         eidx, etl = _indices(b, n, 256, elens, gen)
-        extra = (eplane.view(-1, 64, 1, ewidth), eidx, etl)
+        extra = (eplane.view(-1, page, 1, ewidth), eidx, etl)
         extra_ref = (dequant(extra_fmt, eplane, n), eidx, elens)
     call = lambda: ops.sparse_decode_fwd(  # noqa: E731
         q, k_cache, idx, tl, None, None, None, extra[0], extra[1], extra[2], 512, 512**-0.5, None, False
@@ -152,7 +163,7 @@ def test_flashmla_reads_v4pool_rows(ops, fmt, extra_fmt, heads):
     assert e <= 2e-2 * m, f"{fmt}+{extra_fmt}: FlashMLA disagrees with the format text ({e} of {m})"
 
 
-@pytest.mark.parametrize("fmt", ["flashmla-v4", "flashmla-v41", "flashmla-v41-fp4"])
+@pytest.mark.parametrize("fmt", ["flashmla-v4", "flashmla-v4-p2", "flashmla-v41", "flashmla-v41-fp4"])
 def test_the_text_decoder_reads_pack_rows_on_cpu(fmt):
     """The reference's own decoder (above) against the input rows, on the host: the GPU test's
     reference is only as good as this."""
@@ -161,13 +172,14 @@ def test_the_text_decoder_reads_pack_rows_on_cpu(fmt):
     kv = (torch.randn(n, 512, generator=gen) * torch.linspace(0.05, 3, 512)).to(torch.bfloat16)
     raw = v4pool.pack_rows(fmt, kv.contiguous().view(torch.uint16).numpy().tobytes())[0]
     plane = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    assert plane.numel() == 192 * {"flashmla-v4": 584, "flashmla-v41": 528, "flashmla-v41-fp4": 288}[fmt]
+    rows = (n + page_rows(fmt) - 1) // page_rows(fmt) * page_rows(fmt)  # 192, or 130 in pages of 2
+    assert plane.numel() == rows * {"flashmla-v4": 584, "flashmla-v4-p2": 584, "flashmla-v41": 528, "flashmla-v41-fp4": 288}[fmt]
     got = dequant(fmt, plane, n)
-    group = {"flashmla-v4": 64, "flashmla-v41": 32, "flashmla-v41-fp4": 16}[fmt]
+    group = {"flashmla-v4": 64, "flashmla-v4-p2": 64, "flashmla-v41": 32, "flashmla-v41-fp4": 16}[fmt]
     amax = kv.float().abs().view(n, -1, group).amax(-1).repeat_interleave(group, 1)
     rel = 0.26 if fmt.endswith("fp4") else 1 / 16
     assert ((got - kv.float()).abs() <= rel * amax + 1e-30).all()
-    # A broken decoder (pages ignored) is caught: V4's scales sit after the page's 64 data rows.
-    if fmt == "flashmla-v4":
+    # A broken decoder (pages ignored) is caught: V4's scales sit after the page's data rows.
+    if fmt in ("flashmla-v4", "flashmla-v4-p2"):
         wrong = _e4m3(plane.view(-1, 584)[:n, :448].contiguous())
         assert not torch.allclose(wrong, got[:, :448])

@@ -1,6 +1,7 @@
-"""A V4-Flash pool in FlashMLA's 584-B paged rows, read in place: the row writer writes window
-rows and compressed rows; `Pool.page_view(layer)` hands the layer's rows over as FlashMLA's
-`k_cache` (`[pages, 64, 1, 584]`, no copy) with the shift its view indices take; rows decoded
+"""A V4-Flash pool in FlashMLA's 584-B paged rows (pages of 64, `flashmla-v4`, and of 2,
+`flashmla-v4-p2`), read in place: the row writer writes window rows and compressed rows;
+`Pool.page_view(layer)` hands the layer's rows over as FlashMLA's `k_cache` (`[pages, P, 1,
+584]`, no copy) with the shift its view indices take; rows decoded
 from those bytes by the format text equal the written KV within e4m3 rounding, on the host
 backend (CI) and on CUDA. With a CUDA device and FlashMLA's library (`V4POOL_FLASHMLA_LIB`)
 FlashMLA's sparse decode reads the pool's plane through those views — window part and
@@ -20,14 +21,15 @@ from test_flashmla_formats import _e4m3, _e8m0  # noqa: E402  (the format text i
 
 
 def decode_rows(k_cache, ids):
-    """Rows `ids` (kernel indices) of a 584-B paged cache, by the format text: page
-    `i // 64` holds 64 data rows (448 e4m3 + 64 bf16) then 64 scale rows (7 e8m0 + pad)."""
+    """Rows `ids` (kernel indices) of a 584-B paged cache [pages, P, 1, 584], by the format
+    text: page `i // P` holds P data rows (448 e4m3 + 64 bf16) then P scale rows (7 e8m0 + pad)."""
+    P = k_cache.shape[1]
     flat = k_cache.reshape(-1)
     ids = ids.long().to(flat.device)
-    page, off = ids // 64, ids % 64
-    base = page * (64 * 584)
+    page, off = ids // P, ids % P
+    base = page * (P * 584)
     data = flat[(base + off * 576)[:, None] + torch.arange(576, device=flat.device)]
-    scale = flat[(base + 64 * 576 + off * 8)[:, None] + torch.arange(7, device=flat.device)]
+    scale = flat[(base + P * 576 + off * 8)[:, None] + torch.arange(7, device=flat.device)]
     nope = _e4m3(data[:, :448].contiguous()) * _e8m0(scale).repeat_interleave(64, 1)
     rope = data[:, 448:].contiguous().view(torch.bfloat16).float()
     return torch.cat([nope, rope], 1)
@@ -49,8 +51,11 @@ LIB = os.environ.get("V4POOL_FLASHMLA_LIB")
 CUDA = torch.cuda.is_available() and os.environ.get("V4POOL_HF_BACKEND", "cuda") != "host"
 
 
-def _pool(backend):
-    plan = v4pool.plan(model="v4-flash", budget="96MiB", max_seqs=4, dtype="flashmla-v4")
+DTYPES = {"flashmla-v4": 64, "flashmla-v4-p2": 2}  # row format: its page
+
+
+def _pool(backend, dtype):
+    plan = v4pool.plan(model="v4-flash", budget="96MiB", max_seqs=4, dtype=dtype)
     pool = v4pool.Pool(plan, backend=backend)
     fwd = v4pool.Forward(pool, 4, 512, 8)
     return pool, fwd
@@ -64,9 +69,9 @@ def _layers(pool):
     return [dense, csa[0], csa[3], hca[0], hca[5]]
 
 
-def _run(backend, device, ops=None):
+def _run(backend, device, dtype, ops=None):
     gen = torch.Generator().manual_seed(41)
-    pool, fwd = _pool(backend)
+    pool, fwd = _pool(backend, dtype)
     slots = [pool.alloc_slot() for _ in range(2)]
     blocks = [pool.alloc_block() for _ in range(3)]
     starts, tokens = [0, 1000], [200, 128]  # the ring keeps each sequence's last 128
@@ -87,7 +92,7 @@ def _run(backend, device, ops=None):
     for layer in layers:
         view, shift = pool.page_view(layer)
         k_cache = torch.from_dlpack(view)
-        assert k_cache.shape[1:] == (64, 1, 584) and k_cache.dtype == torch.uint8
+        assert k_cache.shape[1:] == (DTYPES[dtype], 1, 584) and k_cache.dtype == torch.uint8
         # Window part: each sequence's last 128 positions, newest last.
         idx = torch.full((2, 1, 128), -1, dtype=torch.int32)
         t0 = 0
@@ -120,15 +125,17 @@ def _run(backend, device, ops=None):
         out = ops.sparse_decode_fwd(q, k_cache, idx, tl, None, None, None, e[0], e[1], e[2], 512, 512**-0.5, None, False)[0]
         ref = _attend(q, k_cache, idx, [128, 128], None if extra is None else (k_cache, extra[1], [len(entries)] * 2))
         err, m = (out.float() - ref).abs().max().item(), ref.abs().max().item()
-        print(f"flashmla over the pool, layer {layer} (ratio {ratio}): max|err| {err:.3e} of {m:.3e}")
+        print(f"flashmla over the pool ({dtype}), layer {layer} (ratio {ratio}): max|err| {err:.3e} of {m:.3e}")
         assert err <= 2e-2 * m
 
 
-def test_page_views_decode_to_the_written_rows_on_the_host():
-    _run("host", "cpu")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_page_views_decode_to_the_written_rows_on_the_host(dtype):
+    _run("host", "cpu", dtype)
 
 
-def test_flashmla_reads_the_pool_in_place():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flashmla_reads_the_pool_in_place(dtype):
     if not CUDA or not LIB:
         msg = "no CUDA device" if not CUDA else "V4POOL_FLASHMLA_LIB not set"
         if os.environ.get("V4POOL_REQUIRE_GPU") == "1":
@@ -136,4 +143,4 @@ def test_flashmla_reads_the_pool_in_place():
         print(f"SKIP: {msg}")
         pytest.skip(msg)
     torch.ops.load_library(LIB)
-    _run("cuda", "cuda", torch.ops._flashmla_C)
+    _run("cuda", "cuda", dtype, torch.ops._flashmla_C)

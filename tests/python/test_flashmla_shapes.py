@@ -1,9 +1,10 @@
 """FlashMLA's sparse decode over a V4-Flash pool at the model's own shapes, through v4pool's
 buffers: 64 query heads (V4-Flash's `num_attention_heads`), head dim 512, MTP 2 (two query
 tokens a sequence, ring 130), batch 1 / 64 / 256, contexts up to 4K / 128K / 1M tokens, a
-dense, two CSA and two HCA layers (the HCA layers' page shifts differ).
+dense, two CSA and two HCA layers (their page shifts differ in 64-row pages, not in 2-row pages).
 
-Per shape: one pool in FlashMLA's 584-B rows (`dtype="flashmla-v4"`) with random valid bytes
+Per shape and row format: one pool in FlashMLA's 584-B rows (`dtype="flashmla-v4"`, pages of
+64, or `"flashmla-v4-p2"`, pages of 2) with random valid bytes
 in its plane; the decode build and the CSA translate-pack of `v4pool.Forward` make the index
 buffers; `v4pool.hf.flashmla_operands` turns them into FlashMLA's operands against the layer's
 page view (`Pool.page_view`, the pool's plane itself: no copy between build and attention);
@@ -58,19 +59,22 @@ def ops():
 
 
 def _fill_random_rows(k_cache, gen):
-    """Random valid bytes in every page of `k_cache` [pages, 64, 1, 584]: finite e4m3 NoPE
-    values, bf16 RoPE values, e8m0 scales 2^-5 .. 2^2 and a zero pad byte."""
+    """Random valid bytes in every page of `k_cache` [pages, P, 1, 584] (P rows a page: P data
+    rows, then P scale rows): finite e4m3 NoPE values, bf16 RoPE values, e8m0 scales 2^-5 ..
+    2^2 and a zero pad byte."""
+    P = k_cache.shape[1]
     flat = k_cache.view(k_cache.shape[0], -1)
-    for p0 in range(0, flat.shape[0], 2048):
-        pages = flat[p0:p0 + 2048]
+    step = 2048 * 64 // P  # pages a chunk: 131,072 rows whatever the page
+    for p0 in range(0, flat.shape[0], step):
+        pages = flat[p0:p0 + step]
         n = pages.shape[0]
-        data = pages[:, : 64 * 576].view(n, 64, 576)
-        nope = torch.randn(n, 64, 448, device=pages.device, generator=gen).to(torch.float8_e4m3fn)
+        data = pages[:, : P * 576].view(n, P, 576)
+        nope = torch.randn(n, P, 448, device=pages.device, generator=gen).to(torch.float8_e4m3fn)
         data[:, :, :448] = nope.view(torch.uint8)
-        rope = (torch.randn(n, 64, 64, device=pages.device, generator=gen) * 0.5).to(torch.bfloat16)
-        data[:, :, 448:] = rope.view(torch.uint8).view(n, 64, 128)
-        scale = pages[:, 64 * 576:].view(n, 64, 8)
-        scale[:, :, :7] = torch.randint(122, 130, (n, 64, 7), device=pages.device, generator=gen, dtype=torch.uint8)
+        rope = (torch.randn(n, P, 64, device=pages.device, generator=gen) * 0.5).to(torch.bfloat16)
+        data[:, :, 448:] = rope.view(torch.uint8).view(n, P, 128)
+        scale = pages[:, P * 576:].view(n, P, 8)
+        scale[:, :, :7] = torch.randint(122, 130, (n, P, 7), device=pages.device, generator=gen, dtype=torch.uint8)
         scale[:, :, 7] = 0
 
 
@@ -158,23 +162,28 @@ def _builder_operands(fwdf, layer, T, shift, idx, tl, eidx, etl, hca):
     return bi, bl, bei, bel
 
 
+DTYPES = ["flashmla-v4", "flashmla-v4-p2"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch,context", _shapes())
-def test_flashmla_reads_the_pool_through_v4pools_buffers(ops, batch, context):
-    _run(batch, context, "cuda", ops)
+def test_flashmla_reads_the_pool_through_v4pools_buffers(ops, batch, context, dtype):
+    _run(batch, context, "cuda", ops, dtype)
 
 
-def test_operands_name_the_geometrys_rows_on_the_host():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_operands_name_the_geometrys_rows_on_the_host(dtype):
     # The same path on the host backend (CI): the build, the pack, the operands checked against
     # the geometry and the reference run over them; no FlashMLA.
-    _run(3, 4096, "host", None)
+    _run(3, 4096, "host", None, dtype)
 
 
-def _run(batch, context, backend, ops):
+def _run(batch, context, backend, ops, dtype):
     dev = "cuda" if backend == "cuda" else "cpu"
     gen = torch.Generator(device=dev).manual_seed(batch * 7919 + context)
     cpu = torch.Generator().manual_seed(batch + context)
     blocks_per_seq = -(-(context + MTP) // 256)
-    plan = v4pool.plan(model="v4-flash", budget="12GiB" if backend == "cuda" else "1GiB", max_seqs=batch, dtype="flashmla-v4", spec_steps=MTP)
+    plan = v4pool.plan(model="v4-flash", budget="12GiB" if backend == "cuda" else "1GiB", max_seqs=batch, dtype=dtype, spec_steps=MTP)
     pool = v4pool.Pool(plan, backend=backend)
     nblocks = min(plan.num_blocks, max(blocks_per_seq, 64))
     blocks = [pool.alloc_block() for _ in range(nblocks)]
@@ -253,6 +262,6 @@ def _run(batch, context, backend, ops):
                       f"max|err| {err:.2e} of {m:.2e}, first call {us:.0f} us; "
                       f"builder's buffers ({bwidth} wide) max|err| {err1:.2e}")
         assert err <= 2e-2 * m and err1 <= 2e-2 * m, report[-1]
-    print(f"\nV4-Flash, batch {batch}, context {context}, MTP {MTP}, {HEADS} heads:")
+    print(f"\nV4-Flash {dtype}, batch {batch}, context {context}, MTP {MTP}, {HEADS} heads:")
     for line in report:
         print("  " + line)

@@ -578,7 +578,7 @@ impl StepRig {
         let row_runs = |layer: usize, row: i64, runs: &mut Vec<CopyRun>| {
             for plane in 0..pool.num_planes() {
                 let v = pool.layer_view(layer, plane).expect("view");
-                let fmt = v4pool::format::plane_of_width(v.row_bytes);
+                let fmt = spec.plane_format(plane).expect("the pool's plane");
                 if fmt.page_rows <= 1 {
                     runs.push(CopyRun { src: v.ptr + row as u64 * v.row_bytes, dst: 0, bytes: v.row_bytes });
                     continue;

@@ -45,11 +45,12 @@ def _scheduler(model, tier, **kw):
     return cfg, kcfg, s
 
 
-def _worker(cfg, kcfg):
+def _worker(cfg, kcfg, kv=None):
+    """A worker-role connector over ``kv`` (default: newly allocated KV tensors)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from v4pool.vllm import V4PoolConnector
 
-    kv = L.allocate(cfg, kcfg)
+    kv = L.allocate(cfg, kcfg) if kv is None else kv
     w = V4PoolConnector(cfg, KVConnectorRole.WORKER, kcfg)
     w.register_kv_caches(kv)
     return w, kv
@@ -130,7 +131,7 @@ def _run_a_then_b(model, tier, *, corrupt=False):
     suffix (it hits C's first 768 tokens in vLLM's own prefix cache, C's blocks loaded in
     the same step, and the rest, to 845, from the tier). Returns what the assertions need."""
     cfg, kcfg, s = _scheduler(model, tier)
-    w, _ = _worker(cfg, kcfg)
+    w, kv = _worker(cfg, kcfg)
     conn = s.connector
     assert type(conn).__name__ == "V4PoolConnector"
     gen = torch.Generator().manual_seed(1)
@@ -172,10 +173,13 @@ def _run_a_then_b(model, tier, *, corrupt=False):
             raw = bytearray(f.read_bytes())
             raw[-3] ^= 0x40
             f.write_bytes(bytes(raw))
+        # A worker that did not write A (another process, or one restarted): its host ring
+        # is empty, so B's entries come from the files.
+        w, _ = _worker(cfg, kcfg, kv)
     out = s.schedule()
     return dict(s=s, w=w, conn=conn, out=out, a=prompt_a, b=prompt_b, req=b, snap=snap,
                 c=prompt_c, req_c=c, snap_branch=snap_branch, d=prompt_d, req_d=d,
-                events=list(s.published))
+                events=list(s.published), cfg=cfg, kcfg=kcfg, kv=kv)
 
 
 @pytest.mark.parametrize("model", ["v4-flash", "v41-flash"])
@@ -198,6 +202,17 @@ def test_prefix_restores_exactly(model, tmp_path):
     # Every group is in the comparison: compressed, indexer, windows, state / ring.
     assert {k[0] for k in snap} == {g.idx for g in conn.layout.groups}
     assert got.keys() == snap.keys()
+    for k in snap:
+        assert torch.equal(got[k], snap[k]), k
+    # Again from the files alone, into B's pages poisoned: a worker that did not write A
+    # (its host ring is empty) reads every entry from the tier directory.
+    for g_idx, b_idx, name in snap:
+        w._pages[name][ids_b[g_idx][b_idx]].fill_(0xA5)
+    w2, _ = _worker(r["cfg"], r["kcfg"], r["kv"])
+    w2.bind_connector_metadata(out.kv_connector_metadata)
+    w2.start_load_kv(None)
+    assert not w2.get_block_ids_with_load_errors()
+    got = _snapshot(w2, ids_b, conn.layout, len(prompt_a))
     for k in snap:
         assert torch.equal(got[k], snap[k]), k
 

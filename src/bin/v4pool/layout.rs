@@ -44,7 +44,7 @@ usage: v4pool layout (--model NAME|PATH | --ratios R,R,... [--kv-sources L,L,...
                      [--ring R] [--block-size B] [--plane-rows P] [--arena-rows A]
                      [--slot-positions Q] [--slot-align-rows K] [--spec-steps K]
                      [--draft-stages N [--draft-mode absent|dense]]
-                     [--dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4] [--json]
+                     [--dtype fp8|bf16|flashmla-v4|flashmla-v4-p2|flashmla-v41|flashmla-v41-fp4] [--json]
 
   --model    a preset (v4-flash, v4-pro, v4-flash-dspark, v4-pro-dspark, ...-dspark-dense,
              v4.1-flash, v4.1-flash-dspark)
@@ -89,6 +89,11 @@ fn layout(args: &[String]) -> Result<Option<String>, CliError> {
             obj.insert("compressed_row_bytes".into(), json!(kv.compressed_row_bytes()));
             obj.insert("plane_widths".into(), json!(kv.plane_widths()));
             obj.insert("page_rows".into(), json!(kv.page_rows()));
+            let views: serde_json::Map<String, Value> = page_views(&geometry, kv)?
+                .into_iter()
+                .map(|(ratio, n)| (class_name(ratio).to_string(), json!(n)))
+                .collect();
+            obj.insert("kernel_page_views".into(), Value::Object(views));
         }
         v.to_string()
     } else {
@@ -271,6 +276,26 @@ pub(crate) fn layout_json(g: &UnifiedPoolGeometry) -> Result<Value, CliError> {
     Ok(out)
 }
 
+/// Per class (entry order), the distinct page shifts of its layers' views in the pages an
+/// attention kernel reads the row format in (`kernel_page_rows`, `UnifiedPoolGeometry::layer_page`):
+/// the index operands a FlashMLA decode path writes for the class (V4-Flash's HCA: 20 in pages of
+/// 64, 1 in pages of 2). A view starting in the lead has no page and counts as none.
+fn page_views(g: &UnifiedPoolGeometry, kv: KvDtype) -> Result<Vec<(i32, usize)>, CliError> {
+    let page = kv.row_format().format().kernel_page_rows as i64;
+    let mut out = Vec::new();
+    for &ratio in &g.entry_order {
+        let Some(c) = g.class(ratio) else { continue };
+        let mut shifts = std::collections::BTreeSet::new();
+        for &l in &c.layers {
+            if let Some((_, shift)) = g.layer_page(l, page)? {
+                shifts.insert(shift);
+            }
+        }
+        out.push((ratio, shifts.len()));
+    }
+    Ok(out)
+}
+
 fn class_name(ratio: i32) -> &'static str {
     match ratio {
         0 => "dense",
@@ -361,6 +386,14 @@ pub(crate) fn layout_table(
             f.name,
             f.bytes_per_token(),
             kv.page_rows()
+        );
+        let views: Vec<String> =
+            page_views(g, kv)?.into_iter().map(|(r, n)| format!("{} {n}", class_name(r))).collect();
+        let _ = writeln!(
+            out,
+            "kernel page views (pages of {} rows; one index operand each): {}",
+            f.kernel_page_rows,
+            views.join(", ")
         );
         if let (Some(c), Some(p)) = (kv.compressed_format(), g.packed_rows) {
             let _ = writeln!(

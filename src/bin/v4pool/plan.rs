@@ -3,7 +3,7 @@
 //! ```text
 //! v4pool plan --model v4-flash|v4-pro|v4-flash-dspark|v4-pro-dspark|v4.1-flash|…|PATH/config.json
 //!             --budget 100GiB --max-seqs 256
-//!             [--dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4] [--indexer fp8|fp4|bf16|atom-fp8|atom-fp8-fnuz]
+//!             [--dtype fp8|bf16|flashmla-v4|flashmla-v4-p2|flashmla-v41|flashmla-v41-fp4] [--indexer fp8|fp4|bf16|atom-fp8|atom-fp8-fnuz]
 //!             [--backend cuda|hip] [--arch gfx90a|gfx942|gfx950|gfx1250] [--spec-steps K]
 //!             [--min-slots N] [--overhead BYTES] [--json]
 //! ```
@@ -18,7 +18,7 @@ use v4pool::sizing::{default_dtypes, parse_bytes, plan, GpuArch, IndexerDtype, P
 
 const USAGE: &str = "\
 usage: v4pool plan --model NAME|PATH/config.json --budget BYTES --max-seqs N
-                   [--dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4] [--indexer fp8|fp4|bf16|atom-fp8|atom-fp8-fnuz]
+                   [--dtype fp8|bf16|flashmla-v4|flashmla-v4-p2|flashmla-v41|flashmla-v41-fp4] [--indexer fp8|fp4|bf16|atom-fp8|atom-fp8-fnuz]
                    [--backend cuda|hip] [--arch gfx90a|gfx942|gfx950|gfx1250] [--spec-steps K]
                    [--min-slots N] [--overhead BYTES] [--json]
 
@@ -30,7 +30,8 @@ usage: v4pool plan --model NAME|PATH/config.json --budget BYTES --max-seqs N
   --max-seqs    admitted requests: one slot each
   --dtype       main KV: fp8 (ATOM's 640-B rows in two planes, default for V4), bf16 (one
                 plane), flashmla-v4 (FlashMLA's 584-B V4 rows, pages of 64; what its SM90
-                sparse decode reads), flashmla-v41 (FlashMLA's 528-B V4.1 rows, default for V4.1),
+                sparse decode reads), flashmla-v4-p2 (the same rows in pages of 2: one HCA
+                index operand for every HCA layer), flashmla-v41 (FlashMLA's 528-B V4.1 rows, default for V4.1),
                 flashmla-v41-fp4 (V4.1's packed layout: 528-B window rows, FlashMLA's
                 288-B fp4 rows for the compressed KV)
   --indexer     CSA indexer cache: fp8 (row-major e4m3fn, DeepGEMM/vLLM's; default), fp4, bf16

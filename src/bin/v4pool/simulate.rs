@@ -66,7 +66,7 @@ that would not fit the machine's available memory is refused.
   --elastic-max-seqs N  running requests under the elastic boundary, at least
                         --max-seqs, at most the plane's slot positions
                                        [4 × max-seqs, at most the slot positions]
-  --dtype fp8|bf16|flashmla-v4|flashmla-v41|flashmla-v41-fp4   KV rows
+  --dtype fp8|bf16|flashmla-v4|flashmla-v4-p2|flashmla-v41|flashmla-v41-fp4   KV rows
                         [the family's: fp8 for V4, flashmla-v41 for V4.1]
   --indexer fp8|fp4     indexer cache                                    [fp8]
   --mix chat|agentic|mixed|multiturn                                     [mixed]

@@ -304,7 +304,7 @@ pub extern "C" fn v4pool_last_error_message() -> *const c_char {
     LAST.with(|l| l.borrow().1.as_ptr())
 }
 
-/// Size a pool: `v4pool plan`. `dtype` (`fp8`/`bf16`/`flashmla-v4`/`flashmla-v41`/
+/// Size a pool: `v4pool plan`. `dtype` (`fp8`/`bf16`/`flashmla-v4`/`flashmla-v4-p2`/`flashmla-v41`/
 /// `flashmla-v41-fp4`) and `indexer` (`fp8`/`fp4`/`bf16`) may be null for the defaults (the
 /// model family's rows, as `v4pool plan`: fp8 for V4, flashmla-v41 for V4.1; an fp8
 /// indexer); `spec_steps` 0 is the default the CLI and Python take. `model` is a preset name or

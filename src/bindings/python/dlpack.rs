@@ -17,6 +17,11 @@ use std::sync::Arc;
 pub type Keep = Arc<dyn Any + Send + Sync>;
 
 pub const DL_CPU: i32 = 1;
+/// Page-locked host memory (`kDLCUDAHost`; torch names a pinned CPU tensor's device so):
+/// host memory the CPU reads and writes as any other.
+pub const DL_CUDA_HOST: i32 = 3;
+/// `kDLROCMHost`, ROCm's page-locked host memory.
+pub const DL_ROCM_HOST: i32 = 11;
 pub const DL_CUDA: i32 = 2;
 pub const DL_ROCM: i32 = 10;
 

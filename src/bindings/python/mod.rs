@@ -178,7 +178,7 @@ fn plan(
 }
 
 /// Tokens' bf16 KV (`kv`: bytes of `n × 512` native-order bf16 values) packed by the row format
-/// `format` (`atom-fp8`, `bf16`, `flashmla-v4`, `flashmla-v41`, `flashmla-v41-fp4`) into
+/// `format` (`atom-fp8`, `bf16`, `flashmla-v4`, `flashmla-v4-p2`, `flashmla-v41`, `flashmla-v41-fp4`) into
 /// fresh planes of `n` rows rounded up to the kernel's pages: one `bytes` per plane. What the
 /// pool's writers write, from the format's one description (`v4pool::format`).
 #[pyfunction]

@@ -413,9 +413,12 @@ impl PyPool {
     }
     /// `layer`'s rows as a paged attention kernel takes them (FlashMLA's `k_cache`): a
     /// uint8 view `[pages, page_rows, 1, row_bytes]` from the page holding the layer's first
-    /// row, and the shift to add to the layer's view indices (`Pool::page_view`).
-    #[pyo3(signature = (layer, plane=0, page_rows=64))]
-    fn page_view(&self, layer: usize, plane: usize, page_rows: i64) -> PyResult<(DeviceView, i64)> {
+    /// row, and the shift to add to the layer's view indices (`Pool::page_view`). `page_rows`
+    /// defaults to the row format's kernel page (`PoolSpec::kernel_page_rows`: 64, or 2 for
+    /// `flashmla-v4-p2`).
+    #[pyo3(signature = (layer, plane=0, page_rows=None))]
+    fn page_view(&self, layer: usize, plane: usize, page_rows: Option<i64>) -> PyResult<(DeviceView, i64)> {
+        let page_rows = page_rows.unwrap_or_else(|| self.pool().spec().kernel_page_rows());
         let v = self.pool().page_view(layer, plane, page_rows).map_err(lib_err)?;
         let shape = vec![v.pages, v.page_rows, 1, v.row_bytes as i64];
         Ok((self.view(v.ptr, Elem::U8, shape), v.row_shift))

@@ -2,7 +2,7 @@
 //! (`torch.utils.dlpack.to_dlpack`, which a subclass cannot override), its device, dtype,
 //! shape and strides checked before any library call sees its address.
 
-use super::dlpack::{DLDevice, DLManagedTensor, DL_CPU};
+use super::dlpack::{DLDevice, DLManagedTensor, DL_CPU, DL_CUDA_HOST, DL_ROCM_HOST};
 use super::error;
 use pyo3::prelude::*;
 
@@ -150,7 +150,8 @@ impl Tensor<'_> {
         cols: usize,
         stride: usize,
     ) -> PyResult<&[T]> {
-        if self.device.device_type != DL_CPU {
+        // Host memory, pageable or page-locked (a pinned tensor may say `kDLCUDAHost`).
+        if !matches!(self.device.device_type, DL_CPU | DL_CUDA_HOST | DL_ROCM_HOST) {
             return Err(bad(name, format!("device type {} is not the CPU", self.device.device_type)));
         }
         let len = if rows == 0 { 0 } else { (rows - 1) * stride + cols };

@@ -1,10 +1,10 @@
 //! What `v4pool.vllm` (the vLLM KV connector, `python/v4pool/vllm.py`) needs from the library:
 //! v4pool's chained block hashes (`manager::hash`) and an [`EntryDir`] tier that copies
-//! whole entries out of and into CPU `uint8` tensors taken through DLPack. A translation
-//! only: the tier's rules live in `transfer::entry_dir`.
+//! whole entries out of and into CPU `uint8` tensors taken through DLPack (the bytes are read
+//! and written only through the slices `tensor.rs` proves from torch's own description, with
+//! the GIL held). A translation only: the tier's rules live in `transfer::entry_dir`.
 
-use super::dlpack::DL_CPU;
-use super::tensor::tensor;
+use super::tensor::{tensor, Tensor};
 use super::{error, lib_err};
 use crate::manager::hash::{block_hash, chain_hashes, BlockHash, Namespace};
 use crate::transfer::entry_dir::{EntryDir, Lookup};
@@ -56,19 +56,13 @@ fn kind_of(kind: &str) -> PyResult<char> {
     }
 }
 
-/// The address and length of a C-contiguous CPU `uint8` tensor of any shape.
-fn cpu_u8(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<(usize, usize)> {
+/// A C-contiguous CPU `uint8` tensor of any shape, through torch's DLPack export, and its
+/// length in bytes (its device is checked when its bytes are taken: `host_slice`).
+fn cpu_u8<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<(Tensor<'py>, usize)> {
     let t = tensor(obj, name)?;
     let len = t.contiguous(name, DL_UINT, 8, &t.shape.clone())?;
     let len = usize::try_from(len).map_err(|_| error("BadTensor", format!("{name}: too large")))?;
-    if len > 0 && t.device.device_type != DL_CPU {
-        return Err(error(
-            "BadTensor",
-            format!("{name}: device type {} is not the CPU", t.device.device_type),
-        ));
-    }
-    let ptr = usize::try_from(t.ptr).map_err(|_| error("BadTensor", format!("{name}: address")))?;
-    Ok((ptr, len))
+    Ok((t, len))
 }
 
 /// `EntryTier(root, layout, budget_bytes, sync=False)`: whole checksummed entries keyed by a
@@ -96,7 +90,8 @@ impl PyEntryTier {
         Ok(self.lock()?.contains(k, hash))
     }
 
-    /// The body length the entry's header claims, or None.
+    /// The body length the entry's checked header claims (never more than the budget), or
+    /// None (a refused entry is removed).
     fn size(&self, kind: &str, hash: u128) -> PyResult<Option<u64>> {
         let k = kind_of(kind)?;
         Ok(self.lock()?.body_len(k, hash))
@@ -107,22 +102,17 @@ impl PyEntryTier {
         let k = kind_of(kind)?;
         let mut descs = Vec::with_capacity(parts.len());
         for (i, p) in parts.iter().enumerate() {
-            descs.push(cpu_u8(p, &format!("parts[{i}]"))?);
+            let name = format!("parts[{i}]");
+            let (t, len) = cpu_u8(p, &name)?;
+            descs.push((t, len, name));
         }
-        // The parts stay alive (the caller's list holds them) for the whole call.
-        let slices: Vec<&[u8]> = descs
-            .iter()
-            .map(|&(ptr, len)| {
-                if len == 0 {
-                    &[][..]
-                } else {
-                    // SAFETY: torch described `len` contiguous bytes at `ptr` on the CPU
-                    // (checked above); `parts` keeps the tensors alive through this call, and the
-                    // GIL stays held, so no other Python thread can resize or free them mid-read.
-                    unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }
-                }
-            })
-            .collect();
+        let mut slices: Vec<&[u8]> = Vec::with_capacity(descs.len());
+        for (t, len, name) in &descs {
+            // SAFETY: u8 elements of a contiguous tensor of `len` bytes (checked by `cpu_u8`);
+            // the slices live only inside this call, while `descs` keeps torch's exports alive,
+            // and the GIL stays held, so no other Python thread can resize or free them.
+            slices.push(unsafe { t.host_slice::<u8>(name, 1, *len, *len)? });
+        }
         // The GIL is kept: released, another thread could free or resize a part under the read.
         self.lock().and_then(|mut d| d.put(k, hash, &slices).map_err(lib_err))
     }
@@ -131,15 +121,12 @@ impl PyEntryTier {
     /// miss (absent, corrupt, truncated, foreign, another length), when `dst` must be ignored.
     fn get_into(&self, kind: &str, hash: u128, dst: Bound<'_, PyAny>) -> PyResult<bool> {
         let k = kind_of(kind)?;
-        let (ptr, len) = cpu_u8(&dst, "dst")?;
-        let out: &mut [u8] = if len == 0 {
-            &mut []
-        } else {
-            // SAFETY: torch described `len` contiguous writable CPU bytes at `ptr`; `dst` is held
-            // for the whole call and the GIL stays held, so no other Python thread can resize or
-            // free it under the write.
-            unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) }
-        };
+        let (t, len) = cpu_u8(&dst, "dst")?;
+        // SAFETY: u8 elements of a contiguous tensor of `len` bytes (checked by `cpu_u8`); the
+        // slice lives only inside this call while `t` keeps torch's export alive, nothing else
+        // in this call reads or writes them, and the GIL stays held, so no other Python thread
+        // can resize, free or touch the tensor under the write.
+        let out = unsafe { t.host_slice_mut::<u8>("dst", 1, len, len)? };
         // The GIL is kept, as in `put`.
         self.lock().map(|mut d| d.get_into(k, hash, out) == Lookup::Hit)
     }

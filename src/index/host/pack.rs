@@ -70,9 +70,12 @@ pub enum KvPlanes<'a> {
         /// The view's rows.
         pool: &'a mut [u8],
     },
-    /// FlashMLA's V4 plane of 584-B rows in pages of 64 (`crate::format`'s `flashmla-v4`),
-    /// from its row 0; view row `r` is plane row `row0 + r`.
-    FlashMlaV4 {
+    /// A one-plane paged format's plane, from its row 0 (FlashMLA's V4 584-B rows in pages of
+    /// 64, `flashmla-v4`, or of 2, `flashmla-v4-p2`); view row `r` is plane row `row0 + r`,
+    /// placed by the format's page arithmetic.
+    Paged {
+        /// Which format.
+        format: crate::format::RowFormatId,
         /// The plane from its row 0 through the view's last page.
         plane: &'a mut [u8],
         /// The view's first row in the plane.
@@ -135,8 +138,8 @@ pub fn kv_rows(
                 })?;
                 pool[r].copy_from_slice(&packed[0]);
             }
-            KvPlanes::FlashMlaV4 { plane, row0 } => {
-                let f = crate::format::RowFormatId::FlashMlaV4.format();
+            KvPlanes::Paged { format, plane, row0 } => {
+                let f = format.format();
                 let oob = HostKernelError::OutOfBounds { buffer: "plane", index: row, len: plane.len() };
                 let packed = f.pack(src).map_err(|_| oob.clone())?;
                 let r = u64::try_from(*row0 + row).map_err(|_| oob.clone())?;

@@ -400,6 +400,17 @@ unsafe fn run_write_batch(a: &crate::index::WriteBatchArgs) -> Result<()> {
     Ok(())
 }
 
+/// Bytes of a paged plane from its row 0 through the last whole page holding the view's rows
+/// (`view_row0 .. view_row0 + view_rows`), in the plane's page.
+fn paged_plane_bytes(a: &crate::index::KvRowsArgs, plane: &crate::format::PlaneFormat) -> Result<usize> {
+    let page = plane.page_rows as i64;
+    let oob = |index| HostKernelError::OutOfBounds { buffer: "nope", index, len: 0 };
+    let end = a.view_row0.checked_add(a.view_rows).ok_or(oob(a.view_row0))?;
+    let pages = end.checked_add(page - 1).map(|e| e / page).ok_or(oob(end))?;
+    let page_bytes = mul(page, plane.row_bytes() as i64, "plane bytes")?;
+    len_of("plane bytes", mul(pages, page_bytes, "plane bytes")?)
+}
+
 /// # Safety
 /// See [`run_launch`].
 unsafe fn run_kv_rows(a: &crate::index::KvRowsArgs) -> Result<()> {
@@ -424,37 +435,25 @@ unsafe fn run_kv_rows(a: &crate::index::KvRowsArgs) -> Result<()> {
             Some(input("batch_id_per_token", a.batch_id_per_token, t)?)
         };
         let rows = |w: u64| len_of("view bytes", mul(a.view_rows, w as i64, "view bytes")?);
-        let mut planes = match a.format {
-            crate::index::KV_ROWS_ATOM_FP8 => KvPlanes::Fp8 {
+        let paged = crate::format::RowFormatId::from_kernel_code(a.format).filter(|f| f.format().is_paged());
+        let mut planes = match (a.format, paged) {
+            // A paged format's plane (FlashMLA's V4 rows, pages of 64 or of 2) from row 0.
+            (_, Some(format)) => {
+                let bytes = paged_plane_bytes(a, &format.format().planes[0])?;
+                KvPlanes::Paged { format, plane: output("nope", a.nope, bytes)?, row0: a.view_row0 }
+            }
+            (crate::index::KV_ROWS_ATOM_FP8, None) => KvPlanes::Fp8 {
                 nope: output("nope", a.nope, rows(FP8_NOPE_ROW_BYTES)?)?,
                 rope: output("rope", a.rope, rows(ROPE_ROW_BYTES)?)?,
             },
-            crate::index::KV_ROWS_FLASHMLA_V41 => KvPlanes::Interleaved {
+            (crate::index::KV_ROWS_FLASHMLA_V41, None) => KvPlanes::Interleaved {
                 format: crate::format::RowFormatId::FlashMlaV41,
                 pool: output("nope", a.nope, rows(crate::index::FLASHMLA_V41_ROW_BYTES)?)?,
             },
-            crate::index::KV_ROWS_FLASHMLA_V41_FP4 => KvPlanes::Interleaved {
+            (crate::index::KV_ROWS_FLASHMLA_V41_FP4, None) => KvPlanes::Interleaved {
                 format: crate::format::RowFormatId::FlashMlaV41Fp4,
                 pool: output("nope", a.nope, rows(crate::index::FLASHMLA_V41_FP4_ROW_BYTES)?)?,
             },
-            crate::index::KV_ROWS_FLASHMLA_V4 => {
-                // The plane from row 0 through the view's last whole page.
-                let end = a.view_row0.checked_add(a.view_rows).ok_or(HostKernelError::OutOfBounds {
-                    buffer: "nope",
-                    index: a.view_row0,
-                    len: 0,
-                })?;
-                let pages = end.checked_add(63).map(|e| e / 64).ok_or(HostKernelError::OutOfBounds {
-                    buffer: "nope",
-                    index: end,
-                    len: 0,
-                })?;
-                let bytes = len_of(
-                    "plane bytes",
-                    mul(pages, 64 * crate::index::FLASHMLA_V4_ROW_BYTES as i64, "plane bytes")?,
-                )?;
-                KvPlanes::FlashMlaV4 { plane: output("nope", a.nope, bytes)?, row0: a.view_row0 }
-            }
             _ => KvPlanes::Bf16 { pool: output("nope", a.nope, rows(2 * KV_ROW_VALUES as u64)?)? },
         };
         kv_rows(kv, stride, dest, bids, &mut planes, a.view_rows, a.num_tokens)

@@ -494,17 +494,14 @@ fn check_kv_rows(a: &crate::index::KvRowsArgs) -> Result<(), LaunchError> {
     non_negative("num_tokens", a.num_tokens.into())?;
     non_negative("view_rows", a.view_rows)?;
     at_least("kv_row_stride", a.kv_row_stride, crate::index::KV_ROW_VALUES as i64)?;
-    use crate::index::{
-        KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V4, KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V41_FP4,
-    };
-    if ![KV_ROWS_BF16, KV_ROWS_ATOM_FP8, KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V4, KV_ROWS_FLASHMLA_V41_FP4]
-        .contains(&a.format)
-    {
+    use crate::index::KV_ROWS_ATOM_FP8;
+    // Every row format has a code (`RowFormatId::kernel_code`); no other code is one.
+    let Some(format) = crate::format::RowFormatId::from_kernel_code(a.format) else {
         return Err(LaunchError::BadCode { field: "format", value: a.format });
-    }
+    };
     // Only a paged format has a view offset inside its plane; it is a row, never negative.
     non_negative("view_row0", a.view_row0)?;
-    if a.format != KV_ROWS_FLASHMLA_V4 && a.view_row0 != 0 {
+    if !format.format().is_paged() && a.view_row0 != 0 {
         return Err(LaunchError::BadCode {
             field: "view_row0",
             value: i32::try_from(a.view_row0).unwrap_or(i32::MAX),

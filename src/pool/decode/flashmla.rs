@@ -79,7 +79,8 @@ pub struct FlashMlaBuffers {
     pub topk: i32,
     /// Entries per row of `extra_indices` (0 for a dense layer).
     pub extra_topk: i32,
-    /// The layer's page-view shift (`Pool::page_view(layer, _, 64).row_shift`), already in every
+    /// The layer's page-view shift (`Pool::page_view(layer, _, page).row_shift`, `page` the
+    /// spec's `kernel_page_rows`: 64, or 2 in `flashmla-v4-p2`), already in every
     /// index.
     pub shift: i32,
 }
