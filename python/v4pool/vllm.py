@@ -20,7 +20,9 @@ What it is, in vLLM's terms (``docs/vllm.md`` has the long form):
   checkpoint is the request's window rows, compressor state / ring and the partial blocks of
   the compressed groups at one position, saved where a prefill or a request ended.
 * ``get_loaded_kv_cache_group_ids`` answers every group, so vLLM takes the hit as it is:
-  nothing replayed (V4.1's ``replay_start`` stays 0), no cut to whole blocks.
+  nothing replayed (V4.1's ``replay_start`` stays 0), no cut to whole blocks. (V4.1's
+  ``replay_fallback``: where no checkpoint ends a run of stored blocks, the blocks alone,
+  vLLM replaying the window after them as after a hit in its own cache.)
 * The worker side places each layer's pages in vLLM's backing allocation (the
   ``KVCacheTensor``'s offset and strides, the page size from the group's spec; torch's own
   storage description) and moves them with ``v4pool.vllm_copy``: saves gather the pages
@@ -40,6 +42,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import re
 import threading
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -82,8 +85,9 @@ MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
 
 logger = init_logger(__name__)
 
-# Entry kinds in the tiers: a full block's pages, a checkpoint, a checkpoint index.
-BLOCK, CHECKPOINT, INDEX = "b", "c", "i"
+# Entry kinds in the tiers: a full block's pages, a checkpoint, a checkpoint index; and a
+# load the scheduler side already knows cannot be served (never in a tier).
+BLOCK, CHECKPOINT, INDEX, FAILED = "b", "c", "i", "x"
 
 
 class UnsupportedLayout(ValueError):
@@ -109,13 +113,20 @@ class Group:
     """One KV cache group as the connector moves it."""
 
     idx: int
-    role: str  # "full" (prefix blocks), "window" (checkpointed window), "ring" (one block)
+    # "full" (prefix blocks), "window" (checkpointed window), "state" (a compressor's
+    # state rows, checkpointed as far back as its open group reaches), "ring" (one block)
+    role: str
     block_size: int  # tokens per block of this group
     window: int  # sliding window in tokens (window groups)
     layers: tuple[str, ...]
     page_bytes: tuple[int, ...]  # per layer
     spec_kind: str
     spec_window: int | None
+    # vLLM's prefix cache keeps (and lends) this group's blocks; V4.1's bounded-replay
+    # windows and its ring it does not.
+    cacheable: bool = True
+    ratio: int = 0  # state groups: the compress ratio of their layers
+    replay: int = 0  # tokens vLLM replays after a hit that does not restore this group
 
 
 def _layer_specs(spec) -> list:
@@ -153,6 +164,30 @@ def _classify(idx: int, spec) -> tuple[str, int]:
     return kinds.pop(), window
 
 
+def _state_ratio(idx: int, role: str, window: int, layers, hf) -> int:
+    """The compress ratio of a group of DeepSeek-V4 compressor states (vLLM's
+    ``CompressorStateCache``: layers ``model.layers.<i>....compressor.state_cache``, a
+    sliding window of ``(2 if ratio 4 else 1) * ratio`` fp32 rows), from the model's
+    ``compress_ratios``; 0 for any other group."""
+    if role != "window" or not all(n.endswith("compressor.state_cache") for n in layers):
+        return 0
+    from vllm.transformers_utils.deepseek_v4_utils import get_compress_ratios
+
+    table = get_compress_ratios(hf)
+    ratios = set()
+    for n in layers:
+        m = re.search(r"\.layers\.(\d+)\.", n)
+        if m is None or int(m.group(1)) >= len(table):
+            raise UnsupportedLayout(f"v4pool.vllm: group {idx}: no compress ratio for layer {n}")
+        ratios.add(int(table[int(m.group(1))]))
+    r = ratios.pop() if len(ratios) == 1 else 0
+    if r <= 1 or window % r or window // r not in (1, 2):
+        raise UnsupportedLayout(
+            f"v4pool.vllm: group {idx} holds compressor states of ratios "
+            f"{sorted(ratios | {r})} with a window of {window} tokens")
+    return r
+
+
 def _slab_of(kv_cache_config: "KVCacheConfig") -> str:
     """Where every layer's page lies in vLLM's per-block slab (each KVCacheTensor's offset,
     layer stride, block stride and layers), digested: an entry's body holds a block's pages in
@@ -168,6 +203,7 @@ class Layout:
     groups: tuple[Group, ...]
     block: int  # the hash block: the scheduler's block (LCM of the groups' block sizes)
     layout_id: str
+    replay: int = 0  # V4.1: the window vLLM's bounded replay recomputes after a hit
 
     @staticmethod
     def of(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> "Layout":
@@ -181,6 +217,8 @@ class Layout:
         groups = []
         for idx, g in enumerate(kv_cache_config.kv_cache_groups):
             role, window = _classify(idx, g.kv_cache_spec)
+            ratio = _state_ratio(idx, role, window, g.layer_names, hf)
+            role = "state" if ratio else role
             spec = g.kv_cache_spec
             per_layer = (
                 spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs) else None
@@ -199,6 +237,9 @@ class Layout:
                     page_bytes=pages,
                     spec_kind=kind,
                     spec_window=window or None,
+                    cacheable=spec.prefix_cacheable,
+                    ratio=ratio,
+                    replay=spec.prefix_replay_tokens,
                 )
             )
         block = 1
@@ -223,19 +264,33 @@ class Layout:
         )
         layout_id = f"vllm-{VLLM_VERSION}|{model_type}|block{block}|{desc}|{_slab_of(kv_cache_config)}"
         return Layout(model=f"{model_type}:{name}", groups=tuple(groups), block=block,
-                      layout_id=layout_id)
+                      layout_id=layout_id, replay=max(g.replay for g in groups))
 
     def block_span(self, g: Group, start: int, end: int) -> range:
         """Group-block indices holding tokens [start, end)."""
         return range(start // g.block_size, -(-end // g.block_size))
 
     def checkpoint_span(self, g: Group, pos: int) -> range:
-        """Group-block indices a checkpoint at ``pos`` holds for group ``g``."""
+        """Group-block indices a checkpoint at ``pos`` holds for group ``g``.
+
+        The V4.1 ring (``CircularBufferSpec``: the compressor's open group, ratio 1 or 2) is
+        held only where ``pos`` is not a multiple of the block: at a multiple (even) no
+        group is open, so no later token reads the ring's rows (vLLM's
+        ``CompressorMetadataBuilder``: "ordinary decode only needs the latest open row to
+        complete the next ratio-2 pair"), and a checkpoint there may be taken inside a
+        prefill chunk, where the ring holds the chunk's end instead."""
         if g.role == "full":
             return self.block_span(g, pos - pos % self.block, pos)
         if g.role == "window":
             return self.block_span(g, max(0, pos - g.window), pos)
-        return range(0, 1)
+        if g.role == "state":
+            # The rows later tokens read: the open group's and, for the overlapping ratio-4
+            # compressor (window 2 x ratio), the group before it. A closed group's rows
+            # are in the compressed entry already (v4pool's own checkpoints leave the HCA
+            # state out for this reason: pool-runtime.md section 6).
+            reach = pos - pos % g.ratio - (g.window // g.ratio - 1) * g.ratio
+            return self.block_span(g, max(0, reach), pos)
+        return range(0, 1) if pos % self.block else range(0)
 
 
 # ------------------------------------------------------------------------ the tiers
@@ -317,7 +372,9 @@ _BENCH_SHARED: dict[str, dict] = {}
 class IndexOnlyTiers:
     """For benches/vllm_trace.py only (``bench_index_only``): the tier's keys and byte sizes
     without bytes, in one LRU of ``host_bytes``, shareable between scheduler objects of one
-    process (a fleet's shared tier: pass the same dict). Saves are accounted when planned."""
+    process (a fleet's shared tier: pass the same dict). Saves are accounted when planned.
+    Its clock is the file tier's (``transfer::entry_dir``: an entry's mtime is set when it is
+    written and when it is read, not when it is looked up)."""
 
     def __init__(self, capacity: int, shared: "dict | None" = None):
         import collections
@@ -331,10 +388,11 @@ class IndexOnlyTiers:
         self.tiers = [("cpu", None)]
 
     def where(self, kind, key):
+        return "cpu" if (kind, key) in self.store else None
+
+    def touch(self, kind, key):
         if (kind, key) in self.store:
             self.store.move_to_end((kind, key))
-            return "cpu"
-        return None
 
     def add(self, kind, key, nbytes):
         if (kind, key) in self.store:
@@ -386,6 +444,7 @@ class _Hit:
     full_blocks: int  # whole hash blocks loaded from 'b' entries
     ckpt_key: int
     local: int  # tokens vLLM's own prefix cache already holds
+    exact: bool = True  # a checkpoint ends it (False: whole blocks, vLLM replays the window)
 
 
 class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
@@ -412,20 +471,29 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self.tiers = Tiers(self.layout, extra)
         self.checkpoint_every_step = bool(extra.get("checkpoint_every_step", False))
-        # Checkpoints inside a prefill chunk, every this many tokens (a multiple of the hash
-        # block; 0: none). The window and state rows of every position of a chunk are in
-        # vLLM's blocks until the next step frees the ones out of the window (V4); V4.1's
-        # ring holds only the chunk's end, so it takes checkpoints at chunk ends only.
-        every = int(extra.get("checkpoint_every", 0))
-        if every % self.layout.block:
-            raise UnsupportedLayout(
-                f"v4pool.vllm: checkpoint_every {every} is not a multiple of the block {self.layout.block}")
-        if any(g.role == "ring" for g in self.layout.groups):
-            every = 0
-        self.checkpoint_every = every
+        # A checkpoint where the request ends (prompt and output), for a next turn that
+        # carries the output (default on).
+        self.checkpoint_at_finish = bool(extra.get("checkpoint_at_finish", True))
+        # V4.1: where no checkpoint ends a run of stored whole blocks, offer the blocks and
+        # let vLLM replay the window after them, if that serves more tokens (default on).
+        self.replay_fallback = bool(extra.get("replay_fallback", True))
+        # Checkpoints inside a prefill chunk (multiples of the hash block): every
+        # checkpoint_every tokens, and the prompt's last multiple of branch_every tokens,
+        # where a later prompt that shares this one's whole blocks of branch_every tokens
+        # diverges (v4pool's own manager checkpoints the prompt's last block boundary for
+        # the same reason; 0: none). The window and state rows of every position of a
+        # chunk are in vLLM's blocks until the next step frees those out of the window, and
+        # V4.1's ring needs none there (Layout.checkpoint_span).
+        for opt in ("checkpoint_every", "branch_every"):
+            every = int(extra.get(opt, 0))
+            if every < 0 or every % self.layout.block:
+                raise UnsupportedLayout(
+                    f"v4pool.vllm: {opt} {every} is not a multiple of the block {self.layout.block}")
+            setattr(self, opt, every)
         # Scheduler state.
         self._requests: dict[str, "Request"] = {}
         self._hits: dict[str, _Hit] = {}
+        self._block_hits: set[str] = set()  # requests whose hit ends without a checkpoint
         self._pending_loads: list[Transfer] = []
         self._pending_saves: list[Transfer] = []
         self._finishing: list[str] = []
@@ -452,12 +520,13 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
     def _index_key(self, j: int, hashes: list[int]) -> int:
         return v4pool.tail_hash(self.ns, [], hashes[j - 1] if j > 0 else None)
 
-    def lookup(self, tokens: list[int], limit: int) -> tuple[int, int, int]:
-        """The longest stored hit of ``tokens`` no longer than ``limit``:
-        (length, whole blocks, checkpoint key); (0, 0, 0) when none."""
+    def lookup(self, tokens: list[int], limit: int, held: int = 0) -> tuple[int, int, int, int]:
+        """The longest stored hit of ``tokens`` no longer than ``limit``, the first
+        ``held`` whole blocks being in vLLM's own prefix cache: (length, whole blocks,
+        checkpoint key, the run of whole blocks held or stored); length 0 when none."""
         B = self.layout.block
         hashes = self._hashes(tokens[: limit - limit % B] if limit >= B else [])
-        k = 0
+        k = min(held, len(hashes))
         while k < len(hashes) and self.tiers.where(BLOCK, hashes[k]):
             k += 1
         for j in range(k, -1, -1):
@@ -466,8 +535,8 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
             for t in sorted(tails, reverse=True):
                 key = self._tail_key(tokens, j, t, hashes)
                 if self.tiers.where(CHECKPOINT, key):
-                    return j * B + t, j, key
-        return 0, 0, 0
+                    return j * B + t, j, key, k
+        return 0, 0, 0, k
 
     def on_new_request(self, request: "Request") -> None:
         self._requests[request.request_id] = request
@@ -478,13 +547,26 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         tokens = list(request.prompt_token_ids or [])
         # vLLM computes at least the last prompt token itself.
         limit = len(tokens) - 1
-        length, full, key = self.lookup(tokens, limit)
+        B = self.layout.block
+        length, full, key, run = self.lookup(tokens, limit, num_computed_tokens // B)
+        exact = True
+        if self.replay_fallback and self.layout.replay and run * B - self.layout.replay > length:
+            # No checkpoint near the end of the run of whole blocks: take the blocks and let
+            # vLLM replay the window after them (V4.1's bounded replay), as it would after
+            # a hit in its own prefix cache, when that serves more tokens.
+            length, full, key, exact = run * B, run, 0, False
+        self._block_hits.discard(request.request_id)
         if length <= num_computed_tokens:
             return 0, False
-        self._hits[request.request_id] = _Hit(length, full, key, num_computed_tokens)
+        self._hits[request.request_id] = _Hit(length, full, key, num_computed_tokens, exact)
+        if not exact:
+            self._block_hits.add(request.request_id)
         return length - num_computed_tokens, False
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        if request.request_id in self._block_hits:
+            # Whole blocks only: vLLM replays the window and rebuilds the ring.
+            return tuple(g.idx for g in self.layout.groups if g.role == "full")
         # Every group is restored: compressed, indexer, windows, state, ring.
         return tuple(g.idx for g in self.layout.groups)
 
@@ -493,19 +575,36 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         hit = self._hits.pop(request.request_id, None)
         if num_external_tokens == 0 or hit is None:
             return
-        assert hit.length == hit.local + num_external_tokens, (hit, num_external_tokens)
         ids = blocks.get_block_ids()
+        if hit.length != hit.local + num_external_tokens:
+            # The scheduler took fewer tokens than offered (a cap of its own): no checkpoint
+            # ends there, so nothing is loaded and the blocks it allocated for them are
+            # reported as load errors, which vLLM recomputes.
+            end = hit.local + num_external_tokens
+            self._pending_loads.append(Transfer(FAILED, 0, [
+                (g.idx, [ids[g.idx][b] for b in (range(1) if g.role == "ring" else
+                                                 self.layout.block_span(g, hit.local, end))
+                         if b < len(ids[g.idx]) and ids[g.idx][b] != NULL_BLOCK])
+                for g in self.layout.groups], request.request_id))
+            return
         B = self.layout.block
         tokens = list(request.prompt_token_ids or [])
         hashes = self._hashes(tokens[: hit.full_blocks * B])
         rid = request.request_id
         first = hit.local // B  # whole blocks vLLM's own cache already holds
+        loads = []
         for i in range(first, hit.full_blocks):
             plan = []
             for g in self.layout.groups:
                 if g.role == "full":
                     plan.append((g.idx, [ids[g.idx][b] for b in self.layout.block_span(g, i * B, (i + 1) * B)]))
-            self._pending_loads.append(Transfer(BLOCK, hashes[i], plan, rid, (i + 1) * B, i))
+            loads.append(Transfer(BLOCK, hashes[i], plan, rid, (i + 1) * B, i))
+        self.stats["hits"] += 1
+        self.stats["hit_tokens"] += num_external_tokens
+        if not hit.exact:
+            self.stats["replayed_hits"] = self.stats.get("replayed_hits", 0) + 1
+            self._add_loads(loads)
+            return
         plan = []
         for g in self.layout.groups:
             span = self.layout.checkpoint_span(g, hit.length)
@@ -513,14 +612,19 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
             out = []
             for b in span:
                 bid = own[b] if b < len(own) else NULL_BLOCK
-                # Never write a block vLLM's prefix cache lent this request.
-                if g.role != "ring" and b * g.block_size < hit.local:
+                # Never write a block vLLM's prefix cache lent this request (a group it
+                # does not cache has blocks of the request's own there: those are written).
+                if g.cacheable and b * g.block_size < hit.local:
                     bid = NULL_BLOCK
                 out.append(bid)
             plan.append((g.idx, out))
-        self._pending_loads.append(Transfer(CHECKPOINT, hit.ckpt_key, plan, rid, hit.length))
-        self.stats["hits"] += 1
-        self.stats["hit_tokens"] += num_external_tokens
+        self._add_loads(loads + [Transfer(CHECKPOINT, hit.ckpt_key, plan, rid, hit.length)])
+
+    def _add_loads(self, loads: list[Transfer]) -> None:
+        self._pending_loads.extend(loads)
+        if self.index_only is not None:
+            for tr in loads:  # what the worker's reads would do to the tier's clock
+                self.tiers.touch(tr.kind, tr.key)
 
     def _plan_saves(self, request: "Request", pos: int, block_ids,
                     ckpts: "list[int] | None" = None) -> list[Transfer]:
@@ -564,12 +668,17 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_loads, self._pending_saves, self._finishing = [], [], []
         n_finish = len(meta.saves)  # noted when request_finished_all_groups planned them
         mgr = self._kv_cache_manager
-        for rid in scheduler_output.num_scheduled_tokens:
+        # Where each request's chunk of this step starts, as the scheduler sent it to the
+        # workers (vLLM 0.34 builds this metadata before it advances num_computed_tokens).
+        starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
             req = self._requests.get(rid)
-            if req is None or mgr is None:
+            if req is None or mgr is None or rid not in starts:
                 continue
-            pos = req.num_computed_tokens  # already advanced past this step's chunk
-            start = pos - scheduler_output.num_scheduled_tokens[rid]
+            start = starts[rid]
+            pos = start + n  # the state the workers' forward leaves in the blocks
             if pos > req.num_prompt_tokens or pos <= self._saved_pos.get(rid, 0):
                 continue
             # Checkpoints where this step's rows still hold the state: every
@@ -579,6 +688,10 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
             if self.checkpoint_every:
                 e = self.checkpoint_every
                 ck = list(range((start // e + 1) * e, pos + 1, e))
+            if self.branch_every:
+                q = req.num_prompt_tokens - req.num_prompt_tokens % self.branch_every
+                if start < q <= pos and q not in ck:
+                    ck.append(q)
             if (pos == req.num_prompt_tokens or self.checkpoint_every_step) and pos not in ck:
                 ck.append(pos)
             if not ck:
@@ -626,7 +739,8 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         pos = request.num_computed_tokens
         saved = self._saved_pos.pop(rid, 0)
         self._hits.pop(rid, None)
-        if pos <= 0 or pos <= saved or not self.tiers.tiers:
+        self._block_hits.discard(rid)
+        if pos <= 0 or pos <= saved or not self.tiers.tiers or not self.checkpoint_at_finish:
             return False, None
         saves = self._plan_saves(request, pos, block_ids)
         if not saves:
@@ -705,7 +819,10 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_event = None
         if not meta.loads:
             return
-        done = self._mover.load([(tr.kind, tr.key, tr.blocks) for tr in meta.loads])
+        # A load the scheduler already marked failed (FAILED) names no entry: reported, not read.
+        live = [tr for tr in meta.loads if tr.kind != FAILED]
+        moved = iter(self._mover.load([(tr.kind, tr.key, tr.blocks) for tr in live]))
+        done = [tr.kind != FAILED and next(moved) for tr in meta.loads]
         self._load_event = self._mover.copier.record()
         for tr, ok in zip(meta.loads, done):
             if not ok:

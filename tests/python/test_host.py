@@ -525,3 +525,33 @@ def test_flashmla_lengths_per_batch_entry(flash_plan):
         assert list(sel) == [per(c) for c in ctx] + [0] * (B - len(ctx)), ratio
         etl = np.from_dlpack(ops["extra_topk_length"])[: B * MTP].reshape(B, MTP)
         assert list(etl.max(1)) == list(sel), ratio
+
+
+def test_step_cost_is_the_calibrated_model():
+    # benches/vllm_trace.py times vLLM's scheduler with it: the coefficients `v4pool calibrate`
+    # fits, the formula StepCost::step_ms's.
+    c = v4pool.StepCost.preset("h200x4-flash-fp8")
+    k = json.loads(c.to_json())
+    assert c.name == "h200x4-flash-fp8" and c.gpus == 4
+    assert c.step_ms() == k["base_ms"]
+    load = dict(prefill_tokens=2048, prefill_ctx_tokens=2048 * 5000.0, decode_seqs=30,
+                decode_ctx_tokens=30 * 9000, restored_bytes=3 << 20)
+    assert c.step_ms(**load) == pytest.approx(
+        k["base_ms"] + k["per_seq_ms"] * 30 + k["per_kv_token_ms"] * 30 * 9000
+        + k["per_prefill_token_ms"] * (2048 + k["prefill_ctx"] * 2048 * 5000.0)
+        + (3 << 20) / (k["host_gbps"] * 1e6), rel=1e-12)
+    # serde_json's float parsing may round the last bit (src/sim/cost.rs tests say the same).
+    back = json.loads(v4pool.StepCost.from_json(c.to_json()).to_json())
+    assert back == {n: pytest.approx(v, rel=1e-15) if isinstance(v, float) else v for n, v in k.items()}
+    with pytest.raises(v4pool.V4PoolError) as e:
+        v4pool.StepCost.preset("h100x1-nothing")
+    assert e.value.variant == "UnknownPreset"
+    with pytest.raises(v4pool.V4PoolError) as e:
+        v4pool.StepCost.from_json(json.dumps(dict(k, base_ms=-1.0)))
+    assert e.value.variant == "Coefficient"
+    cli = os.environ.get("V4POOL_CLI")
+    if not cli:
+        pytest.skip("V4POOL_CLI not set: no `v4pool` binary to compare with")
+    out = subprocess.run([cli, "calibrate", "--preset", "h200x4-flash-fp8", "--no-replay", "--json"],
+                         check=True, capture_output=True, text=True).stdout
+    assert json.loads(out)["presets"][0]["cost"] == k

@@ -18,12 +18,17 @@ import dsv4_layout as L  # noqa: E402
 
 import torch  # noqa: E402
 
+# The mock model's page writes and the connector's copies are tens of KiB each: one thread.
+# (With torch's default of one OpenMP thread per core, each such copy took ~20 ms instead
+# of ~10 us on a 2-core machine other jobs were loading: the suite ran 4 minutes.)
+torch.set_num_threads(1)
 
 
 def _scheduler(model, tier, **kw):
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
-    cfg = L.vllm_config(model, connector_extra={"host_dir": str(tier), "host_bytes": 1 << 34}, **kw)
+    cfg = L.vllm_config(model, connector_extra={"host_dir": str(tier), "host_bytes": 1 << 34,
+                                                      "branch_every": 256}, **kw)
     kcfg = L.kv_cache_config(cfg)
     cfg.cache_config.num_gpu_blocks = kcfg.num_blocks
     block, hash_block = L.scheduler_blocks(cfg, kcfg)
@@ -66,9 +71,11 @@ def _request(s, rid, tokens, max_tokens=1):
                    block_hasher=get_request_block_hasher(s.hash_block_size, sha256))
 
 
-def _step(s, w, gen, written):
+def _step(s, w, gen, written, after_forward=None):
     """One engine step with a mock model: every scheduled token's pages are written with
-    fresh random bytes (what the model would write), then the connector saves/loads."""
+    fresh random bytes (what the model would write), then the connector saves/loads;
+    ``after_forward()`` runs then, before the scheduler takes the step's output (which may
+    free a finished request's blocks)."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     out = s.schedule()
@@ -91,6 +98,8 @@ def _step(s, w, gen, written):
                     page.copy_(torch.randint(0, 256, page.shape, dtype=torch.uint8, generator=gen))
                 written.add((g.idx, bid))
     w.wait_for_save()
+    if after_forward is not None:
+        after_forward()
     sending, _ = w.get_finished(set())
     w.clear_connector_metadata()
     reqs = [r for r in out.num_scheduled_tokens]
@@ -115,8 +124,12 @@ def _snapshot(w, ids, layout, pos):
 
 
 def _run_a_then_b(model, tier, *, corrupt=False):
-    """Request A computed and saved; the prefix cache reset; B = A's prompt + an unaligned
-    suffix scheduled. Returns what the assertions need."""
+    """Request A computed and saved; the prefix cache reset; then, scheduled in one step,
+    D = A's first 600 tokens + a suffix (V4.1; two whole blocks, no checkpoint), C = A's first 800
+    tokens + another (it hits the checkpoint A's prefill took inside its chunk at its
+    prompt's last block boundary, 768: branch_every) and B = A's prompt + an unaligned
+    suffix (it hits C's first 768 tokens in vLLM's own prefix cache, C's blocks loaded in
+    the same step, and the rest, to 845, from the tier). Returns what the assertions need."""
     cfg, kcfg, s = _scheduler(model, tier)
     w, kv = _worker(cfg, kcfg)
     conn = s.connector
@@ -127,16 +140,31 @@ def _run_a_then_b(model, tier, *, corrupt=False):
     a = _request(s, "A", prompt_a)
     s.add_request(a)
     written = set()
-    snap = None
+    snaps = {}
+
+    def after_forward():
+        # A's pages as its prefill leaves them, at its end and at its branch checkpoint.
+        if not snaps and s.requests["A"].num_computed_tokens == len(prompt_a):
+            ids = s.kv_cache_manager.get_block_ids("A")
+            snaps[len(prompt_a)] = _snapshot(w, ids, conn.layout, len(prompt_a))
+            snaps[3 * B] = _snapshot(w, ids, conn.layout, 3 * B)
+
     for _ in range(20):
-        out = _step(s, w, gen, written)
-        if "A" in s.requests and s.requests["A"].num_computed_tokens == len(prompt_a) and snap is None:
-            snap = _snapshot(w, s.kv_cache_manager.get_block_ids("A"), conn.layout, len(prompt_a))
+        _step(s, w, gen, written, after_forward)
         if not s.requests and not s.has_unfinished_requests():
             break
-    assert snap, "request A never finished its prefill"
+    assert snaps, "request A never finished its prefill"
+    snap, snap_branch = snaps[len(prompt_a)], snaps[3 * B]
     assert s.reset_prefix_cache()
-    # B: A's prompt + an unaligned suffix.
+    # D (V4.1) shares A's first 600 tokens: two whole blocks, no checkpoint at or below 599.
+    # (V4 cannot serve it: D would compute those blocks in the step C and B read them.)
+    prompt_d = prompt_a[:600] + torch.randint(1, 100000, (20,), generator=gen).tolist()
+    d = _request(s, "D", prompt_d)
+    if model == "v41-flash":
+        s.add_request(d)
+    prompt_c = prompt_a[:800] + torch.randint(1, 100000, (30,), generator=gen).tolist()
+    c = _request(s, "C", prompt_c)
+    s.add_request(c)
     prompt_b = prompt_a + torch.randint(1, 100000, (45,), generator=gen).tolist()
     b = _request(s, "B", prompt_b)
     s.add_request(b)
@@ -150,21 +178,29 @@ def _run_a_then_b(model, tier, *, corrupt=False):
         w, _ = _worker(cfg, kcfg, kv)
     out = s.schedule()
     return dict(s=s, w=w, conn=conn, out=out, a=prompt_a, b=prompt_b, req=b, snap=snap,
+                c=prompt_c, req_c=c, snap_branch=snap_branch, d=prompt_d, req_d=d,
                 events=list(s.published), cfg=cfg, kcfg=kcfg, kv=kv)
 
 
-@pytest.mark.parametrize("model", ["v4-flash"])
+@pytest.mark.parametrize("model", ["v4-flash", "v41-flash"])
 def test_prefix_restores_exactly(model, tmp_path):
     r = _run_a_then_b(model, tmp_path / "tier")
     s, w, conn, out, prompt_a, prompt_b, b, snap = (r[k] for k in ("s", "w", "conn", "out", "a", "b", "req", "snap"))
+    # V4.1: vLLM's scheduler would replay the hit's last window (SWA bounded replay) unless
+    # the load carries it; V4 has nothing to replay.
+    assert s.prefix_replay_tokens == (128 if model == "v41-flash" else 0)
     assert out.num_scheduled_tokens["B"] == len(prompt_b) - len(prompt_a)
     assert b.num_computed_tokens - out.num_scheduled_tokens["B"] == len(prompt_a)
-    assert getattr(b, "replay_start", 0) in (0, None)
+    assert b.replay_start == 0
+    st = b.prefill_stats
+    assert (st.num_local_cached_tokens, st.num_external_cached_tokens) == (768, 77)
     w.bind_connector_metadata(out.kv_connector_metadata)
     w.start_load_kv(None)
     assert not w.get_block_ids_with_load_errors()
     ids_b = s.kv_cache_manager.get_block_ids("B")
     got = _snapshot(w, ids_b, conn.layout, len(prompt_a))
+    # Every group is in the comparison: compressed, indexer, windows, state / ring.
+    assert {k[0] for k in snap} == {g.idx for g in conn.layout.groups}
     assert got.keys() == snap.keys()
     for k in snap:
         assert torch.equal(got[k], snap[k]), k
@@ -179,6 +215,40 @@ def test_prefix_restores_exactly(model, tmp_path):
     got = _snapshot(w2, ids_b, conn.layout, len(prompt_a))
     for k in snap:
         assert torch.equal(got[k], snap[k]), k
+
+    # C: restored at 768, a block multiple inside A's one prefill chunk, exactly. No
+    # compressor group is open there: the checkpoint carries neither the V4.1 ring nor the
+    # V4 ratio-128 state, and of the ratio-4 state only the 4 rows before it (the group
+    # the next compressed entry overlaps).
+    c, snap_branch = r["req_c"], r["snap_branch"]
+    assert out.num_scheduled_tokens["C"] == len(r["c"]) - 768 and c.replay_start == 0
+    assert c.num_computed_tokens - out.num_scheduled_tokens["C"] == 768
+    rings = {g.idx for g in conn.layout.groups if g.role == "ring"}
+    assert bool(rings) == (model == "v41-flash")
+    states = {g.ratio: g for g in conn.layout.groups if g.role == "state"}
+    assert sorted(states) == ([] if rings else [4, 128])
+    assert {k[0] for k in snap_branch} == ({g.idx for g in conn.layout.groups} - rings
+                                           - {g.idx for g in states.values() if g.ratio == 128})
+    if states:
+        assert {k[1] for k in snap_branch if k[0] == states[4].idx} == {767 // 4}
+
+    # D (V4.1): no checkpoint ends its run of two whole blocks; the connector takes the
+    # blocks and vLLM replays the window after them, as after a hit in its own cache
+    # (replay_fallback): 512 - 128 tokens served, the blocks restored exactly.
+    if model == "v41-flash":
+        d = r["req_d"]
+        assert out.num_scheduled_tokens["D"] == len(r["d"]) - (512 - 128)
+        assert d.replay_start == 512 - 128
+        full = [g for g in conn.layout.groups if g.role == "full"]
+        assert conn.get_loaded_kv_cache_group_ids(d) == tuple(g.idx for g in full)
+        got = _snapshot(w, s.kv_cache_manager.get_block_ids("D"), conn.layout, 512)
+        for k, v in snap.items():
+            if k[0] in {g.idx for g in full} and k[1] < 2:
+                assert torch.equal(got[k], v), k
+    got = _snapshot(w, s.kv_cache_manager.get_block_ids("C"), conn.layout, 768)
+    assert got.keys() == snap_branch.keys()
+    for k in snap_branch:
+        assert torch.equal(got[k], snap_branch[k]), k
 
     # The events, through vLLM's own wire format and classes.
     import msgspec

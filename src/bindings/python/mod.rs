@@ -4,6 +4,7 @@
 //! `V4PoolError` with the Rust variant's name in `.variant`, and memory leaves as DLPack
 //! views (`dlpack.rs`) that keep the pool alive. No pool logic lives here.
 
+mod cost;
 mod dlpack;
 mod events;
 mod forward;
@@ -207,5 +208,6 @@ fn v4pool(m: &Bound<'_, PyModule>) -> PyResult<()> {
     events::register(m)?;
     forward::register(m)?;
     vllm::register(m)?;
+    cost::register(m)?;
     Ok(())
 }
