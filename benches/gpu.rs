@@ -24,10 +24,10 @@ use v4pool::backend::cuda::{self, CudaBackend, CudaEvent, CudaGraph};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, DeviceAllocation, Stream};
 use v4pool::geometry::{UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
-use v4pool::index::shape::prefill_short;
-use v4pool::index::{CopyRun, CopyRunsArgs, DevicePtr, Launch, PrefillIndexArgs};
 use v4pool::model::ModelShape;
 use v4pool::pool::{decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodePath, DecodeSeq, Pool, PoolSpec};
+use v4pool::raw::index::shape::prefill_short;
+use v4pool::raw::index::{CopyRun, CopyRunsArgs, DevicePtr, Launch, PrefillIndexArgs};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, Plan, PlanRequest};
 use v4pool::Class;
 

@@ -11,11 +11,11 @@ use common::{bench_requested, median, met, Rng};
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
-use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::Stream;
 use v4pool::manager::{block_hash, BlockHash, FixedPolicy, KvManager, ManagerConfig, Namespace};
 use v4pool::pool::{Pool, PoolSpec};
+use v4pool::raw::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::GeometrySpec;
 
 const WIDTHS: [u64; 2] = [64, 32];

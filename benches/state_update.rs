@@ -32,9 +32,9 @@ use std::error::Error;
 use std::sync::Arc;
 use v4pool::backend::cuda::{self, CudaBackend, CudaGraph};
 use v4pool::backend::{Backend, DeviceAllocation};
-use v4pool::index::{ElemType, Launch};
 use v4pool::model::ModelShape;
 use v4pool::pool::{Pool, PoolSpec, SlotLease};
+use v4pool::raw::index::{ElemType, Launch};
 use v4pool::sizing::{IndexerDtype, KvDtype, PoolLayout};
 use v4pool::state::update::{Compressor, StateInputs, StateSeq, StateUpdateCapacity};
 

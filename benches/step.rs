@@ -39,10 +39,10 @@ use step_common::{count_kinds, step_pool, Holdings, Order, StepData, StepLaunch,
 use v4pool::backend::cuda::{self, CudaBackend, CudaGraph};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, DeviceAllocation};
-use v4pool::index::{CopyRun, CopyRunsArgs, FillRun, FillRunsArgs, Launch};
 use v4pool::model::ModelShape;
 use v4pool::plan_report::PlanOptions;
 use v4pool::pool::{Pool, PoolSpec};
+use v4pool::raw::index::{CopyRun, CopyRunsArgs, FillRun, FillRunsArgs, Launch};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest};
 
 type Res<T> = Result<T, Box<dyn Error>>;

@@ -3,7 +3,9 @@
 //! The ratio list is data: nothing here assumes a pattern beyond the presets, and a model
 //! may have no dense class at all (V4-Pro with DSpark drafts made absent).
 
-use crate::file::{read_text_bounded, FileError};
+use crate::file::read_text_bounded;
+// A `config.json` read's refusal (the bounded reader's error, `crate::raw::file`).
+pub use crate::file::FileError;
 use crate::geometry::{
     resolve_owners, GeometryError, GeometrySpec, ABSENT_RATIO, CSA_RATIO, DENSE_RATIO, HCA_RATIO,
 };

@@ -117,7 +117,7 @@ fn flashmla_rows_are_the_csr_slices_shifted() {
             // −1 to the row's limit (HCA: the first multiple of 64 past the head; CSA: the
             // width); past it the row is not written (index-buffers.md §3f).
             let limit = if class == Class::Hca {
-                v4pool::index::shape::flashmla_row_limit(head.len() as i64, w as i64) as usize
+                v4pool::raw::index::shape::flashmla_row_limit(head.len() as i64, w as i64) as usize
             } else {
                 w
             };

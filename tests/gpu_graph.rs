@@ -9,7 +9,7 @@ use common::batches::DecodeBatch;
 use common::{assert_same, case_seed, cuda_or_skip, geometry_at, run_case, Case, Rng, WIN};
 use v4pool::backend::cuda::CudaBackend;
 use v4pool::backend::{Backend, DeviceAllocation, Stream};
-use v4pool::index::{ClassBuffers, CsaPackArgs, DecodeIndexArgs, Launch};
+use v4pool::raw::index::{ClassBuffers, CsaPackArgs, DecodeIndexArgs, Launch};
 use v4pool::{UnifiedPoolGeometry, WindowParams, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
 
 /// Fixed sizes of the persistent buffers (the graph's grid is fixed: pads fill the rest).

@@ -8,8 +8,8 @@ mod common;
 use common::batches::{DecodeBatch, PrefillBatch};
 use common::{case_seed, check_case, device_or_skip, geometry_at, models, Case, Rng, WIN};
 use v4pool::backend::Backend;
-use v4pool::index::shape::prefill_short;
-use v4pool::index::{
+use v4pool::raw::index::shape::prefill_short;
+use v4pool::raw::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
     Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_DENSE,
 };

@@ -14,11 +14,12 @@
 mod common;
 
 use common::Rng;
-use v4pool::backend::hip::elf::{self, EF_AMDGPU_MACH_GFX90A, EF_AMDGPU_MACH_GFX942, EM_AMDGPU};
-use v4pool::backend::hip::{embedded_code_objects, HipBackend, ModuleOrigin, KERNEL_SYMBOLS};
+use v4pool::backend::hip::{HipBackend, ModuleOrigin};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, BackendError, BackendKind, DeviceAllocation, Stream};
-use v4pool::index::{CopyRun, CopyRunsArgs, FillRun, FillRunsArgs, Launch};
+use v4pool::raw::hip::elf::{self, EF_AMDGPU_MACH_GFX90A, EF_AMDGPU_MACH_GFX942, EM_AMDGPU};
+use v4pool::raw::hip::embedded_code_objects;
+use v4pool::raw::index::{CopyRun, CopyRunsArgs, FillRun, FillRunsArgs, Launch};
 
 fn env_set(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0")
@@ -66,7 +67,7 @@ fn objects_or_skip(test: &str) -> Option<Vec<(&'static str, &'static [u8])>> {
         assert!(
             !required,
             "HIP code objects are required but build.rs embedded none:\n{}",
-            v4pool::kernels::build_log()
+            v4pool::raw::kernels::build_log()
         );
         println!("SKIP {test}: build.rs embedded no HIP code objects (no clang 19+ at build time)");
         return None;
@@ -96,10 +97,10 @@ fn embedded_code_objects_hold_every_kernel_symbol() {
         let obj = elf::parse(entries[0].bytes).unwrap_or_else(|e| panic!("{arch}: {e}"));
         assert_eq!(obj.machine, EM_AMDGPU, "{arch}: not an AMDGPU object");
         assert_eq!(obj.amdgpu_mach(), expected_mach(arch), "{arch}: built for another processor");
-        for symbol in KERNEL_SYMBOLS {
+        for symbol in Launch::SYMBOLS {
             assert!(obj.has_kernel(symbol), "{arch}: no kernel {symbol} (function + {symbol}.kd)");
         }
-        println!("{arch}: {} bytes, all {} kernels present", bytes.len(), KERNEL_SYMBOLS.len());
+        println!("{arch}: {} bytes, all {} kernels present", bytes.len(), Launch::SYMBOLS.len());
     }
 }
 
@@ -478,7 +479,7 @@ fn hip_events_time_an_empty_launch() {
 /// releases before ROCm 5.7 do not know gfx942 (ROCm 5.2's aborts inside comgr).
 #[test]
 fn hiprtc_compiles_the_kernel_source() {
-    let code = match v4pool::backend::hip::hiprtc_compile(Some("gfx90a")) {
+    let code = match v4pool::raw::hip::hiprtc_compile(Some("gfx90a")) {
         Err(BackendError::Unavailable { reason, .. }) => {
             println!("SKIP hiprtc_compiles_the_kernel_source: {reason}");
             return;
@@ -488,16 +489,16 @@ fn hiprtc_compiles_the_kernel_source() {
     let entries = elf::code_objects(&code).unwrap();
     let obj = elf::parse(entries[0].bytes).unwrap();
     assert_eq!((obj.machine, obj.amdgpu_mach()), (EM_AMDGPU, EF_AMDGPU_MACH_GFX90A));
-    for symbol in KERNEL_SYMBOLS {
+    for symbol in Launch::SYMBOLS {
         assert!(obj.has_kernel(symbol), "hiprtc output lacks {symbol}");
     }
-    println!("hiprtc gfx90a: {} bytes, all {} kernels present", code.len(), KERNEL_SYMBOLS.len());
+    println!("hiprtc gfx90a: {} bytes, all {} kernels present", code.len(), Launch::SYMBOLS.len());
 }
 
 #[test]
 fn hiprtc_compile_errors_carry_the_log() {
     let broken = "extern \"C\" __global__ void v4pool_broken(int a) { this is not C++; }";
-    match v4pool::backend::hip::hiprtc_compile_source(broken, Some("gfx90a")) {
+    match v4pool::raw::hip::hiprtc_compile_source(broken, Some("gfx90a")) {
         Err(BackendError::Unavailable { reason, .. }) => {
             println!("SKIP hiprtc_compile_errors_carry_the_log: {reason}");
         }
@@ -681,7 +682,7 @@ fn double_refuses_launches_that_contradict_the_code_object() {
     let mut bytes = bytemuck::bytes_of(&args).to_vec();
     let n = bytes.len();
     let fill = dbl.function(module, "v4pool_fill_runs").unwrap();
-    let block = v4pool::index::shape::launch_shape(&Launch::FillRuns(args)).block;
+    let block = v4pool::raw::index::shape::launch_shape(&Launch::FillRuns(args)).block;
 
     // Wrong kernarg sizes (through `extra`, where the caller states the size).
     for wrong in [n - 8, n + 8] {

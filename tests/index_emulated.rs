@@ -11,9 +11,9 @@ mod flashmla_common;
 use common::Rng;
 use std::ffi::{c_char, c_void, CString};
 use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, WindowParams};
-use v4pool::index::host::run_launch;
-use v4pool::index::shape::{launch_shape, prefill_short, LaunchShape};
-use v4pool::index::{
+use v4pool::raw::index::host::run_launch;
+use v4pool::raw::index::shape::{launch_shape, prefill_short, LaunchShape};
+use v4pool::raw::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
     Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs,
 };
@@ -26,7 +26,7 @@ struct Emu {
 }
 
 fn emu() -> Option<Emu> {
-    let Some(path) = v4pool::kernels::host_emulation_library() else {
+    let Some(path) = v4pool::raw::kernels::host_emulation_library() else {
         // CI installs clang-19 and sets V4POOL_REQUIRE_DEVICE_BUILD=1: there a missing library
         // is a failure, never a silent pass.
         assert!(
@@ -55,7 +55,7 @@ impl Emu {
     /// # Safety
     /// As `run`; `symbol` takes `launch`'s argument struct and `shape` covers its work.
     unsafe fn run_as(&self, launch: &Launch, symbol: &str, shape: LaunchShape) {
-        let bytes = v4pool::backend::kernel_argument(launch);
+        let bytes = v4pool::raw::launch::kernel_argument(launch);
         let sym = CString::new(symbol).unwrap();
         // SAFETY: forwarded from the caller; the argument bytes are the struct the kernel takes.
         let rc = unsafe {

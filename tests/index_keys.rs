@@ -20,15 +20,15 @@ use gather_common::model_pool_with;
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::geometry::Class;
-use v4pool::index::host::{
+use v4pool::model::ModelShape;
+use v4pool::pool::{CompressedRow, Pool, RowWriteCapacity, RowWriteError};
+use v4pool::raw::index::host::{
     fp8_key_format, index_keys, key_block_bytes, pack_fp4_key, pack_fp8_key, KeyCache,
 };
-use v4pool::index::{
+use v4pool::raw::index::{
     IndexKeysArgs, Launch, INDEX_KEYS_ATOM_FP8, INDEX_KEYS_ATOM_FP8_FNUZ, INDEX_KEYS_BF16, INDEX_KEYS_FP4,
     INDEX_KEYS_FP8,
 };
-use v4pool::model::ModelShape;
-use v4pool::pool::{CompressedRow, Pool, RowWriteCapacity, RowWriteError};
 use v4pool::sizing::IndexerDtype;
 
 /// bf16 bits of `f` (truncated: any bf16 is a valid input).

@@ -6,8 +6,8 @@ use proptest::prelude::*;
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, Stream};
 use v4pool::geometry::GeometrySpec;
-use v4pool::index::host::{decode_indices, window_row, DecodeClass, DecodeIndices};
-use v4pool::index::{ClassBuffers, DecodeIndexArgs, Launch, CLASS_CSA};
+use v4pool::raw::index::host::{decode_indices, window_row, DecodeClass, DecodeIndices};
+use v4pool::raw::index::{ClassBuffers, DecodeIndexArgs, Launch, CLASS_CSA};
 
 fn spec() -> impl Strategy<Value = GeometrySpec> {
     (

@@ -12,12 +12,12 @@ use gather_common::{model_pool, model_pool_with};
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::geometry::Class;
-use v4pool::index::host::{kv_rows, pack_fp8_row, KvPlanes};
-use v4pool::index::{
-    KvRowsArgs, Launch, KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V41_FP4,
-};
 use v4pool::model::ModelShape;
 use v4pool::pool::{CompressedRow, RowSet, RowWriteCapacity, RowWriteError, WindowSeq};
+use v4pool::raw::index::host::{kv_rows, pack_fp8_row, KvPlanes};
+use v4pool::raw::index::{
+    KvRowsArgs, Launch, KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V41_FP4,
+};
 use v4pool::sizing::IndexerDtype;
 
 /// Random bf16 bits: mostly normal values over a wide range, some zeros, negative zeros,
@@ -528,7 +528,7 @@ fn the_kernel_source_packs_flashmla_v4_pages_as_the_host_reference() {
                 kv_row_stride: stride as i64,
                 view_rows,
                 num_tokens: t as i32,
-                format: v4pool::index::KV_ROWS_FLASHMLA_V4,
+                format: v4pool::raw::index::KV_ROWS_FLASHMLA_V4,
                 view_row0: row0,
             };
             // SAFETY: every pointer is a live buffer of the sizes the arguments name.

@@ -14,9 +14,9 @@ use step_common::{
 };
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::Stream;
-use v4pool::index::{Launch, WriteBatchArgs, WriteItem, WRITE_BATCH_MAX_ITEMS};
 use v4pool::model::ModelShape;
 use v4pool::pool::WriteBatchError;
+use v4pool::raw::index::{Launch, WriteBatchArgs, WriteItem, WRITE_BATCH_MAX_ITEMS};
 use v4pool::sizing::KvDtype;
 use v4pool::VariantName;
 

@@ -13,12 +13,12 @@ mod transfer_common;
 use common::{case_seed, Rng};
 use std::sync::Arc;
 use transfer_common::pool_of;
-use v4pool::arena::{V41_COMPRESS_KV, V41_COMPRESS_SCORE};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, Stream};
-use v4pool::index::ElemType;
 use v4pool::model::ModelShape;
 use v4pool::pool::Pool;
+use v4pool::raw::arena::{V41_COMPRESS_KV, V41_COMPRESS_SCORE};
+use v4pool::raw::index::ElemType;
 use v4pool::sizing::KvDtype;
 use v4pool::state::update::{Compressor, StateInputs, StateSeq, StateUpdateCapacity, StateUpdateError};
 
@@ -112,7 +112,7 @@ fn forward_on(backend: Arc<dyn Backend>, spec_steps: i64, seed: u64) -> Vec<u8> 
                     continue;
                 }
                 let r = first_token + j;
-                let row = |ptr: u64, v: &v4pool::arena::FieldView| {
+                let row = |ptr: u64, v: &v4pool::pool::FieldView| {
                     let elems = o as u64 * v.strides[0]
                         + lease.position as u64 * v.strides[1]
                         + (pos % ring) as u64 * v.strides[2];

@@ -13,10 +13,10 @@ use gather_common::{batch, expected, fill, model_pool, models, source_layers};
 use std::ffi::{c_char, c_void, CString};
 use std::sync::Arc;
 use v4pool::backend::Stream;
-use v4pool::index::host::run_launch;
-use v4pool::index::shape::launch_shape;
-use v4pool::index::{Launch, WindowGatherArgs};
 use v4pool::pool::Pool;
+use v4pool::raw::index::host::run_launch;
+use v4pool::raw::index::shape::launch_shape;
+use v4pool::raw::index::{Launch, WindowGatherArgs};
 use v4pool::state::gather::{GatherCapacity, GatherError, GatherSeq};
 
 fn host_pool(model: &v4pool::model::ModelShape, fp8: bool) -> Arc<Pool> {
@@ -130,7 +130,7 @@ fn bad_input_is_a_typed_error_before_any_launch() {
 type EmuLaunch = unsafe extern "C" fn(*const c_char, *const c_void, *const u32, u32) -> i32;
 
 fn emu() -> Option<(libloading::Library, EmuLaunch)> {
-    let Some(path) = v4pool::kernels::host_emulation_library() else {
+    let Some(path) = v4pool::raw::kernels::host_emulation_library() else {
         assert!(
             !std::env::var("V4POOL_REQUIRE_DEVICE_BUILD").is_ok_and(|v| v == "1"),
             "V4POOL_REQUIRE_DEVICE_BUILD=1 but build.rs built no host-emulation library"
@@ -206,7 +206,7 @@ fn gather_kernels_match_the_host_reference() {
             if emulated {
                 let shape = launch_shape(&l);
                 let sym = CString::new(l.symbol()).unwrap();
-                let bytes = v4pool::backend::kernel_argument(&l);
+                let bytes = v4pool::raw::launch::kernel_argument(&l);
                 // SAFETY: the pointers cover what the kernel touches (sizes above).
                 let rc = unsafe {
                     launch(sym.as_ptr(), bytes.as_ptr().cast(), shape.grid.as_ptr(), shape.block[0])
@@ -238,7 +238,7 @@ fn gather_kernels_match_the_host_reference() {
 
 #[test]
 fn gather_launch_shape_and_host_checks() {
-    use v4pool::index::shape::{check_launch, LaunchError, GATHER_ROWS_PER_BLOCK};
+    use v4pool::raw::index::shape::{check_launch, LaunchError, GATHER_ROWS_PER_BLOCK};
     let params = v4pool::WindowParams {
         ring_start: 3,
         slot_rows: 200,

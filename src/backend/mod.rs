@@ -2,7 +2,7 @@
 //!
 //! # The unsafe contract
 //!
-//! A backend moves bytes and runs the kernels of [`crate::index`] on **raw device
+//! A backend moves bytes and runs the kernels of [`crate::raw::index`] on **raw device
 //! addresses** (`u64`; on the host backend, host addresses). It does not know what the
 //! bytes mean — nothing here knows DeepSeek — and it cannot check an address: every method
 //! that takes one is `unsafe`, and the caller (in this crate, [`crate::pool::Pool`]) promises:
@@ -35,14 +35,15 @@ pub mod cuda;
 pub mod external;
 pub mod hip;
 pub mod host;
-pub mod launch;
-pub mod select;
+pub(crate) mod launch;
+mod select;
 pub(crate) mod staging;
 
-pub use launch::kernel_argument;
-pub use select::{open, open_on, select, select_on, BackendChoice};
+pub use select::{env_choice, open, open_on, select, select_on, BackendChoice};
 
-use crate::index::{DevicePtr, Launch};
+// What the trait's methods take: a device address and a kernel launch (its argument
+// structs are the kernel contract, `crate::raw::index`).
+pub use crate::index::{DevicePtr, Launch};
 use crate::variant::VariantName;
 use std::fmt;
 use thiserror::Error;
@@ -426,7 +427,7 @@ pub unsafe trait Backend: Send + Sync + fmt::Debug {
         stream: Stream,
     ) -> Result<(), BackendError>;
 
-    /// Run one kernel of [`crate::index`], in stream order.
+    /// Run one kernel of [`crate::raw::index`], in stream order.
     ///
     /// # Safety
     /// Every pointer in the arguments covers what the kernel reads and writes, as stated on

@@ -35,13 +35,17 @@ pub use rows::{
 };
 pub use topk::{convert_topk, CsaTopk, TopkError, TopkRows};
 
-use crate::alloc::{AllocError, BlockGrant, BlockHandle, SlotHandle};
-use crate::arena::{ArenaError, ArenaLayout, FieldView};
+// What the pool's calls take and return from the layers under it (which are public only
+// under `crate::raw`): the allocators' handles, the arena layout, the boundary's moves.
+pub use crate::alloc::{AllocError, BlockGrant, BlockHandle, SlotHandle};
+pub use crate::arena::{ArenaError, ArenaLayout, FieldView};
+pub use crate::boundary::{BlockMove, Boundary, BoundaryChange, BoundaryError, SlotMove};
+pub use crate::index::CopyRun;
+
 use crate::backend::{Backend, BackendError, DeviceAllocation, Stream};
-use crate::boundary::{Boundary, BoundaryChange, BoundaryError};
 use crate::checkpoint::{LayoutId, Loc, Region, RegionCopy};
 use crate::geometry::{GeometryError, UnifiedPoolGeometry, DENSE_RATIO};
-use crate::index::{CopyRun, CopyRunsArgs, DevicePtr, FillRun, FillRunsArgs, Launch};
+use crate::index::{CopyRunsArgs, DevicePtr, FillRun, FillRunsArgs, Launch};
 use crate::sizing::{IndexerDtype, IndexerPart, KvSpec, SizingError};
 use crate::variant::VariantName;
 use regions::{TransferConfig, TransferRegions};

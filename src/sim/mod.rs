@@ -21,20 +21,21 @@
 //! In time ([`TimeConfig`]) every step costs what the step-cost model ([`cost`]) charges for
 //! its work, and the runs report TTFT, TPOT, end-to-end latency, throughput per GPU and
 //! goodput ([`TimeReport`]); a Mooncake trace ([`trace`]) replays with its own arrivals;
-//! [`bench`](mod@bench) replays a published benchmark cell. `docs/simulate.md` has the model, its
+//! `bench` ([`crate::raw::sim::bench`]) replays a published benchmark cell. `docs/simulate.md` has the model, its
 //! validation and the results.
 //!
 //! * [`workload`] — the PRNG, the mixes, the lazy arrival stream (benches use it too).
-//! * [`engine`] — the step loop ([`Engine`], [`simulate`]).
+//! * `engine` — the step loop ([`simulate`]; its `Engine` is under
+//!   [`crate::raw::sim`] for tools that step a run themselves).
 //! * `policy` — the engine's own decisions beside the manager's: the manager each run is
 //!   built with, refusal, the preemption victim, block hashes (admission back-pressure is the
 //!   manager's policy:
 //!   [`KvManager::may_admit_request`](crate::manager::KvManager::may_admit_request), which
 //!   prices the request's own hit).
-//! * [`report`] — [`SimReport`], every figure a run produces.
+//! * `report` — [`SimReport`], every figure a run produces.
 //!
 //! # Memory bound
-//! A run holds the pool (its budget: on the accounting host backend, [`sim_pool`], none of
+//! A run holds the pool (its budget: on the accounting host backend, `raw::sim::sim_pool`, none of
 //! it in memory), the decode index buffers (at most
 //! 1/[`DECODE_BUDGET_DIVISOR`] of the pool's bytes; a larger configuration is refused by
 //! [`SimConfig::check`]), and host bookkeeping bounded by constants: at most
@@ -43,27 +44,28 @@
 //! fixed-size latency histogram. One exception, for the hit-rate figure: the set of block
 //! hashes ever committed (16 B per distinct block the run computed).
 
-pub mod bench;
+// `bench` (calibration replays) and the step loop's `Engine` with its accounting pool are the
+// simulator's internals: public under `crate::raw::sim` only.
+pub(crate) mod bench;
 pub mod cost;
-pub mod engine;
+pub(crate) mod engine;
 pub mod fleet;
 mod policy;
-pub mod report;
+mod report;
 pub mod trace;
 pub mod workload;
 
 pub use cost::{StepCost, StepLoad};
-pub use engine::{simulate, Engine};
+pub use engine::simulate;
+use engine::{sim_pool, Engine};
 pub use policy::{sglang_fixed_slots, SGLANG_SWA_RATIO};
 pub use report::{LatencyHistogram, Sample, SimReport, TimeReport};
 pub use trace::{Trace, TraceError};
 pub use workload::{Mix, RequestSpec, Rng, Workload, WorkloadConfig};
 
-use crate::backend::Backend;
 use crate::geometry::UnifiedPoolGeometry;
-use crate::pool::{DecodeCapacity, DecodeError, DecodePath, Pool, PoolError, PoolSpec};
+use crate::pool::{DecodeCapacity, DecodeError, DecodePath, PoolError, PoolSpec};
 use crate::variant::VariantName;
-use std::sync::Arc;
 
 /// Most requests waiting for admission; arrivals beyond it are turned away (counted in
 /// [`SimReport::turned_away`]). 65,536 requests of 32 bytes: 2 MiB.
@@ -117,27 +119,6 @@ pub struct MemoryEstimate {
     pub per_engine: u64,
     /// Bytes the run holds at most (engines × per engine + the run's own).
     pub total: u64,
-}
-
-/// Bytes of memory the machine has available now (`MemAvailable`), where it says.
-pub fn available_memory() -> Option<u64> {
-    use std::io::Read as _;
-    let mut text = String::new();
-    // /proc/meminfo is a few KiB: read no more than 64 KiB of it.
-    std::fs::File::open("/proc/meminfo").ok()?.take(64 << 10).read_to_string(&mut text).ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
-}
-
-/// A pool for a simulation: its planes and indexer cache keep no bytes on an accounting
-/// host backend ([`crate::backend::host::keep_no_bytes`]; the pool's own code runs
-/// unchanged, its copies and fills counted instead of done), real memory on any other.
-pub fn sim_pool(backend: &Arc<dyn Backend>, spec: &PoolSpec) -> Result<Arc<Pool>, PoolError> {
-    crate::backend::host::keep_no_bytes(|| {
-        Pool::new(backend.clone(), spec.clone(), crate::backend::Stream::DEFAULT)
-    })
-    .map(Arc::new)
 }
 
 /// What a simulation can fail with while it runs.

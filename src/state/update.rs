@@ -37,7 +37,9 @@
 use crate::alloc::SlotHandle;
 use crate::backend::BackendError;
 use crate::geometry::Class;
-use crate::index::{DevicePtr, ElemType, Launch, StateUpdateArgs};
+use crate::index::{DevicePtr, Launch, StateUpdateArgs};
+// The element type of an engine's state inputs (defined with the kernel contract).
+pub use crate::index::ElemType;
 use crate::pool::owned::{Carve, Owned};
 use crate::pool::{DeviceBuffer, Pool, PoolError};
 use crate::variant::VariantName;

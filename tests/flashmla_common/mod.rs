@@ -12,7 +12,7 @@
 use crate::common::batches::DecodeBatch;
 use crate::common::{Case, Rng, WIN};
 use v4pool::geometry::WindowParams;
-use v4pool::index::{ClassBuffers, CsaPackArgs, DecodeIndexArgs, FlashMlaOut, Launch, CLASS_HCA};
+use v4pool::raw::index::{ClassBuffers, CsaPackArgs, DecodeIndexArgs, FlashMlaOut, Launch, CLASS_HCA};
 use v4pool::{UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
 
 pub const POISON: i32 = -7;

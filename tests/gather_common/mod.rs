@@ -7,10 +7,10 @@
 
 use crate::common::Rng;
 use std::sync::Arc;
-use v4pool::arena::{ArenaLayout, STATE_WINDOW};
 use v4pool::backend::{Backend, Stream};
 use v4pool::model::{DraftMode, ModelShape};
 use v4pool::pool::{Pool, PoolSpec, SlotLease};
+use v4pool::raw::arena::{ArenaLayout, STATE_WINDOW};
 use v4pool::sizing::{IndexerDtype, KvDtype, KvSpec};
 use v4pool::state::gather::GatherSeq;
 use v4pool::ABSENT_RATIO;

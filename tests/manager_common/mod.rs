@@ -18,12 +18,12 @@ use std::sync::Arc;
 #[path = "../pool_common/mod.rs"]
 pub mod pool_common;
 
-use v4pool::arena::{Dtype, Fill, StateField};
 use v4pool::backend::{Backend, Stream};
-use v4pool::index::{ElemType, Launch, PlaneWrite, RingWriteArgs};
 use v4pool::manager::{BlockHash, KvManager, Namespace, RequestId};
 use v4pool::pool::Pool;
 use v4pool::pool::SlotLease;
+use v4pool::raw::arena::{Dtype, Fill, StateField};
+use v4pool::raw::index::{ElemType, Launch, PlaneWrite, RingWriteArgs};
 use v4pool::sizing::IndexerDtype;
 use v4pool::state::update::{Compressor, StateInputs, StateSeq, StateUpdateCapacity};
 use v4pool::ABSENT_RATIO;

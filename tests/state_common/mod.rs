@@ -6,11 +6,11 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
-use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::backend::{Backend, DeviceAllocation, Stream};
-use v4pool::index::ElemType;
 use v4pool::model::ModelShape;
 use v4pool::pool::{Pool, PoolSpec, SlotLease};
+use v4pool::raw::arena::{ArenaLayout, Dtype, Fill, StateField};
+use v4pool::raw::index::ElemType;
 use v4pool::sizing::{IndexerDtype, KvDtype, PoolLayout};
 use v4pool::state::update::{Compressor, StateInputs, StateSeq, StateUpdateCapacity};
 use v4pool::GeometrySpec;

@@ -17,15 +17,15 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
-use v4pool::alloc::BlockHandle;
 use v4pool::backend::{Backend, DeviceAllocation, Stream};
 use v4pool::geometry::{Class, DENSE_RATIO};
-use v4pool::index::shape::flashmla_row_limit;
-use v4pool::index::{CopyRun, DevicePtr, ElemType, Launch};
+use v4pool::pool::BlockHandle;
 use v4pool::pool::{
     decode_slice_lens, CompressedRow, DecodeCapacity, DecodePath, DecodeSeq, FlashMlaWidths, KvRowWriter,
     Pool, RowSet, RowWriteCapacity, SlotLease, WriteBatch,
 };
+use v4pool::raw::index::shape::flashmla_row_limit;
+use v4pool::raw::index::{CopyRun, DevicePtr, ElemType, Launch};
 use v4pool::sim::Rng;
 use v4pool::state::update::{Compressor, StateInputs, StateSeq, StateUpdate, StateUpdateCapacity};
 
@@ -227,7 +227,7 @@ fn layer_plans(pool: &Pool, trunk: usize, v41: bool) -> Vec<LayerPlan> {
             if v41 {
                 l.pack = ratio != DENSE_RATIO;
                 if let Some(o) = owners.iter().position(|&s| s == layer) {
-                    let d = dim(v4pool::arena::V41_COMPRESS_KV);
+                    let d = dim(v4pool::raw::arena::V41_COMPRESS_KV);
                     l.states.push(StateCall {
                         compressor: None,
                         ordinal: o as u64,
@@ -628,7 +628,7 @@ impl StepRig {
             for s in &l.states {
                 let (kv, score) = match s.compressor {
                     Some(c) => c.fields(),
-                    None => (v4pool::arena::V41_COMPRESS_KV, v4pool::arena::V41_COMPRESS_SCORE),
+                    None => (v4pool::raw::arena::V41_COMPRESS_KV, v4pool::raw::arena::V41_COMPRESS_SCORE),
                 };
                 let plan = self.state.read_plan(plan_class(s)).expect("plan");
                 for field in [kv, score] {
