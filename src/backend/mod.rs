@@ -355,7 +355,6 @@ pub(crate) mod size {
 ///
 /// ```compile_fail,E0200
 /// # use v4pool::backend::*;
-/// # use v4pool::index::{DevicePtr, Launch};
 /// #[derive(Debug)]
 /// struct Lying;
 /// impl Backend for Lying {
