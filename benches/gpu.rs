@@ -193,11 +193,9 @@ impl Gpu {
             .collect();
         // The previous floor's replays have finished (every timed rep waits for its end event).
         self.upload(self.copy_desc.ptr, &runs)?;
-        self.graph_of(&[Launch::CopyRuns(CopyRunsArgs {
-            runs: self.copy_desc.ptr,
-            num_runs: runs.len() as i32,
-            _pad: 0,
-        })])
+        self.graph_of(&[Launch::CopyRuns(
+            CopyRunsArgs::default().with_runs(self.copy_desc.ptr).with_num_runs(runs.len() as i32),
+        )])
     }
 
     /// The write floor for `bytes`: a driver memset of them (graph replay, cold L2).
@@ -856,33 +854,32 @@ impl PrefillRig {
         let i = |k: usize| ib + ioff[k];
         let o = |k: usize| ob + ooff[k];
         let dense = g.class(DENSE_RATIO).is_some();
-        let args = PrefillIndexArgs {
-            dense: if dense { g.window_params(DENSE_RATIO)? } else { Default::default() },
-            csa: g.window_params(CSA_RATIO)?,
-            hca: g.window_params(HCA_RATIO)?,
-            positions: i(P_POS),
-            bid_per_token: i(P_BID),
-            chunk_start_per_seq: i(P_CS),
-            cu_seqlens_q_per_seq: i(P_CUQ),
-            state_slot_per_seq: i(P_SLOT),
-            n_committed_hca_per_seq: i(P_NCOMM),
-            block_tables: i(P_TABLES),
-            extend_indptr: i(P_PTR),
-            extend_indices: o(0),
-            swa_indptr: if dense { i(P_PTR + 1) } else { 0 },
-            swa_indices: if dense { o(1) } else { 0 },
-            csa_indptr: i(P_PTR + 2),
-            csa_indices: o(2),
-            hca_indptr: i(P_PTR + 3),
-            hca_indices: o(3),
-            envelope_rows: g.envelope_rows,
-            block_table_stride: set.stride,
-            num_tokens: set.t as i32,
-            win: WIN,
-            hca_ratio: HCA_RATIO,
-            hca_rows_per_block: (g.block_size / i64::from(HCA_RATIO)) as i32,
-            coarse_packed: 0,
-        };
+        let args = PrefillIndexArgs::default()
+            .with_dense(if dense { g.window_params(DENSE_RATIO)? } else { Default::default() })
+            .with_csa(g.window_params(CSA_RATIO)?)
+            .with_hca(g.window_params(HCA_RATIO)?)
+            .with_positions(i(P_POS))
+            .with_bid_per_token(i(P_BID))
+            .with_chunk_start_per_seq(i(P_CS))
+            .with_cu_seqlens_q_per_seq(i(P_CUQ))
+            .with_state_slot_per_seq(i(P_SLOT))
+            .with_n_committed_hca_per_seq(i(P_NCOMM))
+            .with_block_tables(i(P_TABLES))
+            .with_extend_indptr(i(P_PTR))
+            .with_extend_indices(o(0))
+            .with_swa_indptr(if dense { i(P_PTR + 1) } else { 0 })
+            .with_swa_indices(if dense { o(1) } else { 0 })
+            .with_csa_indptr(i(P_PTR + 2))
+            .with_csa_indices(o(2))
+            .with_hca_indptr(i(P_PTR + 3))
+            .with_hca_indices(o(3))
+            .with_envelope_rows(g.envelope_rows)
+            .with_block_table_stride(set.stride)
+            .with_num_tokens(set.t as i32)
+            .with_win(WIN)
+            .with_hca_ratio(HCA_RATIO)
+            .with_hca_rows_per_block((g.block_size / i64::from(HCA_RATIO)) as i32)
+            .with_coarse_packed(0);
         Ok(PrefillRig { inputs, outputs, args, out_ptrs: [o(0), o(1), o(2), o(3)] })
     }
 
@@ -1018,7 +1015,8 @@ fn copy_group(gpu: &Gpu, f: &Floors) -> Res<()> {
         for runs in lists {
             let d = alloc(&gpu.be, (runs.len() * std::mem::size_of::<CopyRun>()) as u64)?;
             gpu.upload(d.ptr, runs)?;
-            let l = Launch::CopyRuns(CopyRunsArgs { runs: d.ptr, num_runs: runs.len() as i32, _pad: 0 });
+            let l =
+                Launch::CopyRuns(CopyRunsArgs::default().with_runs(d.ptr).with_num_runs(runs.len() as i32));
             graphs.push(gpu.graph_of(&[l])?);
             launches.push(l);
             descs.push(d);

@@ -76,7 +76,7 @@ fn main() {
     let cfg = |every| ManagerConfig::default().with_checkpoint_every(every).with_rolling(false);
 
     // ---- allocate + commit per block ----
-    let mut m = KvManager::new(pool.clone(), cfg(0), Box::new(FixedPolicy { slots: 2 })).expect("manager");
+    let mut m = KvManager::new(pool.clone(), cfg(0), Box::new(FixedPolicy::new(2))).expect("manager");
     let mut per_block = Vec::new();
     for rep in 0..REPS {
         let hs = hashes(blocks, rep);
@@ -141,8 +141,7 @@ fn main() {
     drop(m);
 
     // ---- match a 1M-token request whose hashes are known ----
-    let mut m =
-        KvManager::new(pool, cfg(blocks as u32), Box::new(FixedPolicy { slots: 2 })).expect("manager");
+    let mut m = KvManager::new(pool, cfg(blocks as u32), Box::new(FixedPolicy::new(2))).expect("manager");
     let hs = hashes(blocks, 99);
     let id = m.add_request(TOKENS, hs.clone());
     m.admit(id).expect("admit");

@@ -186,17 +186,16 @@ fn shape(
         unsafe { be.upload(a.ptr, bytes, S)? };
         allocs.push(a);
     }
-    let inputs = StateInputs {
-        kv: allocs[0].ptr,
-        score: allocs[1].ptr,
-        ape: allocs[2].ptr,
-        kv_row_stride: dim as i64,
-        score_row_stride: dim as i64,
-        rows: tokens as i64,
-        dim: dim as i64,
-        dtype: ElemType::Bf16,
-        ape_dtype: ElemType::F32,
-    };
+    let inputs = StateInputs::default()
+        .with_kv(allocs[0].ptr)
+        .with_score(allocs[1].ptr)
+        .with_ape(allocs[2].ptr)
+        .with_kv_row_stride(dim as i64)
+        .with_score_row_stride(dim as i64)
+        .with_rows(tokens as i64)
+        .with_dim(dim as i64)
+        .with_dtype(ElemType::Bf16)
+        .with_ape_dtype(ElemType::F32);
     let graph = t.graph(&upd.launch(c, 0, &inputs)?)?;
     graph.replay(S)?;
     check(pool, c, &seqs, &kv, &score, &ape, dim)?;

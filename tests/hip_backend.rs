@@ -290,7 +290,8 @@ pub fn check_run_kernels(b: &dyn Backend, seed: u64) {
     }
     let desc = Buf::new(b, (fills.len() * std::mem::size_of::<FillRun>()) as u64);
     desc.upload(0, bytemuck::cast_slice(&fills), s);
-    let launch = Launch::FillRuns(FillRunsArgs { runs: desc.ptr(), num_runs: fills.len() as i32, _pad: 0 });
+    let launch =
+        Launch::FillRuns(FillRunsArgs::default().with_runs(desc.ptr()).with_num_runs(fills.len() as i32));
     // SAFETY: every run lies in `target`; the descriptor in `desc`.
     unsafe { b.launch(&launch, s) }.unwrap();
     assert!(target.download(s) == expect, "fill_runs differs");
@@ -307,13 +308,14 @@ pub fn check_run_kernels(b: &dyn Backend, seed: u64) {
     }
     let desc = Buf::new(b, (copies.len() * std::mem::size_of::<CopyRun>()) as u64);
     desc.upload(0, bytemuck::cast_slice(&copies), s);
-    let launch = Launch::CopyRuns(CopyRunsArgs { runs: desc.ptr(), num_runs: copies.len() as i32, _pad: 0 });
+    let launch =
+        Launch::CopyRuns(CopyRunsArgs::default().with_runs(desc.ptr()).with_num_runs(copies.len() as i32));
     // SAFETY: every run lies in `source` / `target`, which do not overlap.
     unsafe { b.launch(&launch, s) }.unwrap();
     assert!(target.download(s) == expect, "copy_runs differs");
 
     // No runs at all: a valid launch that touches nothing.
-    let launch = Launch::FillRuns(FillRunsArgs { runs: desc.ptr(), num_runs: 0, _pad: 0 });
+    let launch = Launch::FillRuns(FillRunsArgs::default().with_runs(desc.ptr()).with_num_runs(0));
     // SAFETY: no run is read.
     unsafe { b.launch(&launch, s) }.unwrap();
     // SAFETY: the empty kernel takes no arguments.
@@ -425,7 +427,7 @@ fn hip_fill_and_copy_runs_on_random_data() {
 #[test]
 fn hip_rejects_invalid_launches_before_the_device() {
     if let Some(b) = hip_or_skip("hip_rejects_invalid_launches_before_the_device") {
-        let bad = Launch::FillRuns(FillRunsArgs { runs: 0, num_runs: 3, _pad: 0 });
+        let bad = Launch::FillRuns(FillRunsArgs::default().with_runs(0).with_num_runs(3));
         // SAFETY: rejected before anything runs.
         let r = unsafe { b.launch(&bad, Stream::DEFAULT) };
         assert!(matches!(r, Err(BackendError::InvalidLaunch { .. })), "{r:?}");
@@ -678,7 +680,7 @@ fn double_refuses_launches_that_contradict_the_code_object() {
     let desc = Buf::new(&b, std::mem::size_of_val(&runs) as u64);
     desc.upload(0, bytemuck::cast_slice(&runs), s);
     b.synchronize(s).unwrap();
-    let args = FillRunsArgs { runs: desc.ptr(), num_runs: 1, _pad: 0 };
+    let args = FillRunsArgs::default().with_runs(desc.ptr()).with_num_runs(1);
     let mut bytes = bytemuck::bytes_of(&args).to_vec();
     let n = bytes.len();
     let fill = dbl.function(module, "v4pool_fill_runs").unwrap();

@@ -77,18 +77,17 @@ fn the_kernel_source_matches_the_host_reference() {
         let poison = |w: usize| vec![0xa5u8; view_rows as usize * w];
         let run = |reference: bool| -> (Vec<u8>, Vec<u8>) {
             let (mut p0, mut p1) = (poison(w0), poison(w1.max(1)));
-            let args = KvRowsArgs {
-                kv: kv.as_ptr() as u64,
-                dest_rows: dest.as_ptr() as u64,
-                batch_id_per_token: if with_bids { bids.as_ptr() as u64 } else { 0 },
-                nope: p0.as_mut_ptr() as u64,
-                rope: if fp8 { p1.as_mut_ptr() as u64 } else { 0 },
-                kv_row_stride: stride as i64,
-                view_rows,
-                num_tokens: t as i32,
-                format,
-                view_row0: 0,
-            };
+            let args = KvRowsArgs::default()
+                .with_kv(kv.as_ptr() as u64)
+                .with_dest_rows(dest.as_ptr() as u64)
+                .with_batch_id_per_token(if with_bids { bids.as_ptr() as u64 } else { 0 })
+                .with_nope(p0.as_mut_ptr() as u64)
+                .with_rope(if fp8 { p1.as_mut_ptr() as u64 } else { 0 })
+                .with_kv_row_stride(stride as i64)
+                .with_view_rows(view_rows)
+                .with_num_tokens(t as i32)
+                .with_format(format)
+                .with_view_row0(0);
             let launch = Launch::KvRows(args);
             // SAFETY: every pointer is a live buffer of the sizes the arguments name; `emu` is
             // this kernel's entry.
@@ -207,18 +206,17 @@ fn the_kernel_source_packs_fp4_special_groups_as_the_host_reference() {
         let dest = [1i32, 0];
         let run = |reference: bool| -> Vec<u8> {
             let mut p = vec![0xa5u8; 3 * 288];
-            let args = KvRowsArgs {
-                kv: kv.as_ptr() as u64,
-                dest_rows: dest.as_ptr() as u64,
-                batch_id_per_token: 0,
-                nope: p.as_mut_ptr() as u64,
-                rope: 0,
-                kv_row_stride: stride as i64,
-                view_rows: 3,
-                num_tokens: 2,
-                format: KV_ROWS_FLASHMLA_V41_FP4,
-                view_row0: 0,
-            };
+            let args = KvRowsArgs::default()
+                .with_kv(kv.as_ptr() as u64)
+                .with_dest_rows(dest.as_ptr() as u64)
+                .with_batch_id_per_token(0)
+                .with_nope(p.as_mut_ptr() as u64)
+                .with_rope(0)
+                .with_kv_row_stride(stride as i64)
+                .with_view_rows(3)
+                .with_num_tokens(2)
+                .with_format(KV_ROWS_FLASHMLA_V41_FP4)
+                .with_view_row0(0);
             // SAFETY: every pointer is a live buffer of the sizes the arguments name.
             unsafe { common::run_reference_or_emulated(&Launch::KvRows(args), emu, reference) };
             p
@@ -519,18 +517,17 @@ fn the_kernel_source_packs_flashmla_v4_pages_as_the_host_reference() {
         let bids: Vec<i32> = (0..t).map(|_| if rng.chance(0.2) { -1 } else { rng.below(4) as i32 }).collect();
         let run = |reference: bool| -> Vec<u8> {
             let mut plane = vec![0xa5u8; pages as usize * 64 * 584];
-            let args = KvRowsArgs {
-                kv: kv.as_ptr() as u64,
-                dest_rows: dest.as_ptr() as u64,
-                batch_id_per_token: bids.as_ptr() as u64,
-                nope: plane.as_mut_ptr() as u64,
-                rope: 0,
-                kv_row_stride: stride as i64,
-                view_rows,
-                num_tokens: t as i32,
-                format: v4pool::raw::index::KV_ROWS_FLASHMLA_V4,
-                view_row0: row0,
-            };
+            let args = KvRowsArgs::default()
+                .with_kv(kv.as_ptr() as u64)
+                .with_dest_rows(dest.as_ptr() as u64)
+                .with_batch_id_per_token(bids.as_ptr() as u64)
+                .with_nope(plane.as_mut_ptr() as u64)
+                .with_rope(0)
+                .with_kv_row_stride(stride as i64)
+                .with_view_rows(view_rows)
+                .with_num_tokens(t as i32)
+                .with_format(v4pool::raw::index::KV_ROWS_FLASHMLA_V4)
+                .with_view_row0(row0);
             // SAFETY: every pointer is a live buffer of the sizes the arguments name.
             unsafe { common::run_reference_or_emulated(&Launch::KvRows(args), emu, reference) };
             plane

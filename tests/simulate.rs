@@ -329,8 +329,14 @@ fn a_run_that_would_not_fit_memory_is_refused_up_front() {
         .with_elastic_max_seqs(24)
         .with_max_context(1 << 16);
     let s = spec(80 * GIB, 8);
-    let plain = MemoryPlacement { planes_on_host: true, index_on_host: true, tiers_committed: true };
-    let accounting = MemoryPlacement { planes_on_host: false, index_on_host: true, tiers_committed: false };
+    let plain = MemoryPlacement::default()
+        .with_planes_on_host(true)
+        .with_index_on_host(true)
+        .with_tiers_committed(true);
+    let accounting = MemoryPlacement::default()
+        .with_planes_on_host(false)
+        .with_index_on_host(true)
+        .with_tiers_committed(false);
     let e = cfg.check_memory(&s, 4, plain, 24 * GIB).unwrap_err();
     assert!(matches!(e, SimError::Config(SimConfigError::Memory { engines: 4, .. })), "{e}");
     assert!(e.to_string().contains("GiB available"), "{e}");

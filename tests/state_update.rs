@@ -145,10 +145,10 @@ fn refusals_are_typed_and_write_nothing() {
         assert!(matches!(e, StateUpdateError::NoSuchLayer { layer: 2, layers: 2, .. }), "{e}");
         let e = upd.update(Compressor::CsaIdx, 0, &view).unwrap_err();
         assert!(matches!(e, StateUpdateError::DimMismatch { expected: 8, got: 16 }), "{e}");
-        let short = v4pool::state::update::StateInputs { rows: 1, ..view };
+        let short = view.with_rows(1);
         let e = upd.update(Compressor::CsaMain, 0, &short).unwrap_err();
         assert!(matches!(e, StateUpdateError::InputTooSmall { what: "rows", got: 1, needed: 2 }), "{e}");
-        let narrow = v4pool::state::update::StateInputs { kv_row_stride: 15, ..view };
+        let narrow = view.with_kv_row_stride(15);
         let e = upd.update(Compressor::CsaMain, 0, &narrow).unwrap_err();
         assert!(matches!(e, StateUpdateError::InputTooSmall { what: "kv_row_stride", .. }), "{e}");
         // The staged slot freed after staging: restage first.

@@ -91,17 +91,16 @@ fn forward_on(backend: Arc<dyn Backend>, spec_steps: i64, seed: u64) -> Vec<u8> 
         let ratio = g.ratios[layer] as usize;
         let (kv, score, ape) =
             (f32s(&mut rng, rows * DIM), f32s(&mut rng, rows * DIM), f32s(&mut rng, ratio * DIM));
-        let inputs = StateInputs {
-            kv: upload(&be, &kv),
-            score: upload(&be, &score),
-            ape: upload(&be, &ape),
-            kv_row_stride: DIM as i64,
-            score_row_stride: DIM as i64,
-            rows: rows as i64,
-            dim: DIM as i64,
-            dtype: ElemType::F32,
-            ape_dtype: ElemType::F32,
-        };
+        let inputs = StateInputs::default()
+            .with_kv(upload(&be, &kv))
+            .with_score(upload(&be, &score))
+            .with_ape(upload(&be, &ape))
+            .with_kv_row_stride(DIM as i64)
+            .with_score_row_stride(DIM as i64)
+            .with_rows(rows as i64)
+            .with_dim(DIM as i64)
+            .with_dtype(ElemType::F32)
+            .with_ape_dtype(ElemType::F32);
         // SAFETY: the three inputs are fresh allocations of the pool's backend of the sizes
         // the launch reads, uploaded on its stream.
         unsafe { upd.update_owner(o as u64, &inputs).unwrap() };
@@ -130,17 +129,16 @@ fn forward_on(backend: Arc<dyn Backend>, spec_steps: i64, seed: u64) -> Vec<u8> 
     let got = plane(&pool);
     assert!(got == want, "V4.1 k={spec_steps} on {:?}: the plane differs from the expectation", be.kind());
     // Past the owners, and V4's compressors, are refused.
-    let none = StateInputs {
-        kv: 0,
-        score: 0,
-        ape: 0,
-        kv_row_stride: 512,
-        score_row_stride: 512,
-        rows: 64,
-        dim: 512,
-        dtype: ElemType::F32,
-        ape_dtype: ElemType::F32,
-    };
+    let none = StateInputs::default()
+        .with_kv(0)
+        .with_score(0)
+        .with_ape(0)
+        .with_kv_row_stride(512)
+        .with_score_row_stride(512)
+        .with_rows(64)
+        .with_dim(512)
+        .with_dtype(ElemType::F32)
+        .with_ape_dtype(ElemType::F32);
     assert!(matches!(upd.owner_launch(4, &none), Err(StateUpdateError::NoSuchOwner { owner: 4, owners: 4 })));
     assert!(upd.launch(Compressor::CsaMain, 0, &none).is_err());
     got

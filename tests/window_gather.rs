@@ -191,17 +191,16 @@ fn gather_kernels_match_the_host_reference() {
         let nope = aligned(&nope);
         let out_len = bs * wd as usize * 1024;
         let run = |out: &mut [u128], emulated: bool| {
-            let args = WindowGatherArgs {
-                params,
-                pool: nope.as_ptr() as u64,
-                rope: if fp8 { rope.as_ptr() as u64 } else { 0 },
-                state_slot_per_seq: slot_of.as_ptr() as u64,
-                anchor_pos: anchors.as_ptr() as u64,
-                out: out.as_mut_ptr() as u64,
-                view_rows,
-                num_seqs: bs as i32,
-                draft_window: wd,
-            };
+            let args = WindowGatherArgs::default()
+                .with_params(params)
+                .with_pool(nope.as_ptr() as u64)
+                .with_rope(if fp8 { rope.as_ptr() as u64 } else { 0 })
+                .with_state_slot_per_seq(slot_of.as_ptr() as u64)
+                .with_anchor_pos(anchors.as_ptr() as u64)
+                .with_out(out.as_mut_ptr() as u64)
+                .with_view_rows(view_rows)
+                .with_num_seqs(bs as i32)
+                .with_draft_window(wd);
             let l = if fp8 { Launch::WindowGatherFp8(args) } else { Launch::WindowGather(args) };
             if emulated {
                 let shape = launch_shape(&l);
@@ -246,42 +245,46 @@ fn gather_launch_shape_and_host_checks() {
         ring_stride: 133,
         run_rows: 133,
     };
-    let a = WindowGatherArgs {
-        params,
-        pool: 0x1000,
-        rope: 0x2000,
-        state_slot_per_seq: 0x3000,
-        anchor_pos: 0x4000,
-        out: 0x5000,
-        view_rows: 1000,
-        num_seqs: 1024,
-        draft_window: 128,
-    };
+    let a = WindowGatherArgs::default()
+        .with_params(params)
+        .with_pool(0x1000)
+        .with_rope(0x2000)
+        .with_state_slot_per_seq(0x3000)
+        .with_anchor_pos(0x4000)
+        .with_out(0x5000)
+        .with_view_rows(1000)
+        .with_num_seqs(1024)
+        .with_draft_window(128);
     let s = launch_shape(&Launch::WindowGatherFp8(a));
     assert_eq!(s.grid, [1024, 128 / GATHER_ROWS_PER_BLOCK, 1]);
     assert_eq!(s.block, [256, 1, 1]);
-    assert_eq!(launch_shape(&Launch::WindowGather(WindowGatherArgs { draft_window: 133, ..a })).grid[1], 17);
+    assert_eq!(launch_shape(&Launch::WindowGather(a.with_draft_window(133))).grid[1], 17);
     assert_eq!(check_launch(&Launch::WindowGatherFp8(a)), Ok(()));
     assert_eq!(
-        check_launch(&Launch::WindowGatherFp8(WindowGatherArgs { draft_window: 134, ..a })),
+        check_launch(&Launch::WindowGatherFp8(a.with_draft_window(134))),
         Err(LaunchError::WindowExceedsRing { class: "window gather", win: 134, ring_slots: 133 })
     );
-    assert!(check_launch(&Launch::WindowGatherFp8(WindowGatherArgs { draft_window: 0, ..a })).is_err());
+    assert!(check_launch(&Launch::WindowGatherFp8(a.with_draft_window(0))).is_err());
     assert!(matches!(
         check_launch(&Launch::WindowGather(a)),
         Err(LaunchError::UnexpectedBuffer { field: "rope", .. })
     ));
     assert!(matches!(
-        check_launch(&Launch::WindowGatherFp8(WindowGatherArgs { rope: 0, ..a })),
+        check_launch(&Launch::WindowGatherFp8(a.with_rope(0))),
         Err(LaunchError::MissingBuffer { field: "rope" })
     ));
     assert!(matches!(
-        check_launch(&Launch::WindowGatherFp8(WindowGatherArgs { out: 0x5008, ..a })),
+        check_launch(&Launch::WindowGatherFp8(a.with_out(0x5008))),
         Err(LaunchError::Misaligned { field: "out", .. })
     ));
     // An empty grid is one block that returns, and needs no buffers.
-    let empty =
-        WindowGatherArgs { num_seqs: 0, pool: 0, state_slot_per_seq: 0, anchor_pos: 0, out: 0, rope: 0, ..a };
+    let empty = a
+        .with_num_seqs(0)
+        .with_pool(0)
+        .with_state_slot_per_seq(0)
+        .with_anchor_pos(0)
+        .with_out(0)
+        .with_rope(0);
     assert_eq!(check_launch(&Launch::WindowGather(empty)), Ok(()));
     assert_eq!(launch_shape(&Launch::WindowGather(empty)).grid[0], 1);
     // SAFETY: an empty grid touches nothing.

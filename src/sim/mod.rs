@@ -99,7 +99,8 @@ pub const MANAGER_BYTES_PER_BLOCK: u64 = 256;
 pub const BASE_BYTES: u64 = 64 << 20;
 
 /// Where a backend keeps what a simulated pool holds, for [`SimConfig::memory_estimate`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct MemoryPlacement {
     /// The planes and indexer cache are host memory (the plain host backend).
     pub planes_on_host: bool,
@@ -109,6 +110,12 @@ pub struct MemoryPlacement {
     /// backend's heap); the accounting host backend reserves them without committing them.
     pub tiers_committed: bool,
 }
+
+crate::setters::with_setters!(MemoryPlacement {
+    with_planes_on_host(planes_on_host: bool),
+    with_index_on_host(index_on_host: bool),
+    with_tiers_committed(tiers_committed: bool),
+});
 
 /// What one run of the simulator holds in host memory at its peak, by engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

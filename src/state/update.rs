@@ -153,7 +153,8 @@ pub struct StateSeq<'a> {
 }
 
 /// The engine's compressor outputs for one launch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct StateInputs {
     /// `[rows][kv_row_stride]` elements of `dtype`.
     pub kv: DevicePtr,
@@ -174,6 +175,18 @@ pub struct StateInputs {
     /// Element type of ape.
     pub ape_dtype: ElemType,
 }
+
+crate::setters::with_setters!(StateInputs {
+    with_kv(kv: DevicePtr),
+    with_score(score: DevicePtr),
+    with_ape(ape: DevicePtr),
+    with_kv_row_stride(kv_row_stride: i64),
+    with_score_row_stride(score_row_stride: i64),
+    with_rows(rows: i64),
+    with_dim(dim: i64),
+    with_dtype(dtype: ElemType),
+    with_ape_dtype(ape_dtype: ElemType),
+});
 
 /// What staging and launching refuse, before anything reaches the device.
 #[derive(Debug, Error)]

@@ -189,7 +189,7 @@ pub fn send_to_child(sender: &Pool, req: &RequestKv, peer: &mut Peer, mode: Mode
     if mode == Mode::Vanish {
         gone();
     }
-    let opts = NixlOptions { wait_timeout: Duration::from_secs(20), ..NixlOptions::default() };
+    let opts = NixlOptions::default().with_wait_timeout(Duration::from_secs(20));
     let agent = NixlAgent::new(None, &opts).map_err(|e| e.to_string())?;
     let mut engine = NixlEngine::to_peer(agent, &md, (mem, mem), &opts).map_err(|e| e.to_string())?;
     if mode == Mode::VanishLate {

@@ -206,17 +206,16 @@ pub fn upload(backend: &dyn Backend, i: &Inputs) -> (Vec<DeviceAllocation>, Stat
         unsafe { backend.upload(a.ptr, bytes, Stream::DEFAULT).unwrap() };
         allocs.push(a);
     }
-    let view = StateInputs {
-        kv: allocs[0].ptr,
-        score: allocs[1].ptr,
-        ape: allocs[2].ptr,
-        kv_row_stride: i.kv_row_stride,
-        score_row_stride: i.score_row_stride,
-        rows: i.rows,
-        dim: i.dim,
-        dtype: i.dtype,
-        ape_dtype: i.ape_dtype,
-    };
+    let view = StateInputs::default()
+        .with_kv(allocs[0].ptr)
+        .with_score(allocs[1].ptr)
+        .with_ape(allocs[2].ptr)
+        .with_kv_row_stride(i.kv_row_stride)
+        .with_score_row_stride(i.score_row_stride)
+        .with_rows(i.rows)
+        .with_dim(i.dim)
+        .with_dtype(i.dtype)
+        .with_ape_dtype(i.ape_dtype);
     (allocs, view)
 }
 

@@ -439,17 +439,16 @@ impl StepRig {
                 let kv = inputs.window(t * s.dim);
                 let score = inputs.window(t * s.dim);
                 let ape = inputs.window(s.ratio * s.dim);
-                let si = StateInputs {
-                    kv,
-                    score,
-                    ape,
-                    kv_row_stride: s.dim as i64,
-                    score_row_stride: s.dim as i64,
-                    rows: t as i64,
-                    dim: s.dim as i64,
-                    dtype: ElemType::F32,
-                    ape_dtype: ElemType::F32,
-                };
+                let si = StateInputs::default()
+                    .with_kv(kv)
+                    .with_score(score)
+                    .with_ape(ape)
+                    .with_kv_row_stride(s.dim as i64)
+                    .with_score_row_stride(s.dim as i64)
+                    .with_rows(t as i64)
+                    .with_dim(s.dim as i64)
+                    .with_dtype(ElemType::F32)
+                    .with_ape_dtype(ElemType::F32);
                 let launch = match s.compressor {
                     Some(c) => state.launch(c, s.ordinal, &si),
                     None => state.owner_launch(s.ordinal, &si),

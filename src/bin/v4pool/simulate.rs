@@ -468,7 +468,10 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
     let backend: std::sync::Arc<dyn v4pool::backend::Backend> =
         if on_host { std::sync::Arc::new(v4pool::backend::host::HostBackend::accounting()) } else { backend };
     // Refuse up front what would not fit this machine's memory (rather than be killed midway).
-    let at = MemoryPlacement { planes_on_host: false, index_on_host: on_host, tiers_committed: !on_host };
+    let at = MemoryPlacement::default()
+        .with_planes_on_host(false)
+        .with_index_on_host(on_host)
+        .with_tiers_committed(!on_host);
     let engines = s.fleet.as_ref().map_or(1, |f| f.engines);
     let estimate = match v4pool::raw::sim::available_memory() {
         Some(available) => s.cfg.check_memory(&s.spec, engines, at, available)?,
