@@ -358,12 +358,7 @@ impl DecodeSet {
 
     fn seqs(&self) -> Vec<DecodeSeq<'_>> {
         (0..self.pos.len())
-            .map(|i| DecodeSeq {
-                position: self.pos[i],
-                context_len: self.ctx[i],
-                num_tokens: self.tps,
-                block_table: &self.tables[i],
-            })
+            .map(|i| DecodeSeq::new(self.pos[i], self.ctx[i], self.tps, &self.tables[i]))
             .collect()
     }
 

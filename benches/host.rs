@@ -278,14 +278,7 @@ fn staging() -> Res<()> {
         let seqs: Vec<Vec<DecodeSeq<'_>>> = sets
             .iter()
             .map(|(pos, ctx, tables)| {
-                (0..batch)
-                    .map(|i| DecodeSeq {
-                        position: pos[i],
-                        context_len: ctx[i],
-                        num_tokens: 1,
-                        block_table: &tables[i],
-                    })
-                    .collect()
+                (0..batch).map(|i| DecodeSeq::new(pos[i], ctx[i], 1, &tables[i])).collect()
             })
             .collect();
         let n: u64 = if batch >= 256 { 400 } else { 4_000 };

@@ -162,15 +162,8 @@ fn shape(
             (leases[b], (ctx - q as i64..ctx).collect(), ctx, b * q)
         })
         .collect();
-    let views: Vec<StateSeq<'_>> = seqs
-        .iter()
-        .map(|(l, p, ctx, first)| StateSeq {
-            slot: l.handle,
-            first_token: *first,
-            positions: p,
-            context_len: *ctx,
-        })
-        .collect();
+    let views: Vec<StateSeq<'_>> =
+        seqs.iter().map(|(l, p, ctx, first)| StateSeq::new(l.handle, *first, p, *ctx)).collect();
     let [csa_rows, hca_rows] = upd.stage(&views)?;
     let rows = if c == Compressor::HcaMain { hca_rows } else { csa_rows };
     let tokens = bs * q;

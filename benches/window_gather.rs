@@ -88,10 +88,12 @@ fn batch(rng: &mut Rng, leases: &[SlotLease], n: usize) -> Vec<GatherSeq> {
         order.swap(i, CHECKED + (rng.next_u64() % (i - CHECKED + 1) as u64) as usize);
     }
     (0..n)
-        .map(|i| GatherSeq {
-            slot: leases[order[i]].handle,
-            anchor: if i == 1 { 3 } else { (rng.next_u64() % 1_000_000) as i64 },
-            context_len: None,
+        .map(|i| {
+            GatherSeq::new(
+                leases[order[i]].handle,
+                if i == 1 { 3 } else { (rng.next_u64() % 1_000_000) as i64 },
+                None,
+            )
         })
         .collect()
 }

@@ -35,14 +35,8 @@ fn flashmla_rows_are_the_csr_slices_shifted() {
     let ctx: Vec<i64> = vec![3, 40 * 256, 5_000, 9_999];
     let tables: Vec<Vec<i32>> =
         ctx.iter().map(|&c| (0..(c + 255) / 256).map(|_| rng.below(300) as i32).collect()).collect();
-    let batch: Vec<DecodeSeq<'_>> = (0..4)
-        .map(|i| DecodeSeq {
-            position: live[i + 1],
-            context_len: ctx[i],
-            num_tokens: 1 + i % 2,
-            block_table: &tables[i],
-        })
-        .collect();
+    let batch: Vec<DecodeSeq<'_>> =
+        (0..4).map(|i| DecodeSeq::new(live[i + 1], ctx[i], 1 + i % 2, &tables[i])).collect();
     let tokens = csr.stage(&batch).unwrap();
     assert_eq!(fm.stage(&batch).unwrap(), tokens);
     csr.build().unwrap();

@@ -73,8 +73,8 @@ fn rows_land_at_their_page_places() {
     let mut want = plane(&p); // after the slots' state was initialised
     let mut w = p.kv_row_writer(RowWriteCapacity::new(64)).unwrap();
     let seqs = [
-        WindowSeq { slot: slots[0].handle, first_position: 61, tokens: 5 }, // crosses a page
-        WindowSeq { slot: slots[1].handle, first_position: 4_000, tokens: 3 },
+        WindowSeq::new(slots[0].handle, 61, 5), // crosses a page
+        WindowSeq::new(slots[1].handle, 4_000, 3),
     ];
     w.stage_window(&seqs).unwrap();
     let kv: Vec<u16> = (0..8).flat_map(|_| bf16_row(&mut rng)).collect();
@@ -124,7 +124,7 @@ fn a_checkpoint_carries_window_rows_through_the_paged_spans() {
         let a = p.alloc_slot().unwrap();
         let b = p.alloc_slot().unwrap();
         let mut w = p.kv_row_writer(RowWriteCapacity::new(200)).unwrap();
-        w.stage_window(&[WindowSeq { slot: a.handle, first_position: 0, tokens: 130 }]).unwrap();
+        w.stage_window(&[WindowSeq::new(a.handle, 0, 130)]).unwrap();
         let kv: Vec<u16> = (0..130).flat_map(|_| bf16_row(&mut rng)).collect();
         let g = p.geometry().unwrap();
         let layers: Vec<usize> =

@@ -42,9 +42,7 @@ fn staged_windows(d: &Arc<Pool>, h: &Arc<Pool>, rng: &mut Rng) -> (KvRowWriter, 
     let starts = [0i64, 7, 1_000_000];
     let tokens = [300usize, 1, 129];
     let seqs = |s: &[v4pool::pool::SlotLease]| -> Vec<WindowSeq> {
-        (0..3)
-            .map(|i| WindowSeq { slot: s[i].handle, first_position: starts[i], tokens: tokens[i] })
-            .collect()
+        (0..3).map(|i| WindowSeq::new(s[i].handle, starts[i], tokens[i])).collect()
     };
     wd.stage_window(&seqs(&sd)).unwrap();
     wh.stage_window(&seqs(&sh)).unwrap();

@@ -288,10 +288,7 @@ fn the_writer_puts_rows_where_the_geometry_says() {
         let b = pool.alloc_slot().unwrap();
         // Sequence a: 140 tokens from position 5 (more than the ring: the first 12 dropped);
         // sequence b: 3 tokens from position 1,000.
-        let seqs = [
-            WindowSeq { slot: a.handle, first_position: 5, tokens: 140 },
-            WindowSeq { slot: b.handle, first_position: 1000, tokens: 3 },
-        ];
+        let seqs = [WindowSeq::new(a.handle, 5, 140), WindowSeq::new(b.handle, 1000, 3)];
         assert_eq!(w.stage_window(&seqs).unwrap(), 143);
         let csa = g.ratios.iter().position(|&r| r == 4).unwrap();
         let kv = bf16_values(&mut rng, 143 * 520);
@@ -367,13 +364,13 @@ fn the_writer_puts_rows_where_the_geometry_says() {
         ));
         assert!(plane(&pool, 0) == snapshot, "a refused write changed the plane");
         assert!(matches!(w.stage_window(&seqs), Err(RowWriteError::StaleLease { seq: 1, .. })));
-        let twice = WindowSeq { slot: a.handle, first_position: 0, tokens: 1 };
+        let twice = WindowSeq::new(a.handle, 0, 1);
         assert!(matches!(
             w.stage_window(&[twice, twice]),
             Err(RowWriteError::SharedSlot { first: 0, second: 1, .. })
         ));
         assert!(matches!(
-            w.stage_window(&[WindowSeq { slot: a.handle, first_position: 0, tokens: 301 }]),
+            w.stage_window(&[WindowSeq::new(a.handle, 0, 301)]),
             Err(RowWriteError::TooManyTokens { .. })
         ));
     }
@@ -455,10 +452,7 @@ fn a_v41_pool_in_flashmla_rows_gets_the_format_pack_at_its_window_rows() {
     let mut w = pool.kv_row_writer(RowWriteCapacity::new(64)).unwrap();
     let slots: Vec<_> = (0..2).map(|_| pool.alloc_slot().unwrap()).collect();
     let before = plane(&pool, 0); // after alloc_slot initialised the slots' state
-    let seqs = [
-        WindowSeq { slot: slots[0].handle, first_position: 5, tokens: 3 },
-        WindowSeq { slot: slots[1].handle, first_position: 1_000, tokens: 2 },
-    ];
+    let seqs = [WindowSeq::new(slots[0].handle, 5, 3), WindowSeq::new(slots[1].handle, 1_000, 2)];
     assert_eq!(w.stage_window(&seqs).unwrap(), 5);
     let kv = bf16_values(&mut rng, 5 * 512);
     let g = pool.geometry().unwrap();
@@ -565,11 +559,10 @@ fn v41_layers_take_their_window_rows() {
     let mut rng = Rng::new(case_seed("kv-rows-v41", 0));
     let a = pool.alloc_slot().unwrap();
     let mut w = pool.kv_row_writer(RowWriteCapacity::new(3)).unwrap();
-    w.stage_window(&[WindowSeq { slot: a.handle, first_position: 1000, tokens: 3 }]).unwrap();
+    w.stage_window(&[WindowSeq::new(a.handle, 1000, 3)]).unwrap();
     let mut path = pool.decode_path(DecodeCapacity::new(1, 1, 4, 128, 512)).unwrap();
     let table = [0, 1, 2, 3];
-    path.stage(&[DecodeSeq { position: a.position, context_len: 1004, num_tokens: 1, block_table: &table }])
-        .unwrap();
+    path.stage(&[DecodeSeq::new(a.position, 1004, 1, &table)]).unwrap();
     path.build().unwrap();
     // Dense, coarse (ratio 2) and fine (ratio 1) layers.
     for layer in [0usize, 2, 25] {
@@ -611,7 +604,7 @@ fn a_stride_whose_span_wraps_is_a_shape_error() {
     let csa = g.ratios.iter().position(|&r| r == 4).unwrap();
     let mut w = pool.kv_row_writer(RowWriteCapacity::new(8)).unwrap();
     let slot = pool.alloc_slot().unwrap().handle;
-    w.stage_window(&[WindowSeq { slot, first_position: 0, tokens: 4 }]).unwrap();
+    w.stage_window(&[WindowSeq::new(slot, 0, 4)]).unwrap();
     let kv = vec![0x3f80u16; 4 * 512];
     let before = plane(&pool, 0);
     for stride in [usize::MAX, usize::MAX / 2, usize::MAX / 3 + 1] {
@@ -647,7 +640,7 @@ fn window_positions_past_i64_are_refused() {
     let mut w = pool.kv_row_writer(RowWriteCapacity::new(8)).unwrap();
     let slot = pool.alloc_slot().unwrap().handle;
     for (first, tokens) in [(i64::MAX, 2), (i64::MAX - 2, 4)] {
-        let r = w.stage_window(&[WindowSeq { slot, first_position: first, tokens }]);
+        let r = w.stage_window(&[WindowSeq::new(slot, first, tokens)]);
         assert!(
             matches!(r, Err(RowWriteError::PositionPastI64 { seq: 0, first_position, tokens: t })
                 if first_position == first && t == tokens),
@@ -657,5 +650,5 @@ fn window_positions_past_i64_are_refused() {
     let r = w.write(0, RowSet::Window, &vec![0u16; 2 * 512], 512);
     assert!(matches!(r, Err(RowWriteError::NothingStaged { .. })), "{r:?}");
     // The last position that is one.
-    assert_eq!(w.stage_window(&[WindowSeq { slot, first_position: i64::MAX - 1, tokens: 2 }]).unwrap(), 2);
+    assert_eq!(w.stage_window(&[WindowSeq::new(slot, i64::MAX - 1, 2)]).unwrap(), 2);
 }

@@ -257,8 +257,8 @@ fn write_rows(
     let mut w = p.kv_row_writer(RowWriteCapacity::new(64)).unwrap();
     assert_eq!(w.compressed_format_code(), v4pool::raw::index::KV_ROWS_FLASHMLA_V41_FP4);
     let seqs = [
-        WindowSeq { slot: slots[0].handle, first_position: 125, tokens: 6 }, // wraps the ring
-        WindowSeq { slot: slots[1].handle, first_position: 9_000, tokens: 3 },
+        WindowSeq::new(slots[0].handle, 125, 6), // wraps the ring
+        WindowSeq::new(slots[1].handle, 9_000, 3),
     ];
     w.stage_window(&seqs).unwrap();
     let kv: Vec<u16> = (0..9).flat_map(|_| bf16_row(rng)).collect();

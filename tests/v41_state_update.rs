@@ -72,12 +72,7 @@ fn forward_on(backend: Arc<dyn Backend>, spec_steps: i64, seed: u64) -> Vec<u8> 
         .iter()
         .zip(&positions)
         .zip(&seqs_meta)
-        .map(|((l, p), &(first_token, context_len))| StateSeq {
-            slot: l.handle,
-            first_token,
-            positions: p,
-            context_len,
-        })
+        .map(|((l, p), &(first_token, context_len))| StateSeq::new(l.handle, first_token, p, context_len))
         .collect();
     let cap = StateUpdateCapacity::new(4, 64);
     let mut upd = pool.state_update(cap).unwrap();

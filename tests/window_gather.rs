@@ -93,7 +93,7 @@ fn bad_input_is_a_typed_error_before_any_launch() {
     let a = pool.alloc_slot().unwrap();
     let ring = pool.spec().geometry.ring_slots as usize;
     let mut g = pool.window_gather(GatherCapacity::new(2, 4)).unwrap();
-    let seq = |anchor, context_len| GatherSeq { slot: a.handle, anchor, context_len };
+    let seq = |anchor, context_len| GatherSeq::new(a.handle, anchor, context_len);
     let csa = model.ratios.iter().position(|&r| r == 4).unwrap();
     assert!(matches!(g.stage(&[seq(5, None); 3]), Err(GatherError::TooManySeqs { got: 3, cap: 2 })));
     assert!(matches!(g.stage(&[seq(-1, None)]), Err(GatherError::NegativeAnchor { seq: 0, anchor: -1 })));
@@ -303,7 +303,7 @@ fn a_slot_relocated_after_staging_is_refused_until_restaged_with_its_new_lease()
     let leases: Vec<_> = (0..n).map(|_| pool.alloc_slot().unwrap()).collect();
     let held = leases.iter().map(|l| l.handle).min_by_key(|&h| pool.slot_position(h).unwrap()).unwrap();
     let mut g = pool.window_gather(GatherCapacity::new(1, 4)).unwrap();
-    g.stage(&[GatherSeq { slot: held, anchor: 7, context_len: None }]).unwrap();
+    g.stage(&[GatherSeq::new(held, 7, None)]).unwrap();
     g.gather(csa, 4).unwrap();
     for l in leases.iter().filter(|l| l.handle != held) {
         pool.free_slot(l.handle).unwrap();
@@ -311,7 +311,7 @@ fn a_slot_relocated_after_staging_is_refused_until_restaged_with_its_new_lease()
     let change = pool.shrink_slots(n - 1).unwrap();
     let moved = change.slot_moves.iter().find(|m| m.old == held).expect("the held slot is relocated");
     assert!(matches!(g.gather(csa, 4), Err(GatherError::StaleLease { seq: 0, .. })));
-    g.stage(&[GatherSeq { slot: moved.new, anchor: 7, context_len: None }]).unwrap();
+    g.stage(&[GatherSeq::new(moved.new, 7, None)]).unwrap();
     g.gather(csa, 4).unwrap();
 }
 

@@ -93,6 +93,7 @@ impl PrefillCapacity {
 
 /// One sequence's chunk of a prefill forward.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct PrefillSeq<'a> {
     /// Physical slot (a position from `physical_slot`).
     pub position: i64,
@@ -102,6 +103,14 @@ pub struct PrefillSeq<'a> {
     pub num_tokens: usize,
     /// Logical → physical block ids covering the context after the chunk.
     pub block_table: &'a [i32],
+}
+
+impl<'a> PrefillSeq<'a> {
+    /// One prefill sequence, every field given (the struct is `#[non_exhaustive]`: a field added later
+    /// gets a default here and a setter).
+    pub fn new(position: i64, chunk_start: i64, num_tokens: usize, block_table: &'a [i32]) -> Self {
+        PrefillSeq { position, chunk_start, num_tokens, block_table }
+    }
 }
 
 /// One sub-buffer of the prefill path, by name.

@@ -241,6 +241,7 @@ impl RowWriteCapacity {
 /// One sequence of a prefill chunk: its tokens are `first_position ..` and sit contiguously in
 /// the KV (sequences in batch order).
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct WindowSeq {
     /// The request's slot.
     pub slot: SlotHandle,
@@ -248,6 +249,14 @@ pub struct WindowSeq {
     pub first_position: i64,
     /// Tokens of the chunk.
     pub tokens: usize,
+}
+
+impl WindowSeq {
+    /// One sequence's window writes, every field given (the struct is `#[non_exhaustive]`: a field added later
+    /// gets a default here and a setter).
+    pub fn new(slot: SlotHandle, first_position: i64, tokens: usize) -> Self {
+        WindowSeq { slot, first_position, tokens }
+    }
 }
 
 /// One compressed entry a compressor emitted: row `row` (`0 .. block_rows` of the class) of

@@ -216,6 +216,7 @@ impl GatherCapacity {
 
 /// One sequence of a gather batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GatherSeq {
     /// The sequence's slot lease (checked live; its position is what the kernel reads).
     pub slot: SlotHandle,
@@ -223,6 +224,14 @@ pub struct GatherSeq {
     pub anchor: i64,
     /// Tokens written so far, when the engine knows it: the anchor must be below it.
     pub context_len: Option<i64>,
+}
+
+impl GatherSeq {
+    /// One draft-window request, every field given (the struct is `#[non_exhaustive]`: a field added later
+    /// gets a default here and a setter).
+    pub fn new(slot: SlotHandle, anchor: i64, context_len: Option<i64>) -> Self {
+        GatherSeq { slot, anchor, context_len }
+    }
 }
 
 /// Where a layer's window lives: view base(s), window params, rows of the view.

@@ -140,6 +140,7 @@ impl StateUpdateCapacity {
 
 /// One sequence of a forward, as an engine has it.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct StateSeq<'a> {
     /// The sequence's slot (checked live against the pool, mapped to its position).
     pub slot: SlotHandle,
@@ -150,6 +151,14 @@ pub struct StateSeq<'a> {
     pub positions: &'a [i64],
     /// Context length after this forward; every position is below it.
     pub context_len: i64,
+}
+
+impl<'a> StateSeq<'a> {
+    /// One sequence of a forward, every field given (the struct is `#[non_exhaustive]`: a field added later
+    /// gets a default here and a setter).
+    pub fn new(slot: SlotHandle, first_token: usize, positions: &'a [i64], context_len: i64) -> Self {
+        StateSeq { slot, first_token, positions, context_len }
+    }
 }
 
 /// The engine's compressor outputs for one launch.

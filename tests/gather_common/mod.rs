@@ -147,7 +147,7 @@ pub fn batch(rng: &mut Rng, leases: &[SlotLease], n: usize, wd: usize) -> Vec<Ga
         .map(|_| {
             let anchor = if rng.chance(0.3) { rng.range(0, 2 * wd as i64) } else { rng.range(0, 1_000_000) };
             let context_len = rng.chance(0.5).then(|| anchor + 1 + rng.range(0, 5));
-            GatherSeq { slot: leases[rng.below(leases.len() as u64) as usize].handle, anchor, context_len }
+            GatherSeq::new(leases[rng.below(leases.len() as u64) as usize].handle, anchor, context_len)
         })
         .collect()
 }

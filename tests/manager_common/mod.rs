@@ -286,7 +286,7 @@ fn update_state(pool: &Arc<Pool>, lease: SlotLease, t: &[u32], from: usize, to: 
     let n = to - from;
     let mut upd = pool.state_update(StateUpdateCapacity::new(1, n)).expect("state update");
     let positions: Vec<i64> = (from as i64..to as i64).collect();
-    let seq = StateSeq { slot: lease.handle, first_token: 0, positions: &positions, context_len: to as i64 };
+    let seq = StateSeq::new(lease.handle, 0, &positions, to as i64);
     upd.stage(&[seq]).expect("stage");
     let backend = pool.backend().clone();
     let stream = pool.stream();

@@ -105,14 +105,7 @@ pub struct Seq {
 }
 
 pub fn views(seqs: &[Seq]) -> Vec<StateSeq<'_>> {
-    seqs.iter()
-        .map(|s| StateSeq {
-            slot: s.lease.handle,
-            first_token: s.first_token,
-            positions: &s.positions,
-            context_len: s.context_len,
-        })
-        .collect()
+    seqs.iter().map(|s| StateSeq::new(s.lease.handle, s.first_token, &s.positions, s.context_len)).collect()
 }
 
 /// A forward over `leases`: each sequence `q` new tokens (1..=`max_q`) ending at a random

@@ -360,14 +360,8 @@ impl StepRig {
         // and the packs leave unwritten (past an HCA row's limit) stays the poison, which
         // `path_outputs` checks and compares like any byte.
         poison_flashmla_operands(&path);
-        let seqs: Vec<DecodeSeq<'_>> = (0..batch)
-            .map(|b| DecodeSeq {
-                position: positions[b],
-                context_len: data.ctx[b],
-                num_tokens: tps,
-                block_table: &tables[b],
-            })
-            .collect();
+        let seqs: Vec<DecodeSeq<'_>> =
+            (0..batch).map(|b| DecodeSeq::new(positions[b], data.ctx[b], tps, &tables[b])).collect();
         path.stage(&seqs).expect("stage the decode batch");
         let wcap = RowWriteCapacity::new(t);
         let own = pool.kv_row_writer(wcap).expect("writer");
@@ -404,12 +398,7 @@ impl StepRig {
         let mut state = pool.state_update(scap).expect("state update");
         let pos_lists: Vec<Vec<i64>> = data.ctx.iter().map(|&c| (c - tps as i64..c).collect()).collect();
         let sseqs: Vec<StateSeq<'_>> = (0..batch)
-            .map(|b| StateSeq {
-                slot: held.slots[b].handle,
-                first_token: b * tps,
-                positions: &pos_lists[b],
-                context_len: data.ctx[b],
-            })
+            .map(|b| StateSeq::new(held.slots[b].handle, b * tps, &pos_lists[b], data.ctx[b]))
             .collect();
         state.stage(&sseqs).expect("stage the state plan");
 
