@@ -25,7 +25,6 @@
 //! e4m3, values `x / scale` rounded to nearest even e2m1 and saturated at 6 (a scale rounded down
 //! saturates at most one step). Values divide by the scale in f32 and round to nearest even.
 
-use crate::variant::VariantName;
 use thiserror::Error;
 
 /// Values of one KV row: 448 NoPE, then 64 RoPE (`crate::index::KV_ROW_VALUES` is this).
@@ -454,6 +453,7 @@ pub const ALL: [RowFormatId; 5] = [
     RowFormatId::FlashMlaV41Fp4,
 ];
 
+crate::variant::variant_names! {
 /// What the format code refuses.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum FormatError {
@@ -484,15 +484,6 @@ pub enum FormatError {
         want: usize,
     },
 }
-
-impl VariantName for FormatError {
-    fn variant_name(&self) -> &'static str {
-        match self {
-            FormatError::Unknown { .. } => "Unknown",
-            FormatError::RowLength { .. } => "RowLength",
-            FormatError::PlaneLength { .. } => "PlaneLength",
-        }
-    }
 }
 
 impl RowFormatId {

@@ -44,7 +44,6 @@ use crate::arena::{plan_regions, ArenaError, ArenaLayout};
 use crate::checked::{add, mul};
 use crate::geometry::{GeometryError, UnifiedPoolGeometry, MAX_PLANE_ROWS};
 use crate::model::ModelShape;
-use crate::variant::VariantName;
 use thiserror::Error;
 
 crate::checked::overflow_into!(SizingError);
@@ -411,6 +410,7 @@ impl IndexerPart {
     }
 }
 
+crate::variant::variant_names! {
 /// Everything sizing refuses, with the numbers.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum SizingError {
@@ -527,36 +527,6 @@ pub enum SizingError {
         text: String,
     },
 }
-
-impl VariantName for SizingError {
-    fn variant_name(&self) -> &'static str {
-        use SizingError::*;
-        match self {
-            Arena(e) => e.variant_name(),
-            Geometry(e) => e.variant_name(),
-            NoSlots { .. } => "NoSlots",
-            MinSlots { .. } => "MinSlots",
-            NoCompressedLayers => "NoCompressedLayers",
-            KvDtypeUnsupported { .. } => "KvDtypeUnsupported",
-            UnreadableOnArch { .. } => "UnreadableOnArch",
-            IndexerUnsupported { .. } => "IndexerUnsupported",
-            BudgetTooSmall { .. } => "BudgetTooSmall",
-            Overflow { .. } => "Overflow",
-            CarveMismatch { .. } => "CarveMismatch",
-            EmptyBytes => "EmptyBytes",
-            BadBytes { .. } => "BadBytes",
-            UnknownUnit { .. } => "UnknownUnit",
-            BytesOverflow { .. } => "BytesOverflow",
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            SizingError::Arena(e) => e.is_device_failure(),
-            SizingError::Geometry(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 fn to_u64(x: i64, what: &'static str) -> Result<u64, SizingError> {

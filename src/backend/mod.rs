@@ -44,7 +44,6 @@ pub use select::{env_choice, open, open_on, select, select_on, BackendChoice};
 // What the trait's methods take: a device address and a kernel launch (its argument
 // structs are the kernel contract, `crate::raw::index`).
 pub use crate::index::{DevicePtr, Launch};
-use crate::variant::VariantName;
 use std::fmt;
 use thiserror::Error;
 
@@ -147,6 +146,7 @@ pub(crate) mod heap {
     }
 }
 
+crate::variant::variant_names! {
 /// What a backend can fail with.
 #[derive(Debug, Error)]
 pub enum BackendError {
@@ -261,38 +261,9 @@ pub enum BackendError {
         align: u64,
     },
 }
-
-impl VariantName for BackendError {
-    fn variant_name(&self) -> &'static str {
-        use BackendError::*;
-        match self {
-            Unavailable { .. } => "Unavailable",
-            Driver { .. } => "Driver",
-            OutOfMemory { .. } => "OutOfMemory",
-            MissingKernel { .. } => "MissingKernel",
-            Compile { .. } => "Compile",
-            UnknownBackendName { .. } => "UnknownBackendName",
-            InvalidLaunch { .. } => "InvalidLaunch",
-            TooLarge { .. } => "TooLarge",
-            OutsideAllocation { .. } => "OutsideAllocation",
-            Overlap { .. } => "Overlap",
-            Misaligned { .. } => "Misaligned",
-        }
-    }
-    // The driver-side variants; the others (a misspelt backend name, a size past `u64`, a
-    // range outside an allocation) refuse the caller's input.
-    fn is_device_failure(&self) -> bool {
-        use BackendError::*;
-        matches!(
-            self,
-            Unavailable { .. }
-                | Driver { .. }
-                | OutOfMemory { .. }
-                | MissingKernel { .. }
-                | Compile { .. }
-                | InvalidLaunch { .. }
-        )
-    }
+// The driver-side variants; the others (a misspelt backend name, a size past `u64`, a range
+// outside an allocation) refuse the caller's input.
+device = [Unavailable, Driver, OutOfMemory, MissingKernel, Compile, InvalidLaunch];
 }
 
 /// Checked sizes: the one place a backend turns a caller's `u64` into a host size or an end

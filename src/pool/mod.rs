@@ -47,7 +47,6 @@ use crate::checkpoint::{LayoutId, Loc, Region, RegionCopy};
 use crate::geometry::{GeometryError, UnifiedPoolGeometry, DENSE_RATIO};
 use crate::index::{CopyRunsArgs, DevicePtr, FillRun, FillRunsArgs, Launch};
 use crate::sizing::{IndexerDtype, IndexerPart, KvSpec, SizingError};
-use crate::variant::VariantName;
 use regions::{TransferConfig, TransferRegions};
 use std::sync::{Arc, Mutex, MutexGuard};
 use thiserror::Error;
@@ -325,6 +324,7 @@ impl PoolSpec {
     }
 }
 
+crate::variant::variant_names! {
 #[derive(Debug, Error)]
 /// What the pool refuses or fails with.
 pub enum PoolError {
@@ -496,57 +496,6 @@ pub enum PoolError {
     /// The pool's lock was poisoned by a panic in another thread.
     Poisoned,
 }
-
-impl VariantName for PoolError {
-    fn variant_name(&self) -> &'static str {
-        use PoolError::*;
-        match self {
-            Geometry(e) => e.variant_name(),
-            Arena(e) => e.variant_name(),
-            Alloc(e) => e.variant_name(),
-            Boundary(e) => e.variant_name(),
-            Backend(e) => e.variant_name(),
-            Sizing(e) => e.variant_name(),
-            NoKvSpec => "NoKvSpec",
-            NoIndexer => "NoIndexer",
-            NoSuchIndexerPart { .. } => "NoSuchIndexerPart",
-            NoSuchCsaLayer { .. } => "NoSuchCsaLayer",
-            NoSuchPlane { .. } => "NoSuchPlane",
-            NotPageable { .. } => "NotPageable",
-            ArenaMismatch { .. } => "ArenaMismatch",
-            SlotOrigin(_) => "SlotOrigin",
-            PlaneRange { .. } => "PlaneRange",
-            BufferSize { .. } => "BufferSize",
-            MinSlots(_) => "MinSlots",
-            Transfer(e) => e.variant_name(),
-            Checkpoint(e) => e.variant_name(),
-            Decode(e) => e.variant_name(),
-            Overflow(_) => "Overflow",
-            InconsistentSpec { .. } => "InconsistentSpec",
-            NoSuchBlock { .. } => "NoSuchBlock",
-            NotLive { .. } => "NotLive",
-            OutOfRange { .. } => "OutOfRange",
-            NoSuchRegion { .. } => "NoSuchRegion",
-            SelfOverlap { .. } => "SelfOverlap",
-            BoundaryPinned { .. } => "BoundaryPinned",
-            Poisoned => "Poisoned",
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            PoolError::Geometry(e) => e.is_device_failure(),
-            PoolError::Arena(e) => e.is_device_failure(),
-            PoolError::Alloc(e) => e.is_device_failure(),
-            PoolError::Boundary(e) => e.is_device_failure(),
-            PoolError::Backend(e) => e.is_device_failure(),
-            PoolError::Transfer(e) => e.is_device_failure(),
-            PoolError::Checkpoint(e) => e.is_device_failure(),
-            PoolError::Decode(e) => e.is_device_failure(),
-            PoolError::Sizing(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 /// A layer's rows as an attention kernel that reads pages of rows takes them (FlashMLA:

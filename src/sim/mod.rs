@@ -65,7 +65,6 @@ pub use workload::{Mix, RequestSpec, Rng, Workload, WorkloadConfig};
 
 use crate::geometry::UnifiedPoolGeometry;
 use crate::pool::{DecodeCapacity, DecodeError, DecodePath, PoolError, PoolSpec};
-use crate::variant::VariantName;
 
 /// Most requests waiting for admission; arrivals beyond it are turned away (counted in
 /// [`SimReport::turned_away`]). 65,536 requests of 32 bytes: 2 MiB.
@@ -128,6 +127,7 @@ pub struct MemoryEstimate {
     pub total: u64,
 }
 
+crate::variant::variant_names! {
 /// What a simulation can fail with while it runs.
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
@@ -159,38 +159,9 @@ pub enum SimError {
     #[error("calibration replay: {0}")]
     Bench(#[source] crate::sizing::SizingError),
 }
-
-impl VariantName for SimError {
-    fn variant_name(&self) -> &'static str {
-        use SimError::*;
-        match self {
-            Pool(e) => e.variant_name(),
-            Decode(e) => e.variant_name(),
-            Backend(e) => e.variant_name(),
-            Manager(e) => e.variant_name(),
-            Config(e) => e.variant_name(),
-            Cost(e) => e.variant_name(),
-            Trace(e) => e.variant_name(),
-            BenchModel(e) => e.variant_name(),
-            Bench(e) => e.variant_name(),
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            SimError::Pool(e) => e.is_device_failure(),
-            SimError::Decode(e) => e.is_device_failure(),
-            SimError::Backend(e) => e.is_device_failure(),
-            SimError::Manager(e) => e.is_device_failure(),
-            SimError::Config(e) => e.is_device_failure(),
-            SimError::Cost(e) => e.is_device_failure(),
-            SimError::Trace(e) => e.is_device_failure(),
-            SimError::BenchModel(e) => e.is_device_failure(),
-            SimError::Bench(e) => e.is_device_failure(),
-        }
-    }
 }
 
+crate::variant::variant_names! {
 /// A configuration the simulator refuses before it allocates anything.
 #[derive(Debug, thiserror::Error)]
 pub enum SimConfigError {
@@ -261,28 +232,6 @@ pub enum SimConfigError {
     #[error("this run needs time mode (a step-cost model and a horizon)")]
     NotInTime,
 }
-
-impl VariantName for SimConfigError {
-    fn variant_name(&self) -> &'static str {
-        use SimConfigError::*;
-        match self {
-            OutOfRange { .. } => "OutOfRange",
-            Rate(_) => "Rate",
-            DecodeBuffers { .. } => "DecodeBuffers",
-            Decode(e) => e.variant_name(),
-            Time(_, _) => "Time",
-            ContextBelowMix { .. } => "ContextBelowMix",
-            NotInTime => "NotInTime",
-            Memory { .. } => "Memory",
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            SimConfigError::Decode(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 /// Which run: the manager's split policy and how prefixes are reused (a run of the

@@ -24,10 +24,10 @@ use crate::geometry::{GeometryError, WindowParams, ABSENT_RATIO};
 use crate::index::{DevicePtr, Launch, WindowGatherArgs, GATHER_ROW_BYTES};
 use crate::pool::owned::{Carve, Owned};
 use crate::pool::{DeviceBuffer, Pool, PoolError};
-use crate::variant::VariantName;
 use std::sync::Arc;
 use thiserror::Error;
 
+crate::variant::variant_names! {
 /// What the window gather refuses, before anything is launched.
 #[derive(Debug, Error)]
 pub enum GatherError {
@@ -154,38 +154,6 @@ pub enum GatherError {
         why: String,
     },
 }
-
-impl VariantName for GatherError {
-    fn variant_name(&self) -> &'static str {
-        use GatherError::*;
-        match self {
-            EmptyWindow => "EmptyWindow",
-            WindowExceedsRing { .. } => "WindowExceedsRing",
-            WindowExceedsOutput { .. } => "WindowExceedsOutput",
-            NoOutput => "NoOutput",
-            TooManySeqs { .. } => "TooManySeqs",
-            NegativeAnchor { .. } => "NegativeAnchor",
-            AnchorPastContext { .. } => "AnchorPastContext",
-            NoSuchLayer { .. } => "NoSuchLayer",
-            NoWindow { .. } => "NoWindow",
-            WindowGeometry { .. } => "WindowGeometry",
-            NoCarriedWindow { .. } => "NoCarriedWindow",
-            StaleLease { .. } => "StaleLease",
-            TooLarge { .. } => "TooLarge",
-            Backend(e) => e.variant_name(),
-            PositionPastI32 { .. } => "PositionPastI32",
-            BadOutput { .. } => "BadOutput",
-            Pool(e) => e.variant_name(),
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            GatherError::Backend(e) => e.is_device_failure(),
-            GatherError::Pool(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 fn pool_err(e: PoolError) -> GatherError {

@@ -42,7 +42,6 @@ use crate::index::{DevicePtr, Launch, StateUpdateArgs};
 pub use crate::index::ElemType;
 use crate::pool::owned::{Carve, Owned};
 use crate::pool::{DeviceBuffer, Pool, PoolError};
-use crate::variant::VariantName;
 use std::sync::Arc;
 use thiserror::Error;
 
@@ -197,6 +196,7 @@ crate::setters::with_setters!(StateInputs {
     with_ape_dtype(ape_dtype: ElemType),
 });
 
+crate::variant::variant_names! {
 /// What staging and launching refuse, before anything reaches the device.
 #[derive(Debug, Error)]
 pub enum StateUpdateError {
@@ -323,36 +323,6 @@ pub enum StateUpdateError {
         now: Option<i64>,
     },
 }
-
-impl VariantName for StateUpdateError {
-    fn variant_name(&self) -> &'static str {
-        use StateUpdateError::*;
-        match self {
-            Pool(e) => e.variant_name(),
-            Backend(e) => e.variant_name(),
-            RingTooSmall { .. } => "RingTooSmall",
-            NegativePosition { .. } => "NegativePosition",
-            PastContext { .. } => "PastContext",
-            DuplicatePosition { .. } => "DuplicatePosition",
-            SharedSlot { .. } => "SharedSlot",
-            OverCapacity { .. } => "OverCapacity",
-            NotI32 { .. } => "NotI32",
-            NoSuchOwner { .. } => "NoSuchOwner",
-            NoSuchLayer { .. } => "NoSuchLayer",
-            FieldShape { .. } => "FieldShape",
-            DimMismatch { .. } => "DimMismatch",
-            InputTooSmall { .. } => "InputTooSmall",
-            Restage { .. } => "Restage",
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            StateUpdateError::Pool(e) => e.is_device_failure(),
-            StateUpdateError::Backend(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 type Result<T> = std::result::Result<T, StateUpdateError>;
