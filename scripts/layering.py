@@ -15,7 +15,7 @@ import sys
 
 # Lowest first. A module may name only modules of a strictly lower layer.
 LAYERS = [
-    ["checked", "profiling", "rng", "setters", "variant"],
+    ["checked", "dylib", "profiling", "rng", "setters", "variant"],
     ["geometry", "file", "format"],
     ["model", "index"],
     ["arena", "alloc", "kernels"],

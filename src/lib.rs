@@ -37,6 +37,7 @@ pub mod backend;
 mod boundary;
 mod checked;
 pub mod checkpoint;
+mod dylib;
 pub mod events;
 mod file;
 pub mod format;
