@@ -22,8 +22,8 @@ mod flashmla;
 mod staging;
 
 pub(crate) use checks::{
-    check_blocks, check_capacity, check_live, check_seq, pack_slot, read_columns, slot_ratios, PackTargets,
-    PoolBounds,
+    add_tokens, check_batch_len, check_blocks, check_capacity, check_live, check_seq, pack_slot,
+    read_columns, slot_ratios, PackTargets, PoolBounds,
 };
 pub use checks::{class_slice_lens, decode_slice_lens};
 pub use error::DecodeError;
