@@ -586,21 +586,8 @@ fn row_scatter_matches_host() {
                         _ => {}
                     }
                 }
-                let mut case = Case::new(format!("row scatter {model} ratio={ratio} T={t} fp8={fp8}"), seed);
-                let setup = add_planes(&mut case, &mut rng, &g, layer, fp8, t);
-                let bi = case.i32s("batch_id_per_token", &bid);
-                let dr = case.i32s("dest_rows", &dest);
-                let make = move |p: &[u64]| {
-                    vec![Launch::RowScatter(
-                        RowScatterArgs::default()
-                            .with_planes(plane_writes(&setup, p))
-                            .with_batch_id_per_token(p[bi])
-                            .with_dest_rows(p[dr])
-                            .with_view_rows(view_rows)
-                            .with_num_tokens(t as i32),
-                    )]
-                };
-                check_case(cuda, &case, &make);
+                let name = format!("row scatter {model} ratio={ratio} T={t} fp8={fp8}");
+                row_scatter_case(cuda, Case::new(name, seed), &mut rng, &g, layer, fp8, &dest, &bid);
             }
         }
     }
@@ -629,10 +616,26 @@ fn row_writes_address_past_2_gib() {
     let t = 512;
     let dest: Vec<i32> = rng.distinct(t, 200_000).into_iter().map(|r| (view_rows - 1 - r) as i32).collect();
     let bid = vec![0i32; t];
-    let mut case = Case::new("row scatter past 2 GiB", seed);
-    let setup = add_planes(&mut case, &mut rng, &g, layer, true, t);
-    let bi = case.i32s("batch_id_per_token", &bid);
-    let dr = case.i32s("dest_rows", &dest);
+    row_scatter_case(cuda, Case::new("row scatter past 2 GiB", seed), &mut rng, &g, layer, true, &dest, &bid);
+}
+
+/// Row scatter of `dest.len()` tokens onto `layer`'s view (both planes): `case` gains the
+/// planes, the batch ids and the destination rows, then runs against the host reference.
+#[allow(clippy::too_many_arguments)] // the case, its rows and the view they land in
+fn row_scatter_case(
+    cuda: &dyn Backend,
+    mut case: Case,
+    rng: &mut Rng,
+    g: &UnifiedPoolGeometry,
+    layer: usize,
+    fp8: bool,
+    dest: &[i32],
+    bid: &[i32],
+) {
+    let (t, view_rows) = (dest.len(), g.layer_view_rows(layer).expect("layer"));
+    let setup = add_planes(&mut case, rng, g, layer, fp8, t);
+    let bi = case.i32s("batch_id_per_token", bid);
+    let dr = case.i32s("dest_rows", dest);
     let make = move |p: &[u64]| {
         vec![Launch::RowScatter(
             RowScatterArgs::default()

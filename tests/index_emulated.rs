@@ -105,6 +105,22 @@ fn addr<T>(v: &[T]) -> u64 {
     v.as_ptr() as u64
 }
 
+/// The row writers' two plane writes into `outs` from the rows at `kv` (the second plane only
+/// where the layout has one, `widths.1 > 0`).
+fn plane_writes(outs: &mut [Vec<u8>], kv: [u64; 2], widths: (i64, i64)) -> [PlaneWrite; 2] {
+    let mut planes = [
+        PlaneWrite::default().with_kv(kv[0]).with_pool(outs[0].as_mut_ptr() as u64).with_row_bytes(widths.0),
+        PlaneWrite::default(),
+    ];
+    if widths.1 > 0 {
+        planes[1] = PlaneWrite::default()
+            .with_kv(kv[1])
+            .with_pool(outs[1].as_mut_ptr() as u64)
+            .with_row_bytes(widths.1);
+    }
+    planes
+}
+
 fn random_geometry(rng: &mut Rng, need_compressed: bool) -> UnifiedPoolGeometry {
     random_geometry_ring(rng, need_compressed, 8, 14)
 }
@@ -610,19 +626,7 @@ fn ring_write_kernel_matches_reference() {
         let off = usize::from(rng.chance(0.5) && w1 % 16 != 0);
         let outputs = vec![rng.bytes((view_rows * w0) as usize), rng.bytes((view_rows * w1) as usize)];
         compare(&emu, &format!("ring write case {case}"), &outputs, |outs| {
-            let mut planes = [
-                PlaneWrite::default()
-                    .with_kv(addr(&kv0))
-                    .with_pool(outs[0].as_mut_ptr() as u64)
-                    .with_row_bytes(w0),
-                PlaneWrite::default(),
-            ];
-            if w1 > 0 {
-                planes[1] = PlaneWrite::default()
-                    .with_kv(addr(&kv1) + off as u64)
-                    .with_pool(outs[1].as_mut_ptr() as u64)
-                    .with_row_bytes(w1);
-            }
+            let planes = plane_writes(outs, [addr(&kv0), addr(&kv1) + off as u64], (w0, w1));
             Launch::RingWrite(
                 RingWriteArgs::default()
                     .with_params(params)
@@ -667,19 +671,7 @@ fn row_scatter_kernel_matches_reference() {
         let kv1 = rng.bytes(t * w1 as usize);
         let outputs = vec![rng.bytes((view_rows * w0) as usize), rng.bytes((view_rows * w1) as usize)];
         compare(&emu, &format!("row scatter case {case}"), &outputs, |outs| {
-            let mut planes = [
-                PlaneWrite::default()
-                    .with_kv(addr(&kv0))
-                    .with_pool(outs[0].as_mut_ptr() as u64)
-                    .with_row_bytes(w0),
-                PlaneWrite::default(),
-            ];
-            if w1 > 0 {
-                planes[1] = PlaneWrite::default()
-                    .with_kv(addr(&kv1))
-                    .with_pool(outs[1].as_mut_ptr() as u64)
-                    .with_row_bytes(w1);
-            }
+            let planes = plane_writes(outs, [addr(&kv0), addr(&kv1)], (w0, w1));
             Launch::RowScatter(
                 RowScatterArgs::default()
                     .with_planes(planes)
