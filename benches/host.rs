@@ -13,14 +13,14 @@ use std::error::Error;
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
-use v4pool::alloc::{BlockPool, SlotHandle, SlotPool};
-use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::Stream;
-use v4pool::boundary::Boundary;
 use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry};
 use v4pool::model::ModelShape;
+use v4pool::pool::Boundary;
 use v4pool::pool::{DecodeCapacity, DecodeSeq, Pool, PoolSpec};
+use v4pool::raw::alloc::{BlockPool, SlotHandle, SlotPool};
+use v4pool::raw::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, Plan, PlanRequest};
 
 type Res<T> = Result<T, Box<dyn Error>>;
@@ -278,14 +278,7 @@ fn staging() -> Res<()> {
         let seqs: Vec<Vec<DecodeSeq<'_>>> = sets
             .iter()
             .map(|(pos, ctx, tables)| {
-                (0..batch)
-                    .map(|i| DecodeSeq {
-                        position: pos[i],
-                        context_len: ctx[i],
-                        num_tokens: 1,
-                        block_table: &tables[i],
-                    })
-                    .collect()
+                (0..batch).map(|i| DecodeSeq::new(pos[i], ctx[i], 1, &tables[i])).collect()
             })
             .collect();
         let n: u64 = if batch >= 256 { 400 } else { 4_000 };

@@ -11,11 +11,11 @@ use common::{bench_requested, median, met, Rng};
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
-use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::Stream;
 use v4pool::manager::{block_hash, BlockHash, FixedPolicy, KvManager, ManagerConfig, Namespace};
 use v4pool::pool::{Pool, PoolSpec};
+use v4pool::raw::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::GeometrySpec;
 
 const WIDTHS: [u64; 2] = [64, 32];
@@ -76,7 +76,7 @@ fn main() {
     let cfg = |every| ManagerConfig::default().with_checkpoint_every(every).with_rolling(false);
 
     // ---- allocate + commit per block ----
-    let mut m = KvManager::new(pool.clone(), cfg(0), Box::new(FixedPolicy { slots: 2 })).expect("manager");
+    let mut m = KvManager::new(pool.clone(), cfg(0), Box::new(FixedPolicy::new(2))).expect("manager");
     let mut per_block = Vec::new();
     for rep in 0..REPS {
         let hs = hashes(blocks, rep);
@@ -141,8 +141,7 @@ fn main() {
     drop(m);
 
     // ---- match a 1M-token request whose hashes are known ----
-    let mut m =
-        KvManager::new(pool, cfg(blocks as u32), Box::new(FixedPolicy { slots: 2 })).expect("manager");
+    let mut m = KvManager::new(pool, cfg(blocks as u32), Box::new(FixedPolicy::new(2))).expect("manager");
     let hs = hashes(blocks, 99);
     let id = m.add_request(TOKENS, hs.clone());
     m.admit(id).expect("admit");

@@ -176,7 +176,7 @@ fn engine(b: &Arc<dyn Backend>, kv: KvDtype, n: u64, host_bytes: u64, dir: &Path
         .with_rolling(false)
         .with_host_tier_bytes(host_bytes)
         .with_shared_tier(shared.clone());
-    let mut m = KvManager::new(Arc::new(p), config, Box::new(FixedPolicy { slots: 1 }))?;
+    let mut m = KvManager::new(Arc::new(p), config, Box::new(FixedPolicy::new(1)))?;
     if io == Io::Nixl {
         let t = SharedTier::with_io(m.pool(), &shared, Box::new(nixl_io()?))?;
         m.set_shared_tier(Some(Box::new(t)))?;

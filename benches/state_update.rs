@@ -32,9 +32,9 @@ use std::error::Error;
 use std::sync::Arc;
 use v4pool::backend::cuda::{self, CudaBackend, CudaGraph};
 use v4pool::backend::{Backend, DeviceAllocation};
-use v4pool::index::{ElemType, Launch};
 use v4pool::model::ModelShape;
 use v4pool::pool::{Pool, PoolSpec, SlotLease};
+use v4pool::raw::index::{ElemType, Launch};
 use v4pool::sizing::{IndexerDtype, KvDtype, PoolLayout};
 use v4pool::state::update::{Compressor, StateInputs, StateSeq, StateUpdateCapacity};
 
@@ -162,15 +162,8 @@ fn shape(
             (leases[b], (ctx - q as i64..ctx).collect(), ctx, b * q)
         })
         .collect();
-    let views: Vec<StateSeq<'_>> = seqs
-        .iter()
-        .map(|(l, p, ctx, first)| StateSeq {
-            slot: l.handle,
-            first_token: *first,
-            positions: p,
-            context_len: *ctx,
-        })
-        .collect();
+    let views: Vec<StateSeq<'_>> =
+        seqs.iter().map(|(l, p, ctx, first)| StateSeq::new(l.handle, *first, p, *ctx)).collect();
     let [csa_rows, hca_rows] = upd.stage(&views)?;
     let rows = if c == Compressor::HcaMain { hca_rows } else { csa_rows };
     let tokens = bs * q;
@@ -186,17 +179,16 @@ fn shape(
         unsafe { be.upload(a.ptr, bytes, S)? };
         allocs.push(a);
     }
-    let inputs = StateInputs {
-        kv: allocs[0].ptr,
-        score: allocs[1].ptr,
-        ape: allocs[2].ptr,
-        kv_row_stride: dim as i64,
-        score_row_stride: dim as i64,
-        rows: tokens as i64,
-        dim: dim as i64,
-        dtype: ElemType::Bf16,
-        ape_dtype: ElemType::F32,
-    };
+    let inputs = StateInputs::default()
+        .with_kv(allocs[0].ptr)
+        .with_score(allocs[1].ptr)
+        .with_ape(allocs[2].ptr)
+        .with_kv_row_stride(dim as i64)
+        .with_score_row_stride(dim as i64)
+        .with_rows(tokens as i64)
+        .with_dim(dim as i64)
+        .with_dtype(ElemType::Bf16)
+        .with_ape_dtype(ElemType::F32);
     let graph = t.graph(&upd.launch(c, 0, &inputs)?)?;
     graph.replay(S)?;
     check(pool, c, &seqs, &kv, &score, &ape, dim)?;

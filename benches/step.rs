@@ -41,10 +41,10 @@ use step_common::{count_kinds, step_pool, Holdings, Order, StepData, StepLaunch,
 use v4pool::backend::cuda::{self, CudaBackend, CudaGraph};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, DeviceAllocation};
-use v4pool::index::{CopyRun, CopyRunsArgs, FillRun, FillRunsArgs, Launch};
 use v4pool::model::ModelShape;
 use v4pool::plan_report::PlanOptions;
 use v4pool::pool::{Pool, PoolSpec};
+use v4pool::raw::index::{CopyRun, CopyRunsArgs, FillRun, FillRunsArgs, Launch};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest};
 
 type Res<T> = Result<T, Box<dyn Error>>;
@@ -134,7 +134,7 @@ fn chain_graph(t: &GraphTimer, nodes: usize) -> Res<(CudaGraph, Vec<DeviceAlloca
     let size = std::mem::size_of::<CopyRun>() as u64;
     let g = t.capture(|| {
         for i in 0..nodes {
-            let args = CopyRunsArgs { runs: desc.ptr + size * i as u64, num_runs: 1, _pad: 0 };
+            let args = CopyRunsArgs::default().with_runs(desc.ptr + size * i as u64).with_num_runs(1);
             // SAFETY: one 16-byte run inside `data`, described in `desc`; both outlive the graph.
             unsafe { be.launch(&Launch::CopyRuns(args), S)? };
         }
@@ -171,7 +171,10 @@ fn gather(be: &dyn Backend, runs: &[CopyRun]) -> Res<Vec<u8>> {
     // SAFETY: every source run lies in the pool (the geometry's rows), every destination in
     // `out`, which is `total` bytes; the descriptor holds `desc.len()` runs.
     unsafe {
-        be.launch(&Launch::CopyRuns(CopyRunsArgs { runs: d.ptr, num_runs: desc.len() as i32, _pad: 0 }), S)?;
+        be.launch(
+            &Launch::CopyRuns(CopyRunsArgs::default().with_runs(d.ptr).with_num_runs(desc.len() as i32)),
+            S,
+        )?;
         be.download(&mut bytes, out.ptr, S)?;
         be.free(d);
         be.free(out);
@@ -186,7 +189,10 @@ fn poison(be: &dyn Backend, runs: &[CopyRun]) -> Res<()> {
     let d = table(be, &fills)?;
     // SAFETY: every run is 4-byte aligned rows of the pool; the descriptor holds them all.
     unsafe {
-        be.launch(&Launch::FillRuns(FillRunsArgs { runs: d.ptr, num_runs: fills.len() as i32, _pad: 0 }), S)?;
+        be.launch(
+            &Launch::FillRuns(FillRunsArgs::default().with_runs(d.ptr).with_num_runs(fills.len() as i32)),
+            S,
+        )?;
         be.synchronize(S)?;
         be.free(d);
     }

@@ -20,13 +20,13 @@ use common::graph::{GraphTimer, GRAPH_REPS as REPS, GRAPH_WARM as WARM, S};
 use common::{bench_requested, fmt_bytes, Rng};
 use std::error::Error;
 use std::sync::Arc;
-use v4pool::arena::ArenaLayout;
 use v4pool::backend::cuda::{self, CudaBackend};
 use v4pool::backend::Backend;
-use v4pool::index::host::dequant_fp8_row;
-use v4pool::index::Launch;
 use v4pool::model::{DraftMode, ModelShape};
+use v4pool::pool::ArenaLayout;
 use v4pool::pool::{Pool, PoolSpec, SlotLease};
+use v4pool::raw::index::host::dequant_fp8_row;
+use v4pool::raw::index::Launch;
 use v4pool::sizing::{IndexerDtype, KvDtype, KvSpec};
 use v4pool::state::gather::{GatherCapacity, GatherSeq, WindowGather};
 
@@ -88,10 +88,12 @@ fn batch(rng: &mut Rng, leases: &[SlotLease], n: usize) -> Vec<GatherSeq> {
         order.swap(i, CHECKED + (rng.next_u64() % (i - CHECKED + 1) as u64) as usize);
     }
     (0..n)
-        .map(|i| GatherSeq {
-            slot: leases[order[i]].handle,
-            anchor: if i == 1 { 3 } else { (rng.next_u64() % 1_000_000) as i64 },
-            context_len: None,
+        .map(|i| {
+            GatherSeq::new(
+                leases[order[i]].handle,
+                if i == 1 { 3 } else { (rng.next_u64() % 1_000_000) as i64 },
+                None,
+            )
         })
         .collect()
 }

@@ -40,15 +40,8 @@ fn main() -> Result<(), Box<dyn Error>> {
     let mut path = pool.decode_path(DecodeCapacity::new(8, 16, 64, 128, 512))?;
 
     // 5. One step: stage the batch (metadata + block tables), then one build launch.
-    let batch: Vec<DecodeSeq<'_>> = seqs
-        .iter()
-        .map(|(slot, ctx, blocks, _)| DecodeSeq {
-            position: slot.position,
-            context_len: *ctx,
-            num_tokens: 1,
-            block_table: blocks,
-        })
-        .collect();
+    let batch: Vec<DecodeSeq<'_>> =
+        seqs.iter().map(|(slot, ctx, blocks, _)| DecodeSeq::new(slot.position, *ctx, 1, blocks)).collect();
     let tokens = path.stage(&batch)?;
     path.build()?;
     // Per CSA layer, after its indexer: `unsafe { path.csa_pack(topk_ptr, stride) }` fills

@@ -15,7 +15,7 @@ import sys
 
 # Lowest first. A module may name only modules of a strictly lower layer.
 LAYERS = [
-    ["checked", "profiling", "rng", "setters", "variant"],
+    ["checked", "dylib", "profiling", "rng", "setters", "variant"],
     ["geometry", "file", "format"],
     ["model", "index"],
     ["arena", "alloc", "kernels"],
@@ -30,6 +30,9 @@ LAYERS = [
     # the simulator and the bindings, which name nothing of it.
     ["prelude"],
     ["sim"],
+    # The low-level layers' public home (src/raw.rs): re-exports only, like the prelude, above
+    # every layer it names; the bindings name the layers themselves, never it.
+    ["raw"],
     ["bindings"],
 ]
 # ARCHITECTURE.md's sentences that the layers alone do not imply.

@@ -9,7 +9,6 @@
 use crate::checked::{add, mul};
 use crate::geometry::UnifiedPoolGeometry;
 use crate::model::{ModelFamily, ModelShape};
-use crate::variant::VariantName;
 use thiserror::Error;
 
 crate::checked::overflow_into!(ArenaError);
@@ -128,6 +127,7 @@ impl StateField {
     }
 }
 
+crate::variant::variant_names! {
 /// Everything the arena refuses, with the numbers.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum ArenaError {
@@ -302,36 +302,6 @@ pub enum ArenaError {
         bytes: u64,
     },
 }
-
-impl VariantName for ArenaError {
-    fn variant_name(&self) -> &'static str {
-        use ArenaError::*;
-        match self {
-            NoFields => "NoFields",
-            DuplicateField { .. } => "DuplicateField",
-            FieldAlign { .. } => "FieldAlign",
-            Overflow { .. } => "Overflow",
-            NoPlanes => "NoPlanes",
-            ZeroWidth { .. } => "ZeroWidth",
-            TooManyPlans { .. } => "TooManyPlans",
-            WindowPlaneWidth { .. } => "WindowPlaneWidth",
-            BadModel { .. } => "BadModel",
-            SlotStrideTooSmall { .. } => "SlotStrideTooSmall",
-            SlotStrideMisaligned { .. } => "SlotStrideMisaligned",
-            LiveOutOfRange { .. } => "LiveOutOfRange",
-            BufferMisaligned { .. } => "BufferMisaligned",
-            BufferTooShort { .. } => "BufferTooShort",
-            NoEntries => "NoEntries",
-            FieldOutOfRange { .. } => "FieldOutOfRange",
-            FieldNotFound { .. } => "FieldNotFound",
-            LayerOutOfRange { .. } => "LayerOutOfRange",
-            PlaneOutOfRange { .. } => "PlaneOutOfRange",
-            PositionOutOfRange { .. } => "PositionOutOfRange",
-            SlotRowsTooSmall { .. } => "SlotRowsTooSmall",
-            ArenaRowsMismatch { .. } => "ArenaRowsMismatch",
-            FillNotWordAligned { .. } => "FillNotWordAligned",
-        }
-    }
 }
 
 /// Round `x` up to a multiple of `to` (> 0).

@@ -12,7 +12,6 @@
 //! are independent, so their plans are too) and refused with a [`BoundaryError`] before
 //! anything changes.
 
-use crate::variant::VariantName;
 use std::ops::Range;
 
 use thiserror::Error;
@@ -74,6 +73,7 @@ pub struct BoundaryChange {
     pub max_blocks: u32,
 }
 
+crate::variant::variant_names! {
 /// Everything the boundary refuses; none of it changes any state.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum BoundaryError {
@@ -168,31 +168,6 @@ pub enum BoundaryError {
         what: &'static str,
     },
 }
-
-impl VariantName for BoundaryError {
-    fn variant_name(&self) -> &'static str {
-        use BoundaryError::*;
-        match self {
-            Alloc(e) => e.variant_name(),
-            NoEnvelope => "NoEnvelope",
-            TooManyIds { .. } => "TooManyIds",
-            TooManySlots { .. } => "TooManySlots",
-            NoRoom { .. } => "NoRoom",
-            Underflow { .. } => "Underflow",
-            BlockImmovable { .. } => "BlockImmovable",
-            NoBlockTarget { .. } => "NoBlockTarget",
-            SlotPinned { .. } => "SlotPinned",
-            NoSlotTarget { .. } => "NoSlotTarget",
-            Invariant { .. } => "Invariant",
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            BoundaryError::Alloc(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 /// A fixed-capacity plane split between a [`BlockPool`] and a [`SlotPool`].

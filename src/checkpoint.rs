@@ -15,11 +15,11 @@ use crate::arena::{ArenaError, ArenaLayout};
 use crate::checked::{add, mul};
 use crate::geometry::{merge_abutting, GeometryError, UnifiedPoolGeometry};
 use crate::sizing::{IndexerDtype, PoolLayout};
-use crate::variant::VariantName;
 use thiserror::Error;
 
 crate::checked::overflow_into!(CheckpointError);
 
+crate::variant::variant_names! {
 /// Everything building or resolving a checkpoint plan refuses.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum CheckpointError {
@@ -112,34 +112,6 @@ pub enum CheckpointError {
         image: String,
     },
 }
-
-impl VariantName for CheckpointError {
-    fn variant_name(&self) -> &'static str {
-        use CheckpointError::*;
-        match self {
-            Arena(e) => e.variant_name(),
-            Geometry(e) => e.variant_name(),
-            PlaneCount { .. } => "PlaneCount",
-            EmptyPage => "EmptyPage",
-            Overflow { .. } => "Overflow",
-            UnitCount { .. } => "UnitCount",
-            UnitOutOfRange { .. } => "UnitOutOfRange",
-            IndexerTooSmall { .. } => "IndexerTooSmall",
-            DuplicateUnit { .. } => "DuplicateUnit",
-            LayoutMismatch { .. } => "LayoutMismatch",
-            NotLive { .. } => "NotLive",
-            MissingField { .. } => "MissingField",
-            ForeignLayout { .. } => "ForeignLayout",
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            CheckpointError::Arena(e) => e.is_device_failure(),
-            CheckpointError::Geometry(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 fn to_u64(x: i64, what: &'static str) -> Result<u64, CheckpointError> {
@@ -700,6 +672,7 @@ mod tests {
     use crate::geometry::GeometrySpec;
     use crate::model::{DraftMode, ModelShape};
     use crate::sizing::KvDtype;
+    use crate::variant::VariantName;
 
     #[test]
     fn worked_example_ratios_4_128_4_0() {

@@ -7,11 +7,11 @@
 //! own cap ([`crate::model::MAX_CONFIG_BYTES`], [`crate::sim::trace::MAX_TRACE_BYTES`],
 //! [`crate::sim::cost::MAX_COST_BYTES`]).
 
-use crate::variant::VariantName;
 use std::io::Read as _;
 use std::path::Path;
 use thiserror::Error;
 
+crate::variant::variant_names! {
 /// What the bounded reader refuses.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum FileError {
@@ -49,17 +49,6 @@ pub enum FileError {
         reason: String,
     },
 }
-
-impl VariantName for FileError {
-    fn variant_name(&self) -> &'static str {
-        use FileError::*;
-        match self {
-            Io { .. } => "Io",
-            NotAFile { .. } => "NotAFile",
-            TooLarge { .. } => "TooLarge",
-            NotUtf8 { .. } => "NotUtf8",
-        }
-    }
 }
 
 /// The bytes of the regular file at `path`, at most `limit` of them (see the module doc).

@@ -26,7 +26,6 @@
 //! e4m3, values `x / scale` rounded to nearest even e2m1 and saturated at 6 (a scale rounded down
 //! saturates at most one step). Values divide by the scale in f32 and round to nearest even.
 
-use crate::variant::VariantName;
 use thiserror::Error;
 
 /// Values of one KV row: 448 NoPE, then 64 RoPE (`crate::index::KV_ROW_VALUES` is this).
@@ -467,6 +466,7 @@ pub const ALL: [RowFormatId; 6] = [
     RowFormatId::FlashMlaV41Fp4,
 ];
 
+crate::variant::variant_names! {
 /// What the format code refuses.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum FormatError {
@@ -497,15 +497,6 @@ pub enum FormatError {
         want: usize,
     },
 }
-
-impl VariantName for FormatError {
-    fn variant_name(&self) -> &'static str {
-        match self {
-            FormatError::Unknown { .. } => "Unknown",
-            FormatError::RowLength { .. } => "RowLength",
-            FormatError::PlaneLength { .. } => "PlaneLength",
-        }
-    }
 }
 
 impl RowFormatId {

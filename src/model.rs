@@ -3,11 +3,12 @@
 //! The ratio list is data: nothing here assumes a pattern beyond the presets, and a model
 //! may have no dense class at all (V4-Pro with DSpark drafts made absent).
 
-use crate::file::{read_text_bounded, FileError};
+use crate::file::read_text_bounded;
+// A `config.json` read's refusal (the bounded reader's error, `crate::raw::file`).
+pub use crate::file::FileError;
 use crate::geometry::{
     resolve_owners, GeometryError, GeometrySpec, ABSENT_RATIO, CSA_RATIO, DENSE_RATIO, HCA_RATIO,
 };
-use crate::variant::VariantName;
 use thiserror::Error;
 
 /// Tokens per block, forced for every V4 model: 2·lcm(4, 128).
@@ -105,6 +106,7 @@ pub fn check_row_format(head_dim: i64, qk_rope_head_dim: i64, index_head_dim: i6
     Ok(())
 }
 
+crate::variant::variant_names! {
 /// What a model description can be rejected for.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum ModelError {
@@ -258,32 +260,6 @@ pub enum ModelError {
         source: GeometryError,
     },
 }
-
-impl VariantName for ModelError {
-    fn variant_name(&self) -> &'static str {
-        use ModelError::*;
-        match self {
-            Json(_) => "Json",
-            RowFormat { .. } => "RowFormat",
-            MissingKey { .. } => "MissingKey",
-            BadValue { .. } => "BadValue",
-            RatioCount { .. } => "RatioCount",
-            SpecSteps { .. } => "SpecSteps",
-            UnknownPreset { .. } => "UnknownPreset",
-            NotAnObject { .. } => "NotAnObject",
-            WrongType { .. } => "WrongType",
-            OutOfRange { .. } => "OutOfRange",
-            UnknownRatio { .. } => "UnknownRatio",
-            SpecStepsTooLarge { .. } => "SpecStepsTooLarge",
-            DraftStages { .. } => "DraftStages",
-            UnknownLayerType { .. } => "UnknownLayerType",
-            FormsDisagree { .. } => "FormsDisagree",
-            File(e) => e.variant_name(),
-            DraftNotWindowOnly { .. } => "DraftNotWindowOnly",
-            Sources { .. } => "Sources",
-            SourceOwners { .. } => "SourceOwners",
-        }
-    }
 }
 
 /// Speculative (MTP) steps a plan takes when none are named: every entry point's one default

@@ -11,7 +11,6 @@ use crate::model::{DraftMode, Drafts, ModelError, ModelShape};
 use crate::sizing::{
     default_dtypes, plan, GpuArch, IndexerDtype, KvDtype, KvSpec, Plan, PlanRequest, SizingError,
 };
-use crate::variant::VariantName;
 use serde_json::json;
 use thiserror::Error;
 
@@ -142,6 +141,7 @@ pub fn kv_spec_json(k: &KvSpec) -> serde_json::Value {
 /// in order; the CLI's unit test holds them equal).
 pub const KV_DTYPE_NAMES: &str = "fp8, bf16, flashmla-v4, flashmla-v4-p2, flashmla-v41 or flashmla-v41-fp4";
 
+crate::variant::variant_names! {
 /// What a binding's `plan(...)` call rejects.
 #[derive(Debug, Error)]
 pub enum PlanOptionError {
@@ -173,26 +173,6 @@ pub enum PlanOptionError {
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
 }
-
-impl VariantName for PlanOptionError {
-    fn variant_name(&self) -> &'static str {
-        match self {
-            PlanOptionError::BadValue { .. } => "BadValue",
-            PlanOptionError::Io { .. } => "Io",
-            PlanOptionError::Model(e) => e.variant_name(),
-            PlanOptionError::Sizing(e) => e.variant_name(),
-            PlanOptionError::Checkpoint(e) => e.variant_name(),
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            PlanOptionError::Model(e) => e.is_device_failure(),
-            PlanOptionError::Sizing(e) => e.is_device_failure(),
-            PlanOptionError::Checkpoint(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 /// A plan request as the bindings take it: the same options as `v4pool plan`.
@@ -332,6 +312,7 @@ impl PlanOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::variant::VariantName;
 
     #[test]
     fn options_size_the_same_plan_as_the_library() {

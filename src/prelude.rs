@@ -9,9 +9,9 @@
 //! [`KvRowWriter`], [`StateUpdate`], [`WindowGather`], [`WriteBatch`]), reading the pool
 //! through its views. Every error type those calls return is here, with [`VariantName`].
 //!
-//! Everything else (the geometry's formulas, the allocators, kernel argument structs and
-//! host reference kernels, transfer engines, the simulator) stays in its module: reachable,
-//! but not what an engine needs to name.
+//! Everything else stays in its module (the geometry's formulas, transfer engines, the
+//! simulator) or under [`raw`](crate::raw) (the allocators, kernel argument structs and host
+//! reference kernels, launch plumbing): reachable, but not what an engine needs to name.
 
 // Planning: model facts, the budget, the row format.
 pub use crate::format::RowFormat;
@@ -21,9 +21,12 @@ pub use crate::sizing::{plan, IndexerDtype, KvDtype, Plan, PlanRequest, SizingEr
 // The pool on a backend.
 pub use crate::backend::external::ExternalRegion;
 pub use crate::backend::host::HostBackend;
-pub use crate::backend::{Backend, BackendChoice, BackendError, BackendKind, Stream};
+pub use crate::backend::{Backend, BackendChoice, BackendError, BackendKind, DevicePtr, Launch, Stream};
 pub use crate::geometry::{Class, GeometryError};
-pub use crate::pool::{IndexerView, LayerView, PageView, Pool, PoolCounts, PoolError, PoolSpec, SlotLease};
+pub use crate::pool::{
+    BlockHandle, IndexerView, LayerView, PageView, Pool, PoolCounts, PoolError, PoolSpec, SlotHandle,
+    SlotLease,
+};
 
 // The scheduler: requests over the pool.
 pub use crate::manager::{
@@ -39,7 +42,7 @@ pub use crate::pool::{
 };
 pub use crate::state::gather::{GatherCapacity, GatherError, GatherSeq, WindowGather};
 pub use crate::state::update::{
-    Compressor, StateInputs, StateSeq, StateUpdate, StateUpdateCapacity, StateUpdateError,
+    Compressor, ElemType, StateInputs, StateSeq, StateUpdate, StateUpdateCapacity, StateUpdateError,
 };
 
 // Moving a request's KV between engines.

@@ -2,7 +2,7 @@
 //! `profiling` feature is off (the guard is then an empty struct and every call inlines away).
 //!
 //! ```
-//! let _r = v4pool::profiling::range("pool.decode_indices");
+//! let _r = v4pool::raw::profiling::range("pool.decode_indices");
 //! // ... the work the range covers; it ends when `_r` drops.
 //! ```
 //!

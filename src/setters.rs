@@ -5,8 +5,14 @@
 //! (`new`, `Default`, `for_pool`) and these by-value setters for the optional fields.
 
 /// `with_setters!(Type { with_a(a: u32), with_b(b: Some(Thing)) })`: one by-value setter per
-/// field; `Some(T)` takes the `T` of an `Option<T>` field and stores it as `Some`.
+/// field; `Some(T)` takes the `T` of an `Option<T>` field and stores it as `Some`. A struct
+/// with a lifetime opens with it: `with_setters!(impl<'a> Seq<'a> { with_rows(rows: &'a [u8]) })`.
 macro_rules! with_setters {
+    (impl<$lt:lifetime> $ty:ty { $($name:ident ($($item:tt)*)),* $(,)? }) => {
+        impl<$lt> $ty {
+            $( $crate::setters::with_setters!(@one $name $($item)*); )*
+        }
+    };
     ($ty:ty { $($name:ident ($($item:tt)*)),* $(,)? }) => {
         impl $ty {
             $( $crate::setters::with_setters!(@one $name $($item)*); )*

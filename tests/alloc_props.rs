@@ -12,9 +12,9 @@
 use std::collections::{BTreeSet, HashMap};
 
 use proptest::prelude::*;
-use v4pool::alloc::{AllocError, BlockHandle, BlockPool, RawUnit, SlotHandle, SlotPool};
-use v4pool::boundary::{Boundary, BoundaryChange, BoundaryError};
 use v4pool::geometry::GeometrySpec;
+use v4pool::pool::{Boundary, BoundaryChange, BoundaryError};
+use v4pool::raw::alloc::{AllocError, BlockHandle, BlockPool, RawUnit, SlotHandle, SlotPool};
 
 // =============================================================================================
 // BlockPool against a naive model of §5.1

@@ -7,7 +7,7 @@ use std::cell::Cell;
 use std::hint::black_box;
 use std::time::Instant;
 
-use v4pool::alloc::{BlockHandle, BlockPool, SlotPool};
+use v4pool::raw::alloc::{BlockHandle, BlockPool, SlotPool};
 // The tests' generator, reached directly: this binary counts allocations and needs no more.
 use v4pool::sim::Rng;
 

@@ -1,10 +1,10 @@
 //! Checkpoint store and restore plans executed on host byte buffers: random slot contents,
 //! poisoned destinations, and every byte outside the plan verified untouched.
 
-use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::checkpoint::{CheckpointLayout, Region, RegionCopy};
 use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry};
 use v4pool::model::{DraftMode, ModelShape};
+use v4pool::raw::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::sim::Rng;
 use v4pool::sizing::{IndexerDtype, KvDtype, PoolLayout};
 

@@ -1,9 +1,9 @@
 //! Properties of the arena layout (`pool-runtime.md` §2) across models, k and dtypes.
 
 use proptest::prelude::*;
-use v4pool::arena::{ArenaBinding, ArenaLayout, Fill, FIELD_ALIGN};
 use v4pool::geometry::GeometrySpec;
 use v4pool::model::{DraftMode, ModelShape};
+use v4pool::raw::arena::{ArenaBinding, ArenaLayout, Fill, FIELD_ALIGN};
 
 fn model(which: u8, k: i64) -> ModelShape {
     match which {

@@ -240,7 +240,8 @@ fn trace_and_cost_files_are_read_bounded() {
 /// `fp8|bf16`.
 #[test]
 fn defect43_row14_every_dtype_flag_takes_every_format_and_says_so() {
-    const FORMATS: [&str; 6] = ["fp8", "bf16", "flashmla-v4", "flashmla-v4-p2", "flashmla-v41", "flashmla-v41-fp4"];
+    const FORMATS: [&str; 6] =
+        ["fp8", "bf16", "flashmla-v4", "flashmla-v4-p2", "flashmla-v41", "flashmla-v41-fp4"];
     let rest: [&[&str]; 3] = [
         &["--model", "v4-flash", "--budget", "1GiB", "--max-seqs", "1"],
         &["--model", "v4-flash", "--blocks", "1", "--slots", "1"],

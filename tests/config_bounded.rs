@@ -7,9 +7,9 @@
 
 use std::sync::mpsc;
 use std::time::Duration;
-use v4pool::file::FileError;
 use v4pool::model::{ModelError, MAX_CONFIG_BYTES};
 use v4pool::plan_report::{PlanOptionError, PlanOptions};
+use v4pool::raw::file::FileError;
 
 /// `model_shape` for `path` on another thread, failing (not hanging) if it blocks.
 fn shape_of(path: &str) -> Result<v4pool::model::ModelShape, PlanOptionError> {

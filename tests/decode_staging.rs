@@ -56,14 +56,8 @@ fn resident_tables_build_the_same_indices_as_full_staging() {
     let ctx: Vec<i64> = (0..6).map(|_| 2 + rng.below(40 * 256 - 2) as i64).collect();
     let tables: Vec<Vec<i32>> =
         ctx.iter().map(|&c| (0..(c + 255) / 256).map(|_| rng.below(400) as i32).collect()).collect();
-    let batch: Vec<DecodeSeq<'_>> = (0..6)
-        .map(|i| DecodeSeq {
-            position: live[i * 2],
-            context_len: ctx[i],
-            num_tokens: 2,
-            block_table: &tables[i],
-        })
-        .collect();
+    let batch: Vec<DecodeSeq<'_>> =
+        (0..6).map(|i| DecodeSeq::new(live[i * 2], ctx[i], 2, &tables[i])).collect();
     assert_eq!(full.stage(&batch).unwrap(), 12);
     for (row, t) in tables.iter().enumerate() {
         // An entering sequence's table in two writes: all but its last block, then the last.
@@ -89,7 +83,7 @@ fn resident_tables_build_the_same_indices_as_full_staging() {
         Err(DecodeError::BadBlock { block: 400, .. })
     ));
     assert!(matches!(resident.write_block_table(0, 0, &[-1]), Err(DecodeError::BadBlock { block: -1, .. })));
-    let dead = [DecodeSeq { position: live[0] - 1, context_len: 5, num_tokens: 1, block_table: &tables[0] }];
+    let dead = [DecodeSeq::new(live[0] - 1, 5, 1, &tables[0])];
     assert!(matches!(resident.stage_resident(&dead), Err(DecodeError::BadPosition { .. })));
 }
 
@@ -100,8 +94,7 @@ fn a_full_stage_refuses_foreign_block_ids() {
     let live = pool.geometry().unwrap().live_positions();
     for bad in [64, -1, i32::MAX] {
         let table = [3, bad];
-        let batch =
-            [DecodeSeq { position: live.start, context_len: 300, num_tokens: 1, block_table: &table }];
+        let batch = [DecodeSeq::new(live.start, 300, 1, &table)];
         assert!(
             matches!(path.stage(&batch), Err(DecodeError::BadBlock { column: 1, .. })),
             "block {bad} accepted"
@@ -118,8 +111,7 @@ fn stage_refuses_contexts_it_cannot_index() {
     let live = pool.geometry().unwrap().live_positions();
     let table: Vec<i32> = (0..8).collect();
     for (ctx, tokens) in [(i64::MAX, 1), (i64::MAX - 1, 2), (8 * 256 + 1, 1), (-5, 1), (0, 1), (3, 4)] {
-        let batch =
-            [DecodeSeq { position: live.start, context_len: ctx, num_tokens: tokens, block_table: &table }];
+        let batch = [DecodeSeq::new(live.start, ctx, tokens, &table)];
         let r = path.stage(&batch);
         assert!(
             matches!(r, Err(DecodeError::ContextTooLong { .. } | DecodeError::BadSequence { .. })),
@@ -138,20 +130,14 @@ fn stage_refuses_contexts_it_cannot_index() {
     let mut path = small.decode_path(cap(1, 1, 8)).unwrap();
     let small_live = small.geometry().unwrap().live_positions();
     let table = [0, 1, 2, 3, 0];
-    let batch = [DecodeSeq {
-        position: small_live.start,
-        context_len: 4 * 256 + 1,
-        num_tokens: 1,
-        block_table: &table,
-    }];
+    let batch = [DecodeSeq::new(small_live.start, 4 * 256 + 1, 1, &table)];
     assert!(matches!(path.stage_resident(&batch), Err(DecodeError::ContextTooLong { limit: 1024, .. })));
     // The largest context the table covers is accepted, and its indptr is exact.
     let mut path = pool.decode_path(cap(1, 1, 8)).unwrap();
-    let batch =
-        [DecodeSeq { position: live.start, context_len: 8 * 256, num_tokens: 1, block_table: &table[..4] }];
+    let batch = [DecodeSeq::new(live.start, 8 * 256, 1, &table[..4])];
     assert!(path.stage(&batch).is_err(), "a table short of the context is refused");
     let full: Vec<i32> = (0..8).collect();
-    let batch = [DecodeSeq { position: live.start, context_len: 8 * 256, num_tokens: 1, block_table: &full }];
+    let batch = [DecodeSeq::new(live.start, 8 * 256, 1, &full)];
     path.stage(&batch).unwrap();
     assert_eq!(path.read_i32(DecodeBuffer::Indptr(Class::Hca)).unwrap(), vec![0, 128 + 16]);
 }
@@ -166,8 +152,8 @@ fn huge_token_counts_are_refused_not_a_panic() {
     let table = [0i32];
     let half = usize::MAX / 2 + 1;
     let batch = [
-        DecodeSeq { position: live.start, context_len: i64::MAX, num_tokens: half, block_table: &table },
-        DecodeSeq { position: live.start + 1, context_len: i64::MAX, num_tokens: half, block_table: &table },
+        DecodeSeq::new(live.start, i64::MAX, half, &table),
+        DecodeSeq::new(live.start + 1, i64::MAX, half, &table),
     ];
     assert!(matches!(path.stage(&batch), Err(DecodeError::TooManyTokens { .. })));
     assert!(matches!(path.stage_resident(&batch), Err(DecodeError::TooManyTokens { .. })));
@@ -221,8 +207,7 @@ fn build_rechecks_positions_after_the_boundary_moves() {
     let mut path = pool.decode_path(cap(1, 1, 8)).unwrap();
     let lowest = pool.geometry().unwrap().live_positions().start;
     let table = [1i32];
-    path.stage(&[DecodeSeq { position: lowest, context_len: 10, num_tokens: 1, block_table: &table }])
-        .unwrap();
+    path.stage(&[DecodeSeq::new(lowest, 10, 1, &table)]).unwrap();
     path.build().unwrap();
     pool.shrink_slots(1).unwrap();
     assert!(matches!(path.build(), Err(DecodeError::BadPosition { position, .. }) if position == lowest));
@@ -292,14 +277,8 @@ fn decode_path_writes_what_the_geometry_says() {
     let tables: Vec<Vec<i32>> =
         ctx.iter().map(|&c| (0..(c + 255) / 256).map(|_| rng.below(200) as i32).collect()).collect();
     let slots = [live[3], live[0], live[7], live[15]];
-    let batch: Vec<DecodeSeq<'_>> = (0..4)
-        .map(|i| DecodeSeq {
-            position: slots[i],
-            context_len: ctx[i],
-            num_tokens: ntok[i],
-            block_table: &tables[i],
-        })
-        .collect();
+    let batch: Vec<DecodeSeq<'_>> =
+        (0..4).map(|i| DecodeSeq::new(slots[i], ctx[i], ntok[i], &tables[i])).collect();
     assert_eq!(path.stage(&batch).unwrap(), 7);
     path.build().unwrap();
     // One row per token of the capacity (8): the pad's row is never read.
@@ -382,14 +361,8 @@ fn prefill_path_writes_what_the_geometry_says() {
         .iter()
         .map(|&(cs, n)| (0..(cs + n as i64 + 255) / 256).map(|_| rng.below(200) as i32).collect())
         .collect();
-    let batch: Vec<PrefillSeq<'_>> = (0..3)
-        .map(|i| PrefillSeq {
-            position: slots[i],
-            chunk_start: chunks[i].0,
-            num_tokens: chunks[i].1,
-            block_table: &tables[i],
-        })
-        .collect();
+    let batch: Vec<PrefillSeq<'_>> =
+        (0..3).map(|i| PrefillSeq::new(slots[i], chunks[i].0, chunks[i].1, &tables[i])).collect();
     assert_eq!(path.stage(&batch).unwrap(), 560);
     path.build().unwrap();
     let topk_rows: Vec<Vec<i32>> = (0..560).map(|t| (0..16).map(|k| (t % 7) + k).collect()).collect();
@@ -448,15 +421,14 @@ fn prefill_path_writes_what_the_geometry_says() {
         cu += n as i64;
     }
     // Refusals: over the tokens, a foreign block, a dead slot, a chunk past i32 positions.
-    let over = [PrefillSeq { position: slots[0], chunk_start: 0, num_tokens: 701, block_table: &tables[2] }];
+    let over = [PrefillSeq::new(slots[0], 0, 701, &tables[2])];
     assert!(matches!(path.stage(&over), Err(DecodeError::TooManyTokens { .. })));
     let bad = [99999i32];
-    let foreign = [PrefillSeq { position: slots[0], chunk_start: 0, num_tokens: 4, block_table: &bad }];
+    let foreign = [PrefillSeq::new(slots[0], 0, 4, &bad)];
     assert!(matches!(path.stage(&foreign), Err(DecodeError::BadBlock { .. })));
-    let dead = [PrefillSeq { position: live[0] - 1, chunk_start: 0, num_tokens: 4, block_table: &tables[0] }];
+    let dead = [PrefillSeq::new(live[0] - 1, 0, 4, &tables[0])];
     assert!(matches!(path.stage(&dead), Err(DecodeError::BadPosition { .. })));
-    let huge =
-        [PrefillSeq { position: slots[0], chunk_start: i64::MAX, num_tokens: 4, block_table: &tables[0] }];
+    let huge = [PrefillSeq::new(slots[0], i64::MAX, 4, &tables[0])];
     assert!(matches!(path.stage(&huge), Err(DecodeError::BadSequence { .. })));
     // A bounded HCA buffer refuses a forward that needs more.
     let mut small = pool.prefill_path(cap.with_max_hca_entries(1000)).unwrap();

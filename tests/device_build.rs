@@ -2,8 +2,8 @@
 //! and clang-19, so there this test proves the one kernel source compiled for sm_90 (cubin
 //! and PTX) and for gfx942 and gfx90a; elsewhere it reports what was built.
 
-use v4pool::index::Launch;
-use v4pool::kernels;
+use v4pool::raw::index::Launch;
+use v4pool::raw::kernels;
 
 fn required() -> bool {
     std::env::var("V4POOL_REQUIRE_DEVICE_BUILD").is_ok_and(|v| v == "1")

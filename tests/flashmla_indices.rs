@@ -11,8 +11,8 @@ mod flashmla_common;
 
 use common::{geometry_at, Rng};
 use flashmla_common::{flashmla_reads, run_in_memory, words, FlashDecode, FlashPack};
-use v4pool::index::host::run_launch;
-use v4pool::index::Launch;
+use v4pool::raw::index::host::run_launch;
+use v4pool::raw::index::Launch;
 
 fn reference(l: &Launch) {
     // SAFETY: the case's buffers are live and sized for the launch (flashmla_common).

@@ -61,14 +61,8 @@ fn rows_are_the_csr_slices_shifted(pool: Arc<Pool>, hca_views_want: usize) {
         .iter()
         .map(|&c| (0..(c + 255) / 256).map(|_| rng.below(g.num_blocks as u64) as i32).collect())
         .collect();
-    let batch: Vec<DecodeSeq<'_>> = (0..4)
-        .map(|i| DecodeSeq {
-            position: live[i + 1],
-            context_len: ctx[i],
-            num_tokens: 1 + i % 2,
-            block_table: &tables[i],
-        })
-        .collect();
+    let batch: Vec<DecodeSeq<'_>> =
+        (0..4).map(|i| DecodeSeq::new(live[i + 1], ctx[i], 1 + i % 2, &tables[i])).collect();
     let tokens = csr.stage(&batch).unwrap();
     assert_eq!(fm.stage(&batch).unwrap(), tokens);
     csr.build().unwrap();
@@ -143,7 +137,7 @@ fn rows_are_the_csr_slices_shifted(pool: Arc<Pool>, hca_views_want: usize) {
             // −1 to the row's limit (HCA: the first multiple of 64 past the head; CSA: the
             // width); past it the row is not written (index-buffers.md §3f).
             let limit = if class == Class::Hca {
-                v4pool::index::shape::flashmla_row_limit(head.len() as i64, w as i64) as usize
+                v4pool::raw::index::shape::flashmla_row_limit(head.len() as i64, w as i64) as usize
             } else {
                 w
             };

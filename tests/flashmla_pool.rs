@@ -82,8 +82,8 @@ fn rows_land_at_their_page_places() {
         let mut want = plane(&p); // after the slots' state was initialised
         let mut w = p.kv_row_writer(RowWriteCapacity::new(64)).unwrap();
         let seqs = [
-            WindowSeq { slot: slots[0].handle, first_position: 61, tokens: 5 }, // crosses a page
-            WindowSeq { slot: slots[1].handle, first_position: 4_000, tokens: 3 },
+            WindowSeq::new(slots[0].handle, 61, 5), // crosses a page
+            WindowSeq::new(slots[1].handle, 4_000, 3),
         ];
         w.stage_window(&seqs).unwrap();
         let kv: Vec<u16> = (0..8).flat_map(|_| bf16_row(&mut rng)).collect();
@@ -141,7 +141,7 @@ fn a_checkpoint_carries_window_rows_through_the_paged_spans() {
         let a = p.alloc_slot().unwrap();
         let b = p.alloc_slot().unwrap();
         let mut w = p.kv_row_writer(RowWriteCapacity::new(200)).unwrap();
-        w.stage_window(&[WindowSeq { slot: a.handle, first_position: 0, tokens: 130 }]).unwrap();
+        w.stage_window(&[WindowSeq::new(a.handle, 0, 130)]).unwrap();
         let kv: Vec<u16> = (0..130).flat_map(|_| bf16_row(&mut rng)).collect();
         let g = p.geometry().unwrap();
         let layers: Vec<usize> =
@@ -205,7 +205,7 @@ fn flashmla_reads_the_decode_paths_rows_through_the_page_views() {
         let first = ctx - 128; // the window of the token at ctx - 1
         let mut w = p.kv_row_writer(RowWriteCapacity::new(128)).unwrap();
         let win: Vec<u16> = (0..128).flat_map(|_| bf16_row(&mut rng)).collect();
-        w.stage_window(&[WindowSeq { slot: slot.handle, first_position: first, tokens: 128 }]).unwrap();
+        w.stage_window(&[WindowSeq::new(slot.handle, first, 128)]).unwrap();
         for layer in 0..g.num_layers {
             w.write(layer, RowSet::Window, &win, 512).unwrap();
         }
@@ -223,13 +223,7 @@ fn flashmla_reads_the_decode_paths_rows_through_the_page_views() {
         }
         let cap = DecodeCapacity::new(1, 1, 3, 128, 512);
         let mut fm = p.flashmla_decode_path(cap, FlashMlaWidths::for_pool(&p, cap).unwrap()).unwrap();
-        fm.stage(&[DecodeSeq {
-            position: slot.position,
-            context_len: ctx,
-            num_tokens: 1,
-            block_table: &table,
-        }])
-        .unwrap();
+        fm.stage(&[DecodeSeq::new(slot.position, ctx, 1, &table)]).unwrap();
         fm.build().unwrap();
         let bytes = plane(&p);
         let base = p.plane_ptr(0).unwrap();
@@ -240,7 +234,12 @@ fn flashmla_reads_the_decode_paths_rows_through_the_page_views() {
             let class = g.layer_slot(layer).unwrap();
             let ops = fm.flashmla(layer).unwrap();
             let pv = p.page_view(layer, 0, page).unwrap();
-            assert_eq!((pv.page_rows, ops.shift), (page, pv.row_shift as i32), "{} layer {layer}", dtype.name());
+            assert_eq!(
+                (pv.page_rows, ops.shift),
+                (page, pv.row_shift as i32),
+                "{} layer {layer}",
+                dtype.name()
+            );
             if class == Class::Dense {
                 dense_shifts.insert(ops.shift);
             }

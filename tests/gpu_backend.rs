@@ -33,7 +33,7 @@ fn every_kernel_image_loads_and_runs() {
         }
     }
     let forced = std::env::var("V4POOL_CUDA_MODULE").is_ok();
-    if !forced && cuda.compute_capability().0 == 9 && v4pool::kernels::sm90_cubin().is_some() {
+    if !forced && cuda.compute_capability().0 == 9 && v4pool::raw::kernels::sm90_cubin().is_some() {
         assert_eq!(cuda.module_source().ok(), Some(ModuleSource::Cubin));
     }
 }
@@ -182,7 +182,7 @@ fn index_path_does_not_wait_for_the_device() {
                 offset += b.len() as u64;
             }
             cuda.fill_u32(small.ptr + offset, 1024, step, s).expect("poison");
-            cuda.launch(&v4pool::index::Launch::Empty, s).expect("launch");
+            cuda.launch(&v4pool::raw::index::Launch::Empty, s).expect("launch");
         }
         t0.elapsed().as_secs_f64() * 1e3
     };

@@ -40,9 +40,7 @@ fn batch(rng: &mut Rng, pool: &Pool, bs: usize, max_blocks: usize) -> Vec<(i64, 
 }
 
 fn seqs(b: &[(i64, i64, usize, Vec<i32>)]) -> Vec<DecodeSeq<'_>> {
-    b.iter()
-        .map(|(p, c, n, t)| DecodeSeq { position: *p, context_len: *c, num_tokens: *n, block_table: t })
-        .collect()
+    b.iter().map(|(p, c, n, t)| DecodeSeq::new(*p, *c, *n, t)).collect()
 }
 
 /// Top-k rows `[tokens][TOPK]` of small non-negative values, on `be`.
@@ -128,15 +126,8 @@ fn decode_and_prefill_paths_match_the_host() {
                 .collect();
             chunks.push((live[s * 3], cs, n, table));
         }
-        let batch: Vec<PrefillSeq<'_>> = chunks
-            .iter()
-            .map(|(p, cs, n, t)| PrefillSeq {
-                position: *p,
-                chunk_start: *cs,
-                num_tokens: *n,
-                block_table: t,
-            })
-            .collect();
+        let batch: Vec<PrefillSeq<'_>> =
+            chunks.iter().map(|(p, cs, n, t)| PrefillSeq::new(*p, *cs, *n, t)).collect();
         assert_eq!(dp.stage(&batch).unwrap(), hp.stage(&batch).unwrap());
         dp.build().unwrap();
         hp.build().unwrap();

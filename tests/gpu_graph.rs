@@ -9,7 +9,7 @@ use common::batches::DecodeBatch;
 use common::{assert_same, case_seed, cuda_or_skip, geometry_at, run_case, Case, Rng, WIN};
 use v4pool::backend::cuda::CudaBackend;
 use v4pool::backend::{Backend, DeviceAllocation, Stream};
-use v4pool::index::{ClassBuffers, CsaPackArgs, DecodeIndexArgs, Launch};
+use v4pool::raw::index::{ClassBuffers, CsaPackArgs, DecodeIndexArgs, Launch};
 use v4pool::{UnifiedPoolGeometry, WindowParams, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
 
 /// Fixed sizes of the persistent buffers (the graph's grid is fixed: pads fill the rest).
@@ -52,40 +52,39 @@ fn layout() -> Vec<(&'static str, usize, usize)> {
 
 /// The launches of one decode step, captured once: the fused index build and the CSA pack.
 fn step_launches(params: [WindowParams; 3], envelope_rows: i64, p: &[u64]) -> Vec<Launch> {
-    let mut d = DecodeIndexArgs {
-        state_slot_per_seq: p[SLOTS],
-        batch_id_per_token: p[BID],
-        positions: p[POS],
-        block_tables: p[TABLES],
-        envelope_rows,
-        block_table_stride: STRIDE_CAP as i32,
-        hca_rows_per_block: 2,
-        num_tokens: T_CAP as i32,
-        win: WIN,
-        ..Default::default()
-    };
+    let mut d = DecodeIndexArgs::default()
+        .with_state_slot_per_seq(p[SLOTS])
+        .with_batch_id_per_token(p[BID])
+        .with_positions(p[POS])
+        .with_block_tables(p[TABLES])
+        .with_envelope_rows(envelope_rows)
+        .with_block_table_stride(STRIDE_CAP as i32)
+        .with_hca_rows_per_block(2)
+        .with_num_tokens(T_CAP as i32)
+        .with_win(WIN);
     for (c, params) in params.into_iter().enumerate() {
-        d.classes[c] =
-            ClassBuffers { params, indptr: p[INDPTR + c], indices: p[INDICES + c], dest_rows: p[DEST + c] };
+        d.classes[c] = ClassBuffers::default()
+            .with_params(params)
+            .with_indptr(p[INDPTR + c])
+            .with_indices(p[INDICES + c])
+            .with_dest_rows(p[DEST + c]);
     }
-    let csa = CsaPackArgs {
-        topk: p[TOPK_ROWS],
-        block_tables: p[TABLES],
-        positions: p[POS],
-        indptr: p[INDPTR + 1],
-        batch_id_per_token: p[BID],
-        skip_prefix_len_per_token: 0,
-        out: p[INDICES + 1],
-        envelope_rows,
-        topk_row_stride: TOPK as i32,
-        block_table_stride: STRIDE_CAP as i32,
-        num_tokens: T_CAP as i32,
-        block_capacity: 64,
-        window_size: WIN,
-        compress_ratio: 4,
-        compress_bias: 0,
-        ..Default::default()
-    };
+    let csa = CsaPackArgs::default()
+        .with_topk(p[TOPK_ROWS])
+        .with_block_tables(p[TABLES])
+        .with_positions(p[POS])
+        .with_indptr(p[INDPTR + 1])
+        .with_batch_id_per_token(p[BID])
+        .with_skip_prefix_len_per_token(0)
+        .with_out(p[INDICES + 1])
+        .with_envelope_rows(envelope_rows)
+        .with_topk_row_stride(TOPK as i32)
+        .with_block_table_stride(STRIDE_CAP as i32)
+        .with_num_tokens(T_CAP as i32)
+        .with_block_capacity(64)
+        .with_window_size(WIN)
+        .with_compress_ratio(4)
+        .with_compress_bias(0);
     vec![Launch::Decode(d), Launch::CsaPack(csa)]
 }
 

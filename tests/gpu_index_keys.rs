@@ -65,7 +65,7 @@ fn index_keys_match_the_host() {
         let bh: Vec<_> = (0..3).map(|_| h.alloc_block().unwrap().handle).collect();
         // 150 distinct entries over three blocks, in random order.
         let picks = rng.distinct(150, 3 * 64);
-        let ent = |b: &[v4pool::alloc::BlockHandle]| -> Vec<CompressedRow> {
+        let ent = |b: &[v4pool::pool::BlockHandle]| -> Vec<CompressedRow> {
             picks.iter().map(|&e| CompressedRow { block: b[(e / 64) as usize], row: e % 64 }).collect()
         };
         let stride = 160;

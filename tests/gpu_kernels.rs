@@ -8,8 +8,8 @@ mod common;
 use common::batches::{DecodeBatch, PrefillBatch};
 use common::{case_seed, check_case, device_or_skip, geometry_at, models, Case, Rng, WIN};
 use v4pool::backend::Backend;
-use v4pool::index::shape::prefill_short;
-use v4pool::index::{
+use v4pool::raw::index::shape::prefill_short;
+use v4pool::raw::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
     Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, CLASS_DENSE,
 };
@@ -75,27 +75,24 @@ fn decode_case(
     let stride = b.stride as i32;
     let peer = matches!(variant, DecodeVariant::Peer);
     move |p: &[u64]| {
-        let mut a = DecodeIndexArgs {
-            state_slot_per_seq: p[slots],
-            batch_id_per_token: p[bid],
-            positions: p[pos],
-            block_tables: if peer { 0 } else { p[tables] },
-            envelope_rows: envelope,
-            block_table_stride: stride,
-            hca_rows_per_block: HCA_ROWS_PER_BLOCK,
-            num_tokens: t_pad as i32,
-            win: WIN,
-            ..Default::default()
-        };
+        let mut a = DecodeIndexArgs::default()
+            .with_state_slot_per_seq(p[slots])
+            .with_batch_id_per_token(p[bid])
+            .with_positions(p[pos])
+            .with_block_tables(if peer { 0 } else { p[tables] })
+            .with_envelope_rows(envelope)
+            .with_block_table_stride(stride)
+            .with_hca_rows_per_block(HCA_ROWS_PER_BLOCK)
+            .with_num_tokens(t_pad as i32)
+            .with_win(WIN);
         for c in 0..3 {
             if enabled[c] {
                 let (ip, ix, dr) = bufs[c];
-                a.classes[c] = ClassBuffers {
-                    params: params[c],
-                    indptr: p[ip],
-                    indices: p[ix],
-                    dest_rows: dr.map_or(0, |d| p[d]),
-                };
+                a.classes[c] = ClassBuffers::default()
+                    .with_params(params[c])
+                    .with_indptr(p[ip])
+                    .with_indices(p[ix])
+                    .with_dest_rows(dr.map_or(0, |d| p[d]));
             }
         }
         vec![Launch::Decode(a)]
@@ -204,33 +201,34 @@ fn prefill_index_builder_matches_host() {
             let hca = g.window_params(HCA_RATIO).expect("hca");
             let (envelope, stride) = (g.envelope_rows, b.stride as i32);
             let make = move |p: &[u64]| {
-                vec![Launch::Prefill(PrefillIndexArgs {
-                    dense,
-                    csa,
-                    hca,
-                    positions: p[pos],
-                    bid_per_token: p[bid],
-                    chunk_start_per_seq: p[cs],
-                    cu_seqlens_q_per_seq: p[cu],
-                    state_slot_per_seq: p[slots],
-                    n_committed_hca_per_seq: p[ncommit],
-                    block_tables: p[tables],
-                    extend_indptr: p[ids[0].0],
-                    extend_indices: p[ids[0].1],
-                    swa_indptr: if with_dense { p[ids[1].0] } else { 0 },
-                    swa_indices: if with_dense { p[ids[1].1] } else { 0 },
-                    csa_indptr: p[ids[2].0],
-                    csa_indices: p[ids[2].1],
-                    hca_indptr: p[ids[3].0],
-                    hca_indices: p[ids[3].1],
-                    envelope_rows: envelope,
-                    block_table_stride: stride,
-                    num_tokens: t as i32,
-                    win: WIN,
-                    hca_ratio: HCA_RATIO,
-                    hca_rows_per_block: HCA_ROWS_PER_BLOCK,
-                    coarse_packed: 0,
-                })]
+                vec![Launch::Prefill(
+                    PrefillIndexArgs::default()
+                        .with_dense(dense)
+                        .with_csa(csa)
+                        .with_hca(hca)
+                        .with_positions(p[pos])
+                        .with_bid_per_token(p[bid])
+                        .with_chunk_start_per_seq(p[cs])
+                        .with_cu_seqlens_q_per_seq(p[cu])
+                        .with_state_slot_per_seq(p[slots])
+                        .with_n_committed_hca_per_seq(p[ncommit])
+                        .with_block_tables(p[tables])
+                        .with_extend_indptr(p[ids[0].0])
+                        .with_extend_indices(p[ids[0].1])
+                        .with_swa_indptr(if with_dense { p[ids[1].0] } else { 0 })
+                        .with_swa_indices(if with_dense { p[ids[1].1] } else { 0 })
+                        .with_csa_indptr(p[ids[2].0])
+                        .with_csa_indices(p[ids[2].1])
+                        .with_hca_indptr(p[ids[3].0])
+                        .with_hca_indices(p[ids[3].1])
+                        .with_envelope_rows(envelope)
+                        .with_block_table_stride(stride)
+                        .with_num_tokens(t as i32)
+                        .with_win(WIN)
+                        .with_hca_ratio(HCA_RATIO)
+                        .with_hca_rows_per_block(HCA_ROWS_PER_BLOCK)
+                        .with_coarse_packed(0),
+                )]
             };
             let short =
                 prefill_short(&make(&[0; 64]).iter().find_map(prefill_args).expect("a prefill launch"));
@@ -278,17 +276,17 @@ fn hca_offsets_match_host() {
         let out = case.poisoned("out", n + SLACK, POISON);
         let envelope = g.envelope_rows;
         let make = move |p: &[u64]| {
-            vec![Launch::HcaOffsets(HcaOffsetsArgs {
-                entry_idx: p[e],
-                bid_per_entry: p[b],
-                block_tables: p[t],
-                out: p[out],
-                envelope_rows: envelope,
-                block_table_stride: stride as i32,
-                rows_per_block: rpb,
-                num_entries: n as i32,
-                _pad: 0,
-            })]
+            vec![Launch::HcaOffsets(
+                HcaOffsetsArgs::default()
+                    .with_entry_idx(p[e])
+                    .with_bid_per_entry(p[b])
+                    .with_block_tables(p[t])
+                    .with_out(p[out])
+                    .with_envelope_rows(envelope)
+                    .with_block_table_stride(stride as i32)
+                    .with_rows_per_block(rpb)
+                    .with_num_entries(n as i32),
+            )]
         };
         check_case(cuda, &case, &make);
     }
@@ -328,24 +326,24 @@ fn csa_translate_pack_decode_mode_matches_host() {
             let out = case.i32s("out", &out);
             let (envelope, stride) = (g.envelope_rows, b.stride as i32);
             let make = move |p: &[u64]| {
-                vec![Launch::CsaPack(CsaPackArgs {
-                    topk: p[tk],
-                    block_tables: p[tb],
-                    positions: p[ps],
-                    indptr: p[ip],
-                    batch_id_per_token: p[bi],
-                    skip_prefix_len_per_token: 0,
-                    out: p[out],
-                    envelope_rows: envelope,
-                    topk_row_stride: row_stride as i32,
-                    block_table_stride: stride,
-                    num_tokens: t as i32,
-                    block_capacity: 64,
-                    window_size: WIN,
-                    compress_ratio: 4,
-                    compress_bias: 0,
-                    ..Default::default()
-                })]
+                vec![Launch::CsaPack(
+                    CsaPackArgs::default()
+                        .with_topk(p[tk])
+                        .with_block_tables(p[tb])
+                        .with_positions(p[ps])
+                        .with_indptr(p[ip])
+                        .with_batch_id_per_token(p[bi])
+                        .with_skip_prefix_len_per_token(0)
+                        .with_out(p[out])
+                        .with_envelope_rows(envelope)
+                        .with_topk_row_stride(row_stride as i32)
+                        .with_block_table_stride(stride)
+                        .with_num_tokens(t as i32)
+                        .with_block_capacity(64)
+                        .with_window_size(WIN)
+                        .with_compress_ratio(4)
+                        .with_compress_bias(0),
+                )]
             };
             check_case(cuda, &case, &make);
         }
@@ -379,25 +377,25 @@ fn csa_translate_pack_prefill_mode_matches_host() {
             let out = case.poisoned("out", out_len, -9);
             let (envelope, stride) = (g.envelope_rows, b.stride as i32);
             let make = move |p: &[u64]| {
-                vec![Launch::CsaPack(CsaPackArgs {
-                    topk: p[tk],
-                    block_tables: p[tb],
-                    // Prefill mode never reads positions: a null pointer proves it.
-                    positions: 0,
-                    indptr: p[ip],
-                    batch_id_per_token: p[bi],
-                    skip_prefix_len_per_token: p[sk],
-                    out: p[out],
-                    envelope_rows: envelope,
-                    topk_row_stride: topk as i32,
-                    block_table_stride: stride,
-                    num_tokens: t as i32,
-                    block_capacity: 64,
-                    window_size: 0,
-                    compress_ratio: 4,
-                    compress_bias: 0,
-                    ..Default::default()
-                })]
+                vec![Launch::CsaPack(
+                    CsaPackArgs::default()
+                        .with_topk(p[tk])
+                        .with_block_tables(p[tb])
+                        // Prefill mode never reads positions: a null pointer proves it.
+                        .with_positions(0)
+                        .with_indptr(p[ip])
+                        .with_batch_id_per_token(p[bi])
+                        .with_skip_prefix_len_per_token(p[sk])
+                        .with_out(p[out])
+                        .with_envelope_rows(envelope)
+                        .with_topk_row_stride(topk as i32)
+                        .with_block_table_stride(stride)
+                        .with_num_tokens(t as i32)
+                        .with_block_capacity(64)
+                        .with_window_size(0)
+                        .with_compress_ratio(4)
+                        .with_compress_bias(0),
+                )]
             };
             check_case(cuda, &case, &make);
         }
@@ -457,7 +455,10 @@ fn add_planes(
 fn plane_writes(s: &RowWriteSetup, p: &[u64]) -> [PlaneWrite; 2] {
     let mut out = [PlaneWrite::default(); 2];
     for (o, &(kv, plane, w)) in out.iter_mut().zip(&s.planes) {
-        *o = PlaneWrite { kv: p[kv], pool: p[plane] + (s.base_row * w) as u64, row_bytes: w };
+        *o = PlaneWrite::default()
+            .with_kv(p[kv])
+            .with_pool(p[plane] + (s.base_row * w) as u64)
+            .with_row_bytes(w);
     }
     out
 }
@@ -508,16 +509,17 @@ fn ring_write_case(
     let sl = case.i32s("state_slot_per_seq", &slots);
     let view_rows = setup.view_rows;
     let make = move |p: &[u64]| {
-        vec![Launch::RingWrite(RingWriteArgs {
-            params,
-            planes: plane_writes(&setup, p),
-            positions: p[ps],
-            cu_seqlens_q: p[cu_b],
-            state_slot_per_seq: p[sl],
-            view_rows,
-            num_seqs: bs as i32,
-            write_per_batch: wpb as i32,
-        })]
+        vec![Launch::RingWrite(
+            RingWriteArgs::default()
+                .with_params(params)
+                .with_planes(plane_writes(&setup, p))
+                .with_positions(p[ps])
+                .with_cu_seqlens_q(p[cu_b])
+                .with_state_slot_per_seq(p[sl])
+                .with_view_rows(view_rows)
+                .with_num_seqs(bs as i32)
+                .with_write_per_batch(wpb as i32),
+        )]
     };
     check_case(cuda, &case, &make);
 }
@@ -584,21 +586,8 @@ fn row_scatter_matches_host() {
                         _ => {}
                     }
                 }
-                let mut case = Case::new(format!("row scatter {model} ratio={ratio} T={t} fp8={fp8}"), seed);
-                let setup = add_planes(&mut case, &mut rng, &g, layer, fp8, t);
-                let bi = case.i32s("batch_id_per_token", &bid);
-                let dr = case.i32s("dest_rows", &dest);
-                let make = move |p: &[u64]| {
-                    vec![Launch::RowScatter(RowScatterArgs {
-                        planes: plane_writes(&setup, p),
-                        batch_id_per_token: p[bi],
-                        dest_rows: p[dr],
-                        view_rows,
-                        num_tokens: t as i32,
-                        _pad: 0,
-                    })]
-                };
-                check_case(cuda, &case, &make);
+                let name = format!("row scatter {model} ratio={ratio} T={t} fp8={fp8}");
+                row_scatter_case(cuda, Case::new(name, seed), &mut rng, &g, layer, fp8, &dest, &bid);
             }
         }
     }
@@ -627,19 +616,35 @@ fn row_writes_address_past_2_gib() {
     let t = 512;
     let dest: Vec<i32> = rng.distinct(t, 200_000).into_iter().map(|r| (view_rows - 1 - r) as i32).collect();
     let bid = vec![0i32; t];
-    let mut case = Case::new("row scatter past 2 GiB", seed);
-    let setup = add_planes(&mut case, &mut rng, &g, layer, true, t);
-    let bi = case.i32s("batch_id_per_token", &bid);
-    let dr = case.i32s("dest_rows", &dest);
+    row_scatter_case(cuda, Case::new("row scatter past 2 GiB", seed), &mut rng, &g, layer, true, &dest, &bid);
+}
+
+/// Row scatter of `dest.len()` tokens onto `layer`'s view (both planes): `case` gains the
+/// planes, the batch ids and the destination rows, then runs against the host reference.
+#[allow(clippy::too_many_arguments)] // the case, its rows and the view they land in
+fn row_scatter_case(
+    cuda: &dyn Backend,
+    mut case: Case,
+    rng: &mut Rng,
+    g: &UnifiedPoolGeometry,
+    layer: usize,
+    fp8: bool,
+    dest: &[i32],
+    bid: &[i32],
+) {
+    let (t, view_rows) = (dest.len(), g.layer_view_rows(layer).expect("layer"));
+    let setup = add_planes(&mut case, rng, g, layer, fp8, t);
+    let bi = case.i32s("batch_id_per_token", bid);
+    let dr = case.i32s("dest_rows", dest);
     let make = move |p: &[u64]| {
-        vec![Launch::RowScatter(RowScatterArgs {
-            planes: plane_writes(&setup, p),
-            batch_id_per_token: p[bi],
-            dest_rows: p[dr],
-            view_rows,
-            num_tokens: t as i32,
-            _pad: 0,
-        })]
+        vec![Launch::RowScatter(
+            RowScatterArgs::default()
+                .with_planes(plane_writes(&setup, p))
+                .with_batch_id_per_token(p[bi])
+                .with_dest_rows(p[dr])
+                .with_view_rows(view_rows)
+                .with_num_tokens(t as i32),
+        )]
     };
     check_case(cuda, &case, &make);
 }
@@ -690,16 +695,20 @@ fn dspark_field_window_matches_host() {
             let sl = case.i32s("state_slot_per_seq", &slots);
             let wpb = params.ring_slots.min(150) as i32;
             let make = move |p: &[u64]| {
-                vec![Launch::RingWrite(RingWriteArgs {
-                    params,
-                    planes: [PlaneWrite { kv: p[kv], pool: p[plane], row_bytes: w }, PlaneWrite::default()],
-                    positions: p[ps],
-                    cu_seqlens_q: p[cu_b],
-                    state_slot_per_seq: p[sl],
-                    view_rows,
-                    num_seqs: bs as i32,
-                    write_per_batch: wpb,
-                })]
+                vec![Launch::RingWrite(
+                    RingWriteArgs::default()
+                        .with_params(params)
+                        .with_planes([
+                            PlaneWrite::default().with_kv(p[kv]).with_pool(p[plane]).with_row_bytes(w),
+                            PlaneWrite::default(),
+                        ])
+                        .with_positions(p[ps])
+                        .with_cu_seqlens_q(p[cu_b])
+                        .with_state_slot_per_seq(p[sl])
+                        .with_view_rows(view_rows)
+                        .with_num_seqs(bs as i32)
+                        .with_write_per_batch(wpb),
+                )]
             };
             check_case(cuda, &case, &make);
 
@@ -716,16 +725,17 @@ fn dspark_field_window_matches_host() {
             let dr = case.poisoned("dest_rows", b.t_pad() + SLACK, POISON);
             let t_pad = b.t_pad() as i32;
             let make = move |p: &[u64]| {
-                let mut a = DecodeIndexArgs {
-                    state_slot_per_seq: p[slots],
-                    batch_id_per_token: p[bid],
-                    positions: p[pos],
-                    num_tokens: t_pad,
-                    win: WIN,
-                    ..Default::default()
-                };
-                a.classes[CLASS_DENSE] =
-                    ClassBuffers { params, indptr: p[ip], indices: p[ix], dest_rows: p[dr] };
+                let mut a = DecodeIndexArgs::default()
+                    .with_state_slot_per_seq(p[slots])
+                    .with_batch_id_per_token(p[bid])
+                    .with_positions(p[pos])
+                    .with_num_tokens(t_pad)
+                    .with_win(WIN);
+                a.classes[CLASS_DENSE] = ClassBuffers::default()
+                    .with_params(params)
+                    .with_indptr(p[ip])
+                    .with_indices(p[ix])
+                    .with_dest_rows(p[dr]);
                 vec![Launch::Decode(a)]
             };
             check_case(cuda, &case, &make);
@@ -772,7 +782,7 @@ fn fill_runs_and_copy_runs_match_host() {
             bytemuck::cast_slice(&runs).to_vec()
         });
         let make = move |p: &[u64]| {
-            vec![Launch::FillRuns(FillRunsArgs { runs: p[desc], num_runs: n as i32, _pad: 0 })]
+            vec![Launch::FillRuns(FillRunsArgs::default().with_runs(p[desc]).with_num_runs(n as i32))]
         };
         check_case(cuda, &case, &make);
 
@@ -794,7 +804,7 @@ fn fill_runs_and_copy_runs_match_host() {
             bytemuck::cast_slice(&runs).to_vec()
         });
         let make = move |p: &[u64]| {
-            vec![Launch::CopyRuns(CopyRunsArgs { runs: p[desc], num_runs: n as i32, _pad: 0 })]
+            vec![Launch::CopyRuns(CopyRunsArgs::default().with_runs(p[desc]).with_num_runs(n as i32))]
         };
         check_case(cuda, &case, &make);
     }

@@ -42,9 +42,7 @@ fn staged_windows(d: &Arc<Pool>, h: &Arc<Pool>, rng: &mut Rng) -> (KvRowWriter, 
     let starts = [0i64, 7, 1_000_000];
     let tokens = [300usize, 1, 129];
     let seqs = |s: &[v4pool::pool::SlotLease]| -> Vec<WindowSeq> {
-        (0..3)
-            .map(|i| WindowSeq { slot: s[i].handle, first_position: starts[i], tokens: tokens[i] })
-            .collect()
+        (0..3).map(|i| WindowSeq::new(s[i].handle, starts[i], tokens[i])).collect()
     };
     wd.stage_window(&seqs(&sd)).unwrap();
     wh.stage_window(&seqs(&sh)).unwrap();
@@ -93,7 +91,7 @@ fn kv_rows_match_the_host() {
         let bh: Vec<_> = (0..2).map(|_| h.alloc_block().unwrap().handle).collect();
         let rows = [5i64, 63, 0];
         let blocks = [1usize, 0, 1];
-        let ent = |b: &[v4pool::alloc::BlockHandle]| -> Vec<CompressedRow> {
+        let ent = |b: &[v4pool::pool::BlockHandle]| -> Vec<CompressedRow> {
             (0..3).map(|i| CompressedRow { block: b[blocks[i]], row: rows[i] }).collect()
         };
         wd.stage_compressed(Class::Csa, &ent(&bd)).unwrap();
@@ -153,7 +151,7 @@ fn flashmla_rows_match_the_host() {
             );
             for (class, ratio) in [(Class::Csa, 1), (Class::Hca, 2)] {
                 let rows = 256 / ratio;
-                let ent = |b: &[v4pool::alloc::BlockGrant; 2]| -> Vec<CompressedRow> {
+                let ent = |b: &[v4pool::pool::BlockGrant; 2]| -> Vec<CompressedRow> {
                     (0..8)
                         .map(|i| CompressedRow { block: b[i % 2].handle, row: (i as i64 * 37) % rows })
                         .collect()
@@ -164,7 +162,7 @@ fn flashmla_rows_match_the_host() {
                 wd.write(layer, RowSet::Compressed(class), &kv_in[..8 * 512], 512).unwrap();
                 wh.write(layer, RowSet::Compressed(class), &kv_in[..8 * 512], 512).unwrap();
             }
-            assert_eq!(wd.compressed_format_code(), v4pool::index::KV_ROWS_FLASHMLA_V41_FP4);
+            assert_eq!(wd.compressed_format_code(), v4pool::raw::index::KV_ROWS_FLASHMLA_V41_FP4);
         }
         assert!(planes(&d) == planes(&h), "{}: device plane differs from the host reference's", kv.name());
     }

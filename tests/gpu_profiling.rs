@@ -7,22 +7,22 @@ mod common;
 
 use common::cuda_or_skip;
 use v4pool::backend::{Backend, Stream};
-use v4pool::index::Launch;
+use v4pool::raw::index::Launch;
 
 #[test]
 fn ranges_wrap_device_work() {
     let Some(cuda) = cuda_or_skip("ranges_wrap_device_work") else {
         return;
     };
-    let sink = v4pool::profiling::sink();
+    let sink = v4pool::raw::profiling::sink();
     println!(
         "PROFILING feature={} sink={sink} NVTX_INJECTION64_PATH={:?}",
         cfg!(feature = "profiling"),
         std::env::var("NVTX_INJECTION64_PATH").ok()
     );
     {
-        let _outer = v4pool::profiling::range("v4pool.range_test");
-        let _inner = v4pool::profiling::range("v4pool.empty");
+        let _outer = v4pool::raw::profiling::range("v4pool.range_test");
+        let _inner = v4pool::raw::profiling::range("v4pool.empty");
         // SAFETY: the empty kernel touches nothing.
         unsafe { cuda.launch(&Launch::Empty, Stream::DEFAULT).expect("launch") };
         cuda.synchronize(Stream::DEFAULT).expect("sync");

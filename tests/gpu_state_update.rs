@@ -14,9 +14,9 @@ use state_common::*;
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, Stream};
-use v4pool::index::ElemType;
 use v4pool::model::ModelShape;
 use v4pool::pool::{Pool, SlotLease};
+use v4pool::raw::index::ElemType;
 use v4pool::sizing::KvDtype;
 use v4pool::state::update::{Compressor, StateUpdateCapacity};
 

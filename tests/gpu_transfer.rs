@@ -45,12 +45,7 @@ fn decode_build(backend: Arc<dyn Backend>, pool: &Pool, out: &Rebound) -> Vec<Ve
     let table = out.block_ids();
     let cap = DecodeCapacity::new(1, 1, table.len(), 128, 2048);
     let mut bufs = pool.decode_path(cap).unwrap();
-    let seq = DecodeSeq {
-        position: out.slot.position,
-        context_len: out.context_len as i64,
-        num_tokens: 1,
-        block_table: &table,
-    };
+    let seq = DecodeSeq::new(out.slot.position, out.context_len as i64, 1, &table);
     bufs.stage(&[seq]).unwrap();
     bufs.build().unwrap();
     let mut got = Vec::new();

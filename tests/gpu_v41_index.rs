@@ -69,14 +69,7 @@ fn batch(rng: &mut Rng, g: &UnifiedPoolGeometry, bs: usize, max_cols: usize) -> 
 }
 
 fn staged(seqs: &[Seq]) -> Vec<DecodeSeq<'_>> {
-    seqs.iter()
-        .map(|s| DecodeSeq {
-            position: s.position,
-            context_len: s.ctx,
-            num_tokens: s.n,
-            block_table: &s.table,
-        })
-        .collect()
+    seqs.iter().map(|s| DecodeSeq::new(s.position, s.ctx, s.n, &s.table)).collect()
 }
 
 /// The indexer's top-k `[max_tokens][TOPK]` for a layer of `ratio`: rows each token sees
@@ -396,15 +389,8 @@ fn run_prefill_case(pool: &Arc<Pool>, seed: u64, host_twin: Option<&Arc<Pool>>) 
     let mut twin = host_twin.map(|h| h.prefill_path(cap).unwrap());
     let bs = rng.range(1, 4) as usize;
     let seqs = prefill_batch(&mut rng, &g, bs, max_cols);
-    let staged: Vec<PrefillSeq<'_>> = seqs
-        .iter()
-        .map(|s| PrefillSeq {
-            position: s.position,
-            chunk_start: s.ctx - s.n as i64,
-            num_tokens: s.n,
-            block_table: &s.table,
-        })
-        .collect();
+    let staged: Vec<PrefillSeq<'_>> =
+        seqs.iter().map(|s| PrefillSeq::new(s.position, s.ctx - s.n as i64, s.n, &s.table)).collect();
     let tokens = path.stage(&staged).unwrap();
     poison_prefill(&path, pool.backend().as_ref());
     path.build().unwrap();

@@ -45,7 +45,7 @@ fn mirror(
     b.iter()
         .map(|s| {
             let i = from.iter().position(|l| l.handle == s.slot).unwrap();
-            v4pool::state::gather::GatherSeq { slot: to[i].handle, ..*s }
+            v4pool::state::gather::GatherSeq::new(to[i].handle, s.anchor, s.context_len)
         })
         .collect()
 }

@@ -14,11 +14,12 @@
 mod common;
 
 use common::Rng;
-use v4pool::backend::hip::elf::{self, EF_AMDGPU_MACH_GFX90A, EF_AMDGPU_MACH_GFX942, EM_AMDGPU};
-use v4pool::backend::hip::{embedded_code_objects, HipBackend, ModuleOrigin, KERNEL_SYMBOLS};
+use v4pool::backend::hip::{HipBackend, ModuleOrigin};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, BackendError, BackendKind, DeviceAllocation, Stream};
-use v4pool::index::{CopyRun, CopyRunsArgs, FillRun, FillRunsArgs, Launch};
+use v4pool::raw::hip::elf::{self, EF_AMDGPU_MACH_GFX90A, EF_AMDGPU_MACH_GFX942, EM_AMDGPU};
+use v4pool::raw::hip::embedded_code_objects;
+use v4pool::raw::index::{CopyRun, CopyRunsArgs, FillRun, FillRunsArgs, Launch};
 
 fn env_set(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0")
@@ -66,7 +67,7 @@ fn objects_or_skip(test: &str) -> Option<Vec<(&'static str, &'static [u8])>> {
         assert!(
             !required,
             "HIP code objects are required but build.rs embedded none:\n{}",
-            v4pool::kernels::build_log()
+            v4pool::raw::kernels::build_log()
         );
         println!("SKIP {test}: build.rs embedded no HIP code objects (no clang 19+ at build time)");
         return None;
@@ -96,10 +97,10 @@ fn embedded_code_objects_hold_every_kernel_symbol() {
         let obj = elf::parse(entries[0].bytes).unwrap_or_else(|e| panic!("{arch}: {e}"));
         assert_eq!(obj.machine, EM_AMDGPU, "{arch}: not an AMDGPU object");
         assert_eq!(obj.amdgpu_mach(), expected_mach(arch), "{arch}: built for another processor");
-        for symbol in KERNEL_SYMBOLS {
+        for symbol in Launch::SYMBOLS {
             assert!(obj.has_kernel(symbol), "{arch}: no kernel {symbol} (function + {symbol}.kd)");
         }
-        println!("{arch}: {} bytes, all {} kernels present", bytes.len(), KERNEL_SYMBOLS.len());
+        println!("{arch}: {} bytes, all {} kernels present", bytes.len(), Launch::SYMBOLS.len());
     }
 }
 
@@ -289,7 +290,8 @@ pub fn check_run_kernels(b: &dyn Backend, seed: u64) {
     }
     let desc = Buf::new(b, (fills.len() * std::mem::size_of::<FillRun>()) as u64);
     desc.upload(0, bytemuck::cast_slice(&fills), s);
-    let launch = Launch::FillRuns(FillRunsArgs { runs: desc.ptr(), num_runs: fills.len() as i32, _pad: 0 });
+    let launch =
+        Launch::FillRuns(FillRunsArgs::default().with_runs(desc.ptr()).with_num_runs(fills.len() as i32));
     // SAFETY: every run lies in `target`; the descriptor in `desc`.
     unsafe { b.launch(&launch, s) }.unwrap();
     assert!(target.download(s) == expect, "fill_runs differs");
@@ -306,13 +308,14 @@ pub fn check_run_kernels(b: &dyn Backend, seed: u64) {
     }
     let desc = Buf::new(b, (copies.len() * std::mem::size_of::<CopyRun>()) as u64);
     desc.upload(0, bytemuck::cast_slice(&copies), s);
-    let launch = Launch::CopyRuns(CopyRunsArgs { runs: desc.ptr(), num_runs: copies.len() as i32, _pad: 0 });
+    let launch =
+        Launch::CopyRuns(CopyRunsArgs::default().with_runs(desc.ptr()).with_num_runs(copies.len() as i32));
     // SAFETY: every run lies in `source` / `target`, which do not overlap.
     unsafe { b.launch(&launch, s) }.unwrap();
     assert!(target.download(s) == expect, "copy_runs differs");
 
     // No runs at all: a valid launch that touches nothing.
-    let launch = Launch::FillRuns(FillRunsArgs { runs: desc.ptr(), num_runs: 0, _pad: 0 });
+    let launch = Launch::FillRuns(FillRunsArgs::default().with_runs(desc.ptr()).with_num_runs(0));
     // SAFETY: no run is read.
     unsafe { b.launch(&launch, s) }.unwrap();
     // SAFETY: the empty kernel takes no arguments.
@@ -424,7 +427,7 @@ fn hip_fill_and_copy_runs_on_random_data() {
 #[test]
 fn hip_rejects_invalid_launches_before_the_device() {
     if let Some(b) = hip_or_skip("hip_rejects_invalid_launches_before_the_device") {
-        let bad = Launch::FillRuns(FillRunsArgs { runs: 0, num_runs: 3, _pad: 0 });
+        let bad = Launch::FillRuns(FillRunsArgs::default().with_runs(0).with_num_runs(3));
         // SAFETY: rejected before anything runs.
         let r = unsafe { b.launch(&bad, Stream::DEFAULT) };
         assert!(matches!(r, Err(BackendError::InvalidLaunch { .. })), "{r:?}");
@@ -478,7 +481,7 @@ fn hip_events_time_an_empty_launch() {
 /// releases before ROCm 5.7 do not know gfx942 (ROCm 5.2's aborts inside comgr).
 #[test]
 fn hiprtc_compiles_the_kernel_source() {
-    let code = match v4pool::backend::hip::hiprtc_compile(Some("gfx90a")) {
+    let code = match v4pool::raw::hip::hiprtc_compile(Some("gfx90a")) {
         Err(BackendError::Unavailable { reason, .. }) => {
             println!("SKIP hiprtc_compiles_the_kernel_source: {reason}");
             return;
@@ -488,16 +491,16 @@ fn hiprtc_compiles_the_kernel_source() {
     let entries = elf::code_objects(&code).unwrap();
     let obj = elf::parse(entries[0].bytes).unwrap();
     assert_eq!((obj.machine, obj.amdgpu_mach()), (EM_AMDGPU, EF_AMDGPU_MACH_GFX90A));
-    for symbol in KERNEL_SYMBOLS {
+    for symbol in Launch::SYMBOLS {
         assert!(obj.has_kernel(symbol), "hiprtc output lacks {symbol}");
     }
-    println!("hiprtc gfx90a: {} bytes, all {} kernels present", code.len(), KERNEL_SYMBOLS.len());
+    println!("hiprtc gfx90a: {} bytes, all {} kernels present", code.len(), Launch::SYMBOLS.len());
 }
 
 #[test]
 fn hiprtc_compile_errors_carry_the_log() {
     let broken = "extern \"C\" __global__ void v4pool_broken(int a) { this is not C++; }";
-    match v4pool::backend::hip::hiprtc_compile_source(broken, Some("gfx90a")) {
+    match v4pool::raw::hip::hiprtc_compile_source(broken, Some("gfx90a")) {
         Err(BackendError::Unavailable { reason, .. }) => {
             println!("SKIP hiprtc_compile_errors_carry_the_log: {reason}");
         }
@@ -677,11 +680,11 @@ fn double_refuses_launches_that_contradict_the_code_object() {
     let desc = Buf::new(&b, std::mem::size_of_val(&runs) as u64);
     desc.upload(0, bytemuck::cast_slice(&runs), s);
     b.synchronize(s).unwrap();
-    let args = FillRunsArgs { runs: desc.ptr(), num_runs: 1, _pad: 0 };
+    let args = FillRunsArgs::default().with_runs(desc.ptr()).with_num_runs(1);
     let mut bytes = bytemuck::bytes_of(&args).to_vec();
     let n = bytes.len();
     let fill = dbl.function(module, "v4pool_fill_runs").unwrap();
-    let block = v4pool::index::shape::launch_shape(&Launch::FillRuns(args)).block;
+    let block = v4pool::raw::index::shape::launch_shape(&Launch::FillRuns(args)).block;
 
     // Wrong kernarg sizes (through `extra`, where the caller states the size).
     for wrong in [n - 8, n + 8] {

@@ -11,9 +11,9 @@ mod flashmla_common;
 use common::Rng;
 use std::ffi::{c_char, c_void, CString};
 use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, WindowParams};
-use v4pool::index::host::run_launch;
-use v4pool::index::shape::{launch_shape, prefill_short, LaunchShape};
-use v4pool::index::{
+use v4pool::raw::index::host::run_launch;
+use v4pool::raw::index::shape::{launch_shape, prefill_short, LaunchShape};
+use v4pool::raw::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
     Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs,
 };
@@ -26,7 +26,7 @@ struct Emu {
 }
 
 fn emu() -> Option<Emu> {
-    let Some(path) = v4pool::kernels::host_emulation_library() else {
+    let Some(path) = v4pool::raw::kernels::host_emulation_library() else {
         // CI installs clang-19 and sets V4POOL_REQUIRE_DEVICE_BUILD=1: there a missing library
         // is a failure, never a silent pass.
         assert!(
@@ -55,7 +55,7 @@ impl Emu {
     /// # Safety
     /// As `run`; `symbol` takes `launch`'s argument struct and `shape` covers its work.
     unsafe fn run_as(&self, launch: &Launch, symbol: &str, shape: LaunchShape) {
-        let bytes = v4pool::backend::kernel_argument(launch);
+        let bytes = v4pool::raw::launch::kernel_argument(launch);
         let sym = CString::new(symbol).unwrap();
         // SAFETY: forwarded from the caller; the argument bytes are the struct the kernel takes.
         let rc = unsafe {
@@ -103,6 +103,22 @@ fn compare_as<T: Clone + PartialEq + std::fmt::Debug>(
 
 fn addr<T>(v: &[T]) -> u64 {
     v.as_ptr() as u64
+}
+
+/// The row writers' two plane writes into `outs` from the rows at `kv` (the second plane only
+/// where the layout has one, `widths.1 > 0`).
+fn plane_writes(outs: &mut [Vec<u8>], kv: [u64; 2], widths: (i64, i64)) -> [PlaneWrite; 2] {
+    let mut planes = [
+        PlaneWrite::default().with_kv(kv[0]).with_pool(outs[0].as_mut_ptr() as u64).with_row_bytes(widths.0),
+        PlaneWrite::default(),
+    ];
+    if widths.1 > 0 {
+        planes[1] = PlaneWrite::default()
+            .with_kv(kv[1])
+            .with_pool(outs[1].as_mut_ptr() as u64)
+            .with_row_bytes(widths.1);
+    }
+    planes
 }
 
 fn random_geometry(rng: &mut Rng, need_compressed: bool) -> UnifiedPoolGeometry {
@@ -222,26 +238,23 @@ fn decode_builder_kernel_matches_reference() {
             }
         }
         let written = compare(&emu, &format!("decode case {case}"), &outputs, |outs| {
-            let mut a = DecodeIndexArgs {
-                state_slot_per_seq: addr(&slots),
-                batch_id_per_token: addr(&bids),
-                positions: addr(&positions),
-                block_tables: if fused { addr(&tables) } else { 0 },
-                envelope_rows: g.envelope_rows,
-                block_table_stride: stride,
-                hca_rows_per_block: rpb,
-                num_tokens: t as i32,
-                win,
-                ..Default::default()
-            };
+            let mut a = DecodeIndexArgs::default()
+                .with_state_slot_per_seq(addr(&slots))
+                .with_batch_id_per_token(addr(&bids))
+                .with_positions(addr(&positions))
+                .with_block_tables(if fused { addr(&tables) } else { 0 })
+                .with_envelope_rows(g.envelope_rows)
+                .with_block_table_stride(stride)
+                .with_hca_rows_per_block(rpb)
+                .with_num_tokens(t as i32)
+                .with_win(win);
             for (c, cls) in classes.iter().enumerate() {
                 if let Some((params, indptr, dest)) = cls {
-                    a.classes[c] = ClassBuffers {
-                        params: *params,
-                        indptr: addr(indptr),
-                        indices: outs[2 * c].as_mut_ptr() as u64,
-                        dest_rows: if *dest { outs[2 * c + 1].as_mut_ptr() as u64 } else { 0 },
-                    };
+                    a.classes[c] = ClassBuffers::default()
+                        .with_params(*params)
+                        .with_indptr(addr(indptr))
+                        .with_indices(outs[2 * c].as_mut_ptr() as u64)
+                        .with_dest_rows(if *dest { outs[2 * c + 1].as_mut_ptr() as u64 } else { 0 });
                 }
             }
             Launch::Decode(a)
@@ -299,30 +312,26 @@ fn decode_builder_long_hca_heads_every_alignment() {
                 vec![POISON; extent(&csa_indptr) + 1],
             ];
             let written = compare(&emu, &format!("long heads rpb {rpb} lead {lead}"), &outputs, |outs| {
-                let mut a = DecodeIndexArgs {
-                    state_slot_per_seq: addr(&slots),
-                    batch_id_per_token: addr(&bids),
-                    positions: addr(&positions),
-                    block_tables: addr(&tables),
-                    envelope_rows: g.envelope_rows,
-                    block_table_stride: stride,
-                    hca_rows_per_block: rpb,
-                    num_tokens: t as i32,
-                    win,
-                    ..Default::default()
-                };
-                a.classes[1] = ClassBuffers {
-                    params: g.window_params(4).unwrap(),
-                    indptr: addr(&csa_indptr),
-                    indices: outs[2].as_mut_ptr() as u64,
-                    dest_rows: 0,
-                };
-                a.classes[2] = ClassBuffers {
-                    params: g.window_params(128).unwrap(),
-                    indptr: addr(&indptr),
-                    indices: outs[0].as_mut_ptr() as u64,
-                    dest_rows: outs[1].as_mut_ptr() as u64,
-                };
+                let mut a = DecodeIndexArgs::default()
+                    .with_state_slot_per_seq(addr(&slots))
+                    .with_batch_id_per_token(addr(&bids))
+                    .with_positions(addr(&positions))
+                    .with_block_tables(addr(&tables))
+                    .with_envelope_rows(g.envelope_rows)
+                    .with_block_table_stride(stride)
+                    .with_hca_rows_per_block(rpb)
+                    .with_num_tokens(t as i32)
+                    .with_win(win);
+                a.classes[1] = ClassBuffers::default()
+                    .with_params(g.window_params(4).unwrap())
+                    .with_indptr(addr(&csa_indptr))
+                    .with_indices(outs[2].as_mut_ptr() as u64)
+                    .with_dest_rows(0);
+                a.classes[2] = ClassBuffers::default()
+                    .with_params(g.window_params(128).unwrap())
+                    .with_indptr(addr(&indptr))
+                    .with_indices(outs[0].as_mut_ptr() as u64)
+                    .with_dest_rows(outs[1].as_mut_ptr() as u64);
                 let l = Launch::Decode(a);
                 assert_eq!(launch_shape(&l).grid, [1 + ((longest + 4095) / 4096) as u32, t as u32, 1]);
                 l
@@ -427,33 +436,34 @@ fn prefill_cases(emu: &Emu, mut rng: Rng, cases: usize, packed: bool) -> (usize,
         }
         for stride in [stride, stride + PAD] {
             let make = |outs: &mut [Vec<i32>]| {
-                Launch::Prefill(PrefillIndexArgs {
-                    dense: dense.unwrap_or_default(),
-                    csa,
-                    hca: g.window_params(128).unwrap(),
-                    positions: addr(&positions),
-                    bid_per_token: addr(&bids),
-                    chunk_start_per_seq: addr(&chunk_start),
-                    cu_seqlens_q_per_seq: addr(&cu_q),
-                    state_slot_per_seq: addr(&slots),
-                    n_committed_hca_per_seq: addr(&committed),
-                    block_tables: addr(&tables),
-                    extend_indptr: addr(&ptrs[0]),
-                    extend_indices: outs[0].as_mut_ptr() as u64,
-                    swa_indptr: if dense.is_some() { addr(&ptrs[1]) } else { 0 },
-                    swa_indices: if dense.is_some() { outs[1].as_mut_ptr() as u64 } else { 0 },
-                    csa_indptr: addr(&ptrs[2]),
-                    csa_indices: outs[2].as_mut_ptr() as u64,
-                    hca_indptr: addr(&ptrs[3]),
-                    hca_indices: outs[3].as_mut_ptr() as u64,
-                    envelope_rows: g.envelope_rows,
-                    block_table_stride: stride as i32,
-                    num_tokens: t as i32,
-                    win: win as i32,
-                    hca_ratio: hca_ratio as i32,
-                    hca_rows_per_block: rpb as i32,
-                    coarse_packed: i32::from(packed),
-                })
+                Launch::Prefill(
+                    PrefillIndexArgs::default()
+                        .with_dense(dense.unwrap_or_default())
+                        .with_csa(csa)
+                        .with_hca(g.window_params(128).unwrap())
+                        .with_positions(addr(&positions))
+                        .with_bid_per_token(addr(&bids))
+                        .with_chunk_start_per_seq(addr(&chunk_start))
+                        .with_cu_seqlens_q_per_seq(addr(&cu_q))
+                        .with_state_slot_per_seq(addr(&slots))
+                        .with_n_committed_hca_per_seq(addr(&committed))
+                        .with_block_tables(addr(&tables))
+                        .with_extend_indptr(addr(&ptrs[0]))
+                        .with_extend_indices(outs[0].as_mut_ptr() as u64)
+                        .with_swa_indptr(if dense.is_some() { addr(&ptrs[1]) } else { 0 })
+                        .with_swa_indices(if dense.is_some() { outs[1].as_mut_ptr() as u64 } else { 0 })
+                        .with_csa_indptr(addr(&ptrs[2]))
+                        .with_csa_indices(outs[2].as_mut_ptr() as u64)
+                        .with_hca_indptr(addr(&ptrs[3]))
+                        .with_hca_indices(outs[3].as_mut_ptr() as u64)
+                        .with_envelope_rows(g.envelope_rows)
+                        .with_block_table_stride(stride as i32)
+                        .with_num_tokens(t as i32)
+                        .with_win(win as i32)
+                        .with_hca_ratio(hca_ratio as i32)
+                        .with_hca_rows_per_block(rpb as i32)
+                        .with_coarse_packed(i32::from(packed)),
+                )
             };
             let Launch::Prefill(args) = make(&mut outputs.clone()) else { unreachable!() };
             let form = if prefill_short(&args) { "short" } else { "long" };
@@ -484,17 +494,17 @@ fn hca_offsets_kernel_matches_reference() {
         let bids: Vec<i32> = (0..n).map(|_| rng.range(0, bs - 1) as i32).collect();
         let outputs = vec![vec![POISON; n + 3]];
         compare(&emu, &format!("hca offsets case {case}"), &outputs, |outs| {
-            Launch::HcaOffsets(HcaOffsetsArgs {
-                entry_idx: addr(&entries),
-                bid_per_entry: addr(&bids),
-                block_tables: addr(&tables),
-                out: outs[0].as_mut_ptr() as u64,
-                envelope_rows: 1000 + stride,
-                block_table_stride: stride as i32,
-                rows_per_block: rpb as i32,
-                num_entries: n as i32,
-                _pad: 0,
-            })
+            Launch::HcaOffsets(
+                HcaOffsetsArgs::default()
+                    .with_entry_idx(addr(&entries))
+                    .with_bid_per_entry(addr(&bids))
+                    .with_block_tables(addr(&tables))
+                    .with_out(outs[0].as_mut_ptr() as u64)
+                    .with_envelope_rows(1000 + stride)
+                    .with_block_table_stride(stride as i32)
+                    .with_rows_per_block(rpb as i32)
+                    .with_num_entries(n as i32),
+            )
         });
     }
 }
@@ -554,24 +564,24 @@ fn csa_pack_kernel_matches_reference() {
         // Decode rows run a staged form (two columns per thread up to 512, four past it),
         // prefill rows the gather form (`Launch::symbol`): each against the reference.
         compare(&emu, &format!("csa pack case {case}"), &outputs, |outs| {
-            Launch::CsaPack(CsaPackArgs {
-                topk: addr(&topk),
-                block_tables: addr(&tables),
-                positions: addr(&positions),
-                indptr: addr(&indptr),
-                batch_id_per_token: addr(&bids),
-                skip_prefix_len_per_token: addr(&skip),
-                out: outs[0].as_mut_ptr() as u64,
-                envelope_rows: 132,
-                topk_row_stride: row_stride as i32,
-                block_table_stride: stride as i32,
-                num_tokens: t as i32,
-                block_capacity: cap as i32,
-                window_size: window as i32,
-                compress_ratio: ratio as i32,
-                compress_bias: bias,
-                ..Default::default()
-            })
+            Launch::CsaPack(
+                CsaPackArgs::default()
+                    .with_topk(addr(&topk))
+                    .with_block_tables(addr(&tables))
+                    .with_positions(addr(&positions))
+                    .with_indptr(addr(&indptr))
+                    .with_batch_id_per_token(addr(&bids))
+                    .with_skip_prefix_len_per_token(addr(&skip))
+                    .with_out(outs[0].as_mut_ptr() as u64)
+                    .with_envelope_rows(132)
+                    .with_topk_row_stride(row_stride as i32)
+                    .with_block_table_stride(stride as i32)
+                    .with_num_tokens(t as i32)
+                    .with_block_capacity(cap as i32)
+                    .with_window_size(window as i32)
+                    .with_compress_ratio(ratio as i32)
+                    .with_compress_bias(bias),
+            )
         });
     }
 }
@@ -616,27 +626,18 @@ fn ring_write_kernel_matches_reference() {
         let off = usize::from(rng.chance(0.5) && w1 % 16 != 0);
         let outputs = vec![rng.bytes((view_rows * w0) as usize), rng.bytes((view_rows * w1) as usize)];
         compare(&emu, &format!("ring write case {case}"), &outputs, |outs| {
-            let mut planes = [
-                PlaneWrite { kv: addr(&kv0), pool: outs[0].as_mut_ptr() as u64, row_bytes: w0 },
-                PlaneWrite::default(),
-            ];
-            if w1 > 0 {
-                planes[1] = PlaneWrite {
-                    kv: addr(&kv1) + off as u64,
-                    pool: outs[1].as_mut_ptr() as u64,
-                    row_bytes: w1,
-                };
-            }
-            Launch::RingWrite(RingWriteArgs {
-                params,
-                planes,
-                positions: addr(&positions),
-                cu_seqlens_q: addr(&cu),
-                state_slot_per_seq: addr(&slots),
-                view_rows,
-                num_seqs: bs as i32,
-                write_per_batch: wpb,
-            })
+            let planes = plane_writes(outs, [addr(&kv0), addr(&kv1) + off as u64], (w0, w1));
+            Launch::RingWrite(
+                RingWriteArgs::default()
+                    .with_params(params)
+                    .with_planes(planes)
+                    .with_positions(addr(&positions))
+                    .with_cu_seqlens_q(addr(&cu))
+                    .with_state_slot_per_seq(addr(&slots))
+                    .with_view_rows(view_rows)
+                    .with_num_seqs(bs as i32)
+                    .with_write_per_batch(wpb),
+            )
         });
     }
 }
@@ -670,21 +671,15 @@ fn row_scatter_kernel_matches_reference() {
         let kv1 = rng.bytes(t * w1 as usize);
         let outputs = vec![rng.bytes((view_rows * w0) as usize), rng.bytes((view_rows * w1) as usize)];
         compare(&emu, &format!("row scatter case {case}"), &outputs, |outs| {
-            let mut planes = [
-                PlaneWrite { kv: addr(&kv0), pool: outs[0].as_mut_ptr() as u64, row_bytes: w0 },
-                PlaneWrite::default(),
-            ];
-            if w1 > 0 {
-                planes[1] = PlaneWrite { kv: addr(&kv1), pool: outs[1].as_mut_ptr() as u64, row_bytes: w1 };
-            }
-            Launch::RowScatter(RowScatterArgs {
-                planes,
-                batch_id_per_token: addr(&bids),
-                dest_rows: addr(&dest),
-                view_rows,
-                num_tokens: t as i32,
-                _pad: 0,
-            })
+            let planes = plane_writes(outs, [addr(&kv0), addr(&kv1)], (w0, w1));
+            Launch::RowScatter(
+                RowScatterArgs::default()
+                    .with_planes(planes)
+                    .with_batch_id_per_token(addr(&bids))
+                    .with_dest_rows(addr(&dest))
+                    .with_view_rows(view_rows)
+                    .with_num_tokens(t as i32),
+            )
         });
     }
 }
@@ -725,7 +720,7 @@ fn fill_and_copy_runs_kernels_match_reference() {
                 .collect();
             // The descriptor must outlive the launch: leak it into the test (small).
             let runs: &'static [FillRun] = Box::leak(runs.into_boxed_slice());
-            Launch::FillRuns(FillRunsArgs { runs: addr(runs), num_runs: runs.len() as i32, _pad: 0 })
+            Launch::FillRuns(FillRunsArgs::default().with_runs(addr(runs)).with_num_runs(runs.len() as i32))
         });
 
         let src = rng.bytes(total as usize);
@@ -746,7 +741,7 @@ fn fill_and_copy_runs_kernels_match_reference() {
                 })
                 .collect();
             let runs: &'static [CopyRun] = Box::leak(runs.into_boxed_slice());
-            Launch::CopyRuns(CopyRunsArgs { runs: addr(runs), num_runs: runs.len() as i32, _pad: 0 })
+            Launch::CopyRuns(CopyRunsArgs::default().with_runs(addr(runs)).with_num_runs(runs.len() as i32))
         });
     }
 }
@@ -838,27 +833,27 @@ fn state_update_kernel_matches_reference() {
         let kv_off = rng.range(0, 3) * 16; // where position 0 starts in the buffer
         let wrote = compare(&emu, &format!("state update case {case} dim {dim}"), &outputs, |outs| {
             let base = outs[0].as_mut_ptr() as u64 + kv_off as u64;
-            Launch::StateUpdate(StateUpdateArgs {
-                kv: addr(&kv),
-                score: addr(&score),
-                ape: addr(&ape),
-                write_plan: plan_addr,
-                slot_map: if use_map { addr(&slots) } else { 0 },
-                kv_state: base,
-                score_state: base + (ring * state_row) as u64,
-                kv_slot_bytes: slot_bytes,
-                score_slot_bytes: slot_bytes,
-                kv_row_stride: kv_stride,
-                score_row_stride: score_stride,
-                num_rows,
-                dim: dim as i32,
-                ring: ring as i32,
-                window: window as i32,
-                ratio: ratio as i32,
-                in_dtype: i32::from(in_bf16),
-                ape_dtype: i32::from(ape_bf16),
-                _pad: 0,
-            })
+            Launch::StateUpdate(
+                StateUpdateArgs::default()
+                    .with_kv(addr(&kv))
+                    .with_score(addr(&score))
+                    .with_ape(addr(&ape))
+                    .with_write_plan(plan_addr)
+                    .with_slot_map(if use_map { addr(&slots) } else { 0 })
+                    .with_kv_state(base)
+                    .with_score_state(base + (ring * state_row) as u64)
+                    .with_kv_slot_bytes(slot_bytes)
+                    .with_score_slot_bytes(slot_bytes)
+                    .with_kv_row_stride(kv_stride)
+                    .with_score_row_stride(score_stride)
+                    .with_num_rows(num_rows)
+                    .with_dim(dim as i32)
+                    .with_ring(ring as i32)
+                    .with_window(window as i32)
+                    .with_ratio(ratio as i32)
+                    .with_in_dtype(i32::from(in_bf16))
+                    .with_ape_dtype(i32::from(ape_bf16)),
+            )
         });
         assert!(wrote || tokens == 0, "case {case}: nothing written");
     }

@@ -20,15 +20,15 @@ use gather_common::model_pool_with;
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::geometry::Class;
-use v4pool::index::host::{
+use v4pool::model::ModelShape;
+use v4pool::pool::{CompressedRow, Pool, RowWriteCapacity, RowWriteError};
+use v4pool::raw::index::host::{
     fp8_key_format, index_keys, key_block_bytes, pack_fp4_key, pack_fp8_key, KeyCache,
 };
-use v4pool::index::{
+use v4pool::raw::index::{
     IndexKeysArgs, Launch, INDEX_KEYS_ATOM_FP8, INDEX_KEYS_ATOM_FP8_FNUZ, INDEX_KEYS_BF16, INDEX_KEYS_FP4,
     INDEX_KEYS_FP8,
 };
-use v4pool::model::ModelShape;
-use v4pool::pool::{CompressedRow, Pool, RowWriteCapacity, RowWriteError};
 use v4pool::sizing::IndexerDtype;
 
 /// bf16 bits of `f` (truncated: any bf16 is a valid input).
@@ -102,18 +102,16 @@ fn the_kernel_source_matches_the_host_reference() {
         let run = |reference: bool| -> (Vec<u8>, Vec<u8>) {
             let mut data = vec![0xa5u8; num_blocks as usize * block];
             let mut scales = vec![0x5au8; (num_blocks as usize * scale).max(1)];
-            let args = IndexKeysArgs {
-                keys: k.as_ptr() as u64,
-                dest: dest.as_ptr() as u64,
-                data: data.as_mut_ptr() as u64,
-                scales: if format == INDEX_KEYS_FP4 { scales.as_mut_ptr() as u64 } else { 0 },
-                key_row_stride: stride as i64,
-                num_blocks,
-                num_tokens: t as i32,
-                block_rows: rows as i32,
-                format,
-                _pad: 0,
-            };
+            let args = IndexKeysArgs::default()
+                .with_keys(k.as_ptr() as u64)
+                .with_dest(dest.as_ptr() as u64)
+                .with_data(data.as_mut_ptr() as u64)
+                .with_scales(if format == INDEX_KEYS_FP4 { scales.as_mut_ptr() as u64 } else { 0 })
+                .with_key_row_stride(stride as i64)
+                .with_num_blocks(num_blocks)
+                .with_num_tokens(t as i32)
+                .with_block_rows(rows as i32)
+                .with_format(format);
             let launch = Launch::IndexKeys(args);
             // SAFETY: every pointer is a live buffer of the sizes the arguments name; `emu` is
             // this kernel's entry.

@@ -6,8 +6,8 @@ use proptest::prelude::*;
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, Stream};
 use v4pool::geometry::GeometrySpec;
-use v4pool::index::host::{decode_indices, window_row, DecodeClass, DecodeIndices};
-use v4pool::index::{ClassBuffers, DecodeIndexArgs, Launch, CLASS_CSA};
+use v4pool::raw::index::host::{decode_indices, window_row, DecodeClass, DecodeIndices};
+use v4pool::raw::index::{ClassBuffers, DecodeIndexArgs, Launch, CLASS_CSA};
 
 fn spec() -> impl Strategy<Value = GeometrySpec> {
     (
@@ -108,16 +108,9 @@ proptest! {
         let indptr_d = put(bytemuck::cast_slice(&indptr));
         let again_d = put(bytemuck::cast_slice(&poison));
         let dest_d = put(bytemuck::cast_slice(&vec![-9i32; t]));
-        let mut a = DecodeIndexArgs {
-            state_slot_per_seq: slots_d.ptr,
-            batch_id_per_token: bids_d.ptr,
-            positions: positions_d.ptr,
-            num_tokens: t as i32,
-            win,
-            ..Default::default()
-        };
+        let mut a = DecodeIndexArgs::default().with_state_slot_per_seq(slots_d.ptr).with_batch_id_per_token(bids_d.ptr).with_positions(positions_d.ptr).with_num_tokens(t as i32).with_win(win);
         a.classes[CLASS_CSA] =
-            ClassBuffers { params: w, indptr: indptr_d.ptr, indices: again_d.ptr, dest_rows: dest_d.ptr };
+            ClassBuffers::default().with_params(w).with_indptr(indptr_d.ptr).with_indices(again_d.ptr).with_dest_rows(dest_d.ptr);
         let mut again = vec![0i32; poison.len()];
         let mut dest2 = vec![0i32; t];
         // SAFETY: every address is a live allocation sized for the launch.

@@ -10,9 +10,9 @@ mod manager_common;
 use fault_common::{Call, FaultBackend};
 use manager_common::{block_ranges, pattern, read, write};
 use std::sync::{Arc, Mutex};
-use v4pool::alloc::BlockHandle;
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, Stream};
+use v4pool::pool::BlockHandle;
 use v4pool::pool::{DecodeCapacity, DecodeError, DecodeSeq, Pool, PoolError, PoolSpec};
 use v4pool::sizing::IndexerDtype;
 use v4pool::transfer::engine::{EngineError, MemRegion, RegionId, Side, Span, TransferTicket};
@@ -219,8 +219,7 @@ fn a_build_after_the_blocks_shrank_under_a_staged_table_is_refused() {
     for resident in [false, true] {
         let mut path = pool.decode_path(cap()).unwrap();
         let table = [0, n - 1];
-        let batch =
-            [DecodeSeq { position: live.end - 1, context_len: 300, num_tokens: 1, block_table: &table }];
+        let batch = [DecodeSeq::new(live.end - 1, 300, 1, &table)];
         if resident {
             path.write_block_table(0, 0, &table).unwrap();
             path.stage_resident(&batch).unwrap();
@@ -238,8 +237,7 @@ fn a_build_after_the_blocks_shrank_under_a_staged_table_is_refused() {
             path.write_block_table(0, 0, &fresh).unwrap();
             path.build().expect("the rewritten resident table builds");
         } else {
-            let batch =
-                [DecodeSeq { position: live.end - 1, context_len: 300, num_tokens: 1, block_table: &fresh }];
+            let batch = [DecodeSeq::new(live.end - 1, 300, 1, &fresh)];
             path.stage(&batch).unwrap();
             path.build().expect("restaged");
         }
@@ -258,8 +256,7 @@ fn staged_prefill(pool: &Arc<Pool>) -> v4pool::pool::PrefillPath {
     let cap = PrefillCapacity::new(1, 64, 8, 8, 4);
     let mut path = pool.prefill_path(cap).unwrap();
     let table = [0, n - 1];
-    let batch =
-        [PrefillSeq { position: live.end - 1, chunk_start: 290, num_tokens: 10, block_table: &table }];
+    let batch = [PrefillSeq::new(live.end - 1, 290, 10, &table)];
     path.stage(&batch).unwrap();
     path
 }
@@ -289,7 +286,7 @@ fn a_csa_pack_after_the_blocks_shrank_under_a_staged_table_is_refused() {
     let context_len = i64::from(n) * 256 - 48;
     let cap = DecodeCapacity::new(1, 1, n as usize, 8, 4);
     let mut path = pool.decode_path(cap).unwrap();
-    let batch = [DecodeSeq { position: live.end - 1, context_len, num_tokens: 1, block_table: &table }];
+    let batch = [DecodeSeq::new(live.end - 1, context_len, 1, &table)];
     path.stage(&batch).unwrap();
     path.build().expect("a build at the staged split");
     let topk = CsaTopk::new(&pool, 1, 4).unwrap();

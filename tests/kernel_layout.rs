@@ -7,12 +7,12 @@
 use std::collections::BTreeMap;
 use std::mem::{align_of, offset_of, size_of};
 use v4pool::geometry::WindowParams;
-use v4pool::index::shape::{
+use v4pool::raw::index::shape::{
     BLOCK_THREADS, CSA_TILE, CSA_TILE_X4, DECODE_FLASH_TILE, DECODE_HCA_TILE, DECODE_THREADS, GATHER_LANES,
     GATHER_ROWS_PER_BLOCK, MAX_GRID_YZ, PREFILL_LANES, PREFILL_SHORT_HEAD, PREFILL_SHORT_LANES,
     PREFILL_TOKENS_PER_BLOCK, ROWS_PER_BLOCK, ROW_LANES, RUN_SPLIT, STATE_CHUNK,
 };
-use v4pool::index::{
+use v4pool::raw::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, FlashMlaOut,
     HcaOffsetsArgs, IndexKeysArgs, KvRowsArgs, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs,
     StateUpdateArgs, WindowGatherArgs, WriteBatchArgs, WriteItem, CLASS_CSA, CLASS_DENSE, CLASS_HCA,
@@ -154,8 +154,8 @@ fn header_constants_match_the_launch_shapes() {
     assert_eq!(header_define("V4POOL_CSA_TILE_X4"), i64::from(CSA_TILE_X4));
     assert_eq!(header_define("V4POOL_MAX_GRID_YZ"), i64::from(MAX_GRID_YZ));
     assert_eq!(header_define("V4POOL_STATE_CHUNK"), i64::from(STATE_CHUNK));
-    assert_eq!(header_define("V4POOL_DTYPE_F32"), v4pool::index::ElemType::F32 as i64);
-    assert_eq!(header_define("V4POOL_DTYPE_BF16"), v4pool::index::ElemType::Bf16 as i64);
+    assert_eq!(header_define("V4POOL_DTYPE_F32"), v4pool::raw::index::ElemType::F32 as i64);
+    assert_eq!(header_define("V4POOL_DTYPE_BF16"), v4pool::raw::index::ElemType::Bf16 as i64);
     assert_eq!(header_define("V4POOL_GATHER_LANES"), i64::from(GATHER_LANES));
     assert_eq!(header_define("V4POOL_GATHER_ROWS_PER_BLOCK"), i64::from(GATHER_ROWS_PER_BLOCK));
     assert_eq!(header_define("V4POOL_CLASS_DENSE"), CLASS_DENSE as i64);
@@ -171,7 +171,7 @@ fn header_constants_match_the_launch_shapes() {
 fn embedded_source_carries_the_same_header() {
     // What NVRTC / hiprtc compile is the header verbatim (less `#pragma once`) plus the kernels.
     for line in HEADER.lines().filter(|l| l.trim_start().starts_with("V4POOL_CHECK_")) {
-        assert!(v4pool::kernels::SOURCE.contains(line), "embedded source lacks: {line}");
+        assert!(v4pool::raw::kernels::SOURCE.contains(line), "embedded source lacks: {line}");
     }
-    assert_eq!(v4pool::kernels::COMMON_HEADER, HEADER);
+    assert_eq!(v4pool::raw::kernels::COMMON_HEADER, HEADER);
 }

@@ -61,7 +61,7 @@ fn the_manager_reports_each_tier_s_blocks_with_parents_and_tokens() {
     let config = config(2, true)
         .with_host_tier_bytes(64 * unit_bytes(&pool))
         .with_shared_tier(SharedTierConfig::new(dir.clone(), 64 << 20).with_sync(false));
-    let mut m = KvManager::new(pool, config, Box::new(FixedPolicy { slots: 3 })).unwrap();
+    let mut m = KvManager::new(pool, config, Box::new(FixedPolicy::new(3))).unwrap();
     assert!(m.drain_events().is_empty(), "events are off by default");
     m.enable_events(true);
     let t = conversation(&mut m, 1);
@@ -333,7 +333,7 @@ fn a_manager_s_events_reach_a_subscriber() {
         return;
     }
     let mut m =
-        KvManager::new(small_pool(host(), 24), config(2, true), Box::new(FixedPolicy { slots: 3 })).unwrap();
+        KvManager::new(small_pool(host(), 24), config(2, true), Box::new(FixedPolicy::new(3))).unwrap();
     m.enable_events(true);
     let config = KvEventsConfig::default()
         .with_endpoint("tcp://127.0.0.1:*".into())
@@ -383,7 +383,7 @@ fn child_without_zmq() {
     assert!(KvEventSubscriber::connect("tcp://127.0.0.1:1", "").is_err());
     // The manager still records (publishing is what needs the library).
     let mut m =
-        KvManager::new(small_pool(host(), 24), config(2, true), Box::new(FixedPolicy { slots: 3 })).unwrap();
+        KvManager::new(small_pool(host(), 24), config(2, true), Box::new(FixedPolicy::new(3))).unwrap();
     m.enable_events(true);
     conversation(&mut m, 4);
     assert!(!m.drain_events().is_empty());

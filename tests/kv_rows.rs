@@ -13,12 +13,12 @@ use gather_common::{model_pool, model_pool_with};
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::geometry::Class;
-use v4pool::index::host::{kv_rows, pack_fp8_row, KvPlanes};
-use v4pool::index::{
-    KvRowsArgs, Launch, KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V41_FP4,
-};
 use v4pool::model::ModelShape;
 use v4pool::pool::{CompressedRow, RowSet, RowWriteCapacity, RowWriteError, WindowSeq};
+use v4pool::raw::index::host::{kv_rows, pack_fp8_row, KvPlanes};
+use v4pool::raw::index::{
+    KvRowsArgs, Launch, KV_ROWS_ATOM_FP8, KV_ROWS_BF16, KV_ROWS_FLASHMLA_V41, KV_ROWS_FLASHMLA_V41_FP4,
+};
 use v4pool::sizing::IndexerDtype;
 
 /// Random bf16 bits: mostly normal values over a wide range, some zeros, negative zeros,
@@ -78,18 +78,17 @@ fn the_kernel_source_matches_the_host_reference() {
         let poison = |w: usize| vec![0xa5u8; view_rows as usize * w];
         let run = |reference: bool| -> (Vec<u8>, Vec<u8>) {
             let (mut p0, mut p1) = (poison(w0), poison(w1.max(1)));
-            let args = KvRowsArgs {
-                kv: kv.as_ptr() as u64,
-                dest_rows: dest.as_ptr() as u64,
-                batch_id_per_token: if with_bids { bids.as_ptr() as u64 } else { 0 },
-                nope: p0.as_mut_ptr() as u64,
-                rope: if fp8 { p1.as_mut_ptr() as u64 } else { 0 },
-                kv_row_stride: stride as i64,
-                view_rows,
-                num_tokens: t as i32,
-                format,
-                view_row0: 0,
-            };
+            let args = KvRowsArgs::default()
+                .with_kv(kv.as_ptr() as u64)
+                .with_dest_rows(dest.as_ptr() as u64)
+                .with_batch_id_per_token(if with_bids { bids.as_ptr() as u64 } else { 0 })
+                .with_nope(p0.as_mut_ptr() as u64)
+                .with_rope(if fp8 { p1.as_mut_ptr() as u64 } else { 0 })
+                .with_kv_row_stride(stride as i64)
+                .with_view_rows(view_rows)
+                .with_num_tokens(t as i32)
+                .with_format(format)
+                .with_view_row0(0);
             let launch = Launch::KvRows(args);
             // SAFETY: every pointer is a live buffer of the sizes the arguments name; `emu` is
             // this kernel's entry.
@@ -208,18 +207,17 @@ fn the_kernel_source_packs_fp4_special_groups_as_the_host_reference() {
         let dest = [1i32, 0];
         let run = |reference: bool| -> Vec<u8> {
             let mut p = vec![0xa5u8; 3 * 288];
-            let args = KvRowsArgs {
-                kv: kv.as_ptr() as u64,
-                dest_rows: dest.as_ptr() as u64,
-                batch_id_per_token: 0,
-                nope: p.as_mut_ptr() as u64,
-                rope: 0,
-                kv_row_stride: stride as i64,
-                view_rows: 3,
-                num_tokens: 2,
-                format: KV_ROWS_FLASHMLA_V41_FP4,
-                view_row0: 0,
-            };
+            let args = KvRowsArgs::default()
+                .with_kv(kv.as_ptr() as u64)
+                .with_dest_rows(dest.as_ptr() as u64)
+                .with_batch_id_per_token(0)
+                .with_nope(p.as_mut_ptr() as u64)
+                .with_rope(0)
+                .with_kv_row_stride(stride as i64)
+                .with_view_rows(3)
+                .with_num_tokens(2)
+                .with_format(KV_ROWS_FLASHMLA_V41_FP4)
+                .with_view_row0(0);
             // SAFETY: every pointer is a live buffer of the sizes the arguments name.
             unsafe { common::run_reference_or_emulated(&Launch::KvRows(args), emu, reference) };
             p
@@ -291,10 +289,7 @@ fn the_writer_puts_rows_where_the_geometry_says() {
         let b = pool.alloc_slot().unwrap();
         // Sequence a: 140 tokens from position 5 (more than the ring: the first 12 dropped);
         // sequence b: 3 tokens from position 1,000.
-        let seqs = [
-            WindowSeq { slot: a.handle, first_position: 5, tokens: 140 },
-            WindowSeq { slot: b.handle, first_position: 1000, tokens: 3 },
-        ];
+        let seqs = [WindowSeq::new(a.handle, 5, 140), WindowSeq::new(b.handle, 1000, 3)];
         assert_eq!(w.stage_window(&seqs).unwrap(), 143);
         let csa = g.ratios.iter().position(|&r| r == 4).unwrap();
         let kv = bf16_values(&mut rng, 143 * 520);
@@ -370,13 +365,13 @@ fn the_writer_puts_rows_where_the_geometry_says() {
         ));
         assert!(plane(&pool, 0) == snapshot, "a refused write changed the plane");
         assert!(matches!(w.stage_window(&seqs), Err(RowWriteError::StaleLease { seq: 1, .. })));
-        let twice = WindowSeq { slot: a.handle, first_position: 0, tokens: 1 };
+        let twice = WindowSeq::new(a.handle, 0, 1);
         assert!(matches!(
             w.stage_window(&[twice, twice]),
             Err(RowWriteError::SharedSlot { first: 0, second: 1, .. })
         ));
         assert!(matches!(
-            w.stage_window(&[WindowSeq { slot: a.handle, first_position: 0, tokens: 301 }]),
+            w.stage_window(&[WindowSeq::new(a.handle, 0, 301)]),
             Err(RowWriteError::TooManyTokens { .. })
         ));
     }
@@ -458,10 +453,7 @@ fn a_v41_pool_in_flashmla_rows_gets_the_format_pack_at_its_window_rows() {
     let mut w = pool.kv_row_writer(RowWriteCapacity::new(64)).unwrap();
     let slots: Vec<_> = (0..2).map(|_| pool.alloc_slot().unwrap()).collect();
     let before = plane(&pool, 0); // after alloc_slot initialised the slots' state
-    let seqs = [
-        WindowSeq { slot: slots[0].handle, first_position: 5, tokens: 3 },
-        WindowSeq { slot: slots[1].handle, first_position: 1_000, tokens: 2 },
-    ];
+    let seqs = [WindowSeq::new(slots[0].handle, 5, 3), WindowSeq::new(slots[1].handle, 1_000, 2)];
     assert_eq!(w.stage_window(&seqs).unwrap(), 5);
     let kv = bf16_values(&mut rng, 5 * 512);
     let g = pool.geometry().unwrap();
@@ -528,18 +520,17 @@ fn the_kernel_source_packs_flashmla_v4_pages_as_the_host_reference() {
                 (0..t).map(|_| if rng.chance(0.2) { -1 } else { rng.below(4) as i32 }).collect();
             let run = |reference: bool| -> Vec<u8> {
                 let mut plane = vec![0xa5u8; (pages * page * 584) as usize];
-                let args = KvRowsArgs {
-                    kv: kv.as_ptr() as u64,
-                    dest_rows: dest.as_ptr() as u64,
-                    batch_id_per_token: bids.as_ptr() as u64,
-                    nope: plane.as_mut_ptr() as u64,
-                    rope: 0,
-                    kv_row_stride: stride as i64,
-                    view_rows,
-                    num_tokens: t as i32,
-                    format: id.kernel_code(),
-                    view_row0: row0,
-                };
+                let args = KvRowsArgs::default()
+                    .with_kv(kv.as_ptr() as u64)
+                    .with_dest_rows(dest.as_ptr() as u64)
+                    .with_batch_id_per_token(bids.as_ptr() as u64)
+                    .with_nope(plane.as_mut_ptr() as u64)
+                    .with_rope(0)
+                    .with_kv_row_stride(stride as i64)
+                    .with_view_rows(view_rows)
+                    .with_num_tokens(t as i32)
+                    .with_format(id.kernel_code())
+                    .with_view_row0(row0);
                 // SAFETY: every pointer is a live buffer of the sizes the arguments name.
                 unsafe { common::run_reference_or_emulated(&Launch::KvRows(args), emu, reference) };
                 plane
@@ -593,11 +584,10 @@ fn v41_layers_take_their_window_rows() {
     let mut rng = Rng::new(case_seed("kv-rows-v41", 0));
     let a = pool.alloc_slot().unwrap();
     let mut w = pool.kv_row_writer(RowWriteCapacity::new(3)).unwrap();
-    w.stage_window(&[WindowSeq { slot: a.handle, first_position: 1000, tokens: 3 }]).unwrap();
+    w.stage_window(&[WindowSeq::new(a.handle, 1000, 3)]).unwrap();
     let mut path = pool.decode_path(DecodeCapacity::new(1, 1, 4, 128, 512)).unwrap();
     let table = [0, 1, 2, 3];
-    path.stage(&[DecodeSeq { position: a.position, context_len: 1004, num_tokens: 1, block_table: &table }])
-        .unwrap();
+    path.stage(&[DecodeSeq::new(a.position, 1004, 1, &table)]).unwrap();
     path.build().unwrap();
     // Dense, coarse (ratio 2) and fine (ratio 1) layers.
     for layer in [0usize, 2, 25] {
@@ -639,7 +629,7 @@ fn a_stride_whose_span_wraps_is_a_shape_error() {
     let csa = g.ratios.iter().position(|&r| r == 4).unwrap();
     let mut w = pool.kv_row_writer(RowWriteCapacity::new(8)).unwrap();
     let slot = pool.alloc_slot().unwrap().handle;
-    w.stage_window(&[WindowSeq { slot, first_position: 0, tokens: 4 }]).unwrap();
+    w.stage_window(&[WindowSeq::new(slot, 0, 4)]).unwrap();
     let kv = vec![0x3f80u16; 4 * 512];
     let before = plane(&pool, 0);
     for stride in [usize::MAX, usize::MAX / 2, usize::MAX / 3 + 1] {
@@ -675,7 +665,7 @@ fn window_positions_past_i64_are_refused() {
     let mut w = pool.kv_row_writer(RowWriteCapacity::new(8)).unwrap();
     let slot = pool.alloc_slot().unwrap().handle;
     for (first, tokens) in [(i64::MAX, 2), (i64::MAX - 2, 4)] {
-        let r = w.stage_window(&[WindowSeq { slot, first_position: first, tokens }]);
+        let r = w.stage_window(&[WindowSeq::new(slot, first, tokens)]);
         assert!(
             matches!(r, Err(RowWriteError::PositionPastI64 { seq: 0, first_position, tokens: t })
                 if first_position == first && t == tokens),
@@ -685,5 +675,5 @@ fn window_positions_past_i64_are_refused() {
     let r = w.write(0, RowSet::Window, &vec![0u16; 2 * 512], 512);
     assert!(matches!(r, Err(RowWriteError::NothingStaged { .. })), "{r:?}");
     // The last position that is one.
-    assert_eq!(w.stage_window(&[WindowSeq { slot, first_position: i64::MAX - 1, tokens: 2 }]).unwrap(), 2);
+    assert_eq!(w.stage_window(&[WindowSeq::new(slot, i64::MAX - 1, 2)]).unwrap(), 2);
 }

@@ -47,7 +47,7 @@ fn scenario(
     policy: Option<Box<dyn EvictionPolicy>>,
 ) -> (KvManager, [u64; 2], [u64; 2], Result<(), ManagerError>) {
     let pool = small_pool(Arc::new(HostBackend::new()), 8);
-    let mut m = KvManager::new(pool, config(0, false), Box::new(FixedPolicy { slots: 2 })).expect("manager");
+    let mut m = KvManager::new(pool, config(0, false), Box::new(FixedPolicy::new(2))).expect("manager");
     if let Some(p) = policy {
         m.set_eviction_policy(p);
     }

@@ -71,7 +71,7 @@ fn checkpoint_images_carry_the_layout_id() {
 fn allocation_refuses_before_evicting_and_evicts_only_the_shortfall() {
     use v4pool::manager::FixedPolicy;
     let pool = state_pool(Arc::new(HostBackend::new()), 10);
-    let mut m = KvManager::new(pool.clone(), config(0, false), Box::new(FixedPolicy { slots: 2 })).unwrap();
+    let mut m = KvManager::new(pool.clone(), config(0, false), Box::new(FixedPolicy::new(2))).unwrap();
     let total = pool.counts().unwrap().num_blocks as u64;
     let t = tokens(5, 256, 0);
     let a = m.add_request(100_000, hashes(&t));

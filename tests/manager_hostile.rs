@@ -13,7 +13,7 @@ use v4pool::manager::{BlockHash, FixedPolicy, KvManager, ManagerError};
 
 fn manager() -> KvManager {
     let pool = small_pool(Arc::new(HostBackend::new()), 8);
-    KvManager::new(pool, config(0, false), Box::new(FixedPolicy { slots: 2 })).expect("manager")
+    KvManager::new(pool, config(0, false), Box::new(FixedPolicy::new(2))).expect("manager")
 }
 
 #[test]

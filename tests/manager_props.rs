@@ -194,9 +194,9 @@ impl World {
 fn run(ops: &[Op], elastic: bool, rolling: bool) {
     let pool = small_pool(Arc::new(HostBackend::new()), 24);
     let policy: Box<dyn SplitPolicy> = if elastic {
-        Box::new(ElasticPolicy { headroom: 1, max_slots: 6, ..ElasticPolicy::default() })
+        Box::new(ElasticPolicy::default().with_headroom(1).with_max_slots(6))
     } else {
-        Box::new(FixedPolicy { slots: 3 })
+        Box::new(FixedPolicy::new(3))
     };
     let m = KvManager::new(pool, config(2, rolling), policy).unwrap();
     let mut w = World {
@@ -271,7 +271,7 @@ fn a_scripted_run_reaches_every_path() {
     let m = KvManager::new(
         pool,
         config(2, true),
-        Box::new(ElasticPolicy { headroom: 1, max_slots: 6, ..ElasticPolicy::default() }),
+        Box::new(ElasticPolicy::default().with_headroom(1).with_max_slots(6)),
     )
     .unwrap();
     let mut w = World {

@@ -37,7 +37,7 @@ fn free_blocks(m: &KvManager) -> u32 {
 
 #[test]
 fn a_store_does_not_attach_to_the_block_its_own_room_making_evicted() {
-    let mut m = manager(Box::new(FixedPolicy { slots: 3 }));
+    let mut m = manager(Box::new(FixedPolicy::new(3)));
     let units = m.units_per_checkpoint();
     // A and B share their first block; A's prompt ends at block 2 (no store at block 1),
     // B's at block 1 (a store there).
@@ -86,7 +86,7 @@ fn a_store_does_not_attach_to_the_block_its_own_room_making_evicted() {
 fn a_store_copies_from_its_slot_after_room_making_relocated_it() {
     // Elastic: short blocks are found by giving idle slots back, which relocates held slots
     // above the new top.
-    let mut m = manager(Box::new(ElasticPolicy { headroom: 2, ..ElasticPolicy::default() }));
+    let mut m = manager(Box::new(ElasticPolicy::default().with_headroom(2)));
     let units = m.units_per_checkpoint();
     assert_eq!(m.pool().counts().expect("counts").num_slots, 2);
     // B's prompt blocks will leave fewer free blocks than a checkpoint's units, with nothing
@@ -184,7 +184,7 @@ fn the_cache_share_the_policy_sees_counts_prompt_tokens_not_admissions() {
 /// and 2 are ready and cached. Returns the manager and A's tokens.
 fn two_checkpoint_chain(family: u64) -> (KvManager, Vec<u32>) {
     let pool = small_pool(Arc::new(HostBackend::new()), POSITIONS);
-    let mut m = KvManager::new(pool, config(1, false), Box::new(FixedPolicy { slots: 2 })).expect("manager");
+    let mut m = KvManager::new(pool, config(1, false), Box::new(FixedPolicy::new(2))).expect("manager");
     let ta = tokens(family, 2 * BLOCK as usize + 1, 0);
     let a = m.add_request(ta.len() as u64, hashes(&ta));
     m.admit(a).expect("admit A");

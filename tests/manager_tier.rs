@@ -296,9 +296,9 @@ fn run_model(ops: &[Op], units: u64, elastic: bool) -> ManagerStats {
     let pool = small_pool(host(), 16);
     let config = config(2, true).with_host_tier_bytes(units * unit_bytes(&pool));
     let policy: Box<dyn SplitPolicy> = if elastic {
-        Box::new(ElasticPolicy { headroom: 1, max_slots: 6, ..ElasticPolicy::default() })
+        Box::new(ElasticPolicy::default().with_headroom(1).with_max_slots(6))
     } else {
-        Box::new(FixedPolicy { slots: 3 })
+        Box::new(FixedPolicy::new(3))
     };
     let m = KvManager::new(pool, config, policy).unwrap();
     let mut w = Model { m, reqs: Vec::new(), images: HashMap::new(), slots: HashMap::new(), budget: units };
@@ -367,7 +367,7 @@ fn a_budget_below_one_unit_is_refused_and_zero_means_no_tier() {
     let pool = small_pool(host(), 24);
     let unit = unit_bytes(&pool);
     let config = config(2, true).with_host_tier_bytes(unit - 1);
-    let r = KvManager::new(pool, config, Box::new(FixedPolicy { slots: 3 }));
+    let r = KvManager::new(pool, config, Box::new(FixedPolicy::new(3)));
     assert!(matches!(r, Err(ManagerError::Config(_))), "{r:?}");
     // No tier: evicted blocks are dropped and nothing is counted.
     let mut m = tiered(small_pool(host(), 24), 0);

@@ -2,8 +2,8 @@
 //! hostile configs become typed errors, never panics.
 
 use proptest::prelude::*;
-use v4pool::file::FileError;
 use v4pool::model::{DraftMode, Drafts, ModelError, ModelShape, MAX_LAYERS, MAX_SPEC_STEPS};
+use v4pool::raw::file::FileError;
 use v4pool::VariantName;
 use v4pool::{ABSENT_RATIO, DENSE_RATIO};
 

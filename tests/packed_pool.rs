@@ -13,12 +13,12 @@
 //!   keep every compressed and window row byte-exact where its new block or slot names it.
 
 use std::sync::Arc;
-use v4pool::alloc::{BlockHandle, SlotHandle};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::Stream;
 use v4pool::format::RowFormatId;
 use v4pool::geometry::{Class, GeometrySpec, PackedRows};
 use v4pool::model::ModelShape;
+use v4pool::pool::{BlockHandle, SlotHandle};
 use v4pool::pool::{CompressedRow, Pool, PoolSpec, RowSet, RowWriteCapacity, WindowSeq};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest};
 
@@ -255,10 +255,10 @@ fn write_rows(
     let mut want = plane(p);
     let mut out = Written { compressed: Vec::new(), window: Vec::new() };
     let mut w = p.kv_row_writer(RowWriteCapacity::new(64)).unwrap();
-    assert_eq!(w.compressed_format_code(), v4pool::index::KV_ROWS_FLASHMLA_V41_FP4);
+    assert_eq!(w.compressed_format_code(), v4pool::raw::index::KV_ROWS_FLASHMLA_V41_FP4);
     let seqs = [
-        WindowSeq { slot: slots[0].handle, first_position: 125, tokens: 6 }, // wraps the ring
-        WindowSeq { slot: slots[1].handle, first_position: 9_000, tokens: 3 },
+        WindowSeq::new(slots[0].handle, 125, 6), // wraps the ring
+        WindowSeq::new(slots[1].handle, 9_000, 3),
     ];
     w.stage_window(&seqs).unwrap();
     let kv: Vec<u16> = (0..9).flat_map(|_| bf16_row(rng)).collect();
@@ -366,7 +366,7 @@ fn boundary_moves_and_checkpoints_keep_packed_rows() {
         }
     };
     check(&written, "written");
-    let follow = |written: &mut Written, ch: &v4pool::boundary::BoundaryChange| {
+    let follow = |written: &mut Written, ch: &v4pool::pool::BoundaryChange| {
         for m in &ch.block_moves {
             for e in written.compressed.iter_mut().filter(|e| e.1 == m.old) {
                 e.1 = m.new;

@@ -18,8 +18,8 @@ use pool_common::{pattern, small_pool, WIDTHS};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use v4pool::alloc::{BlockHandle, SlotHandle};
 use v4pool::checkpoint::CheckpointImage;
+use v4pool::pool::{BlockHandle, SlotHandle};
 use v4pool::pool::{Pool, PoolError};
 use v4pool::sim::Rng;
 

@@ -6,10 +6,10 @@
 use proptest::prelude::*;
 use std::collections::HashMap;
 use std::sync::Arc;
-use v4pool::alloc::{BlockHandle, SlotHandle};
 use v4pool::backend::Backend;
-use v4pool::boundary::BoundaryChange;
+use v4pool::pool::BoundaryChange;
 use v4pool::pool::Pool;
+use v4pool::pool::{BlockHandle, SlotHandle};
 
 mod pool_common;
 use pool_common::{pattern, WIDTHS};

@@ -225,7 +225,7 @@ fn atom_fp8_description_is_the_kernel_pack_byte_for_byte() {
             .map(|i| if case % 5 == 0 && i < 64 { 0 } else { bf16(rng.unit() * 2f32.powi(i / 64 - 3)) })
             .collect();
         let (mut nope, mut rope) = (vec![0xa5u8; 512], vec![0x5au8; 128]);
-        v4pool::index::host::pack_fp8_row(&kv, &mut nope, &mut rope).unwrap();
+        v4pool::raw::index::host::pack_fp8_row(&kv, &mut nope, &mut rope).unwrap();
         assert_eq!(RowFormatId::AtomFp8.format().pack(&kv).unwrap(), vec![nope, rope], "case {case}");
     }
 }
@@ -357,7 +357,7 @@ fn the_kernels_format_codes_are_the_descriptions() {
     got.sort();
     assert_eq!(got, want);
     // And the Rust constants the launchers pass are the same codes.
-    use v4pool::index::*;
+    use v4pool::raw::index::*;
     assert_eq!(
         [
             KV_ROWS_BF16,

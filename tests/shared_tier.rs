@@ -21,9 +21,9 @@ use std::time::{Duration, SystemTime};
 use tier_common::manager_common::*;
 use tier_common::*;
 use tier_io::Io;
-use v4pool::alloc::BlockHandle;
 use v4pool::backend::host::HostBackend;
 use v4pool::manager::{FixedPolicy, KvManager};
+use v4pool::pool::BlockHandle;
 use v4pool::pool::Pool;
 use v4pool::transfer::{EntryKind, HostTierError, SharedKey, SharedTier, SharedTierConfig};
 use v4pool::VariantName;
@@ -66,7 +66,7 @@ fn fleet_manager_probed(
     let shared = shared_config(dir, 64 << 20);
     let config =
         config(2, true).with_host_tier_bytes(host_units * unit_bytes(&pool)).with_shared_tier(shared.clone());
-    let mut m = KvManager::new(pool, config, Box::new(FixedPolicy { slots: 3 })).expect("manager");
+    let mut m = KvManager::new(pool, config, Box::new(FixedPolicy::new(3))).expect("manager");
     let probe = if io != Io::StdFs { io.install(&mut m, &shared) } else { None };
     (m, probe)
 }
@@ -351,7 +351,7 @@ fn the_directory_removed_mid_run_leaves_the_engine_serving(io: Io) {
     let e = KvManager::new(
         state_pool(host(), 24),
         config(2, true).with_shared_tier(shared_config(&dir.0, 1 << 20)),
-        Box::new(FixedPolicy { slots: 3 }),
+        Box::new(FixedPolicy::new(3)),
     )
     .unwrap_err();
     assert_eq!(e.variant_name(), "Io", "{e}");

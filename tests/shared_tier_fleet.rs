@@ -69,7 +69,7 @@ fn engine(dir: &Path, tokens: u64, mtp: usize, io: Io) -> KvManager {
         .with_rolling(false)
         .with_host_tier_bytes(0)
         .with_shared_tier(shared.clone());
-    let mut m = KvManager::new(Arc::new(pool), config, Box::new(FixedPolicy { slots: 1 })).unwrap();
+    let mut m = KvManager::new(Arc::new(pool), config, Box::new(FixedPolicy::new(1))).unwrap();
     if io != Io::StdFs {
         io.install(&mut m, &shared);
     }

@@ -271,7 +271,7 @@ fn the_accounting_backend_gives_the_plain_backends_results() {
         let p = Arc::new(Pool::new(plain, s.clone(), Stream::DEFAULT).unwrap());
         let expected = simulate(&p, &cfg, policy, requests.iter().copied()).unwrap();
         let backend: Arc<dyn Backend> = accounting.clone();
-        let p = v4pool::sim::sim_pool(&backend, &s).unwrap();
+        let p = v4pool::raw::sim::sim_pool(&backend, &s).unwrap();
         let got = simulate(&p, &cfg, policy, requests.iter().copied()).unwrap();
         assert!(got.index_build_steps > 0, "{policy:?}: no decode index build ran");
         assert!(expected.boundary_moves + expected.checkpoints_stored > 0, "{policy:?} moved nothing");
@@ -300,8 +300,8 @@ fn a_simulated_pool_at_80_gib_holds_only_metadata() {
     let s = spec(80 * GIB, cfg.max_seqs as i64);
     let accounting = Arc::new(HostBackend::accounting());
     let backend: Arc<dyn Backend> = accounting.clone();
-    let p = v4pool::sim::sim_pool(&backend, &s).unwrap();
-    let mut engine = v4pool::sim::Engine::new(&p, &cfg, RunKind::ElasticTier).unwrap();
+    let p = v4pool::raw::sim::sim_pool(&backend, &s).unwrap();
+    let mut engine = v4pool::raw::sim::Engine::new(&p, &cfg, RunKind::ElasticTier).unwrap();
     let mut arrivals = cfg.workload().unwrap();
     while !engine.done() {
         engine.step(&mut arrivals).unwrap();
@@ -329,8 +329,14 @@ fn a_run_that_would_not_fit_memory_is_refused_up_front() {
         .with_elastic_max_seqs(24)
         .with_max_context(1 << 16);
     let s = spec(80 * GIB, 8);
-    let plain = MemoryPlacement { planes_on_host: true, index_on_host: true, tiers_committed: true };
-    let accounting = MemoryPlacement { planes_on_host: false, index_on_host: true, tiers_committed: false };
+    let plain = MemoryPlacement::default()
+        .with_planes_on_host(true)
+        .with_index_on_host(true)
+        .with_tiers_committed(true);
+    let accounting = MemoryPlacement::default()
+        .with_planes_on_host(false)
+        .with_index_on_host(true)
+        .with_tiers_committed(false);
     let e = cfg.check_memory(&s, 4, plain, 24 * GIB).unwrap_err();
     assert!(matches!(e, SimError::Config(SimConfigError::Memory { engines: 4, .. })), "{e}");
     assert!(e.to_string().contains("GiB available"), "{e}");
@@ -339,7 +345,7 @@ fn a_run_that_would_not_fit_memory_is_refused_up_front() {
     // The command refuses with one line and exit status 2 where the machine is smaller than
     // 256 engines of 4 TiB kept without bytes (every CI machine).
     let need = cfg.memory_estimate(&spec(4 << 40, 16), 256, accounting).unwrap().total;
-    if v4pool::sim::available_memory().is_some_and(|a| a < need) {
+    if v4pool::raw::sim::available_memory().is_some_and(|a| a < need) {
         let dir = std::env::temp_dir().join(format!("v4pool-sim-mem-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let trace = dir.join("t.jsonl");

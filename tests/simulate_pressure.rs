@@ -65,7 +65,7 @@ fn a_request_whose_hit_is_the_evictable_cache_is_not_readmitted_into_a_stall() {
 mod retention {
     use super::*;
     use proptest::prelude::*;
-    use v4pool::sim::Engine;
+    use v4pool::raw::sim::Engine;
 
     fn spec() -> impl Strategy<Value = Vec<(u64, u64, u64, u64)>> {
         // (conversation, prompt blocks, output tokens, arrival gap in steps)
@@ -129,8 +129,9 @@ mod retention {
 /// by turn; `scripts/gen_long_trace.py` writes the full-size traces of the same shape).
 mod long_prompts {
     use super::*;
+    use v4pool::raw::sim::Engine;
     use v4pool::sim::trace::TraceRequest;
-    use v4pool::sim::{cost, Engine, SimReport, TimeConfig, Trace};
+    use v4pool::sim::{cost, SimReport, TimeConfig, Trace};
 
     /// The trace's shape (lengths in 512-token trace blocks).
     #[derive(Clone, Copy, Debug)]
@@ -209,7 +210,7 @@ mod long_prompts {
         let model = ModelShape::v4_flash(0).unwrap();
         let p = plan(&model, &PlanRequest::new(KvDtype::Fp8, IndexerDtype::Fp8, 48, budget)).unwrap();
         let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
-        let pool = v4pool::sim::sim_pool(&backend, &PoolSpec::from_plan(&p).unwrap()).unwrap();
+        let pool = v4pool::raw::sim::sim_pool(&backend, &PoolSpec::from_plan(&p).unwrap()).unwrap();
         let specs = trace.specs(1.0).unwrap();
         let cfg = SimConfig::default()
             .with_max_seqs(16)

@@ -8,8 +8,9 @@ use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, Stream};
 use v4pool::model::ModelShape;
 use v4pool::pool::{Pool, PoolSpec};
+use v4pool::raw::sim::bench;
 use v4pool::sim::cost::{self, Figure, CELLS, H200X4_FLASH_FP8};
-use v4pool::sim::{bench, simulate, RequestSpec, RunKind, SimConfig, TimeConfig, Trace};
+use v4pool::sim::{simulate, RequestSpec, RunKind, SimConfig, TimeConfig, Trace};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest};
 
 /// The published 4×H200 V4-Flash FP8 cells the validation must meet (±15 %), as
@@ -151,7 +152,8 @@ fn a_trace_snippet_maps_512_token_ids_onto_pool_blocks() {
     let cfg = timed(None);
     for policy in [RunKind::Elastic, RunKind::NoReuse] {
         let pool = pool(1 << 30, 4);
-        let mut engine = v4pool::sim::Engine::new(&pool, &cfg, policy).unwrap().with_trace(trace.clone());
+        let mut engine =
+            v4pool::raw::sim::Engine::new(&pool, &cfg, policy).unwrap().with_trace(trace.clone());
         let mut arrivals = trace.specs(1.0).unwrap().into_iter();
         while !engine.done() {
             engine.step(&mut arrivals).unwrap();
@@ -201,7 +203,8 @@ fn the_conversation_trace_against_the_baselines() {
         [RunKind::Elastic, RunKind::Fixed, RunKind::NoReuse, RunKind::Reuse4096, RunKind::ElasticTier]
     {
         let pool = Arc::new(Pool::new(host(), PoolSpec::from_plan(&p).unwrap(), Stream::DEFAULT).unwrap());
-        let mut engine = v4pool::sim::Engine::new(&pool, &cfg, policy).unwrap().with_trace(trace.clone());
+        let mut engine =
+            v4pool::raw::sim::Engine::new(&pool, &cfg, policy).unwrap().with_trace(trace.clone());
         let mut arrivals = specs.clone().into_iter();
         while !engine.done() {
             engine.step(&mut arrivals).unwrap();

@@ -2,8 +2,8 @@
 //! beats the spec's tight fit, and leaves no whole position unused that would still fit.
 
 use proptest::prelude::*;
-use v4pool::arena::plan_regions;
 use v4pool::model::{DraftMode, ModelShape};
+use v4pool::raw::arena::plan_regions;
 use v4pool::sizing::{parse_bytes, plan, IndexerDtype, KvDtype, PlanRequest, SizingError};
 
 fn model(which: u8, k: i64) -> ModelShape {

@@ -12,8 +12,8 @@ use state_common::*;
 use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::Backend;
-use v4pool::index::ElemType;
 use v4pool::model::ModelShape;
+use v4pool::raw::index::ElemType;
 use v4pool::sizing::KvDtype;
 use v4pool::state::update::{Compressor, StateUpdateCapacity, StateUpdateError};
 use v4pool::Class;
@@ -145,10 +145,10 @@ fn refusals_are_typed_and_write_nothing() {
         assert!(matches!(e, StateUpdateError::NoSuchLayer { layer: 2, layers: 2, .. }), "{e}");
         let e = upd.update(Compressor::CsaIdx, 0, &view).unwrap_err();
         assert!(matches!(e, StateUpdateError::DimMismatch { expected: 8, got: 16 }), "{e}");
-        let short = v4pool::state::update::StateInputs { rows: 1, ..view };
+        let short = view.with_rows(1);
         let e = upd.update(Compressor::CsaMain, 0, &short).unwrap_err();
         assert!(matches!(e, StateUpdateError::InputTooSmall { what: "rows", got: 1, needed: 2 }), "{e}");
-        let narrow = v4pool::state::update::StateInputs { kv_row_stride: 15, ..view };
+        let narrow = view.with_kv_row_stride(15);
         let e = upd.update(Compressor::CsaMain, 0, &narrow).unwrap_err();
         assert!(matches!(e, StateUpdateError::InputTooSmall { what: "kv_row_stride", .. }), "{e}");
         // The staged slot freed after staging: restage first.

@@ -14,9 +14,9 @@ use step_common::{
 };
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::Stream;
-use v4pool::index::{Launch, WriteBatchArgs, WriteItem, WRITE_BATCH_MAX_ITEMS};
 use v4pool::model::ModelShape;
 use v4pool::pool::WriteBatchError;
+use v4pool::raw::index::{Launch, WriteItem, WRITE_BATCH_MAX_ITEMS};
 use v4pool::sizing::KvDtype;
 use v4pool::VariantName;
 
@@ -220,9 +220,7 @@ fn batches_refuse_what_they_cannot_carry() {
     // A table that does not tile the grid as the items' own kernels do is the host
     // reference's error, not a silent partial write.
     let Launch::WriteBatch(good) = b.set(&writes[..2]).unwrap() else { panic!("a write batch") };
-    for args in
-        [WriteBatchArgs { num_blocks: good.num_blocks + 1, ..good }, WriteBatchArgs { num_items: 1, ..good }]
-    {
+    for args in [good.with_num_blocks(good.num_blocks + 1), good.with_num_items(1)] {
         // SAFETY: the batch's own table; the items are the rig's launches.
         let r = unsafe { pool.backend().launch(&Launch::WriteBatch(args), Stream::DEFAULT) };
         assert!(r.is_err(), "{args:?} ran");

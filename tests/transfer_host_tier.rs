@@ -11,9 +11,9 @@ use proptest::prelude::*;
 use std::collections::HashMap;
 use std::sync::Arc;
 use transfer_common::*;
-use v4pool::alloc::BlockHandle;
 use v4pool::backend::host::HostBackend;
 use v4pool::model::ModelShape;
+use v4pool::pool::BlockHandle;
 use v4pool::pool::Pool;
 use v4pool::transfer::{HostTier, HostTierError};
 

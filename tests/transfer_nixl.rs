@@ -55,7 +55,7 @@ fn host() -> Arc<dyn Backend> {
 }
 
 fn options() -> NixlOptions {
-    NixlOptions { wait_timeout: Duration::from_secs(30), ..NixlOptions::default() }
+    NixlOptions::default().with_wait_timeout(Duration::from_secs(30))
 }
 
 #[test]

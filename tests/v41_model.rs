@@ -5,12 +5,12 @@
 
 use std::process::Command;
 use std::sync::Arc;
-use v4pool::arena::{Dtype, Fill, V41_COMPRESS_KV, V41_COMPRESS_SCORE, V41_CURSOR};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, Stream};
 use v4pool::geometry::RowForm;
 use v4pool::model::{ModelError, ModelFamily, ModelShape};
 use v4pool::pool::{Pool, PoolSpec};
+use v4pool::raw::arena::{Dtype, Fill, V41_COMPRESS_KV, V41_COMPRESS_SCORE, V41_CURSOR};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, PlanRequest, SizingError};
 
 fn ratios_text(r: &[i64]) -> String {

@@ -13,12 +13,12 @@ mod transfer_common;
 use common::{case_seed, Rng};
 use std::sync::Arc;
 use transfer_common::pool_of;
-use v4pool::arena::{V41_COMPRESS_KV, V41_COMPRESS_SCORE};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, Stream};
-use v4pool::index::ElemType;
 use v4pool::model::ModelShape;
 use v4pool::pool::Pool;
+use v4pool::raw::arena::{V41_COMPRESS_KV, V41_COMPRESS_SCORE};
+use v4pool::raw::index::ElemType;
 use v4pool::sizing::KvDtype;
 use v4pool::state::update::{Compressor, StateInputs, StateSeq, StateUpdateCapacity, StateUpdateError};
 
@@ -72,12 +72,7 @@ fn forward_on(backend: Arc<dyn Backend>, spec_steps: i64, seed: u64) -> Vec<u8> 
         .iter()
         .zip(&positions)
         .zip(&seqs_meta)
-        .map(|((l, p), &(first_token, context_len))| StateSeq {
-            slot: l.handle,
-            first_token,
-            positions: p,
-            context_len,
-        })
+        .map(|((l, p), &(first_token, context_len))| StateSeq::new(l.handle, first_token, p, context_len))
         .collect();
     let cap = StateUpdateCapacity::new(4, 64);
     let mut upd = pool.state_update(cap).unwrap();
@@ -91,17 +86,16 @@ fn forward_on(backend: Arc<dyn Backend>, spec_steps: i64, seed: u64) -> Vec<u8> 
         let ratio = g.ratios[layer] as usize;
         let (kv, score, ape) =
             (f32s(&mut rng, rows * DIM), f32s(&mut rng, rows * DIM), f32s(&mut rng, ratio * DIM));
-        let inputs = StateInputs {
-            kv: upload(&be, &kv),
-            score: upload(&be, &score),
-            ape: upload(&be, &ape),
-            kv_row_stride: DIM as i64,
-            score_row_stride: DIM as i64,
-            rows: rows as i64,
-            dim: DIM as i64,
-            dtype: ElemType::F32,
-            ape_dtype: ElemType::F32,
-        };
+        let inputs = StateInputs::default()
+            .with_kv(upload(&be, &kv))
+            .with_score(upload(&be, &score))
+            .with_ape(upload(&be, &ape))
+            .with_kv_row_stride(DIM as i64)
+            .with_score_row_stride(DIM as i64)
+            .with_rows(rows as i64)
+            .with_dim(DIM as i64)
+            .with_dtype(ElemType::F32)
+            .with_ape_dtype(ElemType::F32);
         // SAFETY: the three inputs are fresh allocations of the pool's backend of the sizes
         // the launch reads, uploaded on its stream.
         unsafe { upd.update_owner(o as u64, &inputs).unwrap() };
@@ -112,7 +106,7 @@ fn forward_on(backend: Arc<dyn Backend>, spec_steps: i64, seed: u64) -> Vec<u8> 
                     continue;
                 }
                 let r = first_token + j;
-                let row = |ptr: u64, v: &v4pool::arena::FieldView| {
+                let row = |ptr: u64, v: &v4pool::pool::FieldView| {
                     let elems = o as u64 * v.strides[0]
                         + lease.position as u64 * v.strides[1]
                         + (pos % ring) as u64 * v.strides[2];
@@ -130,17 +124,16 @@ fn forward_on(backend: Arc<dyn Backend>, spec_steps: i64, seed: u64) -> Vec<u8> 
     let got = plane(&pool);
     assert!(got == want, "V4.1 k={spec_steps} on {:?}: the plane differs from the expectation", be.kind());
     // Past the owners, and V4's compressors, are refused.
-    let none = StateInputs {
-        kv: 0,
-        score: 0,
-        ape: 0,
-        kv_row_stride: 512,
-        score_row_stride: 512,
-        rows: 64,
-        dim: 512,
-        dtype: ElemType::F32,
-        ape_dtype: ElemType::F32,
-    };
+    let none = StateInputs::default()
+        .with_kv(0)
+        .with_score(0)
+        .with_ape(0)
+        .with_kv_row_stride(512)
+        .with_score_row_stride(512)
+        .with_rows(64)
+        .with_dim(512)
+        .with_dtype(ElemType::F32)
+        .with_ape_dtype(ElemType::F32);
     assert!(matches!(upd.owner_launch(4, &none), Err(StateUpdateError::NoSuchOwner { owner: 4, owners: 4 })));
     assert!(upd.launch(Compressor::CsaMain, 0, &none).is_err());
     got

@@ -1,10 +1,11 @@
-//! `VariantName`: every error names its innermost variant by hand (no `Debug` text read), the
+//! `VariantName`: every error names its innermost variant (`variant_names!`, no `Debug` text read), the
 //! device-failure flag follows the wrapped backend error, and the names the bindings parse
 //! (classes, compressors, backends) live in the library.
 
 use v4pool::backend::{self, BackendChoice, BackendError, BackendKind};
 use v4pool::geometry::GeometryError;
-use v4pool::pool::{DecodeError, PoolError};
+use v4pool::pool::{DecodeError, PoolError, WriteBatchError};
+use v4pool::raw::index::shape::LaunchError;
 use v4pool::state::update::Compressor;
 use v4pool::{Class, VariantName};
 
@@ -22,6 +23,12 @@ fn variant_names_descend_through_wrappers() {
     assert_eq!(DecodeError::MissingClass(Class::Csa).variant_name(), "MissingClass");
     let b = PoolError::Backend(BackendError::UnknownBackendName { value: "x".into() });
     assert_eq!(b.variant_name(), "UnknownBackendName");
+    // A struct variant listed `via_source` is named by its `source` field; the others by
+    // their own name.
+    let invalid =
+        WriteBatchError::Invalid { index: 3, source: LaunchError::Negative { field: "rows", value: -1 } };
+    assert_eq!(invalid.variant_name(), "Negative");
+    assert_eq!(WriteBatchError::Count { got: 0, cap: 4 }.variant_name(), "Count");
 }
 
 #[test]

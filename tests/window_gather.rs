@@ -13,10 +13,10 @@ use gather_common::{batch, expected, fill, model_pool, models, source_layers};
 use std::ffi::{c_char, c_void, CString};
 use std::sync::Arc;
 use v4pool::backend::Stream;
-use v4pool::index::host::run_launch;
-use v4pool::index::shape::launch_shape;
-use v4pool::index::{Launch, WindowGatherArgs};
 use v4pool::pool::Pool;
+use v4pool::raw::index::host::run_launch;
+use v4pool::raw::index::shape::launch_shape;
+use v4pool::raw::index::{Launch, WindowGatherArgs};
 use v4pool::state::gather::{GatherCapacity, GatherError, GatherSeq};
 
 fn host_pool(model: &v4pool::model::ModelShape, fp8: bool) -> Arc<Pool> {
@@ -93,7 +93,7 @@ fn bad_input_is_a_typed_error_before_any_launch() {
     let a = pool.alloc_slot().unwrap();
     let ring = pool.spec().geometry.ring_slots as usize;
     let mut g = pool.window_gather(GatherCapacity::new(2, 4)).unwrap();
-    let seq = |anchor, context_len| GatherSeq { slot: a.handle, anchor, context_len };
+    let seq = |anchor, context_len| GatherSeq::new(a.handle, anchor, context_len);
     let csa = model.ratios.iter().position(|&r| r == 4).unwrap();
     assert!(matches!(g.stage(&[seq(5, None); 3]), Err(GatherError::TooManySeqs { got: 3, cap: 2 })));
     assert!(matches!(g.stage(&[seq(-1, None)]), Err(GatherError::NegativeAnchor { seq: 0, anchor: -1 })));
@@ -130,7 +130,7 @@ fn bad_input_is_a_typed_error_before_any_launch() {
 type EmuLaunch = unsafe extern "C" fn(*const c_char, *const c_void, *const u32, u32) -> i32;
 
 fn emu() -> Option<(libloading::Library, EmuLaunch)> {
-    let Some(path) = v4pool::kernels::host_emulation_library() else {
+    let Some(path) = v4pool::raw::kernels::host_emulation_library() else {
         assert!(
             !std::env::var("V4POOL_REQUIRE_DEVICE_BUILD").is_ok_and(|v| v == "1"),
             "V4POOL_REQUIRE_DEVICE_BUILD=1 but build.rs built no host-emulation library"
@@ -191,22 +191,21 @@ fn gather_kernels_match_the_host_reference() {
         let nope = aligned(&nope);
         let out_len = bs * wd as usize * 1024;
         let run = |out: &mut [u128], emulated: bool| {
-            let args = WindowGatherArgs {
-                params,
-                pool: nope.as_ptr() as u64,
-                rope: if fp8 { rope.as_ptr() as u64 } else { 0 },
-                state_slot_per_seq: slot_of.as_ptr() as u64,
-                anchor_pos: anchors.as_ptr() as u64,
-                out: out.as_mut_ptr() as u64,
-                view_rows,
-                num_seqs: bs as i32,
-                draft_window: wd,
-            };
+            let args = WindowGatherArgs::default()
+                .with_params(params)
+                .with_pool(nope.as_ptr() as u64)
+                .with_rope(if fp8 { rope.as_ptr() as u64 } else { 0 })
+                .with_state_slot_per_seq(slot_of.as_ptr() as u64)
+                .with_anchor_pos(anchors.as_ptr() as u64)
+                .with_out(out.as_mut_ptr() as u64)
+                .with_view_rows(view_rows)
+                .with_num_seqs(bs as i32)
+                .with_draft_window(wd);
             let l = if fp8 { Launch::WindowGatherFp8(args) } else { Launch::WindowGather(args) };
             if emulated {
                 let shape = launch_shape(&l);
                 let sym = CString::new(l.symbol()).unwrap();
-                let bytes = v4pool::backend::kernel_argument(&l);
+                let bytes = v4pool::raw::launch::kernel_argument(&l);
                 // SAFETY: the pointers cover what the kernel touches (sizes above).
                 let rc = unsafe {
                     launch(sym.as_ptr(), bytes.as_ptr().cast(), shape.grid.as_ptr(), shape.block[0])
@@ -238,7 +237,7 @@ fn gather_kernels_match_the_host_reference() {
 
 #[test]
 fn gather_launch_shape_and_host_checks() {
-    use v4pool::index::shape::{check_launch, LaunchError, GATHER_ROWS_PER_BLOCK};
+    use v4pool::raw::index::shape::{check_launch, LaunchError, GATHER_ROWS_PER_BLOCK};
     let params = v4pool::WindowParams {
         ring_start: 3,
         slot_rows: 200,
@@ -246,42 +245,46 @@ fn gather_launch_shape_and_host_checks() {
         ring_stride: 133,
         run_rows: 133,
     };
-    let a = WindowGatherArgs {
-        params,
-        pool: 0x1000,
-        rope: 0x2000,
-        state_slot_per_seq: 0x3000,
-        anchor_pos: 0x4000,
-        out: 0x5000,
-        view_rows: 1000,
-        num_seqs: 1024,
-        draft_window: 128,
-    };
+    let a = WindowGatherArgs::default()
+        .with_params(params)
+        .with_pool(0x1000)
+        .with_rope(0x2000)
+        .with_state_slot_per_seq(0x3000)
+        .with_anchor_pos(0x4000)
+        .with_out(0x5000)
+        .with_view_rows(1000)
+        .with_num_seqs(1024)
+        .with_draft_window(128);
     let s = launch_shape(&Launch::WindowGatherFp8(a));
     assert_eq!(s.grid, [1024, 128 / GATHER_ROWS_PER_BLOCK, 1]);
     assert_eq!(s.block, [256, 1, 1]);
-    assert_eq!(launch_shape(&Launch::WindowGather(WindowGatherArgs { draft_window: 133, ..a })).grid[1], 17);
+    assert_eq!(launch_shape(&Launch::WindowGather(a.with_draft_window(133))).grid[1], 17);
     assert_eq!(check_launch(&Launch::WindowGatherFp8(a)), Ok(()));
     assert_eq!(
-        check_launch(&Launch::WindowGatherFp8(WindowGatherArgs { draft_window: 134, ..a })),
+        check_launch(&Launch::WindowGatherFp8(a.with_draft_window(134))),
         Err(LaunchError::WindowExceedsRing { class: "window gather", win: 134, ring_slots: 133 })
     );
-    assert!(check_launch(&Launch::WindowGatherFp8(WindowGatherArgs { draft_window: 0, ..a })).is_err());
+    assert!(check_launch(&Launch::WindowGatherFp8(a.with_draft_window(0))).is_err());
     assert!(matches!(
         check_launch(&Launch::WindowGather(a)),
         Err(LaunchError::UnexpectedBuffer { field: "rope", .. })
     ));
     assert!(matches!(
-        check_launch(&Launch::WindowGatherFp8(WindowGatherArgs { rope: 0, ..a })),
+        check_launch(&Launch::WindowGatherFp8(a.with_rope(0))),
         Err(LaunchError::MissingBuffer { field: "rope" })
     ));
     assert!(matches!(
-        check_launch(&Launch::WindowGatherFp8(WindowGatherArgs { out: 0x5008, ..a })),
+        check_launch(&Launch::WindowGatherFp8(a.with_out(0x5008))),
         Err(LaunchError::Misaligned { field: "out", .. })
     ));
     // An empty grid is one block that returns, and needs no buffers.
-    let empty =
-        WindowGatherArgs { num_seqs: 0, pool: 0, state_slot_per_seq: 0, anchor_pos: 0, out: 0, rope: 0, ..a };
+    let empty = a
+        .with_num_seqs(0)
+        .with_pool(0)
+        .with_state_slot_per_seq(0)
+        .with_anchor_pos(0)
+        .with_out(0)
+        .with_rope(0);
     assert_eq!(check_launch(&Launch::WindowGather(empty)), Ok(()));
     assert_eq!(launch_shape(&Launch::WindowGather(empty)).grid[0], 1);
     // SAFETY: an empty grid touches nothing.
@@ -300,7 +303,7 @@ fn a_slot_relocated_after_staging_is_refused_until_restaged_with_its_new_lease()
     let leases: Vec<_> = (0..n).map(|_| pool.alloc_slot().unwrap()).collect();
     let held = leases.iter().map(|l| l.handle).min_by_key(|&h| pool.slot_position(h).unwrap()).unwrap();
     let mut g = pool.window_gather(GatherCapacity::new(1, 4)).unwrap();
-    g.stage(&[GatherSeq { slot: held, anchor: 7, context_len: None }]).unwrap();
+    g.stage(&[GatherSeq::new(held, 7, None)]).unwrap();
     g.gather(csa, 4).unwrap();
     for l in leases.iter().filter(|l| l.handle != held) {
         pool.free_slot(l.handle).unwrap();
@@ -308,7 +311,7 @@ fn a_slot_relocated_after_staging_is_refused_until_restaged_with_its_new_lease()
     let change = pool.shrink_slots(n - 1).unwrap();
     let moved = change.slot_moves.iter().find(|m| m.old == held).expect("the held slot is relocated");
     assert!(matches!(g.gather(csa, 4), Err(GatherError::StaleLease { seq: 0, .. })));
-    g.stage(&[GatherSeq { slot: moved.new, anchor: 7, context_len: None }]).unwrap();
+    g.stage(&[GatherSeq::new(moved.new, 7, None)]).unwrap();
     g.gather(csa, 4).unwrap();
 }
 

@@ -17,7 +17,6 @@ mod slot;
 pub use block::{BlockGrant, BlockHandle, BlockPool, BlockRetired, RawUnit, Reservation};
 pub use slot::{SlotHandle, SlotPool, SlotRetired};
 
-use crate::variant::VariantName;
 use std::sync::atomic::{AtomicU32, Ordering};
 use thiserror::Error;
 
@@ -34,6 +33,7 @@ fn next_pool_id() -> u32 {
     NEXT_POOL.fetch_add(1, Ordering::Relaxed)
 }
 
+crate::variant::variant_names! {
 /// Everything the allocators refuse. No error changes the pool it came from.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum AllocError {
@@ -170,30 +170,6 @@ pub enum AllocError {
         limit: u32,
     },
 }
-
-impl VariantName for AllocError {
-    fn variant_name(&self) -> &'static str {
-        use AllocError::*;
-        match self {
-            NoFreeBlocks => "NoFreeBlocks",
-            NoFreeSlots => "NoFreeSlots",
-            BlockOutOfRange { .. } => "BlockOutOfRange",
-            GroupOutOfRange { .. } => "GroupOutOfRange",
-            BlockReferenced { .. } => "BlockReferenced",
-            BlockNotHeld { .. } => "BlockNotHeld",
-            RawUnit { .. } => "RawUnit",
-            UnitMismatch { .. } => "UnitMismatch",
-            RefCountOverflow { .. } => "RefCountOverflow",
-            NotHeld { .. } => "NotHeld",
-            GroupPinned { .. } => "GroupPinned",
-            GroupNotPinned { .. } => "GroupNotPinned",
-            DoubleFree { .. } => "DoubleFree",
-            StaleHandle { .. } => "StaleHandle",
-            ForeignHandle { .. } => "ForeignHandle",
-            MaxBelowNum { .. } => "MaxBelowNum",
-            TooManyIds { .. } => "TooManyIds",
-        }
-    }
 }
 
 #[cfg(test)]

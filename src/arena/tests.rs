@@ -3,6 +3,7 @@
 use super::*;
 use crate::geometry::GeometrySpec;
 use crate::model::{DraftMode, ModelShape};
+use crate::variant::VariantName;
 
 const FP8: [u64; 2] = [512, 128];
 const BF16: [u64; 1] = [1024];

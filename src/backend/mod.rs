@@ -2,7 +2,7 @@
 //!
 //! # The unsafe contract
 //!
-//! A backend moves bytes and runs the kernels of [`crate::index`] on **raw device
+//! A backend moves bytes and runs the kernels of [`crate::raw::index`] on **raw device
 //! addresses** (`u64`; on the host backend, host addresses). It does not know what the
 //! bytes mean — nothing here knows DeepSeek — and it cannot check an address: every method
 //! that takes one is `unsafe`, and the caller (in this crate, [`crate::pool::Pool`]) promises:
@@ -35,15 +35,15 @@ pub mod cuda;
 pub mod external;
 pub mod hip;
 pub mod host;
-pub mod launch;
-pub mod select;
+pub(crate) mod launch;
+mod select;
 pub(crate) mod staging;
 
-pub use launch::kernel_argument;
-pub use select::{open, open_on, select, select_on, BackendChoice};
+pub use select::{env_choice, open, open_on, select, select_on, BackendChoice};
 
-use crate::index::{DevicePtr, Launch};
-use crate::variant::VariantName;
+// What the trait's methods take: a device address and a kernel launch (its argument
+// structs are the kernel contract, `crate::raw::index`).
+pub use crate::index::{DevicePtr, Launch};
 use std::fmt;
 use thiserror::Error;
 
@@ -146,6 +146,7 @@ pub(crate) mod heap {
     }
 }
 
+crate::variant::variant_names! {
 /// What a backend can fail with.
 #[derive(Debug, Error)]
 pub enum BackendError {
@@ -260,38 +261,9 @@ pub enum BackendError {
         align: u64,
     },
 }
-
-impl VariantName for BackendError {
-    fn variant_name(&self) -> &'static str {
-        use BackendError::*;
-        match self {
-            Unavailable { .. } => "Unavailable",
-            Driver { .. } => "Driver",
-            OutOfMemory { .. } => "OutOfMemory",
-            MissingKernel { .. } => "MissingKernel",
-            Compile { .. } => "Compile",
-            UnknownBackendName { .. } => "UnknownBackendName",
-            InvalidLaunch { .. } => "InvalidLaunch",
-            TooLarge { .. } => "TooLarge",
-            OutsideAllocation { .. } => "OutsideAllocation",
-            Overlap { .. } => "Overlap",
-            Misaligned { .. } => "Misaligned",
-        }
-    }
-    // The driver-side variants; the others (a misspelt backend name, a size past `u64`, a
-    // range outside an allocation) refuse the caller's input.
-    fn is_device_failure(&self) -> bool {
-        use BackendError::*;
-        matches!(
-            self,
-            Unavailable { .. }
-                | Driver { .. }
-                | OutOfMemory { .. }
-                | MissingKernel { .. }
-                | Compile { .. }
-                | InvalidLaunch { .. }
-        )
-    }
+// The driver-side variants; the others (a misspelt backend name, a size past `u64`, a range
+// outside an allocation) refuse the caller's input.
+device = [Unavailable, Driver, OutOfMemory, MissingKernel, Compile, InvalidLaunch];
 }
 
 /// Checked sizes: the one place a backend turns a caller's `u64` into a host size or an end
@@ -354,7 +326,6 @@ pub(crate) mod size {
 ///
 /// ```compile_fail,E0200
 /// # use v4pool::backend::*;
-/// # use v4pool::index::{DevicePtr, Launch};
 /// #[derive(Debug)]
 /// struct Lying;
 /// impl Backend for Lying {
@@ -426,7 +397,7 @@ pub unsafe trait Backend: Send + Sync + fmt::Debug {
         stream: Stream,
     ) -> Result<(), BackendError>;
 
-    /// Run one kernel of [`crate::index`], in stream order.
+    /// Run one kernel of [`crate::raw::index`], in stream order.
     ///
     /// # Safety
     /// Every pointer in the arguments covers what the kernel reads and writes, as stated on

@@ -23,13 +23,13 @@ pub mod wire;
 pub mod zmq;
 
 use crate::manager::{KvEvent, KvManager};
-use crate::variant::VariantName;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 pub use wire::{encode_batch, wire_hash, EventEncoding};
 
+crate::variant::variant_names! {
 /// What publishing refuses or fails with.
 #[derive(Debug, thiserror::Error)]
 pub enum EventsError {
@@ -54,17 +54,6 @@ pub enum EventsError {
     #[error("malformed replay answer: {0}")]
     BadReplay(&'static str),
 }
-
-impl VariantName for EventsError {
-    fn variant_name(&self) -> &'static str {
-        match self {
-            EventsError::ZmqUnavailable(_) => "ZmqUnavailable",
-            EventsError::Zmq { .. } => "Zmq",
-            EventsError::BadEndpoint(_) => "BadEndpoint",
-            EventsError::Replay(_) => "Replay",
-            EventsError::BadReplay(_) => "BadReplay",
-        }
-    }
 }
 
 /// Where and how a publisher sends (vLLM's `KVEventsConfig`, plus the encoding).

@@ -69,42 +69,32 @@ fn load() -> Result<Zmq, String> {
         Ok(lib) => vec![lib],
         Err(_) => vec!["libzmq.so.5".to_string(), "libzmq.so".to_string()],
     };
-    let mut tried = Vec::new();
-    for name in names {
-        // SAFETY: loading libzmq runs its initialisers, which have no preconditions.
-        let lib = match unsafe { libloading::Library::new(&name) } {
-            Ok(l) => l,
-            Err(e) => {
-                tried.push(format!("{name}: {e}"));
-                continue;
-            }
+    // SAFETY: loading libzmq runs its initialisers, which have no preconditions.
+    let (lib, name) = unsafe { crate::dylib::open_first("libzmq", &names) }?;
+    macro_rules! sym {
+        ($s:literal) => {
+            // SAFETY: the symbol is libzmq's C entry point of the declared signature
+            // (zmq.h, libzmq 4.x).
+            *unsafe { lib.get(concat!("zmq_", $s, "\0").as_bytes()) }
+                .map_err(|e| format!("{name} lacks zmq_{}: {e}", $s))?
         };
-        macro_rules! sym {
-            ($s:literal) => {
-                // SAFETY: the symbol is libzmq's C entry point of the declared signature
-                // (zmq.h, libzmq 4.x).
-                *unsafe { lib.get(concat!("zmq_", $s, "\0").as_bytes()) }
-                    .map_err(|e| format!("{name} lacks zmq_{}: {e}", $s))?
-            };
-        }
-        return Ok(Zmq {
-            ctx_new: sym!("ctx_new"),
-            ctx_term: sym!("ctx_term"),
-            socket: sym!("socket"),
-            close: sym!("close"),
-            bind: sym!("bind"),
-            connect: sym!("connect"),
-            setsockopt: sym!("setsockopt"),
-            getsockopt: sym!("getsockopt"),
-            send: sym!("send"),
-            recv: sym!("recv"),
-            poll: sym!("poll"),
-            errno: sym!("errno"),
-            strerror: sym!("strerror"),
-            _lib: lib,
-        });
     }
-    Err(format!("libzmq not found ({})", tried.join("; ")))
+    Ok(Zmq {
+        ctx_new: sym!("ctx_new"),
+        ctx_term: sym!("ctx_term"),
+        socket: sym!("socket"),
+        close: sym!("close"),
+        bind: sym!("bind"),
+        connect: sym!("connect"),
+        setsockopt: sym!("setsockopt"),
+        getsockopt: sym!("getsockopt"),
+        send: sym!("send"),
+        recv: sym!("recv"),
+        poll: sym!("poll"),
+        errno: sym!("errno"),
+        strerror: sym!("strerror"),
+        _lib: lib,
+    })
 }
 
 fn zmq() -> Result<&'static Zmq, EventsError> {

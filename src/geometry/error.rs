@@ -1,6 +1,6 @@
-use crate::variant::VariantName;
 use thiserror::Error;
 
+crate::variant::variant_names! {
 /// Everything the geometry rejects: every check of the spec, with the numbers its message
 /// carries, plus what the spec leaves to chance (zero or indivisible block size, overflow,
 /// planes too tall for an i32 index).
@@ -296,49 +296,4 @@ pub enum GeometryError {
         ratios: Vec<i32>,
     },
 }
-
-impl VariantName for GeometryError {
-    fn variant_name(&self) -> &'static str {
-        use GeometryError::*;
-        match self {
-            NoLayers => "NoLayers",
-            UnknownRatios { .. } => "UnknownRatios",
-            SlotAlignRows { .. } => "SlotAlignRows",
-            EnvelopeAlignRows { .. } => "EnvelopeAlignRows",
-            RingSlots { .. } => "RingSlots",
-            RingStride { .. } => "RingStride",
-            ArenaRows { .. } => "ArenaRows",
-            NegativeCount { .. } => "NegativeCount",
-            BlockSize { .. } => "BlockSize",
-            BlockSizeNotDivisible { .. } => "BlockSizeNotDivisible",
-            Overflow { .. } => "Overflow",
-            EmptySlot => "EmptySlot",
-            PlaneTooSmall { .. } => "PlaneTooSmall",
-            PlaneExceedsI32 { .. } => "PlaneExceedsI32",
-            CompressedViewExceedsI32 { .. } => "CompressedViewExceedsI32",
-            SlotPositionsTooFew { .. } => "SlotPositionsTooFew",
-            LayerOutOfRange { .. } => "LayerOutOfRange",
-            AbsentLayer { .. } => "AbsentLayer",
-            LayerNotInClass { .. } => "LayerNotInClass",
-            NoSuchClass { .. } => "NoSuchClass",
-            DenseHasNoCompressed { .. } => "DenseHasNoCompressed",
-            CompressRowOutOfRange { .. } => "CompressRowOutOfRange",
-            BlockOutOfRange { .. } => "BlockOutOfRange",
-            RingPosOutOfRange { .. } => "RingPosOutOfRange",
-            SlotOutOfRange { .. } => "SlotOutOfRange",
-            RowsPerWindowRow { .. } => "RowsPerWindowRow",
-            FieldNotDivisible { .. } => "FieldNotDivisible",
-            GroupOutOfRange { .. } => "GroupOutOfRange",
-            RunNegative { .. } => "RunNegative",
-            RunOverlap { .. } => "RunOverlap",
-            SourcesNotSorted { .. } => "SourcesNotSorted",
-            BadSource { .. } => "BadSource",
-            NoSourceBefore { .. } => "NoSourceBefore",
-            OwnerClassDiffers { .. } => "OwnerClassDiffers",
-            CompactWithoutSources => "CompactWithoutSources",
-            PackedNeedsCompact => "PackedNeedsCompact",
-            PackedRowBytes { .. } => "PackedRowBytes",
-            TooManyIndexClasses { .. } => "TooManyIndexClasses",
-        }
-    }
 }

@@ -28,6 +28,7 @@ pub const FP8_TILE: usize = 64;
 /// even scale byte `448 + 2i`, e = 0 → 0).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct WindowGatherArgs {
     /// The source ring's window parameters (a class's, or a carried window's field params).
     pub params: WindowParams,
@@ -48,3 +49,15 @@ pub struct WindowGatherArgs {
     /// Window length Wd (1..=ring_slots).
     pub draft_window: i32,
 }
+
+crate::setters::with_setters!(WindowGatherArgs {
+    with_params(params: WindowParams),
+    with_pool(pool: DevicePtr),
+    with_rope(rope: DevicePtr),
+    with_state_slot_per_seq(state_slot_per_seq: DevicePtr),
+    with_anchor_pos(anchor_pos: DevicePtr),
+    with_out(out: DevicePtr),
+    with_view_rows(view_rows: i64),
+    with_num_seqs(num_seqs: i32),
+    with_draft_window(draft_window: i32),
+});

@@ -23,6 +23,8 @@ mod gather;
 pub mod host;
 pub mod shape;
 
+mod with;
+
 pub use gather::{
     WindowGatherArgs, FP8_NOPE_ROW_BYTES, FP8_NOPE_VALUES, FP8_TILE, GATHER_ROW_BYTES, ROPE_ROW_BYTES,
 };
@@ -47,6 +49,7 @@ pub const CLASS_HCA: usize = crate::Class::Hca as usize;
 /// (then `indices` and `dest_rows` must be 0 too and nothing of the class is stored).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct ClassBuffers {
     /// The class's window parameters.
     pub params: WindowParams,
@@ -69,6 +72,7 @@ pub struct ClassBuffers {
 /// other field must be 0).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct FlashMlaOut {
     /// i32 out `[num_views][num_tokens][topk]`: the window part (FlashMLA's `indices`), the
     /// window rows oldest first, shifted, then −1.
@@ -104,6 +108,7 @@ pub struct FlashMlaOut {
 /// compressed entries `e = 0..head`: `block_tables[b][e / rpb] * envelope_rows + e % rpb`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct DecodeIndexArgs {
     /// [dense, csa, hca], see `CLASS_*`.
     pub classes: [ClassBuffers; NUM_SLOTS],
@@ -135,6 +140,7 @@ pub struct DecodeIndexArgs {
 /// Prefill index builder (§6): one launch per prefill forward, no pad tokens.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct PrefillIndexArgs {
     /// Dense window parameters.
     pub dense: WindowParams,
@@ -194,6 +200,7 @@ pub struct PrefillIndexArgs {
 /// HCA compressed offsets (§4) as a standalone gather.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct HcaOffsetsArgs {
     /// `i32 [N]`
     pub entry_idx: DevicePtr,
@@ -231,6 +238,7 @@ pub struct HcaOffsetsArgs {
 /// with a non-overlapped kernel between the writer and the pack.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct CsaPackArgs {
     /// i32 [T, topk_row_stride]
     pub topk: DevicePtr,
@@ -279,6 +287,7 @@ pub struct CsaPackArgs {
 /// One plane a row write targets: `pool` is the layer view's base in that plane.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct PlaneWrite {
     /// [T, row_bytes] source rows.
     pub kv: DevicePtr,
@@ -292,6 +301,7 @@ pub struct PlaneWrite {
 /// to their window rows, in up to two planes; rows outside `[0, view_rows)` are dropped.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct RingWriteArgs {
     /// The layer's class window parameters.
     pub params: WindowParams,
@@ -315,6 +325,7 @@ pub struct RingWriteArgs {
 /// in-range row, in up to two planes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct RowScatterArgs {
     /// Up to two planes (`planes[1].pool == 0`: one plane).
     pub planes: [PlaneWrite; 2],
@@ -343,6 +354,7 @@ pub const KV_ROW_VALUES: usize = crate::format::KV_ROW_VALUES;
 /// all 512 into e4m3 with an e8m0 scale per 32 (528-B rows, one plane).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct KvRowsArgs {
     /// bf16 `[T][kv_row_stride]`.
     pub kv: DevicePtr,
@@ -416,6 +428,7 @@ pub const INDEX_KEYS_ATOM_FP8_FNUZ: i32 = 4;
 /// [`INDEX_KEYS_FP4`]); the quantisation is `index::host::keys`' formula, bit for bit.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct IndexKeysArgs {
     /// bf16 `[T][key_row_stride]`.
     pub keys: DevicePtr,
@@ -453,6 +466,7 @@ pub const WRITE_BATCH_MAX_ITEMS: usize = 128;
 /// blocks, the write's own kernel takes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct WriteItem {
     /// `WRITE_KV_ROWS`, `WRITE_INDEX_KEYS` or `WRITE_STATE_UPDATE`.
     pub kind: i32,
@@ -507,6 +521,7 @@ impl WriteItem {
 /// the wait and may be the previous kernel's output.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct WriteBatchArgs {
     /// `WriteItem [num_items]` in device memory, 8-byte aligned.
     pub items: DevicePtr,
@@ -558,6 +573,7 @@ impl ElemType {
 /// (pos % ring) * dim * 4`, 64-bit.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct StateUpdateArgs {
     /// `[rows][kv_row_stride]` elements of `in_dtype`.
     pub kv: DevicePtr,
@@ -617,6 +633,7 @@ pub struct FillRun {
 /// Compressor-state initialisation: every run of a descriptor in device memory, one launch.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct FillRunsArgs {
     /// `FillRun [num_runs]` in device memory.
     pub runs: DevicePtr,
@@ -641,6 +658,7 @@ pub struct CopyRun {
 /// Slot copy (checkpoints, restores, relocations): every run of a descriptor, one launch.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[non_exhaustive]
 pub struct CopyRunsArgs {
     /// `CopyRun [num_runs]` in device memory.
     pub runs: DevicePtr,

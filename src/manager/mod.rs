@@ -46,7 +46,6 @@ use crate::alloc::{AllocError, BlockHandle};
 use crate::boundary::BoundaryChange;
 use crate::checkpoint::{CheckpointError, CheckpointLayout, LayoutId};
 use crate::pool::{Pool, PoolError, SlotLease};
-use crate::variant::VariantName;
 use hash::BuildPassThrough;
 use physical::{BlockNode, CkptNode, Holder, Node, Nodes, NIL};
 pub use physical::{Candidate, CandidateKind, CkptState, EvictionPolicy, Lru, NodeId};
@@ -58,6 +57,7 @@ pub use tier::{Tier, TierKey};
 mod request;
 pub use request::{Admission, ManagerStats, RequestId, StoredCheckpoint};
 
+crate::variant::variant_names! {
 /// Everything the manager refuses. A refused call changes nothing unless it says so.
 #[derive(Debug, Error)]
 pub enum ManagerError {
@@ -127,37 +127,6 @@ pub enum ManagerError {
     #[error(transparent)]
     HostTier(#[from] crate::transfer::HostTierError),
 }
-
-impl VariantName for ManagerError {
-    fn variant_name(&self) -> &'static str {
-        use ManagerError::*;
-        match self {
-            Pool(e) => e.variant_name(),
-            Checkpoint(e) => e.variant_name(),
-            UnknownRequest(_) => "UnknownRequest",
-            NotRunning(_) => "NotRunning",
-            AlreadyRunning(_) => "AlreadyRunning",
-            NoSlot => "NoSlot",
-            OutOfBlocks { .. } => "OutOfBlocks",
-            CommitPastAllocation { .. } => "CommitPastAllocation",
-            NotCached { .. } => "NotCached",
-            Backend(e) => e.variant_name(),
-            Config(_) => "Config",
-            Overflow(_) => "Overflow",
-            RepeatedHash { .. } => "RepeatedHash",
-            HostTier(e) => e.variant_name(),
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            ManagerError::Pool(e) => e.is_device_failure(),
-            ManagerError::Checkpoint(e) => e.is_device_failure(),
-            ManagerError::Backend(e) => e.is_device_failure(),
-            ManagerError::HostTier(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 /// How the manager checkpoints and which layout its checkpoints belong to.

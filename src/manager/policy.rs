@@ -4,6 +4,7 @@
 
 /// What a policy sees: the split and what could be freed, in blocks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PoolView {
     /// Blocks in the block region now.
     pub num_blocks: u32,
@@ -32,6 +33,20 @@ pub struct PoolView {
     /// serves far less of the prompt work (multiturn: 0.98 of admissions, 0.70 of tokens).
     pub hit_per_mille: u32,
 }
+
+crate::setters::with_setters!(PoolView {
+    with_num_blocks(num_blocks: u32),
+    with_num_slots(num_slots: u32),
+    with_free_blocks(free_blocks: u32),
+    with_free_slots(free_slots: u32),
+    with_max_blocks(max_blocks: u32),
+    with_evictable_blocks(evictable_blocks: u32),
+    with_slot_blocks(slot_blocks: u32),
+    with_owed_blocks(owed_blocks: u64),
+    with_running(running: u32),
+    with_waiting(waiting: u32),
+    with_hit_per_mille(hit_per_mille: u32),
+});
 
 impl PoolView {
     /// Blocks obtainable without touching a slot: free, in the gap, or evictable.
@@ -106,6 +121,7 @@ pub trait SplitPolicy: Send {
 /// twentieth in reserve). Counting the owed blocks and the cache that eviction can free makes
 /// a new slot cost only memory nobody will need before it is given back.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ElasticPolicy {
     /// Free slots kept beyond the running requests.
     pub headroom: u32,
@@ -125,6 +141,14 @@ pub struct ElasticPolicy {
     /// output is preempted and redoes work).
     pub decode_blocks_per_seq: u32,
 }
+
+crate::setters::with_setters!(ElasticPolicy {
+    with_headroom(headroom: u32),
+    with_max_slots(max_slots: u32),
+    with_reserve_per_mille(reserve_per_mille: u32),
+    with_cache_per_mille(cache_per_mille: u32),
+    with_decode_blocks_per_seq(decode_blocks_per_seq: u32),
+});
 
 impl Default for ElasticPolicy {
     fn default() -> Self {
@@ -184,9 +208,17 @@ impl SplitPolicy for ElasticPolicy {
 /// A fixed split: `slots` slots carved at start-up, the boundary never moves (the way
 /// engines with a fixed `max_num_seqs` behave). The comparison baseline.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct FixedPolicy {
     /// Slots carved at start-up.
     pub slots: u32,
+}
+
+impl FixedPolicy {
+    /// A fixed split of `slots` slots.
+    pub fn new(slots: u32) -> Self {
+        FixedPolicy { slots }
+    }
 }
 
 impl SplitPolicy for FixedPolicy {

@@ -21,10 +21,10 @@ use super::Pool;
 use crate::backend::BackendError;
 use crate::index::shape::{check_launch, write_item_blocks, LaunchError};
 use crate::index::{Launch, WriteBatchArgs, WriteItem, WRITE_BATCH_MAX_ITEMS};
-use crate::variant::VariantName;
 use std::sync::Arc;
 use thiserror::Error;
 
+crate::variant::variant_names! {
 /// What building a write batch refuses, before anything is uploaded.
 #[derive(Debug, Error)]
 pub enum WriteBatchError {
@@ -71,23 +71,7 @@ pub enum WriteBatchError {
     #[error(transparent)]
     Backend(#[from] BackendError),
 }
-
-impl VariantName for WriteBatchError {
-    fn variant_name(&self) -> &'static str {
-        use WriteBatchError::*;
-        match self {
-            Capacity { .. } => "Capacity",
-            Count { .. } => "Count",
-            NotAWrite { .. } => "NotAWrite",
-            Invalid { source, .. } => source.variant_name(),
-            TooManyBlocks { .. } => "TooManyBlocks",
-            Backend(e) => e.variant_name(),
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        matches!(self, WriteBatchError::Backend(e) if e.is_device_failure())
-    }
+via_source = [Invalid];
 }
 
 impl Pool {

@@ -22,8 +22,8 @@ mod flashmla;
 mod staging;
 
 pub(crate) use checks::{
-    check_blocks, check_capacity, check_live, check_seq, pack_slot, read_columns, slot_ratios, PackTargets,
-    PoolBounds,
+    add_tokens, check_batch_len, check_blocks, check_capacity, check_live, check_seq, pack_slot,
+    read_columns, slot_ratios, PackTargets, PoolBounds,
 };
 pub use checks::{class_slice_lens, decode_slice_lens};
 pub use error::DecodeError;
@@ -94,6 +94,7 @@ impl DecodeCapacity {
 
 /// One sequence of a decode step.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct DecodeSeq<'a> {
     /// Physical slot (a position from `physical_slot`, never a group).
     pub position: i64,
@@ -107,10 +108,19 @@ pub struct DecodeSeq<'a> {
     pub block_table: &'a [i32],
 }
 
+impl<'a> DecodeSeq<'a> {
+    /// One decode sequence, every field given (the struct is `#[non_exhaustive]`: a field added later
+    /// gets a default here and a setter).
+    pub fn new(position: i64, context_len: i64, num_tokens: usize, block_table: &'a [i32]) -> Self {
+        DecodeSeq { position, context_len, num_tokens, block_table }
+    }
+}
+
 /// One decode step's batch as flat arrays, one per field (index `b` is sequence `b`): the
 /// shape a foreign caller (the Python module, the C ABI) hands over, turned into
 /// [`DecodeSeq`]s by [`crate::pool::DecodePath::stage_flat`].
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct FlatDecodeBatch<'a> {
     /// Slot positions (from `physical_slot`).
     pub positions: &'a [i64],
@@ -123,6 +133,20 @@ pub struct FlatDecodeBatch<'a> {
     pub block_tables: Option<&'a [i32]>,
     /// Columns from one block-table row to the next.
     pub table_stride: usize,
+}
+
+impl<'a> FlatDecodeBatch<'a> {
+    /// A decode batch as flat arrays, every field given (the struct is `#[non_exhaustive]`: a field added later
+    /// gets a default here and a setter).
+    pub fn new(
+        positions: &'a [i64],
+        context_lens: &'a [i64],
+        num_tokens: &'a [i64],
+        block_tables: Option<&'a [i32]>,
+        table_stride: usize,
+    ) -> Self {
+        FlatDecodeBatch { positions, context_lens, num_tokens, block_tables, table_stride }
+    }
 }
 
 impl<'a> FlatDecodeBatch<'a> {

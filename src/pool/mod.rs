@@ -13,11 +13,13 @@
 mod batch;
 pub mod decode;
 mod image;
+mod moves;
 pub(crate) mod owned;
 mod path;
 pub mod prefill;
 pub mod regions;
 mod rows;
+mod spec;
 #[cfg(test)]
 mod tests;
 mod topk;
@@ -27,23 +29,28 @@ pub use decode::{
     decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodeError, DecodeSeq, FlashMlaBuffers, FlashMlaWidths,
     FlatDecodeBatch,
 };
+pub use moves::{split_runs, COPY_PIECE_BYTES};
 pub use owned::DeviceBuffer;
 pub use path::{DecodePath, PrefillPath};
 pub use prefill::{prefill_slice_lens, PrefillBuffer, PrefillCapacity, PrefillSeq};
 pub use rows::{
     CompressedRow, KvRowWriter, RowSet, RowWriteCapacity, RowWriteError, WindowSeq, INDEX_KEY_VALUES,
 };
+pub use spec::PoolSpec;
 pub use topk::{convert_topk, CsaTopk, TopkError, TopkRows};
 
-use crate::alloc::{AllocError, BlockGrant, BlockHandle, SlotHandle};
-use crate::arena::{ArenaError, ArenaLayout, FieldView};
+// What the pool's calls take and return from the layers under it (which are public only
+// under `crate::raw`): the allocators' handles, the arena layout, the boundary's moves.
+pub use crate::alloc::{AllocError, BlockGrant, BlockHandle, SlotHandle};
+pub use crate::arena::{ArenaError, ArenaLayout, FieldView};
+pub use crate::boundary::{BlockMove, Boundary, BoundaryChange, BoundaryError, SlotMove};
+pub use crate::index::CopyRun;
+
 use crate::backend::{Backend, BackendError, DeviceAllocation, Stream};
-use crate::boundary::{Boundary, BoundaryChange, BoundaryError};
-use crate::checkpoint::{LayoutId, Loc, Region, RegionCopy};
+use crate::checkpoint::{LayoutId, Region};
 use crate::geometry::{GeometryError, UnifiedPoolGeometry, DENSE_RATIO};
-use crate::index::{CopyRun, CopyRunsArgs, DevicePtr, FillRun, FillRunsArgs, Launch};
+use crate::index::DevicePtr;
 use crate::sizing::{IndexerDtype, IndexerPart, KvSpec, SizingError};
-use crate::variant::VariantName;
 use regions::{TransferConfig, TransferRegions};
 use std::sync::{Arc, Mutex, MutexGuard};
 use thiserror::Error;
@@ -53,297 +60,7 @@ const DESCRIPTOR_RUNS: usize = 4096;
 const DESCRIPTOR_BYTES: u64 = (DESCRIPTOR_RUNS * std::mem::size_of::<CopyRun>()) as u64;
 const PLANE_ALIGN: u64 = 256;
 
-/// What the pool is built from: a geometry at a fixed plane capacity (its split is the
-/// initial one), the plane widths, the arena, and the indexer cache's shape.
-///
-/// The fields are public to read; [`Pool::new`] checks them all against each other again
-/// ([`PoolSpec::validate`]), so a spec edited into inconsistency is refused, never carved.
-#[derive(Clone, Debug)]
-pub struct PoolSpec {
-    /// The row space at its fixed plane capacity and initial split.
-    pub geometry: UnifiedPoolGeometry,
-    /// Row bytes of each plane (the row format's, where the spec has one: [`PoolSpec::kv_spec`]).
-    pub plane_widths: Vec<u64>,
-    /// The compressor-state fields and where they sit in a slot.
-    pub arena: ArenaLayout,
-    /// The CSA indexer cache's format (`None`: no indexer cache).
-    pub indexer: Option<IndexerDtype>,
-    /// Global ids of the layers owning index keys, the indexer cache's layer order
-    /// ([`UnifiedPoolGeometry::index_key_layers`]): V4's CSA layers, V4.1's KV sources.
-    pub csa_layers: Vec<usize>,
-    /// The §6 layout id of the plan the spec came from, with the spec's fingerprint then: a
-    /// pool only reports the plan's id while the spec still is what the plan made.
-    plan_layout: Option<(LayoutId, String)>,
-    /// What the rows are ([`KvSpec`]): the plan's, or one given to a spec from parts
-    /// ([`PoolSpec::with_kv_spec`]); a spec from parts without one has byte planes only (no
-    /// row writer, gather or attention path).
-    kv_spec: Option<KvSpec>,
-}
-
-impl PoolSpec {
-    /// A spec from its parts, checked ([`PoolSpec::validate`]). Its images carry a layout id
-    /// derived from every part that gives image bytes their meaning
-    /// ([`PoolSpec::layout_id`]); use [`PoolSpec::from_plan`] for the §6 id of a model.
-    pub fn new(
-        geometry: UnifiedPoolGeometry,
-        plane_widths: Vec<u64>,
-        arena: ArenaLayout,
-        indexer: Option<IndexerDtype>,
-        csa_layers: Vec<usize>,
-    ) -> Result<PoolSpec, PoolError> {
-        let spec =
-            PoolSpec { geometry, plane_widths, arena, indexer, csa_layers, plan_layout: None, kv_spec: None };
-        spec.validate()?;
-        Ok(spec)
-    }
-
-    /// The checkpoint layout of pools of this spec: what one checkpoint's units hold (the
-    /// manager's, and the shared tier's count of a checkpoint entry's units).
-    pub fn checkpoint_layout(
-        &self,
-    ) -> Result<crate::checkpoint::CheckpointLayout, crate::checkpoint::CheckpointError> {
-        let layers: &[usize] = if self.indexer.is_some() { &self.csa_layers } else { &[] };
-        let planes: Vec<crate::format::PlaneFormat> =
-            (0..self.plane_widths.len()).filter_map(|p| self.plane_format(p)).collect();
-        crate::checkpoint::CheckpointLayout::for_planes(
-            &self.arena,
-            &self.geometry,
-            layers,
-            self.indexer.unwrap_or(IndexerDtype::Fp8),
-            &planes,
-        )
-    }
-
-    /// The spec of a sized plan: its carve, its arena, its indexer shape. The pool sizes
-    /// its indexer cache for every block the plane can hold, so the plan must allow the
-    /// boundary down to zero slots (`min_slots = 0`, the default).
-    pub fn from_plan(plan: &crate::sizing::Plan) -> Result<PoolSpec, PoolError> {
-        if plan.min_slots != 0 {
-            return Err(PoolError::MinSlots(plan.min_slots));
-        }
-        let mut spec = Self::from_layout(&plan.layout, plan.geometry.clone())?;
-        spec.kv_spec = Some(plan.kv_spec()?);
-        Ok(spec)
-    }
-
-    /// This spec with its rows described by `kv` (a spec from parts: tests, engines carving
-    /// their own geometry): refused unless the planes are `kv`'s row format's and the
-    /// geometry packs compressed rows as `kv` does.
-    pub fn with_kv_spec(mut self, kv: KvSpec) -> Result<PoolSpec, PoolError> {
-        self.kv_spec = Some(kv);
-        self.validate()?;
-        Ok(self)
-    }
-
-    /// The spec of a priced layout carved to `geometry` (e.g. [`PoolLayout::carve`]): the
-    /// layout's arena, widths and indexer, and its §6 layout id for the pool's images.
-    ///
-    /// [`PoolLayout::carve`]: crate::sizing::PoolLayout::carve
-    pub fn from_layout(
-        layout: &crate::sizing::PoolLayout,
-        geometry: UnifiedPoolGeometry,
-    ) -> Result<PoolSpec, PoolError> {
-        let mut spec = PoolSpec {
-            geometry,
-            plane_widths: layout.widths().to_vec(),
-            arena: layout.arena.clone(),
-            indexer: Some(layout.indexer),
-            csa_layers: layout.model.indexer_layers(),
-            plan_layout: None,
-            kv_spec: Some(layout.kv_spec(None)?),
-        };
-        spec.validate()?;
-        let id = LayoutId::for_layout(layout)?;
-        spec.plan_layout = Some((id, spec.fingerprint()));
-        Ok(spec)
-    }
-
-    /// Check every part against the others: the geometry is what its own inputs build
-    /// (no field edited after the carve) with positions numbered from 0, the arena was
-    /// planned for these plane widths and has the geometry's arena rows and slot alignment,
-    /// the CSA layers are the geometry's ratio-4 layers, and the plan's layout id (if any)
-    /// still describes the spec.
-    pub fn validate(&self) -> Result<(), PoolError> {
-        let g = &self.geometry;
-        if g.slot_origin != 0 {
-            return Err(PoolError::SlotOrigin(g.slot_origin));
-        }
-        if UnifiedPoolGeometry::new(g.spec())? != *g {
-            return Err(PoolError::InconsistentSpec {
-                what: "geometry (a field differs from what its inputs build)",
-            });
-        }
-        if self.plane_widths.is_empty() || self.plane_widths.contains(&0) {
-            return Err(PoolError::InconsistentSpec { what: "plane_widths (empty, or a zero width)" });
-        }
-        if let Some(p) = g.packed_rows {
-            // Compressed rows packed at their own width live in one plane of `p.plane`-B rows.
-            if self.plane_widths.len() != 1 || i64::try_from(self.plane_widths[0]).ok() != Some(p.plane) {
-                return Err(PoolError::InconsistentSpec {
-                    what: "plane_widths (packed compressed rows need one plane of the packing's row width)",
-                });
-            }
-        }
-        if self.arena.widths() != self.plane_widths {
-            return Err(PoolError::InconsistentSpec {
-                what: "plane_widths (the arena was planned for others)",
-            });
-        }
-        if self.arena.arena_rows() != g.arena_rows {
-            return Err(PoolError::ArenaMismatch { arena: self.arena.arena_rows(), geometry: g.arena_rows });
-        }
-        if self.arena.slot_align_rows() != g.slot_align_rows {
-            return Err(PoolError::InconsistentSpec { what: "slot_align_rows (arena and geometry differ)" });
-        }
-        if g.index_key_layers() != self.csa_layers {
-            return Err(PoolError::InconsistentSpec {
-                what:
-                    "csa_layers (not the geometry's index-key layers: V4's ratio-4 layers, V4.1's KV sources)",
-            });
-        }
-        if let Some(kv) = &self.kv_spec {
-            if !kv.row_format().planes.iter().map(|p| p.row_bytes()).eq(self.plane_widths.iter().copied()) {
-                return Err(PoolError::InconsistentSpec {
-                    what: "plane_widths (not the row format's planes)",
-                });
-            }
-            if kv.packed() != g.packed_rows {
-                return Err(PoolError::InconsistentSpec {
-                    what: "packed_rows (the geometry packs compressed rows otherwise than the row format)",
-                });
-            }
-        }
-        if let Some((_, fp)) = &self.plan_layout {
-            if *fp != self.fingerprint() {
-                return Err(PoolError::InconsistentSpec { what: "a part edited after from_plan" });
-            }
-        }
-        Ok(())
-    }
-
-    /// What the pool's rows are (`None` for a spec from parts given none).
-    pub fn kv_spec(&self) -> Option<&KvSpec> {
-        self.kv_spec.as_ref()
-    }
-
-    /// The row format: what every byte of a plane row means (`None` without a [`KvSpec`]).
-    pub fn row_format(&self) -> Option<&'static crate::format::RowFormat> {
-        self.kv_spec.as_ref().map(KvSpec::row_format)
-    }
-
-    /// Plane `plane`'s row layout (regions, paging): the row format's plane, or for a spec from
-    /// parts without one the plane of its width ([`crate::format::plane_of_width`]). The one
-    /// answer to "how are this plane's rows paged" that page views and checkpoint ranges read:
-    /// two formats share the 584-B width at different pages.
-    pub fn plane_format(&self, plane: usize) -> Option<crate::format::PlaneFormat> {
-        let w = *self.plane_widths.get(plane)?;
-        Some(match self.row_format() {
-            Some(f) => *f.planes.get(plane)?,
-            None => crate::format::plane_of_width(w),
-        })
-    }
-
-    /// Rows of the page an attention kernel reads the planes in (FlashMLA's `k_cache =
-    /// [pages, page_rows, 1, row_bytes]`): the row format's `kernel_page_rows`; for a spec from
-    /// parts without one, FlashMLA's V4 format's (64).
-    pub fn kernel_page_rows(&self) -> i64 {
-        let f = self.row_format().unwrap_or(crate::format::RowFormatId::FlashMlaV4.format());
-        f.kernel_page_rows as i64
-    }
-
-    /// The one element type every byte of plane `plane`'s rows holds, read from the row format:
-    /// `Some(e)` where the plane is values of `e` alone (ATOM fp8's RoPE plane, the bf16 plane:
-    /// bf16), `None` where encodings or scales share it (the fp8 NoPE plane, FlashMLA's rows:
-    /// bytes) or the spec has no format. What a binding exports a plane's views as.
-    pub fn plane_elem(&self, plane: usize) -> Option<crate::format::Elem> {
-        let f = self.row_format()?;
-        let row_bits = f.planes.get(plane)?.row_bytes() * 8;
-        if f.segments.iter().any(|s| s.scale.is_some_and(|c| c.place.plane == plane)) {
-            return None;
-        }
-        let mut elem = None;
-        let mut bits = 0u64;
-        for s in f.segments.iter().filter(|s| s.data.plane == plane) {
-            if elem.is_some_and(|e| e != s.elem) {
-                return None;
-            }
-            elem = Some(s.elem);
-            bits += s.count as u64 * s.elem.bits() as u64;
-        }
-        elem.filter(|_| bits == row_bits)
-    }
-
-    /// The indexer cache's layers per indexer pool ([`IndexerDtype::layer_parts`]); empty
-    /// without an indexer cache.
-    pub fn indexer_parts(&self) -> Result<Vec<Vec<IndexerPart>>, PoolError> {
-        match self.indexer.filter(|_| !self.csa_layers.is_empty()) {
-            Some(ix) => Ok(ix.layer_parts(&self.geometry, &self.csa_layers)?),
-            None => Ok(Vec::new()),
-        }
-    }
-
-    /// The layout id images of this spec's pools carry: the plan's §6 id for a spec from
-    /// [`PoolSpec::from_plan`], else one built from every part that gives image bytes their
-    /// meaning (ratios in order, ring, block size, rows, widths, arena fields, indexer).
-    pub fn layout_id(&self) -> LayoutId {
-        match &self.plan_layout {
-            Some((id, _)) => id.clone(),
-            None => LayoutId::new(self.fingerprint()),
-        }
-    }
-
-    /// Everything that decides what an image's bytes mean, on one line.
-    fn fingerprint(&self) -> String {
-        let g = &self.geometry;
-        let join = |v: &[String]| v.join(",");
-        let fields: Vec<String> = self
-            .arena
-            .fields()
-            .iter()
-            .map(|f| {
-                let shape: Vec<String> = f.shape.iter().map(u64::to_string).collect();
-                format!(
-                    "{}[{}x{}]{:?}/{:?}/{}/{}",
-                    f.name,
-                    f.layers,
-                    shape.join("x"),
-                    f.dtype,
-                    f.fill,
-                    if f.carried { "carried" } else { "nocopy" },
-                    f.align
-                )
-            })
-            .collect();
-        let id = format!(
-            "v4pool-spec:ratios={}:block={}:ring={}:arena_rows={}:entry_rows={}:slot_rows={}:widths={}\
-             :fields={}:indexer={}:csa={}",
-            join(&g.ratios.iter().map(i32::to_string).collect::<Vec<_>>()),
-            g.block_size,
-            g.ring_slots,
-            g.arena_rows,
-            g.entry_rows,
-            g.slot_rows,
-            join(&self.plane_widths.iter().map(u64::to_string).collect::<Vec<_>>()),
-            fields.join(";"),
-            self.indexer.map_or("none", |ix| ix.name()),
-            join(&self.csa_layers.iter().map(usize::to_string).collect::<Vec<_>>()),
-        );
-        // Shared compressors change every compressed address; V4's id stays as it was.
-        let id = match &g.kv_sources {
-            None => id,
-            Some(src) => format!(
-                "{id}:kv_sources={}:form={:?}",
-                join(&src.iter().map(usize::to_string).collect::<Vec<_>>()),
-                g.form
-            ),
-        };
-        match g.packed_rows {
-            None => id,
-            Some(p) => format!("{id}:packed={}/{}", p.compressed, p.plane),
-        }
-    }
-}
-
+crate::variant::variant_names! {
 #[derive(Debug, Error)]
 /// What the pool refuses or fails with.
 pub enum PoolError {
@@ -515,57 +232,6 @@ pub enum PoolError {
     /// The pool's lock was poisoned by a panic in another thread.
     Poisoned,
 }
-
-impl VariantName for PoolError {
-    fn variant_name(&self) -> &'static str {
-        use PoolError::*;
-        match self {
-            Geometry(e) => e.variant_name(),
-            Arena(e) => e.variant_name(),
-            Alloc(e) => e.variant_name(),
-            Boundary(e) => e.variant_name(),
-            Backend(e) => e.variant_name(),
-            Sizing(e) => e.variant_name(),
-            NoKvSpec => "NoKvSpec",
-            NoIndexer => "NoIndexer",
-            NoSuchIndexerPart { .. } => "NoSuchIndexerPart",
-            NoSuchCsaLayer { .. } => "NoSuchCsaLayer",
-            NoSuchPlane { .. } => "NoSuchPlane",
-            NotPageable { .. } => "NotPageable",
-            ArenaMismatch { .. } => "ArenaMismatch",
-            SlotOrigin(_) => "SlotOrigin",
-            PlaneRange { .. } => "PlaneRange",
-            BufferSize { .. } => "BufferSize",
-            MinSlots(_) => "MinSlots",
-            Transfer(e) => e.variant_name(),
-            Checkpoint(e) => e.variant_name(),
-            Decode(e) => e.variant_name(),
-            Overflow(_) => "Overflow",
-            InconsistentSpec { .. } => "InconsistentSpec",
-            NoSuchBlock { .. } => "NoSuchBlock",
-            NotLive { .. } => "NotLive",
-            OutOfRange { .. } => "OutOfRange",
-            NoSuchRegion { .. } => "NoSuchRegion",
-            SelfOverlap { .. } => "SelfOverlap",
-            BoundaryPinned { .. } => "BoundaryPinned",
-            Poisoned => "Poisoned",
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            PoolError::Geometry(e) => e.is_device_failure(),
-            PoolError::Arena(e) => e.is_device_failure(),
-            PoolError::Alloc(e) => e.is_device_failure(),
-            PoolError::Boundary(e) => e.is_device_failure(),
-            PoolError::Backend(e) => e.is_device_failure(),
-            PoolError::Transfer(e) => e.is_device_failure(),
-            PoolError::Checkpoint(e) => e.is_device_failure(),
-            PoolError::Decode(e) => e.is_device_failure(),
-            PoolError::Sizing(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 /// A layer's rows as an attention kernel that reads pages of rows takes them (FlashMLA:
@@ -1092,282 +758,6 @@ impl Pool {
         })
     }
 
-    /// Run a closure on the boundary (read-only), e.g. for reporting.
-    pub fn with_boundary<R>(&self, f: impl FnOnce(&Boundary) -> R) -> Result<R, PoolError> {
-        Ok(f(&self.lock()?.boundary))
-    }
-
-    // ---- the elastic boundary -----------------------------------------------------------
-
-    /// Move the boundary by `op` and carry out what it reports: copy relocated blocks (both
-    /// planes and every indexer layer) and slots. The copies are queued on the pool's stream
-    /// before anything else the caller queues.
-    ///
-    /// All or nothing: the move is planned on a copy of the bookkeeping and committed only
-    /// once every copy is queued. If one fails, the pool keeps its old split and handles;
-    /// the copies that did run wrote only ids and positions that are free in the old split
-    /// (block moves go to free ids below the new count, slot moves to vacant groups), and
-    /// the pool's allocator indexes no hashes, so nothing live was touched. Newly live
-    /// positions are not filled here: [`Pool::alloc_slot`] initialises every position it
-    /// hands out, under this lock, before its holder can write it — a fill here would
-    /// overwrite the rows of the old split's blocks before the move is known to stand.
-    fn apply(
-        &self,
-        op: impl FnOnce(&mut Boundary) -> Result<BoundaryChange, BoundaryError>,
-    ) -> Result<BoundaryChange, PoolError> {
-        let _range = crate::profiling::range("v4pool.boundary_move");
-        let mut st = self.lock()?;
-        if st.pins > 0 {
-            return Err(PoolError::BoundaryPinned { pins: st.pins });
-        }
-        let mut next = st.boundary.clone();
-        let change = op(&mut next)?;
-        let runs = self.relocation_runs(&change)?;
-        // Under the lock that moves the boundary: a slot or block handed out right after
-        // the move is written by its holder only after these are queued.
-        // SAFETY: the runs were derived from this pool's planes and indexer by the geometry.
-        unsafe { self.queue_copies(&runs)? };
-        st.boundary = next;
-        Ok(change)
-    }
-
-    /// Pin the boundary: until the returned guard drops, every boundary move is refused
-    /// with [`PoolError::BoundaryPinned`], so the ids and positions of held handles stay
-    /// where they are. For copies that run outside the pool's stream and lock (a transfer
-    /// engine's, a host tier's): pin first, then look handles up, copy, and drop the pin.
-    /// Allocation and release go on meanwhile.
-    pub fn pin_boundary(&self) -> Result<BoundaryPin<'_>, PoolError> {
-        let mut st = self.lock()?;
-        st.pins = st.pins.checked_add(1).ok_or(PoolError::Overflow("boundary pins"))?;
-        Ok(BoundaryPin { pool: self })
-    }
-
-    /// Block ids of held handles, looked up together under the state lock.
-    pub fn block_ids(&self, blocks: &[BlockHandle]) -> Result<Vec<u32>, PoolError> {
-        let st = self.lock()?;
-        blocks
-            .iter()
-            .map(|&b| {
-                st.boundary.check_block(b)?;
-                Ok(b.id)
-            })
-            .collect()
-    }
-
-    /// Add `n` slots, moving the boundary down (relocating blocks as needed).
-    pub fn grow_slots(&self, n: u32) -> Result<BoundaryChange, PoolError> {
-        self.apply(|b| b.grow_slots(n))
-    }
-    /// Remove `n` slots, moving the boundary up (relocating slots as needed).
-    pub fn shrink_slots(&self, n: u32) -> Result<BoundaryChange, PoolError> {
-        self.apply(|b| b.shrink_slots(n))
-    }
-    /// Add `n` blocks in the gap.
-    pub fn grow_blocks(&self, n: u32) -> Result<BoundaryChange, PoolError> {
-        self.apply(|b| b.grow_blocks(n))
-    }
-    /// Add `n` blocks, giving up slots when the gap is too small.
-    pub fn grow_blocks_shrinking_slots(&self, n: u32) -> Result<BoundaryChange, PoolError> {
-        self.apply(|b| b.grow_blocks_shrinking_slots(n))
-    }
-    /// Remove `n` blocks (relocating blocks as needed).
-    pub fn shrink_blocks(&self, n: u32) -> Result<BoundaryChange, PoolError> {
-        self.apply(|b| b.shrink_blocks(n))
-    }
-    /// Move the split to exactly `num_blocks` blocks and `num_slots` slots.
-    pub fn resize(&self, num_blocks: u32, num_slots: u32) -> Result<BoundaryChange, PoolError> {
-        self.apply(|b| b.resize(num_blocks, num_slots))
-    }
-
-    /// The copies a boundary change needs, as device byte ranges.
-    fn relocation_runs(&self, change: &BoundaryChange) -> Result<Vec<CopyRun>, PoolError> {
-        let mut runs = Vec::new();
-        for m in &change.block_moves {
-            runs.extend(self.block_copy_runs(m.old.id, m.new.id)?);
-        }
-        for m in &change.slot_moves {
-            runs.extend(self.slot_copy_runs(m.from_position, m.to_position)?);
-        }
-        Ok(runs)
-    }
-
-    /// Copies that move block `from`'s bytes to block `to`: its envelope rows in every plane
-    /// and its block in every indexer pool and CSA layer.
-    pub fn block_copy_runs(&self, from: u32, to: u32) -> Result<Vec<CopyRun>, PoolError> {
-        let g = &self.spec.geometry;
-        for id in [from, to] {
-            if u64::from(id) >= self.indexer_blocks {
-                return Err(PoolError::NoSuchBlock { id, max: self.indexer_blocks });
-            }
-        }
-        let (from, to) = (u64::from(from), u64::from(to));
-        let mut runs = Vec::new();
-        for (p, &w) in self.spec.plane_widths.iter().enumerate() {
-            let base = self.plane_ptr(p)?;
-            let bytes = g.block_bytes(w);
-            runs.push(CopyRun { src: base + from * bytes, dst: base + to * bytes, bytes });
-        }
-        if let Some(base) = self.indexer_ptr() {
-            for (parts, &off) in self.indexer_parts().iter().zip(&self.indexer_offsets) {
-                for part in parts {
-                    let (pb, layer) = (part.block_bytes, base + off + part.prefix * self.indexer_blocks);
-                    runs.push(CopyRun { src: layer + from * pb, dst: layer + to * pb, bytes: pb });
-                }
-            }
-        }
-        Ok(runs)
-    }
-
-    /// Copies that move the slot at position `from` to position `to` (state and windows,
-    /// every plane).
-    pub fn slot_copy_runs(&self, from: i64, to: i64) -> Result<Vec<CopyRun>, PoolError> {
-        let g = &self.spec.geometry;
-        let (from, _) = g.slot_span(from)?;
-        let (to, _) = g.slot_span(to)?;
-        let mut runs = Vec::new();
-        for (p, &w) in self.spec.plane_widths.iter().enumerate() {
-            let base = self.plane_ptr(p)?;
-            runs.push(CopyRun {
-                src: base + from as u64 * w,
-                dst: base + to as u64 * w,
-                bytes: g.slot_bytes(w),
-            });
-        }
-        Ok(runs)
-    }
-
-    /// Queue `runs` (non-overlapping byte copies) as descriptor launches on the pool stream,
-    /// ordered after every relocation queued before it.
-    ///
-    /// # Safety
-    /// Every run's source and destination must be live memory of this pool's backend that
-    /// stays live until the pool's stream has run the copy, and no destination may overlap
-    /// another run's bytes. Prefer [`Pool::copy_regions`], which checks runs against the
-    /// pool's own memory.
-    pub unsafe fn copy_runs(&self, runs: &[CopyRun]) -> Result<(), PoolError> {
-        let _st = self.lock()?;
-        // SAFETY: the caller's contract.
-        unsafe { self.queue_copies(runs) }
-    }
-
-    /// Queue copies between the pool's own regions (planes and indexer pools, offsets from
-    /// each region's first byte; [`crate::checkpoint::RegionCopy`], as a store or restore plan
-    /// writes them), under the lock that moves the boundary. Every run is checked to lie in
-    /// its regions and not to overlap itself; nothing is queued if one fails.
-    pub fn copy_regions(&self, runs: &[RegionCopy]) -> Result<(), PoolError> {
-        let mut raw = Vec::with_capacity(runs.len());
-        for (index, r) in runs.iter().enumerate() {
-            let src = self.region_range(r.src, r.bytes)?;
-            let dst = self.region_range(r.dst, r.bytes)?;
-            if r.src.region == r.dst.region
-                && r.src.offset < r.dst.offset + r.bytes
-                && r.dst.offset < r.src.offset + r.bytes
-            {
-                return Err(PoolError::SelfOverlap { index });
-            }
-            raw.push(CopyRun { src, dst, bytes: r.bytes });
-        }
-        let _st = self.lock()?;
-        // SAFETY: every run was checked to lie inside this pool's planes or indexer.
-        unsafe { self.queue_copies(&raw) }
-    }
-
-    /// Bytes of a region: a plane, or one indexer pool (`[n_csa][indexer_blocks][block]`).
-    fn region_bytes(&self, region: Region) -> Result<u64, PoolError> {
-        match region {
-            Region::Plane(p) => self.plane_bytes(p),
-            Region::Indexer(i) => {
-                let parts = self.indexer_parts().get(i).ok_or(PoolError::NoSuchRegion { region })?;
-                let per_block = parts.iter().try_fold(0u64, |acc, p| acc.checked_add(p.block_bytes));
-                checked(per_block.and_then(|b| b.checked_mul(self.indexer_blocks)), "indexer pool bytes")
-            }
-        }
-    }
-
-    /// The device address of `loc .. loc + bytes`, checked to lie in its region.
-    fn region_range(&self, loc: Loc, bytes: u64) -> Result<DevicePtr, PoolError> {
-        let limit = self.region_bytes(loc.region)?;
-        if loc.offset.checked_add(bytes).is_none_or(|end| end > limit) {
-            return Err(PoolError::OutOfRange { what: "the region", offset: loc.offset, len: bytes, limit });
-        }
-        Ok(match loc.region {
-            Region::Plane(p) => self.plane_ptr(p)?,
-            Region::Indexer(i) => self.indexer_ptr().unwrap_or(0) + self.indexer_offsets[i],
-        } + loc.offset)
-    }
-
-    /// Queue copies with the caller holding the state lock (or owning the pool outright).
-    ///
-    /// # Safety
-    /// As [`Pool::copy_runs`].
-    unsafe fn queue_copies(&self, runs: &[CopyRun]) -> Result<(), PoolError> {
-        let _range = crate::profiling::range("v4pool.copy_runs");
-        self.run_descriptors(&split_runs(runs), |runs, num_runs| {
-            Launch::CopyRuns(CopyRunsArgs { runs, num_runs, _pad: 0 })
-        })
-    }
-
-    /// Initialise the compressor state of `positions` (zero kv, −inf scores, zero padding),
-    /// under the lock that hands positions out. Every position must be a live slot position
-    /// (one the slot region holds now); anything else is refused before a byte is written.
-    pub fn init_positions(&self, positions: std::ops::Range<i64>) -> Result<(), PoolError> {
-        let st = self.lock()?;
-        self.init_positions_locked(&st, positions)
-    }
-
-    /// [`Pool::init_positions`] with the lock held by the caller (`st` proves it).
-    fn init_positions_locked(&self, st: &State, positions: std::ops::Range<i64>) -> Result<(), PoolError> {
-        let _range = crate::profiling::range("v4pool.init_state");
-        let live = st.boundary.live_positions();
-        if !positions.is_empty() && (positions.start < live.start || positions.end > live.end) {
-            return Err(PoolError::NotLive {
-                start: positions.start,
-                end: positions.end,
-                live_start: live.start,
-                live_end: live.end,
-            });
-        }
-        let g = &self.spec.geometry;
-        let mut runs = Vec::new();
-        for pos in positions {
-            for r in self.spec.arena.fill_runs(pos, g.slot_rows)? {
-                runs.push(FillRun {
-                    dst: self.plane_range(r.plane, r.offset, r.bytes)?,
-                    bytes: r.bytes,
-                    pattern: r.pattern,
-                    _pad: 0,
-                });
-            }
-        }
-        self.run_descriptors(&runs, |runs, num_runs| {
-            Launch::FillRuns(FillRunsArgs { runs, num_runs, _pad: 0 })
-        })
-    }
-
-    /// Upload `items` into the descriptor buffer a chunk at a time and queue `launch` for each
-    /// chunk. The descriptor lock is held across each upload and its launch: both are queued
-    /// on the pool's one stream, so another thread's next upload is ordered after this launch
-    /// and cannot overwrite descriptors it has yet to read.
-    fn run_descriptors<T: bytemuck::Pod>(
-        &self,
-        items: &[T],
-        launch: impl Fn(DevicePtr, i32) -> Launch,
-    ) -> Result<(), PoolError> {
-        let desc = self.descriptors.as_ref().map_or(0, |a| a.ptr);
-        let per = (DESCRIPTOR_BYTES as usize / std::mem::size_of::<T>()).max(1);
-        let _guard = self.descriptor_lock.lock().map_err(|_| PoolError::Poisoned)?;
-        for chunk in items.chunks(per) {
-            // SAFETY: the descriptor buffer holds DESCRIPTOR_BYTES and is live while the pool
-            // is; every run was derived from this pool's own allocations (checked by the
-            // geometry and the arena); upload and launch are ordered on the same stream.
-            unsafe {
-                self.backend.upload(desc, bytemuck::cast_slice(chunk), self.stream)?;
-                self.backend.launch(&launch(desc, chunk.len() as i32), self.stream)?;
-            }
-        }
-        Ok(())
-    }
-
     /// The pool's own memory next to its planes (`index_bytes` counts what the caller
     /// passes: the index buffers it created for this pool).
     pub fn overhead(&self, index_bytes: u64) -> Result<Overhead, PoolError> {
@@ -1382,25 +772,6 @@ impl Pool {
     pub fn has_dense(&self) -> bool {
         self.spec.geometry.class(DENSE_RATIO).is_some()
     }
-}
-
-/// Bytes one copy run carries at most once split: the copy kernel gives every run the same
-/// number of blocks, so a few large runs (a 17 MB slot move is two) would leave most of the
-/// device idle. Pieces this size keep every run's blocks busy and the grid wide.
-pub const COPY_PIECE_BYTES: u64 = 256 << 10;
-
-/// `runs` with every run longer than [`COPY_PIECE_BYTES`] cut into pieces (same bytes).
-pub fn split_runs(runs: &[CopyRun]) -> Vec<CopyRun> {
-    let mut out = Vec::with_capacity(runs.len());
-    for r in runs {
-        let mut done = 0;
-        while done < r.bytes {
-            let n = (r.bytes - done).min(COPY_PIECE_BYTES);
-            out.push(CopyRun { src: r.src + done, dst: r.dst + done, bytes: n });
-            done += n;
-        }
-    }
-    out
 }
 
 /// Allocator counts at one moment.

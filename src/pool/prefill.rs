@@ -14,8 +14,8 @@
 //! [`crate::pool::PrefillPath`]: these buffers (crate-private) with the pool they index.
 
 use super::decode::{
-    check_blocks, check_capacity, check_live, check_seq, class_slice_lens, pack_slot, read_columns,
-    slot_ratios, DecodeError, PackTargets, PoolBounds,
+    add_tokens, check_batch_len, check_blocks, check_capacity, check_live, check_seq, class_slice_lens,
+    pack_slot, read_columns, slot_ratios, DecodeError, PackTargets, PoolBounds,
 };
 use super::owned::{Carve, DeviceBuffer, Owned};
 use crate::backend::{Backend, Stream};
@@ -93,6 +93,7 @@ impl PrefillCapacity {
 
 /// One sequence's chunk of a prefill forward.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct PrefillSeq<'a> {
     /// Physical slot (a position from `physical_slot`).
     pub position: i64,
@@ -102,6 +103,14 @@ pub struct PrefillSeq<'a> {
     pub num_tokens: usize,
     /// Logical → physical block ids covering the context after the chunk.
     pub block_table: &'a [i32],
+}
+
+impl<'a> PrefillSeq<'a> {
+    /// One prefill sequence, every field given (the struct is `#[non_exhaustive]`: a field added later
+    /// gets a default here and a setter).
+    pub fn new(position: i64, chunk_start: i64, num_tokens: usize, block_table: &'a [i32]) -> Self {
+        PrefillSeq { position, chunk_start, num_tokens, block_table }
+    }
 }
 
 /// One sub-buffer of the prefill path, by name.
@@ -382,15 +391,10 @@ impl PrefillIndexBuffers {
 
     fn build_metadata(&mut self, batch: &[PrefillSeq<'_>]) -> Result<usize, DecodeError> {
         let cap = self.cap;
-        if batch.len() > cap.max_seqs {
-            return Err(DecodeError::TooManySeqs { got: batch.len(), cap: cap.max_seqs });
-        }
+        check_batch_len(batch.len(), cap.max_seqs)?;
         let mut tokens = 0usize;
         for (i, s) in batch.iter().enumerate() {
-            tokens = tokens.saturating_add(s.num_tokens);
-            if tokens > cap.max_tokens {
-                return Err(DecodeError::TooManyTokens { got: tokens, cap: cap.max_tokens });
-            }
+            tokens = add_tokens(tokens, s.num_tokens, cap.max_tokens)?;
             // num_tokens ≤ max_tokens, so `ctx` cannot overflow for chunk_start ≤ i32::MAX.
             if s.num_tokens == 0 || !(0..=i64::from(i32::MAX)).contains(&s.chunk_start) {
                 return Err(DecodeError::BadSequence {

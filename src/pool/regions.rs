@@ -11,7 +11,6 @@ use crate::arena::{plan_regions, ArenaError};
 use crate::checked::{add, mul};
 use crate::geometry::{GeometryError, UnifiedPoolGeometry};
 use crate::sizing::{IndexerDtype, IndexerPart, Plan};
-use crate::variant::VariantName;
 use thiserror::Error;
 
 crate::checked::overflow_into!(TransferError);
@@ -19,6 +18,7 @@ crate::checked::overflow_into!(TransferError);
 /// Roles of the plane regions, in plane order (bf16 builds have the first only).
 pub const PLANE_ROLES: [&str; 2] = ["dsv4.main_kv.nope", "dsv4.main_kv.rope"];
 
+crate::variant::variant_names! {
 /// Everything transfer registration refuses.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum TransferError {
@@ -69,29 +69,6 @@ pub enum TransferError {
     #[error(transparent)]
     Arena(#[from] ArenaError),
 }
-
-impl VariantName for TransferError {
-    fn variant_name(&self) -> &'static str {
-        use TransferError::*;
-        match self {
-            Fp4Indexer => "Fp4Indexer",
-            PipelineParallel { .. } => "PipelineParallel",
-            PlaneCount { .. } => "PlaneCount",
-            IndexerTooSmall { .. } => "IndexerTooSmall",
-            UnitOutOfRange { .. } => "UnitOutOfRange",
-            Overflow { .. } => "Overflow",
-            Geometry(e) => e.variant_name(),
-            Arena(e) => e.variant_name(),
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            TransferError::Geometry(e) => e.is_device_failure(),
-            TransferError::Arena(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 fn to_u64(x: i64, what: &'static str) -> Result<u64, TransferError> {

@@ -27,10 +27,10 @@ use crate::backend::BackendError;
 use crate::geometry::Class;
 use crate::index::{DevicePtr, IndexKeysArgs, KvRowsArgs, Launch, KV_ROWS_ATOM_FP8, KV_ROW_VALUES};
 use crate::sizing::IndexerDtype;
-use crate::variant::VariantName;
 use std::sync::Arc;
 use thiserror::Error;
 
+crate::variant::variant_names! {
 /// What a KV row write refuses, before anything is launched.
 #[derive(Debug, Error)]
 pub enum RowWriteError {
@@ -176,42 +176,6 @@ pub enum RowWriteError {
     #[error("pool: {0}")]
     Pool(#[source] Box<PoolError>),
 }
-
-impl VariantName for RowWriteError {
-    fn variant_name(&self) -> &'static str {
-        use RowWriteError::*;
-        match self {
-            TooManyTokens { .. } => "TooManyTokens",
-            KvShape { .. } => "KvShape",
-            BadLayer { .. } => "BadLayer",
-            NothingStaged { .. } => "NothingStaged",
-            NoSuchRows { .. } => "NoSuchRows",
-            NegativePosition { .. } => "NegativePosition",
-            PositionPastI64 { .. } => "PositionPastI64",
-            SharedSlot { .. } => "SharedSlot",
-            StaleLease { .. } => "StaleLease",
-            BadEntry { .. } => "BadEntry",
-            EntryOutsideIndexer { .. } => "EntryOutsideIndexer",
-            RowPastI32 { .. } => "RowPastI32",
-            IndexerTooLarge { .. } => "IndexerTooLarge",
-            ForeignPath => "ForeignPath",
-            Decode(e) => e.variant_name(),
-            IndexerFormat { .. } => "IndexerFormat",
-            NoRowFormat => "NoRowFormat",
-            TooLarge { .. } => "TooLarge",
-            Backend(e) => e.variant_name(),
-            Pool(e) => e.variant_name(),
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            RowWriteError::Backend(e) => e.is_device_failure(),
-            RowWriteError::Decode(e) => e.is_device_failure(),
-            RowWriteError::Pool(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 type Result<T> = std::result::Result<T, RowWriteError>;
@@ -241,6 +205,7 @@ impl RowWriteCapacity {
 /// One sequence of a prefill chunk: its tokens are `first_position ..` and sit contiguously in
 /// the KV (sequences in batch order).
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct WindowSeq {
     /// The request's slot.
     pub slot: SlotHandle,
@@ -248,6 +213,14 @@ pub struct WindowSeq {
     pub first_position: i64,
     /// Tokens of the chunk.
     pub tokens: usize,
+}
+
+impl WindowSeq {
+    /// One sequence's window writes, every field given (the struct is `#[non_exhaustive]`: a field added later
+    /// gets a default here and a setter).
+    pub fn new(slot: SlotHandle, first_position: i64, tokens: usize) -> Self {
+        WindowSeq { slot, first_position, tokens }
+    }
 }
 
 /// One compressed entry a compressor emitted: row `row` (`0 .. block_rows` of the class) of

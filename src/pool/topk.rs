@@ -11,7 +11,6 @@ use super::owned::Owned;
 use super::{DecodeError, DecodePath, Pool, PrefillPath};
 use crate::backend::BackendError;
 use crate::index::DevicePtr;
-use crate::variant::VariantName;
 use std::sync::Arc;
 use thiserror::Error;
 
@@ -39,6 +38,7 @@ impl TopkRows<'_> {
     }
 }
 
+crate::variant::variant_names! {
 /// What a checked pack refuses, before anything is launched.
 #[derive(Debug, Error)]
 pub enum TopkError {
@@ -93,28 +93,6 @@ pub enum TopkError {
     #[error(transparent)]
     Backend(#[from] BackendError),
 }
-
-impl VariantName for TopkError {
-    fn variant_name(&self) -> &'static str {
-        use TopkError::*;
-        match self {
-            Shape { .. } => "Shape",
-            TooNarrow { .. } => "TooNarrow",
-            BadId { .. } => "BadId",
-            TooManyTokens { .. } => "TooManyTokens",
-            OtherPool => "OtherPool",
-            Decode(e) => e.variant_name(),
-            Backend(e) => e.variant_name(),
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            TopkError::Decode(e) => e.is_device_failure(),
-            TopkError::Backend(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 /// A checked top-k staging buffer for one pool's packs (see the module doc).

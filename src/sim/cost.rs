@@ -43,13 +43,13 @@
 //! `tests/simulate_time.rs`.
 
 use crate::file::{read_text_bounded, FileError};
-use crate::variant::VariantName;
 use serde_json::Value;
 
 /// Largest coefficient file [`StepCost::from_path`] reads (what `calibrate --json` writes is
 /// under 1 KiB).
 pub const MAX_COST_BYTES: u64 = 1 << 20;
 
+crate::variant::variant_names! {
 /// What the cost model can be refused with.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum CostError {
@@ -75,18 +75,6 @@ pub enum CostError {
     #[error("cost file: {0}")]
     File(#[from] FileError),
 }
-
-impl VariantName for CostError {
-    fn variant_name(&self) -> &'static str {
-        use CostError::*;
-        match self {
-            UnknownPreset(_, _) => "UnknownPreset",
-            Json(_) => "Json",
-            Coefficient { .. } => "Coefficient",
-            Underdetermined(_) => "Underdetermined",
-            File(e) => e.variant_name(),
-        }
-    }
 }
 
 /// The coefficients of one (model, hardware, parallelism, quantisation): see the module docs.

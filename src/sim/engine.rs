@@ -16,11 +16,32 @@ use super::trace::Trace;
 use super::{RequestSpec, RunKind, SimConfig, SimError, MAX_SAMPLES, MAX_STEPS, MAX_WAITING};
 use crate::backend::Backend;
 use crate::manager::{BlockHash, KvManager, ManagerError, Namespace, RequestId};
-use crate::pool::{DecodePath, DecodeSeq, Pool};
+use crate::pool::{DecodePath, DecodeSeq, Pool, PoolError, PoolSpec};
 use std::collections::{HashSet, VecDeque};
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// Bytes of memory the machine has available now (`MemAvailable`), where it says.
+pub fn available_memory() -> Option<u64> {
+    use std::io::Read as _;
+    let mut text = String::new();
+    // /proc/meminfo is a few KiB: read no more than 64 KiB of it.
+    std::fs::File::open("/proc/meminfo").ok()?.take(64 << 10).read_to_string(&mut text).ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// A pool for a simulation: its planes and indexer cache keep no bytes on an accounting
+/// host backend ([`crate::backend::host::keep_no_bytes`]; the pool's own code runs
+/// unchanged, its copies and fills counted instead of done), real memory on any other.
+pub fn sim_pool(backend: &Arc<dyn Backend>, spec: &PoolSpec) -> Result<Arc<Pool>, PoolError> {
+    crate::backend::host::keep_no_bytes(|| {
+        Pool::new(backend.clone(), spec.clone(), crate::backend::Stream::DEFAULT)
+    })
+    .map(Arc::new)
+}
 
 /// A request the engine knows: waiting (no manager id until it first reaches the head of
 /// the queue, so a long queue holds no hashes) or running.

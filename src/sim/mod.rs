@@ -21,20 +21,21 @@
 //! In time ([`TimeConfig`]) every step costs what the step-cost model ([`cost`]) charges for
 //! its work, and the runs report TTFT, TPOT, end-to-end latency, throughput per GPU and
 //! goodput ([`TimeReport`]); a Mooncake trace ([`trace`]) replays with its own arrivals;
-//! [`bench`](mod@bench) replays a published benchmark cell. `docs/simulate.md` has the model, its
+//! `bench` ([`crate::raw::sim::bench`]) replays a published benchmark cell. `docs/simulate.md` has the model, its
 //! validation and the results.
 //!
 //! * [`workload`] — the PRNG, the mixes, the lazy arrival stream (benches use it too).
-//! * [`engine`] — the step loop ([`Engine`], [`simulate`]).
+//! * `engine` — the step loop ([`simulate`]; its `Engine` is under
+//!   [`crate::raw::sim`] for tools that step a run themselves).
 //! * `policy` — the engine's own decisions beside the manager's: the manager each run is
 //!   built with, refusal, the preemption victim, block hashes (admission back-pressure is the
 //!   manager's policy:
 //!   [`KvManager::may_admit_request`](crate::manager::KvManager::may_admit_request), which
 //!   prices the request's own hit).
-//! * [`report`] — [`SimReport`], every figure a run produces.
+//! * `report` — [`SimReport`], every figure a run produces.
 //!
 //! # Memory bound
-//! A run holds the pool (its budget: on the accounting host backend, [`sim_pool`], none of
+//! A run holds the pool (its budget: on the accounting host backend, `raw::sim::sim_pool`, none of
 //! it in memory), the decode index buffers (at most
 //! 1/[`DECODE_BUDGET_DIVISOR`] of the pool's bytes; a larger configuration is refused by
 //! [`SimConfig::check`]), and host bookkeeping bounded by constants: at most
@@ -43,27 +44,27 @@
 //! fixed-size latency histogram. One exception, for the hit-rate figure: the set of block
 //! hashes ever committed (16 B per distinct block the run computed).
 
-pub mod bench;
+// `bench` (calibration replays) and the step loop's `Engine` with its accounting pool are the
+// simulator's internals: public under `crate::raw::sim` only.
+pub(crate) mod bench;
 pub mod cost;
-pub mod engine;
+pub(crate) mod engine;
 pub mod fleet;
 mod policy;
-pub mod report;
+mod report;
 pub mod trace;
 pub mod workload;
 
 pub use cost::{StepCost, StepLoad};
-pub use engine::{simulate, Engine};
+pub use engine::simulate;
+use engine::{sim_pool, Engine};
 pub use policy::{sglang_fixed_slots, SGLANG_SWA_RATIO};
 pub use report::{LatencyHistogram, Sample, SimReport, TimeReport};
 pub use trace::{Trace, TraceError};
 pub use workload::{Mix, RequestSpec, Rng, Workload, WorkloadConfig};
 
-use crate::backend::Backend;
 use crate::geometry::UnifiedPoolGeometry;
-use crate::pool::{DecodeCapacity, DecodeError, DecodePath, Pool, PoolError, PoolSpec};
-use crate::variant::VariantName;
-use std::sync::Arc;
+use crate::pool::{DecodeCapacity, DecodeError, DecodePath, PoolError, PoolSpec};
 
 /// Most requests waiting for admission; arrivals beyond it are turned away (counted in
 /// [`SimReport::turned_away`]). 65,536 requests of 32 bytes: 2 MiB.
@@ -97,7 +98,8 @@ pub const MANAGER_BYTES_PER_BLOCK: u64 = 256;
 pub const BASE_BYTES: u64 = 64 << 20;
 
 /// Where a backend keeps what a simulated pool holds, for [`SimConfig::memory_estimate`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct MemoryPlacement {
     /// The planes and indexer cache are host memory (the plain host backend).
     pub planes_on_host: bool,
@@ -107,6 +109,12 @@ pub struct MemoryPlacement {
     /// backend's heap); the accounting host backend reserves them without committing them.
     pub tiers_committed: bool,
 }
+
+crate::setters::with_setters!(MemoryPlacement {
+    with_planes_on_host(planes_on_host: bool),
+    with_index_on_host(index_on_host: bool),
+    with_tiers_committed(tiers_committed: bool),
+});
 
 /// What one run of the simulator holds in host memory at its peak, by engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,27 +127,7 @@ pub struct MemoryEstimate {
     pub total: u64,
 }
 
-/// Bytes of memory the machine has available now (`MemAvailable`), where it says.
-pub fn available_memory() -> Option<u64> {
-    use std::io::Read as _;
-    let mut text = String::new();
-    // /proc/meminfo is a few KiB: read no more than 64 KiB of it.
-    std::fs::File::open("/proc/meminfo").ok()?.take(64 << 10).read_to_string(&mut text).ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
-}
-
-/// A pool for a simulation: its planes and indexer cache keep no bytes on an accounting
-/// host backend ([`crate::backend::host::keep_no_bytes`]; the pool's own code runs
-/// unchanged, its copies and fills counted instead of done), real memory on any other.
-pub fn sim_pool(backend: &Arc<dyn Backend>, spec: &PoolSpec) -> Result<Arc<Pool>, PoolError> {
-    crate::backend::host::keep_no_bytes(|| {
-        Pool::new(backend.clone(), spec.clone(), crate::backend::Stream::DEFAULT)
-    })
-    .map(Arc::new)
-}
-
+crate::variant::variant_names! {
 /// What a simulation can fail with while it runs.
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
@@ -171,38 +159,9 @@ pub enum SimError {
     #[error("calibration replay: {0}")]
     Bench(#[source] crate::sizing::SizingError),
 }
-
-impl VariantName for SimError {
-    fn variant_name(&self) -> &'static str {
-        use SimError::*;
-        match self {
-            Pool(e) => e.variant_name(),
-            Decode(e) => e.variant_name(),
-            Backend(e) => e.variant_name(),
-            Manager(e) => e.variant_name(),
-            Config(e) => e.variant_name(),
-            Cost(e) => e.variant_name(),
-            Trace(e) => e.variant_name(),
-            BenchModel(e) => e.variant_name(),
-            Bench(e) => e.variant_name(),
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            SimError::Pool(e) => e.is_device_failure(),
-            SimError::Decode(e) => e.is_device_failure(),
-            SimError::Backend(e) => e.is_device_failure(),
-            SimError::Manager(e) => e.is_device_failure(),
-            SimError::Config(e) => e.is_device_failure(),
-            SimError::Cost(e) => e.is_device_failure(),
-            SimError::Trace(e) => e.is_device_failure(),
-            SimError::BenchModel(e) => e.is_device_failure(),
-            SimError::Bench(e) => e.is_device_failure(),
-        }
-    }
 }
 
+crate::variant::variant_names! {
 /// A configuration the simulator refuses before it allocates anything.
 #[derive(Debug, thiserror::Error)]
 pub enum SimConfigError {
@@ -273,28 +232,6 @@ pub enum SimConfigError {
     #[error("this run needs time mode (a step-cost model and a horizon)")]
     NotInTime,
 }
-
-impl VariantName for SimConfigError {
-    fn variant_name(&self) -> &'static str {
-        use SimConfigError::*;
-        match self {
-            OutOfRange { .. } => "OutOfRange",
-            Rate(_) => "Rate",
-            DecodeBuffers { .. } => "DecodeBuffers",
-            Decode(e) => e.variant_name(),
-            Time(_, _) => "Time",
-            ContextBelowMix { .. } => "ContextBelowMix",
-            NotInTime => "NotInTime",
-            Memory { .. } => "Memory",
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            SimConfigError::Decode(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 /// Which run: the manager's split policy and how prefixes are reused (a run of the

@@ -18,8 +18,8 @@
 
 use super::RequestSpec;
 use crate::file::{read_text_bounded, FileError};
-use crate::variant::VariantName;
 
+crate::variant::variant_names! {
 /// A trace line that cannot be read, with its 1-based line number.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum TraceError {
@@ -55,19 +55,6 @@ pub enum TraceError {
     #[error("trace speed {0} is not a finite positive number")]
     Speed(f64),
 }
-
-impl VariantName for TraceError {
-    fn variant_name(&self) -> &'static str {
-        use TraceError::*;
-        match self {
-            Line { .. } => "Line",
-            OutOfOrder { .. } => "OutOfOrder",
-            TooLong => "TooLong",
-            File(e) => e.variant_name(),
-            Shard(_, _) => "Shard",
-            Speed(_) => "Speed",
-        }
-    }
 }
 
 /// Most requests one trace may hold (its ids are kept in memory: the conversation trace's

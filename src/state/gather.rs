@@ -24,10 +24,10 @@ use crate::geometry::{GeometryError, WindowParams, ABSENT_RATIO};
 use crate::index::{DevicePtr, Launch, WindowGatherArgs, GATHER_ROW_BYTES};
 use crate::pool::owned::{Carve, Owned};
 use crate::pool::{DeviceBuffer, Pool, PoolError};
-use crate::variant::VariantName;
 use std::sync::Arc;
 use thiserror::Error;
 
+crate::variant::variant_names! {
 /// What the window gather refuses, before anything is launched.
 #[derive(Debug, Error)]
 pub enum GatherError {
@@ -154,38 +154,6 @@ pub enum GatherError {
         why: String,
     },
 }
-
-impl VariantName for GatherError {
-    fn variant_name(&self) -> &'static str {
-        use GatherError::*;
-        match self {
-            EmptyWindow => "EmptyWindow",
-            WindowExceedsRing { .. } => "WindowExceedsRing",
-            WindowExceedsOutput { .. } => "WindowExceedsOutput",
-            NoOutput => "NoOutput",
-            TooManySeqs { .. } => "TooManySeqs",
-            NegativeAnchor { .. } => "NegativeAnchor",
-            AnchorPastContext { .. } => "AnchorPastContext",
-            NoSuchLayer { .. } => "NoSuchLayer",
-            NoWindow { .. } => "NoWindow",
-            WindowGeometry { .. } => "WindowGeometry",
-            NoCarriedWindow { .. } => "NoCarriedWindow",
-            StaleLease { .. } => "StaleLease",
-            TooLarge { .. } => "TooLarge",
-            Backend(e) => e.variant_name(),
-            PositionPastI32 { .. } => "PositionPastI32",
-            BadOutput { .. } => "BadOutput",
-            Pool(e) => e.variant_name(),
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            GatherError::Backend(e) => e.is_device_failure(),
-            GatherError::Pool(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 fn pool_err(e: PoolError) -> GatherError {
@@ -216,6 +184,7 @@ impl GatherCapacity {
 
 /// One sequence of a gather batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GatherSeq {
     /// The sequence's slot lease (checked live; its position is what the kernel reads).
     pub slot: SlotHandle,
@@ -223,6 +192,14 @@ pub struct GatherSeq {
     pub anchor: i64,
     /// Tokens written so far, when the engine knows it: the anchor must be below it.
     pub context_len: Option<i64>,
+}
+
+impl GatherSeq {
+    /// One draft-window request, every field given (the struct is `#[non_exhaustive]`: a field added later
+    /// gets a default here and a setter).
+    pub fn new(slot: SlotHandle, anchor: i64, context_len: Option<i64>) -> Self {
+        GatherSeq { slot, anchor, context_len }
+    }
 }
 
 /// Where a layer's window lives: view base(s), window params, rows of the view.

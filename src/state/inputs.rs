@@ -10,7 +10,8 @@ use crate::pool::Pool;
 use std::sync::Arc;
 
 /// One launch's compressor outputs in host memory, row-major and contiguous.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
+#[non_exhaustive]
 pub struct HostStateInputs<'a> {
     /// `[rows][dim]` elements of `dtype`, as bytes.
     pub kv: &'a [u8],
@@ -27,6 +28,16 @@ pub struct HostStateInputs<'a> {
     /// Element type of ape.
     pub ape_dtype: ElemType,
 }
+
+crate::setters::with_setters!(impl<'a> HostStateInputs<'a> {
+    with_kv(kv: &'a [u8]),
+    with_score(score: &'a [u8]),
+    with_ape(ape: &'a [u8]),
+    with_rows(rows: usize),
+    with_dim(dim: usize),
+    with_dtype(dtype: ElemType),
+    with_ape_dtype(ape_dtype: ElemType),
+});
 
 /// A device buffer for one launch's inputs: `max_rows` rows of up to `max_dim` f32 for kv and
 /// score each, and the largest compressor's bias table.

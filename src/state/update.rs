@@ -37,10 +37,11 @@
 use crate::alloc::SlotHandle;
 use crate::backend::BackendError;
 use crate::geometry::Class;
-use crate::index::{DevicePtr, ElemType, Launch, StateUpdateArgs};
+use crate::index::{DevicePtr, Launch, StateUpdateArgs};
+// The element type of an engine's state inputs (defined with the kernel contract).
+pub use crate::index::ElemType;
 use crate::pool::owned::{Carve, Owned};
 use crate::pool::{DeviceBuffer, Pool, PoolError};
-use crate::variant::VariantName;
 use std::sync::Arc;
 use thiserror::Error;
 
@@ -138,6 +139,7 @@ impl StateUpdateCapacity {
 
 /// One sequence of a forward, as an engine has it.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct StateSeq<'a> {
     /// The sequence's slot (checked live against the pool, mapped to its position).
     pub slot: SlotHandle,
@@ -150,8 +152,17 @@ pub struct StateSeq<'a> {
     pub context_len: i64,
 }
 
+impl<'a> StateSeq<'a> {
+    /// One sequence of a forward, every field given (the struct is `#[non_exhaustive]`: a field added later
+    /// gets a default here and a setter).
+    pub fn new(slot: SlotHandle, first_token: usize, positions: &'a [i64], context_len: i64) -> Self {
+        StateSeq { slot, first_token, positions, context_len }
+    }
+}
+
 /// The engine's compressor outputs for one launch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct StateInputs {
     /// `[rows][kv_row_stride]` elements of `dtype`.
     pub kv: DevicePtr,
@@ -173,6 +184,19 @@ pub struct StateInputs {
     pub ape_dtype: ElemType,
 }
 
+crate::setters::with_setters!(StateInputs {
+    with_kv(kv: DevicePtr),
+    with_score(score: DevicePtr),
+    with_ape(ape: DevicePtr),
+    with_kv_row_stride(kv_row_stride: i64),
+    with_score_row_stride(score_row_stride: i64),
+    with_rows(rows: i64),
+    with_dim(dim: i64),
+    with_dtype(dtype: ElemType),
+    with_ape_dtype(ape_dtype: ElemType),
+});
+
+crate::variant::variant_names! {
 /// What staging and launching refuse, before anything reaches the device.
 #[derive(Debug, Error)]
 pub enum StateUpdateError {
@@ -299,36 +323,6 @@ pub enum StateUpdateError {
         now: Option<i64>,
     },
 }
-
-impl VariantName for StateUpdateError {
-    fn variant_name(&self) -> &'static str {
-        use StateUpdateError::*;
-        match self {
-            Pool(e) => e.variant_name(),
-            Backend(e) => e.variant_name(),
-            RingTooSmall { .. } => "RingTooSmall",
-            NegativePosition { .. } => "NegativePosition",
-            PastContext { .. } => "PastContext",
-            DuplicatePosition { .. } => "DuplicatePosition",
-            SharedSlot { .. } => "SharedSlot",
-            OverCapacity { .. } => "OverCapacity",
-            NotI32 { .. } => "NotI32",
-            NoSuchOwner { .. } => "NoSuchOwner",
-            NoSuchLayer { .. } => "NoSuchLayer",
-            FieldShape { .. } => "FieldShape",
-            DimMismatch { .. } => "DimMismatch",
-            InputTooSmall { .. } => "InputTooSmall",
-            Restage { .. } => "Restage",
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            StateUpdateError::Pool(e) => e.is_device_failure(),
-            StateUpdateError::Backend(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 type Result<T> = std::result::Result<T, StateUpdateError>;

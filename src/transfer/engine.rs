@@ -11,7 +11,6 @@
 //! few large copies — per-block descriptors of a few KiB run at a fraction of the link.
 
 use crate::backend::{Backend, BackendError, Stream};
-use crate::variant::VariantName;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use thiserror::Error;
@@ -62,6 +61,7 @@ pub struct Span {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TransferTicket(pub u64);
 
+crate::variant::variant_names! {
 /// What an engine refuses or fails with.
 #[derive(Debug, Error)]
 pub enum EngineError {
@@ -143,32 +143,6 @@ pub enum EngineError {
         len: usize,
     },
 }
-
-impl VariantName for EngineError {
-    fn variant_name(&self) -> &'static str {
-        use EngineError::*;
-        match self {
-            UnknownRegion(_) => "UnknownRegion",
-            WrongSide { .. } => "WrongSide",
-            OutOfRegion { .. } => "OutOfRegion",
-            Overlap { .. } => "Overlap",
-            UnknownTicket(_) => "UnknownTicket",
-            MessageTooLong { .. } => "MessageTooLong",
-            Backend(e) => e.variant_name(),
-            NcclUnavailable(_) => "NcclUnavailable",
-            Nccl { .. } => "Nccl",
-            NixlUnavailable(_) => "NixlUnavailable",
-            Nixl { .. } => "Nixl",
-            NixlMetadata { .. } => "NixlMetadata",
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            EngineError::Backend(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 /// A byte mover between two pools' memories. See the module docs.

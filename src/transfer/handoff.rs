@@ -23,9 +23,9 @@
 use super::engine::{coalesce, EngineError, MemRegion, RegionId, Side, Span, TransferEngine};
 use crate::alloc::{BlockHandle, SlotHandle};
 use crate::pool::{Pool, PoolError, SlotLease};
-use crate::variant::VariantName;
 use thiserror::Error;
 
+crate::variant::variant_names! {
 /// What the handoff refuses or fails with.
 #[derive(Debug, Error)]
 pub enum HandoffError {
@@ -66,29 +66,6 @@ pub enum HandoffError {
     #[error(transparent)]
     Pool(#[from] PoolError),
 }
-
-impl VariantName for HandoffError {
-    fn variant_name(&self) -> &'static str {
-        use HandoffError::*;
-        match self {
-            LayoutMismatch { .. } => "LayoutMismatch",
-            ShapeMismatch { .. } => "ShapeMismatch",
-            BadHandshake(_) => "BadHandshake",
-            NoRoom { .. } => "NoRoom",
-            Request(e) => e.variant_name(),
-            Engine(e) => e.variant_name(),
-            Pool(e) => e.variant_name(),
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            HandoffError::Request(e) => e.is_device_failure(),
-            HandoffError::Engine(e) => e.is_device_failure(),
-            HandoffError::Pool(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 /// The carve facts a receiver must share with the sender for bytes to land where they mean

@@ -22,12 +22,12 @@ use crate::alloc::BlockHandle;
 use crate::backend::{Backend, BackendError, HostAllocation, Stream};
 use crate::checkpoint::LayoutId;
 use crate::pool::{Pool, PoolError};
-use crate::variant::VariantName;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 use std::sync::Arc;
 use thiserror::Error;
 
+crate::variant::variant_names! {
 /// What the host tier, or the shared tier ([`super::SharedTier`]), refuses or fails with.
 #[derive(Debug, Error)]
 pub enum HostTierError {
@@ -115,32 +115,6 @@ pub enum HostTierError {
         what: &'static str,
     },
 }
-
-impl VariantName for HostTierError {
-    fn variant_name(&self) -> &'static str {
-        use HostTierError::*;
-        match self {
-            TooLarge { .. } => "TooLarge",
-            AlreadyHeld => "AlreadyHeld",
-            NotHeld => "NotHeld",
-            UnitCount { .. } => "UnitCount",
-            NoRoom { .. } => "NoRoom",
-            PoolMismatch { .. } => "PoolMismatch",
-            Pool(e) => e.variant_name(),
-            ForeignLayout { .. } => "ForeignLayout",
-            Pinned { .. } => "Pinned",
-            BadPinned { .. } => "BadPinned",
-            Io { .. } => "Io",
-            Corrupt { .. } => "Corrupt",
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            HostTierError::Pool(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 /// One part of a unit in a pool: for block `id` at `base + id × stride`, `bytes` long.

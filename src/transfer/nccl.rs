@@ -48,35 +48,25 @@ fn load() -> Result<Nccl, String> {
         names.push(p);
     }
     names.extend(["libnccl.so.2".to_string(), "libnccl.so".to_string()]);
-    let mut tried = Vec::new();
-    for name in &names {
-        // SAFETY: loading NCCL runs its initialisers, which have no preconditions.
-        let lib = match unsafe { libloading::Library::new(name) } {
-            Ok(l) => l,
-            Err(e) => {
-                tried.push(format!("{name}: {e}"));
-                continue;
-            }
+    // SAFETY: loading NCCL runs its initialisers, which have no preconditions.
+    let (lib, name) = unsafe { crate::dylib::open_first("libnccl", &names) }?;
+    macro_rules! sym {
+        ($name:literal) => {
+            // SAFETY: the symbol is NCCL's C entry point of this signature (nccl.h).
+            *unsafe { lib.get($name) }.map_err(|e| format!("{name} lacks a symbol: {e}"))?
         };
-        macro_rules! sym {
-            ($name:literal) => {
-                // SAFETY: the symbol is NCCL's C entry point of this signature (nccl.h).
-                *unsafe { lib.get($name) }.map_err(|e| format!("{name} lacks a symbol: {e}"))?
-            };
-        }
-        return Ok(Nccl {
-            get_version: sym!(b"ncclGetVersion\0"),
-            comm_init_all: sym!(b"ncclCommInitAll\0"),
-            comm_destroy: sym!(b"ncclCommDestroy\0"),
-            group_start: sym!(b"ncclGroupStart\0"),
-            group_end: sym!(b"ncclGroupEnd\0"),
-            send: sym!(b"ncclSend\0"),
-            recv: sym!(b"ncclRecv\0"),
-            error_string: sym!(b"ncclGetErrorString\0"),
-            _lib: lib,
-        });
     }
-    Err(format!("libnccl not found ({})", tried.join("; ")))
+    Ok(Nccl {
+        get_version: sym!(b"ncclGetVersion\0"),
+        comm_init_all: sym!(b"ncclCommInitAll\0"),
+        comm_destroy: sym!(b"ncclCommDestroy\0"),
+        group_start: sym!(b"ncclGroupStart\0"),
+        group_end: sym!(b"ncclGroupEnd\0"),
+        send: sym!(b"ncclSend\0"),
+        recv: sym!(b"ncclRecv\0"),
+        error_string: sym!(b"ncclGetErrorString\0"),
+        _lib: lib,
+    })
 }
 
 fn nccl() -> Result<&'static Nccl, EngineError> {

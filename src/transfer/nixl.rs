@@ -109,6 +109,7 @@ pub(crate) enum XferOp {
 
 /// How agents are made.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct NixlOptions {
     /// UCX backend parameters (`ucx_error_handling_mode=none` for shared memory, per NIXL's
     /// UCX plugin). Default: `$V4POOL_NIXL_UCX_PARAMS` as `key=value,key=value`, else none.
@@ -116,6 +117,11 @@ pub struct NixlOptions {
     /// How long [`TransferEngine::wait`](super::engine::TransferEngine::wait) polls before giving up (a peer gone mid-transfer).
     pub wait_timeout: Duration,
 }
+
+crate::setters::with_setters!(NixlOptions {
+    with_backend_params(backend_params: Vec<(String, String)>),
+    with_wait_timeout(wait_timeout: Duration),
+});
 
 impl Default for NixlOptions {
     fn default() -> Self {

@@ -11,13 +11,13 @@ use std::sync::OnceLock;
 use v4pool::backend::cuda::CudaBackend;
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, BackendError, Stream};
-use v4pool::index::Launch;
+use v4pool::raw::index::Launch;
 use v4pool::{GeometrySpec, UnifiedPoolGeometry};
 
 /// The host-emulation library build.rs compiled from `kernels/` (the kernel source as plain
 /// C++), loaded; or `None` after printing SKIP (a failure with V4POOL_REQUIRE_DEVICE_BUILD=1).
 pub fn emulation_library() -> Option<libloading::Library> {
-    let Some(path) = v4pool::kernels::host_emulation_library() else {
+    let Some(path) = v4pool::raw::kernels::host_emulation_library() else {
         assert!(
             !std::env::var("V4POOL_REQUIRE_DEVICE_BUILD").is_ok_and(|v| v == "1"),
             "V4POOL_REQUIRE_DEVICE_BUILD=1 but build.rs built no host-emulation library"
@@ -42,10 +42,10 @@ pub type EmuLaunch = unsafe extern "C" fn(*const std::ffi::c_void, *const u32, u
 pub unsafe fn run_reference_or_emulated(launch: &Launch, emu: EmuLaunch, reference: bool) {
     if reference {
         // SAFETY: the caller's promise.
-        unsafe { v4pool::index::host::run_launch(launch) }.expect("reference");
+        unsafe { v4pool::raw::index::host::run_launch(launch) }.expect("reference");
     } else {
-        let shape = v4pool::index::shape::launch_shape(launch);
-        let bytes = v4pool::backend::kernel_argument(launch);
+        let shape = v4pool::raw::index::shape::launch_shape(launch);
+        let bytes = v4pool::raw::launch::kernel_argument(launch);
         // SAFETY: as above; the argument bytes are the struct the kernel takes.
         assert_eq!(unsafe { emu(bytes.as_ptr().cast(), shape.grid.as_ptr(), shape.block[0]) }, 0);
     }
@@ -461,7 +461,7 @@ pub fn index_pool_of(
     backend: std::sync::Arc<dyn Backend>,
     spec: GeometrySpec,
 ) -> std::sync::Arc<v4pool::pool::Pool> {
-    use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
+    use v4pool::raw::arena::{ArenaLayout, Dtype, Fill, StateField};
     let field = StateField {
         name: "state".into(),
         layers: 1,

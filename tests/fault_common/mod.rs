@@ -6,7 +6,7 @@
 use std::sync::{Arc, Mutex};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, Stream};
-use v4pool::index::{DevicePtr, Launch};
+use v4pool::raw::index::{DevicePtr, Launch};
 
 /// The kinds of backend call the wrapper counts and can fail.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -12,7 +12,7 @@
 use crate::common::batches::DecodeBatch;
 use crate::common::{Case, Rng, WIN};
 use v4pool::geometry::WindowParams;
-use v4pool::index::{ClassBuffers, CsaPackArgs, DecodeIndexArgs, FlashMlaOut, Launch, CLASS_HCA};
+use v4pool::raw::index::{ClassBuffers, CsaPackArgs, DecodeIndexArgs, FlashMlaOut, Launch, CLASS_HCA};
 use v4pool::{UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
 
 pub const POISON: i32 = -7;
@@ -179,39 +179,34 @@ impl FlashDecode {
         let (classes, envelope, rpb, stride) =
             (self.classes.clone(), self.envelope, self.rpb, b.stride as i32);
         let make = move |p: &[u64]| {
-            let mut a = DecodeIndexArgs {
-                state_slot_per_seq: p[slots],
-                batch_id_per_token: p[bid],
-                positions: p[pos],
-                block_tables: p[tables],
-                envelope_rows: envelope,
-                block_table_stride: stride,
-                hca_rows_per_block: rpb,
-                num_tokens: t as i32,
-                win: WIN,
-                ..Default::default()
-            };
+            let mut a = DecodeIndexArgs::default()
+                .with_state_slot_per_seq(p[slots])
+                .with_batch_id_per_token(p[bid])
+                .with_positions(p[pos])
+                .with_block_tables(p[tables])
+                .with_envelope_rows(envelope)
+                .with_block_table_stride(stride)
+                .with_hca_rows_per_block(rpb)
+                .with_num_tokens(t as i32)
+                .with_win(WIN);
             for (c, (cls, cb)) in classes.iter().zip(&bufs).enumerate() {
                 let (Some(cls), Some(cb)) = (cls, cb) else { continue };
-                a.classes[c] = ClassBuffers {
-                    params: cls.params,
-                    indptr: p[cb.indptr],
-                    indices: cb.csr.map_or(0, |i| p[i]),
-                    dest_rows: p[cb.dest],
-                };
+                a.classes[c] = ClassBuffers::default()
+                    .with_params(cls.params)
+                    .with_indptr(p[cb.indptr])
+                    .with_indices(cb.csr.map_or(0, |i| p[i]))
+                    .with_dest_rows(p[cb.dest]);
                 let Some(ix) = cb.indices else { continue };
                 let at = |i: Option<usize>| i.map_or(0, |i| p[i]);
-                a.flashmla[c] = FlashMlaOut {
-                    indices: p[ix],
-                    topk_length: at(cb.topk_length),
-                    extra_indices: at(cb.extra),
-                    extra_topk_length: at(cb.extra_length),
-                    shifts: at(cb.shifts),
-                    topk: cls.topk,
-                    extra_topk: if cb.extra.is_some() { cls.extra_topk } else { 0 },
-                    num_views: cls.shifts.len() as i32,
-                    _pad: 0,
-                };
+                a.flashmla[c] = FlashMlaOut::default()
+                    .with_indices(p[ix])
+                    .with_topk_length(at(cb.topk_length))
+                    .with_extra_indices(at(cb.extra))
+                    .with_extra_topk_length(at(cb.extra_length))
+                    .with_shifts(at(cb.shifts))
+                    .with_topk(cls.topk)
+                    .with_extra_topk(if cb.extra.is_some() { cls.extra_topk } else { 0 })
+                    .with_num_views(cls.shifts.len() as i32);
             }
             vec![Launch::Decode(a)]
         };
@@ -379,30 +374,27 @@ impl FlashPack {
         let bid = case.i32s("batch_id_per_token", &b.bid);
         let out = case.poisoned("extra_indices", t * self.extra_topk as usize + SLACK, POISON);
         let len = case.poisoned("extra_topk_length", t + SLACK, POISON);
-        let a = CsaPackArgs {
-            envelope_rows: self.envelope,
-            topk_row_stride: self.row_stride,
-            block_table_stride: b.stride as i32,
-            num_tokens: t as i32,
-            block_capacity: self.cap,
-            window_size: WIN,
-            compress_ratio: CSA_RATIO,
-            compress_bias: self.bias,
-            extra_topk: self.extra_topk,
-            shift: self.shift,
-            ..Default::default()
-        };
+        let a = CsaPackArgs::default()
+            .with_envelope_rows(self.envelope)
+            .with_topk_row_stride(self.row_stride)
+            .with_block_table_stride(b.stride as i32)
+            .with_num_tokens(t as i32)
+            .with_block_capacity(self.cap)
+            .with_window_size(WIN)
+            .with_compress_ratio(CSA_RATIO)
+            .with_compress_bias(self.bias)
+            .with_extra_topk(self.extra_topk)
+            .with_shift(self.shift);
         let make = move |p: &[u64]| {
-            vec![Launch::CsaPack(CsaPackArgs {
-                topk: p[topk],
-                block_tables: p[tables],
-                positions: p[pos],
-                indptr: p[indptr],
-                batch_id_per_token: p[bid],
-                out: p[out],
-                extra_topk_length: p[len],
-                ..a
-            })]
+            vec![Launch::CsaPack(
+                a.with_topk(p[topk])
+                    .with_block_tables(p[tables])
+                    .with_positions(p[pos])
+                    .with_indptr(p[indptr])
+                    .with_batch_id_per_token(p[bid])
+                    .with_out(p[out])
+                    .with_extra_topk_length(p[len]),
+            )]
         };
         (case, [out, len], make)
     }

@@ -7,10 +7,10 @@
 
 use crate::common::Rng;
 use std::sync::Arc;
-use v4pool::arena::{ArenaLayout, STATE_WINDOW};
 use v4pool::backend::{Backend, Stream};
 use v4pool::model::{DraftMode, ModelShape};
 use v4pool::pool::{Pool, PoolSpec, SlotLease};
+use v4pool::raw::arena::{ArenaLayout, STATE_WINDOW};
 use v4pool::sizing::{IndexerDtype, KvDtype, KvSpec};
 use v4pool::state::gather::GatherSeq;
 use v4pool::ABSENT_RATIO;
@@ -147,7 +147,7 @@ pub fn batch(rng: &mut Rng, leases: &[SlotLease], n: usize, wd: usize) -> Vec<Ga
         .map(|_| {
             let anchor = if rng.chance(0.3) { rng.range(0, 2 * wd as i64) } else { rng.range(0, 1_000_000) };
             let context_len = rng.chance(0.5).then(|| anchor + 1 + rng.range(0, 5));
-            GatherSeq { slot: leases[rng.below(leases.len() as u64) as usize].handle, anchor, context_len }
+            GatherSeq::new(leases[rng.below(leases.len() as u64) as usize].handle, anchor, context_len)
         })
         .collect()
 }

@@ -18,12 +18,12 @@ use std::sync::Arc;
 #[path = "../pool_common/mod.rs"]
 pub mod pool_common;
 
-use v4pool::arena::{Dtype, Fill, StateField};
 use v4pool::backend::{Backend, Stream};
-use v4pool::index::{ElemType, Launch, PlaneWrite, RingWriteArgs};
 use v4pool::manager::{BlockHash, KvManager, Namespace, RequestId};
 use v4pool::pool::Pool;
 use v4pool::pool::SlotLease;
+use v4pool::raw::arena::{Dtype, Fill, StateField};
+use v4pool::raw::index::{ElemType, Launch, PlaneWrite, RingWriteArgs};
 use v4pool::sizing::IndexerDtype;
 use v4pool::state::update::{Compressor, StateInputs, StateSeq, StateUpdateCapacity};
 use v4pool::ABSENT_RATIO;
@@ -286,7 +286,7 @@ fn update_state(pool: &Arc<Pool>, lease: SlotLease, t: &[u32], from: usize, to: 
     let n = to - from;
     let mut upd = pool.state_update(StateUpdateCapacity::new(1, n)).expect("state update");
     let positions: Vec<i64> = (from as i64..to as i64).collect();
-    let seq = StateSeq { slot: lease.handle, first_token: 0, positions: &positions, context_len: to as i64 };
+    let seq = StateSeq::new(lease.handle, 0, &positions, to as i64);
     upd.stage(&[seq]).expect("stage");
     let backend = pool.backend().clone();
     let stream = pool.stream();
@@ -301,17 +301,16 @@ fn update_state(pool: &Arc<Pool>, lease: SlotLease, t: &[u32], from: usize, to: 
             *ptr = a.ptr;
             allocs.push(a);
         }
-        let inputs = StateInputs {
-            kv: ptrs[0],
-            score: ptrs[1],
-            ape: ptrs[2],
-            kv_row_stride: STATE_DIM as i64,
-            score_row_stride: STATE_DIM as i64,
-            rows: n as i64,
-            dim: STATE_DIM as i64,
-            dtype: input_type(r.c),
-            ape_dtype: ElemType::F32,
-        };
+        let inputs = StateInputs::default()
+            .with_kv(ptrs[0])
+            .with_score(ptrs[1])
+            .with_ape(ptrs[2])
+            .with_kv_row_stride(STATE_DIM as i64)
+            .with_score_row_stride(STATE_DIM as i64)
+            .with_rows(n as i64)
+            .with_dim(STATE_DIM as i64)
+            .with_dtype(input_type(r.c))
+            .with_ape_dtype(ElemType::F32);
         // SAFETY: the inputs were just uploaded to the pool's backend with these shapes.
         unsafe { upd.update(r.c, r.layer, &inputs).expect("state update") };
     }
@@ -427,20 +426,20 @@ pub fn forward(pool: &Arc<Pool>, lease: SlotLease, table: &[i32], t: &[u32], fro
             }
             let buf = alloc(&kv);
             let view = pool.layer_view(layer, p).expect("view");
-            planes[p] = PlaneWrite { kv: buf.ptr, pool: view.ptr, row_bytes: width as i64 };
+            planes[p] =
+                PlaneWrite::default().with_kv(buf.ptr).with_pool(view.ptr).with_row_bytes(width as i64);
             kv_bufs.push(buf);
         }
         let view_rows = pool.layer_view(layer, 0).expect("view").rows;
-        let args = RingWriteArgs {
-            params,
-            planes,
-            positions: pos_buf.ptr,
-            cu_seqlens_q: cu_buf.ptr,
-            state_slot_per_seq: slot_buf.ptr,
-            view_rows,
-            num_seqs: 1,
-            write_per_batch: w as i32,
-        };
+        let args = RingWriteArgs::default()
+            .with_params(params)
+            .with_planes(planes)
+            .with_positions(pos_buf.ptr)
+            .with_cu_seqlens_q(cu_buf.ptr)
+            .with_state_slot_per_seq(slot_buf.ptr)
+            .with_view_rows(view_rows)
+            .with_num_seqs(1)
+            .with_write_per_batch(w as i32);
         // SAFETY: every pointer is a live buffer of this backend sized for `n` tokens, or a
         // layer view of the pool; rows outside the view are dropped by the kernel.
         unsafe { backend.launch(&Launch::RingWrite(args), stream).expect("ring write") };
@@ -507,8 +506,7 @@ pub fn exactness(backend: Arc<dyn Backend>) {
     let t = tokens(1, 2600, 0);
     // The uninterrupted reference.
     let ref_pool = state_pool(backend.clone(), 40);
-    let mut rm =
-        KvManager::new(ref_pool, config(0, false), Box::new(FixedPolicy { slots: 2 })).expect("manager");
+    let mut rm = KvManager::new(ref_pool, config(0, false), Box::new(FixedPolicy::new(2))).expect("manager");
     let r = rm.add_request(2300, hashes(&t));
     assert_eq!(rm.admit(r).expect("admit").hit_tokens, 0);
     run_to(&mut rm, r, &t, 2600, 512);

@@ -10,9 +10,9 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use v4pool::alloc::BlockHandle;
 use v4pool::backend::Backend;
 use v4pool::model::ModelShape;
+use v4pool::pool::BlockHandle;
 use v4pool::pool::Pool;
 use v4pool::transfer::engine::{EngineError, MemRegion, RegionId, Side, Span};
 use v4pool::transfer::nixl::{NixlAgent, NixlEngine, NixlMem, NixlOptions};
@@ -189,7 +189,7 @@ pub fn send_to_child(sender: &Pool, req: &RequestKv, peer: &mut Peer, mode: Mode
     if mode == Mode::Vanish {
         gone();
     }
-    let opts = NixlOptions { wait_timeout: Duration::from_secs(20), ..NixlOptions::default() };
+    let opts = NixlOptions::default().with_wait_timeout(Duration::from_secs(20));
     let agent = NixlAgent::new(None, &opts).map_err(|e| e.to_string())?;
     let mut engine = NixlEngine::to_peer(agent, &md, (mem, mem), &opts).map_err(|e| e.to_string())?;
     if mode == Mode::VanishLate {

@@ -3,10 +3,10 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
-use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, Stream};
 use v4pool::pool::{Pool, PoolSpec};
+use v4pool::raw::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::sizing::IndexerDtype;
 use v4pool::GeometrySpec;
 

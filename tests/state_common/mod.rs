@@ -6,11 +6,11 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
-use v4pool::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::backend::{Backend, DeviceAllocation, Stream};
-use v4pool::index::ElemType;
 use v4pool::model::ModelShape;
 use v4pool::pool::{Pool, PoolSpec, SlotLease};
+use v4pool::raw::arena::{ArenaLayout, Dtype, Fill, StateField};
+use v4pool::raw::index::ElemType;
 use v4pool::sizing::{IndexerDtype, KvDtype, PoolLayout};
 use v4pool::state::update::{Compressor, StateInputs, StateSeq, StateUpdateCapacity};
 use v4pool::GeometrySpec;
@@ -105,14 +105,7 @@ pub struct Seq {
 }
 
 pub fn views(seqs: &[Seq]) -> Vec<StateSeq<'_>> {
-    seqs.iter()
-        .map(|s| StateSeq {
-            slot: s.lease.handle,
-            first_token: s.first_token,
-            positions: &s.positions,
-            context_len: s.context_len,
-        })
-        .collect()
+    seqs.iter().map(|s| StateSeq::new(s.lease.handle, s.first_token, &s.positions, s.context_len)).collect()
 }
 
 /// A forward over `leases`: each sequence `q` new tokens (1..=`max_q`) ending at a random
@@ -206,17 +199,16 @@ pub fn upload(backend: &dyn Backend, i: &Inputs) -> (Vec<DeviceAllocation>, Stat
         unsafe { backend.upload(a.ptr, bytes, Stream::DEFAULT).unwrap() };
         allocs.push(a);
     }
-    let view = StateInputs {
-        kv: allocs[0].ptr,
-        score: allocs[1].ptr,
-        ape: allocs[2].ptr,
-        kv_row_stride: i.kv_row_stride,
-        score_row_stride: i.score_row_stride,
-        rows: i.rows,
-        dim: i.dim,
-        dtype: i.dtype,
-        ape_dtype: i.ape_dtype,
-    };
+    let view = StateInputs::default()
+        .with_kv(allocs[0].ptr)
+        .with_score(allocs[1].ptr)
+        .with_ape(allocs[2].ptr)
+        .with_kv_row_stride(i.kv_row_stride)
+        .with_score_row_stride(i.score_row_stride)
+        .with_rows(i.rows)
+        .with_dim(i.dim)
+        .with_dtype(i.dtype)
+        .with_ape_dtype(i.ape_dtype);
     (allocs, view)
 }
 

@@ -17,15 +17,15 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
-use v4pool::alloc::BlockHandle;
 use v4pool::backend::{Backend, DeviceAllocation, Stream};
 use v4pool::geometry::{Class, DENSE_RATIO};
-use v4pool::index::shape::flashmla_row_limit;
-use v4pool::index::{CopyRun, DevicePtr, ElemType, Launch};
+use v4pool::pool::BlockHandle;
 use v4pool::pool::{
     decode_slice_lens, CompressedRow, DecodeCapacity, DecodePath, DecodeSeq, FlashMlaWidths, KvRowWriter,
     Pool, RowSet, RowWriteCapacity, SlotLease, WriteBatch,
 };
+use v4pool::raw::index::shape::flashmla_row_limit;
+use v4pool::raw::index::{CopyRun, DevicePtr, ElemType, Launch};
 use v4pool::sim::Rng;
 use v4pool::state::update::{Compressor, StateInputs, StateSeq, StateUpdate, StateUpdateCapacity};
 
@@ -227,7 +227,7 @@ fn layer_plans(pool: &Pool, trunk: usize, v41: bool) -> Vec<LayerPlan> {
             if v41 {
                 l.pack = ratio != DENSE_RATIO;
                 if let Some(o) = owners.iter().position(|&s| s == layer) {
-                    let d = dim(v4pool::arena::V41_COMPRESS_KV);
+                    let d = dim(v4pool::raw::arena::V41_COMPRESS_KV);
                     l.states.push(StateCall {
                         compressor: None,
                         ordinal: o as u64,
@@ -360,14 +360,8 @@ impl StepRig {
         // and the packs leave unwritten (past an HCA row's limit) stays the poison, which
         // `path_outputs` checks and compares like any byte.
         poison_flashmla_operands(&path);
-        let seqs: Vec<DecodeSeq<'_>> = (0..batch)
-            .map(|b| DecodeSeq {
-                position: positions[b],
-                context_len: data.ctx[b],
-                num_tokens: tps,
-                block_table: &tables[b],
-            })
-            .collect();
+        let seqs: Vec<DecodeSeq<'_>> =
+            (0..batch).map(|b| DecodeSeq::new(positions[b], data.ctx[b], tps, &tables[b])).collect();
         path.stage(&seqs).expect("stage the decode batch");
         let wcap = RowWriteCapacity::new(t);
         let own = pool.kv_row_writer(wcap).expect("writer");
@@ -404,12 +398,7 @@ impl StepRig {
         let mut state = pool.state_update(scap).expect("state update");
         let pos_lists: Vec<Vec<i64>> = data.ctx.iter().map(|&c| (c - tps as i64..c).collect()).collect();
         let sseqs: Vec<StateSeq<'_>> = (0..batch)
-            .map(|b| StateSeq {
-                slot: held.slots[b].handle,
-                first_token: b * tps,
-                positions: &pos_lists[b],
-                context_len: data.ctx[b],
-            })
+            .map(|b| StateSeq::new(held.slots[b].handle, b * tps, &pos_lists[b], data.ctx[b]))
             .collect();
         state.stage(&sseqs).expect("stage the state plan");
 
@@ -439,17 +428,16 @@ impl StepRig {
                 let kv = inputs.window(t * s.dim);
                 let score = inputs.window(t * s.dim);
                 let ape = inputs.window(s.ratio * s.dim);
-                let si = StateInputs {
-                    kv,
-                    score,
-                    ape,
-                    kv_row_stride: s.dim as i64,
-                    score_row_stride: s.dim as i64,
-                    rows: t as i64,
-                    dim: s.dim as i64,
-                    dtype: ElemType::F32,
-                    ape_dtype: ElemType::F32,
-                };
+                let si = StateInputs::default()
+                    .with_kv(kv)
+                    .with_score(score)
+                    .with_ape(ape)
+                    .with_kv_row_stride(s.dim as i64)
+                    .with_score_row_stride(s.dim as i64)
+                    .with_rows(t as i64)
+                    .with_dim(s.dim as i64)
+                    .with_dtype(ElemType::F32)
+                    .with_ape_dtype(ElemType::F32);
                 let launch = match s.compressor {
                     Some(c) => state.launch(c, s.ordinal, &si),
                     None => state.owner_launch(s.ordinal, &si),
@@ -628,7 +616,7 @@ impl StepRig {
             for s in &l.states {
                 let (kv, score) = match s.compressor {
                     Some(c) => c.fields(),
-                    None => (v4pool::arena::V41_COMPRESS_KV, v4pool::arena::V41_COMPRESS_SCORE),
+                    None => (v4pool::raw::arena::V41_COMPRESS_KV, v4pool::raw::arena::V41_COMPRESS_SCORE),
                 };
                 let plan = self.state.read_plan(plan_class(s)).expect("plan");
                 for field in [kv, score] {

@@ -21,7 +21,7 @@ pub fn unit_bytes(pool: &Pool) -> u64 {
 /// and rolling ones) whose host tier holds `units` block units.
 pub fn tiered(pool: Arc<Pool>, units: u64) -> KvManager {
     let config = config(2, true).with_host_tier_bytes(units * unit_bytes(&pool));
-    KvManager::new(pool, config, Box::new(FixedPolicy { slots: 3 })).expect("manager")
+    KvManager::new(pool, config, Box::new(FixedPolicy::new(3))).expect("manager")
 }
 
 /// What a finished conversation left: its tokens, and the slot image and block contents at

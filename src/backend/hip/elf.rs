@@ -5,7 +5,6 @@
 //! Every offset and length read from the bytes is checked: a truncated or hostile file is an
 //! [`ElfError`], never a panic or an out-of-bounds read.
 
-use crate::variant::VariantName;
 use thiserror::Error;
 
 /// `e_machine` of an AMDGPU code object.
@@ -31,6 +30,7 @@ pub const STT_FUNC: u8 = 2;
 /// Code-object v2's kernel type; later versions use `STT_FUNC`.
 pub const STT_AMDGPU_HSA_KERNEL: u8 = 10;
 
+crate::variant::variant_names! {
 /// What reading a code object can fail with.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum ElfError {
@@ -90,21 +90,6 @@ pub enum ElfError {
     #[error("compressed offload bundle: decompress it with clang-offload-bundler first")]
     CompressedBundle,
 }
-
-impl VariantName for ElfError {
-    fn variant_name(&self) -> &'static str {
-        use ElfError::*;
-        match self {
-            NotElf { .. } => "NotElf",
-            Unsupported { .. } => "Unsupported",
-            Truncated { .. } => "Truncated",
-            SectionEntrySize { .. } => "SectionEntrySize",
-            SymbolEntrySize { .. } => "SymbolEntrySize",
-            BadLink { .. } => "BadLink",
-            BadName { .. } => "BadName",
-            CompressedBundle => "CompressedBundle",
-        }
-    }
 }
 
 /// One entry of `.symtab` or `.dynsym`.

@@ -10,7 +10,7 @@
 //! # Which code runs
 //!
 //! build.rs embeds gfx942 and gfx90a code objects when clang-19 is present
-//! ([`embedded_code_objects`]). A device whose arch matches one of them loads it; any other
+//! ([`embedded_code_objects`](crate::raw::hip::embedded_code_objects)). A device whose arch matches one of them loads it; any other
 //! AMD GPU gets the embedded kernel source compiled by hiprtc for its own arch string, once per
 //! process and arch. `V4POOL_HIP_FORCE_HIPRTC=1` takes the hiprtc path even when an object
 //! matches (the smoke script runs both); `V4POOL_HIP_ARCH=gfx…` overrides the arch the device
@@ -23,7 +23,7 @@
 //! We call the versioned entry point `hipGetDevicePropertiesR0600` (ROCm ≥ 6.0, whose name
 //! pins its struct layout; `hipGetDeviceProperties` is a macro over it) with an 8 KiB zeroed
 //! buffer — far above the struct's 1472 bytes — and read `gcnArchName` at its offset
-//! [`GCN_ARCH_NAME_OFFSET`]; the text is accepted only if it looks like `gfx…` and is
+//! `GCN_ARCH_NAME_OFFSET`; the text is accepted only if it looks like `gfx…` and is
 //! NUL-terminated in its 256 bytes. When that entry point is missing or the text fails the
 //! check, the arch is unknown: each embedded object is offered to `hipModuleLoadData`
 //! (the runtime refuses one that does not fit the device) and, failing that, hiprtc compiles
@@ -37,7 +37,7 @@
 //! (`backend::staging`), so `upload` returns without waiting for the stream; the host
 //! waits only in `download`, `synchronize`, `alloc_zeroed` (zeros must be in place for every
 //! stream), larger uploads and event timing. Launches go through the same
-//! [`crate::backend::launch`] preparation as CUDA's: checked with
+//! [`crate::raw::launch`] preparation as CUDA's: checked with
 //! [`crate::index::shape::check_launch`] first, grid from
 //! [`crate::index::shape::launch_shape`].
 //!
@@ -47,18 +47,18 @@
 //! implementation), `event.rs` (timing events), `roctx.rs` (profiler ranges), `elf.rs`
 //! (reading code objects).
 
-mod api;
+pub(crate) mod api;
 mod backend;
-pub mod elf;
+pub(crate) mod elf;
 mod event;
-mod module;
-mod roctx;
+pub(crate) mod module;
+pub(crate) mod roctx;
 
-pub use api::{hiprtc_compile, hiprtc_compile_source};
+// The loader's internals are public under `crate::raw::hip` only (tests and tools reach them
+// there); what an engine holds is the backend, its events and where its module came from.
 pub use backend::{device_count, HipBackend};
 pub use event::HipEvent;
-pub use module::{embedded_code_objects, parse_arch_name, ModuleOrigin};
-pub use roctx::{roctx_pop, roctx_push};
+pub use module::ModuleOrigin;
 
 use super::BackendKind;
 use crate::index::Launch;
@@ -68,12 +68,12 @@ const KIND: BackendKind = BackendKind::Hip;
 
 /// Every kernel symbol the backend looks up when it loads a module (a module lacking one is
 /// [`BackendError::MissingKernel`](crate::backend::BackendError::MissingKernel)); the code-object test checks exactly this list.
-pub const KERNEL_SYMBOLS: [&str; Launch::SYMBOLS.len()] = Launch::SYMBOLS;
+pub(crate) const KERNEL_SYMBOLS: [&str; Launch::SYMBOLS.len()] = Launch::SYMBOLS;
 
 /// Offset of `gcnArchName[256]` in `hipDeviceProp_tR0600` (ROCm 6.x/7.x `hip_runtime_api.h`:
 /// `name[256]`, `uuid`, `luid[8]`, … 63 `reserved` and 32 `hipReserved` ints, then
 /// `gcnArchName`), the struct being 1472 bytes on x86-64.
-pub const GCN_ARCH_NAME_OFFSET: usize = 1160;
+pub(crate) const GCN_ARCH_NAME_OFFSET: usize = 1160;
 const GCN_ARCH_NAME_LEN: usize = 256;
 /// Bytes handed to `hipGetDevicePropertiesR0600`: room for the struct to grow many times over.
 const DEVICE_PROP_BUFFER_BYTES: usize = 8192;
@@ -89,6 +89,8 @@ type HipErr = c_int;
 #[cfg(test)]
 mod tests {
     use super::api::library_candidates;
+    use super::module::parse_arch_name;
+    use super::roctx::{roctx_pop, roctx_push};
     use super::*;
 
     #[test]

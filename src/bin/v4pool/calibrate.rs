@@ -7,8 +7,9 @@
 use crate::{conclude, parse_args, CliError, Streams};
 use std::fmt::Write as _;
 use v4pool::backend::BackendChoice;
+use v4pool::raw::sim::bench;
 use v4pool::sim::cost::{self, Figure, Fit, StepCost, CELLS};
-use v4pool::sim::{bench, SimError, TimeReport};
+use v4pool::sim::{SimError, TimeReport};
 
 const HELP: &str = "\
 usage: v4pool calibrate [--preset NAME] [--no-replay] [--json]

@@ -112,7 +112,7 @@ pub enum CliError {
     #[error("{what} of {got} exceeds the {max} this command lists")]
     TooLarge { what: &'static str, got: i64, max: i64 },
     #[error("{0}")]
-    File(#[from] v4pool::file::FileError),
+    File(#[from] v4pool::model::FileError),
     #[error("{0}")]
     Model(#[from] ModelError),
     #[error("{0}")]

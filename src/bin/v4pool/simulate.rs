@@ -9,13 +9,14 @@ use crate::{conclude, parse_args, CliError, ParsedArgs, Streams};
 use std::io::Write as _;
 use v4pool::backend::{BackendChoice, BackendKind};
 use v4pool::pool::{Overhead, Pool, PoolSpec};
+use v4pool::raw::sim::Engine;
 use v4pool::sim::cost::CostError;
 use v4pool::sim::fleet::{
     simulate_fleet_with_progress, FleetConfig, FleetProgress, FleetReport, FleetRun, Router,
 };
 use v4pool::sim::{
-    Engine, MemoryPlacement, Mix, RequestSpec, RunKind, SimConfig, SimError, SimReport, StepCost, TimeConfig,
-    Trace, TraceError, Workload,
+    MemoryPlacement, Mix, RequestSpec, RunKind, SimConfig, SimError, SimReport, StepCost, TimeConfig, Trace,
+    TraceError, Workload,
 };
 use v4pool::sizing::{IndexerDtype, KvDtype, Plan, PlanRequest};
 
@@ -467,9 +468,12 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
     let backend: std::sync::Arc<dyn v4pool::backend::Backend> =
         if on_host { std::sync::Arc::new(v4pool::backend::host::HostBackend::accounting()) } else { backend };
     // Refuse up front what would not fit this machine's memory (rather than be killed midway).
-    let at = MemoryPlacement { planes_on_host: false, index_on_host: on_host, tiers_committed: !on_host };
+    let at = MemoryPlacement::default()
+        .with_planes_on_host(false)
+        .with_index_on_host(on_host)
+        .with_tiers_committed(!on_host);
     let engines = s.fleet.as_ref().map_or(1, |f| f.engines);
-    let estimate = match v4pool::sim::available_memory() {
+    let estimate = match v4pool::raw::sim::available_memory() {
         Some(available) => s.cfg.check_memory(&s.spec, engines, at, available)?,
         None => s.cfg.memory_estimate(&s.spec, engines, at)?,
     };
@@ -558,7 +562,7 @@ fn execute(s: Setup, io: &mut Streams<'_>) -> Result<(), CliError> {
     }
     let mut reports = Vec::new();
     for &policy in &s.policies {
-        let pool = v4pool::sim::sim_pool(&backend, &s.spec)?;
+        let pool = v4pool::raw::sim::sim_pool(&backend, &s.spec)?;
         reports.push(run_policy(&pool, &s, policy, io)?);
     }
     if let Some((path, mut file)) = s.svg {

@@ -14,7 +14,6 @@
 use super::shape::LaunchError;
 use crate::checked::{add, mul};
 use crate::geometry::WindowParams;
-use crate::variant::VariantName;
 use thiserror::Error;
 
 // The builders and translate-pack (§3–§6), the row movers (§7) and the raw-pointer entry live
@@ -45,6 +44,7 @@ pub use state::{update_compressor_states, StateMemory};
 
 crate::checked::overflow_into!(HostKernelError);
 
+crate::variant::variant_names! {
 /// Why a host kernel refused or stopped.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum HostKernelError {
@@ -204,38 +204,6 @@ pub enum HostKernelError {
         bytes: u64,
     },
 }
-
-impl VariantName for HostKernelError {
-    fn variant_name(&self) -> &'static str {
-        use HostKernelError::*;
-        match self {
-            Launch(e) => e.variant_name(),
-            OutOfBounds { .. } => "OutOfBounds",
-            NotI32 { .. } => "NotI32",
-            Overflow { .. } => "Overflow",
-            NotARing { .. } => "NotARing",
-            ZeroDivisor { .. } => "ZeroDivisor",
-            TableColumn { .. } => "TableColumn",
-            NegativeEntry { .. } => "NegativeEntry",
-            TopkPastRow { .. } => "TopkPastRow",
-            PastRow { .. } => "PastRow",
-            BadAddress { .. } => "BadAddress",
-            TooLong { .. } => "TooLong",
-            FillRunUnaligned { .. } => "FillRunUnaligned",
-            CopyRunOverlap { .. } => "CopyRunOverlap",
-            RowWidth { .. } => "RowWidth",
-            OutsideAllocation { .. } => "OutsideAllocation",
-            Aliased { .. } => "Aliased",
-            BadWriteBatch { .. } => "BadWriteBatch",
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            HostKernelError::Launch(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }
 
 type Result<T> = std::result::Result<T, HostKernelError>;

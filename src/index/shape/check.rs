@@ -11,9 +11,9 @@ use crate::index::{
     ClassBuffers, CsaPackArgs, DecodeIndexArgs, FlashMlaOut, HcaOffsetsArgs, Launch, PlaneWrite,
     PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs, WindowGatherArgs, CLASS_HCA,
 };
-use crate::variant::VariantName;
 use thiserror::Error;
 
+crate::variant::variant_names! {
 /// Why a launch was rejected before it ran.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum LaunchError {
@@ -120,26 +120,6 @@ pub enum LaunchError {
         of: i64,
     },
 }
-
-impl VariantName for LaunchError {
-    fn variant_name(&self) -> &'static str {
-        use LaunchError::*;
-        match self {
-            Negative { .. } => "Negative",
-            TooSmall { .. } => "TooSmall",
-            TooLarge { .. } => "TooLarge",
-            MissingBuffer { .. } => "MissingBuffer",
-            UnexpectedBuffer { .. } => "UnexpectedBuffer",
-            NoClass => "NoClass",
-            NoDestRows => "NoDestRows",
-            BadWindowParams { .. } => "BadWindowParams",
-            WindowExceedsRing { .. } => "WindowExceedsRing",
-            BadCode { .. } => "BadCode",
-            Misaligned { .. } => "Misaligned",
-            PlaneHalfGiven { .. } => "PlaneHalfGiven",
-            NotMultiple { .. } => "NotMultiple",
-        }
-    }
 }
 
 const CLASS_NAMES: [&str; 3] = ["dense", "csa", "hca"];

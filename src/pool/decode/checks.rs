@@ -54,6 +54,25 @@ impl PoolBounds {
     }
 }
 
+/// The batch-size rule decode and prefill staging share: at most `max_seqs` sequences.
+pub(crate) fn check_batch_len(seqs: usize, max_seqs: usize) -> Result<(), DecodeError> {
+    if seqs > max_seqs {
+        return Err(DecodeError::TooManySeqs { got: seqs, cap: max_seqs });
+    }
+    Ok(())
+}
+
+/// The token rule they share: the batch's running token count (saturating) after adding
+/// `num_tokens`, refused past `max_tokens`; checked sequence by sequence, so a sequence's
+/// own refusals come after the counts of those before it.
+pub(crate) fn add_tokens(tokens: usize, num_tokens: usize, max_tokens: usize) -> Result<usize, DecodeError> {
+    let tokens = tokens.saturating_add(num_tokens);
+    if tokens > max_tokens {
+        return Err(DecodeError::TooManyTokens { got: tokens, cap: max_tokens });
+    }
+    Ok(tokens)
+}
+
 /// Checks one sequence shared by decode and prefill staging: position live, context
 /// within what the tables and the pool can index, table length, and (when `ids`) every id
 /// a block of the pool. Returns the blocks the context needs.

@@ -7,9 +7,9 @@ use crate::backend::BackendError;
 use crate::geometry::{Class, GeometryError};
 use crate::index::DevicePtr;
 use crate::pool::PoolError;
-use crate::variant::VariantName;
 use thiserror::Error;
 
+crate::variant::variant_names! {
 /// What the decode path refuses.
 #[derive(Debug, Error)]
 pub enum DecodeError {
@@ -246,50 +246,4 @@ pub enum DecodeError {
     #[error("pool: {0}")]
     Pool(#[source] Box<PoolError>),
 }
-
-impl VariantName for DecodeError {
-    fn variant_name(&self) -> &'static str {
-        use DecodeError::*;
-        match self {
-            TooManySeqs { .. } => "TooManySeqs",
-            TooManyTokens { .. } => "TooManyTokens",
-            BlockTableTooLong { .. } => "BlockTableTooLong",
-            BlockTableTooShort { .. } => "BlockTableTooShort",
-            ContextTooLong { .. } => "ContextTooLong",
-            BadSequence { .. } => "BadSequence",
-            BadPosition { .. } => "BadPosition",
-            BadBlock { .. } => "BadBlock",
-            StaleBlock { .. } => "StaleBlock",
-            BadWindow { .. } => "BadWindow",
-            ZeroCapacity { .. } => "ZeroCapacity",
-            NegativeTopk(_) => "NegativeTopk",
-            MissingClass(_) => "MissingClass",
-            SharedCompressors { .. } => "SharedCompressors",
-            PackNeedsLayer => "PackNeedsLayer",
-            NotPacked { .. } => "NotPacked",
-            TooLarge { .. } => "TooLarge",
-            TokensPastGrid { .. } => "TokensPastGrid",
-            BufferFull { .. } => "BufferFull",
-            TopkStride { .. } => "TopkStride",
-            FlashMlaWidth { .. } => "FlashMlaWidth",
-            FlashMlaTooNarrow { .. } => "FlashMlaTooNarrow",
-            NoFlashMla { .. } => "NoFlashMla",
-            NotI32(_) => "NotI32",
-            OutOfRange { .. } => "OutOfRange",
-            BatchShape { .. } => "BatchShape",
-            BadTokenCount { .. } => "BadTokenCount",
-            Backend(e) => e.variant_name(),
-            Geometry(e) => e.variant_name(),
-            Pool(e) => e.variant_name(),
-        }
-    }
-
-    fn is_device_failure(&self) -> bool {
-        match self {
-            DecodeError::Backend(e) => e.is_device_failure(),
-            DecodeError::Geometry(e) => e.is_device_failure(),
-            DecodeError::Pool(e) => e.is_device_failure(),
-            _ => false,
-        }
-    }
 }

@@ -6,8 +6,8 @@
 //! code, the parent the once-per-path sizing.
 
 use super::{
-    check_blocks, check_live, check_seq, class_slice_lens, read_columns, DecodeError, DecodeIndexBuffers,
-    DecodeSeq, PoolBounds,
+    add_tokens, check_batch_len, check_blocks, check_live, check_seq, class_slice_lens, read_columns,
+    DecodeError, DecodeIndexBuffers, DecodeSeq, PoolBounds,
 };
 use crate::geometry::{Class, NUM_SLOTS};
 use crate::index::{DevicePtr, Launch};
@@ -155,15 +155,10 @@ impl DecodeIndexBuffers {
         tables: bool,
     ) -> Result<(usize, usize), DecodeError> {
         let cap = self.cap;
-        if batch.len() > cap.max_seqs {
-            return Err(DecodeError::TooManySeqs { got: batch.len(), cap: cap.max_seqs });
-        }
+        check_batch_len(batch.len(), cap.max_seqs)?;
         let mut tokens = 0usize;
         for (i, s) in batch.iter().enumerate() {
-            tokens = tokens.saturating_add(s.num_tokens);
-            if tokens > cap.max_tokens {
-                return Err(DecodeError::TooManyTokens { got: tokens, cap: cap.max_tokens });
-            }
+            tokens = add_tokens(tokens, s.num_tokens, cap.max_tokens)?;
             // num_tokens ≤ max_tokens here, so the cast is exact.
             if s.num_tokens == 0 || s.context_len < s.num_tokens as i64 {
                 return Err(DecodeError::BadSequence {

@@ -102,72 +102,62 @@ pub(super) fn candidates() -> Vec<String> {
 }
 
 pub(super) fn load() -> Result<Nixl, String> {
-    let mut tried = Vec::new();
-    for name in candidates() {
-        // SAFETY: loading the library runs NIXL's initialisers, which have no preconditions.
-        let lib = match unsafe { libloading::Library::new(&name) } {
-            Ok(l) => l,
-            Err(e) => {
-                tried.push(format!("{name}: {e}"));
-                continue;
-            }
+    // SAFETY: loading the library runs NIXL's initialisers, which have no preconditions.
+    let (lib, name) = unsafe { crate::dylib::open_first("libnixl_capi", &candidates()) }?;
+    macro_rules! sym {
+        ($s:literal) => {
+            // SAFETY: the symbol is NIXL's C entry point of the declared signature
+            // (wrapper.h of the 1.5.x C API).
+            *unsafe { lib.get(concat!("nixl_capi_", $s, "\0").as_bytes()) }
+                .map_err(|e| format!("{name} lacks nixl_capi_{}: {e}", $s))?
         };
-        macro_rules! sym {
-            ($s:literal) => {
-                // SAFETY: the symbol is NIXL's C entry point of the declared signature
-                // (wrapper.h of the 1.5.x C API).
-                *unsafe { lib.get(concat!("nixl_capi_", $s, "\0").as_bytes()) }
-                    .map_err(|e| format!("{name} lacks nixl_capi_{}: {e}", $s))?
-            };
-        }
-        let n = Nixl {
-            is_stub: sym!("is_stub"),
-            create_configured_agent: sym!("create_configured_agent"),
-            destroy_agent: sym!("destroy_agent"),
-            get_local_md: sym!("get_local_md"),
-            load_remote_md: sym!("load_remote_md"),
-            invalidate_remote_md: sym!("invalidate_remote_md"),
-            create_params: sym!("create_params"),
-            params_add: sym!("params_add"),
-            destroy_params: sym!("destroy_params"),
-            create_backend: sym!("create_backend"),
-            destroy_backend: sym!("destroy_backend"),
-            create_opt_args: sym!("create_opt_args"),
-            destroy_opt_args: sym!("destroy_opt_args"),
-            opt_args_add_backend: sym!("opt_args_add_backend"),
-            opt_args_set_notif_msg: sym!("opt_args_set_notif_msg"),
-            opt_args_set_has_notif: sym!("opt_args_set_has_notif"),
-            register_mem: sym!("register_mem"),
-            deregister_mem: sym!("deregister_mem"),
-            create_reg_dlist: sym!("create_reg_dlist"),
-            reg_dlist_add_desc: sym!("reg_dlist_add_desc"),
-            destroy_reg_dlist: sym!("destroy_reg_dlist"),
-            create_xfer_dlist: sym!("create_xfer_dlist"),
-            xfer_dlist_add_desc: sym!("xfer_dlist_add_desc"),
-            destroy_xfer_dlist: sym!("destroy_xfer_dlist"),
-            create_xfer_req: sym!("create_xfer_req"),
-            post_xfer_req: sym!("post_xfer_req"),
-            get_xfer_status: sym!("get_xfer_status"),
-            release_xfer_req: sym!("release_xfer_req"),
-            destroy_xfer_req: sym!("destroy_xfer_req"),
-            create_notif_map: sym!("create_notif_map"),
-            destroy_notif_map: sym!("destroy_notif_map"),
-            get_notifs: sym!("get_notifs"),
-            notif_map_size: sym!("notif_map_size"),
-            notif_map_get_agent_at: sym!("notif_map_get_agent_at"),
-            notif_map_get_notifs_size: sym!("notif_map_get_notifs_size"),
-            notif_map_get_notif: sym!("notif_map_get_notif"),
-            notif_map_clear: sym!("notif_map_clear"),
-            mem_type_to_string: sym!("mem_type_to_string"),
-            _lib: lib,
-        };
-        // SAFETY: no arguments, no preconditions.
-        if unsafe { (n.is_stub)() } {
-            return Err(format!("{name} is NIXL's stub build (no transfer backends)"));
-        }
-        return Ok(n);
     }
-    Err(format!("libnixl_capi not found ({})", tried.join("; ")))
+    let n = Nixl {
+        is_stub: sym!("is_stub"),
+        create_configured_agent: sym!("create_configured_agent"),
+        destroy_agent: sym!("destroy_agent"),
+        get_local_md: sym!("get_local_md"),
+        load_remote_md: sym!("load_remote_md"),
+        invalidate_remote_md: sym!("invalidate_remote_md"),
+        create_params: sym!("create_params"),
+        params_add: sym!("params_add"),
+        destroy_params: sym!("destroy_params"),
+        create_backend: sym!("create_backend"),
+        destroy_backend: sym!("destroy_backend"),
+        create_opt_args: sym!("create_opt_args"),
+        destroy_opt_args: sym!("destroy_opt_args"),
+        opt_args_add_backend: sym!("opt_args_add_backend"),
+        opt_args_set_notif_msg: sym!("opt_args_set_notif_msg"),
+        opt_args_set_has_notif: sym!("opt_args_set_has_notif"),
+        register_mem: sym!("register_mem"),
+        deregister_mem: sym!("deregister_mem"),
+        create_reg_dlist: sym!("create_reg_dlist"),
+        reg_dlist_add_desc: sym!("reg_dlist_add_desc"),
+        destroy_reg_dlist: sym!("destroy_reg_dlist"),
+        create_xfer_dlist: sym!("create_xfer_dlist"),
+        xfer_dlist_add_desc: sym!("xfer_dlist_add_desc"),
+        destroy_xfer_dlist: sym!("destroy_xfer_dlist"),
+        create_xfer_req: sym!("create_xfer_req"),
+        post_xfer_req: sym!("post_xfer_req"),
+        get_xfer_status: sym!("get_xfer_status"),
+        release_xfer_req: sym!("release_xfer_req"),
+        destroy_xfer_req: sym!("destroy_xfer_req"),
+        create_notif_map: sym!("create_notif_map"),
+        destroy_notif_map: sym!("destroy_notif_map"),
+        get_notifs: sym!("get_notifs"),
+        notif_map_size: sym!("notif_map_size"),
+        notif_map_get_agent_at: sym!("notif_map_get_agent_at"),
+        notif_map_get_notifs_size: sym!("notif_map_get_notifs_size"),
+        notif_map_get_notif: sym!("notif_map_get_notif"),
+        notif_map_clear: sym!("notif_map_clear"),
+        mem_type_to_string: sym!("mem_type_to_string"),
+        _lib: lib,
+    };
+    // SAFETY: no arguments, no preconditions.
+    if unsafe { (n.is_stub)() } {
+        return Err(format!("{name} is NIXL's stub build (no transfer backends)"));
+    }
+    Ok(n)
 }
 
 pub(super) fn nixl() -> Result<&'static Nixl, EngineError> {

@@ -14,20 +14,26 @@
 //! `.gpu/run` and `cargo bench` pass `--bench`; without it (`cargo test --benches`) the
 //! binary returns at once. No device: a notice and success, unless V4POOL_REQUIRE_GPU=1.
 
+#[path = "../common/mod.rs"]
 mod common;
+mod copy;
+mod harness;
 
-use common::{bench_requested, fmt_bytes, median, met, percentile_sorted, Rng};
+use copy::copy_group;
+use harness::{alloc, compare, download_i32, free, header, print_row, Floors, Gpu, Row, Stat, TRAFFIC_PIECE};
+
+use common::{bench_requested, fmt_bytes, met, Rng};
 use std::error::Error;
 use std::sync::Arc;
 use std::time::Instant;
-use v4pool::backend::cuda::{self, CudaBackend, CudaEvent, CudaGraph};
+use v4pool::backend::cuda::{self, CudaBackend, CudaGraph};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{Backend, DeviceAllocation, Stream};
 use v4pool::geometry::{UnifiedPoolGeometry, CSA_RATIO, DENSE_RATIO, HCA_RATIO};
-use v4pool::index::shape::prefill_short;
-use v4pool::index::{CopyRun, CopyRunsArgs, DevicePtr, Launch, PrefillIndexArgs};
 use v4pool::model::ModelShape;
 use v4pool::pool::{decode_slice_lens, DecodeBuffer, DecodeCapacity, DecodePath, DecodeSeq, Pool, PoolSpec};
+use v4pool::raw::index::shape::prefill_short;
+use v4pool::raw::index::{CopyRun, DevicePtr, Launch, PrefillIndexArgs};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, Plan, PlanRequest};
 use v4pool::Class;
 
@@ -43,269 +49,6 @@ const WIN: i32 = 128;
 const DECODE_MAX_CTX: i64 = 1_000_000;
 const PREFILL_1M: i64 = 1 << 20;
 const CSA_LAYERS: usize = 21;
-
-// ---- timing harness ---------------------------------------------------------------------
-
-#[derive(Clone, Copy, Debug)]
-struct Stat {
-    /// Median, 10th and 90th percentile, µs.
-    med: f64,
-    p10: f64,
-    p90: f64,
-}
-
-struct Gpu {
-    be: CudaBackend,
-    flush: DeviceAllocation,
-    flush_value: std::cell::Cell<u32>,
-    ev0: CudaEvent,
-    ev1: CudaEvent,
-    /// Copy floor buffers.
-    copy_src: DeviceAllocation,
-    copy_dst: DeviceAllocation,
-    /// Descriptors of the kernel copy floor (`copy_runs` over 1 MiB pieces).
-    copy_desc: DeviceAllocation,
-}
-
-/// Piece size of the kernel copy floor.
-const COPY_PIECE: u64 = 1 << 20;
-/// The traffic floor's pieces: 128 KiB, so even a 4 MB floor spreads over every SM (32 blocks
-/// a piece).
-const TRAFFIC_PIECE: u64 = 128 << 10;
-
-impl Gpu {
-    /// Evict L2 (and keep the GPU busy while the host queues what follows).
-    fn flush(&self) -> Res<()> {
-        let v = self.flush_value.get().wrapping_add(1);
-        self.flush_value.set(v);
-        // SAFETY: the scratch allocation is live and FLUSH_BYTES long.
-        unsafe { self.be.fill_u32(self.flush.ptr, FLUSH_BYTES / 4, v, S)? };
-        Ok(())
-    }
-
-    /// `prep(i)` (untimed), flush, then the device time of `work(i)`; WARM + REPS times.
-    fn time(
-        &self,
-        reps: usize,
-        mut prep: impl FnMut(usize) -> Res<()>,
-        mut work: impl FnMut(usize) -> Res<()>,
-    ) -> Res<Stat> {
-        let mut v = Vec::with_capacity(reps);
-        for i in 0..WARM + reps {
-            prep(i)?;
-            self.flush()?;
-            self.ev0.record(S)?;
-            work(i)?;
-            self.ev1.record(S)?;
-            let us = f64::from(self.ev0.elapsed_ms(&self.ev1)?) * 1e3;
-            if i >= WARM {
-                v.push(us);
-            }
-        }
-        let med = median(&mut v);
-        Ok(Stat { med, p10: percentile_sorted(&v, 10.0), p90: percentile_sorted(&v, 90.0) })
-    }
-
-    fn time_graphs(&self, graphs: &[CudaGraph], prep: impl FnMut(usize) -> Res<()>) -> Res<Stat> {
-        self.time(REPS, prep, |i| Ok(graphs[i % graphs.len()].replay(S)?))
-    }
-
-    /// Capture `queue()` on the stream into a graph.
-    fn capture(&self, queue: impl FnOnce() -> Res<()>) -> Res<CudaGraph> {
-        let cap = self.be.begin_capture(S)?;
-        queue()?;
-        Ok(cap.end()?)
-    }
-
-    fn launch(&self, l: &Launch) -> Res<()> {
-        // SAFETY: every caller builds `l` from buffers it allocated on this backend and sized
-        // as the argument struct states (a decode path's own, the prefill layout, copy runs).
-        unsafe { self.be.launch(l, S)? };
-        Ok(())
-    }
-
-    fn graph_of(&self, launches: &[Launch]) -> Res<CudaGraph> {
-        self.capture(|| {
-            for l in launches {
-                self.launch(l)?;
-            }
-            Ok(())
-        })
-    }
-
-    /// As [`graph_of`](Self::graph_of), with every launch serialised as a plain launch (no
-    /// programmatic dependent launch): the comparison for the overlapped default.
-    fn graph_serial(&self, launches: &[Launch]) -> Res<CudaGraph> {
-        let was = self.be.overlapped_launches();
-        self.be.set_overlapped_launches(false)?;
-        let g = self.graph_of(launches);
-        self.be.set_overlapped_launches(was)?;
-        g
-    }
-
-    /// The bandwidth floor for `bytes`: the faster (by median) of two device-to-device copies,
-    /// each a graph replay with a cold L2: the driver's memcpy, and `copy_runs` over 1 MiB
-    /// pieces (on the first H200 run the driver's memcpy reached 4.16 TB/s at 256 MiB but only
-    /// 2.5-2.7 TB/s at the other sizes of the tables, so one path alone is not a fair floor).
-    fn copy_floor(&self, bytes: u64) -> Res<Stat> {
-        Ok(self.copy_floors(bytes)?.0)
-    }
-
-    /// `(floor, memcpy, kernel copy)`.
-    fn copy_floors(&self, bytes: u64) -> Res<(Stat, Stat, Stat)> {
-        let bytes = bytes.clamp(16, self.copy_src.bytes);
-        let memcpy = self.capture(|| {
-            // SAFETY: both floor buffers are live, disjoint and at least `bytes` long.
-            unsafe { self.be.copy(self.copy_dst.ptr, self.copy_src.ptr, bytes, S)? };
-            Ok(())
-        })?;
-        let kernel = self.copy_runs_graph(bytes, COPY_PIECE, |k| k)?;
-        let m = self.time_graphs(std::slice::from_ref(&memcpy), |_| Ok(()))?;
-        let k = self.time_graphs(std::slice::from_ref(&kernel), |_| Ok(()))?;
-        Ok((if k.med < m.med { k } else { m }, m, k))
-    }
-
-    /// The traffic floor of a kernel that reads `read` distinct bytes and writes `written`:
-    /// one copy_runs launch whose destination pieces (TRAFFIC_PIECE) cover `written`, consecutive
-    /// pieces sharing a source piece so the distinct source bytes are `read` (blocks of one
-    /// source run side by side: its second and later readers find it in L2). Graph replay,
-    /// cold L2.
-    fn traffic_floor(&self, read: u64, written: u64) -> Res<Stat> {
-        let written = written.clamp(16, self.copy_dst.bytes);
-        let read = read.clamp(16, written);
-        let (nsrc, ndst) = (read.div_ceil(TRAFFIC_PIECE), written.div_ceil(TRAFFIC_PIECE));
-        let kernel = self.copy_runs_graph(written, TRAFFIC_PIECE, |k| k * nsrc / ndst)?;
-        self.time_graphs(std::slice::from_ref(&kernel), |_| Ok(()))
-    }
-
-    /// One copy_runs launch, captured: destination pieces of `piece` bytes cover `bytes` of the
-    /// floor's destination, piece k reading source piece `src_piece(k)`.
-    fn copy_runs_graph(&self, bytes: u64, piece: u64, src_piece: impl Fn(u64) -> u64) -> Res<CudaGraph> {
-        let runs: Vec<CopyRun> = (0..bytes.div_ceil(piece))
-            .map(|k| {
-                let off = k * piece;
-                CopyRun {
-                    src: self.copy_src.ptr + src_piece(k) * piece,
-                    dst: self.copy_dst.ptr + off,
-                    bytes: piece.min(bytes - off),
-                }
-            })
-            .collect();
-        // The previous floor's replays have finished (every timed rep waits for its end event).
-        self.upload(self.copy_desc.ptr, &runs)?;
-        self.graph_of(&[Launch::CopyRuns(CopyRunsArgs {
-            runs: self.copy_desc.ptr,
-            num_runs: runs.len() as i32,
-            _pad: 0,
-        })])
-    }
-
-    /// The write floor for `bytes`: a driver memset of them (graph replay, cold L2).
-    fn memset_floor(&self, bytes: u64) -> Res<Stat> {
-        let words = bytes.clamp(16, self.copy_dst.bytes) / 4;
-        let graph = self.capture(|| {
-            // SAFETY: the floor's destination buffer is live and at least `words` words long.
-            unsafe { self.be.fill_u32(self.copy_dst.ptr, words, 0x5a5a_5a5a, S)? };
-            Ok(())
-        })?;
-        self.time_graphs(std::slice::from_ref(&graph), |_| Ok(()))
-    }
-
-    fn upload<T: bytemuck::Pod>(&self, dst: DevicePtr, v: &[T]) -> Res<()> {
-        // SAFETY: callers pass a range inside one of their own live allocations.
-        unsafe { self.be.upload(dst, bytemuck::cast_slice(v), S)? };
-        Ok(())
-    }
-}
-
-fn alloc(be: &dyn Backend, bytes: u64) -> Res<DeviceAllocation> {
-    Ok(be.alloc_zeroed(bytes.max(256))?)
-}
-
-fn free(be: &dyn Backend, a: DeviceAllocation) {
-    // SAFETY: every caller synchronises (a download or elapsed_ms) before freeing, and drops
-    // the graphs that name the allocation first.
-    unsafe { be.free(a) };
-}
-
-fn download_i32(be: &dyn Backend, ptr: DevicePtr, n: usize) -> Res<Vec<i32>> {
-    let mut v = vec![0i32; n];
-    // SAFETY: callers pass ranges inside their live allocations.
-    unsafe { be.download(bytemuck::cast_slice_mut(&mut v), ptr, S)? };
-    Ok(v)
-}
-
-fn download_u8(be: &dyn Backend, ptr: DevicePtr, n: usize) -> Res<Vec<u8>> {
-    let mut v = vec![0u8; n];
-    // SAFETY: callers pass ranges inside their live allocations.
-    unsafe { be.download(&mut v, ptr, S)? };
-    Ok(v)
-}
-
-/// First mismatch of two outputs, as an error naming the buffer.
-fn compare(what: &str, gpu: &[i32], host: &[i32]) -> Res<()> {
-    if gpu.len() != host.len() {
-        return Err(format!("{what}: {} entries on the GPU, {} on the host", gpu.len(), host.len()).into());
-    }
-    if let Some(i) = gpu.iter().zip(host).position(|(a, b)| a != b) {
-        return Err(format!("{what}: entry {i} is {} on the GPU, {} on the host", gpu[i], host[i]).into());
-    }
-    Ok(())
-}
-
-// ---- table printing -----------------------------------------------------------------------
-
-struct Floors {
-    empty_launch: Stat,
-    empty_graph: Stat,
-}
-
-fn header(title: &str) {
-    println!("\n== {title}");
-    println!(
-        "  {:<34} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>8} {:>8} {:>9}",
-        "config",
-        "eager µs",
-        "graph µs",
-        "g p90",
-        "read",
-        "written",
-        "copy µs",
-        "g/empty",
-        "g/copy",
-        "W GB/s"
-    );
-    println!("  {:<34} {:>9} {:>9}", "", "memset µs", "g/memset");
-}
-
-struct Row<'a> {
-    name: &'a str,
-    eager: Option<Stat>,
-    graph: Stat,
-    read: u64,
-    written: u64,
-    copy: Stat,
-    /// A memset of the written bytes (graph replay, cold L2): a builder only writes.
-    memset: Stat,
-}
-
-fn print_row(f: &Floors, r: &Row<'_>) {
-    let eager = r.eager.map_or("-".to_string(), |s| format!("{:.2}", s.med));
-    println!(
-        "  {:<34} {:>9} {:>9.2} {:>9.2} {:>10} {:>10} {:>9.2} {:>8.2} {:>8.2} {:>9.0}",
-        r.name,
-        eager,
-        r.graph.med,
-        r.graph.p90,
-        fmt_bytes(r.read),
-        fmt_bytes(r.written),
-        r.copy.med,
-        r.graph.med / f.empty_graph.med,
-        r.graph.med / r.copy.med,
-        r.written as f64 / (r.graph.med * 1e3),
-    );
-    println!("  {:<34} {:>9.2} {:>9.2}", "", r.memset.med, r.graph.med / r.memset.med);
-}
 
 // ---- geometry ------------------------------------------------------------------------------
 
@@ -360,12 +103,7 @@ impl DecodeSet {
 
     fn seqs(&self) -> Vec<DecodeSeq<'_>> {
         (0..self.pos.len())
-            .map(|i| DecodeSeq {
-                position: self.pos[i],
-                context_len: self.ctx[i],
-                num_tokens: self.tps,
-                block_table: &self.tables[i],
-            })
+            .map(|i| DecodeSeq::new(self.pos[i], self.ctx[i], self.tps, &self.tables[i]))
             .collect()
     }
 
@@ -856,33 +594,32 @@ impl PrefillRig {
         let i = |k: usize| ib + ioff[k];
         let o = |k: usize| ob + ooff[k];
         let dense = g.class(DENSE_RATIO).is_some();
-        let args = PrefillIndexArgs {
-            dense: if dense { g.window_params(DENSE_RATIO)? } else { Default::default() },
-            csa: g.window_params(CSA_RATIO)?,
-            hca: g.window_params(HCA_RATIO)?,
-            positions: i(P_POS),
-            bid_per_token: i(P_BID),
-            chunk_start_per_seq: i(P_CS),
-            cu_seqlens_q_per_seq: i(P_CUQ),
-            state_slot_per_seq: i(P_SLOT),
-            n_committed_hca_per_seq: i(P_NCOMM),
-            block_tables: i(P_TABLES),
-            extend_indptr: i(P_PTR),
-            extend_indices: o(0),
-            swa_indptr: if dense { i(P_PTR + 1) } else { 0 },
-            swa_indices: if dense { o(1) } else { 0 },
-            csa_indptr: i(P_PTR + 2),
-            csa_indices: o(2),
-            hca_indptr: i(P_PTR + 3),
-            hca_indices: o(3),
-            envelope_rows: g.envelope_rows,
-            block_table_stride: set.stride,
-            num_tokens: set.t as i32,
-            win: WIN,
-            hca_ratio: HCA_RATIO,
-            hca_rows_per_block: (g.block_size / i64::from(HCA_RATIO)) as i32,
-            coarse_packed: 0,
-        };
+        let args = PrefillIndexArgs::default()
+            .with_dense(if dense { g.window_params(DENSE_RATIO)? } else { Default::default() })
+            .with_csa(g.window_params(CSA_RATIO)?)
+            .with_hca(g.window_params(HCA_RATIO)?)
+            .with_positions(i(P_POS))
+            .with_bid_per_token(i(P_BID))
+            .with_chunk_start_per_seq(i(P_CS))
+            .with_cu_seqlens_q_per_seq(i(P_CUQ))
+            .with_state_slot_per_seq(i(P_SLOT))
+            .with_n_committed_hca_per_seq(i(P_NCOMM))
+            .with_block_tables(i(P_TABLES))
+            .with_extend_indptr(i(P_PTR))
+            .with_extend_indices(o(0))
+            .with_swa_indptr(if dense { i(P_PTR + 1) } else { 0 })
+            .with_swa_indices(if dense { o(1) } else { 0 })
+            .with_csa_indptr(i(P_PTR + 2))
+            .with_csa_indices(o(2))
+            .with_hca_indptr(i(P_PTR + 3))
+            .with_hca_indices(o(3))
+            .with_envelope_rows(g.envelope_rows)
+            .with_block_table_stride(set.stride)
+            .with_num_tokens(set.t as i32)
+            .with_win(WIN)
+            .with_hca_ratio(HCA_RATIO)
+            .with_hca_rows_per_block((g.block_size / i64::from(HCA_RATIO)) as i32)
+            .with_coarse_packed(0);
         Ok(PrefillRig { inputs, outputs, args, out_ptrs: [o(0), o(1), o(2), o(3)] })
     }
 
@@ -964,130 +701,6 @@ fn prefill_group(gpu: &Gpu, f: &Floors, g: &UnifiedPoolGeometry) -> Res<Option<(
         }
     }
     Ok(target)
-}
-
-// ---- checkpoint copy and relocation ---------------------------------------------------------
-
-fn copy_group(gpu: &Gpu, f: &Floors) -> Res<()> {
-    header("checkpoint copy and relocation (V4-Flash fp8 pool, 8 GiB plan; copy_runs kernel)");
-    let p = flash_plan(64, 8 * GIB)?;
-    let backend: Arc<dyn Backend> = Arc::new(gpu.be.clone());
-    let pool = Pool::new(backend, PoolSpec::from_plan(&p)?, S)?;
-    let g = pool.spec().geometry.clone();
-    let widths = pool.spec().plane_widths.clone();
-    let image_bytes = pool.checkpoint_image_bytes()?;
-    let mut rng = Rng::new(21);
-    // Four held slots with random contents, four image buffers.
-    let mut leases = Vec::new();
-    for _ in 0..4 {
-        let lease = pool.alloc_slot()?;
-        for (pl, &w) in widths.iter().enumerate() {
-            let (start, _) = g.slot_span(lease.position)?;
-            let bytes: Vec<u8> = (0..g.slot_bytes(w)).map(|_| rng.next_u64() as u8).collect();
-            pool.write_plane(pl, start as u64 * w, &bytes)?;
-        }
-        leases.push(lease);
-    }
-    let images: Vec<DeviceAllocation> = (0..4).map(|_| alloc(&gpu.be, image_bytes)).collect::<Res<_>>()?;
-    // The image runs, exactly as Pool::checkpoint_to queues them.
-    let image_runs = |position: i64, image: DevicePtr| -> Res<Vec<CopyRun>> {
-        Ok(v4pool::pool::split_runs(&pool.checkpoint_copy_runs(position, image, true)?))
-    };
-    let ck_runs: Vec<Vec<CopyRun>> =
-        (0..4).map(|k| image_runs(leases[k].position, images[k].ptr)).collect::<Res<_>>()?;
-    // Relocations, as Pool::relocation_runs builds them: one slot move (whole slot, every
-    // plane) and one block move (its envelope in every plane plus every indexer layer).
-    let live = g.live_positions();
-    let free_pos = live.start; // lowest live position: vacant (slots are taken from the top)
-    let slot_move = |from: i64, to: i64| -> Res<Vec<CopyRun>> {
-        Ok(v4pool::pool::split_runs(&pool.slot_copy_runs(from, to)?))
-    };
-    let block_move = |from: u64, to: u64| -> Res<Vec<CopyRun>> {
-        Ok(v4pool::pool::split_runs(&pool.block_copy_runs(from as u32, to as u32)?))
-    };
-    let nb = g.num_blocks as u64;
-    let slot_runs: Vec<Vec<CopyRun>> =
-        (0..4).map(|k| slot_move(leases[k].position, free_pos + k as i64)).collect::<Res<_>>()?;
-    let block_runs: Vec<Vec<CopyRun>> = (0..4u64).map(|k| block_move(nb - 1 - k, k)).collect::<Res<_>>()?;
-
-    // One descriptor allocation per run list, uploaded once; graphs replay them.
-    let mut descs = Vec::new();
-    let mut graphs_of = |lists: &[Vec<CopyRun>]| -> Res<(Vec<CudaGraph>, Vec<Launch>)> {
-        let mut graphs = Vec::new();
-        let mut launches = Vec::new();
-        for runs in lists {
-            let d = alloc(&gpu.be, (runs.len() * std::mem::size_of::<CopyRun>()) as u64)?;
-            gpu.upload(d.ptr, runs)?;
-            let l = Launch::CopyRuns(CopyRunsArgs { runs: d.ptr, num_runs: runs.len() as i32, _pad: 0 });
-            graphs.push(gpu.graph_of(&[l])?);
-            launches.push(l);
-            descs.push(d);
-        }
-        Ok((graphs, launches))
-    };
-    let (ck_graphs, ck_launch) = graphs_of(&ck_runs)?;
-    let (sl_graphs, sl_launch) = graphs_of(&slot_runs)?;
-    let (bl_graphs, bl_launch) = graphs_of(&block_runs)?;
-
-    // Correctness: each kind once, destination poisoned first, compared with its source.
-    for (runs, graph) in
-        [(&ck_runs[0], &ck_graphs[0]), (&slot_runs[0], &sl_graphs[0]), (&block_runs[0], &bl_graphs[0])]
-    {
-        for r in runs.iter().filter(|r| r.dst % 4 == 0) {
-            // SAFETY: every run's destination lies in the pool's planes, the indexer cache or
-            // an image buffer this bench allocated; bytes / 4 words stay inside the run.
-            unsafe { gpu.be.fill_u32(r.dst, r.bytes / 4, 0xdead_beef, S)? };
-        }
-        graph.replay(S)?;
-        for r in runs.iter() {
-            let a = download_u8(&gpu.be, r.src, r.bytes as usize)?;
-            let b = download_u8(&gpu.be, r.dst, r.bytes as usize)?;
-            if a != b {
-                return Err(format!("copy_runs: run {r:?} differs from its source").into());
-            }
-        }
-    }
-    // The pool's own entry point, eager (descriptor upload + launch, in the events).
-    let eager_pool = gpu.time(
-        REPS,
-        |_| Ok(()),
-        |i| {
-            let k = i % 4;
-            // SAFETY: the image buffer is live, image_bytes long, outside the planes.
-            unsafe { pool.checkpoint_to(leases[k].handle, images[k].ptr)? };
-            Ok(())
-        },
-    )?;
-    let sum = |runs: &[CopyRun]| runs.iter().map(|r| r.bytes).sum::<u64>();
-    let kinds: [(String, &[CudaGraph], &[Launch], u64); 3] = [
-        (format!("checkpoint image ({} runs)", ck_runs[0].len()), &ck_graphs, &ck_launch, sum(&ck_runs[0])),
-        (format!("slot move ({} runs)", slot_runs[0].len()), &sl_graphs, &sl_launch, sum(&slot_runs[0])),
-        (format!("block move ({} runs)", block_runs[0].len()), &bl_graphs, &bl_launch, sum(&block_runs[0])),
-    ];
-    for (name, graphs, launches, bytes) in kinds {
-        let eager = gpu.time(REPS, |_| Ok(()), |i| gpu.launch(&launches[i % launches.len()]))?;
-        let graph = gpu.time_graphs(graphs, |_| Ok(()))?;
-        let (copy, memset) = (gpu.copy_floor(bytes)?, gpu.memset_floor(bytes)?);
-        print_row(
-            f,
-            &Row { name: &name, eager: Some(eager), graph, read: bytes, written: bytes, copy, memset },
-        );
-    }
-    println!(
-        "  Pool::checkpoint_to eager (descriptor upload + launch): {:.2} µs median (p90 {:.2}); image {}",
-        eager_pool.med,
-        eager_pool.p90,
-        fmt_bytes(image_bytes)
-    );
-    drop((ck_graphs, sl_graphs, bl_graphs));
-    gpu.be.synchronize(S)?;
-    for d in descs {
-        free(&gpu.be, d);
-    }
-    for a in images {
-        free(&gpu.be, a);
-    }
-    Ok(())
 }
 
 // ---- main -------------------------------------------------------------------------------------
