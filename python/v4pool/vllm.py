@@ -311,7 +311,7 @@ class Tiers:
             try:
                 tier = v4pool.EntryTier(
                     str(root), layout.layout_id, _bytes(extra.get(bkey, default_bytes)),
-                    sync=bool(extra.get("sync", False)),
+                    sync=bool(extra.get("sync", False)), evict_first=evict_first_of(layout, extra),
                 )
             except Exception as e:  # a tier that cannot open: vLLM serves on misses
                 logger.warning("v4pool.vllm: %s tier %s unusable: %s", medium, root, e)
