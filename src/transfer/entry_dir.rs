@@ -407,12 +407,20 @@ impl EntryDir {
         let parse = |n: &str| parse_entry_name(n);
         let mut found = tier_files::scan_tier(&self.tier_dir, DIGEST_HEX, &parse);
         let mut evicted = 0;
-        let used: u64 = found.iter().map(|f| f.bytes).sum();
+        // What the sweep counts: entries and live writers' temporary files (it removes the
+        // stale ones).
+        let now = std::time::SystemTime::now();
+        let stale = |f: &tier_files::Found<(char, u128)>| {
+            f.key.is_none() && now.duration_since(f.mtime).is_ok_and(|a| a > tier_files::STALE_TEMP)
+        };
+        let used: u64 = found.iter().filter(|f| !stale(f)).map(|f| f.bytes).sum();
         if used > self.budget && !self.evict_first.is_empty() {
             let first = |f: &tier_files::Found<(char, u128)>| {
-                f.path.starts_with(&self.dir) && f.key.is_some_and(|(k, _)| self.evict_first.contains(&(k as u8)))
+                f.path.starts_with(&self.dir)
+                    && f.key.is_some_and(|(k, _)| self.evict_first.contains(&(k as u8)))
             };
-            let ages: Vec<(bool, std::time::SystemTime)> = found.iter().map(|f| (first(f), f.mtime)).collect();
+            let ages: Vec<(bool, std::time::SystemTime)> =
+                found.iter().map(|f| (first(f), f.mtime)).collect();
             // Only the kinds evicted first here: the sweep below evicts the rest by its LRU.
             let low = self.budget / 1000 * tier_files::LOW_WATER;
             let mut left = used;

@@ -81,7 +81,8 @@ impl PyEntryTier {
     #[new]
     #[pyo3(signature = (root, layout, budget_bytes, sync=false, evict_first=""))]
     fn new(root: PathBuf, layout: &str, budget_bytes: u64, sync: bool, evict_first: &str) -> PyResult<Self> {
-        let inner = EntryDir::open_ordered(&root, layout, budget_bytes, sync, evict_first).map_err(lib_err)?;
+        let inner =
+            EntryDir::open_ordered(&root, layout, budget_bytes, sync, evict_first).map_err(lib_err)?;
         Ok(PyEntryTier { inner: Mutex::new(inner), root })
     }
 
