@@ -166,6 +166,8 @@ class Engine:
                      "checkpoint_every_step": args.checkpoint_every_step,
                      "checkpoint_at_finish": False, "replay_fallback": replay_fallback,
                      "branch_every": args.branch_every if branch_every is None else branch_every}
+            if args.evict_first is not None:
+                extra["evict_first"] = args.evict_first
         cfg = L.vllm_config(model, max_model_len=MAX_LEN, max_batched=args.chunk,
                             max_num_seqs=args.max_seqs, connector_extra=extra,
                             connector=connector)
@@ -351,6 +353,8 @@ def main() -> int:
                     help="v4pool.vllm checkpoint_every (tokens, a multiple of 256; 4096 is the 16 blocks of v4pool's own manager)")
     ap.add_argument("--checkpoint-every-step", action="store_true",
                     help="v4pool.vllm checkpoint_every_step (a checkpoint at every chunk end)")
+    ap.add_argument("--evict-first", help="v4pool.vllm: kinds the tier evicts first (c: checkpoints, "
+                    "'': plain LRU; default per layout: c on V4.1, '' on V4)")
     ap.add_argument("--preset", default="h200x4-flash-fp8", help="v4pool.StepCost preset")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()

@@ -308,3 +308,39 @@ fn two_tiers_in_one_process_publish_the_same_keys() {
         assert!(left.is_empty(), "round {round}: files left behind: {left:?}");
     }
 }
+
+/// A tier opened with checkpoints ('c') to evict first removes its layout's checkpoints,
+/// oldest first, before an older block; then blocks by LRU. Plain `open` is one LRU. The
+/// budget holds three entries under the low-water mark and not four, so each overflowing put
+/// removes exactly one entry (the index-only model in tests/vllm uses the same sizes).
+#[test]
+fn a_tier_ordered_to_evict_checkpoints_first_keeps_older_blocks() {
+    let root = temp_dir("evict-first");
+    let body = bytes(4000, 11);
+    let entry = (80 + LAYOUT.len() + body.len()) as u64;
+    let budget = entry * 34 / 10;
+    let run = |order: &str| {
+        let dir = root.0.join(if order.is_empty() { "lru" } else { "ordered" });
+        let mut d = EntryDir::open_ordered(&dir, LAYOUT, budget, false, order).unwrap();
+        // An old block, a newer checkpoint, a newer block: then a fourth entry overflows.
+        for (kind, hash, secs) in [('b', 1u128, 300), ('c', 2, 200), ('b', 3, 100)] {
+            d.put(kind, hash, &[&body]).unwrap();
+            age(&d.path_of(kind, hash), secs);
+        }
+        d.put('b', 4, &[&body]).unwrap();
+        let held: Vec<(char, u128)> =
+            [('b', 1), ('c', 2), ('b', 3), ('b', 4)].into_iter().filter(|&(k, h)| d.contains(k, h)).collect();
+        (d, held)
+    };
+    let (_, lru) = run("");
+    assert_eq!(lru, vec![('c', 2), ('b', 3), ('b', 4)], "plain LRU: the oldest entry goes");
+    let (mut d, ordered) = run("c");
+    assert_eq!(ordered, vec![('b', 1), ('b', 3), ('b', 4)], "the checkpoint went before the older block");
+    // No checkpoint left: blocks by LRU.
+    d.put('b', 5, &[&body]).unwrap();
+    assert!(!d.contains('b', 1) && d.contains('b', 3) && d.contains('b', 5));
+    assert_eq!(d.stats().evicted, 2);
+    assert!(d.used_bytes() <= budget);
+    let e = EntryDir::open_ordered(&root.0, LAYOUT, budget, false, "C").unwrap_err();
+    assert_eq!(e.variant_name(), "BadKind");
+}

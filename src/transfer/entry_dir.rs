@@ -26,7 +26,11 @@
 //! * **Capacity**: least recently used by modification time (a hit sets it), across every
 //!   process sharing the directory; a publisher scans after writing
 //!   1/[`SCAN_EVERY`](super::shared_tier::SCAN_EVERY) of the budget and removes the oldest
-//!   entries down to [`LOW_WATER`](super::shared_tier::LOW_WATER) per mille of it.
+//!   entries down to [`LOW_WATER`](super::shared_tier::LOW_WATER) per mille of it. A tier
+//!   opened with kinds to evict first ([`EntryDir::open_ordered`]) removes its own layout's
+//!   entries of those kinds, oldest first, before any other entry ([`evict_order`]): an
+//!   engine whose block runs stay useful without their checkpoints (V4.1, which replays the
+//!   window after a run of blocks) loses its checkpoints before its blocks.
 //!
 //! A directory on tmpfs (`/dev/shm`) is a host tier every process of one machine shares (vLLM's
 //! scheduler and its workers are separate processes); one on a fleet mount is a shared tier.
@@ -134,6 +138,8 @@ pub struct EntryDir {
     layout: String,
     budget: u64,
     sync: bool,
+    /// Kind letters whose entries (of this layout) a full tier removes first.
+    evict_first: Vec<u8>,
     /// Estimated bytes of the whole directory (every layout, every process).
     estimate: u64,
     written_since_scan: u64,
@@ -163,6 +169,20 @@ impl EntryDir {
     /// whole `root/v4pool-entries-1`; `sync` makes every publish fsync before its rename. The
     /// tier and layout folders must be real directories (a link there is an `Io` error).
     pub fn open(root: &Path, layout: &str, budget_bytes: u64, sync: bool) -> Result<EntryDir, EntryDirError> {
+        EntryDir::open_ordered(root, layout, budget_bytes, sync, "")
+    }
+
+    /// [`EntryDir::open`], with the kind letters (`evict_first`, each a lower-case ASCII
+    /// letter) whose entries of this layout a scan over budget removes before any other entry
+    /// ([`evict_order`]); `""` is plain LRU.
+    pub fn open_ordered(
+        root: &Path,
+        layout: &str,
+        budget_bytes: u64,
+        sync: bool,
+        evict_first: &str,
+    ) -> Result<EntryDir, EntryDirError> {
+        let evict_first = evict_first.chars().map(kind_ok).collect::<Result<Vec<u8>, _>>()?;
         if layout.is_empty() || layout.len() > MAX_LAYOUT {
             return Err(EntryDirError::BadLayout(layout.len()));
         }
@@ -178,6 +198,7 @@ impl EntryDir {
             layout: layout.to_string(),
             budget: budget_bytes,
             sync,
+            evict_first,
             estimate: 0,
             written_since_scan: 0,
             stats: EntryDirStats::default(),
@@ -380,15 +401,58 @@ impl EntryDir {
     }
 
     /// Sum the tier's entries (every layout) and sweep it (`tier_files::sweep`: dead
-    /// writers' temporary files, and the oldest entries when it is over budget).
+    /// writers' temporary files, and the oldest entries when it is over budget), this
+    /// layout's entries of the `evict_first` kinds removed first when it is over budget.
     fn scan(&mut self) {
         let parse = |n: &str| parse_entry_name(n);
-        let found = tier_files::scan_tier(&self.tier_dir, DIGEST_HEX, &parse);
+        let mut found = tier_files::scan_tier(&self.tier_dir, DIGEST_HEX, &parse);
+        let mut evicted = 0;
+        // What the sweep counts: entries and live writers' temporary files (it removes the
+        // stale ones).
+        let now = std::time::SystemTime::now();
+        let stale = |f: &tier_files::Found<(char, u128)>| {
+            f.key.is_none() && now.duration_since(f.mtime).is_ok_and(|a| a > tier_files::STALE_TEMP)
+        };
+        let used: u64 = found.iter().filter(|f| !stale(f)).map(|f| f.bytes).sum();
+        if used > self.budget && !self.evict_first.is_empty() {
+            let first = |f: &tier_files::Found<(char, u128)>| {
+                f.path.starts_with(&self.dir)
+                    && f.key.is_some_and(|(k, _)| self.evict_first.contains(&(k as u8)))
+            };
+            let ages: Vec<(bool, std::time::SystemTime)> =
+                found.iter().map(|f| (first(f), f.mtime)).collect();
+            // Only the kinds evicted first here: the sweep below evicts the rest by its LRU.
+            let low = self.budget / 1000 * tier_files::LOW_WATER;
+            let mut left = used;
+            let mut gone = vec![false; found.len()];
+            for i in evict_order(&ages) {
+                if left <= low || !ages[i].0 {
+                    break;
+                }
+                if fs::remove_file(&found[i].path).is_ok() {
+                    left -= found[i].bytes;
+                    evicted += 1;
+                }
+                gone[i] = true;
+            }
+            let mut g = gone.into_iter();
+            found.retain(|_| !g.next().unwrap_or(false));
+        }
         let s = tier_files::sweep(found, self.budget);
         self.estimate = s.used;
-        self.stats.evicted += s.evicted;
+        self.stats.evicted += s.evicted + evicted;
         self.written_since_scan = 0;
     }
+}
+
+/// The order a full tier removes entries in, given each entry's `(evicted first, last use)`:
+/// the indices of the entries evicted first, oldest first, then every other, oldest first.
+/// `v4pool.vllm`'s index-only tier (`IndexOnlyTiers`) mirrors it; tests/vllm pins both to one
+/// outcome.
+pub fn evict_order<T: Ord + Copy>(entries: &[(bool, T)]) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..entries.len()).collect();
+    idx.sort_by_key(|&i| (!entries[i].0, entries[i].1));
+    idx
 }
 
 struct Header {

@@ -327,3 +327,52 @@ def test_second_scheduler_process_hits_the_shared_directory(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["scheduled"] == 3 and got["computed"] == len(prompt)
+
+
+@pytest.mark.parametrize("order", ["c", ""])
+def test_index_only_model_evicts_as_the_file_tier_does(order, tmp_path):
+    """The bench's index-only tier (IndexOnlyTiers) is the file tier's model: over one random
+    sequence of puts and reads of blocks ('b') and checkpoints ('c'), both hold the same keys
+    after every step, checkpoints evicted first (``evict_first="c"``, V4.1's order) or one LRU
+    (V4's). The budget holds three entries under the file tier's low-water mark and not four,
+    so each overflowing put removes one entry in both (the model has no low water)."""
+    import random
+    import time
+
+    import v4pool
+    from v4pool.vllm import IndexOnlyTiers
+
+    layout, body_len = "evict-order-test", 40_000
+    entry = 80 + len(layout) + body_len  # a file's bytes: header, layout text, body
+    budget = entry * 34 // 10
+    tier = v4pool.EntryTier(str(tmp_path), layout, budget, evict_first=order)
+    model = IndexOnlyTiers(budget, evict_first=order)
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    dst = torch.empty(body_len, dtype=torch.uint8)
+    keys = [(k, h) for k in "bc" for h in range(4)]
+    for step in range(40):
+        kind, key = rng.choice(keys)
+        if rng.random() < 0.6:
+            body = torch.randint(0, 256, (body_len,), dtype=torch.uint8)
+            if model.where(kind, key) is None:  # the connector saves only what is absent
+                tier.put(kind, key, [body])
+                model.add(kind, key, entry)
+        elif tier.get_into(kind, key, dst):
+            model.touch(kind, key)
+        held = {k for k in keys if tier.contains(*k)}
+        assert held == set(model.store), f"step {step}: file tier {sorted(held)}, model {sorted(model.store)}"
+        time.sleep(0.02)  # distinct mtimes: the file tier's clock
+
+
+def test_eviction_order_is_per_layout():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from v4pool.vllm import V4PoolConnector, evict_first_of
+
+    got = {}
+    for model in ("v4-flash", "v41-flash"):
+        cfg = L.vllm_config(model, connector_extra={"bench_index_only": True})
+        c = V4PoolConnector(cfg, KVConnectorRole.SCHEDULER, L.kv_cache_config(cfg))
+        got[model] = (c.tiers.evict_first, evict_first_of(c.layout, {"replay_fallback": False}))
+    # V4 has no replay: its block runs need their checkpoints (one LRU). V4.1 replays after a
+    # block run, so its checkpoints go first, unless replay_fallback is off.
+    assert got == {"v4-flash": ("", ""), "v41-flash": ("c", "")}

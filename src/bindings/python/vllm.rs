@@ -65,10 +65,11 @@ fn cpu_u8<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<(Tensor<'py>, us
     Ok((t, len))
 }
 
-/// `EntryTier(root, layout, budget_bytes, sync=False)`: whole checksummed entries keyed by a
+/// `EntryTier(root, layout, budget_bytes, sync=False, evict_first="")`: whole checksummed entries keyed by a
 /// kind letter and a 128-bit hash, in `root/v4pool-entries-1/<layout digest>/`. `put` stores
 /// the concatenation of CPU `uint8` tensors; `get_into` fills one such tensor only when the
 /// entry is whole, of this layout and of exactly the tensor's length (else `False`: a miss).
+/// `evict_first`: kind letters whose entries a full tier removes first (`EntryDir::open_ordered`).
 #[pyclass(module = "v4pool", name = "EntryTier")]
 pub struct PyEntryTier {
     inner: Mutex<EntryDir>,
@@ -78,9 +79,10 @@ pub struct PyEntryTier {
 #[pymethods]
 impl PyEntryTier {
     #[new]
-    #[pyo3(signature = (root, layout, budget_bytes, sync=false))]
-    fn new(root: PathBuf, layout: &str, budget_bytes: u64, sync: bool) -> PyResult<Self> {
-        let inner = EntryDir::open(&root, layout, budget_bytes, sync).map_err(lib_err)?;
+    #[pyo3(signature = (root, layout, budget_bytes, sync=false, evict_first=""))]
+    fn new(root: PathBuf, layout: &str, budget_bytes: u64, sync: bool, evict_first: &str) -> PyResult<Self> {
+        let inner =
+            EntryDir::open_ordered(&root, layout, budget_bytes, sync, evict_first).map_err(lib_err)?;
         Ok(PyEntryTier { inner: Mutex::new(inner), root })
     }
 
