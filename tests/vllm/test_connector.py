@@ -169,7 +169,8 @@ def _run_a_then_b(model, tier, *, corrupt=False):
     b = _request(s, "B", prompt_b)
     s.add_request(b)
     if corrupt:
-        for f in Path(tier).rglob("c*"):
+        # Checkpoint entries are the files named c…; a shard folder may be named c… too.
+        for f in (f for f in Path(tier).rglob("c*") if f.is_file()):
             raw = bytearray(f.read_bytes())
             raw[-3] ^= 0x40
             f.write_bytes(bytes(raw))
