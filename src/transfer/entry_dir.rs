@@ -422,7 +422,7 @@ impl EntryDir {
             let ages: Vec<(bool, std::time::SystemTime)> =
                 found.iter().map(|f| (first(f), f.mtime)).collect();
             // Only the kinds evicted first here: the sweep below evicts the rest by its LRU.
-            let low = self.budget / 1000 * tier_files::LOW_WATER;
+            let low = tier_files::low_water(self.budget);
             let mut left = used;
             let mut gone = vec![false; found.len()];
             for i in evict_order(&ages) {

@@ -32,6 +32,12 @@ pub const SCAN_EVERY: u64 = 8;
 /// A scan that finds the directory over budget removes entries until it is at this share of
 /// the budget (per mille), so the next scans are not all evictions.
 pub const LOW_WATER: u64 = 900;
+
+/// The bytes an over-budget sweep brings a tier down to: [`LOW_WATER`] per mille of `budget`
+/// (one rule for every pass that evicts: the LRU sweep and an ordered tier's first pass).
+pub(crate) fn low_water(budget: u64) -> u64 {
+    budget / 1000 * LOW_WATER
+}
 /// A temporary file this old is a dead writer's: a scan removes it.
 pub const STALE_TEMP: Duration = Duration::from_secs(600);
 
@@ -305,7 +311,7 @@ pub(crate) fn sweep<K>(found: Vec<Found<K>>, budget: u64) -> Swept {
         }
     }
     if s.used > budget {
-        let low = budget / 1000 * LOW_WATER;
+        let low = low_water(budget);
         entries.sort_by_key(|f| f.mtime);
         for f in entries {
             if s.used <= low {
