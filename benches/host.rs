@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{bench_requested, fmt_bytes, median, met, Rng};
+use common::{bench_requested, fmt_bytes, median, met, random_decode_batch, Rng};
 use std::error::Error;
 use std::hint::black_box;
 use std::sync::Arc;
@@ -256,25 +256,8 @@ fn staging() -> Res<()> {
         let mut bufs = pool.decode_path(cap)?;
         // Several input sets, staged in rotation.
         let mut rng = Rng::new(3 + batch as u64);
-        let live = g.live_positions();
         // (slot positions, contexts, block tables) per input set
-        type Set = (Vec<i64>, Vec<i64>, Vec<Vec<i32>>);
-        let sets: Vec<Set> = (0..4)
-            .map(|_| {
-                let mut pos: Vec<i64> = live.clone().collect();
-                rng.shuffle(&mut pos);
-                pos.truncate(batch);
-                let ctx: Vec<i64> = (0..batch).map(|_| rng.range(1, max_ctx + 1)).collect();
-                let tables = ctx
-                    .iter()
-                    .map(|&c| {
-                        let n = (c + g.block_size - 1) / g.block_size;
-                        (0..n).map(|_| rng.range(0, g.num_blocks) as i32).collect()
-                    })
-                    .collect();
-                (pos, ctx, tables)
-            })
-            .collect();
+        let sets: Vec<_> = (0..4).map(|_| random_decode_batch(&mut rng, g, batch, 1, max_ctx)).collect();
         let seqs: Vec<Vec<DecodeSeq<'_>>> = sets
             .iter()
             .map(|(pos, ctx, tables)| {

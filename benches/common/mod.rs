@@ -48,6 +48,30 @@ pub fn fmt_bytes(b: u64) -> String {
     }
 }
 
+/// One random decode batch over `g`, the draw both decode benches stage: `batch` distinct
+/// live slot positions (shuffled), contexts uniform in `ctx_lo..=ctx_hi`, and for each a block
+/// table of random block ids covering its context (the builders read the ids, not their blocks).
+pub fn random_decode_batch(
+    rng: &mut Rng,
+    g: &v4pool::geometry::UnifiedPoolGeometry,
+    batch: usize,
+    ctx_lo: i64,
+    ctx_hi: i64,
+) -> (Vec<i64>, Vec<i64>, Vec<Vec<i32>>) {
+    let mut pos: Vec<i64> = g.live_positions().collect();
+    rng.shuffle(&mut pos);
+    pos.truncate(batch);
+    let ctx: Vec<i64> = (0..batch).map(|_| rng.range(ctx_lo, ctx_hi + 1)).collect();
+    let tables = ctx
+        .iter()
+        .map(|&c| {
+            let n = (c + g.block_size - 1) / g.block_size;
+            (0..n).map(|_| rng.range(0, g.num_blocks) as i32).collect()
+        })
+        .collect();
+    (pos, ctx, tables)
+}
+
 pub fn met(ok: bool) -> &'static str {
     if ok {
         "MET"

@@ -22,7 +22,7 @@ mod harness;
 use copy::copy_group;
 use harness::{alloc, compare, download_i32, free, header, print_row, Floors, Gpu, Row, Stat, TRAFFIC_PIECE};
 
-use common::{bench_requested, fmt_bytes, met, Rng};
+use common::{bench_requested, fmt_bytes, met, random_decode_batch, Rng};
 use std::error::Error;
 use std::sync::Arc;
 use std::time::Instant;
@@ -82,17 +82,7 @@ impl DecodeSet {
         tps: usize,
     ) -> Self {
         let ctx_lo = ctx_lo.max(tps as i64);
-        let mut pos: Vec<i64> = g.live_positions().collect();
-        rng.shuffle(&mut pos);
-        pos.truncate(batch);
-        let ctx: Vec<i64> = (0..batch).map(|_| rng.range(ctx_lo, ctx_hi + 1)).collect();
-        let tables = ctx
-            .iter()
-            .map(|&c| {
-                let n = (c + g.block_size - 1) / g.block_size;
-                (0..n).map(|_| rng.range(0, g.num_blocks) as i32).collect()
-            })
-            .collect();
+        let (pos, ctx, tables) = random_decode_batch(rng, g, batch, ctx_lo, ctx_hi);
         DecodeSet { pos, ctx, tables, tps }
     }
 

@@ -168,6 +168,36 @@ fn slot_slice_lens(
     (ext, pre, csa, hca)
 }
 
+/// The entries each token of a prefill chunk takes: the one rule the size check and the
+/// staging both walk.
+#[derive(Clone, Copy)]
+struct ChunkEntries {
+    win: i64,
+    topk: i64,
+    ratios: [i64; 2],
+    head_fill: bool,
+    dense: bool,
+}
+
+impl ChunkEntries {
+    /// Each token `p` of `s`'s chunk, in order, as `(p, prefix, csa_head, adds)`: its prefix
+    /// and CSA head lengths ([`slot_slice_lens`]) and the entries it adds to each index buffer
+    /// (prefix_swa, prefix_csa, prefix_hca by [`Class::index`], then [`EXTEND`]).
+    fn of(self, s: &PrefillSeq<'_>) -> impl Iterator<Item = (i64, i64, i64, [i64; 4])> {
+        let (cs, ctx) = (s.chunk_start, s.chunk_start + s.num_tokens as i64);
+        (cs..ctx).map(move |p| {
+            let (ext, pre, csa, hca) =
+                slot_slice_lens(p, cs, ctx, self.win, self.topk, self.ratios, self.head_fill);
+            let mut adds = [0i64; 4];
+            adds[Class::Dense.index()] = if self.dense { pre } else { 0 };
+            adds[Class::Csa.index()] = pre + csa;
+            adds[Class::Hca.index()] = pre + hca;
+            adds[EXTEND] = ext;
+            (p, pre, csa, adds)
+        })
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default)]
 struct Layout {
     positions: u64,
@@ -420,25 +450,17 @@ impl PrefillIndexBuffers {
             )?;
         }
         // Slice totals, checked against each buffer before anything is written.
-        let (win, topk) = (i64::from(cap.win), i64::from(cap.index_topk));
-        let dense = self.has_class(Class::Dense);
+        let entries = ChunkEntries {
+            win: i64::from(cap.win),
+            topk: i64::from(cap.index_topk),
+            ratios: self.slot_ratios,
+            head_fill: self.targets.head_fill,
+            dense: self.has_class(Class::Dense),
+        };
         let mut total = [0i64; 4];
-        for s in batch {
-            let ctx = s.chunk_start + s.num_tokens as i64;
-            for p in s.chunk_start..ctx {
-                let (ext, pre, csa, hca) = slot_slice_lens(
-                    p,
-                    s.chunk_start,
-                    ctx,
-                    win,
-                    topk,
-                    self.slot_ratios,
-                    self.targets.head_fill,
-                );
-                total[Class::Dense.index()] += if dense { pre } else { 0 };
-                total[Class::Csa.index()] += pre + csa;
-                total[Class::Hca.index()] += pre + hca;
-                total[EXTEND] += ext;
+        for (_, _, _, adds) in batch.iter().flat_map(|s| entries.of(s)) {
+            for (t, a) in total.iter_mut().zip(adds) {
+                *t += a;
             }
         }
         const NAMES: [&str; 4] =
@@ -474,25 +496,15 @@ impl PrefillIndexBuffers {
             put(st, l.committed, b, ctx / self.slot_ratios[1]);
             let row = l.block_tables as usize + 4 * b * cap.max_blocks_per_seq;
             st[row..row + 4 * s.block_table.len()].copy_from_slice(bytemuck::cast_slice(s.block_table));
-            for p in s.chunk_start..ctx {
-                let (ext, pre, csa, hca) = slot_slice_lens(
-                    p,
-                    s.chunk_start,
-                    ctx,
-                    win,
-                    topk,
-                    self.slot_ratios,
-                    self.targets.head_fill,
-                );
+            for (p, pre, csa, adds) in entries.of(s) {
                 put(st, l.positions, t, p);
                 put(st, l.batch_ids, t, b as i64);
                 put(st, l.skip, t, pre);
                 // At most index_topk and a position / 4: both i32.
                 self.csa_heads.push([csa as i32, ((p + 1) / i64::from(crate::geometry::CSA_RATIO)) as i32]);
-                ptr[Class::Dense.index()] += if dense { pre } else { 0 };
-                ptr[Class::Csa.index()] += pre + csa;
-                ptr[Class::Hca.index()] += pre + hca;
-                ptr[EXTEND] += ext;
+                for (q, a) in ptr.iter_mut().zip(adds) {
+                    *q += a;
+                }
                 for (&at, &p) in l.indptr.iter().zip(&ptr) {
                     put(st, at, t + 1, p);
                 }

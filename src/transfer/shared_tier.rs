@@ -369,6 +369,57 @@ pub(crate) enum Refused {
     Foreign(String),
 }
 
+/// The unit parts of `pool` for a shared tier of `layout` whose units are `part_bytes`: refused
+/// unless the pool is of that layout (an entry of one layout restored into a pool of another
+/// would be bytes of the wrong meaning).
+pub(crate) fn pool_parts(
+    pool: &Pool,
+    layout: &LayoutId,
+    part_bytes: &[u64],
+) -> Result<Vec<UnitPart>, HostTierError> {
+    if pool.layout_id() != layout {
+        return Err(HostTierError::ForeignLayout {
+            entry: layout.to_string(),
+            pool: pool.layout_id().to_string(),
+        });
+    }
+    parts_matching(pool, part_bytes)
+}
+
+/// `read` (a shared tier's read of an entry) as it was, after calling `remove` when it refused
+/// the entry's bytes (corrupt, another layout's): refused for good, the entry goes so that the
+/// next publisher writes it anew. An I/O error leaves it.
+pub(crate) fn removing_refused<T>(
+    read: Result<T, HostTierError>,
+    remove: impl FnOnce(),
+) -> Result<T, HostTierError> {
+    if let Err(HostTierError::Corrupt { .. } | HostTierError::ForeignLayout { .. }) = read {
+        remove();
+    }
+    read
+}
+
+/// The last step of a shared tier's restore: the checked payload of `units` units at `host`
+/// into fresh blocks of `pool` (all or nothing), counted in `stats`.
+///
+/// # Safety
+/// `host` is this pool's backend's `alloc_host` memory holding the entry's checked payload,
+/// untouched meanwhile.
+pub(crate) unsafe fn restore_counted(
+    stats: &mut SharedTierStats,
+    unit_bytes: u64,
+    pool: &Pool,
+    parts: &[UnitPart],
+    host: *mut u8,
+    units: usize,
+) -> Result<Vec<BlockHandle>, HostTierError> {
+    // SAFETY: the caller's contract.
+    let blocks = unsafe { restore_blocks(pool, parts, host, units)? };
+    stats.restored += 1;
+    stats.restored_bytes += units as u64 * unit_bytes;
+    Ok(blocks)
+}
+
 /// `r` as the error a reader returns, counted in `stats`; `pool` is the reader's layout.
 pub(crate) fn refusal(stats: &mut SharedTierStats, r: Refused, pool: &LayoutId) -> HostTierError {
     match r {
@@ -565,13 +616,7 @@ impl SharedTier {
     }
 
     fn check_pool(&self, pool: &Pool) -> Result<Vec<UnitPart>, HostTierError> {
-        if pool.layout_id() != &self.layout {
-            return Err(HostTierError::ForeignLayout {
-                entry: self.layout.to_string(),
-                pool: pool.layout_id().to_string(),
-            });
-        }
-        parts_matching(pool, &self.part_bytes)
+        pool_parts(pool, &self.layout, &self.part_bytes)
     }
 
     /// The staging buffer, at least `bytes` long (grown from the pool's backend).
@@ -676,24 +721,15 @@ impl SharedTier {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(HostTierError::NotHeld),
             Err(e) => return Err(self.io_error("open the entry", e)),
         };
-        let units = match self.read_entry(pool, key, file.as_mut()) {
-            Ok(units) => units,
-            Err(e) => {
-                if matches!(e, HostTierError::Corrupt { .. } | HostTierError::ForeignLayout { .. }) {
-                    // Refused for good: the next publisher writes it anew.
-                    let _ = fs::remove_file(&path);
-                }
-                return Err(e);
-            }
-        };
+        let units = removing_refused(self.read_entry(pool, key, file.as_mut()), || {
+            let _ = fs::remove_file(&path);
+        })?;
         drop(file);
         let host = self.staging.as_ref().expect("read_entry filled it").ptr();
         // SAFETY: the staging buffer holds the entry's checked payload (`units` units) from
         // this pool's backend's `alloc_host`, untouched meanwhile.
-        let blocks = unsafe { restore_blocks(pool, &parts, host, units)? };
+        let blocks = unsafe { restore_counted(&mut self.stats, self.unit_bytes, pool, &parts, host, units)? };
         self.touch(key);
-        self.stats.restored += 1;
-        self.stats.restored_bytes += units as u64 * self.unit_bytes;
         Ok(blocks)
     }
 

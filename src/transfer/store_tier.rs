@@ -18,10 +18,10 @@
 //! * **Failures are misses**: any error of the store (the master gone, a timeout) is
 //!   [`HostTierError::Io`], counted, and the engine carries on.
 
-use super::host_tier::{copy_blocks_synced, part_bytes, parts_matching, restore_blocks, Storage, UnitPart};
+use super::host_tier::{copy_blocks_synced, part_bytes, Storage, UnitPart};
 use super::shared_tier::{
-    check_head, checkpoint_units, checksum, head_len_of, header, refusal, units_of, Refused, FIXED,
-    MAX_LAYOUT_TEXT, TIER_DIR,
+    check_head, checkpoint_units, checksum, head_len_of, header, pool_parts, refusal, removing_refused,
+    restore_counted, units_of, Refused, FIXED, MAX_LAYOUT_TEXT, TIER_DIR,
 };
 use super::{HostTierError, SharedKey, SharedTierStats};
 use crate::alloc::BlockHandle;
@@ -180,13 +180,7 @@ impl StoreTier {
     }
 
     fn check_pool(&self, pool: &Pool) -> Result<Vec<UnitPart>, HostTierError> {
-        if pool.layout_id() != &self.layout {
-            return Err(HostTierError::ForeignLayout {
-                entry: self.layout.to_string(),
-                pool: pool.layout_id().to_string(),
-            });
-        }
-        parts_matching(pool, &self.part_bytes)
+        pool_parts(pool, &self.layout, &self.part_bytes)
     }
 
     /// Write the units `blocks` of `pool` as `key`'s entry: `Ok(false)` when the store holds
@@ -243,23 +237,22 @@ impl StoreTier {
             Ok(None) => return Err(HostTierError::NotHeld),
             Err(e) => return Err(self.io_error("ask the entry's size", e)),
         };
-        let (units, head_len) = match self.read_entry(pool, key, &name, len) {
-            Ok(v) => v,
-            Err(e) => {
-                if matches!(e, HostTierError::Corrupt { .. } | HostTierError::ForeignLayout { .. }) {
-                    // Refused for good: the next publisher writes it anew.
-                    let _ = self.store.remove(&name);
-                }
-                return Err(e);
-            }
-        };
+        let (units, head_len) = removing_refused(self.read_entry(pool, key, &name, len), || {
+            let _ = self.store.remove(&name);
+        })?;
         let host = self.staging.as_ref().expect("read_entry filled it").ptr();
         // SAFETY: the staging buffer holds the checked entry (`units` units after `head_len`
         // header bytes) from this pool's backend's `alloc_host`, untouched meanwhile.
-        let blocks = unsafe { restore_blocks(pool, &parts, host.add(head_len as usize), units)? };
-        self.stats.restored += 1;
-        self.stats.restored_bytes += units as u64 * self.unit_bytes;
-        Ok(blocks)
+        unsafe {
+            restore_counted(
+                &mut self.stats,
+                self.unit_bytes,
+                pool,
+                &parts,
+                host.add(head_len as usize),
+                units,
+            )
+        }
     }
 
     /// Get the `len`-byte value `name` of `key` into the staging buffer and check it whole:
