@@ -26,7 +26,7 @@
 
 /// The least e8m0 byte B with amax / 2^(B-127) <= max (f32 bits, max a normal float): the
 /// exponent of amax minus max's, plus one when amax's mantissa passes max's; 0 for amax = 0,
-/// else clamped to 1..254 (src/format.rs e8m0_fitting).
+/// else clamped to 1..254 (src/format/ e8m0_fitting).
 V4P_DEVICE v4p_u32 v4p_e8m0_fitting(v4p_u32 amax, v4p_u32 max) {
     if (amax == 0) return 0;
     v4p_i32 b = (v4p_i32)(amax >> 23) - ((v4p_i32)(max >> 23) - 127) + ((amax & 0x7fffffu) > (max & 0x7fffffu) ? 1 : 0);
@@ -42,7 +42,7 @@ V4P_DEVICE v4p_u32 v4p_e8m0_of_amax(v4p_u32 amax) { return v4p_e8m0_fitting(amax
 
 /// The e4m3 magnitude code (no sign) of positive finite f32 bits `a` under exponent bias `bias`
 /// (7: e4m3fn, 8: e4m3fnuz), rounded to nearest even; past the largest code is the caller's to
-/// saturate; f32 subnormals are 0 (src/format.rs e4m3_magnitude).
+/// saturate; f32 subnormals are 0 (src/format/ e4m3_magnitude).
 V4P_DEVICE v4p_u32 v4p_e4m3_magnitude(v4p_u32 a, v4p_i32 bias) {
     const v4p_i32 e = (v4p_i32)(a >> 23) - 127;
     v4p_u32 code, rem, half;
@@ -76,7 +76,7 @@ V4P_DEVICE v4p_u32 v4p_e4m3_rne(v4p_u32 u) {
 
 /// f32 bits `u` as e4m3fnuz (bias 8, largest 240, the one NaN 0x80, no -0), rounded to nearest
 /// even, as aiter's gfx942 conversion writes it: NaN and infinities 0x80, finite magnitudes past
-/// 240 clip to 240, anything rounding to zero 0x00 whatever its sign (src/format.rs e4m3fnuz_rne).
+/// 240 clip to 240, anything rounding to zero 0x00 whatever its sign (src/format/ e4m3fnuz_rne).
 V4P_DEVICE v4p_u32 v4p_e4m3fnuz_rne(v4p_u32 u) {
     const v4p_u32 a = u & 0x7fffffffu;
     if (a >= 0x7f800000u) return 0x80u;
@@ -88,7 +88,7 @@ V4P_DEVICE v4p_u32 v4p_e4m3fnuz_rne(v4p_u32 u) {
 /// bf16 bits `x` times `inv` (1 / scale) as an e4m3fn byte: v4p_e4m3_rne of the product, but a
 /// NaN value is 0x7f with its own sign. A product's NaN sign is the platform's (x86 keeps the
 /// operand's, NVIDIA returns a canonical NaN), so the rule is on the input: every backend and
-/// the host reference (src/format.rs e4m3_of_scaled_bf16) write the same byte.
+/// the host reference (src/format/ e4m3_of_scaled_bf16) write the same byte.
 V4P_DEVICE bool v4p_bf16_is_nan(v4p_u32 x) { return (x & 0x7fffu) > 0x7f80u; }
 /// The e4m3 byte of a NaN bf16 `x`: 0x7f with its sign.
 V4P_DEVICE v4p_u32 v4p_e4m3_nan(v4p_u32 x) { return ((x >> 8) & 0x80u) | 0x7fu; }
@@ -107,7 +107,7 @@ V4P_DEVICE v4p_u32 v4p_e4m3_scaled(v4p_u32 x, float inv) {
 // (issue 34's ablation, 2026-12-02: 4.6 us a layer batch of own rows against 1.5 for the state
 // update, whose path has no conversion). HIP (gfx942's fp8 instructions are the FNUZ variant,
 // not e4m3fn), the host emulation and older targets keep the software forms; the host
-// reference (src/format.rs) is the formula for both.
+// reference (src/format/) is the formula for both.
 #if (defined(V4P_TARGET_NVCC) || defined(V4P_TARGET_CLANG_CUDA)) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 #define V4P_HW_FP8 1
 #endif
@@ -213,7 +213,7 @@ V4P_DEVICE v4p_u32x4 v4p_e4m3_bf16x8(v4p_u32x4 w0, v4p_u32x4 w1, float inv) {
     return r;
 }
 
-/// One scale group of a FlashMLA format (src/format.rs): the least e8m0 scale with
+/// One scale group of a FlashMLA format (src/format/): the least e8m0 scale with
 /// max(amax, 448e-4) / scale <= 448 (FlashMLA's tests/quant.py:
 /// 2^ceil(log2(max(amax / 448, 1e-4)))), the `n` values `x / scale` as e4m3 bytes at `out`;
 /// returns the scale's byte. NaN is never the amax.
@@ -239,7 +239,7 @@ V4P_DEVICE v4p_i64 v4p_kv_dest(const KvRowsArgs& a, v4p_i64 t, bool row_known, v
     return bid < 0 ? -1 : row;
 }
 
-/// FlashMLA's V4 formats (3: pages of 64, 5: pages of 2; src/format.rs `flashmla-v4`,
+/// FlashMLA's V4 formats (3: pages of 64, 5: pages of 2; src/format/ `flashmla-v4`,
 /// `flashmla-v4-p2`): plane row R = view_row0 + row sits in page R / P (P x 584 bytes), its 576
 /// data bytes at R mod P data rows in, its 8 scale bytes after the page's P data rows, at
 /// P x 576 + (R mod P) x 8. FlashMLA's sparse decode reads a row of a [pages, P, 1, 584] view
@@ -269,7 +269,7 @@ V4P_DEVICE void v4p_flashmla_v4_place(const KvRowsArgs& a, v4p_i64 row, v4p_u64&
 /// quarter L % 4 as 16 e4m3 bytes, quarter 0 also the scale byte; lanes 28..31 copy 32 bytes
 /// of RoPE each, lane 28 zeroes the pad byte. Format 2 (V4.1, 528 B): lane i < 16 loads group i
 /// (32 values, four vectors), stores 32 e4m3 bytes and its scale byte. The bytes are
-/// v4p_flashmla_group's (same floor, same rounding; tests hold both to src/format.rs).
+/// v4p_flashmla_group's (same floor, same rounding; tests hold both to src/format/).
 V4P_DEVICE void v4p_flashmla_row_vec(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, bool row_known, v4p_i64 row) {
     const v4p_ptr s = (v4p_ptr)(v4p_in<v4p_u16>(a.kv) + t * a.kv_row_stride);
     const bool v4 = v4p_is_flashmla_v4(a.format);
@@ -348,7 +348,7 @@ V4P_DEVICE void v4p_kv_rows_token(const KvRowsArgs& a, v4p_i64 t, v4p_u32 lane, 
         if (row < 0 || row >= a.view_rows) return;  // dropped, not wrapped
     }
     if (a.format == V4P_KV_ROWS_FLASHMLA_V41) {
-        // FlashMLA V4.1 (528-B rows, src/format.rs `flashmla-v41`): lane i < 16 packs group i of
+        // FlashMLA V4.1 (528-B rows, src/format/ `flashmla-v41`): lane i < 16 packs group i of
         // 32 values: the least e8m0 scale with max(amax, 448e-4) / scale <= 448 (FlashMLA's
         // tests/quant.py: 2^ceil(log2(max(amax / 448, 1e-4)))), 32 e4m3 bytes, the scale byte at
         // 512 + i. Lanes 16..31 idle.
@@ -472,7 +472,7 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS(V4POOL_BLOCK_THREADS) void v4pool_kv_row
 //        value x / scale (exact) rounded to nearest even e4m3fn, saturating at 448.
 //   FP4: per group of 32 values, the least e8m0 byte B with amax / 2^(B-127) <= 6 (0 for an
 //        all-zero group); each value x / scale rounded to nearest even e2m1, saturating at 6.
-//   ATOM FP8 (3: OCP e4m3, max 448; 4: e4m3fnuz, max 240; src/format.rs ATOM_FP8_KEYS and
+//   ATOM FP8 (3: OCP e4m3, max 448; 4: e4m3fnuz, max 240; src/format/ ATOM_FP8_KEYS and
 //        ATOM_FP8_FNUZ_KEYS): the FP8 rule at the encoding's max, over the finite values only (a
 //        NaN or infinite value is the encoding's NaN: 0x7f with its sign, or 0x80), the value
 //        bytes in ATOM's preshuffled order: (r / 16) x 2048 + (d / 16) x 256 + (r % 16) x 16 + d % 16.
@@ -502,13 +502,13 @@ V4P_DEVICE v4p_u32 v4p_e2m1_rne(v4p_u32 u) {
 }
 
 /// bf16 bits `x` times `inv` as an e2m1 nibble: v4p_e2m1_rne of the product, a NaN value 6 with
-/// its own sign (the input's, as v4p_e4m3_scaled; src/format.rs e2m1_of_scaled_bf16).
+/// its own sign (the input's, as v4p_e4m3_scaled; src/format/ e2m1_of_scaled_bf16).
 V4P_DEVICE v4p_u32 v4p_e2m1_scaled(v4p_u32 x, float inv) {
     if (v4p_bf16_is_nan(x)) return ((x >> 12) & 0x8u) | 0x7u;
     return v4p_e2m1_rne(v4p_f32_bits(v4p_f32_from_bits(x << 16) * inv));
 }
 
-/// Token `t`'s row in FlashMLA's V4.1 fp4 format (288-B rows, src/format.rs `flashmla-v41-fp4`):
+/// Token `t`'s row in FlashMLA's V4.1 fp4 format (288-B rows, src/format/ `flashmla-v41-fp4`):
 /// lane i packs group i of 16 values — the e4m3 scale of amax / 6 rounded to nearest even (amax
 /// over the group, NaN ignored, infinities counted), 1 / scale (0 for a zero scale), the values
 /// as e2m1 nibbles (v4p_e2m1_scaled: nearest even, saturating at 6, a NaN 6 with its sign), the

@@ -596,8 +596,8 @@ V4POOL_CHECK_OFFSET(WindowGatherArgs, draft_window, 92);
 // fp8): the NoPE plane's 512-B rows (448 e4m3 values, seven e8m0 tile scales each written twice,
 // zero padding) and the RoPE plane's 128-B rows (64 bf16 copied); format 0: the bf16 plane's
 // 1024-B rows (512 bf16 copied); format 2 (FlashMLA V4.1): one plane of 528-B rows, 512 e4m3
-// then 16 e8m0 scales, one per 32 values (src/format.rs).
-// KvRowsArgs::format: src/format.rs RowFormatId::kernel_code, one per row format
+// then 16 e8m0 scales, one per 32 values (src/format/).
+// KvRowsArgs::format: src/format/ RowFormatId::kernel_code, one per row format
 // (tests/row_formats.rs reads these lines and fails on any drift).
 #define V4P_KV_ROWS_BF16 0
 #define V4P_KV_ROWS_ATOM_FP8 1
@@ -605,7 +605,7 @@ V4POOL_CHECK_OFFSET(WindowGatherArgs, draft_window, 92);
 #define V4P_KV_ROWS_FLASHMLA_V4 3
 #define V4P_KV_ROWS_FLASHMLA_V41_FP4 4
 #define V4P_KV_ROWS_FLASHMLA_V4_P2 5
-// Rows of a page of each paged format (src/format.rs PlaneFormat::page_rows; tests/row_formats.rs
+// Rows of a page of each paged format (src/format/ PlaneFormat::page_rows; tests/row_formats.rs
 // reads these lines too): FlashMLA's V4 rows in pages of 64 (format 3) or of 2 (format 5).
 #define V4P_PAGE_ROWS_FLASHMLA_V4 64
 #define V4P_PAGE_ROWS_FLASHMLA_V4_P2 2
