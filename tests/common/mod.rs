@@ -148,6 +148,62 @@ pub fn host() -> HostBackend {
     HostBackend::new()
 }
 
+// ---- one test alone in a child process ----------------------------------------------------
+
+/// The harness's name of the test `name` declared in `module` (the caller's `module_path!()`):
+/// the module path without the suite's crate name in front (`shared_tier::child_shared_writer`
+/// in the `tiers` binary). A suite binary holds many test files, so a child names its test in
+/// full.
+pub fn test_path(module: &str, name: &str) -> String {
+    match module.split_once("::") {
+        Some((_, m)) => format!("{m}::{name}"),
+        None => name.to_string(),
+    }
+}
+
+/// This test binary run again for the one test `name` of `module` (the caller's
+/// `module_path!()`), ignored or not, alone in its process, output not captured. For what
+/// cannot share the suite's process: a resident-set reading, an environment a C library reads
+/// (set on the child's `Command`, never with `set_var` in a process whose other tests run),
+/// several processes of one scenario.
+pub fn child_test(module: &str, name: &str) -> std::process::Command {
+    let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", &test_path(module, name), "--include-ignored", "--nocapture", "--test-threads", "1"]);
+    c
+}
+
+/// Run `c` (a [`child_test`]) to its end: its output, after checking it succeeded and ran its
+/// one test (`what` names it in a failure).
+pub fn run_child_test(mut c: std::process::Command, what: &str) -> String {
+    let out = c.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{what}: child failed:\n{text}");
+    assert!(text.contains("1 passed"), "{what}: the child test did not run:\n{text}");
+    text
+}
+
+/// Print what a child test printed (its SKIP lines too), without its harness's lines: a
+/// log's `test result` lines then count this binary's runs only.
+pub fn print_child_output(text: &str) {
+    let harness = |l: &str| {
+        l.is_empty()
+            || l.starts_with("running ")
+            || l.starts_with("test result: ")
+            || (l.starts_with("test ") && l.contains(" ... "))
+    };
+    for l in text.lines().filter(|l| !harness(l)) {
+        println!("{l}");
+    }
+}
+
+/// Held by each test that builds 1M-token host pools (4 to 5 GB each, two at a time in some):
+/// one such test at a time in a suite binary, whichever file it comes from, so two of them
+/// side by side never need twice the memory.
+pub fn large_pools() -> std::sync::MutexGuard<'static, ()> {
+    static LARGE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LARGE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 // ---- randomness -------------------------------------------------------------------------
 
 /// The run's base seed: `V4POOL_SEED` when set (to replay a failure), else fresh per run.

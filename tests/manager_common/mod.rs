@@ -15,8 +15,8 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
-#[path = "../pool_common/mod.rs"]
-pub mod pool_common;
+// The suite declares pool_common beside this module (one copy per binary).
+pub(crate) use crate::pool_common;
 
 use v4pool::backend::{Backend, Stream};
 use v4pool::manager::{BlockHash, KvManager, Namespace, RequestId};
