@@ -33,6 +33,17 @@ pub fn emulation_library() -> Option<libloading::Library> {
 /// An emulation library's per-kernel entry: `(argument bytes, grid, threads) -> 0`.
 pub type EmuLaunch = unsafe extern "C" fn(*const std::ffi::c_void, *const u32, u32) -> i32;
 
+/// The emulation library's entry of one kernel (`v4pool_emu_launch_<kernel>`) and the library
+/// that holds it (keep it alive while the entry is used); `None` as [`emulation_library`].
+pub fn emulation_entry(kernel: &str) -> Option<(libloading::Library, EmuLaunch)> {
+    let lib = emulation_library()?;
+    let symbol = format!("v4pool_emu_launch_{kernel}\0");
+    // SAFETY: every `v4pool_emu_launch_*` entry of kernels/v4pool_emulation.cpp has this
+    // signature.
+    let emu = unsafe { *lib.get::<EmuLaunch>(symbol.as_bytes()).expect("symbol") };
+    Some((lib, emu))
+}
+
 /// Run `launch` through the host reference (`reference`) or the kernel source's emulation
 /// entry `emu`, over the launch's own grid.
 ///
@@ -49,6 +60,19 @@ pub unsafe fn run_reference_or_emulated(launch: &Launch, emu: EmuLaunch, referen
         // SAFETY: as above; the argument bytes are the struct the kernel takes.
         assert_eq!(unsafe { emu(bytes.as_ptr().cast(), shape.grid.as_ptr(), shape.block[0]) }, 0);
     }
+}
+
+/// `run(reference)` through the host reference (`true`) and through the kernel source's
+/// emulation (`false`): the two results must be equal (`what` names the case in a failure);
+/// returns the reference's.
+pub fn reference_equals_emulated<T: PartialEq>(
+    mut run: impl FnMut(bool) -> T,
+    what: std::fmt::Arguments,
+) -> T {
+    let host = run(true);
+    let dev = run(false);
+    assert!(host == dev, "{what}: kernel and host reference differ");
+    host
 }
 
 /// The CUDA backend on device 0, or `None` after printing why the test is skipped. With

@@ -135,7 +135,8 @@ fn nixl_vram_handoffs_between_two_processes_on_one_gpu() {
         let mut rng = Rng::new(case_seed("nixl_vram_2proc", i as u64));
         let (s, _) = v4_pool(b.clone(), &model, blocks, 2);
         let req = random_request(&s, tokens, &mut rng);
-        let mut peer = spawn_receiver(module_path!(), &format!("vram{i}"), tokens, blocks, 1, Mode::Receive, kind);
+        let mut peer =
+            spawn_receiver(module_path!(), &format!("vram{i}"), tokens, blocks, 1, Mode::Receive, kind);
         let verdict =
             send_to_child(&s, &req, &mut peer, Mode::Receive).unwrap_or_else(|e| panic!("{tokens}: {e}"));
         let text = peer.finish("two-process VRAM handoff", false);

@@ -12,20 +12,20 @@ mod common;
 mod flashmla_common;
 #[path = "../gather_common/mod.rs"]
 mod gather_common;
-#[path = "../pool_common/mod.rs"]
-mod pool_common;
 #[path = "../manager_common/mod.rs"]
 mod manager_common;
-#[path = "../tier_common/mod.rs"]
-mod tier_common;
+#[path = "../nixl_common/mod.rs"]
+mod nixl_common;
+#[path = "../pool_common/mod.rs"]
+mod pool_common;
 #[path = "../state_common/mod.rs"]
 mod state_common;
 #[path = "../step_common/mod.rs"]
 mod step_common;
+#[path = "../tier_common/mod.rs"]
+mod tier_common;
 #[path = "../transfer_common/mod.rs"]
 mod transfer_common;
-#[path = "../nixl_common/mod.rs"]
-mod nixl_common;
 
 mod gpu_backend;
 mod gpu_decode_path;

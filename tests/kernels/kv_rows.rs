@@ -48,11 +48,9 @@ fn bf16_values(rng: &mut Rng, n: usize) -> Vec<u16> {
 
 #[test]
 fn the_kernel_source_matches_the_host_reference() {
-    let Some(lib) = common::emulation_library() else {
+    let Some((_lib, emu)) = common::emulation_entry("kv_rows") else {
         return;
     };
-    // SAFETY: the symbol has this signature (kernels/v4pool_emulation.cpp).
-    let emu = unsafe { *lib.get::<common::EmuLaunch>(b"v4pool_emu_launch_kv_rows\0").expect("symbol") };
     for case in 0..48u64 {
         let mut rng = Rng::new(case_seed("kv-rows-emulated", case));
         // Every unpaged format the kernel writes: ATOM's fp8, bf16, FlashMLA's V4.1 528-B rows
@@ -95,9 +93,7 @@ fn the_kernel_source_matches_the_host_reference() {
             unsafe { common::run_reference_or_emulated(&launch, emu, reference) };
             (p0, p1)
         };
-        let host = run(true);
-        let dev = run(false);
-        assert!(host == dev, "case {case} (format {format}): kernel and host reference differ");
+        let host = common::reference_equals_emulated(run, format_args!("case {case} (format {format})"));
         if format == KV_ROWS_FLASHMLA_V41 || format == KV_ROWS_FLASHMLA_V41_FP4 {
             // The host reference is the format's one description, row for row.
             let f = if format == KV_ROWS_FLASHMLA_V41 {
@@ -139,11 +135,9 @@ fn the_kernel_source_matches_the_host_reference() {
 /// rounding; the kernel source against the host reference, on the element and 16-byte paths.
 #[test]
 fn the_kernel_source_packs_fp4_special_groups_as_the_host_reference() {
-    let Some(lib) = common::emulation_library() else {
+    let Some((_lib, emu)) = common::emulation_entry("kv_rows") else {
         return;
     };
-    // SAFETY: the symbol has this signature (kernels/v4pool_emulation.cpp).
-    let emu = unsafe { *lib.get::<common::EmuLaunch>(b"v4pool_emu_launch_kv_rows\0").expect("symbol") };
     let b = |x: f32| (x.to_bits() >> 16) as u16;
     let groups: Vec<[u16; 16]> = vec![
         [0x7fc0; 16],
@@ -222,8 +216,7 @@ fn the_kernel_source_packs_fp4_special_groups_as_the_host_reference() {
             unsafe { common::run_reference_or_emulated(&Launch::KvRows(args), emu, reference) };
             p
         };
-        let (host, dev) = (run(true), run(false));
-        assert!(host == dev, "stride {stride}: kernel and host reference differ");
+        let host = common::reference_equals_emulated(run, format_args!("stride {stride}"));
         for (t, &r) in dest.iter().enumerate() {
             let want = f.pack(&kv[t * stride..t * stride + 512]).unwrap();
             assert_eq!(
@@ -497,11 +490,9 @@ fn the_kernel_source_packs_flashmla_v4_pages_as_the_host_reference() {
     // place; every other byte of the plane stays poison; and FlashMLA's own read of the plane as
     // `[pages, P, 1, 584]` from the view's page (index = view row + the view's shift) gives each
     // written row back (flashmla_common::flashmla_v4_read: FlashMLA's arithmetic, not ours).
-    let Some(lib) = common::emulation_library() else {
+    let Some((_lib, emu)) = common::emulation_entry("kv_rows") else {
         return;
     };
-    // SAFETY: the symbol has this signature (kernels/v4pool_emulation.cpp).
-    let emu = unsafe { *lib.get::<common::EmuLaunch>(b"v4pool_emu_launch_kv_rows\0").expect("symbol") };
     use v4pool::format::RowFormatId;
     for id in [RowFormatId::FlashMlaV4, RowFormatId::FlashMlaV4P2] {
         let f = id.format();

@@ -31,6 +31,6 @@ mod index_properties;
 mod kv_rows;
 mod state_update;
 mod step_batch;
-mod window_gather;
 mod v41_indexer;
 mod v41_state_update;
+mod window_gather;

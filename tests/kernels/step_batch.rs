@@ -176,11 +176,9 @@ fn the_per_layer_order_writes_every_row_it_names() {
 
 #[test]
 fn the_batch_kernel_source_matches_the_host_reference() {
-    let Some(lib) = common::emulation_library() else {
+    let Some((_lib, emu)) = common::emulation_entry("write_batch") else {
         return;
     };
-    // SAFETY: the symbol has this signature (kernels/v4pool_emulation.cpp).
-    let emu = unsafe { *lib.get::<common::EmuLaunch>(b"v4pool_emu_launch_write_batch\0").expect("symbol") };
     for (model, kv) in cases() {
         let (want, _, _) = run(&model, kv, 2, Order::Fused, None, false);
         for order in [Order::Fused, Order::StateAtEnd] {

@@ -31,6 +31,6 @@ mod pool_props;
 mod pool_sound;
 mod row_formats;
 mod sizing_props;
-mod variant_names;
 mod v41_geometry;
 mod v41_model;
+mod variant_names;

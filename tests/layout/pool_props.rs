@@ -12,7 +12,7 @@ use v4pool::pool::Pool;
 use v4pool::pool::{BlockHandle, SlotHandle};
 
 use crate::pool_common;
-use pool_common::{pattern, WIDTHS};
+use pool_common::{pattern, read, WIDTHS};
 
 const POSITIONS: i64 = 12;
 
@@ -36,16 +36,6 @@ fn slot_ranges(pool: &Pool, position: i64) -> Vec<(usize, u64, u64)> {
     let g = &pool.spec().geometry;
     let (start, _) = g.slot_span(position).expect("position");
     WIDTHS.iter().enumerate().map(|(p, &w)| (p, start as u64 * w, g.slot_bytes(w))).collect()
-}
-
-fn read(pool: &Pool, ranges: &[(usize, u64, u64)]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for &(p, off, len) in ranges {
-        let mut buf = vec![0u8; len as usize];
-        pool.read_plane(p, off, &mut buf).expect("read");
-        out.extend(buf);
-    }
-    out
 }
 
 fn write(pool: &Pool, ranges: &[(usize, u64, u64)], bytes: &[u8]) {

@@ -7,24 +7,24 @@
 
 #[path = "../common/mod.rs"]
 mod common;
-#[path = "../pool_common/mod.rs"]
-mod pool_common;
+mod fault_common;
 #[path = "../manager_common/mod.rs"]
 mod manager_common;
+#[path = "../pool_common/mod.rs"]
+mod pool_common;
 #[path = "../tier_common/mod.rs"]
 mod tier_common;
-mod fault_common;
 
+mod fault_manager;
+mod fault_sweep;
+mod interleave;
+mod kv_events;
 mod manager_eviction;
 mod manager_exact;
 mod manager_hostile;
 mod manager_props;
 mod manager_regressions;
 mod manager_tier;
-mod fault_manager;
-mod fault_sweep;
-mod interleave;
-mod kv_events;
 mod simulate;
 mod simulate_fleet;
 mod simulate_pressure;

@@ -68,6 +68,18 @@ struct World {
 }
 
 impl World {
+    /// A fresh world over manager `m`: no requests, nothing seen.
+    fn new(m: KvManager) -> World {
+        World {
+            m,
+            reqs: Vec::new(),
+            images: HashMap::new(),
+            shadow: HashMap::new(),
+            seen: Vec::new(),
+            restores: 0,
+        }
+    }
+
     fn pick(&self, i: usize) -> Option<usize> {
         let live: Vec<usize> = (0..self.reqs.len()).filter(|&k| self.reqs[k].live).collect();
         (!live.is_empty()).then(|| live[i % live.len()])
@@ -199,14 +211,7 @@ fn run(ops: &[Op], elastic: bool, rolling: bool) {
         Box::new(FixedPolicy::new(3))
     };
     let m = KvManager::new(pool, config(2, rolling), policy).unwrap();
-    let mut w = World {
-        m,
-        reqs: Vec::new(),
-        images: HashMap::new(),
-        shadow: HashMap::new(),
-        seen: Vec::new(),
-        restores: 0,
-    };
+    let mut w = World::new(m);
     for op in ops {
         w.apply(op);
         w.check();
@@ -274,14 +279,7 @@ fn a_scripted_run_reaches_every_path() {
         Box::new(ElasticPolicy::default().with_headroom(1).with_max_slots(6)),
     )
     .unwrap();
-    let mut w = World {
-        m,
-        reqs: Vec::new(),
-        images: HashMap::new(),
-        shadow: HashMap::new(),
-        seen: Vec::new(),
-        restores: 0,
-    };
+    let mut w = World::new(m);
     for op in &ops {
         w.apply(op);
         w.check();

@@ -109,7 +109,15 @@ pub struct Peer {
 
 /// The receiver: the caller's binary run again for `child_nixl_receiver` of `module` (the
 /// caller's `module_path!()`), told over `$V4POOL_NIXL_PEER_*` what to hold.
-pub fn spawn_receiver(module: &str, tag: &str, tokens: i64, blocks: i64, mtp: u32, mode: Mode, backend: &str) -> Peer {
+pub fn spawn_receiver(
+    module: &str,
+    tag: &str,
+    tokens: i64,
+    blocks: i64,
+    mtp: u32,
+    mode: Mode,
+    backend: &str,
+) -> Peer {
     let dir = std::env::temp_dir().join(format!("v4pool-nixl-{}-{tag}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();

@@ -7,17 +7,17 @@
 
 #[path = "../common/mod.rs"]
 mod common;
-#[path = "../pool_common/mod.rs"]
-mod pool_common;
+mod hostile_fs;
 #[path = "../manager_common/mod.rs"]
 mod manager_common;
+#[path = "../nixl_common/mod.rs"]
+mod nixl_common;
+#[path = "../pool_common/mod.rs"]
+mod pool_common;
 #[path = "../tier_common/mod.rs"]
 mod tier_common;
 #[path = "../transfer_common/mod.rs"]
 mod transfer_common;
-#[path = "../nixl_common/mod.rs"]
-mod nixl_common;
-mod hostile_fs;
 #[macro_use] // per_io!, used by the tier files below
 mod tier_io;
 

@@ -225,8 +225,15 @@ fn nixl_handoffs_between_two_processes() {
         let req = random_request(&sender, tokens, &mut rng);
         // The sender's memory is only read: checked where hashing it twice is cheap.
         let before = (tokens < 1 << 20).then(|| digest(&sender, &all_ranges(&sender)));
-        let mut peer =
-            spawn_receiver(module_path!(), &format!("ok{i}"), tokens, blocks_for(tokens), 1, Mode::Receive, "host");
+        let mut peer = spawn_receiver(
+            module_path!(),
+            &format!("ok{i}"),
+            tokens,
+            blocks_for(tokens),
+            1,
+            Mode::Receive,
+            "host",
+        );
         let verdict = send_to_child(&sender, &req, &mut peer, Mode::Receive)
             .unwrap_or_else(|e| panic!("{tokens}: {e}"));
         let text = peer.finish("two-process handoff", false);
