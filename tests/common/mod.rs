@@ -209,14 +209,16 @@ pub fn run_child_test(mut c: std::process::Command, what: &str) -> String {
 /// Print what a child test printed (its SKIP lines too), without its harness's lines: a
 /// log's `test result` lines then count this binary's runs only.
 pub fn print_child_output(text: &str) {
-    let harness = |l: &str| {
-        l.is_empty()
-            || l.starts_with("running ")
-            || l.starts_with("test result: ")
-            || (l.starts_with("test ") && l.contains(" ... "))
-    };
-    for l in text.lines().filter(|l| !harness(l)) {
-        println!("{l}");
+    let status = |l: &str| ["ok", "FAILED", "ignored"].contains(&l) || l.starts_with("ignored, ");
+    for l in text.lines() {
+        // The test's own first line follows the harness's `test NAME ... ` (output not captured).
+        let l = match l.split_once(" ... ") {
+            Some((name, rest)) if name.starts_with("test ") => rest,
+            _ => l,
+        };
+        if !(l.is_empty() || status(l) || l.starts_with("running ") || l.starts_with("test result: ")) {
+            println!("{l}");
+        }
     }
 }
 
