@@ -1,5 +1,5 @@
 //! Profiler ranges around device work. Run under Nsight Compute to see the NVTX injection
-//! path work: `ncu --nvtx --nvtx-include "v4pool.range_test/" .gpu/tests/gpu_profiling`
+//! path work: `ncu --nvtx --nvtx-include "v4pool.range_test/" .gpu/tests/gpu gpu_profiling::`
 //! profiles the kernel only if the range reached the tool. Without a tool (or without the
 //! `profiling` feature) the ranges are no-ops and the test only checks they do no harm.
 

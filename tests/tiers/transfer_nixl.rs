@@ -426,7 +426,8 @@ fn nixl_gpu_takes_its_paths_as_arguments() {
         .status()
         .unwrap();
     assert!(tar.success());
-    for (name, rc) in [("gpu_transfer_nixl", 0), ("transfer_nixl", 0)] {
+    // The suite binaries that hold gpu_transfer_nixl and transfer_nixl (run with a filter).
+    for (name, rc) in [("gpu", 0), ("tiers", 0)] {
         let body = format!(
             "#!/bin/sh\ntest -f \"$V4POOL_NIXL_LIB\" || exit 3\necho \"test result: ok. {name}\"\nexit {rc}\n"
         );
