@@ -6,7 +6,7 @@
 //   * fixed-width integer typedefs (v4p_i32, v4p_i64, ...);
 //   * every launch-argument struct of src/index/mod.rs, field for field, with its layout
 //     pinned by V4POOL_CHECK_* lines that the device compilers enforce and that
-//     tests/kernel_layout.rs compares with the Rust structs (offset_of!/size_of/align_of);
+//     tests/layout/kernel_layout.rs compares with the Rust structs (offset_of!/size_of/align_of);
 //   * the device transcription of the geometry formulas (index-buffers.md §2).
 //
 // Keep every layout line in the form `V4POOL_CHECK_xxx(Type, [field,] N);` on one line: the
@@ -146,7 +146,7 @@ struct alignas(16) v4p_vec16 {
     v4p_u32 x, y, z, w;
 };
 
-// ---- launch constants (mirrored in src/index/shape.rs; tests/kernel_layout.rs checks) ------
+// ---- launch constants (mirrored in src/index/shape.rs; tests/layout/kernel_layout.rs checks) ------
 
 /// Threads per block of every kernel but v4pool_empty and the decode builder.
 #define V4POOL_BLOCK_THREADS 256
@@ -598,14 +598,14 @@ V4POOL_CHECK_OFFSET(WindowGatherArgs, draft_window, 92);
 // 1024-B rows (512 bf16 copied); format 2 (FlashMLA V4.1): one plane of 528-B rows, 512 e4m3
 // then 16 e8m0 scales, one per 32 values (src/format/).
 // KvRowsArgs::format: src/format/ RowFormatId::kernel_code, one per row format
-// (tests/row_formats.rs reads these lines and fails on any drift).
+// (tests/layout/row_formats.rs reads these lines and fails on any drift).
 #define V4P_KV_ROWS_BF16 0
 #define V4P_KV_ROWS_ATOM_FP8 1
 #define V4P_KV_ROWS_FLASHMLA_V41 2
 #define V4P_KV_ROWS_FLASHMLA_V4 3
 #define V4P_KV_ROWS_FLASHMLA_V41_FP4 4
 #define V4P_KV_ROWS_FLASHMLA_V4_P2 5
-// Rows of a page of each paged format (src/format/ PlaneFormat::page_rows; tests/row_formats.rs
+// Rows of a page of each paged format (src/format/ PlaneFormat::page_rows; tests/layout/row_formats.rs
 // reads these lines too): FlashMLA's V4 rows in pages of 64 (format 3) or of 2 (format 5).
 #define V4P_PAGE_ROWS_FLASHMLA_V4 64
 #define V4P_PAGE_ROWS_FLASHMLA_V4_P2 2

@@ -1,6 +1,6 @@
 // v4pool_emulation.cpp — the device kernels compiled as plain C++ for host tests.
 //
-// Not a backend: tests/index_emulated.rs loads this library (built by build.rs when a clang is
+// Not a backend: tests/kernels/index_emulated.rs loads this library (built by build.rs when a clang is
 // found) and runs the *kernel code itself* on random inputs, comparing with the host reference
 // of src/index/host.rs, so the CUDA/HIP source is exercised on a machine without a GPU.
 #define V4POOL_HOST_EMULATION 1
@@ -50,7 +50,7 @@ extern "C" int v4pool_emu_launch(const char* symbol, const void* args, const uns
     return -1;
 }
 
-/// The §9 window gather kernels (copy and fp8), for tests/index_emulated.rs (the table above
+/// The §9 window gather kernels (copy and fp8), for tests/kernels/index_emulated.rs (the table above
 /// is shared with other kernels; this entry keeps the gather's registration in one place).
 extern "C" int v4pool_emu_launch_gather(const char* symbol, const void* args, const unsigned grid[3], unsigned threads) {
     if (std::strcmp(symbol, "v4pool_window_gather") == 0) {
@@ -64,20 +64,20 @@ extern "C" int v4pool_emu_launch_gather(const char* symbol, const void* args, co
     return -1;
 }
 
-/// The KV row writer (bf16 KV into the pool's row format), for tests/kv_rows.rs.
+/// The KV row writer (bf16 KV into the pool's row format), for tests/kernels/kv_rows.rs.
 extern "C" int v4pool_emu_launch_kv_rows(const void* args, const unsigned grid[3], unsigned threads) {
     v4p_emu_run<KvRowsArgs>(v4pool_kv_rows, args, grid, threads);
     return 0;
 }
 
-/// The indexer key writer (bf16 keys into an indexer K cache), for tests/index_keys.rs.
+/// The indexer key writer (bf16 keys into an indexer K cache), for tests/kernels/index_keys.rs.
 extern "C" int v4pool_emu_launch_index_keys(const void* args, const unsigned grid[3], unsigned threads) {
     v4p_emu_run<IndexKeysArgs>(v4pool_index_keys, args, grid, threads);
     return 0;
 }
 
 /// The write batch (KV row, index-key and state-update writes in one launch), for
-/// tests/step_batch.rs.
+/// tests/kernels/step_batch.rs.
 extern "C" int v4pool_emu_launch_write_batch(const void* args, const unsigned grid[3], unsigned threads) {
     v4p_emu_run<WriteBatchArgs>(v4pool_write_batch, args, grid, threads);
     return 0;

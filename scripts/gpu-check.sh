@@ -7,7 +7,7 @@
 #   scripts/gpu-check.sh [--phase tests|bench|all] [--out DIR] [--bins DIR] [--wheels DIR]
 #                        [--peer DIR] [--ncu]
 #
-# --bins DIR   prebuilt binaries instead of building here: DIR/tests/<test>, DIR/benches/<bench>,
+# --bins DIR   prebuilt binaries instead of building here: DIR/tests/<suite>, DIR/benches/<bench>,
 #              DIR/bin/v4pool, and optionally DIR/bin-path (the path the CLI tests were compiled
 #              to find v4pool at; the binary is copied there). Produce one on a build machine
 #              with `scripts/gpu-check.sh --pack DIR` and copy DIR over.
@@ -18,6 +18,8 @@
 #              scripts/peer-table.py's side-by-side table.
 # --ncu        Nsight Compute over one launch of each index kernel (benches/gpu --profile-shapes).
 # Environment: TESTS, MEMCHECK, BENCHES override the lists below (space separated; "none").
+# A test entry is "suite:filter": the suite binary (tests/<suite>/main.rs) run for the tests
+# whose names contain the filter (a former test file is the filter `<file>::`).
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -30,10 +32,10 @@ while [ $# -gt 0 ]; do
     *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2;;
   esac
 done
-tests=${TESTS:-gpu_backend gpu_kernels gpu_graph gpu_decode_path gpu_manager gpu_manager_tier gpu_state_update gpu_window_gather gpu_transfer gpu_profiling pool_props hip_backend manager_exact gpu_v41_index gpu_kv_rows gpu_index_keys gpu_step_batch}
+tests=${TESTS:-gpu:gpu_backend:: gpu:gpu_kernels:: gpu:gpu_graph:: gpu:gpu_decode_path:: gpu:gpu_manager:: gpu:gpu_manager_tier:: gpu:gpu_state_update:: gpu:gpu_window_gather:: gpu:gpu_transfer:: gpu:gpu_profiling:: layout:pool_props:: gpu:hip_backend:: manager:manager_exact:: gpu:gpu_v41_index:: gpu:gpu_kv_rows:: gpu:gpu_index_keys:: gpu:gpu_step_batch::}
 benches=${BENCHES:-gpu state_update window_gather transfer manager step}
-# "binary[:test-name filter]": the filters keep the sanitizer's slowdown to the graph-replay tests.
-memcheck=${MEMCHECK:-gpu_kernels gpu_graph gpu_decode_path gpu_manager gpu_manager_tier gpu_state_update:captured_update gpu_window_gather:window_gather_graph pool_props:nothing_lost_on_the_gpu gpu_v41_index:v41_decode_path_on_the_device gpu_step_batch}
+# The same form; the filters keep the sanitizer's slowdown to the graph-replay tests.
+memcheck=${MEMCHECK:-gpu:gpu_kernels:: gpu:gpu_graph:: gpu:gpu_decode_path:: gpu:gpu_manager:: gpu:gpu_manager_tier:: gpu:gpu_state_update::captured_update gpu:gpu_window_gather::window_gather_graph layout:pool_props::nothing_lost_on_the_gpu gpu:gpu_v41_index::v41_decode_path_on_the_device gpu:gpu_step_batch::}
 
 # Copy the executable a `cargo --message-format=json` build reports on stdin to $1.
 executable_to() {
@@ -52,7 +54,8 @@ build_into() {
   cp target/release/v4pool "$dir/bin/v4pool"
   echo "$root/target/release/v4pool" > "$dir/bin-path"
   local t b
-  for t in $tests; do
+  # Each suite once, whichever entries name it.
+  for t in $(for e in $tests; do echo "${e%%:*}"; done | sort -u); do
     [ "$t" = none ] && continue
     cargo test --release --no-run --test "$t" --message-format=json 2>/dev/null | executable_to "$dir/tests/$t"
   done
@@ -71,12 +74,14 @@ if p=$(cat "$bins/bin-path" 2>/dev/null); then mkdir -p "$(dirname "$p")" && cp 
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader; } | tee "$out/summary.txt"
 rc=0
 if [ "$phase" != bench ]; then
-  for t in $tests; do
-    [ "$t" = none ] && continue
+  for e in $tests; do
+    [ "$e" = none ] && continue
+    t=${e%%:*}; f=""; [ "$t" != "$e" ] && f=${e#*:}
+    n=${f%::}; n=${n//::/.}; n=${n:-$t}
     [ -x "$bins/tests/$t" ] || { echo "missing $t" | tee -a "$out/summary.txt"; rc=1; continue; }
     s=$(date +%s)
-    if timeout 150 "$bins/tests/$t" --include-ignored > "$out/t-$t.log" 2>&1; then r=ok; else r="FAILED rc=$?"; rc=1; fi
-    echo "$r $t ($(( $(date +%s)-s ))s): $(grep -E '^test result|SKIP' "$out/t-$t.log" | tail -1)" | tee -a "$out/summary.txt"
+    if timeout 150 "$bins/tests/$t" --include-ignored $f > "$out/t-$n.log" 2>&1; then r=ok; else r="FAILED rc=$?"; rc=1; fi
+    echo "$r $e ($(( $(date +%s)-s ))s): $(grep -E '^test result|SKIP' "$out/t-$n.log" | tail -1)" | tee -a "$out/summary.txt"
   done
   if [ -n "$wheels" ]; then
     site=$(mktemp -d)
@@ -88,9 +93,10 @@ if [ "$phase" != bench ]; then
     for m in $memcheck; do
       [ "$m" = none ] && continue
       b=${m%%:*}; f=""; [ "$b" != "$m" ] && f=${m#*:}
+      n=${f%::}; n=${n//::/.}; n=${n:-$b}
       [ -x "$bins/tests/$b" ] || continue
-      timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 "$bins/tests/$b" $f > "$out/mc-$b.log" 2>&1 || rc=1
-      echo "memcheck $m: $(grep -E 'ERROR SUMMARY' "$out/mc-$b.log" | tail -1)" | tee -a "$out/summary.txt"
+      timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 "$bins/tests/$b" $f > "$out/mc-$n.log" 2>&1 || rc=1
+      echo "memcheck $m: $(grep -E 'ERROR SUMMARY' "$out/mc-$n.log" | tail -1)" | tee -a "$out/summary.txt"
     done
   else
     echo "SKIP memcheck: compute-sanitizer not on PATH" | tee -a "$out/summary.txt"

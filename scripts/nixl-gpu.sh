@@ -6,14 +6,15 @@
 #   scripts/nixl-gpu.sh --bins DIR [--bundle FILE] [--out DIR]
 #   scripts/nixl-gpu.sh --pack DIR          (on the build machine)
 #
-# --bins DIR    DIR/tests/gpu_transfer_nixl and DIR/tests/transfer_nixl, the test binaries
-#               (and DIR/nixl-1.5.1.tar.xz, the default --bundle).
+# --bins DIR    DIR/tests/gpu and DIR/tests/tiers, the suite binaries that hold
+#               gpu_transfer_nixl and transfer_nixl (and DIR/nixl-1.5.1.tar.xz, the default
+#               --bundle).
 # --bundle FILE the NIXL libraries packed by scripts/nixl-bundle.sh.
 # --out DIR     where the logs go [nixl-gpu-out].
-# --pack DIR    build both test binaries (scripts/gpu-check.sh --pack) and the bundle
+# --pack DIR    build both suite binaries (scripts/gpu-check.sh --pack) and the bundle
 #               (scripts/nixl-bundle.sh) into DIR; copy DIR to the GPU machine and pass it as
 #               --bins there.
-# Relative paths are the caller's. Exit status 0 when every test binary passed.
+# Relative paths are the caller's. Exit status 0 when every run passed.
 set -u
 here=$PWD
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -26,7 +27,7 @@ while [ $# -gt 0 ]; do
     *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2;;
   esac
 done
-tests="gpu_transfer_nixl transfer_nixl"
+tests="gpu:gpu_transfer_nixl:: tiers:transfer_nixl::"
 if [ -n "$pack" ]; then
   TESTS=$tests BENCHES=none bash "$root/scripts/gpu-check.sh" --pack "$pack" || exit 1
   bash "$root/scripts/nixl-bundle.sh" "$pack/nixl-1.5.1.tar.xz" || exit 1
@@ -35,7 +36,7 @@ if [ -n "$pack" ]; then
 fi
 [ -n "$bins" ] || { echo "--bins DIR is required (see the header of $0)" >&2; exit 2; }
 bundle=${bundle:-$bins/nixl-1.5.1.tar.xz}
-for f in "$bundle" "$bins/tests/gpu_transfer_nixl" "$bins/tests/transfer_nixl"; do
+for f in "$bundle" "$bins/tests/gpu" "$bins/tests/tiers"; do
   [ -f "$f" ] || { echo "missing $f (see the header of $0)" >&2; exit 2; }
 done
 mkdir -p "$out"
@@ -51,18 +52,18 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda-13.0/lib64; do
 done
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 rc=0
-# One test binary's run: its log, then the lines a reader needs from it.
+# One test file's run (its suite binary and filter): its log, then the lines a reader needs.
 run() {
   local log=$out/$1.log; shift
   "$@" --nocapture --test-threads 1 > "$log" 2>&1 || rc=1
   grep -E "nixl-[a-z0-9-]+:|SKIP|test result|panicked" "$log" | cut -c1-200
 }
 echo "== gpu_transfer_nixl (UCX chooses its transports; protocol selection in $out/gpu_transfer_nixl.log)"
-UCX_PROTO_INFO=y run gpu_transfer_nixl "$bins/tests/gpu_transfer_nixl"
+UCX_PROTO_INFO=y run gpu_transfer_nixl "$bins/tests/gpu" gpu_transfer_nixl::
 grep -oE "(cuda_ipc|cuda_copy|tcp|posix|sysv|cma)/[A-Za-z0-9_:.-]+" "$out/gpu_transfer_nixl.log" | sort | uniq -c | sort -rn | head -8
 echo "== gpu_transfer_nixl, UCX_TLS=cuda_ipc,cuda_copy,tcp"
-UCX_TLS=cuda_ipc,cuda_copy,tcp run gpu_transfer_nixl-tls "$bins/tests/gpu_transfer_nixl"
+UCX_TLS=cuda_ipc,cuda_copy,tcp run gpu_transfer_nixl-tls "$bins/tests/gpu" gpu_transfer_nixl::
 echo "== transfer_nixl (host pools over UCX TCP loopback, as in CI)"
-UCX_TLS=tcp UCX_NET_DEVICES=lo UCX_MEM_EVENTS=no run transfer_nixl "$bins/tests/transfer_nixl"
+UCX_TLS=tcp UCX_NET_DEVICES=lo UCX_MEM_EVENTS=no run transfer_nixl "$bins/tests/tiers" transfer_nixl::
 rm -rf "$lib"
 exit $rc

@@ -45,21 +45,17 @@ fi
 # What build.rs compiled (or why not), then what the binary embedded.
 grep -E 'v4pool kernels' "$logdir/build.log" || true
 
-# Test targets that exercise a device: tests/hip_*.rs always; tests/gpu_*.rs (every kernel
-# against the host reference) once their shared harness (tests/common) picks its device from
-# V4POOL_BACKEND — until then it only knows CUDA and would fail here for want of a CUDA GPU.
-targets=()
-for f in tests/hip_*.rs; do
-  [ -e "$f" ] && targets+=("--test" "$(basename "$f" .rs)")
-done
+# Tests that exercise a device, all in the gpu suite (tests/gpu/): hip_backend always; the
+# gpu_* files (every kernel against the host reference) once their shared harness
+# (tests/common) picks its device from V4POOL_BACKEND — until then it only knows CUDA and would
+# fail here for want of a CUDA GPU.
+targets=(--test gpu)
 gpu_targets_on_hip=no
 if grep -q 'V4POOL_BACKEND' tests/common/mod.rs 2>/dev/null; then
   gpu_targets_on_hip=yes
-  for f in tests/gpu_*.rs; do
-    [ -e "$f" ] && targets+=("--test" "$(basename "$f" .rs)")
-  done
 else
-  echo "NOTE: tests/gpu_*.rs do not select HIP yet (tests/common ignores V4POOL_BACKEND): not run on HIP"
+  targets+=(hip_backend::)
+  echo "NOTE: tests/gpu/gpu_*.rs do not select HIP yet (tests/common ignores V4POOL_BACKEND): not run on HIP"
 fi
 
 # run_step NAME LOG ENV... -- CARGO-TEST-ARGS...
@@ -103,7 +99,7 @@ done
 skips=$(cat "$logdir"/gpu-*.log "$logdir"/all.log 2>/dev/null | grep -c '^SKIP' || true)
 echo "SKIP lines in the test logs: $skips (a device test that skipped on a GPU machine needs a look)"
 if [ "$gpu_targets_on_hip" = no ]; then
-  echo "NOT RUN: kernel-vs-host tests (tests/gpu_*.rs) on HIP; only tests/hip_*.rs ran on the device"
+  echo "NOT RUN: kernel-vs-host tests (tests/gpu/gpu_*.rs) on HIP; only tests/gpu/hip_backend.rs ran on the device"
 fi
 echo "logs: $logdir/"
 if [ "$fail" = 0 ] && [ "${#names[@]}" -ge 4 ]; then

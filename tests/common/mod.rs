@@ -33,6 +33,17 @@ pub fn emulation_library() -> Option<libloading::Library> {
 /// An emulation library's per-kernel entry: `(argument bytes, grid, threads) -> 0`.
 pub type EmuLaunch = unsafe extern "C" fn(*const std::ffi::c_void, *const u32, u32) -> i32;
 
+/// The emulation library's entry of one kernel (`v4pool_emu_launch_<kernel>`) and the library
+/// that holds it (keep it alive while the entry is used); `None` as [`emulation_library`].
+pub fn emulation_entry(kernel: &str) -> Option<(libloading::Library, EmuLaunch)> {
+    let lib = emulation_library()?;
+    let symbol = format!("v4pool_emu_launch_{kernel}\0");
+    // SAFETY: every `v4pool_emu_launch_*` entry of kernels/v4pool_emulation.cpp has this
+    // signature.
+    let emu = unsafe { *lib.get::<EmuLaunch>(symbol.as_bytes()).expect("symbol") };
+    Some((lib, emu))
+}
+
 /// Run `launch` through the host reference (`reference`) or the kernel source's emulation
 /// entry `emu`, over the launch's own grid.
 ///
@@ -49,6 +60,19 @@ pub unsafe fn run_reference_or_emulated(launch: &Launch, emu: EmuLaunch, referen
         // SAFETY: as above; the argument bytes are the struct the kernel takes.
         assert_eq!(unsafe { emu(bytes.as_ptr().cast(), shape.grid.as_ptr(), shape.block[0]) }, 0);
     }
+}
+
+/// `run(reference)` through the host reference (`true`) and through the kernel source's
+/// emulation (`false`): the two results must be equal (`what` names the case in a failure);
+/// returns the reference's.
+pub fn reference_equals_emulated<T: PartialEq>(
+    mut run: impl FnMut(bool) -> T,
+    what: std::fmt::Arguments,
+) -> T {
+    let host = run(true);
+    let dev = run(false);
+    assert!(host == dev, "{what}: kernel and host reference differ");
+    host
 }
 
 /// The CUDA backend on device 0, or `None` after printing why the test is skipped. With
@@ -146,6 +170,64 @@ pub fn host_only_under_double(test: &str) -> bool {
 
 pub fn host() -> HostBackend {
     HostBackend::new()
+}
+
+// ---- one test alone in a child process ----------------------------------------------------
+
+/// The harness's name of the test `name` declared in `module` (the caller's `module_path!()`):
+/// the module path without the suite's crate name in front (`shared_tier::child_shared_writer`
+/// in the `tiers` binary). A suite binary holds many test files, so a child names its test in
+/// full.
+pub fn test_path(module: &str, name: &str) -> String {
+    match module.split_once("::") {
+        Some((_, m)) => format!("{m}::{name}"),
+        None => name.to_string(),
+    }
+}
+
+/// This test binary run again for the one test `name` of `module` (the caller's
+/// `module_path!()`), ignored or not, alone in its process, output not captured. For what
+/// cannot share the suite's process: a resident-set reading, an environment a C library reads
+/// (set on the child's `Command`, never with `set_var` in a process whose other tests run),
+/// several processes of one scenario.
+pub fn child_test(module: &str, name: &str) -> std::process::Command {
+    let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", &test_path(module, name), "--include-ignored", "--nocapture", "--test-threads", "1"]);
+    c
+}
+
+/// Run `c` (a [`child_test`]) to its end: its output, after checking it succeeded and ran its
+/// one test (`what` names it in a failure).
+pub fn run_child_test(mut c: std::process::Command, what: &str) -> String {
+    let out = c.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{what}: child failed:\n{text}");
+    assert!(text.contains("1 passed"), "{what}: the child test did not run:\n{text}");
+    text
+}
+
+/// Print what a child test printed (its SKIP lines too), without its harness's lines: a
+/// log's `test result` lines then count this binary's runs only.
+pub fn print_child_output(text: &str) {
+    let status = |l: &str| ["ok", "FAILED", "ignored"].contains(&l) || l.starts_with("ignored, ");
+    for l in text.lines() {
+        // The test's own first line follows the harness's `test NAME ... ` (output not captured).
+        let l = match l.split_once(" ... ") {
+            Some((name, rest)) if name.starts_with("test ") => rest,
+            _ => l,
+        };
+        if !(l.is_empty() || status(l) || l.starts_with("running ") || l.starts_with("test result: ")) {
+            println!("{l}");
+        }
+    }
+}
+
+/// Held by each test that builds 1M-token host pools (4 to 5 GB each, two at a time in some):
+/// one such test at a time in a suite binary, whichever file it comes from, so two of them
+/// side by side never need twice the memory.
+pub fn large_pools() -> std::sync::MutexGuard<'static, ()> {
+    static LARGE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LARGE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 // ---- randomness -------------------------------------------------------------------------

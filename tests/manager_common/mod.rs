@@ -15,8 +15,8 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
-#[path = "../pool_common/mod.rs"]
-pub mod pool_common;
+// The suite declares pool_common beside this module (one copy per binary).
+pub(crate) use crate::pool_common;
 
 use v4pool::backend::{Backend, Stream};
 use v4pool::manager::{BlockHash, KvManager, Namespace, RequestId};
@@ -173,15 +173,7 @@ pub fn block_ranges(pool: &Pool, id: u32) -> Vec<(usize, u64, u64)> {
     widths.iter().enumerate().map(|(p, &w)| (p, u64::from(id) * g.block_bytes(w), g.block_bytes(w))).collect()
 }
 
-pub fn read(pool: &Pool, ranges: &[(usize, u64, u64)]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for &(p, off, len) in ranges {
-        let mut buf = vec![0u8; len as usize];
-        pool.read_plane(p, off, &mut buf).expect("read");
-        out.extend(buf);
-    }
-    out
-}
+pub use pool_common::read;
 
 pub fn write(pool: &Pool, ranges: &[(usize, u64, u64)], bytes: &[u8]) {
     let mut at = 0usize;

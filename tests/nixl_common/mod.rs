@@ -7,7 +7,7 @@ use std::collections::hash_map::DefaultHasher;
 use std::hash::Hasher;
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use v4pool::backend::Backend;
@@ -29,23 +29,6 @@ pub fn backend_named(name: &str) -> Arc<dyn Backend> {
         "cuda" => Arc::new(v4pool::backend::cuda::CudaBackend::new(0).expect("CUDA device 0")),
         _ => Arc::new(v4pool::backend::host::HostBackend::new()),
     }
-}
-
-pub fn child(test: &str, envs: &[(&str, &str)]) -> Command {
-    let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args(["--exact", test, "--ignored", "--nocapture", "--test-threads", "1"]);
-    for (k, v) in envs {
-        c.env(k, v);
-    }
-    c
-}
-
-pub fn run_child(mut c: Command, what: &str) -> String {
-    let out = c.output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{what}: child failed:\n{text}");
-    assert!(text.contains("1 passed"), "{what}: the child test did not run:\n{text}");
-    text
 }
 
 // ---- two processes -------------------------------------------------------------------------
@@ -124,7 +107,17 @@ pub struct Peer {
     dir: std::path::PathBuf,
 }
 
-pub fn spawn_receiver(tag: &str, tokens: i64, blocks: i64, mtp: u32, mode: Mode, backend: &str) -> Peer {
+/// The receiver: the caller's binary run again for `child_nixl_receiver` of `module` (the
+/// caller's `module_path!()`), told over `$V4POOL_NIXL_PEER_*` what to hold.
+pub fn spawn_receiver(
+    module: &str,
+    tag: &str,
+    tokens: i64,
+    blocks: i64,
+    mtp: u32,
+    mode: Mode,
+    backend: &str,
+) -> Peer {
     let dir = std::env::temp_dir().join(format!("v4pool-nixl-{}-{tag}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -138,7 +131,7 @@ pub fn spawn_receiver(tag: &str, tokens: i64, blocks: i64, mtp: u32, mode: Mode,
         ("V4POOL_NIXL_PEER_MODE", format!("{mode:?}")),
         ("V4POOL_NIXL_PEER_BACKEND", backend.to_string()),
     ];
-    let mut c = child("child_nixl_receiver", &[]);
+    let mut c = crate::common::child_test(module, "child_nixl_receiver");
     for (k, v) in &envs {
         c.env(k, v);
     }
@@ -229,12 +222,13 @@ pub fn send_to_child(sender: &Pool, req: &RequestKv, peer: &mut Peer, mode: Mode
 
 /// The body of a binary's `child_nixl_receiver` test: the receiver half when run as the child
 /// of a two-process test, else a visible skip (`.gpu/run` passes `--include-ignored`).
-pub fn as_child_receiver(ucx_defaults: &[(&str, &str)]) {
+pub fn as_child_receiver(module: &str, ucx_defaults: &[(&str, &str)]) {
     if std::env::var_os("V4POOL_NIXL_PEER_SOCK").is_none() {
         println!("SKIP: child_nixl_receiver runs only as the child of a two-process NIXL test");
         return;
     }
-    assert!(nixl_or_skip("child_nixl_receiver", ucx_defaults), "the parent found the library");
+    // The parent passed `nixl_or_skip` with this environment, so this runs here, never again.
+    assert!(nixl_or_skip(module, "child_nixl_receiver", ucx_defaults), "the parent found the library");
     receiver_main();
 }
 

@@ -87,6 +87,17 @@ pub fn small_pool(positions: i64, initial_slots: i64) -> Pool {
     small_pool_on(Arc::new(HostBackend::new()), positions, initial_slots)
 }
 
+/// The bytes of `ranges` (plane, offset, length) of `pool`'s planes, concatenated.
+pub fn read(pool: &Pool, ranges: &[(usize, u64, u64)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for &(p, off, len) in ranges {
+        let mut buf = vec![0u8; len as usize];
+        pool.read_plane(p, off, &mut buf).expect("read");
+        out.extend(buf);
+    }
+    out
+}
+
 /// Random bytes for a seed, from the tests' generator ([`v4pool::sim::Rng`], which
 /// `tests/common` wraps; reached directly, as this module is loaded without `common`). Equal
 /// seeds give equal bytes.

@@ -1,5 +1,5 @@
 //! One whole decode step's pool-side work (docs/forward.md, "Decode step"), shared by the step
-//! tests (`tests/step_batch.rs`, `tests/gpu_step_batch.rs`) and the step bench
+//! tests (`tests/kernels/step_batch.rs`, `tests/gpu/gpu_step_batch.rs`) and the step bench
 //! (`benches/step.rs`, which includes this file by path): the decode builder, then per trunk
 //! layer in the model's order the token's own rows, the emitted compressed rows, the index keys
 //! and the compressor-state updates, and the translate-pack, as launches on one pool, with

@@ -3,8 +3,8 @@
 //! scenario checked byte for byte.
 #![allow(dead_code)]
 
-#[path = "../manager_common/mod.rs"]
-pub mod manager_common;
+// The suite declares manager_common beside this module (one copy per binary).
+pub(crate) use crate::manager_common;
 
 use manager_common::*;
 use std::sync::Arc;

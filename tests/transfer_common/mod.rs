@@ -251,26 +251,28 @@ pub fn same_bytes(pa: &Pool, a: &[(u64, u64)], pb: &Pool, b: &[(u64, u64)]) -> b
     a.len() == b.len() && a.iter().zip(b).all(|(&ra, &rb)| ra.1 == rb.1 && read(pa, &[ra]) == read(pb, &[rb]))
 }
 
-/// Whether the NIXL library loads (else print SKIP, or panic with `V4POOL_REQUIRE_NIXL=1`).
-/// First sets each of `ucx_defaults` the environment lacks, once per process and before any
-/// agent exists (UCX reads its settings when an agent's backend starts).
-pub fn nixl_or_skip(test: &str, ucx_defaults: &[(&str, &str)]) -> bool {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        for &(k, v) in ucx_defaults {
-            if std::env::var_os(k).is_none() {
-                std::env::set_var(k, v);
-            }
+/// Whether the test `test` of `module` (the caller's `module_path!()`) runs its NIXL body in
+/// this process: false with SKIP printed when the library does not load (a panic with
+/// `V4POOL_REQUIRE_NIXL=1`). UCX reads its settings from the environment when an agent's
+/// backend starts, and other tests share this process, so a variable of `ucx_defaults` the
+/// environment lacks is never `set_var` here: the test runs again alone in a child process
+/// with them set, its output printed, and this returns false (the child ran the body).
+pub fn nixl_or_skip(module: &str, test: &str, ucx_defaults: &[(&str, &str)]) -> bool {
+    if let Some(why) = v4pool::transfer::nixl::unavailable_reason() {
+        if std::env::var("V4POOL_REQUIRE_NIXL").is_ok_and(|v| v == "1") {
+            panic!("{test}: V4POOL_REQUIRE_NIXL=1 but NIXL is unavailable: {why}");
         }
-    });
-    match v4pool::transfer::nixl::unavailable_reason() {
-        None => true,
-        Some(why) => {
-            if std::env::var("V4POOL_REQUIRE_NIXL").is_ok_and(|v| v == "1") {
-                panic!("{test}: V4POOL_REQUIRE_NIXL=1 but NIXL is unavailable: {why}");
-            }
-            println!("SKIP: {test}: NIXL unavailable ({why})");
-            false
-        }
+        println!("SKIP: {test}: NIXL unavailable ({why})");
+        return false;
     }
+    let missing: Vec<_> = ucx_defaults.iter().filter(|(k, _)| std::env::var_os(k).is_none()).collect();
+    if missing.is_empty() {
+        return true;
+    }
+    let mut c = crate::common::child_test(module, test);
+    for (k, v) in missing {
+        c.env(k, v);
+    }
+    crate::common::print_child_output(&crate::common::run_child_test(c, test));
+    false
 }
