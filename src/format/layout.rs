@@ -162,6 +162,6 @@ pub struct RowFormat {
 }
 
 /// Rows of the tallest plane a pool may have: plane rows index as `i32` (the geometry refuses
-/// a taller plane, `geometry::MAX_PLANE_ROWS`; `tests/row_formats.rs` checks the two agree).
+/// a taller plane, `geometry::MAX_PLANE_ROWS`; `tests/layout/row_formats.rs` checks the two agree).
 /// [`PlaneFormat::row_spans`] refuses rows past it, so its work stays bounded.
 pub const MAX_ROWS: u64 = i32::MAX as u64;

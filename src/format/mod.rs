@@ -118,7 +118,7 @@ impl RowFormatId {
     }
     /// The code the kernels' `KvRowsArgs::format` names this format by (`crate::index`'s
     /// `KV_ROWS_*` are these; `kernels/kv_rows.cuh`'s `V4P_KV_ROWS_*` are checked against them
-    /// by `tests/kv_rows.rs`).
+    /// by `tests/kernels/kv_rows.rs`).
     pub const fn kernel_code(self) -> i32 {
         match self {
             RowFormatId::Bf16 => 0,

@@ -1,5 +1,5 @@
 //! The §9 DSpark window gather's launch argument (`index-buffers.md` §9), mirrored field for
-//! field by `WindowGatherArgs` in `kernels/v4pool_common.h` (tests/kernel_layout.rs compares
+//! field by `WindowGatherArgs` in `kernels/v4pool_common.h` (tests/layout/kernel_layout.rs compares
 //! the two). Its own module so the contract's newer kernels do not crowd `index/mod.rs`.
 
 use super::DevicePtr;

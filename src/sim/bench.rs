@@ -1,7 +1,7 @@
 //! A calibration cell replayed through the engine: the benchmark the cell was measured with
 //! (a closed-loop client at the cell's concurrency sending `prompts` random requests of
 //! `isl` / `osl` tokens) on a fixed split with the cell's running-request cap, timed by a
-//! step-cost model. What `v4pool calibrate` and `tests/simulate_time.rs` compare with the
+//! step-cost model. What `v4pool calibrate` and `tests/manager/simulate_time.rs` compare with the
 //! published figures.
 //!
 //! Random prompts share nothing, so blocks are not hashed (no checkpoint is stored that

@@ -40,7 +40,7 @@
 //! squares ([`fit`]); which cell fixes which coefficient is in each [`Preset`]'s groups.
 //! Equations of held-out cells are only evaluated. Every cell's *simulated* figures —
 //! the engine replaying the benchmark — are compared by `v4pool calibrate` and by
-//! `tests/simulate_time.rs`.
+//! `tests/manager/simulate_time.rs`.
 
 use crate::file::{read_text_bounded, FileError};
 use serde_json::Value;
