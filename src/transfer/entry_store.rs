@@ -13,7 +13,8 @@
 //!   store once per buffer) — room for the header and the layout text, the body filled by
 //!   the caller, the header written last over the body's checksum — and is one `put`.
 //! * **Read**: the value's size first (one longer than the tier's capacity, or shorter than a
-//!   header, is refused unfetched), then one `get` of the whole value into the staging
+//!   header, is refused unfetched and removed; one longer than any entry of the caller's
+//!   body length could be, whatever its layout, is left unfetched), then one `get` of the whole value into the staging
 //!   buffer; the header, the key, the whole layout text, the body's length and checksum are
 //!   checked there before the caller sees a byte ([`Lookup::Hit`]). A corrupt or truncated
 //!   value is removed; another layout's or another length's is left ([`Lookup::Foreign`]).
@@ -31,7 +32,7 @@
 
 use super::entry_dir::{
     entry_bytes, kind_ok, plausible_len, EntryDirError, EntryDirStats, Header, Lookup, DIGEST_HEX, ENTRY_DIR,
-    FIXED,
+    FIXED, MAX_LAYOUT,
 };
 use super::shared_tier::checksum;
 use super::store_tier::KvStore;
@@ -102,7 +103,7 @@ impl EntryStore {
         layout: &str,
         capacity_bytes: u64,
     ) -> Result<EntryStore, EntryDirError> {
-        if layout.is_empty() || layout.len() > super::entry_dir::MAX_LAYOUT {
+        if layout.is_empty() || layout.len() > MAX_LAYOUT {
             return Err(EntryDirError::BadLayout(layout.len()));
         }
         let digest = checksum(layout.as_bytes());
@@ -262,9 +263,15 @@ impl EntryStore {
                 return Err(Lookup::Absent);
             }
         };
-        // Never a buffer for a value the tier could not have written.
+        // Never a buffer for a value the tier could not have written ...
         if !plausible_len(len, self.capacity) {
             return Err(Lookup::Corrupt);
+        }
+        // ... nor for one longer than any entry of the caller's length, whatever its layout:
+        // a hostile size under a small entry's key asks for nothing (left, as another
+        // length's entry is).
+        if len > (FIXED + MAX_LAYOUT) as u64 + body_len as u64 {
+            return Err(Lookup::Foreign);
         }
         let len = usize::try_from(len).map_err(|_| Lookup::Corrupt)?;
         let entry = match self.staging.get(&*self.store, len) {
