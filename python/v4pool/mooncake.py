@@ -119,6 +119,23 @@ class MooncakeStore:
                              master))
         return cls(s, segment_bytes, timeout=timeout, backoff=backoff)
 
+    @classmethod
+    def from_config(cls, cfg, to_bytes=int):
+        """`connect` from a dict (the vLLM connector's `shared_store`): `master` and
+        `metadata` as `connect` takes them, and optionally `local_hostname`, `segment_bytes`,
+        `buffer_bytes` (sizes through `to_bytes`), `protocol`, `device`, `timeout`, `backoff`.
+        An unknown key is refused (a typo would otherwise pass silently)."""
+        known = {"master", "metadata", "local_hostname", "segment_bytes", "buffer_bytes", "protocol", "device",
+                 "timeout", "backoff"}
+        unknown = sorted(set(cfg) - known)
+        if unknown:
+            raise ValueError(f"shared_store: unknown keys {unknown} (known: {sorted(known)})")
+        args = {k: v for k, v in cfg.items() if k not in ("master", "metadata")}
+        for k in ("segment_bytes", "buffer_bytes"):
+            if k in args:
+                args[k] = to_bytes(args[k])
+        return cls.connect(cfg["master"], cfg["metadata"], **args)
+
     # ---- the bounded call ----------------------------------------------------------------
 
     def _worker(self, q):

@@ -301,18 +301,32 @@ class Tiers:
 
     def __init__(self, layout: Layout, extra: dict):
         self.tiers: list[tuple[str, Any]] = []
-        for medium, dkey, bkey, default_bytes in (
-            ("cpu", "host_dir", "host_bytes", 8 << 30),
-            ("shared", "shared_dir", "shared_bytes", 64 << 30),
+        for medium, dkey, bkey, iokey, default_bytes in (
+            ("cpu", "host_dir", "host_bytes", "host_io", 8 << 30),
+            ("shared", "shared_dir", "shared_bytes", "shared_io", 64 << 30),
         ):
             root = extra.get(dkey)
-            if not root:
+            # The shared tier in Mooncake Store instead of a directory (docs/vllm.md).
+            store = extra.get("shared_store") if medium == "shared" else None
+            if not root and not store:
                 continue
             try:
-                tier = v4pool.EntryTier(
-                    str(root), layout.layout_id, _bytes(extra.get(bkey, default_bytes)),
-                    sync=bool(extra.get("sync", False)), evict_first=evict_first_of(layout, extra),
-                )
+                if store:
+                    if root:
+                        logger.warning("v4pool.vllm: shared_store set: shared_dir %s unused", root)
+                    from v4pool.mooncake import MooncakeStore
+
+                    root = f"mooncake {store.get('master')}"
+                    tier = v4pool.EntryTier.in_store(
+                        MooncakeStore.from_config(store, to_bytes=_bytes), layout.layout_id,
+                        _bytes(extra.get(bkey, store.get("segment_bytes", 1 << 30))),
+                    )
+                else:
+                    tier = v4pool.EntryTier(
+                        str(root), layout.layout_id, _bytes(extra.get(bkey, default_bytes)),
+                        sync=bool(extra.get("sync", False)), evict_first=evict_first_of(layout, extra),
+                        io=str(extra.get(iokey, "std-fs")),
+                    )
             except Exception as e:  # a tier that cannot open: vLLM serves on misses
                 logger.warning("v4pool.vllm: %s tier %s unusable: %s", medium, root, e)
                 continue

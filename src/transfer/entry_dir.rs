@@ -34,21 +34,27 @@
 //!
 //! A directory on tmpfs (`/dev/shm`) is a host tier every process of one machine shares (vLLM's
 //! scheduler and its workers are separate processes); one on a fleet mount is a shared tier.
+//!
+//! The entry files' bytes go through a [`TierIo`] ([`EntryDir::open_with_io`]): `std::fs`
+//! ([`StdFs`], the default) or NIXL's POSIX plugin ([`NixlPosix`](super::NixlPosix)), whose
+//! opens follow the same rules (the trait's contract); folders, names, renames, removals and
+//! scans stay POSIX calls here. The same entries in a key-value store (Mooncake Store):
+//! [`super::entry_store`].
 
-use super::shared_tier::checksum;
-use super::tier_files::{self, entry_name, open_regular, parse_entry_name};
+use super::shared_tier::{checksum, StdFs, TierIo, TierReader};
+use super::tier_files::{self, entry_name, parse_entry_name};
 use crate::VariantName;
 use std::fs;
-use std::io::{self, Read};
+use std::io;
 use std::path::{Path, PathBuf};
 
 /// The folder inside the configured directory (the format's version is in its name).
 pub const ENTRY_DIR: &str = "v4pool-entries-1";
 const MAGIC: &[u8; 8] = b"v4poolE1";
 /// Fixed header bytes before the layout text.
-const FIXED: usize = 8 + 8 + 16 + 8 + 8 + 16 + 16;
+pub(crate) const FIXED: usize = 8 + 8 + 16 + 8 + 8 + 16 + 16;
 /// Hex digits of a layout folder's name (the layout id's checksum).
-const DIGEST_HEX: usize = 32;
+pub(crate) const DIGEST_HEX: usize = 32;
 /// The longest layout id accepted (a header field of a foreign file is never trusted past it).
 pub const MAX_LAYOUT: usize = 64 << 10;
 
@@ -79,6 +85,17 @@ pub enum EntryDirError {
         /// The error.
         source: io::Error,
     },
+    /// The key-value store refused or did not answer (an
+    /// [`EntryStore`](super::entry_store::EntryStore): the store down, full).
+    #[error("{what} {key}: {source}")]
+    Store {
+        /// What was being done.
+        what: &'static str,
+        /// The store key.
+        key: String,
+        /// The error.
+        source: io::Error,
+    },
 }
 
 impl VariantName for EntryDirError {
@@ -88,6 +105,7 @@ impl VariantName for EntryDirError {
             EntryDirError::BadLayout(_) => "BadLayout",
             EntryDirError::TooLarge { .. } => "TooLarge",
             EntryDirError::Io { .. } => "Io",
+            EntryDirError::Store { .. } => "Store",
         }
     }
 }
@@ -126,6 +144,9 @@ pub struct EntryDirStats {
     pub evicted: u64,
     /// Failed writes (the engine carried on).
     pub put_errors: u64,
+    /// Key-value store calls that failed (an [`EntryStore`](super::entry_store::EntryStore):
+    /// the store down or refusing; a read so failed is counted absent too). 0 for files.
+    pub io_errors: u64,
 }
 
 /// The tier (see the module docs).
@@ -144,13 +165,15 @@ pub struct EntryDir {
     estimate: u64,
     written_since_scan: u64,
     stats: EntryDirStats,
+    /// What moves the entry files' bytes.
+    io: Box<dyn TierIo>,
 }
 
 fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> EntryDirError + 'a {
     move |source| EntryDirError::Io { what, path: path.to_path_buf(), source }
 }
 
-fn kind_ok(kind: char) -> Result<u8, EntryDirError> {
+pub(crate) fn kind_ok(kind: char) -> Result<u8, EntryDirError> {
     if kind.is_ascii_lowercase() {
         Ok(kind as u8)
     } else {
@@ -160,7 +183,7 @@ fn kind_ok(kind: char) -> Result<u8, EntryDirError> {
 
 /// An entry file opened and its header checked (before its layout text and body are read).
 struct Opened {
-    file: fs::File,
+    file: Box<dyn TierReader>,
     head: Header,
 }
 
@@ -182,6 +205,19 @@ impl EntryDir {
         sync: bool,
         evict_first: &str,
     ) -> Result<EntryDir, EntryDirError> {
+        EntryDir::open_with_io(root, layout, budget_bytes, sync, evict_first, Box::new(StdFs))
+    }
+
+    /// [`EntryDir::open_ordered`] with the entry files' bytes moved by `io` (a
+    /// [`NixlPosix`](super::NixlPosix) for NIXL's POSIX plugin; [`StdFs`] is the default).
+    pub fn open_with_io(
+        root: &Path,
+        layout: &str,
+        budget_bytes: u64,
+        sync: bool,
+        evict_first: &str,
+        io: Box<dyn TierIo>,
+    ) -> Result<EntryDir, EntryDirError> {
         let evict_first = evict_first.chars().map(kind_ok).collect::<Result<Vec<u8>, _>>()?;
         if layout.is_empty() || layout.len() > MAX_LAYOUT {
             return Err(EntryDirError::BadLayout(layout.len()));
@@ -202,6 +238,7 @@ impl EntryDir {
             estimate: 0,
             written_since_scan: 0,
             stats: EntryDirStats::default(),
+            io,
         };
         d.scan();
         Ok(d)
@@ -269,29 +306,26 @@ impl EntryDir {
         // A folder on the way that is absent or a link: nothing of the tier's is there.
         let Ok(path) = self.own_path(kind, hash) else { return Err((None, Lookup::Absent)) };
         let corrupt = |p: &Path| Err((Some(p.to_path_buf()), Lookup::Corrupt));
-        let mut file = match open_regular(&path, false) {
+        // The I/O's open refuses a non-regular file (`InvalidData`) unopened, never blocking
+        // nor following a link (`TierIo::open`'s contract).
+        let mut file = match self.io.open(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::InvalidData => return corrupt(&path),
             Err(_) => return Err((None, Lookup::Absent)),
         };
-        let Ok(len) = file.metadata().map(|m| m.len()) else { return Err((None, Lookup::Absent)) };
+        let len = file.len();
         // Never a read past the header of a file the tier could not have written.
-        if len < FIXED as u64 || len > self.budget {
+        if !plausible_len(len, self.budget) {
             return corrupt(&path);
         }
         let mut head = [0u8; FIXED];
-        if file.read_exact(&mut head).is_err() {
+        if file.read_exact_at(0, &mut head).is_err() {
             return corrupt(&path);
         }
-        let Some(h) = Header::parse(&head) else { return corrupt(&path) };
-        if h.kind != k || h.hash != hash || h.layout_len > MAX_LAYOUT as u64 {
-            return corrupt(&path);
+        match Header::check(&head, k, hash, len) {
+            Some(h) => Ok((path, Opened { file, head: h })),
+            None => corrupt(&path),
         }
-        let want = (FIXED as u64).checked_add(h.layout_len).and_then(|n| n.checked_add(h.body_len));
-        if want != Some(len) {
-            return corrupt(&path);
-        }
-        Ok((path, Opened { file, head: h }))
     }
 
     /// Count a refusal, removing a corrupt entry at `path`.
@@ -314,12 +348,8 @@ impl EntryDir {
     /// Publish `body` (the concatenation of `parts`) under the key, replacing any entry.
     pub fn put(&mut self, kind: char, hash: u128, parts: &[&[u8]]) -> Result<(), EntryDirError> {
         let k = kind_ok(kind)?;
-        let body_len: u64 = parts.iter().map(|p| p.len() as u64).sum();
-        let total = FIXED as u64 + self.layout.len() as u64 + body_len;
-        if total > self.budget {
-            return Err(EntryDirError::TooLarge { bytes: total, budget: self.budget });
-        }
-        let r = self.write(k, hash, parts, body_len);
+        let total = entry_bytes(&self.layout, parts.iter().map(|p| p.len() as u64).sum(), self.budget)?;
+        let r = self.write(k, hash, parts);
         match &r {
             Ok(()) => {
                 self.stats.puts += 1;
@@ -335,22 +365,16 @@ impl EntryDir {
         r
     }
 
-    fn write(&self, kind: u8, hash: u128, parts: &[&[u8]], body_len: u64) -> Result<(), EntryDirError> {
+    fn write(&self, kind: u8, hash: u128, parts: &[&[u8]]) -> Result<(), EntryDirError> {
         let shard = self.shard_dir(hash);
         // Never the configured directory itself: a directory that vanished stays absent.
         tier_files::make_own_folders(&[&self.tier_dir, &self.dir, &shard])
             .map_err(io_err("creating", &shard))?;
-        let mut sum = BodySum::default();
-        for p in parts {
-            sum.push(p);
-        }
-        let head =
-            Header { kind, hash, layout_len: self.layout.len() as u64, body_len, body_sum: sum.finish() }
-                .bytes();
+        let head = Header::of(kind, hash, &self.layout, parts).bytes();
         let mut pieces: Vec<&[u8]> = vec![&head, self.layout.as_bytes()];
         pieces.extend_from_slice(parts);
         let name = entry_name(kind as char, hash);
-        tier_files::publish(&shard, &name, |tmp| tier_files::write_new(tmp, &pieces, self.sync))
+        tier_files::publish(&shard, &name, |tmp| self.io.write_pieces(tmp, &pieces, self.sync))
             .map_err(io_err("publishing", &shard.join(&name)))
     }
 
@@ -378,21 +402,16 @@ impl EntryDir {
 
     fn read(&self, mut o: Opened, dst: &mut [u8]) -> Lookup {
         let mut layout = vec![0u8; o.head.layout_len as usize];
-        if o.file.read_exact(&mut layout).is_err() {
+        if o.file.read_exact_at(FIXED as u64, &mut layout).is_err() {
             return Lookup::Corrupt;
         }
-        if layout != self.layout.as_bytes() || o.head.body_len != dst.len() as u64 {
-            return Lookup::Foreign;
+        if let Err(r) = o.head.check_ours(&layout, &self.layout, dst.len()) {
+            return r;
         }
-        if o.file.read_exact(dst).is_err() {
+        if o.file.read_exact_at((FIXED + layout.len()) as u64, dst).is_err() {
             return Lookup::Corrupt;
         }
-        let mut sum = BodySum::default();
-        sum.push(dst);
-        if sum.finish() != o.head.body_sum {
-            return Lookup::Corrupt;
-        }
-        Lookup::Hit
+        o.head.check_body(dst)
     }
 
     /// Remove an entry; whether one was there (never through a link).
@@ -455,16 +474,74 @@ pub fn evict_order<T: Ord + Copy>(entries: &[(bool, T)]) -> Vec<usize> {
     idx
 }
 
-struct Header {
-    kind: u8,
-    hash: u128,
-    layout_len: u64,
-    body_len: u64,
-    body_sum: u128,
+/// The bytes of an entry of `layout` with a body of `body_len` bytes ([`EntryDirError::TooLarge`]
+/// past `budget`: no entry larger is ever published).
+pub(crate) fn entry_bytes(layout: &str, body_len: u64, budget: u64) -> Result<u64, EntryDirError> {
+    let total = (FIXED as u64 + layout.len() as u64).saturating_add(body_len);
+    if total > budget {
+        return Err(EntryDirError::TooLarge { bytes: total, budget });
+    }
+    Ok(total)
+}
+
+/// Whether an entry of `len` bytes could be one a tier of `budget` bytes wrote (checked before
+/// a byte past its header is read or fetched).
+pub(crate) fn plausible_len(len: u64, budget: u64) -> bool {
+    len >= FIXED as u64 && len <= budget
+}
+
+/// The header of an entry (the layout text and body follow it).
+pub(crate) struct Header {
+    pub(crate) kind: u8,
+    pub(crate) hash: u128,
+    pub(crate) layout_len: u64,
+    pub(crate) body_len: u64,
+    pub(crate) body_sum: u128,
 }
 
 impl Header {
-    fn bytes(&self) -> [u8; FIXED] {
+    /// The header of an entry of `(kind, hash)` for `layout` whose body is `parts` in order.
+    pub(crate) fn of(kind: u8, hash: u128, layout: &str, parts: &[&[u8]]) -> Header {
+        let mut sum = BodySum::default();
+        for p in parts {
+            sum.push(p);
+        }
+        let body_len = parts.iter().map(|p| p.len() as u64).sum();
+        Header { kind, hash, layout_len: layout.len() as u64, body_len, body_sum: sum.finish() }
+    }
+
+    /// The header in `fixed`, if it is whole (magic, own checksum), `(kind, hash)`'s, and
+    /// says the entry is `len` bytes long; `None`: a corrupt entry.
+    pub(crate) fn check(fixed: &[u8; FIXED], kind: u8, hash: u128, len: u64) -> Option<Header> {
+        let h = Header::parse(fixed)?;
+        if h.kind != kind || h.hash != hash || h.layout_len > MAX_LAYOUT as u64 {
+            return None;
+        }
+        let want = (FIXED as u64).checked_add(h.layout_len).and_then(|n| n.checked_add(h.body_len));
+        (want == Some(len)).then_some(h)
+    }
+
+    /// Whether the entry's layout text is `layout` and its body `body_len` bytes long, as
+    /// the reader expects ([`Lookup::Foreign`] if not).
+    pub(crate) fn check_ours(&self, text: &[u8], layout: &str, body_len: usize) -> Result<(), Lookup> {
+        if text != layout.as_bytes() || self.body_len != body_len as u64 {
+            return Err(Lookup::Foreign);
+        }
+        Ok(())
+    }
+
+    /// [`Lookup::Hit`] when `body`'s checksum is the header's, else [`Lookup::Corrupt`].
+    pub(crate) fn check_body(&self, body: &[u8]) -> Lookup {
+        let mut sum = BodySum::default();
+        sum.push(body);
+        if sum.finish() == self.body_sum {
+            Lookup::Hit
+        } else {
+            Lookup::Corrupt
+        }
+    }
+
+    pub(crate) fn bytes(&self) -> [u8; FIXED] {
         let mut h = [0u8; FIXED];
         h[..8].copy_from_slice(MAGIC);
         h[8] = self.kind;

@@ -20,11 +20,15 @@
 //!   by block hash and layout id, checked on every read, LRU by mtime across processes.
 //! * [`store_tier`] — the same entries in a key-value store ([`KvStore`]: Mooncake Store
 //!   through the Python layer), checked by the same code.
+//! * [`entry_dir`] / [`entry_store`] — whole checksummed entries of an engine that owns its
+//!   KV layout (vLLM's connector): files (through a [`TierIo`]: `std::fs` or NIXL POSIX) or
+//!   a [`KvStore`].
 
 #![warn(missing_docs)]
 
 pub mod engine;
 pub mod entry_dir;
+pub mod entry_store;
 pub mod handoff;
 pub mod host_tier;
 pub mod nccl;

@@ -133,17 +133,26 @@ unsafe fn transfer(
 
 impl TierIo for NixlPosix {
     fn write_file(&self, path: &Path, head: &[u8], body: &[u8], sync: bool) -> io::Result<()> {
+        self.write_pieces(path, &[head, body], sync)
+    }
+
+    fn write_pieces(&self, path: &Path, pieces: &[&[u8]], sync: bool) -> io::Result<()> {
         let f = fs::OpenOptions::new().read(true).write(true).create_new(true).open(path)?;
-        let pieces = [
-            (head.as_ptr() as u64, 0, head.len() as u64),
-            (body.as_ptr() as u64, head.len() as u64, body.len() as u64),
-        ];
-        // SAFETY: `head` and `body` are borrowed for this call; `f` is open for writing and
-        // outlives the call.
-        unsafe { transfer(&self.agent, XferOp::Write, f.as_raw_fd(), &pieces)? };
+        // Each piece at its offset in the file, all in one request.
+        let mut at = 0u64;
+        let ranges: Vec<(u64, u64, u64)> = pieces
+            .iter()
+            .map(|p| {
+                at += p.len() as u64;
+                (p.as_ptr() as u64, at - p.len() as u64, p.len() as u64)
+            })
+            .collect();
+        // SAFETY: every piece is borrowed for this call; `f` is open for writing and outlives
+        // the call.
+        unsafe { transfer(&self.agent, XferOp::Write, f.as_raw_fd(), &ranges)? };
         // A short write the plugin did not report would leave a file readers refuse as torn;
         // report it here instead, so the tier never renames it into place.
-        let want = (head.len() + body.len()) as u64;
+        let want = at;
         let got = f.metadata()?.len();
         if got != want {
             return Err(io::Error::other(format!("NIXL POSIX wrote {got} of {want} bytes")));

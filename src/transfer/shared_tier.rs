@@ -182,6 +182,14 @@ pub trait TierIo: Send + std::fmt::Debug {
     /// exists: the caller then never removes it) holding `head` then `body`; on stable
     /// storage before returning when `sync`.
     fn write_file(&self, path: &Path, head: &[u8], body: &[u8], sync: bool) -> io::Result<()>;
+    /// [`TierIo::write_file`] of `pieces` in order (the entry tier's header, layout text and
+    /// its caller's parts: [`super::entry_dir`]), under the same rules. The default joins the
+    /// pieces after the first into one body (a copy); an I/O that moves several pieces in one
+    /// call overrides it.
+    fn write_pieces(&self, path: &Path, pieces: &[&[u8]], sync: bool) -> io::Result<()> {
+        let (head, rest) = pieces.split_first().map_or((&[][..], &[][..]), |(h, r)| (*h, r));
+        self.write_file(path, head, &rest.concat(), sync)
+    }
     /// Open the regular file at `path` for reading, never blocking (a FIFO) nor following a
     /// link (as `StdFs` does: an `lstat` first, a non-blocking open, an `fstat` after).
     fn open(&self, path: &Path) -> io::Result<Box<dyn TierReader>>;
@@ -209,7 +217,10 @@ impl TierReader for StdReader {
 
 impl TierIo for StdFs {
     fn write_file(&self, path: &Path, head: &[u8], body: &[u8], sync: bool) -> io::Result<()> {
-        tier_files::write_new(path, &[head, body], sync)
+        self.write_pieces(path, &[head, body], sync)
+    }
+    fn write_pieces(&self, path: &Path, pieces: &[&[u8]], sync: bool) -> io::Result<()> {
+        tier_files::write_new(path, pieces, sync)
     }
     fn open(&self, path: &Path) -> io::Result<Box<dyn TierReader>> {
         let file = open_regular(path, false)?;

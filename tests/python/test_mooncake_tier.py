@@ -294,18 +294,23 @@ def test_the_master_killed_mid_run_leaves_the_engines_serving(master):
     master.kill()
 
 
-def killed_main(master_pid, master_args):
-    """The body of the test above: prints a JSON report, then ends the process at once."""
-    n, seed, timeout = 8 << 10, 0x3600, 2.0
-    m, pool, store, _ = commit_prefix(n, seed, master_args, timeout=timeout)
-    m2, pool2, store2 = engine(n, master_args, timeout=timeout)
+def kill_master(master_pid, master_args):
+    """Kill the master (from a child: the parent reaps it) and wait until its port is closed."""
     os.kill(master_pid, 9)
-    while True:  # gone for good (the parent reaps it)
+    while True:
         try:
             socket.create_connection(tuple(master_args[0].rsplit(":", 1)), timeout=0.2).close()
             time.sleep(0.05)
         except OSError:
             break
+
+
+def killed_main(master_pid, master_args):
+    """The body of the test above: prints a JSON report, then ends the process at once."""
+    n, seed, timeout = 8 << 10, 0x3600, 2.0
+    m, pool, store, _ = commit_prefix(n, seed, master_args, timeout=timeout)
+    m2, pool2, store2 = engine(n, master_args, timeout=timeout)
+    kill_master(master_pid, master_args)
     t0 = time.time()
     for mgr, p, s, st in ((m2, pool2, seed, store2), (m, pool, seed + 1, store)):
         mgr.evict_all()

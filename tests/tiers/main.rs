@@ -22,6 +22,7 @@ mod transfer_common;
 mod tier_io;
 
 mod entry_dir;
+mod entry_tier_backends;
 mod shared_tier;
 mod shared_tier_fleet;
 mod transfer_handoff;
