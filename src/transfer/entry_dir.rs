@@ -395,6 +395,32 @@ impl EntryDir {
         Lookup::Hit
     }
 
+    /// Mark the entries of `keys` used now, in that order (the last the most recently used),
+    /// as a read does; how many were there. An engine refreshes a request's whole path this
+    /// way when it finishes (`v4pool.vllm`: deepest first, so a prefix's head is evicted last
+    /// and its tail first, as vLLM's offload LRU ranks a request's blocks). Absent keys and
+    /// non-regular files are skipped (never followed).
+    pub fn refresh(&mut self, keys: &[(char, u128)]) -> usize {
+        let mut n = 0;
+        for &(kind, hash) in keys {
+            if kind_ok(kind).is_err() {
+                continue;
+            }
+            if self.own_path(kind, hash).is_ok_and(|p| tier_files::touch(&p)) {
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// The capacity rule of a tier of `budget` bytes, for a model of it (the bench's index-only
+    /// tier): `(scan_after, low)`: a publisher scans once it has written `scan_after` bytes
+    /// since its last scan or the directory is over budget, and a scan that finds it over
+    /// budget removes entries ([`evict_order`]) until it holds `low` bytes.
+    pub fn sweep_rule(budget: u64) -> (u64, u64) {
+        (budget / tier_files::SCAN_EVERY, tier_files::low_water(budget))
+    }
+
     /// Remove an entry; whether one was there (never through a link).
     pub fn remove(&mut self, kind: char, hash: u128) -> bool {
         self.own_path(kind, hash).is_ok_and(|p| fs::remove_file(p).is_ok())

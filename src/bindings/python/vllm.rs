@@ -133,6 +133,20 @@ impl PyEntryTier {
         self.lock().map(|mut d| d.get_into(k, hash, out) == Lookup::Hit)
     }
 
+    /// Mark the entries of `keys` (`(kind, hash)` pairs) used now, in that order (the last the
+    /// most recently used); how many were there (`EntryDir::refresh`).
+    fn refresh(&self, keys: Vec<(String, u128)>) -> PyResult<usize> {
+        let keys = keys.iter().map(|(k, h)| Ok((kind_of(k)?, *h))).collect::<PyResult<Vec<_>>>()?;
+        Ok(self.lock()?.refresh(&keys))
+    }
+
+    /// `(scan_after, low)` of a tier of `budget_bytes` (`EntryDir::sweep_rule`): a writer scans
+    /// after `scan_after` bytes or when over budget; an over-budget scan evicts down to `low`.
+    #[staticmethod]
+    fn sweep_rule(budget_bytes: u64) -> (u64, u64) {
+        EntryDir::sweep_rule(budget_bytes)
+    }
+
     /// Remove an entry; whether one was there.
     fn remove(&self, kind: &str, hash: u128) -> PyResult<bool> {
         let k = kind_of(kind)?;
