@@ -416,8 +416,9 @@ class IndexOnlyTiers:
     written, read or refreshed, not when it is looked up), and so are its eviction order (the
     kinds of ``evict_first`` oldest first, then every entry oldest first:
     ``EntryDir::open_ordered``) and its capacity rule (``EntryDir::sweep_rule``: a scan
-    after every 1/8 of the budget written or when over budget, which evicts down to 90% of
-    it); tests/vllm pins both to one outcome."""
+    after every 1/8 of the budget written evicts down to the budget and keeps the rest of its
+    order, from which a put over budget evicts until the next scan); tests/vllm pins both to
+    one outcome."""
 
     def __init__(self, capacity: int, shared: "dict | None" = None, evict_first: str = ""):
         import collections
@@ -427,49 +428,75 @@ class IndexOnlyTiers:
         # The entries of the kinds evicted first, in the same LRU order as ``lru``.
         st.setdefault("first", collections.OrderedDict())
         st.setdefault("index", {})
-        st.setdefault("used", [0])
-        st.setdefault("written", [0])
-        self.store, self.first, self.index, self.used = st["lru"], st["first"], st["index"], st["used"]
-        self.written = st["written"]
+        # Bytes held, bytes written since the last scan, the clock (each entry's last use),
+        # and what the last scan left in eviction order, with each entry's use then.
+        st.setdefault("n", {"used": 0, "written": 0, "clock": 0})
+        st.setdefault("stamp", {})
+        st.setdefault("queue", collections.deque())
+        self.store, self.first, self.index = st["lru"], st["first"], st["index"]
+        self.n, self.stamp, self.queue = st["n"], st["stamp"], st["queue"]
         self.capacity = capacity
-        # The file tier's rule, from the library (one formula: transfer::entry_dir).
-        self.scan_after, self.low = v4pool.EntryTier.sweep_rule(capacity)
+        # The file tier's rule, from the library (one formula: EntryDir::sweep_rule).
+        self.scan_after, self.target = v4pool.EntryTier.sweep_rule(capacity)
         self.evict_first = evict_first
         self.tiers = [("cpu", None)]
+
+    @property
+    def used(self) -> int:
+        return self.n["used"]
 
     def where(self, kind, key):
         return "cpu" if (kind, key) in self.store else None
 
+    def _use(self, k) -> None:
+        self.n["clock"] += 1
+        self.stamp[k] = self.n["clock"]
+
     def touch(self, kind, key):
-        if (kind, key) in self.store:
-            self.store.move_to_end((kind, key))
-            if (kind, key) in self.first:
-                self.first.move_to_end((kind, key))
+        k = (kind, key)
+        if k in self.store:
+            self.store.move_to_end(k)
+            if k in self.first:
+                self.first.move_to_end(k)
+            self._use(k)
+
+    def _evict(self, k) -> None:
+        self.n["used"] -= self.store.pop(k)
+        self.first.pop(k, None)
+        self.stamp.pop(k, None)
 
     def add(self, kind, key, nbytes):
-        if (kind, key) in self.store:
+        k = (kind, key)
+        if k in self.store:
             return
-        self.store[(kind, key)] = nbytes
+        self.store[k] = nbytes
         if kind in self.evict_first:
-            self.first[(kind, key)] = nbytes
-        self.used[0] += nbytes
-        self.written[0] += nbytes
-        if self.used[0] <= self.capacity and self.written[0] < self.scan_after:
-            return
-        # A scan (EntryDir::scan): over budget, the first kinds oldest first down to the low
-        # water, then, if still over budget, every entry oldest first down to it.
-        self.written[0] = 0
-        if self.used[0] <= self.capacity:
-            return
-        while self.first and self.used[0] > self.low:
-            k, n = self.first.popitem(last=False)
-            del self.store[k]
-            self.used[0] -= n
-        if self.used[0] > self.capacity:
-            while self.store and self.used[0] > self.low:
-                k, n = self.store.popitem(last=False)
-                self.first.pop(k, None)
-                self.used[0] -= n
+            self.first[k] = nbytes
+        self._use(k)
+        self.n["used"] += nbytes
+        self.n["written"] += nbytes
+        if self.n["written"] >= self.scan_after:
+            self._scan()
+        elif self.n["used"] > self.capacity:
+            # What the last scan left, skipping entries used since (EntryDir::evict_queued).
+            while self.n["used"] > self.capacity and self.queue:
+                q, stamp = self.queue.popleft()
+                if self.stamp.get(q) == stamp:
+                    self._evict(q)
+            if self.n["used"] > self.capacity:
+                self._scan()
+
+    def _scan(self) -> None:
+        # EntryDir::scan: the kinds of evict_first oldest first, then the rest oldest first,
+        # evicted down to the target; the rest of that order kept for later puts.
+        self.n["written"] = 0
+        order = list(self.first) + [k for k in self.store if k not in self.first]
+        self.queue.clear()
+        for k in order:
+            if self.n["used"] > self.target:
+                self._evict(k)
+            else:
+                self.queue.append((k, self.stamp[k]))
 
     def refresh(self, keys):
         for kind, key in keys:
