@@ -432,9 +432,11 @@ class IndexOnlyTiers:
         # and what the last scan left in eviction order, with each entry's use then.
         st.setdefault("n", {"used": 0, "written": 0, "clock": 0})
         st.setdefault("stamp", {})
+        st.setdefault("queue_first", collections.deque())
         st.setdefault("queue", collections.deque())
         self.store, self.first, self.index = st["lru"], st["first"], st["index"]
-        self.n, self.stamp, self.queue = st["n"], st["stamp"], st["queue"]
+        self.n, self.stamp = st["n"], st["stamp"]
+        self.queue_first, self.queue = st["queue_first"], st["queue"]
         self.capacity = capacity
         # The file tier's rule, from the library (one formula: EntryDir::sweep_rule).
         self.scan_after, self.target = v4pool.EntryTier.sweep_rule(capacity)
@@ -470,17 +472,18 @@ class IndexOnlyTiers:
         if k in self.store:
             return
         self.store[k] = nbytes
+        self._use(k)
         if kind in self.evict_first:
             self.first[k] = nbytes
-        self._use(k)
+            self.queue_first.append((k, self.stamp[k]))
         self.n["used"] += nbytes
         self.n["written"] += nbytes
         if self.n["written"] >= self.scan_after:
             self._scan()
         elif self.n["used"] > self.capacity:
             # What the last scan left, skipping entries used since (EntryDir::evict_queued).
-            while self.n["used"] > self.capacity and self.queue:
-                q, stamp = self.queue.popleft()
+            while self.n["used"] > self.capacity and (self.queue_first or self.queue):
+                q, stamp = (self.queue_first or self.queue).popleft()
                 if self.stamp.get(q) == stamp:
                     self._evict(q)
             if self.n["used"] > self.capacity:
@@ -491,12 +494,13 @@ class IndexOnlyTiers:
         # evicted down to the target; the rest of that order kept for later puts.
         self.n["written"] = 0
         order = list(self.first) + [k for k in self.store if k not in self.first]
+        self.queue_first.clear()
         self.queue.clear()
         for k in order:
             if self.n["used"] > self.target:
                 self._evict(k)
             else:
-                self.queue.append((k, self.stamp[k]))
+                (self.queue_first if k in self.first else self.queue).append((k, self.stamp[k]))
 
     def refresh(self, keys):
         for kind, key in keys:

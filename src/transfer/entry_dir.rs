@@ -147,9 +147,12 @@ pub struct EntryDir {
     /// Estimated bytes of the whole directory (every layout, every process).
     estimate: u64,
     written_since_scan: u64,
-    /// The entries the last scan left, in eviction order reversed (the next to go last), each
-    /// with the modification time it had then: a put that takes the directory over budget
-    /// evicts from here, down to the budget, without listing the directory again.
+    /// The entries the last scan left, in eviction order, each with the modification time it
+    /// had then: a put that takes the directory over budget evicts from here, down to the
+    /// budget, without listing the directory again. Those of the kinds evicted first (with
+    /// this process's puts of them since, oldest first), then the others (reversed: the next
+    /// to go last).
+    queue_first: std::collections::VecDeque<Queued>,
     queue: Vec<Queued>,
     stats: EntryDirStats,
 }
@@ -217,6 +220,7 @@ impl EntryDir {
             evict_first,
             estimate: 0,
             written_since_scan: 0,
+            queue_first: std::collections::VecDeque::new(),
             queue: Vec::new(),
             stats: EntryDirStats::default(),
         };
@@ -343,6 +347,13 @@ impl EntryDir {
                 self.stats.put_bytes += total;
                 self.estimate += total;
                 self.written_since_scan += total;
+                if self.evict_first.contains(&k) {
+                    // Evicted before the others the last scan left (after the older ones).
+                    let path = self.path_of(kind, hash);
+                    if let Ok(mtime) = fs::symlink_metadata(&path).and_then(|m| m.modified()) {
+                        self.queue_first.push_back(Queued { path, mtime, bytes: total });
+                    }
+                }
                 let (scan_after, _) = EntryDir::sweep_rule(self.budget);
                 if self.written_since_scan >= scan_after {
                     self.scan();
@@ -450,7 +461,7 @@ impl EntryDir {
     /// Evict what the last scan left, in its order, until the directory is within budget.
     fn evict_queued(&mut self) {
         while self.estimate > self.budget {
-            let Some(q) = self.queue.pop() else { return };
+            let Some(q) = self.queue_first.pop_front().or_else(|| self.queue.pop()) else { return };
             match fs::symlink_metadata(&q.path) {
                 // Unchanged since the scan: still the oldest it knew of.
                 Ok(m) if m.file_type().is_file() && m.modified().is_ok_and(|t| t == q.mtime) => {
@@ -489,10 +500,16 @@ impl EntryDir {
         let ages: Vec<(bool, std::time::SystemTime)> = entries.iter().map(|f| (first(f), f.mtime)).collect();
         let (_, target) = EntryDir::sweep_rule(self.budget);
         let mut queue = Vec::new();
+        self.queue_first.clear();
         for i in evict_order(&ages) {
             let f = &entries[i];
             if used <= target {
-                queue.push(Queued { path: f.path.clone(), mtime: f.mtime, bytes: f.bytes });
+                let q = Queued { path: f.path.clone(), mtime: f.mtime, bytes: f.bytes };
+                if ages[i].0 {
+                    self.queue_first.push_back(q);
+                } else {
+                    queue.push(q);
+                }
             } else if fs::remove_file(&f.path).is_ok() {
                 used -= f.bytes;
                 self.stats.evicted += 1;
