@@ -173,6 +173,12 @@ class Engine:
                             connector=connector)
         kcfg = L.kv_cache_config(cfg, hbm)
         cfg.cache_config.num_gpu_blocks = kcfg.num_blocks
+        if kind == "v4pool":
+            # What the workers would write: their per-layer pages (the scheduler's config
+            # has one representative page per group).
+            from v4pool.vllm import worker_layer_pages
+
+            cfg.kv_transfer_config.kv_connector_extra_config["bench_layer_pages"] = worker_layer_pages(cfg, kcfg)
         block, hash_block = L.scheduler_blocks(cfg, kcfg)
         self.s = Scheduler(vllm_config=cfg, kv_cache_config=generate_scheduler_kv_cache_config([kcfg]),
                            block_size=block, hash_block_size=hash_block, log_stats=True,
@@ -226,9 +232,8 @@ class Engine:
             return self.mover.loaded_bytes - before
         if self.kind != "v4pool" or meta is None:
             return 0
-        groups = self.s.connector.layout.groups
-        return sum(sum(1 for b in ids if b) * sum(groups[g].page_bytes)
-                   for tr in meta.loads if tr.kind in ("b", "c") for g, ids in tr.blocks)
+        lay = self.s.connector.layout
+        return sum(lay.bytes_of(tr.blocks, skip_null=True) for tr in meta.loads if tr.kind in ("b", "c"))
 
     def step(self, cost) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (

@@ -266,6 +266,12 @@ class Layout:
         return Layout(model=f"{model_type}:{name}", groups=tuple(groups), block=block,
                       layout_id=layout_id, replay=max(g.replay for g in groups))
 
+    def bytes_of(self, blocks: "list[tuple[int, list[int]]]", skip_null: bool = False) -> int:
+        """The body bytes of an entry that holds ``blocks`` (per group, the block ids in body
+        order; ``skip_null``: only the pages a load writes, NULL_BLOCK left out)."""
+        return sum(sum(1 for b in ids if b != NULL_BLOCK or not skip_null) * sum(self.groups[g].page_bytes)
+                   for g, ids in blocks)
+
     def block_span(self, g: Group, start: int, end: int) -> range:
         """Group-block indices holding tokens [start, end)."""
         return range(start // g.block_size, -(-end // g.block_size))
@@ -352,6 +358,13 @@ class Tiers:
                 logger.warning("v4pool.vllm: %s tier put failed: %s", medium, e)
         return ok
 
+    def refresh(self, keys: list[tuple[str, int]]) -> None:
+        for medium, t in self.tiers:
+            try:
+                t.refresh(keys)
+            except Exception as e:
+                logger.warning("v4pool.vllm: %s tier refresh failed: %s", medium, e)
+
     def get_into(self, kind: str, key: int, dst: torch.Tensor) -> bool:
         for _, t in self.tiers:
             try:
@@ -401,16 +414,25 @@ def evict_first_of(layout: "Layout", extra: dict) -> str:
     return str(first)
 
 
+def worker_layer_pages(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> dict[str, int]:
+    """Every layer's page bytes as a worker sees them (its KVCacheConfig holds per-layer
+    specs; the scheduler's only one representative per group): the ``bench_layer_pages`` an
+    index-only tier needs to charge entries what a worker writes."""
+    return {n: p for g in Layout.of(vllm_config, kv_cache_config).groups
+            for n, p in zip(g.layers, g.page_bytes)}
+
+
 class IndexOnlyTiers:
     """For benches/vllm_trace.py only (``bench_index_only``): the tier's keys and byte sizes
     without bytes, in one LRU of ``host_bytes``, shareable between scheduler objects of one
     process (a fleet's shared tier: pass the same dict). Saves are accounted when planned.
     Its clock is the file tier's (``transfer::entry_dir``: an entry's mtime is set when it is
-    written and when it is read, not when it is looked up), and so is its eviction order: the
-    kinds of ``evict_first`` oldest first, then every entry oldest first
-    (``EntryDir::open_ordered``; tests/vllm pins both to one outcome). It evicts down to the
-    budget at each write, where the file tier scans every 1/8 of the budget written and
-    evicts down to 90% of it."""
+    written, read or refreshed, not when it is looked up), and so are its eviction order (the
+    kinds of ``evict_first`` oldest first, then every entry oldest first:
+    ``EntryDir::open_ordered``) and its capacity rule (``EntryDir::sweep_rule``: a scan
+    after every 1/8 of the budget written evicts down to the budget and keeps the rest of its
+    order, from which a put over budget evicts until the next scan); tests/vllm pins both to
+    one outcome."""
 
     def __init__(self, capacity: int, shared: "dict | None" = None, evict_first: str = ""):
         import collections
@@ -420,35 +442,83 @@ class IndexOnlyTiers:
         # The entries of the kinds evicted first, in the same LRU order as ``lru``.
         st.setdefault("first", collections.OrderedDict())
         st.setdefault("index", {})
-        st.setdefault("used", [0])
-        self.store, self.first, self.index, self.used = st["lru"], st["first"], st["index"], st["used"]
+        # Bytes held, bytes written since the last scan, the clock (each entry's last use),
+        # and what the last scan left in eviction order, with each entry's use then.
+        st.setdefault("n", {"used": 0, "written": 0, "clock": 0})
+        st.setdefault("stamp", {})
+        st.setdefault("queue_first", collections.deque())
+        st.setdefault("queue", collections.deque())
+        self.store, self.first, self.index = st["lru"], st["first"], st["index"]
+        self.n, self.stamp = st["n"], st["stamp"]
+        self.queue_first, self.queue = st["queue_first"], st["queue"]
         self.capacity = capacity
+        # The file tier's rule, from the library (one formula: EntryDir::sweep_rule).
+        self.scan_after, self.target = v4pool.EntryTier.sweep_rule(capacity)
         self.evict_first = evict_first
         self.tiers = [("cpu", None)]
+
+    @property
+    def used(self) -> int:
+        return self.n["used"]
 
     def where(self, kind, key):
         return "cpu" if (kind, key) in self.store else None
 
+    def _use(self, k) -> None:
+        self.n["clock"] += 1
+        self.stamp[k] = self.n["clock"]
+
     def touch(self, kind, key):
-        if (kind, key) in self.store:
-            self.store.move_to_end((kind, key))
-            if (kind, key) in self.first:
-                self.first.move_to_end((kind, key))
+        k = (kind, key)
+        if k in self.store:
+            self.store.move_to_end(k)
+            if k in self.first:
+                self.first.move_to_end(k)
+            self._use(k)
+
+    def _evict(self, k) -> None:
+        self.n["used"] -= self.store.pop(k)
+        self.first.pop(k, None)
+        self.stamp.pop(k, None)
 
     def add(self, kind, key, nbytes):
-        if (kind, key) in self.store:
+        k = (kind, key)
+        if k in self.store:
             return
-        self.store[(kind, key)] = nbytes
+        self.store[k] = nbytes
+        self._use(k)
         if kind in self.evict_first:
-            self.first[(kind, key)] = nbytes
-        self.used[0] += nbytes
-        while self.used[0] > self.capacity and self.store:
-            if self.first:
-                k, n = self.first.popitem(last=False)
-                del self.store[k]
+            self.first[k] = nbytes
+            self.queue_first.append((k, self.stamp[k]))
+        self.n["used"] += nbytes
+        self.n["written"] += nbytes
+        if self.n["written"] >= self.scan_after:
+            self._scan()
+        elif self.n["used"] > self.capacity:
+            # What the last scan left, skipping entries used since (EntryDir::evict_queued).
+            while self.n["used"] > self.capacity and (self.queue_first or self.queue):
+                q, stamp = (self.queue_first or self.queue).popleft()
+                if self.stamp.get(q) == stamp:
+                    self._evict(q)
+            if self.n["used"] > self.capacity:
+                self._scan()
+
+    def _scan(self) -> None:
+        # EntryDir::scan: the kinds of evict_first oldest first, then the rest oldest first,
+        # evicted down to the target; the rest of that order kept for later puts.
+        self.n["written"] = 0
+        order = list(self.first) + [k for k in self.store if k not in self.first]
+        self.queue_first.clear()
+        self.queue.clear()
+        for k in order:
+            if self.n["used"] > self.target:
+                self._evict(k)
             else:
-                _, n = self.store.popitem(last=False)
-            self.used[0] -= n
+                (self.queue_first if k in self.first else self.queue).append((k, self.stamp[k]))
+
+    def refresh(self, keys):
+        for kind, key in keys:
+            self.touch(kind, key)
 
     def read_index(self, key):
         return list(self.index.get(key, ()))
@@ -480,6 +550,8 @@ class V4PoolMetadata(KVConnectorMetadata):
     saves: list[Transfer] = dataclasses.field(default_factory=list)
     # Requests whose finish-time saves are in this step (reported by get_finished).
     finishing: list[str] = dataclasses.field(default_factory=list)
+    # Entries whose last use is set after the saves, in this order (the last the newest).
+    refresh: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
 
 # ------------------------------------------------------------------- the connector
@@ -511,6 +583,16 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.ns = v4pool.namespace_of(self.layout.model + "|" + self.layout.layout_id)
         self.index_only = extra.get("bench_index_only")
         if self.index_only is not None:
+            # The scheduler's KVCacheConfig holds one representative spec per group
+            # (generate_scheduler_kv_cache_config): its page for every layer. An index-only
+            # tier charges entries what the worker would write, so the bench passes the
+            # workers' per-layer pages (V4.1's compressed group: 460,224 B a block, not the
+            # representative's 599,040).
+            pages = extra.get("bench_layer_pages")
+            if pages:
+                self.layout = dataclasses.replace(self.layout, groups=tuple(
+                    dataclasses.replace(g, page_bytes=tuple(int(pages[n]) for n in g.layers))
+                    for g in self.layout.groups))
             # A name shares one index-only tier between the schedulers of one process.
             shared = (_BENCH_SHARED.setdefault(self.index_only, {})
                       if isinstance(self.index_only, str) else None)
@@ -546,6 +628,9 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_saves: list[Transfer] = []
         self._finishing: list[str] = []
         self._saved_pos: dict[str, int] = {}
+        # The checkpoints each request saved or hit (position, key), for _path_of.
+        self._req_ckpts: dict[str, list[tuple[int, int]]] = {}
+        self._pending_refresh: list[tuple[str, int]] = []
         self._events: list[BlockStored] = []
         self.stats = {"lookups": 0, "hit_tokens": 0, "hits": 0, "saved_entries": 0}
         # Worker state.
@@ -666,6 +751,7 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
                     bid = NULL_BLOCK
                 out.append(bid)
             plan.append((g.idx, out))
+        self._req_ckpts.setdefault(rid, []).append((hit.length, hit.ckpt_key))
         self._add_loads(loads + [Transfer(CHECKPOINT, hit.ckpt_key, plan, rid, hit.length)])
 
     def _add_loads(self, loads: list[Transfer]) -> None:
@@ -698,6 +784,7 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         for q in (ckpts if ckpts is not None else [pos]):
             j, t = divmod(q, B)
             key = self._tail_key(tokens, j, t, hashes)
+            self._req_ckpts.setdefault(rid, []).append((q, key))
             if self.tiers.where(CHECKPOINT, key):
                 continue
             plan = []
@@ -747,19 +834,36 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._saved_pos[rid] = pos
             meta.saves.extend(self._plan_saves(req, pos, mgr.get_block_ids(rid), ck))
         self._note_saves(meta.saves[n_finish:])
+        meta.refresh, self._pending_refresh = self._pending_refresh, []
         return meta
+
+    def _path_of(self, req: "Request") -> list[tuple[str, int]]:
+        """The entries of ``req``'s path (the whole blocks of what it computed and the
+        checkpoints it saved or hit; the tier skips those it does not hold), deepest first, a
+        checkpoint before the block it ends. Refreshed in this order when the request
+        finishes, a request's head becomes its most recent entry and its tail the first to
+        go: vLLM's offload LRU ranks a request's blocks the same way (its ``LRUCachePolicy``:
+        every block the request touched, held in HBM or not, tails before heads, at
+        ``on_request_finished``)."""
+        B = self.layout.block
+        n = req.num_computed_tokens
+        hashes = self._hashes(list(req.all_token_ids[: n - n % B]))
+        ents = [((i + 1) * B, 0, BLOCK, h) for i, h in enumerate(hashes)]
+        ents += [(q, 1, CHECKPOINT, k) for q, k in self._req_ckpts.pop(req.request_id, ())]
+        ents.sort(reverse=True)
+        return [(kind, key) for _, _, kind, key in ents]
 
     def _note_saves(self, saves: list[Transfer]) -> None:
         B = self.layout.block
         if self.index_only is not None:
             for s in saves:
-                n = sum(len(ids) * sum(self.layout.groups[g].page_bytes) for g, ids in s.blocks)
+                n = self.layout.bytes_of(s.blocks)
                 self.tiers.add(s.kind, s.key, n)
                 if s.kind == CHECKPOINT:
                     self.tiers.add_index(s.index_key, s.pos % B)
             self.stats["saved_entries"] += len(saves)
             self.stats["saved_bytes"] = self.stats.get("saved_bytes", 0) + sum(
-                len(ids) * sum(self.layout.groups[g].page_bytes) for s in saves for g, ids in s.blocks)
+                self.layout.bytes_of(s.blocks) for s in saves)
             return
         for s in saves:
             self.stats["saved_entries"] += 1
@@ -786,6 +890,13 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests.pop(rid, None)
         pos = request.num_computed_tokens
         saved = self._saved_pos.pop(rid, 0)
+        if self.tiers.tiers:
+            path = self._path_of(request)
+            if self.index_only is not None:
+                self.tiers.refresh(path)
+            else:  # after this request's last saves, on the worker (wait_for_save)
+                self._pending_refresh.extend(path)
+        self._req_ckpts.pop(rid, None)
         self._hits.pop(rid, None)
         self._block_hits.discard(rid)
         if pos <= 0 or pos <= saved or not self.tiers.tiers or not self.checkpoint_at_finish:
@@ -897,6 +1008,8 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
             for tr, ok in zip(meta.saves, done):
                 if ok and tr.kind == CHECKPOINT:
                     self.tiers.add_index(tr.index_key, tr.pos % self.layout.block)
+        if meta.refresh:  # after the saves: a finished request's path, head last
+            self.tiers.refresh(meta.refresh)
         self._finished_saving.update(meta.finishing)
 
     def get_finished(self, finished_req_ids: set[str]):

@@ -23,14 +23,18 @@
 //!   [`Lookup::Hit`]. Anything else is a miss, and a corrupt, truncated or non-regular entry is
 //!   removed. The body is read into the caller's staging buffer, which the caller copies into
 //!   engine memory only on a hit.
-//! * **Capacity**: least recently used by modification time (a hit sets it), across every
-//!   process sharing the directory; a publisher scans after writing
-//!   1/[`SCAN_EVERY`](super::shared_tier::SCAN_EVERY) of the budget and removes the oldest
-//!   entries down to [`LOW_WATER`](super::shared_tier::LOW_WATER) per mille of it. A tier
-//!   opened with kinds to evict first ([`EntryDir::open_ordered`]) removes its own layout's
-//!   entries of those kinds, oldest first, before any other entry ([`evict_order`]): an
-//!   engine whose block runs stay useful without their checkpoints (V4.1, which replays the
-//!   window after a run of blocks) loses its checkpoints before its blocks.
+//! * **Capacity**: least recently used by modification time (a hit or a
+//!   [`refresh`](EntryDir::refresh) sets it), across every process sharing the directory. A
+//!   publisher lists the directory after writing 1/[`SCAN_EVERY`](super::shared_tier::SCAN_EVERY)
+//!   of the budget; a scan over budget removes entries in [`evict_order`] down to the budget and
+//!   keeps the rest of that order, and a later put over budget removes the next of those (any
+//!   used or rewritten since is skipped: its modification time moved) without listing again
+//!   ([`EntryDir::sweep_rule`]). The tier is used to its budget, where the shared tier's sweep
+//!   leaves 10% of it empty after each scan. A tier opened with kinds to evict first
+//!   ([`EntryDir::open_ordered`]) puts its own layout's entries of those kinds, oldest first,
+//!   before any other entry in that order: an engine whose block runs stay useful without their
+//!   checkpoints (V4.1, which replays the window after a run of blocks) loses its checkpoints
+//!   before its blocks.
 //!
 //! A directory on tmpfs (`/dev/shm`) is a host tier every process of one machine shares (vLLM's
 //! scheduler and its workers are separate processes); one on a fleet mount is a shared tier.
@@ -164,9 +168,24 @@ pub struct EntryDir {
     /// Estimated bytes of the whole directory (every layout, every process).
     estimate: u64,
     written_since_scan: u64,
+    /// The entries the last scan left, in eviction order, each with the modification time it
+    /// had then: a put that takes the directory over budget evicts from here, down to the
+    /// budget, without listing the directory again. Those of the kinds evicted first (with
+    /// this process's puts of them since, oldest first), then the others (reversed: the next
+    /// to go last).
+    queue_first: std::collections::VecDeque<Queued>,
+    queue: Vec<Queued>,
     stats: EntryDirStats,
     /// What moves the entry files' bytes.
     io: Box<dyn TierIo>,
+}
+
+/// An entry a scan found and left, as the scan saw it.
+#[derive(Debug)]
+struct Queued {
+    path: PathBuf,
+    mtime: std::time::SystemTime,
+    bytes: u64,
 }
 
 fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> EntryDirError + 'a {
@@ -237,6 +256,8 @@ impl EntryDir {
             evict_first,
             estimate: 0,
             written_since_scan: 0,
+            queue_first: std::collections::VecDeque::new(),
+            queue: Vec::new(),
             stats: EntryDirStats::default(),
             io,
         };
@@ -356,8 +377,21 @@ impl EntryDir {
                 self.stats.put_bytes += total;
                 self.estimate += total;
                 self.written_since_scan += total;
-                if tier_files::scan_due(self.estimate, self.written_since_scan, self.budget) {
+                if self.evict_first.contains(&k) {
+                    // Evicted before the others the last scan left (after the older ones).
+                    let path = self.path_of(kind, hash);
+                    if let Ok(mtime) = fs::symlink_metadata(&path).and_then(|m| m.modified()) {
+                        self.queue_first.push_back(Queued { path, mtime, bytes: total });
+                    }
+                }
+                let (scan_after, _) = EntryDir::sweep_rule(self.budget);
+                if self.written_since_scan >= scan_after {
                     self.scan();
+                } else if self.estimate > self.budget {
+                    self.evict_queued();
+                    if self.estimate > self.budget {
+                        self.scan();
+                    }
                 }
             }
             Err(_) => self.stats.put_errors += 1,
@@ -414,6 +448,55 @@ impl EntryDir {
         o.head.check_body(dst)
     }
 
+    /// Mark the entries of `keys` used now, in that order (the last the most recently used),
+    /// as a read does; how many were there. An engine refreshes a request's whole path this
+    /// way when it finishes (`v4pool.vllm`: deepest first, so a prefix's head is evicted last
+    /// and its tail first, as vLLM's offload LRU ranks a request's blocks). Absent keys and
+    /// non-regular files are skipped (never followed).
+    pub fn refresh(&mut self, keys: &[(char, u128)]) -> usize {
+        let mut n = 0;
+        for &(kind, hash) in keys {
+            if kind_ok(kind).is_err() {
+                continue;
+            }
+            if self.own_path(kind, hash).is_ok_and(|p| tier_files::touch(&p)) {
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// The capacity rule of a tier of `budget` bytes, for a model of it (the bench's index-only
+    /// tier): `(scan_after, target)`. A publisher lists the directory once it has written
+    /// `scan_after` bytes since its last scan; a scan over budget removes entries in
+    /// [`evict_order`] until the directory holds `target` bytes (the budget: every byte of it
+    /// used) and keeps the rest of that order, so that a later put over budget removes the next
+    /// ones without listing again (skipping any used or rewritten since, whose modification
+    /// time moved); it lists again when they run out.
+    pub fn sweep_rule(budget: u64) -> (u64, u64) {
+        (budget / tier_files::SCAN_EVERY, budget)
+    }
+
+    /// Evict what the last scan left, in its order, until the directory is within budget.
+    fn evict_queued(&mut self) {
+        while self.estimate > self.budget {
+            let Some(q) = self.queue_first.pop_front().or_else(|| self.queue.pop()) else { return };
+            match fs::symlink_metadata(&q.path) {
+                // Unchanged since the scan: still the oldest it knew of.
+                Ok(m) if m.file_type().is_file() && m.modified().is_ok_and(|t| t == q.mtime) => {
+                    if fs::remove_file(&q.path).is_ok() {
+                        self.estimate = self.estimate.saturating_sub(q.bytes);
+                        self.stats.evicted += 1;
+                    }
+                }
+                // Used or rewritten since (newer now): left for the next scan.
+                Ok(_) => {}
+                // Removed by another process: its bytes are gone from the directory.
+                Err(_) => self.estimate = self.estimate.saturating_sub(q.bytes),
+            }
+        }
+    }
+
     /// Remove an entry; whether one was there (never through a link).
     pub fn remove(&mut self, kind: char, hash: u128) -> bool {
         self.own_path(kind, hash).is_ok_and(|p| fs::remove_file(p).is_ok())
@@ -424,42 +507,36 @@ impl EntryDir {
     /// layout's entries of the `evict_first` kinds removed first when it is over budget.
     fn scan(&mut self) {
         let parse = |n: &str| parse_entry_name(n);
-        let mut found = tier_files::scan_tier(&self.tier_dir, DIGEST_HEX, &parse);
-        let mut evicted = 0;
-        // What the sweep counts: entries and live writers' temporary files (it removes the
-        // stale ones).
-        let now = std::time::SystemTime::now();
-        let stale = |f: &tier_files::Found<(char, u128)>| {
-            f.key.is_none() && now.duration_since(f.mtime).is_ok_and(|a| a > tier_files::STALE_TEMP)
+        let found = tier_files::scan_tier(&self.tier_dir, DIGEST_HEX, &parse);
+        // Temporary files go to the sweep (it removes dead writers' and counts live ones);
+        // entries are evicted here, in evict_order, down to the rule's target.
+        let (temps, entries): (Vec<_>, Vec<_>) = found.into_iter().partition(|f| f.key.is_none());
+        let swept = tier_files::sweep(temps, u64::MAX);
+        let mut used = swept.used + entries.iter().map(|f| f.bytes).sum::<u64>();
+        let first = |f: &tier_files::Found<(char, u128)>| {
+            f.path.starts_with(&self.dir) && f.key.is_some_and(|(k, _)| self.evict_first.contains(&(k as u8)))
         };
-        let used: u64 = found.iter().filter(|f| !stale(f)).map(|f| f.bytes).sum();
-        if used > self.budget && !self.evict_first.is_empty() {
-            let first = |f: &tier_files::Found<(char, u128)>| {
-                f.path.starts_with(&self.dir)
-                    && f.key.is_some_and(|(k, _)| self.evict_first.contains(&(k as u8)))
-            };
-            let ages: Vec<(bool, std::time::SystemTime)> =
-                found.iter().map(|f| (first(f), f.mtime)).collect();
-            // Only the kinds evicted first here: the sweep below evicts the rest by its LRU.
-            let low = tier_files::low_water(self.budget);
-            let mut left = used;
-            let mut gone = vec![false; found.len()];
-            for i in evict_order(&ages) {
-                if left <= low || !ages[i].0 {
-                    break;
+        let ages: Vec<(bool, std::time::SystemTime)> = entries.iter().map(|f| (first(f), f.mtime)).collect();
+        let (_, target) = EntryDir::sweep_rule(self.budget);
+        let mut queue = Vec::new();
+        self.queue_first.clear();
+        for i in evict_order(&ages) {
+            let f = &entries[i];
+            if used <= target {
+                let q = Queued { path: f.path.clone(), mtime: f.mtime, bytes: f.bytes };
+                if ages[i].0 {
+                    self.queue_first.push_back(q);
+                } else {
+                    queue.push(q);
                 }
-                if fs::remove_file(&found[i].path).is_ok() {
-                    left -= found[i].bytes;
-                    evicted += 1;
-                }
-                gone[i] = true;
+            } else if fs::remove_file(&f.path).is_ok() {
+                used -= f.bytes;
+                self.stats.evicted += 1;
             }
-            let mut g = gone.into_iter();
-            found.retain(|_| !g.next().unwrap_or(false));
         }
-        let s = tier_files::sweep(found, self.budget);
-        self.estimate = s.used;
-        self.stats.evicted += s.evicted + evicted;
+        queue.reverse();
+        self.queue = queue;
+        self.estimate = used;
         self.written_since_scan = 0;
     }
 }

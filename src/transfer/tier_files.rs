@@ -33,8 +33,9 @@ pub const SCAN_EVERY: u64 = 8;
 /// the budget (per mille), so the next scans are not all evictions.
 pub const LOW_WATER: u64 = 900;
 
-/// The bytes an over-budget sweep brings a tier down to: [`LOW_WATER`] per mille of `budget`
-/// (one rule for every pass that evicts: the LRU sweep and an ordered tier's first pass).
+/// The bytes an over-budget [`sweep`] brings a tier down to: [`LOW_WATER`] per mille of
+/// `budget` (the shared tier's rule; the entry tier keeps its scan's order instead and evicts
+/// down to the budget itself, `EntryDir::sweep_rule`).
 pub(crate) fn low_water(budget: u64) -> u64 {
     budget / 1000 * LOW_WATER
 }

@@ -333,36 +333,101 @@ def test_second_scheduler_process_hits_the_shared_directory(tmp_path):
 @pytest.mark.parametrize("order", ["c", ""])
 def test_index_only_model_evicts_as_the_file_tier_does(order, tmp_path):
     """The bench's index-only tier (IndexOnlyTiers) is the file tier's model: over one random
-    sequence of puts and reads of blocks ('b') and checkpoints ('c'), both hold the same keys
-    after every step, checkpoints evicted first (``evict_first="c"``, V4.1's order) or one LRU
-    (V4's). The budget holds three entries under the file tier's low-water mark and not four,
-    so each overflowing put removes one entry in both (the model has no low water)."""
+    sequence of puts, reads and refreshes of blocks ('b') and checkpoints ('c') of two sizes,
+    under a random budget, both hold the same keys after every step, checkpoints evicted
+    first (``evict_first="c"``, V4.1's order) or one LRU (V4's). The budget is small enough
+    that the file tier scans often, each scan over budget evicting down to its low water
+    (``EntryTier.sweep_rule``), so several entries go at once."""
     import random
     import time
 
     import v4pool
     from v4pool.vllm import IndexOnlyTiers
 
-    layout, body_len = "evict-order-test", 40_000
-    entry = 80 + len(layout) + body_len  # a file's bytes: header, layout text, body
-    budget = entry * 34 // 10
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    layout = "evict-order-test"
+    body = {"b": rng.randrange(20_000, 40_000), "c": rng.randrange(60_000, 120_000)}
+    entry = {k: 80 + len(layout) + n for k, n in body.items()}  # a file: header, layout, body
+    budget = rng.randrange(5, 12) * entry["b"] + rng.randrange(0, 2) * entry["c"]
     tier = v4pool.EntryTier(str(tmp_path), layout, budget, evict_first=order)
     model = IndexOnlyTiers(budget, evict_first=order)
-    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-    dst = torch.empty(body_len, dtype=torch.uint8)
-    keys = [(k, h) for k in "bc" for h in range(4)]
-    for step in range(40):
+    keys = [(k, h) for k, n in (("b", 10), ("c", 5)) for h in range(n)]
+    for step in range(60):
         kind, key = rng.choice(keys)
-        if rng.random() < 0.6:
-            body = torch.randint(0, 256, (body_len,), dtype=torch.uint8)
+        r = rng.random()
+        if r < 0.55:
             if model.where(kind, key) is None:  # the connector saves only what is absent
-                tier.put(kind, key, [body])
-                model.add(kind, key, entry)
-        elif tier.get_into(kind, key, dst):
-            model.touch(kind, key)
+                tier.put(kind, key, [torch.randint(0, 256, (body[kind],), dtype=torch.uint8)])
+                model.add(kind, key, entry[kind])
+        elif r < 0.8:
+            if tier.get_into(kind, key, torch.empty(body[kind], dtype=torch.uint8)):
+                model.touch(kind, key)
+        else:  # a finished request's path, in order (absent keys skipped by both)
+            path = rng.sample(keys, rng.randrange(1, 6))
+            tier.refresh(path)
+            model.refresh(path)
         held = {k for k in keys if tier.contains(*k)}
-        assert held == set(model.store), f"step {step}: file tier {sorted(held)}, model {sorted(model.store)}"
+        assert held == set(model.store), (
+            f"seed {seed} step {step}: file tier {sorted(held)}, model {sorted(model.store)}")
         time.sleep(0.02)  # distinct mtimes: the file tier's clock
+
+
+def test_finished_request_refreshes_its_path_head_last(tmp_path):
+    """When a request finishes, the worker refreshes its whole path in the tier after its
+    saves: deepest entry first, so its head is the most recently used (evicted last) and its
+    tail the first to go, as vLLM's offload LRU ranks a request's blocks. Written in order
+    (no refresh), the head block would be the oldest."""
+    cfg, kcfg, s = _scheduler("v41-flash", tmp_path)
+    w, _ = _worker(cfg, kcfg)
+    conn = s.connector
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    B = conn.layout.block
+    prompt = torch.randint(1, 100000, (3 * B + 77,), generator=gen).tolist()
+    s.add_request(_request(s, "A", prompt))
+    written = set()
+    for _ in range(20):
+        _step(s, w, gen, written)
+        if not s.requests and not s.has_unfinished_requests():
+            break
+    _step(s, w, gen, written)  # the step after the finish carries the refresh
+    hashes = conn._hashes(prompt[: 3 * B])
+    tier = conn.tiers.tiers[0][1]
+    root = Path(tier.layout_dir())
+    # Deepest first: the checkpoints at 845 and 768 (branch_every), then blocks 2, 1, 0.
+    order = [("c", conn._tail_key(prompt, 3, 77, hashes)), ("c", conn._tail_key(prompt, 3, 0, hashes))]
+    order += [("b", h) for h in reversed(hashes)]
+    mtimes = [(root / f"{h >> 120:02x}" / f"{k}{h:032x}").stat().st_mtime_ns for k, h in order]
+    assert mtimes == sorted(mtimes) and len(set(mtimes)) == len(mtimes), mtimes
+
+
+@pytest.mark.parametrize("model", ["v4-flash", "v41-flash"])
+def test_index_only_tier_charges_what_the_worker_writes(model):
+    """The bench's index-only tier charges each entry the body a worker would write: a whole
+    block of the compressed groups and a checkpoint at a random position, both equal to the
+    worker's body length for the same plan (the scheduler's KVCacheConfig has one
+    representative page per group; V4.1's compressed group is 460,224 B a block on the
+    worker, 599,040 B at the representative's page)."""
+    import random
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+    from v4pool.vllm import V4PoolConnector, worker_layer_pages
+
+    cfg = L.vllm_config(model, connector_extra={"bench_index_only": True})
+    kcfg = L.kv_cache_config(cfg)
+    w, _ = _worker(cfg, kcfg)
+    cfg.kv_transfer_config.kv_connector_extra_config["bench_layer_pages"] = worker_layer_pages(cfg, kcfg)
+    sched = V4PoolConnector(cfg, KVConnectorRole.SCHEDULER, generate_scheduler_kv_cache_config([kcfg]))
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    lay = sched.layout
+    pos = rng.randrange(lay.block, 8 * lay.block)
+    block = [(g.idx, [rng.randrange(1, kcfg.num_blocks) for _ in lay.block_span(g, 0, lay.block)])
+             for g in lay.groups if g.role == "full"]
+    ckpt = [(g.idx, [rng.randrange(1, kcfg.num_blocks) for _ in lay.checkpoint_span(g, pos)])
+            for g in lay.groups]
+    for plan in (block, ckpt):
+        assert lay.bytes_of(plan) == w._mover.copier.body_len(plan)
 
 
 def test_eviction_order_is_per_layout():

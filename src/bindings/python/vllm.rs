@@ -239,6 +239,24 @@ impl PyEntryTier {
         })?
     }
 
+    /// Mark the entries of `keys` (`(kind, hash)` pairs) used now, in that order (the last the
+    /// most recently used); how many were there (`EntryDir::refresh`). A store tier marks
+    /// nothing and answers 0: the store (Mooncake's) keeps its own eviction order.
+    fn refresh(&self, py: Python<'_>, keys: Vec<(String, u128)>) -> PyResult<usize> {
+        let keys = keys.iter().map(|(k, h)| Ok((kind_of(k)?, *h))).collect::<PyResult<Vec<_>>>()?;
+        self.with(py, |e| match e {
+            Entries::Dir(d) => d.refresh(&keys),
+            Entries::Store(_) => 0,
+        })
+    }
+
+    /// `(scan_after, low)` of a tier of `budget_bytes` (`EntryDir::sweep_rule`): a writer scans
+    /// after `scan_after` bytes or when over budget; an over-budget scan evicts down to `low`.
+    #[staticmethod]
+    fn sweep_rule(budget_bytes: u64) -> (u64, u64) {
+        EntryDir::sweep_rule(budget_bytes)
+    }
+
     /// Remove an entry; whether one was there.
     fn remove(&self, py: Python<'_>, kind: &str, hash: u128) -> PyResult<bool> {
         let k = kind_of(kind)?;
