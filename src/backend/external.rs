@@ -11,7 +11,7 @@
 //! The region is a stack: an allocation takes the next 256-byte aligned bytes, and freeing
 //! the top allocation (and any freed ones below it) returns their bytes.
 
-use super::{Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, Stream};
+use super::{Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, HostMem, Stream};
 use crate::index::{DevicePtr, Launch};
 use std::sync::{Arc, Mutex};
 
@@ -152,26 +152,14 @@ unsafe impl Backend for ExternalRegion {
         unsafe { self.inner.free_host(alloc) }
     }
 
-    unsafe fn upload_host(
-        &self,
-        dst: DevicePtr,
-        src: *const u8,
-        len: usize,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> Result<(), BackendError> {
         // SAFETY: as `upload`.
-        unsafe { self.inner.upload_host(dst, src, len, stream) }
+        unsafe { self.inner.upload_host(dst, src, stream) }
     }
 
-    unsafe fn download_host(
-        &self,
-        dst: *mut u8,
-        src: DevicePtr,
-        len: usize,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
         // SAFETY: as `upload`.
-        unsafe { self.inner.download_host(dst, src, len, stream) }
+        unsafe { self.inner.download_host(dst, src, stream) }
     }
 
     unsafe fn copy(

@@ -52,7 +52,7 @@
 //! backend relies on for its streams. Work is immediate, so nothing is in flight between calls.
 
 use super::size::{range_end, to_usize, word_bytes};
-use super::{Backend, BackendError, BackendKind, DeviceAllocation, Stream};
+use super::{Backend, BackendError, BackendKind, DeviceAllocation, HostMem, Stream};
 use crate::index::bounds::run_launch_within;
 use crate::index::host::HostKernelError;
 use crate::index::{CopyRun, FillRun};
@@ -653,35 +653,23 @@ unsafe impl Backend for HostBackend {
         }
     }
 
-    unsafe fn upload_host(
-        &self,
-        dst: DevicePtr,
-        src: *const u8,
-        len: usize,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
-        if self.locate("upload_host", dst, len as u64)? == Mem::Virtual {
-            self.count(len as u64, |s| &mut s.from_host_bytes);
+    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> Result<(), BackendError> {
+        if self.locate("upload_host", dst, src.len() as u64)? == Mem::Virtual {
+            self.count(src.len() as u64, |s| &mut s.from_host_bytes);
             return Ok(());
         }
-        // SAFETY: the caller's contract (`src .. src + len` is live host memory).
-        unsafe { self.upload(dst, std::slice::from_raw_parts(src, len), stream) }
+        // SAFETY: the caller's contract (`src` is live host memory).
+        unsafe { self.upload(dst, src.as_slice(), stream) }
     }
 
-    unsafe fn download_host(
-        &self,
-        dst: *mut u8,
-        src: DevicePtr,
-        len: usize,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
         // The host side keeps what it held: a virtual range has no bytes to give it.
-        if self.locate("download_host", src, len as u64)? == Mem::Virtual {
-            self.count(len as u64, |s| &mut s.to_host_bytes);
+        if self.locate("download_host", src, dst.len() as u64)? == Mem::Virtual {
+            self.count(dst.len() as u64, |s| &mut s.to_host_bytes);
             return Ok(());
         }
-        // SAFETY: the caller's contract (`dst .. dst + len` is live host memory, unaliased).
-        unsafe { self.download(std::slice::from_raw_parts_mut(dst, len), src, stream) }
+        // SAFETY: the caller's contract (`dst` is live host memory, unaliased).
+        unsafe { self.download(dst.as_mut_slice(), src, stream) }
     }
 }
 

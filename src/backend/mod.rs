@@ -45,6 +45,7 @@ pub use select::{env_choice, open, open_on, select, select_on, BackendChoice};
 // structs are the kernel contract, `crate::raw::index`).
 pub use crate::index::{DevicePtr, Launch};
 use std::fmt;
+use std::marker::PhantomData;
 use thiserror::Error;
 
 /// A raw stream handle (`CUstream` / `hipStream_t`): the caller's stream, so pool work
@@ -106,6 +107,91 @@ pub struct HostAllocation {
 unsafe impl Send for HostAllocation {}
 // SAFETY: the value itself gives no access to the bytes.
 unsafe impl Sync for HostAllocation {}
+
+impl HostAllocation {
+    /// The `len` bytes at `offset`, for [`Backend::upload_host`] and
+    /// [`Backend::download_host`]; refused unless they lie inside this allocation. The range
+    /// borrows the allocation, so it cannot be freed while the range is held; that it stays
+    /// live until a queued copy has run is still the copy's caller's to ensure.
+    pub fn range(&self, offset: usize, len: usize) -> Result<HostMem<'_>, HostMemError> {
+        let outside = HostMemError { offset, len, bytes: self.bytes };
+        let end = offset.checked_add(len).ok_or(outside)?;
+        if end > self.bytes {
+            return Err(outside);
+        }
+        // `wrapping_add`: the offset is in bounds of what the value claims, but the fields are
+        // public, so the claim is not trusted until the range is used (an `unsafe` call).
+        Ok(HostMem { ptr: self.ptr.wrapping_add(offset), len, _alloc: PhantomData })
+    }
+}
+
+/// Bytes of one [`HostAllocation`]: the host side of [`Backend::upload_host`] (read) and
+/// [`Backend::download_host`] (written). Made by [`HostAllocation::range`], which checks the
+/// bounds, or by [`HostMem::from_raw_parts`] where only a pointer is at hand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostMem<'a> {
+    ptr: *mut u8,
+    len: usize,
+    _alloc: PhantomData<&'a HostAllocation>,
+}
+
+impl<'a> HostMem<'a> {
+    /// A range from a raw pointer.
+    ///
+    /// # Safety
+    /// `ptr .. ptr + len` lies inside one [`HostAllocation`] from a backend's
+    /// [`Backend::alloc_host`] (the range is given only to that backend), live for `'a`.
+    pub unsafe fn from_raw_parts(ptr: *mut u8, len: usize) -> HostMem<'a> {
+        HostMem { ptr, len, _alloc: PhantomData }
+    }
+
+    /// First byte.
+    pub fn as_ptr(self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(self) -> usize {
+        self.len
+    }
+
+    /// Whether the range has no bytes.
+    pub fn is_empty(self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes, to read.
+    ///
+    /// # Safety
+    /// The allocation is live and nothing writes the range while the slice is used.
+    pub unsafe fn as_slice(self) -> &'a [u8] {
+        // SAFETY: in one allocation (the constructors), live and unwritten (the caller).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The bytes, to write.
+    ///
+    /// # Safety
+    /// The allocation is live and nothing else reads or writes the range while the slice is
+    /// used.
+    pub unsafe fn as_mut_slice(self) -> &'a mut [u8] {
+        // SAFETY: in one allocation (the constructors), live and unaliased (the caller).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// [`HostAllocation::range`] was asked for bytes beyond the allocation.
+#[derive(Clone, Copy, Debug, Error, PartialEq, Eq)]
+#[non_exhaustive]
+#[error("host range of {len} bytes at offset {offset} is outside an allocation of {bytes} bytes")]
+pub struct HostMemError {
+    /// Offset asked for.
+    pub offset: usize,
+    /// Length asked for.
+    pub len: usize,
+    /// The allocation's length.
+    pub bytes: usize,
+}
 
 /// Ordinary host memory (the default of [`Backend::alloc_host`]), zeroed, page-aligned.
 pub(crate) mod heap {
@@ -435,42 +521,32 @@ pub unsafe trait Backend: Send + Sync + fmt::Debug {
         unsafe { heap::free(alloc) }
     }
 
-    /// Queue a copy of `len` bytes from `src`, host memory of [`Backend::alloc_host`], to
-    /// `dst` in stream order. Unlike [`Backend::upload`] it may return before `src` is read
-    /// (a DMA from page-locked memory): `src` stays untouched until the stream's work has
-    /// completed. The default uploads through [`Backend::upload`].
+    /// Queue a copy of the bytes of `src`, host memory of [`Backend::alloc_host`], to `dst` in
+    /// stream order. Unlike [`Backend::upload`] it may return before `src` is read (a DMA from
+    /// page-locked memory): `src` stays untouched until the stream's work has completed. The
+    /// default uploads through [`Backend::upload`].
     ///
     /// # Safety
-    /// `dst .. dst + len` lies in one live allocation of this backend; `src .. src + len`
-    /// lies in a live allocation of this backend's `alloc_host`, not written until the
+    /// `dst .. dst + src.len()` lies in one live allocation of this backend; `src` lies in an
+    /// allocation of this backend's `alloc_host` ([`HostAllocation::range`] checks the bounds,
+    /// not where the allocation came from), which stays live and is not written until the
     /// stream has been synchronised.
-    unsafe fn upload_host(
-        &self,
-        dst: DevicePtr,
-        src: *const u8,
-        len: usize,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> Result<(), BackendError> {
         // SAFETY: the caller's contract.
-        unsafe { self.upload(dst, std::slice::from_raw_parts(src, len), stream) }
+        unsafe { self.upload(dst, src.as_slice(), stream) }
     }
 
-    /// Queue a copy of `len` bytes from `src` to `dst`, host memory of
+    /// Queue a copy of `dst.len()` bytes from `src` to `dst`, host memory of
     /// [`Backend::alloc_host`], in stream order; the bytes are there once the stream has
     /// been synchronised (the default downloads through [`Backend::download`], which waits).
     ///
     /// # Safety
-    /// `src .. src + len` lies in one live allocation of this backend; `dst .. dst + len`
-    /// lies in a live allocation of this backend's `alloc_host`, neither read nor written
-    /// until the stream has been synchronised.
-    unsafe fn download_host(
-        &self,
-        dst: *mut u8,
-        src: DevicePtr,
-        len: usize,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    /// `src .. src + dst.len()` lies in one live allocation of this backend; `dst` lies in an
+    /// allocation of this backend's `alloc_host` (bounds as for [`Backend::upload_host`]),
+    /// which stays live and is neither read nor written by anyone else until the stream has
+    /// been synchronised.
+    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
         // SAFETY: the caller's contract.
-        unsafe { self.download(std::slice::from_raw_parts_mut(dst, len), src, stream) }
+        unsafe { self.download(dst.as_mut_slice(), src, stream) }
     }
 }

@@ -19,7 +19,7 @@
 //! else: which blocks to spill and when is the prefix-reuse manager's call.
 
 use crate::alloc::BlockHandle;
-use crate::backend::{Backend, BackendError, HostAllocation, Stream};
+use crate::backend::{Backend, BackendError, HostAllocation, HostMem, Stream};
 use crate::checkpoint::LayoutId;
 use crate::pool::{Pool, PoolError};
 use std::collections::{BTreeMap, HashMap};
@@ -223,11 +223,11 @@ pub(crate) unsafe fn copy_units(
             // inside the part's plane or indexer layer; `at .. at + len` lies inside the
             // caller's host range (part-major, `n` units).
             unsafe {
-                let cells = host.add(at);
+                let cells = HostMem::from_raw_parts(host.add(at), len);
                 if to_host {
-                    backend.download_host(cells, dev, len, stream)?
+                    backend.download_host(cells, dev, stream)?
                 } else {
-                    backend.upload_host(dev, cells, len, stream)?
+                    backend.upload_host(dev, cells, stream)?
                 }
             }
         }

@@ -256,14 +256,23 @@ fn backend_host_memory_round_trips() {
     let dev = b.alloc_zeroed(n as u64).unwrap();
     // SAFETY: `dev` and `h` are live allocations of `n` bytes; synchronised before reuse.
     unsafe {
-        b.upload_host(dev.ptr, h.ptr, n, Stream::DEFAULT).unwrap();
+        b.upload_host(dev.ptr, h.range(0, n).unwrap(), Stream::DEFAULT).unwrap();
         b.synchronize(Stream::DEFAULT).unwrap();
         std::ptr::write_bytes(h.ptr, 0, n);
-        b.download_host(h.ptr, dev.ptr, n, Stream::DEFAULT).unwrap();
+        b.download_host(h.range(0, n).unwrap(), dev.ptr, Stream::DEFAULT).unwrap();
         b.synchronize(Stream::DEFAULT).unwrap();
     }
     // SAFETY: as above; the copies are done.
     assert!(unsafe { std::slice::from_raw_parts(h.ptr, n) } == data.as_slice());
+    // A range inside the allocation starts at its offset; one past its end, or whose end
+    // overflows, is refused with the numbers asked for.
+    let at = 4093;
+    let r = h.range(at, n - at).unwrap();
+    assert!(r.as_ptr() == h.ptr.wrapping_add(at) && r.len() == n - at);
+    assert!(h.range(n, 0).unwrap().is_empty());
+    let err = h.range(at, n - at + 1).unwrap_err();
+    assert_eq!((err.offset, err.len, err.bytes), (at, n - at + 1, n));
+    assert!(h.range(1, usize::MAX).is_err() && h.range(n + 1, 0).is_err());
     // SAFETY: nothing uses either any more.
     unsafe {
         b.free(dev);

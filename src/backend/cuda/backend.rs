@@ -9,7 +9,9 @@ use super::KIND;
 use crate::backend::launch::{DeviceLaunch, NO_PARAMS};
 use crate::backend::size::{to_usize, word_bytes};
 use crate::backend::staging::{self, stages, StagingRing};
-use crate::backend::{heap, Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, Stream};
+use crate::backend::{
+    heap, Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, HostMem, Stream,
+};
 use crate::index::{DevicePtr, Launch};
 use cudarc::driver::sys;
 use std::ffi::c_void;
@@ -386,31 +388,19 @@ unsafe impl Backend for CudaBackend {
         unsafe { staging::free_host(&CudaStaging, alloc) }
     }
 
-    unsafe fn upload_host(
-        &self,
-        dst: DevicePtr,
-        src: *const u8,
-        len: usize,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> Result<(), BackendError> {
         // SAFETY: the caller's contract: `dst` in a live allocation, `src` page-locked and
         // untouched until the stream has run the copy (a DMA, not staged).
-        self.queue_dma("cuMemcpyHtoDAsync_v2", len, stream, |raw| unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, raw)
+        self.queue_dma("cuMemcpyHtoDAsync_v2", src.len(), stream, |raw| unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), raw)
         })
     }
 
-    unsafe fn download_host(
-        &self,
-        dst: *mut u8,
-        src: DevicePtr,
-        len: usize,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
         // SAFETY: the caller's contract: `src` in a live allocation, `dst` page-locked and
         // untouched until the stream has been synchronised.
-        self.queue_dma("cuMemcpyDtoHAsync_v2", len, stream, |raw| unsafe {
-            sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, raw)
+        self.queue_dma("cuMemcpyDtoHAsync_v2", dst.len(), stream, |raw| unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.as_ptr().cast(), src, dst.len(), raw)
         })
     }
 

@@ -8,7 +8,9 @@ use super::{Raw, HIP_ERROR_OUT_OF_MEMORY, HIP_STREAM_NON_BLOCKING, KIND};
 use crate::backend::launch::DeviceLaunch;
 use crate::backend::size::{to_usize, word_bytes};
 use crate::backend::staging::{self, stages, StagingDriver, StagingRing};
-use crate::backend::{heap, Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, Stream};
+use crate::backend::{
+    heap, Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, HostMem, Stream,
+};
 use crate::index::{DevicePtr, Launch};
 use std::ffi::c_int;
 use std::fmt;
@@ -223,38 +225,27 @@ unsafe impl Backend for HipBackend {
         unsafe { staging::free_host(&HipStaging(self.api), alloc) }
     }
 
-    unsafe fn upload_host(
-        &self,
-        dst: DevicePtr,
-        src: *const u8,
-        len: usize,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
-        if len == 0 || self.api.host_malloc.is_none() {
+    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> Result<(), BackendError> {
+        if src.is_empty() || self.api.host_malloc.is_none() {
             // SAFETY: the caller's contract; `alloc_host` gave ordinary memory: copy and wait.
-            return unsafe { self.upload(dst, std::slice::from_raw_parts(src, len), stream) };
+            return unsafe { self.upload(dst, src.as_slice(), stream) };
         }
         self.bind()?;
         // SAFETY: the caller's contract: `dst` in a live allocation, `src` page-locked and
         // untouched until the stream has run the copy (a DMA, not staged, no wait).
-        unsafe { HipStaging(self.api).copy_to_device(dst, src, len, self.resolve(stream)) }
+        unsafe { HipStaging(self.api).copy_to_device(dst, src.as_ptr(), src.len(), self.resolve(stream)) }
     }
 
-    unsafe fn download_host(
-        &self,
-        dst: *mut u8,
-        src: DevicePtr,
-        len: usize,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
-        if len == 0 || self.api.host_malloc.is_none() {
+    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
+        if dst.is_empty() || self.api.host_malloc.is_none() {
             // SAFETY: the caller's contract; ordinary memory: copy and wait.
-            return unsafe { self.download(std::slice::from_raw_parts_mut(dst, len), src, stream) };
+            return unsafe { self.download(dst.as_mut_slice(), src, stream) };
         }
         self.bind()?;
         // SAFETY: the caller's contract: `src` in a live allocation, `dst` page-locked and
         // untouched until the stream has been synchronised.
-        let rc = unsafe { (self.api.memcpy_dtoh_async)(dst.cast(), src as Raw, len, self.resolve(stream)) };
+        let (ptr, len) = (dst.as_ptr().cast(), dst.len());
+        let rc = unsafe { (self.api.memcpy_dtoh_async)(ptr, src as Raw, len, self.resolve(stream)) };
         self.api.check(rc, "hipMemcpyDtoHAsync")
     }
 

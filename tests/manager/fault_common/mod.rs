@@ -5,7 +5,9 @@
 
 use std::sync::{Arc, Mutex};
 use v4pool::backend::host::HostBackend;
-use v4pool::backend::{Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, Stream};
+use v4pool::backend::{
+    Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, HostMem, Stream,
+};
 use v4pool::raw::index::{DevicePtr, Launch};
 
 /// The kinds of backend call the wrapper counts and can fail.
@@ -203,26 +205,14 @@ unsafe impl Backend for FaultBackend {
         // SAFETY: forwarded contract.
         unsafe { self.host.free_host(alloc) }
     }
-    unsafe fn upload_host(
-        &self,
-        dst: DevicePtr,
-        src: *const u8,
-        len: usize,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> Result<(), BackendError> {
         self.enter(Call::UploadHost, "upload_host")?;
         // SAFETY: forwarded contract.
-        unsafe { self.host.upload_host(dst, src, len, stream) }
+        unsafe { self.host.upload_host(dst, src, stream) }
     }
-    unsafe fn download_host(
-        &self,
-        dst: *mut u8,
-        src: DevicePtr,
-        len: usize,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
         self.enter(Call::DownloadHost, "download_host")?;
         // SAFETY: forwarded contract.
-        unsafe { self.host.download_host(dst, src, len, stream) }
+        unsafe { self.host.download_host(dst, src, stream) }
     }
 }
