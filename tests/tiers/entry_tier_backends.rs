@@ -15,12 +15,12 @@
 //!   tests/python/test_mooncake_entry_tier.py.
 
 use crate::hostile_fs::{mkfifo, within_5s, TempDir};
+use crate::tier_io::Io;
 use std::collections::HashMap;
 use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
-use crate::tier_io::Io;
 use v4pool::sim::Rng;
 use v4pool::transfer::entry_dir::{EntryDir, Lookup};
 use v4pool::transfer::entry_store::EntryStore;
