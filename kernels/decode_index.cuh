@@ -227,7 +227,8 @@ V4P_DEVICE void v4p_write_head_vec(v4p_i32* __restrict__ dst, const v4p_i32* __r
 /// count, so a cap loses nothing). One tile when nothing is fused.
 /// FlashMLA's compressed part (index-buffers.md §3f) is written through v4p_flashmla_limit of a
 /// row of extra_topk entries, in tiles of V4POOL_DECODE_FLASH_TILE: the grid covers the whole
-/// width (it may depend on the scalars only; tiles past a token's limit return at once) and has
+/// width (it may depend on the scalars only; tiles past a token's limit return at once), in at
+/// most V4POOL_DECODE_FLASH_BLOCKS tiles over all tokens (a tile strides by the count), and has
 /// the more tiles of the two (shape.rs derives the same). Small tiles for FlashMLA's rows: each entry is a table load
 /// then one store per view, and with 4,096-entry tiles a thread's 32 loads went out one after
 /// another (the step bench, 2026-12-02: the FlashMLA-mode builder 39.7 us at batch 1, two
@@ -241,7 +242,10 @@ V4P_DEVICE v4p_i64 v4p_decode_hca_tiles(const DecodeIndexArgs& a) {
     const FlashMlaOut& fm = a.flashmla[V4POOL_CLASS_HCA];
     const v4p_i64 flash = fm.extra_indices != 0 && fm.extra_topk > 0 ? (v4p_i64)fm.extra_topk : 0;
     const v4p_i64 csr_tiles = (csr + V4POOL_DECODE_HCA_TILE - 1) / V4POOL_DECODE_HCA_TILE;
-    const v4p_i64 flash_tiles = (flash + V4POOL_DECODE_FLASH_TILE - 1) / V4POOL_DECODE_FLASH_TILE;
+    v4p_i64 flash_tiles = (flash + V4POOL_DECODE_FLASH_TILE - 1) / V4POOL_DECODE_FLASH_TILE;
+    const v4p_i64 tokens = a.num_tokens > 0 ? (v4p_i64)a.num_tokens : 1;
+    const v4p_i64 spread = (V4POOL_DECODE_FLASH_BLOCKS + tokens - 1) / tokens;  // >= 1
+    if (flash_tiles > spread) flash_tiles = spread;
     const v4p_i64 tiles = csr_tiles > flash_tiles ? csr_tiles : flash_tiles;
     return tiles < 1 ? 1 : (tiles > V4POOL_MAX_GRID_YZ ? V4POOL_MAX_GRID_YZ : tiles);
 }

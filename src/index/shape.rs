@@ -38,6 +38,10 @@ pub const DECODE_HCA_TILE: u32 = 32 * DECODE_THREADS;
 /// FlashMLA compressed-row entries one decode-builder block writes per round
 /// (`V4POOL_DECODE_FLASH_TILE`): 4 per thread, their table loads before their stores.
 pub const DECODE_FLASH_TILE: u32 = 4 * DECODE_THREADS;
+/// FlashMLA compressed-row tiles the decode builder's grid holds over all its tokens, at most
+/// (`V4POOL_DECODE_FLASH_BLOCKS`): a large batch fills the device with tokens, and every tile
+/// past a token's row still costs a dispatch and three loads (the header says what it cost).
+pub const DECODE_FLASH_BLOCKS: u32 = 4096;
 /// Lanes that build one token's lists in the prefill builder (`V4POOL_PREFILL_LANES`).
 pub const PREFILL_LANES: u32 = 64;
 /// Tokens one prefill-builder block holds (`V4POOL_PREFILL_TOKENS_PER_BLOCK`).
@@ -230,8 +234,9 @@ pub fn state_update_lanes(dim: i32) -> u32 {
 /// `MAX_GRID_YZ` loses nothing.
 ///
 /// FlashMLA's compressed part (§3f, `flashmla[HCA].extra_indices`) is a whole row of
-/// `extra_topk` entries (the −1 tail included) in tiles of [`DECODE_FLASH_TILE`]; the grid has
-/// the more tiles of that row and the CSR head.
+/// `extra_topk` entries (the −1 tail included) in tiles of [`DECODE_FLASH_TILE`], at most
+/// [`DECODE_FLASH_BLOCKS`] tiles over all tokens (each strides by the count); the grid has the
+/// more tiles of that row and the CSR head.
 pub fn decode_hca_tiles(a: &DecodeIndexArgs) -> u64 {
     let hca = &a.classes[CLASS_HCA];
     if a.block_tables == 0 || hca.indptr == 0 {
@@ -240,8 +245,9 @@ pub fn decode_hca_tiles(a: &DecodeIndexArgs) -> u64 {
     let csr = if hca.indices != 0 { count(a.block_table_stride) * count(a.hca_rows_per_block) } else { 0 };
     let fm = &a.flashmla[CLASS_HCA];
     let flash = if fm.extra_indices != 0 { count(fm.extra_topk) } else { 0 };
+    let spread = ceil_div(u64::from(DECODE_FLASH_BLOCKS), count(a.num_tokens).max(1));
     ceil_div(csr, u64::from(DECODE_HCA_TILE))
-        .max(ceil_div(flash, u64::from(DECODE_FLASH_TILE)))
+        .max(ceil_div(flash, u64::from(DECODE_FLASH_TILE)).min(spread))
         .clamp(1, u64::from(MAX_GRID_YZ))
 }
 

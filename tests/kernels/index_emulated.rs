@@ -12,10 +12,12 @@ use common::Rng;
 use std::ffi::{c_char, c_void, CString};
 use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry, WindowParams};
 use v4pool::raw::index::host::run_launch;
-use v4pool::raw::index::shape::{launch_shape, prefill_short, LaunchShape};
+use v4pool::raw::index::shape::{
+    decode_hca_tiles, launch_shape, prefill_short, LaunchShape, DECODE_FLASH_TILE,
+};
 use v4pool::raw::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, HcaOffsetsArgs,
-    Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs,
+    Launch, PlaneWrite, PrefillIndexArgs, RingWriteArgs, RowScatterArgs, StateUpdateArgs, CLASS_HCA,
 };
 
 type EmuLaunch = unsafe extern "C" fn(*const c_char, *const c_void, *const u32, u32) -> i32;
@@ -888,6 +890,32 @@ fn decode_builder_flashmla_rows_match_reference() {
             flashmla_common::FlashDecode::random(&mut rng, &g, bs, max_pos, views)
         };
         let (case, _, make) = d.case(&format!("flash decode {case_no}"), 0, true);
+        compare_case(&emu, &case, &make);
+    }
+}
+
+/// Batches of a thousand tokens and more with long heads: the grid then holds fewer FlashMLA
+/// tiles a token than its row has (`DECODE_FLASH_BLOCKS`), and each tile strides over the row.
+#[test]
+fn decode_builder_flashmla_rows_match_reference_in_large_batches() {
+    let Some(emu) = emu() else { return };
+    let mut rng = Rng::new(0xf1a5_e111_0000_0003);
+    for case_no in 0..2 {
+        let bs = rng.range(600, 900) as usize;
+        let g = common::geometry_at(&[0, 4, 128, 4, 128], rng.range(128, 133), 3_000_000, bs as i64);
+        let d = flashmla_common::FlashDecode::random(&mut rng, &g, bs, 600_000, 1);
+        let (case, _, make) = d.case(&format!("large flash decode {case_no}"), 0, true);
+        // The case must take the striding form: fewer tiles than the row's width needs.
+        let addrs: Vec<u64> = (1..=case.bufs.len() as u64).map(|i| i << 20).collect();
+        let strided = make(&addrs).iter().any(|l| match l {
+            Launch::Decode(a) => {
+                let row =
+                    u64::from(a.flashmla[CLASS_HCA].extra_topk as u32).div_ceil(u64::from(DECODE_FLASH_TILE));
+                decode_hca_tiles(a) < row
+            }
+            _ => false,
+        });
+        assert!(strided, "{}: the grid covers every tile; the case tests nothing new", case.name);
         compare_case(&emu, &case, &make);
     }
 }

@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 use std::mem::{align_of, offset_of, size_of};
 use v4pool::geometry::WindowParams;
 use v4pool::raw::index::shape::{
-    BLOCK_THREADS, CSA_TILE, CSA_TILE_X4, DECODE_FLASH_TILE, DECODE_HCA_TILE, DECODE_THREADS, GATHER_LANES,
-    GATHER_ROWS_PER_BLOCK, MAX_GRID_YZ, PREFILL_LANES, PREFILL_SHORT_HEAD, PREFILL_SHORT_LANES,
-    PREFILL_TOKENS_PER_BLOCK, ROWS_PER_BLOCK, ROW_LANES, RUN_SPLIT, STATE_CHUNK,
+    BLOCK_THREADS, CSA_TILE, CSA_TILE_X4, DECODE_FLASH_BLOCKS, DECODE_FLASH_TILE, DECODE_HCA_TILE,
+    DECODE_THREADS, GATHER_LANES, GATHER_ROWS_PER_BLOCK, MAX_GRID_YZ, PREFILL_LANES, PREFILL_SHORT_HEAD,
+    PREFILL_SHORT_LANES, PREFILL_TOKENS_PER_BLOCK, ROWS_PER_BLOCK, ROW_LANES, RUN_SPLIT, STATE_CHUNK,
 };
 use v4pool::raw::index::{
     ClassBuffers, CopyRun, CopyRunsArgs, CsaPackArgs, DecodeIndexArgs, FillRun, FillRunsArgs, FlashMlaOut,
@@ -145,6 +145,7 @@ fn header_constants_match_the_launch_shapes() {
     assert_eq!(header_define("V4POOL_RUN_SPLIT"), i64::from(RUN_SPLIT));
     assert_eq!(header_define("V4POOL_DECODE_HCA_TILE"), i64::from(DECODE_HCA_TILE));
     assert_eq!(header_define("V4POOL_DECODE_FLASH_TILE"), i64::from(DECODE_FLASH_TILE));
+    assert_eq!(header_define("V4POOL_DECODE_FLASH_BLOCKS"), i64::from(DECODE_FLASH_BLOCKS));
     assert_eq!(header_define("V4POOL_DECODE_THREADS"), i64::from(DECODE_THREADS));
     assert_eq!(header_define("V4POOL_PREFILL_LANES"), i64::from(PREFILL_LANES));
     assert_eq!(header_define("V4POOL_PREFILL_TOKENS_PER_BLOCK"), i64::from(PREFILL_TOKENS_PER_BLOCK));
