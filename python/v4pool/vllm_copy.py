@@ -370,6 +370,9 @@ class EntryMover:
     plan's pages: no file read, no checksum. An entry the ring lacks is read from the files
     (whole, checked) into the ring first. Copies go on the device's current stream, which
     the forward that reads the pages runs on; :meth:`load` returns once they are queued.
+
+    :meth:`save` returns once the files took the bodies; :meth:`save_async` (with a
+    ``publisher``) once the device-to-host copies are queued, the publisher writing the files.
     """
 
     def __init__(self, copier: SlabCopier, ring: HostRing | None, files: Any,
