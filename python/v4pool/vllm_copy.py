@@ -441,8 +441,16 @@ class EntryMover:
                         continue
                     self._staged += n
                 host, base, staged = self._staging(n), 0, True
-            self.copier.copies(plan, host, base, copies, skip_null=False)
-            jobs.append((i, kind, key, host, base, n, staged))
+            job = (i, kind, key, host, base, n, staged)
+            mark = len(copies)
+            try:
+                self.copier.copies(plan, host, base, copies, skip_null=False)
+            except ValueError as e:  # a block id outside the allocation: this entry is not saved
+                logger.warning("v4pool.vllm: save of %s%x not made: %s", kind, key, e)
+                del copies[mark:]  # (a merged copy before it writes valid pages into its room)
+                self._release(job, bad=True)
+                continue
+            jobs.append(job)
         event = None
         try:
             if copies:

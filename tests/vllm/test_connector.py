@@ -624,3 +624,19 @@ def test_ring_keeps_publishing_entries():
                 assert off + n <= o or o + m <= off, f"seed {seed} step {step}: overlap"
             if rng.random() < 0.2:
                 ring.publishing.discard(k)
+
+
+def test_async_save_of_a_bad_plan_is_not_made(tmp_path):
+    """A plan naming a block outside vLLM's allocation is not saved (logged), nothing raised into
+    the step; the rest of the batch is published and the ring keeps no entry for it."""
+    cfg, kcfg, _ = _scheduler("v4-flash", tmp_path / "tier", {"async_save": True})
+    w, _ = _worker(cfg, kcfg)
+    nb = w._mover.copier.num_blocks
+    done = []
+    w._mover.save_async([("b", 1, [(0, [1])]), ("b", 2, [(0, [nb + 5])]), ("b", 3, [(0, [2])])],
+                        done.extend)
+    assert w.wait_published(60) and done == [True, False, True]
+    w._mover.load([])  # the caller's thread forgets the entry that was not made
+    ring = w._mover.ring
+    assert ring.lookup("b", 2) is None and not ring.publishing
+    assert ring.lookup("b", 1) and ring.lookup("b", 3)
