@@ -428,8 +428,10 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_saves: list[Transfer] = []
         self._finishing: list[str] = []
         self._saved_pos: dict[str, int] = {}
-        # async_save: requests with saves planned before they finished (held when they do).
+        # async_save: requests with saves planned before they finished (held when they do);
+        # finished requests whose blocks vLLM holds for us until a worker reports them.
         self._saving: set[str] = set()
+        self._held: set[str] = set()
         # The checkpoints each request saved or hit (position, key), for _path_of.
         self._req_ckpts: dict[str, list[tuple[int, int]]] = {}
         self._pending_refresh: list[tuple[str, int]] = []
@@ -717,8 +719,19 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         self._pending_saves.extend(saves)
         self._finishing.append(rid)
+        self._held.add(rid)
         # The blocks stay until the worker reports the saves done (get_finished).
         return True, None
+
+    def update_connector_output(self, connector_output) -> None:
+        for rid in connector_output.finished_sending or ():
+            self._held.discard(rid)
+
+    def has_pending_block_frees(self) -> bool:
+        """Whether finished requests' blocks are held for their saves: freed within a step or
+        two (their copies are short), so vLLM waits for them rather than preempt a request
+        (and recompute it) when it runs out of blocks."""
+        return bool(self._held)
 
     def take_events(self) -> Iterable[BlockStored]:
         ev, self._events = self._events, []
