@@ -211,8 +211,9 @@ class HostRing:
     grows with what a peer's files hold. *Protected* entries (whose bytes a batch has yet to
     copy) are never overwritten: a placement that would is refused (None) until the batch
     releases them; nor are *publishing* ones (whose bytes a background publish has yet to
-    read: :meth:`EntryMover.save_async`), which are not dropped either. Every placement first waits for the copies queued from or into the ring
-    (``pending``, an event), so the host never writes ring memory a queued copy reads.
+    read: :meth:`EntryMover.save_async`), which are not dropped either. Every placement first
+    waits for the copies queued from or into the ring (``pending``, an event), so the host
+    never writes ring memory a queued copy reads.
     """
 
     def __init__(self, capacity: int, pin: bool):
