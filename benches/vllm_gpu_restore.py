@@ -15,6 +15,11 @@ and the files -- then restored into the other request's blocks:
 * ``files``: a worker that did not save them (its ring empty): every entry read from its file,
   checked, into the ring, then copied.
 
+The save is also made as ``async_save`` makes it (``EntryMover.save_async``, into a ring of its
+own): ``save queued`` is what the step waits for (the device-to-host copies queued), ``save
+published`` until the publisher thread has written every file; its ring must equal the
+synchronous save's byte for byte.
+
 Each restore is compared byte for byte over the whole allocation with a reference that
 copies page by page (so nothing outside the planned pages may change either), and timed
 beside one pinned host-to-device copy of the same number of bytes in the same run (median
@@ -42,7 +47,7 @@ from pathlib import Path
 import torch
 
 import v4pool
-from v4pool.vllm_copy import NULL_BLOCK, EntryMover, HostRing, SlabCopier, page_view, storage_bytes
+from v4pool.vllm_copy import NULL_BLOCK, EntryMover, HostRing, Publisher, SlabCopier, page_view, storage_bytes
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vllm_v4_flash_layout.json"
 POISON = 0xA5
@@ -197,6 +202,25 @@ def run_size(fx, tokens: int, dev, tier_root: Path, reps: int, rows: list, notes
     print(f"| {tokens} | save (ring + files) | consecutive | {moved} | {copier.stats['to_host']} | "
           f"{t_save:.4f} | {moved / t_save / 1e9:.2f} | | | {'yes' if ok else 'NO: a file put failed'} |")
     rows.append(dict(tokens=tokens, path="save", ids="consecutive", bytes=moved, seconds=t_save, ok=ok))
+    # async_save's way: the step's share (copies queued) and the publish behind it.
+    aring = HostRing(moved, pin=pin)
+    aring.buffer()
+    asaver = EntryMover(copier, aring, files, Publisher())
+    published: list = []
+    sync(dev)
+    t0 = time.perf_counter()
+    asaver.save_async(list(zip(kinds, keys, src)), published.extend)
+    t_queued = time.perf_counter() - t0
+    asaver.wait_published()
+    t_pub = time.perf_counter() - t0
+    same = all(published) and torch.equal(aring.buffer()[:moved], ring.buffer()[:moved])
+    ok &= same
+    for path, t in (("save queued (async)", t_queued), ("save published (async)", t_pub)):
+        print(f"| {tokens} | {path} | consecutive | {moved} | | {t:.4f} | {moved / t / 1e9:.2f} | | | "
+              f"{'yes' if same else 'NO'} |")
+        rows.append(dict(tokens=tokens, path=path, ids="consecutive", bytes=moved, seconds=t, ok=same))
+    asaver.close()
+    del aring, asaver
     rng = random.Random(tokens)
     cases = [("ring", "consecutive", dst, saver), ("ring", "shuffled", shuffled(dst, rng), saver),
              ("files", "consecutive", dst, None)]

@@ -32,6 +32,10 @@ What it is, in vLLM's terms (``docs/vllm.md`` has the long form):
   scheduler allocated for the hit (host-to-device copies of whole slab runs, no file read),
   and read any other from the files into the ring first, only an entry that is whole, of
   this layout and of the planned length.
+* Saves are asynchronous (``async_save``, default on): ``wait_for_save`` queues the
+  device-to-host copies and hands the publish to one background thread; a finished request
+  whose saves were planned is held (``request_finished_all_groups`` answers True) until the
+  worker reports its copies done (``get_finished``), so no page is read after vLLM freed it.
 
 The one place that names the vLLM release this is written against: ``VLLM_VERSION``.
 """
@@ -47,7 +51,15 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 import v4pool
-from v4pool.vllm_copy import NULL_BLOCK, EntryMover, HostRing, SlabCopier, page_view, storage_bytes
+from v4pool.vllm_copy import (
+    NULL_BLOCK,
+    EntryMover,
+    HostRing,
+    Publisher,
+    SlabCopier,
+    page_view,
+    storage_bytes,
+)
 
 from vllm.distributed.kv_events import BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -77,6 +89,9 @@ if TYPE_CHECKING:
 #: The vLLM release this connector is written and tested against (CI pins it in
 #: ci/vllm-requirements.txt; the interface is experimental and moves between releases).
 VLLM_VERSION = "0.34.0"
+
+#: How long ``shutdown`` waits for the saves still being published (seconds).
+CLOSE_TIMEOUT_S = 30.0
 
 #: Model types the connector understands (hf_config.model_type).
 MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
@@ -329,7 +344,8 @@ class Transfer:
 class V4PoolMetadata(KVConnectorMetadata):
     loads: list[Transfer] = dataclasses.field(default_factory=list)
     saves: list[Transfer] = dataclasses.field(default_factory=list)
-    # Requests whose finish-time saves are in this step (reported by get_finished).
+    # Finished requests whose blocks vLLM holds for the connector (request_finished_all_groups
+    # answered True): reported by get_finished once their saves have left the blocks.
     finishing: list[str] = dataclasses.field(default_factory=list)
     # Entries whose last use is set after the saves, in this order (the last the newest).
     refresh: list[tuple[str, int]] = dataclasses.field(default_factory=list)
@@ -382,6 +398,9 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self.tiers = Tiers(self.layout, extra)
         self.checkpoint_every_step = bool(extra.get("checkpoint_every_step", False))
+        # Saves published by a background thread, wait_for_save only queuing the copies
+        # (default on); off: wait_for_save returns once the files took every save.
+        self.async_save = bool(extra.get("async_save", True))
         # A checkpoint where the request ends (prompt and output), for a next turn that
         # carries the output (default on).
         self.checkpoint_at_finish = bool(extra.get("checkpoint_at_finish", True))
@@ -409,6 +428,10 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_saves: list[Transfer] = []
         self._finishing: list[str] = []
         self._saved_pos: dict[str, int] = {}
+        # async_save: requests with saves planned before they finished (held when they do);
+        # finished requests whose blocks vLLM holds for us until a worker reports them.
+        self._saving: set[str] = set()
+        self._held: set[str] = set()
         # The checkpoints each request saved or hit (position, key), for _path_of.
         self._req_ckpts: dict[str, list[tuple[int, int]]] = {}
         self._pending_refresh: list[tuple[str, int]] = []
@@ -419,7 +442,10 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._mover: "EntryMover | None" = None
         self._load_event = None  # after this step's loads (CUDA), for wait_for_layer_load
         self._load_errors: set[int] = set()
+        # Finished requests vLLM holds for us, not yet reported; and each step's copies still
+        # in flight (their event, the requests they read).
         self._finished_saving: set[str] = set()
+        self._inflight: list[tuple[Any, set[str]]] = []
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -615,6 +641,8 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._saved_pos[rid] = pos
             meta.saves.extend(self._plan_saves(req, pos, mgr.get_block_ids(rid), ck))
         self._note_saves(meta.saves[n_finish:])
+        if self.async_save and self.index_only is None:
+            self._saving.update(tr.req_id for tr in meta.saves[n_finish:])
         meta.refresh, self._pending_refresh = self._pending_refresh, []
         return meta
 
@@ -680,18 +708,30 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._req_ckpts.pop(rid, None)
         self._hits.pop(rid, None)
         self._block_hits.discard(rid)
-        if pos <= 0 or pos <= saved or not self.tiers.tiers or not self.checkpoint_at_finish:
-            return False, None
-        saves = self._plan_saves(request, pos, block_ids)
-        if not saves:
-            return False, None
-        self._note_saves(saves)
-        if self.index_only is not None:
+        # Saves planned in earlier steps may still be reading the blocks (async_save).
+        held = rid in self._saving
+        self._saving.discard(rid)
+        saves = []
+        if pos > 0 and pos > saved and self.tiers.tiers and self.checkpoint_at_finish:
+            saves = self._plan_saves(request, pos, block_ids)
+            self._note_saves(saves)
+        if self.index_only is not None or not (saves or held):
             return False, None
         self._pending_saves.extend(saves)
         self._finishing.append(rid)
+        self._held.add(rid)
         # The blocks stay until the worker reports the saves done (get_finished).
         return True, None
+
+    def update_connector_output(self, connector_output) -> None:
+        for rid in connector_output.finished_sending or ():
+            self._held.discard(rid)
+
+    def has_pending_block_frees(self) -> bool:
+        """Whether finished requests' blocks are held for their saves: freed within a step or
+        two (their copies are short), so vLLM waits for them rather than preempt a request
+        (and recompute it) when it runs out of blocks."""
+        return bool(self._held)
 
     def take_events(self) -> Iterable[BlockStored]:
         ev, self._events = self._events, []
@@ -748,7 +788,8 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         ring_bytes = _bytes(extra.get("pinned_bytes", 4 << 30))
         ring = HostRing(ring_bytes, pin=raw.device.type == "cuda") if ring_bytes > 0 else None
-        self._mover = EntryMover(copier, ring, self.tiers)
+        self._mover = EntryMover(copier, ring, self.tiers,
+                                 Publisher() if self.async_save else None)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Queue every planned load on the current stream (the forward that reads the pages
@@ -781,21 +822,48 @@ class V4PoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self):
         """Store every planned save (pages into the host ring, then published to the file
-        tiers) and note the checkpoints in their index entries."""
+        tiers), note the checkpoints in their index entries, then refresh finished requests'
+        paths. ``async_save``: only the copies are queued here, the rest is the publisher's
+        (one thread, in the order of the steps); else all of it is done on return."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, V4PoolMetadata)
-        if meta.saves:
-            done = self._mover.save([(tr.kind, tr.key, tr.blocks) for tr in meta.saves])
-            for tr, ok in zip(meta.saves, done):
-                if ok and tr.kind == CHECKPOINT:
-                    self.tiers.add_index(tr.index_key, tr.pos % self.layout.block)
-        if meta.refresh:  # after the saves: a finished request's path, head last
-            self.tiers.refresh(meta.refresh)
         self._finished_saving.update(meta.finishing)
+        saves, refresh = meta.saves, meta.refresh
+        if not (saves or refresh):
+            return
+        moves = [(tr.kind, tr.key, tr.blocks) for tr in saves]
+        if self._mover.publisher is None:
+            self._published(saves, refresh, self._mover.save(moves) if saves else [])
+            return
+        event = self._mover.save_async(moves, lambda done: self._published(saves, refresh, done))
+        if event is not None:
+            self._inflight.append((event, {tr.req_id for tr in saves}))
+
+    def _published(self, saves: list[Transfer], refresh: list[tuple[str, int]], done: list[bool]) -> None:
+        for tr, ok in zip(saves, done):
+            if ok and tr.kind == CHECKPOINT:
+                self.tiers.add_index(tr.index_key, tr.pos % self.layout.block)
+        if refresh:  # after the saves: a finished request's path, head last
+            self.tiers.refresh(refresh)
 
     def get_finished(self, finished_req_ids: set[str]):
-        done, self._finished_saving = self._finished_saving, set()
+        """The finished requests held for us whose saves have all left vLLM's blocks (their
+        device-to-host copies are done; publishing them may go on)."""
+        self._inflight = [(ev, rids) for ev, rids in self._inflight if not ev.query()]
+        busy = set().union(*(rids for _, rids in self._inflight))
+        done = {r for r in self._finished_saving if r not in busy}
+        self._finished_saving -= done
         return (done or None), None
+
+    def wait_published(self, timeout: float | None = None) -> bool:
+        """Wait until every save so far is published (or failed); False if ``timeout`` passed.
+        Nothing in vLLM's step calls it: for tests, benches and shutdown."""
+        return self._mover is None or self._mover.wait_published(timeout)
+
+    def shutdown(self):
+        """Publish what is queued (waiting at most ``CLOSE_TIMEOUT_S``) and free the ring."""
+        if self._mover is not None and not self._mover.close(CLOSE_TIMEOUT_S):
+            logger.warning("v4pool.vllm: saves still publishing after %.0f s at shutdown", CLOSE_TIMEOUT_S)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()

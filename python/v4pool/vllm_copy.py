@@ -20,9 +20,14 @@ id (an entry is only ever read under the layout it was written for).
 from __future__ import annotations
 
 import collections
+import logging
+import queue
+import threading
 from typing import Any, Callable, Iterable
 
 import torch
+
+logger = logging.getLogger("v4pool.vllm")
 
 # vLLM's null block (BlockPool.null_block): a page an entry holds that a load does not write.
 NULL_BLOCK = 0
@@ -83,6 +88,7 @@ class SlabCopier:
         self.runs = {g: runs_of(p) for g, p in groups.items()}
         self.block_bytes = {g: sum(n for _, _, n in r) for g, r in self.runs.items()}
         self.stats = {"to_device": 0, "to_host": 0}
+        self._save_stream: Any = None
         for g, runs in self.runs.items():
             for s, st, n in runs:
                 if s < 0 or n <= 0 or s + max(num_blocks - 1, 0) * st + n > raw.numel():
@@ -138,6 +144,32 @@ class SlabCopier:
         for host, h, d, n in copies:
             host.narrow(0, h, n).copy_(raw.narrow(0, d, n), non_blocking=nb)
 
+    def to_host_async(self, copies: list) -> Any:
+        """Queue ``copies`` pages -> host without waiting for them: an event the copies are done
+        after (``query()``, ``synchronize()``), or None where they are done already (the CPU:
+        a memcpy, done inline).
+
+        On CUDA they go on a stream of their own, after everything queued on the current stream
+        so far (the forward's writes), and the current stream then waits for them on the device:
+        blocks vLLM frees while a request runs (a window's blocks behind it, a preempted
+        request's) are reused by the next step's zeroing, copy-on-write and forward on that
+        stream before any hook of the connector runs, so no later work there may write a page
+        before these copies have read it. The host does not wait."""
+        if self.device.type != "cuda":
+            self.to_host(copies)
+            return None
+        cur = torch.cuda.current_stream(self.device)
+        if self._save_stream is None:
+            self._save_stream = torch.cuda.Stream(self.device)
+        side = self._save_stream
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            self.to_host(copies)
+        done = torch.cuda.Event()
+        done.record(side)
+        cur.wait_event(done)
+        return done
+
     def sync(self) -> None:
         """Wait for every copy queued on the device's current stream."""
         if self.device.type == "cuda":
@@ -178,8 +210,10 @@ class HostRing:
     the oldest written, and are dropped. Memory is the capacity, whatever is stored: nothing
     grows with what a peer's files hold. *Protected* entries (whose bytes a batch has yet to
     copy) are never overwritten: a placement that would is refused (None) until the batch
-    releases them. Every placement first waits for the copies queued from or into the ring
-    (``pending``, an event), so the host never writes ring memory a queued copy reads.
+    releases them; nor are *publishing* ones (whose bytes a background publish has yet to
+    read: :meth:`EntryMover.save_async`), which are not dropped either. Every placement first
+    waits for the copies queued from or into the ring (``pending``, an event), so the host
+    never writes ring memory a queued copy reads.
     """
 
     def __init__(self, capacity: int, pin: bool):
@@ -189,6 +223,9 @@ class HostRing:
         self.index: collections.OrderedDict[tuple[str, int], tuple[int, int]] = collections.OrderedDict()
         self.head = 0
         self.protected: set[tuple[str, int]] = set()
+        # Removed by the publishing thread (a set's add, discard and membership are atomic
+        # under the GIL; nothing iterates it).
+        self.publishing: set[tuple[str, int]] = set()
         self.pending: Any = None
 
     def buffer(self) -> torch.Tensor:
@@ -207,6 +244,7 @@ class HostRing:
         self.buf = None
         self.index.clear()
         self.protected.clear()
+        self.publishing.clear()
         self.head = 0
 
     def wait(self) -> None:
@@ -219,13 +257,19 @@ class HostRing:
         return self.index.get((kind, key))
 
     def drop(self, kind: str, key: int) -> None:
-        self.index.pop((kind, key), None)
+        """Forget the entry, unless a publish has yet to read it (its bytes stay placed)."""
+        if (kind, key) not in self.publishing:
+            self.index.pop((kind, key), None)
+
+    def held(self, k: tuple[str, int]) -> bool:
+        """Whether the entry ``k`` may not be overwritten now."""
+        return k in self.protected or k in self.publishing
 
     def reserve(self, kind: str, key: int, n: int) -> int | None:
         """Place an entry of ``n`` bytes (replacing the key's own): its offset, or None when it
         is larger than the ring or would overwrite a protected entry."""
         k = (kind, key)
-        if n <= 0 or n > self.capacity or k in self.protected:
+        if n <= 0 or n > self.capacity or self.held(k):
             return None
         head = self.head
         wrap = head + n > self.capacity
@@ -244,7 +288,7 @@ class HostRing:
                 doomed.append(key_)
                 continue
             break
-        if any(d in self.protected for d in doomed):
+        if any(self.held(d) for d in doomed):
             return None
         self.wait()
         for d in doomed:
@@ -254,6 +298,66 @@ class HostRing:
         self.index[k] = (start, n)
         self.head = start + n
         return start
+
+
+class Publisher:
+    """One background thread that runs jobs one at a time in the order they were submitted (a
+    FIFO: a request's entries are published before the refresh of its path that follows them).
+    A job that raises is logged and counted (``errors``), never raised into the submitter. The
+    thread is a daemon, started at the first job."""
+
+    def __init__(self, name: str = "v4pool-publish"):
+        self.name = name
+        self._q: "queue.SimpleQueue[Callable[[], None] | None]" = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.errors = 0
+
+    def submit(self, job: Callable[[], None]) -> bool:
+        """Queue ``job``; False once closed (the job is not run)."""
+        with self._cv:
+            if self._closed:
+                return False
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+        self._q.put(job)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception as e:  # noqa: BLE001 -- a failed publish is a miss, never vLLM's error
+                self.errors += 1
+                logger.warning("v4pool.vllm: background publish failed: %r", e)
+            finally:
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until every job submitted so far has run; False if ``timeout`` passed first."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self, timeout: float) -> bool:
+        """Run what is queued, then stop the thread, waiting at most ``timeout`` seconds;
+        whether it stopped (a job stuck in a write is left to the daemon thread)."""
+        with self._cv:
+            self._closed = True
+            t = self._thread
+        if t is None:
+            return True
+        self._q.put(None)
+        t.join(timeout)
+        return not t.is_alive()
 
 
 class EntryMover:
@@ -267,13 +371,27 @@ class EntryMover:
     plan's pages: no file read, no checksum. An entry the ring lacks is read from the files
     (whole, checked) into the ring first. Copies go on the device's current stream, which
     the forward that reads the pages runs on; :meth:`load` returns once they are queued.
+
+    :meth:`save` returns once the files took the bodies; :meth:`save_async` (with a
+    ``publisher``) once the device-to-host copies are queued, the publisher writing the files.
     """
 
-    def __init__(self, copier: SlabCopier, ring: HostRing | None, files: Any):
+    def __init__(self, copier: SlabCopier, ring: HostRing | None, files: Any,
+                 publisher: Publisher | None = None, staged_cap: int = 1 << 30):
         self.copier = copier
         self.ring = ring
         self.files = files
         self.pin = copier.device.type == "cuda"
+        # save_async: the thread that publishes, and the bytes of bodies outside the ring that
+        # wait for it (at most staged_cap, or one body, before further saves are dropped).
+        self.publisher = publisher
+        self.staged_cap = max(int(staged_cap), ring.capacity if ring is not None else 0)
+        self._staged = 0
+        self._lock = threading.Lock()
+        # Ring entries whose device-to-host copies failed: dropped by the next save or load
+        # (the ring's index is only changed on the caller's thread).
+        self._bad: collections.deque[tuple[str, int]] = collections.deque()
+        self.stats = {"save_dropped": 0, "publish_failed": 0}
 
     def _staging(self, n: int) -> torch.Tensor:
         # Outside the ring (it is off, or the entry is larger): the body's own buffer, sized
@@ -293,6 +411,115 @@ class EntryMover:
             pending.append((i, kind, key, host, base, n))
         self._publish(pending, done)
         return done
+
+    def save_async(self, transfers: list[tuple[str, int, list[tuple[int, list[int]]]]],
+                   after: Callable[[list[bool]], None] | None = None) -> Any:
+        """Queue each ``(kind, key, plan)``'s pages device-to-host (into the ring, or a buffer
+        of their own) and hand their publish to the publisher; return the copies' event
+        (:meth:`SlabCopier.to_host_async`; None: done). The publisher then waits for the copies,
+        puts the bodies in order and calls ``after(done)`` (whether the files took each), in
+        the order of the calls. An entry a publish has yet to read is neither overwritten nor
+        dropped; one that is already waiting for its publish is not saved twice; one with no
+        room (the ring held by publishes, buffers over ``staged_cap``) is not saved (a miss
+        later: ``stats["save_dropped"]``)."""
+        assert self.publisher is not None, "save_async needs a publisher"
+        ring = self.ring
+        self._drop_bad()
+        jobs: list[tuple[int, str, int, torch.Tensor, int, int, bool]] = []
+        copies: list = []
+        for i, (kind, key, plan) in enumerate(transfers):
+            if ring is not None and (kind, key) in ring.publishing:
+                continue  # its earlier save publishes the same bytes (the key is their hash)
+            n = self.copier.body_len(plan)
+            off = ring.reserve(kind, key, n) if ring is not None else None
+            if off is not None:
+                ring.publishing.add((kind, key))
+                host, base, staged = ring.buffer(), off, False
+            else:
+                with self._lock:
+                    if self._staged and self._staged + n > self.staged_cap:
+                        self.stats["save_dropped"] += 1
+                        continue
+                    self._staged += n
+                host, base, staged = self._staging(n), 0, True
+            job = (i, kind, key, host, base, n, staged)
+            mark = len(copies)
+            try:
+                self.copier.copies(plan, host, base, copies, skip_null=False)
+            except ValueError as e:  # a block id outside the allocation: this entry is not saved
+                logger.warning("v4pool.vllm: save of %s%x not made: %s", kind, key, e)
+                del copies[mark:]  # (a merged copy before it writes valid pages into its room)
+                self._release(job, bad=True)
+                continue
+            jobs.append(job)
+        event = None
+        try:
+            if copies:
+                event = self.copier.to_host_async(copies)
+        except Exception as e:  # noqa: BLE001 -- nothing of the batch is published
+            logger.warning("v4pool.vllm: device-to-host copies of %d entries failed: %r", len(jobs), e)
+            for job in jobs:
+                self._release(job, bad=True)
+            jobs = []
+        if not self.publisher.submit(lambda: self._publish_async(jobs, event, len(transfers), after)):
+            for job in jobs:
+                self._release(job, bad=False)
+        return event
+
+    def _publish_async(self, jobs: list, event: Any, count: int,
+                       after: Callable[[list[bool]], None] | None) -> None:
+        """On the publisher's thread: the bodies of ``jobs`` into the files once ``event``'s
+        copies are done, then ``after``. Every entry is released, whatever fails."""
+        done = [False] * count
+        left = list(jobs)
+        try:
+            if event is not None:
+                event.synchronize()
+            while left:
+                i, kind, key, host, base, n, _ = job = left[0]
+                try:
+                    done[i] = bool(self.files.put(kind, key, [host.narrow(0, base, n)]))
+                except Exception as e:  # noqa: BLE001 -- not published: a miss later
+                    logger.warning("v4pool.vllm: publish of %s%x failed: %r", kind, key, e)
+                if not done[i]:
+                    with self._lock:
+                        self.stats["publish_failed"] += 1
+                self._release(left.pop(0), bad=False)
+        finally:
+            # Copies that failed (their bytes are not the pages): dropped from the ring.
+            for job in left:
+                self._release(job, bad=True)
+        if after is not None:
+            after(done)
+
+    def _release(self, job: tuple, bad: bool) -> None:
+        _, kind, key, _, _, n, staged = job
+        if staged:
+            with self._lock:
+                self._staged -= n
+        elif self.ring is not None:
+            if bad:  # still held: the caller's thread drops it (_drop_bad)
+                self._bad.append((kind, key))
+            else:
+                self.ring.publishing.discard((kind, key))
+
+    def _drop_bad(self) -> None:
+        while self._bad and self.ring is not None:
+            k = self._bad.popleft()
+            self.ring.publishing.discard(k)
+            self.ring.drop(*k)
+
+    def wait_published(self, timeout: float | None = None) -> bool:
+        """Wait until every save handed to the publisher so far is published (or failed)."""
+        return self.publisher is None or self.publisher.wait_idle(timeout)
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Stop the publisher (what is queued is published, within ``timeout`` seconds), then
+        free the ring; whether the publisher stopped (if not, the ring is left to it)."""
+        stopped = self.publisher is None or self.publisher.close(timeout)
+        if stopped and self.ring is not None:
+            self.ring.close()
+        return stopped
 
     def _place(self, kind: str, key: int, n: int, flush: Callable[[], None]) -> tuple[torch.Tensor, int]:
         """Room for ``n`` bytes of ``(kind, key)``: in the ring (after ``flush`` when only the
@@ -323,6 +550,7 @@ class EntryMover:
         done = [False] * len(transfers)
         copies: list = []
         ring = self.ring
+        self._drop_bad()
 
         def flush() -> None:
             self.copier.to_device(copies)

@@ -24,11 +24,11 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
-def _scheduler(model, tier, **kw):
+def _scheduler(model, tier, extra=None, **kw):
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
     cfg = L.vllm_config(model, connector_extra={"host_dir": str(tier), "host_bytes": 1 << 34,
-                                                      "branch_every": 256}, **kw)
+                                                      "branch_every": 256, **(extra or {})}, **kw)
     kcfg = L.kv_cache_config(cfg)
     cfg.cache_config.num_gpu_blocks = kcfg.num_blocks
     block, hash_block = L.scheduler_blocks(cfg, kcfg)
@@ -101,6 +101,7 @@ def _step(s, w, gen, written, after_forward=None):
     if after_forward is not None:
         after_forward()
     sending, _ = w.get_finished(set())
+    s.last_sending = sending
     w.clear_connector_metadata()
     reqs = [r for r in out.num_scheduled_tokens]
     mro = ModelRunnerOutput(
@@ -123,14 +124,14 @@ def _snapshot(w, ids, layout, pos):
     return snap
 
 
-def _run_a_then_b(model, tier, *, corrupt=False):
+def _run_a_then_b(model, tier, *, corrupt=False, extra=None):
     """Request A computed and saved; the prefix cache reset; then, scheduled in one step,
     D = A's first 600 tokens + a suffix (V4.1; two whole blocks, no checkpoint), C = A's first 800
     tokens + another (it hits the checkpoint A's prefill took inside its chunk at its
     prompt's last block boundary, 768: branch_every) and B = A's prompt + an unaligned
     suffix (it hits C's first 768 tokens in vLLM's own prefix cache, C's blocks loaded in
     the same step, and the rest, to 845, from the tier). Returns what the assertions need."""
-    cfg, kcfg, s = _scheduler(model, tier)
+    cfg, kcfg, s = _scheduler(model, tier, extra)
     w, kv = _worker(cfg, kcfg)
     conn = s.connector
     assert type(conn).__name__ == "V4PoolConnector"
@@ -154,6 +155,8 @@ def _run_a_then_b(model, tier, *, corrupt=False):
         if not s.requests and not s.has_unfinished_requests():
             break
     assert snaps, "request A never finished its prefill"
+    # async_save: A's entries reach the files after its steps (the scheduler finds them there).
+    assert w.wait_published(60)
     snap, snap_branch = snaps[len(prompt_a)], snaps[3 * B]
     assert s.reset_prefix_cache()
     # D (V4.1) shares A's first 600 tokens: two whole blocks, no checkpoint at or below 599.
@@ -183,9 +186,11 @@ def _run_a_then_b(model, tier, *, corrupt=False):
                 events=list(s.published), cfg=cfg, kcfg=kcfg, kv=kv)
 
 
-@pytest.mark.parametrize("model", ["v4-flash", "v41-flash"])
-def test_prefix_restores_exactly(model, tmp_path):
-    r = _run_a_then_b(model, tmp_path / "tier")
+@pytest.mark.parametrize("model,async_save", [("v4-flash", True), ("v41-flash", True),
+                                              ("v41-flash", False)])
+def test_prefix_restores_exactly(model, async_save, tmp_path):
+    r = _run_a_then_b(model, tmp_path / "tier", extra={"async_save": async_save})
+    assert (r["w"]._mover.publisher is not None) == async_save
     s, w, conn, out, prompt_a, prompt_b, b, snap = (r[k] for k in ("s", "w", "conn", "out", "a", "b", "req", "snap"))
     # V4.1: vLLM's scheduler would replay the hit's last window (SWA bounded replay) unless
     # the load carries it; V4 has nothing to replay.
@@ -391,6 +396,7 @@ def test_finished_request_refreshes_its_path_head_last(tmp_path):
         if not s.requests and not s.has_unfinished_requests():
             break
     _step(s, w, gen, written)  # the step after the finish carries the refresh
+    assert w.wait_published(60)
     hashes = conn._hashes(prompt[: 3 * B])
     tier = conn.tiers.tiers[0][1]
     root = Path(tier.layout_dir())
@@ -442,3 +448,196 @@ def test_eviction_order_is_per_layout():
     # V4 has no replay: its block runs need their checkpoints (one LRU). V4.1 replays after a
     # block run, so its checkpoints go first, unless replay_fallback is off.
     assert got == {"v4-flash": ("", ""), "v41-flash": ("c", "")}
+
+
+class _Gate:
+    """A device-to-host copy still in flight, for the tests: what ``SlabCopier.to_host_async``
+    returns on CUDA (an event), done when ``open`` is set."""
+
+    def __init__(self, open_: "threading.Event"):
+        self.open = open_
+
+    def query(self):
+        return self.open.is_set()
+
+    def synchronize(self):
+        assert self.open.wait(60), "copies never done"
+
+
+def _held(s, rid):
+    """Whether the scheduler still holds ``rid``'s blocks (a finished request delay-freed)."""
+    return rid in s.requests and any(s.kv_cache_manager.get_block_ids(rid))
+
+
+def test_async_save_holds_blocks_until_copies_done(tmp_path):
+    """async_save: a request whose saves were planned in its last step (max_tokens=1: no save at
+    finish) is held by the scheduler until the worker reports its device-to-host copies done,
+    never before; the step does not wait for the files (a publish made slow here); the entries
+    wait in the ring, held from overwriting, until published; then a new request restores
+    A's prefix from the files byte-exact. (On main, the finished request's blocks were freed
+    at once: its saves were synchronous.)"""
+    import threading
+    import time
+
+    cfg, kcfg, s = _scheduler("v4-flash", tmp_path / "tier", {"async_save": True})
+    w, _ = _worker(cfg, kcfg)
+    conn = s.connector
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    B = conn.layout.block
+    copied, published = threading.Event(), threading.Event()
+    orig_copy = w._mover.copier.to_host_async
+
+    def copy_in_flight(copies):  # v4pool's own copy: done when the test says so
+        assert orig_copy(copies) is None  # the CPU: a memcpy, done inline
+        return _Gate(copied)
+
+    w._mover.copier.to_host_async = copy_in_flight
+    puts = []
+    orig_put = w.tiers.put
+
+    def slow_put(kind, key, parts):  # v4pool's own tier write, slow
+        assert published.wait(60)
+        puts.append((kind, key))
+        return orig_put(kind, key, parts)
+
+    w.tiers.put = slow_put
+    prompt = torch.randint(1, 100000, (3 * B + 77,), generator=gen).tolist()
+    s.add_request(_request(s, "A", prompt, max_tokens=1))
+    snap = {}
+
+    def after_forward():
+        snap.update(_snapshot(w, s.kv_cache_manager.get_block_ids("A"), conn.layout, len(prompt)))
+
+    t0 = time.monotonic()
+    _step(s, w, gen, set(), after_forward)  # A's prefill, its saves, its one token: finished
+    assert time.monotonic() - t0 < 30 and not puts  # the step did not wait for the files
+    assert _held(s, "A"), "A's blocks freed under its copies"
+    assert s.requests["A"].is_finished() and conn.has_pending_block_frees()
+    for _ in range(2):  # steps with nothing to schedule: A stays held while its copies run
+        _step(s, w, gen, set())
+        assert not s.last_sending and _held(s, "A")
+    copied.set()
+    _step(s, w, gen, set())
+    assert s.last_sending == {"A"} and "A" not in s.requests
+    assert not conn.has_pending_block_frees()  # vLLM may preempt again when out of blocks
+    # Reported, not yet published: the entries wait in the ring, none in the files.
+    ring = w._mover.ring
+    waiting = set(ring.publishing)
+    assert waiting and all(ring.lookup(*k) for k in waiting) and not puts
+    assert all(ring.reserve(k, 1, ring.capacity) is None for k in "bc")  # would overwrite them
+    published.set()
+    assert w.wait_published(60)
+    assert not ring.publishing and {k for k in puts if k[0] != "i"} == waiting
+    # A new request finds A's prefix in the files and gets its bytes back.
+    assert s.reset_prefix_cache()
+    s.add_request(_request(s, "B", prompt + [11, 12, 13]))
+    out = s.schedule()
+    assert out.num_scheduled_tokens["B"] == 3
+    w.bind_connector_metadata(out.kv_connector_metadata)
+    w.start_load_kv(None)
+    assert not w.get_block_ids_with_load_errors()
+    got = _snapshot(w, s.kv_cache_manager.get_block_ids("B"), conn.layout, len(prompt))
+    assert got.keys() == snap.keys() and snap
+    for k in snap:
+        assert torch.equal(got[k], snap[k]), k
+
+
+def test_async_publish_failure_is_a_miss(tmp_path):
+    """A publish that raises in the background (v4pool's tier write failing) costs the entry,
+    nothing else: no exception reaches vLLM's step, the request is reported and freed, a later
+    request with the same prefix misses and is served by computing it. (On main the exception
+    was raised out of wait_for_save, into vLLM's step.)"""
+    cfg, kcfg, s = _scheduler("v4-flash", tmp_path / "tier", {"async_save": True})
+    w, _ = _worker(cfg, kcfg)
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    B = s.connector.layout.block
+
+    def failing_put(kind, key, parts):
+        raise OSError("disk full (test)")
+
+    w.tiers.put = failing_put
+    prompt = torch.randint(1, 100000, (2 * B + 31,), generator=gen).tolist()
+    s.add_request(_request(s, "A", prompt, max_tokens=3))
+    for _ in range(10):
+        _step(s, w, gen, set())
+        if not s.requests:
+            break
+    assert not s.requests  # finished, reported, freed
+    assert w.wait_published(60)
+    assert w._mover.stats["publish_failed"] > 0 and w._mover.publisher.errors == 0
+    assert s.reset_prefix_cache()
+    s.add_request(_request(s, "B", prompt + [5, 6]))
+    out = _step(s, w, gen, set())
+    assert out.num_scheduled_tokens["B"] == len(prompt) + 2  # a miss: all of it computed
+    for _ in range(5):
+        _step(s, w, gen, set())
+        if not s.requests:
+            break
+    assert not s.requests
+
+
+def test_shutdown_bounds_a_stuck_publish(tmp_path, monkeypatch):
+    """shutdown() waits for a publish stuck in the tier's write at most CLOSE_TIMEOUT_S, and
+    the thread is a daemon (it never keeps the process alive)."""
+    import threading
+    import time
+
+    import v4pool.vllm as V
+
+    cfg, kcfg, _ = _scheduler("v4-flash", tmp_path / "tier", {"async_save": True})
+    w, _ = _worker(cfg, kcfg)
+    stuck = threading.Event()
+    w.tiers.put = lambda kind, key, parts: stuck.wait(60)
+    w._mover.save_async([("b", 1, [(0, [1])])])
+    monkeypatch.setattr(V, "CLOSE_TIMEOUT_S", 0.5)
+    t0 = time.monotonic()
+    w.shutdown()
+    assert time.monotonic() - t0 < 5
+    t = w._mover.publisher._thread
+    assert t.daemon and t.is_alive()
+    stuck.set()
+    t.join(10)
+    assert not t.is_alive()
+
+
+def test_ring_keeps_publishing_entries():
+    """HostRing.reserve never places an entry over one a publish has yet to read (nor drops
+    it), over random sizes and wraps; once published, it may be overwritten."""
+    import random
+
+    from v4pool.vllm_copy import HostRing
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    ring = HostRing(rng.randrange(1000, 5000), pin=False)
+    for step in range(400):
+        n = rng.randrange(1, ring.capacity // 3)
+        key = ("b", step)
+        off = ring.reserve(*key, n)
+        if off is not None and rng.random() < 0.3:
+            ring.publishing.add(key)
+        for k in list(ring.publishing):
+            assert ring.lookup(*k) is not None, f"seed {seed} step {step}: {k} evicted"
+            ring.drop(*k)
+            assert ring.lookup(*k) is not None, f"seed {seed} step {step}: {k} dropped"
+            if off is not None and k != key:
+                o, m = ring.lookup(*k)
+                assert off + n <= o or o + m <= off, f"seed {seed} step {step}: overlap"
+            if rng.random() < 0.2:
+                ring.publishing.discard(k)
+
+
+def test_async_save_of_a_bad_plan_is_not_made(tmp_path):
+    """A plan naming a block outside vLLM's allocation is not saved (logged), nothing raised into
+    the step; the rest of the batch is published and the ring keeps no entry for it."""
+    cfg, kcfg, _ = _scheduler("v4-flash", tmp_path / "tier", {"async_save": True})
+    w, _ = _worker(cfg, kcfg)
+    nb = w._mover.copier.num_blocks
+    done = []
+    w._mover.save_async([("b", 1, [(0, [1])]), ("b", 2, [(0, [nb + 5])]), ("b", 3, [(0, [2])])],
+                        done.extend)
+    assert w.wait_published(60) and done == [True, False, True]
+    w._mover.load([])  # the caller's thread forgets the entry that was not made
+    ring = w._mover.ring
+    assert ring.lookup("b", 2) is None and not ring.publishing
+    assert ring.lookup("b", 1) and ring.lookup("b", 3)
