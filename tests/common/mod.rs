@@ -10,7 +10,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::OnceLock;
 use v4pool::backend::cuda::CudaBackend;
 use v4pool::backend::host::HostBackend;
-use v4pool::backend::{Backend, BackendError, Stream};
+use v4pool::backend::{Backend, BackendResult, Stream};
 use v4pool::raw::index::Launch;
 use v4pool::{GeometrySpec, UnifiedPoolGeometry};
 
@@ -428,7 +428,7 @@ pub fn run_case(
     backend: &dyn Backend,
     case: &Case,
     make: &dyn Fn(&[u64]) -> Vec<Launch>,
-) -> Result<Vec<Vec<u8>>, BackendError> {
+) -> BackendResult<Vec<Vec<u8>>> {
     let s = Stream::DEFAULT;
     let mut allocs = Vec::new();
     for b in &case.bufs {
