@@ -7,6 +7,8 @@
 //! results); min and max over the runs are printed beside it.
 
 mod common;
+#[path = "../tests/common/mod.rs"]
+mod tests_common;
 
 use common::{bench_requested, fmt_bytes, median, met, random_decode_batch, Rng};
 use std::error::Error;
@@ -14,13 +16,11 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
 use v4pool::backend::host::HostBackend;
-use v4pool::backend::Stream;
 use v4pool::geometry::{GeometrySpec, UnifiedPoolGeometry};
 use v4pool::model::ModelShape;
 use v4pool::pool::Boundary;
-use v4pool::pool::{DecodeCapacity, DecodeSeq, Pool, PoolSpec};
+use v4pool::pool::{DecodeCapacity, DecodeSeq, Pool};
 use v4pool::raw::alloc::{BlockPool, SlotHandle, SlotPool};
-use v4pool::raw::arena::{ArenaLayout, Dtype, Fill, StateField};
 use v4pool::sizing::{plan, IndexerDtype, KvDtype, Plan, PlanRequest};
 
 type Res<T> = Result<T, Box<dyn Error>>;
@@ -66,27 +66,12 @@ fn flash_plan(seqs: i64, budget: u64) -> Res<Plan> {
 }
 
 /// A host pool for the staging bench: V4-Flash's layers, block size and ring with `g`'s block
-/// and slot counts, but 16-byte rows and a one-field arena. Staging reads only the pool's
-/// live positions and block count (and the layer pattern's classes); a pool of the plan
-/// itself would take its whole budget of host address space.
+/// and slot counts, but 16-byte rows and a one-field arena (the tests' index pool). Staging
+/// reads only the pool's live positions and block count (and the layer pattern's classes); a
+/// pool of the plan itself would take its whole budget of host address space.
 fn staging_pool(g: &UnifiedPoolGeometry) -> Res<Arc<Pool>> {
-    let field = StateField {
-        name: "state".into(),
-        layers: 1,
-        shape: vec![1, 4],
-        dtype: Dtype::F32,
-        fill: Fill::Zero,
-        carried: true,
-        align: 256,
-    };
-    let arena = ArenaLayout::new(vec![field], &[16])?;
-    let geometry = GeometrySpec::new(g.ratios.clone(), g.num_blocks, g.num_slots, g.ring_slots, g.block_size)
-        .arena_rows(arena.arena_rows())
-        .slot_align_rows(arena.slot_align_rows())
-        .build()?;
-    let csa_layers = geometry.index_key_layers();
-    let spec = PoolSpec::new(geometry, vec![16], arena, None, csa_layers)?;
-    Ok(Arc::new(Pool::new(Arc::new(HostBackend::new()), spec, Stream::DEFAULT)?))
+    let spec = GeometrySpec::new(g.ratios.clone(), g.num_blocks, g.num_slots, g.ring_slots, g.block_size);
+    tests_common::try_index_pool_of(Arc::new(HostBackend::new()), spec)
 }
 
 fn allocators() -> Res<bool> {

@@ -25,9 +25,9 @@
 // clang -x cuda with -nocudainc: NVVM builtins, no CUDA headers.
 #define V4P_TARGET_CLANG_CUDA 1
 #elif defined(V4POOL_HOST_EMULATION)
-// A plain C++ compile for tests: kernels become functions, the launcher of
-// v4pool_emulation.cpp sets the ids below and runs every thread of every block in turn (no
-// kernel uses a barrier, so that is a valid schedule).
+// A plain C++ compile for tests: kernels become functions, the launcher below (`v4p_emu_run`)
+// sets the ids and runs every thread of every block in turn (no kernel uses a barrier, so that
+// is a valid schedule).
 #define V4P_TARGET_EMU 1
 #else
 #error "v4pool kernels need a CUDA or HIP device compiler (nvcc, NVRTC, clang -x cuda, clang -x hip, hiprtc)"
@@ -83,6 +83,20 @@ struct v4p_emu_ids {
     unsigned tid, bx, by, bz;
 };
 static thread_local v4p_emu_ids v4p_emu;
+// The emulation's launch (v4pool_emulation.cpp and the HIP runtime double): `kernel` on a copy
+// of its argument struct, every thread of every block of `grid` in turn, `threads` per block.
+template <typename Args>
+static void v4p_emu_run(void (*kernel)(Args), const void* args, const unsigned grid[3], unsigned threads) {
+    Args a;
+    __builtin_memcpy(&a, args, sizeof(Args));
+    for (unsigned z = 0; z < grid[2]; ++z)
+        for (unsigned y = 0; y < grid[1]; ++y)
+            for (unsigned x = 0; x < grid[0]; ++x)
+                for (unsigned t = 0; t < threads; ++t) {
+                    v4p_emu = v4p_emu_ids{t, x, y, z};
+                    kernel(a);
+                }
+}
 V4P_DEVICE unsigned v4p_tid_x() { return v4p_emu.tid; }
 V4P_DEVICE unsigned v4p_bid_x() { return v4p_emu.bx; }
 V4P_DEVICE unsigned v4p_bid_y() { return v4p_emu.by; }

@@ -8,19 +8,6 @@
 
 #include <cstring>
 
-template <typename Args>
-static void v4p_emu_run(void (*kernel)(Args), const void* args, const unsigned grid[3], unsigned threads) {
-    Args a;
-    std::memcpy(&a, args, sizeof(Args));
-    for (unsigned z = 0; z < grid[2]; ++z)
-        for (unsigned y = 0; y < grid[1]; ++y)
-            for (unsigned x = 0; x < grid[0]; ++x)
-                for (unsigned t = 0; t < threads; ++t) {
-                    v4p_emu = v4p_emu_ids{t, x, y, z};
-                    kernel(a);
-                }
-}
-
 /// Run kernel `symbol` over `grid` blocks of `threads` threads (x only). Returns 0, or -1 for an
 /// unknown symbol.
 extern "C" int v4pool_emu_launch(const char* symbol, const void* args, const unsigned grid[3], unsigned threads) {

@@ -11,7 +11,9 @@
 //! The region is a stack: an allocation takes the next 256-byte aligned bytes, and freeing
 //! the top allocation (and any freed ones below it) returns their bytes.
 
-use super::{Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, HostMem, Stream};
+use super::{
+    Backend, BackendError, BackendKind, BackendResult, DeviceAllocation, HostAllocation, HostMem, Stream,
+};
 use crate::index::{DevicePtr, Launch};
 use std::sync::{Arc, Mutex};
 
@@ -49,11 +51,7 @@ impl ExternalRegion {
     /// allocated for as long as this backend or anything built on it (a pool, index buffers,
     /// views handed out) is in use, and must not be read or written by anyone else while the
     /// pool owns it, except through the views the pool hands out.
-    pub unsafe fn new(
-        inner: Arc<dyn Backend>,
-        ptr: DevicePtr,
-        bytes: u64,
-    ) -> Result<ExternalRegion, BackendError> {
+    pub unsafe fn new(inner: Arc<dyn Backend>, ptr: DevicePtr, bytes: u64) -> BackendResult<ExternalRegion> {
         let aligned = ptr.checked_add(ALIGN - 1).map(|p| p / ALIGN * ALIGN);
         let skip = aligned.map(|a| a - ptr);
         match (aligned, skip) {
@@ -96,7 +94,7 @@ unsafe impl Backend for ExternalRegion {
         self.inner.device_name()
     }
 
-    fn alloc_zeroed(&self, bytes: u64) -> Result<DeviceAllocation, BackendError> {
+    fn alloc_zeroed(&self, bytes: u64) -> BackendResult<DeviceAllocation> {
         let mut carve = self.carve.lock().map_err(|_| BackendError::InvalidLaunch {
             kernel: "external region",
             reason: "lock poisoned".into(),
@@ -133,17 +131,17 @@ unsafe impl Backend for ExternalRegion {
         }
     }
 
-    unsafe fn upload(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> Result<(), BackendError> {
+    unsafe fn upload(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> BackendResult<()> {
         // SAFETY: forwarded; region addresses are the inner device's memory.
         unsafe { self.inner.upload(dst, src, stream) }
     }
 
-    unsafe fn download(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn download(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> BackendResult<()> {
         // SAFETY: as `upload`.
         unsafe { self.inner.download(dst, src, stream) }
     }
 
-    fn alloc_host(&self, bytes: u64) -> Result<HostAllocation, BackendError> {
+    fn alloc_host(&self, bytes: u64) -> BackendResult<HostAllocation> {
         self.inner.alloc_host(bytes)
     }
 
@@ -152,44 +150,32 @@ unsafe impl Backend for ExternalRegion {
         unsafe { self.inner.free_host(alloc) }
     }
 
-    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> BackendResult<()> {
         // SAFETY: as `upload`.
         unsafe { self.inner.upload_host(dst, src, stream) }
     }
 
-    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> BackendResult<()> {
         // SAFETY: as `upload`.
         unsafe { self.inner.download_host(dst, src, stream) }
     }
 
-    unsafe fn copy(
-        &self,
-        dst: DevicePtr,
-        src: DevicePtr,
-        bytes: u64,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: u64, stream: Stream) -> BackendResult<()> {
         // SAFETY: as `upload`.
         unsafe { self.inner.copy(dst, src, bytes, stream) }
     }
 
-    unsafe fn fill_u32(
-        &self,
-        dst: DevicePtr,
-        count: u64,
-        value: u32,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn fill_u32(&self, dst: DevicePtr, count: u64, value: u32, stream: Stream) -> BackendResult<()> {
         // SAFETY: as `upload`.
         unsafe { self.inner.fill_u32(dst, count, value, stream) }
     }
 
-    unsafe fn launch(&self, launch: &Launch, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn launch(&self, launch: &Launch, stream: Stream) -> BackendResult<()> {
         // SAFETY: as `upload`.
         unsafe { self.inner.launch(launch, stream) }
     }
 
-    fn synchronize(&self, stream: Stream) -> Result<(), BackendError> {
+    fn synchronize(&self, stream: Stream) -> BackendResult<()> {
         self.inner.synchronize(stream)
     }
 

@@ -52,7 +52,7 @@
 //! backend relies on for its streams. Work is immediate, so nothing is in flight between calls.
 
 use super::size::{range_end, to_usize, word_bytes};
-use super::{Backend, BackendError, BackendKind, DeviceAllocation, HostMem, Stream};
+use super::{Backend, BackendError, BackendKind, BackendResult, DeviceAllocation, HostMem, Stream};
 use crate::index::bounds::run_launch_within;
 use crate::index::host::HostKernelError;
 use crate::index::{CopyRun, FillRun};
@@ -174,7 +174,7 @@ pub struct HostBackend {
 /// Size asked of the system allocator for `bytes` usable bytes aligned to
 /// [`HOST_ALLOC_ALIGN`] (zero-byte requests take one byte: a real, unique address that `free`
 /// can return).
-fn raw_size(bytes: u64) -> Result<usize, BackendError> {
+fn raw_size(bytes: u64) -> BackendResult<usize> {
     let usable = to_usize(KIND, "alloc_zeroed", "bytes", bytes.max(1))?;
     usable
         .checked_add(HOST_ALLOC_ALIGN - SYSTEM_ALIGN)
@@ -216,7 +216,7 @@ impl HostBackend {
     }
 
     /// A virtual allocation of `bytes` (accounting mode).
-    fn alloc_virtual(&self, a: &mut Accounting, bytes: u64) -> Result<DeviceAllocation, BackendError> {
+    fn alloc_virtual(&self, a: &mut Accounting, bytes: u64) -> BackendResult<DeviceAllocation> {
         let too_large =
             BackendError::TooLarge { backend: KIND, call: "alloc_zeroed", what: "bytes", value: bytes };
         let ptr = a.next;
@@ -247,7 +247,7 @@ impl HostBackend {
 
     /// `addr .. addr + len` inside one live allocation (an empty range anywhere): where it
     /// lies, or the error `call` reports.
-    fn locate(&self, call: &'static str, addr: DevicePtr, len: u64) -> Result<Mem, BackendError> {
+    fn locate(&self, call: &'static str, addr: DevicePtr, len: u64) -> BackendResult<Mem> {
         let end = range_end(KIND, call, addr, len)?;
         if len == 0 {
             return Ok(Mem::Real);
@@ -280,7 +280,7 @@ impl HostBackend {
     /// Copy and fill runs with a run in virtual memory, checked as the kernel checks them
     /// before it writes anything, then counted (virtual destinations) or done (real ones,
     /// through this backend's own copy and fill). `None`: every run is real, for the kernel.
-    fn account_runs(&self, launch: &Launch, stream: Stream) -> Result<Option<()>, BackendError> {
+    fn account_runs(&self, launch: &Launch, stream: Stream) -> BackendResult<Option<()>> {
         let invalid = |reason: String| BackendError::InvalidLaunch { kernel: launch.symbol(), reason };
         let (desc, n, size) = match launch {
             Launch::CopyRuns(a) => (a.runs, a.num_runs, std::mem::size_of::<CopyRun>()),
@@ -306,7 +306,7 @@ impl HostBackend {
             desc: u64,
             n: usize,
             stream: Stream,
-        ) -> Result<Vec<T>, BackendError> {
+        ) -> BackendResult<Vec<T>> {
             let mut v = vec![T::default(); n];
             // SAFETY: the descriptors lie in a live real allocation (located by the caller).
             unsafe { b.download(bytemuck::cast_slice_mut(&mut v), desc, stream)? };
@@ -388,7 +388,7 @@ fn no_bytes(reason: String) -> BackendError {
 /// Reserve `bytes` of zeroed host memory committed only where written (`MAP_NORESERVE`: the
 /// reservation is not charged against the machine's memory either).
 #[cfg(unix)]
-fn reserve_host(bytes: u64) -> Result<super::HostAllocation, BackendError> {
+fn reserve_host(bytes: u64) -> BackendResult<super::HostAllocation> {
     let n = to_usize(KIND, "alloc_host", "bytes", bytes)?;
     if n == 0 {
         return Ok(super::HostAllocation {
@@ -420,7 +420,7 @@ fn reserve_host(bytes: u64) -> Result<super::HostAllocation, BackendError> {
 }
 
 #[cfg(not(unix))]
-fn reserve_host(bytes: u64) -> Result<super::HostAllocation, BackendError> {
+fn reserve_host(bytes: u64) -> BackendResult<super::HostAllocation> {
     super::heap::alloc(KIND, bytes)
 }
 
@@ -459,7 +459,7 @@ unsafe impl Backend for HostBackend {
         "host".to_string()
     }
 
-    fn alloc_zeroed(&self, bytes: u64) -> Result<DeviceAllocation, BackendError> {
+    fn alloc_zeroed(&self, bytes: u64) -> BackendResult<DeviceAllocation> {
         if bytes >= VIRTUAL_MIN_BYTES && NO_BYTES.with(Cell::get) > 0 {
             if let Some(mut a) = self.acct() {
                 return self.alloc_virtual(&mut a, bytes);
@@ -512,7 +512,7 @@ unsafe impl Backend for HostBackend {
         }
     }
 
-    unsafe fn upload(&self, dst: DevicePtr, src: &[u8], _stream: Stream) -> Result<(), BackendError> {
+    unsafe fn upload(&self, dst: DevicePtr, src: &[u8], _stream: Stream) -> BackendResult<()> {
         if self.locate("upload", dst, src.len() as u64)? == Mem::Virtual {
             self.count(src.len() as u64, |s| &mut s.uploaded_bytes);
             return Ok(());
@@ -525,7 +525,7 @@ unsafe impl Backend for HostBackend {
         Ok(())
     }
 
-    unsafe fn download(&self, dst: &mut [u8], src: DevicePtr, _stream: Stream) -> Result<(), BackendError> {
+    unsafe fn download(&self, dst: &mut [u8], src: DevicePtr, _stream: Stream) -> BackendResult<()> {
         if self.locate("download", src, dst.len() as u64)? == Mem::Virtual {
             return Err(no_bytes(format!("download of {} bytes at {src:#x}", dst.len())));
         }
@@ -536,13 +536,7 @@ unsafe impl Backend for HostBackend {
         Ok(())
     }
 
-    unsafe fn copy(
-        &self,
-        dst: DevicePtr,
-        src: DevicePtr,
-        bytes: u64,
-        _stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: u64, _stream: Stream) -> BackendResult<()> {
         let to = self.locate("copy", dst, bytes)?;
         let from = self.locate("copy", src, bytes)?;
         if bytes == 0 {
@@ -568,13 +562,7 @@ unsafe impl Backend for HostBackend {
         Ok(())
     }
 
-    unsafe fn fill_u32(
-        &self,
-        dst: DevicePtr,
-        count: u64,
-        value: u32,
-        _stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn fill_u32(&self, dst: DevicePtr, count: u64, value: u32, _stream: Stream) -> BackendResult<()> {
         let bytes = word_bytes(KIND, "fill_u32", count)?;
         let place = self.locate("fill_u32", dst, bytes)?;
         if count == 0 {
@@ -593,7 +581,7 @@ unsafe impl Backend for HostBackend {
         Ok(())
     }
 
-    unsafe fn launch(&self, launch: &Launch, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn launch(&self, launch: &Launch, stream: Stream) -> BackendResult<()> {
         if self.accounting.is_some() {
             crate::index::shape::check_launch(launch).map_err(|e| BackendError::InvalidLaunch {
                 kernel: launch.symbol(),
@@ -617,7 +605,7 @@ unsafe impl Backend for HostBackend {
         })
     }
 
-    fn synchronize(&self, _stream: Stream) -> Result<(), BackendError> {
+    fn synchronize(&self, _stream: Stream) -> BackendResult<()> {
         Ok(())
     }
 
@@ -629,7 +617,7 @@ unsafe impl Backend for HostBackend {
         self.adopted().remove(&ptr);
     }
 
-    fn alloc_host(&self, bytes: u64) -> Result<super::HostAllocation, BackendError> {
+    fn alloc_host(&self, bytes: u64) -> BackendResult<super::HostAllocation> {
         if self.accounting.is_none() {
             return super::heap::alloc(KIND, bytes);
         }
@@ -653,7 +641,7 @@ unsafe impl Backend for HostBackend {
         }
     }
 
-    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> BackendResult<()> {
         if self.locate("upload_host", dst, src.len() as u64)? == Mem::Virtual {
             self.count(src.len() as u64, |s| &mut s.from_host_bytes);
             return Ok(());
@@ -662,7 +650,7 @@ unsafe impl Backend for HostBackend {
         unsafe { self.upload(dst, src.as_slice(), stream) }
     }
 
-    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> BackendResult<()> {
         // The host side keeps what it held: a virtual range has no bytes to give it.
         if self.locate("download_host", src, dst.len() as u64)? == Mem::Virtual {
             self.count(dst.len() as u64, |s| &mut s.to_host_bytes);

@@ -6,7 +6,7 @@
 //! `cuLaunchKernel` / `hipModuleLaunchKernel`; the emulation test takes
 //! [`kernel_argument`]'s bytes. Nothing else matches on the launch kind to find its argument.
 
-use super::BackendError;
+use super::{BackendError, BackendResult};
 use crate::index::shape::{check_launch, launch_shape, LaunchShape};
 use crate::index::Launch;
 use bytemuck::bytes_of;
@@ -59,7 +59,7 @@ pub(crate) struct DeviceLaunch<'a> {
 impl<'a> DeviceLaunch<'a> {
     /// Run [`check_launch`] (an [`BackendError::InvalidLaunch`] before anything reaches the
     /// device) and take the kernel index and grid.
-    pub fn prepare(launch: &'a Launch) -> Result<Self, BackendError> {
+    pub fn prepare(launch: &'a Launch) -> BackendResult<Self> {
         check_launch(launch)
             .map_err(|e| BackendError::InvalidLaunch { kernel: launch.symbol(), reason: e.to_string() })?;
         let arg = kernel_argument(launch);

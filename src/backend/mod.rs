@@ -195,13 +195,13 @@ pub struct HostMemError {
 
 /// Ordinary host memory (the default of [`Backend::alloc_host`]), zeroed, page-aligned.
 pub(crate) mod heap {
-    use super::{BackendError, BackendKind, HostAllocation};
+    use super::{BackendError, BackendKind, BackendResult, HostAllocation};
     use std::alloc::Layout;
 
     const ALIGN: usize = 4096;
 
     /// `bytes` of zeroed ordinary memory.
-    pub(crate) fn alloc(backend: BackendKind, bytes: u64) -> Result<HostAllocation, BackendError> {
+    pub(crate) fn alloc(backend: BackendKind, bytes: u64) -> BackendResult<HostAllocation> {
         let n = super::size::to_usize(backend, "alloc_host", "bytes", bytes)?;
         if n == 0 {
             return Ok(HostAllocation {
@@ -352,10 +352,14 @@ pub enum BackendError {
 device = [Unavailable, Driver, OutOfMemory, MissingKernel, Compile, InvalidLaunch];
 }
 
+/// What a backend call returns: every [`Backend`] method that can fail fails with a
+/// [`BackendError`].
+pub type BackendResult<T> = Result<T, BackendError>;
+
 /// Checked sizes: the one place a backend turns a caller's `u64` into a host size or an end
 /// address, so overflow is a [`BackendError::TooLarge`] everywhere, never a wrap.
 pub(crate) mod size {
-    use super::{BackendError, BackendKind};
+    use super::{BackendError, BackendKind, BackendResult};
 
     /// `value` as a `usize` (`what`: which quantity, for the error).
     pub(crate) fn to_usize(
@@ -363,16 +367,12 @@ pub(crate) mod size {
         call: &'static str,
         what: &'static str,
         value: u64,
-    ) -> Result<usize, BackendError> {
+    ) -> BackendResult<usize> {
         usize::try_from(value).map_err(|_| BackendError::TooLarge { backend, call, what, value })
     }
 
     /// Bytes of `count` 32-bit words.
-    pub(crate) fn word_bytes(
-        backend: BackendKind,
-        call: &'static str,
-        count: u64,
-    ) -> Result<u64, BackendError> {
+    pub(crate) fn word_bytes(backend: BackendKind, call: &'static str, count: u64) -> BackendResult<u64> {
         count.checked_mul(4).ok_or(BackendError::TooLarge { backend, call, what: "word count", value: count })
     }
 
@@ -382,7 +382,7 @@ pub(crate) mod size {
         call: &'static str,
         addr: u64,
         bytes: u64,
-    ) -> Result<u64, BackendError> {
+    ) -> BackendResult<u64> {
         addr.checked_add(bytes).ok_or(BackendError::TooLarge {
             backend,
             call,
@@ -417,16 +417,16 @@ pub(crate) mod size {
 /// impl Backend for Lying {
 ///     fn kind(&self) -> BackendKind { BackendKind::Host }
 ///     fn device_name(&self) -> String { "lying".into() }
-///     fn alloc_zeroed(&self, _: u64) -> Result<DeviceAllocation, BackendError> { todo!() }
+///     fn alloc_zeroed(&self, _: u64) -> BackendResult<DeviceAllocation> { todo!() }
 ///     unsafe fn free(&self, _: DeviceAllocation) {}
-///     unsafe fn upload(&self, _: DevicePtr, _: &[u8], _: Stream) -> Result<(), BackendError> { Ok(()) }
-///     unsafe fn download(&self, _: &mut [u8], _: DevicePtr, _: Stream) -> Result<(), BackendError> { Ok(()) }
-///     unsafe fn copy(&self, _: DevicePtr, _: DevicePtr, _: u64, _: Stream) -> Result<(), BackendError> { Ok(()) }
-///     unsafe fn fill_u32(&self, _: DevicePtr, _: u64, _: u32, _: Stream) -> Result<(), BackendError> { Ok(()) }
-///     unsafe fn launch(&self, _: &Launch, _: Stream) -> Result<(), BackendError> { Ok(()) }
-///     fn synchronize(&self, _: Stream) -> Result<(), BackendError> { Ok(()) }
+///     unsafe fn upload(&self, _: DevicePtr, _: &[u8], _: Stream) -> BackendResult<()> { Ok(()) }
+///     unsafe fn download(&self, _: &mut [u8], _: DevicePtr, _: Stream) -> BackendResult<()> { Ok(()) }
+///     unsafe fn copy(&self, _: DevicePtr, _: DevicePtr, _: u64, _: Stream) -> BackendResult<()> { Ok(()) }
+///     unsafe fn fill_u32(&self, _: DevicePtr, _: u64, _: u32, _: Stream) -> BackendResult<()> { Ok(()) }
+///     unsafe fn launch(&self, _: &Launch, _: Stream) -> BackendResult<()> { Ok(()) }
+///     fn synchronize(&self, _: Stream) -> BackendResult<()> { Ok(()) }
 ///     // A lie safe code would build a slice from.
-///     fn alloc_host(&self, bytes: u64) -> Result<HostAllocation, BackendError> {
+///     fn alloc_host(&self, bytes: u64) -> BackendResult<HostAllocation> {
 ///         Ok(HostAllocation { ptr: 0x1000 as *mut u8, bytes: bytes as usize, pinned: false })
 ///     }
 /// }
@@ -439,7 +439,7 @@ pub unsafe trait Backend: Send + Sync + fmt::Debug {
     fn device_name(&self) -> String;
 
     /// A zeroed allocation of `bytes`, 256-byte aligned.
-    fn alloc_zeroed(&self, bytes: u64) -> Result<DeviceAllocation, BackendError>;
+    fn alloc_zeroed(&self, bytes: u64) -> BackendResult<DeviceAllocation>;
 
     /// Return an allocation.
     ///
@@ -451,47 +451,35 @@ pub unsafe trait Backend: Send + Sync + fmt::Debug {
     ///
     /// # Safety
     /// `dst .. dst + src.len()` lies in one live allocation of this backend.
-    unsafe fn upload(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> Result<(), BackendError>;
+    unsafe fn upload(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> BackendResult<()>;
 
     /// Copy device bytes to the host; waits for the stream's earlier work.
     ///
     /// # Safety
     /// `src .. src + dst.len()` lies in one live allocation of this backend.
-    unsafe fn download(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> Result<(), BackendError>;
+    unsafe fn download(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> BackendResult<()>;
 
     /// Device-to-device copy of `bytes`, in stream order.
     ///
     /// # Safety
     /// Both ranges lie in live allocations of this backend and do not overlap.
-    unsafe fn copy(
-        &self,
-        dst: DevicePtr,
-        src: DevicePtr,
-        bytes: u64,
-        stream: Stream,
-    ) -> Result<(), BackendError>;
+    unsafe fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: u64, stream: Stream) -> BackendResult<()>;
 
     /// Fill `count` 32-bit words at `dst` (4-byte aligned) with `value`, in stream order.
     ///
     /// # Safety
     /// `dst .. dst + 4 * count` lies in one live allocation of this backend.
-    unsafe fn fill_u32(
-        &self,
-        dst: DevicePtr,
-        count: u64,
-        value: u32,
-        stream: Stream,
-    ) -> Result<(), BackendError>;
+    unsafe fn fill_u32(&self, dst: DevicePtr, count: u64, value: u32, stream: Stream) -> BackendResult<()>;
 
     /// Run one kernel of [`crate::raw::index`], in stream order.
     ///
     /// # Safety
     /// Every pointer in the arguments covers what the kernel reads and writes, as stated on
     /// the argument struct.
-    unsafe fn launch(&self, launch: &Launch, stream: Stream) -> Result<(), BackendError>;
+    unsafe fn launch(&self, launch: &Launch, stream: Stream) -> BackendResult<()>;
 
     /// Wait for all work queued on `stream`.
-    fn synchronize(&self, stream: Stream) -> Result<(), BackendError>;
+    fn synchronize(&self, stream: Stream) -> BackendResult<()>;
 
     /// Accept caller memory `ptr .. ptr + bytes` in copies, fills and launches as if this
     /// backend had allocated it (for [`external::ExternalRegion`]); the backend never frees
@@ -508,7 +496,7 @@ pub unsafe trait Backend: Send + Sync + fmt::Debug {
 
     /// Zeroed host memory for large copies to and from the device (a host tier, offload):
     /// page-locked on device backends that provide it; the default is ordinary memory.
-    fn alloc_host(&self, bytes: u64) -> Result<HostAllocation, BackendError> {
+    fn alloc_host(&self, bytes: u64) -> BackendResult<HostAllocation> {
         heap::alloc(self.kind(), bytes)
     }
 
@@ -531,7 +519,7 @@ pub unsafe trait Backend: Send + Sync + fmt::Debug {
     /// allocation of this backend's `alloc_host` ([`HostAllocation::range`] checks the bounds,
     /// not where the allocation came from), which stays live and is not written until the
     /// stream has been synchronised.
-    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> BackendResult<()> {
         // SAFETY: the caller's contract.
         unsafe { self.upload(dst, src.as_slice(), stream) }
     }
@@ -545,7 +533,7 @@ pub unsafe trait Backend: Send + Sync + fmt::Debug {
     /// allocation of this backend's `alloc_host` (bounds as for [`Backend::upload_host`]),
     /// which stays live and is neither read nor written by anyone else until the stream has
     /// been synchronised.
-    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> BackendResult<()> {
         // SAFETY: the caller's contract.
         unsafe { self.download(dst.as_mut_slice(), src, stream) }
     }

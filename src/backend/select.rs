@@ -1,7 +1,7 @@
 //! Backend choice: CUDA, HIP or host by what is present, explicit in the API and
 //! overridable with `V4POOL_BACKEND=cuda|hip|host`.
 
-use super::{Backend, BackendError, BackendKind};
+use super::{Backend, BackendError, BackendKind, BackendResult};
 use std::sync::Arc;
 
 /// What the caller asks for.
@@ -15,7 +15,7 @@ pub enum BackendChoice {
 
 impl BackendKind {
     /// Parse `cuda`, `hip` or `host`.
-    pub fn parse(s: &str) -> Result<BackendKind, BackendError> {
+    pub fn parse(s: &str) -> BackendResult<BackendKind> {
         match s.trim().to_ascii_lowercase().as_str() {
             "cuda" => Ok(BackendKind::Cuda),
             "hip" | "rocm" => Ok(BackendKind::Hip),
@@ -27,7 +27,7 @@ impl BackendKind {
 
 impl BackendChoice {
     /// Parse `auto` or a backend's name ([`BackendKind::parse`]).
-    pub fn parse(s: &str) -> Result<BackendChoice, BackendError> {
+    pub fn parse(s: &str) -> BackendResult<BackendChoice> {
         if s.trim().eq_ignore_ascii_case("auto") {
             Ok(BackendChoice::Auto)
         } else {
@@ -37,7 +37,7 @@ impl BackendChoice {
 }
 
 /// The environment's override, if any (`V4POOL_BACKEND`).
-pub fn env_choice() -> Result<Option<BackendKind>, BackendError> {
+pub fn env_choice() -> BackendResult<Option<BackendKind>> {
     match std::env::var("V4POOL_BACKEND") {
         Ok(v) if !v.trim().is_empty() => BackendKind::parse(&v).map(Some),
         _ => Ok(None),
@@ -45,13 +45,13 @@ pub fn env_choice() -> Result<Option<BackendKind>, BackendError> {
 }
 
 /// Open one backend of `kind` on device 0.
-pub fn open(kind: BackendKind) -> Result<Arc<dyn Backend>, BackendError> {
+pub fn open(kind: BackendKind) -> BackendResult<Arc<dyn Backend>> {
     open_on(kind, 0)
 }
 
 /// Open one backend of `kind` on device `device` (the host backend has one device, any
 /// `device` names it).
-pub fn open_on(kind: BackendKind, device: usize) -> Result<Arc<dyn Backend>, BackendError> {
+pub fn open_on(kind: BackendKind, device: usize) -> BackendResult<Arc<dyn Backend>> {
     Ok(match kind {
         BackendKind::Host => Arc::new(super::host::HostBackend::new()),
         BackendKind::Cuda => Arc::new(super::cuda::CudaBackend::new(device)?),
@@ -61,7 +61,7 @@ pub fn open_on(kind: BackendKind, device: usize) -> Result<Arc<dyn Backend>, Bac
 
 /// Pick a backend: an explicit choice is honoured or fails; `Auto` follows
 /// `V4POOL_BACKEND`, else takes CUDA, then HIP, then the host.
-pub fn select(choice: BackendChoice) -> Result<Arc<dyn Backend>, BackendError> {
+pub fn select(choice: BackendChoice) -> BackendResult<Arc<dyn Backend>> {
     let explicit = match choice {
         BackendChoice::Exactly(k) => Some(k),
         BackendChoice::Auto => env_choice()?,
@@ -85,7 +85,7 @@ pub fn select(choice: BackendChoice) -> Result<Arc<dyn Backend>, BackendError> {
 /// [`select`] on device `device`: the kind is picked as [`select`] picks it, then opened on
 /// `device` (a device the kind lacks is that backend's error, never a fallback to another
 /// kind).
-pub fn select_on(choice: BackendChoice, device: usize) -> Result<Arc<dyn Backend>, BackendError> {
+pub fn select_on(choice: BackendChoice, device: usize) -> BackendResult<Arc<dyn Backend>> {
     let kind = match choice {
         BackendChoice::Exactly(k) => k,
         BackendChoice::Auto => {

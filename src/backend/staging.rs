@@ -11,7 +11,7 @@
 //! larger than [`STAGING_MAX_BYTES`]` / `[`STAGING_DEPTH`] are not staged ([`stages`]); the
 //! backend copies them from pageable memory.
 
-use super::{BackendError, DevicePtr, HostAllocation};
+use super::{BackendResult, DevicePtr, HostAllocation};
 use std::collections::VecDeque;
 
 /// Largest ring.
@@ -34,7 +34,7 @@ pub(crate) fn stages(len: usize) -> bool {
 /// (`n` > 0; the backend's device current).
 ///
 /// [`Backend::alloc_host`]: super::Backend::alloc_host
-pub(crate) fn alloc_host<D: StagingDriver>(driver: &D, n: usize) -> Result<HostAllocation, BackendError> {
+pub(crate) fn alloc_host<D: StagingDriver>(driver: &D, n: usize) -> BackendResult<HostAllocation> {
     let ptr = driver.alloc_pinned(n)?;
     // SAFETY: `ptr` is `n` writable bytes just allocated.
     unsafe { std::ptr::write_bytes(ptr, 0, n) };
@@ -68,16 +68,16 @@ pub(crate) trait StagingDriver {
     type Stream: Copy;
 
     /// `bytes` of pinned host memory.
-    fn alloc_pinned(&self, bytes: usize) -> Result<*mut u8, BackendError>;
+    fn alloc_pinned(&self, bytes: usize) -> BackendResult<*mut u8>;
 
     /// Return pinned memory.
     ///
     /// # Safety
     /// `ptr` came from [`Self::alloc_pinned`] and no queued copy still reads it.
-    unsafe fn free_pinned(&self, ptr: *mut u8) -> Result<(), BackendError>;
+    unsafe fn free_pinned(&self, ptr: *mut u8) -> BackendResult<()>;
 
     /// A synchronisation-only event (no timing).
-    fn create_event(&self) -> Result<Self::Event, BackendError>;
+    fn create_event(&self) -> BackendResult<Self::Event>;
 
     /// # Safety
     /// `event` came from [`Self::create_event`] and is not used after.
@@ -94,13 +94,13 @@ pub(crate) trait StagingDriver {
     ///
     /// # Safety
     /// `event` is live.
-    unsafe fn wait_event(&self, event: Self::Event) -> Result<(), BackendError>;
+    unsafe fn wait_event(&self, event: Self::Event) -> BackendResult<()>;
 
     /// Record `event` at the end of `stream`'s queue.
     ///
     /// # Safety
     /// `event` and `stream` are live.
-    unsafe fn record(&self, event: Self::Event, stream: Self::Stream) -> Result<(), BackendError>;
+    unsafe fn record(&self, event: Self::Event, stream: Self::Stream) -> BackendResult<()>;
 
     /// Queue a host-to-device copy of `len` bytes from pinned `src`.
     ///
@@ -113,13 +113,13 @@ pub(crate) trait StagingDriver {
         src: *const u8,
         len: usize,
         stream: Self::Stream,
-    ) -> Result<(), BackendError>;
+    ) -> BackendResult<()>;
 
     /// Wait for everything queued on `stream`.
     ///
     /// # Safety
     /// `stream` is live.
-    unsafe fn sync_stream(&self, stream: Self::Stream) -> Result<(), BackendError>;
+    unsafe fn sync_stream(&self, stream: Self::Stream) -> BackendResult<()>;
 }
 
 /// A region still being copied: `[start, end)` of the ring and the event recorded after it.
@@ -170,7 +170,7 @@ impl<D: StagingDriver> StagingRing<D> {
         dst: DevicePtr,
         src: &[u8],
         stream: D::Stream,
-    ) -> Result<(), BackendError> {
+    ) -> BackendResult<()> {
         debug_assert!(stages(src.len()));
         // Cannot overflow: `src.len() <= STAGING_MAX_BYTES / STAGING_DEPTH`.
         if src.len() * STAGING_DEPTH > self.capacity {
@@ -209,7 +209,7 @@ impl<D: StagingDriver> StagingRing<D> {
     }
 
     /// Make `[start, start+len)` free: retire finished copies, wait for overlapping ones.
-    fn reclaim(&mut self, driver: &D, start: usize, len: usize) -> Result<(), BackendError> {
+    fn reclaim(&mut self, driver: &D, start: usize, len: usize) -> BackendResult<()> {
         let end = start.saturating_add(len);
         let mut i = 0;
         while i < self.pending.len() {
@@ -236,7 +236,7 @@ impl<D: StagingDriver> StagingRing<D> {
 
     /// Grow to hold `STAGING_DEPTH` uploads of `len` bytes, after every outstanding copy from
     /// the old buffer finished.
-    fn grow(&mut self, driver: &D, len: usize) -> Result<(), BackendError> {
+    fn grow(&mut self, driver: &D, len: usize) -> BackendResult<()> {
         let capacity = (STAGING_DEPTH * len).next_power_of_two().clamp(STAGING_MIN_BYTES, STAGING_MAX_BYTES);
         self.reclaim(driver, 0, usize::MAX / 2)?;
         if !self.base.is_null() {
@@ -251,7 +251,7 @@ impl<D: StagingDriver> StagingRing<D> {
         Ok(())
     }
 
-    fn event(&mut self, driver: &D) -> Result<D::Event, BackendError> {
+    fn event(&mut self, driver: &D) -> BackendResult<D::Event> {
         match self.spare_events.pop() {
             Some(ev) => Ok(ev),
             None => driver.create_event(),
@@ -316,13 +316,13 @@ mod tests {
     impl StagingDriver for Fake {
         type Event = usize;
         type Stream = ();
-        fn alloc_pinned(&self, bytes: usize) -> Result<*mut u8, BackendError> {
+        fn alloc_pinned(&self, bytes: usize) -> BackendResult<*mut u8> {
             let mut v = vec![0u64; bytes / 8];
             let p = v.as_mut_ptr().cast();
             self.buffers.borrow_mut().push(v);
             Ok(p)
         }
-        unsafe fn free_pinned(&self, ptr: *mut u8) -> Result<(), BackendError> {
+        unsafe fn free_pinned(&self, ptr: *mut u8) -> BackendResult<()> {
             assert!(self.queued.borrow().iter().all(|q| {
                 let b = self.buffers.borrow();
                 let owner = b.iter().find(|v| v.as_ptr().cast::<u8>() == ptr.cast_const()).unwrap();
@@ -332,7 +332,7 @@ mod tests {
             self.buffers.borrow_mut().retain(|v| v.as_ptr().cast::<u8>() != ptr.cast_const());
             Ok(())
         }
-        fn create_event(&self) -> Result<usize, BackendError> {
+        fn create_event(&self) -> BackendResult<usize> {
             self.events.borrow_mut().push(None);
             Ok(self.events.borrow().len() - 1)
         }
@@ -340,28 +340,22 @@ mod tests {
         unsafe fn event_done(&self, e: usize) -> bool {
             self.events.borrow()[e].is_none_or(|n| *self.ran.borrow() >= n)
         }
-        unsafe fn wait_event(&self, _: usize) -> Result<(), BackendError> {
+        unsafe fn wait_event(&self, _: usize) -> BackendResult<()> {
             *self.waits.borrow_mut() += 1;
             self.run_all();
             Ok(())
         }
-        unsafe fn record(&self, e: usize, _: ()) -> Result<(), BackendError> {
+        unsafe fn record(&self, e: usize, _: ()) -> BackendResult<()> {
             let n = self.queued.borrow().last().map_or(*self.ran.borrow(), |q| q.3);
             self.events.borrow_mut()[e] = Some(n);
             Ok(())
         }
-        unsafe fn copy_to_device(
-            &self,
-            dst: u64,
-            src: *const u8,
-            len: usize,
-            _: (),
-        ) -> Result<(), BackendError> {
+        unsafe fn copy_to_device(&self, dst: u64, src: *const u8, len: usize, _: ()) -> BackendResult<()> {
             let n = self.queued.borrow().last().map_or(*self.ran.borrow(), |q| q.3) + 1;
             self.queued.borrow_mut().push((dst, src, len, n));
             Ok(())
         }
-        unsafe fn sync_stream(&self, _: ()) -> Result<(), BackendError> {
+        unsafe fn sync_stream(&self, _: ()) -> BackendResult<()> {
             self.run_all();
             Ok(())
         }

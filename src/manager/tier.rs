@@ -147,6 +147,27 @@ impl TierKey {
     }
 }
 
+/// The shared tiers' (file, store) `evict`, `spill` and `restore` under the manager's key: the
+/// tier's own call on the key's [`SharedKey`]; a spill publishes and evicts nothing else.
+macro_rules! shared_key_spill_restore {
+    ($tier:ident) => {
+        fn evict(&mut self, key: &TierKey) -> bool {
+            $tier::evict(self, &key.shared())
+        }
+        fn spill(
+            &mut self,
+            pool: &Pool,
+            key: TierKey,
+            blocks: &[BlockHandle],
+        ) -> Result<Vec<TierKey>, HostTierError> {
+            self.publish(pool, key.shared(), blocks).map(|_| Vec::new())
+        }
+        fn restore(&mut self, pool: &Pool, key: &TierKey) -> Result<Vec<BlockHandle>, HostTierError> {
+            $tier::restore(self, pool, &key.shared())
+        }
+    };
+}
+
 /// The file tier as the manager's shared tier: a spill publishes (an entry already there is
 /// kept), a restore leaves the entry, the tier's own evictions are no one's to forget.
 impl Tier<TierKey> for SharedTier {
@@ -176,20 +197,7 @@ impl Tier<TierKey> for SharedTier {
     fn touch(&mut self, key: &TierKey) -> bool {
         SharedTier::touch(self, &key.shared())
     }
-    fn evict(&mut self, key: &TierKey) -> bool {
-        SharedTier::evict(self, &key.shared())
-    }
-    fn spill(
-        &mut self,
-        pool: &Pool,
-        key: TierKey,
-        blocks: &[BlockHandle],
-    ) -> Result<Vec<TierKey>, HostTierError> {
-        self.publish(pool, key.shared(), blocks).map(|_| Vec::new())
-    }
-    fn restore(&mut self, pool: &Pool, key: &TierKey) -> Result<Vec<BlockHandle>, HostTierError> {
-        SharedTier::restore(self, pool, &key.shared())
-    }
+    shared_key_spill_restore!(SharedTier);
 }
 
 /// A key-value store's tier (Mooncake Store) as the manager's shared tier: as the file
@@ -221,20 +229,7 @@ impl Tier<TierKey> for StoreTier {
     fn touch(&mut self, key: &TierKey) -> bool {
         StoreTier::contains(self, &key.shared())
     }
-    fn evict(&mut self, key: &TierKey) -> bool {
-        StoreTier::evict(self, &key.shared())
-    }
-    fn spill(
-        &mut self,
-        pool: &Pool,
-        key: TierKey,
-        blocks: &[BlockHandle],
-    ) -> Result<Vec<TierKey>, HostTierError> {
-        self.publish(pool, key.shared(), blocks).map(|_| Vec::new())
-    }
-    fn restore(&mut self, pool: &Pool, key: &TierKey) -> Result<Vec<BlockHandle>, HostTierError> {
-        StoreTier::restore(self, pool, &key.shared())
-    }
+    shared_key_spill_restore!(StoreTier);
 }
 
 /// The host tier with the manager's counts of what it holds.

@@ -2,7 +2,7 @@
 //! was made on: every byte a handle's safe calls write goes through the bounds checks here,
 //! and the memory goes back to the backend on drop.
 
-use crate::backend::{Backend, BackendError, DeviceAllocation, Stream};
+use crate::backend::{Backend, BackendError, BackendResult, DeviceAllocation, Stream};
 use crate::index::{DevicePtr, Launch};
 use std::sync::Arc;
 
@@ -54,7 +54,7 @@ pub(crate) struct Owned {
 }
 
 impl Owned {
-    pub(crate) fn new(backend: Arc<dyn Backend>, stream: Stream, bytes: u64) -> Result<Owned, BackendError> {
+    pub(crate) fn new(backend: Arc<dyn Backend>, stream: Stream, bytes: u64) -> BackendResult<Owned> {
         let alloc = backend.alloc_zeroed(bytes.max(ALIGN))?;
         Ok(Owned { backend, stream, alloc: Some(alloc), bytes })
     }
@@ -66,7 +66,7 @@ impl Owned {
         self.alloc.as_ref().map_or(0, |a| a.ptr)
     }
 
-    fn check(&self, call: &'static str, offset: u64, len: usize) -> Result<DevicePtr, BackendError> {
+    fn check(&self, call: &'static str, offset: u64, len: usize) -> BackendResult<DevicePtr> {
         match offset.checked_add(len as u64) {
             Some(end) if end <= self.bytes => Ok(self.base() + offset),
             _ => Err(BackendError::InvalidLaunch {
@@ -77,21 +77,21 @@ impl Owned {
     }
 
     /// Copy `src` to byte `offset` of the allocation (stream-ordered).
-    pub(crate) fn upload(&self, offset: u64, src: &[u8]) -> Result<(), BackendError> {
+    pub(crate) fn upload(&self, offset: u64, src: &[u8]) -> BackendResult<()> {
         let dst = self.check("upload", offset, src.len())?;
         // SAFETY: `check` kept the range inside the allocation, which lives while `self` does.
         unsafe { self.backend.upload(dst, src, self.stream) }
     }
 
     /// Copy bytes from byte `offset` of the allocation (waits for the stream).
-    pub(crate) fn download(&self, offset: u64, dst: &mut [u8]) -> Result<(), BackendError> {
+    pub(crate) fn download(&self, offset: u64, dst: &mut [u8]) -> BackendResult<()> {
         let src = self.check("download", offset, dst.len())?;
         // SAFETY: as in `upload`.
         unsafe { self.backend.download(dst, src, self.stream) }
     }
 
     /// Read `buf` (one of this allocation's i32 sub-buffers) back to the host.
-    pub(crate) fn read_i32(&self, buf: DeviceBuffer) -> Result<Vec<i32>, BackendError> {
+    pub(crate) fn read_i32(&self, buf: DeviceBuffer) -> BackendResult<Vec<i32>> {
         let mut bytes = vec![0u8; 4 * buf.len as usize];
         self.download(buf.ptr.wrapping_sub(self.base()), &mut bytes)?;
         Ok(bytes.chunks_exact(4).map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect())
@@ -101,7 +101,7 @@ impl Owned {
     ///
     /// # Safety
     /// Every pointer of `launch` covers what its kernel reads and writes.
-    pub(crate) unsafe fn launch(&self, launch: &Launch) -> Result<(), BackendError> {
+    pub(crate) unsafe fn launch(&self, launch: &Launch) -> BackendResult<()> {
         // SAFETY: forwarded from the caller.
         unsafe { self.backend.launch(launch, self.stream) }
     }

@@ -10,7 +10,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::OnceLock;
 use v4pool::backend::cuda::CudaBackend;
 use v4pool::backend::host::HostBackend;
-use v4pool::backend::{Backend, BackendError, Stream};
+use v4pool::backend::{Backend, BackendResult, Stream};
 use v4pool::raw::index::Launch;
 use v4pool::{GeometrySpec, UnifiedPoolGeometry};
 
@@ -428,7 +428,7 @@ pub fn run_case(
     backend: &dyn Backend,
     case: &Case,
     make: &dyn Fn(&[u64]) -> Vec<Launch>,
-) -> Result<Vec<Vec<u8>>, BackendError> {
+) -> BackendResult<Vec<Vec<u8>>> {
     let s = Stream::DEFAULT;
     let mut allocs = Vec::new();
     for b in &case.bufs {
@@ -543,6 +543,15 @@ pub fn index_pool_of(
     backend: std::sync::Arc<dyn Backend>,
     spec: GeometrySpec,
 ) -> std::sync::Arc<v4pool::pool::Pool> {
+    try_index_pool_of(backend, spec).expect("index pool")
+}
+
+/// [`index_pool_of`], its refusal returned (the host bench's staging pool: a plan's geometry
+/// with rows too small to take its budget of host memory).
+pub fn try_index_pool_of(
+    backend: std::sync::Arc<dyn Backend>,
+    spec: GeometrySpec,
+) -> Result<std::sync::Arc<v4pool::pool::Pool>, Box<dyn std::error::Error>> {
     use v4pool::raw::arena::{ArenaLayout, Dtype, Fill, StateField};
     let field = StateField {
         name: "state".into(),
@@ -553,13 +562,9 @@ pub fn index_pool_of(
         carried: true,
         align: 256,
     };
-    let arena = ArenaLayout::new(vec![field], &[16]).expect("arena");
-    let geometry = spec
-        .arena_rows(arena.arena_rows())
-        .slot_align_rows(arena.slot_align_rows())
-        .build()
-        .expect("geometry");
+    let arena = ArenaLayout::new(vec![field], &[16])?;
+    let geometry = spec.arena_rows(arena.arena_rows()).slot_align_rows(arena.slot_align_rows()).build()?;
     let csa_layers = geometry.index_key_layers();
-    let spec = v4pool::pool::PoolSpec::new(geometry, vec![16], arena, None, csa_layers).expect("spec");
-    std::sync::Arc::new(v4pool::pool::Pool::new(backend, spec, Stream::DEFAULT).expect("pool"))
+    let spec = v4pool::pool::PoolSpec::new(geometry, vec![16], arena, None, csa_layers)?;
+    Ok(std::sync::Arc::new(v4pool::pool::Pool::new(backend, spec, Stream::DEFAULT)?))
 }

@@ -21,7 +21,7 @@ use v4pool::backend::{Backend, Stream};
 use v4pool::model::ModelShape;
 use v4pool::pool::{DecodeBuffer, DecodeCapacity, DecodeSeq, Pool};
 use v4pool::transfer::nccl::{self, NcclEngine};
-use v4pool::transfer::{handoff, Endpoint, LocalEngine, Rebound, RequestKv, TransferEngine};
+use v4pool::transfer::{handoff, Endpoint, LocalEngine, Rebound, TransferEngine};
 use v4pool::Class;
 
 const TOKENS: [i64; 3] = [8 << 10, 128 << 10, 1 << 20];
@@ -66,31 +66,6 @@ fn decode_build(backend: Arc<dyn Backend>, pool: &Pool, out: &Rebound) -> Vec<Ve
     got
 }
 
-fn check_case(
-    name: &str,
-    tokens: i64,
-    sender: &Pool,
-    receiver: &Pool,
-    req: &RequestKv,
-    out: &Rebound,
-    secs: f64,
-) {
-    let words = check_received(name, tokens, sender, receiver, req, out);
-    // The decode index build on the receiving device equals the host reference.
-    let dev = decode_build(receiver.backend().clone(), receiver, out);
-    let reference = decode_build(Arc::new(HostBackend::new()), receiver, out);
-    assert!(dev == reference, "{name} {tokens}: decode index build differs from the host reference");
-    println!(
-        "{name}: {tokens} tokens, {} blocks, {} spans, {:.1} MiB in {:.2} ms ({:.1} GB/s incl. handshake); \
-         bytes, window rows, untouched words ({words}) and decode build OK",
-        out.blocks.len(),
-        out.spans,
-        out.bytes as f64 / (1 << 20) as f64,
-        secs * 1e3,
-        out.bytes as f64 / secs / 1e9
-    );
-}
-
 fn run_sizes(name: &str, sizes: &[i64], make: &dyn Fn(i64) -> (Pool, Pool, String, Box<dyn TransferEngine>)) {
     for (i, &tokens) in sizes.iter().enumerate() {
         let mut rng = Rng::new(case_seed(name, i as u64));
@@ -101,7 +76,20 @@ fn run_sizes(name: &str, sizes: &[i64], make: &dyn Fn(i64) -> (Pool, Pool, Strin
         let out = handoff(engine.as_mut(), &Endpoint::new(&sender), &Endpoint::new(&receiver), &req)
             .unwrap_or_else(|e| panic!("{name} {tokens}: {e}"));
         let secs = t.elapsed().as_secs_f64();
-        check_case(name, tokens, &sender, &receiver, &req, &out, secs);
+        let words = check_received(name, tokens, &sender, &receiver, &req, &out);
+        // The decode index build on the receiving device equals the host reference.
+        let dev = decode_build(receiver.backend().clone(), &receiver, &out);
+        let reference = decode_build(Arc::new(HostBackend::new()), &receiver, &out);
+        assert!(dev == reference, "{name} {tokens}: decode index build differs from the host reference");
+        println!(
+            "{name}: {tokens} tokens, {} blocks, {} spans, {:.1} MiB in {:.2} ms ({:.1} GB/s incl. handshake); \
+             bytes, window rows, untouched words ({words}) and decode build OK",
+            out.blocks.len(),
+            out.spans,
+            out.bytes as f64 / (1 << 20) as f64,
+            secs * 1e3,
+            out.bytes as f64 / secs / 1e9
+        );
         drop(engine);
     }
 }

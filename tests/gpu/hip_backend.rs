@@ -16,7 +16,7 @@ use crate::common;
 use common::Rng;
 use v4pool::backend::hip::{HipBackend, ModuleOrigin};
 use v4pool::backend::host::HostBackend;
-use v4pool::backend::{Backend, BackendError, BackendKind, DeviceAllocation, Stream};
+use v4pool::backend::{Backend, BackendError, BackendKind, BackendResult, DeviceAllocation, Stream};
 use v4pool::raw::hip::elf::{self, EF_AMDGPU_MACH_GFX90A, EF_AMDGPU_MACH_GFX942, EM_AMDGPU};
 use v4pool::raw::hip::embedded_code_objects;
 use v4pool::raw::index::{CopyRun, CopyRunsArgs, FillRun, FillRunsArgs, Launch};
@@ -359,40 +359,40 @@ unsafe impl Backend for Faulty {
     fn device_name(&self) -> String {
         "faulty host".into()
     }
-    fn alloc_zeroed(&self, bytes: u64) -> Result<DeviceAllocation, BackendError> {
+    fn alloc_zeroed(&self, bytes: u64) -> BackendResult<DeviceAllocation> {
         self.host.alloc_zeroed(bytes)
     }
     unsafe fn free(&self, alloc: DeviceAllocation) {
         // SAFETY: forwarded contract.
         unsafe { self.host.free(alloc) }
     }
-    unsafe fn upload(&self, dst: u64, src: &[u8], stream: Stream) -> Result<(), BackendError> {
+    unsafe fn upload(&self, dst: u64, src: &[u8], stream: Stream) -> BackendResult<()> {
         // SAFETY: forwarded contract.
         unsafe { self.host.upload(dst, src, stream) }
     }
-    unsafe fn download(&self, dst: &mut [u8], src: u64, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn download(&self, dst: &mut [u8], src: u64, stream: Stream) -> BackendResult<()> {
         // SAFETY: forwarded contract.
         unsafe { self.host.download(dst, src, stream) }
     }
-    unsafe fn copy(&self, dst: u64, src: u64, bytes: u64, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn copy(&self, dst: u64, src: u64, bytes: u64, stream: Stream) -> BackendResult<()> {
         let shift = u64::from(self.fault == Fault::ShiftedCopy);
         // SAFETY: the tests copy from well inside their source buffers, so one byte later
         // stays in bounds.
         unsafe { self.host.copy(dst, src + shift, bytes, stream) }
     }
-    unsafe fn fill_u32(&self, dst: u64, count: u64, value: u32, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn fill_u32(&self, dst: u64, count: u64, value: u32, stream: Stream) -> BackendResult<()> {
         let short = u64::from(self.fault == Fault::ShortFill);
         // SAFETY: a sub-range of the caller's range.
         unsafe { self.host.fill_u32(dst, count - short, value, stream) }
     }
-    unsafe fn launch(&self, launch: &Launch, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn launch(&self, launch: &Launch, stream: Stream) -> BackendResult<()> {
         if self.fault == Fault::SkippedLaunch {
             return Ok(());
         }
         // SAFETY: forwarded contract.
         unsafe { self.host.launch(launch, stream) }
     }
-    fn synchronize(&self, stream: Stream) -> Result<(), BackendError> {
+    fn synchronize(&self, stream: Stream) -> BackendResult<()> {
         self.host.synchronize(stream)
     }
 }

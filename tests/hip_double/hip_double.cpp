@@ -101,19 +101,6 @@ const std::string& device_arch() {
 
 // ---- the kernels of kernels/, as the emulation runs them --------------------------------
 
-template <typename Args>
-void run_kernel(void (*kernel)(Args), const std::vector<uint8_t>& args, const unsigned grid[3], unsigned threads) {
-    Args a;
-    std::memcpy(&a, args.data(), sizeof(Args));
-    for (unsigned z = 0; z < grid[2]; ++z)
-        for (unsigned y = 0; y < grid[1]; ++y)
-            for (unsigned x = 0; x < grid[0]; ++x)
-                for (unsigned t = 0; t < threads; ++t) {
-                    v4p_emu = v4p_emu_ids{t, x, y, z};
-                    kernel(a);
-                }
-}
-
 struct HostKernel {
     const char* name;
     size_t arg_bytes;  // sizeof the argument struct this compile of the source sees
@@ -122,7 +109,7 @@ struct HostKernel {
 
 const std::vector<HostKernel>& host_kernels() {
 #define V4P_HOST_KERNEL(fn, Args) \
-    HostKernel{#fn, sizeof(Args), [](const std::vector<uint8_t>& a, const unsigned* g, unsigned t) { run_kernel<Args>(fn, a, g, t); }}
+    HostKernel{#fn, sizeof(Args), [](const std::vector<uint8_t>& a, const unsigned* g, unsigned t) { v4p_emu_run<Args>(fn, a.data(), g, t); }}
     static const std::vector<HostKernel> table = {
         V4P_HOST_KERNEL(v4pool_decode_indices, DecodeIndexArgs),
         V4P_HOST_KERNEL(v4pool_prefill_indices, PrefillIndexArgs),

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use v4pool::backend::host::HostBackend;
 use v4pool::geometry::Class;
 use v4pool::model::ModelShape;
-use v4pool::pool::{CompressedRow, Pool, RowWriteCapacity, RowWriteError};
+use v4pool::pool::{BlockHandle, CompressedRow, KvRowWriter, Pool, RowWriteCapacity, RowWriteError};
 use v4pool::raw::index::host::{
     fp8_key_format, index_keys, key_block_bytes, pack_fp4_key, pack_fp8_key, KeyCache,
 };
@@ -295,6 +295,23 @@ fn indexer_pools(pool: &Pool) -> Vec<Vec<u8>> {
         .collect()
 }
 
+/// A writer of `pool` (16 rows) with CSA entries staged in two fresh blocks `[b0, b1]`: the
+/// first `n` of rows 5 and 6 of `b1` (one copy run), `b0`'s last row, and its row 0.
+pub(crate) fn staged_entries(
+    pool: &Arc<Pool>,
+    n: usize,
+) -> (KvRowWriter, [BlockHandle; 2], Vec<CompressedRow>) {
+    let mut w = pool.kv_row_writer(RowWriteCapacity::new(16)).unwrap();
+    let b0 = pool.alloc_block().unwrap().handle;
+    let b1 = pool.alloc_block().unwrap().handle;
+    let entries: Vec<CompressedRow> = [(b1, 5), (b1, 6), (b0, 63), (b0, 0)][..n]
+        .iter()
+        .map(|&(block, row)| CompressedRow { block, row })
+        .collect();
+    w.stage_compressed(Class::Csa, &entries).unwrap();
+    (w, [b0, b1], entries)
+}
+
 #[test]
 fn the_writer_puts_keys_at_their_entries_in_every_format_and_nothing_else_changes() {
     let model = ModelShape::v4_flash(0).unwrap();
@@ -309,16 +326,7 @@ fn the_writer_puts_keys_at_their_entries_in_every_format_and_nothing_else_change
             unsafe { pool.backend().upload(v.ptr, &fresh, pool.stream()) }.unwrap();
         }
         let before = indexer_pools(&pool);
-        let mut w = pool.kv_row_writer(RowWriteCapacity::new(16)).unwrap();
-        let b0 = pool.alloc_block().unwrap().handle;
-        let b1 = pool.alloc_block().unwrap().handle;
-        let entries = [
-            CompressedRow { block: b1, row: 5 },
-            CompressedRow { block: b1, row: 6 },
-            CompressedRow { block: b0, row: 63 },
-            CompressedRow { block: b0, row: 0 },
-        ];
-        w.stage_compressed(Class::Csa, &entries).unwrap();
+        let (mut w, [b0, b1], entries) = staged_entries(&pool, 4);
         let stride = 136;
         let mut k = keys(&mut rng, entries.len(), stride);
         k[3 * stride..3 * stride + 128].fill(0); // an all-zero key row

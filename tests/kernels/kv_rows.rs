@@ -398,16 +398,8 @@ fn index_keys_land_at_their_entries_rows_and_nothing_else_changes() {
     let fresh = rng.bytes(indexer_bytes(&pool).len());
     // SAFETY: as in `indexer_bytes`.
     unsafe { pool.backend().upload(v.ptr, &fresh, pool.stream()) }.unwrap();
-    let mut w = pool.kv_row_writer(RowWriteCapacity::new(16)).unwrap();
-    let b0 = pool.alloc_block().unwrap().handle;
-    let b1 = pool.alloc_block().unwrap().handle;
     // Two consecutive rows (one copy run), then a row of another block.
-    let entries = [
-        CompressedRow { block: b1, row: 5 },
-        CompressedRow { block: b1, row: 6 },
-        CompressedRow { block: b0, row: 63 },
-    ];
-    w.stage_compressed(Class::Csa, &entries).unwrap();
+    let (mut w, [b0, b1], entries) = crate::index_keys::staged_entries(&pool, 3);
     let stride = 136;
     let keys = bf16_values(&mut rng, 2 * stride + 128);
     let rank = 2;

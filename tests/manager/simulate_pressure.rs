@@ -148,14 +148,14 @@ mod long_prompts {
         max_prompt: u64,
     }
 
+    /// SplitMix64 from `seed` itself (not `v4pool::sim::Rng`, which offsets its seed): the
+    /// trace the fix was measured on. A draw is `mix` of the running state, then a step.
     struct SplitMix(u64);
     impl SplitMix {
         fn next(&mut self) -> u64 {
+            let z = crate::manager_common::mix(self.0);
             self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
+            z
         }
         fn range(&mut self, (lo, hi): (u64, u64)) -> u64 {
             lo + self.next() % (hi - lo + 1)

@@ -141,12 +141,9 @@ pub struct Inputs {
     pub kv: Vec<u8>,
     pub score: Vec<u8>,
     pub ape: Vec<u8>,
-    pub kv_row_stride: i64,
-    pub score_row_stride: i64,
-    pub rows: i64,
-    pub dim: i64,
-    pub dtype: ElemType,
-    pub ape_dtype: ElemType,
+    /// The launch's strides, rows, dim and element types; its pointers are null until
+    /// [`upload`] sets them.
+    pub shape: StateInputs,
 }
 
 /// Random finite non-zero values as `ty` bytes.
@@ -180,12 +177,13 @@ pub fn inputs(
         kv: values(rng, rows.max(1) * kv_row_stride as usize, dtype),
         score: values(rng, rows.max(1) * score_row_stride as usize, dtype),
         ape: values(rng, (c.ratio() * dim) as usize, ape_dtype),
-        kv_row_stride,
-        score_row_stride,
-        rows: rows as i64,
-        dim,
-        dtype,
-        ape_dtype,
+        shape: StateInputs::default()
+            .with_kv_row_stride(kv_row_stride)
+            .with_score_row_stride(score_row_stride)
+            .with_rows(rows as i64)
+            .with_dim(dim)
+            .with_dtype(dtype)
+            .with_ape_dtype(ape_dtype),
     }
 }
 
@@ -199,16 +197,7 @@ pub fn upload(backend: &dyn Backend, i: &Inputs) -> (Vec<DeviceAllocation>, Stat
         unsafe { backend.upload(a.ptr, bytes, Stream::DEFAULT).unwrap() };
         allocs.push(a);
     }
-    let view = StateInputs::default()
-        .with_kv(allocs[0].ptr)
-        .with_score(allocs[1].ptr)
-        .with_ape(allocs[2].ptr)
-        .with_kv_row_stride(i.kv_row_stride)
-        .with_score_row_stride(i.score_row_stride)
-        .with_rows(i.rows)
-        .with_dim(i.dim)
-        .with_dtype(i.dtype)
-        .with_ape_dtype(i.ape_dtype);
+    let view = i.shape.with_kv(allocs[0].ptr).with_score(allocs[1].ptr).with_ape(allocs[2].ptr);
     (allocs, view)
 }
 
@@ -256,14 +245,14 @@ pub fn expect(pool: &Pool, planes: &mut [Vec<u8>], c: Compressor, layer: u64, i:
             let (plane, off) = a.byte_offset(s.lease.position, kv_f, layer, slot_rows).unwrap();
             let dst = &mut planes[plane][off as usize + in_row..][..dim as usize * 4];
             for e in 0..dim as usize {
-                let v = elem(&i.kv, i.dtype, t * i.kv_row_stride as usize + e);
+                let v = elem(&i.kv, i.shape.dtype, t * i.shape.kv_row_stride as usize + e);
                 dst[4 * e..4 * e + 4].copy_from_slice(&v.to_ne_bytes());
             }
             let (plane, off) = a.byte_offset(s.lease.position, score_f, layer, slot_rows).unwrap();
             let dst = &mut planes[plane][off as usize + in_row..][..dim as usize * 4];
             for e in 0..dim as usize {
-                let v = elem(&i.score, i.dtype, t * i.score_row_stride as usize + e)
-                    + elem(&i.ape, i.ape_dtype, ape_row(p) + e);
+                let v = elem(&i.score, i.shape.dtype, t * i.shape.score_row_stride as usize + e)
+                    + elem(&i.ape, i.shape.ape_dtype, ape_row(p) + e);
                 dst[4 * e..4 * e + 4].copy_from_slice(&v.to_ne_bytes());
             }
         }
@@ -319,7 +308,7 @@ pub fn run_forward(pool: &Arc<Pool>, rng: &mut Rng, seqs: &[Seq], cap: StateUpda
 
 /// New random values in `i`'s buffers, same shapes (a captured graph's inputs, refilled).
 pub fn refill(rng: &mut Rng, i: &mut Inputs) {
-    i.kv = values(rng, i.kv.len() / i.dtype.size() as usize, i.dtype);
-    i.score = values(rng, i.score.len() / i.dtype.size() as usize, i.dtype);
-    i.ape = values(rng, i.ape.len() / i.ape_dtype.size() as usize, i.ape_dtype);
+    i.kv = values(rng, i.kv.len() / i.shape.dtype.size() as usize, i.shape.dtype);
+    i.score = values(rng, i.score.len() / i.shape.dtype.size() as usize, i.shape.dtype);
+    i.ape = values(rng, i.ape.len() / i.shape.ape_dtype.size() as usize, i.shape.ape_dtype);
 }

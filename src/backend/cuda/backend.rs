@@ -10,7 +10,8 @@ use crate::backend::launch::{DeviceLaunch, NO_PARAMS};
 use crate::backend::size::{to_usize, word_bytes};
 use crate::backend::staging::{self, stages, StagingRing};
 use crate::backend::{
-    heap, Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, HostMem, Stream,
+    heap, Backend, BackendError, BackendKind, BackendResult, DeviceAllocation, HostAllocation, HostMem,
+    Stream,
 };
 use crate::index::{DevicePtr, Launch};
 use cudarc::driver::sys;
@@ -58,7 +59,7 @@ impl fmt::Debug for CudaBackend {
 
 impl CudaBackend {
     /// The backend on device `ordinal`, or `Unavailable` when there is no driver or device.
-    pub fn new(ordinal: usize) -> Result<Self, BackendError> {
+    pub fn new(ordinal: usize) -> BackendResult<Self> {
         let ordinal = i32::try_from(ordinal).map_err(|_| unavailable(format!("no CUDA device {ordinal}")))?;
         let device = device(ordinal)?;
         bind(&device)?;
@@ -106,7 +107,7 @@ impl CudaBackend {
     /// Turn [`overlapped_launches`](Self::overlapped_launches) on or off for later launches
     /// of every clone of this backend (benchmarks compare both). Refused on a device before
     /// compute capability 9.0: the kernels there have no wait, so overlapping would race.
-    pub fn set_overlapped_launches(&self, on: bool) -> Result<(), BackendError> {
+    pub fn set_overlapped_launches(&self, on: bool) -> BackendResult<()> {
         if on && self.inner.device.cc.0 < 9 {
             return Err(unavailable(format!(
                 "overlapped launches need compute capability 9.0 or later (device has {}.{})",
@@ -118,7 +119,7 @@ impl CudaBackend {
     }
 
     /// Which image the kernels came from, or why none could be loaded.
-    pub fn module_source(&self) -> Result<ModuleSource, BackendError> {
+    pub fn module_source(&self) -> BackendResult<ModuleSource> {
         match &self.inner.device.module {
             Ok(m) => Ok(m.source),
             Err(e) => Err(unavailable(e.clone())),
@@ -129,14 +130,14 @@ impl CudaBackend {
     /// resolve every kernel symbol, run `v4pool_empty` from it, unload. Each entry is the
     /// image and its load time in milliseconds (for NVRTC, compile included unless an
     /// earlier call compiled it), or why it failed.
-    pub fn probe_images(&self) -> Vec<(ModuleSource, Result<f64, BackendError>)> {
+    pub fn probe_images(&self) -> Vec<(ModuleSource, BackendResult<f64>)> {
         candidates(self.inner.device.cc)
             .into_iter()
             .map(|source| (source, self.probe_image(source)))
             .collect()
     }
 
-    fn probe_image(&self, source: ModuleSource) -> Result<f64, BackendError> {
+    fn probe_image(&self, source: ModuleSource) -> BackendResult<f64> {
         self.bind()?;
         let t0 = std::time::Instant::now();
         let module = load_image(source)?;
@@ -165,7 +166,7 @@ impl CudaBackend {
     }
 
     /// `(free, total)` device memory in bytes.
-    pub fn memory_info(&self) -> Result<(u64, u64), BackendError> {
+    pub fn memory_info(&self) -> BackendResult<(u64, u64)> {
         self.bind()?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: context current; valid out-pointers.
@@ -178,7 +179,7 @@ impl CudaBackend {
         self.inner.stream(stream) as u64
     }
 
-    fn bind(&self) -> Result<(), BackendError> {
+    fn bind(&self) -> BackendResult<()> {
         bind(&self.inner.device)
     }
 
@@ -190,7 +191,7 @@ impl CudaBackend {
         len: usize,
         stream: Stream,
         copy: impl FnOnce(sys::CUstream) -> sys::CUresult,
-    ) -> Result<(), BackendError> {
+    ) -> BackendResult<()> {
         if len == 0 {
             return Ok(());
         }
@@ -199,7 +200,7 @@ impl CudaBackend {
     }
 
     /// The loaded module's function for a prepared launch.
-    fn function(&self, launch: &DeviceLaunch<'_>) -> Result<sys::CUfunction, BackendError> {
+    fn function(&self, launch: &DeviceLaunch<'_>) -> BackendResult<sys::CUfunction> {
         let module = self.inner.device.module.as_ref().map_err(|e| unavailable(e.clone()))?;
         module
             .functions
@@ -209,7 +210,7 @@ impl CudaBackend {
             .ok_or(BackendError::MissingKernel { backend: KIND, symbol: launch.symbol() })
     }
 
-    fn is_capturing(&self, stream: sys::CUstream) -> Result<bool, BackendError> {
+    fn is_capturing(&self, stream: sys::CUstream) -> BackendResult<bool> {
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: context current; `stream` is the caller's live stream or ours.
         check("cuStreamIsCapturing", unsafe { sys::cuStreamIsCapturing(stream, &mut status) })?;
@@ -232,7 +233,7 @@ impl CudaBackend {
         params: *mut *mut c_void,
         stream: sys::CUstream,
         overlap: bool,
-    ) -> Result<(), BackendError> {
+    ) -> BackendResult<()> {
         if !overlap {
             // SAFETY: the caller's contract (the driver copies the argument struct during the call).
             return check("cuLaunchKernel", unsafe {
@@ -295,7 +296,7 @@ pub(super) const OVERLAPPED_KERNELS: [&str; 12] = [
     "v4pool_write_batch",
 ];
 
-pub(super) fn bind(device: &Device) -> Result<(), BackendError> {
+pub(super) fn bind(device: &Device) -> BackendResult<()> {
     // SAFETY: the primary context is retained for the process.
     check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(device.ctx) })
 }
@@ -337,7 +338,7 @@ unsafe impl Backend for CudaBackend {
         self.inner.device.name.clone()
     }
 
-    fn alloc_zeroed(&self, bytes: u64) -> Result<DeviceAllocation, BackendError> {
+    fn alloc_zeroed(&self, bytes: u64) -> BackendResult<DeviceAllocation> {
         self.bind()?;
         let size = to_usize(KIND, "alloc_zeroed", "bytes", bytes.max(1))?;
         let mut ptr: sys::CUdeviceptr = 0;
@@ -370,7 +371,7 @@ unsafe impl Backend for CudaBackend {
         }
     }
 
-    fn alloc_host(&self, bytes: u64) -> Result<HostAllocation, BackendError> {
+    fn alloc_host(&self, bytes: u64) -> BackendResult<HostAllocation> {
         let n = to_usize(KIND, "alloc_host", "bytes", bytes)?;
         if n == 0 {
             return heap::alloc(KIND, 0);
@@ -388,7 +389,7 @@ unsafe impl Backend for CudaBackend {
         unsafe { staging::free_host(&CudaStaging, alloc) }
     }
 
-    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> BackendResult<()> {
         // SAFETY: the caller's contract: `dst` in a live allocation, `src` page-locked and
         // untouched until the stream has run the copy (a DMA, not staged).
         self.queue_dma("cuMemcpyHtoDAsync_v2", src.len(), stream, |raw| unsafe {
@@ -396,7 +397,7 @@ unsafe impl Backend for CudaBackend {
         })
     }
 
-    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> BackendResult<()> {
         // SAFETY: the caller's contract: `src` in a live allocation, `dst` page-locked and
         // untouched until the stream has been synchronised.
         self.queue_dma("cuMemcpyDtoHAsync_v2", dst.len(), stream, |raw| unsafe {
@@ -404,7 +405,7 @@ unsafe impl Backend for CudaBackend {
         })
     }
 
-    unsafe fn upload(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> Result<(), BackendError> {
+    unsafe fn upload(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> BackendResult<()> {
         if src.is_empty() {
             return Ok(());
         }
@@ -431,7 +432,7 @@ unsafe impl Backend for CudaBackend {
         unsafe { staging.upload(&CudaStaging, dst, src, raw) }
     }
 
-    unsafe fn download(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn download(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> BackendResult<()> {
         self.bind()?;
         let raw = self.inner.stream(stream);
         if self.is_capturing(raw)? {
@@ -452,13 +453,7 @@ unsafe impl Backend for CudaBackend {
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(raw) })
     }
 
-    unsafe fn copy(
-        &self,
-        dst: DevicePtr,
-        src: DevicePtr,
-        bytes: u64,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: u64, stream: Stream) -> BackendResult<()> {
         if bytes == 0 {
             return Ok(());
         }
@@ -470,13 +465,7 @@ unsafe impl Backend for CudaBackend {
         })
     }
 
-    unsafe fn fill_u32(
-        &self,
-        dst: DevicePtr,
-        count: u64,
-        value: u32,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn fill_u32(&self, dst: DevicePtr, count: u64, value: u32, stream: Stream) -> BackendResult<()> {
         if count == 0 {
             return Ok(());
         }
@@ -488,7 +477,7 @@ unsafe impl Backend for CudaBackend {
         check("cuMemsetD32Async", unsafe { sys::cuMemsetD32Async(dst, value, n, self.inner.stream(stream)) })
     }
 
-    unsafe fn launch(&self, launch: &Launch, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn launch(&self, launch: &Launch, stream: Stream) -> BackendResult<()> {
         // Checked before the driver; empty launches still run one block (never skipped) so
         // a captured graph keeps its nodes whatever the batch held at capture time.
         let mut prepared = DeviceLaunch::prepare(launch)?;
@@ -503,7 +492,7 @@ unsafe impl Backend for CudaBackend {
         unsafe { self.launch_raw(f, grid, block, prepared.params(), raw, overlap) }
     }
 
-    fn synchronize(&self, stream: Stream) -> Result<(), BackendError> {
+    fn synchronize(&self, stream: Stream) -> BackendResult<()> {
         self.bind()?;
         // SAFETY: a live stream (ours, or the caller's by contract).
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.inner.stream(stream)) })

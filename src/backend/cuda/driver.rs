@@ -4,7 +4,7 @@
 
 use super::KIND;
 use crate::backend::staging::StagingDriver;
-use crate::backend::BackendError;
+use crate::backend::{BackendError, BackendResult};
 use crate::index::DevicePtr;
 use cudarc::driver::sys;
 use std::ffi::{c_void, CStr};
@@ -95,7 +95,7 @@ pub fn is_available() -> bool {
 }
 
 /// Number of CUDA devices, or why there are none to count.
-pub fn device_count() -> Result<usize, BackendError> {
+pub fn device_count() -> BackendResult<usize> {
     driver_ready().map_err(unavailable)?;
     let mut n = 0;
     // SAFETY: the driver is initialised; `n` is a valid out-pointer.
@@ -130,7 +130,7 @@ pub(super) fn error_text(r: sys::CUresult) -> String {
     }
 }
 
-pub(super) fn check(call: &'static str, r: sys::CUresult) -> Result<(), BackendError> {
+pub(super) fn check(call: &'static str, r: sys::CUresult) -> BackendResult<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -146,7 +146,7 @@ impl StagingDriver for CudaStaging {
     type Event = sys::CUevent;
     type Stream = sys::CUstream;
 
-    fn alloc_pinned(&self, bytes: usize) -> Result<*mut u8, BackendError> {
+    fn alloc_pinned(&self, bytes: usize) -> BackendResult<*mut u8> {
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: context current (the caller bound it); valid out-pointer.
         let r = unsafe { sys::cuMemAllocHost_v2(&mut p, bytes) };
@@ -160,12 +160,12 @@ impl StagingDriver for CudaStaging {
         Ok(p.cast())
     }
 
-    unsafe fn free_pinned(&self, ptr: *mut u8) -> Result<(), BackendError> {
+    unsafe fn free_pinned(&self, ptr: *mut u8) -> BackendResult<()> {
         // SAFETY: the caller's contract: our pinned buffer, no copy still reads it.
         check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(ptr.cast()) })
     }
 
-    fn create_event(&self) -> Result<sys::CUevent, BackendError> {
+    fn create_event(&self) -> BackendResult<sys::CUevent> {
         let mut ev: sys::CUevent = std::ptr::null_mut();
         // SAFETY: context current; valid out-pointer.
         check("cuEventCreate", unsafe {
@@ -185,12 +185,12 @@ impl StagingDriver for CudaStaging {
         r == sys::CUresult::CUDA_SUCCESS
     }
 
-    unsafe fn wait_event(&self, event: sys::CUevent) -> Result<(), BackendError> {
+    unsafe fn wait_event(&self, event: sys::CUevent) -> BackendResult<()> {
         // SAFETY: the caller's contract: a live event.
         check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event) })
     }
 
-    unsafe fn record(&self, event: sys::CUevent, stream: sys::CUstream) -> Result<(), BackendError> {
+    unsafe fn record(&self, event: sys::CUevent, stream: sys::CUstream) -> BackendResult<()> {
         // SAFETY: the caller's contract: live event and stream.
         check("cuEventRecord", unsafe { sys::cuEventRecord(event, stream) })
     }
@@ -201,12 +201,12 @@ impl StagingDriver for CudaStaging {
         src: *const u8,
         len: usize,
         stream: sys::CUstream,
-    ) -> Result<(), BackendError> {
+    ) -> BackendResult<()> {
         // SAFETY: the caller's contract on both ranges and the stream.
         check("cuMemcpyHtoDAsync_v2", unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, stream) })
     }
 
-    unsafe fn sync_stream(&self, stream: sys::CUstream) -> Result<(), BackendError> {
+    unsafe fn sync_stream(&self, stream: sys::CUstream) -> BackendResult<()> {
         // SAFETY: the caller's contract: a live stream.
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(stream) })
     }

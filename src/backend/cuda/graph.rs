@@ -5,7 +5,7 @@
 
 use super::backend::{bind, CudaBackend, Inner};
 use super::driver::check;
-use crate::backend::{BackendError, Stream};
+use crate::backend::{BackendResult, Stream};
 use cudarc::driver::sys;
 use std::fmt;
 use std::sync::Arc;
@@ -14,7 +14,7 @@ impl CudaBackend {
     /// Start recording the work queued on `stream` into a graph. Until [`GraphCapture::end`]
     /// nothing runs; uploads, downloads and allocation are refused on that stream (and
     /// allocation is illegal on this thread) while capturing.
-    pub fn begin_capture(&self, stream: Stream) -> Result<GraphCapture, BackendError> {
+    pub fn begin_capture(&self, stream: Stream) -> BackendResult<GraphCapture> {
         bind(&self.inner.device)?;
         let raw = self.inner.stream(stream);
         // SAFETY: context current. Thread-local mode: other threads (other tests, the
@@ -27,7 +27,7 @@ impl CudaBackend {
 
     /// A timing event (created with `CU_EVENT_DEFAULT`: the default-flag path that records
     /// timestamps).
-    pub fn event(&self) -> Result<CudaEvent, BackendError> {
+    pub fn event(&self) -> BackendResult<CudaEvent> {
         bind(&self.inner.device)?;
         let mut ev: sys::CUevent = std::ptr::null_mut();
         // SAFETY: context current; valid out-pointer.
@@ -48,7 +48,7 @@ pub struct GraphCapture {
 
 impl GraphCapture {
     /// Stop recording, instantiate and upload the graph.
-    pub fn end(mut self) -> Result<CudaGraph, BackendError> {
+    pub fn end(mut self) -> BackendResult<CudaGraph> {
         self.ended = true;
         bind(&self.inner.device)?;
         let mut graph: sys::CUgraph = std::ptr::null_mut();
@@ -101,7 +101,7 @@ unsafe impl Sync for CudaGraph {}
 
 impl CudaGraph {
     /// Queue one replay on `stream` (`Stream::DEFAULT`: the backend's own); no host wait.
-    pub fn replay(&self, stream: Stream) -> Result<(), BackendError> {
+    pub fn replay(&self, stream: Stream) -> BackendResult<()> {
         bind(&self.inner.device)?;
         // SAFETY: a valid executable graph; the buffers it names are the caller's to keep alive.
         check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(self.exec, self.inner.stream(stream)) })
@@ -144,21 +144,21 @@ unsafe impl Sync for CudaEvent {}
 
 impl CudaEvent {
     /// Record at the current end of `stream`'s queue.
-    pub fn record(&self, stream: Stream) -> Result<(), BackendError> {
+    pub fn record(&self, stream: Stream) -> BackendResult<()> {
         bind(&self.inner.device)?;
         // SAFETY: a live event and stream.
         check("cuEventRecord", unsafe { sys::cuEventRecord(self.event, self.inner.stream(stream)) })
     }
 
     /// Wait until the recorded work has run.
-    pub fn synchronize(&self) -> Result<(), BackendError> {
+    pub fn synchronize(&self) -> BackendResult<()> {
         bind(&self.inner.device)?;
         // SAFETY: a live event.
         check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(self.event) })
     }
 
     /// Whether the work recorded before this event has run (no wait).
-    pub fn is_complete(&self) -> Result<bool, BackendError> {
+    pub fn is_complete(&self) -> BackendResult<bool> {
         bind(&self.inner.device)?;
         // SAFETY: a live event.
         match unsafe { sys::cuEventQuery(self.event) } {
@@ -169,7 +169,7 @@ impl CudaEvent {
     }
 
     /// Milliseconds from this event to `end` (waits for `end`).
-    pub fn elapsed_ms(&self, end: &CudaEvent) -> Result<f32, BackendError> {
+    pub fn elapsed_ms(&self, end: &CudaEvent) -> BackendResult<f32> {
         end.synchronize()?;
         let mut ms = 0f32;
         // SAFETY: two live timing events of the same context, both recorded.

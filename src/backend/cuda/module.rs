@@ -6,7 +6,7 @@
 
 use super::driver::{check, device_count, driver_ready, unavailable};
 use super::KIND;
-use crate::backend::BackendError;
+use crate::backend::{BackendError, BackendResult};
 use crate::index::Launch;
 use cudarc::driver::sys;
 use std::collections::HashMap;
@@ -44,7 +44,7 @@ fn embedded_images() -> EmbeddedImages {
 }
 
 /// NVRTC output per architecture, compiled once per process.
-fn nvrtc_ptx(source: &str, arch: u32) -> Result<Arc<Vec<u8>>, BackendError> {
+fn nvrtc_ptx(source: &str, arch: u32) -> BackendResult<Arc<Vec<u8>>> {
     static CACHE: OnceLock<Mutex<HashMap<u32, Arc<Vec<u8>>>>> = OnceLock::new();
     let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
     let mut map = cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -101,7 +101,7 @@ unsafe impl Send for Device {}
 // SAFETY: as above; all fields are read-only after construction.
 unsafe impl Sync for Device {}
 
-pub(super) fn device(ordinal: i32) -> Result<Arc<Device>, BackendError> {
+pub(super) fn device(ordinal: i32) -> BackendResult<Arc<Device>> {
     static DEVICES: OnceLock<Mutex<HashMap<i32, Arc<Device>>>> = OnceLock::new();
     driver_ready().map_err(unavailable)?;
     let count = device_count()?;
@@ -118,7 +118,7 @@ pub(super) fn device(ordinal: i32) -> Result<Arc<Device>, BackendError> {
     Ok(d)
 }
 
-fn open_device(ordinal: i32) -> Result<Device, BackendError> {
+fn open_device(ordinal: i32) -> BackendResult<Device> {
     let mut dev: sys::CUdevice = 0;
     // SAFETY: driver initialised; ordinal checked against the count; out-pointer valid.
     check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
@@ -127,7 +127,7 @@ fn open_device(ordinal: i32) -> Result<Device, BackendError> {
     check("cuDeviceGetName", unsafe { sys::cuDeviceGetName(name_buf.as_mut_ptr(), 256, dev) })?;
     // SAFETY: the driver NUL-terminated the name inside the buffer.
     let name = unsafe { CStr::from_ptr(name_buf.as_ptr()) }.to_string_lossy().into_owned();
-    let attr = |a: sys::CUdevice_attribute, call: &'static str| -> Result<i32, BackendError> {
+    let attr = |a: sys::CUdevice_attribute, call: &'static str| -> BackendResult<i32> {
         let mut v = 0;
         // SAFETY: valid device handle and out-pointer.
         check(call, unsafe { sys::cuDeviceGetAttribute(&mut v, a, dev) })?;
@@ -148,7 +148,7 @@ fn open_device(ordinal: i32) -> Result<Device, BackendError> {
 }
 
 /// Load one kind of image into the current context (no symbol lookup).
-pub(super) fn load_image(source: ModuleSource) -> Result<sys::CUmodule, BackendError> {
+pub(super) fn load_image(source: ModuleSource) -> BackendResult<sys::CUmodule> {
     let images = embedded_images();
     let missing = |what: &str| unavailable(format!("this build embeds no {what}"));
     match source {
@@ -193,7 +193,7 @@ pub(super) fn candidates(cc: (i32, i32)) -> Vec<ModuleSource> {
 /// Load the best image for a device of compute capability `cc` into the current context.
 /// `V4POOL_CUDA_MODULE=cubin|ptx|nvrtc` restricts the choice to one kind (to run everything
 /// through the PTX JIT or NVRTC path on a device the cubin would serve).
-fn load_module(cc: (i32, i32)) -> Result<LoadedModule, BackendError> {
+fn load_module(cc: (i32, i32)) -> BackendResult<LoadedModule> {
     let forced = std::env::var("V4POOL_CUDA_MODULE").ok();
     let wanted = |source: &ModuleSource| {
         matches!(
@@ -219,14 +219,14 @@ fn load_module(cc: (i32, i32)) -> Result<LoadedModule, BackendError> {
 
 /// # Safety
 /// `image` points to a complete cubin, fatbin or NUL-terminated PTX, and a context is current.
-unsafe fn module_from_image(image: *const c_void) -> Result<sys::CUmodule, BackendError> {
+unsafe fn module_from_image(image: *const c_void) -> BackendResult<sys::CUmodule> {
     let mut m: sys::CUmodule = std::ptr::null_mut();
     // SAFETY: the caller's contract; `m` is a valid out-pointer.
     check("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut m, image) })?;
     Ok(m)
 }
 
-pub(super) fn resolve(module: sys::CUmodule, source: ModuleSource) -> Result<LoadedModule, BackendError> {
+pub(super) fn resolve(module: sys::CUmodule, source: ModuleSource) -> BackendResult<LoadedModule> {
     let functions = Launch::SYMBOLS
         .iter()
         .map(|sym| {

@@ -3,7 +3,7 @@
 
 use super::{HipErr, Raw, HIP_ERROR_OUT_OF_MEMORY, HIP_EVENT_DISABLE_TIMING, HIP_SUCCESS, KIND};
 use crate::backend::staging::StagingDriver;
-use crate::backend::BackendError;
+use crate::backend::{BackendError, BackendResult};
 use crate::index::DevicePtr;
 use libloading::Library;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
@@ -179,7 +179,7 @@ impl HipApi {
         format!("{text} (hipError {code})")
     }
 
-    pub(super) fn check(&self, code: HipErr, call: &'static str) -> Result<(), BackendError> {
+    pub(super) fn check(&self, code: HipErr, call: &'static str) -> BackendResult<()> {
         if code == HIP_SUCCESS {
             Ok(())
         } else {
@@ -192,13 +192,13 @@ pub(super) fn unavailable(reason: impl Into<String>) -> BackendError {
     BackendError::Unavailable { backend: KIND, reason: reason.into() }
 }
 
-pub(super) fn api() -> Result<&'static HipApi, BackendError> {
+pub(super) fn api() -> BackendResult<&'static HipApi> {
     static API: OnceLock<Result<HipApi, String>> = OnceLock::new();
     API.get_or_init(HipApi::load).as_ref().map_err(|e| unavailable(e.clone()))
 }
 
 /// `hipInit` and the device count; `Unavailable` when there is no runtime, driver or GPU.
-pub(super) fn init_and_count() -> Result<(&'static HipApi, c_int), BackendError> {
+pub(super) fn init_and_count() -> BackendResult<(&'static HipApi, c_int)> {
     let api = api()?;
     // SAFETY: plain C calls with valid out-pointers.
     let init = unsafe { (api.init)(0) };
@@ -275,7 +275,7 @@ impl RtcApi {
         format!("{} (hiprtcResult {code})", unsafe { CStr::from_ptr(text) }.to_string_lossy())
     }
 
-    fn check(&self, code: c_int, call: &'static str) -> Result<(), BackendError> {
+    fn check(&self, code: c_int, call: &'static str) -> BackendResult<()> {
         if code == 0 {
             Ok(())
         } else {
@@ -284,7 +284,7 @@ impl RtcApi {
     }
 
     /// Compile `source` for `arch` (`None`: hiprtc's default, the current device).
-    pub(super) fn compile(&self, source: &str, arch: Option<&str>) -> Result<Vec<u8>, BackendError> {
+    pub(super) fn compile(&self, source: &str, arch: Option<&str>) -> BackendResult<Vec<u8>> {
         let compile_error = |log: String| BackendError::Compile { backend: KIND, log };
         let source = CString::new(source).map_err(|_| compile_error("kernel source contains NUL".into()))?;
         let name = CString::new(crate::kernels::SOURCE_NAME).unwrap_or_default();
@@ -315,7 +315,7 @@ impl RtcApi {
         result
     }
 
-    fn compile_created(&self, program: Raw, options: &[*const c_char]) -> Result<Vec<u8>, BackendError> {
+    fn compile_created(&self, program: Raw, options: &[*const c_char]) -> BackendResult<Vec<u8>> {
         let count = c_int::try_from(options.len())
             .map_err(|_| BackendError::Compile { backend: KIND, log: "too many hiprtc options".into() })?;
         // SAFETY: `program` is live; `options` holds `count` valid C strings.
@@ -333,7 +333,7 @@ impl RtcApi {
         Ok(code)
     }
 
-    fn log(&self, program: Raw) -> Result<String, BackendError> {
+    fn log(&self, program: Raw) -> BackendResult<String> {
         let mut size = 0usize;
         // SAFETY: live program, valid out-pointer.
         self.check(unsafe { (self.get_log_size)(program, &mut size) }, "hiprtcGetProgramLogSize")?;
@@ -345,7 +345,7 @@ impl RtcApi {
     }
 }
 
-pub(super) fn rtc() -> Result<&'static RtcApi, BackendError> {
+pub(super) fn rtc() -> BackendResult<&'static RtcApi> {
     static RTC: OnceLock<Result<RtcApi, String>> = OnceLock::new();
     RTC.get_or_init(RtcApi::load).as_ref().map_err(|e| unavailable(format!("hiprtc: {e}")))
 }
@@ -353,12 +353,12 @@ pub(super) fn rtc() -> Result<&'static RtcApi, BackendError> {
 /// Compile the embedded kernel source ([`crate::kernels::SOURCE`]) with hiprtc for `arch`
 /// (e.g. `gfx942`; `None`: hiprtc's default, the current device), returning the code object.
 /// Needs only the hiprtc library, not a GPU. [`BackendError::Unavailable`] without hiprtc.
-pub fn hiprtc_compile(arch: Option<&str>) -> Result<Vec<u8>, BackendError> {
+pub fn hiprtc_compile(arch: Option<&str>) -> BackendResult<Vec<u8>> {
     hiprtc_compile_source(crate::kernels::SOURCE, arch)
 }
 
 /// [`hiprtc_compile`] for any source (tests use a broken one to see the log come back).
-pub fn hiprtc_compile_source(source: &str, arch: Option<&str>) -> Result<Vec<u8>, BackendError> {
+pub fn hiprtc_compile_source(source: &str, arch: Option<&str>) -> BackendResult<Vec<u8>> {
     rtc()?.compile(source, arch)
 }
 
@@ -370,7 +370,7 @@ impl StagingDriver for HipStaging {
     type Event = Raw;
     type Stream = Raw;
 
-    fn alloc_pinned(&self, bytes: usize) -> Result<*mut u8, BackendError> {
+    fn alloc_pinned(&self, bytes: usize) -> BackendResult<*mut u8> {
         let api = self.0;
         let host_malloc = api.host_malloc.ok_or_else(|| unavailable("no hipHostMalloc"))?;
         let mut host: Raw = std::ptr::null_mut();
@@ -384,12 +384,12 @@ impl StagingDriver for HipStaging {
         Ok(host.cast())
     }
 
-    unsafe fn free_pinned(&self, ptr: *mut u8) -> Result<(), BackendError> {
+    unsafe fn free_pinned(&self, ptr: *mut u8) -> BackendResult<()> {
         // SAFETY: the caller's contract: our pinned buffer, no copy still reads it.
         self.0.check(unsafe { (self.0.host_free)(ptr.cast()) }, "hipHostFree")
     }
 
-    fn create_event(&self) -> Result<Raw, BackendError> {
+    fn create_event(&self) -> BackendResult<Raw> {
         let mut event: Raw = std::ptr::null_mut();
         // SAFETY: valid out-pointer; a sync-only event needs no timing.
         let rc = unsafe { (self.0.event_create_with_flags)(&mut event, HIP_EVENT_DISABLE_TIMING) };
@@ -409,12 +409,12 @@ impl StagingDriver for HipStaging {
         rc == HIP_SUCCESS
     }
 
-    unsafe fn wait_event(&self, event: Raw) -> Result<(), BackendError> {
+    unsafe fn wait_event(&self, event: Raw) -> BackendResult<()> {
         // SAFETY: the caller's contract: a live event.
         self.0.check(unsafe { (self.0.event_synchronize)(event) }, "hipEventSynchronize")
     }
 
-    unsafe fn record(&self, event: Raw, stream: Raw) -> Result<(), BackendError> {
+    unsafe fn record(&self, event: Raw, stream: Raw) -> BackendResult<()> {
         // SAFETY: the caller's contract: live event and stream.
         self.0.check(unsafe { (self.0.event_record)(event, stream) }, "hipEventRecord")
     }
@@ -425,13 +425,13 @@ impl StagingDriver for HipStaging {
         src: *const u8,
         len: usize,
         stream: Raw,
-    ) -> Result<(), BackendError> {
+    ) -> BackendResult<()> {
         // SAFETY: the caller's contract on both ranges and the stream.
         let rc = unsafe { (self.0.memcpy_htod_async)(dst as Raw, src.cast_mut().cast(), len, stream) };
         self.0.check(rc, "hipMemcpyHtoDAsync")
     }
 
-    unsafe fn sync_stream(&self, stream: Raw) -> Result<(), BackendError> {
+    unsafe fn sync_stream(&self, stream: Raw) -> BackendResult<()> {
         // SAFETY: the caller's contract: a live stream.
         self.0.check(unsafe { (self.0.stream_synchronize)(stream) }, "hipStreamSynchronize")
     }

@@ -9,7 +9,8 @@ use crate::backend::launch::DeviceLaunch;
 use crate::backend::size::{to_usize, word_bytes};
 use crate::backend::staging::{self, stages, StagingDriver, StagingRing};
 use crate::backend::{
-    heap, Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, HostMem, Stream,
+    heap, Backend, BackendError, BackendKind, BackendResult, DeviceAllocation, HostAllocation, HostMem,
+    Stream,
 };
 use crate::index::{DevicePtr, Launch};
 use std::ffi::c_int;
@@ -47,7 +48,7 @@ impl fmt::Debug for HipBackend {
 }
 
 /// Number of HIP devices, or why there are none to count ([`BackendError::Unavailable`]).
-pub fn device_count() -> Result<usize, BackendError> {
+pub fn device_count() -> BackendResult<usize> {
     let (_, count) = init_and_count()?;
     Ok(usize::try_from(count).unwrap_or(0))
 }
@@ -61,7 +62,7 @@ impl HipBackend {
     /// The backend on device `ordinal`: opens the runtime, creates the backend's stream and
     /// loads (or reuses) the device's kernel module. Without ROCm or a GPU:
     /// [`BackendError::Unavailable`].
-    pub fn new(ordinal: usize) -> Result<Self, BackendError> {
+    pub fn new(ordinal: usize) -> BackendResult<Self> {
         let (api, count) = init_and_count()?;
         install_profiling_hooks();
         let ordinal = c_int::try_from(ordinal)
@@ -120,7 +121,7 @@ impl HipBackend {
     }
 
     /// A timing event (`hipEventDefault`) on this backend's device.
-    pub fn event(&self) -> Result<HipEvent, BackendError> {
+    pub fn event(&self) -> BackendResult<HipEvent> {
         self.bind()?;
         let mut event: Raw = std::ptr::null_mut();
         // SAFETY: valid out-pointer; default flags keep timing enabled.
@@ -130,7 +131,7 @@ impl HipBackend {
 
     /// Make this backend's device current on the calling thread (HIP's current device is
     /// per thread, and the backend may be called from any thread).
-    fn bind(&self) -> Result<(), BackendError> {
+    fn bind(&self) -> BackendResult<()> {
         // SAFETY: the ordinal was validated in `new`.
         self.api.check(unsafe { (self.api.set_device)(self.ordinal) }, "hipSetDevice")
     }
@@ -143,7 +144,7 @@ impl HipBackend {
         }
     }
 
-    fn sync_raw(&self, raw: Raw) -> Result<(), BackendError> {
+    fn sync_raw(&self, raw: Raw) -> BackendResult<()> {
         // SAFETY: `raw` is this backend's stream or one the caller owns.
         self.api.check(unsafe { (self.api.stream_synchronize)(raw) }, "hipStreamSynchronize")
     }
@@ -172,7 +173,7 @@ unsafe impl Backend for HipBackend {
         self.name.clone()
     }
 
-    fn alloc_zeroed(&self, bytes: u64) -> Result<DeviceAllocation, BackendError> {
+    fn alloc_zeroed(&self, bytes: u64) -> BackendResult<DeviceAllocation> {
         self.bind()?;
         // hipMalloc(0) returns null; a 256-byte minimum keeps every allocation a real address.
         let size = to_usize(KIND, "alloc_zeroed", "bytes", bytes.max(256))?;
@@ -207,7 +208,7 @@ unsafe impl Backend for HipBackend {
         let _ = unsafe { (self.api.free)(alloc.ptr as Raw) };
     }
 
-    fn alloc_host(&self, bytes: u64) -> Result<HostAllocation, BackendError> {
+    fn alloc_host(&self, bytes: u64) -> BackendResult<HostAllocation> {
         let n = to_usize(KIND, "alloc_host", "bytes", bytes)?;
         if n == 0 || self.api.host_malloc.is_none() {
             // Without hipHostMalloc: ordinary memory, copied by the waiting paths below.
@@ -225,7 +226,7 @@ unsafe impl Backend for HipBackend {
         unsafe { staging::free_host(&HipStaging(self.api), alloc) }
     }
 
-    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> BackendResult<()> {
         if src.is_empty() || self.api.host_malloc.is_none() {
             // SAFETY: the caller's contract; `alloc_host` gave ordinary memory: copy and wait.
             return unsafe { self.upload(dst, src.as_slice(), stream) };
@@ -236,7 +237,7 @@ unsafe impl Backend for HipBackend {
         unsafe { HipStaging(self.api).copy_to_device(dst, src.as_ptr(), src.len(), self.resolve(stream)) }
     }
 
-    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> BackendResult<()> {
         if dst.is_empty() || self.api.host_malloc.is_none() {
             // SAFETY: the caller's contract; ordinary memory: copy and wait.
             return unsafe { self.download(dst.as_mut_slice(), src, stream) };
@@ -249,7 +250,7 @@ unsafe impl Backend for HipBackend {
         self.api.check(rc, "hipMemcpyDtoHAsync")
     }
 
-    unsafe fn upload(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> Result<(), BackendError> {
+    unsafe fn upload(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> BackendResult<()> {
         if src.is_empty() {
             return Ok(());
         }
@@ -269,7 +270,7 @@ unsafe impl Backend for HipBackend {
         self.sync_raw(raw)
     }
 
-    unsafe fn download(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn download(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> BackendResult<()> {
         if dst.is_empty() {
             return Ok(());
         }
@@ -281,13 +282,7 @@ unsafe impl Backend for HipBackend {
         self.sync_raw(raw)
     }
 
-    unsafe fn copy(
-        &self,
-        dst: DevicePtr,
-        src: DevicePtr,
-        bytes: u64,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: u64, stream: Stream) -> BackendResult<()> {
         if bytes == 0 {
             return Ok(());
         }
@@ -298,13 +293,7 @@ unsafe impl Backend for HipBackend {
         self.api.check(rc, "hipMemcpyDtoDAsync")
     }
 
-    unsafe fn fill_u32(
-        &self,
-        dst: DevicePtr,
-        count: u64,
-        value: u32,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn fill_u32(&self, dst: DevicePtr, count: u64, value: u32, stream: Stream) -> BackendResult<()> {
         if count == 0 {
             return Ok(());
         }
@@ -324,7 +313,7 @@ unsafe impl Backend for HipBackend {
         self.api.check(rc, "hipMemsetD32Async")
     }
 
-    unsafe fn launch(&self, launch: &Launch, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn launch(&self, launch: &Launch, stream: Stream) -> BackendResult<()> {
         // Every dimension is >= 1: a launch with no work is one block that returns at once.
         let mut prepared = DeviceLaunch::prepare(launch)?;
         let function = *self
@@ -355,7 +344,7 @@ unsafe impl Backend for HipBackend {
         self.api.check(rc, "hipModuleLaunchKernel")
     }
 
-    fn synchronize(&self, stream: Stream) -> Result<(), BackendError> {
+    fn synchronize(&self, stream: Stream) -> BackendResult<()> {
         self.bind()?;
         self.sync_raw(self.resolve(stream))
     }

@@ -2,7 +2,7 @@
 
 use super::api::HipApi;
 use super::Raw;
-use crate::backend::{BackendError, Stream};
+use crate::backend::{BackendResult, Stream};
 use std::ffi::c_int;
 use std::fmt;
 
@@ -21,13 +21,13 @@ unsafe impl Send for HipEvent {}
 unsafe impl Sync for HipEvent {}
 
 impl HipEvent {
-    fn bind(&self) -> Result<(), BackendError> {
+    fn bind(&self) -> BackendResult<()> {
         // SAFETY: the ordinal was validated when the backend was created.
         self.api.check(unsafe { (self.api.set_device)(self.ordinal) }, "hipSetDevice")
     }
 
     /// Record at the current end of `stream`'s queue.
-    pub fn record(&self, stream: Stream) -> Result<(), BackendError> {
+    pub fn record(&self, stream: Stream) -> BackendResult<()> {
         self.bind()?;
         let raw = if stream == Stream::DEFAULT { self.own_stream } else { stream.0 };
         // SAFETY: a live event; the stream is the backend's or the caller's.
@@ -35,14 +35,14 @@ impl HipEvent {
     }
 
     /// Wait until the recorded work has run.
-    pub fn synchronize(&self) -> Result<(), BackendError> {
+    pub fn synchronize(&self) -> BackendResult<()> {
         self.bind()?;
         // SAFETY: a live event.
         self.api.check(unsafe { (self.api.event_synchronize)(self.event) }, "hipEventSynchronize")
     }
 
     /// Milliseconds from this event to `end` (waits for `end`).
-    pub fn elapsed_ms(&self, end: &HipEvent) -> Result<f32, BackendError> {
+    pub fn elapsed_ms(&self, end: &HipEvent) -> BackendResult<f32> {
         end.synchronize()?;
         let mut ms = 0f32;
         // SAFETY: two live timing events, both recorded.

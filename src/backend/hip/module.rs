@@ -6,7 +6,7 @@ use super::{
     Raw, DEVICE_PROP_BUFFER_BYTES, GCN_ARCH_NAME_LEN, GCN_ARCH_NAME_OFFSET, HIP_ERROR_NOT_FOUND, HIP_SUCCESS,
     KERNEL_SYMBOLS, KIND,
 };
-use crate::backend::BackendError;
+use crate::backend::{BackendError, BackendResult};
 use std::ffi::{c_int, CString};
 use std::sync::{Arc, Mutex};
 
@@ -72,7 +72,7 @@ unsafe impl Send for LoadedModule {}
 unsafe impl Sync for LoadedModule {}
 
 /// Code objects compiled by hiprtc, once per arch per process (leaked: a handful at most).
-fn compiled_for(arch: Option<&str>) -> Result<&'static [u8], BackendError> {
+fn compiled_for(arch: Option<&str>) -> BackendResult<&'static [u8]> {
     static COMPILED: Mutex<Vec<(Option<String>, &'static [u8])>> = Mutex::new(Vec::new());
     let mut compiled = COMPILED.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, code)) = compiled.iter().find(|(a, _)| a.as_deref() == arch) {
@@ -85,7 +85,7 @@ fn compiled_for(arch: Option<&str>) -> Result<&'static [u8], BackendError> {
 
 /// `hipModuleLoadData` on a copy of `image` in 8-byte-aligned memory (an embedded slice has
 /// byte alignment only), then every kernel of [`KERNEL_SYMBOLS`].
-fn load_module(api: &HipApi, image: &[u8], origin: ModuleOrigin) -> Result<LoadedModule, BackendError> {
+fn load_module(api: &HipApi, image: &[u8], origin: ModuleOrigin) -> BackendResult<LoadedModule> {
     let mut aligned = vec![0u64; image.len().div_ceil(8)];
     bytemuck::cast_slice_mut::<u64, u8>(&mut aligned)[..image.len()].copy_from_slice(image);
     let mut module: Raw = std::ptr::null_mut();
@@ -118,7 +118,7 @@ fn env_flag(name: &str) -> bool {
 }
 
 /// Pick and load the module for the current device (see the module docs for the order).
-fn choose_module(api: &HipApi, arch: Option<&str>) -> Result<LoadedModule, BackendError> {
+fn choose_module(api: &HipApi, arch: Option<&str>) -> BackendResult<LoadedModule> {
     let processor = arch.map(|a| a.split(':').next().unwrap_or(a));
     let mut notes = Vec::new();
     if !env_flag("V4POOL_HIP_FORCE_HIPRTC") {
@@ -151,7 +151,7 @@ pub(super) fn module_for(
     api: &HipApi,
     ordinal: c_int,
     arch: Option<&str>,
-) -> Result<Arc<LoadedModule>, BackendError> {
+) -> BackendResult<Arc<LoadedModule>> {
     static MODULES: Mutex<Vec<(c_int, Arc<LoadedModule>)>> = Mutex::new(Vec::new());
     let mut modules = MODULES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, m)) = modules.iter().find(|(o, _)| *o == ordinal) {
@@ -163,7 +163,7 @@ pub(super) fn module_for(
 }
 
 /// The device's marketing name (e.g. "AMD Instinct MI300X").
-pub(super) fn device_name(api: &HipApi, ordinal: c_int) -> Result<String, BackendError> {
+pub(super) fn device_name(api: &HipApi, ordinal: c_int) -> BackendResult<String> {
     let mut device: c_int = 0;
     // SAFETY: valid out-pointer, ordinal in range.
     api.check(unsafe { (api.device_get)(&mut device, ordinal) }, "hipDeviceGet")?;

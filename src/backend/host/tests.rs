@@ -77,7 +77,7 @@ fn copies_and_fills_stay_inside_allocations() {
             w.copy_from_slice(&0xdead_beefu32.to_ne_bytes());
         }
         assert_eq!(get(&b, &c), want);
-        let outside = |r: Result<(), BackendError>| matches!(r, Err(BackendError::OutsideAllocation { .. }));
+        let outside = |r: BackendResult<()>| matches!(r, Err(BackendError::OutsideAllocation { .. }));
         // One byte past the end, a bogus address, a range spanning two allocations.
         assert!(outside(b.upload(a.ptr + 1, &data, S)));
         assert!(outside(b.upload(0x1000, &data[..4], S)));

@@ -15,7 +15,7 @@
 use crate::backend::external::ExternalRegion;
 use crate::backend::{self, BackendChoice, Stream};
 use crate::plan_report::{PlanOptions, PlanReport};
-use crate::pool::{DecodePath, Pool, PoolSpec};
+use crate::pool::{DecodePath, LayerView, Pool, PoolSpec};
 use crate::VariantName;
 use std::cell::RefCell;
 use std::ffi::{c_char, CStr, CString};
@@ -193,6 +193,15 @@ fn out<'a, T>(p: *mut T, what: &str) -> Result<&'a mut T, Fail> {
     // SAFETY: checked for null; the caller promises a valid, writable `T` (every function's
     // `# Safety`).
     unsafe { p.as_mut() }.ok_or_else(|| invalid(&format!("{what} is null")))
+}
+
+/// `v` written to the caller's `out_view` (the layer and compressed views' one translation).
+fn write_view(out_view: *mut V4poolView, v: LayerView) -> Result<(), Fail> {
+    write_out(
+        out_view,
+        "out_view",
+        V4poolView { struct_size: 0, ptr: v.ptr, rows: v.rows, row_bytes: v.row_bytes },
+    )
 }
 
 fn get<'a, T>(p: *const T, what: &str) -> Result<&'a T, Fail> {
@@ -467,12 +476,7 @@ pub unsafe extern "C" fn v4pool_pool_layer_view(
 ) -> V4poolStatus {
     guard(|| {
         let v = get(pool, "pool")?.pool.layer_view(layer as usize, plane as usize).map_err(rejected)?;
-        write_out(
-            out_view,
-            "out_view",
-            V4poolView { struct_size: 0, ptr: v.ptr, rows: v.rows, row_bytes: v.row_bytes },
-        )?;
-        Ok(())
+        write_view(out_view, v)
     })
 }
 
@@ -490,12 +494,7 @@ pub unsafe extern "C" fn v4pool_pool_compressed_view(
 ) -> V4poolStatus {
     guard(|| {
         let v = get(pool, "pool")?.pool.compressed_view(layer as usize).map_err(rejected)?;
-        write_out(
-            out_view,
-            "out_view",
-            V4poolView { struct_size: 0, ptr: v.ptr, rows: v.rows, row_bytes: v.row_bytes },
-        )?;
-        Ok(())
+        write_view(out_view, v)
     })
 }
 

@@ -260,6 +260,77 @@ fn csa_pack_decode_worked_example() {
     );
 }
 
+/// The §6 batch on geometry B: two sequences (tokens at positions 0–2 of slot 3, 14–15 of slot
+/// 0), block tables [7, 8] and [21, 5].
+const BATCH_BIDS: [i32; 5] = [0, 0, 0, 1, 1];
+const BATCH_TABLES: [i32; 4] = [7, 8, 21, 5];
+/// The batch's CSA prefix rows (each sequence's second token on: 9 and 8 rows).
+const BATCH_CSA_PTR: [i32; 6] = [0, 0, 0, 0, 9, 17];
+
+/// The §6 batch through the prefill builder, the HCA prefix rows at `hca_ptr`: the extend,
+/// prefix SWA, CSA and HCA indices, each one `U` past its indptr's end.
+fn prefill_batch_b(hca_ptr: &[i32; 6], coarse_packed: bool) -> [Vec<i32>; 4] {
+    let g = geometry_b();
+    let (ext_ptr, swa_ptr) = ([0, 1, 3, 6, 7, 9], [0, 0, 0, 0, 7, 13]);
+    let slack = |ptr: &[i32; 6]| vec![U; ptr[5] as usize + 1];
+    let [mut ext, mut swa, mut csa, mut hca] =
+        [slack(&ext_ptr), slack(&swa_ptr), slack(&BATCH_CSA_PTR), slack(hca_ptr)];
+    prefill_indices(PrefillIndices {
+        dense: g.window_params(0).unwrap(),
+        csa: g.window_params(4).unwrap(),
+        hca: g.window_params(128).unwrap(),
+        positions: &[0, 1, 2, 14, 15],
+        bid_per_token: &BATCH_BIDS,
+        chunk_start_per_seq: &[0, 14],
+        cu_seqlens_q_per_seq: &[0, 3],
+        state_slot_per_seq: &[3, 0],
+        // Ignored when packed (a V4 builder writes 2 compressed rows here).
+        n_committed_hca_per_seq: &[0, 2],
+        block_tables: BlockTables { table: &BATCH_TABLES, stride: 2 },
+        extend: Csr { indptr: &ext_ptr, indices: &mut ext },
+        prefix_swa: Some(Csr { indptr: &swa_ptr, indices: &mut swa }),
+        prefix_csa: Csr { indptr: &BATCH_CSA_PTR, indices: &mut csa },
+        prefix_hca: Csr { indptr: hca_ptr, indices: &mut hca },
+        envelope_rows: 132,
+        num_tokens: 5,
+        win: 8,
+        hca_ratio: 8,
+        hca_rows_per_block: 2,
+        coarse_packed,
+    })
+    .unwrap();
+    [ext, swa, csa, hca]
+}
+
+/// §5 in prefill mode over the §6 batch's CSA prefix rows: `topk` (`topk_row_stride` a row)
+/// packed into `out` in blocks of `block_capacity` compressed rows, plus `compress_bias`; the
+/// second sequence's tokens skip their 7 and 6 prefix rows (the window).
+fn pack_batch_b(
+    topk: &[i32],
+    topk_row_stride: i32,
+    out: &mut [i32],
+    block_capacity: i32,
+    compress_bias: i64,
+) {
+    csa_translate_pack(CsaPack {
+        topk,
+        block_tables: BlockTables { table: &BATCH_TABLES, stride: 2 },
+        positions: &[],
+        indptr: &BATCH_CSA_PTR,
+        batch_id_per_token: &BATCH_BIDS,
+        skip_prefix_len_per_token: &[0, 0, 0, 7, 6],
+        out,
+        envelope_rows: 132,
+        topk_row_stride,
+        num_tokens: 5,
+        block_capacity,
+        window_size: 0,
+        compress_bias,
+        flashmla: None,
+    })
+    .unwrap();
+}
+
 /// The §6 batch on geometry B.
 #[test]
 fn prefill_builder_worked_example_and_csa_follow_up() {
@@ -272,35 +343,7 @@ fn prefill_builder_worked_example_and_csa_follow_up() {
     assert_eq!(p(&csa), (30, 110, 11, 64, 128));
     assert_eq!(p(&hca), (11, 110, 11, 2, 4));
 
-    let positions = [0, 1, 2, 14, 15];
-    let bids = [0, 0, 0, 1, 1];
-    let tables = [7, 8, 21, 5];
-    let (ext_ptr, swa_ptr, csa_ptr, hca_ptr) =
-        ([0, 1, 3, 6, 7, 9], [0, 0, 0, 0, 7, 13], [0, 0, 0, 0, 9, 17], [0, 0, 0, 0, 8, 16]);
-    let (mut ext, mut swa, mut csa_idx, mut hca_idx) = (vec![U; 10], vec![U; 14], vec![U; 18], vec![U; 17]);
-    prefill_indices(PrefillIndices {
-        dense,
-        csa,
-        hca,
-        positions: &positions,
-        bid_per_token: &bids,
-        chunk_start_per_seq: &[0, 14],
-        cu_seqlens_q_per_seq: &[0, 3],
-        state_slot_per_seq: &[3, 0],
-        n_committed_hca_per_seq: &[0, 2],
-        block_tables: BlockTables { table: &tables, stride: 2 },
-        extend: Csr { indptr: &ext_ptr, indices: &mut ext },
-        prefix_swa: Some(Csr { indptr: &swa_ptr, indices: &mut swa }),
-        prefix_csa: Csr { indptr: &csa_ptr, indices: &mut csa_idx },
-        prefix_hca: Csr { indptr: &hca_ptr, indices: &mut hca_idx },
-        envelope_rows: 132,
-        num_tokens: 5,
-        win: 8,
-        hca_ratio: 8,
-        hca_rows_per_block: 2,
-        coarse_packed: false,
-    })
-    .unwrap();
+    let [ext, swa, mut csa_idx, hca_idx] = prefill_batch_b(&[0, 0, 0, 0, 8, 16], false);
     assert_eq!(ext, vec![0, 0, 1, 0, 1, 2, 3, 3, 4, U]);
     assert_eq!(swa, vec![7, 8, 9, 10, 0, 1, 2, 8, 9, 10, 0, 1, 2, U]);
     assert_eq!(csa_idx, vec![U, U, 37, 38, 39, 40, 30, 31, 32, U, U, 38, 39, 40, 30, 31, 32, U]);
@@ -308,23 +351,7 @@ fn prefill_builder_worked_example_and_csa_follow_up() {
 
     // §5 in prefill mode fills the CSA heads.
     let topk = cat(&[&[0, 0, 0, 0], &[0, 0, 0, 0], &[0, 0, 0, 0], &[2, 0, -1, -1], &[3, 65, -1, -1]]);
-    csa_translate_pack(CsaPack {
-        topk: &topk,
-        block_tables: BlockTables { table: &tables, stride: 2 },
-        positions: &[],
-        indptr: &csa_ptr,
-        batch_id_per_token: &bids,
-        skip_prefix_len_per_token: &[0, 0, 0, 7, 6],
-        out: &mut csa_idx,
-        envelope_rows: 132,
-        topk_row_stride: 4,
-        num_tokens: 5,
-        block_capacity: 64,
-        window_size: 0,
-        compress_bias: 0,
-        flashmla: None,
-    })
-    .unwrap();
+    pack_batch_b(&topk, 4, &mut csa_idx, 64, 0);
     assert_eq!(csa_idx, vec![2774, 2772, 37, 38, 39, 40, 30, 31, 32, 2775, 661, 38, 39, 40, 30, 31, 32, U]);
 }
 
@@ -333,57 +360,13 @@ fn prefill_builder_worked_example_and_csa_follow_up() {
 /// layer's bias) fills the heads.
 #[test]
 fn prefill_packed_coarse_slot_keeps_its_head_for_the_pack() {
-    let g = geometry_b();
-    let (dense, csa, hca) =
-        (g.window_params(0).unwrap(), g.window_params(4).unwrap(), g.window_params(128).unwrap());
-    let (bids, tables) = ([0, 0, 0, 1, 1], [7, 8, 21, 5]);
-    let ptr = [0, 0, 0, 0, 9, 17];
-    let (mut ext, mut swa, mut csa_idx, mut hca_idx) = (vec![U; 10], vec![U; 14], vec![U; 18], vec![U; 18]);
-    prefill_indices(PrefillIndices {
-        dense,
-        csa,
-        hca,
-        positions: &[0, 1, 2, 14, 15],
-        bid_per_token: &bids,
-        chunk_start_per_seq: &[0, 14],
-        cu_seqlens_q_per_seq: &[0, 3],
-        state_slot_per_seq: &[3, 0],
-        // Ignored when packed (a V4 builder would write 2 compressed rows here).
-        n_committed_hca_per_seq: &[0, 2],
-        block_tables: BlockTables { table: &tables, stride: 2 },
-        extend: Csr { indptr: &[0, 1, 3, 6, 7, 9], indices: &mut ext },
-        prefix_swa: Some(Csr { indptr: &[0, 0, 0, 0, 7, 13], indices: &mut swa }),
-        prefix_csa: Csr { indptr: &ptr, indices: &mut csa_idx },
-        prefix_hca: Csr { indptr: &ptr, indices: &mut hca_idx },
-        envelope_rows: 132,
-        num_tokens: 5,
-        win: 8,
-        hca_ratio: 8,
-        hca_rows_per_block: 2,
-        coarse_packed: true,
-    })
-    .unwrap();
+    // The HCA prefix as long as the CSA one: a packed layer's slice holds the compressed head.
+    let [_, _, csa_idx, mut hca_idx] = prefill_batch_b(&BATCH_CSA_PTR, true);
     // The windows are V4's (see the worked example), now at each slice's tail.
     assert_eq!(hca_idx, vec![U, U, 24, 27, 28, 31, 11, 12, 15, U, U, 27, 28, 31, 11, 12, 15, U]);
     assert_eq!(csa_idx, vec![U, U, 37, 38, 39, 40, 30, 31, 32, U, U, 38, 39, 40, 30, 31, 32, U]);
     let topk = cat(&[&[0, 0], &[0, 0], &[0, 0], &[1, 2], &[3, 0]]);
-    csa_translate_pack(CsaPack {
-        topk: &topk,
-        block_tables: BlockTables { table: &tables, stride: 2 },
-        positions: &[],
-        indptr: &ptr,
-        batch_id_per_token: &bids,
-        skip_prefix_len_per_token: &[0, 0, 0, 7, 6],
-        out: &mut hca_idx,
-        envelope_rows: 132,
-        topk_row_stride: 2,
-        num_tokens: 5,
-        block_capacity: 2,
-        window_size: 0,
-        compress_bias: 5,
-        flashmla: None,
-    })
-    .unwrap();
+    pack_batch_b(&topk, 2, &mut hca_idx, 2, 5);
     // Token 3 (table [21, 5]): rows 1 → 21·132 + 1, 2 → 5·132 + 0; token 4: 3 → 5·132 + 1,
     // 0 → 21·132; each + 5.
     assert_eq!(hca_idx, vec![2778, 665, 24, 27, 28, 31, 11, 12, 15, 666, 2777, 27, 28, 31, 11, 12, 15, U]);

@@ -6,7 +6,7 @@
 use std::sync::{Arc, Mutex};
 use v4pool::backend::host::HostBackend;
 use v4pool::backend::{
-    Backend, BackendError, BackendKind, DeviceAllocation, HostAllocation, HostMem, Stream,
+    Backend, BackendError, BackendKind, BackendResult, DeviceAllocation, HostAllocation, HostMem, Stream,
 };
 use v4pool::raw::index::{DevicePtr, Launch};
 
@@ -102,7 +102,7 @@ impl FaultBackend {
     }
 
     /// Count one call; the injected error if this is the one to fail.
-    fn enter(&self, call: Call, name: &'static str) -> Result<(), BackendError> {
+    fn enter(&self, call: Call, name: &'static str) -> BackendResult<()> {
         let hook = {
             let mut p = self.plan.lock().unwrap();
             let i = CALLS.iter().position(|&c| c == call).unwrap();
@@ -141,7 +141,7 @@ unsafe impl Backend for FaultBackend {
     fn device_name(&self) -> String {
         "fault-injecting host".into()
     }
-    fn alloc_zeroed(&self, bytes: u64) -> Result<DeviceAllocation, BackendError> {
+    fn alloc_zeroed(&self, bytes: u64) -> BackendResult<DeviceAllocation> {
         self.enter(Call::Alloc, "alloc_zeroed")?;
         self.host.alloc_zeroed(bytes)
     }
@@ -149,44 +149,32 @@ unsafe impl Backend for FaultBackend {
         // SAFETY: forwarded contract.
         unsafe { self.host.free(alloc) }
     }
-    unsafe fn upload(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> Result<(), BackendError> {
+    unsafe fn upload(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> BackendResult<()> {
         self.enter(Call::Upload, "upload")?;
         // SAFETY: forwarded contract.
         unsafe { self.host.upload(dst, src, stream) }
     }
-    unsafe fn download(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn download(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> BackendResult<()> {
         self.enter(Call::Download, "download")?;
         // SAFETY: forwarded contract.
         unsafe { self.host.download(dst, src, stream) }
     }
-    unsafe fn copy(
-        &self,
-        dst: DevicePtr,
-        src: DevicePtr,
-        bytes: u64,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: u64, stream: Stream) -> BackendResult<()> {
         self.enter(Call::Copy, "copy")?;
         // SAFETY: forwarded contract.
         unsafe { self.host.copy(dst, src, bytes, stream) }
     }
-    unsafe fn fill_u32(
-        &self,
-        dst: DevicePtr,
-        count: u64,
-        value: u32,
-        stream: Stream,
-    ) -> Result<(), BackendError> {
+    unsafe fn fill_u32(&self, dst: DevicePtr, count: u64, value: u32, stream: Stream) -> BackendResult<()> {
         self.enter(Call::Fill, "fill_u32")?;
         // SAFETY: forwarded contract.
         unsafe { self.host.fill_u32(dst, count, value, stream) }
     }
-    unsafe fn launch(&self, launch: &Launch, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn launch(&self, launch: &Launch, stream: Stream) -> BackendResult<()> {
         self.enter(Call::Launch, "launch")?;
         // SAFETY: forwarded contract.
         unsafe { self.host.launch(launch, stream) }
     }
-    fn synchronize(&self, stream: Stream) -> Result<(), BackendError> {
+    fn synchronize(&self, stream: Stream) -> BackendResult<()> {
         self.enter(Call::Synchronize, "synchronize")?;
         self.host.synchronize(stream)
     }
@@ -197,7 +185,7 @@ unsafe impl Backend for FaultBackend {
     fn forget_external(&self, ptr: DevicePtr) {
         self.host.forget_external(ptr)
     }
-    fn alloc_host(&self, bytes: u64) -> Result<HostAllocation, BackendError> {
+    fn alloc_host(&self, bytes: u64) -> BackendResult<HostAllocation> {
         self.enter(Call::AllocHost, "alloc_host")?;
         self.host.alloc_host(bytes)
     }
@@ -205,12 +193,12 @@ unsafe impl Backend for FaultBackend {
         // SAFETY: forwarded contract.
         unsafe { self.host.free_host(alloc) }
     }
-    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn upload_host(&self, dst: DevicePtr, src: HostMem, stream: Stream) -> BackendResult<()> {
         self.enter(Call::UploadHost, "upload_host")?;
         // SAFETY: forwarded contract.
         unsafe { self.host.upload_host(dst, src, stream) }
     }
-    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> Result<(), BackendError> {
+    unsafe fn download_host(&self, dst: HostMem, src: DevicePtr, stream: Stream) -> BackendResult<()> {
         self.enter(Call::DownloadHost, "download_host")?;
         // SAFETY: forwarded contract.
         unsafe { self.host.download_host(dst, src, stream) }
