@@ -206,6 +206,22 @@ pub fn run_child_test(mut c: std::process::Command, what: &str) -> String {
     text
 }
 
+/// For a test that times device work against the host or against its own stream: true when
+/// this process runs it alone (run the body); otherwise it runs test `name` of `module` again
+/// in a process of its own ([`child_test`], its output passed on) and answers false. The
+/// suite's other tests share this process's CUDA context: their allocations, module loads and
+/// work on the legacy default stream would be timed with it (seen on an H100, 2026-12-07: a
+/// host that waited 76 ms behind 66 ms of queued work, a graph replay timed at 17 ms a step).
+pub fn alone(module: &str, name: &str) -> bool {
+    if std::env::var_os("V4POOL_TEST_ALONE").is_some() {
+        return true;
+    }
+    let mut child = child_test(module, name);
+    child.env("V4POOL_TEST_ALONE", "1");
+    print_child_output(&run_child_test(child, name));
+    false
+}
+
 /// Print what a child test printed (its SKIP lines too), without its harness's lines: a
 /// log's `test result` lines then count this binary's runs only.
 pub fn print_child_output(text: &str) {

@@ -148,17 +148,12 @@ fn events_time_work_on_a_stream() {
 /// decode steps' uploads (inputs and 16 MB of block tables), poison fills and launches
 /// return to the host while the device is still busy with the memsets.
 ///
-/// Alone in a process of its own: it times the host against the device's queue, and the
-/// suite's other tests share this process's CUDA context (their allocations, frees and module
-/// loads take the context's locks). Run beside 61 of them on an H100 (2026-12-07) the host
-/// took 76.2 ms behind 66.3 ms of queued device work; as its own binary it had passed.
+/// Alone in a process of its own (`common::alone`): run beside the suite's 61 other tests on an
+/// H100 (2026-12-07) the host took 76.2 ms behind 66.3 ms of queued device work; as its own
+/// binary it had passed, and alone it queued in 6.9 ms.
 #[test]
 fn index_path_does_not_wait_for_the_device() {
-    const NAME: &str = "index_path_does_not_wait_for_the_device";
-    if std::env::var_os("V4POOL_TEST_ALONE").is_none() {
-        let mut child = common::child_test(module_path!(), NAME);
-        child.env("V4POOL_TEST_ALONE", "1");
-        common::print_child_output(&common::run_child_test(child, NAME));
+    if !common::alone(module_path!(), "index_path_does_not_wait_for_the_device") {
         return;
     }
     let Some(cuda) = cuda_or_skip("index_path_does_not_wait_for_the_device") else {
