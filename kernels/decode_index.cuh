@@ -303,6 +303,32 @@ V4P_DEVICE void v4p_flashmla_head(const FlashMlaOut& fm, const v4p_i32* __restri
     const v4p_i64 width = fm.extra_topk;
     const v4p_i64 limit = v4p_flashmla_limit(table != nullptr ? head : 0, width);
     constexpr int per = V4POOL_DECODE_FLASH_TILE / V4P_DECODE_NT;
+    static_assert(per == 4, "the 16-byte form gives each thread 4 consecutive entries of a tile");
+    // 16-byte stores where every row of every view starts 16-byte aligned (FlashMLA's widths are
+    // multiples of 64, so its rows are): thread tid writes entries 4 tid .. 4 tid + 3 of a tile,
+    // a warp 512 contiguous bytes a store. The limit is then a multiple of 4 (of 64, or the
+    // width), so a group is all in or all out. The entry-strided form below serves other widths.
+    if (((v4p_u64)out & 15) == 0 && width % 4 == 0) {
+        for (v4p_i64 base = tile * V4POOL_DECODE_FLASH_TILE; base < limit; base += ntiles * V4POOL_DECODE_FLASH_TILE) {
+            const v4p_i64 i0 = base + (v4p_i64)per * tid;
+            if (i0 >= limit) break;  // later rounds start further out
+            v4p_i64 rows[per];
+            v4p_i64 j = rpb > 0 ? i0 / rpb : 0, r = rpb > 0 ? i0 % rpb : 0;
+#pragma unroll
+            for (int k = 0; k < per; ++k) {
+                rows[k] = table != nullptr && i0 + k < head ? compress_row(table[j], r, envelope) : -1;
+                if (++r == rpb) r = 0, ++j;
+            }
+            for (v4p_i32 v = 0; v < fm.num_views; ++v) {
+                const v4p_i32 sh = shifts[v];
+                v4p_u32 w[per];
+#pragma unroll
+                for (int k = 0; k < per; ++k) w[k] = rows[k] < 0 ? 0xffffffffu : (v4p_u32)(rows[k] + sh);
+                v4p_head_store4(out + ((v4p_i64)v * tokens + t) * width + i0, w[0], w[1], w[2], w[3]);
+            }
+        }
+        return;
+    }
     for (v4p_i64 base = tile * V4POOL_DECODE_FLASH_TILE; base < limit; base += ntiles * V4POOL_DECODE_FLASH_TILE) {
         // The thread's entries base + tid + k * NT: every table load first, then the stores.
         v4p_i64 rows[per];
