@@ -99,10 +99,12 @@ fn a_restore_without_room_shortens_the_hit_cleanly() {
     m.evict_all().unwrap();
     poison_blocks(&m, 9);
     // A request holds all but 3 blocks: the hit at 1,280 needs 6 (5 blocks, 1 checkpoint
-    // unit), 1,024 needs 5, 768 needs 4; 512 needs 3 and is the one that comes back.
-    let hog = m.add_request(24 * BLOCK, Vec::new());
+    // unit), 1,024 needs 5, 768 needs 4; 512 needs 3 and is the one that comes back. (The
+    // pool's block count follows the slot's size, which the arena's alignment rounds.)
+    let total = m.pool().counts().unwrap().num_blocks as u64;
+    let hog = m.add_request(total * BLOCK, Vec::new());
     m.admit(hog).unwrap();
-    m.allocate(hog, 21 * BLOCK).unwrap();
+    m.allocate(hog, (total - 3) * BLOCK).unwrap();
     let held = m.stats();
     let r = rehit(&mut m, &a, 512);
     let s = m.stats();
@@ -113,7 +115,7 @@ fn a_restore_without_room_shortens_the_hit_cleanly() {
     // No room at all (the hog takes the last 3, evicting the restored part to the tier
     // again): the hit is 0, and the tier still holds the whole conversation.
     m.finish(r).unwrap();
-    m.allocate(hog, 24 * BLOCK).unwrap();
+    m.allocate(hog, total * BLOCK).unwrap();
     let s = m.stats();
     assert_eq!((s.tier_resident_blocks, s.tier_resident_checkpoints), (5, 4), "{s:?}");
     let r = rehit(&mut m, &a, 0);
