@@ -259,6 +259,18 @@ V4P_DEVICE void v4p_flashmla_put(v4p_i32* __restrict__ out, const v4p_i32* __res
         out[((v4p_i64)v * tokens + t) * width + i] = row < 0 ? -1 : (v4p_i32)(row + shifts[v]);
 }
 
+/// window_row in 32-bit arithmetic where the ring and the position fit (v4p_write_window's
+/// condition; one 32-bit division and remainder where window_row does three 64-bit ones, which
+/// were most of the FlashMLA builder's instructions: ncu on an H100, 2026-12-07), window_row
+/// itself out of line past that. The FlashMLA window rows take one a entry.
+V4P_DEVICE v4p_i64 v4p_window_row_fast(WindowParams w, v4p_i64 slot, v4p_i64 pos) {
+    if (pos < 0 || (v4p_u64)pos > 0xffffffffull || (v4p_u64)w.ring_slots - 1 >= 0x7fffffffull ||
+        (v4p_u64)w.ring_stride - 1 >= 0x7fffffffull)
+        return v4p_window_row_cold(w, slot, pos);
+    const v4p_u32 q = (v4p_u32)pos % (v4p_u32)w.ring_slots, s = (v4p_u32)w.ring_stride;
+    return slot * w.slot_rows + w.ring_start + (v4p_i64)(q / s) * w.run_rows + (v4p_i64)(q % s);
+}
+
 /// A class's FlashMLA window rows and lengths for token t (§3f), the block's lanes across the
 /// row: entries i < n the window rows of positions p - n + 1 + i (oldest first), -1 to `topk`;
 /// a pad (b < 0) all -1 and length 0, its HCA compressed length 0 too (the tiles write its
@@ -269,7 +281,7 @@ V4P_DEVICE void v4p_flashmla_window(const FlashMlaOut& fm, WindowParams w, v4p_i
     v4p_i32* out = v4p_out<v4p_i32>(fm.indices);
     const v4p_i32* shifts = v4p_in<v4p_i32>(fm.shifts);
     for (v4p_i64 i = tid; i < fm.topk; i += V4P_DECODE_NT) {
-        const v4p_i64 row = !pad && i < n ? window_row(w, slot, p - n + 1 + i) : -1;
+        const v4p_i64 row = !pad && i < n ? v4p_window_row_fast(w, slot, p - n + 1 + i) : -1;
         v4p_flashmla_put(out, shifts, fm.num_views, tokens, t, fm.topk, i, row);
     }
     if (tid != 0) return;
@@ -313,7 +325,14 @@ V4P_DEVICE void v4p_flashmla_head(const FlashMlaOut& fm, const v4p_i32* __restri
             const v4p_i64 i0 = base + (v4p_i64)per * tid;
             if (i0 >= limit) break;  // later rounds start further out
             v4p_i64 rows[per];
-            v4p_i64 j = rpb > 0 ? i0 / rpb : 0, r = rpb > 0 ? i0 % rpb : 0;
+            // (block, row) of entry i0 in 32 bits: 0 <= i0 < width and rpb are i32 arguments (a
+            // 64-bit division per 4 entries was most of the builder's instructions: ncu on an
+            // H100, 2026-12-07).
+            v4p_i64 j = 0, r = 0;
+            if (rpb > 0) {
+                const v4p_u32 a32 = (v4p_u32)i0, d32 = (v4p_u32)rpb, q32 = a32 / d32;
+                j = q32, r = a32 - q32 * d32;
+            }
 #pragma unroll
             for (int k = 0; k < per; ++k) {
                 rows[k] = table != nullptr && i0 + k < head ? compress_row(table[j], r, envelope) : -1;
