@@ -471,7 +471,7 @@ class EntryMover:
         """On the publisher's thread: the bodies of ``jobs`` into the files once ``event``'s
         copies are done, then ``after``. Every entry is released, whatever fails."""
         done = [False] * count
-        left = list(jobs)
+        left = collections.deque(jobs)  # the head is popped per entry (4,097 at 1M tokens)
         try:
             if event is not None:
                 event.synchronize()
@@ -484,7 +484,7 @@ class EntryMover:
                 if not done[i]:
                     with self._lock:
                         self.stats["publish_failed"] += 1
-                self._release(left.pop(0), bad=False)
+                self._release(left.popleft(), bad=False)
         finally:
             # Copies that failed (their bytes are not the pages): dropped from the ring.
             for job in left:
