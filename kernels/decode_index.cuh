@@ -260,9 +260,10 @@ V4P_DEVICE void v4p_flashmla_put(v4p_i32* __restrict__ out, const v4p_i32* __res
 }
 
 /// window_row in 32-bit arithmetic where the ring and the position fit (v4p_write_window's
-/// condition; one 32-bit division and remainder where window_row does three 64-bit ones, which
-/// were most of the FlashMLA builder's instructions: ncu on an H100, 2026-12-07), window_row
-/// itself out of line past that. The FlashMLA window rows take one a entry.
+/// condition; one 32-bit division and remainder where window_row does three 64-bit ones),
+/// window_row itself out of line past that (no V4 geometry gets there: plane rows are i32). The
+/// FlashMLA window rows take one a entry. (With the head's 32-bit groups: the FlashMLA builder
+/// 2-5 % shorter on an H100, 2026-12-07; the 64-bit divisions were not most of its instructions.)
 V4P_DEVICE v4p_i64 v4p_window_row_fast(WindowParams w, v4p_i64 slot, v4p_i64 pos) {
     if (pos < 0 || (v4p_u64)pos > 0xffffffffull || (v4p_u64)w.ring_slots - 1 >= 0x7fffffffull ||
         (v4p_u64)w.ring_stride - 1 >= 0x7fffffffull)
@@ -325,9 +326,7 @@ V4P_DEVICE void v4p_flashmla_head(const FlashMlaOut& fm, const v4p_i32* __restri
             const v4p_i64 i0 = base + (v4p_i64)per * tid;
             if (i0 >= limit) break;  // later rounds start further out
             v4p_i64 rows[per];
-            // (block, row) of entry i0 in 32 bits: 0 <= i0 < width and rpb are i32 arguments (a
-            // 64-bit division per 4 entries was most of the builder's instructions: ncu on an
-            // H100, 2026-12-07).
+            // (block, row) of entry i0 in 32 bits: 0 <= i0 < width and rpb are i32 arguments.
             v4p_i64 j = 0, r = 0;
             if (rpb > 0) {
                 const v4p_u32 a32 = (v4p_u32)i0, d32 = (v4p_u32)rpb, q32 = a32 / d32;

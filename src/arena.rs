@@ -557,9 +557,7 @@ pub fn slot_align_rows(window_plane_width: Option<u64>) -> Result<i64, ArenaErro
     if w == 0 || WINDOW_ROW_BYTES % w != 0 {
         return Err(ArenaError::WindowPlaneWidth { width: w });
     }
-    let per = WINDOW_ROW_BYTES / w;
-    let base = BASE_SLOT_ALIGN_ROWS as u64;
-    to_i64(base / gcd(base, per) * per, "slot align rows")
+    lcm_rows(BASE_SLOT_ALIGN_ROWS, to_i64(WINDOW_ROW_BYTES / w, "slot align rows")?)
 }
 
 /// Rows a slot must be a multiple of for a field's `align`-byte start (counted from the slot's
@@ -573,6 +571,7 @@ fn field_start_rows(align: u64, width: u64) -> Result<i64, ArenaError> {
     to_i64(align / gcd(align, width), "field alignment rows")
 }
 
+/// lcm of two positive row counts (the slot alignment's terms), checked.
 fn lcm_rows(a: i64, b: i64) -> Result<i64, ArenaError> {
     let (x, y) = (to_u64(a, "slot align rows")?, to_u64(b, "slot align rows")?);
     to_i64(mul(x / gcd(x, y), y, "slot align rows")?, "slot align rows")
@@ -678,6 +677,8 @@ impl ArenaLayout {
             planes.push(PlaneArena { width, fields: placed, entry_bytes: layout.entry_bytes });
         }
         let window_width = fields.iter().position(|f| f.name == STATE_WINDOW).map(|i| widths[assignment[i]]);
+        // The window's term and its width check; the planes' terms include it again (the
+        // window field's own 1,024-B alignment) and add every other field's.
         let mut align = slot_align_rows(window_width)?;
         for p in &planes {
             let field_align = p.fields.iter().map(|pf| fields[pf.field].start_align()).max().unwrap_or(1);
@@ -719,16 +720,9 @@ impl ArenaLayout {
         if page_rows < 1 {
             return Err(ArenaError::Overflow { what: "page rows" });
         }
-        let gcd = |mut a: i64, mut b: i64| {
-            while b != 0 {
-                (a, b) = (b, a % b);
-            }
-            a
-        };
         let pages = add(self.arena_rows, page_rows - 1, "arena rows")? / page_rows;
         self.arena_rows = mul(pages, page_rows, "arena rows")?;
-        let g = gcd(self.slot_align_rows, page_rows);
-        self.slot_align_rows = mul(self.slot_align_rows / g, page_rows, "slot alignment")?;
+        self.slot_align_rows = lcm_rows(self.slot_align_rows, page_rows)?;
         Ok(self)
     }
     /// Sum of the fields' bytes (no padding): the "state bytes" of §2.5.
