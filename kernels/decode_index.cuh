@@ -21,6 +21,14 @@ V4P_DEVICE_COLD void v4p_write_window_wide(v4p_i32* __restrict__ out, WindowPara
     }
 }
 
+/// Whether window_row(w, ., pos) may take 32-bit arithmetic: a ring and a stride in [1, 2^31)
+/// and a position in [0, 2^32) (every V4 geometry: plane rows are i32, and the launch check
+/// refuses rings below 1). The one condition of the builder's 32-bit window forms.
+V4P_DEVICE bool v4p_window_fits32(WindowParams w, v4p_i64 pos) {
+    return pos >= 0 && (v4p_u64)pos <= 0xffffffffull && (v4p_u64)w.ring_slots - 1 < 0x7fffffffull &&
+           (v4p_u64)w.ring_stride - 1 < 0x7fffffffull;
+}
+
 /// The decode builder's window tail: out[i] = window_row(w, slot, first + i) for i < n, and
 /// entry n - 1 to `*last` when not null, from the thread that computes it (so the dest row
 /// costs no division of its own). 32-bit running counters (v4p_window_run32) whenever the
@@ -28,8 +36,8 @@ V4P_DEVICE_COLD void v4p_write_window_wide(v4p_i32* __restrict__ out, WindowPara
 V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_i64 slot, v4p_i64 first, v4p_i64 n,
                                  v4p_u32 lane, v4p_u32 lanes, v4p_i32* last) {
     if ((v4p_i64)lane >= n) return;
-    const v4p_u64 pos = (v4p_u64)(first + (v4p_i64)lane);  // >= 0 here: first >= 0 when n > 0
-    if ((v4p_u64)w.ring_slots > 0x7fffffffull || (v4p_u64)w.ring_stride > 0x7fffffffull || pos > 0xffffffffull) {
+    const v4p_i64 pos = first + (v4p_i64)lane;  // >= 0 here: first >= 0 when n > 0
+    if (!v4p_window_fits32(w, pos)) {
         v4p_write_window_wide(out, w, slot, first, n, lane, lanes, last);
         return;
     }
@@ -38,9 +46,10 @@ V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_
                      last);
 }
 
-/// window_row out of line: the dest row of a token whose window is empty (position < 0).
-V4P_DEVICE_COLD v4p_i32 v4p_window_row_cold(WindowParams w, v4p_i64 slot, v4p_i64 pos) {
-    return (v4p_i32)window_row(w, slot, pos);
+/// window_row out of line: the dest row of a token whose window is empty (position < 0), and
+/// v4p_window_row_fast's rows past 32 bits.
+V4P_DEVICE_COLD v4p_i64 v4p_window_row_cold(WindowParams w, v4p_i64 slot, v4p_i64 pos) {
+    return window_row(w, slot, pos);
 }
 
 /// Compressed entries e = 0..count-1 of one sequence, tiled: dst[e] = table[e / rpb] * envelope
@@ -257,15 +266,13 @@ V4P_DEVICE void v4p_flashmla_put(v4p_i32* __restrict__ out, const v4p_i32* __res
         out[((v4p_i64)v * tokens + t) * width + i] = row < 0 ? -1 : (v4p_i32)(row + shifts[v]);
 }
 
-/// window_row in 32-bit arithmetic where the ring and the position fit (v4p_write_window's
-/// condition; one 32-bit division and remainder where window_row does three 64-bit ones),
+/// window_row in 32-bit arithmetic where the ring and the position fit (v4p_window_fits32, as
+/// v4p_write_window; one 32-bit division and remainder where window_row does three 64-bit ones),
 /// window_row itself out of line past that (no V4 geometry gets there: plane rows are i32). The
 /// FlashMLA window rows take one a entry. (With the head's 32-bit groups: the FlashMLA builder
 /// 2-5 % shorter on an H100, 2026-12-07; the 64-bit divisions were not most of its instructions.)
 V4P_DEVICE v4p_i64 v4p_window_row_fast(WindowParams w, v4p_i64 slot, v4p_i64 pos) {
-    if (pos < 0 || (v4p_u64)pos > 0xffffffffull || (v4p_u64)w.ring_slots - 1 >= 0x7fffffffull ||
-        (v4p_u64)w.ring_stride - 1 >= 0x7fffffffull)
-        return v4p_window_row_cold(w, slot, pos);
+    if (!v4p_window_fits32(w, pos)) return v4p_window_row_cold(w, slot, pos);
     const v4p_u32 q = (v4p_u32)pos % (v4p_u32)w.ring_slots, s = (v4p_u32)w.ring_stride;
     return slot * w.slot_rows + w.ring_start + (v4p_i64)(q / s) * w.run_rows + (v4p_i64)(q % s);
 }
@@ -485,7 +492,7 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_DECODE_THREADS, 8) void v4poo
             if (cb.indices != 0) {
                 v4p_write_window(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), cb.params, slot, p - n + 1, n, tid,
                                  V4P_DECODE_NT, dest);
-                if (tid == 0 && dest != nullptr && n <= 0) *dest = v4p_window_row_cold(cb.params, slot, p);
+                if (tid == 0 && dest != nullptr && n <= 0) *dest = (v4p_i32)v4p_window_row_cold(cb.params, slot, p);
             } else if (tid == 0 && dest != nullptr) {
                 *dest = (v4p_i32)window_row(cb.params, slot, p);
             }
