@@ -21,6 +21,14 @@ V4P_DEVICE_COLD void v4p_write_window_wide(v4p_i32* __restrict__ out, WindowPara
     }
 }
 
+/// Whether window_row(w, ., pos) may take 32-bit arithmetic: a ring and a stride in [1, 2^31)
+/// and a position in [0, 2^32) (every V4 geometry: plane rows are i32, and the launch check
+/// refuses rings below 1). The one condition of the builder's 32-bit window forms.
+V4P_DEVICE bool v4p_window_fits32(WindowParams w, v4p_i64 pos) {
+    return pos >= 0 && (v4p_u64)pos <= 0xffffffffull && (v4p_u64)w.ring_slots - 1 < 0x7fffffffull &&
+           (v4p_u64)w.ring_stride - 1 < 0x7fffffffull;
+}
+
 /// The decode builder's window tail: out[i] = window_row(w, slot, first + i) for i < n, and
 /// entry n - 1 to `*last` when not null, from the thread that computes it (so the dest row
 /// costs no division of its own). 32-bit running counters (v4p_window_run32) whenever the
@@ -28,8 +36,8 @@ V4P_DEVICE_COLD void v4p_write_window_wide(v4p_i32* __restrict__ out, WindowPara
 V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_i64 slot, v4p_i64 first, v4p_i64 n,
                                  v4p_u32 lane, v4p_u32 lanes, v4p_i32* last) {
     if ((v4p_i64)lane >= n) return;
-    const v4p_u64 pos = (v4p_u64)(first + (v4p_i64)lane);  // >= 0 here: first >= 0 when n > 0
-    if ((v4p_u64)w.ring_slots > 0x7fffffffull || (v4p_u64)w.ring_stride > 0x7fffffffull || pos > 0xffffffffull) {
+    const v4p_i64 pos = first + (v4p_i64)lane;  // >= 0 here: first >= 0 when n > 0
+    if (!v4p_window_fits32(w, pos)) {
         v4p_write_window_wide(out, w, slot, first, n, lane, lanes, last);
         return;
     }
@@ -38,9 +46,10 @@ V4P_DEVICE void v4p_write_window(v4p_i32* __restrict__ out, WindowParams w, v4p_
                      last);
 }
 
-/// window_row out of line: the dest row of a token whose window is empty (position < 0).
-V4P_DEVICE_COLD v4p_i32 v4p_window_row_cold(WindowParams w, v4p_i64 slot, v4p_i64 pos) {
-    return (v4p_i32)window_row(w, slot, pos);
+/// window_row out of line: the dest row of a token whose window is empty (position < 0), and
+/// v4p_window_row_fast's rows past 32 bits.
+V4P_DEVICE_COLD v4p_i64 v4p_window_row_cold(WindowParams w, v4p_i64 slot, v4p_i64 pos) {
+    return window_row(w, slot, pos);
 }
 
 /// Compressed entries e = 0..count-1 of one sequence, tiled: dst[e] = table[e / rpb] * envelope
@@ -226,13 +235,11 @@ V4P_DEVICE void v4p_write_head_vec(v4p_i32* __restrict__ dst, const v4p_i32* __r
 /// (block_table_stride * rpb entries), at most V4POOL_MAX_GRID_YZ (the writer strides by the
 /// count, so a cap loses nothing). One tile when nothing is fused.
 /// FlashMLA's compressed part (index-buffers.md §3f) is written through v4p_flashmla_limit of a
-/// row of extra_topk entries, in tiles of V4POOL_DECODE_FLASH_TILE: the grid covers the whole
-/// width (it may depend on the scalars only; tiles past a token's limit return at once), in at
-/// most V4POOL_DECODE_FLASH_BLOCKS tiles over all tokens (a tile strides by the count), and has
-/// the more tiles of the two (shape.rs derives the same). Small tiles for FlashMLA's rows: each entry is a table load
-/// then one store per view, and with 4,096-entry tiles a thread's 32 loads went out one after
-/// another (the step bench, 2026-12-02: the FlashMLA-mode builder 39.7 us at batch 1, two
-/// blocks writing 20 views x 8,192 entries, against 5.5 for the CSR builder).
+/// row of extra_topk entries, in tiles of V4POOL_DECODE_FLASH_TILE (the CSR head's): the grid
+/// covers the whole width (it may depend on the scalars only; tiles past a token's limit return
+/// at once), in at most V4POOL_DECODE_FLASH_BLOCKS tiles over all tokens (a tile strides by the
+/// count), and has the more tiles of the two (shape.rs derives the same). The cap's division in
+/// 32 bits (num_tokens is an i32): every thread of every block computes it.
 V4P_DEVICE v4p_i64 v4p_decode_hca_tiles(const DecodeIndexArgs& a) {
     const ClassBuffers& hca = a.classes[V4POOL_CLASS_HCA];
     if (a.block_tables == 0 || hca.indptr == 0) return 1;
@@ -243,8 +250,8 @@ V4P_DEVICE v4p_i64 v4p_decode_hca_tiles(const DecodeIndexArgs& a) {
     const v4p_i64 flash = fm.extra_indices != 0 && fm.extra_topk > 0 ? (v4p_i64)fm.extra_topk : 0;
     const v4p_i64 csr_tiles = (csr + V4POOL_DECODE_HCA_TILE - 1) / V4POOL_DECODE_HCA_TILE;
     v4p_i64 flash_tiles = (flash + V4POOL_DECODE_FLASH_TILE - 1) / V4POOL_DECODE_FLASH_TILE;
-    const v4p_i64 tokens = a.num_tokens > 0 ? (v4p_i64)a.num_tokens : 1;
-    const v4p_i64 spread = (V4POOL_DECODE_FLASH_BLOCKS + tokens - 1) / tokens;  // >= 1
+    const v4p_u32 tokens = a.num_tokens > 0 ? (v4p_u32)a.num_tokens : 1u;
+    const v4p_i64 spread = (v4p_i64)((V4POOL_DECODE_FLASH_BLOCKS - 1u) / tokens + 1u);  // >= 1
     if (flash_tiles > spread) flash_tiles = spread;
     const v4p_i64 tiles = csr_tiles > flash_tiles ? csr_tiles : flash_tiles;
     return tiles < 1 ? 1 : (tiles > V4POOL_MAX_GRID_YZ ? V4POOL_MAX_GRID_YZ : tiles);
@@ -259,15 +266,13 @@ V4P_DEVICE void v4p_flashmla_put(v4p_i32* __restrict__ out, const v4p_i32* __res
         out[((v4p_i64)v * tokens + t) * width + i] = row < 0 ? -1 : (v4p_i32)(row + shifts[v]);
 }
 
-/// window_row in 32-bit arithmetic where the ring and the position fit (v4p_write_window's
-/// condition; one 32-bit division and remainder where window_row does three 64-bit ones),
+/// window_row in 32-bit arithmetic where the ring and the position fit (v4p_window_fits32, as
+/// v4p_write_window; one 32-bit division and remainder where window_row does three 64-bit ones),
 /// window_row itself out of line past that (no V4 geometry gets there: plane rows are i32). The
 /// FlashMLA window rows take one a entry. (With the head's 32-bit groups: the FlashMLA builder
 /// 2-5 % shorter on an H100, 2026-12-07; the 64-bit divisions were not most of its instructions.)
 V4P_DEVICE v4p_i64 v4p_window_row_fast(WindowParams w, v4p_i64 slot, v4p_i64 pos) {
-    if (pos < 0 || (v4p_u64)pos > 0xffffffffull || (v4p_u64)w.ring_slots - 1 >= 0x7fffffffull ||
-        (v4p_u64)w.ring_stride - 1 >= 0x7fffffffull)
-        return v4p_window_row_cold(w, slot, pos);
+    if (!v4p_window_fits32(w, pos)) return v4p_window_row_cold(w, slot, pos);
     const v4p_u32 q = (v4p_u32)pos % (v4p_u32)w.ring_slots, s = (v4p_u32)w.ring_stride;
     return slot * w.slot_rows + w.ring_start + (v4p_i64)(q / s) * w.run_rows + (v4p_i64)(q % s);
 }
@@ -302,12 +307,62 @@ V4P_DEVICE v4p_i64 v4p_flashmla_limit(v4p_i64 length, v4p_i64 width) {
     return limit < width ? limit : width;
 }
 
+/// The FlashMLA compressed row's 16-byte groups for rows per block 2 (every V4 geometry), laid
+/// out as the CSR head's (v4p_head_groups): a tile is V4POOL_DECODE_FLASH_TILE entries, thread
+/// tid takes groups tid, tid + 128, ... (V4P_HEAD_GROUPS of them, 4 entries each: blocks 2g and
+/// 2g + 1 of the row, one 8-byte load when PAIR), every table load of the tile before its first
+/// store, then one 16-byte store a group and view. Entries e < head: table[e / 2] * env + e % 2
+/// + the view's shift (-1 where the block id is negative, as the generic form); head <= e <
+/// limit: -1; nothing at or past limit. `row` is view 0's row of the token, views `vstride`
+/// entries apart; head <= limit <= 2^31 and limit a multiple of 4 (the caller's checks).
+/// 32-bit entry arithmetic throughout, the i32 of the 64-bit row as the generic form: the
+/// FlashMLA builder costs what the CSR builder does (4,096-entry tiles, as the CSR head's,
+/// where 512-entry tiles of one group a thread took 1.5x its time on an H100, 2026-12-07).
+template <bool PAIR>
+V4P_DEVICE void v4p_flashmla_head_groups(v4p_i32* __restrict__ row, v4p_u64 vstride, const v4p_i32* __restrict__ shifts,
+                                         v4p_i32 views, const v4p_i32* __restrict__ table, v4p_u32 head,
+                                         v4p_u32 limit, v4p_u32 env, v4p_i64 tile, v4p_i64 ntiles, v4p_u32 tid) {
+    const v4p_u64 per_tile = V4POOL_DECODE_FLASH_TILE;
+    for (v4p_u64 base = (v4p_u64)tile * per_tile; base < limit; base += (v4p_u64)ntiles * per_tile) {
+        v4p_u32 a[V4P_HEAD_GROUPS], b[V4P_HEAD_GROUPS];
+#pragma unroll
+        for (int k = 0; k < V4P_HEAD_GROUPS; ++k) {
+            const v4p_u32 e = (v4p_u32)base + 4 * (k * V4P_DECODE_NT + tid);
+            a[k] = b[k] = 0;
+            if (e >= head) continue;  // past the head: -1 or nothing, no load
+            if (PAIR && e + 2 < head) {
+                v4p_head_load2(table, e >> 1, true, a[k], b[k]);
+            } else {
+                a[k] = (v4p_u32)table[e >> 1];
+                if (e + 2 < head) b[k] = (v4p_u32)table[(e >> 1) + 1];
+            }
+        }
+        for (v4p_i32 v = 0; v < views; ++v) {
+            const v4p_u32 sh = (v4p_u32)shifts[v];
+            v4p_i32* out = row + (v4p_u64)v * vstride;
+#pragma unroll
+            for (int k = 0; k < V4P_HEAD_GROUPS; ++k) {
+                const v4p_u32 e = (v4p_u32)base + 4 * (k * V4P_DECODE_NT + tid);
+                if (e >= limit) continue;
+                // Entry e + i holds block a (i < 2) or b, row i % 2; -1 past the head and for a
+                // negative block id (a negative row, which the generic form writes as -1).
+                const bool oka = (v4p_i32)a[k] >= 0, okb = (v4p_i32)b[k] >= 0;
+                const v4p_u32 ra = a[k] * env + sh, rb = b[k] * env + sh, none = 0xffffffffu;
+                v4p_head_store4(out + e, oka && e < head ? ra : none, oka && e + 1 < head ? ra + 1 : none,
+                                okb && e + 2 < head ? rb : none, okb && e + 3 < head ? rb + 1 : none);
+            }
+        }
+    }
+}
+
 /// Tile `tile` of `ntiles` of token t's FlashMLA compressed row (§3f; HCA): entries e < head
 /// from the block table (as the CSR head: table[e / rpb] * envelope + e % rpb), -1 from head
 /// to v4p_flashmla_limit(head, extra_topk), in every view; nothing past it (an earlier step's
 /// entries stay: FlashMLA never loads them when the lengths are passed). A head past the row
 /// is the host's error; the stores stay in the row. A pad (table == nullptr) gets -1 through
 /// the first 64. Tiles past the limit return at once (the grid covers the whole width).
+/// Rows per block 2 with 16-byte aligned rows take v4p_flashmla_head_groups; anything else the
+/// forms below, in sub-tiles of 512 entries (4 a thread).
 V4P_DEVICE void v4p_flashmla_head(const FlashMlaOut& fm, const v4p_i32* __restrict__ table, v4p_i64 head, v4p_i64 rpb,
                                   v4p_i64 envelope, v4p_i64 tokens, v4p_i64 t, v4p_i64 tile, v4p_i64 ntiles,
                                   v4p_u32 tid) {
@@ -315,50 +370,73 @@ V4P_DEVICE void v4p_flashmla_head(const FlashMlaOut& fm, const v4p_i32* __restri
     const v4p_i32* shifts = v4p_in<v4p_i32>(fm.shifts);
     const v4p_i64 width = fm.extra_topk;
     const v4p_i64 limit = v4p_flashmla_limit(table != nullptr ? head : 0, width);
-    constexpr int per = V4POOL_DECODE_FLASH_TILE / V4P_DECODE_NT;
-    static_assert(per == 4, "the 16-byte form gives each thread 4 consecutive entries of a tile");
     // 16-byte stores where every row of every view starts 16-byte aligned (FlashMLA's widths are
-    // multiples of 64, so its rows are): thread tid writes entries 4 tid .. 4 tid + 3 of a tile,
-    // a warp 512 contiguous bytes a store. The limit is then a multiple of 4 (of 64, or the
-    // width), so a group is all in or all out. The entry-strided form below serves other widths.
-    if (((v4p_u64)out & 15) == 0 && width % 4 == 0) {
-        for (v4p_i64 base = tile * V4POOL_DECODE_FLASH_TILE; base < limit; base += ntiles * V4POOL_DECODE_FLASH_TILE) {
-            const v4p_i64 i0 = base + (v4p_i64)per * tid;
-            if (i0 >= limit) break;  // later rounds start further out
-            v4p_i64 rows[per];
-            // (block, row) of entry i0 in 32 bits: 0 <= i0 < width and rpb are i32 arguments.
-            v4p_i64 j = 0, r = 0;
-            if (rpb > 0) {
-                const v4p_u32 a32 = (v4p_u32)i0, d32 = (v4p_u32)rpb, q32 = a32 / d32;
-                j = q32, r = a32 - q32 * d32;
-            }
+    // multiples of 64, so its rows are). The limit is then a multiple of 4 (of 64, or the
+    // width), so a group is all in or all out.
+    const bool vec = ((v4p_u64)out & 15) == 0 && width % 4 == 0;
+    if (vec && rpb == 2 && ((v4p_u64)table & 3) == 0 && (v4p_u64)envelope <= 0xffffffffull) {
+        const v4p_i64 h = table == nullptr || head < 0 ? 0 : (head < limit ? head : limit);
+        v4p_i32* row = out + t * width;
+        const v4p_u64 vstride = (v4p_u64)tokens * (v4p_u64)width;
+        if (((v4p_u64)table & 7) == 0)
+            v4p_flashmla_head_groups<true>(row, vstride, shifts, fm.num_views, table, (v4p_u32)h, (v4p_u32)limit,
+                                           (v4p_u32)envelope, tile, ntiles, tid);
+        else
+            v4p_flashmla_head_groups<false>(row, vstride, shifts, fm.num_views, table, (v4p_u32)h, (v4p_u32)limit,
+                                            (v4p_u32)envelope, tile, ntiles, tid);
+        return;
+    }
+    constexpr v4p_i64 small = 4 * V4P_DECODE_NT;  // a sub-tile: 4 entries a thread
+    constexpr v4p_i64 subs = V4POOL_DECODE_FLASH_TILE / small;
+    constexpr int per = 4;
+    const v4p_i64 stride = ntiles * V4POOL_DECODE_FLASH_TILE;
+    if (vec) {
+        // Thread tid writes entries 4 tid .. 4 tid + 3 of a sub-tile, a warp 512 contiguous bytes
+        // a store; one 32-bit division a group.
+        for (v4p_i64 tbase = tile * V4POOL_DECODE_FLASH_TILE; tbase < limit; tbase += stride) {
+            for (v4p_i64 s = 0; s < subs; ++s) {
+                const v4p_i64 i0 = tbase + s * small + (v4p_i64)per * tid;
+                if (i0 >= limit) break;  // later sub-tiles start further out
+                v4p_i64 rows[per];
+                // (block, row) of entry i0 in 32 bits: 0 <= i0 < width and rpb are i32 arguments.
+                v4p_i64 j = 0, r = 0;
+                if (rpb > 0) {
+                    const v4p_u32 a32 = (v4p_u32)i0, d32 = (v4p_u32)rpb, q32 = a32 / d32;
+                    j = q32, r = a32 - q32 * d32;
+                }
 #pragma unroll
-            for (int k = 0; k < per; ++k) {
-                rows[k] = table != nullptr && i0 + k < head ? compress_row(table[j], r, envelope) : -1;
-                if (++r == rpb) r = 0, ++j;
-            }
-            for (v4p_i32 v = 0; v < fm.num_views; ++v) {
-                const v4p_i32 sh = shifts[v];
-                v4p_u32 w[per];
+                for (int k = 0; k < per; ++k) {
+                    rows[k] = table != nullptr && i0 + k < head ? compress_row(table[j], r, envelope) : -1;
+                    if (++r == rpb) r = 0, ++j;
+                }
+                for (v4p_i32 v = 0; v < fm.num_views; ++v) {
+                    const v4p_i32 sh = shifts[v];
+                    v4p_u32 w[per];
 #pragma unroll
-                for (int k = 0; k < per; ++k) w[k] = rows[k] < 0 ? 0xffffffffu : (v4p_u32)(rows[k] + sh);
-                v4p_head_store4(out + ((v4p_i64)v * tokens + t) * width + i0, w[0], w[1], w[2], w[3]);
+                    for (int k = 0; k < per; ++k) w[k] = rows[k] < 0 ? 0xffffffffu : (v4p_u32)(rows[k] + sh);
+                    v4p_head_store4(out + ((v4p_i64)v * tokens + t) * width + i0, w[0], w[1], w[2], w[3]);
+                }
             }
         }
         return;
     }
-    for (v4p_i64 base = tile * V4POOL_DECODE_FLASH_TILE; base < limit; base += ntiles * V4POOL_DECODE_FLASH_TILE) {
-        // The thread's entries base + tid + k * NT: every table load first, then the stores.
-        v4p_i64 rows[per];
+    for (v4p_i64 tbase = tile * V4POOL_DECODE_FLASH_TILE; tbase < limit; tbase += stride) {
+        for (v4p_i64 s = 0; s < subs; ++s) {
+            const v4p_i64 base = tbase + s * small;
+            if (base >= limit) break;
+            // The thread's entries base + tid + k * NT: every table load first, then the stores.
+            v4p_i64 rows[per];
 #pragma unroll
-        for (int k = 0; k < per; ++k) {
-            const v4p_i64 i = base + tid + (v4p_i64)k * V4P_DECODE_NT;
-            rows[k] = table != nullptr && i < head && i < width ? compress_row(table[i / rpb], i % rpb, envelope) : -1;
-        }
+            for (int k = 0; k < per; ++k) {
+                const v4p_i64 i = base + tid + (v4p_i64)k * V4P_DECODE_NT;
+                rows[k] = table != nullptr && i < head && i < width ? compress_row(table[i / rpb], i % rpb, envelope)
+                                                                     : -1;
+            }
 #pragma unroll
-        for (int k = 0; k < per; ++k) {
-            const v4p_i64 i = base + tid + (v4p_i64)k * V4P_DECODE_NT;
-            if (i < limit) v4p_flashmla_put(out, shifts, fm.num_views, tokens, t, width, i, rows[k]);
+            for (int k = 0; k < per; ++k) {
+                const v4p_i64 i = base + tid + (v4p_i64)k * V4P_DECODE_NT;
+                if (i < limit) v4p_flashmla_put(out, shifts, fm.num_views, tokens, t, width, i, rows[k]);
+            }
         }
     }
 }
@@ -368,7 +446,7 @@ V4P_DEVICE void v4p_flashmla_head(const FlashMlaOut& fm, const v4p_i32* __restri
 // blocks are side by side in grid x, so they are dispatched together and share the token's
 // metadata lines in L2: x = 0 writes the window tails and dest rows, x = 1 + k tile k of
 // 4,096 entries of the HCA head (two tiles for a 1M context; FlashMLA's compressed rows in
-// tiles of 512, sixteen for a 1M row: the grid has the more tiles of the two). The windows in a
+// tiles of the same size: the grid has the more tiles of the two). The windows in a
 // block of their own run beside the head instead of before it: in one block, the head's table
 // loads waited for batch id -> state slot -> window stores. (H200 A/B, BENCHMARKS.md 2026-11-30 23:06 UTC:
 // batch 256 8.29 -> 6.78 µs, 1,024 15.36 -> 12.64, MTP verify 2,048 25.09 -> 19.28; 128-thread
@@ -414,7 +492,7 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_DECODE_THREADS, 8) void v4poo
             if (cb.indices != 0) {
                 v4p_write_window(v4p_out<v4p_i32>(cb.indices) + (ends[c] - n), cb.params, slot, p - n + 1, n, tid,
                                  V4P_DECODE_NT, dest);
-                if (tid == 0 && dest != nullptr && n <= 0) *dest = v4p_window_row_cold(cb.params, slot, p);
+                if (tid == 0 && dest != nullptr && n <= 0) *dest = (v4p_i32)v4p_window_row_cold(cb.params, slot, p);
             } else if (tid == 0 && dest != nullptr) {
                 *dest = (v4p_i32)window_row(cb.params, slot, p);
             }

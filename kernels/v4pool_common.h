@@ -176,16 +176,19 @@ static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, 
 /// Fused HCA head entries one decode-builder block writes per round (grid x tiles the head):
 /// 32 per thread, eight 16-byte stores.
 #define V4POOL_DECODE_HCA_TILE 4096
-/// FlashMLA compressed-row entries (§3f) one decode-builder block writes per round: 4 per thread,
-/// whose table entries all load before any of its stores (each entry goes to every view).
-#define V4POOL_DECODE_FLASH_TILE 512
+/// FlashMLA compressed-row entries (§3f) one decode-builder block writes per round: as the CSR
+/// head's tile, 32 per thread in eight 16-byte groups whose table entries all load before any
+/// of its stores (each group goes to every view). 512-entry tiles (4 a thread) took 24.4 us at
+/// 1,024 tokens on an H100 against the CSR builder's 16 (2026-12-07, docs/flashmla.md).
+#define V4POOL_DECODE_FLASH_TILE 4096
 /// FlashMLA compressed-row tiles the decode builder's grid holds over all its tokens, at most:
 /// a larger batch gets fewer tiles a token, each striding over more of its row. The grid may
 /// depend on the scalars only, so it covers the row's whole width, and a tile past a token's
 /// row still costs a dispatch and three loads: at 1,024 x 2 tokens on an H100 the 16 tiles a
 /// token took 84.4 us against the CSR builder's 23.7 (2026-12-07, docs/flashmla.md).
 #define V4POOL_DECODE_FLASH_BLOCKS 4096
-static_assert(V4POOL_DECODE_FLASH_TILE % V4POOL_DECODE_THREADS == 0, "whole entries per thread");
+static_assert(V4POOL_DECODE_FLASH_TILE == V4POOL_DECODE_HCA_TILE, "the FlashMLA row's groups are the CSR head's");
+static_assert(V4POOL_DECODE_FLASH_TILE % (4 * V4POOL_DECODE_THREADS) == 0, "whole 512-entry sub-tiles");
 /// Lanes that build one token's lists in the prefill builder (two warps); a block holds
 /// V4POOL_BLOCK_THREADS / V4POOL_PREFILL_LANES tokens.
 #define V4POOL_PREFILL_LANES 64

@@ -36,8 +36,9 @@ pub const DECODE_THREADS: u32 = 128;
 /// thread in eight 16-byte stores, so two tiles hold a 1M-context head (8,192 entries).
 pub const DECODE_HCA_TILE: u32 = 32 * DECODE_THREADS;
 /// FlashMLA compressed-row entries one decode-builder block writes per round
-/// (`V4POOL_DECODE_FLASH_TILE`): 4 per thread, their table loads before their stores.
-pub const DECODE_FLASH_TILE: u32 = 4 * DECODE_THREADS;
+/// (`V4POOL_DECODE_FLASH_TILE`): the CSR head's tile, 32 per thread in eight 16-byte groups,
+/// their table loads before their stores.
+pub const DECODE_FLASH_TILE: u32 = DECODE_HCA_TILE;
 /// FlashMLA compressed-row tiles the decode builder's grid holds over all its tokens, at most
 /// (`V4POOL_DECODE_FLASH_BLOCKS`): a large batch fills the device with tokens, and every tile
 /// past a token's row still costs a dispatch and three loads (the header says what it cost).

@@ -894,16 +894,17 @@ fn decode_builder_flashmla_rows_match_reference() {
     }
 }
 
-/// Batches of a thousand tokens and more with long heads: the grid then holds fewer FlashMLA
-/// tiles a token than its row has (`DECODE_FLASH_BLOCKS`), and each tile strides over the row.
+/// Batches of over 2,048 tokens with long heads: the grid then holds fewer FlashMLA tiles a
+/// token than its row has (`DECODE_FLASH_BLOCKS`: 2 tiles of 4,096 entries a token, where rows
+/// of up to 12,500 entries have 3 or 4), and each tile strides over the row.
 #[test]
 fn decode_builder_flashmla_rows_match_reference_in_large_batches() {
     let Some(emu) = emu() else { return };
     let mut rng = Rng::new(0xf1a5_e111_0000_0003);
-    for case_no in 0..2 {
-        let bs = rng.range(600, 900) as usize;
+    for case_no in 0..3 {
+        let bs = rng.range(2_100, 2_400) as usize;
         let g = common::geometry_at(&[0, 4, 128, 4, 128], rng.range(128, 133), 3_000_000, bs as i64);
-        let d = flashmla_common::FlashDecode::random(&mut rng, &g, bs, 600_000, 1);
+        let d = flashmla_common::FlashDecode::random(&mut rng, &g, bs, 1_600_000, 1);
         let (case, _, make) = d.case(&format!("large flash decode {case_no}"), 0, true);
         // The case must take the striding form: fewer tiles than the row's width needs.
         let addrs: Vec<u64> = (1..=case.bufs.len() as u64).map(|i| i << 20).collect();
