@@ -178,8 +178,9 @@ static_assert(V4POOL_ROWS_PER_BLOCK * V4POOL_ROW_LANES == V4POOL_BLOCK_THREADS, 
 #define V4POOL_DECODE_HCA_TILE 4096
 /// FlashMLA compressed-row entries (§3f) one decode-builder block writes per round: as the CSR
 /// head's tile, 32 per thread in eight 16-byte groups whose table entries all load before any
-/// of its stores (each group goes to every view). 512-entry tiles (4 a thread) took 24.4 us at
-/// 1,024 tokens on an H100 against the CSR builder's 16 (2026-12-07, docs/flashmla.md).
+/// of its stores (each group goes to every view). At 1,024 tokens on an H100 the builder took
+/// 18.4 us so, 23.9 with 512-entry tiles (4 a thread), the CSR builder 16.0 (2026-12-07,
+/// docs/flashmla.md).
 #define V4POOL_DECODE_FLASH_TILE 4096
 /// FlashMLA compressed-row tiles the decode builder's grid holds over all its tokens, at most:
 /// a larger batch gets fewer tiles a token, each striding over more of its row. The grid may
