@@ -6,7 +6,7 @@
 //! lays its own fields out with the §2.2 cursor walk, and every plane reserves the same
 //! number of rows (the largest any plane needs). All byte math is `u64`, checked.
 
-use crate::checked::{add, mul};
+use crate::checked::{add, gcd, mul};
 use crate::geometry::UnifiedPoolGeometry;
 use crate::model::{ModelFamily, ModelShape};
 use thiserror::Error;
@@ -318,13 +318,6 @@ fn to_u64(x: i64, what: &'static str) -> Result<u64, ArenaError> {
 }
 fn to_i64(x: u64, what: &'static str) -> Result<i64, ArenaError> {
     i64::try_from(x).map_err(|_| ArenaError::Overflow { what })
-}
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
 }
 
 /// The §2.1 field list of `model`, in declaration (byte and wire) order.

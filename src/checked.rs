@@ -52,6 +52,17 @@ pub(crate) fn sub<T: CheckedInt>(a: T, b: T, what: &'static str) -> Result<T, Ov
     a.sub(b).ok_or(Overflow { what })
 }
 
+/// The greatest common divisor of `a` and `b` (Euclid; `gcd(a, 0) = a`), for the alignments
+/// and periods the geometry, the arena and the handoff combine. Never overflows: every step's
+/// remainder is smaller than its divisor. Callers pass non-negative values.
+pub(crate) fn gcd<T: Copy + PartialEq + Default + std::ops::Rem<Output = T>>(a: T, b: T) -> T {
+    if b == T::default() {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 /// `From<Overflow>` for an error type with an `Overflow { what }` variant.
 macro_rules! overflow_into {
     ($($e:ty),*) => {$(
@@ -76,5 +87,19 @@ mod tests {
         assert_eq!(sub(i64::MIN, 1, "offset"), Err(Overflow { what: "offset" }));
         assert_eq!(mul(3i64, -4, "x"), Ok(-12));
         assert_eq!(add(usize::MAX - 1, 1, "x"), Ok(usize::MAX));
+    }
+
+    #[test]
+    fn gcd_against_a_search() {
+        // Against the largest common divisor found by trying every candidate.
+        for a in 0u64..60 {
+            for b in 0u64..60 {
+                let want = (1..=a.max(b)).rev().find(|d| a % d == 0 && b % d == 0).unwrap_or(0);
+                assert_eq!(gcd(a, b), want, "gcd({a}, {b})");
+                assert_eq!(gcd(a as i64, b as i64), want as i64, "gcd({a}, {b}) in i64");
+            }
+        }
+        assert_eq!(gcd(u64::MAX, u64::MAX - 1), 1);
+        assert_eq!(gcd(584u64 * 32, 256), 256);
     }
 }

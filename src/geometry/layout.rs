@@ -6,6 +6,7 @@
 //! row width; the parent composes them into a pool's planes, blocks and slots.
 
 use super::{entry_rows_for, mul, ring_offset_for, GeometryError};
+use crate::checked::gcd;
 use bytemuck::{Pod, Zeroable};
 
 /// A class's window-row formula as five scalars a kernel carries by value.
@@ -184,13 +185,5 @@ impl PackedRows {
     /// Compressed rows in `plane_rows` plane rows, rounded down.
     pub(super) fn compressed_rows_in(self, plane_rows: i64) -> Result<i64, GeometryError> {
         Ok(mul(plane_rows, self.plane, "compressed rows")? / self.compressed)
-    }
-}
-
-pub(super) fn gcd(a: i64, b: i64) -> i64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
     }
 }

@@ -27,12 +27,11 @@ mod runs;
 
 pub use class::{Class, NUM_SLOTS};
 pub use error::GeometryError;
-use layout::gcd;
 pub use layout::{ClassLayout, PackedRows, WindowParams};
 pub use owners::{index_slots, resolve_owners, visible_groups};
 pub use runs::merge_abutting;
 
-use crate::checked::{add, mul, sub};
+use crate::checked::{add, gcd, mul, sub};
 use std::collections::BTreeMap;
 
 crate::checked::overflow_into!(GeometryError);

@@ -22,6 +22,7 @@
 
 use super::engine::{coalesce, EngineError, MemRegion, RegionId, Side, Span, TransferEngine};
 use crate::alloc::{BlockHandle, SlotHandle};
+use crate::checked::gcd;
 use crate::pool::{Pool, PoolError, SlotLease};
 use thiserror::Error;
 
@@ -224,14 +225,6 @@ fn indexer_pools(pool: &Pool) -> Vec<(u64, u64, u64)> {
             (base + off, per_block * pool.indexer_blocks(), item)
         })
         .collect()
-}
-
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
 }
 
 /// A request's KV on the sender: its block table (in order) and its slot.
