@@ -877,18 +877,24 @@ fn compare_case(emu: &Emu, case: &common::Case, make: &dyn Fn(&[u64]) -> Vec<Lau
 fn decode_builder_flashmla_rows_match_reference() {
     let Some(emu) = emu() else { return };
     let mut rng = Rng::new(0xf1a5_e111_0000_0001);
-    for case_no in 0..24 {
+    for case_no in 0..36 {
         let ratios = [0, 4, 128, 4, 128, 128][..rng.range(3, 6) as usize].to_vec();
         let g = common::geometry_at(&ratios, rng.range(128, 133), rng.range(60_000, 300_000), 6);
         // Heads past one tile (4,096 entries) now and then: positions to 1.2M.
         let max_pos = if case_no % 6 == 5 { 1_200_000 } else { rng.range(100, 30_000) };
         let (bs, views) = (rng.range(1, 4) as usize, rng.range(1, 4) as usize);
         // Every fourth: MTP tokens whose heads straddle a multiple of 64 (the row limit's edge).
-        let d = if case_no % 4 == 3 {
+        let mut d = if case_no % 4 == 3 {
             flashmla_common::FlashDecode::mtp_edge(&mut rng, &g, bs, views)
         } else {
             flashmla_common::FlashDecode::random(&mut rng, &g, bs, max_pos, views)
         };
+        // From case 24: rows per block 3 or 4 (a coarse ratio other than 128, which a config may
+        // give), the head writer's forms other than its rows-per-block-2 groups; every head still
+        // fits the table rows (head / rpb < head / 2).
+        if case_no >= 24 {
+            d.rpb = [3, 4][case_no % 2];
+        }
         let (case, _, make) = d.case(&format!("flash decode {case_no}"), 0, true);
         compare_case(&emu, &case, &make);
     }
