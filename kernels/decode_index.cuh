@@ -508,13 +508,14 @@ extern "C" __global__ V4P_LAUNCH_BOUNDS_MIN(V4POOL_DECODE_THREADS, 8) void v4poo
     const v4p_i64 hend = v4p_in<v4p_i32>(hca.indptr)[t + 1];
     const FlashMlaOut& fh = a.flashmla[V4POOL_CLASS_HCA];
     const v4p_i32* table = b >= 0 ? v4p_in<v4p_i32>(a.block_tables) + (v4p_i64)b * a.block_table_stride : nullptr;
+    const v4p_i64 tiles = v4p_decode_hca_tiles(a);  // the grid's tile count, for both writers' strides
     if (fh.extra_indices != 0)  // pads included: their rows are -1
         v4p_flashmla_head(fh, table, hend - hbegin - n, a.hca_rows_per_block, a.envelope_rows, a.num_tokens, t,
-                          (v4p_i64)x - 1, v4p_decode_hca_tiles(a), tid);
+                          (v4p_i64)x - 1, tiles, tid);
     if (b < 0 || hca.indices == 0) return;
     // Compressed entries 0..head-1 at the head of the slice, ascending; this block's tile.
     v4p_write_head_vec(v4p_out<v4p_i32>(hca.indices) + hbegin, table, hend - hbegin - n, a.hca_rows_per_block,
-                       a.envelope_rows, (v4p_i64)x - 1, v4p_decode_hca_tiles(a), tid);
+                       a.envelope_rows, (v4p_i64)x - 1, tiles, tid);
 }
 
 // ---- §4: HCA compressed offsets as a standalone gather -----------------------------------
