@@ -445,7 +445,7 @@ const char *v4pool_last_error_message(void);
  * device is refused unread (`NotAFile`), a larger file refused (`TooLarge`); nothing blocks.
  *
  * # Safety
- * Strings are null or NUL-terminated; `out` points to writable storage for a handle.
+ * Strings are null or NUL-terminated; `out_plan` points to writable storage for a handle.
  */
 enum V4poolStatus v4pool_plan_new(const char *model,
                                   uint64_t budget_bytes,
@@ -701,8 +701,9 @@ void v4pool_decode_free(struct V4poolDecode *decode);
  * real token count (may be null).
  *
  * # Safety
- * `decode` is live; the three arrays hold `batch` elements; `block_tables` is null or holds
- * `batch * table_stride` elements.
+ * `decode` is live and no other call uses it meanwhile; the three arrays hold `batch`
+ * elements; `block_tables` is null or holds `batch * table_stride` elements; `out_tokens` is
+ * null or writable.
  */
 enum V4poolStatus v4pool_decode_stage(struct V4poolDecode *decode,
                                       size_t batch,
@@ -718,7 +719,8 @@ enum V4poolStatus v4pool_decode_stage(struct V4poolDecode *decode,
  * after the staging): one launch with fixed pointers, capturable in a graph.
  *
  * # Safety
- * `decode` is live; `stream` a live stream of the pool's device or 0.
+ * `decode` is live and no other call uses it meanwhile; `stream` a live stream of the pool's
+ * device or 0.
  */
 enum V4poolStatus v4pool_decode_build(struct V4poolDecode *decode, uint64_t stream);
 
@@ -799,8 +801,8 @@ const char *v4pool_events_replay_endpoint(const struct V4poolEvents *events);
  * `V4poolMedium`).
  *
  * # Safety
- * `events` is live; `hashes` holds `n`; `parent` is null or readable; `tokens` holds
- * `n_tokens`.
+ * `events` is live and no other call uses it meanwhile; `hashes` holds `n`; `parent` is null
+ * or readable; `tokens` holds `n_tokens`.
  */
 enum V4poolStatus v4pool_events_stored(struct V4poolEvents *events,
                                        const struct V4poolHash *hashes,
@@ -814,7 +816,7 @@ enum V4poolStatus v4pool_events_stored(struct V4poolEvents *events,
  * Add a `BlockRemoved` event: `n` blocks left `medium`.
  *
  * # Safety
- * `events` is live; `hashes` holds `n`.
+ * `events` is live and no other call uses it meanwhile; `hashes` holds `n`.
  */
 enum V4poolStatus v4pool_events_removed(struct V4poolEvents *events,
                                         const struct V4poolHash *hashes,
@@ -825,7 +827,7 @@ enum V4poolStatus v4pool_events_removed(struct V4poolEvents *events,
  * Add an `AllBlocksCleared` event.
  *
  * # Safety
- * `events` is live.
+ * `events` is live and no other call uses it meanwhile.
  */
 enum V4poolStatus v4pool_events_cleared(struct V4poolEvents *events);
 
@@ -834,7 +836,7 @@ enum V4poolStatus v4pool_events_cleared(struct V4poolEvents *events);
  * `out_seq` (-1: there was nothing to send).
  *
  * # Safety
- * `events` is live; `out_seq` writable.
+ * `events` is live and no other call uses it meanwhile; `out_seq` writable.
  */
 enum V4poolStatus v4pool_events_flush(struct V4poolEvents *events, int64_t *out_seq);
 

@@ -2,8 +2,8 @@
 //! convention), staging a batch, the build, its buffers and the FlashMLA operands.
 
 use super::{
-    get, guard, invalid, out, read_in, rejected, write_out, Fail, V4poolBuffer, V4poolDecode, V4poolPool,
-    V4poolStatus,
+    get, guard, invalid, items, out, read_in, rejected, write_out, Fail, V4poolBuffer, V4poolDecode,
+    V4poolPool, V4poolStatus,
 };
 use crate::backend::Stream;
 use crate::geometry::Class;
@@ -112,9 +112,12 @@ pub unsafe extern "C" fn v4pool_decode_new(
     out_decode: *mut *mut V4poolDecode,
 ) -> V4poolStatus {
     guard(|| {
-        let p = get(pool, "pool")?.pool.clone();
-        let cap = decode_capacity(&p, read_in(cap, "cap")?)?;
-        let slot = out(out_decode, "out_decode")?;
+        // SAFETY: `pool` is live (this function's `# Safety`).
+        let p = unsafe { get(pool, "pool") }?.pool.clone();
+        // SAFETY: `cap` is the caller's readable `V4poolDecodeCapacity` (this function's `# Safety`).
+        let cap = decode_capacity(&p, unsafe { read_in(cap, "cap") }?)?;
+        // SAFETY: `out_decode` is writable storage for a handle (this function's `# Safety`).
+        let slot = unsafe { out(out_decode, "out_decode") }?;
         let step = p.decode_path(cap).map_err(rejected)?;
         *slot = Box::into_raw(Box::new(V4poolDecode { step }));
         Ok(())
@@ -136,20 +139,25 @@ pub unsafe extern "C" fn v4pool_decode_new_flashmla(
     out_decode: *mut *mut V4poolDecode,
 ) -> V4poolStatus {
     guard(|| {
-        let p = get(pool, "pool")?.pool.clone();
-        let cap = decode_capacity(&p, read_in(cap, "cap")?)?;
+        // SAFETY: `pool` is live (this function's `# Safety`).
+        let p = unsafe { get(pool, "pool") }?.pool.clone();
+        // SAFETY: `cap` is the caller's readable `V4poolDecodeCapacity` (this function's `# Safety`).
+        let cap = decode_capacity(&p, unsafe { read_in(cap, "cap") }?)?;
         let w = if widths.is_null() {
             let g = p.geometry().map_err(rejected)?;
             crate::pool::FlashMlaWidths::for_capacity(&g, cap).map_err(rejected)?
         } else {
-            let w: V4poolFlashMlaWidths = read_in(widths, "widths")?;
+            // SAFETY: `widths` is non-null here, so the caller's readable
+            // `V4poolFlashMlaWidths` (this function's `# Safety`).
+            let w: V4poolFlashMlaWidths = unsafe { read_in(widths, "widths") }?;
             crate::pool::FlashMlaWidths {
                 topk: w.topk,
                 csa_extra_topk: w.csa_extra_topk,
                 hca_extra_topk: w.hca_extra_topk,
             }
         };
-        let slot = out(out_decode, "out_decode")?;
+        // SAFETY: `out_decode` is writable storage for a handle (this function's `# Safety`).
+        let slot = unsafe { out(out_decode, "out_decode") }?;
         let step = p.flashmla_decode_path(cap, w).map_err(rejected)?;
         *slot = Box::into_raw(Box::new(V4poolDecode { step }));
         Ok(())
@@ -168,26 +176,25 @@ pub unsafe extern "C" fn v4pool_decode_flashmla(
     out_ops: *mut V4poolFlashMla,
 ) -> V4poolStatus {
     guard(|| {
-        let ops = get(decode, "decode")?.step.flashmla(layer as usize).map_err(rejected)?;
+        // SAFETY: `decode` is live (this function's `# Safety`).
+        let ops = unsafe { get(decode, "decode") }?.step.flashmla(layer as usize).map_err(rejected)?;
         let buf = |b: Option<crate::pool::DeviceBuffer>| {
             b.map_or(V4poolBuffer::default(), |b| V4poolBuffer { ptr: b.ptr, len: b.len })
         };
-        write_out(
-            out_ops,
-            "out_ops",
-            V4poolFlashMla {
-                struct_size: 0,
-                indices: buf(Some(ops.indices)),
-                topk_length: buf(Some(ops.topk_length)),
-                extra_indices: buf(ops.extra_indices),
-                extra_topk_length: buf(ops.extra_topk_length),
-                seq_topk_length: buf(Some(ops.seq_topk_length)),
-                seq_extra_topk_length: buf(ops.seq_extra_topk_length),
-                topk: ops.topk,
-                extra_topk: ops.extra_topk,
-                shift: ops.shift,
-            },
-        )?;
+        let v = V4poolFlashMla {
+            struct_size: 0,
+            indices: buf(Some(ops.indices)),
+            topk_length: buf(Some(ops.topk_length)),
+            extra_indices: buf(ops.extra_indices),
+            extra_topk_length: buf(ops.extra_topk_length),
+            seq_topk_length: buf(Some(ops.seq_topk_length)),
+            seq_extra_topk_length: buf(ops.seq_extra_topk_length),
+            topk: ops.topk,
+            extra_topk: ops.extra_topk,
+            shift: ops.shift,
+        };
+        // SAFETY: `out_ops` is the caller's writable `V4poolFlashMla` (this function's `# Safety`).
+        unsafe { write_out(out_ops, "out_ops", v) }?;
         Ok(())
     })
 }
@@ -211,8 +218,9 @@ pub unsafe extern "C" fn v4pool_decode_free(decode: *mut V4poolDecode) {
 /// real token count (may be null).
 ///
 /// # Safety
-/// `decode` is live; the three arrays hold `batch` elements; `block_tables` is null or holds
-/// `batch * table_stride` elements.
+/// `decode` is live and no other call uses it meanwhile; the three arrays hold `batch`
+/// elements; `block_tables` is null or holds `batch * table_stride` elements; `out_tokens` is
+/// null or writable.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn v4pool_decode_stage(
@@ -226,15 +234,8 @@ pub unsafe extern "C" fn v4pool_decode_stage(
     out_tokens: *mut usize,
 ) -> V4poolStatus {
     guard(|| {
-        let d = out(decode, "decode")?;
-        let arr = |p: *const i64, what: &str| -> Result<&[i64], Fail> {
-            if batch == 0 {
-                return Ok(&[]);
-            }
-            let p = get(p, what)?;
-            // SAFETY: the caller's promise: `batch` elements.
-            Ok(unsafe { std::slice::from_raw_parts(p, batch) })
-        };
+        // SAFETY: `decode` is live and this call's alone (this function's `# Safety`).
+        let d = unsafe { out(decode, "decode") }?;
         let tables = if block_tables.is_null() || batch == 0 {
             None
         } else {
@@ -242,16 +243,19 @@ pub unsafe extern "C" fn v4pool_decode_stage(
             // SAFETY: the caller's promise: `batch * table_stride` elements.
             Some(unsafe { std::slice::from_raw_parts(block_tables, n) })
         };
+        // SAFETY (the three calls): `positions`, `context_lens` and `num_tokens` hold `batch`
+        // elements each (this function's `# Safety`).
         let flat = FlatDecodeBatch {
-            positions: arr(positions, "positions")?,
-            context_lens: arr(context_lens, "context_lens")?,
-            num_tokens: arr(num_tokens, "num_tokens")?,
+            positions: unsafe { items(positions, batch, "positions") }?,
+            context_lens: unsafe { items(context_lens, batch, "context_lens") }?,
+            num_tokens: unsafe { items(num_tokens, batch, "num_tokens") }?,
             block_tables: tables,
             table_stride,
         };
         let tokens = d.step.stage_flat(&flat).map_err(rejected)?;
         if !out_tokens.is_null() {
-            *out(out_tokens, "out_tokens")? = tokens;
+            // SAFETY: `out_tokens` is non-null here, so writable (this function's `# Safety`).
+            *unsafe { out(out_tokens, "out_tokens") }? = tokens;
         }
         Ok(())
     })
@@ -261,11 +265,13 @@ pub unsafe extern "C" fn v4pool_decode_stage(
 /// after the staging): one launch with fixed pointers, capturable in a graph.
 ///
 /// # Safety
-/// `decode` is live; `stream` a live stream of the pool's device or 0.
+/// `decode` is live and no other call uses it meanwhile; `stream` a live stream of the pool's
+/// device or 0.
 #[no_mangle]
 pub unsafe extern "C" fn v4pool_decode_build(decode: *mut V4poolDecode, stream: u64) -> V4poolStatus {
     guard(|| {
-        let d = out(decode, "decode")?;
+        // SAFETY: `decode` is live and this call's alone (this function's `# Safety`).
+        let d = unsafe { out(decode, "decode") }?;
         let stream = if stream == 0 { d.step.stream() } else { Stream(stream) };
         d.step.build_on(stream).map_err(rejected)
     })
@@ -296,7 +302,8 @@ pub unsafe extern "C" fn v4pool_decode_buffer(
     out_buffer: *mut V4poolBuffer,
 ) -> V4poolStatus {
     guard(|| {
-        let s = &get(decode, "decode")?.step;
+        // SAFETY: `decode` is live (this function's `# Safety`).
+        let s = &unsafe { get(decode, "decode") }?.step;
         let class = *Class::ALL.get(cls as usize).ok_or_else(|| invalid("cls is not 0, 1 or 2"))?;
         // `which` arrives as an integer: a C caller can pass any value, and an out-of-range
         // Rust enum would be undefined behaviour.
@@ -308,7 +315,8 @@ pub unsafe extern "C" fn v4pool_decode_buffer(
         }
         .ok_or(DecodeError::MissingClass(class))
         .map_err(rejected)?;
-        *out(out_buffer, "out_buffer")? = V4poolBuffer { ptr: b.ptr, len: b.len };
+        // SAFETY: `out_buffer` is writable (this function's `# Safety`).
+        *unsafe { out(out_buffer, "out_buffer") }? = V4poolBuffer { ptr: b.ptr, len: b.len };
         Ok(())
     })
 }
@@ -319,5 +327,8 @@ pub unsafe extern "C" fn v4pool_decode_buffer(
 /// `decode` is live.
 #[no_mangle]
 pub unsafe extern "C" fn v4pool_decode_synchronize(decode: *const V4poolDecode) -> V4poolStatus {
-    guard(|| get(decode, "decode")?.step.synchronize().map_err(rejected))
+    guard(|| {
+        // SAFETY: `decode` is live (this function's `# Safety`).
+        unsafe { get(decode, "decode") }?.step.synchronize().map_err(rejected)
+    })
 }

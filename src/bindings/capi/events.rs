@@ -2,7 +2,7 @@
 //! tokens, and a publisher of `BlockStored` / `BlockRemoved` / `AllBlocksCleared` batches in
 //! vLLM's ZeroMQ / MessagePack format. An engine adds events, then flushes them as one batch.
 
-use super::{guard, invalid, out, rejected, text, V4poolStatus};
+use super::{guard, invalid, items, out, rejected, text, V4poolStatus};
 use crate::events::{EventEncoding, KvEventPublisher, KvEventsConfig};
 use crate::manager::{chain_hashes, BlockHash, KvEvent, Medium, Namespace};
 use std::ffi::{c_char, CString};
@@ -63,21 +63,6 @@ fn medium(m: u32) -> Result<Medium, super::Fail> {
     }
 }
 
-/// `n` items at `p` (null allowed when `n` is 0).
-///
-/// # Safety
-/// `p` is null or points to `n` readable items.
-unsafe fn items<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T], super::Fail> {
-    if n == 0 {
-        return Ok(&[]);
-    }
-    if p.is_null() {
-        return Err(invalid(&format!("{what} is null")));
-    }
-    // SAFETY: the caller's promise.
-    Ok(unsafe { std::slice::from_raw_parts(p, n) })
-}
-
 /// The chained hashes of every full block of `tokens` (`block_size` tokens each) in the
 /// namespace of `namespace_label` (as `KvManager`'s), chained from `parent` (null: the first
 /// block); writes at most `out_cap` of them and their count to `out_len`.
@@ -108,7 +93,8 @@ pub unsafe extern "C" fn v4pool_block_hashes(
         // SAFETY: null or readable (the caller's promise).
         let parent = unsafe { parent.as_ref() }.map(|p| p.hash());
         let hs = chain_hashes(Namespace::from_label(label), parent, tokens, block_size);
-        let len = out(out_len, "out_len")?;
+        // SAFETY: `out_len` is writable (this function's `# Safety`).
+        let len = unsafe { out(out_len, "out_len") }?;
         *len = hs.len();
         if hs.len() > out_cap {
             return Err((
@@ -118,8 +104,14 @@ pub unsafe extern "C" fn v4pool_block_hashes(
             ));
         }
         if !hs.is_empty() {
-            // SAFETY: `out_hashes` holds `out_cap` ≥ `hs.len()` writable hashes.
-            let dst = unsafe { std::slice::from_raw_parts_mut(out(out_hashes, "out_hashes")?, hs.len()) };
+            // A raw null check, not `out`: a reference to the first hash would not cover the
+            // rest of the slice made from it.
+            if out_hashes.is_null() {
+                return Err(invalid("out_hashes is null"));
+            }
+            // SAFETY: non-null, and it holds `out_cap` ≥ `hs.len()` writable hashes (this
+            // function's `# Safety`).
+            let dst = unsafe { std::slice::from_raw_parts_mut(out_hashes, hs.len()) };
             for (d, h) in dst.iter_mut().zip(hs) {
                 *d = V4poolHash { lo: h.0 as u64, hi: (h.0 >> 64) as u64 };
             }
@@ -150,7 +142,8 @@ pub unsafe extern "C" fn v4pool_events_new(
         let (endpoint, replay, topic) = unsafe {
             (text(endpoint, "endpoint")?, text(replay_endpoint, "replay_endpoint")?, text(topic, "topic")?)
         };
-        let slot = out(out_events, "out_events")?;
+        // SAFETY: `out_events` is writable storage for a handle (this function's `# Safety`).
+        let slot = unsafe { out(out_events, "out_events") }?;
         let config = KvEventsConfig {
             endpoint: endpoint.ok_or_else(|| invalid("endpoint is null"))?.to_string(),
             replay_endpoint: replay.map(str::to_string),
@@ -198,8 +191,8 @@ pub unsafe extern "C" fn v4pool_events_replay_endpoint(events: *const V4poolEven
 /// `V4poolMedium`).
 ///
 /// # Safety
-/// `events` is live; `hashes` holds `n`; `parent` is null or readable; `tokens` holds
-/// `n_tokens`.
+/// `events` is live and no other call uses it meanwhile; `hashes` holds `n`; `parent` is null
+/// or readable; `tokens` holds `n_tokens`.
 #[no_mangle]
 pub unsafe extern "C" fn v4pool_events_stored(
     events: *mut V4poolEvents,
@@ -211,7 +204,8 @@ pub unsafe extern "C" fn v4pool_events_stored(
     medium_code: u32,
 ) -> V4poolStatus {
     guard(|| {
-        let e = out(events, "events")?;
+        // SAFETY: `events` is live and this call's alone (this function's `# Safety`).
+        let e = unsafe { out(events, "events") }?;
         // SAFETY: forwarded promises.
         let (hs, ts) = unsafe { (items(hashes, n, "hashes")?, items(tokens, n_tokens, "tokens")?) };
         let bs = e.publisher.config().block_size as usize;
@@ -234,7 +228,7 @@ pub unsafe extern "C" fn v4pool_events_stored(
 /// Add a `BlockRemoved` event: `n` blocks left `medium`.
 ///
 /// # Safety
-/// `events` is live; `hashes` holds `n`.
+/// `events` is live and no other call uses it meanwhile; `hashes` holds `n`.
 #[no_mangle]
 pub unsafe extern "C" fn v4pool_events_removed(
     events: *mut V4poolEvents,
@@ -243,7 +237,8 @@ pub unsafe extern "C" fn v4pool_events_removed(
     medium_code: u32,
 ) -> V4poolStatus {
     guard(|| {
-        let e = out(events, "events")?;
+        // SAFETY: `events` is live and this call's alone (this function's `# Safety`).
+        let e = unsafe { out(events, "events") }?;
         // SAFETY: forwarded promise.
         let hs = unsafe { items(hashes, n, "hashes") }?;
         let medium = medium(medium_code)?;
@@ -255,11 +250,12 @@ pub unsafe extern "C" fn v4pool_events_removed(
 /// Add an `AllBlocksCleared` event.
 ///
 /// # Safety
-/// `events` is live.
+/// `events` is live and no other call uses it meanwhile.
 #[no_mangle]
 pub unsafe extern "C" fn v4pool_events_cleared(events: *mut V4poolEvents) -> V4poolStatus {
     guard(|| {
-        out(events, "events")?.pending.push(KvEvent::AllCleared);
+        // SAFETY: `events` is live and this call's alone (this function's `# Safety`).
+        unsafe { out(events, "events") }?.pending.push(KvEvent::AllCleared);
         Ok(())
     })
 }
@@ -268,12 +264,14 @@ pub unsafe extern "C" fn v4pool_events_cleared(events: *mut V4poolEvents) -> V4p
 /// `out_seq` (-1: there was nothing to send).
 ///
 /// # Safety
-/// `events` is live; `out_seq` writable.
+/// `events` is live and no other call uses it meanwhile; `out_seq` writable.
 #[no_mangle]
 pub unsafe extern "C" fn v4pool_events_flush(events: *mut V4poolEvents, out_seq: *mut i64) -> V4poolStatus {
     guard(|| {
-        let e = out(events, "events")?;
-        let seq = out(out_seq, "out_seq")?;
+        // SAFETY: `events` is live and this call's alone (this function's `# Safety`).
+        let e = unsafe { out(events, "events") }?;
+        // SAFETY: `out_seq` is writable (this function's `# Safety`).
+        let seq = unsafe { out(out_seq, "out_seq") }?;
         let pending = std::mem::take(&mut e.pending);
         *seq = match e.publisher.publish(&pending).map_err(rejected)? {
             Some(s) => i64::try_from(s).unwrap_or(i64::MAX),

@@ -23,8 +23,10 @@ pub unsafe extern "C" fn v4pool_csa_topk_new(
     out_topk: *mut *mut V4poolCsaTopk,
 ) -> V4poolStatus {
     guard(|| {
-        let p = get(pool, "pool")?;
-        let slot = out(out_topk, "out_topk")?;
+        // SAFETY: `pool` is live (this function's `# Safety`).
+        let p = unsafe { get(pool, "pool") }?;
+        // SAFETY: `out_topk` is writable storage for a handle (this function's `# Safety`).
+        let slot = unsafe { out(out_topk, "out_topk") }?;
         let topk = CsaTopk::new(&p.pool, max_tokens, index_topk).map_err(rejected)?;
         *slot = Box::into_raw(Box::new(V4poolCsaTopk { topk }));
         Ok(())
@@ -60,8 +62,10 @@ pub unsafe extern "C" fn v4pool_decode_csa_pack(
     width: usize,
 ) -> V4poolStatus {
     guard(|| {
-        let d = get(decode, "decode")?;
-        let t = get(topk, "topk")?;
+        // SAFETY: `decode` is live (this function's `# Safety`).
+        let d = unsafe { get(decode, "decode") }?;
+        // SAFETY: `topk` is live (this function's `# Safety`).
+        let t = unsafe { get(topk, "topk") }?;
         let n = rows.checked_mul(width).ok_or_else(|| invalid("rows × width overflows"))?;
         if n > 0 && ids.is_null() {
             return Err(invalid("ids is null"));

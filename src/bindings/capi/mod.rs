@@ -177,36 +177,75 @@ fn invalid(what: &str) -> Fail {
     (V4poolStatus::InvalidArgument, "InvalidArgument".into(), what.into())
 }
 
-/// A C string argument (`null` allowed when `optional`).
+/// A C string argument (`Ok(None)` for null: the caller decides whether null is allowed).
 ///
 /// # Safety
-/// `s` is null or a NUL-terminated string.
+/// `s` is null or points to a NUL-terminated string, readable up to and including its NUL and
+/// not written for `'a` (null is checked; nothing else is).
 unsafe fn text<'a>(s: *const c_char, what: &str) -> Result<Option<&'a str>, Fail> {
     if s.is_null() {
         return Ok(None);
     }
-    // SAFETY: the caller's promise.
+    // SAFETY: non-null, and the rest is this function's `# Safety`.
     unsafe { CStr::from_ptr(s) }.to_str().map(Some).map_err(|_| invalid(&format!("{what} is not UTF-8")))
 }
 
-fn out<'a, T>(p: *mut T, what: &str) -> Result<&'a mut T, Fail> {
-    // SAFETY: checked for null; the caller promises a valid, writable `T` (every function's
-    // `# Safety`).
+/// `n` items at `p` (null allowed when `n` is 0; "`what` is null" otherwise).
+///
+/// # Safety
+/// When `n` > 0, `p` is null or points to `n` initialised, properly aligned `T`s in one
+/// allocation, readable and not written for `'a` (null is checked; nothing else is; `p` is
+/// not read when `n` is 0).
+unsafe fn items<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T], Fail> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(invalid(&format!("{what} is null")));
+    }
+    // SAFETY: non-null, `n` > 0, and the rest is this function's `# Safety`.
+    Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
+/// The caller's pointer `p` as a mutable reference ("`what` is null" for null): an
+/// out-pointer, or a handle the call changes.
+///
+/// # Safety
+/// `p` is null or points to properly aligned storage for a `T`, readable and writable for
+/// `'a`, holding a valid `T` if it is read before it is written (the out-slots here are
+/// written first, and have no drop glue; a handle is live), and nothing else reads or writes
+/// it for `'a` (no other live reference or pointer use, no other thread): null is checked;
+/// nothing else is.
+unsafe fn out<'a, T>(p: *mut T, what: &str) -> Result<&'a mut T, Fail> {
+    // SAFETY: null is `None`; the rest is this function's `# Safety`.
     unsafe { p.as_mut() }.ok_or_else(|| invalid(&format!("{what} is null")))
 }
 
-/// `v` written to the caller's `out_view` (the layer and compressed views' one translation).
-fn write_view(out_view: *mut V4poolView, v: LayerView) -> Result<(), Fail> {
-    write_out(
-        out_view,
-        "out_view",
-        V4poolView { struct_size: 0, ptr: v.ptr, rows: v.rows, row_bytes: v.row_bytes },
-    )
+/// The caller's pointer `p` as a shared reference ("`what` is null" for null): a handle the
+/// call reads.
+///
+/// # Safety
+/// `p` is null or points to a valid, properly aligned `T`, readable and not written for `'a`
+/// (other threads may read it meanwhile only if `T` is `Sync`, as the plan, pool, decode and
+/// top-k handles are): null is checked; nothing else is.
+unsafe fn get<'a, T>(p: *const T, what: &str) -> Result<&'a T, Fail> {
+    // SAFETY: null is `None`; the rest is this function's `# Safety`.
+    unsafe { p.as_ref() }.ok_or_else(|| invalid(&format!("{what} is null")))
 }
 
-fn get<'a, T>(p: *const T, what: &str) -> Result<&'a T, Fail> {
-    // SAFETY: as `out`, for reading.
-    unsafe { p.as_ref() }.ok_or_else(|| invalid(&format!("{what} is null")))
+/// `v` written to the caller's `out_view` (the layer and compressed views' one translation).
+///
+/// # Safety
+/// As [`write_out`]'s `p`: `out_view` is null or points to the caller's `V4poolView`.
+unsafe fn write_view(out_view: *mut V4poolView, v: LayerView) -> Result<(), Fail> {
+    // SAFETY: this function's `# Safety` is `write_out`'s.
+    unsafe {
+        write_out(
+            out_view,
+            "out_view",
+            V4poolView { struct_size: 0, ptr: v.ptr, rows: v.rows, row_bytes: v.row_bytes },
+        )
+    }
 }
 
 /// The variant name of this thread's last error ("" after a success). Valid until the
@@ -231,7 +270,7 @@ pub extern "C" fn v4pool_last_error_message() -> *const c_char {
 /// device is refused unread (`NotAFile`), a larger file refused (`TooLarge`); nothing blocks.
 ///
 /// # Safety
-/// Strings are null or NUL-terminated; `out` points to writable storage for a handle.
+/// Strings are null or NUL-terminated; `out_plan` points to writable storage for a handle.
 #[no_mangle]
 pub unsafe extern "C" fn v4pool_plan_new(
     model: *const c_char,
@@ -258,7 +297,8 @@ pub unsafe extern "C" fn v4pool_plan_new(
             o.indexer = Some(PlanOptions::indexer_from_name(i).map_err(named)?);
         }
         o.spec_steps = spec_steps;
-        let slot = out(out_plan, "out_plan")?;
+        // SAFETY: `out_plan` is writable storage for a handle (this function's `# Safety`).
+        let slot = unsafe { out(out_plan, "out_plan") }?;
         let report = o.report().map_err(named)?;
         *slot = Box::into_raw(Box::new(V4poolPlan { report }));
         Ok(())
@@ -287,9 +327,11 @@ pub unsafe extern "C" fn v4pool_plan_json(
     out_json: *mut *mut c_char,
 ) -> V4poolStatus {
     guard(|| {
-        let plan = get(plan, "plan")?;
+        // SAFETY: `plan` is a live plan (this function's `# Safety`).
+        let plan = unsafe { get(plan, "plan") }?;
         let text = CString::new(plan.report.to_json().to_string()).map_err(|_| invalid("NUL in JSON"))?;
-        *out(out_json, "out_json")? = text.into_raw();
+        // SAFETY: `out_json` is writable (this function's `# Safety`).
+        *unsafe { out(out_json, "out_json") }? = text.into_raw();
         Ok(())
     })
 }
@@ -304,29 +346,28 @@ pub unsafe extern "C" fn v4pool_plan_info(
     out_info: *mut V4poolPlanInfo,
 ) -> V4poolStatus {
     guard(|| {
-        let p = &get(plan, "plan")?.report.plan;
+        // SAFETY: `plan` is a live plan (this function's `# Safety`).
+        let p = &unsafe { get(plan, "plan") }?.report.plan;
         let widths = p.layout.widths();
         let m = &p.layout.model;
         // The window, top-k and MTP steps are the spec's: what a decode capacity's 0 takes.
         let kv = p.kv_spec().map_err(rejected)?;
-        write_out(
-            out_info,
-            "out_info",
-            V4poolPlanInfo {
-                struct_size: 0,
-                num_blocks: p.num_blocks,
-                num_slots: p.num_slots,
-                plane_rows: p.plane_rows,
-                num_planes: widths.len() as u32,
-                plane_widths: [widths[0], widths.get(1).copied().unwrap_or(0)],
-                block_size: m.block_size,
-                sliding_window: i64::from(kv.window()),
-                ring_slots: m.ring_slots(),
-                index_topk: i64::from(kv.index_topk()),
-                spec_steps: kv.spec_steps(),
-                total_bytes: p.total_bytes,
-            },
-        )?;
+        let info = V4poolPlanInfo {
+            struct_size: 0,
+            num_blocks: p.num_blocks,
+            num_slots: p.num_slots,
+            plane_rows: p.plane_rows,
+            num_planes: widths.len() as u32,
+            plane_widths: [widths[0], widths.get(1).copied().unwrap_or(0)],
+            block_size: m.block_size,
+            sliding_window: i64::from(kv.window()),
+            ring_slots: m.ring_slots(),
+            index_topk: i64::from(kv.index_topk()),
+            spec_steps: kv.spec_steps(),
+            total_bytes: p.total_bytes,
+        };
+        // SAFETY: `out_info` is the caller's writable `V4poolPlanInfo` (this function's `# Safety`).
+        unsafe { write_out(out_info, "out_info", info) }?;
         Ok(())
     })
 }
@@ -343,7 +384,13 @@ pub unsafe extern "C" fn v4pool_string_free(s: *mut c_char) {
     }
 }
 
-fn new_pool(
+/// The pool `v4pool_pool_new` and `v4pool_pool_new_external` make.
+///
+/// # Safety
+/// `plan` is null or a live plan; `backend` null or NUL-terminated; `out_pool` null or writable
+/// storage for a handle; `stream` a live stream of the device or 0; `external`, where given, a
+/// region as `v4pool_pool_new_external`'s `# Safety` states.
+unsafe fn new_pool(
     plan: *const V4poolPlan,
     backend: *const c_char,
     device: u32,
@@ -351,10 +398,10 @@ fn new_pool(
     external: Option<(u64, u64)>,
     out_pool: *mut *mut V4poolPool,
 ) -> Result<(), Fail> {
-    let plan = get(plan, "plan")?;
-    // SAFETY: the caller's string promise (every entry point states it).
+    // SAFETY (the three calls): `plan`, `backend` and `out_pool` as this function's `# Safety`.
+    let plan = unsafe { get(plan, "plan") }?;
     let name = unsafe { text(backend, "backend") }?.unwrap_or("auto");
-    let slot = out(out_pool, "out_pool")?;
+    let slot = unsafe { out(out_pool, "out_pool") }?;
     let mut b =
         BackendChoice::parse(name).and_then(|c| backend::select_on(c, device as usize)).map_err(rejected)?;
     let spec = PoolSpec::from_plan(&plan.report.plan).map_err(rejected)?;
@@ -367,7 +414,7 @@ fn new_pool(
                 format!("the pool needs {need} bytes of memory, got {bytes}"),
             ));
         }
-        // SAFETY: `v4pool_pool_new_external`'s caller promises the region.
+        // SAFETY: the region, as this function's `# Safety` (`v4pool_pool_new_external`'s).
         b = Arc::new(unsafe { ExternalRegion::new(b, ptr, bytes) }.map_err(rejected)?);
     }
     let pool = Pool::new(b, spec, Stream(stream)).map_err(rejected)?;
@@ -389,7 +436,9 @@ pub unsafe extern "C" fn v4pool_pool_new(
     stream: u64,
     out_pool: *mut *mut V4poolPool,
 ) -> V4poolStatus {
-    guard(|| new_pool(plan, backend, device, stream, None, out_pool))
+    // SAFETY: `plan`, `backend`, `stream` and `out_pool` (this function's `# Safety`), as
+    // `new_pool` takes them.
+    guard(|| unsafe { new_pool(plan, backend, device, stream, None, out_pool) })
 }
 
 /// Bytes `v4pool_pool_new_external` needs for `plan`.
@@ -402,8 +451,11 @@ pub unsafe extern "C" fn v4pool_pool_required_bytes(
     out_bytes: *mut u64,
 ) -> V4poolStatus {
     guard(|| {
-        let spec = PoolSpec::from_plan(&get(plan, "plan")?.report.plan).map_err(rejected)?;
-        *out(out_bytes, "out_bytes")? = Pool::required_bytes(&spec).map_err(rejected)?;
+        // SAFETY: `plan` is a live plan (this function's `# Safety`).
+        let plan = unsafe { get(plan, "plan") }?;
+        let spec = PoolSpec::from_plan(&plan.report.plan).map_err(rejected)?;
+        // SAFETY: `out_bytes` is writable (this function's `# Safety`).
+        *unsafe { out(out_bytes, "out_bytes") }? = Pool::required_bytes(&spec).map_err(rejected)?;
         Ok(())
     })
 }
@@ -425,7 +477,9 @@ pub unsafe extern "C" fn v4pool_pool_new_external(
     bytes: u64,
     out_pool: *mut *mut V4poolPool,
 ) -> V4poolStatus {
-    guard(|| new_pool(plan, backend, device, stream, Some((ptr, bytes)), out_pool))
+    // SAFETY: the pointers, `stream` and the region (this function's `# Safety`), as
+    // `new_pool` takes them.
+    guard(|| unsafe { new_pool(plan, backend, device, stream, Some((ptr, bytes)), out_pool) })
 }
 
 /// Free a pool (null is ignored); waits for its stream. Decode handles keep it alive.
@@ -451,14 +505,13 @@ pub unsafe extern "C" fn v4pool_pool_plane(
     out_view: *mut V4poolView,
 ) -> V4poolStatus {
     guard(|| {
-        let p = &get(pool, "pool")?.pool;
+        // SAFETY: `pool` is live (this function's `# Safety`).
+        let p = &unsafe { get(pool, "pool") }?.pool;
         let ptr = p.plane_ptr(plane as usize).map_err(rejected)?;
         let row_bytes = p.spec().plane_widths[plane as usize];
-        write_out(
-            out_view,
-            "out_view",
-            V4poolView { struct_size: 0, ptr, rows: p.spec().geometry.plane_rows, row_bytes },
-        )?;
+        let view = V4poolView { struct_size: 0, ptr, rows: p.spec().geometry.plane_rows, row_bytes };
+        // SAFETY: `out_view` is the caller's writable `V4poolView` (this function's `# Safety`).
+        unsafe { write_out(out_view, "out_view", view) }?;
         Ok(())
     })
 }
@@ -475,8 +528,11 @@ pub unsafe extern "C" fn v4pool_pool_layer_view(
     out_view: *mut V4poolView,
 ) -> V4poolStatus {
     guard(|| {
-        let v = get(pool, "pool")?.pool.layer_view(layer as usize, plane as usize).map_err(rejected)?;
-        write_view(out_view, v)
+        // SAFETY: `pool` is live (this function's `# Safety`).
+        let p = &unsafe { get(pool, "pool") }?.pool;
+        let v = p.layer_view(layer as usize, plane as usize).map_err(rejected)?;
+        // SAFETY: `out_view` is the caller's writable `V4poolView` (this function's `# Safety`).
+        unsafe { write_view(out_view, v) }
     })
 }
 
@@ -493,8 +549,10 @@ pub unsafe extern "C" fn v4pool_pool_compressed_view(
     out_view: *mut V4poolView,
 ) -> V4poolStatus {
     guard(|| {
-        let v = get(pool, "pool")?.pool.compressed_view(layer as usize).map_err(rejected)?;
-        write_view(out_view, v)
+        // SAFETY: `pool` is live (this function's `# Safety`).
+        let v = unsafe { get(pool, "pool") }?.pool.compressed_view(layer as usize).map_err(rejected)?;
+        // SAFETY: `out_view` is the caller's writable `V4poolView` (this function's `# Safety`).
+        unsafe { write_view(out_view, v) }
     })
 }
 
@@ -532,20 +590,19 @@ pub unsafe extern "C" fn v4pool_pool_page_view(
     out_view: *mut V4poolPageView,
 ) -> V4poolStatus {
     guard(|| {
-        let v =
-            get(pool, "pool")?.pool.page_view(layer as usize, plane as usize, page_rows).map_err(rejected)?;
-        write_out(
-            out_view,
-            "out_view",
-            V4poolPageView {
-                struct_size: 0,
-                ptr: v.ptr,
-                pages: v.pages,
-                page_rows: v.page_rows,
-                row_bytes: v.row_bytes,
-                row_shift: v.row_shift,
-            },
-        )?;
+        // SAFETY: `pool` is live (this function's `# Safety`).
+        let p = &unsafe { get(pool, "pool") }?.pool;
+        let v = p.page_view(layer as usize, plane as usize, page_rows).map_err(rejected)?;
+        let view = V4poolPageView {
+            struct_size: 0,
+            ptr: v.ptr,
+            pages: v.pages,
+            page_rows: v.page_rows,
+            row_bytes: v.row_bytes,
+            row_shift: v.row_shift,
+        };
+        // SAFETY: `out_view` is the caller's writable `V4poolPageView` (this function's `# Safety`).
+        unsafe { write_out(out_view, "out_view", view) }?;
         Ok(())
     })
 }
@@ -563,8 +620,11 @@ pub unsafe extern "C" fn v4pool_pool_window_index(
     out_row: *mut i64,
 ) -> V4poolStatus {
     guard(|| {
-        let g = get(pool, "pool")?.pool.geometry().map_err(rejected)?;
-        *out(out_row, "out_row")? = g.window_index(layer as usize, position, ring_pos).map_err(rejected)?;
+        // SAFETY: `pool` is live (this function's `# Safety`).
+        let g = unsafe { get(pool, "pool") }?.pool.geometry().map_err(rejected)?;
+        let row = g.window_index(layer as usize, position, ring_pos).map_err(rejected)?;
+        // SAFETY: `out_row` is writable (this function's `# Safety`).
+        *unsafe { out(out_row, "out_row") }? = row;
         Ok(())
     })
 }
@@ -579,8 +639,10 @@ pub unsafe extern "C" fn v4pool_pool_alloc_slot(
     out_slot: *mut V4poolSlot,
 ) -> V4poolStatus {
     guard(|| {
-        let s = get(pool, "pool")?.pool.alloc_slot().map_err(rejected)?;
-        *out(out_slot, "out_slot")? = V4poolSlot {
+        // SAFETY: `pool` is live (this function's `# Safety`).
+        let s = unsafe { get(pool, "pool") }?.pool.alloc_slot().map_err(rejected)?;
+        // SAFETY: `out_slot` is writable (this function's `# Safety`).
+        *unsafe { out(out_slot, "out_slot") }? = V4poolSlot {
             group: s.handle.group,
             pool: s.handle.pool,
             generation: s.handle.generation,
@@ -598,7 +660,8 @@ pub unsafe extern "C" fn v4pool_pool_alloc_slot(
 pub unsafe extern "C" fn v4pool_pool_free_slot(pool: *const V4poolPool, slot: V4poolSlot) -> V4poolStatus {
     guard(|| {
         let h = crate::alloc::SlotHandle { group: slot.group, generation: slot.generation, pool: slot.pool };
-        get(pool, "pool")?.pool.free_slot(h).map_err(rejected)
+        // SAFETY: `pool` is live (this function's `# Safety`).
+        unsafe { get(pool, "pool") }?.pool.free_slot(h).map_err(rejected)
     })
 }
 
@@ -612,8 +675,11 @@ pub unsafe extern "C" fn v4pool_pool_alloc_block(
     out_block: *mut V4poolBlock,
 ) -> V4poolStatus {
     guard(|| {
-        let h = get(pool, "pool")?.pool.alloc_block().map_err(rejected)?.handle;
-        *out(out_block, "out_block")? = V4poolBlock { id: h.id, pool: h.pool, generation: h.generation };
+        // SAFETY: `pool` is live (this function's `# Safety`).
+        let h = unsafe { get(pool, "pool") }?.pool.alloc_block().map_err(rejected)?.handle;
+        // SAFETY: `out_block` is writable (this function's `# Safety`).
+        *unsafe { out(out_block, "out_block") }? =
+            V4poolBlock { id: h.id, pool: h.pool, generation: h.generation };
         Ok(())
     })
 }
@@ -626,7 +692,8 @@ pub unsafe extern "C" fn v4pool_pool_alloc_block(
 pub unsafe extern "C" fn v4pool_pool_free_block(pool: *const V4poolPool, block: V4poolBlock) -> V4poolStatus {
     guard(|| {
         let h = crate::alloc::BlockHandle { id: block.id, generation: block.generation, pool: block.pool };
-        get(pool, "pool")?.pool.free_block(h).map_err(rejected)
+        // SAFETY: `pool` is live (this function's `# Safety`).
+        unsafe { get(pool, "pool") }?.pool.free_block(h).map_err(rejected)
     })
 }
 
@@ -643,7 +710,8 @@ pub unsafe extern "C" fn v4pool_pool_read_plane(
     len: usize,
 ) -> V4poolStatus {
     guard(|| {
-        let p = &get(pool, "pool")?.pool;
+        // SAFETY: `pool` is live (this function's `# Safety`).
+        let p = &unsafe { get(pool, "pool") }?.pool;
         if dst.is_null() && len > 0 {
             return Err(invalid("dst is null"));
         }
@@ -666,7 +734,8 @@ pub unsafe extern "C" fn v4pool_pool_write_plane(
     len: usize,
 ) -> V4poolStatus {
     guard(|| {
-        let p = &get(pool, "pool")?.pool;
+        // SAFETY: `pool` is live (this function's `# Safety`).
+        let p = &unsafe { get(pool, "pool") }?.pool;
         if src.is_null() && len > 0 {
             return Err(invalid("src is null"));
         }

@@ -68,9 +68,10 @@ sized!(
 /// The `struct_size` at `p` (non-null), checked against `T::SIZES`.
 ///
 /// # Safety
-/// `p` points to at least a readable `u32` (the caller's struct's first field).
+/// `p` is non-null and its first 4 bytes are a readable, properly aligned `u32` (the caller's
+/// struct's first field, `struct_size`).
 unsafe fn struct_size<T: SizedStruct>(p: *const T) -> Result<usize, Fail> {
-    // SAFETY: the caller's promise.
+    // SAFETY: this function's `# Safety`.
     let size = unsafe { p.cast::<u32>().read() } as usize;
     if T::SIZES.contains(&size) {
         return Ok(size);
@@ -88,13 +89,19 @@ unsafe fn struct_size<T: SizedStruct>(p: *const T) -> Result<usize, Fail> {
 }
 
 /// An input struct: the caller's `struct_size` bytes over [`SizedStruct::tail`].
-pub(super) fn read_in<T: SizedStruct>(p: *const T, what: &str) -> Result<T, Fail> {
+///
+/// # Safety
+/// `p` is null or points to the caller's `T` (as its header declares it), properly aligned for
+/// `T`: its first 4 bytes (`struct_size`) readable, and, where they hold a size in `T::SIZES`,
+/// that many bytes from `p` readable and not written during the call (null and the size are
+/// checked; nothing else is; nothing past the size is read).
+pub(super) unsafe fn read_in<T: SizedStruct>(p: *const T, what: &str) -> Result<T, Fail> {
     if p.is_null() {
         return Err(invalid(&format!("{what} is null")));
     }
-    // SAFETY: every entry point's `# Safety`: a `T` of the caller's header, whose first field
-    // is `struct_size` and which holds `struct_size` readable bytes (a checked size, at most
-    // `size_of::<T>()`); `T`'s bytes take any pattern (`SizedStruct`'s contract).
+    // SAFETY: non-null and this function's `# Safety`: `struct_size` readable, then `size`
+    // readable bytes (a checked size, at most `size_of::<T>()`, so within `v`); `T`'s bytes
+    // take any pattern (`SizedStruct`'s contract).
     unsafe {
         let size = struct_size(p)?;
         let mut v = T::tail();
@@ -104,13 +111,20 @@ pub(super) fn read_in<T: SizedStruct>(p: *const T, what: &str) -> Result<T, Fail
 }
 
 /// An output struct: `value`'s first `struct_size` bytes (the caller's) written to `p`.
-pub(super) fn write_out<T: SizedStruct>(p: *mut T, what: &str, value: T) -> Result<(), Fail> {
+///
+/// # Safety
+/// `p` is null or points to the caller's `T` (as its header declares it), properly aligned for
+/// `T`: its first 4 bytes (`struct_size`) readable, and, where they hold a size in `T::SIZES`,
+/// that many bytes from `p` writable and not read or written by anything else during the call
+/// (null and the size are checked; nothing else is; nothing past the size is written).
+pub(super) unsafe fn write_out<T: SizedStruct>(p: *mut T, what: &str, value: T) -> Result<(), Fail> {
     if p.is_null() {
         return Err(invalid(&format!("{what} is null")));
     }
-    // SAFETY: as `read_in`, writable: the caller's `T` holds `struct_size` writable bytes; the
-    // first field of `value` is its own `struct_size`, which equals the caller's when the size
-    // is the current one (an older caller's size is shorter: its bytes are the prefix).
+    // SAFETY: non-null and this function's `# Safety`: `struct_size` readable, then `size`
+    // writable bytes; the first field of `value` is its own `struct_size`, which equals the
+    // caller's when the size is the current one (an older caller's size is shorter: its bytes
+    // are the prefix).
     unsafe {
         let size = struct_size(p)?;
         let mut v = value;

@@ -182,9 +182,11 @@ fn an_older_struct_size_reads_tail_defaults_and_is_written_only_to_its_size() {
         bytes.add(4).cast::<u32>().write(5);
         bytes.add(8).cast::<u64>().write(0xA5A5_A5A5_A5A5_A5A5);
     }
-    let got = read_in(p.cast_const(), "grown").unwrap();
+    // SAFETY: `p` is `mem`'s start, aligned for `Grown`, its `struct_size` (8) bytes readable.
+    let got = unsafe { read_in(p.cast_const(), "grown") }.unwrap();
     assert_eq!(got, Grown { struct_size: 8, old: 5, added: 99 });
-    write_out(p, "grown", Grown { struct_size: 0, old: 6, added: 7 }).unwrap();
+    // SAFETY: as above, writable, no reference to `mem` live.
+    unsafe { write_out(p, "grown", Grown { struct_size: 0, old: 6, added: 7 }) }.unwrap();
     unsafe {
         assert_eq!(
             bytes.add(8).cast::<u64>().read(),
@@ -194,7 +196,8 @@ fn an_older_struct_size_reads_tail_defaults_and_is_written_only_to_its_size() {
         assert_eq!((bytes.cast::<u32>().read(), bytes.add(4).cast::<u32>().read()), (8, 6));
         bytes.cast::<u32>().write(12);
     }
-    let e = read_in(p.cast_const(), "grown").unwrap_err();
+    // SAFETY: as above (a refused size reads only `struct_size`).
+    let e = unsafe { read_in(p.cast_const(), "grown") }.unwrap_err();
     assert_eq!((e.0, e.1.as_str()), (V4poolStatus::AbiMismatch, "StructSize"));
     assert!(e.2.contains("Grown.struct_size is 12") && e.2.contains("[8, 16]"), "{}", e.2);
 }
