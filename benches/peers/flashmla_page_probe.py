@@ -3,7 +3,9 @@
 docs/flashmla.md ("One HCA view") needs FlashMLA to take `k_cache` / `extra_k_cache` of shape
 `[blocks, 2, 1, 584]` (a page of 2 rows: 2 x 576 B data, then 2 x 8 B scales) with a block
 stride larger than the page (the pool's envelope). FlashMLA's source checks only stride(1) ==
-584; the library as vLLM ships it may check more. This probe answers on the device:
+584; the library as vLLM ships it may check more. A row zero-padded to 640 B (10 whole 64-B
+HBM atoms; the experimental `flashmla-v4-p1`, docs/flashmla.md "Partial HBM atoms") needs
+`[rows, 1, 1, 584]` with a block stride of 640 B. This probe answers on the device:
 
 1. the same random rows laid out in 64-row pages and in 2-row pages (contiguous, and with a
    block stride of an envelope), the same indices: both outputs against a torch reference that
@@ -39,12 +41,13 @@ def rows(n, gen):
     return data, sc, ref
 
 
-def paged(data, sc, page, stride_rows=None):
+def paged(data, sc, page, stride_rows=None, stride_bytes=None):
     """The rows in pages of `page` rows ([page x 576][page x 8]); consecutive pages `stride_rows`
-    rows apart (default: packed). Returns the [pages, page, 1, 584] view FlashMLA takes."""
+    rows (or `stride_bytes` bytes) apart (default: packed). Returns the [pages, page, 1, 584]
+    view FlashMLA takes."""
     n = data.shape[0]
     pages = n // page
-    stride = (stride_rows or page) * ROW
+    stride = stride_bytes or (stride_rows or page) * ROW
     buf = torch.full((pages * stride + page * ROW,), 0xA5, dtype=torch.uint8, device=dev)
     for p in range(0, pages, 4096):  # chunks keep the temporaries small
         q = min(pages, p + 4096)
@@ -93,6 +96,7 @@ def main():
         "64-row pages": paged(data, sc, 64),
         "2-row pages, packed": paged(data, sc, 2),
         "2-row pages, block stride 1,408 rows": paged(data, sc, 2, 1408),
+        "1-row pages, block stride 640 B": paged(data, sc, 1, stride_bytes=640),
     }
     for name, kc in layouts.items():
         for role, args in (
@@ -119,6 +123,7 @@ def main():
         "64-row pages": paged(data, sc, 64),
         "2-row pages, packed": paged(data, sc, 2),
         "2-row pages, stride 64 rows": paged(data, sc, 2, 64),
+        "1-row pages, stride 640 B": paged(data, sc, 1, stride_bytes=640),
     }
     del data, sc
     for B, S, extra in ((64, 1, 2048), (256, 2, 2048), (1024, 1, 1024)):
