@@ -240,8 +240,9 @@ pub unsafe extern "C" fn v4pool_decode_stage(
             None
         } else {
             let n = batch.checked_mul(table_stride).ok_or_else(|| invalid("table size overflows"))?;
-            // SAFETY: the caller's promise: `batch * table_stride` elements.
-            Some(unsafe { std::slice::from_raw_parts(block_tables, n) })
+            // SAFETY: non-null here, holding `batch * table_stride` elements (this function's
+            // `# Safety`).
+            Some(unsafe { items(block_tables, n, "block_tables") }?)
         };
         // SAFETY (the three calls): `positions`, `context_lens` and `num_tokens` hold `batch`
         // elements each (this function's `# Safety`).
@@ -253,9 +254,9 @@ pub unsafe extern "C" fn v4pool_decode_stage(
             table_stride,
         };
         let tokens = d.step.stage_flat(&flat).map_err(rejected)?;
-        if !out_tokens.is_null() {
-            // SAFETY: `out_tokens` is non-null here, so writable (this function's `# Safety`).
-            *unsafe { out(out_tokens, "out_tokens") }? = tokens;
+        // SAFETY: `out_tokens` is null or writable (this function's `# Safety`).
+        if let Some(slot) = unsafe { out_tokens.as_mut() } {
+            *slot = tokens;
         }
         Ok(())
     })
