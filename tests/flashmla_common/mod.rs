@@ -245,8 +245,10 @@ impl FlashDecode {
                 let limit = ((head.max(0) / 64 + 1) * 64).min(width);
                 for e in 0..width {
                     let rpb = i64::from(self.rpb);
-                    ex.push(if e < head {
-                        let block = i64::from(b.tables[row0 + (e / rpb) as usize]);
+                    // A negative block id (a raw launch's; `DecodePath` refuses them) names no
+                    // row: -1, never a shifted negative that could land on another layer's.
+                    let block = if e < head { i64::from(b.tables[row0 + (e / rpb) as usize]) } else { -1 };
+                    ex.push(if e < head && block >= 0 {
                         (block * self.envelope + e % rpb + i64::from(shift)) as i32
                     } else if e < limit {
                         -1

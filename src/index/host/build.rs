@@ -160,8 +160,10 @@ impl Row {
 }
 
 /// Row `t` of every view of a FlashMLA buffer `[views][tokens][width]`: the `count` values of
-/// `rows` (view-relative; `None`: −1 in place) + the view's shift, then −1 to the row's limit;
-/// entries past it untouched. A count past the row is [`HostKernelError::PastRow`] (the
+/// `rows` (view-relative; `None` or a negative row: −1 in place) + the view's shift, then −1 to
+/// the row's limit; entries past it untouched. A negative row (a negative block id in a raw
+/// launch's table; `DecodePath` refuses them) is −1, the one entry FlashMLA skips: shifted, it
+/// could name a row of another layer's view. A count past the row is [`HostKernelError::PastRow`] (the
 /// device bounds its stores to the row instead).
 #[allow(clippy::too_many_arguments)] // the row's coordinates as the kernel takes them
 fn flashmla_rows(
@@ -184,7 +186,7 @@ fn flashmla_rows(
             mul(add(mul(v as i64, tokens, "flashmla row")?, t, "flashmla row")?, width, "flashmla row")?;
         for i in 0..row.limit.min(width) {
             let value = match rows.get(i as usize) {
-                Some(&Some(r)) => add(r, shift.into(), "shifted row")?,
+                Some(&Some(r)) if r >= 0 => add(r, shift.into(), "shifted row")?,
                 _ => -1,
             };
             put(out, add(start, i, "flashmla entry")?, value, buffer)?;
