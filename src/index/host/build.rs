@@ -135,8 +135,13 @@ pub fn decode_indices(k: DecodeIndices<'_>) -> Result<()> {
         let Some(fm) = flashmla[CLASS_HCA].as_mut() else { continue };
         let Some(x) = fm.extra.as_mut() else { continue };
         let rpb = divisor("rows_per_block", rpb)?;
-        let rows = (0..head)
-            .map(|e| compress_row(tables.get(i64::from(b), e / rpb)?, e % rpb, envelope_rows).map(Some));
+        // A negative block id (a raw launch's; `DecodePath` refuses them) names no row: −1, as
+        // the kernel's head writer stores it (shifted, the negative row could land on another
+        // layer's rows).
+        let rows = (0..head).map(|e| {
+            let row = compress_row(tables.get(i64::from(b), e / rpb)?, e % rpb, envelope_rows)?;
+            Ok((row >= 0).then_some(row))
+        });
         let cut = Row::compressed(x.extra_topk, head);
         flashmla_rows(x.extra_indices, fm.shifts, cut, t, tokens, head, rows, "flashmla extra_indices")?;
         put(x.extra_topk_length, t, head.max(0), "flashmla extra_topk_length")?;
@@ -160,10 +165,8 @@ impl Row {
 }
 
 /// Row `t` of every view of a FlashMLA buffer `[views][tokens][width]`: the `count` values of
-/// `rows` (view-relative; `None` or a negative row: −1 in place) + the view's shift, then −1 to
-/// the row's limit; entries past it untouched. A negative row (a negative block id in a raw
-/// launch's table; `DecodePath` refuses them) is −1, the one entry FlashMLA skips: shifted, it
-/// could name a row of another layer's view. A count past the row is [`HostKernelError::PastRow`] (the
+/// `rows` (view-relative; `None`: −1 in place) + the view's shift, then −1 to the row's limit;
+/// entries past it untouched. A count past the row is [`HostKernelError::PastRow`] (the
 /// device bounds its stores to the row instead).
 #[allow(clippy::too_many_arguments)] // the row's coordinates as the kernel takes them
 fn flashmla_rows(
@@ -186,7 +189,7 @@ fn flashmla_rows(
             mul(add(mul(v as i64, tokens, "flashmla row")?, t, "flashmla row")?, width, "flashmla row")?;
         for i in 0..row.limit.min(width) {
             let value = match rows.get(i as usize) {
-                Some(&Some(r)) if r >= 0 => add(r, shift.into(), "shifted row")?,
+                Some(&Some(r)) => add(r, shift.into(), "shifted row")?,
                 _ => -1,
             };
             put(out, add(start, i, "flashmla entry")?, value, buffer)?;
