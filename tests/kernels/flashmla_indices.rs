@@ -34,7 +34,12 @@ fn decode_builder_writes_flashmla_rows_by_the_convention() {
         let g = geometry_at(&ratios, rng.range(128, 133), rng.range(60_000, 400_000), rng.range(4, 12));
         let views = rng.range(1, 5) as usize;
         let (bs, max_pos) = (rng.range(1, 4) as usize, rng.range(100, 20_000));
-        let d = FlashDecode::random(&mut rng, &g, bs, max_pos, views);
+        let mut d = FlashDecode::random(&mut rng, &g, bs, max_pos, views);
+        // Now and then a negative block id (a raw launch's): its entries are -1 (§3f).
+        if case_no % 4 == 1 {
+            let i = rng.below(d.batch.tables.len() as u64) as usize;
+            d.batch.tables[i] = -1;
+        }
         pads += d.batch.bid.iter().filter(|&&b| b < 0).count();
         let name = format!("flash decode {case_no}");
         let (case, bufs, make) = d.case(&name, 0, true);
