@@ -295,6 +295,12 @@ V4P_DEVICE void v4p_flashmla_window(const FlashMlaOut& fm, WindowParams w, v4p_i
     if (fm.extra_indices != 0) v4p_out<v4p_i32>(fm.extra_topk_length)[t] = pad || head < 0 ? 0 : (v4p_i32)head;
 }
 
+/// A FlashMLA compressed entry's row (view-relative; index-buffers.md §3f): -1 for a negative
+/// block id, whatever the envelope (the host reference's and the 16-byte groups' rule).
+V4P_DEVICE v4p_i64 v4p_flashmla_row(v4p_i64 block, v4p_i64 r, v4p_i64 envelope) {
+    return block < 0 ? -1 : compress_row(block, r, envelope);
+}
+
 /// Entries of a FlashMLA compressed row written for a length of `length` (shape.rs
 /// flashmla_row_limit, index-buffers.md §3f): through the first multiple of 64 (FlashMLA's
 /// TOPK_BLOCK_SIZE) strictly past the length, at most the width. FlashMLA loads whole blocks of
@@ -406,7 +412,7 @@ V4P_DEVICE void v4p_flashmla_head(const FlashMlaOut& fm, const v4p_i32* __restri
                 }
 #pragma unroll
                 for (int k = 0; k < per; ++k) {
-                    rows[k] = table != nullptr && i0 + k < head ? compress_row(table[j], r, envelope) : -1;
+                    rows[k] = table != nullptr && i0 + k < head ? v4p_flashmla_row(table[j], r, envelope) : -1;
                     if (++r == rpb) r = 0, ++j;
                 }
                 for (v4p_i32 v = 0; v < fm.num_views; ++v) {
@@ -429,8 +435,9 @@ V4P_DEVICE void v4p_flashmla_head(const FlashMlaOut& fm, const v4p_i32* __restri
 #pragma unroll
             for (int k = 0; k < per; ++k) {
                 const v4p_i64 i = base + tid + (v4p_i64)k * V4P_DECODE_NT;
-                rows[k] = table != nullptr && i < head && i < width ? compress_row(table[i / rpb], i % rpb, envelope)
-                                                                     : -1;
+                rows[k] = table != nullptr && i < head && i < width
+                              ? v4p_flashmla_row(table[i / rpb], i % rpb, envelope)
+                              : -1;
             }
 #pragma unroll
             for (int k = 0; k < per; ++k) {

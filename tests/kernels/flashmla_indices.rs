@@ -37,8 +37,7 @@ fn decode_builder_writes_flashmla_rows_by_the_convention() {
         let mut d = FlashDecode::random(&mut rng, &g, bs, max_pos, views);
         // Now and then a negative block id (a raw launch's): its entries are -1 (§3f).
         if case_no % 4 == 1 {
-            let i = rng.below(d.batch.tables.len() as u64) as usize;
-            d.batch.tables[i] = -1;
+            common::batches::negative_ids(&mut rng, &mut d.batch.tables, 1);
         }
         pads += d.batch.bid.iter().filter(|&&b| b < 0).count();
         let name = format!("flash decode {case_no}");

@@ -895,13 +895,13 @@ fn decode_builder_flashmla_rows_match_reference() {
         if case_no >= 24 {
             d.rpb = [3, 4][case_no % 2];
         }
-        // Every third case: negative block ids in the tables (a raw launch may carry them;
-        // `DecodePath` refuses them). The host reference's row is then negative, written as -1; so
-        // must every form of the kernel's head writer be.
+        // Every third case: negative block ids in the tables, -1 in every form of the head
+        // writer (§3f); every fifth of those with an envelope below the rows per block, where
+        // a negative block's row is not negative (the rule is the block id's sign).
         if case_no % 3 == 1 {
-            for _ in 0..rng.range(1, 9) {
-                let i = rng.below(d.batch.tables.len() as u64) as usize;
-                d.batch.tables[i] = -(rng.range(1, 3) as i32);
+            common::batches::negative_ids(&mut rng, &mut d.batch.tables, 8);
+            if case_no % 5 == 1 {
+                d.envelope = rng.range(0, 1);
             }
         }
         let (case, _, make) = d.case(&format!("flash decode {case_no}"), 0, true);
@@ -947,10 +947,7 @@ fn csa_pack_flashmla_rows_match_reference() {
         let (bs, max_pos) = (rng.range(1, 4) as usize, rng.range(100, 40_000));
         let mut p = flashmla_common::FlashPack::random(&mut rng, &g, bs, max_pos, topk);
         if case_no % 3 == 1 {
-            for _ in 0..rng.range(1, 9) {
-                let i = rng.below(p.batch.tables.len() as u64) as usize;
-                p.batch.tables[i] = -(rng.range(1, 3) as i32);
-            }
+            common::batches::negative_ids(&mut rng, &mut p.batch.tables, 8);
         }
         let (case, _, make) = p.case(&format!("flash pack {case_no}"), 0);
         compare_case(&emu, &case, &make);

@@ -135,12 +135,14 @@ pub fn decode_indices(k: DecodeIndices<'_>) -> Result<()> {
         let Some(fm) = flashmla[CLASS_HCA].as_mut() else { continue };
         let Some(x) = fm.extra.as_mut() else { continue };
         let rpb = divisor("rows_per_block", rpb)?;
-        // A negative block id (a raw launch's; `DecodePath` refuses them) names no row: −1, as
-        // the kernel's head writer stores it (shifted, the negative row could land on another
-        // layer's rows).
+        // A negative block id (a raw launch's; `DecodePath` refuses them) names no row: −1
+        // (§3f), whatever the envelope (shifted, its row could land on another layer's rows).
         let rows = (0..head).map(|e| {
-            let row = compress_row(tables.get(i64::from(b), e / rpb)?, e % rpb, envelope_rows)?;
-            Ok((row >= 0).then_some(row))
+            let block = tables.get(i64::from(b), e / rpb)?;
+            if block < 0 {
+                return Ok(None);
+            }
+            compress_row(block, e % rpb, envelope_rows).map(Some)
         });
         let cut = Row::compressed(x.extra_topk, head);
         flashmla_rows(x.extra_indices, fm.shifts, cut, t, tokens, head, rows, "flashmla extra_indices")?;
