@@ -11,7 +11,8 @@ p99 TTFT or prefix hit rate, with the geometric means of the ratios.
 
 Usage: scripts/retention_sweep.py --v4pool target/release/v4pool --cases 0:40 --jobs 2
        [--json out.jsonl]
-Exit status: 0 when elastic is behind on no case, 1 otherwise, 2 on bad arguments.
+Exit status: 0 when elastic is behind on no case, 1 otherwise, 2 on bad arguments, 3 when a
+run failed.
 """
 
 import argparse
@@ -95,8 +96,13 @@ def main() -> int:
     if not 0 <= start < end or a.jobs < 1 or not os.access(a.v4pool, os.X_OK):
         print("retention_sweep: bad arguments (cases, jobs or the v4pool binary)", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory() as tmp, cf.ThreadPoolExecutor(a.jobs) as pool:
-        rows = list(pool.map(lambda i: run_case(i, a.v4pool, tmp), range(start, end)))
+    try:
+        with tempfile.TemporaryDirectory() as tmp, cf.ThreadPoolExecutor(a.jobs) as pool:
+            rows = list(pool.map(lambda i: run_case(i, a.v4pool, tmp), range(start, end)))
+    except (RuntimeError, ValueError, OSError, subprocess.CalledProcessError) as e:
+        # A run that failed is not a case elastic lost: its own exit status.
+        print(f"retention_sweep: {e}", file=sys.stderr)
+        return 3
     if a.json:
         with open(a.json, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
