@@ -31,12 +31,12 @@ pub fn tables(rng: &mut Rng, g: &UnifiedPoolGeometry, bs: usize, stride: usize) 
     (0..bs * stride).map(|_| rng.below(g.num_blocks.max(1) as u64) as i32).collect()
 }
 
-/// Up to `most` (at least one) random entries of `tables` made negative block ids (−1 or −2):
+/// Up to `most` (at least one) random entries of `tables` made negative block ids (−1 to −3):
 /// what only a raw launch can carry (`DecodePath` refuses them).
 pub fn negative_ids(rng: &mut Rng, tables: &mut [i32], most: i64) {
     for _ in 0..rng.range(1, most) {
         let i = rng.below(tables.len() as u64) as usize;
-        tables[i] = -(rng.range(1, 2) as i32);
+        tables[i] = -(rng.range(1, 3) as i32);
     }
 }
 

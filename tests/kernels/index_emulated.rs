@@ -899,7 +899,7 @@ fn decode_builder_flashmla_rows_match_reference() {
         // writer (§3f); every fifth of those with an envelope below the rows per block, where
         // a negative block's row is not negative (the rule is the block id's sign).
         if case_no % 3 == 1 {
-            common::batches::negative_ids(&mut rng, &mut d.batch.tables, 8);
+            common::batches::negative_ids(&mut rng, &mut d.batch.tables, 9);
             if case_no % 5 == 1 {
                 d.envelope = rng.range(0, 1);
             }
@@ -947,7 +947,7 @@ fn csa_pack_flashmla_rows_match_reference() {
         let (bs, max_pos) = (rng.range(1, 4) as usize, rng.range(100, 40_000));
         let mut p = flashmla_common::FlashPack::random(&mut rng, &g, bs, max_pos, topk);
         if case_no % 3 == 1 {
-            common::batches::negative_ids(&mut rng, &mut p.batch.tables, 8);
+            common::batches::negative_ids(&mut rng, &mut p.batch.tables, 9);
         }
         let (case, _, make) = p.case(&format!("flash pack {case_no}"), 0);
         compare_case(&emu, &case, &make);
