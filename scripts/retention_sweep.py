@@ -21,7 +21,6 @@ import json
 import math
 import os
 import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -46,18 +45,13 @@ def case(i: int):
 
 
 def figures(text: str):
-    """tok/s/GPU, p99 TTFT (ms) and prefix hit rate from simulate's report."""
-    def num(pattern):
-        m = re.search(pattern, text)
-        if not m:
-            raise ValueError(f"simulate's report has no match for {pattern!r}")
-        return m
-    ttft = num(r"TTFT ms p50/p90/p99\s+[\d.]+/[\d.]+/([\d.]+)( s)?")
-    return {
-        "tok": float(num(r"tok/s/GPU \(in\+out\) / out\s+([\d.]+)").group(1)),
-        "p99_ms": float(ttft.group(1)) * (1000.0 if ttft.group(2) else 1.0),
-        "hit": float(num(r"prefix hit rate\s+([\d.]+)").group(1)),
-    }
+    """tok/s/GPU, p99 TTFT (ms) and prefix hit rate from `simulate --json`'s one run."""
+    try:
+        run = json.loads(text)["runs"][0]
+        return {"tok": float(run["time"]["tok_s_gpu"]), "p99_ms": float(run["time"]["ttft_ms"]["p99"]),
+                "hit": float(run["prefix_hit_rate"])}
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"simulate's JSON report lacks a figure: {e!r}") from e
 
 
 def run_case(i: int, v4pool: str, tmp: str):
@@ -69,7 +63,7 @@ def run_case(i: int, v4pool: str, tmp: str):
     out = {}
     for policy in ("elastic", "reuse_4096"):
         p = subprocess.run([v4pool, "simulate", "--trace", trace, "--backend", "host",
-                            "--policy", policy, "--no-progress"] + sim,
+                            "--policy", policy, "--no-progress", "--json"] + sim,
                            capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"case {i} {policy}: {p.stderr.strip()[-300:]}")
