@@ -658,7 +658,13 @@ impl KvManager {
     /// §6 `begin_store(hash, slot)`: reserve units for the block `hash` ends at and queue the
     /// copy from the slot at `position`. Nothing if a record for `hash` is ready or pending;
     /// `Ok(false)` (nothing evicted) when even full eviction cannot free the units.
-    fn begin_store(&mut self, hash: BlockHash, position: i64, rolling: bool) -> Result<bool, ManagerError> {
+    fn begin_store(
+        &mut self,
+        hash: BlockHash,
+        position: i64,
+        rolling: bool,
+        coarse: bool,
+    ) -> Result<bool, ManagerError> {
         let Some(&b) = self.index.get(&hash) else { return Ok(false) };
         if self.nodes.block(b).ckpt != NIL {
             return Ok(true);
@@ -699,7 +705,7 @@ impl KvManager {
             }
             return Err(e);
         }
-        let node = self.attach_ckpt(b, hash, units, CkptState::Copying, rolling);
+        let node = self.attach_ckpt(b, hash, units, CkptState::Copying, rolling, coarse);
         self.copying.push(node);
         self.stats.checkpoints_stored += 1;
         self.stats.checkpoints_held += 1;
@@ -715,6 +721,7 @@ impl KvManager {
         units: Vec<BlockHandle>,
         state: CkptState,
         rolling: bool,
+        coarse: bool,
     ) -> u32 {
         let ids: Vec<u32> = units.iter().map(|u| u.id).collect();
         let node = self.nodes.insert(Node::Ckpt(CkptNode {
@@ -728,6 +735,7 @@ impl KvManager {
             interior: false,
             proven: false,
             superseded: false,
+            coarse,
             layout: self.layout_id.clone(),
         }));
         for (k, id) in ids.into_iter().enumerate() {

@@ -558,7 +558,7 @@ impl KvManager {
             if self.nodes.block(end).ckpt == NIL {
                 match self.tier_take(TierKey::Ckpt(h)) {
                     Ok(Some(units)) => {
-                        let c = self.attach_ckpt(end, h, units, CkptState::Ready, false);
+                        let c = self.attach_ckpt(end, h, units, CkptState::Ready, false, true);
                         self.stats.checkpoints_held += 1;
                         self.nodes.touch(c);
                     }

@@ -13,6 +13,10 @@
 //! * Two elastic-policy inputs the multiturn mix showed wrong: a finished chain's superseded
 //!   checkpoints are evicted before its deepest one, and the cache share the policy keeps
 //!   against new slots is measured in prompt tokens served, not in admissions that hit.
+//! * Two retention inputs the long-prompt sweep (`scripts/retention_sweep.py`) showed losing
+//!   to a coarser cadence: a finer checkpoint demoted the coarse one below it, and a chain's
+//!   restores spread over fine points left its coarse points unproven — under pressure a
+//!   request diverging at a coarse point found it evicted where `reuse_4096` kept it.
 
 use crate::manager_common;
 
@@ -195,4 +199,94 @@ fn two_checkpoint_chain(family: u64) -> (KvManager, Vec<u32>) {
     }
     m.finish(a).expect("finish A");
     (m, ta)
+}
+
+/// A manager with a checkpoint at every block (coarse every fourth block and at prompt ends)
+/// on a pool roomy enough for a six-block chain and its six checkpoints beside two slots.
+fn every_block(rolling: bool) -> KvManager {
+    let pool = small_pool(Arc::new(HostBackend::new()), 16);
+    KvManager::new(pool, config(1, rolling), Box::new(FixedPolicy::new(2))).expect("manager")
+}
+
+/// Allocate and commit `blocks` more blocks of `id`, one at a time, each store completed.
+fn prefill_blocks(m: &mut KvManager, id: v4pool::manager::RequestId, blocks: usize) {
+    for _ in 0..blocks {
+        m.allocate(id, BLOCK).expect("allocate");
+        m.commit(id, BLOCK).expect("commit");
+        m.complete_inflight().expect("complete");
+    }
+}
+
+/// Make `n` block ids' room for a new request: exactly `n` units leave the LRU's head.
+fn squeeze(m: &mut KvManager, n: u32) -> v4pool::manager::RequestId {
+    let c = m.add_request(64 * BLOCK, Vec::new());
+    m.admit(c).expect("admit the squeezing request");
+    let take = free_blocks(m) + n;
+    m.allocate(c, u64::from(take) * BLOCK).expect("allocate");
+    c
+}
+
+#[test]
+fn a_fine_checkpoint_does_not_demote_the_coarse_one_below_it() {
+    // A: prompt ends at block 2 (coarse), decodes to block 3 (a rolling, fine checkpoint).
+    // Before, the rolling one superseded the prompt end's: under pressure the prompt end went
+    // first, and a request diverging there (as a coarser cadence would serve it) missed.
+    let mut m = every_block(true);
+    let units = m.units_per_checkpoint();
+    let ta = tokens(11, 3 * BLOCK as usize + 1, 0);
+    let ha = hashes(&ta);
+    let a = m.add_request(2 * BLOCK + 1, ha[..2].to_vec());
+    m.admit(a).expect("admit A");
+    prefill_blocks(&mut m, a, 2);
+    m.extend_hashes(a, &ha[2..3]).expect("A's decoded block");
+    prefill_blocks(&mut m, a, 1);
+    for (k, h) in ha.iter().enumerate() {
+        assert_eq!(m.checkpoint_state(h), Some(CkptState::Ready), "A's checkpoint at block {}", k + 1);
+    }
+    m.finish(a).expect("finish A");
+    // Two checkpoints' room: the fine one at block 1 (superseded) and the chain's deepest.
+    let c = squeeze(&mut m, 2 * units);
+    assert_eq!(m.stats().evicted_checkpoints, 2);
+    assert_eq!(m.checkpoint_state(&ha[1]), Some(CkptState::Ready), "the coarse prompt end stays");
+    // A request that shares A's prompt and diverges after it restores the prompt end.
+    let tb = tokens(12, 3 * BLOCK as usize + 1, 0);
+    let mut tb2 = ta[..2 * BLOCK as usize].to_vec();
+    tb2.extend_from_slice(&tb[2 * BLOCK as usize..]);
+    assert_eq!(m.match_prefix(&hashes(&tb2)), 2 * BLOCK);
+    m.finish(c).expect("finish C");
+    m.evict_all().expect("evict");
+    m.check_invariants().expect("invariants at the end");
+}
+
+#[test]
+fn a_restore_from_a_fine_checkpoint_proves_the_coarse_one_below_it() {
+    // A's six-block prompt stores at every block: coarse at 4 and 6 (its end), fine at the
+    // rest; finished, 1-5 are superseded. B shares five blocks and restores the fine one at
+    // 5. A coarse cadence would have restored the one at 4 — a use after the chain went past
+    // it, which proves it a reuse point. Before, nothing counted for it: it stayed at the
+    // evicted-first end and went before A's chain end.
+    let mut m = every_block(false);
+    let units = m.units_per_checkpoint();
+    let ta = tokens(13, 6 * BLOCK as usize + 1, 5 * BLOCK as usize);
+    let ha = hashes(&ta);
+    let a = m.add_request(ta.len() as u64, ha.clone());
+    m.admit(a).expect("admit A");
+    prefill_blocks(&mut m, a, 6);
+    m.finish(a).expect("finish A");
+    let tb = tokens(14, 6 * BLOCK as usize + 1, 5 * BLOCK as usize);
+    let hb = hashes(&tb);
+    assert_eq!(hb[..5], ha[..5]);
+    let b = m.add_request(tb.len() as u64, hb);
+    assert_eq!(m.admit(b).expect("admit B").hit_tokens, 5 * BLOCK, "B restores the fine checkpoint at 5");
+    m.complete_inflight().expect("complete");
+    // Four checkpoints' room: the superseded fine ones at 1-3, then A's chain end.
+    let c = squeeze(&mut m, 4 * units);
+    assert_eq!(m.checkpoint_state(&ha[0]), None, "the superseded fine checkpoints went first");
+    assert_eq!(m.checkpoint_state(&ha[5]), None, "then A's chain end");
+    assert_eq!(m.checkpoint_state(&ha[3]), Some(CkptState::Ready), "the coarse one B passed through stays");
+    for id in [b, c] {
+        m.finish(id).expect("finish");
+    }
+    m.evict_all().expect("evict");
+    m.check_invariants().expect("invariants at the end");
 }

@@ -53,14 +53,15 @@ fn a_full_tier_drops_the_least_recent_prefix_which_then_misses() {
     let a = turn(&mut m, 1);
     let b = turn(&mut m, 2);
     // A finished first: the LRU evicts (spills) it first, and B's spills push it out. Each
-    // chain's interior checkpoints (superseded by its deepest, never restored) spill before
-    // any chain's blocks, so the tier ends with B's deepest checkpoint, B's 5 blocks and
-    // A's 3 shallowest blocks — A without a checkpoint to end a hit at.
+    // chain's interior checkpoints (superseded, never restored) spill before any chain's
+    // blocks; the chain's deepest (its rolling one at 1,280) and its deepest coarse one
+    // (768, its prompt end: `CkptNode::coarse`) are not interior. So the tier ends with B's two, B's 5
+    // blocks and A's 2 shallowest blocks — A without a checkpoint to end a hit at.
     m.evict_all().unwrap();
     let s = m.stats();
     assert_eq!((s.tier_spilled_blocks, s.tier_spilled_checkpoints), (10, 8), "{s:?}");
     assert_eq!(s.tier_host_evictions, 9, "{s:?}");
-    assert_eq!((s.tier_resident_blocks, s.tier_resident_checkpoints), (8, 1), "{s:?}");
+    assert_eq!((s.tier_resident_blocks, s.tier_resident_checkpoints), (7, 2), "{s:?}");
     m.check_invariants().unwrap();
     poison_blocks(&m, 7);
     assert_eq!(m.match_prefix(&hashes(&a.tokens[..1400])), 0, "a dropped prefix must not match");
