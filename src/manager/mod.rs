@@ -802,9 +802,7 @@ impl KvManager {
         store::copy(&self.pool, &self.ck, position, &ids, false)?;
         let c = self.nodes.ckpt_mut(ck);
         c.pins += 1;
-        c.restores = c.restores.saturating_add(1);
-        c.proven |= c.interior || c.superseded || c.restores >= 2;
-        c.superseded = false;
+        c.count_restore();
         self.nodes.unlink(ck);
         self.pinned.push(ck);
         self.stats.restores += 1;

@@ -59,15 +59,26 @@ pub(super) struct CkptNode {
     /// pressure"); a restore clears it.
     pub(super) superseded: bool,
     /// On the coarse level of its chain: a prompt end, or every fourth permanent point
-    /// (`ManagerConfig::checkpoint_every` × 4 blocks; `request.rs`, `COARSE_EVERY`). When its chain is released only a
-    /// deeper coarse checkpoint demotes it (a fine one — between two coarse points, or rolling
-    /// — is demoted by any deeper one), and a restore from a fine checkpoint above it counts
-    /// as its own (`KvManager::credit_coarse`). Why: the finer points are extra reuse, paid for
+    /// (`ManagerConfig::checkpoint_every` × 4 blocks; `request.rs`, `COARSE_EVERY`). When its
+    /// chain is released only a deeper coarse checkpoint demotes it (a fine one — between two
+    /// coarse points, or rolling — is demoted by any deeper one), and a restore from a fine
+    /// checkpoint above it counts as its own (`KvManager::credit_coarse`). Why: the finer points are extra reuse, paid for
     /// in room; were a fine point to demote the coarse one below it, or take the restores
     /// that prove it, losing that fine point under pressure would leave the chain with less
     /// than the coarse cadence alone keeps (docs/simulate.md).
     pub(super) coarse: bool,
     pub(super) layout: LayoutId,
+}
+
+impl CkptNode {
+    /// Count one restore of it (`begin_restore`'s own, or one a finer checkpoint above it
+    /// served: `credit_coarse`): restored after its chain went past it, while superseded, or
+    /// twice, it is a proven reuse point, and no longer superseded.
+    pub(super) fn count_restore(&mut self) {
+        self.restores = self.restores.saturating_add(1);
+        self.proven |= self.interior || self.superseded || self.restores >= 2;
+        self.superseded = false;
+    }
 }
 
 #[derive(Clone, Debug)]

@@ -671,8 +671,8 @@ impl KvManager {
         self.stats.superseded_checkpoints += 1;
     }
 
-    /// A restore from a fine checkpoint counts for the deepest ready coarse one below it on
-    /// the chain (`hits`: the hit's blocks below the restored one): a coarse cadence alone
+    /// A restore from a fine checkpoint counts for the deepest coarse one below it on the
+    /// chain, if that one is ready (`hits`: the hit's blocks below the restored one): a coarse cadence alone
     /// would have restored that one, and its restore count is what proves it a reuse point
     /// kept under pressure. Without this, the finer cadence spreads a chain's restores over
     /// points restored once each, none proven, and a request that later diverges at the
@@ -687,10 +687,7 @@ impl KvManager {
             if n.state != CkptState::Ready {
                 return;
             }
-            // As `begin_restore` counts a restore (its chain went past it: a reuse point).
-            n.restores = n.restores.saturating_add(1);
-            n.proven |= n.interior || n.superseded || n.restores >= 2;
-            n.superseded = false;
+            n.count_restore();
             self.touch_ckpt(c);
             return;
         }

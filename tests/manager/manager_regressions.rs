@@ -148,10 +148,7 @@ fn a_finished_chain_gives_up_its_superseded_checkpoints_first() {
     assert_eq!(m.checkpoint_state(&ha[0]), Some(CkptState::Ready));
     assert_eq!(m.checkpoint_state(&ha[1]), Some(CkptState::Ready));
     // C needs one checkpoint's units more than are free: one LRU entry goes.
-    let c = m.add_request(64 * BLOCK, Vec::new());
-    m.admit(c).expect("admit C");
-    let take = free_blocks(&m) + units;
-    m.allocate(c, u64::from(take) * BLOCK).expect("allocate C");
+    let c = squeeze(&mut m, units);
     assert_eq!(m.stats().evicted_checkpoints, 1);
     assert_eq!(m.checkpoint_state(&ha[0]), None, "the superseded checkpoint went first");
     assert_eq!(m.checkpoint_state(&ha[1]), Some(CkptState::Ready), "the deepest one stays");
@@ -192,11 +189,7 @@ fn two_checkpoint_chain(family: u64) -> (KvManager, Vec<u32>) {
     let ta = tokens(family, 2 * BLOCK as usize + 1, 0);
     let a = m.add_request(ta.len() as u64, hashes(&ta));
     m.admit(a).expect("admit A");
-    for _ in 0..2 {
-        m.allocate(a, BLOCK).expect("allocate A");
-        m.commit(a, BLOCK).expect("commit A");
-        m.complete_inflight().expect("complete");
-    }
+    prefill_blocks(&mut m, a, 2);
     m.finish(a).expect("finish A");
     (m, ta)
 }

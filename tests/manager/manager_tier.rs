@@ -54,9 +54,9 @@ fn a_full_tier_drops_the_least_recent_prefix_which_then_misses() {
     let b = turn(&mut m, 2);
     // A finished first: the LRU evicts (spills) it first, and B's spills push it out. Each
     // chain's interior checkpoints (superseded, never restored) spill before any chain's
-    // blocks; the chain's deepest (its rolling one at 1,280) and its deepest coarse one
-    // (768, its prompt end: `CkptNode::coarse`) are not interior. So the tier ends with B's two, B's 5
-    // blocks and A's 2 shallowest blocks — A without a checkpoint to end a hit at.
+    // blocks; the chain's deepest (its rolling one at 1,280) and its deepest coarse one (768,
+    // its prompt end: `CkptNode::coarse`) are not interior. So the tier ends with B's two, B's
+    // 5 blocks and A's 2 shallowest blocks — A without a checkpoint to end a hit at.
     m.evict_all().unwrap();
     let s = m.stats();
     assert_eq!((s.tier_spilled_blocks, s.tier_spilled_checkpoints), (10, 8), "{s:?}");
